@@ -1,0 +1,104 @@
+"""The codec contract every quant type implements, and the checks every codec shares.
+
+A codec turns float32 rows into the type's bytes and back. Rows are the unit because ik quantizes and
+dequantizes row by row (row-scaled types carry a per-row header), so every kernel takes a 2-D array of rows and
+is free to parallelise over them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ikquant.types import GGMLType, type_by_name
+
+
+class QuantInputError(ValueError):
+    """Input that no quantizer can represent correctly (NaN/Inf, wrong shape, wrong row length)."""
+
+
+class Codec:
+    """Base class: validation and array plumbing; subclasses supply `_quantize` and `_dequantize`."""
+
+    type_name: str = ""
+    #: whether importance weights change the result (ik ignores them for Q8_0, MXFP4, F16, BF16)
+    uses_imatrix: bool = True
+    #: largest |x| the type can represent (beyond it the stored scale overflows); larger inputs are refused
+    max_abs_input: float = float(np.finfo(np.float32).max)
+    #: documented accuracy: |x - dequantize(quantize(x))| <= rel_error_bound * max|x| over the value's block
+    #: (the block_size group it belongs to), plus abs_error_floor for values near the type's smallest scale
+    rel_error_bound: float = 0.0
+    abs_error_floor: float = 0.0
+
+    @property
+    def ggml_type(self) -> GGMLType:
+        return type_by_name(self.type_name)
+
+    def quantize(self, x: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
+        """Quantize rows `x` [n_rows, n_per_row] into [n_rows, row_bytes] uint8, optionally importance-weighted."""
+        x = self._check_rows(x)
+        n_rows, n_per_row = x.shape
+        w = self._check_imatrix(imatrix, n_per_row)
+        out = np.empty((n_rows, self.ggml_type.row_bytes(n_per_row)), dtype=np.uint8)
+        if n_rows:
+            self._quantize(x, w, out)
+        return out
+
+    def dequantize(self, q: np.ndarray, n_per_row: int) -> np.ndarray:
+        """Decode [n_rows, row_bytes] (or flat) bytes of rows of `n_per_row` values into float32 [n_rows, n_per_row]."""
+        row_bytes = self.ggml_type.row_bytes(n_per_row)
+        q = np.ascontiguousarray(q).view(np.uint8)
+        if q.size % row_bytes:
+            raise QuantInputError(
+                f"{self.type_name}: {q.size} bytes is not a whole number of rows of {row_bytes} bytes"
+            )
+        q = q.reshape(-1, row_bytes)
+        out = np.empty((q.shape[0], n_per_row), dtype=np.float32)
+        if q.shape[0]:
+            self._dequantize(q, out)
+        return out
+
+    def _check_rows(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x)
+        if x.ndim == 1:
+            x = x[None, :]
+        if x.ndim != 2:
+            raise QuantInputError(f"{self.type_name}: expected rows as a 2-D array, got shape {x.shape}")
+        block = self.ggml_type.block_size
+        if x.shape[1] % block:
+            raise QuantInputError(
+                f"{self.type_name}: row length {x.shape[1]} is not a multiple of the block size {block}"
+            )
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        finite = np.isfinite(x)
+        if not finite.all():
+            row, col = np.argwhere(~finite)[0]
+            raise QuantInputError(
+                f"{self.type_name}: row {row} holds a non-finite value ({x[row, col]}) at column {col}; "
+                "NaN/Inf cannot be quantized"
+            )
+        too_big = np.abs(x) > self.max_abs_input
+        if too_big.any():
+            row, col = np.argwhere(too_big)[0]
+            raise QuantInputError(
+                f"{self.type_name}: row {row} holds {x[row, col]:g} at column {col}, beyond the largest magnitude "
+                f"the type can store ({self.max_abs_input:g})"
+            )
+        return x
+
+    def _check_imatrix(self, imatrix: np.ndarray | None, n_per_row: int) -> np.ndarray:
+        if imatrix is None or not self.uses_imatrix:
+            return np.empty(0, dtype=np.float32)
+        w = np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1)
+        if w.size != n_per_row:
+            raise QuantInputError(
+                f"{self.type_name}: importance vector has {w.size} entries, the rows have {n_per_row} columns"
+            )
+        if not np.isfinite(w).all() or (w < 0).any():
+            raise QuantInputError(f"{self.type_name}: importance weights must be finite and non-negative")
+        return w
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        raise NotImplementedError

@@ -1,0 +1,54 @@
+"""Plain float storage: F32, F16 and BF16 (no blocks, no importance weights)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ikquant.formats.base import Codec
+from ikquant.formats.numeric import bf16_bits_to_f32, f32_to_bf16_bits
+from ikquant.types import register_codec
+
+
+class F32Codec(Codec):
+    type_name = "F32"
+    uses_imatrix = False
+    rel_error_bound = 0.0
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        out.view(np.float32)[...] = x
+
+    def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        out[...] = q.view(np.float32)
+
+
+class F16Codec(Codec):
+    type_name = "F16"
+    uses_imatrix = False
+    max_abs_input = 65504.0
+    rel_error_bound = 2.0**-11
+    abs_error_floor = 2.0**-25
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        out.view(np.float16)[...] = x.astype(np.float16)
+
+    def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        out[...] = q.view(np.float16)
+
+
+class BF16Codec(Codec):
+    type_name = "BF16"
+    uses_imatrix = False
+    # values that would round up past the largest finite bf16 become inf
+    max_abs_input = 3.3895313892515355e38
+    rel_error_bound = 2.0**-8
+    abs_error_floor = 2.0**-134
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        out.view(np.uint16)[...] = f32_to_bf16_bits(x)
+
+    def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        out[...] = bf16_bits_to_f32(q)
+
+
+for _codec in (F32Codec(), F16Codec(), BF16Codec()):
+    register_codec(_codec.type_name, _codec)

@@ -1,0 +1,149 @@
+"""Scalar building blocks for the Numba kernels: exact float32 bit casts, fused multiply-add, fp16/bf16/E8M0.
+
+ik's quantizers run in float32 and some of their results hinge on a single rounding (which is why ik's bytes
+move when the compiler fuses a multiply-add). These helpers make each rounding explicit: `f32` arithmetic stays
+float32 as long as every constant is wrapped in `np.float32`, and `fmaf` is LLVM's fused multiply-add.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+
+NJIT = dict(cache=True, nogil=True)
+
+
+@intrinsic
+def f32_bits(typingctx, x):  # type: ignore[no-untyped-def]
+    """Reinterpret a float32 as uint32."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_from_bits(typingctx, u):  # type: ignore[no-untyped-def]
+    """Reinterpret a uint32 as float32."""
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def fmaf(typingctx, a, b, c):  # type: ignore[no-untyped-def]
+    """a*b + c with one rounding (llvm.fma.f32), as GCC emits when it contracts a multiply-add."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, f32, f32]), "llvm.fma.f32")
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+@njit(**NJIT)
+def f32_to_f16_bits(f: np.float32) -> np.uint16:
+    """IEEE binary16 bits of a float32, round to nearest even, subnormals kept, NaN made quiet (as F16C does)."""
+    u = f32_bits(f)
+    sign = np.uint32((u >> np.uint32(16)) & np.uint32(0x8000))
+    e = np.int32((u >> np.uint32(23)) & np.uint32(0xFF))
+    m = np.uint32(u & np.uint32(0x7FFFFF))
+    if e == 0xFF:
+        if m != 0:
+            return np.uint16(sign | np.uint32(0x7E00) | (m >> np.uint32(13)))
+        return np.uint16(sign | np.uint32(0x7C00))
+    ex = e - 127 + 15
+    if ex >= 31:
+        return np.uint16(sign | np.uint32(0x7C00))
+    if ex <= 0:
+        if ex < -10:
+            return np.uint16(sign)
+        m = m | np.uint32(0x800000)
+        shift = np.uint32(14 - ex)
+        half = np.uint32(1) << (shift - np.uint32(1))
+        r = m >> shift
+        rem = m & ((np.uint32(1) << shift) - np.uint32(1))
+        if rem > half or (rem == half and (r & np.uint32(1)) != 0):
+            r += np.uint32(1)
+        return np.uint16(sign | r)
+    r = (np.uint32(ex) << np.uint32(10)) | (m >> np.uint32(13))
+    rem = m & np.uint32(0x1FFF)
+    if rem > np.uint32(0x1000) or (rem == np.uint32(0x1000) and (r & np.uint32(1)) != 0):
+        r += np.uint32(1)
+    return np.uint16(sign | r)
+
+
+@njit(**NJIT)
+def f16_bits_to_f32(h: np.uint16) -> np.float32:
+    """Exact float32 value of IEEE binary16 bits (subnormals, inf and NaN included)."""
+    hu = np.uint32(h)
+    sign = (hu & np.uint32(0x8000)) << np.uint32(16)
+    e = (hu >> np.uint32(10)) & np.uint32(0x1F)
+    m = hu & np.uint32(0x3FF)
+    if e == 0:
+        if m == 0:
+            return f32_from_bits(sign)
+        # subnormal: value = m * 2^-24, exact in float32
+        v = np.float32(m) * np.float32(5.960464477539063e-08)
+        return -v if sign else v
+    if e == 31:
+        return f32_from_bits(sign | np.uint32(0x7F800000) | (m << np.uint32(13)))
+    return f32_from_bits(sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13)))
+
+
+@njit(**NJIT)
+def round_f16(f: np.float32) -> np.float32:
+    """The float32 that survives a round trip through fp16 (what ik stores and later reads back)."""
+    return f16_bits_to_f32(f32_to_f16_bits(f))
+
+
+@njit(**NJIT)
+def roundf(x: np.float32) -> np.float32:
+    """C roundf: nearest integer, halfway cases away from zero."""
+    t = np.float32(np.trunc(x))
+    if abs(x - t) >= np.float32(0.5):
+        t += np.float32(1.0) if x > 0 else np.float32(-1.0)
+    return t
+
+
+@njit(**NJIT)
+def nearest_int(x: np.float32) -> np.int32:
+    """ggml's nearest_int: round half to even (the 1.5*2^23 trick), valid for |x| < 2^22."""
+    return np.int32(np.rint(x))
+
+
+def f32_to_f16_array(x: np.ndarray) -> np.ndarray:
+    """Vectorised fp32 -> fp16 (numpy's conversion is round-to-nearest-even, like F16C)."""
+    return np.asarray(x, dtype=np.float32).astype(np.float16)
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """ggml's fp32 -> bf16: round to nearest even; NaN becomes a quiet NaN with the same sign."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16)).astype(np.uint16)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    if nan.any():
+        rounded[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(64)).astype(np.uint16)
+    return rounded
+
+
+def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
+    """bf16 bits -> float32 (exact: bf16 is the top half of a float32)."""
+    return (np.ascontiguousarray(b).view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+@njit(**NJIT)
+def nearest_int_fma(a: np.float32, b: np.float32) -> np.int32:
+    """nearest_int(a*b) as ik's build computes it: GCC fuses the product into the 1.5*2^23 rounding add."""
+    v = fmaf(a, b, np.float32(12582912.0))
+    return np.int32(f32_bits(v) & np.uint32(0x007FFFFF)) - np.int32(0x00400000)

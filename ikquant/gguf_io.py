@@ -1,0 +1,262 @@
+"""GGUF reading and writing that understands every ik_llama.cpp type.
+
+Reading goes through PyPI `gguf`'s parser for the header and key/values; tensor descriptors are built here from
+our type registry (the PyPI reader raises on ik's type ids and does not know per-row headers). The file is
+memory-mapped: opening a 100 GB model reads only its header.
+
+Writing goes through PyPI `gguf`'s GGUFWriter for the header, key/values and tensor infos, then streams tensor data
+one tensor at a time into a temporary file that is renamed over the target only when everything was written.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf.gguf_reader import ReaderField
+
+from ikquant.types import GGMLType, UnknownTypeError, type_by_id
+
+
+class GGUFFormatError(ValueError):
+    """A file that is not a readable GGUF (bad magic, truncated, inconsistent tensor table)."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor's descriptor in a GGUF file. `ne` is ggml order (fastest dim first); `shape` is numpy order."""
+
+    name: str
+    ne: tuple[int, ...]
+    type: GGMLType
+    offset: int
+    nbytes: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.ne))
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.ne, dtype=np.int64)) if self.ne else 1
+
+    @property
+    def n_per_row(self) -> int:
+        return self.ne[0] if self.ne else 1
+
+    @property
+    def n_rows(self) -> int:
+        return self.n_elements // self.n_per_row
+
+
+class _IkReader(GGUFReader):
+    """PyPI's reader with tensor descriptors built from the ik type registry."""
+
+    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
+        self.ik_tensors: list[TensorInfo] = []
+        seen: set[str] = set()
+        file_size = int(self.data.shape[0])
+        for field in fields:
+            _name_len, name_data, _n_dims, dims, raw_dtype, offset_tensor = field.parts
+            name = bytes(name_data).decode("utf-8")
+            if name in seen:
+                raise GGUFFormatError(f"duplicated tensor name {name!r}")
+            seen.add(name)
+            try:
+                gtype = type_by_id(int(raw_dtype[0]))
+            except UnknownTypeError as exc:
+                raise GGUFFormatError(f"tensor {name!r}: {exc}") from None
+            ne = tuple(int(d) for d in dims)
+            try:
+                nbytes = gtype.tensor_bytes(ne)
+            except ValueError as exc:
+                raise GGUFFormatError(f"tensor {name!r} of type {gtype.name} and dims {ne}: {exc}") from None
+            offset = int(start_offs + offset_tensor[0])
+            if offset + nbytes > file_size:
+                raise GGUFFormatError(
+                    f"tensor {name!r} needs bytes {offset}..{offset + nbytes} but the file has only {file_size} "
+                    "bytes (truncated?)"
+                )
+            self.ik_tensors.append(TensorInfo(name, ne, gtype, offset, nbytes))
+
+
+def _field_value(field: ReaderField) -> Any:
+    if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.types) == 1:
+        return []
+    return field.contents()
+
+
+@dataclass
+class KeyValue:
+    """One metadata entry with the exact GGUF value type it was stored as."""
+
+    key: str
+    value: Any
+    type: GGUFValueType
+    sub_type: GGUFValueType | None = None
+
+
+class GGUFFile:
+    """A memory-mapped GGUF file: metadata, tensor descriptors, zero-copy raw tensor bytes."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: no such file")
+        try:
+            self._reader = _IkReader(self.path, "r")
+        except GGUFFormatError as exc:
+            raise GGUFFormatError(f"{self.path}: {exc}") from None
+        except (ValueError, IndexError, OverflowError, KeyError) as exc:
+            raise GGUFFormatError(f"{self.path}: not a readable GGUF file ({exc})") from None
+        self.tensors: dict[str, TensorInfo] = {t.name: t for t in self._reader.ik_tensors}
+        self.alignment = int(self._reader.alignment)
+        self.data_offset = int(self._reader.data_offset)
+
+    def __repr__(self) -> str:
+        return f"GGUFFile({str(self.path)!r}, {len(self.tensors)} tensors)"
+
+    @property
+    def keys(self) -> list[str]:
+        return [k for k in self._reader.fields if not k.startswith("GGUF.")]
+
+    def kv(self) -> Iterator[KeyValue]:
+        """The metadata entries in file order, with their stored value types."""
+        for key, field in self._reader.fields.items():
+            if key.startswith("GGUF."):
+                continue
+            sub = field.types[-1] if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.types) > 1 else None
+            yield KeyValue(key, _field_value(field), field.types[0], sub)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._reader.fields.get(key)
+        return default if field is None else _field_value(field)
+
+    def require(self, key: str) -> Any:
+        field = self._reader.fields.get(key)
+        if field is None:
+            raise GGUFFormatError(f"{self.path}: metadata key {key!r} is missing")
+        return _field_value(field)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.require("general.architecture"))
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored bytes of tensor `name` as a read-only uint8 view [n_rows, row_bytes] (no copy)."""
+        info = self.info(name)
+        data = self._reader.data[info.offset : info.offset + info.nbytes]
+        return data.reshape(info.n_rows, -1)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """Tensor `name` as float32 in numpy order (exact decoding of whatever type it is stored in)."""
+        import ikquant.formats  # noqa: F401  (registers codecs)
+
+        info = self.info(name)
+        codec = info.type.require_codec()
+        out = codec.dequantize(self.raw(name), info.n_per_row)
+        return out.reshape(info.shape)
+
+    def close(self) -> None:
+        mm = getattr(self._reader.data, "_mmap", None)
+        self._reader = None  # type: ignore[assignment]
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass
+
+
+def partial_path(path: Path) -> Path:
+    """The temporary name a file is written under until it is complete."""
+    return path.with_name(f".{path.name}.partial-{os.getpid()}")
+
+
+class GGUFStreamWriter:
+    """Write a GGUF file tensor by tensor, never holding more than one tensor, renaming into place at the end.
+
+    Usage: add metadata through `gw` (a gguf.GGUFWriter), declare every tensor with `add_tensor_info`, then call
+    `write_tensor` for each tensor in the same order, then `finish()`. Any exception (or `abort()`) deletes the
+    temporary file, so a failed run never leaves a partial output.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], arch: str, alignment: int | None = None):
+        self.path = Path(path)
+        self.tmp_path = partial_path(self.path)
+        self.gw = GGUFWriter(path=None, arch=arch)
+        if alignment is not None and alignment != self.gw.data_alignment:
+            self.gw.data_alignment = alignment
+        self._order: list[tuple[str, int]] = []
+        self._next = 0
+        self._started = False
+
+    def __enter__(self) -> "GGUFStreamWriter":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self.abort()
+
+    def add_kv(self, kv: KeyValue) -> None:
+        """Copy one metadata entry with its exact stored type."""
+        self.gw.add_key_value(kv.key, kv.value, kv.type, sub_type=kv.sub_type)
+
+    def add_tensor_info(self, name: str, shape: tuple[int, ...], gtype: GGMLType) -> int:
+        """Declare a tensor (numpy-order `shape`); returns its byte size."""
+        nbytes = gtype.tensor_bytes(tuple(reversed(shape)))
+        self.gw.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=gtype.id)  # type: ignore[arg-type]
+        self._order.append((name, nbytes))
+        return nbytes
+
+    def _start(self) -> None:
+        self.gw.write_header_to_file(path=self.tmp_path)
+        self.gw.write_kv_data_to_file()
+        self.gw.write_ti_data_to_file()
+        self._started = True
+
+    def write_tensor(self, name: str, data: np.ndarray) -> None:
+        """Write the next tensor's bytes (any dtype; its raw bytes must be the declared size)."""
+        if not self._started:
+            self._start()
+        if self._next >= len(self._order):
+            raise ValueError(f"tensor {name!r} was not declared")
+        want_name, want_bytes = self._order[self._next]
+        if name != want_name:
+            raise ValueError(f"tensors must be written in declared order: expected {want_name!r}, got {name!r}")
+        data = np.ascontiguousarray(data)
+        if data.nbytes != want_bytes:
+            raise ValueError(f"tensor {name!r}: got {data.nbytes} bytes, declared {want_bytes}")
+        if sys.byteorder != "little":
+            raise RuntimeError("GGUF files are written little-endian; big-endian hosts are not supported")
+        self.gw.write_tensor_data(data.reshape(-1).view(np.uint8))
+        self._next += 1
+
+    def finish(self) -> Path:
+        """Check every tensor was written, close, and atomically move the file into place."""
+        if not self._started:
+            self._start()
+        if self._next != len(self._order):
+            missing = [n for n, _ in self._order[self._next :]]
+            self.abort()
+            raise ValueError(f"{len(missing)} declared tensors were never written, first: {missing[0]!r}")
+        self.gw.close()
+        os.replace(self.tmp_path, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        """Close and delete the temporary file (nothing is left behind)."""
+        try:
+            self.gw.close()
+        finally:
+            self.tmp_path.unlink(missing_ok=True)

@@ -1,0 +1,57 @@
+"""Every implemented type against ik_llama.cpp's golden vectors: exact dequantization, matching quantization."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ikquant.types import implemented_types, type_by_name
+from tests.quant_golden import golden_cases, golden_types, weighted_rmse
+
+IMPLEMENTED = {t.name for t in implemented_types()}
+TYPES = [t for t in golden_types() if t in IMPLEMENTED]
+CASES = [(t, c.name) for t in TYPES for c in golden_cases(t)]
+
+# Types whose quantized bytes do not depend on the compiler's fused multiply-adds (spec/quant-formats.md §4).
+EXACT_BYTES = {"F16", "BF16", "Q8_0", "MXFP4"}
+# Share of identical blocks required per case where bytes can move with FMA contraction (issues 3, 4 and 5).
+MIN_SAME_BLOCKS = {"IQ1_KT": 0.90, "IQ2_KT": 0.90, "IQ3_KT": 0.90, "IQ4_KT": 0.90}
+
+
+def _case(type_name: str, case_name: str):
+    return next(c for c in golden_cases(type_name) if c.name == case_name)
+
+
+def _codec_for(case):
+    codec = type_by_name(case.type_name).require_codec()
+    user = case.user_data or {}
+    return codec.with_user_data(user) if hasattr(codec, "with_user_data") and user else codec
+
+
+@pytest.mark.parametrize("type_name,case_name", CASES)
+def test_dequantize_is_bit_exact(type_name: str, case_name: str) -> None:
+    case = _case(type_name, case_name)
+    codec = type_by_name(type_name).require_codec()
+    out = codec.dequantize(case.quant, case.n_per_row)
+    mismatch = np.flatnonzero(out.view(np.uint32) != case.dequant.view(np.uint32))
+    assert mismatch.size == 0, f"{mismatch.size} values differ, first at flat index {mismatch[0]}"
+
+
+@pytest.mark.parametrize("type_name,case_name", CASES)
+def test_quantize_matches_ik(type_name: str, case_name: str) -> None:
+    case = _case(type_name, case_name)
+    gtype = type_by_name(type_name)
+    codec = _codec_for(case)
+    q = codec.quantize(case.x, case.imatrix)
+    assert q.shape == case.quant.shape
+    if type_name in EXACT_BYTES:
+        assert np.array_equal(q, case.quant)
+        return
+    h = gtype.row_meta_size
+    ours = q[:, h:].reshape(q.shape[0], -1, gtype.type_size)
+    ik = case.quant[:, h:].reshape(q.shape[0], -1, gtype.type_size)
+    same = np.all(ours == ik, axis=2).mean()
+    assert same >= MIN_SAME_BLOCKS.get(type_name, 0.95), f"only {same:.1%} of blocks identical"
+    err_ours = weighted_rmse(case.x, codec.dequantize(q, case.n_per_row), case.imatrix)
+    err_ik = weighted_rmse(case.x, case.dequant, case.imatrix)
+    assert err_ours <= err_ik * 1.005 + 1e-12, f"weighted RMSE {err_ours:.6g} vs ik {err_ik:.6g}"
