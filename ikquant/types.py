@@ -55,6 +55,8 @@ class GGMLType:
 
     def require_codec(self) -> "Codec":
         """The codec of this type, or a clear error when none is implemented yet."""
+        import ikquant.formats  # noqa: F401  (importing the formats registers their codecs)
+
         if self.codec is None:
             raise NotImplementedError(f"type {self.name} (ggml id {self.id}) has no quantize/dequantize implementation")
         return self.codec
@@ -158,6 +160,6 @@ def register_codec(type_name: str, codec: "Codec") -> None:
 
 def implemented_types() -> list[GGMLType]:
     """Types that have a codec, i.e. that the tools can quantize to and dequantize from."""
-    import ikquant.formats  # noqa: F401  (registers every codec)
+    import ikquant.formats  # noqa: F401  (importing the formats registers their codecs)
 
     return [t for t in all_types() if t.codec is not None]

@@ -1,0 +1,188 @@
+"""What every architecture module provides, and the mechanics they share.
+
+An architecture is a declarative tensor map (HF name template -> GGUF name template, `{bid}` for the block index)
+plus the handful of transforms it really needs. The converter core asks it for metadata and, tensor by tensor,
+for the GGUF tensors an HF tensor becomes; loading is deferred (`OutTensor.load`) so a whole plan is known, and
+the header written, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+from gguf import GGUFWriter
+
+from ikconvert.checkpoint import Checkpoint, CheckpointError
+from ikconvert.safetensors_io import SafeTensor
+
+
+class ConvertError(ValueError):
+    """A checkpoint that does not convert: names the file, tensor or config key at fault."""
+
+
+@dataclass
+class OutTensor:
+    """One GGUF tensor to write: its name, numpy-order shape (before ik's squeeze), the HF tensor it came from."""
+
+    name: str
+    shape: tuple[int, ...]
+    source: str
+    load: Callable[[], np.ndarray]
+    src_dtype: str
+    transform: str = ""
+
+
+def lazy(t: SafeTensor, fn: Callable[[np.ndarray], np.ndarray] | None = None) -> Callable[[], np.ndarray]:
+    """A loader that reads `t` as float32 only when called, optionally transformed."""
+    if fn is None:
+        return t.to_f32
+    return lambda: fn(t.to_f32())
+
+
+class Arch:
+    """Base class: ik's `Model` behaviour shared by every architecture."""
+
+    hf_architectures: ClassVar[tuple[str, ...]] = ()
+    gguf_arch: ClassVar[str] = ""
+    #: HF name template -> GGUF name template; `{bid}` stands for the block index; tried with .weight and .bias
+    tensor_map: ClassVar[dict[str, str]] = {}
+    #: HF names ik drops on purpose (regexes, full match)
+    skipped: ClassVar[tuple[str, ...]] = (r".*\.attention\.masked_bias", r".*\.attention\.bias",
+                                          r".*\.rotary_emb\.inv_freq")
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self.hparams: dict[str, Any] = ckpt.config
+        self._patterns = [(self._compile(hf), gg) for hf, gg in self.tensor_map.items()]
+        self._skipped = [re.compile(p) for p in self.skipped]
+
+    # ---- config -------------------------------------------------------------------------------------------
+    def find_hparam(self, keys: Iterable[str], optional: bool = False) -> Any:
+        for key in keys:
+            if key in self.hparams:
+                return self.hparams[key]
+        if optional:
+            return None
+        raise ConvertError(f"{self.ckpt.dir / 'config.json'}: none of {list(keys)} is set")
+
+    @property
+    def block_count(self) -> int:
+        return int(self.find_hparam(["n_layers", "num_hidden_layers", "n_layer", "num_layers"]))
+
+    def set_gguf_parameters(self, gw: GGUFWriter) -> None:
+        """ik's Model.set_gguf_parameters: the keys every architecture writes, in ik's order."""
+        gw.add_block_count(self.block_count)
+        if (n_ctx := self.find_hparam(["max_position_embeddings", "n_ctx"], optional=True)) is not None:
+            gw.add_context_length(n_ctx)
+        gw.add_embedding_length(self.find_hparam(["hidden_size", "n_embd"]))
+        if (n_ff := self.find_hparam(["intermediate_size", "n_inner"], optional=True)) is not None:
+            gw.add_feed_forward_length(n_ff)
+        gw.add_head_count(self.find_hparam(["num_attention_heads", "n_head"]))
+        if (n_head_kv := self.hparams.get("num_key_value_heads")) is not None:
+            gw.add_head_count_kv(n_head_kv)
+        if (rope_theta := self.hparams.get("rope_theta")) is not None:
+            gw.add_rope_freq_base(rope_theta)
+        if (eps := self.hparams.get("rms_norm_eps")) is not None:
+            gw.add_layer_norm_rms_eps(eps)
+        if (eps := self.find_hparam(["layer_norm_eps", "layer_norm_epsilon", "norm_epsilon"], optional=True)) is not None:
+            gw.add_layer_norm_eps(eps)
+        if (n_experts := self.hparams.get("num_local_experts")) is not None:
+            gw.add_expert_count(n_experts)
+        if (n_used := self.hparams.get("num_experts_per_tok")) is not None:
+            gw.add_expert_used_count(n_used)
+        if (head_dim := self.hparams.get("head_dim")) is not None:
+            gw.add_key_length(head_dim)
+            gw.add_value_length(head_dim)
+
+    def tokenizer_dir(self) -> Path:
+        """The folder whose tokenizer files describe the vocabulary (DFlash drafts use their target's)."""
+        return self.ckpt.dir
+
+    def detect_pre_tokenizer(self) -> str:
+        from ikconvert.vocab import HFTokenizerFiles
+
+        return HFTokenizerFiles(self.tokenizer_dir()).detect_pre_tokenizer()
+
+    def set_vocab(self, gw: GGUFWriter, pre_tokenizer: str) -> None:
+        from ikconvert.vocab import HFTokenizerFiles, write_bpe_vocab
+
+        folder = self.tokenizer_dir()
+        vocab_size = int(self.hparams.get("vocab_size") or 0) or len(HFTokenizerFiles(folder).vocab)
+        write_bpe_vocab(gw, folder, vocab_size, pre_tokenizer)
+
+    # ---- tensors ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _compile(template: str) -> re.Pattern[str]:
+        return re.compile(re.escape(template).replace(re.escape("{bid}"), r"(?P<bid>\d+)"))
+
+    def is_skipped(self, name: str) -> bool:
+        return any(p.fullmatch(name) for p in self._skipped)
+
+    def gguf_name(self, name: str) -> str:
+        """The GGUF name of an HF tensor through the declarative map (suffix .weight/.bias kept)."""
+        for suffix in (".weight", ".bias"):
+            if not name.endswith(suffix):
+                continue
+            base = name[: -len(suffix)]
+            for pattern, target in self._patterns:
+                m = pattern.fullmatch(base)
+                if m:
+                    bid = m.groupdict().get("bid")
+                    if bid is not None and int(bid) >= self.block_count:
+                        break
+                    return target.format(bid=bid) + suffix
+        raise ConvertError(
+            f"{self.ckpt.dir}: tensor {name!r} has no mapping for {self.gguf_arch}; the converter will not drop it "
+            "silently (is this checkpoint really a " + "/".join(self.hf_architectures) + "?)"
+        )
+
+    def map_tensor(self, name: str, t: SafeTensor) -> list[OutTensor]:
+        """The GGUF tensors an HF tensor becomes (default: a plain rename)."""
+        return [OutTensor(self.gguf_name(name), t.shape, name, lazy(t), t.dtype)]
+
+    def extra_tensors(self) -> list[OutTensor]:
+        """Tensors ik generates before walking the checkpoint (e.g. rope_freqs)."""
+        return []
+
+    def check_shapes(self, out: OutTensor) -> None:
+        """Raise if `out`'s shape disagrees with config.json (subclasses know their shapes)."""
+
+    def finish(self) -> None:
+        """Called after the walk: raise about anything left half-processed."""
+
+
+_REGISTRY: dict[str, type[Arch]] = {}
+
+
+def register(cls: type[Arch]) -> type[Arch]:
+    for name in cls.hf_architectures:
+        _REGISTRY[name] = cls
+    return cls
+
+
+def arch_for(ckpt: Checkpoint) -> Arch:
+    """The architecture module for a checkpoint's config.json `architectures[0]`."""
+    import ikconvert.archs  # noqa: F401  (registers every architecture)
+
+    try:
+        name = ckpt.architecture
+    except CheckpointError as exc:
+        raise ConvertError(str(exc)) from None
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ConvertError(
+            f"{ckpt.dir / 'config.json'}: architecture {name!r} is not supported; supported: "
+            + ", ".join(sorted(_REGISTRY))
+        )
+    return cls(ckpt)
+
+
+def supported_architectures() -> list[str]:
+    import ikconvert.archs  # noqa: F401
+
+    return sorted(_REGISTRY)

@@ -1,0 +1,98 @@
+"""`ikconvert`: Hugging Face checkpoints -> GGUF files that ik_llama.cpp loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+err = Console(stderr=True)
+out = Console()
+
+
+@app.callback()
+def _main() -> None:
+    """Convert Hugging Face checkpoints into GGUF files for ik_llama.cpp."""
+
+
+def _fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+@app.command("hf2gguf")
+def hf2gguf(
+    src: str = typer.Argument(..., help="Checkpoint folder, or hf://org/repo[@revision] (uses the local HF cache "
+                              "when offline)."),
+    outfile: Optional[Path] = typer.Option(None, "--outfile", "-o", help="Output .gguf path (default: "
+                                           "<checkpoint folder name>-<OUTTYPE>.gguf in the current folder)."),
+    outtype: str = typer.Option("f16", "--outtype", help="f32, f16, bf16, q8_0, or auto (f16 if the checkpoint "
+                                "is stored in f16, else bf16), as ik's converter defines them."),
+    pre_tokenizer: Optional[str] = typer.Option(None, "--pre-tokenizer", help="Force tokenizer.ggml.pre (e.g. "
+                                                "qwen2, llama-bpe, deepseek-v3) instead of identifying it from "
+                                                "tokenizer.json."),
+    model_name: Optional[str] = typer.Option(None, "--model-name", help="Override general.name."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (HF tensor -> GGUF name, shape, type, "
+                                 "transform) and write nothing."),
+    allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Keep NaN/Inf weights instead of "
+                                         "stopping (float output types only)."),
+) -> None:
+    """Convert a Hugging Face checkpoint to GGUF, key for key and byte for byte what ik's converter writes.
+
+    Example: ikconvert hf2gguf ./Qwen3-0.6B --outtype bf16 --outfile qwen3-0.6b-bf16.gguf
+    """
+    from ikconvert.archs.base import ConvertError
+    from ikconvert.checkpoint import CheckpointError, resolve_source
+    from ikconvert.convert import Converter
+    from ikconvert.vocab import VocabError
+
+    try:
+        folder = resolve_source(src)
+        conv = Converter(folder, outtype, pre_tokenizer, allow_nonfinite, model_name)
+        plan = conv.build_plan()
+    except (ConvertError, CheckpointError, VocabError, FileNotFoundError) as exc:
+        _fail(str(exc))
+        return
+    if dry_run:
+        _print_plan(conv)
+        return
+    if outfile is None:
+        outfile = Path(f"{folder.name}-{conv.outtype.upper()}.gguf")
+    if outfile.exists() and outfile.is_dir():
+        _fail(f"--outfile {outfile} is a folder")
+    total = sum(p.type.tensor_bytes(tuple(reversed(p.shape))) for p in plan)
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=err, transient=False) as bar:
+        task = bar.add_task("converting", total=total)
+
+        def step(p, nbytes: int) -> None:  # type: ignore[no-untyped-def]
+            bar.update(task, advance=nbytes, description=p.out.name)
+
+        try:
+            path = conv.write(outfile, step)
+        except (ConvertError, CheckpointError, VocabError, ValueError) as exc:
+            bar.stop()
+            _fail(str(exc))
+            return
+    notes = [p for p in plan if p.note]
+    for p in notes:
+        err.print(f"[yellow]warning:[/] {p.out.name}: {p.note}")
+    err.print(f"wrote [bold]{path}[/] ({len(plan)} tensors, {total / 2**20:.1f} MiB, arch {conv.arch.gguf_arch}, "
+              f"pre-tokenizer {conv.pre_tokenizer})")
+
+
+def _print_plan(conv) -> None:  # type: ignore[no-untyped-def]
+    table = Table(title=f"{conv.ckpt.dir} -> {conv.arch.gguf_arch} ({conv.outtype})")
+    for col in ("HF tensor", "GGUF tensor", "ne (ggml order)", "type", "transform"):
+        table.add_column(col, overflow="fold")
+    for p in conv.plan:
+        ne = "{" + ", ".join(str(d) for d in reversed(p.shape)) + "}"
+        table.add_row(p.out.source, p.out.name, ne, p.type.name, "; ".join(x for x in (p.out.transform, p.note) if x))
+    out.print(table)
+    total = sum(p.type.tensor_bytes(tuple(reversed(p.shape))) for p in conv.plan)
+    out.print(f"{len(conv.plan)} tensors, {total / 2**20:.1f} MiB; nothing written (--dry-run)")

@@ -1,0 +1,178 @@
+"""The architecture-independent conversion pipeline: plan every tensor, write the header, stream the data.
+
+Order of work mirrors ik's converter so that the file is identical: tensors in the order the architecture emits
+them while walking the checkpoint (sorted per shard), ik's squeeze, ik's output-type rules, then metadata in ik's
+key order (general.*, architecture keys, tokenizer keys, quantization version). Unlike ik, data is read and written
+one tensor at a time after the header (memory bounded by the largest tensor), problems are found before the
+output exists, and the output appears only once complete.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import LlamaFileType, Metadata, size_label
+
+from ikconvert.archs.base import Arch, ConvertError, OutTensor, arch_for
+from ikconvert.checkpoint import Checkpoint
+from ikquant.formats.base import QuantInputError
+from ikquant.gguf_io import GGUFStreamWriter
+from ikquant.types import GGMLType, type_by_name
+
+log = logging.getLogger(__name__)
+
+OUTTYPES: dict[str, tuple[str, LlamaFileType]] = {
+    "f32": ("F32", LlamaFileType.ALL_F32),
+    "f16": ("F16", LlamaFileType.MOSTLY_F16),
+    "bf16": ("BF16", LlamaFileType.MOSTLY_BF16),
+    "q8_0": ("Q8_0", LlamaFileType.MOSTLY_Q8_0),
+}
+ALWAYS_F32_NAMES = ("position_embd.weight", "token_types.weight")
+
+
+@dataclass
+class PlannedTensor:
+    """An OutTensor with its final (squeezed) shape and storage type decided."""
+
+    out: OutTensor
+    shape: tuple[int, ...]
+    type: GGMLType
+    note: str = ""
+
+
+def squeeze_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """ik squeezes every tensor: all size-1 dims go, [1] becomes a 0-d scalar."""
+    return tuple(d for d in shape if d != 1)
+
+
+def choose_type(out: OutTensor, shape: tuple[int, ...], outtype: str) -> tuple[GGMLType, str]:
+    """ik's prepare_tensors type rules, including the F16 fallback for rows Q8_0 cannot hold."""
+    if len(shape) <= 1 or out.name.endswith("_norm.weight"):
+        return type_by_name("F32"), ""
+    is_gate_inp = out.name.startswith("blk.") and out.name.endswith(".ffn_gate_inp.weight")
+    if is_gate_inp or out.name in ALWAYS_F32_NAMES or not out.source.endswith(".weight"):
+        return type_by_name("F32"), ""
+    gtype = type_by_name(OUTTYPES[outtype][0])
+    if shape[-1] % gtype.block_size:
+        return type_by_name("F16"), f"row length {shape[-1]} is not a multiple of {gtype.block_size}: F16"
+    return gtype, ""
+
+
+def resolve_outtype(outtype: str, ckpt: Checkpoint) -> str:
+    """`auto` as ik defines it: f16 when the first tensor is stored as F16, else bf16."""
+    outtype = outtype.lower()
+    if outtype == "auto":
+        first = next(ckpt.iter_tensors(), None)
+        return "f16" if first is not None and first[1].dtype == "F16" else "bf16"
+    if outtype not in OUTTYPES:
+        raise ConvertError(f"--outtype {outtype!r} is not one of: {', '.join([*OUTTYPES, 'auto'])}")
+    return outtype
+
+
+class Converter:
+    """One conversion: checkpoint folder + options -> a GGUF plan, then the file."""
+
+    def __init__(self, src: Path, outtype: str = "f16", pre_tokenizer: str | None = None,
+                 allow_nonfinite: bool = False, model_name: str | None = None):
+        self.ckpt = Checkpoint(src)
+        self.arch: Arch = arch_for(self.ckpt)
+        self.outtype = resolve_outtype(outtype, self.ckpt)
+        self.pre_tokenizer = pre_tokenizer
+        self.allow_nonfinite = allow_nonfinite
+        self.model_name = model_name
+        self.plan: list[PlannedTensor] = []
+
+    def build_plan(self) -> list[PlannedTensor]:
+        """Map every checkpoint tensor to its GGUF tensors (no weight data is read)."""
+        self.ckpt.verify_index()
+        planned: list[PlannedTensor] = []
+        seen: dict[str, str] = {}
+        outs = list(self.arch.extra_tensors())
+        for name, tensor in self.ckpt.iter_tensors():
+            if self.arch.is_skipped(name):
+                continue
+            outs.extend(self.arch.map_tensor(name, tensor))
+        self.arch.finish()
+        for out in outs:
+            if out.name in seen:
+                raise ConvertError(f"{self.ckpt.dir}: {out.source!r} and {seen[out.name]!r} both map to {out.name!r}")
+            seen[out.name] = out.source
+            self.arch.check_shapes(out)
+            shape = squeeze_shape(out.shape)
+            gtype, note = choose_type(out, shape, self.outtype)
+            planned.append(PlannedTensor(out, shape, gtype, note))
+        if not planned:
+            raise ConvertError(f"{self.ckpt.dir}: the checkpoint has no tensors")
+        if self.pre_tokenizer is None:
+            self.pre_tokenizer = self.arch.detect_pre_tokenizer()
+        self.plan = planned
+        return planned
+
+    def _metadata(self, writer: GGUFStreamWriter) -> None:
+        gw = writer.gw
+        gw.add_type("model")
+        total, shared, expert, count = gw.get_total_parameter_count()
+        meta = Metadata.load(None, self.ckpt.dir, self.model_name, total)
+        for key in [k for k in vars(meta) if k.startswith("sampling_")]:
+            setattr(meta, key, None)  # ik's converter does not write generation_config.json sampler keys
+        if meta.name is None:
+            meta.name = self.ckpt.dir.name
+        if meta.size_label is None and total > 0:
+            meta.size_label = size_label(total, shared, expert, count)
+        meta.set_gguf_meta_model(gw)
+        self.arch.set_gguf_parameters(gw)
+        gw.add_file_type(OUTTYPES[self.outtype][1])
+        self.arch.set_vocab(gw, self.pre_tokenizer)
+        gw.add_quantization_version(2)
+
+    def write(self, outfile: Path, progress: Callable[[PlannedTensor, int], None] | None = None) -> Path:
+        """Write the GGUF (to a temporary name, renamed when complete); returns the output path."""
+        if not self.plan:
+            self.build_plan()
+        with GGUFStreamWriter(outfile, self.arch.gguf_arch) as writer:
+            for p in self.plan:
+                writer.add_tensor_info(p.out.name, p.shape, p.type)
+            self._metadata(writer)
+            for p in self.plan:
+                data = self._encode(p)
+                writer.write_tensor(p.out.name, data)
+                if progress is not None:
+                    progress(p, data.nbytes)
+            return writer.finish()
+
+    def _encode(self, p: PlannedTensor) -> np.ndarray:
+        x = np.ascontiguousarray(p.out.load(), dtype=np.float32)
+        if x.shape != p.out.shape:
+            raise ConvertError(f"{p.out.source!r}: transform produced shape {x.shape}, expected {p.out.shape}")
+        finite = np.isfinite(x)
+        if not finite.all():
+            bad = int(np.size(finite) - np.count_nonzero(finite))
+            if not self.allow_nonfinite:
+                raise ConvertError(
+                    f"{self.ckpt.dir}: tensor {p.out.source!r} holds {bad} NaN/Inf values; "
+                    "pass --allow-nonfinite to keep them (float output types only)"
+                )
+            if p.type.name not in ("F32", "F16", "BF16"):
+                raise ConvertError(f"tensor {p.out.source!r}: NaN/Inf cannot be stored as {p.type.name}")
+            return _float_bits(x, p.type.name)
+        rows = x.reshape(-1, p.shape[-1] if p.shape else 1)
+        try:
+            return p.type.require_codec().quantize(rows)
+        except QuantInputError as exc:
+            raise ConvertError(f"tensor {p.out.source!r} -> {p.out.name}: {exc}") from None
+
+
+def _float_bits(x: np.ndarray, type_name: str) -> np.ndarray:
+    """Plain float encodings that keep NaN/Inf (only reached with --allow-nonfinite)."""
+    from ikquant.formats.numeric import f32_to_bf16_bits
+
+    if type_name == "F32":
+        return x
+    if type_name == "F16":
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16)
+    return f32_to_bf16_bits(x)

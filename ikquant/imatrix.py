@@ -1,0 +1,130 @@
+"""Importance matrices in ik's legacy .dat layout: read, write, and ik's per-tensor lookup.
+
+The stored value is mean(x^2)*ncall per column (per expert or head slice); readers divide by ncall. llama-quantize
+finds a tensor's entry by its exact name, then by a few fallbacks (gate -> up, merged/unmerged expert names,
+attn_v_b <-> attn_kv_b), and requires exactly ne0*ne2 values.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+
+class ImatrixError(ValueError):
+    """An importance-matrix file that cannot be read or does not fit the model."""
+
+
+@dataclass
+class ImatrixEntry:
+    values: np.ndarray  # stored sums: mean(x^2) * ncall
+    ncall: int
+
+    def mean_sq(self) -> np.ndarray:
+        """Per-column mean of x^2, what the quantizers take (no division when ncall <= 0, as ik)."""
+        return self.values / np.float32(self.ncall) if self.ncall > 0 else self.values.copy()
+
+
+@dataclass
+class Imatrix:
+    entries: dict[str, ImatrixEntry] = field(default_factory=dict)
+    chunks: int = -1
+    dataset: str = ""
+    path: Path | None = None
+
+    def lookup(self, name: str, expected: int) -> tuple[np.ndarray | None, str | None]:
+        """ik's lookup for tensor `name`: (per-column importance, entry name used), or (None, None)."""
+        entry_name = None
+        for candidate in _candidates(name):
+            if candidate in self.entries:
+                entry_name = candidate
+                break
+        if entry_name is None:
+            return None, None
+        values = self.entries[entry_name].mean_sq()
+        if values.size != expected:
+            if name == "token_embd.weight":
+                return None, None
+            raise ImatrixError(f"{self.path}: entry {entry_name!r} has {values.size} values, tensor {name!r} needs "
+                               f"{expected}: is this imatrix for another model?")
+        if not np.isfinite(values).all():
+            raise ImatrixError(f"{self.path}: entry {entry_name!r} contains non-finite values")
+        return values.astype(np.float32), entry_name
+
+
+def _candidates(name: str) -> list[str]:
+    out = [name]
+    for part in ("ffn_up_exps.weight", "ffn_gate_exps.weight"):
+        if part in name:
+            stem = name[: name.index(part)]
+            return out + [stem + "ffn_gate_up_exps.weight", stem + "ffn_up_exps.weight"]
+    if "ffn_gate_up_exps.weight" in name:
+        return out + [name.replace("ffn_gate_up_exps.weight", "ffn_up_exps.weight")]
+    if "ffn_gate.weight" in name:
+        return out + [name[: name.index("ffn_gate.weight")] + "ffn_up.weight"]
+    for a, b in ((".attn_v_b.weight", ".attn_kv_b.weight"), (".attn_kv_b.weight", ".attn_v_b.weight")):
+        if a in name:
+            return out + [name.replace(a, b)]
+    return out
+
+
+def read_imatrix_dat(path: str | os.PathLike[str]) -> Imatrix:
+    """Read ik's legacy .dat (entries, then the optional chunk-count/dataset trailer)."""
+    p = Path(path)
+    data = p.read_bytes()
+    pos = 0
+
+    def take(fmt: str) -> tuple:
+        nonlocal pos
+        size = struct.calcsize(fmt)
+        if pos + size > len(data):
+            raise ImatrixError(f"{p}: truncated at byte {pos}")
+        vals = struct.unpack_from(fmt, data, pos)
+        pos += size
+        return vals
+
+    (n_entries,) = take("<i")
+    if n_entries < 1:
+        raise ImatrixError(f"{p}: no entries (is it a .dat imatrix?)")
+    imat = Imatrix(path=p)
+    for _ in range(n_entries):
+        (name_len,) = take("<i")
+        if not 0 < name_len < 4096:
+            raise ImatrixError(f"{p}: implausible name length {name_len} at byte {pos - 4}")
+        name = data[pos : pos + name_len].decode("utf-8", errors="replace")
+        pos += name_len
+        ncall, nval = take("<ii")
+        if nval < 1:
+            raise ImatrixError(f"{p}: entry {name!r} has {nval} values")
+        if pos + 4 * nval > len(data):
+            raise ImatrixError(f"{p}: entry {name!r} is truncated")
+        values = np.frombuffer(data, dtype="<f4", count=nval, offset=pos).copy()
+        pos += 4 * nval
+        imat.entries[name] = ImatrixEntry(values, ncall)
+    if pos + 8 <= len(data):
+        (imat.chunks,) = take("<i")
+        (ds_len,) = take("<i")
+        imat.dataset = data[pos : pos + ds_len].decode("utf-8", errors="replace")
+    return imat
+
+
+def write_imatrix_dat(path: str | os.PathLike[str], imat: Imatrix) -> None:
+    """Write ik's legacy .dat layout (with the trailer, as ik always writes it), atomically."""
+    from ikquant.gguf_io import partial_path
+
+    p = Path(path)
+    tmp = partial_path(p)
+    with open(tmp, "wb") as fh:
+        fh.write(struct.pack("<i", len(imat.entries)))
+        for name, entry in imat.entries.items():
+            raw = name.encode("utf-8")
+            fh.write(struct.pack("<i", len(raw)) + raw)
+            fh.write(struct.pack("<ii", entry.ncall, entry.values.size))
+            fh.write(np.ascontiguousarray(entry.values, dtype="<f4").tobytes())
+        ds = imat.dataset.encode("utf-8")
+        fh.write(struct.pack("<ii", imat.chunks, len(ds)) + ds)
+    os.replace(tmp, p)

@@ -1,0 +1,278 @@
+"""`ikrun`: evaluate GGUF models with ik_llama.cpp's numerics: logits, perplexity, KL-divergence, validation."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+err = Console(stderr=True)
+out = Console()
+
+
+@app.callback()
+def _main() -> None:
+    """Evaluate GGUF models: logits, perplexity, KL-divergence against a base, validation against HF."""
+
+
+def _fail(message: str) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(2)
+
+
+def _threads(n: Optional[int]) -> None:
+    if n:
+        import numba
+
+        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+
+
+def _load(path: Path, threads: Optional[int] = None):  # type: ignore[no-untyped-def]
+    from ikquant.gguf_io import GGUFFormatError
+    from ikrun.model import Model, ModelError
+
+    try:
+        return Model(path, threads)
+    except (ModelError, GGUFFormatError, FileNotFoundError, NotImplementedError) as exc:
+        _fail(str(exc))
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=err, transient=True)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        _fail(f"--text {path}: no such file")
+    except UnicodeDecodeError as exc:
+        _fail(f"--text {path}: not UTF-8 ({exc})")
+    return ""
+
+
+@app.command()
+def logits(
+    model: Path = typer.Argument(..., help="GGUF model."),
+    text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text file to tokenize with the model's vocab."),
+    tokens: Optional[str] = typer.Option(None, "--tokens", help="Comma-separated token ids instead of --text."),
+    output: Path = typer.Option(Path("logits.npy"), "--output", "-o", help="Where to write float32 logits "
+                                "[n_tokens, n_vocab] (.npy)."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
+) -> None:
+    """Run one forward pass over a token sequence (positions 0..n-1) and save all logits.
+
+    Example: ikrun logits model.gguf --tokens 1,2,3,4 -o logits.npy
+    """
+    _threads(threads)
+    m = _load(model, threads)
+    if (text is None) == (tokens is None):
+        _fail("give exactly one of --text or --tokens")
+    try:
+        if tokens is not None:
+            ids = np.array([int(t) for t in tokens.split(",") if t.strip()], dtype=np.int64)
+        else:
+            ids = np.array(m.tokenizer().encode(_read_text(text)), dtype=np.int64)  # type: ignore[arg-type]
+        result = m.logits(ids)
+    except ValueError as exc:
+        _fail(str(exc))
+        return
+    np.save(output, result)
+    err.print(f"wrote {output}: logits of {len(ids)} tokens x {result.shape[1]} vocab")
+
+
+@app.command()
+def ppl(
+    model: Path = typer.Argument(..., help="GGUF model."),
+    text: Path = typer.Option(..., "--text", help="UTF-8 text file."),
+    ctx: int = typer.Option(512, "--ctx", "-c", help="Chunk length in tokens (ik's -c)."),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object {n_tokens, ppl, ppl_err}."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
+) -> None:
+    """Perplexity over the text, chunked and scored exactly like ik's llama-perplexity.
+
+    Example: ikrun ppl model.gguf --text wiki.test.raw --ctx 512 --json
+    """
+    from ikrun.evaluate import EvalError, perplexity, tokenize_chunks
+    from ikrun.metrics import ppl_stats
+
+    _threads(threads)
+    m = _load(model, threads)
+    try:
+        chunk_tokens = tokenize_chunks(m, _read_text(text), ctx, chunks)
+    except (EvalError, ValueError) as exc:
+        _fail(str(exc))
+        return
+    with _progress() as bar:
+        task = bar.add_task("perplexity", total=len(chunk_tokens))
+        res = perplexity(m, chunk_tokens, progress=lambda i, n: bar.update(task, completed=i))
+    stats = ppl_stats(res.nll)
+    if json_out:
+        out.print_json(json.dumps(stats))
+    else:
+        out.print(f"Final estimate: PPL over {res.n_chunk} chunks for n_ctx={ctx} = {stats['ppl']:.4f} +/- "
+                  f"{stats['ppl_err']:.5f}  ({stats['n_tokens']} tokens scored)")
+
+
+@app.command()
+def kld(
+    model: Path = typer.Argument(..., help="GGUF model under test."),
+    base: Optional[Path] = typer.Option(None, "--base", help="Base GGUF (the reference model)."),
+    base_logits: Optional[Path] = typer.Option(None, "--base-logits", help="Base-logits file (ik's "
+                                               "--kl-divergence-base layout); tokens, ctx and base log-probs come "
+                                               "from it."),
+    text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text file (with --base)."),
+    ctx: int = typer.Option(512, "--ctx", "-c", help="Chunk length in tokens (with --base)."),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks (with --base)."),
+    save_base_logits: Optional[Path] = typer.Option(None, "--save-base-logits", help="Also keep the base run's "
+                                                    "logits file, reusable with --base-logits and by ik."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object with every statistic."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
+) -> None:
+    """KL-divergence of a model against a base model or a base-logits file, with all of ik's statistics.
+
+    Example: ikrun kld model-q4_0.gguf --base model-f32.gguf --text wiki.test.raw --ctx 512
+    Example: ikrun kld model-q4_0.gguf --base-logits base.kld --json
+    """
+    import tempfile
+
+    from ikrun.evaluate import EvalError, kl_divergence, open_base, perplexity, tokenize_chunks
+    from ikrun.metrics import BaseLogitsError
+
+    _threads(threads)
+    if (base is None) == (base_logits is None):
+        _fail("give exactly one of --base (with --text) or --base-logits")
+    m = _load(model, threads)
+    tmpdir = None
+    try:
+        if base is not None:
+            if text is None:
+                _fail("--base needs --text")
+            bm = _load(base, threads)
+            if bm.n_vocab != m.n_vocab:
+                _fail(f"{base} has {bm.n_vocab} tokens, {model} has {m.n_vocab}: not the same vocabulary")
+            chunk_tokens = tokenize_chunks(bm, _read_text(text), ctx, chunks)  # type: ignore[arg-type]
+            if save_base_logits is None:
+                tmpdir = tempfile.TemporaryDirectory()
+                save_base_logits = Path(tmpdir.name) / "base.kld"
+            with _progress() as bar:
+                task = bar.add_task("base model", total=len(chunk_tokens))
+                perplexity(bm, chunk_tokens, save_base_logits, lambda i, n: bar.update(task, completed=i))
+            bm.drop_cache()
+            base_logits = save_base_logits
+        bf = open_base(base_logits, m)  # type: ignore[arg-type]
+        with _progress() as bar:
+            task = bar.add_task("KL-divergence", total=bf.n_chunk)
+            acc = kl_divergence(m, bf, lambda i, n: bar.update(task, completed=i))
+    except (EvalError, BaseLogitsError, ValueError, FileNotFoundError) as exc:
+        _fail(str(exc))
+        return
+    finally:
+        if tmpdir is not None:
+            tmpdir.cleanup()
+    from ikrun.metrics import kld_stats
+
+    stats = kld_stats(acc)
+    if json_out:
+        out.print_json(json.dumps({k: (float(v) if isinstance(v, (float, np.floating)) else v)
+                                   for k, v in stats.items()}))
+        return
+    if stats["n_tokens"] < 100:
+        err.print(f"[yellow]warning:[/] only {stats['n_tokens']} tokens scored; ik prints no final statistics "
+                  "below 100")
+    out.print(kld_table(stats, str(model)))
+
+
+def kld_table(stats: dict, title: str) -> Table:
+    """ik's three statistics blocks as one rich table."""
+    t = Table(title=f"{title}: {stats['n_tokens']} tokens")
+    t.add_column("statistic")
+    t.add_column("value", justify="right")
+    t.add_column("±", justify="right")
+
+    def row(label: str, key: str, scale: float = 1.0, fmt: str = "{:.6f}", suffix: str = "") -> None:
+        err_key = key + "_err"
+        e = fmt.format(stats[err_key] * scale) + suffix if err_key in stats else ""
+        t.add_row(label, fmt.format(stats[key] * scale) + suffix, e)
+
+    row("Mean PPL(Q)", "ppl_q")
+    row("Mean PPL(base)", "ppl_base")
+    t.add_row("Cor(ln(PPL(Q)), ln(PPL(base)))", f"{stats['cor_ln_ppl']:.2f}%", "")
+    row("Mean ln(PPL(Q)/PPL(base))", "ln_ppl_ratio")
+    row("Mean PPL(Q)/PPL(base)", "ppl_ratio")
+    row("Mean PPL(Q)-PPL(base)", "ppl_diff")
+    t.add_section()
+    row("Mean KLD", "kld_mean")
+    for label, key in (("Maximum", "kld_max"), ("99.9%", "kld_p999"), ("99.0%", "kld_p99"), ("95.0%", "kld_p95"),
+                       ("90.0%", "kld_p90"), ("Median", "kld_median"), ("10.0%", "kld_p10"), ("5.0%", "kld_p05"),
+                       ("1.0%", "kld_p01"), ("0.1%", "kld_p001"), ("Minimum", "kld_min")):
+        if key in stats:
+            row(f"{label} KLD", key)
+    t.add_section()
+    row("Mean Δp", "dp_mean", 100, "{:.3f}", "%")
+    for label, key in (("Maximum", "dp_max"), ("99.9%", "dp_p999"), ("99.0%", "dp_p99"), ("95.0%", "dp_p95"),
+                       ("90.0%", "dp_p90"), ("75.0%", "dp_p75"), ("Median", "dp_median"), ("25.0%", "dp_p25"),
+                       ("10.0%", "dp_p10"), ("5.0%", "dp_p05"), ("1.0%", "dp_p01"), ("0.1%", "dp_p001"),
+                       ("Minimum", "dp_min")):
+        if key in stats:
+            row(f"{label} Δp", key, 100, "{:.3f}", "%")
+    row("RMS Δp", "dp_rms", 100, "{:.3f}", "%")
+    row("Same top p", "same_top_p", 100, "{:.3f}", "%")
+    return t
+
+
+@app.command()
+def validate(
+    hf: Path = typer.Option(..., "--hf", help="Hugging Face checkpoint folder."),
+    gguf: Path = typer.Option(..., "--gguf", help="GGUF converted from it."),
+    text: Optional[Path] = typer.Option(None, "--text", help="Text to evaluate (default: a built-in sample)."),
+    ctx: int = typer.Option(64, "--ctx", "-c", help="Tokens per evaluated sequence."),
+    chunks: int = typer.Option(2, "--chunks", help="Number of sequences."),
+    tolerance: float = typer.Option(1e-4, "--tolerance", help="Largest acceptable relative logit error."),
+    json_out: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
+) -> None:
+    """Compare the runtime on a GGUF against a numpy reference written from the HF model definition.
+
+    Exit code 1 when the relative logit error exceeds --tolerance (right for F32 files; quantized files differ
+    by their quantization error).
+
+    Example: ikrun validate --hf ./Qwen3-0.6B --gguf qwen3-0.6b-f32.gguf
+    """
+    from ikconvert.tiny import CORPUS
+    from ikrun.evaluate import EvalError, tokenize_chunks
+    from ikrun.validate import HFReference, ReferenceError, compare_logits
+
+    m = _load(gguf)
+    try:
+        ref = HFReference(hf)
+        chunk_tokens = tokenize_chunks(m, _read_text(text or CORPUS), ctx, chunks)
+    except (ReferenceError, EvalError, ValueError) as exc:
+        _fail(str(exc))
+        return
+    refs, gots = [], []
+    with _progress() as bar:
+        task = bar.add_task("validating", total=len(chunk_tokens))
+        for i, c in enumerate(chunk_tokens):
+            refs.append(ref.logits(c))
+            gots.append(m.logits(c))
+            bar.update(task, completed=i + 1)
+    res = compare_logits(np.concatenate(refs), np.concatenate(gots))
+    ok = res["max_rel_logit_err"] <= tolerance and math.isfinite(res["max_rel_logit_err"])
+    if json_out:
+        out.print_json(json.dumps({**res, "ok": ok, "tolerance": tolerance}))
+    else:
+        out.print(f"max relative logit error {res['max_rel_logit_err']:.3e} (tolerance {tolerance:g}), "
+                  f"KLD mean {res['kld_mean']:.3e} max {res['kld_max']:.3e}, same top {res['same_top']:.1%}: "
+                  + ("[green]OK[/]" if ok else "[red]MISMATCH[/]"))
+    if not ok:
+        raise typer.Exit(1)

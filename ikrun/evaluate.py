@@ -1,0 +1,113 @@
+"""Chunked evaluation as llama-perplexity does it: tokenize once, cut into n_ctx chunks, evaluate each chunk
+from an empty context (first token swapped for BOS when the vocabulary adds one), score the second half."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ikrun.metrics import (
+    BaseLogitsError,
+    BaseLogitsFile,
+    BaseLogitsWriter,
+    KLDAccumulator,
+    encode_records,
+    kld_stats,
+    scored_positions,
+)
+from ikrun.model import Model
+
+Progress = Callable[[int, int], None]
+
+
+class EvalError(ValueError):
+    """Options or inputs that make an evaluation impossible (too little text, context mismatch, ...)."""
+
+
+def tokenize_chunks(model: Model, text: str, n_ctx: int, max_chunks: int | None = None) -> np.ndarray:
+    """Token chunks [n_chunk, n_ctx] of `text`, tokenized once with the model's own vocabulary (BOS added as
+    llama_tokenize adds it), as llama-perplexity cuts them."""
+    if n_ctx < 4:
+        raise EvalError(f"--ctx must be at least 4 (got {n_ctx})")
+    ids = np.asarray(model.tokenizer().encode(text, add_special=True), dtype=np.int32)
+    if len(ids) < 2 * n_ctx:
+        raise EvalError(f"the text gives {len(ids)} tokens; at least 2*ctx = {2 * n_ctx} are needed "
+                        "(use a longer text or a smaller --ctx)")
+    n_chunk = len(ids) // n_ctx
+    if max_chunks is not None and max_chunks > 0:
+        n_chunk = min(n_chunk, max_chunks)
+    return ids[: n_chunk * n_ctx].reshape(n_chunk, n_ctx)
+
+
+def chunk_logits(model: Model, chunk: np.ndarray) -> np.ndarray:
+    """Logits of the scored positions of one chunk (BOS swapped in first when the model adds BOS)."""
+    add_bos, bos = model.tokenizer_flags()
+    fed = np.array(chunk, dtype=np.int64)
+    if add_bos:
+        fed[0] = bos
+    n_ctx = len(chunk)
+    first = n_ctx // 2
+    return model.logits(fed)[first : n_ctx - 1]
+
+
+@dataclass
+class PPLResult:
+    nll: np.ndarray
+    n_ctx: int
+    n_chunk: int
+
+
+def perplexity(model: Model, chunks: np.ndarray, save_base: Path | None = None,
+               progress: Progress | None = None) -> PPLResult:
+    """NLL of every scored token; with `save_base`, also ik's base-logits file for these chunks."""
+    n_chunk, n_ctx = chunks.shape
+    writer = BaseLogitsWriter(save_base, n_ctx, model.n_vocab, chunks) if save_base else None
+    nlls = []
+    try:
+        for i in range(n_chunk):
+            logits = chunk_logits(model, chunks[i])
+            records, nll = encode_records(logits, chunks[i][n_ctx // 2 + 1 :])
+            nlls.append(nll)
+            if writer is not None:
+                writer.write_chunk(records)
+            if progress:
+                progress(i + 1, n_chunk)
+        if writer is not None:
+            writer.finish()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    return PPLResult(np.concatenate(nlls), n_ctx, n_chunk)
+
+
+def open_base(path: Path, model: Model) -> BaseLogitsFile:
+    """A base-logits file checked against the model (ik only warns on a vocabulary mismatch; we refuse)."""
+    base = BaseLogitsFile(path)
+    if base.n_vocab != model.n_vocab:
+        raise BaseLogitsError(f"{path}: made with a vocabulary of {base.n_vocab} tokens, the model has "
+                              f"{model.n_vocab}")
+    return base
+
+
+def kl_divergence(model: Model, base: BaseLogitsFile, progress: Progress | None = None,
+                  per_chunk: Callable[[int, dict], None] | None = None) -> KLDAccumulator:
+    """Score every chunk of the base file's tokens with `model` against the stored base log-probabilities."""
+    acc = KLDAccumulator()
+    n_ctx = base.n_ctx
+    for i in range(base.n_chunk):
+        chunk = np.asarray(base.tokens[i])
+        logits = chunk_logits(model, chunk)
+        acc.add(logits, np.asarray(base.records(i)), chunk[n_ctx // 2 + 1 :])
+        if per_chunk is not None:
+            per_chunk(i + 1, kld_stats(acc))
+        if progress:
+            progress(i + 1, base.n_chunk)
+    return acc
+
+
+def iter_scored(n_ctx: int) -> Iterator[int]:
+    return iter(scored_positions(n_ctx))

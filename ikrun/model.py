@@ -1,0 +1,112 @@
+"""A GGUF model loaded for evaluation: memory-mapped tensors, exact dequantization on first use, one forward.
+
+Weights are decoded exactly (whatever their ggml type) into float32 the first time a layer needs them and kept,
+so every forward pass after the first runs on cached float32 matrices and the KL-divergence measures the error of
+the stored weights alone. The architecture module (ikrun/models/) checks hyperparameters and tensor shapes when
+the model is opened, before any compute.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from threadpoolctl import ThreadpoolController
+
+from ikquant.gguf_io import GGUFFile
+
+
+class ModelError(ValueError):
+    """A GGUF the runtime cannot evaluate: unsupported architecture, missing tensors, inconsistent shapes."""
+
+
+# Weight matrices smaller than this run their matmuls on one BLAS thread: threads cost more than they save there.
+SMALL_MATRIX = 1 << 20
+
+
+@lru_cache(maxsize=1)
+def _threadpools() -> ThreadpoolController:
+    return ThreadpoolController()
+
+
+class Model:
+    """A GGUF file plus the architecture module that evaluates it."""
+
+    def __init__(self, path: str | os.PathLike[str], threads: int | None = None):
+        from ikrun.models import model_class
+
+        self.path = Path(path)
+        self.gguf = GGUFFile(self.path)
+        self.arch = self.gguf.architecture
+        self._cache: dict[str, np.ndarray] = {}
+        self.impl = model_class(self.arch)(self)
+        largest = max((t.n_elements for t in self.gguf.tensors.values() if len(t.ne) >= 2), default=0)
+        self.blas_threads = 1 if largest < SMALL_MATRIX else (threads or os.cpu_count() or 1)
+
+    def __repr__(self) -> str:
+        return f"Model({str(self.path)!r}, arch={self.arch})"
+
+    def hparam(self, key: str, default: Any = ModelError) -> Any:
+        """`{arch}.{key}` from the metadata (a clear error names the key when it is required and missing)."""
+        value = self.gguf.get(f"{self.arch}.{key}")
+        if value is None:
+            if default is ModelError:
+                raise ModelError(f"{self.path}: metadata key {self.arch}.{key} is missing")
+            return default
+        return value
+
+    def has(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.gguf.info(name).shape
+
+    def weight(self, name: str) -> np.ndarray:
+        """Tensor `name` decoded to float32 (numpy order), cached after the first use."""
+        w = self._cache.get(name)
+        if w is None:
+            w = self.gguf.dequantize(name)
+            self._cache[name] = w
+        return w
+
+    def drop_cache(self) -> None:
+        self._cache.clear()
+
+    @property
+    def n_vocab(self) -> int:
+        return int(self.impl.n_vocab)
+
+    def logits(self, tokens: np.ndarray) -> np.ndarray:
+        """float32 logits [len(tokens), n_vocab] for one sequence at positions 0..n-1 (a fresh context)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.ndim != 1 or tokens.size == 0:
+            raise ValueError("tokens must be a non-empty 1-D sequence")
+        if tokens.min() < 0 or tokens.max() >= self.n_vocab:
+            raise ValueError(f"token id {int(tokens.max() if tokens.max() >= self.n_vocab else tokens.min())} is "
+                             f"outside the vocabulary (0..{self.n_vocab - 1})")
+        with _threadpools().limit(limits=self.blas_threads, user_api="blas"):
+            return self.impl.forward(tokens)
+
+    def tokenizer(self):  # type: ignore[no-untyped-def]
+        from ikrun.tokenizer import BPETokenizer
+
+        return BPETokenizer.from_gguf(self.gguf)
+
+    @property
+    def add_bos(self) -> bool:
+        """Whether llama.cpp would prepend BOS (and so swaps each chunk's first token for BOS in perplexity)."""
+        return self.tokenizer_flags()[0]
+
+    def tokenizer_flags(self) -> tuple[bool, int | None]:
+        from ikrun.tokenizer import PRE_TOKENIZERS
+
+        vocab_model = self.gguf.get("tokenizer.ggml.model")
+        pre = PRE_TOKENIZERS.get(self.gguf.get("tokenizer.ggml.pre") or "default") if vocab_model == "gpt2" else None
+        explicit = self.gguf.get("tokenizer.ggml.add_bos_token")
+        default = pre.add_bos if pre is not None else vocab_model in ("llama", "bert")  # SPM/WPM add BOS
+        add_bos = bool(explicit) if explicit is not None else default
+        bos = None if pre is not None and pre.no_bos_token else self.gguf.get("tokenizer.ggml.bos_token_id")
+        return add_bos and bos is not None, bos

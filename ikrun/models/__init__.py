@@ -1,0 +1,21 @@
+"""One module per GGUF architecture; `model_class` finds the one for a file's general.architecture."""
+
+from __future__ import annotations
+
+from ikrun.models.llama import LlamaFamily
+
+_BY_ARCH = {arch: cls for cls in (LlamaFamily,) for arch in cls.archs}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_BY_ARCH)
+
+
+def model_class(arch: str) -> type:
+    from ikrun.model import ModelError
+
+    try:
+        return _BY_ARCH[arch]
+    except KeyError:
+        raise ModelError(f"architecture {arch!r} is not supported by ikrun; supported: "
+                         f"{', '.join(supported_architectures())}") from None

@@ -1,0 +1,1 @@
+"""Numba kernels of the forward pass: norms, rope, attention softmax, activations."""
