@@ -160,7 +160,7 @@ def _weights(spec: TinySpec, vocab_size: int) -> dict[str, np.ndarray]:
         w[p + "mlp.down_proj.weight"] = mat(spec.hidden, spec.ffn)
     w["model.norm.weight"] = norm(spec.hidden)
     if not spec.tie_embeddings:
-        w["lm_head.weight"] = mat(vocab_size, spec.hidden) * np.float32(4.0)
+        w["lm_head.weight"] = mat(vocab_size, spec.hidden)
     return w
 
 

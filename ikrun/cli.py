@@ -24,7 +24,7 @@ def _main() -> None:
 
 
 def _fail(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -35,12 +35,16 @@ def _threads(n: Optional[int]) -> None:
         numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
 
 
-def _load(path: Path, threads: Optional[int] = None):  # type: ignore[no-untyped-def]
+KV_HELP = ("KV cache precision: f32 (default) measures the weights alone; f16 rounds K/V as ik's default cache "
+           "does, to reproduce ik's own numbers.")
+
+
+def _load(path: Path, threads: Optional[int] = None, kv_cache: str = "f32"):  # type: ignore[no-untyped-def]
     from ikquant.gguf_io import GGUFFormatError
     from ikrun.model import Model, ModelError
 
     try:
-        return Model(path, threads)
+        return Model(path, threads, kv_cache)
     except (ModelError, GGUFFormatError, FileNotFoundError, NotImplementedError) as exc:
         _fail(str(exc))
 
@@ -68,13 +72,14 @@ def logits(
     output: Path = typer.Option(Path("logits.npy"), "--output", "-o", help="Where to write float32 logits "
                                 "[n_tokens, n_vocab] (.npy)."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
+    kv_cache: str = typer.Option("f32", "--kv-cache", help=KV_HELP),
 ) -> None:
     """Run one forward pass over a token sequence (positions 0..n-1) and save all logits.
 
     Example: ikrun logits model.gguf --tokens 1,2,3,4 -o logits.npy
     """
     _threads(threads)
-    m = _load(model, threads)
+    m = _load(model, threads, kv_cache)
     if (text is None) == (tokens is None):
         _fail("give exactly one of --text or --tokens")
     try:
@@ -98,6 +103,7 @@ def ppl(
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object {n_tokens, ppl, ppl_err}."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
+    kv_cache: str = typer.Option("f32", "--kv-cache", help=KV_HELP),
 ) -> None:
     """Perplexity over the text, chunked and scored exactly like ik's llama-perplexity.
 
@@ -107,7 +113,7 @@ def ppl(
     from ikrun.metrics import ppl_stats
 
     _threads(threads)
-    m = _load(model, threads)
+    m = _load(model, threads, kv_cache)
     try:
         chunk_tokens = tokenize_chunks(m, _read_text(text), ctx, chunks)
     except (EvalError, ValueError) as exc:
@@ -138,6 +144,7 @@ def kld(
                                                     "logits file, reusable with --base-logits and by ik."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object with every statistic."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
+    kv_cache: str = typer.Option("f32", "--kv-cache", help=KV_HELP),
 ) -> None:
     """KL-divergence of a model against a base model or a base-logits file, with all of ik's statistics.
 
@@ -152,13 +159,13 @@ def kld(
     _threads(threads)
     if (base is None) == (base_logits is None):
         _fail("give exactly one of --base (with --text) or --base-logits")
-    m = _load(model, threads)
+    m = _load(model, threads, kv_cache)
     tmpdir = None
     try:
         if base is not None:
             if text is None:
                 _fail("--base needs --text")
-            bm = _load(base, threads)
+            bm = _load(base, threads, kv_cache)
             if bm.n_vocab != m.n_vocab:
                 _fail(f"{base} has {bm.n_vocab} tokens, {model} has {m.n_vocab}: not the same vocabulary")
             chunk_tokens = tokenize_chunks(bm, _read_text(text), ctx, chunks)  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ class ModelError(ValueError):
     """A GGUF the runtime cannot evaluate: unsupported architecture, missing tensors, inconsistent shapes."""
 
 
+KV_CACHE_TYPES = ("f32", "f16")
 # Weight matrices smaller than this run their matmuls on one BLAS thread: threads cost more than they save there.
 SMALL_MATRIX = 1 << 20
 
@@ -35,9 +36,13 @@ def _threadpools() -> ThreadpoolController:
 class Model:
     """A GGUF file plus the architecture module that evaluates it."""
 
-    def __init__(self, path: str | os.PathLike[str], threads: int | None = None):
+    def __init__(self, path: str | os.PathLike[str], threads: int | None = None, kv_cache: str = "f32"):
         from ikrun.models import model_class
 
+        if kv_cache not in KV_CACHE_TYPES:
+            raise ModelError(f"kv cache type {kv_cache!r} is not one of {', '.join(KV_CACHE_TYPES)}")
+        #: "f16" rounds K and V to half precision as ik's default KV cache stores them, to reproduce ik's numbers
+        self.kv_cache = kv_cache
         self.path = Path(path)
         self.gguf = GGUFFile(self.path)
         self.arch = self.gguf.architecture
@@ -74,6 +79,10 @@ class Model:
 
     def drop_cache(self) -> None:
         self._cache.clear()
+
+    def kv_store(self, x: np.ndarray) -> np.ndarray:
+        """K or V as the KV cache holds them: unchanged in f32, rounded through half precision in f16."""
+        return x.astype(np.float16).astype(np.float32) if self.kv_cache == "f16" else x
 
     @property
     def n_vocab(self) -> int:

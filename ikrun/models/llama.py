@@ -102,7 +102,7 @@ class LlamaFamily:
             k = np.ascontiguousarray(k)
             apply_rope(q, cos, sin, self.n_rot, self.neox)
             apply_rope(k, cos, sin, self.n_rot, self.neox)
-            attn = causal_attention(q, k, v, scale).reshape(n, -1)
+            attn = causal_attention(q, m.kv_store(k), m.kv_store(v), scale).reshape(n, -1)
             x = x + self._linear(attn, b + "attn_output")
             h = rms_norm(x, m.weight(b + "ffn_norm.weight"), self.eps)
             x = x + self._linear(swiglu(self._linear(h, b + "ffn_gate"), self._linear(h, b + "ffn_up")),

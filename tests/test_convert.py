@@ -1,0 +1,153 @@
+"""ikconvert hf2gguf: equality with ik's converter output, generated checkpoints, and every bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikconvert.cli import app
+from ikconvert.convert import Converter
+from ikconvert.safetensors_io import SafetensorsFile, write_safetensors
+from ikquant.gguf_io import GGUFFile
+
+runner = CliRunner()
+
+
+def _convert(args: list[str]):  # type: ignore[no-untyped-def]
+    return runner.invoke(app, ["hf2gguf", *args], env={"COLUMNS": "250"})
+
+
+@pytest.mark.parametrize("outtype", ["f32", "bf16", "q8_0"])
+def test_qwen3_golden_is_byte_identical(data_dir: Path, tmp_path: Path, outtype: str) -> None:
+    golden = data_dir / "convert" / "qwen3"
+    out = tmp_path / f"{outtype}.gguf"
+    res = _convert([str(golden / "hf"), "--outtype", outtype, "--pre-tokenizer", "qwen2", "--outfile", str(out)])
+    assert res.exit_code == 0, res.output
+    ours, ik = GGUFFile(out), GGUFFile(golden / f"ik-{outtype}.gguf")
+    assert [(kv.key, kv.type, kv.value) for kv in ours.kv()] == [(kv.key, kv.type, kv.value) for kv in ik.kv()]
+    assert [(t.name, t.ne, t.type) for t in ours.tensors.values()] == [(t.name, t.ne, t.type) for t in ik.tensors.values()]
+    for name in ik.tensors:
+        assert ours.raw(name).tobytes() == ik.raw(name).tobytes(), name
+    assert out.read_bytes() == (golden / f"ik-{outtype}.gguf").read_bytes()
+
+
+def test_generated_checkpoint_accounts_for_every_tensor(tiny_hf: Path, tiny_f32: Path) -> None:
+    names = set()
+    for f in sorted(tiny_hf.glob("model*.safetensors")):
+        names |= set(SafetensorsFile(f).tensors)
+    g = GGUFFile(tiny_f32)
+    assert len(g.tensors) == len(names)
+    hf = {}
+    for f in sorted(tiny_hf.glob("model*.safetensors")):
+        hf.update(SafetensorsFile(f).tensors)
+    # plain renames carry the bf16 weights exactly
+    np.testing.assert_array_equal(g.dequantize("blk.1.ffn_down.weight"), hf["model.layers.1.mlp.down_proj.weight"].to_f32())
+    np.testing.assert_array_equal(g.dequantize("token_embd.weight"), hf["model.embed_tokens.weight"].to_f32())
+    assert g.get("tokenizer.ggml.model") == "gpt2"
+    assert len(g.get("tokenizer.ggml.tokens")) == json.loads((tiny_hf / "config.json").read_text())["vocab_size"]
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(data_dir: Path, tmp_path: Path) -> None:
+    res = _convert([str(data_dir / "convert" / "qwen3" / "hf"), "--dry-run", "--pre-tokenizer", "qwen2",
+                    "--outfile", str(tmp_path / "x.gguf")])
+    assert res.exit_code == 0, res.output
+    assert "blk.0.attn_q.weight" in res.output and "model.layers.0.self_attn.q_proj.weight" in res.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    for p in dst.rglob("*"):
+        p.chmod(0o644)
+    return dst
+
+
+def _fails(folder: Path, tmp_path: Path, *needles: str, extra: tuple[str, ...] = ()) -> None:
+    out = tmp_path / "out.gguf"
+    res = _convert([str(folder), "--outtype", "f32", "--pre-tokenizer", "qwen2", "--outfile", str(out), *extra])
+    assert res.exit_code == 2, res.output
+    text = " ".join(res.output.split())
+    for needle in needles:
+        assert needle in text, text
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.gguf")]
+
+
+def test_unknown_architecture_lists_the_supported_ones(data_dir: Path, tmp_path: Path) -> None:
+    hf = _copy(data_dir / "convert" / "qwen3" / "hf", tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["architectures"] = ["MambaForCausalLM"]
+    (hf / "config.json").write_text(json.dumps(cfg))
+    _fails(hf, tmp_path, "MambaForCausalLM", "not supported", "Qwen3ForCausalLM", "LlamaForCausalLM")
+
+
+def test_missing_shard(tiny_sharded: Path, tmp_path: Path) -> None:
+    hf = _copy(tiny_sharded, tmp_path / "hf")
+    (hf / "model-00002-of-00003.safetensors").unlink()
+    _fails(hf, tmp_path, "model-00002-of-00003.safetensors", "missing", extra=("--pre-tokenizer", "llama-bpe"))
+
+
+def test_truncated_safetensors(data_dir: Path, tmp_path: Path) -> None:
+    hf = _copy(data_dir / "convert" / "qwen3" / "hf", tmp_path / "hf")
+    data = (hf / "model.safetensors").read_bytes()
+    (hf / "model.safetensors").write_bytes(data[:-5000])
+    _fails(hf, tmp_path, "model.safetensors", "truncated")
+
+
+def test_corrupt_safetensors_header(data_dir: Path, tmp_path: Path) -> None:
+    hf = _copy(data_dir / "convert" / "qwen3" / "hf", tmp_path / "hf")
+    data = bytearray((hf / "model.safetensors").read_bytes())
+    data[8:20] = b"{{{{{{{{{{{{"
+    (hf / "model.safetensors").write_bytes(bytes(data))
+    _fails(hf, tmp_path, "model.safetensors", "corrupt header")
+
+
+def test_tensor_missing_from_index(tiny_sharded: Path, tmp_path: Path) -> None:
+    hf = _copy(tiny_sharded, tmp_path / "hf")
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.norm.weight"]
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    _fails(hf, tmp_path, "model.norm.weight", "missing from model.safetensors.index.json",
+           extra=("--pre-tokenizer", "llama-bpe"))
+
+
+def test_shape_disagreeing_with_config(data_dir: Path, tmp_path: Path) -> None:
+    hf = _copy(data_dir / "convert" / "qwen3" / "hf", tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (hf / "config.json").write_text(json.dumps(cfg))
+    _fails(hf, tmp_path, "model.layers.0.mlp.down_proj.weight", "[64, 128]", "config.json implies [64, 96]")
+
+
+def test_nonfinite_weights_stop_unless_allowed(data_dir: Path, tmp_path: Path) -> None:
+    hf = _copy(data_dir / "convert" / "qwen3" / "hf", tmp_path / "hf")
+    st = SafetensorsFile(hf / "model.safetensors")
+    tensors = {n: (t.dtype, np.array(t.raw())) for n, t in st.tensors.items()}
+    bad = tensors["model.layers.1.mlp.up_proj.weight"][1]
+    bad[3, 5] = 0x7FC0  # bf16 NaN
+    del st
+    write_safetensors(hf / "model.safetensors", tensors, {"format": "pt"})
+    _fails(hf, tmp_path, "model.layers.1.mlp.up_proj.weight", "NaN/Inf", "--allow-nonfinite")
+    out = tmp_path / "ok.gguf"
+    res = _convert([str(hf), "--outtype", "f32", "--pre-tokenizer", "qwen2", "--outfile", str(out),
+                    "--allow-nonfinite"])
+    assert res.exit_code == 0, res.output
+    assert np.isnan(GGUFFile(out).dequantize("blk.1.ffn_up.weight")[3, 5])
+
+
+def test_unknown_pre_tokenizer_is_reported_not_guessed(data_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.gguf"
+    res = _convert([str(data_dir / "convert" / "qwen3" / "hf"), "--outfile", str(out)])
+    assert res.exit_code == 2
+    text = " ".join(res.output.split())
+    assert "not recognized" in text and "--pre-tokenizer" in text
+    assert not out.exists()
+
+
+def test_auto_outtype_follows_ik(data_dir: Path) -> None:
+    assert Converter(data_dir / "convert" / "qwen3" / "hf", "auto", "qwen2").outtype == "bf16"

@@ -1,0 +1,114 @@
+"""ikquant through its command line: golden bytes with --pure, ik's plans, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikquant.cli import app
+from ikquant.gguf_io import GGUFFile, GGUFStreamWriter
+from ikquant.imatrix import Imatrix, ImatrixEntry, write_imatrix_dat
+from ikquant.types import type_by_name
+from tests.quant_golden import golden_cases
+
+runner = CliRunner()
+
+
+def _run(*args: str):  # type: ignore[no-untyped-def]
+    return runner.invoke(app, list(args), env={"COLUMNS": "250"})
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "F16", "BF16"])
+def test_pure_quantization_reproduces_golden_bytes(tmp_path: Path, type_name: str) -> None:
+    cases = golden_cases(type_name)
+    src = tmp_path / "rows.gguf"
+    with GGUFStreamWriter(src, "llama") as w:
+        for i, c in enumerate(cases):
+            w.add_tensor_info(f"blk.{i}.ffn_up.weight", c.x.shape, type_by_name("F32"))
+        for i, c in enumerate(cases):
+            w.write_tensor(f"blk.{i}.ffn_up.weight", c.x)
+        w.finish()
+    imat = Imatrix(chunks=1, dataset="golden")
+    for i, c in enumerate(cases):
+        if c.imatrix is not None:
+            imat.entries[f"blk.{i}.ffn_up.weight"] = ImatrixEntry(c.imatrix.astype(np.float32), 1)
+    dat = tmp_path / "imatrix.dat"
+    write_imatrix_dat(dat, imat)
+    out = tmp_path / "out.gguf"
+    res = _run(str(src), str(out), "--type", type_name.lower(), "--pure", "--imatrix", str(dat))
+    assert res.exit_code == 0, res.output
+    g = GGUFFile(out)
+    for i, c in enumerate(cases):
+        assert g.info(f"blk.{i}.ffn_up.weight").type is type_by_name(type_name)
+        assert g.raw(f"blk.{i}.ffn_up.weight").tobytes() == c.quant.tobytes(), c.name
+    assert g.get("general.file_type") == {"Q8_0": 7, "Q4_0": 2, "F16": 1, "BF16": 32}[type_name]
+    assert g.get("quantize.imatrix.entries_count") == len(imat.entries)
+
+
+def plan_model(data_dir: Path, tmp_path: Path, variant: str) -> Path:
+    """ik's plan input: the golden header, with the (irrelevant) weights as zeros in a sparse file."""
+    path = tmp_path / f"{variant}.gguf"
+    header = (data_dir / "plans" / variant / "ik-f16.header.bin").read_bytes()
+    with open(path, "wb") as fh:
+        fh.write(header)
+        fh.truncate(len(header) + (64 << 20))
+    return path
+
+
+@pytest.mark.parametrize("ftype", ["Q4_0", "Q8_0"])
+@pytest.mark.parametrize("with_imatrix", [False, True])
+def test_plan_equals_iks(data_dir: Path, tmp_path: Path, ftype: str, with_imatrix: bool) -> None:
+    variant = "qwen3-plan"
+    model = plan_model(data_dir, tmp_path, variant)
+    extra = ["--imatrix", str(data_dir / "plans" / variant / "imatrix.dat")] if with_imatrix else []
+    res = _run(str(model), str(tmp_path / "out.gguf"), "--type", ftype, "--dry-run", "--json", *extra)
+    assert res.exit_code == 0, res.output
+    ours = {p["name"]: p["type"] for p in json.loads(res.stdout)}
+    suffix = "-imat" if with_imatrix else ""
+    lines = (data_dir / "plans" / variant / f"ik-plan-{ftype}{suffix}.txt").read_text().split("\n")
+    ik = dict(line.split() for line in lines if line.strip())
+    assert ours == ik
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_tiny_rows_fall_back_like_ik(tiny_f32: Path, tmp_path: Path) -> None:
+    res = _run(str(tiny_f32), str(tmp_path / "o.gguf"), "--type", "q4_0", "--dry-run", "--json")
+    assert res.exit_code == 0, res.output
+    plan = {p["name"]: p for p in json.loads(res.stdout)}
+    # 64-column output rows cannot hold Q6_K's 256-value blocks: ik uses Q8_0
+    assert plan["output.weight"]["type"] == "q8_0"
+    assert plan["blk.0.attn_q.weight"]["type"] == "q4_0"
+    assert plan["blk.0.attn_norm.weight"]["type"] == "f32"
+
+
+def _no_output(tmp_path: Path, name: str = "out.gguf") -> None:
+    assert not (tmp_path / name).exists()
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+
+
+def test_bad_inputs(data_dir: Path, tmp_path: Path) -> None:
+    f32 = str(data_dir / "convert" / "qwen3" / "ik-f32.gguf")
+    q8 = str(data_dir / "convert" / "qwen3" / "ik-q8_0.gguf")
+    out = str(tmp_path / "out.gguf")
+    res = _run(f32, out, "--type", "Q4_Z")
+    assert res.exit_code == 2 and "unknown type" in res.output and "IQ4_KS" in res.output
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"\0" * 100)
+    res = _run(str(junk), out, "--type", "q8_0")
+    assert res.exit_code == 2 and "not a readable GGUF" in res.output
+    res = _run(f32, f32, "--type", "q8_0")
+    assert res.exit_code == 2 and "is the input file" in res.output
+    res = _run(q8, out, "--type", "q4_0")
+    assert res.exit_code == 2 and "--allow-requantize" in res.output
+    res = _run(q8, out, "--type", "q4_0", "--allow-requantize")
+    assert res.exit_code == 0, res.output
+    Path(out).unlink()
+    other = Imatrix(entries={"blk.0.attn_q.weight": ImatrixEntry(np.ones(17, np.float32), 1)})
+    write_imatrix_dat(tmp_path / "other.dat", other)
+    res = _run(f32, out, "--type", "q4_0", "--imatrix", str(tmp_path / "other.dat"))
+    assert res.exit_code == 2 and "blk.0.attn_q.weight" in res.output and "another model" in res.output
+    _no_output(tmp_path)
