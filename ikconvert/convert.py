@@ -19,7 +19,7 @@ from gguf import LlamaFileType, Metadata, size_label
 
 from ikconvert.archs.base import Arch, ConvertError, OutTensor, arch_for
 from ikconvert.checkpoint import Checkpoint
-from ikquant.formats.base import QuantInputError
+from ikquant.formats.base import QuantInputError, find_bad_value
 from ikquant.gguf_io import GGUFStreamWriter
 from ikquant.types import GGMLType, type_by_name
 
@@ -148,9 +148,9 @@ class Converter:
         x = np.ascontiguousarray(p.out.load(), dtype=np.float32)
         if x.shape != p.out.shape:
             raise ConvertError(f"{p.out.source!r}: transform produced shape {x.shape}, expected {p.out.shape}")
-        finite = np.isfinite(x)
-        if not finite.all():
-            bad = int(np.size(finite) - np.count_nonzero(finite))
+        rows = x.reshape(-1, p.shape[-1] if p.shape else 1)
+        if find_bad_value(rows) is not None:
+            bad = int(np.size(x) - np.count_nonzero(np.isfinite(x)))
             if not self.allow_nonfinite:
                 raise ConvertError(
                     f"{self.ckpt.dir}: tensor {p.out.source!r} holds {bad} NaN/Inf values; "
@@ -159,7 +159,6 @@ class Converter:
             if p.type.name not in ("F32", "F16", "BF16"):
                 raise ConvertError(f"tensor {p.out.source!r}: NaN/Inf cannot be stored as {p.type.name}")
             return _float_bits(x, p.type.name)
-        rows = x.reshape(-1, p.shape[-1] if p.shape else 1)
         try:
             return p.type.require_codec().quantize(rows)
         except QuantInputError as exc:

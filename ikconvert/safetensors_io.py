@@ -4,12 +4,14 @@ The `safetensors` package's numpy API cannot return bf16 or fp8 tensors (numpy h
 documented format (8-byte little-endian header length, JSON header, raw little-endian data) is parsed here and each
 tensor is a view into a memory map: nothing is read until a tensor's data is used, and the header is validated up
 front (offsets inside the file, sizes matching shape x dtype) so a truncated shard fails before any output exists.
+Tensor data is read with plain positioned reads when asked for (not memory-mapped): the memory it occupies is freed
+as soon as the caller drops it, so converting a 1 TB checkpoint holds one tensor at a time, not the pages of every
+tensor already visited.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -41,25 +43,30 @@ class SafetensorsError(ValueError):
 
 @dataclass(frozen=True)
 class SafeTensor:
-    """One tensor of a safetensors file: name, dtype string, shape, and a lazy raw view."""
+    """One tensor of a safetensors file: name, dtype string, shape, and where its bytes are (read on demand)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     path: Path
-    _raw: np.ndarray
-
-    @property
-    def nbytes(self) -> int:
-        return int(self._raw.nbytes)
+    offset: int
+    nbytes: int
 
     def raw(self) -> np.ndarray:
-        """The stored elements in their storage dtype (bf16/fp8 as unsigned integer bits), zero-copy."""
-        return self._raw
+        """The stored elements in their storage dtype (bf16/fp8 as unsigned integer bits), read from disk now."""
+        np_dtype, itemsize = _DTYPES[self.dtype]
+        count = self.nbytes // itemsize
+        if count == 0:
+            return np.zeros(self.shape, dtype=np_dtype)
+        with open(self.path, "rb") as fh:
+            data = np.fromfile(fh, dtype=np_dtype, count=count, offset=self.offset)
+        if data.size != count:
+            raise SafetensorsError(f"{self.path}: tensor {self.name!r} is truncated")
+        return data.reshape(self.shape)
 
     def to_f32(self) -> np.ndarray:
         """The tensor as float32 (exact for every float dtype; fp8 is decoded without any scale)."""
-        raw = self._raw
+        raw = self.raw()
         if self.dtype == "BF16":
             return (raw.astype(np.uint32) << np.uint32(16)).view(np.float32)
         if self.dtype == "F8_E4M3":
@@ -114,7 +121,6 @@ class SafetensorsFile:
                 header = json.loads(fh.read(header_len))
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 raise SafetensorsError(f"{self.path}: corrupt header ({exc})") from None
-            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size > 8 + header_len else None
         if not isinstance(header, dict):
             raise SafetensorsError(f"{self.path}: header is not a JSON object")
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
@@ -131,7 +137,7 @@ class SafetensorsFile:
         dtype = entry["dtype"]
         if dtype not in _DTYPES:
             raise SafetensorsError(f"{where}: unsupported dtype {dtype}")
-        np_dtype, itemsize = _DTYPES[dtype]
+        itemsize = _DTYPES[dtype][1]
         shape = tuple(int(d) for d in entry["shape"])
         begin, end = (int(o) for o in entry["data_offsets"])
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
@@ -141,11 +147,7 @@ class SafetensorsFile:
             raise SafetensorsError(
                 f"{where}: data ends at byte {end} but the file holds only {data_len} data bytes (truncated?)"
             )
-        if count == 0 or self._mm is None:
-            raw = np.zeros(shape, dtype=np_dtype)
-        else:
-            raw = np.frombuffer(self._mm, dtype=np_dtype, count=count, offset=data_start + begin).reshape(shape)
-        return SafeTensor(name, dtype, shape, self.path, raw)
+        return SafeTensor(name, dtype, shape, self.path, data_start + begin, end - begin)
 
 
 def write_safetensors(path: str | os.PathLike[str], tensors: dict[str, tuple[str, np.ndarray]],

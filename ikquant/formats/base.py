@@ -8,8 +8,30 @@ is free to parallelise over them.
 from __future__ import annotations
 
 import numpy as np
+from numba import njit, prange
 
 from ikquant.types import GGMLType, type_by_name
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _bad_columns(x: np.ndarray, limit: float, out: np.ndarray) -> None:
+    """out[r] = first column of row r whose value is NaN/Inf or beyond `limit` in magnitude, else -1."""
+    lim = np.float32(limit) if limit < 3.4e38 else np.float32(np.inf)
+    for r in prange(x.shape[0]):
+        out[r] = -1
+        for c in range(x.shape[1]):
+            v = x[r, c]
+            if not (abs(v) <= lim) or v != v or abs(v) == np.inf:
+                out[r] = c
+                break
+
+
+def find_bad_value(x: np.ndarray, limit: float = np.inf) -> tuple[int, int] | None:
+    """(row, column) of the first value in rows `x` that is non-finite or larger than `limit`, in one pass."""
+    cols = np.empty(x.shape[0], dtype=np.int64)
+    _bad_columns(x, float(limit), cols)
+    rows = np.flatnonzero(cols >= 0)
+    return (int(rows[0]), int(cols[rows[0]])) if rows.size else None
 
 
 class QuantInputError(ValueError):
@@ -69,18 +91,17 @@ class Codec:
                 f"{self.type_name}: row length {x.shape[1]} is not a multiple of the block size {block}"
             )
         x = np.ascontiguousarray(x, dtype=np.float32)
-        finite = np.isfinite(x)
-        if not finite.all():
-            row, col = np.argwhere(~finite)[0]
+        bad = find_bad_value(x, self.max_abs_input)
+        if bad is not None:
+            row, col = bad
+            value = x[row, col]
+            if not np.isfinite(value):
+                raise QuantInputError(
+                    f"{self.type_name}: row {row} holds a non-finite value ({value}) at column {col}; "
+                    "NaN/Inf cannot be quantized"
+                )
             raise QuantInputError(
-                f"{self.type_name}: row {row} holds a non-finite value ({x[row, col]}) at column {col}; "
-                "NaN/Inf cannot be quantized"
-            )
-        too_big = np.abs(x) > self.max_abs_input
-        if too_big.any():
-            row, col = np.argwhere(too_big)[0]
-            raise QuantInputError(
-                f"{self.type_name}: row {row} holds {x[row, col]:g} at column {col}, beyond the largest magnitude "
+                f"{self.type_name}: row {row} holds {value:g} at column {col}, beyond the largest magnitude "
                 f"the type can store ({self.max_abs_input:g})"
             )
         return x

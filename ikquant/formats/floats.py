@@ -3,10 +3,31 @@
 from __future__ import annotations
 
 import numpy as np
+from numba import njit, prange
 
 from ikquant.formats.base import Codec
-from ikquant.formats.numeric import bf16_bits_to_f32, f32_to_bf16_bits
+from ikquant.formats.numeric import bf16_bits_to_f32, f32_bits, f32_to_f16_bits
 from ikquant.types import register_codec
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _to_f16(x: np.ndarray, out: np.ndarray) -> None:
+    for r in prange(x.shape[0]):
+        for c in range(x.shape[1]):
+            out[r, c] = f32_to_f16_bits(x[r, c])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _to_bf16(x: np.ndarray, out: np.ndarray) -> None:
+    """ggml's fp32 -> bf16: round to nearest even; NaN becomes a quiet NaN with the same sign."""
+    for r in prange(x.shape[0]):
+        for c in range(x.shape[1]):
+            u = f32_bits(x[r, c])
+            if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+                out[r, c] = np.uint16((u >> np.uint32(16)) | np.uint32(64))
+            else:
+                out[r, c] = np.uint16((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))))
+                                      >> np.uint32(16))
 
 
 class F32Codec(Codec):
@@ -29,7 +50,7 @@ class F16Codec(Codec):
     abs_error_floor = 2.0**-25
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-        out.view(np.float16)[...] = x.astype(np.float16)
+        _to_f16(x, out.view(np.uint16))
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         out[...] = q.view(np.float16)
@@ -44,7 +65,7 @@ class BF16Codec(Codec):
     abs_error_floor = 2.0**-134
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-        out.view(np.uint16)[...] = f32_to_bf16_bits(x)
+        _to_bf16(x, out.view(np.uint16))
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         out[...] = bf16_bits_to_f32(q)
