@@ -51,6 +51,19 @@ def fmaf(typingctx, a, b, c):  # type: ignore[no-untyped-def]
     return sig, codegen
 
 
+@intrinsic
+def fma64(typingctx, a, b, c):  # type: ignore[no-untyped-def]
+    """a*b + c in float64 with one rounding (llvm.fma.f64), for ik's double-precision moment sums."""
+    sig = types.float64(types.float64, types.float64, types.float64)
+
+    def codegen(context, builder, signature, args):
+        f64 = ir.DoubleType()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f64, [f64, f64, f64]), "llvm.fma.f64")
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
 @njit(**NJIT)
 def f32_to_f16_bits(f: np.float32) -> np.uint16:
     """IEEE binary16 bits of a float32, round to nearest even, subnormals kept, NaN made quiet (as F16C does)."""
@@ -108,6 +121,15 @@ def round_f16(f: np.float32) -> np.float32:
 
 
 @njit(**NJIT)
+def e8m0_half_to_f32(e: np.uint8) -> np.float32:
+    """Half the value of an E8M0 exponent byte, 2^(e-128), as ggml's GGML_E8M0_TO_FP32_HALF builds it (bit pattern
+    (e-1) << 23, with the float32 subnormals 2^-128 and 2^-127 for e = 0 and 1; no NaN case)."""
+    if e >= 2:
+        return f32_from_bits((np.uint32(e) - np.uint32(1)) << np.uint32(23))
+    return f32_from_bits(np.uint32(0x00200000) << np.uint32(e))
+
+
+@njit(**NJIT)
 def roundf(x: np.float32) -> np.float32:
     """C roundf: nearest integer, halfway cases away from zero."""
     t = np.float32(np.trunc(x))
@@ -147,3 +169,12 @@ def nearest_int_fma(a: np.float32, b: np.float32) -> np.int32:
     """nearest_int(a*b) as ik's build computes it: GCC fuses the product into the 1.5*2^23 rounding add."""
     v = fmaf(a, b, np.float32(12582912.0))
     return np.int32(f32_bits(v) & np.uint32(0x007FFFFF)) - np.int32(0x00400000)
+
+
+@njit(**NJIT)
+def trunc_i32(x: np.float32) -> np.int32:
+    """C's (int)x as x86 computes it (cvttss2si): toward zero, and INT_MIN when x is NaN or outside int32."""
+    if x > np.float32(-2147483648.0) and x < np.float32(2147483648.0):
+        return np.int32(x)
+    return np.int32(-2147483648)
+
