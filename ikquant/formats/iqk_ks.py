@@ -1,0 +1,1485 @@
+"""ik_llama.cpp's row-scaled IQK types: IQ2_KS, IQ2_KL, IQ3_KS, IQ4_KS, IQ4_KSS, IQ5_KS.
+
+Each row starts with one row scale (f16 for IQ2_KS/IQ2_KL/IQ3_KS, f32 for the others) followed by 256-value
+blocks of 32-value sub-blocks. Every sub-block stores a small integer scale relative to the row scale and, for
+most types, a bit that picks one of two shifted non-linear value grids.
+
+The quantizers follow ik's two passes per row: first an importance-weighted search for each sub-block's best
+float scale (and grid), then one row scale from the largest of those, integer sub-block scales relative to it,
+a final choice of codes, and a least-squares refit of the row scale. IQ2_KS has two first-pass searches in ik,
+an exhaustive scalar one and a faster AVX2 one; llama-quantize runs the AVX2 one, so it is the default here and
+the scalar one is selected through `with_user_data`.
+
+Multiply-adds are fused exactly where ik's GCC build fuses them (read off its assembly): a product feeding an add
+becomes one FMA, and in a sum of several products only the first product is fused into the add that follows it.
+With that, every golden case and every random row tried against ik's library gives identical bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ikquant.formats.base import Codec
+from ikquant.formats.numeric import (
+    f16_bits_to_f32,
+    f32_bits,
+    f32_from_bits,
+    f32_to_f16_bits,
+    fmaf,
+    nearest_int_fma,
+    trunc_i32,
+)
+from ikquant.types import register_codec
+
+NJIT = dict(cache=True, nogil=True)
+KERNEL = dict(cache=True, nogil=True, parallel=True)
+QK = 256
+SUB = 32
+
+# ---------------------------------------------------------------------------------------------------------------
+# Value grids (ggml-common.h). Each holds two halves: the plain grid, then the shifted one.
+IQ2NL_VALUES = np.array([-31, -13, 1, 17, -26, -8, 6, 22], dtype=np.int8)
+IQ3NL_VALUES = np.array([-63, -40, -23, -10, 1, 13, 28, 47, -59, -36, -19, -6, 5, 17, 32, 51], dtype=np.int8)
+IQ4K_VALUES = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+     -123, -100, -79, -61, -45, -31, -18, -6, 5, 17, 29, 42, 57, 73, 93, 117], dtype=np.int8)  # fmt: skip
+IQ5NL_VALUES = np.array(
+    [-126, -114, -103, -92, -83, -74, -65, -57, -50, -43, -36, -30, -24, -18, -12, -6,
+     -1, 5, 11, 17, 23, 29, 36, 43, 51, 59, 68, 77, 87, 97, 109, 121,
+     -124, -112, -101, -90, -81, -72, -63, -55, -48, -41, -34, -28, -22, -16, -10, -4,
+     1, 7, 13, 19, 25, 31, 38, 45, 53, 61, 70, 79, 89, 99, 111, 123], dtype=np.int8)  # fmt: skip
+# IQ2_KL: 32 value pairs, each u16 packing two int8 (low byte first), all drawn from the plain IQ3 grid.
+IQ2KL_VALUES = np.array(
+    [0xe9c1, 0x0dc1, 0xc1d8, 0xf6d8, 0x0dd8, 0x2fd8, 0xd8e9, 0xe9e9, 0x01e9, 0x0de9, 0x1ce9, 0xc1f6, 0x01f6, 0x0df6,
+     0x2ff6, 0xe901, 0xf601, 0x0101, 0x0d01, 0x1c01, 0xd80d, 0xe90d, 0xf60d, 0x010d, 0x0d0d, 0xc11c, 0xe91c, 0x011c,
+     0x1c1c, 0x2f1c, 0xe92f, 0x0d2f], dtype=np.uint16)  # fmt: skip
+IQ2KL_PAIRS = IQ2KL_VALUES.view(np.int8).reshape(32, 2).copy()
+
+
+def _runs(*pairs: int) -> np.ndarray:
+    """Expand (value, count) pairs: ik's nearest-value index tables are long runs of one entry."""
+    out: list[int] = []
+    for value, count in zip(pairs[::2], pairs[1::2]):
+        out += [value] * count
+    return np.array(out, dtype=np.int8)
+
+
+# Index tables of ik's best_index_iq{3,4,5}nl (iqk_quantize.cpp): entry (int)x - grid[0] gives the nearest grid
+# point k < n, or n + k when x lies between points k and k+1 and a comparison decides.
+IQ3NL_INDEX = _runs(0, 11, 8, 2, 1, 18, 9, 2, 2, 13, 10, 2, 3, 10, 11, 2, 4, 10, 12, 1, 5, 12, 13, 2, 6, 15, 14, 2,
+                    7, 9)  # fmt: skip
+IQ4NL_INDEX = _runs(0, 11, 16, 2, 1, 20, 17, 2, 2, 18, 18, 1, 3, 16, 19, 1, 4, 14, 20, 1, 5, 12, 21, 2, 6, 11, 22, 1,
+                    7, 10, 23, 2, 8, 10, 24, 1, 9, 11, 25, 1, 10, 11, 26, 2, 11, 12, 27, 2, 12, 14, 28, 1, 13, 17,
+                    29, 1, 14, 21, 30, 1, 15, 12)  # fmt: skip
+IQ5NL_INDEX = _runs(0, 6, 32, 1, 1, 10, 33, 2, 2, 9, 34, 2, 3, 8, 35, 2, 4, 7, 36, 2, 5, 7, 37, 2, 6, 7, 38, 1,
+                    7, 6, 39, 2, 8, 5, 40, 2, 9, 5, 41, 2, 10, 5, 42, 1, 11, 5, 43, 1, 12, 5, 44, 1, 13, 5, 45, 1,
+                    14, 5, 46, 1, 15, 4, 47, 2, 16, 4, 48, 1, 17, 5, 49, 1, 18, 5, 50, 1, 19, 5, 51, 1, 20, 5, 52, 1,
+                    21, 5, 53, 2, 22, 5, 54, 2, 23, 6, 55, 1, 24, 7, 56, 1, 25, 7, 57, 2, 26, 7, 58, 2, 27, 8, 59, 1,
+                    28, 9, 60, 1, 29, 10, 61, 1, 30, 11, 62, 1, 31, 6)  # fmt: skip
+# Last usable entry + 1 of each table, as ik's range checks state it.
+IQ3NL_LIMIT, IQ4NL_LIMIT, IQ5NL_LIMIT = 111, 241, 247
+
+# IQ2_KL's search (iqk_quantize.cpp): which pair an (i1, i2) grid-index combination maps to (>= 0), or -(list+1)
+# of the 8 candidate pairs to score when the combination itself is not a stored pair.
+IQ2KL_INDEX = np.array(
+    [-1, -2, 0, -3, -4, 1, -5, -6, 2, -7, -8, 3, -9, 4, -10, 5, -11, 6, 7, -12, 8, 9, 10, -13, 11, -14, -15, -16,
+     12, 13, -17, 14, -18, -19, 15, 16, 17, 18, 19, -20, -21, 20, 21, 22, 23, 24, -22, -23, 25, -24, 26, -25, 27,
+     -26, 28, 29, -27, -28, 30, -29, -30, 31, -31, -32], dtype=np.int8)  # fmt: skip
+IQ2KL_NEIGHBOURS = np.array(
+    [[2, 0, 6, 11, 7, 3, 8, 15], [0, 2, 3, 6, 7, 1, 8, 4], [0, 1, 3, 4, 8, 7, 9, 6], [1, 0, 3, 4, 8, 9, 7, 10],
+     [1, 4, 5, 10, 9, 3, 8, 0], [5, 1, 4, 10, 9, 14, 8, 3], [6, 2, 7, 0, 3, 11, 8, 15], [3, 7, 0, 6, 8, 4, 12, 9],
+     [3, 4, 8, 9, 1, 7, 12, 10], [4, 10, 5, 9, 1, 8, 13, 14], [11, 2, 6, 7, 20, 15, 25, 21],
+     [8, 7, 3, 12, 9, 16, 17, 13], [14, 5, 10, 19, 9, 13, 4, 18], [6, 15, 7, 11, 20, 21, 16, 2],
+     [15, 7, 16, 6, 21, 12, 17, 22], [12, 16, 17, 8, 15, 7, 13, 22], [19, 10, 13, 18, 14, 9, 12, 24],
+     [11, 20, 25, 6, 15, 2, 21, 7], [20, 15, 21, 6, 11, 7, 16, 26], [14, 19, 29, 10, 28, 18, 13, 24],
+     [25, 11, 20, 21, 15, 6, 26, 30], [19, 24, 28, 18, 29, 23, 13, 17], [29, 19, 14, 28, 24, 18, 10, 13],
+     [20, 26, 21, 25, 30, 15, 22, 16], [27, 26, 22, 23, 21, 30, 16, 24], [27, 24, 28, 31, 23, 18, 22, 17],
+     [25, 30, 20, 26, 21, 11, 15, 22], [30, 26, 25, 20, 21, 27, 22, 15], [30, 27, 31, 26, 22, 23, 21, 24],
+     [31, 27, 30, 26, 28, 23, 22, 24], [31, 28, 29, 27, 24, 23, 19, 18], [29, 28, 31, 24, 19, 27, 14, 18]],
+    dtype=np.int8)  # fmt: skip
+
+
+# Working copies for the hot loops. LLVM inlines a jitted helper only when it takes no arrays, so the per-value
+# helpers below read these module constants instead of taking tables as arguments (int8 -> float32 is exact).
+_G2 = IQ2NL_VALUES.astype(np.float32)
+_G3, _G3I, _X3 = IQ3NL_VALUES.astype(np.float32), IQ3NL_VALUES.astype(np.int64), IQ3NL_INDEX.astype(np.int64)
+_G4, _G4I, _X4 = IQ4K_VALUES.astype(np.float32), IQ4K_VALUES.astype(np.int64), IQ4NL_INDEX.astype(np.int64)
+_G5, _G5I, _X5 = IQ5NL_VALUES.astype(np.float32), IQ5NL_VALUES.astype(np.int64), IQ5NL_INDEX.astype(np.int64)
+_KL_PAIRS, _KL_PAIRS_I = IQ2KL_PAIRS.astype(np.float32), IQ2KL_PAIRS.astype(np.int64)
+_KL_INDEX, _KL_NEIGHBOURS = IQ2KL_INDEX.astype(np.int64), IQ2KL_NEIGHBOURS.astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Byte access and shared scalar pieces
+
+
+@njit(**NJIT)
+def _store_f16(row: np.ndarray, pos: int, v: np.float32) -> None:
+    h = f32_to_f16_bits(v)
+    row[pos] = np.uint8(h & np.uint16(0xFF))
+    row[pos + 1] = np.uint8(h >> np.uint16(8))
+
+
+@njit(**NJIT)
+def _load_f16(row: np.ndarray, pos: int) -> np.float32:
+    return f16_bits_to_f32(np.uint16(row[pos]) | (np.uint16(row[pos + 1]) << np.uint16(8)))
+
+
+@njit(**NJIT)
+def _store_f32(row: np.ndarray, pos: int, v: np.float32) -> None:
+    u = f32_bits(v)
+    for k in range(4):
+        row[pos + k] = np.uint8((u >> np.uint32(8 * k)) & np.uint32(0xFF))
+
+
+@njit(**NJIT)
+def _load_f32(row: np.ndarray, pos: int) -> np.float32:
+    u = np.uint32(0)
+    for k in range(4):
+        u |= np.uint32(row[pos + k]) << np.uint32(8 * k)
+    return f32_from_bits(u)
+
+
+@njit(**NJIT)
+def _load_u16(row: np.ndarray, pos: int) -> int:
+    return np.int64(row[pos]) | (np.int64(row[pos + 1]) << 8)
+
+
+@njit(**NJIT)
+def _importance(qw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """ik's QHelper: a 32-value block whose importance (or values) is negligible gets the tiny weight 1e-9 instead.
+
+    Without it, a block of zero importance would make every scale search divide by zero.
+    """
+    eps = np.float32(1e-9)
+    floor = np.float32(SUB) * (eps * eps)
+    for ib in range(x.size // SUB):
+        sumw2 = np.float32(0.0)
+        sumx2 = np.float32(0.0)
+        sumwx = np.float32(0.0)
+        for j in range(ib * SUB, ib * SUB + SUB):
+            w = qw[j]
+            out[j] = w
+            sumw2 += w * w
+            sumx2 += x[j] * x[j]
+            sumwx += w * abs(x[j])
+        if not (sumw2 > floor and sumx2 > floor and sumwx > floor):
+            out[ib * SUB : ib * SUB + SUB] = eps
+
+
+@njit(**NJIT)
+def _sum_squares(x: np.ndarray) -> np.float32:
+    """Sum of x*x over a block, products rounded then added in order (ik's build vectorises only the products)."""
+    s = np.float32(0.0)
+    for j in range(x.size):
+        s += x[j] * x[j]
+    return s
+
+
+@njit(**NJIT)
+def _weights(qw: np.ndarray, xb: np.ndarray, sigma2: np.float32, weighted: bool, plain: int,
+             out: np.ndarray) -> None:
+    """A sub-block's importance weights as ik forms them.
+
+    With an imatrix: imatrix * sqrt(sigma2 + x^2) (sum fused). Without, by `plain`: 0 -> x^2 (IQ3_KS, IQ4_KS,
+    IQ4_KSS, IQ5_KS), 1 -> sigma2/4 + x^2 (IQ2_KS, fused), 2 -> |x| (IQ2_KL).
+    """
+    if weighted:
+        for j in range(xb.size):
+            out[j] = qw[j] * np.sqrt(fmaf(xb[j], xb[j], sigma2))
+    elif plain == 0:
+        for j in range(xb.size):
+            out[j] = xb[j] * xb[j]
+    elif plain == 1:
+        base = np.float32(0.25) * sigma2
+        for j in range(xb.size):
+            out[j] = fmaf(xb[j], xb[j], base)
+    else:
+        for j in range(xb.size):
+            out[j] = abs(xb[j])
+
+
+@njit(**NJIT)
+def _absmax(xb: np.ndarray) -> tuple[np.float32, np.float32]:
+    """Largest |x| and the signed value that has it (first one on ties)."""
+    amax = np.float32(0.0)
+    vmax = np.float32(0.0)
+    for j in range(xb.size):
+        ax = abs(xb[j])
+        if ax > amax:
+            amax = ax
+            vmax = xb[j]
+    return amax, vmax
+
+
+@njit(**NJIT)
+def _nearest(kind: int, off: int, x: np.float32) -> int:
+    """Index (within the half starting at `off`) of the point of grid kind 3, 4 or 5 nearest to x, found as ik's
+    best_index_iq{3,4,5}nl do: (int)x - grid[0] looks up either the answer or the pair to compare."""
+    if kind == 3:
+        gf, gi, index, limit, nv = _G3, _G3I, _X3, IQ3NL_LIMIT, 8
+    elif kind == 4:
+        gf, gi, index, limit, nv = _G4, _G4I, _X4, IQ4NL_LIMIT, 16
+    else:
+        gf, gi, index, limit, nv = _G5, _G5I, _X5, IQ5NL_LIMIT, 32
+    ix = np.int64(trunc_i32(x)) - gi[off]
+    if ix < 0:
+        return 0
+    if ix >= limit:
+        return nv - 1
+    k = index[ix]
+    if k < nv:
+        return k
+    k -= nv
+    if x - gf[off + k] < gf[off + k + 1] - x:
+        return k
+    return k + 1
+
+
+@njit(**NJIT)
+def _grid(kind: int, i: int) -> np.float32:
+    """Point i of grid kind 3, 4 or 5 (both halves), as float."""
+    if kind == 3:
+        return _G3[i]
+    if kind == 4:
+        return _G4[i]
+    return _G5[i]
+
+
+@njit(**NJIT)
+def _grid_int(kind: int, i: int) -> int:
+    if kind == 3:
+        return _G3I[i]
+    if kind == 4:
+        return _G4I[i]
+    return _G5I[i]
+
+
+@njit(**NJIT)
+def _nearest_iq2(off: int, x: np.float32) -> int:
+    """Nearest of the 4 IQ2 grid points of the half at `off`, by ik's two comparisons."""
+    if x < _G2[off + 1]:
+        idx = 0
+    elif x > _G2[off + 2]:
+        idx = 2
+    else:
+        idx = 1
+    if x - _G2[off + idx] < _G2[off + idx + 1] - x:
+        return idx
+    return idx + 1
+
+
+@njit(**NJIT)
+def _make_qx_quants(n: int, nmax: int, x: np.ndarray, L: np.ndarray, w: np.ndarray) -> np.float32:
+    """iqk_quantize.cpp's own make_qx_quants: symmetric integer scales in [-nmax, nmax) for n float scales.
+
+    Tries 19 inverse scales around nmax/max and keeps the best weighted least-squares fit (no refinement pass,
+    unlike ggml-quants.c's function of the same name). L receives l + nmax.
+    """
+    vmax = np.float32(0.0)
+    amax = np.float32(0.0)
+    for i in range(n):
+        ax = abs(x[i])
+        if ax > amax:
+            amax = ax
+            vmax = x[i]
+    if amax == 0:
+        L[:n] = 0
+        return np.float32(0.0)
+    fn = np.float32(nmax)
+    iscale = -fn / vmax
+    sumlx = np.float32(0.0)
+    suml2 = np.float32(0.0)
+    for i in range(n):
+        l = min(nmax - 1, max(-nmax, nearest_int_fma(iscale, x[i])))
+        L[i] = l + nmax
+        fl = np.float32(l)
+        sumlx = fmaf(w[i] * x[i], fl, sumlx)
+        suml2 = fmaf(w[i] * fl, fl, suml2)
+    scale = sumlx / suml2 if suml2 != 0 else np.float32(0.0)
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        iscale = -fmaf(np.float32(0.1), np.float32(step), fn) / vmax
+        sumlx = np.float32(0.0)
+        suml2 = np.float32(0.0)
+        for i in range(n):
+            fl = np.float32(min(nmax - 1, max(-nmax, nearest_int_fma(iscale, x[i]))))
+            sumlx = fmaf(w[i] * x[i], fl, sumlx)
+            suml2 = fmaf(w[i] * fl, fl, suml2)
+        if suml2 > 0 and sumlx * sumlx > best * suml2:
+            for i in range(n):
+                L[i] = nmax + min(nmax - 1, max(-nmax, nearest_int_fma(iscale, x[i])))
+            scale = sumlx / suml2
+            best = scale * sumlx
+    return scale
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# IQ2_KS: header f16 d; block = extra u16 (bits 0-7: shifted grid per sub-block, bits 8-15: scale bit 4),
+# scales[4] (low 4 bits of the 5-bit scale, two per byte), qs[64] (2-bit codes, 4 sub-blocks per 32 bytes).
+
+IQ2KS_BYTES = 70
+
+
+@njit(**NJIT)
+def _sigma2_iq2ks(xbl: np.ndarray) -> np.float32:
+    return (np.float32(1.5) * _sum_squares(xbl)) * np.float32(1.0 / QK)
+
+
+@njit(**NJIT)
+def _dot4(a0: np.float32, a1: np.float32, a2: np.float32, a3: np.float32, v0: np.float32, v1: np.float32,
+          v2: np.float32, v3: np.float32) -> np.float32:
+    """a0*v0 + a1*v1 + a2*v2 + a3*v3 as GCC contracts it: the first product fused into the first add."""
+    return fmaf(a3, v3, fmaf(a2, v2, fmaf(a0, v0, a1 * v1)))
+
+
+@njit(**NJIT)
+def _dot4_sq(a0: np.float32, a1: np.float32, a2: np.float32, a3: np.float32, v0: np.float32, v1: np.float32,
+             v2: np.float32, v3: np.float32) -> np.float32:
+    """a0*v0*v0 + ... + a3*v3*v3 contracted the same way ((a*v) rounded, then fused with the second v)."""
+    return fmaf(a3 * v3, v3, fmaf(a2 * v2, v2, fmaf(a0 * v0, v0, (a1 * v1) * v1)))
+
+
+@njit(**NJIT)
+def _iq2ks_slow_search(xb: np.ndarray, weight: np.ndarray, order: np.ndarray, sumx: np.ndarray,
+                       sumw: np.ndarray) -> tuple[np.float32, bool]:
+    """ik's scalar IQ2_KS sub-block search: every split of the sorted values into 4 runs of equal codes, both
+    grids, both orientations. Returns the best scale and whether the shifted grid won."""
+    for j in range(SUB):  # stable insertion sort by value: ik sorts (x, index) pairs
+        k = j
+        i = j - 1
+        while i >= 0 and xb[order[i]] > xb[k]:
+            order[i + 1] = order[i]
+            i -= 1
+        order[i + 1] = k
+    sumx[0] = np.float32(0.0)
+    sumw[0] = np.float32(0.0)
+    for j in range(SUB):
+        jj = order[j]
+        sumw[j + 1] = sumw[j] + weight[jj]
+        sumx[j + 1] = sumx[j] + weight[jj] * xb[jj]
+    a0, a1, a2, a3 = _G2[0], _G2[1], _G2[2], _G2[3]
+    b0, b1, b2, b3 = _G2[4], _G2[5], _G2[6], _G2[7]
+    best = np.float32(0.0)
+    d = np.float32(0.0)
+    shifted = False
+    for i1 in range(3 * SUB // 4):
+        for i2 in range(i1, SUB):
+            for i3 in range(max(i2, SUB // 4), SUB):
+                x0, x1, x2, x3 = sumx[i1] - sumx[0], sumx[i2] - sumx[i1], sumx[i3] - sumx[i2], sumx[SUB] - sumx[i3]
+                w0, w1, w2, w3 = sumw[i1] - sumw[0], sumw[i2] - sumw[i1], sumw[i3] - sumw[i2], sumw[SUB] - sumw[i3]
+                for variant in range(4):
+                    if variant == 0:
+                        v0, v1, v2, v3 = a0, a1, a2, a3
+                    elif variant == 1:
+                        v0, v1, v2, v3 = b0, b1, b2, b3
+                    elif variant == 2:
+                        v0, v1, v2, v3 = a3, a2, a1, a0
+                    else:
+                        v0, v1, v2, v3 = b3, b2, b1, b0
+                    sumqx = _dot4(x0, x1, x2, x3, v0, v1, v2, v3)
+                    sumq2 = _dot4_sq(w0, w1, w2, w3, v0, v1, v2, v3)
+                    if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+                        d = sumqx / sumq2
+                        best = d * sumqx
+                        shifted = variant % 2 == 1
+    return d, shifted
+
+
+@njit(**NJIT)
+def _fold8(a0: np.float32, a1: np.float32, a2: np.float32, a3: np.float32, a4: np.float32, a5: np.float32,
+           a6: np.float32, a7: np.float32) -> np.float32:
+    """ik's hsum_float_8 of 8 AVX lanes: fold 4+4, then 2+2, then 1+1."""
+    return ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+
+
+@njit(**NJIT)
+def _hsum8(acc: np.ndarray, r: int) -> np.float32:
+    return _fold8(acc[r, 0], acc[r, 1], acc[r, 2], acc[r, 3], acc[r, 4], acc[r, 5], acc[r, 6], acc[r, 7])
+
+
+@njit(**NJIT)
+def _iq2ks_fast_search(xb: np.ndarray, w: np.ndarray, vmax: np.float32, q: np.ndarray,
+                       acc: np.ndarray) -> tuple[np.float32, bool]:
+    """ik's AVX2 IQ2_KS sub-block search (compute_1block_iq2ks over 55 trial scales): for each trial scale the
+    codes nearest (in squared distance) to x for +scale and for -scale, each refitted by weighted least squares
+    with 8-lane fused sums. Returns the best scale and whether the shifted grid won."""
+    d = vmax / _G2[7]
+    best = np.float32(0.0)
+    shifted = False
+    for t in range(55):
+        off = 4 if t > 27 else 0
+        if t == 0:
+            dt = d
+        else:
+            dt = vmax / fmaf(np.float32(0.5), np.float32((t - 1) % 27 - 13), _G2[off])
+        v0, v1, v2, v3 = _G2[off], _G2[off + 1], _G2[off + 2], _G2[off + 3]
+        s0, s1, s2, s3 = dt * v0, dt * v1, dt * v2, dt * v3
+        for j in range(SUB):
+            x = xb[j]
+            e = x - s0
+            bp = e * e
+            qp = v0
+            e = x + s0
+            bm = e * e
+            qm = v0
+            e = x - s1
+            e = e * e
+            if e < bp:
+                bp = e
+                qp = v1
+            e = x + s1
+            e = e * e
+            if e < bm:
+                bm = e
+                qm = v1
+            e = x - s2
+            e = e * e
+            if e < bp:
+                bp = e
+                qp = v2
+            e = x + s2
+            e = e * e
+            if e < bm:
+                bm = e
+                qm = v2
+            e = x - s3
+            if e * e < bp:
+                qp = v3
+            e = x + s3
+            if e * e < bm:
+                qm = v3
+            q[0, j] = qp
+            q[1, j] = qm
+            q[2, j] = w[j] * qp
+            q[3, j] = w[j] * qm
+        for lane in range(8):
+            a0 = np.float32(0.0)
+            a1 = np.float32(0.0)
+            a2 = np.float32(0.0)
+            a3 = np.float32(0.0)
+            for k in range(SUB // 8):
+                j = 8 * k + lane
+                a0 = fmaf(q[2, j], xb[j], a0)
+                a1 = fmaf(q[2, j], q[0, j], a1)
+                a2 = fmaf(q[3, j], xb[j], a2)
+                a3 = fmaf(q[3, j], q[1, j], a3)
+            acc[0, lane] = a0
+            acc[1, lane] = a1
+            acc[2, lane] = a2
+            acc[3, lane] = a3
+        sumqx_p = _hsum8(acc, 0)
+        sumq2_p = _hsum8(acc, 1)
+        sumqx_m = _hsum8(acc, 2)
+        sumq2_m = _hsum8(acc, 3)
+        found = False
+        this_d = np.float32(0.0)
+        score = np.float32(0.0)
+        if sumq2_p > 0:
+            this_d = sumqx_p / sumq2_p
+            score = sumqx_p * this_d
+            found = True
+        if sumq2_m > 0 and (not found or sumqx_m * sumqx_m > score * sumq2_m):
+            this_d = sumqx_m / sumq2_m
+            score = sumqx_m * this_d
+            found = True
+        if found and (t == 0 or score > best):
+            best = score
+            d = this_d
+            shifted = off == 4
+    return d, shifted
+
+
+@njit(**NJIT)
+def _iq2ks_rmse(dl: np.float32, xb: np.ndarray, w: np.ndarray, off: int, idx: np.ndarray,
+                acc: np.ndarray) -> np.float32:
+    """ik's compute_1block_iq2ks_rmse: codes nearest (squared distance) to x at scale dl, and their weighted
+    squared error in 8 fused lanes."""
+    s0, s1, s2, s3 = dl * _G2[off], dl * _G2[off + 1], dl * _G2[off + 2], dl * _G2[off + 3]
+    acc[0, :] = np.float32(0.0)
+    for j in range(SUB):
+        x = xb[j]
+        e = x - s0
+        best = e * e
+        bi = 0
+        e = x - s1
+        e = e * e
+        if e < best:
+            best = e
+            bi = 1
+        e = x - s2
+        e = e * e
+        if e < best:
+            best = e
+            bi = 2
+        e = x - s3
+        if e * e < best:
+            bi = 3
+        idx[j] = bi
+        diff = fmaf(-dl, _G2[off + bi], x)
+        acc[0, j % 8] = fmaf(w[j] * diff, diff, acc[0, j % 8])
+    return _hsum8(acc, 0)
+
+
+@njit(**NJIT)
+def _iq2ks_pack_scale(blk: np.ndarray, ib: int, ls: int) -> None:
+    blk[2 + ib // 2] |= np.uint8((ls & 0xF) << (4 * (ib % 2)))
+    blk[1] |= np.uint8((ls >> 4) << ib)
+
+
+@njit(**NJIT)
+def _iq2ks_pack_code(blk: np.ndarray, ib: int, j: int, code: int) -> None:
+    blk[6 + 32 * (ib // 4) + j] |= np.uint8(code << (2 * (ib % 4)))
+
+
+@njit(**NJIT)
+def _iq2ks_fast_codes(blk: np.ndarray, ib: int, xb: np.ndarray, weight: np.ndarray, off: int, d: np.float32,
+                      ls: int, scale: np.float32, idx: np.ndarray, idx2: np.ndarray, acc: np.ndarray) -> None:
+    """Fast path, final pass for one sub-block: codes at integer scale ls, or at ls -/+ 1 when the float scale
+    lies on that side and the error is lower there; packs them and adds to the row's 8-lane refit sums."""
+    dl = d * np.float32(ls - 16)
+    rmse1 = _iq2ks_rmse(dl, xb, weight, off, idx, acc[2:])
+    if ls > 0 and dl > scale:
+        if _iq2ks_rmse(d * np.float32(ls - 17), xb, weight, off, idx2, acc[2:]) < rmse1:
+            ls -= 1
+            idx[:] = idx2
+    elif ls < 15 and dl < scale:
+        if _iq2ks_rmse(d * np.float32(ls - 15), xb, weight, off, idx2, acc[2:]) < rmse1:
+            ls += 1
+            idx[:] = idx2
+    fl = np.float32(ls - 16)
+    for j in range(SUB):
+        q = fl * _G2[off + idx[j]]
+        wq = weight[j] * q
+        acc[0, j % 8] = fmaf(wq, xb[j], acc[0, j % 8])
+        acc[1, j % 8] = fmaf(wq, q, acc[1, j % 8])
+        _iq2ks_pack_code(blk, ib, j, idx[j])
+    _iq2ks_pack_scale(blk, ib, ls)
+
+
+@njit(**KERNEL)
+def _quantize_iq2_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray, slow: bool) -> None:
+    n_rows, n = x.shape
+    nblock = n // QK
+    nsub = n // SUB
+    weighted = qw.size > 0
+    for r in prange(n_rows):
+        xr = x[r]
+        row = out[r]
+        row[:] = 0
+        w_row = np.empty(n, dtype=np.float32)
+        if weighted:
+            _importance(qw, xr, w_row)
+        scales = np.zeros(nsub, dtype=np.float32)
+        sw = np.zeros(nsub, dtype=np.float32)
+        Ls = np.zeros(nsub, dtype=np.int64)
+        weight = np.empty(SUB, dtype=np.float32)
+        idx = np.zeros(SUB, dtype=np.int64)
+        idx2 = np.zeros(SUB, dtype=np.int64)
+        order = np.empty(SUB, dtype=np.int64)
+        sumx = np.empty(SUB + 1, dtype=np.float32)
+        sumw = np.empty(SUB + 1, dtype=np.float32)
+        qbuf = np.empty((4, SUB), dtype=np.float32)
+        acc = np.zeros((4, 8), dtype=np.float32)
+        for ibl in range(nblock):
+            xbl = xr[ibl * QK : (ibl + 1) * QK]
+            sigma2 = _sigma2_iq2ks(xbl)
+            extra = 0
+            for ib in range(8):
+                s = ibl * 8 + ib
+                xb = xbl[ib * SUB : (ib + 1) * SUB]
+                _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 1, weight)
+                amax, vmax = _absmax(xb)
+                sumw_b = np.float32(0.0)
+                for j in range(SUB):
+                    sumw_b += weight[j]
+                sw[s] = sumw_b
+                if amax < (np.float32(1e-16) if slow else np.float32(1e-14)):
+                    continue
+                if slow:
+                    scales[s], shifted = _iq2ks_slow_search(xb, weight, order, sumx, sumw)
+                else:
+                    scales[s], shifted = _iq2ks_fast_search(xb, weight, vmax, qbuf, acc)
+                if shifted:
+                    extra |= 1 << ib
+            row[2 + ibl * IQ2KS_BYTES] = np.uint8(extra)
+        d = _make_qx_quants(nsub, 16, scales, Ls, sw)
+        if d == 0:
+            continue
+        sumqx = np.float32(0.0)
+        sumq2 = np.float32(0.0)
+        acc[:, :] = np.float32(0.0)
+        for ibl in range(nblock):
+            blk = row[2 + ibl * IQ2KS_BYTES : 2 + (ibl + 1) * IQ2KS_BYTES]
+            xbl = xr[ibl * QK : (ibl + 1) * QK]
+            sigma2 = _sigma2_iq2ks(xbl)
+            for ib in range(8):
+                s = ibl * 8 + ib
+                xb = xbl[ib * SUB : (ib + 1) * SUB]
+                off = 4 if (blk[0] >> ib) & 1 else 0
+                if not slow:
+                    _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 1, weight)
+                    _iq2ks_fast_codes(blk, ib, xb, weight, off, d, Ls[s], scales[s], idx, idx2, acc)
+                    continue
+                ls = Ls[s] - 16
+                _iq2ks_pack_scale(blk, ib, Ls[s])
+                dl = d * np.float32(ls)
+                if dl == 0:
+                    continue
+                _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 1, weight)
+                idl = np.float32(1.0) / dl
+                for j in range(SUB):
+                    k = _nearest_iq2(off, idl * xb[j])
+                    _iq2ks_pack_code(blk, ib, j, k)
+                    q = np.float32(np.int64(IQ2NL_VALUES[off + k]) * ls)
+                    wq = weight[j] * q
+                    sumqx = fmaf(wq, xb[j], sumqx)
+                    sumq2 = fmaf(wq, q, sumq2)
+        if slow:
+            dh = np.float32(1.03) * (sumqx / sumq2 if sumq2 > 0 else d)
+        else:
+            sumqx = _hsum8(acc, 0)
+            sumq2 = _hsum8(acc, 1)
+            dh = sumqx / sumq2 if sumq2 > 0 else d
+        _store_f16(row, 0, dh)
+
+
+@njit(**KERNEL)
+def _dequantize_iq2_ks(q: np.ndarray, out: np.ndarray) -> None:
+    n_rows, n = out.shape
+    for r in prange(n_rows):
+        row = q[r]
+        y = out[r]
+        d = _load_f16(row, 0)
+        for ibl in range(n // QK):
+            o = 2 + ibl * IQ2KS_BYTES
+            extra = _load_u16(row, o)
+            for ib in range(8):
+                ls = ((row[o + 2 + ib // 2] >> (4 * (ib % 2))) & 0xF) | (((extra >> (8 + ib)) & 1) << 4)
+                dl = d * np.float32(np.int64(ls) - 16)
+                off = 4 if (extra >> ib) & 1 else 0
+                qs = o + 6 + 32 * (ib // 4)
+                shift = 2 * (ib % 4)
+                base = ibl * QK + ib * SUB
+                for j in range(SUB):
+                    y[base + j] = dl * _G2[off + ((row[qs + j] >> shift) & 3)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# IQ2_KL: header f16 d; block = scales_h u16 (2 high bits of each 6-bit scale), scales_l[4] (low 4 bits),
+# qs[64] (low 4 bits of a 5-bit pair index, two sub-blocks per 16 bytes), qh[16] (bit 4 of the pair index).
+# Values come in pairs: each pair of neighbouring values takes one of 32 points of a 2-D grid built from the
+# plain IQ3 grid.
+
+IQ2KL_BYTES = 86
+
+
+@njit(**NJIT)
+def _iq2kl_index(id_: np.float32, x1: np.float32, x2: np.float32, w1: np.float32, w2: np.float32) -> int:
+    """The grid pair for (x1, x2) at inverse scale id_: both coordinates rounded to the IQ3 grid, and when that
+    combination is not a stored pair, the best of its 8 listed neighbours by weighted squared distance."""
+    sx1 = id_ * x1
+    sx2 = id_ * x2
+    i = _KL_INDEX[8 * _nearest(3, 0, sx1) + _nearest(3, 0, sx2)]
+    if i >= 0:
+        return i
+    best = np.float32(np.finfo(np.float32).max)
+    ibest = 0  # ik asserts instead when every score overflows
+    for k in range(8):
+        nb = _KL_NEIGHBOURS[-i - 1, k]
+        diff1 = _KL_PAIRS[nb, 0] - sx1
+        diff2 = _KL_PAIRS[nb, 1] - sx2
+        score = fmaf(w1 * diff1, diff1, (w2 * diff2) * diff2)
+        if score < best:
+            best = score
+            ibest = nb
+    return ibest
+
+
+@njit(**NJIT)
+def _iq2kl_sums(id_: np.float32, xb: np.ndarray, w: np.ndarray) -> tuple[np.float32, np.float32, np.float32,
+                                                                          np.float32]:
+    """Weighted sums q*x and q*q over a sub-block's pairs for the codes chosen at inverse scales id_ and -id_."""
+    sumqx_p = np.float32(0.0)
+    sumq2_p = np.float32(0.0)
+    sumqx_m = np.float32(0.0)
+    sumq2_m = np.float32(0.0)
+    for j in range(0, SUB, 2):
+        x1, x2, w1, w2 = xb[j], xb[j + 1], w[j], w[j + 1]
+        k = _iq2kl_index(id_, x1, x2, w1, w2)
+        q1, q2 = _KL_PAIRS[k, 0], _KL_PAIRS[k, 1]
+        wq1, wq2 = w1 * q1, w2 * q2
+        sumqx_p += fmaf(wq1, x1, wq2 * x2)
+        sumq2_p += fmaf(wq1, q1, wq2 * q2)
+        k = _iq2kl_index(-id_, x1, x2, w1, w2)
+        q1, q2 = _KL_PAIRS[k, 0], _KL_PAIRS[k, 1]
+        wq1, wq2 = w1 * q1, w2 * q2
+        sumqx_m += fmaf(wq1, x1, wq2 * x2)
+        sumq2_m += fmaf(wq1, q1, wq2 * q2)
+    return sumqx_p, sumq2_p, sumqx_m, sumq2_m
+
+
+@njit(**NJIT)
+def _iq2kl_search(xb: np.ndarray, w: np.ndarray, vmax: np.float32) -> np.float32:
+    """Best weighted least-squares scale of one sub-block over 12 inverse scales, both signs."""
+    d = -vmax / _G3[0]
+    sumqx_p, sumq2_p, sumqx_m, sumq2_m = _iq2kl_sums(np.float32(1.0) / d, xb, w)
+    d = sumqx_p / sumq2_p
+    best = d * sumqx_p
+    if sumq2_m > 0 and sumqx_m * sumqx_m > best * sumq2_m:
+        d = sumqx_m / sumq2_m
+        best = d * sumqx_m
+    for itry in range(-5, 6):
+        sumqx_p, sumq2_p, sumqx_m, sumq2_m = _iq2kl_sums(np.float32(itry + _G3I[0]) / vmax, xb, w)
+        if sumq2_p > 0 and sumqx_p * sumqx_p > best * sumq2_p:
+            d = sumqx_p / sumq2_p
+            best = d * sumqx_p
+        if sumq2_m > 0 and sumqx_m * sumqx_m > best * sumq2_m:
+            d = sumqx_m / sumq2_m
+            best = d * sumqx_m
+    return d
+
+
+@njit(**NJIT)
+def _iq2kl_level(xb: np.ndarray, w: np.ndarray, d: np.float32, ls: int) -> int:
+    """Of the integer sub-block scales ls-1, ls, ls+1 (within [-32, 31]), the one with the lowest weighted error."""
+    best_score = np.float32(np.finfo(np.float32).max)
+    best_ls = ls
+    for ils in range(max(-32, ls - 1), min(31, ls + 1) + 1):
+        dl = d * np.float32(ils)
+        idl = np.float32(1.0) / dl if dl != 0 else np.float32(0.0)
+        score = np.float32(0.0)
+        for j in range(0, SUB, 2):
+            k = _iq2kl_index(idl, xb[j], xb[j + 1], w[j], w[j + 1])
+            diff1 = fmaf(dl, _KL_PAIRS[k, 0], -xb[j])
+            diff2 = fmaf(dl, _KL_PAIRS[k, 1], -xb[j + 1])
+            score += fmaf(w[j] * diff1, diff1, (w[j + 1] * diff2) * diff2)
+        if score < best_score:
+            best_score = score
+            best_ls = ils
+    return best_ls
+
+
+@njit(**KERNEL)
+def _quantize_iq2_kl(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
+    n_rows, n = x.shape
+    nblock = n // QK
+    weighted = qw.size > 0
+    for r in prange(n_rows):
+        xr = x[r]
+        row = out[r]
+        row[:] = 0
+        w_row = np.empty(n, dtype=np.float32)
+        if weighted:
+            _importance(qw, xr, w_row)
+        scales = np.zeros(n // SUB, dtype=np.float32)
+        weight = np.empty(SUB, dtype=np.float32)
+        max_scale = np.float32(0.0)
+        max_abs_scale = np.float32(0.0)
+        for ibl in range(nblock):
+            xbl = xr[ibl * QK : (ibl + 1) * QK]
+            sigma2 = _sum_squares(xbl) * np.float32(2.25 / QK)
+            for ib in range(8):
+                s = ibl * 8 + ib
+                xb = xbl[ib * SUB : (ib + 1) * SUB]
+                _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 2, weight)
+                amax, vmax = _absmax(xb)
+                if amax < np.float32(1e-16):
+                    continue
+                scales[s] = _iq2kl_search(xb, weight, vmax)
+                if abs(scales[s]) > max_abs_scale:
+                    max_abs_scale = abs(scales[s])
+                    max_scale = scales[s]
+        if max_abs_scale == 0:
+            continue
+        d = max_scale * np.float32(-1.0 / 32)
+        id_ = np.float32(1.0) / d
+        sumqx = np.float32(0.0)
+        sumq2 = np.float32(0.0)
+        for ibl in range(nblock):
+            blk = row[2 + ibl * IQ2KL_BYTES : 2 + (ibl + 1) * IQ2KL_BYTES]
+            xbl = xr[ibl * QK : (ibl + 1) * QK]
+            sigma2 = _sum_squares(xbl) * np.float32(2.25 / QK)
+            for ib in range(8):
+                s = ibl * 8 + ib
+                xb = xbl[ib * SUB : (ib + 1) * SUB]
+                _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 2, weight)
+                ls = _iq2kl_level(xb, weight, d, min(31, max(-32, np.int64(nearest_int_fma(id_, scales[s])))))
+                blk[2 + ib % 4] |= np.uint8(((ls + 32) & 0xF) << (4 * (ib // 4)))
+                blk[ib // 4] |= np.uint8(((ls + 32) >> 4) << (2 * (ib % 4)))
+                if ls == 0:
+                    continue
+                idl = np.float32(1.0) / (d * np.float32(ls))
+                for j in range(SUB // 2):
+                    x1, x2, w1, w2 = xb[2 * j], xb[2 * j + 1], weight[2 * j], weight[2 * j + 1]
+                    k = _iq2kl_index(idl, x1, x2, w1, w2)
+                    blk[6 + 16 * (ib // 2) + j] |= np.uint8((k & 0xF) << (4 * (ib % 2)))
+                    blk[70 + j] |= np.uint8((k >> 4) << ib)
+                    q1 = np.float32(ls * _KL_PAIRS_I[k, 0])
+                    q2 = np.float32(ls * _KL_PAIRS_I[k, 1])
+                    wq1, wq2 = w1 * q1, w2 * q2
+                    sumqx += fmaf(wq1, x1, wq2 * x2)
+                    sumq2 += fmaf(wq1, q1, wq2 * q2)
+        if sumq2 > 0:
+            d = sumqx / sumq2
+        _store_f16(row, 0, np.float32(1.025) * d)
+
+
+@njit(**KERNEL)
+def _dequantize_iq2_kl(q: np.ndarray, out: np.ndarray) -> None:
+    n_rows, n = out.shape
+    for r in prange(n_rows):
+        row = q[r]
+        y = out[r]
+        d = _load_f16(row, 0)
+        for ibl in range(n // QK):
+            o = 2 + ibl * IQ2KL_BYTES
+            scales_h = _load_u16(row, o)
+            for ib in range(8):
+                ls = ((row[o + 2 + ib % 4] >> (4 * (ib // 4))) & 0xF) | (((scales_h >> (2 * ib)) & 3) << 4)
+                dl = d * np.float32(np.int64(ls) - 32)
+                qs = o + 6 + 16 * (ib // 2)
+                shift = 4 * (ib % 2)
+                base = ibl * QK + ib * SUB
+                for j in range(SUB // 2):
+                    k = ((row[qs + j] >> shift) & 0xF) | (((row[o + 70 + j] >> ib) & 1) << 4)
+                    y[base + 2 * j] = dl * _KL_PAIRS[k, 0]
+                    y[base + 2 * j + 1] = dl * _KL_PAIRS[k, 1]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# IQ3_KS, IQ4_KS, IQ5_KS: one search over both halves of a non-linear grid (kind 3, 4 or 5) per sub-block.
+
+
+@njit(**NJIT)
+def _grid_sums(kind: int, id_: np.float32, xb: np.ndarray, w: np.ndarray,
+               off: int) -> tuple[np.float32, np.float32, np.float32, np.float32]:
+    """Weighted sums q*x and q*q for the codes nearest to x*id_ and to x*(-id_)."""
+    sumqx_p = np.float32(0.0)
+    sumq2_p = np.float32(0.0)
+    sumqx_m = np.float32(0.0)
+    sumq2_m = np.float32(0.0)
+    for j in range(xb.size):
+        al = id_ * xb[j]
+        q = _grid(kind, off + _nearest(kind, off, al))
+        wq = w[j] * q
+        sumqx_p = fmaf(wq, xb[j], sumqx_p)
+        sumq2_p = fmaf(wq, q, sumq2_p)
+        q = _grid(kind, off + _nearest(kind, off, -al))
+        wq = w[j] * q
+        sumqx_m = fmaf(wq, xb[j], sumqx_m)
+        sumq2_m = fmaf(wq, q, sumq2_m)
+    return sumqx_p, sumq2_p, sumqx_m, sumq2_m
+
+
+@njit(**NJIT)
+def _grid_search(kind: int, xb: np.ndarray, w: np.ndarray, vmax: np.float32, ntry: int,
+                 check_first: bool) -> tuple[np.float32, bool]:
+    """Best weighted least-squares scale of one sub-block over inverse scales (itry + grid[0]) / max, both grid
+    halves, both signs; and whether the shifted half won. check_first: IQ3_KS guards the first fit against an
+    empty sum, IQ4_KS/IQ5_KS do not."""
+    nv = 8 if kind == 3 else (16 if kind == 4 else 32)
+    d = -vmax / _grid(kind, 0)
+    sumqx_p, sumq2_p, sumqx_m, sumq2_m = _grid_sums(kind, np.float32(1.0) / d, xb, w, 0)
+    best = np.float32(0.0)
+    if not check_first or sumq2_p > 0:
+        d = sumqx_p / sumq2_p
+        best = d * sumqx_p
+    if sumq2_m > 0 and sumqx_m * sumqx_m > best * sumq2_m:
+        d = sumqx_m / sumq2_m
+        best = d * sumqx_m
+    shifted = False
+    for itry in range(-ntry, ntry + 1):
+        for off in (0, nv):
+            id_ = np.float32(itry + _grid_int(kind, off)) / vmax
+            sumqx_p, sumq2_p, sumqx_m, sumq2_m = _grid_sums(kind, id_, xb, w, off)
+            if sumq2_p > 0 and sumqx_p * sumqx_p > best * sumq2_p:
+                d = sumqx_p / sumq2_p
+                best = d * sumqx_p
+                shifted = off != 0
+            if sumq2_m > 0 and sumqx_m * sumqx_m > best * sumq2_m:
+                d = sumqx_m / sumq2_m
+                best = d * sumqx_m
+                shifted = off != 0
+    return d, shifted
+
+
+@njit(**NJIT)
+def _grid_first_pass(kind: int, xr: np.ndarray, w_row: np.ndarray, weighted: bool, ntry: int,
+                     check_first: bool, scales: np.ndarray, shifted: np.ndarray) -> None:
+    """Per sub-block best float scale (0 for an all-but-zero sub-block) and grid half, for a whole row."""
+    weight = np.empty(SUB, dtype=np.float32)
+    for ibl in range(xr.size // QK):
+        xbl = xr[ibl * QK : (ibl + 1) * QK]
+        sigma2 = _sum_squares(xbl) * np.float32(2.0 / QK)
+        for ib in range(8):
+            s = ibl * 8 + ib
+            xb = xbl[ib * SUB : (ib + 1) * SUB]
+            _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 0, weight)
+            amax, vmax = _absmax(xb)
+            scales[s] = np.float32(0.0)
+            shifted[s] = False
+            if amax >= np.float32(1e-16):
+                scales[s], shifted[s] = _grid_search(kind, xb, weight, vmax, ntry, check_first)
+
+
+# IQ3_KS: header f16 d; block = extra u16 (bits 0-7: scale bit 4, bits 8-15: shifted grid), scales[4] (low 4
+# bits, sub-blocks t and t+4 share byte t), qs[64] (low 2 bits of the 3-bit codes), qh[32] (bit 2).
+
+IQ3KS_BYTES = 102
+
+
+@njit(**KERNEL)
+def _quantize_iq3_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
+    n_rows, n = x.shape
+    weighted = qw.size > 0
+    for r in prange(n_rows):
+        xr = x[r]
+        row = out[r]
+        row[:] = 0
+        w_row = np.empty(n, dtype=np.float32)
+        if weighted:
+            _importance(qw, xr, w_row)
+        scales = np.empty(n // SUB, dtype=np.float32)
+        shifted = np.empty(n // SUB, dtype=np.bool_)
+        _grid_first_pass(3, xr, w_row, weighted, 5, True, scales, shifted)
+        max_scale = np.float32(0.0)
+        amax_scale = np.float32(0.0)
+        for s in range(n // SUB):
+            if abs(scales[s]) > amax_scale:
+                amax_scale = abs(scales[s])
+                max_scale = scales[s]
+            if shifted[s]:
+                row[2 + (s // 8) * IQ3KS_BYTES + 1] |= np.uint8(1 << (s % 8))
+        d = max_scale * np.float32(-1.0 / 16)
+        _store_f16(row, 0, d)
+        if d == 0:
+            continue
+        id_ = np.float32(1.0) / d
+        weight = np.empty(SUB, dtype=np.float32)
+        sumqx = np.float32(0.0)
+        sumq2 = np.float32(0.0)
+        for ibl in range(n // QK):
+            blk = row[2 + ibl * IQ3KS_BYTES : 2 + (ibl + 1) * IQ3KS_BYTES]
+            xbl = xr[ibl * QK : (ibl + 1) * QK]
+            sigma2 = _sum_squares(xbl) * np.float32(2.0 / QK)
+            for ib in range(8):
+                s = ibl * 8 + ib
+                off = 8 if shifted[s] else 0
+                l = min(15, max(-16, np.int64(nearest_int_fma(id_, scales[s]))))
+                blk[2 + ib % 4] |= np.uint8(((l + 16) & 0xF) << (4 * (ib // 4)))
+                blk[0] |= np.uint8(((l + 16) >> 4) << ib)
+                dl = d * np.float32(l)
+                idl = np.float32(1.0) / dl if dl != 0 else np.float32(0.0)
+                xb = xbl[ib * SUB : (ib + 1) * SUB]
+                _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 0, weight)
+                for j in range(SUB):
+                    k = _nearest(3, off, idl * xb[j])
+                    blk[6 + 32 * (ib // 4) + j] |= np.uint8((k & 3) << (2 * (ib % 4)))
+                    blk[70 + j] |= np.uint8((k >> 2) << ib)
+                    q = np.float32(_G3I[off + k] * l)
+                    wq = weight[j] * q
+                    sumqx = fmaf(wq, xb[j], sumqx)
+                    sumq2 = fmaf(wq, q, sumq2)
+        if sumq2 > 0:
+            _store_f16(row, 0, sumqx / sumq2)
+
+
+@njit(**KERNEL)
+def _dequantize_iq3_ks(q: np.ndarray, out: np.ndarray) -> None:
+    n_rows, n = out.shape
+    for r in prange(n_rows):
+        row = q[r]
+        y = out[r]
+        d = _load_f16(row, 0)
+        for ibl in range(n // QK):
+            o = 2 + ibl * IQ3KS_BYTES
+            extra = _load_u16(row, o)
+            for ib in range(8):
+                ls = ((row[o + 2 + ib % 4] >> (4 * (ib // 4))) & 0xF) | (((extra >> ib) & 1) << 4)
+                dl = d * np.float32(np.int64(ls) - 16)
+                off = 8 if (extra >> (8 + ib)) & 1 else 0
+                qs = o + 6 + 32 * (ib // 4)
+                shift = 2 * (ib % 4)
+                base = ibl * QK + ib * SUB
+                for j in range(SUB):
+                    k = ((row[qs + j] >> shift) & 3) | (((row[o + 70 + j] >> ib) & 1) << 2)
+                    y[base + j] = dl * _G3[off + k]
+
+
+# IQ4_KS / IQ5_KS: header f32 d; block = one byte per sub-block (bit 0: shifted grid, bits 1-7: scale + 127),
+# then the codes (IQ4_KS: nibbles, values j and j+16 of a sub-block share a byte; IQ5_KS: low nibbles with two
+# sub-blocks per 32 bytes, plus qh[32] holding bit 4).
+
+IQ4KS_BYTES = 136
+IQ5KS_BYTES = 168
+
+
+@njit(**NJIT)
+def _scale_level(id_: np.float32, scale: np.float32) -> int:
+    """Odd sub-block scale in [-127, 127] nearest to scale/d, as ik rounds it: 2*round((id*s + 127)/2) - 127."""
+    l = np.int64(nearest_int_fma(np.float32(0.5), fmaf(id_, scale, np.float32(127.0))))
+    return (min(127, max(0, l)) << 1) - 127
+
+
+@njit(**NJIT)
+def _row_amax(scales: np.ndarray) -> np.float32:
+    """max |scale| as ik's std::max chain computes it (a NaN scale is skipped)."""
+    amax = np.float32(0.0)
+    for s in range(scales.size):
+        if amax < abs(scales[s]):
+            amax = abs(scales[s])
+    return amax
+
+
+@njit(**KERNEL)
+def _quantize_iq45_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray, kind: int) -> None:
+    """IQ4_KS (kind 4: 16-point grid halves) or IQ5_KS (kind 5: 32-point halves): same search, other packing."""
+    n_rows, n = x.shape
+    weighted = qw.size > 0
+    nv = 32 if kind == 5 else 16
+    nbytes = IQ5KS_BYTES if kind == 5 else IQ4KS_BYTES
+    ntry = 5 if kind == 5 else 7
+    for r in prange(n_rows):
+        xr = x[r]
+        row = out[r]
+        row[:] = 0
+        w_row = np.empty(n, dtype=np.float32)
+        if weighted:
+            _importance(qw, xr, w_row)
+        scales = np.empty(n // SUB, dtype=np.float32)
+        shifted = np.empty(n // SUB, dtype=np.bool_)
+        _grid_first_pass(kind, xr, w_row, weighted, ntry, False, scales, shifted)
+        for s in range(n // SUB):
+            if shifted[s]:
+                row[4 + (s // 8) * nbytes + s % 8] = 1
+        d = _row_amax(scales) / np.float32(127.0)
+        _store_f32(row, 0, d)
+        if d == 0:
+            continue
+        id_ = np.float32(1.0) / d
+        weight = np.empty(SUB, dtype=np.float32)
+        sumqx = np.float32(0.0)
+        sumq2 = np.float32(0.0)
+        for ibl in range(n // QK):
+            blk = row[4 + ibl * nbytes : 4 + (ibl + 1) * nbytes]
+            xbl = xr[ibl * QK : (ibl + 1) * QK]
+            sigma2 = _sum_squares(xbl) * np.float32(2.0 / QK)
+            for ib in range(8):
+                s = ibl * 8 + ib
+                off = nv if shifted[s] else 0
+                l = _scale_level(id_, scales[s])
+                blk[ib] |= np.uint8(l + 127)
+                dl = d * np.float32(l)
+                idl = np.float32(1.0) / dl if dl != 0 else np.float32(0.0)
+                xb = xbl[ib * SUB : (ib + 1) * SUB]
+                _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 0, weight)
+                if kind == 5:
+                    for j in range(SUB):
+                        k = _nearest(5, off, idl * xb[j])
+                        blk[8 + 32 * (ib // 2) + j] |= np.uint8((k & 0xF) << (4 * (ib % 2)))
+                        blk[136 + j] |= np.uint8((k >> 4) << ib)
+                        q = np.float32(_G5I[off + k] * l)
+                        wq = weight[j] * q
+                        sumqx = fmaf(wq, xb[j], sumqx)
+                        sumq2 = fmaf(wq, q, sumq2)
+                else:
+                    for j in range(SUB // 2):
+                        k1 = _nearest(4, off, idl * xb[j])
+                        k2 = _nearest(4, off, idl * xb[j + 16])
+                        blk[8 + 16 * ib + j] = np.uint8(k1 | (k2 << 4))
+                        q1 = np.float32(_G4I[off + k1] * l)
+                        q2 = np.float32(_G4I[off + k2] * l)
+                        wq1 = weight[j] * q1
+                        wq2 = weight[j + 16] * q2
+                        sumqx += fmaf(wq1, xb[j], wq2 * xb[j + 16])
+                        sumq2 += fmaf(wq1, q1, wq2 * q2)
+        if sumq2 > 0:
+            _store_f32(row, 0, sumqx / sumq2)
+
+
+@njit(**KERNEL)
+def _dequantize_iq4_ks(q: np.ndarray, out: np.ndarray) -> None:
+    n_rows, n = out.shape
+    for r in prange(n_rows):
+        row = q[r]
+        y = out[r]
+        d = _load_f32(row, 0)
+        for ibl in range(n // QK):
+            o = 4 + ibl * IQ4KS_BYTES
+            for ib in range(8):
+                b = np.int64(row[o + ib])
+                dl = d * np.float32((b & 254) - 127)
+                off = 16 * (b & 1)
+                qs = o + 8 + 16 * ib
+                base = ibl * QK + ib * SUB
+                for j in range(16):
+                    y[base + j] = dl * _G4[off + (row[qs + j] & 0xF)]
+                    y[base + j + 16] = dl * _G4[off + (row[qs + j] >> 4)]
+
+
+@njit(**KERNEL)
+def _dequantize_iq5_ks(q: np.ndarray, out: np.ndarray) -> None:
+    n_rows, n = out.shape
+    for r in prange(n_rows):
+        row = q[r]
+        y = out[r]
+        d = _load_f32(row, 0)
+        for ibl in range(n // QK):
+            o = 4 + ibl * IQ5KS_BYTES
+            for ib in range(8):
+                b = np.int64(row[o + ib])
+                dl = d * np.float32((b & 254) - 127)
+                off = 32 * (b & 1)
+                qs = o + 8 + 32 * (ib // 2)
+                shift = 4 * (ib % 2)
+                base = ibl * QK + ib * SUB
+                for j in range(SUB):
+                    k = ((row[qs + j] >> shift) & 0xF) | (((row[o + 136 + j] >> ib) & 1) << 4)
+                    y[base + j] = dl * _G5[off + k]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# IQ4_KSS: header f32 d; block = 64 LE u16 words, 8 per sub-block. Bit 0 of word k carries bit k of the
+# sub-block's scale byte (as IQ4_KS); bits 1-15 carry 15 bits g whose image a ^ (a >> 1), a = g << 1, is 16 bits =
+# four 4-bit IQ4 codes. Only code groups of even parity survive that, so the quantizer repairs odd-parity groups
+# by changing one code. Group k of a sub-block holds its values 2k, 2k+16, 2k+1, 2k+17 (lowest nibble first).
+
+IQ4KSS_BYTES = 128
+
+
+@njit(**NJIT)
+def _popcount(v: int) -> int:
+    c = 0
+    while v:
+        v &= v - 1
+        c += 1
+    return c
+
+
+@njit(**NJIT)
+def _iq4kss_encode(v: int) -> int:
+    """The 15 stored bits g of an even-parity 16-bit code group v, i.e. g ^ (g << 1) == v: bit k of g is the
+    parity of bits 0..k of v (bit 15 is then 0)."""
+    g = v
+    g ^= g << 1
+    g ^= g << 2
+    g ^= g << 4
+    g ^= g << 8
+    return g & 0x7FFF
+
+
+@njit(**NJIT)
+def _group_pos(k: int, j: int) -> int:
+    """Position in the sub-block of nibble j of code group k."""
+    return 2 * k + (j >> 1) + 16 * (j & 1)
+
+
+@njit(**NJIT)
+def _iq4kss_cost(off: int, q: int, x: np.float32, w: np.float32, dl: np.float32,
+                 diff0: np.float32) -> np.float32:
+    diff1 = fmaf(dl, _G4[off + q], -x)
+    return w * fmaf(diff1, diff1, -(diff0 * diff0))
+
+
+@njit(**NJIT)
+def _iq4kss_prune(v: int, off: int, x0: np.float32, x1: np.float32, x2: np.float32, x3: np.float32,
+                  w0: np.float32, w1: np.float32, w2: np.float32, w3: np.float32, dl: np.float32) -> int:
+    """ik's prune_iq4ks: give an odd-parity group of four codes even parity by moving the one code (by at most 2
+    steps) whose change costs least weighted squared error. The current error is measured on the plain grid even
+    when the group uses the shifted one, exactly as ik does."""
+    if _popcount(v) % 2 == 0:
+        return v
+    best_score = np.float32(np.finfo(np.float32).max)
+    jbest = 0
+    bestq = 0
+    for j in range(4):
+        x = x0 if j == 0 else (x1 if j == 1 else (x2 if j == 2 else x3))
+        w = w0 if j == 0 else (w1 if j == 1 else (w2 if j == 2 else w3))
+        q = (v >> (4 * j)) & 0xF
+        pc = _popcount(q)
+        diff0 = fmaf(dl, _G4[q], -x)
+        for qq in range(max(q - 2, 0), min(q + 2, 15) + 1):
+            if qq != q and (_popcount(qq) - pc) % 2 != 0:
+                score = _iq4kss_cost(off, qq, x, w, dl, diff0)
+                if score < best_score:
+                    best_score = score
+                    jbest = j
+                    bestq = qq
+    return (v & ~(0xF << (4 * jbest))) | (bestq << (4 * jbest))
+
+
+@njit(**NJIT)
+def _iq4kss_group(xb: np.ndarray, w: np.ndarray, k: int, off: int, id_: np.float32, dl: np.float32) -> int:
+    """Codes (grid half at `off`) of group k nearest to x*id_, parity-repaired at scale dl."""
+    v = 0
+    for j in range(4):
+        v |= _nearest(4, off, id_ * xb[_group_pos(k, j)]) << (4 * j)
+    p0, p1, p2, p3 = _group_pos(k, 0), _group_pos(k, 1), _group_pos(k, 2), _group_pos(k, 3)
+    return _iq4kss_prune(v, off, xb[p0], xb[p1], xb[p2], xb[p3], w[p0], w[p1], w[p2], w[p3], dl)
+
+
+@njit(**NJIT)
+def _iq4kss_search(xb: np.ndarray, w: np.ndarray, vmax: np.float32) -> np.float32:
+    """IQ4_KSS sub-block scale search: as IQ4_KS's, but every code group is parity-repaired before it is scored
+    (both signs are repaired at the positive trial scale, as ik does)."""
+    best = np.float32(0.0)
+    d = -vmax / _G4[0]
+    for itry in range(-7, 8):
+        for off in (0, 16):
+            id_ = np.float32(itry + _G4I[off]) / vmax
+            this_d = np.float32(1.0) / id_
+            sumqx_p = np.float32(0.0)
+            sumq2_p = np.float32(0.0)
+            sumqx_m = np.float32(0.0)
+            sumq2_m = np.float32(0.0)
+            for k in range(SUB // 4):
+                vp = _iq4kss_group(xb, w, k, off, id_, this_d)
+                vm = _iq4kss_group(xb, w, k, off, -id_, this_d)
+                for j in range(4):
+                    p = _group_pos(k, j)
+                    q = _G4[off + ((vp >> (4 * j)) & 0xF)]
+                    wq = w[p] * q
+                    sumqx_p = fmaf(wq, xb[p], sumqx_p)
+                    sumq2_p = fmaf(wq, q, sumq2_p)
+                    q = _G4[off + ((vm >> (4 * j)) & 0xF)]
+                    wq = w[p] * q
+                    sumqx_m = fmaf(wq, xb[p], sumqx_m)
+                    sumq2_m = fmaf(wq, q, sumq2_m)
+            if sumq2_p > 0 and sumqx_p * sumqx_p > best * sumq2_p:
+                d = sumqx_p / sumq2_p
+                best = d * sumqx_p
+            if sumq2_m > 0 and sumqx_m * sumqx_m > best * sumq2_m:
+                d = sumqx_m / sumq2_m
+                best = d * sumqx_m
+    return d
+
+
+@njit(**NJIT)
+def _iq4kss_mse(xb: np.ndarray, w: np.ndarray, k: int, off: int, v: int, dl: np.float32,
+                mse: np.float32) -> np.float32:
+    """mse plus the weighted squared error of group k coded as v (grid half at `off`) at scale dl."""
+    for j in range(4):
+        p = _group_pos(k, j)
+        diff = fmaf(-dl, _G4[off + ((v >> (4 * j)) & 0xF)], xb[p])
+        mse = fmaf(w[p] * diff, diff, mse)
+    return mse
+
+
+@njit(**KERNEL)
+def _quantize_iq4_kss(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
+    n_rows, n = x.shape
+    weighted = qw.size > 0
+    for r in prange(n_rows):
+        xr = x[r]
+        row = out[r]
+        row[:] = 0
+        w_row = np.empty(n, dtype=np.float32)
+        if weighted:
+            _importance(qw, xr, w_row)
+        scales = np.zeros(n // SUB, dtype=np.float32)
+        weight = np.empty(SUB, dtype=np.float32)
+        vps = np.empty(SUB // 4, dtype=np.int64)
+        vms = np.empty(SUB // 4, dtype=np.int64)
+        for ibl in range(n // QK):
+            xbl = xr[ibl * QK : (ibl + 1) * QK]
+            sigma2 = _sum_squares(xbl) * np.float32(2.0 / QK)
+            for ib in range(8):
+                s = ibl * 8 + ib
+                xb = xbl[ib * SUB : (ib + 1) * SUB]
+                _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 0, weight)
+                amax, vmax = _absmax(xb)
+                if amax >= np.float32(1e-16):
+                    scales[s] = _iq4kss_search(xb, weight, vmax)
+        d = _row_amax(scales) / np.float32(127.0)
+        _store_f32(row, 0, d)
+        if d == 0:
+            continue
+        id_ = np.float32(1.0) / d
+        sumqx = np.float32(0.0)
+        sumq2 = np.float32(0.0)
+        for ibl in range(n // QK):
+            blk = row[4 + ibl * IQ4KSS_BYTES : 4 + (ibl + 1) * IQ4KSS_BYTES]
+            xbl = xr[ibl * QK : (ibl + 1) * QK]
+            sigma2 = _sum_squares(xbl) * np.float32(2.0 / QK)
+            for ib in range(8):
+                s = ibl * 8 + ib
+                xb = xbl[ib * SUB : (ib + 1) * SUB]
+                _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 0, weight)
+                l = _scale_level(id_, scales[s])  # odd, so never 0: ik's branch for a zero level is dead
+                dl = d * np.float32(l)
+                idl = np.float32(1.0) / dl
+                mse_p = np.float32(0.0)
+                mse_m = np.float32(0.0)
+                for k in range(SUB // 4):
+                    vps[k] = _iq4kss_group(xb, weight, k, 0, idl, dl)
+                    vms[k] = _iq4kss_group(xb, weight, k, 16, idl, dl)
+                    mse_p = _iq4kss_mse(xb, weight, k, 0, vps[k], dl, mse_p)
+                    mse_m = _iq4kss_mse(xb, weight, k, 16, vms[k], dl, mse_m)
+                use_shifted = mse_m < mse_p
+                v = vms if use_shifted else vps
+                off = 16 if use_shifted else 0
+                b = (l + 127) | (1 if use_shifted else 0)
+                for k in range(SUB // 4):
+                    for j in range(4):
+                        p = _group_pos(k, j)
+                        q = np.float32(_G4I[off + ((v[k] >> (4 * j)) & 0xF)] * l)
+                        wq = weight[p] * q
+                        sumqx = fmaf(wq, xb[p], sumqx)
+                        sumq2 = fmaf(wq, q, sumq2)
+                    word = (_iq4kss_encode(v[k]) << 1) | ((b >> k) & 1)
+                    blk[16 * ib + 2 * k] = np.uint8(word & 0xFF)
+                    blk[16 * ib + 2 * k + 1] = np.uint8(word >> 8)
+        if sumq2 > 0:
+            _store_f32(row, 0, (sumqx / sumq2) * np.float32(1.01))
+
+
+@njit(**KERNEL)
+def _dequantize_iq4_kss(q: np.ndarray, out: np.ndarray) -> None:
+    n_rows, n = out.shape
+    for r in prange(n_rows):
+        row = q[r]
+        y = out[r]
+        d = _load_f32(row, 0)
+        nib = np.empty(16, dtype=np.int64)
+        for ibl in range(n // QK):
+            o = 4 + ibl * IQ4KSS_BYTES
+            for ib in range(8):
+                b = 0
+                for k in range(8):
+                    word = _load_u16(row, o + 16 * ib + 2 * k)
+                    a = word & 0xFFFE
+                    a ^= a >> 1
+                    b |= (word & 1) << k
+                    nib[2 * k] = a & 0xFF
+                    nib[2 * k + 1] = a >> 8
+                dl = d * np.float32((b & 254) - 127)
+                off = 16 * (b & 1)
+                base = ibl * QK + ib * SUB
+                for j in range(16):
+                    y[base + j] = dl * _G4[off + (nib[j] & 0xF)]
+                    y[base + j + 16] = dl * _G4[off + (nib[j] >> 4)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Codecs
+#
+# Accuracy: all six share one row scale, so a 256-value block far smaller than the row's largest is coded with
+# integer scales of 0 or +-1 relative to that row scale (IQ4_KS/IQ4_KSS/IQ5_KS cannot even express 0), and its
+# error is bounded only by the ROW's largest |x|, not by its own block's. rel_error_bound is therefore relative
+# to max|x| over the whole row. Each bound is half the widest gap of the value grid at the largest integer scale
+# (the codes are nearest grid points), widened for the integer-scale step and the final least-squares refit of
+# the row scale; each is at least 1.5x the worst error measured on random rows of varied shapes and scales.
+#
+# Range: without an imatrix ik's searches weight values by about x^2 and compare squared weighted sums, about
+# (32 * 127 * max|x|^3)^2, which leave float32 beyond max|x| ~ 1.6e5; past that the search silently degrades and
+# above ~1e11 it writes inf/NaN. max_abs_input = 1e5 keeps it exact. IQ2_KL weights by |x| and is limited by its
+# f16 row scale instead (at most max|x| / 1400 measured): 3e7.
+#
+# Floors: f16 row scales (IQ2_KS, IQ2_KL, IQ3_KS) round by up to 2^-25 in the f16 subnormal range, which moves a
+# value by 2^-25 * (largest |integer scale * grid value|); the floor is twice that. The f32-scaled types zero
+# sub-blocks below 1e-16 and their float32 search loses precision below ~1e-10 (x^2 weights underflow): 1e-11.
+
+
+class IQ2_KSCodec(Codec):
+    type_name = "IQ2_KS"
+    max_abs_input = 1e5
+    # grid half-gaps up to 9 of a 31 span; measured worst 0.43 of max|x|
+    rel_error_bound = 0.75
+    abs_error_floor = 2 * 16 * 31 * 2.0**-25
+
+    def __init__(self, slow_search: bool = False) -> None:
+        self.slow_search = slow_search
+
+    def with_user_data(self, user_data: dict | None) -> "IQ2_KSCodec":
+        """ik's quantize_user_data: None (ik's NULL pointer) selects the scalar search; a struct selects the AVX2
+        search unless its slow_iq2_ks flag is set. llama-quantize passes a struct with the flag off, which is why
+        the default codec uses the AVX2 search."""
+        if user_data is None:
+            return IQ2_KSCodec(slow_search=True)
+        return IQ2_KSCodec(slow_search=bool(user_data.get("slow_iq2_ks", False)))
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        _quantize_iq2_ks(x, w, out, self.slow_search)
+
+    def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        _dequantize_iq2_ks(q, out)
+
+
+class IQ2_KLCodec(Codec):
+    type_name = "IQ2_KL"
+    max_abs_input = 3e7
+    # 2-D pair grid: a pair far from every stored pair is coded with the nearest of 8 candidates; measured worst
+    # 0.66 of max|x| (constant rows)
+    rel_error_bound = 1.0
+    abs_error_floor = 2 * 32 * 63 * 2.0**-25
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        _quantize_iq2_kl(x, w, out)
+
+    def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        _dequantize_iq2_kl(q, out)
+
+
+class IQ3_KSCodec(Codec):
+    type_name = "IQ3_KS"
+    max_abs_input = 1e5
+    # grid half-gaps up to 11.5 of a 110 span; measured worst 0.23 of max|x|
+    rel_error_bound = 0.5
+    abs_error_floor = 2 * 16 * 63 * 2.0**-25
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        _quantize_iq3_ks(x, w, out)
+
+    def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        _dequantize_iq3_ks(q, out)
+
+
+class IQ4_KSCodec(Codec):
+    type_name = "IQ4_KS"
+    max_abs_input = 1e5
+    # grid half-gaps up to 12 of a 240 span, odd integer scales up to 127; measured worst 0.11 of max|x|
+    rel_error_bound = 0.2
+    abs_error_floor = 1e-11
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        _quantize_iq45_ks(x, w, out, 4)
+
+    def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        _dequantize_iq4_ks(q, out)
+
+
+class IQ4_KSSCodec(Codec):
+    type_name = "IQ4_KSS"
+    max_abs_input = 1e5
+    # as IQ4_KS, but a group of four codes may have one code moved by up to 2 grid steps to even its parity;
+    # measured worst 0.23 of max|x|
+    rel_error_bound = 0.35
+    abs_error_floor = 1e-11
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        _quantize_iq4_kss(x, w, out)
+
+    def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        _dequantize_iq4_kss(q, out)
+
+
+class IQ5_KSCodec(Codec):
+    type_name = "IQ5_KS"
+    max_abs_input = 1e5
+    # grid half-gaps up to 6 of a 247 span, odd integer scales up to 127; measured worst 0.06 of max|x|
+    rel_error_bound = 0.1
+    abs_error_floor = 1e-11
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        _quantize_iq45_ks(x, w, out, 5)
+
+    def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        _dequantize_iq5_ks(q, out)
+
+
+for _codec in (IQ2_KSCodec(), IQ2_KLCodec(), IQ3_KSCodec(), IQ4_KSCodec(), IQ4_KSSCodec(), IQ5_KSCodec()):
+    register_codec(_codec.type_name, _codec)
