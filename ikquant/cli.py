@@ -21,67 +21,103 @@ def _fail(message: str) -> None:
     raise typer.Exit(2)
 
 
+def _custom_q(values: list[str]) -> list[tuple[str, str]]:
+    """ik's --custom-q syntax: comma-separated regex=type pairs (split at the first '=')."""
+    rules = []
+    for value in values:
+        for item in value.split(","):
+            if not item.strip():
+                continue
+            regex, sep, tname = item.partition("=")
+            if not sep or not regex or not tname:
+                _fail(f"--custom-q: {item!r} is not of the form regex=type")
+            rules.append((regex, tname))
+    return rules
+
+
 @app.command()
 def quantize(
     src: Path = typer.Argument(..., help="Input GGUF (f32/f16/bf16, or quantized with --allow-requantize)."),
     dst: Path = typer.Argument(..., help="Output GGUF (written to a temporary name, renamed when complete)."),
     type_name: str = typer.Option(..., "--type", help="Target file type, as ik names it (case-insensitive): "
-                                  "Q4_0, Q8_0, Q4_K_M, IQ4_KS, IQ2_KT, F16, BF16, ..."),
-    pure: bool = typer.Option(False, "--pure", help="Give every eligible 2-D/3-D weight the target type (1-D "
-                              "tensors and norms stay F32); only ik's row-length fallback still applies."),
-    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix (ik's .dat layout)."),
+                                  "Q4_0, Q8_0, Q4_K_M, Q6_K, IQ4_KS, IQ2_KT, MXFP4, F16, BF16, ..."),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix: ik's .dat, or mainline "
+                                           "llama.cpp's GGUF imatrix (which ik itself cannot read)."),
+    include_weights: list[str] = typer.Option([], "--include-weights", help="Use only imatrix entries whose name "
+                                              "contains this text (repeatable)."),
+    exclude_weights: list[str] = typer.Option([], "--exclude-weights", help="Drop imatrix entries whose name "
+                                              "contains this text (repeatable)."),
+    custom_q: list[str] = typer.Option([], "--custom-q", help="'regex=type,regex=type': tensors matching a regex "
+                                       "(first match wins) get that type instead of the ftype's choice."),
+    attn_q_type: Optional[str] = typer.Option(None, "--attn-q-type", help="Type for attn_q tensors."),
+    attn_k_type: Optional[str] = typer.Option(None, "--attn-k-type", help="Type for attn_k tensors."),
+    attn_v_type: Optional[str] = typer.Option(None, "--attn-v-type", help="Type for attn_v tensors."),
+    attn_output_type: Optional[str] = typer.Option(None, "--attn-output-type", help="Type for attn_output."),
+    ffn_gate_type: Optional[str] = typer.Option(None, "--ffn-gate-type", help="Type for ffn_gate tensors."),
+    ffn_up_type: Optional[str] = typer.Option(None, "--ffn-up-type", help="Type for ffn_up tensors."),
+    ffn_down_type: Optional[str] = typer.Option(None, "--ffn-down-type", help="Type for ffn_down tensors."),
+    output_tensor_type: Optional[str] = typer.Option(None, "--output-tensor-type", help="Type for output.weight."),
+    token_embedding_type: Optional[str] = typer.Option(None, "--token-embedding-type", help="Type for "
+                                                       "token_embd.weight."),
+    pure: bool = typer.Option(False, "--pure", help="Give every eligible 2-D/3-D weight the target type (norms "
+                              "and 1-D tensors stay F32; only ik's row-length fallback still applies)."),
     allow_requantize: bool = typer.Option(False, "--allow-requantize", help="Accept already-quantized input "
                                           "tensors (dequantized exactly, then requantized)."),
     leave_output_tensor: bool = typer.Option(False, "--leave-output-tensor", help="Copy output.weight as it is."),
+    ignore_imatrix_rules: bool = typer.Option(False, "--ignore-imatrix-rules", help="Quantize to the very-low-bit "
+                                              "types (IQ1_KT, IQ2_KT, ...) even without importance data."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (tensor, type, reason, sizes, bpw) and "
                                  "write nothing."),
     json_out: bool = typer.Option(False, "--json", help="With --dry-run: print the plan as a JSON list of "
                                   "{name, type, ...} (types spelled as ik prints them, e.g. q4_K, iq4_ks, f32)."),
 ) -> None:
-    """Quantize IN.gguf into OUT.gguf.
+    """Quantize IN.gguf into OUT.gguf, choosing every tensor's type as ik_llama.cpp's llama-quantize does.
 
-    Example: ikquant model-f32.gguf model-q4_0.gguf --type Q4_0
-    Example: ikquant model-bf16.gguf model-q8_0.gguf --type q8_0 --pure --dry-run
+    Example: ikquant model-f32.gguf model-q4_k_m.gguf --type Q4_K_M --imatrix imatrix.dat
+    Example: ikquant model-bf16.gguf model-iq4_ks.gguf --type iq4_ks --custom-q "ffn_down=iq5_ks" --dry-run
     """
     from ikquant.ftypes import UnknownFileTypeError, file_type
     from ikquant.gguf_io import GGUFFile, GGUFFormatError
-    from ikquant.imatrix import ImatrixError, read_imatrix_dat
+    from ikquant.imatrix import ImatrixError, filter_entries, read_imatrix
     from ikquant.quantize import QuantizeError, QuantizeOptions, make_plan, quantize_model
 
     if threads:
         import numba
 
         numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+    class_types = {k: v for k, v in (("attn_q_type", attn_q_type), ("attn_k_type", attn_k_type),
+                                     ("attn_v_type", attn_v_type), ("attn_output_type", attn_output_type),
+                                     ("ffn_gate_type", ffn_gate_type), ("ffn_up_type", ffn_up_type),
+                                     ("ffn_down_type", ffn_down_type)) if v}
     try:
         ftype = file_type(type_name)
-        imat = read_imatrix_dat(imatrix) if imatrix is not None else None
-        opts = QuantizeOptions(ftype, pure, imat, allow_requantize, leave_output_tensor)
-        source = GGUFFile(src)
-        plans = make_plan(source, opts)
-    except FileNotFoundError as exc:
+        imat = None
+        if imatrix is not None:
+            imat = filter_entries(read_imatrix(imatrix), include_weights, exclude_weights)
+        elif include_weights or exclude_weights:
+            _fail("--include-weights/--exclude-weights need --imatrix")
+        opts = QuantizeOptions(ftype, pure, imat, allow_requantize, leave_output_tensor, ignore_imatrix_rules,
+                               _custom_q(custom_q), class_types, output_tensor_type, token_embedding_type)
+        plan = make_plan(GGUFFile(src), opts)
+    except (FileNotFoundError, UnknownFileTypeError, GGUFFormatError, ImatrixError, QuantizeError) as exc:
         _fail(str(exc))
         return
-    except (UnknownFileTypeError, GGUFFormatError, ImatrixError, QuantizeError) as exc:
-        _fail(str(exc))
-        return
-    for p in plans:
+    for w in plan.warnings:
+        err.print(f"[yellow]warning:[/] {w}", soft_wrap=True)
+    for p in plan.tensors:
         for note in p.notes:
-            err.print(f"[yellow]warning:[/] {p.name}: {note}")
-    if imat is not None:
-        missing = [p.name for p in plans if p.quantize and p.imatrix_entry is None]
-        if missing:
-            err.print(f"[yellow]warning:[/] no imatrix entry for {len(missing)} tensors: {', '.join(missing[:6])}"
-                      + (" ..." if len(missing) > 6 else ""))
+            err.print(f"[yellow]warning:[/] {p.name}: {note}", soft_wrap=True)
     if dry_run:
         if json_out:
-            out.print_json(json.dumps([{"name": p.name, "type": p.type.ggml_name, "quantize": p.quantize,
+            out.print_json(json.dumps([{"name": p.name, "type": (p.ik_type or p.type).ggml_name,
+                                        "written_type": p.type.ggml_name, "quantize": p.quantize,
                                         "reason": p.reason, "bytes_in": p.info.nbytes, "bytes_out": p.new_bytes,
-                                        "imatrix": p.imatrix_entry} for p in plans]))
+                                        "imatrix": p.imatrix_entry} for p in plan.tensors]))
         else:
-            _print_plan(plans)
+            _print_plan(plan)
         return
-    total = sum(p.info.nbytes for p in plans)
+    total = sum(p.info.nbytes for p in plan.tensors)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), console=err) as bar:
         task = bar.add_task("quantizing", total=total)
@@ -91,24 +127,19 @@ def quantize(
             bar.stop()
             _fail(str(exc))
             return
-    size_in = sum(p.info.nbytes for p in plans)
-    size_out = sum(p.new_bytes for p in plans)
+    size_in = sum(p.info.nbytes for p in plan.tensors)
+    size_out = sum(p.new_bytes for p in plan.tensors)
     err.print(f"wrote [bold]{dst}[/]: {size_in / 2**20:.2f} MiB -> {size_out / 2**20:.2f} MiB, "
-              f"{_bpw(plans):.3f} bits per weight")
+              f"{plan.bits_per_weight:.3f} bits per weight")
 
 
-def _bpw(plans) -> float:  # type: ignore[no-untyped-def]
-    n = sum(p.info.n_elements for p in plans)
-    return 8.0 * sum(p.new_bytes for p in plans) / max(n, 1)
-
-
-def _print_plan(plans) -> None:  # type: ignore[no-untyped-def]
+def _print_plan(plan) -> None:  # type: ignore[no-untyped-def]
     table = Table(title="quantization plan (nothing written: --dry-run)")
     for col in ("tensor", "from", "to", "MiB in", "MiB out", "why"):
         table.add_column(col, overflow="fold")
-    for p in plans:
+    for p in plan.tensors:
         table.add_row(p.name, p.info.type.ggml_name, p.type.ggml_name, f"{p.info.nbytes / 2**20:.3f}",
                       f"{p.new_bytes / 2**20:.3f}", p.reason + ("; " + "; ".join(p.notes) if p.notes else ""))
     out.print(table)
-    out.print(f"{len(plans)} tensors, {sum(p.info.nbytes for p in plans) / 2**20:.2f} MiB -> "
-              f"{sum(p.new_bytes for p in plans) / 2**20:.2f} MiB, {_bpw(plans):.3f} bits per weight")
+    out.print(f"{len(plan.tensors)} tensors, {sum(p.info.nbytes for p in plan.tensors) / 2**20:.2f} MiB -> "
+              f"{sum(p.new_bytes for p in plan.tensors) / 2**20:.2f} MiB, {plan.bits_per_weight:.3f} bits per weight")

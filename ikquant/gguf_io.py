@@ -10,6 +10,7 @@ one tensor at a time into a temporary file that is renamed over the target only 
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 from dataclasses import dataclass
@@ -152,6 +153,18 @@ class GGUFFile:
         info = self.info(name)
         data = self._reader.data[info.offset : info.offset + info.nbytes]
         return data.reshape(info.n_rows, -1)
+
+    def release(self, name: str) -> None:
+        """Drop tensor `name`'s pages from this process (they stay in the page cache): after streaming a tensor,
+        its input no longer counts against the resident memory of a quantizer walking a huge model."""
+        mm = getattr(self._reader.data, "_mmap", None)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        info = self.info(name)
+        start = info.offset - info.offset % mmap.PAGESIZE
+        end = info.offset + info.nbytes
+        if end > start:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def info(self, name: str) -> TensorInfo:
         try:

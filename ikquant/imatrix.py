@@ -128,3 +128,67 @@ def write_imatrix_dat(path: str | os.PathLike[str], imat: Imatrix) -> None:
         ds = imat.dataset.encode("utf-8")
         fh.write(struct.pack("<ii", imat.chunks, len(ds)) + ds)
     os.replace(tmp, p)
+
+
+def read_imatrix_gguf(path: str | os.PathLike[str]) -> Imatrix:
+    """Read mainline llama.cpp's GGUF imatrix (`<name>.in_sum2` sums + `<name>.counts` per matrix).
+
+    Each matrix's columns become mean(x^2) = sums / count with that matrix's own count (ik's converter divides every
+    expert by expert 0's count); a matrix that no token reached reads as all ones, as ik's .dat writer stores it.
+    """
+    from ikquant.gguf_io import GGUFFile, GGUFFormatError
+
+    p = Path(path)
+    try:
+        g = GGUFFile(p)
+    except GGUFFormatError as exc:
+        raise ImatrixError(str(exc)) from None
+    sums: dict[str, str] = {}
+    counts: dict[str, str] = {}
+    for name in g.tensors:
+        for suffix in (".in_sum2", ".sums"):
+            if name.endswith(suffix):
+                sums[name[: -len(suffix)]] = name
+        if name.endswith(".counts"):
+            counts[name[: -len(".counts")]] = name
+    if not sums:
+        raise ImatrixError(f"{p}: no '<tensor>.in_sum2' tensors: not a GGUF imatrix")
+    imat = Imatrix(path=p, chunks=int(g.get("imatrix.chunk_count", -1) or -1))
+    datasets = g.get("imatrix.datasets") or []
+    imat.dataset = str(datasets[0]) if datasets else ""
+    for base, sums_name in sums.items():
+        s = g.dequantize(sums_name).astype(np.float64)
+        s = s.reshape(-1, s.shape[-1])
+        if base not in counts:
+            raise ImatrixError(f"{p}: {sums_name!r} has no {base + '.counts'!r} tensor")
+        c = g.dequantize(counts[base]).astype(np.float64).reshape(-1)
+        if c.size != s.shape[0]:
+            raise ImatrixError(f"{p}: {base!r} has {s.shape[0]} matrices but {c.size} counts")
+        mean = np.ones_like(s)
+        reached = c > 0
+        mean[reached] = s[reached] / c[reached, None]
+        imat.entries[base] = ImatrixEntry(mean.reshape(-1).astype(np.float32), 1)
+    return imat
+
+
+def read_imatrix(path: str | os.PathLike[str]) -> Imatrix:
+    """ik's .dat, or mainline's GGUF imatrix (told apart by the GGUF magic)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ImatrixError(f"{p}: no such file")
+    with open(p, "rb") as fh:
+        magic = fh.read(4)
+    return read_imatrix_gguf(p) if magic == b"GGUF" else read_imatrix_dat(p)
+
+
+def filter_entries(imat: Imatrix, include: list[str], exclude: list[str]) -> Imatrix:
+    """ik's --include-weights / --exclude-weights: substring tests on entry names (they cannot be combined)."""
+    if include and exclude:
+        raise ImatrixError("--include-weights and --exclude-weights cannot be combined")
+    if include:
+        entries = {k: v for k, v in imat.entries.items() if any(s in k for s in include)}
+    elif exclude:
+        entries = {k: v for k, v in imat.entries.items() if not any(s in k for s in exclude)}
+    else:
+        return imat
+    return Imatrix(entries, imat.chunks, imat.dataset, imat.path)

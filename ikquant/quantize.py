@@ -1,14 +1,16 @@
 """The streaming whole-model quantizer: GGUF in, GGUF out, one tensor at a time.
 
-The plan (each tensor's new type and why) is made from the input's header alone. Then tensors are read from the
-memory-mapped input, quantized in row batches (memory: one batch of float32 rows plus the output tensor), and
-streamed to a temporary file that replaces the output only when complete. Metadata is copied as ik copies it:
-every input key in place, general.quantization_version and general.file_type updated (or appended), the imatrix
-provenance keys appended.
+The plan (each tensor's new type and why) is made from the input's header alone, with ik's decisions
+(ikquant.recipes). Then tensors are read from the memory-mapped input, quantized in row batches (memory: one batch
+of float32 rows plus the output tensor; the input's pages are released after each tensor), and streamed to a
+temporary file that replaces the output only when complete. Metadata is copied as ik copies it: every input key in
+place, general.quantization_version and general.file_type updated (or appended), the imatrix provenance keys
+appended.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,12 +21,25 @@ from gguf import GGUFValueType
 from ikquant.ftypes import FileType
 from ikquant.gguf_io import GGUFFile, GGUFStreamWriter, KeyValue, TensorInfo
 from ikquant.imatrix import Imatrix
-from ikquant.recipes import RULES_COMPLETE, Decision, eligible, ftype_rule, with_row_fallback
-from ikquant.types import GGMLType
+from ikquant.recipes import (
+    FLOAT_TYPES,
+    HONOURED_OPTIONS,
+    NEEDS_IMATRIX,
+    Decision,
+    ModelFacts,
+    TypeChooser,
+    eligible,
+    family_of,
+    size_class,
+    with_row_fallback,
+)
+from ikquant.types import GGMLType, UnknownTypeError, type_by_name
 
-FLOAT_TYPES = ("F32", "F16", "BF16")
 #: float32 input held per quantization batch (bytes)
 BATCH_BYTES = 64 << 20
+#: the per-class options, as QuantizeOptions.class_types keys (their CLI spelling is --attn-q-type etc.)
+CLASS_OPTIONS = ("attn_q_type", "attn_k_type", "attn_v_type", "attn_output_type", "ffn_gate_type", "ffn_up_type",
+                 "ffn_down_type")
 
 
 class QuantizeError(ValueError):
@@ -38,6 +53,13 @@ class QuantizeOptions:
     imatrix: Imatrix | None = None
     allow_requantize: bool = False
     leave_output_tensor: bool = False
+    ignore_imatrix_rules: bool = False
+    #: (regex, type name) in the user's order; first match wins
+    custom_q: list[tuple[str, str]] = field(default_factory=list)
+    #: per-class types, keys from CLASS_OPTIONS
+    class_types: dict[str, str] = field(default_factory=dict)
+    output_tensor_type: str | None = None
+    token_embedding_type: str | None = None
 
 
 @dataclass
@@ -48,6 +70,8 @@ class TensorPlan:
     reason: str
     imatrix_entry: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: ik's choice when it differs from what is written (a type whose blocks cannot hold the rows)
+    ik_type: GGMLType | None = None
 
     @property
     def name(self) -> str:
@@ -58,42 +82,123 @@ class TensorPlan:
         return self.type.tensor_bytes(self.info.ne) if self.quantize else self.info.nbytes
 
 
-def make_plan(src: GGUFFile, opts: QuantizeOptions) -> list[TensorPlan]:
-    """Each tensor's type and the reason, exactly as ik's llama-quantize would decide (no data is read)."""
-    if not opts.pure and opts.ftype.name not in RULES_COMPLETE:
-        raise QuantizeError(f"--type {opts.ftype.name}: ik's per-tensor rules for this type are not implemented yet; "
-                            "pass --pure to give every eligible tensor that type")
-    has_output = "output.weight" in src.tensors
+@dataclass
+class Plan:
+    tensors: list[TensorPlan]
+    warnings: list[str]
+
+    @property
+    def bits_per_weight(self) -> float:
+        n = sum(p.info.n_elements for p in self.tensors)
+        return 8.0 * sum(p.new_bytes for p in self.tensors) / max(n, 1)
+
+
+def _type(name: str, option: str) -> str:
+    try:
+        return type_by_name(name).name
+    except UnknownTypeError:
+        raise QuantizeError(f"{option}: {name!r} is not a ggml type; e.g. q4_K, q6_K, iq4_ks, q8_0, f16") from None
+
+
+def model_facts(src: GGUFFile) -> ModelFacts:
+    """The hyperparameters ik's rules consult, from the GGUF header."""
+    arch = src.architecture
+
+    def first(key: str, default: int) -> int:
+        v = src.get(f"{arch}.{key}")
+        if isinstance(v, list):
+            v = v[0] if v else default
+        return int(v) if v is not None else default
+
+    n_head = first("attention.head_count", 0)
+    n_head_kv = first("attention.head_count_kv", n_head)
+    n_layer = first("block_count", 0)
+    tokens = src.get("tokenizer.ggml.tokens")
+    n_vocab = first("vocab_size", len(tokens) if tokens else 0)
+    names = list(src.tensors)
+    return ModelFacts(
+        arch=arch,
+        n_expert=first("expert_count", 0),
+        n_gqa=n_head // n_head_kv if n_head_kv else 0,
+        n_layer=n_layer,
+        n_vocab=n_vocab,
+        size_class=size_class(arch, n_layer, n_vocab, first("embedding_length", 0), n_head, n_head_kv),
+        has_output="output.weight" in src.tensors,
+        n_attention_wv=sum(1 for n in names if "attn_v.weight" in n or "attn_qkv.weight" in n),
+    )
+
+
+def make_plan(src: GGUFFile, opts: QuantizeOptions) -> Plan:
+    """Each tensor's type and the reason, as ik's llama-quantize decides them (no tensor data is read)."""
+    warnings: list[str] = []
+    class_types = {k: _type(v, f"--{k.replace('_', '-')}") for k, v in opts.class_types.items()}
+    custom = []
+    for regex, tname in opts.custom_q:
+        try:
+            custom.append((re.compile(regex), _type(tname, f"--custom-q {regex}")))
+        except re.error as exc:
+            raise QuantizeError(f"--custom-q: {regex!r} is not a valid regular expression ({exc})") from None
+    out_type = _type(opts.output_tensor_type, "--output-tensor-type") if opts.output_tensor_type else None
+    embd_type = _type(opts.token_embedding_type, "--token-embedding-type") if opts.token_embedding_type else None
+    base = opts.ftype.base
+    rules_apply = not opts.pure and base.name not in FLOAT_TYPES
+    if not rules_apply and (custom or class_types):
+        why = "--pure" if opts.pure else f"a float type ({base.name})"
+        warnings.append(f"with {why}, ik ignores --custom-q and the per-class options: they are ignored here too")
+    if rules_apply:
+        honoured = HONOURED_OPTIONS[family_of(opts.ftype.name)]
+        for key in class_types:
+            if key not in honoured:
+                warnings.append(f"--{key.replace('_', '-')} is ignored by ik's rules for {opts.ftype.name} "
+                                f"(that type reads only: {', '.join('--' + h.replace('_', '-') for h in honoured)})")
+    facts = model_facts(src)
+    chooser = TypeChooser(opts.ftype, facts, opts.imatrix is not None, class_types,
+                          custom if rules_apply else [])
     plans = []
     for info in src.tensors.values():
-        plans.append(_plan_tensor(info, opts, has_output))
-    return plans
+        plans.append(_plan_tensor(info, opts, chooser, rules_apply, out_type, embd_type))
+    for regex, _ in (opts.custom_q if rules_apply else []):
+        if not any(re.search(regex, p.name) for p in plans if p.quantize or eligible(p.name, len(p.info.ne),
+                                                                                     p.info.type)):
+            warnings.append(f"--custom-q {regex!r} matches no tensor")
+    _check_imatrix(plans, opts, warnings)
+    return Plan(plans, warnings)
 
 
-def _plan_tensor(info: TensorInfo, opts: QuantizeOptions, has_output: bool) -> TensorPlan:
+def _plan_tensor(info: TensorInfo, opts: QuantizeOptions, chooser: TypeChooser, rules_apply: bool,
+                 out_type: str | None, embd_type: str | None) -> TensorPlan:
     name = info.name
     keep = TensorPlan(info, info.type, False, "")
     if not eligible(name, len(info.ne), info.type):
-        keep.reason = "never quantized (1-D, norm, integer or excluded tensor)"
+        keep.reason = "never quantized (1-D, norm, integer, bias or excluded tensor)"
         return keep
     if opts.leave_output_tensor and name == "output.weight":
         keep.reason = "--leave-output-tensor"
         return keep
-    base = opts.ftype.base
-    decision = Decision(base, "--pure" if opts.pure else f"{opts.ftype.name} default")
-    if not opts.pure and base.name not in FLOAT_TYPES:
-        decision = ftype_rule(name, info.n_per_row, opts.ftype, has_output)
-    notes = []
+    notes: list[str] = []
+    if rules_apply:
+        decision = chooser.choose(name, info.n_per_row)
+    else:
+        decision = Decision(opts.ftype.base, "--pure" if opts.pure else f"{opts.ftype.name} default")
     fallback = with_row_fallback(decision.type, info.n_per_row)
     if fallback is not None:
         decision = fallback
         notes.append(fallback.reason)
-    if decision.type is info.type and name != "output.weight":
+    if embd_type and name == "token_embd.weight":
+        decision = Decision(type_by_name(embd_type), "--token-embedding-type")
+    if out_type and name == "output.weight":
+        decision = Decision(type_by_name(out_type), "--output-tensor-type")
+    if decision.type is info.type:
         keep.reason = f"already {info.type.name}"
         return keep
     if info.n_per_row % decision.type.block_size:
-        raise QuantizeError(f"tensor {name!r}: {info.n_per_row} columns are not a multiple of {decision.type.name}'s "
-                            f"block size {decision.type.block_size}")
+        keep.reason = decision.reason
+        keep.ik_type = decision.type
+        keep.notes = notes + [
+            f"ik chooses {decision.type.ggml_name}, but {info.n_per_row} columns cannot hold its "
+            f"{decision.type.block_size}-value blocks (ik's llama-quantize writes a broken, zero-byte tensor here); "
+            f"kept as {info.type.ggml_name}"]
+        return keep
     if info.type.name not in FLOAT_TYPES and not opts.allow_requantize:
         raise QuantizeError(f"tensor {name!r} is already quantized ({info.type.name}); requantizing loses accuracy "
                             "twice, pass --allow-requantize to do it anyway")
@@ -104,35 +209,51 @@ def _plan_tensor(info: TensorInfo, opts: QuantizeOptions, has_output: bool) -> T
     return plan
 
 
+def _check_imatrix(plans: list[TensorPlan], opts: QuantizeOptions, warnings: list[str]) -> None:
+    quantized = [p for p in plans if p.quantize]
+    if opts.imatrix is not None and quantized and opts.imatrix.entries:
+        if not any(p.imatrix_entry for p in quantized):
+            sample = ", ".join(list(opts.imatrix.entries)[:3])
+            raise QuantizeError(f"{opts.imatrix.path}: none of its {len(opts.imatrix.entries)} entries ({sample}, ...) "
+                                "names a tensor of this model: is this imatrix for another model?")
+        missing = [p.name for p in quantized if p.imatrix_entry is None]
+        if missing:
+            warnings.append(f"no imatrix entry for {len(missing)} tensors: {', '.join(missing[:6])}"
+                            + (" ..." if len(missing) > 6 else ""))
+    if opts.ignore_imatrix_rules:
+        return
+    needy = [p for p in quantized if p.type.name in NEEDS_IMATRIX and p.imatrix_entry is None
+             and p.name not in ("token_embd.weight", "output.weight")]
+    if needy:
+        raise QuantizeError(
+            f"{len(needy)} tensors would become {needy[0].type.name} without importance data ({', '.join(p.name for p in needy[:6])}"
+            + (" ..." if len(needy) > 6 else "") + "); ik refuses such low-bit output as garbage: pass --imatrix "
+            "(or --ignore-imatrix-rules to quantize anyway)"
+        )
+
+
 def output_metadata(src: GGUFFile, opts: QuantizeOptions) -> list[KeyValue]:
     """The output's key/values in ik's order: input keys (updated in place), then new ones."""
     kvs = [kv for kv in src.kv() if not kv.key.startswith("split.")]
     by_key = {kv.key: kv for kv in kvs}
 
-    def set_u32(key: str, value: int) -> None:
-        if key in by_key:
-            by_key[key].value = value
+    def put(kv: KeyValue) -> None:
+        if kv.key in by_key:
+            by_key[kv.key].value = kv.value
         else:
-            kv = KeyValue(key, value, GGUFValueType.UINT32)
             kvs.append(kv)
-            by_key[key] = kv
+            by_key[kv.key] = kv
 
-    set_u32("general.quantization_version", 2)
-    if opts.imatrix is not None:
+    put(KeyValue("general.quantization_version", 2, GGUFValueType.UINT32))
+    if opts.imatrix is not None and opts.imatrix.entries:
         imat = opts.imatrix
-        extra = [KeyValue("quantize.imatrix.file", str(imat.path), GGUFValueType.STRING)]
+        put(KeyValue("quantize.imatrix.file", str(imat.path), GGUFValueType.STRING))
         if imat.dataset:
-            extra.append(KeyValue("quantize.imatrix.dataset", imat.dataset, GGUFValueType.STRING))
-        extra.append(KeyValue("quantize.imatrix.entries_count", len(imat.entries), GGUFValueType.INT32))
+            put(KeyValue("quantize.imatrix.dataset", imat.dataset, GGUFValueType.STRING))
+        put(KeyValue("quantize.imatrix.entries_count", len(imat.entries), GGUFValueType.INT32))
         if imat.chunks > 0:
-            extra.append(KeyValue("quantize.imatrix.chunks_count", imat.chunks, GGUFValueType.INT32))
-        for kv in extra:
-            if kv.key in by_key:
-                by_key[kv.key].value = kv.value
-            else:
-                kvs.append(kv)
-                by_key[kv.key] = kv
-    set_u32("general.file_type", opts.ftype.id)
+            put(KeyValue("quantize.imatrix.chunks_count", imat.chunks, GGUFValueType.INT32))
+    put(KeyValue("general.file_type", opts.ftype.id, GGUFValueType.UINT32))
     return kvs
 
 
@@ -154,28 +275,31 @@ def quantize_tensor(src: GGUFFile, plan: TensorPlan, imatrix: Imatrix | None) ->
         w = None if weights is None else weights[m * n : (m + 1) * n]
         for r0 in range(m * rows_per_mat, (m + 1) * rows_per_mat, batch):
             r1 = min(r0 + batch, (m + 1) * rows_per_mat)
-            rows = src_codec.dequantize(raw[r0:r1], n)
-            out[r0:r1] = codec.quantize(rows, w)
+            out[r0:r1] = codec.quantize(src_codec.dequantize(raw[r0:r1], n), w)
     return out
 
 
 def quantize_model(src_path: Path, dst_path: Path, opts: QuantizeOptions,
-                   progress: Callable[[TensorPlan], None] | None = None) -> list[TensorPlan]:
+                   progress: Callable[[TensorPlan], None] | None = None) -> Plan:
     """Quantize `src_path` into `dst_path` per `opts`; returns the executed plan."""
     if Path(src_path).resolve() == Path(dst_path).resolve():
         raise QuantizeError(f"output {dst_path} is the input file; choose another output path")
     src = GGUFFile(src_path)
-    plans = make_plan(src, opts)
+    plan = make_plan(src, opts)
+    # ik always writes 32-byte alignment even when it copies a different general.alignment (an inconsistent
+    # file); we write the alignment the copied key announces.
     with GGUFStreamWriter(dst_path, src.architecture, alignment=src.alignment) as writer:
         for kv in output_metadata(src, opts):
             if kv.key != "general.architecture":
                 writer.add_kv(kv)
-        for p in plans:
+        for p in plan.tensors:
             writer.add_tensor_info(p.name, p.info.shape, p.type)
-        for p in plans:
+        for p in plan.tensors:
             data = quantize_tensor(src, p, opts.imatrix) if p.quantize else src.raw(p.name)
             writer.write_tensor(p.name, data)
+            del data
+            src.release(p.name)
             if progress is not None:
                 progress(p)
         writer.finish()
-    return plans
+    return plan

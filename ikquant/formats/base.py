@@ -7,6 +7,8 @@ is free to parallelise over them.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 from numba import njit, prange
 
@@ -63,7 +65,21 @@ class Codec:
         out = np.empty((n_rows, self.ggml_type.row_bytes(n_per_row)), dtype=np.uint8)
         if n_rows:
             self._quantize(x, w, out)
+            if w.size:
+                self._repair_degenerate_rows(x, out)
         return out
+
+    def _repair_degenerate_rows(self, x: np.ndarray, out: np.ndarray) -> None:
+        """Importance weights that vanish over a whole block make some of ik's searches divide 0 by 0 and store
+        NaN scales (ik writes them as they are). Such rows are quantized again without the weights, with a warning,
+        so that no NaN ever reaches a file."""
+        bad = np.flatnonzero(~np.isfinite(self.dequantize(out, x.shape[1])).all(axis=1))
+        if bad.size:
+            warnings.warn(f"{self.type_name}: the importance weights gave NaN scales in {bad.size} row(s) (first: "
+                          f"row {bad[0]}); those rows were quantized without importance weights", stacklevel=3)
+            fixed = np.empty((bad.size, out.shape[1]), dtype=np.uint8)
+            self._quantize(np.ascontiguousarray(x[bad]), np.empty(0, dtype=np.float32), fixed)
+            out[bad] = fixed
 
     def dequantize(self, q: np.ndarray, n_per_row: int) -> np.ndarray:
         """Decode [n_rows, row_bytes] (or flat) bytes of rows of `n_per_row` values into float32 [n_rows, n_per_row]."""

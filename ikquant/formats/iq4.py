@@ -24,8 +24,8 @@ from ikquant.types import register_codec
 BLOCK = 32
 SUPER = 256
 NTRY = 7
-KERNEL = dict(cache=True, nogil=True, parallel=True)
-SCALAR = dict(cache=True, nogil=True)
+KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
+SCALAR = dict(cache=True, nogil=True, error_model="numpy")
 
 # ggml-quants.c kvalues_iq4nl: the 16 grid points, and iq4nl_index: for trunc(x) + 127 in [0, 240], the grid
 # index nearest to every x with that integer part, or 16 + i when x lies between points i and i+1.

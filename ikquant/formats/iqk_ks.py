@@ -32,8 +32,8 @@ from ikquant.formats.numeric import (
 )
 from ikquant.types import register_codec
 
-NJIT = dict(cache=True, nogil=True)
-KERNEL = dict(cache=True, nogil=True, parallel=True)
+NJIT = dict(cache=True, nogil=True, error_model="numpy")
+KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
 QK = 256
 SUB = 32
 

@@ -29,8 +29,8 @@ I4 = np.int32(4)
 I8 = np.int32(8)
 I15 = np.int32(15)
 I16 = np.int32(16)
-KERNEL = dict(cache=True, nogil=True, parallel=True)
-SCALAR = dict(cache=True, nogil=True)
+KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
+SCALAR = dict(cache=True, nogil=True, error_model="numpy")
 
 # The dequantizers take the block length as a run-time argument `qk` (always QK): with a compile-time trip count
 # LLVM unrolls the 32-value loop completely and then fails to vectorise it, which costs 4x in throughput. Their

@@ -18,14 +18,14 @@ from ikquant.types import register_codec
 
 QK = 32
 BLOCK_BYTES = 17
-KERNEL = dict(cache=True, nogil=True, parallel=True)
+KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
 
 # ggml-common.h kvalues_mxfp4: the E2M1 values doubled (hence the half-valued scale); codes 8-15 negate 0-7
 KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)
 _FVALUES = KVALUES_MXFP4.astype(np.float32)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _block_exponent(amax: np.float32) -> np.uint8:
     """ik's e = (uint8_t)(floor(log2f(amax)) - 2 + 127): x86 converts through int32, so tiny blocks wrap around."""
     e = (np.float32(math.floor(math.log2(amax))) - np.float32(2.0)) + np.float32(127.0)

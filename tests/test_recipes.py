@@ -1,0 +1,165 @@
+"""ikquant's per-tensor decisions against ik's llama-quantize plans, and the options that change them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikquant.cli import app
+from ikquant.ftypes import file_type
+from ikquant.gguf_io import GGUFFile, GGUFStreamWriter
+from ikquant.imatrix import read_imatrix, read_imatrix_dat
+from ikquant.quantize import QuantizeError, QuantizeOptions, make_plan
+from ikquant.types import type_by_name
+
+DATA = Path(__file__).parent / "data" / "plans"
+VARIANTS = ["qwen3-plan", "deepseek-v3-plan", "openpangu-v2-plan"]
+FTYPES = ["IQ4_KS", "IQ2_KS", "IQ2_K", "IQ3_KS", "IQ3_K", "IQ4_KSS", "IQ4_K", "IQ5_KS", "IQ5_K", "IQ6_K", "IQ1_KT",
+          "IQ2_KT", "IQ3_KT", "IQ4_KT", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q8_0", "IQ4_XS",
+          "IQ4_NL", "MXFP4"]
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def plan_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, GGUFFile]:
+    """ik's plan inputs: the golden headers, with the (irrelevant) weights as zeros in a sparse file."""
+    out = {}
+    folder = tmp_path_factory.mktemp("plan-models")
+    for variant in VARIANTS:
+        header = (DATA / variant / "ik-f16.header.bin").read_bytes()
+        path = folder / f"{variant}.gguf"
+        with open(path, "wb") as fh:
+            fh.write(header)
+            fh.truncate(len(header) + (64 << 20))
+        out[variant] = GGUFFile(path)
+    return out
+
+
+def ik_plan(variant: str, ftype: str, imat: bool) -> dict[str, str]:
+    text = (DATA / variant / f"ik-plan-{ftype}{'-imat' if imat else ''}.txt").read_text()
+    return dict(line.split() for line in text.splitlines() if line.strip())
+
+
+@pytest.mark.parametrize("imat", [False, True], ids=["plain", "imat"])
+@pytest.mark.parametrize("ftype", FTYPES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_plan_equals_iks(plan_models: dict[str, GGUFFile], variant: str, ftype: str, imat: bool) -> None:
+    imatrix = read_imatrix_dat(DATA / variant / "imatrix.dat") if imat else None
+    plan = make_plan(plan_models[variant], QuantizeOptions(file_type(ftype), imatrix=imatrix,
+                                                           ignore_imatrix_rules=True))
+    ours = {p.name: (p.ik_type or p.type).ggml_name for p in plan.tensors}
+    assert ours == ik_plan(variant, ftype, imat)
+
+
+def test_rows_no_block_fits_are_kept_and_reported(plan_models: dict[str, GGUFFile]) -> None:
+    plan = make_plan(plan_models["openpangu-v2-plan"], QuantizeOptions(file_type("Q4_0")))
+    conv = next(p for p in plan.tensors if p.name == "blk.0.attn_compresskv_conv.weight")
+    assert conv.ik_type is type_by_name("Q4_0") and conv.type is type_by_name("F16") and not conv.quantize
+    assert "broken" in conv.notes[-1]
+
+
+def _names(plan, type_name: str) -> set[str]:  # type: ignore[no-untyped-def]
+    return {p.name for p in plan.tensors if p.type.name == type_name}
+
+
+def test_custom_q_wins_in_order_and_reports_dead_rules(plan_models: dict[str, GGUFFile]) -> None:
+    g = plan_models["qwen3-plan"]
+    opts = QuantizeOptions(file_type("Q4_K_M"), custom_q=[(r"blk\.1\.ffn_down", "q8_0"), (r"ffn_down", "iq4_ks"),
+                                                          (r"no_such_tensor", "q8_0")])
+    plan = make_plan(g, opts)
+    assert _names(plan, "Q8_0") == {"blk.1.ffn_down.weight"}
+    assert {p.name for p in plan.tensors if "ffn_down" in p.name} - _names(plan, "IQ4_KS") == {"blk.1.ffn_down.weight"}
+    assert any("no_such_tensor" in w and "matches no tensor" in w for w in plan.warnings)
+
+
+def test_class_options_where_ik_reads_them(plan_models: dict[str, GGUFFile]) -> None:
+    g = plan_models["qwen3-plan"]
+    plan = make_plan(g, QuantizeOptions(file_type("Q4_K_M"), class_types={"attn_v_type": "q8_0"}))
+    assert {p.name for p in plan.tensors if "attn_v" in p.name} == _names(plan, "Q8_0") - {"output.weight"}
+    assert not plan.warnings
+    plan = make_plan(g, QuantizeOptions(file_type("IQ2_KS"), class_types={"attn_v_type": "q8_0"},
+                                        ignore_imatrix_rules=True))
+    assert not any("attn_v" in n for n in _names(plan, "Q8_0"))
+    assert any("--attn-v-type is ignored" in w for w in plan.warnings)
+    with pytest.raises(QuantizeError, match="q9_Z"):
+        make_plan(g, QuantizeOptions(file_type("Q4_K_M"), class_types={"attn_v_type": "q9_Z"}))
+
+
+def test_pure_ignores_custom_rules_loudly(plan_models: dict[str, GGUFFile]) -> None:
+    g = plan_models["qwen3-plan"]
+    plan = make_plan(g, QuantizeOptions(file_type("Q4_K_M"), pure=True, custom_q=[("ffn_down", "q8_0")]))
+    assert not _names(plan, "Q8_0")
+    assert {p.type.name for p in plan.tensors if p.quantize} == {"Q4_K"}
+    assert any("--pure" in w for w in plan.warnings)
+
+
+def test_driver_overrides(plan_models: dict[str, GGUFFile]) -> None:
+    plan = make_plan(plan_models["qwen3-plan"], QuantizeOptions(file_type("Q4_0"), output_tensor_type="q8_0",
+                                                                token_embedding_type="q6_K"))
+    by_name = {p.name: p.type.name for p in plan.tensors}
+    assert by_name["output.weight"] == "Q8_0" and by_name["token_embd.weight"] == "Q6_K"
+
+
+def test_very_low_bit_types_need_an_imatrix(plan_models: dict[str, GGUFFile]) -> None:
+    g = plan_models["qwen3-plan"]
+    with pytest.raises(QuantizeError, match=r"IQ2_KT without importance data \(blk\.0\."):
+        make_plan(g, QuantizeOptions(file_type("IQ2_KT")))
+    imat = read_imatrix_dat(DATA / "qwen3-plan" / "imatrix.dat")
+    assert make_plan(g, QuantizeOptions(file_type("IQ2_KT"), imatrix=imat)).tensors
+    assert make_plan(g, QuantizeOptions(file_type("IQ2_KT"), ignore_imatrix_rules=True)).tensors
+
+
+def test_imatrix_filters_and_name_fallbacks(tmp_path: Path) -> None:
+    data = Path(__file__).parent / "data"
+    model = data / "convert" / "qwen3" / "ik-f32.gguf"
+    dat = data / "logits" / "qwen3" / "ik-imatrix.dat"
+
+    def plan(*extra: str):  # type: ignore[no-untyped-def]
+        res = runner.invoke(app, [str(model), str(tmp_path / "o.gguf"), "--type", "q4_0", "--imatrix", str(dat),
+                                  "--dry-run", "--json", *extra], env={"COLUMNS": "250"})
+        assert res.exit_code == 0, res.output
+        return {p["name"]: p for p in json.loads(res.stdout)}, res.stderr
+
+    full, _ = plan()
+    assert full["blk.0.ffn_gate.weight"]["imatrix"] == "blk.0.ffn_gate.weight"
+    no_gate, _ = plan("--exclude-weights", "ffn_gate")
+    assert no_gate["blk.0.ffn_gate.weight"]["imatrix"] == "blk.0.ffn_up.weight"  # ik's gate -> up fallback
+    filtered, stderr = plan("--exclude-weights", "ffn_up", "--exclude-weights", "ffn_gate")
+    assert filtered["blk.0.ffn_gate.weight"]["imatrix"] is None
+    assert filtered["blk.0.ffn_down.weight"]["imatrix"] == "blk.0.ffn_down.weight"
+    assert "no imatrix entry" in stderr
+
+
+def write_gguf_imatrix(path: Path, dat: Path, counts: int = 640) -> None:
+    """The same statistics in mainline llama.cpp's GGUF imatrix layout (<name>.in_sum2 + <name>.counts)."""
+    imat = read_imatrix_dat(dat)
+    f32 = type_by_name("F32")
+    with GGUFStreamWriter(path, "llama") as w:
+        w.gw.add_type("imatrix")
+        w.gw.add_array("imatrix.datasets", ["calibration.txt"])
+        w.gw.add_uint32("imatrix.chunk_count", 10)
+        w.gw.add_uint32("imatrix.chunk_size", 64)
+        arrays = {}
+        for name, e in imat.entries.items():
+            arrays[name + ".in_sum2"] = (e.mean_sq() * counts).reshape(1, -1)
+            arrays[name + ".counts"] = np.full((1, 1), counts, np.float32)
+        for name, a in arrays.items():
+            w.add_tensor_info(name, a.shape, f32)
+        for name, a in arrays.items():
+            w.write_tensor(name, a.astype(np.float32))
+        w.finish()
+
+
+def test_gguf_imatrix_reads_like_the_dat(tmp_path: Path) -> None:
+    dat = DATA / "qwen3-plan" / "imatrix.dat"
+    gguf = tmp_path / "imatrix.gguf"
+    write_gguf_imatrix(gguf, dat)
+    a, b = read_imatrix(dat), read_imatrix(gguf)
+    assert set(a.entries) == set(b.entries)
+    assert b.chunks == 10 and b.dataset == "calibration.txt"
+    for name in a.entries:
+        np.testing.assert_allclose(b.entries[name].mean_sq(), a.entries[name].mean_sq(), rtol=1e-6)
