@@ -154,15 +154,18 @@ class GGUFFile:
         data = self._reader.data[info.offset : info.offset + info.nbytes]
         return data.reshape(info.n_rows, -1)
 
-    def release(self, name: str) -> None:
-        """Drop tensor `name`'s pages from this process (they stay in the page cache): after streaming a tensor,
-        its input no longer counts against the resident memory of a quantizer walking a huge model."""
+    def release(self, name: str, row0: int = 0, row1: int | None = None) -> None:
+        """Drop the pages of rows [row0, row1) of tensor `name` from this process (they stay in the page cache):
+        once streamed, a tensor's input no longer counts against the resident memory of a tool walking a huge
+        model."""
         mm = getattr(self._reader.data, "_mmap", None)
         if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
             return
         info = self.info(name)
-        start = info.offset - info.offset % mmap.PAGESIZE
-        end = info.offset + info.nbytes
+        row_bytes = info.nbytes // max(info.n_rows, 1)
+        begin = info.offset + row0 * row_bytes
+        end = info.offset + (info.n_rows if row1 is None else row1) * row_bytes
+        start = begin - begin % mmap.PAGESIZE
         if end > start:
             mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 

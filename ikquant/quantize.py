@@ -276,6 +276,7 @@ def quantize_tensor(src: GGUFFile, plan: TensorPlan, imatrix: Imatrix | None) ->
         for r0 in range(m * rows_per_mat, (m + 1) * rows_per_mat, batch):
             r1 = min(r0 + batch, (m + 1) * rows_per_mat)
             out[r0:r1] = codec.quantize(src_codec.dequantize(raw[r0:r1], n), w)
+            src.release(info.name, r0, r1)
     return out
 
 

@@ -1,0 +1,50 @@
+"""Streaming: quantizing a multi-GB model keeps memory bounded by its largest tensor, not the model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ikquant.gguf_io import GGUFFile, GGUFStreamWriter
+from ikquant.types import type_by_name
+
+ROWS, COLS, N_TENSORS = 8192, 16384, 9  # 9 x 256 MiB of f16 = 2.25 GiB
+
+
+def _sparse_f16_model(path: Path) -> None:
+    """A GGUF of N_TENSORS zero f16 matrices, written as a sparse file (no 2 GiB of writes)."""
+    f16 = type_by_name("F16")
+    with GGUFStreamWriter(path, "llama") as w:
+        for i in range(N_TENSORS):
+            w.add_tensor_info(f"blk.{i}.ffn_up.weight", (ROWS, COLS), f16)
+        w._start()
+        fout = w.gw.fout[0]
+        align = w.gw.data_alignment
+        start = -(-fout.tell() // align) * align
+        fout.truncate(start + N_TENSORS * f16.tensor_bytes((COLS, ROWS)))
+        w._next = N_TENSORS
+        w.finish()
+
+
+@pytest.mark.slow
+def test_peak_memory_is_bounded_by_the_largest_tensor(tmp_path: Path) -> None:
+    src = tmp_path / "big-f16.gguf"
+    _sparse_f16_model(src)
+    largest = type_by_name("F16").tensor_bytes((COLS, ROWS))
+    assert src.stat().st_size > 2 * 2**30
+    dst = tmp_path / "big-q8_0.gguf"
+    exe = Path(sys.executable).parent / "ikquant"
+    proc = subprocess.Popen([str(exe), str(src), str(dst), "--type", "q8_0", "--pure"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, proc.stderr.read().decode() if proc.stderr else ""
+    peak = usage.ru_maxrss * 1024
+    fixed_overhead = 400 << 20  # interpreter, numpy, numba and the compiled kernels
+    assert peak < 2 * largest + fixed_overhead, f"peak RSS {peak / 2**20:.0f} MiB"
+    out = GGUFFile(dst)
+    assert all(t.type is type_by_name("Q8_0") for t in out.tensors.values())
+    assert out.raw("blk.8.ffn_up.weight")[-1].max() == 0
