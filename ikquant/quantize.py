@@ -257,8 +257,25 @@ def output_metadata(src: GGUFFile, opts: QuantizeOptions) -> list[KeyValue]:
     return kvs
 
 
+def ik_call_rows(codec_rows_interact: bool, weighted: bool, n_per_row: int, rows_per_mat: int, n_mat: int,
+                 threads: int) -> int:
+    """Rows per quantize call that reproduce llama-quantize's batching, where a codec's output depends on it.
+
+    ik quantizes a whole matrix per call when single-threaded (or, with threads, a whole expert matrix per thread);
+    otherwise in chunks of at least 16384 values. Codecs whose rows do not interact are batched by memory only.
+    """
+    if not codec_rows_interact or weighted:
+        return max(1, min(rows_per_mat, BATCH_BYTES // (4 * n_per_row)))
+    if threads < 2 or (n_mat > 1 and (n_mat % threads == 0 or n_mat >= 2 * threads)):
+        return rows_per_mat
+    min_chunk = 32 * 512
+    return max(1, -(-min_chunk // n_per_row)) if n_per_row < min_chunk else 1
+
+
 def quantize_tensor(src: GGUFFile, plan: TensorPlan, imatrix: Imatrix | None) -> np.ndarray:
     """The new bytes of one tensor, quantized in row batches (bounded memory)."""
+    import numba
+
     info = plan.info
     codec = plan.type.require_codec()
     n = info.n_per_row
@@ -270,7 +287,7 @@ def quantize_tensor(src: GGUFFile, plan: TensorPlan, imatrix: Imatrix | None) ->
     raw = src.raw(info.name)
     src_codec = info.type.require_codec()
     out = np.empty((info.n_rows, plan.type.row_bytes(n)), dtype=np.uint8)
-    batch = max(1, min(rows_per_mat, BATCH_BYTES // (4 * n)))
+    batch = ik_call_rows(codec.rows_interact, weights is not None, n, rows_per_mat, n_mat, numba.get_num_threads())
     for m in range(n_mat):
         w = None if weights is None else weights[m * n : (m + 1) * n]
         for r0 in range(m * rows_per_mat, (m + 1) * rows_per_mat, batch):

@@ -9,6 +9,7 @@ the model is opened, before any compute.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ class Model:
         self.gguf = GGUFFile(self.path)
         self.arch = self.gguf.architecture
         self._cache: dict[str, np.ndarray] = {}
+        #: called as observer(weight_name, x) with the activation rows about to meet each weight matrix
+        self.observers: list[Callable[[str, np.ndarray], None]] = []
         self.impl = model_class(self.arch)(self)
         largest = max((t.n_elements for t in self.gguf.tensors.values() if len(t.ne) >= 2), default=0)
         self.blas_threads = 1 if largest < SMALL_MATRIX else (threads or os.cpu_count() or 1)
@@ -76,6 +79,15 @@ class Model:
             w = self.gguf.dequantize(name)
             self._cache[name] = w
         return w
+
+    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x @ W^T (+ bias) for the weight `name` (without the .weight suffix), shown to the observers first."""
+        for observe in self.observers:
+            observe(name + ".weight", x)
+        y = x @ self.weight(name + ".weight").T
+        if self.has(name + ".bias"):
+            y += self.weight(name + ".bias")
+        return y
 
     def drop_cache(self) -> None:
         self._cache.clear()

@@ -52,6 +52,9 @@ class Codec:
     #: (the block_size group it belongs to), plus abs_error_floor for values near the type's smallest scale
     rel_error_bound: float = 0.0
     abs_error_floor: float = 0.0
+    #: True when (without importance weights) the bytes of a row depend on the other rows of the same call, so
+    #: callers must batch rows as ik does to reproduce its output
+    rows_interact: bool = False
 
     @property
     def ggml_type(self) -> GGMLType:

@@ -1083,6 +1083,8 @@ def _in_range_weights(w: np.ndarray) -> np.ndarray:
 
 class Q2_KCodec(Codec):
     type_name = "Q2_K"
+    # without importance weights, ternary storage is decided over all rows of one call
+    rows_interact = True
     # Ternary storage (plain calls only) keeps max|x| of the call itself as the fp16 d and dmin.
     max_abs_input = FP16_MAX
     # Ternary storage zeroes every value under half the call's max|x|, so a block can lose all of its content

@@ -76,12 +76,6 @@ class LlamaFamily:
                 raise error(f"{self.m.path}: tensor {name} has shape {list(self.m.shape(name))}, the hyperparameters "
                             f"imply {list(shape)}")
 
-    def _linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        y = x @ self.m.weight(name + ".weight").T
-        if self.m.has(name + ".bias"):
-            y += self.m.weight(name + ".bias")
-        return y
-
     def forward(self, tokens: np.ndarray) -> np.ndarray:
         m = self.m
         n = len(tokens)
@@ -92,9 +86,9 @@ class LlamaFamily:
         for i in range(self.n_layer):
             b = f"blk.{i}."
             h = rms_norm(x, m.weight(b + "attn_norm.weight"), self.eps)
-            q = self._linear(h, b + "attn_q").reshape(n, self.n_head, self.head_dim)
-            k = self._linear(h, b + "attn_k").reshape(n, self.n_head_kv, self.head_dim)
-            v = self._linear(h, b + "attn_v").reshape(n, self.n_head_kv, self.head_dim_v)
+            q = m.linear(h, b + "attn_q").reshape(n, self.n_head, self.head_dim)
+            k = m.linear(h, b + "attn_k").reshape(n, self.n_head_kv, self.head_dim)
+            v = m.linear(h, b + "attn_v").reshape(n, self.n_head_kv, self.head_dim_v)
             if self.qk_norm:
                 q = rms_norm(q, m.weight(b + "attn_q_norm.weight"), self.eps)
                 k = rms_norm(k, m.weight(b + "attn_k_norm.weight"), self.eps)
@@ -103,9 +97,9 @@ class LlamaFamily:
             apply_rope(q, cos, sin, self.n_rot, self.neox)
             apply_rope(k, cos, sin, self.n_rot, self.neox)
             attn = causal_attention(q, m.kv_store(k), m.kv_store(v), scale).reshape(n, -1)
-            x = x + self._linear(attn, b + "attn_output")
+            x = x + m.linear(attn, b + "attn_output")
             h = rms_norm(x, m.weight(b + "ffn_norm.weight"), self.eps)
-            x = x + self._linear(swiglu(self._linear(h, b + "ffn_gate"), self._linear(h, b + "ffn_up")),
+            x = x + m.linear(swiglu(m.linear(h, b + "ffn_gate"), m.linear(h, b + "ffn_up")),
                                  b + "ffn_down")
         x = rms_norm(x, m.weight("output_norm.weight"), self.eps)
         return np.ascontiguousarray(x @ m.weight(self.output).T, dtype=np.float32)
