@@ -10,7 +10,6 @@ Example: python tools/bench_convert.py --workdir /tmp/bench --outtype f16 --outt
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -21,15 +20,13 @@ from ikconvert.tiny import TinySpec, make_tiny_checkpoint
 
 
 def run_child(cmd: list[str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MiB) of one child process, measured on that process alone."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    dt = time.perf_counter() - t0
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
-        sys.exit(f"command failed ({proc.returncode}): {' '.join(cmd)}")
-    return dt, usage.ru_maxrss / 1024
+    """Wall seconds and peak RSS (MiB) of one command, measured from a small parent (tools/peak_rss.py)."""
+    res = subprocess.run([sys.executable, str(Path(__file__).parent / "peak_rss.py"), *cmd],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if res.returncode:
+        sys.exit(f"command failed ({res.returncode}): {' '.join(cmd)}\n{res.stderr}")
+    _, rss, dt = res.stderr.strip().splitlines()[-1].split()
+    return float(dt), float(rss)
 
 
 def main() -> None:

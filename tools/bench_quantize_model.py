@@ -13,7 +13,6 @@ import argparse
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,8 @@ import numpy as np
 from ikquant.gguf_io import GGUFStreamWriter
 from ikquant.imatrix import Imatrix, ImatrixEntry, write_imatrix_dat
 from ikquant.types import type_by_name
+
+PEAK_RSS = Path(__file__).parent / "peak_rss.py"
 
 
 def make_model(path: Path, size_gb: float) -> tuple[int, Path]:
@@ -69,14 +70,13 @@ def main() -> None:
     for t in types:
         for n in threads:
             out = a.workdir / f"out-{t}.gguf"
-            t0 = time.perf_counter()
-            proc = subprocess.Popen([exe, str(src), str(out), "--type", t, "--imatrix", str(dat), "--threads", str(n)],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            _, status, usage = os.wait4(proc.pid, 0)
-            dt = time.perf_counter() - t0
-            if os.waitstatus_to_exitcode(status):
-                sys.exit(f"ikquant failed for {t}: {proc.stderr.read().decode() if proc.stderr else ''}")
-            print(f"{t:8s} {n:7d} {dt:9.1f} {n_weights / 1e6 / dt:12.2f} {usage.ru_maxrss / 1024:13.0f}", flush=True)
+            res = subprocess.run([sys.executable, str(PEAK_RSS), exe, str(src), str(out), "--type", t, "--imatrix",
+                                  str(dat), "--threads", str(n)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 text=True)
+            if res.returncode:
+                sys.exit(f"ikquant failed for {t}: {res.stderr}")
+            _, rss, dt = res.stderr.strip().splitlines()[-1].split()
+            print(f"{t:8s} {n:7d} {float(dt):9.1f} {n_weights / 1e6 / float(dt):12.2f} {float(rss):13.0f}", flush=True)
             out.unlink()
 
 
