@@ -31,8 +31,9 @@ def hf2gguf(
                               "when offline)."),
     outfile: Optional[Path] = typer.Option(None, "--outfile", "-o", help="Output .gguf path (default: "
                                            "<checkpoint folder name>-<OUTTYPE>.gguf in the current folder)."),
-    outtype: str = typer.Option("f16", "--outtype", help="f32, f16, bf16, q8_0, or auto (f16 if the checkpoint "
-                                "is stored in f16, else bf16), as ik's converter defines them."),
+    outtype: str = typer.Option("f16", "--outtype", help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q6_0, or "
+                                "auto (f16 if the checkpoint is stored in f16, else bf16), as ik's converter defines "
+                                "them (q4_*/q5_* keep embeddings, output, attn_k/attn_v at q5_0/q6_0)."),
     pre_tokenizer: Optional[str] = typer.Option(None, "--pre-tokenizer", help="Force tokenizer.ggml.pre (e.g. "
                                                 "qwen2, llama-bpe, deepseek-v3) instead of identifying it from "
                                                 "tokenizer.json."),

@@ -25,12 +25,20 @@ from ikquant.types import GGMLType, type_by_name
 
 log = logging.getLogger(__name__)
 
-OUTTYPES: dict[str, tuple[str, LlamaFileType]] = {
-    "f32": ("F32", LlamaFileType.ALL_F32),
-    "f16": ("F16", LlamaFileType.MOSTLY_F16),
-    "bf16": ("BF16", LlamaFileType.MOSTLY_BF16),
-    "q8_0": ("Q8_0", LlamaFileType.MOSTLY_Q8_0),
+OUTTYPES: dict[str, tuple[str, int]] = {
+    "f32": ("F32", int(LlamaFileType.ALL_F32)),
+    "f16": ("F16", int(LlamaFileType.MOSTLY_F16)),
+    "bf16": ("BF16", int(LlamaFileType.MOSTLY_BF16)),
+    "q8_0": ("Q8_0", int(LlamaFileType.MOSTLY_Q8_0)),
+    "q4_0": ("Q4_0", 2),
+    "q4_1": ("Q4_1", 3),
+    "q5_0": ("Q5_0", 8),
+    "q5_1": ("Q5_1", 9),
+    "q6_0": ("Q6_0", 135),
 }
+# ik's converter keeps these tensors at Q5_0 (q4_* outtypes) or Q6_0 (q5_* outtypes): a small but usable file
+RAISED_NAMES = ("token_embd.weight", "output.weight")
+RAISED_SUFFIXES = (".attn_v.weight", ".attn_k.weight", ".attn_qkv.weight")
 ALWAYS_F32_NAMES = ("position_embd.weight", "token_types.weight")
 
 
@@ -57,6 +65,11 @@ def choose_type(out: OutTensor, shape: tuple[int, ...], outtype: str) -> tuple[G
     if is_gate_inp or out.name in ALWAYS_F32_NAMES or not out.source.endswith(".weight"):
         return type_by_name("F32"), ""
     gtype = type_by_name(OUTTYPES[outtype][0])
+    if out.name in RAISED_NAMES or (out.name.startswith("blk.") and out.name.endswith(RAISED_SUFFIXES)):
+        if outtype in ("q4_0", "q4_1"):
+            gtype = type_by_name("Q5_0")
+        elif outtype in ("q5_0", "q5_1"):
+            gtype = type_by_name("Q6_0")
     if shape[-1] % gtype.block_size:
         return type_by_name("F16"), f"row length {shape[-1]} is not a multiple of {gtype.block_size}: F16"
     return gtype, ""
