@@ -192,3 +192,31 @@ def filter_entries(imat: Imatrix, include: list[str], exclude: list[str]) -> Ima
     else:
         return imat
     return Imatrix(entries, imat.chunks, imat.dataset, imat.path)
+
+
+def write_imatrix_gguf(path: str | os.PathLike[str], sums: dict[str, np.ndarray], counts: dict[str, np.ndarray],
+                       chunks: int, chunk_size: int, dataset: str) -> None:
+    """Write mainline llama.cpp's GGUF imatrix: per entry `<name>.in_sum2` [n_mat, ne0] (sums of x^2) and
+    `<name>.counts` [n_mat, 1] (activation rows), with the imatrix.* keys."""
+    from gguf import GGUFValueType
+
+    from ikquant.gguf_io import GGUFStreamWriter, KeyValue
+    from ikquant.types import type_by_name
+
+    f32 = type_by_name("F32")
+    with GGUFStreamWriter(path, "imatrix") as w:
+        w.gw.kv_data[0].pop("general.architecture", None)  # an imatrix file has no architecture
+        w.add_kv(KeyValue("general.type", "imatrix", GGUFValueType.STRING))
+        w.add_kv(KeyValue("imatrix.datasets", [dataset] if dataset else [], GGUFValueType.ARRAY,
+                          GGUFValueType.STRING))
+        w.add_kv(KeyValue("imatrix.chunk_count", int(chunks), GGUFValueType.UINT32))
+        w.add_kv(KeyValue("imatrix.chunk_size", int(chunk_size), GGUFValueType.UINT32))
+        arrays = {}
+        for name in sums:
+            arrays[name + ".in_sum2"] = np.asarray(sums[name], dtype=np.float32).reshape(len(counts[name]), -1)
+            arrays[name + ".counts"] = np.asarray(counts[name], dtype=np.float32).reshape(-1, 1)
+        for name, a in arrays.items():
+            w.add_tensor_info(name, a.shape, f32)
+        for name, a in arrays.items():
+            w.write_tensor(name, a)
+        w.finish()

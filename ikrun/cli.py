@@ -239,6 +239,55 @@ def kld_table(stats: dict, title: str) -> Table:
 
 
 @app.command()
+def imatrix(
+    model: Path = typer.Argument(..., help="GGUF model (ideally the unquantized one)."),
+    text: Path = typer.Option(..., "--text", help="Calibration text (UTF-8)."),
+    output: Path = typer.Option(Path("imatrix.dat"), "--output", "-o", help="Output: ik's .dat layout, or "
+                                "mainline's GGUF imatrix when the name ends in .gguf."),
+    ctx: int = typer.Option(512, "--ctx", "-c", help="Chunk length in tokens."),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="Use at most this many chunks."),
+    in_file: list[Path] = typer.Option([], "--in-file", help="Earlier imatrix to merge in (repeatable)."),
+    save_every: int = typer.Option(10, "--save-every", help="Rewrite the output every N chunks, so an interrupted "
+                                   "run loses little (0: only at the end)."),
+    process_output: bool = typer.Option(False, "--process-output", help="Also collect for output.weight."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
+) -> None:
+    """Collect an importance matrix: per weight matrix, the mean square of its input activations per column.
+
+    Example: ikrun imatrix model-f32.gguf --text calibration.txt --ctx 512 -o imatrix.dat
+    """
+    from ikquant.imatrix import ImatrixError, read_imatrix
+    from ikrun.evaluate import EvalError, collect_imatrix, tokenize_chunks
+    from ikrun.imatrix import ImatrixCollector
+    from ikrun.metrics import ppl_stats
+
+    _threads(threads)
+    m = _load(model, threads)
+    collector = ImatrixCollector(process_output=process_output)
+    try:
+        chunk_tokens = tokenize_chunks(m, _read_text(text), ctx, chunks)
+        for f in in_file:
+            collector.merge(read_imatrix(f), ctx)
+    except (EvalError, ImatrixError, ValueError) as exc:
+        _fail(str(exc))
+        return
+    dataset = str(text)
+    with _progress() as bar:
+        task = bar.add_task("imatrix", total=len(chunk_tokens))
+
+        def step(i: int, n: int) -> None:
+            bar.update(task, completed=i)
+            if save_every and i % save_every == 0 and i < n:
+                collector.save(output, i, ctx, dataset)
+
+        nll = collect_imatrix(m, chunk_tokens, collector, step)
+    collector.save(output, len(chunk_tokens), ctx, dataset)
+    stats = ppl_stats(nll)
+    err.print(f"wrote {output}: {len(collector.sums)} entries from {len(chunk_tokens)} chunks of {ctx} tokens "
+              f"(PPL {stats['ppl']:.4f} +/- {stats['ppl_err']:.5f})")
+
+
+@app.command()
 def validate(
     hf: Path = typer.Option(..., "--hf", help="Hugging Face checkpoint folder."),
     gguf: Path = typer.Option(..., "--gguf", help="GGUF converted from it."),

@@ -3,7 +3,7 @@ from an empty context (first token swapped for BOS when the vocabulary adds one)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +16,6 @@ from ikrun.metrics import (
     KLDAccumulator,
     encode_records,
     kld_stats,
-    scored_positions,
 )
 from ikrun.model import Model
 
@@ -109,5 +108,18 @@ def kl_divergence(model: Model, base: BaseLogitsFile, progress: Progress | None 
     return acc
 
 
-def iter_scored(n_ctx: int) -> Iterator[int]:
-    return iter(scored_positions(n_ctx))
+def collect_imatrix(model: Model, chunks: np.ndarray, collector, progress: Progress | None = None) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """Run every chunk with `collector` observing the matmuls (one call per chunk); returns the scored NLLs."""
+    n_chunk, n_ctx = chunks.shape
+    nlls = []
+    model.observers.append(collector)
+    try:
+        for i in range(n_chunk):
+            logits = chunk_logits(model, chunks[i])
+            collector.end_call()
+            nlls.append(encode_records(logits, chunks[i][n_ctx // 2 + 1 :])[1])
+            if progress:
+                progress(i + 1, n_chunk)
+    finally:
+        model.observers.remove(collector)
+    return np.concatenate(nlls)

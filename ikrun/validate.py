@@ -7,6 +7,7 @@ once. float32 throughout, like transformers on CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +51,8 @@ class HFReference:
         out[..., :dim] = x[..., :dim] * cos + rotated * sin
         return out
 
-    def logits(self, tokens: np.ndarray) -> np.ndarray:
+    def logits(self, tokens: np.ndarray, observe: Callable[[str, np.ndarray], None] | None = None) -> np.ndarray:
+        """float32 logits of one sequence; `observe(hf_weight_name, x)` sees every projection's input rows."""
         cfg = self.cfg
         n = len(tokens)
         n_head = cfg["num_attention_heads"]
@@ -64,6 +66,8 @@ class HFReference:
             p = f"model.layers.{i}."
 
             def proj(h: np.ndarray, name: str) -> np.ndarray:
+                if observe is not None:
+                    observe(p + name + ".weight", h)
                 y = h @ self.w(p + name + ".weight").T
                 bias = p + name + ".bias"
                 return y + self.w(bias) if bias in self.tensors else y
@@ -82,11 +86,11 @@ class HFReference:
             att = np.exp(att - att.max(-1, keepdims=True))
             att = att / att.sum(-1, keepdims=True)
             o = np.einsum("hij,jhd->ihd", att, v).reshape(n, n_head * hd)
-            x = x + o @ self.w(p + "self_attn.o_proj.weight").T
+            x = x + proj(o, "self_attn.o_proj")
             h = self._rmsnorm(x, self.w(p + "post_attention_layernorm.weight"))
             g = proj(h, "mlp.gate_proj")
             u = proj(h, "mlp.up_proj")
-            x = x + ((g / (1 + np.exp(-g))) * u) @ self.w(p + "mlp.down_proj.weight").T
+            x = x + proj((g / (1 + np.exp(-g))) * u, "mlp.down_proj")
         x = self._rmsnorm(x, self.w("model.norm.weight"))
         head = "lm_head.weight" if "lm_head.weight" in self.tensors else "model.embed_tokens.weight"
         return (x @ self.w(head).T).astype(np.float32)

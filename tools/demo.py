@@ -31,17 +31,20 @@ def run(*args: str, capture: bool = False) -> str:
 
 def main() -> None:
     OUT.mkdir(exist_ok=True)
-    hf = make_tiny_checkpoint(OUT / "tiny-qwen3", TinySpec(arch="qwen3", hidden=128, layers=3, heads=4, kv_heads=2,
-                                                           head_dim=32, ffn=384))
+    # 256-wide rows, so the 256-value super-block types (k-quants, IQK, trellis) apply without fallbacks
+    hf = make_tiny_checkpoint(OUT / "tiny-qwen3", TinySpec(arch="qwen3", hidden=256, layers=2, heads=4, kv_heads=2,
+                                                           head_dim=64, ffn=768))
     console.print(f"[bold]tiny Qwen3 checkpoint:[/] {hf}")
     f32 = OUT / "tiny-qwen3-f32.gguf"
     run("ikconvert", "hf2gguf", str(hf), "--outtype", "f32", "--pre-tokenizer", "qwen2", "--outfile", str(f32))
     run("ikrun", "validate", "--hf", str(hf), "--gguf", str(f32))
+    imatrix = OUT / "imatrix.dat"
+    run("ikrun", "imatrix", str(f32), "--text", str(CORPUS), "--ctx", "64", "-o", str(imatrix))
     base = OUT / "base-logits.kld"
     rows = []
-    for qtype in ("Q8_0", "Q4_0"):
+    for qtype in ("Q8_0", "Q4_0", "Q4_K_M", "IQ4_KS", "IQ2_KT"):
         q = OUT / f"tiny-qwen3-{qtype.lower()}.gguf"
-        run("ikquant", str(f32), str(q), "--type", qtype)
+        run("ikquant", str(f32), str(q), "--type", qtype, "--imatrix", str(imatrix))
         if base.exists():
             src = ["--base-logits", str(base)]
         else:

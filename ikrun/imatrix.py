@@ -1,0 +1,82 @@
+"""Importance matrices from the runtime: per weight matrix, the sum of squared input activations per column.
+
+What is collected follows ik's llama-imatrix: every matmul of a `blk.*` weight whose activation batch has at least
+16 rows (the output tensor only on request), one `ncall` per evaluation of the graph (here: per chunk), and the
+stored value mean(x^2) * ncall. Sums are kept in float64 (ik: float32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ikquant.imatrix import Imatrix, ImatrixEntry, write_imatrix_dat, write_imatrix_gguf
+
+MIN_ROWS = 16
+
+
+@dataclass
+class ImatrixCollector:
+    """Observer for Model.observers: accumulates Σx² and row counts per weight (per expert slice for 3-D)."""
+
+    process_output: bool = False
+    sums: dict[str, np.ndarray] = field(default_factory=dict)
+    counts: dict[str, np.ndarray] = field(default_factory=dict)
+    ncall: dict[str, int] = field(default_factory=dict)
+    _seen_this_call: set[str] = field(default_factory=set)
+
+    def wants(self, name: str) -> bool:
+        return name.startswith("blk.") or (self.process_output and name == "output.weight")
+
+    def __call__(self, name: str, x: np.ndarray, expert: int = 0, n_experts: int = 1) -> None:
+        if not self.wants(name) or (n_experts == 1 and x.shape[0] < MIN_ROWS):
+            return
+        x64 = x.reshape(-1, x.shape[-1]).astype(np.float64)
+        if name not in self.sums:
+            self.sums[name] = np.zeros((n_experts, x64.shape[1]))
+            self.counts[name] = np.zeros(n_experts)
+            self.ncall[name] = 0
+        self.sums[name][expert] += np.einsum("ij,ij->j", x64, x64)
+        self.counts[name][expert] += x64.shape[0]
+        self._seen_this_call.add(name)
+
+    def end_call(self) -> None:
+        """One graph evaluation is done: every entry that saw data counts one more call (ik's ncall)."""
+        for name in self._seen_this_call:
+            self.ncall[name] += 1
+        self._seen_this_call.clear()
+
+    def merge(self, earlier: Imatrix, rows_per_call: int) -> None:
+        """Add an earlier imatrix as if its calls had `rows_per_call` rows each (ik mixes units here: it adds
+        a whole call's mean as a single row, which all but erases earlier files once new data arrives)."""
+        for name, entry in earlier.entries.items():
+            n_mat = len(self.counts[name]) if name in self.counts else 1
+            mean = entry.mean_sq().reshape(n_mat, -1).astype(np.float64)
+            rows = float(max(entry.ncall, 1) * rows_per_call)
+            if name not in self.sums:
+                self.sums[name] = np.zeros_like(mean)
+                self.counts[name] = np.zeros(n_mat)
+                self.ncall[name] = 0
+            self.sums[name] += mean * rows
+            self.counts[name] += rows
+            self.ncall[name] += max(entry.ncall, 0)
+
+    def to_imatrix(self, chunks: int, dataset: str, path: Path | None = None) -> Imatrix:
+        """ik's stored form: values = mean(x^2) * ncall; matrices that saw no rows read as ones (as ik writes)."""
+        imat = Imatrix(chunks=chunks, dataset=dataset, path=path)
+        for name, s in self.sums.items():
+            c = self.counts[name]
+            mean = np.ones_like(s)
+            mean[c > 0] = s[c > 0] / c[c > 0, None]
+            imat.entries[name] = ImatrixEntry((mean * self.ncall[name]).reshape(-1).astype(np.float32),
+                                              self.ncall[name])
+        return imat
+
+    def save(self, path: Path, chunks: int, chunk_size: int, dataset: str) -> None:
+        """Write ik's .dat, or mainline's GGUF imatrix when the name ends in .gguf (both atomically)."""
+        if path.suffix == ".gguf":
+            write_imatrix_gguf(path, self.sums, self.counts, chunks, chunk_size, dataset)
+        else:
+            write_imatrix_dat(path, self.to_imatrix(chunks, dataset))

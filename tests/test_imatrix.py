@@ -1,0 +1,111 @@
+"""ikrun imatrix: ik's entries and conventions, an independent recomputation, file round trips, and its use."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikconvert.archs.base import arch_for
+from ikconvert.checkpoint import Checkpoint
+from ikquant.cli import app as ikquant_app
+from ikquant.imatrix import read_imatrix, read_imatrix_dat, write_imatrix_dat
+from ikrun.cli import app
+from ikrun.evaluate import collect_imatrix, tokenize_chunks
+from ikrun.imatrix import ImatrixCollector
+from ikrun.model import Model
+from ikrun.validate import HFReference
+
+runner = CliRunner()
+
+
+def _collect(data_dir: Path, out: Path, *extra: str) -> None:
+    res = runner.invoke(app, ["imatrix", str(data_dir / "convert" / "qwen3" / "ik-f32.gguf"), "--text",
+                              str(data_dir / "logits" / "qwen3" / "text.txt"), "--ctx", "64", "-o", str(out), *extra])
+    assert res.exit_code == 0, res.output
+
+
+def test_matches_iks_llama_imatrix(data_dir: Path, tmp_path: Path) -> None:
+    ours_path = tmp_path / "ours.dat"
+    _collect(data_dir, ours_path)
+    ik, ours = read_imatrix_dat(data_dir / "logits" / "qwen3" / "ik-imatrix.dat"), read_imatrix_dat(ours_path)
+    assert set(ours.entries) == set(ik.entries)
+    assert ours.chunks == ik.chunks == 60
+    for name, entry in ik.entries.items():
+        assert ours.entries[name].ncall == entry.ncall  # one call per 64-token chunk
+        a, b = entry.mean_sq(), ours.entries[name].mean_sq()
+        assert np.linalg.norm(a - b) / np.linalg.norm(a) < 0.01, name
+
+
+def test_equals_a_direct_computation_from_the_reference_activations(tiny_hf: Path, tiny_f32: Path) -> None:
+    model = Model(tiny_f32)
+    text = (Path(__file__).parents[1] / "ikconvert" / "data" / "tiny_corpus.txt").read_text(encoding="utf-8")
+    chunks = tokenize_chunks(model, text, 64, 4)
+    collector = ImatrixCollector()
+    collect_imatrix(model, chunks, collector)
+    ref = HFReference(tiny_hf)
+    arch = arch_for(Checkpoint(tiny_hf))
+    sums: dict[str, np.ndarray] = {}
+    rows: dict[str, int] = {}
+
+    def observe(hf_name: str, x: np.ndarray) -> None:
+        name = arch.gguf_name(hf_name)
+        x64 = x.reshape(-1, x.shape[-1]).astype(np.float64)
+        sums[name] = sums.get(name, 0) + (x64**2).sum(axis=0)
+        rows[name] = rows.get(name, 0) + x64.shape[0]
+
+    add_bos, bos = model.tokenizer_flags()
+    for c in chunks:
+        fed = c.copy()
+        if add_bos:
+            fed[0] = bos
+        ref.logits(fed, observe)
+    assert set(sums) == set(collector.sums)
+    for name in sums:
+        assert collector.counts[name][0] == rows[name] == 4 * 64
+        np.testing.assert_allclose(collector.sums[name][0], sums[name], rtol=2e-5, err_msg=name)
+        assert collector.ncall[name] == 4
+
+
+def test_files_round_trip(data_dir: Path, tmp_path: Path) -> None:
+    dat, gguf = tmp_path / "i.dat", tmp_path / "i.gguf"
+    _collect(data_dir, dat, "--chunks", "6")
+    _collect(data_dir, gguf, "--chunks", "6")
+    a = read_imatrix_dat(dat)
+    again = tmp_path / "again.dat"
+    write_imatrix_dat(again, a)
+    assert again.read_bytes() == dat.read_bytes()
+    b = read_imatrix(gguf)
+    assert set(a.entries) == set(b.entries) and b.chunks == 6
+    for name in a.entries:
+        np.testing.assert_allclose(b.entries[name].mean_sq(), a.entries[name].mean_sq(), rtol=1e-6)
+
+
+def test_merging_an_earlier_file(data_dir: Path, tmp_path: Path) -> None:
+    first = tmp_path / "first.dat"
+    _collect(data_dir, first, "--chunks", "10")
+    merged = tmp_path / "merged.dat"
+    _collect(data_dir, merged, "--chunks", "10", "--in-file", str(first))
+    a, m = read_imatrix_dat(first), read_imatrix_dat(merged)
+    for name, entry in a.entries.items():
+        assert m.entries[name].ncall == 2 * entry.ncall
+        np.testing.assert_allclose(m.entries[name].mean_sq(), entry.mean_sq(), rtol=1e-5)  # same data twice
+
+
+def test_quantizing_with_it_lowers_the_kld(data_dir: Path, tmp_path: Path) -> None:
+    imat = tmp_path / "i.dat"
+    _collect(data_dir, imat)
+    base = data_dir / "logits" / "qwen3" / "ik-base.kld"
+    klds = []
+    for extra in ([], ["--imatrix", str(imat)]):
+        out = tmp_path / f"q{len(extra)}.gguf"
+        res = runner.invoke(ikquant_app, [str(data_dir / "convert" / "qwen3" / "ik-f32.gguf"), str(out), "--type",
+                                          "q4_0", "--pure", *extra])
+        assert res.exit_code == 0, res.output
+        res = runner.invoke(app, ["kld", str(out), "--base-logits", str(base), "--json"])
+        klds.append(json.loads(res.output)["kld_mean"])
+    assert klds[1] < klds[0]
+    assert klds[0] == pytest.approx(0.0821, rel=0.05)
