@@ -60,6 +60,8 @@ class QuantizeOptions:
     class_types: dict[str, str] = field(default_factory=dict)
     output_tensor_type: str | None = None
     token_embedding_type: str | None = None
+    #: IQ2_KS with ik's older scalar search (llama-quantize --slow-iq2ks) instead of its default AVX2 one
+    slow_iq2ks: bool = False
 
 
 @dataclass
@@ -272,12 +274,14 @@ def ik_call_rows(codec_rows_interact: bool, weighted: bool, n_per_row: int, rows
     return max(1, -(-min_chunk // n_per_row)) if n_per_row < min_chunk else 1
 
 
-def quantize_tensor(src: GGUFFile, plan: TensorPlan, imatrix: Imatrix | None) -> np.ndarray:
+def quantize_tensor(src: GGUFFile, plan: TensorPlan, imatrix: Imatrix | None, slow_iq2ks: bool = False) -> np.ndarray:
     """The new bytes of one tensor, quantized in row batches (bounded memory)."""
     import numba
 
     info = plan.info
     codec = plan.type.require_codec()
+    if slow_iq2ks and plan.type.name == "IQ2_KS":
+        codec = codec.with_user_data({"slow_iq2_ks": True})  # type: ignore[attr-defined]
     n = info.n_per_row
     n_mat = info.ne[2] if len(info.ne) > 2 else 1
     rows_per_mat = info.n_rows // n_mat
@@ -313,7 +317,7 @@ def quantize_model(src_path: Path, dst_path: Path, opts: QuantizeOptions,
         for p in plan.tensors:
             writer.add_tensor_info(p.name, p.info.shape, p.type)
         for p in plan.tensors:
-            data = quantize_tensor(src, p, opts.imatrix) if p.quantize else src.raw(p.name)
+            data = quantize_tensor(src, p, opts.imatrix, opts.slow_iq2ks) if p.quantize else src.raw(p.name)
             writer.write_tensor(p.name, data)
             del data
             src.release(p.name)

@@ -151,3 +151,45 @@ def test_unknown_pre_tokenizer_is_reported_not_guessed(data_dir: Path, tmp_path:
 
 def test_auto_outtype_follows_ik(data_dir: Path) -> None:
     assert Converter(data_dir / "convert" / "qwen3" / "hf", "auto", "qwen2").outtype == "bf16"
+
+
+def test_hub_reference_resolves_from_the_offline_cache(data_dir: Path, tmp_path: Path) -> None:
+    """hf://org/repo[@rev] goes through huggingface_hub, which serves a cached snapshot when offline."""
+    import os
+    import subprocess
+    import sys
+
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--tiny-org--tiny-qwen3"
+    shutil.copytree(data_dir / "convert" / "qwen3" / "hf", repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    out = tmp_path / "hub.gguf"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
+    exe = Path(sys.executable).parent / "ikconvert"
+    res = subprocess.run([str(exe), "hf2gguf", "hf://tiny-org/tiny-qwen3@main", "--outtype", "f32", "--pre-tokenizer",
+                          "qwen2", "--outfile", str(out)], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    # general.name comes from the folder name: the snapshot folder here, "hf" for ik's run
+    assert GGUFFile(out).get("general.name") != "Hf"
+    ours, ik = GGUFFile(out), GGUFFile(data_dir / "convert" / "qwen3" / "ik-f32.gguf")
+    assert [t.name for t in ours.tensors.values()] == [t.name for t in ik.tensors.values()]
+    assert all(ours.raw(n).tobytes() == ik.raw(n).tobytes() for n in ik.tensors)
+    res = subprocess.run([str(exe), "hf2gguf", "hf://tiny-org/not-cached", "--outfile", str(out)], env=env,
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "hf://tiny-org/not-cached" in res.stderr
+
+
+def test_tied_embeddings_convert_and_run(tmp_path: Path) -> None:
+    from ikconvert.tiny import TinySpec, make_tiny_checkpoint
+    from ikrun.model import Model
+    from ikrun.validate import HFReference, compare_logits
+
+    hf = make_tiny_checkpoint(tmp_path / "tied", TinySpec(arch="qwen3", tie_embeddings=True, seed=5))
+    out = Converter(hf, "f32", "qwen2").write(tmp_path / "tied.gguf")
+    g = GGUFFile(out)
+    assert "output.weight" not in g.tensors  # ik does not duplicate token_embd
+    tokens = np.arange(40)
+    res = compare_logits(HFReference(hf).logits(tokens), Model(out).logits(tokens))
+    assert res["max_rel_logit_err"] < 1e-4

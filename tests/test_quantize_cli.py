@@ -13,7 +13,7 @@ from ikquant.cli import app
 from ikquant.gguf_io import GGUFFile, GGUFStreamWriter
 from ikquant.imatrix import Imatrix, ImatrixEntry, write_imatrix_dat
 from ikquant.types import type_by_name
-from tests.quant_golden import golden_cases
+from tests.quant_golden import golden_cases, golden_types
 
 runner = CliRunner()
 
@@ -22,9 +22,17 @@ def _run(*args: str):  # type: ignore[no-untyped-def]
     return runner.invoke(app, list(args), env={"COLUMNS": "250"})
 
 
-@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "F16", "BF16"])
+def _ftype_for(type_name: str) -> str:
+    """A --type whose default type is `type_name` (Q3_K comes from Q3_K_M, Q4_K from Q4_K_M, ...)."""
+    from ikquant.ftypes import all_file_types
+
+    return next(f.name for f in all_file_types() if f.default_type == type_name)
+
+
+@pytest.mark.parametrize("type_name", golden_types())
 def test_pure_quantization_reproduces_golden_bytes(tmp_path: Path, type_name: str) -> None:
-    cases = golden_cases(type_name)
+    # IQ2_KS: llama-quantize (and ikquant) run the AVX2 search, which only the *_fastpath cases hold
+    cases = [c for c in golden_cases(type_name) if type_name != "IQ2_KS" or c.user_data is not None]
     src = tmp_path / "rows.gguf"
     with GGUFStreamWriter(src, "llama") as w:
         for i, c in enumerate(cases):
@@ -39,14 +47,34 @@ def test_pure_quantization_reproduces_golden_bytes(tmp_path: Path, type_name: st
     dat = tmp_path / "imatrix.dat"
     write_imatrix_dat(dat, imat)
     out = tmp_path / "out.gguf"
-    res = _run(str(src), str(out), "--type", type_name.lower(), "--pure", "--imatrix", str(dat))
+    ftype = _ftype_for(type_name)
+    res = _run(str(src), str(out), "--type", ftype.lower(), "--pure", "--imatrix", str(dat), "--ignore-imatrix-rules")
     assert res.exit_code == 0, res.output
     g = GGUFFile(out)
     for i, c in enumerate(cases):
         assert g.info(f"blk.{i}.ffn_up.weight").type is type_by_name(type_name)
         assert g.raw(f"blk.{i}.ffn_up.weight").tobytes() == c.quant.tobytes(), c.name
-    assert g.get("general.file_type") == {"Q8_0": 7, "Q4_0": 2, "F16": 1, "BF16": 32}[type_name]
+    from ikquant.ftypes import file_type
+
+    assert g.get("general.file_type") == file_type(ftype).id
     assert g.get("quantize.imatrix.entries_count") == len(imat.entries)
+
+
+def test_slow_iq2ks_option_reproduces_the_other_search(tmp_path: Path) -> None:
+    cases = [c for c in golden_cases("IQ2_KS") if c.user_data is None and c.imatrix is None]
+    src = tmp_path / "rows.gguf"
+    with GGUFStreamWriter(src, "llama") as w:
+        for i, c in enumerate(cases):
+            w.add_tensor_info(f"blk.{i}.ffn_up.weight", c.x.shape, type_by_name("F32"))
+        for i, c in enumerate(cases):
+            w.write_tensor(f"blk.{i}.ffn_up.weight", c.x)
+        w.finish()
+    out = tmp_path / "out.gguf"
+    res = _run(str(src), str(out), "--type", "iq2_ks", "--pure", "--slow-iq2ks", "--ignore-imatrix-rules")
+    assert res.exit_code == 0, res.output
+    g = GGUFFile(out)
+    for i, c in enumerate(cases):
+        assert g.raw(f"blk.{i}.ffn_up.weight").tobytes() == c.quant.tobytes(), c.name
 
 
 def plan_model(data_dir: Path, tmp_path: Path, variant: str) -> Path:
