@@ -18,6 +18,9 @@ out = Console()
 @app.callback()
 def _main() -> None:
     """Convert Hugging Face checkpoints into GGUF files for ik_llama.cpp."""
+    from ikquant.gguf_io import exit_cleanly_on_sigterm
+
+    exit_cleanly_on_sigterm()
 
 
 def _fail(message: str) -> None:

@@ -81,10 +81,11 @@ def quantize(
     Example: ikquant model-bf16.gguf model-iq4_ks.gguf --type iq4_ks --custom-q "ffn_down=iq5_ks" --dry-run
     """
     from ikquant.ftypes import UnknownFileTypeError, file_type
-    from ikquant.gguf_io import GGUFFile, GGUFFormatError
+    from ikquant.gguf_io import GGUFFile, GGUFFormatError, exit_cleanly_on_sigterm
     from ikquant.imatrix import ImatrixError, filter_entries, read_imatrix
     from ikquant.quantize import QuantizeError, QuantizeOptions, make_plan, quantize_model
 
+    exit_cleanly_on_sigterm()
     if threads:
         import numba
 

@@ -194,6 +194,17 @@ class GGUFFile:
                 pass
 
 
+def exit_cleanly_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so `with` blocks (GGUFStreamWriter) delete their temporary files on a kill
+    as they do on Ctrl-C."""
+    import signal
+
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
 def partial_path(path: Path) -> Path:
     """The temporary name a file is written under until it is complete."""
     return path.with_name(f".{path.name}.partial-{os.getpid()}")

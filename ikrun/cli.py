@@ -21,6 +21,9 @@ out = Console()
 @app.callback()
 def _main() -> None:
     """Evaluate GGUF models: logits, perplexity, KL-divergence against a base, validation against HF."""
+    from ikquant.gguf_io import exit_cleanly_on_sigterm
+
+    exit_cleanly_on_sigterm()
 
 
 def _fail(message: str) -> None:

@@ -47,3 +47,23 @@ def test_peak_memory_is_bounded_by_the_largest_tensor(tmp_path: Path) -> None:
     out = GGUFFile(dst)
     assert all(t.type is type_by_name("Q8_0") for t in out.tensors.values())
     assert out.raw("blk.8.ffn_up.weight")[-1].max() == 0
+
+
+@pytest.mark.slow
+def test_a_killed_run_leaves_no_file(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    src = tmp_path / "big-f16.gguf"
+    _sparse_f16_model(src)
+    dst = tmp_path / "out.gguf"
+    exe = Path(sys.executable).parent / "ikquant"
+    proc = subprocess.Popen([str(exe), str(src), str(dst), "--type", "q8_0", "--pure"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not any(p.name.startswith(".out.gguf.partial") for p in tmp_path.iterdir()) and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "finished before it could be interrupted"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) != 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big-f16.gguf"]
