@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -133,6 +132,16 @@ class Checkpoint:
             n = not_in_index[0]
             raise CheckpointError(f"{self.dir / seen[n]}: tensor {n!r} is missing from {INDEX_NAME}")
 
+    def find(self, name: str) -> SafeTensor | None:
+        """Tensor `name` from whichever shard holds it (e.g. an FP8 weight's scale), or None."""
+        if self._weight_map is not None and name in self._weight_map:
+            return self.shard(self._weight_map[name]).tensors.get(name)
+        for part in self.part_names:
+            t = self.shard(part).tensors.get(name)
+            if t is not None:
+                return t
+        return None
+
     def iter_tensors(self) -> Iterator[tuple[str, SafeTensor]]:
         """(name, lazy tensor) in ik's order: shards by file name, names sorted inside each shard."""
         for part in self.part_names:
@@ -162,6 +171,3 @@ def block_id(name: str) -> int | None:
     return None
 
 
-def natural_key(name: str) -> list[object]:
-    """Sort key that orders layers.2 before layers.10 (for human-facing listings only)."""
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]

@@ -45,6 +45,10 @@ def hf2gguf(
                                  "transform) and write nothing."),
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help="Keep NaN/Inf weights instead of "
                                          "stopping (float output types only)."),
+    target_model_dir: Optional[Path] = typer.Option(None, "--target-model-dir", help="DFlash drafts: the target "
+                                                    "model's folder (tokenizer, vocabulary size, hidden size)."),
+    mtp: bool = typer.Option(False, "--mtp", help="DeepSeek-V4: export only the standalone MTP predictor, as ik's "
+                             "converter does with --mtp."),
 ) -> None:
     """Convert a Hugging Face checkpoint to GGUF, key for key and byte for byte what ik's converter writes.
 
@@ -57,7 +61,8 @@ def hf2gguf(
 
     try:
         folder = resolve_source(src)
-        conv = Converter(folder, outtype, pre_tokenizer, allow_nonfinite, model_name)
+        options = {"target_model_dir": target_model_dir, "mtp": mtp}
+        conv = Converter(folder, outtype, pre_tokenizer, allow_nonfinite, model_name, options)
         plan = conv.build_plan()
     except (ConvertError, CheckpointError, VocabError, FileNotFoundError) as exc:
         _fail(str(exc))

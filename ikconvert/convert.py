@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from gguf import LlamaFileType, Metadata, size_label
@@ -90,9 +91,10 @@ class Converter:
     """One conversion: checkpoint folder + options -> a GGUF plan, then the file."""
 
     def __init__(self, src: Path, outtype: str = "f16", pre_tokenizer: str | None = None,
-                 allow_nonfinite: bool = False, model_name: str | None = None):
+                 allow_nonfinite: bool = False, model_name: str | None = None,
+                 arch_options: dict[str, Any] | None = None):
         self.ckpt = Checkpoint(src)
-        self.arch: Arch = arch_for(self.ckpt)
+        self.arch: Arch = arch_for(self.ckpt, arch_options)
         self.outtype = resolve_outtype(outtype, self.ckpt)
         self.pre_tokenizer = pre_tokenizer
         self.allow_nonfinite = allow_nonfinite

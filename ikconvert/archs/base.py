@@ -51,11 +51,19 @@ class Arch:
     gguf_arch: ClassVar[str] = ""
     #: HF name template -> GGUF name template; `{bid}` stands for the block index; tried with .weight and .bias
     tensor_map: ClassVar[dict[str, str]] = {}
+    #: converter options (Converter arch_options keys) this architecture reads; others must not be given
+    accepted_options: ClassVar[tuple[str, ...]] = ()
     #: HF names ik drops on purpose (regexes, full match)
     skipped: ClassVar[tuple[str, ...]] = (r".*\.attention\.masked_bias", r".*\.attention\.bias",
                                           r".*\.rotary_emb\.inv_freq")
 
-    def __init__(self, ckpt: Checkpoint):
+    def __init__(self, ckpt: Checkpoint, options: dict[str, Any] | None = None):
+        #: converter options an architecture may read (e.g. target_model_dir for DFlash drafts, mtp for DeepSeek-V4)
+        self.options: dict[str, Any] = {k: v for k, v in (options or {}).items() if v}
+        for key in self.options:
+            if key not in self.accepted_options:
+                flag = "--" + key.replace("_", "-")
+                raise ConvertError(f"{flag} does not apply to {'/'.join(self.hf_architectures)} checkpoints")
         self.ckpt = ckpt
         self.hparams: dict[str, Any] = ckpt.config
         self._patterns = [(self._compile(hf), gg) for hf, gg in self.tensor_map.items()]
@@ -165,7 +173,7 @@ def register(cls: type[Arch]) -> type[Arch]:
     return cls
 
 
-def arch_for(ckpt: Checkpoint) -> Arch:
+def arch_for(ckpt: Checkpoint, options: dict[str, Any] | None = None) -> Arch:
     """The architecture module for a checkpoint's config.json `architectures[0]`."""
     import ikconvert.archs  # noqa: F401  (registers every architecture)
 
@@ -179,7 +187,7 @@ def arch_for(ckpt: Checkpoint) -> Arch:
             f"{ckpt.dir / 'config.json'}: architecture {name!r} is not supported; supported: "
             + ", ".join(sorted(_REGISTRY))
         )
-    return cls(ckpt)
+    return cls(ckpt, options)
 
 
 def supported_architectures() -> list[str]:
