@@ -48,8 +48,9 @@ class Model:
         self.gguf = GGUFFile(self.path)
         self.arch = self.gguf.architecture
         self._cache: dict[str, np.ndarray] = {}
-        #: called as observer(weight_name, x) with the activation rows about to meet each weight matrix
-        self.observers: list[Callable[[str, np.ndarray], None]] = []
+        #: called as observer(weight_name, x, expert, n_experts) with the activation rows about to meet each weight
+        #: matrix (expert = which matrix of a 3-D expert tensor; 0 of 1 for plain matrices)
+        self.observers: list[Callable[..., None]] = []
         self.impl = model_class(self.arch)(self)
         largest = max((t.n_elements for t in self.gguf.tensors.values() if len(t.ne) >= 2), default=0)
         self.blas_threads = 1 if largest < SMALL_MATRIX else (threads or os.cpu_count() or 1)
@@ -80,10 +81,14 @@ class Model:
             self._cache[name] = w
         return w
 
+    def observe(self, weight_name: str, x: np.ndarray, expert: int = 0, n_experts: int = 1) -> None:
+        """Show the observers the rows `x` that meet `weight_name` (matrix `expert` of a 3-D expert tensor)."""
+        for observer in self.observers:
+            observer(weight_name, x, expert, n_experts)
+
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
         """x @ W^T (+ bias) for the weight `name` (without the .weight suffix), shown to the observers first."""
-        for observe in self.observers:
-            observe(name + ".weight", x)
+        self.observe(name + ".weight", x)
         y = x @ self.weight(name + ".weight").T
         if self.has(name + ".bias"):
             y += self.weight(name + ".bias")
