@@ -69,6 +69,12 @@ def quantize(
     slow_iq2ks: bool = typer.Option(False, "--slow-iq2ks", help="IQ2_KS with ik's older scalar search: 8x slower; "
                                     "on real weights with an imatrix 2-3% lower weighted error, without one 2% "
                                     "higher (ik's --slow-iq2ks)."),
+    sweep: Optional[Path] = typer.Option(None, "--sweep", help="An `ikrun sweep` result: with --target-bpw, choose "
+                                         "each swept tensor's type from it."),
+    target_bpw: Optional[float] = typer.Option(None, "--target-bpw", help="With --sweep: the whole file's bits per "
+                                               "weight. The swept tensors get the types of least predicted KLD "
+                                               "(predicted as the sum of the per-tensor KLDs measured one at a "
+                                               "time) that fit; the others follow --type."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (tensor, type, reason, sizes, bpw) and "
                                  "write nothing."),
@@ -83,6 +89,7 @@ def quantize(
     from ikquant.ftypes import UnknownFileTypeError, file_type
     from ikquant.gguf_io import GGUFFile, GGUFFormatError, exit_cleanly_on_sigterm
     from ikquant.imatrix import ImatrixError, filter_entries, read_imatrix
+    from ikquant.mix import MixError
     from ikquant.quantize import QuantizeError, QuantizeOptions, make_plan, quantize_model
 
     exit_cleanly_on_sigterm()
@@ -103,8 +110,13 @@ def quantize(
             _fail("--include-weights/--exclude-weights need --imatrix")
         opts = QuantizeOptions(ftype, pure, imat, allow_requantize, leave_output_tensor, ignore_imatrix_rules,
                                _custom_q(custom_q), class_types, output_tensor_type, token_embedding_type, slow_iq2ks)
-        plan = make_plan(GGUFFile(src), opts)
-    except (FileNotFoundError, UnknownFileTypeError, GGUFFormatError, ImatrixError, QuantizeError) as exc:
+        source = GGUFFile(src)
+        if (sweep is None) != (target_bpw is None):
+            _fail("--sweep and --target-bpw go together")
+        if sweep is not None:
+            opts.tensor_types = _mix_from_sweep(source, opts, sweep, target_bpw)  # type: ignore[arg-type]
+        plan = make_plan(source, opts)
+    except (FileNotFoundError, UnknownFileTypeError, GGUFFormatError, ImatrixError, QuantizeError, MixError) as exc:
         _fail(str(exc))
         return
     for w in plan.warnings:
@@ -135,6 +147,33 @@ def quantize(
     size_out = sum(p.new_bytes for p in plan.tensors)
     err.print(f"wrote [bold]{dst}[/]: {size_in / 2**20:.2f} MiB -> {size_out / 2**20:.2f} MiB, "
               f"{plan.bits_per_weight:.3f} bits per weight")
+
+
+def _mix_from_sweep(source, opts, sweep: Path, target_bpw: float) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    """Per-tensor types from a sweep for the bpw target; prints the mix and its predicted KLD."""
+    from ikquant.mix import MixError, choose_mix, read_sweep
+    from ikquant.quantize import make_plan
+
+    groups, options = read_sweep(sweep)
+    swept = {n for names in groups.values() for n in names}
+    missing = sorted(swept - set(source.tensors))
+    if missing:
+        raise MixError(f"--sweep {sweep}: tensor {missing[0]!r} is not in {source.path}: a sweep of another model?")
+    plan = make_plan(source, opts)
+    n_weights = sum(p.info.n_elements for p in plan.tensors)
+    fixed = sum(8 * p.new_bytes for p in plan.tensors if p.name not in swept)
+    mix = choose_mix(groups, options, target_bpw * n_weights - fixed)
+    types = mix.tensor_types()
+    table = Table(title=f"type mix for {target_bpw:g} bits per weight")
+    for col in ("type", "tensors", "MiB"):
+        table.add_column(col, justify="right")
+    for t in sorted(set(types.values())):
+        bits = sum(o.bits for g, o in mix.choice.items() if o.type == t)
+        table.add_row(t, str(sum(1 for v in types.values() if v == t)), f"{bits / 8 / 2**20:.3f}")
+    err.print(table)
+    err.print(f"whole file: {(fixed + mix.bits) / n_weights:.4f} bits per weight; predicted mean KLD "
+              f"{mix.predicted_kld:.6f} (the sum of the swept tensors' KLDs, each measured alone)", soft_wrap=True)
+    return types
 
 
 def _print_plan(plan) -> None:  # type: ignore[no-untyped-def]

@@ -62,6 +62,8 @@ class QuantizeOptions:
     token_embedding_type: str | None = None
     #: IQ2_KS with ik's older scalar search (llama-quantize --slow-iq2ks) instead of its default AVX2 one
     slow_iq2ks: bool = False
+    #: exact per-tensor types (e.g. a mix chosen from a sweep), applied after every rule
+    tensor_types: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -156,6 +158,10 @@ def make_plan(src: GGUFFile, opts: QuantizeOptions) -> Plan:
     facts = model_facts(src)
     chooser = TypeChooser(opts.ftype, facts, opts.imatrix is not None, class_types,
                           custom if rules_apply else [])
+    unknown = sorted(set(opts.tensor_types) - set(src.tensors))
+    if unknown:
+        raise QuantizeError(f"the type mix names tensor {unknown[0]!r}, which {src.path} does not have: "
+                            "was the sweep made on another model?")
     plans = []
     for info in src.tensors.values():
         plans.append(_plan_tensor(info, opts, chooser, rules_apply, out_type, embd_type))
@@ -190,6 +196,8 @@ def _plan_tensor(info: TensorInfo, opts: QuantizeOptions, chooser: TypeChooser, 
         decision = Decision(type_by_name(embd_type), "--token-embedding-type")
     if out_type and name == "output.weight":
         decision = Decision(type_by_name(out_type), "--output-tensor-type")
+    if name in opts.tensor_types:
+        decision = Decision(type_by_name(opts.tensor_types[name]), "chosen from the sweep")
     if decision.type is info.type:
         keep.reason = f"already {info.type.name}"
         return keep

@@ -291,6 +291,101 @@ def imatrix(
 
 
 @app.command()
+def sweep(
+    model: Path = typer.Argument(..., help="Base GGUF (unquantized, or the model whose tensors you want to vary)."),
+    text: Path = typer.Option(..., "--text", help="Evaluation text (UTF-8)."),
+    types: str = typer.Option(..., "--types", help="Comma-separated types to try, e.g. IQ2_KS,IQ3_K,IQ4_KS."),
+    output: Path = typer.Option(Path("sweep.json"), "--output", "-o", help="Results (.json, or .csv). Rerunning "
+                                "with the same output skips the rows already measured."),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix for the quantizations."),
+    tensors: Optional[str] = typer.Option(None, "--tensors", help="Regex: only tensors whose name matches."),
+    group: str = typer.Option("tensor", "--group", help="Measure each tensor, each layer, or each tensor class "
+                              "(tensor | layer | class)."),
+    ctx: int = typer.Option(512, "--ctx", "-c", help="Chunk length in tokens."),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw a heatmap (.png or .svg; needs "
+                                        "pip install 'iktools[plot]')."),
+    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
+) -> None:
+    """How much each tensor costs: quantize one tensor (or group) at a time, swap it in, measure KL-divergence.
+
+    The base model is loaded once and its logits computed once; each measurement hot-swaps the group's tensors
+    and swaps them back.
+
+    Example: ikrun sweep model-bf16.gguf --text wiki.test.raw --ctx 512 --chunks 20 --types IQ2_KS,IQ4_KS
+    --imatrix imatrix.dat -o sweep.json --plot sweep.png
+    """
+    import tempfile
+
+    from ikquant.imatrix import ImatrixError, read_imatrix
+    from ikquant.types import UnknownTypeError, type_by_name
+    from ikrun.evaluate import EvalError, open_base, perplexity, tokenize_chunks
+    from ikrun.sweep import load_rows, run_sweep, save_rows, sweep_groups
+
+    _threads(threads)
+    m = _load(model, threads)
+    try:
+        type_list = [type_by_name(t) for t in types.split(",") if t.strip()]
+        for t in type_list:
+            t.require_codec()
+        imat = read_imatrix(imatrix) if imatrix else None
+        groups = sweep_groups(m, group, tensors)
+        chunk_tokens = tokenize_chunks(m, _read_text(text), ctx, chunks)
+        done = load_rows(output)
+    except (UnknownTypeError, NotImplementedError, ImatrixError, EvalError, ValueError) as exc:
+        _fail(str(exc))
+        return
+    header = {"model": str(model), "text": str(text), "ctx": ctx, "chunks": len(chunk_tokens), "group": group,
+              "imatrix": str(imatrix) if imatrix else None}
+    todo = len(groups) * len(type_list) - sum(1 for r in done if r.group in groups)
+    with tempfile.TemporaryDirectory() as tmp, _progress() as bar:
+        base_path = Path(tmp) / "base.kld"
+        task = bar.add_task("base logits", total=len(chunk_tokens))
+        perplexity(m, chunk_tokens, base_path, lambda i, n: bar.update(task, completed=i))
+        base = open_base(base_path, m)
+        bar.update(task, description="sweep", completed=0, total=max(todo, 0))
+        rows: list = list(done)
+
+        def on_row(row) -> None:  # type: ignore[no-untyped-def]
+            rows.append(row)
+            save_rows(output, header, rows)
+            bar.update(task, advance=1, description=f"{row.group} {row.type}")
+
+        try:
+            run_sweep(m, base, groups, type_list, imat, done, on_row)
+        except (ValueError, ImatrixError) as exc:
+            bar.stop()
+            _fail(str(exc))
+    out.print(sweep_table(rows))
+    err.print(f"wrote {output}: {len(rows)} measurements ({len(rows) - len(done)} new)")
+    if plot is not None:
+        from ikrun.plot import plot_sweep
+
+        try:
+            plot_sweep(rows, plot, f"{model.name}: mean KLD per tensor and type")
+        except RuntimeError as exc:
+            _fail(str(exc))
+        err.print(f"wrote {plot}")
+
+
+def sweep_table(rows: list) -> Table:  # type: ignore[type-arg]
+    """The most and least sensitive groups per type."""
+    t = Table(title="most and least sensitive (mean KLD)")
+    for col in ("type", "group", "bpw", "mean KLD", "99% KLD", "same top"):
+        t.add_column(col, justify="right" if col not in ("type", "group") else "left")
+    for qtype in dict.fromkeys(r.type for r in rows):
+        ranked = sorted((r for r in rows if r.type == qtype), key=lambda r: -r.kld_mean)
+        shown = ranked if len(ranked) <= 8 else ranked[:4] + ranked[-4:]
+        for i, r in enumerate(shown):
+            if len(ranked) > 8 and i == 4:
+                t.add_row("", "...", "", "", "", "")
+            t.add_row(qtype, r.group, f"{r.bpw:.2f}", f"{r.kld_mean:.6f}", f"{r.kld_p99:.6f}",
+                      f"{100 * r.same_top_p:.1f}%")
+        t.add_section()
+    return t
+
+
+@app.command()
 def validate(
     hf: Path = typer.Option(..., "--hf", help="Hugging Face checkpoint folder."),
     gguf: Path = typer.Option(..., "--gguf", help="GGUF converted from it."),

@@ -18,6 +18,8 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from ikquant.gguf_io import GGUFFile
+from ikquant.types import GGMLType
+from ikrun.weights import SwapError, WeightStore
 
 
 class ModelError(ValueError):
@@ -45,14 +47,17 @@ class Model:
         #: "f16" rounds K and V to half precision as ik's default KV cache stores them, to reproduce ik's numbers
         self.kv_cache = kv_cache
         self.path = Path(path)
-        self.gguf = GGUFFile(self.path)
+        try:
+            self.weights = WeightStore(self.path)
+        except SwapError as exc:
+            raise ModelError(str(exc)) from None
         self.arch = self.gguf.architecture
-        self._cache: dict[str, np.ndarray] = {}
         #: called as observer(weight_name, x, expert, n_experts) with the activation rows about to meet each weight
         #: matrix (expert = which matrix of a 3-D expert tensor; 0 of 1 for plain matrices)
         self.observers: list[Callable[..., None]] = []
         self.impl = model_class(self.arch)(self)
-        largest = max((t.n_elements for t in self.gguf.tensors.values() if len(t.ne) >= 2), default=0)
+        largest = max((self.weights.info(n).n_elements for n in self.weights.names()
+                       if len(self.weights.info(n).ne) >= 2), default=0)
         self.blas_threads = 1 if largest < SMALL_MATRIX else (threads or os.cpu_count() or 1)
 
     def __repr__(self) -> str:
@@ -67,19 +72,58 @@ class Model:
             return default
         return value
 
+    @property
+    def gguf(self) -> GGUFFile:
+        """The (first) file holding the model's metadata."""
+        return self.weights.metadata
+
     def has(self, name: str) -> bool:
-        return name in self.gguf.tensors
+        return self.weights.has(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self.gguf.info(name).shape
+        return self.weights.info(name).shape
 
     def weight(self, name: str) -> np.ndarray:
         """Tensor `name` decoded to float32 (numpy order), cached after the first use."""
-        w = self._cache.get(name)
-        if w is None:
-            w = self.gguf.dequantize(name)
-            self._cache[name] = w
-        return w
+        return self.weights.decode(name)
+
+    # ---- hot swapping ----------------------------------------------------------------------------------------
+    def _check_swappable(self, name: str) -> None:
+        derived = getattr(self.impl, "derived_tensors", {})
+        if name in derived:
+            raise SwapError(f"tensor {name!r} is derived when the model is loaded, from {derived[name]}: swap that "
+                            "instead (the derivation is redone)")
+        if not self.weights.has(name):
+            raise SwapError(f"the model has no tensor named {name!r}")
+
+    def swap(self, name: str, gtype: GGMLType, raw: np.ndarray) -> None:
+        """Evaluate with tensor `name` stored as `raw` bytes of `gtype` (same logical shape) until restored."""
+        self._check_swappable(name)
+        self.weights.swap(name, gtype, raw)
+        self._changed([name])
+
+    def swap_from_file(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Evaluate with tensor `name` as another GGUF file stores it (same logical shape) until restored."""
+        self._check_swappable(name)
+        self.weights.swap_from_file(name, Path(path))
+        self._changed([name])
+
+    def restore(self, name: str | None = None) -> None:
+        """Undo swaps: of one tensor, or of all."""
+        names = [name] if name is not None else self.weights.swapped()
+        self.weights.restore(name)
+        self._changed(names)
+
+    def reload_changed(self) -> list[str]:
+        """Re-read the model's files that changed on disk; returns the tensors whose bytes or type changed."""
+        changed = self.weights.reload_changed()
+        self._changed(changed)
+        return changed
+
+    def _changed(self, names: list[str]) -> None:
+        invalidate = getattr(self.impl, "invalidate", None)
+        if invalidate is not None and names:
+            invalidate(names)
 
     def observe(self, weight_name: str, x: np.ndarray, expert: int = 0, n_experts: int = 1) -> None:
         """Show the observers the rows `x` that meet `weight_name` (matrix `expert` of a 3-D expert tensor)."""
@@ -95,7 +139,7 @@ class Model:
         return y
 
     def drop_cache(self) -> None:
-        self._cache.clear()
+        self.weights.drop_cache()
 
     def kv_store(self, x: np.ndarray) -> np.ndarray:
         """K or V as the KV cache holds them: unchanged in f32, rounded through half precision in f16."""

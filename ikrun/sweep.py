@@ -1,0 +1,201 @@
+"""Per-tensor sensitivity sweeps: what each tensor (or layer, or class) costs in KL-divergence at each type.
+
+The base model is loaded once and its logits computed once (kept as an ik base-logits file); then, for every
+group and type, the group's tensors are quantized from the base's own encoding, hot-swapped in, measured against
+the base logits, and swapped back. Nothing else is reloaded or recomputed. Results are appended to a JSON file
+after each measurement, so an interrupted sweep resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ikquant.gguf_io import partial_path
+from ikquant.imatrix import Imatrix
+from ikquant.recipes import eligible, with_row_fallback
+from ikquant.types import GGMLType
+from ikrun.evaluate import kl_divergence
+from ikrun.metrics import BaseLogitsFile, kld_stats
+from ikrun.model import Model
+
+GROUP_MODES = ("tensor", "layer", "class")
+
+
+@dataclass
+class SweepRow:
+    group: str
+    tensors: list[str]
+    type: str  # as asked
+    type_used: str  # after ik's row-length fallback
+    n_weights: int
+    bytes_base: int
+    bytes_new: int
+    bpw: float
+    kld_mean: float
+    kld_p99: float
+    same_top_p: float
+    ppl_ratio: float
+    seconds: float
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.group, self.type
+
+
+def tensor_class(name: str) -> str:
+    """`blk.12.ffn_down_exps.weight` -> `ffn_down_exps`; non-layer tensors are their own class."""
+    m = re.fullmatch(r"blk\.\d+\.(.+)\.weight", name)
+    return m.group(1) if m else name.removesuffix(".weight")
+
+
+def layer_of(name: str) -> int | None:
+    m = re.match(r"blk\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def sweep_groups(model: Model, mode: str, pattern: str | None = None) -> dict[str, list[str]]:
+    """The groups to measure: every quantizable weight (optionally filtered by regex), grouped by `mode`."""
+    if mode not in GROUP_MODES:
+        raise ValueError(f"--group must be one of {', '.join(GROUP_MODES)}, not {mode!r}")
+    rx = re.compile(pattern) if pattern else None
+    groups: dict[str, list[str]] = {}
+    for name in model.weights.names():
+        info = model.weights.info(name)
+        if not eligible(name, len(info.ne), info.type) or (rx is not None and not rx.search(name)):
+            continue
+        if mode == "tensor":
+            key = name
+        elif mode == "layer":
+            layer = layer_of(name)
+            key = f"blk.{layer}" if layer is not None else name
+        else:
+            key = tensor_class(name)
+        groups.setdefault(key, []).append(name)
+    if not groups:
+        raise ValueError(f"no quantizable tensor matches {pattern!r}" if pattern else "no quantizable tensors")
+    return groups
+
+
+def quantized_copy(model: Model, name: str, gtype: GGMLType, imatrix: Imatrix | None) -> tuple[GGMLType, np.ndarray]:
+    """Tensor `name` quantized to `gtype` (or ik's row-length fallback) from the base's encoding."""
+    info = model.weights.info(name)
+    fb = with_row_fallback(gtype, info.n_per_row)
+    used = fb.type if fb is not None else gtype
+    if info.n_per_row % used.block_size:
+        raise ValueError(f"{name}: {info.n_per_row} columns cannot hold {used.name} blocks")
+    base = model.weights.source_encoding(name)
+    rows = base.type.require_codec().dequantize(base.raw, info.n_per_row)
+    n_mat = info.ne[2] if len(info.ne) > 2 else 1
+    weights = None
+    if imatrix is not None:
+        weights, _ = imatrix.lookup(name, info.n_per_row * n_mat)
+    codec = used.require_codec()
+    per = info.n_rows // n_mat
+    out = np.empty((info.n_rows, used.row_bytes(info.n_per_row)), dtype=np.uint8)
+    for m in range(n_mat):
+        w = None if weights is None else weights[m * info.n_per_row : (m + 1) * info.n_per_row]
+        out[m * per : (m + 1) * per] = codec.quantize(rows[m * per : (m + 1) * per], w)
+    return used, out
+
+
+def load_rows(path: Path) -> list[SweepRow]:
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return [SweepRow(**r) for r in data.get("rows", [])]
+
+
+def save_rows(path: Path, header: dict, rows: list[SweepRow]) -> None:
+    """Write the sweep (JSON, or CSV when the name ends in .csv) atomically."""
+    tmp = partial_path(path)
+    if path.suffix == ".csv":
+        cols = ["group", "type", "type_used", "bpw", "bytes_base", "bytes_new", "kld_mean", "kld_p99", "same_top_p",
+                "ppl_ratio", "n_weights", "seconds"]
+        lines = [",".join(cols)] + [",".join(str(getattr(r, c)) for c in cols) for r in rows]
+        tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    else:
+        tmp.write_text(json.dumps({**header, "rows": [asdict(r) for r in rows]}, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+@dataclass
+class _Prepared:
+    group: str
+    names: list[str]
+    type: GGMLType
+    encodings: list[tuple[GGMLType, np.ndarray]]
+    seconds: float
+
+
+def _prepare(model: Model, group: str, names: list[str], gtype: GGMLType, imatrix: Imatrix | None) -> _Prepared:
+    t0 = time.perf_counter()
+    encodings = [quantized_copy(model, name, gtype, imatrix) for name in names]
+    return _Prepared(group, names, gtype, encodings, time.perf_counter() - t0)
+
+
+def _concurrent_kernels_are_safe() -> bool:
+    """Numba's OpenMP and TBB layers run parallel regions from two threads at once; its workqueue layer cannot."""
+    import numba
+
+    try:
+        return numba.threading_layer() in ("omp", "tbb")
+    except ValueError:  # no parallel region has run yet
+        return False
+
+
+def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], types: list[GGMLType],
+              imatrix: Imatrix | None, done: list[SweepRow],
+              on_row: Callable[[SweepRow], None]) -> list[SweepRow]:
+    """Measure every (group, type) not in `done`; `on_row` sees each new row as soon as it exists.
+
+    The next measurement's quantization runs in a second thread while the current one is evaluated (the kernels
+    release the GIL), so the sweep costs little more than its evaluations.
+    """
+    finished = {r.key for r in done}
+    jobs = [(g, names, t) for g, names in groups.items() for t in types if (g, t.name) not in finished]
+    rows = list(done)
+    if not jobs:
+        return rows
+    pool = ThreadPoolExecutor(max_workers=1) if _concurrent_kernels_are_safe() else None
+
+    def start(k: int) -> Future[_Prepared] | _Prepared:
+        g, names, t = jobs[k]
+        return pool.submit(_prepare, model, g, names, t, imatrix) if pool else _prepare(model, g, names, t, imatrix)
+
+    pending = start(0)
+    try:
+        for k in range(len(jobs)):
+            job = pending.result() if isinstance(pending, Future) else pending
+            if k + 1 < len(jobs):
+                pending = start(k + 1)
+            t0 = time.perf_counter()
+            try:
+                for name, (used, raw) in zip(job.names, job.encodings):
+                    model.swap(name, used, raw)
+                stats = kld_stats(kl_divergence(model, base))
+            finally:
+                for name in job.names:
+                    model.restore(name)
+            bytes_base = sum(model.weights.source_encoding(n).raw.nbytes for n in job.names)
+            bytes_new = sum(raw.nbytes for _, raw in job.encodings)
+            n_weights = sum(model.weights.info(n).n_elements for n in job.names)
+            used_types = "+".join(sorted({u.name for u, _ in job.encodings}))
+            row = SweepRow(job.group, job.names, job.type.name, used_types, n_weights, bytes_base, bytes_new,
+                           8.0 * bytes_new / n_weights, float(stats["kld_mean"]), float(stats["kld_p99"]),
+                           float(stats["same_top_p"]), float(stats["ppl_ratio"]),
+                           job.seconds + time.perf_counter() - t0)
+            rows.append(row)
+            on_row(row)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+    return rows

@@ -1,0 +1,213 @@
+"""The weights of a loaded model: where each tensor's bytes live, their float32 decoding, and hot swapping.
+
+A model may be one GGUF or a split one (`name-00001-of-00005.gguf`, ...). Each tensor has a source (its file and
+descriptor) and may be overridden by a swapped-in encoding of the same logical shape (another type, other bytes),
+from another GGUF or from memory. Decoded float32 copies are cached with a fingerprint of the bytes they came from,
+so `reload_changed` can tell which tensors of a rewritten file really changed, like ik's on-demand reload but
+without its mmap and restore restrictions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ikquant.gguf_io import GGUFFile, GGUFFormatError, TensorInfo
+from ikquant.types import GGMLType
+
+
+class SwapError(ValueError):
+    """A swap or reload that cannot be correct; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """One way to store a tensor: its type and rows of raw bytes (a view into a file, or owned memory)."""
+
+    type: GGMLType
+    raw: np.ndarray
+    origin: str
+
+    def fingerprint(self) -> bytes:
+        return hashlib.blake2b(self.type.name.encode() + np.ascontiguousarray(self.raw).data, digest_size=16).digest()
+
+
+@dataclass
+class _Shard:
+    path: Path
+    file: GGUFFile
+    stamp: tuple[int, int, int]  # (inode, size, mtime_ns)
+
+
+def _stamp(path: Path) -> tuple[int, int, int]:
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def shard_paths(first: Path, file: GGUFFile) -> list[Path]:
+    """The files of a split GGUF (split.count > 1), or just `first`."""
+    count = int(file.get("split.count", 1) or 1)
+    if count <= 1:
+        return [first]
+    m = re.fullmatch(r"(.*)-(\d{5})-of-(\d{5})\.gguf", first.name)
+    if m is None:
+        raise SwapError(f"{first}: split into {count} files, but its name is not <prefix>-00001-of-{count:05d}.gguf")
+    paths = [first.with_name(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p for p in paths if not p.is_file()]
+    if missing:
+        raise SwapError(f"{first}: split file {missing[0]} is missing")
+    return paths
+
+
+class WeightStore:
+    """Every tensor of a (possibly split) GGUF model, decodable to float32, swappable one at a time."""
+
+    def __init__(self, path: Path):
+        first = GGUFFile(path)
+        self.shards: list[_Shard] = []
+        for p in shard_paths(path, first):
+            f = first if p == path else GGUFFile(p)
+            self.shards.append(_Shard(p, f, _stamp(p)))
+        self._source: dict[str, tuple[int, TensorInfo]] = {}
+        for i, shard in enumerate(self.shards):
+            for name, info in shard.file.tensors.items():
+                if name in self._source:
+                    raise SwapError(f"{shard.path}: tensor {name!r} is also in {self.shards[self._source[name][0]].path}")
+                self._source[name] = (i, info)
+        self._override: dict[str, Encoding] = {}
+        self._cache: dict[str, tuple[np.ndarray, bytes]] = {}
+
+    @property
+    def metadata(self) -> GGUFFile:
+        return self.shards[0].file
+
+    def names(self) -> list[str]:
+        return list(self._source)
+
+    def has(self, name: str) -> bool:
+        return name in self._source
+
+    def info(self, name: str) -> TensorInfo:
+        """The tensor's file descriptor (its logical shape; the stored type may be overridden by a swap)."""
+        try:
+            return self._source[name][1]
+        except KeyError:
+            raise KeyError(f"the model has no tensor named {name!r}") from None
+
+    def source_encoding(self, name: str) -> Encoding:
+        i, info = self._source[name]
+        return Encoding(info.type, self.shards[i].file.raw(name), str(self.shards[i].path))
+
+    def encoding(self, name: str) -> Encoding:
+        """What the tensor is stored as right now (a swapped-in encoding, or its file's)."""
+        return self._override.get(name) or self.source_encoding(name)
+
+    def decode(self, name: str) -> np.ndarray:
+        """float32 (numpy order) of the current encoding, cached with its fingerprint."""
+        hit = self._cache.get(name)
+        if hit is not None:
+            return hit[0]
+        info = self.info(name)
+        enc = self.encoding(name)
+        w = enc.type.require_codec().dequantize(enc.raw, info.n_per_row).reshape(info.shape)
+        self._cache[name] = (w, enc.fingerprint())
+        return w
+
+    def drop_cache(self) -> None:
+        self._cache.clear()
+
+    # ---- swapping ------------------------------------------------------------------------------------------
+    def swap(self, name: str, gtype: GGMLType, raw: np.ndarray, origin: str = "memory") -> None:
+        """Store tensor `name` as `raw` bytes of `gtype` from now on (same logical shape, any type)."""
+        info = self.info(name)
+        try:
+            expected = gtype.tensor_bytes(info.ne)
+        except ValueError as exc:
+            raise SwapError(f"tensor {name!r} {list(info.ne)} cannot be stored as {gtype.name}: {exc}") from None
+        raw = np.ascontiguousarray(raw).view(np.uint8)
+        if raw.nbytes != expected:
+            raise SwapError(f"tensor {name!r} {list(info.ne)} as {gtype.name} needs {expected} bytes, got {raw.nbytes}")
+        raw = raw.reshape(info.n_rows, -1)
+        self._override[name] = Encoding(gtype, raw, origin)
+        self._cache.pop(name, None)
+
+    def swap_from_file(self, name: str, path: Path) -> None:
+        """Take tensor `name` from another GGUF file, which must hold it with the same logical shape."""
+        try:
+            other = GGUFFile(path)
+        except (GGUFFormatError, FileNotFoundError) as exc:
+            raise SwapError(f"cannot swap {name!r} from {path}: {exc}") from None
+        if name not in other.tensors:
+            raise SwapError(f"{path} has no tensor named {name!r}")
+        theirs, ours = other.info(name), self.info(name)
+        if theirs.ne != ours.ne:
+            raise SwapError(f"{path}: tensor {name!r} has dims {list(theirs.ne)}, the model's are {list(ours.ne)}; "
+                            "a swap cannot change a tensor's logical shape")
+        self.swap(name, theirs.type, other.raw(name), str(path))
+
+    def restore(self, name: str | None = None) -> None:
+        """Back to the file's encoding: one tensor, or all of them."""
+        for n in [name] if name is not None else list(self._override):
+            if self._override.pop(n, None) is not None:
+                self._cache.pop(n, None)
+
+    def swapped(self) -> list[str]:
+        return list(self._override)
+
+    # ---- reloading rewritten files -------------------------------------------------------------------------
+    def reload_changed(self) -> list[str]:
+        """Re-read every shard file that changed on disk; returns the tensors whose type or bytes changed.
+
+        All changed files are parsed and checked first (every tensor still present, same logical shapes); any
+        problem raises SwapError and changes nothing. Swapped-in tensors keep their swap.
+        """
+        fresh: dict[int, GGUFFile] = {}
+        for i, shard in enumerate(self.shards):
+            try:
+                stamp = _stamp(shard.path)
+            except FileNotFoundError:
+                raise SwapError(f"{shard.path} no longer exists; nothing was reloaded") from None
+            if stamp == shard.stamp:
+                continue
+            try:
+                f = GGUFFile(shard.path)
+            except GGUFFormatError as exc:
+                raise SwapError(f"{shard.path} no longer parses ({exc}); nothing was reloaded") from None
+            for name, info in shard.file.tensors.items():
+                new = f.tensors.get(name)
+                if new is None:
+                    raise SwapError(f"{shard.path} no longer holds tensor {name!r}; nothing was reloaded")
+                if new.ne != info.ne:
+                    raise SwapError(f"{shard.path}: tensor {name!r} now has dims {list(new.ne)} instead of "
+                                    f"{list(info.ne)}; a reload cannot change a logical shape; nothing was reloaded")
+            extra = set(f.tensors) - set(shard.file.tensors)
+            if extra:
+                raise SwapError(f"{shard.path} now holds tensor {sorted(extra)[0]!r}, which the model did not load "
+                                "from it; nothing was reloaded")
+            fresh[i] = f
+        changed = []
+        for i, f in fresh.items():
+            old = self.shards[i]
+            rewritten_in_place = _stamp(old.path)[0] == old.stamp[0]
+            for name, info in f.tensors.items():
+                after = Encoding(info.type, f.raw(name), str(old.path))
+                hit = self._cache.get(name)
+                if hit is not None and name not in self._override:
+                    differs = hit[1] != after.fingerprint()
+                elif rewritten_in_place:
+                    differs = True  # the old mapping shows the new bytes (or none): nothing to compare against
+                else:
+                    # a file replaced by rename still maps its old bytes
+                    prev = old.file.info(name)
+                    differs = prev.type is not info.type or old.file.raw(name).tobytes() != after.raw.tobytes()
+                self._source[name] = (i, info)
+                if differs:
+                    changed.append(name)
+                    if name not in self._override:
+                        self._cache.pop(name, None)
+            self.shards[i] = _Shard(old.path, f, _stamp(old.path))
+        return changed

@@ -1,0 +1,98 @@
+"""ikrun sweep and ikquant --sweep/--target-bpw: per-tensor sensitivities and the mix chosen from them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
+from ikquant.cli import app as ikquant_app
+from ikquant.gguf_io import GGUFFile
+from ikrun.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def model256(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3 with 256-wide rows, so every type applies without fallbacks."""
+    from ikconvert.convert import Converter
+
+    folder = tmp_path_factory.mktemp("m256")
+    hf = make_tiny_checkpoint(folder / "hf", TinySpec(arch="qwen3", hidden=256, layers=2, heads=4, kv_heads=2,
+                                                      head_dim=64, ffn=512, seed=3))
+    return Converter(hf, "f32", "qwen2").write(folder / "m256-f32.gguf")
+
+
+def _sweep(model: Path, out: Path, *extra: str):  # type: ignore[no-untyped-def]
+    return runner.invoke(app, ["sweep", str(model), "--text", str(CORPUS), "--ctx", "64", "--chunks", "6", "-o",
+                               str(out), *extra], env={"COLUMNS": "200"})
+
+
+def test_each_row_is_the_kld_of_that_tensor_alone(model256: Path, tmp_path: Path) -> None:
+    from ikquant.ftypes import file_type
+    from ikquant.quantize import QuantizeOptions, quantize_model
+
+    out = tmp_path / "sweep.json"
+    res = _sweep(model256, out, "--types", "IQ4_KS,Q4_0", "--tensors", r"blk\.1\.")
+    assert res.exit_code == 0, res.output
+    rows = {(r["group"], r["type"]): r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 2 * 7  # q, k, v, output, gate, up, down of layer 1; two types
+    base = tmp_path / "base.kld"
+    for name, qtype in (("blk.1.ffn_down.weight", "IQ4_KS"), ("blk.1.attn_k.weight", "Q4_0")):
+        single = tmp_path / f"{qtype}.gguf"  # the base model with this one tensor quantized
+        quantize_model(model256, single, QuantizeOptions(file_type("F32"), pure=True, tensor_types={name: qtype}))
+        src = ["--base-logits", str(base)] if base.exists() else [
+            "--base", str(model256), "--text", str(CORPUS), "--ctx", "64", "--chunks", "6",
+            "--save-base-logits", str(base)]
+        r = runner.invoke(app, ["kld", str(single), *src, "--json"])
+        assert r.exit_code == 0, r.output
+        assert rows[(name, qtype)]["kld_mean"] == pytest.approx(json.loads(r.output)["kld_mean"], rel=1e-12)
+    assert rows[("blk.1.ffn_down.weight", "IQ4_KS")]["bpw"] == pytest.approx(4.25 + 32 / 512)
+
+
+def test_resumes_and_groups(model256: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    assert _sweep(model256, out, "--types", "Q4_0", "--group", "layer").exit_code == 0
+    first = out.read_text()
+    res = _sweep(model256, out, "--types", "Q4_0", "--group", "layer")
+    assert res.exit_code == 0 and "(0 new)" in res.output
+    assert out.read_text() == first
+    groups = {r["group"] for r in json.loads(first)["rows"]}
+    assert groups == {"blk.0", "blk.1", "token_embd.weight", "output.weight"}
+    res = _sweep(model256, tmp_path / "c.json", "--types", "Q4_0", "--group", "class", "--tensors", "attn_")
+    assert res.exit_code == 0, res.output
+    classes = {r["group"]: len(r["tensors"]) for r in json.loads((tmp_path / "c.json").read_text())["rows"]}
+    assert classes == {"attn_q": 2, "attn_k": 2, "attn_v": 2, "attn_output": 2}
+
+
+def test_plot(model256: Path, tmp_path: Path) -> None:
+    res = _sweep(model256, tmp_path / "s.json", "--types", "Q4_0", "--tensors", "ffn", "--plot", str(tmp_path / "s.png"))
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mix_meets_the_budget(model256: Path, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep.json"
+    assert _sweep(model256, sweep, "--types", "IQ2_KS,IQ4_KS,Q8_0").exit_code == 0
+    results = {}
+    for bpw in (3.0, 5.0):
+        out = tmp_path / f"mix{bpw}.gguf"
+        res = runner.invoke(ikquant_app, [str(model256), str(out), "--type", "q8_0", "--sweep", str(sweep),
+                                          "--target-bpw", str(bpw)], env={"COLUMNS": "200"})
+        assert res.exit_code == 0, res.output
+        g = GGUFFile(out)
+        n = sum(t.n_elements for t in g.tensors.values())
+        file_bpw = 8 * sum(t.nbytes for t in g.tensors.values()) / n
+        assert file_bpw <= bpw
+        predicted = float(res.output.split("predicted mean KLD")[1].split()[0])
+        results[bpw] = (file_bpw, predicted, {t.type.name for t in g.tensors.values()})
+    assert results[3.0][0] < results[5.0][0] and results[3.0][1] > results[5.0][1]
+    assert "IQ2_KS" in results[3.0][2]
+    res = runner.invoke(ikquant_app, [str(model256), str(tmp_path / "x.gguf"), "--type", "q8_0", "--sweep",
+                                      str(sweep), "--target-bpw", "1.0"])
+    assert res.exit_code == 2 and "cheapest" in res.output
+    assert not (tmp_path / "x.gguf").exists()
