@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Prompt-eval speed of the runtime (tokens/s) on a generated Qwen3-shaped model, against a numpy-only baseline
+and, given --ik-bin, ik_llama.cpp's own llama-perplexity on the same files and threads.
+
+The model (default ~0.4B parameters) is written as bf16 safetensors, converted to F16, then quantized to Q8_0 and
+IQ4_KS. Each measurement evaluates the same chunks; the runtime's figure excludes the first chunk (decode caches,
+JIT warm-up) as ik's excludes its load.
+
+Example: python tools/bench_runtime.py --ik-bin ~/ik/build/bin/llama-perplexity --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import numba
+
+from ikconvert.convert import Converter
+from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
+from ikquant.ftypes import file_type
+from ikquant.quantize import QuantizeOptions, quantize_model
+from ikrun.evaluate import tokenize_chunks
+from ikrun.model import Model
+from ikrun.validate import HFReference
+
+
+def runtime_speed(path: Path, ctx: int, n_chunks: int, threads: int) -> float:
+    numba.set_num_threads(threads)
+    m = Model(path, threads)
+    chunks = tokenize_chunks(m, CORPUS.read_text(encoding="utf-8") * 4, ctx, n_chunks + 1)
+    m.logits(chunks[0])
+    t0 = time.perf_counter()
+    for c in chunks[1:]:
+        m.logits(c)
+    return (len(chunks) - 1) * ctx / (time.perf_counter() - t0)
+
+
+def numpy_speed(hf: Path, path: Path, ctx: int) -> float:
+    ref = HFReference(hf)
+    m = Model(path)
+    chunk = tokenize_chunks(m, CORPUS.read_text(encoding="utf-8") * 4, ctx, 1)[0]
+    t0 = time.perf_counter()
+    ref.logits(chunk)
+    return ctx / (time.perf_counter() - t0)
+
+
+def ik_speed(ik_bin: Path, path: Path, text: Path, ctx: int, n_chunks: int, threads: int) -> float | None:
+    res = subprocess.run([str(ik_bin), "-m", str(path), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "--chunks",
+                          str(n_chunks + 1), "-t", str(threads), "-fa", "off"], capture_output=True, text=True)
+    m = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", res.stdout + res.stderr)
+    return int(m.group(2)) / (float(m.group(1)) / 1000) if m else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=Path("bench-runtime"))
+    ap.add_argument("--ik-bin", type=Path, help="ik_llama.cpp's llama-perplexity (optional)")
+    ap.add_argument("--threads", type=int, default=numba.config.NUMBA_NUM_THREADS)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--chunks", type=int, default=2)
+    a = ap.parse_args()
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    hf = a.workdir / "hf"
+    if not (hf / "config.json").exists():
+        make_tiny_checkpoint(hf, TinySpec(arch="qwen3", hidden=1024, layers=24, heads=16, kv_heads=8, head_dim=64,
+                                          ffn=4096))
+    f16 = a.workdir / "model-f16.gguf"
+    if not f16.exists():
+        Converter(hf, "f16", "qwen2").write(f16)
+    files = {"F16": f16}
+    for t in ("Q8_0", "IQ4_KS"):
+        files[t] = a.workdir / f"model-{t.lower()}.gguf"
+        if not files[t].exists():
+            quantize_model(f16, files[t], QuantizeOptions(file_type(t), pure=True))
+    text = a.workdir / "text.txt"
+    text.write_text(CORPUS.read_text(encoding="utf-8") * 4, encoding="utf-8")
+    n_params = sum(t.n_elements for t in Model(f16).gguf.tensors.values())
+    print(f"model: {n_params / 1e6:.0f} M parameters, ctx {a.ctx}, {a.threads} threads")
+    print(f"{'file':8s} {'ikrun tok/s':>12s} {'ik tok/s':>9s} {'ikrun/ik':>9s}")
+    for name, path in files.items():
+        ours = runtime_speed(path, a.ctx, a.chunks, a.threads)
+        ik = ik_speed(a.ik_bin, path, text, a.ctx, a.chunks, a.threads) if a.ik_bin else None
+        ratio = f"{ours / ik:9.2f}" if ik else f"{'-':>9s}"
+        print(f"{name:8s} {ours:12.1f} {ik if ik else float('nan'):9.1f} {ratio}", flush=True)
+    print(f"numpy-only reference forward (F32 math from the safetensors): {numpy_speed(hf, f16, a.ctx):.1f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
