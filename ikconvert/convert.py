@@ -96,6 +96,7 @@ class Converter:
         self.ckpt = Checkpoint(src)
         self.arch: Arch = arch_for(self.ckpt, arch_options)
         self.outtype = resolve_outtype(outtype, self.ckpt)
+        self.arch.file_type = OUTTYPES[self.outtype][1]
         self.pre_tokenizer = pre_tokenizer
         self.allow_nonfinite = allow_nonfinite
         self.model_name = model_name
@@ -140,7 +141,6 @@ class Converter:
             meta.size_label = size_label(total, shared, expert, count)
         meta.set_gguf_meta_model(gw)
         self.arch.set_gguf_parameters(gw)
-        gw.add_file_type(OUTTYPES[self.outtype][1])
         self.arch.set_vocab(gw, self.pre_tokenizer)
         gw.add_quantization_version(2)
 

@@ -56,6 +56,9 @@ class Arch:
     #: HF names ik drops on purpose (regexes, full match)
     skipped: ClassVar[tuple[str, ...]] = (r".*\.attention\.masked_bias", r".*\.attention\.bias",
                                           r".*\.rotary_emb\.inv_freq")
+    #: general.file_type of the output (the Converter sets it); ik writes it last among the base keys, so keys an
+    #: architecture adds after super().set_gguf_parameters() follow it
+    file_type: int = 0
 
     def __init__(self, ckpt: Checkpoint, options: dict[str, Any] | None = None):
         #: converter options an architecture may read (e.g. target_model_dir for DFlash drafts, mtp for DeepSeek-V4)
@@ -106,6 +109,7 @@ class Arch:
         if (head_dim := self.hparams.get("head_dim")) is not None:
             gw.add_key_length(head_dim)
             gw.add_value_length(head_dim)
+        gw.add_file_type(self.file_type)
 
     def tokenizer_dir(self) -> Path:
         """The folder whose tokenizer files describe the vocabulary (DFlash drafts use their target's)."""
