@@ -36,8 +36,15 @@ class Imatrix:
     dataset: str = ""
     path: Path | None = None
 
-    def lookup(self, name: str, expected: int) -> tuple[np.ndarray | None, str | None]:
-        """ik's lookup for tensor `name`: (per-column importance, entry name used), or (None, None)."""
+    def lookup(self, name: str, n_per_row: int, n_mat: int = 1, n_rows: int = 1) -> tuple[np.ndarray | None, str | None]:
+        """ik's lookup for tensor `name`: (importance [n_groups, n_per_row], entry name used), or (None, None).
+
+        An entry holds ne0 values per matrix (per expert of a 3-D tensor: n_groups = n_mat). MLA's attn_k_b/attn_v_b
+        are stored 2-D (all heads' rows stacked) while the runtime multiplies them per head, so their entries hold
+        one ne0 slice per head: each slice then serves its head's block of rows (n_groups = heads). ik's quantizer
+        cannot use such entries (it wants exactly ne0 values), which is why ik's own imatrix hides them under a
+        "(reshaped)" name.
+        """
         entry_name = None
         for candidate in _candidates(name):
             if candidate in self.entries:
@@ -46,14 +53,17 @@ class Imatrix:
         if entry_name is None:
             return None, None
         values = self.entries[entry_name].mean_sq()
-        if values.size != expected:
+        groups = values.size // n_per_row if values.size % n_per_row == 0 else 0
+        per_head = (n_mat == 1 and groups > 1 and n_rows % groups == 0
+                    and name.endswith((".attn_k_b.weight", ".attn_v_b.weight")))
+        if groups != n_mat and not per_head:
             if name == "token_embd.weight":
                 return None, None
             raise ImatrixError(f"{self.path}: entry {entry_name!r} has {values.size} values, tensor {name!r} needs "
-                               f"{expected}: is this imatrix for another model?")
+                               f"{n_per_row * n_mat}: is this imatrix for another model?")
         if not np.isfinite(values).all():
             raise ImatrixError(f"{self.path}: entry {entry_name!r} contains non-finite values")
-        return values.astype(np.float32), entry_name
+        return values.astype(np.float32).reshape(groups, n_per_row), entry_name
 
 
 def _candidates(name: str) -> list[str]:

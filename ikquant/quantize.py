@@ -215,7 +215,7 @@ def _plan_tensor(info: TensorInfo, opts: QuantizeOptions, chooser: TypeChooser, 
     plan = TensorPlan(info, decision.type, True, decision.reason, notes=notes)
     if opts.imatrix is not None:
         n_mat = info.ne[2] if len(info.ne) > 2 else 1
-        _, plan.imatrix_entry = opts.imatrix.lookup(name, info.n_per_row * n_mat)
+        _, plan.imatrix_entry = opts.imatrix.lookup(name, info.n_per_row, n_mat, info.n_rows)
     return plan
 
 
@@ -290,22 +290,29 @@ def quantize_tensor(src: GGUFFile, plan: TensorPlan, imatrix: Imatrix | None, sl
     codec = plan.type.require_codec()
     if slow_iq2ks and plan.type.name == "IQ2_KS":
         codec = codec.with_user_data({"slow_iq2_ks": True})  # type: ignore[attr-defined]
+    return quantize_rows(src.raw(info.name), info, plan.type, codec, imatrix, numba.get_num_threads(),
+                         lambda r0, r1: src.release(info.name, r0, r1))
+
+
+def quantize_rows(raw: np.ndarray, info: TensorInfo, gtype: GGMLType, codec, imatrix: Imatrix | None,  # type: ignore[no-untyped-def]
+                  threads: int, done: Callable[[int, int], None] | None = None) -> np.ndarray:
+    """Re-encode a tensor's rows (`raw`, stored as info.type) as `gtype`: each importance slice (per expert,
+    or per head for MLA) applied to its block of rows, batched as ik batches its calls."""
     n = info.n_per_row
     n_mat = info.ne[2] if len(info.ne) > 2 else 1
-    rows_per_mat = info.n_rows // n_mat
-    weights = None
-    if imatrix is not None and plan.imatrix_entry is not None:
-        weights, _ = imatrix.lookup(info.name, n * n_mat)
-    raw = src.raw(info.name)
+    weights = imatrix.lookup(info.name, n, n_mat, info.n_rows)[0] if imatrix is not None else None
+    groups = weights.shape[0] if weights is not None else n_mat
+    rows_per_group = info.n_rows // groups
     src_codec = info.type.require_codec()
-    out = np.empty((info.n_rows, plan.type.row_bytes(n)), dtype=np.uint8)
-    batch = ik_call_rows(codec.rows_interact, weights is not None, n, rows_per_mat, n_mat, numba.get_num_threads())
-    for m in range(n_mat):
-        w = None if weights is None else weights[m * n : (m + 1) * n]
-        for r0 in range(m * rows_per_mat, (m + 1) * rows_per_mat, batch):
-            r1 = min(r0 + batch, (m + 1) * rows_per_mat)
+    out = np.empty((info.n_rows, gtype.row_bytes(n)), dtype=np.uint8)
+    batch = ik_call_rows(codec.rows_interact, weights is not None, n, rows_per_group, groups, threads)
+    for g in range(groups):
+        w = None if weights is None else weights[g]
+        for r0 in range(g * rows_per_group, (g + 1) * rows_per_group, batch):
+            r1 = min(r0 + batch, (g + 1) * rows_per_group)
             out[r0:r1] = codec.quantize(src_codec.dequantize(raw[r0:r1], n), w)
-            src.release(info.name, r0, r1)
+            if done is not None:
+                done(r0, r1)
     return out
 
 

@@ -64,7 +64,9 @@ class ImatrixCollector:
             self.ncall[name] += max(entry.ncall, 0)
 
     def to_imatrix(self, chunks: int, dataset: str, path: Path | None = None) -> Imatrix:
-        """ik's stored form: values = mean(x^2) * ncall; matrices that saw no rows read as ones (as ik writes)."""
+        """ik's stored form: values = mean(x^2) * ncall; matrices (experts) that saw no rows read as ones, as ik
+        writes them. Unlike ik, an entry is never dropped for its unreached experts (ik drops one with round(5%)
+        or more of them, and the quantizer then works without importance data for that whole tensor)."""
         imat = Imatrix(chunks=chunks, dataset=dataset, path=path)
         for name, s in self.sums.items():
             c = self.counts[name]

@@ -17,10 +17,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numba
 import numpy as np
 
 from ikquant.gguf_io import partial_path
 from ikquant.imatrix import Imatrix
+from ikquant.quantize import quantize_rows
 from ikquant.recipes import eligible, with_row_fallback
 from ikquant.types import GGMLType
 from ikrun.evaluate import kl_divergence
@@ -92,19 +94,9 @@ def quantized_copy(model: Model, name: str, gtype: GGMLType, imatrix: Imatrix | 
     used = fb.type if fb is not None else gtype
     if info.n_per_row % used.block_size:
         raise ValueError(f"{name}: {info.n_per_row} columns cannot hold {used.name} blocks")
-    base = model.weights.source_encoding(name)
-    rows = base.type.require_codec().dequantize(base.raw, info.n_per_row)
-    n_mat = info.ne[2] if len(info.ne) > 2 else 1
-    weights = None
-    if imatrix is not None:
-        weights, _ = imatrix.lookup(name, info.n_per_row * n_mat)
     codec = used.require_codec()
-    per = info.n_rows // n_mat
-    out = np.empty((info.n_rows, used.row_bytes(info.n_per_row)), dtype=np.uint8)
-    for m in range(n_mat):
-        w = None if weights is None else weights[m * info.n_per_row : (m + 1) * info.n_per_row]
-        out[m * per : (m + 1) * per] = codec.quantize(rows[m * per : (m + 1) * per], w)
-    return used, out
+    raw = quantize_rows(model.weights.source_encoding(name).raw, info, used, codec, imatrix, numba.get_num_threads())
+    return used, raw
 
 
 def load_rows(path: Path) -> list[SweepRow]:

@@ -19,6 +19,13 @@ class ReferenceError(ValueError):
     """A checkpoint the numpy reference does not implement."""
 
 
+def _other_references() -> dict[str, type]:
+    """Architectures whose numpy reference lives in its own module (ikrun/reference_<arch>.py)."""
+    from ikrun.reference_deepseek2 import DeepseekV3Reference
+
+    return {arch: cls for cls in (DeepseekV3Reference,) for arch in cls.architectures}
+
+
 class HFReference:
     """Numpy forward of LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM from the HF checkpoint."""
 
@@ -27,10 +34,14 @@ class HFReference:
     def __init__(self, folder: Path):
         self.ckpt = Checkpoint(folder)
         self.cfg = self.ckpt.config
-        if self.ckpt.architecture not in self.supported:
+        other = _other_references()
+        if self.ckpt.architecture not in self.supported and self.ckpt.architecture not in other:
             raise ReferenceError(f"{folder}: no numpy reference for {self.ckpt.architecture}; "
-                                 f"available: {', '.join(self.supported)}")
+                                 f"available: {', '.join([*self.supported, *other])}")
         self.tensors = dict(self.ckpt.iter_tensors())
+        #: the architecture's own reference module, for those not written here
+        self.other = other[self.ckpt.architecture](self.cfg, self.tensors) if self.ckpt.architecture in other \
+            else None
 
     def w(self, name: str) -> np.ndarray:
         return self.tensors[name].to_f32()
@@ -53,6 +64,8 @@ class HFReference:
 
     def logits(self, tokens: np.ndarray, observe: Callable[[str, np.ndarray], None] | None = None) -> np.ndarray:
         """float32 logits of one sequence; `observe(hf_weight_name, x)` sees every projection's input rows."""
+        if self.other is not None:
+            return self.other.logits(tokens, observe)
         cfg = self.cfg
         n = len(tokens)
         n_head = cfg["num_attention_heads"]

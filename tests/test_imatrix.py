@@ -12,7 +12,10 @@ from typer.testing import CliRunner
 from ikconvert.archs.base import arch_for
 from ikconvert.checkpoint import Checkpoint
 from ikquant.cli import app as ikquant_app
+from ikquant.gguf_io import GGUFFile
 from ikquant.imatrix import read_imatrix, read_imatrix_dat, write_imatrix_dat
+from ikquant.quantize import quantize_rows
+from ikquant.types import type_by_name
 from ikrun.cli import app
 from ikrun.evaluate import collect_imatrix, tokenize_chunks
 from ikrun.imatrix import ImatrixCollector
@@ -109,3 +112,32 @@ def test_quantizing_with_it_lowers_the_kld(data_dir: Path, tmp_path: Path) -> No
         klds.append(json.loads(res.output)["kld_mean"])
     assert klds[1] < klds[0]
     assert klds[0] == pytest.approx(0.0821, rel=0.05)
+
+
+def test_mla_entries_serve_each_heads_rows(data_dir: Path, tmp_path: Path) -> None:
+    """attn_k_b is stored 2-D (heads stacked) but multiplied per head: its entry holds one slice per head, which
+    ikquant applies to that head's rows (ik's quantizer cannot use such entries at all)."""
+    model = data_dir / "convert" / "deepseek-v3" / "ik-f32.gguf"
+    imat = tmp_path / "ds.dat"
+    res = runner.invoke(app, ["imatrix", str(model), "--text", str(data_dir / "logits" / "deepseek-v3" / "text.txt"),
+                              "--ctx", "64", "--chunks", "4", "-o", str(imat)])
+    assert res.exit_code == 0, res.output
+    entry = read_imatrix_dat(imat).entries["blk.0.attn_k_b.weight"]
+    info = GGUFFile(model).info("blk.0.attn_k_b.weight")
+    heads = entry.values.size // info.n_per_row
+    assert heads > 1 and info.n_rows % heads == 0
+    out = tmp_path / "q.gguf"
+    res = runner.invoke(ikquant_app, [str(model), str(out), "--type", "q4_0", "--pure", "--imatrix", str(imat),
+                                      "--dry-run", "--json"])
+    assert res.exit_code == 0, res.output
+    plan = {p["name"]: p for p in json.loads(res.stdout)}
+    assert plan["blk.0.attn_k_b.weight"]["imatrix"] == "blk.0.attn_k_b.weight"
+    g = GGUFFile(model)
+    q4 = type_by_name("Q4_0")
+    with_heads = quantize_rows(g.raw(info.name), info, q4, q4.require_codec(), read_imatrix_dat(imat), 1)
+    rows = g.dequantize(info.name).reshape(info.n_rows, -1)
+    slices = entry.mean_sq().reshape(heads, -1)
+    per_head = info.n_rows // heads
+    for h in range(heads):
+        one = q4.require_codec().quantize(rows[h * per_head : (h + 1) * per_head], slices[h])
+        assert with_heads[h * per_head : (h + 1) * per_head].tobytes() == one.tobytes()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from ikrun.models.deepseek2 import Deepseek2
 from ikrun.models.llama import LlamaFamily
 
-_BY_ARCH = {arch: cls for cls in (LlamaFamily,) for arch in cls.archs}
+_BY_ARCH = {arch: cls for cls in (LlamaFamily, Deepseek2) for arch in cls.archs}
 
 
 def supported_architectures() -> list[str]:

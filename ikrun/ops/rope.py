@@ -2,10 +2,13 @@
 
 ggml builds the angles the way its rope cache does: theta starts at the (scaled) position and is multiplied by
 theta_scale = base^(-2/n_rot) once per pair, in float32, optionally divided by per-frequency factors (rope_freqs).
-NORM rotates adjacent pairs (x[2i], x[2i+1]); NEOX rotates (x[i], x[i + n_rot/2]).
+NORM rotates adjacent pairs (x[2i], x[2i+1]); NEOX rotates (x[i], x[i + n_rot/2]). `yarn_rope_cache` adds
+ggml's YaRN (rope_yarn): per-pair ramp between interpolated and extrapolated angles, magnitude factor on cos/sin.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 from numba import njit, prange
@@ -71,3 +74,64 @@ def _parallel(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, neox:
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, neox: bool) -> None:
     """Rotate the first n_rot dims of every head of x [n_pos, heads, head_dim] in place."""
     pick(_serial, _parallel, x.size)(x, cos, sin, n_rot, neox)
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """ggml's YaRN rope parameters: ext_factor 0 leaves plain (linearly scaled) angles; attn_factor scales cos/sin."""
+
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    n_ctx_orig: int = 0
+
+
+def _corr_dim(n_rot: int, n_ctx_orig: int, rotations: float, base: float) -> np.float32:
+    f32 = np.float32
+    return f32(f32(n_rot) * np.log(f32(n_ctx_orig) / (f32(rotations) * f32(2.0) * f32(np.pi)))
+               / (f32(2.0) * np.log(f32(base))))
+
+
+@njit(cache=True, nogil=True)
+def _yarn_angles(positions: np.ndarray, n_rot: int, base: float, freq_scale: float, ext_factor: float,
+                 mscale: float, low: float, high: float, cos: np.ndarray, sin: np.ndarray) -> None:
+    theta_scale = np.float32(np.float32(base) ** (np.float32(-2.0) / np.float32(n_rot)))
+    fs = np.float32(freq_scale)
+    ext = np.float32(ext_factor)
+    ms = np.float32(mscale)
+    lo = np.float32(low)
+    span = max(np.float32(0.001), np.float32(high) - lo)
+    for p in range(positions.shape[0]):
+        theta_extrap = np.float32(positions[p])
+        for i in range(n_rot // 2):
+            theta = fs * theta_extrap
+            if ext != np.float32(0.0):
+                y = (np.float32(i) - lo) / span
+                mix = (np.float32(1.0) - min(np.float32(1.0), max(np.float32(0.0), y))) * ext
+                theta = theta * (np.float32(1.0) - mix) + theta_extrap * mix
+            cos[p, i] = np.cos(theta) * ms
+            sin[p, i] = np.sin(theta) * ms
+            theta_extrap = theta_extrap * theta_scale
+
+
+def yarn_rope_cache(positions: np.ndarray, n_rot: int, base: float, freq_scale: float,
+                    yarn: Yarn) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin tables [n_pos, n_rot/2] as ggml's rope_yarn builds them (magnitude scaling folded in).
+
+    With ext_factor != 0, each pair mixes the interpolated and extrapolated angle by a ramp between the correction
+    dims (from beta_fast/beta_slow and n_ctx_orig) and cos/sin are scaled by 1 + 0.1 ln(1/freq_scale).
+    """
+    f32 = np.float32
+    mscale = f32(yarn.attn_factor)
+    low = high = f32(0.0)
+    if yarn.ext_factor != 0.0:
+        mscale = f32(mscale * (f32(1.0) + f32(0.1) * np.log(f32(1.0) / f32(freq_scale))))
+        low = f32(max(0.0, np.floor(_corr_dim(n_rot, yarn.n_ctx_orig, yarn.beta_fast, base))))
+        high = f32(min(n_rot - 1.0, np.ceil(_corr_dim(n_rot, yarn.n_ctx_orig, yarn.beta_slow, base))))
+    n = len(positions)
+    cos = np.empty((n, n_rot // 2), dtype=np.float32)
+    sin = np.empty_like(cos)
+    _yarn_angles(np.asarray(positions, dtype=np.int64), n_rot, float(base), float(freq_scale),
+                 float(yarn.ext_factor), float(mscale), float(low), float(high), cos, sin)
+    return cos, sin

@@ -1,0 +1,248 @@
+"""DeepSeek-V2/V3 (GGUF arch `deepseek2`): ik's build_deepseek2 graph as it runs on the CPU (mla=3, no flash
+attention).
+
+Per layer: RMSNorm; the query through the q LoRA (attn_q_a, its RMSNorm, attn_q_b), or attn_q for the lite models
+without one; attn_kv_a_mqa gives the KV latent plus the shared rope key; NORM rope with ggml's YaRN on the rope
+parts; RMSNorm of the latent; multi-head latent attention in the absorbed form through attn_k_b / attn_v_b
+(ikrun/ops/mla.py); attn_output; residual. Then RMSNorm and either the dense SwiGLU FFN (the leading dense layers)
+or the MoE FFN (ikrun/ops/moe.py) plus the shared experts; residual. NextN/MTP blocks at the end
+(nextn_predict_layers) take no part in the main forward.
+
+YaRN as ik sets it up for this architecture: ext_factor 1 for rope scaling type yarn, beta 32/1, the rope's
+magnitude factor pre-divided by 1 + 0.1 ln(1/freq_scale) (which ggml's rope multiplies back in), and the attention
+scale mscale^2 / sqrt(key_length) with mscale = attn_factor (1 + yarn_log_multiplier ln(1/freq_scale)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ikrun.ops.activations import swiglu
+from ikrun.ops.mla import latent_attention
+from ikrun.ops.moe import GATING_NAMES, GATING_SIGMOID, GATING_SOFTMAX, moe_experts, route
+from ikrun.ops.norm import rms_norm
+from ikrun.ops.rope import Yarn, apply_rope, yarn_rope_cache
+
+BlockHook = Callable[[int, np.ndarray], None]
+Hparam = Callable[..., Any]
+#: rope scaling types ik knows for this architecture (llama_rope_scaling_type_from_string)
+ROPE_SCALING = ("none", "linear", "yarn")
+
+
+class Deepseek2:
+    archs = ("deepseek2",)
+
+    def __init__(self, model):  # type: ignore[no-untyped-def]
+        from ikrun.model import ModelError
+
+        self.m = model
+        self._error = ModelError
+        hp = model.hparam
+        self.n_layer = int(hp("block_count"))
+        self.n_embd = int(hp("embedding_length"))
+        self.n_head = int(hp("attention.head_count"))
+        n_head_kv = int(hp("attention.head_count_kv", self.n_head))
+        self.eps = float(hp("attention.layer_norm_rms_epsilon"))
+        self.kv_lora = int(hp("attention.kv_lora_rank"))
+        self.q_lora = int(hp("attention.q_lora_rank", 0))
+        self.n_rot = int(hp("rope.dimension_count", 0))
+        key_length = int(hp("attention.key_length", self.n_embd // self.n_head))
+        value_length = int(hp("attention.value_length", key_length))
+        if n_head_kv == 1 and self.n_head > 1:
+            # mainline llama.cpp's MLA layout: the cache row is the key, the per-head sizes come from *_mla
+            if key_length != self.kv_lora + self.n_rot or value_length != self.kv_lora:
+                raise ModelError(f"{model.path}: head_count_kv 1 (mainline MLA layout) needs key_length = "
+                                 f"kv_lora_rank + rope.dimension_count and value_length = kv_lora_rank; got "
+                                 f"{key_length}, {value_length} for kv_lora_rank {self.kv_lora}")
+            key_length = int(hp("attention.key_length_mla", 192))
+            value_length = int(hp("attention.value_length_mla", 128))
+        self.head_k, self.head_v = key_length, value_length
+        self.n_nope = key_length - self.n_rot
+        if self.n_rot <= 0 or self.n_rot % 2 or self.n_nope <= 0:
+            raise ModelError(f"{model.path}: {model.arch}.rope.dimension_count {self.n_rot} must be even, positive "
+                             f"and below the key length {key_length}")
+        self.n_dense = int(hp("leading_dense_block_count"))
+        self.n_mtp = int(hp("nextn_predict_layers", 0))
+        if not 0 <= self.n_mtp < self.n_layer:
+            raise ModelError(f"{model.path}: {model.arch}.nextn_predict_layers {self.n_mtp} leaves no main layers "
+                             f"of {self.n_layer}")
+        self.n_active = self.n_layer - self.n_mtp
+        if self.n_dense < self.n_layer:
+            self._read_moe(hp)
+        self._read_rope(hp)
+        if not model.has("token_embd.weight"):
+            raise ModelError(f"{model.path}: tensor token_embd.weight is missing")
+        self.n_vocab = model.shape("token_embd.weight")[0]
+        self._check_tensors()
+
+    def _read_moe(self, hp: Hparam) -> None:
+        self.n_expert = int(hp("expert_count"))
+        self.n_used = int(hp("expert_used_count"))
+        self.n_ff_exp = int(hp("expert_feed_forward_length"))
+        self.n_shared = int(hp("expert_shared_count"))
+        self.w_scale = float(hp("expert_weights_scale"))
+        self.w_norm = bool(hp("expert_weights_norm", False))
+        gating = int(hp("expert_gating_func", 0))
+        if gating == 0:  # older DeepSeek 2/2.5 files; GLM-4.7-Flash (47 or 48 layers) gates by sigmoid
+            gating = GATING_SIGMOID if self.n_layer in (47, 48) else GATING_SOFTMAX
+        if gating not in GATING_NAMES:
+            raise self._error(f"{self.m.path}: {self.m.arch}.expert_gating_func {gating} is not one of "
+                              f"{sorted(GATING_NAMES)}")
+        self.gating = gating
+        if not 0 < self.n_used <= self.n_expert:
+            raise self._error(f"{self.m.path}: {self.m.arch}.expert_used_count {self.n_used} must be in "
+                              f"1..expert_count {self.n_expert}")
+
+    def _read_rope(self, hp: Hparam) -> None:
+        f32 = np.float32
+        self.freq_base = float(hp("rope.freq_base", 10000.0))
+        scaling = str(hp("rope.scaling.type", "linear"))
+        if scaling not in ROPE_SCALING:
+            raise self._error(f"{self.m.path}: {self.m.arch}.rope.scaling.type {scaling!r} is not one of "
+                              f"{', '.join(ROPE_SCALING)}")
+        factor = float(hp("rope.scaling.factor", 0.0) or hp("rope.scale_linear", 0.0) or 0.0)
+        freq_scale = f32(1.0) if scaling == "none" or factor == 0.0 else f32(1.0) / f32(factor)
+        self.freq_scale = float(freq_scale)
+        attn_factor = f32(hp("rope.scaling.attn_factor", 1.0))
+        log_mul = f32(hp("rope.scaling.yarn_log_multiplier", 0.0))
+        ln_inv = np.log(f32(1.0) / freq_scale)
+        mscale = f32(attn_factor * (f32(1.0) + log_mul * ln_inv))
+        self.kq_scale = float(f32(mscale * mscale) / np.sqrt(f32(self.head_k)))
+        self.yarn = Yarn(ext_factor=1.0 if scaling == "yarn" else 0.0,
+                         attn_factor=float(f32(1.0) / (f32(1.0) + f32(0.1) * ln_inv)),
+                         n_ctx_orig=int(hp("rope.scaling.original_context_length", 0) or hp("context_length", 0)))
+
+    def _expected(self, i: int) -> dict[str, tuple[int, ...]]:
+        """Block i's tensors and their numpy shapes (attn_k_b / attn_v_b are checked apart: 2-D or 3-D)."""
+        e, h, c, r = self.n_embd, self.n_head, self.kv_lora, self.n_rot
+        b = f"blk.{i}."
+        want = {b + "attn_norm.weight": (e,), b + "attn_kv_a_norm.weight": (c,),
+                b + "attn_kv_a_mqa.weight": (c + r, e), b + "attn_output.weight": (e, h * self.head_v),
+                b + "ffn_norm.weight": (e,)}
+        if self.q_lora:
+            want.update({b + "attn_q_a_norm.weight": (self.q_lora,), b + "attn_q_a.weight": (self.q_lora, e),
+                         b + "attn_q_b.weight": (h * self.head_k, self.q_lora)})
+        else:
+            want[b + "attn_q.weight"] = (h * self.head_k, e)
+        if i < self.n_dense:
+            ff = int(self.m.hparam("feed_forward_length"))
+            want.update({b + "ffn_gate.weight": (ff, e), b + "ffn_up.weight": (ff, e),
+                         b + "ffn_down.weight": (e, ff)})
+            return want
+        x, fe = self.n_expert, self.n_ff_exp
+        want.update({b + "ffn_gate_inp.weight": (x, e), b + "ffn_up_exps.weight": (x, fe, e),
+                     b + "ffn_gate_exps.weight": (x, fe, e), b + "ffn_down_exps.weight": (x, e, fe)})
+        if self.n_shared:
+            fs = fe * self.n_shared
+            want.update({b + "ffn_gate_shexp.weight": (fs, e), b + "ffn_up_shexp.weight": (fs, e),
+                         b + "ffn_down_shexp.weight": (e, fs)})
+        return want
+
+    def _mla_shapes(self, i: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """attn_k_b / attn_v_b: ik's 2-D layout or mainline's 3-D one (same bytes per head); attn_kv_b optional."""
+        h, c, d, v = self.n_head, self.kv_lora, self.n_nope, self.head_v
+        b = f"blk.{i}."
+        return {b + "attn_k_b.weight": ((h * c, d), (h, c, d)), b + "attn_v_b.weight": ((h * v, c), (h, v, c)),
+                b + "attn_kv_b.weight": ((h * (d + v), c),)}
+
+    def _check_tensors(self) -> None:
+        """Every main block's tensors must be there; the NextN/MTP blocks' are checked where present."""
+        m, path = self.m, self.m.path
+        want = {"token_embd.weight": (self.n_vocab, self.n_embd), "output_norm.weight": (self.n_embd,),
+                "output.weight": (self.n_vocab, self.n_embd)}
+        for i in range(self.n_active):
+            want.update(self._expected(i))
+        missing = [n for n in want if not m.has(n)]
+        for i in range(self.n_active):
+            for name in list(self._mla_shapes(i))[:2]:
+                if not m.has(name):
+                    missing.append(name)
+        for i in range(self.n_active, self.n_layer):
+            want.update({n: shape for n, shape in self._expected(i).items() if m.has(n)})
+        if missing:
+            kv_b_only = any(n.endswith(("attn_k_b.weight", "attn_v_b.weight"))
+                            and m.has(n.rsplit(".", 2)[0] + ".attn_kv_b.weight") for n in missing)
+            derive = " (ik derives them from attn_kv_b at load; ikrun needs files converted with them)" \
+                if kv_b_only else ""
+            raise self._error(f"{path}: {len(missing)} tensors missing for {m.arch}: {', '.join(missing[:8])}"
+                              + (" ..." if len(missing) > 8 else "") + derive)
+        for name, shape in want.items():
+            if m.shape(name) != shape:
+                raise self._error(f"{path}: tensor {name} has shape {list(m.shape(name))}, the hyperparameters "
+                                  f"imply {list(shape)}")
+        for i in range(self.n_layer):
+            for name, shapes in self._mla_shapes(i).items():
+                if m.has(name) and m.shape(name) not in shapes:
+                    raise self._error(f"{path}: tensor {name} has shape {list(m.shape(name))}, the "
+                                      f"hyperparameters imply {' or '.join(str(list(s)) for s in shapes)}")
+        for i in range(self.n_dense, self.n_layer):
+            bias = f"blk.{i}.exp_probs_b.bias"
+            if m.has(bias) and m.shape(bias) != (self.n_expert,):
+                raise self._error(f"{path}: tensor {bias} has shape {list(m.shape(bias))}, the hyperparameters "
+                                  f"imply {[self.n_expert]}")
+
+    def forward(self, tokens: np.ndarray, on_block: BlockHook | None = None) -> np.ndarray:
+        """Logits of one fresh sequence; `on_block(i, hidden)` sees the hidden state after each main block."""
+        m = self.m
+        n = len(tokens)
+        x = m.weight("token_embd.weight")[tokens]
+        cos, sin = yarn_rope_cache(np.arange(n), self.n_rot, self.freq_base, self.freq_scale, self.yarn)
+        for i in range(self.n_active):
+            b = f"blk.{i}."
+            x = x + self._attention(b, rms_norm(x, m.weight(b + "attn_norm.weight"), self.eps), cos, sin)
+            h = rms_norm(x, m.weight(b + "ffn_norm.weight"), self.eps)
+            x = x + (self._dense(h, b) if i < self.n_dense else self._moe(h, b))
+            if on_block is not None:
+                on_block(i, x)
+        x = rms_norm(x, m.weight("output_norm.weight"), self.eps)
+        return np.ascontiguousarray(x @ m.weight("output.weight").T, dtype=np.float32)
+
+    def _attention(self, b: str, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        m = self.m
+        n = h.shape[0]
+        if self.q_lora:
+            qa = rms_norm(m.linear(h, b + "attn_q_a"), m.weight(b + "attn_q_a_norm.weight"), self.eps)
+            q = m.linear(qa, b + "attn_q_b")
+        else:
+            q = m.linear(h, b + "attn_q")
+        kv = m.linear(h, b + "attn_kv_a_mqa")
+        q = q.reshape(n, self.n_head, self.head_k)
+        q_nope = np.ascontiguousarray(q[:, :, : self.n_nope])
+        q_rope = np.ascontiguousarray(q[:, :, self.n_nope :])
+        k_rope = np.ascontiguousarray(kv[:, self.kv_lora :]).reshape(n, 1, self.n_rot)
+        apply_rope(q_rope, cos, sin, self.n_rot, False)
+        apply_rope(k_rope, cos, sin, self.n_rot, False)
+        latent = rms_norm(kv[:, : self.kv_lora], m.weight(b + "attn_kv_a_norm.weight"), self.eps)
+        cache = m.kv_store(np.concatenate([k_rope.reshape(n, self.n_rot), latent], axis=1))
+        w_kb = m.weight(b + "attn_k_b.weight").reshape(self.n_head, self.kv_lora, self.n_nope)
+        w_vb = m.weight(b + "attn_v_b.weight").reshape(self.n_head, self.head_v, self.kv_lora)
+        if m.observers:
+            for head in range(self.n_head):
+                m.observe(b + "attn_k_b.weight", q_nope[:, head], head, self.n_head)
+        out = latent_attention(q_rope, q_nope, w_kb, cache, w_vb, self.kq_scale)
+        return m.linear(out.reshape(n, self.n_head * self.head_v), b + "attn_output")
+
+    def _dense(self, h: np.ndarray, b: str, kind: str = "") -> np.ndarray:
+        """SwiGLU FFN through ffn_gate/up/down{kind} ("" for the dense layers, "_shexp" for the shared experts)."""
+        m = self.m
+        return m.linear(swiglu(m.linear(h, b + "ffn_gate" + kind), m.linear(h, b + "ffn_up" + kind)),
+                        b + "ffn_down" + kind)
+
+    def _moe(self, h: np.ndarray, b: str) -> np.ndarray:
+        m = self.m
+        bias = m.weight(b + "exp_probs_b.bias") if m.has(b + "exp_probs_b.bias") else None
+        sel, w = route(m.linear(h, b + "ffn_gate_inp"), bias, self.n_used, self.gating, self.w_norm, self.w_scale)
+        up, down = b + "ffn_up_exps.weight", b + "ffn_down_exps.weight"
+        out, act, order, offsets = moe_experts(h, sel, w, m.weight(up), m.weight(b + "ffn_gate_exps.weight"),
+                                               m.weight(down))
+        if m.observers:
+            # as ik's fused up/gate op: the shared input is recorded under the up tensor only
+            for e in range(self.n_expert):
+                rows = order[offsets[e] : offsets[e + 1]]
+                if rows.size:
+                    m.observe(up, h[rows // self.n_used], e, self.n_expert)
+                    m.observe(down, act[rows], e, self.n_expert)
+        return out + self._dense(h, b, "_shexp") if self.n_shared else out

@@ -1,0 +1,201 @@
+"""Mixture-of-experts FFN as ggml's llm_build_moe_ffn computes it: routing, then the routed tokens per expert.
+
+Routing per token: gating probabilities from the router logits (softmax, sigmoid, raw logits re-softmaxed over the
+chosen experts, or sqrt(softplus)), the top-k experts by probability plus the optional selection bias
+(exp_probs_b; the bias only chooses, the unbiased probabilities weigh), optional normalisation of the chosen
+weights to sum 1 (sum in float64 like ggml_sum_rows) and a final scale.
+
+Experts: every (token, slot) assignment is processed by its expert only (no dense pass over all experts); the
+weighted expert outputs are summed in slot order (ggml's mul_multi_add), so results do not depend on the thread
+count: experts run in parallel but each writes only its own assignments' rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+GATING_SOFTMAX = 1
+GATING_SIGMOID = 2
+GATING_SOFTMAX_WEIGHT = 3
+GATING_SQRT_SOFTPLUS = 4
+GATING_NAMES = {GATING_SOFTMAX: "softmax", GATING_SIGMOID: "sigmoid", GATING_SOFTMAX_WEIGHT: "softmax_weight",
+                GATING_SQRT_SOFTPLUS: "sqrt_softplus"}
+
+#: tokens whose activations are kept close in cache while one expert's weight rows stream past them
+ROW_BLOCK = 16
+#: multiply-adds below which the expert kernel runs on one thread (thread start-up costs more than it saves)
+PARALLEL_MIN_FLOPS = 1 << 22
+# Dot products may be reassociated (vectorized); the order is fixed by the code, not by the thread count.
+_FAST = {"reassoc", "contract"}
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _softmax(x: np.ndarray, out: np.ndarray) -> None:
+    m = x[0]
+    for j in range(1, x.shape[0]):
+        if x[j] > m:
+            m = x[j]
+    s = 0.0
+    for j in range(x.shape[0]):
+        e = np.exp(x[j] - m)
+        out[j] = e
+        s += np.float64(e)
+    inv = np.float32(1.0 / s)
+    for j in range(x.shape[0]):
+        out[j] *= inv
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _route_row(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, scale: np.float32,
+               probs: np.ndarray, taken: np.ndarray, sel: np.ndarray, w: np.ndarray) -> None:
+    n_expert = logits.shape[0]
+    one = np.float32(1.0)
+    if gating == GATING_SOFTMAX:
+        _softmax(logits, probs)
+    elif gating == GATING_SIGMOID:
+        for e in range(n_expert):
+            probs[e] = one / (one + np.exp(-logits[e]))
+    elif gating == GATING_SQRT_SOFTPLUS:
+        for e in range(n_expert):
+            x = logits[e]
+            probs[e] = np.sqrt(x if x > np.float32(20.0) else np.log(one + np.exp(x)))
+    else:
+        for e in range(n_expert):
+            probs[e] = logits[e]
+    taken[:] = False
+    for s in range(sel.shape[0]):
+        best = -1
+        best_v = np.float32(0.0)
+        for e in range(n_expert):
+            if taken[e]:
+                continue
+            v = probs[e] + bias[e] if bias.shape[0] else probs[e]
+            if best < 0 or v > best_v:
+                best = e
+                best_v = v
+        taken[best] = True
+        sel[s] = best
+        w[s] = probs[best]
+    if gating == GATING_SOFTMAX_WEIGHT:
+        _softmax(w.copy(), w)
+    if norm:
+        total = 0.0
+        for s in range(w.shape[0]):
+            total += np.float64(w[s])
+        t32 = np.float32(total)
+        for s in range(w.shape[0]):
+            w[s] = w[s] / t32
+    if abs(scale - one) > np.float32(1e-5):
+        for s in range(w.shape[0]):
+            w[s] = w[s] * scale
+
+
+@njit(cache=True, nogil=True)
+def _route(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, scale: float,
+           sel: np.ndarray, w: np.ndarray) -> None:
+    n, n_expert = logits.shape
+    probs = np.empty(n_expert, dtype=np.float32)
+    taken = np.empty(n_expert, dtype=np.bool_)
+    for t in range(n):
+        _route_row(logits[t], bias, gating, norm, np.float32(scale), probs, taken, sel[t], w[t])
+
+
+def route(logits: np.ndarray, bias: np.ndarray | None, n_used: int, gating: int, norm: bool,
+          scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """(chosen experts [n, n_used] int64, their weights [n, n_used] float32) from router logits [n, n_expert]."""
+    logits = np.ascontiguousarray(logits, dtype=np.float32)
+    n = logits.shape[0]
+    sel = np.empty((n, n_used), dtype=np.int64)
+    w = np.empty((n, n_used), dtype=np.float32)
+    b = np.empty(0, dtype=np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+    _route(logits, b, gating, norm, float(scale), sel, w)
+    return sel, w
+
+
+def group_by_expert(sel: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.ndarray]:
+    """Assignments (flat index token*k + slot) ordered by expert, then token; and each expert's start offset."""
+    flat = sel.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    offsets = np.zeros(n_expert + 1, dtype=np.int64)
+    np.cumsum(np.bincount(flat, minlength=n_expert), out=offsets[1:])
+    return order.astype(np.int64), offsets
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
+def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:
+    s = np.float32(0.0)
+    for i in range(a.shape[0]):
+        s += a[i] * b[i]
+    return s
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def _expert(e: int, x: np.ndarray, k: int, order: np.ndarray, start: int, stop: int, up: np.ndarray,
+            gate: np.ndarray, down: np.ndarray, act: np.ndarray, y: np.ndarray) -> None:
+    n_ff = up.shape[1]
+    n_embd = down.shape[1]
+    one = np.float32(1.0)
+    for b0 in range(start, stop, ROW_BLOCK):
+        b1 = min(stop, b0 + ROW_BLOCK)
+        for j in range(n_ff):
+            wg = gate[e, j]
+            wu = up[e, j]
+            for a in range(b0, b1):
+                idx = order[a]
+                row = x[idx // k]
+                g = _dot(wg, row)
+                act[idx, j] = (g / (one + np.exp(-g))) * _dot(wu, row)
+        for j in range(n_embd):
+            wd = down[e, j]
+            for a in range(b0, b1):
+                idx = order[a]
+                y[idx, j] = _dot(wd, act[idx])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _combine_row(y: np.ndarray, w: np.ndarray, t: int, out: np.ndarray) -> None:
+    k = w.shape[1]
+    for j in range(out.shape[1]):
+        out[t, j] = y[t * k, j] * w[t, 0]
+    for s in range(1, k):
+        ws = w[t, s]
+        for j in range(out.shape[1]):
+            out[t, j] += y[t * k + s, j] * ws
+
+
+@njit(cache=True, nogil=True)
+def _experts_serial(x, w, order, offsets, up, gate, down, act, y, out):  # type: ignore[no-untyped-def]
+    k = w.shape[1]
+    for e in range(offsets.shape[0] - 1):
+        _expert(e, x, k, order, offsets[e], offsets[e + 1], up, gate, down, act, y)
+    for t in range(out.shape[0]):
+        _combine_row(y, w, t, out)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _experts_parallel(x, w, order, offsets, up, gate, down, act, y, out):  # type: ignore[no-untyped-def]
+    k = w.shape[1]
+    for e in prange(offsets.shape[0] - 1):
+        _expert(e, x, k, order, offsets[e], offsets[e + 1], up, gate, down, act, y)
+    for t in prange(out.shape[0]):
+        _combine_row(y, w, t, out)
+
+
+def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, up: np.ndarray, gate: np.ndarray,
+                down: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Routed SwiGLU experts: x [n, n_embd], sel/w [n, k], up/gate [E, n_ff, n_embd], down [E, n_embd, n_ff].
+
+    Returns (output [n, n_embd], activations entering ffn_down per assignment [n*k, n_ff], assignment order by
+    expert, expert offsets into it) — the last three let observers see each expert's rows.
+    """
+    n, k = sel.shape
+    n_expert, n_ff, n_embd = up.shape
+    order, offsets = group_by_expert(sel, n_expert)
+    act = np.empty((n * k, n_ff), dtype=np.float32)
+    y = np.empty((n * k, n_embd), dtype=np.float32)
+    out = np.empty((n, n_embd), dtype=np.float32)
+    kernel = _experts_parallel if n * k * n_ff * n_embd * 3 >= PARALLEL_MIN_FLOPS else _experts_serial
+    kernel(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(w), order, offsets, up, gate, down,
+           act, y, out)
+    return out, act, order, offsets
