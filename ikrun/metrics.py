@@ -17,6 +17,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.numeric import f32_bits, fmaf
+from ikrun.ops.parallel import pick
 
 MAGIC = b"_logits_"
 
@@ -35,41 +36,52 @@ def scored_positions(n_ctx: int) -> range:
     return range(n_ctx // 2, n_ctx - 1)
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def _encode(logits: np.ndarray, tokens_next: np.ndarray, out: np.ndarray, nll: np.ndarray) -> None:
-    n, n_vocab = logits.shape
-    for t in prange(n):
-        row = logits[t]
-        mx = row[0]
-        mn = row[0]
-        for i in range(1, n_vocab):
-            mx = max(mx, row[i])
-            mn = min(mn, row[i])
-        mn = max(mn, mx - np.float32(24.0))
-        s = 0.0
+@njit(cache=True, nogil=True, inline="always")
+def _encode_row(logits: np.ndarray, tokens_next: np.ndarray, out: np.ndarray, nll: np.ndarray, t: int) -> None:
+    n_vocab = logits.shape[1]
+    row = logits[t]
+    mx = row[0]
+    mn = row[0]
+    for i in range(1, n_vocab):
+        mx = max(mx, row[i])
+        mn = min(mn, row[i])
+    mn = max(mn, mx - np.float32(24.0))
+    s = 0.0
+    for i in range(n_vocab):
+        s += np.float64(np.exp(row[i] - mx))
+    lse = np.float32(math.log(s))
+    min_log_prob = mn - mx - lse
+    scale = (mx - mn) / np.float32(65535.0)
+    hdr = out[t, :4].view(np.float32)
+    hdr[0] = scale
+    hdr[1] = min_log_prob
+    codes = out[t, 4:]
+    if scale != 0:
+        inv = np.float32(1.0) / scale
         for i in range(n_vocab):
-            s += np.float64(np.exp(row[i] - mx))
-        lse = np.float32(math.log(s))
-        min_log_prob = mn - mx - lse
-        scale = (mx - mn) / np.float32(65535.0)
-        hdr = out[t, :4].view(np.float32)
-        hdr[0] = scale
-        hdr[1] = min_log_prob
-        codes = out[t, 4:]
-        if scale != 0:
-            inv = np.float32(1.0) / scale
-            for i in range(n_vocab):
-                if row[i] > mn:
-                    v = fmaf(inv, row[i] - mn, np.float32(12582912.0))
-                    codes[i] = np.uint16((f32_bits(v) & np.uint32(0x007FFFFF)) - np.uint32(0x00400000))
-                else:
-                    codes[i] = 0
-        else:
-            for i in range(n_vocab):
+            if row[i] > mn:
+                v = fmaf(inv, row[i] - mn, np.float32(12582912.0))
+                codes[i] = np.uint16((f32_bits(v) & np.uint32(0x007FFFFF)) - np.uint32(0x00400000))
+            else:
                 codes[i] = 0
-        for i in range(n_vocab, codes.shape[0]):
+    else:
+        for i in range(n_vocab):
             codes[i] = 0
-        nll[t] = (mx + lse) - row[tokens_next[t]]
+    for i in range(n_vocab, codes.shape[0]):
+        codes[i] = 0
+    nll[t] = (mx + lse) - row[tokens_next[t]]
+
+
+@njit(cache=True, nogil=True)
+def _encode_serial(logits: np.ndarray, tokens_next: np.ndarray, out: np.ndarray, nll: np.ndarray) -> None:
+    for t in range(logits.shape[0]):
+        _encode_row(logits, tokens_next, out, nll, t)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _encode_parallel(logits: np.ndarray, tokens_next: np.ndarray, out: np.ndarray, nll: np.ndarray) -> None:
+    for t in prange(logits.shape[0]):
+        _encode_row(logits, tokens_next, out, nll, t)
 
 
 def encode_records(logits: np.ndarray, tokens_next: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -77,49 +89,61 @@ def encode_records(logits: np.ndarray, tokens_next: np.ndarray) -> tuple[np.ndar
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     out = np.empty((logits.shape[0], record_words(logits.shape[1])), dtype=np.uint16)
     nll = np.empty(logits.shape[0], dtype=np.float32)
-    _encode(logits, np.ascontiguousarray(tokens_next, dtype=np.int64), out, nll)
+    pick(_encode_serial, _encode_parallel, logits.size)(logits, np.ascontiguousarray(tokens_next, dtype=np.int64),
+                                                        out, nll)
     return out, nll
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _compare_row(logits: np.ndarray, records: np.ndarray, tokens_next: np.ndarray, nll: np.ndarray,
+                 nll_base: np.ndarray, kld: np.ndarray, p_diff: np.ndarray, same_top: np.ndarray, t: int) -> None:
+    n_vocab = logits.shape[1]
+    row = logits[t]
+    mx = row[0]
+    imax = 0
+    for i in range(1, n_vocab):
+        if row[i] > mx:
+            mx = row[i]
+            imax = i
+    s = 0.0
+    for i in range(n_vocab):
+        s += np.float64(np.exp(row[i] - mx))
+    lse = np.float32(math.log(s))
+    hdr = records[t, :4].view(np.float32)
+    scale = hdr[0]
+    min_lp = hdr[1]
+    codes = records[t, 4:]
+    tok = tokens_next[t]
+    q_nll = (mx + lse) - row[tok]
+    b_nll = -fmaf(scale, np.float32(codes[tok]), min_lp)
+    top = mx + lse
+    acc = 0.0
+    imax_base = 0
+    best = np.float32(0.0)
+    for i in range(n_vocab):
+        lpb = fmaf(scale, np.float32(codes[i]), min_lp)
+        if i == 0 or lpb > best:
+            best = lpb
+            imax_base = i
+        if lpb > np.float32(-16.0):
+            acc += np.float64(np.exp(lpb) * ((lpb - row[i]) + top))
+    nll[t] = q_nll
+    nll_base[t] = b_nll
+    kld[t] = acc
+    p_diff[t] = np.exp(-q_nll) - np.exp(-b_nll)
+    same_top[t] = imax == imax_base
+
+
+@njit(cache=True, nogil=True)
+def _compare_serial(logits, records, tokens_next, nll, nll_base, kld, p_diff, same_top) -> None:  # type: ignore[no-untyped-def]
+    for t in range(logits.shape[0]):
+        _compare_row(logits, records, tokens_next, nll, nll_base, kld, p_diff, same_top, t)
+
+
 @njit(cache=True, nogil=True, parallel=True)
-def _compare(logits: np.ndarray, records: np.ndarray, tokens_next: np.ndarray, nll: np.ndarray,
-             nll_base: np.ndarray, kld: np.ndarray, p_diff: np.ndarray, same_top: np.ndarray) -> None:
-    n, n_vocab = logits.shape
-    for t in prange(n):
-        row = logits[t]
-        mx = row[0]
-        imax = 0
-        for i in range(1, n_vocab):
-            if row[i] > mx:
-                mx = row[i]
-                imax = i
-        s = 0.0
-        for i in range(n_vocab):
-            s += np.float64(np.exp(row[i] - mx))
-        lse = np.float32(math.log(s))
-        hdr = records[t, :4].view(np.float32)
-        scale = hdr[0]
-        min_lp = hdr[1]
-        codes = records[t, 4:]
-        tok = tokens_next[t]
-        q_nll = (mx + lse) - row[tok]
-        b_nll = -fmaf(scale, np.float32(codes[tok]), min_lp)
-        top = mx + lse
-        acc = 0.0
-        imax_base = 0
-        best = np.float32(0.0)
-        for i in range(n_vocab):
-            lpb = fmaf(scale, np.float32(codes[i]), min_lp)
-            if i == 0 or lpb > best:
-                best = lpb
-                imax_base = i
-            if lpb > np.float32(-16.0):
-                acc += np.float64(np.exp(lpb) * ((lpb - row[i]) + top))
-        nll[t] = q_nll
-        nll_base[t] = b_nll
-        kld[t] = acc
-        p_diff[t] = np.exp(-q_nll) - np.exp(-b_nll)
-        same_top[t] = imax == imax_base
+def _compare_parallel(logits, records, tokens_next, nll, nll_base, kld, p_diff, same_top) -> None:  # type: ignore[no-untyped-def]
+    for t in prange(logits.shape[0]):
+        _compare_row(logits, records, tokens_next, nll, nll_base, kld, p_diff, same_top, t)
 
 
 @dataclass
@@ -137,8 +161,9 @@ class KLDAccumulator:
         n = logits.shape[0]
         outs = [np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.float64), np.empty(n, np.float32),
                 np.empty(n, np.bool_)]
-        _compare(np.ascontiguousarray(logits, dtype=np.float32), np.ascontiguousarray(records),
-                 np.ascontiguousarray(tokens_next, dtype=np.int64), *outs)
+        pick(_compare_serial, _compare_parallel, logits.size)(
+            np.ascontiguousarray(logits, dtype=np.float32), np.ascontiguousarray(records),
+            np.ascontiguousarray(tokens_next, dtype=np.int64), *outs)
         for store, arr in zip((self.nll, self.nll_base, self.kld, self.p_diff, self.same_top), outs):
             store.append(arr)
 
