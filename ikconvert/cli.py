@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
@@ -24,7 +25,7 @@ def _main() -> None:
 
 
 def _fail(message: str) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -104,4 +105,7 @@ def _print_plan(conv) -> None:  # type: ignore[no-untyped-def]
         table.add_row(p.out.source, p.out.name, ne, p.type.name, "; ".join(x for x in (p.out.transform, p.note) if x))
     out.print(table)
     total = sum(p.type.tensor_bytes(tuple(reversed(p.shape))) for p in conv.plan)
+    if conv.skipped:
+        shown = ", ".join(conv.skipped[:8]) + (", ..." if len(conv.skipped) > 8 else "")
+        out.print(f"{len(conv.skipped)} HF tensors skipped on purpose, as ik does: {shown}", highlight=False)
     out.print(f"{len(conv.plan)} tensors, {total / 2**20:.1f} MiB; nothing written (--dry-run)")

@@ -60,6 +60,8 @@ def squeeze_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def choose_type(out: OutTensor, shape: tuple[int, ...], outtype: str) -> tuple[GGMLType, str]:
     """ik's prepare_tensors type rules, including the F16 fallback for rows Q8_0 cannot hold."""
+    if out.encoded:
+        return type_by_name(out.encoded), ""
     if len(shape) <= 1 or out.name.endswith("_norm.weight"):
         return type_by_name("F32"), ""
     is_gate_inp = out.name.startswith("blk.") and out.name.endswith(".ffn_gate_inp.weight")
@@ -101,6 +103,8 @@ class Converter:
         self.allow_nonfinite = allow_nonfinite
         self.model_name = model_name
         self.plan: list[PlannedTensor] = []
+        #: HF tensors the architecture drops on purpose, as ik does (e.g. DeepSeek's MTP layers)
+        self.skipped: list[str] = []
 
     def build_plan(self) -> list[PlannedTensor]:
         """Map every checkpoint tensor to its GGUF tensors (no weight data is read)."""
@@ -110,15 +114,17 @@ class Converter:
         outs = list(self.arch.extra_tensors())
         for name, tensor in self.ckpt.iter_tensors():
             if self.arch.is_skipped(name):
+                self.skipped.append(name)
                 continue
             outs.extend(self.arch.map_tensor(name, tensor))
         self.arch.finish()
+        outs.extend(self.arch.trailing_tensors())
         for out in outs:
             if out.name in seen:
                 raise ConvertError(f"{self.ckpt.dir}: {out.source!r} and {seen[out.name]!r} both map to {out.name!r}")
             seen[out.name] = out.source
             self.arch.check_shapes(out)
-            shape = squeeze_shape(out.shape)
+            shape = squeeze_shape(out.shape) if out.squeeze else tuple(out.shape)
             gtype, note = choose_type(out, shape, self.outtype)
             planned.append(PlannedTensor(out, shape, gtype, note))
         if not planned:
@@ -160,6 +166,8 @@ class Converter:
             return writer.finish()
 
     def _encode(self, p: PlannedTensor) -> np.ndarray:
+        if p.out.encoded:
+            return _encoded_bytes(p)
         x = np.ascontiguousarray(p.out.load(), dtype=np.float32)
         if x.shape != p.out.shape:
             raise ConvertError(f"{p.out.source!r}: transform produced shape {x.shape}, expected {p.out.shape}")
@@ -178,6 +186,16 @@ class Converter:
             return p.type.require_codec().quantize(rows)
         except QuantInputError as exc:
             raise ConvertError(f"tensor {p.out.source!r} -> {p.out.name}: {exc}") from None
+
+
+def _encoded_bytes(p: PlannedTensor) -> np.ndarray:
+    """An architecture's pre-encoded tensor, checked against the size its declared type and shape imply."""
+    data = np.ascontiguousarray(p.out.load())
+    want = p.type.tensor_bytes(tuple(reversed(p.shape)))
+    if data.nbytes != want:
+        raise ConvertError(f"tensor {p.out.source!r} -> {p.out.name}: {data.nbytes} encoded bytes, {p.type.name} "
+                           f"{list(p.shape)} needs {want}")
+    return data
 
 
 def _float_bits(x: np.ndarray, type_name: str) -> np.ndarray:

@@ -35,6 +35,11 @@ class OutTensor:
     load: Callable[[], np.ndarray]
     src_dtype: str
     transform: str = ""
+    #: ggml type name when `load` returns the stored bytes already encoded (MXFP4 blocks, I32 tables): written
+    #: as they are, whatever the output type
+    encoded: str = ""
+    #: False keeps the size-1 dims ik's squeeze would drop (a shape the runtime reads exactly as stored)
+    squeeze: bool = True
 
 
 def lazy(t: SafeTensor, fn: Callable[[np.ndarray], np.ndarray] | None = None) -> Callable[[], np.ndarray]:
@@ -159,6 +164,10 @@ class Arch:
 
     def extra_tensors(self) -> list[OutTensor]:
         """Tensors ik generates before walking the checkpoint (e.g. rope_freqs)."""
+        return []
+
+    def trailing_tensors(self) -> list[OutTensor]:
+        """Tensors written after the whole walk (e.g. the MXFP4 experts ik appends last with DeepSeek-V4 --mtp)."""
         return []
 
     def check_shapes(self, out: OutTensor) -> None:
