@@ -193,3 +193,11 @@ def test_tied_embeddings_convert_and_run(tmp_path: Path) -> None:
     tokens = np.arange(40)
     res = compare_logits(HFReference(hf).logits(tokens), Model(out).logits(tokens))
     assert res["max_rel_logit_err"] < 1e-4
+
+
+def test_error_messages_keep_square_brackets(tmp_path: Path) -> None:
+    """Paths and shapes like `[2, 1]` are text, not rich markup: the user must see them whole."""
+    missing = tmp_path / "ckpt[bold]" / "[2, 1]"
+    res = _convert([str(missing)])
+    assert res.exit_code == 2
+    assert f"{missing}: not a folder" in res.output
