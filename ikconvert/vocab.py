@@ -244,11 +244,19 @@ class _IkSpecialVocab(SpecialVocab):
         return True
 
 
-def write_bpe_vocab(gw: GGUFWriter, folder: Path, vocab_size: int, pre_tokenizer: str) -> None:
-    """Add ik's GPT-2 BPE tokenizer keys for `folder` to `gw` (tokenizer.ggml.pre = `pre_tokenizer`)."""
+def write_bpe_vocab(gw: GGUFWriter, folder: Path, vocab_size: int, pre_tokenizer: str,
+                    special_ids: dict[str, int] | None = None) -> None:
+    """Add ik's GPT-2 BPE tokenizer keys for `folder` to `gw` (tokenizer.ggml.pre = `pre_tokenizer`).
+
+    `special_ids` (type -> id) are the special tokens an architecture's set_vocab adds after gguf-py has read the
+    tokenizer files (ik's GLM vocabularies set bos/eot/unk/eom this way); a type already set keeps its id.
+    """
     tokens, types = HFTokenizerFiles(folder).tokens_and_types(vocab_size)
     gw.add_tokenizer_model("gpt2")
     gw.add_tokenizer_pre(pre_tokenizer)
     gw.add_token_list(tokens)
     gw.add_token_types(types)
-    _IkSpecialVocab(folder, load_merges=True).add_to_gguf(gw, quiet=True)
+    special = _IkSpecialVocab(folder, load_merges=True)
+    for typ, tid in (special_ids or {}).items():
+        special._set_special_token(typ, tid)
+    special.add_to_gguf(gw, quiet=True)
