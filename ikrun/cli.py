@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import typer
@@ -13,6 +14,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from ikrun.model import Model, RuntimeOptions
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 err = Console(stderr=True)
@@ -43,12 +47,37 @@ KV_HELP = ("KV cache precision: f32 (default) measures the weights alone; f16 ro
            "does, to reproduce ik's own numbers.")
 
 
-def _load(path: Path, threads: Optional[int] = None, kv_cache: str = "f32"):  # type: ignore[no-untyped-def]
+class DsaMode(str, Enum):
+    on = "on"
+    off = "off"
+
+
+DSA_HELP = ("Lightning-indexer sparse attention (glm-dsa): on (the default: the model's semantics) or off (dense "
+            "attention on every layer, as ik without --dsa). An error for a model without an indexer.")
+SINK_HELP = ("Add ik's attention-sink boost to the indexer: each sequence's first token always survives the top-k "
+             "(ik's --dsa default, not part of the model). An error for a model without an indexer.")
+DSA_OPTION = typer.Option(None, "--dsa", case_sensitive=False, help=DSA_HELP)
+SINK_OPTION = typer.Option(False, "--dsa-sink", help=SINK_HELP)
+OVERREAD_OPTION = typer.Option(False, "--ik-sink-overread", help=(
+    "openPangu: reproduce ik's AVX-512 f32 GEMM, which misreads the param-sink values of files with fewer than 16 "
+    "sinks (small test models; real ones have 128), to get the numbers ik prints for them. Off: the model's "
+    "exact forward."))
+
+
+def _options(dsa: Optional[DsaMode] = None, dsa_sink: bool = False, ik_sink_overread: bool = False) -> RuntimeOptions:
+    from ikrun.model import RuntimeOptions
+
+    return RuntimeOptions(dsa=None if dsa is None else dsa == DsaMode.on, dsa_sink=dsa_sink,
+                          ik_sink_overread=ik_sink_overread)
+
+
+def _load(path: Path, threads: Optional[int] = None, kv_cache: str = "f32",
+          options: RuntimeOptions | None = None) -> Model:
     from ikquant.gguf_io import GGUFFormatError
     from ikrun.model import Model, ModelError
 
     try:
-        return Model(path, threads, kv_cache)
+        return Model(path, threads, kv_cache, options)
     except (ModelError, GGUFFormatError, FileNotFoundError, NotImplementedError) as exc:
         _fail(str(exc))
 
@@ -77,13 +106,16 @@ def logits(
                                 "[n_tokens, n_vocab] (.npy)."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
     kv_cache: str = typer.Option("f32", "--kv-cache", help=KV_HELP),
+    dsa: Optional[DsaMode] = DSA_OPTION,
+    dsa_sink: bool = SINK_OPTION,
+    ik_sink_overread: bool = OVERREAD_OPTION,
 ) -> None:
     """Run one forward pass over a token sequence (positions 0..n-1) and save all logits.
 
     Example: ikrun logits model.gguf --tokens 1,2,3,4 -o logits.npy
     """
     _threads(threads)
-    m = _load(model, threads, kv_cache)
+    m = _load(model, threads, kv_cache, _options(dsa, dsa_sink, ik_sink_overread))
     if (text is None) == (tokens is None):
         _fail("give exactly one of --text or --tokens")
     try:
@@ -108,6 +140,9 @@ def ppl(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object {n_tokens, ppl, ppl_err}."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
     kv_cache: str = typer.Option("f32", "--kv-cache", help=KV_HELP),
+    dsa: Optional[DsaMode] = DSA_OPTION,
+    dsa_sink: bool = SINK_OPTION,
+    ik_sink_overread: bool = OVERREAD_OPTION,
 ) -> None:
     """Perplexity over the text, chunked and scored exactly like ik's llama-perplexity.
 
@@ -117,7 +152,7 @@ def ppl(
     from ikrun.metrics import ppl_stats
 
     _threads(threads)
-    m = _load(model, threads, kv_cache)
+    m = _load(model, threads, kv_cache, _options(dsa, dsa_sink, ik_sink_overread))
     try:
         chunk_tokens = tokenize_chunks(m, _read_text(text), ctx, chunks)
     except (EvalError, ValueError) as exc:
@@ -149,6 +184,10 @@ def kld(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object with every statistic."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
     kv_cache: str = typer.Option("f32", "--kv-cache", help=KV_HELP),
+    dsa: Optional[DsaMode] = typer.Option(None, "--dsa", case_sensitive=False, help=DSA_HELP + " Applies to --base "
+                                          "too."),
+    dsa_sink: bool = typer.Option(False, "--dsa-sink", help=SINK_HELP + " Applies to --base too."),
+    ik_sink_overread: bool = OVERREAD_OPTION,
 ) -> None:
     """KL-divergence of a model against a base model or a base-logits file, with all of ik's statistics.
 
@@ -163,13 +202,13 @@ def kld(
     _threads(threads)
     if (base is None) == (base_logits is None):
         _fail("give exactly one of --base (with --text) or --base-logits")
-    m = _load(model, threads, kv_cache)
+    m = _load(model, threads, kv_cache, _options(dsa, dsa_sink, ik_sink_overread))
     tmpdir = None
     try:
         if base is not None:
             if text is None:
                 _fail("--base needs --text")
-            bm = _load(base, threads, kv_cache)
+            bm = _load(base, threads, kv_cache, _options(dsa, dsa_sink, ik_sink_overread))
             if bm.n_vocab != m.n_vocab:
                 _fail(f"{base} has {bm.n_vocab} tokens, {model} has {m.n_vocab}: not the same vocabulary")
             chunk_tokens = tokenize_chunks(bm, _read_text(text), ctx, chunks)  # type: ignore[arg-type]
@@ -255,6 +294,9 @@ def imatrix(
                                    "run loses little (0: only at the end)."),
     process_output: bool = typer.Option(False, "--process-output", help="Also collect for output.weight."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
+    dsa: Optional[DsaMode] = DSA_OPTION,
+    dsa_sink: bool = SINK_OPTION,
+    ik_sink_overread: bool = OVERREAD_OPTION,
 ) -> None:
     """Collect an importance matrix: per weight matrix, the mean square of its input activations per column.
 
@@ -266,7 +308,7 @@ def imatrix(
     from ikrun.metrics import ppl_stats
 
     _threads(threads)
-    m = _load(model, threads)
+    m = _load(model, threads, options=_options(dsa, dsa_sink, ik_sink_overread))
     collector = ImatrixCollector(process_output=process_output)
     try:
         chunk_tokens = tokenize_chunks(m, _read_text(text), ctx, chunks)
@@ -307,6 +349,9 @@ def sweep(
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw a heatmap (.png or .svg; needs "
                                         "pip install 'iktools[plot]')."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
+    dsa: Optional[DsaMode] = DSA_OPTION,
+    dsa_sink: bool = SINK_OPTION,
+    ik_sink_overread: bool = OVERREAD_OPTION,
 ) -> None:
     """How much each tensor costs: quantize one tensor (or group) at a time, swap it in, measure KL-divergence.
 
@@ -324,7 +369,7 @@ def sweep(
     from ikrun.sweep import load_rows, run_sweep, save_rows, sweep_groups
 
     _threads(threads)
-    m = _load(model, threads)
+    m = _load(model, threads, options=_options(dsa, dsa_sink, ik_sink_overread))
     try:
         type_list = [type_by_name(t) for t in types.split(",") if t.strip()]
         for t in type_list:
@@ -395,6 +440,9 @@ def validate(
     chunks: int = typer.Option(2, "--chunks", help="Number of sequences."),
     tolerance: float = typer.Option(1e-4, "--tolerance", help="Largest acceptable relative logit error."),
     json_out: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
+    dsa: Optional[DsaMode] = typer.Option(None, "--dsa", case_sensitive=False, help=DSA_HELP + " The reference "
+                                          "always computes the model's semantics."),
+    dsa_sink: bool = typer.Option(False, "--dsa-sink", help=SINK_HELP),
 ) -> None:
     """Compare the runtime on a GGUF against a numpy reference written from the HF model definition.
 
@@ -407,7 +455,7 @@ def validate(
     from ikrun.evaluate import EvalError, tokenize_chunks
     from ikrun.validate import HFReference, ReferenceError, compare_logits
 
-    m = _load(gguf)
+    m = _load(gguf, options=_options(dsa, dsa_sink))
     try:
         ref = HFReference(hf)
         chunk_tokens = tokenize_chunks(m, _read_text(text or CORPUS), ctx, chunks)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,29 @@ KV_CACHE_TYPES = ("f32", "f16")
 SMALL_MATRIX = 1 << 20
 
 
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """Evaluation switches that change what an architecture computes (the defaults are the model's semantics).
+
+    An architecture lists the ones it honours in its class attribute `runtime_options`; setting any other is an
+    error, so a flag never silently does nothing.
+    """
+
+    #: lightning-indexer sparse attention: None keeps the architecture's default (sparse, as the model was trained);
+    #: False runs dense attention on every layer (ik without --dsa)
+    dsa: bool | None = None
+    #: ik's attention-sink boost: the indexer always keeps each sequence's first token (ik's --dsa default)
+    dsa_sink: bool = False
+    #: reproduce ik's AVX-512 f32 GEMM over-read of openPangu's param-sink values (only fewer than 16 sinks, i.e.
+    #: small test models, are affected): the numbers ik prints for them, not the model's
+    ik_sink_overread: bool = False
+
+    def given(self) -> list[str]:
+        """The options that were set (field names; the command-line flag is --name with dashes)."""
+        return [name for name, unset in (("dsa", None), ("dsa_sink", False), ("ik_sink_overread", False))
+                if getattr(self, name) != unset]
+
+
 @lru_cache(maxsize=1)
 def _threadpools() -> ThreadpoolController:
     return ThreadpoolController()
@@ -39,8 +63,9 @@ def _threadpools() -> ThreadpoolController:
 class Model:
     """A GGUF file plus the architecture module that evaluates it."""
 
-    def __init__(self, path: str | os.PathLike[str], threads: int | None = None, kv_cache: str = "f32"):
-        from ikrun.models import model_class
+    def __init__(self, path: str | os.PathLike[str], threads: int | None = None, kv_cache: str = "f32",
+                 options: RuntimeOptions | None = None):
+        from ikrun.models import model_class, supported_architectures
 
         if kv_cache not in KV_CACHE_TYPES:
             raise ModelError(f"kv cache type {kv_cache!r} is not one of {', '.join(KV_CACHE_TYPES)}")
@@ -55,7 +80,18 @@ class Model:
         #: called as observer(weight_name, x, expert, n_experts) with the activation rows about to meet each weight
         #: matrix (expert = which matrix of a 3-D expert tensor; 0 of 1 for plain matrices)
         self.observers: list[Callable[..., None]] = []
-        self.impl = model_class(self.arch)(self)
+        #: switches the architecture module reads (checked against the ones it honours before it is built)
+        self.options = options or RuntimeOptions()
+        impl_class = model_class(self.arch)
+        for option in self.options.given():
+            if option not in getattr(impl_class, "runtime_options", ()):
+                honour = [a for a in supported_architectures()
+                          if option in getattr(model_class(a), "runtime_options", ())]
+                raise ModelError(f"--{option.replace('_', '-')} applies only to {', '.join(honour)}; {self.path} "
+                                 f"is {self.arch}")
+        if self.options.dsa is False and self.options.dsa_sink:
+            raise ModelError("--dsa-sink changes the indexer's top-k selection, which --dsa off does not run")
+        self.impl = impl_class(self)
         largest = max((self.weights.info(n).n_elements for n in self.weights.names()
                        if len(self.weights.info(n).ne) >= 2), default=0)
         self.blas_threads = 1 if largest < SMALL_MATRIX else (threads or os.cpu_count() or 1)

@@ -20,6 +20,8 @@ Proj = Callable[[np.ndarray, str], np.ndarray]
 
 class DeepseekV3Reference:
     architectures = ("DeepseekV3ForCausalLM",)
+    #: HF builds q_a_layernorm and kv_a_layernorm without the config's eps, so they keep RMSNorm's default
+    latent_norm_eps = 1e-6
 
     def __init__(self, config: dict, tensors: dict):  # type: ignore[type-arg]
         self.cfg = config
@@ -88,14 +90,17 @@ class DeepseekV3Reference:
             scaling = scaling * m * m
         return np.float32(scaling)
 
-    def _rmsnorm(self, x: np.ndarray, name: str) -> np.ndarray:
+    def _rmsnorm(self, x: np.ndarray, name: str, eps: float | None = None) -> np.ndarray:
+        """HF's RMSNorm; eps defaults to rms_norm_eps (HF builds q_a/kv_a_layernorm with its own 1e-6)."""
         var = np.mean(x.astype(np.float32) ** 2, axis=-1, keepdims=True)
-        return self.w(name) * (x / np.sqrt(var + np.float32(self.cfg["rms_norm_eps"]))).astype(np.float32)
+        eps = self.cfg["rms_norm_eps"] if eps is None else eps
+        return self.w(name) * (x / np.sqrt(var + np.float32(eps))).astype(np.float32)
 
-    def _rope(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """x [n, heads, d]: HF's interleaved variant (pairs de-interleaved first), then rotate-half."""
+    def _rope(self, x: np.ndarray, positions: np.ndarray, interleave: bool | None = None) -> np.ndarray:
+        """x [n, heads, d]: HF's interleaved variant (pairs de-interleaved first; config rope_interleave unless
+        `interleave` says), then rotate-half."""
         n, heads, d = x.shape
-        if self.cfg.get("rope_interleave", True):
+        if self.cfg.get("rope_interleave", True) if interleave is None else interleave:
             x = x.reshape(n, heads, d // 2, 2).transpose(0, 1, 3, 2).reshape(n, heads, d)
         freqs = positions[:, None].astype(np.float32) * self.inv_freq[None, :]
         emb = np.concatenate([freqs, freqs], axis=-1)
@@ -135,24 +140,31 @@ class DeepseekV3Reference:
         n_head = cfg["num_attention_heads"]
         nope, rope, v_dim, lora = (cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"],
                                    cfg["kv_lora_rank"])
-        if cfg.get("q_lora_rank") is None:
-            q = proj(h, p + "q_proj")
-        else:
-            q = proj(self._rmsnorm(proj(h, p + "q_a_proj"), p + "q_a_layernorm.weight"), p + "q_b_proj")
+        q_resid = None if cfg.get("q_lora_rank") is None else \
+            self._rmsnorm(proj(h, p + "q_a_proj"), p + "q_a_layernorm.weight", self.latent_norm_eps)
+        q = proj(h, p + "q_proj") if q_resid is None else proj(q_resid, p + "q_b_proj")
         q = q.reshape(n, n_head, nope + rope)
         compressed = proj(h, p + "kv_a_proj_with_mqa")
-        kv = proj(self._rmsnorm(compressed[:, :lora], p + "kv_a_layernorm.weight"), p + "kv_b_proj")
+        kv = proj(self._rmsnorm(compressed[:, :lora], p + "kv_a_layernorm.weight", self.latent_norm_eps),
+                  p + "kv_b_proj")
         kv = kv.reshape(n, n_head, nope + v_dim)
         q_rot = self._rope(q[..., nope:], positions)
         k_rot = self._rope(compressed[:, None, lora:], positions)
         query = np.concatenate([q[..., :nope], q_rot], axis=-1)
         key = np.concatenate([kv[..., :nope], np.repeat(k_rot, n_head, axis=1)], axis=-1)
-        mask = np.triu(np.full((n, n), -np.inf, dtype=np.float32), 1)
+        mask = self._mask(h, q_resid, p, positions, proj)
         att = np.einsum("ihd,jhd->hij", query, key) * self.scaling + mask
         att = np.exp(att - att.max(-1, keepdims=True))
         att = att / att.sum(-1, keepdims=True)
         out = np.einsum("hij,jhd->ihd", att, kv[..., nope:]).reshape(n, n_head * v_dim)
         return proj(out.astype(np.float32), p + "o_proj")
+
+    def _mask(self, h: np.ndarray, q_resid: np.ndarray | None, p: str, positions: np.ndarray,
+              proj: Proj) -> np.ndarray:
+        """The additive attention mask [n, n] of the attention block `p` (causal here; sparse-attention models
+        add their own selection from the block's input h and q latent q_resid)."""
+        n = h.shape[0]
+        return np.triu(np.full((n, n), -np.inf, dtype=np.float32), 1)
 
     def _mlp(self, h: np.ndarray, p: str, proj: Proj) -> np.ndarray:
         g = proj(h, p + "gate_proj")

@@ -85,9 +85,7 @@ class Deepseek2:
         self.n_shared = int(hp("expert_shared_count"))
         self.w_scale = float(hp("expert_weights_scale"))
         self.w_norm = bool(hp("expert_weights_norm", False))
-        gating = int(hp("expert_gating_func", 0))
-        if gating == 0:  # older DeepSeek 2/2.5 files; GLM-4.7-Flash (47 or 48 layers) gates by sigmoid
-            gating = GATING_SIGMOID if self.n_layer in (47, 48) else GATING_SOFTMAX
+        gating = int(hp("expert_gating_func", 0)) or self._default_gating()
         if gating not in GATING_NAMES:
             raise self._error(f"{self.m.path}: {self.m.arch}.expert_gating_func {gating} is not one of "
                               f"{sorted(GATING_NAMES)}")
@@ -95,6 +93,11 @@ class Deepseek2:
         if not 0 < self.n_used <= self.n_expert:
             raise self._error(f"{self.m.path}: {self.m.arch}.expert_used_count {self.n_used} must be in "
                               f"1..expert_count {self.n_expert}")
+
+    def _default_gating(self) -> int:
+        """The gating of a file without expert_gating_func: older DeepSeek 2/2.5 files route by softmax;
+        GLM-4.7-Flash (47 or 48 layers) by sigmoid."""
+        return GATING_SIGMOID if self.n_layer in (47, 48) else GATING_SOFTMAX
 
     def _read_rope(self, hp: Hparam) -> None:
         f32 = np.float32
@@ -201,13 +204,21 @@ class Deepseek2:
         return np.ascontiguousarray(x @ m.weight("output.weight").T, dtype=np.float32)
 
     def _attention(self, b: str, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        return self._latent_attention(b, h, self._query(b, h)[1], cos, sin)
+
+    def _query(self, b: str, h: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """(the normalised q LoRA latent, or None without one; the query heads [n, H * key_length])."""
+        m = self.m
+        if not self.q_lora:
+            return None, m.linear(h, b + "attn_q")
+        qa = rms_norm(m.linear(h, b + "attn_q_a"), m.weight(b + "attn_q_a_norm.weight"), self.eps)
+        return qa, m.linear(qa, b + "attn_q_b")
+
+    def _latent_attention(self, b: str, h: np.ndarray, q: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                          keep: np.ndarray | None = None) -> np.ndarray:
+        """The attention block's output from its query; `keep` [n, n] limits the keys each query sees."""
         m = self.m
         n = h.shape[0]
-        if self.q_lora:
-            qa = rms_norm(m.linear(h, b + "attn_q_a"), m.weight(b + "attn_q_a_norm.weight"), self.eps)
-            q = m.linear(qa, b + "attn_q_b")
-        else:
-            q = m.linear(h, b + "attn_q")
         kv = m.linear(h, b + "attn_kv_a_mqa")
         q = q.reshape(n, self.n_head, self.head_k)
         q_nope = np.ascontiguousarray(q[:, :, : self.n_nope])
@@ -222,7 +233,7 @@ class Deepseek2:
         if m.observers:
             for head in range(self.n_head):
                 m.observe(b + "attn_k_b.weight", q_nope[:, head], head, self.n_head)
-        out = latent_attention(q_rope, q_nope, w_kb, cache, w_vb, self.kq_scale)
+        out = latent_attention(q_rope, q_nope, w_kb, cache, w_vb, self.kq_scale, keep=keep)
         return m.linear(out.reshape(n, self.n_head * self.head_v), b + "attn_output")
 
     def _dense(self, h: np.ndarray, b: str, kind: str = "") -> np.ndarray:

@@ -39,3 +39,13 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     out = np.empty_like(flat)
     pick(_serial, _parallel, flat.size)(flat, np.ascontiguousarray(weight, dtype=np.float32), float(eps), out)
     return out.reshape(x.shape)
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    """LayerNorm over the last axis as ggml_norm then the weight and bias: mean and variance summed in float64,
+    the centred values, scale and affine part in float32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    d = x.shape[-1]
+    centred = x - (x.sum(axis=-1, dtype=np.float64, keepdims=True) / d).astype(np.float32)
+    var = ((centred * centred).sum(axis=-1, dtype=np.float64, keepdims=True) / d).astype(np.float32)
+    return centred * (np.float32(1.0) / np.sqrt(var + np.float32(eps))) * weight + bias

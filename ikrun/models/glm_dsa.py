@@ -1,0 +1,134 @@
+"""GLM-5 / GLM-5.2 (GGUF arch `glm-dsa`): DeepSeek-V3's MLA + MoE forward (ikrun/models/deepseek2.py) with DeepSeek
+Sparse Attention: a lightning indexer picks, per query, the `attention.indexer.top_k` earlier keys its attention
+may see.
+
+The indexer, as ik's build_deepseek2_dsa_indexer computes it (-fa off), on a layer that runs it:
+
+- query: `indexer.attn_q_b` on the normalised q LoRA latent, [n, heads, key_length]; key: `indexer.attn_k` on the
+  attention input, one head shared by all, through a LayerNorm with weight and bias (eps = rms eps, as ik);
+  NORM rope on the *first* rope.dimension_count dims of both (the main attention ropes its last dims);
+- head weights `indexer.proj` on the attention input, times 1/sqrt(heads * key_length);
+- score = sum over heads of weight * relu(q . k) (ikrun/ops/indexer.py), causal; the top_k keys are kept, ties going
+  to the later key as ik's argsort orders them.
+
+Which layers run it follows the file: `attention.indexer.types` (true = "full"), every layer when the key is absent
+(GLM-5 has no IndexShare). A "shared" layer reuses the last full layer's selection. ik ignores that key and
+hard-codes GLM-5.2's schedule, which is wrong for GLM-5 (spec §8.2).
+
+With `--kv-cache f16` the runtime reproduces ik's default caches: the MLA latent rounded to f16 (as for DeepSeek)
+and the indexer keys Walsh-Hadamard-rotated (the queries too) and rounded to f16, as ik's indexer key cache holds
+them; the few near-tie selections ik's f16 caches flip then flip here too.
+
+Runtime options (ikrun/model.RuntimeOptions): by default the model's semantics, sparse attention with no sink;
+`dsa=False` runs dense attention everywhere (ik without --dsa); `dsa_sink` adds ik's boost that always keeps each
+sequence's first token (ik's --dsa default, not in the model). A file without `expert_gating_func` routes by
+sigmoid, GLM-5's scoring function (ik falls back to softmax there, spec §8.1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ikrun.models.deepseek2 import Deepseek2
+from ikrun.ops.indexer import TIE_LATER_INDEX, hadamard, indexer_scores, select_top_k
+from ikrun.ops.moe import GATING_SIGMOID
+from ikrun.ops.norm import layer_norm
+from ikrun.ops.rope import apply_rope
+
+INDEXER = ("indexer.attn_q_b.weight", "indexer.attn_k.weight", "indexer.k_norm.weight", "indexer.k_norm.bias",
+           "indexer.proj.weight")
+#: ik's sink boost: added to the score of each sequence's first key before the top-k
+SINK_BOOST = np.float32(1e20)
+
+
+class GlmDsa(Deepseek2):
+    archs = ("glm-dsa",)
+    runtime_options = ("dsa", "dsa_sink")
+
+    def __init__(self, model):  # type: ignore[no-untyped-def]
+        hp = model.hparam
+        self.n_ihead = int(hp("attention.indexer.head_count"))
+        self.i_dim = int(hp("attention.indexer.key_length"))
+        self.top_k = int(hp("attention.indexer.top_k"))
+        self.sparse = model.options.dsa is not False
+        self.sink = model.options.dsa_sink
+        #: the selection of the last layer that ran its indexer, during a forward
+        self._keep: np.ndarray | None = None
+        super().__init__(model)
+
+    def _default_gating(self) -> int:
+        return GATING_SIGMOID
+
+    def _expected(self, i: int) -> dict[str, tuple[int, ...]]:
+        """DeepSeek's block tensors, plus the indexer's and the NextN block's where the file has them (which layers
+        must have an indexer is the schedule's business, checked below)."""
+        want = super()._expected(i)
+        e, b = self.n_embd, f"blk.{i}."
+        extra = {"indexer.attn_q_b.weight": (self.n_ihead * self.i_dim, self.q_lora),
+                 "indexer.attn_k.weight": (self.i_dim, e), "indexer.k_norm.weight": (self.i_dim,),
+                 "indexer.k_norm.bias": (self.i_dim,), "indexer.proj.weight": (self.n_ihead, e),
+                 "nextn.eh_proj.weight": (e, 2 * e), "nextn.enorm.weight": (e,), "nextn.hnorm.weight": (e,),
+                 "nextn.shared_head_norm.weight": (e,)}
+        want.update({b + name: shape for name, shape in extra.items() if self.m.has(b + name)})
+        return want
+
+    def _check_tensors(self) -> None:
+        m, path, arch = self.m, self.m.path, self.m.arch
+        if not self.q_lora:
+            raise self._error(f"{path}: {arch}.attention.q_lora_rank is missing; the indexer's query is built from "
+                              "the q LoRA latent")
+        if not self.n_rot < self.i_dim or self.top_k <= 0 or self.n_ihead <= 0:
+            raise self._error(f"{path}: {arch}.attention.indexer.key_length {self.i_dim} must exceed "
+                              f"rope.dimension_count {self.n_rot}, and head_count {self.n_ihead} and top_k "
+                              f"{self.top_k} must be positive")
+        super()._check_tensors()
+        if self.sparse and m.kv_cache == "f16" and self.i_dim & (self.i_dim - 1):
+            raise self._error(f"{path}: --kv-cache f16 reproduces ik's indexer cache, whose Hadamard rotation needs a "
+                              f"power-of-two {arch}.attention.indexer.key_length (got {self.i_dim})")
+        types = m.hparam("attention.indexer.types", None)
+        full = [True] * self.n_active if types is None else [bool(t) for t in types]
+        if len(full) != self.n_active or not full[0]:
+            raise self._error(f"{path}: {arch}.attention.indexer.types must have one entry per main layer "
+                              f"({self.n_active}), the first true (layer 0 has no earlier selection to reuse); "
+                              f"got {types}")
+        #: block prefix -> whether the layer runs its own indexer
+        self.full = {f"blk.{i}.": f for i, f in enumerate(full)}
+        for i in range(self.n_layer):
+            b = f"blk.{i}."
+            present = [n for n in INDEXER if m.has(b + n)]
+            needed = self.sparse and self.full.get(b, False)
+            if (needed or present) and len(present) < len(INDEXER):
+                missing = ", ".join(b + n for n in INDEXER if n not in present)
+                why = "runs its lightning indexer (attention.indexer.types)" if needed else "has part of an indexer"
+                raise self._error(f"{path}: layer {i} {why} but lacks {missing}"
+                                  + ("; --dsa off runs the file with dense attention" if needed else ""))
+
+    def forward(self, tokens: np.ndarray, on_block=None) -> np.ndarray:  # type: ignore[no-untyped-def]
+        self._keep = None
+        try:
+            return super().forward(tokens, on_block)
+        finally:
+            self._keep = None
+
+    def _attention(self, b: str, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        qa, q = self._query(b, h)
+        if self.sparse and self.full[b]:
+            self._keep = self._select(b, h, qa, cos, sin)  # type: ignore[arg-type]
+        return self._latent_attention(b, h, q, cos, sin, self._keep)
+
+    def _select(self, b: str, h: np.ndarray, qa: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """The lightning indexer's keep mask [n, n] for the queries h (attention input) with q latent qa."""
+        m = self.m
+        n = h.shape[0]
+        q = m.linear(qa, b + "indexer.attn_q_b").reshape(n, self.n_ihead, self.i_dim)
+        k = layer_norm(m.linear(h, b + "indexer.attn_k"), m.weight(b + "indexer.k_norm.weight"),
+                       m.weight(b + "indexer.k_norm.bias"), self.eps).reshape(n, 1, self.i_dim)
+        apply_rope(q, cos, sin, self.n_rot, False)
+        apply_rope(k, cos, sin, self.n_rot, False)
+        if m.kv_cache == "f16":  # ik's indexer key cache: Hadamard-rotated keys stored as f16 (-ictk default)
+            q, k = hadamard(q), m.kv_store(hadamard(k))
+        w = m.linear(h, b + "indexer.proj") * (np.float32(1.0) / np.sqrt(np.float32(self.n_ihead * self.i_dim)))
+        scores = indexer_scores(q, k.reshape(n, self.i_dim), w)
+        if self.sink:
+            scores[:, 0] += SINK_BOOST
+        return select_top_k(scores, self.top_k, TIE_LATER_INDEX)

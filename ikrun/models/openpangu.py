@@ -1,0 +1,367 @@
+"""openPangu-2.0 (GGUF arch `openpangu`): ik's build_openpangu graph as llama-perplexity runs it on the CPU.
+
+The hidden state is S residual streams (mHC, ikrun/ops/hyperconn.py); the embedding starts in all of them. Per base
+layer, twice (attention, then FFN): mixes from the RMS-normed streams through *_mhc_phi, Sinkhorn-normalised stream
+mixing (hc_pre), the sub-layer on the pre-weighted sum of the streams, its output RMS-normed (sandwich norms:
+attn_norm / post_attention_norm, ffn_norm / post_ffw_norm) and scattered back (hc_post). Layers carrying
+block_post_norm then RMS-normalise all S*H numbers of a token at once. After the last base layer the merge module
+weighs the streams (sigmoid gates from merge_mhc_phi) into one, then output_norm and the output projection.
+
+Attention is DeepSeek's absorbed MLA (ikrun/ops/mla.py) plus:
+- MoME causal convolutions (x + depthwise conv, kernel 3, zero history at position 0) on the q LoRA latent before
+  attn_q_a_norm, on the KV latent before attn_kv_a_norm, and on the heads' outputs before attn_output;
+- param sinks: attn_param_sink_kv RMS-normed with attn_kv_a_norm (the latent, key and value) plus the unroped
+  attn_param_sink_k_pe, prepended to every query's keys outside all masks;
+- the layer schedule: layers listed in swa_layers (with a window > 0 in sliding_window_list) see the last `window`
+  positions; the other base layers run the DSA lightning indexer (ikrun/ops/indexer.py) when they carry its tensors
+  and the file has a schedule: q from attn_indexer_q_b on the normed q latent, k = RMSNorm(attn_indexer_k . x),
+  both NEOX-roped on their first rope.dimension_count dims, weights attn_indexer_weights_proj . x unscaled;
+  each query keeps its top_k keys (all while it has at most top_k), ties broken as ik's fused
+  iqk_indexer_topk breaks them. A file without the schedule keys runs every layer dense, as ik does.
+NEOX rope, scale 1/sqrt(key_length). MoE: sigmoid routing with exp_probs_b, normalised, scaled, plus the shared
+experts; the leading dense layers use ffn_gate/up/down. NextN/MTP blocks (nextn_predict_layers, at the end) are
+shape-checked where present and take no part in the forward. With --kv-cache f16 the latent cache and the indexer
+keys are rounded to f16, as ik's default caches (-ctk f16, -ictk f16) hold them.
+
+Beyond ik: sliding windows may differ per layer (ik refuses a file whose base windows differ).
+
+ik's CPU build with AVX-512 (the golden data's) computes the sinks' values wrongly when a file has fewer than 16
+sinks (ikrun/ops/mla.py explains the over-read). The forward is exact by default; the runtime option
+`ik_sink_overread` (`--ik-sink-overread`) reproduces ik's numbers for such small test models. Real models have 128
+sinks and are unaffected either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import numpy as np
+
+from ikrun.ops.activations import swiglu
+from ikrun.ops.conv import causal_conv_residual
+from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
+from ikrun.ops.indexer import TIE_PARTIAL_SORT, indexer_scores, select_top_k
+from ikrun.ops.mla import latent_attention
+from ikrun.ops.moe import GATING_NAMES, GATING_SIGMOID, moe_experts, route
+from ikrun.ops.norm import rms_norm
+from ikrun.ops.rope import apply_rope, rope_cache
+
+#: hidden streams after each main block, [T, S, H]
+BlockHook = Callable[[int, np.ndarray], None]
+Hparam = Callable[..., Any]
+CONV_KERNEL = 3  # ik's MoME convolution width
+INDEXER = ("attn_indexer_q_b", "attn_indexer_k", "attn_indexer_k_norm", "attn_indexer_weights_proj")
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """How a base layer's attention chooses its keys: a window (> 0), the DSA indexer, or all causal keys."""
+
+    window: int = 0
+    indexer: bool = False
+
+
+class OpenPangu:
+    archs = ("openpangu",)
+    runtime_options = ("ik_sink_overread",)
+
+    def __init__(self, model):  # type: ignore[no-untyped-def]
+        from ikrun.model import ModelError
+
+        self.m = model
+        self._error = ModelError
+        hp = model.hparam
+        self.n_layer = int(hp("block_count"))
+        self.n_embd = int(hp("embedding_length"))
+        self.n_head = int(hp("attention.head_count"))
+        self.eps = float(hp("attention.layer_norm_rms_epsilon"))
+        self.kv_lora = int(hp("attention.kv_lora_rank"))
+        self.q_lora = int(hp("attention.q_lora_rank"))
+        self.n_rot = int(hp("rope.dimension_count"))
+        self.head_k = int(hp("attention.key_length"))
+        self.head_v = int(hp("attention.value_length"))
+        self.n_nope = self.head_k - self.n_rot
+        self.n_dense = int(hp("leading_dense_block_count"))
+        self.n_mtp = int(hp("nextn_predict_layers", 0))
+        self.n_stream = int(hp("mhc_num_stream"))
+        self.sinkhorn_iters = int(hp("mhc_recur_norm"))
+        self.n_sink = int(hp("param_sink_number"))
+        self.freq_base = float(hp("rope.freq_base", 10000.0))
+        self.kq_scale = float(np.float32(1.0) / np.sqrt(np.float32(self.head_k)))
+        #: reproduce ik's AVX-512 GEMM for fewer than 16 sinks (see the module docstring)
+        self.ik_avx512_sinks = model.options.ik_sink_overread
+        self._check_sizes()
+        self.n_active = self.n_layer - self.n_mtp
+        if self.n_dense < self.n_layer:
+            self._read_moe(hp)
+        self.freq_scale = self._read_rope(hp)
+        if not model.has("token_embd.weight"):
+            raise ModelError(f"{model.path}: tensor token_embd.weight is missing")
+        self.n_vocab = model.shape("token_embd.weight")[0]
+        self.n_idx_head = self.idx_dim = self.top_k = 0  # read when a layer runs the indexer
+        self.kinds = self._read_schedule(hp)
+        self._check_tensors()
+
+    # ---- hyperparameters ------------------------------------------------------------------------------------
+    def _fail(self, key: str, why: str) -> NoReturn:
+        raise self._error(f"{self.m.path}: {self.m.arch}.{key} {why}")
+
+    def _check_sizes(self) -> None:
+        if self.n_rot <= 0 or self.n_rot % 2 or self.n_nope <= 0:
+            self._fail("rope.dimension_count", f"{self.n_rot} must be even, positive and below the key length "
+                       f"{self.head_k}")
+        if not 0 <= self.n_mtp < self.n_layer:
+            self._fail("nextn_predict_layers", f"{self.n_mtp} leaves no main layers of {self.n_layer}")
+        if not 1 <= self.n_stream <= 8:
+            self._fail("mhc_num_stream", f"{self.n_stream} must be 1..8 (ggml's hyper-connection ops)")
+        if self.sinkhorn_iters < 1:
+            self._fail("mhc_recur_norm", f"{self.sinkhorn_iters}: Sinkhorn needs at least one iteration")
+        if self.n_sink < 1:
+            self._fail("param_sink_number", f"{self.n_sink}: the attention needs at least one param sink")
+        for key, value in (("attention.q_lora_rank", self.q_lora), ("attention.kv_lora_rank", self.kv_lora),
+                           ("attention.value_length", self.head_v)):
+            if value <= 0:
+                self._fail(key, f"{value} must be positive")
+
+    def _read_moe(self, hp: Hparam) -> None:
+        self.n_expert = int(hp("expert_count"))
+        self.n_used = int(hp("expert_used_count"))
+        self.n_ff_exp = int(hp("expert_feed_forward_length"))
+        self.n_shared = int(hp("expert_shared_count"))
+        self.w_scale = float(hp("expert_weights_scale"))
+        self.w_norm = bool(hp("expert_weights_norm", False))
+        gating = int(hp("expert_gating_func", 0)) or GATING_SIGMOID  # ik: absent or "none" means sigmoid
+        if gating not in GATING_NAMES:
+            self._fail("expert_gating_func", f"{gating} is not one of {sorted(GATING_NAMES)}")
+        self.gating = gating
+        if not 0 < self.n_used <= self.n_expert:
+            self._fail("expert_used_count", f"{self.n_used} must be in 1..expert_count {self.n_expert}")
+
+    def _read_rope(self, hp: Hparam) -> float:
+        scaling = str(hp("rope.scaling.type", "none"))
+        if scaling not in ("none", "linear"):
+            self._fail("rope.scaling.type", f"{scaling!r} is not supported for openpangu (none, linear)")
+        factor = float(hp("rope.scaling.factor", 0.0) or 0.0)
+        return 1.0 / factor if scaling == "linear" and factor else 1.0
+
+    def _read_schedule(self, hp: Hparam) -> list[LayerKind]:
+        """Per base layer: its window, or whether the DSA indexer chooses its keys (ik's reading of the arrays)."""
+        ids, windows = hp("swa_layers", None), hp("sliding_window_list", None)
+        if ids is None or windows is None:
+            return [LayerKind() for _ in range(self.n_active)]  # ik: no schedule (or half of one) runs dense
+        ids, windows = [int(v) for v in ids], [int(v) for v in windows]
+        if len(ids) != len(windows):
+            self._fail("sliding_window_list", f"has {len(windows)} entries, swa_layers has {len(ids)}")
+        window = [0] * self.n_layer
+        for il, w in zip(ids, windows):
+            if not 0 <= il < self.n_layer:
+                self._fail("swa_layers", f"names layer {il}, outside 0..{self.n_layer - 1}")
+            if w < 0:
+                self._fail("sliding_window_list", f"has a negative window {w} (layer {il})")
+            window[il] = w
+        if not any(window[: self.n_active]):
+            return [LayerKind() for _ in range(self.n_active)]  # ik runs dense without a base window
+        kinds = [LayerKind(window=w) if w else LayerKind(indexer=self.m.has(f"blk.{i}.attn_indexer_q_b.weight"))
+                 for i, w in enumerate(window[: self.n_active])]
+        if any(k.indexer for k in kinds):
+            self.n_idx_head = int(hp("attention.indexer.head_count"))
+            self.idx_dim = int(hp("attention.indexer.key_length"))
+            self.top_k = int(hp("attention.indexer.top_k"))
+            if self.n_idx_head <= 0 or self.top_k <= 0:
+                self._fail("attention.indexer.top_k", f"{self.top_k} and head_count {self.n_idx_head} must be "
+                           "positive on layers that run the indexer")
+            if self.idx_dim < self.n_rot:
+                self._fail("attention.indexer.key_length", f"{self.idx_dim} is below rope.dimension_count "
+                           f"{self.n_rot} (the indexer ropes its first {self.n_rot} dims)")
+        return kinds
+
+    # ---- tensors --------------------------------------------------------------------------------------------
+    def _expected(self, i: int) -> dict[str, tuple[int, ...]]:
+        """Block i's tensors and their numpy shapes (the mHC ones on base layers only)."""
+        e, h, c, r, ql = self.n_embd, self.n_head, self.kv_lora, self.n_rot, self.q_lora
+        b = f"blk.{i}."
+        hv = h * self.head_v
+        want = {b + "attn_norm.weight": (e,), b + "post_attention_norm.weight": (e,), b + "ffn_norm.weight": (e,),
+                b + "post_ffw_norm.weight": (e,), b + "attn_q_a_norm.weight": (ql,), b + "attn_kv_a_norm.weight": (c,),
+                b + "attn_q_a.weight": (ql, e), b + "attn_q_b.weight": (h * self.head_k, ql),
+                b + "attn_kv_a_mqa.weight": (c + r, e), b + "attn_k_b.weight": (h * c, self.n_nope),
+                b + "attn_v_b.weight": (hv, c), b + "attn_output.weight": (e, hv),
+                b + "attn_qa_conv.weight": (ql, CONV_KERNEL), b + "attn_compresskv_conv.weight": (c, CONV_KERNEL),
+                b + "attn_o_conv.weight": (hv, CONV_KERNEL), b + "attn_param_sink_kv": (self.n_sink, c),
+                b + "attn_param_sink_k_pe": (self.n_sink, r)}
+        if i < self.n_active:
+            s, mixes = self.n_stream * e, (2 + self.n_stream) * self.n_stream
+            for sub in ("attn", "mlp"):
+                want.update({f"{b}{sub}_mhc_phi.weight": (mixes, s), f"{b}{sub}_mhc_alpha": (3,),
+                             f"{b}{sub}_mhc_beta": (mixes,), f"{b}{sub}_mhc_gamma": (s,)})
+        if i < self.n_dense:
+            ff = int(self.m.hparam("feed_forward_length"))
+            want.update({b + "ffn_gate.weight": (ff, e), b + "ffn_up.weight": (ff, e), b + "ffn_down.weight": (e, ff)})
+            return want
+        x, fe, fs = self.n_expert, self.n_ff_exp, self.n_ff_exp * self.n_shared
+        want.update({b + "ffn_gate_inp.weight": (x, e), b + "exp_probs_b.bias": (x,),
+                     b + "ffn_up_exps.weight": (x, fe, e), b + "ffn_gate_exps.weight": (x, fe, e),
+                     b + "ffn_down_exps.weight": (x, e, fe)})
+        if self.n_shared:
+            want.update({b + "ffn_gate_shexp.weight": (fs, e), b + "ffn_up_shexp.weight": (fs, e),
+                         b + "ffn_down_shexp.weight": (e, fs)})
+        return want
+
+    def _optional(self, i: int) -> dict[str, tuple[int, ...]]:
+        """Tensors checked where present: block_post_norm, the indexer's, and a NextN block's own."""
+        e, b = self.n_embd, f"blk.{i}."
+        want = {b + "block_post_norm.weight": (self.n_stream * e,)}
+        if self.top_k:
+            di, ih = self.idx_dim, self.n_idx_head
+            want.update({b + "attn_indexer_q_b.weight": (ih * di, self.q_lora), b + "attn_indexer_k.weight": (di, e),
+                         b + "attn_indexer_k_norm.weight": (di,), b + "attn_indexer_weights_proj.weight": (ih, e)})
+        if i >= self.n_active:
+            want.update({b + "nextn.eh_proj.weight": (e, 2 * e), b + "nextn.enorm.weight": (e,),
+                         b + "nextn.hnorm.weight": (e,), b + "nextn.shared_head_norm.weight": (e,),
+                         b + "nextn.embed_tokens.weight": (self.n_vocab, e),
+                         b + "nextn.shared_head_head.weight": (self.n_vocab, e)})
+        return want
+
+    def _check_tensors(self) -> None:
+        """Every main block's tensors and the globals must be there, the indexer's on layers that run it; tensors of
+        NextN blocks and optional ones are shape-checked where present."""
+        m, e, s = self.m, self.n_embd, self.n_stream
+        want = {"token_embd.weight": (self.n_vocab, e), "output_norm.weight": (e,), "output.weight": (self.n_vocab, e),
+                "merge_mhc_phi.weight": (s, s * e), "merge_mhc_beta": (s,), "merge_mhc_gamma": (s * e,)}
+        for i in range(self.n_active):
+            want.update(self._expected(i))
+            if self.kinds[i].indexer:
+                want.update({f"blk.{i}.{name}.weight": self._optional(i)[f"blk.{i}.{name}.weight"]
+                             for name in INDEXER})
+        missing = [n for n in [*want, "merge_mhc_alpha"] if not m.has(n)]
+        if missing:
+            raise self._error(f"{m.path}: {len(missing)} tensors missing for {m.arch}: {', '.join(missing[:8])}"
+                              + (" ..." if len(missing) > 8 else ""))
+        for i in range(self.n_layer):
+            present = self._optional(i) if i < self.n_active else {**self._expected(i), **self._optional(i)}
+            want.update({n: shape for n, shape in present.items() if m.has(n)})
+        for name, shape in want.items():
+            if m.shape(name) != shape:
+                raise self._error(f"{m.path}: tensor {name} has shape {list(m.shape(name))}, the hyperparameters "
+                                  f"imply {list(shape)}")
+        if m.shape("merge_mhc_alpha") not in ((), (1,)):
+            raise self._error(f"{m.path}: tensor merge_mhc_alpha has shape {list(m.shape('merge_mhc_alpha'))}, "
+                              "expected one number")
+
+    # ---- forward --------------------------------------------------------------------------------------------
+    def forward(self, tokens: np.ndarray, on_block: BlockHook | None = None) -> np.ndarray:
+        """Logits of one fresh sequence; `on_block(i, streams)` sees the S streams [T, S, H] after each main block."""
+        m = self.m
+        n = len(tokens)
+        streams = np.repeat(m.weight("token_embd.weight")[tokens][:, None, :], self.n_stream, axis=1)
+        cos, sin = rope_cache(np.arange(n), self.n_rot, self.freq_base, self.freq_scale)
+        for i in range(self.n_active):
+            b = f"blk.{i}."
+            streams = self._sublayer(streams, b + "attn_mhc", b + "attn_norm.weight", b + "post_attention_norm.weight",
+                                     lambda h: self._attention(i, h, cos, sin))
+            ffn = self._dense if i < self.n_dense else self._moe
+            streams = self._sublayer(streams, b + "mlp_mhc", b + "ffn_norm.weight", b + "post_ffw_norm.weight",
+                                     lambda h: ffn(h, b))
+            if m.has(b + "block_post_norm.weight"):
+                flat = rms_norm(streams.reshape(n, -1), m.weight(b + "block_post_norm.weight"), self.eps)
+                streams = flat.reshape(streams.shape)
+            if on_block is not None:
+                on_block(i, streams)
+        x = hc_combine(streams, self._merge_weights(streams))
+        x = rms_norm(x, m.weight("output_norm.weight"), self.eps)
+        return np.ascontiguousarray(x @ m.weight("output.weight").T, dtype=np.float32)
+
+    def _sublayer(self, streams: np.ndarray, mhc: str, norm: str, post_norm: str,
+                  body: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """One mHC-wrapped sub-layer: mix the streams in, run `body` between its sandwich norms, scatter back."""
+        m = self.m
+        flat = rms_norm(streams.reshape(len(streams), -1), m.weight(mhc + "_gamma"), self.eps)
+        pre, post, mix = hc_pre(m.linear(flat, mhc + "_phi"), m.weight(mhc + "_alpha"), m.weight(mhc + "_beta"),
+                                self.n_stream, self.sinkhorn_iters)
+        y = body(rms_norm(hc_combine(streams, pre), m.weight(norm), self.eps))
+        return hc_post(rms_norm(y, m.weight(post_norm), self.eps), post, streams, mix)
+
+    def _merge_weights(self, streams: np.ndarray) -> np.ndarray:
+        """The merge module's per-stream gates sigmoid(alpha * phi . (RMSNorm(streams) * gamma) + beta) [T, S]."""
+        m = self.m
+        flat = rms_norm(streams.reshape(len(streams), -1), m.weight("merge_mhc_gamma"), self.eps)
+        logits = m.linear(flat, "merge_mhc_phi") * m.weight("merge_mhc_alpha").reshape(-1)[0] \
+            + m.weight("merge_mhc_beta")
+        return (np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))).astype(np.float32)
+
+    def _sinks(self, b: str) -> np.ndarray:
+        """The param sinks as cache rows [k_pe | RMSNorm(sink latent) * attn_kv_a_norm] (ik derives them at load)."""
+        m = self.m
+        latent = rms_norm(m.weight(b + "attn_param_sink_kv"), m.weight(b + "attn_kv_a_norm.weight"), self.eps)
+        return np.concatenate([m.weight(b + "attn_param_sink_k_pe"), latent], axis=1)
+
+    def _attention(self, i: int, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        m, b, n = self.m, f"blk.{i}.", len(h)
+        q_lat = causal_conv_residual(m.linear(h, b + "attn_q_a"), m.weight(b + "attn_qa_conv.weight"))
+        q_lat = rms_norm(q_lat, m.weight(b + "attn_q_a_norm.weight"), self.eps)
+        q = m.linear(q_lat, b + "attn_q_b").reshape(n, self.n_head, self.head_k)
+        q_nope = np.ascontiguousarray(q[:, :, : self.n_nope])
+        q_rope = np.ascontiguousarray(q[:, :, self.n_nope :])
+        kv = m.linear(h, b + "attn_kv_a_mqa")
+        latent = causal_conv_residual(kv[:, : self.kv_lora], m.weight(b + "attn_compresskv_conv.weight"))
+        latent = rms_norm(latent, m.weight(b + "attn_kv_a_norm.weight"), self.eps)
+        k_rope = np.ascontiguousarray(kv[:, self.kv_lora :]).reshape(n, 1, self.n_rot)
+        apply_rope(q_rope, cos, sin, self.n_rot, True)
+        apply_rope(k_rope, cos, sin, self.n_rot, True)
+        cache = m.kv_store(np.concatenate([k_rope.reshape(n, self.n_rot), latent], axis=1))
+        kind = self.kinds[i]
+        keep = self._indexer(b, h, q_lat, cos, sin) if kind.indexer else None
+        w_kb = m.weight(b + "attn_k_b.weight").reshape(self.n_head, self.kv_lora, self.n_nope)
+        w_vb = m.weight(b + "attn_v_b.weight").reshape(self.n_head, self.head_v, self.kv_lora)
+        if m.observers:
+            self._observe_heads(b + "attn_k_b.weight", q_nope.transpose(1, 0, 2))
+        out = latent_attention(q_rope, q_nope, w_kb, cache, w_vb, self.kq_scale, sinks=self._sinks(b),
+                               window=kind.window, keep=keep, ik_avx512_sinks=self.ik_avx512_sinks,
+                               on_latent=(lambda lat: self._observe_heads(b + "attn_v_b.weight", lat))
+                               if m.observers else None)
+        out = causal_conv_residual(out.reshape(n, self.n_head * self.head_v), m.weight(b + "attn_o_conv.weight"))
+        return m.linear(out, b + "attn_output")
+
+    def _observe_heads(self, name: str, rows: np.ndarray) -> None:
+        """Per-head inputs [H, n, d] of a per-head weight (attn_k_b, attn_v_b), one matrix per head as ik's imatrix
+        records them."""
+        for head in range(self.n_head):
+            self.m.observe(name, rows[head], head, self.n_head)
+
+    def _indexer(self, b: str, h: np.ndarray, q_lat: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray | None:
+        """Keys each query keeps [n, n] (None while no query has more than top_k candidates: all are kept)."""
+        m, n = self.m, len(h)
+        k = rms_norm(m.linear(h, b + "attn_indexer_k"), m.weight(b + "attn_indexer_k_norm.weight"), self.eps)
+        k = np.ascontiguousarray(k).reshape(n, 1, self.idx_dim)
+        apply_rope(k, cos, sin, self.n_rot, True)
+        if n <= self.top_k:
+            return None
+        q = np.ascontiguousarray(m.linear(q_lat, b + "attn_indexer_q_b")).reshape(n, self.n_idx_head, self.idx_dim)
+        apply_rope(q, cos, sin, self.n_rot, True)
+        w = m.linear(h, b + "attn_indexer_weights_proj")
+        return select_top_k(indexer_scores(q, m.kv_store(k.reshape(n, self.idx_dim)), w), self.top_k,
+                            TIE_PARTIAL_SORT)
+
+    def _dense(self, h: np.ndarray, b: str, kind: str = "") -> np.ndarray:
+        """SwiGLU FFN through ffn_gate/up/down{kind} ("" for the dense layers, "_shexp" for the shared experts)."""
+        m = self.m
+        return m.linear(swiglu(m.linear(h, b + "ffn_gate" + kind), m.linear(h, b + "ffn_up" + kind)),
+                        b + "ffn_down" + kind)
+
+    def _moe(self, h: np.ndarray, b: str) -> np.ndarray:
+        m = self.m
+        sel, w = route(m.linear(h, b + "ffn_gate_inp"), m.weight(b + "exp_probs_b.bias"), self.n_used, self.gating,
+                       self.w_norm, self.w_scale)
+        up, down = b + "ffn_up_exps.weight", b + "ffn_down_exps.weight"
+        out, act, order, offsets = moe_experts(h, sel, w, m.weight(up), m.weight(b + "ffn_gate_exps.weight"),
+                                               m.weight(down))
+        if m.observers:
+            # as ik's fused up/gate op: the shared input is recorded under the up tensor only
+            for e in range(self.n_expert):
+                rows = order[offsets[e] : offsets[e + 1]]
+                if rows.size:
+                    m.observe(up, h[rows // self.n_used], e, self.n_expert)
+                    m.observe(down, act[rows], e, self.n_expert)
+        return out + self._dense(h, b, "_shexp") if self.n_shared else out

@@ -1,0 +1,67 @@
+"""Independent numpy reference for GlmMoeDsaForCausalLM, written from the Hugging Face model definition.
+
+GLM-5's layers are DeepSeek-V3's (ikrun/reference_deepseek2.py: expanded per-head keys and values, HF's rope and
+router) with DeepSeek Sparse Attention: each attention block's mask keeps, per query, only the `index_topk` keys its
+lightning indexer scores highest. As transformers computes it: the indexer query from the q LoRA latent through
+wq_b, the one key head through wk and a LayerNorm (eps 1e-6, as HF builds it), rope on the first qk_rope_head_dim
+dims of both, score = sum over heads of weights_proj * n_heads^-0.5 * relu(q . k * index_head_dim^-0.5), causal,
+top-k. "shared" layers (indexer_types, derived from config.json as transformers does) reuse the last full layer's
+top-k. No attention-sink forcing, float32 throughout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ikconvert.archs.glm_dsa import indexer_types
+from ikrun.reference_deepseek2 import BlockHook, DeepseekV3Reference, Observe, Proj
+
+
+class GlmDsaReference(DeepseekV3Reference):
+    architectures = ("GlmMoeDsaForCausalLM",)
+    #: HF builds the indexer's k_norm as nn.LayerNorm(index_head_dim, eps=1e-6)
+    indexer_norm_eps = 1e-6
+
+    def __init__(self, config: dict, tensors: dict):  # type: ignore[type-arg]
+        config = {**config, "rope_theta": config.get("rope_theta", (config.get("rope_parameters") or {}).get(
+            "rope_theta", 10000.0))}
+        super().__init__(config, tensors)
+        self.types = indexer_types(config, config["num_hidden_layers"])
+        #: during a forward: the last full layer's top-k [n, k] (key indices per query)
+        self._topk: np.ndarray | None = None
+        #: every layer's top-k of the last forward, for tests that localise a disagreement
+        self.selections: dict[int, np.ndarray] = {}
+
+    def logits(self, tokens: np.ndarray, observe: Observe | None = None,
+               on_block: BlockHook | None = None) -> np.ndarray:
+        self._topk, self.selections = None, {}
+        return super().logits(tokens, observe, on_block)
+
+    def _mask(self, h: np.ndarray, q_resid: np.ndarray | None, p: str, positions: np.ndarray,
+              proj: Proj) -> np.ndarray:
+        causal = super()._mask(h, q_resid, p, positions, proj)
+        layer = int(p.split(".")[2])
+        if self.types[layer] == "full" or self._topk is None:
+            self._topk = self._indexer(h, q_resid, p + "indexer.", positions, causal, proj)  # type: ignore[arg-type]
+        self.selections[layer] = self._topk
+        index_mask = np.full_like(causal, -np.inf)
+        np.put_along_axis(index_mask, self._topk, 0.0, axis=-1)
+        return index_mask + causal
+
+    def _indexer(self, h: np.ndarray, q_resid: np.ndarray, p: str, positions: np.ndarray, causal: np.ndarray,
+                 proj: Proj) -> np.ndarray:
+        cfg = self.cfg
+        n, heads, dim, rope = h.shape[0], cfg["index_n_heads"], cfg["index_head_dim"], cfg["qk_rope_head_dim"]
+        interleave = cfg.get("indexer_rope_interleave")
+        q = proj(q_resid, p + "wq_b").reshape(n, heads, dim)
+        q = np.concatenate([self._rope(q[..., :rope], positions, interleave), q[..., rope:]], axis=-1)
+        k = proj(h, p + "wk")
+        mean = k.mean(-1, keepdims=True)
+        var = ((k - mean) ** 2).mean(-1, keepdims=True)
+        k = (k - mean) / np.sqrt(var + np.float32(self.indexer_norm_eps)) * self.w(p + "k_norm.weight") \
+            + self.w(p + "k_norm.bias")
+        k = np.concatenate([self._rope(k[:, None, :rope], positions, interleave)[:, 0], k[:, rope:]], axis=-1)
+        weights = proj(h, p + "weights_proj") * np.float32(heads ** -0.5)
+        scores = np.maximum(np.einsum("shd,td->sht", q, k) * np.float32(dim ** -0.5), 0)
+        index = np.einsum("sht,sh->st", scores, weights) + causal
+        return np.argsort(-index, axis=-1, kind="stable")[:, : min(cfg["index_topk"], n)]
