@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """Prompt-eval speed of the runtime (tokens/s) on a generated Qwen3-shaped model, against a numpy-only baseline
-and, given --ik-bin, ik_llama.cpp's own llama-perplexity on the same files and threads.
+and, given --ik-bin, ik_llama.cpp's own llama-perplexity on the same files and threads. With --tiny, the same on the
+tiny golden models of every architecture the runtime has (tests/data: qwen3, deepseek-v3, openpangu-v2, glm-dsa),
+64-token chunks as their golden logits were made.
 
 The model (default ~0.4B parameters) is written as bf16 safetensors, converted to F16, then quantized to Q8_0 and
 IQ4_KS. Each measurement evaluates the same chunks; the runtime's figure excludes the first chunk (decode caches,
 JIT warm-up) as ik's excludes its load.
 
 Example: python tools/bench_runtime.py --ik-bin ~/ik/build/bin/llama-perplexity --threads 2
+         python tools/bench_runtime.py --tiny --ik-bin ~/ik/build/bin/llama-perplexity --threads 1
 """
 
 from __future__ import annotations
@@ -24,14 +27,28 @@ from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
 from ikquant.ftypes import file_type
 from ikquant.quantize import QuantizeOptions, quantize_model
 from ikrun.evaluate import tokenize_chunks
-from ikrun.model import Model
+from ikrun.model import Model, RuntimeOptions
 from ikrun.validate import HFReference
 
 
-def runtime_speed(path: Path, ctx: int, n_chunks: int, threads: int) -> float:
+DATA = Path(__file__).parents[1] / "tests" / "data"
+#: golden tiny models: (file, text, our runtime options, ik's extra flags) computing the same function in both
+TINY = {
+    "qwen3": (DATA / "convert" / "qwen3" / "ik-f32.gguf", DATA / "logits" / "qwen3" / "text.txt", RuntimeOptions(), []),
+    "deepseek-v3": (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", DATA / "logits" / "deepseek-v3" / "text.txt",
+                    RuntimeOptions(), []),
+    "openpangu-v2": (DATA / "convert" / "openpangu-v2" / "ik-f32.gguf", DATA / "logits" / "openpangu-v2" / "text.txt",
+                     RuntimeOptions(ik_sink_overread=True), []),
+    "glm-dsa": (DATA / "convert" / "glm-dsa" / "ref-f32.gguf", DATA / "logits" / "glm-dsa" / "text.txt",
+                RuntimeOptions(dsa_sink=True), ["--dsa"]),
+}
+
+
+def runtime_speed(path: Path, ctx: int, n_chunks: int, threads: int, text: str | None = None,
+                  options: RuntimeOptions | None = None) -> float:
     numba.set_num_threads(threads)
-    m = Model(path, threads)
-    chunks = tokenize_chunks(m, CORPUS.read_text(encoding="utf-8") * 4, ctx, n_chunks + 1)
+    m = Model(path, threads, options=options)
+    chunks = tokenize_chunks(m, text or CORPUS.read_text(encoding="utf-8") * 4, ctx, n_chunks + 1)
     m.logits(chunks[0])
     t0 = time.perf_counter()
     for c in chunks[1:]:
@@ -48,9 +65,11 @@ def numpy_speed(hf: Path, path: Path, ctx: int) -> float:
     return ctx / (time.perf_counter() - t0)
 
 
-def ik_speed(ik_bin: Path, path: Path, text: Path, ctx: int, n_chunks: int, threads: int) -> float | None:
+def ik_speed(ik_bin: Path, path: Path, text: Path, ctx: int, n_chunks: int, threads: int,
+             extra: list[str] | None = None) -> float | None:
     res = subprocess.run([str(ik_bin), "-m", str(path), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "--chunks",
-                          str(n_chunks + 1), "-t", str(threads), "-fa", "off"], capture_output=True, text=True)
+                          str(n_chunks + 1), "-t", str(threads), "-fa", "off", *(extra or [])],
+                         capture_output=True, text=True, errors="replace")
     m = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", res.stdout + res.stderr)
     return int(m.group(2)) / (float(m.group(1)) / 1000) if m else None
 
@@ -62,7 +81,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=numba.config.NUMBA_NUM_THREADS)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=2)
+    ap.add_argument("--tiny", action="store_true", help="the tiny golden models instead (ctx 64, 8 chunks)")
     a = ap.parse_args()
+    if a.tiny:
+        tiny(a.ik_bin, a.threads)
+        return
     a.workdir.mkdir(parents=True, exist_ok=True)
     hf = a.workdir / "hf"
     if not (hf / "config.json").exists():
@@ -87,6 +110,16 @@ def main() -> None:
         ratio = f"{ours / ik:9.2f}" if ik else f"{'-':>9s}"
         print(f"{name:8s} {ours:12.1f} {ik if ik else float('nan'):9.1f} {ratio}", flush=True)
     print(f"numpy-only reference forward (F32 math from the safetensors): {numpy_speed(hf, f16, a.ctx):.1f} tok/s")
+
+
+def tiny(ik_bin: Path | None, threads: int) -> None:
+    print(f"tiny golden models, ctx 64, 7 chunks timed, {threads} threads")
+    print(f"{'model':13s} {'ikrun tok/s':>12s} {'ik tok/s':>9s} {'ikrun/ik':>9s}")
+    for name, (path, text, options, ik_flags) in TINY.items():
+        ours = runtime_speed(path, 64, 7, threads, text.read_text(encoding="utf-8"), options)
+        ik = ik_speed(ik_bin, path, text, 64, 7, threads, ik_flags) if ik_bin else None
+        ratio = f"{ours / ik:9.2f}" if ik else f"{'-':>9s}"
+        print(f"{name:13s} {ours:12.0f} {ik if ik else float('nan'):9.0f} {ratio}", flush=True)
 
 
 if __name__ == "__main__":
