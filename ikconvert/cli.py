@@ -6,27 +6,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-err = Console(stderr=True)
-out = Console()
+from ikquant.cli_common import err, fail, new_app, out
 
-
-@app.callback()
-def _main() -> None:
-    """Convert Hugging Face checkpoints into GGUF files for ik_llama.cpp."""
-    from ikquant.gguf_io import exit_cleanly_on_sigterm
-
-    exit_cleanly_on_sigterm()
-
-
-def _fail(message: str) -> None:
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
+app = new_app(__doc__, "Convert Hugging Face checkpoints into GGUF files for ik_llama.cpp.")
 
 
 @app.command("hf2gguf")
@@ -66,15 +51,14 @@ def hf2gguf(
         conv = Converter(folder, outtype, pre_tokenizer, allow_nonfinite, model_name, options)
         plan = conv.build_plan()
     except (ConvertError, CheckpointError, VocabError, FileNotFoundError) as exc:
-        _fail(str(exc))
-        return
+        fail(str(exc))
     if dry_run:
         _print_plan(conv)
         return
     if outfile is None:
         outfile = Path(f"{folder.name}-{conv.outtype.upper()}.gguf")
     if outfile.exists() and outfile.is_dir():
-        _fail(f"--outfile {outfile} is a folder")
+        fail(f"--outfile {outfile} is a folder")
     total = sum(p.type.tensor_bytes(tuple(reversed(p.shape))) for p in plan)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), console=err, transient=False) as bar:
@@ -87,8 +71,7 @@ def hf2gguf(
             path = conv.write(outfile, step)
         except (ConvertError, CheckpointError, VocabError, ValueError) as exc:
             bar.stop()
-            _fail(str(exc))
-            return
+            fail(str(exc))
     notes = [p for p in plan if p.note]
     for p in notes:
         err.print(f"[yellow]warning:[/] {p.out.name}: {p.note}")

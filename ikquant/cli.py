@@ -7,19 +7,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
+from ikquant.cli_common import err, fail, out
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-err = Console(stderr=True)
-out = Console()
-
-
-def _fail(message: str) -> None:
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
 
 
 def _custom_q(values: list[str]) -> list[tuple[str, str]]:
@@ -31,7 +24,7 @@ def _custom_q(values: list[str]) -> list[tuple[str, str]]:
                 continue
             regex, sep, tname = item.partition("=")
             if not sep or not regex or not tname:
-                _fail(f"--custom-q: {item!r} is not of the form regex=type")
+                fail(f"--custom-q: {item!r} is not of the form regex=type")
             rules.append((regex, tname))
     return rules
 
@@ -108,18 +101,17 @@ def quantize(
         if imatrix is not None:
             imat = filter_entries(read_imatrix(imatrix), include_weights, exclude_weights)
         elif include_weights or exclude_weights:
-            _fail("--include-weights/--exclude-weights need --imatrix")
+            fail("--include-weights/--exclude-weights need --imatrix")
         opts = QuantizeOptions(ftype, pure, imat, allow_requantize, leave_output_tensor, ignore_imatrix_rules,
                                _custom_q(custom_q), class_types, output_tensor_type, token_embedding_type, slow_iq2ks)
         source = GGUFFile(src)
         if (sweep is None) != (target_bpw is None):
-            _fail("--sweep and --target-bpw go together")
+            fail("--sweep and --target-bpw go together")
         if sweep is not None:
             opts.tensor_types = _mix_from_sweep(source, opts, sweep, target_bpw)  # type: ignore[arg-type]
         plan = make_plan(source, opts)
     except (FileNotFoundError, UnknownFileTypeError, GGUFFormatError, ImatrixError, QuantizeError, MixError) as exc:
-        _fail(str(exc))
-        return
+        fail(str(exc))
     for w in plan.warnings:
         err.print(f"[yellow]warning:[/] {w}", soft_wrap=True)
     for p in plan.tensors:
@@ -142,8 +134,7 @@ def quantize(
             quantize_model(src, dst, opts, lambda p: bar.update(task, advance=p.info.nbytes, description=p.name))
         except (QuantizeError, ImatrixError, GGUFFormatError, NotImplementedError, ValueError) as exc:
             bar.stop()
-            _fail(str(exc))
-            return
+            fail(str(exc))
     size_in = sum(p.info.nbytes for p in plan.tensors)
     size_out = sum(p.new_bytes for p in plan.tensors)
     err.print(f"wrote [bold]{dst}[/]: {size_in / 2**20:.2f} MiB -> {size_out / 2**20:.2f} MiB, "

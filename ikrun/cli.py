@@ -10,30 +10,15 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import typer
-from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from ikquant.cli_common import err, fail, new_app, out
 
 if TYPE_CHECKING:
     from ikrun.model import Model, RuntimeOptions
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-err = Console(stderr=True)
-out = Console()
-
-
-@app.callback()
-def _main() -> None:
-    """Evaluate GGUF models: logits, perplexity, KL-divergence against a base, validation against HF."""
-    from ikquant.gguf_io import exit_cleanly_on_sigterm
-
-    exit_cleanly_on_sigterm()
-
-
-def _fail(message: str) -> None:
-    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
+app = new_app(__doc__, "Evaluate GGUF models: logits, perplexity, KL-divergence against a base, validation against HF.")
 
 
 def _threads(n: Optional[int]) -> None:
@@ -79,7 +64,7 @@ def _load(path: Path, threads: Optional[int] = None, kv_cache: str = "f32",
     try:
         return Model(path, threads, kv_cache, options)
     except (ModelError, GGUFFormatError, FileNotFoundError, NotImplementedError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 def _progress() -> Progress:
@@ -91,9 +76,9 @@ def _read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        _fail(f"--text {path}: no such file")
+        fail(f"--text {path}: no such file")
     except UnicodeDecodeError as exc:
-        _fail(f"--text {path}: not UTF-8 ({exc})")
+        fail(f"--text {path}: not UTF-8 ({exc})")
     return ""
 
 
@@ -117,7 +102,7 @@ def logits(
     _threads(threads)
     m = _load(model, threads, kv_cache, _options(dsa, dsa_sink, ik_sink_overread))
     if (text is None) == (tokens is None):
-        _fail("give exactly one of --text or --tokens")
+        fail("give exactly one of --text or --tokens")
     try:
         if tokens is not None:
             ids = np.array([int(t) for t in tokens.split(",") if t.strip()], dtype=np.int64)
@@ -125,8 +110,7 @@ def logits(
             ids = np.array(m.tokenizer().encode(_read_text(text)), dtype=np.int64)  # type: ignore[arg-type]
         result = m.logits(ids)
     except ValueError as exc:
-        _fail(str(exc))
-        return
+        fail(str(exc))
     np.save(output, result)
     err.print(f"wrote {output}: logits of {len(ids)} tokens x {result.shape[1]} vocab")
 
@@ -156,8 +140,7 @@ def ppl(
     try:
         chunk_tokens = tokenize_chunks(m, _read_text(text), ctx, chunks)
     except (EvalError, ValueError) as exc:
-        _fail(str(exc))
-        return
+        fail(str(exc))
     with _progress() as bar:
         task = bar.add_task("perplexity", total=len(chunk_tokens))
         res = perplexity(m, chunk_tokens, progress=lambda i, n: bar.update(task, completed=i))
@@ -201,16 +184,16 @@ def kld(
 
     _threads(threads)
     if (base is None) == (base_logits is None):
-        _fail("give exactly one of --base (with --text) or --base-logits")
+        fail("give exactly one of --base (with --text) or --base-logits")
     m = _load(model, threads, kv_cache, _options(dsa, dsa_sink, ik_sink_overread))
     tmpdir = None
     try:
         if base is not None:
             if text is None:
-                _fail("--base needs --text")
+                fail("--base needs --text")
             bm = _load(base, threads, kv_cache, _options(dsa, dsa_sink, ik_sink_overread))
             if bm.n_vocab != m.n_vocab:
-                _fail(f"{base} has {bm.n_vocab} tokens, {model} has {m.n_vocab}: not the same vocabulary")
+                fail(f"{base} has {bm.n_vocab} tokens, {model} has {m.n_vocab}: not the same vocabulary")
             chunk_tokens = tokenize_chunks(bm, _read_text(text), ctx, chunks)  # type: ignore[arg-type]
             if save_base_logits is None:
                 tmpdir = tempfile.TemporaryDirectory()
@@ -225,8 +208,7 @@ def kld(
             task = bar.add_task("KL-divergence", total=bf.n_chunk)
             acc = kl_divergence(m, bf, lambda i, n: bar.update(task, completed=i))
     except (EvalError, BaseLogitsError, ValueError, FileNotFoundError) as exc:
-        _fail(str(exc))
-        return
+        fail(str(exc))
     finally:
         if tmpdir is not None:
             tmpdir.cleanup()
@@ -315,8 +297,7 @@ def imatrix(
         for f in in_file:
             collector.merge(read_imatrix(f), ctx)
     except (EvalError, ImatrixError, ValueError) as exc:
-        _fail(str(exc))
-        return
+        fail(str(exc))
     dataset = str(text)
     with _progress() as bar:
         task = bar.add_task("imatrix", total=len(chunk_tokens))
@@ -379,8 +360,7 @@ def sweep(
         chunk_tokens = tokenize_chunks(m, _read_text(text), ctx, chunks)
         done = load_rows(output)
     except (UnknownTypeError, NotImplementedError, ImatrixError, EvalError, ValueError) as exc:
-        _fail(str(exc))
-        return
+        fail(str(exc))
     header = {"model": str(model), "text": str(text), "ctx": ctx, "chunks": len(chunk_tokens), "group": group,
               "imatrix": str(imatrix) if imatrix else None}
     todo = len(groups) * len(type_list) - sum(1 for r in done if r.group in groups)
@@ -401,7 +381,7 @@ def sweep(
             run_sweep(m, base, groups, type_list, imat, done, on_row)
         except (ValueError, ImatrixError) as exc:
             bar.stop()
-            _fail(str(exc))
+            fail(str(exc))
     out.print(sweep_table(rows))
     err.print(f"wrote {output}: {len(rows)} measurements ({len(rows) - len(done)} new)")
     if plot is not None:
@@ -410,7 +390,7 @@ def sweep(
         try:
             plot_sweep(rows, plot, f"{model.name}: mean KLD per tensor and type")
         except RuntimeError as exc:
-            _fail(str(exc))
+            fail(str(exc))
         err.print(f"wrote {plot}")
 
 
@@ -460,8 +440,7 @@ def validate(
         ref = HFReference(hf)
         chunk_tokens = tokenize_chunks(m, _read_text(text or CORPUS), ctx, chunks)
     except (ReferenceError, EvalError, ValueError) as exc:
-        _fail(str(exc))
-        return
+        fail(str(exc))
     refs, gots = [], []
     with _progress() as bar:
         task = bar.add_task("validating", total=len(chunk_tokens))
