@@ -14,6 +14,7 @@ from ikconvert.cli import app
 from ikconvert.convert import Converter
 from ikconvert.safetensors_io import SafetensorsFile, write_safetensors
 from ikquant.gguf_io import GGUFFile
+from tests.convert_helpers import convert_fails
 
 runner = CliRunner()
 
@@ -68,14 +69,8 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def _fails(folder: Path, tmp_path: Path, *needles: str, extra: tuple[str, ...] = ()) -> None:
-    out = tmp_path / "out.gguf"
-    res = _convert([str(folder), "--outtype", "f32", "--pre-tokenizer", "qwen2", "--outfile", str(out), *extra])
-    assert res.exit_code == 2, res.output
-    text = " ".join(res.output.split())
-    for needle in needles:
-        assert needle in text, text
-    assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.gguf")]
+    convert_fails([str(folder), "--outtype", "f32", "--pre-tokenizer", "qwen2", *extra], tmp_path / "out.gguf",
+                  *needles)
 
 
 def test_unknown_architecture_lists_the_supported_ones(data_dir: Path, tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from ikconvert.convert import Converter
 from ikconvert.safetensors_io import SafetensorsFile, SafeTensor, write_safetensors
 from ikquant.formats.numeric import f32_to_bf16_bits
 from ikquant.gguf_io import GGUFFile
+from tests.convert_helpers import convert_fails
 
 runner = CliRunner()
 PRE = "deepseek-v3"  # the pre-tokenizer ik's golden runs forced (ik-convert.txt)
@@ -103,15 +104,7 @@ def _rewrite(hf: Path, drop: tuple[str, ...] = (), add: dict[str, tuple[str, np.
 
 
 def _fails(folder: Path, tmp_path: Path, *needles: str) -> str:
-    out = tmp_path / "out.gguf"
-    res = _convert([str(folder), "--outtype", "f32", "--pre-tokenizer", PRE, "--outfile", str(out)])
-    assert res.exit_code == 2, res.output
-    text = " ".join(res.output.split())
-    for needle in needles:
-        assert needle in text, text
-    assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.gguf")]
-    return text
+    return convert_fails([str(folder), "--outtype", "f32", "--pre-tokenizer", PRE], tmp_path / "out.gguf", *needles)
 
 
 # ---- 1. ik's golden conversion, byte for byte -----------------------------------------------------------------

@@ -17,6 +17,7 @@ from ikconvert.cli import app
 from ikconvert.convert import Converter
 from ikconvert.safetensors_io import SafetensorsFile, write_safetensors
 from ikquant.gguf_io import GGUFFile
+from tests.convert_helpers import convert_fails
 
 runner = CliRunner()
 PRE = "joyai-llm"  # ik's name for the DeepSeek-V4-Flash tokenizer (forced in the golden runs: ik-convert.txt)
@@ -411,14 +412,7 @@ def _config(hf: Path, **changes: object) -> None:
 
 
 def _fails(hf: Path, tmp_path: Path, *needles: str, extra: tuple[str, ...] = ()) -> None:
-    out = tmp_path / "out.gguf"
-    res = _convert([str(hf), "--outtype", "f32", "--outfile", str(out), *extra])
-    assert res.exit_code == 2, res.output
-    text = " ".join(res.output.split())
-    for needle in needles:
-        assert needle in text, text
-    assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.gguf")]
+    convert_fails([str(hf), "--outtype", "f32", "--pre-tokenizer", PRE, *extra], tmp_path / "out.gguf", *needles)
 
 
 @pytest.fixture

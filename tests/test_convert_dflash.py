@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from ikconvert.cli import app
 from ikconvert.safetensors_io import SafetensorsFile, write_safetensors
 from ikquant.gguf_io import GGUFFile
+from tests.convert_helpers import convert_fails
 
 runner = CliRunner()
 VARIANTS = ("dflash-qwen3", "dflash-gptoss")
@@ -232,14 +233,7 @@ def test_generated_draft_quantizes(generated: tuple[Path, Path], tmp_path: Path)
 
 # ---- bad input: a clear error, exit code 2, and no output file ---------------------------------------------------
 def _fails(args: list[str], tmp_path: Path, *needles: str) -> None:
-    out = tmp_path / "out.gguf"
-    res = _convert([*args, "--outtype", "f32", "--pre-tokenizer", "qwen2", "--outfile", str(out)])
-    assert res.exit_code == 2, res.output
-    text = " ".join(res.output.split())
-    for needle in needles:
-        assert needle in text, text
-    assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.gguf")]
+    convert_fails([*args, "--outtype", "f32", "--pre-tokenizer", "qwen2"], tmp_path / "out.gguf", *needles)
 
 
 def test_missing_target_model_dir(data_dir: Path, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from ikconvert.convert import Converter
 from ikconvert.safetensors_io import SafetensorsFile, write_safetensors
 from ikquant.formats.numeric import f32_to_bf16_bits
 from ikquant.gguf_io import GGUFFile
+from tests.convert_helpers import convert_fails
 from tests.test_convert_deepseek2 import _DROP, _GLOBAL, _all_tensors, _copy, _edit_config
 from tests.test_convert_deepseek2 import _RENAMES as _DEEPSEEK_RENAMES
 
@@ -266,13 +267,7 @@ def _drop_tensors(hf: Path, pattern: str) -> None:
 
 
 def _fails(folder: Path, tmp_path: Path, *needles: str) -> None:
-    out = tmp_path / "out.gguf"
-    res = _convert([str(folder), "--outtype", "f32", "--pre-tokenizer", PRE, "--outfile", str(out)])
-    assert res.exit_code == 2, res.output
-    text = " ".join(res.output.split())
-    for needle in needles:
-        assert needle in text, text
-    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.gguf")]
+    convert_fails([str(folder), "--outtype", "f32", "--pre-tokenizer", PRE], tmp_path / "out.gguf", *needles)
 
 
 def test_full_layer_without_indexer(tmp_path: Path) -> None:

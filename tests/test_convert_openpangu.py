@@ -17,6 +17,7 @@ from ikconvert.convert import Converter
 from ikconvert.safetensors_io import SafetensorsFile, write_safetensors
 from ikquant.formats.numeric import f32_to_bf16_bits
 from ikquant.gguf_io import GGUFFile
+from tests.convert_helpers import convert_fails
 
 runner = CliRunner()
 GOLDEN = Path(__file__).parent / "data" / "convert" / "openpangu-v2"
@@ -303,14 +304,7 @@ def test_generated_checkpoint_q8_0_falls_back_to_f16_for_conv_rows(generated: Pa
 # ---- bad input: a clear error naming the culprit, and no output file -------------------------------------------
 
 def _fails(folder: Path, tmp_path: Path, *needles: str) -> None:
-    out = tmp_path / "out.gguf"
-    res = _convert([str(folder), "--outtype", "f32", "--pre-tokenizer", PRE, "--outfile", str(out)])
-    assert res.exit_code == 2, res.output
-    text = " ".join(res.output.split())
-    for needle in needles:
-        assert needle in text, text
-    assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.gguf")]
+    convert_fails([str(folder), "--outtype", "f32", "--pre-tokenizer", PRE], tmp_path / "out.gguf", *needles)
 
 
 def _variant(tmp_path: Path, edit_config: Callable[[dict], None] | None = None, drop: tuple[str, ...] = (),
