@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import re
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def ik_speed(ik_bin: Path, path: Path, text: Path, ctx: int, n_chunks: int, thre
              extra: list[str] | None = None) -> float | None:
     res = subprocess.run([str(ik_bin), "-m", str(path), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "--chunks",
                           str(n_chunks + 1), "-t", str(threads), "-fa", "off", *(extra or [])],
-                         capture_output=True, text=True, errors="replace")
+                         capture_output=True, text=True, errors="replace", cwd=tempfile.gettempdir())  # its llama.log
     m = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", res.stdout + res.stderr)
     return int(m.group(2)) / (float(m.group(1)) / 1000) if m else None
 
