@@ -49,6 +49,15 @@ def lazy(t: SafeTensor, fn: Callable[[np.ndarray], np.ndarray] | None = None) ->
     return lambda: fn(t.to_f32())
 
 
+def dequantize_fp8(w: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> None:
+    """W[r, c] *= scale[r // br, c // bc] in float32, in place, one tile row at a time (no full-size scale grid);
+    edge tiles are partial. DeepSeek-V3 stores the scales as F32, V4 as E8M0 powers of two."""
+    br, bc = block
+    for i in range(scale.shape[0]):
+        rows = w[i * br:(i + 1) * br]
+        rows *= np.repeat(scale[i], bc)[: w.shape[1]]
+
+
 class Arch:
     """Base class: ik's `Model` behaviour shared by every architecture."""
 

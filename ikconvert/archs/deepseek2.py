@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFWriter, RopeScalingType
 
-from ikconvert.archs.base import Arch, ConvertError, OutTensor, register
+from ikconvert.archs.base import Arch, ConvertError, OutTensor, dequantize_fp8, register
 from ikconvert.checkpoint import Checkpoint, block_id
 from ikconvert.safetensors_io import E4M3_TABLE, SafeTensor
 
@@ -332,14 +332,6 @@ class DeepseekV2Arch(Arch):
         if want is not None and tuple(out.shape) != want:
             raise ConvertError(f"{self.ckpt.dir}: tensor {out.source!r} -> {out.name} has shape {list(out.shape)} "
                                f"but config.json implies {list(want)}")
-
-
-def dequantize_fp8(w: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> None:
-    """W[r, c] *= scale[r // br, c // bc] in float32, in place; edge tiles are partial."""
-    br, bc = block
-    for i in range(scale.shape[0]):
-        rows = w[i * br:(i + 1) * br]
-        rows *= np.repeat(scale[i], bc)[: w.shape[1]]
 
 
 def _allocating(fill: Fill, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:

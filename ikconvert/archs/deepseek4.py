@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFWriter, RopeScalingType
 
-from ikconvert.archs.base import Arch, ConvertError, OutTensor, register
+from ikconvert.archs.base import Arch, ConvertError, OutTensor, dequantize_fp8, register
 from ikconvert.checkpoint import Checkpoint
 from ikconvert.safetensors_io import E8M0_TABLE, SafeTensor
 
@@ -321,7 +321,7 @@ class DeepseekV4Arch(Arch):
             s = self._scale_of(name, t, required=True)
             assert s is not None
             block = self._fp8_block(name, t, s)
-            return (lambda: dequantize_fp8(t.to_f32(), e8m0_bytes(s), block),
+            return (lambda: dequantize_fp8_e8m0(t, s, block),
                     f"fp8 {t.dtype[3:].lower()} dequant: x 2^(e8m0-127) per {block[0]}x{block[1]} tile")
         if t.dtype in FLOATS:
             if self._scale_of(name, t, required=False) is not None:
@@ -519,11 +519,11 @@ def e8m0_bytes(s: SafeTensor) -> np.ndarray:
     return raw
 
 
-def dequantize_fp8(w: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+def dequantize_fp8_e8m0(t: SafeTensor, scale: SafeTensor, block: tuple[int, int]) -> np.ndarray:
     """W[r, c] * 2^(scale[r // br, c // bc] - 127) in float32: exact (a power of two times an FP8 value)."""
-    grid = E8M0_TABLE[scale]
-    full = np.repeat(np.repeat(grid, block[0], axis=0), block[1], axis=1)[: w.shape[0], : w.shape[1]]
-    return w * full
+    w = t.to_f32()
+    dequantize_fp8(w, E8M0_TABLE[e8m0_bytes(scale)], block)
+    return w
 
 
 def repack_fp4_as_mxfp4(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
