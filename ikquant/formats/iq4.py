@@ -12,13 +12,8 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.base import Codec
-from ikquant.formats.numeric import (
-    f16_bits_to_f32,
-    f32_to_f16_bits,
-    fmaf,
-    nearest_int_fma,
-    trunc_i32,
-)
+from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ4NL_INDEX
+from ikquant.formats.numeric import abs_max, fmaf, load_f16, nearest_int_fma, store_f16, trunc_i32
 from ikquant.types import register_codec
 
 BLOCK = 32
@@ -27,22 +22,10 @@ NTRY = 7
 KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
 SCALAR = dict(cache=True, nogil=True, error_model="numpy")
 
-# ggml-quants.c kvalues_iq4nl: the 16 grid points, and iq4nl_index: for trunc(x) + 127 in [0, 240], the grid
-# index nearest to every x with that integer part, or 16 + i when x lies between points i and i+1.
-KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
-IQ4NL_INDEX = np.array(
-    [
-        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-        1, 17, 17, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 18, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3,
-        3, 3, 3, 3, 3, 3, 19, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 20, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5,
-        5, 5, 21, 21, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 22, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 23, 23, 8, 8, 8, 8,
-        8, 8, 8, 8, 8, 8, 24, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 25, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 26, 26,
-        11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 11, 27, 27, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12, 12,
-        28, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 13, 29, 14, 14, 14, 14, 14, 14, 14, 14,
-        14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 14, 30, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15,
-    ],
-    dtype=np.int8,
-)  # fmt: skip
+# ggml-quants.c kvalues_iq4nl: the 16 grid points, the plain half of the IQK grid IQ4K. IQ4NL_INDEX (iqk_grids) maps
+# trunc(x) + 127 in [0, 240] to the grid index nearest to every x with that integer part, or 16 + i when x lies
+# between points i and i+1.
+KVALUES_IQ4NL = IQ4K_VALUES[:16]
 # Lookup forms for branch-free (vectorisable) search: the index table extended by the answers for trunc(x) + 127
 # below 0 (code 0) and above 240 (code 15), and the grid as float32 with a pad entry so that "next point" is
 # always in bounds.
@@ -86,13 +69,7 @@ def _trial_sums(xb: np.ndarray, weight: np.ndarray, ids: np.ndarray, sumqx: np.n
 def block_scale_iq4nl(xb: np.ndarray, weight: np.ndarray, Lb: np.ndarray) -> np.float32:
     """ik's weighted search for one block's scale (ntry 7); Lb receives the codes. A zero block: 0, Lb untouched."""
     n = xb.size
-    amax = np.float32(0.0)
-    vmax = np.float32(0.0)
-    for j in range(n):
-        ax = abs(xb[j])
-        if ax > amax:
-            amax = ax
-            vmax = xb[j]
+    amax, vmax = abs_max(xb)
     if amax < np.float32(1e-15):
         return np.float32(0.0)
     id_ = np.float32(1.0) / (-vmax / _FVALUES[0])
@@ -200,18 +177,6 @@ def _pack_codes(L: np.ndarray, out: np.ndarray, pos: int) -> None:
             out[pos + 16 * i + j] = np.uint8(L[32 * i + j]) | (np.uint8(L[32 * i + 16 + j]) << np.uint8(4))
 
 
-@njit(**SCALAR)
-def _store_f16(out: np.ndarray, pos: int, v: np.float32) -> None:
-    h = f32_to_f16_bits(v)
-    out[pos] = np.uint8(h & np.uint16(0xFF))
-    out[pos + 1] = np.uint8(h >> np.uint16(8))
-
-
-@njit(**SCALAR)
-def _load_f16(q: np.ndarray, pos: int) -> np.float32:
-    return f16_bits_to_f32(np.uint16(q[pos]) | (np.uint16(q[pos + 1]) << np.uint16(8)))
-
-
 @njit(**KERNEL)
 def _quantize_iq4_nl(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
     n_rows, n = x.shape
@@ -224,7 +189,7 @@ def _quantize_iq4_nl(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
             sigma2 = _sigma2(xb) if qw.size else np.float32(0.0)
             _block_weights(xb, qw[ib * BLOCK : (ib + 1) * BLOCK] if qw.size else qw, sigma2, weight)
             d = block_scale_iq4nl(xb, weight, L)
-            _store_f16(out[r], ib * 18, d)
+            store_f16(out[r], ib * 18, d)
             _codes_for_scale(xb, d, L)
             _pack_codes(L, out[r], ib * 18 + 2)
 
@@ -252,7 +217,7 @@ def _quantize_iq4_xs(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                     max_scale = scales[ib]
             o = ibl * 136
             d = -max_scale * np.float32(1.0 / 32)
-            _store_f16(out[r], o, d)
+            store_f16(out[r], o, d)
             id_ = np.float32(1.0) / d if d != 0 else np.float32(0.0)
             scales_h = np.uint16(0)
             for ib in range(nsub):
@@ -281,7 +246,7 @@ def _dequantize_iq4_nl(q: np.ndarray, out: np.ndarray, qk: int) -> None:
         qr = q[r]
         for ib in range(n // qk):
             o = ib * 18
-            d = _load_f16(qr, o)
+            d = load_f16(qr, o)
             src = qr[o + 2 : o + 2 + half]
             lo = out[r, ib * qk : ib * qk + half]
             hi = out[r, ib * qk + half : (ib + 1) * qk]
@@ -299,7 +264,7 @@ def _dequantize_iq4_xs(q: np.ndarray, out: np.ndarray, qk: int) -> None:
         qr = q[r]
         for ibl in range(n // SUPER):
             o = ibl * 136
-            d = _load_f16(qr, o)
+            d = load_f16(qr, o)
             scales_h = np.int32(qr[o + 2]) | (np.int32(qr[o + 3]) << np.int32(8))
             for ib in range(SUPER // qk):
                 ls = (np.int32(qr[o + 4 + ib // 2]) >> np.int32(4 * (ib % 2))) & np.int32(15)

@@ -21,15 +21,22 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.base import Codec
-from ikquant.formats.numeric import (
-    f16_bits_to_f32,
-    f32_bits,
-    f32_from_bits,
-    f32_to_f16_bits,
-    fmaf,
-    nearest_int_fma,
-    trunc_i32,
+from ikquant.formats.iqk_grids import (
+    IQ2NL,
+    IQ2NL_VALUES,
+    IQ3NL,
+    IQ4K,
+    IQ5NL,
+    grid_search,
+    importance,
+    iqk_qx_quants,
+    keep_better,
+    nearest,
+    nearest_iq2,
+    sort_order,
+    sum_squares,
 )
+from ikquant.formats.numeric import abs_max, fmaf, load_f16, load_f32, nearest_int_fma, store_f16, store_f32
 from ikquant.types import register_codec
 
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
@@ -38,47 +45,12 @@ QK = 256
 SUB = 32
 
 # ---------------------------------------------------------------------------------------------------------------
-# Value grids (ggml-common.h). Each holds two halves: the plain grid, then the shifted one.
-IQ2NL_VALUES = np.array([-31, -13, 1, 17, -26, -8, 6, 22], dtype=np.int8)
-IQ3NL_VALUES = np.array([-63, -40, -23, -10, 1, 13, 28, 47, -59, -36, -19, -6, 5, 17, 32, 51], dtype=np.int8)
-IQ4K_VALUES = np.array(
-    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
-     -123, -100, -79, -61, -45, -31, -18, -6, 5, 17, 29, 42, 57, 73, 93, 117], dtype=np.int8)  # fmt: skip
-IQ5NL_VALUES = np.array(
-    [-126, -114, -103, -92, -83, -74, -65, -57, -50, -43, -36, -30, -24, -18, -12, -6,
-     -1, 5, 11, 17, 23, 29, 36, 43, 51, 59, 68, 77, 87, 97, 109, 121,
-     -124, -112, -101, -90, -81, -72, -63, -55, -48, -41, -34, -28, -22, -16, -10, -4,
-     1, 7, 13, 19, 25, 31, 38, 45, 53, 61, 70, 79, 89, 99, 111, 123], dtype=np.int8)  # fmt: skip
 # IQ2_KL: 32 value pairs, each u16 packing two int8 (low byte first), all drawn from the plain IQ3 grid.
 IQ2KL_VALUES = np.array(
     [0xe9c1, 0x0dc1, 0xc1d8, 0xf6d8, 0x0dd8, 0x2fd8, 0xd8e9, 0xe9e9, 0x01e9, 0x0de9, 0x1ce9, 0xc1f6, 0x01f6, 0x0df6,
      0x2ff6, 0xe901, 0xf601, 0x0101, 0x0d01, 0x1c01, 0xd80d, 0xe90d, 0xf60d, 0x010d, 0x0d0d, 0xc11c, 0xe91c, 0x011c,
      0x1c1c, 0x2f1c, 0xe92f, 0x0d2f], dtype=np.uint16)  # fmt: skip
 IQ2KL_PAIRS = IQ2KL_VALUES.view(np.int8).reshape(32, 2).copy()
-
-
-def _runs(*pairs: int) -> np.ndarray:
-    """Expand (value, count) pairs: ik's nearest-value index tables are long runs of one entry."""
-    out: list[int] = []
-    for value, count in zip(pairs[::2], pairs[1::2]):
-        out += [value] * count
-    return np.array(out, dtype=np.int8)
-
-
-# Index tables of ik's best_index_iq{3,4,5}nl (iqk_quantize.cpp): entry (int)x - grid[0] gives the nearest grid
-# point k < n, or n + k when x lies between points k and k+1 and a comparison decides.
-IQ3NL_INDEX = _runs(0, 11, 8, 2, 1, 18, 9, 2, 2, 13, 10, 2, 3, 10, 11, 2, 4, 10, 12, 1, 5, 12, 13, 2, 6, 15, 14, 2,
-                    7, 9)  # fmt: skip
-IQ4NL_INDEX = _runs(0, 11, 16, 2, 1, 20, 17, 2, 2, 18, 18, 1, 3, 16, 19, 1, 4, 14, 20, 1, 5, 12, 21, 2, 6, 11, 22, 1,
-                    7, 10, 23, 2, 8, 10, 24, 1, 9, 11, 25, 1, 10, 11, 26, 2, 11, 12, 27, 2, 12, 14, 28, 1, 13, 17,
-                    29, 1, 14, 21, 30, 1, 15, 12)  # fmt: skip
-IQ5NL_INDEX = _runs(0, 6, 32, 1, 1, 10, 33, 2, 2, 9, 34, 2, 3, 8, 35, 2, 4, 7, 36, 2, 5, 7, 37, 2, 6, 7, 38, 1,
-                    7, 6, 39, 2, 8, 5, 40, 2, 9, 5, 41, 2, 10, 5, 42, 1, 11, 5, 43, 1, 12, 5, 44, 1, 13, 5, 45, 1,
-                    14, 5, 46, 1, 15, 4, 47, 2, 16, 4, 48, 1, 17, 5, 49, 1, 18, 5, 50, 1, 19, 5, 51, 1, 20, 5, 52, 1,
-                    21, 5, 53, 2, 22, 5, 54, 2, 23, 6, 55, 1, 24, 7, 56, 1, 25, 7, 57, 2, 26, 7, 58, 2, 27, 8, 59, 1,
-                    28, 9, 60, 1, 29, 10, 61, 1, 30, 11, 62, 1, 31, 6)  # fmt: skip
-# Last usable entry + 1 of each table, as ik's range checks state it.
-IQ3NL_LIMIT, IQ4NL_LIMIT, IQ5NL_LIMIT = 111, 241, 247
 
 # IQ2_KL's search (iqk_quantize.cpp): which pair an (i1, i2) grid-index combination maps to (>= 0), or -(list+1)
 # of the 8 candidate pairs to score when the combination itself is not a stored pair.
@@ -100,12 +72,7 @@ IQ2KL_NEIGHBOURS = np.array(
     dtype=np.int8)  # fmt: skip
 
 
-# Working copies for the hot loops. LLVM inlines a jitted helper only when it takes no arrays, so the per-value
-# helpers below read these module constants instead of taking tables as arguments (int8 -> float32 is exact).
-_G2 = IQ2NL_VALUES.astype(np.float32)
-_G3, _G3I, _X3 = IQ3NL_VALUES.astype(np.float32), IQ3NL_VALUES.astype(np.int64), IQ3NL_INDEX.astype(np.int64)
-_G4, _G4I, _X4 = IQ4K_VALUES.astype(np.float32), IQ4K_VALUES.astype(np.int64), IQ4NL_INDEX.astype(np.int64)
-_G5, _G5I, _X5 = IQ5NL_VALUES.astype(np.float32), IQ5NL_VALUES.astype(np.int64), IQ5NL_INDEX.astype(np.int64)
+# Working copies for the hot loops (see iqk_grids: the per-value helpers read module constants, not arguments).
 _KL_PAIRS, _KL_PAIRS_I = IQ2KL_PAIRS.astype(np.float32), IQ2KL_PAIRS.astype(np.int64)
 _KL_INDEX, _KL_NEIGHBOURS = IQ2KL_INDEX.astype(np.int64), IQ2KL_NEIGHBOURS.astype(np.int64)
 
@@ -115,66 +82,8 @@ _KL_INDEX, _KL_NEIGHBOURS = IQ2KL_INDEX.astype(np.int64), IQ2KL_NEIGHBOURS.astyp
 
 
 @njit(**NJIT)
-def _store_f16(row: np.ndarray, pos: int, v: np.float32) -> None:
-    h = f32_to_f16_bits(v)
-    row[pos] = np.uint8(h & np.uint16(0xFF))
-    row[pos + 1] = np.uint8(h >> np.uint16(8))
-
-
-@njit(**NJIT)
-def _load_f16(row: np.ndarray, pos: int) -> np.float32:
-    return f16_bits_to_f32(np.uint16(row[pos]) | (np.uint16(row[pos + 1]) << np.uint16(8)))
-
-
-@njit(**NJIT)
-def _store_f32(row: np.ndarray, pos: int, v: np.float32) -> None:
-    u = f32_bits(v)
-    for k in range(4):
-        row[pos + k] = np.uint8((u >> np.uint32(8 * k)) & np.uint32(0xFF))
-
-
-@njit(**NJIT)
-def _load_f32(row: np.ndarray, pos: int) -> np.float32:
-    u = np.uint32(0)
-    for k in range(4):
-        u |= np.uint32(row[pos + k]) << np.uint32(8 * k)
-    return f32_from_bits(u)
-
-
-@njit(**NJIT)
 def _load_u16(row: np.ndarray, pos: int) -> int:
     return np.int64(row[pos]) | (np.int64(row[pos + 1]) << 8)
-
-
-@njit(**NJIT)
-def _importance(qw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """ik's QHelper: a 32-value block whose importance (or values) is negligible gets the tiny weight 1e-9 instead.
-
-    Without it, a block of zero importance would make every scale search divide by zero.
-    """
-    eps = np.float32(1e-9)
-    floor = np.float32(SUB) * (eps * eps)
-    for ib in range(x.size // SUB):
-        sumw2 = np.float32(0.0)
-        sumx2 = np.float32(0.0)
-        sumwx = np.float32(0.0)
-        for j in range(ib * SUB, ib * SUB + SUB):
-            w = qw[j]
-            out[j] = w
-            sumw2 += w * w
-            sumx2 += x[j] * x[j]
-            sumwx += w * abs(x[j])
-        if not (sumw2 > floor and sumx2 > floor and sumwx > floor):
-            out[ib * SUB : ib * SUB + SUB] = eps
-
-
-@njit(**NJIT)
-def _sum_squares(x: np.ndarray) -> np.float32:
-    """Sum of x*x over a block, products rounded then added in order (ik's build vectorises only the products)."""
-    s = np.float32(0.0)
-    for j in range(x.size):
-        s += x[j] * x[j]
-    return s
 
 
 @njit(**NJIT)
@@ -200,123 +109,6 @@ def _weights(qw: np.ndarray, xb: np.ndarray, sigma2: np.float32, weighted: bool,
             out[j] = abs(xb[j])
 
 
-@njit(**NJIT)
-def _absmax(xb: np.ndarray) -> tuple[np.float32, np.float32]:
-    """Largest |x| and the signed value that has it (first one on ties)."""
-    amax = np.float32(0.0)
-    vmax = np.float32(0.0)
-    for j in range(xb.size):
-        ax = abs(xb[j])
-        if ax > amax:
-            amax = ax
-            vmax = xb[j]
-    return amax, vmax
-
-
-@njit(**NJIT)
-def _nearest(kind: int, off: int, x: np.float32) -> int:
-    """Index (within the half starting at `off`) of the point of grid kind 3, 4 or 5 nearest to x, found as ik's
-    best_index_iq{3,4,5}nl do: (int)x - grid[0] looks up either the answer or the pair to compare."""
-    if kind == 3:
-        gf, gi, index, limit, nv = _G3, _G3I, _X3, IQ3NL_LIMIT, 8
-    elif kind == 4:
-        gf, gi, index, limit, nv = _G4, _G4I, _X4, IQ4NL_LIMIT, 16
-    else:
-        gf, gi, index, limit, nv = _G5, _G5I, _X5, IQ5NL_LIMIT, 32
-    ix = np.int64(trunc_i32(x)) - gi[off]
-    if ix < 0:
-        return 0
-    if ix >= limit:
-        return nv - 1
-    k = index[ix]
-    if k < nv:
-        return k
-    k -= nv
-    if x - gf[off + k] < gf[off + k + 1] - x:
-        return k
-    return k + 1
-
-
-@njit(**NJIT)
-def _grid(kind: int, i: int) -> np.float32:
-    """Point i of grid kind 3, 4 or 5 (both halves), as float."""
-    if kind == 3:
-        return _G3[i]
-    if kind == 4:
-        return _G4[i]
-    return _G5[i]
-
-
-@njit(**NJIT)
-def _grid_int(kind: int, i: int) -> int:
-    if kind == 3:
-        return _G3I[i]
-    if kind == 4:
-        return _G4I[i]
-    return _G5I[i]
-
-
-@njit(**NJIT)
-def _nearest_iq2(off: int, x: np.float32) -> int:
-    """Nearest of the 4 IQ2 grid points of the half at `off`, by ik's two comparisons."""
-    if x < _G2[off + 1]:
-        idx = 0
-    elif x > _G2[off + 2]:
-        idx = 2
-    else:
-        idx = 1
-    if x - _G2[off + idx] < _G2[off + idx + 1] - x:
-        return idx
-    return idx + 1
-
-
-@njit(**NJIT)
-def _make_qx_quants(n: int, nmax: int, x: np.ndarray, L: np.ndarray, w: np.ndarray) -> np.float32:
-    """iqk_quantize.cpp's own make_qx_quants: symmetric integer scales in [-nmax, nmax) for n float scales.
-
-    Tries 19 inverse scales around nmax/max and keeps the best weighted least-squares fit (no refinement pass,
-    unlike ggml-quants.c's function of the same name). L receives l + nmax.
-    """
-    vmax = np.float32(0.0)
-    amax = np.float32(0.0)
-    for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            vmax = x[i]
-    if amax == 0:
-        L[:n] = 0
-        return np.float32(0.0)
-    fn = np.float32(nmax)
-    iscale = -fn / vmax
-    sumlx = np.float32(0.0)
-    suml2 = np.float32(0.0)
-    for i in range(n):
-        l = min(nmax - 1, max(-nmax, nearest_int_fma(iscale, x[i])))
-        L[i] = l + nmax
-        fl = np.float32(l)
-        sumlx = fmaf(w[i] * x[i], fl, sumlx)
-        suml2 = fmaf(w[i] * fl, fl, suml2)
-    scale = sumlx / suml2 if suml2 != 0 else np.float32(0.0)
-    best = scale * sumlx
-    for step in range(-9, 10):
-        if step == 0:
-            continue
-        iscale = -fmaf(np.float32(0.1), np.float32(step), fn) / vmax
-        sumlx = np.float32(0.0)
-        suml2 = np.float32(0.0)
-        for i in range(n):
-            fl = np.float32(min(nmax - 1, max(-nmax, nearest_int_fma(iscale, x[i]))))
-            sumlx = fmaf(w[i] * x[i], fl, sumlx)
-            suml2 = fmaf(w[i] * fl, fl, suml2)
-        if suml2 > 0 and sumlx * sumlx > best * suml2:
-            for i in range(n):
-                L[i] = nmax + min(nmax - 1, max(-nmax, nearest_int_fma(iscale, x[i])))
-            scale = sumlx / suml2
-            best = scale * sumlx
-    return scale
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # IQ2_KS: header f16 d; block = extra u16 (bits 0-7: shifted grid per sub-block, bits 8-15: scale bit 4),
 # scales[4] (low 4 bits of the 5-bit scale, two per byte), qs[64] (2-bit codes, 4 sub-blocks per 32 bytes).
@@ -326,7 +118,7 @@ IQ2KS_BYTES = 70
 
 @njit(**NJIT)
 def _sigma2_iq2ks(xbl: np.ndarray) -> np.float32:
-    return (np.float32(1.5) * _sum_squares(xbl)) * np.float32(1.0 / QK)
+    return (np.float32(1.5) * sum_squares(xbl)) * np.float32(1.0 / QK)
 
 
 @njit(**NJIT)
@@ -348,21 +140,15 @@ def _iq2ks_slow_search(xb: np.ndarray, weight: np.ndarray, order: np.ndarray, su
                        sumw: np.ndarray) -> tuple[np.float32, bool]:
     """ik's scalar IQ2_KS sub-block search: every split of the sorted values into 4 runs of equal codes, both
     grids, both orientations. Returns the best scale and whether the shifted grid won."""
-    for j in range(SUB):  # stable insertion sort by value: ik sorts (x, index) pairs
-        k = j
-        i = j - 1
-        while i >= 0 and xb[order[i]] > xb[k]:
-            order[i + 1] = order[i]
-            i -= 1
-        order[i + 1] = k
+    sort_order(xb, order)
     sumx[0] = np.float32(0.0)
     sumw[0] = np.float32(0.0)
     for j in range(SUB):
         jj = order[j]
         sumw[j + 1] = sumw[j] + weight[jj]
         sumx[j + 1] = sumx[j] + weight[jj] * xb[jj]
-    a0, a1, a2, a3 = _G2[0], _G2[1], _G2[2], _G2[3]
-    b0, b1, b2, b3 = _G2[4], _G2[5], _G2[6], _G2[7]
+    a0, a1, a2, a3 = IQ2NL[0], IQ2NL[1], IQ2NL[2], IQ2NL[3]
+    b0, b1, b2, b3 = IQ2NL[4], IQ2NL[5], IQ2NL[6], IQ2NL[7]
     best = np.float32(0.0)
     d = np.float32(0.0)
     shifted = False
@@ -382,9 +168,8 @@ def _iq2ks_slow_search(xb: np.ndarray, weight: np.ndarray, order: np.ndarray, su
                         v0, v1, v2, v3 = b3, b2, b1, b0
                     sumqx = _dot4(x0, x1, x2, x3, v0, v1, v2, v3)
                     sumq2 = _dot4_sq(w0, w1, w2, w3, v0, v1, v2, v3)
-                    if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-                        d = sumqx / sumq2
-                        best = d * sumqx
+                    d, best, better = keep_better(sumqx, sumq2, d, best)
+                    if better:
                         shifted = variant % 2 == 1
     return d, shifted
 
@@ -407,7 +192,7 @@ def _iq2ks_fast_search(xb: np.ndarray, w: np.ndarray, vmax: np.float32, q: np.nd
     """ik's AVX2 IQ2_KS sub-block search (compute_1block_iq2ks over 55 trial scales): for each trial scale the
     codes nearest (in squared distance) to x for +scale and for -scale, each refitted by weighted least squares
     with 8-lane fused sums. Returns the best scale and whether the shifted grid won."""
-    d = vmax / _G2[7]
+    d = vmax / IQ2NL[7]
     best = np.float32(0.0)
     shifted = False
     for t in range(55):
@@ -415,8 +200,8 @@ def _iq2ks_fast_search(xb: np.ndarray, w: np.ndarray, vmax: np.float32, q: np.nd
         if t == 0:
             dt = d
         else:
-            dt = vmax / fmaf(np.float32(0.5), np.float32((t - 1) % 27 - 13), _G2[off])
-        v0, v1, v2, v3 = _G2[off], _G2[off + 1], _G2[off + 2], _G2[off + 3]
+            dt = vmax / fmaf(np.float32(0.5), np.float32((t - 1) % 27 - 13), IQ2NL[off])
+        v0, v1, v2, v3 = IQ2NL[off], IQ2NL[off + 1], IQ2NL[off + 2], IQ2NL[off + 3]
         s0, s1, s2, s3 = dt * v0, dt * v1, dt * v2, dt * v3
         for j in range(SUB):
             x = xb[j]
@@ -498,7 +283,7 @@ def _iq2ks_rmse(dl: np.float32, xb: np.ndarray, w: np.ndarray, off: int, idx: np
                 acc: np.ndarray) -> np.float32:
     """ik's compute_1block_iq2ks_rmse: codes nearest (squared distance) to x at scale dl, and their weighted
     squared error in 8 fused lanes."""
-    s0, s1, s2, s3 = dl * _G2[off], dl * _G2[off + 1], dl * _G2[off + 2], dl * _G2[off + 3]
+    s0, s1, s2, s3 = dl * IQ2NL[off], dl * IQ2NL[off + 1], dl * IQ2NL[off + 2], dl * IQ2NL[off + 3]
     acc[0, :] = np.float32(0.0)
     for j in range(SUB):
         x = xb[j]
@@ -519,7 +304,7 @@ def _iq2ks_rmse(dl: np.float32, xb: np.ndarray, w: np.ndarray, off: int, idx: np
         if e * e < best:
             bi = 3
         idx[j] = bi
-        diff = fmaf(-dl, _G2[off + bi], x)
+        diff = fmaf(-dl, IQ2NL[off + bi], x)
         acc[0, j % 8] = fmaf(w[j] * diff, diff, acc[0, j % 8])
     return _hsum8(acc, 0)
 
@@ -552,7 +337,7 @@ def _iq2ks_fast_codes(blk: np.ndarray, ib: int, xb: np.ndarray, weight: np.ndarr
             idx[:] = idx2
     fl = np.float32(ls - 16)
     for j in range(SUB):
-        q = fl * _G2[off + idx[j]]
+        q = fl * IQ2NL[off + idx[j]]
         wq = weight[j] * q
         acc[0, j % 8] = fmaf(wq, xb[j], acc[0, j % 8])
         acc[1, j % 8] = fmaf(wq, q, acc[1, j % 8])
@@ -572,7 +357,7 @@ def _quantize_iq2_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray, slow: bool)
         row[:] = 0
         w_row = np.empty(n, dtype=np.float32)
         if weighted:
-            _importance(qw, xr, w_row)
+            importance(qw, xr, SUB, w_row)
         scales = np.zeros(nsub, dtype=np.float32)
         sw = np.zeros(nsub, dtype=np.float32)
         Ls = np.zeros(nsub, dtype=np.int64)
@@ -592,7 +377,7 @@ def _quantize_iq2_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray, slow: bool)
                 s = ibl * 8 + ib
                 xb = xbl[ib * SUB : (ib + 1) * SUB]
                 _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 1, weight)
-                amax, vmax = _absmax(xb)
+                amax, vmax = abs_max(xb)
                 sumw_b = np.float32(0.0)
                 for j in range(SUB):
                     sumw_b += weight[j]
@@ -606,7 +391,7 @@ def _quantize_iq2_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray, slow: bool)
                 if shifted:
                     extra |= 1 << ib
             row[2 + ibl * IQ2KS_BYTES] = np.uint8(extra)
-        d = _make_qx_quants(nsub, 16, scales, Ls, sw)
+        d = iqk_qx_quants(scales, sw, 16, Ls)
         if d == 0:
             continue
         sumqx = np.float32(0.0)
@@ -632,7 +417,7 @@ def _quantize_iq2_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray, slow: bool)
                 _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 1, weight)
                 idl = np.float32(1.0) / dl
                 for j in range(SUB):
-                    k = _nearest_iq2(off, idl * xb[j])
+                    k = nearest_iq2(off, idl * xb[j])
                     _iq2ks_pack_code(blk, ib, j, k)
                     q = np.float32(np.int64(IQ2NL_VALUES[off + k]) * ls)
                     wq = weight[j] * q
@@ -644,7 +429,7 @@ def _quantize_iq2_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray, slow: bool)
             sumqx = _hsum8(acc, 0)
             sumq2 = _hsum8(acc, 1)
             dh = sumqx / sumq2 if sumq2 > 0 else d
-        _store_f16(row, 0, dh)
+        store_f16(row, 0, dh)
 
 
 @njit(**KERNEL)
@@ -653,7 +438,7 @@ def _dequantize_iq2_ks(q: np.ndarray, out: np.ndarray) -> None:
     for r in prange(n_rows):
         row = q[r]
         y = out[r]
-        d = _load_f16(row, 0)
+        d = load_f16(row, 0)
         for ibl in range(n // QK):
             o = 2 + ibl * IQ2KS_BYTES
             extra = _load_u16(row, o)
@@ -665,7 +450,7 @@ def _dequantize_iq2_ks(q: np.ndarray, out: np.ndarray) -> None:
                 shift = 2 * (ib % 4)
                 base = ibl * QK + ib * SUB
                 for j in range(SUB):
-                    y[base + j] = dl * _G2[off + ((row[qs + j] >> shift) & 3)]
+                    y[base + j] = dl * IQ2NL[off + ((row[qs + j] >> shift) & 3)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -683,7 +468,7 @@ def _iq2kl_index(id_: np.float32, x1: np.float32, x2: np.float32, w1: np.float32
     combination is not a stored pair, the best of its 8 listed neighbours by weighted squared distance."""
     sx1 = id_ * x1
     sx2 = id_ * x2
-    i = _KL_INDEX[8 * _nearest(3, 0, sx1) + _nearest(3, 0, sx2)]
+    i = _KL_INDEX[8 * nearest(3, 0, sx1) + nearest(3, 0, sx2)]
     if i >= 0:
         return i
     best = np.float32(np.finfo(np.float32).max)
@@ -725,21 +510,15 @@ def _iq2kl_sums(id_: np.float32, xb: np.ndarray, w: np.ndarray) -> tuple[np.floa
 @njit(**NJIT)
 def _iq2kl_search(xb: np.ndarray, w: np.ndarray, vmax: np.float32) -> np.float32:
     """Best weighted least-squares scale of one sub-block over 12 inverse scales, both signs."""
-    d = -vmax / _G3[0]
+    d = -vmax / IQ3NL[0]
     sumqx_p, sumq2_p, sumqx_m, sumq2_m = _iq2kl_sums(np.float32(1.0) / d, xb, w)
     d = sumqx_p / sumq2_p
     best = d * sumqx_p
-    if sumq2_m > 0 and sumqx_m * sumqx_m > best * sumq2_m:
-        d = sumqx_m / sumq2_m
-        best = d * sumqx_m
+    d, best, _ = keep_better(sumqx_m, sumq2_m, d, best)
     for itry in range(-5, 6):
-        sumqx_p, sumq2_p, sumqx_m, sumq2_m = _iq2kl_sums(np.float32(itry + _G3I[0]) / vmax, xb, w)
-        if sumq2_p > 0 and sumqx_p * sumqx_p > best * sumq2_p:
-            d = sumqx_p / sumq2_p
-            best = d * sumqx_p
-        if sumq2_m > 0 and sumqx_m * sumqx_m > best * sumq2_m:
-            d = sumqx_m / sumq2_m
-            best = d * sumqx_m
+        sumqx_p, sumq2_p, sumqx_m, sumq2_m = _iq2kl_sums(np.float32(itry + np.int64(IQ3NL[0])) / vmax, xb, w)
+        d, best, _ = keep_better(sumqx_p, sumq2_p, d, best)
+        d, best, _ = keep_better(sumqx_m, sumq2_m, d, best)
     return d
 
 
@@ -774,19 +553,19 @@ def _quantize_iq2_kl(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
         row[:] = 0
         w_row = np.empty(n, dtype=np.float32)
         if weighted:
-            _importance(qw, xr, w_row)
+            importance(qw, xr, SUB, w_row)
         scales = np.zeros(n // SUB, dtype=np.float32)
         weight = np.empty(SUB, dtype=np.float32)
         max_scale = np.float32(0.0)
         max_abs_scale = np.float32(0.0)
         for ibl in range(nblock):
             xbl = xr[ibl * QK : (ibl + 1) * QK]
-            sigma2 = _sum_squares(xbl) * np.float32(2.25 / QK)
+            sigma2 = sum_squares(xbl) * np.float32(2.25 / QK)
             for ib in range(8):
                 s = ibl * 8 + ib
                 xb = xbl[ib * SUB : (ib + 1) * SUB]
                 _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 2, weight)
-                amax, vmax = _absmax(xb)
+                amax, vmax = abs_max(xb)
                 if amax < np.float32(1e-16):
                     continue
                 scales[s] = _iq2kl_search(xb, weight, vmax)
@@ -802,7 +581,7 @@ def _quantize_iq2_kl(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
         for ibl in range(nblock):
             blk = row[2 + ibl * IQ2KL_BYTES : 2 + (ibl + 1) * IQ2KL_BYTES]
             xbl = xr[ibl * QK : (ibl + 1) * QK]
-            sigma2 = _sum_squares(xbl) * np.float32(2.25 / QK)
+            sigma2 = sum_squares(xbl) * np.float32(2.25 / QK)
             for ib in range(8):
                 s = ibl * 8 + ib
                 xb = xbl[ib * SUB : (ib + 1) * SUB]
@@ -825,7 +604,7 @@ def _quantize_iq2_kl(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                     sumq2 += fmaf(wq1, q1, wq2 * q2)
         if sumq2 > 0:
             d = sumqx / sumq2
-        _store_f16(row, 0, np.float32(1.025) * d)
+        store_f16(row, 0, np.float32(1.025) * d)
 
 
 @njit(**KERNEL)
@@ -834,7 +613,7 @@ def _dequantize_iq2_kl(q: np.ndarray, out: np.ndarray) -> None:
     for r in prange(n_rows):
         row = q[r]
         y = out[r]
-        d = _load_f16(row, 0)
+        d = load_f16(row, 0)
         for ibl in range(n // QK):
             o = 2 + ibl * IQ2KL_BYTES
             scales_h = _load_u16(row, o)
@@ -855,75 +634,22 @@ def _dequantize_iq2_kl(q: np.ndarray, out: np.ndarray) -> None:
 
 
 @njit(**NJIT)
-def _grid_sums(kind: int, id_: np.float32, xb: np.ndarray, w: np.ndarray,
-               off: int) -> tuple[np.float32, np.float32, np.float32, np.float32]:
-    """Weighted sums q*x and q*q for the codes nearest to x*id_ and to x*(-id_)."""
-    sumqx_p = np.float32(0.0)
-    sumq2_p = np.float32(0.0)
-    sumqx_m = np.float32(0.0)
-    sumq2_m = np.float32(0.0)
-    for j in range(xb.size):
-        al = id_ * xb[j]
-        q = _grid(kind, off + _nearest(kind, off, al))
-        wq = w[j] * q
-        sumqx_p = fmaf(wq, xb[j], sumqx_p)
-        sumq2_p = fmaf(wq, q, sumq2_p)
-        q = _grid(kind, off + _nearest(kind, off, -al))
-        wq = w[j] * q
-        sumqx_m = fmaf(wq, xb[j], sumqx_m)
-        sumq2_m = fmaf(wq, q, sumq2_m)
-    return sumqx_p, sumq2_p, sumqx_m, sumq2_m
-
-
-@njit(**NJIT)
-def _grid_search(kind: int, xb: np.ndarray, w: np.ndarray, vmax: np.float32, ntry: int,
-                 check_first: bool) -> tuple[np.float32, bool]:
-    """Best weighted least-squares scale of one sub-block over inverse scales (itry + grid[0]) / max, both grid
-    halves, both signs; and whether the shifted half won. check_first: IQ3_KS guards the first fit against an
-    empty sum, IQ4_KS/IQ5_KS do not."""
-    nv = 8 if kind == 3 else (16 if kind == 4 else 32)
-    d = -vmax / _grid(kind, 0)
-    sumqx_p, sumq2_p, sumqx_m, sumq2_m = _grid_sums(kind, np.float32(1.0) / d, xb, w, 0)
-    best = np.float32(0.0)
-    if not check_first or sumq2_p > 0:
-        d = sumqx_p / sumq2_p
-        best = d * sumqx_p
-    if sumq2_m > 0 and sumqx_m * sumqx_m > best * sumq2_m:
-        d = sumqx_m / sumq2_m
-        best = d * sumqx_m
-    shifted = False
-    for itry in range(-ntry, ntry + 1):
-        for off in (0, nv):
-            id_ = np.float32(itry + _grid_int(kind, off)) / vmax
-            sumqx_p, sumq2_p, sumqx_m, sumq2_m = _grid_sums(kind, id_, xb, w, off)
-            if sumq2_p > 0 and sumqx_p * sumqx_p > best * sumq2_p:
-                d = sumqx_p / sumq2_p
-                best = d * sumqx_p
-                shifted = off != 0
-            if sumq2_m > 0 and sumqx_m * sumqx_m > best * sumq2_m:
-                d = sumqx_m / sumq2_m
-                best = d * sumqx_m
-                shifted = off != 0
-    return d, shifted
-
-
-@njit(**NJIT)
 def _grid_first_pass(kind: int, xr: np.ndarray, w_row: np.ndarray, weighted: bool, ntry: int,
                      check_first: bool, scales: np.ndarray, shifted: np.ndarray) -> None:
     """Per sub-block best float scale (0 for an all-but-zero sub-block) and grid half, for a whole row."""
     weight = np.empty(SUB, dtype=np.float32)
     for ibl in range(xr.size // QK):
         xbl = xr[ibl * QK : (ibl + 1) * QK]
-        sigma2 = _sum_squares(xbl) * np.float32(2.0 / QK)
+        sigma2 = sum_squares(xbl) * np.float32(2.0 / QK)
         for ib in range(8):
             s = ibl * 8 + ib
             xb = xbl[ib * SUB : (ib + 1) * SUB]
             _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 0, weight)
-            amax, vmax = _absmax(xb)
+            amax, vmax = abs_max(xb)
             scales[s] = np.float32(0.0)
             shifted[s] = False
             if amax >= np.float32(1e-16):
-                scales[s], shifted[s] = _grid_search(kind, xb, weight, vmax, ntry, check_first)
+                scales[s], shifted[s] = grid_search(kind, xb, weight, vmax, ntry, 1, check_first)
 
 
 # IQ3_KS: header f16 d; block = extra u16 (bits 0-7: scale bit 4, bits 8-15: shifted grid), scales[4] (low 4
@@ -942,7 +668,7 @@ def _quantize_iq3_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
         row[:] = 0
         w_row = np.empty(n, dtype=np.float32)
         if weighted:
-            _importance(qw, xr, w_row)
+            importance(qw, xr, SUB, w_row)
         scales = np.empty(n // SUB, dtype=np.float32)
         shifted = np.empty(n // SUB, dtype=np.bool_)
         _grid_first_pass(3, xr, w_row, weighted, 5, True, scales, shifted)
@@ -955,7 +681,7 @@ def _quantize_iq3_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
             if shifted[s]:
                 row[2 + (s // 8) * IQ3KS_BYTES + 1] |= np.uint8(1 << (s % 8))
         d = max_scale * np.float32(-1.0 / 16)
-        _store_f16(row, 0, d)
+        store_f16(row, 0, d)
         if d == 0:
             continue
         id_ = np.float32(1.0) / d
@@ -965,7 +691,7 @@ def _quantize_iq3_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
         for ibl in range(n // QK):
             blk = row[2 + ibl * IQ3KS_BYTES : 2 + (ibl + 1) * IQ3KS_BYTES]
             xbl = xr[ibl * QK : (ibl + 1) * QK]
-            sigma2 = _sum_squares(xbl) * np.float32(2.0 / QK)
+            sigma2 = sum_squares(xbl) * np.float32(2.0 / QK)
             for ib in range(8):
                 s = ibl * 8 + ib
                 off = 8 if shifted[s] else 0
@@ -977,15 +703,15 @@ def _quantize_iq3_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                 xb = xbl[ib * SUB : (ib + 1) * SUB]
                 _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 0, weight)
                 for j in range(SUB):
-                    k = _nearest(3, off, idl * xb[j])
+                    k = nearest(3, off, idl * xb[j])
                     blk[6 + 32 * (ib // 4) + j] |= np.uint8((k & 3) << (2 * (ib % 4)))
                     blk[70 + j] |= np.uint8((k >> 2) << ib)
-                    q = np.float32(_G3I[off + k] * l)
+                    q = np.float32(np.int64(IQ3NL[off + k]) * l)
                     wq = weight[j] * q
                     sumqx = fmaf(wq, xb[j], sumqx)
                     sumq2 = fmaf(wq, q, sumq2)
         if sumq2 > 0:
-            _store_f16(row, 0, sumqx / sumq2)
+            store_f16(row, 0, sumqx / sumq2)
 
 
 @njit(**KERNEL)
@@ -994,7 +720,7 @@ def _dequantize_iq3_ks(q: np.ndarray, out: np.ndarray) -> None:
     for r in prange(n_rows):
         row = q[r]
         y = out[r]
-        d = _load_f16(row, 0)
+        d = load_f16(row, 0)
         for ibl in range(n // QK):
             o = 2 + ibl * IQ3KS_BYTES
             extra = _load_u16(row, o)
@@ -1007,7 +733,7 @@ def _dequantize_iq3_ks(q: np.ndarray, out: np.ndarray) -> None:
                 base = ibl * QK + ib * SUB
                 for j in range(SUB):
                     k = ((row[qs + j] >> shift) & 3) | (((row[o + 70 + j] >> ib) & 1) << 2)
-                    y[base + j] = dl * _G3[off + k]
+                    y[base + j] = dl * IQ3NL[off + k]
 
 
 # IQ4_KS / IQ5_KS: header f32 d; block = one byte per sub-block (bit 0: shifted grid, bits 1-7: scale + 127),
@@ -1042,22 +768,24 @@ def _quantize_iq45_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray, kind: int)
     weighted = qw.size > 0
     nv = 32 if kind == 5 else 16
     nbytes = IQ5KS_BYTES if kind == 5 else IQ4KS_BYTES
-    ntry = 5 if kind == 5 else 7
     for r in prange(n_rows):
         xr = x[r]
         row = out[r]
         row[:] = 0
         w_row = np.empty(n, dtype=np.float32)
         if weighted:
-            _importance(qw, xr, w_row)
+            importance(qw, xr, SUB, w_row)
         scales = np.empty(n // SUB, dtype=np.float32)
         shifted = np.empty(n // SUB, dtype=np.bool_)
-        _grid_first_pass(kind, xr, w_row, weighted, ntry, False, scales, shifted)
+        if kind == 5:  # a literal grid number lets Numba specialise the search (see iqk_grids)
+            _grid_first_pass(5, xr, w_row, weighted, 5, False, scales, shifted)
+        else:
+            _grid_first_pass(4, xr, w_row, weighted, 7, False, scales, shifted)
         for s in range(n // SUB):
             if shifted[s]:
                 row[4 + (s // 8) * nbytes + s % 8] = 1
         d = _row_amax(scales) / np.float32(127.0)
-        _store_f32(row, 0, d)
+        store_f32(row, 0, d)
         if d == 0:
             continue
         id_ = np.float32(1.0) / d
@@ -1067,7 +795,7 @@ def _quantize_iq45_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray, kind: int)
         for ibl in range(n // QK):
             blk = row[4 + ibl * nbytes : 4 + (ibl + 1) * nbytes]
             xbl = xr[ibl * QK : (ibl + 1) * QK]
-            sigma2 = _sum_squares(xbl) * np.float32(2.0 / QK)
+            sigma2 = sum_squares(xbl) * np.float32(2.0 / QK)
             for ib in range(8):
                 s = ibl * 8 + ib
                 off = nv if shifted[s] else 0
@@ -1079,26 +807,26 @@ def _quantize_iq45_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray, kind: int)
                 _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 0, weight)
                 if kind == 5:
                     for j in range(SUB):
-                        k = _nearest(5, off, idl * xb[j])
+                        k = nearest(5, off, idl * xb[j])
                         blk[8 + 32 * (ib // 2) + j] |= np.uint8((k & 0xF) << (4 * (ib % 2)))
                         blk[136 + j] |= np.uint8((k >> 4) << ib)
-                        q = np.float32(_G5I[off + k] * l)
+                        q = np.float32(np.int64(IQ5NL[off + k]) * l)
                         wq = weight[j] * q
                         sumqx = fmaf(wq, xb[j], sumqx)
                         sumq2 = fmaf(wq, q, sumq2)
                 else:
                     for j in range(SUB // 2):
-                        k1 = _nearest(4, off, idl * xb[j])
-                        k2 = _nearest(4, off, idl * xb[j + 16])
+                        k1 = nearest(4, off, idl * xb[j])
+                        k2 = nearest(4, off, idl * xb[j + 16])
                         blk[8 + 16 * ib + j] = np.uint8(k1 | (k2 << 4))
-                        q1 = np.float32(_G4I[off + k1] * l)
-                        q2 = np.float32(_G4I[off + k2] * l)
+                        q1 = np.float32(np.int64(IQ4K[off + k1]) * l)
+                        q2 = np.float32(np.int64(IQ4K[off + k2]) * l)
                         wq1 = weight[j] * q1
                         wq2 = weight[j + 16] * q2
                         sumqx += fmaf(wq1, xb[j], wq2 * xb[j + 16])
                         sumq2 += fmaf(wq1, q1, wq2 * q2)
         if sumq2 > 0:
-            _store_f32(row, 0, sumqx / sumq2)
+            store_f32(row, 0, sumqx / sumq2)
 
 
 @njit(**KERNEL)
@@ -1107,7 +835,7 @@ def _dequantize_iq4_ks(q: np.ndarray, out: np.ndarray) -> None:
     for r in prange(n_rows):
         row = q[r]
         y = out[r]
-        d = _load_f32(row, 0)
+        d = load_f32(row, 0)
         for ibl in range(n // QK):
             o = 4 + ibl * IQ4KS_BYTES
             for ib in range(8):
@@ -1117,8 +845,8 @@ def _dequantize_iq4_ks(q: np.ndarray, out: np.ndarray) -> None:
                 qs = o + 8 + 16 * ib
                 base = ibl * QK + ib * SUB
                 for j in range(16):
-                    y[base + j] = dl * _G4[off + (row[qs + j] & 0xF)]
-                    y[base + j + 16] = dl * _G4[off + (row[qs + j] >> 4)]
+                    y[base + j] = dl * IQ4K[off + (row[qs + j] & 0xF)]
+                    y[base + j + 16] = dl * IQ4K[off + (row[qs + j] >> 4)]
 
 
 @njit(**KERNEL)
@@ -1127,7 +855,7 @@ def _dequantize_iq5_ks(q: np.ndarray, out: np.ndarray) -> None:
     for r in prange(n_rows):
         row = q[r]
         y = out[r]
-        d = _load_f32(row, 0)
+        d = load_f32(row, 0)
         for ibl in range(n // QK):
             o = 4 + ibl * IQ5KS_BYTES
             for ib in range(8):
@@ -1139,7 +867,7 @@ def _dequantize_iq5_ks(q: np.ndarray, out: np.ndarray) -> None:
                 base = ibl * QK + ib * SUB
                 for j in range(SUB):
                     k = ((row[qs + j] >> shift) & 0xF) | (((row[o + 136 + j] >> ib) & 1) << 4)
-                    y[base + j] = dl * _G5[off + k]
+                    y[base + j] = dl * IQ5NL[off + k]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1181,7 +909,7 @@ def _group_pos(k: int, j: int) -> int:
 @njit(**NJIT)
 def _iq4kss_cost(off: int, q: int, x: np.float32, w: np.float32, dl: np.float32,
                  diff0: np.float32) -> np.float32:
-    diff1 = fmaf(dl, _G4[off + q], -x)
+    diff1 = fmaf(dl, IQ4K[off + q], -x)
     return w * fmaf(diff1, diff1, -(diff0 * diff0))
 
 
@@ -1201,7 +929,7 @@ def _iq4kss_prune(v: int, off: int, x0: np.float32, x1: np.float32, x2: np.float
         w = w0 if j == 0 else (w1 if j == 1 else (w2 if j == 2 else w3))
         q = (v >> (4 * j)) & 0xF
         pc = _popcount(q)
-        diff0 = fmaf(dl, _G4[q], -x)
+        diff0 = fmaf(dl, IQ4K[q], -x)
         for qq in range(max(q - 2, 0), min(q + 2, 15) + 1):
             if qq != q and (_popcount(qq) - pc) % 2 != 0:
                 score = _iq4kss_cost(off, qq, x, w, dl, diff0)
@@ -1217,7 +945,7 @@ def _iq4kss_group(xb: np.ndarray, w: np.ndarray, k: int, off: int, id_: np.float
     """Codes (grid half at `off`) of group k nearest to x*id_, parity-repaired at scale dl."""
     v = 0
     for j in range(4):
-        v |= _nearest(4, off, id_ * xb[_group_pos(k, j)]) << (4 * j)
+        v |= nearest(4, off, id_ * xb[_group_pos(k, j)]) << (4 * j)
     p0, p1, p2, p3 = _group_pos(k, 0), _group_pos(k, 1), _group_pos(k, 2), _group_pos(k, 3)
     return _iq4kss_prune(v, off, xb[p0], xb[p1], xb[p2], xb[p3], w[p0], w[p1], w[p2], w[p3], dl)
 
@@ -1227,10 +955,10 @@ def _iq4kss_search(xb: np.ndarray, w: np.ndarray, vmax: np.float32) -> np.float3
     """IQ4_KSS sub-block scale search: as IQ4_KS's, but every code group is parity-repaired before it is scored
     (both signs are repaired at the positive trial scale, as ik does)."""
     best = np.float32(0.0)
-    d = -vmax / _G4[0]
+    d = -vmax / IQ4K[0]
     for itry in range(-7, 8):
         for off in (0, 16):
-            id_ = np.float32(itry + _G4I[off]) / vmax
+            id_ = np.float32(itry + np.int64(IQ4K[off])) / vmax
             this_d = np.float32(1.0) / id_
             sumqx_p = np.float32(0.0)
             sumq2_p = np.float32(0.0)
@@ -1241,20 +969,16 @@ def _iq4kss_search(xb: np.ndarray, w: np.ndarray, vmax: np.float32) -> np.float3
                 vm = _iq4kss_group(xb, w, k, off, -id_, this_d)
                 for j in range(4):
                     p = _group_pos(k, j)
-                    q = _G4[off + ((vp >> (4 * j)) & 0xF)]
+                    q = IQ4K[off + ((vp >> (4 * j)) & 0xF)]
                     wq = w[p] * q
                     sumqx_p = fmaf(wq, xb[p], sumqx_p)
                     sumq2_p = fmaf(wq, q, sumq2_p)
-                    q = _G4[off + ((vm >> (4 * j)) & 0xF)]
+                    q = IQ4K[off + ((vm >> (4 * j)) & 0xF)]
                     wq = w[p] * q
                     sumqx_m = fmaf(wq, xb[p], sumqx_m)
                     sumq2_m = fmaf(wq, q, sumq2_m)
-            if sumq2_p > 0 and sumqx_p * sumqx_p > best * sumq2_p:
-                d = sumqx_p / sumq2_p
-                best = d * sumqx_p
-            if sumq2_m > 0 and sumqx_m * sumqx_m > best * sumq2_m:
-                d = sumqx_m / sumq2_m
-                best = d * sumqx_m
+            d, best, _ = keep_better(sumqx_p, sumq2_p, d, best)
+            d, best, _ = keep_better(sumqx_m, sumq2_m, d, best)
     return d
 
 
@@ -1264,7 +988,7 @@ def _iq4kss_mse(xb: np.ndarray, w: np.ndarray, k: int, off: int, v: int, dl: np.
     """mse plus the weighted squared error of group k coded as v (grid half at `off`) at scale dl."""
     for j in range(4):
         p = _group_pos(k, j)
-        diff = fmaf(-dl, _G4[off + ((v >> (4 * j)) & 0xF)], xb[p])
+        diff = fmaf(-dl, IQ4K[off + ((v >> (4 * j)) & 0xF)], xb[p])
         mse = fmaf(w[p] * diff, diff, mse)
     return mse
 
@@ -1279,23 +1003,23 @@ def _quantize_iq4_kss(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
         row[:] = 0
         w_row = np.empty(n, dtype=np.float32)
         if weighted:
-            _importance(qw, xr, w_row)
+            importance(qw, xr, SUB, w_row)
         scales = np.zeros(n // SUB, dtype=np.float32)
         weight = np.empty(SUB, dtype=np.float32)
         vps = np.empty(SUB // 4, dtype=np.int64)
         vms = np.empty(SUB // 4, dtype=np.int64)
         for ibl in range(n // QK):
             xbl = xr[ibl * QK : (ibl + 1) * QK]
-            sigma2 = _sum_squares(xbl) * np.float32(2.0 / QK)
+            sigma2 = sum_squares(xbl) * np.float32(2.0 / QK)
             for ib in range(8):
                 s = ibl * 8 + ib
                 xb = xbl[ib * SUB : (ib + 1) * SUB]
                 _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 0, weight)
-                amax, vmax = _absmax(xb)
+                amax, vmax = abs_max(xb)
                 if amax >= np.float32(1e-16):
                     scales[s] = _iq4kss_search(xb, weight, vmax)
         d = _row_amax(scales) / np.float32(127.0)
-        _store_f32(row, 0, d)
+        store_f32(row, 0, d)
         if d == 0:
             continue
         id_ = np.float32(1.0) / d
@@ -1304,7 +1028,7 @@ def _quantize_iq4_kss(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
         for ibl in range(n // QK):
             blk = row[4 + ibl * IQ4KSS_BYTES : 4 + (ibl + 1) * IQ4KSS_BYTES]
             xbl = xr[ibl * QK : (ibl + 1) * QK]
-            sigma2 = _sum_squares(xbl) * np.float32(2.0 / QK)
+            sigma2 = sum_squares(xbl) * np.float32(2.0 / QK)
             for ib in range(8):
                 s = ibl * 8 + ib
                 xb = xbl[ib * SUB : (ib + 1) * SUB]
@@ -1326,7 +1050,7 @@ def _quantize_iq4_kss(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                 for k in range(SUB // 4):
                     for j in range(4):
                         p = _group_pos(k, j)
-                        q = np.float32(_G4I[off + ((v[k] >> (4 * j)) & 0xF)] * l)
+                        q = np.float32(np.int64(IQ4K[off + ((v[k] >> (4 * j)) & 0xF)]) * l)
                         wq = weight[p] * q
                         sumqx = fmaf(wq, xb[p], sumqx)
                         sumq2 = fmaf(wq, q, sumq2)
@@ -1334,7 +1058,7 @@ def _quantize_iq4_kss(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                     blk[16 * ib + 2 * k] = np.uint8(word & 0xFF)
                     blk[16 * ib + 2 * k + 1] = np.uint8(word >> 8)
         if sumq2 > 0:
-            _store_f32(row, 0, (sumqx / sumq2) * np.float32(1.01))
+            store_f32(row, 0, (sumqx / sumq2) * np.float32(1.01))
 
 
 @njit(**KERNEL)
@@ -1343,7 +1067,7 @@ def _dequantize_iq4_kss(q: np.ndarray, out: np.ndarray) -> None:
     for r in prange(n_rows):
         row = q[r]
         y = out[r]
-        d = _load_f32(row, 0)
+        d = load_f32(row, 0)
         nib = np.empty(16, dtype=np.int64)
         for ibl in range(n // QK):
             o = 4 + ibl * IQ4KSS_BYTES
@@ -1360,8 +1084,8 @@ def _dequantize_iq4_kss(q: np.ndarray, out: np.ndarray) -> None:
                 off = 16 * (b & 1)
                 base = ibl * QK + ib * SUB
                 for j in range(16):
-                    y[base + j] = dl * _G4[off + (nib[j] & 0xF)]
-                    y[base + j + 16] = dl * _G4[off + (nib[j] >> 4)]
+                    y[base + j] = dl * IQ4K[off + (nib[j] & 0xF)]
+                    y[base + j + 16] = dl * IQ4K[off + (nib[j] >> 4)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.base import Codec
-from ikquant.formats.numeric import f16_bits_to_f32, f32_to_f16_bits, fma64, fmaf, nearest_int_fma
+from ikquant.formats.numeric import fmaf, load_f16, nearest_int_fma, store_f16
+from ikquant.formats.scale_search import make_qkx3_quants, make_qx_quants
 from ikquant.types import register_codec
 
 QK_K = 256
@@ -31,121 +32,14 @@ FP16_STEP = 2.0**-24
 
 
 @njit(**NJ)
-def _store_f16(out: np.ndarray, pos: int, v: np.float32) -> np.float32:
-    """Store v as fp16 at out[pos:pos+2]; returns the float32 that ik reads back from there."""
-    h = f32_to_f16_bits(v)
-    out[pos] = np.uint8(h & np.uint16(0xFF))
-    out[pos + 1] = np.uint8(h >> np.uint16(8))
-    return f16_bits_to_f32(h)
-
-
-@njit(**NJ)
-def _load_f16(q: np.ndarray, pos: int) -> np.float32:
-    return f16_bits_to_f32(np.uint16(q[pos]) | (np.uint16(q[pos + 1]) << np.uint16(8)))
-
-
-@njit(**NJ)
 def _nearest_int_div(x: np.float32, d: np.float32) -> np.int32:
     """ggml's nearest_int(x / d): the quotient is rounded first, so there is no product to fuse into the add."""
     return nearest_int_fma(x / d, np.float32(1.0))
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Scale searches (ik's make_*_quants, specialised to the sizes and flags the k-quants use)
+# Scale searches only the k-quants run (ik's make_*_quants, specialised to their sizes and flags)
 # ---------------------------------------------------------------------------------------------------------------
-
-
-@njit(**NJ)
-def make_qx_quants16(nmax: int, x: np.ndarray, L: np.ndarray, w: np.ndarray) -> np.float32:
-    """ik's weighted symmetric scale search (make_qx_quants, rmse_type 1) for 16 values.
-
-    Returns the scale; L receives codes in [0, 2*nmax). With n = 16 GCC builds this differently from the n = 32
-    copy used by Q4_0: the 0.1*step offset is rounded before it is added to nmax, and the refinement's
-    sumlx update adds a rounded w*x.
-    """
-    n = 16
-    fmax = np.float32(0.0)
-    amax = np.float32(0.0)
-    for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            fmax = x[i]
-    if amax < GROUP_MAX_EPS:
-        for i in range(n):
-            L[i] = 0
-        return np.float32(0.0)
-    fn = np.float32(nmax)
-    iscale = -fn / fmax
-    sumlx = np.float32(0.0)
-    suml2 = np.float32(0.0)
-    for i in range(n):
-        l = min(nmax - 1, max(-nmax, nearest_int_fma(iscale, x[i])))
-        L[i] = l + nmax
-        fl = np.float32(l)
-        sumlx = fmaf(w[i] * x[i], fl, sumlx)
-        suml2 = fmaf(w[i] * fl, fl, suml2)
-    scale = sumlx / suml2 if suml2 != 0 else np.float32(0.0)
-    best = scale * sumlx
-    best_sumlx = sumlx
-    best_suml2 = suml2
-    for step in range(-9, 10):
-        off = np.float32(0.1) * np.float32(step)
-        for sign in range(2):
-            if sign == 0:
-                iscale = -(off + fn) / fmax
-            else:
-                iscale = (off + (fn - np.float32(1.0))) / fmax
-            sumlx = np.float32(0.0)
-            suml2 = np.float32(0.0)
-            for i in range(n):
-                fl = np.float32(min(nmax - 1, max(-nmax, nearest_int_fma(iscale, x[i]))))
-                sumlx += (w[i] * x[i]) * fl
-                suml2 += (w[i] * fl) * fl
-            if suml2 > 0 and sumlx * sumlx > best * suml2:
-                for i in range(n):
-                    L[i] = nmax + min(nmax - 1, max(-nmax, nearest_int_fma(iscale, x[i])))
-                scale = sumlx / suml2
-                best = scale * sumlx
-                best_sumlx = sumlx
-                best_suml2 = suml2
-    sumlx = best_sumlx
-    suml2 = best_suml2
-    for _ in range(n * (2 * nmax - 1)):
-        abs_gmax = np.float32(0.0)
-        gmax = np.float32(0.0)
-        best_j = -1
-        for j in range(n):
-            l = np.int32(L[j]) - nmax
-            g = (scale * w[j]) * fmaf(-scale, np.float32(l), x[j])
-            if (g > 0 and l < nmax - 1) or (g < 0 and l > -nmax):
-                ag = abs(g)
-                if ag > abs_gmax:
-                    abs_gmax = ag
-                    gmax = g
-                    best_j = j
-        if best_j < 0:
-            break
-        wj = w[best_j]
-        wx = wj * x[best_j]
-        l = np.int32(L[best_j]) - nmax
-        if gmax > 0:
-            new_sumlx = sumlx + wx
-            new_suml2 = fmaf(wj, np.float32(2 * l + 1), suml2)
-            l += 1
-        else:
-            new_sumlx = sumlx - wx
-            new_suml2 = fmaf(-wj, np.float32(2 * l - 1), suml2)
-            l -= 1
-        if new_suml2 > 0 and new_sumlx * new_sumlx > best * new_suml2:
-            sumlx = new_sumlx
-            suml2 = new_suml2
-            scale = sumlx / suml2
-            best = scale * sumlx
-            L[best_j] = l + nmax
-        else:
-            break
-    return scale
 
 
 @njit(**NJ)
@@ -274,141 +168,6 @@ def make_qkx2_quants(
 
 
 @njit(**NJ)
-def _qkx3_fit(sum_w: float, sum_x: float, sum_l: float, sum_l2: float, sum_xl: float, D: float) -> tuple[float, float]:
-    """Least-squares (scale, min) for fixed codes, min clamped to <= 0 (then scale alone)."""
-    this_min = fma64(sum_l2, sum_x, -(sum_l * sum_xl)) / D
-    if this_min > 0:
-        return sum_xl / sum_l2, 0.0
-    return fma64(-sum_x, sum_l, sum_w * sum_xl) / D, this_min
-
-
-@njit(**NJ)
-def _qkx3_score(sum_w: float, sum_x: float, sum_l: float, sum_l2: float, sum_xl: float, a: float, b: float) -> float:
-    """2*a*sum_xl + 2*b*sum_x - 2*a*b*sum_l - a^2*sum_l2 - b^2*sum_w (the weighted fit gain), fused as GCC does."""
-    s = fma64(a + a, sum_xl, (b + b) * sum_x)
-    s = fma64(-((a + a) * b), sum_l, s)
-    s = fma64(-(a * a), sum_l2, s)
-    return fma64(-(b * b), sum_w, s)
-
-
-@njit(**NJ)
-def make_qkx3_quants(
-    nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, Laux: np.ndarray,
-    rmin: np.float32, rdelta: np.float32, nstep: int, fused_sum_x2: bool,
-) -> tuple[np.float32, np.float32]:
-    """ik's make_qkx3_quants (use_mad false): make_qkx2's search with double sums, then greedy single-code moves.
-
-    Returns (scale, -min); L receives codes in [0, nmax]. GCC fuses the x^2 sum in the 16-value copy (Q2_K)
-    but not in the 32-value one (Q4_K, Q5_K): `fused_sum_x2` selects which.
-    """
-    n = x.size
-    fmin = x[0]
-    fmax = x[0]
-    sum_w = np.float64(w[0])
-    sum_x = sum_w * np.float64(x[0])
-    sum_x2 = sum_x * np.float64(x[0])
-    for i in range(1, n):
-        fmin = min(fmin, x[i])
-        fmax = max(fmax, x[i])
-        xi = np.float64(x[i])
-        wx = np.float64(w[i]) * xi
-        sum_w += np.float64(w[i])
-        sum_x += wx
-        sum_x2 = fma64(wx, xi, sum_x2) if fused_sum_x2 else sum_x2 + wx * xi
-    if fmin > 0:
-        fmin = np.float32(0.0)
-    if fmax - fmin < np.float32(1e-10):
-        for i in range(n):
-            L[i] = 0
-        return np.float32(0.0), -fmin
-    fn = np.float32(nmax)
-    iscale = fn / (fmax - fmin)
-    scale = np.float32(1.0) / iscale
-    best_mad = 0.0
-    for i in range(n):
-        l = min(nmax, max(0, nearest_int_fma(iscale, x[i] - fmin)))
-        L[i] = l
-        diff = fma64(np.float64(l), np.float64(scale), np.float64(fmin)) - np.float64(x[i])
-        best_mad = fma64(np.float64(w[i]), diff * diff, best_mad)
-    for step in range(nstep + 1):
-        iscale = (fmaf(np.float32(step), rdelta, rmin) + fn) / (fmax - fmin)
-        sum_l = 0.0
-        sum_l2 = 0.0
-        sum_xl = 0.0
-        for i in range(n):
-            l = min(nmax, max(0, nearest_int_fma(iscale, x[i] - fmin)))
-            Laux[i] = l
-            fl = np.float64(l)
-            wl = np.float64(w[i]) * fl
-            sum_l2 = fma64(wl, fl, sum_l2)
-            sum_xl = fma64(wl, np.float64(x[i]), sum_xl)
-            sum_l += wl
-        D = fma64(sum_w, sum_l2, -(sum_l * sum_l))
-        if D > 0:
-            this_scale, this_min = _qkx3_fit(sum_w, sum_x, sum_l, sum_l2, sum_xl, D)
-            mad = fma64(-(this_scale + this_scale), sum_xl, sum_x2)
-            mad = fma64(-(this_min + this_min), sum_x, mad)
-            mad = fma64((this_scale + this_scale) * this_min, sum_l, mad)
-            mad = fma64(this_scale * this_scale, sum_l2, mad)
-            mad = fma64(this_min * this_min, sum_w, mad)
-            if mad < best_mad:
-                for i in range(n):
-                    L[i] = Laux[i]
-                best_mad = mad
-                scale = np.float32(this_scale)
-                fmin = np.float32(this_min)
-    sum_l = 0.0
-    sum_l2 = 0.0
-    sum_xl = 0.0
-    for i in range(n):
-        fl = np.float64(L[i])
-        wl = np.float64(w[i]) * fl
-        sum_l2 = fma64(wl, fl, sum_l2)
-        sum_xl = fma64(wl, np.float64(x[i]), sum_xl)
-        sum_l += wl
-    best = _qkx3_score(sum_w, sum_x, sum_l, sum_l2, sum_xl, np.float64(scale), np.float64(fmin))
-    last_j = -1
-    last_dir = 0
-    for _ in range(nmax * n):
-        gmax = np.float32(0.0)
-        best_j = -1
-        dir = 0
-        for j in range(n):
-            g = fmaf(-scale, np.float32(L[j]), x[j]) - fmin
-            if g > 0 and L[j] < nmax and g > gmax:
-                gmax = g
-                best_j = j
-                dir = 1
-            elif g < 0 and L[j] > 0 and -g > gmax:
-                gmax = -g
-                best_j = j
-                dir = -1
-        if best_j < 0 or (best_j == last_j and dir == -last_dir):
-            break
-        wj = np.float64(w[best_j])
-        fd = np.float64(dir)
-        sum_l = fma64(wj, fd, sum_l)
-        sum_l2 = fma64(wj, np.float64(2 * np.int32(L[best_j]) * dir + 1), sum_l2)
-        sum_xl = fma64(wj * np.float64(x[best_j]), fd, sum_xl)
-        D = fma64(sum_w, sum_l2, -(sum_l * sum_l))
-        if D <= 0:
-            break
-        this_scale, this_min = _qkx3_fit(sum_w, sum_x, sum_l, sum_l2, sum_xl, D)
-        if this_scale < 0:
-            break
-        score = _qkx3_score(sum_w, sum_x, sum_l, sum_l2, sum_xl, this_scale, this_min)
-        if score <= best:
-            break
-        best = score
-        scale = np.float32(this_scale)
-        fmin = np.float32(this_min)
-        L[best_j] += dir
-        last_j = best_j
-        last_dir = dir
-    return scale, -fmin
-
-
-@njit(**NJ)
 def make_qp_quants(nmax: int, x: np.ndarray, L: np.ndarray, w: np.ndarray) -> np.float32:
     """ik's make_qp_quants: weighted scale for non-negative values (the sub-block scales/mins) on codes 0..nmax.
 
@@ -522,8 +281,8 @@ def _quantize_q2_k_ternary(x: np.ndarray, fmax: np.float32, out: np.ndarray) -> 
         for ib in range(n // QK_K):
             xb = x[r, ib * QK_K : (ib + 1) * QK_K]
             ob = out[r, ib * 84 : (ib + 1) * 84]
-            _store_f16(ob, 80, fmax)
-            _store_f16(ob, 82, fmax)
+            store_f16(ob, 80, fmax)
+            store_f16(ob, 82, fmax)
             for j in range(16):
                 ob[j] = 0x11
             for j in range(QK_K):
@@ -534,8 +293,8 @@ def _quantize_q2_k_ternary(x: np.ndarray, fmax: np.float32, out: np.ndarray) -> 
 @njit(**NJ)
 def _requantize_q2_k(ob: np.ndarray, xb: np.ndarray, L: np.ndarray) -> None:
     """Codes for each 16-value sub-block from the stored fp16 d/dmin and 4-bit scale/min."""
-    d = _load_f16(ob, 80)
-    dmin = _load_f16(ob, 82)
+    d = load_f16(ob, 80)
+    dmin = load_f16(ob, 82)
     for j in range(16):
         dl = d * np.float32(ob[j] & np.uint8(15))
         if dl == 0:
@@ -573,18 +332,18 @@ def _quantize_q2_k_ref(x: np.ndarray, out: np.ndarray) -> None:
                 iscale = np.float32(15.0) / max_scale
                 for j in range(16):
                     ob[j] = np.uint8(nearest_int_fma(iscale, scales[j]) & 255)
-                _store_f16(ob, 80, max_scale / np.float32(15.0))
+                store_f16(ob, 80, max_scale / np.float32(15.0))
             else:
                 for j in range(16):
                     ob[j] = 0
-                _store_f16(ob, 80, np.float32(0.0))
+                store_f16(ob, 80, np.float32(0.0))
             if max_min > 0:
                 iscale = np.float32(15.0) / max_min
                 for j in range(16):
                     ob[j] |= np.uint8((nearest_int_fma(iscale, mins[j]) << 4) & 255)
-                _store_f16(ob, 82, max_min / np.float32(15.0))
+                store_f16(ob, 82, max_min / np.float32(15.0))
             else:
-                _store_f16(ob, 82, np.float32(0.0))
+                store_f16(ob, 82, np.float32(0.0))
             _requantize_q2_k(ob, xb, L)
             _pack_2bit(ob, 16, L)
 
@@ -595,7 +354,6 @@ def _quantize_q2_k_imat(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
     n_rows, n = x.shape
     for r in prange(n_rows):
         L = np.empty(QK_K, dtype=np.uint8)
-        Laux = np.empty(16, dtype=np.uint8)
         Ls = np.empty(16, dtype=np.uint8)
         Lm = np.empty(16, dtype=np.uint8)
         w = np.empty(16, dtype=np.float32)
@@ -616,13 +374,12 @@ def _quantize_q2_k_imat(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                     w[i] = qw[ib * QK_K + 16 * j + i] * np.sqrt(fmaf(xs[i], xs[i], sigma2))
                     sumw += w[i]
                 sw[j] = sumw
-                scales[j], mins[j] = make_qkx3_quants(
-                    3, xs, w, L[16 * j : 16 * j + 16], Laux, np.float32(-0.9), np.float32(0.05), 36, True
-                )
+                scales[j], m = make_qkx3_quants(3, xs, w, L[16 * j : 16 * j + 16], True)
+                mins[j] = -m
             dm = make_qp_quants(15, scales, Ls, sw)
             mm = make_qp_quants(15, mins, Lm, sw)
-            _store_f16(ob, 80, dm)
-            _store_f16(ob, 82, mm)
+            store_f16(ob, 80, dm)
+            store_f16(ob, 82, mm)
             for j in range(16):
                 d = dm * np.float32(Ls[j])
                 idv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
@@ -643,8 +400,8 @@ def _dequantize_q2_k(q: np.ndarray, out: np.ndarray) -> None:
         for ib in range(n // QK_K):
             qb = q[r, ib * 84 : (ib + 1) * 84]
             y = out[r, ib * QK_K : (ib + 1) * QK_K]
-            d = _load_f16(qb, 80)
-            dmin = _load_f16(qb, 82)
+            d = load_f16(qb, 80)
+            dmin = load_f16(qb, 82)
             for j in range(16):
                 dls[j] = d * np.float32(qb[j] & np.uint8(15))
                 mls[j] = dmin * np.float32(qb[j] >> np.uint8(4))
@@ -670,7 +427,8 @@ def _pack_q3_k(ob: np.ndarray, L: np.ndarray, Ls: np.ndarray, xb: np.ndarray, d_
         else:
             ob[96 + j - 8] |= (l & np.uint8(15)) << np.uint8(4)
         ob[104 + j % 4] |= (l >> np.uint8(4)) << np.uint8(2 * (j // 4))
-    d = _store_f16(ob, 108, d_block)
+    store_f16(ob, 108, d_block)
+    d = load_f16(ob, 108)
     for j in range(16):
         dl = d * np.float32(np.int32(Ls[j]) - 32)
         if dl == 0:
@@ -741,8 +499,8 @@ def _quantize_q3_k_imat(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                     w[i] = qw[ib * QK_K + 16 * j + i] * np.sqrt(fmaf(v, v, sigma2))
                     sumw += w[i]
                 sw[j] = sumw
-                scales[j] = make_qx_quants16(4, xb[16 * j : 16 * j + 16], L[16 * j : 16 * j + 16], w)
-            d_block = make_qx_quants16(32, scales, Ls, sw)
+                scales[j] = make_qx_quants(16, 4, xb[16 * j : 16 * j + 16], L[16 * j : 16 * j + 16], w)
+            d_block = make_qx_quants(16, 32, scales, Ls, sw)
             _pack_q3_k(ob, L, Ls, xb, d_block)
 
 
@@ -754,7 +512,7 @@ def _dequantize_q3_k(q: np.ndarray, out: np.ndarray) -> None:
         for ib in range(n // QK_K):
             qb = q[r, ib * 110 : (ib + 1) * 110]
             y = out[r, ib * QK_K : (ib + 1) * QK_K]
-            d = _load_f16(qb, 108)
+            d = load_f16(qb, 108)
             for j in range(16):
                 lo = (np.int32(qb[96 + j % 8]) >> (4 * (j // 8))) & 15
                 hi = (np.int32(qb[104 + j % 4]) >> (2 * (j // 4))) & 3
@@ -808,15 +566,15 @@ def _k4_ref_scales(ob: np.ndarray, scales: np.ndarray, mins: np.ndarray, Ls: np.
     for j in range(8):
         Ls[j] = min(63, nearest_int_fma(inv_scale, scales[j]) & 255)
         Lm[j] = min(63, nearest_int_fma(inv_min, mins[j]) & 255)
-    _store_f16(ob, 0, max_scale / np.float32(63.0))
-    _store_f16(ob, 2, max_min / np.float32(63.0))
+    store_f16(ob, 0, max_scale / np.float32(63.0))
+    store_f16(ob, 2, max_min / np.float32(63.0))
 
 
 @njit(**NJ)
 def _requantize_k4(ob: np.ndarray, xb: np.ndarray, L: np.ndarray, nmax: int) -> None:
     """Codes for each 32-value sub-block from the stored fp16 d/dmin and 6-bit scale/min (as ik re-derives them)."""
-    d = _load_f16(ob, 0)
-    dmin = _load_f16(ob, 2)
+    d = load_f16(ob, 0)
+    dmin = load_f16(ob, 2)
     for j in range(8):
         sc, mn = _scale_min_k4(ob, j)
         dl = d * np.float32(sc)
@@ -896,7 +654,6 @@ def _quantize_k45_imat(x: np.ndarray, qw: np.ndarray, out: np.ndarray, nmax: int
     bsize = out.shape[1] * QK_K // n
     for r in prange(n_rows):
         L = np.empty(QK_K, dtype=np.uint8)
-        Laux = np.empty(32, dtype=np.uint8)
         Ls = np.empty(8, dtype=np.uint8)
         Lm = np.empty(8, dtype=np.uint8)
         w = np.empty(32, dtype=np.float32)
@@ -917,9 +674,8 @@ def _quantize_k45_imat(x: np.ndarray, qw: np.ndarray, out: np.ndarray, nmax: int
                     w[i] = qw[ib * QK_K + 32 * j + i] * np.sqrt(fmaf(xs[i], xs[i], sigma2))
                     sumw += w[i]
                 sw[j] = sumw
-                scales[j], mins[j] = make_qkx3_quants(
-                    nmax, xs, w, L[32 * j : 32 * j + 32], Laux, np.float32(-0.9), np.float32(0.05), 36, False
-                )
+                scales[j], m = make_qkx3_quants(nmax, xs, w, L[32 * j : 32 * j + 32], False)
+                mins[j] = -m
             d_block = make_qp_quants(63, scales, Ls, sw)
             m_block = make_qp_quants(63, mins, Lm, sw)
             if nmax == 31:
@@ -927,8 +683,8 @@ def _quantize_k45_imat(x: np.ndarray, qw: np.ndarray, out: np.ndarray, nmax: int
                     Ls[j] = min(Ls[j], np.uint8(63))
                     Lm[j] = min(Lm[j], np.uint8(63))
             _pack_scales_k4(ob, Ls, Lm)
-            _store_f16(ob, 0, d_block)
-            _store_f16(ob, 2, m_block)
+            store_f16(ob, 0, d_block)
+            store_f16(ob, 2, m_block)
             _requantize_k4(ob, xb, L, nmax)
             if nmax == 15:
                 _pack_q4_k_codes(ob, L)
@@ -943,8 +699,8 @@ def _dequantize_q4_k(q: np.ndarray, out: np.ndarray) -> None:
         for ib in range(n // QK_K):
             qb = q[r, ib * 144 : (ib + 1) * 144]
             y = out[r, ib * QK_K : (ib + 1) * QK_K]
-            d = _load_f16(qb, 0)
-            dmin = _load_f16(qb, 2)
+            d = load_f16(qb, 0)
+            dmin = load_f16(qb, 2)
             for c in range(4):
                 sc0, mn0 = _scale_min_k4(qb, 2 * c)
                 sc1, mn1 = _scale_min_k4(qb, 2 * c + 1)
@@ -965,8 +721,8 @@ def _dequantize_q5_k(q: np.ndarray, out: np.ndarray) -> None:
         for ib in range(n // QK_K):
             qb = q[r, ib * 176 : (ib + 1) * 176]
             y = out[r, ib * QK_K : (ib + 1) * QK_K]
-            d = _load_f16(qb, 0)
-            dmin = _load_f16(qb, 2)
+            d = load_f16(qb, 0)
+            dmin = load_f16(qb, 2)
             for c in range(4):
                 sc0, mn0 = _scale_min_k4(qb, 2 * c)
                 sc1, mn1 = _scale_min_k4(qb, 2 * c + 1)
@@ -1006,7 +762,7 @@ def _quantize_q6_k(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                 xs = xb[16 * j : 16 * j + 16]
                 for i in range(16):
                     w[i] = qw[ib * QK_K + 16 * j + i] if weighted else xs[i] * xs[i]
-                s = make_qx_quants16(32, xs, L[16 * j : 16 * j + 16], w)
+                s = make_qx_quants(16, 32, xs, L[16 * j : 16 * j + 16], w)
                 scales[j] = s
                 if abs(s) > max_abs_scale:
                     max_abs_scale = abs(s)
@@ -1015,7 +771,8 @@ def _quantize_q6_k(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                 ob[:] = 0
                 continue
             iscale = np.float32(-128.0) / max_scale
-            d = _store_f16(ob, 208, np.float32(1.0) / iscale)
+            store_f16(ob, 208, np.float32(1.0) / iscale)
+            d = load_f16(ob, 208)
             for j in range(16):
                 sc = np.int8(min(127, nearest_int_fma(iscale, scales[j])))
                 ob[192 + j] = np.uint8(sc)
@@ -1048,7 +805,7 @@ def _dequantize_q6_k(q: np.ndarray, out: np.ndarray) -> None:
         for ib in range(n // QK_K):
             qb = q[r, ib * 210 : (ib + 1) * 210]
             y = out[r, ib * QK_K : (ib + 1) * QK_K]
-            d = _load_f16(qb, 208)
+            d = load_f16(qb, 208)
             for j in range(16):
                 dls[j] = d * np.float32(np.int8(qb[192 + j]))
             for h in range(2):

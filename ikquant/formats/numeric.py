@@ -1,4 +1,5 @@
-"""Scalar building blocks for the Numba kernels: exact float32 bit casts, fused multiply-add, fp16/bf16/E8M0.
+"""Scalar building blocks for the Numba kernels: exact float32 bit casts, fused multiply-add, fp16/bf16/E8M0, and
+the little-endian scale fields of a block.
 
 ik's quantizers run in float32 and some of their results hinge on a single rounding (which is why ik's bytes
 move when the compiler fuses a multiply-add). These helpers make each rounding explicit: `f32` arithmetic stays
@@ -115,9 +116,40 @@ def f16_bits_to_f32(h: np.uint16) -> np.float32:
 
 
 @njit(**NJIT)
-def round_f16(f: np.float32) -> np.float32:
-    """The float32 that survives a round trip through fp16 (what ik stores and later reads back)."""
-    return f16_bits_to_f32(f32_to_f16_bits(f))
+def store_f16(out: np.ndarray, pos: int, v: np.float32) -> None:
+    """Write v as little-endian fp16 at out[pos:pos + 2]."""
+    h = f32_to_f16_bits(v)
+    out[pos] = np.uint8(h & np.uint16(0xFF))
+    out[pos + 1] = np.uint8(h >> np.uint16(8))
+
+
+@njit(**NJIT)
+def load_f16(q: np.ndarray, pos: int) -> np.float32:
+    """The little-endian fp16 at q[pos:pos + 2] as float32."""
+    return f16_bits_to_f32(np.uint16(q[pos]) | (np.uint16(q[pos + 1]) << np.uint16(8)))
+
+
+@njit(**NJIT)
+def store_f32(out: np.ndarray, pos: int, v: np.float32) -> None:
+    """Write v as little-endian float32 at out[pos:pos + 4]."""
+    u = f32_bits(v)
+    for k in range(4):
+        out[pos + k] = np.uint8((u >> np.uint32(8 * k)) & np.uint32(0xFF))
+
+
+@njit(**NJIT)
+def load_u32(q: np.ndarray, pos: int) -> np.uint32:
+    """The little-endian uint32 at q[pos:pos + 4]."""
+    u = np.uint32(0)
+    for k in range(4):
+        u |= np.uint32(q[pos + k]) << np.uint32(8 * k)
+    return u
+
+
+@njit(**NJIT)
+def load_f32(q: np.ndarray, pos: int) -> np.float32:
+    """The little-endian float32 at q[pos:pos + 4]."""
+    return f32_from_bits(load_u32(q, pos))
 
 
 @njit(**NJIT)
@@ -142,11 +174,6 @@ def roundf(x: np.float32) -> np.float32:
 def nearest_int(x: np.float32) -> np.int32:
     """ggml's nearest_int: round half to even (the 1.5*2^23 trick), valid for |x| < 2^22."""
     return np.int32(np.rint(x))
-
-
-def f32_to_f16_array(x: np.ndarray) -> np.ndarray:
-    """Vectorised fp32 -> fp16 (numpy's conversion is round-to-nearest-even, like F16C)."""
-    return np.asarray(x, dtype=np.float32).astype(np.float16)
 
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -178,3 +205,15 @@ def trunc_i32(x: np.float32) -> np.int32:
         return np.int32(x)
     return np.int32(-2147483648)
 
+
+@njit(**NJIT)
+def abs_max(xb: np.ndarray) -> tuple[np.float32, np.float32]:
+    """(max |x|, the x that attains it first)."""
+    amax = np.float32(0.0)
+    vmax = np.float32(0.0)
+    for j in range(xb.size):
+        ax = abs(xb[j])
+        if ax > amax:
+            amax = ax
+            vmax = xb[j]
+    return amax, vmax

@@ -28,7 +28,8 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from ikquant.formats.base import Codec
-from ikquant.formats.numeric import f32_bits, f32_from_bits, fmaf, nearest_int_fma, trunc_i32
+from ikquant.formats.iqk_grids import IQ4K, keep_better, nearest
+from ikquant.formats.numeric import fmaf, load_f32, load_u32, nearest_int_fma, store_f32
 from ikquant.types import register_codec
 
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
@@ -45,19 +46,6 @@ _IQ4KT_SECOND_OFFSET = 32768
 
 # Multipliers that give the k-th generator step directly: state_k = (index + offset) * _GEN_POW[k] mod 2^32.
 _GEN_POW = np.array([pow(_GEN_MUL, k + 1, 1 << 32) for k in range(8)], dtype=np.uint64)
-
-# ik's iq4k_values (first half): the sub-block scale grid of IQ1_KT and IQ2_KT.
-_IQ4K = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int32)
-
-# ik's iq4nl_index: for t = (int)x + 127, the nearest _IQ4K entry, or 16 + i when x must be compared with the
-# midpoint of entries i and i + 1 (best_index_iq4nl).
-_IQ4NL_INDEX = np.array(
-    [0] * 11 + [16] * 2 + [1] * 20 + [17] * 2 + [2] * 18 + [18] + [3] * 16 + [19] + [4] * 14 + [20] + [5] * 12
-    + [21] * 2 + [6] * 11 + [22] + [7] * 10 + [23] * 2 + [8] * 10 + [24] + [9] * 11 + [25] + [10] * 11 + [26] * 2
-    + [11] * 12 + [27] * 2 + [12] * 14 + [28] + [13] * 17 + [29] + [14] * 21 + [30] + [15] * 12,
-    dtype=np.int32,
-)
-
 
 # --------------------------------------------------------------------------------------------------------------
 # Codebook and its partition (one-time set-up)
@@ -450,42 +438,6 @@ def _abs_max(x: np.ndarray) -> np.float32:
 
 
 @njit(**NJIT)
-def _iq4nl_index(x: np.float32) -> int:
-    """ik's best_index_iq4nl on the _IQ4K grid: truncate, look up, compare with the midpoint where needed."""
-    t = np.int64(trunc_i32(x)) + 127
-    if t < 0:
-        return 0
-    if t >= 241:
-        return 15
-    i = _IQ4NL_INDEX[t]
-    if i < 16:
-        return i
-    if x - np.float32(_IQ4K[i - 16]) < np.float32(_IQ4K[i - 15]) - x:
-        return i - 16
-    return i - 15
-
-
-@njit(**NJIT)
-def _put_f32(out: np.ndarray, pos: int, v: np.float32) -> None:
-    u = f32_bits(v)
-    for k in range(4):
-        out[pos + k] = np.uint8((u >> np.uint32(8 * k)) & np.uint32(0xFF))
-
-
-@njit(**NJIT)
-def _get_u32(q: np.ndarray, pos: int) -> np.uint32:
-    u = np.uint32(0)
-    for k in range(4):
-        u |= np.uint32(q[pos + k]) << np.uint32(8 * k)
-    return u
-
-
-@njit(**NJIT)
-def _get_f32(q: np.ndarray, pos: int) -> np.float32:
-    return f32_from_bits(_get_u32(q, pos))
-
-
-@njit(**NJIT)
 def _scale_0(amax: np.float32, amax_row: np.float32, floor: np.float32, top: np.float32) -> np.float32:
     """std::max(floor, top * amax / amax_row)."""
     v = top * amax / amax_row
@@ -532,7 +484,7 @@ def _fit_row(xr: np.ndarray, limit: float, buf: np.ndarray) -> tuple[np.ndarray,
 def _unfit_header(o: np.ndarray, e: int) -> None:
     """Undo _fit_row on the stored row scale (exact: a power of two)."""
     if e:
-        _put_f32(o, 0, np.float32(math.ldexp(np.float64(_get_f32(o, 0)), e)))
+        store_f32(o, 0, np.float32(math.ldexp(np.float64(load_f32(o, 0)), e)))
 
 
 @njit(**NJIT)
@@ -594,14 +546,14 @@ def _quantize_row_iq12(xr: np.ndarray, qw: np.ndarray, o: np.ndarray, is_iq1: bo
         return
 
     # row scale: 19 trial grids for the sub-block scales, least squares for d
-    d = max_scale / np.float32(_IQ4K[0])
+    d = max_scale / IQ4K[0]
     best = np.float32(0.0)
     for itry in range(-9, 10):
-        inv = np.float32(itry + _IQ4K[0]) / max_scale
+        inv = (np.float32(itry) + IQ4K[0]) / max_scale
         sumqx = np.float32(0.0)
         sumq2 = np.float32(0.0)
         for ib in range(nsub):
-            dl = np.float32(_IQ4K[_iq4nl_index(inv * scales[ib])])
+            dl = IQ4K[nearest(4, 0, inv * scales[ib])]
             for g in range(4):
                 qv = values[all_idx[4 * ib + g]]
                 for j in range(8):
@@ -609,18 +561,16 @@ def _quantize_row_iq12(xr: np.ndarray, qw: np.ndarray, o: np.ndarray, is_iq1: bo
                     q = dl * qv[j]
                     sumqx = fmaf(weights[jj] * xr[jj], q, sumqx)
                     sumq2 = fmaf(weights[jj] * q, q, sumq2)
-        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-            d = sumqx / sumq2
-            best = d * sumqx
+        d, best, _ = keep_better(sumqx, sumq2, d, best)
     inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
     for ib in range(nsub):
-        ls = _iq4nl_index(inv * scales[ib])
+        ls = nearest(4, 0, inv * scales[ib])
         blk = HEADER + (ib // 8) * bsize
         if is_iq1:
             o[blk + ib % 8] = ls
         else:
             o[blk + ib % 4] |= np.uint8(ls << (4 * ((ib % 8) // 4)))
-    _put_f32(o, 0, d)
+    store_f32(o, 0, d)
     if d == 0:
         return
 
@@ -633,10 +583,9 @@ def _quantize_row_iq12(xr: np.ndarray, qw: np.ndarray, o: np.ndarray, is_iq1: bo
         blk = HEADER + (ib // 8) * bsize
         t = ib % 8
         if is_iq1:
-            ls = _IQ4K[o[blk + t] & 15]
+            fls = IQ4K[o[blk + t] & 15]
         else:
-            ls = _IQ4K[(o[blk + t % 4] >> (4 * (t // 4))) & 15]
-        fls = np.float32(ls)
+            fls = IQ4K[(o[blk + t % 4] >> (4 * (t // 4))) & 15]
         dl = d * fls
         _match8(dl, xb, wb, cb, idx, 0)
         mse1 = np.float32(0.0)
@@ -672,19 +621,7 @@ def _quantize_row_iq12(xr: np.ndarray, qw: np.ndarray, o: np.ndarray, is_iq1: bo
                 sumq2 = fmaf(wb[jj] * q, q, sumq2)
     if sumq2 > 0:
         d = sumqx / sumq2
-        _put_f32(o, 0, d * np.float32(1.07) if is_iq1 else d)
-
-
-@njit(**KERNEL)
-def _quantize_iq12(
-    x: np.ndarray, qw: np.ndarray, limit: float, out: np.ndarray, is_iq1: bool, cb: _Searcher
-) -> None:
-    n_rows, n = x.shape
-    for r in prange(n_rows):
-        out[r, :] = 0
-        xr, e = _fit_row(x[r], limit, np.empty(n, np.float32))
-        _quantize_row_iq12(xr, qw, out[r], is_iq1, cb)
-        _unfit_header(out[r], e)
+        store_f32(o, 0, d * np.float32(1.07) if is_iq1 else d)
 
 
 @njit(**NJIT)
@@ -744,14 +681,12 @@ def _quantize_row_iq3(xr: np.ndarray, qw: np.ndarray, o: np.ndarray, cb: _Search
                 q = dl * qtmp[j]
                 sumqx += weights[j] * abs(xr[j]) * q
                 sumq2 += weights[j] * q * q
-        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-            d = sumqx / sumq2
-            best = d * sumqx
+        d, best, _ = keep_better(sumqx, sumq2, d, best)
     inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
     for ib in range(nsub):
         ls = max(0, min(15, nearest_int_fma(inv, scales[ib])))
         o[HEADER + (ib // 8) * 100 + ib % 4] |= np.uint8(ls << (4 * ((ib % 8) // 4)))
-    _put_f32(o, 0, d)
+    store_f32(o, 0, d)
 
     # final pass: signs into qh, magnitudes searched at the final scales
     sumqx = np.float32(0.0)
@@ -778,17 +713,7 @@ def _quantize_row_iq3(xr: np.ndarray, qw: np.ndarray, o: np.ndarray, cb: _Search
                 sumqx = fmaf(wb[jj] * xaux[jj], q, sumqx)
                 sumq2 = fmaf(wb[jj] * q, q, sumq2)
     if sumq2 > 0:
-        _put_f32(o, 0, sumqx / sumq2)
-
-
-@njit(**KERNEL)
-def _quantize_iq3(x: np.ndarray, qw: np.ndarray, limit: float, out: np.ndarray, cb: _Searcher) -> None:
-    n_rows, n = x.shape
-    for r in prange(n_rows):
-        out[r, :] = 0
-        xr, e = _fit_row(x[r], limit, np.empty(n, np.float32))
-        _quantize_row_iq3(xr, qw, out[r], cb)
-        _unfit_header(out[r], e)
+        store_f32(o, 0, sumqx / sumq2)
 
 
 @njit(**NJIT)
@@ -843,7 +768,7 @@ def _quantize_row_iq4(xr: np.ndarray, qw: np.ndarray, o: np.ndarray, cb1: _Searc
             max_scale = scales[ib]
 
     d = -max_scale / np.float32(64.0)
-    _put_f32(o, 0, d)
+    store_f32(o, 0, d)
     if d == 0:
         return
     inv = np.float32(1.0) / d
@@ -876,18 +801,25 @@ def _quantize_row_iq4(xr: np.ndarray, qw: np.ndarray, o: np.ndarray, cb1: _Searc
         o[blk + 4 * t + 2] |= np.uint8((word >> np.uint32(16)) & np.uint32(0xFF))
         o[blk + 4 * t + 3] |= np.uint8((word >> np.uint32(24)) & np.uint32(0xFF))
     if sumq2 > 0:
-        _put_f32(o, 0, sumqx / sumq2)
+        store_f32(o, 0, sumqx / sumq2)
 
 
 @njit(**KERNEL)
-def _quantize_iq4(
-    x: np.ndarray, qw: np.ndarray, limit: float, out: np.ndarray, cb1: _Searcher, cb2: _Searcher
+def _quantize_kt(
+    x: np.ndarray, qw: np.ndarray, limit: float, out: np.ndarray, kind: int, cb: _Searcher, cb2: _Searcher
 ) -> None:
+    """Rows of IQ`kind`_KT, each brought within `limit` by _fit_row and its scale restored after; cb2 is IQ4_KT's
+    offset codebook (the other types pass cb again)."""
     n_rows, n = x.shape
     for r in prange(n_rows):
         out[r, :] = 0
         xr, e = _fit_row(x[r], limit, np.empty(n, np.float32))
-        _quantize_row_iq4(xr, qw, out[r], cb1, cb2)
+        if kind == 4:
+            _quantize_row_iq4(xr, qw, out[r], cb, cb2)
+        elif kind == 3:
+            _quantize_row_iq3(xr, qw, out[r], cb)
+        else:
+            _quantize_row_iq12(xr, qw, out[r], kind == 1, cb)
         _unfit_header(out[r], e)
 
 
@@ -906,12 +838,12 @@ def _gen(base: np.uint64, k: int, pows: np.ndarray) -> np.float32:
 def _dequantize_iq1(q: np.ndarray, out: np.ndarray, pows: np.ndarray) -> None:
     n_rows, n = out.shape
     for r in prange(n_rows):
-        d = _get_f32(q[r], 0)
+        d = load_f32(q[r], 0)
         for ibl in range(n // QK):
             blk = HEADER + 56 * ibl
             for t in range(8):
                 sh = np.int32(q[r, blk + t])
-                dl = d * np.float32(_IQ4K[sh & 15])
+                dl = d * IQ4K[sh & 15]
                 for g in range(4):
                     k = np.int32(q[r, blk + 8 + 4 * t + g])
                     k |= ((np.int32(q[r, blk + 40 + 4 * (t % 4) + g]) >> (4 * (t // 4))) & 15) << 8
@@ -927,12 +859,12 @@ def _dequantize_iq23(q: np.ndarray, out: np.ndarray, pows: np.ndarray, is_iq3: b
     n_rows, n = out.shape
     bsize = 100 if is_iq3 else 68
     for r in prange(n_rows):
-        d = _get_f32(q[r], 0)
+        d = load_f32(q[r], 0)
         for ibl in range(n // QK):
             blk = HEADER + bsize * ibl
             for t in range(8):
                 nib = (np.int32(q[r, blk + t % 4]) >> (4 * (t // 4))) & 15
-                dl = d * np.float32(nib) if is_iq3 else d * np.float32(_IQ4K[nib])
+                dl = d * np.float32(nib) if is_iq3 else d * IQ4K[nib]
                 for g in range(4):
                     e = 4 * t + g
                     k = np.int32(q[r, blk + 4 + 2 * e]) | (np.int32(q[r, blk + 5 + 2 * e]) << 8)
@@ -953,11 +885,11 @@ def _dequantize_iq23(q: np.ndarray, out: np.ndarray, pows: np.ndarray, is_iq3: b
 def _dequantize_iq4(q: np.ndarray, out: np.ndarray, pows: np.ndarray) -> None:
     n_rows, n = out.shape
     for r in prange(n_rows):
-        d = _get_f32(q[r], 0)
+        d = load_f32(q[r], 0)
         for ibl in range(n // QK):
             blk = HEADER + 128 * ibl
             for t in range(8):
-                w = np.int64(_get_u32(q[r], blk + 4 * t))
+                w = np.int64(load_u32(q[r], blk + 4 * t))
                 offset = _GEN_OFFSET + _IQ4KT_SECOND_OFFSET * (w & 1)
                 dl = d * np.float32(((w & 0xFF) >> 1) - 64)
                 for g in range(8):
@@ -990,21 +922,21 @@ class _TrellisCodec(Codec):
     abs_error_floor = 1e-16
     # decoded values may overshoot max|x| by the error envelope and must stay finite in float32
     max_abs_input = 1e37
+    #: the N of IQN_KT, and the searchers (_SEARCHER_SPECS) its quantizer uses
+    kind: int = 0
+    searchers: tuple[str, ...] = ()
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         w = _fit_imatrix(w)
-        self._run(x, w, _row_limit(x.shape[1], w), out)
-
-    def _run(self, x: np.ndarray, w: np.ndarray, limit: float, out: np.ndarray) -> None:
-        raise NotImplementedError
+        cb = [_searcher(name) for name in self.searchers]
+        _quantize_kt(x, w, _row_limit(x.shape[1], w), out, self.kind, cb[0], cb[-1])
 
 
 class IQ1KTCodec(_TrellisCodec):
     type_name = "IQ1_KT"
     rel_error_bound = 4.0
-
-    def _run(self, x: np.ndarray, w: np.ndarray, limit: float, out: np.ndarray) -> None:
-        _quantize_iq12(x, w, limit, out, True, _searcher("IQ1_KT"))
+    kind = 1
+    searchers = ("IQ1_KT",)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq1(q, out, _GEN_POW)
@@ -1013,9 +945,8 @@ class IQ1KTCodec(_TrellisCodec):
 class IQ2KTCodec(_TrellisCodec):
     type_name = "IQ2_KT"
     rel_error_bound = 3.0
-
-    def _run(self, x: np.ndarray, w: np.ndarray, limit: float, out: np.ndarray) -> None:
-        _quantize_iq12(x, w, limit, out, False, _searcher("IQ2_KT"))
+    kind = 2
+    searchers = ("IQ2_KT",)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq23(q, out, _GEN_POW, False)
@@ -1024,9 +955,8 @@ class IQ2KTCodec(_TrellisCodec):
 class IQ3KTCodec(_TrellisCodec):
     type_name = "IQ3_KT"
     rel_error_bound = 1.5
-
-    def _run(self, x: np.ndarray, w: np.ndarray, limit: float, out: np.ndarray) -> None:
-        _quantize_iq3(x, w, limit, out, _searcher("IQ3_KT"))
+    kind = 3
+    searchers = ("IQ3_KT",)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq23(q, out, _GEN_POW, True)
@@ -1035,9 +965,8 @@ class IQ3KTCodec(_TrellisCodec):
 class IQ4KTCodec(_TrellisCodec):
     type_name = "IQ4_KT"
     rel_error_bound = 1.5
-
-    def _run(self, x: np.ndarray, w: np.ndarray, limit: float, out: np.ndarray) -> None:
-        _quantize_iq4(x, w, limit, out, _searcher("IQ4_KT"), _searcher("IQ4_KT+"))
+    kind = 4
+    searchers = ("IQ4_KT", "IQ4_KT+")
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq4(q, out, _GEN_POW)
