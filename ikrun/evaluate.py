@@ -66,14 +66,15 @@ def perplexity(model: Model, chunks: np.ndarray, save_base: Path | None = None,
     writer = BaseLogitsWriter(save_base, n_ctx, model.n_vocab, chunks) if save_base else None
     nlls = []
     try:
-        for i in range(n_chunk):
-            logits = chunk_logits(model, chunks[i])
-            records, nll = encode_records(logits, chunks[i][n_ctx // 2 + 1 :])
-            nlls.append(nll)
-            if writer is not None:
-                writer.write_chunk(records)
-            if progress:
-                progress(i + 1, n_chunk)
+        with model.blas_limit():
+            for i in range(n_chunk):
+                logits = chunk_logits(model, chunks[i])
+                records, nll = encode_records(logits, chunks[i][n_ctx // 2 + 1 :])
+                nlls.append(nll)
+                if writer is not None:
+                    writer.write_chunk(records)
+                if progress:
+                    progress(i + 1, n_chunk)
         if writer is not None:
             writer.finish()
     except BaseException:
@@ -97,14 +98,15 @@ def kl_divergence(model: Model, base: BaseLogitsFile, progress: Progress | None 
     """Score every chunk of the base file's tokens with `model` against the stored base log-probabilities."""
     acc = KLDAccumulator()
     n_ctx = base.n_ctx
-    for i in range(base.n_chunk):
-        chunk = np.asarray(base.tokens[i])
-        logits = chunk_logits(model, chunk)
-        acc.add(logits, np.asarray(base.records(i)), chunk[n_ctx // 2 + 1 :])
-        if per_chunk is not None:
-            per_chunk(i + 1, kld_stats(acc))
-        if progress:
-            progress(i + 1, base.n_chunk)
+    with model.blas_limit():
+        for i in range(base.n_chunk):
+            chunk = np.asarray(base.tokens[i])
+            logits = chunk_logits(model, chunk)
+            acc.add(logits, np.asarray(base.records(i)), chunk[n_ctx // 2 + 1 :])
+            if per_chunk is not None:
+                per_chunk(i + 1, kld_stats(acc))
+            if progress:
+                progress(i + 1, base.n_chunk)
     return acc
 
 
@@ -114,12 +116,13 @@ def collect_imatrix(model: Model, chunks: np.ndarray, collector, progress: Progr
     nlls = []
     model.observers.append(collector)
     try:
-        for i in range(n_chunk):
-            logits = chunk_logits(model, chunks[i])
-            collector.end_call()
-            nlls.append(encode_records(logits, chunks[i][n_ctx // 2 + 1 :])[1])
-            if progress:
-                progress(i + 1, n_chunk)
+        with model.blas_limit():
+            for i in range(n_chunk):
+                logits = chunk_logits(model, chunks[i])
+                collector.end_call()
+                nlls.append(encode_records(logits, chunks[i][n_ctx // 2 + 1 :])[1])
+                if progress:
+                    progress(i + 1, n_chunk)
     finally:
         model.observers.remove(collector)
     return np.concatenate(nlls)

@@ -9,7 +9,8 @@ the model is opened, before any compute.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -95,6 +96,8 @@ class Model:
         largest = max((self.weights.info(n).n_elements for n in self.weights.names()
                        if len(self.weights.info(n).ne) >= 2), default=0)
         self.blas_threads = 1 if largest < SMALL_MATRIX else (threads or os.cpu_count() or 1)
+        self._tokenizer_flags: tuple[GGUFFile, tuple[bool, int | None]] | None = None
+        self._blas_limited = False
 
     def __repr__(self) -> str:
         return f"Model({str(self.path)!r}, arch={self.arch})"
@@ -193,8 +196,22 @@ class Model:
         if tokens.min() < 0 or tokens.max() >= self.n_vocab:
             raise ValueError(f"token id {int(tokens.max() if tokens.max() >= self.n_vocab else tokens.min())} is "
                              f"outside the vocabulary (0..{self.n_vocab - 1})")
-        with _threadpools().limit(limits=self.blas_threads, user_api="blas"):
+        with self.blas_limit():
             return self.impl.forward(tokens)
+
+    @contextmanager
+    def blas_limit(self) -> Iterator[None]:
+        """numpy's BLAS held to `blas_threads` (one thread for tiny matrices, where more only contend). Entering
+        costs ~60 us, a tenth of a tiny model's forward pass, so evaluation loops hold it across all their chunks."""
+        if self._blas_limited:
+            yield
+            return
+        with _threadpools().limit(limits=self.blas_threads, user_api="blas"):
+            self._blas_limited = True
+            try:
+                yield
+            finally:
+                self._blas_limited = False
 
     def tokenizer(self):  # type: ignore[no-untyped-def]
         from ikrun.tokenizer import BPETokenizer
@@ -207,12 +224,20 @@ class Model:
         return self.tokenizer_flags()[0]
 
     def tokenizer_flags(self) -> tuple[bool, int | None]:
-        from ikrun.tokenizer import PRE_TOKENIZERS
+        """(whether BOS is added, its id), read once per metadata file (every chunk asks; a reload may change it)."""
+        meta = self.gguf
+        if self._tokenizer_flags is None or self._tokenizer_flags[0] is not meta:
+            self._tokenizer_flags = (meta, _read_tokenizer_flags(meta))
+        return self._tokenizer_flags[1]
 
-        vocab_model = self.gguf.get("tokenizer.ggml.model")
-        pre = PRE_TOKENIZERS.get(self.gguf.get("tokenizer.ggml.pre") or "default") if vocab_model == "gpt2" else None
-        explicit = self.gguf.get("tokenizer.ggml.add_bos_token")
-        default = pre.add_bos if pre is not None else vocab_model in ("llama", "bert")  # SPM/WPM add BOS
-        add_bos = bool(explicit) if explicit is not None else default
-        bos = None if pre is not None and pre.no_bos_token else self.gguf.get("tokenizer.ggml.bos_token_id")
-        return add_bos and bos is not None, bos
+
+def _read_tokenizer_flags(meta: GGUFFile) -> tuple[bool, int | None]:
+    from ikrun.tokenizer import PRE_TOKENIZERS
+
+    vocab_model = meta.get("tokenizer.ggml.model")
+    pre = PRE_TOKENIZERS.get(meta.get("tokenizer.ggml.pre") or "default") if vocab_model == "gpt2" else None
+    explicit = meta.get("tokenizer.ggml.add_bos_token")
+    default = pre.add_bos if pre is not None else vocab_model in ("llama", "bert")  # SPM/WPM add BOS
+    add_bos = bool(explicit) if explicit is not None else default
+    bos = None if pre is not None and pre.no_bos_token else meta.get("tokenizer.ggml.bos_token_id")
+    return add_bos and bos is not None, bos

@@ -30,6 +30,10 @@ from ikrun.metrics import BaseLogitsFile, kld_stats
 from ikrun.model import Model
 
 GROUP_MODES = ("tensor", "layer", "class")
+# Quantizations queued ahead of the evaluation. Types alternate between slow (IQ4_KS) and fast (Q4_0) ones; with two
+# in the queue the quantizing thread runs on through a fast one instead of leaving the evaluation waiting after a
+# slow one (2.8% of a tiny sweep's time with one).
+LOOKAHEAD = 2
 
 
 @dataclass
@@ -163,12 +167,13 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
         g, names, t = jobs[k]
         return pool.submit(_prepare, model, g, names, t, imatrix) if pool else _prepare(model, g, names, t, imatrix)
 
-    pending = start(0)
+    pending = [start(k) for k in range(min(LOOKAHEAD, len(jobs)))]
     try:
         for k in range(len(jobs)):
-            job = pending.result() if isinstance(pending, Future) else pending
-            if k + 1 < len(jobs):
-                pending = start(k + 1)
+            head = pending.pop(0)
+            job = head.result() if isinstance(head, Future) else head
+            if k + LOOKAHEAD < len(jobs):
+                pending.append(start(k + LOOKAHEAD))
             t0 = time.perf_counter()
             try:
                 for name, (used, raw) in zip(job.names, job.encodings):

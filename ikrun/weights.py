@@ -18,6 +18,7 @@ import numpy as np
 
 from ikquant.gguf_io import GGUFFile, GGUFFormatError, TensorInfo
 from ikquant.types import GGMLType
+from ikrun.ops.parallel import threads_for
 
 
 class SwapError(ValueError):
@@ -80,6 +81,9 @@ class WeightStore:
                 self._source[name] = (i, info)
         self._override: dict[str, Encoding] = {}
         self._cache: dict[str, tuple[np.ndarray, bytes]] = {}
+        # the file encoding's decoded copy, set aside while a swap is in place: a sweep restores every tensor it
+        # swaps, and decoding and fingerprinting it again cost a tiny model's sweep 3% of its time
+        self._stash: dict[str, tuple[np.ndarray, bytes]] = {}
 
     @property
     def metadata(self) -> GGUFFile:
@@ -113,12 +117,15 @@ class WeightStore:
             return hit[0]
         info = self.info(name)
         enc = self.encoding(name)
-        w = enc.type.require_codec().dequantize(enc.raw, info.n_per_row).reshape(info.shape)
-        self._cache[name] = (w, enc.fingerprint())
+        with threads_for(info.n_elements):
+            w = enc.type.require_codec().dequantize(enc.raw, info.n_per_row).reshape(info.shape)
+        # only a file's bytes can change under us (reload_changed compares them); a swapped-in encoding needs none
+        self._cache[name] = (w, enc.fingerprint() if name not in self._override else b"")
         return w
 
     def drop_cache(self) -> None:
         self._cache.clear()
+        self._stash.clear()
 
     # ---- swapping ------------------------------------------------------------------------------------------
     def swap(self, name: str, gtype: GGMLType, raw: np.ndarray, origin: str = "memory") -> None:
@@ -132,8 +139,10 @@ class WeightStore:
         if raw.nbytes != expected:
             raise SwapError(f"tensor {name!r} {list(info.ne)} as {gtype.name} needs {expected} bytes, got {raw.nbytes}")
         raw = raw.reshape(info.n_rows, -1)
+        hit = self._cache.pop(name, None)
+        if hit is not None and name not in self._override:
+            self._stash[name] = hit
         self._override[name] = Encoding(gtype, raw, origin)
-        self._cache.pop(name, None)
 
     def swap_from_file(self, name: str, path: Path) -> None:
         """Take tensor `name` from another GGUF file, which must hold it with the same logical shape."""
@@ -154,6 +163,8 @@ class WeightStore:
         for n in [name] if name is not None else list(self._override):
             if self._override.pop(n, None) is not None:
                 self._cache.pop(n, None)
+                if n in self._stash:
+                    self._cache[n] = self._stash.pop(n)
 
     def swapped(self) -> list[str]:
         return list(self._override)
@@ -195,8 +206,8 @@ class WeightStore:
             rewritten_in_place = _stamp(old.path)[0] == old.stamp[0]
             for name, info in f.tensors.items():
                 after = Encoding(info.type, f.raw(name), str(old.path))
-                hit = self._cache.get(name)
-                if hit is not None and name not in self._override:
+                hit = self._stash.get(name) if name in self._override else self._cache.get(name)
+                if hit is not None:
                     differs = hit[1] != after.fingerprint()
                 elif rewritten_in_place:
                     differs = True  # the old mapping shows the new bytes (or none): nothing to compare against
@@ -207,7 +218,6 @@ class WeightStore:
                 self._source[name] = (i, info)
                 if differs:
                     changed.append(name)
-                    if name not in self._override:
-                        self._cache.pop(name, None)
+                    (self._stash if name in self._override else self._cache).pop(name, None)
             self.shards[i] = _Shard(old.path, f, _stamp(old.path))
         return changed

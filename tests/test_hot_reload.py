@@ -134,3 +134,28 @@ def test_reload_refuses_broken_or_reshaped_files(tiny_f32: Path, tmp_path: Path)
     target.write_bytes(good)
     assert m.reload_changed() == []  # same bytes again, and nothing was cached from the broken state
     np.testing.assert_array_equal(m.logits(TOKENS), before)
+
+
+def test_a_file_rewritten_under_a_swap_is_what_restore_brings_back(tiny_f32: Path, tmp_path: Path) -> None:
+    """A swap sets the file's decoded tensor aside for restore; a reload that changes the file must not let that
+    stale copy come back."""
+    paths = _split_one_tensor_per_file(tiny_f32, tmp_path)
+    name = "blk.1.ffn_up.weight"
+    target = next(p for p in paths if name in GGUFFile(p).tensors)
+    m = Model(paths[0])
+    before = m.logits(TOKENS)
+    m.swap(name, type_by_name("Q8_0"), _requantized(target, name, "Q8_0"))
+    with_swap = m.logits(TOKENS)
+    m.restore(name)
+    np.testing.assert_array_equal(m.logits(TOKENS), before)  # the set-aside copy came back
+    m.swap(name, type_by_name("Q8_0"), _requantized(target, name, "Q8_0"))
+    candidate = tmp_path / "candidate.gguf"
+    _copy_with(target, candidate, {name: ("Q4_0", _requantized(target, name, "Q4_0"))},
+               split_key=(int(GGUFFile(target).get("split.no")), len(paths), len(paths)), keep_kv=False)
+    os.replace(candidate, target)
+    assert m.reload_changed() == [name]
+    np.testing.assert_array_equal(m.logits(TOKENS), with_swap)  # the swap stays in place
+    m.restore(name)
+    rewritten = m.logits(TOKENS)
+    assert not np.array_equal(rewritten, before)
+    np.testing.assert_array_equal(rewritten, Model(paths[0]).logits(TOKENS))

@@ -7,7 +7,10 @@ per-row function inlined into a serial and a parallel driver; `pick` chooses by 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import numba
 
 #: below this many elements an op runs on one thread
 PARALLEL_MIN_ELEMENTS = 1 << 18
@@ -15,3 +18,18 @@ PARALLEL_MIN_ELEMENTS = 1 << 18
 
 def pick(serial: Callable, parallel: Callable, n_elements: int) -> Callable:
     return parallel if n_elements >= PARALLEL_MIN_ELEMENTS else serial
+
+
+@contextmanager
+def threads_for(n_elements: int) -> Iterator[None]:
+    """Numba's thread count for this thread held to one while a kernel that is always parallel (the quant codecs)
+    runs on little work; the setting is per thread, so another thread's kernels keep theirs."""
+    if n_elements >= PARALLEL_MIN_ELEMENTS:
+        yield
+        return
+    before = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(before)
