@@ -167,13 +167,14 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
         g, names, t = jobs[k]
         return pool.submit(_prepare, model, g, names, t, imatrix) if pool else _prepare(model, g, names, t, imatrix)
 
-    pending = [start(k) for k in range(min(LOOKAHEAD, len(jobs)))]
+    ahead = LOOKAHEAD if pool else 1  # without a second thread, quantizing early only holds more bytes
+    pending = [start(k) for k in range(min(ahead, len(jobs)))]
     try:
         for k in range(len(jobs)):
             head = pending.pop(0)
             job = head.result() if isinstance(head, Future) else head
-            if k + LOOKAHEAD < len(jobs):
-                pending.append(start(k + LOOKAHEAD))
+            if k + ahead < len(jobs):
+                pending.append(start(k + ahead))
             t0 = time.perf_counter()
             try:
                 for name, (used, raw) in zip(job.names, job.encodings):

@@ -57,7 +57,7 @@ def main() -> None:
     print(f"{len(rows)} swap+evaluations of {a.chunks} chunks x {a.ctx} tokens: {total / len(rows) * 1000:.1f} ms each; "
           f"forward {compute / total:.1%} of the time, everything else {1 - compute / total:.1%}: "
           f"KLD statistics {spent['kld'] / total:.1%}, waiting for a quantization {spent.get('wait', 0) / total:.1%}, "
-          f"decoding swapped tensors {spent['decode'] / total:.1%}")
+          f"decoding weights (lazy, cache lookups included) {spent['decode'] / total:.1%}")
 
 
 def _time_calls(owner: Any, attr: str, spent: dict[str, float], key: str) -> None:
@@ -72,6 +72,7 @@ def _time_calls(owner: Any, attr: str, spent: dict[str, float], key: str) -> Non
             spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
 
     setattr(owner, attr, timed)
+
 
 if __name__ == "__main__":
     main()

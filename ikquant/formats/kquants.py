@@ -18,7 +18,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.base import Codec
-from ikquant.formats.numeric import fmaf, load_f16, nearest_int_fma, store_f16
+from ikquant.formats.numeric import abs_max, fmaf, load_f16, nearest_int_fma, store_f16
 from ikquant.formats.scale_search import make_qkx3_quants, make_qx_quants
 from ikquant.types import register_codec
 
@@ -49,13 +49,7 @@ def make_q3_quants16(x: np.ndarray, L: np.ndarray) -> np.float32:
     Returns the scale; L receives codes in [0, 8).
     """
     nmax = 4
-    fmax = np.float32(0.0)
-    amax = np.float32(0.0)
-    for i in range(16):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            fmax = x[i]
+    amax, fmax = abs_max(x[:16])
     if amax < GROUP_MAX_EPS:
         for i in range(16):
             L[i] = 0

@@ -29,7 +29,7 @@ from numba.core.extending import intrinsic
 
 from ikquant.formats.base import Codec
 from ikquant.formats.iqk_grids import IQ4K, keep_better, nearest
-from ikquant.formats.numeric import fmaf, load_f32, load_u32, nearest_int_fma, store_f32
+from ikquant.formats.numeric import abs_max, fmaf, load_f32, load_u32, nearest_int_fma, store_f32
 from ikquant.types import register_codec
 
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
@@ -430,14 +430,6 @@ def _set_weights(xr: np.ndarray, qw: np.ndarray, fused_sqrt: bool, out: np.ndarr
 
 
 @njit(**NJIT)
-def _abs_max(x: np.ndarray) -> np.float32:
-    m = np.float32(0.0)
-    for v in x:
-        m = max(m, abs(v))
-    return m
-
-
-@njit(**NJIT)
 def _scale_0(amax: np.float32, amax_row: np.float32, floor: np.float32, top: np.float32) -> np.float32:
     """std::max(floor, top * amax / amax_row)."""
     v = top * amax / amax_row
@@ -470,7 +462,7 @@ def _fit_imatrix(qw: np.ndarray) -> np.ndarray:
 @njit(**NJIT)
 def _fit_row(xr: np.ndarray, limit: float, buf: np.ndarray) -> tuple[np.ndarray, int]:
     """(xr, 0), or (xr * 2^-e in buf, e) with max|x| brought to at most limit."""
-    amax = _abs_max(xr)
+    amax = abs_max(xr)[0]
     if amax <= limit:
         return xr, 0
     e = math.frexp(np.float64(amax) / limit)[1]
@@ -500,13 +492,13 @@ def _quantize_row_iq12(xr: np.ndarray, qw: np.ndarray, o: np.ndarray, is_iq1: bo
     idx = np.empty(8, np.int32)
     lanes = np.empty(16, np.float32)
     _set_weights(xr, qw, False, weights)
-    amax_row = _abs_max(xr)
+    amax_row = abs_max(xr)[0]
     amax_scale = np.float32(0.0)
     max_scale = np.float32(0.0)
     for ib in range(nsub):
         xb = xr[SUB * ib : SUB * ib + SUB]
         wb = weights[SUB * ib : SUB * ib + SUB]
-        amax = _abs_max(xb)
+        amax = abs_max(xb)[0]
         if amax < np.float32(1e-16):
             scales[ib] = np.float32(0.0)
             all_idx[4 * ib : 4 * ib + 4] = 0
@@ -636,7 +628,7 @@ def _quantize_row_iq3(xr: np.ndarray, qw: np.ndarray, o: np.ndarray, cb: _Search
     xaux = np.empty(SUB, np.float32)
     idx = np.empty(8, np.int32)
     lanes = np.empty(16, np.float32)
-    amax_row = _abs_max(xr)
+    amax_row = abs_max(xr)[0]
     if amax_row == 0:
         return
     _set_weights(xr, qw, True, weights)
@@ -726,7 +718,7 @@ def _quantize_row_iq4(xr: np.ndarray, qw: np.ndarray, o: np.ndarray, cb1: _Searc
     idx = np.empty(8, np.int32)
     lanes = np.empty(16, np.float32)
     _set_weights(xr, qw, False, weights)
-    amax_row = _abs_max(xr)
+    amax_row = abs_max(xr)[0]
     if amax_row == 0:
         return
     amax_scale = np.float32(0.0)
@@ -735,7 +727,7 @@ def _quantize_row_iq4(xr: np.ndarray, qw: np.ndarray, o: np.ndarray, cb1: _Searc
         xb = xr[SUB * ib : SUB * ib + SUB]
         wb = weights[SUB * ib : SUB * ib + SUB]
         flag_pos = HEADER + (ib // 8) * 128 + 4 * (ib % 8)
-        amax = _abs_max(xb)
+        amax = abs_max(xb)[0]
         scales[ib] = np.float32(0.0)
         if amax < np.float32(1e-16):
             continue
