@@ -14,6 +14,7 @@ from ikrun.cli import app
 from ikrun.evaluate import kl_divergence, open_base, perplexity
 from ikrun.metrics import BaseLogitsFile, kld_stats
 from ikrun.model import Model
+from tests.blas import AVX512_GEMM
 
 runner = CliRunner()
 REQUIRED_KEYS = {"n_tokens", "ppl_q", "ppl_base", "ppl_ratio", "ln_ppl_ratio", "ppl_diff", "kld_mean", "kld_max",
@@ -115,8 +116,13 @@ def test_ppl_matches_ik(data_dir: Path) -> None:
     ik_ppl, ik_err = float(ik.group(1)), float(ik.group(2))
     exact = _ppl(data_dir, "--kv-cache", "f16")
     assert exact["n_tokens"] == 1860
-    assert exact["ppl"] == pytest.approx(ik_ppl, abs=6e-5)  # ik prints 4 decimals
-    assert exact["ppl_err"] == pytest.approx(ik_err, rel=1e-6)
+    if AVX512_GEMM:
+        assert exact["ppl"] == pytest.approx(ik_ppl, abs=6e-5)  # ik prints 4 decimals
+    else:
+        # ik's golden run used AVX-512 float32 GEMMs; OpenBLAS's AVX2 kernels (Haswell, which OPENBLAS_CORETYPE may
+        # force) sum the dot products in another order: 531.688067 with it, 531.687993 with SkylakeX's, 1.4e-7 apart
+        assert exact["ppl"] == pytest.approx(ik_ppl, rel=2e-7)
+    assert exact["ppl_err"] == pytest.approx(ik_err, rel=1e-6 if AVX512_GEMM else 2e-6)
     # ik keeps K and V in an f16 cache; our default f32 cache moves PPL by 4.7e-6 relative on this model
     weights_only = _ppl(data_dir)
     assert weights_only["ppl"] == pytest.approx(ik_ppl, rel=1e-5)

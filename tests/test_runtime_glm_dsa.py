@@ -20,6 +20,7 @@ from ikrun.cli import app
 from ikrun.model import Model, ModelError, RuntimeOptions
 from ikrun.ops.indexer import hadamard
 from ikrun.validate import HFReference, compare_logits
+from tests.blas import needs_avx512_gemm
 from tests.test_convert_glm_dsa import GlmSpec, make_glm_checkpoint
 from tests.test_runtime_deepseek2 import _rewrite, assert_thread_invariant
 
@@ -43,6 +44,7 @@ def _kld(base: str, *extra: str) -> dict[str, Any]:
 
 # ---- against ik_llama.cpp: each of its three runs reproduced on purpose ----------------------------------------
 
+@needs_avx512_gemm
 def test_default_is_sparse_without_sink_like_iks_dsa_sink_0_run() -> None:
     stats = _kld("ik-base-dsa-nosink.kld")
     assert stats["n_tokens"] == 8 * 31
@@ -56,6 +58,7 @@ def test_dsa_off_is_iks_dense_run() -> None:
     assert stats["kld_mean"] < 1e-5 and stats["same_top_p"] == 1.0  # no selection: only the f16 latent cache differs
 
 
+@needs_avx512_gemm
 @pytest.mark.parametrize(("base", "flags", "kld_max"), [
     ("ik-base.kld", ["--dsa", "off"], 1e-5),
     ("ik-base-dsa.kld", ["--dsa-sink"], 1e-5),
@@ -77,6 +80,7 @@ def test_sink_changes_the_selection() -> None:
     assert stats["kld_mean"] > 0.1
 
 
+@needs_avx512_gemm
 @pytest.mark.parametrize(("flags", "printed"), [([], "ik-f32-dsa-nosink-ppl.txt"), (["--dsa", "off"], "ik-f32-ppl.txt"),
                                                 (["--dsa-sink"], "ik-f32-dsa-ppl.txt")])
 def test_ppl_matches_iks_printed_estimate(flags: list[str], printed: str) -> None:
@@ -95,6 +99,7 @@ def test_ppl_matches_iks_printed_estimate(flags: list[str], printed: str) -> Non
 
 # ---- against Hugging Face transformers and the numpy reference --------------------------------------------------
 
+@needs_avx512_gemm
 def test_matches_transformers_logits() -> None:
     hf = np.load(HF_LOGITS / "logits.npy")
     tokens = _tokens()
@@ -160,6 +165,7 @@ def _per_layer(model: Model, ref: HFReference, tokens: np.ndarray) -> list[tuple
     return rows
 
 
+@needs_avx512_gemm
 def test_every_layer_matches_the_numpy_reference() -> None:
     """Hidden state after each block and each layer's selection; shared layers (3, 4, 5) reuse layer 2's."""
     ref = _reference_like_ik(DATA / "convert" / "glm-dsa" / "hf")
