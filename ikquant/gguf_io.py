@@ -21,10 +21,11 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.gguf_reader import ReaderField
 
+from ikquant.errors import IkError
 from ikquant.types import GGMLType, UnknownTypeError, type_by_id
 
 
-class GGUFFormatError(ValueError):
+class GGUFFormatError(IkError, ValueError):
     """A file that is not a readable GGUF (bad magic, truncated, inconsistent tensor table)."""
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-from enum import Enum
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -14,9 +15,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ikquant.cli_common import err, fail, new_app, out
+from ikquant.errors import IkError
+from ikrun.cli_options import Evaluation, evaluation_options
 
 if TYPE_CHECKING:
-    from ikrun.model import Model, RuntimeOptions
+    from ikrun.model import Model
+    from ikrun.stream import StreamPlan
 
 app = new_app(__doc__, "Evaluate GGUF models: logits, perplexity, KL-divergence against a base, validation against HF.")
 
@@ -28,48 +32,73 @@ def _threads(n: Optional[int]) -> None:
         numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
 
 
-KV_HELP = ("KV cache precision: f32 (default) measures the weights alone; f16 rounds K/V as ik's default cache "
-           "does, to reproduce ik's own numbers.")
+_ANNOUNCED: set[int] = set()
 
 
-class DsaMode(str, Enum):
-    on = "on"
-    off = "off"
+def _budget(ev: Evaluation) -> int:
+    """The memory budget in bytes, announced once per command."""
+    from ikrun.memory import default_budget, format_size, parse_size
+
+    if ev.mem is not None:
+        try:
+            return parse_size(ev.mem)
+        except IkError as exc:
+            fail(str(exc))
+    mem = default_budget()
+    if not _ANNOUNCED:
+        err.print(f"memory budget {format_size(mem)} (75% of the memory available; --mem sets it)", highlight=False)
+        _ANNOUNCED.add(mem)
+    return mem
 
 
-DSA_HELP = ("Lightning-indexer sparse attention (glm-dsa): on (the default: the model's semantics) or off (dense "
-            "attention on every layer, as ik without --dsa). An error for a model without an indexer.")
-SINK_HELP = ("Add ik's attention-sink boost to the indexer: each sequence's first token always survives the top-k "
-             "(ik's --dsa default, not part of the model). An error for a model without an indexer.")
-DSA_OPTION = typer.Option(None, "--dsa", case_sensitive=False, help=DSA_HELP)
-SINK_OPTION = typer.Option(False, "--dsa-sink", help=SINK_HELP)
-OVERREAD_OPTION = typer.Option(False, "--ik-sink-overread", help=(
-    "openPangu: reproduce ik's AVX-512 f32 GEMM, which misreads the param-sink values of files with fewer than 16 "
-    "sinks (small test models; real ones have 128), to get the numbers ik prints for them. Off: the model's "
-    "exact forward."))
+def _load(path: Path, ev: Evaluation) -> Model:
+    from ikrun.model import Model
+
+    _threads(ev.threads)
+    try:
+        return Model(path, ev.threads, ev.kv_cache, ev.options, _budget(ev), ev.stream)
+    except (IkError, FileNotFoundError, NotImplementedError) as exc:
+        fail(str(exc))
 
 
-def _options(dsa: Optional[DsaMode] = None, dsa_sink: bool = False, ik_sink_overread: bool = False) -> RuntimeOptions:
-    from ikrun.model import RuntimeOptions
-
-    return RuntimeOptions(dsa=None if dsa is None else dsa == DsaMode.on, dsa_sink=dsa_sink,
-                          ik_sink_overread=ik_sink_overread)
-
-
-def _load(path: Path, threads: Optional[int] = None, kv_cache: str = "f32",
-          options: RuntimeOptions | None = None) -> Model:
-    from ikquant.gguf_io import GGUFFormatError
-    from ikrun.model import Model, ModelError
+def _plan(m: Model, n_chunk: int, ctx: int, ev: Evaluation, one_pass: bool = True) -> StreamPlan:
+    from ikrun.stream import plan_run
 
     try:
-        return Model(path, threads, kv_cache, options)
-    except (ModelError, GGUFFormatError, FileNotFoundError, NotImplementedError) as exc:
+        plan = plan_run(m, n_chunk, ctx, one_pass, ev.spill_dir)
+    except IkError as exc:
         fail(str(exc))
+    err.print(f"{m.path.name}: {plan.describe()}", highlight=False)
+    return plan
 
 
 def _progress() -> Progress:
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TimeRemainingColumn(), console=err, transient=True)
+
+
+@contextmanager
+def _tracked(m: Model, plan: StreamPlan, label: str) -> Iterator[tuple[Callable[[int, int], None],
+                                                                      Callable[[int, int, int], None]]]:
+    """Progress callbacks (per chunk, per streamed block: bytes decoded, projected time) and the closing report."""
+    from ikrun.memory import format_size, peak_resident_memory
+    from ikrun.stream import RunReport, timed
+
+    clock = timed()
+    read0 = sum(m.weights.reads.values())
+    with _progress() as bar:
+        blocks = bar.add_task(f"{label}: blocks", total=m.impl.n_active) if plan.streamed else None
+        chunks = bar.add_task(label, total=plan.n_chunk)
+
+        def on_block(i: int, n: int, read: int) -> None:
+            bar.update(blocks, completed=i, description=f"{label}: block {i}/{n}, {format_size(read)} decoded")  # type: ignore[arg-type]
+
+        yield (lambda i, n: bar.update(chunks, completed=i)), on_block
+    report = RunReport(plan, clock(), peak_resident_memory(), sum(m.weights.reads.values()) - read0)
+    err.print(f"{label}: {report.line()}", highlight=False)
+    if m.tiled:
+        err.print(f"note: {', '.join(sorted(m.tiled))} did not fit --mem and ran in tiles of rows (results may differ "
+                  "from an untiled run in the last bits)", highlight=False)
 
 
 def _read_text(path: Path) -> str:
@@ -83,24 +112,20 @@ def _read_text(path: Path) -> str:
 
 
 @app.command()
+@evaluation_options
 def logits(
     model: Path = typer.Argument(..., help="GGUF model."),
     text: Optional[Path] = typer.Option(None, "--text", help="UTF-8 text file to tokenize with the model's vocab."),
     tokens: Optional[str] = typer.Option(None, "--tokens", help="Comma-separated token ids instead of --text."),
     output: Path = typer.Option(Path("logits.npy"), "--output", "-o", help="Where to write float32 logits "
                                 "[n_tokens, n_vocab] (.npy)."),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
-    kv_cache: str = typer.Option("f32", "--kv-cache", help=KV_HELP),
-    dsa: Optional[DsaMode] = DSA_OPTION,
-    dsa_sink: bool = SINK_OPTION,
-    ik_sink_overread: bool = OVERREAD_OPTION,
+    ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
     """Run one forward pass over a token sequence (positions 0..n-1) and save all logits.
 
     Example: ikrun logits model.gguf --tokens 1,2,3,4 -o logits.npy
     """
-    _threads(threads)
-    m = _load(model, threads, kv_cache, _options(dsa, dsa_sink, ik_sink_overread))
+    m = _load(model, ev)
     if (text is None) == (tokens is None):
         fail("give exactly one of --text or --tokens")
     try:
@@ -108,6 +133,7 @@ def logits(
             ids = np.array([int(t) for t in tokens.split(",") if t.strip()], dtype=np.int64)
         else:
             ids = np.array(m.tokenizer().encode(_read_text(text)), dtype=np.int64)  # type: ignore[arg-type]
+        _plan(m, 1, len(ids), ev)
         result = m.logits(ids)
     except ValueError as exc:
         fail(str(exc))
@@ -116,34 +142,30 @@ def logits(
 
 
 @app.command()
+@evaluation_options
 def ppl(
     model: Path = typer.Argument(..., help="GGUF model."),
     text: Path = typer.Option(..., "--text", help="UTF-8 text file."),
     ctx: int = typer.Option(512, "--ctx", "-c", help="Chunk length in tokens (ik's -c)."),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object {n_tokens, ppl, ppl_err}."),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
-    kv_cache: str = typer.Option("f32", "--kv-cache", help=KV_HELP),
-    dsa: Optional[DsaMode] = DSA_OPTION,
-    dsa_sink: bool = SINK_OPTION,
-    ik_sink_overread: bool = OVERREAD_OPTION,
+    ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
     """Perplexity over the text, chunked and scored exactly like ik's llama-perplexity.
 
     Example: ikrun ppl model.gguf --text wiki.test.raw --ctx 512 --json
     """
-    from ikrun.evaluate import EvalError, perplexity, tokenize_chunks
+    from ikrun.evaluate import perplexity, tokenize_chunks
     from ikrun.metrics import ppl_stats
 
-    _threads(threads)
-    m = _load(model, threads, kv_cache, _options(dsa, dsa_sink, ik_sink_overread))
+    m = _load(model, ev)
     try:
         chunk_tokens = tokenize_chunks(m, _read_text(text), ctx, chunks)
-    except (EvalError, ValueError) as exc:
+    except (IkError, ValueError) as exc:
         fail(str(exc))
-    with _progress() as bar:
-        task = bar.add_task("perplexity", total=len(chunk_tokens))
-        res = perplexity(m, chunk_tokens, progress=lambda i, n: bar.update(task, completed=i))
+    plan = _plan(m, len(chunk_tokens), ctx, ev)
+    with _tracked(m, plan, "perplexity") as (on_chunk, on_block):
+        res = perplexity(m, chunk_tokens, progress=on_chunk, plan=plan, on_block=on_block)
     stats = ppl_stats(res.nll)
     if json_out:
         out.print_json(json.dumps(stats))
@@ -153,9 +175,11 @@ def ppl(
 
 
 @app.command()
+@evaluation_options
 def kld(
     model: Path = typer.Argument(..., help="GGUF model under test."),
-    base: Optional[Path] = typer.Option(None, "--base", help="Base GGUF (the reference model)."),
+    base: Optional[Path] = typer.Option(None, "--base", help="Base GGUF (the reference model; the runtime options "
+                                        "apply to it too)."),
     base_logits: Optional[Path] = typer.Option(None, "--base-logits", help="Base-logits file (ik's "
                                                "--kl-divergence-base layout); tokens, ctx and base log-probs come "
                                                "from it."),
@@ -165,12 +189,7 @@ def kld(
     save_base_logits: Optional[Path] = typer.Option(None, "--save-base-logits", help="Also keep the base run's "
                                                     "logits file, reusable with --base-logits and by ik."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object with every statistic."),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
-    kv_cache: str = typer.Option("f32", "--kv-cache", help=KV_HELP),
-    dsa: Optional[DsaMode] = typer.Option(None, "--dsa", case_sensitive=False, help=DSA_HELP + " Applies to --base "
-                                          "too."),
-    dsa_sink: bool = typer.Option(False, "--dsa-sink", help=SINK_HELP + " Applies to --base too."),
-    ik_sink_overread: bool = OVERREAD_OPTION,
+    ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
     """KL-divergence of a model against a base model or a base-logits file, with all of ik's statistics.
 
@@ -179,35 +198,33 @@ def kld(
     """
     import tempfile
 
-    from ikrun.evaluate import EvalError, kl_divergence, open_base, perplexity, tokenize_chunks
-    from ikrun.metrics import BaseLogitsError
+    from ikrun.evaluate import kl_divergence, open_base, perplexity, tokenize_chunks
 
-    _threads(threads)
     if (base is None) == (base_logits is None):
         fail("give exactly one of --base (with --text) or --base-logits")
-    m = _load(model, threads, kv_cache, _options(dsa, dsa_sink, ik_sink_overread))
+    m = _load(model, ev)
     tmpdir = None
     try:
         if base is not None:
             if text is None:
                 fail("--base needs --text")
-            bm = _load(base, threads, kv_cache, _options(dsa, dsa_sink, ik_sink_overread))
+            bm = _load(base, ev)
             if bm.n_vocab != m.n_vocab:
                 fail(f"{base} has {bm.n_vocab} tokens, {model} has {m.n_vocab}: not the same vocabulary")
             chunk_tokens = tokenize_chunks(bm, _read_text(text), ctx, chunks)  # type: ignore[arg-type]
             if save_base_logits is None:
                 tmpdir = tempfile.TemporaryDirectory()
                 save_base_logits = Path(tmpdir.name) / "base.kld"
-            with _progress() as bar:
-                task = bar.add_task("base model", total=len(chunk_tokens))
-                perplexity(bm, chunk_tokens, save_base_logits, lambda i, n: bar.update(task, completed=i))
+            plan = _plan(bm, len(chunk_tokens), ctx, ev)
+            with _tracked(bm, plan, "base model") as (on_chunk, on_block):
+                perplexity(bm, chunk_tokens, save_base_logits, on_chunk, plan, on_block)
             bm.drop_cache()
             base_logits = save_base_logits
         bf = open_base(base_logits, m)  # type: ignore[arg-type]
-        with _progress() as bar:
-            task = bar.add_task("KL-divergence", total=bf.n_chunk)
-            acc = kl_divergence(m, bf, lambda i, n: bar.update(task, completed=i))
-    except (EvalError, BaseLogitsError, ValueError, FileNotFoundError) as exc:
+        plan = _plan(m, bf.n_chunk, bf.n_ctx, ev)
+        with _tracked(m, plan, "KL-divergence") as (on_chunk, on_block):
+            acc = kl_divergence(m, bf, on_chunk, plan=plan, on_block=on_block)
+    except (IkError, ValueError, FileNotFoundError) as exc:
         fail(str(exc))
     finally:
         if tmpdir is not None:
@@ -264,6 +281,7 @@ def kld_table(stats: dict, title: str) -> Table:
 
 
 @app.command()
+@evaluation_options
 def imatrix(
     model: Path = typer.Argument(..., help="GGUF model (ideally the unquantized one)."),
     text: Path = typer.Option(..., "--text", help="Calibration text (UTF-8)."),
@@ -273,41 +291,38 @@ def imatrix(
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Use at most this many chunks."),
     in_file: list[Path] = typer.Option([], "--in-file", help="Earlier imatrix to merge in (repeatable)."),
     save_every: int = typer.Option(10, "--save-every", help="Rewrite the output every N chunks, so an interrupted "
-                                   "run loses little (0: only at the end)."),
+                                   "run loses little (0: only at the end; a streamed run finishes all chunks "
+                                   "together and saves at the end)."),
     process_output: bool = typer.Option(False, "--process-output", help="Also collect for output.weight."),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
-    dsa: Optional[DsaMode] = DSA_OPTION,
-    dsa_sink: bool = SINK_OPTION,
-    ik_sink_overread: bool = OVERREAD_OPTION,
+    ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
     """Collect an importance matrix: per weight matrix, the mean square of its input activations per column.
 
     Example: ikrun imatrix model-f32.gguf --text calibration.txt --ctx 512 -o imatrix.dat
     """
-    from ikquant.imatrix import ImatrixError, read_imatrix
-    from ikrun.evaluate import EvalError, collect_imatrix, tokenize_chunks
+    from ikquant.imatrix import read_imatrix
+    from ikrun.evaluate import collect_imatrix, tokenize_chunks
     from ikrun.imatrix import ImatrixCollector
     from ikrun.metrics import ppl_stats
 
-    _threads(threads)
-    m = _load(model, threads, options=_options(dsa, dsa_sink, ik_sink_overread))
+    m = _load(model, ev)
     collector = ImatrixCollector(process_output=process_output)
     try:
         chunk_tokens = tokenize_chunks(m, _read_text(text), ctx, chunks)
         for f in in_file:
             collector.merge(read_imatrix(f), ctx)
-    except (EvalError, ImatrixError, ValueError) as exc:
+    except (IkError, ValueError) as exc:
         fail(str(exc))
     dataset = str(text)
-    with _progress() as bar:
-        task = bar.add_task("imatrix", total=len(chunk_tokens))
+    plan = _plan(m, len(chunk_tokens), ctx, ev)
+    with _tracked(m, plan, "imatrix") as (on_chunk, on_block):
 
         def step(i: int, n: int) -> None:
-            bar.update(task, completed=i)
-            if save_every and i % save_every == 0 and i < n:
+            on_chunk(i, n)
+            if save_every and i % save_every == 0 and i < n and not plan.streamed:
                 collector.save(output, i, ctx, dataset)
 
-        nll = collect_imatrix(m, chunk_tokens, collector, step)
+        nll = collect_imatrix(m, chunk_tokens, collector, step, plan, on_block)
     collector.save(output, len(chunk_tokens), ctx, dataset)
     stats = ppl_stats(nll)
     err.print(f"wrote {output}: {len(collector.sums)} entries from {len(chunk_tokens)} chunks of {ctx} tokens "
@@ -315,6 +330,7 @@ def imatrix(
 
 
 @app.command()
+@evaluation_options
 def sweep(
     model: Path = typer.Argument(..., help="Base GGUF (unquantized, or the model whose tensors you want to vary)."),
     text: Path = typer.Option(..., "--text", help="Evaluation text (UTF-8)."),
@@ -329,10 +345,7 @@ def sweep(
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw a heatmap (.png or .svg; needs "
                                         "pip install 'iktools[plot]')."),
-    threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
-    dsa: Optional[DsaMode] = DSA_OPTION,
-    dsa_sink: bool = SINK_OPTION,
-    ik_sink_overread: bool = OVERREAD_OPTION,
+    ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
     """How much each tensor costs: quantize one tensor (or group) at a time, swap it in, measure KL-divergence.
 
@@ -344,13 +357,12 @@ def sweep(
     """
     import tempfile
 
-    from ikquant.imatrix import ImatrixError, read_imatrix
+    from ikquant.imatrix import read_imatrix
     from ikquant.types import UnknownTypeError, type_by_name
-    from ikrun.evaluate import EvalError, open_base, perplexity, tokenize_chunks
+    from ikrun.evaluate import open_base, perplexity, tokenize_chunks
     from ikrun.sweep import load_rows, run_sweep, save_rows, sweep_groups
 
-    _threads(threads)
-    m = _load(model, threads, options=_options(dsa, dsa_sink, ik_sink_overread))
+    m = _load(model, ev)
     try:
         type_list = [type_by_name(t) for t in types.split(",") if t.strip()]
         for t in type_list:
@@ -359,15 +371,16 @@ def sweep(
         groups = sweep_groups(m, group, tensors)
         chunk_tokens = tokenize_chunks(m, _read_text(text), ctx, chunks)
         done = load_rows(output)
-    except (UnknownTypeError, NotImplementedError, ImatrixError, EvalError, ValueError) as exc:
+    except (UnknownTypeError, NotImplementedError, IkError, ValueError) as exc:
         fail(str(exc))
     header = {"model": str(model), "text": str(text), "ctx": ctx, "chunks": len(chunk_tokens), "group": group,
               "imatrix": str(imatrix) if imatrix else None}
     todo = len(groups) * len(type_list) - sum(1 for r in done if r.group in groups)
+    base_plan = _plan(m, len(chunk_tokens), ctx, ev)
     with tempfile.TemporaryDirectory() as tmp, _progress() as bar:
         base_path = Path(tmp) / "base.kld"
         task = bar.add_task("base logits", total=len(chunk_tokens))
-        perplexity(m, chunk_tokens, base_path, lambda i, n: bar.update(task, completed=i))
+        perplexity(m, chunk_tokens, base_path, lambda i, n: bar.update(task, completed=i), base_plan)
         base = open_base(base_path, m)
         bar.update(task, description="sweep", completed=0, total=max(todo, 0))
         rows: list = list(done)
@@ -378,8 +391,8 @@ def sweep(
             bar.update(task, advance=1, description=f"{row.group} {row.type}")
 
         try:
-            run_sweep(m, base, groups, type_list, imat, done, on_row)
-        except (ValueError, ImatrixError) as exc:
+            run_sweep(m, base, groups, type_list, imat, done, on_row, ev.spill_dir)
+        except (ValueError, IkError) as exc:
             bar.stop()
             fail(str(exc))
     out.print(sweep_table(rows))
@@ -412,6 +425,7 @@ def sweep_table(rows: list) -> Table:  # type: ignore[type-arg]
 
 
 @app.command()
+@evaluation_options
 def validate(
     hf: Path = typer.Option(..., "--hf", help="Hugging Face checkpoint folder."),
     gguf: Path = typer.Option(..., "--gguf", help="GGUF converted from it."),
@@ -420,11 +434,10 @@ def validate(
     chunks: int = typer.Option(2, "--chunks", help="Number of sequences."),
     tolerance: float = typer.Option(1e-4, "--tolerance", help="Largest acceptable relative logit error."),
     json_out: bool = typer.Option(False, "--json", help="Print the comparison as JSON."),
-    dsa: Optional[DsaMode] = typer.Option(None, "--dsa", case_sensitive=False, help=DSA_HELP + " The reference "
-                                          "always computes the model's semantics."),
-    dsa_sink: bool = typer.Option(False, "--dsa-sink", help=SINK_HELP),
+    ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
-    """Compare the runtime on a GGUF against a numpy reference written from the HF model definition.
+    """Compare the runtime on a GGUF against a numpy reference written from the HF model definition (the reference
+    always computes the model's semantics, whatever the runtime options say).
 
     Exit code 1 when the relative logit error exceeds --tolerance (right for F32 files; quantized files differ
     by their quantization error).
@@ -432,23 +445,35 @@ def validate(
     Example: ikrun validate --hf ./Qwen3-0.6B --gguf qwen3-0.6b-f32.gguf
     """
     from ikconvert.tiny import CORPUS
-    from ikrun.evaluate import EvalError, tokenize_chunks
-    from ikrun.validate import HFReference, ReferenceError, compare_logits
+    from ikrun.evaluate import tokenize_chunks
+    from ikrun.stream import evaluate_chunks
+    from ikrun.validate import HFReference
 
-    m = _load(gguf, options=_options(dsa, dsa_sink))
+    m = _load(gguf, ev)
     try:
         ref = HFReference(hf)
         chunk_tokens = tokenize_chunks(m, _read_text(text or CORPUS), ctx, chunks)
-    except (ReferenceError, EvalError, ValueError) as exc:
+    except (IkError, ValueError) as exc:
         fail(str(exc))
-    refs, gots = [], []
+    plan = _plan(m, len(chunk_tokens), ctx, ev)
+    gots = []
+    with _tracked(m, plan, "runtime") as (on_chunk, on_block):
+        for i, got in evaluate_chunks(m, chunk_tokens, plan, on_block, as_perplexity=False):
+            gots.append(got)
+            on_chunk(i + 1, len(chunk_tokens))
+    refs = []
     with _progress() as bar:
-        task = bar.add_task("validating", total=len(chunk_tokens))
+        task = bar.add_task("reference", total=len(chunk_tokens))
         for i, c in enumerate(chunk_tokens):
             refs.append(ref.logits(c))
-            gots.append(m.logits(c))
             bar.update(task, completed=i + 1)
-    res = compare_logits(np.concatenate(refs), np.concatenate(gots))
+    _report_validation(np.concatenate(refs), np.concatenate(gots), tolerance, json_out)
+
+
+def _report_validation(refs: np.ndarray, gots: np.ndarray, tolerance: float, json_out: bool) -> None:
+    from ikrun.validate import compare_logits
+
+    res = compare_logits(refs, gots)
     ok = res["max_rel_logit_err"] <= tolerance and math.isfinite(res["max_rel_logit_err"])
     if json_out:
         out.print_json(json.dumps({**res, "ok": ok, "tolerance": tolerance}))

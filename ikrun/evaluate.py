@@ -1,5 +1,8 @@
 """Chunked evaluation as llama-perplexity does it: tokenize once, cut into n_ctx chunks, evaluate each chunk
-from an empty context (first token swapped for BOS when the vocabulary adds one), score the second half."""
+from an empty context (first token swapped for BOS when the vocabulary adds one), score the second half.
+
+Each function takes a StreamPlan (ikrun/stream.py: chunk by chunk or layer-streamed within the memory budget);
+without one it plans a one-pass run itself."""
 
 from __future__ import annotations
 
@@ -17,12 +20,14 @@ from ikrun.metrics import (
     encode_records,
     kld_stats,
 )
+from ikquant.errors import IkError
 from ikrun.model import Model
+from ikrun.stream import BlockProgress, StreamPlan, evaluate_chunks, fed_tokens, plan_run
 
 Progress = Callable[[int, int], None]
 
 
-class EvalError(ValueError):
+class EvalError(IkError, ValueError):
     """Options or inputs that make an evaluation impossible (too little text, context mismatch, ...)."""
 
 
@@ -43,13 +48,8 @@ def tokenize_chunks(model: Model, text: str, n_ctx: int, max_chunks: int | None 
 
 def chunk_logits(model: Model, chunk: np.ndarray) -> np.ndarray:
     """Logits of the scored positions of one chunk (BOS swapped in first when the model adds BOS)."""
-    add_bos, bos = model.tokenizer_flags()
-    fed = np.array(chunk, dtype=np.int64)
-    if add_bos:
-        fed[0] = bos
     n_ctx = len(chunk)
-    first = n_ctx // 2
-    return model.logits(fed)[first : n_ctx - 1]
+    return model.logits(fed_tokens(model, chunk))[n_ctx // 2 : n_ctx - 1]
 
 
 @dataclass
@@ -60,21 +60,21 @@ class PPLResult:
 
 
 def perplexity(model: Model, chunks: np.ndarray, save_base: Path | None = None,
-               progress: Progress | None = None) -> PPLResult:
+               progress: Progress | None = None, plan: StreamPlan | None = None,
+               on_block: BlockProgress | None = None) -> PPLResult:
     """NLL of every scored token; with `save_base`, also ik's base-logits file for these chunks."""
     n_chunk, n_ctx = chunks.shape
+    plan = plan or plan_run(model, n_chunk, n_ctx, one_pass=True)
     writer = BaseLogitsWriter(save_base, n_ctx, model.n_vocab, chunks) if save_base else None
     nlls = []
     try:
-        with model.blas_limit():
-            for i in range(n_chunk):
-                logits = chunk_logits(model, chunks[i])
-                records, nll = encode_records(logits, chunks[i][n_ctx // 2 + 1 :])
-                nlls.append(nll)
-                if writer is not None:
-                    writer.write_chunk(records)
-                if progress:
-                    progress(i + 1, n_chunk)
+        for i, logits in evaluate_chunks(model, chunks, plan, on_block):
+            records, nll = encode_records(logits, chunks[i][n_ctx // 2 + 1 :])
+            nlls.append(nll)
+            if writer is not None:
+                writer.write_chunk(records)
+            if progress:
+                progress(i + 1, n_chunk)
         if writer is not None:
             writer.finish()
     except BaseException:
@@ -94,35 +94,34 @@ def open_base(path: Path, model: Model) -> BaseLogitsFile:
 
 
 def kl_divergence(model: Model, base: BaseLogitsFile, progress: Progress | None = None,
-                  per_chunk: Callable[[int, dict], None] | None = None) -> KLDAccumulator:
+                  per_chunk: Callable[[int, dict], None] | None = None, plan: StreamPlan | None = None,
+                  on_block: BlockProgress | None = None) -> KLDAccumulator:
     """Score every chunk of the base file's tokens with `model` against the stored base log-probabilities."""
     acc = KLDAccumulator()
     n_ctx = base.n_ctx
-    with model.blas_limit():
-        for i in range(base.n_chunk):
-            chunk = np.asarray(base.tokens[i])
-            logits = chunk_logits(model, chunk)
-            acc.add(logits, np.asarray(base.records(i)), chunk[n_ctx // 2 + 1 :])
-            if per_chunk is not None:
-                per_chunk(i + 1, kld_stats(acc))
-            if progress:
-                progress(i + 1, base.n_chunk)
+    tokens = np.asarray(base.tokens[: base.n_chunk])
+    plan = plan or plan_run(model, base.n_chunk, n_ctx, one_pass=True)
+    for i, logits in evaluate_chunks(model, tokens, plan, on_block):
+        acc.add(logits, np.asarray(base.records(i)), tokens[i][n_ctx // 2 + 1 :])
+        if per_chunk is not None:
+            per_chunk(i + 1, kld_stats(acc))
+        if progress:
+            progress(i + 1, base.n_chunk)
     return acc
 
 
-def collect_imatrix(model: Model, chunks: np.ndarray, collector, progress: Progress | None = None) -> np.ndarray:  # type: ignore[no-untyped-def]
-    """Run every chunk with `collector` observing the matmuls (one call per chunk); returns the scored NLLs."""
+def collect_imatrix(model: Model, chunks: np.ndarray, collector, progress: Progress | None = None,  # type: ignore[no-untyped-def]
+                    plan: StreamPlan | None = None, on_block: BlockProgress | None = None) -> np.ndarray:
+    """Run every chunk with `collector` observing the matmuls; returns the scored NLLs."""
     n_chunk, n_ctx = chunks.shape
+    plan = plan or plan_run(model, n_chunk, n_ctx, one_pass=True)
     nlls = []
     model.observers.append(collector)
     try:
-        with model.blas_limit():
-            for i in range(n_chunk):
-                logits = chunk_logits(model, chunks[i])
-                collector.end_call()
-                nlls.append(encode_records(logits, chunks[i][n_ctx // 2 + 1 :])[1])
-                if progress:
-                    progress(i + 1, n_chunk)
+        for i, logits in evaluate_chunks(model, chunks, plan, on_block):
+            nlls.append(encode_records(logits, chunks[i][n_ctx // 2 + 1 :])[1])
+            if progress:
+                progress(i + 1, n_chunk)
     finally:
         model.observers.remove(collector)
     return np.concatenate(nlls)

@@ -1,8 +1,8 @@
 """Importance matrices from the runtime: per weight matrix, the sum of squared input activations per column.
 
 What is collected follows ik's llama-imatrix: every matmul of a `blk.*` weight whose activation batch has at least
-16 rows (the output tensor only on request), one `ncall` per evaluation of the graph (here: per chunk), and the
-stored value mean(x^2) * ncall. Sums are kept in float64 (ik: float32).
+16 rows (the output tensor only on request), one `ncall` per evaluation of the graph (here: per chunk that showed
+the weight rows, whatever order a layer-streamed run shows them in), and the stored value mean(x^2) * ncall. Sums are kept in float64 (ik: float32).
 """
 
 from __future__ import annotations
@@ -24,29 +24,28 @@ class ImatrixCollector:
     process_output: bool = False
     sums: dict[str, np.ndarray] = field(default_factory=dict)
     counts: dict[str, np.ndarray] = field(default_factory=dict)
-    ncall: dict[str, int] = field(default_factory=dict)
-    _seen_this_call: set[str] = field(default_factory=set)
+    #: calls merged in from earlier files
+    merged_calls: dict[str, int] = field(default_factory=dict)
+    _chunks: dict[str, set[int]] = field(default_factory=dict)
 
     def wants(self, name: str) -> bool:
         return name.startswith("blk.") or (self.process_output and name == "output.weight")
 
-    def __call__(self, name: str, x: np.ndarray, expert: int = 0, n_experts: int = 1) -> None:
+    @property
+    def ncall(self) -> dict[str, int]:
+        """Per entry: the chunks that showed it rows, plus the calls of merged files."""
+        return {name: self.merged_calls.get(name, 0) + len(self._chunks.get(name, ())) for name in self.sums}
+
+    def __call__(self, name: str, x: np.ndarray, expert: int = 0, n_experts: int = 1, chunk: int = 0) -> None:
         if not self.wants(name) or (n_experts == 1 and x.shape[0] < MIN_ROWS):
             return
         x64 = x.reshape(-1, x.shape[-1]).astype(np.float64)
         if name not in self.sums:
             self.sums[name] = np.zeros((n_experts, x64.shape[1]))
             self.counts[name] = np.zeros(n_experts)
-            self.ncall[name] = 0
         self.sums[name][expert] += np.einsum("ij,ij->j", x64, x64)
         self.counts[name][expert] += x64.shape[0]
-        self._seen_this_call.add(name)
-
-    def end_call(self) -> None:
-        """One graph evaluation is done: every entry that saw data counts one more call (ik's ncall)."""
-        for name in self._seen_this_call:
-            self.ncall[name] += 1
-        self._seen_this_call.clear()
+        self._chunks.setdefault(name, set()).add(chunk)
 
     def merge(self, earlier: Imatrix, rows_per_call: int) -> None:
         """Add an earlier imatrix as if its calls had `rows_per_call` rows each (ik mixes units here: it adds
@@ -58,22 +57,21 @@ class ImatrixCollector:
             if name not in self.sums:
                 self.sums[name] = np.zeros_like(mean)
                 self.counts[name] = np.zeros(n_mat)
-                self.ncall[name] = 0
             self.sums[name] += mean * rows
             self.counts[name] += rows
-            self.ncall[name] += max(entry.ncall, 0)
+            self.merged_calls[name] = self.merged_calls.get(name, 0) + max(entry.ncall, 0)
 
     def to_imatrix(self, chunks: int, dataset: str, path: Path | None = None) -> Imatrix:
         """ik's stored form: values = mean(x^2) * ncall; matrices (experts) that saw no rows read as ones, as ik
         writes them. Unlike ik, an entry is never dropped for its unreached experts (ik drops one with round(5%)
         or more of them, and the quantizer then works without importance data for that whole tensor)."""
         imat = Imatrix(chunks=chunks, dataset=dataset, path=path)
+        ncall = self.ncall
         for name, s in self.sums.items():
             c = self.counts[name]
             mean = np.ones_like(s)
             mean[c > 0] = s[c > 0] / c[c > 0, None]
-            imat.entries[name] = ImatrixEntry((mean * self.ncall[name]).reshape(-1).astype(np.float32),
-                                              self.ncall[name])
+            imat.entries[name] = ImatrixEntry((mean * ncall[name]).reshape(-1).astype(np.float32), ncall[name])
         return imat
 
     def save(self, path: Path, chunks: int, chunk_size: int, dataset: str) -> None:

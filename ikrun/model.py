@@ -1,9 +1,10 @@
-"""A GGUF model loaded for evaluation: memory-mapped tensors, exact dequantization on first use, one forward.
+"""A GGUF model loaded for evaluation: memory-mapped tensors, exact dequantization just before use, one forward.
 
-Weights are decoded exactly (whatever their ggml type) into float32 the first time a layer needs them and kept,
-so every forward pass after the first runs on cached float32 matrices and the KL-divergence measures the error of
-the stored weights alone. The architecture module (ikrun/models/) checks hyperparameters and tensor shapes when
-the model is opened, before any compute.
+Weights are decoded exactly (whatever their ggml type) into float32 when a layer needs them and kept in a cache
+bounded by the memory budget (`mem`, bytes; None: no bound), so the KL-divergence measures the error of the stored
+weights alone and a model larger than memory is decoded piece by piece. The architecture module (ikrun/models/,
+the contract in ikrun/models/base.py) checks hyperparameters and tensor shapes when the model is opened, before
+any compute.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -21,16 +22,17 @@ from threadpoolctl import ThreadpoolController
 
 from ikquant.gguf_io import GGUFFile
 from ikquant.types import GGMLType
+from ikrun.models.base import ArchModel, ModelError
 from ikrun.weights import SwapError, WeightStore
 
-
-class ModelError(ValueError):
-    """A GGUF the runtime cannot evaluate: unsupported architecture, missing tensors, inconsistent shapes."""
-
+__all__ = ["KV_CACHE_TYPES", "Model", "ModelError", "RuntimeOptions"]
 
 KV_CACHE_TYPES = ("f32", "f16")
 # Weight matrices smaller than this run their matmuls on one BLAS thread: threads cost more than they save there.
 SMALL_MATRIX = 1 << 20
+#: rows of a weight decoded at a time by a matmul whose weight does not fit the cache (the output head of a big
+#: vocabulary under a small budget); such a matmul may differ from the untiled one in the last bits
+TILE_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -38,22 +40,29 @@ class RuntimeOptions:
     """Evaluation switches that change what an architecture computes (the defaults are the model's semantics).
 
     An architecture lists the ones it honours in its class attribute `runtime_options`; setting any other is an
-    error, so a flag never silently does nothing.
+    error, so a flag never silently does nothing. Each field's metadata holds its command-line help: the CLI makes
+    the option --name-with-dashes from it (ikrun/cli_options.py), a bool as a flag, None-defaulted as on/off.
     """
 
     #: lightning-indexer sparse attention: None keeps the architecture's default (sparse, as the model was trained);
     #: False runs dense attention on every layer (ik without --dsa)
-    dsa: bool | None = None
+    dsa: bool | None = field(default=None, metadata={"help": (
+        "Lightning-indexer sparse attention (glm-dsa): on (the default: the model's semantics) or off (dense attention "
+        "on every layer, as ik without --dsa). An error for a model without an indexer.")})
     #: ik's attention-sink boost: the indexer always keeps each sequence's first token (ik's --dsa default)
-    dsa_sink: bool = False
+    dsa_sink: bool = field(default=False, metadata={"help": (
+        "Add ik's attention-sink boost to the indexer: each sequence's first token always survives the top-k (ik's "
+        "--dsa default, not part of the model). An error for a model without an indexer.")})
     #: reproduce ik's AVX-512 f32 GEMM over-read of openPangu's param-sink values (only fewer than 16 sinks, i.e.
     #: small test models, are affected): the numbers ik prints for them, not the model's
-    ik_sink_overread: bool = False
+    ik_sink_overread: bool = field(default=False, metadata={"help": (
+        "openPangu: reproduce ik's AVX-512 f32 GEMM, which misreads the param-sink values of files with fewer than 16 "
+        "sinks (small test models; real ones have 128), to get the numbers ik prints for them. Off: the model's "
+        "exact forward.")})
 
     def given(self) -> list[str]:
         """The options that were set (field names; the command-line flag is --name with dashes)."""
-        return [name for name, unset in (("dsa", None), ("dsa_sink", False), ("ik_sink_overread", False))
-                if getattr(self, name) != unset]
+        return [f.name for f in fields(self) if getattr(self, f.name) != f.default]
 
 
 @lru_cache(maxsize=1)
@@ -65,7 +74,7 @@ class Model:
     """A GGUF file plus the architecture module that evaluates it."""
 
     def __init__(self, path: str | os.PathLike[str], threads: int | None = None, kv_cache: str = "f32",
-                 options: RuntimeOptions | None = None):
+                 options: RuntimeOptions | None = None, mem: int | None = None, stream: bool | None = None):
         from ikrun.models import model_class, supported_architectures
 
         if kv_cache not in KV_CACHE_TYPES:
@@ -78,8 +87,9 @@ class Model:
         except SwapError as exc:
             raise ModelError(str(exc)) from None
         self.arch = self.gguf.architecture
-        #: called as observer(weight_name, x, expert, n_experts) with the activation rows about to meet each weight
-        #: matrix (expert = which matrix of a 3-D expert tensor; 0 of 1 for plain matrices)
+        #: called as observer(weight_name, x, expert, n_experts, chunk) with the activation rows about to meet each
+        #: weight matrix (expert = which matrix of a 3-D expert tensor; 0 of 1 for plain matrices; chunk = which
+        #: evaluated sequence the rows belong to)
         self.observers: list[Callable[..., None]] = []
         #: switches the architecture module reads (checked against the ones it honours before it is built)
         self.options = options or RuntimeOptions()
@@ -92,7 +102,17 @@ class Model:
                                  f"is {self.arch}")
         if self.options.dsa is False and self.options.dsa_sink:
             raise ModelError("--dsa-sink changes the indexer's top-k selection, which --dsa off does not run")
-        self.impl = impl_class(self)
+        #: the memory budget in bytes (None: unbounded); the decoded-weight cache lives in what evaluation leaves
+        self.mem = mem
+        self.weights.capacity = mem
+        #: layer-streamed evaluation: True always, False never, None when the model does not fit `mem`
+        #: (ikrun/stream.py)
+        self.stream = stream
+        #: the chunk whose rows the observers are shown (set by the architectures' per-sequence steps)
+        self.chunk = 0
+        #: matmuls that had to decode their weight in tiles (it did not fit the cache)
+        self.tiled: set[str] = set()
+        self.impl: ArchModel = impl_class(self)
         largest = max((self.weights.info(n).n_elements for n in self.weights.names()
                        if len(self.weights.info(n).ne) >= 2), default=0)
         self.blas_threads = 1 if largest < SMALL_MATRIX else (threads or os.cpu_count() or 1)
@@ -128,10 +148,6 @@ class Model:
 
     # ---- hot swapping ----------------------------------------------------------------------------------------
     def _check_swappable(self, name: str) -> None:
-        derived = getattr(self.impl, "derived_tensors", {})
-        if name in derived:
-            raise SwapError(f"tensor {name!r} is derived when the model is loaded, from {derived[name]}: swap that "
-                            "instead (the derivation is redone)")
         if not self.weights.has(name):
             raise SwapError(f"the model has no tensor named {name!r}")
 
@@ -139,43 +155,56 @@ class Model:
         """Evaluate with tensor `name` stored as `raw` bytes of `gtype` (same logical shape) until restored."""
         self._check_swappable(name)
         self.weights.swap(name, gtype, raw)
-        self._changed([name])
 
     def swap_from_file(self, name: str, path: str | os.PathLike[str]) -> None:
         """Evaluate with tensor `name` as another GGUF file stores it (same logical shape) until restored."""
         self._check_swappable(name)
         self.weights.swap_from_file(name, Path(path))
-        self._changed([name])
 
     def restore(self, name: str | None = None) -> None:
         """Undo swaps: of one tensor, or of all."""
-        names = [name] if name is not None else self.weights.swapped()
         self.weights.restore(name)
-        self._changed(names)
 
     def reload_changed(self) -> list[str]:
         """Re-read the model's files that changed on disk; returns the tensors whose bytes or type changed."""
-        changed = self.weights.reload_changed()
-        self._changed(changed)
-        return changed
-
-    def _changed(self, names: list[str]) -> None:
-        invalidate = getattr(self.impl, "invalidate", None)
-        if invalidate is not None and names:
-            invalidate(names)
+        return self.weights.reload_changed()
 
     def observe(self, weight_name: str, x: np.ndarray, expert: int = 0, n_experts: int = 1) -> None:
         """Show the observers the rows `x` that meet `weight_name` (matrix `expert` of a 3-D expert tensor)."""
         for observer in self.observers:
-            observer(weight_name, x, expert, n_experts)
+            observer(weight_name, x, expert, n_experts, self.chunk)
+
+    def fits(self, n_bytes: int) -> bool:
+        """Whether a decoded copy of `n_bytes` may be cached."""
+        cap = self.weights.capacity
+        return cap is None or n_bytes <= cap
+
+    def project(self, x: np.ndarray, weight_name: str) -> np.ndarray:
+        """x @ W^T for the 2-D weight `weight_name`; decoded whole when it fits the cache, else a tile of rows at a
+        time (the output head of a large vocabulary under a small budget)."""
+        w = self.weights
+        if w.cached(weight_name) or self.fits(w.decoded_bytes(weight_name)):
+            return x @ self.weight(weight_name).T
+        self.tiled.add(weight_name)
+        n_rows, n_cols = self.shape(weight_name)
+        step = max(1, TILE_BYTES // (4 * n_cols))
+        y = np.empty((x.shape[0], n_rows), dtype=np.float32)
+        for r0 in range(0, n_rows, step):
+            rows = np.arange(r0, min(n_rows, r0 + step))
+            y[:, r0 : r0 + len(rows)] = x @ w.decode_rows(weight_name, rows).T
+        return y
 
     def linear(self, x: np.ndarray, name: str) -> np.ndarray:
         """x @ W^T (+ bias) for the weight `name` (without the .weight suffix), shown to the observers first."""
         self.observe(name + ".weight", x)
-        y = x @ self.weight(name + ".weight").T
+        y = self.project(x, name + ".weight")
         if self.has(name + ".bias"):
             y += self.weight(name + ".bias")
         return y
+
+    def embed_rows(self, name: str, tokens: np.ndarray) -> np.ndarray:
+        """Rows `tokens` of an embedding table, decoding only those rows unless the table is cached."""
+        return self.weights.decode_rows(name, tokens)
 
     def drop_cache(self) -> None:
         self.weights.drop_cache()
@@ -188,16 +217,20 @@ class Model:
     def n_vocab(self) -> int:
         return int(self.impl.n_vocab)
 
-    def logits(self, tokens: np.ndarray) -> np.ndarray:
-        """float32 logits [len(tokens), n_vocab] for one sequence at positions 0..n-1 (a fresh context)."""
-        tokens = np.asarray(tokens, dtype=np.int64)
+    def check_tokens(self, tokens: np.ndarray) -> None:
         if tokens.ndim != 1 or tokens.size == 0:
             raise ValueError("tokens must be a non-empty 1-D sequence")
         if tokens.min() < 0 or tokens.max() >= self.n_vocab:
             raise ValueError(f"token id {int(tokens.max() if tokens.max() >= self.n_vocab else tokens.min())} is "
                              f"outside the vocabulary (0..{self.n_vocab - 1})")
+
+    def logits(self, tokens: np.ndarray, index: int = 0) -> np.ndarray:
+        """float32 logits [len(tokens), n_vocab] for one sequence at positions 0..n-1 (a fresh context); `index`
+        tells observers which chunk of a run it is."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        self.check_tokens(tokens)
         with self.blas_limit():
-            return self.impl.forward(tokens)
+            return self.impl.forward(tokens, index=index)
 
     @contextmanager
     def blas_limit(self) -> Iterator[None]:

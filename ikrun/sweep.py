@@ -28,6 +28,7 @@ from ikquant.types import GGMLType
 from ikrun.evaluate import kl_divergence
 from ikrun.metrics import BaseLogitsFile, kld_stats
 from ikrun.model import Model
+from ikrun.stream import plan_run
 
 GROUP_MODES = ("tensor", "layer", "class")
 # Quantizations queued ahead of the evaluation. Types alternate between slow (IQ4_KS) and fast (Q4_0) ones; with two
@@ -150,7 +151,7 @@ def _concurrent_kernels_are_safe() -> bool:
 
 def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], types: list[GGMLType],
               imatrix: Imatrix | None, done: list[SweepRow],
-              on_row: Callable[[SweepRow], None]) -> list[SweepRow]:
+              on_row: Callable[[SweepRow], None], spill_dir: Path | None = None) -> list[SweepRow]:
     """Measure every (group, type) not in `done`; `on_row` sees each new row as soon as it exists.
 
     The next measurement's quantization runs in a second thread while the current one is evaluated (the kernels
@@ -168,6 +169,8 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
         return pool.submit(_prepare, model, g, names, t, imatrix) if pool else _prepare(model, g, names, t, imatrix)
 
     ahead = LOOKAHEAD if pool else 1  # without a second thread, quantizing early only holds more bytes
+    # every candidate is a full evaluation: chunk by chunk with cached weights when they fit, else streamed
+    plan = plan_run(model, base.n_chunk, base.n_ctx, one_pass=False, spill_dir=spill_dir)
     pending = [start(k) for k in range(min(ahead, len(jobs)))]
     try:
         for k in range(len(jobs)):
@@ -179,7 +182,7 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
             try:
                 for name, (used, raw) in zip(job.names, job.encodings):
                     model.swap(name, used, raw)
-                stats = kld_stats(kl_divergence(model, base))
+                stats = kld_stats(kl_divergence(model, base, plan=plan))
             finally:
                 for name in job.names:
                     model.restore(name)

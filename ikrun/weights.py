@@ -5,23 +5,35 @@ descriptor) and may be overridden by a swapped-in encoding of the same logical s
 from another GGUF or from memory. Decoded float32 copies are cached with a fingerprint of the bytes they came from,
 so `reload_changed` can tell which tensors of a rewritten file really changed, like ik's on-demand reload but
 without its mmap and restore restrictions.
+
+The cache is bounded (`capacity` bytes, least recently used first out): a model far larger than memory is decoded
+piece by piece, whole tensors, single expert matrices of a 3-D expert tensor, or single rows (embeddings). After a
+file's bytes are decoded, their mapped pages are dropped from the process (they stay in the page cache), so
+reading a 300 GB file does not pile its pages up in the resident set. `reads` counts the encoded bytes decoded per
+tensor, which is how the streaming tests see that each block is read once.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ikquant.errors import IkError
 from ikquant.gguf_io import GGUFFile, GGUFFormatError, TensorInfo
 from ikquant.types import GGMLType
 from ikrun.ops.parallel import threads_for
 
 
-class SwapError(ValueError):
+#: a cache key: a whole tensor, or (tensor, expert) for one matrix of a 3-D expert tensor
+CacheKey = str | tuple[str, int]
+
+
+class SwapError(IkError, ValueError):
     """A swap or reload that cannot be correct; nothing was changed."""
 
 
@@ -80,7 +92,12 @@ class WeightStore:
                     raise SwapError(f"{shard.path}: tensor {name!r} is also in {self.shards[self._source[name][0]].path}")
                 self._source[name] = (i, info)
         self._override: dict[str, Encoding] = {}
-        self._cache: dict[str, tuple[np.ndarray, bytes]] = {}
+        self._cache: OrderedDict[CacheKey, tuple[np.ndarray, bytes]] = OrderedDict()
+        self._cached_bytes = 0
+        #: most bytes the decoded-weight cache may hold (None: no bound)
+        self.capacity: int | None = None
+        #: encoded bytes decoded so far, per tensor (whole tensors, expert matrices and rows alike)
+        self.reads: Counter[str] = Counter()
         # the file encoding's decoded copy, set aside while a swap is in place: a sweep restores every tensor it
         # swaps, and decoding and fingerprinting it again cost a tiny model's sweep 3% of its time
         self._stash: dict[str, tuple[np.ndarray, bytes]] = {}
@@ -110,21 +127,121 @@ class WeightStore:
         """What the tensor is stored as right now (a swapped-in encoding, or its file's)."""
         return self._override.get(name) or self.source_encoding(name)
 
+    def decoded_bytes(self, name: str) -> int:
+        """The size of tensor `name` decoded to float32."""
+        return 4 * self.info(name).n_elements
+
+    def encoded_bytes(self, name: str) -> int:
+        return self.encoding(name).raw.nbytes
+
+    def cached(self, name: str) -> bool:
+        return name in self._cache
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
+
+    def _decode_rows(self, name: str, raw: np.ndarray, n_per_row: int) -> np.ndarray:
+        enc_type = self.encoding(name).type
+        with threads_for(raw.shape[0] * n_per_row):
+            w = enc_type.require_codec().dequantize(raw, n_per_row)
+        self.reads[name] += raw.nbytes
+        return w
+
+    def _release(self, name: str) -> None:
+        """Drop the mapped pages of the file's encoding of `name` from the process."""
+        if name not in self._override:
+            i = self._source[name][0]
+            self.shards[i].file.release(name)
+
+    def _keep(self, key: CacheKey, value: np.ndarray, fingerprint: bytes) -> None:
+        """Cache `value` under `key` if it fits the capacity, evicting the least recently used entries first."""
+        if self.capacity is not None and value.nbytes > self.capacity:
+            return
+        if self.capacity is not None:
+            self._stash.clear()  # set-aside copies are the first thing a bounded cache gives up
+            while self._cache and self._cached_bytes + value.nbytes > self.capacity:
+                _, (old, _) = self._cache.popitem(last=False)
+                self._cached_bytes -= old.nbytes
+        self._cache[key] = (value, fingerprint)
+        self._cached_bytes += value.nbytes
+
+    def _forget(self, key: CacheKey) -> tuple[np.ndarray, bytes] | None:
+        hit = self._cache.pop(key, None)
+        if hit is not None:
+            self._cached_bytes -= hit[0].nbytes
+        return hit
+
     def decode(self, name: str) -> np.ndarray:
-        """float32 (numpy order) of the current encoding, cached with its fingerprint."""
+        """float32 (numpy order) of the current encoding, cached with its fingerprint while the capacity allows."""
         hit = self._cache.get(name)
         if hit is not None:
+            self._cache.move_to_end(name)
             return hit[0]
         info = self.info(name)
         enc = self.encoding(name)
-        with threads_for(info.n_elements):
-            w = enc.type.require_codec().dequantize(enc.raw, info.n_per_row).reshape(info.shape)
+        w = self._decode_rows(name, enc.raw, info.n_per_row).reshape(info.shape)
         # only a file's bytes can change under us (reload_changed compares them); a swapped-in encoding needs none
-        self._cache[name] = (w, enc.fingerprint() if name not in self._override else b"")
+        fingerprint = enc.fingerprint() if name not in self._override else b""
+        self._release(name)
+        self._keep(name, w, fingerprint)
         return w
+
+    def decode_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows `rows` of a 2-D tensor (an embedding lookup) in float32: the whole tensor is never decoded for it."""
+        hit = self._cache.get(name)
+        if hit is not None:
+            self._cache.move_to_end(name)
+            return hit[0][rows]
+        info = self.info(name)
+        uniq, inverse = np.unique(np.asarray(rows, dtype=np.int64), return_inverse=True)
+        raw = self.encoding(name).raw
+        out = self._decode_rows(name, np.ascontiguousarray(raw[uniq]), info.n_per_row)
+        self._release(name)
+        return out[inverse.reshape(-1)]
+
+    def decode_experts(self, name: str, experts: np.ndarray) -> np.ndarray:
+        """Matrices `experts` of a 3-D expert tensor [E, rows, cols] in float32, [len(experts), rows, cols].
+
+        Taken from the whole tensor's decoded copy when it is cached, else decoded (and cached) per expert.
+        """
+        whole = self._cache.get(name)
+        if whole is not None:
+            self._cache.move_to_end(name)
+            return whole[0][experts]
+        info = self.info(name)
+        n_expert, rows, cols = info.shape
+        raw = self.encoding(name).raw.reshape(n_expert, rows, -1)
+        out = np.empty((len(experts), rows, cols), dtype=np.float32)
+        for j, e in enumerate(int(x) for x in experts):
+            hit = self._cache.get((name, e))
+            if hit is not None:
+                self._cache.move_to_end((name, e))
+                out[j] = hit[0]
+                continue
+            out[j] = self._decode_rows(name, raw[e], cols).reshape(rows, cols)
+            self._keep((name, e), out[j].copy(), b"")
+        self._release(name)
+        return out
+
+    def evict(self, names: list[str]) -> None:
+        """Drop the decoded copies of `names` (whole and per expert) and their mapped pages."""
+        drop = set(names)
+        for key in [k for k in self._cache if (k if isinstance(k, str) else k[0]) in drop]:
+            self._forget(key)
+        for name in names:
+            if name in self._source:
+                self._release(name)
+
+    def _forget_tensor(self, name: str) -> tuple[np.ndarray, bytes] | None:
+        """Remove every cache entry of `name`; returns the whole tensor's entry if there was one."""
+        for key in [k for k in self._cache if not isinstance(k, str) and k[0] == name]:
+            self._forget(key)
+        return self._forget(name)
 
     def drop_cache(self) -> None:
         self._cache.clear()
+        self._cached_bytes = 0
         self._stash.clear()
 
     # ---- swapping ------------------------------------------------------------------------------------------
@@ -139,7 +256,7 @@ class WeightStore:
         if raw.nbytes != expected:
             raise SwapError(f"tensor {name!r} {list(info.ne)} as {gtype.name} needs {expected} bytes, got {raw.nbytes}")
         raw = raw.reshape(info.n_rows, -1)
-        hit = self._cache.pop(name, None)
+        hit = self._forget_tensor(name)
         if hit is not None and name not in self._override:
             self._stash[name] = hit
         self._override[name] = Encoding(gtype, raw, origin)
@@ -162,9 +279,10 @@ class WeightStore:
         """Back to the file's encoding: one tensor, or all of them."""
         for n in [name] if name is not None else list(self._override):
             if self._override.pop(n, None) is not None:
-                self._cache.pop(n, None)
+                self._forget_tensor(n)
                 if n in self._stash:
-                    self._cache[n] = self._stash.pop(n)
+                    value, fingerprint = self._stash.pop(n)
+                    self._keep(n, value, fingerprint)
 
     def swapped(self) -> list[str]:
         return list(self._override)
@@ -218,6 +336,9 @@ class WeightStore:
                 self._source[name] = (i, info)
                 if differs:
                     changed.append(name)
-                    (self._stash if name in self._override else self._cache).pop(name, None)
+                    if name in self._override:
+                        self._stash.pop(name, None)
+                    else:
+                        self._forget_tensor(name)
             self.shards[i] = _Shard(old.path, f, _stamp(old.path))
         return changed

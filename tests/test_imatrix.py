@@ -109,7 +109,7 @@ def test_quantizing_with_it_lowers_the_kld(data_dir: Path, tmp_path: Path) -> No
                                           "q4_0", "--pure", *extra])
         assert res.exit_code == 0, res.output
         res = runner.invoke(app, ["kld", str(out), "--base-logits", str(base), "--json"])
-        klds.append(json.loads(res.output)["kld_mean"])
+        klds.append(json.loads(res.stdout)["kld_mean"])
     assert klds[1] < klds[0]
     assert klds[0] == pytest.approx(0.0821, rel=0.05)
 

@@ -38,7 +38,7 @@ def ik_printed(path: Path) -> dict[str, float]:
 def _kld_json(*args: str) -> dict:
     res = runner.invoke(app, ["kld", *args, "--json"])
     assert res.exit_code == 0, res.output
-    return json.loads(res.output)
+    return json.loads(res.stdout)
 
 
 def test_our_f32_forward_is_iks(data_dir: Path) -> None:
@@ -107,7 +107,7 @@ def _ppl(data_dir: Path, *extra: str) -> dict:
     res = runner.invoke(app, ["ppl", str(data_dir / "convert" / "qwen3" / "ik-f32.gguf"), "--text",
                               str(data_dir / "logits" / "qwen3" / "text.txt"), "--ctx", "64", "--json", *extra])
     assert res.exit_code == 0, res.output
-    return json.loads(res.output)
+    return json.loads(res.stdout)
 
 
 def test_ppl_matches_ik(data_dir: Path) -> None:

@@ -47,7 +47,7 @@ def _kld(data_dir: Path, kind: str, *extra: str) -> dict[str, Any]:
     res = runner.invoke(app, ["kld", str(_gguf(data_dir, kind)), "--base-logits",
                               str(data_dir / "logits" / V3 / "ik-base.kld"), "--json", *extra])
     assert res.exit_code == 0, res.output
-    return json.loads(res.output)
+    return json.loads(res.stdout)
 
 
 # ---- against ik_llama.cpp --------------------------------------------------------------------------------------
@@ -77,7 +77,7 @@ def test_ppl_matches_iks_printed_estimate(data_dir: Path) -> None:
     res = runner.invoke(app, ["ppl", str(_gguf(data_dir)), "--text", str(data_dir / "logits" / V3 / "text.txt"),
                               "--ctx", "64", "--json", "--kv-cache", "f16"])
     assert res.exit_code == 0, res.output
-    ours = json.loads(res.output)
+    ours = json.loads(res.stdout)
     assert ours["n_tokens"] == 1860
     assert ours["ppl"] == pytest.approx(float(ik.group(1)), rel=2e-6)
     assert ours["ppl_err"] == pytest.approx(float(ik.group(2)), rel=2e-5)
@@ -123,7 +123,7 @@ def test_validate_command(data_dir: Path) -> None:
     res = runner.invoke(app, ["validate", "--hf", str(data_dir / "convert" / V3 / "hf"), "--gguf",
                               str(_gguf(data_dir)), "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["ok"] is True
+    assert json.loads(res.stdout)["ok"] is True
 
 
 # ---- determinism and kernels ---------------------------------------------------------------------------------
@@ -173,13 +173,27 @@ def test_expert_kernel_only_routed_tokens_any_thread_count(monkeypatch: pytest.M
     down = rng.standard_normal((n_expert, n_embd, n_ff), dtype=np.float32) * 0.2
     up[5] = gate[5] = down[5] = np.nan  # ... so its (poisoned) weights must never be read
     expected = _numpy_moe(x, sel, w, up, gate, down)
-    serial, *_ = moe.moe_experts(x, sel, w, up, gate, down)
+    fetched: list[int] = []
+
+    def whole(ids: np.ndarray) -> tuple[np.ndarray, ...]:
+        fetched.extend(int(e) for e in ids)
+        return up, gate, down, ids
+
+    def compact(ids: np.ndarray) -> tuple[np.ndarray, ...]:
+        fetched.extend(int(e) for e in ids)
+        return up[ids], gate[ids], down[ids], np.arange(len(ids))
+
+    serial = moe.moe_experts(x, sel, w, n_expert, whole).out
     np.testing.assert_allclose(serial, expected, rtol=1e-5, atol=1e-5)
+    assert 5 not in fetched  # only routed experts are fetched
+    for group in (1, 3):  # experts fetched a few at a time, as under a small memory budget: the same bits
+        np.testing.assert_array_equal(moe.moe_experts(x, sel, w, n_expert, compact, group).out, serial)
+    assert 5 not in fetched and len(fetched) == 3 * len(set(fetched))
     monkeypatch.setattr(moe, "PARALLEL_MIN_FLOPS", 0)
     for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
         numba.set_num_threads(threads)
         try:
-            np.testing.assert_array_equal(moe.moe_experts(x, sel, w, up, gate, down)[0], serial)
+            np.testing.assert_array_equal(moe.moe_experts(x, sel, w, n_expert, whole).out, serial)
         finally:
             numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
 
@@ -256,7 +270,6 @@ def test_imatrix_keeps_unreached_experts_as_ones() -> None:
     collector = ImatrixCollector()
     for e in (0, 1, 3):  # 4 experts, expert 2 unreached (ik would drop the whole entry)
         collector("blk.1.ffn_down_exps.weight", x, e, 4)
-    collector.end_call()
     imat = collector.to_imatrix(1, "test")
     mean = imat.entries["blk.1.ffn_down_exps.weight"].mean_sq().reshape(4, 8)
     assert (mean[2] == 1.0).all() and (np.delete(mean, 2, axis=0) == 4.0).all()

@@ -39,7 +39,7 @@ def _tokens() -> np.ndarray:
 def _kld(base: str, *extra: str) -> dict[str, Any]:
     res = runner.invoke(app, ["kld", str(GGUF), "--base-logits", str(LOGITS / base), "--json", *extra])
     assert res.exit_code == 0, res.output
-    return json.loads(res.output)
+    return json.loads(res.stdout)
 
 
 # ---- against ik_llama.cpp: each of its three runs reproduced on purpose ----------------------------------------
@@ -90,7 +90,7 @@ def test_ppl_matches_iks_printed_estimate(flags: list[str], printed: str) -> Non
     res = runner.invoke(app, ["ppl", str(GGUF), "--text", str(LOGITS / "text.txt"), "--ctx", "64", "--chunks", "8",
                               "--json", "--kv-cache", "f16", *flags])
     assert res.exit_code == 0, res.output
-    ours = json.loads(res.output)
+    ours = json.loads(res.stdout)
     assert ours["n_tokens"] == 248
     rel = 2e-4 if not flags else 1e-5  # the no-sink run keeps the two near-ties above
     assert ours["ppl"] == pytest.approx(float(ik.group(1)), rel=rel)
@@ -181,7 +181,7 @@ def test_validate_command() -> None:
     res = runner.invoke(app, ["validate", "--hf", str(DATA / "convert" / "glm-dsa" / "hf"), "--gguf", str(GGUF),
                               "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["ok"] is True
+    assert json.loads(res.stdout)["ok"] is True
 
 
 # ---- a generated GLM-5-style checkpoint: the schedule comes from the file ----------------------------------------

@@ -60,7 +60,7 @@ def _kld(path: Path, base: Path, *extra: str) -> dict[str, Any]:
     """`ikrun kld` against one of ik's base files, computing what ik computes (--ik-sink-overread)."""
     res = runner.invoke(app, ["kld", str(path), "--base-logits", str(base), "--json", "--ik-sink-overread", *extra])
     assert res.exit_code == 0, res.output
-    return json.loads(res.output)
+    return json.loads(res.stdout)
 
 
 def _reference(data_dir: Path, **config: Any) -> OpenPanguReference:
@@ -95,7 +95,7 @@ def test_ppl_matches_iks_printed_estimate(data_dir: Path) -> None:
     res = runner.invoke(app, ["ppl", str(_gguf(data_dir)), "--text", str(data_dir / "logits" / V2 / "text.txt"),
                               "--ctx", "64", "--json", "--kv-cache", "f16", "--ik-sink-overread"])
     assert res.exit_code == 0, res.output
-    ours = json.loads(res.output)
+    ours = json.loads(res.stdout)
     assert ours["n_tokens"] == 1860
     assert ours["ppl"] == pytest.approx(float(ik.group(1)), rel=5e-4)
     assert ours["ppl_err"] == pytest.approx(float(ik.group(2)), rel=5e-4)
@@ -178,7 +178,7 @@ def test_validate_command(data_dir: Path) -> None:
     res = runner.invoke(app, ["validate", "--hf", str(data_dir / "convert" / V2 / "hf"), "--gguf",
                               str(_gguf(data_dir)), "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["ok"] is True
+    assert json.loads(res.stdout)["ok"] is True
 
 
 def test_per_layer_windows_beyond_ik(data_dir: Path, tmp_path: Path) -> None:

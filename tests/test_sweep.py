@@ -50,7 +50,7 @@ def test_each_row_is_the_kld_of_that_tensor_alone(model256: Path, tmp_path: Path
             "--save-base-logits", str(base)]
         r = runner.invoke(app, ["kld", str(single), *src, "--json"])
         assert r.exit_code == 0, r.output
-        assert rows[(name, qtype)]["kld_mean"] == pytest.approx(json.loads(r.output)["kld_mean"], rel=1e-12)
+        assert rows[(name, qtype)]["kld_mean"] == pytest.approx(json.loads(r.stdout)["kld_mean"], rel=1e-12)
     assert rows[("blk.1.ffn_down.weight", "IQ4_KS")]["bpw"] == pytest.approx(4.25 + 32 / 512)
 
 

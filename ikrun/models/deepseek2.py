@@ -15,31 +15,29 @@ scale mscale^2 / sqrt(key_length) with mscale = attn_factor (1 + yarn_log_multip
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ikrun.ops.activations import swiglu
+from ikrun.models.base import ArchModel, Hparam, Sequence
+from ikrun.ops.ffn import MoeConfig, dense_ffn, moe_ffn
 from ikrun.ops.mla import latent_attention
-from ikrun.ops.moe import GATING_NAMES, GATING_SIGMOID, GATING_SOFTMAX, moe_experts, route
+from ikrun.ops.moe import GATING_SIGMOID, GATING_SOFTMAX
 from ikrun.ops.norm import rms_norm
 from ikrun.ops.rope import Yarn, apply_rope, yarn_rope_cache
 
-BlockHook = Callable[[int, np.ndarray], None]
-Hparam = Callable[..., Any]
+if TYPE_CHECKING:
+    from ikrun.model import Model
+
 #: rope scaling types ik knows for this architecture (llama_rope_scaling_type_from_string)
 ROPE_SCALING = ("none", "linear", "yarn")
 
 
-class Deepseek2:
+class Deepseek2(ArchModel):
     archs = ("deepseek2",)
 
-    def __init__(self, model):  # type: ignore[no-untyped-def]
-        from ikrun.model import ModelError
-
-        self.m = model
-        self._error = ModelError
+    def __init__(self, model: Model):
+        super().__init__(model)
         hp = model.hparam
         self.n_layer = int(hp("block_count"))
         self.n_embd = int(hp("embedding_length"))
@@ -54,45 +52,29 @@ class Deepseek2:
         if n_head_kv == 1 and self.n_head > 1:
             # mainline llama.cpp's MLA layout: the cache row is the key, the per-head sizes come from *_mla
             if key_length != self.kv_lora + self.n_rot or value_length != self.kv_lora:
-                raise ModelError(f"{model.path}: head_count_kv 1 (mainline MLA layout) needs key_length = "
-                                 f"kv_lora_rank + rope.dimension_count and value_length = kv_lora_rank; got "
-                                 f"{key_length}, {value_length} for kv_lora_rank {self.kv_lora}")
+                raise self.fail("head_count_kv 1 (mainline MLA layout) needs key_length = kv_lora_rank + "
+                                "rope.dimension_count and value_length = kv_lora_rank; got "
+                                f"{key_length}, {value_length} for kv_lora_rank {self.kv_lora}")
             key_length = int(hp("attention.key_length_mla", 192))
             value_length = int(hp("attention.value_length_mla", 128))
         self.head_k, self.head_v = key_length, value_length
         self.n_nope = key_length - self.n_rot
         if self.n_rot <= 0 or self.n_rot % 2 or self.n_nope <= 0:
-            raise ModelError(f"{model.path}: {model.arch}.rope.dimension_count {self.n_rot} must be even, positive "
-                             f"and below the key length {key_length}")
+            raise self.fail(f"{model.arch}.rope.dimension_count {self.n_rot} must be even, positive and below the "
+                            f"key length {key_length}")
         self.n_dense = int(hp("leading_dense_block_count"))
         self.n_mtp = int(hp("nextn_predict_layers", 0))
         if not 0 <= self.n_mtp < self.n_layer:
-            raise ModelError(f"{model.path}: {model.arch}.nextn_predict_layers {self.n_mtp} leaves no main layers "
-                             f"of {self.n_layer}")
+            raise self.fail(f"{model.arch}.nextn_predict_layers {self.n_mtp} leaves no main layers of "
+                            f"{self.n_layer}")
         self.n_active = self.n_layer - self.n_mtp
         if self.n_dense < self.n_layer:
-            self._read_moe(hp)
+            self.moe = MoeConfig.read(hp, self._default_gating(), lambda why: self.fail(f"{model.arch}.{why}"))
         self._read_rope(hp)
         if not model.has("token_embd.weight"):
-            raise ModelError(f"{model.path}: tensor token_embd.weight is missing")
+            raise self.fail("tensor token_embd.weight is missing")
         self.n_vocab = model.shape("token_embd.weight")[0]
         self._check_tensors()
-
-    def _read_moe(self, hp: Hparam) -> None:
-        self.n_expert = int(hp("expert_count"))
-        self.n_used = int(hp("expert_used_count"))
-        self.n_ff_exp = int(hp("expert_feed_forward_length"))
-        self.n_shared = int(hp("expert_shared_count"))
-        self.w_scale = float(hp("expert_weights_scale"))
-        self.w_norm = bool(hp("expert_weights_norm", False))
-        gating = int(hp("expert_gating_func", 0)) or self._default_gating()
-        if gating not in GATING_NAMES:
-            raise self._error(f"{self.m.path}: {self.m.arch}.expert_gating_func {gating} is not one of "
-                              f"{sorted(GATING_NAMES)}")
-        self.gating = gating
-        if not 0 < self.n_used <= self.n_expert:
-            raise self._error(f"{self.m.path}: {self.m.arch}.expert_used_count {self.n_used} must be in "
-                              f"1..expert_count {self.n_expert}")
 
     def _default_gating(self) -> int:
         """The gating of a file without expert_gating_func: older DeepSeek 2/2.5 files route by softmax;
@@ -104,7 +86,7 @@ class Deepseek2:
         self.freq_base = float(hp("rope.freq_base", 10000.0))
         scaling = str(hp("rope.scaling.type", "linear"))
         if scaling not in ROPE_SCALING:
-            raise self._error(f"{self.m.path}: {self.m.arch}.rope.scaling.type {scaling!r} is not one of "
+            raise self.fail(f"{self.m.arch}.rope.scaling.type {scaling!r} is not one of "
                               f"{', '.join(ROPE_SCALING)}")
         factor = float(hp("rope.scaling.factor", 0.0) or hp("rope.scale_linear", 0.0) or 0.0)
         freq_scale = f32(1.0) if scaling == "none" or factor == 0.0 else f32(1.0) / f32(factor)
@@ -135,13 +117,7 @@ class Deepseek2:
             want.update({b + "ffn_gate.weight": (ff, e), b + "ffn_up.weight": (ff, e),
                          b + "ffn_down.weight": (e, ff)})
             return want
-        x, fe = self.n_expert, self.n_ff_exp
-        want.update({b + "ffn_gate_inp.weight": (x, e), b + "ffn_up_exps.weight": (x, fe, e),
-                     b + "ffn_gate_exps.weight": (x, fe, e), b + "ffn_down_exps.weight": (x, e, fe)})
-        if self.n_shared:
-            fs = fe * self.n_shared
-            want.update({b + "ffn_gate_shexp.weight": (fs, e), b + "ffn_up_shexp.weight": (fs, e),
-                         b + "ffn_down_shexp.weight": (e, fs)})
+        want.update(self.moe.expected(b, e))
         return want
 
     def _mla_shapes(self, i: int) -> dict[str, tuple[tuple[int, ...], ...]]:
@@ -153,57 +129,56 @@ class Deepseek2:
 
     def _check_tensors(self) -> None:
         """Every main block's tensors must be there; the NextN/MTP blocks' are checked where present."""
-        m, path = self.m, self.m.path
+        m = self.m
         want = {"token_embd.weight": (self.n_vocab, self.n_embd), "output_norm.weight": (self.n_embd,),
                 "output.weight": (self.n_vocab, self.n_embd)}
         for i in range(self.n_active):
             want.update(self._expected(i))
-        missing = [n for n in want if not m.has(n)]
-        for i in range(self.n_active):
-            for name in list(self._mla_shapes(i))[:2]:
-                if not m.has(name):
-                    missing.append(name)
-        for i in range(self.n_active, self.n_layer):
-            want.update({n: shape for n, shape in self._expected(i).items() if m.has(n)})
-        if missing:
-            kv_b_only = any(n.endswith(("attn_k_b.weight", "attn_v_b.weight"))
-                            and m.has(n.rsplit(".", 2)[0] + ".attn_kv_b.weight") for n in missing)
-            derive = " (ik derives them from attn_kv_b at load; ikrun needs files converted with them)" \
-                if kv_b_only else ""
-            raise self._error(f"{path}: {len(missing)} tensors missing for {m.arch}: {', '.join(missing[:8])}"
-                              + (" ..." if len(missing) > 8 else "") + derive)
-        for name, shape in want.items():
-            if m.shape(name) != shape:
-                raise self._error(f"{path}: tensor {name} has shape {list(m.shape(name))}, the hyperparameters "
-                                  f"imply {list(shape)}")
+        missing = [n for i in range(self.n_active) for n in list(self._mla_shapes(i))[:2] if not m.has(n)]
+        kv_b_only = any(m.has(n.rsplit(".", 2)[0] + ".attn_kv_b.weight") for n in missing)
+        derive = " (ik derives them from attn_kv_b at load; ikrun needs files converted with them)" if kv_b_only else ""
+        self.check_tensors({**want, **{n: m.shape(n) if m.has(n) else () for n in missing}},
+                           {n: s for i in range(self.n_active, self.n_layer) for n, s in self._expected(i).items()},
+                           derive)
         for i in range(self.n_layer):
             for name, shapes in self._mla_shapes(i).items():
                 if m.has(name) and m.shape(name) not in shapes:
-                    raise self._error(f"{path}: tensor {name} has shape {list(m.shape(name))}, the "
-                                      f"hyperparameters imply {' or '.join(str(list(s)) for s in shapes)}")
+                    raise self.fail(f"tensor {name} has shape {list(m.shape(name))}, the hyperparameters imply "
+                                    f"{' or '.join(str(list(s)) for s in shapes)}")
         for i in range(self.n_dense, self.n_layer):
             bias = f"blk.{i}.exp_probs_b.bias"
-            if m.has(bias) and m.shape(bias) != (self.n_expert,):
-                raise self._error(f"{path}: tensor {bias} has shape {list(m.shape(bias))}, the hyperparameters "
-                                  f"imply {[self.n_expert]}")
+            if m.has(bias) and m.shape(bias) != (self.moe.n_expert,):
+                raise self.fail(f"tensor {bias} has shape {list(m.shape(bias))}, the hyperparameters imply "
+                                f"{[self.moe.n_expert]}")
 
-    def forward(self, tokens: np.ndarray, on_block: BlockHook | None = None) -> np.ndarray:
-        """Logits of one fresh sequence; `on_block(i, hidden)` sees the hidden state after each main block."""
-        m = self.m
-        n = len(tokens)
-        x = m.weight("token_embd.weight")[tokens]
-        cos, sin = yarn_rope_cache(np.arange(n), self.n_rot, self.freq_base, self.freq_scale, self.yarn)
-        for i in range(self.n_active):
-            b = f"blk.{i}."
-            x = x + self._attention(b, rms_norm(x, m.weight(b + "attn_norm.weight"), self.eps), cos, sin)
-            h = rms_norm(x, m.weight(b + "ffn_norm.weight"), self.eps)
-            x = x + (self._dense(h, b) if i < self.n_dense else self._moe(h, b))
-            if on_block is not None:
-                on_block(i, x)
-        x = rms_norm(x, m.weight("output_norm.weight"), self.eps)
-        return np.ascontiguousarray(x @ m.weight("output.weight").T, dtype=np.float32)
+    def begin(self, seq: Sequence) -> None:
+        n = len(seq)
+        seq.state["rope"] = self.table(("rope", n), lambda: yarn_rope_cache(
+            np.arange(n), self.n_rot, self.freq_base, self.freq_scale, self.yarn))
 
-    def _attention(self, b: str, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    def embed(self, seq: Sequence) -> np.ndarray:
+        return self.m.embed_rows("token_embd.weight", seq.tokens)
+
+    def block(self, i: int, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
+        m, b = self.m, f"blk.{i}."
+
+        def attention(x: np.ndarray, seq: Sequence) -> np.ndarray:
+            cos, sin = seq.state["rope"]
+            return x + self._attention(b, rms_norm(x, m.weight(b + "attn_norm.weight"), self.eps), cos, sin, seq)
+
+        xs = self.each(xs, seqs, attention)
+        hs = [rms_norm(x, m.weight(b + "ffn_norm.weight"), self.eps) for x in xs]
+        if i < self.n_dense:
+            ys = self.each(hs, seqs, lambda h, seq: dense_ffn(m, h, b))
+        else:
+            ys = moe_ffn(m, hs, seqs, b, self.moe)
+        return [x + y for x, y in zip(xs, ys)]
+
+    def head(self, x: np.ndarray, seq: Sequence) -> np.ndarray:
+        x = rms_norm(x, self.m.weight("output_norm.weight"), self.eps)
+        return np.ascontiguousarray(self.m.project(x, "output.weight"), dtype=np.float32)
+
+    def _attention(self, b: str, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, seq: Sequence) -> np.ndarray:
         return self._latent_attention(b, h, self._query(b, h)[1], cos, sin)
 
     def _query(self, b: str, h: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
@@ -235,25 +210,3 @@ class Deepseek2:
                 m.observe(b + "attn_k_b.weight", q_nope[:, head], head, self.n_head)
         out = latent_attention(q_rope, q_nope, w_kb, cache, w_vb, self.kq_scale, keep=keep)
         return m.linear(out.reshape(n, self.n_head * self.head_v), b + "attn_output")
-
-    def _dense(self, h: np.ndarray, b: str, kind: str = "") -> np.ndarray:
-        """SwiGLU FFN through ffn_gate/up/down{kind} ("" for the dense layers, "_shexp" for the shared experts)."""
-        m = self.m
-        return m.linear(swiglu(m.linear(h, b + "ffn_gate" + kind), m.linear(h, b + "ffn_up" + kind)),
-                        b + "ffn_down" + kind)
-
-    def _moe(self, h: np.ndarray, b: str) -> np.ndarray:
-        m = self.m
-        bias = m.weight(b + "exp_probs_b.bias") if m.has(b + "exp_probs_b.bias") else None
-        sel, w = route(m.linear(h, b + "ffn_gate_inp"), bias, self.n_used, self.gating, self.w_norm, self.w_scale)
-        up, down = b + "ffn_up_exps.weight", b + "ffn_down_exps.weight"
-        out, act, order, offsets = moe_experts(h, sel, w, m.weight(up), m.weight(b + "ffn_gate_exps.weight"),
-                                               m.weight(down))
-        if m.observers:
-            # as ik's fused up/gate op: the shared input is recorded under the up tensor only
-            for e in range(self.n_expert):
-                rows = order[offsets[e] : offsets[e + 1]]
-                if rows.size:
-                    m.observe(up, h[rows // self.n_used], e, self.n_expert)
-                    m.observe(down, act[rows], e, self.n_expert)
-        return out + self._dense(h, b, "_shexp") if self.n_shared else out

@@ -29,11 +29,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from typing import TYPE_CHECKING
+
+from ikrun.models.base import Sequence
 from ikrun.models.deepseek2 import Deepseek2
 from ikrun.ops.indexer import TIE_LATER_INDEX, hadamard, indexer_scores, select_top_k
 from ikrun.ops.moe import GATING_SIGMOID
 from ikrun.ops.norm import layer_norm
 from ikrun.ops.rope import apply_rope
+
+if TYPE_CHECKING:
+    from ikrun.model import Model
 
 INDEXER = ("indexer.attn_q_b.weight", "indexer.attn_k.weight", "indexer.k_norm.weight", "indexer.k_norm.bias",
            "indexer.proj.weight")
@@ -45,15 +51,13 @@ class GlmDsa(Deepseek2):
     archs = ("glm-dsa",)
     runtime_options = ("dsa", "dsa_sink")
 
-    def __init__(self, model):  # type: ignore[no-untyped-def]
+    def __init__(self, model: Model):
         hp = model.hparam
         self.n_ihead = int(hp("attention.indexer.head_count"))
         self.i_dim = int(hp("attention.indexer.key_length"))
         self.top_k = int(hp("attention.indexer.top_k"))
         self.sparse = model.options.dsa is not False
         self.sink = model.options.dsa_sink
-        #: the selection of the last layer that ran its indexer, during a forward
-        self._keep: np.ndarray | None = None
         super().__init__(model)
 
     def _default_gating(self) -> int:
@@ -73,22 +77,22 @@ class GlmDsa(Deepseek2):
         return want
 
     def _check_tensors(self) -> None:
-        m, path, arch = self.m, self.m.path, self.m.arch
+        m, arch = self.m, self.m.arch
         if not self.q_lora:
-            raise self._error(f"{path}: {arch}.attention.q_lora_rank is missing; the indexer's query is built from "
+            raise self.fail(f"{arch}.attention.q_lora_rank is missing; the indexer's query is built from "
                               "the q LoRA latent")
         if not self.n_rot < self.i_dim or self.top_k <= 0 or self.n_ihead <= 0:
-            raise self._error(f"{path}: {arch}.attention.indexer.key_length {self.i_dim} must exceed "
+            raise self.fail(f"{arch}.attention.indexer.key_length {self.i_dim} must exceed "
                               f"rope.dimension_count {self.n_rot}, and head_count {self.n_ihead} and top_k "
                               f"{self.top_k} must be positive")
         super()._check_tensors()
         if self.sparse and m.kv_cache == "f16" and self.i_dim & (self.i_dim - 1):
-            raise self._error(f"{path}: --kv-cache f16 reproduces ik's indexer cache, whose Hadamard rotation needs a "
+            raise self.fail(f"--kv-cache f16 reproduces ik's indexer cache, whose Hadamard rotation needs a "
                               f"power-of-two {arch}.attention.indexer.key_length (got {self.i_dim})")
         types = m.hparam("attention.indexer.types", None)
         full = [True] * self.n_active if types is None else [bool(t) for t in types]
         if len(full) != self.n_active or not full[0]:
-            raise self._error(f"{path}: {arch}.attention.indexer.types must have one entry per main layer "
+            raise self.fail(f"{arch}.attention.indexer.types must have one entry per main layer "
                               f"({self.n_active}), the first true (layer 0 has no earlier selection to reuse); "
                               f"got {types}")
         #: block prefix -> whether the layer runs its own indexer
@@ -100,21 +104,18 @@ class GlmDsa(Deepseek2):
             if (needed or present) and len(present) < len(INDEXER):
                 missing = ", ".join(b + n for n in INDEXER if n not in present)
                 why = "runs its lightning indexer (attention.indexer.types)" if needed else "has part of an indexer"
-                raise self._error(f"{path}: layer {i} {why} but lacks {missing}"
+                raise self.fail(f"layer {i} {why} but lacks {missing}"
                                   + ("; --dsa off runs the file with dense attention" if needed else ""))
 
-    def forward(self, tokens: np.ndarray, on_block=None) -> np.ndarray:  # type: ignore[no-untyped-def]
-        self._keep = None
-        try:
-            return super().forward(tokens, on_block)
-        finally:
-            self._keep = None
+    def sequence_state_bytes(self, n_ctx: int) -> int:
+        return n_ctx * n_ctx if self.sparse else 0  # the last full layer's keep mask, for the shared layers
 
-    def _attention(self, b: str, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    def _attention(self, b: str, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, seq: Sequence) -> np.ndarray:
         qa, q = self._query(b, h)
         if self.sparse and self.full[b]:
-            self._keep = self._select(b, h, qa, cos, sin)  # type: ignore[arg-type]
-        return self._latent_attention(b, h, q, cos, sin, self._keep)
+            assert qa is not None
+            seq.state["keep"] = self._select(b, h, qa, cos, sin)
+        return self._latent_attention(b, h, q, cos, sin, seq.state.get("keep"))
 
     def _select(self, b: str, h: np.ndarray, qa: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """The lightning indexer's keep mask [n, n] for the queries h (attention input) with q latent qa."""

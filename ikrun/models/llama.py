@@ -7,21 +7,25 @@ FFN, residual. Then the output norm and the output projection (token_embd when t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from ikrun.ops.activations import swiglu
+from ikrun.models.base import ArchModel, Sequence
 from ikrun.ops.attention import causal_attention
+from ikrun.ops.ffn import dense_ffn
 from ikrun.ops.norm import rms_norm
 from ikrun.ops.rope import apply_rope, rope_cache
 
+if TYPE_CHECKING:
+    from ikrun.model import Model
 
-class LlamaFamily:
+
+class LlamaFamily(ArchModel):
     archs = ("llama", "qwen2", "qwen3")
 
-    def __init__(self, model):  # type: ignore[no-untyped-def]
-        from ikrun.model import ModelError
-
-        self.m = model
+    def __init__(self, model: Model):
+        super().__init__(model)
         hp = model.hparam
         self.n_layer = int(hp("block_count"))
         self.n_embd = int(hp("embedding_length"))
@@ -39,12 +43,12 @@ class LlamaFamily:
         self.qk_norm = model.arch == "qwen3"
         self.output = "output.weight" if model.has("output.weight") else "token_embd.weight"
         if not model.has("token_embd.weight"):
-            raise ModelError(f"{model.path}: tensor token_embd.weight is missing")
+            raise self.fail("tensor token_embd.weight is missing")
         self.n_vocab = model.shape("token_embd.weight")[0]
+        self.n_active = self.n_layer
         if self.n_head % self.n_head_kv:
-            raise ModelError(f"{model.path}: head_count {self.n_head} is not a multiple of head_count_kv "
-                             f"{self.n_head_kv}")
-        self._check_tensors(ModelError)
+            raise self.fail(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
+        self.check_tensors(self._expected())
 
     def _expected(self) -> dict[str, tuple[int, ...]]:
         e, q, kv, kvv = self.n_embd, self.n_head * self.head_dim, self.n_head_kv * self.head_dim, \
@@ -66,40 +70,36 @@ class LlamaFamily:
                 want[b + "attn_k_norm.weight"] = (self.head_dim,)
         return want
 
-    def _check_tensors(self, error: type) -> None:
-        missing = [n for n in self._expected() if not self.m.has(n)]
-        if missing:
-            raise error(f"{self.m.path}: {len(missing)} tensors missing for {self.m.arch}: {', '.join(missing[:8])}"
-                        + (" ..." if len(missing) > 8 else ""))
-        for name, shape in self._expected().items():
-            if self.m.shape(name) != shape:
-                raise error(f"{self.m.path}: tensor {name} has shape {list(self.m.shape(name))}, the hyperparameters "
-                            f"imply {list(shape)}")
-
-    def forward(self, tokens: np.ndarray) -> np.ndarray:
+    def begin(self, seq: Sequence) -> None:
         m = self.m
-        n = len(tokens)
-        x = m.weight("token_embd.weight")[tokens]
         factors = m.weight("rope_freqs.weight") if m.has("rope_freqs.weight") else None
-        cos, sin = rope_cache(np.arange(n), self.n_rot, self.rope_base, self.freq_scale, factors)
-        scale = 1.0 / np.sqrt(self.head_dim)
-        for i in range(self.n_layer):
-            b = f"blk.{i}."
-            h = rms_norm(x, m.weight(b + "attn_norm.weight"), self.eps)
-            q = m.linear(h, b + "attn_q").reshape(n, self.n_head, self.head_dim)
-            k = m.linear(h, b + "attn_k").reshape(n, self.n_head_kv, self.head_dim)
-            v = m.linear(h, b + "attn_v").reshape(n, self.n_head_kv, self.head_dim_v)
-            if self.qk_norm:
-                q = rms_norm(q, m.weight(b + "attn_q_norm.weight"), self.eps)
-                k = rms_norm(k, m.weight(b + "attn_k_norm.weight"), self.eps)
-            q = np.ascontiguousarray(q)
-            k = np.ascontiguousarray(k)
-            apply_rope(q, cos, sin, self.n_rot, self.neox)
-            apply_rope(k, cos, sin, self.n_rot, self.neox)
-            attn = causal_attention(q, m.kv_store(k), m.kv_store(v), scale).reshape(n, -1)
-            x = x + m.linear(attn, b + "attn_output")
-            h = rms_norm(x, m.weight(b + "ffn_norm.weight"), self.eps)
-            x = x + m.linear(swiglu(m.linear(h, b + "ffn_gate"), m.linear(h, b + "ffn_up")),
-                                 b + "ffn_down")
-        x = rms_norm(x, m.weight("output_norm.weight"), self.eps)
-        return np.ascontiguousarray(x @ m.weight(self.output).T, dtype=np.float32)
+        seq.state["rope"] = self.table(("rope", len(seq)), lambda: rope_cache(
+            np.arange(len(seq)), self.n_rot, self.rope_base, self.freq_scale, factors))
+
+    def embed(self, seq: Sequence) -> np.ndarray:
+        return self.m.embed_rows("token_embd.weight", seq.tokens)
+
+    def block(self, i: int, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
+        return self.each(xs, seqs, lambda x, seq: self._block(i, x, seq))
+
+    def _block(self, i: int, x: np.ndarray, seq: Sequence) -> np.ndarray:
+        m, b, n = self.m, f"blk.{i}.", len(x)
+        cos, sin = seq.state["rope"]
+        h = rms_norm(x, m.weight(b + "attn_norm.weight"), self.eps)
+        q = m.linear(h, b + "attn_q").reshape(n, self.n_head, self.head_dim)
+        k = m.linear(h, b + "attn_k").reshape(n, self.n_head_kv, self.head_dim)
+        v = m.linear(h, b + "attn_v").reshape(n, self.n_head_kv, self.head_dim_v)
+        if self.qk_norm:
+            q = rms_norm(q, m.weight(b + "attn_q_norm.weight"), self.eps)
+            k = rms_norm(k, m.weight(b + "attn_k_norm.weight"), self.eps)
+        q = np.ascontiguousarray(q)
+        k = np.ascontiguousarray(k)
+        apply_rope(q, cos, sin, self.n_rot, self.neox)
+        apply_rope(k, cos, sin, self.n_rot, self.neox)
+        attn = causal_attention(q, m.kv_store(k), m.kv_store(v), 1.0 / np.sqrt(self.head_dim)).reshape(n, -1)
+        x = x + m.linear(attn, b + "attn_output")
+        return x + dense_ffn(m, rms_norm(x, m.weight(b + "ffn_norm.weight"), self.eps), b)
+
+    def head(self, x: np.ndarray, seq: Sequence) -> np.ndarray:
+        x = rms_norm(x, self.m.weight("output_norm.weight"), self.eps)
+        return np.ascontiguousarray(self.m.project(x, self.output), dtype=np.float32)

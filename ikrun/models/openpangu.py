@@ -35,22 +35,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
-from ikrun.ops.activations import swiglu
+from ikrun.models.base import ArchModel, Hparam, Sequence
 from ikrun.ops.conv import causal_conv_residual
+from ikrun.ops.ffn import MoeConfig, dense_ffn, moe_ffn
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.indexer import TIE_PARTIAL_SORT, indexer_scores, select_top_k
 from ikrun.ops.mla import latent_attention
-from ikrun.ops.moe import GATING_NAMES, GATING_SIGMOID, moe_experts, route
+from ikrun.ops.moe import GATING_SIGMOID
 from ikrun.ops.norm import rms_norm
 from ikrun.ops.rope import apply_rope, rope_cache
 
-#: hidden streams after each main block, [T, S, H]
-BlockHook = Callable[[int, np.ndarray], None]
-Hparam = Callable[..., Any]
+if TYPE_CHECKING:
+    from ikrun.model import Model
+
 CONV_KERNEL = 3  # ik's MoME convolution width
 INDEXER = ("attn_indexer_q_b", "attn_indexer_k", "attn_indexer_k_norm", "attn_indexer_weights_proj")
 
@@ -63,15 +64,14 @@ class LayerKind:
     indexer: bool = False
 
 
-class OpenPangu:
+class OpenPangu(ArchModel):
+    """The hidden state between blocks is the S streams [T, S, H]."""
+
     archs = ("openpangu",)
     runtime_options = ("ik_sink_overread",)
 
-    def __init__(self, model):  # type: ignore[no-untyped-def]
-        from ikrun.model import ModelError
-
-        self.m = model
-        self._error = ModelError
+    def __init__(self, model: Model):
+        super().__init__(model)
         hp = model.hparam
         self.n_layer = int(hp("block_count"))
         self.n_embd = int(hp("embedding_length"))
@@ -95,10 +95,11 @@ class OpenPangu:
         self._check_sizes()
         self.n_active = self.n_layer - self.n_mtp
         if self.n_dense < self.n_layer:
-            self._read_moe(hp)
+            # ik: absent or "none" gating means sigmoid
+            self.moe = MoeConfig.read(hp, GATING_SIGMOID, lambda why: self.fail(f"{model.arch}.{why}"))
         self.freq_scale = self._read_rope(hp)
         if not model.has("token_embd.weight"):
-            raise ModelError(f"{model.path}: tensor token_embd.weight is missing")
+            raise self.fail("tensor token_embd.weight is missing")
         self.n_vocab = model.shape("token_embd.weight")[0]
         self.n_idx_head = self.idx_dim = self.top_k = 0  # read when a layer runs the indexer
         self.kinds = self._read_schedule(hp)
@@ -106,7 +107,10 @@ class OpenPangu:
 
     # ---- hyperparameters ------------------------------------------------------------------------------------
     def _fail(self, key: str, why: str) -> NoReturn:
-        raise self._error(f"{self.m.path}: {self.m.arch}.{key} {why}")
+        raise self.fail(f"{self.m.arch}.{key} {why}")
+
+    def hidden_width(self) -> int:
+        return self.n_stream * self.n_embd
 
     def _check_sizes(self) -> None:
         if self.n_rot <= 0 or self.n_rot % 2 or self.n_nope <= 0:
@@ -124,20 +128,6 @@ class OpenPangu:
                            ("attention.value_length", self.head_v)):
             if value <= 0:
                 self._fail(key, f"{value} must be positive")
-
-    def _read_moe(self, hp: Hparam) -> None:
-        self.n_expert = int(hp("expert_count"))
-        self.n_used = int(hp("expert_used_count"))
-        self.n_ff_exp = int(hp("expert_feed_forward_length"))
-        self.n_shared = int(hp("expert_shared_count"))
-        self.w_scale = float(hp("expert_weights_scale"))
-        self.w_norm = bool(hp("expert_weights_norm", False))
-        gating = int(hp("expert_gating_func", 0)) or GATING_SIGMOID  # ik: absent or "none" means sigmoid
-        if gating not in GATING_NAMES:
-            self._fail("expert_gating_func", f"{gating} is not one of {sorted(GATING_NAMES)}")
-        self.gating = gating
-        if not 0 < self.n_used <= self.n_expert:
-            self._fail("expert_used_count", f"{self.n_used} must be in 1..expert_count {self.n_expert}")
 
     def _read_rope(self, hp: Hparam) -> float:
         scaling = str(hp("rope.scaling.type", "none"))
@@ -200,13 +190,7 @@ class OpenPangu:
             ff = int(self.m.hparam("feed_forward_length"))
             want.update({b + "ffn_gate.weight": (ff, e), b + "ffn_up.weight": (ff, e), b + "ffn_down.weight": (e, ff)})
             return want
-        x, fe, fs = self.n_expert, self.n_ff_exp, self.n_ff_exp * self.n_shared
-        want.update({b + "ffn_gate_inp.weight": (x, e), b + "exp_probs_b.bias": (x,),
-                     b + "ffn_up_exps.weight": (x, fe, e), b + "ffn_gate_exps.weight": (x, fe, e),
-                     b + "ffn_down_exps.weight": (x, e, fe)})
-        if self.n_shared:
-            want.update({b + "ffn_gate_shexp.weight": (fs, e), b + "ffn_up_shexp.weight": (fs, e),
-                         b + "ffn_down_shexp.weight": (e, fs)})
+        want.update({**self.moe.expected(b, e), b + "exp_probs_b.bias": (self.moe.n_expert,)})
         return want
 
     def _optional(self, i: int) -> dict[str, tuple[int, ...]]:
@@ -235,53 +219,76 @@ class OpenPangu:
             if self.kinds[i].indexer:
                 want.update({f"blk.{i}.{name}.weight": self._optional(i)[f"blk.{i}.{name}.weight"]
                              for name in INDEXER})
-        missing = [n for n in [*want, "merge_mhc_alpha"] if not m.has(n)]
-        if missing:
-            raise self._error(f"{m.path}: {len(missing)} tensors missing for {m.arch}: {', '.join(missing[:8])}"
-                              + (" ..." if len(missing) > 8 else ""))
+        if not m.has("merge_mhc_alpha"):
+            want["merge_mhc_alpha"] = (1,)  # () or (1,): named as missing here, its shape is checked below
+        optional: dict[str, tuple[int, ...]] = {}
         for i in range(self.n_layer):
-            present = self._optional(i) if i < self.n_active else {**self._expected(i), **self._optional(i)}
-            want.update({n: shape for n, shape in present.items() if m.has(n)})
-        for name, shape in want.items():
-            if m.shape(name) != shape:
-                raise self._error(f"{m.path}: tensor {name} has shape {list(m.shape(name))}, the hyperparameters "
-                                  f"imply {list(shape)}")
+            optional.update(self._optional(i) if i < self.n_active else {**self._expected(i), **self._optional(i)})
+        self.check_tensors(want, optional)
         if m.shape("merge_mhc_alpha") not in ((), (1,)):
-            raise self._error(f"{m.path}: tensor merge_mhc_alpha has shape {list(m.shape('merge_mhc_alpha'))}, "
-                              "expected one number")
+            raise self.fail(f"tensor merge_mhc_alpha has shape {list(m.shape('merge_mhc_alpha'))}, expected one "
+                            "number")
 
     # ---- forward --------------------------------------------------------------------------------------------
-    def forward(self, tokens: np.ndarray, on_block: BlockHook | None = None) -> np.ndarray:
-        """Logits of one fresh sequence; `on_block(i, streams)` sees the S streams [T, S, H] after each main block."""
+    def begin(self, seq: Sequence) -> None:
+        n = len(seq)
+        seq.state["rope"] = self.table(("rope", n), lambda: rope_cache(np.arange(n), self.n_rot, self.freq_base,
+                                                                       self.freq_scale))
+
+    def embed(self, seq: Sequence) -> np.ndarray:
+        """The embedding in all S streams."""
+        return np.repeat(self.m.embed_rows("token_embd.weight", seq.tokens)[:, None, :], self.n_stream, axis=1)
+
+    def block(self, i: int, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
+        m, b = self.m, f"blk.{i}."
+
+        def attention(streams: np.ndarray, seq: Sequence) -> np.ndarray:
+            cos, sin = seq.state["rope"]
+            return self._sublayer(streams, b + "attn_mhc", b + "attn_norm.weight", b + "post_attention_norm.weight",
+                                  lambda h: self._attention(i, h, cos, sin))
+
+        xs = self.each(xs, seqs, attention)
+        if i < self.n_dense:
+            xs = self.each(xs, seqs, lambda streams, seq: self._sublayer(
+                streams, b + "mlp_mhc", b + "ffn_norm.weight", b + "post_ffw_norm.weight",
+                lambda h: dense_ffn(m, h, b)))
+        else:
+            xs = self._moe_sublayer(b, xs, seqs)
+        if m.has(b + "block_post_norm.weight"):
+            xs = [rms_norm(x.reshape(len(x), -1), m.weight(b + "block_post_norm.weight"), self.eps).reshape(x.shape)
+                  for x in xs]
+        return xs
+
+    def head(self, streams: np.ndarray, seq: Sequence) -> np.ndarray:
         m = self.m
-        n = len(tokens)
-        streams = np.repeat(m.weight("token_embd.weight")[tokens][:, None, :], self.n_stream, axis=1)
-        cos, sin = rope_cache(np.arange(n), self.n_rot, self.freq_base, self.freq_scale)
-        for i in range(self.n_active):
-            b = f"blk.{i}."
-            streams = self._sublayer(streams, b + "attn_mhc", b + "attn_norm.weight", b + "post_attention_norm.weight",
-                                     lambda h: self._attention(i, h, cos, sin))
-            ffn = self._dense if i < self.n_dense else self._moe
-            streams = self._sublayer(streams, b + "mlp_mhc", b + "ffn_norm.weight", b + "post_ffw_norm.weight",
-                                     lambda h: ffn(h, b))
-            if m.has(b + "block_post_norm.weight"):
-                flat = rms_norm(streams.reshape(n, -1), m.weight(b + "block_post_norm.weight"), self.eps)
-                streams = flat.reshape(streams.shape)
-            if on_block is not None:
-                on_block(i, streams)
         x = hc_combine(streams, self._merge_weights(streams))
         x = rms_norm(x, m.weight("output_norm.weight"), self.eps)
-        return np.ascontiguousarray(x @ m.weight("output.weight").T, dtype=np.float32)
+        return np.ascontiguousarray(m.project(x, "output.weight"), dtype=np.float32)
+
+    def _moe_sublayer(self, b: str, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
+        """The mHC-wrapped MoE FFN for a batch: mixes and sandwich norms per sequence, the experts once for all."""
+        mixed = self.each(xs, seqs, lambda streams, seq: self._mix_in(streams, b + "mlp_mhc", b + "ffn_norm.weight"))
+        ys = moe_ffn(self.m, [h for h, _ in mixed], seqs, b, self.moe)
+        return [self._mix_out(y, b + "post_ffw_norm.weight", streams, mix)
+                for y, streams, (_, mix) in zip(ys, xs, mixed)]
 
     def _sublayer(self, streams: np.ndarray, mhc: str, norm: str, post_norm: str,
                   body: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         """One mHC-wrapped sub-layer: mix the streams in, run `body` between its sandwich norms, scatter back."""
+        h, mix = self._mix_in(streams, mhc, norm)
+        return self._mix_out(body(h), post_norm, streams, mix)
+
+    def _mix_in(self, streams: np.ndarray, mhc: str, norm: str) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        """(the sub-layer's normed input from the pre-weighted streams, the (post, mix) weights hc_post needs)."""
         m = self.m
         flat = rms_norm(streams.reshape(len(streams), -1), m.weight(mhc + "_gamma"), self.eps)
         pre, post, mix = hc_pre(m.linear(flat, mhc + "_phi"), m.weight(mhc + "_alpha"), m.weight(mhc + "_beta"),
                                 self.n_stream, self.sinkhorn_iters)
-        y = body(rms_norm(hc_combine(streams, pre), m.weight(norm), self.eps))
-        return hc_post(rms_norm(y, m.weight(post_norm), self.eps), post, streams, mix)
+        return rms_norm(hc_combine(streams, pre), m.weight(norm), self.eps), (post, mix)
+
+    def _mix_out(self, y: np.ndarray, post_norm: str, streams: np.ndarray, weights: tuple[np.ndarray, ...]) -> np.ndarray:
+        post, mix = weights
+        return hc_post(rms_norm(y, self.m.weight(post_norm), self.eps), post, streams, mix)
 
     def _merge_weights(self, streams: np.ndarray) -> np.ndarray:
         """The merge module's per-stream gates sigmoid(alpha * phi . (RMSNorm(streams) * gamma) + beta) [T, S]."""
@@ -343,25 +350,3 @@ class OpenPangu:
         w = m.linear(h, b + "attn_indexer_weights_proj")
         return select_top_k(indexer_scores(q, m.kv_store(k.reshape(n, self.idx_dim)), w), self.top_k,
                             TIE_PARTIAL_SORT)
-
-    def _dense(self, h: np.ndarray, b: str, kind: str = "") -> np.ndarray:
-        """SwiGLU FFN through ffn_gate/up/down{kind} ("" for the dense layers, "_shexp" for the shared experts)."""
-        m = self.m
-        return m.linear(swiglu(m.linear(h, b + "ffn_gate" + kind), m.linear(h, b + "ffn_up" + kind)),
-                        b + "ffn_down" + kind)
-
-    def _moe(self, h: np.ndarray, b: str) -> np.ndarray:
-        m = self.m
-        sel, w = route(m.linear(h, b + "ffn_gate_inp"), m.weight(b + "exp_probs_b.bias"), self.n_used, self.gating,
-                       self.w_norm, self.w_scale)
-        up, down = b + "ffn_up_exps.weight", b + "ffn_down_exps.weight"
-        out, act, order, offsets = moe_experts(h, sel, w, m.weight(up), m.weight(b + "ffn_gate_exps.weight"),
-                                               m.weight(down))
-        if m.observers:
-            # as ik's fused up/gate op: the shared input is recorded under the up tensor only
-            for e in range(self.n_expert):
-                rows = order[offsets[e] : offsets[e + 1]]
-                if rows.size:
-                    m.observe(up, h[rows // self.n_used], e, self.n_expert)
-                    m.observe(down, act[rows], e, self.n_expert)
-        return out + self._dense(h, b, "_shexp") if self.n_shared else out

@@ -12,6 +12,9 @@ count: experts run in parallel but each writes only its own assignments' rows.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 from numba import njit, prange
 
@@ -133,6 +136,7 @@ def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:
 @njit(cache=True, nogil=True, fastmath=_FAST)
 def _expert(e: int, x: np.ndarray, k: int, order: np.ndarray, start: int, stop: int, up: np.ndarray,
             gate: np.ndarray, down: np.ndarray, act: np.ndarray, y: np.ndarray) -> None:
+    """Expert matrix e of up/gate/down on the assignments order[start:stop]."""
     n_ff = up.shape[1]
     n_embd = down.shape[1]
     one = np.float32(1.0)
@@ -165,37 +169,77 @@ def _combine_row(y: np.ndarray, w: np.ndarray, t: int, out: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True)
-def _experts_serial(x, w, order, offsets, up, gate, down, act, y, out):  # type: ignore[no-untyped-def]
-    k = w.shape[1]
-    for e in range(offsets.shape[0] - 1):
-        _expert(e, x, k, order, offsets[e], offsets[e + 1], up, gate, down, act, y)
+def _experts_serial(x, k, order, offsets, ids, local, up, gate, down, act, y):  # type: ignore[no-untyped-def]
+    for j in range(ids.shape[0]):
+        e = ids[j]
+        _expert(local[j], x, k, order, offsets[e], offsets[e + 1], up, gate, down, act, y)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _experts_parallel(x, k, order, offsets, ids, local, up, gate, down, act, y):  # type: ignore[no-untyped-def]
+    for j in prange(ids.shape[0]):
+        e = ids[j]
+        _expert(local[j], x, k, order, offsets[e], offsets[e + 1], up, gate, down, act, y)
+
+
+@njit(cache=True, nogil=True)
+def _combine_serial(y, w, out):  # type: ignore[no-untyped-def]
     for t in range(out.shape[0]):
         _combine_row(y, w, t, out)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _experts_parallel(x, w, order, offsets, up, gate, down, act, y, out):  # type: ignore[no-untyped-def]
-    k = w.shape[1]
-    for e in prange(offsets.shape[0] - 1):
-        _expert(e, x, k, order, offsets[e], offsets[e + 1], up, gate, down, act, y)
+def _combine_parallel(y, w, out):  # type: ignore[no-untyped-def]
     for t in prange(out.shape[0]):
         _combine_row(y, w, t, out)
 
 
-def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, up: np.ndarray, gate: np.ndarray,
-                down: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Routed SwiGLU experts: x [n, n_embd], sel/w [n, k], up/gate [E, n_ff, n_embd], down [E, n_embd, n_ff].
+#: expert ids -> (up, gate, down) holding those experts' matrices, and each id's index into them
+ExpertFetch = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
 
-    Returns (output [n, n_embd], activations entering ffn_down per assignment [n*k, n_ff], assignment order by
-    expert, expert offsets into it) — the last three let observers see each expert's rows.
+
+@dataclass
+class RoutedExperts:
+    """The result of the routed experts on a batch: output [n, n_embd] plus what observers need (the activations
+    entering ffn_down per assignment [n*k, n_ff], the assignments ordered by expert, each expert's offset)."""
+
+    out: np.ndarray
+    act: np.ndarray
+    order: np.ndarray
+    offsets: np.ndarray
+
+    def rows(self, e: int) -> np.ndarray:
+        """Expert e's assignments (flat token*k + slot), by token."""
+        return self.order[self.offsets[e] : self.offsets[e + 1]]
+
+
+def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fetch: ExpertFetch,
+                group: int | None = None) -> RoutedExperts:
+    """Routed SwiGLU experts: x [n, n_embd], sel/w [n, k]; `fetch(ids)` gives the up/gate [*, n_ff, n_embd] and down
+    [*, n_embd, n_ff] matrices of experts `ids`.
+
+    Only experts with at least one assignment are fetched, `group` of them at a time (None: all at once), so a
+    layer's expert tensor never has to be decoded whole. Every assignment's result is computed by its expert alone
+    and combined in slot order, so grouping and thread count do not change a bit.
     """
     n, k = sel.shape
-    n_expert, n_ff, n_embd = up.shape
     order, offsets = group_by_expert(sel, n_expert)
-    act = np.empty((n * k, n_ff), dtype=np.float32)
-    y = np.empty((n * k, n_embd), dtype=np.float32)
-    out = np.empty((n, n_embd), dtype=np.float32)
-    kernel = _experts_parallel if n * k * n_ff * n_embd * 3 >= PARALLEL_MIN_FLOPS else _experts_serial
-    kernel(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(w), order, offsets, up, gate, down,
-           act, y, out)
-    return out, act, order, offsets
+    used = np.nonzero(offsets[1:] > offsets[:-1])[0].astype(np.int64)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    act: np.ndarray | None = None
+    y: np.ndarray | None = None
+    step = len(used) if group is None else max(1, group)
+    for g0 in range(0, len(used), step):
+        ids = used[g0 : g0 + step]
+        up, gate, down, local = fetch(ids)
+        if act is None or y is None:
+            act = np.empty((n * k, up.shape[1]), dtype=np.float32)
+            y = np.empty((n * k, down.shape[1]), dtype=np.float32)
+        flops = int(offsets[ids + 1].sum() - offsets[ids].sum()) * up.shape[1] * up.shape[2] * 3
+        kernel = _experts_parallel if flops >= PARALLEL_MIN_FLOPS else _experts_serial
+        kernel(x, k, order, offsets, ids, np.ascontiguousarray(local, dtype=np.int64), up, gate, down, act, y)
+    assert act is not None and y is not None, "a routing without assignments"
+    out = np.empty((n, y.shape[1]), dtype=np.float32)
+    combine = _combine_parallel if n * k * y.shape[1] >= PARALLEL_MIN_FLOPS else _combine_serial
+    combine(y, np.ascontiguousarray(w), out)
+    return RoutedExperts(out, act, order, offsets)

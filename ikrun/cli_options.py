@@ -1,0 +1,98 @@
+"""The options every evaluating `ikrun` command shares, declared once and added to each command by one decorator.
+
+`@evaluation_options` adds --threads, --kv-cache, --mem, --stream/--no-stream, --spill-dir and one option per
+RuntimeOptions field (their help and flag come from the field's metadata) to a command's signature, and hands the
+command one `Evaluation` in their place. A new runtime option is a field of RuntimeOptions and nothing else here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from ikrun.model import RuntimeOptions
+
+
+class OnOff(str, Enum):
+    on = "on"
+    off = "off"
+
+
+KV_HELP = ("KV cache precision: f32 (default) measures the weights alone; f16 rounds K/V as ik's default cache "
+           "does, to reproduce ik's own numbers.")
+MEM_HELP = ("Memory budget for everything the run holds (decoded weights, hidden states, caches, logits), e.g. 8GiB "
+            "or 512MiB. Default: 75% of the memory available at start-up.")
+STREAM_HELP = ("Layer-streamed evaluation: all chunks through block 0, then block 1, ..., each block's weights read "
+               "once. Default: streamed for one-pass runs over several chunks and whenever the decoded model does "
+               "not fit --mem; --no-stream runs chunk by chunk.")
+SPILL_HELP = "Folder for the spill file of streamed hidden states that do not fit --mem (default: the temp folder)."
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What the shared options say: how to load and run the model."""
+
+    threads: int | None
+    kv_cache: str
+    mem: str | None
+    stream: bool | None
+    spill_dir: Path | None
+    options: RuntimeOptions
+
+
+def _runtime_parameters() -> list[inspect.Parameter]:
+    params = []
+    for f in dataclasses.fields(RuntimeOptions):
+        flag, help_text = "--" + f.name.replace("_", "-"), f.metadata["help"]
+        if f.default is None:  # tri-state: unset keeps the architecture's default
+            option, annotation = typer.Option(None, flag, case_sensitive=False, help=help_text), Optional[OnOff]
+        else:
+            option, annotation = typer.Option(f.default, flag, help=help_text), bool
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation))
+    return params
+
+
+def _shared_parameters() -> list[inspect.Parameter]:
+    kw = inspect.Parameter.KEYWORD_ONLY
+    return [
+        inspect.Parameter("threads", kw, annotation=Optional[int],
+                          default=typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores).")),
+        inspect.Parameter("kv_cache", kw, annotation=str, default=typer.Option("f32", "--kv-cache", help=KV_HELP)),
+        inspect.Parameter("mem", kw, annotation=Optional[str], default=typer.Option(None, "--mem", help=MEM_HELP)),
+        inspect.Parameter("stream", kw, annotation=Optional[bool],
+                          default=typer.Option(None, "--stream/--no-stream", help=STREAM_HELP)),
+        inspect.Parameter("spill_dir", kw, annotation=Optional[Path],
+                          default=typer.Option(None, "--spill-dir", help=SPILL_HELP)),
+        *_runtime_parameters(),
+    ]
+
+
+def evaluation_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Replace the command's `ev: Evaluation` parameter by the shared options."""
+    sig = inspect.signature(command)
+    own = [p for name, p in sig.parameters.items() if name != "ev"]
+    shared = _shared_parameters()
+    names = {p.name for p in shared}
+    runtime_names = [f.name for f in dataclasses.fields(RuntimeOptions)]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        given = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        runtime = {k: (None if given[k] is None else given[k] == OnOff.on) if isinstance(given[k], (OnOff, type(None)))
+                   and RuntimeOptions.__dataclass_fields__[k].default is None else given[k] for k in runtime_names}
+        ev = Evaluation(given["threads"], given["kv_cache"], given["mem"], given["stream"], given["spill_dir"],
+                        RuntimeOptions(**runtime))
+        return command(**kwargs, ev=ev)
+
+    wrapper.__signature__ = sig.replace(parameters=[  # type: ignore[attr-defined]
+        *(p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own), *shared])
+    wrapper.__annotations__ = {p.name: p.annotation for p in [*own, *shared]}
+    return wrapper

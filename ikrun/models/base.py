@@ -1,0 +1,147 @@
+"""The contract every runtime architecture implements, and the checks they share.
+
+An architecture is a class that declares what it reads (`archs`: the GGUF architecture names it evaluates;
+`runtime_options`: the RuntimeOptions fields it honours; `expected_tensors`: every tensor's numpy shape, checked
+before any compute) and computes a forward in three steps over a `Sequence`:
+
+- `embed(seq)`: the hidden state entering block 0 (any array shape: openPangu carries several streams);
+- `block(i, xs, seqs)`: main block i for a batch of sequences, one hidden state each; the attention runs per
+  sequence, token-wise parts may be shared across the batch (MoE experts decode each routed expert once per
+  batch) as long as every sequence's result is bit-identical to running it alone;
+- `head(x, seq)`: logits from the hidden state after the last main block.
+
+Per-sequence state that a later block needs (rope tables, the indexer's last selection) lives in `seq.state`, so the
+same sequence can go through block 0 now and block 1 later: that is how layer-streamed evaluation
+(ikrun/stream.py) runs all chunks through one block before reading the next block's weights. Tensors named
+`blk.{i}.*` belong to block i; all others to embed/head.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from ikquant.errors import IkError
+
+if TYPE_CHECKING:
+    from ikrun.model import Model
+
+#: the hidden state after each main block, for tests that localise a mismatch
+BlockHook = Callable[[int, np.ndarray], None]
+Hparam = Callable[..., Any]
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+
+
+class ModelError(IkError, ValueError):
+    """A GGUF the runtime cannot evaluate: unsupported architecture, missing tensors, inconsistent shapes."""
+
+
+def block_of(name: str) -> int | None:
+    """The block a tensor belongs to (`blk.7.attn_q.weight` -> 7), None for embeddings, output and the like."""
+    m = _BLOCK.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass
+class Sequence:
+    """One sequence under evaluation: its tokens at positions 0..n-1, its index among the chunks of a run, and the
+    state an architecture carries from one block to the next."""
+
+    tokens: np.ndarray
+    index: int = 0
+    state: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class ArchModel(ABC):
+    """One GGUF architecture's forward on a loaded Model (see the module docstring for the contract)."""
+
+    archs: ClassVar[tuple[str, ...]]
+    runtime_options: ClassVar[tuple[str, ...]] = ()
+    #: vocabulary size and the number of main blocks the forward runs (NextN/MTP blocks excluded)
+    n_vocab: int
+    n_active: int
+    n_embd: int
+
+    def __init__(self, model: Model):
+        self.m = model
+        self._tables: dict[Any, Any] = {}
+
+    def table(self, key: Any, make: Callable[[], Any]) -> Any:
+        """A table every sequence of the same length shares (rope cos/sin): made once, not once per chunk."""
+        if key not in self._tables:
+            self._tables[key] = make()
+        return self._tables[key]
+
+    # ---- declarations ---------------------------------------------------------------------------------------
+    def block_tensors(self, i: int) -> list[str]:
+        """The tensors block i reads (those of the file named blk.i.*)."""
+        prefix = f"blk.{i}."
+        return [n for n in self.m.weights.names() if n.startswith(prefix)]
+
+    def hidden_width(self) -> int:
+        """Numbers per token of the hidden state between blocks."""
+        return self.n_embd
+
+    def sequence_state_bytes(self, n_ctx: int) -> int:
+        """Bytes of `seq.state` a sequence of n_ctx tokens carries between blocks (beyond shared tables)."""
+        return 0
+
+    def fail(self, message: str) -> ModelError:
+        """A ModelError about this file (raise it)."""
+        return ModelError(f"{self.m.path}: {message}")
+
+    def check_tensors(self, want: dict[str, tuple[int, ...]], optional: dict[str, tuple[int, ...]] | None = None,
+                      hint: str = "") -> None:
+        """Every tensor of `want` present with its shape; those of `optional` shape-checked where present."""
+        m = self.m
+        missing = [n for n in want if not m.has(n)]
+        if missing:
+            raise self.fail(f"{len(missing)} tensors missing for {m.arch}: {', '.join(missing[:8])}"
+                            + (" ..." if len(missing) > 8 else "") + hint)
+        present = {n: s for n, s in (optional or {}).items() if m.has(n)}
+        for name, shape in {**want, **present}.items():
+            if m.shape(name) != shape:
+                raise self.fail(f"tensor {name} has shape {list(m.shape(name))}, the hyperparameters imply "
+                                f"{list(shape)}")
+
+    # ---- the forward ----------------------------------------------------------------------------------------
+    def begin(self, seq: Sequence) -> None:
+        """Set up `seq.state` before its embedding (rope tables, ...); nothing by default."""
+
+    @abstractmethod
+    def embed(self, seq: Sequence) -> np.ndarray: ...
+
+    @abstractmethod
+    def block(self, i: int, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]: ...
+
+    @abstractmethod
+    def head(self, x: np.ndarray, seq: Sequence) -> np.ndarray: ...
+
+    def each(self, xs: list[np.ndarray], seqs: list[Sequence],
+             step: Callable[[np.ndarray, Sequence], np.ndarray]) -> list[np.ndarray]:
+        """`step` on every sequence of a batch in turn (observers are told which chunk they see)."""
+        out = []
+        for x, seq in zip(xs, seqs):
+            self.m.chunk = seq.index
+            out.append(step(x, seq))
+        return out
+
+    def forward(self, tokens: np.ndarray, on_block: BlockHook | None = None, index: int = 0) -> np.ndarray:
+        """float32 logits of one fresh sequence; `on_block(i, hidden)` sees the hidden state after each block."""
+        seq = Sequence(np.asarray(tokens), index)
+        self.m.chunk = seq.index
+        self.begin(seq)
+        x = self.embed(seq)
+        for i in range(self.n_active):
+            x = self.block(i, [x], [seq])[0]
+            if on_block is not None:
+                on_block(i, x)
+        return self.head(x, seq)

@@ -1,0 +1,125 @@
+"""The feed-forward blocks the architectures share: the SwiGLU FFN and the routed MoE FFN with shared experts.
+
+Both take the Model (ikrun/model.py) for its weights, matmuls and observers. The MoE FFN routes every sequence of a
+batch separately (the router and shared experts are matmuls whose rounding depends on the batch's row count), then
+runs the routed experts once for the whole batch: each routed expert is decoded once per batch, and only the
+experts that receive a token at all. When the decoded expert tensors do not fit the weight cache, the experts are
+fetched a group at a time sized to what the cache holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from ikrun.ops.activations import swiglu
+from ikrun.ops.moe import GATING_NAMES, moe_experts, route
+
+if TYPE_CHECKING:
+    from ikrun.model import Model
+    from ikrun.models.base import Sequence
+
+EXPERT_TENSORS = ("ffn_up_exps", "ffn_gate_exps", "ffn_down_exps")
+
+
+def dense_ffn(m: Model, h: np.ndarray, b: str, kind: str = "") -> np.ndarray:
+    """SwiGLU FFN through ffn_gate/up/down{kind} of block prefix `b` ("" dense layers, "_shexp" shared experts)."""
+    return m.linear(swiglu(m.linear(h, b + "ffn_gate" + kind), m.linear(h, b + "ffn_up" + kind)), b + "ffn_down" + kind)
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The routing hyperparameters of a MoE architecture."""
+
+    n_expert: int
+    n_used: int
+    n_ff: int
+    n_shared: int
+    w_scale: float
+    w_norm: bool
+    gating: int
+
+    @classmethod
+    def read(cls, hp: Callable[..., Any], default_gating: int, fail: Callable[[str], Exception]) -> MoeConfig:
+        """From `{arch}.expert_*` keys; `default_gating` for files without expert_gating_func."""
+        cfg = cls(int(hp("expert_count")), int(hp("expert_used_count")), int(hp("expert_feed_forward_length")),
+                  int(hp("expert_shared_count")), float(hp("expert_weights_scale")),
+                  bool(hp("expert_weights_norm", False)), int(hp("expert_gating_func", 0)) or default_gating)
+        if cfg.gating not in GATING_NAMES:
+            raise fail(f"expert_gating_func {cfg.gating} is not one of {sorted(GATING_NAMES)}")
+        if not 0 < cfg.n_used <= cfg.n_expert:
+            raise fail(f"expert_used_count {cfg.n_used} must be in 1..expert_count {cfg.n_expert}")
+        return cfg
+
+    def expected(self, b: str, n_embd: int) -> dict[str, tuple[int, ...]]:
+        x, fe, fs = self.n_expert, self.n_ff, self.n_ff * self.n_shared
+        want = {b + "ffn_gate_inp.weight": (x, n_embd), b + "ffn_up_exps.weight": (x, fe, n_embd),
+                b + "ffn_gate_exps.weight": (x, fe, n_embd), b + "ffn_down_exps.weight": (x, n_embd, fe)}
+        if self.n_shared:
+            want.update({b + "ffn_gate_shexp.weight": (fs, n_embd), b + "ffn_up_shexp.weight": (fs, n_embd),
+                         b + "ffn_down_shexp.weight": (n_embd, fs)})
+        return want
+
+
+def moe_ffn(m: Model, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: MoeConfig) -> list[np.ndarray]:
+    """The MoE FFN of block prefix `b` on a batch of sequences' normed hidden states (one [n, n_embd] each)."""
+    bias = m.weight(b + "exp_probs_b.bias") if m.has(b + "exp_probs_b.bias") else None
+    routes = []
+    for h, seq in zip(hs, seqs):
+        m.chunk = seq.index
+        routes.append(route(m.linear(h, b + "ffn_gate_inp"), bias, cfg.n_used, cfg.gating, cfg.w_norm, cfg.w_scale))
+    x = hs[0] if len(hs) == 1 else np.concatenate(hs)
+    sel = routes[0][0] if len(hs) == 1 else np.concatenate([r[0] for r in routes])
+    w = routes[0][1] if len(hs) == 1 else np.concatenate([r[1] for r in routes])
+    names = [b + t + ".weight" for t in EXPERT_TENSORS]
+    res = moe_experts(x, sel, w, cfg.n_expert, _fetcher(m, names), _group(m, names, cfg.n_expert))
+    starts = np.cumsum([0] + [len(h) for h in hs])
+    if m.observers:
+        _observe_experts(m, names, x, res, cfg, starts, seqs)
+    outs = [res.out[starts[c] : starts[c + 1]] for c in range(len(hs))]
+    if cfg.n_shared:
+        for c, (h, seq) in enumerate(zip(hs, seqs)):
+            m.chunk = seq.index
+            outs[c] = outs[c] + dense_ffn(m, h, b, "_shexp")
+    return outs
+
+
+def _group(m: Model, names: list[str], n_expert: int) -> int | None:
+    """How many experts to fetch at a time: all when the whole tensors are (or can be) cached, else what the cache
+    holds, one at least."""
+    whole = sum(m.weights.decoded_bytes(n) for n in names)
+    if all(m.weights.cached(n) for n in names) or m.fits(whole):
+        return None
+    capacity = m.weights.capacity or 0
+    return max(1, int(capacity // (whole // n_expert)))
+
+
+def _fetcher(m: Model, names: list[str]) -> Callable[[np.ndarray], tuple[np.ndarray, ...]]:
+    def fetch(ids: np.ndarray) -> tuple[np.ndarray, ...]:
+        whole = sum(m.weights.decoded_bytes(n) for n in names)
+        if all(m.weights.cached(n) for n in names) or m.fits(whole):
+            return (*(m.weight(n) for n in names), ids)
+        return (*(m.weights.decode_experts(n, ids) for n in names), np.arange(len(ids)))
+
+    return fetch
+
+
+def _observe_experts(m: Model, names: list[str], x: np.ndarray, res: Any, cfg: MoeConfig, starts: np.ndarray,
+                     seqs: list[Sequence]) -> None:
+    """Each expert's rows per sequence, in sequence order (the order a chunk-by-chunk run shows them): as ik's fused
+    up/gate op, the shared input is recorded under the up tensor only."""
+    up, _, down = names
+    for e in range(cfg.n_expert):
+        rows = res.rows(e)
+        if not rows.size:
+            continue
+        tokens = rows // cfg.n_used
+        cuts = np.searchsorted(tokens, starts)
+        for c, seq in enumerate(seqs):
+            part = rows[cuts[c] : cuts[c + 1]]
+            if part.size:
+                m.chunk = seq.index
+                m.observe(up, x[part // cfg.n_used], e, cfg.n_expert)
+                m.observe(down, res.act[part], e, cfg.n_expert)

@@ -1,0 +1,251 @@
+"""Evaluation of many chunks within a memory budget: chunk by chunk, or layer-streamed.
+
+Chunk by chunk (the model's decoded weights fit the budget): every chunk runs the whole forward in turn, the
+decoded weights stay cached. Layer-streamed (`--stream`, or automatically when they do not fit, and for one-pass
+commands over several chunks, where it is never slower): all chunks go through block 0, then all through block 1,
+..., so each block's weights are decoded once per pass and released before the next block's are read. The hidden
+states between blocks live in memory when they fit, else in a spill file (positioned reads and writes, so its pages
+sit in the page cache, not in the process) that is removed at the end, on Ctrl-C and on SIGTERM alike.
+
+Both orders compute every chunk with the same operations on the same rows, so their logits are bit-identical.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ikrun.memory import BudgetError, format_size, free_disk
+from ikrun.model import Model
+from ikrun.models.base import Sequence
+
+#: reports (done, total, bytes of weights decoded so far) after each streamed block
+BlockProgress = Callable[[int, int, int], None]
+#: share of the budget that streamed hidden states may take before they are spilled to disk
+HIDDEN_SHARE = 0.25
+#: transient memory of a block, in activations of its widest matrix per token (q/k/v/ffn intermediates)
+TRANSIENT_ROWS = 8
+
+
+@dataclass
+class StreamPlan:
+    """How a run over `n_chunk` chunks of `n_ctx` tokens is evaluated within the model's budget."""
+
+    streamed: bool
+    n_chunk: int
+    n_ctx: int
+    #: chunks that go through a block together (MoE experts are decoded once per group)
+    group: int
+    spill_dir: Path | None
+    hidden_bytes: int
+    cache_capacity: int | None
+
+    def describe(self) -> str:
+        if not self.streamed:
+            return "chunk by chunk, weights cached"
+        where = f"spilled to {self.spill_dir}" if self.spill_dir else "in memory"
+        return (f"layer-streamed, {self.group} of {self.n_chunk} chunks per pass, hidden states "
+                f"{format_size(self.hidden_bytes)} {where}")
+
+
+def model_decoded_bytes(model: Model) -> int:
+    return sum(model.weights.decoded_bytes(n) for n in model.weights.names())
+
+
+def _block_bytes(model: Model, i: int) -> tuple[int, int]:
+    """(decoded bytes of block i's non-expert tensors, of one expert's matrices)."""
+    dense = expert = 0
+    for name in model.impl.block_tensors(i):
+        info = model.weights.info(name)
+        if len(info.shape) == 3:
+            expert += 4 * info.shape[1] * info.shape[2]
+        else:
+            dense += model.weights.decoded_bytes(name)
+    return dense, expert
+
+
+def _widest(model: Model) -> int:
+    return max((max(model.weights.info(n).shape) for n in model.impl.block_tensors(0)
+                if len(model.weights.info(n).shape) >= 2), default=1)
+
+
+def plan_run(model: Model, n_chunk: int, n_ctx: int, one_pass: bool, spill_dir: Path | None = None) -> StreamPlan:
+    """Decide the evaluation order and check the budget can hold it (a BudgetError says the minimum if not)."""
+    impl = model.impl
+    width = impl.hidden_width()
+    per_chunk = 4 * n_ctx * width + impl.sequence_state_bytes(n_ctx)
+    transient = 4 * n_ctx * (TRANSIENT_ROWS * _widest(model) + model.n_vocab)
+    blocks = [_block_bytes(model, i) for i in range(impl.n_active)]
+    need_block = max(d + e for d, e in blocks) if blocks else 0
+    globals_ = sum(model.weights.decoded_bytes(n) for n in model.weights.names() if not n.startswith("blk."))
+    head_fixed = min(globals_, 2 * (64 << 20))
+    budget = model.mem
+    decoded = model_decoded_bytes(model)
+    streamed = model.stream if model.stream is not None else \
+        (one_pass and n_chunk > 1) or (budget is not None and decoded + transient + per_chunk > budget)
+    if not streamed:
+        capacity = None if budget is None else budget - transient - per_chunk
+        if capacity is not None and capacity < need_block + head_fixed:
+            raise BudgetError(f"--mem {format_size(budget)} cannot hold one block's weights and working memory; "  # type: ignore[arg-type]
+                              f"give at least {format_size(need_block + head_fixed + transient + per_chunk)}")
+        return StreamPlan(False, n_chunk, n_ctx, 1, None, per_chunk, capacity)
+    minimum = need_block + head_fixed + transient + per_chunk
+    if budget is not None and budget < minimum:
+        raise BudgetError(f"--mem {format_size(budget)} is below what one block needs: its weights decoded "
+                          f"({format_size(need_block)}), one chunk's hidden state and working memory "
+                          f"({format_size(transient + per_chunk)}) and the head's tiles; give at least "
+                          f"{format_size(minimum)}")
+    total_hidden = per_chunk * n_chunk
+    room = None if budget is None else budget - minimum
+    in_memory = room is None or total_hidden <= max(room * HIDDEN_SHARE / (1 - HIDDEN_SHARE), 0) \
+        or total_hidden <= per_chunk
+    if in_memory:
+        group = n_chunk if room is None else max(1, min(n_chunk, int(room // max(per_chunk + transient, 1)) or 1))
+        held = total_hidden
+        spill = None
+    else:
+        spill = Path(spill_dir or tempfile.gettempdir())
+        need_disk = 4 * n_ctx * width * n_chunk
+        if free_disk(spill) < need_disk:
+            raise BudgetError(f"--spill-dir {spill}: the hidden states of {n_chunk} chunks need "
+                              f"{format_size(need_disk)} on disk, {format_size(free_disk(spill))} are free")
+        group = max(1, min(n_chunk, int(room * HIDDEN_SHARE // max(per_chunk + transient, 1))))  # type: ignore[operator]
+        held = per_chunk * group
+    capacity = None if budget is None else max(budget - held - transient - head_fixed, need_block)
+    return StreamPlan(True, n_chunk, n_ctx, group, spill, held, capacity)
+
+
+class _Hidden:
+    """The hidden states of every chunk between blocks: arrays in memory, or records of a spill file."""
+
+    def __init__(self, n_chunk: int, shape: tuple[int, ...], spill_dir: Path | None):
+        self.shape = shape
+        self.record = 4 * int(np.prod(shape))
+        self.arrays: list[np.ndarray | None] = [None] * n_chunk
+        self.fd: int | None = None
+        self.path: Path | None = None
+        if spill_dir is not None:
+            fd, name = tempfile.mkstemp(prefix="ikrun-hidden-", suffix=".f32", dir=spill_dir)
+            self.fd, self.path = fd, Path(name)
+
+    def put(self, c: int, x: np.ndarray) -> None:
+        if self.fd is None:
+            self.arrays[c] = x
+            return
+        data = memoryview(np.ascontiguousarray(x, dtype=np.float32)).cast("B")
+        written = os.pwrite(self.fd, data, c * self.record)
+        if written != self.record:
+            raise OSError(f"{self.path}: short write of a hidden state ({written} of {self.record} bytes)")
+
+    def get(self, c: int) -> np.ndarray:
+        if self.fd is None:
+            x = self.arrays[c]
+            assert x is not None
+            return x
+        out = np.empty(self.shape, dtype=np.float32)
+        got = os.preadv(self.fd, [memoryview(out).cast("B")], c * self.record)
+        if got != self.record:
+            raise OSError(f"{self.path}: short read of a hidden state ({got} of {self.record} bytes)")
+        return out
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
+def fed_tokens(model: Model, chunk: np.ndarray) -> np.ndarray:
+    """The tokens a chunk is evaluated on: its first swapped for BOS when the vocabulary adds one (as
+    llama-perplexity does)."""
+    add_bos, bos = model.tokenizer_flags()
+    fed = np.array(chunk, dtype=np.int64)
+    if add_bos:
+        fed[0] = bos
+    return fed
+
+
+def evaluate_chunks(model: Model, chunks: np.ndarray, plan: StreamPlan, on_block: BlockProgress | None = None,
+                    as_perplexity: bool = True) -> Iterator[tuple[int, np.ndarray]]:
+    """(chunk index, logits) for every chunk in order, evaluated as `plan` says: as llama-perplexity (BOS swapped
+    in, the scored positions' logits), or with `as_perplexity=False` each chunk as given, all its logits."""
+    n_ctx = chunks.shape[1]
+    first, last = (n_ctx // 2, n_ctx - 1) if as_perplexity else (0, n_ctx)
+    feed = (lambda c: fed_tokens(model, chunks[c])) if as_perplexity else (lambda c: np.asarray(chunks[c], np.int64))
+    saved_capacity = model.weights.capacity
+    model.weights.capacity = plan.cache_capacity
+    try:
+        with model.blas_limit():
+            if not plan.streamed:
+                for c in range(len(chunks)):
+                    yield c, model.logits(feed(c), index=c)[first:last]
+                return
+            yield from _streamed(model, [feed(c) for c in range(len(chunks))], plan, (first, last), on_block)
+    finally:
+        model.weights.capacity = saved_capacity
+
+
+def _streamed(model: Model, fed: list[np.ndarray], plan: StreamPlan, window: tuple[int, int],
+              on_block: BlockProgress | None) -> Iterator[tuple[int, np.ndarray]]:
+    impl, weights = model.impl, model.weights
+    n_chunk = len(fed)
+    seqs = []
+    for c in range(n_chunk):
+        seq = Sequence(fed[c], c)
+        model.check_tokens(seq.tokens)
+        seqs.append(seq)
+    hidden: _Hidden | None = None
+    read0 = sum(weights.reads.values())
+    try:
+        for c, seq in enumerate(seqs):
+            model.chunk = c
+            impl.begin(seq)
+            x = impl.embed(seq)
+            if hidden is None:
+                hidden = _Hidden(n_chunk, x.shape, plan.spill_dir)
+            hidden.put(c, x)
+        assert hidden is not None
+        weights.evict([n for n in weights.names() if n.startswith("token_embd.")])
+        for i in range(impl.n_active):
+            for g0 in range(0, n_chunk, plan.group):
+                group = range(g0, min(n_chunk, g0 + plan.group))
+                outs = impl.block(i, [hidden.get(c) for c in group], [seqs[c] for c in group])
+                for c, x in zip(group, outs):
+                    hidden.put(c, x)
+            weights.evict(impl.block_tensors(i))
+            if on_block is not None:
+                on_block(i + 1, impl.n_active, sum(weights.reads.values()) - read0)
+        for c, seq in enumerate(seqs):
+            model.chunk = c
+            logits = impl.head(hidden.get(c), seq)
+            seq.state.clear()
+            yield c, logits[window[0] : window[1]]
+    finally:
+        if hidden is not None:
+            hidden.close()
+
+
+@dataclass
+class RunReport:
+    """What a command prints at its end: how the run went through memory."""
+
+    plan: StreamPlan
+    seconds: float
+    peak_rss: int
+    bytes_read: int
+
+    def line(self) -> str:
+        return (f"{self.plan.describe()}; {format_size(self.bytes_read)} of weights decoded, peak RSS "
+                f"{format_size(self.peak_rss)}, {self.seconds:.1f} s")
+
+
+def timed() -> Callable[[], float]:
+    t0 = time.perf_counter()
+    return lambda: time.perf_counter() - t0
