@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ikconvert.safetensors_io import SafetensorsError, SafetensorsFile, SafeTensor
+from ikconvert.safetensors_io import SafeTensor, SafetensorsError, SafetensorsFile
 
 INDEX_NAME = "model.safetensors.index.json"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "README.md", "additional_chat_templates/*"]

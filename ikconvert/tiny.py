@@ -66,7 +66,7 @@ def learn_merges(text: str, n_merges: int, regex_pattern: str) -> list[tuple[str
             break
         best = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))[0]
         merges.append(best)
-        for w, syms in splits.items():
+        for syms in splits.values():
             i = 0
             while i < len(syms) - 1:
                 if syms[i] == best[0] and syms[i + 1] == best[1]:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
@@ -229,7 +230,7 @@ class GGUFStreamWriter:
         self._next = 0
         self._started = False
 
-    def __enter__(self) -> "GGUFStreamWriter":
+    def __enter__(self) -> GGUFStreamWriter:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

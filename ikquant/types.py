@@ -29,7 +29,7 @@ class GGMLType:
     block_size: int
     type_size: int
     row_meta_size: int = 0
-    codec: "Codec | None" = field(default=None, repr=False)
+    codec: Codec | None = field(default=None, repr=False)
 
     @property
     def bits_per_weight(self) -> float:
@@ -53,7 +53,7 @@ class GGMLType:
             n_rows *= n
         return self.row_bytes(n_per_row) * n_rows
 
-    def require_codec(self) -> "Codec":
+    def require_codec(self) -> Codec:
         """The codec of this type, or a clear error when none is implemented yet."""
         import ikquant.formats  # noqa: F401  (importing the formats registers their codecs)
 
@@ -153,7 +153,7 @@ def type_by_name(name: str) -> GGMLType:
     raise UnknownTypeError(f"unknown ggml type {name!r}; known types: {', '.join(t.name for t in all_types())}")
 
 
-def register_codec(type_name: str, codec: "Codec") -> None:
+def register_codec(type_name: str, codec: Codec) -> None:
     """Attach the quantize/dequantize implementation of a type (called by the format modules)."""
     type_by_name(type_name).codec = codec
 

@@ -50,6 +50,7 @@ class Evaluation:
 
 def _runtime_parameters() -> list[inspect.Parameter]:
     params = []
+    annotation: Any
     for f in dataclasses.fields(RuntimeOptions):
         flag, help_text = "--" + f.name.replace("_", "-"), f.metadata["help"]
         if f.default is None:  # tri-state: unset keeps the architecture's default
@@ -86,7 +87,7 @@ def evaluation_options(command: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
         given = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
-        runtime = {k: (None if given[k] is None else given[k] == OnOff.on) if isinstance(given[k], (OnOff, type(None)))
+        runtime: dict[str, Any] = {k: (None if given[k] is None else given[k] == OnOff.on) if isinstance(given[k], (OnOff, type(None)))
                    and RuntimeOptions.__dataclass_fields__[k].default is None else given[k] for k in runtime_names}
         ev = Evaluation(given["threads"], given["kv_cache"], given["mem"], given["stream"], given["spill_dir"],
                         RuntimeOptions(**runtime))

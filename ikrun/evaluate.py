@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ikquant.errors import IkError
 from ikrun.metrics import (
     BaseLogitsError,
     BaseLogitsFile,
@@ -20,7 +21,6 @@ from ikrun.metrics import (
     encode_records,
     kld_stats,
 )
-from ikquant.errors import IkError
 from ikrun.model import Model
 from ikrun.stream import BlockProgress, StreamPlan, evaluate_chunks, fed_tokens, plan_run
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ikrun.memory import BudgetError, format_size, free_disk
-from ikrun.model import Model
+from ikrun.model import TILE_BYTES, Model
 from ikrun.models.base import Sequence
 
 #: reports (done, total, bytes of weights decoded so far) after each streamed block
@@ -75,49 +75,66 @@ def _widest(model: Model) -> int:
                 if len(model.weights.info(n).shape) >= 2), default=1)
 
 
+@dataclass(frozen=True)
+class _Needs:
+    """What evaluating chunks of n_ctx tokens needs, in bytes."""
+
+    block: int  # the largest block's decoded weights (experts: one expert's matrices)
+    head: int  # the globals (embedding rows, output head tiles)
+    transient: int  # one chunk's working memory inside a block and its logits
+    per_chunk: int  # one chunk's hidden state and per-sequence state between blocks
+
+    @property
+    def minimum(self) -> int:
+        return self.block + self.head + self.transient + self.per_chunk
+
+
+def _needs(model: Model, n_ctx: int) -> _Needs:
+    impl = model.impl
+    blocks = [_block_bytes(model, i) for i in range(impl.n_active)]
+    globals_ = sum(model.weights.decoded_bytes(n) for n in model.weights.names() if not n.startswith("blk."))
+    return _Needs(max((d + e for d, e in blocks), default=0), min(globals_, 2 * TILE_BYTES),
+                  4 * n_ctx * (TRANSIENT_ROWS * _widest(model) + model.n_vocab),
+                  4 * n_ctx * impl.hidden_width() + impl.sequence_state_bytes(n_ctx))
+
+
+def minimum_budget(model: Model, n_ctx: int) -> int:
+    """The smallest --mem a streamed run over chunks of n_ctx tokens accepts."""
+    return _needs(model, n_ctx).minimum
+
+
 def plan_run(model: Model, n_chunk: int, n_ctx: int, one_pass: bool, spill_dir: Path | None = None) -> StreamPlan:
     """Decide the evaluation order and check the budget can hold it (a BudgetError says the minimum if not)."""
-    impl = model.impl
-    width = impl.hidden_width()
-    per_chunk = 4 * n_ctx * width + impl.sequence_state_bytes(n_ctx)
-    transient = 4 * n_ctx * (TRANSIENT_ROWS * _widest(model) + model.n_vocab)
-    blocks = [_block_bytes(model, i) for i in range(impl.n_active)]
-    need_block = max(d + e for d, e in blocks) if blocks else 0
-    globals_ = sum(model.weights.decoded_bytes(n) for n in model.weights.names() if not n.startswith("blk."))
-    head_fixed = min(globals_, 2 * (64 << 20))
+    needs = _needs(model, n_ctx)
     budget = model.mem
-    decoded = model_decoded_bytes(model)
-    streamed = model.stream if model.stream is not None else \
-        (one_pass and n_chunk > 1) or (budget is not None and decoded + transient + per_chunk > budget)
-    if not streamed:
-        capacity = None if budget is None else budget - transient - per_chunk
-        if capacity is not None and capacity < need_block + head_fixed:
-            raise BudgetError(f"--mem {format_size(budget)} cannot hold one block's weights and working memory; "  # type: ignore[arg-type]
-                              f"give at least {format_size(need_block + head_fixed + transient + per_chunk)}")
-        return StreamPlan(False, n_chunk, n_ctx, 1, None, per_chunk, capacity)
-    minimum = need_block + head_fixed + transient + per_chunk
-    if budget is not None and budget < minimum:
+    fits = budget is None or model_decoded_bytes(model) + needs.transient + needs.per_chunk <= budget
+    streamed = model.stream if model.stream is not None else (one_pass and n_chunk > 1) or not fits
+    if budget is not None and budget < needs.minimum:
         raise BudgetError(f"--mem {format_size(budget)} is below what one block needs: its weights decoded "
-                          f"({format_size(need_block)}), one chunk's hidden state and working memory "
-                          f"({format_size(transient + per_chunk)}) and the head's tiles; give at least "
-                          f"{format_size(minimum)}")
-    total_hidden = per_chunk * n_chunk
-    room = None if budget is None else budget - minimum
-    in_memory = room is None or total_hidden <= max(room * HIDDEN_SHARE / (1 - HIDDEN_SHARE), 0) \
-        or total_hidden <= per_chunk
-    if in_memory:
-        group = n_chunk if room is None else max(1, min(n_chunk, int(room // max(per_chunk + transient, 1)) or 1))
-        held = total_hidden
-        spill = None
-    else:
+                          f"({format_size(needs.block)}), one chunk's hidden state and working memory "
+                          f"({format_size(needs.transient + needs.per_chunk)}) and the head "
+                          f"({format_size(needs.head)}); give at least {format_size(needs.minimum)}")
+    if not streamed:
+        capacity = None if budget is None else budget - needs.transient - needs.per_chunk
+        return StreamPlan(False, n_chunk, n_ctx, 1, None, needs.per_chunk, capacity)
+    total = needs.per_chunk * n_chunk
+    if budget is None:
+        return StreamPlan(True, n_chunk, n_ctx, n_chunk, None, total, None)
+    room = budget - needs.minimum
+    in_memory = total - needs.per_chunk <= room * HIDDEN_SHARE
+    spare = room - (total - needs.per_chunk if in_memory else 0)
+    batched = model.impl.batched_bytes(n_ctx)
+    cost = batched + (0 if in_memory else needs.per_chunk)  # of one more chunk in a block's batch
+    group = n_chunk if cost == 0 else max(1, min(n_chunk, 1 + int(spare * HIDDEN_SHARE // cost)))
+    spill = None
+    if not in_memory:
         spill = Path(spill_dir or tempfile.gettempdir())
-        need_disk = 4 * n_ctx * width * n_chunk
+        need_disk = 4 * n_ctx * model.impl.hidden_width() * n_chunk
         if free_disk(spill) < need_disk:
             raise BudgetError(f"--spill-dir {spill}: the hidden states of {n_chunk} chunks need "
                               f"{format_size(need_disk)} on disk, {format_size(free_disk(spill))} are free")
-        group = max(1, min(n_chunk, int(room * HIDDEN_SHARE // max(per_chunk + transient, 1))))  # type: ignore[operator]
-        held = per_chunk * group
-    capacity = None if budget is None else max(budget - held - transient - head_fixed, need_block)
+    held = total if in_memory else needs.per_chunk * group
+    capacity = budget - held - batched * group - needs.transient - needs.head
     return StreamPlan(True, n_chunk, n_ctx, group, spill, held, capacity)
 
 
@@ -138,7 +155,7 @@ class _Hidden:
         if self.fd is None:
             self.arrays[c] = x
             return
-        data = memoryview(np.ascontiguousarray(x, dtype=np.float32)).cast("B")
+        data = np.ascontiguousarray(x, dtype=np.float32).data.cast("B")
         written = os.pwrite(self.fd, data, c * self.record)
         if written != self.record:
             raise OSError(f"{self.path}: short write of a hidden state ({written} of {self.record} bytes)")
@@ -149,7 +166,7 @@ class _Hidden:
             assert x is not None
             return x
         out = np.empty(self.shape, dtype=np.float32)
-        got = os.preadv(self.fd, [memoryview(out).cast("B")], c * self.record)
+        got = os.preadv(self.fd, [out.data.cast("B")], c * self.record)
         if got != self.record:
             raise OSError(f"{self.path}: short read of a hidden state ({got} of {self.record} bytes)")
         return out
@@ -167,7 +184,7 @@ def fed_tokens(model: Model, chunk: np.ndarray) -> np.ndarray:
     llama-perplexity does)."""
     add_bos, bos = model.tokenizer_flags()
     fed = np.array(chunk, dtype=np.int64)
-    if add_bos:
+    if add_bos and bos is not None:
         fed[0] = bos
     return fed
 

@@ -232,7 +232,7 @@ class BPETokenizer:
         return out
 
     @classmethod
-    def from_gguf(cls, gguf: object) -> "BPETokenizer":
+    def from_gguf(cls, gguf: object) -> BPETokenizer:
         """Build from a GGUF's tokenizer.ggml.* keys (model 'gpt2' only)."""
         get = gguf.get  # type: ignore[attr-defined]
         model = get("tokenizer.ggml.model")

@@ -28,7 +28,6 @@ from ikquant.gguf_io import GGUFFile, GGUFFormatError, TensorInfo
 from ikquant.types import GGMLType
 from ikrun.ops.parallel import threads_for
 
-
 #: a cache key: a whole tensor, or (tensor, expert) for one matrix of a 3-D expert tensor
 CacheKey = str | tuple[str, int]
 

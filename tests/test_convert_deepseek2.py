@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from ikconvert.cli import app
 from ikconvert.convert import Converter
-from ikconvert.safetensors_io import SafetensorsFile, SafeTensor, write_safetensors
+from ikconvert.safetensors_io import SafeTensor, SafetensorsFile, write_safetensors
 from ikquant.formats.numeric import f32_to_bf16_bits
 from ikquant.gguf_io import GGUFFile
 from tests.convert_helpers import convert_fails

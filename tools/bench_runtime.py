@@ -31,7 +31,6 @@ from ikrun.evaluate import tokenize_chunks
 from ikrun.model import Model, RuntimeOptions
 from ikrun.validate import HFReference
 
-
 DATA = Path(__file__).parents[1] / "tests" / "data"
 #: golden tiny models: (file, text, our runtime options, ik's extra flags) computing the same function in both
 TINY = {

@@ -1118,7 +1118,7 @@ class IQ2_KSCodec(Codec):
     def __init__(self, slow_search: bool = False) -> None:
         self.slow_search = slow_search
 
-    def with_user_data(self, user_data: dict | None) -> "IQ2_KSCodec":
+    def with_user_data(self, user_data: dict | None) -> IQ2_KSCodec:
         """ik's quantize_user_data: None (ik's NULL pointer) selects the scalar search; a struct selects the AVX2
         search unless its slow_iq2_ks flag is set. llama-quantize passes a struct with the flag off, which is why
         the default codec uses the AVX2 search."""

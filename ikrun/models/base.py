@@ -90,6 +90,14 @@ class ArchModel(ABC):
         """Numbers per token of the hidden state between blocks."""
         return self.n_embd
 
+    def batched_bytes(self, n_ctx: int) -> int:
+        """Working memory one more sequence of n_ctx tokens adds to a block's batch (the parts run for the whole
+        batch at once, like MoE experts); 0 when everything runs a sequence at a time."""
+        moe = getattr(self, "moe", None)
+        if moe is None:
+            return 0
+        return 4 * n_ctx * (2 * self.n_embd + moe.n_used * (moe.n_ff + self.n_embd + 2))
+
     def sequence_state_bytes(self, n_ctx: int) -> int:
         """Bytes of `seq.state` a sequence of n_ctx tokens carries between blocks (beyond shared tables)."""
         return 0
@@ -113,7 +121,7 @@ class ArchModel(ABC):
                                 f"{list(shape)}")
 
     # ---- the forward ----------------------------------------------------------------------------------------
-    def begin(self, seq: Sequence) -> None:
+    def begin(self, seq: Sequence) -> None:  # noqa: B027 (a hook most architectures use, none must)
         """Set up `seq.state` before its embedding (rope tables, ...); nothing by default."""
 
     @abstractmethod

@@ -27,9 +27,9 @@ sigmoid, GLM-5's scoring function (ik falls back to softmax there, spec §8.1).
 
 from __future__ import annotations
 
-import numpy as np
-
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from ikrun.models.base import Sequence
 from ikrun.models.deepseek2 import Deepseek2

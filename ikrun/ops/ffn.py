@@ -9,13 +9,14 @@ fetched a group at a time sized to what the cache holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ikrun.ops.activations import swiglu
-from ikrun.ops.moe import GATING_NAMES, moe_experts, route
+from ikrun.ops.moe import GATING_NAMES, ExpertFetch, moe_experts, route
 
 if TYPE_CHECKING:
     from ikrun.model import Model
@@ -96,12 +97,15 @@ def _group(m: Model, names: list[str], n_expert: int) -> int | None:
     return max(1, int(capacity // (whole // n_expert)))
 
 
-def _fetcher(m: Model, names: list[str]) -> Callable[[np.ndarray], tuple[np.ndarray, ...]]:
-    def fetch(ids: np.ndarray) -> tuple[np.ndarray, ...]:
+def _fetcher(m: Model, names: list[str]) -> ExpertFetch:
+    up, gate, down = names
+
+    def fetch(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         whole = sum(m.weights.decoded_bytes(n) for n in names)
         if all(m.weights.cached(n) for n in names) or m.fits(whole):
-            return (*(m.weight(n) for n in names), ids)
-        return (*(m.weights.decode_experts(n, ids) for n in names), np.arange(len(ids)))
+            return m.weight(up), m.weight(gate), m.weight(down), ids
+        w = m.weights
+        return w.decode_experts(up, ids), w.decode_experts(gate, ids), w.decode_experts(down, ids), np.arange(len(ids))
 
     return fetch
 

@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Memory and speed of `ikrun ppl` on ~1B-parameter models: unconstrained, default, and under a small --mem.
+
+Generates (once, cached in --workdir) a Qwen3-shaped model and a DeepSeek-V3-shaped MoE (MLA, 1 dense + 3 MoE
+layers of 64 experts), both as F16 and IQ4_KS, then runs each file in a fresh process (tools/peak_rss.py, so the
+peak RSS is the command's own):
+
+- `unconstrained`: --no-stream with no budget worth the name (every decoded weight cached, the pre-budget runtime);
+- `default`: no flags (75% of the available memory; one-pass runs are layer-streamed);
+- `--mem M`: the given budget (default 1GiB), layer-streamed;
+- `ik`: ik_llama.cpp's llama-perplexity on the same file, chunks and threads, when --ik-bin is given.
+
+Reported: tokens/s of the evaluation (ikrun's own report, without start-up; ik's prompt-eval figure), peak RSS,
+and peak RSS over the file size.
+
+Example: python tools/bench_scale.py --workdir /tmp/bench-scale --ik-bin ~/ik/build/bin/llama-perplexity
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numba
+
+from ikconvert.convert import Converter
+from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
+from ikquant.ftypes import file_type
+from ikquant.quantize import QuantizeOptions, quantize_model
+
+TOOLS = Path(__file__).parent
+sys.path.insert(0, str(TOOLS))
+from bench_convert import make_deepseek_fp8_checkpoint  # noqa: E402
+
+GiB = 1 << 30
+
+
+def build_models(workdir: Path) -> dict[str, Path]:
+    files = {}
+    for name in ("qwen3", "deepseek"):
+        hf = workdir / f"hf-{name}"
+        if not (hf / "config.json").exists():
+            if name == "qwen3":  # 22 layers x 50 M parameters
+                make_tiny_checkpoint(hf, TinySpec(arch="qwen3", hidden=2048, layers=22, heads=16, kv_heads=8,
+                                                  head_dim=128, ffn=6144))
+            else:
+                make_deepseek_fp8_checkpoint(hf, 4)
+        f16 = workdir / f"{name}-f16.gguf"
+        if not f16.exists():
+            Converter(hf, "f16", "qwen2" if name == "qwen3" else "deepseek-v3").write(f16)
+        iq4 = workdir / f"{name}-iq4_ks.gguf"
+        if not iq4.exists():
+            quantize_model(f16, iq4, QuantizeOptions(file_type("IQ4_KS")))
+        files[f"{name} F16"], files[f"{name} IQ4_KS"] = f16, iq4
+    return files
+
+
+def run(cmd: list[str]) -> tuple[str, float]:
+    """(the command's stderr+stdout, its peak RSS in bytes)."""
+    res = subprocess.run([sys.executable, str(TOOLS / "peak_rss.py"), *cmd], capture_output=True, text=True,
+                         errors="replace", cwd=tempfile.gettempdir())
+    text = res.stdout + res.stderr
+    if res.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{text[-3000:]}")
+    rss = float(re.findall(r"peak_rss ([\d.]+)", text)[-1]) * (1 << 20)
+    return text, rss
+
+
+def ikrun_ppl(path: Path, text: Path, ctx: int, chunks: int, threads: int, extra: list[str]) -> tuple[float, float]:
+    ikrun = str(Path(sys.executable).with_name("ikrun"))
+    out, rss = run([ikrun, "ppl", str(path), "--text", str(text), "--ctx", str(ctx), "--chunks", str(chunks),
+                    "-t", str(threads), *extra])
+    seconds = float(re.search(r"perplexity: .*?([\d.]+) s\s*$", out.replace("\n", " ").strip()).group(1))
+    return chunks * ctx / seconds, rss
+
+
+def ik_ppl(ik_bin: Path, path: Path, text: Path, ctx: int, chunks: int, threads: int) -> tuple[float, float]:
+    out, rss = run([str(ik_bin), "-m", str(path), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "--chunks",
+                    str(chunks), "-t", str(threads), "-fa", "off"])
+    m = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", out)
+    if m is None:
+        raise SystemExit(f"no prompt eval time in ik's output:\n{out[-2000:]}")
+    return int(m.group(2)) / (float(m.group(1)) / 1000), rss
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=Path("bench-scale"))
+    ap.add_argument("--ik-bin", type=Path, help="ik_llama.cpp's llama-perplexity (optional)")
+    ap.add_argument("--threads", type=int, default=numba.config.NUMBA_NUM_THREADS)
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--chunks", type=int, default=4)
+    ap.add_argument("--mem", default="1GiB")
+    ap.add_argument("--only", help="regex: only the files whose label matches (e.g. 'qwen3 F16')")
+    a = ap.parse_args()
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    files = build_models(a.workdir)
+    text = a.workdir / "text.txt"
+    text.write_text(CORPUS.read_text(encoding="utf-8") * 40, encoding="utf-8")
+    modes = {"unconstrained": ["--no-stream", "--mem", "1000GiB"], "default": [], f"--mem {a.mem}": ["--mem", a.mem]}
+    print(f"ctx {a.ctx}, {a.chunks} chunks, {a.threads} threads")
+    print(f"{'file':16s} {'GiB':>6s} {'mode':>14s} {'tok/s':>7s} {'x uncon.':>8s} {'peak RSS GiB':>12s} "
+          f"{'RSS/file':>8s}")
+    for label, path in files.items():
+        if a.only and not re.search(a.only, label):
+            continue
+        size = path.stat().st_size
+        base = None
+        rows = [(mode, *ikrun_ppl(path, text, a.ctx, a.chunks, a.threads, extra)) for mode, extra in modes.items()]
+        if a.ik_bin:
+            rows.append(("ik", *ik_ppl(a.ik_bin, path, text, a.ctx, a.chunks, a.threads)))
+        for mode, tps, rss in rows:
+            base = base or tps
+            print(f"{label:16s} {size / GiB:6.2f} {mode:>14s} {tps:7.1f} {base / tps:8.2f} {rss / GiB:12.2f} "
+                  f"{rss / size:8.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
