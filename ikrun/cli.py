@@ -345,6 +345,8 @@ def sweep(
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw a heatmap (.png or .svg; needs "
                                         "pip install 'iktools[plot]')."),
+    full_forward: bool = typer.Option(False, "--full-forward", help="Run every candidate through the whole model "
+                                      "instead of from the first block it changes (the same rows, slower: a check)."),
     ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
     """How much each tensor costs: quantize one tensor (or group) at a time, swap it in, measure KL-divergence.
@@ -391,7 +393,7 @@ def sweep(
             bar.update(task, advance=1, description=f"{row.group} {row.type}")
 
         try:
-            run_sweep(m, base, groups, type_list, imat, done, on_row, ev.spill_dir)
+            run_sweep(m, base, groups, type_list, imat, done, on_row, ev.spill_dir, full_forward)
         except (ValueError, IkError) as exc:
             bar.stop()
             fail(str(exc))

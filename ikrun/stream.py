@@ -189,48 +189,117 @@ def fed_tokens(model: Model, chunk: np.ndarray) -> np.ndarray:
     return fed
 
 
+class BlockInputs:
+    """What enters every main block for every chunk of a base run: the hidden state and the sequence's state.
+
+    A sweep candidate that changes a tensor of block L resumes every chunk at block L from here instead of
+    recomputing blocks 0..L-1, which the change cannot affect (bit-identical rows, far less compute). The hidden
+    states stay in memory within a quarter of the budget, else go to a spill file removed by `close`.
+    """
+
+    def __init__(self, model: Model, chunks: np.ndarray, spill_dir: Path | None = None):
+        impl = model.impl
+        n_chunk, n_ctx = chunks.shape
+        self.n_block = impl.n_active
+        per = 4 * n_ctx * impl.hidden_width() * (self.n_block + 1) * n_chunk
+        spill = model.mem is not None and per > model.mem * HIDDEN_SHARE
+        spill_path = Path(spill_dir or tempfile.gettempdir()) if spill else None
+        if spill_path is not None and free_disk(spill_path) < per:
+            raise BudgetError(f"--spill-dir {spill_path}: the block inputs of {n_chunk} chunks need "
+                              f"{format_size(per)} on disk, {format_size(free_disk(spill_path))} are free")
+        self.tokens = [fed_tokens(model, chunks[c]) for c in range(n_chunk)]
+        self.states: list[list[dict]] = []
+        self._hidden: _Hidden | None = None
+        try:
+            with model.blas_limit():
+                for c, tokens in enumerate(self.tokens):
+                    seq = Sequence(tokens, c)
+                    model.chunk = c
+                    impl.begin(seq)
+                    x = impl.embed(seq)
+                    if self._hidden is None:
+                        self._hidden = _Hidden(n_chunk * (self.n_block + 1), x.shape, spill_path)
+                    states = []
+                    for i in range(self.n_block + 1):
+                        self._hidden.put(c * (self.n_block + 1) + i, x)
+                        states.append(dict(seq.state))  # values are replaced by later blocks, never changed
+                        if i < self.n_block:
+                            x = impl.block(i, [x], [seq])[0]
+                    self.states.append(states)
+        except BaseException:
+            self.close()
+            raise
+
+    def at(self, c: int, block: int) -> tuple[Sequence, np.ndarray]:
+        """Chunk c as it enters `block` (n_block: the head)."""
+        assert self._hidden is not None
+        return Sequence(self.tokens[c], c, dict(self.states[c][block])), \
+            self._hidden.get(c * (self.n_block + 1) + block)
+
+    def close(self) -> None:
+        if self._hidden is not None:
+            self._hidden.close()
+
+
 def evaluate_chunks(model: Model, chunks: np.ndarray, plan: StreamPlan, on_block: BlockProgress | None = None,
-                    as_perplexity: bool = True) -> Iterator[tuple[int, np.ndarray]]:
+                    as_perplexity: bool = True, resume: tuple[BlockInputs, int] | None = None,
+                    ) -> Iterator[tuple[int, np.ndarray]]:
     """(chunk index, logits) for every chunk in order, evaluated as `plan` says: as llama-perplexity (BOS swapped
-    in, the scored positions' logits), or with `as_perplexity=False` each chunk as given, all its logits."""
+    in, the scored positions' logits), or with `as_perplexity=False` each chunk as given, all its logits.
+
+    `resume=(inputs, L)` starts every chunk at block L from the base run's recorded inputs (chunks as perplexity).
+    """
     n_ctx = chunks.shape[1]
     first, last = (n_ctx // 2, n_ctx - 1) if as_perplexity else (0, n_ctx)
     feed = (lambda c: fed_tokens(model, chunks[c])) if as_perplexity else (lambda c: np.asarray(chunks[c], np.int64))
     saved_capacity = model.weights.capacity
     model.weights.capacity = plan.cache_capacity
+    impl = model.impl
     try:
         with model.blas_limit():
             if not plan.streamed:
                 for c in range(len(chunks)):
-                    yield c, model.logits(feed(c), index=c)[first:last]
+                    if resume is None:
+                        yield c, model.logits(feed(c), index=c)[first:last]
+                        continue
+                    seq, x = resume[0].at(c, resume[1])
+                    model.chunk = c
+                    for i in range(resume[1], impl.n_active):
+                        x = impl.block(i, [x], [seq])[0]
+                    yield c, impl.head(x, seq)[first:last]
                 return
-            yield from _streamed(model, [feed(c) for c in range(len(chunks))], plan, (first, last), on_block)
+            start = (lambda c: resume[0].at(c, resume[1])) if resume is not None else None
+            yield from _streamed(model, [feed(c) for c in range(len(chunks))], plan, (first, last), on_block, start,
+                                 resume[1] if resume is not None else 0)
     finally:
         model.weights.capacity = saved_capacity
 
 
 def _streamed(model: Model, fed: list[np.ndarray], plan: StreamPlan, window: tuple[int, int],
-              on_block: BlockProgress | None) -> Iterator[tuple[int, np.ndarray]]:
+              on_block: BlockProgress | None, start: Callable[[int], tuple[Sequence, np.ndarray]] | None = None,
+              first_block: int = 0) -> Iterator[tuple[int, np.ndarray]]:
     impl, weights = model.impl, model.weights
     n_chunk = len(fed)
-    seqs = []
-    for c in range(n_chunk):
-        seq = Sequence(fed[c], c)
-        model.check_tokens(seq.tokens)
-        seqs.append(seq)
+    seqs: list[Sequence] = []
     hidden: _Hidden | None = None
     read0 = sum(weights.reads.values())
     try:
-        for c, seq in enumerate(seqs):
+        for c in range(n_chunk):
             model.chunk = c
-            impl.begin(seq)
-            x = impl.embed(seq)
+            if start is None:
+                seq = Sequence(fed[c], c)
+                model.check_tokens(seq.tokens)
+                impl.begin(seq)
+                x = impl.embed(seq)
+            else:
+                seq, x = start(c)
+            seqs.append(seq)
             if hidden is None:
                 hidden = _Hidden(n_chunk, x.shape, plan.spill_dir)
             hidden.put(c, x)
         assert hidden is not None
         weights.evict([n for n in weights.names() if n.startswith("token_embd.")])
-        for i in range(impl.n_active):
+        for i in range(first_block, impl.n_active):
             for g0 in range(0, n_chunk, plan.group):
                 group = range(g0, min(n_chunk, g0 + plan.group))
                 outs = impl.block(i, [hidden.get(c) for c in group], [seqs[c] for c in group])

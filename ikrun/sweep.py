@@ -4,6 +4,10 @@ The base model is loaded once and its logits computed once (kept as an ik base-l
 group and type, the group's tensors are quantized from the base's own encoding, hot-swapped in, measured against
 the base logits, and swapped back. Nothing else is reloaded or recomputed. Results are appended to a JSON file
 after each measurement, so an interrupted sweep resumes where it stopped.
+
+Layer-local propagation: the base run's input to every block is recorded once (stream.BlockInputs), so a group
+whose earliest tensor is in block L runs blocks L..end only; blocks before L cannot see the change. The rows are
+bit-identical to full forwards (`full_forward=True`, the CLI's --full-forward, checks it).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from ikquant.types import GGMLType
 from ikrun.evaluate import kl_divergence
 from ikrun.metrics import BaseLogitsFile, kld_stats
 from ikrun.model import Model
-from ikrun.stream import plan_run
+from ikrun.models.base import block_of
+from ikrun.stream import BlockInputs, plan_run
 
 GROUP_MODES = ("tensor", "layer", "class")
 # Quantizations queued ahead of the evaluation. Types alternate between slow (IQ4_KS) and fast (Q4_0) ones; with two
@@ -104,6 +109,18 @@ def quantized_copy(model: Model, name: str, gtype: GGMLType, imatrix: Imatrix | 
     return used, raw
 
 
+def start_block(model: Model, names: list[str]) -> int | None:
+    """The first block a change of `names` can affect (n_active: only the head), None for the embedding (a full
+    forward)."""
+    starts = []
+    for name in names:
+        block = block_of(name)
+        if block is None and name.startswith("token_embd."):
+            return None
+        starts.append(model.impl.n_active if block is None else min(block, model.impl.n_active))
+    return min(starts)
+
+
 def load_rows(path: Path) -> list[SweepRow]:
     if not path.exists():
         return []
@@ -151,11 +168,13 @@ def _concurrent_kernels_are_safe() -> bool:
 
 def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], types: list[GGMLType],
               imatrix: Imatrix | None, done: list[SweepRow],
-              on_row: Callable[[SweepRow], None], spill_dir: Path | None = None) -> list[SweepRow]:
+              on_row: Callable[[SweepRow], None], spill_dir: Path | None = None,
+              full_forward: bool = False) -> list[SweepRow]:
     """Measure every (group, type) not in `done`; `on_row` sees each new row as soon as it exists.
 
     The next measurement's quantization runs in a second thread while the current one is evaluated (the kernels
-    release the GIL), so the sweep costs little more than its evaluations.
+    release the GIL), so the sweep costs little more than its evaluations. Each evaluation starts at the first
+    block its group can change, unless `full_forward`.
     """
     finished = {r.key for r in done}
     jobs = [(g, names, t) for g, names in groups.items() for t in types if (g, t.name) not in finished]
@@ -171,6 +190,7 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
     ahead = LOOKAHEAD if pool else 1  # without a second thread, quantizing early only holds more bytes
     # every candidate is a full evaluation: chunk by chunk with cached weights when they fit, else streamed
     plan = plan_run(model, base.n_chunk, base.n_ctx, one_pass=False, spill_dir=spill_dir)
+    inputs = None if full_forward else BlockInputs(model, np.asarray(base.tokens[: base.n_chunk]), spill_dir)
     pending = [start(k) for k in range(min(ahead, len(jobs)))]
     try:
         for k in range(len(jobs)):
@@ -182,7 +202,9 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
             try:
                 for name, (used, raw) in zip(job.names, job.encodings):
                     model.swap(name, used, raw)
-                stats = kld_stats(kl_divergence(model, base, plan=plan))
+                first = start_block(model, job.names) if inputs is not None else None
+                resume = (inputs, first) if inputs is not None and first is not None else None
+                stats = kld_stats(kl_divergence(model, base, plan=plan, resume=resume))
             finally:
                 for name in job.names:
                     model.restore(name)
@@ -199,4 +221,6 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+        if inputs is not None:
+            inputs.close()
     return rows

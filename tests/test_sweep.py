@@ -96,3 +96,31 @@ def test_mix_meets_the_budget(model256: Path, tmp_path: Path) -> None:
                                       str(sweep), "--target-bpw", "1.0"])
     assert res.exit_code == 2 and "cheapest" in res.output
     assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek2", "openpangu", "glm-dsa"])
+def test_layer_local_rows_equal_full_forward_rows(data_dir: Path, tmp_path: Path, arch: str) -> None:
+    """Starting each candidate at the first block it changes gives the full forward's digits, on every architecture
+    (openPangu's streams and GLM's shared indexer selections are carried in the recorded block inputs)."""
+    import numpy as np
+
+    from ikquant.types import type_by_name
+    from ikrun.evaluate import open_base, perplexity
+    from ikrun.model import Model
+    from ikrun.sweep import run_sweep, start_block, sweep_groups
+    from tests.test_stream import MODELS
+
+    model = Model(data_dir / "convert" / MODELS[arch])
+    chunks = np.random.default_rng(1).integers(0, model.n_vocab, size=(3, 32))
+    perplexity(model, chunks, tmp_path / "base.kld")
+    base = open_base(tmp_path / "base.kld", model)
+    groups = sweep_groups(model, "tensor")
+    last = model.impl.n_active - 1
+    picked = {g: n for g, n in groups.items() if start_block(model, n) in (None, 0, last, model.impl.n_active)
+              and all(model.weights.info(t).n_per_row % 32 == 0 for t in n)}
+    rows = {}
+    for full in (False, True):
+        got = run_sweep(model, base, picked, [type_by_name("Q4_0")], None, [], lambda r: None, full_forward=full)
+        rows[full] = {r.group: (r.kld_mean, r.kld_p99, r.same_top_p, r.ppl_ratio) for r in got}
+    assert rows[False] == rows[True]
+    assert {start_block(model, n) for n in picked.values()} >= {0, last, model.impl.n_active}
