@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from ikconvert.safetensors_io import SafeTensor, SafetensorsError, SafetensorsFile
+from ikquant.errors import IkError
 
 INDEX_NAME = "model.safetensors.index.json"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "README.md", "additional_chat_templates/*"]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(IkError, ValueError):
     """A checkpoint folder that cannot be converted as it is (missing files, inconsistent index, bad config)."""
 
 

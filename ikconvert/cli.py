@@ -10,6 +10,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from ikquant.cli_common import err, fail, new_app, out
+from ikquant.errors import IkError
 
 app = new_app(__doc__, "Convert Hugging Face checkpoints into GGUF files for ik_llama.cpp.")
 
@@ -40,17 +41,15 @@ def hf2gguf(
 
     Example: ikconvert hf2gguf ./Qwen3-0.6B --outtype bf16 --outfile qwen3-0.6b-bf16.gguf
     """
-    from ikconvert.archs.base import ConvertError
-    from ikconvert.checkpoint import CheckpointError, resolve_source
+    from ikconvert.checkpoint import resolve_source
     from ikconvert.convert import Converter
-    from ikconvert.vocab import VocabError
 
     try:
         folder = resolve_source(src)
         options = {"target_model_dir": target_model_dir, "mtp": mtp}
         conv = Converter(folder, outtype, pre_tokenizer, allow_nonfinite, model_name, options)
         plan = conv.build_plan()
-    except (ConvertError, CheckpointError, VocabError, FileNotFoundError) as exc:
+    except (IkError, FileNotFoundError) as exc:
         fail(str(exc))
     if dry_run:
         _print_plan(conv)
@@ -69,7 +68,7 @@ def hf2gguf(
 
         try:
             path = conv.write(outfile, step)
-        except (ConvertError, CheckpointError, VocabError, ValueError) as exc:
+        except IkError as exc:
             bar.stop()
             fail(str(exc))
     notes = [p for p in plan if p.note]

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ikquant.errors import IkError
+
 # safetensors dtype -> (numpy storage dtype, bytes per element). Float formats numpy lacks are kept as raw bits.
 _DTYPES: dict[str, tuple[np.dtype, int]] = {
     "F64": (np.dtype("<f8"), 8),
@@ -37,7 +39,7 @@ _DTYPES: dict[str, tuple[np.dtype, int]] = {
 }
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(IkError, ValueError):
     """A safetensors file that is malformed, truncated, or inconsistent with what was asked of it."""
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 from gguf import GGUFWriter, SpecialVocab, TokenType
 
+from ikquant.errors import IkError
+
 log = logging.getLogger(__name__)
 
 # The probe text of ik's convert_hf_to_gguf.py get_vocab_base_pre.
@@ -72,7 +74,7 @@ PRE_TOKENIZER_HASHES: dict[str, str] = {
 _BYTELEVEL_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 
 
-class VocabError(ValueError):
+class VocabError(IkError, ValueError):
     """Tokenizer files that cannot be converted (unsupported kind, unknown pre-tokenizer, ids out of range)."""
 
 

@@ -11,6 +11,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from ikquant.cli_common import err, fail, out
+from ikquant.errors import IkError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
@@ -80,11 +81,10 @@ def quantize(
     Example: ikquant model-f32.gguf model-q4_k_m.gguf --type Q4_K_M --imatrix imatrix.dat
     Example: ikquant model-bf16.gguf model-iq4_ks.gguf --type iq4_ks --custom-q "ffn_down=iq5_ks" --dry-run
     """
-    from ikquant.ftypes import UnknownFileTypeError, file_type
-    from ikquant.gguf_io import GGUFFile, GGUFFormatError, exit_cleanly_on_sigterm
-    from ikquant.imatrix import ImatrixError, filter_entries, read_imatrix
-    from ikquant.mix import MixError
-    from ikquant.quantize import QuantizeError, QuantizeOptions, make_plan, quantize_model
+    from ikquant.ftypes import file_type
+    from ikquant.gguf_io import GGUFFile, exit_cleanly_on_sigterm
+    from ikquant.imatrix import filter_entries, read_imatrix
+    from ikquant.quantize import QuantizeOptions, make_plan, quantize_model
 
     exit_cleanly_on_sigterm()
     if threads:
@@ -110,7 +110,7 @@ def quantize(
         if sweep is not None:
             opts.tensor_types = _mix_from_sweep(source, opts, sweep, target_bpw)  # type: ignore[arg-type]
         plan = make_plan(source, opts)
-    except (FileNotFoundError, UnknownFileTypeError, GGUFFormatError, ImatrixError, QuantizeError, MixError) as exc:
+    except (FileNotFoundError, IkError) as exc:
         fail(str(exc))
     for w in plan.warnings:
         err.print(f"[yellow]warning:[/] {w}", soft_wrap=True)
@@ -132,7 +132,7 @@ def quantize(
         task = bar.add_task("quantizing", total=total)
         try:
             quantize_model(src, dst, opts, lambda p: bar.update(task, advance=p.info.nbytes, description=p.name))
-        except (QuantizeError, ImatrixError, GGUFFormatError, NotImplementedError, ValueError) as exc:
+        except (IkError, NotImplementedError) as exc:
             bar.stop()
             fail(str(exc))
     size_in = sum(p.info.nbytes for p in plan.tensors)

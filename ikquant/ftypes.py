@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ikquant.errors import IkError
 from ikquant.types import GGMLType, type_by_name
 
 
@@ -61,7 +62,7 @@ _FTYPES = (
 _BY_NAME = {f.name: f for f in _FTYPES}
 
 
-class UnknownFileTypeError(ValueError):
+class UnknownFileTypeError(IkError, ValueError):
     pass
 
 

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ikquant.errors import IkError
 
-class ImatrixError(ValueError):
+
+class ImatrixError(IkError, ValueError):
     """An importance-matrix file that cannot be read or does not fit the model."""
 
 

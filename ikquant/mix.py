@@ -13,8 +13,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ikquant.errors import IkError
 
-class MixError(ValueError):
+
+class MixError(IkError, ValueError):
     """A sweep that cannot serve this model or budget."""
 
 

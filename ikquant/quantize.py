@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFValueType
 
+from ikquant.errors import IkError
 from ikquant.ftypes import FileType
 from ikquant.gguf_io import GGUFFile, GGUFStreamWriter, KeyValue, TensorInfo
 from ikquant.imatrix import Imatrix
@@ -42,7 +43,7 @@ CLASS_OPTIONS = ("attn_q_type", "attn_k_type", "attn_v_type", "attn_output_type"
                  "ffn_down_type")
 
 
-class QuantizeError(ValueError):
+class QuantizeError(IkError, ValueError):
     """A quantization that cannot proceed as asked (names the tensor or option at fault)."""
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ikquant.errors import IkError
+
 if TYPE_CHECKING:
     from ikquant.formats.base import Codec
 
 
-class UnknownTypeError(ValueError):
+class UnknownTypeError(IkError, ValueError):
     """A type name or id that ik_llama.cpp does not define (or that we cannot size)."""
 
 

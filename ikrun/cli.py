@@ -130,12 +130,15 @@ def logits(
         fail("give exactly one of --text or --tokens")
     try:
         if tokens is not None:
-            ids = np.array([int(t) for t in tokens.split(",") if t.strip()], dtype=np.int64)
+            try:
+                ids = np.array([int(t) for t in tokens.split(",") if t.strip()], dtype=np.int64)
+            except ValueError:
+                fail(f"--tokens {tokens!r} is not a comma-separated list of token ids")
         else:
             ids = np.array(m.tokenizer().encode(_read_text(text)), dtype=np.int64)  # type: ignore[arg-type]
         _plan(m, 1, len(ids), ev)
         result = m.logits(ids)
-    except ValueError as exc:
+    except IkError as exc:
         fail(str(exc))
     np.save(output, result)
     err.print(f"wrote {output}: logits of {len(ids)} tokens x {result.shape[1]} vocab")
@@ -161,7 +164,7 @@ def ppl(
     m = _load(model, ev)
     try:
         chunk_tokens = tokenize_chunks(m, _read_text(text), ctx, chunks)
-    except (IkError, ValueError) as exc:
+    except IkError as exc:
         fail(str(exc))
     plan = _plan(m, len(chunk_tokens), ctx, ev)
     with _tracked(m, plan, "perplexity") as (on_chunk, on_block):
@@ -224,7 +227,7 @@ def kld(
         plan = _plan(m, bf.n_chunk, bf.n_ctx, ev)
         with _tracked(m, plan, "KL-divergence") as (on_chunk, on_block):
             acc = kl_divergence(m, bf, on_chunk, plan=plan, on_block=on_block)
-    except (IkError, ValueError, FileNotFoundError) as exc:
+    except (IkError, FileNotFoundError) as exc:
         fail(str(exc))
     finally:
         if tmpdir is not None:
@@ -311,7 +314,7 @@ def imatrix(
         chunk_tokens = tokenize_chunks(m, _read_text(text), ctx, chunks)
         for f in in_file:
             collector.merge(read_imatrix(f), ctx)
-    except (IkError, ValueError) as exc:
+    except IkError as exc:
         fail(str(exc))
     dataset = str(text)
     plan = _plan(m, len(chunk_tokens), ctx, ev)
@@ -360,7 +363,7 @@ def sweep(
     import tempfile
 
     from ikquant.imatrix import read_imatrix
-    from ikquant.types import UnknownTypeError, type_by_name
+    from ikquant.types import type_by_name
     from ikrun.evaluate import open_base, perplexity, tokenize_chunks
     from ikrun.sweep import load_rows, run_sweep, save_rows, sweep_groups
 
@@ -373,7 +376,7 @@ def sweep(
         groups = sweep_groups(m, group, tensors)
         chunk_tokens = tokenize_chunks(m, _read_text(text), ctx, chunks)
         done = load_rows(output)
-    except (UnknownTypeError, NotImplementedError, IkError, ValueError) as exc:
+    except (NotImplementedError, IkError) as exc:
         fail(str(exc))
     header = {"model": str(model), "text": str(text), "ctx": ctx, "chunks": len(chunk_tokens), "group": group,
               "imatrix": str(imatrix) if imatrix else None}
@@ -394,7 +397,7 @@ def sweep(
 
         try:
             run_sweep(m, base, groups, type_list, imat, done, on_row, ev.spill_dir, full_forward)
-        except (ValueError, IkError) as exc:
+        except IkError as exc:
             bar.stop()
             fail(str(exc))
     out.print(sweep_table(rows))
@@ -455,7 +458,7 @@ def validate(
     try:
         ref = HFReference(hf)
         chunk_tokens = tokenize_chunks(m, _read_text(text or CORPUS), ctx, chunks)
-    except (IkError, ValueError) as exc:
+    except IkError as exc:
         fail(str(exc))
     plan = _plan(m, len(chunk_tokens), ctx, ev)
     gots = []

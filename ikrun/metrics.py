@@ -16,13 +16,14 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
+from ikquant.errors import IkError
 from ikquant.formats.numeric import f32_bits, fmaf
 from ikrun.ops.parallel import pick
 
 MAGIC = b"_logits_"
 
 
-class BaseLogitsError(ValueError):
+class BaseLogitsError(IkError, ValueError):
     """A base-logits file that is not in ik's layout, or does not fit the model or options it is used with."""
 
 

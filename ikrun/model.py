@@ -219,9 +219,9 @@ class Model:
 
     def check_tokens(self, tokens: np.ndarray) -> None:
         if tokens.ndim != 1 or tokens.size == 0:
-            raise ValueError("tokens must be a non-empty 1-D sequence")
+            raise ModelError("tokens must be a non-empty 1-D sequence")
         if tokens.min() < 0 or tokens.max() >= self.n_vocab:
-            raise ValueError(f"token id {int(tokens.max() if tokens.max() >= self.n_vocab else tokens.min())} is "
+            raise ModelError(f"token id {int(tokens.max() if tokens.max() >= self.n_vocab else tokens.min())} is "
                              f"outside the vocabulary (0..{self.n_vocab - 1})")
 
     def logits(self, tokens: np.ndarray, index: int = 0) -> np.ndarray:

@@ -70,11 +70,11 @@ class OpenPanguReference:
     architectures = ("OpenPanguV2ForCausalLM",)
 
     def __init__(self, config: dict, tensors: dict, ik_avx512_sinks: bool = False):  # type: ignore[type-arg]
-        from ikrun.validate import ReferenceError
+        from ikrun.validate import HFReferenceError
 
         for key, value in _FIXED.items():
             if config.get(key, value) != value:
-                raise ReferenceError(f"config {key}={config[key]!r} is not implemented in the openPangu reference")
+                raise HFReferenceError(f"config {key}={config[key]!r} is not implemented in the openPangu reference")
         self.cfg = config
         self.tensors = tensors
         self.eps = np.float32(config.get("rms_norm_eps", 1e-6))

@@ -24,6 +24,7 @@ from pathlib import Path
 import numba
 import numpy as np
 
+from ikquant.errors import IkError
 from ikquant.gguf_io import partial_path
 from ikquant.imatrix import Imatrix
 from ikquant.quantize import quantize_rows
@@ -40,6 +41,11 @@ GROUP_MODES = ("tensor", "layer", "class")
 # in the queue the quantizing thread runs on through a fast one instead of leaving the evaluation waiting after a
 # slow one (2.8% of a tiny sweep's time with one).
 LOOKAHEAD = 2
+
+
+class SweepError(IkError, ValueError):
+    """Sweep options that cannot be measured: an unknown grouping, a regex that matches nothing, a type that does
+    not fit a tensor's rows."""
 
 
 @dataclass
@@ -77,7 +83,7 @@ def layer_of(name: str) -> int | None:
 def sweep_groups(model: Model, mode: str, pattern: str | None = None) -> dict[str, list[str]]:
     """The groups to measure: every quantizable weight (optionally filtered by regex), grouped by `mode`."""
     if mode not in GROUP_MODES:
-        raise ValueError(f"--group must be one of {', '.join(GROUP_MODES)}, not {mode!r}")
+        raise SweepError(f"--group must be one of {', '.join(GROUP_MODES)}, not {mode!r}")
     rx = re.compile(pattern) if pattern else None
     groups: dict[str, list[str]] = {}
     for name in model.weights.names():
@@ -93,7 +99,7 @@ def sweep_groups(model: Model, mode: str, pattern: str | None = None) -> dict[st
             key = tensor_class(name)
         groups.setdefault(key, []).append(name)
     if not groups:
-        raise ValueError(f"no quantizable tensor matches {pattern!r}" if pattern else "no quantizable tensors")
+        raise SweepError(f"no quantizable tensor matches {pattern!r}" if pattern else "no quantizable tensors")
     return groups
 
 
@@ -103,7 +109,7 @@ def quantized_copy(model: Model, name: str, gtype: GGMLType, imatrix: Imatrix | 
     fb = with_row_fallback(gtype, info.n_per_row)
     used = fb.type if fb is not None else gtype
     if info.n_per_row % used.block_size:
-        raise ValueError(f"{name}: {info.n_per_row} columns cannot hold {used.name} blocks")
+        raise SweepError(f"{name}: {info.n_per_row} columns cannot hold {used.name} blocks")
     codec = used.require_codec()
     raw = quantize_rows(model.weights.source_encoding(name).raw, info, used, codec, imatrix, numba.get_num_threads())
     return used, raw

@@ -15,6 +15,8 @@ from functools import lru_cache
 
 import regex
 
+from ikquant.errors import IkError
+
 # token types (gguf TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -100,7 +102,7 @@ def byte_encoder() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(keep, chars)}
 
 
-class TokenizerError(ValueError):
+class TokenizerError(IkError, ValueError):
     """A vocabulary the tokenizer cannot work with (unsupported model or pre-tokenizer type)."""
 
 

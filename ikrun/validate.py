@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from ikconvert.checkpoint import Checkpoint
+from ikquant.errors import IkError
 
 
-class ReferenceError(ValueError):
+class HFReferenceError(IkError, ValueError):
     """A checkpoint the numpy reference does not implement."""
 
 
@@ -38,7 +39,7 @@ class HFReference:
         self.cfg = self.ckpt.config
         other = _other_references()
         if self.ckpt.architecture not in self.supported and self.ckpt.architecture not in other:
-            raise ReferenceError(f"{folder}: no numpy reference for {self.ckpt.architecture}; "
+            raise HFReferenceError(f"{folder}: no numpy reference for {self.ckpt.architecture}; "
                                  f"available: {', '.join([*self.supported, *other])}")
         self.tensors = dict(self.ckpt.iter_tensors())
         #: the architecture's own reference module, for those not written here

@@ -81,3 +81,16 @@ def test_missing_tensor_is_named_before_compute(data_dir: Path, tmp_path: Path) 
     res = CliRunner().invoke(app, ["logits", str(path), "--tokens", "1,2"], env={"COLUMNS": "250"})
     assert res.exit_code == 2
     assert "blk.1.ffn_up.weight" in res.output
+
+
+def test_a_bug_shows_its_traceback_not_a_user_error(data_dir: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Only IkError means "your input is wrong" (exit 2, one line); a ValueError from our own code is a bug."""
+    import ikrun.stream
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise ValueError("an internal mistake")
+
+    monkeypatch.setattr(ikrun.stream, "plan_run", broken)
+    res = CliRunner().invoke(app, ["ppl", str(data_dir / "convert" / "qwen3" / "ik-f32.gguf"), "--text",
+                                   str(data_dir / "logits" / "qwen3" / "text.txt"), "--ctx", "64"])
+    assert res.exit_code == 1 and isinstance(res.exception, ValueError)

@@ -1,12 +1,18 @@
 #!/usr/bin/env python3
-"""Sweep cost: seconds per swap + evaluation on a tiny model, and the share spent outside the forward pass.
+"""Sweep cost: seconds per swap + evaluation on a tiny model, and the share spent outside the forward pass; with
+--layer-local, what layer-local propagation saves on a generated deeper model.
 
 Everything but the forward pass proper (quantizing the tensor, swapping, decoding it, KLD statistics, restoring) is
 overhead the sweep adds to the evaluation itself; decoding happens lazily inside `forward`, so its time is
 subtracted from the forward time. Target: under 10%. The first quantization has nothing to overlap with: on a
-sweep this short, its wait is a visible share of "waiting for a quantization".
+sweep this short, its wait is a visible share of "waiting for a quantization". (This part times full forwards.)
+
+--layer-local: a whole-model tensor sweep's wall time with layer-local propagation over the same sweep with
+--full-forward (goal: at most 0.55), and the time per candidate of the last block's tensors over the first block's
+(goal: at most 0.5), on a --layers-deep Qwen3.
 
 Example: python tools/bench_sweep.py --chunks 8
+         python tools/bench_sweep.py --layer-local --layers 12 --chunks 4 --ctx 128
 """
 
 from __future__ import annotations
@@ -32,7 +38,12 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--types", default="IQ4_KS,Q4_0")
+    ap.add_argument("--layer-local", action="store_true", help="measure layer-local propagation instead")
+    ap.add_argument("--layers", type=int, default=12)
     a = ap.parse_args()
+    if a.layer_local:
+        layer_local(a.layers, a.chunks, a.ctx, [type_by_name(t) for t in a.types.split(",")])
+        return
     with tempfile.TemporaryDirectory() as tmp:
         hf = make_tiny_checkpoint(Path(tmp) / "hf", TinySpec(arch="qwen3", hidden=256, layers=2, heads=4, kv_heads=2,
                                                              head_dim=64, ffn=512))
@@ -58,6 +69,35 @@ def main() -> None:
           f"forward {compute / total:.1%} of the time, everything else {1 - compute / total:.1%}: "
           f"KLD statistics {spent['kld'] / total:.1%}, waiting for a quantization {spent.get('wait', 0) / total:.1%}, "
           f"decoding weights (lazy, cache lookups included) {spent['decode'] / total:.1%}")
+
+
+def layer_local(layers: int, n_chunks: int, ctx: int, types: list) -> None:  # type: ignore[type-arg]
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = make_tiny_checkpoint(Path(tmp) / "hf", TinySpec(arch="qwen3", hidden=512, layers=layers, heads=8,
+                                                             kv_heads=4, head_dim=64, ffn=1536))
+        model = Model(Converter(hf, "f32", "qwen2").write(Path(tmp) / "m.gguf"))
+        chunks = tokenize_chunks(model, CORPUS.read_text(encoding="utf-8") * 4, ctx, n_chunks)
+        perplexity(model, chunks, Path(tmp) / "base.kld")
+        base = open_base(Path(tmp) / "base.kld", model)
+        groups = sweep_groups(model, "tensor")
+        run_sweep(model, base, dict(list(groups.items())[:2]), types, None, [], lambda r: None)  # warm-up (JIT)
+        wall = {}
+        rows = {}
+        for full in (True, False):
+            t0 = time.perf_counter()
+            rows[full] = run_sweep(model, base, groups, types, None, [], lambda r: None, full_forward=full)
+            wall[full] = time.perf_counter() - t0
+        assert [(r.group, r.kld_mean) for r in rows[True]] == [(r.group, r.kld_mean) for r in rows[False]]
+
+    def per_candidate(block: int) -> float:
+        mine = [r.seconds for r in rows[False] if r.group.startswith(f"blk.{block}.")]
+        return sum(mine) / len(mine)
+
+    print(f"{layers} layers, {len(rows[True])} candidates, {n_chunks} chunks x {ctx} tokens: whole sweep "
+          f"{wall[False]:.1f} s layer-local vs {wall[True]:.1f} s full forward = {wall[False] / wall[True]:.2f}x; "
+          f"per candidate: block 0 {per_candidate(0) * 1000:.0f} ms, block {layers - 1} "
+          f"{per_candidate(layers - 1) * 1000:.0f} ms = {per_candidate(layers - 1) / per_candidate(0):.2f}x "
+          "(rows identical)")
 
 
 def _time_calls(owner: Any, attr: str, spent: dict[str, float], key: str) -> None:

@@ -19,9 +19,10 @@ from gguf import GGUFWriter
 
 from ikconvert.checkpoint import Checkpoint, CheckpointError
 from ikconvert.safetensors_io import SafeTensor
+from ikquant.errors import IkError
 
 
-class ConvertError(ValueError):
+class ConvertError(IkError, ValueError):
     """A checkpoint that does not convert: names the file, tensor or config key at fault."""
 
 

@@ -12,6 +12,7 @@ import warnings
 import numpy as np
 from numba import njit, prange
 
+from ikquant.errors import IkError
 from ikquant.types import GGMLType, type_by_name
 
 
@@ -36,7 +37,7 @@ def find_bad_value(x: np.ndarray, limit: float = np.inf) -> tuple[int, int] | No
     return (int(rows[0]), int(cols[rows[0]])) if rows.size else None
 
 
-class QuantInputError(ValueError):
+class QuantInputError(IkError, ValueError):
     """Input that no quantizer can represent correctly (NaN/Inf, wrong shape, wrong row length)."""
 
 
