@@ -74,7 +74,10 @@ def ikrun_ppl(path: Path, text: Path, ctx: int, chunks: int, threads: int, extra
     ikrun = str(Path(sys.executable).with_name("ikrun"))
     out, rss = run([ikrun, "ppl", str(path), "--text", str(text), "--ctx", str(ctx), "--chunks", str(chunks),
                     "-t", str(threads), *extra])
-    seconds = float(re.search(r"perplexity: .*?([\d.]+) s\s*$", out.replace("\n", " ").strip()).group(1))
+    m = re.search(r"peak RSS [\d.]+ \w+, ([\d.]+) s", re.sub(r"\s+", " ", out))
+    if m is None:
+        raise SystemExit(f"no run report in ikrun's output:\n{out[-2000:]}")
+    seconds = float(m.group(1))
     return chunks * ctx / seconds, rss
 
 

@@ -2,9 +2,9 @@
 
 Both take the Model (ikrun/model.py) for its weights, matmuls and observers. The MoE FFN routes every sequence of a
 batch separately (the router and shared experts are matmuls whose rounding depends on the batch's row count), then
-runs the routed experts once for the whole batch: each routed expert is decoded once per batch, and only the
-experts that receive a token at all. When the decoded expert tensors do not fit the weight cache, the experts are
-fetched a group at a time sized to what the cache holds.
+runs the routed experts once for the whole batch: each routed expert is decoded once per batch (cached per expert
+while the budget allows), and only the experts that receive a token at all, a group at a time sized to what the
+cache holds.
 """
 
 from __future__ import annotations
@@ -88,22 +88,19 @@ def moe_ffn(m: Model, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: M
 
 
 def _group(m: Model, names: list[str], n_expert: int) -> int | None:
-    """How many experts to fetch at a time: all when the whole tensors are (or can be) cached, else what the cache
-    holds, one at least."""
-    whole = sum(m.weights.decoded_bytes(n) for n in names)
-    if all(m.weights.cached(n) for n in names) or m.fits(whole):
-        return None
-    capacity = m.weights.capacity or 0
-    return max(1, int(capacity // (whole // n_expert)))
+    """How many routed experts to decode at a time: all of them when their decoded matrices fit the cache, else
+    what it holds (one at least)."""
+    per_expert = sum(m.weights.decoded_bytes(n) for n in names) // n_expert
+    capacity = m.weights.capacity
+    return None if capacity is None else max(1, int(capacity // per_expert))
 
 
 def _fetcher(m: Model, names: list[str]) -> ExpertFetch:
+    """The routed experts' matrices, decoded (and cached) one expert at a time: a whole expert tensor is never
+    decoded for a batch, only the experts that receive tokens."""
     up, gate, down = names
 
     def fetch(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        whole = sum(m.weights.decoded_bytes(n) for n in names)
-        if all(m.weights.cached(n) for n in names) or m.fits(whole):
-            return m.weight(up), m.weight(gate), m.weight(down), ids
         w = m.weights
         return w.decode_experts(up, ids), w.decode_experts(gate, ids), w.decode_experts(down, ids), np.arange(len(ids))
 
