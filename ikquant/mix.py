@@ -9,11 +9,11 @@ budget), then leftover bits spent on the upgrades with the best KLD saved per bi
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ikquant.errors import IkError
+from ikquant.sweepfile import SweepFileError, read_sweep_file
 
 
 class MixError(IkError, ValueError):
@@ -39,14 +39,14 @@ class Mix:
 
 
 def read_sweep(path: Path) -> tuple[dict[str, list[str]], dict[str, list[Option]]]:
-    """Groups and their measured options from an `ikrun sweep` JSON file."""
+    """Groups and their measured options from an `ikrun sweep` file (.json or .csv)."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError) as exc:
-        raise MixError(f"--sweep {path}: cannot read it ({exc})") from None
+        _, rows = read_sweep_file(Path(path))
+    except SweepFileError as exc:
+        raise MixError(f"--sweep {exc}") from None
     groups: dict[str, list[str]] = {}
     options: dict[str, list[Option]] = {}
-    for r in data.get("rows", []):
+    for r in rows:
         if "+" in r["type_used"]:
             raise MixError(f"--sweep {path}: group {r['group']!r} mixes types ({r['type_used']}); sweep with --group "
                            "tensor to choose per tensor")

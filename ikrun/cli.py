@@ -365,7 +365,7 @@ def sweep(
     from ikquant.imatrix import read_imatrix
     from ikquant.types import type_by_name
     from ikrun.evaluate import open_base, perplexity, tokenize_chunks
-    from ikrun.sweep import load_rows, run_sweep, save_rows, sweep_groups
+    from ikrun.sweep import load_rows, run_sweep, save_rows, sweep_groups, sweep_header
 
     m = _load(model, ev)
     try:
@@ -375,11 +375,10 @@ def sweep(
         imat = read_imatrix(imatrix) if imatrix else None
         groups = sweep_groups(m, group, tensors)
         chunk_tokens = tokenize_chunks(m, _read_text(text), ctx, chunks)
-        done = load_rows(output)
+        header = sweep_header(m, text, ctx, len(chunk_tokens), group, imatrix)
+        done = load_rows(output, header)
     except (NotImplementedError, IkError) as exc:
         fail(str(exc))
-    header = {"model": str(model), "text": str(text), "ctx": ctx, "chunks": len(chunk_tokens), "group": group,
-              "imatrix": str(imatrix) if imatrix else None}
     todo = len(groups) * len(type_list) - sum(1 for r in done if r.group in groups)
     base_plan = _plan(m, len(chunk_tokens), ctx, ev)
     with tempfile.TemporaryDirectory() as tmp, _progress() as bar:

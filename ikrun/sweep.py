@@ -12,8 +12,7 @@ bit-identical to full forwards (`full_forward=True`, the CLI's --full-forward, c
 
 from __future__ import annotations
 
-import json
-import os
+import hashlib
 import re
 import time
 from collections.abc import Callable
@@ -25,10 +24,10 @@ import numba
 import numpy as np
 
 from ikquant.errors import IkError
-from ikquant.gguf_io import partial_path
 from ikquant.imatrix import Imatrix
 from ikquant.quantize import quantize_rows
 from ikquant.recipes import eligible, with_row_fallback
+from ikquant.sweepfile import check_resumable, file_sha256, read_sweep_file, write_sweep_file
 from ikquant.types import GGMLType
 from ikrun.evaluate import kl_divergence
 from ikrun.metrics import BaseLogitsFile, kld_stats
@@ -59,6 +58,8 @@ class SweepRow:
     bytes_new: int
     bpw: float
     kld_mean: float
+    #: standard error of kld_mean over the scored tokens (ik's ±)
+    kld_sem: float
     kld_p99: float
     same_top_p: float
     ppl_ratio: float
@@ -127,24 +128,39 @@ def start_block(model: Model, names: list[str]) -> int | None:
     return min(starts)
 
 
-def load_rows(path: Path) -> list[SweepRow]:
+def model_fingerprint(model: Model) -> str:
+    """What identifies the model's weights without reading them: every tensor's name, type, shape and place, and
+    the files' sizes (a requantized or rewritten file changes it)."""
+    h = hashlib.blake2b(digest_size=16)
+    for shard in model.weights.shards:
+        h.update(f"{shard.path.stat().st_size}|{shard.file.architecture if shard is model.weights.shards[0] else ''}"
+                 .encode())
+        for t in shard.file.tensors.values():
+            h.update(f"{t.name}|{t.type.name}|{t.ne}|{t.offset}|{t.nbytes};".encode())
+    return h.hexdigest()
+
+
+def sweep_header(model: Model, text: Path, ctx: int, chunks: int, group: str, imatrix: Path | None) -> dict:
+    """The identity of a sweep's measurements (ikquant/sweepfile.py): what a resumed sweep must match."""
+    runtime = {"kv_cache": model.kv_cache, **{k: getattr(model.options, k) for k in model.options.given()}}
+    return {"model": str(model.path), "model_fingerprint": model_fingerprint(model), "text": str(text),
+            "text_sha256": file_sha256(text), "ctx": ctx, "chunks": chunks, "group": group,
+            "imatrix": str(imatrix) if imatrix else None,
+            "imatrix_sha256": file_sha256(imatrix) if imatrix else None, "runtime": runtime}
+
+
+def load_rows(path: Path, header: dict) -> list[SweepRow]:
+    """The rows of an earlier run of this sweep (none if `path` does not exist); refused if measured otherwise."""
     if not path.exists():
         return []
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return [SweepRow(**r) for r in data.get("rows", [])]
+    theirs, rows = read_sweep_file(path)
+    check_resumable(path, header, theirs)
+    return [SweepRow(**r) for r in rows]
 
 
 def save_rows(path: Path, header: dict, rows: list[SweepRow]) -> None:
     """Write the sweep (JSON, or CSV when the name ends in .csv) atomically."""
-    tmp = partial_path(path)
-    if path.suffix == ".csv":
-        cols = ["group", "type", "type_used", "bpw", "bytes_base", "bytes_new", "kld_mean", "kld_p99", "same_top_p",
-                "ppl_ratio", "n_weights", "seconds"]
-        lines = [",".join(cols)] + [",".join(str(getattr(r, c)) for c in cols) for r in rows]
-        tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    else:
-        tmp.write_text(json.dumps({**header, "rows": [asdict(r) for r in rows]}, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+    write_sweep_file(path, header, [asdict(r) for r in rows])
 
 
 @dataclass
@@ -219,7 +235,8 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
             n_weights = sum(model.weights.info(n).n_elements for n in job.names)
             used_types = "+".join(sorted({u.name for u, _ in job.encodings}))
             row = SweepRow(job.group, job.names, job.type.name, used_types, n_weights, bytes_base, bytes_new,
-                           8.0 * bytes_new / n_weights, float(stats["kld_mean"]), float(stats["kld_p99"]),
+                           8.0 * bytes_new / n_weights, float(stats["kld_mean"]), float(stats["kld_mean_err"]),
+                           float(stats["kld_p99"]),
                            float(stats["same_top_p"]), float(stats["ppl_ratio"]),
                            job.seconds + time.perf_counter() - t0)
             rows.append(row)

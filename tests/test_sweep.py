@@ -124,3 +124,34 @@ def test_layer_local_rows_equal_full_forward_rows(data_dir: Path, tmp_path: Path
         rows[full] = {r.group: (r.kld_mean, r.kld_p99, r.same_top_p, r.ppl_ratio) for r in got}
     assert rows[False] == rows[True]
     assert {start_block(model, n) for n in picked.values()} >= {0, last, model.impl.n_active}
+
+
+def test_resuming_with_other_settings_is_refused(model256: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    assert _sweep(model256, out, "--types", "Q4_0", "--group", "class", "--tensors", "ffn_up").exit_code == 0
+    first = out.read_text()
+    header = json.loads(first)
+    assert header["format"] == "iktools-sweep" and header["version"] == 2 and header["ctx"] == 64
+    assert all(r["kld_sem"] > 0 for r in header["rows"])
+    res = runner.invoke(app, ["sweep", str(model256), "--text", str(CORPUS), "--ctx", "32", "--chunks", "6", "-o",
+                              str(out), "--types", "Q4_0", "--group", "class", "--tensors", "ffn_up"])
+    assert res.exit_code == 2, res.output
+    assert "ctx = 64, this run has 32" in " ".join(res.output.split())
+    assert out.read_text() == first
+    legacy = tmp_path / "old.json"  # what earlier versions wrote: no format header
+    legacy.write_text(json.dumps({"ctx": 64, "rows": header["rows"]}))
+    res = _sweep(model256, legacy, "--types", "Q4_0", "--group", "class", "--tensors", "ffn_up")
+    assert res.exit_code == 2 and "older ikrun" in " ".join(res.output.split())
+
+
+def test_csv_sweeps_resume_and_feed_the_mix(model256: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sweep.csv"
+    assert _sweep(model256, out, "--types", "IQ2_KS,Q8_0").exit_code == 0
+    first = out.read_text()
+    assert first.startswith('# {"format": "iktools-sweep"')
+    res = _sweep(model256, out, "--types", "IQ2_KS,Q8_0")
+    assert res.exit_code == 0 and "(0 new)" in res.output
+    res = runner.invoke(ikquant_app, [str(model256), str(tmp_path / "mix.gguf"), "--type", "q8_0", "--sweep", str(out),
+                                      "--target-bpw", "5.0"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "mix.gguf").exists()

@@ -1,0 +1,111 @@
+"""The sweep file `ikrun sweep` writes and `ikquant --sweep` reads: a versioned header, then one row per measurement.
+
+JSON: `{"format": "iktools-sweep", "version": 2, ...header..., "rows": [...]}`. CSV: a first line `# {header as
+JSON}`, then a column line and one line per row (a group's tensors joined by `;`). Both resume and both feed
+`ikquant --sweep`. The header says what the rows were measured on (model fingerprint, text hash, ctx, chunks,
+grouping, imatrix hash, runtime options), so a resumed sweep refuses rows measured on anything else.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ikquant.errors import IkError
+
+FORMAT = "iktools-sweep"
+VERSION = 2
+#: header fields a resumed sweep must match exactly (the model's path and the text's name may move)
+IDENTITY = ("model_fingerprint", "text_sha256", "ctx", "chunks", "group", "imatrix_sha256", "runtime")
+CSV_COLUMNS = ("group", "tensors", "type", "type_used", "n_weights", "bytes_base", "bytes_new", "bpw", "kld_mean",
+               "kld_sem", "kld_p99", "same_top_p", "ppl_ratio", "seconds")
+_INTS = {"n_weights", "bytes_base", "bytes_new"}
+_STRS = {"group", "type", "type_used"}
+
+
+class SweepFileError(IkError, ValueError):
+    """A sweep file that cannot be read, or whose rows were measured on something else than this run."""
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_sweep_file(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(header, rows) of a sweep file; a SweepFileError names the file and what is wrong with it."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SweepFileError(f"{path}: no such file") from None
+    except UnicodeDecodeError as exc:
+        raise SweepFileError(f"{path}: not a sweep file ({exc})") from None
+    try:
+        if Path(path).suffix == ".csv":
+            first, _, body = text.partition("\n")
+            if not first.startswith("# "):
+                raise SweepFileError(f"{path}: no '# {{header}}' first line: written by an older ikrun, or not a "
+                                     "sweep file; its rows cannot be checked against this run")
+            header = json.loads(first[2:])
+            rows = [_typed(r) for r in csv.DictReader(io.StringIO(body))]
+        else:
+            data = json.loads(text)
+            rows = data.pop("rows", [])
+            header = data
+    except (json.JSONDecodeError, KeyError, ValueError) as exc:
+        if isinstance(exc, SweepFileError):
+            raise
+        raise SweepFileError(f"{path}: not a readable sweep file ({exc})") from None
+    if header.get("format") != FORMAT:
+        raise SweepFileError(f"{path}: no {FORMAT!r} header: written by an older ikrun, or not a sweep file; its rows "
+                             "cannot be checked against this run (remove it or write elsewhere)")
+    if header.get("version") != VERSION:
+        raise SweepFileError(f"{path}: sweep format version {header.get('version')}, this ikrun reads {VERSION}")
+    return header, rows
+
+
+def _typed(row: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in row.items():
+        if key == "tensors":
+            out[key] = value.split(";")
+        elif key in _STRS:
+            out[key] = value
+        else:
+            out[key] = int(value) if key in _INTS else float(value)
+    return out
+
+
+def write_sweep_file(path: Path, header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Write the sweep (JSON, or CSV when the name ends in .csv) under a temporary name, then rename."""
+    from ikquant.gguf_io import partial_path
+
+    full = {"format": FORMAT, "version": VERSION, **header}
+    tmp = partial_path(Path(path))
+    if Path(path).suffix == ".csv":
+        buf = io.StringIO()
+        buf.write("# " + json.dumps(full) + "\n")
+        writer = csv.DictWriter(buf, CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({**r, "tensors": ";".join(r["tensors"])})
+        tmp.write_text(buf.getvalue(), encoding="utf-8")
+    else:
+        tmp.write_text(json.dumps({**full, "rows": rows}, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def check_resumable(path: Path, header: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """Refuse to resume `path` when its rows were measured on anything else than `header` describes."""
+    for key in IDENTITY:
+        if theirs.get(key) != header.get(key):
+            raise SweepFileError(f"{path} was measured with {key} = {theirs.get(key)!r}, this run has "
+                                 f"{header.get(key)!r}: its rows cannot be reused (remove it or write elsewhere)")
