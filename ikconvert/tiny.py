@@ -50,7 +50,7 @@ def learn_merges(text: str, n_merges: int, regex_pattern: str) -> list[tuple[str
     """Greedy BPE training on byte-encoded pre-tokenized words (most frequent pair, ties by pair text)."""
     import regex
 
-    from ikrun.tokenizer import byte_encoder
+    from ikconvert.tokenizer import byte_encoder
 
     enc = byte_encoder()
     words = Counter("".join(enc[b] for b in w.encode("utf-8")) for w in regex.findall(regex_pattern, text))
@@ -76,7 +76,7 @@ def learn_merges(text: str, n_merges: int, regex_pattern: str) -> list[tuple[str
 
 
 def _tokenizer_files(spec: TinySpec) -> tuple[dict, dict, dict[str, int]]:
-    from ikrun.tokenizer import byte_encoder
+    from ikconvert.tokenizer import byte_encoder
 
     llama = spec.arch == "llama"
     pattern = _LLAMA3_REGEX if llama else _QWEN2_REGEX

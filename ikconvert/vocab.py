@@ -153,7 +153,7 @@ class HFTokenizerFiles:
 
     def probe_tokenizer(self) -> Any:
         """Our BPE tokenizer configured like tokenizer.json, or a VocabError saying which part we cannot mirror."""
-        from ikrun.tokenizer import USER_DEFINED, BPETokenizer
+        from ikconvert.tokenizer import USER_DEFINED, BPETokenizer
 
         where = self.dir / "tokenizer.json"
         nfc = False

@@ -247,7 +247,7 @@ class Model:
                 self._blas_limited = False
 
     def tokenizer(self):  # type: ignore[no-untyped-def]
-        from ikrun.tokenizer import BPETokenizer
+        from ikconvert.tokenizer import BPETokenizer
 
         return BPETokenizer.from_gguf(self.gguf)
 
@@ -265,7 +265,7 @@ class Model:
 
 
 def _read_tokenizer_flags(meta: GGUFFile) -> tuple[bool, int | None]:
-    from ikrun.tokenizer import PRE_TOKENIZERS
+    from ikconvert.tokenizer import PRE_TOKENIZERS
 
     vocab_model = meta.get("tokenizer.ggml.model")
     pre = PRE_TOKENIZERS.get(meta.get("tokenizer.ggml.pre") or "default") if vocab_model == "gpt2" else None

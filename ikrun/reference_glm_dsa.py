@@ -13,8 +13,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from ikconvert.archs.glm_dsa import indexer_types
 from ikrun.reference_deepseek2 import BlockHook, DeepseekV3Reference, Observe, Proj
+
+
+def layer_types(config: dict, n_layer: int) -> list[str]:  # type: ignore[type-arg]
+    """GlmMoeDsaConfig's indexer_types: given, or from index_topk_pattern ("F"/"S" or names), or from
+    index_topk_freq / index_skip_topk_offset (written here from transformers, not shared with the converter)."""
+    if config.get("indexer_types") is not None:
+        return list(config["indexer_types"])
+    pattern = config.get("index_topk_pattern")
+    if pattern is not None:
+        names = {"F": "full", "S": "shared"}
+        return [names.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq, offset = max(int(config.get("index_topk_freq", 1)), 1), int(config.get("index_skip_topk_offset", 2))
+    return ["shared" if i >= offset and (i - offset + 1) % freq else "full" for i in range(n_layer)]
 
 
 class GlmDsaReference(DeepseekV3Reference):
@@ -26,7 +38,7 @@ class GlmDsaReference(DeepseekV3Reference):
         config = {**config, "rope_theta": config.get("rope_theta", (config.get("rope_parameters") or {}).get(
             "rope_theta", 10000.0))}
         super().__init__(config, tensors)
-        self.types = indexer_types(config, config["num_hidden_layers"])
+        self.types = layer_types(config, config["num_hidden_layers"])
         #: during a forward: the last full layer's top-k [n, k] (key indices per query)
         self._topk: np.ndarray | None = None
         #: every layer's top-k of the last forward, for tests that localise a disagreement

@@ -10,10 +10,10 @@ import pytest
 import tokenizers
 
 from ikconvert.tiny import CORPUS
+from ikconvert.tokenizer import BPETokenizer
 from ikconvert.vocab import PRE_TOKENIZER_HASHES, PROBE_TEXT, HFTokenizerFiles
 from ikquant.gguf_io import GGUFFile
 from ikrun.metrics import BaseLogitsFile
-from ikrun.tokenizer import BPETokenizer
 
 TEXTS = [
     CORPUS.read_text(encoding="utf-8"),
