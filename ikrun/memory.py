@@ -58,17 +58,6 @@ def default_budget() -> int:
     return int(available_memory() * DEFAULT_SHARE)
 
 
-def resident_memory() -> int:
-    """The process's resident set now (VmRSS), in bytes."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return peak_resident_memory()
-
-
 def peak_resident_memory() -> int:
     """The process's peak resident set so far (ru_maxrss, KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

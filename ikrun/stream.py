@@ -208,6 +208,8 @@ class BlockInputs:
             raise BudgetError(f"--spill-dir {spill_path}: the block inputs of {n_chunk} chunks need "
                               f"{format_size(per)} on disk, {format_size(free_disk(spill_path))} are free")
         self.tokens = [fed_tokens(model, chunks[c]) for c in range(n_chunk)]
+        #: what the recorded inputs hold in memory (the rest of the budget is the evaluations')
+        self.resident_bytes = 0 if spill else per
         self.states: list[list[dict]] = []
         self._hidden: _Hidden | None = None
         try:

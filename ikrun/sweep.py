@@ -213,6 +213,8 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
     # every candidate is a full evaluation: chunk by chunk with cached weights when they fit, else streamed
     plan = plan_run(model, base.n_chunk, base.n_ctx, one_pass=False, spill_dir=spill_dir)
     inputs = None if full_forward else BlockInputs(model, np.asarray(base.tokens[: base.n_chunk]), spill_dir)
+    if inputs is not None and plan.cache_capacity is not None:
+        plan.cache_capacity = max(plan.cache_capacity - inputs.resident_bytes, 0)
     pending = [start(k) for k in range(min(ahead, len(jobs)))]
     try:
         for k in range(len(jobs)):
