@@ -16,27 +16,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import LlamaFileType, Metadata, size_label
+from gguf import Metadata, size_label
 
 from ikconvert.archs.base import Arch, ConvertError, OutTensor, arch_for
 from ikconvert.checkpoint import Checkpoint
 from ikquant.formats.base import QuantInputError, find_bad_value
+from ikquant.ftypes import FileType, file_type
 from ikquant.gguf_io import GGUFStreamWriter
 from ikquant.types import GGMLType, type_by_name
 
 log = logging.getLogger(__name__)
 
-OUTTYPES: dict[str, tuple[str, int]] = {
-    "f32": ("F32", int(LlamaFileType.ALL_F32)),
-    "f16": ("F16", int(LlamaFileType.MOSTLY_F16)),
-    "bf16": ("BF16", int(LlamaFileType.MOSTLY_BF16)),
-    "q8_0": ("Q8_0", int(LlamaFileType.MOSTLY_Q8_0)),
-    "q4_0": ("Q4_0", 2),
-    "q4_1": ("Q4_1", 3),
-    "q5_0": ("Q5_0", 8),
-    "q5_1": ("Q5_1", 9),
-    "q6_0": ("Q6_0", 135),
-}
+#: --outtype values: ik's file types of the same name (their ids and base types live in ikquant/ftypes.py)
+OUTTYPES: dict[str, FileType] = {name: file_type(name.upper())
+                                 for name in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q6_0")}
 # ik's converter keeps these tensors at Q5_0 (q4_* outtypes) or Q6_0 (q5_* outtypes): a small but usable file
 RAISED_NAMES = ("token_embd.weight", "output.weight")
 RAISED_SUFFIXES = (".attn_v.weight", ".attn_k.weight", ".attn_qkv.weight")
@@ -67,7 +60,7 @@ def choose_type(out: OutTensor, shape: tuple[int, ...], outtype: str) -> tuple[G
     is_gate_inp = out.name.startswith("blk.") and out.name.endswith(".ffn_gate_inp.weight")
     if is_gate_inp or out.name in ALWAYS_F32_NAMES or not out.source.endswith(".weight"):
         return type_by_name("F32"), ""
-    gtype = type_by_name(OUTTYPES[outtype][0])
+    gtype = OUTTYPES[outtype].base
     if out.name in RAISED_NAMES or (out.name.startswith("blk.") and out.name.endswith(RAISED_SUFFIXES)):
         if outtype in ("q4_0", "q4_1"):
             gtype = type_by_name("Q5_0")
@@ -98,7 +91,7 @@ class Converter:
         self.ckpt = Checkpoint(src)
         self.arch: Arch = arch_for(self.ckpt, arch_options)
         self.outtype = resolve_outtype(outtype, self.ckpt)
-        self.arch.file_type = OUTTYPES[self.outtype][1]
+        self.arch.file_type = OUTTYPES[self.outtype].id
         self.pre_tokenizer = pre_tokenizer
         self.allow_nonfinite = allow_nonfinite
         self.model_name = model_name

@@ -453,7 +453,7 @@ def test_fp8_tile_that_does_not_match_the_scale_grid(broken: Path, tmp_path: Pat
 
 def test_fp8_without_a_block_size(broken: Path, tmp_path: Path) -> None:
     _config(broken, quantization_config={"fmt": "e4m3"})
-    _fails(broken, tmp_path, "config.json: 'quantization_config' needs weight_block_size", "'layers.0.attn.wkv.weight'")
+    _fails(broken, tmp_path, "config.json quantization_config.weight_block_size is None", "'layers.0.attn.wkv.weight'")
 
 
 def test_scale_of_the_wrong_dtype(broken: Path, tmp_path: Path) -> None:

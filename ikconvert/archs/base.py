@@ -88,6 +88,25 @@ class Arch:
         self._skipped = [re.compile(p) for p in self.skipped]
 
     # ---- config -------------------------------------------------------------------------------------------
+    def require(self, key: str) -> Any:
+        """config.json's `key`; a ConvertError naming the file and key when it is missing or null."""
+        value = self.hparams.get(key)
+        if value is None:
+            raise ConvertError(f"{self.ckpt.dir / 'config.json'}: {key!r} is required for {self.hf_architectures[0]}")
+        return value
+
+    def fp8_tile(self, name: str, t: SafeTensor) -> tuple[int, int]:
+        """The (rows, cols) tile one FP8 scale covers, from quantization_config.weight_block_size: never guessed
+        from the scale grid (a 192-row weight with 128-row tiles has a 2-row grid either way)."""
+        qc = self.hparams.get("quantization_config")
+        block = qc.get("weight_block_size") if isinstance(qc, dict) else None
+        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+            raise ConvertError(
+                f"{t.path}: tensor {name!r} is {t.dtype}, but config.json quantization_config.weight_block_size "
+                f"is {block!r}, not a pair of positive tile sizes (rows, columns): the tile size of its scales is "
+                "not guessed")
+        return block[0], block[1]
+
     def find_hparam(self, keys: Iterable[str], optional: bool = False) -> Any:
         for key in keys:
             if key in self.hparams:

@@ -74,25 +74,18 @@ class DeepseekV2Arch(Arch):
             )
         #: per layer, the expert tensors seen so far: (expert, projection) -> (HF name, tensor)
         self._experts: dict[int, dict[tuple[int, str], tuple[str, SafeTensor]]] = {}
-        self._block: tuple[int, int] | None = None
 
     # ---- config -------------------------------------------------------------------------------------------
-    def _req(self, key: str) -> Any:
-        value = self.hparams.get(key)
-        if value is None:
-            raise ConvertError(f"{self.ckpt.dir / 'config.json'}: {key!r} is required for {self.gguf_arch}")
-        return value
-
     def _key_length(self) -> int:
         head_dim = self.hparams.get("head_dim")
-        return int(head_dim) if head_dim is not None else int(self._req("qk_nope_head_dim")) + int(
-            self._req("qk_rope_head_dim"))
+        return int(head_dim) if head_dim is not None else int(self.require("qk_nope_head_dim")) + int(
+            self.require("qk_rope_head_dim"))
 
     def set_gguf_parameters(self, gw: GGUFWriter) -> None:
         super().set_gguf_parameters(gw)
         h = self.hparams
         gw.add_leading_dense_block_count(h.get("first_k_dense_replace", 0))
-        gw.add_vocab_size(self._req("vocab_size"))
+        gw.add_vocab_size(self.require("vocab_size"))
         if h.get("q_lora_rank") is not None:
             gw.add_q_lora_rank(h["q_lora_rank"])
         if h.get("kv_lora_rank") is not None:
@@ -100,17 +93,17 @@ class DeepseekV2Arch(Arch):
         key_length = self._key_length()
         gw.add_key_length(key_length)
         gw.add_value_length(h.get("v_head_dim", key_length))
-        gw.add_expert_feed_forward_length(self._req("moe_intermediate_size"))
-        gw.add_expert_count(self._req("n_routed_experts"))
-        gw.add_expert_shared_count(self._req("n_shared_experts"))
-        gw.add_expert_weights_scale(self._req("routed_scaling_factor"))
-        gw.add_expert_weights_norm(self._req("norm_topk_prob"))
+        gw.add_expert_feed_forward_length(self.require("moe_intermediate_size"))
+        gw.add_expert_count(self.require("n_routed_experts"))
+        gw.add_expert_shared_count(self.require("n_shared_experts"))
+        gw.add_expert_weights_scale(self.require("routed_scaling_factor"))
+        gw.add_expert_weights_norm(self.require("norm_topk_prob"))
         scoring = h.get("scoring_func")
         if scoring not in GATING_FUNCS:
             raise ConvertError(f"{self.ckpt.dir / 'config.json'}: scoring_func {scoring!r} is not one of "
                                + ", ".join(GATING_FUNCS))
         gw.add_uint32(f"{self.gguf_arch}.expert_gating_func", GATING_FUNCS[scoring])
-        gw.add_rope_dimension_count(self._req("qk_rope_head_dim"))
+        gw.add_rope_dimension_count(self.require("qk_rope_head_dim"))
         scaling = h.get("rope_scaling")
         # ik's condition: a `factor`, `type` (not `rope_type`) == "yarn", and `mscale_all_dim`
         if isinstance(scaling, dict) and "factor" in scaling and scaling.get("type") == "yarn" \
@@ -130,19 +123,6 @@ class DeepseekV2Arch(Arch):
         return (m is not None and int(m.group(1)) >= self.block_count) or super().is_skipped(name)
 
     # ---- FP8 ----------------------------------------------------------------------------------------------
-    def _block_size(self, name: str, t: SafeTensor) -> tuple[int, int]:
-        if self._block is None:
-            qc = self.hparams.get("quantization_config")
-            block = qc.get("weight_block_size") if isinstance(qc, dict) else None
-            if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-                raise ConvertError(
-                    f"{t.path}: tensor {name!r} is {t.dtype}, but config.json quantization_config.weight_block_size "
-                    f"is {block!r}, not a pair of positive tile sizes (rows, columns): the tile size of its "
-                    "weight_scale_inv is not guessed"
-                )
-            self._block = (block[0], block[1])
-        return self._block
-
     def _filler(self, name: str, t: SafeTensor) -> tuple[Fill, str]:
         """Writes one HF weight as float32 into a given array (FP8 ones dequantized by their scale); and the
         transform note. Filling in place lets merged experts decode straight into the stacked tensor."""
@@ -152,7 +132,7 @@ class DeepseekV2Arch(Arch):
         if scale is None:
             raise ConvertError(f"{t.path}: FP8 tensor {name!r} ({t.dtype}) has no {name + SCALE_SUFFIX!r} in any "
                                "shard; it cannot be dequantized")
-        br, bc = self._block_size(name, t)
+        br, bc = self.fp8_tile(name, t)
         if len(t.shape) != 2:
             raise ConvertError(f"{t.path}: FP8 tensor {name!r} has shape {list(t.shape)}; only 2-D weights are tiled")
         grid = (-(-t.shape[0] // br), -(-t.shape[1] // bc))
@@ -208,8 +188,8 @@ class DeepseekV2Arch(Arch):
     def _split_kv_b(self, name: str, t: SafeTensor, gguf: str, load: Callable[[], np.ndarray],
                     note: str) -> list[OutTensor]:
         """ik keeps the fused kv_b and adds per-head k_b (nope rows, transposed) and v_b, split by KV head."""
-        n_kv = int(self._req("num_key_value_heads"))
-        nope, v = int(self._req("qk_nope_head_dim")), int(self._req("v_head_dim"))
+        n_kv = int(self.require("num_key_value_heads"))
+        nope, v = int(self.require("qk_nope_head_dim")), int(self.require("v_head_dim"))
         rows, rank = t.shape if len(t.shape) == 2 else (-1, -1)
         if rows != n_kv * (nope + v):
             raise ConvertError(
@@ -235,7 +215,7 @@ class DeepseekV2Arch(Arch):
 
     def _add_expert(self, name: str, t: SafeTensor) -> list[OutTensor]:
         """Buffer one routed-expert tensor (no data read); emit the layer's three merged tensors on its last one."""
-        n_experts = int(self._req("n_routed_experts"))
+        n_experts = int(self.require("n_routed_experts"))
         m = _EXPERT_RE.fullmatch(name)
         if m is None or int(m.group(2)) >= n_experts:
             raise ConvertError(f"{t.path}: tensor {name!r} is not one of experts 0..{n_experts - 1} "
@@ -266,7 +246,7 @@ class DeepseekV2Arch(Arch):
 
     def finish(self) -> None:
         """ik raises 'Unprocessed experts' for a layer whose experts never completed; so do we, naming them."""
-        n_experts = int(self._req("n_routed_experts")) if self._experts else 0
+        n_experts = int(self.require("n_routed_experts")) if self._experts else 0
         for bid, layer in sorted(self._experts.items()):
             missing = [f"model.layers.{bid}.mlp.experts.{x}.{p}.weight" for x in range(n_experts)
                        for p in EXPERT_PROJS if (x, p) not in layer]
@@ -280,7 +260,7 @@ class DeepseekV2Arch(Arch):
     # ---- shape checks -------------------------------------------------------------------------------------
     def check_shapes(self, out: OutTensor) -> None:
         h = self.hparams
-        hidden, vocab = int(self._req("hidden_size")), int(self._req("vocab_size"))
+        hidden, vocab = int(self.require("hidden_size")), int(self.require("vocab_size"))
         if not out.name.startswith("blk."):
             want = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden),
                     "output_norm.weight": (hidden,)}.get(out.name)
@@ -289,12 +269,12 @@ class DeepseekV2Arch(Arch):
         bid = block_id(out.name)
         assert bid is not None
         key = out.name.split(".", 2)[2]
-        n_head = int(self._req("num_attention_heads"))
-        nope, rope = int(self._req("qk_nope_head_dim")), int(self._req("qk_rope_head_dim"))
-        v, kv_lora = int(self._req("v_head_dim")), int(self._req("kv_lora_rank"))
+        n_head = int(self.require("num_attention_heads"))
+        nope, rope = int(self.require("qk_nope_head_dim")), int(self.require("qk_rope_head_dim"))
+        v, kv_lora = int(self.require("v_head_dim")), int(self.require("kv_lora_rank"))
         q_lora = h.get("q_lora_rank")
-        n_exp, moe_ff = int(self._req("n_routed_experts")), int(self._req("moe_intermediate_size"))
-        sh_ff = int(self._req("n_shared_experts")) * moe_ff
+        n_exp, moe_ff = int(self.require("n_routed_experts")), int(self.require("moe_intermediate_size"))
+        sh_ff = int(self.require("n_shared_experts")) * moe_ff
         dense = bid < int(h.get("first_k_dense_replace", 0))
         ff = int(h.get("intermediate_size") or 0)
         attn = {

@@ -111,9 +111,9 @@ class DeepseekV4Arch(Arch):
     def __init__(self, ckpt: Checkpoint, options: dict[str, Any] | None = None):
         super().__init__(ckpt, options)
         self.mtp = bool(self.options.get("mtp"))
-        self.n_layer = int(self._cfg("num_hidden_layers"))
+        self.n_layer = int(self.require("num_hidden_layers"))
         for key in REQUIRED:
-            self._cfg(key)
+            self.require(key)
         self.dims = self._dims()
         self.ratios = self._ratios()
         self.n_hash = int(self.hparams.get("num_hash_layers") or 0)
@@ -133,15 +133,9 @@ class DeepseekV4Arch(Arch):
     def _config_error(self, key: str, why: str) -> ConvertError:
         return ConvertError(f"{self.ckpt.dir / 'config.json'}: {key!r} {why}")
 
-    def _cfg(self, key: str) -> Any:
-        value = self.hparams.get(key)
-        if value is None:
-            raise self._config_error(key, f"is required for {self.hf_architectures[0]}")
-        return value
-
     def _dims(self) -> dict[str, int]:
         h = self.hparams
-        d = {k: int(self._cfg(v)) for k, v in (
+        d = {k: int(self.require(v)) for k, v in (
             ("H", "hidden_size"), ("V", "vocab_size"), ("nh", "num_attention_heads"), ("hd", "head_dim"),
             ("ql", "q_lora_rank"), ("g", "o_groups"), ("ol", "o_lora_rank"), ("E", "n_routed_experts"),
             ("k", "num_experts_per_tok"), ("m", "moe_intermediate_size"), ("shared", "n_shared_experts"),
@@ -334,17 +328,13 @@ class DeepseekV4Arch(Arch):
 
     def _fp8_block(self, name: str, t: SafeTensor, s: SafeTensor) -> tuple[int, int]:
         """The tile of one scale, from quantization_config; the scale grid must cover the weight exactly."""
-        qc = self.hparams.get("quantization_config")
-        block = qc.get("weight_block_size") if isinstance(qc, dict) else None
-        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-            raise self._config_error("quantization_config", f"needs weight_block_size [rows, cols] for the FP8 "
-                                     f"tensor {name!r}")
+        block = self.fp8_tile(name, t)
         if len(t.shape) != 2:
             raise ConvertError(f"{self.ckpt.dir}: FP8 tensor {name!r} has shape {list(t.shape)}; expected 2-D")
         want = (math.ceil(t.shape[0] / block[0]), math.ceil(t.shape[1] / block[1]))
         if tuple(s.shape) != want:
             raise ConvertError(
-                f"{self.ckpt.dir}: scale {s.name!r} has grid {list(s.shape)}, but weight_block_size {block} tiles "
+                f"{self.ckpt.dir}: scale {s.name!r} has grid {list(s.shape)}, but weight_block_size {list(block)} tiles "
                 f"{name!r} {list(t.shape)} into {list(want)}")
         return block[0], block[1]
 

@@ -70,7 +70,7 @@ class GlmDsaArch(DeepseekV2Arch):
     def __init__(self, ckpt: Checkpoint, options: dict[str, Any] | None = None):
         super().__init__(ckpt, options)
         self.hparams = self._as_deepseek(ckpt.config)
-        self.n_layer = int(self._req("num_hidden_layers"))
+        self.n_layer = int(self.require("num_hidden_layers"))
         self.n_nextn = int(self.hparams.get("num_nextn_predict_layers") or 0)
         self.types = indexer_types(ckpt.config, self.n_layer)
         self._check_schedules()
@@ -82,7 +82,7 @@ class GlmDsaArch(DeepseekV2Arch):
         """config.json as the DeepSeek-V2 keys see it: ik's MLA form (no `head_dim` key length, KV heads = heads),
         the rope base from `rope_parameters`, transformers' default of 3 leading dense layers."""
         h = {k: v for k, v in config.items() if k != "head_dim"}
-        h["num_key_value_heads"] = self._req("num_attention_heads")
+        h["num_key_value_heads"] = self.require("num_attention_heads")
         h.setdefault("first_k_dense_replace", 3)
         rope = config.get("rope_parameters") or {}
         if rope.get("rope_type", "default") != "default" or config.get("rope_scaling"):
@@ -117,9 +117,9 @@ class GlmDsaArch(DeepseekV2Arch):
         arch = self.gguf_arch
         if self.n_nextn:
             gw.add_nextn_predict_layers(self.n_nextn)
-        gw.add_uint32(f"{arch}.attention.indexer.head_count", int(self._req("index_n_heads")))
-        gw.add_uint32(f"{arch}.attention.indexer.key_length", int(self._req("index_head_dim")))
-        gw.add_uint32(f"{arch}.attention.indexer.top_k", int(self._req("index_topk")))
+        gw.add_uint32(f"{arch}.attention.indexer.head_count", int(self.require("index_n_heads")))
+        gw.add_uint32(f"{arch}.attention.indexer.key_length", int(self.require("index_head_dim")))
+        gw.add_uint32(f"{arch}.attention.indexer.top_k", int(self.require("index_topk")))
         gw.add_array(f"{arch}.attention.indexer.types", [t == "full" for t in self.types])
 
     def set_vocab(self, gw: GGUFWriter, pre_tokenizer: str) -> None:
@@ -133,7 +133,7 @@ class GlmDsaArch(DeepseekV2Arch):
                 raise ConvertError(f"{folder / 'tokenizer.json'}: no added token {token!r}, which GLM tokenizers "
                                    f"use as their {typ} token")
             ids[typ] = added[token]
-        write_bpe_vocab(gw, folder, int(self._req("vocab_size")), pre_tokenizer, ids)
+        write_bpe_vocab(gw, folder, int(self.require("vocab_size")), pre_tokenizer, ids)
 
     # ---- tensors ------------------------------------------------------------------------------------------
     def map_tensor(self, name: str, t: SafeTensor) -> list[OutTensor]:
@@ -148,7 +148,7 @@ class GlmDsaArch(DeepseekV2Arch):
                     note: str) -> list[OutTensor]:
         """DeepSeek's per-head split, kept 3-D ({dn, kl, nh} and {kl, dv, nh}) and without the fused tensor."""
         _, k_b, v_b = super()._split_kv_b(name, t, gguf, load, note)
-        n_head = int(self._req("num_attention_heads"))
+        n_head = int(self.require("num_attention_heads"))
         for out in (k_b, v_b):
             rows, cols = out.shape
             out.shape = (n_head, rows // n_head, cols)
@@ -187,7 +187,7 @@ class GlmDsaArch(DeepseekV2Arch):
             self._expect(out, want)
 
     def _glm_shapes(self) -> dict[str, tuple[int, ...]]:
-        d = {k: int(self._req(k)) for k in ("hidden_size", "vocab_size", "num_attention_heads", "kv_lora_rank",
+        d = {k: int(self.require(k)) for k in ("hidden_size", "vocab_size", "num_attention_heads", "kv_lora_rank",
                                             "qk_nope_head_dim", "v_head_dim", "q_lora_rank", "index_n_heads",
                                             "index_head_dim")}
         hidden, heads, kl, ih, idim = (d["hidden_size"], d["num_attention_heads"], d["kv_lora_rank"],
