@@ -1,9 +1,8 @@
 """Lazy safetensors reading (every dtype checkpoints use, bf16 and fp8 included) and writing.
 
 The `safetensors` package's numpy API cannot return bf16 or fp8 tensors (numpy has no such dtypes), so the
-documented format (8-byte little-endian header length, JSON header, raw little-endian data) is parsed here and each
-tensor is a view into a memory map: nothing is read until a tensor's data is used, and the header is validated up
-front (offsets inside the file, sizes matching shape x dtype) so a truncated shard fails before any output exists.
+documented format (8-byte little-endian header length, JSON header, raw little-endian data) is parsed here: nothing
+is read until a tensor's data is used, and the header is validated up front (offsets inside the file, sizes matching shape x dtype) so a truncated shard fails before any output exists.
 Tensor data is read with plain positioned reads when asked for (not memory-mapped): the memory it occupies is freed
 as soon as the caller drops it, so converting a 1 TB checkpoint holds one tensor at a time, not the pages of every
 tensor already visited.

@@ -1,6 +1,6 @@
 """Perplexity and KL-divergence exactly as ik_llama.cpp's llama-perplexity computes and stores them.
 
-The base-logits file is ik's `--kl-divergence-base` layout (spec/kld.md): "_logits_", n_ctx, n_vocab, n_chunk, the
+The base-logits file is ik's `--kl-divergence-base` layout: "_logits_", n_ctx, n_vocab, n_chunk, the
 evaluated tokens, then per scored position a record of 16-bit log-probabilities with a two-float header. Files
 move between ik and this runtime in both directions. Per-token arithmetic follows ik's float32/float64 mix,
 including the multiply-adds its compiler fuses, so statistics agree with ik's to the last printed digit.

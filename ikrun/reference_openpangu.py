@@ -1,7 +1,7 @@
 """Independent numpy reference for OpenPanguV2ForCausalLM, written from the model's definition.
 
 There is no transformers implementation to run, so this follows the checkpoint's own layout and config.json
-(shared/spec/convert-archs.md §5 for the tensors) and the semantics of ik's build_openpangu graph, written the way the
+(ikconvert/archs/openpangu.py maps the tensors) and the semantics of ik's build_openpangu graph, written the way the
 Hugging Face model is laid out rather than the way the runtime computes it: HF tensor names; kv_b_proj expanded into
 per-head keys and values (no latent absorption), for the cache and for the param sinks alike; rotate-half rope
 from inverse frequencies; the layer schedule from config.json (dsa_layers, swa_layers with sliding_window_list,

@@ -33,7 +33,7 @@ def _golden(data_dir: Path, variant: str = "deepseek-v3") -> Path:
     return data_dir / "convert" / variant
 
 
-# ---- independent FP8 oracle (the formula of shared/golden/hf-logits/README.md) -------------------------------
+# ---- independent FP8 oracle (weight = fp8 value x its tile's scale_inv, in float32) -------------------------------
 def e4m3(codes: np.ndarray) -> np.ndarray:
     """OCP E4M3 decoded element by element with ldexp (not the converter's lookup table)."""
     c = codes.astype(np.int64)

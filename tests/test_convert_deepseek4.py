@@ -1,5 +1,5 @@
 """ikconvert hf2gguf for DeepSeek-V4 (arch deepseek4): ik's --mtp export byte for byte, the full model against the
-verified runtime layout (shared/spec/deepseek4-gguf.md), a generated checkpoint of other dimensions, bad inputs."""
+runtime layout ik loads, a generated checkpoint of other dimensions, bad inputs."""
 
 from __future__ import annotations
 
@@ -228,7 +228,7 @@ def generated(flash: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Pa
 
 
 def _spec_name(name: str) -> str | None:
-    """GGUF name of a non-scale DeepSeek-V4 tensor as spec §5 lists it (full model); None for the expert parts."""
+    """GGUF name of a non-scale DeepSeek-V4 tensor as ik's runtime names it (full model); None for the expert parts."""
     root = {"embed.weight": "token_embd.weight", "head.weight": "output.weight", "norm.weight": "output_norm.weight",
             "hc_head_fn": "output_hc_fn.weight", "hc_head_base": "output_hc_base.weight",
             "hc_head_scale": "output_hc_scale.weight"}
@@ -284,7 +284,7 @@ def _fp4_expected(tensors: dict, base: str) -> np.ndarray:
 
 
 def _spec_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], str]]:
-    """ne (ggml order) and type of every tensor of the full model, from spec §5 and config.json."""
+    """ne (ggml order) and type of every tensor of the full model, from ik's runtime layout and config.json."""
     H, V, c, nh, hd, ql = (cfg[k] for k in ("hidden_size", "vocab_size", "hc_mult", "num_attention_heads",
                                              "head_dim", "q_lora_rank"))
     g, ol, E, m, ih, idim, k = (cfg[x] for x in ("o_groups", "o_lora_rank", "n_routed_experts",

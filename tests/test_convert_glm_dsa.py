@@ -25,7 +25,7 @@ from tests.test_convert_deepseek2 import _RENAMES as _DEEPSEEK_RENAMES
 
 runner = CliRunner()
 GOLDEN = Path(__file__).parent / "data" / "convert" / "glm-dsa"
-PRE = "glm4"  # the tiny tokenizer's probe hash is unknown; spec §4: GLM tokenizers are ik's glm4 split
+PRE = "glm4"  # the tiny tokenizer's probe hash is unknown; GLM tokenizers are ik's glm4 split
 INDEX = "model.safetensors.index.json"
 
 

@@ -12,9 +12,9 @@ IMPLEMENTED = {t.name for t in implemented_types()}
 TYPES = [t for t in golden_types() if t in IMPLEMENTED]
 CASES = [(t, c.name) for t in TYPES for c in golden_cases(t)]
 
-# Types whose quantized bytes do not depend on the compiler's fused multiply-adds (spec/quant-formats.md §4).
+# Types whose quantized bytes do not depend on the compiler's fused multiply-adds (their searches involve no multiply-add the compiler may fuse).
 EXACT_BYTES = {"F16", "BF16", "Q8_0", "MXFP4"}
-# Share of identical blocks required per case where bytes can move with FMA contraction (issues 3, 4 and 5).
+# Share of identical blocks required per case where bytes can move with FMA contraction (ik's build fuses some multiply-adds that numpy rounds twice).
 MIN_SAME_BLOCKS = {"IQ1_KT": 0.90, "IQ2_KT": 0.90, "IQ3_KT": 0.90, "IQ4_KT": 0.90}
 
 

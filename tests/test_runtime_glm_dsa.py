@@ -111,7 +111,7 @@ def test_matches_transformers_logits() -> None:
 
 
 def test_dense_and_sink_are_not_transformers() -> None:
-    """The two ik compatibility modes are what they claim: not the model (spec §2: KL about 0.7 and 0.3)."""
+    """The two ik compatibility modes are what they claim: not the model (KL about 0.7 and 0.3 from transformers)."""
     hf = np.load(HF_LOGITS / "logits.npy")[:2]
     for options, at_least in ((DENSE, 0.2), (SINK, 0.1)):
         ours = np.stack([Model(GGUF, options=options).logits(t) for t in _tokens()[:2]])
@@ -309,7 +309,7 @@ def test_hadamard_is_sylvesters_orthonormal_matrix() -> None:
 # ---- bad input and other layouts ---------------------------------------------------------------------------------
 
 def test_full_layer_without_indexer_is_named(tmp_path: Path) -> None:
-    """ik warns "DSA will run dense on it" and then segfaults with --dsa (spec §8.3)."""
+    """ik warns "DSA will run dense on it" and then segfaults with --dsa (ik's behaviour on such files)."""
     broken = _rewrite(GGUF, tmp_path / "noidx.gguf", drop=tuple(f"blk.6.{n}" for n in (
         "indexer.attn_q_b.weight", "indexer.attn_k.weight", "indexer.k_norm.weight", "indexer.k_norm.bias",
         "indexer.proj.weight")))
@@ -343,7 +343,7 @@ def test_f16_indexer_cache_needs_a_power_of_two_key_length(glm5: tuple[Path, Pat
 
 
 def test_missing_gating_function_routes_by_sigmoid(tmp_path: Path) -> None:
-    """GLM-5 scores experts by sigmoid; ik falls back to softmax without the key (spec §8.1), ikrun does not."""
+    """GLM-5 scores experts by sigmoid; ik falls back to softmax without the key , ikrun does not."""
     tokens = _tokens()[4]
     unset = _rewrite(GGUF, tmp_path / "nogating.gguf", unset=("glm-dsa.expert_gating_func",))
     np.testing.assert_array_equal(Model(unset).logits(tokens), Model(GGUF).logits(tokens))

@@ -3,7 +3,7 @@
 ik's converter cannot convert a full DeepSeek-V4 checkpoint (DeepSeek's native tensor names are not in its table);
 it only exports the standalone MTP predictor with `--mtp`. Both are done here:
 
-- The full model in the layout ik's runtime loads (shared/spec/deepseek4-gguf.md): hyper-connection, CSA/HCA
+- The full model in the layout ik's runtime loads (every tensor listed in `expected_tensors`): hyper-connection, CSA/HCA
   compressor and lightning-indexer tensors under the names ik's loader reads first; FP8 (E4M3) linears dequantized
   exactly, each E8M0 scale covering one `quantization_config.weight_block_size` tile (edge tiles partial); FP4
   (E2M1) experts repacked byte for byte into ggml MXFP4 blocks and stacked per projection; the hash-routing
@@ -431,7 +431,7 @@ class DeepseekV4Arch(Arch):
 
     # ---- layout -------------------------------------------------------------------------------------------
     def layout(self) -> dict[str, tuple[int, ...]]:
-        """Every GGUF tensor the runtime needs, with its numpy-order shape (spec §5)."""
+        """Every GGUF tensor ik's runtime loads for the full model, with its numpy-order shape."""
         d = self.dims
         H, c, nh, hd, ql, E, m = d["H"], d["c"], d["nh"], d["hd"], d["ql"], d["E"], d["m"]
         out = {"token_embd.weight": (d["V"], H), "output.weight": (d["V"], H), "output_norm.weight": (H,),

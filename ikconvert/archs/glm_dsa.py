@@ -1,4 +1,4 @@
-"""GlmMoeDsaForCausalLM (GLM-5, GLM-5.2) -> arch `glm-dsa`, the layout ik's runtime loads (spec/glm-dsa-gguf.md).
+"""GlmMoeDsaForCausalLM (GLM-5, GLM-5.2) -> arch `glm-dsa`, the layout ik's runtime loads.
 
 ik's converter has no class for it. The model is DeepSeek-V3's MLA + MoE with a lightning indexer, so this is the
 DeepSeek-V2/V3 converter (expert merge, router bias, routing keys, DeepSeek-format FP8 tiles) with GLM's differences:

@@ -13,7 +13,7 @@ The indexer, as ik's build_deepseek2_dsa_indexer computes it (-fa off), on a lay
 
 Which layers run it follows the file: `attention.indexer.types` (true = "full"), every layer when the key is absent
 (GLM-5 has no IndexShare). A "shared" layer reuses the last full layer's selection. ik ignores that key and
-hard-codes GLM-5.2's schedule, which is wrong for GLM-5 (spec §8.2).
+hard-codes GLM-5.2's schedule, which is wrong for GLM-5 (whose layers all run their indexer).
 
 With `--kv-cache f16` the runtime reproduces ik's default caches: the MLA latent rounded to f16 (as for DeepSeek)
 and the indexer keys Walsh-Hadamard-rotated (the queries too) and rounded to f16, as ik's indexer key cache holds
@@ -22,7 +22,7 @@ them; the few near-tie selections ik's f16 caches flip then flip here too.
 Runtime options (ikrun/model.RuntimeOptions): by default the model's semantics, sparse attention with no sink;
 `dsa=False` runs dense attention everywhere (ik without --dsa); `dsa_sink` adds ik's boost that always keeps each
 sequence's first token (ik's --dsa default, not in the model). A file without `expert_gating_func` routes by
-sigmoid, GLM-5's scoring function (ik falls back to softmax there, spec §8.1).
+sigmoid, GLM-5's scoring function (ik falls back to softmax there).
 """
 
 from __future__ import annotations
