@@ -59,6 +59,23 @@ def dequantize_fp8(w: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> 
         rows *= np.repeat(scale[i], bc)[: w.shape[1]]
 
 
+#: writes one tensor's values into a given array (in place: merged experts decode straight into their stack)
+Fill = Callable[[np.ndarray], None]
+
+
+def stacked(fills: list[Fill], shape: tuple[int, ...], dtype: type = np.float32) -> Callable[[], np.ndarray]:
+    """A layer's experts merged into one [E, *shape] array, each written in place one at a time (the peak is the
+    stack, not the stack plus every expert's copy)."""
+
+    def load() -> np.ndarray:
+        out = np.empty((len(fills), *shape), dtype=dtype)
+        for i, fill in enumerate(fills):
+            fill(out[i])
+        return out
+
+    return load
+
+
 class Arch:
     """Base class: ik's `Model` behaviour shared by every architecture."""
 

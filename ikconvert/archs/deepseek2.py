@@ -22,11 +22,9 @@ from typing import Any
 import numpy as np
 from gguf import GGUFWriter, RopeScalingType
 
-from ikconvert.archs.base import Arch, ConvertError, OutTensor, dequantize_fp8, register
+from ikconvert.archs.base import Arch, ConvertError, Fill, OutTensor, dequantize_fp8, register, stacked
 from ikconvert.checkpoint import Checkpoint, block_id
 from ikconvert.safetensors_io import E4M3_TABLE, SafeTensor
-
-Fill = Callable[[np.ndarray], None]
 
 # ik's ExpertGatingFuncType (the PyPI gguf package lacks sqrtsoftplus)
 GATING_FUNCS = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}
@@ -240,7 +238,7 @@ class DeepseekV2Arch(Arch):
                 note += f"; each {fills[0][1]}"
             source = f"model.layers.{bid}.mlp.experts.{{0..{n_experts - 1}}}.{proj}.weight"
             gguf = f"blk.{bid}.ffn_{proj.removesuffix('_proj')}_exps.weight"
-            outs.append(OutTensor(gguf, (n_experts, *shape), source, _stacker([f for f, _ in fills], shape),
+            outs.append(OutTensor(gguf, (n_experts, *shape), source, stacked([f for f, _ in fills], shape),
                                   parts[0][1].dtype, note))
         return outs
 
@@ -318,18 +316,6 @@ def _allocating(fill: Fill, shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
     def load() -> np.ndarray:
         out = np.empty(shape, dtype=np.float32)
         fill(out)
-        return out
-
-    return load
-
-
-def _stacker(fills: list[Fill], shape: tuple[int, ...]) -> Callable[[], np.ndarray]:
-    """A layer's experts decoded one at a time straight into one [E, out, in] array (no per-expert copies)."""
-
-    def load() -> np.ndarray:
-        out = np.empty((len(fills), *shape), dtype=np.float32)
-        for i, fill in enumerate(fills):
-            fill(out[i])
         return out
 
     return load

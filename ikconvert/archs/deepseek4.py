@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFWriter, RopeScalingType
 
-from ikconvert.archs.base import Arch, ConvertError, OutTensor, dequantize_fp8, register
+from ikconvert.archs.base import Arch, ConvertError, OutTensor, dequantize_fp8, register, stacked
 from ikconvert.checkpoint import Checkpoint
 from ikconvert.safetensors_io import E8M0_TABLE, SafeTensor
 
@@ -404,14 +404,16 @@ class DeepseekV4Arch(Arch):
         if first.dtype not in FP4_PACKED:
             loaders = [self._float_loader(name, t) for name, t in parts]
             note = loaders[0][1]
-            return self._out(target, (n, *first.shape), source, lambda: np.stack([f() for f, _ in loaders]),
-                             first.dtype,
+            fills = [lambda dst, f=f: np.copyto(dst, f()) for f, _ in loaders]
+            return self._out(target, (n, *first.shape), source, stacked(fills, tuple(first.shape)), first.dtype,
                              f"stacked experts 0..{n - 1}" + (f"; {note}" if note else ""))
         pairs = [(t, self._fp4_scale(name, t)) for name, t in parts]
         rows, cols = first.shape
-        return self._out(target, (n, rows, 2 * cols), source,
-                         lambda: np.stack([repack_fp4_as_mxfp4(w.raw().view(np.uint8), e8m0_bytes(s))
-                                           for w, s in pairs]), first.dtype,
+        repacked = [lambda dst, w=w, s=s: np.copyto(dst, repack_fp4_as_mxfp4(w.raw().view(np.uint8), e8m0_bytes(s)))
+                    for w, s in pairs]
+        mxfp4_row = 2 * cols // 32 * 17  # bytes: a 32-value block is one E8M0 byte and 16 packed bytes
+        return self._out(target, (n, rows, 2 * cols), source, stacked(repacked, (rows, mxfp4_row), np.uint8),
+                         first.dtype,
                          f"fp4 e2m1 -> mxfp4 repack (e8m0 byte kept), stacked experts 0..{n - 1}", encoded="MXFP4")
 
     def _fp4_scale(self, name: str, t: SafeTensor) -> SafeTensor:
