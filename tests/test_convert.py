@@ -14,7 +14,7 @@ from ikconvert.cli import app
 from ikconvert.convert import Converter
 from ikconvert.safetensors_io import SafetensorsFile, write_safetensors
 from ikquant.gguf_io import GGUFFile
-from tests.convert_helpers import convert_fails
+from tests.convert_helpers import assert_same_gguf, convert_fails
 
 runner = CliRunner()
 
@@ -29,12 +29,7 @@ def test_qwen3_golden_is_byte_identical(data_dir: Path, tmp_path: Path, outtype:
     out = tmp_path / f"{outtype}.gguf"
     res = _convert([str(golden / "hf"), "--outtype", outtype, "--pre-tokenizer", "qwen2", "--outfile", str(out)])
     assert res.exit_code == 0, res.output
-    ours, ik = GGUFFile(out), GGUFFile(golden / f"ik-{outtype}.gguf")
-    assert [(kv.key, kv.type, kv.value) for kv in ours.kv()] == [(kv.key, kv.type, kv.value) for kv in ik.kv()]
-    assert [(t.name, t.ne, t.type) for t in ours.tensors.values()] == [(t.name, t.ne, t.type) for t in ik.tensors.values()]
-    for name in ik.tensors:
-        assert ours.raw(name).tobytes() == ik.raw(name).tobytes(), name
-    assert out.read_bytes() == (golden / f"ik-{outtype}.gguf").read_bytes()
+    assert_same_gguf(out, golden / f"ik-{outtype}.gguf")
 
 
 def test_generated_checkpoint_accounts_for_every_tensor(tiny_hf: Path, tiny_f32: Path) -> None:

@@ -18,7 +18,7 @@ from ikconvert.convert import Converter
 from ikconvert.safetensors_io import SafeTensor, SafetensorsFile, write_safetensors
 from ikquant.formats.numeric import f32_to_bf16_bits
 from ikquant.gguf_io import GGUFFile
-from tests.convert_helpers import convert_fails
+from tests.convert_helpers import convert_fails, write_sharded
 
 runner = CliRunner()
 PRE = "deepseek-v3"  # the pre-tokenizer ik's golden runs forced (ik-convert.txt)
@@ -287,13 +287,7 @@ def make_deepseek_checkpoint(folder: Path, s: DSSpec, tokenizer_from: Path) -> P
                  f"model.layers.{s.dense}.self_attn.kv_b_proj.weight_scale_inv")
         return 1 + (int(m.group(1)) + name.startswith(moved)) % 2
 
-    weight_map = {}
-    for k in (1, 2, 3):
-        fname = f"model-{k:05d}-of-00003.safetensors"
-        part = {n: v for n, v in w.items() if shard_of(n) == k}
-        write_safetensors(folder / fname, part, {"format": "pt"})
-        weight_map.update({n: fname for n in part})
-    (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}))
+    write_sharded(folder, w, shard_of, INDEX)
     rope_scaling = {"beta_fast": 32, "beta_slow": 1, "factor": 16, "mscale": 0.7, "mscale_all_dim": 0.7,
                     "original_max_position_embeddings": 2048, s.yarn_key: "yarn"}
     config = {

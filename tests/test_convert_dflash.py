@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from ikconvert.cli import app
 from ikconvert.safetensors_io import SafetensorsFile, write_safetensors
 from ikquant.gguf_io import GGUFFile
-from tests.convert_helpers import convert_fails
+from tests.convert_helpers import assert_same_gguf, convert_fails
 
 runner = CliRunner()
 VARIANTS = ("dflash-qwen3", "dflash-gptoss")
@@ -50,12 +50,7 @@ def test_golden_is_byte_identical(data_dir: Path, tmp_path: Path, monkeypatch: p
     monkeypatch.chdir(golden)  # ik's arguments are relative to the variant folder
     res = _convert([*args, "--pre-tokenizer", pre])
     assert res.exit_code == 0, res.output
-    ours, ik = GGUFFile(out), GGUFFile(golden / f"ik-{outtype}.gguf")
-    assert [(kv.key, kv.type, kv.value) for kv in ours.kv()] == [(kv.key, kv.type, kv.value) for kv in ik.kv()]
-    assert [(t.name, t.ne, t.type) for t in ours.tensors.values()] == [(t.name, t.ne, t.type) for t in ik.tensors.values()]
-    for name in ik.tensors:
-        assert ours.raw(name).tobytes() == ik.raw(name).tobytes(), name
-    assert out.read_bytes() == (golden / f"ik-{outtype}.gguf").read_bytes()
+    assert_same_gguf(out, golden / f"ik-{outtype}.gguf")
 
 
 # ---- a second draft, generated: other dimensions and every optional rule the goldens do not exercise ----------

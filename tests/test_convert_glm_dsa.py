@@ -19,7 +19,7 @@ from ikconvert.convert import Converter
 from ikconvert.safetensors_io import SafetensorsFile, write_safetensors
 from ikquant.formats.numeric import f32_to_bf16_bits
 from ikquant.gguf_io import GGUFFile
-from tests.convert_helpers import convert_fails
+from tests.convert_helpers import convert_fails, write_sharded
 from tests.test_convert_deepseek2 import _DROP, _GLOBAL, _all_tensors, _copy, _edit_config
 from tests.test_convert_deepseek2 import _RENAMES as _DEEPSEEK_RENAMES
 
@@ -165,13 +165,7 @@ def make_glm_checkpoint(folder: Path, s: GlmSpec) -> Path:
         moved = name.startswith(f"model.layers.{s.dense}.mlp.experts.{s.experts - 1}.")
         return 1 + (int(m.group(1)) + moved) % 2
 
-    weight_map = {}
-    for k in (1, 2, 3):
-        fname = f"model-{k:05d}-of-00003.safetensors"
-        part = {n: v for n, v in w.items() if shard_of(n) == k}
-        write_safetensors(folder / fname, part, {"format": "pt"})
-        weight_map.update({n: fname for n in part})
-    (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}))
+    write_sharded(folder, w, shard_of, INDEX)
     config = {
         "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", "hidden_size": s.hidden,
         "num_attention_heads": s.heads, "num_key_value_heads": s.heads, "head_dim": s.head_dim,
