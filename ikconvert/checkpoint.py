@@ -32,10 +32,12 @@ def resolve_source(source: str) -> Path:
         if repo.count("/") != 1:
             raise CheckpointError(f"{source!r}: expected hf://org/repo[@revision]")
         from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
         try:
             return Path(snapshot_download(repo, revision=revision or None, allow_patterns=HUB_PATTERNS))
-        except Exception as exc:  # the hub client raises many types; name the source and pass the reason on
+        except (HfHubHTTPError, HFValidationError, LocalEntryNotFoundError, OSError) as exc:
+            # the hub's own failures (unknown repo or revision, gated, offline without a cached copy, no network)
             raise CheckpointError(f"{source}: could not fetch from the Hugging Face hub ({exc})") from None
     path = Path(source)
     if not path.is_dir():
