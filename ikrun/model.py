@@ -110,6 +110,8 @@ class Model:
         self.stream = stream
         #: the chunk whose rows the observers are shown (set by the architectures' per-sequence steps)
         self.chunk = 0
+        #: set while a layer-streamed pass runs (ikrun/stream.py): every weight is used once, nothing worth caching
+        self.streaming = False
         #: matmuls that had to decode their weight in tiles (it did not fit the cache)
         self.tiled: set[str] = set()
         self.impl: ArchModel = impl_class(self)
@@ -183,7 +185,10 @@ class Model:
         """x @ W^T for the 2-D weight `weight_name`; decoded whole when it fits the cache, else a tile of rows at a
         time (the output head of a large vocabulary under a small budget)."""
         w = self.weights
-        if w.cached(weight_name) or self.fits(w.decoded_bytes(weight_name)):
+        hit = w.cached_array(weight_name)
+        if hit is not None:
+            return x @ hit.T
+        if self.fits(w.decoded_bytes(weight_name)):
             return x @ self.weight(weight_name).T
         self.tiled.add(weight_name)
         n_rows, n_cols = self.shape(weight_name)
@@ -203,7 +208,10 @@ class Model:
         return y
 
     def embed_rows(self, name: str, tokens: np.ndarray) -> np.ndarray:
-        """Rows `tokens` of an embedding table, decoding only those rows unless the table is cached."""
+        """Rows `tokens` of an embedding table: from its cached decoding when evaluations repeat and it fits, else
+        decoding only those rows (a layer-streamed pass embeds every chunk once and moves on)."""
+        if not self.streaming and self.fits(self.weights.decoded_bytes(name)):
+            return self.weight(name)[tokens]
         return self.weights.decode_rows(name, tokens)
 
     def drop_cache(self) -> None:

@@ -285,6 +285,7 @@ def _streamed(model: Model, fed: list[np.ndarray], plan: StreamPlan, window: tup
     seqs: list[Sequence] = []
     hidden: _Hidden | None = None
     read0 = sum(weights.reads.values())
+    model.streaming = True
     try:
         for c in range(n_chunk):
             model.chunk = c
@@ -316,6 +317,7 @@ def _streamed(model: Model, fed: list[np.ndarray], plan: StreamPlan, window: tup
             seq.state.clear()
             yield c, logits[window[0] : window[1]]
     finally:
+        model.streaming = False
         if hidden is not None:
             hidden.close()
 

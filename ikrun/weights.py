@@ -16,6 +16,7 @@ tensor, which is how the streaming tests see that each block is read once.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -128,13 +129,21 @@ class WeightStore:
 
     def decoded_bytes(self, name: str) -> int:
         """The size of tensor `name` decoded to float32."""
-        return 4 * self.info(name).n_elements
+        return 4 * math.prod(self.info(name).ne)
 
     def encoded_bytes(self, name: str) -> int:
         return self.encoding(name).raw.nbytes
 
     def cached(self, name: str) -> bool:
         return name in self._cache
+
+    def cached_array(self, name: str) -> np.ndarray | None:
+        """The whole tensor's decoded copy if it is cached (the per-matmul fast path), else None."""
+        hit = self._cache.get(name)
+        if hit is None:
+            return None
+        self._cache.move_to_end(name)
+        return hit[0]
 
     @property
     def cached_bytes(self) -> int:
@@ -208,19 +217,21 @@ class WeightStore:
         if whole is not None:
             self._cache.move_to_end(name)
             return whole[0][experts]
-        info = self.info(name)
-        n_expert, rows, cols = info.shape
-        raw = self.encoding(name).raw.reshape(n_expert, rows, -1)
+        n_expert, rows, cols = self.info(name).shape
         out = np.empty((len(experts), rows, cols), dtype=np.float32)
-        for j, e in enumerate(int(x) for x in experts):
+        raw = None
+        for j, e in enumerate(experts.tolist()):
             hit = self._cache.get((name, e))
             if hit is not None:
                 self._cache.move_to_end((name, e))
                 out[j] = hit[0]
                 continue
+            if raw is None:
+                raw = self.encoding(name).raw.reshape(n_expert, rows, -1)
             out[j] = self._decode_rows(name, raw[e], cols).reshape(rows, cols)
             self._keep((name, e), out[j].copy(), b"")
-        self._release(name)
+        if raw is not None:
+            self._release(name)
         return out
 
     def evict(self, names: list[str]) -> None:
