@@ -23,7 +23,7 @@ VERSION = 2
 #: header fields a resumed sweep must match exactly (the model's path and the text's name may move)
 IDENTITY = ("model_fingerprint", "text_sha256", "ctx", "chunks", "group", "imatrix_sha256", "runtime")
 CSV_COLUMNS = ("group", "tensors", "type", "type_used", "n_weights", "bytes_base", "bytes_new", "bpw", "kld_mean",
-               "kld_sem", "kld_p99", "same_top_p", "ppl_ratio", "seconds")
+               "kld_sem", "kld_p99", "same_top_p", "ppl_ratio", "ln_ppl_ratio", "ln_ppl_ratio_err", "seconds")
 _INTS = {"n_weights", "bytes_base", "bytes_new"}
 _STRS = {"group", "type", "type_used"}
 

@@ -412,18 +412,19 @@ def sweep(
 
 
 def sweep_table(rows: list) -> Table:  # type: ignore[type-arg]
-    """The most and least sensitive groups per type."""
-    t = Table(title="most and least sensitive (mean KLD)")
-    for col in ("type", "group", "bpw", "mean KLD", "99% KLD", "same top"):
+    """The most and least sensitive groups per type; `~` marks a group whose effect on perplexity is within noise
+    (the paired ln PPL ratio against the base within two standard errors of 0)."""
+    t = Table(title="most and least sensitive (mean KLD; ~ : PPL effect within noise)")
+    for col in ("type", "group", "bpw", "mean KLD", "±", "99% KLD", "same top"):
         t.add_column(col, justify="right" if col not in ("type", "group") else "left")
     for qtype in dict.fromkeys(r.type for r in rows):
         ranked = sorted((r for r in rows if r.type == qtype), key=lambda r: -r.kld_mean)
         shown = ranked if len(ranked) <= 8 else ranked[:4] + ranked[-4:]
         for i, r in enumerate(shown):
             if len(ranked) > 8 and i == 4:
-                t.add_row("", "...", "", "", "", "")
-            t.add_row(qtype, r.group, f"{r.bpw:.2f}", f"{r.kld_mean:.6f}", f"{r.kld_p99:.6f}",
-                      f"{100 * r.same_top_p:.1f}%")
+                t.add_row("", "...", "", "", "", "", "")
+            t.add_row(qtype, ("~ " if r.within_noise else "") + r.group, f"{r.bpw:.2f}", f"{r.kld_mean:.6f}",
+                      f"{r.kld_sem:.6f}", f"{r.kld_p99:.6f}", f"{100 * r.same_top_p:.1f}%")
         t.add_section()
     return t
 

@@ -13,7 +13,8 @@ from ikrun.sweep import SweepRow, layer_of, tensor_class
 
 
 def plot_sweep(rows: list[SweepRow], path: Path, title: str) -> None:
-    """Write `path` (.png or .svg): one heatmap per swept type, log-scaled mean KLD, shared colour scale."""
+    """Write `path` (.png or .svg): one heatmap per swept type, log-scaled mean KLD, shared colour scale; cells whose
+    effect on perplexity is within noise carry a `~`."""
     try:
         import matplotlib
 
@@ -39,7 +40,10 @@ def plot_sweep(rows: list[SweepRow], path: Path, title: str) -> None:
             for name in r.tensors:
                 layer = layer_of(name)
                 if layer is not None:
-                    grid[layers.index(layer), classes.index(tensor_class(name))] = max(r.kld_mean, 1e-12)
+                    row, col = layers.index(layer), classes.index(tensor_class(name))
+                    grid[row, col] = max(r.kld_mean, 1e-12)
+                    if r.within_noise:
+                        ax.text(col, row, "~", ha="center", va="center", color="white", fontsize=8)
         image = ax.imshow(grid, aspect="auto", cmap="viridis", norm=norm, interpolation="nearest")
         ax.set_title(t)
         ax.set_xticks(range(len(classes)), classes, rotation=60, ha="right", fontsize=8)

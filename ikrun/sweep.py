@@ -63,7 +63,15 @@ class SweepRow:
     kld_p99: float
     same_top_p: float
     ppl_ratio: float
+    #: the paired (correlation-aware) mean of ln PPL(Q) - ln PPL(base) over the same tokens, and its standard error
+    ln_ppl_ratio: float
+    ln_ppl_ratio_err: float
     seconds: float
+
+    @property
+    def within_noise(self) -> bool:
+        """Whether the tensor's effect on perplexity is within two standard errors of none."""
+        return abs(self.ln_ppl_ratio) < 2 * self.ln_ppl_ratio_err
 
     @property
     def key(self) -> tuple[str, str]:
@@ -239,8 +247,8 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
             row = SweepRow(job.group, job.names, job.type.name, used_types, n_weights, bytes_base, bytes_new,
                            8.0 * bytes_new / n_weights, float(stats["kld_mean"]), float(stats["kld_mean_err"]),
                            float(stats["kld_p99"]),
-                           float(stats["same_top_p"]), float(stats["ppl_ratio"]),
-                           job.seconds + time.perf_counter() - t0)
+                           float(stats["same_top_p"]), float(stats["ppl_ratio"]), float(stats["ln_ppl_ratio"]),
+                           float(stats["ln_ppl_ratio_err"]), job.seconds + time.perf_counter() - t0)
             rows.append(row)
             on_row(row)
     finally:

@@ -132,7 +132,7 @@ def test_resuming_with_other_settings_is_refused(model256: Path, tmp_path: Path)
     first = out.read_text()
     header = json.loads(first)
     assert header["format"] == "iktools-sweep" and header["version"] == 2 and header["ctx"] == 64
-    assert all(r["kld_sem"] > 0 for r in header["rows"])
+    assert all(r["kld_sem"] > 0 and r["ln_ppl_ratio_err"] > 0 for r in header["rows"])
     res = runner.invoke(app, ["sweep", str(model256), "--text", str(CORPUS), "--ctx", "32", "--chunks", "6", "-o",
                               str(out), "--types", "Q4_0", "--group", "class", "--tensors", "ffn_up"])
     assert res.exit_code == 2, res.output
@@ -155,3 +155,20 @@ def test_csv_sweeps_resume_and_feed_the_mix(model256: Path, tmp_path: Path) -> N
                                       "--target-bpw", "5.0"], env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     assert (tmp_path / "mix.gguf").exists()
+
+
+def test_rows_within_noise_are_marked() -> None:
+    from ikrun.cli import sweep_table
+    from ikrun.sweep import SweepRow
+
+    def row(group: str, ratio: float, err: float) -> SweepRow:
+        return SweepRow(group, [group], "Q4_0", "Q4_0", 100, 400, 56, 4.5, 0.01, 0.001, 0.02, 0.9, 1.0, ratio, err, 1.0)
+
+    noisy, clear = row("blk.0.attn_q.weight", 0.001, 0.002), row("blk.0.ffn_up.weight", 0.01, 0.002)
+    assert noisy.within_noise and not clear.within_noise
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(sweep_table([noisy, clear]))
+    text = console.export_text()
+    assert "~ blk.0.attn_q.weight" in text and "~ blk.0.ffn_up.weight" not in text
