@@ -64,12 +64,18 @@ def quantize(
     slow_iq2ks: bool = typer.Option(False, "--slow-iq2ks", help="IQ2_KS with ik's older scalar search: 8x slower; "
                                     "on real weights with an imatrix 2-3% lower weighted error, without one 2% "
                                     "higher (ik's --slow-iq2ks)."),
-    sweep: Optional[Path] = typer.Option(None, "--sweep", help="An `ikrun sweep` result: with --target-bpw, choose "
-                                         "each swept tensor's type from it."),
+    sweep: Optional[Path] = typer.Option(None, "--sweep", help="An `ikrun sweep` result (.json or .csv): with "
+                                         "--target-bpw, --target-size or --budget, choose each swept tensor's type "
+                                         "from it."),
     target_bpw: Optional[float] = typer.Option(None, "--target-bpw", help="With --sweep: the whole file's bits per "
                                                "weight. The swept tensors get the types of least predicted KLD "
                                                "(predicted as the sum of the per-tensor KLDs measured one at a "
                                                "time) that fit; the others follow --type."),
+    target_size: Optional[str] = typer.Option(None, "--target-size", help="With --sweep: the whole file's tensor "
+                                              "bytes, e.g. 200GiB (instead of --target-bpw)."),
+    budget: list[str] = typer.Option([], "--budget", help="With --sweep, repeatable: REGEX=SIZE caps the tensors whose "
+                                     "names match (the first matching budget owns a tensor), rest=SIZE the others; "
+                                     "e.g. --budget 'ffn_.*_exps=180GiB' --budget 'rest=22GiB' for a CPU/GPU split."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (tensor, type, reason, sizes, bpw) and "
                                  "write nothing."),
@@ -105,10 +111,11 @@ def quantize(
         opts = QuantizeOptions(ftype, pure, imat, allow_requantize, leave_output_tensor, ignore_imatrix_rules,
                                _custom_q(custom_q), class_types, output_tensor_type, token_embedding_type, slow_iq2ks)
         source = GGUFFile(src)
-        if (sweep is None) != (target_bpw is None):
-            fail("--sweep and --target-bpw go together")
+        targets = [t for t in (target_bpw is not None, target_size is not None, bool(budget)) if t]
+        if (sweep is None) != (not targets) or len(targets) > 1:
+            fail("--sweep goes with exactly one of --target-bpw, --target-size or --budget")
         if sweep is not None:
-            opts.tensor_types = _mix_from_sweep(source, opts, sweep, target_bpw)  # type: ignore[arg-type]
+            opts.tensor_types = _mix_from_sweep(source, opts, sweep, target_bpw, target_size, budget)
         plan = make_plan(source, opts)
     except (FileNotFoundError, IkError) as exc:
         fail(str(exc))
@@ -141,10 +148,12 @@ def quantize(
               f"{plan.bits_per_weight:.3f} bits per weight")
 
 
-def _mix_from_sweep(source, opts, sweep: Path, target_bpw: float) -> dict[str, str]:  # type: ignore[no-untyped-def]
-    """Per-tensor types from a sweep for the bpw target; prints the mix and its predicted KLD."""
-    from ikquant.mix import MixError, choose_mix, read_sweep
+def _mix_from_sweep(source, opts, sweep: Path, target_bpw: float | None, target_size: str | None,  # type: ignore[no-untyped-def]
+                    budget: list[str]) -> dict[str, str]:
+    """Per-tensor types from a sweep within the target(s); prints the mix and its predicted KLD."""
+    from ikquant.mix import Budget, MixError, choose_mixes, parse_budgets, read_sweep
     from ikquant.quantize import make_plan
+    from ikquant.sizes import parse_size
 
     groups, options = read_sweep(sweep)
     swept = {n for names in groups.values() for n in names}
@@ -153,18 +162,31 @@ def _mix_from_sweep(source, opts, sweep: Path, target_bpw: float) -> dict[str, s
         raise MixError(f"--sweep {sweep}: tensor {missing[0]!r} is not in {source.path}: a sweep of another model?")
     plan = make_plan(source, opts)
     n_weights = sum(p.info.n_elements for p in plan.tensors)
-    fixed = sum(8 * p.new_bytes for p in plan.tensors if p.name not in swept)
-    mix = choose_mix(groups, options, target_bpw * n_weights - fixed)
-    types = mix.tensor_types()
-    table = Table(title=f"type mix for {target_bpw:g} bits per weight")
-    for col in ("type", "tensors", "MiB"):
+    if target_bpw is not None:
+        budgets, title = [Budget(None, target_bpw * n_weights)], f"type mix for {target_bpw:g} bits per weight"
+    elif target_size is not None:
+        budgets, title = [Budget(None, 8 * parse_size(target_size, "--target-size"))], f"type mix for {target_size}"
+    else:
+        budgets, title = parse_budgets(budget), "type mix per budget"
+    results = choose_mixes({p.name: 8 * p.new_bytes for p in plan.tensors}, groups, options, budgets)
+    types = {name: t for _, mix, _ in results for name, t in mix.tensor_types().items()}
+    table = Table(title=title)
+    for col in ("budget", "type", "tensors", "MiB"):
         table.add_column(col, justify="right")
-    for t in sorted(set(types.values())):
-        bits = sum(o.bits for g, o in mix.choice.items() if o.type == t)
-        table.add_row(t, str(sum(1 for v in types.values() if v == t)), f"{bits / 8 / 2**20:.3f}")
+    for b, mix, _ in results:
+        mine = mix.tensor_types()
+        for t in sorted(set(mine.values())):
+            bits = sum(o.bits for o in mix.choice.values() if o.type == t)
+            table.add_row(b.label, t, str(sum(1 for v in mine.values() if v == t)), f"{bits / 8 / 2**20:.3f}")
     err.print(table)
-    err.print(f"whole file: {(fixed + mix.bits) / n_weights:.4f} bits per weight; predicted mean KLD "
-              f"{mix.predicted_kld:.6f} (the sum of the swept tensors' KLDs, each measured alone)", soft_wrap=True)
+    for b, mix, fixed in results:
+        if len(results) > 1:
+            err.print(f"budget {b.label}: {(fixed + mix.bits) / 8 / 2**30:.3f} of {b.bits / 8 / 2**30:.3f} GiB, "
+                      f"predicted KLD {mix.predicted_kld:.6f}", soft_wrap=True)
+    total = sum(fixed + mix.bits for _, mix, fixed in results)
+    err.print(f"whole file: {total / n_weights:.4f} bits per weight, {total / 8 / 2**30:.3f} GiB of tensors; predicted "
+              f"mean KLD {sum(m.predicted_kld for _, m, _ in results):.6f} (the sum of the swept tensors' KLDs, each "
+              "measured alone)", soft_wrap=True)
     return types
 
 

@@ -9,6 +9,7 @@ budget), then leftover bits spent on the upgrades with the best KLD saved per bi
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,3 +95,75 @@ def choose_mix(groups: dict[str, list[str]], options: dict[str, list[Option]], b
         used += o.bits - choice[g].bits
         choice[g] = o
     return Mix(choice, groups, sum(o.kld for o in choice.values()), used)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """At most `bits` for the tensors whose names match `pattern` (None: every tensor no other budget matches)."""
+
+    pattern: str | None
+    bits: float
+
+    @property
+    def label(self) -> str:
+        return self.pattern if self.pattern is not None else "rest"
+
+
+def parse_budgets(values: list[str]) -> list[Budget]:
+    """`--budget 'REGEX=SIZE'` values (`rest=SIZE` for the tensors no other budget matches)."""
+    from ikquant.sizes import parse_size
+
+    budgets = []
+    for value in values:
+        pattern, sep, size = value.rpartition("=")
+        if not sep or not pattern:
+            raise MixError(f"--budget {value!r} is not of the form REGEX=SIZE (e.g. 'ffn_.*_exps=180GiB', 'rest=22GiB')")
+        if pattern != "rest":
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise MixError(f"--budget {value!r}: {pattern!r} is not a regular expression ({exc})") from None
+        budgets.append(Budget(None if pattern == "rest" else pattern, 8 * parse_size(size, "--budget")))
+    return budgets
+
+
+def choose_mixes(tensor_bits: dict[str, int], groups: dict[str, list[str]], options: dict[str, list[Option]],
+                 budgets: list[Budget]) -> list[tuple[Budget, Mix, int]]:
+    """One mix per budget: each tensor belongs to the first budget whose regex finds it (else `rest`), the tensors
+    no sweep group holds take their planned size (`tensor_bits`) from their budget's share, and each budget's
+    swept groups are chosen for it alone. Returns (budget, its mix, its fixed bits)."""
+    def owner(name: str) -> Budget:
+        for b in budgets:
+            if b.pattern is not None and re.search(b.pattern, name):
+                return b
+        rest = next((b for b in budgets if b.pattern is None), None)
+        if rest is None:
+            raise MixError(f"tensor {name!r} matches no --budget; add one for it or 'rest=SIZE'")
+        return rest
+
+    owners = {name: owner(name) for name in tensor_bits}
+    for b in budgets:
+        if b.pattern is not None and not any(o is b for o in owners.values()):
+            raise MixError(f"--budget {b.pattern!r} matches no tensor of the model")
+    results = []
+    for b in budgets:
+        mine = {g: names for g, names in groups.items() if owners[names[0]] is b}
+        for g, names in mine.items():
+            split = sorted({owners[n].label for n in names})
+            if len(split) > 1:
+                raise MixError(f"sweep group {g!r} spans budgets {', '.join(split)}; sweep with --group tensor")
+        swept = {n for names in mine.values() for n in names}
+        fixed = sum(bits for name, bits in tensor_bits.items() if owners[name] is b and name not in swept)
+        if not mine:
+            if fixed > b.bits:
+                raise MixError(f"--budget {b.label}: its unswept tensors alone take {fixed / 8 / 2**30:.3f} GiB")
+            results.append((b, Mix({}, {}, 0.0, 0), fixed))
+            continue
+        try:
+            mix = choose_mix(mine, {g: options[g] for g in mine}, b.bits - fixed)
+        except MixError as exc:
+            if len(budgets) == 1:
+                raise
+            raise MixError(f"--budget {b.label}: {exc}") from None
+        results.append((b, mix, fixed))
+    return results

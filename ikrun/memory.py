@@ -1,4 +1,4 @@
-"""The runtime's memory budget: sizes as users write them, what the machine has, what the process holds.
+"""The runtime's memory budget: what the machine has, what the process holds (sizes: ikquant/sizes.py).
 
 Everything the runtime keeps between operations (decoded weights, hidden states of streamed chunks, per-chunk
 attention state, logits) is charged against one budget; a decoded-weight cache lives in what the rest leaves.
@@ -7,40 +7,22 @@ attention state, logits) is charged against one budget; a decoded-weight cache l
 from __future__ import annotations
 
 import os
-import re
 import resource
 import shutil
 from pathlib import Path
 
 from ikquant.errors import IkError
+from ikquant.sizes import format_size, parse_size
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+__all__ = ["BudgetError", "available_memory", "default_budget", "format_size", "free_disk", "parse_size",
+           "peak_resident_memory"]
+
 #: share of the memory available at start-up that the default budget takes
 DEFAULT_SHARE = 0.75
 
 
 class BudgetError(IkError, ValueError):
-    """A memory budget that cannot be met, or a size that does not parse."""
-
-
-def parse_size(text: str) -> int:
-    """`8GiB`, `512MiB`, `1.5TB`, `300000000` -> bytes (binary units KiB/MiB/GiB/TiB, decimal KB/MB/GB/TB)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise BudgetError(f"--mem {text!r} is not a size (examples: 8GiB, 512MiB, 64GB)")
-    size = int(float(m.group(1)) * _UNITS[unit])
-    if size <= 0:
-        raise BudgetError(f"--mem {text!r} must be positive")
-    return size
-
-
-def format_size(n: float) -> str:
-    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+    """A memory budget that cannot be met (too small for one block, no room for the spill file)."""
 
 
 def available_memory() -> int:

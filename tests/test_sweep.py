@@ -172,3 +172,36 @@ def test_rows_within_noise_are_marked() -> None:
     console.print(sweep_table([noisy, clear]))
     text = console.export_text()
     assert "~ blk.0.attn_q.weight" in text and "~ blk.0.ffn_up.weight" not in text
+
+
+def test_size_and_per_group_budgets(model256: Path, tmp_path: Path) -> None:
+    import re
+
+    sweep = tmp_path / "sweep.json"
+    assert _sweep(model256, sweep, "--types", "IQ2_KS,IQ4_KS,Q8_0").exit_code == 0
+
+    def quantize(out: Path, *target: str):  # type: ignore[no-untyped-def]
+        return runner.invoke(ikquant_app, [str(model256), str(out), "--type", "q8_0", "--sweep", str(sweep), *target],
+                             env={"COLUMNS": "200"})
+
+    sized = tmp_path / "sized.gguf"
+    res = quantize(sized, "--target-size", "800KiB")
+    assert res.exit_code == 0, res.output
+    assert sum(t.nbytes for t in GGUFFile(sized).tensors.values()) <= 800 * 1024
+    split = tmp_path / "split.gguf"
+    res = quantize(split, "--budget", "ffn_=400KiB", "--budget", "rest=400KiB")
+    assert res.exit_code == 0, res.output
+    g = GGUFFile(split)
+    ffn = sum(t.nbytes for t in g.tensors.values() if re.search("ffn_", t.name))
+    rest = sum(t.nbytes for t in g.tensors.values() if not re.search("ffn_", t.name))
+    assert ffn <= 400 * 1024 and rest <= 400 * 1024 and {t.type.name for t in g.tensors.values()} >= {"IQ2_KS"}
+    assert "budget ffn_:" in res.output and "budget rest:" in res.output
+    for target, needle in ((["--budget", "nothing_here=1MiB", "--budget", "rest=1MiB"], "matches no tensor"),
+                           (["--budget", "ffn_=1MiB"], "matches no --budget"),
+                           (["--budget", "ffn_=1KiB", "--budget", "rest=1MiB"], "--budget ffn_:"),
+                           (["--budget", "ffn_"], "REGEX=SIZE"),
+                           (["--target-size", "300KiB", "--target-bpw", "4"], "exactly one of")):
+        bad = tmp_path / "bad.gguf"
+        res = quantize(bad, *target)
+        assert res.exit_code == 2 and needle in " ".join(res.output.split()), (target, res.output)
+        assert not bad.exists()
