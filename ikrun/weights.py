@@ -208,10 +208,11 @@ class WeightStore:
         self._release(name)
         return out[inverse.reshape(-1)]
 
-    def decode_experts(self, name: str, experts: np.ndarray) -> np.ndarray:
+    def decode_experts(self, name: str, experts: np.ndarray, keep: bool = True) -> np.ndarray:
         """Matrices `experts` of a 3-D expert tensor [E, rows, cols] in float32, [len(experts), rows, cols].
 
-        Taken from the whole tensor's decoded copy when it is cached, else decoded (and cached) per expert.
+        Taken from the whole tensor's decoded copy when it is cached, else decoded per expert (and cached when
+        `keep`: a layer-streamed pass uses each expert once and keeps nothing).
         """
         whole = self._cache.get(name)
         if whole is not None:
@@ -229,7 +230,8 @@ class WeightStore:
             if raw is None:
                 raw = self.encoding(name).raw.reshape(n_expert, rows, -1)
             out[j] = self._decode_rows(name, raw[e], cols).reshape(rows, cols)
-            self._keep((name, e), out[j].copy(), b"")
+            if keep:
+                self._keep((name, e), out[j].copy(), b"")
         if raw is not None:
             self._release(name)
         return out

@@ -3,8 +3,8 @@
 Both take the Model (ikrun/model.py) for its weights, matmuls and observers. The MoE FFN routes every sequence of a
 batch separately (the router and shared experts are matmuls whose rounding depends on the batch's row count), then
 runs the routed experts once for the whole batch: each routed expert is decoded once per batch (cached per expert
-while the budget allows), and only the experts that receive a token at all, a group at a time sized to what the
-cache holds.
+while the budget allows, except in a layer-streamed pass, which uses each once), and only the experts that receive
+a token at all, a group at a time sized to what the cache holds.
 """
 
 from __future__ import annotations
@@ -101,8 +101,9 @@ def _fetcher(m: Model, names: list[str]) -> ExpertFetch:
     up, gate, down = names
 
     def fetch(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        w = m.weights
-        return w.decode_experts(up, ids), w.decode_experts(gate, ids), w.decode_experts(down, ids), np.arange(len(ids))
+        w, keep = m.weights, not m.streaming
+        return (w.decode_experts(up, ids, keep), w.decode_experts(gate, ids, keep), w.decode_experts(down, ids, keep),
+                np.arange(len(ids)))
 
     return fetch
 
