@@ -205,3 +205,33 @@ def test_size_and_per_group_budgets(model256: Path, tmp_path: Path) -> None:
         res = quantize(bad, *target)
         assert res.exit_code == 2 and needle in " ".join(res.output.split()), (target, res.output)
         assert not bad.exists()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek2"])
+def test_a_sweep_of_a_model_larger_than_its_budget_streams_with_the_same_rows(data_dir: Path, tmp_path: Path,
+                                                                             arch: str) -> None:
+    """Under a budget the decoded model does not fit, every candidate is layer-streamed from its first block."""
+    import numpy as np
+
+    from ikquant.types import type_by_name
+    from ikrun.evaluate import open_base, perplexity
+    from ikrun.model import Model
+    from ikrun.stream import minimum_budget, plan_run
+    from ikrun.sweep import run_sweep, sweep_groups
+    from tests.test_stream import MODELS
+
+    rows = {}
+    for tight in (False, True):
+        model = Model(data_dir / "convert" / MODELS[arch])
+        chunks = np.random.default_rng(2).integers(0, model.n_vocab, size=(3, 32))
+        perplexity(model, chunks, tmp_path / f"base{tight}.kld")
+        base = open_base(tmp_path / f"base{tight}.kld", model)
+        if tight:
+            model.mem = minimum_budget(model, 32) + 64 * 1024
+            assert plan_run(model, 3, 32, one_pass=False).streamed  # the decoded model does not fit
+        groups = {g: n for g, n in sweep_groups(model, "tensor").items()
+                  if all(model.weights.info(t).n_per_row % 32 == 0 for t in n)}
+        got = run_sweep(model, base, groups, [type_by_name("Q4_0")], None, [], lambda r: None, tmp_path,
+                        full_forward=not tight)
+        rows[tight] = {r.group: (r.kld_mean, r.kld_p99, r.same_top_p) for r in got}
+    assert rows[True] == rows[False]
