@@ -134,9 +134,6 @@ class WeightStore:
     def encoded_bytes(self, name: str) -> int:
         return self.encoding(name).raw.nbytes
 
-    def cached(self, name: str) -> bool:
-        return name in self._cache
-
     def cached_array(self, name: str) -> np.ndarray | None:
         """The whole tensor's decoded copy if it is cached (the per-matmul fast path), else None."""
         hit = self._cache.get(name)
@@ -145,14 +142,10 @@ class WeightStore:
         self._cache.move_to_end(name)
         return hit[0]
 
-    @property
-    def cached_bytes(self) -> int:
-        return self._cached_bytes
-
-    def _decode_rows(self, name: str, raw: np.ndarray, n_per_row: int) -> np.ndarray:
-        enc_type = self.encoding(name).type
+    def _decode_rows(self, name: str, enc: Encoding, raw: np.ndarray, n_per_row: int) -> np.ndarray:
+        """`raw` (rows of `enc`) decoded to float32, counted in `reads`."""
         with threads_for(raw.shape[0] * n_per_row):
-            w = enc_type.require_codec().dequantize(raw, n_per_row)
+            w = enc.type.require_codec().dequantize(raw, n_per_row)
         self.reads[name] += raw.nbytes
         return w
 
@@ -182,13 +175,12 @@ class WeightStore:
 
     def decode(self, name: str) -> np.ndarray:
         """float32 (numpy order) of the current encoding, cached with its fingerprint while the capacity allows."""
-        hit = self._cache.get(name)
+        hit = self.cached_array(name)
         if hit is not None:
-            self._cache.move_to_end(name)
-            return hit[0]
+            return hit
         info = self.info(name)
         enc = self.encoding(name)
-        w = self._decode_rows(name, enc.raw, info.n_per_row).reshape(info.shape)
+        w = self._decode_rows(name, enc, enc.raw, info.n_per_row).reshape(info.shape)
         # only a file's bytes can change under us (reload_changed compares them); a swapped-in encoding needs none
         fingerprint = enc.fingerprint() if name not in self._override else b""
         self._release(name)
@@ -197,14 +189,12 @@ class WeightStore:
 
     def decode_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Rows `rows` of a 2-D tensor (an embedding lookup) in float32: the whole tensor is never decoded for it."""
-        hit = self._cache.get(name)
+        hit = self.cached_array(name)
         if hit is not None:
-            self._cache.move_to_end(name)
-            return hit[0][rows]
-        info = self.info(name)
+            return hit[rows]
         uniq, inverse = np.unique(np.asarray(rows, dtype=np.int64), return_inverse=True)
-        raw = self.encoding(name).raw
-        out = self._decode_rows(name, np.ascontiguousarray(raw[uniq]), info.n_per_row)
+        enc = self.encoding(name)
+        out = self._decode_rows(name, enc, np.ascontiguousarray(enc.raw[uniq]), self.info(name).n_per_row)
         self._release(name)
         return out[inverse.reshape(-1)]
 
@@ -214,42 +204,46 @@ class WeightStore:
         Taken from the whole tensor's decoded copy when it is cached, else decoded per expert (and cached when
         `keep`: a layer-streamed pass uses each expert once and keeps nothing).
         """
-        whole = self._cache.get(name)
+        whole = self.cached_array(name)
         if whole is not None:
-            self._cache.move_to_end(name)
-            return whole[0][experts]
+            return whole[experts]
         n_expert, rows, cols = self.info(name).shape
         out = np.empty((len(experts), rows, cols), dtype=np.float32)
-        raw = None
+        enc: Encoding | None = None
+        raw = np.empty((0, 0, 0), dtype=np.uint8)
         for j, e in enumerate(experts.tolist()):
             hit = self._cache.get((name, e))
             if hit is not None:
                 self._cache.move_to_end((name, e))
                 out[j] = hit[0]
                 continue
-            if raw is None:
-                raw = self.encoding(name).raw.reshape(n_expert, rows, -1)
-            out[j] = self._decode_rows(name, raw[e], cols).reshape(rows, cols)
+            if enc is None:  # the file's bytes are touched only for experts not cached
+                enc = self.encoding(name)
+                raw = enc.raw.reshape(n_expert, rows, -1)
+            out[j] = self._decode_rows(name, enc, raw[e], cols).reshape(rows, cols)
             if keep:
                 self._keep((name, e), out[j].copy(), b"")
-        if raw is not None:
+        if enc is not None:
             self._release(name)
         return out
 
+    def _forget_tensors(self, names: set[str]) -> None:
+        """Remove every cache entry (whole and per expert) of the tensors `names`."""
+        for key in [k for k in self._cache if (k if isinstance(k, str) else k[0]) in names]:
+            self._forget(key)
+
     def evict(self, names: list[str]) -> None:
         """Drop the decoded copies of `names` (whole and per expert) and their mapped pages."""
-        drop = set(names)
-        for key in [k for k in self._cache if (k if isinstance(k, str) else k[0]) in drop]:
-            self._forget(key)
+        self._forget_tensors(set(names))
         for name in names:
             if name in self._source:
                 self._release(name)
 
     def _forget_tensor(self, name: str) -> tuple[np.ndarray, bytes] | None:
         """Remove every cache entry of `name`; returns the whole tensor's entry if there was one."""
-        for key in [k for k in self._cache if not isinstance(k, str) and k[0] == name]:
-            self._forget(key)
-        return self._forget(name)
+        whole = self._forget(name)
+        self._forget_tensors({name})
+        return whole
 
     def drop_cache(self) -> None:
         self._cache.clear()
