@@ -256,30 +256,23 @@ def evaluate_chunks(model: Model, chunks: np.ndarray, plan: StreamPlan, on_block
     feed = (lambda c: fed_tokens(model, chunks[c])) if as_perplexity else (lambda c: np.asarray(chunks[c], np.int64))
     saved_capacity = model.weights.capacity
     model.weights.capacity = plan.cache_capacity
-    impl = model.impl
     try:
         with model.blas_limit():
             if not plan.streamed:
                 for c in range(len(chunks)):
                     if resume is None:
                         yield c, model.logits(feed(c), index=c)[first:last]
-                        continue
-                    seq, x = resume[0].at(c, resume[1])
-                    model.chunk = c
-                    for i in range(resume[1], impl.n_active):
-                        x = impl.block(i, [x], [seq])[0]
-                    yield c, impl.head(x, seq)[first:last]
+                    else:
+                        seq, x = resume[0].at(c, resume[1])
+                        yield c, model.impl.run_from(resume[1], x, seq)[first:last]
                 return
-            start = (lambda c: resume[0].at(c, resume[1])) if resume is not None else None
-            yield from _streamed(model, [feed(c) for c in range(len(chunks))], plan, (first, last), on_block, start,
-                                 resume[1] if resume is not None else 0)
+            yield from _streamed(model, [feed(c) for c in range(len(chunks))], plan, (first, last), on_block, resume)
     finally:
         model.weights.capacity = saved_capacity
 
 
 def _streamed(model: Model, fed: list[np.ndarray], plan: StreamPlan, window: tuple[int, int],
-              on_block: BlockProgress | None, start: Callable[[int], tuple[Sequence, np.ndarray]] | None = None,
-              first_block: int = 0) -> Iterator[tuple[int, np.ndarray]]:
+              on_block: BlockProgress | None, resume: tuple[BlockInputs, int] | None) -> Iterator[tuple[int, np.ndarray]]:
     impl, weights = model.impl, model.weights
     n_chunk = len(fed)
     seqs: list[Sequence] = []
@@ -289,20 +282,20 @@ def _streamed(model: Model, fed: list[np.ndarray], plan: StreamPlan, window: tup
     try:
         for c in range(n_chunk):
             model.chunk = c
-            if start is None:
+            if resume is None:
                 seq = Sequence(fed[c], c)
                 model.check_tokens(seq.tokens)
                 impl.begin(seq)
                 x = impl.embed(seq)
             else:
-                seq, x = start(c)
+                seq, x = resume[0].at(c, resume[1])
             seqs.append(seq)
             if hidden is None:
                 hidden = _Hidden(n_chunk, x.shape, plan.spill_dir)
             hidden.put(c, x)
         assert hidden is not None
         weights.evict([n for n in weights.names() if n.startswith("token_embd.")])
-        for i in range(first_block, impl.n_active):
+        for i in range(resume[1] if resume is not None else 0, impl.n_active):
             for g0 in range(0, n_chunk, plan.group):
                 group = range(g0, min(n_chunk, g0 + plan.group))
                 outs = impl.block(i, [hidden.get(c) for c in group], [seqs[c] for c in group])

@@ -147,8 +147,12 @@ class ArchModel(ABC):
         seq = Sequence(np.asarray(tokens), index)
         self.m.chunk = seq.index
         self.begin(seq)
-        x = self.embed(seq)
-        for i in range(self.n_active):
+        return self.run_from(0, self.embed(seq), seq, on_block)
+
+    def run_from(self, first: int, x: np.ndarray, seq: Sequence, on_block: BlockHook | None = None) -> np.ndarray:
+        """Logits of one sequence whose hidden state `x` enters block `first` (n_active: only the head)."""
+        self.m.chunk = seq.index
+        for i in range(first, self.n_active):
             x = self.block(i, [x], [seq])[0]
             if on_block is not None:
                 on_block(i, x)
