@@ -175,25 +175,21 @@ def test_expert_kernel_only_routed_tokens_any_thread_count(monkeypatch: pytest.M
     expected = _numpy_moe(x, sel, w, up, gate, down)
     fetched: list[int] = []
 
-    def whole(ids: np.ndarray) -> tuple[np.ndarray, ...]:
+    def fetch(ids: np.ndarray) -> tuple[np.ndarray, ...]:
         fetched.extend(int(e) for e in ids)
-        return up, gate, down, ids
+        return up[ids], gate[ids], down[ids]
 
-    def compact(ids: np.ndarray) -> tuple[np.ndarray, ...]:
-        fetched.extend(int(e) for e in ids)
-        return up[ids], gate[ids], down[ids], np.arange(len(ids))
-
-    serial = moe.moe_experts(x, sel, w, n_expert, whole).out
+    serial = moe.moe_experts(x, sel, w, n_expert, fetch).out
     np.testing.assert_allclose(serial, expected, rtol=1e-5, atol=1e-5)
     assert 5 not in fetched  # only routed experts are fetched
     for group in (1, 3):  # experts fetched a few at a time, as under a small memory budget: the same bits
-        np.testing.assert_array_equal(moe.moe_experts(x, sel, w, n_expert, compact, group).out, serial)
+        np.testing.assert_array_equal(moe.moe_experts(x, sel, w, n_expert, fetch, group).out, serial)
     assert 5 not in fetched and len(fetched) == 3 * len(set(fetched))
     monkeypatch.setattr(moe, "PARALLEL_MIN_FLOPS", 0)
     for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
         numba.set_num_threads(threads)
         try:
-            np.testing.assert_array_equal(moe.moe_experts(x, sel, w, n_expert, whole).out, serial)
+            np.testing.assert_array_equal(moe.moe_experts(x, sel, w, n_expert, fetch).out, serial)
         finally:
             numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
 

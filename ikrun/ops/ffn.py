@@ -100,10 +100,9 @@ def _fetcher(m: Model, names: list[str]) -> ExpertFetch:
     decoded for a batch, only the experts that receive tokens."""
     up, gate, down = names
 
-    def fetch(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def fetch(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         w, keep = m.weights, not m.streaming
-        return (w.decode_experts(up, ids, keep), w.decode_experts(gate, ids, keep), w.decode_experts(down, ids, keep),
-                np.arange(len(ids)))
+        return w.decode_experts(up, ids, keep), w.decode_experts(gate, ids, keep), w.decode_experts(down, ids, keep)
 
     return fetch
 

@@ -169,17 +169,17 @@ def _combine_row(y: np.ndarray, w: np.ndarray, t: int, out: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True)
-def _experts_serial(x, k, order, offsets, ids, local, up, gate, down, act, y):  # type: ignore[no-untyped-def]
+def _experts_serial(x, k, order, offsets, ids, up, gate, down, act, y):  # type: ignore[no-untyped-def]
     for j in range(ids.shape[0]):
         e = ids[j]
-        _expert(local[j], x, k, order, offsets[e], offsets[e + 1], up, gate, down, act, y)
+        _expert(j, x, k, order, offsets[e], offsets[e + 1], up, gate, down, act, y)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _experts_parallel(x, k, order, offsets, ids, local, up, gate, down, act, y):  # type: ignore[no-untyped-def]
+def _experts_parallel(x, k, order, offsets, ids, up, gate, down, act, y):  # type: ignore[no-untyped-def]
     for j in prange(ids.shape[0]):
         e = ids[j]
-        _expert(local[j], x, k, order, offsets[e], offsets[e + 1], up, gate, down, act, y)
+        _expert(j, x, k, order, offsets[e], offsets[e + 1], up, gate, down, act, y)
 
 
 @njit(cache=True, nogil=True)
@@ -194,8 +194,8 @@ def _combine_parallel(y, w, out):  # type: ignore[no-untyped-def]
         _combine_row(y, w, t, out)
 
 
-#: expert ids -> (up, gate, down) holding those experts' matrices, and each id's index into them
-ExpertFetch = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+#: expert ids -> their (up, gate, down) matrices, [len(ids), ...] each, in the order of ids
+ExpertFetch = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 @dataclass
@@ -215,8 +215,8 @@ class RoutedExperts:
 
 def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fetch: ExpertFetch,
                 group: int | None = None) -> RoutedExperts:
-    """Routed SwiGLU experts: x [n, n_embd], sel/w [n, k]; `fetch(ids)` gives the up/gate [*, n_ff, n_embd] and down
-    [*, n_embd, n_ff] matrices of experts `ids`.
+    """Routed SwiGLU experts: x [n, n_embd], sel/w [n, k]; `fetch(ids)` gives the up/gate [len(ids), n_ff, n_embd] and
+    down [len(ids), n_embd, n_ff] matrices of experts `ids`.
 
     Only experts with at least one assignment are fetched, `group` of them at a time (None: all at once), so a
     layer's expert tensor never has to be decoded whole. Every assignment's result is computed by its expert alone
@@ -231,13 +231,13 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
     step = len(used) if group is None else max(1, group)
     for g0 in range(0, len(used), step):
         ids = used[g0 : g0 + step]
-        up, gate, down, local = fetch(ids)
+        up, gate, down = fetch(ids)
         if act is None or y is None:
             act = np.empty((n * k, up.shape[1]), dtype=np.float32)
             y = np.empty((n * k, down.shape[1]), dtype=np.float32)
         flops = int(offsets[ids + 1].sum() - offsets[ids].sum()) * up.shape[1] * up.shape[2] * 3
         kernel = _experts_parallel if flops >= PARALLEL_MIN_FLOPS else _experts_serial
-        kernel(x, k, order, offsets, ids, np.ascontiguousarray(local, dtype=np.int64), up, gate, down, act, y)
+        kernel(x, k, order, offsets, ids, up, gate, down, act, y)
     assert act is not None and y is not None, "a routing without assignments"
     out = np.empty((n, y.shape[1]), dtype=np.float32)
     combine = _combine_parallel if n * k * y.shape[1] >= PARALLEL_MIN_FLOPS else _combine_serial
