@@ -37,7 +37,8 @@ _ANNOUNCED: set[int] = set()
 
 def _budget(ev: Evaluation) -> int:
     """The memory budget in bytes, announced once per command."""
-    from ikrun.memory import default_budget, format_size, parse_size
+    from ikquant.sizes import format_size, parse_size
+    from ikrun.memory import default_budget
 
     if ev.mem is not None:
         try:
@@ -81,7 +82,8 @@ def _progress() -> Progress:
 def _tracked(m: Model, plan: StreamPlan, label: str) -> Iterator[tuple[Callable[[int, int], None],
                                                                       Callable[[int, int, int], None]]]:
     """Progress callbacks (per chunk, per streamed block: bytes decoded, projected time) and the closing report."""
-    from ikrun.memory import format_size, peak_resident_memory
+    from ikquant.sizes import format_size
+    from ikrun.memory import peak_resident_memory
     from ikrun.stream import RunReport, timed
 
     clock = timed()

@@ -76,19 +76,22 @@ def _shared_parameters() -> list[inspect.Parameter]:
     ]
 
 
+def _option_value(f: dataclasses.Field, value: Any) -> Any:  # type: ignore[type-arg]
+    """A RuntimeOptions field's value from its CLI option (on/off options of None-defaulted fields become bools)."""
+    return (None if value is None else value == OnOff.on) if f.default is None else value
+
+
 def evaluation_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """Replace the command's `ev: Evaluation` parameter by the shared options."""
     sig = inspect.signature(command)
     own = [p for name, p in sig.parameters.items() if name != "ev"]
     shared = _shared_parameters()
     names = {p.name for p in shared}
-    runtime_names = [f.name for f in dataclasses.fields(RuntimeOptions)]
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
         given = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
-        runtime: dict[str, Any] = {k: (None if given[k] is None else given[k] == OnOff.on) if isinstance(given[k], (OnOff, type(None)))
-                   and RuntimeOptions.__dataclass_fields__[k].default is None else given[k] for k in runtime_names}
+        runtime: dict[str, Any] = {f.name: _option_value(f, given[f.name]) for f in dataclasses.fields(RuntimeOptions)}
         ev = Evaluation(given["threads"], given["kv_cache"], given["mem"], given["stream"], given["spill_dir"],
                         RuntimeOptions(**runtime))
         return command(**kwargs, ev=ev)

@@ -12,10 +12,6 @@ import shutil
 from pathlib import Path
 
 from ikquant.errors import IkError
-from ikquant.sizes import format_size, parse_size
-
-__all__ = ["BudgetError", "available_memory", "default_budget", "format_size", "free_disk", "parse_size",
-           "peak_resident_memory"]
 
 #: share of the memory available at start-up that the default budget takes
 DEFAULT_SHARE = 0.75

@@ -95,9 +95,8 @@ class Model:
         self.options = options or RuntimeOptions()
         impl_class = model_class(self.arch)
         for option in self.options.given():
-            if option not in getattr(impl_class, "runtime_options", ()):
-                honour = [a for a in supported_architectures()
-                          if option in getattr(model_class(a), "runtime_options", ())]
+            if option not in impl_class.runtime_options:
+                honour = [a for a in supported_architectures() if option in model_class(a).runtime_options]
                 raise ModelError(f"--{option.replace('_', '-')} applies only to {', '.join(honour)}; {self.path} "
                                  f"is {self.arch}")
         if self.options.dsa is False and self.options.dsa_sink:

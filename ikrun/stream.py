@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ikrun.memory import BudgetError, format_size, free_disk
+from ikquant.sizes import format_size
+from ikrun.memory import BudgetError, free_disk
 from ikrun.model import TILE_BYTES, Model
 from ikrun.models.base import Sequence
 

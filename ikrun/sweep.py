@@ -139,10 +139,9 @@ def start_block(model: Model, names: list[str]) -> int | None:
 def model_fingerprint(model: Model) -> str:
     """What identifies the model's weights without reading them: every tensor's name, type, shape and place, and
     the files' sizes (a requantized or rewritten file changes it)."""
-    h = hashlib.blake2b(digest_size=16)
+    h = hashlib.blake2b(model.arch.encode(), digest_size=16)
     for shard in model.weights.shards:
-        h.update(f"{shard.path.stat().st_size}|{shard.file.architecture if shard is model.weights.shards[0] else ''}"
-                 .encode())
+        h.update(f"|{shard.path.stat().st_size}|".encode())
         for t in shard.file.tensors.values():
             h.update(f"{t.name}|{t.type.name}|{t.ne}|{t.offset}|{t.nbytes};".encode())
     return h.hexdigest()

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from ikquant.sizes import parse_size
 from ikrun.cli import app
 from ikrun.evaluate import collect_imatrix, perplexity
 from ikrun.imatrix import ImatrixCollector
-from ikrun.memory import BudgetError, parse_size
+from ikrun.memory import BudgetError
 from ikrun.model import Model
 from ikrun.stream import evaluate_chunks, minimum_budget, model_decoded_bytes, plan_run
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ikrun.models.base import ArchModel
 from ikrun.models.deepseek2 import Deepseek2
 from ikrun.models.glm_dsa import GlmDsa
 from ikrun.models.llama import LlamaFamily
@@ -14,7 +15,7 @@ def supported_architectures() -> list[str]:
     return sorted(_BY_ARCH)
 
 
-def model_class(arch: str) -> type:
+def model_class(arch: str) -> type[ArchModel]:
     from ikrun.model import ModelError
 
     try:
