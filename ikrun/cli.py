@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -32,24 +34,27 @@ def _threads(n: Optional[int]) -> None:
         numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
 
 
-_ANNOUNCED: set[int] = set()
+@lru_cache(maxsize=1)
+def _default_budget() -> int:
+    """75% of the memory available when the first model is loaded, announced then (kld loads two models)."""
+    from ikquant.sizes import format_size
+    from ikrun.memory import default_budget
+
+    mem = default_budget()
+    err.print(f"memory budget {format_size(mem)} (75% of the memory available; --mem sets it)", highlight=False)
+    return mem
 
 
 def _budget(ev: Evaluation) -> int:
-    """The memory budget in bytes, announced once per command."""
-    from ikquant.sizes import format_size, parse_size
-    from ikrun.memory import default_budget
+    """The memory budget in bytes."""
+    from ikquant.sizes import parse_size
 
-    if ev.mem is not None:
-        try:
-            return parse_size(ev.mem)
-        except IkError as exc:
-            fail(str(exc))
-    mem = default_budget()
-    if not _ANNOUNCED:
-        err.print(f"memory budget {format_size(mem)} (75% of the memory available; --mem sets it)", highlight=False)
-        _ANNOUNCED.add(mem)
-    return mem
+    if ev.mem is None:
+        return _default_budget()
+    try:
+        return parse_size(ev.mem)
+    except IkError as exc:
+        fail(str(exc))
 
 
 def _load(path: Path, ev: Evaluation) -> Model:
@@ -84,9 +89,9 @@ def _tracked(m: Model, plan: StreamPlan, label: str) -> Iterator[tuple[Callable[
     """Progress callbacks (per chunk, per streamed block: bytes decoded, projected time) and the closing report."""
     from ikquant.sizes import format_size
     from ikrun.memory import peak_resident_memory
-    from ikrun.stream import RunReport, timed
+    from ikrun.stream import RunReport
 
-    clock = timed()
+    t0 = time.perf_counter()
     read0 = sum(m.weights.reads.values())
     with _progress() as bar:
         blocks = bar.add_task(f"{label}: blocks", total=m.impl.n_active) if plan.streamed else None
@@ -96,7 +101,7 @@ def _tracked(m: Model, plan: StreamPlan, label: str) -> Iterator[tuple[Callable[
             bar.update(blocks, completed=i, description=f"{label}: block {i}/{n}, {format_size(read)} decoded")  # type: ignore[arg-type]
 
         yield (lambda i, n: bar.update(chunks, completed=i)), on_block
-    report = RunReport(plan, clock(), peak_resident_memory(), sum(m.weights.reads.values()) - read0)
+    report = RunReport(plan, time.perf_counter() - t0, peak_resident_memory(), sum(m.weights.reads.values()) - read0)
     err.print(f"{label}: {report.line()}", highlight=False)
     if m.tiled:
         err.print(f"note: {', '.join(sorted(m.tiled))} did not fit --mem and ran in tiles of rows (results may differ "

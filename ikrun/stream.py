@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -328,8 +327,3 @@ class RunReport:
     def line(self) -> str:
         return (f"{self.plan.describe()}; {format_size(self.bytes_read)} of weights decoded, peak RSS "
                 f"{format_size(self.peak_rss)}, {self.seconds:.1f} s")
-
-
-def timed() -> Callable[[], float]:
-    t0 = time.perf_counter()
-    return lambda: time.perf_counter() - t0
