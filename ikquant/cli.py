@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Optional
 
@@ -77,6 +78,10 @@ def quantize(
                                      "names match (the first matching budget owns a tensor), rest=SIZE the others; "
                                      "e.g. --budget 'ffn_.*_exps=180GiB' --budget 'rest=22GiB' for a CPU/GPU split."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
+    ray: Optional[str] = typer.Option(None, "--ray", help="Quantize the tensors on Ray workers: local or local:N "
+                                      "starts N local workers, else a cluster address (auto, HOST:PORT, "
+                                      "ray://HOST:10001) whose nodes read IN.gguf at the same path. The same bytes as "
+                                      "a local run. Needs pip install 'iktools[ray]'."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (tensor, type, reason, sizes, bpw) and "
                                  "write nothing."),
     json_out: bool = typer.Option(False, "--json", help="With --dry-run: print the plan as a JSON list of "
@@ -87,6 +92,7 @@ def quantize(
     Example: ikquant model-f32.gguf model-q4_k_m.gguf --type Q4_K_M --imatrix imatrix.dat
     Example: ikquant model-bf16.gguf model-iq4_ks.gguf --type iq4_ks --custom-q "ffn_down=iq5_ks" --dry-run
     """
+    from ikquant.cluster import open_cluster
     from ikquant.ftypes import file_type
     from ikquant.gguf_io import GGUFFile, exit_cleanly_on_sigterm
     from ikquant.imatrix import filter_entries, read_imatrix
@@ -134,11 +140,19 @@ def quantize(
             _print_plan(plan)
         return
     total = sum(p.info.nbytes for p in plan.tensors)
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                  TimeRemainingColumn(), console=err) as bar:
+    with ExitStack() as stack:
+        try:
+            cluster = stack.enter_context(open_cluster(ray, threads or 1)) if ray is not None else None
+        except IkError as exc:
+            fail(str(exc))
+        if cluster is not None:
+            err.print(f"Ray {ray}: {cluster.workers} workers of {cluster.threads} thread(s)", highlight=False)
+        bar = stack.enter_context(Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
+                                           TransferSpeedColumn(), TimeRemainingColumn(), console=err))
         task = bar.add_task("quantizing", total=total)
         try:
-            quantize_model(src, dst, opts, lambda p: bar.update(task, advance=p.info.nbytes, description=p.name))
+            quantize_model(src, dst, opts, lambda p: bar.update(task, advance=p.info.nbytes, description=p.name),
+                           cluster)
         except (IkError, NotImplementedError) as exc:
             bar.stop()
             fail(str(exc))

@@ -11,13 +11,14 @@ appended.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from gguf import GGUFValueType
 
+from ikquant.cluster import Cluster, ordered_map
 from ikquant.errors import IkError
 from ikquant.ftypes import FileType
 from ikquant.gguf_io import GGUFFile, GGUFStreamWriter, KeyValue, TensorInfo
@@ -283,16 +284,28 @@ def ik_call_rows(codec_rows_interact: bool, weighted: bool, n_per_row: int, rows
     return max(1, -(-min_chunk // n_per_row)) if n_per_row < min_chunk else 1
 
 
-def quantize_tensor(src: GGUFFile, plan: TensorPlan, imatrix: Imatrix | None, slow_iq2ks: bool = False) -> np.ndarray:
-    """The new bytes of one tensor, quantized in row batches (bounded memory)."""
+def quantize_tensor(src: GGUFFile, plan: TensorPlan, imatrix: Imatrix | None, slow_iq2ks: bool = False,
+                    threads: int | None = None) -> np.ndarray:
+    """The new bytes of one tensor, quantized in row batches (bounded memory). `threads` sets the batching (which
+    some codecs' results depend on, as ik's do); default: this process's thread count."""
     import numba
 
     info = plan.info
     codec = plan.type.require_codec()
     if slow_iq2ks and plan.type.name == "IQ2_KS":
         codec = codec.with_user_data({"slow_iq2_ks": True})  # type: ignore[attr-defined]
-    return quantize_rows(src.raw(info.name), info, plan.type, codec, imatrix, numba.get_num_threads(),
+    return quantize_rows(src.raw(info.name), info, plan.type, codec, imatrix, threads or numba.get_num_threads(),
                          lambda r0, r1: src.release(info.name, r0, r1))
+
+
+def _quantize_on_worker(src_path: str, name: str, type_name: str, imatrix: Imatrix | None, slow_iq2ks: bool,
+                        threads: int) -> np.ndarray:
+    """One tensor quantized in a cluster worker, from the input file at the same path."""
+    from ikquant.types import type_by_name
+
+    src = GGUFFile(Path(src_path))
+    info = src.tensors[name]
+    return quantize_tensor(src, TensorPlan(info, type_by_name(type_name), True, ""), imatrix, slow_iq2ks, threads)
 
 
 def quantize_rows(raw: np.ndarray, info: TensorInfo, gtype: GGMLType, codec, imatrix: Imatrix | None,  # type: ignore[no-untyped-def]
@@ -318,8 +331,10 @@ def quantize_rows(raw: np.ndarray, info: TensorInfo, gtype: GGMLType, codec, ima
 
 
 def quantize_model(src_path: Path, dst_path: Path, opts: QuantizeOptions,
-                   progress: Callable[[TensorPlan], None] | None = None) -> Plan:
-    """Quantize `src_path` into `dst_path` per `opts`; returns the executed plan."""
+                   progress: Callable[[TensorPlan], None] | None = None, cluster: Cluster | None = None) -> Plan:
+    """Quantize `src_path` into `dst_path` per `opts`; returns the executed plan. With a `cluster`, the tensors
+    are quantized on its workers (batched as this process would batch them) and written here in order: the
+    same bytes as a local run."""
     if Path(src_path).resolve() == Path(dst_path).resolve():
         raise QuantizeError(f"output {dst_path} is the input file; choose another output path")
     src = GGUFFile(src_path)
@@ -332,8 +347,7 @@ def quantize_model(src_path: Path, dst_path: Path, opts: QuantizeOptions,
                 writer.add_kv(kv)
         for p in plan.tensors:
             writer.add_tensor_info(p.name, p.info.shape, p.type)
-        for p in plan.tensors:
-            data = quantize_tensor(src, p, opts.imatrix, opts.slow_iq2ks) if p.quantize else src.raw(p.name)
+        for p, data in zip(plan.tensors, _tensor_bytes(src, plan, opts, cluster)):
             writer.write_tensor(p.name, data)
             del data
             src.release(p.name)
@@ -341,3 +355,19 @@ def quantize_model(src_path: Path, dst_path: Path, opts: QuantizeOptions,
                 progress(p)
         writer.finish()
     return plan
+
+
+def _tensor_bytes(src: GGUFFile, plan: Plan, opts: QuantizeOptions, cluster: Cluster | None) -> Iterator[np.ndarray]:
+    """Every planned tensor's output bytes, in plan order."""
+    if cluster is None:
+        for p in plan.tensors:
+            yield quantize_tensor(src, p, opts.imatrix, opts.slow_iq2ks) if p.quantize else src.raw(p.name)
+        return
+    import numba
+
+    imatrix = cluster.ray.put(opts.imatrix)
+    calls = [(str(src.path), p.name, p.type.name, imatrix, opts.slow_iq2ks, numba.get_num_threads())
+             for p in plan.tensors if p.quantize]
+    remote = ordered_map(cluster, _quantize_on_worker, calls)
+    for p in plan.tensors:
+        yield next(remote) if p.quantize else src.raw(p.name)

@@ -6,7 +6,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -352,11 +352,19 @@ def sweep(
     group: str = typer.Option("tensor", "--group", help="Measure each tensor, each layer, or each tensor class "
                               "(tensor | layer | class)."),
     ctx: int = typer.Option(512, "--ctx", "-c", help="Chunk length in tokens."),
-    chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks."),
+    chunks: Optional[str] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks; auto: 4 "
+                                         "chunks, then 8, 16, ... (each round scores only its new chunks) until "
+                                         "the ranking of the groups is stable (Kendall tau >= 0.9 between two "
+                                         "rounds, for every type) or the text runs out. The output holds the "
+                                         "latest round."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw a heatmap (.png or .svg; needs "
                                         "pip install 'iktools[plot]')."),
     full_forward: bool = typer.Option(False, "--full-forward", help="Run every candidate through the whole model "
                                       "instead of from the first block it changes (the same rows, slower: a check)."),
+    ray: Optional[str] = typer.Option(None, "--ray", help="Measure on Ray workers of --threads CPUs each: local or "
+                                      "local:N starts N local workers (sharing --mem), else a cluster address "
+                                      "(auto, HOST:PORT, ray://HOST:10001) whose nodes read the model and "
+                                      "--imatrix at the same paths. Needs pip install 'iktools[ray]'."),
     ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
     """How much each tensor costs: quantize one tensor (or group) at a time, swap it in, measure KL-divergence.
@@ -367,13 +375,14 @@ def sweep(
     Example: ikrun sweep model-bf16.gguf --text wiki.test.raw --ctx 512 --chunks 20 --types IQ2_KS,IQ4_KS
     --imatrix imatrix.dat -o sweep.json --plot sweep.png
     """
-    import tempfile
-
     from ikquant.imatrix import read_imatrix
     from ikquant.types import type_by_name
-    from ikrun.evaluate import open_base, perplexity, tokenize_chunks
-    from ikrun.sweep import load_rows, run_sweep, save_rows, sweep_groups, sweep_header
+    from ikrun.evaluate import tokenize_chunks
+    from ikrun.sweep import auto_rounds, load_rows, sweep_groups, sweep_header
 
+    auto = chunks is not None and chunks.strip().lower() == "auto"
+    if chunks is not None and not auto and not chunks.strip().isdigit():
+        fail(f"--chunks must be a number of chunks or auto, not {chunks!r}")
     m = _load(model, ev)
     try:
         type_list = [type_by_name(t) for t in types.split(",") if t.strip()]
@@ -381,31 +390,30 @@ def sweep(
             t.require_codec()
         imat = read_imatrix(imatrix) if imatrix else None
         groups = sweep_groups(m, group, tensors)
-        chunk_tokens = tokenize_chunks(m, _read_text(text), ctx, chunks)
-        header = sweep_header(m, text, ctx, len(chunk_tokens), group, imatrix)
-        done = load_rows(output, header)
+        all_tokens = tokenize_chunks(m, _read_text(text), ctx, None if auto or chunks is None else int(chunks))
+        rounds = auto_rounds(len(all_tokens)) if auto else [len(all_tokens)]
+        if output.exists() and auto:  # resume the round the file was measured in
+            from ikquant.sweepfile import read_sweep_file
+
+            theirs = read_sweep_file(output)[0]
+            if theirs.get("chunks") in rounds:
+                stopped = theirs.get("ranking", {}).get("stable", False)
+                rounds = [n for n in rounds if n == theirs["chunks"] or (n > theirs["chunks"] and not stopped)]
+        done = load_rows(output, sweep_header(m, text, ctx, rounds[0], group, imatrix))
     except (NotImplementedError, IkError) as exc:
         fail(str(exc))
-    todo = len(groups) * len(type_list) - sum(1 for r in done if r.group in groups)
-    base_plan = _plan(m, len(chunk_tokens), ctx, ev)
-    with tempfile.TemporaryDirectory() as tmp, _progress() as bar:
-        base_path = Path(tmp) / "base.kld"
-        task = bar.add_task("base logits", total=len(chunk_tokens))
-        perplexity(m, chunk_tokens, base_path, lambda i, n: bar.update(task, completed=i), base_plan)
-        base = open_base(base_path, m)
-        bar.update(task, description="sweep", completed=0, total=max(todo, 0))
-        rows: list = list(done)
+    with ExitStack() as stack:
+        cluster = None
+        if ray is not None:
+            from ikquant.cluster import open_cluster
 
-        def on_row(row) -> None:  # type: ignore[no-untyped-def]
-            rows.append(row)
-            save_rows(output, header, rows)
-            bar.update(task, advance=1, description=f"{row.group} {row.type}")
-
-        try:
-            run_sweep(m, base, groups, type_list, imat, done, on_row, ev.spill_dir, full_forward)
-        except IkError as exc:
-            bar.stop()
-            fail(str(exc))
+            try:
+                cluster = stack.enter_context(open_cluster(ray, ev.threads or 1))
+            except IkError as exc:
+                fail(str(exc))
+            err.print(f"Ray {ray}: {cluster.workers} workers of {cluster.threads} thread(s)", highlight=False)
+        rows = _sweep_rounds(m, ev, text, all_tokens, rounds, group, imatrix, imat, groups, type_list, done, output,
+                             full_forward, cluster, auto)
     out.print(sweep_table(rows))
     err.print(f"wrote {output}: {len(rows)} measurements ({len(rows) - len(done)} new)")
     if plot is not None:
@@ -416,6 +424,82 @@ def sweep(
         except RuntimeError as exc:
             fail(str(exc))
         err.print(f"wrote {plot}")
+
+
+def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list[int], group: str,  # type: ignore[no-untyped-def]
+                  imatrix: Optional[Path], imat, groups: dict[str, list[str]], type_list: list, done: list,
+                  output: Path, full_forward: bool, cluster, auto: bool) -> list:  # type: ignore[type-arg]
+    """Measure the sweep on the first n chunks for every n of `rounds` (one round unless --chunks auto), each
+    round extending the last one's per-token scores; stop once two rounds rank the groups alike."""
+    import tempfile
+
+    from ikrun.evaluate import open_base, perplexity
+    from ikrun.sweep import AUTO_STABLE_TAU, Scored, rank_agreement, run_sweep, save_rows, sweep_header
+
+    scored: Scored = {}
+    previous: list | None = None  # type: ignore[type-arg]
+    rows: list = list(done)  # type: ignore[type-arg]
+    for k, n in enumerate(rounds):
+        header = sweep_header(m, text, all_tokens.shape[1], n, group, imatrix)
+        chunk_tokens = all_tokens[:n]
+        todo = len(groups) * len(type_list) - sum(1 for r in done if r.group in groups)
+        base_plan = _plan(m, n, all_tokens.shape[1], ev)
+        with tempfile.TemporaryDirectory() as tmp, _progress() as bar:
+            base_path = Path(tmp) / "base.kld"
+            task = bar.add_task(f"base logits ({n} chunks)", total=n)
+            perplexity(m, chunk_tokens, base_path, lambda i, _: bar.update(task, completed=i), base_plan)
+            bar.update(task, description="sweep", completed=0, total=max(todo, 0))
+            rows = list(done)
+
+            def on_row(row) -> None:  # type: ignore[no-untyped-def]
+                rows.append(row)
+                save_rows(output, header, rows)
+                bar.update(task, advance=1, description=f"{row.group} {row.type}")
+
+            try:
+                if cluster is None:
+                    run_sweep(m, open_base(base_path, m), groups, type_list, imat, done, on_row, ev.spill_dir,
+                              full_forward, scored)
+                else:
+                    from ikrun.sweep_cluster import run_sweep_on_cluster
+
+                    run_sweep_on_cluster(cluster, _worker_spec(m, ev, cluster, imatrix, full_forward), base_path,
+                                         groups, type_list, done, on_row, lambda msg: err.print(msg), scored)
+            except IkError as exc:
+                bar.stop()
+                fail(str(exc))
+        if auto:
+            if previous is not None:
+                tau = rank_agreement(previous, rows)
+                stable = tau >= AUTO_STABLE_TAU
+                err.print(f"--chunks auto: {rounds[k - 1]} -> {n} chunks, rank agreement "
+                          f"(least Kendall tau over types) {tau:.3f}"
+                          + (f" >= {AUTO_STABLE_TAU}: stable, stopping at {n} chunks" if stable else ""),
+                          highlight=False)
+                if stable:
+                    save_rows(output, {**header, "ranking": {"after_chunks": rounds[k - 1], "kendall_tau": tau,
+                                                             "stable": True}}, rows)
+                    break
+            if k == len(rounds) - 1:
+                err.print(f"--chunks auto: stopped at {n} chunks: " + (
+                    f"{output} says the ranking was stable here" if n < len(all_tokens) else
+                    "the text has no more" + ("" if previous is not None else " (one round: no ranking compared)")),
+                    highlight=False)
+            previous, done = rows, []
+    return rows
+
+
+def _worker_spec(m: Model, ev: Evaluation, cluster, imatrix: Optional[Path], full_forward: bool):  # type: ignore[no-untyped-def]
+    """What every Ray worker loads: a local cluster's workers share this machine's budget, a remote cluster's
+    workers take --mem each (default: their node's share)."""
+    from ikquant.sizes import parse_size
+    from ikrun.sweep_cluster import WorkerSpec
+
+    local = cluster.address.strip().startswith("local")
+    mem = _budget(ev) // cluster.workers if local else (parse_size(ev.mem) if ev.mem else None)
+    return WorkerSpec(str(m.path.resolve()), cluster.threads, m.kv_cache, m.options, mem, ev.stream,
+                      str(imatrix.resolve()) if imatrix else None, str(ev.spill_dir) if ev.spill_dir else None,
+                      full_forward)
 
 
 def sweep_table(rows: list) -> Table:  # type: ignore[type-arg]

@@ -96,14 +96,14 @@ def open_base(path: Path, model: Model) -> BaseLogitsFile:
 def kl_divergence(model: Model, base: BaseLogitsFile, progress: Progress | None = None,
                   per_chunk: Callable[[int, dict], None] | None = None, plan: StreamPlan | None = None,
                   on_block: BlockProgress | None = None,
-                  resume: tuple[BlockInputs, int] | None = None) -> KLDAccumulator:
-    """Score every chunk of the base file's tokens with `model` against the stored base log-probabilities
-    (`resume`: from a block's recorded inputs, see stream.BlockInputs)."""
+                  resume: tuple[BlockInputs, int] | None = None, start: int = 0) -> KLDAccumulator:
+    """Score every chunk of the base file's tokens (from chunk `start` on) with `model` against the stored base
+    log-probabilities (`resume`: from a block's recorded inputs, see stream.BlockInputs)."""
     acc = KLDAccumulator()
     n_ctx = base.n_ctx
     tokens = np.asarray(base.tokens[: base.n_chunk])
-    plan = plan or plan_run(model, base.n_chunk, n_ctx, one_pass=True)
-    for i, logits in evaluate_chunks(model, tokens, plan, on_block, resume=resume):
+    plan = plan or plan_run(model, base.n_chunk - start, n_ctx, one_pass=True)
+    for i, logits in evaluate_chunks(model, tokens, plan, on_block, resume=resume, start=start):
         acc.add(logits, np.asarray(base.records(i)), tokens[i][n_ctx // 2 + 1 :])
         if per_chunk is not None:
             per_chunk(i + 1, kld_stats(acc))

@@ -147,6 +147,9 @@ def _compare_parallel(logits, records, tokens_next, nll, nll_base, kld, p_diff, 
         _compare_row(logits, records, tokens_next, nll, nll_base, kld, p_diff, same_top, t)
 
 
+_ACC_FIELDS = ("nll", "nll_base", "kld", "p_diff", "same_top")
+
+
 @dataclass
 class KLDAccumulator:
     """Per-token values of a KLD run, kept so that order statistics and running totals can be computed."""
@@ -168,9 +171,12 @@ class KLDAccumulator:
         for store, arr in zip((self.nll, self.nll_base, self.kld, self.p_diff, self.same_top), outs):
             store.append(arr)
 
+    def merged(self, later: KLDAccumulator) -> KLDAccumulator:
+        """This run's chunks followed by `later`'s: the statistics of both runs scored as one."""
+        return KLDAccumulator(*(getattr(self, k) + getattr(later, k) for k in _ACC_FIELDS))
+
     def arrays(self) -> dict[str, np.ndarray]:
-        cat = {k: np.concatenate(getattr(self, k)) if getattr(self, k) else np.empty(0)
-               for k in ("nll", "nll_base", "kld", "p_diff", "same_top")}
+        cat = {k: np.concatenate(getattr(self, k)) if getattr(self, k) else np.empty(0) for k in _ACC_FIELDS}
         return cat
 
 

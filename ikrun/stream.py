@@ -245,9 +245,10 @@ class BlockInputs:
 
 def evaluate_chunks(model: Model, chunks: np.ndarray, plan: StreamPlan, on_block: BlockProgress | None = None,
                     as_perplexity: bool = True, resume: tuple[BlockInputs, int] | None = None,
-                    ) -> Iterator[tuple[int, np.ndarray]]:
-    """(chunk index, logits) for every chunk in order, evaluated as `plan` says: as llama-perplexity (BOS swapped
-    in, the scored positions' logits), or with `as_perplexity=False` each chunk as given, all its logits.
+                    start: int = 0) -> Iterator[tuple[int, np.ndarray]]:
+    """(chunk index, logits) for every chunk from `start` on, in order, evaluated as `plan` says: as
+    llama-perplexity (BOS swapped in, the scored positions' logits), or with `as_perplexity=False` each chunk as
+    given, all its logits.
 
     `resume=(inputs, L)` starts every chunk at block L from the base run's recorded inputs (chunks as perplexity).
     """
@@ -258,21 +259,23 @@ def evaluate_chunks(model: Model, chunks: np.ndarray, plan: StreamPlan, on_block
     model.weights.capacity = plan.cache_capacity
     try:
         with model.blas_limit():
+            ids = range(start, len(chunks))
             if not plan.streamed:
-                for c in range(len(chunks)):
+                for c in ids:
                     if resume is None:
                         yield c, model.logits(feed(c), index=c)[first:last]
                     else:
                         seq, x = resume[0].at(c, resume[1])
                         yield c, model.impl.run_from(resume[1], x, seq)[first:last]
                 return
-            yield from _streamed(model, [feed(c) for c in range(len(chunks))], plan, (first, last), on_block, resume)
+            yield from _streamed(model, {c: feed(c) for c in ids}, plan, (first, last), on_block, resume)
     finally:
         model.weights.capacity = saved_capacity
 
 
-def _streamed(model: Model, fed: list[np.ndarray], plan: StreamPlan, window: tuple[int, int],
+def _streamed(model: Model, fed: dict[int, np.ndarray], plan: StreamPlan, window: tuple[int, int],
               on_block: BlockProgress | None, resume: tuple[BlockInputs, int] | None) -> Iterator[tuple[int, np.ndarray]]:
+    """`fed`: the tokens of each chunk to evaluate, by chunk index (hidden states are held by position)."""
     impl, weights = model.impl, model.weights
     n_chunk = len(fed)
     seqs: list[Sequence] = []
@@ -280,10 +283,10 @@ def _streamed(model: Model, fed: list[np.ndarray], plan: StreamPlan, window: tup
     read0 = sum(weights.reads.values())
     model.streaming = True
     try:
-        for c in range(n_chunk):
+        for k, (c, tokens) in enumerate(fed.items()):
             model.chunk = c
             if resume is None:
-                seq = Sequence(fed[c], c)
+                seq = Sequence(tokens, c)
                 model.check_tokens(seq.tokens)
                 impl.begin(seq)
                 x = impl.embed(seq)
@@ -292,7 +295,7 @@ def _streamed(model: Model, fed: list[np.ndarray], plan: StreamPlan, window: tup
             seqs.append(seq)
             if hidden is None:
                 hidden = _Hidden(n_chunk, x.shape, plan.spill_dir)
-            hidden.put(c, x)
+            hidden.put(k, x)
         assert hidden is not None
         weights.evict([n for n in weights.names() if n.startswith("token_embd.")])
         for i in range(resume[1] if resume is not None else 0, impl.n_active):
@@ -304,11 +307,11 @@ def _streamed(model: Model, fed: list[np.ndarray], plan: StreamPlan, window: tup
             weights.evict(impl.block_tensors(i))
             if on_block is not None:
                 on_block(i + 1, impl.n_active, sum(weights.reads.values()) - read0)
-        for c, seq in enumerate(seqs):
-            model.chunk = c
-            logits = impl.head(hidden.get(c), seq)
+        for k, seq in enumerate(seqs):
+            model.chunk = seq.index
+            logits = impl.head(hidden.get(k), seq)
             seq.state.clear()
-            yield c, logits[window[0] : window[1]]
+            yield seq.index, logits[window[0] : window[1]]
     finally:
         model.streaming = False
         if hidden is not None:

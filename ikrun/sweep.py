@@ -30,7 +30,7 @@ from ikquant.recipes import eligible, with_row_fallback
 from ikquant.sweepfile import check_resumable, file_sha256, read_sweep_file, write_sweep_file
 from ikquant.types import GGMLType
 from ikrun.evaluate import kl_divergence
-from ikrun.metrics import BaseLogitsFile, kld_stats
+from ikrun.metrics import BaseLogitsFile, KLDAccumulator, kld_stats
 from ikrun.model import Model
 from ikrun.models.base import block_of
 from ikrun.stream import BlockInputs, plan_run
@@ -171,7 +171,7 @@ def save_rows(path: Path, header: dict, rows: list[SweepRow]) -> None:
 
 
 @dataclass
-class _Prepared:
+class Candidate:
     group: str
     names: list[str]
     type: GGMLType
@@ -179,10 +179,10 @@ class _Prepared:
     seconds: float
 
 
-def _prepare(model: Model, group: str, names: list[str], gtype: GGMLType, imatrix: Imatrix | None) -> _Prepared:
+def prepare_candidate(model: Model, group: str, names: list[str], gtype: GGMLType, imatrix: Imatrix | None) -> Candidate:
     t0 = time.perf_counter()
     encodings = [quantized_copy(model, name, gtype, imatrix) for name in names]
-    return _Prepared(group, names, gtype, encodings, time.perf_counter() - t0)
+    return Candidate(group, names, gtype, encodings, time.perf_counter() - t0)
 
 
 def _concurrent_kernels_are_safe() -> bool:
@@ -195,33 +195,87 @@ def _concurrent_kernels_are_safe() -> bool:
         return False
 
 
+#: per (group, type): what a measurement has scored so far (its per-token values) and the seconds it took, kept by
+#: `--chunks auto` between rounds so that a round scores only the chunks that are new to it
+Scored = dict[tuple[str, str], tuple[KLDAccumulator, float]]
+
+
+class Measurer:
+    """One model's measurements against one base: the evaluation plan and the recorded block inputs, made once and
+    shared by every candidate (in this process, or in one cluster worker)."""
+
+    def __init__(self, model: Model, base: BaseLogitsFile, spill_dir: Path | None = None,
+                 full_forward: bool = False):
+        self.model, self.base = model, base
+        # every candidate is a full evaluation: chunk by chunk with cached weights when they fit, else streamed
+        self.plan = plan_run(model, base.n_chunk, base.n_ctx, one_pass=False, spill_dir=spill_dir)
+        self.inputs = None if full_forward else BlockInputs(model, np.asarray(base.tokens[: base.n_chunk]), spill_dir)
+        if self.inputs is not None and self.plan.cache_capacity is not None:
+            self.plan.cache_capacity = max(self.plan.cache_capacity - self.inputs.resident_bytes, 0)
+
+    def measure(self, job: Candidate, prior: tuple[KLDAccumulator, float] | None = None,
+                ) -> tuple[SweepRow, KLDAccumulator]:
+        """The row of one prepared candidate (scoring only the chunks `prior` has not), and its per-token values."""
+        model = self.model
+        t0 = time.perf_counter()
+        acc = prior[0] if prior is not None else KLDAccumulator()
+        start = len(acc.kld)
+        try:
+            for name, (used, raw) in zip(job.names, job.encodings):
+                model.swap(name, used, raw)
+            first = start_block(model, job.names) if self.inputs is not None else None
+            resume = (self.inputs, first) if self.inputs is not None and first is not None else None
+            acc = acc.merged(kl_divergence(model, self.base, plan=self.plan, resume=resume, start=start))
+        finally:
+            for name in job.names:
+                model.restore(name)
+        stats = kld_stats(acc)
+        bytes_base = sum(model.weights.source_encoding(n).raw.nbytes for n in job.names)
+        bytes_new = sum(raw.nbytes for _, raw in job.encodings)
+        n_weights = sum(model.weights.info(n).n_elements for n in job.names)
+        used_types = "+".join(sorted({u.name for u, _ in job.encodings}))
+        seconds = job.seconds + time.perf_counter() - t0 + (prior[1] if prior is not None else 0.0)
+        row = SweepRow(job.group, job.names, job.type.name, used_types, n_weights, bytes_base, bytes_new,
+                       8.0 * bytes_new / n_weights, float(stats["kld_mean"]), float(stats["kld_mean_err"]),
+                       float(stats["kld_p99"]), float(stats["same_top_p"]), float(stats["ppl_ratio"]),
+                       float(stats["ln_ppl_ratio"]), float(stats["ln_ppl_ratio_err"]), seconds)
+        return row, acc
+
+    def close(self) -> None:
+        if self.inputs is not None:
+            self.inputs.close()
+
+
+def pending_jobs(groups: dict[str, list[str]], types: list[GGMLType], done: list[SweepRow],
+                 ) -> list[tuple[str, list[str], GGMLType]]:
+    """Every (group, tensors, type) that `done` has no row for, in sweep order."""
+    finished = {r.key for r in done}
+    return [(g, names, t) for g, names in groups.items() for t in types if (g, t.name) not in finished]
+
+
 def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], types: list[GGMLType],
               imatrix: Imatrix | None, done: list[SweepRow],
               on_row: Callable[[SweepRow], None], spill_dir: Path | None = None,
-              full_forward: bool = False) -> list[SweepRow]:
-    """Measure every (group, type) not in `done`; `on_row` sees each new row as soon as it exists.
+              full_forward: bool = False, scored: Scored | None = None) -> list[SweepRow]:
+    """Measure every (group, type) not in `done`; `on_row` sees each new row as soon as it exists. With `scored`,
+    each measurement extends what was scored before (and its entry is updated).
 
     The next measurement's quantization runs in a second thread while the current one is evaluated (the kernels
     release the GIL), so the sweep costs little more than its evaluations. Each evaluation starts at the first
     block its group can change, unless `full_forward`.
     """
-    finished = {r.key for r in done}
-    jobs = [(g, names, t) for g, names in groups.items() for t in types if (g, t.name) not in finished]
+    jobs = pending_jobs(groups, types, done)
     rows = list(done)
     if not jobs:
         return rows
     pool = ThreadPoolExecutor(max_workers=1) if _concurrent_kernels_are_safe() else None
 
-    def start(k: int) -> Future[_Prepared] | _Prepared:
+    def start(k: int) -> Future[Candidate] | Candidate:
         g, names, t = jobs[k]
-        return pool.submit(_prepare, model, g, names, t, imatrix) if pool else _prepare(model, g, names, t, imatrix)
+        return pool.submit(prepare_candidate, model, g, names, t, imatrix) if pool else prepare_candidate(model, g, names, t, imatrix)
 
     ahead = LOOKAHEAD if pool else 1  # without a second thread, quantizing early only holds more bytes
-    # every candidate is a full evaluation: chunk by chunk with cached weights when they fit, else streamed
-    plan = plan_run(model, base.n_chunk, base.n_ctx, one_pass=False, spill_dir=spill_dir)
-    inputs = None if full_forward else BlockInputs(model, np.asarray(base.tokens[: base.n_chunk]), spill_dir)
-    if inputs is not None and plan.cache_capacity is not None:
-        plan.cache_capacity = max(plan.cache_capacity - inputs.resident_bytes, 0)
+    measurer = Measurer(model, base, spill_dir, full_forward)
     pending = [start(k) for k in range(min(ahead, len(jobs)))]
     try:
         for k in range(len(jobs)):
@@ -229,30 +283,51 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
             job = head.result() if isinstance(head, Future) else head
             if k + ahead < len(jobs):
                 pending.append(start(k + ahead))
-            t0 = time.perf_counter()
-            try:
-                for name, (used, raw) in zip(job.names, job.encodings):
-                    model.swap(name, used, raw)
-                first = start_block(model, job.names) if inputs is not None else None
-                resume = (inputs, first) if inputs is not None and first is not None else None
-                stats = kld_stats(kl_divergence(model, base, plan=plan, resume=resume))
-            finally:
-                for name in job.names:
-                    model.restore(name)
-            bytes_base = sum(model.weights.source_encoding(n).raw.nbytes for n in job.names)
-            bytes_new = sum(raw.nbytes for _, raw in job.encodings)
-            n_weights = sum(model.weights.info(n).n_elements for n in job.names)
-            used_types = "+".join(sorted({u.name for u, _ in job.encodings}))
-            row = SweepRow(job.group, job.names, job.type.name, used_types, n_weights, bytes_base, bytes_new,
-                           8.0 * bytes_new / n_weights, float(stats["kld_mean"]), float(stats["kld_mean_err"]),
-                           float(stats["kld_p99"]),
-                           float(stats["same_top_p"]), float(stats["ppl_ratio"]), float(stats["ln_ppl_ratio"]),
-                           float(stats["ln_ppl_ratio_err"]), job.seconds + time.perf_counter() - t0)
+            key = (job.group, job.type.name)
+            row, acc = measurer.measure(job, scored.get(key) if scored is not None else None)
+            if scored is not None:
+                scored[key] = (acc, row.seconds)
             rows.append(row)
             on_row(row)
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        if inputs is not None:
-            inputs.close()
+        measurer.close()
     return rows
+
+
+#: `--chunks auto`: the first round's chunks; each later round doubles them
+AUTO_FIRST_CHUNKS = 4
+#: `--chunks auto` stops when, for every type, Kendall's tau between the groups' mean-KLD ranks of two successive
+#: rounds reaches this
+AUTO_STABLE_TAU = 0.9
+
+
+def auto_rounds(n_available: int) -> list[int]:
+    """The chunk counts of `--chunks auto`'s rounds: 4, 8, 16, ... and finally all the text has."""
+    rounds = []
+    n = AUTO_FIRST_CHUNKS
+    while n < n_available:
+        rounds.append(n)
+        n *= 2
+    return [*rounds, n_available]
+
+
+def kendall_tau(x: np.ndarray, y: np.ndarray) -> float:
+    """Kendall's tau-b of two paired samples (1: the same order, -1: reversed; ties count as neither)."""
+    dx = np.sign(x[:, None] - x[None, :])
+    dy = np.sign(y[:, None] - y[None, :])
+    denom = np.sqrt(float((dx * dx).sum()) * float((dy * dy).sum()))
+    return float((dx * dy).sum()) / denom if denom > 0 else 1.0
+
+
+def rank_agreement(before: list[SweepRow], after: list[SweepRow]) -> float:
+    """The least, over types, of Kendall's tau between the groups' mean-KLD ranks in two measurements."""
+    taus = []
+    for t in sorted({r.type for r in after}):
+        a = {r.group: r.kld_mean for r in before if r.type == t}
+        b = {r.group: r.kld_mean for r in after if r.type == t}
+        common = sorted(a.keys() & b.keys())
+        if len(common) > 1:
+            taus.append(kendall_tau(np.array([a[g] for g in common]), np.array([b[g] for g in common])))
+    return min(taus, default=1.0)

@@ -1,0 +1,152 @@
+"""Sweeps spread over a Ray cluster (`ikrun sweep --ray`): one worker process per `--threads` CPUs, each with the
+model memory-mapped from the same path, the base logits (sent once through Ray's object store) and its own
+recorded block inputs; the driver hands out candidates, writes the rows and resumes.
+
+A worker lost mid-candidate (killed, its node gone) is replaced and the candidate rerun on the replacement: rows are
+recorded only when a worker returns one, once, so none is lost and none counted twice. The rows equal a local
+sweep's at the same thread count (the same kernels on the same inputs).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ikquant.cluster import Cluster
+from ikquant.imatrix import read_imatrix
+from ikquant.types import GGMLType, type_by_name
+from ikrun.metrics import KLDAccumulator
+from ikrun.model import Model, RuntimeOptions
+from ikrun.sweep import Measurer, Scored, SweepError, SweepRow, pending_jobs, prepare_candidate
+
+#: workers that may be lost (and replaced) per worker started before the sweep gives up
+LOSSES_PER_WORKER = 3
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """How every worker loads the model and measures: the driver's options, as the workers' node sees them."""
+
+    model: str
+    threads: int
+    kv_cache: str
+    options: RuntimeOptions
+    #: each worker's memory budget in bytes; None: 75% of its node's available memory shared by its workers
+    mem: int | None
+    stream: bool | None
+    imatrix: str | None
+    spill_dir: str | None
+    full_forward: bool
+
+
+class SweepWorker:
+    """A Ray actor: the model, the base and its block inputs, measuring one candidate a call."""
+
+    def __init__(self, spec: WorkerSpec, base_blob: np.ndarray):
+        import numba
+
+        from ikrun.memory import default_budget
+
+        numba.set_num_threads(max(1, min(spec.threads, numba.config.NUMBA_NUM_THREADS)))
+        mem = spec.mem if spec.mem is not None else default_budget() * spec.threads // (os.cpu_count() or 1)
+        self.spec = spec
+        self.model = Model(spec.model, spec.threads, spec.kv_cache, spec.options, mem, spec.stream)
+        self.imatrix = read_imatrix(Path(spec.imatrix)) if spec.imatrix else None
+        self.folder = tempfile.TemporaryDirectory(prefix="ikrun-sweep-worker-")
+        from ikrun.evaluate import open_base
+
+        path = Path(self.folder.name) / "base.kld"
+        base_blob.tofile(path)
+        spill = Path(spec.spill_dir) if spec.spill_dir else None
+        self.measurer = Measurer(self.model, open_base(path, self.model), spill, spec.full_forward)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def measure(self, group: str, names: list[str], type_name: str,
+                prior: tuple[KLDAccumulator, float] | None) -> tuple[SweepRow, KLDAccumulator]:
+        job = prepare_candidate(self.model, group, names, type_by_name(type_name), self.imatrix)
+        return self.measurer.measure(job, prior)
+
+
+def run_sweep_on_cluster(cluster: Cluster, spec: WorkerSpec, base_path: Path, groups: dict[str, list[str]],
+                         types: list[GGMLType], done: list[SweepRow], on_row: Callable[[SweepRow], None],
+                         on_event: Callable[[str], None], scored: Scored | None = None,
+                         on_workers: Callable[[list[Any]], None] | None = None) -> list[SweepRow]:
+    """run_sweep's rows, measured by `cluster.workers` Ray workers (`on_workers` sees the worker handles once they
+    are started, and again when one is replaced)."""
+    ray = cluster.ray
+    from ray.exceptions import RayActorError
+
+    jobs = deque(pending_jobs(groups, types, done))
+    rows = list(done)
+    if not jobs:
+        return rows
+    blob = ray.put(np.fromfile(base_path, dtype=np.uint8))
+    actor = ray.remote(num_cpus=cluster.threads, max_restarts=0, max_task_retries=0)(SweepWorker)
+    workers = [actor.remote(spec, blob) for _ in range(min(cluster.workers, len(jobs)))]
+    _ready(ray, workers)
+    if on_workers is not None:
+        on_workers(list(workers))
+    losses, allowed = 0, LOSSES_PER_WORKER * len(workers)
+    inflight: dict[Any, tuple[Any, tuple[str, list[str], GGMLType]]] = {}
+    idle = list(workers)
+    try:
+        while jobs or inflight:
+            while idle and jobs:
+                worker, job = idle.pop(), jobs.popleft()
+                prior = scored.get((job[0], job[2].name)) if scored is not None else None
+                inflight[worker.measure.remote(job[0], job[1], job[2].name, prior)] = (worker, job)
+            ready, _ = ray.wait(list(inflight), num_returns=1)
+            worker, job = inflight.pop(ready[0])
+            try:
+                row, acc = ray.get(ready[0])
+            except RayActorError as exc:
+                losses += 1
+                if losses > allowed:
+                    raise SweepError(f"--ray {cluster.address}: {losses} workers lost; giving up (the rows so far "
+                                     f"are saved; rerun to resume): {_cause(exc)}") from None
+                on_event(f"a Ray worker was lost while measuring {job[0]} {job[2].name}; rerunning it on a new "
+                         "worker")
+                jobs.appendleft(job)
+                workers.remove(worker)
+                replacement = actor.remote(spec, blob)
+                _ready(ray, [replacement])
+                workers.append(replacement)
+                idle.append(replacement)
+                if on_workers is not None:
+                    on_workers(list(workers))
+                continue
+            idle.append(worker)
+            if scored is not None:
+                scored[row.key] = (acc, row.seconds)
+            rows.append(row)
+            on_row(row)
+    finally:
+        for w in workers:
+            ray.kill(w)
+    return rows
+
+
+def _ready(ray: Any, workers: list[Any]) -> None:
+    """Wait until every worker has loaded the model; a worker that cannot (a path its node cannot read) fails the
+    sweep with its reason."""
+    from ray.exceptions import RayActorError
+
+    try:
+        ray.get([w.pid.remote() for w in workers])
+    except RayActorError as exc:
+        raise SweepError(f"a Ray worker could not load the model: {_cause(exc)}") from None
+
+
+def _cause(exc: BaseException) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "Error:" in line]
+    return (errors[-1] if errors else lines[-1] if lines else type(exc).__name__).strip()

@@ -1,0 +1,157 @@
+"""--ray: sweeps and quantization on a real local Ray cluster (127.0.0.1), and --chunks auto."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import ray  # the test extra installs it: a missing Ray fails here rather than skipping
+from typer.testing import CliRunner
+
+from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
+from ikquant.cli import app as ikquant_app
+from ikrun.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ikconvert.convert import Converter
+
+    folder = tmp_path_factory.mktemp("cluster")
+    hf = make_tiny_checkpoint(folder / "hf", TinySpec(arch="qwen3", hidden=256, layers=2, heads=4, kv_heads=2,
+                                                      head_dim=64, ffn=512, seed=5))
+    return Converter(hf, "f32", "qwen2").write(folder / "m-f32.gguf")
+
+
+@pytest.fixture(scope="module")
+def imatrix(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("imat") / "imatrix.dat"
+    res = runner.invoke(app, ["imatrix", str(model), "--text", str(CORPUS), "--ctx", "64", "--chunks", "4", "-o",
+                              str(path)])
+    assert res.exit_code == 0, res.output
+    return path
+
+
+def _sweep(model: Path, out: Path, *extra: str):  # type: ignore[no-untyped-def]
+    return runner.invoke(app, ["sweep", str(model), "--text", str(CORPUS), "--ctx", "64", "--types", "Q4_0,IQ4_KS",
+                               "--tensors", r"blk\.1\.", "-o", str(out), "--threads", "1", *extra],
+                         env={"COLUMNS": "200"})
+
+
+def _rows(path: Path) -> dict[tuple[str, str], dict]:
+    """Rows by (group, type), without the time each took."""
+    rows = json.loads(path.read_text())["rows"]
+    out = {(r["group"], r["type"]): {k: v for k, v in r.items() if k != "seconds"} for r in rows}
+    assert len(out) == len(rows), "a row was counted twice"
+    return out
+
+
+def test_ray_sweep_rows_equal_the_local_sweep(model: Path, imatrix: Path, tmp_path: Path) -> None:
+    local, remote = tmp_path / "local.json", tmp_path / "ray.json"
+    assert _sweep(model, local, "--chunks", "4", "--imatrix", str(imatrix)).exit_code == 0
+    res = _sweep(model, remote, "--chunks", "4", "--imatrix", str(imatrix), "--ray", "local:2")
+    assert res.exit_code == 0, res.output
+    assert "2 workers" in res.output
+    assert _rows(remote) == _rows(local)
+    assert len(_rows(local)) == 14
+
+
+def test_ray_quantization_writes_the_same_bytes(model: Path, imatrix: Path, tmp_path: Path) -> None:
+    for qtype in ("IQ4_KS", "Q4_K_M"):
+        a, b = tmp_path / f"{qtype}-local.gguf", tmp_path / f"{qtype}-ray.gguf"
+        common = [str(model), "--type", qtype, "--imatrix", str(imatrix)]
+        assert runner.invoke(ikquant_app, [common[0], str(a), *common[1:]]).exit_code == 0
+        res = runner.invoke(ikquant_app, [common[0], str(b), *common[1:], "--ray", "local:2"])
+        assert res.exit_code == 0, res.output
+        assert a.read_bytes() == b.read_bytes()
+
+
+def test_a_killed_worker_loses_no_row(model: Path, tmp_path: Path) -> None:
+    from ikquant.cluster import open_cluster
+    from ikquant.types import type_by_name
+    from ikrun.evaluate import perplexity, tokenize_chunks
+    from ikrun.model import Model
+    from ikrun.sweep import sweep_groups
+    from ikrun.sweep_cluster import WorkerSpec, run_sweep_on_cluster
+
+    local = tmp_path / "local.json"
+    assert _sweep(model, local, "--chunks", "3").exit_code == 0
+    m = Model(model, threads=1)
+    base = tmp_path / "base.kld"
+    perplexity(m, tokenize_chunks(m, CORPUS.read_text(encoding="utf-8"), 64, 3), base)
+    groups = sweep_groups(m, "tensor", r"blk\.1\.")
+    spec = WorkerSpec(str(model), 1, "f32", m.options, 1 << 30, None, None, None, False)
+    seen: list[list[int]] = []  # the workers' pids, each time the set changes
+    rows, events = [], []
+
+    def kill_once(row) -> None:  # type: ignore[no-untyped-def]
+        rows.append(row)
+        if len(rows) == 1:
+            os.kill(seen[0][0], signal.SIGKILL)
+
+    with open_cluster("local:2", 1) as cluster:
+        run_sweep_on_cluster(cluster, spec, base, groups, [type_by_name("Q4_0"), type_by_name("IQ4_KS")], [],
+                             kill_once, events.append,
+                             on_workers=lambda ws: seen.append(ray.get([w.pid.remote() for w in ws])))
+    assert any("lost" in e for e in events), events
+    assert len(seen) == 2 and seen[0][0] not in seen[1] and len(set(seen[1])) == 2  # replaced once
+    got = {(r.group, r.type): r for r in rows}
+    assert len(got) == len(rows) == 14
+    want = _rows(local)
+    for key, r in got.items():
+        assert r.kld_mean == want[key]["kld_mean"] and r.kld_p99 == want[key]["kld_p99"]
+
+
+def test_bad_ray_addresses_and_no_ray(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "s.json"
+    res = _sweep(model, out, "--chunks", "2", "--ray", "127.0.0.1:1")
+    assert res.exit_code == 2 and "no Ray cluster answers" in res.output
+    res = _sweep(model, out, "--chunks", "2", "--ray", "local:0")
+    assert res.exit_code == 2 and "at least one worker" in res.output
+    dst = tmp_path / "q.gguf"
+    res = runner.invoke(ikquant_app, [str(model), str(dst), "--type", "Q4_0", "--ray", "127.0.0.1:1"])
+    assert res.exit_code == 2 and "no Ray cluster answers" in res.output
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    res = _sweep(model, out, "--chunks", "2", "--ray", "local")
+    assert res.exit_code == 2 and "pip install 'iktools[ray]'" in res.output
+    assert not out.exists() and not dst.exists()
+    assert not list(tmp_path.glob("*.partial*"))
+
+
+def test_auto_chunks_extend_rounds_to_the_rows_of_a_fixed_count(model: Path, tmp_path: Path) -> None:
+    auto = tmp_path / "auto.json"
+    res = runner.invoke(app, ["sweep", str(model), "--text", str(CORPUS), "--ctx", "32", "--types", "Q4_0,IQ2_KS",
+                              "--tensors", r"blk\.1\.", "-o", str(auto), "--chunks", "auto", "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    header = json.loads(auto.read_text())
+    n = header["chunks"]
+    assert n >= 8 and "rank agreement" in res.output and f"stopping at {n} chunks" in res.output
+    assert header["ranking"]["stable"] and header["ranking"]["kendall_tau"] >= 0.9
+    fixed = tmp_path / "fixed.json"
+    res = runner.invoke(app, ["sweep", str(model), "--text", str(CORPUS), "--ctx", "32", "--types", "Q4_0,IQ2_KS",
+                              "--tensors", r"blk\.1\.", "-o", str(fixed), "--chunks", str(n), "--threads", "1"])
+    assert res.exit_code == 0, res.output
+    assert _rows(auto) == _rows(fixed)  # each round scored only its new chunks: the same digits
+    res = runner.invoke(app, ["sweep", str(model), "--text", str(CORPUS), "--ctx", "32", "--types", "Q4_0,IQ2_KS",
+                              "--tensors", r"blk\.1\.", "-o", str(auto), "--chunks", "auto", "--threads", "1"])
+    assert res.exit_code == 0 and "(0 new)" in res.output and "ranking was stable" in res.output
+    res = _sweep(model, tmp_path / "x.json", "--chunks", "some")
+    assert res.exit_code == 2 and "--chunks must be" in res.output
+
+
+def test_kendall_tau() -> None:
+    import numpy as np
+
+    from ikrun.sweep import auto_rounds, kendall_tau
+
+    x = np.array([1.0, 2.0, 3.0, 4.0])
+    assert kendall_tau(x, x * 10) == 1.0
+    assert kendall_tau(x, -x) == -1.0
+    assert kendall_tau(x, np.array([1.0, 3.0, 2.0, 4.0])) == pytest.approx(4 / 6)
+    assert auto_rounds(20) == [4, 8, 16, 20] and auto_rounds(16) == [4, 8, 16] and auto_rounds(3) == [3]
