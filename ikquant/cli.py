@@ -165,43 +165,32 @@ def quantize(
 def _mix_from_sweep(source, opts, sweep: Path, target_bpw: float | None, target_size: str | None,  # type: ignore[no-untyped-def]
                     budget: list[str]) -> dict[str, str]:
     """Per-tensor types from a sweep within the target(s); prints the mix and its predicted KLD."""
-    from ikquant.mix import Budget, MixError, choose_mixes, parse_budgets, read_sweep
-    from ikquant.quantize import make_plan
-    from ikquant.sizes import parse_size
+    from ikquant.mix import MixTarget, plan_mix, read_sweep
 
     groups, options = read_sweep(sweep)
-    swept = {n for names in groups.values() for n in names}
-    missing = sorted(swept - set(source.tensors))
-    if missing:
-        raise MixError(f"--sweep {sweep}: tensor {missing[0]!r} is not in {source.path}: a sweep of another model?")
-    plan = make_plan(source, opts)
-    n_weights = sum(p.info.n_elements for p in plan.tensors)
-    if target_bpw is not None:
-        budgets, title = [Budget(None, target_bpw * n_weights)], f"type mix for {target_bpw:g} bits per weight"
-    elif target_size is not None:
-        budgets, title = [Budget(None, 8 * parse_size(target_size, "--target-size"))], f"type mix for {target_size}"
-    else:
-        budgets, title = parse_budgets(budget), "type mix per budget"
-    results = choose_mixes({p.name: 8 * p.new_bytes for p in plan.tensors}, groups, options, budgets)
-    types = {name: t for _, mix, _ in results for name, t in mix.tensor_types().items()}
-    table = Table(title=title)
+    plan = plan_mix(source, opts, groups, options, MixTarget(target_bpw, target_size, budget), str(sweep))
+    print_mix(plan)
+    return plan.tensor_types
+
+
+def print_mix(plan) -> None:  # type: ignore[no-untyped-def]
+    """The chosen types per budget, and the predicted KLD of the whole mix."""
+    table = Table(title=plan.title)
     for col in ("budget", "type", "tensors", "MiB"):
         table.add_column(col, justify="right")
-    for b, mix, _ in results:
+    for b, mix, _ in plan.results:
         mine = mix.tensor_types()
         for t in sorted(set(mine.values())):
             bits = sum(o.bits for o in mix.choice.values() if o.type == t)
             table.add_row(b.label, t, str(sum(1 for v in mine.values() if v == t)), f"{bits / 8 / 2**20:.3f}")
     err.print(table)
-    for b, mix, fixed in results:
-        if len(results) > 1:
+    for b, mix, fixed in plan.results:
+        if len(plan.results) > 1:
             err.print(f"budget {b.label}: {(fixed + mix.bits) / 8 / 2**30:.3f} of {b.bits / 8 / 2**30:.3f} GiB, "
                       f"predicted KLD {mix.predicted_kld:.6f}", soft_wrap=True)
-    total = sum(fixed + mix.bits for _, mix, fixed in results)
-    err.print(f"whole file: {total / n_weights:.4f} bits per weight, {total / 8 / 2**30:.3f} GiB of tensors; predicted "
-              f"mean KLD {sum(m.predicted_kld for _, m, _ in results):.6f} (the sum of the swept tensors' KLDs, each "
+    err.print(f"whole file: {plan.total_bits / plan.n_weights:.4f} bits per weight, {plan.total_bits / 8 / 2**30:.3f} "
+              f"GiB of tensors; predicted mean KLD {plan.predicted_kld:.6f} (the sum of the swept tensors' KLDs, each "
               "measured alone)", soft_wrap=True)
-    return types
 
 
 def _print_plan(plan) -> None:  # type: ignore[no-untyped-def]

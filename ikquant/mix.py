@@ -12,9 +12,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ikquant.errors import IkError
 from ikquant.sweepfile import SweepFileError, read_sweep_file
+
+if TYPE_CHECKING:
+    from ikquant.gguf_io import GGUFFile
+    from ikquant.quantize import QuantizeOptions
 
 
 class MixError(IkError, ValueError):
@@ -167,3 +172,57 @@ def choose_mixes(tensor_bits: dict[str, int], groups: dict[str, list[str]], opti
             raise MixError(f"--budget {b.label}: {exc}") from None
         results.append((b, mix, fixed))
     return results
+
+
+@dataclass(frozen=True)
+class MixTarget:
+    """What the mix must fit: exactly one of a whole-file bpw, a whole-file size, or per-group budgets."""
+
+    bpw: float | None = None
+    size: str | None = None
+    budgets: tuple[str, ...] | list[str] = ()
+
+
+@dataclass
+class MixPlan:
+    """The chosen mix: per budget (budget, mix, fixed bits), and every swept tensor's type."""
+
+    results: list[tuple[Budget, Mix, int]]
+    title: str
+    n_weights: int
+    total_bits: int
+
+    @property
+    def tensor_types(self) -> dict[str, str]:
+        return {name: t for _, mix, _ in self.results for name, t in mix.tensor_types().items()}
+
+    @property
+    def predicted_kld(self) -> float:
+        return sum(m.predicted_kld for _, m, _ in self.results)
+
+    @property
+    def choice(self) -> dict[str, Option]:
+        return {g: o for _, mix, _ in self.results for g, o in mix.choice.items()}
+
+
+def plan_mix(source: GGUFFile, opts: QuantizeOptions, groups: dict[str, list[str]], options: dict[str, list[Option]],
+             target: MixTarget, sweep_name: str) -> MixPlan:
+    """The mix for `source` quantized per `opts` (the unswept tensors' types) within `target`."""
+    from ikquant.quantize import make_plan
+    from ikquant.sizes import parse_size
+
+    swept = {n for names in groups.values() for n in names}
+    missing = sorted(swept - set(source.tensors))
+    if missing:
+        raise MixError(f"--sweep {sweep_name}: tensor {missing[0]!r} is not in {source.path}: a sweep of another "
+                       "model?")
+    plan = make_plan(source, opts)
+    n_weights = sum(p.info.n_elements for p in plan.tensors)
+    if target.bpw is not None:
+        budgets, title = [Budget(None, target.bpw * n_weights)], f"type mix for {target.bpw:g} bits per weight"
+    elif target.size is not None:
+        budgets, title = [Budget(None, 8 * parse_size(target.size, "--target-size"))], f"type mix for {target.size}"
+    else:
+        budgets, title = parse_budgets(list(target.budgets)), "type mix per budget"
+    results = choose_mixes({p.name: 8 * p.new_bytes for p in plan.tensors}, groups, options, budgets)
+    return MixPlan(results, title, n_weights, sum(fixed + mix.bits for _, mix, fixed in results))

@@ -98,6 +98,37 @@ def test_mix_meets_the_budget(model256: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "x.gguf").exists()
 
 
+def test_ikrun_mix_measures_the_assembled_file_and_refines_it(model256: Path, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep.json"
+    assert _sweep(model256, sweep, "--types", "IQ2_KS,IQ3_K,IQ4_KS,Q8_0").exit_code == 0
+    out = tmp_path / "mix.gguf"
+    res = runner.invoke(app, ["mix", str(model256), str(out), "--sweep", str(sweep), "--type", "IQ4_KS",
+                              "--target-bpw", "3.2", "--refine", "16", "--json"])
+    assert res.exit_code == 0, res.output
+    first, refined = json.loads(res.stdout)
+    plain = runner.invoke(ikquant_app, [str(model256), str(tmp_path / "plain.gguf"), "--type", "IQ4_KS", "--sweep",
+                                        str(sweep), "--target-bpw", "3.2"], env={"COLUMNS": "200"})
+    assert float(plain.output.split("predicted mean KLD")[1].split()[0]) == pytest.approx(first["predicted_kld"],
+                                                                                         abs=1e-6)
+    # the sweep's mix, measured: what `ikrun kld` says of the file ikquant writes from the same sweep
+    kld = runner.invoke(app, ["kld", str(tmp_path / "plain.gguf"), "--base", str(model256), "--text", str(CORPUS),
+                              "--ctx", "64", "--chunks", "6", "--json"])
+    assert json.loads(kld.stdout)["kld_mean"] == pytest.approx(first["kld_mean"], rel=1e-12)
+    # interactions: the sum of one-at-a-time KLDs is not the mix's KLD; refining re-costs groups inside the mix
+    assert first["kld_mean"] != pytest.approx(first["predicted_kld"], rel=1e-3)
+    assert refined["kept"] and not first["kept"] and refined["kld_mean"] < first["kld_mean"]
+    assert abs(refined["predicted_kld"] - refined["kld_mean"]) < abs(first["predicted_kld"] - first["kld_mean"])
+    kld = runner.invoke(app, ["kld", str(out), "--base", str(model256), "--text", str(CORPUS), "--ctx", "64",
+                              "--chunks", "6", "--json"])
+    assert json.loads(kld.stdout)["kld_mean"] == pytest.approx(refined["kld_mean"], rel=1e-12)
+    g = GGUFFile(out)
+    assert 8 * sum(t.nbytes for t in g.tensors.values()) / sum(t.n_elements for t in g.tensors.values()) <= 3.2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mix.gguf", "plain.gguf", "sweep.json"]
+    res = runner.invoke(app, ["mix", str(model256), str(tmp_path / "x.gguf"), "--sweep", str(sweep), "--type",
+                              "IQ4_KS", "--target-bpw", "3.2", "--target-size", "1MiB"])
+    assert res.exit_code == 2 and "exactly one of" in res.output and not (tmp_path / "x.gguf").exists()
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "deepseek2", "openpangu", "glm-dsa"])
 def test_layer_local_rows_equal_full_forward_rows(data_dir: Path, tmp_path: Path, arch: str) -> None:
     """Starting each candidate at the first block it changes gives the full forward's digits, on every architecture
