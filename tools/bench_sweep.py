@@ -11,8 +11,12 @@ sweep this short, its wait is a visible share of "waiting for a quantization". (
 --full-forward (goal: at most 0.55), and the time per candidate of the last block's tensors over the first block's
 (goal: at most 0.5), on a --layers-deep Qwen3.
 
+--ray N: the same layer-local sweep on a local Ray cluster of N one-thread workers against one local process of
+one thread, and of N threads (rows identical to the one-thread run).
+
 Example: python tools/bench_sweep.py --chunks 8
          python tools/bench_sweep.py --layer-local --layers 12 --chunks 4 --ctx 128
+         python tools/bench_sweep.py --ray 2 --layers 12 --chunks 4 --ctx 128
 """
 
 from __future__ import annotations
@@ -40,7 +44,11 @@ def main() -> None:
     ap.add_argument("--types", default="IQ4_KS,Q4_0")
     ap.add_argument("--layer-local", action="store_true", help="measure layer-local propagation instead")
     ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--ray", type=int, default=0, help="compare N local Ray workers with one process")
     a = ap.parse_args()
+    if a.ray:
+        on_ray(a.ray, a.layers, a.chunks, a.ctx, a.types)
+        return
     if a.layer_local:
         layer_local(a.layers, a.chunks, a.ctx, [type_by_name(t) for t in a.types.split(",")])
         return
@@ -71,11 +79,45 @@ def main() -> None:
           f"decoding weights (lazy, cache lookups included) {spent['decode'] / total:.1%}")
 
 
+def _deep_model(folder: Path, layers: int) -> Path:
+    hf = make_tiny_checkpoint(folder / "hf", TinySpec(arch="qwen3", hidden=512, layers=layers, heads=8, kv_heads=4,
+                                                      head_dim=64, ffn=1536))
+    return Converter(hf, "f32", "qwen2").write(folder / "m.gguf")
+
+
+def on_ray(workers: int, layers: int, n_chunks: int, ctx: int, types: str) -> None:
+    """Wall time of the whole ikrun sweep command: N Ray workers vs one process (1 and N threads)."""
+    import json
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = _deep_model(Path(tmp), layers)
+        text = Path(tmp) / "text.txt"
+        text.write_text(CORPUS.read_text(encoding="utf-8") * 4, encoding="utf-8")
+        wall, rows = {}, {}
+        for name, extra in (("1 process, 1 thread", ["-t", "1"]), (f"1 process, {workers} threads",
+                            ["-t", str(workers)]), (f"Ray local:{workers}, 1 thread each",
+                            ["-t", "1", "--ray", f"local:{workers}"])):
+            out = Path(tmp) / f"{len(wall)}.json"
+            t0 = time.perf_counter()
+            subprocess.run([str(Path(sys.executable).parent / "ikrun"), "sweep", str(gguf), "--text", str(text), "--ctx",
+                            str(ctx), "--chunks", str(n_chunks), "--types", types, "-o", str(out), *extra],
+                           check=True, capture_output=True)
+            wall[name] = time.perf_counter() - t0
+            rows[name] = {(r["group"], r["type"]): r["kld_mean"] for r in json.loads(out.read_text())["rows"]}
+    first = next(iter(wall))
+    same = rows[first] == rows[list(rows)[-1]]
+    print(f"{layers} layers, {len(rows[first])} candidates, {n_chunks} chunks x {ctx} tokens (command wall time, "
+          "start-up included):")
+    for name, seconds in wall.items():
+        print(f"  {name}: {seconds:.1f} s = {seconds / wall[first]:.2f}x")
+    print(f"  Ray rows {'identical to' if same else 'DIFFER from'} the 1-thread rows")
+
+
 def layer_local(layers: int, n_chunks: int, ctx: int, types: list) -> None:  # type: ignore[type-arg]
     with tempfile.TemporaryDirectory() as tmp:
-        hf = make_tiny_checkpoint(Path(tmp) / "hf", TinySpec(arch="qwen3", hidden=512, layers=layers, heads=8,
-                                                             kv_heads=4, head_dim=64, ffn=1536))
-        model = Model(Converter(hf, "f32", "qwen2").write(Path(tmp) / "m.gguf"))
+        model = Model(_deep_model(Path(tmp), layers))
         chunks = tokenize_chunks(model, CORPUS.read_text(encoding="utf-8") * 4, ctx, n_chunks)
         perplexity(model, chunks, Path(tmp) / "base.kld")
         base = open_base(Path(tmp) / "base.kld", model)
