@@ -42,6 +42,14 @@ class SafetensorsError(IkError, ValueError):
     """A safetensors file that is malformed, truncated, or inconsistent with what was asked of it."""
 
 
+def _file_stamp(path: Path) -> tuple[int, int, int, int]:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise SafetensorsError(f"{path} was removed while being read") from None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 @dataclass(frozen=True)
 class SafeTensor:
     """One tensor of a safetensors file: name, dtype string, shape, and where its bytes are (read on demand)."""
@@ -52,9 +60,15 @@ class SafeTensor:
     path: Path
     offset: int
     nbytes: int
+    #: the file's (device, inode, size, mtime) when its header was read: a shard rewritten or replaced since holds
+    #: other bytes at this offset
+    stamp: tuple[int, int, int, int] | None = None
 
     def raw(self) -> np.ndarray:
         """The stored elements in their storage dtype (bf16/fp8 as unsigned integer bits), read from disk now."""
+        if self.stamp is not None and _file_stamp(self.path) != self.stamp:
+            raise SafetensorsError(f"{self.path} was rewritten or replaced while being read (tensor {self.name!r}); "
+                                   "start the command again")
         np_dtype, itemsize = _DTYPES[self.dtype]
         count = self.nbytes // itemsize
         if count == 0:
@@ -112,6 +126,7 @@ class SafetensorsFile:
             size = self.path.stat().st_size
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.path}: no such file") from None
+        self.stamp = _file_stamp(self.path)
         if size < 8:
             raise SafetensorsError(f"{self.path}: file too small to be safetensors ({size} bytes)")
         with open(self.path, "rb") as fh:
@@ -148,7 +163,7 @@ class SafetensorsFile:
             raise SafetensorsError(
                 f"{where}: data ends at byte {end} but the file holds only {data_len} data bytes (truncated?)"
             )
-        return SafeTensor(name, dtype, shape, self.path, data_start + begin, end - begin)
+        return SafeTensor(name, dtype, shape, self.path, data_start + begin, end - begin, self.stamp)
 
 
 def write_safetensors(path: str | os.PathLike[str], tensors: dict[str, tuple[str, np.ndarray]],

@@ -11,10 +11,10 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from ikquant.cli_common import err, fail, out
+from ikquant.cli_common import App, err, fail, out
 from ikquant.errors import IkError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app = App(add_completion=False, no_args_is_help=True, help=__doc__)
 
 
 def _custom_q(values: list[str]) -> list[tuple[str, str]]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import NoReturn
+import functools
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -18,9 +20,39 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
+class App(typer.Typer):
+    """A Typer app whose commands turn the operating-system errors a user can act on (no space, no permission, no
+    such folder, a read-only file system) into one-line messages; any other error keeps its traceback."""
+
+    def command(self, *args: Any, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        register = super().command(*args, **kwargs)
+
+        def decorator(f: Callable[..., Any]) -> Callable[..., Any]:
+            register(_os_errors_as_messages(f))
+            return f
+
+        return decorator
+
+
+def _os_errors_as_messages(f: Callable[..., Any]) -> Callable[..., Any]:
+    from ikquant.outputs import os_error_message
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return f(*args, **kwargs)
+        except OSError as exc:
+            message = os_error_message(exc)
+            if message is None:
+                raise
+            fail(message)
+
+    return wrapper
+
+
 def new_app(help_text: str | None, summary: str) -> typer.Typer:
-    """A Typer app whose commands exit cleanly (partial outputs removed) on SIGTERM."""
-    app = typer.Typer(add_completion=False, no_args_is_help=True, help=help_text)
+    """A Typer app (App) whose commands exit cleanly (partial outputs removed) on SIGTERM."""
+    app = App(add_completion=False, no_args_is_help=True, help=help_text)
 
     @app.callback(help=summary)
     def _main() -> None:

@@ -23,6 +23,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.gguf_reader import ReaderField
 
 from ikquant.errors import IkError
+from ikquant.outputs import partial_path, prepare_output, require_space, write_errors
 from ikquant.types import GGMLType, UnknownTypeError, type_by_id
 
 
@@ -104,6 +105,15 @@ class KeyValue:
     sub_type: GGUFValueType | None = None
 
 
+class InputChangedError(IkError, ValueError):
+    """An input file that changed on disk while a command was reading it."""
+
+
+def _file_stamp(path: Path) -> tuple[int, int, int, int]:
+    st = path.stat()
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class GGUFFile:
     """A memory-mapped GGUF file: metadata, tensor descriptors, zero-copy raw tensor bytes."""
 
@@ -120,6 +130,7 @@ class GGUFFile:
         self.tensors: dict[str, TensorInfo] = {t.name: t for t in self._reader.ik_tensors}
         self.alignment = int(self._reader.alignment)
         self.data_offset = int(self._reader.data_offset)
+        self._stamp = _file_stamp(self.path)
 
     def __repr__(self) -> str:
         return f"GGUFFile({str(self.path)!r}, {len(self.tensors)} tensors)"
@@ -150,11 +161,28 @@ class GGUFFile:
     def architecture(self) -> str:
         return str(self.require("general.architecture"))
 
-    def raw(self, name: str) -> np.ndarray:
-        """The stored bytes of tensor `name` as a read-only uint8 view [n_rows, row_bytes] (no copy)."""
+    def raw(self, name: str, check: bool = True) -> np.ndarray:
+        """The stored bytes of tensor `name` as a read-only uint8 view [n_rows, row_bytes] (no copy).
+
+        The file is first checked to be the one opened (`check`): reading a mapping past a truncated end kills
+        the process (SIGBUS), and a file rewritten or replaced since would give another model's bytes."""
+        if check:
+            self.check_unchanged()
         info = self.info(name)
         data = self._reader.data[info.offset : info.offset + info.nbytes]
         return data.reshape(info.n_rows, -1)
+
+    def check_unchanged(self) -> None:
+        """Raise InputChangedError if the file was truncated, rewritten, replaced or removed since it was opened."""
+        try:
+            now = _file_stamp(self.path)
+        except FileNotFoundError:
+            raise InputChangedError(f"{self.path} was removed while being read") from None
+        if now != self._stamp:
+            what = ("replaced" if now[:2] != self._stamp[:2] else
+                    "truncated" if now[2] < self._stamp[2] else "rewritten")
+            raise InputChangedError(f"{self.path} was {what} while being read (it is not the file that was opened); "
+                                    "start the command again")
 
     def release(self, name: str, row0: int = 0, row1: int | None = None) -> None:
         """Drop the pages of rows [row0, row1) of tensor `name` from this process (they stay in the page cache):
@@ -207,21 +235,18 @@ def exit_cleanly_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _exit)
 
 
-def partial_path(path: Path) -> Path:
-    """The temporary name a file is written under until it is complete."""
-    return path.with_name(f".{path.name}.partial-{os.getpid()}")
-
-
 class GGUFStreamWriter:
     """Write a GGUF file tensor by tensor, never holding more than one tensor, renaming into place at the end.
 
     Usage: add metadata through `gw` (a gguf.GGUFWriter), declare every tensor with `add_tensor_info`, then call
     `write_tensor` for each tensor in the same order, then `finish()`. Any exception (or `abort()`) deletes the
-    temporary file, so a failed run never leaves a partial output.
+    temporary file, so a failed run never leaves a partial output. The tensor data's size is checked against the
+    free space before the first byte of it is written (ikquant/outputs.py).
     """
 
     def __init__(self, path: str | os.PathLike[str], arch: str, alignment: int | None = None):
         self.path = Path(path)
+        prepare_output(self.path)
         self.tmp_path = partial_path(self.path)
         self.gw = GGUFWriter(path=None, arch=arch)
         if alignment is not None and alignment != self.gw.data_alignment:
@@ -249,9 +274,12 @@ class GGUFStreamWriter:
         return nbytes
 
     def _start(self) -> None:
-        self.gw.write_header_to_file(path=self.tmp_path)
-        self.gw.write_kv_data_to_file()
-        self.gw.write_ti_data_to_file()
+        with write_errors(self.path):
+            self.gw.write_header_to_file(path=self.tmp_path)
+            self.gw.write_kv_data_to_file()
+            self.gw.write_ti_data_to_file()
+        align = self.gw.data_alignment
+        require_space(self.path, sum(-(-n // align) * align for _, n in self._order))
         self._started = True
 
     def write_tensor(self, name: str, data: np.ndarray) -> None:
@@ -268,7 +296,8 @@ class GGUFStreamWriter:
             raise ValueError(f"tensor {name!r}: got {data.nbytes} bytes, declared {want_bytes}")
         if sys.byteorder != "little":
             raise RuntimeError("GGUF files are written little-endian; big-endian hosts are not supported")
-        self.gw.write_tensor_data(data.reshape(-1).view(np.uint8))
+        with write_errors(self.path):
+            self.gw.write_tensor_data(data.reshape(-1).view(np.uint8))
         self._next += 1
 
     def finish(self) -> Path:
@@ -279,8 +308,9 @@ class GGUFStreamWriter:
             missing = [n for n, _ in self._order[self._next :]]
             self.abort()
             raise ValueError(f"{len(missing)} declared tensors were never written, first: {missing[0]!r}")
-        self.gw.close()
-        os.replace(self.tmp_path, self.path)
+        with write_errors(self.path):
+            self.gw.close()
+            os.replace(self.tmp_path, self.path)
         return self.path
 
     def abort(self) -> None:

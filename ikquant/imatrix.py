@@ -126,11 +126,9 @@ def read_imatrix_dat(path: str | os.PathLike[str]) -> Imatrix:
 
 def write_imatrix_dat(path: str | os.PathLike[str], imat: Imatrix) -> None:
     """Write ik's legacy .dat layout (with the trailer, as ik always writes it), atomically."""
-    from ikquant.gguf_io import partial_path
+    from ikquant.outputs import output_file
 
-    p = Path(path)
-    tmp = partial_path(p)
-    with open(tmp, "wb") as fh:
+    with output_file(Path(path)) as tmp, open(tmp, "wb") as fh:
         fh.write(struct.pack("<i", len(imat.entries)))
         for name, entry in imat.entries.items():
             raw = name.encode("utf-8")
@@ -139,7 +137,6 @@ def write_imatrix_dat(path: str | os.PathLike[str], imat: Imatrix) -> None:
             fh.write(np.ascontiguousarray(entry.values, dtype="<f4").tobytes())
         ds = imat.dataset.encode("utf-8")
         fh.write(struct.pack("<ii", imat.chunks, len(ds)) + ds)
-    os.replace(tmp, p)
 
 
 def read_imatrix_gguf(path: str | os.PathLike[str]) -> Imatrix:

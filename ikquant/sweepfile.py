@@ -12,7 +12,6 @@ import csv
 import hashlib
 import io
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -86,10 +85,9 @@ def _typed(row: dict[str, str]) -> dict[str, Any]:
 
 def write_sweep_file(path: Path, header: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     """Write the sweep (JSON, or CSV when the name ends in .csv) under a temporary name, then rename."""
-    from ikquant.gguf_io import partial_path
+    from ikquant.outputs import output_file
 
     full = {"format": FORMAT, "version": VERSION, **header}
-    tmp = partial_path(Path(path))
     if Path(path).suffix == ".csv":
         buf = io.StringIO()
         buf.write("# " + json.dumps(full) + "\n")
@@ -97,10 +95,11 @@ def write_sweep_file(path: Path, header: dict[str, Any], rows: list[dict[str, An
         writer.writeheader()
         for r in rows:
             writer.writerow({**r, "tensors": ";".join(r["tensors"])})
-        tmp.write_text(buf.getvalue(), encoding="utf-8")
+        text = buf.getvalue()
     else:
-        tmp.write_text(json.dumps({**full, "rows": rows}, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+        text = json.dumps({**full, "rows": rows}, indent=1)
+    with output_file(Path(path)) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def check_resumable(path: Path, header: dict[str, Any], theirs: dict[str, Any]) -> None:

@@ -148,7 +148,13 @@ def logits(
         result = m.logits(ids)
     except IkError as exc:
         fail(str(exc))
-    np.save(output, result)
+    from ikquant.outputs import output_file
+
+    try:
+        with output_file(output, result.nbytes + 128) as tmp, open(tmp, "wb") as fh:
+            np.save(fh, result)
+    except IkError as exc:
+        fail(str(exc))
     err.print(f"wrote {output}: logits of {len(ids)} tokens x {result.shape[1]} vocab")
 
 
@@ -631,8 +637,9 @@ def _refine(m: Model, output: Path, opts, groups, options, plan, target, sweep: 
     """Re-cost the most sensitive groups inside the assembled mix, choose again, keep the better-measured file
     (None: the same mix is chosen again)."""
     from ikquant.cli import print_mix
-    from ikquant.gguf_io import GGUFFile, partial_path
+    from ikquant.gguf_io import GGUFFile
     from ikquant.mix import plan_mix
+    from ikquant.outputs import partial_path
     from ikrun.refine import most_sensitive, refined_options
 
     chosen = most_sensitive(plan.choice, refine)

@@ -311,22 +311,33 @@ class BaseLogitsWriter:
     """Writes ik's base-logits layout chunk by chunk to a temporary name, renamed when complete."""
 
     def __init__(self, path: str | os.PathLike[str], n_ctx: int, n_vocab: int, tokens: np.ndarray):
-        from ikquant.gguf_io import partial_path
+        from ikquant.outputs import partial_path, prepare_output
 
         self.path = Path(path)
+        n_chunk = tokens.shape[0]
+        prepare_output(self.path, 20 + 4 * n_chunk * n_ctx + 2 * record_words(n_vocab) * n_chunk *
+                       len(scored_positions(n_ctx)))
         self.tmp = partial_path(self.path)
         self.n_vocab = n_vocab
-        self._fh = open(self.tmp, "wb")
-        self._fh.write(MAGIC)
-        self._fh.write(np.array([n_ctx, n_vocab, tokens.shape[0]], dtype="<i4").tobytes())
-        self._fh.write(np.ascontiguousarray(tokens, dtype="<i4").tobytes())
+        with self._errors():
+            self._fh = open(self.tmp, "wb")
+            self._fh.write(MAGIC)
+            self._fh.write(np.array([n_ctx, n_vocab, n_chunk], dtype="<i4").tobytes())
+            self._fh.write(np.ascontiguousarray(tokens, dtype="<i4").tobytes())
+
+    def _errors(self):  # type: ignore[no-untyped-def]
+        from ikquant.outputs import write_errors
+
+        return write_errors(self.path)
 
     def write_chunk(self, records: np.ndarray) -> None:
-        self._fh.write(np.ascontiguousarray(records, dtype="<u2").tobytes())
+        with self._errors():
+            self._fh.write(np.ascontiguousarray(records, dtype="<u2").tobytes())
 
     def finish(self) -> Path:
-        self._fh.close()
-        os.replace(self.tmp, self.path)
+        with self._errors():
+            self._fh.close()
+            os.replace(self.tmp, self.path)
         return self.path
 
     def abort(self) -> None:

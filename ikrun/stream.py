@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ikquant.outputs import OutputError, write_errors
 from ikquant.sizes import format_size
 from ikrun.memory import BudgetError, free_disk
 from ikrun.model import TILE_BYTES, Model
@@ -155,10 +156,13 @@ class _Hidden:
         if self.fd is None:
             self.arrays[c] = x
             return
+        assert self.path is not None
         data = np.ascontiguousarray(x, dtype=np.float32).data.cast("B")
-        written = os.pwrite(self.fd, data, c * self.record)
+        with write_errors(self.path):
+            written = os.pwrite(self.fd, data, c * self.record)
         if written != self.record:
-            raise OSError(f"{self.path}: short write of a hidden state ({written} of {self.record} bytes)")
+            raise OutputError(f"{self.path}: no space left on the device for the spilled hidden states (wrote "
+                              f"{written} of {self.record} bytes)")
 
     def get(self, c: int) -> np.ndarray:
         if self.fd is None:

@@ -338,7 +338,7 @@ class WeightStore:
                 else:
                     # a file replaced by rename still maps its old bytes
                     prev = old.file.info(name)
-                    differs = prev.type is not info.type or old.file.raw(name).tobytes() != after.raw.tobytes()
+                    differs = prev.type is not info.type or old.file.raw(name, check=False).tobytes() != after.raw.tobytes()
                 self._source[name] = (i, info)
                 if differs:
                     changed.append(name)
