@@ -49,12 +49,14 @@ def block_of(name: str) -> int | None:
 
 @dataclass
 class Sequence:
-    """One sequence under evaluation: its tokens at positions 0..n-1, its index among the chunks of a run, and the
-    state an architecture carries from one block to the next."""
+    """One sequence under evaluation: its tokens at positions start..start+n-1, its index among the chunks of a
+    run, and the state an architecture carries from one block to the next. `start` > 0 continues an earlier
+    sequence whose keys and values the state holds (`state["kv"]`, for architectures with `continues`)."""
 
     tokens: np.ndarray
     index: int = 0
     state: dict[str, Any] = field(default_factory=dict)
+    start: int = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -119,6 +121,16 @@ class ArchModel(ABC):
             if m.shape(name) != shape:
                 raise self.fail(f"tensor {name} has shape {list(m.shape(name))}, the hyperparameters imply "
                                 f"{list(shape)}")
+
+    #: False for models that run only beside another (a DFlash draft beside its target)
+    standalone: ClassVar[bool] = True
+    #: whether a Sequence may continue an earlier one through a key/value cache (`Sequence.start`,
+    #: `state["kv"]`): what speculative decoding's verification needs of a target
+    continues: ClassVar[bool] = False
+
+    def output_projection(self, x: np.ndarray) -> np.ndarray:
+        """The output head alone (no final norm) on hidden rows: what a DFlash draft's proposals go through."""
+        raise self.fail(f"{self.m.arch} models cannot serve as a DFlash target yet (supported: llama, qwen2, qwen3)")
 
     # ---- the forward ----------------------------------------------------------------------------------------
     def begin(self, seq: Sequence) -> None:  # noqa: B027 (a hook most architectures use, none must)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 class LlamaFamily(ArchModel):
     archs = ("llama", "qwen2", "qwen3")
+    continues = True
 
     def __init__(self, model: Model):
         super().__init__(model)
@@ -73,8 +74,12 @@ class LlamaFamily(ArchModel):
     def begin(self, seq: Sequence) -> None:
         m = self.m
         factors = m.weight("rope_freqs.weight") if m.has("rope_freqs.weight") else None
-        seq.state["rope"] = self.table(("rope", len(seq)), lambda: rope_cache(
-            np.arange(len(seq)), self.n_rot, self.rope_base, self.freq_scale, factors))
+
+        def table() -> tuple[np.ndarray, np.ndarray]:
+            return rope_cache(np.arange(seq.start, seq.start + len(seq)), self.n_rot, self.rope_base,
+                              self.freq_scale, factors)
+
+        seq.state["rope"] = self.table(("rope", len(seq)), table) if seq.start == 0 else table()
 
     def embed(self, seq: Sequence) -> np.ndarray:
         return self.m.embed_rows("token_embd.weight", seq.tokens)
@@ -96,10 +101,18 @@ class LlamaFamily(ArchModel):
         k = np.ascontiguousarray(k)
         apply_rope(q, cos, sin, self.n_rot, self.neox)
         apply_rope(k, cos, sin, self.n_rot, self.neox)
-        attn = causal_attention(q, m.kv_store(k), m.kv_store(v), 1.0 / np.sqrt(self.head_dim)).reshape(n, -1)
+        k, v = m.kv_store(k), m.kv_store(v)
+        cache = seq.state.get("kv")
+        if cache is not None:  # a continuation: earlier positions' keys and values first
+            if i in cache:
+                k, v = np.concatenate([cache[i][0], k]), np.concatenate([cache[i][1], v])
+            cache[i] = (k, v)
+        attn = causal_attention(q, k, v, 1.0 / np.sqrt(self.head_dim)).reshape(n, -1)
         x = x + m.linear(attn, b + "attn_output")
         return x + dense_ffn(m, rms_norm(x, m.weight(b + "ffn_norm.weight"), self.eps), b)
 
     def head(self, x: np.ndarray, seq: Sequence) -> np.ndarray:
-        x = rms_norm(x, self.m.weight("output_norm.weight"), self.eps)
+        return self.output_projection(rms_norm(x, self.m.weight("output_norm.weight"), self.eps))
+
+    def output_projection(self, x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(self.m.project(x, self.output), dtype=np.float32)

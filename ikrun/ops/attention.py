@@ -53,8 +53,10 @@ def causal_softmax(scores: np.ndarray, scale: float, q0: int) -> None:
 
 
 def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-    """q [n, H, d], k/v [n, Hkv, d(v)] -> [n, H, dv]; query i attends to keys 0..i (same chunk, positions 0..n-1)."""
+    """q [n, H, d], k/v [p + n, Hkv, d(v)] -> [n, H, dv]; the queries are positions p..p+n-1 (p = 0 for a fresh
+    sequence; a continuation's earlier keys and values come first) and query i attends to keys 0..p+i."""
     n, n_head, _ = q.shape
+    past = k.shape[0] - n
     n_kv_head = k.shape[1]
     group = n_head // n_kv_head
     dv = v.shape[2]
@@ -64,9 +66,9 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) 
     out = np.empty((n_kv_head, group, n, dv), dtype=np.float32)
     for q0 in range(0, n, QUERY_BLOCK):
         q1 = min(n, q0 + QUERY_BLOCK)
-        n_keys = q1
+        n_keys = past + q1
         scores = np.matmul(qh[:, :, q0:q1], kh[..., :n_keys])  # [Hkv, g, nq, n_keys]
         flat = scores.reshape(n_kv_head * group, q1 - q0, n_keys)
-        causal_softmax(flat, scale, q0)
+        causal_softmax(flat, scale, past + q0)
         out[:, :, q0:q1] = np.matmul(scores, vh[:, :, :n_keys])
     return out.reshape(n_head, n, dv).transpose(1, 0, 2)

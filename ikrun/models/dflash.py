@@ -1,0 +1,185 @@
+"""DFlash drafts (`dflash-draft`): block-diffusion speculative drafters that propose a whole block of tokens in one
+forward from the target's hidden states (z-lab/dflash's DFlashDraftModel).
+
+The target's hidden states after the draft's `target_layer_ids` blocks, concatenated, go through `dflash_fc` and
+`dflash_hidden_norm` once; every draft layer projects them with its own K/V weights (K through `attn_k_norm`, both
+roped at the context positions) into a context its block attends to. The block is the target's embeddings of
+`[last known token, mask x (block_size - 1)]` at the next positions; each layer attends non-causally to the whole
+context plus the block (Qwen3 layers otherwise: q/k norms, NEOX rope, SwiGLU; biases and sliding windows where the
+file has them). The draft's output norm ends it; the proposals are the target's output head on rows 1.. of it.
+
+A draft runs only with its target (`ikrun accept`); the context a draft has seen stays in a DraftContext, so each
+verified token's features are projected once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ikrun.models.base import ArchModel, ModelError, Sequence
+from ikrun.ops.ffn import dense_ffn
+from ikrun.ops.norm import rms_norm
+from ikrun.ops.rope import apply_rope, rope_cache
+
+if TYPE_CHECKING:
+    from ikrun.model import Model
+
+FC, HIDDEN_NORM = "dflash_fc.weight", "dflash_hidden_norm.weight"
+
+
+@dataclass
+class DraftContext:
+    """The keys and values of the context positions 0..length-1, per draft layer."""
+
+    k: list[np.ndarray] = field(default_factory=list)
+    v: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.k[0]) if self.k else 0
+
+
+class DFlashDraft(ArchModel):
+    archs = ("dflash-draft",)
+    standalone = False
+
+    def __init__(self, model: Model):
+        super().__init__(model)
+        hp = model.hparam
+        self.n_layer = int(hp("block_count"))
+        self.n_embd = int(hp("embedding_length"))
+        self.n_head = int(hp("attention.head_count"))
+        self.n_head_kv = int(hp("attention.head_count_kv", self.n_head))
+        self.head_dim = int(hp("attention.key_length", self.n_embd // self.n_head))
+        self.n_rot = int(hp("rope.dimension_count", self.head_dim))
+        self.eps = float(hp("attention.layer_norm_rms_epsilon"))
+        self.rope_base = float(hp("rope.freq_base", 10000.0))
+        self.block_size = int(hp("dflash.block_size"))
+        self.mask_token_id = int(hp("dflash.mask_token_id"))
+        self.target_layer_ids = [int(i) for i in hp("dflash.target_layer_ids")]
+        self.n_target_features = int(hp("dflash.n_target_features"))
+        window = hp("attention.sliding_window", None)
+        pattern = hp("attention.sliding_window_pattern", None)
+        self.windows: list[int | None] = [
+            int(window) if window and (pattern is None or bool(pattern[i])) else None for i in range(self.n_layer)]
+        # no forward of its own: n_vocab is the target's; n_active 0 keeps the runtime's block loops off it
+        self.n_vocab, self.n_active = 0, 0
+        if self.n_head % self.n_head_kv:
+            raise self.fail(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
+        for name in ("attn_gate", "attn_sinks"):
+            if any(model.has(f"blk.{i}.{name}.weight") or model.has(f"blk.{i}.{name}") for i in range(self.n_layer)):
+                raise self.fail(f"draft layers with {name} tensors are not supported by the runtime yet")
+        self.check_tensors(self._expected())
+
+    def _expected(self) -> dict[str, tuple[int, ...]]:
+        e, q, kv = self.n_embd, self.n_head * self.head_dim, self.n_head_kv * self.head_dim
+        ff = int(self.m.hparam("feed_forward_length"))
+        want: dict[str, tuple[int, ...]] = {FC: (e, self.n_target_features), HIDDEN_NORM: (e,),
+                                            "output_norm.weight": (e,)}
+        for i in range(self.n_layer):
+            b = f"blk.{i}."
+            want.update({
+                b + "attn_norm.weight": (e,), b + "attn_q.weight": (q, e), b + "attn_k.weight": (kv, e),
+                b + "attn_v.weight": (kv, e), b + "attn_output.weight": (e, q), b + "attn_q_norm.weight":
+                (self.head_dim,), b + "attn_k_norm.weight": (self.head_dim,), b + "post_attention_norm.weight": (e,),
+                b + "ffn_gate.weight": (ff, e), b + "ffn_up.weight": (ff, e), b + "ffn_down.weight": (e, ff),
+            })
+        return want
+
+    def check_target(self, target: ArchModel) -> None:
+        """The target must give the features this draft was trained on (layers, widths) and serve as a target."""
+        t = target.m
+        if not target.continues:
+            raise self.fail(f"{t.path} ({t.arch}) cannot serve as a DFlash target yet (supported: llama, qwen2, "
+                            "qwen3)")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.n_active]
+        if bad:
+            raise self.fail(f"target layer {bad[0]} of dflash.target_layer_ids is not a block of {t.path} "
+                            f"({target.n_active} blocks)")
+        width = len(self.target_layer_ids) * target.n_embd
+        if width != self.n_target_features:
+            raise self.fail(f"the draft takes {self.n_target_features} target features, {t.path} gives "
+                            f"{len(self.target_layer_ids)} layers x {target.n_embd} = {width}")
+        tokens = self.m.gguf.get("tokenizer.ggml.tokens")
+        if tokens is not None and len(tokens) != target.n_vocab:
+            raise self.fail(f"the draft's vocabulary has {len(tokens)} tokens, the target {t.path} has "
+                            f"{target.n_vocab}: a draft of another model")
+        if not 0 <= self.mask_token_id < target.n_vocab:
+            raise self.fail(f"mask token {self.mask_token_id} is not in the target's vocabulary of {target.n_vocab}")
+
+    # ---- the runtime contract: a draft has no forward of its own ---------------------------------------------
+    def _alone(self) -> ModelError:
+        return self.fail("a DFlash draft runs with its target: ikrun accept TARGET.gguf DRAFT.gguf")
+
+    def embed(self, seq: Sequence) -> np.ndarray:
+        raise self._alone()
+
+    def block(self, i: int, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
+        raise self._alone()
+
+    def head(self, x: np.ndarray, seq: Sequence) -> np.ndarray:
+        raise self._alone()
+
+    # ---- drafting ---------------------------------------------------------------------------------------------
+    def _rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return rope_cache(positions, self.n_rot, self.rope_base)
+
+    def _kv(self, i: int, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        m, b, n = self.m, f"blk.{i}.", len(h)
+        k = rms_norm(m.linear(h, b + "attn_k").reshape(n, self.n_head_kv, self.head_dim),
+                     m.weight(b + "attn_k_norm.weight"), self.eps)
+        k = np.ascontiguousarray(k)
+        apply_rope(k, cos, sin, self.n_rot, True)
+        return k, m.linear(h, b + "attn_v").reshape(n, self.n_head_kv, self.head_dim)
+
+    def extend_context(self, ctx: DraftContext, features: np.ndarray) -> None:
+        """Append the context of the next len(features) positions (the target's features of those tokens)."""
+        m = self.m
+        t = rms_norm(m.linear(np.ascontiguousarray(features, dtype=np.float32), "dflash_fc"), m.weight(HIDDEN_NORM),
+                     self.eps)
+        cos, sin = self._rope(np.arange(ctx.length, ctx.length + len(t)))
+        for i in range(self.n_layer):
+            k, v = self._kv(i, t, cos, sin)
+            if len(ctx.k) <= i:
+                ctx.k.append(k)
+                ctx.v.append(v)
+            else:
+                ctx.k[i] = np.concatenate([ctx.k[i], k])
+                ctx.v[i] = np.concatenate([ctx.v[i], v])
+
+    def draft(self, ctx: DraftContext, block_embeddings: np.ndarray,
+              on_layer: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
+        """The draft's output rows [block, n_embd] for a block at positions ctx.length.. (the context unchanged);
+        `on_layer(i, x)` sees each layer's output."""
+        m, n, p0 = self.m, len(block_embeddings), ctx.length
+        cos, sin = self._rope(np.arange(p0, p0 + n))
+        x = np.ascontiguousarray(block_embeddings, dtype=np.float32)
+        group = self.n_head // self.n_head_kv
+        for i in range(self.n_layer):
+            b = f"blk.{i}."
+            h = rms_norm(x, m.weight(b + "attn_norm.weight"), self.eps)
+            q = rms_norm(m.linear(h, b + "attn_q").reshape(n, self.n_head, self.head_dim),
+                         m.weight(b + "attn_q_norm.weight"), self.eps)
+            q = np.ascontiguousarray(q)
+            apply_rope(q, cos, sin, self.n_rot, True)
+            k_blk, v_blk = self._kv(i, h, cos, sin)
+            k = np.concatenate([ctx.k[i], k_blk]) if ctx.k else k_blk
+            v = np.concatenate([ctx.v[i], v_blk]) if ctx.v else v_blk
+            kh = np.repeat(k.transpose(1, 0, 2), group, axis=0)  # [H, keys, d]
+            vh = np.repeat(v.transpose(1, 0, 2), group, axis=0)
+            scores = np.matmul(q.transpose(1, 0, 2), kh.transpose(0, 2, 1)) * np.float32(self.head_dim ** -0.5)
+            if self.windows[i] is not None:  # both directions, as the block sees context and block non-causally
+                qpos = np.arange(p0, p0 + n)[:, None]
+                kpos = np.arange(len(k))[None, :]
+                scores = np.where(np.abs(qpos - kpos) < self.windows[i], scores, np.float32(-np.inf))
+            scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            attn = np.matmul(scores / scores.sum(axis=-1, keepdims=True), vh)  # [H, n, d]
+            x = x + m.linear(np.ascontiguousarray(attn.transpose(1, 0, 2)).reshape(n, -1), b + "attn_output")
+            x = x + dense_ffn(m, rms_norm(x, m.weight(b + "post_attention_norm.weight"), self.eps), b)
+            if on_layer is not None:
+                on_layer(i, x)
+        return rms_norm(x, m.weight("output_norm.weight"), self.eps)

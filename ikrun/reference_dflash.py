@@ -1,0 +1,89 @@
+"""Independent numpy reference for one DFlashDraftModel forward, written from z-lab/dflash's definition.
+
+HF tensor names read from the draft's safetensors (bf16 widened to float32), the target's embedding and lm_head
+from the target's: `hidden_norm(fc(target_hidden))` as every layer's context; per layer input_layernorm on the
+block only, q/k/v projections, q_norm and k_norm per head (k_norm on the context keys and the block keys alike),
+rotate-half rope from inverse frequencies at the context positions then the block positions, attention with no
+mask (grouped KV heads repeated), o_proj, residual, post_attention_layernorm, SwiGLU, residual; the final norm.
+float32 throughout, softmax in float64. The runtime's draft (ikrun/models/dflash.py) is checked against this layer
+by layer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ikconvert.safetensors_io import SafetensorsFile
+
+
+def _load(folder: Path) -> dict[str, np.ndarray]:
+    tensors: dict[str, np.ndarray] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        f = SafetensorsFile(path)
+        tensors.update({name: t.to_f32() for name, t in f.tensors.items()})
+    return tensors
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    v = x.astype(np.float64)
+    return (v / np.sqrt((v * v).mean(-1, keepdims=True) + eps)).astype(np.float32) * w
+
+
+def _rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = positions[:, None].astype(np.float64) * inv[None, :]
+    emb = np.concatenate([ang, ang], axis=-1)
+    cos, sin = np.cos(emb).astype(np.float32)[:, None, :], np.sin(emb).astype(np.float32)[:, None, :]
+    rot = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
+    return x * cos + rot * sin
+
+
+class DFlashReference:
+    """A draft checkpoint folder and its target's folder."""
+
+    def __init__(self, draft_dir: Path, target_dir: Path):
+        self.cfg = json.loads((draft_dir / "config.json").read_text(encoding="utf-8"))
+        self.w = {k.removeprefix("model."): v for k, v in _load(draft_dir).items()}
+        target = _load(target_dir)
+        self.embed = target["model.embed_tokens.weight"]
+        self.lm_head = target.get("lm_head.weight", self.embed)
+
+    def forward(self, context_features: np.ndarray, block_ids: np.ndarray) -> list[np.ndarray]:
+        """Each layer's output, then the final norm's, for the block following len(context_features) tokens."""
+        c, g = self.cfg, self.w
+        eps, theta = float(c["rms_norm_eps"]), float(c.get("rope_theta", 10000.0))
+        n_head, n_kv, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        n_ctx, n = len(context_features), len(block_ids)
+        ctx = _rms(context_features @ g["fc.weight"].T, g["hidden_norm.weight"], eps)
+        x = self.embed[block_ids]
+        q_pos, k_pos = np.arange(n_ctx, n_ctx + n), np.arange(n_ctx + n)
+        outs = []
+        for i in range(c["num_hidden_layers"]):
+            p = f"layers.{i}."
+            h = _rms(x, g[p + "input_layernorm.weight"], eps)
+            q = _rms((h @ g[p + "self_attn.q_proj.weight"].T).reshape(n, n_head, d), g[p + "self_attn.q_norm.weight"],
+                     eps)
+            both = np.concatenate([ctx, h])
+            k = _rms((both @ g[p + "self_attn.k_proj.weight"].T).reshape(n_ctx + n, n_kv, d),
+                     g[p + "self_attn.k_norm.weight"], eps)
+            v = (both @ g[p + "self_attn.v_proj.weight"].T).reshape(n_ctx + n, n_kv, d)
+            q, k = _rope(q, q_pos, theta), _rope(k, k_pos, theta)
+            k, v = np.repeat(k, n_head // n_kv, axis=1), np.repeat(v, n_head // n_kv, axis=1)
+            scores = np.einsum("qhd,khd->hqk", q, k).astype(np.float64) / np.sqrt(d)
+            probs = np.exp(scores - scores.max(-1, keepdims=True))
+            probs = (probs / probs.sum(-1, keepdims=True)).astype(np.float32)
+            attn = np.einsum("hqk,khd->qhd", probs, v).reshape(n, n_head * d)
+            x = x + attn @ g[p + "self_attn.o_proj.weight"].T
+            h = _rms(x, g[p + "post_attention_layernorm.weight"], eps)
+            gate, up = h @ g[p + "mlp.gate_proj.weight"].T, h @ g[p + "mlp.up_proj.weight"].T
+            x = x + ((gate / (1.0 + np.exp(-gate))) * up) @ g[p + "mlp.down_proj.weight"].T
+            outs.append(x)
+        outs.append(_rms(x, g["norm.weight"], eps))
+        return outs
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        return hidden @ self.lm_head.T

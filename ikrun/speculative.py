@@ -1,0 +1,148 @@
+"""Greedy speculative decoding with a DFlash draft, step for step as the reference (z-lab/dflash's
+`dflash_generate` at temperature 0) does it, and the acceptance statistics users judge drafts by.
+
+Each step drafts a whole block `[last token, mask x (block - 1)]` from the target's features of every token verified so
+far, the target verifies the whole block in one forward that continues its key/value cache, the longest prefix of
+proposals the target agrees with is accepted, and the target's own next token is added (the acceptance length of a
+step counts both). The verified tokens' features become the draft's next context. Greedy speculation never
+changes the output: it is the target's own greedy continuation (`greedy_continuation` checks it).
+
+The loop is the one the oracle's acceptance lengths were measured with: whole blocks until max_new tokens exist,
+the last block's tokens past them cut afterwards (its acceptance length counts them; the reference's current
+`dflash_generate` shortens the last block instead, which changes only the last step's figure).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ikquant.errors import IkError
+from ikrun.model import Model
+from ikrun.models.base import Sequence
+from ikrun.models.dflash import DFlashDraft, DraftContext
+
+
+class AcceptError(IkError, ValueError):
+    """Prompts or options that cannot be decoded (a prompt longer than the text, a block larger than the draft's)."""
+
+
+class TargetDecoder:
+    """The target continuing one sequence through its key/value cache, with the hidden states of chosen blocks."""
+
+    def __init__(self, model: Model, feature_layers: list[int]):
+        self.model, self.impl = model, model.impl
+        self.layers = feature_layers
+        self.kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.length = 0
+
+    def run(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Logits [n, vocab] and the features [n, layers x n_embd] of the next len(tokens) positions."""
+        seq = Sequence(np.asarray(tokens, dtype=np.int64), start=self.length, state={"kv": self.kv})
+        impl = self.impl
+        with self.model.blas_limit():
+            impl.begin(seq)
+            x = impl.embed(seq)
+            features = {}
+            for i in range(impl.n_active):
+                x = impl.block(i, [x], [seq])[0]
+                if i in self.layers:
+                    features[i] = x
+            logits = impl.head(x, seq)
+        self.length += len(tokens)
+        return logits, np.concatenate([features[i] for i in self.layers], axis=1) if self.layers else x[:, :0]
+
+    def keep(self, length: int) -> None:
+        """Forget every position from `length` on (the rejected part of a verified block)."""
+        self.kv = {i: (k[:length], v[:length]) for i, (k, v) in self.kv.items()}
+        self.length = length
+
+
+@dataclass
+class SpecRun:
+    """One prompt's speculative decoding."""
+
+    prompt: list[int]
+    output_ids: list[int]  # prompt + new tokens
+    acceptance_lengths: list[int]
+    #: per step, the target's output head on every row of the draft's block (row 0: the known token's position)
+    draft_logits: list[np.ndarray] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def speculative_generate(target: Model, draft: Model, prompt: np.ndarray, max_new: int, block: int | None = None,
+                         keep_logits: bool = False) -> SpecRun:
+    """Greedy DFlash speculative decoding of `max_new` tokens after `prompt`."""
+    d = draft.impl
+    assert isinstance(d, DFlashDraft)
+    d.check_target(target.impl)
+    bs = block or d.block_size
+    n = len(prompt)
+    max_length = n + max_new
+    t0 = time.perf_counter()
+    out = np.full(max_length + bs, d.mask_token_id, dtype=np.int64)
+    out[:n] = prompt
+    dec = TargetDecoder(target, d.target_layer_ids)
+    logits, pending = dec.run(out[:n])
+    out[n] = int(np.argmax(logits[-1]))
+    ctx = DraftContext()
+    run = SpecRun([int(t) for t in prompt], [], [])
+    start = n
+    with draft.blas_limit():
+        while start < max_length:  # whole blocks, the last one cut at max_length afterwards
+            blk = out[start : start + bs].copy()
+            d.extend_context(ctx, pending)
+            hidden = d.draft(ctx, target.embed_rows("token_embd.weight", blk))
+            proposals = target.impl.output_projection(hidden)
+            if keep_logits:
+                run.draft_logits.append(proposals)
+            blk[1:] = np.argmax(proposals[1:], axis=-1)
+            logits, features = dec.run(blk)
+            posterior = np.argmax(logits, axis=-1)
+            accepted = int(np.cumprod(blk[1:] == posterior[:-1]).sum())
+            out[start : start + accepted + 1] = blk[: accepted + 1]
+            out[start + accepted + 1] = posterior[accepted]
+            start += accepted + 1
+            dec.keep(start)
+            run.acceptance_lengths.append(accepted + 1)
+            pending = features[: accepted + 1]
+    run.output_ids = [int(t) for t in out[:max_length]]
+    run.seconds = time.perf_counter() - t0
+    return run
+
+
+def greedy_continuation(target: Model, prompt: np.ndarray, max_new: int) -> list[int]:
+    """The target's own greedy continuation, one token at a time through its cache (what speculation must give)."""
+    dec = TargetDecoder(target, [])
+    out = [int(t) for t in prompt]
+    logits, _ = dec.run(np.asarray(prompt))
+    for _ in range(max_new):
+        out.append(int(np.argmax(logits[-1])))
+        if len(out) == len(prompt) + max_new:
+            break
+        logits, _ = dec.run(np.asarray(out[-1:]))
+    return out
+
+
+def prompt_starts(n_tokens: int, n_prompts: int, prompt_len: int, max_new: int) -> list[int]:
+    """Prompt i starts at token i * floor((n - L - M) / N)."""
+    room = n_tokens - prompt_len - max_new
+    if room < 0 or n_prompts < 1:
+        raise AcceptError(f"the text gives {n_tokens} tokens; {n_prompts} prompts of {prompt_len} tokens with "
+                          f"{max_new} new tokens each need at least {prompt_len + max_new}")
+    step = room // n_prompts
+    return [i * step for i in range(n_prompts)]
+
+
+def acceptance_by_position(runs: list[SpecRun], block: int) -> list[float]:
+    """For each draft position 1..block-1: the share of all steps in which the proposal there was accepted."""
+    steps = [length for r in runs for length in r.acceptance_lengths]
+    return [sum(1 for length in steps if length - 1 >= j) / len(steps) if steps else 0.0 for j in range(1, block)]
+
+
+def mean_acceptance_length(runs: list[SpecRun]) -> float:
+    """Tokens per target step over every step of every prompt (the reference's figure)."""
+    steps = [length for r in runs for length in r.acceptance_lengths]
+    return sum(steps) / len(steps) if steps else 0.0

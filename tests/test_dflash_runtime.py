@@ -1,0 +1,128 @@
+"""DFlash drafts in the runtime: greedy speculative decoding against the reference implementation's oracle
+(output ids, acceptance lengths, draft logits per step), layer by layer against an independent reference, and
+`ikrun accept`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numba
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikrun.cli import app
+
+runner = CliRunner()
+GOLD = Path(__file__).parent / "data" / "dflash" / "dflash-qwen3-trained"
+TEXT = Path(__file__).parent / "data" / "logits" / "qwen3" / "text.txt"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from ikconvert.convert import Converter
+
+    folder = tmp_path_factory.mktemp("dflash")
+    target = Converter(GOLD / "target", "f32", "qwen2").write(folder / "target.gguf")
+    draft = Converter(GOLD / "hf", "f32", "qwen2", arch_options={"target_model_dir": str(GOLD / "target")}).write(
+        folder / "draft.gguf")
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def oracle() -> dict:  # type: ignore[type-arg]
+    return json.loads((GOLD / "dflash-oracle.json").read_text())
+
+
+def test_speculative_decoding_reproduces_the_reference(pair: tuple[Path, Path], oracle: dict) -> None:  # type: ignore[type-arg]
+    from ikrun.model import Model
+    from ikrun.speculative import greedy_continuation, speculative_generate
+
+    target, draft = Model(pair[0]), Model(pair[1])
+    logits = np.load(GOLD / "dflash-draft-logits.npz")
+    for p, ref in enumerate(oracle["runs"]):
+        run = speculative_generate(target, draft, np.array(ref["prompt"]), oracle["max_new_tokens"], keep_logits=True)
+        assert run.output_ids == ref["output_ids"], p
+        assert run.acceptance_lengths == ref["acceptance_lengths"], p
+        assert len(run.draft_logits) == len(ref["acceptance_lengths"])
+        for k, got in enumerate(run.draft_logits):
+            assert np.abs(got - logits[f"p{p}_step{k}"]).max() < 1e-4, (p, k)
+        if p == 0:  # speculation never changes the greedy output
+            assert greedy_continuation(target, np.array(ref["prompt"]), oracle["max_new_tokens"]) == ref["output_ids"]
+
+
+def test_draft_layers_match_the_independent_reference(pair: tuple[Path, Path], oracle: dict) -> None:  # type: ignore[type-arg]
+    from ikrun.model import Model
+    from ikrun.models.dflash import DraftContext
+    from ikrun.reference_dflash import DFlashReference
+    from ikrun.speculative import TargetDecoder
+
+    target, draft = Model(pair[0]), Model(pair[1])
+    d = draft.impl
+    prompt = np.array(oracle["runs"][0]["prompt"])
+    logits, features = TargetDecoder(target, d.target_layer_ids).run(prompt)
+    block = np.full(d.block_size, d.mask_token_id)
+    block[0] = int(np.argmax(logits[-1]))
+    ctx = DraftContext()
+    d.extend_context(ctx, features)
+    layers: list[np.ndarray] = []
+    out = d.draft(ctx, target.embed_rows("token_embd.weight", block), lambda i, x: layers.append(x.copy()))
+    ref = DFlashReference(GOLD / "hf", GOLD / "target").forward(features, block)
+    for i, (ours, theirs) in enumerate(zip([*layers, out], ref)):
+        assert np.abs(ours - theirs).max() < 1e-4, f"draft layer {i} differs first"
+    first = np.load(GOLD / "dflash-draft-logits.npz")["p0_step0"]
+    assert np.abs(target.impl.output_projection(out) - first).max() < 1e-4
+
+
+def test_ikrun_accept_prints_the_reference_acceptance(pair: tuple[Path, Path], oracle: dict) -> None:  # type: ignore[type-arg]
+    res = runner.invoke(app, ["accept", str(pair[0]), str(pair[1]), "--text", str(TEXT), "--json"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout)
+    assert got["mean_acceptance_length"] == pytest.approx(oracle["mean_acceptance_length"], rel=1e-12)
+    assert [r["prompt"] for r in got["runs"]] == [r["prompt"] for r in oracle["runs"]]
+    assert [r["acceptance_lengths"] for r in got["runs"]] == [r["acceptance_lengths"] for r in oracle["runs"]]
+    assert got["output_matches_target"] is True
+    assert len(got["acceptance_by_position"]) == 15 and got["acceptance_by_position"][0] > 0.9
+
+
+def test_quantized_drafts_are_compared(pair: tuple[Path, Path]) -> None:
+    res = runner.invoke(app, ["accept", str(pair[0]), str(pair[1]), "--text", str(TEXT), "--prompts", "2",
+                              "--max-new", "32", "--compare", "Q8_0,Q4_0", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)
+    assert [r["draft"] for r in rows] == ["as stored", "Q8_0", "Q4_0"]
+    assert rows[0]["draft_bytes"] > rows[1]["draft_bytes"] > rows[2]["draft_bytes"]
+    assert all(r["output_matches_target"] for r in rows)
+    assert rows[1]["mean_acceptance_length"] > 4  # a working draft still drafts once quantized
+
+
+def test_deterministic_at_any_thread_count(pair: tuple[Path, Path], oracle: dict) -> None:  # type: ignore[type-arg]
+    from ikrun.model import Model
+    from ikrun.speculative import speculative_generate
+
+    runs = []
+    for threads in (1, 2):
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        target, draft = Model(pair[0], threads=threads), Model(pair[1], threads=threads)
+        runs.append(speculative_generate(target, draft, np.array(oracle["runs"][1]["prompt"]), 48, keep_logits=True))
+    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+    assert runs[0].output_ids == runs[1].output_ids
+    assert all(np.array_equal(a, b) for a, b in zip(runs[0].draft_logits, runs[1].draft_logits))
+
+
+def test_bad_pairs_and_prompts_are_refused_before_compute(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    from ikconvert.convert import Converter
+    from ikconvert.tiny import TinySpec, make_tiny_checkpoint
+
+    other = Converter(make_tiny_checkpoint(tmp_path / "hf", TinySpec(arch="qwen3", hidden=96, layers=3, heads=2,
+                                                                     kv_heads=1, head_dim=48, ffn=128)),
+                      "f32", "qwen2").write(tmp_path / "other.gguf")
+    res = runner.invoke(app, ["accept", str(other), str(pair[1]), "--text", str(TEXT)])
+    assert res.exit_code == 2 and "128 target features" in res.output and "2 layers x 96 = 192" in res.output
+    res = runner.invoke(app, ["accept", str(pair[0]), str(pair[1]), "--text", str(TEXT), "--prompt-len", "5000"])
+    assert res.exit_code == 2 and "3892 tokens" in res.output
+    res = runner.invoke(app, ["accept", str(pair[0]), str(pair[0]), "--text", str(TEXT)])
+    assert res.exit_code == 2 and "not a DFlash draft" in res.output
+    res = runner.invoke(app, ["ppl", str(pair[1]), "--text", str(TEXT), "--ctx", "64", "--chunks", "2"])
+    assert res.exit_code == 2 and "it runs with its target (ikrun accept" in res.output
