@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ikquant.errors import IkError
-from ikquant.sweepfile import SweepFileError, read_sweep_file
+from ikquant.sweepfile import DEFAULTS, METRICS, SweepFileError, read_sweep_file
 
 if TYPE_CHECKING:
     from ikquant.gguf_io import GGUFFile
@@ -45,11 +45,13 @@ class Mix:
 
 
 def read_sweep(path: Path) -> tuple[dict[str, list[str]], dict[str, list[Option]]]:
-    """Groups and their measured options from an `ikrun sweep` file (.json or .csv)."""
+    """Groups and their measured options from an `ikrun sweep` file (.json or .csv); an option's `kld` is the
+    metric's cost (mean KLD, or a draft's acceptance-length loss for `--metric acceptance` sweeps)."""
     try:
-        _, rows = read_sweep_file(Path(path))
+        header, rows = read_sweep_file(Path(path))
     except SweepFileError as exc:
         raise MixError(f"--sweep {exc}") from None
+    cost = METRICS[header.get("metric", DEFAULTS["metric"])]
     groups: dict[str, list[str]] = {}
     options: dict[str, list[Option]] = {}
     for r in rows:
@@ -57,7 +59,7 @@ def read_sweep(path: Path) -> tuple[dict[str, list[str]], dict[str, list[Option]
             raise MixError(f"--sweep {path}: group {r['group']!r} mixes types ({r['type_used']}); sweep with --group "
                            "tensor to choose per tensor")
         groups[r["group"]] = r["tensors"]
-        options.setdefault(r["group"], []).append(Option(r["type_used"], 8 * r["bytes_new"], r["kld_mean"]))
+        options.setdefault(r["group"], []).append(Option(r["type_used"], 8 * r["bytes_new"], max(r[cost], 0.0)))
     if not options:
         raise MixError(f"--sweep {path}: no measurements")
     return groups, options

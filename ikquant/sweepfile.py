@@ -20,9 +20,18 @@ from ikquant.errors import IkError
 FORMAT = "iktools-sweep"
 VERSION = 2
 #: header fields a resumed sweep must match exactly (the model's path and the text's name may move)
-IDENTITY = ("model_fingerprint", "text_sha256", "ctx", "chunks", "group", "imatrix_sha256", "runtime")
-CSV_COLUMNS = ("group", "tensors", "type", "type_used", "n_weights", "bytes_base", "bytes_new", "bpw", "kld_mean",
-               "kld_sem", "kld_p99", "same_top_p", "ppl_ratio", "ln_ppl_ratio", "ln_ppl_ratio_err", "seconds")
+IDENTITY = ("metric", "model_fingerprint", "text_sha256", "ctx", "chunks", "group", "imatrix_sha256", "runtime",
+            "decoding")
+#: what a header without the field means (files written before the field existed)
+DEFAULTS = {"metric": "kld"}
+#: what each metric's rows measure, and the column a mix minimises (lower is better, additive across groups)
+METRICS = {"kld": "kld_mean", "acceptance": "acceptance_loss"}
+CSV_COLUMNS = {
+    "kld": ("group", "tensors", "type", "type_used", "n_weights", "bytes_base", "bytes_new", "bpw", "kld_mean",
+            "kld_sem", "kld_p99", "same_top_p", "ppl_ratio", "ln_ppl_ratio", "ln_ppl_ratio_err", "seconds"),
+    "acceptance": ("group", "tensors", "type", "type_used", "n_weights", "bytes_base", "bytes_new", "bpw",
+                   "acceptance_mean", "acceptance_loss", "acceptance_first", "seconds"),
+}
 _INTS = {"n_weights", "bytes_base", "bytes_new"}
 _STRS = {"group", "type", "type_used"}
 
@@ -91,7 +100,8 @@ def write_sweep_file(path: Path, header: dict[str, Any], rows: list[dict[str, An
     if Path(path).suffix == ".csv":
         buf = io.StringIO()
         buf.write("# " + json.dumps(full) + "\n")
-        writer = csv.DictWriter(buf, CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+        columns = CSV_COLUMNS[header.get("metric", DEFAULTS["metric"])]
+        writer = csv.DictWriter(buf, columns, extrasaction="ignore", lineterminator="\n")
         writer.writeheader()
         for r in rows:
             writer.writerow({**r, "tensors": ";".join(r["tensors"])})
@@ -105,6 +115,7 @@ def write_sweep_file(path: Path, header: dict[str, Any], rows: list[dict[str, An
 def check_resumable(path: Path, header: dict[str, Any], theirs: dict[str, Any]) -> None:
     """Refuse to resume `path` when its rows were measured on anything else than `header` describes."""
     for key in IDENTITY:
-        if theirs.get(key) != header.get(key):
-            raise SweepFileError(f"{path} was measured with {key} = {theirs.get(key)!r}, this run has "
-                                 f"{header.get(key)!r}: its rows cannot be reused (remove it or write elsewhere)")
+        mine, other = header.get(key, DEFAULTS.get(key)), theirs.get(key, DEFAULTS.get(key))
+        if other != mine:
+            raise SweepFileError(f"{path} was measured with {key} = {other!r}, this run has "
+                                 f"{mine!r}: its rows cannot be reused (remove it or write elsewhere)")

@@ -376,9 +376,19 @@ def sweep(
                                       "local:N starts N local workers (sharing --mem), else a cluster address "
                                       "(auto, HOST:PORT, ray://HOST:10001) whose nodes read the model and "
                                       "--imatrix at the same paths. Needs pip install 'iktools[ray]'."),
+    metric: str = typer.Option("kld", "--metric", help="kld: KL-divergence against the base's logits on --text; "
+                               "acceptance: a DFlash draft's mean acceptance length with --target on prompts from "
+                               "--text (--prompts, --prompt-len, --max-new, --block as ikrun accept)."),
+    target: Optional[Path] = typer.Option(None, "--target", help="With --metric acceptance: the draft's target GGUF."),
+    prompts: int = typer.Option(6, "--prompts", help="With --metric acceptance: number of prompts."),
+    prompt_len: int = typer.Option(24, "--prompt-len", help="With --metric acceptance: tokens per prompt."),
+    max_new: int = typer.Option(96, "--max-new", help="With --metric acceptance: new tokens per prompt."),
+    block: Optional[int] = typer.Option(None, "--block", help="With --metric acceptance: block size (default: the "
+                                        "draft's)."),
     ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
-    """How much each tensor costs: quantize one tensor (or group) at a time, swap it in, measure KL-divergence.
+    """How much each tensor costs: quantize one tensor (or group) at a time, swap it in, measure KL-divergence
+    (or, for a DFlash draft, the acceptance length it loses).
 
     The base model is loaded once and its logits computed once; each measurement hot-swaps the group's tensors
     and swaps them back.
@@ -391,6 +401,17 @@ def sweep(
     from ikrun.evaluate import tokenize_chunks
     from ikrun.sweep import auto_rounds, load_rows, sweep_groups, sweep_header
 
+    if metric not in ("kld", "acceptance"):
+        fail(f"--metric must be kld or acceptance, not {metric!r}")
+    if (metric == "acceptance") != (target is not None):
+        fail("--metric acceptance and --target go together (a draft is measured with its target)")
+    if metric == "acceptance":
+        if ray is not None or chunks is not None or full_forward:
+            fail("--ray, --chunks and --full-forward apply to KLD sweeps; an acceptance sweep decodes --prompts")
+        assert target is not None
+        _acceptance_sweep(model, target, text, types, output, imatrix, tensors, group, prompts, prompt_len, max_new,
+                          block, plot, ev)
+        return
     auto = chunks is not None and chunks.strip().lower() == "auto"
     if chunks is not None and not auto and not chunks.strip().isdigit():
         fail(f"--chunks must be a number of chunks or auto, not {chunks!r}")
@@ -435,6 +456,57 @@ def sweep(
         except RuntimeError as exc:
             fail(str(exc))
         err.print(f"wrote {plot}")
+
+
+def _acceptance_sweep(model: Path, target: Path, text: Path, types: str, output: Path, imatrix: Optional[Path],  # type: ignore[no-untyped-def]
+                      tensors: Optional[str], group: str, prompts: int, prompt_len: int, max_new: int,
+                      block: Optional[int], plot: Optional[Path], ev: Evaluation) -> None:
+    """`ikrun sweep DRAFT --target T --metric acceptance`: the acceptance length each draft tensor costs."""
+    from ikquant.imatrix import read_imatrix
+    from ikquant.types import type_by_name
+    from ikrun.models.dflash import DFlashDraft
+    from ikrun.speculative import prompt_starts
+    from ikrun.sweep import load_rows, save_rows, sweep_groups, sweep_header
+    from ikrun.sweep_acceptance import AcceptanceRow, decoding_identity, run_acceptance_sweep
+
+    t, d = _load(target, ev), _load(model, ev, beside=True)
+    try:
+        if not isinstance(d.impl, DFlashDraft):
+            fail(f"--metric acceptance measures DFlash drafts; {model} is a {d.arch} model")
+        d.impl.check_target(t.impl)
+        bs = block or d.impl.block_size
+        type_list = [type_by_name(x) for x in types.split(",") if x.strip()]
+        for qt in type_list:
+            qt.require_codec()
+        imat = read_imatrix(imatrix) if imatrix else None
+        groups = sweep_groups(d, group, tensors)
+        ids = np.asarray(t.tokenizer().encode(_read_text(text), add_special=False), dtype=np.int64)
+        chunks = [ids[s : s + prompt_len] for s in prompt_starts(len(ids), prompts, prompt_len, max_new)]
+        header = {**sweep_header(d, text, 0, 0, group, imatrix), "metric": "acceptance", "ctx": None,
+                  "chunks": None, "decoding": decoding_identity(t, chunks, max_new, bs)}
+        done = load_rows(output, header, AcceptanceRow)
+    except IkError as exc:
+        fail(str(exc))
+    rows = list(done)
+    with _progress() as bar:
+        task = bar.add_task("acceptance sweep", total=len(groups) * len(type_list) - len(done))
+
+        def on_row(row) -> None:  # type: ignore[no-untyped-def]
+            rows.append(row)
+            save_rows(output, header, rows)
+            bar.update(task, advance=1, description=f"{row.group} {row.type}")
+
+        run_acceptance_sweep(d, t, chunks, max_new, bs, groups, type_list, imat, done, on_row)
+    table = Table(title="acceptance length lost per group (most first)")
+    for col in ("type", "group", "bpw", "acceptance", "lost", "first position"):
+        table.add_column(col, justify="left" if col in ("type", "group") else "right")
+    for r in sorted(rows, key=lambda r: (r.type, -r.acceptance_loss)):
+        table.add_row(r.type, r.group, f"{r.bpw:.2f}", f"{r.acceptance_mean:.3f}", f"{r.acceptance_loss:+.3f}",
+                      f"{100 * r.acceptance_first:.0f}%")
+    out.print(table)
+    err.print(f"wrote {output}: {len(rows)} measurements ({len(rows) - len(done)} new)")
+    if plot is not None:
+        err.print("[yellow]warning:[/] --plot draws KLD sweeps; nothing drawn for an acceptance sweep")
 
 
 def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list[int], group: str,  # type: ignore[no-untyped-def]

@@ -42,48 +42,56 @@ def _rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
     return x * cos + rot * sin
 
 
-class DFlashReference:
-    """A draft checkpoint folder and its target's folder."""
+def target_embeddings(target_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The target checkpoint's token embeddings and lm_head (the embeddings when tied)."""
+    target = _load(target_dir)
+    embed = target["model.embed_tokens.weight"]
+    return embed, target.get("lm_head.weight", embed)
 
-    def __init__(self, draft_dir: Path, target_dir: Path):
+
+class DFlashReference:
+    """A draft checkpoint folder."""
+
+    def __init__(self, draft_dir: Path):
         self.cfg = json.loads((draft_dir / "config.json").read_text(encoding="utf-8"))
         self.w = {k.removeprefix("model."): v for k, v in _load(draft_dir).items()}
-        target = _load(target_dir)
-        self.embed = target["model.embed_tokens.weight"]
-        self.lm_head = target.get("lm_head.weight", self.embed)
 
-    def forward(self, context_features: np.ndarray, block_ids: np.ndarray) -> list[np.ndarray]:
+    def _linear(self, x: np.ndarray, name: str) -> np.ndarray:
+        y = x @ self.w[name + ".weight"].T
+        return y + self.w[name + ".bias"] if name + ".bias" in self.w else y
+
+    def forward(self, context_features: np.ndarray, block_embeddings: np.ndarray) -> list[np.ndarray]:
         """Each layer's output, then the final norm's, for the block following len(context_features) tokens."""
         c, g = self.cfg, self.w
         eps, theta = float(c["rms_norm_eps"]), float(c.get("rope_theta", 10000.0))
         n_head, n_kv, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-        n_ctx, n = len(context_features), len(block_ids)
+        n_ctx, n = len(context_features), len(block_embeddings)
         ctx = _rms(context_features @ g["fc.weight"].T, g["hidden_norm.weight"], eps)
-        x = self.embed[block_ids]
+        x = block_embeddings.astype(np.float32)
         q_pos, k_pos = np.arange(n_ctx, n_ctx + n), np.arange(n_ctx + n)
+        kinds = c.get("layer_types") or ["full_attention"] * c["num_hidden_layers"]
         outs = []
         for i in range(c["num_hidden_layers"]):
             p = f"layers.{i}."
+            a = p + "self_attn."
             h = _rms(x, g[p + "input_layernorm.weight"], eps)
-            q = _rms((h @ g[p + "self_attn.q_proj.weight"].T).reshape(n, n_head, d), g[p + "self_attn.q_norm.weight"],
-                     eps)
+            q = _rms(self._linear(h, a + "q_proj").reshape(n, n_head, d), g[a + "q_norm.weight"], eps)
             both = np.concatenate([ctx, h])
-            k = _rms((both @ g[p + "self_attn.k_proj.weight"].T).reshape(n_ctx + n, n_kv, d),
-                     g[p + "self_attn.k_norm.weight"], eps)
-            v = (both @ g[p + "self_attn.v_proj.weight"].T).reshape(n_ctx + n, n_kv, d)
+            k = _rms(self._linear(both, a + "k_proj").reshape(n_ctx + n, n_kv, d), g[a + "k_norm.weight"], eps)
+            v = self._linear(both, a + "v_proj").reshape(n_ctx + n, n_kv, d)
             q, k = _rope(q, q_pos, theta), _rope(k, k_pos, theta)
             k, v = np.repeat(k, n_head // n_kv, axis=1), np.repeat(v, n_head // n_kv, axis=1)
             scores = np.einsum("qhd,khd->hqk", q, k).astype(np.float64) / np.sqrt(d)
+            if kinds[i] == "sliding_attention":  # causal within the window
+                rel = q_pos[:, None] - k_pos[None, :]
+                scores = np.where((rel >= 0) & (rel < int(c["sliding_window"])), scores, -np.inf)
             probs = np.exp(scores - scores.max(-1, keepdims=True))
             probs = (probs / probs.sum(-1, keepdims=True)).astype(np.float32)
             attn = np.einsum("hqk,khd->qhd", probs, v).reshape(n, n_head * d)
-            x = x + attn @ g[p + "self_attn.o_proj.weight"].T
+            x = x + self._linear(attn, a + "o_proj")
             h = _rms(x, g[p + "post_attention_layernorm.weight"], eps)
             gate, up = h @ g[p + "mlp.gate_proj.weight"].T, h @ g[p + "mlp.up_proj.weight"].T
             x = x + ((gate / (1.0 + np.exp(-gate))) * up) @ g[p + "mlp.down_proj.weight"].T
             outs.append(x)
         outs.append(_rms(x, g["norm.weight"], eps))
         return outs
-
-    def logits(self, hidden: np.ndarray) -> np.ndarray:
-        return hidden @ self.lm_head.T

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numba
 import numpy as np
@@ -150,22 +151,22 @@ def model_fingerprint(model: Model) -> str:
 def sweep_header(model: Model, text: Path, ctx: int, chunks: int, group: str, imatrix: Path | None) -> dict:
     """The identity of a sweep's measurements (ikquant/sweepfile.py): what a resumed sweep must match."""
     runtime = {"kv_cache": model.kv_cache, **{k: getattr(model.options, k) for k in model.options.given()}}
-    return {"model": str(model.path), "model_fingerprint": model_fingerprint(model), "text": str(text),
+    return {"metric": "kld", "model": str(model.path), "model_fingerprint": model_fingerprint(model), "text": str(text),
             "text_sha256": file_sha256(text), "ctx": ctx, "chunks": chunks, "group": group,
             "imatrix": str(imatrix) if imatrix else None,
             "imatrix_sha256": file_sha256(imatrix) if imatrix else None, "runtime": runtime}
 
 
-def load_rows(path: Path, header: dict) -> list[SweepRow]:
+def load_rows(path: Path, header: dict, row_class: type = SweepRow) -> list[Any]:
     """The rows of an earlier run of this sweep (none if `path` does not exist); refused if measured otherwise."""
     if not path.exists():
         return []
     theirs, rows = read_sweep_file(path)
     check_resumable(path, header, theirs)
-    return [SweepRow(**r) for r in rows]
+    return [row_class(**r) for r in rows]
 
 
-def save_rows(path: Path, header: dict, rows: list[SweepRow]) -> None:
+def save_rows(path: Path, header: dict, rows: list[Any]) -> None:
     """Write the sweep (JSON, or CSV when the name ends in .csv) atomically."""
     write_sweep_file(path, header, [asdict(r) for r in rows])
 
@@ -246,7 +247,7 @@ class Measurer:
             self.inputs.close()
 
 
-def pending_jobs(groups: dict[str, list[str]], types: list[GGMLType], done: list[SweepRow],
+def pending_jobs(groups: dict[str, list[str]], types: list[GGMLType], done: list[Any],
                  ) -> list[tuple[str, list[str], GGMLType]]:
     """Every (group, tensors, type) that `done` has no row for, in sweep order."""
     finished = {r.key for r in done}

@@ -55,7 +55,7 @@ def test_speculative_decoding_reproduces_the_reference(pair: tuple[Path, Path], 
 def test_draft_layers_match_the_independent_reference(pair: tuple[Path, Path], oracle: dict) -> None:  # type: ignore[type-arg]
     from ikrun.model import Model
     from ikrun.models.dflash import DraftContext
-    from ikrun.reference_dflash import DFlashReference
+    from ikrun.reference_dflash import DFlashReference, target_embeddings
     from ikrun.speculative import TargetDecoder
 
     target, draft = Model(pair[0]), Model(pair[1])
@@ -68,11 +68,35 @@ def test_draft_layers_match_the_independent_reference(pair: tuple[Path, Path], o
     d.extend_context(ctx, features)
     layers: list[np.ndarray] = []
     out = d.draft(ctx, target.embed_rows("token_embd.weight", block), lambda i, x: layers.append(x.copy()))
-    ref = DFlashReference(GOLD / "hf", GOLD / "target").forward(features, block)
+    ref = DFlashReference(GOLD / "hf").forward(features, target_embeddings(GOLD / "target")[0][block])
     for i, (ours, theirs) in enumerate(zip([*layers, out], ref)):
         assert np.abs(ours - theirs).max() < 1e-4, f"draft layer {i} differs first"
     first = np.load(GOLD / "dflash-draft-logits.npz")["p0_step0"]
     assert np.abs(target.impl.output_projection(out) - first).max() < 1e-4
+
+
+def test_a_draft_with_biases_matches_the_reference(tmp_path: Path) -> None:
+    """The gpt-oss-style draft (attention biases, three target layers, 8 heads over 2): no trained target, so the
+    draft runs on random target features and block embeddings."""
+    from ikconvert.convert import Converter
+    from ikrun.model import Model
+    from ikrun.models.dflash import DraftContext
+    from ikrun.reference_dflash import DFlashReference
+
+    src = Path(__file__).parent / "data" / "convert" / "dflash-gptoss"
+    path = Converter(src / "hf", "f32", "qwen2", arch_options={"target_model_dir": str(src / "target")}).write(
+        tmp_path / "draft.gguf")
+    d = Model(path).impl
+    rng = np.random.default_rng(0)
+    features = rng.standard_normal((20, d.n_target_features)).astype(np.float32)
+    block = rng.standard_normal((d.block_size, d.n_embd)).astype(np.float32)
+    ctx = DraftContext()
+    d.extend_context(ctx, features[:13])  # the context grows over two steps, as in decoding
+    d.extend_context(ctx, features[13:])
+    layers: list[np.ndarray] = []
+    out = d.draft(ctx, block, lambda i, x: layers.append(x.copy()))
+    for i, (ours, theirs) in enumerate(zip([*layers, out], DFlashReference(src / "hf").forward(features, block))):
+        assert np.abs(ours - theirs).max() < 1e-4, f"draft layer {i} differs first"
 
 
 def test_ikrun_accept_prints_the_reference_acceptance(pair: tuple[Path, Path], oracle: dict) -> None:  # type: ignore[type-arg]
@@ -126,3 +150,33 @@ def test_bad_pairs_and_prompts_are_refused_before_compute(pair: tuple[Path, Path
     assert res.exit_code == 2 and "not a DFlash draft" in res.output
     res = runner.invoke(app, ["ppl", str(pair[1]), "--text", str(TEXT), "--ctx", "64", "--chunks", "2"])
     assert res.exit_code == 2 and "it runs with its target (ikrun accept" in res.output
+
+
+def test_acceptance_sweep_rows_are_the_acceptance_of_that_tensor_alone(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    from ikquant.ftypes import file_type
+    from ikquant.quantize import QuantizeOptions, quantize_model
+
+    out = tmp_path / "acc.json"
+    args = ["sweep", str(pair[1]), "--target", str(pair[0]), "--metric", "acceptance", "--text", str(TEXT),
+            "--types", "Q4_0", "--tensors", r"blk\.1\.", "--prompts", "2", "--max-new", "32", "-o", str(out)]
+    res = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["metric"] == "acceptance" and len(data["rows"]) == 7
+    row = next(r for r in data["rows"] if r["group"] == "blk.1.attn_k.weight")
+    single = tmp_path / "one.gguf"  # the draft with that one tensor quantized, measured by ikrun accept
+    quantize_model(pair[1], single, QuantizeOptions(file_type("F32"), pure=True, tensor_types={row["group"]: "Q4_0"}))
+    acc = runner.invoke(app, ["accept", str(pair[0]), str(single), "--text", str(TEXT), "--prompts", "2",
+                              "--max-new", "32", "--json"])
+    assert json.loads(acc.stdout)["mean_acceptance_length"] == row["acceptance_mean"]
+    base = runner.invoke(app, ["accept", str(pair[0]), str(pair[1]), "--text", str(TEXT), "--prompts", "2",
+                               "--max-new", "32", "--json"])
+    assert row["acceptance_loss"] == pytest.approx(json.loads(base.stdout)["mean_acceptance_length"] - row[
+        "acceptance_mean"], abs=1e-12)
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0 and "(0 new)" in res.output
+    res = runner.invoke(app, [*args[:-4], "--max-new", "40", "-o", str(out)])
+    assert res.exit_code == 2 and "decoding" in res.output
+    res = runner.invoke(app, ["sweep", str(pair[1]), "--metric", "acceptance", "--text", str(TEXT), "--types",
+                              "Q4_0"])
+    assert res.exit_code == 2 and "--target go together" in res.output

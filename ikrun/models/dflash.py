@@ -5,8 +5,8 @@ The target's hidden states after the draft's `target_layer_ids` blocks, concaten
 `dflash_hidden_norm` once; every draft layer projects them with its own K/V weights (K through `attn_k_norm`, both
 roped at the context positions) into a context its block attends to. The block is the target's embeddings of
 `[last known token, mask x (block_size - 1)]` at the next positions; each layer attends non-causally to the whole
-context plus the block (Qwen3 layers otherwise: q/k norms, NEOX rope, SwiGLU; biases and sliding windows where the
-file has them). The draft's output norm ends it; the proposals are the target's output head on rows 1.. of it.
+context plus the block, a sliding-window layer causally within its window (Qwen3 layers otherwise: q/k norms, NEOX
+rope, SwiGLU; attention biases where the file has them). The draft's output norm ends it; the proposals are the target's output head on rows 1.. of it.
 
 A draft runs only with its target (`ikrun accept`); the context a draft has seen stays in a DraftContext, so each
 verified token's features are projected once.
@@ -172,10 +172,11 @@ class DFlashDraft(ArchModel):
             kh = np.repeat(k.transpose(1, 0, 2), group, axis=0)  # [H, keys, d]
             vh = np.repeat(v.transpose(1, 0, 2), group, axis=0)
             scores = np.matmul(q.transpose(1, 0, 2), kh.transpose(0, 2, 1)) * np.float32(self.head_dim ** -0.5)
-            if self.windows[i] is not None:  # both directions, as the block sees context and block non-causally
+            if self.windows[i] is not None:  # sliding layers are causal within their window (the reference's mask)
                 qpos = np.arange(p0, p0 + n)[:, None]
                 kpos = np.arange(len(k))[None, :]
-                scores = np.where(np.abs(qpos - kpos) < self.windows[i], scores, np.float32(-np.inf))
+                visible = (kpos <= qpos) & (qpos - kpos < self.windows[i])
+                scores = np.where(visible, scores, np.float32(-np.inf))
             scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
             attn = np.matmul(scores / scores.sum(axis=-1, keepdims=True), vh)  # [H, n, d]
             x = x + m.linear(np.ascontiguousarray(attn.transpose(1, 0, 2)).reshape(n, -1), b + "attn_output")

@@ -1,0 +1,83 @@
+"""Per-tensor sensitivity of a DFlash draft by acceptance length (`ikrun sweep DRAFT --target T --metric
+acceptance`): each draft tensor (or layer, or class) is quantized to each type, swapped in, and the draft's greedy
+speculative decoding of the same prompts is run again; a row's cost is the mean acceptance length it loses against
+the draft as stored (what a quantized draft costs its users in target steps). The rows feed `ikquant --sweep` like
+KLD rows do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ikquant.imatrix import Imatrix
+from ikquant.types import GGMLType
+from ikrun.model import Model
+from ikrun.speculative import acceptance_by_position, mean_acceptance_length, speculative_generate
+from ikrun.sweep import model_fingerprint, pending_jobs, prepare_candidate
+
+
+@dataclass
+class AcceptanceRow:
+    group: str
+    tensors: list[str]
+    type: str  # as asked
+    type_used: str  # after ik's row-length fallback
+    n_weights: int
+    bytes_base: int
+    bytes_new: int
+    bpw: float
+    acceptance_mean: float
+    #: the stored draft's mean acceptance length minus this one's (the cost a mix minimises)
+    acceptance_loss: float
+    #: accepted share at the first draft position
+    acceptance_first: float
+    seconds: float
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.group, self.type
+
+
+def decoding_identity(target: Model, prompts: list[np.ndarray], max_new: int, block: int) -> dict:  # type: ignore[type-arg]
+    """What an acceptance sweep's rows depend on besides the draft: the target and the decoding."""
+    return {"target_fingerprint": model_fingerprint(target), "prompts": [p.tolist() for p in prompts],
+            "max_new": max_new, "block": block}
+
+
+def acceptance(draft: Model, target: Model, prompts: list[np.ndarray], max_new: int, block: int) -> tuple[float, float]:
+    """(mean acceptance length, accepted share at the first draft position) over the prompts."""
+    runs = [speculative_generate(target, draft, p, max_new, block) for p in prompts]
+    return mean_acceptance_length(runs), acceptance_by_position(runs, block)[0]
+
+
+def run_acceptance_sweep(draft: Model, target: Model, prompts: list[np.ndarray], max_new: int, block: int,
+                         groups: dict[str, list[str]], types: list[GGMLType], imatrix: Imatrix | None,
+                         done: list[AcceptanceRow], on_row: Callable[[AcceptanceRow], None]) -> list[AcceptanceRow]:
+    """Measure every (group, type) not in `done` against the stored draft's acceptance."""
+    jobs = pending_jobs(groups, types, done)
+    rows = list(done)
+    if not jobs:
+        return rows
+    base, _ = acceptance(draft, target, prompts, max_new, block)
+    for group, names, gtype in jobs:
+        t0 = time.perf_counter()
+        job = prepare_candidate(draft, group, names, gtype, imatrix)
+        try:
+            for name, (used, raw) in zip(job.names, job.encodings):
+                draft.swap(name, used, raw)
+            mean, first = acceptance(draft, target, prompts, max_new, block)
+        finally:
+            for name in job.names:
+                draft.restore(name)
+        bytes_new = sum(raw.nbytes for _, raw in job.encodings)
+        n_weights = sum(draft.weights.info(n).n_elements for n in names)
+        row = AcceptanceRow(group, names, gtype.name, "+".join(sorted({u.name for u, _ in job.encodings})), n_weights,
+                            sum(draft.weights.source_encoding(n).raw.nbytes for n in names), bytes_new,
+                            8.0 * bytes_new / n_weights, mean, base - mean, first, time.perf_counter() - t0)
+        rows.append(row)
+        on_row(row)
+    return rows
