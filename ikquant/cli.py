@@ -77,6 +77,9 @@ def quantize(
     budget: list[str] = typer.Option([], "--budget", help="With --sweep, repeatable: REGEX=SIZE caps the tensors whose "
                                      "names match (the first matching budget owns a tensor), rest=SIZE the others; "
                                      "e.g. --budget 'ffn_.*_exps=180GiB' --budget 'rest=22GiB' for a CPU/GPU split."),
+    recipe: str = typer.Option("ik", "--recipe", help="Whose per-tensor rules: ik (ik_llama.cpp's llama-quantize, "
+                               "every ik type) or mainline (mainline llama.cpp's, its file types, only types mainline "
+                               "llama.cpp and llama-cpp-python/Ollama/LM Studio load)."),
     threads: Optional[int] = typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores)."),
     ray: Optional[str] = typer.Option(None, "--ray", help="Quantize the tensors on Ray workers: local or local:N "
                                       "starts N local workers, else a cluster address (auto, HOST:PORT, "
@@ -97,6 +100,7 @@ def quantize(
     from ikquant.gguf_io import GGUFFile, exit_cleanly_on_sigterm
     from ikquant.imatrix import filter_entries, read_imatrix
     from ikquant.quantize import QuantizeOptions, make_plan, quantize_model
+    from ikquant.recipes_mainline import mainline_file_type
 
     exit_cleanly_on_sigterm()
     if threads:
@@ -108,14 +112,17 @@ def quantize(
                                      ("ffn_gate_type", ffn_gate_type), ("ffn_up_type", ffn_up_type),
                                      ("ffn_down_type", ffn_down_type)) if v}
     try:
-        ftype = file_type(type_name)
+        if recipe not in ("ik", "mainline"):
+            fail(f"--recipe must be ik or mainline, not {recipe!r}")
+        ftype = mainline_file_type(type_name) if recipe == "mainline" else file_type(type_name)
         imat = None
         if imatrix is not None:
             imat = filter_entries(read_imatrix(imatrix), include_weights, exclude_weights)
         elif include_weights or exclude_weights:
             fail("--include-weights/--exclude-weights need --imatrix")
         opts = QuantizeOptions(ftype, pure, imat, allow_requantize, leave_output_tensor, ignore_imatrix_rules,
-                               _custom_q(custom_q), class_types, output_tensor_type, token_embedding_type, slow_iq2ks)
+                               _custom_q(custom_q), class_types, output_tensor_type, token_embedding_type, slow_iq2ks,
+                               recipe=recipe)
         source = GGUFFile(src)
         targets = [t for t in (target_bpw is not None, target_size is not None, bool(budget)) if t]
         if (sweep is None) != (not targets) or len(targets) > 1:
@@ -168,6 +175,10 @@ def _mix_from_sweep(source, opts, sweep: Path, target_bpw: float | None, target_
     from ikquant.mix import MixTarget, plan_mix, read_sweep
 
     groups, options = read_sweep(sweep)
+    if opts.recipe == "mainline":
+        from ikquant.mix import loadable_by_mainline
+
+        options = loadable_by_mainline(options, str(sweep))
     plan = plan_mix(source, opts, groups, options, MixTarget(target_bpw, target_size, budget), str(sweep))
     print_mix(plan)
     return plan.tensor_types

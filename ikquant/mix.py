@@ -65,6 +65,19 @@ def read_sweep(path: Path) -> tuple[dict[str, list[str]], dict[str, list[Option]
     return groups, options
 
 
+def loadable_by_mainline(options: dict[str, list[Option]], sweep_name: str) -> dict[str, list[Option]]:
+    """Each group's measured options of types mainline llama.cpp loads (a group with none is an error)."""
+    from ikquant.recipes_mainline import MAINLINE_TYPES
+
+    kept = {g: [o for o in opts if o.type in MAINLINE_TYPES] for g, opts in options.items()}
+    empty = [g for g, opts in kept.items() if not opts]
+    if empty:
+        raise MixError(f"--sweep {sweep_name}: group {empty[0]!r} was measured only at ik-only types "
+                       f"({', '.join(o.type for o in options[empty[0]])}); sweep mainline types (Q4_K, IQ4_XS, ...) "
+                       "for --recipe mainline")
+    return kept
+
+
 def _pick(options: dict[str, list[Option]], lam: float) -> dict[str, Option]:
     return {g: min(opts, key=lambda o: (o.kld + lam * o.bits, o.bits)) for g, opts in options.items()}
 

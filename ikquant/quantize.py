@@ -66,6 +66,8 @@ class QuantizeOptions:
     slow_iq2ks: bool = False
     #: exact per-tensor types (e.g. a mix chosen from a sweep), applied after every rule
     tensor_types: dict[str, str] = field(default_factory=dict)
+    #: whose llama-quantize decides: "ik", or "mainline" (ftype from recipes_mainline, mainline-loadable types only)
+    recipe: str = "ik"
 
 
 @dataclass
@@ -135,7 +137,10 @@ def model_facts(src: GGUFFile) -> ModelFacts:
 
 
 def make_plan(src: GGUFFile, opts: QuantizeOptions) -> Plan:
-    """Each tensor's type and the reason, as ik's llama-quantize decides them (no tensor data is read)."""
+    """Each tensor's type and the reason, as ik's (or with recipe "mainline", mainline's) llama-quantize decides
+    them (no tensor data is read)."""
+    if opts.recipe == "mainline":
+        return _mainline_plan(src, opts)
     warnings: list[str] = []
     class_types = {k: _type(v, f"--{k.replace('_', '-')}") for k, v in opts.class_types.items()}
     custom = []
@@ -219,6 +224,74 @@ def _plan_tensor(info: TensorInfo, opts: QuantizeOptions, chooser: TypeChooser, 
         n_mat = info.ne[2] if len(info.ne) > 2 else 1
         _, plan.imatrix_entry = opts.imatrix.lookup(name, info.n_per_row, n_mat, info.n_rows)
     return plan
+
+
+def _mainline_plan(src: GGUFFile, opts: QuantizeOptions) -> Plan:
+    """make_plan for mainline llama.cpp: its rules, in its loader's order, and only types it loads."""
+    from ikquant.recipes_mainline import (
+        MainlineChooser,
+        MainlineError,
+        loader_order,
+        require_mainline_type,
+        with_fallback,
+    )
+    from ikquant.recipes_mainline import eligible as mainline_eligible
+
+    if opts.class_types:
+        raise MainlineError("mainline's llama-quantize has no per-class type options (--attn-v-type, ...); give "
+                            "--custom-q 'attn_v=TYPE' instead")
+    custom = []
+    for regex, tname in opts.custom_q:
+        require_mainline_type(_type(tname, f"--custom-q {regex}"), f"--custom-q {regex}={tname}")
+        try:
+            custom.append((re.compile(regex), _type(tname, f"--custom-q {regex}")))
+        except re.error as exc:
+            raise QuantizeError(f"--custom-q: {regex!r} is not a valid regular expression ({exc})") from None
+    overrides = {"token_embd.weight": opts.token_embedding_type, "output.weight": opts.output_tensor_type}
+    for name, tname in overrides.items():
+        if tname:
+            require_mainline_type(_type(tname, name), f"type for {name}")
+    rules_apply = not opts.pure and opts.ftype.default_type not in FLOAT_TYPES
+    chooser = MainlineChooser(opts.ftype, model_facts(src), opts.imatrix is not None, list(src.tensors))
+    decided: dict[str, Decision] = {}
+    for name in loader_order(list(src.tensors)):
+        info = src.tensors[name]
+        if not mainline_eligible(name, len(info.ne)):
+            continue
+        if overrides.get(name):
+            decided[name] = Decision(type_by_name(_type(overrides[name] or "", name)), "type option")
+            continue
+        chosen = next(((t, f"--custom-q {p.pattern}={t}") for p, t in custom if p.search(name)), None)
+        if chosen is None:
+            t = chooser.choose(name, info.n_per_row, info.ne[2] if len(info.ne) > 2 else 1) if rules_apply \
+                else opts.ftype.default_type
+            chosen = (t, f"mainline's {opts.ftype.name} rule" if t != opts.ftype.default_type else
+                      f"{opts.ftype.name} default")
+        decision = Decision(type_by_name(chosen[0]), chosen[1])
+        fallback = with_fallback(decision.type.name, info.n_per_row)
+        decided[name] = fallback or decision
+    plans = []
+    for name, info in src.tensors.items():
+        if name in opts.tensor_types:
+            require_mainline_type(opts.tensor_types[name], f"the type mix's {name}")
+            decided[name] = Decision(type_by_name(opts.tensor_types[name]), "chosen from the sweep")
+        d = decided.get(name)
+        if d is None or d.type is info.type:
+            plans.append(TensorPlan(info, info.type, False, "never quantized by mainline" if d is None else
+                                    f"already {info.type.name}"))
+            continue
+        require_mainline_type(d.type.name, name)
+        if info.type.name not in FLOAT_TYPES and not opts.allow_requantize:
+            raise QuantizeError(f"tensor {name!r} is already quantized ({info.type.name}); requantizing loses "
+                                "accuracy twice, pass --allow-requantize to do it anyway")
+        plan = TensorPlan(info, d.type, True, d.reason)
+        if opts.imatrix is not None:
+            n_mat = info.ne[2] if len(info.ne) > 2 else 1
+            _, plan.imatrix_entry = opts.imatrix.lookup(name, info.n_per_row, n_mat, info.n_rows)
+        plans.append(plan)
+    warnings: list[str] = []
+    _check_imatrix(plans, opts, warnings)
+    return Plan(plans, warnings)
 
 
 def _check_imatrix(plans: list[TensorPlan], opts: QuantizeOptions, warnings: list[str]) -> None:

@@ -163,3 +163,39 @@ def test_gguf_imatrix_reads_like_the_dat(tmp_path: Path) -> None:
     assert b.chunks == 10 and b.dataset == "calibration.txt"
     for name in a.entries:
         np.testing.assert_allclose(b.entries[name].mean_sq(), a.entries[name].mean_sq(), rtol=1e-6)
+
+
+MAINLINE_FTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q2_K_S", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S",
+                   "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M",
+                   "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ4_NL", "IQ4_XS", "MXFP4_MOE"]
+
+
+@pytest.mark.parametrize("imat", [False, True], ids=["plain", "imat"])
+@pytest.mark.parametrize("ftype", MAINLINE_FTYPES)
+@pytest.mark.parametrize("variant", ["qwen3-plan", "deepseek-v3-plan"])
+def test_mainline_plan_equals_mainlines(plan_models: dict[str, GGUFFile], variant: str, ftype: str,
+                                        imat: bool) -> None:
+    from ikquant.recipes_mainline import MAINLINE_TYPES, mainline_file_type
+
+    imatrix = read_imatrix_dat(DATA / variant / "imatrix.dat") if imat else None
+    plan = make_plan(plan_models[variant], QuantizeOptions(mainline_file_type(ftype), imatrix=imatrix,
+                                                           ignore_imatrix_rules=True, recipe="mainline"))
+    ours = {p.name: p.type.ggml_name for p in plan.tensors}
+    text = (DATA / variant / f"mainline-plan-{ftype}{'-imat' if imat else ''}.txt").read_text()
+    assert ours == dict(line.split() for line in text.splitlines() if line.strip())
+    assert all(p.type.name in MAINLINE_TYPES for p in plan.tensors)
+
+
+def test_mainline_recipe_refuses_ik_only_types(plan_models: dict[str, GGUFFile], tmp_path: Path) -> None:
+    src = str(plan_models["qwen3-plan"].path)
+    for extra, needle in ((["--type", "IQ4_KS"], "load in ik_llama.cpp only"),
+                          (["--type", "Q4_K_M", "--custom-q", "ffn_down=iq5_k"], "cannot load it"),
+                          (["--type", "Q4_K_M", "--attn-v-type", "q6_K"], "no per-class type options"),
+                          (["--type", "Q4_K_M", "--output-tensor-type", "iq6_k"], "cannot load it")):
+        res = runner.invoke(app, [src, str(tmp_path / "out.gguf"), "--recipe", "mainline", *extra, "--dry-run"])
+        assert res.exit_code == 2 and needle in res.output, (extra, res.output)
+    res = runner.invoke(app, [src, str(tmp_path / "out.gguf"), "--recipe", "mainline", "--type", "IQ4_XS",
+                              "--dry-run", "--json"])
+    assert res.exit_code == 0
+    types = {row["written_type"] for row in json.loads(res.stdout)}
+    assert "iq5_k" not in types and "iq4_xs" in types  # ik's IQ4_XS recipe puts IQ5_K on attn_v; mainline's does not
