@@ -606,6 +606,8 @@ def mix(
     text: Optional[Path] = typer.Option(None, "--text", help="Text to measure on (default: the sweep's)."),
     ctx: Optional[int] = typer.Option(None, "--ctx", "-c", help="Chunk length (default: the sweep's)."),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Chunks to measure (default: the sweep's)."),
+    recipe: str = typer.Option("ik", "--recipe", help="ik or mainline: whose rules type the unswept tensors, and "
+                               "with mainline only mainline-loadable types are chosen (as ikquant --recipe)."),
     json_out: bool = typer.Option(False, "--json", help="Print the mixes' sizes, predicted and measured KLD as JSON."),
     ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
@@ -649,7 +651,16 @@ def mix(
             err.print(f"[yellow]warning:[/] {sweep} was measured on another file than {model}: its predictions "
                       "may not hold", soft_wrap=True)
         imat = read_imatrix(imatrix) if imatrix else None
-        opts = QuantizeOptions(file_type(type_name), imatrix=imat)
+        if recipe not in ("ik", "mainline"):
+            fail(f"--recipe must be ik or mainline, not {recipe!r}")
+        if recipe == "mainline":
+            from ikquant.mix import loadable_by_mainline
+            from ikquant.recipes_mainline import mainline_file_type
+
+            opts = QuantizeOptions(mainline_file_type(type_name), imatrix=imat, recipe=recipe)
+            options = loadable_by_mainline(options, str(sweep))
+        else:
+            opts = QuantizeOptions(file_type(type_name), imatrix=imat)
         target = MixTarget(target_bpw, target_size, budget)
         plan = plan_mix(GGUFFile(model), opts, groups, options, target, str(sweep))
         chunk_tokens = tokenize_chunks(m, _read_text(text), ctx or header["ctx"], chunks or header["chunks"])
