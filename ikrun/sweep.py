@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,7 +49,9 @@ class SweepError(IkError, ValueError):
 
 
 @dataclass
-class SweepRow:
+class Measured:
+    """What every sweep row says of its candidate, whatever the metric."""
+
     group: str
     tensors: list[str]
     type: str  # as asked
@@ -58,6 +60,14 @@ class SweepRow:
     bytes_base: int
     bytes_new: int
     bpw: float
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.group, self.type
+
+
+@dataclass
+class SweepRow(Measured):
     kld_mean: float
     #: standard error of kld_mean over the scored tokens (ik's ±)
     kld_sem: float
@@ -73,10 +83,6 @@ class SweepRow:
     def within_noise(self) -> bool:
         """Whether the tensor's effect on perplexity is within two standard errors of none."""
         return abs(self.ln_ppl_ratio) < 2 * self.ln_ppl_ratio_err
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return self.group, self.type
 
 
 def tensor_class(name: str) -> str:
@@ -247,7 +253,7 @@ class Measurer:
             self.inputs.close()
 
 
-def pending_jobs(groups: dict[str, list[str]], types: list[GGMLType], done: list[Any],
+def pending_jobs(groups: dict[str, list[str]], types: list[GGMLType], done: Sequence[Measured],
                  ) -> list[tuple[str, list[str], GGMLType]]:
     """Every (group, tensors, type) that `done` has no row for, in sweep order."""
     finished = {r.key for r in done}

@@ -17,29 +17,17 @@ from ikquant.imatrix import Imatrix
 from ikquant.types import GGMLType
 from ikrun.model import Model
 from ikrun.speculative import acceptance_by_position, mean_acceptance_length, speculative_generate
-from ikrun.sweep import model_fingerprint, pending_jobs, prepare_candidate
+from ikrun.sweep import Measured, model_fingerprint, pending_jobs, prepare_candidate
 
 
 @dataclass
-class AcceptanceRow:
-    group: str
-    tensors: list[str]
-    type: str  # as asked
-    type_used: str  # after ik's row-length fallback
-    n_weights: int
-    bytes_base: int
-    bytes_new: int
-    bpw: float
+class AcceptanceRow(Measured):
     acceptance_mean: float
     #: the stored draft's mean acceptance length minus this one's (the cost a mix minimises)
     acceptance_loss: float
     #: accepted share at the first draft position
     acceptance_first: float
     seconds: float
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return self.group, self.type
 
 
 def decoding_identity(target: Model, prompts: list[np.ndarray], max_new: int, block: int) -> dict:  # type: ignore[type-arg]

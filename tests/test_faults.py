@@ -20,9 +20,9 @@ from typer.testing import CliRunner
 from ikconvert.cli import app as ikconvert_app
 from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
 from ikquant.cli import app as ikquant_app
-from ikquant.gguf_io import GGUFFile, GGUFStreamWriter, InputChangedError
-from ikquant.types import type_by_name
+from ikquant.gguf_io import GGUFFile, InputChangedError
 from ikrun.cli import app as ikrun_app
+from tests.test_quantize_streaming import sparse_f16_model
 
 runner = CliRunner()
 BIN = Path(sys.executable).parent
@@ -94,20 +94,6 @@ def test_a_write_that_stops_short_is_one_line_and_leaves_nothing(model: Path, tm
     assert list(tmp_path.iterdir()) == []
 
 
-def _sparse_f16(path: Path, n: int = 4, rows: int = 4096, cols: int = 8192) -> None:
-    """A GGUF of n zero f16 matrices written as a sparse file: long enough to quantize to be killed mid-way."""
-    f16 = type_by_name("F16")
-    with GGUFStreamWriter(path, "llama") as w:
-        for i in range(n):
-            w.add_tensor_info(f"blk.{i}.ffn_up.weight", (rows, cols), f16)
-        w._start()
-        fout = w.gw.fout[0]
-        align = w.gw.data_alignment
-        fout.truncate(-(-fout.tell() // align) * align + n * f16.tensor_bytes((cols, rows)))
-        w._next = n
-        w.finish()
-
-
 def _kill_when(proc: subprocess.Popen, ready, what: str) -> None:  # type: ignore[no-untyped-def, type-arg]
     deadline = time.time() + 120
     while not ready() and time.time() < deadline:
@@ -120,7 +106,7 @@ def _kill_when(proc: subprocess.Popen, ready, what: str) -> None:  # type: ignor
 
 def test_a_killed_quantization_is_cleaned_up_by_the_next_run(tmp_path: Path) -> None:
     src = tmp_path / "src-f16.gguf"
-    _sparse_f16(src)
+    sparse_f16_model(src, 4, 4096, 8192)  # long enough to quantize to be killed mid-way
     whole = tmp_path / "whole.gguf"
     args = ["--type", "IQ4_KS", "--pure"]
     assert subprocess.run([str(BIN / "ikquant"), str(src), str(whole), *args], capture_output=True).returncode == 0

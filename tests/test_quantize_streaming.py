@@ -15,25 +15,25 @@ PEAK_RSS = Path(__file__).parents[1] / "tools" / "peak_rss.py"
 ROWS, COLS, N_TENSORS = 8192, 16384, 9  # 9 x 256 MiB of f16 = 2.25 GiB
 
 
-def _sparse_f16_model(path: Path) -> None:
-    """A GGUF of N_TENSORS zero f16 matrices, written as a sparse file (no 2 GiB of writes)."""
+def sparse_f16_model(path: Path, n: int = N_TENSORS, rows: int = ROWS, cols: int = COLS) -> None:
+    """A GGUF of n zero f16 matrices, written as a sparse file (no gigabytes of writes)."""
     f16 = type_by_name("F16")
     with GGUFStreamWriter(path, "llama") as w:
-        for i in range(N_TENSORS):
-            w.add_tensor_info(f"blk.{i}.ffn_up.weight", (ROWS, COLS), f16)
+        for i in range(n):
+            w.add_tensor_info(f"blk.{i}.ffn_up.weight", (rows, cols), f16)
         w._start()
         fout = w.gw.fout[0]
         align = w.gw.data_alignment
         start = -(-fout.tell() // align) * align
-        fout.truncate(start + N_TENSORS * f16.tensor_bytes((COLS, ROWS)))
-        w._next = N_TENSORS
+        fout.truncate(start + n * f16.tensor_bytes((cols, rows)))
+        w._next = n
         w.finish()
 
 
 @pytest.mark.slow
 def test_peak_memory_is_bounded_by_the_largest_tensor(tmp_path: Path) -> None:
     src = tmp_path / "big-f16.gguf"
-    _sparse_f16_model(src)
+    sparse_f16_model(src)
     largest = type_by_name("F16").tensor_bytes((COLS, ROWS))
     assert src.stat().st_size > 2 * 2**30
     dst = tmp_path / "big-q8_0.gguf"
@@ -55,7 +55,7 @@ def test_a_killed_run_leaves_no_file(tmp_path: Path) -> None:
     import time
 
     src = tmp_path / "big-f16.gguf"
-    _sparse_f16_model(src)
+    sparse_f16_model(src)
     dst = tmp_path / "out.gguf"
     exe = Path(sys.executable).parent / "ikquant"
     proc = subprocess.Popen([str(exe), str(src), str(dst), "--type", "q8_0", "--pure"], stdout=subprocess.DEVNULL,

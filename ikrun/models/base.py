@@ -104,6 +104,20 @@ class ArchModel(ABC):
         """Bytes of `seq.state` a sequence of n_ctx tokens carries between blocks (beyond shared tables)."""
         return 0
 
+    def read_gqa_hparams(self) -> None:
+        """The hyperparameters of a plain grouped-query attention stack (the llama family, DFlash drafts)."""
+        hp = self.m.hparam
+        self.n_layer = int(hp("block_count"))
+        self.n_embd = int(hp("embedding_length"))
+        self.n_head = int(hp("attention.head_count"))
+        self.n_head_kv = int(hp("attention.head_count_kv", self.n_head))
+        self.head_dim = int(hp("attention.key_length", self.n_embd // self.n_head))
+        self.n_rot = int(hp("rope.dimension_count", self.head_dim))
+        self.eps = float(hp("attention.layer_norm_rms_epsilon"))
+        self.rope_base = float(hp("rope.freq_base", 10000.0))
+        if self.n_head % self.n_head_kv:
+            raise self.fail(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
+
     def fail(self, message: str) -> ModelError:
         """A ModelError about this file (raise it)."""
         return ModelError(f"{self.m.path}: {message}")

@@ -50,14 +50,7 @@ class DFlashDraft(ArchModel):
     def __init__(self, model: Model):
         super().__init__(model)
         hp = model.hparam
-        self.n_layer = int(hp("block_count"))
-        self.n_embd = int(hp("embedding_length"))
-        self.n_head = int(hp("attention.head_count"))
-        self.n_head_kv = int(hp("attention.head_count_kv", self.n_head))
-        self.head_dim = int(hp("attention.key_length", self.n_embd // self.n_head))
-        self.n_rot = int(hp("rope.dimension_count", self.head_dim))
-        self.eps = float(hp("attention.layer_norm_rms_epsilon"))
-        self.rope_base = float(hp("rope.freq_base", 10000.0))
+        self.read_gqa_hparams()
         self.block_size = int(hp("dflash.block_size"))
         self.mask_token_id = int(hp("dflash.mask_token_id"))
         self.target_layer_ids = [int(i) for i in hp("dflash.target_layer_ids")]
@@ -68,8 +61,6 @@ class DFlashDraft(ArchModel):
             int(window) if window and (pattern is None or bool(pattern[i])) else None for i in range(self.n_layer)]
         # no forward of its own: n_vocab is the target's; n_active 0 keeps the runtime's block loops off it
         self.n_vocab, self.n_active = 0, 0
-        if self.n_head % self.n_head_kv:
-            raise self.fail(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
         for name in ("attn_gate", "attn_sinks"):
             if any(model.has(f"blk.{i}.{name}.weight") or model.has(f"blk.{i}.{name}") for i in range(self.n_layer)):
                 raise self.fail(f"draft layers with {name} tensors are not supported by the runtime yet")

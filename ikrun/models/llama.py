@@ -28,15 +28,8 @@ class LlamaFamily(ArchModel):
     def __init__(self, model: Model):
         super().__init__(model)
         hp = model.hparam
-        self.n_layer = int(hp("block_count"))
-        self.n_embd = int(hp("embedding_length"))
-        self.n_head = int(hp("attention.head_count"))
-        self.n_head_kv = int(hp("attention.head_count_kv", self.n_head))
-        self.head_dim = int(hp("attention.key_length", self.n_embd // self.n_head))
+        self.read_gqa_hparams()
         self.head_dim_v = int(hp("attention.value_length", self.head_dim))
-        self.n_rot = int(hp("rope.dimension_count", self.head_dim))
-        self.eps = float(hp("attention.layer_norm_rms_epsilon"))
-        self.rope_base = float(hp("rope.freq_base", 10000.0))
         scaling = hp("rope.scaling.type", None)
         factor = float(hp("rope.scaling.factor", 1.0))
         self.freq_scale = 1.0 / factor if scaling == "linear" and factor else 1.0
@@ -47,8 +40,6 @@ class LlamaFamily(ArchModel):
             raise self.fail("tensor token_embd.weight is missing")
         self.n_vocab = model.shape("token_embd.weight")[0]
         self.n_active = self.n_layer
-        if self.n_head % self.n_head_kv:
-            raise self.fail(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
         self.check_tensors(self._expected())
 
     def _expected(self) -> dict[str, tuple[int, ...]]:
