@@ -199,3 +199,20 @@ def test_mainline_recipe_refuses_ik_only_types(plan_models: dict[str, GGUFFile],
     assert res.exit_code == 0
     types = {row["written_type"] for row in json.loads(res.stdout)}
     assert "iq5_k" not in types and "iq4_xs" in types  # ik's IQ4_XS recipe puts IQ5_K on attn_v; mainline's does not
+
+
+def test_mainline_files_carry_mainlines_file_type(tmp_path: Path) -> None:
+    from ikconvert.convert import Converter
+    from ikconvert.tiny import TinySpec, make_tiny_checkpoint
+    from ikquant.recipes_mainline import MAINLINE_TYPES
+
+    src = Converter(make_tiny_checkpoint(tmp_path / "hf", TinySpec(arch="qwen3", hidden=256, layers=2, heads=4,
+                                                                   kv_heads=2, head_dim=64, ffn=512)),
+                    "f32", "qwen2").write(tmp_path / "m.gguf")
+    for ftype, mainline_id in (("Q4_K_M", 15), ("Q3_K_L", 13), ("IQ4_XS", 30)):
+        out = tmp_path / f"{ftype}.gguf"
+        res = runner.invoke(app, [str(src), str(out), "--type", ftype, "--recipe", "mainline"])
+        assert res.exit_code == 0, res.output
+        g = GGUFFile(out)
+        assert g.get("general.file_type") == mainline_id
+        assert {t.type.name for t in g.tensors.values()} <= MAINLINE_TYPES
