@@ -380,6 +380,8 @@ def sweep(
                                "acceptance: a DFlash draft's mean acceptance length with --target on prompts from "
                                "--text (--prompts, --prompt-len, --max-new, --block as ikrun accept)."),
     target: Optional[Path] = typer.Option(None, "--target", help="With --metric acceptance: the draft's target GGUF."),
+    recipe: str = typer.Option("ik", "--recipe", help="mainline: accept only --types that mainline llama.cpp loads "
+                               "(for mixes made with ikquant --recipe mainline)."),
     prompts: int = typer.Option(6, "--prompts", help="With --metric acceptance: number of prompts."),
     prompt_len: int = typer.Option(24, "--prompt-len", help="With --metric acceptance: tokens per prompt."),
     max_new: int = typer.Option(96, "--max-new", help="With --metric acceptance: new tokens per prompt."),
@@ -403,6 +405,17 @@ def sweep(
 
     if metric not in ("kld", "acceptance"):
         fail(f"--metric must be kld or acceptance, not {metric!r}")
+    if recipe not in ("ik", "mainline"):
+        fail(f"--recipe must be ik or mainline, not {recipe!r}")
+    if recipe == "mainline":
+        from ikquant.recipes_mainline import require_mainline_type
+
+        try:
+            for t in types.split(","):
+                if t.strip():
+                    require_mainline_type(t.strip(), f"--types {t.strip()}")
+        except IkError as exc:
+            fail(str(exc))
     if (metric == "acceptance") != (target is not None):
         fail("--metric acceptance and --target go together (a draft is measured with its target)")
     if metric == "acceptance":

@@ -216,3 +216,12 @@ def test_mainline_files_carry_mainlines_file_type(tmp_path: Path) -> None:
         g = GGUFFile(out)
         assert g.get("general.file_type") == mainline_id
         assert {t.type.name for t in g.tensors.values()} <= MAINLINE_TYPES
+
+
+def test_sweeps_for_mainline_mixes_take_mainline_types_only(tmp_path: Path) -> None:
+    from ikconvert.tiny import CORPUS
+    from ikrun.cli import app as ikrun_app
+
+    res = runner.invoke(ikrun_app, ["sweep", str(tmp_path / "absent.gguf"), "--text", str(CORPUS), "--types",
+                                    "Q4_K,IQ4_KS", "--recipe", "mainline"])
+    assert res.exit_code == 2 and "--types IQ4_KS" in res.output and "cannot load it" in res.output
