@@ -192,7 +192,7 @@ def prepare_candidate(model: Model, group: str, names: list[str], gtype: GGMLTyp
     return Candidate(group, names, gtype, encodings, time.perf_counter() - t0)
 
 
-def _concurrent_kernels_are_safe() -> bool:
+def concurrent_kernels_are_safe() -> bool:
     """Numba's OpenMP and TBB layers run parallel regions from two threads at once; its workqueue layer cannot."""
     import numba
 
@@ -275,7 +275,7 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
     rows = list(done)
     if not jobs:
         return rows
-    pool = ThreadPoolExecutor(max_workers=1) if _concurrent_kernels_are_safe() else None
+    pool = ThreadPoolExecutor(max_workers=1) if concurrent_kernels_are_safe() else None
 
     def start(k: int) -> Future[Candidate] | Candidate:
         g, names, t = jobs[k]

@@ -13,6 +13,7 @@ import os
 import tempfile
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,19 @@ from ikquant.imatrix import read_imatrix
 from ikquant.types import GGMLType, type_by_name
 from ikrun.metrics import KLDAccumulator
 from ikrun.model import Model, RuntimeOptions
-from ikrun.sweep import Measurer, Scored, SweepError, SweepRow, pending_jobs, prepare_candidate
+from ikrun.sweep import (
+    Candidate,
+    Measurer,
+    Scored,
+    SweepError,
+    SweepRow,
+    concurrent_kernels_are_safe,
+    pending_jobs,
+    prepare_candidate,
+)
+
+#: a candidate as sent to a worker: (group, tensors, type name)
+Job = tuple[str, list[str], str]
 
 #: workers that may be lost (and replaced) per worker started before the sweep gives up
 LOSSES_PER_WORKER = 3
@@ -66,14 +79,23 @@ class SweepWorker:
         base_blob.tofile(path)
         spill = Path(spec.spill_dir) if spec.spill_dir else None
         self.measurer = Measurer(self.model, open_base(path, self.model), spill, spec.full_forward)
+        # the worker's next candidate is quantized in a second thread while this one is evaluated (as run_sweep does)
+        self.pool = ThreadPoolExecutor(max_workers=1) if concurrent_kernels_are_safe() else None
+        self.ahead: dict[tuple[str, str], Future[Candidate]] = {}
 
     def pid(self) -> int:
         return os.getpid()
 
-    def measure(self, group: str, names: list[str], type_name: str,
-                prior: tuple[KLDAccumulator, float] | None) -> tuple[SweepRow, KLDAccumulator]:
-        job = prepare_candidate(self.model, group, names, type_by_name(type_name), self.imatrix)
-        return self.measurer.measure(job, prior)
+    def _prepare(self, job: Job) -> Candidate:
+        return prepare_candidate(self.model, job[0], job[1], type_by_name(job[2]), self.imatrix)
+
+    def measure(self, job: Job, prior: tuple[KLDAccumulator, float] | None,
+                then: Job | None = None) -> tuple[SweepRow, KLDAccumulator]:
+        """Measure `job`; start quantizing `then`, the job this worker gets next."""
+        ready = self.ahead.pop((job[0], job[2]), None)
+        if then is not None and self.pool is not None:
+            self.ahead[(then[0], then[2])] = self.pool.submit(self._prepare, then)
+        return self.measurer.measure(ready.result() if ready is not None else self._prepare(job), prior)
 
 
 def run_sweep_on_cluster(cluster: Cluster, spec: WorkerSpec, base_path: Path, groups: dict[str, list[str]],
@@ -97,13 +119,22 @@ def run_sweep_on_cluster(cluster: Cluster, spec: WorkerSpec, base_path: Path, gr
         on_workers(list(workers))
     losses, allowed = 0, LOSSES_PER_WORKER * len(workers)
     inflight: dict[Any, tuple[Any, tuple[str, list[str], GGMLType]]] = {}
+    reserved: dict[Any, tuple[str, list[str], GGMLType]] = {}  # the job each worker is quantizing ahead
     idle = list(workers)
     try:
-        while jobs or inflight:
-            while idle and jobs:
-                worker, job = idle.pop(), jobs.popleft()
+        while jobs or inflight or reserved:
+            while True:  # every idle worker with a job reserved, or any idle worker while jobs remain
+                worker = next((w for w in idle if w in reserved), idle[-1] if idle and jobs else None)
+                if worker is None:
+                    break
+                idle.remove(worker)
+                job = reserved.pop(worker) if worker in reserved else jobs.popleft()
+                then = jobs.popleft() if jobs else None
+                if then is not None:
+                    reserved[worker] = then
                 prior = scored.get((job[0], job[2].name)) if scored is not None else None
-                inflight[worker.measure.remote(job[0], job[1], job[2].name, prior)] = (worker, job)
+                inflight[worker.measure.remote((job[0], job[1], job[2].name), prior,
+                                               (then[0], then[1], then[2].name) if then else None)] = (worker, job)
             ready, _ = ray.wait(list(inflight), num_returns=1)
             worker, job = inflight.pop(ready[0])
             try:
@@ -115,6 +146,8 @@ def run_sweep_on_cluster(cluster: Cluster, spec: WorkerSpec, base_path: Path, gr
                                      f"are saved; rerun to resume): {_cause(exc)}") from None
                 on_event(f"a Ray worker was lost while measuring {job[0]} {job[2].name}; rerunning it on a new "
                          "worker")
+                if worker in reserved:
+                    jobs.appendleft(reserved.pop(worker))
                 jobs.appendleft(job)
                 workers.remove(worker)
                 replacement = actor.remote(spec, blob)
