@@ -144,6 +144,11 @@ def test_bad_pairs_and_prompts_are_refused_before_compute(pair: tuple[Path, Path
                       "f32", "qwen2").write(tmp_path / "other.gguf")
     res = runner.invoke(app, ["accept", str(other), str(pair[1]), "--text", str(TEXT)])
     assert res.exit_code == 2 and "128 target features" in res.output and "2 layers x 96 = 192" in res.output
+    same_width = Converter(make_tiny_checkpoint(tmp_path / "hf2", TinySpec(arch="qwen3", hidden=64, layers=4,
+                                                                        n_merges=150)),
+                           "f32", "qwen2").write(tmp_path / "other-vocab.gguf")
+    res = runner.invoke(app, ["accept", str(same_width), str(pair[1]), "--text", str(TEXT)])
+    assert res.exit_code == 2 and "the draft's vocabulary has 320 tokens" in res.output, res.output
     res = runner.invoke(app, ["accept", str(pair[0]), str(pair[1]), "--text", str(TEXT), "--prompt-len", "5000"])
     assert res.exit_code == 2 and "3892 tokens" in res.output
     res = runner.invoke(app, ["accept", str(pair[0]), str(pair[0]), "--text", str(TEXT)])
