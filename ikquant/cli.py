@@ -99,7 +99,7 @@ def quantize(
     from ikquant.ftypes import file_type
     from ikquant.gguf_io import GGUFFile, exit_cleanly_on_sigterm
     from ikquant.imatrix import filter_entries, read_imatrix
-    from ikquant.quantize import QuantizeOptions, make_plan, quantize_model
+    from ikquant.quantize import QuantizeOptions, check_writable, make_plan, quantize_model
     from ikquant.recipes_mainline import mainline_file_type
 
     exit_cleanly_on_sigterm()
@@ -132,6 +132,12 @@ def quantize(
         plan = make_plan(source, opts)
     except (FileNotFoundError, IkError) as exc:
         fail(str(exc))
+    try:
+        check_writable(plan)
+    except IkError as exc:
+        if not dry_run:
+            fail(str(exc))
+        plan.warnings.append(f"this plan cannot be written: {exc}")
     for w in plan.warnings:
         err.print(f"[yellow]warning:[/] {w}", soft_wrap=True)
     for p in plan.tensors:

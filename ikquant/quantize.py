@@ -294,6 +294,23 @@ def _mainline_plan(src: GGUFFile, opts: QuantizeOptions) -> Plan:
     return Plan(plans, warnings)
 
 
+def check_writable(plan: Plan) -> None:
+    """Refuse, before any file is created, a plan naming a type iktools cannot encode (or a source it cannot read)."""
+    import ikquant.formats  # noqa: F401  (importing the formats registers their codecs)
+
+    missing: dict[str, list[str]] = {}
+    for p in plan.tensors:
+        for t in ((p.type, p.info.type) if p.quantize else ()):
+            if t.codec is None:
+                missing.setdefault(t.name, []).append(p.name)
+    if missing:
+        first, names = next(iter(missing.items()))
+        raise QuantizeError(f"the plan needs {', '.join(missing)}, which iktools cannot encode or decode yet "
+                            f"({first}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}); nothing was "
+                            "written (--dry-run shows the plan; --custom-q, --token-embedding-type or "
+                            "--output-tensor-type can give those tensors another type)")
+
+
 def _check_imatrix(plans: list[TensorPlan], opts: QuantizeOptions, warnings: list[str]) -> None:
     quantized = [p for p in plans if p.quantize]
     if opts.imatrix is not None and quantized and opts.imatrix.entries:
@@ -412,6 +429,7 @@ def quantize_model(src_path: Path, dst_path: Path, opts: QuantizeOptions,
         raise QuantizeError(f"output {dst_path} is the input file; choose another output path")
     src = GGUFFile(src_path)
     plan = make_plan(src, opts)
+    check_writable(plan)
     # ik always writes 32-byte alignment even when it copies a different general.alignment (an inconsistent
     # file); we write the alignment the copied key announces.
     with GGUFStreamWriter(dst_path, src.architecture, alignment=src.alignment) as writer:

@@ -140,3 +140,24 @@ def test_bad_inputs(data_dir: Path, tmp_path: Path) -> None:
     res = _run(f32, out, "--type", "q4_0", "--imatrix", str(tmp_path / "other.dat"))
     assert res.exit_code == 2 and "blk.0.attn_q.weight" in res.output and "another model" in res.output
     _no_output(tmp_path)
+
+
+def test_a_plan_naming_a_type_without_codec_is_refused_before_writing(tmp_path: Path) -> None:
+    """ik's IQ3_KT recipe puts IQ3_S on an untied model's token_embd: refused before any file exists, and
+    --dry-run says so."""
+    from ikconvert.convert import Converter
+    from ikconvert.tiny import TinySpec, make_tiny_checkpoint
+
+    src = Converter(make_tiny_checkpoint(tmp_path / "hf", TinySpec(arch="qwen3", hidden=256, layers=2, heads=4,
+                                                                   kv_heads=2, head_dim=64, ffn=512)),
+                    "f32", "qwen2").write(tmp_path / "m.gguf")
+    dst = tmp_path / "kt.gguf"
+    res = runner.invoke(app, [str(src), str(dst), "--type", "IQ3_KT", "--ignore-imatrix-rules"])
+    assert res.exit_code == 2 and "IQ3_S: token_embd.weight" in res.output and "nothing was written" in res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m.gguf"]
+    res = runner.invoke(app, [str(src), str(dst), "--type", "IQ3_KT", "--ignore-imatrix-rules", "--dry-run"],
+                        env={"COLUMNS": "300"})
+    assert res.exit_code == 0 and "this plan cannot be written" in res.output
+    res = runner.invoke(app, [str(src), str(dst), "--type", "IQ3_KT", "--ignore-imatrix-rules",
+                              "--token-embedding-type", "q4_K"])
+    assert res.exit_code == 0, res.output
