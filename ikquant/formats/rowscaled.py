@@ -1,0 +1,117 @@
+"""Two formats with one scale for many values: Q8_KV (ik's 8-bit rows with a per-row f32 scale, the format its
+K-cache uses) and Q1_0_G128 (the 1-bit "Bonsai" blocks: 128 signs and one f16 magnitude).
+
+Q8_KV rows are an 8-byte header (f32 scale amax/127, int32 sum of the codes) followed by one int8 code per value,
+rounded to nearest even after multiplying by the f32 reciprocal of the scale. Q1_0_G128 stores the mean absolute
+value of each 128-value block (summed in order in float32) as f16 and a bit per value that is set for x >= 0;
+decoding gives +d or -d. Neither reads importance weights (ik ignores them for both).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ikquant.formats.base import Codec
+from ikquant.formats.numeric import load_f16, load_f32, store_f16, store_f32
+from ikquant.types import register_codec
+
+KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
+QK1 = 128
+
+
+@njit(**KERNEL)
+def _quantize_q8_kv(x: np.ndarray, out: np.ndarray) -> None:
+    n_rows, n = x.shape
+    codes = out.view(np.int8)
+    for r in prange(n_rows):
+        amax = np.float32(0.0)
+        for j in range(n):
+            amax = max(amax, abs(x[r, j]))
+        if amax == 0:
+            out[r, :] = 0
+            continue
+        d = amax / np.float32(127.0)
+        mul = np.float32(1.0) / d
+        total = np.int32(0)
+        for j in range(n):
+            q = np.int32(np.rint(mul * x[r, j]))
+            q = min(max(q, np.int32(-128)), np.int32(127))
+            codes[r, 8 + j] = np.int8(q)
+            total += q
+        store_f32(out[r], 0, d)
+        out[r, 4:8] = np.array([total], dtype=np.int32).view(np.uint8)
+
+
+@njit(**KERNEL)
+def _dequantize_q8_kv(q: np.ndarray, out: np.ndarray) -> None:
+    n_rows, n = out.shape
+    codes = q.view(np.int8)
+    for r in prange(n_rows):
+        d = load_f32(q[r], 0)
+        for j in range(n):
+            out[r, j] = d * np.float32(codes[r, 8 + j])
+
+
+@njit(**KERNEL)
+def _quantize_q1_0(x: np.ndarray, out: np.ndarray) -> None:
+    n_rows, n = x.shape
+    for r in prange(n_rows):
+        for ib in range(n // QK1):
+            base, o = ib * QK1, ib * 18
+            s = np.float32(0.0)
+            for j in range(QK1):
+                s += abs(x[r, base + j])
+            store_f16(out[r], o, s / np.float32(QK1))
+            for k in range(QK1 // 8):
+                bits = np.uint8(0)
+                for j in range(8):
+                    if x[r, base + 8 * k + j] >= 0:
+                        bits |= np.uint8(1 << j)
+                out[r, o + 2 + k] = bits
+
+
+@njit(**KERNEL)
+def _dequantize_q1_0(q: np.ndarray, out: np.ndarray) -> None:
+    n_rows, n = out.shape
+    for r in prange(n_rows):
+        for ib in range(n // QK1):
+            o = ib * 18
+            d = load_f16(q[r], o)
+            for k in range(QK1 // 8):
+                bits = q[r, o + 2 + k]
+                for j in range(8):
+                    out[r, ib * QK1 + 8 * k + j] = d if (bits >> j) & 1 else -d
+
+
+class Q8KVCodec(Codec):
+    type_name = "Q8_KV"
+    uses_imatrix = False
+    # rounding to the nearest code costs half a step (amax/254), the f32 reciprocal a few ulps
+    rel_error_bound = 0.5 / 127 + 2.0**-20
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        _quantize_q8_kv(x, out)
+
+    def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        _dequantize_q8_kv(q, out)
+
+
+class Q1_0G128Codec(Codec):
+    type_name = "Q1_0_G128"
+    uses_imatrix = False
+    # the f16 magnitude is the block's mean |x|, at most amax; a value is off by at most max(|x|, d) <= amax, plus
+    # the f16 rounding of d
+    max_abs_input = 65504.0
+    rel_error_bound = 1.0 + 2.0**-10
+    abs_error_floor = 2.0**-24
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        _quantize_q1_0(x, out)
+
+    def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        _dequantize_q1_0(q, out)
+
+
+for _codec in (Q8KVCodec(), Q1_0G128Codec()):
+    register_codec(_codec.type_name, _codec)
