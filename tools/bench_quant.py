@@ -84,14 +84,17 @@ def main() -> None:
             res[n] = (rate(lambda: codec.quantize(x, w), x.size), rate(lambda: codec.dequantize(q, 4096), x.size))
         numba.set_num_threads(all_threads)
         gq, gd = gguf_baseline(t.name, x, q)
-        iq, idq = IK[t.name]
+        iq, idq = IK.get(t.name, (None, None))  # no ik figure recorded for this type: no ratio
 
         def fmt(v: float | None) -> str:
             return "-" if v is None else f"{v:.1f}" if v < 100 else f"{v:.0f}"
 
+        def ratio(ours: float, theirs: float | None) -> str:
+            return "-" if theirs is None else f"{ours / theirs:.2f}"
+
         print(f"{t.name:8s} | {fmt(res[1][0]):>19s} {fmt(res[all_threads][0]):>7s} {fmt(iq):>6s} "
-              f"{res[1][0] / iq:7.2f} {fmt(gq):>6s} | {fmt(res[1][1]):>21s} {fmt(res[all_threads][1]):>7s} "
-              f"{fmt(idq):>6s} {res[1][1] / idq:7.2f} {fmt(gd):>6s}", flush=True)
+              f"{ratio(res[1][0], iq):>7s} {fmt(gq):>6s} | {fmt(res[1][1]):>21s} {fmt(res[all_threads][1]):>7s} "
+              f"{fmt(idq):>6s} {ratio(res[1][1], idq):>7s} {fmt(gd):>6s}", flush=True)
 
 
 if __name__ == "__main__":
