@@ -35,9 +35,11 @@ def _quantize_q8_kv(x: np.ndarray, out: np.ndarray) -> None:
         mul = np.float32(1.0) / d
         total = np.int32(0)
         for j in range(n):
-            q = np.int32(np.rint(mul * x[r, j]))
-            q = min(max(q, np.int32(-128)), np.int32(127))
-            codes[r, 8 + j] = np.int8(q)
+            v = mul * x[r, j]
+            # x86's float-to-int conversion gives INT_MIN for NaN, infinities and out-of-range values (the
+            # reciprocal overflows when amax < 127/FLT_MAX); the saturating packs then store -128
+            q = np.int32(np.rint(v)) if abs(v) < np.float32(2147483648.0) else np.int32(-2147483648)
+            codes[r, 8 + j] = np.int8(min(max(q, np.int32(-128)), np.int32(127)))
             total += q
         store_f32(out[r], 0, d)
         out[r, 4:8] = np.array([total], dtype=np.int32).view(np.uint8)
@@ -87,8 +89,10 @@ def _dequantize_q1_0(q: np.ndarray, out: np.ndarray) -> None:
 class Q8KVCodec(Codec):
     type_name = "Q8_KV"
     uses_imatrix = False
-    # rounding to the nearest code costs half a step (amax/254), the f32 reciprocal a few ulps
+    # rounding to the nearest code costs half a step (amax/254), the f32 reciprocal a few ulps; below
+    # amax = 127/FLT_MAX the reciprocal overflows and ik stores -128 codes: the error there is at most 2*amax
     rel_error_bound = 0.5 / 127 + 2.0**-20
+    abs_error_floor = 2 * 127 / float(np.finfo(np.float32).max)
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         _quantize_q8_kv(x, out)
