@@ -55,6 +55,7 @@ _FTYPES = (
     FileType("IQ4_KSS", 148, "IQ4_KSS"),
     FileType("IQ3_KL", 146, "IQ3_K"),
     FileType("Q8_KV", 149, "Q8_KV"),
+    FileType("Q8_0_R8", 207, "Q8_0_R8"),
     FileType("IQ5_KS", 150, "IQ5_KS"),
     FileType("IQ2_KT", 151, "IQ2_KT"),
     FileType("IQ3_KT", 152, "IQ3_KT"),

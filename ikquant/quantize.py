@@ -199,6 +199,11 @@ def _plan_tensor(info: TensorInfo, opts: QuantizeOptions, chooser: TypeChooser, 
     if fallback is not None:
         decision = fallback
         notes.append(fallback.reason)
+    if decision.type.base is not None and (name == "token_embd.weight" or info.ne[1] % decision.type.row_group):
+        why = ("token embeddings are not interleaved" if name == "token_embd.weight" else
+               f"{info.ne[1]} rows are not a multiple of {decision.type.row_group}")
+        decision = Decision(type_by_name(decision.type.base), f"{why}: {decision.type.name} becomes its base type")
+        notes.append(decision.reason)
     if embd_type and name == "token_embd.weight":
         decision = Decision(type_by_name(embd_type), "--token-embedding-type")
     if out_type and name == "output.weight":
@@ -410,6 +415,7 @@ def quantize_rows(raw: np.ndarray, info: TensorInfo, gtype: GGMLType, codec, ima
     src_codec = info.type.require_codec()
     out = np.empty((info.n_rows, gtype.row_bytes(n)), dtype=np.uint8)
     batch = ik_call_rows(codec.rows_interact, weights is not None, n, rows_per_group, groups, threads)
+    batch = -(-batch // gtype.row_group) * gtype.row_group  # interleaved types quantize whole row groups, as ik
     for g in range(groups):
         w = None if weights is None else weights[g]
         for r0 in range(g * rows_per_group, (g + 1) * rows_per_group, batch):

@@ -154,7 +154,7 @@ OUTPUT_RULES = [
     R((), "Q8_0", lambda c: c.facts.arch == "falcon" or c.n_per_row % 256 != 0),
     R(LOW_BIT_OUTPUT, lambda c: "IQ4_K" if not c.facts.has_output else "Q5_K"),
     R(IQ4_TIED_IQ5, "IQ5_K", lambda c: not c.facts.has_output),
-    R((), "Q6_K", lambda c: c.default not in ("Q8_0", "IQ6_K", "Q8_KV")),
+    R((), "Q6_K", lambda c: c.default not in ("Q8_0", "Q8_0_R8", "IQ6_K", "Q8_KV")),
 ]
 TOKEN_EMBD_RULES = [
     opt("token_embedding_type"),

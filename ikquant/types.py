@@ -32,6 +32,9 @@ class GGMLType:
     type_size: int
     row_meta_size: int = 0
     codec: Codec | None = field(default=None, repr=False)
+    #: interleaved types: rows are stored in groups of `row_group`, each group the regrouped bytes of `base`
+    row_group: int = 1
+    base: str | None = None
 
     @property
     def bits_per_weight(self) -> float:
@@ -101,6 +104,7 @@ _TYPE_TABLE: tuple[tuple[str, str, int, int, int, int], ...] = (
     ("BF16", "bf16", 30, 1, 2, 0),
     ("MXFP4", "mxfp4", 39, 32, 17, 0),
     ("Q1_0_G128", "q1_0_g128", 41, 128, 18, 0),
+    ("Q8_0_R8", "q8_0_r8", 208, 32, 34, 0),
     ("Q6_0", "q6_0", 133, 32, 26, 0),
     ("IQ2_K", "iq2_k", 137, 256, 76, 0),
     ("IQ3_K", "iq3_k", 138, 256, 110, 0),
@@ -123,10 +127,15 @@ _TYPE_TABLE: tuple[tuple[str, str, int, int, int, int], ...] = (
 # Ids that mainline llama.cpp assigns to types ik_llama.cpp does not have (so a file using them came from mainline).
 _MAINLINE_ONLY_IDS = {34: "TQ1_0", 35: "TQ2_0", 40: "NVFP4"}
 
+# Interleaved types (ik's interleaved_properties): the base type and how many rows a group holds.
+_INTERLEAVED = {"Q8_0_R8": ("Q8_0", 8)}
+
 _BY_NAME: dict[str, GGMLType] = {}
 _BY_ID: dict[int, GGMLType] = {}
 for _row in _TYPE_TABLE:
     _t = GGMLType(*_row)
+    if _t.name in _INTERLEAVED:
+        _t.base, _t.row_group = _INTERLEAVED[_t.name]
     _BY_NAME[_t.name] = _t
     _BY_ID[_t.id] = _t
 

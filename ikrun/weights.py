@@ -194,8 +194,13 @@ class WeightStore:
             return hit[rows]
         uniq, inverse = np.unique(np.asarray(rows, dtype=np.int64), return_inverse=True)
         enc = self.encoding(name)
-        out = self._decode_rows(name, enc, np.ascontiguousarray(enc.raw[uniq]), self.info(name).n_per_row)
+        g = enc.type.row_group
+        # an interleaved type stores rows in groups: decode the groups that hold the rows asked for
+        needed = uniq if g == 1 else (np.unique(uniq // g)[:, None] * g + np.arange(g)).reshape(-1)
+        out = self._decode_rows(name, enc, np.ascontiguousarray(enc.raw[needed]), self.info(name).n_per_row)
         self._release(name)
+        if g > 1:
+            out = out[np.searchsorted(needed, uniq)]
         return out[inverse.reshape(-1)]
 
     def decode_experts(self, name: str, experts: np.ndarray, keep: bool = True) -> np.ndarray:

@@ -1,3 +1,14 @@
 """Every quant format family; importing this package registers their codecs in `ikquant.types`."""
 
-from ikquant.formats import floats, iq4, iqk, iqk_ks, kquants, legacy, mxfp4, rowscaled, trellis  # noqa: F401
+from ikquant.formats import (  # noqa: F401
+    floats,
+    interleaved,
+    iq4,
+    iqk,
+    iqk_ks,
+    kquants,
+    legacy,
+    mxfp4,
+    rowscaled,
+    trellis,
+)

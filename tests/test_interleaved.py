@@ -1,0 +1,58 @@
+"""Row-interleaved types: files written with them decode to the values of their base type, in the runtime too."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
+from ikquant.cli import app as ikquant_app
+from ikquant.formats.base import QuantInputError
+from ikquant.gguf_io import GGUFFile
+from ikquant.types import type_by_name
+from ikrun.cli import app
+
+runner = CliRunner()
+
+
+def test_groups_must_be_whole() -> None:
+    with pytest.raises(QuantInputError, match="not a whole number of 8-row groups"):
+        type_by_name("Q8_0_R8").require_codec().quantize(np.ones((12, 64), dtype=np.float32))
+
+
+def test_an_interleaved_file_evaluates_as_its_base_type(tmp_path: Path) -> None:
+    from ikconvert.convert import Converter
+
+    src = Converter(make_tiny_checkpoint(tmp_path / "hf", TinySpec(arch="qwen3", hidden=256, layers=2, heads=4,
+                                                                   kv_heads=2, head_dim=64, ffn=512)),
+                    "f32", "qwen2").write(tmp_path / "m.gguf")
+    files = {}
+    for t in ("Q8_0", "Q8_0_R8"):
+        files[t] = tmp_path / f"{t}.gguf"
+        res = runner.invoke(ikquant_app, [str(src), str(files[t]), "--type", t, "--pure"])
+        assert res.exit_code == 0, res.output
+    r8 = GGUFFile(files["Q8_0_R8"])
+    assert r8.tensors["blk.0.ffn_down.weight"].type.name == "Q8_0_R8"
+    assert r8.tensors["token_embd.weight"].type.name == "Q8_0"  # token embeddings are never interleaved
+    base = tmp_path / "base.kld"
+    args = ["--text", str(CORPUS), "--ctx", "64", "--chunks", "4"]
+    assert runner.invoke(app, ["kld", str(src), "--base", str(src), *args, "--save-base-logits",
+                               str(base)]).exit_code == 0
+    stats = {}
+    for t, path in files.items():
+        res = runner.invoke(app, ["kld", str(path), "--base-logits", str(base), "--json"])
+        assert res.exit_code == 0, res.output
+        stats[t] = json.loads(res.stdout)
+    assert stats["Q8_0_R8"] == stats["Q8_0"]
+    # rows decoded alone (tiles of a head larger than the cache, lookups) come from their groups
+    from ikrun.weights import WeightStore
+
+    rows = np.array([17, 3, 5, 3, 200])
+    plain, grouped = WeightStore(files["Q8_0"]), WeightStore(files["Q8_0_R8"])
+    for name in ("output.weight", "blk.1.ffn_down.weight"):
+        assert np.array_equal(grouped.decode_rows(name, rows), plain.decode_rows(name, rows))
+        assert np.array_equal(grouped.decode(name), plain.decode(name))
