@@ -137,7 +137,7 @@ LOW_BIT_OUTPUT = ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ2_S", "IQ2_M", "IQ
 IQ4_TIED_IQ5 = ("IQ3_S", "IQ3_M", "IQ3_KL", "IQ4_XS", "IQ4_KS", "IQ4_KSS")
 ATTN_OUTPUT_Q5K_MOE = ("Q2_K", "IQ3_XS", "IQ3_XXS", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M", "IQ3_S",
                        "IQ3_M", "IQ4_XS", "IQ4_K", "IQ4_KSS", "IQ4_KS", "IQ5_KS", "IQ2_K", "IQ3_K", "IQ3_KL", "IQ3_KT",
-                       "IQ3_KS")
+                       "IQ3_KS", "IQ4_NL_R4")
 LOW_BIT_BLOCK = ("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ2_S", "IQ2_M", "IQ1_M", "IQ2_KS")
 IQ2SM = ("IQ2_S", "IQ2_M")
 
@@ -204,7 +204,7 @@ GENERIC_RULES: dict[str, list[Rule]] = {
         R(("IQ3_KL", "IQ3_M"), lambda c: "IQ5_K" if c.facts.n_gqa >= 2 else "IQ4_K"),
         R("Q3_K_M", lambda c: "Q5_K" if c.i_attention_wv < 2 else "Q4_K"),
         R("Q3_K_L", "Q5_K"),
-        R(("IQ4_NL", "IQ4_XS", "IQ4_KS", "IQ4_KSS", "IQ4_K"), "IQ5_K", G(2)),
+        R(("IQ4_NL", "IQ4_XS", "IQ4_KS", "IQ4_KSS", "IQ4_K", "IQ4_NL_R4"), "IQ5_K", G(2)),
         R(("Q4_K_M", "Q5_K_M"), "Q6_K", lambda c: use_more_bits(c.i_attention_wv, c.facts.n_attention_wv)),
         R("Q4_K_S", "Q5_K", lambda c: c.i_attention_wv < 4),
         # these two ftypes stop the chain even when the model is not Llama-3-like
@@ -232,11 +232,13 @@ GENERIC_RULES: dict[str, list[Rule]] = {
         R("IQ3_KL", lambda c: "IQ4_KS" if c.more_bits else "IQ3_K"),
         R("Q4_K_M", lambda c: ("Q6_K" if c.i_layer < c.n_layer // 16 else "Q5_K" if c.more_bits else "Q4_K")
           if c.facts.arch == "falcon" else ("Q6_K" if c.more_bits else c.default)),
-        R(("IQ4_NL", "IQ4_XS", "IQ4_KS", "IQ4_KSS"), "Q5_K", lambda c: FIRST_EIGHTH(c) and not c.has_imatrix),
+        R(("IQ4_NL", "IQ4_XS", "IQ4_KS", "IQ4_KSS", "IQ4_NL_R4"), "Q5_K",
+          lambda c: FIRST_EIGHTH(c) and not c.has_imatrix),
         R("Q5_K_M", "Q6_K", lambda c: c.more_bits),
         R("Q4_K_S", "Q5_K", lambda c: c.facts.arch != "falcon" and FIRST_EIGHTH(c)),
         R(("Q4_0", "Q5_0"), lambda c: "Q4_1" if c.ftype == "Q4_0" else "Q5_1",
           lambda c: c.has_imatrix and FIRST_EIGHTH(c)),
+        R("Q4_0_R8", "IQ4_NL_R4", lambda c: c.has_imatrix and FIRST_EIGHTH(c)),
     ],
     "attn_output": [
         opt("attn_output_type"),

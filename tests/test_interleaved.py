@@ -24,20 +24,21 @@ def test_groups_must_be_whole() -> None:
         type_by_name("Q8_0_R8").require_codec().quantize(np.ones((12, 64), dtype=np.float32))
 
 
-def test_an_interleaved_file_evaluates_as_its_base_type(tmp_path: Path) -> None:
+@pytest.mark.parametrize("base_type,interleaved", [("Q8_0", "Q8_0_R8"), ("Q4_0", "Q4_0_R8"), ("IQ4_NL", "IQ4_NL_R4")])
+def test_an_interleaved_file_evaluates_as_its_base_type(tmp_path: Path, base_type: str, interleaved: str) -> None:
     from ikconvert.convert import Converter
 
     src = Converter(make_tiny_checkpoint(tmp_path / "hf", TinySpec(arch="qwen3", hidden=256, layers=2, heads=4,
                                                                    kv_heads=2, head_dim=64, ffn=512)),
                     "f32", "qwen2").write(tmp_path / "m.gguf")
     files = {}
-    for t in ("Q8_0", "Q8_0_R8"):
+    for t in (base_type, interleaved):
         files[t] = tmp_path / f"{t}.gguf"
         res = runner.invoke(ikquant_app, [str(src), str(files[t]), "--type", t, "--pure"])
         assert res.exit_code == 0, res.output
-    r8 = GGUFFile(files["Q8_0_R8"])
-    assert r8.tensors["blk.0.ffn_down.weight"].type.name == "Q8_0_R8"
-    assert r8.tensors["token_embd.weight"].type.name == "Q8_0"  # token embeddings are never interleaved
+    grouped_file = GGUFFile(files[interleaved])
+    assert grouped_file.tensors["blk.0.ffn_down.weight"].type.name == interleaved
+    assert grouped_file.tensors["token_embd.weight"].type.name == base_type  # token embeddings are never interleaved
     base = tmp_path / "base.kld"
     args = ["--text", str(CORPUS), "--ctx", "64", "--chunks", "4"]
     assert runner.invoke(app, ["kld", str(src), "--base", str(src), *args, "--save-base-logits",
@@ -47,12 +48,12 @@ def test_an_interleaved_file_evaluates_as_its_base_type(tmp_path: Path) -> None:
         res = runner.invoke(app, ["kld", str(path), "--base-logits", str(base), "--json"])
         assert res.exit_code == 0, res.output
         stats[t] = json.loads(res.stdout)
-    assert stats["Q8_0_R8"] == stats["Q8_0"]
+    assert stats[interleaved] == stats[base_type]
     # rows decoded alone (tiles of a head larger than the cache, lookups) come from their groups
     from ikrun.weights import WeightStore
 
     rows = np.array([17, 3, 5, 3, 200])
-    plain, grouped = WeightStore(files["Q8_0"]), WeightStore(files["Q8_0_R8"])
+    plain, grouped = WeightStore(files[base_type]), WeightStore(files[interleaved])
     for name in ("output.weight", "blk.1.ffn_down.weight"):
         assert np.array_equal(grouped.decode_rows(name, rows), plain.decode_rows(name, rows))
         assert np.array_equal(grouped.decode(name), plain.decode(name))

@@ -12,18 +12,43 @@ from ikquant.formats.base import Codec, QuantInputError
 from ikquant.types import register_codec, type_by_name
 
 
+def _nibbles(byte_src: list[int]) -> list[int]:
+    """Source nibbles (low then high of each byte) for output bytes taken whole from `byte_src`."""
+    return [2 * b + h for b in byte_src for h in (0, 1)]
+
+
 def q8_0_r8_block(row_bytes: int, ib: int) -> np.ndarray:
-    """Source byte (within 8 consecutive Q8_0 rows, row k at k*row_bytes) of every byte of interleaved block ib:
-    the 8 rows' f16 scales, then their codes 4 at a time: values 0..15 of all rows, then values 16..31."""
+    """Source nibble (within 8 consecutive Q8_0 rows, row k at byte k*row_bytes) of every nibble of interleaved
+    block ib: the 8 rows' f16 scales, then their codes 4 at a time: values 0..15 of all rows, then 16..31."""
     src = [k * row_bytes + ib * 34 + b for k in range(8) for b in (0, 1)]
     for half in (0, 16):
         for lane in range(4):
             src += [k * row_bytes + ib * 34 + 2 + half + 4 * lane + i for k in range(8) for i in range(4)]
-    return np.array(src, dtype=np.int64)
+    return np.array(_nibbles(src), dtype=np.int64)
+
+
+def q4_0_r8_block(row_bytes: int, ib: int) -> np.ndarray:
+    """Q4_0_R8 (ik's block_iq4_nl_r8): the 8 rows' f16 scales, then their packed codes 4 bytes at a time."""
+    src = [k * row_bytes + ib * 18 + b for k in range(8) for b in (0, 1)]
+    for lane in range(4):
+        src += [k * row_bytes + ib * 18 + 2 + 4 * lane + i for k in range(8) for i in range(4)]
+    return np.array(_nibbles(src), dtype=np.int64)
+
+
+def iq4_nl_r4_block(row_bytes: int, ib: int) -> np.ndarray:
+    """IQ4_NL_R4: the 4 rows' f16 scales, then bytes whose low and high nibbles come from different source bytes:
+    per row 4 bytes of (values 0..3 | 8..11), then (16..19 | 24..27), (4..7 | 12..15), (20..23 | 28..31)."""
+    nib = _nibbles([k * row_bytes + ib * 18 + b for k in range(4) for b in (0, 1)])
+    for lo_byte, high in ((0, 0), (0, 1), (4, 0), (4, 1)):  # (first source byte, which nibble of it)
+        for k in range(4):
+            q = 2 * (k * row_bytes + ib * 18 + 2)
+            nib += [n for i in range(4) for n in (q + 2 * (lo_byte + i) + high, q + 2 * (lo_byte + 8 + i) + high)]
+    return np.array(nib, dtype=np.int64)
 
 
 class InterleavedCodec(Codec):
-    """A base codec's rows regrouped `group` at a time; `block(row_bytes, ib)` maps one block column."""
+    """A base codec's rows regrouped `group` at a time; `block(row_bytes, ib)` maps one block column, nibble by
+    nibble (a nibble granularity covers ik's byte regroupings and its nibble reshuffles alike)."""
 
     def __init__(self, type_name: str, block_bytes: int, block) -> None:  # type: ignore[no-untyped-def]
         self.type_name = type_name
@@ -61,7 +86,7 @@ class InterleavedCodec(Codec):
         return self.base.rows_interact
 
     def _perm_for(self, row_bytes: int) -> np.ndarray:
-        """Source index (within one group of base rows) of every byte of the group's interleaved form."""
+        """Source nibble (within one group of base rows) of every nibble of the group's interleaved form."""
         perm = self._perm.get(row_bytes)
         if perm is None:
             n_blocks = self.group * row_bytes // self.block_bytes
@@ -78,15 +103,24 @@ class InterleavedCodec(Codec):
         groups = self._groups(x.shape[0])
         plain = np.empty_like(out)
         self.base._quantize(x, w, plain)
-        perm = self._perm_for(out.shape[1])
-        out.reshape(groups, -1)[:] = plain.reshape(groups, -1)[:, perm]
+        nib = _to_nibbles(plain.reshape(groups, -1))[:, self._perm_for(out.shape[1])]
+        out.reshape(groups, -1)[:] = _from_nibbles(nib)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         groups = self._groups(q.shape[0])
-        perm = self._perm_for(q.shape[1])
-        plain = np.empty_like(q).reshape(groups, -1)
-        plain[:, perm] = q.reshape(groups, -1)
-        self.base._dequantize(plain.reshape(q.shape), out)
+        nib = np.empty((groups, 2 * q.shape[1] * self.group), dtype=np.uint8)
+        nib[:, self._perm_for(q.shape[1])] = _to_nibbles(np.ascontiguousarray(q).reshape(groups, -1))
+        self.base._dequantize(_from_nibbles(nib).reshape(q.shape), out)
 
 
-register_codec("Q8_0_R8", InterleavedCodec("Q8_0_R8", 8 * 34, q8_0_r8_block))
+def _to_nibbles(b: np.ndarray) -> np.ndarray:
+    return np.stack([b & 0x0F, b >> 4], axis=-1).reshape(b.shape[0], -1)
+
+
+def _from_nibbles(n: np.ndarray) -> np.ndarray:
+    return (n[:, 0::2] | (n[:, 1::2] << 4)).astype(np.uint8)
+
+
+for _name, _block_bytes, _block in (("Q8_0_R8", 8 * 34, q8_0_r8_block), ("Q4_0_R8", 8 * 18, q4_0_r8_block),
+                                    ("IQ4_NL_R4", 4 * 18, iq4_nl_r4_block)):
+    register_codec(_name, InterleavedCodec(_name, _block_bytes, _block))
