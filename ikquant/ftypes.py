@@ -58,6 +58,7 @@ _FTYPES = (
     FileType("Q4_0_R8", 202, "Q4_0_R8"),
     FileType("Q8_0_R8", 207, "Q8_0_R8"),
     FileType("IQ4_NL_R4", 225, "IQ4_NL_R4"),
+    FileType("MXFP4_R8", 351, "MXFP4_R8"),
     FileType("IQ5_KS", 150, "IQ5_KS"),
     FileType("IQ2_KT", 151, "IQ2_KT"),
     FileType("IQ3_KT", 152, "IQ3_KT"),

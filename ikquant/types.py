@@ -107,6 +107,7 @@ _TYPE_TABLE: tuple[tuple[str, str, int, int, int, int], ...] = (
     ("Q4_0_R8", "q4_0_r8", 202, 32, 18, 0),
     ("Q8_0_R8", "q8_0_r8", 208, 32, 34, 0),
     ("IQ4_NL_R4", "iq4_nl_r4", 220, 32, 18, 0),
+    ("MXFP4_R8", "mxfp4_r8", 353, 32, 17, 0),
     ("Q6_0", "q6_0", 133, 32, 26, 0),
     ("IQ2_K", "iq2_k", 137, 256, 76, 0),
     ("IQ3_K", "iq3_k", 138, 256, 110, 0),
@@ -130,7 +131,8 @@ _TYPE_TABLE: tuple[tuple[str, str, int, int, int, int], ...] = (
 _MAINLINE_ONLY_IDS = {34: "TQ1_0", 35: "TQ2_0", 40: "NVFP4"}
 
 # Interleaved types (ik's interleaved_properties): the base type and how many rows a group holds.
-_INTERLEAVED = {"Q8_0_R8": ("Q8_0", 8), "Q4_0_R8": ("Q4_0", 8), "IQ4_NL_R4": ("IQ4_NL", 4)}
+_INTERLEAVED = {"Q8_0_R8": ("Q8_0", 8), "Q4_0_R8": ("Q4_0", 8), "IQ4_NL_R4": ("IQ4_NL", 4),
+                "MXFP4_R8": ("MXFP4", 8)}
 
 _BY_NAME: dict[str, GGMLType] = {}
 _BY_ID: dict[int, GGMLType] = {}

@@ -13,7 +13,13 @@ TYPES = [t for t in golden_types() if t in IMPLEMENTED]
 CASES = [(t, c.name) for t in TYPES for c in golden_cases(t)]
 
 # Types whose quantized bytes do not depend on the compiler's fused multiply-adds (their searches involve no multiply-add the compiler may fuse).
-EXACT_BYTES = {"F16", "BF16", "Q8_0", "MXFP4"}
+EXACT_BYTES = {"F16", "BF16", "Q8_0", "MXFP4", "Q8_0_R8", "MXFP4_R8"}
+# Types whose golden floats come from a broken ik to_float: dequantize_row_mxfp4_r8 counts the blocks of all 8 rows
+# of a group as one row's (nblock = k/32 with k = 8 * n_per_row), so decoding runs past the group and overwrites
+# rows 1..7 with what follows in memory (and past the buffer for 256-value rows: the heap corruption the golden
+# README reports). Only each group's first row is ik's correct output; every row must equal its base type's
+# decoding of the same input, quantized by the base codec (bit-exact with ik on its own golden cases).
+ORACLE_DEQUANT_BUG = {"MXFP4_R8": "MXFP4"}
 # Share of identical blocks required per case where bytes can move with FMA contraction (ik's build fuses some multiply-adds that numpy rounds twice).
 MIN_SAME_BLOCKS = {"IQ1_KT": 0.90, "IQ2_KT": 0.90, "IQ3_KT": 0.90, "IQ4_KT": 0.90}
 
@@ -31,9 +37,15 @@ def _codec_for(case):
 @pytest.mark.parametrize("type_name,case_name", CASES)
 def test_dequantize_is_bit_exact(type_name: str, case_name: str) -> None:
     case = _case(type_name, case_name)
-    codec = type_by_name(type_name).require_codec()
-    out = codec.dequantize(case.quant, case.n_per_row)
-    mismatch = np.flatnonzero(out.view(np.uint32) != case.dequant.view(np.uint32))
+    gtype = type_by_name(type_name)
+    out = gtype.require_codec().dequantize(case.quant, case.n_per_row)
+    want = case.dequant
+    if type_name in ORACLE_DEQUANT_BUG:
+        base = type_by_name(ORACLE_DEQUANT_BUG[type_name]).require_codec()
+        first_rows = slice(0, None, gtype.row_group)
+        assert np.array_equal(out[first_rows].view(np.uint32), want[first_rows].view(np.uint32))
+        want = base.dequantize(base.quantize(case.x, case.imatrix), case.n_per_row)
+    mismatch = np.flatnonzero(out.view(np.uint32) != want.view(np.uint32))
     assert mismatch.size == 0, f"{mismatch.size} values differ, first at flat index {mismatch[0]}"
 
 

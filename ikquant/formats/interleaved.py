@@ -35,6 +35,14 @@ def q4_0_r8_block(row_bytes: int, ib: int) -> np.ndarray:
     return np.array(_nibbles(src), dtype=np.int64)
 
 
+def mxfp4_r8_block(row_bytes: int, ib: int) -> np.ndarray:
+    """MXFP4_R8: the 8 rows' E8M0 exponents, then their packed codes 4 bytes at a time (as Q4_0_R8)."""
+    src = [k * row_bytes + ib * 17 for k in range(8)]
+    for lane in range(4):
+        src += [k * row_bytes + ib * 17 + 1 + 4 * lane + i for k in range(8) for i in range(4)]
+    return np.array(_nibbles(src), dtype=np.int64)
+
+
 def iq4_nl_r4_block(row_bytes: int, ib: int) -> np.ndarray:
     """IQ4_NL_R4: the 4 rows' f16 scales, then bytes whose low and high nibbles come from different source bytes:
     per row 4 bytes of (values 0..3 | 8..11), then (16..19 | 24..27), (4..7 | 12..15), (20..23 | 28..31)."""
@@ -122,5 +130,5 @@ def _from_nibbles(n: np.ndarray) -> np.ndarray:
 
 
 for _name, _block_bytes, _block in (("Q8_0_R8", 8 * 34, q8_0_r8_block), ("Q4_0_R8", 8 * 18, q4_0_r8_block),
-                                    ("IQ4_NL_R4", 4 * 18, iq4_nl_r4_block)):
+                                    ("IQ4_NL_R4", 4 * 18, iq4_nl_r4_block), ("MXFP4_R8", 8 * 17, mxfp4_r8_block)):
     register_codec(_name, InterleavedCodec(_name, _block_bytes, _block))
