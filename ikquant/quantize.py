@@ -143,12 +143,7 @@ def make_plan(src: GGUFFile, opts: QuantizeOptions) -> Plan:
         return _mainline_plan(src, opts)
     warnings: list[str] = []
     class_types = {k: _type(v, f"--{k.replace('_', '-')}") for k, v in opts.class_types.items()}
-    custom = []
-    for regex, tname in opts.custom_q:
-        try:
-            custom.append((re.compile(regex), _type(tname, f"--custom-q {regex}")))
-        except re.error as exc:
-            raise QuantizeError(f"--custom-q: {regex!r} is not a valid regular expression ({exc})") from None
+    custom = _custom_rules(opts)
     out_type = _type(opts.output_tensor_type, "--output-tensor-type") if opts.output_tensor_type else None
     embd_type = _type(opts.token_embedding_type, "--token-embedding-type") if opts.token_embedding_type else None
     base = opts.ftype.base
@@ -221,13 +216,30 @@ def _plan_tensor(info: TensorInfo, opts: QuantizeOptions, chooser: TypeChooser, 
             f"{decision.type.block_size}-value blocks (ik's llama-quantize writes a broken, zero-byte tensor here); "
             f"kept as {info.type.ggml_name}"]
         return keep
+    return _quantized(info, decision, opts, notes)
+
+
+def _custom_rules(opts: QuantizeOptions) -> list[tuple[re.Pattern[str], str]]:
+    """--custom-q as (compiled regex, type name), in the user's order."""
+    custom = []
+    for regex, tname in opts.custom_q:
+        try:
+            custom.append((re.compile(regex), _type(tname, f"--custom-q {regex}")))
+        except re.error as exc:
+            raise QuantizeError(f"--custom-q: {regex!r} is not a valid regular expression ({exc})") from None
+    return custom
+
+
+def _quantized(info: TensorInfo, decision: Decision, opts: QuantizeOptions, notes: list[str]) -> TensorPlan:
+    """The plan of a tensor that is re-encoded (refused for quantized input unless --allow-requantize), with the
+    imatrix entry it will use."""
     if info.type.name not in FLOAT_TYPES and not opts.allow_requantize:
-        raise QuantizeError(f"tensor {name!r} is already quantized ({info.type.name}); requantizing loses accuracy "
-                            "twice, pass --allow-requantize to do it anyway")
+        raise QuantizeError(f"tensor {info.name!r} is already quantized ({info.type.name}); requantizing loses "
+                            "accuracy twice, pass --allow-requantize to do it anyway")
     plan = TensorPlan(info, decision.type, True, decision.reason, notes=notes)
     if opts.imatrix is not None:
         n_mat = info.ne[2] if len(info.ne) > 2 else 1
-        _, plan.imatrix_entry = opts.imatrix.lookup(name, info.n_per_row, n_mat, info.n_rows)
+        _, plan.imatrix_entry = opts.imatrix.lookup(info.name, info.n_per_row, n_mat, info.n_rows)
     return plan
 
 
@@ -245,13 +257,9 @@ def _mainline_plan(src: GGUFFile, opts: QuantizeOptions) -> Plan:
     if opts.class_types:
         raise MainlineError("mainline's llama-quantize has no per-class type options (--attn-v-type, ...); give "
                             "--custom-q 'attn_v=TYPE' instead")
-    custom = []
-    for regex, tname in opts.custom_q:
-        require_mainline_type(_type(tname, f"--custom-q {regex}"), f"--custom-q {regex}={tname}")
-        try:
-            custom.append((re.compile(regex), _type(tname, f"--custom-q {regex}")))
-        except re.error as exc:
-            raise QuantizeError(f"--custom-q: {regex!r} is not a valid regular expression ({exc})") from None
+    custom = _custom_rules(opts)
+    for pattern, tname in custom:
+        require_mainline_type(tname, f"--custom-q {pattern.pattern}={tname}")
     overrides = {"token_embd.weight": opts.token_embedding_type, "output.weight": opts.output_tensor_type}
     for name, tname in overrides.items():
         if tname:
@@ -286,14 +294,7 @@ def _mainline_plan(src: GGUFFile, opts: QuantizeOptions) -> Plan:
                                     f"already {info.type.name}"))
             continue
         require_mainline_type(d.type.name, name)
-        if info.type.name not in FLOAT_TYPES and not opts.allow_requantize:
-            raise QuantizeError(f"tensor {name!r} is already quantized ({info.type.name}); requantizing loses "
-                                "accuracy twice, pass --allow-requantize to do it anyway")
-        plan = TensorPlan(info, d.type, True, d.reason)
-        if opts.imatrix is not None:
-            n_mat = info.ne[2] if len(info.ne) > 2 else 1
-            _, plan.imatrix_entry = opts.imatrix.lookup(name, info.n_per_row, n_mat, info.n_rows)
-        plans.append(plan)
+        plans.append(_quantized(info, d, opts, []))
     warnings: list[str] = []
     _check_imatrix(plans, opts, warnings)
     return Plan(plans, warnings)
