@@ -54,17 +54,20 @@ def iq4_nl_r4_block(row_bytes: int, ib: int) -> np.ndarray:
     return np.array(nib, dtype=np.int64)
 
 
+def _from_base(name: str) -> property:
+    return property(lambda self: getattr(self.base, name), doc=f"the base codec's {name}")
+
+
 class InterleavedCodec(Codec):
     """A base codec's rows regrouped `group` at a time; `block(row_bytes, ib)` maps one block column, nibble by
     nibble (a nibble granularity covers ik's byte regroupings and its nibble reshuffles alike)."""
 
-    def __init__(self, type_name: str, block_bytes: int, block) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, type_name: str, block) -> None:  # type: ignore[no-untyped-def]
         self.type_name = type_name
         gtype = type_by_name(type_name)
         assert gtype.base is not None
         self.base_name = gtype.base
         self.group = gtype.row_group
-        self.block_bytes = block_bytes  # bytes of one interleaved block (one block column of a group)
         self._block = block
         self._perm: dict[int, np.ndarray] = {}
 
@@ -73,31 +76,17 @@ class InterleavedCodec(Codec):
     def base(self) -> Codec:
         return type_by_name(self.base_name).require_codec()
 
-    @property
-    def uses_imatrix(self) -> bool:  # type: ignore[override]
-        return self.base.uses_imatrix
-
-    @property
-    def max_abs_input(self) -> float:  # type: ignore[override]
-        return self.base.max_abs_input
-
-    @property
-    def rel_error_bound(self) -> float:  # type: ignore[override]
-        return self.base.rel_error_bound
-
-    @property
-    def abs_error_floor(self) -> float:  # type: ignore[override]
-        return self.base.abs_error_floor
-
-    @property
-    def rows_interact(self) -> bool:  # type: ignore[override]
-        return self.base.rows_interact
+    uses_imatrix = _from_base("uses_imatrix")  # type: ignore[assignment]
+    max_abs_input = _from_base("max_abs_input")  # type: ignore[assignment]
+    rel_error_bound = _from_base("rel_error_bound")  # type: ignore[assignment]
+    abs_error_floor = _from_base("abs_error_floor")  # type: ignore[assignment]
+    rows_interact = _from_base("rows_interact")  # type: ignore[assignment]
 
     def _perm_for(self, row_bytes: int) -> np.ndarray:
         """Source nibble (within one group of base rows) of every nibble of the group's interleaved form."""
         perm = self._perm.get(row_bytes)
         if perm is None:
-            n_blocks = self.group * row_bytes // self.block_bytes
+            n_blocks = row_bytes // self.base.ggml_type.type_size  # block columns: one interleaved block each
             perm = np.concatenate([self._block(row_bytes, ib) for ib in range(n_blocks)])
             self._perm[row_bytes] = perm
         return perm
@@ -129,6 +118,6 @@ def _from_nibbles(n: np.ndarray) -> np.ndarray:
     return (n[:, 0::2] | (n[:, 1::2] << 4)).astype(np.uint8)
 
 
-for _name, _block_bytes, _block in (("Q8_0_R8", 8 * 34, q8_0_r8_block), ("Q4_0_R8", 8 * 18, q4_0_r8_block),
-                                    ("IQ4_NL_R4", 4 * 18, iq4_nl_r4_block), ("MXFP4_R8", 8 * 17, mxfp4_r8_block)):
-    register_codec(_name, InterleavedCodec(_name, _block_bytes, _block))
+for _name, _block in (("Q8_0_R8", q8_0_r8_block), ("Q4_0_R8", q4_0_r8_block), ("IQ4_NL_R4", iq4_nl_r4_block),
+                      ("MXFP4_R8", mxfp4_r8_block)):
+    register_codec(_name, InterleavedCodec(_name, _block))
