@@ -96,11 +96,10 @@ def quantize(
     Example: ikquant model-bf16.gguf model-iq4_ks.gguf --type iq4_ks --custom-q "ffn_down=iq5_ks" --dry-run
     """
     from ikquant.cluster import open_cluster
-    from ikquant.ftypes import file_type
     from ikquant.gguf_io import GGUFFile, exit_cleanly_on_sigterm
     from ikquant.imatrix import filter_entries, read_imatrix
     from ikquant.quantize import QuantizeOptions, check_writable, make_plan, quantize_model
-    from ikquant.recipes_mainline import mainline_file_type
+    from ikquant.recipes_mainline import recipe_file_type
 
     exit_cleanly_on_sigterm()
     if threads:
@@ -112,9 +111,7 @@ def quantize(
                                      ("ffn_gate_type", ffn_gate_type), ("ffn_up_type", ffn_up_type),
                                      ("ffn_down_type", ffn_down_type)) if v}
     try:
-        if recipe not in ("ik", "mainline"):
-            fail(f"--recipe must be ik or mainline, not {recipe!r}")
-        ftype = mainline_file_type(type_name) if recipe == "mainline" else file_type(type_name)
+        ftype = recipe_file_type(recipe, type_name)
         imat = None
         if imatrix is not None:
             imat = filter_entries(read_imatrix(imatrix), include_weights, exclude_weights)
@@ -181,10 +178,6 @@ def _mix_from_sweep(source, opts, sweep: Path, target_bpw: float | None, target_
     from ikquant.mix import MixTarget, plan_mix, read_sweep
 
     groups, options = read_sweep(sweep)
-    if opts.recipe == "mainline":
-        from ikquant.mix import loadable_by_mainline
-
-        options = loadable_by_mainline(options, str(sweep))
     plan = plan_mix(source, opts, groups, options, MixTarget(target_bpw, target_size, budget), str(sweep))
     print_mix(plan)
     return plan.tensor_types

@@ -222,10 +222,13 @@ class MixPlan:
 
 def plan_mix(source: GGUFFile, opts: QuantizeOptions, groups: dict[str, list[str]], options: dict[str, list[Option]],
              target: MixTarget, sweep_name: str) -> MixPlan:
-    """The mix for `source` quantized per `opts` (the unswept tensors' types) within `target`."""
+    """The mix for `source` quantized per `opts` (the unswept tensors' types) within `target`; for a mainline
+    recipe only among the measured types mainline loads."""
     from ikquant.quantize import make_plan
     from ikquant.sizes import parse_size
 
+    if opts.recipe == "mainline":
+        options = loadable_by_mainline(options, sweep_name)
     swept = {n for names in groups.values() for n in names}
     missing = sorted(swept - set(source.tensors))
     if missing:

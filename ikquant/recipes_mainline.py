@@ -59,6 +59,15 @@ ATTN_OUTPUT_Q5K_MOE = ("Q2_K", "IQ3_XS", "IQ3_XXS", "Q3_K_S", "Q3_K_M", "IQ4_NL"
                        "IQ3_M", "IQ4_XS")
 
 
+def recipe_file_type(recipe: str, name: str) -> FileType:
+    """The file type `name` as `--recipe` (ik or mainline) defines it."""
+    from ikquant.ftypes import file_type
+
+    if recipe not in ("ik", "mainline"):
+        raise MainlineError(f"--recipe must be ik or mainline, not {recipe!r}")
+    return mainline_file_type(name) if recipe == "mainline" else file_type(name)
+
+
 def mainline_file_type(name: str) -> MainlineFileType:
     ft = MAINLINE_FTYPES.get(name.strip().upper())
     if ft is None:

@@ -634,11 +634,11 @@ def mix(
     import tempfile
 
     from ikquant.cli import print_mix
-    from ikquant.ftypes import file_type
     from ikquant.gguf_io import GGUFFile
     from ikquant.imatrix import read_imatrix
     from ikquant.mix import MixTarget, plan_mix, read_sweep
     from ikquant.quantize import QuantizeOptions
+    from ikquant.recipes_mainline import recipe_file_type
     from ikquant.sweepfile import file_sha256, read_sweep_file
     from ikrun.evaluate import open_base, perplexity, tokenize_chunks
     from ikrun.sweep import model_fingerprint
@@ -664,16 +664,7 @@ def mix(
             err.print(f"[yellow]warning:[/] {sweep} was measured on another file than {model}: its predictions "
                       "may not hold", soft_wrap=True)
         imat = read_imatrix(imatrix) if imatrix else None
-        if recipe not in ("ik", "mainline"):
-            fail(f"--recipe must be ik or mainline, not {recipe!r}")
-        if recipe == "mainline":
-            from ikquant.mix import loadable_by_mainline
-            from ikquant.recipes_mainline import mainline_file_type
-
-            opts = QuantizeOptions(mainline_file_type(type_name), imatrix=imat, recipe=recipe)
-            options = loadable_by_mainline(options, str(sweep))
-        else:
-            opts = QuantizeOptions(file_type(type_name), imatrix=imat)
+        opts = QuantizeOptions(recipe_file_type(recipe, type_name), imatrix=imat, recipe=recipe)
         target = MixTarget(target_bpw, target_size, budget)
         plan = plan_mix(GGUFFile(model), opts, groups, options, target, str(sweep))
         chunk_tokens = tokenize_chunks(m, _read_text(text), ctx or header["ctx"], chunks or header["chunks"])
