@@ -471,30 +471,44 @@ def sweep(
         err.print(f"wrote {plot}")
 
 
+def _draft_pair(target: Path, draft: Path, ev: Evaluation, text: Path, prompts: int, prompt_len: int, max_new: int,
+                block: Optional[int]) -> tuple[Model, Model, int, list[np.ndarray]]:
+    """Target and DFlash draft loaded and checked against each other, the block size, and the prompts cut from
+    the text (tokenized without BOS), before any compute."""
+    from ikrun.models.dflash import DFlashDraft
+    from ikrun.speculative import prompt_starts
+
+    t, d = _load(target, ev), _load(draft, ev, beside=True)
+    try:
+        if not isinstance(d.impl, DFlashDraft):
+            fail(f"{draft} is a {d.arch} model, not a DFlash draft (dflash-draft)")
+        d.impl.check_target(t.impl)
+        bs = block or d.impl.block_size
+        if bs < 2:
+            fail(f"--block {bs}: a block holds the known token and at least one proposal")
+        ids = np.asarray(t.tokenizer().encode(_read_text(text), add_special=False), dtype=np.int64)
+        starts = prompt_starts(len(ids), prompts, prompt_len, max_new)
+    except IkError as exc:
+        fail(str(exc))
+    return t, d, bs, [ids[s : s + prompt_len] for s in starts]
+
+
 def _acceptance_sweep(model: Path, target: Path, text: Path, types: str, output: Path, imatrix: Optional[Path],  # type: ignore[no-untyped-def]
                       tensors: Optional[str], group: str, prompts: int, prompt_len: int, max_new: int,
                       block: Optional[int], plot: Optional[Path], ev: Evaluation) -> None:
     """`ikrun sweep DRAFT --target T --metric acceptance`: the acceptance length each draft tensor costs."""
     from ikquant.imatrix import read_imatrix
     from ikquant.types import type_by_name
-    from ikrun.models.dflash import DFlashDraft
-    from ikrun.speculative import prompt_starts
     from ikrun.sweep import load_rows, save_rows, sweep_groups, sweep_header
     from ikrun.sweep_acceptance import AcceptanceRow, decoding_identity, run_acceptance_sweep
 
-    t, d = _load(target, ev), _load(model, ev, beside=True)
+    t, d, bs, chunks = _draft_pair(target, model, ev, text, prompts, prompt_len, max_new, block)
     try:
-        if not isinstance(d.impl, DFlashDraft):
-            fail(f"--metric acceptance measures DFlash drafts; {model} is a {d.arch} model")
-        d.impl.check_target(t.impl)
-        bs = block or d.impl.block_size
         type_list = [type_by_name(x) for x in types.split(",") if x.strip()]
         for qt in type_list:
             qt.require_codec()
         imat = read_imatrix(imatrix) if imatrix else None
         groups = sweep_groups(d, group, tensors)
-        ids = np.asarray(t.tokenizer().encode(_read_text(text), add_special=False), dtype=np.int64)
-        chunks = [ids[s : s + prompt_len] for s in prompt_starts(len(ids), prompts, prompt_len, max_new)]
         header = {**sweep_header(d, text, 0, 0, group, imatrix), "metric": "acceptance", "ctx": None,
                   "chunks": None, "decoding": decoding_identity(t, chunks, max_new, bs)}
         done = load_rows(output, header, AcceptanceRow)
@@ -804,31 +818,20 @@ def accept(
     --compare Q8_0,Q4_K
     """
     from ikquant.types import type_by_name
-    from ikrun.models.dflash import DFlashDraft
     from ikrun.speculative import (
         acceptance_by_position,
         greedy_continuation,
         mean_acceptance_length,
-        prompt_starts,
         speculative_generate,
     )
 
-    t, d = _load(target, ev), _load(draft, ev, beside=True)
+    t, d, bs, chunks = _draft_pair(target, draft, ev, text, prompts, prompt_len, max_new, block)
     try:
-        if not isinstance(d.impl, DFlashDraft):
-            fail(f"{draft} is a {d.arch} model, not a DFlash draft (dflash-draft)")
-        d.impl.check_target(t.impl)
-        bs = block or d.impl.block_size
-        if bs < 2:
-            fail(f"--block {bs}: a block holds the known token and at least one proposal")
-        ids = np.asarray(t.tokenizer().encode(_read_text(text), add_special=False), dtype=np.int64)
-        starts = prompt_starts(len(ids), prompts, prompt_len, max_new)
         types = [type_by_name(x) for x in compare.split(",") if x.strip()] if compare else []
         for qt in types:
             qt.require_codec()
     except IkError as exc:
         fail(str(exc))
-    chunks = [ids[s : s + prompt_len] for s in starts]
 
     def measure(label: str, used: list[str]) -> dict:  # type: ignore[type-arg]
         with _progress() as bar:
