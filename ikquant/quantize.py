@@ -269,7 +269,7 @@ def _mainline_plan(src: GGUFFile, opts: QuantizeOptions) -> Plan:
     decided: dict[str, Decision] = {}
     for name in loader_order(list(src.tensors)):
         info = src.tensors[name]
-        if not mainline_eligible(name, len(info.ne)):
+        if not mainline_eligible(name, len(info.ne)) or (opts.leave_output_tensor and name == "output.weight"):
             continue
         if overrides.get(name):
             decided[name] = Decision(type_by_name(_type(overrides[name] or "", name)), "type option")

@@ -199,6 +199,10 @@ def test_mainline_recipe_refuses_ik_only_types(plan_models: dict[str, GGUFFile],
     assert res.exit_code == 0
     types = {row["written_type"] for row in json.loads(res.stdout)}
     assert "iq5_k" not in types and "iq4_xs" in types  # ik's IQ4_XS recipe puts IQ5_K on attn_v; mainline's does not
+    res = runner.invoke(app, [src, str(tmp_path / "out.gguf"), "--recipe", "mainline", "--type", "IQ4_XS",
+                              "--leave-output-tensor", "--dry-run", "--json"])
+    output = next(row for row in json.loads(res.stdout) if row["name"] == "output.weight")
+    assert res.exit_code == 0 and output["quantize"] is False
 
 
 def test_mainline_files_carry_mainlines_file_type(tmp_path: Path) -> None:
