@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ikquant.errors import IkError
+from ikquant.gguf_io import file_stamp
 
 # safetensors dtype -> (numpy storage dtype, bytes per element). Float formats numpy lacks are kept as raw bits.
 _DTYPES: dict[str, tuple[np.dtype, int]] = {
@@ -44,10 +45,9 @@ class SafetensorsError(IkError, ValueError):
 
 def _file_stamp(path: Path) -> tuple[int, int, int, int]:
     try:
-        st = path.stat()
+        return file_stamp(path)
     except FileNotFoundError:
         raise SafetensorsError(f"{path} was removed while being read") from None
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 @dataclass(frozen=True)

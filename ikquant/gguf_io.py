@@ -109,7 +109,8 @@ class InputChangedError(IkError, ValueError):
     """An input file that changed on disk while a command was reading it."""
 
 
-def _file_stamp(path: Path) -> tuple[int, int, int, int]:
+def file_stamp(path: Path) -> tuple[int, int, int, int]:
+    """(device, inode, size, mtime_ns): what changes when a file is replaced, truncated or rewritten."""
     st = path.stat()
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
@@ -130,7 +131,8 @@ class GGUFFile:
         self.tensors: dict[str, TensorInfo] = {t.name: t for t in self._reader.ik_tensors}
         self.alignment = int(self._reader.alignment)
         self.data_offset = int(self._reader.data_offset)
-        self._stamp = _file_stamp(self.path)
+        #: file_stamp of the file as it was opened
+        self.stamp = file_stamp(self.path)
 
     def __repr__(self) -> str:
         return f"GGUFFile({str(self.path)!r}, {len(self.tensors)} tensors)"
@@ -175,12 +177,12 @@ class GGUFFile:
     def check_unchanged(self) -> None:
         """Raise InputChangedError if the file was truncated, rewritten, replaced or removed since it was opened."""
         try:
-            now = _file_stamp(self.path)
+            now = file_stamp(self.path)
         except FileNotFoundError:
             raise InputChangedError(f"{self.path} was removed while being read") from None
-        if now != self._stamp:
-            what = ("replaced" if now[:2] != self._stamp[:2] else
-                    "truncated" if now[2] < self._stamp[2] else "rewritten")
+        if now != self.stamp:
+            what = ("replaced" if now[:2] != self.stamp[:2] else
+                    "truncated" if now[2] < self.stamp[2] else "rewritten")
             raise InputChangedError(f"{self.path} was {what} while being read (it is not the file that was opened); "
                                     "start the command again")
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ikquant.errors import IkError
-from ikquant.gguf_io import GGUFFile, GGUFFormatError, TensorInfo
+from ikquant.gguf_io import GGUFFile, GGUFFormatError, TensorInfo, file_stamp
 from ikquant.types import GGMLType
 from ikrun.ops.parallel import threads_for
 
@@ -53,12 +53,7 @@ class Encoding:
 class _Shard:
     path: Path
     file: GGUFFile
-    stamp: tuple[int, int, int]  # (inode, size, mtime_ns)
-
-
-def _stamp(path: Path) -> tuple[int, int, int]:
-    st = path.stat()
-    return st.st_ino, st.st_size, st.st_mtime_ns
+    stamp: tuple[int, int, int, int]  # gguf_io.file_stamp when loaded
 
 
 def shard_paths(first: Path, file: GGUFFile) -> list[Path]:
@@ -84,7 +79,7 @@ class WeightStore:
         self.shards: list[_Shard] = []
         for p in shard_paths(path, first):
             f = first if p == path else GGUFFile(p)
-            self.shards.append(_Shard(p, f, _stamp(p)))
+            self.shards.append(_Shard(p, f, f.stamp))
         self._source: dict[str, tuple[int, TensorInfo]] = {}
         for i, shard in enumerate(self.shards):
             for name, info in shard.file.tensors.items():
@@ -308,7 +303,7 @@ class WeightStore:
         fresh: dict[int, GGUFFile] = {}
         for i, shard in enumerate(self.shards):
             try:
-                stamp = _stamp(shard.path)
+                stamp = file_stamp(shard.path)
             except FileNotFoundError:
                 raise SwapError(f"{shard.path} no longer exists; nothing was reloaded") from None
             if stamp == shard.stamp:
@@ -332,7 +327,7 @@ class WeightStore:
         changed = []
         for i, f in fresh.items():
             old = self.shards[i]
-            rewritten_in_place = _stamp(old.path)[0] == old.stamp[0]
+            rewritten_in_place = file_stamp(old.path)[:2] == old.stamp[:2]  # the same device and inode
             for name, info in f.tensors.items():
                 after = Encoding(info.type, f.raw(name), str(old.path))
                 hit = self._stash.get(name) if name in self._override else self._cache.get(name)
@@ -351,5 +346,5 @@ class WeightStore:
                         self._stash.pop(name, None)
                     else:
                         self._forget_tensor(name)
-            self.shards[i] = _Shard(old.path, f, _stamp(old.path))
+            self.shards[i] = _Shard(old.path, f, f.stamp)
         return changed
