@@ -147,6 +147,10 @@ class Model:
         """Tensor `name` decoded to float32 (numpy order), cached after the first use."""
         return self.weights.decode(name)
 
+    def integers(self, name: str) -> np.ndarray:
+        """Integer tensor `name` (a routing table) as int64."""
+        return self.weights.integers(name)
+
     # ---- hot swapping ----------------------------------------------------------------------------------------
     def _check_swappable(self, name: str) -> None:
         if not self.weights.has(name):

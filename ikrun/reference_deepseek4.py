@@ -198,7 +198,7 @@ def torch_topk(values: np.ndarray, k: int) -> list[int]:
 
 
 class DeepseekV4Reference:
-    architectures = ("DeepseekV4ForCausalLM",)
+    architectures = ("DeepseekV4ForCausalLM", "DeepseekV4FlashForCausalLM", "DeepseekV4ProForCausalLM")
 
     def __init__(self, config: dict[str, Any], tensors: dict[str, SafeTensor]):
         self.cfg = config

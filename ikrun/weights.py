@@ -29,6 +29,9 @@ from ikquant.gguf_io import GGUFFile, GGUFFormatError, TensorInfo, file_stamp
 from ikquant.types import GGMLType
 from ikrun.ops.parallel import threads_for
 
+#: integer ggml types -> their little-endian numpy dtype
+INTEGER_TYPES = {"I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
+
 #: a cache key: a whole tensor, or (tensor, expert) for one matrix of a 3-D expert tensor
 CacheKey = str | tuple[str, int]
 
@@ -181,6 +184,16 @@ class WeightStore:
         self._release(name)
         self._keep(name, w, fingerprint)
         return w
+
+    def integers(self, name: str) -> np.ndarray:
+        """An integer tensor (I8/I16/I32/I64: a routing table, not a weight) as int64 in numpy order."""
+        enc = self.encoding(name)
+        if enc.type.name not in INTEGER_TYPES:
+            raise SwapError(f"tensor {name!r} is {enc.type.name}; an integer table must be one of "
+                            f"{', '.join(INTEGER_TYPES)}")
+        values = np.ascontiguousarray(enc.raw).view(INTEGER_TYPES[enc.type.name]).astype(np.int64)
+        self._release(name)
+        return values.reshape(self.info(name).shape)
 
     def decode_rows(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Rows `rows` of a 2-D tensor (an embedding lookup) in float32: the whole tensor is never decoded for it."""

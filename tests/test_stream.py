@@ -21,7 +21,8 @@ from ikrun.stream import evaluate_chunks, minimum_budget, model_decoded_bytes, p
 runner = CliRunner()
 CTX = 48
 MODELS = {"qwen3": "qwen3/ik-f32.gguf", "deepseek2": "deepseek-v3/ik-q8_0.gguf",
-          "openpangu": "openpangu-v2/ik-q8_0.gguf", "glm-dsa": "glm-dsa/ref-f32.gguf"}
+          "openpangu": "openpangu-v2/ik-q8_0.gguf", "glm-dsa": "glm-dsa/ref-f32.gguf",
+          "deepseek4": "deepseek-v4-flash/ref-f32.gguf"}
 
 
 def _path(data_dir: Path, arch: str) -> Path:
@@ -50,7 +51,7 @@ def test_streamed_under_a_small_budget_equals_chunk_by_chunk(data_dir: Path, arc
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "deepseek2"])
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek2", "deepseek4"])
 def test_each_block_is_read_once_per_pass_whatever_the_chunk_count(data_dir: Path, arch: str) -> None:
     reads = {}
     for n_chunk in (2, 6):

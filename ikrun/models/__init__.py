@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from ikrun.models.base import ArchModel
 from ikrun.models.deepseek2 import Deepseek2
+from ikrun.models.deepseek4 import Deepseek4
 from ikrun.models.dflash import DFlashDraft
 from ikrun.models.glm_dsa import GlmDsa
 from ikrun.models.llama import LlamaFamily
 from ikrun.models.openpangu import OpenPangu
 
-_BY_ARCH = {arch: cls for cls in (LlamaFamily, Deepseek2, OpenPangu, GlmDsa, DFlashDraft) for arch in cls.archs}
+_BY_ARCH = {arch: cls for cls in (LlamaFamily, Deepseek2, Deepseek4, OpenPangu, GlmDsa,
+                                                    DFlashDraft) for arch in cls.archs}
 
 
 def supported_architectures() -> list[str]:

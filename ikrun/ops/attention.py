@@ -72,3 +72,75 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) 
         causal_softmax(flat, scale, past + q0)
         out[:, :, q0:q1] = np.matmul(scores, vh[:, :, :n_keys])
     return out.reshape(n_head, n, dv).transpose(1, 0, 2)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _sink_row(r: np.ndarray, sc: np.float32, sink: np.float32, pos: int, lo: int, n_raw: int, window: int,
+              comp_keep: np.ndarray) -> None:
+    """softmax over the visible scores of r (raw keys lo + j for j < n_raw, then compressed entries) plus one sink
+    logit that takes weight but has no value; 0 for keys the query may not see."""
+    m = sink
+    for j in range(r.shape[0]):
+        if j < n_raw:
+            key = lo + j
+            visible = key <= pos and (window <= 0 or pos - key < window)
+        else:
+            visible = comp_keep[j - n_raw]
+        if visible:
+            v = r[j] * sc
+            r[j] = v
+            if v > m:
+                m = v
+        else:
+            r[j] = -np.inf
+    s = np.float64(np.exp(sink - m)) if sink > -np.inf else 0.0
+    for j in range(r.shape[0]):
+        e = np.exp(r[j] - m) if r[j] > -np.inf else np.float32(0.0)
+        r[j] = e
+        s += np.float64(e)
+    inv = np.float32(1.0 / s)
+    for j in range(r.shape[0]):
+        r[j] *= inv
+
+
+@njit(cache=True, nogil=True)
+def _sink_serial(scores, scale, sinks, q0, lo, n_raw, window, comp_keep):  # type: ignore[no-untyped-def]
+    n_q, heads, _ = scores.shape
+    for i in range(n_q):
+        for h in range(heads):
+            _sink_row(scores[i, h], np.float32(scale), sinks[h], q0 + i, lo, n_raw, window, comp_keep[i])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _sink_parallel(scores, scale, sinks, q0, lo, n_raw, window, comp_keep):  # type: ignore[no-untyped-def]
+    n_q, heads, _ = scores.shape
+    for i in prange(n_q):
+        for h in range(heads):
+            _sink_row(scores[i, h], np.float32(scale), sinks[h], q0 + i, lo, n_raw, window, comp_keep[i])
+
+
+def shared_kv_attention(q: np.ndarray, kv: np.ndarray, scale: float, *, window: int = 0,
+                        sinks: np.ndarray | None = None, comp: np.ndarray | None = None,
+                        comp_keep: np.ndarray | None = None) -> np.ndarray:
+    """Attention of a fresh sequence whose single key head is also its value (DeepSeek-V4).
+
+    q [n, H, d]; kv [n, d] the per-position key = value rows (query t sees row s when s <= t and, with a window,
+    t - s < window); `comp` [T, d] extra key = value rows (compressed entries) seen where `comp_keep` [n, T] says;
+    `sinks` [H] one logit per head in every softmax's denominator. Returns [n, H, d]. Scores and values go through
+    BLAS per block of queries over the raw rows the block can see, the masked softmax in Numba."""
+    n, n_head, d = q.shape
+    extra = np.zeros((0, d), dtype=np.float32) if comp is None else np.ascontiguousarray(comp, dtype=np.float32)
+    keep = np.zeros((n, 0), dtype=np.bool_) if comp_keep is None else np.ascontiguousarray(comp_keep, dtype=np.bool_)
+    if keep.shape != (n, extra.shape[0]):
+        raise ValueError(f"comp_keep has shape {list(keep.shape)}, expected {[n, extra.shape[0]]}")
+    sink = np.full(n_head, -np.inf, dtype=np.float32) if sinks is None else np.ascontiguousarray(sinks, np.float32)
+    out = np.empty((n, n_head, d), dtype=np.float32)
+    for q0 in range(0, n, QUERY_BLOCK):
+        q1 = min(n, q0 + QUERY_BLOCK)
+        lo = max(0, q0 - window + 1) if window > 0 else 0
+        keys = np.concatenate([kv[lo:q1], extra])  # [visible raw span + T, d]
+        scores = np.matmul(q[q0:q1], keys.T)  # [nq, H, keys]
+        pick(_sink_serial, _sink_parallel, scores.size)(scores, float(scale), sink, q0, lo, q1 - lo, int(window),
+                                                         keep[q0:q1])
+        np.matmul(scores, keys, out=out[q0:q1])
+    return out

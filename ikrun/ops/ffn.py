@@ -25,9 +25,11 @@ if TYPE_CHECKING:
 EXPERT_TENSORS = ("ffn_up_exps", "ffn_gate_exps", "ffn_down_exps")
 
 
-def dense_ffn(m: Model, h: np.ndarray, b: str, kind: str = "") -> np.ndarray:
-    """SwiGLU FFN through ffn_gate/up/down{kind} of block prefix `b` ("" dense layers, "_shexp" shared experts)."""
-    return m.linear(swiglu(m.linear(h, b + "ffn_gate" + kind), m.linear(h, b + "ffn_up" + kind)), b + "ffn_down" + kind)
+def dense_ffn(m: Model, h: np.ndarray, b: str, kind: str = "", limit: float = np.inf) -> np.ndarray:
+    """SwiGLU FFN through ffn_gate/up/down{kind} of block prefix `b` ("" dense layers, "_shexp" shared experts),
+    clamped at a finite `limit` (swiglu)."""
+    return m.linear(swiglu(m.linear(h, b + "ffn_gate" + kind), m.linear(h, b + "ffn_up" + kind), limit),
+                    b + "ffn_down" + kind)
 
 
 @dataclass(frozen=True)
@@ -64,18 +66,25 @@ class MoeConfig:
         return want
 
 
-def moe_ffn(m: Model, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: MoeConfig) -> list[np.ndarray]:
-    """The MoE FFN of block prefix `b` on a batch of sequences' normed hidden states (one [n, n_embd] each)."""
+def moe_ffn(m: Model, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: MoeConfig, *,
+            limit: float = np.inf, shared_limit: float = np.inf,
+            hash_table: np.ndarray | None = None) -> list[np.ndarray]:
+    """The MoE FFN of block prefix `b` on a batch of sequences' normed hidden states (one [n, n_embd] each).
+
+    `limit` / `shared_limit` clamp the routed / shared experts' SwiGLU; `hash_table` [vocab, n_used] routes each
+    token to the experts of its row instead of the top-k (DeepSeek-V4's hash layers)."""
     bias = m.weight(b + "exp_probs_b.bias") if m.has(b + "exp_probs_b.bias") else None
     routes = []
     for h, seq in zip(hs, seqs):
         m.chunk = seq.index
-        routes.append(route(m.linear(h, b + "ffn_gate_inp"), bias, cfg.n_used, cfg.gating, cfg.w_norm, cfg.w_scale))
+        chosen = None if hash_table is None else hash_table[seq.tokens]
+        routes.append(route(m.linear(h, b + "ffn_gate_inp"), bias, cfg.n_used, cfg.gating, cfg.w_norm, cfg.w_scale,
+                            chosen))
     x = hs[0] if len(hs) == 1 else np.concatenate(hs)
     sel = routes[0][0] if len(hs) == 1 else np.concatenate([r[0] for r in routes])
     w = routes[0][1] if len(hs) == 1 else np.concatenate([r[1] for r in routes])
     names = [b + t + ".weight" for t in EXPERT_TENSORS]
-    res = moe_experts(x, sel, w, cfg.n_expert, _fetcher(m, names), _group(m, names, cfg.n_expert))
+    res = moe_experts(x, sel, w, cfg.n_expert, _fetcher(m, names), _group(m, names, cfg.n_expert), limit)
     starts = np.cumsum([0] + [len(h) for h in hs])
     if m.observers:
         _observe_experts(m, names, x, res, cfg, starts, seqs)
@@ -83,7 +92,7 @@ def moe_ffn(m: Model, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: M
     if cfg.n_shared:
         for c, (h, seq) in enumerate(zip(hs, seqs)):
             m.chunk = seq.index
-            outs[c] = outs[c] + dense_ffn(m, h, b, "_shexp")
+            outs[c] = outs[c] + dense_ffn(m, h, b, "_shexp", shared_limit)
     return outs
 
 

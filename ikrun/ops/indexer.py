@@ -37,7 +37,8 @@ from ikrun.ops.parallel import pick
 
 TIE_LATER_INDEX = 0
 TIE_PARTIAL_SORT = 1
-TIE_NAMES = {TIE_LATER_INDEX: "later index", TIE_PARTIAL_SORT: "std::partial_sort"}
+TIE_TORCH = 2
+TIE_NAMES = {TIE_LATER_INDEX: "later index", TIE_PARTIAL_SORT: "std::partial_sort", TIE_TORCH: "torch.topk"}
 
 #: queries per block: bounds the q.k buffer to block x heads x keys floats
 QUERY_BLOCK = 128
@@ -133,6 +134,80 @@ def _partial_sort_front(score: np.ndarray, top_k: int, idx: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _heap_select(idx: np.ndarray, score: np.ndarray, first: int, middle: int, last: int) -> None:
+    """libstdc++'s __heap_select on idx[first:last] (the heap in idx[first:middle]) for score[a] > score[b]."""
+    length = middle - first
+    if length > 1:
+        parent = (length - 2) // 2
+        while True:
+            _adjust_heap(idx[first:], score, parent, length, idx[first + parent])
+            if parent == 0:
+                break
+            parent -= 1
+    for i in range(middle, last):
+        if score[idx[i]] > score[idx[first]]:
+            value = idx[i]
+            idx[i] = idx[first]
+            _adjust_heap(idx[first:], score, 0, length, value)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _nth_element_front(score: np.ndarray, top_k: int, idx: np.ndarray) -> None:
+    """The first top_k entries of std::nth_element(indices, +top_k-1, end, score[a] > score[b]), as a set."""
+    n = score.shape[0]
+    for j in range(n):
+        idx[j] = j
+    first, nth, last = 0, top_k - 1, n
+    depth = 0
+    m = n
+    while m > 1:  # 2 * floor(log2(n))
+        m >>= 1
+        depth += 2
+    while last - first > 3:
+        if depth == 0:
+            _heap_select(idx, score, first, nth + 1, last)
+            idx[first], idx[nth] = idx[nth], idx[first]
+            return
+        depth -= 1
+        # median of (first + 1, middle, last - 1) moved to first, then the unguarded partition
+        a, b, c = first + 1, first + (last - first) // 2, last - 1
+        va, vb, vc = score[idx[a]], score[idx[b]], score[idx[c]]
+        if va > vb:
+            pick = b if vb > vc else (c if va > vc else a)
+        else:
+            pick = a if va > vc else (c if vb > vc else b)
+        idx[first], idx[pick] = idx[pick], idx[first]
+        pivot = score[idx[first]]
+        lo, hi = first + 1, last
+        while True:
+            while score[idx[lo]] > pivot:
+                lo += 1
+            hi -= 1
+            while pivot > score[idx[hi]]:
+                hi -= 1
+            if lo >= hi:
+                break
+            idx[lo], idx[hi] = idx[hi], idx[lo]
+            lo += 1
+        if lo <= nth:
+            first = lo
+        else:
+            last = lo
+    for i in range(first + 1, last):  # insertion sort of the last few
+        value = idx[i]
+        if score[value] > score[idx[first]]:
+            for j in range(i, first, -1):
+                idx[j] = idx[j - 1]
+            idx[first] = value
+        else:
+            j = i
+            while score[value] > score[idx[j - 1]]:
+                idx[j] = idx[j - 1]
+                j -= 1
+            idx[j] = value
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _later_index_front(score: np.ndarray, top_k: int, idx: np.ndarray) -> None:
     """The top_k keys by (score, index) descending: stable sort of the reversed row, mapped back."""
     n = score.shape[0]
@@ -151,8 +226,10 @@ def _select_row(score: np.ndarray, top_k: int, tie: int, idx: np.ndarray, keep: 
             n_finite += 1
     if n_finite <= top_k:
         return
-    if tie == TIE_PARTIAL_SORT:
+    if tie == TIE_PARTIAL_SORT or (tie == TIE_TORCH and top_k * 64 <= score.shape[0]):
         _partial_sort_front(score, top_k, idx)
+    elif tie == TIE_TORCH:
+        _nth_element_front(score, top_k, idx)
     else:
         _later_index_front(score, top_k, idx)
     keep[:] = False
@@ -176,7 +253,8 @@ def _select_parallel(scores: np.ndarray, top_k: int, tie: int, keep: np.ndarray)
 
 def select_top_k(scores: np.ndarray, top_k: int, tie: int = TIE_PARTIAL_SORT) -> np.ndarray:
     """Keys kept per query [n, n_keys] (bool): every finite score while there are at most top_k of them, else the
-    top_k largest with ties broken by `tie` (TIE_PARTIAL_SORT or TIE_LATER_INDEX, see the module docstring)."""
+    top_k largest with ties broken by `tie` (TIE_PARTIAL_SORT, TIE_LATER_INDEX or TIE_TORCH, see the module
+    docstring)."""
     if top_k <= 0:
         raise ValueError(f"top_k must be positive (got {top_k})")
     if tie not in TIE_NAMES:

@@ -50,7 +50,7 @@ def _softmax(x: np.ndarray, out: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _route_row(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, scale: np.float32,
+def _route_row(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, scale: np.float32, preset: bool,
                probs: np.ndarray, taken: np.ndarray, sel: np.ndarray, w: np.ndarray) -> None:
     n_expert = logits.shape[0]
     one = np.float32(1.0)
@@ -66,20 +66,24 @@ def _route_row(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, sc
     else:
         for e in range(n_expert):
             probs[e] = logits[e]
-    taken[:] = False
-    for s in range(sel.shape[0]):
-        best = -1
-        best_v = np.float32(0.0)
-        for e in range(n_expert):
-            if taken[e]:
-                continue
-            v = probs[e] + bias[e] if bias.shape[0] else probs[e]
-            if best < 0 or v > best_v:
-                best = e
-                best_v = v
-        taken[best] = True
-        sel[s] = best
-        w[s] = probs[best]
+    if preset:
+        for s in range(sel.shape[0]):
+            w[s] = probs[sel[s]]
+    else:
+        taken[:] = False
+        for s in range(sel.shape[0]):
+            best = -1
+            best_v = np.float32(0.0)
+            for e in range(n_expert):
+                if taken[e]:
+                    continue
+                v = probs[e] + bias[e] if bias.shape[0] else probs[e]
+                if best < 0 or v > best_v:
+                    best = e
+                    best_v = v
+            taken[best] = True
+            sel[s] = best
+            w[s] = probs[best]
     if gating == GATING_SOFTMAX_WEIGHT:
         _softmax(w.copy(), w)
     if norm:
@@ -95,24 +99,33 @@ def _route_row(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, sc
 
 
 @njit(cache=True, nogil=True)
-def _route(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, scale: float,
+def _route(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, scale: float, preset: bool,
            sel: np.ndarray, w: np.ndarray) -> None:
     n, n_expert = logits.shape
     probs = np.empty(n_expert, dtype=np.float32)
     taken = np.empty(n_expert, dtype=np.bool_)
     for t in range(n):
-        _route_row(logits[t], bias, gating, norm, np.float32(scale), probs, taken, sel[t], w[t])
+        _route_row(logits[t], bias, gating, norm, np.float32(scale), preset, probs, taken, sel[t], w[t])
 
 
 def route(logits: np.ndarray, bias: np.ndarray | None, n_used: int, gating: int, norm: bool,
-          scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """(chosen experts [n, n_used] int64, their weights [n, n_used] float32) from router logits [n, n_expert]."""
+          scale: float, chosen: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(chosen experts [n, n_used] int64, their weights [n, n_used] float32) from router logits [n, n_expert].
+
+    `chosen` [n, n_used] fixes the experts instead of the top-k (hash routing: DeepSeek-V4's tid2eid rows, which
+    may name an expert twice); they are weighed, normalised and scaled as a top-k choice would be."""
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     n = logits.shape[0]
-    sel = np.empty((n, n_used), dtype=np.int64)
+    if chosen is None:
+        sel = np.empty((n, n_used), dtype=np.int64)
+    else:
+        sel = np.array(chosen, dtype=np.int64).reshape(n, n_used)
+        if sel.size and (sel.min() < 0 or sel.max() >= logits.shape[1]):
+            raise ValueError(f"expert id {int(sel.max() if sel.max() >= logits.shape[1] else sel.min())} is outside "
+                             f"0..{logits.shape[1] - 1}")
     w = np.empty((n, n_used), dtype=np.float32)
     b = np.empty(0, dtype=np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
-    _route(logits, b, gating, norm, float(scale), sel, w)
+    _route(logits, b, gating, norm, float(scale), chosen is not None, sel, w)
     return sel, w
 
 
@@ -135,8 +148,8 @@ def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
 def _expert(e: int, x: np.ndarray, k: int, order: np.ndarray, start: int, stop: int, up: np.ndarray,
-            gate: np.ndarray, down: np.ndarray, act: np.ndarray, y: np.ndarray) -> None:
-    """Expert matrix e of up/gate/down on the assignments order[start:stop]."""
+            gate: np.ndarray, down: np.ndarray, limit: np.float32, act: np.ndarray, y: np.ndarray) -> None:
+    """Expert matrix e of up/gate/down on the assignments order[start:stop] (SwiGLU clamped at `limit`)."""
     n_ff = up.shape[1]
     n_embd = down.shape[1]
     one = np.float32(1.0)
@@ -148,8 +161,9 @@ def _expert(e: int, x: np.ndarray, k: int, order: np.ndarray, start: int, stop: 
             for a in range(b0, b1):
                 idx = order[a]
                 row = x[idx // k]
-                g = _dot(wg, row)
-                act[idx, j] = (g / (one + np.exp(-g))) * _dot(wu, row)
+                g = min(_dot(wg, row), limit)
+                u = max(-limit, min(_dot(wu, row), limit))
+                act[idx, j] = (g / (one + np.exp(-g))) * u
         for j in range(n_embd):
             wd = down[e, j]
             for a in range(b0, b1):
@@ -169,17 +183,17 @@ def _combine_row(y: np.ndarray, w: np.ndarray, t: int, out: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True)
-def _experts_serial(x, k, order, offsets, ids, up, gate, down, act, y):  # type: ignore[no-untyped-def]
+def _experts_serial(x, k, order, offsets, ids, up, gate, down, limit, act, y):  # type: ignore[no-untyped-def]
     for j in range(ids.shape[0]):
         e = ids[j]
-        _expert(j, x, k, order, offsets[e], offsets[e + 1], up, gate, down, act, y)
+        _expert(j, x, k, order, offsets[e], offsets[e + 1], up, gate, down, np.float32(limit), act, y)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _experts_parallel(x, k, order, offsets, ids, up, gate, down, act, y):  # type: ignore[no-untyped-def]
+def _experts_parallel(x, k, order, offsets, ids, up, gate, down, limit, act, y):  # type: ignore[no-untyped-def]
     for j in prange(ids.shape[0]):
         e = ids[j]
-        _expert(j, x, k, order, offsets[e], offsets[e + 1], up, gate, down, act, y)
+        _expert(j, x, k, order, offsets[e], offsets[e + 1], up, gate, down, np.float32(limit), act, y)
 
 
 @njit(cache=True, nogil=True)
@@ -214,9 +228,9 @@ class RoutedExperts:
 
 
 def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fetch: ExpertFetch,
-                group: int | None = None) -> RoutedExperts:
+                group: int | None = None, limit: float = np.inf) -> RoutedExperts:
     """Routed SwiGLU experts: x [n, n_embd], sel/w [n, k]; `fetch(ids)` gives the up/gate [len(ids), n_ff, n_embd] and
-    down [len(ids), n_embd, n_ff] matrices of experts `ids`.
+    down [len(ids), n_embd, n_ff] matrices of experts `ids`; a finite `limit` clamps the SwiGLU as swiglu does.
 
     Only experts with at least one assignment are fetched, `group` of them at a time (None: all at once), so a
     layer's expert tensor never has to be decoded whole. Every assignment's result is computed by its expert alone
@@ -237,7 +251,7 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
             y = np.empty((n * k, down.shape[1]), dtype=np.float32)
         flops = int(offsets[ids + 1].sum() - offsets[ids].sum()) * up.shape[1] * up.shape[2] * 3
         kernel = _experts_parallel if flops >= PARALLEL_MIN_FLOPS else _experts_serial
-        kernel(x, k, order, offsets, ids, up, gate, down, act, y)
+        kernel(x, k, order, offsets, ids, up, gate, down, float(limit), act, y)
     assert act is not None and y is not None, "a routing without assignments"
     out = np.empty((n, y.shape[1]), dtype=np.float32)
     combine = _combine_parallel if n * k * y.shape[1] >= PARALLEL_MIN_FLOPS else _combine_serial

@@ -135,3 +135,42 @@ def yarn_rope_cache(positions: np.ndarray, n_rot: int, base: float, freq_scale: 
     _yarn_angles(np.asarray(positions, dtype=np.int64), n_rot, float(base), float(freq_scale),
                  float(yarn.ext_factor), float(mscale), float(low), float(high), cos, sin)
     return cos, sin
+
+
+def inv_freq_default(base: float, n_rot: int) -> np.ndarray:
+    """transformers' default inverse frequencies 1 / base^(2i / n_rot), float32 [n_rot/2]."""
+    exponent = np.arange(0, n_rot, 2, dtype=np.int64).astype(np.float32) / np.float32(n_rot)
+    return (1.0 / (base ** exponent)).astype(np.float32)
+
+
+def inv_freq_yarn(base: float, n_rot: int, factor: float, n_ctx_orig: int, beta_fast: float = 32.0,
+                  beta_slow: float = 1.0, truncate: bool = True) -> np.ndarray:
+    """transformers' YaRN inverse frequencies (_compute_yarn_parameters): per pair a linear ramp between the
+    extrapolated 1/base^(2i/d) and the interpolated 1/(factor base^(2i/d)), between the correction dims of
+    beta_fast and beta_slow rotations over the original context."""
+    f32 = np.float32
+
+    def correction_dim(rotations: float) -> float:
+        return n_rot * float(np.log(n_ctx_orig / (rotations * 2 * np.pi))) / (2 * float(np.log(base)))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = float(np.floor(low)), float(np.ceil(high))
+    low, high = max(low, 0.0), min(high, n_rot - 1.0)
+    if low == high:
+        high += 0.001
+    pos_freqs = (base ** (np.arange(0, n_rot, 2).astype(np.float32) / f32(n_rot))).astype(np.float32)
+    ramp = np.clip((np.arange(n_rot // 2, dtype=np.float32) - f32(low)) / f32(high - low), 0, 1).astype(np.float32)
+    extrapolation = (f32(1.0) - ramp).astype(np.float32)
+    extra = (f32(1.0) / pos_freqs).astype(np.float32)
+    inter = (f32(1.0) / (f32(factor) * pos_freqs)).astype(np.float32)
+    return (inter * (f32(1.0) - extrapolation) + extra * extrapolation).astype(np.float32)
+
+
+def inv_freq_rope_cache(positions: np.ndarray, inv_freq: np.ndarray, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin tables [n_pos, n_rot/2] as transformers builds them: one float32 product position x inv_freq per
+    angle (not ggml's running product), cos and sin times `scale` (its attention_factor)."""
+    angles = (np.asarray(positions).astype(np.float32)[:, None] * inv_freq[None, :]).astype(np.float32)
+    s = np.float32(scale)
+    return np.ascontiguousarray(np.cos(angles) * s, dtype=np.float32), np.ascontiguousarray(np.sin(angles) * s,
+                                                                                               dtype=np.float32)

@@ -1,0 +1,399 @@
+"""DeepSeek-V4 (GGUF arch `deepseek4`): DeepseekV4ForCausalLM as transformers 5.23 defines it, from the layout
+ikconvert writes (docs/layouts.md) and ik's loader reads.
+
+The hidden state is hc streams [T, c, H] (mHC, ikrun/ops/hyperconn.py); the embedding starts in all of them. Around
+both sub-layers of every block: mixes = hc_*_fn . RMS(streams flattened, no weight), hc_pre with hc_*_scale /
+hc_*_base, Sinkhorn (hyper_connection.sinkhorn_iterations, epsilon), the sub-layer on the pre-weighted sum of the
+streams (attn_norm / ffn_norm first), hc_post. The head weighs the streams by sigmoid(output_hc_fn . RMS(streams) *
+output_hc_scale + output_hc_base) + epsilon, then output_norm and the output projection.
+
+Attention: q = per-head RMS (no weight) of attn_q_b . RMSNorm(attn_q_a . x); one shared key = value head
+kv = RMSNorm(attn_kv . x); interleaved-pair rope on the trailing rope.dimension_count dims of both; scale
+1/sqrt(key_length); a per-head sink logit (attn_sinks) in every softmax. Each layer's compress ratio
+(attention.compress_ratios) chooses its keys:
+
+- 0: the raw rows in the sliding window (query t sees s when t - s < sliding_window), the main rope (rope.freq_base);
+- 4 (CSA): the window plus compressed entries, each pooling two overlapping windows of 4 rows (per channel a
+  softmax over the rows of gate + ape weighs kv; RMSNorm; rope at position 4w); entry w is visible to query t when
+  w < (t + 1) / 4, and the lightning indexer keeps the top attention.indexer.top_k of those per query:
+  score = sum_h w_h relu(q_h . k) over the indexer's own compressed keys, w = indexer.proj . x / sqrt(heads *
+  key_length), ties broken as torch.topk breaks them (ikrun/ops/indexer.py TIE_TORCH);
+- 128 (HCA): the window plus every visible compressed entry of plain 128-row windows.
+Compressed layers use the compress rope: attention.compress_rope_freq_base with YaRN when rope.scaling.type says
+so, cos/sin unscaled (transformers pins attention_factor to 1). The rope is transformers' (one product position x
+inv_freq per angle). The output is inverse-roped, then attn_output_a per group of heads (attention.
+output_group_count; group j uses rows j*ol..(j+1)*ol-1) and attn_output_b.
+
+MoE: sqrt(softplus) scores; the first hash_layer_count layers route each token to its ffn_gate_tid2eid row (an
+expert named twice counts twice), the others by top-k of score + exp_probs_b; the chosen scores are normalised
+and times expert_weights_scale; SwiGLU experts clamped at swiglu_clamp_exp (gate <= limit, |up| <= limit), the
+shared expert at swiglu_clamp_shexp.
+
+Where ik differs (by default the model is computed): ik's f16 K cache (`--kv-cache f16` rounds the raw and
+compressed rows through f16 as ik stores them) and its indexer top-k's tie order (std::partial_sort).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, NoReturn
+
+import numpy as np
+
+from ikrun.models.base import ArchModel, Sequence
+from ikrun.ops.attention import shared_kv_attention
+from ikrun.ops.ffn import MoeConfig, moe_ffn
+from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
+from ikrun.ops.indexer import TIE_TORCH, indexer_scores, select_top_k
+from ikrun.ops.moe import GATING_SQRT_SOFTPLUS
+from ikrun.ops.norm import rms_norm
+from ikrun.ops.rope import apply_rope, inv_freq_default, inv_freq_rope_cache, inv_freq_yarn
+
+if TYPE_CHECKING:
+    from ikrun.model import Model
+
+#: compress ratio -> the layer kind transformers names it
+RATIOS = {0: "sliding", 4: "CSA", 128: "HCA"}
+CSA = 4
+COMPRESSOR = ("kv.weight", "gate.weight", "ape.weight", "norm.weight")
+INDEXER = ("indexer.attn_q_b.weight", "indexer.proj.weight",
+           *(f"indexer_compressor_{t}" for t in COMPRESSOR))
+SINKHORN_ITERS = 20  # transformers' hc_sinkhorn_iters default (ik's loader falls back to 3)
+
+
+class Deepseek4(ArchModel):
+    """The hidden state between blocks is the hc streams [T, c, H]."""
+
+    archs = ("deepseek4",)
+
+    def __init__(self, model: Model):
+        super().__init__(model)
+        hp = model.hparam
+        self.n_layer = int(hp("block_count"))
+        self.n_embd = int(hp("embedding_length"))
+        self.n_head = int(hp("attention.head_count"))
+        self.head_dim = int(hp("attention.key_length"))
+        self.n_rot = int(hp("rope.dimension_count"))
+        self.eps = float(hp("attention.layer_norm_rms_epsilon"))
+        self.q_lora = int(hp("attention.q_lora_rank"))
+        self.window = int(hp("attention.sliding_window", 0))
+        self.n_stream = int(hp("hyper_connection.count"))
+        self.sinkhorn_iters = int(hp("hyper_connection.sinkhorn_iterations", SINKHORN_ITERS))
+        self.hc_eps = float(hp("hyper_connection.epsilon", self.eps))
+        self.n_hash = int(hp("hash_layer_count", 0))
+        self.kq_scale = float(np.float32(1.0) / np.sqrt(np.float32(self.head_dim)))
+        if not model.has("token_embd.weight"):
+            raise self.fail("tensor token_embd.weight is missing")
+        self.n_vocab = model.shape("token_embd.weight")[0]
+        self.n_mtp = sum(model.has(f"blk.{i}.nextn.eh_proj.weight") for i in range(self.n_layer))
+        self.n_active = self.n_layer - self.n_mtp
+        self._check_sizes()
+        self.ratios = self._read_ratios()
+        moe = MoeConfig.read(hp, GATING_SQRT_SOFTPLUS, lambda why: self.fail(f"{model.arch}.{why}"))
+        if moe.gating != GATING_SQRT_SOFTPLUS:
+            self._fail("expert_gating_func", f"is {moe.gating}; DeepSeek-V4 scores experts by sqrt(softplus) "
+                       f"({GATING_SQRT_SOFTPLUS})")
+        # transformers renormalises the chosen weights whatever norm_topk_prob says (ik follows expert_weights_norm)
+        self.moe = replace(moe, w_norm=True)
+        self.clamp_exp = self._per_layer("swiglu_clamp_exp", None)
+        self.clamp_shexp = self._per_layer("swiglu_clamp_shexp", self.clamp_exp)
+        self.n_groups = int(hp("attention.output_group_count", 0)) or self._infer_groups()
+        self.o_lora = int(hp("attention.output_lora_rank", 0)) or model.shape("blk.0.attn_output_b.weight")[1] \
+            // self.n_groups
+        self.n_ihead = self.i_dim = self.top_k = 0
+        if CSA in self.ratios[: self.n_active]:
+            self.n_ihead = int(hp("attention.indexer.head_count"))
+            self.i_dim = int(hp("attention.indexer.key_length"))
+            self.top_k = int(hp("attention.indexer.top_k"))
+        self._read_rope()
+        self._check_tensors()
+        self._ones: dict[int, np.ndarray] = {}
+
+    # ---- hyperparameters ------------------------------------------------------------------------------------
+    def _fail(self, key: str, why: str) -> NoReturn:
+        raise self.fail(f"{self.m.arch}.{key} {why}")
+
+    def hidden_width(self) -> int:
+        return self.n_stream * self.n_embd
+
+    def _check_sizes(self) -> None:
+        if not 0 < self.n_rot < self.head_dim or self.n_rot % 2:
+            self._fail("rope.dimension_count", f"{self.n_rot} must be even, positive and below the key length "
+                       f"{self.head_dim}")
+        if not 1 <= self.n_stream <= 8:
+            self._fail("hyper_connection.count", f"{self.n_stream} must be 1..8 (ggml's hyper-connection ops)")
+        if self.sinkhorn_iters < 1:
+            self._fail("hyper_connection.sinkhorn_iterations", f"{self.sinkhorn_iters}: Sinkhorn needs at least "
+                       "one iteration")
+        if not 0 <= self.n_hash <= self.n_active:
+            self._fail("hash_layer_count", f"{self.n_hash} must be within the {self.n_active} main layers")
+        if int(self.m.hparam("leading_dense_block_count", 0)):
+            self._fail("leading_dense_block_count", "is not 0: DeepSeek-V4 has no dense FFN layers")
+        if self.window < 0:
+            self._fail("attention.sliding_window", f"{self.window} is negative")
+
+    def _read_ratios(self) -> list[int]:
+        """One compress ratio per main layer: the file's list (the main layers', optionally then the MTP
+        predictor's), or, without one, what each layer's tensors imply (as ik infers them)."""
+        m, n = self.m, self.n_active
+        ratios = m.hparam("attention.compress_ratios", None)
+        if ratios is None:
+            return [CSA if m.has(f"blk.{i}.indexer.attn_q_b.weight") else
+                    128 if m.has(f"blk.{i}.attn_compressor_kv.weight") else 0 for i in range(n)]
+        ratios = [int(r) for r in ratios]
+        if not n <= len(ratios) <= self.n_layer + 1:
+            self._fail("attention.compress_ratios", f"has {len(ratios)} entries; it needs one per main layer "
+                       f"({n}), optionally followed by the MTP predictor's")
+        for i, r in enumerate(ratios[:n]):
+            if r not in RATIOS:
+                self._fail("attention.compress_ratios", f"gives layer {i} ratio {r}; DeepSeek-V4 defines "
+                           f"{', '.join(f'{k} ({v})' for k, v in RATIOS.items())}")
+        return ratios[:n]
+
+    def _per_layer(self, key: str, default: list[float] | None) -> list[float]:
+        """A float per layer from a scalar or an array key (ik's get_key_or_arr)."""
+        value = self.m.hparam(key, None)
+        if value is None:
+            if default is None:
+                self._fail(key, "is missing (DeepSeek-V4's SwiGLU clamp, transformers' swiglu_limit)")
+            return default
+        values = [float(v) for v in value] if isinstance(value, (list, tuple, np.ndarray)) \
+            else [float(value)] * self.n_layer
+        if len(values) < self.n_active:
+            self._fail(key, f"has {len(values)} entries; it needs one per layer ({self.n_layer})")
+        return values
+
+    def _infer_groups(self) -> int:
+        """output_group_count from attn_output_a's shape, as ik infers it."""
+        cols = self.m.shape("blk.0.attn_output_a.weight")[1]
+        if (self.n_head * self.head_dim) % cols:
+            self._fail("attention.output_group_count", f"is missing and attn_output_a's {cols} columns do not divide "
+                       f"head_count x key_length ({self.n_head * self.head_dim})")
+        return self.n_head * self.head_dim // cols
+
+    def _read_rope(self) -> None:
+        """The main rope (sliding layers) and the compress rope (CSA/HCA layers), transformers' inverse
+        frequencies."""
+        hp = self.m.hparam
+        self.inv_freq = {"main": inv_freq_default(float(hp("rope.freq_base", 10000.0)), self.n_rot)}
+        base = float(hp("attention.compress_rope_freq_base", hp("rope.freq_base", 10000.0)))
+        scaling = str(hp("rope.scaling.type", "none"))
+        if scaling == "yarn":
+            factor = float(hp("rope.scaling.factor"))
+            n_ctx_orig = int(hp("rope.scaling.original_context_length", 0) or hp("context_length"))
+            self.inv_freq["compress"] = inv_freq_yarn(base, self.n_rot, factor, n_ctx_orig,
+                                                      float(hp("rope.scaling.yarn_beta_fast", 32.0)),
+                                                      float(hp("rope.scaling.yarn_beta_slow", 1.0)))
+        elif scaling in ("none", "linear"):
+            self.inv_freq["compress"] = inv_freq_default(base, self.n_rot)
+        else:
+            self._fail("rope.scaling.type", f"{scaling!r} is not one DeepSeek-V4 uses (yarn, none)")
+
+    # ---- tensors --------------------------------------------------------------------------------------------
+    def _expected(self, i: int, main: bool = True) -> dict[str, tuple[int, ...]]:
+        """Block i's tensors and their numpy shapes."""
+        e, c, nh, hd, ql = self.n_embd, self.n_stream, self.n_head, self.head_dim, self.q_lora
+        x, ff = self.moe.n_expert, self.moe.n_ff
+        b, mix = f"blk.{i}.", (2 + c) * c
+        want = {"attn_norm.weight": (e,), "ffn_norm.weight": (e,), "attn_q_a.weight": (ql, e),
+                "attn_q_a_norm.weight": (ql,), "attn_q_b.weight": (nh * hd, ql), "attn_kv.weight": (hd, e),
+                "attn_kv_a_norm.weight": (hd,), "attn_output_a.weight": (self.n_groups * self.o_lora,
+                                                                         nh * hd // self.n_groups),
+                "attn_output_b.weight": (e, self.n_groups * self.o_lora), "ffn_gate_inp.weight": (x, e),
+                "ffn_gate_exps.weight": (x, ff, e), "ffn_up_exps.weight": (x, ff, e),
+                "ffn_down_exps.weight": (x, e, ff)}
+        if self.moe.n_shared:
+            fs = ff * self.moe.n_shared
+            want |= {"ffn_gate_shexp.weight": (fs, e), "ffn_up_shexp.weight": (fs, e), "ffn_down_shexp.weight": (e, fs)}
+        for s in ("attn", "ffn"):
+            want |= {f"hc_{s}_fn.weight": (mix, c * e), f"hc_{s}_base.weight": (mix,), f"hc_{s}_scale.weight": (3,)}
+        if main:
+            r = self.ratios[i]
+            if r:
+                w = (2 if r == CSA else 1) * hd
+                want |= {"attn_compressor_kv.weight": (w, e), "attn_compressor_gate.weight": (w, e),
+                         "attn_compressor_ape.weight": (r, w), "attn_compressor_norm.weight": (hd,)}
+            if r == CSA:
+                w = 2 * self.i_dim
+                want |= {"indexer.attn_q_b.weight": (self.n_ihead * self.i_dim, ql),
+                         "indexer.proj.weight": (self.n_ihead, e), "indexer_compressor_kv.weight": (w, e),
+                         "indexer_compressor_gate.weight": (w, e), "indexer_compressor_ape.weight": (CSA, w),
+                         "indexer_compressor_norm.weight": (self.i_dim,)}
+            if i < self.n_hash:
+                want["ffn_gate_tid2eid.weight"] = (self.n_vocab, self.moe.n_used)
+            else:
+                want["exp_probs_b.bias"] = (x,)
+        else:
+            want |= {"nextn.eh_proj.weight": (e, 2 * e), "nextn.enorm.weight": (e,), "nextn.hnorm.weight": (e,),
+                     "nextn.shared_head_norm.weight": (e,)}
+        return {b + k: v for k, v in want.items()}
+
+    def _check_tensors(self) -> None:
+        """Each main layer's tensors as its compress ratio and routing imply (named per layer when missing), the
+        globals, and the MTP blocks' where present."""
+        m, e, c = self.m, self.n_embd, self.n_stream
+        for i, r in enumerate(self.ratios):
+            b = f"blk.{i}."
+            parts = [("attn_compressor_" + t, "compressor") for t in COMPRESSOR] if r else []
+            parts += [(t, "indexer") for t in INDEXER] if r == CSA else []
+            missing = [b + t for t, _ in parts if not m.has(b + t)]
+            if missing:
+                raise self.fail(f"layer {i} has compress ratio {r} ({RATIOS[r]}; attention.compress_ratios) but "
+                                f"lacks {', '.join(missing)}")
+            if i < self.n_hash and not m.has(b + "ffn_gate_tid2eid.weight"):
+                raise self.fail(f"layer {i} is hash-routed (hash_layer_count {self.n_hash}) but lacks "
+                                f"{b}ffn_gate_tid2eid.weight")
+        if self.top_k:
+            csa = self.ratios.index(CSA)
+            longest = int(m.hparam("context_length", 1 << 62)) // CSA
+            if not 1 <= self.top_k <= longest:
+                self._fail("attention.indexer.top_k", f"{self.top_k} (layer {csa}, the first CSA layer) must be in "
+                           f"1..{longest}, the compressed entries of context_length {m.hparam('context_length')}")
+            if self.n_ihead <= 0 or self.i_dim <= self.n_rot:
+                self._fail("attention.indexer.key_length", f"{self.i_dim} must exceed rope.dimension_count "
+                           f"{self.n_rot} and head_count {self.n_ihead} must be positive (layer {csa})")
+        want = {"token_embd.weight": (self.n_vocab, e), "output_norm.weight": (e,), "output.weight": (self.n_vocab, e),
+                "output_hc_fn.weight": (c, c * e), "output_hc_base.weight": (c,), "output_hc_scale.weight": (1,)}
+        for i in range(self.n_active):
+            want.update(self._expected(i))
+        optional: dict[str, tuple[int, ...]] = {f"blk.{i}.attn_sinks.weight": (self.n_head,)
+                                                for i in range(self.n_layer)}
+        for i in range(self.n_active, self.n_layer):
+            optional.update(self._expected(i, main=False))
+        self.check_tensors(want, optional)
+        for i in range(self.n_hash):
+            table = f"blk.{i}.ffn_gate_tid2eid.weight"
+            if m.weights.encoding(table).type.name not in ("I32", "I64"):
+                raise self.fail(f"tensor {table} is {m.weights.encoding(table).type.name}; the hash routing table "
+                                "must hold integer expert ids (I32)")
+
+    # ---- forward --------------------------------------------------------------------------------------------
+    def begin(self, seq: Sequence) -> None:
+        n = len(seq)
+        seq.state["rope"] = {kind: self._rope_table(kind, n) for kind in self.inv_freq}
+
+    def _rope_table(self, kind: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+        freq = self.inv_freq[kind]
+        table: tuple[np.ndarray, np.ndarray] = self.table(("rope", kind, n),
+                                                          lambda: inv_freq_rope_cache(np.arange(n), freq))
+        return table
+
+    def embed(self, seq: Sequence) -> np.ndarray:
+        """The embedding in all c streams."""
+        return np.repeat(self.m.embed_rows("token_embd.weight", seq.tokens)[:, None, :], self.n_stream, axis=1)
+
+    def block(self, i: int, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
+        m, b = self.m, f"blk.{i}."
+
+        def attention(streams: np.ndarray, seq: Sequence) -> np.ndarray:
+            h, post, comb = self._mix_in(streams, b + "hc_attn", b + "attn_norm.weight")
+            return hc_post(self._attention(i, h, seq), post, streams, comb)
+
+        xs = self.each(xs, seqs, attention)
+        mixed = []
+        for streams, seq in zip(xs, seqs):
+            m.chunk = seq.index
+            mixed.append(self._mix_in(streams, b + "hc_ffn", b + "ffn_norm.weight"))
+        table = self.table(("tid2eid", i), lambda: m.integers(b + "ffn_gate_tid2eid.weight")) \
+            if i < self.n_hash else None
+        ys = moe_ffn(m, [h for h, _, _ in mixed], seqs, b, self.moe, limit=self.clamp_exp[i],
+                     shared_limit=self.clamp_shexp[i], hash_table=table)
+        return [hc_post(y, post, streams, comb) for y, streams, (_, post, comb) in zip(ys, xs, mixed)]
+
+    def head(self, streams: np.ndarray, seq: Sequence) -> np.ndarray:
+        m = self.m
+        mix = m.linear(self._unit_rms(streams.reshape(len(streams), -1)), "output_hc_fn")
+        gate = mix * m.weight("output_hc_scale.weight").reshape(-1)[0] + m.weight("output_hc_base.weight")
+        pre = np.float32(1.0) / (np.float32(1.0) + np.exp(-gate)) + np.float32(self.hc_eps)
+        x = rms_norm(hc_combine(streams, pre), m.weight("output_norm.weight"), self.eps)
+        return np.ascontiguousarray(m.project(x, "output.weight"), dtype=np.float32)
+
+    # ---- pieces ---------------------------------------------------------------------------------------------
+    def _unit_rms(self, x: np.ndarray) -> np.ndarray:
+        """RMS normalisation without a weight over the last axis."""
+        d = x.shape[-1]
+        if d not in self._ones:
+            self._ones[d] = np.ones(d, dtype=np.float32)
+        return rms_norm(x, self._ones[d], self.eps)
+
+    def _mix_in(self, streams: np.ndarray, hc: str, norm: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(the sub-layer's normed input from the pre-weighted streams, the post weights, the stream mix)."""
+        m = self.m
+        mixes = m.linear(self._unit_rms(streams.reshape(len(streams), -1)), hc + "_fn")
+        pre, post, comb = hc_pre(mixes, m.weight(hc + "_scale.weight"), m.weight(hc + "_base.weight"), self.n_stream,
+                                 self.sinkhorn_iters, self.hc_eps)
+        return rms_norm(hc_combine(streams, pre), m.weight(norm), self.eps), post, comb
+
+    def _rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """Interleaved-pair rope on the trailing n_rot dims of every head of x [n, heads, d], in place."""
+        apply_rope(x[:, :, x.shape[2] - self.n_rot :], cos, sin, self.n_rot, False)
+        return x
+
+    def _attention(self, i: int, h: np.ndarray, seq: Sequence) -> np.ndarray:
+        m, b, n, ratio = self.m, f"blk.{i}.", len(h), self.ratios[i]
+        cos, sin = seq.state["rope"]["compress" if ratio else "main"]
+        q_res = rms_norm(m.linear(h, b + "attn_q_a"), m.weight(b + "attn_q_a_norm.weight"), self.eps)
+        q = self._rope(self._unit_rms(m.linear(q_res, b + "attn_q_b").reshape(n, self.n_head, self.head_dim)),
+                       cos, sin)
+        kv = rms_norm(m.linear(h, b + "attn_kv"), m.weight(b + "attn_kv_a_norm.weight"), self.eps)
+        kv = m.kv_store(self._rope(kv.reshape(n, 1, self.head_dim), cos, sin).reshape(n, self.head_dim))
+        comp = keep = None
+        if ratio:
+            comp = m.kv_store(self._compress(b + "attn_compressor_", h, ratio, self.head_dim, seq))
+            keep = np.arange(len(comp))[None, :] < ((np.arange(n) + 1) // ratio)[:, None]
+            if ratio == CSA and len(comp):
+                keep = self._select(b, h, q_res, keep, seq)
+        sinks = m.weight(b + "attn_sinks.weight") if m.has(b + "attn_sinks.weight") else None
+        out = shared_kv_attention(q, kv, self.kq_scale, window=self.window, sinks=sinks, comp=comp, comp_keep=keep)
+        out = self._rope(out, cos, -sin)  # the values carried the keys' rotation: undo it
+        return m.linear(self._grouped_output(b, out), b + "attn_output_b")
+
+    def _grouped_output(self, b: str, out: np.ndarray) -> np.ndarray:
+        """attn_output_a per group of heads: [n, heads, d] -> [n, groups * o_lora]."""
+        m, n, g = self.m, len(out), self.n_groups
+        grouped = np.ascontiguousarray(out.reshape(n, g, -1).transpose(1, 0, 2))  # [g, n, heads * d / g]
+        name = b + "attn_output_a.weight"
+        if m.observers:
+            for j in range(g):
+                m.observe(name, grouped[j], j, g)
+        wa = m.weight(name).reshape(g, self.o_lora, -1)
+        return np.ascontiguousarray(np.matmul(grouped, wa.transpose(0, 2, 1)).transpose(1, 0, 2)).reshape(n, -1)
+
+    def _compress(self, p: str, h: np.ndarray, ratio: int, width: int, seq: Sequence) -> np.ndarray:
+        """Compressed entries [n // ratio, width] of one compressor (`p`: its tensor prefix) over the complete
+        windows of the sequence: per channel a softmax over the window's rows of gate + ape weighs the kv rows;
+        RMSNorm; the compress rope at position w * ratio. CSA (ratio 4) pools window w's second half of the
+        channels with window w-1's first half (window -1 empty)."""
+        m = self.m
+        kv, gate = m.linear(h, p + "kv"), m.linear(h, p + "gate")
+        windows = len(h) // ratio
+        if windows == 0:
+            return np.zeros((0, width), dtype=np.float32)
+        used = windows * ratio
+        kv = kv[:used].reshape(windows, ratio, -1)
+        gate = gate[:used].reshape(windows, ratio, -1) + m.weight(p + "ape.weight")
+        if ratio == CSA:
+            rows_kv = np.zeros((windows, 2 * ratio, width), dtype=np.float32)
+            rows_gate = np.full((windows, 2 * ratio, width), -np.inf, dtype=np.float32)
+            rows_kv[:, ratio:], rows_gate[:, ratio:] = kv[..., width:], gate[..., width:]
+            rows_kv[1:, :ratio], rows_gate[1:, :ratio] = kv[:-1, :, :width], gate[:-1, :, :width]
+            kv, gate = rows_kv, rows_gate
+        weights = np.exp(gate - gate.max(axis=1, keepdims=True))
+        weights /= weights.sum(axis=1, keepdims=True)
+        pooled = rms_norm((kv * weights).sum(axis=1), m.weight(p + "norm.weight"), self.eps)
+        cos, sin = seq.state["rope"]["compress"]
+        rows = np.arange(windows) * ratio
+        return self._rope(pooled.reshape(windows, 1, width), cos[rows], sin[rows]).reshape(windows, width)
+
+    def _select(self, b: str, h: np.ndarray, q_res: np.ndarray, visible: np.ndarray, seq: Sequence) -> np.ndarray:
+        """The lightning indexer's choice among the visible compressed entries [n, T] (CSA layers)."""
+        m, n = self.m, len(h)
+        keys = self._compress(b + "indexer_compressor_", h, CSA, self.i_dim, seq)
+        cos, sin = seq.state["rope"]["compress"]
+        q = self._rope(np.ascontiguousarray(m.linear(q_res, b + "indexer.attn_q_b")).reshape(n, self.n_ihead,
+                                                                                              self.i_dim), cos, sin)
+        scale = np.float32(1.0) / np.sqrt(np.float32(self.n_ihead)) / np.sqrt(np.float32(self.i_dim))
+        w = m.linear(h, b + "indexer.proj") * scale
+        scores = indexer_scores(q, keys, w, q0=len(keys))
+        scores[~visible] = -np.inf
+        return select_top_k(scores, self.top_k, TIE_TORCH) & visible
