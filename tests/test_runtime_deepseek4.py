@@ -112,6 +112,39 @@ def test_every_block_equals_the_reference_with_hca_and_indexer_selection(model: 
     assert kl.mean() < 1e-9 and kl.max() < 1e-8, (kl.mean(), kl.max())
 
 
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The converter tests' generated checkpoint of other dimensions (CSA on layer 0, two hash layers, hc 2, YaRN
+    with a short original context, window 8, top-k 8) with its scales set so activations stay unit-sized (the
+    converter tests' random FP8 and FP4 scales make weights of hundreds)."""
+    from ikconvert.convert import Converter
+    from tests.test_convert_deepseek4 import GEN_CONFIG, PRE, _gen_tensors, _write_checkpoint
+
+    tensors = _gen_tensors(GEN_CONFIG, seed=7)
+    for name, (dtype, values) in list(tensors.items()):
+        if name.endswith(".scale"):
+            fp8 = tensors[name.removesuffix(".scale") + ".weight"][0] == "F8_E4M3"
+            tensors[name] = (dtype, np.full_like(values, 117 if fp8 else 121))  # 2^-10 and 2^-6
+    folder = tmp_path_factory.mktemp("ds4run")
+    hf = _write_checkpoint(folder / "hf", GEN_CONFIG, tensors, HF)
+    return hf, Converter(hf, "f32", PRE).write(folder / "gen.gguf")
+
+
+def test_a_generated_model_equals_the_reference(generated: tuple[Path, Path]) -> None:
+    """Hash rows that name an expert twice, and a hash-routed expert whose router logit is below -17: its
+    sqrt(softplus) score is tiny but not zero (log1p, as torch), and renormalised it still weighs ~3%."""
+    hf, gguf = generated
+    ref, model = DeepseekV4Reference.from_folder(hf), Model(gguf)
+    tokens = np.random.default_rng(0).integers(0, model.n_vocab, 200)
+    want: dict[int, np.ndarray] = {}
+    got: dict[int, np.ndarray] = {}
+    ref_logits = ref.logits(tokens, on_block=lambda i, x: want.__setitem__(i, x.copy()))
+    logits = model.impl.forward(tokens, on_block=lambda i, x: got.__setitem__(i, x.copy()))
+    for i in range(4):
+        assert np.abs(got[i] - want[i]).max() / np.abs(want[i]).max() < 1e-5, i  # ~5e-7 measured
+    assert _kl(ref_logits, logits).max() < 1e-9
+
+
 def test_indexer_top_k_breaks_ties_as_torch() -> None:
     """Both of torch's CPU paths (partial_sort when k * 64 <= n, else nth_element) on rows full of exact ties, as
     relu makes them."""
@@ -215,3 +248,19 @@ def test_hot_swap_of_an_indexer_and_an_expert_tensor(model: Model, long_tokens: 
         assert not np.array_equal(before, model.logits(tokens)), name
         model.restore(name)
         np.testing.assert_array_equal(before, model.logits(tokens))
+
+
+def test_streamed_under_a_small_budget_with_hca_and_selection_live(long_tokens: np.ndarray) -> None:
+    """Chunks long enough for HCA entries and indexer choices: layer-streamed under the smallest budget gives the
+    chunk-by-chunk logits bit for bit (no compressor or indexer state leaks between chunks or blocks)."""
+    from ikrun.stream import evaluate_chunks, minimum_budget, model_decoded_bytes, plan_run
+
+    chunks = np.stack([long_tokens[:300], long_tokens[300:600], long_tokens[150:450]])
+    free = Model(GGUF)
+    expected = [x.copy() for _, x in evaluate_chunks(free, chunks, plan_run(free, 3, 300, one_pass=False))]
+    tight = Model(GGUF)
+    tight.mem = minimum_budget(tight, 300)
+    plan = plan_run(tight, 3, 300, one_pass=True)
+    assert plan.streamed and plan.cache_capacity is not None and plan.cache_capacity < model_decoded_bytes(tight)
+    for want, (_, got) in zip(expected, evaluate_chunks(tight, chunks, plan)):
+        np.testing.assert_array_equal(want, got)

@@ -249,8 +249,8 @@ class Deepseek4(ArchModel):
             if not 1 <= self.top_k <= longest:
                 self._fail("attention.indexer.top_k", f"{self.top_k} (layer {csa}, the first CSA layer) must be in "
                            f"1..{longest}, the compressed entries of context_length {m.hparam('context_length')}")
-            if self.n_ihead <= 0 or self.i_dim <= self.n_rot:
-                self._fail("attention.indexer.key_length", f"{self.i_dim} must exceed rope.dimension_count "
+            if self.n_ihead <= 0 or self.i_dim < self.n_rot:
+                self._fail("attention.indexer.key_length", f"{self.i_dim} must be at least rope.dimension_count "
                            f"{self.n_rot} and head_count {self.n_ihead} must be positive (layer {csa})")
         want = {"token_embd.weight": (self.n_vocab, e), "output_norm.weight": (e,), "output.weight": (self.n_vocab, e),
                 "output_hc_fn.weight": (c, c * e), "output_hc_base.weight": (c,), "output_hc_scale.weight": (1,)}

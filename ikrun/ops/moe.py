@@ -62,7 +62,9 @@ def _route_row(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, sc
     elif gating == GATING_SQRT_SOFTPLUS:
         for e in range(n_expert):
             x = logits[e]
-            probs[e] = np.sqrt(x if x > np.float32(20.0) else np.log(one + np.exp(x)))
+            # log1p as torch's softplus: a hash-routed expert's score may be far below 1 (log(1 + e^x) rounds to 0
+            # below x = -17, which drops it from the renormalised weights)
+            probs[e] = np.sqrt(x if x > np.float32(20.0) else np.log1p(np.exp(x)))
     else:
         for e in range(n_expert):
             probs[e] = logits[e]
@@ -87,7 +89,7 @@ def _route_row(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, sc
     if gating == GATING_SOFTMAX_WEIGHT:
         _softmax(w.copy(), w)
     if norm:
-        total = 0.0
+        total = 1e-20  # transformers' guard: DeepSeek-V4's sqrt(softplus) scores of a hash row can all be 0
         for s in range(w.shape[0]):
             total += np.float64(w[s])
         t32 = np.float32(total)
