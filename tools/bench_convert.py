@@ -26,6 +26,7 @@ from ikconvert.tiny import TinySpec, make_tiny_checkpoint
 from ikquant.formats.numeric import f32_to_bf16_bits
 
 DEEPSEEK_TOKENIZER = Path(__file__).parents[1] / "tests" / "data" / "convert" / "deepseek-v3" / "hf"
+DEEPSEEK4_TOKENIZER = Path(__file__).parents[1] / "tests" / "data" / "convert" / "deepseek-v4-flash" / "hf"
 
 
 def run_child(cmd: list[str]) -> tuple[float, float]:
@@ -97,6 +98,93 @@ def make_deepseek_fp8_checkpoint(folder: Path, layers: int) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(DEEPSEEK_TOKENIZER / name, folder / name)
+
+
+def make_deepseek4_checkpoint(folder: Path, layers: int = 6) -> None:
+    """DeepSeek-V4-Flash's layout scaled to 1024 wide (~58M parameters a layer): 16 heads of 256 with 64 rope dims,
+    a q LoRA of 512, 4 output groups of rank 512, hc 4, a 128-row window, 32 routed experts of 512 (4 used) plus one
+    shared, an indexer of 16 heads x 128 keeping 64; ratios 0, 4, 128, 4, 128, 0, ...; the first 2 layers
+    hash-routed. BF16 linears and FP4 (E2M1 + E8M0) experts with unit-sized activations; one shard per layer."""
+    h, heads, hd, rope, q_lora, groups, o_lora, n_exp, moe_ff, hc = 1024, 16, 256, 64, 512, 4, 512, 32, 512, 4
+    ih, idim, vocab, used, n_hash = 16, 128, 320, 4, 2
+    ratios = [(0, 4, 128)[i % 3] if i % 6 < 5 else 0 for i in range(layers)]
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True)
+
+    def bf16(*shape: int) -> tuple[str, np.ndarray]:
+        return "BF16", f32_to_bf16_bits((rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32))
+
+    def f32(*shape: int, scale: float = 0.1) -> tuple[str, np.ndarray]:
+        return "F32", (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    def fp4(part: dict, name: str, rows: int, cols: int) -> None:
+        part[name + ".weight"] = ("I8", rng.integers(-128, 128, (rows, cols // 2), dtype=np.int8))
+        exponent = 127 - int(np.ceil(np.log2(np.sqrt(cols)))) - 2  # E2M1 values of ~2: ~1/sqrt(cols) in all
+        part[name + ".scale"] = ("F8_E8M0", np.full((rows, cols // 32), exponent, dtype=np.uint8))
+
+    weight_map = {}
+    for i in range(layers + 1):
+        p, part = f"layers.{i}.", {}
+        if i == layers:
+            part = {"embed.weight": bf16(vocab, h), "head.weight": bf16(vocab, h), "norm.weight": bf16(h),
+                    "hc_head_fn": f32(hc, hc * h, scale=0.01), "hc_head_base": f32(hc),
+                    "hc_head_scale": f32(1)}
+        else:
+            for n in ("attn_norm.weight", "ffn_norm.weight"):
+                part[p + n] = ("F32", np.ones(h, np.float32))
+            for sub in ("attn", "ffn"):
+                part[f"{p}hc_{sub}_fn"] = f32((2 + hc) * hc, hc * h, scale=0.01)
+                part[f"{p}hc_{sub}_base"] = f32((2 + hc) * hc)
+                part[f"{p}hc_{sub}_scale"] = f32(3)
+            part[p + "attn.attn_sink"] = f32(heads)
+            for n, shape in (("wq_a", (q_lora, h)), ("wq_b", (heads * hd, q_lora)), ("wkv", (hd, h)),
+                             ("wo_a", (groups * o_lora, heads * hd // groups)), ("wo_b", (h, groups * o_lora))):
+                part[f"{p}attn.{n}.weight"] = bf16(*shape)
+            part[p + "attn.q_norm.weight"] = ("F32", np.ones(q_lora, np.float32))
+            part[p + "attn.kv_norm.weight"] = ("F32", np.ones(hd, np.float32))
+            r = ratios[i]
+            comps = [("attn.compressor.", hd, r)] if r else []
+            if r == 4:
+                comps.append(("attn.indexer.compressor.", idim, 4))
+                part[p + "attn.indexer.wq_b.weight"] = bf16(ih * idim, q_lora)
+                part[p + "attn.indexer.weights_proj.weight"] = bf16(ih, h)
+            for prefix, width, ratio in comps:
+                w = (2 if ratio == 4 else 1) * width
+                part[f"{p}{prefix}wkv.weight"], part[f"{p}{prefix}wgate.weight"] = bf16(w, h), bf16(w, h)
+                part[f"{p}{prefix}ape"] = f32(ratio, w)
+                part[f"{p}{prefix}norm.weight"] = ("F32", np.ones(width, np.float32))
+            part[p + "ffn.gate.weight"] = bf16(n_exp, h)
+            if i < n_hash:
+                part[p + "ffn.gate.tid2eid"] = ("I64", rng.integers(0, n_exp, (vocab, used)))
+            else:
+                part[p + "ffn.gate.bias"] = f32(n_exp)
+            for x in range(n_exp):
+                for n, rows, cols in (("w1", moe_ff, h), ("w2", h, moe_ff), ("w3", moe_ff, h)):
+                    fp4(part, f"{p}ffn.experts.{x}.{n}", rows, cols)
+            for n, shape in (("w1", (moe_ff, h)), ("w2", (h, moe_ff)), ("w3", (moe_ff, h))):
+                part[f"{p}ffn.shared_experts.{n}.weight"] = bf16(*shape)
+        fname = f"model-{i + 1:05d}-of-{layers + 1:05d}.safetensors"
+        write_safetensors(folder / fname, part, {"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    config = {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "bos_token_id": 0,
+        "eos_token_id": 1, "hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": 1, "head_dim": hd, "qk_rope_head_dim": rope, "q_lora_rank": q_lora,
+        "o_groups": groups, "o_lora_rank": o_lora, "vocab_size": vocab, "n_routed_experts": n_exp,
+        "num_experts_per_tok": used, "moe_intermediate_size": moe_ff, "n_shared_experts": 1, "hc_mult": hc,
+        "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "index_n_heads": ih, "index_head_dim": idim, "index_topk": 64,
+        "num_hash_layers": n_hash, "compress_ratios": ratios, "compress_rope_theta": 160000, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32, "beta_slow": 1},
+        "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "routed_scaling_factor": 1.5,
+        "norm_topk_prob": True, "scoring_func": "sqrtsoftplus", "sliding_window": 128, "swiglu_limit": 10.0,
+        "quantization_config": {"fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+                                "weight_block_size": [128, 128]},
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(DEEPSEEK4_TOKENIZER / name, folder / name)
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 """Memory and speed of `ikrun ppl` on ~1B-parameter models: unconstrained, default, and under a small --mem.
 
 Generates (once, cached in --workdir) a Qwen3-shaped model and a DeepSeek-V3-shaped MoE (MLA, 1 dense + 3 MoE
-layers of 64 experts), both as F16 and IQ4_KS, then runs each file in a fresh process (tools/peak_rss.py, so the
+layers of 64 experts), both as F16 and IQ4_KS, and a DeepSeek-V4-shaped one (6 layers of 1024: sliding, CSA and HCA
+attention, mHC, 32 MXFP4 experts; ~350M parameters) as F16 with its MXFP4 experts, then runs each file in a fresh process (tools/peak_rss.py, so the
 peak RSS is the command's own):
 
 - `unconstrained`: --no-stream with no budget worth the name (every decoded weight cached, the pre-budget runtime);
@@ -34,24 +35,33 @@ from ikquant.quantize import QuantizeOptions, quantize_model
 
 TOOLS = Path(__file__).parent
 sys.path.insert(0, str(TOOLS))
-from bench_convert import make_deepseek_fp8_checkpoint  # noqa: E402
+from bench_convert import make_deepseek4_checkpoint, make_deepseek_fp8_checkpoint  # noqa: E402
 
 GiB = 1 << 30
+PRE_TOKENIZERS = {"qwen3": "qwen2", "deepseek": "deepseek-v3", "deepseek4": "joyai-llm"}
 
 
-def build_models(workdir: Path) -> dict[str, Path]:
+def build_models(workdir: Path, only: str | None) -> dict[str, Path]:
+    """The benchmark files, generated and converted once; with `only`, just the models a label it matches needs."""
     files = {}
-    for name in ("qwen3", "deepseek"):
+    for name in ("qwen3", "deepseek", "deepseek4"):
+        if only and not any(re.search(only, f"{name} {kind}") for kind in ("F16", "IQ4_KS", "F16+MXFP4")):
+            continue
         hf = workdir / f"hf-{name}"
         if not (hf / "config.json").exists():
             if name == "qwen3":  # 22 layers x 50 M parameters
                 make_tiny_checkpoint(hf, TinySpec(arch="qwen3", hidden=2048, layers=22, heads=16, kv_heads=8,
                                                   head_dim=128, ffn=6144))
-            else:
+            elif name == "deepseek":
                 make_deepseek_fp8_checkpoint(hf, 4)
+            else:
+                make_deepseek4_checkpoint(hf)
         f16 = workdir / f"{name}-f16.gguf"
         if not f16.exists():
-            Converter(hf, "f16", "qwen2" if name == "qwen3" else "deepseek-v3").write(f16)
+            Converter(hf, "f16", PRE_TOKENIZERS[name]).write(f16)
+        if name == "deepseek4":  # its routed experts are MXFP4 in every file (requantizing them is refused)
+            files[f"{name} F16+MXFP4"] = f16
+            continue
         iq4 = workdir / f"{name}-iq4_ks.gguf"
         if not iq4.exists():
             quantize_model(f16, iq4, QuantizeOptions(file_type("IQ4_KS")))
@@ -101,7 +111,7 @@ def main() -> None:
     ap.add_argument("--only", help="regex: only the files whose label matches (e.g. 'qwen3 F16')")
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
-    files = build_models(a.workdir)
+    files = build_models(a.workdir, a.only)
     text = a.workdir / "text.txt"
     text.write_text(CORPUS.read_text(encoding="utf-8") * 40, encoding="utf-8")
     modes = {"unconstrained": ["--no-stream", "--mem", "1000GiB"], "default": [], f"--mem {a.mem}": ["--mem", a.mem]}
