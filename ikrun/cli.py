@@ -433,6 +433,7 @@ def sweep(
         type_list = [type_by_name(t) for t in types.split(",") if t.strip()]
         for t in type_list:
             t.require_codec()
+            m.check_numerics_type(t)
         imat = read_imatrix(imatrix) if imatrix else None
         groups = sweep_groups(m, group, tensors)
         all_tokens = tokenize_chunks(m, _read_text(text), ctx, None if auto or chunks is None else int(chunks))
@@ -507,6 +508,7 @@ def _acceptance_sweep(model: Path, target: Path, text: Path, types: str, output:
         type_list = [type_by_name(x) for x in types.split(",") if x.strip()]
         for qt in type_list:
             qt.require_codec()
+            d.check_numerics_type(qt)
         imat = read_imatrix(imatrix) if imatrix else None
         groups = sweep_groups(d, group, tensors)
         header = {**sweep_header(d, text, 0, 0, group, imatrix), "metric": "acceptance", "ctx": None,

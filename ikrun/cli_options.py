@@ -55,6 +55,9 @@ def _runtime_parameters() -> list[inspect.Parameter]:
         flag, help_text = "--" + f.name.replace("_", "-"), f.metadata["help"]
         if f.default is None:  # tri-state: unset keeps the architecture's default
             option, annotation = typer.Option(None, flag, case_sensitive=False, help=help_text), Optional[OnOff]
+        elif "choices" in f.metadata:
+            choice = Enum(f.name.title(), {c: c for c in f.metadata["choices"]}, type=str)  # type: ignore[misc]
+            option, annotation = typer.Option(f.default, flag, case_sensitive=False, help=help_text), choice
         else:
             option, annotation = typer.Option(f.default, flag, help=help_text), bool
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation))
@@ -78,7 +81,9 @@ def _shared_parameters() -> list[inspect.Parameter]:
 
 def _option_value(f: dataclasses.Field, value: Any) -> Any:  # type: ignore[type-arg]
     """A RuntimeOptions field's value from its CLI option (on/off options of None-defaulted fields become bools)."""
-    return (None if value is None else value == OnOff.on) if f.default is None else value
+    if f.default is None:
+        return None if value is None else value == OnOff.on
+    return value.value if isinstance(value, Enum) else value
 
 
 def evaluation_options(command: Callable[..., Any]) -> Callable[..., Any]:

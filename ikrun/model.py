@@ -23,11 +23,13 @@ from threadpoolctl import ThreadpoolController
 from ikquant.gguf_io import GGUFFile
 from ikquant.types import GGMLType
 from ikrun.models.base import ArchModel, ModelError
-from ikrun.weights import SwapError, WeightStore
+from ikrun.ops.numerics import ACTIVATION_FORMAT, UNROUNDED, activation_format, round_activations
+from ikrun.weights import INTEGER_TYPES, SwapError, WeightStore
 
 __all__ = ["KV_CACHE_TYPES", "Model", "ModelError", "RuntimeOptions"]
 
 KV_CACHE_TYPES = ("f32", "f16")
+NUMERICS = ("exact", "ik")
 # Weight matrices smaller than this run their matmuls on one BLAS thread: threads cost more than they save there.
 SMALL_MATRIX = 1 << 20
 #: rows of a weight decoded at a time by a matmul whose weight does not fit the cache (the output head of a big
@@ -60,9 +62,21 @@ class RuntimeOptions:
         "sinks (small test models; real ones have 128), to get the numbers ik prints for them. Off: the model's "
         "exact forward.")})
 
+    #: the arithmetic: "exact" (float32 on exactly decoded weights) or "ik" (ik's CPU backend: activations rounded
+    #: to the format each weight type pairs with, ik's f16 KV cache); every architecture honours it
+    numerics: str = field(default="exact", metadata={"choices": NUMERICS, "every_arch": True, "help": (
+        "exact (default): float32 on the exactly decoded weights, the error of the stored weights alone. ik: the "
+        "arithmetic of ik's CPU backend, to get the numbers llama-perplexity prints: activations rounded to the "
+        "8-bit (or bf16) format ik pairs with each weight type, and ik's f16 KV cache (whatever --kv-cache says).")})
+
     def given(self) -> list[str]:
         """The options that were set (field names; the command-line flag is --name with dashes)."""
         return [f.name for f in fields(self) if getattr(self, f.name) != f.default]
+
+
+def _every_arch(option: str) -> bool:
+    """Whether a RuntimeOptions field applies to every architecture (not listed in their runtime_options)."""
+    return any(f.name == option and f.metadata.get("every_arch", False) for f in fields(RuntimeOptions))
 
 
 @lru_cache(maxsize=1)
@@ -94,8 +108,14 @@ class Model:
         #: switches the architecture module reads (checked against the ones it honours before it is built)
         self.options = options or RuntimeOptions()
         impl_class = model_class(self.arch)
+        if self.options.numerics not in NUMERICS:
+            raise ModelError(f"--numerics {self.options.numerics!r} is not one of {', '.join(NUMERICS)}")
+        #: --numerics ik: activations rounded before each matmul as ik's CPU backend rounds them
+        self.ik_numerics = self.options.numerics == "ik"
+        if self.ik_numerics:
+            self.kv_cache = "f16"
         for option in self.options.given():
-            if option not in impl_class.runtime_options:
+            if option not in impl_class.runtime_options and not _every_arch(option):
                 honour = [a for a in supported_architectures() if option in model_class(a).runtime_options]
                 raise ModelError(f"--{option.replace('_', '-')} applies only to {', '.join(honour)}; {self.path} "
                                  f"is {self.arch}")
@@ -114,6 +134,8 @@ class Model:
         #: matmuls that had to decode their weight in tiles (it did not fit the cache)
         self.tiled: set[str] = set()
         self.impl: ArchModel = impl_class(self)
+        if self.ik_numerics:
+            self._check_ik_numerics()
         largest = max((self.weights.info(n).n_elements for n in self.weights.names()
                        if len(self.weights.info(n).ne) >= 2), default=0)
         self.blas_threads = 1 if largest < SMALL_MATRIX else (threads or os.cpu_count() or 1)
@@ -159,12 +181,18 @@ class Model:
     def swap(self, name: str, gtype: GGMLType, raw: np.ndarray) -> None:
         """Evaluate with tensor `name` stored as `raw` bytes of `gtype` (same logical shape) until restored."""
         self._check_swappable(name)
+        self.check_numerics_type(gtype)
         self.weights.swap(name, gtype, raw)
 
     def swap_from_file(self, name: str, path: str | os.PathLike[str]) -> None:
         """Evaluate with tensor `name` as another GGUF file stores it (same logical shape) until restored."""
         self._check_swappable(name)
         self.weights.swap_from_file(name, Path(path))
+        try:
+            self.check_numerics_type(self.weights.encoding(name).type)
+        except ModelError:
+            self.weights.restore(name)
+            raise
 
     def restore(self, name: str | None = None) -> None:
         """Undo swaps: of one tensor, or of all."""
@@ -184,9 +212,39 @@ class Model:
         cap = self.weights.capacity
         return cap is None or n_bytes <= cap
 
+    def _check_ik_numerics(self) -> None:
+        """Every weight a matmul reads must be of a type whose ik arithmetic is reproduced (before any compute)."""
+        odd: dict[str, list[str]] = {}
+        for name in self.weights.names():
+            info = self.weights.info(name)
+            if len(info.ne) >= 2 and name != "token_embd.weight" and info.type.name not in INTEGER_TYPES \
+                    and info.type.name not in ACTIVATION_FORMAT:
+                odd.setdefault(info.type.name, []).append(name)
+        if odd:
+            kinds = "; ".join(f"{t} ({len(n)} tensors, e.g. {n[0]})" for t, n in odd.items())
+            raise ModelError(f"{self.path}: --numerics ik does not reproduce ik's arithmetic for {kinds}: ik's kernels "
+                             "re-quantize such weights; reproduced: " + ", ".join(sorted(ACTIVATION_FORMAT)))
+
+    def check_numerics_type(self, gtype: GGMLType) -> None:
+        """Refuse a type a hot swap would bring in when --numerics ik cannot reproduce its arithmetic."""
+        if self.ik_numerics and gtype.name not in ACTIVATION_FORMAT:
+            raise ModelError(f"--numerics ik does not reproduce ik's arithmetic for {gtype.name} weights; reproduced: "
+                             + ", ".join(sorted(ACTIVATION_FORMAT)))
+
+    def activations(self, x: np.ndarray, weight_name: str) -> np.ndarray:
+        """x as the matmul with `weight_name` consumes it: unchanged, or with --numerics ik rounded as ik does."""
+        if not self.ik_numerics:
+            return x
+        return round_activations(x, activation_format(self.weights.encoding(weight_name).type.name))
+
+    def activation_format(self, weight_name: str) -> str:
+        """The activation format of `weight_name` under the run's numerics (UNROUNDED for exact runs)."""
+        return activation_format(self.weights.encoding(weight_name).type.name) if self.ik_numerics else UNROUNDED
+
     def project(self, x: np.ndarray, weight_name: str) -> np.ndarray:
         """x @ W^T for the 2-D weight `weight_name`; decoded whole when it fits the cache, else a tile of rows at a
         time (the output head of a large vocabulary under a small budget)."""
+        x = self.activations(x, weight_name)
         w = self.weights
         hit = w.cached_array(weight_name)
         if hit is not None:

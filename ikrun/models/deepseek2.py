@@ -208,5 +208,7 @@ class Deepseek2(ArchModel):
         if m.observers:
             for head in range(self.n_head):
                 m.observe(b + "attn_k_b.weight", q_nope[:, head], head, self.n_head)
-        out = latent_attention(q_rope, q_nope, w_kb, cache, w_vb, self.kq_scale, keep=keep)
+        out = latent_attention(q_rope, m.activations(q_nope, b + "attn_k_b.weight"), w_kb, cache, w_vb,
+                               self.kq_scale, keep=keep,
+                               vb_input=lambda lat: m.activations(lat, b + "attn_v_b.weight"))
         return m.linear(out.reshape(n, self.n_head * self.head_v), b + "attn_output")

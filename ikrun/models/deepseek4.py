@@ -357,7 +357,8 @@ class Deepseek4(ArchModel):
             for j in range(g):
                 m.observe(name, grouped[j], j, g)
         wa = m.weight(name).reshape(g, self.o_lora, -1)
-        return np.ascontiguousarray(np.matmul(grouped, wa.transpose(0, 2, 1)).transpose(1, 0, 2)).reshape(n, -1)
+        product = np.matmul(m.activations(grouped, name), wa.transpose(0, 2, 1))
+        return np.ascontiguousarray(product.transpose(1, 0, 2)).reshape(n, -1)
 
     def _compress(self, p: str, h: np.ndarray, ratio: int, width: int, seq: Sequence) -> np.ndarray:
         """Compressed entries [n // ratio, width] of one compressor (`p`: its tensor prefix) over the complete

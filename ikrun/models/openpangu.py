@@ -324,7 +324,9 @@ class OpenPangu(ArchModel):
         w_vb = m.weight(b + "attn_v_b.weight").reshape(self.n_head, self.head_v, self.kv_lora)
         if m.observers:
             self._observe_heads(b + "attn_k_b.weight", q_nope.transpose(1, 0, 2))
-        out = latent_attention(q_rope, q_nope, w_kb, cache, w_vb, self.kq_scale, sinks=self._sinks(b),
+        out = latent_attention(q_rope, m.activations(q_nope, b + "attn_k_b.weight"), w_kb, cache, w_vb,
+                               self.kq_scale, sinks=self._sinks(b),
+                               vb_input=lambda lat: m.activations(lat, b + "attn_v_b.weight"),
                                window=kind.window, keep=keep, ik_avx512_sinks=self.ik_avx512_sinks,
                                on_latent=(lambda lat: self._observe_heads(b + "attn_v_b.weight", lat))
                                if m.observers else None)

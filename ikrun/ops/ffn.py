@@ -84,7 +84,8 @@ def moe_ffn(m: Model, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: M
     sel = routes[0][0] if len(hs) == 1 else np.concatenate([r[0] for r in routes])
     w = routes[0][1] if len(hs) == 1 else np.concatenate([r[1] for r in routes])
     names = [b + t + ".weight" for t in EXPERT_TENSORS]
-    res = moe_experts(x, sel, w, cfg.n_expert, _fetcher(m, names), _group(m, names, cfg.n_expert), limit)
+    formats = (m.activation_format(names[0]), m.activation_format(names[1]), m.activation_format(names[2]))
+    res = moe_experts(x, sel, w, cfg.n_expert, _fetcher(m, names), _group(m, names, cfg.n_expert), limit, formats)
     starts = np.cumsum([0] + [len(h) for h in hs])
     if m.observers:
         _observe_experts(m, names, x, res, cfg, starts, seqs)

@@ -35,7 +35,8 @@ from ikrun.ops.parallel import pick
 def latent_attention(q_rope: np.ndarray, q_nope: np.ndarray, w_kb: np.ndarray, cache: np.ndarray,
                      w_vb: np.ndarray, scale: float, *, sinks: np.ndarray | None = None, window: int = 0,
                      keep: np.ndarray | None = None, ik_avx512_sinks: bool = False,
-                     on_latent: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+                     on_latent: Callable[[np.ndarray], None] | None = None,
+                     vb_input: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """Causal MLA over one fresh sequence (positions 0..n-1).
 
     q_rope [n, H, R] (roped), q_nope [n, H, D], w_kb [H, C, D], cache [n, R + C] rows [k_rope | c_kv],
@@ -43,7 +44,8 @@ def latent_attention(q_rope: np.ndarray, q_nope: np.ndarray, w_kb: np.ndarray, c
     Optional: `sinks` [S, R + C] rows in the cache layout, seen by every query (key and value as a cache row's);
     `window` > 0 limits query t to keys s with t - s < window; `keep` [n, n] (bool) the keys each query may see;
     `ik_avx512_sinks` adds ik's AVX-512 GEMM over-read to the sinks' values (module docstring); `on_latent` sees
-    the heads' latent outputs [H, n, C] as they enter attn_v_b (for imatrix observers).
+    the heads' latent outputs [H, n, C] as they enter attn_v_b (for imatrix observers); `vb_input` rounds them
+    as the attn_v_b product consumes them (--numerics ik).
     """
     n, n_head, n_rope = q_rope.shape
     n_lat = w_kb.shape[1]
@@ -61,6 +63,8 @@ def latent_attention(q_rope: np.ndarray, q_nope: np.ndarray, w_kb: np.ndarray, c
             np.matmul(scores, cache[:q1, n_rope:], out=latent[:, q0:q1])
     if on_latent is not None:
         on_latent(latent)
+    if vb_input is not None:
+        latent = vb_input(latent)
     return np.matmul(latent, w_vb.transpose(0, 2, 1)).transpose(1, 0, 2)
 
 

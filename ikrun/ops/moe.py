@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from ikrun.ops.numerics import FMT_NONE, FORMAT_CODES, UNROUNDED, round_activations, round_row
+
 GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
 GATING_SOFTMAX_WEIGHT = 3
@@ -149,9 +151,11 @@ def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _expert(e: int, x: np.ndarray, k: int, order: np.ndarray, start: int, stop: int, up: np.ndarray,
-            gate: np.ndarray, down: np.ndarray, limit: np.float32, act: np.ndarray, y: np.ndarray) -> None:
-    """Expert matrix e of up/gate/down on the assignments order[start:stop] (SwiGLU clamped at `limit`)."""
+def _expert(e: int, xu: np.ndarray, xg: np.ndarray, k: int, order: np.ndarray, start: int, stop: int,
+            up: np.ndarray, gate: np.ndarray, down: np.ndarray, limit: np.float32, down_fmt: int, act: np.ndarray,
+            act_q: np.ndarray, y: np.ndarray) -> None:
+    """Expert matrix e of up/gate/down on the assignments order[start:stop] (SwiGLU clamped at `limit`); the
+    rows entering down are act, or act rounded to `down_fmt` in act_q (--numerics ik)."""
     n_ff = up.shape[1]
     n_embd = down.shape[1]
     one = np.float32(1.0)
@@ -162,15 +166,18 @@ def _expert(e: int, x: np.ndarray, k: int, order: np.ndarray, start: int, stop: 
             wu = up[e, j]
             for a in range(b0, b1):
                 idx = order[a]
-                row = x[idx // k]
-                g = min(_dot(wg, row), limit)
-                u = max(-limit, min(_dot(wu, row), limit))
+                g = min(_dot(wg, xg[idx // k]), limit)
+                u = max(-limit, min(_dot(wu, xu[idx // k]), limit))
                 act[idx, j] = (g / (one + np.exp(-g))) * u
+        if down_fmt != FMT_NONE:
+            for a in range(b0, b1):
+                idx = order[a]
+                round_row(act[idx], down_fmt, act_q[idx])
         for j in range(n_embd):
             wd = down[e, j]
             for a in range(b0, b1):
                 idx = order[a]
-                y[idx, j] = _dot(wd, act[idx])
+                y[idx, j] = _dot(wd, act_q[idx])
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -185,17 +192,21 @@ def _combine_row(y: np.ndarray, w: np.ndarray, t: int, out: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True)
-def _experts_serial(x, k, order, offsets, ids, up, gate, down, limit, act, y):  # type: ignore[no-untyped-def]
+def _experts_serial(xu, xg, k, order, offsets, ids, up, gate, down, limit, down_fmt, act, act_q,  # type: ignore[no-untyped-def]
+                    y):
     for j in range(ids.shape[0]):
         e = ids[j]
-        _expert(j, x, k, order, offsets[e], offsets[e + 1], up, gate, down, np.float32(limit), act, y)
+        _expert(j, xu, xg, k, order, offsets[e], offsets[e + 1], up, gate, down, np.float32(limit), down_fmt, act,
+                act_q, y)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _experts_parallel(x, k, order, offsets, ids, up, gate, down, limit, act, y):  # type: ignore[no-untyped-def]
+def _experts_parallel(xu, xg, k, order, offsets, ids, up, gate, down, limit, down_fmt, act,  # type: ignore[no-untyped-def]
+                      act_q, y):
     for j in prange(ids.shape[0]):
         e = ids[j]
-        _expert(j, x, k, order, offsets[e], offsets[e + 1], up, gate, down, np.float32(limit), act, y)
+        _expert(j, xu, xg, k, order, offsets[e], offsets[e + 1], up, gate, down, np.float32(limit), down_fmt, act,
+                act_q, y)
 
 
 @njit(cache=True, nogil=True)
@@ -230,9 +241,11 @@ class RoutedExperts:
 
 
 def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fetch: ExpertFetch,
-                group: int | None = None, limit: float = np.inf) -> RoutedExperts:
+                group: int | None = None, limit: float = np.inf,
+                formats: tuple[str, str, str] = (UNROUNDED, UNROUNDED, UNROUNDED)) -> RoutedExperts:
     """Routed SwiGLU experts: x [n, n_embd], sel/w [n, k]; `fetch(ids)` gives the up/gate [len(ids), n_ff, n_embd] and
-    down [len(ids), n_embd, n_ff] matrices of experts `ids`; a finite `limit` clamps the SwiGLU as swiglu does.
+    down [len(ids), n_embd, n_ff] matrices of experts `ids`; a finite `limit` clamps the SwiGLU as swiglu does;
+    `formats` are the activation formats (ikrun/ops/numerics.py) of up, gate and down under --numerics ik.
 
     Only experts with at least one assignment are fetched, `group` of them at a time (None: all at once), so a
     layer's expert tensor never has to be decoded whole. Every assignment's result is computed by its expert alone
@@ -242,18 +255,23 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
     order, offsets = group_by_expert(sel, n_expert)
     used = np.nonzero(offsets[1:] > offsets[:-1])[0].astype(np.int64)
     x = np.ascontiguousarray(x, dtype=np.float32)
+    xu = round_activations(x, formats[0])
+    xg = xu if formats[1] == formats[0] else round_activations(x, formats[1])
+    down_fmt = FORMAT_CODES[formats[2]]
     act: np.ndarray | None = None
+    act_q: np.ndarray | None = None
     y: np.ndarray | None = None
     step = len(used) if group is None else max(1, group)
     for g0 in range(0, len(used), step):
         ids = used[g0 : g0 + step]
         up, gate, down = fetch(ids)
-        if act is None or y is None:
+        if act is None or act_q is None or y is None:
             act = np.empty((n * k, up.shape[1]), dtype=np.float32)
+            act_q = act if down_fmt == FMT_NONE else np.empty_like(act)
             y = np.empty((n * k, down.shape[1]), dtype=np.float32)
         flops = int(offsets[ids + 1].sum() - offsets[ids].sum()) * up.shape[1] * up.shape[2] * 3
         kernel = _experts_parallel if flops >= PARALLEL_MIN_FLOPS else _experts_serial
-        kernel(x, k, order, offsets, ids, up, gate, down, float(limit), act, y)
+        kernel(xu, xg, k, order, offsets, ids, up, gate, down, float(limit), down_fmt, act, act_q, y)
     assert act is not None and y is not None, "a routing without assignments"
     out = np.empty((n, y.shape[1]), dtype=np.float32)
     combine = _combine_parallel if n * k * y.shape[1] >= PARALLEL_MIN_FLOPS else _combine_serial

@@ -1,0 +1,142 @@
+"""`--numerics ik`: the KL-divergence and perplexity ik's llama-perplexity prints, from ik's own quantized files and
+base-logits files; the activation formats themselves; types it cannot reproduce refused before any compute."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikquant.formats.numeric import bf16_bits_to_f32, f32_to_bf16_bits
+from ikquant.types import type_by_name
+from ikrun.cli import app
+from ikrun.model import Model, ModelError, RuntimeOptions
+from ikrun.ops.numerics import BF16, Q8_2_X4, round_activations
+from tests.test_runtime_deepseek2 import assert_thread_invariant
+
+runner = CliRunner()
+DATA = Path(__file__).parent / "data"
+IK = RuntimeOptions(numerics="ik")
+
+
+def _printed(path: Path) -> dict[str, float]:
+    """What ik's --kl-divergence run printed: mean KLD, max KLD, PPL(Q), same top p (as a fraction)."""
+    text = path.read_text(errors="replace")  # ik prints the token pieces it loads as raw bytes
+
+    def num(pattern: str) -> float:
+        return float(re.search(pattern, text).group(1))  # type: ignore[union-attr]
+
+    return {"kld_mean": num(r"Mean    KLD:\s+([-0-9.]+)"), "kld_max": num(r"Maximum KLD:\s+([-0-9.]+)"),
+            "ppl_q": num(r"Mean PPL\(Q\)\s+:\s+([0-9.]+)"), "same_top_p": num(r"Same top p:\s+([0-9.]+)") / 100}
+
+
+def _kld(gguf: Path, base: Path, *extra: str) -> dict[str, Any]:
+    res = runner.invoke(app, ["kld", str(gguf), "--base-logits", str(base), "--json", "--numerics", "ik", *extra])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def _close(got: float, printed: float, rel: float) -> bool:
+    """Within `rel` of a figure ik printed with 6 decimals (its own rounding allowed for)."""
+    return abs(got - printed) <= rel * abs(printed) + 5e-7
+
+
+# ---- ik's printed figures ---------------------------------------------------------------------------------------
+
+def test_q8_0_reproduces_iks_kld_on_the_plan_model() -> None:
+    """The issue's bar: mean KLD within 0.3% and PPL(Q) within 0.05% (the weights alone give 0.000401)."""
+    logits = DATA / "logits" / "qwen3-plan"
+    ik = _printed(logits / "ik-q8_0-kld.txt")
+    got = _kld(DATA / "convert" / "qwen3-plan-quants" / "ik-q8_0.gguf", logits / "ik-base.kld")
+    assert _close(got["kld_mean"], ik["kld_mean"], 0.003), (got["kld_mean"], ik)
+    assert abs(got["ppl_q"] / ik["ppl_q"] - 1) < 5e-4, (got["ppl_q"], ik)
+    assert got["kld_mean"] > 1.5 * _printed(logits / "ik-q8_0-as-f32-kld.txt")["kld_mean"]
+
+
+@pytest.mark.parametrize(("weights", "kld_rel"), [("q8_0", 0.003), ("bf16", 0.03)])
+def test_qwen3_q8_0_and_bf16(weights: str, kld_rel: float) -> None:
+    """bf16's KLD (2.0e-5) is printed with two digits; its PPL(Q) carries the check."""
+    ik = _printed(DATA / "logits" / "qwen3" / f"ik-{weights}-kld.txt")
+    got = _kld(DATA / "convert" / "qwen3" / f"ik-{weights}.gguf", DATA / "logits" / "qwen3" / "ik-base.kld")
+    assert _close(got["kld_mean"], ik["kld_mean"], kld_rel), (got["kld_mean"], ik)
+    assert abs(got["ppl_q"] / ik["ppl_q"] - 1) < 5e-4, (got["ppl_q"], ik)
+
+
+def test_deepseek_v4_mxfp4_experts_reproduce_iks_kld_against_transformers() -> None:
+    """ik's run of the reference file against transformers' logits (KLD 0.000667, all of it from rounding the
+    activations of the MXFP4 experts): the exact forward gives ~0, --numerics ik ik's figures."""
+    logits = DATA / "logits" / "deepseek-v4-flash"
+    ik = _printed(logits / "ik-ref-f32-vs-hf-kld.txt")
+    got = _kld(DATA / "convert" / "deepseek-v4-flash" / "ref-f32.gguf", logits / "hf-base.kld")
+    assert _close(got["kld_mean"], ik["kld_mean"], 0.003) and abs(got["kld_max"] / ik["kld_max"] - 1) < 0.01, got
+    assert abs(got["same_top_p"] - ik["same_top_p"]) < 1e-3
+    against_ik = _kld(DATA / "convert" / "deepseek-v4-flash" / "ref-f32.gguf", logits / "ik-base.kld")
+    assert against_ik["kld_mean"] < 2e-4 and against_ik["same_top_p"] > 0.99, against_ik
+
+
+# ---- the formats --------------------------------------------------------------------------------------------
+
+def test_q8_2_x4_blocks() -> None:
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((5, 96)) * rng.uniform(0.01, 10, (5, 1))).astype(np.float32)
+    x[2, 32:64] = 0.0  # an all-zero block stays zero
+    got = round_activations(x, Q8_2_X4)
+    blocks = x.reshape(-1, 32)
+    d = bf16_bits_to_f32(f32_to_bf16_bits(np.abs(blocks).max(axis=1) / np.float32(127)))
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    q = np.clip(np.rint(blocks * inv[:, None]), -128, 127)
+    np.testing.assert_array_equal(got, (q * d[:, None]).reshape(x.shape).astype(np.float32))
+    assert np.all(got[2, 32:64] == 0) and len(np.unique(np.abs(got[0, :32]))) <= 128
+    with pytest.raises(ValueError, match="whole 32-value"):
+        round_activations(x[:, :40], Q8_2_X4)
+
+
+def test_bf16_rounding_is_nearest_even() -> None:
+    x = np.array([[1.0 + 2**-8, 1.0 + 3 * 2**-8, -3.14159, 1e-30]], dtype=np.float32)
+    np.testing.assert_array_equal(round_activations(x, BF16), bf16_bits_to_f32(f32_to_bf16_bits(x)).reshape(x.shape))
+
+
+def test_threads_do_not_change_a_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = Model(DATA / "convert" / "deepseek-v3" / "ik-q8_0.gguf", options=IK)
+    assert_thread_invariant(model, np.arange(1, 65) % model.n_vocab, monkeypatch)
+
+
+def test_the_exact_mode_is_untouched() -> None:
+    path = DATA / "convert" / "qwen3" / "ik-q8_0.gguf"
+    tokens = np.arange(1, 40)
+    exact, ik = Model(path).logits(tokens), Model(path, options=IK)
+    assert ik.kv_cache == "f16"  # ik's default cache comes with its arithmetic
+    assert not np.array_equal(exact, ik.logits(tokens))
+    np.testing.assert_array_equal(exact, Model(path, options=RuntimeOptions(numerics="exact")).logits(tokens))
+
+
+# ---- what it cannot reproduce ---------------------------------------------------------------------------------
+
+def test_a_type_whose_ik_kernels_requantize_is_refused_before_compute() -> None:
+    path = DATA / "convert" / "qwen3-plan-quants" / "ik-iq4_ks.gguf"
+    with pytest.raises(ModelError, match=r"--numerics ik does not reproduce ik's arithmetic for IQ4_KS \(\d+ "
+                                         r"tensors, e\.g\. output\.weight\)"):
+        Model(path, options=IK)
+    res = runner.invoke(app, ["ppl", str(path), "--text", str(DATA / "logits" / "qwen3-plan" / "text.txt"),
+                              "--numerics", "ik"])
+    assert res.exit_code == 2 and "re-quantize" in res.output and "Traceback" not in res.output
+
+
+def test_a_swap_to_such_a_type_is_refused() -> None:
+    model = Model(DATA / "convert" / "qwen3" / "ik-q8_0.gguf", options=IK)
+    with pytest.raises(ModelError, match="IQ4_KS weights"):
+        model.swap("blk.0.attn_q.weight", type_by_name("IQ4_KS"), np.zeros(1, np.uint8))
+    res = runner.invoke(app, ["sweep", str(DATA / "convert" / "qwen3" / "ik-q8_0.gguf"), "--text",
+                              str(DATA / "logits" / "qwen3" / "text.txt"), "--types", "Q4_0,Q4_K", "--numerics", "ik",
+                              "--ctx", "64", "--chunks", "1", "-o", "unused.json"])
+    assert res.exit_code == 2 and "Q4_K weights" in res.output and not Path("unused.json").exists()
+
+
+def test_an_unknown_numerics_is_a_usage_error() -> None:
+    res = runner.invoke(app, ["ppl", str(DATA / "convert" / "qwen3" / "ik-q8_0.gguf"), "--numerics", "fast"])
+    assert res.exit_code == 2 and "fast" in res.output
