@@ -23,7 +23,7 @@ from threadpoolctl import ThreadpoolController
 from ikquant.gguf_io import GGUFFile
 from ikquant.types import GGMLType
 from ikrun.models.base import ArchModel, ModelError
-from ikrun.ops.numerics import ACTIVATION_FORMAT, UNROUNDED, activation_format, round_activations
+from ikrun.ops.numerics import IK_KERNELS, UNROUNDED, activation_format, ik_kernel, round_activations
 from ikrun.weights import INTEGER_TYPES, SwapError, WeightStore
 
 __all__ = ["KV_CACHE_TYPES", "Model", "ModelError", "RuntimeOptions"]
@@ -217,19 +217,23 @@ class Model:
         odd: dict[str, list[str]] = {}
         for name in self.weights.names():
             info = self.weights.info(name)
+            kernel = IK_KERNELS.get(info.type.name)
+            # ik converts routed experts per expert and batch size; only kernels that keep the weights are emulated
+            routed = len(info.ne) == 3 and "_exps" in name
             if len(info.ne) >= 2 and name != "token_embd.weight" and info.type.name not in INTEGER_TYPES \
-                    and info.type.name not in ACTIVATION_FORMAT:
-                odd.setdefault(info.type.name, []).append(name)
+                    and (kernel is None or (routed and kernel.convert is not None)):
+                odd.setdefault(info.type.name + (" routed experts" if routed and kernel else ""), []).append(name)
         if odd:
             kinds = "; ".join(f"{t} ({len(n)} tensors, e.g. {n[0]})" for t, n in odd.items())
             raise ModelError(f"{self.path}: --numerics ik does not reproduce ik's arithmetic for {kinds}: ik's kernels "
-                             "re-quantize such weights; reproduced: " + ", ".join(sorted(ACTIVATION_FORMAT)))
+                             "re-quantize such weights in ways not emulated; reproduced: "
+                             + ", ".join(sorted(IK_KERNELS)))
 
     def check_numerics_type(self, gtype: GGMLType) -> None:
         """Refuse a type a hot swap would bring in when --numerics ik cannot reproduce its arithmetic."""
-        if self.ik_numerics and gtype.name not in ACTIVATION_FORMAT:
+        if self.ik_numerics and gtype.name not in IK_KERNELS:
             raise ModelError(f"--numerics ik does not reproduce ik's arithmetic for {gtype.name} weights; reproduced: "
-                             + ", ".join(sorted(ACTIVATION_FORMAT)))
+                             + ", ".join(sorted(IK_KERNELS)))
 
     def activations(self, x: np.ndarray, weight_name: str) -> np.ndarray:
         """x as the matmul with `weight_name` consumes it: unchanged, or with --numerics ik rounded as ik does."""
@@ -241,10 +245,29 @@ class Model:
         """The activation format of `weight_name` under the run's numerics (UNROUNDED for exact runs)."""
         return activation_format(self.weights.encoding(weight_name).type.name) if self.ik_numerics else UNROUNDED
 
+    def matmul_weight(self, name: str, n_act_rows: int, weight_rows: int | None = None) -> np.ndarray:
+        """Weight `name` (float32, numpy order) as a matmul with `n_act_rows` activation rows multiplies it: its exact
+        decoding, or under --numerics ik the weights ik's kernel converts it to (ikrun/ops/numerics.py) when it
+        does; `weight_rows` is the row count of each matrix ik multiplies (a per-head slice), default all rows."""
+        if not self.ik_numerics:
+            return self.weight(name)
+        kernel = ik_kernel(self.weights.encoding(name).type.name)
+        rows = self.weights.info(name).n_rows if weight_rows is None else weight_rows
+        if not kernel.converts(n_act_rows, rows):
+            return self.weight(name)
+        convert = kernel.convert
+        assert convert is not None
+        shape = self.shape(name)
+        return self.weights.derived(name, lambda enc: convert(enc.raw, self.weight(name).reshape(
+            enc.raw.shape[0], -1)).reshape(shape))
+
     def project(self, x: np.ndarray, weight_name: str) -> np.ndarray:
         """x @ W^T for the 2-D weight `weight_name`; decoded whole when it fits the cache, else a tile of rows at a
         time (the output head of a large vocabulary under a small budget)."""
-        x = self.activations(x, weight_name)
+        if self.ik_numerics:
+            x = self.activations(x, weight_name)
+            if ik_kernel(self.weights.encoding(weight_name).type.name).converts(len(x), self.shape(weight_name)[0]):
+                return x @ self.matmul_weight(weight_name, len(x)).T
         w = self.weights
         hit = w.cached_array(weight_name)
         if hit is not None:

@@ -19,6 +19,7 @@ import hashlib
 import math
 import re
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +33,9 @@ from ikrun.ops.parallel import threads_for
 #: integer ggml types -> their little-endian numpy dtype
 INTEGER_TYPES = {"I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
 
-#: a cache key: a whole tensor, or (tensor, expert) for one matrix of a 3-D expert tensor
+#: a cache key: a whole tensor, (tensor, expert) for one matrix of a 3-D expert tensor, or (tensor, DERIVED)
 CacheKey = str | tuple[str, int]
+DERIVED = -1
 
 
 class SwapError(IkError, ValueError):
@@ -184,6 +186,19 @@ class WeightStore:
         self._release(name)
         self._keep(name, w, fingerprint)
         return w
+
+    def derived(self, name: str, make: Callable[[Encoding], np.ndarray]) -> np.ndarray:
+        """A float32 array made from tensor `name`'s current encoding (ik's converted weights), cached beside its
+        decoding while the capacity allows and forgotten with it (swaps, restores, evictions)."""
+        key = (name, DERIVED)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit[0]
+        value = make(self.encoding(name))
+        self._release(name)
+        self._keep(key, value, b"")
+        return value
 
     def integers(self, name: str) -> np.ndarray:
         """An integer tensor (I8/I16/I32/I64: a routing table, not a weight) as int64 in numpy order."""

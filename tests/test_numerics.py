@@ -58,6 +58,19 @@ def test_q8_0_reproduces_iks_kld_on_the_plan_model() -> None:
     assert got["kld_mean"] > 1.5 * _printed(logits / "ik-q8_0-as-f32-kld.txt")["kld_mean"]
 
 
+@pytest.mark.parametrize("weights", ["q4_k", "iq4_ks", "iq3_k", "iq2_k"])
+def test_types_whose_kernels_convert_the_weights_reproduce_iks_kld(weights: str) -> None:
+    """K-quant and IQK files, whose weights ik converts before multiplying (Q8_1, Q8_K_R16) against Q8_2_X4 or Q8_K
+    activations: the mean KLD within 0.3% of ik's (measured -0.05% .. 0.00%). Their PPL(Q) is 0.06-0.15% below
+    ik's, a gap not explained yet, so it is not asserted here."""
+    logits = DATA / "logits" / "qwen3-plan"
+    ik = _printed(logits / f"ik-{weights}-kld.txt")
+    got = _kld(DATA / "convert" / "qwen3-plan-quants" / f"ik-{weights}.gguf", logits / "ik-base.kld")
+    assert _close(got["kld_mean"], ik["kld_mean"], 0.003), (got["kld_mean"], ik)
+    weights_alone = _printed(logits / f"ik-{weights}-as-f32-kld.txt")["kld_mean"]
+    assert abs(got["kld_mean"] - ik["kld_mean"]) < abs(weights_alone - ik["kld_mean"]) / 4
+
+
 @pytest.mark.parametrize(("weights", "kld_rel"), [("q8_0", 0.003), ("bf16", 0.03)])
 def test_qwen3_q8_0_and_bf16(weights: str, kld_rel: float) -> None:
     """bf16's KLD (2.0e-5) is printed with two digits; its PPL(Q) carries the check."""
@@ -117,24 +130,46 @@ def test_the_exact_mode_is_untouched() -> None:
 
 # ---- what it cannot reproduce ---------------------------------------------------------------------------------
 
-def test_a_type_whose_ik_kernels_requantize_is_refused_before_compute() -> None:
-    path = DATA / "convert" / "qwen3-plan-quants" / "ik-iq4_ks.gguf"
-    with pytest.raises(ModelError, match=r"--numerics ik does not reproduce ik's arithmetic for IQ4_KS \(\d+ "
-                                         r"tensors, e\.g\. output\.weight\)"):
-        Model(path, options=IK)
-    res = runner.invoke(app, ["ppl", str(path), "--text", str(DATA / "logits" / "qwen3-plan" / "text.txt"),
+@pytest.fixture(scope="module")
+def q5_k_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ikquant.ftypes import file_type
+    from ikquant.quantize import QuantizeOptions, quantize_model
+
+    out = tmp_path_factory.mktemp("numerics") / "q5_k_s.gguf"  # 256 wide: whole K-quant blocks
+    quantize_model(DATA / "convert" / "qwen3-plan-quants" / "ik-q8_0.gguf", out,
+                   QuantizeOptions(file_type("Q5_K_S"), pure=True, allow_requantize=True))
+    return out
+
+
+def test_a_type_whose_ik_kernels_are_not_emulated_is_refused_before_compute(q5_k_file: Path) -> None:
+    with pytest.raises(ModelError, match=r"--numerics ik does not reproduce ik's arithmetic for Q5_K \(\d+ "
+                                         r"tensors, e\.g\. "):
+        Model(q5_k_file, options=IK)
+    res = runner.invoke(app, ["ppl", str(q5_k_file), "--text", str(DATA / "logits" / "qwen3" / "text.txt"),
                               "--numerics", "ik"])
     assert res.exit_code == 2 and "re-quantize" in res.output and "Traceback" not in res.output
 
 
-def test_a_swap_to_such_a_type_is_refused() -> None:
+def test_routed_experts_ik_converts_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ik converts routed experts per expert and per batch; emulated only where the conversion keeps the weights
+    (the tiny MoE models cannot hold a K-quant, so MXFP4 is given a conversion here)."""
+    import ikrun.ops.numerics as numerics
+
+    path = DATA / "convert" / "deepseek-v4-flash" / "ref-f32.gguf"
+    Model(path, options=IK)
+    monkeypatch.setitem(numerics.IK_KERNELS, "MXFP4", numerics.IkKernel(numerics.Q8_2_X4, 32, lambda r, w: w))
+    with pytest.raises(ModelError, match=r"MXFP4 routed experts \(9 tensors, e\.g\. blk\.0\.ffn_\w+_exps"):
+        Model(path, options=IK)
+
+
+def test_a_swap_to_a_type_not_emulated_is_refused() -> None:
     model = Model(DATA / "convert" / "qwen3" / "ik-q8_0.gguf", options=IK)
-    with pytest.raises(ModelError, match="IQ4_KS weights"):
-        model.swap("blk.0.attn_q.weight", type_by_name("IQ4_KS"), np.zeros(1, np.uint8))
+    with pytest.raises(ModelError, match="IQ2_KT weights"):
+        model.swap("blk.0.attn_q.weight", type_by_name("IQ2_KT"), np.zeros(1, np.uint8))
     res = runner.invoke(app, ["sweep", str(DATA / "convert" / "qwen3" / "ik-q8_0.gguf"), "--text",
-                              str(DATA / "logits" / "qwen3" / "text.txt"), "--types", "Q4_0,Q4_K", "--numerics", "ik",
+                              str(DATA / "logits" / "qwen3" / "text.txt"), "--types", "Q4_0,Q5_K", "--numerics", "ik",
                               "--ctx", "64", "--chunks", "1", "-o", "unused.json"])
-    assert res.exit_code == 2 and "Q4_K weights" in res.output and not Path("unused.json").exists()
+    assert res.exit_code == 2 and "Q5_K weights" in res.output and not Path("unused.json").exists()
 
 
 def test_an_unknown_numerics_is_a_usage_error() -> None:

@@ -203,8 +203,8 @@ class Deepseek2(ArchModel):
         apply_rope(k_rope, cos, sin, self.n_rot, False)
         latent = rms_norm(kv[:, : self.kv_lora], m.weight(b + "attn_kv_a_norm.weight"), self.eps)
         cache = m.kv_store(np.concatenate([k_rope.reshape(n, self.n_rot), latent], axis=1))
-        w_kb = m.weight(b + "attn_k_b.weight").reshape(self.n_head, self.kv_lora, self.n_nope)
-        w_vb = m.weight(b + "attn_v_b.weight").reshape(self.n_head, self.head_v, self.kv_lora)
+        w_kb = m.matmul_weight(b + "attn_k_b.weight", n, self.kv_lora).reshape(self.n_head, self.kv_lora, self.n_nope)
+        w_vb = m.matmul_weight(b + "attn_v_b.weight", n, self.head_v).reshape(self.n_head, self.head_v, self.kv_lora)
         if m.observers:
             for head in range(self.n_head):
                 m.observe(b + "attn_k_b.weight", q_nope[:, head], head, self.n_head)

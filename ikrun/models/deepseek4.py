@@ -356,7 +356,7 @@ class Deepseek4(ArchModel):
         if m.observers:
             for j in range(g):
                 m.observe(name, grouped[j], j, g)
-        wa = m.weight(name).reshape(g, self.o_lora, -1)
+        wa = m.matmul_weight(name, n, self.o_lora).reshape(g, self.o_lora, -1)
         product = np.matmul(m.activations(grouped, name), wa.transpose(0, 2, 1))
         return np.ascontiguousarray(product.transpose(1, 0, 2)).reshape(n, -1)
 

@@ -320,8 +320,8 @@ class OpenPangu(ArchModel):
         cache = m.kv_store(np.concatenate([k_rope.reshape(n, self.n_rot), latent], axis=1))
         kind = self.kinds[i]
         keep = self._indexer(b, h, q_lat, cos, sin) if kind.indexer else None
-        w_kb = m.weight(b + "attn_k_b.weight").reshape(self.n_head, self.kv_lora, self.n_nope)
-        w_vb = m.weight(b + "attn_v_b.weight").reshape(self.n_head, self.head_v, self.kv_lora)
+        w_kb = m.matmul_weight(b + "attn_k_b.weight", n, self.kv_lora).reshape(self.n_head, self.kv_lora, self.n_nope)
+        w_vb = m.matmul_weight(b + "attn_v_b.weight", n, self.head_v).reshape(self.n_head, self.head_v, self.kv_lora)
         if m.observers:
             self._observe_heads(b + "attn_k_b.weight", q_nope.transpose(1, 0, 2))
         out = latent_attention(q_rope, m.activations(q_nope, b + "attn_k_b.weight"), w_kb, cache, w_vb,
