@@ -175,3 +175,20 @@ def test_a_swap_to_a_type_not_emulated_is_refused() -> None:
 def test_an_unknown_numerics_is_a_usage_error() -> None:
     res = runner.invoke(app, ["ppl", str(DATA / "convert" / "qwen3" / "ik-q8_0.gguf"), "--numerics", "fast"])
     assert res.exit_code == 2 and "fast" in res.output
+
+
+def test_sweep_and_imatrix_run_with_iks_numerics(tmp_path: Path) -> None:
+    """A sweep measured with ik's arithmetic records it, and a resume with the exact one is refused."""
+    gguf, text = DATA / "convert" / "qwen3" / "ik-q8_0.gguf", DATA / "logits" / "qwen3" / "text.txt"
+    out = tmp_path / "sweep.json"
+    common = ["sweep", str(gguf), "--text", str(text), "--types", "Q4_0", "--ctx", "64", "--chunks", "1", "-o",
+              str(out), "--tensors", "blk.0.attn_q.weight"]
+    res = runner.invoke(app, [*common, "--numerics", "ik"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["runtime"] == {"kv_cache": "f16", "numerics": "ik"}
+    res = runner.invoke(app, common)
+    assert res.exit_code == 2 and "numerics" in res.output
+    imatrix = tmp_path / "ik.dat"
+    res = runner.invoke(app, ["imatrix", str(gguf), "--text", str(text), "--ctx", "64", "--chunks", "1", "-o",
+                              str(imatrix), "--numerics", "ik"])
+    assert res.exit_code == 0 and imatrix.exists(), res.output
