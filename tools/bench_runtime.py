@@ -4,8 +4,8 @@ and, given --ik-bin, ik_llama.cpp's own llama-perplexity on the same files and t
 tiny golden models of every architecture the runtime has (tests/data: qwen3, deepseek-v3, openpangu-v2, glm-dsa),
 64-token chunks as their golden logits were made.
 
-The model (default ~0.4B parameters) is written as bf16 safetensors, converted to F16, then quantized to Q8_0 and
-IQ4_KS. Each measurement evaluates the same chunks; the runtime's figure excludes the first chunk (decode caches,
+The model (default ~0.4B parameters) is written as bf16 safetensors, converted to F16, then quantized to Q8_0, Q4_K
+and IQ4_KS; each file runs with the exact arithmetic and with --numerics ik. Each measurement evaluates the same chunks; the runtime's figure excludes the first chunk (decode caches,
 JIT warm-up) as ik's excludes its load.
 
 Example: python tools/bench_runtime.py --ik-bin ~/ik/build/bin/llama-perplexity --threads 2
@@ -95,20 +95,22 @@ def main() -> None:
     if not f16.exists():
         Converter(hf, "f16", "qwen2").write(f16)
     files = {"F16": f16}
-    for t in ("Q8_0", "IQ4_KS"):
+    for t, ftype in (("Q8_0", "Q8_0"), ("Q4_K", "Q4_K_S"), ("IQ4_KS", "IQ4_KS")):  # --pure: every tensor type t
         files[t] = a.workdir / f"model-{t.lower()}.gguf"
         if not files[t].exists():
-            quantize_model(f16, files[t], QuantizeOptions(file_type(t), pure=True))
+            quantize_model(f16, files[t], QuantizeOptions(file_type(ftype), pure=True))
     text = a.workdir / "text.txt"
     text.write_text(CORPUS.read_text(encoding="utf-8") * 4, encoding="utf-8")
     n_params = sum(t.n_elements for t in Model(f16).gguf.tensors.values())
     print(f"model: {n_params / 1e6:.0f} M parameters, ctx {a.ctx}, {a.threads} threads")
-    print(f"{'file':8s} {'ikrun tok/s':>12s} {'ik tok/s':>9s} {'ikrun/ik':>9s}")
+    print(f"{'file':8s} {'exact tok/s':>12s} {'--numerics ik':>14s} {'ik tok/s':>9s} {'exact/ik':>9s} "
+          f"{'numerics ik/ik':>15s}")
     for name, path in files.items():
         ours = runtime_speed(path, a.ctx, a.chunks, a.threads)
+        ours_ik = runtime_speed(path, a.ctx, a.chunks, a.threads, options=RuntimeOptions(numerics="ik"))
         ik = ik_speed(a.ik_bin, path, text, a.ctx, a.chunks, a.threads) if a.ik_bin else None
-        ratio = f"{ours / ik:9.2f}" if ik else f"{'-':>9s}"
-        print(f"{name:8s} {ours:12.1f} {ik if ik else float('nan'):9.1f} {ratio}", flush=True)
+        ratios = f"{ours / ik:9.2f} {ours_ik / ik:15.2f}" if ik else f"{'-':>9s} {'-':>15s}"
+        print(f"{name:8s} {ours:12.1f} {ours_ik:14.1f} {ik if ik else float('nan'):9.1f} {ratios}", flush=True)
     print(f"numpy-only reference forward (F32 math from the safetensors): {numpy_speed(hf, f16, a.ctx):.1f} tok/s")
 
 
