@@ -217,12 +217,9 @@ class Model:
         odd: dict[str, list[str]] = {}
         for name in self.weights.names():
             info = self.weights.info(name)
-            kernel = IK_KERNELS.get(info.type.name)
-            # ik converts routed experts per expert and batch size; only kernels that keep the weights are emulated
-            routed = len(info.ne) == 3 and "_exps" in name
             if len(info.ne) >= 2 and name != "token_embd.weight" and info.type.name not in INTEGER_TYPES \
-                    and (kernel is None or (routed and kernel.convert is not None)):
-                odd.setdefault(info.type.name + (" routed experts" if routed and kernel else ""), []).append(name)
+                    and info.type.name not in IK_KERNELS:
+                odd.setdefault(info.type.name, []).append(name)
         if odd:
             kinds = "; ".join(f"{t} ({len(n)} tensors, e.g. {n[0]})" for t, n in odd.items())
             raise ModelError(f"{self.path}: --numerics ik does not reproduce ik's arithmetic for {kinds}: ik's kernels "
@@ -260,6 +257,18 @@ class Model:
         shape = self.shape(name)
         return self.weights.derived(name, lambda enc: convert(enc.raw, self.weight(name).reshape(
             enc.raw.shape[0], -1)).reshape(shape))
+
+    def ik_convert_experts(self, name: str, ids: np.ndarray, counts: np.ndarray, mats: np.ndarray) -> None:
+        """In place: the decoded matrices `mats` of experts `ids` of a 3-D expert tensor, each as ik multiplies it
+        for its token count (ik decides per expert: is_dequant_better on the rows routed to it)."""
+        kernel = ik_kernel(self.weights.encoding(name).type.name)
+        if kernel.convert is None:
+            return
+        n_expert, rows, _ = self.shape(name)
+        raw = self.weights.encoding(name).raw.reshape(n_expert, rows, -1)
+        for j, (e, count) in enumerate(zip(ids.tolist(), counts.tolist())):
+            if kernel.converts(int(count), rows):
+                mats[j] = kernel.convert(np.ascontiguousarray(raw[e]), mats[j])
 
     def project(self, x: np.ndarray, weight_name: str) -> np.ndarray:
         """x @ W^T for the 2-D weight `weight_name`; decoded whole when it fits the cache, else a tile of rows at a

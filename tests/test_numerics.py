@@ -150,16 +150,24 @@ def test_a_type_whose_ik_kernels_are_not_emulated_is_refused_before_compute(q5_k
     assert res.exit_code == 2 and "re-quantize" in res.output and "Traceback" not in res.output
 
 
-def test_routed_experts_ik_converts_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """ik converts routed experts per expert and per batch; emulated only where the conversion keeps the weights
-    (the tiny MoE models cannot hold a K-quant, so MXFP4 is given a conversion here)."""
+def test_routed_experts_are_converted_per_expert_by_their_token_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ik decides per expert (is_dequant_better on the rows routed to it): an expert with enough tokens is multiplied
+    as converted, the others as stored. The tiny MoE models cannot hold a K-quant, so MXFP4 is given a marking
+    conversion (x 2) at 3 tokens here."""
     import ikrun.ops.numerics as numerics
 
     path = DATA / "convert" / "deepseek-v4-flash" / "ref-f32.gguf"
-    Model(path, options=IK)
-    monkeypatch.setitem(numerics.IK_KERNELS, "MXFP4", numerics.IkKernel(numerics.Q8_2_X4, 32, lambda r, w: w))
-    with pytest.raises(ModelError, match=r"MXFP4 routed experts \(9 tensors, e\.g\. blk\.0\.ffn_\w+_exps"):
-        Model(path, options=IK)
+    tokens = np.load(DATA / "hf-logits" / "deepseek-v4-flash" / "tokens.npy")[0]
+    as_stored = Model(path, options=IK).logits(tokens)
+    model = Model(path, options=IK)
+    name = "blk.1.ffn_up_exps.weight"
+    exact = model.weights.decode_experts(name, np.arange(4))
+    monkeypatch.setitem(numerics.IK_KERNELS, "MXFP4", numerics.IkKernel(numerics.Q8_2_X4, 3, lambda r, w: w * 2))
+    mats = exact.copy()
+    model.ik_convert_experts(name, np.arange(4), np.array([0, 2, 3, 40]), mats)
+    np.testing.assert_array_equal(mats[:2], exact[:2])
+    np.testing.assert_array_equal(mats[2:], exact[2:] * 2)
+    assert not np.array_equal(model.logits(tokens), as_stored)  # the forward multiplies the converted experts
 
 
 def test_a_swap_to_a_type_not_emulated_is_refused() -> None:

@@ -85,7 +85,9 @@ def moe_ffn(m: Model, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: M
     w = routes[0][1] if len(hs) == 1 else np.concatenate([r[1] for r in routes])
     names = [b + t + ".weight" for t in EXPERT_TENSORS]
     formats = (m.activation_format(names[0]), m.activation_format(names[1]), m.activation_format(names[2]))
-    res = moe_experts(x, sel, w, cfg.n_expert, _fetcher(m, names), _group(m, names, cfg.n_expert), limit, formats)
+    counts = np.bincount(sel.reshape(-1), minlength=cfg.n_expert)
+    res = moe_experts(x, sel, w, cfg.n_expert, _fetcher(m, names, counts), _group(m, names, cfg.n_expert), limit,
+                      formats)
     starts = np.cumsum([0] + [len(h) for h in hs])
     if m.observers:
         _observe_experts(m, names, x, res, cfg, starts, seqs)
@@ -105,14 +107,19 @@ def _group(m: Model, names: list[str], n_expert: int) -> int | None:
     return None if capacity is None else max(1, int(capacity // per_expert))
 
 
-def _fetcher(m: Model, names: list[str]) -> ExpertFetch:
+def _fetcher(m: Model, names: list[str], counts: np.ndarray) -> ExpertFetch:
     """The routed experts' matrices, decoded (and cached) one expert at a time: a whole expert tensor is never
-    decoded for a batch, only the experts that receive tokens."""
+    decoded for a batch, only the experts that receive tokens. Under --numerics ik an expert whose kernel ik
+    converts at its token count (`counts`, per expert) is multiplied as converted."""
     up, gate, down = names
 
     def fetch(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         w, keep = m.weights, not m.streaming
-        return w.decode_experts(up, ids, keep), w.decode_experts(gate, ids, keep), w.decode_experts(down, ids, keep)
+        mats = tuple(w.decode_experts(name, ids, keep) for name in names)
+        if m.ik_numerics:
+            for name, mat in zip(names, mats):
+                m.ik_convert_experts(name, ids, counts[ids], mat)
+        return mats[0], mats[1], mats[2]
 
     return fetch
 

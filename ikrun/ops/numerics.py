@@ -29,8 +29,9 @@ least 32 rows (a multiple of 16):
 - IQ4_KS, IQ3_K, IQ4_XS (32 rows) and IQ2_K (32 rows, against 120 instead of 127) to Q8_K_R16: per 256 values the
   integers p = sub-block scale x grid value, kept when max|p| < 127 (c), else re-quantized to int8 against
   max|p| / c, scale f16(d * that).
-ik splits a weight's rows over its threads and falls back to the native kernels when a thread gets fewer than 32
-rows; the emulation assumes it does not (true for real models at any thread count ik runs with; for a tiny model
+Routed experts are decided per expert, on the tokens routed to each (ik's mul_mat_id runs the same test per
+expert). ik splits a dense weight's rows over its threads and falls back to the native kernels when a thread gets
+fewer than 32 rows; the emulation assumes it does not (true for real models at any thread count ik runs with; for a tiny model
 it means a thread count of at most rows / 32).
 
 Types not listed (i-quants, trellis types, the rest of the IQK and K families) are not emulated: `ik_kernel` names
