@@ -20,6 +20,7 @@ from ikrun.cli import app
 from ikrun.model import Model, ModelError
 from ikrun.ops.indexer import TIE_TORCH, select_top_k
 from ikrun.reference_deepseek4 import DeepseekV4Reference, torch_topk
+from tests.test_reference_deepseek4 import _kl
 from tests.test_runtime_deepseek2 import _rewrite, assert_thread_invariant
 
 runner = CliRunner()
@@ -28,17 +29,6 @@ GGUF = DATA / "convert" / "deepseek-v4-flash" / "ref-f32.gguf"
 HF = DATA / "convert" / "deepseek-v4-flash" / "hf"
 LOGITS = DATA / "logits" / "deepseek-v4-flash"
 HF_LOGITS = DATA / "hf-logits" / "deepseek-v4-flash"
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
-def _kl(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
-    lr, lg = _log_softmax(ref), _log_softmax(got)
-    return (np.exp(lr) * (lr - lg)).sum(-1)
 
 
 def _kld(base: str, *extra: str) -> dict[str, Any]:

@@ -171,31 +171,20 @@ def _bf16(x: np.float32) -> np.float32:
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _q8_2_row(x: np.ndarray, out: np.ndarray) -> None:
-    for b0 in range(0, x.shape[0], BLOCK):
+def _q8_row(x: np.ndarray, block: int, bf16_scale: bool, out: np.ndarray) -> None:
+    """Blocks of `block` values to int8 and back: Q8_2_X4 (32, the scale rounded to bf16, q = x * (1/d)) or Q8_K
+    (256, the float32 scale, q = x * (127 / max))."""
+    for b0 in range(0, x.shape[0], block):
         amax = np.float32(0.0)
-        for j in range(b0, b0 + BLOCK):
+        for j in range(b0, b0 + block):
             amax = max(amax, abs(x[j]))
-        d = _bf16(amax / np.float32(127.0))
-        inv = np.float32(1.0) / d if d > np.float32(0.0) else np.float32(0.0)
-        for j in range(b0, b0 + BLOCK):
-            q = min(np.float32(127.0), max(np.float32(-128.0), np.float32(np.rint(x[j] * inv))))
-            out[j] = q * d
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _q8_k_row(x: np.ndarray, out: np.ndarray) -> None:
-    for b0 in range(0, x.shape[0], SUPER):
-        amax = np.float32(0.0)
-        for j in range(b0, b0 + SUPER):
-            amax = max(amax, abs(x[j]))
-        if amax == np.float32(0.0):
-            for j in range(b0, b0 + SUPER):
-                out[j] = np.float32(0.0)
-            continue
-        d = amax / np.float32(127.0)
-        inv = np.float32(127.0) / amax
-        for j in range(b0, b0 + SUPER):
+        if bf16_scale:
+            d = _bf16(amax / np.float32(127.0))
+            inv = np.float32(1.0) / d if d > np.float32(0.0) else np.float32(0.0)
+        else:
+            d = amax / np.float32(127.0)
+            inv = np.float32(127.0) / amax if amax > np.float32(0.0) else np.float32(0.0)
+        for j in range(b0, b0 + block):
             q = min(np.float32(127.0), max(np.float32(-128.0), np.float32(np.rint(x[j] * inv))))
             out[j] = q * d
 
@@ -205,9 +194,9 @@ def round_row(x: np.ndarray, fmt: int, out: np.ndarray) -> None:
     """One row rounded to format code `fmt` (FMT_Q8_2_X4, FMT_Q8_K or FMT_BF16) into out, for kernels that round
     as they go."""
     if fmt == FMT_Q8_2_X4:
-        _q8_2_row(x, out)
+        _q8_row(x, BLOCK, True, out)
     elif fmt == FMT_Q8_K:
-        _q8_k_row(x, out)
+        _q8_row(x, SUPER, False, out)
     else:
         for j in range(x.shape[0]):
             out[j] = _bf16(x[j])
