@@ -20,7 +20,8 @@ DATA = Path(__file__).parent / "data" / "plans"
 VARIANTS = ["qwen3-plan", "deepseek-v3-plan", "openpangu-v2-plan"]
 FTYPES = ["IQ4_KS", "IQ2_KS", "IQ2_K", "IQ3_KS", "IQ3_K", "IQ4_KSS", "IQ4_K", "IQ5_KS", "IQ5_K", "IQ6_K", "IQ1_KT",
           "IQ2_KT", "IQ3_KT", "IQ4_KT", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q8_0", "IQ4_XS",
-          "IQ4_NL", "MXFP4", "Q2_K_S", "IQ3_KL", "Q8_KV", "Q8_0_R8", "Q4_0_R8", "IQ4_NL_R4"]
+          "IQ4_NL", "MXFP4", "Q2_K_S", "IQ3_KL", "Q8_KV", "Q8_0_R8", "Q4_0_R8", "IQ4_NL_R4", "IQ3_S", "IQ3_M",
+          "IQ3_XS", "IQ3_XXS"]
 runner = CliRunner()
 
 

@@ -6,6 +6,7 @@ from ikquant.formats import (  # noqa: F401
     iq4,
     iqk,
     iqk_ks,
+    iquants,
     kquants,
     legacy,
     mxfp4,
