@@ -102,14 +102,16 @@ def _build_grid(kgrid: np.ndarray, nearest_levels: int) -> tuple[np.ndarray, np.
     grid = (2 * levels + 1).astype(np.int8)
     kmap = np.full(4096, -1, dtype=np.int64)
     kmap[(levels << (3 * np.arange(4))[None, :]).sum(axis=1)] = np.arange(len(grid))
-    points = (2 * ((np.arange(4096)[:, None] >> (3 * np.arange(4))[None, :]) & 7) + 1)
+    off = np.flatnonzero(kmap < 0)
+    points = 2 * ((off[:, None] >> (3 * np.arange(4))[None, :]) & 7) + 1
+    dist = ((grid.astype(np.int64)[None, :, :] - points[:, None, :]) ** 2).sum(axis=2)  # [off-grid, grid]
+    order = np.argsort(dist, axis=1, kind="stable")  # by distance, then index
     neighbours: list[int] = []
-    for i in np.flatnonzero(kmap < 0):
-        d2 = ((grid.astype(np.int64) - points[i][None, :]) ** 2).sum(axis=1)
-        order = np.lexsort((np.arange(len(grid)), d2))
-        kept = [j for j in order if d2[j] <= np.unique(d2)[nearest_levels - 1]]
+    for row, i in enumerate(off):
+        limit = np.unique(dist[row])[nearest_levels - 1]
+        kept = order[row][dist[row][order[row]] <= limit]
         kmap[i] = -(len(neighbours) + 1)
-        neighbours += [len(kept), *kept]
+        neighbours += [len(kept), *kept.tolist()]
     return grid, kmap, np.array(neighbours, dtype=np.int64)
 
 
