@@ -232,17 +232,32 @@ def _fit(weight: np.ndarray, xval: np.ndarray, levels: np.ndarray) -> tuple[np.f
     return sumqx, sumq2
 
 
+@njit(**NJIT)
+def _buffers() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A sub-block's work arrays: weights, their roots, |x|, levels (chosen, candidate), groups on the grid (chosen,
+    candidate)."""
+    return (np.empty(BLOCK, dtype=np.float32), np.empty(BLOCK, dtype=np.float32), np.empty(BLOCK, dtype=np.float32),
+            np.zeros(BLOCK, dtype=np.int64), np.zeros(BLOCK, dtype=np.int64), np.zeros(BLOCK // 4, dtype=np.bool_),
+            np.zeros(BLOCK // 4, dtype=np.bool_))
+
+
+@njit(**NJIT)
+def _fit_grid(grid: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray, n_steps: int, off_grid_only: bool,
+              weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, mx: np.float32, L: np.ndarray,
+              Laux: np.ndarray, on_grid: np.ndarray, on_grid_aux: np.ndarray) -> np.float32:
+    """A sub-block's levels (into L) and scale: the best fit over the inverse scales, then, when a group was off
+    the grid, the re-rounded refit."""
+    scale = _search(grid, kmap, neighbours, n_steps, weight, waux, xval, mx, L, Laux, on_grid, on_grid_aux)
+    if not on_grid.all() and scale > 0:
+        scale = _refit(grid, kmap, neighbours, scale, off_grid_only, weight, waux, xval, L, Laux, on_grid)
+    return scale
+
+
 @njit(**KERNEL)
 def _quantize_iq3_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
     n_rows, n = x.shape
     for r in prange(n_rows):
-        weight = np.empty(BLOCK, dtype=np.float32)
-        waux = np.empty(BLOCK, dtype=np.float32)
-        xval = np.empty(BLOCK, dtype=np.float32)
-        L = np.zeros(BLOCK, dtype=np.int64)
-        Laux = np.zeros(BLOCK, dtype=np.int64)
-        on_grid = np.zeros(BLOCK // 4, dtype=np.bool_)
-        on_grid_aux = np.zeros(BLOCK // 4, dtype=np.bool_)
+        weight, waux, xval, L, Laux, on_grid, on_grid_aux = _buffers()
         signs = np.zeros(BLOCK // 8, dtype=np.uint8)
         scales = np.zeros(QK_K // BLOCK, dtype=np.float32)
         for ibl in range(n // QK_K):
@@ -267,11 +282,8 @@ def _quantize_iq3_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                 if mx == 0:
                     scales[ib] = 0  # ik's `continue`: qs and signs positions are not advanced
                     continue
-                scale = _search(GRID_512, KMAP_512, NEIGHBOURS_512, 9, weight, waux, xval, mx, L, Laux, on_grid,
-                                on_grid_aux)
-                if not on_grid.all() and scale > 0:
-                    scale = _refit(GRID_512, KMAP_512, NEIGHBOURS_512, scale, False, weight, waux, xval, L, Laux,
-                                   on_grid)
+                scale = _fit_grid(GRID_512, KMAP_512, NEIGHBOURS_512, 9, False, weight, waux, xval, mx, L, Laux,
+                                  on_grid, on_grid_aux)
                 if scale < 0:
                     scale = -scale
                     for k in range(BLOCK // 8):
@@ -319,13 +331,7 @@ def _scale_code(id_: np.float32, scale: np.float32) -> int:
 def _quantize_iq3_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
     n_rows, n = x.shape
     for r in prange(n_rows):
-        weight = np.empty(BLOCK, dtype=np.float32)
-        waux = np.empty(BLOCK, dtype=np.float32)
-        xval = np.empty(BLOCK, dtype=np.float32)
-        L = np.zeros(BLOCK, dtype=np.int64)
-        Laux = np.zeros(BLOCK, dtype=np.int64)
-        on_grid = np.zeros(BLOCK // 4, dtype=np.bool_)
-        on_grid_aux = np.zeros(BLOCK // 4, dtype=np.bool_)
+        weight, waux, xval, L, Laux, on_grid, on_grid_aux = _buffers()
         signs = np.zeros(BLOCK // 8, dtype=np.int64)
         scales = np.zeros(QK_K // BLOCK, dtype=np.float32)
         packed = np.zeros(QK_K // BLOCK, dtype=np.uint32)
@@ -364,11 +370,8 @@ def _quantize_iq3_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                 if mx < GROUP_MAX_EPS:
                     scales[ib] = 0
                     continue
-                scale = _search(GRID_256, KMAP_256, NEIGHBOURS_256, 15, weight, waux, xval, mx, L, Laux, on_grid,
-                                on_grid_aux)
-                if not on_grid.all() and scale > 0:
-                    scale = _refit(GRID_256, KMAP_256, NEIGHBOURS_256, scale, True, weight, waux, xval, L, Laux,
-                                   on_grid)
+                scale = _fit_grid(GRID_256, KMAP_256, NEIGHBOURS_256, 15, True, weight, waux, xval, mx, L, Laux,
+                                  on_grid, on_grid_aux)
                 if scale < 0:
                     scale = -scale
                     for k in range(BLOCK // 8):
