@@ -232,31 +232,31 @@ class Model:
             raise ModelError(f"--numerics ik does not reproduce ik's arithmetic for {gtype.name} weights; reproduced: "
                              + ", ".join(sorted(IK_KERNELS)))
 
-    def activations(self, x: np.ndarray, weight_name: str) -> np.ndarray:
-        """x as the matmul with `weight_name` consumes it: unchanged, or with --numerics ik rounded as ik does."""
-        if not self.ik_numerics:
-            return x
-        return round_activations(x, activation_format(self.weights.encoding(weight_name).type.name))
-
     def activation_format(self, weight_name: str) -> str:
         """The activation format of `weight_name` under the run's numerics (UNROUNDED for exact runs)."""
         return activation_format(self.weights.encoding(weight_name).type.name) if self.ik_numerics else UNROUNDED
 
+    def activations(self, x: np.ndarray, weight_name: str) -> np.ndarray:
+        """x as the matmul with `weight_name` consumes it: unchanged, or with --numerics ik rounded as ik does."""
+        return round_activations(x, self.activation_format(weight_name))
+
+    def _ik_converted(self, name: str, n_act_rows: int, weight_rows: int) -> np.ndarray | None:
+        """Under --numerics ik, the weights ik's kernel converts `name` to for a matmul with `n_act_rows`
+        activation rows (ikrun/ops/numerics.py); None where it multiplies the stored weights."""
+        if not self.ik_numerics:
+            return None
+        kernel = ik_kernel(self.weights.encoding(name).type.name)
+        if kernel.convert is None or not kernel.converts(n_act_rows, weight_rows):
+            return None
+        return self.weights.derived(name, kernel.convert)
+
     def matmul_weight(self, name: str, n_act_rows: int, weight_rows: int | None = None) -> np.ndarray:
         """Weight `name` (float32, numpy order) as a matmul with `n_act_rows` activation rows multiplies it: its exact
-        decoding, or under --numerics ik the weights ik's kernel converts it to (ikrun/ops/numerics.py) when it
-        does; `weight_rows` is the row count of each matrix ik multiplies (a per-head slice), default all rows."""
-        if not self.ik_numerics:
-            return self.weight(name)
-        kernel = ik_kernel(self.weights.encoding(name).type.name)
+        decoding, or under --numerics ik the weights ik's kernel converts it to when it does; `weight_rows` is the
+        row count of each matrix ik multiplies (a per-head slice), default all rows."""
         rows = self.weights.info(name).n_rows if weight_rows is None else weight_rows
-        if not kernel.converts(n_act_rows, rows):
-            return self.weight(name)
-        convert = kernel.convert
-        assert convert is not None
-        shape = self.shape(name)
-        return self.weights.derived(name, lambda enc: convert(enc.raw, self.weight(name).reshape(
-            enc.raw.shape[0], -1)).reshape(shape))
+        converted = self._ik_converted(name, n_act_rows, rows)
+        return self.weight(name) if converted is None else converted
 
     def ik_convert_experts(self, name: str, ids: np.ndarray, counts: np.ndarray, mats: np.ndarray) -> None:
         """In place: the decoded matrices `mats` of experts `ids` of a 3-D expert tensor, each as ik multiplies it
@@ -275,8 +275,9 @@ class Model:
         time (the output head of a large vocabulary under a small budget)."""
         if self.ik_numerics:
             x = self.activations(x, weight_name)
-            if ik_kernel(self.weights.encoding(weight_name).type.name).converts(len(x), self.shape(weight_name)[0]):
-                return x @ self.matmul_weight(weight_name, len(x)).T
+            converted = self._ik_converted(weight_name, len(x), self.shape(weight_name)[0])
+            if converted is not None:
+                return x @ converted.T
         w = self.weights
         hit = w.cached_array(weight_name)
         if hit is not None:

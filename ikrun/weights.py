@@ -187,15 +187,17 @@ class WeightStore:
         self._keep(name, w, fingerprint)
         return w
 
-    def derived(self, name: str, make: Callable[[Encoding], np.ndarray]) -> np.ndarray:
-        """A float32 array made from tensor `name`'s current encoding (ik's converted weights), cached beside its
-        decoding while the capacity allows and forgotten with it (swaps, restores, evictions)."""
+    def derived(self, name: str, make: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+        """make(raw rows, their float32 decoding [rows, n_per_row]) for tensor `name`'s current encoding (ik's
+        converted weights), in numpy shape; cached while the capacity allows and forgotten with the tensor (swaps,
+        restores, evictions). The decoding itself is not cached: only what is made from it is used."""
         key = (name, DERIVED)
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
             return hit[0]
-        value = make(self.encoding(name))
+        info, enc = self.info(name), self.encoding(name)
+        value = make(enc.raw, self._decode_rows(name, enc, enc.raw, info.n_per_row)).reshape(info.shape)
         self._release(name)
         self._keep(key, value, b"")
         return value

@@ -111,7 +111,6 @@ def _fetcher(m: Model, names: list[str], counts: np.ndarray) -> ExpertFetch:
     """The routed experts' matrices, decoded (and cached) one expert at a time: a whole expert tensor is never
     decoded for a batch, only the experts that receive tokens. Under --numerics ik an expert whose kernel ik
     converts at its token count (`counts`, per expert) is multiplied as converted."""
-    up, gate, down = names
 
     def fetch(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         w, keep = m.weights, not m.streaming

@@ -87,10 +87,15 @@ def _f16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16).astype(np.float32)
 
 
+def _block_f16(raw: np.ndarray, block_bytes: int, offset: int = 0) -> np.ndarray:
+    """The f16 field at `offset` of every block of rows `raw`, as float32 [rows, blocks]."""
+    blocks = raw.reshape(raw.shape[0], -1, block_bytes)
+    return blocks[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
 def _q4_k_to_q8_1(raw: np.ndarray, decoded: np.ndarray) -> np.ndarray:
     blocks = raw.reshape(raw.shape[0], -1, 144)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    d, dmin = _block_f16(raw, 144), _block_f16(raw, 144, 2)
     s = blocks[..., 4:16].astype(np.int32)
     sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
     mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
@@ -102,8 +107,7 @@ def _q4_k_to_q8_1(raw: np.ndarray, decoded: np.ndarray) -> np.ndarray:
 
 
 def _q6_k_to_q8_0(raw: np.ndarray, decoded: np.ndarray) -> np.ndarray:
-    blocks = raw.reshape(raw.shape[0], -1, 210)
-    d = blocks[..., 208:210].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, nb]
+    d = _block_f16(raw, 210, 208)  # [rows, nb]
     p = np.rint(np.divide(decoded.reshape(*d.shape, 8, 32), d[..., None, None],
                           out=np.zeros(d.shape + (8, 32), np.float32), where=d[..., None, None] != 0))
     mx = np.abs(p).max(axis=-1) / np.float32(127)
@@ -112,7 +116,7 @@ def _q6_k_to_q8_0(raw: np.ndarray, decoded: np.ndarray) -> np.ndarray:
     return (_f16(d[..., None] * mx)[..., None] * q8).reshape(decoded.shape).astype(np.float32)
 
 
-def _to_q8_k(raw: np.ndarray, decoded: np.ndarray, dsup: np.ndarray, c: float) -> np.ndarray:
+def _to_q8_k(decoded: np.ndarray, dsup: np.ndarray, c: float) -> np.ndarray:
     """ik's convert_to_q8_k_r8 on the integers p = decoded / dsup of each 256-value block (dsup [rows, nb])."""
     shape = dsup.shape + (SUPER,)
     p = np.rint(np.divide(decoded.reshape(shape), dsup[..., None], out=np.zeros(shape, np.float32),
@@ -125,14 +129,9 @@ def _to_q8_k(raw: np.ndarray, decoded: np.ndarray, dsup: np.ndarray, c: float) -
     return (_f16(dsup * dnew)[..., None] * q).reshape(decoded.shape).astype(np.float32)
 
 
-def _block_f16(raw: np.ndarray, block_bytes: int, offset: int = 0) -> np.ndarray:
-    blocks = raw.reshape(raw.shape[0], -1, block_bytes)
-    return blocks[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
-
-
 def _iq4_ks_to_q8_k(raw: np.ndarray, decoded: np.ndarray) -> np.ndarray:
     d = raw[:, 0:4].copy().view(np.float32)[:, 0]
-    return _to_q8_k(raw, decoded, np.repeat(d[:, None], decoded.shape[1] // SUPER, axis=1), 127)
+    return _to_q8_k(decoded, np.repeat(d[:, None], decoded.shape[1] // SUPER, axis=1), 127)
 
 
 #: weight type -> how ik multiplies it (types not listed are not emulated)
@@ -143,9 +142,9 @@ IK_KERNELS: dict[str, IkKernel] = {
     "Q4_K": IkKernel(Q8_2_X4, 32, _q4_k_to_q8_1),
     "Q6_K": IkKernel(Q8_2_X4, 64, _q6_k_to_q8_0),
     "IQ4_KS": IkKernel(Q8_K, 32, _iq4_ks_to_q8_k),
-    "IQ3_K": IkKernel(Q8_K, 32, lambda raw, w: _to_q8_k(raw, w, _block_f16(raw, 110), 127)),
-    "IQ2_K": IkKernel(Q8_K, 32, lambda raw, w: _to_q8_k(raw, w, _block_f16(raw, 76), 120)),
-    "IQ4_XS": IkKernel(Q8_K, 32, lambda raw, w: _to_q8_k(raw, w, _block_f16(raw, 136), 127)),
+    "IQ3_K": IkKernel(Q8_K, 32, lambda raw, w: _to_q8_k(w, _block_f16(raw, 110), 127)),
+    "IQ2_K": IkKernel(Q8_K, 32, lambda raw, w: _to_q8_k(w, _block_f16(raw, 76), 120)),
+    "IQ4_XS": IkKernel(Q8_K, 32, lambda raw, w: _to_q8_k(w, _block_f16(raw, 136), 127)),
 }
 
 
