@@ -22,6 +22,7 @@ from ikquant.errors import IkError
 from ikrun.cli_options import Evaluation, evaluation_options
 
 if TYPE_CHECKING:
+    from ikquant.types import GGMLType
     from ikrun.model import Model
     from ikrun.stream import StreamPlan
 
@@ -399,7 +400,6 @@ def sweep(
     --imatrix imatrix.dat -o sweep.json --plot sweep.png
     """
     from ikquant.imatrix import read_imatrix
-    from ikquant.types import type_by_name
     from ikrun.evaluate import tokenize_chunks
     from ikrun.sweep import auto_rounds, load_rows, sweep_groups, sweep_header
 
@@ -430,10 +430,7 @@ def sweep(
         fail(f"--chunks must be a number of chunks or auto, not {chunks!r}")
     m = _load(model, ev)
     try:
-        type_list = [type_by_name(t) for t in types.split(",") if t.strip()]
-        for t in type_list:
-            t.require_codec()
-            m.check_numerics_type(t)
+        type_list = _candidate_types(m, types)
         imat = read_imatrix(imatrix) if imatrix else None
         groups = sweep_groups(m, group, tensors)
         all_tokens = tokenize_chunks(m, _read_text(text), ctx, None if auto or chunks is None else int(chunks))
@@ -472,6 +469,17 @@ def sweep(
         err.print(f"wrote {plot}")
 
 
+def _candidate_types(m: Model, types: str) -> list[GGMLType]:
+    """A sweep's --types: each one iktools can write and the run's numerics can evaluate."""
+    from ikquant.types import type_by_name
+
+    out = [type_by_name(t) for t in types.split(",") if t.strip()]
+    for t in out:
+        t.require_codec()
+        m.check_numerics_type(t)
+    return out
+
+
 def _draft_pair(target: Path, draft: Path, ev: Evaluation, text: Path, prompts: int, prompt_len: int, max_new: int,
                 block: Optional[int]) -> tuple[Model, Model, int, list[np.ndarray]]:
     """Target and DFlash draft loaded and checked against each other, the block size, and the prompts cut from
@@ -499,16 +507,12 @@ def _acceptance_sweep(model: Path, target: Path, text: Path, types: str, output:
                       block: Optional[int], plot: Optional[Path], ev: Evaluation) -> None:
     """`ikrun sweep DRAFT --target T --metric acceptance`: the acceptance length each draft tensor costs."""
     from ikquant.imatrix import read_imatrix
-    from ikquant.types import type_by_name
     from ikrun.sweep import load_rows, save_rows, sweep_groups, sweep_header
     from ikrun.sweep_acceptance import AcceptanceRow, decoding_identity, run_acceptance_sweep
 
     t, d, bs, chunks = _draft_pair(target, model, ev, text, prompts, prompt_len, max_new, block)
     try:
-        type_list = [type_by_name(x) for x in types.split(",") if x.strip()]
-        for qt in type_list:
-            qt.require_codec()
-            d.check_numerics_type(qt)
+        type_list = _candidate_types(d, types)
         imat = read_imatrix(imatrix) if imatrix else None
         groups = sweep_groups(d, group, tensors)
         header = {**sweep_header(d, text, 0, 0, group, imatrix), "metric": "acceptance", "ctx": None,

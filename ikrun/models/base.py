@@ -22,7 +22,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import numpy as np
 
@@ -121,6 +121,10 @@ class ArchModel(ABC):
     def fail(self, message: str) -> ModelError:
         """A ModelError about this file (raise it)."""
         return ModelError(f"{self.m.path}: {message}")
+
+    def fail_hparam(self, key: str, why: str) -> NoReturn:
+        """Raise a ModelError about the file's hyperparameter `{arch}.{key}`."""
+        raise self.fail(f"{self.m.arch}.{key} {why}")
 
     def check_tensors(self, want: dict[str, tuple[int, ...]], optional: dict[str, tuple[int, ...]] | None = None,
                       hint: str = "") -> None:

@@ -36,7 +36,7 @@ compressed rows through f16 as ik stores them) and its indexer top-k's tie order
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -91,8 +91,8 @@ class Deepseek4(ArchModel):
         self.ratios = self._read_ratios()
         moe = MoeConfig.read(hp, GATING_SQRT_SOFTPLUS, lambda why: self.fail(f"{model.arch}.{why}"))
         if moe.gating != GATING_SQRT_SOFTPLUS:
-            self._fail("expert_gating_func", f"is {moe.gating}; DeepSeek-V4 scores experts by sqrt(softplus) "
-                       f"({GATING_SQRT_SOFTPLUS})")
+            self.fail_hparam("expert_gating_func", f"is {moe.gating}; DeepSeek-V4 scores experts by sqrt(softplus) "
+                             f"({GATING_SQRT_SOFTPLUS})")
         # transformers renormalises the chosen weights whatever norm_topk_prob says (ik follows expert_weights_norm)
         self.moe = replace(moe, w_norm=True)
         self.clamp_exp = self._per_layer("swiglu_clamp_exp", None)
@@ -110,27 +110,24 @@ class Deepseek4(ArchModel):
         self._ones: dict[int, np.ndarray] = {}
 
     # ---- hyperparameters ------------------------------------------------------------------------------------
-    def _fail(self, key: str, why: str) -> NoReturn:
-        raise self.fail(f"{self.m.arch}.{key} {why}")
-
     def hidden_width(self) -> int:
         return self.n_stream * self.n_embd
 
     def _check_sizes(self) -> None:
         if not 0 < self.n_rot < self.head_dim or self.n_rot % 2:
-            self._fail("rope.dimension_count", f"{self.n_rot} must be even, positive and below the key length "
-                       f"{self.head_dim}")
+            self.fail_hparam("rope.dimension_count", f"{self.n_rot} must be even, positive and below the key length "
+                             f"{self.head_dim}")
         if not 1 <= self.n_stream <= 8:
-            self._fail("hyper_connection.count", f"{self.n_stream} must be 1..8 (ggml's hyper-connection ops)")
+            self.fail_hparam("hyper_connection.count", f"{self.n_stream} must be 1..8 (ggml's hyper-connection ops)")
         if self.sinkhorn_iters < 1:
-            self._fail("hyper_connection.sinkhorn_iterations", f"{self.sinkhorn_iters}: Sinkhorn needs at least "
-                       "one iteration")
+            self.fail_hparam("hyper_connection.sinkhorn_iterations", f"{self.sinkhorn_iters}: Sinkhorn needs at least "
+                             "one iteration")
         if not 0 <= self.n_hash <= self.n_active:
-            self._fail("hash_layer_count", f"{self.n_hash} must be within the {self.n_active} main layers")
+            self.fail_hparam("hash_layer_count", f"{self.n_hash} must be within the {self.n_active} main layers")
         if int(self.m.hparam("leading_dense_block_count", 0)):
-            self._fail("leading_dense_block_count", "is not 0: DeepSeek-V4 has no dense FFN layers")
+            self.fail_hparam("leading_dense_block_count", "is not 0: DeepSeek-V4 has no dense FFN layers")
         if self.window < 0:
-            self._fail("attention.sliding_window", f"{self.window} is negative")
+            self.fail_hparam("attention.sliding_window", f"{self.window} is negative")
 
     def _read_ratios(self) -> list[int]:
         """One compress ratio per main layer: the file's list (the main layers', optionally then the MTP
@@ -142,12 +139,12 @@ class Deepseek4(ArchModel):
                     128 if m.has(f"blk.{i}.attn_compressor_kv.weight") else 0 for i in range(n)]
         ratios = [int(r) for r in ratios]
         if not n <= len(ratios) <= self.n_layer + 1:
-            self._fail("attention.compress_ratios", f"has {len(ratios)} entries; it needs one per main layer "
-                       f"({n}), optionally followed by the MTP predictor's")
+            self.fail_hparam("attention.compress_ratios", f"has {len(ratios)} entries; it needs one per main layer "
+                             f"({n}), optionally followed by the MTP predictor's")
         for i, r in enumerate(ratios[:n]):
             if r not in RATIOS:
-                self._fail("attention.compress_ratios", f"gives layer {i} ratio {r}; DeepSeek-V4 defines "
-                           f"{', '.join(f'{k} ({v})' for k, v in RATIOS.items())}")
+                self.fail_hparam("attention.compress_ratios", f"gives layer {i} ratio {r}; DeepSeek-V4 defines "
+                                 f"{', '.join(f'{k} ({v})' for k, v in RATIOS.items())}")
         return ratios[:n]
 
     def _per_layer(self, key: str, default: list[float] | None) -> list[float]:
@@ -155,20 +152,20 @@ class Deepseek4(ArchModel):
         value = self.m.hparam(key, None)
         if value is None:
             if default is None:
-                self._fail(key, "is missing (DeepSeek-V4's SwiGLU clamp, transformers' swiglu_limit)")
+                self.fail_hparam(key, "is missing (DeepSeek-V4's SwiGLU clamp, transformers' swiglu_limit)")
             return default
         values = [float(v) for v in value] if isinstance(value, (list, tuple, np.ndarray)) \
             else [float(value)] * self.n_layer
         if len(values) < self.n_active:
-            self._fail(key, f"has {len(values)} entries; it needs one per layer ({self.n_layer})")
+            self.fail_hparam(key, f"has {len(values)} entries; it needs one per layer ({self.n_layer})")
         return values
 
     def _infer_groups(self) -> int:
         """output_group_count from attn_output_a's shape, as ik infers it."""
         cols = self.m.shape("blk.0.attn_output_a.weight")[1]
         if (self.n_head * self.head_dim) % cols:
-            self._fail("attention.output_group_count", f"is missing and attn_output_a's {cols} columns do not divide "
-                       f"head_count x key_length ({self.n_head * self.head_dim})")
+            self.fail_hparam("attention.output_group_count", f"is missing and attn_output_a's {cols} columns do not "
+                             f"divide head_count x key_length ({self.n_head * self.head_dim})")
         return self.n_head * self.head_dim // cols
 
     def _read_rope(self) -> None:
@@ -187,7 +184,7 @@ class Deepseek4(ArchModel):
         elif scaling in ("none", "linear"):
             self.inv_freq["compress"] = inv_freq_default(base, self.n_rot)
         else:
-            self._fail("rope.scaling.type", f"{scaling!r} is not one DeepSeek-V4 uses (yarn, none)")
+            self.fail_hparam("rope.scaling.type", f"{scaling!r} is not one DeepSeek-V4 uses (yarn, none)")
 
     # ---- tensors --------------------------------------------------------------------------------------------
     def _expected(self, i: int, main: bool = True) -> dict[str, tuple[int, ...]]:
@@ -247,11 +244,12 @@ class Deepseek4(ArchModel):
             csa = self.ratios.index(CSA)
             longest = int(m.hparam("context_length", 1 << 62)) // CSA
             if not 1 <= self.top_k <= longest:
-                self._fail("attention.indexer.top_k", f"{self.top_k} (layer {csa}, the first CSA layer) must be in "
-                           f"1..{longest}, the compressed entries of context_length {m.hparam('context_length')}")
+                self.fail_hparam("attention.indexer.top_k", f"{self.top_k} (layer {csa}, the first CSA layer) must be "
+                                 f"in 1..{longest}, the compressed entries of context_length "
+                                 f"{m.hparam('context_length')}")
             if self.n_ihead <= 0 or self.i_dim < self.n_rot:
-                self._fail("attention.indexer.key_length", f"{self.i_dim} must be at least rope.dimension_count "
-                           f"{self.n_rot} and head_count {self.n_ihead} must be positive (layer {csa})")
+                self.fail_hparam("attention.indexer.key_length", f"{self.i_dim} must be at least rope.dimension_count "
+                                 f"{self.n_rot} and head_count {self.n_ihead} must be positive (layer {csa})")
         want = {"token_embd.weight": (self.n_vocab, e), "output_norm.weight": (e,), "output.weight": (self.n_vocab, e),
                 "output_hc_fn.weight": (c, c * e), "output_hc_base.weight": (c,), "output_hc_scale.weight": (1,)}
         for i in range(self.n_active):

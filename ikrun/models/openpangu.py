@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -106,33 +106,30 @@ class OpenPangu(ArchModel):
         self._check_tensors()
 
     # ---- hyperparameters ------------------------------------------------------------------------------------
-    def _fail(self, key: str, why: str) -> NoReturn:
-        raise self.fail(f"{self.m.arch}.{key} {why}")
-
     def hidden_width(self) -> int:
         return self.n_stream * self.n_embd
 
     def _check_sizes(self) -> None:
         if self.n_rot <= 0 or self.n_rot % 2 or self.n_nope <= 0:
-            self._fail("rope.dimension_count", f"{self.n_rot} must be even, positive and below the key length "
-                       f"{self.head_k}")
+            self.fail_hparam("rope.dimension_count", f"{self.n_rot} must be even, positive and below the key length "
+                             f"{self.head_k}")
         if not 0 <= self.n_mtp < self.n_layer:
-            self._fail("nextn_predict_layers", f"{self.n_mtp} leaves no main layers of {self.n_layer}")
+            self.fail_hparam("nextn_predict_layers", f"{self.n_mtp} leaves no main layers of {self.n_layer}")
         if not 1 <= self.n_stream <= 8:
-            self._fail("mhc_num_stream", f"{self.n_stream} must be 1..8 (ggml's hyper-connection ops)")
+            self.fail_hparam("mhc_num_stream", f"{self.n_stream} must be 1..8 (ggml's hyper-connection ops)")
         if self.sinkhorn_iters < 1:
-            self._fail("mhc_recur_norm", f"{self.sinkhorn_iters}: Sinkhorn needs at least one iteration")
+            self.fail_hparam("mhc_recur_norm", f"{self.sinkhorn_iters}: Sinkhorn needs at least one iteration")
         if self.n_sink < 1:
-            self._fail("param_sink_number", f"{self.n_sink}: the attention needs at least one param sink")
+            self.fail_hparam("param_sink_number", f"{self.n_sink}: the attention needs at least one param sink")
         for key, value in (("attention.q_lora_rank", self.q_lora), ("attention.kv_lora_rank", self.kv_lora),
                            ("attention.value_length", self.head_v)):
             if value <= 0:
-                self._fail(key, f"{value} must be positive")
+                self.fail_hparam(key, f"{value} must be positive")
 
     def _read_rope(self, hp: Hparam) -> float:
         scaling = str(hp("rope.scaling.type", "none"))
         if scaling not in ("none", "linear"):
-            self._fail("rope.scaling.type", f"{scaling!r} is not supported for openpangu (none, linear)")
+            self.fail_hparam("rope.scaling.type", f"{scaling!r} is not supported for openpangu (none, linear)")
         factor = float(hp("rope.scaling.factor", 0.0) or 0.0)
         return 1.0 / factor if scaling == "linear" and factor else 1.0
 
@@ -143,13 +140,13 @@ class OpenPangu(ArchModel):
             return [LayerKind() for _ in range(self.n_active)]  # ik: no schedule (or half of one) runs dense
         ids, windows = [int(v) for v in ids], [int(v) for v in windows]
         if len(ids) != len(windows):
-            self._fail("sliding_window_list", f"has {len(windows)} entries, swa_layers has {len(ids)}")
+            self.fail_hparam("sliding_window_list", f"has {len(windows)} entries, swa_layers has {len(ids)}")
         window = [0] * self.n_layer
         for il, w in zip(ids, windows):
             if not 0 <= il < self.n_layer:
-                self._fail("swa_layers", f"names layer {il}, outside 0..{self.n_layer - 1}")
+                self.fail_hparam("swa_layers", f"names layer {il}, outside 0..{self.n_layer - 1}")
             if w < 0:
-                self._fail("sliding_window_list", f"has a negative window {w} (layer {il})")
+                self.fail_hparam("sliding_window_list", f"has a negative window {w} (layer {il})")
             window[il] = w
         if not any(window[: self.n_active]):
             return [LayerKind() for _ in range(self.n_active)]  # ik runs dense without a base window
@@ -160,11 +157,11 @@ class OpenPangu(ArchModel):
             self.idx_dim = int(hp("attention.indexer.key_length"))
             self.top_k = int(hp("attention.indexer.top_k"))
             if self.n_idx_head <= 0 or self.top_k <= 0:
-                self._fail("attention.indexer.top_k", f"{self.top_k} and head_count {self.n_idx_head} must be "
-                           "positive on layers that run the indexer")
+                self.fail_hparam("attention.indexer.top_k", f"{self.top_k} and head_count {self.n_idx_head} must be "
+                                 "positive on layers that run the indexer")
             if self.idx_dim < self.n_rot:
-                self._fail("attention.indexer.key_length", f"{self.idx_dim} is below rope.dimension_count "
-                           f"{self.n_rot} (the indexer ropes its first {self.n_rot} dims)")
+                self.fail_hparam("attention.indexer.key_length", f"{self.idx_dim} is below rope.dimension_count "
+                                 f"{self.n_rot} (the indexer ropes its first {self.n_rot} dims)")
         return kinds
 
     # ---- tensors --------------------------------------------------------------------------------------------
