@@ -39,6 +39,14 @@ def run_child(cmd: list[str]) -> tuple[float, float]:
     return float(dt), float(rss)
 
 
+def _finish_checkpoint(folder: Path, config: dict, weight_map: dict[str, str], tokenizer: Path) -> None:
+    """config.json, the shard index and the tokenizer files beside the shards already written."""
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tokenizer / name, folder / name)
+
+
 def make_deepseek_fp8_checkpoint(folder: Path, layers: int) -> None:
     """DeepSeek-V3's layout at 2048 wide: layer 0 dense, the rest MoE (64 experts of 768 + 1 shared), FP8
     linears with 128x128 scales, one shard per layer so the generator holds one layer at a time."""
@@ -94,10 +102,7 @@ def make_deepseek_fp8_checkpoint(folder: Path, layers: int) -> None:
         "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
                                 "weight_block_size": [128, 128]},
     }
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(DEEPSEEK_TOKENIZER / name, folder / name)
+    _finish_checkpoint(folder, config, weight_map, DEEPSEEK_TOKENIZER)
 
 
 def make_deepseek4_checkpoint(folder: Path, layers: int = 6) -> None:
@@ -181,10 +186,7 @@ def make_deepseek4_checkpoint(folder: Path, layers: int = 6) -> None:
         "quantization_config": {"fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
                                 "weight_block_size": [128, 128]},
     }
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(DEEPSEEK4_TOKENIZER / name, folder / name)
+    _finish_checkpoint(folder, config, weight_map, DEEPSEEK4_TOKENIZER)
 
 
 def main() -> None:
