@@ -17,6 +17,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+# isort: off
+import ikquant  # noqa: F401  (first: its import sets OpenBLAS's thread timeout before numpy loads)
+# isort: on
+
 import numba
 import numpy as np
 

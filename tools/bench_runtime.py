@@ -21,6 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# isort: off
+import ikquant  # noqa: F401  (first: its import sets OpenBLAS's thread timeout before numpy loads)
+# isort: on
+
 import numba
 
 from ikconvert.convert import Converter

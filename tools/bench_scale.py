@@ -26,6 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+# isort: off
+import ikquant  # noqa: F401  (first: its import sets OpenBLAS's thread timeout before numpy loads)
+# isort: on
+
 import numba
 
 from ikconvert.convert import Converter
