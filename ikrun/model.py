@@ -23,8 +23,9 @@ from threadpoolctl import ThreadpoolController
 from ikquant.gguf_io import GGUFFile
 from ikquant.types import GGMLType
 from ikrun.models.base import ArchModel, ModelError
-from ikrun.ops.numerics import IK_KERNELS, UNROUNDED, activation_format, ik_kernel, round_activations
-from ikrun.weights import INTEGER_TYPES, SwapError, WeightStore
+from ikrun.ops.numerics import IK_KERNELS, UNROUNDED, activation_format, ik_kernel, integer_rows, round_activations
+from ikrun.ops.qgemm import PackedInts, pack, qmatmul
+from ikrun.weights import INTEGER_TYPES, PACKED, SwapError, WeightStore
 
 __all__ = ["KV_CACHE_TYPES", "Model", "ModelError", "RuntimeOptions"]
 
@@ -242,13 +243,25 @@ class Model:
 
     def _ik_converted(self, name: str, n_act_rows: int, weight_rows: int) -> np.ndarray | None:
         """Under --numerics ik, the weights ik's kernel converts `name` to for a matmul with `n_act_rows`
-        activation rows (ikrun/ops/numerics.py); None where it multiplies the stored weights."""
+        activation rows (ikrun/ops/numerics.py), in float32; None where it multiplies the stored weights."""
         if not self.ik_numerics:
             return None
         kernel = ik_kernel(self.weights.encoding(name).type.name)
-        if kernel.convert is None or not kernel.converts(n_act_rows, weight_rows):
+        convert = kernel.convert
+        if convert is None or not kernel.converts(n_act_rows, weight_rows):
             return None
-        return self.weights.derived(name, kernel.convert)
+        return self.weights.derived(name, lambda raw, decoded: convert(raw, decoded).to_float().reshape(
+            self.shape(name)))
+
+    def _ik_packed(self, name: str, n_act_rows: int) -> PackedInts | None:
+        """Under --numerics ik, the integers ik's kernel multiplies the 2-D weight `name` as, packed for qmatmul;
+        None where it multiplies floats (F32/F16/BF16 weights, a type not held as integers)."""
+        if not self.ik_numerics:
+            return None
+        ints = ik_kernel(self.weights.encoding(name).type.name).integers(n_act_rows, self.shape(name)[0])
+        if ints is None:
+            return None
+        return self.weights.derived(name, lambda raw, decoded: pack(ints(raw, decoded)), PACKED)
 
     def matmul_weight(self, name: str, n_act_rows: int, weight_rows: int | None = None) -> np.ndarray:
         """Weight `name` (float32, numpy order) as a matmul with `n_act_rows` activation rows multiplies it: its exact
@@ -257,6 +270,19 @@ class Model:
         rows = self.weights.info(name).n_rows if weight_rows is None else weight_rows
         converted = self._ik_converted(name, n_act_rows, rows)
         return self.weight(name) if converted is None else converted
+
+    def ik_expert_ints(self, name: str, expert: int, count: int) -> PackedInts | None:
+        """Under --numerics ik, the packed integers ik's kernel multiplies expert `expert` of the 3-D tensor `name`
+        as when `count` tokens are routed to it; None where it multiplies floats."""
+        ints = ik_kernel(self.weights.encoding(name).type.name).integers(count, self.shape(name)[1])
+        if ints is None:
+            return None
+        return self.weights.derived_expert(name, expert, lambda raw, decoded: pack(ints(raw, decoded)),
+                                           keep=not self.streaming)
+
+    def ik_has_ints(self, name: str, count: int) -> bool:
+        """Whether ik multiplies an expert of `name` with `count` routed tokens in integers held here."""
+        return ik_kernel(self.weights.encoding(name).type.name).integers(count, self.shape(name)[1]) is not None
 
     def ik_convert_experts(self, name: str, ids: np.ndarray, counts: np.ndarray, mats: np.ndarray) -> None:
         """In place: the decoded matrices `mats` of experts `ids` of a 3-D expert tensor, each as ik multiplies it
@@ -268,12 +294,15 @@ class Model:
         raw = self.weights.encoding(name).raw.reshape(n_expert, rows, -1)
         for j, (e, count) in enumerate(zip(ids.tolist(), counts.tolist())):
             if kernel.converts(int(count), rows):
-                mats[j] = kernel.convert(np.ascontiguousarray(raw[e]), mats[j])
+                mats[j] = kernel.convert(np.ascontiguousarray(raw[e]), mats[j]).to_float()
 
     def project(self, x: np.ndarray, weight_name: str) -> np.ndarray:
         """x @ W^T for the 2-D weight `weight_name`; decoded whole when it fits the cache, else a tile of rows at a
         time (the output head of a large vocabulary under a small budget)."""
         if self.ik_numerics:
+            packed = self._ik_packed(weight_name, len(x))
+            if packed is not None:
+                return qmatmul(integer_rows(x, self.activation_format(weight_name)), packed)
             x = self.activations(x, weight_name)
             converted = self._ik_converted(weight_name, len(x), self.shape(weight_name)[0])
             if converted is not None:

@@ -22,6 +22,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 
@@ -33,9 +34,21 @@ from ikrun.ops.parallel import threads_for
 #: integer ggml types -> their little-endian numpy dtype
 INTEGER_TYPES = {"I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
 
-#: a cache key: a whole tensor, (tensor, expert) for one matrix of a 3-D expert tensor, or (tensor, DERIVED)
-CacheKey = str | tuple[str, int]
+#: a cache key: a whole tensor, (tensor, expert) for one matrix of a 3-D expert tensor, (tensor, DERIVED or PACKED)
+#: for what ik's kernels make of a tensor, (tensor, expert, PACKED) for that of one expert
+CacheKey = str | tuple[str, int] | tuple[str, int, int]
 DERIVED = -1
+PACKED = -2
+
+
+class Sized(Protocol):
+    """A cached value: a float32 array, or ik's integers packed for qmatmul."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+D = TypeVar("D", bound=Sized)
 
 
 class SwapError(IkError, ValueError):
@@ -92,7 +105,7 @@ class WeightStore:
                     raise SwapError(f"{shard.path}: tensor {name!r} is also in {self.shards[self._source[name][0]].path}")
                 self._source[name] = (i, info)
         self._override: dict[str, Encoding] = {}
-        self._cache: OrderedDict[CacheKey, tuple[np.ndarray, bytes]] = OrderedDict()
+        self._cache: OrderedDict[CacheKey, tuple[Any, bytes]] = OrderedDict()  # arrays, and PACKED integers
         self._cached_bytes = 0
         #: most bytes the decoded-weight cache may hold (None: no bound)
         self.capacity: int | None = None
@@ -155,7 +168,7 @@ class WeightStore:
             i = self._source[name][0]
             self.shards[i].file.release(name)
 
-    def _keep(self, key: CacheKey, value: np.ndarray, fingerprint: bytes) -> None:
+    def _keep(self, key: CacheKey, value: Sized, fingerprint: bytes) -> None:
         """Cache `value` under `key` if it fits the capacity, evicting the least recently used entries first."""
         if self.capacity is not None and value.nbytes > self.capacity:
             return
@@ -187,19 +200,39 @@ class WeightStore:
         self._keep(name, w, fingerprint)
         return w
 
-    def derived(self, name: str, make: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> np.ndarray:
+    def derived(self, name: str, make: Callable[[np.ndarray, np.ndarray], D], kind: int = DERIVED) -> D:
         """make(raw rows, their float32 decoding [rows, n_per_row]) for tensor `name`'s current encoding (ik's
-        converted weights), in numpy shape; cached while the capacity allows and forgotten with the tensor (swaps,
-        restores, evictions). The decoding itself is not cached: only what is made from it is used."""
-        key = (name, DERIVED)
+        converted weights: DERIVED for their floats, PACKED for the integers qmatmul takes); cached while the
+        capacity allows and forgotten with the tensor (swaps, restores, evictions). The decoding itself is not
+        cached: only what is made from it is used."""
+        key = (name, kind)
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
-            return hit[0]
+            return cast(D, hit[0])
         info, enc = self.info(name), self.encoding(name)
-        value = make(enc.raw, self._decode_rows(name, enc, enc.raw, info.n_per_row)).reshape(info.shape)
+        value = make(enc.raw, self._decode_rows(name, enc, enc.raw, info.n_per_row))
         self._release(name)
         self._keep(key, value, b"")
+        return value
+
+    def derived_expert(self, name: str, expert: int, make: Callable[[np.ndarray, np.ndarray], D],
+                       keep: bool = True) -> D:
+        """What `derived` makes, for one matrix of a 3-D expert tensor (ik's integers of a routed expert); cached
+        when `keep` (a layer-streamed pass uses each expert once and keeps nothing)."""
+        key = (name, expert, PACKED)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return cast(D, hit[0])
+        n_expert, rows, cols = self.info(name).shape
+        enc = self.encoding(name)
+        raw = enc.raw.reshape(n_expert, rows, -1)[expert]
+        whole = self.cached_array(name)
+        value = make(raw, whole[expert] if whole is not None else self._decode_rows(name, enc, raw, cols))
+        self._release(name)
+        if keep:
+            self._keep(key, value, b"")
         return value
 
     def integers(self, name: str) -> np.ndarray:

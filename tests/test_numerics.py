@@ -17,6 +17,7 @@ from ikquant.types import type_by_name
 from ikrun.cli import app
 from ikrun.model import Model, ModelError, RuntimeOptions
 from ikrun.ops.numerics import BF16, Q8_2_X4, round_activations
+from ikrun.ops.qgemm import BlockInts
 from tests.test_runtime_deepseek2 import assert_thread_invariant
 
 runner = CliRunner()
@@ -153,7 +154,8 @@ def test_a_type_whose_ik_kernels_are_not_emulated_is_refused_before_compute(q5_k
 def test_routed_experts_are_converted_per_expert_by_their_token_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """ik decides per expert (is_dequant_better on the rows routed to it): an expert with enough tokens is multiplied
     as converted, the others as stored. The tiny MoE models cannot hold a K-quant, so MXFP4 is given a marking
-    conversion (x 2) at 3 tokens here."""
+    conversion (x 2, its scales doubled) at 3 tokens here: the forward then multiplies those experts in integers
+    and the others as floats."""
     import ikrun.ops.numerics as numerics
 
     path = DATA / "convert" / "deepseek-v4-flash" / "ref-f32.gguf"
@@ -162,7 +164,14 @@ def test_routed_experts_are_converted_per_expert_by_their_token_count(monkeypatc
     model = Model(path, options=IK)
     name = "blk.1.ffn_up_exps.weight"
     exact = model.weights.decode_experts(name, np.arange(4))
-    monkeypatch.setitem(numerics.IK_KERNELS, "MXFP4", numerics.IkKernel(numerics.Q8_2_X4, 3, lambda r, w: w * 2))
+    stored = numerics.IK_KERNELS["MXFP4"].ints
+    assert stored is not None
+
+    def doubled(raw: np.ndarray, w: np.ndarray) -> BlockInts:
+        ints = stored(raw, w)
+        return BlockInts(ints.q, ints.scale * 2, ints.block)
+
+    monkeypatch.setitem(numerics.IK_KERNELS, "MXFP4", numerics.IkKernel(numerics.Q8_2_X4, 3, doubled))
     mats = exact.copy()
     model.ik_convert_experts(name, np.arange(4), np.array([0, 2, 3, 40]), mats)
     np.testing.assert_array_equal(mats[:2], exact[:2])

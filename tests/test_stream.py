@@ -15,7 +15,7 @@ from ikrun.cli import app
 from ikrun.evaluate import collect_imatrix, perplexity
 from ikrun.imatrix import ImatrixCollector
 from ikrun.memory import BudgetError
-from ikrun.model import Model
+from ikrun.model import Model, RuntimeOptions
 from ikrun.stream import evaluate_chunks, minimum_budget, model_decoded_bytes, plan_run
 
 runner = CliRunner()
@@ -37,12 +37,16 @@ def _logits(model: Model, chunks: np.ndarray, plan) -> list[np.ndarray]:  # type
     return [x.copy() for _, x in evaluate_chunks(model, chunks, plan)]
 
 
-@pytest.mark.parametrize("arch", sorted(MODELS))
-def test_streamed_under_a_small_budget_equals_chunk_by_chunk(data_dir: Path, arch: str) -> None:
-    free = Model(_path(data_dir, arch))
+@pytest.mark.parametrize(("arch", "numerics"), [(arch, "exact") for arch in sorted(MODELS)] + [
+    (arch, "ik") for arch in ("deepseek2", "openpangu", "deepseek4")])  # Q8_0 / MXFP4 weights: integer kernels
+def test_streamed_under_a_small_budget_equals_chunk_by_chunk(data_dir: Path, arch: str, numerics: str) -> None:
+    """Streamed, every expert's tokens come from all five chunks at once; under --numerics ik they are multiplied
+    in integers (qmatmul) and must give the bits of the chunk-by-chunk run too."""
+    options = RuntimeOptions(numerics=numerics)
+    free = Model(_path(data_dir, arch), options=options)
     chunks = _chunks(free, 5)
     expected = _logits(free, chunks, plan_run(free, 5, CTX, one_pass=False))
-    tight = Model(_path(data_dir, arch))
+    tight = Model(_path(data_dir, arch), options=options)
     tight.mem = minimum_budget(tight, CTX)  # one block at a time: experts decoded a few at a time
     plan = plan_run(tight, 5, CTX, one_pass=True)
     assert plan.streamed and plan.cache_capacity is not None and plan.cache_capacity < model_decoded_bytes(tight)

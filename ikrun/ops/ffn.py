@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ikrun.ops.activations import swiglu
-from ikrun.ops.moe import GATING_NAMES, ExpertFetch, moe_experts, route
+from ikrun.ops.moe import GATING_NAMES, ExpertFetch, ExpertInts, moe_experts, route
+from ikrun.ops.qgemm import PackedInts
 
 if TYPE_CHECKING:
     from ikrun.model import Model
@@ -87,7 +88,7 @@ def moe_ffn(m: Model, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: M
     formats = (m.activation_format(names[0]), m.activation_format(names[1]), m.activation_format(names[2]))
     counts = np.bincount(sel.reshape(-1), minlength=cfg.n_expert)
     res = moe_experts(x, sel, w, cfg.n_expert, _fetcher(m, names, counts), _group(m, names, cfg.n_expert), limit,
-                      formats)
+                      formats, _integers(m, names, counts) if m.ik_numerics else None)
     starts = np.cumsum([0] + [len(h) for h in hs])
     if m.observers:
         _observe_experts(m, names, x, res, cfg, starts, seqs)
@@ -121,6 +122,21 @@ def _fetcher(m: Model, names: list[str], counts: np.ndarray) -> ExpertFetch:
         return mats[0], mats[1], mats[2]
 
     return fetch
+
+
+def _integers(m: Model, names: list[str], counts: np.ndarray) -> ExpertInts:
+    """Under --numerics ik, an expert's (up, gate, down) integers where ik multiplies all three in integers at its
+    token count (`counts`, per expert); None sends it to the float kernel."""
+
+    def ints(e: int) -> tuple[PackedInts, PackedInts, PackedInts] | None:
+        count = int(counts[e])
+        if not all(m.ik_has_ints(name, count) for name in names):
+            return None
+        up, gate, down = (m.ik_expert_ints(name, e, count) for name in names)
+        assert up is not None and gate is not None and down is not None
+        return up, gate, down
+
+    return ints
 
 
 def _observe_experts(m: Model, names: list[str], x: np.ndarray, res: Any, cfg: MoeConfig, starts: np.ndarray,

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from ikrun.ops.numerics import FMT_NONE, FORMAT_CODES, UNROUNDED, round_activations, round_row
+from ikrun.ops.numerics import FMT_NONE, FORMAT_CODES, UNROUNDED, integer_rows, round_activations, round_row
+from ikrun.ops.qgemm import IntRows, PackedInts, qmatmul
 
 GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
@@ -150,6 +151,13 @@ def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:
     return s
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _swiglu1(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
+    """One clamped SwiGLU value from the gate and up projections."""
+    g = min(g, limit)
+    return (g / (np.float32(1.0) + np.exp(-g))) * max(-limit, min(u, limit))
+
+
 @njit(cache=True, nogil=True, fastmath=_FAST)
 def _expert(e: int, xu: np.ndarray, xg: np.ndarray, k: int, order: np.ndarray, start: int, stop: int,
             up: np.ndarray, gate: np.ndarray, down: np.ndarray, limit: np.float32, down_fmt: int, act: np.ndarray,
@@ -158,7 +166,6 @@ def _expert(e: int, xu: np.ndarray, xg: np.ndarray, k: int, order: np.ndarray, s
     rows entering down are act, or act rounded to `down_fmt` in act_q (--numerics ik)."""
     n_ff = up.shape[1]
     n_embd = down.shape[1]
-    one = np.float32(1.0)
     for b0 in range(start, stop, ROW_BLOCK):
         b1 = min(stop, b0 + ROW_BLOCK)
         for j in range(n_ff):
@@ -166,9 +173,7 @@ def _expert(e: int, xu: np.ndarray, xg: np.ndarray, k: int, order: np.ndarray, s
             wu = up[e, j]
             for a in range(b0, b1):
                 idx = order[a]
-                g = min(_dot(wg, xg[idx // k]), limit)
-                u = max(-limit, min(_dot(wu, xu[idx // k]), limit))
-                act[idx, j] = (g / (one + np.exp(-g))) * u
+                act[idx, j] = _swiglu1(_dot(wg, xg[idx // k]), _dot(wu, xu[idx // k]), limit)
         if down_fmt != FMT_NONE:
             for a in range(b0, b1):
                 idx = order[a]
@@ -223,6 +228,15 @@ def _combine_parallel(y, w, out):  # type: ignore[no-untyped-def]
 
 #: expert ids -> their (up, gate, down) matrices, [len(ids), ...] each, in the order of ids
 ExpertFetch = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+#: expert id -> its (up, gate, down) integers as ik's kernels multiply them, None where ik multiplies its floats
+ExpertInts = Callable[[int], tuple[PackedInts, PackedInts, PackedInts] | None]
+
+
+@njit(cache=True, nogil=True)
+def _swiglu_rows(g: np.ndarray, u: np.ndarray, limit: float, out: np.ndarray) -> None:
+    for i in range(g.shape[0]):
+        for j in range(g.shape[1]):
+            out[i, j] = _swiglu1(g[i, j], u[i, j], np.float32(limit))
 
 
 @dataclass
@@ -242,10 +256,12 @@ class RoutedExperts:
 
 def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fetch: ExpertFetch,
                 group: int | None = None, limit: float = np.inf,
-                formats: tuple[str, str, str] = (UNROUNDED, UNROUNDED, UNROUNDED)) -> RoutedExperts:
+                formats: tuple[str, str, str] = (UNROUNDED, UNROUNDED, UNROUNDED),
+                ints: ExpertInts | None = None) -> RoutedExperts:
     """Routed SwiGLU experts: x [n, n_embd], sel/w [n, k]; `fetch(ids)` gives the up/gate [len(ids), n_ff, n_embd] and
     down [len(ids), n_embd, n_ff] matrices of experts `ids`; a finite `limit` clamps the SwiGLU as swiglu does;
-    `formats` are the activation formats (ikrun/ops/numerics.py) of up, gate and down under --numerics ik.
+    `formats` are the activation formats (ikrun/ops/numerics.py) of up, gate and down under --numerics ik, and
+    `ints(e)` gives the integers ik's kernels multiply expert e as (qmatmul: integer rows per expert) where they do.
 
     Only experts with at least one assignment are fetched, `group` of them at a time (None: all at once), so a
     layer's expert tensor never has to be decoded whole. Every assignment's result is computed by its expert alone
@@ -255,20 +271,44 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
     order, offsets = group_by_expert(sel, n_expert)
     used = np.nonzero(offsets[1:] > offsets[:-1])[0].astype(np.int64)
     x = np.ascontiguousarray(x, dtype=np.float32)
+    act: np.ndarray | None = None
+    y: np.ndarray | None = None
+    if ints is not None:
+        as_floats = []
+        xs: list[IntRows] = []
+        for e in used.tolist():
+            packed = ints(e)
+            if packed is None:
+                as_floats.append(e)
+                continue
+            up, gate, down = packed
+            if act is None or y is None:
+                act = np.empty((n * k, up.rows), dtype=np.float32)
+                y = np.empty((n * k, down.rows), dtype=np.float32)
+            rows = order[offsets[e] : offsets[e + 1]]
+            if not xs:  # the routed tokens rounded once for every expert
+                xs = [integer_rows(x, formats[0])]
+                xs.append(xs[0] if formats[1] == formats[0] else integer_rows(x, formats[1]))
+            gu = qmatmul(xs[0].take(rows // k), up)
+            gg = qmatmul(xs[1].take(rows // k), gate)
+            a = np.empty_like(gu)
+            _swiglu_rows(gg, gu, float(limit), a)
+            act[rows] = a
+            y[rows] = qmatmul(integer_rows(a, formats[2]), down)
+        used = np.array(as_floats, dtype=np.int64)
     xu = round_activations(x, formats[0])
     xg = xu if formats[1] == formats[0] else round_activations(x, formats[1])
     down_fmt = FORMAT_CODES[formats[2]]
-    act: np.ndarray | None = None
     act_q: np.ndarray | None = None
-    y: np.ndarray | None = None
-    step = len(used) if group is None else max(1, group)
+    step = max(1, len(used) if group is None else group)
     for g0 in range(0, len(used), step):
         ids = used[g0 : g0 + step]
         up, gate, down = fetch(ids)
-        if act is None or act_q is None or y is None:
+        if act is None or y is None:
             act = np.empty((n * k, up.shape[1]), dtype=np.float32)
-            act_q = act if down_fmt == FMT_NONE else np.empty_like(act)
             y = np.empty((n * k, down.shape[1]), dtype=np.float32)
+        if act_q is None:
+            act_q = act if down_fmt == FMT_NONE else np.empty_like(act)
         flops = int(offsets[ids + 1].sum() - offsets[ids].sum()) * up.shape[1] * up.shape[2] * 3
         kernel = _experts_parallel if flops >= PARALLEL_MIN_FLOPS else _experts_serial
         kernel(xu, xg, k, order, offsets, ids, up, gate, down, float(limit), down_fmt, act, act_q, y)

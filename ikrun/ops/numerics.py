@@ -2,10 +2,13 @@
 
 ik multiplies a quantized (or bf16) weight with activation rows it first converts to the format the weight type
 pairs with (ggml's vec_dot_type on an AVX2/AVX-512 build), then sums integer (or bf16) products and scales them. The
-rounding of the activations is what moves ik's KL-divergence above the weights-alone figure. It is emulated
-exactly: the activations are rounded to that format and widened back (every value is representable in float32),
-then multiplied in float32 with the exactly decoded weights, so the result differs from ik's integer sums only in
-the float32 order of the per-block scalings.
+rounding of the activations is what moves ik's KL-divergence above the weights-alone figure. Where the weights are
+held as int8 blocks (`IkKernel.integers`: the 32-value types as stored, the converted K/IQK types) the matmul is
+ik's own: integer block sums scaled block by block (ikrun/ops/qgemm.py, `integer_rows` for the activations). Elsewhere
+(bf16, per-head slices, a native kernel below the conversion threshold, the interleaved types) the activations are
+rounded to the format and widened back (every value is representable in float32), then multiplied in float32 with
+the exactly decoded (or converted) weights, which differs from ik's integer sums only in the float32 order of the
+per-block scalings.
 
 The formats:
 
@@ -48,6 +51,7 @@ from numba import njit, prange
 
 from ikquant.formats.numeric import f32_bits, f32_from_bits
 from ikrun.ops.parallel import pick
+from ikrun.ops.qgemm import TILE, BlockInts, IntRows
 
 Q8_2_X4 = "Q8_2_X4"
 Q8_K = "Q8_K"
@@ -64,22 +68,29 @@ class NumericsError(ValueError):
     """A weight type whose ik arithmetic the runtime does not reproduce."""
 
 
-#: raw rows [rows, row bytes] and their exact decoding [rows, n] -> the weights ik's converted kernel multiplies
-Convert = Callable[[np.ndarray, np.ndarray], np.ndarray]
+#: raw rows [rows, row bytes] and their exact decoding [rows, n] -> the integers ik's kernel multiplies
+ToInts = Callable[[np.ndarray, np.ndarray], BlockInts]
 
 
 @dataclass(frozen=True)
 class IkKernel:
-    """How ik multiplies a weight type: the activation format, and from how many activation rows on it converts
-    the weights first (0: never, or only losslessly)."""
+    """How ik multiplies a weight type: the activation format; the weights' own integers where ik's integer kernel
+    multiplies them as stored (`ints`); and from how many activation rows on it converts the weights first
+    (`convert`, to other integers)."""
 
     activation: str
     convert_rows: int = 0
-    convert: Convert | None = None
+    convert: ToInts | None = None
+    ints: ToInts | None = None
 
     def converts(self, n_act_rows: int, n_weight_rows: int) -> bool:
         return self.convert is not None and n_act_rows >= self.convert_rows and n_weight_rows >= 32 \
             and n_weight_rows % 16 == 0
+
+    def integers(self, n_act_rows: int, n_weight_rows: int) -> ToInts | None:
+        """The integers of a matmul with `n_act_rows` activation rows, None where ik multiplies floats or the
+        stored weights of a type not held as integers here."""
+        return self.convert if self.converts(n_act_rows, n_weight_rows) else self.ints
 
 
 def _f16(x: np.ndarray) -> np.ndarray:
@@ -93,30 +104,56 @@ def _block_f16(raw: np.ndarray, block_bytes: int, offset: int = 0) -> np.ndarray
     return blocks[..., offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
 
-def _q4_k_to_q8_1(raw: np.ndarray, decoded: np.ndarray) -> np.ndarray:
+def _e8m0_half(raw: np.ndarray, block_bytes: int) -> np.ndarray:
+    """MXFP4's block exponent byte as the scale its values multiply: 2^(e - 128)."""
+    e = raw.reshape(raw.shape[0], -1, block_bytes)[..., 0].astype(np.int32)
+    return np.ldexp(np.float32(1), e - 128).astype(np.float32)
+
+
+def _scaled_ints(decoded: np.ndarray, scale: np.ndarray) -> BlockInts:
+    """A 32-value block type's stored integers: every decoded value is scale x an integer of at most 8 bits, so
+    rounding decoded x (1 / scale) recovers it exactly."""
+    inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale != 0)
+    q = np.rint(decoded.reshape(*scale.shape, BLOCK) * inv[..., None])
+    return BlockInts(q=q.reshape(decoded.shape).astype(np.int8), scale=scale, block=BLOCK)
+
+
+def _q8_0_ints(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
+    """Q8_0 stores its integers: read them, not the decoding."""
+    blocks = raw.reshape(raw.shape[0], -1, 34)
+    return BlockInts(q=blocks[..., 2:].copy().view(np.int8).reshape(decoded.shape), scale=_block_f16(raw, 34),
+                     block=BLOCK)
+
+
+def _f16_scaled(block_bytes: int) -> ToInts:
+    return lambda raw, decoded: _scaled_ints(decoded, _block_f16(raw, block_bytes))
+
+
+def _q4_k_to_q8_1(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
     blocks = raw.reshape(raw.shape[0], -1, 144)
     d, dmin = _block_f16(raw, 144), _block_f16(raw, 144, 2)
     s = blocks[..., 4:16].astype(np.int32)
     sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
     mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
     qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 32)
-    q = np.stack([qs & 15, qs >> 4], axis=3).reshape(*blocks.shape[:2], 8, 32).astype(np.float32)
-    scale = _f16(d[..., None] * sc.astype(np.float32))
-    offset = _f16(-dmin[..., None] * mn.astype(np.float32))
-    return (scale[..., None] * q + offset[..., None]).reshape(decoded.shape).astype(np.float32)
+    q = np.stack([qs & 15, qs >> 4], axis=3).reshape(decoded.shape).astype(np.int8)
+    scale = _f16(d[..., None] * sc.astype(np.float32)).reshape(raw.shape[0], -1)
+    offset = _f16(-dmin[..., None] * mn.astype(np.float32)).reshape(raw.shape[0], -1)
+    return BlockInts(q=q, scale=scale, block=BLOCK, offset=offset)
 
 
-def _q6_k_to_q8_0(raw: np.ndarray, decoded: np.ndarray) -> np.ndarray:
+def _q6_k_to_q8_0(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
     d = _block_f16(raw, 210, 208)  # [rows, nb]
     p = np.rint(np.divide(decoded.reshape(*d.shape, 8, 32), d[..., None, None],
                           out=np.zeros(d.shape + (8, 32), np.float32), where=d[..., None, None] != 0))
     mx = np.abs(p).max(axis=-1) / np.float32(127)
     inv = np.divide(np.float32(1), mx, out=np.zeros_like(mx), where=mx > np.float32(1e-9))
     q8 = np.clip(np.rint(p * inv[..., None]), -128, 127)
-    return (_f16(d[..., None] * mx)[..., None] * q8).reshape(decoded.shape).astype(np.float32)
+    return BlockInts(q=q8.reshape(decoded.shape).astype(np.int8),
+                     scale=_f16(d[..., None] * mx).reshape(raw.shape[0], -1), block=BLOCK)
 
 
-def _to_q8_k(decoded: np.ndarray, dsup: np.ndarray, c: float) -> np.ndarray:
+def _to_q8_k(decoded: np.ndarray, dsup: np.ndarray, c: float) -> BlockInts:
     """ik's convert_to_q8_k_r8 on the integers p = decoded / dsup of each 256-value block (dsup [rows, nb])."""
     shape = dsup.shape + (SUPER,)
     p = np.rint(np.divide(decoded.reshape(shape), dsup[..., None], out=np.zeros(shape, np.float32),
@@ -126,10 +163,10 @@ def _to_q8_k(decoded: np.ndarray, dsup: np.ndarray, c: float) -> np.ndarray:
     dnew = np.where(small, np.float32(1), dnew).astype(np.float32)
     inv = np.where(np.abs(dnew) > np.float32(1e-9), np.float32(1) / dnew, np.float32(0)).astype(np.float32)
     q = np.where(small[..., None], p, np.clip(np.rint(p * inv[..., None]), -128, 127))
-    return (_f16(dsup * dnew)[..., None] * q).reshape(decoded.shape).astype(np.float32)
+    return BlockInts(q=q.reshape(decoded.shape).astype(np.int8), scale=_f16(dsup * dnew), block=SUPER)
 
 
-def _iq4_ks_to_q8_k(raw: np.ndarray, decoded: np.ndarray) -> np.ndarray:
+def _iq4_ks_to_q8_k(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
     d = raw[:, 0:4].copy().view(np.float32)[:, 0]
     return _to_q8_k(decoded, np.repeat(d[:, None], decoded.shape[1] // SUPER, axis=1), 127)
 
@@ -137,8 +174,11 @@ def _iq4_ks_to_q8_k(raw: np.ndarray, decoded: np.ndarray) -> np.ndarray:
 #: weight type -> how ik multiplies it (types not listed are not emulated)
 IK_KERNELS: dict[str, IkKernel] = {
     "F32": IkKernel(UNROUNDED), "F16": IkKernel(UNROUNDED), "BF16": IkKernel(BF16),
-    **{t: IkKernel(Q8_2_X4) for t in ("Q8_0", "Q4_0", "Q5_0", "Q6_0", "IQ4_NL", "MXFP4", "Q8_0_R8", "Q4_0_R8",
-                                      "IQ4_NL_R4", "MXFP4_R8")},
+    "Q8_0": IkKernel(Q8_2_X4, ints=_q8_0_ints),
+    **{t: IkKernel(Q8_2_X4, ints=_f16_scaled(size)) for t, size in (("Q4_0", 18), ("Q5_0", 22), ("Q6_0", 26),
+                                                                      ("IQ4_NL", 18))},
+    "MXFP4": IkKernel(Q8_2_X4, ints=lambda raw, decoded: _scaled_ints(decoded, _e8m0_half(raw, 17))),
+    **{t: IkKernel(Q8_2_X4) for t in ("Q8_0_R8", "Q4_0_R8", "IQ4_NL_R4", "MXFP4_R8")},
     "Q4_K": IkKernel(Q8_2_X4, 32, _q4_k_to_q8_1),
     "Q6_K": IkKernel(Q8_2_X4, 64, _q6_k_to_q8_0),
     "IQ4_KS": IkKernel(Q8_K, 32, _iq4_ks_to_q8_k),
@@ -170,22 +210,45 @@ def _bf16(x: np.float32) -> np.float32:
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _q8_scale(x: np.ndarray, b0: int, block: int, bf16_scale: bool) -> tuple[np.float32, np.float32]:
+    """The scale d of the block at b0 and the factor its values are multiplied by before rounding: Q8_2_X4 (the
+    scale rounded to bf16, 1/d) or Q8_K (the float32 scale, 127 / max)."""
+    amax = np.float32(0.0)
+    for j in range(b0, b0 + block):
+        amax = max(amax, abs(x[j]))
+    if bf16_scale:
+        d = _bf16(amax / np.float32(127.0))
+        return d, np.float32(1.0) / d if d > np.float32(0.0) else np.float32(0.0)
+    return amax / np.float32(127.0), np.float32(127.0) / amax if amax > np.float32(0.0) else np.float32(0.0)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q8(x: np.float32, inv: np.float32) -> np.float32:
+    return min(np.float32(127.0), max(np.float32(-128.0), np.float32(np.rint(x * inv))))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _q8_row(x: np.ndarray, block: int, bf16_scale: bool, out: np.ndarray) -> None:
-    """Blocks of `block` values to int8 and back: Q8_2_X4 (32, the scale rounded to bf16, q = x * (1/d)) or Q8_K
-    (256, the float32 scale, q = x * (127 / max))."""
+    """Blocks of `block` values to int8 and back (Q8_2_X4: 32, Q8_K: 256)."""
     for b0 in range(0, x.shape[0], block):
-        amax = np.float32(0.0)
+        d, inv = _q8_scale(x, b0, block, bf16_scale)
         for j in range(b0, b0 + block):
-            amax = max(amax, abs(x[j]))
-        if bf16_scale:
-            d = _bf16(amax / np.float32(127.0))
-            inv = np.float32(1.0) / d if d > np.float32(0.0) else np.float32(0.0)
-        else:
-            d = amax / np.float32(127.0)
-            inv = np.float32(127.0) / amax if amax > np.float32(0.0) else np.float32(0.0)
-        for j in range(b0, b0 + block):
-            q = min(np.float32(127.0), max(np.float32(-128.0), np.float32(np.rint(x[j] * inv))))
-            out[j] = q * d
+            out[j] = _q8(x[j], inv) * d
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q8_row_ints(x: np.ndarray, block: int, bf16_scale: bool, u: np.ndarray, scale: np.ndarray,
+                 sums: np.ndarray) -> None:
+    """The same rounding kept as integers: u = q + 128, and per block d and d x sum(q)."""
+    for b in range(x.shape[0] // block):
+        d, inv = _q8_scale(x, b * block, block, bf16_scale)
+        total = 0
+        for j in range(b * block, (b + 1) * block):
+            q = np.int32(_q8(x[j], inv))
+            total += q
+            u[j] = np.uint8(q + 128)
+        scale[b] = d
+        sums[b] = d * np.float32(total)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -227,3 +290,33 @@ def round_activations(x: np.ndarray, fmt: str) -> np.ndarray:
     out = np.empty_like(flat)
     pick(_rows_serial, _rows_parallel, flat.size)(flat, FORMAT_CODES[fmt], out)
     return out.reshape(x.shape)
+
+
+@njit(cache=True, nogil=True)
+def _ints_serial(x: np.ndarray, block: int, bf16_scale: bool, u: np.ndarray, scale: np.ndarray,
+                 sums: np.ndarray) -> None:
+    for i in range(x.shape[0]):
+        _q8_row_ints(x[i], block, bf16_scale, u[i], scale[i], sums[i])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _ints_parallel(x: np.ndarray, block: int, bf16_scale: bool, u: np.ndarray, scale: np.ndarray,
+                   sums: np.ndarray) -> None:
+    for i in prange(x.shape[0]):
+        _q8_row_ints(x[i], block, bf16_scale, u[i], scale[i], sums[i])
+
+
+def integer_rows(x: np.ndarray, fmt: str) -> IntRows:
+    """Rows x [m, n] rounded to the int8 blocks of format `fmt` (Q8_2_X4 or Q8_K), for `qmatmul`; the row count
+    padded to whole kernel tiles with rows of zeros."""
+    block = {Q8_2_X4: BLOCK, Q8_K: SUPER}[fmt]
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    m, n = x.shape
+    if n % block:
+        raise NumericsError(f"rows of {n} values are not whole {block}-value {fmt} blocks")
+    mp = m + (-m % TILE)
+    u = np.full((mp, n), 128, np.uint8)
+    scale = np.zeros((mp, n // block), np.float32)
+    sums = np.zeros((mp, n // block), np.float32)
+    pick(_ints_serial, _ints_parallel, x.size)(x, block, fmt == Q8_2_X4, u, scale, sums)
+    return IntRows(u=u, scale=scale, sums=sums, rows=m, block=block)

@@ -1,0 +1,294 @@
+"""Integer matmul for `--numerics ik`: int8 weights with a scale per block of values times int8 activation rows.
+
+ik's CPU backend multiplies a quantized weight in integers: the weight's values (or what its kernel converts them
+to) are int8 with one float scale per block of 32 or 256 values of a row, the activation rows are rounded to int8
+blocks of the same length (ikrun/ops/numerics.py), each block's integer dot product is exact, and the float result
+sums, block by block, isum * (weight scale * activation scale) (+ offset * activation block sum for Q8_1 weights).
+That is what this kernel computes, so `--numerics ik` is both ik's arithmetic and its speed class.
+
+The weights are packed 16 rows a group: per block and per step of 4 values, the 16 rows' 4 values form one 64-byte
+vector. On a CPU with AVX-512 VNNI one `vpdpbusd` multiplies that vector by 4 activation values broadcast to every
+lane (unsigned: the activation plus 128, corrected by 128 x the block's weight sum), so 16 rows accumulate at once
+and nothing is summed across lanes. Elsewhere a scalar loop computes the same integers and the same float
+operations in the same order, so both give identical bits; at any thread count too, since a thread owns whole
+16-row groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from llvmlite import binding, ir
+from numba import config, njit, prange, types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+
+from ikrun.ops.parallel import pick
+
+LANES = 16  # weight rows per packed group: one 512-bit vector of int32 lanes
+TILE = 4  # activation rows per kernel call, sharing each weight vector
+GROUPS = 2  # weight groups per kernel call, sharing each activation broadcast
+CHAINS = 2  # independent integer accumulators per block and lane
+PANEL_BYTES = 256 << 10
+K_BYTES = 512  # values of a row per pass of the weight groups over a panel
+_I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+_V16I, _V16F = ir.VectorType(_I32, LANES), ir.VectorType(_F32, LANES)
+
+
+def _host_has_vnni() -> bool:
+    """AVX-512 VNNI on the CPU Numba compiles for (a forced NUMBA_CPU_NAME may target another one: no VNNI)."""
+    return config.CPU_NAME is None and bool(binding.get_host_cpu_features().get("avx512vnni", False))
+
+
+HAS_VNNI = _host_has_vnni()
+
+
+@dataclass(frozen=True)
+class BlockInts:
+    """A weight as ik's integer kernels hold it: int8 values q [rows, n], a float32 scale per block of `block`
+    values of a row [rows, n // block], and for Q8_1 weights an offset per block added to every value."""
+
+    q: np.ndarray
+    scale: np.ndarray
+    block: int
+    offset: np.ndarray | None = None
+
+    def to_float(self) -> np.ndarray:
+        """The weight as float32 [rows, n]: scale x q (+ offset), every value exact."""
+        shape = (*self.scale.shape, self.block)
+        w = self.scale[..., None] * self.q.reshape(shape).astype(np.float32)
+        if self.offset is not None:
+            w = w + self.offset[..., None]
+        return w.reshape(self.q.shape).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class PackedInts:
+    """BlockInts in the kernel's layout: rows padded to whole kernel calls (GROUPS x 16 rows); per group, block and 4-value step the
+    16 rows' values (q), per group and block the 16 rows' scales, offsets and 128 x block sums (corr)."""
+
+    q: np.ndarray
+    scale: np.ndarray
+    corr: np.ndarray
+    offset: np.ndarray
+    rows: int
+    n: int
+    block: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes + self.corr.nbytes + self.offset.nbytes
+
+    @property
+    def has_offset(self) -> bool:
+        return self.offset.size > 0
+
+
+def _by_group(a: np.ndarray, groups: int) -> np.ndarray:
+    """[rows, nb] per-block values -> flat [group, nb, 16]."""
+    return np.ascontiguousarray(a.reshape(groups, LANES, -1).transpose(0, 2, 1)).reshape(-1)
+
+
+def pack(w: BlockInts) -> PackedInts:
+    """Lay `w` out for `qmatmul` (padding rows have zero values and scales, so they add nothing)."""
+    rows, n = w.q.shape
+    pad = -rows % (GROUPS * LANES)
+    groups, nb = (rows + pad) // LANES, n // w.block
+
+    def padded(a: np.ndarray) -> np.ndarray:
+        return np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)]) if pad else a
+
+    q = padded(w.q.astype(np.int8, copy=False))
+    steps = q.reshape(groups, LANES, nb, w.block // 4, 4).transpose(0, 2, 3, 1, 4)
+    corr = 128 * q.reshape(groups * LANES, nb, w.block).astype(np.int32).sum(axis=-1, dtype=np.int32)
+    offset = np.empty(0, np.float32) if w.offset is None else _by_group(padded(w.offset).astype(np.float32), groups)
+    return PackedInts(q=np.ascontiguousarray(steps).reshape(-1), scale=_by_group(padded(w.scale), groups),
+                      corr=_by_group(corr, groups).astype(np.int32), offset=offset, rows=rows, n=n, block=w.block)
+
+
+def _splat(builder: ir.IRBuilder, value: ir.Value, vty: ir.VectorType) -> ir.Value:
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_V16I, [0] * LANES))
+
+
+def _vector(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, vty: ir.VectorType) -> ir.Value:
+    return builder.load(builder.bitcast(builder.gep(base, [index]), vty.as_pointer()), align=1)
+
+
+def _make_tile(block: int, offsets: bool):  # type: ignore[no-untyped-def]
+    """The VNNI micro-kernel for weight groups GROUPS x g .. GROUPS x g + GROUPS - 1 and activation rows m0 ..
+    m0 + TILE - 1, all blocks of the row: out[m, 16 h : 16 h + 16] = sum_b f32(isum - corr) x (scale x a_scale[m,
+    b]) (+ offset x a_sum[m, b]) for each group h. Each block's integer sum is split over CHAINS accumulators
+    (exact, and the additions no longer wait for one another)."""
+    steps = block // 4
+
+    @intrinsic
+    def tile(typingctx, wq, ws, wcorr, wofs, au, asc, asum, out, g, m0, b0, b1, nb, n):  # type: ignore[no-untyped-def]
+        sig = types.void(wq, ws, wcorr, wofs, au, asc, asum, out, *[types.int64] * 6)
+
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            wq_p, ws_p, wc_p, wo_p, au_p, as_p, su_p, out_p = (
+                context.make_array(t)(context, builder, value=v).data for t, v in zip(signature.args[:8], args[:8]))
+            g_v, m0_v, b0_v, b1_v, nb_v, n_v = args[8:]
+            dpbusd = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_V16I, [_V16I, _V16I, _V16I]), "llvm.x86.avx512.vpdpbusd.512")
+            const = lambda v: ir.Constant(_I64, v)  # noqa: E731
+            row_len = builder.mul(nb_v, const(block))
+            groups = [builder.add(builder.mul(g_v, const(GROUPS)), const(h)) for h in range(GROUPS)]
+            rows = [builder.add(m0_v, const(i)) for i in range(TILE)]
+            outs = {(h, i): builder.bitcast(builder.gep(out_p, [builder.add(builder.mul(rows[i], n_v), builder.mul(
+                groups[h], const(LANES)))]), _V16F.as_pointer()) for h in range(GROUPS) for i in range(TILE)}
+            accs = {key: cgutils.alloca_once_value(builder, builder.load(o, align=1)) for key, o in outs.items()}
+            with cgutils.for_range(builder, builder.sub(b1_v, b0_v)) as loop:
+                b = builder.add(b0_v, loop.index)
+                gb = [builder.add(builder.mul(gh, nb_v), b) for gh in groups]
+                wbase = [builder.mul(x, const(steps * 64)) for x in gb]
+                abase = [builder.add(builder.mul(r, row_len), builder.mul(b, const(block))) for r in rows]
+                zero = ir.Constant(_V16I, [0] * LANES)
+                isum = {(h, i, c): zero for h in range(GROUPS) for i in range(TILE) for c in range(CHAINS)}
+                for s in range(steps):
+                    w = [_vector(builder, wq_p, builder.add(wb, const(s * 64)), _V16I) for wb in wbase]
+                    for i in range(TILE):
+                        ap = builder.gep(au_p, [builder.add(abase[i], const(s * 4))])
+                        a = _splat(builder, builder.load(builder.bitcast(ap, _I32.as_pointer()), align=1), _V16I)
+                        for h in range(GROUPS):
+                            key = (h, i, s % CHAINS)
+                            isum[key] = builder.call(dpbusd, [isum[key], a, w[h]])
+                a_scale = [_splat(builder, builder.load(builder.gep(as_p, [builder.add(builder.mul(r, nb_v), b)])),
+                                  _V16F) for r in rows]
+                a_sum = [_splat(builder, builder.load(builder.gep(su_p, [builder.add(builder.mul(r, nb_v), b)])),
+                                _V16F) for r in rows] if offsets else []
+                for h in range(GROUPS):
+                    lane = builder.mul(gb[h], const(LANES))
+                    corr = _vector(builder, wc_p, lane, _V16I)
+                    scale = _vector(builder, ws_p, lane, _V16F)
+                    offset = _vector(builder, wo_p, lane, _V16F) if offsets else None
+                    for i in range(TILE):
+                        total = isum[(h, i, 0)]
+                        for c in range(1, CHAINS):
+                            total = builder.add(total, isum[(h, i, c)])
+                        f = builder.sitofp(builder.sub(total, corr), _V16F)
+                        acc = builder.fadd(builder.load(accs[(h, i)]), builder.fmul(f, builder.fmul(scale, a_scale[i])))
+                        if offset is not None:
+                            acc = builder.fadd(acc, builder.fmul(offset, a_sum[i]))
+                        builder.store(acc, accs[(h, i)])
+            for key, o in outs.items():
+                builder.store(builder.load(accs[key]), o, align=1)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
+_tile32, _tile32_offset, _tile256 = _make_tile(32, False), _make_tile(32, True), _make_tile(256, False)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, out, g, m0, m1, block, nb, n):  # type: ignore[no-untyped-def]
+    """Weight groups of call g against activation rows m0 .. m1, K_BYTES of each row at a time (so the groups'
+    values stay in the core's first-level cache for all the rows)."""
+    chunk = max(1, K_BYTES // block)
+    for b0 in range(0, nb, chunk):
+        b1 = min(nb, b0 + chunk)
+        for t in range(m0, m1, TILE):
+            if block == 256:
+                _tile256(wq, ws, wcorr, wofs, au, asc, asum, out, g, t, b0, b1, nb, n)
+            elif wofs.size > 0:
+                _tile32_offset(wq, ws, wcorr, wofs, au, asc, asum, out, g, t, b0, b1, nb, n)
+            else:
+                _tile32(wq, ws, wcorr, wofs, au, asc, asum, out, g, t, b0, b1, nb, n)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _vnni_parallel(wq, ws, wcorr, wofs, au, asc, asum, out, block, nb, n, mp, panel):  # type: ignore[no-untyped-def]
+    for p0 in range(0, mp, panel):
+        for g in prange(n // (GROUPS * LANES)):
+            _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, out, g, p0, min(mp, p0 + panel), block, nb, n)
+
+
+@njit(cache=True, nogil=True)
+def _vnni_serial(wq, ws, wcorr, wofs, au, asc, asum, out, block, nb, n, mp, panel):  # type: ignore[no-untyped-def]
+    for p0 in range(0, mp, panel):
+        for g in range(n // (GROUPS * LANES)):
+            _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, out, g, p0, min(mp, p0 + panel), block, nb, n)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _portable_group(wq, ws, wcorr, wofs, au, asc, asum, out, g, m0, m1, block, nb, n):  # type: ignore[no-untyped-def]
+    steps = block // 4
+    acc = np.empty(LANES, np.float32)
+    for m in range(m0, m1):
+        acc[:] = 0
+        for b in range(nb):
+            gb = g * nb + b
+            a0 = m * nb * block + b * block
+            d_a = asc[m * nb + b]
+            for r in range(LANES):
+                s = np.int32(0)
+                for k in range(steps):
+                    w0 = (gb * steps + k) * 64 + r * 4
+                    for t in range(4):
+                        s = np.int32(s + np.int32(au[a0 + 4 * k + t]) * np.int32(wq[w0 + t]))
+                f = np.float32(s - wcorr[gb * LANES + r])
+                acc[r] = acc[r] + f * (ws[gb * LANES + r] * d_a)
+                if wofs.size > 0:
+                    acc[r] = acc[r] + wofs[gb * LANES + r] * asum[m * nb + b]
+        for r in range(LANES):
+            out[m * n + g * LANES + r] = acc[r]
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _portable_parallel(wq, ws, wcorr, wofs, au, asc, asum, out, block, nb, n, mp, panel):  # type: ignore[no-untyped-def]
+    for p0 in range(0, mp, panel):
+        for g in prange(n // LANES):
+            _portable_group(wq, ws, wcorr, wofs, au, asc, asum, out, g, p0, min(mp, p0 + panel), block, nb, n)
+
+
+@njit(cache=True, nogil=True)
+def _portable_serial(wq, ws, wcorr, wofs, au, asc, asum, out, block, nb, n, mp, panel):  # type: ignore[no-untyped-def]
+    for p0 in range(0, mp, panel):
+        for g in range(n // LANES):
+            _portable_group(wq, ws, wcorr, wofs, au, asc, asum, out, g, p0, min(mp, p0 + panel), block, nb, n)
+
+
+@dataclass(frozen=True)
+class IntRows:
+    """Activation rows rounded to int8 blocks: u = q + 128 [rows padded to whole tiles, n], the scale d and
+    d x sum(q) of every block [padded rows, n // block]; `rows` is the true row count."""
+
+    u: np.ndarray
+    scale: np.ndarray
+    sums: np.ndarray
+    rows: int
+    block: int
+
+    def take(self, rows: np.ndarray) -> IntRows:
+        """Rows `rows` (of the true rows), padded to whole tiles again: the tokens routed to one expert."""
+        m = len(rows)
+        mp = m + (-m % TILE)
+        u = np.full((mp, self.u.shape[1]), 128, np.uint8)
+        scale, sums = np.zeros((mp, self.scale.shape[1]), np.float32), np.zeros((mp, self.scale.shape[1]), np.float32)
+        u[:m], scale[:m], sums[:m] = self.u[rows], self.scale[rows], self.sums[rows]
+        return IntRows(u=u, scale=scale, sums=sums, rows=m, block=self.block)
+
+
+def panel_rows(n: int) -> int:
+    """Activation rows multiplied by every weight group before the next rows: as many whole tiles as keep the
+    panel within PANEL_BYTES (in the core's own cache while the weights stream past)."""
+    return max(TILE, PANEL_BYTES // n // TILE * TILE)
+
+
+def qmatmul(x: IntRows, w: PackedInts, vnni: bool = HAS_VNNI) -> np.ndarray:
+    """x @ w^T in ik's integer arithmetic: float32 [x.rows, w.rows]."""
+    if x.block != w.block or x.u.shape[1] != w.n:
+        raise ValueError(f"activations of {x.u.shape[1]} values in blocks of {x.block} against weights of {w.n} "
+                         f"in blocks of {w.block}")
+    mp, n_out = x.u.shape[0], w.scale.size // (w.n // w.block)
+    out = np.zeros((mp, n_out), np.float32)  # the kernels add each block to what is there
+    serial, parallel = (_vnni_serial, _vnni_parallel) if vnni else (_portable_serial, _portable_parallel)
+    pick(serial, parallel, mp * w.n * n_out // 64)(
+        w.q, w.scale, w.corr, w.offset, x.u.reshape(-1), x.scale.reshape(-1), x.sums.reshape(-1), out.reshape(-1),
+        w.block, w.n // w.block, n_out, mp, panel_rows(w.n))
+    return out[: x.rows, : w.rows]

@@ -1,0 +1,128 @@
+"""The integer matmul of --numerics ik (ikrun/ops/qgemm.py) and the integer forms it multiplies."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+
+import ikquant.formats  # noqa: F401  (registers the codecs)
+from ikquant.types import type_by_name
+from ikrun.ops.moe import moe_experts
+from ikrun.ops.numerics import IK_KERNELS, Q8_2_X4, Q8_K, integer_rows, round_activations
+from ikrun.ops.qgemm import HAS_VNNI, TILE, BlockInts, pack, qmatmul
+
+#: (block, activation format, with Q8_1 offsets)
+LAYOUTS = [(32, Q8_2_X4, False), (32, Q8_2_X4, True), (256, Q8_K, False)]
+
+
+def _weights(rng: np.random.Generator, rows: int, n: int, block: int, offsets: bool) -> BlockInts:
+    q = rng.integers(-128, 128, (rows, n)).astype(np.int8)
+    scale = rng.random((rows, n // block)).astype(np.float32)
+    offset = rng.standard_normal((rows, n // block)).astype(np.float32) if offsets else None
+    return BlockInts(q, scale, block, offset)
+
+
+@pytest.mark.parametrize(("block", "fmt", "offsets"), LAYOUTS)
+def test_qmatmul_is_the_rounded_product(block: int, fmt: str, offsets: bool) -> None:
+    """Rows that are no whole 16-row group and activation rows that are no whole tile: every output equals the
+    float64 product of the rounded activations and the weights to float32 accuracy (the float part sums blocks
+    one at a time)."""
+    rng = np.random.default_rng(block + offsets)
+    w = _weights(rng, 37, 4 * block, block, offsets)
+    x = rng.standard_normal((TILE + 3, 4 * block)).astype(np.float32)
+    got = qmatmul(integer_rows(x, fmt), pack(w))
+    want = round_activations(x, fmt).astype(np.float64) @ w.to_float().T.astype(np.float64)
+    assert got.shape == (TILE + 3, 37)
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+def test_block_sums_are_exact_integers() -> None:
+    """Unit scales and one block: the output is the integer dot product itself, to the last unit."""
+    rng = np.random.default_rng(5)
+    q = rng.integers(-128, 128, (16, 32)).astype(np.int8)
+    x = rng.integers(-127, 128, (4, 32)).astype(np.float32)
+    x[:, 0] = 127  # every activation block's scale is then bf16(127 / 127) = 1
+    got = qmatmul(integer_rows(x, Q8_2_X4), pack(BlockInts(q, np.ones((16, 1), np.float32), 32)))
+    np.testing.assert_array_equal(got, x.astype(np.int64) @ q.T.astype(np.int64))
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI: only the portable kernel runs")
+@pytest.mark.parametrize(("block", "fmt", "offsets"), LAYOUTS)
+def test_vnni_and_portable_kernels_give_the_same_bits(block: int, fmt: str, offsets: bool) -> None:
+    rng = np.random.default_rng(11)
+    w, x = _weights(rng, 64, 2 * block, block, offsets), rng.standard_normal((9, 2 * block)).astype(np.float32)
+    rows, packed = integer_rows(x, fmt), pack(w)
+    np.testing.assert_array_equal(qmatmul(rows, packed, vnni=True), qmatmul(rows, packed, vnni=False))
+
+
+@pytest.mark.parametrize("vnni", [False, True] if HAS_VNNI else [False])
+def test_any_thread_count_gives_the_same_bits(vnni: bool) -> None:
+    """Large enough for the parallel kernel: a thread owns whole 16-row groups, so one or two change nothing."""
+    rng = np.random.default_rng(3)
+    w, x = _weights(rng, 512, 1024, 32, False), rng.standard_normal((64, 1024)).astype(np.float32)
+    rows, packed = integer_rows(x, Q8_2_X4), pack(w)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = qmatmul(rows, packed, vnni=vnni)
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        two = qmatmul(rows, packed, vnni=vnni)
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_array_equal(one, two)
+
+
+@pytest.mark.parametrize("fmt", [Q8_2_X4, Q8_K])
+def test_integer_rows_are_the_rounded_activations(fmt: str) -> None:
+    """The integers and scales qmatmul takes are the values the float emulation rounds to, and the block sums are
+    scale x the integers' sum."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((5, 512)) * rng.random((5, 1)) * 40).astype(np.float32)
+    x[2, :256] = 0  # an all-zero block: scale 0
+    r = integer_rows(x, fmt)
+    q = r.u[: r.rows].astype(np.int32) - 128
+    np.testing.assert_array_equal(  # the emulation rounds q x d to float32
+        (q.reshape(5, -1, r.block).astype(np.float32) * r.scale[: r.rows, :, None]).reshape(5, -1),
+        round_activations(x, fmt))
+    np.testing.assert_array_equal(r.sums[: r.rows], r.scale[: r.rows] * q.reshape(5, -1, r.block).sum(-1).astype(np.float32))
+    assert r.u.shape[0] % TILE == 0 and (r.u[r.rows :] == 128).all() and (r.scale[r.rows :] == 0).all()
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_0", "Q5_0", "Q6_0", "IQ4_NL", "MXFP4"])
+def test_stored_integers_of_block_types_are_their_decoding(type_name: str) -> None:
+    """The 32-value types ik multiplies as stored: scale x integers is every decoded float, bit for bit."""
+    rng = np.random.default_rng(2)
+    x = (rng.standard_normal((24, 256)) * np.exp(rng.standard_normal((24, 1)))).astype(np.float32)
+    codec = type_by_name(type_name).require_codec()
+    raw = codec.quantize(x)
+    decoded = codec.dequantize(raw, 256)
+    ints = IK_KERNELS[type_name].ints
+    assert ints is not None
+    np.testing.assert_array_equal(ints(raw, decoded).to_float(), decoded)
+
+
+def test_routed_experts_in_integers_match_their_float_emulation() -> None:
+    """moe_experts with each expert's integers (qmatmul per expert) against the float kernel on the same rounded
+    values; with half of the experts sent to each path, every expert's rows are those of its own path, bit for bit."""
+    rng = np.random.default_rng(4)
+    n, n_expert, k, n_ff, n_embd = 70, 6, 2, 64, 96
+    x = rng.standard_normal((n, n_embd)).astype(np.float32)
+    sel = np.stack([rng.choice(n_expert, k, replace=False) for _ in range(n)]).astype(np.int64)
+    w = rng.random((n, k)).astype(np.float32)
+    mats = [[_weights(rng, rows, cols, 32, False) for rows, cols in ((n_ff, n_embd), (n_ff, n_embd), (n_embd, n_ff))]
+            for _ in range(n_expert)]
+    packs = [tuple(pack(m) for m in expert) for expert in mats]
+
+    def fetch(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        up, gate, down = (np.stack([mats[e][j].to_float() for e in ids.tolist()]) for j in range(3))
+        return up, gate, down
+
+    formats = (Q8_2_X4, Q8_2_X4, Q8_2_X4)
+    floats = moe_experts(x, sel, w, n_expert, fetch, formats=formats)
+    ints = moe_experts(x, sel, w, n_expert, fetch, formats=formats, ints=lambda e: packs[e])
+    mixed = moe_experts(x, sel, w, n_expert, fetch, formats=formats, ints=lambda e: packs[e] if e % 2 else None)
+    np.testing.assert_allclose(ints.out, floats.out, rtol=0, atol=1e-5 * np.abs(floats.out).max())
+    for e in range(n_expert):
+        rows = floats.rows(e)
+        np.testing.assert_array_equal(mixed.act[rows], (ints if e % 2 else floats).act[rows])
