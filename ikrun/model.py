@@ -242,15 +242,14 @@ class Model:
         return round_activations(x, self.activation_format(weight_name))
 
     def _ik_converted(self, name: str, n_act_rows: int, weight_rows: int) -> np.ndarray | None:
-        """Under --numerics ik, the weights ik's kernel converts `name` to for a matmul with `n_act_rows`
-        activation rows (ikrun/ops/numerics.py), in float32; None where it multiplies the stored weights."""
+        """Under --numerics ik, the weights ik's kernel multiplies `name` as in a matmul with `n_act_rows`
+        activation rows, in float32, where they are not its exact decoding (ikrun/ops/numerics.py); else None."""
         if not self.ik_numerics:
             return None
-        kernel = ik_kernel(self.weights.encoding(name).type.name)
-        convert = kernel.convert
-        if convert is None or not kernel.converts(n_act_rows, weight_rows):
+        values = ik_kernel(self.weights.encoding(name).type.name).float_values(n_act_rows, weight_rows)
+        if values is None:
             return None
-        return self.weights.derived(name, lambda raw, decoded: convert(raw, decoded).to_float().reshape(
+        return self.weights.derived(name, lambda raw, decoded: values(raw, decoded).to_float().reshape(
             self.shape(name)))
 
     def _ik_packed(self, name: str, n_act_rows: int) -> PackedInts | None:
@@ -288,13 +287,12 @@ class Model:
         """In place: the decoded matrices `mats` of experts `ids` of a 3-D expert tensor, each as ik multiplies it
         for its token count (ik decides per expert: is_dequant_better on the rows routed to it)."""
         kernel = ik_kernel(self.weights.encoding(name).type.name)
-        if kernel.convert is None:
-            return
         n_expert, rows, _ = self.shape(name)
         raw = self.weights.encoding(name).raw.reshape(n_expert, rows, -1)
         for j, (e, count) in enumerate(zip(ids.tolist(), counts.tolist())):
-            if kernel.converts(int(count), rows):
-                mats[j] = kernel.convert(np.ascontiguousarray(raw[e]), mats[j]).to_float()
+            values = kernel.float_values(int(count), rows)
+            if values is not None:
+                mats[j] = values(np.ascontiguousarray(raw[e]), mats[j]).to_float()
 
     def project(self, x: np.ndarray, weight_name: str) -> np.ndarray:
         """x @ W^T for the 2-D weight `weight_name`; decoded whole when it fits the cache, else a tile of rows at a

@@ -72,6 +72,24 @@ def test_types_whose_kernels_convert_the_weights_reproduce_iks_kld(weights: str)
     assert abs(got["kld_mean"] - ik["kld_mean"]) < abs(weights_alone - ik["kld_mean"]) / 4
 
 
+@pytest.mark.parametrize(("weights", "ppl_rel"), [("iq2_kt", None), ("iq3_kt", 5e-4), ("iq4_kt", 5e-4)])
+def test_trellis_types_reproduce_iks_kld(weights: str, ppl_rel: float | None) -> None:
+    """ik's CPU matmul multiplies IQ2_KT / IQ3_KT rows by 1.05 / 1.01 times the scale its dequantization uses
+    (ikrun/ops/numerics.py): the mean KLD within 0.3% of ik's (measured -0.03% .. +0.006%), far from the
+    weights-alone figure for IQ2_KT. PPL(Q) within 0.05% for IQ3_KT and IQ4_KT (measured -0.018%, +0.006%); IQ2_KT's
+    is 0.10% below ik's, the gap of the other low-bit types, so not asserted."""
+    ik = _printed(DATA / "logits" / "qwen3-plan-kt" / f"ik-{weights}-kld.txt")
+    gguf = DATA / "convert" / "qwen3-plan-kt" / f"ik-{weights}.gguf"
+    base = DATA / "logits" / "qwen3-plan" / "ik-base.kld"
+    got = _kld(gguf, base)
+    assert _close(got["kld_mean"], ik["kld_mean"], 0.003), (got["kld_mean"], ik)
+    if ppl_rel is not None:
+        assert abs(got["ppl_q"] / ik["ppl_q"] - 1) < ppl_rel, (got["ppl_q"], ik)
+    if weights == "iq2_kt":
+        exact = json.loads(runner.invoke(app, ["kld", str(gguf), "--base-logits", str(base), "--json"]).stdout)
+        assert ik["kld_mean"] - exact["kld_mean"] > 50 * abs(got["kld_mean"] - ik["kld_mean"])
+
+
 @pytest.mark.parametrize(("weights", "kld_rel"), [("q8_0", 0.003), ("bf16", 0.03)])
 def test_qwen3_q8_0_and_bf16(weights: str, kld_rel: float) -> None:
     """bf16's KLD (2.0e-5) is printed with two digits; its PPL(Q) carries the check."""
@@ -181,8 +199,8 @@ def test_routed_experts_are_converted_per_expert_by_their_token_count(monkeypatc
 
 def test_a_swap_to_a_type_not_emulated_is_refused() -> None:
     model = Model(DATA / "convert" / "qwen3" / "ik-q8_0.gguf", options=IK)
-    with pytest.raises(ModelError, match="IQ2_KT weights"):
-        model.swap("blk.0.attn_q.weight", type_by_name("IQ2_KT"), np.zeros(1, np.uint8))
+    with pytest.raises(ModelError, match="IQ1_KT weights"):
+        model.swap("blk.0.attn_q.weight", type_by_name("IQ1_KT"), np.zeros(1, np.uint8))
     res = runner.invoke(app, ["sweep", str(DATA / "convert" / "qwen3" / "ik-q8_0.gguf"), "--text",
                               str(DATA / "logits" / "qwen3" / "text.txt"), "--types", "Q4_0,Q5_K", "--numerics", "ik",
                               "--ctx", "64", "--chunks", "1", "-o", "unused.json"])

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numba
 import numpy as np
 import pytest
 
 import ikquant.formats  # noqa: F401  (registers the codecs)
+from ikquant.gguf_io import GGUFFile
 from ikquant.types import type_by_name
 from ikrun.ops.moe import moe_experts
-from ikrun.ops.numerics import IK_KERNELS, Q8_2_X4, Q8_K, integer_rows, round_activations
+from ikrun.ops.numerics import (
+    IK_KERNELS,
+    KT_MATMUL_FACTOR,
+    Q8_2_X4,
+    Q8_K,
+    _kt_sub_scales,
+    integer_rows,
+    round_activations,
+)
 from ikrun.ops.qgemm import HAS_VNNI, TILE, BlockInts, pack, qmatmul
 
+DATA = Path(__file__).parent / "data"
 #: (block, activation format, with Q8_1 offsets)
 LAYOUTS = [(32, Q8_2_X4, False), (32, Q8_2_X4, True), (256, Q8_K, False)]
 
@@ -126,3 +138,26 @@ def test_routed_experts_in_integers_match_their_float_emulation() -> None:
     for e in range(n_expert):
         rows = floats.rows(e)
         np.testing.assert_array_equal(mixed.act[rows], (ints if e % 2 else floats).act[rows])
+
+
+@pytest.mark.parametrize("type_name", ["IQ2_KT", "IQ3_KT", "IQ4_KT"])
+def test_trellis_integers_are_the_generators_values(type_name: str) -> None:
+    """A trellis row decodes to (d x sub-block scale) x the generator's integer (-126..126); ik's matmul multiplies
+    those integers by (d x its factor) x the sub-block scale, in float32 natively and rounded to f16 converted."""
+    gguf = GGUFFile(DATA / "convert" / "qwen3-plan-kt" / f"ik-{type_name.lower()}.gguf")
+    name = "blk.0.ffn_down.weight"
+    raw, n = np.ascontiguousarray(gguf.raw(name)), gguf.info(name).n_per_row
+    raw = raw.reshape(gguf.info(name).n_rows, -1)
+    decoded = type_by_name(type_name).require_codec().dequantize(raw, n)
+    kernel = IK_KERNELS[type_name]
+    assert kernel.ints is not None and kernel.convert is not None
+    native, converted = kernel.ints(raw, decoded), kernel.convert(raw, decoded)
+    d = raw[:, :4].copy().view(np.float32)
+    dl = (d * _kt_sub_scales(raw, n, type_name)).astype(np.float32)
+    assert np.abs(native.q).max() <= 126
+    np.testing.assert_array_equal((native.q.reshape(*dl.shape, 32) * dl[..., None]).reshape(decoded.shape), decoded)
+    factor = KT_MATMUL_FACTOR[type_name]
+    dm = d if factor is None else (d * factor).astype(np.float32)
+    np.testing.assert_array_equal(native.scale, (dm * _kt_sub_scales(raw, n, type_name)).astype(np.float32))
+    np.testing.assert_array_equal(converted.scale, native.scale.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(converted.q, native.q)

@@ -9,6 +9,8 @@ peak RSS is the command's own):
 - `unconstrained`: --no-stream with no budget worth the name (every decoded weight cached, the pre-budget runtime);
 - `default`: no flags (75% of the available memory; one-pass runs are layer-streamed);
 - `--mem M`: the given budget (default 1GiB), layer-streamed;
+- `--numerics ik`: the default mode with ik's arithmetic (integer matmuls), shown as "refused" for a file with a
+  weight type it does not reproduce;
 - `ik`: ik_llama.cpp's llama-perplexity on the same file, chunks and threads, when --ik-bin is given.
 
 Reported: tokens/s of the evaluation (ikrun's own report, without start-up; ik's prompt-eval figure), peak RSS,
@@ -73,11 +75,17 @@ def build_models(workdir: Path, only: str | None) -> dict[str, Path]:
     return files
 
 
+class Refused(Exception):
+    """ikrun refused the file under the options given (--numerics ik on a type it does not reproduce)."""
+
+
 def run(cmd: list[str]) -> tuple[str, float]:
     """(the command's stderr+stdout, its peak RSS in bytes)."""
     res = subprocess.run([sys.executable, str(TOOLS / "peak_rss.py"), *cmd], capture_output=True, text=True,
                          errors="replace", cwd=tempfile.gettempdir())
     text = res.stdout + res.stderr
+    if res.returncode != 0 and "does not reproduce ik's arithmetic" in text:
+        raise Refused(text.strip().splitlines()[-1])
     if res.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{text[-3000:]}")
     rss = float(re.findall(r"peak_rss ([\d.]+)", text)[-1]) * (1 << 20)
@@ -118,7 +126,8 @@ def main() -> None:
     files = build_models(a.workdir, a.only)
     text = a.workdir / "text.txt"
     text.write_text(CORPUS.read_text(encoding="utf-8") * 40, encoding="utf-8")
-    modes = {"unconstrained": ["--no-stream", "--mem", "1000GiB"], "default": [], f"--mem {a.mem}": ["--mem", a.mem]}
+    modes = {"unconstrained": ["--no-stream", "--mem", "1000GiB"], "default": [], f"--mem {a.mem}": ["--mem", a.mem],
+             "--numerics ik": ["--numerics", "ik"]}
     print(f"ctx {a.ctx}, {a.chunks} chunks, {a.threads} threads")
     print(f"{'file':16s} {'GiB':>6s} {'mode':>14s} {'tok/s':>7s} {'x uncon.':>8s} {'peak RSS GiB':>12s} "
           f"{'RSS/file':>8s}")
@@ -127,10 +136,13 @@ def main() -> None:
             continue
         size = path.stat().st_size
         base = None
-        rows = [(mode, *ikrun_ppl(path, text, a.ctx, a.chunks, a.threads, extra)) for mode, extra in modes.items()]
-        if a.ik_bin:
-            rows.append(("ik", *ik_ppl(a.ik_bin, path, text, a.ctx, a.chunks, a.threads)))
-        for mode, tps, rss in rows:
+        for mode, extra in [*modes.items(), *([("ik", [])] if a.ik_bin else [])]:
+            try:
+                tps, rss = ik_ppl(a.ik_bin, path, text, a.ctx, a.chunks, a.threads) if mode == "ik" else \
+                    ikrun_ppl(path, text, a.ctx, a.chunks, a.threads, extra)
+            except Refused:
+                print(f"{label:16s} {size / GiB:6.2f} {mode:>14s} {'refused':>7s}", flush=True)
+                continue
             base = base or tps
             print(f"{label:16s} {size / GiB:6.2f} {mode:>14s} {tps:7.1f} {base / tps:8.2f} {rss / GiB:12.2f} "
                   f"{rss / size:8.2f}", flush=True)

@@ -37,8 +37,14 @@ expert). ik splits a dense weight's rows over its threads and falls back to the 
 fewer than 32 rows; the emulation assumes it does not (true for real models at any thread count ik runs with; for a tiny model
 it means a thread count of at most rows / 32).
 
-Types not listed (i-quants, trellis types, the rest of the IQK and K families) are not emulated: `ik_kernel` names
-them so a run refuses them before any compute instead of printing a number ik would not print.
+The trellis types (IQ2_KT, IQ3_KT, IQ4_KT; Q8_2_X4 activations) multiply the generator's integers (-126..126) with
+a block scale (d x factor) x sub-block scale, in float32 below 16 activation rows (24 for IQ4_KT) and rounded to
+f16 from there on (converted to Q8_0_R8). The factor is 1.05 for IQ2_KT and 1.01 for IQ3_KT, which ik's own
+dequantization does not apply (`IkKernel.rescales`): under --numerics ik those files multiply as other weights than
+they decode to, and every float path (per-head slices, experts below the threshold) uses the rescaled values too.
+
+Types not listed (IQ1_KT, i-quants, the rest of the IQK and K families) are not emulated: `ik_kernel` names them so
+a run refuses them before any compute instead of printing a number ik would not print.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from ikquant.formats.iqk_grids import IQ4K_VALUES
 from ikquant.formats.numeric import f32_bits, f32_from_bits
 from ikrun.ops.parallel import pick
 from ikrun.ops.qgemm import TILE, BlockInts, IntRows
@@ -82,6 +89,8 @@ class IkKernel:
     convert_rows: int = 0
     convert: ToInts | None = None
     ints: ToInts | None = None
+    #: the stored integers multiply as other values than the file decodes to (the trellis types' factor)
+    rescales: bool = False
 
     def converts(self, n_act_rows: int, n_weight_rows: int) -> bool:
         return self.convert is not None and n_act_rows >= self.convert_rows and n_weight_rows >= 32 \
@@ -91,6 +100,13 @@ class IkKernel:
         """The integers of a matmul with `n_act_rows` activation rows, None where ik multiplies floats or the
         stored weights of a type not held as integers here."""
         return self.convert if self.converts(n_act_rows, n_weight_rows) else self.ints
+
+    def float_values(self, n_act_rows: int, n_weight_rows: int) -> ToInts | None:
+        """Where a float matmul must multiply other values than the exact decoding (converted weights, or stored
+        integers that rescale), the integers whose values it multiplies; None: the decoding itself."""
+        if self.converts(n_act_rows, n_weight_rows):
+            return self.convert
+        return self.ints if self.rescales else None
 
 
 def _f16(x: np.ndarray) -> np.ndarray:
@@ -171,6 +187,46 @@ def _iq4_ks_to_q8_k(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
     return _to_q8_k(decoded, np.repeat(d[:, None], decoded.shape[1] // SUPER, axis=1), 127)
 
 
+def _kt_sub_scales(raw: np.ndarray, n: int, type_name: str) -> np.ndarray:
+    """The integer scale of every 32-value sub-block of a trellis row [rows, n // 32] (IQ2_KT: the IQ4_K grid value
+    of its nibble; IQ3_KT: the nibble; IQ4_KT: bits 1-7 of its word, less 64)."""
+    bsize = {"IQ2_KT": 68, "IQ3_KT": 100, "IQ4_KT": 128}[type_name]
+    blocks = raw[:, 4:].reshape(raw.shape[0], n // SUPER, bsize)
+    if type_name == "IQ4_KT":
+        words = blocks[..., :32].copy().view(np.uint32).astype(np.int64)
+        return (((words & 0xFF) >> 1) - 64).reshape(raw.shape[0], -1).astype(np.float32)
+    t = np.arange(8)
+    nib = (blocks[..., t % 4].astype(np.int32) >> (4 * (t // 4))) & 15
+    ls = IQ4K_VALUES[nib] if type_name == "IQ2_KT" else nib
+    return ls.reshape(raw.shape[0], -1).astype(np.float32)
+
+
+#: ik's matmul multiplies a trellis row's scale d by this factor (its dequantization does not)
+KT_MATMUL_FACTOR = {"IQ2_KT": np.float32(1.05), "IQ3_KT": np.float32(1.01), "IQ4_KT": None}
+
+
+def _kt_ints(type_name: str, f16_scale: bool) -> ToInts:
+    """A trellis type as ik's matmul multiplies it: the generator's integers (-126..126, kept exactly: the decoding
+    is (d x sub-block scale) x integer) with the block scale (d x factor) x sub-block scale, in float32 (the native
+    kernel) or rounded to f16 (converted to Q8_0_R8)."""
+    factor = KT_MATMUL_FACTOR[type_name]
+
+    def ints(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
+        d = raw[:, 0:4].copy().view(np.float32)[:, :1]
+        ls = _kt_sub_scales(raw, decoded.shape[1], type_name)
+        q = _scaled_ints(decoded, (d * ls).astype(np.float32)).q
+        dm = d if factor is None else (d * factor).astype(np.float32)
+        scale = (dm * ls).astype(np.float32)
+        return BlockInts(q=q, scale=_f16(scale) if f16_scale else scale, block=BLOCK)
+
+    return ints
+
+
+def _kt_kernel(type_name: str, convert_rows: int) -> IkKernel:
+    return IkKernel(Q8_2_X4, convert_rows, _kt_ints(type_name, True), _kt_ints(type_name, False),
+                    rescales=KT_MATMUL_FACTOR[type_name] is not None)
+
+
 #: weight type -> how ik multiplies it (types not listed are not emulated)
 IK_KERNELS: dict[str, IkKernel] = {
     "F32": IkKernel(UNROUNDED), "F16": IkKernel(UNROUNDED), "BF16": IkKernel(BF16),
@@ -185,6 +241,7 @@ IK_KERNELS: dict[str, IkKernel] = {
     "IQ3_K": IkKernel(Q8_K, 32, lambda raw, w: _to_q8_k(w, _block_f16(raw, 110), 127)),
     "IQ2_K": IkKernel(Q8_K, 32, lambda raw, w: _to_q8_k(w, _block_f16(raw, 76), 120)),
     "IQ4_XS": IkKernel(Q8_K, 32, lambda raw, w: _to_q8_k(w, _block_f16(raw, 136), 127)),
+    "IQ2_KT": _kt_kernel("IQ2_KT", 16), "IQ3_KT": _kt_kernel("IQ3_KT", 16), "IQ4_KT": _kt_kernel("IQ4_KT", 24),
 }
 
 
