@@ -144,7 +144,7 @@ def test_routed_experts_in_integers_match_their_float_emulation() -> None:
 def test_trellis_integers_are_the_generators_values(type_name: str) -> None:
     """A trellis row decodes to (d x sub-block scale) x the generator's integer (-126..126); ik's matmul multiplies
     those integers by (d x its factor) x the sub-block scale, in float32 natively and rounded to f16 converted."""
-    gguf = GGUFFile(DATA / "convert" / "qwen3-plan-kt" / f"ik-{type_name.lower()}.gguf")
+    gguf = GGUFFile(DATA / "convert" / "qwen3-plan-more" / f"ik-{type_name.lower()}.gguf")
     name = "blk.0.ffn_down.weight"
     raw, n = np.ascontiguousarray(gguf.raw(name)), gguf.info(name).n_per_row
     raw = raw.reshape(gguf.info(name).n_rows, -1)
@@ -161,3 +161,22 @@ def test_trellis_integers_are_the_generators_values(type_name: str) -> None:
     np.testing.assert_array_equal(native.scale, (dm * _kt_sub_scales(raw, n, type_name)).astype(np.float32))
     np.testing.assert_array_equal(converted.scale, native.scale.astype(np.float16).astype(np.float32))
     np.testing.assert_array_equal(converted.q, native.q)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
+def test_k_quants_convert_to_their_values_with_f16_scales(type_name: str) -> None:
+    """ik's Q8_1 conversion keeps the 4- or 5-bit values and rounds the scale d x sc and the offset -dmin x m to f16:
+    every converted value is within that rounding of the decoding (a wrong value would be a whole scale off)."""
+    rng = np.random.default_rng(6)
+    x = (rng.standard_normal((32, 512)) * np.exp(rng.standard_normal((32, 1))) + 0.3).astype(np.float32)
+    codec = type_by_name(type_name).require_codec()
+    raw = codec.quantize(x)
+    decoded = codec.dequantize(raw, 512)
+    convert = IK_KERNELS[type_name].convert
+    assert convert is not None
+    ints = convert(raw, decoded)
+    assert ints.q.min() >= 0 and ints.q.max() == (31 if type_name == "Q5_K" else 15)
+    assert ints.offset is not None
+    scale, offset = np.repeat(ints.scale, 32, axis=1), np.repeat(ints.offset, 32, axis=1)
+    bound = 2.0**-11 * (np.abs(scale * ints.q) + np.abs(offset)) * 1.001 + 1e-30
+    assert (np.abs(ints.to_float() - decoded) <= bound).all()

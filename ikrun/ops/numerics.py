@@ -12,7 +12,8 @@ per-block scalings.
 
 The formats:
 
-- `Q8_2_X4` (Q8_0, Q4_0, Q5_0, Q6_0, IQ4_NL, MXFP4 and their row-interleaved forms): blocks of 32; the scale
+- `Q8_2_X4` (Q8_0, Q4_0, Q5_0, Q6_0, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K, the trellis types and the row-interleaved
+  forms): blocks of 32; the scale
   d = max|x| / 127 rounded to bf16 (nearest even), then q = round-half-even(x * (1/d)) saturated to int8 and
   x' = q * d. ik converts these weights at 32 rows and more to Q8_0_R8, whose integers and f16 scales are the
   weights' own, so nothing else rounds.
@@ -26,7 +27,8 @@ For some types ik's kernels also convert the weights before multiplying, once th
 rows (`IkKernel.convert_rows`; below it the native kernel multiplies the exact weights) and the weight has at
 least 32 rows (a multiple of 16):
 
-- Q4_K (32 rows) to Q8_1: per 32-value block the scale f16(d * sc) and the offset f16(-dmin * m), values kept;
+- Q4_K and Q5_K (32 rows) to Q8_1: per 32-value block the scale f16(d * sc) and the offset f16(-dmin * m), values
+  kept;
 - Q6_K (64 rows) to Q8_0_R8: per 32-value block p = (q - 32) * sc, re-quantized to int8 against max|p| / 127,
   scale f16(d * max|p| / 127);
 - IQ4_KS, IQ3_K, IQ4_XS (32 rows) and IQ2_K (32 rows, against 120 instead of 127) to Q8_K_R16: per 256 values the
@@ -145,17 +147,23 @@ def _f16_scaled(block_bytes: int) -> ToInts:
     return lambda raw, decoded: _scaled_ints(decoded, _block_f16(raw, block_bytes))
 
 
-def _q4_k_to_q8_1(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
-    blocks = raw.reshape(raw.shape[0], -1, 144)
-    d, dmin = _block_f16(raw, 144), _block_f16(raw, 144, 2)
+def _k_to_q8_1(raw: np.ndarray, decoded: np.ndarray, five_bits: bool) -> BlockInts:
+    """Q4_K / Q5_K as ik converts them to Q8_1: per 32-value block the values kept, the scale f16(d x sc) and the
+    offset f16(-dmin x m)."""
+    size = 176 if five_bits else 144
+    blocks = raw.reshape(raw.shape[0], -1, size)
+    d, dmin = _block_f16(raw, size), _block_f16(raw, size, 2)
     s = blocks[..., 4:16].astype(np.int32)
     sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
     mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
-    qs = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 32)
-    q = np.stack([qs & 15, qs >> 4], axis=3).reshape(decoded.shape).astype(np.int8)
+    qs = blocks[..., size - 128 :].reshape(*blocks.shape[:2], 4, 32)
+    q = np.stack([qs & 15, qs >> 4], axis=3).reshape(*blocks.shape[:2], 8, 32)
+    if five_bits:  # bit j of qh[l] is the fifth bit of value l of sub-block j
+        qh = blocks[..., 16:48].astype(np.int32)
+        q = q | (((qh[:, :, None, :] >> np.arange(8)[None, None, :, None]) & 1) << 4)
     scale = _f16(d[..., None] * sc.astype(np.float32)).reshape(raw.shape[0], -1)
     offset = _f16(-dmin[..., None] * mn.astype(np.float32)).reshape(raw.shape[0], -1)
-    return BlockInts(q=q, scale=scale, block=BLOCK, offset=offset)
+    return BlockInts(q=q.reshape(decoded.shape).astype(np.int8), scale=scale, block=BLOCK, offset=offset)
 
 
 def _q6_k_to_q8_0(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
@@ -235,7 +243,8 @@ IK_KERNELS: dict[str, IkKernel] = {
                                                                       ("IQ4_NL", 18))},
     "MXFP4": IkKernel(Q8_2_X4, ints=lambda raw, decoded: _scaled_ints(decoded, _e8m0_half(raw, 17))),
     **{t: IkKernel(Q8_2_X4) for t in ("Q8_0_R8", "Q4_0_R8", "IQ4_NL_R4", "MXFP4_R8")},
-    "Q4_K": IkKernel(Q8_2_X4, 32, _q4_k_to_q8_1),
+    "Q4_K": IkKernel(Q8_2_X4, 32, lambda raw, w: _k_to_q8_1(raw, w, False)),
+    "Q5_K": IkKernel(Q8_2_X4, 32, lambda raw, w: _k_to_q8_1(raw, w, True)),
     "Q6_K": IkKernel(Q8_2_X4, 64, _q6_k_to_q8_0),
     "IQ4_KS": IkKernel(Q8_K, 32, _iq4_ks_to_q8_k),
     "IQ3_K": IkKernel(Q8_K, 32, lambda raw, w: _to_q8_k(w, _block_f16(raw, 110), 127)),
