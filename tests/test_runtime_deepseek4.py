@@ -72,7 +72,10 @@ def test_kld_against_ik_on_exact_weights() -> None:
     exact = _kld("ik-base-dequant.kld")
     assert exact["n_tokens"] == 60 * 31 and exact["kld_mean"] <= 1e-3 and exact["same_top_p"] > 0.99, exact
     f16 = _kld("ik-base-dequant.kld", "--kv-cache", "f16")
-    assert f16["same_top_p"] == 1.0 and abs(f16["kld_mean"]) < 1e-6 and f16["kld_max"] < 2e-5, f16
+    # one position (chunk 27, token 12) is a tie in ik's file: it stores tokens 71 and 145 at the same 16-bit
+    # log-probability (ours differ by 3.6e-6), and its top is the first of the two
+    assert round(f16["same_top_p"] * f16["n_tokens"]) >= f16["n_tokens"] - 1, f16
+    assert abs(f16["kld_mean"]) < 1e-6 and f16["kld_max"] < 2e-5, f16
     assert f16["kld_max"] < exact["kld_max"] / 100
 
 

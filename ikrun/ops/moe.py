@@ -5,9 +5,10 @@ chosen experts, or sqrt(softplus)), the top-k experts by probability plus the op
 (exp_probs_b; the bias only chooses, the unbiased probabilities weigh), optional normalisation of the chosen
 weights to sum 1 (sum in float64 like ggml_sum_rows) and a final scale.
 
-Experts: every (token, slot) assignment is processed by its expert only (no dense pass over all experts); the
-weighted expert outputs are summed in slot order (ggml's mul_multi_add), so results do not depend on the thread
-count: experts run in parallel but each writes only its own assignments' rows.
+Experts: every (token, slot) assignment is processed by its expert only (no dense pass over all experts), each
+expert's matmuls running in parallel over its weight rows (ikrun/ops/fgemm.py: one FMA chain per output in the
+exact mode; ikrun/ops/qgemm.py: ik's integer sums under --numerics ik); the weighted expert outputs are summed in
+slot order (ggml's mul_multi_add), so results depend neither on the thread count nor on how tokens are batched.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from ikrun.ops.numerics import FMT_NONE, FORMAT_CODES, UNROUNDED, integer_rows, round_activations, round_row
+from ikrun.ops.fgemm import expert_matmul
+from ikrun.ops.numerics import UNROUNDED, integer_rows, round_activations
 from ikrun.ops.qgemm import IntRows, PackedInts, qmatmul
 
 GATING_SOFTMAX = 1
@@ -28,12 +30,8 @@ GATING_SQRT_SOFTPLUS = 4
 GATING_NAMES = {GATING_SOFTMAX: "softmax", GATING_SIGMOID: "sigmoid", GATING_SOFTMAX_WEIGHT: "softmax_weight",
                 GATING_SQRT_SOFTPLUS: "sqrt_softplus"}
 
-#: tokens whose activations are kept close in cache while one expert's weight rows stream past them
-ROW_BLOCK = 16
-#: multiply-adds below which the expert kernel runs on one thread (thread start-up costs more than it saves)
+#: multiply-adds below which combining the experts' outputs runs on one thread (start-up costs more than it saves)
 PARALLEL_MIN_FLOPS = 1 << 22
-# Dot products may be reassociated (vectorized); the order is fixed by the code, not by the thread count.
-_FAST = {"reassoc", "contract"}
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -143,46 +141,11 @@ def group_by_expert(sel: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.ndar
     return order.astype(np.int64), offsets
 
 
-@njit(cache=True, nogil=True, fastmath=_FAST, inline="always")
-def _dot(a: np.ndarray, b: np.ndarray) -> np.float32:
-    s = np.float32(0.0)
-    for i in range(a.shape[0]):
-        s += a[i] * b[i]
-    return s
-
-
 @njit(cache=True, nogil=True, inline="always")
 def _swiglu1(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
     """One clamped SwiGLU value from the gate and up projections."""
     g = min(g, limit)
     return (g / (np.float32(1.0) + np.exp(-g))) * max(-limit, min(u, limit))
-
-
-@njit(cache=True, nogil=True, fastmath=_FAST)
-def _expert(e: int, xu: np.ndarray, xg: np.ndarray, k: int, order: np.ndarray, start: int, stop: int,
-            up: np.ndarray, gate: np.ndarray, down: np.ndarray, limit: np.float32, down_fmt: int, act: np.ndarray,
-            act_q: np.ndarray, y: np.ndarray) -> None:
-    """Expert matrix e of up/gate/down on the assignments order[start:stop] (SwiGLU clamped at `limit`); the
-    rows entering down are act, or act rounded to `down_fmt` in act_q (--numerics ik)."""
-    n_ff = up.shape[1]
-    n_embd = down.shape[1]
-    for b0 in range(start, stop, ROW_BLOCK):
-        b1 = min(stop, b0 + ROW_BLOCK)
-        for j in range(n_ff):
-            wg = gate[e, j]
-            wu = up[e, j]
-            for a in range(b0, b1):
-                idx = order[a]
-                act[idx, j] = _swiglu1(_dot(wg, xg[idx // k]), _dot(wu, xu[idx // k]), limit)
-        if down_fmt != FMT_NONE:
-            for a in range(b0, b1):
-                idx = order[a]
-                round_row(act[idx], down_fmt, act_q[idx])
-        for j in range(n_embd):
-            wd = down[e, j]
-            for a in range(b0, b1):
-                idx = order[a]
-                y[idx, j] = _dot(wd, act_q[idx])
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -194,24 +157,6 @@ def _combine_row(y: np.ndarray, w: np.ndarray, t: int, out: np.ndarray) -> None:
         ws = w[t, s]
         for j in range(out.shape[1]):
             out[t, j] += y[t * k + s, j] * ws
-
-
-@njit(cache=True, nogil=True)
-def _experts_serial(xu, xg, k, order, offsets, ids, up, gate, down, limit, down_fmt, act, act_q,  # type: ignore[no-untyped-def]
-                    y):
-    for j in range(ids.shape[0]):
-        e = ids[j]
-        _expert(j, xu, xg, k, order, offsets[e], offsets[e + 1], up, gate, down, np.float32(limit), down_fmt, act,
-                act_q, y)
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _experts_parallel(xu, xg, k, order, offsets, ids, up, gate, down, limit, down_fmt, act,  # type: ignore[no-untyped-def]
-                      act_q, y):
-    for j in prange(ids.shape[0]):
-        e = ids[j]
-        _expert(j, xu, xg, k, order, offsets[e], offsets[e + 1], up, gate, down, np.float32(limit), down_fmt, act,
-                act_q, y)
 
 
 @njit(cache=True, nogil=True)
@@ -237,6 +182,13 @@ def _swiglu_rows(g: np.ndarray, u: np.ndarray, limit: float, out: np.ndarray) ->
     for i in range(g.shape[0]):
         for j in range(g.shape[1]):
             out[i, j] = _swiglu1(g[i, j], u[i, j], np.float32(limit))
+
+
+def _swiglu(g: np.ndarray, u: np.ndarray, limit: float) -> np.ndarray:
+    """The clamped SwiGLU of an expert's gate and up projections [tokens, n_ff]."""
+    out = np.empty(g.shape, np.float32)
+    _swiglu_rows(np.ascontiguousarray(g), np.ascontiguousarray(u), float(limit), out)
+    return out
 
 
 @dataclass
@@ -273,45 +225,38 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
     x = np.ascontiguousarray(x, dtype=np.float32)
     act: np.ndarray | None = None
     y: np.ndarray | None = None
-    if ints is not None:
-        as_floats = []
-        xs: list[IntRows] = []
-        for e in used.tolist():
-            packed = ints(e)
-            if packed is None:
-                as_floats.append(e)
-                continue
-            up, gate, down = packed
-            if act is None or y is None:
-                act = np.empty((n * k, up.rows), dtype=np.float32)
-                y = np.empty((n * k, down.rows), dtype=np.float32)
-            rows = order[offsets[e] : offsets[e + 1]]
-            if not xs:  # the routed tokens rounded once for every expert
-                xs = [integer_rows(x, formats[0])]
-                xs.append(xs[0] if formats[1] == formats[0] else integer_rows(x, formats[1]))
-            gu = qmatmul(xs[0].take(rows // k), up)
-            gg = qmatmul(xs[1].take(rows // k), gate)
-            a = np.empty_like(gu)
-            _swiglu_rows(gg, gu, float(limit), a)
-            act[rows] = a
-            y[rows] = qmatmul(integer_rows(a, formats[2]), down)
-        used = np.array(as_floats, dtype=np.int64)
+    xs: list[IntRows] = []
+    as_floats = []
+    for e in used.tolist():
+        packed = None if ints is None else ints(e)
+        if packed is None:
+            as_floats.append(e)
+            continue
+        up, gate, down = packed
+        if act is None or y is None:
+            act, y = np.empty((n * k, up.rows), np.float32), np.empty((n * k, down.rows), np.float32)
+        rows = order[offsets[e] : offsets[e + 1]]
+        if not xs:  # the routed tokens rounded once for every expert
+            xs = [integer_rows(x, formats[0])]
+            xs.append(xs[0] if formats[1] == formats[0] else integer_rows(x, formats[1]))
+        a = _swiglu(qmatmul(xs[1].take(rows // k), gate), qmatmul(xs[0].take(rows // k), up), limit)
+        act[rows] = a
+        y[rows] = qmatmul(integer_rows(a, formats[2]), down)
+    floats = np.array(as_floats, dtype=np.int64)
     xu = round_activations(x, formats[0])
     xg = xu if formats[1] == formats[0] else round_activations(x, formats[1])
-    down_fmt = FORMAT_CODES[formats[2]]
-    act_q: np.ndarray | None = None
-    step = max(1, len(used) if group is None else group)
-    for g0 in range(0, len(used), step):
-        ids = used[g0 : g0 + step]
-        up, gate, down = fetch(ids)
+    step = max(1, len(floats) if group is None else group)
+    for g0 in range(0, len(floats), step):
+        ids = floats[g0 : g0 + step]
+        ups, gates, downs = fetch(ids)
         if act is None or y is None:
-            act = np.empty((n * k, up.shape[1]), dtype=np.float32)
-            y = np.empty((n * k, down.shape[1]), dtype=np.float32)
-        if act_q is None:
-            act_q = act if down_fmt == FMT_NONE else np.empty_like(act)
-        flops = int(offsets[ids + 1].sum() - offsets[ids].sum()) * up.shape[1] * up.shape[2] * 3
-        kernel = _experts_parallel if flops >= PARALLEL_MIN_FLOPS else _experts_serial
-        kernel(xu, xg, k, order, offsets, ids, up, gate, down, float(limit), down_fmt, act, act_q, y)
+            act, y = np.empty((n * k, ups.shape[1]), np.float32), np.empty((n * k, downs.shape[1]), np.float32)
+        for j, e in enumerate(ids.tolist()):
+            rows = order[offsets[e] : offsets[e + 1]]
+            tokens = rows // k
+            a = _swiglu(expert_matmul(xg[tokens], gates[j]), expert_matmul(xu[tokens], ups[j]), limit)
+            act[rows] = a
+            y[rows] = expert_matmul(round_activations(a, formats[2]), downs[j])
     assert act is not None and y is not None, "a routing without assignments"
     out = np.empty((n, y.shape[1]), dtype=np.float32)
     combine = _combine_parallel if n * k * y.shape[1] >= PARALLEL_MIN_FLOPS else _combine_serial

@@ -1,0 +1,55 @@
+"""The exact mode's expert matmul (ikrun/ops/fgemm.py): one fused multiply-add chain per output, in k order."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit
+
+from ikquant.formats.numeric import fmaf
+from ikrun.ops.fgemm import expert_matmul
+
+
+@njit(cache=True)
+def _fma_chains(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    for t in range(x.shape[0]):
+        for r in range(w.shape[0]):
+            acc = np.float32(0.0)
+            for k in range(x.shape[1]):
+                acc = fmaf(w[r, k], x[t, k], acc)
+            out[t, r] = acc
+    return out
+
+
+def _case(m: int, n: int, rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((m, n)).astype(np.float32), rng.standard_normal((rows, n)).astype(np.float32)
+
+
+def test_every_output_is_one_fma_chain_in_order() -> None:
+    """Shapes that are no whole tiles (tokens, rows, and a row longer than one K step): the bits of a scalar
+    fused multiply-add loop."""
+    for m, n, rows in ((1, 32, 1), (5, 64, 7), (37, 600, 13)):
+        x, w = _case(m, n, rows)
+        np.testing.assert_array_equal(expert_matmul(x, w), _fma_chains(x, w))
+
+
+def test_the_tokens_batched_with_it_change_nothing() -> None:
+    x, w = _case(70, 256, 24, 1)
+    whole = expert_matmul(x, w)
+    for a, b in ((0, 1), (3, 19), (40, 70)):
+        np.testing.assert_array_equal(expert_matmul(x[a:b], w), whole[a:b])
+
+
+def test_any_thread_count_gives_the_same_bits() -> None:
+    x, w = _case(64, 512, 256, 2)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = expert_matmul(x, w)
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        two = expert_matmul(x, w)
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_array_equal(one, two)
