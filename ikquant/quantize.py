@@ -306,9 +306,8 @@ def check_writable(plan: Plan) -> None:
 
     missing: dict[str, list[str]] = {}
     for p in plan.tensors:
-        for t in ((p.type, p.info.type) if p.quantize else ()):
-            if t.codec is None:
-                missing.setdefault(t.name, []).append(p.name)
+        if p.quantize and (p.type.codec is None or not p.type.codec.can_quantize or p.info.type.codec is None):
+            missing.setdefault(p.type.name if p.info.type.codec is not None else p.info.type.name, []).append(p.name)
     if missing:
         first, names = next(iter(missing.items()))
         raise QuantizeError(f"the plan needs {', '.join(missing)}, which iktools cannot encode or decode yet "

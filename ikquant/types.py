@@ -175,8 +175,13 @@ def register_codec(type_name: str, codec: Codec) -> None:
     type_by_name(type_name).codec = codec
 
 
-def implemented_types() -> list[GGMLType]:
-    """Types that have a codec, i.e. that the tools can quantize to and dequantize from."""
+def decodable_types() -> list[GGMLType]:
+    """Types that have a codec: the tools can read them (dequantize)."""
     import ikquant.formats  # noqa: F401  (importing the formats registers their codecs)
 
     return [t for t in all_types() if t.codec is not None]
+
+
+def implemented_types() -> list[GGMLType]:
+    """Types the tools can quantize to and dequantize from."""
+    return [t for t in decodable_types() if t.codec is not None and t.codec.can_quantize]

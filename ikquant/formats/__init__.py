@@ -4,6 +4,7 @@ from ikquant.formats import (  # noqa: F401
     floats,
     interleaved,
     iq4,
+    iq12,
     iqk,
     iqk_ks,
     iquants,

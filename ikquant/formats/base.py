@@ -45,6 +45,8 @@ class Codec:
     """Base class: validation and array plumbing; subclasses supply `_quantize` and `_dequantize`."""
 
     type_name: str = ""
+    #: False for a type iktools decodes but cannot encode yet (the plan check refuses to write it)
+    can_quantize: bool = True
     #: whether importance weights change the result (ik ignores them for Q8_0, MXFP4, F16, BF16)
     uses_imatrix: bool = True
     #: largest |x| the type can represent (beyond it the stored scale overflows); larger inputs are refused

@@ -1,0 +1,197 @@
+"""The 1- and 2-bit i-quants IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M: decoding (the files users bring).
+
+Each codes groups of 8 values as one point of a grid whose points hold 8 two-bit levels (iq12_grids.py). An IQ2
+level l decodes as the magnitude 8, 25 or 43 (ik's iq2xxs/iq2xs/iq2s_grid bytes), signed by a 7-bit sign group
+whose parity gives the 8th sign (IQ2_XXS, IQ2_XS) or by a byte of explicit signs (IQ2_S); an IQ1 level decodes as
+-1, 0 or 1 plus a shift of +-1/8. Per 256-value super-block (little-endian fields):
+
+- IQ2_XXS (66 bytes): f16 d, then per 32 values two u32: four 8-bit grid indices; four 7-bit sign groups and a
+  4-bit scale s in the top bits. value = (d (0.5 + s) / 4) * level * sign.
+- IQ2_XS (74): f16 d, 32 u16 (9-bit grid index, 7-bit sign group), 8 bytes of two 4-bit scales (one per 16
+  values).
+- IQ2_S (82): f16 d, 32 grid index bytes, 32 sign bytes, 8 bytes of the indices' top 2 bits (per 32 values, 2 bits
+  per group of 8), 8 scale bytes as IQ2_XS.
+- IQ1_S (50): f16 d, 32 index bytes, per 32 values a u16: the indices' top 3 bits (3 x 4 groups), a 3-bit scale s
+  (bits 12-14) and the shift's sign (bit 15). value = (d (2 s + 1)) * (level + shift).
+- IQ1_M (56): 32 index bytes, 16 bytes of the indices' top 3 bits and the shifts' signs (per group of 8), 8 bytes
+  of 3-bit scales (two per 32 values: one per 16) whose top nibbles together are the f16 d.
+
+The arithmetic is ik's dequantize_row_* order (float32, products left to right). Quantizing to these types is not
+implemented yet: the codecs refuse it (`can_quantize`), and ikquant refuses such a plan before writing anything.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ikquant.formats.base import Codec
+from ikquant.formats.iq12_grids import KGRID_IQ1S, KGRID_IQ2S, KGRID_IQ2XS, KGRID_IQ2XXS
+from ikquant.formats.numeric import f16_bits_to_f32, load_f16
+from ikquant.types import register_codec
+
+QK_K = 256
+KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
+IQ1S_DELTA = np.float32(0.125)
+
+
+def _grid(kgrid: np.ndarray, values: tuple[float, float, float]) -> np.ndarray:
+    """[points, 8] float32 decoded levels of a kgrid (level 3 does not occur in these grids)."""
+    levels = (kgrid[:, None].astype(np.int64) >> (2 * np.arange(8))[None, :]) & 3
+    if (levels == 3).any():
+        raise AssertionError("a 2-bit grid point with level 3")
+    return np.array(values, dtype=np.float32)[levels]
+
+
+IQ2_LEVELS = (8.0, 25.0, 43.0)
+GRID_IQ2XXS = _grid(KGRID_IQ2XXS, IQ2_LEVELS)
+GRID_IQ2XS = _grid(KGRID_IQ2XS, IQ2_LEVELS)
+GRID_IQ2S = _grid(KGRID_IQ2S, IQ2_LEVELS)
+GRID_IQ1S = _grid(KGRID_IQ1S, (-1.0, 0.0, 1.0))
+#: a 7-bit sign group completed with its parity bit as the 8th sign (ik's ksigns_iq2xs)
+KSIGNS = np.array([i | (128 if bin(i).count("1") % 2 else 0) for i in range(128)], dtype=np.uint8)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _signed(dl: np.float32, grid: np.ndarray, g: int, signs: int, out: np.ndarray, r: int, y: int) -> None:
+    for j in range(8):
+        v = dl * grid[g, j]
+        out[r, y + j] = -v if (signs >> j) & 1 else v
+
+
+@njit(**KERNEL)
+def _dequantize_iq2_xxs(q: np.ndarray, out: np.ndarray, grid: np.ndarray, ksigns: np.ndarray) -> None:
+    for r in prange(out.shape[0]):
+        for ibl in range(out.shape[1] // QK_K):
+            b = 66 * ibl
+            d = load_f16(q[r], b)
+            for ib in range(8):
+                o = b + 2 + 8 * ib
+                aux = np.uint32(q[r, o + 4]) | (np.uint32(q[r, o + 5]) << 8) | (np.uint32(q[r, o + 6]) << 16) | (
+                    np.uint32(q[r, o + 7]) << 24)
+                db = d * (np.float32(0.5) + np.float32(aux >> 28)) * np.float32(0.25)
+                for g in range(4):
+                    _signed(db, grid, q[r, o + g], ksigns[(aux >> (7 * g)) & 127], out, r, QK_K * ibl + 32 * ib + 8 * g)
+
+
+@njit(**KERNEL)
+def _dequantize_iq2_xs(q: np.ndarray, out: np.ndarray, grid: np.ndarray, ksigns: np.ndarray) -> None:
+    for r in prange(out.shape[0]):
+        for ibl in range(out.shape[1] // QK_K):
+            b = 74 * ibl
+            d = load_f16(q[r], b)
+            for ib in range(8):
+                sc = q[r, b + 66 + ib]
+                db0 = d * (np.float32(0.5) + np.float32(sc & 15)) * np.float32(0.25)
+                db1 = d * (np.float32(0.5) + np.float32(sc >> 4)) * np.float32(0.25)
+                for g in range(4):
+                    o = b + 2 + 8 * ib + 2 * g
+                    v = np.int64(q[r, o]) | (np.int64(q[r, o + 1]) << 8)
+                    _signed(db0 if g < 2 else db1, grid, v & 511, ksigns[v >> 9], out, r,
+                            QK_K * ibl + 32 * ib + 8 * g)
+
+
+@njit(**KERNEL)
+def _dequantize_iq2_s(q: np.ndarray, out: np.ndarray, grid: np.ndarray) -> None:
+    for r in prange(out.shape[0]):
+        for ibl in range(out.shape[1] // QK_K):
+            b = 82 * ibl
+            d = load_f16(q[r], b)
+            for ib in range(8):
+                sc = q[r, b + 74 + ib]
+                db0 = d * (np.float32(0.5) + np.float32(sc & 15)) * np.float32(0.25)
+                db1 = d * (np.float32(0.5) + np.float32(sc >> 4)) * np.float32(0.25)
+                qh = np.int64(q[r, b + 66 + ib])
+                for g in range(4):
+                    idx = np.int64(q[r, b + 2 + 4 * ib + g]) | ((qh << (8 - 2 * g)) & 0x300)
+                    _signed(db0 if g < 2 else db1, grid, idx, q[r, b + 34 + 4 * ib + g], out, r,
+                            QK_K * ibl + 32 * ib + 8 * g)
+
+
+@njit(**KERNEL)
+def _dequantize_iq1_s(q: np.ndarray, out: np.ndarray, grid: np.ndarray) -> None:
+    for r in prange(out.shape[0]):
+        for ibl in range(out.shape[1] // QK_K):
+            b = 50 * ibl
+            d = load_f16(q[r], b)
+            for ib in range(8):
+                qh = np.int64(q[r, b + 34 + 2 * ib]) | (np.int64(q[r, b + 35 + 2 * ib]) << 8)
+                dl = d * np.float32(2 * ((qh >> 12) & 7) + 1)
+                delta = -IQ1S_DELTA if qh & 0x8000 else IQ1S_DELTA
+                for g in range(4):
+                    idx = np.int64(q[r, b + 2 + 4 * ib + g]) | (((qh >> (3 * g)) & 7) << 8)
+                    y = QK_K * ibl + 32 * ib + 8 * g
+                    for j in range(8):
+                        out[r, y + j] = dl * (grid[idx, j] + delta)
+
+
+@njit(**KERNEL)
+def _dequantize_iq1_m(q: np.ndarray, out: np.ndarray, grid: np.ndarray) -> None:
+    for r in prange(out.shape[0]):
+        for ibl in range(out.shape[1] // QK_K):
+            b = 56 * ibl
+            sc = np.empty(4, np.int64)
+            for t in range(4):
+                sc[t] = np.int64(q[r, b + 48 + 2 * t]) | (np.int64(q[r, b + 49 + 2 * t]) << 8)
+            bits = (sc[0] >> 12) | ((sc[1] >> 8) & 0x00F0) | ((sc[2] >> 4) & 0x0F00) | (sc[3] & 0xF000)
+            d = f16_bits_to_f32(np.uint16(bits))
+            for ib in range(8):
+                s = sc[ib // 2] >> (6 * (ib % 2))
+                dl1 = d * np.float32(2 * (s & 7) + 1)
+                dl2 = d * np.float32(2 * ((s >> 3) & 7) + 1)
+                for g in range(4):
+                    qh = np.int64(q[r, b + 32 + 2 * ib + g // 2])
+                    idx = np.int64(q[r, b + 4 * ib + g]) | ((qh << (8 if g % 2 == 0 else 4)) & 0x700)
+                    delta = -IQ1S_DELTA if qh & (0x08 if g % 2 == 0 else 0x80) else IQ1S_DELTA
+                    dl = dl1 if g < 2 else dl2
+                    y = QK_K * ibl + 32 * ib + 8 * g
+                    for j in range(8):
+                        out[r, y + j] = dl * (grid[idx, j] + delta)
+
+
+class _DecodeOnlyCodec(Codec):
+    """A type iktools reads but does not write yet."""
+
+    can_quantize = False
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        raise NotImplementedError(f"quantizing to {self.type_name} is not implemented yet (iktools reads it only)")
+
+
+class IQ2_XXSCodec(_DecodeOnlyCodec):
+    type_name = "IQ2_XXS"
+
+    def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        _dequantize_iq2_xxs(q, out, GRID_IQ2XXS, KSIGNS)
+
+
+class IQ2_XSCodec(_DecodeOnlyCodec):
+    type_name = "IQ2_XS"
+
+    def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        _dequantize_iq2_xs(q, out, GRID_IQ2XS, KSIGNS)
+
+
+class IQ2_SCodec(_DecodeOnlyCodec):
+    type_name = "IQ2_S"
+
+    def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        _dequantize_iq2_s(q, out, GRID_IQ2S)
+
+
+class IQ1_SCodec(_DecodeOnlyCodec):
+    type_name = "IQ1_S"
+
+    def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        _dequantize_iq1_s(q, out, GRID_IQ1S)
+
+
+class IQ1_MCodec(_DecodeOnlyCodec):
+    type_name = "IQ1_M"
+
+    def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        _dequantize_iq1_m(q, out, GRID_IQ1S)
+
+
+for _codec in (IQ2_XXSCodec(), IQ2_XSCodec(), IQ2_SCodec(), IQ1_SCodec(), IQ1_MCodec()):
+    register_codec(_codec.type_name, _codec)
