@@ -24,7 +24,7 @@ from ikquant.gguf_io import GGUFFile
 from ikquant.types import GGMLType
 from ikrun.models.base import ArchModel, ModelError
 from ikrun.ops.numerics import IK_KERNELS, UNROUNDED, activation_format, ik_kernel, integer_rows, round_activations
-from ikrun.ops.qgemm import PackedInts, pack, qmatmul
+from ikrun.ops.qgemm import IntRows, PackedInts, pack, qmatmul
 from ikrun.weights import INTEGER_TYPES, PACKED, SwapError, WeightStore
 
 __all__ = ["KV_CACHE_TYPES", "Model", "ModelError", "RuntimeOptions"]
@@ -294,13 +294,19 @@ class Model:
             if values is not None:
                 mats[j] = values(np.ascontiguousarray(raw[e]), mats[j]).to_float()
 
-    def project(self, x: np.ndarray, weight_name: str) -> np.ndarray:
+    def project(self, x: np.ndarray, weight_name: str, rounded: dict[str, IntRows] | None = None) -> np.ndarray:
         """x @ W^T for the 2-D weight `weight_name`; decoded whole when it fits the cache, else a tile of rows at a
         time (the output head of a large vocabulary under a small budget)."""
         if self.ik_numerics:
             packed = self._ik_packed(weight_name, len(x))
             if packed is not None:
-                return qmatmul(integer_rows(x, self.activation_format(weight_name)), packed)
+                fmt = self.activation_format(weight_name)
+                rows = rounded.get(fmt) if rounded is not None else None
+                if rows is None:
+                    rows = integer_rows(x, fmt)
+                    if rounded is not None:
+                        rounded[fmt] = rows
+                return qmatmul(rows, packed)
             x = self.activations(x, weight_name)
             converted = self._ik_converted(weight_name, len(x), self.shape(weight_name)[0])
             if converted is not None:
@@ -320,13 +326,20 @@ class Model:
             y[:, r0 : r0 + len(rows)] = x @ w.decode_rows(weight_name, rows).T
         return y
 
-    def linear(self, x: np.ndarray, name: str) -> np.ndarray:
-        """x @ W^T (+ bias) for the weight `name` (without the .weight suffix), shown to the observers first."""
+    def linear(self, x: np.ndarray, name: str, rounded: dict[str, IntRows] | None = None) -> np.ndarray:
+        """x @ W^T (+ bias) for the weight `name` (without the .weight suffix), shown to the observers first;
+        `rounded` keeps x's integer rows per activation format for the next weight on the same input."""
         self.observe(name + ".weight", x)
-        y = self.project(x, name + ".weight")
+        y = self.project(x, name + ".weight", rounded)
         if self.has(name + ".bias"):
             y += self.weight(name + ".bias")
         return y
+
+    def linears(self, x: np.ndarray, names: list[str]) -> list[np.ndarray]:
+        """linear(x, name) for weights that share the input x (q/k/v, gate/up): under --numerics ik x is rounded
+        once per activation format, not once per weight."""
+        rounded: dict[str, IntRows] = {}
+        return [self.linear(x, name, rounded) for name in names]
 
     def embed_rows(self, name: str, tokens: np.ndarray) -> np.ndarray:
         """Rows `tokens` of an embedding table: from its cached decoding when evaluations repeat and it fits, else

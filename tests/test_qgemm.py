@@ -189,3 +189,21 @@ def test_k_quants_convert_to_their_values_with_f16_scales(type_name: str) -> Non
     scale, offset = np.repeat(ints.scale, 32, axis=1), np.repeat(ints.offset, 32, axis=1)
     bound = 2.0**-11 * (np.abs(scale * ints.q) + np.abs(offset)) * 1.001 + 1e-30
     assert (np.abs(ints.to_float() - decoded) <= bound).all()
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI")
+def test_the_vnni_kernel_is_built_from_vpdpbusd() -> None:
+    """What LLVM emits for the micro-kernel (compiled afresh: cached code cannot be inspected): 512-bit vpdpbusd,
+    8 per 32-value block of each of the 4 x 2 accumulators."""
+    from numba import njit
+
+    from ikrun.ops.qgemm import _tile32
+
+    @njit
+    def call(wq, ws, wc, wo, au, asc, asum, out):  # type: ignore[no-untyped-def]
+        _tile32(wq, ws, wc, wo, au, asc, asum, out, 0, 0, 0, 1, 1, 32)
+
+    f32, i8 = np.zeros(64, np.float32), np.zeros(32 * 32, np.int8)
+    call(i8, f32, np.zeros(64, np.int32), f32, np.zeros(4 * 32, np.uint8), f32, f32, np.zeros(4 * 32, np.float32))
+    asm = "\n".join(call.inspect_asm().values())
+    assert asm.count("vpdpbusd") >= 64 and "vpdpbusd\t%zmm" in asm  # LLVM may unroll the block loop further

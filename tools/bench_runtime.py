@@ -4,8 +4,8 @@ and, given --ik-bin, ik_llama.cpp's own llama-perplexity on the same files and t
 tiny golden models of every architecture the runtime has (tests/data: qwen3, deepseek-v3, openpangu-v2, glm-dsa),
 64-token chunks as their golden logits were made.
 
-The model (default ~0.4B parameters) is written as bf16 safetensors, converted to F16, then quantized to Q8_0, Q4_K
-and IQ4_KS; each file runs with the exact arithmetic and with --numerics ik. Each measurement evaluates the same chunks; the runtime's figure excludes the first chunk (decode caches,
+The model (default ~0.4B parameters) is written as bf16 safetensors, converted to F16, then quantized to Q8_0, Q4_K,
+IQ4_KS and IQ2_KT; each file runs with the exact arithmetic and with --numerics ik. Each measurement evaluates the same chunks; the runtime's figure excludes the first chunk (decode caches,
 JIT warm-up) as ik's excludes its load.
 
 Example: python tools/bench_runtime.py --ik-bin ~/ik/build/bin/llama-perplexity --threads 2
@@ -99,10 +99,10 @@ def main() -> None:
     if not f16.exists():
         Converter(hf, "f16", "qwen2").write(f16)
     files = {"F16": f16}
-    for t, ftype in (("Q8_0", "Q8_0"), ("Q4_K", "Q4_K_S"), ("IQ4_KS", "IQ4_KS")):  # --pure: every tensor type t
-        files[t] = a.workdir / f"model-{t.lower()}.gguf"
+    for t, ftype in (("Q8_0", "Q8_0"), ("Q4_K", "Q4_K_S"), ("IQ4_KS", "IQ4_KS"), ("IQ2_KT", "IQ2_KT")):
+        files[t] = a.workdir / f"model-{t.lower()}.gguf"  # --pure: every tensor type t (IQ2_KT without an imatrix)
         if not files[t].exists():
-            quantize_model(f16, files[t], QuantizeOptions(file_type(ftype), pure=True))
+            quantize_model(f16, files[t], QuantizeOptions(file_type(ftype), pure=True, ignore_imatrix_rules=True))
     text = a.workdir / "text.txt"
     text.write_text(CORPUS.read_text(encoding="utf-8") * 4, encoding="utf-8")
     n_params = sum(t.n_elements for t in Model(f16).gguf.tensors.values())

@@ -82,9 +82,10 @@ class LlamaFamily(ArchModel):
         m, b, n = self.m, f"blk.{i}.", len(x)
         cos, sin = seq.state["rope"]
         h = rms_norm(x, m.weight(b + "attn_norm.weight"), self.eps)
-        q = m.linear(h, b + "attn_q").reshape(n, self.n_head, self.head_dim)
-        k = m.linear(h, b + "attn_k").reshape(n, self.n_head_kv, self.head_dim)
-        v = m.linear(h, b + "attn_v").reshape(n, self.n_head_kv, self.head_dim_v)
+        q, k, v = m.linears(h, [b + "attn_q", b + "attn_k", b + "attn_v"])
+        q = q.reshape(n, self.n_head, self.head_dim)
+        k = k.reshape(n, self.n_head_kv, self.head_dim)
+        v = v.reshape(n, self.n_head_kv, self.head_dim_v)
         if self.qk_norm:
             q = rms_norm(q, m.weight(b + "attn_q_norm.weight"), self.eps)
             k = rms_norm(k, m.weight(b + "attn_k_norm.weight"), self.eps)

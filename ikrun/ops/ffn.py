@@ -29,8 +29,8 @@ EXPERT_TENSORS = ("ffn_up_exps", "ffn_gate_exps", "ffn_down_exps")
 def dense_ffn(m: Model, h: np.ndarray, b: str, kind: str = "", limit: float = np.inf) -> np.ndarray:
     """SwiGLU FFN through ffn_gate/up/down{kind} of block prefix `b` ("" dense layers, "_shexp" shared experts),
     clamped at a finite `limit` (swiglu)."""
-    return m.linear(swiglu(m.linear(h, b + "ffn_gate" + kind), m.linear(h, b + "ffn_up" + kind), limit),
-                    b + "ffn_down" + kind)
+    gate, up = m.linears(h, [b + "ffn_gate" + kind, b + "ffn_up" + kind])
+    return m.linear(swiglu(gate, up, limit), b + "ffn_down" + kind)
 
 
 @dataclass(frozen=True)

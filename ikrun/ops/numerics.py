@@ -20,7 +20,7 @@ The formats:
 - `BF16` (bf16 weights on a build with AVX512-BF16): activations rounded to bf16 (nearest even).
 - F32 and F16 weights take the float32 activations unrounded (ik's float kernels).
 
-- `Q8_K` (IQ4_KS, IQ3_K, IQ2_K, IQ4_XS): blocks of 256; d = max|x| / 127 in float32 (not rounded),
+- `Q8_K` (the IQK types and IQ4_XS): blocks of 256; d = max|x| / 127 in float32 (not rounded),
   q = round-half-even(x * (127 / max|x|)) saturated to int8, x' = q * d.
 
 For some types ik's kernels also convert the weights before multiplying, once the matmul has enough activation
@@ -31,9 +31,9 @@ least 32 rows (a multiple of 16):
   kept;
 - Q6_K (64 rows) to Q8_0_R8: per 32-value block p = (q - 32) * sc, re-quantized to int8 against max|p| / 127,
   scale f16(d * max|p| / 127);
-- IQ4_KS, IQ3_K, IQ4_XS (32 rows) and IQ2_K (32 rows, against 120 instead of 127) to Q8_K_R16: per 256 values the
-  integers p = sub-block scale x grid value, kept when max|p| < 127 (c), else re-quantized to int8 against
-  max|p| / c, scale f16(d * that).
+- the IQK types and IQ4_XS (32 rows) to Q8_K_R16: per 256 values the integers p = sub-block scale x grid value
+  (p = decoding / d, d the block's f16 scale or the row's scale), kept when max|p| < c, else re-quantized to int8
+  against max|p| / c, scale f16(d * that); c = 127, but 120 for IQ2_K and 125 for IQ2_KS and IQ2_KL.
 Routed experts are decided per expert, on the tokens routed to each (ik's mul_mat_id runs the same test per
 expert). ik splits a dense weight's rows over its threads and falls back to the native kernels when a thread gets
 fewer than 32 rows; the emulation assumes it does not (true for real models at any thread count ik runs with; for a tiny model
@@ -45,7 +45,7 @@ f16 from there on (converted to Q8_0_R8). The factor is 1.05 for IQ2_KT and 1.01
 dequantization does not apply (`IkKernel.rescales`): under --numerics ik those files multiply as other weights than
 they decode to, and every float path (per-head slices, experts below the threshold) uses the rescaled values too.
 
-Types not listed (IQ1_KT, i-quants, the rest of the IQK and K families) are not emulated: `ik_kernel` names them so
+Types not listed (Q4_1, Q5_1, Q2_K, Q3_K, the i-quants, IQ1_KT, Q8_KV, Q1_0_G128) are not emulated: `ik_kernel` names them so
 a run refuses them before any compute instead of printing a number ik would not print.
 """
 
@@ -190,9 +190,22 @@ def _to_q8_k(decoded: np.ndarray, dsup: np.ndarray, c: float) -> BlockInts:
     return BlockInts(q=q.reshape(decoded.shape).astype(np.int8), scale=_f16(dsup * dnew), block=SUPER)
 
 
-def _iq4_ks_to_q8_k(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
-    d = raw[:, 0:4].copy().view(np.float32)[:, 0]
-    return _to_q8_k(decoded, np.repeat(d[:, None], decoded.shape[1] // SUPER, axis=1), 127)
+def _row_scaled_to_q8_k(row_scale: str, c: float) -> ToInts:
+    """An IQK type with one scale per row (f32 or f16, before the blocks) as ik converts it to Q8_K_R16."""
+
+    def convert(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
+        if row_scale == "f32":
+            d = raw[:, 0:4].copy().view(np.float32)[:, 0]
+        else:
+            d = raw[:, 0:2].copy().view(np.float16)[:, 0].astype(np.float32)
+        return _to_q8_k(decoded, np.repeat(d[:, None], decoded.shape[1] // SUPER, axis=1), c)
+
+    return convert
+
+
+def _super_scaled_to_q8_k(block_bytes: int, c: float) -> ToInts:
+    """An IQK type with an f16 scale at the start of every 256-value block as ik converts it to Q8_K_R16."""
+    return lambda raw, decoded: _to_q8_k(decoded, _block_f16(raw, block_bytes), c)
 
 
 def _kt_sub_scales(raw: np.ndarray, n: int, type_name: str) -> np.ndarray:
@@ -246,10 +259,12 @@ IK_KERNELS: dict[str, IkKernel] = {
     "Q4_K": IkKernel(Q8_2_X4, 32, lambda raw, w: _k_to_q8_1(raw, w, False)),
     "Q5_K": IkKernel(Q8_2_X4, 32, lambda raw, w: _k_to_q8_1(raw, w, True)),
     "Q6_K": IkKernel(Q8_2_X4, 64, _q6_k_to_q8_0),
-    "IQ4_KS": IkKernel(Q8_K, 32, _iq4_ks_to_q8_k),
-    "IQ3_K": IkKernel(Q8_K, 32, lambda raw, w: _to_q8_k(w, _block_f16(raw, 110), 127)),
-    "IQ2_K": IkKernel(Q8_K, 32, lambda raw, w: _to_q8_k(w, _block_f16(raw, 76), 120)),
-    "IQ4_XS": IkKernel(Q8_K, 32, lambda raw, w: _to_q8_k(w, _block_f16(raw, 136), 127)),
+    **{t: IkKernel(Q8_K, 32, _super_scaled_to_q8_k(size, c)) for t, size, c in (
+        ("IQ2_K", 76, 120), ("IQ3_K", 110, 127), ("IQ4_K", 144, 127), ("IQ5_K", 176, 127), ("IQ6_K", 212, 127),
+        ("IQ4_XS", 136, 127))},
+    **{t: IkKernel(Q8_K, 32, _row_scaled_to_q8_k(scale, c)) for t, scale, c in (
+        ("IQ2_KS", "f16", 125), ("IQ2_KL", "f16", 125), ("IQ3_KS", "f16", 127), ("IQ4_KS", "f32", 127),
+        ("IQ4_KSS", "f32", 127), ("IQ5_KS", "f32", 127))},
     "IQ2_KT": _kt_kernel("IQ2_KT", 16), "IQ3_KT": _kt_kernel("IQ3_KT", 16), "IQ4_KT": _kt_kernel("IQ4_KT", 24),
 }
 
