@@ -149,7 +149,7 @@ def test_routed_experts_in_integers_match_their_float_emulation() -> None:
         np.testing.assert_array_equal(mixed.act[rows], (ints if e % 2 else floats).act[rows])
 
 
-@pytest.mark.parametrize("type_name", ["IQ2_KT", "IQ3_KT", "IQ4_KT"])
+@pytest.mark.parametrize("type_name", ["IQ1_KT", "IQ2_KT", "IQ3_KT", "IQ4_KT"])
 def test_trellis_integers_are_the_generators_values(type_name: str) -> None:
     """A trellis row decodes to (d x sub-block scale) x the generator's integer (-126..126); ik's matmul multiplies
     those integers by (d x its factor) x the sub-block scale, in float32 natively and rounded to f16 converted."""

@@ -39,13 +39,13 @@ expert). ik splits a dense weight's rows over its threads and falls back to the 
 fewer than 32 rows; the emulation assumes it does not (true for real models at any thread count ik runs with; for a tiny model
 it means a thread count of at most rows / 32).
 
-The trellis types (IQ2_KT, IQ3_KT, IQ4_KT; Q8_2_X4 activations) multiply the generator's integers (-126..126) with
+The trellis types (IQ1_KT, IQ2_KT, IQ3_KT, IQ4_KT; Q8_2_X4 activations) multiply the generator's integers (-126..126) with
 a block scale (d x factor) x sub-block scale, in float32 below 16 activation rows (24 for IQ4_KT) and rounded to
 f16 from there on (converted to Q8_0_R8). The factor is 1.05 for IQ2_KT and 1.01 for IQ3_KT, which ik's own
 dequantization does not apply (`IkKernel.rescales`): under --numerics ik those files multiply as other weights than
 they decode to, and every float path (per-head slices, experts below the threshold) uses the rescaled values too.
 
-Types not listed (Q4_1, Q5_1, Q2_K, Q3_K, the i-quants, IQ1_KT, Q8_KV, Q1_0_G128) are not emulated: `ik_kernel` names them so
+Types not listed (Q4_1, Q5_1, Q2_K, Q3_K, the i-quants, Q8_KV, Q1_0_G128) are not emulated: `ik_kernel` names them so
 a run refuses them before any compute instead of printing a number ik would not print.
 """
 
@@ -209,10 +209,12 @@ def _super_scaled_to_q8_k(block_bytes: int, c: float) -> ToInts:
 
 
 def _kt_sub_scales(raw: np.ndarray, n: int, type_name: str) -> np.ndarray:
-    """The integer scale of every 32-value sub-block of a trellis row [rows, n // 32] (IQ2_KT: the IQ4_K grid value
-    of its nibble; IQ3_KT: the nibble; IQ4_KT: bits 1-7 of its word, less 64)."""
-    bsize = {"IQ2_KT": 68, "IQ3_KT": 100, "IQ4_KT": 128}[type_name]
+    """The integer scale of every 32-value sub-block of a trellis row [rows, n // 32] (IQ1_KT, IQ2_KT: the IQ4_K
+    grid value of its nibble; IQ3_KT: the nibble; IQ4_KT: bits 1-7 of its word, less 64)."""
+    bsize = {"IQ1_KT": 56, "IQ2_KT": 68, "IQ3_KT": 100, "IQ4_KT": 128}[type_name]
     blocks = raw[:, 4:].reshape(raw.shape[0], n // SUPER, bsize)
+    if type_name == "IQ1_KT":
+        return IQ4K_VALUES[blocks[..., :8] & 15].reshape(raw.shape[0], -1).astype(np.float32)
     if type_name == "IQ4_KT":
         words = blocks[..., :32].copy().view(np.uint32).astype(np.int64)
         return (((words & 0xFF) >> 1) - 64).reshape(raw.shape[0], -1).astype(np.float32)
@@ -223,7 +225,7 @@ def _kt_sub_scales(raw: np.ndarray, n: int, type_name: str) -> np.ndarray:
 
 
 #: ik's matmul multiplies a trellis row's scale d by this factor (its dequantization does not)
-KT_MATMUL_FACTOR = {"IQ2_KT": np.float32(1.05), "IQ3_KT": np.float32(1.01), "IQ4_KT": None}
+KT_MATMUL_FACTOR = {"IQ1_KT": None, "IQ2_KT": np.float32(1.05), "IQ3_KT": np.float32(1.01), "IQ4_KT": None}
 
 
 def _kt_ints(type_name: str, f16_scale: bool) -> ToInts:
@@ -265,7 +267,7 @@ IK_KERNELS: dict[str, IkKernel] = {
     **{t: IkKernel(Q8_K, 32, _row_scaled_to_q8_k(scale, c)) for t, scale, c in (
         ("IQ2_KS", "f16", 125), ("IQ2_KL", "f16", 125), ("IQ3_KS", "f16", 127), ("IQ4_KS", "f32", 127),
         ("IQ4_KSS", "f32", 127), ("IQ5_KS", "f32", 127))},
-    "IQ2_KT": _kt_kernel("IQ2_KT", 16), "IQ3_KT": _kt_kernel("IQ3_KT", 16), "IQ4_KT": _kt_kernel("IQ4_KT", 24),
+    **{t: _kt_kernel(t, rows) for t, rows in (("IQ1_KT", 16), ("IQ2_KT", 16), ("IQ3_KT", 16), ("IQ4_KT", 24))},
 }
 
 
