@@ -17,6 +17,7 @@ from ikrun.ops.numerics import (
     KT_MATMUL_FACTOR,
     Q8_2_X4,
     Q8_K,
+    _block_f16,
     _kt_sub_scales,
     integer_rows,
     round_activations,
@@ -207,3 +208,40 @@ def test_the_vnni_kernel_is_built_from_vpdpbusd() -> None:
     call(i8, f32, np.zeros(64, np.int32), f32, np.zeros(4 * 32, np.uint8), f32, f32, np.zeros(4 * 32, np.float32))
     asm = "\n".join(call.inspect_asm().values())
     assert asm.count("vpdpbusd") >= 64 and "vpdpbusd\t%zmm" in asm  # LLVM may unroll the block loop further
+
+
+def _q8_k_reference(decoded: np.ndarray, dsup: np.ndarray, c: float) -> tuple[np.ndarray, np.ndarray]:
+    """ik's convert_to_q8_k_r8 written with numpy, array at a time."""
+    shape = dsup.shape + (256,)
+    p = np.rint(np.divide(decoded.reshape(shape), dsup[..., None], out=np.zeros(shape, np.float32),
+                          where=dsup[..., None] != 0))
+    dnew = np.abs(p).max(axis=-1) * np.float32(np.float32(1.0) / np.float32(c))
+    small = dnew < 1
+    dnew = np.where(small, np.float32(1), dnew).astype(np.float32)
+    inv = np.where(np.abs(dnew) > np.float32(1e-9), np.float32(1) / dnew, np.float32(0)).astype(np.float32)
+    q = np.where(small[..., None], p, np.clip(np.rint(p * inv[..., None]), -128, 127))
+    return q.reshape(decoded.shape).astype(np.int8), (dsup * dnew).astype(np.float16).astype(np.float32)
+
+
+@pytest.mark.parametrize("type_name", ["IQ2_K", "IQ3_K", "IQ4_KS", "IQ5_K", "IQ6_K", "IQ2_KS"])
+def test_iqk_conversion_is_its_array_definition(type_name: str) -> None:
+    """The Numba conversion to Q8_K_R16 gives the integers and scales of the array-at-a-time definition, bit for bit
+    (blocks whose integers fit and blocks re-quantized against max / c, an all-zero row included)."""
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((16, 512)) * np.exp(rng.standard_normal((16, 1)) * 2)).astype(np.float32)
+    x[3] = 0
+    codec = type_by_name(type_name).require_codec()
+    raw = codec.quantize(x)
+    decoded = codec.dequantize(raw, 512)
+    convert = IK_KERNELS[type_name].convert
+    assert convert is not None
+    got = convert(raw, decoded)
+    if type_name in ("IQ4_KS", "IQ2_KS"):  # one scale per row, before the blocks
+        row = raw[:, :4].copy().view(np.float32) if type_name == "IQ4_KS" else \
+            raw[:, :2].copy().view(np.float16).astype(np.float32)
+        d = np.repeat(row, 2, axis=1)
+    else:
+        d = _block_f16(raw, type_by_name(type_name).type_size)
+    q, scale = _q8_k_reference(decoded, d, {"IQ2_K": 120, "IQ2_KS": 125}.get(type_name, 127))
+    np.testing.assert_array_equal(got.q, q)
+    np.testing.assert_array_equal(got.scale, scale)

@@ -58,7 +58,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.iqk_grids import IQ4K_VALUES
-from ikquant.formats.numeric import f32_bits, f32_from_bits
+from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits
 from ikrun.ops.parallel import pick
 from ikrun.ops.qgemm import TILE, BlockInts, IntRows
 
@@ -177,17 +177,36 @@ def _q6_k_to_q8_0(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
                      scale=_f16(d[..., None] * mx).reshape(raw.shape[0], -1), block=BLOCK)
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def _q8_k_blocks(decoded: np.ndarray, dsup: np.ndarray, inv_c: np.float32, q: np.ndarray, scale: np.ndarray) -> None:
+    for r in prange(dsup.shape[0]):
+        p = np.empty(SUPER, np.float32)
+        for b in range(dsup.shape[1]):
+            ds = dsup[r, b]
+            amax = np.float32(0.0)
+            for j in range(SUPER):
+                v = np.float32(np.rint(decoded[r, b * SUPER + j] / ds)) if ds != 0 else np.float32(0.0)
+                p[j] = v
+                amax = max(amax, abs(v))
+            dnew = amax * inv_c
+            small = dnew < 1
+            if small:
+                dnew = np.float32(1.0)
+            inv = np.float32(1.0) / dnew if abs(dnew) > np.float32(1e-9) else np.float32(0.0)
+            for j in range(SUPER):
+                v = p[j] if small else min(np.float32(127.0), max(np.float32(-128.0), np.float32(np.rint(p[j] * inv))))
+                q[r, b * SUPER + j] = np.int8(v)
+            scale[r, b] = f16_bits_to_f32(f32_to_f16_bits(ds * dnew))
+
+
 def _to_q8_k(decoded: np.ndarray, dsup: np.ndarray, c: float) -> BlockInts:
-    """ik's convert_to_q8_k_r8 on the integers p = decoded / dsup of each 256-value block (dsup [rows, nb])."""
-    shape = dsup.shape + (SUPER,)
-    p = np.rint(np.divide(decoded.reshape(shape), dsup[..., None], out=np.zeros(shape, np.float32),
-                          where=dsup[..., None] != 0))
-    dnew = np.abs(p).max(axis=-1) * np.float32(np.float32(1.0) / np.float32(c))
-    small = dnew < 1
-    dnew = np.where(small, np.float32(1), dnew).astype(np.float32)
-    inv = np.where(np.abs(dnew) > np.float32(1e-9), np.float32(1) / dnew, np.float32(0)).astype(np.float32)
-    q = np.where(small[..., None], p, np.clip(np.rint(p * inv[..., None]), -128, 127))
-    return BlockInts(q=q.reshape(decoded.shape).astype(np.int8), scale=_f16(dsup * dnew), block=SUPER)
+    """ik's convert_to_q8_k_r8 on the integers p = decoded / dsup of each 256-value block (dsup [rows, nb]): p kept
+    when max|p| / c < 1, else re-quantized to int8 against max|p| / c; the scale f16(dsup x that)."""
+    q = np.empty(decoded.shape, np.int8)
+    scale = np.empty(dsup.shape, np.float32)
+    _q8_k_blocks(np.ascontiguousarray(decoded, dtype=np.float32), np.ascontiguousarray(dsup, dtype=np.float32),
+                 np.float32(np.float32(1.0) / np.float32(c)), q, scale)
+    return BlockInts(q=q, scale=scale, block=SUPER)
 
 
 def _row_scaled_to_q8_k(row_scale: str, c: float) -> ToInts:

@@ -99,12 +99,31 @@ def pack(w: BlockInts) -> PackedInts:
     def padded(a: np.ndarray) -> np.ndarray:
         return np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)]) if pad else a
 
-    q = padded(w.q.astype(np.int8, copy=False))
-    steps = q.reshape(groups, LANES, nb, w.block // 4, 4).transpose(0, 2, 3, 1, 4)
-    corr = 128 * q.reshape(groups * LANES, nb, w.block).astype(np.int32).sum(axis=-1, dtype=np.int32)
+    q = padded(np.ascontiguousarray(w.q, dtype=np.int8))
+    packed = np.empty(q.size, np.int8)
+    corr = np.empty(groups * nb * LANES, np.int32)
+    _pack_groups(q, w.block, packed, corr)
     offset = np.empty(0, np.float32) if w.offset is None else _by_group(padded(w.offset).astype(np.float32), groups)
-    return PackedInts(q=np.ascontiguousarray(steps).reshape(-1), scale=_by_group(padded(w.scale), groups),
-                      corr=_by_group(corr, groups).astype(np.int32), offset=offset, rows=rows, n=n, block=w.block)
+    return PackedInts(q=packed, scale=_by_group(padded(w.scale), groups), corr=corr, offset=offset, rows=rows, n=n,
+                      block=w.block)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _pack_groups(q: np.ndarray, block: int, out: np.ndarray, corr: np.ndarray) -> None:
+    """q [rows, n] into out [group, block, step, 16 rows, 4 values] and corr [group, block, 16] = 128 x block sums."""
+    n = q.shape[1]
+    nb, steps = n // block, block // 4
+    for g in prange(q.shape[0] // LANES):
+        for b in range(nb):
+            for r in range(LANES):
+                corr[(g * nb + b) * LANES + r] = 0
+            for s in range(steps):
+                base = ((g * nb + b) * steps + s) * 64
+                for r in range(LANES):
+                    for t in range(4):
+                        v = q[g * LANES + r, b * block + 4 * s + t]
+                        out[base + 4 * r + t] = v
+                        corr[(g * nb + b) * LANES + r] += 128 * np.int32(v)
 
 
 def _splat(builder: ir.IRBuilder, value: ir.Value, vty: ir.VectorType) -> ir.Value:
