@@ -27,6 +27,7 @@ from numba import njit, prange
 
 from ikquant.formats.base import Codec
 from ikquant.formats.iq12_grids import KGRID_IQ1S, KGRID_IQ2S, KGRID_IQ2XS, KGRID_IQ2XXS
+from ikquant.formats.iquants import KSIGNS
 from ikquant.formats.numeric import f16_bits_to_f32, load_f16
 from ikquant.types import register_codec
 
@@ -48,8 +49,6 @@ GRID_IQ2XXS = _grid(KGRID_IQ2XXS, IQ2_LEVELS)
 GRID_IQ2XS = _grid(KGRID_IQ2XS, IQ2_LEVELS)
 GRID_IQ2S = _grid(KGRID_IQ2S, IQ2_LEVELS)
 GRID_IQ1S = _grid(KGRID_IQ1S, (-1.0, 0.0, 1.0))
-#: a 7-bit sign group completed with its parity bit as the 8th sign (ik's ksigns_iq2xs)
-KSIGNS = np.array([i | (128 if bin(i).count("1") % 2 else 0) for i in range(128)], dtype=np.uint8)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -57,6 +56,19 @@ def _signed(dl: np.float32, grid: np.ndarray, g: int, signs: int, out: np.ndarra
     for j in range(8):
         v = dl * grid[g, j]
         out[r, y + j] = -v if (signs >> j) & 1 else v
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _half_scales(d: np.float32, sc: np.uint8) -> tuple[np.float32, np.float32]:
+    """The two 16-value scales of a scale byte (IQ2_XS, IQ2_S): d (0.5 + nibble) / 4."""
+    return (d * (np.float32(0.5) + np.float32(sc & 15)) * np.float32(0.25),
+            d * (np.float32(0.5) + np.float32(sc >> 4)) * np.float32(0.25))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _shifted(dl: np.float32, grid: np.ndarray, g: int, delta: np.float32, out: np.ndarray, r: int, y: int) -> None:
+    for j in range(8):
+        out[r, y + j] = dl * (grid[g, j] + delta)
 
 
 @njit(**KERNEL)
@@ -81,9 +93,7 @@ def _dequantize_iq2_xs(q: np.ndarray, out: np.ndarray, grid: np.ndarray, ksigns:
             b = 74 * ibl
             d = load_f16(q[r], b)
             for ib in range(8):
-                sc = q[r, b + 66 + ib]
-                db0 = d * (np.float32(0.5) + np.float32(sc & 15)) * np.float32(0.25)
-                db1 = d * (np.float32(0.5) + np.float32(sc >> 4)) * np.float32(0.25)
+                db0, db1 = _half_scales(d, q[r, b + 66 + ib])
                 for g in range(4):
                     o = b + 2 + 8 * ib + 2 * g
                     v = np.int64(q[r, o]) | (np.int64(q[r, o + 1]) << 8)
@@ -98,9 +108,7 @@ def _dequantize_iq2_s(q: np.ndarray, out: np.ndarray, grid: np.ndarray) -> None:
             b = 82 * ibl
             d = load_f16(q[r], b)
             for ib in range(8):
-                sc = q[r, b + 74 + ib]
-                db0 = d * (np.float32(0.5) + np.float32(sc & 15)) * np.float32(0.25)
-                db1 = d * (np.float32(0.5) + np.float32(sc >> 4)) * np.float32(0.25)
+                db0, db1 = _half_scales(d, q[r, b + 74 + ib])
                 qh = np.int64(q[r, b + 66 + ib])
                 for g in range(4):
                     idx = np.int64(q[r, b + 2 + 4 * ib + g]) | ((qh << (8 - 2 * g)) & 0x300)
@@ -120,9 +128,7 @@ def _dequantize_iq1_s(q: np.ndarray, out: np.ndarray, grid: np.ndarray) -> None:
                 delta = -IQ1S_DELTA if qh & 0x8000 else IQ1S_DELTA
                 for g in range(4):
                     idx = np.int64(q[r, b + 2 + 4 * ib + g]) | (((qh >> (3 * g)) & 7) << 8)
-                    y = QK_K * ibl + 32 * ib + 8 * g
-                    for j in range(8):
-                        out[r, y + j] = dl * (grid[idx, j] + delta)
+                    _shifted(dl, grid, idx, delta, out, r, QK_K * ibl + 32 * ib + 8 * g)
 
 
 @njit(**KERNEL)
@@ -143,10 +149,7 @@ def _dequantize_iq1_m(q: np.ndarray, out: np.ndarray, grid: np.ndarray) -> None:
                     qh = np.int64(q[r, b + 32 + 2 * ib + g // 2])
                     idx = np.int64(q[r, b + 4 * ib + g]) | ((qh << (8 if g % 2 == 0 else 4)) & 0x700)
                     delta = -IQ1S_DELTA if qh & (0x08 if g % 2 == 0 else 0x80) else IQ1S_DELTA
-                    dl = dl1 if g < 2 else dl2
-                    y = QK_K * ibl + 32 * ib + 8 * g
-                    for j in range(8):
-                        out[r, y + j] = dl * (grid[idx, j] + delta)
+                    _shifted(dl1 if g < 2 else dl2, grid, idx, delta, out, r, QK_K * ibl + 32 * ib + 8 * g)
 
 
 class _DecodeOnlyCodec(Codec):
