@@ -24,17 +24,25 @@ def test_groups_must_be_whole() -> None:
         type_by_name("Q8_0_R8").require_codec().quantize(np.ones((12, 64), dtype=np.float32))
 
 
-@pytest.mark.parametrize("base_type,interleaved", [("Q8_0", "Q8_0_R8"), ("Q4_0", "Q4_0_R8"), ("IQ4_NL", "IQ4_NL_R4")])
+@pytest.mark.parametrize("base_type,interleaved", [("Q8_0", "Q8_0_R8"), ("Q4_0", "Q4_0_R8"), ("IQ4_NL", "IQ4_NL_R4"),
+                                                   ("IQ4_K", "IQ4_K_R4"), ("IQ4_KS", "IQ4_KS_R4")])
 def test_an_interleaved_file_evaluates_as_its_base_type(tmp_path: Path, base_type: str, interleaved: str) -> None:
+    """The interleaved file (its file type, or the base type's with --custom-q for the blocks where iktools has no
+    interleaved file type yet) gives the base type's KLD statistics, every digit."""
     from ikconvert.convert import Converter
 
     src = Converter(make_tiny_checkpoint(tmp_path / "hf", TinySpec(arch="qwen3", hidden=256, layers=2, heads=4,
                                                                    kv_heads=2, head_dim=64, ffn=512)),
                     "f32", "qwen2").write(tmp_path / "m.gguf")
     files = {}
+    from ikquant.ftypes import all_file_types
+
+    has_ftype = any(f.name == interleaved for f in all_file_types())
     for t in (base_type, interleaved):
         files[t] = tmp_path / f"{t}.gguf"
-        res = runner.invoke(ikquant_app, [str(src), str(files[t]), "--type", t, "--pure"])
+        how = ["--type", t, "--pure"] if has_ftype or t == base_type else [  # --pure would ignore --custom-q
+            "--type", base_type, "--custom-q", rf"blk\..*={t.lower()},.*={base_type.lower()}"]
+        res = runner.invoke(ikquant_app, [str(src), str(files[t]), *how])
         assert res.exit_code == 0, res.output
     grouped_file = GGUFFile(files[interleaved])
     assert grouped_file.tensors["blk.0.ffn_down.weight"].type.name == interleaved

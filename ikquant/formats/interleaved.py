@@ -1,7 +1,9 @@
 """ik's row-interleaved types (`_R4`, `_R8`): groups of rows stored together so that its matrix kernels read several
-rows at once. Each is a regrouping of its base type's bytes, not another quantizer: quantizing means quantizing the
+rows at once. Each is a regrouping of its base type's bits, not another quantizer: quantizing means quantizing the
 rows with the base codec and regrouping each group; decoding undoes the regrouping. A codec here is the base codec
-plus, per block column of one group, where each interleaved byte comes from (ik's repack_* functions, as facts).
+plus, per block column of one group (and for row-scaled types the group's header of row scales), where each
+interleaved bit comes from (ik's repack_* functions, as facts). Most regroupings move whole nibbles; the IQK ones
+also spread 1- and 2-bit fields (block extras, high scale bits) over other bytes, so the maps are kept per bit.
 """
 
 from __future__ import annotations
@@ -15,6 +17,73 @@ from ikquant.types import register_codec, type_by_name
 def _nibbles(byte_src: list[int]) -> list[int]:
     """Source nibbles (low then high of each byte) for output bytes taken whole from `byte_src`."""
     return [2 * b + h for b in byte_src for h in (0, 1)]
+
+
+def _bits_of_nibbles(nibbles: list[int] | np.ndarray) -> np.ndarray:
+    """The source bits of a nibble map (nibble n is bits 4n .. 4n + 3, little-endian within its byte)."""
+    return (4 * np.asarray(nibbles, dtype=np.int64)[:, None] + np.arange(4)[None, :]).reshape(-1)
+
+
+def _field(byte: int, lo: int, n: int) -> list[int]:
+    """The source bits of an n-bit field starting at bit `lo` of byte `byte`."""
+    return [8 * byte + lo + j for j in range(n)]
+
+
+def _iqk_r4_qs(row_bytes: int, base: int, qs: int, ib: int) -> list[int]:
+    """One 32-value sub-block's codes of 4 rows as ik's IQK _R4 repacks store them (the IQ4_NL_R4 shuffle): per row
+    4 bytes of (values 0..3 | 8..11), then (16..19 | 24..27), (4..7 | 12..15), (20..23 | 28..31); `base` is the
+    block's offset in a row, `qs` its codes' offset in the block."""
+    out: list[int] = []
+    for lo_byte, high in ((0, 0), (0, 1), (4, 0), (4, 1)):
+        for k in range(4):
+            q = k * row_bytes + base + qs + 16 * ib
+            for i in range(4):
+                out += _field(q + lo_byte + i, 4 * high, 4) + _field(q + lo_byte + 8 + i, 4 * high, 4)
+    return out
+
+
+def iq4_ks_r4_block(row_bytes: int, ib: int) -> np.ndarray:
+    """IQ4_KS_R4 (after the group's 4 row scales): the 4 rows' scale bytes per sub-block, then their codes."""
+    base = 4 + 136 * ib
+    out = [b for s in range(8) for k in range(4) for b in _field(k * row_bytes + base + s, 0, 8)]
+    for sub in range(8):
+        out += _iqk_r4_qs(row_bytes, base, 8, sub)
+    return np.array(out, dtype=np.int64)
+
+
+def row_scales_r4(row_bytes: int) -> np.ndarray:
+    """The header of a row-scaled type's 4-row group: each row's f32 scale, in row order."""
+    return np.array([b for k in range(4) for b in _field(k * row_bytes, 0, 32)], dtype=np.int64)
+
+
+def iq4_k_r4_block(row_bytes: int, ib: int) -> np.ndarray:
+    """IQ4_K_R4: the 4 rows' f16 d; extra bits (byte k: bit 2s of row k's extra per sub-block s, byte 4 + k: bit
+    2s + 1); 16 bytes of 2-bit high scale bits and 32 of 4-bit low ones, field i = 8 s + k (+4 for a sub-block's
+    second half) at byte i % 16 (i % 32) bits 2 (4) x (i // 16 (32)); then the codes as IQ4_KS_R4's."""
+    base = 144 * ib
+    row = [k * row_bytes + base for k in range(4)]
+    out = [b for k in range(4) for b in _field(row[k], 0, 16)]
+    extra: list[list[int]] = [[] for _ in range(8)]
+    for k in range(4):
+        for s in range(8):
+            extra[k] += _field(row[k] + 2, 2 * s, 1) if s < 4 else _field(row[k] + 3, 2 * s - 8, 1)
+            extra[k + 4] += _field(row[k] + 2, 2 * s + 1, 1) if s < 4 else _field(row[k] + 3, 2 * s - 7, 1)
+    out += [b for e in extra for b in e]
+    high: dict[int, list[int]] = {}
+    low: dict[int, list[int]] = {}
+    for k in range(4):
+        for s in range(8):
+            sh = row[k] + 4 + s // 2  # scales_h: 2 x 2 bits per sub-block, nibble s % 2
+            sl = row[k] + 8 + s  # scales_l: the two 4-bit halves of sub-block s
+            for half in (0, 1):
+                i = 8 * s + k + 4 * half
+                high[i] = _field(sh, 4 * (s % 2) + 2 * half, 2)
+                low[i] = _field(sl, 4 * half, 4)
+    out += [b for byte in range(16) for i in (byte, byte + 16, byte + 32, byte + 48) for b in high[i]]
+    out += [b for byte in range(32) for i in (byte, byte + 32) for b in low[i]]
+    for sub in range(8):
+        out += _iqk_r4_qs(row_bytes, base, 16, sub)
+    return np.array(out, dtype=np.int64)
 
 
 def q8_0_r8_block(row_bytes: int, ib: int) -> np.ndarray:
@@ -59,16 +128,21 @@ def _from_base(name: str) -> property:
 
 
 class InterleavedCodec(Codec):
-    """A base codec's rows regrouped `group` at a time; `block(row_bytes, ib)` maps one block column, nibble by
-    nibble (a nibble granularity covers ik's byte regroupings and its nibble reshuffles alike)."""
+    """A base codec's rows regrouped `group` at a time; `block(row_bytes, ib)` maps one block column and
+    `header(row_bytes)` (row-scaled types) the group's header, bit by bit: the source bit (within one group of base
+    rows) of every bit of the interleaved form."""
 
-    def __init__(self, type_name: str, block) -> None:  # type: ignore[no-untyped-def]
+    #: groups converted at a time: the bit maps hold 8 bytes per byte
+    CHUNK_BYTES = 1 << 22
+
+    def __init__(self, type_name: str, block, header=None) -> None:  # type: ignore[no-untyped-def]
         self.type_name = type_name
         gtype = type_by_name(type_name)
         assert gtype.base is not None
         self.base_name = gtype.base
         self.group = gtype.row_group
         self._block = block
+        self._header = header
         self._perm: dict[int, np.ndarray] = {}
 
     # the base codec and its documented properties, looked up when first used (format modules register in any order)
@@ -83,11 +157,14 @@ class InterleavedCodec(Codec):
     rows_interact = _from_base("rows_interact")  # type: ignore[assignment]
 
     def _perm_for(self, row_bytes: int) -> np.ndarray:
-        """Source nibble (within one group of base rows) of every nibble of the group's interleaved form."""
+        """Source bit (within one group of base rows) of every bit of the group's interleaved form."""
         perm = self._perm.get(row_bytes)
         if perm is None:
-            n_blocks = row_bytes // self.base.ggml_type.type_size  # block columns: one interleaved block each
-            perm = np.concatenate([self._block(row_bytes, ib) for ib in range(n_blocks)])
+            base = self.base.ggml_type
+            n_blocks = (row_bytes - base.row_meta_size) // base.type_size  # block columns: one interleaved block each
+            parts = [] if self._header is None else [self._header(row_bytes)]
+            perm = np.concatenate(parts + [self._block(row_bytes, ib) for ib in range(n_blocks)])
+            assert len(perm) == 8 * row_bytes * self.group and len(np.unique(perm)) == len(perm), self.type_name
             self._perm[row_bytes] = perm
         return perm
 
@@ -96,28 +173,39 @@ class InterleavedCodec(Codec):
             raise QuantInputError(f"{self.type_name}: {n_rows} rows are not a whole number of {self.group}-row groups")
         return n_rows // self.group
 
+    def _regroup(self, src: np.ndarray, out: np.ndarray, row_bytes: int, inverse: bool) -> None:
+        """out (groups, group bytes) = src's groups interleaved (or, `inverse`, de-interleaved), a chunk at a time."""
+        perm = self._perm_for(row_bytes)
+        step = max(1, self.CHUNK_BYTES // src.shape[1])
+        for g0 in range(0, src.shape[0], step):
+            bits = np.unpackbits(src[g0 : g0 + step], axis=1, bitorder="little")
+            if inverse:
+                moved = np.empty_like(bits)
+                moved[:, perm] = bits
+            else:
+                moved = bits[:, perm]
+            out[g0 : g0 + step] = np.packbits(moved, axis=1, bitorder="little")
+
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         groups = self._groups(x.shape[0])
         plain = np.empty_like(out)
         self.base._quantize(x, w, plain)
-        nib = _to_nibbles(plain.reshape(groups, -1))[:, self._perm_for(out.shape[1])]
-        out.reshape(groups, -1)[:] = _from_nibbles(nib)
+        self._regroup(plain.reshape(groups, -1), out.reshape(groups, -1), out.shape[1], inverse=False)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         groups = self._groups(q.shape[0])
-        nib = np.empty((groups, 2 * q.shape[1] * self.group), dtype=np.uint8)
-        nib[:, self._perm_for(q.shape[1])] = _to_nibbles(np.ascontiguousarray(q).reshape(groups, -1))
-        self.base._dequantize(_from_nibbles(nib).reshape(q.shape), out)
+        plain = np.empty((groups, q.shape[1] * self.group), dtype=np.uint8)
+        self._regroup(np.ascontiguousarray(q).reshape(groups, -1), plain, q.shape[1], inverse=True)
+        self.base._dequantize(plain.reshape(q.shape), out)
 
 
-def _to_nibbles(b: np.ndarray) -> np.ndarray:
-    return np.stack([b & 0x0F, b >> 4], axis=-1).reshape(b.shape[0], -1)
+def _nibble_map(block):  # type: ignore[no-untyped-def]
+    """A nibble map as a bit map."""
+    return lambda row_bytes, ib: _bits_of_nibbles(block(row_bytes, ib))
 
 
-def _from_nibbles(n: np.ndarray) -> np.ndarray:
-    return (n[:, 0::2] | (n[:, 1::2] << 4)).astype(np.uint8)
-
-
-for _name, _block in (("Q8_0_R8", q8_0_r8_block), ("Q4_0_R8", q4_0_r8_block), ("IQ4_NL_R4", iq4_nl_r4_block),
-                      ("MXFP4_R8", mxfp4_r8_block)):
-    register_codec(_name, InterleavedCodec(_name, _block))
+for _name, _block, _header in (
+        ("Q8_0_R8", _nibble_map(q8_0_r8_block), None), ("Q4_0_R8", _nibble_map(q4_0_r8_block), None),
+        ("IQ4_NL_R4", _nibble_map(iq4_nl_r4_block), None), ("MXFP4_R8", _nibble_map(mxfp4_r8_block), None),
+        ("IQ4_K_R4", iq4_k_r4_block, None), ("IQ4_KS_R4", iq4_ks_r4_block, row_scales_r4)):
+    register_codec(_name, InterleavedCodec(_name, _block, _header))
