@@ -9,6 +9,7 @@ also spread 1- and 2-bit fields (block extras, high scale bits) over other bytes
 from __future__ import annotations
 
 import numpy as np
+from numba import njit, prange
 
 from ikquant.formats.base import Codec, QuantInputError
 from ikquant.types import register_codec, type_by_name
@@ -143,7 +144,8 @@ class InterleavedCodec(Codec):
         self.group = gtype.row_group
         self._block = block
         self._header = header
-        self._perm: dict[int, np.ndarray] = {}
+        self._perm: dict[int, tuple[np.ndarray, int]] = {}
+        self._inverse: dict[int, np.ndarray] = {}
 
     # the base codec and its documented properties, looked up when first used (format modules register in any order)
     @property
@@ -156,17 +158,24 @@ class InterleavedCodec(Codec):
     abs_error_floor = _from_base("abs_error_floor")  # type: ignore[assignment]
     rows_interact = _from_base("rows_interact")  # type: ignore[assignment]
 
-    def _perm_for(self, row_bytes: int) -> np.ndarray:
-        """Source bit (within one group of base rows) of every bit of the group's interleaved form."""
-        perm = self._perm.get(row_bytes)
-        if perm is None:
+    def _perm_for(self, row_bytes: int) -> tuple[np.ndarray, int]:
+        """Where every unit of the group's interleaved form comes from (within one group of base rows), and the
+        unit in bits: 8 when the bit map moves whole bytes, 4 whole nibbles, else 1."""
+        hit = self._perm.get(row_bytes)
+        if hit is None:
             base = self.base.ggml_type
             n_blocks = (row_bytes - base.row_meta_size) // base.type_size  # block columns: one interleaved block each
             parts = [] if self._header is None else [self._header(row_bytes)]
-            perm = np.concatenate(parts + [self._block(row_bytes, ib) for ib in range(n_blocks)])
-            assert len(perm) == 8 * row_bytes * self.group and len(np.unique(perm)) == len(perm), self.type_name
-            self._perm[row_bytes] = perm
-        return perm
+            bits = np.concatenate(parts + [self._block(row_bytes, ib) for ib in range(n_blocks)])
+            assert len(bits) == 8 * row_bytes * self.group and len(np.unique(bits)) == len(bits), self.type_name
+            hit = (bits, 1)
+            for unit in (8, 4):
+                runs = bits.reshape(-1, unit)
+                if (runs[:, 0] % unit == 0).all() and (runs == runs[:, :1] + np.arange(unit)).all():
+                    hit = (runs[:, 0] // unit, unit)
+                    break
+            self._perm[row_bytes] = hit
+        return hit
 
     def _groups(self, n_rows: int) -> int:
         if n_rows % self.group:
@@ -174,17 +183,26 @@ class InterleavedCodec(Codec):
         return n_rows // self.group
 
     def _regroup(self, src: np.ndarray, out: np.ndarray, row_bytes: int, inverse: bool) -> None:
-        """out (groups, group bytes) = src's groups interleaved (or, `inverse`, de-interleaved), a chunk at a time."""
-        perm = self._perm_for(row_bytes)
+        """out (groups, group bytes) = src's groups interleaved (or, `inverse`, de-interleaved), a chunk at a time,
+        moving whole bytes or nibbles where the map allows, else bit by bit in a Numba loop."""
+        perm, unit = self._perm_for(row_bytes)
+        if unit == 1:
+            if inverse:
+                perm = self._inverse.get(row_bytes)
+                if perm is None:
+                    perm = self._inverse[row_bytes] = np.argsort(self._perm_for(row_bytes)[0])
+            _gather_bits(src, perm, out)
+            return
+        split, join = _UNITS[unit]
         step = max(1, self.CHUNK_BYTES // src.shape[1])
         for g0 in range(0, src.shape[0], step):
-            bits = np.unpackbits(src[g0 : g0 + step], axis=1, bitorder="little")
+            units = split(src[g0 : g0 + step])
             if inverse:
-                moved = np.empty_like(bits)
-                moved[:, perm] = bits
+                moved = np.empty_like(units)
+                moved[:, perm] = units
             else:
-                moved = bits[:, perm]
-            out[g0 : g0 + step] = np.packbits(moved, axis=1, bitorder="little")
+                moved = units[:, perm]
+            out[g0 : g0 + step] = join(moved)
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         groups = self._groups(x.shape[0])
@@ -197,6 +215,30 @@ class InterleavedCodec(Codec):
         plain = np.empty((groups, q.shape[1] * self.group), dtype=np.uint8)
         self._regroup(np.ascontiguousarray(q).reshape(groups, -1), plain, q.shape[1], inverse=True)
         self.base._dequantize(plain.reshape(q.shape), out)
+
+
+def _to_nibbles(b: np.ndarray) -> np.ndarray:
+    return np.stack([b & 0x0F, b >> 4], axis=-1).reshape(b.shape[0], -1)
+
+
+def _from_nibbles(n: np.ndarray) -> np.ndarray:
+    return (n[:, 0::2] | (n[:, 1::2] << 4)).astype(np.uint8)
+
+
+#: unit in bits -> (bytes to units, units to bytes), rows of groups
+_UNITS = {8: (lambda b: b, lambda u: u), 4: (_to_nibbles, _from_nibbles)}
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _gather_bits(src: np.ndarray, perm: np.ndarray, out: np.ndarray) -> None:
+    """out bit i of every group row = src bit perm[i] (little-endian bits)."""
+    for g in prange(src.shape[0]):
+        for o in range(out.shape[1]):
+            v = 0
+            for j in range(8):
+                b = perm[8 * o + j]
+                v |= ((src[g, b >> 3] >> (b & 7)) & 1) << j
+            out[g, o] = v
 
 
 def _nibble_map(block):  # type: ignore[no-untyped-def]
