@@ -57,33 +57,79 @@ def row_scales_r4(row_bytes: int) -> np.ndarray:
     return np.array([b for k in range(4) for b in _field(k * row_bytes, 0, 32)], dtype=np.int64)
 
 
-def iq4_k_r4_block(row_bytes: int, ib: int) -> np.ndarray:
-    """IQ4_K_R4: the 4 rows' f16 d; extra bits (byte k: bit 2s of row k's extra per sub-block s, byte 4 + k: bit
-    2s + 1); 16 bytes of 2-bit high scale bits and 32 of 4-bit low ones, field i = 8 s + k (+4 for a sub-block's
-    second half) at byte i % 16 (i % 32) bits 2 (4) x (i // 16 (32)); then the codes as IQ4_KS_R4's."""
-    base = 144 * ib
-    row = [k * row_bytes + base for k in range(4)]
-    out = [b for k in range(4) for b in _field(row[k], 0, 16)]
-    extra: list[list[int]] = [[] for _ in range(8)]
-    for k in range(4):
-        for s in range(8):
-            extra[k] += _field(row[k] + 2, 2 * s, 1) if s < 4 else _field(row[k] + 3, 2 * s - 8, 1)
-            extra[k + 4] += _field(row[k] + 2, 2 * s + 1, 1) if s < 4 else _field(row[k] + 3, 2 * s - 7, 1)
-    out += [b for e in extra for b in e]
-    high: dict[int, list[int]] = {}
-    low: dict[int, list[int]] = {}
-    for k in range(4):
-        for s in range(8):
-            sh = row[k] + 4 + s // 2  # scales_h: 2 x 2 bits per sub-block, nibble s % 2
-            sl = row[k] + 8 + s  # scales_l: the two 4-bit halves of sub-block s
-            for half in (0, 1):
-                i = 8 * s + k + 4 * half
-                high[i] = _field(sh, 4 * (s % 2) + 2 * half, 2)
-                low[i] = _field(sl, 4 * half, 4)
-    out += [b for byte in range(16) for i in (byte, byte + 16, byte + 32, byte + 48) for b in high[i]]
-    out += [b for byte in range(32) for i in (byte, byte + 32) for b in low[i]]
+def _iqk_r4_head(rows: list[int]) -> list[int]:
+    """What the IQK _R4 blocks (IQ2_K, IQ3_K, IQ4_K) start with: the 4 rows' f16 d, then 8 bytes of extra bits
+    (byte k: bit 2s of row k's u16 extra per sub-block s; byte 4 + k: bit 2s + 1); `rows` are the 4 source
+    blocks' offsets, extra at +2."""
+    out = [b for r in rows for b in _field(r, 0, 16)]
+    for odd in (0, 1):
+        for r in rows:
+            out += [b for sub in range(8) for b in _field(r + 2 + (2 * sub + odd) // 8, (2 * sub + odd) % 8, 1)]
+    return out
+
+
+def _iqk_r4_low_scales(rows: list[int], scales: int) -> list[int]:
+    """32 bytes of 4-bit scales: field i = 8 s + k (+4 for sub-block s's second half) at byte i % 32, nibble i // 32,
+    from the low (high) nibble of row k's scale byte s at offset `scales`."""
+    low = {8 * sub + k + 4 * half: _field(r + scales + sub, 4 * half, 4)
+           for k, r in enumerate(rows) for sub in range(8) for half in (0, 1)}
+    return [b for byte in range(32) for i in (byte, byte + 32) for b in low[i]]
+
+
+def _iqk_r4_2bit_codes(rows: list[int], codes: int, sub: int) -> list[int]:
+    """Sub-block `sub`'s 2-bit codes of 4 rows as the IQ2_K/IQ3_K _R4 blocks hold them: byte 4 k + i (+16) holds
+    values i, i + 4, i + 8, i + 12 (16 + ...) of row k; a value's bits are bits 2 (sub % 4) of byte
+    32 (sub // 4) + position of the row's codes at offset `codes`."""
+    out: list[int] = []
+    for second in (0, 16):
+        for r in rows:
+            for i in range(4):
+                for t in range(4):
+                    m = second + i + 4 * t
+                    out += _field(r + codes + 32 * (sub // 4) + m, 2 * (sub % 4), 2)
+    return out
+
+
+def iq2_k_r4_block(row_bytes: int, ib: int) -> np.ndarray:
+    """IQ2_K_R4: d and extra bits as IQ4_K_R4, 32 bytes of 4-bit scales, then per sub-block the 2-bit codes."""
+    rows = [k * row_bytes + 76 * ib for k in range(4)]
+    out = _iqk_r4_head(rows) + _iqk_r4_low_scales(rows, 4)
     for sub in range(8):
-        out += _iqk_r4_qs(row_bytes, base, 16, sub)
+        out += _iqk_r4_2bit_codes(rows, 12, sub)
+    return np.array(out, dtype=np.int64)
+
+
+def iq3_k_r4_block(row_bytes: int, ib: int) -> np.ndarray:
+    """IQ3_K_R4: d and extra bits as IQ4_K_R4; 8 bytes of the scales' sign bits (field i = 8 s + k (+4) at byte i % 8,
+    bit i // 8, from bit 2 s (2 s + 1) of row k's u16 scales_h), 32 bytes of 4-bit scales, the 2-bit codes as
+    IQ2_K_R4's, then per sub-block the codes' third bits: byte 4 k + i holds those of values i + 4 t, t = 0..7."""
+    rows = [k * row_bytes + 110 * ib for k in range(4)]
+    out = _iqk_r4_head(rows)
+    sign = {8 * sub + k + 4 * half: _field(r + 4 + (2 * sub + half) // 8, (2 * sub + half) % 8, 1)
+            for k, r in enumerate(rows) for sub in range(8) for half in (0, 1)}
+    out += [b for byte in range(8) for t in range(8) for b in sign[byte + 8 * t]]
+    out += _iqk_r4_low_scales(rows, 6)
+    for sub in range(8):
+        out += _iqk_r4_2bit_codes(rows, 14, sub)
+    for sub in range(8):
+        for r in rows:
+            for i in range(4):
+                out += [b for t in range(8) for b in _field(r + 78 + i + 4 * t, sub, 1)]
+    return np.array(out, dtype=np.int64)
+
+
+def iq4_k_r4_block(row_bytes: int, ib: int) -> np.ndarray:
+    """IQ4_K_R4: the 4 rows' f16 d and extra bits (_iqk_r4_head); 16 bytes of 2-bit high scale bits, field i =
+    8 s + k (+4 for a sub-block's second half) at byte i % 16 bits 2 (i // 16); 32 bytes of 4-bit low ones; then
+    the codes as IQ4_KS_R4's."""
+    rows = [k * row_bytes + 144 * ib for k in range(4)]
+    out = _iqk_r4_head(rows)
+    high = {8 * sub + k + 4 * half: _field(r + 4 + sub // 2, 4 * (sub % 2) + 2 * half, 2)
+            for k, r in enumerate(rows) for sub in range(8) for half in (0, 1)}
+    out += [b for byte in range(16) for i in (byte, byte + 16, byte + 32, byte + 48) for b in high[i]]
+    out += _iqk_r4_low_scales(rows, 8)
+    for sub in range(8):
+        out += _iqk_r4_qs(row_bytes, rows[0], 16, sub)
     return np.array(out, dtype=np.int64)
 
 
@@ -249,5 +295,6 @@ def _nibble_map(block):  # type: ignore[no-untyped-def]
 for _name, _block, _header in (
         ("Q8_0_R8", _nibble_map(q8_0_r8_block), None), ("Q4_0_R8", _nibble_map(q4_0_r8_block), None),
         ("IQ4_NL_R4", _nibble_map(iq4_nl_r4_block), None), ("MXFP4_R8", _nibble_map(mxfp4_r8_block), None),
-        ("IQ4_K_R4", iq4_k_r4_block, None), ("IQ4_KS_R4", iq4_ks_r4_block, row_scales_r4)):
+        ("IQ2_K_R4", iq2_k_r4_block, None), ("IQ3_K_R4", iq3_k_r4_block, None), ("IQ4_K_R4", iq4_k_r4_block, None),
+        ("IQ4_KS_R4", iq4_ks_r4_block, row_scales_r4)):
     register_codec(_name, InterleavedCodec(_name, _block, _header))
