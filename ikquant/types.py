@@ -128,7 +128,9 @@ _TYPE_TABLE: tuple[tuple[str, str, int, int, int, int], ...] = (
     ("IQ2_K_R4", "iq2_k_r4", 337, 256, 76, 0),
     ("IQ3_K_R4", "iq3_k_r4", 338, 256, 110, 0),
     ("IQ4_K_R4", "iq4_k_r4", 339, 256, 144, 0),
+    ("IQ5_K_R4", "iq5_k_r4", 340, 256, 176, 0),
     ("IQ4_KS_R4", "iq4_ks_r4", 344, 256, 136, 4),
+    ("IQ5_KS_R4", "iq5_ks_r4", 352, 256, 168, 4),
 )
 
 # Ids that mainline llama.cpp assigns to types ik_llama.cpp does not have (so a file using them came from mainline).
@@ -137,7 +139,7 @@ _MAINLINE_ONLY_IDS = {34: "TQ1_0", 35: "TQ2_0", 40: "NVFP4"}
 # Interleaved types (ik's interleaved_properties): the base type and how many rows a group holds.
 _INTERLEAVED = {"Q8_0_R8": ("Q8_0", 8), "Q4_0_R8": ("Q4_0", 8), "IQ4_NL_R4": ("IQ4_NL", 4), "IQ4_K_R4": ("IQ4_K", 4),
                 "IQ2_K_R4": ("IQ2_K", 4), "IQ3_K_R4": ("IQ3_K", 4),
-                "IQ4_KS_R4": ("IQ4_KS", 4),
+                "IQ4_KS_R4": ("IQ4_KS", 4), "IQ5_K_R4": ("IQ5_K", 4), "IQ5_KS_R4": ("IQ5_KS", 4),
                 "MXFP4_R8": ("MXFP4", 8)}
 
 _BY_NAME: dict[str, GGMLType] = {}

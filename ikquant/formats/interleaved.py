@@ -8,6 +8,8 @@ also spread 1- and 2-bit fields (block extras, high scale bits) over other bytes
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from numba import njit, prange
 
@@ -30,25 +32,53 @@ def _field(byte: int, lo: int, n: int) -> list[int]:
     return [8 * byte + lo + j for j in range(n)]
 
 
-def _iqk_r4_qs(row_bytes: int, base: int, qs: int, ib: int) -> list[int]:
-    """One 32-value sub-block's codes of 4 rows as ik's IQK _R4 repacks store them (the IQ4_NL_R4 shuffle): per row
-    4 bytes of (values 0..3 | 8..11), then (16..19 | 24..27), (4..7 | 12..15), (20..23 | 28..31); `base` is the
-    block's offset in a row, `qs` its codes' offset in the block."""
-    out: list[int] = []
-    for lo_byte, high in ((0, 0), (0, 1), (4, 0), (4, 1)):
-        for k in range(4):
-            q = k * row_bytes + base + qs + 16 * ib
-            for i in range(4):
-                out += _field(q + lo_byte + i, 4 * high, 4) + _field(q + lo_byte + 8 + i, 4 * high, 4)
-    return out
+#: the order ik's IQK _R4 repacks store a sub-block's 4-bit codes in: per quarter, bytes 4 k + i of row k hold
+#: (low nibble, high nibble) = values (lo + i, hi + i)
+R4_QUARTERS = ((0, 8), (16, 24), (4, 12), (20, 28))
+#: the values whose fifth bits a byte 4 k + i of IQ5_K_R4's qh holds, bit by bit (+ i)
+R4_HIGH_BITS = (0, 8, 16, 24, 4, 12, 20, 28)
+ValueBits = Callable[[int, int, int], list[int]]
+
+
+def _r4_low_codes(value_bits: ValueBits, sub: int) -> list[int]:
+    """Sub-block `sub`'s 4-bit codes of 4 rows in ik's _R4 order; value_bits(k, sub, m) are the source bits of row
+    k's value m."""
+    return [b for lo, hi in R4_QUARTERS for k in range(4) for i in range(4)
+            for b in value_bits(k, sub, lo + i) + value_bits(k, sub, hi + i)]
+
+
+def _iq4_codes(rows: list[int], qs: int) -> ValueBits:
+    """IQ4_K / IQ4_KS codes: value m of sub-block s is nibble m // 16 of byte 16 s + m % 16."""
+    return lambda k, sub, m: _field(rows[k] + qs + 16 * sub + m % 16, 4 * (m // 16), 4)
+
+
+def _iq5_codes(rows: list[int], qs: int) -> ValueBits:
+    """IQ5_K / IQ5_KS low codes: value m of sub-block s is nibble s % 2 of byte 32 (s // 2) + m."""
+    return lambda k, sub, m: _field(rows[k] + qs + 32 * (sub // 2) + m, 4 * (sub % 2), 4)
+
+
+def _iq5_fifth_bits(rows: list[int], qh: int, sub: int) -> list[int]:
+    """IQ5_K(S)_R4's qh for sub-block `sub`: value m's fifth bit is bit s of qh byte m (ik's convert_iq5_k)."""
+    return [b for k in range(4) for i in range(4) for t in R4_HIGH_BITS for b in _field(rows[k] + qh + t + i, sub, 1)]
 
 
 def iq4_ks_r4_block(row_bytes: int, ib: int) -> np.ndarray:
     """IQ4_KS_R4 (after the group's 4 row scales): the 4 rows' scale bytes per sub-block, then their codes."""
-    base = 4 + 136 * ib
-    out = [b for s in range(8) for k in range(4) for b in _field(k * row_bytes + base + s, 0, 8)]
+    rows = [k * row_bytes + 4 + 136 * ib for k in range(4)]
+    out = [b for s in range(8) for r in rows for b in _field(r + s, 0, 8)]
     for sub in range(8):
-        out += _iqk_r4_qs(row_bytes, base, 8, sub)
+        out += _r4_low_codes(_iq4_codes(rows, 8), sub)
+    return np.array(out, dtype=np.int64)
+
+
+def iq5_ks_r4_block(row_bytes: int, ib: int) -> np.ndarray:
+    """IQ5_KS_R4 (after the group's 4 row scales): scale bytes as IQ4_KS_R4's, the low codes, then the fifth bits."""
+    rows = [k * row_bytes + 4 + 168 * ib for k in range(4)]
+    out = [b for s in range(8) for r in rows for b in _field(r + s, 0, 8)]
+    for sub in range(8):
+        out += _r4_low_codes(_iq5_codes(rows, 8), sub)
+    for sub in range(8):
+        out += _iq5_fifth_bits(rows, 136, sub)
     return np.array(out, dtype=np.int64)
 
 
@@ -118,18 +148,32 @@ def iq3_k_r4_block(row_bytes: int, ib: int) -> np.ndarray:
     return np.array(out, dtype=np.int64)
 
 
-def iq4_k_r4_block(row_bytes: int, ib: int) -> np.ndarray:
-    """IQ4_K_R4: the 4 rows' f16 d and extra bits (_iqk_r4_head); 16 bytes of 2-bit high scale bits, field i =
-    8 s + k (+4 for a sub-block's second half) at byte i % 16 bits 2 (i // 16); 32 bytes of 4-bit low ones; then
-    the codes as IQ4_KS_R4's."""
-    rows = [k * row_bytes + 144 * ib for k in range(4)]
-    out = _iqk_r4_head(rows)
+def _iqk_r4_scales_4_2(rows: list[int]) -> list[int]:
+    """IQ4_K/IQ5_K _R4 scales: 16 bytes of 2-bit high scale bits, field i = 8 s + k (+4 for a sub-block's second
+    half) at byte i % 16 bits 2 (i // 16), from scales_h (offset 4); then 32 bytes of 4-bit low ones (offset 8)."""
     high = {8 * sub + k + 4 * half: _field(r + 4 + sub // 2, 4 * (sub % 2) + 2 * half, 2)
             for k, r in enumerate(rows) for sub in range(8) for half in (0, 1)}
-    out += [b for byte in range(16) for i in (byte, byte + 16, byte + 32, byte + 48) for b in high[i]]
-    out += _iqk_r4_low_scales(rows, 8)
+    out = [b for byte in range(16) for i in (byte, byte + 16, byte + 32, byte + 48) for b in high[i]]
+    return out + _iqk_r4_low_scales(rows, 8)
+
+
+def iq4_k_r4_block(row_bytes: int, ib: int) -> np.ndarray:
+    """IQ4_K_R4: the 4 rows' f16 d and extra bits (_iqk_r4_head), the scales, then the codes."""
+    rows = [k * row_bytes + 144 * ib for k in range(4)]
+    out = _iqk_r4_head(rows) + _iqk_r4_scales_4_2(rows)
     for sub in range(8):
-        out += _iqk_r4_qs(row_bytes, rows[0], 16, sub)
+        out += _r4_low_codes(_iq4_codes(rows, 16), sub)
+    return np.array(out, dtype=np.int64)
+
+
+def iq5_k_r4_block(row_bytes: int, ib: int) -> np.ndarray:
+    """IQ5_K_R4: as IQ4_K_R4 (its own code order), then the codes' fifth bits."""
+    rows = [k * row_bytes + 176 * ib for k in range(4)]
+    out = _iqk_r4_head(rows) + _iqk_r4_scales_4_2(rows)
+    for sub in range(8):
+        out += _r4_low_codes(_iq5_codes(rows, 16), sub)
+    for sub in range(8):
+        out += _iq5_fifth_bits(rows, 144, sub)
     return np.array(out, dtype=np.int64)
 
 
@@ -296,5 +340,6 @@ for _name, _block, _header in (
         ("Q8_0_R8", _nibble_map(q8_0_r8_block), None), ("Q4_0_R8", _nibble_map(q4_0_r8_block), None),
         ("IQ4_NL_R4", _nibble_map(iq4_nl_r4_block), None), ("MXFP4_R8", _nibble_map(mxfp4_r8_block), None),
         ("IQ2_K_R4", iq2_k_r4_block, None), ("IQ3_K_R4", iq3_k_r4_block, None), ("IQ4_K_R4", iq4_k_r4_block, None),
-        ("IQ4_KS_R4", iq4_ks_r4_block, row_scales_r4)):
+        ("IQ5_K_R4", iq5_k_r4_block, None), ("IQ4_KS_R4", iq4_ks_r4_block, row_scales_r4),
+        ("IQ5_KS_R4", iq5_ks_r4_block, row_scales_r4)):
     register_codec(_name, InterleavedCodec(_name, _block, _header))
