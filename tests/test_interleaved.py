@@ -26,10 +26,11 @@ def test_groups_must_be_whole() -> None:
 
 @pytest.mark.parametrize("base_type,interleaved", [("Q8_0", "Q8_0_R8"), ("Q4_0", "Q4_0_R8"), ("IQ4_NL", "IQ4_NL_R4"),
                                                    ("IQ2_K", "IQ2_K_R4"), ("IQ3_K", "IQ3_K_R4"), ("IQ4_K", "IQ4_K_R4"),
-                                                   ("IQ4_KS", "IQ4_KS_R4"), ("IQ5_K", "IQ5_K_R4"), ("IQ5_KS", "IQ5_KS_R4")])
+                                                   ("IQ4_KS", "IQ4_KS_R4"), ("IQ5_K", "IQ5_K_R4"), ("IQ5_KS", "IQ5_KS_R4"),
+                                                   ("Q4_K", "Q4_K_R4"), ("Q6_K", "Q6_K_R4")])
 def test_an_interleaved_file_evaluates_as_its_base_type(tmp_path: Path, base_type: str, interleaved: str) -> None:
-    """The interleaved file (its file type, or the base type's with --custom-q for the blocks where iktools has no
-    interleaved file type yet) gives the base type's KLD statistics, every digit."""
+    """The interleaved file (its file type, or --custom-q where iktools has no file type for it yet) gives the base
+    type's KLD statistics, every digit."""
     from ikconvert.convert import Converter
 
     src = Converter(make_tiny_checkpoint(tmp_path / "hf", TinySpec(arch="qwen3", hidden=256, layers=2, heads=4,
@@ -38,12 +39,15 @@ def test_an_interleaved_file_evaluates_as_its_base_type(tmp_path: Path, base_typ
     files = {}
     from ikquant.ftypes import all_file_types
 
-    has_ftype = any(f.name == interleaved for f in all_file_types())
+    def how(t: str) -> list[str]:
+        if any(f.name == t for f in all_file_types()):
+            return ["--type", t, "--pure"]
+        rules = f".*={t.lower()}" if t == base_type else rf"blk\..*={t.lower()},.*={base_type.lower()}"
+        return ["--type", "Q8_0", "--custom-q", rules]  # without --pure, which would ignore --custom-q
+
     for t in (base_type, interleaved):
         files[t] = tmp_path / f"{t}.gguf"
-        how = ["--type", t, "--pure"] if has_ftype or t == base_type else [  # --pure would ignore --custom-q
-            "--type", base_type, "--custom-q", rf"blk\..*={t.lower()},.*={base_type.lower()}"]
-        res = runner.invoke(ikquant_app, [str(src), str(files[t]), *how])
+        res = runner.invoke(ikquant_app, [str(src), str(files[t]), *how(t)])
         assert res.exit_code == 0, res.output
     grouped_file = GGUFFile(files[interleaved])
     assert grouped_file.tensors["blk.0.ffn_down.weight"].type.name == interleaved

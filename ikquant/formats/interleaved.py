@@ -177,6 +177,50 @@ def iq5_k_r4_block(row_bytes: int, ib: int) -> np.ndarray:
     return np.array(out, dtype=np.int64)
 
 
+def _k_scale_bits(r: int, j: int) -> tuple[list[int], list[int]]:
+    """The 6 bits of sub-block j's scale and min in a K-quant block at r (the 12 scale bytes at r + 4, ggml's
+    get_scale_min_k4), lowest bit first."""
+    q = r + 4
+    if j < 4:
+        return _field(q + j, 0, 6), _field(q + j + 4, 0, 6)
+    return _field(q + j + 4, 0, 4) + _field(q + j - 4, 6, 2), _field(q + j + 4, 4, 4) + _field(q + j, 6, 2)
+
+
+def q4_k_r4_block(row_bytes: int, ib: int) -> np.ndarray:
+    """Q4_K_R4: the 4 rows' f16 d then dmin; 16 bytes of high scale bits (field i = 4 s + k at byte i % 16, nibble
+    i // 16: the scale's bits 4-5, then the min's); 32 bytes of (scale low 4 | min low 4 << 4), byte 4 s + k; then
+    the codes in ik's _R4 order (value m of sub-block s: nibble s % 2 of byte 32 (s // 2) + m)."""
+    rows = [k * row_bytes + 144 * ib for k in range(4)]
+    out = [b for r in rows for b in _field(r, 0, 16)] + [b for r in rows for b in _field(r + 2, 0, 16)]
+    sm = {4 * sub + k: _k_scale_bits(r, sub) for k, r in enumerate(rows) for sub in range(8)}
+    out += [b for byte in range(16) for i in (byte, byte + 16) for b in sm[i][0][4:] + sm[i][1][4:]]
+    out += [b for i in range(32) for b in sm[i][0][:4] + sm[i][1][:4]]
+    for sub in range(8):
+        out += _r4_low_codes(_iq5_codes(rows, 16), sub)
+    return np.array(out, dtype=np.int64)
+
+
+def q6_k_r4_block(row_bytes: int, ib: int) -> np.ndarray:
+    """Q6_K_R4: the 4 rows' f16 d; 64 scale bytes (byte 8 s + 4 h + k: row k's scale 2 s + h); the codes' top 2
+    bits (bytes 4 k + i of sub-block s hold values i, i + 8, i + 4, i + 12, then +16 those of 16 + ...); then their
+    low 4 bits in ik's _R4 order. Value m of sub-block s of a Q6_K block: low bits nibble (s % 4) // 2 of ql byte
+    64 (s // 4) + 32 (s % 2) + m, top bits 2 (s % 4) of qh byte 128 + 32 (s // 4) + m."""
+    rows = [k * row_bytes + 210 * ib for k in range(4)]
+    out = [b for r in rows for b in _field(r + 208, 0, 16)]
+    out += [b for sub in range(8) for h in (0, 1) for r in rows for b in _field(r + 192 + 2 * sub + h, 0, 8)]
+
+    def top(k: int, sub: int, m: int) -> list[int]:
+        return _field(rows[k] + 128 + 32 * (sub // 4) + m, 2 * (sub % 4), 2)
+
+    for sub in range(8):
+        for second in (0, 16):
+            out += [b for k in range(4) for i in range(4) for t in (0, 8, 4, 12) for b in top(k, sub, second + t + i)]
+    for sub in range(8):
+        out += _r4_low_codes(lambda k, s, m: _field(rows[k] + 64 * (s // 4) + 32 * (s % 2) + m, 4 * ((s % 4) // 2), 4),
+                             sub)
+    return np.array(out, dtype=np.int64)
+
+
 def q8_0_r8_block(row_bytes: int, ib: int) -> np.ndarray:
     """Source nibble (within 8 consecutive Q8_0 rows, row k at byte k*row_bytes) of every nibble of interleaved
     block ib: the 8 rows' f16 scales, then their codes 4 at a time: values 0..15 of all rows, then 16..31."""
@@ -341,5 +385,6 @@ for _name, _block, _header in (
         ("IQ4_NL_R4", _nibble_map(iq4_nl_r4_block), None), ("MXFP4_R8", _nibble_map(mxfp4_r8_block), None),
         ("IQ2_K_R4", iq2_k_r4_block, None), ("IQ3_K_R4", iq3_k_r4_block, None), ("IQ4_K_R4", iq4_k_r4_block, None),
         ("IQ5_K_R4", iq5_k_r4_block, None), ("IQ4_KS_R4", iq4_ks_r4_block, row_scales_r4),
-        ("IQ5_KS_R4", iq5_ks_r4_block, row_scales_r4)):
+        ("IQ5_KS_R4", iq5_ks_r4_block, row_scales_r4), ("Q4_K_R4", q4_k_r4_block, None),
+        ("Q6_K_R4", q6_k_r4_block, None)):
     register_codec(_name, InterleavedCodec(_name, _block, _header))
