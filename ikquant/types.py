@@ -126,6 +126,7 @@ _TYPE_TABLE: tuple[tuple[str, str, int, int, int, int], ...] = (
     ("IQ2_KL", "iq2_kl", 157, 256, 86, 2),
     ("IQ1_KT", "iq1_kt", 158, 256, 56, 4),
     ("Q4_K_R4", "q4_k_r4", 212, 256, 144, 0),
+    ("IQ4_XS_R8", "iq4_xs_r8", 223, 256, 136, 0),
     ("Q6_K_R4", "q6_k_r4", 214, 256, 210, 0),
     ("IQ2_K_R4", "iq2_k_r4", 337, 256, 76, 0),
     ("IQ3_K_R4", "iq3_k_r4", 338, 256, 110, 0),
@@ -142,7 +143,7 @@ _MAINLINE_ONLY_IDS = {34: "TQ1_0", 35: "TQ2_0", 40: "NVFP4"}
 _INTERLEAVED = {"Q8_0_R8": ("Q8_0", 8), "Q4_0_R8": ("Q4_0", 8), "IQ4_NL_R4": ("IQ4_NL", 4), "IQ4_K_R4": ("IQ4_K", 4),
                 "IQ2_K_R4": ("IQ2_K", 4), "IQ3_K_R4": ("IQ3_K", 4),
                 "IQ4_KS_R4": ("IQ4_KS", 4), "IQ5_K_R4": ("IQ5_K", 4), "IQ5_KS_R4": ("IQ5_KS", 4),
-                "Q4_K_R4": ("Q4_K", 4), "Q6_K_R4": ("Q6_K", 4),
+                "Q4_K_R4": ("Q4_K", 4), "Q6_K_R4": ("Q6_K", 4), "IQ4_XS_R8": ("IQ4_XS", 8),
                 "MXFP4_R8": ("MXFP4", 8)}
 
 _BY_NAME: dict[str, GGMLType] = {}

@@ -27,7 +27,7 @@ def test_groups_must_be_whole() -> None:
 @pytest.mark.parametrize("base_type,interleaved", [("Q8_0", "Q8_0_R8"), ("Q4_0", "Q4_0_R8"), ("IQ4_NL", "IQ4_NL_R4"),
                                                    ("IQ2_K", "IQ2_K_R4"), ("IQ3_K", "IQ3_K_R4"), ("IQ4_K", "IQ4_K_R4"),
                                                    ("IQ4_KS", "IQ4_KS_R4"), ("IQ5_K", "IQ5_K_R4"), ("IQ5_KS", "IQ5_KS_R4"),
-                                                   ("Q4_K", "Q4_K_R4"), ("Q6_K", "Q6_K_R4")])
+                                                   ("Q4_K", "Q4_K_R4"), ("Q6_K", "Q6_K_R4"), ("IQ4_XS", "IQ4_XS_R8")])
 def test_an_interleaved_file_evaluates_as_its_base_type(tmp_path: Path, base_type: str, interleaved: str) -> None:
     """The interleaved file (its file type, or --custom-q where iktools has no file type for it yet) gives the base
     type's KLD statistics, every digit."""

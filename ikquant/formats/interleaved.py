@@ -221,6 +221,24 @@ def q6_k_r4_block(row_bytes: int, ib: int) -> np.ndarray:
     return np.array(out, dtype=np.int64)
 
 
+def iq4_xs_r8_block(row_bytes: int, ib: int) -> np.ndarray:
+    """IQ4_XS_R8: the 8 rows' f16 d; 16 bytes of 2-bit high scales and 32 of 4-bit low ones (field i = 8 s + k at
+    byte i % 16 bits 2 (i // 16), and byte i % 32 nibble i // 32); then per sub-block 4 runs of 32 bytes, byte 4 k + i
+    of run j holding row k's values (i + 8 j, i + 8 j + 4), each value m of a row nibble m // 16 of byte 16 s + m % 16.
+    """
+    rows = [k * row_bytes + 136 * ib for k in range(8)]
+    out = [b for r in rows for b in _field(r, 0, 16)]
+    high = {8 * sub + k: _field(r + 2 + sub // 4, 2 * (sub % 4), 2) for k, r in enumerate(rows) for sub in range(8)}
+    low = {8 * sub + k: _field(r + 4 + sub // 2, 4 * (sub % 2), 4) for k, r in enumerate(rows) for sub in range(8)}
+    out += [b for byte in range(16) for i in (byte, byte + 16, byte + 32, byte + 48) for b in high[i]]
+    out += [b for byte in range(32) for i in (byte, byte + 32) for b in low[i]]
+    value = _iq4_codes(rows, 8)
+    for sub in range(8):
+        out += [b for j in range(4) for k in range(8) for i in range(4)
+                for b in value(k, sub, i + 8 * j) + value(k, sub, i + 8 * j + 4)]
+    return np.array(out, dtype=np.int64)
+
+
 def q8_0_r8_block(row_bytes: int, ib: int) -> np.ndarray:
     """Source nibble (within 8 consecutive Q8_0 rows, row k at byte k*row_bytes) of every nibble of interleaved
     block ib: the 8 rows' f16 scales, then their codes 4 at a time: values 0..15 of all rows, then 16..31."""
@@ -386,5 +404,5 @@ for _name, _block, _header in (
         ("IQ2_K_R4", iq2_k_r4_block, None), ("IQ3_K_R4", iq3_k_r4_block, None), ("IQ4_K_R4", iq4_k_r4_block, None),
         ("IQ5_K_R4", iq5_k_r4_block, None), ("IQ4_KS_R4", iq4_ks_r4_block, row_scales_r4),
         ("IQ5_KS_R4", iq5_ks_r4_block, row_scales_r4), ("Q4_K_R4", q4_k_r4_block, None),
-        ("Q6_K_R4", q6_k_r4_block, None)):
+        ("Q6_K_R4", q6_k_r4_block, None), ("IQ4_XS_R8", iq4_xs_r8_block, None)):
     register_codec(_name, InterleavedCodec(_name, _block, _header))
