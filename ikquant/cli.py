@@ -35,8 +35,9 @@ def _custom_q(values: list[str]) -> list[tuple[str, str]]:
 def quantize(
     src: Path = typer.Argument(..., help="Input GGUF (f32/f16/bf16, or quantized with --allow-requantize)."),
     dst: Path = typer.Argument(..., help="Output GGUF (written to a temporary name, renamed when complete)."),
-    type_name: str = typer.Option(..., "--type", help="Target file type, as ik names it (case-insensitive): "
-                                  "Q4_0, Q8_0, Q4_K_M, Q6_K, IQ4_KS, IQ2_KT, MXFP4, F16, BF16, ..."),
+    type_name: Optional[str] = typer.Option(None, "--type", help="Target file type, as ik names it "
+                                            "(case-insensitive): Q4_0, Q8_0, Q4_K_M, Q6_K, IQ4_KS, IQ2_KT, MXFP4, "
+                                            "F16, BF16, ... (required unless --repack or --unpack)."),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix: ik's .dat, or mainline "
                                            "llama.cpp's GGUF imatrix (which ik itself cannot read)."),
     include_weights: list[str] = typer.Option([], "--include-weights", help="Use only imatrix entries whose name "
@@ -85,6 +86,14 @@ def quantize(
                                       "starts N local workers, else a cluster address (auto, HOST:PORT, "
                                       "ray://HOST:10001) whose nodes read IN.gguf at the same path. The same bytes as "
                                       "a local run. Needs pip install 'iktools[ray]'."),
+    repack: bool = typer.Option(False, "--repack", help="Instead of quantizing: convert every tensor that has a "
+                                "row-interleaved form (Q8_0 -> Q8_0_R8, IQ4_K -> IQ4_K_R4, ...) to it, moving bytes "
+                                "only (the values stay the same); token embeddings and tensors whose rows are not "
+                                "whole groups keep their type."),
+    repack_pattern: Optional[str] = typer.Option(None, "--repack-pattern", help="With --repack (implied): only "
+                                                 "the tensors whose names match this regex."),
+    unpack: bool = typer.Option(False, "--unpack", help="Instead of quantizing: convert every interleaved tensor "
+                                "back to its base type (bytes moved, values unchanged)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (tensor, type, reason, sizes, bpw) and "
                                  "write nothing."),
     json_out: bool = typer.Option(False, "--json", help="With --dry-run: print the plan as a JSON list of "
@@ -102,6 +111,11 @@ def quantize(
     from ikquant.recipes_mainline import recipe_file_type
 
     exit_cleanly_on_sigterm()
+    if repack or repack_pattern is not None or unpack:
+        _repack(src, dst, repack_pattern, unpack, repack or repack_pattern is not None, type_name, dry_run)
+        return
+    if type_name is None:
+        fail("--type is required (or --repack / --unpack to convert a file's tensors as they are)")
     if threads:
         import numba
 
@@ -170,6 +184,38 @@ def quantize(
     size_out = sum(p.new_bytes for p in plan.tensors)
     err.print(f"wrote [bold]{dst}[/]: {size_in / 2**20:.2f} MiB -> {size_out / 2**20:.2f} MiB, "
               f"{plan.bits_per_weight:.3f} bits per weight")
+
+
+def _repack(src: Path, dst: Path, pattern: Optional[str], unpack: bool, repack: bool, type_name: Optional[str],
+            dry_run: bool) -> None:
+    """--repack / --unpack: the file's tensors regrouped, nothing requantized."""
+    from ikquant.gguf_io import GGUFFile
+    from ikquant.repack import plan_repack, repack_model
+
+    if repack and unpack:
+        fail("--repack and --unpack go in opposite directions: give one")
+    if type_name is not None:
+        fail("--repack / --unpack convert the tensors as they are: --type does not go with them")
+    try:
+        steps = plan_repack(GGUFFile(src), pattern, unpack)
+        if dry_run:
+            table = Table(title="repack plan (nothing written: --dry-run)")
+            for col in ("tensor", "type", "reason"):
+                table.add_column(col)
+            for step in steps:
+                table.add_row(step.info.name, step.type.name, step.reason)
+            err.print(table)
+            return
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                      TimeRemainingColumn(), console=err) as bar:
+            task = bar.add_task("unpacking" if unpack else "repacking", total=sum(s.info.nbytes for s in steps))
+            repack_model(src, dst, pattern, unpack, lambda s: bar.update(task, advance=s.info.nbytes,
+                                                                         description=s.info.name))
+    except (FileNotFoundError, IkError) as exc:
+        fail(str(exc))
+    changed = sum(1 for s in steps if s.changed)
+    err.print(f"wrote [bold]{dst}[/]: {changed} of {len(steps)} tensors {'unpacked' if unpack else 'repacked'}, "
+              "no value changed")
 
 
 def _mix_from_sweep(source, opts, sweep: Path, target_bpw: float | None, target_size: str | None,  # type: ignore[no-untyped-def]

@@ -1,0 +1,104 @@
+"""Converting a file's tensors to ik's row-interleaved forms and back, without requantizing (`ikquant --repack`).
+
+An interleaved type regroups its base type's bits (ikquant/formats/interleaved.py), so repacking moves bytes and
+changes no value: the repacked file decodes to the same floats. ik's rules: the token embeddings stay as they are
+(ik's kernels never read them as a matrix), and a tensor whose rows are not whole groups keeps its base type.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ikquant.errors import IkError
+from ikquant.gguf_io import GGUFFile, GGUFStreamWriter, TensorInfo
+from ikquant.types import GGMLType, all_types, type_by_name
+
+
+class RepackError(IkError, ValueError):
+    """A repack that cannot be done as asked (a bad pattern, the input as the output)."""
+
+
+@dataclass(frozen=True)
+class RepackStep:
+    """One tensor of the output: its type, and why."""
+
+    info: TensorInfo
+    type: GGMLType
+    reason: str
+
+    @property
+    def changed(self) -> bool:
+        return self.type is not self.info.type
+
+
+def interleaved_form(base: GGMLType) -> GGMLType | None:
+    """The interleaved type whose base is `base` (None: it has none here)."""
+    import ikquant.formats  # noqa: F401  (registers the codecs)
+
+    return next((t for t in all_types() if t.base == base.name and t.codec is not None), None)
+
+
+def plan_repack(src: GGUFFile, pattern: str | None = None, unpack: bool = False) -> list[RepackStep]:
+    """Each tensor's type in the output: interleaved where it can be (and `pattern` matches its name), or, with
+    `unpack`, every interleaved tensor back to its base type."""
+    try:
+        regex = re.compile(pattern) if pattern is not None else None
+    except re.error as exc:
+        raise RepackError(f"--repack-pattern {pattern!r} is not a regular expression: {exc}") from None
+    steps = []
+    for name, info in src.tensors.items():
+        t = info.type
+        if unpack:
+            base = type_by_name(t.base) if t.base is not None else t
+            steps.append(RepackStep(info, base, f"unpacked to {base.name}" if t.base else "kept"))
+            continue
+        target = interleaved_form(t)
+        if target is None or (regex is not None and not regex.search(name)):
+            steps.append(RepackStep(info, t, "kept"))
+        elif name == "token_embd.weight":
+            steps.append(RepackStep(info, t, "token embeddings stay non-interleaved"))
+        elif info.n_rows % target.row_group:
+            steps.append(RepackStep(info, t, f"{info.n_rows} rows are not whole {target.row_group}-row groups"))
+        else:
+            steps.append(RepackStep(info, target, f"repacked to {target.name}"))
+    return steps
+
+
+def _regrouped(raw: np.ndarray, step: RepackStep) -> np.ndarray:
+    """The tensor's bytes in the step's type: the interleaved codec's regrouping, forward or back."""
+    inverse = step.info.type.base is not None
+    grouped = step.info.type if inverse else step.type
+    codec = grouped.require_codec()
+    rows, row_bytes = raw.shape
+    groups = rows // grouped.row_group
+    out = np.empty((groups, row_bytes * grouped.row_group), dtype=np.uint8)
+    codec._regroup(np.ascontiguousarray(raw).reshape(groups, -1), out, row_bytes, inverse=inverse)  # type: ignore[attr-defined]
+    return out.reshape(rows, row_bytes)
+
+
+def repack_model(src_path: Path, dst_path: Path, pattern: str | None = None, unpack: bool = False,
+                 progress: Callable[[RepackStep], None] | None = None) -> list[RepackStep]:
+    """Write `src_path`'s tensors to `dst_path` repacked (or unpacked); metadata and every other tensor copied."""
+    if Path(src_path).resolve() == Path(dst_path).resolve():
+        raise RepackError(f"output {dst_path} is the input file; choose another output path")
+    src = GGUFFile(src_path)
+    steps = plan_repack(src, pattern, unpack)
+    with GGUFStreamWriter(dst_path, src.architecture, alignment=src.alignment) as writer:
+        for kv in src.kv():
+            if kv.key != "general.architecture" and not kv.key.startswith("split."):
+                writer.add_kv(kv)
+        for step in steps:
+            writer.add_tensor_info(step.info.name, step.info.shape, step.type)
+        for step in steps:
+            raw = src.raw(step.info.name)
+            writer.write_tensor(step.info.name, _regrouped(raw, step) if step.changed else raw)
+            src.release(step.info.name)
+            if progress is not None:
+                progress(step)
+        writer.finish()
+    return steps
