@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ikquant.errors import IkError
+from ikquant.formats.interleaved import InterleavedCodec
 from ikquant.gguf_io import GGUFFile, GGUFStreamWriter, TensorInfo
 from ikquant.types import GGMLType, all_types, type_by_name
 
@@ -74,10 +75,11 @@ def _regrouped(raw: np.ndarray, step: RepackStep) -> np.ndarray:
     inverse = step.info.type.base is not None
     grouped = step.info.type if inverse else step.type
     codec = grouped.require_codec()
+    assert isinstance(codec, InterleavedCodec), grouped.name
     rows, row_bytes = raw.shape
     groups = rows // grouped.row_group
     out = np.empty((groups, row_bytes * grouped.row_group), dtype=np.uint8)
-    codec._regroup(np.ascontiguousarray(raw).reshape(groups, -1), out, row_bytes, inverse=inverse)  # type: ignore[attr-defined]
+    codec.regroup(np.ascontiguousarray(raw).reshape(groups, -1), out, row_bytes, inverse=inverse)
     return out.reshape(rows, row_bytes)
 
 

@@ -23,7 +23,15 @@ from threadpoolctl import ThreadpoolController
 from ikquant.gguf_io import GGUFFile
 from ikquant.types import GGMLType
 from ikrun.models.base import ArchModel, ModelError
-from ikrun.ops.numerics import IK_KERNELS, UNROUNDED, activation_format, ik_kernel, integer_rows, round_activations
+from ikrun.ops.numerics import (
+    IK_KERNELS,
+    UNROUNDED,
+    ToInts,
+    activation_format,
+    ik_kernel,
+    integer_rows,
+    round_activations,
+)
 from ikrun.ops.qgemm import IntRows, PackedInts, pack, qmatmul
 from ikrun.weights import INTEGER_TYPES, PACKED, SwapError, WeightStore
 
@@ -270,10 +278,13 @@ class Model:
         converted = self._ik_converted(name, n_act_rows, rows)
         return self.weight(name) if converted is None else converted
 
+    def _expert_ints(self, name: str, count: int) -> ToInts | None:
+        return ik_kernel(self.weights.encoding(name).type.name).integers(count, self.shape(name)[1])
+
     def ik_expert_ints(self, name: str, expert: int, count: int) -> PackedInts | None:
         """Under --numerics ik, the packed integers ik's kernel multiplies expert `expert` of the 3-D tensor `name`
         as when `count` tokens are routed to it; None where it multiplies floats."""
-        ints = ik_kernel(self.weights.encoding(name).type.name).integers(count, self.shape(name)[1])
+        ints = self._expert_ints(name, count)
         if ints is None:
             return None
         return self.weights.derived_expert(name, expert, lambda raw, decoded: pack(ints(raw, decoded)),
@@ -281,7 +292,7 @@ class Model:
 
     def ik_has_ints(self, name: str, count: int) -> bool:
         """Whether ik multiplies an expert of `name` with `count` routed tokens in integers held here."""
-        return ik_kernel(self.weights.encoding(name).type.name).integers(count, self.shape(name)[1]) is not None
+        return self._expert_ints(name, count) is not None
 
     def ik_convert_experts(self, name: str, ids: np.ndarray, counts: np.ndarray, mats: np.ndarray) -> None:
         """In place: the decoded matrices `mats` of experts `ids` of a 3-D expert tensor, each as ik multiplies it

@@ -147,13 +147,17 @@ class WeightStore:
     def encoded_bytes(self, name: str) -> int:
         return self.encoding(name).raw.nbytes
 
-    def cached_array(self, name: str) -> np.ndarray | None:
-        """The whole tensor's decoded copy if it is cached (the per-matmul fast path), else None."""
-        hit = self._cache.get(name)
+    def _lookup(self, key: CacheKey) -> Any:
+        """The value cached under `key` (marked most recently used), else None."""
+        hit = self._cache.get(key)
         if hit is None:
             return None
-        self._cache.move_to_end(name)
+        self._cache.move_to_end(key)
         return hit[0]
+
+    def cached_array(self, name: str) -> np.ndarray | None:
+        """The whole tensor's decoded copy if it is cached (the per-matmul fast path), else None."""
+        return cast("np.ndarray | None", self._lookup(name))
 
     def _decode_rows(self, name: str, enc: Encoding, raw: np.ndarray, n_per_row: int) -> np.ndarray:
         """`raw` (rows of `enc`) decoded to float32, counted in `reads`."""
@@ -206,10 +210,9 @@ class WeightStore:
         capacity allows and forgotten with the tensor (swaps, restores, evictions). The decoding itself is not
         cached: only what is made from it is used."""
         key = (name, kind)
-        hit = self._cache.get(key)
+        hit = self._lookup(key)
         if hit is not None:
-            self._cache.move_to_end(key)
-            return cast(D, hit[0])
+            return cast(D, hit)
         info, enc = self.info(name), self.encoding(name)
         value = make(enc.raw, self._decode_rows(name, enc, enc.raw, info.n_per_row))
         self._release(name)
@@ -221,10 +224,9 @@ class WeightStore:
         """What `derived` makes, for one matrix of a 3-D expert tensor (ik's integers of a routed expert); cached
         when `keep` (a layer-streamed pass uses each expert once and keeps nothing)."""
         key = (name, expert, PACKED)
-        hit = self._cache.get(key)
+        hit = self._lookup(key)
         if hit is not None:
-            self._cache.move_to_end(key)
-            return cast(D, hit[0])
+            return cast(D, hit)
         n_expert, rows, cols = self.info(name).shape
         enc = self.encoding(name)
         raw = enc.raw.reshape(n_expert, rows, -1)[expert]

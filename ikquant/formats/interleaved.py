@@ -62,10 +62,15 @@ def _iq5_fifth_bits(rows: list[int], qh: int, sub: int) -> list[int]:
     return [b for k in range(4) for i in range(4) for t in R4_HIGH_BITS for b in _field(rows[k] + qh + t + i, sub, 1)]
 
 
+def _r4_scale_bytes(rows: list[int]) -> list[int]:
+    """The row-scaled IQK _R4 blocks' scale bytes: byte 4 s + k is row k's scale byte s."""
+    return [b for s in range(8) for r in rows for b in _field(r + s, 0, 8)]
+
+
 def iq4_ks_r4_block(row_bytes: int, ib: int) -> np.ndarray:
     """IQ4_KS_R4 (after the group's 4 row scales): the 4 rows' scale bytes per sub-block, then their codes."""
     rows = [k * row_bytes + 4 + 136 * ib for k in range(4)]
-    out = [b for s in range(8) for r in rows for b in _field(r + s, 0, 8)]
+    out = _r4_scale_bytes(rows)
     for sub in range(8):
         out += _r4_low_codes(_iq4_codes(rows, 8), sub)
     return np.array(out, dtype=np.int64)
@@ -74,7 +79,7 @@ def iq4_ks_r4_block(row_bytes: int, ib: int) -> np.ndarray:
 def iq5_ks_r4_block(row_bytes: int, ib: int) -> np.ndarray:
     """IQ5_KS_R4 (after the group's 4 row scales): scale bytes as IQ4_KS_R4's, the low codes, then the fifth bits."""
     rows = [k * row_bytes + 4 + 168 * ib for k in range(4)]
-    out = [b for s in range(8) for r in rows for b in _field(r + s, 0, 8)]
+    out = _r4_scale_bytes(rows)
     for sub in range(8):
         out += _r4_low_codes(_iq5_codes(rows, 8), sub)
     for sub in range(8):
@@ -334,7 +339,7 @@ class InterleavedCodec(Codec):
             raise QuantInputError(f"{self.type_name}: {n_rows} rows are not a whole number of {self.group}-row groups")
         return n_rows // self.group
 
-    def _regroup(self, src: np.ndarray, out: np.ndarray, row_bytes: int, inverse: bool) -> None:
+    def regroup(self, src: np.ndarray, out: np.ndarray, row_bytes: int, inverse: bool) -> None:
         """out (groups, group bytes) = src's groups interleaved (or, `inverse`, de-interleaved), a chunk at a time,
         moving whole bytes or nibbles where the map allows, else bit by bit in a Numba loop."""
         perm, unit = self._perm_for(row_bytes)
@@ -360,12 +365,12 @@ class InterleavedCodec(Codec):
         groups = self._groups(x.shape[0])
         plain = np.empty_like(out)
         self.base._quantize(x, w, plain)
-        self._regroup(plain.reshape(groups, -1), out.reshape(groups, -1), out.shape[1], inverse=False)
+        self.regroup(plain.reshape(groups, -1), out.reshape(groups, -1), out.shape[1], inverse=False)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         groups = self._groups(q.shape[0])
         plain = np.empty((groups, q.shape[1] * self.group), dtype=np.uint8)
-        self._regroup(np.ascontiguousarray(q).reshape(groups, -1), plain, q.shape[1], inverse=True)
+        self.regroup(np.ascontiguousarray(q).reshape(groups, -1), plain, q.shape[1], inverse=True)
         self.base._dequantize(plain.reshape(q.shape), out)
 
 

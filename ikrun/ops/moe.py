@@ -243,8 +243,9 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
         act[rows] = a
         y[rows] = qmatmul(integer_rows(a, formats[2]), down)
     floats = np.array(as_floats, dtype=np.int64)
-    xu = round_activations(x, formats[0])
-    xg = xu if formats[1] == formats[0] else round_activations(x, formats[1])
+    if len(floats):  # the rounded floats, for the experts ik multiplies as floats
+        xu = round_activations(x, formats[0])
+        xg = xu if formats[1] == formats[0] else round_activations(x, formats[1])
     step = max(1, len(floats) if group is None else group)
     for g0 in range(0, len(floats), step):
         ids = floats[g0 : g0 + step]

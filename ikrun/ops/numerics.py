@@ -68,7 +68,7 @@ BF16 = "BF16"
 UNROUNDED = "F32"
 BLOCK = 32  # values per Q8_2_X4 block
 SUPER = 256  # values per Q8_K block
-#: the formats as the Numba kernels take them (round_row)
+#: the formats as the Numba kernels take them (_round_row)
 FMT_NONE, FMT_Q8_2_X4, FMT_BF16, FMT_Q8_K = 0, 1, 2, 3
 FORMAT_CODES = {UNROUNDED: FMT_NONE, Q8_2_X4: FMT_Q8_2_X4, BF16: FMT_BF16, Q8_K: FMT_Q8_K}
 
@@ -354,9 +354,8 @@ def _q8_row_ints(x: np.ndarray, block: int, bf16_scale: bool, u: np.ndarray, sca
 
 
 @njit(cache=True, nogil=True, inline="always")
-def round_row(x: np.ndarray, fmt: int, out: np.ndarray) -> None:
-    """One row rounded to format code `fmt` (FMT_Q8_2_X4, FMT_Q8_K or FMT_BF16) into out, for kernels that round
-    as they go."""
+def _round_row(x: np.ndarray, fmt: int, out: np.ndarray) -> None:
+    """One row rounded to format code `fmt` (FMT_Q8_2_X4, FMT_Q8_K or FMT_BF16) into out."""
     if fmt == FMT_Q8_2_X4:
         _q8_row(x, BLOCK, True, out)
     elif fmt == FMT_Q8_K:
@@ -369,13 +368,21 @@ def round_row(x: np.ndarray, fmt: int, out: np.ndarray) -> None:
 @njit(cache=True, nogil=True)
 def _rows_serial(x: np.ndarray, fmt: int, out: np.ndarray) -> None:
     for i in range(x.shape[0]):
-        round_row(x[i], fmt, out[i])
+        _round_row(x[i], fmt, out[i])
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _rows_parallel(x: np.ndarray, fmt: int, out: np.ndarray) -> None:
     for i in prange(x.shape[0]):
-        round_row(x[i], fmt, out[i])
+        _round_row(x[i], fmt, out[i])
+
+
+def _block_of(fmt: str, n: int) -> int:
+    """The block length of activation format `fmt`, checked to divide rows of n values."""
+    block = {Q8_2_X4: BLOCK, Q8_K: SUPER}.get(fmt, 1)
+    if n % block:
+        raise NumericsError(f"rows of {n} values are not whole {block}-value {fmt} blocks")
+    return block
 
 
 def round_activations(x: np.ndarray, fmt: str) -> np.ndarray:
@@ -386,9 +393,7 @@ def round_activations(x: np.ndarray, fmt: str) -> np.ndarray:
         raise ValueError(f"unknown activation format {fmt!r}")
     x = np.ascontiguousarray(x, dtype=np.float32)
     flat = x.reshape(-1, x.shape[-1])
-    block = {Q8_2_X4: BLOCK, Q8_K: SUPER}.get(fmt, 1)
-    if flat.shape[1] % block:
-        raise NumericsError(f"rows of {flat.shape[1]} values are not whole {block}-value {fmt} blocks")
+    _block_of(fmt, flat.shape[1])
     out = np.empty_like(flat)
     pick(_rows_serial, _rows_parallel, flat.size)(flat, FORMAT_CODES[fmt], out)
     return out.reshape(x.shape)
@@ -411,11 +416,11 @@ def _ints_parallel(x: np.ndarray, block: int, bf16_scale: bool, u: np.ndarray, s
 def integer_rows(x: np.ndarray, fmt: str) -> IntRows:
     """Rows x [m, n] rounded to the int8 blocks of format `fmt` (Q8_2_X4 or Q8_K), for `qmatmul`; the row count
     padded to whole kernel tiles with rows of zeros."""
-    block = {Q8_2_X4: BLOCK, Q8_K: SUPER}[fmt]
+    if fmt not in (Q8_2_X4, Q8_K):
+        raise ValueError(f"no integer rows for activation format {fmt!r}")
     x = np.ascontiguousarray(x, dtype=np.float32)
     m, n = x.shape
-    if n % block:
-        raise NumericsError(f"rows of {n} values are not whole {block}-value {fmt} blocks")
+    block = _block_of(fmt, n)
     mp = m + (-m % TILE)
     u = np.full((mp, n), 128, np.uint8)
     scale = np.zeros((mp, n // block), np.float32)
