@@ -37,11 +37,16 @@ class RepackStep:
         return self.type is not self.info.type
 
 
-def interleaved_form(base: GGMLType) -> GGMLType | None:
-    """The interleaved type whose base is `base` (None: it has none here)."""
+def _regroups_base(t: GGMLType) -> bool:
+    """Whether `t` is an interleaved form whose bytes regroup its base type's (IQ1_S_R4 and Q8_K_R8 do not)."""
     import ikquant.formats  # noqa: F401  (registers the codecs)
 
-    return next((t for t in all_types() if t.base == base.name and t.codec is not None), None)
+    return t.base is not None and isinstance(t.codec, InterleavedCodec) and t.codec.unpacks_to_base
+
+
+def interleaved_form(base: GGMLType) -> GGMLType | None:
+    """The interleaved type that regroups `base` (None: it has none here)."""
+    return next((t for t in all_types() if t.base == base.name and _regroups_base(t)), None)
 
 
 def plan_repack(src: GGUFFile, pattern: str | None = None, unpack: bool = False) -> list[RepackStep]:
@@ -55,8 +60,12 @@ def plan_repack(src: GGUFFile, pattern: str | None = None, unpack: bool = False)
     for name, info in src.tensors.items():
         t = info.type
         if unpack:
-            base = type_by_name(t.base) if t.base is not None else t
-            steps.append(RepackStep(info, base, f"unpacked to {base.name}" if t.base else "kept"))
+            if _regroups_base(t):
+                assert t.base is not None
+                steps.append(RepackStep(info, type_by_name(t.base), f"unpacked to {t.base}"))
+            else:
+                steps.append(RepackStep(info, t, "kept" if t.base is None else
+                                        f"kept: {t.name} is not a regrouping of {t.base}, it has no plain form"))
             continue
         target = interleaved_form(t)
         if target is None or (regex is not None and not regex.search(name)):
@@ -73,14 +82,9 @@ def plan_repack(src: GGUFFile, pattern: str | None = None, unpack: bool = False)
 def _regrouped(raw: np.ndarray, step: RepackStep) -> np.ndarray:
     """The tensor's bytes in the step's type: the interleaved codec's regrouping, forward or back."""
     inverse = step.info.type.base is not None
-    grouped = step.info.type if inverse else step.type
-    codec = grouped.require_codec()
-    assert isinstance(codec, InterleavedCodec), grouped.name
-    rows, row_bytes = raw.shape
-    groups = rows // grouped.row_group
-    out = np.empty((groups, row_bytes * grouped.row_group), dtype=np.uint8)
-    codec.regroup(np.ascontiguousarray(raw).reshape(groups, -1), out, row_bytes, inverse=inverse)
-    return out.reshape(rows, row_bytes)
+    codec = (step.info.type if inverse else step.type).require_codec()
+    assert isinstance(codec, InterleavedCodec), step.info.type.name
+    return codec.unpack(raw) if inverse else codec.pack(raw)
 
 
 def repack_model(src_path: Path, dst_path: Path, pattern: str | None = None, unpack: bool = False,

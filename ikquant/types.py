@@ -134,6 +134,24 @@ _TYPE_TABLE: tuple[tuple[str, str, int, int, int, int], ...] = (
     ("IQ5_K_R4", "iq5_k_r4", 340, 256, 176, 0),
     ("IQ4_KS_R4", "iq4_ks_r4", 344, 256, 136, 4),
     ("IQ5_KS_R4", "iq5_ks_r4", 352, 256, 168, 4),
+    ("IQ1_BN", "iq1_bn", 134, 64, 13, 2),
+    ("IQ2_BN", "iq2_bn", 135, 64, 16, 4),
+    ("IQ2_BN_R4", "iq2_bn_r4", 335, 64, 16, 4),
+    ("Q5_0_R4", "q5_0_r4", 206, 32, 22, 0),
+    ("Q6_0_R4", "q6_0_r4", 233, 32, 26, 0),
+    ("Q2_K_R4", "q2_k_r4", 210, 256, 84, 0),
+    ("Q3_K_R4", "q3_k_r4", 211, 256, 110, 0),
+    ("Q5_K_R4", "q5_k_r4", 213, 256, 176, 0),
+    ("IQ2_XXS_R4", "iq2_xxs_r4", 216, 256, 66, 0),
+    ("IQ2_XS_R4", "iq2_xs_r4", 217, 256, 74, 0),
+    ("IQ3_XXS_R4", "iq3_xxs_r4", 218, 256, 98, 0),
+    ("IQ1_S_R4", "iq1_s_r4", 219, 32, 6, 2),
+    ("IQ3_S_R4", "iq3_s_r4", 221, 256, 110, 0),
+    ("IQ2_S_R4", "iq2_s_r4", 222, 256, 82, 0),
+    ("IQ1_M_R4", "iq1_m_r4", 229, 32, 7, 2),
+    ("Q8_K_R16", "q8_k_r16", 397, 256, 258, 0),
+    ("Q8_KV_R8", "q8_KV_r8", 398, 32, 32, 4),
+    ("Q8_K_R8", "q8_k_r8", 399, 256, 258, 0),
 )
 
 # Ids that mainline llama.cpp assigns to types ik_llama.cpp does not have (so a file using them came from mainline).
@@ -144,7 +162,11 @@ _INTERLEAVED = {"Q8_0_R8": ("Q8_0", 8), "Q4_0_R8": ("Q4_0", 8), "IQ4_NL_R4": ("I
                 "IQ2_K_R4": ("IQ2_K", 4), "IQ3_K_R4": ("IQ3_K", 4),
                 "IQ4_KS_R4": ("IQ4_KS", 4), "IQ5_K_R4": ("IQ5_K", 4), "IQ5_KS_R4": ("IQ5_KS", 4),
                 "Q4_K_R4": ("Q4_K", 4), "Q6_K_R4": ("Q6_K", 4), "IQ4_XS_R8": ("IQ4_XS", 8),
-                "MXFP4_R8": ("MXFP4", 8)}
+                "MXFP4_R8": ("MXFP4", 8), "Q5_0_R4": ("Q5_0", 4), "Q6_0_R4": ("Q6_0", 4), "Q2_K_R4": ("Q2_K", 4),
+                "Q3_K_R4": ("Q3_K", 4), "Q5_K_R4": ("Q5_K", 4), "IQ2_XXS_R4": ("IQ2_XXS", 4), "IQ2_XS_R4": ("IQ2_XS", 4),
+                "IQ2_S_R4": ("IQ2_S", 4), "IQ3_XXS_R4": ("IQ3_XXS", 4), "IQ3_S_R4": ("IQ3_S", 4), "IQ1_S_R4": ("IQ1_S", 4),
+                "IQ1_M_R4": ("IQ1_M", 4), "IQ2_BN_R4": ("IQ2_BN", 4), "Q8_KV_R8": ("Q8_KV", 8), "Q8_K_R8": ("Q8_0", 8),
+                "Q8_K_R16": ("Q8_0", 16)}
 
 _BY_NAME: dict[str, GGMLType] = {}
 _BY_ID: dict[int, GGMLType] = {}

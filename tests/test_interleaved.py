@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
 from ikquant.cli import app as ikquant_app
 from ikquant.formats.base import QuantInputError
+from ikquant.formats.interleaved import InterleavedCodec
 from ikquant.gguf_io import GGUFFile
-from ikquant.types import type_by_name
+from ikquant.types import all_types, type_by_name
 from ikrun.cli import app
 
 runner = CliRunner()
@@ -27,7 +28,10 @@ def test_groups_must_be_whole() -> None:
 @pytest.mark.parametrize("base_type,interleaved", [("Q8_0", "Q8_0_R8"), ("Q4_0", "Q4_0_R8"), ("IQ4_NL", "IQ4_NL_R4"),
                                                    ("IQ2_K", "IQ2_K_R4"), ("IQ3_K", "IQ3_K_R4"), ("IQ4_K", "IQ4_K_R4"),
                                                    ("IQ4_KS", "IQ4_KS_R4"), ("IQ5_K", "IQ5_K_R4"), ("IQ5_KS", "IQ5_KS_R4"),
-                                                   ("Q4_K", "Q4_K_R4"), ("Q6_K", "Q6_K_R4"), ("IQ4_XS", "IQ4_XS_R8")])
+                                                   ("Q4_K", "Q4_K_R4"), ("Q6_K", "Q6_K_R4"), ("IQ4_XS", "IQ4_XS_R8"),
+                                                   ("Q5_0", "Q5_0_R4"), ("Q6_0", "Q6_0_R4"), ("Q2_K", "Q2_K_R4"),
+                                                   ("Q3_K", "Q3_K_R4"), ("Q5_K", "Q5_K_R4"), ("IQ3_XXS", "IQ3_XXS_R4"),
+                                                   ("IQ3_S", "IQ3_S_R4"), ("Q8_KV", "Q8_KV_R8")])
 def test_an_interleaved_file_evaluates_as_its_base_type(tmp_path: Path, base_type: str, interleaved: str) -> None:
     """The interleaved file (its file type, or --custom-q where iktools has no file type for it yet) gives the base
     type's KLD statistics, every digit."""
@@ -70,6 +74,39 @@ def test_an_interleaved_file_evaluates_as_its_base_type(tmp_path: Path, base_typ
     for name in ("output.weight", "blk.1.ffn_down.weight"):
         assert np.array_equal(grouped.decode_rows(name, rows), plain.decode_rows(name, rows))
         assert np.array_equal(grouped.decode(name), plain.decode(name))
+
+
+@pytest.mark.parametrize("name", sorted(t.name for t in all_types() if isinstance(t.codec, InterleavedCodec)
+                                         and t.codec.unpacks_to_base and t.codec.can_quantize))
+def test_packing_moves_bits_and_unpacking_restores_them(name: str) -> None:
+    """pack(base rows) decodes to the base rows' values (ik's zeros of d x code - offset x d are +0), and unpack
+    gives back every byte; the scrambled sign groups and dropped code sums included."""
+    codec = type_by_name(name).require_codec()
+    assert isinstance(codec, InterleavedCodec)
+    base = codec.base
+    x = np.random.default_rng(7).standard_normal((2 * codec.group, 512)).astype(np.float32)
+    w = np.random.default_rng(8).uniform(0.1, 2.0, 512).astype(np.float32)
+    rows = base.quantize(x, w)
+    packed = codec.pack(rows)
+    assert packed.shape == (rows.shape[0], type_by_name(name).row_bytes(512))
+    assert np.array_equal(codec.unpack(packed), rows)
+    want = base.dequantize(rows, 512)
+    want[want == 0] = 0.0
+    got = codec.dequantize(packed, 512)
+    got[got == 0] = 0.0
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_q8_k_forms_have_no_plain_form_to_unpack_to() -> None:
+    """Q8_K_R8 / Q8_K_R16 regroup ik's 8-bit activation blocks, which no file type stores: --repack never makes
+    them and --unpack keeps them (their fallback type Q8_0 is for tensors whose rows are no whole group)."""
+    from ikquant.repack import interleaved_form
+
+    for name in ("Q8_K_R8", "Q8_K_R16"):
+        codec = type_by_name(name).require_codec()
+        assert isinstance(codec, InterleavedCodec) and not codec.unpacks_to_base
+    assert interleaved_form(type_by_name("Q8_0")) is type_by_name("Q8_0_R8")
+    assert interleaved_form(type_by_name("Q8_KV")) is type_by_name("Q8_KV_R8")
 
 
 def test_mxfp4_r8_rows_of_256_follow_the_layout() -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ikquant.types import decodable_types, implemented_types, type_by_name
-from tests.quant_golden import golden_cases, golden_types, weighted_rmse
+from tests.quant_golden import golden_cases, golden_types, header_blind_to_float, row_scale, weighted_rmse
 
 IMPLEMENTED = {t.name for t in implemented_types()}
 DECODABLE = {t.name for t in decodable_types()}
@@ -24,6 +24,11 @@ EXACT_BYTES = {"F16", "BF16", "Q8_0", "MXFP4", "Q8_0_R8", "MXFP4_R8"}
 # README reports). Only each group's first row is ik's correct output; every row must equal its base type's
 # decoding of the same input, quantized by the base codec (bit-exact with ik on its own golden cases).
 ORACLE_DEQUANT_BUG = {"MXFP4_R8": "MXFP4"}
+# Types whose golden floats come from ik's CPU to_float reading the row from its first byte: dequantize_row_iq1_bn
+# and dequantize_row_iq2_bn decode the row header as codes (dropping the last block's tail) and never apply the row
+# scale, which ik's matrix kernels and CUDA dequantizer apply. The golden floats must equal a port of that to_float
+# (tests/test_bitnet.py); every value must be the row's scale times ik's codes of its blocks.
+HEADER_BLIND_DEQUANT = {"IQ1_BN", "IQ2_BN"}
 # Share of identical blocks required per case where bytes can move with FMA contraction (ik's build fuses some multiply-adds that numpy rounds twice).
 MIN_SAME_BLOCKS = {"IQ1_KT": 0.90, "IQ2_KT": 0.90, "IQ3_KT": 0.90, "IQ4_KT": 0.90}
 
@@ -49,6 +54,11 @@ def test_dequantize_is_bit_exact(type_name: str, case_name: str) -> None:
         first_rows = slice(0, None, gtype.row_group)
         assert np.array_equal(out[first_rows].view(np.uint32), want[first_rows].view(np.uint32))
         want = base.dequantize(base.quantize(case.x, case.imatrix), case.n_per_row)
+    if type_name in HEADER_BLIND_DEQUANT:
+        n, h = case.n_per_row, gtype.row_meta_size
+        blind = np.stack([header_blind_to_float(type_name, row, n) for row in case.quant])
+        assert np.array_equal(blind.view(np.uint32), want.view(np.uint32))
+        want = np.stack([row_scale(type_name, row) * header_blind_to_float(type_name, row[h:], n) for row in case.quant])
     mismatch = np.flatnonzero(out.view(np.uint32) != want.view(np.uint32))
     assert mismatch.size == 0, f"{mismatch.size} values differ, first at flat index {mismatch[0]}"
 

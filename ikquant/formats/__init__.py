@@ -1,6 +1,7 @@
 """Every quant format family; importing this package registers their codecs in `ikquant.types`."""
 
 from ikquant.formats import (  # noqa: F401
+    bitnet,
     floats,
     interleaved,
     iq4,
