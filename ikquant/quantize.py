@@ -190,21 +190,22 @@ def _plan_tensor(info: TensorInfo, opts: QuantizeOptions, chooser: TypeChooser, 
         decision = chooser.choose(name, info.n_per_row)
     else:
         decision = Decision(opts.ftype.base, "--pure" if opts.pure else f"{opts.ftype.name} default")
-    fallback = with_row_fallback(decision.type, info.n_per_row)
+    fallback = with_row_fallback(decision.type, info.n_per_row, name)
     if fallback is not None:
         decision = fallback
         notes.append(fallback.reason)
-    if decision.type.base is not None and (name == "token_embd.weight" or info.ne[1] % decision.type.row_group):
-        why = ("token embeddings are not interleaved" if name == "token_embd.weight" else
-               f"{info.ne[1]} rows are not a multiple of {decision.type.row_group}")
-        decision = Decision(type_by_name(decision.type.base), f"{why}: {decision.type.name} becomes its base type")
-        notes.append(decision.reason)
     if embd_type and name == "token_embd.weight":
         decision = Decision(type_by_name(embd_type), "--token-embedding-type")
     if out_type and name == "output.weight":
         decision = Decision(type_by_name(out_type), "--output-tensor-type")
     if name in opts.tensor_types:
         decision = Decision(type_by_name(opts.tensor_types[name]), "chosen from the sweep")
+    # as ik, after every override: token embeddings and rows that are no whole group are never interleaved
+    if decision.type.base is not None and (name == "token_embd.weight" or info.ne[1] % decision.type.row_group):
+        why = ("token embeddings are not interleaved" if name == "token_embd.weight" else
+               f"{info.ne[1]} rows are not a multiple of {decision.type.row_group}")
+        decision = Decision(type_by_name(decision.type.base), f"{why}: {decision.type.name} becomes its base type")
+        notes.append(decision.reason)
     if decision.type is info.type:
         keep.reason = f"already {info.type.name}"
         return keep

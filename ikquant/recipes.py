@@ -3,10 +3,17 @@
 ik decides in layers, applied here in ik's order:
 1. eligibility: what is never quantized (1-D, norms, integer tensors, gate_inp, ...);
 2. the ftype's rules for the tensor's class (output, token_embd, attn_v, attn_k, attn_q, ffn_down, attn_output,
-   ffn_gate, ffn_up) -- tables of (condition, type) tried in order, first match wins, per rule family: the IQ2_KT
-   block, the low-bit block (IQ2_KS and friends), and the generic chain for everything else;
+   ffn_gate, ffn_up) -- tables of (condition, type) tried in order, first match wins, per rule family: the
+   IQ1_S_R4/IQ1_M_R4 block, the IQ2_KT block, the low-bit block (IQ2_KS and friends), and the generic chain for
+   everything else;
 3. the user's --custom-q rules (they replace the ftype's choice), then the fallback for rows that 256-value blocks
-   do not fit, then the driver's own overrides (--token-embedding-type, --output-tensor-type, --ffn-gate-inp-type).
+   do not fit (or the refusal, for the BitNet types, which have none), then the driver's own overrides
+   (--token-embedding-type, --output-tensor-type, --ffn-gate-inp-type).
+
+The interleaved ftypes (Q4_K_R4, IQ3_K_R4, ...) have rules of their own in each chain, and several of them put plain
+(not interleaved) types on some tensors: Q4_K_R4 gives the first attn_v tensors Q5_K, the IQ1_S_R4 family picks _R4
+types, the low-bit family (IQ2_XXS_R4 included) plain ones. Whatever the rules choose, an interleaved type is replaced
+by its base type where the tensor's rows are no whole number of row groups, and on token_embd (quantize.py).
 
 Tensor classes are found by substring, as ik does: "attn_k" also matches attn_kv_a_mqa, attn_kv_b and attn_k_b;
 "attn_q" matches attn_q_a, attn_q_b and attn_qkv; "ffn_down" matches ffn_down_exps and ffn_down_shexp.
@@ -26,18 +33,23 @@ from ikquant.types import GGMLType, type_by_name
 ROW_FALLBACK: dict[str, str] = {
     **dict.fromkeys(["IQ2_KS", "Q2_K", "Q3_K", "IQ2_K", "IQ2_KL", "IQ3_KS", "IQ3_K", "IQ4_KSS", "IQ4_KS", "IQ1_KT",
                      "IQ2_KT", "IQ3_KT", "IQ4_KT", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
-                     "IQ1_S", "IQ1_M"], "IQ4_NL"),
-    **dict.fromkeys(["IQ4_K", "IQ5_KS", "Q4_K"], "Q5_0"),
-    **dict.fromkeys(["IQ5_K", "Q5_K"], "Q6_0"),
-    **dict.fromkeys(["IQ6_K", "Q6_K"], "Q8_0"),
+                     "IQ1_S", "IQ1_M", "IQ2_XXS_R4", "IQ2_XS_R4", "IQ2_S_R4", "IQ3_XXS_R4", "IQ3_S_R4", "Q2_K_R4",
+                     "Q3_K_R4", "IQ2_K_R4", "IQ3_K_R4", "IQ4_KS_R4", "IQ4_XS_R8"], "IQ4_NL"),
+    **dict.fromkeys(["IQ4_K", "IQ5_KS", "Q4_K", "IQ4_K_R4", "Q4_K_R4", "IQ5_KS_R4"], "Q5_0"),
+    **dict.fromkeys(["IQ5_K", "Q5_K", "IQ5_K_R4", "Q5_K_R4"], "Q6_0"),
+    **dict.fromkeys(["IQ6_K", "Q6_K", "Q6_K_R4", "Q8_K_R8"], "Q8_0"),
 }
+# Types with no such substitute, and the row multiple they need: ik refuses to quantize a tensor whose rows their
+# 64-value blocks do not divide (its "Unsupported tensor size encountered").
+NO_ROW_FALLBACK: dict[str, int] = dict.fromkeys(["IQ1_BN", "IQ2_BN", "IQ2_BN_R4"], 64)
 # Names ik never quantizes (besides norms, 1-D and integer tensors): substrings, then exact names.
 NEVER_QUANTIZED = ("ffn_gate_inp.weight", "ssm_conv1d", "ssm_x.weight", "ssm_dt.weight", "attn_rel_b.weight")
 NEVER_QUANTIZED_EXACT = ("position_embd.weight", "token_types.weight")
 INT_TYPES = ("I8", "I16", "I32", "I64")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # Types ik refuses to produce without importance data (outside token_embd/output), unless --ignore-imatrix-rules.
-NEEDS_IMATRIX = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "IQ1_KT", "IQ2_KT")
+NEEDS_IMATRIX = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "IQ1_KT", "IQ2_KT", "IQ2_XXS_R4", "IQ2_XS_R4",
+                 "IQ2_S_R4", "IQ1_S_R4", "IQ1_M_R4")
 
 
 @dataclass(frozen=True)
@@ -133,18 +145,27 @@ NO_IMATRIX: Cond = lambda c: not c.has_imatrix  # noqa: E731
 ANY: Cond = lambda c: True  # noqa: E731
 
 LOW_BIT_OUTPUT = ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ2_S", "IQ2_M", "IQ1_M", "IQ2_K", "IQ3_K", "IQ2_KS",
-                  "IQ3_KS", "IQ2_KL", "IQ2_KT", "IQ3_KT", "IQ1_KT")
-IQ4_TIED_IQ5 = ("IQ3_S", "IQ3_M", "IQ3_KL", "IQ4_XS", "IQ4_KS", "IQ4_KSS")
+                  "IQ3_K_R4", "IQ3_KS", "IQ2_K_R4", "IQ3_XXS_R4", "IQ2_KL", "IQ2_M_R4", "IQ1_S_R4", "IQ1_M_R4",
+                  "IQ2_KT", "IQ3_KT", "IQ1_KT")
+IQ4_TIED_IQ5 = ("IQ3_S", "IQ3_M", "IQ3_KL", "IQ4_XS", "IQ3_S_R4", "IQ4_KS", "IQ4_KSS", "IQ4_KS_R4")
+# default types that already have 6 bits or more: output.weight keeps them instead of becoming Q6_K
+OUTPUT_KEEPS = ("Q8_0", "Q8_0_R8", "IQ6_K", "Q6_K_R4", "Q8_K_R8", "Q8_KV", "Q8_KV_R8")
+BITNET = ("IQ1_BN", "IQ2_BN", "IQ2_BN_R4")
 ATTN_OUTPUT_Q5K_MOE = ("Q2_K", "IQ3_XS", "IQ3_XXS", "Q3_K_S", "Q3_K_M", "IQ4_NL", "Q4_K_S", "Q4_K_M", "IQ3_S",
-                       "IQ3_M", "IQ4_XS", "IQ4_K", "IQ4_KSS", "IQ4_KS", "IQ5_KS", "IQ2_K", "IQ3_K", "IQ3_KL", "IQ3_KT",
-                       "IQ3_KS", "IQ4_NL_R4")
-LOW_BIT_BLOCK = ("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ2_S", "IQ2_M", "IQ1_M", "IQ2_KS")
-IQ2SM = ("IQ2_S", "IQ2_M")
+                       "IQ3_M", "IQ4_XS", "IQ4_K", "IQ4_KSS", "IQ4_KS", "IQ4_KS_R4", "IQ5_KS", "IQ5_KS_R4", "IQ2_K",
+                       "IQ3_K", "IQ3_KL", "Q4_K_R4", "IQ4_NL_R4", "IQ4_XS_R8", "Q3_K_R4", "IQ3_KT", "IQ3_KS",
+                       "Q2_K_R4", "IQ4_K_R4", "IQ3_K_R4", "IQ2_K_R4", "IQ3_XXS_R4", "IQ3_S_R4")
+LOW_BIT_BLOCK = ("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ2_S", "IQ2_M", "IQ1_M", "IQ2_KS", "IQ2_XXS_R4", "IQ2_XS_R4",
+                 "IQ2_M_R4")
+IQ1_R4_BLOCK = ("IQ1_S_R4", "IQ1_M_R4")
+IQ2SM = ("IQ2_S", "IQ2_M", "IQ2_M_R4")
 
 # G >= 4 bump of attn_v in the generic chain: the current type -> one step up.
-GQA_BUMP = {"Q2_K": "IQ3_S", "IQ3_XXS": "IQ3_S", "Q3_K": "Q4_K", "IQ3_S": "Q4_K", "IQ3_K": "IQ4_K",
-            "IQ3_KS": "IQ4_KS", "IQ2_KL": "IQ4_KS", "Q4_K": "Q5_K", "IQ4_XS": "Q5_K", "IQ4_NL": "Q5_K",
-            "IQ4_K": "IQ5_K", "IQ4_KS": "IQ5_K", "Q5_K": "Q6_K", "IQ5_K": "IQ6_K", "IQ5_KS": "IQ6_K"}
+GQA_BUMP = {"Q2_K": "IQ3_S", "IQ3_XXS": "IQ3_S", "Q2_K_R4": "IQ3_K_R4", "IQ3_XXS_R4": "IQ3_K_R4", "Q3_K": "Q4_K",
+            "IQ3_S": "Q4_K", "IQ3_K": "IQ4_K", "IQ3_KS": "IQ4_KS", "IQ2_KL": "IQ4_KS", "IQ3_S_R4": "Q4_K_R4",
+            "Q3_K_R4": "Q4_K_R4", "Q4_K": "Q5_K", "IQ4_XS": "Q5_K", "IQ4_NL": "Q5_K", "IQ4_K": "IQ5_K",
+            "IQ4_KS": "IQ5_K", "IQ4_NL_R4": "Q5_K", "IQ4_XS_R8": "Q5_K", "Q5_K": "Q6_K", "IQ5_K": "IQ6_K",
+            "IQ5_KS": "IQ6_K"}
 SEVENTY_B_BUMP = {"Q3_K": "Q5_K", "Q4_K": "Q5_K", "IQ3_K": "IQ5_K"}
 
 # --- the rules, per family and tensor class (order matters: first applicable rule wins) ---------------------------
@@ -153,14 +174,31 @@ OUTPUT_RULES = [
     opt("output_tensor_type"),
     R((), "Q8_0", lambda c: c.facts.arch == "falcon" or c.n_per_row % 256 != 0),
     R(LOW_BIT_OUTPUT, lambda c: "IQ4_K" if not c.facts.has_output else "Q5_K"),
+    R(("IQ2_XXS_R4", "IQ2_XS_R4"), lambda c: "IQ4_K_R4" if not c.facts.has_output else "Q5_K_R4"),
     R(IQ4_TIED_IQ5, "IQ5_K", lambda c: not c.facts.has_output),
-    R((), "Q6_K", lambda c: c.default not in ("Q8_0", "Q8_0_R8", "IQ6_K", "Q8_KV")),
+    R((), "Q6_K", lambda c: c.default not in OUTPUT_KEEPS),
 ]
 TOKEN_EMBD_RULES = [
     opt("token_embedding_type"),
-    R(("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ1_M"), "Q2_K"),
-    R(("IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_KT"), "IQ3_S"),
+    R(("IQ2_XXS", "IQ2_XS", "IQ1_S", "IQ1_M", "IQ2_XXS_R4", "IQ2_XS_R4", "IQ1_S_R4", "IQ1_M_R4"), "Q2_K"),
+    R(("IQ2_S", "IQ2_M", "IQ2_M_R4", "IQ3_XXS", "IQ3_KT"), "IQ3_S"),
+    R("IQ3_XXS_R4", "IQ3_K"),
+    R(BITNET, "IQ4_NL"),
 ]
+
+# IQ1_S_R4 and IQ1_M_R4: the IQ2_KT family's shape with interleaved types (and lower ones on attn_qkv, ffn_down and
+# attn_output).
+IQ1_R4_RULES: dict[str, list[Rule]] = {
+    "attn_v": [R((), "IQ4_K_R4", lambda c: c.facts.n_expert >= 4 or c.facts.n_gqa >= 4), R((), "IQ3_K_R4", G(2)),
+               R((), "Q2_K_R4")],
+    "attn_k": [R((), "Q4_K_R4", E(8))],
+    "blk0_ffn": [R((), "IQ3_K_R4", E(8))],
+    "attn_q": [R((), "Q4_K_R4", E(8))],
+    "attn_qkv": [R((), "IQ2_K_R4")],
+    "shexp": [R((), "IQ4_K_R4")],
+    "ffn_down": [opt("ffn_down_type"), R((), "Q2_K_R4", FIRST_EIGHTH)],
+    "attn_output": [R((), lambda c: "Q5_K_R4" if c.facts.n_expert >= 4 else "IQ2_K_R4")],
+}
 
 IQ2_KT_RULES: dict[str, list[Rule]] = {
     "attn_v": [R((), "IQ4_K", lambda c: c.facts.n_expert >= 4 or c.facts.n_gqa >= 4), R((), "IQ3_K", G(2)),
@@ -194,28 +232,35 @@ GENERIC_RULES: dict[str, list[Rule]] = {
         R((), lambda c: SEVENTY_B_BUMP.get(c.default, c.default), lambda c: c.facts.size_class == "70B"),
         R("Q2_K", lambda c: "Q4_K" if c.facts.n_gqa >= 4 else "Q3_K"),
         R("IQ2_K", lambda c: "IQ4_K" if c.facts.n_gqa >= 2 else "IQ3_K"),
+        R("IQ2_K_R4", lambda c: "IQ4_K_R4" if c.facts.n_gqa >= 2 else "IQ3_K_R4"),
         R("Q2_K_S", "Q4_K", G(4)),
+        R("Q2_K_R4", "Q4_K_R4", G(4)),
         R("IQ3_XXS", lambda c: "Q4_K" if c.facts.n_gqa >= 4 else "IQ3_K" if c.facts.n_gqa >= 2
           else "IQ3_S" if not c.has_imatrix else "IQ3_XXS"),
         R("IQ3_KT", lambda c: "IQ4_K" if c.facts.n_gqa >= 4 else "IQ3_K"),
         R("IQ4_KT", lambda c: "IQ5_K" if c.facts.n_gqa >= 4 else "IQ4_K"),
+        R("IQ3_XXS_R4", lambda c: "Q4_K_R4" if c.facts.n_gqa >= 4 else "IQ3_K_R4" if c.facts.n_gqa >= 2
+          else "IQ3_K_R4" if not c.has_imatrix else "IQ3_XXS_R4"),
         R(("IQ3_XS", "IQ3_S", "IQ3_K"), "IQ4_K", G(2)),
+        R(("IQ3_S_R4", "IQ3_K_R4"), "IQ4_K_R4", G(2)),
         R(("IQ3_KS", "IQ2_KL"), "IQ4_KS", G(2)),
         R(("IQ3_KL", "IQ3_M"), lambda c: "IQ5_K" if c.facts.n_gqa >= 2 else "IQ4_K"),
         R("Q3_K_M", lambda c: "Q5_K" if c.i_attention_wv < 2 else "Q4_K"),
         R("Q3_K_L", "Q5_K"),
-        R(("IQ4_NL", "IQ4_XS", "IQ4_KS", "IQ4_KSS", "IQ4_K", "IQ4_NL_R4"), "IQ5_K", G(2)),
+        # IQ4_K_R4 steps up to plain IQ5_K, IQ4_KS_R4 to IQ5_K_R4
+        R(("IQ4_NL", "IQ4_XS", "IQ4_NL_R4", "IQ4_XS_R8", "IQ4_KS", "IQ4_KSS", "IQ4_K", "IQ4_K_R4"), "IQ5_K", G(2)),
+        R("IQ4_KS_R4", "IQ5_K_R4", G(2)),
         R(("Q4_K_M", "Q5_K_M"), "Q6_K", lambda c: use_more_bits(c.i_attention_wv, c.facts.n_attention_wv)),
-        R("Q4_K_S", "Q5_K", lambda c: c.i_attention_wv < 4),
+        R(("Q4_K_S", "Q4_K_R4"), "Q5_K", lambda c: c.i_attention_wv < 4),
         # these two ftypes stop the chain even when the model is not Llama-3-like
         R("Q5_K_S", lambda c: "Q6_K" if c.facts.l3 else c.default),
         R(("IQ5_K", "IQ5_KS"), lambda c: "IQ6_K" if c.facts.l3 else c.default),
         R((), lambda c: GQA_BUMP.get(c.default, c.default),
           lambda c: c.facts.n_gqa >= 4 and not (c.facts.arch == "dflash-draft" and c.ftype in ("Q4_K_M", "Q5_K_M"))),
     ],
-    "attn_k": [opt("attn_k_type"), R((), "Q8_0", E(4)), R("IQ3_XS", "IQ3_XXS"), R("IQ3_XXS", "IQ2_S")],
+    "attn_k": [opt("attn_k_type"), R((), "Q8_0", E(4)), R("IQ3_XS", "IQ3_XXS"), R(("IQ3_XXS", "IQ3_XXS_R4"), "IQ2_S")],
     "attn_q": [
-        opt("attn_q_type"), R("IQ3_XS", "IQ3_XXS"), R("IQ3_XXS", "IQ2_S"),
+        opt("attn_q_type"), R("IQ3_XS", "IQ3_XXS"), R(("IQ3_XXS", "IQ3_XXS_R4"), "IQ2_S"),
         R("Q5_K_S", "Q4_K", lambda c: c.facts.l3), R("IQ5_K", "IQ4_K", lambda c: c.facts.l3),
         R("IQ5_KS", "IQ4_KS", lambda c: c.facts.l3),
     ],
@@ -223,8 +268,10 @@ GENERIC_RULES: dict[str, list[Rule]] = {
         opt("ffn_down_type"),
         R("Q2_K", "Q3_K"),
         R("Q2_K_S", lambda c: "Q4_K" if c.i_layer < c.n_layer // 8 else c.default),
+        R("Q2_K_R4", lambda c: "Q4_K_R4" if c.i_layer < c.n_layer // 8 else c.default),
         R("IQ3_XXS", lambda c: "Q4_K" if c.i_layer < c.n_layer // 8 else "Q3_K", NO_IMATRIX),
         R("IQ3_KT", lambda c: "IQ4_K" if c.i_layer < c.n_layer // 8 else "IQ3_K", NO_IMATRIX),
+        R("IQ3_XXS_R4", lambda c: "Q4_K_R4" if c.i_layer < c.n_layer // 8 else "IQ3_K_R4", NO_IMATRIX),
         R("Q3_K_M", lambda c: "Q5_K" if c.i_layer < c.n_layer // 16
           else "Q4_K" if c.facts.arch != "falcon" or c.more_bits else "Q3_K"),
         R("IQ3_M", "IQ4_K", lambda c: c.i_layer < c.n_layer // 8 or (c.facts.n_expert >= 4 and c.more_bits)),
@@ -232,10 +279,11 @@ GENERIC_RULES: dict[str, list[Rule]] = {
         R("IQ3_KL", lambda c: "IQ4_KS" if c.more_bits else "IQ3_K"),
         R("Q4_K_M", lambda c: ("Q6_K" if c.i_layer < c.n_layer // 16 else "Q5_K" if c.more_bits else "Q4_K")
           if c.facts.arch == "falcon" else ("Q6_K" if c.more_bits else c.default)),
-        R(("IQ4_NL", "IQ4_XS", "IQ4_KS", "IQ4_KSS", "IQ4_NL_R4"), "Q5_K",
+        R(("IQ4_NL", "IQ4_XS", "IQ4_KS", "IQ4_KSS", "IQ4_NL_R4", "IQ4_XS_R8"), "Q5_K",
           lambda c: FIRST_EIGHTH(c) and not c.has_imatrix),
+        R("IQ4_KS_R4", "Q5_K_R4", lambda c: FIRST_EIGHTH(c) and not c.has_imatrix),
         R("Q5_K_M", "Q6_K", lambda c: c.more_bits),
-        R("Q4_K_S", "Q5_K", lambda c: c.facts.arch != "falcon" and FIRST_EIGHTH(c)),
+        R(("Q4_K_S", "Q4_K_R4"), "Q5_K", lambda c: c.facts.arch != "falcon" and FIRST_EIGHTH(c)),
         R(("Q4_0", "Q5_0"), lambda c: "Q4_1" if c.ftype == "Q4_0" else "Q5_1",
           lambda c: c.has_imatrix and FIRST_EIGHTH(c)),
         R("Q4_0_R8", "IQ4_NL_R4", lambda c: c.has_imatrix and FIRST_EIGHTH(c)),
@@ -248,10 +296,12 @@ GENERIC_RULES: dict[str, list[Rule]] = {
         R("Q2_K", "Q3_K", lambda c: c.facts.arch != "falcon"),
         R("IQ3_XXS", "IQ3_S", lambda c: c.facts.arch != "falcon"),
         R("IQ3_KT", "IQ3_K", lambda c: c.facts.arch != "falcon" and c.facts.n_gqa >= 4),
+        R("IQ3_XXS_R4", "IQ3_K_R4", lambda c: c.facts.arch != "falcon"),
         R("Q3_K_M", "Q4_K", lambda c: c.facts.arch != "falcon"),
         R("Q3_K_L", lambda c: "Q5_K" if c.facts.arch != "falcon" else "Q4_K"),
         R("IQ3_M", "IQ4_K", lambda c: c.facts.arch != "falcon"),
         R("IQ2_K", "IQ3_K", lambda c: c.facts.arch != "falcon"),
+        R("IQ2_K_R4", "IQ3_K_R4", lambda c: c.facts.arch != "falcon"),
         R("IQ3_KL", "IQ4_KS", lambda c: c.facts.arch != "falcon"),
     ],
     "ffn_gate": [opt("ffn_gate_type"), R("IQ3_XS", "IQ3_XXS", lambda c: c.n_layer // 8 <= c.i_layer < 7 * c.n_layer // 8),
@@ -265,6 +315,7 @@ HONOURED_OPTIONS = {
     "generic": ("attn_v_type", "attn_k_type", "attn_q_type", "attn_output_type", "ffn_down_type", "ffn_gate_type",
                 "ffn_up_type"),
     "iq2_kt": ("ffn_down_type",),
+    "iq1_r4": ("ffn_down_type",),
     "low_bit": ("attn_output_type",),
 }
 
@@ -273,7 +324,7 @@ def tensor_class(name: str, family: str, n_expert: int) -> str | None:
     """The rule class of a tensor in a family, by ik's substring tests in ik's order."""
     if "attn_v.weight" in name:
         return "attn_v"
-    if family == "iq2_kt":
+    if family in ("iq1_r4", "iq2_kt"):
         if n_expert >= 8 and "attn_k" in name:
             return "attn_k"
         if n_expert >= 8 and any(s in name for s in ("blk.0.ffn_down", "blk.0.ffn_gate", "blk.0.ffn_up")):
@@ -310,6 +361,8 @@ def tensor_class(name: str, family: str, n_expert: int) -> str | None:
 
 
 def family_of(ftype: str) -> str:
+    if ftype in IQ1_R4_BLOCK:
+        return "iq1_r4"
     if ftype == "IQ2_KT":
         return "iq2_kt"
     if ftype in LOW_BIT_BLOCK:
@@ -359,7 +412,8 @@ class TypeChooser:
             chosen, why = self._first(TOKEN_EMBD_RULES, ctx, default, "token embeddings")
         else:
             cls = tensor_class(name, self.family, self.facts.n_expert)
-            rules = {"generic": GENERIC_RULES, "iq2_kt": IQ2_KT_RULES, "low_bit": LOW_BIT_RULES}[self.family]
+            rules = {"generic": GENERIC_RULES, "iq1_r4": IQ1_R4_RULES, "iq2_kt": IQ2_KT_RULES,
+                     "low_bit": LOW_BIT_RULES}[self.family]
             if cls == "attn_v":
                 ctx.i_attention_wv = self.i_attention_wv
             if cls in ("ffn_down", "ffn_gate", "ffn_up"):
@@ -395,8 +449,17 @@ def eligible(name: str, n_dims: int, src: GGMLType) -> bool:
             and not any(s in name for s in NEVER_QUANTIZED) and name not in NEVER_QUANTIZED_EXACT)
 
 
-def with_row_fallback(gtype: GGMLType, n_per_row: int) -> Decision | None:
-    """The type ik actually uses when `gtype`'s super-blocks do not divide the rows (None: no change needed)."""
+def with_row_fallback(gtype: GGMLType, n_per_row: int, name: str = "") -> Decision | None:
+    """The type ik actually uses when `gtype`'s super-blocks do not divide the rows (None: no change needed).
+
+    Refuses, as ik does, a type that has no substitute (the BitNet types) on rows its blocks do not divide."""
+    need = NO_ROW_FALLBACK.get(gtype.name)
+    if need is not None and n_per_row % need:
+        from ikquant.quantize import QuantizeError  # deferred: ikquant.quantize imports this module
+
+        raise QuantizeError(f"tensor {name or '(unnamed)'!r} has rows of {n_per_row} values, which {gtype.name}'s "
+                            f"{need}-value blocks cannot hold, and {gtype.name} has no fallback type (ik's "
+                            "llama-quantize refuses it too); --custom-q 'REGEX=f16' keeps such tensors as they are")
     if gtype.name in ROW_FALLBACK and n_per_row % 256:
         fb = type_by_name(ROW_FALLBACK[gtype.name])
         return Decision(fb, f"{n_per_row} columns are not a multiple of 256: {gtype.name} falls back to {fb.name}")

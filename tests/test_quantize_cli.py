@@ -180,8 +180,13 @@ def test_iq3_kt_writes_its_iq3_s_token_embeddings(untied_256: Path, tmp_path: Pa
         assert np.isfinite(Model(dst).logits(np.arange(1, 17))).all()
 
 
-def test_a_plan_naming_a_type_without_codec_is_refused_before_writing(untied_256: Path, tmp_path: Path) -> None:
-    """A plan with a type iktools cannot encode is refused before any file exists, and --dry-run says so."""
+def test_a_plan_naming_a_type_without_codec_is_refused_before_writing(untied_256: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan with a type iktools cannot encode is refused before any file exists, and --dry-run says so (every
+    type ik writes is writable here, so the test takes IQ2_XXS's encoder away)."""
+    from ikquant.types import type_by_name
+
+    monkeypatch.setattr(type_by_name("IQ2_XXS").require_codec(), "can_quantize", False)
     dst = tmp_path / "x.gguf"
     args = [str(untied_256), str(dst), "--type", "Q4_K_M", "--custom-q", "attn_q=iq2_xxs", "--ignore-imatrix-rules"]
     res = runner.invoke(app, args)

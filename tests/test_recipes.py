@@ -21,7 +21,12 @@ VARIANTS = ["qwen3-plan", "deepseek-v3-plan", "openpangu-v2-plan"]
 FTYPES = ["IQ4_KS", "IQ2_KS", "IQ2_K", "IQ3_KS", "IQ3_K", "IQ4_KSS", "IQ4_K", "IQ5_KS", "IQ5_K", "IQ6_K", "IQ1_KT",
           "IQ2_KT", "IQ3_KT", "IQ4_KT", "Q2_K", "Q3_K_M", "Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0", "Q8_0", "IQ4_XS",
           "IQ4_NL", "MXFP4", "Q2_K_S", "IQ3_KL", "Q8_KV", "Q8_0_R8", "Q4_0_R8", "IQ4_NL_R4", "IQ3_S", "IQ3_M",
-          "IQ3_XS", "IQ3_XXS"]
+          "IQ3_XS", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ1_S", "IQ1_M", "IQ1_BN", "IQ2_BN", "Q5_0_R4",
+          "Q6_0_R4", "Q2_K_R4", "Q3_K_R4", "Q4_K_R4", "Q5_K_R4", "Q6_K_R4", "IQ2_XXS_R4", "IQ2_XS_R4", "IQ3_XXS_R4",
+          "IQ1_S_R4", "IQ3_S_R4", "IQ2_M_R4", "IQ4_XS_R8", "IQ1_M_R4", "IQ2_BN_R4", "IQ2_K_R4", "IQ3_K_R4", "IQ4_K_R4",
+          "IQ5_K_R4", "IQ4_KS_R4", "IQ5_KS_R4", "Q8_KV_R8", "Q8_K_R8"]
+# ik refuses these (no plan file): a tensor's rows are no multiple of the BitNet types' 64-value blocks
+IK_REFUSES = {("openpangu-v2-plan", t) for t in ("IQ1_BN", "IQ2_BN", "IQ2_BN_R4")}
 runner = CliRunner()
 
 
@@ -49,11 +54,26 @@ def ik_plan(variant: str, ftype: str, imat: bool) -> dict[str, str]:
 @pytest.mark.parametrize("ftype", FTYPES)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_plan_equals_iks(plan_models: dict[str, GGUFFile], variant: str, ftype: str, imat: bool) -> None:
+    if (variant, ftype) in IK_REFUSES:
+        pytest.skip(f"ik refuses {ftype} on {variant}: test_bitnet_types_refuse_rows_their_blocks_cannot_hold")
     imatrix = read_imatrix_dat(DATA / variant / "imatrix.dat") if imat else None
     plan = make_plan(plan_models[variant], QuantizeOptions(file_type(ftype), imatrix=imatrix,
                                                            ignore_imatrix_rules=True))
     ours = {p.name: (p.ik_type or p.type).ggml_name for p in plan.tensors}
     assert ours == ik_plan(variant, ftype, imat)
+
+
+@pytest.mark.parametrize("ftype", ["IQ1_BN", "IQ2_BN", "IQ2_BN_R4"])
+def test_bitnet_types_refuse_rows_their_blocks_cannot_hold(plan_models: dict[str, GGUFFile], ftype: str) -> None:
+    """The BitNet types have no fallback type: like ik, refuse a tensor with 3-value rows, with or without rules."""
+    msg = rf"'blk\.0\.attn_compresskv_conv\.weight' has rows of 3 values, which {ftype}'s 64-value blocks"
+    for pure in (False, True):
+        with pytest.raises(QuantizeError, match=msg):
+            make_plan(plan_models["openpangu-v2-plan"], QuantizeOptions(file_type(ftype), pure=pure,
+                                                                        ignore_imatrix_rules=True))
+    plan = make_plan(plan_models["openpangu-v2-plan"], QuantizeOptions(file_type(ftype), custom_q=[("_conv", "f16")],
+                                                                       ignore_imatrix_rules=True))
+    assert not any(p.quantize for p in plan.tensors if "_conv" in p.name)
 
 
 def test_rows_no_block_fits_are_kept_and_reported(plan_models: dict[str, GGUFFile]) -> None:
@@ -103,6 +123,14 @@ def test_driver_overrides(plan_models: dict[str, GGUFFile]) -> None:
                                                                 token_embedding_type="q6_K"))
     by_name = {p.name: p.type.name for p in plan.tensors}
     assert by_name["output.weight"] == "Q8_0" and by_name["token_embd.weight"] == "Q6_K"
+
+
+def test_overrides_are_never_interleaved_on_token_embeddings(plan_models: dict[str, GGUFFile]) -> None:
+    """As ik, the token embeddings lose an interleaved form after every override (--token-embedding-type too)."""
+    plan = make_plan(plan_models["qwen3-plan"], QuantizeOptions(file_type("IQ4_K_R4"), token_embedding_type="iq4_k_r4",
+                                                                output_tensor_type="iq4_k_r4"))
+    by_name = {p.name: p.type.name for p in plan.tensors}
+    assert by_name["token_embd.weight"] == "IQ4_K" and by_name["output.weight"] == "IQ4_K_R4"
 
 
 def test_very_low_bit_types_need_an_imatrix(plan_models: dict[str, GGUFFile]) -> None:
