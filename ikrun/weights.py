@@ -31,6 +31,8 @@ from ikquant.gguf_io import GGUFFile, GGUFFormatError, TensorInfo, file_stamp
 from ikquant.types import GGMLType
 from ikrun.ops.parallel import threads_for
 
+#: half-precision float types -> the integer dtype their bits are handed to the expert kernel as (ikrun/ops/fgemm.py)
+HALF_BITS = {"F16": np.uint16, "BF16": np.int16}
 #: integer ggml types -> their little-endian numpy dtype
 INTEGER_TYPES = {"I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
 
@@ -291,6 +293,21 @@ class WeightStore:
         if enc is not None:
             self._release(name)
         return out
+
+    def half_experts(self, name: str, experts: np.ndarray) -> np.ndarray | None:
+        """Matrices `experts` of an F16 or BF16 expert tensor as the file's 16-bit patterns, [len(experts), rows,
+        cols] (uint16 for f16, int16 for bf16: what ikrun/ops/fgemm.py's kernel widens itself), copied from the
+        file and nothing decoded; None for other types or when the tensor's float32 copy is cached."""
+        enc = self.encoding(name)
+        if enc.type.name not in HALF_BITS or self.cached_array(name) is not None:
+            return None
+        n_expert, rows, cols = self.info(name).shape
+        raw = enc.raw.reshape(n_expert, rows, -1)
+        out = np.empty((len(experts), rows, 2 * cols), dtype=np.uint8)
+        np.take(raw, experts, axis=0, out=out)
+        self.reads[name] += out.nbytes
+        self._release(name)
+        return out.view(HALF_BITS[enc.type.name])
 
     def _forget_tensors(self, names: set[str]) -> None:
         """Remove every cache entry (whole and per expert) of the tensors `names`."""

@@ -53,3 +53,17 @@ def test_any_thread_count_gives_the_same_bits() -> None:
     finally:
         numba.set_num_threads(before)
     np.testing.assert_array_equal(one, two)
+
+
+def test_half_precision_bits_are_widened_exactly() -> None:
+    """f16 bits (uint16) and bf16 bits (int16) give the bits of their float32 values, subnormals, infinities and
+    signed zeros included, on rows longer than one K step."""
+    x, w = _case(37, 600, 13, 3)
+    specials = np.array([0.0, -0.0, 6e-8, -6e-5, 65504.0, np.inf], dtype=np.float32)
+    w[0, : specials.size] = specials
+    x[:, : specials.size] = 0.5  # an inf weight gives inf, not NaN
+    f16 = w.astype(np.float16)
+    np.testing.assert_array_equal(expert_matmul(x, f16.view(np.uint16)), _fma_chains(x, f16.astype(np.float32)))
+    bf16 = (w.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
+    widened = (bf16.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(expert_matmul(x, bf16), _fma_chains(x, widened))

@@ -110,16 +110,23 @@ def _group(m: Model, names: list[str], n_expert: int) -> int | None:
 
 def _fetcher(m: Model, names: list[str], counts: np.ndarray) -> ExpertFetch:
     """The routed experts' matrices, decoded (and cached) one expert at a time: a whole expert tensor is never
-    decoded for a batch, only the experts that receive tokens. Under --numerics ik an expert whose kernel ik
-    converts at its token count (`counts`, per expert) is multiplied as converted."""
+    decoded for a batch, only the experts that receive tokens; F16/BF16 experts are handed over as their bits (the
+    expert kernel widens them), never decoded. Under --numerics ik an expert whose kernel ik converts at its token
+    count (`counts`, per expert) is multiplied as converted."""
+
+    def matrices(name: str, ids: np.ndarray) -> np.ndarray:
+        if not m.ik_numerics:
+            half = m.weights.half_experts(name, ids)
+            if half is not None:
+                return half
+        mat = m.weights.decode_experts(name, ids, not m.streaming)
+        if m.ik_numerics:
+            m.ik_convert_experts(name, ids, counts[ids], mat)
+        return mat
 
     def fetch(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        w, keep = m.weights, not m.streaming
-        mats = tuple(w.decode_experts(name, ids, keep) for name in names)
-        if m.ik_numerics:
-            for name, mat in zip(names, mats):
-                m.ik_convert_experts(name, ids, counts[ids], mat)
-        return mats[0], mats[1], mats[2]
+        up, gate, down = (matrices(name, ids) for name in names)
+        return up, gate, down
 
     return fetch
 

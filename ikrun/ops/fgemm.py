@@ -4,8 +4,9 @@ The exact runtime must give the same bits whatever the batching (chunk by chunk,
 experts) and thread count, which BLAS does not promise. Here every output y[t, r] = sum_k w[r, k] x[t, k] is one
 fused multiply-add chain over k in order, whoever computes it: 16 tokens share a vector (their lanes), each weight
 value is broadcast to them, and a call keeps 4 weight rows x 2 token groups of accumulators, so the FMA units stay
-busy without summing across lanes. The weights are read in place (row-major, as decoded); only the tokens are
-transposed, 16 to a group.
+busy without summing across lanes. The weights are read in place (row-major): float32 as decoded, or the file's
+own f16 / bf16 bits, widened to float32 (exactly) as they are broadcast, so half-precision experts are never decoded
+into a float32 copy. Only the tokens are transposed, 16 to a group.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.core.extending import intrinsic
+from numba.core.extending import intrinsic, overload
 
 from ikrun.ops.parallel import pick
 
@@ -27,16 +28,17 @@ _V16F = ir.VectorType(_F32, LANES)
 
 
 @intrinsic
-def _tile(typingctx, w, r0, xt, g0, k0, k1, n, out, n_tok):  # type: ignore[no-untyped-def]
-    """out[r, 16 g : 16 g + 16] += sum_{k0 <= k < k1} w[r, k] xt[g, k, :] for rows r0 .. r0 + ROWS - 1 and token
-    groups g0 .. g0 + GROUPS - 1, k in order, one fused multiply-add at a time per lane."""
-    sig = types.void(w, types.int64, xt, types.int64, types.int64, types.int64, types.int64, out, types.int64)
+def _tile(typingctx, w, wr, ws, wk, xt, g0, k0, k1, n, out, r0, n_tok):  # type: ignore[no-untyped-def]
+    """out[r, 16 g : 16 g + 16] += sum_{k0 <= k < k1} w[r - r0 + wr, k - wk] xt[g, k, :] for rows r0 .. r0 + ROWS - 1
+    and token groups g0 .. g0 + GROUPS - 1, k in order, one fused multiply-add at a time per lane; the weights are
+    float32 rows of stride `ws` (the matrix itself: wr = r0, wk = 0; or a widened panel of it)."""
+    sig = types.void(w, *[types.int64] * 3, xt, *[types.int64] * 4, out, types.int64, types.int64)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         w_p = context.make_array(signature.args[0])(context, builder, value=args[0]).data
-        x_p = context.make_array(signature.args[2])(context, builder, value=args[2]).data
-        o_p = context.make_array(signature.args[7])(context, builder, value=args[7]).data
-        r0, g0, k0, k1, n, n_tok = args[1], args[3], args[4], args[5], args[6], args[8]
+        x_p = context.make_array(signature.args[4])(context, builder, value=args[4]).data
+        o_p = context.make_array(signature.args[9])(context, builder, value=args[9]).data
+        wr, ws, wk, g0, k0, k1, n, r0, n_tok = (*args[1:4], *args[5:9], args[10], args[11])
         const = lambda v: ir.Constant(_I64, v)  # noqa: E731
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
         rows = [builder.add(r0, const(i)) for i in range(ROWS)]
@@ -50,7 +52,8 @@ def _tile(typingctx, w, r0, xt, g0, k0, k1, n, out, n_tok):  # type: ignore[no-u
                                                                               const(LANES))]),
                                                _V16F.as_pointer()), align=4) for g in groups]
             for i in range(ROWS):
-                wv = builder.load(builder.gep(w_p, [builder.add(builder.mul(rows[i], n), k)]))
+                w_at = builder.add(builder.mul(builder.add(wr, const(i)), ws), builder.sub(k, wk))
+                wv = builder.load(builder.gep(w_p, [w_at]))
                 splat = builder.shuffle_vector(builder.insert_element(ir.Constant(_V16F, ir.Undefined), wv,
                                                                       ir.Constant(_I32, 0)),
                                                ir.Constant(_V16F, ir.Undefined), ir.Constant(
@@ -64,13 +67,46 @@ def _tile(typingctx, w, r0, xt, g0, k0, k1, n, out, n_tok):  # type: ignore[no-u
     return sig, codegen
 
 
+@intrinsic
+def _widened(typingctx, v):  # type: ignore[no-untyped-def]
+    """A 16-bit weight pattern as float32, exactly: uint16 as f16 (LLVM's half type), int16 as bf16 (the top half of
+    a float32)."""
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        if signature.args[0] == types.uint16:
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
+        return builder.bitcast(builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16)), _F32)
+
+    return types.float32(v), codegen
+
+
+def _panel(w, r0, n, k0, k1, panel):  # type: ignore[no-untyped-def]
+    """The float32 weights of rows r0 .. r0 + ROWS - 1, values k0 .. k1, for _tile: (array, its row of r0, row stride,
+    value offset). float32 weights are used in place; 16-bit ones are widened into `panel` [ROWS * K_STEP]."""
+
+
+@overload(_panel, inline="always")
+def _panel_impl(w, r0, n, k0, k1, panel):  # type: ignore[no-untyped-def]
+    if w.dtype == types.float32:
+        return lambda w, r0, n, k0, k1, panel: (w, r0, n, 0)
+
+    def widen(w, r0, n, k0, k1, panel):  # type: ignore[no-untyped-def]
+        for i in range(ROWS):
+            for j in range(k1 - k0):
+                panel[i * K_STEP + j] = _widened(w[(r0 + i) * n + k0 + j])
+        return panel, 0, K_STEP, k0
+
+    return widen
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _rows(w, xt, out, t, n, n_groups, n_tok):  # type: ignore[no-untyped-def]
     """Weight rows ROWS x t .. against every token group, K_STEP values at a time."""
+    panel = np.empty(ROWS * K_STEP, np.float32)
     for k0 in range(0, n, K_STEP):
         k1 = min(n, k0 + K_STEP)
+        src, wr, ws, wk = _panel(w, t * ROWS, n, k0, k1, panel)
         for g0 in range(0, n_groups, GROUPS):
-            _tile(w, t * ROWS, xt, g0, k0, k1, n, out, n_tok)
+            _tile(src, wr, ws, wk, xt, g0, k0, k1, n, out, t * ROWS, n_tok)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -94,14 +130,20 @@ def token_groups(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(xt.reshape(groups, LANES, n).transpose(0, 2, 1))
 
 
+#: weight dtypes the kernel reads: float32, f16 bits (uint16) and bf16 bits (int16), the latter widened exactly
+WEIGHT_DTYPES = (np.float32, np.uint16, np.int16)
+
+
 def expert_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x [m, n] @ w[rows, n]^T in float32, each output one FMA chain over n in order: [m, rows]."""
+    """x [m, n] @ w[rows, n]^T in float32, each output one FMA chain over n in order: [m, rows]. w is float32 (any
+    other float dtype is converted), or 16-bit patterns: uint16 for f16, int16 for bf16."""
     m, n = x.shape
     rows = w.shape[0]
     xt = token_groups(x)
-    w = np.ascontiguousarray(w, dtype=np.float32)
+    dtype = w.dtype.type if w.dtype.type in WEIGHT_DTYPES else np.float32
+    w = np.ascontiguousarray(w, dtype=dtype)
     if rows % ROWS:
-        w = np.concatenate([w, np.zeros((-rows % ROWS, n), np.float32)])
+        w = np.concatenate([w, np.zeros((-rows % ROWS, n), dtype)])
     out = np.zeros((w.shape[0], xt.shape[0] * LANES), np.float32)  # the kernel adds each pass to what is there
     pick(_gemm_serial, _gemm_parallel, w.shape[0] * n * xt.shape[0])(
         w.reshape(-1), xt.reshape(-1), out.reshape(-1), w.shape[0], n, xt.shape[0], out.shape[1])

@@ -211,7 +211,7 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
                 formats: tuple[str, str, str] = (UNROUNDED, UNROUNDED, UNROUNDED),
                 ints: ExpertInts | None = None) -> RoutedExperts:
     """Routed SwiGLU experts: x [n, n_embd], sel/w [n, k]; `fetch(ids)` gives the up/gate [len(ids), n_ff, n_embd] and
-    down [len(ids), n_embd, n_ff] matrices of experts `ids`; a finite `limit` clamps the SwiGLU as swiglu does;
+    down [len(ids), n_embd, n_ff] matrices of experts `ids` (float32, or f16/bf16 bits as expert_matmul reads them); a finite `limit` clamps the SwiGLU as swiglu does;
     `formats` are the activation formats (ikrun/ops/numerics.py) of up, gate and down under --numerics ik, and
     `ints(e)` gives the integers ik's kernels multiply expert e as (qmatmul: integer rows per expert) where they do.
 
@@ -255,7 +255,9 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
         for j, e in enumerate(ids.tolist()):
             rows = order[offsets[e] : offsets[e + 1]]
             tokens = rows // k
-            a = _swiglu(expert_matmul(xg[tokens], gates[j]), expert_matmul(xu[tokens], ups[j]), limit)
+            x_up = xu[tokens]
+            x_gate = x_up if xg is xu else xg[tokens]
+            a = _swiglu(expert_matmul(x_gate, gates[j]), expert_matmul(x_up, ups[j]), limit)
             act[rows] = a
             y[rows] = expert_matmul(round_activations(a, formats[2]), downs[j])
     assert act is not None and y is not None, "a routing without assignments"
