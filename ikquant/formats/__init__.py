@@ -4,6 +4,7 @@ from ikquant.formats import (  # noqa: F401
     bitnet,
     floats,
     interleaved,
+    iq1_r4,
     iq4,
     iq12,
     iqk,

@@ -49,6 +49,8 @@ class Codec:
     can_quantize: bool = True
     #: whether importance weights change the result (ik ignores them for Q8_0, MXFP4, F16, BF16)
     uses_imatrix: bool = True
+    #: ik refuses to quantize the type without importance weights (its ggml_quantize_requires_imatrix)
+    requires_imatrix: bool = False
     #: largest |x| the type can represent (beyond it the stored scale overflows); larger inputs are refused
     max_abs_input: float = float(np.finfo(np.float32).max)
     #: documented accuracy: |x - dequantize(quantize(x))| <= rel_error_bound * max|x| over the value's block
@@ -129,6 +131,8 @@ class Codec:
         return x
 
     def _check_imatrix(self, imatrix: np.ndarray | None, n_per_row: int) -> np.ndarray:
+        if imatrix is None and self.requires_imatrix:
+            raise QuantInputError(f"{self.type_name} needs an importance matrix (ik refuses to quantize it without one)")
         if imatrix is None or not self.uses_imatrix:
             return np.empty(0, dtype=np.float32)
         w = np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1)

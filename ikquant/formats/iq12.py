@@ -1,4 +1,4 @@
-"""The 1- and 2-bit i-quants IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M: decoding (the files users bring).
+"""The 1- and 2-bit i-quants IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M: their decoding, and codecs over ik's searches.
 
 Each codes groups of 8 values as one point of a grid whose points hold 8 two-bit levels (iq12_grids.py). An IQ2
 level l decodes as the magnitude 8, 25 or 43 (ik's iq2xxs/iq2xs/iq2s_grid bytes), signed by a 7-bit sign group
@@ -16,8 +16,10 @@ whose parity gives the 8th sign (IQ2_XXS, IQ2_XS) or by a byte of explicit signs
 - IQ1_M (56): 32 index bytes, 16 bytes of the indices' top 3 bits and the shifts' signs (per group of 8), 8 bytes
   of 3-bit scales (two per 32 values: one per 16) whose top nibbles together are the f16 d.
 
-The arithmetic is ik's dequantize_row_* order (float32, products left to right). Quantizing to these types is not
-implemented yet: the codecs refuse it (`can_quantize`), and ikquant refuses such a plan before writing anything.
+The arithmetic is ik's dequantize_row_* order (float32, products left to right). Quantizing: IQ2_XXS, IQ2_XS and
+IQ2_S in iq2_search.py, IQ1_S and IQ1_M in iq1_search.py, ports of ik's searches. IQ2_XXS, IQ2_XS and IQ1_S need an
+importance matrix, as ik's ggml_quantize_chunk does; IQ2_S weights each value by sigma2 / 4 + x^2 without one, IQ1_M
+by x^2. The interleaved IQ1_S_R4 / IQ1_M_R4 are types of their own (iq1_r4.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,15 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.base import Codec
+from ikquant.formats.iq1_search import IQ1_GRID, quantize_iq1_m, quantize_iq1_s
+from ikquant.formats.iq2_search import (
+    IQ2_S_TABLES,
+    IQ2_XS_TABLES,
+    IQ2_XXS_TABLES,
+    quantize_iq2_s,
+    quantize_iq2_xs,
+    quantize_iq2_xxs,
+)
 from ikquant.formats.iq12_grids import KGRID_IQ1S, KGRID_IQ2S, KGRID_IQ2XS, KGRID_IQ2XXS
 from ikquant.formats.iquants import KSIGNS
 from ikquant.formats.numeric import f16_bits_to_f32, load_f16
@@ -152,45 +163,93 @@ def _dequantize_iq1_m(q: np.ndarray, out: np.ndarray, grid: np.ndarray) -> None:
                     _shifted(dl1 if g < 2 else dl2, grid, idx, delta, out, r, QK_K * ibl + 32 * ib + 8 * g)
 
 
-class _DecodeOnlyCodec(Codec):
-    """A type iktools reads but does not write yet."""
+class _IQ2Codec(Codec):
+    """The IQ2 types' limits: a sub-block's fitted scale is at most its max|x| (every magnitude is >= 1) and d is
+    an f16 of max scale / 31 (IQ2_XS refits d: up to 1.05 max|x|); a d step of 2^-24 moves a value by at most
+    (15.5 / 4) 43 steps."""
 
-    can_quantize = False
+    max_abs_input = 65504.0 * 31
+    rel_error_bound = 2.0
+    abs_error_floor = 2 * 15.5 / 4 * 43 * 2.0**-24
+
+
+class _NeedsImatrix(_IQ2Codec):
+    """IQ2_XXS and IQ2_XS: ik's ggml_quantize_chunk asserts an importance vector (ggml_quantize_requires_imatrix).
+    Its row quantizer's unweighted branch still serves Codec.quantize's redo of rows whose weights vanish (and the
+    _R4 forms, which ik quantizes without one)."""
+
+    requires_imatrix = True
+
+
+class IQ2_XXSCodec(_NeedsImatrix):
+    type_name = "IQ2_XXS"
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-        raise NotImplementedError(f"quantizing to {self.type_name} is not implemented yet (iktools reads it only)")
-
-
-class IQ2_XXSCodec(_DecodeOnlyCodec):
-    type_name = "IQ2_XXS"
+        t = IQ2_XXS_TABLES
+        quantize_iq2_xxs(x, w, out, t.levels, t.magnitudes, t.kmap, t.neighbours)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq2_xxs(q, out, GRID_IQ2XXS, KSIGNS)
 
 
-class IQ2_XSCodec(_DecodeOnlyCodec):
+class IQ2_XSCodec(_NeedsImatrix):
     type_name = "IQ2_XS"
+    max_abs_input = 65504.0 / 1.05
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        t = IQ2_XS_TABLES
+        quantize_iq2_xs(x, w, out, t.levels, t.magnitudes, t.kmap, t.neighbours, GRID_IQ2XS)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq2_xs(q, out, GRID_IQ2XS, KSIGNS)
 
 
-class IQ2_SCodec(_DecodeOnlyCodec):
+class IQ2_SCodec(_IQ2Codec):
+    """Without an importance vector ik weights each value by sigma2 / 4 + x^2 (it does not require one)."""
+
     type_name = "IQ2_S"
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        t = IQ2_S_TABLES
+        quantize_iq2_s(x, w, out, t.levels, t.magnitudes, t.kmap, t.neighbours)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq2_s(q, out, GRID_IQ2S)
 
 
-class IQ1_SCodec(_DecodeOnlyCodec):
+class IQ1_SCodec(Codec):
+    """ik's ggml_quantize_chunk asserts an importance vector for IQ1_S. Codec.quantize's redo of rows whose weights
+    vanish quantizes them with unit importance, as ik's reference quantizer does."""
+
     type_name = "IQ1_S"
+    requires_imatrix = True
+    # d = 1.125 max scale / 15 in f16; a block's scale is at most 8 max|x| (a fit may put every value on +-1/8)
+    max_abs_input = 65504.0 * 15 / (8 * 1.125)
+    rel_error_bound = 2.0
+    # blocks below 1e-12 are stored as zeros; d rounded to f16 near its subnormal step, times (2 s + 1)(1 + 1/8)
+    abs_error_floor = 1e-12 + 15 * 1.125 * 2.0**-24
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        quantize_iq1_s(x, w, out, IQ1_GRID)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq1_s(q, out, GRID_IQ1S)
 
 
-class IQ1_MCodec(_DecodeOnlyCodec):
+class IQ1_MCodec(Codec):
+    """Without an importance vector ik weights each value by x^2. A block of 16 values below 1e-7 takes the shift
+    bits its position held in the call's previous super-block (ik's quirk), so rows interact."""
+
     type_name = "IQ1_M"
+    # d is refitted: at most 8 max|x| (every level +-1/8), stored 8.5% larger in f16
+    max_abs_input = 65504.0 / (8 * 1.085)
+    rel_error_bound = 2.0
+    # blocks below 1e-7 are stored as zeros; d rounded to f16 near its subnormal step, times (2 s + 1)(1 + 1/8)
+    abs_error_floor = 1e-7 + 15 * 1.125 * 2.0**-24
+    rows_interact = True
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        quantize_iq1_m(x, w, out)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq1_m(q, out, GRID_IQ1S)

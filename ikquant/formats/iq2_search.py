@@ -1,0 +1,604 @@
+"""The searches that write IQ2_XXS, IQ2_XS and IQ2_S (ik's quantize_row_iq2_xxs_impl, _xs_impl and _s_impl).
+
+Every group of 8 values becomes one point of a grid of 8 two-bit levels (256, 512 or 1024 points, iq12_grids.py).
+The search works on |x| with the signs kept apart, in odd magnitudes 2 l + 1 = 1, 3, 5 (the decoders store them as
+8, 25, 43). At a trial inverse scale each value is rounded to its level; when the 8 levels are not a grid point,
+the group takes the nearest of that key's precomputed neighbours by importance-weighted squared error. The trial
+whose weighted least-squares fit explains most of the block wins; then the block is re-rounded at the fitted
+scale and fitted again. Per type:
+
+- IQ2_XXS (32-value sub-blocks): a first scale from make_qp_quants on codes 0..4, trials (5 + 0.1 k) / (3 scale)
+  for k = -6..6, then every group re-rounded and refitted once.
+- IQ2_XS (16-value sub-blocks): a first scale from the best split of the sorted values into levels 1 / 3 / 5
+  (every pair of cut points), trials k = -7..7 around it, then up to three re-roundings while they change a grid
+  point and improve the fit; finally the super-block d is refitted over the decoded values and stored 5% larger.
+- IQ2_S (16-value sub-blocks): trials (5 + 0.1 k) / max for k = -9..9, then only the groups that were off the grid
+  re-rounded; d is stored 1.25% smaller than max scale / 31.
+
+IQ2_XXS and IQ2_XS store 7 signs per group, the 8th being the parity: when a group has an odd number of negatives
+the value of least importance (w x^2) is fitted with the wrong sign. IQ2_S stores all 8 signs.
+
+The importance of a value is qw sqrt(sigma2 + x^2) with an importance vector qw, else sigma2 / 4 + x^2 (sigma2 is
+the super-block's mean square, twice it for IQ2_S). The neighbour lists hold, for every key of 8 levels 0..2 that
+is not a grid point, all grid points within its 2 smallest distances (IQ2_S: the smallest only), in order of
+distance then index, as ik's iq2xs_init_impl builds them; they are built once, at import.
+
+The float arithmetic is ik's GCC build (-O3, AVX-512), read from its assembly: multiply-adds fused (`fmaf`) where
+GCC contracts them, and not where it vectorised the products first: the super-block's sum of squares, the
+unweighted importances of IQ2_XS and IQ2_S, and the first group's rounding in IQ2_S's trials.
+
+A sub-block that no trial fits (importance weights that vanish over it) keeps the levels of the sub-block before
+it, as in ik (zeros at a row's start, where ik's are uninitialised). Where ik aborts (a sub-block's levels end off the grid, or its scale is NaN, which only importance weights that
+vanish over a sub-block bring about), the block's d is written as NaN so that Codec.quantize quantizes the row
+again without the weights.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ikquant.formats.iq12_grids import KGRID_IQ2S, KGRID_IQ2XS, KGRID_IQ2XXS
+from ikquant.formats.iquants import KSIGNS
+from ikquant.formats.kquants import make_qp_quants
+from ikquant.formats.numeric import fmaf, nearest_int_fma, store_f16
+
+QK_K = 256
+IQ2_XXS_BYTES = 66  # d (2), per 32 values: 4 grid bytes, then a u32 of 4 x 7 sign bits and the 4-bit scale
+IQ2_XS_BYTES = 74  # d (2), 32 u16 (9-bit grid index, 7 sign bits), 8 bytes of two 4-bit scales
+IQ2_S_BYTES = 82  # d (2), 32 grid index bytes, 32 sign bytes, 8 bytes of index top bits, 8 scale bytes
+GROUP_MAX_EPS = np.float32(1e-15)  # ik: a sub-block below this maximum is stored as zeros (IQ2_XXS, IQ2_XS)
+GROUP_MAX_EPS_IQ2_S = np.float32(1e-8)
+K_MAX_Q = 3  # levels 0..2: magnitudes 1, 3, 5
+#: kmap entry of a key with a level 3, which no rounding forms (the levels are clamped to 0..2)
+NO_POINT = np.int32(np.iinfo(np.int32).min)
+NAN_F16 = 0x7E00
+NJIT = dict(cache=True, nogil=True, error_model="numpy")
+KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
+
+
+class GridTables:
+    """One grid's search tables: levels [points, 8], magnitudes 2 l + 1 as float32, the key map (key = levels
+    2 bits each, low value first; entry >= 0 a grid point, else -(offset + 1) into `neighbours`) and the neighbour
+    lists (a count, then that many grid points)."""
+
+    def __init__(self, kgrid: np.ndarray, nearest_distances: int) -> None:
+        shifts = 2 * np.arange(8)
+        self.levels = (kgrid.astype(np.int64)[:, None] >> shifts[None, :]) & 3
+        if (self.levels == 3).any():
+            raise AssertionError("a 2-bit grid point with level 3")
+        self.magnitudes = (2 * self.levels + 1).astype(np.float32)
+        self.kmap = np.full(1 << 16, NO_POINT, dtype=np.int32)
+        self.kmap[kgrid.astype(np.int64)] = np.arange(len(kgrid), dtype=np.int32)
+        keys = (((np.arange(3**8)[:, None] // 3 ** np.arange(8)[None, :]) % 3) << shifts[None, :]).sum(axis=1)
+        off = np.sort(keys[self.kmap[keys] < 0])  # the keys a rounding can form that are not grid points
+        off_levels = ((off[:, None] >> shifts[None, :]) & 3).astype(np.float32)
+        points = self.levels.astype(np.float32)
+        # squared distance in levels (a quarter of ik's, in magnitudes: the same order), exact in float32
+        dist = ((off_levels**2).sum(axis=1)[:, None] + (points**2).sum(axis=1)[None, :]
+                - 2 * off_levels @ points.T).astype(np.int64)
+        limit = dist.min(axis=1)
+        for _ in range(nearest_distances - 1):
+            limit = np.where(dist > limit[:, None], dist, np.iinfo(np.int64).max).min(axis=1)
+        key_row, point = np.nonzero(dist <= limit[:, None])
+        kept = np.lexsort((point, dist[key_row, point], key_row))  # by key, distance, then index
+        key_row, point = key_row[kept], point[kept]
+        counts = np.bincount(key_row, minlength=len(off))
+        starts = np.concatenate([[0], np.cumsum(counts + 1)[:-1]])
+        self.kmap[off] = -(starts + 1)
+        self.neighbours = np.empty(int((counts + 1).sum()), dtype=np.int32)
+        self.neighbours[starts] = counts
+        rank = np.arange(len(key_row)) - (np.cumsum(counts) - counts)[key_row]  # place within its key's list
+        self.neighbours[starts[key_row] + 1 + rank] = point
+
+
+IQ2_XXS_TABLES = GridTables(KGRID_IQ2XXS, 2)
+IQ2_XS_TABLES = GridTables(KGRID_IQ2XS, 2)
+IQ2_S_TABLES = GridTables(KGRID_IQ2S, 1)
+
+
+@njit(**NJIT)
+def _level(id_: np.float32, v: np.float32, fused: bool) -> int:
+    """The level of |x| = v at inverse scale id_: ggml's nearest_int((id v - 1) / 2) clamped to 0..2, with id v - 1
+    one fused multiply-add (or, not fused, id v rounded first)."""
+    t = fmaf(id_, v, np.float32(-1.0)) if fused else id_ * v - np.float32(1.0)
+    return max(0, min(K_MAX_Q - 1, nearest_int_fma(np.float32(0.5), t)))
+
+
+@njit(**NJIT)
+def _best_neighbour(levels: np.ndarray, magnitudes: np.ndarray, neighbours: np.ndarray, start: int,
+                    xval: np.ndarray, waux: np.ndarray, o: int, scale: np.float32, L: np.ndarray) -> int:
+    """ik's iq2_find_best_neighbour: the listed point with the least sum of waux (scale q - x)^2 (the first on
+    ties); its levels into L[o:o+8]."""
+    best_d2 = np.float32(3.4028235e38)
+    best = -1
+    for j in range(1, neighbours[start] + 1):
+        g = neighbours[start + j]
+        d2 = np.float32(0.0)
+        for i in range(8):
+            diff = fmaf(scale, magnitudes[g, i], -xval[o + i])
+            d2 = fmaf(waux[o + i] * diff, diff, d2)
+        if d2 < best_d2:
+            best_d2 = d2
+            best = g
+    for i in range(8):
+        L[o + i] = levels[best, i]
+    return best
+
+
+@njit(**NJIT)
+def _round_group(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray,
+                 id_: np.float32, scale: np.float32, xval: np.ndarray, waux: np.ndarray, o: int,
+                 L: np.ndarray, fused: bool = True) -> tuple[int, bool]:
+    """Group xval[o:o+8] at inverse scale id_ (scale for the neighbour search): its levels into L[o:o+8], and
+    (grid point, whether the rounded levels were one)."""
+    u = 0
+    for i in range(8):
+        l = _level(id_, xval[o + i], fused)
+        L[o + i] = l
+        u |= l << (2 * i)
+    g = kmap[u]
+    if g >= 0:
+        return g, True
+    return _best_neighbour(levels, magnitudes, neighbours, -g - 1, xval, waux, o, scale, L), False
+
+
+@njit(**NJIT)
+def _point(kmap: np.ndarray, L: np.ndarray, o: int) -> int:
+    """The grid point of levels L[o:o+8] (key truncated to 16 bits as ik's uint16), negative when off the grid."""
+    u = 0
+    for i in range(8):
+        u |= L[o + i] << (2 * i)
+    return kmap[u & 0xFFFF]
+
+
+@njit(**NJIT)
+def _fit(weight: np.ndarray, xval: np.ndarray, L: np.ndarray) -> tuple[np.float32, np.float32]:
+    """sum w x q and sum w q^2 over the sub-block, q = 2 l + 1."""
+    sumqx = np.float32(0.0)
+    sumq2 = np.float32(0.0)
+    for i in range(weight.size):
+        q = np.float32(2 * L[i] + 1)
+        sumqx = fmaf(weight[i] * xval[i], q, sumqx)
+        sumq2 = fmaf(weight[i] * q, q, sumq2)
+    return sumqx, sumq2
+
+
+@njit(**NJIT)
+def _sum_squares(xbl: np.ndarray) -> np.float32:
+    """sum x^2 over the super-block, as ik's build computes it: the squares rounded (one vector multiply), then
+    added in order."""
+    sumx2 = np.float32(0.0)
+    for i in range(QK_K):
+        sumx2 += xbl[i] * xbl[i]
+    return sumx2
+
+
+@njit(**NJIT)
+def _weights(xbl: np.ndarray, qw: np.ndarray, o: int, sigma2: np.float32, plain_fused: bool,
+             weight: np.ndarray) -> None:
+    """Importance of xbl[o:o + weight.size]: qw sqrt(sigma2 + x^2), or sigma2 / 4 + x^2 without qw (qw is the
+    row's importance vector from the super-block's start). ik's build fuses x^2 + sigma2 / 4 for IQ2_XXS only."""
+    quarter = np.float32(0.25) * sigma2
+    for i in range(weight.size):
+        v = xbl[o + i]
+        if qw.size:
+            weight[i] = qw[o + i] * np.sqrt(fmaf(v, v, sigma2))
+        else:
+            weight[i] = fmaf(v, v, quarter) if plain_fused else v * v + quarter
+
+
+@njit(**NJIT)
+def _roots(weight: np.ndarray, waux: np.ndarray) -> None:
+    for i in range(weight.size):
+        waux[i] = np.sqrt(weight[i])
+
+
+@njit(**NJIT)
+def _even_signs(xb: np.ndarray, o: int, weight: np.ndarray, xval: np.ndarray, k: int) -> int:
+    """|x| of group k of the sub-block at xb[o:] into xval, and its 7 stored sign bits; with an odd number of
+    negatives the least important value (least w x^2) keeps the wrong sign, negated in xval."""
+    s = 0
+    flips = 0
+    for i in range(8):
+        v = xb[o + 8 * k + i]
+        if v >= 0:
+            xval[8 * k + i] = v
+        else:
+            xval[8 * k + i] = -v
+            flips += 1
+            s |= 1 << i
+    if flips % 2:
+        imin = 0
+        v = xb[o + 8 * k]
+        least = weight[8 * k] * v * v
+        for i in range(1, 8):
+            v = xb[o + 8 * k + i]
+            ax = weight[8 * k + i] * v * v
+            if ax < least:
+                least = ax
+                imin = i
+        xval[8 * k + imin] = -xval[8 * k + imin]
+        s ^= 1 << imin
+    return s & 127
+
+
+@njit(**NJIT)
+def _largest(xval: np.ndarray) -> np.float32:
+    mx = xval[0]
+    for i in range(1, xval.size):
+        mx = mx if mx > xval[i] else xval[i]
+    return mx
+
+
+@njit(**NJIT)
+def _scale_code(id_: np.float32, scale: np.float32) -> int:
+    """A sub-block scale as its 4-bit code s (decoded as d (2 s + 1) / 2 in the search's units)."""
+    return max(0, min(15, nearest_int_fma(np.float32(0.5), fmaf(id_, scale, np.float32(-1.0)))))
+
+
+@njit(**NJIT)
+def _iq2_xxs_sub_block(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray,
+                       weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, L: np.ndarray, Laux: np.ndarray,
+                       Lqp: np.ndarray) -> np.float32:
+    """Levels (into L) and scale of a 32-value IQ2_XXS sub-block."""
+    scale = make_qp_quants(K_MAX_Q + 1, xval, Lqp, weight)
+    for i in range(32):
+        L[i] = Lqp[i]
+    eff_max = scale * np.float32(K_MAX_Q)
+    best = np.float32(0.0)
+    for step in range(-6, 7):
+        id_ = fmaf(np.float32(step), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / eff_max
+        this_scale = np.float32(1.0) / id_
+        for k in range(4):
+            _round_group(levels, magnitudes, kmap, neighbours, id_, this_scale, xval, waux, 8 * k, Laux)
+        sumqx, sumq2 = _fit(weight, xval, Laux)
+        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+            scale = sumqx / sumq2
+            best = scale * sumqx
+            L[:] = Laux
+    if scale > 0:
+        id_ = np.float32(1.0) / scale
+        for k in range(4):
+            _round_group(levels, magnitudes, kmap, neighbours, id_, scale, xval, waux, 8 * k, L)
+        sumqx, sumq2 = _fit(weight, xval, L)
+        if sumq2 > 0:
+            scale = sumqx / sumq2
+    return scale
+
+
+@njit(**KERNEL)
+def quantize_iq2_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.ndarray, magnitudes: np.ndarray,
+                     kmap: np.ndarray, neighbours: np.ndarray) -> None:
+    """Rows x into IQ2_XXS blocks (qw: importance vector, or empty for ik's unweighted branch)."""
+    n_rows, n = x.shape
+    for r in prange(n_rows):
+        weight = np.empty(32, dtype=np.float32)
+        waux = np.empty(32, dtype=np.float32)
+        xval = np.empty(32, dtype=np.float32)
+        L = np.zeros(32, dtype=np.int64)
+        Laux = np.zeros(32, dtype=np.int64)
+        Lqp = np.zeros(32, dtype=np.uint8)
+        signs = np.zeros(4, dtype=np.int64)
+        scales = np.zeros(8, dtype=np.float32)
+        words = np.zeros(16, dtype=np.uint32)
+        for ibl in range(n // QK_K):
+            blk = out[r, ibl * IQ2_XXS_BYTES : (ibl + 1) * IQ2_XXS_BYTES]
+            blk[:] = 0
+            words[:] = 0
+            xbl = x[r, ibl * QK_K : (ibl + 1) * QK_K]
+            qbl = qw[ibl * QK_K : (ibl + 1) * QK_K]
+            sigma2 = _sum_squares(xbl) / np.float32(QK_K)
+            max_scale = np.float32(0.0)
+            aborted = False
+            for ib in range(8):
+                _weights(xbl, qbl, 32 * ib, sigma2, True, weight)
+                _roots(weight, waux)
+                for k in range(4):
+                    signs[k] = _even_signs(xbl, 32 * ib, weight, xval, k)
+                if _largest(xval) < GROUP_MAX_EPS:
+                    scales[ib] = 0
+                    L[:] = 0
+                    continue
+                scale = _iq2_xxs_sub_block(levels, magnitudes, kmap, neighbours, weight, waux, xval, L, Laux, Lqp)
+                if scale < 0:
+                    scale = -scale
+                    for k in range(4):
+                        signs[k] = ~signs[k] & 127
+                for k in range(4):
+                    g = _point(kmap, L, 8 * k)
+                    if g < 0:
+                        aborted = True
+                        g = 0
+                    words[2 * ib] |= np.uint32(g) << np.uint32(8 * k)
+                    words[2 * ib + 1] |= np.uint32(signs[k]) << np.uint32(7 * k)
+                aborted = aborted or not scale >= 0
+                scales[ib] = scale
+                max_scale = max_scale if max_scale > scale else scale
+            if max_scale == 0:
+                continue
+            d = max_scale / np.float32(31.0)
+            store_f16(blk, 0, d)
+            id_ = np.float32(1.0) / d
+            for ib in range(8):
+                words[2 * ib + 1] |= np.uint32(_scale_code(id_, scales[ib])) << np.uint32(28)
+            _store_words(blk, words)
+            if aborted:
+                _store_nan_d(blk)
+
+
+@njit(**NJIT)
+def _store_words(blk: np.ndarray, words: np.ndarray) -> None:
+    for j in range(words.size):
+        for b in range(4):
+            blk[2 + 4 * j + b] = (words[j] >> np.uint32(8 * b)) & np.uint32(255)
+
+
+@njit(**NJIT)
+def _store_nan_d(blk: np.ndarray) -> None:
+    blk[0] = NAN_F16 & 0xFF
+    blk[1] = NAN_F16 >> 8
+
+
+@njit(**NJIT)
+def _split_scale(weight: np.ndarray, xval: np.ndarray, order: np.ndarray, sumx: np.ndarray,
+                 sumw: np.ndarray) -> np.float32:
+    """IQ2_XS's first scale: the best weighted fit over every split of the sorted values into magnitudes 1, 3, 5."""
+    n = xval.size
+    for j in range(n):  # stable insertion sort by value (glibc's merge sort keeps equal values in index order)
+        order[j] = j
+        i = j
+        while i > 0 and xval[order[i - 1]] > xval[j]:
+            order[i] = order[i - 1]
+            i -= 1
+        order[i] = j
+    sumx[0] = 0
+    sumw[0] = 0
+    for j in range(n):
+        i = order[j]
+        sumx[j + 1] = fmaf(weight[i], xval[i], sumx[j])
+        sumw[j + 1] = sumw[j] + weight[i]
+    best = np.float32(0.0)
+    scale = np.float32(0.0)
+    for i1 in range(n + 1):
+        for i2 in range(i1, n + 1):
+            sumqx = fmaf(sumx[n] - sumx[i2], np.float32(5.0), fmaf(sumx[i2] - sumx[i1], np.float32(3.0),
+                                                                  sumx[i1] - sumx[0]))
+            sumq2 = fmaf(sumw[n] - sumw[i2], np.float32(25.0), fmaf(sumw[i2] - sumw[i1], np.float32(9.0),
+                                                                   sumw[i1] - sumw[0]))
+            if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+                scale = sumqx / sumq2
+                best = scale * sumqx
+    return scale
+
+
+@njit(**NJIT)
+def _iq2_xs_sub_block(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray,
+                      weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, L: np.ndarray, Laux: np.ndarray,
+                      index: np.ndarray, aux_index: np.ndarray, order: np.ndarray, sumx: np.ndarray,
+                      sumw: np.ndarray) -> np.float32:
+    """Levels (into L, left as they were when no trial fits) and scale of a 16-value IQ2_XS sub-block."""
+    scale = _split_scale(weight, xval, order, sumx, sumw)
+    best = np.float32(0.0)
+    eff_max = scale * np.float32(2 * K_MAX_Q - 1)
+    index[:] = 0
+    for step in range(-7, 8):
+        id_ = fmaf(np.float32(step), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / eff_max
+        this_scale = np.float32(1.0) / id_
+        for k in range(2):
+            aux_index[k] = _round_group(levels, magnitudes, kmap, neighbours, id_, this_scale, xval, waux, 8 * k,
+                                        Laux)[0]
+        sumqx, sumq2 = _fit(weight, xval, Laux)
+        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+            scale = sumqx / sumq2
+            best = scale * sumqx
+            L[:] = Laux
+            index[:] = aux_index
+    if scale != 0:
+        for _ in range(3):
+            id_ = np.float32(1.0) / scale
+            changed = False
+            for k in range(2):
+                aux_index[k] = _round_group(levels, magnitudes, kmap, neighbours, id_, scale, xval, waux, 8 * k,
+                                            Laux)[0]
+                changed = changed or aux_index[k] != index[k]
+            if not changed:
+                break
+            sumqx, sumq2 = _fit(weight, xval, Laux)
+            if not (sumq2 > 0 and sumqx * sumqx > best * sumq2):
+                break
+            scale = sumqx / sumq2
+            best = scale * sumqx
+            L[:] = Laux
+            index[:] = aux_index
+    return scale
+
+
+@njit(**NJIT)
+def _xs_refit_d(xbl: np.ndarray, qbl: np.ndarray, sigma2: np.float32, blk: np.ndarray, weight: np.ndarray,
+                stored: np.ndarray) -> None:
+    """IQ2_XS's final d: 1.05 times the weighted fit of x by the block's decoded values at unit d."""
+    sumqx = np.float32(0.0)
+    sumq2 = np.float32(0.0)
+    for ib in range(16):
+        l = 2 * ((blk[66 + ib // 2] >> (4 * (ib % 2))) & 15) + 1
+        _weights(xbl, qbl, 16 * ib, sigma2, False, weight)
+        for k in range(2):
+            o = 2 + 4 * ib + 2 * k
+            v = np.int64(blk[o]) | (np.int64(blk[o + 1]) << 8)
+            g = v & 511
+            signs = KSIGNS[v >> 9]
+            for j in range(8):
+                w = weight[8 * k + j]
+                q = np.float32(0.125) * np.float32(l) * np.float32(stored[g, j])
+                if (signs >> j) & 1:
+                    q = -q
+                sumqx = fmaf(w * q, xbl[16 * ib + 8 * k + j], sumqx)
+                sumq2 = fmaf(w * q, q, sumq2)
+    if sumq2 > 0:
+        store_f16(blk, 0, np.float32(1.05) * sumqx / sumq2)
+
+
+@njit(**KERNEL)
+def quantize_iq2_xs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.ndarray, magnitudes: np.ndarray,
+                    kmap: np.ndarray, neighbours: np.ndarray, stored: np.ndarray) -> None:
+    """Rows x into IQ2_XS blocks (qw: importance vector, or empty; stored: the grid's decoded magnitudes)."""
+    n_rows, n = x.shape
+    for r in prange(n_rows):
+        weight = np.empty(16, dtype=np.float32)
+        waux = np.empty(16, dtype=np.float32)
+        xval = np.empty(16, dtype=np.float32)
+        L = np.zeros(16, dtype=np.int64)
+        Laux = np.zeros(16, dtype=np.int64)
+        index = np.zeros(2, dtype=np.int64)
+        aux_index = np.zeros(2, dtype=np.int64)
+        order = np.zeros(16, dtype=np.int64)
+        sumx = np.zeros(17, dtype=np.float32)
+        sumw = np.zeros(17, dtype=np.float32)
+        signs = np.zeros(2, dtype=np.int64)
+        scales = np.zeros(16, dtype=np.float32)
+        for ibl in range(n // QK_K):
+            blk = out[r, ibl * IQ2_XS_BYTES : (ibl + 1) * IQ2_XS_BYTES]
+            blk[:] = 0
+            xbl = x[r, ibl * QK_K : (ibl + 1) * QK_K]
+            qbl = qw[ibl * QK_K : (ibl + 1) * QK_K]
+            sigma2 = _sum_squares(xbl) / np.float32(QK_K)
+            max_scale = np.float32(0.0)
+            aborted = False
+            for ib in range(16):
+                _weights(xbl, qbl, 16 * ib, sigma2, False, weight)
+                _roots(weight, waux)
+                for k in range(2):
+                    signs[k] = _even_signs(xbl, 16 * ib, weight, xval, k)
+                if _largest(xval) < GROUP_MAX_EPS:
+                    scales[ib] = 0
+                    L[:] = 0
+                    continue
+                scale = _iq2_xs_sub_block(levels, magnitudes, kmap, neighbours, weight, waux, xval, L, Laux, index,
+                                          aux_index, order, sumx, sumw)
+                if scale < 0:
+                    scale = -scale
+                    for k in range(2):
+                        signs[k] = ~signs[k] & 127
+                for k in range(2):
+                    g = _point(kmap, L, 8 * k)
+                    if g < 0:
+                        aborted = True
+                        g = 0
+                    v = g | (signs[k] << 9)
+                    blk[2 + 4 * ib + 2 * k] = v & 255
+                    blk[3 + 4 * ib + 2 * k] = v >> 8
+                aborted = aborted or not scale >= 0
+                scales[ib] = scale
+                max_scale = max_scale if max_scale > scale else scale
+            if max_scale == 0:
+                blk[2:66] = 0
+                continue
+            d = max_scale / np.float32(31.0)
+            store_f16(blk, 0, d)
+            id_ = np.float32(1.0) / d
+            for ib in range(16):
+                blk[66 + ib // 2] |= np.uint8(_scale_code(id_, scales[ib]) << (4 * (ib % 2)))
+            _xs_refit_d(xbl, qbl, sigma2, blk, weight, stored)
+            if aborted:
+                _store_nan_d(blk)
+
+
+@njit(**NJIT)
+def _iq2_s_sub_block(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray,
+                     weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, mx: np.float32, L: np.ndarray,
+                     Laux: np.ndarray) -> np.float32:
+    """Levels (into L, left as they were when no trial fits) and scale of a 16-value IQ2_S sub-block."""
+    best = np.float32(0.0)
+    scale = mx / np.float32(2 * K_MAX_Q - 1)
+    on_grid0 = True
+    on_grid1 = True
+    for step in range(-9, 10):
+        id_ = fmaf(np.float32(step), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / mx
+        this_scale = np.float32(1.0) / id_
+        # ik's build rounds the first group's id x before subtracting 1 here (the second's is fused)
+        aux0 = _round_group(levels, magnitudes, kmap, neighbours, id_, this_scale, xval, waux, 0, Laux, False)[1]
+        aux1 = _round_group(levels, magnitudes, kmap, neighbours, id_, this_scale, xval, waux, 8, Laux)[1]
+        sumqx, sumq2 = _fit(weight, xval, Laux)
+        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+            scale = sumqx / sumq2
+            best = scale * sumqx
+            L[:] = Laux
+            on_grid0 = aux0
+            on_grid1 = aux1
+    if (not on_grid0 or not on_grid1) and scale > 0:
+        id_ = np.float32(1.0) / scale
+        if not on_grid0:
+            _round_group(levels, magnitudes, kmap, neighbours, id_, scale, xval, waux, 0, L)
+        if not on_grid1:
+            _round_group(levels, magnitudes, kmap, neighbours, id_, scale, xval, waux, 8, L)
+        sumqx, sumq2 = _fit(weight, xval, L)
+        if sumq2 > 0:
+            scale = sumqx / sumq2
+    return scale
+
+
+@njit(**KERNEL)
+def quantize_iq2_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.ndarray, magnitudes: np.ndarray,
+                   kmap: np.ndarray, neighbours: np.ndarray) -> None:
+    """Rows x into IQ2_S blocks (qw: importance vector, or empty for weights from x alone)."""
+    n_rows, n = x.shape
+    for r in prange(n_rows):
+        weight = np.empty(16, dtype=np.float32)
+        waux = np.empty(16, dtype=np.float32)
+        xval = np.empty(16, dtype=np.float32)
+        L = np.zeros(16, dtype=np.int64)
+        Laux = np.zeros(16, dtype=np.int64)
+        signs = np.zeros(2, dtype=np.int64)
+        scales = np.zeros(16, dtype=np.float32)
+        for ibl in range(n // QK_K):
+            blk = out[r, ibl * IQ2_S_BYTES : (ibl + 1) * IQ2_S_BYTES]
+            blk[:] = 0
+            xbl = x[r, ibl * QK_K : (ibl + 1) * QK_K]
+            qbl = qw[ibl * QK_K : (ibl + 1) * QK_K]
+            sigma2 = np.float32(2.0) * _sum_squares(xbl) / np.float32(QK_K)
+            max_scale = np.float32(0.0)
+            aborted = False
+            for ib in range(16):
+                _weights(xbl, qbl, 16 * ib, sigma2, False, weight)
+                _roots(weight, waux)
+                for k in range(2):
+                    s = 0
+                    for i in range(8):
+                        v = xbl[16 * ib + 8 * k + i]
+                        if v >= 0:
+                            xval[8 * k + i] = v
+                        else:
+                            xval[8 * k + i] = -v
+                            s |= 1 << i
+                    signs[k] = s
+                mx = _largest(xval)
+                if mx < GROUP_MAX_EPS_IQ2_S:
+                    scales[ib] = 0
+                    continue
+                scale = _iq2_s_sub_block(levels, magnitudes, kmap, neighbours, weight, waux, xval, mx, L, Laux)
+                if scale < 0:
+                    scale = -scale
+                    for k in range(2):
+                        signs[k] = ~signs[k] & 255
+                for k in range(2):
+                    g = _point(kmap, L, 8 * k)
+                    if g < 0:
+                        aborted = True
+                        g = 0
+                    i8 = 2 * ib + k
+                    blk[2 + i8] = g & 255
+                    blk[66 + i8 // 4] |= np.uint8((g >> 8) << (2 * (i8 % 4)))
+                    blk[34 + i8] = signs[k]
+                aborted = aborted or not scale >= 0
+                scales[ib] = scale
+                max_scale = max_scale if max_scale > scale else scale
+            if max_scale == 0:
+                continue
+            d = max_scale / np.float32(31.0)
+            store_f16(blk, 0, d * np.float32(0.9875))
+            id_ = np.float32(1.0) / d
+            for ib in range(16):
+                blk[74 + ib // 2] |= np.uint8(_scale_code(id_, scales[ib]) << (4 * (ib % 2)))
+            if aborted:
+                _store_nan_d(blk)
