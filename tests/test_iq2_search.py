@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ikquant.formats.base import QuantInputError
-from ikquant.formats.iq2_search import IQ2_S_TABLES, IQ2_XS_TABLES, IQ2_XXS_TABLES, GridTables
+from ikquant.formats.iq2_search import GRIDS, grid_tables
 from ikquant.types import type_by_name
 
 IQ2_TYPES = ["IQ2_XXS", "IQ2_XS", "IQ2_S"]
@@ -66,10 +66,11 @@ def test_vanishing_importance_weights_redo_the_row_without_them(type_name: str) 
     assert np.isfinite(y).all()
 
 
-@pytest.mark.parametrize("tables,nearest", [(IQ2_XXS_TABLES, 2), (IQ2_XS_TABLES, 2), (IQ2_S_TABLES, 1)])
-def test_neighbour_lists_follow_iks_rule(tables: GridTables, nearest: int) -> None:
+@pytest.mark.parametrize("grid", sorted(GRIDS))
+def test_neighbour_lists_follow_iks_rule(grid: str) -> None:
     """For sampled off-grid keys: every grid point within the `nearest` smallest distances, by distance then
     index (ik's iq2xs_init_impl), and each grid point maps to itself."""
+    tables, nearest = grid_tables(grid), GRIDS[grid][1]
     points = tables.levels
     assert all(tables.kmap[(points[g] << (2 * np.arange(8))).sum()] == g for g in range(len(points)))
     rng = np.random.default_rng(4)

@@ -28,11 +28,9 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.base import Codec
-from ikquant.formats.iq1_search import IQ1_GRID, quantize_iq1_m, quantize_iq1_s
+from ikquant.formats.iq1_search import iq1_grid, quantize_iq1_m, quantize_iq1_s
 from ikquant.formats.iq2_search import (
-    IQ2_S_TABLES,
-    IQ2_XS_TABLES,
-    IQ2_XXS_TABLES,
+    grid_tables,
     quantize_iq2_s,
     quantize_iq2_xs,
     quantize_iq2_xxs,
@@ -185,7 +183,7 @@ class IQ2_XXSCodec(_NeedsImatrix):
     type_name = "IQ2_XXS"
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-        t = IQ2_XXS_TABLES
+        t = grid_tables("IQ2_XXS")
         quantize_iq2_xxs(x, w, out, t.levels, t.magnitudes, t.kmap, t.neighbours)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
@@ -197,7 +195,7 @@ class IQ2_XSCodec(_NeedsImatrix):
     max_abs_input = 65504.0 / 1.05
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-        t = IQ2_XS_TABLES
+        t = grid_tables("IQ2_XS")
         quantize_iq2_xs(x, w, out, t.levels, t.magnitudes, t.kmap, t.neighbours, GRID_IQ2XS)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
@@ -210,7 +208,7 @@ class IQ2_SCodec(_IQ2Codec):
     type_name = "IQ2_S"
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-        t = IQ2_S_TABLES
+        t = grid_tables("IQ2_S")
         quantize_iq2_s(x, w, out, t.levels, t.magnitudes, t.kmap, t.neighbours)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
@@ -230,7 +228,7 @@ class IQ1_SCodec(Codec):
     abs_error_floor = 1e-12 + 15 * 1.125 * 2.0**-24
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-        quantize_iq1_s(x, w, out, IQ1_GRID)
+        quantize_iq1_s(x, w, out, iq1_grid())
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq1_s(q, out, GRID_IQ1S)

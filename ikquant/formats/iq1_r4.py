@@ -33,10 +33,10 @@ from numba import njit, prange
 
 from ikquant.formats.base import Codec, QuantInputError
 from ikquant.formats.iq1_search import (
-    IQ1_GRID,
     IQ1M_SHIFT_MASKS,
     NO_SHIFT,
     carry_shifts,
+    iq1_grid,
     iq1m_block,
     iq1s_block,
     scale_code,
@@ -291,7 +291,7 @@ class IQ1_S_R4Codec(_IQ1R4Codec):
     type_name = "IQ1_S_R4"
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-        _quantize_iq1_s_r4(self._grouped(x), w, self._grouped(out), IQ1_GRID)
+        _quantize_iq1_s_r4(self._grouped(x), w, self._grouped(out), iq1_grid())
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq1_s_r4(self._grouped(q), self._grouped(out), GRID_IQ1S)
@@ -305,7 +305,7 @@ class IQ1_M_R4Codec(_IQ1R4Codec):
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         xg, og = self._grouped(x), self._grouped(out)
         shifts = np.empty((xg.shape[0], x.shape[1] // BLOCK, GROUP, 2), dtype=np.int64)
-        _quantize_iq1_m_r4(xg, w, og, IQ1_GRID, shifts)
+        _quantize_iq1_m_r4(xg, w, og, iq1_grid(), shifts)
         carry_shifts(shifts)
         _store_iq1_m_r4_shifts(og, shifts)
 

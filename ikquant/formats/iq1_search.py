@@ -42,8 +42,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.iq2_search import GridTables
-from ikquant.formats.iq12_grids import KGRID_IQ1S
+from ikquant.formats.iq2_search import grid_tables
 from ikquant.formats.numeric import f32_to_f16_bits, fmaf, nearest_int, store_f16
 
 QK_K = 256
@@ -66,10 +65,11 @@ NO_SHIFT = -1
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
 KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
 
-#: ik's iq2xs_init_impl for the IQ1 grid: every grid point within the 3 smallest distances of an off-grid key
-IQ1_TABLES = GridTables(KGRID_IQ1S, 3)
-#: what the kernels take: (key map, neighbour lists, levels [2048, 8])
-IQ1_GRID = (IQ1_TABLES.kmap, IQ1_TABLES.neighbours, IQ1_TABLES.levels)
+def iq1_grid() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What the kernels take of ik's iq2xs_init_impl tables for the IQ1 grid (every grid point within the 3 smallest
+    distances of an off-grid key): (key map, neighbour lists, levels [2048, 8]), built on first use."""
+    t = grid_tables("IQ1_S")
+    return t.kmap, t.neighbours, t.levels
 
 
 @njit(**NJIT)
@@ -508,6 +508,6 @@ def quantize_iq1_m(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
     scales = np.empty((n_rows, n // QK_K, QK_K // IQ1M_BLOCK), np.float32)
     shifts = np.empty((n_rows, n // QK_K, QK_K // IQ1M_BLOCK), np.int64)
     max_scales = np.empty((n_rows, n // QK_K), np.float32)
-    search_iq1_m(x, qw, out, IQ1_GRID, scales, shifts, max_scales)
+    search_iq1_m(x, qw, out, iq1_grid(), scales, shifts, max_scales)
     carry_shifts(shifts)
-    finish_iq1_m(x, qw, out, IQ1_GRID, scales, shifts, max_scales)
+    finish_iq1_m(x, qw, out, iq1_grid(), scales, shifts, max_scales)

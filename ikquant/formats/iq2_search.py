@@ -35,10 +35,12 @@ again without the weights.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.iq12_grids import KGRID_IQ2S, KGRID_IQ2XS, KGRID_IQ2XXS
+from ikquant.formats.iq12_grids import KGRID_IQ1S, KGRID_IQ2S, KGRID_IQ2XS, KGRID_IQ2XXS
 from ikquant.formats.iquants import KSIGNS
 from ikquant.formats.kquants import make_qp_quants
 from ikquant.formats.numeric import fmaf, nearest_int_fma, store_f16
@@ -92,9 +94,16 @@ class GridTables:
         self.neighbours[starts[key_row] + 1 + rank] = point
 
 
-IQ2_XXS_TABLES = GridTables(KGRID_IQ2XXS, 2)
-IQ2_XS_TABLES = GridTables(KGRID_IQ2XS, 2)
-IQ2_S_TABLES = GridTables(KGRID_IQ2S, 1)
+#: per grid: its points and how many of the smallest distances ik's iq2xs_init_impl keeps as neighbours
+GRIDS = {"IQ2_XXS": (KGRID_IQ2XXS, 2), "IQ2_XS": (KGRID_IQ2XS, 2), "IQ2_S": (KGRID_IQ2S, 1), "IQ1_S": (KGRID_IQ1S, 3)}
+
+
+@functools.cache
+def grid_tables(grid: str) -> GridTables:
+    """The search tables of `grid` (a key of GRIDS), built on first use and kept: building one takes ~0.1 s, which
+    no command that only reads these types should pay."""
+    kgrid, nearest = GRIDS[grid]
+    return GridTables(kgrid, nearest)
 
 
 @njit(**NJIT)
