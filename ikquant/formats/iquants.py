@@ -24,6 +24,8 @@ and signs write positions, so the following sub-blocks' indices and signs land o
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import njit, prange
 
@@ -95,16 +97,24 @@ KGRID_512 = np.array([
 ], dtype=np.int64)
 
 
-def _build_grid(kgrid: np.ndarray, nearest_levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(grid [points, 4] magnitudes, map [4096] (index >= 0 on the grid, else -(offset + 1) into neighbours), the
-    neighbour lists: a count then that many grid indices, for the `nearest_levels` smallest distances)."""
+def _grid(kgrid: np.ndarray) -> np.ndarray:
+    """[points, 4] magnitudes 2 l + 1 of a grid's points."""
+    return (2 * ((kgrid[:, None] >> (3 * np.arange(4))[None, :]) & 7) + 1).astype(np.int8)
+
+
+@functools.cache
+def search_tables(points: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(grid, map [4096] (index >= 0 on the grid, else -(offset + 1) into neighbours), the neighbour lists: a count
+    then that many grid indices) of the 256- or 512-point grid, for the 2 or 3 smallest distances; built on first
+    quantize (~0.15 s each), not by every command that imports the codecs."""
+    kgrid, nearest_levels = (KGRID_256, 2) if points == 256 else (KGRID_512, 3)
     levels = (kgrid[:, None] >> (3 * np.arange(4))[None, :]) & 7
-    grid = (2 * levels + 1).astype(np.int8)
+    grid = _grid(kgrid)
     kmap = np.full(4096, -1, dtype=np.int64)
     kmap[(levels << (3 * np.arange(4))[None, :]).sum(axis=1)] = np.arange(len(grid))
     off = np.flatnonzero(kmap < 0)
-    points = 2 * ((off[:, None] >> (3 * np.arange(4))[None, :]) & 7) + 1
-    dist = ((grid.astype(np.int64)[None, :, :] - points[:, None, :]) ** 2).sum(axis=2)  # [off-grid, grid]
+    points_off = 2 * ((off[:, None] >> (3 * np.arange(4))[None, :]) & 7) + 1
+    dist = ((grid.astype(np.int64)[None, :, :] - points_off[:, None, :]) ** 2).sum(axis=2)  # [off-grid, grid]
     order = np.argsort(dist, axis=1, kind="stable")  # by distance, then index
     neighbours: list[int] = []
     for row, i in enumerate(off):
@@ -115,8 +125,8 @@ def _build_grid(kgrid: np.ndarray, nearest_levels: int) -> tuple[np.ndarray, np.
     return grid, kmap, np.array(neighbours, dtype=np.int64)
 
 
-GRID_256, KMAP_256, NEIGHBOURS_256 = _build_grid(KGRID_256, 2)
-GRID_512, KMAP_512, NEIGHBOURS_512 = _build_grid(KGRID_512, 3)
+GRID_256 = _grid(KGRID_256)
+GRID_512 = _grid(KGRID_512)
 #: IQ3_XXS decodes level l as these magnitudes (ik's iq3xxs_grid: 4 (2 l + 1), except 62 for the top level), where
 #: the search uses 2 l + 1
 IQ3_XXS_LEVELS = np.array([4, 12, 20, 28, 36, 44, 52, 62], dtype=np.int64)
@@ -254,7 +264,8 @@ def _fit_grid(grid: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray, n_step
 
 
 @njit(**KERNEL)
-def _quantize_iq3_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
+def _quantize_iq3_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: np.ndarray, kmap: np.ndarray,
+                    neighbours: np.ndarray) -> None:
     n_rows, n = x.shape
     for r in prange(n_rows):
         weight, waux, xval, L, Laux, on_grid, on_grid_aux = _buffers()
@@ -282,14 +293,14 @@ def _quantize_iq3_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                 if mx == 0:
                     scales[ib] = 0  # ik's `continue`: qs and signs positions are not advanced
                     continue
-                scale = _fit_grid(GRID_512, KMAP_512, NEIGHBOURS_512, 9, False, weight, waux, xval, mx, L, Laux,
+                scale = _fit_grid(grid, kmap, neighbours, 9, False, weight, waux, xval, mx, L, Laux,
                                   on_grid, on_grid_aux)
                 if scale < 0:
                     scale = -scale
                     for k in range(BLOCK // 8):
                         signs[k] = ~signs[k]
                 for k in range(BLOCK // 4):
-                    g = KMAP_512[_key(L, 4 * k)]
+                    g = kmap[_key(L, 4 * k)]
                     blk[qs_pos + k] = g & 255
                     blk[66 + ib] |= np.uint8((g >> 8) << k)
                 qs_pos += BLOCK // 4
@@ -328,7 +339,8 @@ def _scale_code(id_: np.float32, scale: np.float32) -> int:
 
 
 @njit(**KERNEL)
-def _quantize_iq3_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
+def _quantize_iq3_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: np.ndarray, kmap: np.ndarray,
+                      neighbours: np.ndarray) -> None:
     n_rows, n = x.shape
     for r in prange(n_rows):
         weight, waux, xval, L, Laux, on_grid, on_grid_aux = _buffers()
@@ -370,14 +382,14 @@ def _quantize_iq3_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                 if mx < GROUP_MAX_EPS:
                     scales[ib] = 0
                     continue
-                scale = _fit_grid(GRID_256, KMAP_256, NEIGHBOURS_256, 15, True, weight, waux, xval, mx, L, Laux,
+                scale = _fit_grid(grid, kmap, neighbours, 15, True, weight, waux, xval, mx, L, Laux,
                                   on_grid, on_grid_aux)
                 if scale < 0:
                     scale = -scale
                     for k in range(BLOCK // 8):
                         signs[k] = ~signs[k] & 127
                 for k in range(BLOCK // 4):
-                    blk[2 + 8 * ib + k] = KMAP_256[_key(L, 4 * k)]
+                    blk[2 + 8 * ib + k] = kmap[_key(L, 4 * k)]
                 packed[ib] = np.uint32(signs[0] | (signs[1] << 7) | (signs[2] << 14) | (signs[3] << 21))
                 scales[ib] = scale
                 max_scale = max(max_scale, scale)
@@ -440,7 +452,7 @@ class IQ3_SCodec(Codec):
     abs_error_floor = 31 * 15 * 2.0**-24
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-        _quantize_iq3_s(x, w, out)
+        _quantize_iq3_s(x, w, out, *search_tables(512))
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq3_s(q, out)
@@ -454,7 +466,7 @@ class IQ3_XXSCodec(Codec):
     abs_error_floor = 31 * 15 * 2.0**-24
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-        _quantize_iq3_xxs(x, w, out)
+        _quantize_iq3_xxs(x, w, out, *search_tables(256))
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq3_xxs(q, out)
