@@ -172,6 +172,7 @@ def make_plan(src: GGUFFile, opts: QuantizeOptions) -> Plan:
                                                                                      p.info.type)):
             warnings.append(f"--custom-q {regex!r} matches no tensor")
     _check_imatrix(plans, opts, warnings)
+    _check_ik_matmul_rows(plans, warnings)
     return Plan(plans, warnings)
 
 
@@ -298,6 +299,7 @@ def _mainline_plan(src: GGUFFile, opts: QuantizeOptions) -> Plan:
         plans.append(_quantized(info, d, opts, []))
     warnings: list[str] = []
     _check_imatrix(plans, opts, warnings)
+    _check_ik_matmul_rows(plans, warnings)
     return Plan(plans, warnings)
 
 
@@ -338,6 +340,22 @@ def _check_imatrix(plans: list[TensorPlan], opts: QuantizeOptions, warnings: lis
             + (" ..." if len(needy) > 6 else "") + "); ik refuses such low-bit output as garbage: pass --imatrix "
             "(or --ignore-imatrix-rules to quantize anyway)"
         )
+
+
+#: interleaved types whose CPU matmul in ik needs rows of a multiple of this many values; on other rows ik's kernel
+#: refuses and its fallback writes no output (iqk_set_kernels_1bit / the Q8_KV_R8 kernels), so the file holds the
+#: tensor as ik's recipe chose it but ik computes garbage with it
+IK_MATMUL_ROW_MULTIPLE = {"IQ1_S_R4": 128, "IQ1_M_R4": 128, "Q8_KV_R8": 256}
+
+
+def _check_ik_matmul_rows(plans: list[TensorPlan], warnings: list[str]) -> None:
+    """Warn (the plan stays ik's) about tensors ik writes in a type its own CPU matmul cannot multiply."""
+    for tname, multiple in IK_MATMUL_ROW_MULTIPLE.items():
+        bad = [p.name for p in plans if p.quantize and p.type.name == tname and p.info.n_per_row % multiple]
+        if bad:
+            warnings.append(f"{len(bad)} tensors become {tname} with rows that are no multiple of {multiple} values "
+                            f"({', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}): ik's CPU matmul leaves their "
+                            "products unwritten (garbage results); --custom-q can give them another type")
 
 
 def output_metadata(src: GGUFFile, opts: QuantizeOptions) -> list[KeyValue]:

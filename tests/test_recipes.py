@@ -258,3 +258,15 @@ def test_sweeps_for_mainline_mixes_take_mainline_types_only(tmp_path: Path) -> N
     res = runner.invoke(ikrun_app, ["sweep", str(tmp_path / "absent.gguf"), "--text", str(CORPUS), "--types",
                                     "Q4_K,IQ4_KS", "--recipe", "mainline"])
     assert res.exit_code == 2 and "--types IQ4_KS" in res.output and "cannot load it" in res.output
+
+
+def test_types_iks_matmul_cannot_multiply_are_planned_as_ik_but_warned(plan_models: dict[str, GGUFFile]) -> None:
+    """ik's recipe puts IQ1_S_R4 on DeepSeek's 64-value attn_k_b rows, where its CPU matmul writes no output: the
+    plan stays ik's, the warning names the tensors."""
+    imatrix = read_imatrix_dat(DATA / "deepseek-v3-plan" / "imatrix.dat")
+    plan = make_plan(plan_models["deepseek-v3-plan"], QuantizeOptions(file_type("IQ1_S_R4"), imatrix=imatrix))
+    assert {p.name: p.type.name for p in plan.tensors}["blk.0.attn_k_b.weight"] == "IQ1_S_R4"
+    warned = [w for w in plan.warnings if "no multiple of 128" in w]
+    assert len(warned) == 1 and "blk.0.attn_k_b.weight" in warned[0]
+    plain = make_plan(plan_models["deepseek-v3-plan"], QuantizeOptions(file_type("IQ1_S"), imatrix=imatrix))
+    assert not [w for w in plain.warnings if "no multiple of" in w]
