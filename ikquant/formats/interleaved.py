@@ -4,7 +4,9 @@ quantizing the rows with the base codec and regrouping each group; decoding undo
 the base codec plus, per block column of one group (and for row-scaled types the group's header of row scales),
 where each interleaved bit comes from (ik's repack_* functions, as facts). Most regroupings move whole bytes or
 nibbles; the IQK ones also spread 1- and 2-bit fields (block extras, high scale bits) over other bytes, so the maps
-are kept per bit. A few forms also rewrite fields reversibly before regrouping (a `Recode`): IQ2_XXS/IQ2_XS/IQ3_XXS
+are kept per bit. Every block column of a group moves its bits alike, so one map per unit (the group's rows' blocks
+at one column) does: a Numba kernel applies it 64 units at a time, transposed so that each unit byte is one vector
+(whole-byte moves and nibble pairs take one or two vector operations, a byte of scattered bits eight). A few forms also rewrite fields reversibly before regrouping (a `Recode`): IQ2_XXS/IQ2_XS/IQ3_XXS
 store every 7-bit sign group through ik's scrambling table, Q8_KV_R8 drops the rows' code sums. Q8_K_R8/Q8_K_R16
 regroup rows that no file type stores (ik's 8-bit activation blocks), so they have no plain form to unpack to.
 """
@@ -588,9 +590,6 @@ class InterleavedCodec(Codec):
     decodes the form as d x unsigned code - offset x d, so a zero value is always +0 where the base type's
     d x (code - offset) keeps the sign of d."""
 
-    #: groups converted at a time: the bit maps hold 8 bytes per byte
-    CHUNK_BYTES = 1 << 22
-
     def __init__(self, type_name: str, block: Callable[[int, int], np.ndarray],
                  header: Callable[[int], np.ndarray] | None = None, recode: Recode | None = None,
                  plain: PlainRows | None = None, positive_zeros: bool = False) -> None:
@@ -604,8 +603,7 @@ class InterleavedCodec(Codec):
         self._recode = recode
         self._plain = plain
         self._positive_zeros = positive_zeros
-        self._perm: dict[int, tuple[np.ndarray, int]] = {}
-        self._inverse: dict[int, np.ndarray] = {}
+        self._maps: dict[int, tuple[UnitMap, UnitMap, np.ndarray]] = {}
 
     # the base codec and its documented properties, looked up when first used (format modules register in any order)
     @property
@@ -624,23 +622,26 @@ class InterleavedCodec(Codec):
     abs_error_floor = _from_base("abs_error_floor")  # type: ignore[assignment]
     rows_interact = _from_base("rows_interact")  # type: ignore[assignment]
 
-    def _perm_for(self, row_bytes: int) -> tuple[np.ndarray, int]:
-        """Where every unit of the group's interleaved form comes from (within one group of plain rows), and the
-        unit in bits: 8 when the bit map moves whole bytes, 4 whole nibbles, else 1."""
-        hit = self._perm.get(row_bytes)
+    def _maps_for(self, row_bytes: int) -> tuple[UnitMap, UnitMap, np.ndarray]:
+        """For rows of `row_bytes`: the map of one block column (a unit: the group's rows' blocks at that column, row
+        after row) forward and back, and the header's source bits. Every block column moves its bits alike, which the
+        maps of the first two columns confirm."""
+        hit = self._maps.get(row_bytes)
         if hit is None:
             gtype = self.ggml_type
-            n_blocks = (row_bytes - gtype.row_meta_size) // gtype.type_size  # block columns: one interleaved block each
-            parts = [] if self._header is None else [self._header(row_bytes)]
-            bits = np.concatenate(parts + [self._block(row_bytes, ib) for ib in range(n_blocks)])
-            assert len(bits) == 8 * row_bytes * self.group and len(np.unique(bits)) == len(bits), self.type_name
-            hit = (bits, 1)
-            for unit in (8, 4):
-                runs = bits.reshape(-1, unit)
-                if (runs[:, 0] % unit == 0).all() and (runs == runs[:, :1] + np.arange(unit)).all():
-                    hit = (runs[:, 0] // unit, unit)
-                    break
-            self._perm[row_bytes] = hit
+            meta, ts = gtype.row_meta_size, gtype.type_size
+            first = self._block(row_bytes, 0)
+            if (row_bytes - meta) // ts > 1:
+                assert (self._block(row_bytes, 1) == first + 8 * ts).all(), self.type_name
+            row, within = np.divmod(first, 8 * row_bytes)
+            assert ((within >= 8 * meta) & (within < 8 * (meta + ts))).all(), self.type_name
+            unit = row * 8 * ts + within - 8 * meta
+            assert len(unit) == 8 * ts * self.group and len(np.unique(unit)) == len(unit), self.type_name
+            header = np.zeros(0, np.int64) if self._header is None else self._header(row_bytes)
+            assert len(header) == 8 * meta * self.group, self.type_name
+            local = (header // (8 * row_bytes)) * 8 * meta + header % (8 * row_bytes)  # in the rows' heads side by side
+            hit = (UnitMap.of(unit), UnitMap.of(np.argsort(unit)), local)
+            self._maps[row_bytes] = hit
         return hit
 
     def _groups(self, n_rows: int) -> int:
@@ -648,40 +649,37 @@ class InterleavedCodec(Codec):
             raise QuantInputError(f"{self.type_name}: {n_rows} rows are not a whole number of {self.group}-row groups")
         return n_rows // self.group
 
-    def _regroup(self, src: np.ndarray, out: np.ndarray, row_bytes: int, inverse: bool) -> None:
-        """out (groups, group bytes) = src's groups interleaved (or, `inverse`, de-interleaved), a chunk at a time,
-        moving whole bytes or nibbles where the map allows, else bit by bit in a Numba loop."""
-        perm, unit = self._perm_for(row_bytes)
-        if unit == 1:
-            if inverse:
-                perm = self._inverse.get(row_bytes)
-                if perm is None:
-                    perm = self._inverse[row_bytes] = np.argsort(self._perm_for(row_bytes)[0])
-            _gather_bits(src, perm, out)
-            return
-        split, join = _UNITS[unit]
-        step = max(1, self.CHUNK_BYTES // src.shape[1])
-        for g0 in range(0, src.shape[0], step):
-            units = split(src[g0 : g0 + step])
-            if inverse:
-                moved = np.empty_like(units)
-                moved[:, perm] = units
-            else:
-                moved = units[:, perm]
-            out[g0 : g0 + step] = join(moved)
-
     def _interleave(self, plain: np.ndarray) -> np.ndarray:
-        """Plain rows [rows, row bytes] -> the interleaved rows (the same shape)."""
-        out = np.empty_like(plain)
-        groups = self._groups(plain.shape[0])
-        self._regroup(np.ascontiguousarray(plain).reshape(groups, -1), out.reshape(groups, -1), plain.shape[1], False)
-        return out
+        """Plain rows [rows, row bytes] -> the interleaved rows (the same shape): the group's header, then each block
+        column's unit mapped."""
+        rows, row_bytes = plain.shape
+        groups, g = self._groups(rows), self.group
+        forward, _, header = self._maps_for(row_bytes)
+        meta, ts = self.ggml_type.row_meta_size, self.ggml_type.type_size
+        grouped = np.ascontiguousarray(plain).reshape(groups, g, row_bytes)
+        units = np.ascontiguousarray(grouped[:, :, meta:].reshape(groups, g, -1, ts).transpose(0, 2, 1, 3))
+        out = np.empty((groups, g * row_bytes), dtype=np.uint8)
+        out[:, g * meta :] = forward.apply(units.reshape(-1, g * ts)).reshape(groups, -1)
+        if meta:
+            heads = np.unpackbits(np.ascontiguousarray(grouped[:, :, :meta]).reshape(groups, -1), axis=1,
+                                  bitorder="little")
+            out[:, : g * meta] = np.packbits(heads[:, header], axis=1, bitorder="little")
+        return out.reshape(rows, row_bytes)
 
     def _deinterleave(self, q: np.ndarray) -> np.ndarray:
-        groups = self._groups(q.shape[0])
-        plain = np.empty(q.shape, dtype=np.uint8)
-        self._regroup(np.ascontiguousarray(q).reshape(groups, -1), plain.reshape(groups, -1), q.shape[1], True)
-        return plain
+        rows, row_bytes = q.shape
+        groups, g = self._groups(rows), self.group
+        _, backward, header = self._maps_for(row_bytes)
+        meta, ts = self.ggml_type.row_meta_size, self.ggml_type.type_size
+        grouped = np.ascontiguousarray(q).reshape(groups, g * row_bytes)
+        units = backward.apply(np.ascontiguousarray(grouped[:, g * meta :]).reshape(-1, g * ts))
+        plain = np.empty((groups, g, row_bytes), dtype=np.uint8)
+        plain[:, :, meta:] = units.reshape(groups, -1, g, ts).transpose(0, 2, 1, 3).reshape(groups, g, -1)
+        if meta:
+            bits = np.empty((groups, 8 * g * meta), dtype=np.uint8)
+            bits[:, header] = np.unpackbits(grouped[:, : g * meta], axis=1, bitorder="little")
+            plain[:, :, :meta] = np.packbits(bits, axis=1, bitorder="little").reshape(groups, g, meta)
+        return plain.reshape(rows, row_bytes)
 
     def pack(self, rows: np.ndarray) -> np.ndarray:
         """Base-type rows [rows, base row bytes] -> this type's rows, values unchanged (`ikquant --repack`)."""
@@ -714,28 +712,76 @@ class InterleavedCodec(Codec):
             out[out == 0] = 0.0
 
 
-def _to_nibbles(b: np.ndarray) -> np.ndarray:
-    return np.stack([b & 0x0F, b >> 4], axis=-1).reshape(b.shape[0], -1)
+#: units one pass of the regrouping kernel holds transposed (their bytes side by side: one vector per unit byte)
+LANES = 64
+COPY, NIBBLES, BITS = 0, 1, 2
 
 
-def _from_nibbles(n: np.ndarray) -> np.ndarray:
-    return (n[:, 0::2] | (n[:, 1::2] << 4)).astype(np.uint8)
+@dataclass(frozen=True)
+class UnitMap:
+    """Where each byte of a unit comes from, by kind: COPY (a whole source byte `a`), NIBBLES (low nibble = source
+    nibble `a`, high = `b`; nibble n is byte n // 2, high half when odd) or BITS (bit j = source bit bits[8 o + j])."""
 
+    kind: np.ndarray
+    a: np.ndarray
+    b: np.ndarray
+    bits: np.ndarray
 
-#: unit in bits -> (bytes to units, units to bytes), rows of groups
-_UNITS = {8: (lambda b: b, lambda u: u), 4: (_to_nibbles, _from_nibbles)}
+    @classmethod
+    def of(cls, bits: np.ndarray) -> UnitMap:
+        runs = bits.reshape(-1, 8)
+        whole = (runs[:, 0] % 8 == 0) & (runs == runs[:, :1] + np.arange(8)).all(axis=1)
+        halves = runs.reshape(-1, 2, 4)
+        nibbles = ((halves[:, :, 0] % 4 == 0) & (halves == halves[:, :, :1] + np.arange(4)).all(axis=2)).all(axis=1)
+        kind = np.where(whole, COPY, np.where(nibbles, NIBBLES, BITS)).astype(np.int64)
+        a = np.where(whole, runs[:, 0] // 8, halves[:, 0, 0] // 4).astype(np.int64)
+        return cls(kind, a, (halves[:, 1, 0] // 4).astype(np.int64), bits.astype(np.int64))
+
+    def apply(self, units: np.ndarray) -> np.ndarray:
+        """units [n, unit bytes] -> the mapped units."""
+        if (self.kind == COPY).all():  # a byte permutation (the 8-bit forms): a plain gather is faster
+            return np.ascontiguousarray(np.take(units, self.a, axis=1))
+        out = np.empty_like(units)
+        if units.size:
+            _map_units(units, self.kind, self.a, self.b, self.bits, out)
+        return out
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _gather_bits(src: np.ndarray, perm: np.ndarray, out: np.ndarray) -> None:
-    """out bit i of every group row = src bit perm[i] (little-endian bits)."""
-    for g in prange(src.shape[0]):
-        for o in range(out.shape[1]):
-            v = 0
-            for j in range(8):
-                b = perm[8 * o + j]
-                v |= ((src[g, b >> 3] >> (b & 7)) & 1) << j
-            out[g, o] = v
+def _map_units(src: np.ndarray, kind: np.ndarray, a: np.ndarray, b: np.ndarray, bits: np.ndarray,
+               out: np.ndarray) -> None:
+    """out[u] = src[u] mapped (UnitMap), LANES units at a time transposed so that each unit byte is one vector."""
+    n_units, ub = src.shape
+    for t in prange((n_units + LANES - 1) // LANES):
+        u0 = t * LANES
+        m = min(n_units, u0 + LANES) - u0
+        tile = np.zeros((ub, LANES), np.uint8)
+        for u in range(m):
+            for q in range(ub):
+                tile[q, u] = src[u0 + u, q]
+        res = np.empty((ub, LANES), np.uint8)
+        for o in range(ub):
+            r = res[o]
+            if kind[o] == COPY:
+                s = tile[a[o]]
+                for lane in range(LANES):
+                    r[lane] = s[lane]
+            elif kind[o] == NIBBLES:
+                s0, s1 = tile[a[o] >> 1], tile[b[o] >> 1]
+                h0, h1 = np.uint8(4 * (a[o] & 1)), np.uint8(4 * (b[o] & 1))
+                for lane in range(LANES):
+                    r[lane] = ((s0[lane] >> h0) & np.uint8(15)) | (((s1[lane] >> h1) & np.uint8(15)) << np.uint8(4))
+            else:
+                r[:] = 0
+                for j in range(8):
+                    s = tile[bits[8 * o + j] >> 3]
+                    mask = np.uint8(1) << np.uint8(bits[8 * o + j] & 7)
+                    bit = np.uint8(1 << j)
+                    for lane in range(LANES):
+                        r[lane] |= bit if s[lane] & mask else np.uint8(0)
+        for u in range(m):
+            for o in range(ub):
+                out[u0 + u, o] = res[o, u]
 
 
 def _nibble_map(block):  # type: ignore[no-untyped-def]
