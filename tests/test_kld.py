@@ -61,7 +61,7 @@ def test_q8_0_weight_error_matches_iks_weight_only_run(data_dir: Path) -> None:
 
 
 def test_files_of_the_1_and_2_bit_i_quants_evaluate_as_ik_evaluates_their_weights(data_dir: Path) -> None:
-    """ik's IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M tensors (read only here) decode to ik's floats: with ik's f16
+    """ik's IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S and IQ1_M tensors decode to ik's floats: with ik's f16
     cache, the statistics of ik's own run on those weights to the digits it prints (measured: mean KLD 0.5959932
     vs 0.595994, PPL(Q) 869.158700 vs 869.158651)."""
     stats = _kld_json(str(data_dir / "convert" / "qwen3-plan-more" / "ik-iq12-mix.gguf"), "--base-logits",

@@ -20,8 +20,8 @@ The formats:
 - `BF16` (bf16 weights on a build with AVX512-BF16): activations rounded to bf16 (nearest even).
 - F32 and F16 weights take the float32 activations unrounded (ik's float kernels).
 
-- `Q8_K` (the IQK types and IQ4_XS): blocks of 256; d = max|x| / 127 in float32 (not rounded),
-  q = round-half-even(x * (127 / max|x|)) saturated to int8, x' = q * d.
+- `Q8_K` (the IQK types, IQ4_XS and the 1- and 2-bit i-quants): blocks of 256; d = max|x| / 127 in float32 (not
+  rounded), q = round-half-even(x * (127 / max|x|)) saturated to int8, x' = q * d.
 
 For some types ik's kernels also convert the weights before multiplying, once the matmul has enough activation
 rows (`IkKernel.convert_rows`; below it the native kernel multiplies the exact weights) and the weight has at
@@ -34,6 +34,10 @@ least 32 rows (a multiple of 16):
 - the IQK types and IQ4_XS (32 rows) to Q8_K_R16: per 256 values the integers p = sub-block scale x grid value
   (p = decoding / d, d the block's f16 scale or the row's scale), kept when max|p| < c, else re-quantized to int8
   against max|p| / c, scale f16(d * that); c = 127, but 120 for IQ2_K and 125 for IQ2_KS and IQ2_KL.
+- the 1- and 2-bit i-quants the same way, with d = the block's f16 scale / 8 (IQ1_M's f16 is spread over the top
+  nibbles of its scale bytes): p = (2 s + 1) x grid level (IQ2_XXS, IQ2_XS, IQ2_S: levels 8, 25, 43, signed) or
+  (2 s + 1) x (8 level +- 1) (IQ1_S, IQ1_M: levels -1, 0, 1); c = 124 for the IQ2 types (IQ2_S from 16 activation
+  rows on, the others from 32) and 126 for IQ1_S and IQ1_M. All five take Q8_K activations.
 Routed experts are decided per expert, on the tokens routed to each (ik's mul_mat_id runs the same test per
 expert). ik splits a dense weight's rows over its threads and falls back to the native kernels when a thread gets
 fewer than 32 rows; the emulation assumes it does not (true for real models at any thread count ik runs with; for a tiny model
@@ -45,7 +49,8 @@ f16 from there on (converted to Q8_0_R8). The factor is 1.05 for IQ2_KT and 1.01
 dequantization does not apply (`IkKernel.rescales`): under --numerics ik those files multiply as other weights than
 they decode to, and every float path (per-head slices, experts below the threshold) uses the rescaled values too.
 
-Types not listed (Q4_1, Q5_1, Q2_K, Q3_K, the i-quants, Q8_KV, Q1_0_G128) are not emulated: `ik_kernel` names them so
+Types not listed (Q4_1, Q5_1, Q2_K, Q3_K, IQ3_XXS, IQ3_S, the interleaved i-quants, Q8_KV, Q1_0_G128) are not
+emulated: `ik_kernel` names them so
 a run refuses them before any compute instead of printing a number ik would not print.
 """
 
@@ -227,6 +232,25 @@ def _super_scaled_to_q8_k(block_bytes: int, c: float) -> ToInts:
     return lambda raw, decoded: _to_q8_k(decoded, _block_f16(raw, block_bytes), c)
 
 
+def _iq1_m_d(raw: np.ndarray) -> np.ndarray:
+    """IQ1_M's block scale d [rows, nb]: the f16 whose four nibbles are the top nibbles of the block's four u16
+    scale words (the last 8 of its 56 bytes), the first word's the lowest."""
+    sc = raw.reshape(raw.shape[0], -1, 56)[..., 48:].copy().view(np.uint16)
+    bits = (sc[..., 0] >> 12) | ((sc[..., 1] >> 8) & 0x00F0) | ((sc[..., 2] >> 4) & 0x0F00) | (sc[..., 3] & 0xF000)
+    return bits.astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def _leading_f16(block_bytes: int) -> Callable[[np.ndarray], np.ndarray]:
+    """The scale d of blocks of `block_bytes` that start with it, [rows, nb]."""
+    return lambda raw: _block_f16(raw, block_bytes)
+
+
+def _iquant_to_q8_k(block_d: Callable[[np.ndarray], np.ndarray], c: float) -> ToInts:
+    """A 1- or 2-bit i-quant as ik converts it to Q8_K_R16: the integers against d / 8 (d = block_d(raw), the
+    block's f16 scale), which every value of the block is an integer multiple of."""
+    return lambda raw, decoded: _to_q8_k(decoded, block_d(raw) * np.float32(0.125), c)
+
+
 def _kt_sub_scales(raw: np.ndarray, n: int, type_name: str) -> np.ndarray:
     """The integer scale of every 32-value sub-block of a trellis row [rows, n // 32] (IQ1_KT, IQ2_KT: the IQ4_K
     grid value of its nibble; IQ3_KT: the nibble; IQ4_KT: bits 1-7 of its word, less 64)."""
@@ -287,6 +311,9 @@ IK_KERNELS: dict[str, IkKernel] = {
         ("IQ2_KS", "f16", 125), ("IQ2_KL", "f16", 125), ("IQ3_KS", "f16", 127), ("IQ4_KS", "f32", 127),
         ("IQ4_KSS", "f32", 127), ("IQ5_KS", "f32", 127))},
     **{t: _kt_kernel(t, rows) for t, rows in (("IQ1_KT", 16), ("IQ2_KT", 16), ("IQ3_KT", 16), ("IQ4_KT", 24))},
+    **{t: IkKernel(Q8_K, rows, _iquant_to_q8_k(block_d, c)) for t, block_d, rows, c in (
+        ("IQ2_XXS", _leading_f16(66), 32, 124), ("IQ2_XS", _leading_f16(74), 32, 124),
+        ("IQ2_S", _leading_f16(82), 16, 124), ("IQ1_S", _leading_f16(50), 32, 126), ("IQ1_M", _iq1_m_d, 32, 126))},
 }
 
 
