@@ -1,1 +1,1 @@
-import ikquant  # noqa: F401  (its import sets the BLAS thread timeout before numpy loads)
+import ikquant  # noqa: F401  (its import sets the BLAS thread timeout and the Numba cache folder before they load)

@@ -1,9 +1,49 @@
 """ik_llama.cpp's GGUF file and number formats: type registry, GGUF I/O, quantization formats and recipes."""
 
+import hashlib
 import os
+import shutil
+from pathlib import Path
 
 # OpenBLAS's worker threads spin for 2^28 cycles after each call (~0.1 s), and the runtime alternates BLAS with
 # Numba's parallel kernels on the same cores: a spinning BLAS thread halves every kernel that follows (measured:
 # --numerics ik on Q8_0 381 -> 721 tok/s, exact F16 340 -> 367 on 2 threads). OpenBLAS reads this when it loads, so
 # it is set before anything here imports numpy; a value the user set is kept.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+
+#: cache folders of other source versions kept besides this one's (another checkout may be running them)
+KEPT_CACHES = 3
+
+
+def _numba_cache_dir() -> str | None:
+    """A Numba cache folder for exactly this version of the kernels. Numba keys a cached kernel on its own file only,
+    so a kernel that inlines a helper from another module keeps the old helper's code after that module changes (it
+    silently computes the old thing). One folder per hash of every source file that holds kernels or the tables
+    they read (the format and op modules, and any other with a Numba decorator) makes such a change recompile; the
+    least recently used folders of other versions beyond KEPT_CACHES are removed. None when no user cache folder can
+    be written."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(p for package in ("ikquant", "ikconvert", "ikrun") for p in (root / package).rglob("*.py")):
+        text = path.read_bytes()
+        if path.parent.name in ("formats", "ops") or b"@njit" in text or b"@intrinsic" in text:
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + text)
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "iktools" / "numba"
+    here = base / digest.hexdigest()[:16]
+    try:
+        here.mkdir(parents=True, exist_ok=True)
+        os.utime(here)
+    except OSError:
+        return None
+    others = sorted((p for p in base.iterdir() if p != here and p.is_dir()), key=lambda p: p.stat().st_mtime)
+    for old in others[: max(0, len(others) - KEPT_CACHES)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return str(here)
+
+
+# read by Numba when it is first imported, which nothing here has done yet; a folder the user chose is kept
+if "NUMBA_CACHE_DIR" not in os.environ:
+    _cache = _numba_cache_dir()
+    if _cache is not None:
+        os.environ["NUMBA_CACHE_DIR"] = _cache
