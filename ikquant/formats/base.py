@@ -18,15 +18,20 @@ from ikquant.types import GGMLType, type_by_name
 
 @njit(cache=True, nogil=True, parallel=True)
 def _bad_columns(x: np.ndarray, limit: float, out: np.ndarray) -> None:
-    """out[r] = first column of row r whose value is NaN/Inf or beyond `limit` in magnitude, else -1."""
-    lim = np.float32(limit) if limit < 3.4e38 else np.float32(np.inf)
+    """out[r] = first column of row r whose value is NaN/Inf or beyond `limit` in magnitude, else -1. A row is first
+    tested without branching (one vectorised pass: NaN fails every comparison, and the limit is at most FLT_MAX so
+    that infinities exceed it), and searched only when it holds such a value."""
+    lim = np.float32(min(limit, 3.4028234663852886e38))
     for r in prange(x.shape[0]):
         out[r] = -1
+        bad = False
         for c in range(x.shape[1]):
-            v = x[r, c]
-            if not (abs(v) <= lim) or v != v or abs(v) == np.inf:
-                out[r] = c
-                break
+            bad |= not (abs(x[r, c]) <= lim)
+        if bad:
+            for c in range(x.shape[1]):
+                if not (abs(x[r, c]) <= lim):
+                    out[r] = c
+                    break
 
 
 def find_bad_value(x: np.ndarray, limit: float = np.inf) -> tuple[int, int] | None:

@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.base import Codec
-from ikquant.formats.numeric import load_f16, load_f32, store_f16, store_f32
+from ikquant.formats.numeric import finite_abs_max, load_f16, load_f32, store_f16, store_f32
 from ikquant.types import register_codec
 
 KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
@@ -25,24 +25,30 @@ def _quantize_q8_kv(x: np.ndarray, out: np.ndarray) -> None:
     n_rows, n = x.shape
     codes = out.view(np.int8)
     for r in prange(n_rows):
-        amax = np.float32(0.0)
-        for j in range(n):
-            amax = max(amax, abs(x[r, j]))
+        amax = finite_abs_max(x[r])
         if amax == 0:
             out[r, :] = 0
             continue
         d = amax / np.float32(127.0)
-        mul = np.float32(1.0) / d
-        total = np.int32(0)
-        for j in range(n):
-            v = mul * x[r, j]
-            # x86's float-to-int conversion gives INT_MIN for NaN, infinities and out-of-range values (the
-            # reciprocal overflows when amax < 127/FLT_MAX); the saturating packs then store -128
-            q = np.int32(np.rint(v)) if abs(v) < np.float32(2147483648.0) else np.int32(-2147483648)
-            codes[r, 8 + j] = np.int8(min(max(q, np.int32(-128)), np.int32(127)))
-            total += q
+        total = _q8_kv_codes(x[r], np.float32(1.0) / d, codes[r, 8:])
         store_f32(out[r], 0, d)
-        out[r, 4:8] = np.array([total], dtype=np.int32).view(np.uint8)
+        u = np.uint32(np.int64(total) & 0xFFFFFFFF)
+        for k in range(4):
+            out[r, 4 + k] = np.uint8((u >> np.uint32(8 * k)) & np.uint32(0xFF))
+
+
+@njit(cache=True, nogil=True)
+def _q8_kv_codes(xr: np.ndarray, mul: np.float32, codes: np.ndarray) -> np.int32:
+    """One row's codes (saturated to int8) and the sum of the unsaturated ones. x86's float-to-int conversion gives
+    INT_MIN for out-of-range values (the reciprocal overflows when max|x| < 127/FLT_MAX); the saturating packs then
+    store -128."""
+    total = np.int32(0)
+    for j in range(xr.size):
+        v = mul * xr[j]
+        q = np.int32(np.rint(v)) if abs(v) < np.float32(2147483648.0) else np.int32(-2147483648)
+        codes[j] = np.int8(min(max(q, np.int32(-128)), np.int32(127)))
+        total += q
+    return total
 
 
 @njit(**KERNEL)
