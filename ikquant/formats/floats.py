@@ -6,7 +6,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.base import Codec
-from ikquant.formats.numeric import bf16_bits_to_f32, f32_bits, f32_to_f16_bits
+from ikquant.formats.numeric import f32_bits, f32_to_f16_bits, widen_16
 from ikquant.types import register_codec
 
 
@@ -28,6 +28,14 @@ def _to_bf16(x: np.ndarray, out: np.ndarray) -> None:
             else:
                 out[r, c] = np.uint16((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))))
                                       >> np.uint32(16))
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _widen_rows(bits: np.ndarray, out: np.ndarray) -> None:
+    """out = the f16 (uint16) or bf16 (int16) values `bits`, exactly: a vectorised widening, rows in parallel."""
+    for r in prange(out.shape[0]):
+        for j in range(out.shape[1]):
+            out[r, j] = widen_16(bits[r, j])
 
 
 class F32Codec(Codec):
@@ -53,7 +61,7 @@ class F16Codec(Codec):
         _to_f16(x, out.view(np.uint16))
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
-        out[...] = q.view(np.float16)
+        _widen_rows(q.view(np.uint16), out)
 
 
 class BF16Codec(Codec):
@@ -68,7 +76,7 @@ class BF16Codec(Codec):
         _to_bf16(x, out.view(np.uint16))
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
-        out[...] = bf16_bits_to_f32(q)
+        _widen_rows(q.view(np.int16), out)
 
 
 for _codec in (F32Codec(), F16Codec(), BF16Codec()):

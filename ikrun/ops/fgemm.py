@@ -17,6 +17,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic, overload
 
+from ikquant.formats.numeric import widen_16
 from ikrun.ops.parallel import pick
 
 LANES = 16  # tokens per vector
@@ -67,18 +68,6 @@ def _tile(typingctx, w, wr, ws, wk, xt, g0, k0, k1, n, out, r0, n_tok):  # type:
     return sig, codegen
 
 
-@intrinsic
-def _widened(typingctx, v):  # type: ignore[no-untyped-def]
-    """A 16-bit weight pattern as float32, exactly: uint16 as f16 (LLVM's half type), int16 as bf16 (the top half of
-    a float32)."""
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        if signature.args[0] == types.uint16:
-            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
-        return builder.bitcast(builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16)), _F32)
-
-    return types.float32(v), codegen
-
-
 def _panel(w, r0, n, k0, k1, panel):  # type: ignore[no-untyped-def]
     """The float32 weights of rows r0 .. r0 + ROWS - 1, values k0 .. k1, for _tile: (array, its row of r0, row stride,
     value offset). float32 weights are used in place; 16-bit ones are widened into `panel` [ROWS * K_STEP]."""
@@ -92,7 +81,7 @@ def _panel_impl(w, r0, n, k0, k1, panel):  # type: ignore[no-untyped-def]
     def widen(w, r0, n, k0, k1, panel):  # type: ignore[no-untyped-def]
         for i in range(ROWS):
             for j in range(k1 - k0):
-                panel[i * K_STEP + j] = _widened(w[(r0 + i) * n + k0 + j])
+                panel[i * K_STEP + j] = widen_16(w[(r0 + i) * n + k0 + j])
         return panel, 0, K_STEP, k0
 
     return widen
@@ -121,25 +110,49 @@ def _gemm_serial(w, xt, out, n_rows, n, n_groups, n_tok):  # type: ignore[no-unt
         _rows(w, xt, out, t, n, n_groups, n_tok)
 
 
-def token_groups(x: np.ndarray) -> np.ndarray:
-    """Tokens x [m, n] as the kernel takes them: [groups, n, 16], m padded with zero rows to whole call groups."""
-    m, n = x.shape
-    groups = -(-m // (LANES * GROUPS)) * GROUPS
-    xt = np.zeros((groups * LANES, n), np.float32)
-    xt[:m] = x
-    return np.ascontiguousarray(xt.reshape(groups, LANES, n).transpose(0, 2, 1))
+@njit(cache=True, nogil=True)
+def _gather_groups(x: np.ndarray, tokens: np.ndarray, xt: np.ndarray) -> None:
+    """xt[g, :, l] = x[tokens[16 g + l]] (xt zeroed beyond the last token)."""
+    for i in range(tokens.size):
+        g, lane = i // LANES, i % LANES
+        src = x[tokens[i]]
+        for k in range(x.shape[1]):
+            xt[g, k, lane] = src[k]
+
+
+def token_groups(x: np.ndarray, tokens: np.ndarray | None = None) -> np.ndarray:
+    """Tokens x [m, n] (or the rows `tokens` of x) as the kernel takes them: [groups, n, 16], padded with zero rows to
+    whole call groups, gathered and transposed in one pass."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    idx = np.arange(x.shape[0], dtype=np.int64) if tokens is None else np.ascontiguousarray(tokens, dtype=np.int64)
+    groups = -(-idx.size // (LANES * GROUPS)) * GROUPS
+    xt = np.zeros((groups, x.shape[1], LANES), np.float32)
+    _gather_groups(x, idx, xt)
+    return xt
+
+
+@njit(cache=True, nogil=True)
+def _untranspose(out: np.ndarray, m: int, rows: int, dst: np.ndarray) -> None:
+    """dst[t, r] = out[r, t] for the m tokens and the weight's rows, 16 rows at a time (their values of one token
+    are one cache line of dst)."""
+    for r0 in range(0, rows, 16):
+        r1 = min(rows, r0 + 16)
+        for t in range(m):
+            for r in range(r0, r1):
+                dst[t, r] = out[r, t]
 
 
 #: weight dtypes the kernel reads: float32, f16 bits (uint16) and bf16 bits (int16), the latter widened exactly
 WEIGHT_DTYPES = (np.float32, np.uint16, np.int16)
 
 
-def expert_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x [m, n] @ w[rows, n]^T in float32, each output one FMA chain over n in order: [m, rows]. w is float32 (any
-    other float dtype is converted), or 16-bit patterns: uint16 for f16, int16 for bf16."""
-    m, n = x.shape
+def expert_matmul(x: np.ndarray, w: np.ndarray, tokens: np.ndarray | None = None) -> np.ndarray:
+    """x [m, n] (or its rows `tokens`) @ w[rows, n]^T in float32, each output one FMA chain over n in order:
+    [m, rows], C-contiguous. w is float32 (any other float dtype is converted), or 16-bit patterns: uint16 for f16,
+    int16 for bf16."""
+    m, n = (x.shape[0] if tokens is None else len(tokens)), x.shape[1]
     rows = w.shape[0]
-    xt = token_groups(x)
+    xt = token_groups(x, tokens)
     dtype = w.dtype.type if w.dtype.type in WEIGHT_DTYPES else np.float32
     w = np.ascontiguousarray(w, dtype=dtype)
     if rows % ROWS:
@@ -147,4 +160,6 @@ def expert_matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     out = np.zeros((w.shape[0], xt.shape[0] * LANES), np.float32)  # the kernel adds each pass to what is there
     pick(_gemm_serial, _gemm_parallel, w.shape[0] * n * xt.shape[0])(
         w.reshape(-1), xt.reshape(-1), out.reshape(-1), w.shape[0], n, xt.shape[0], out.shape[1])
-    return out[:rows, :m].T
+    result = np.empty((m, rows), np.float32)
+    _untranspose(out, m, rows, result)
+    return result

@@ -255,9 +255,7 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
         for j, e in enumerate(ids.tolist()):
             rows = order[offsets[e] : offsets[e + 1]]
             tokens = rows // k
-            x_up = xu[tokens]
-            x_gate = x_up if xg is xu else xg[tokens]
-            a = _swiglu(expert_matmul(x_gate, gates[j]), expert_matmul(x_up, ups[j]), limit)
+            a = _swiglu(expert_matmul(xg, gates[j], tokens), expert_matmul(xu, ups[j], tokens), limit)
             act[rows] = a
             y[rows] = expert_matmul(round_activations(a, formats[2]), downs[j])
     assert act is not None and y is not None, "a routing without assignments"
