@@ -304,7 +304,8 @@ def _mainline_plan(src: GGUFFile, opts: QuantizeOptions) -> Plan:
 
 
 def check_writable(plan: Plan) -> None:
-    """Refuse, before any file is created, a plan naming a type iktools cannot encode (or a source it cannot read)."""
+    """Refuse, before any file is created, a plan naming a type iktools cannot encode (or a source it cannot read), or
+    one that gives a type needing importance data to a tensor without it."""
     import ikquant.formats  # noqa: F401  (importing the formats registers their codecs)
 
     missing: dict[str, list[str]] = {}
@@ -317,6 +318,14 @@ def check_writable(plan: Plan) -> None:
                             f"({first}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}); nothing was "
                             "written (--dry-run shows the plan; --custom-q, --token-embedding-type or "
                             "--output-tensor-type can give those tensors another type)")
+    # ik's quantizer itself asserts importance data for these (ggml_quantize_requires_imatrix): no option lifts it
+    bare = [p for p in plan.tensors if p.quantize and p.type.codec is not None and p.type.codec.requires_imatrix
+            and p.imatrix_entry is None]
+    if bare:
+        raise QuantizeError(
+            f"{bare[0].type.name} cannot be quantized without importance data, and {len(bare)} tensors would be "
+            f"without it ({', '.join(p.name for p in bare[:6])}{' ...' if len(bare) > 6 else ''}); nothing was "
+            "written: pass --imatrix with entries for them, or give them another type (--custom-q)")
 
 
 def _check_imatrix(plans: list[TensorPlan], opts: QuantizeOptions, warnings: list[str]) -> None:

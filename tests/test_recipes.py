@@ -270,3 +270,20 @@ def test_types_iks_matmul_cannot_multiply_are_planned_as_ik_but_warned(plan_mode
     assert len(warned) == 1 and "blk.0.attn_k_b.weight" in warned[0]
     plain = make_plan(plan_models["deepseek-v3-plan"], QuantizeOptions(file_type("IQ1_S"), imatrix=imatrix))
     assert not [w for w in plain.warnings if "no multiple of" in w]
+
+
+def test_types_iks_quantizer_cannot_write_without_importance_data_are_refused_before_writing(
+        plan_models: dict[str, GGUFFile]) -> None:
+    """IQ2_XXS, IQ2_XS and IQ1_S: ik's quantizer asserts importance data, so no option (not --ignore-imatrix-rules)
+    lets such a plan be written; --dry-run still shows it (ik's does), and the refusal names the tensors."""
+    from ikquant.quantize import check_writable
+
+    g = plan_models["qwen3-plan"]
+    for ftype in ("IQ2_XXS", "IQ2_XS", "IQ1_S"):
+        plan = make_plan(g, QuantizeOptions(file_type(ftype), ignore_imatrix_rules=True))
+        with pytest.raises(QuantizeError, match=rf"{ftype} cannot be quantized without importance data.*blk\.0\."):
+            check_writable(plan)
+    imat = read_imatrix_dat(DATA / "qwen3-plan" / "imatrix.dat")  # no entries for token_embd / output
+    with pytest.raises(QuantizeError, match=r"IQ2_XXS cannot be quantized .*token_embd\.weight"):
+        check_writable(make_plan(g, QuantizeOptions(file_type("IQ2_XXS"), imatrix=imat, pure=True)))
+    check_writable(make_plan(g, QuantizeOptions(file_type("IQ2_XXS"), imatrix=imat)))  # ik's recipe: Q2_K / Q5_K there
