@@ -88,7 +88,7 @@ def moe_ffn(m: Model, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: M
     formats = (m.activation_format(names[0]), m.activation_format(names[1]), m.activation_format(names[2]))
     counts = np.bincount(sel.reshape(-1), minlength=cfg.n_expert)
     res = moe_experts(x, sel, w, cfg.n_expert, _fetcher(m, names, counts), _group(m, names, cfg.n_expert), limit,
-                      formats, _integers(m, names, counts) if m.ik_numerics else None)
+                      formats, _integers(m, names, counts) if m.ik_numerics else None, keep_act=bool(m.observers))
     starts = np.cumsum([0] + [len(h) for h in hs])
     if m.observers:
         _observe_experts(m, names, x, res, cfg, starts, seqs)
@@ -100,11 +100,18 @@ def moe_ffn(m: Model, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: M
     return outs
 
 
+#: decoded expert matrices a layer-streamed pass holds at a time: it uses each expert once, so a larger group only
+#: raises the peak (64 experts of a DeepSeek-shaped IQ4_KS layer decoded together are 1.2 GB)
+STREAM_DECODE_BYTES = 64 << 20
+
+
 def _group(m: Model, names: list[str], n_expert: int) -> int | None:
     """How many routed experts to decode at a time: all of them when their decoded matrices fit the cache, else
-    what it holds (one at least)."""
+    what it holds (one at least); streamed, what STREAM_DECODE_BYTES holds."""
     per_expert = sum(m.weights.decoded_bytes(n) for n in names) // n_expert
     capacity = m.weights.capacity
+    if m.streaming:
+        capacity = STREAM_DECODE_BYTES if capacity is None else min(capacity, STREAM_DECODE_BYTES)
     return None if capacity is None else max(1, int(capacity // per_expert))
 
 
@@ -151,6 +158,7 @@ def _observe_experts(m: Model, names: list[str], x: np.ndarray, res: Any, cfg: M
     """Each expert's rows per sequence, in sequence order (the order a chunk-by-chunk run shows them): as ik's fused
     up/gate op, the shared input is recorded under the up tensor only."""
     up, _, down = names
+    assert res.act is not None, "moe_experts was not asked to keep the activations"
     for e in range(cfg.n_expert):
         rows = res.rows(e)
         if not rows.size:

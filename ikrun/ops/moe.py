@@ -194,10 +194,11 @@ def _swiglu(g: np.ndarray, u: np.ndarray, limit: float) -> np.ndarray:
 @dataclass
 class RoutedExperts:
     """The result of the routed experts on a batch: output [n, n_embd] plus what observers need (the activations
-    entering ffn_down per assignment [n*k, n_ff], the assignments ordered by expert, each expert's offset)."""
+    entering ffn_down per assignment [n*k, n_ff], kept only when asked for; the assignments ordered by expert, each
+    expert's offset)."""
 
     out: np.ndarray
-    act: np.ndarray
+    act: np.ndarray | None
     order: np.ndarray
     offsets: np.ndarray
 
@@ -209,11 +210,13 @@ class RoutedExperts:
 def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fetch: ExpertFetch,
                 group: int | None = None, limit: float = np.inf,
                 formats: tuple[str, str, str] = (UNROUNDED, UNROUNDED, UNROUNDED),
-                ints: ExpertInts | None = None) -> RoutedExperts:
+                ints: ExpertInts | None = None, keep_act: bool = True) -> RoutedExperts:
     """Routed SwiGLU experts: x [n, n_embd], sel/w [n, k]; `fetch(ids)` gives the up/gate [len(ids), n_ff, n_embd] and
     down [len(ids), n_embd, n_ff] matrices of experts `ids` (float32, or f16/bf16 bits as expert_matmul reads them); a finite `limit` clamps the SwiGLU as swiglu does;
     `formats` are the activation formats (ikrun/ops/numerics.py) of up, gate and down under --numerics ik, and
-    `ints(e)` gives the integers ik's kernels multiply expert e as (qmatmul: integer rows per expert) where they do.
+    `ints(e)` gives the integers ik's kernels multiply expert e as (qmatmul: integer rows per expert) where they do;
+    `keep_act` keeps the ffn_down inputs of every assignment for observers ([n k, n_ff] floats: a streamed pass over
+    many chunks would hold them for nothing).
 
     Only experts with at least one assignment are fetched, `group` of them at a time (None: all at once), so a
     layer's expert tensor never has to be decoded whole. Every assignment's result is computed by its expert alone
@@ -225,6 +228,10 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
     x = np.ascontiguousarray(x, dtype=np.float32)
     act: np.ndarray | None = None
     y: np.ndarray | None = None
+
+    def outputs(n_ff: int, n_embd: int) -> tuple[np.ndarray | None, np.ndarray]:
+        return (np.empty((n * k, n_ff), np.float32) if keep_act else None), np.empty((n * k, n_embd), np.float32)
+
     xs: list[IntRows] = []
     as_floats = []
     for e in used.tolist():
@@ -233,14 +240,15 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
             as_floats.append(e)
             continue
         up, gate, down = packed
-        if act is None or y is None:
-            act, y = np.empty((n * k, up.rows), np.float32), np.empty((n * k, down.rows), np.float32)
+        if y is None:
+            act, y = outputs(up.rows, down.rows)
         rows = order[offsets[e] : offsets[e + 1]]
         if not xs:  # the routed tokens rounded once for every expert
             xs = [integer_rows(x, formats[0])]
             xs.append(xs[0] if formats[1] == formats[0] else integer_rows(x, formats[1]))
         a = _swiglu(qmatmul(xs[1].take(rows // k), gate), qmatmul(xs[0].take(rows // k), up), limit)
-        act[rows] = a
+        if act is not None:
+            act[rows] = a
         y[rows] = qmatmul(integer_rows(a, formats[2]), down)
     floats = np.array(as_floats, dtype=np.int64)
     if len(floats):  # the rounded floats, for the experts ik multiplies as floats
@@ -250,15 +258,16 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
     for g0 in range(0, len(floats), step):
         ids = floats[g0 : g0 + step]
         ups, gates, downs = fetch(ids)
-        if act is None or y is None:
-            act, y = np.empty((n * k, ups.shape[1]), np.float32), np.empty((n * k, downs.shape[1]), np.float32)
+        if y is None:
+            act, y = outputs(ups.shape[1], downs.shape[1])
         for j, e in enumerate(ids.tolist()):
             rows = order[offsets[e] : offsets[e + 1]]
             tokens = rows // k
             a = _swiglu(expert_matmul(xg, gates[j], tokens), expert_matmul(xu, ups[j], tokens), limit)
-            act[rows] = a
+            if act is not None:
+                act[rows] = a
             y[rows] = expert_matmul(round_activations(a, formats[2]), downs[j])
-    assert act is not None and y is not None, "a routing without assignments"
+    assert y is not None, "a routing without assignments"
     out = np.empty((n, y.shape[1]), dtype=np.float32)
     combine = _combine_parallel if n * k * y.shape[1] >= PARALLEL_MIN_FLOPS else _combine_serial
     combine(y, np.ascontiguousarray(w), out)
