@@ -140,12 +140,14 @@ def test_identical_logits_with_one_and_two_threads(data_dir: Path, monkeypatch: 
     assert_thread_invariant(Model(_gguf(data_dir, "q8_0")), _hf_tokens(data_dir)[0], monkeypatch)
 
 
+@pytest.mark.parametrize("numerics", ["exact", "ik"])
 @pytest.mark.parametrize("kind", ["bf16", "f16"])
-def test_half_precision_experts_multiply_as_decoded(data_dir: Path, tmp_path: Path, kind: str,
+def test_half_precision_experts_multiply_as_decoded(data_dir: Path, tmp_path: Path, kind: str, numerics: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """BF16/F16 routed experts go to the expert kernel as their bits (never decoded): the logits are those of their
-    float32 decoding, to the bit."""
+    float32 decoding, to the bit, in both arithmetics (ik's kernels convert neither type)."""
     from ikquant.cli import app as ikquant_app
+    from ikrun.model import RuntimeOptions
     from ikrun.weights import WeightStore
 
     path = _gguf(data_dir, kind) if kind == "bf16" else tmp_path / "f16.gguf"
@@ -153,11 +155,12 @@ def test_half_precision_experts_multiply_as_decoded(data_dir: Path, tmp_path: Pa
         res = runner.invoke(ikquant_app, [str(_gguf(data_dir)), str(path), "--type", "F16", "--pure"])
         assert res.exit_code == 0, res.output
     tokens = _hf_tokens(data_dir)[0]
-    model = Model(path)
+    options = RuntimeOptions(numerics=numerics)
+    model = Model(path, options=options)
     assert model.weights.half_experts("blk.1.ffn_up_exps.weight", np.array([0, 2])) is not None
     halves = model.logits(tokens)
     monkeypatch.setattr(WeightStore, "half_experts", lambda self, name, experts: None)
-    np.testing.assert_array_equal(halves, Model(path).logits(tokens))
+    np.testing.assert_array_equal(halves, Model(path, options=options).logits(tokens))
 
 
 def assert_thread_invariant(model: Model, tokens: np.ndarray, monkeypatch: pytest.MonkeyPatch) -> None:

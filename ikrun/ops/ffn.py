@@ -122,10 +122,9 @@ def _fetcher(m: Model, names: list[str], counts: np.ndarray) -> ExpertFetch:
     count (`counts`, per expert) is multiplied as converted."""
 
     def matrices(name: str, ids: np.ndarray) -> np.ndarray:
-        if not m.ik_numerics:
-            half = m.weights.half_experts(name, ids)
-            if half is not None:
-                return half
+        half = m.weights.half_experts(name, ids)  # F16/BF16: ik's kernels convert neither, so under ik's numerics too
+        if half is not None:
+            return half
         mat = m.weights.decode_experts(name, ids, not m.streaming)
         if m.ik_numerics:
             m.ik_convert_experts(name, ids, counts[ids], mat)
