@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from ikquant.formats.numeric import bf16_bits_to_f32, f32_to_bf16_bits
+from ikquant.formats.numeric import f32_to_bf16_bits
 from ikquant.types import type_by_name
 from ikrun.cli import app
 from ikrun.model import Model, ModelError, RuntimeOptions
@@ -24,6 +24,11 @@ from tests.test_runtime_deepseek2 import assert_thread_invariant
 runner = CliRunner()
 DATA = Path(__file__).parent / "data"
 IK = RuntimeOptions(numerics="ik")
+
+
+def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
+    """bf16 bits -> float32 (exact: bf16 is the top half of a float32), the tests' own reference."""
+    return (np.ascontiguousarray(b).view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
 def _printed(path: Path) -> dict[str, float]:

@@ -29,7 +29,7 @@ from numba import njit, prange
 
 from ikquant.formats.base import Codec
 from ikquant.formats.interleaved import InterleavedCodec, row_scales_r4
-from ikquant.formats.numeric import load_f16, load_f32, store_f16, store_f32
+from ikquant.formats.numeric import finite_abs_max, load_f16, load_f32, store_f16, store_f32
 from ikquant.types import register_codec
 
 KERNEL: dict[str, Any] = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
@@ -58,19 +58,11 @@ def _trit(v: np.float32, thresh: np.float32) -> int:
     return 0 if v < 0 else 2
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _row_max(x: np.ndarray, r: int) -> np.float32:
-    m = np.float32(0.0)
-    for j in range(x.shape[1]):
-        m = max(m, abs(x[r, j]))
-    return m
-
-
 @njit(**KERNEL)
 def _quantize_iq1_bn(x: np.ndarray, out: np.ndarray) -> None:
     n_rows, n = x.shape
     for r in prange(n_rows):
-        m = _row_max(x, r)
+        m = finite_abs_max(x[r])
         store_f16(out[r], 0, m)
         thresh = np.float32(0.5) * m
         for ib in range(n // QK_BN):
@@ -107,7 +99,7 @@ def _dequantize_iq1_bn(q: np.ndarray, trits: np.ndarray, out: np.ndarray) -> Non
 def _quantize_iq2_bn(x: np.ndarray, out: np.ndarray) -> None:
     n_rows, n = x.shape
     for r in prange(n_rows):
-        m = _row_max(x, r)
+        m = finite_abs_max(x[r])
         store_f32(out[r], 0, m)
         thresh = np.float32(0.5) * m
         for ib in range(n // QK_BN):

@@ -41,6 +41,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.iq12_grids import KGRID_IQ1S, KGRID_IQ2S, KGRID_IQ2XS, KGRID_IQ2XXS
+from ikquant.formats.iqk_grids import sum_squares
 from ikquant.formats.iquants import KSIGNS
 from ikquant.formats.kquants import make_qp_quants
 from ikquant.formats.numeric import fmaf, nearest_int_fma, store_f16
@@ -174,16 +175,6 @@ def _fit(weight: np.ndarray, xval: np.ndarray, L: np.ndarray) -> tuple[np.float3
 
 
 @njit(**NJIT)
-def _sum_squares(xbl: np.ndarray) -> np.float32:
-    """sum x^2 over the super-block, as ik's build computes it: the squares rounded (one vector multiply), then
-    added in order."""
-    sumx2 = np.float32(0.0)
-    for i in range(QK_K):
-        sumx2 += xbl[i] * xbl[i]
-    return sumx2
-
-
-@njit(**NJIT)
 def _weights(xbl: np.ndarray, qw: np.ndarray, o: int, sigma2: np.float32, plain_fused: bool,
              weight: np.ndarray) -> None:
     """Importance of xbl[o:o + weight.size]: qw sqrt(sigma2 + x^2), or sigma2 / 4 + x^2 without qw (qw is the
@@ -297,7 +288,7 @@ def quantize_iq2_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.
             words[:] = 0
             xbl = x[r, ibl * QK_K : (ibl + 1) * QK_K]
             qbl = qw[ibl * QK_K : (ibl + 1) * QK_K]
-            sigma2 = _sum_squares(xbl) / np.float32(QK_K)
+            sigma2 = sum_squares(xbl) / np.float32(QK_K)
             max_scale = np.float32(0.0)
             aborted = False
             for ib in range(8):
@@ -471,7 +462,7 @@ def quantize_iq2_xs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.n
             blk[:] = 0
             xbl = x[r, ibl * QK_K : (ibl + 1) * QK_K]
             qbl = qw[ibl * QK_K : (ibl + 1) * QK_K]
-            sigma2 = _sum_squares(xbl) / np.float32(QK_K)
+            sigma2 = sum_squares(xbl) / np.float32(QK_K)
             max_scale = np.float32(0.0)
             aborted = False
             for ib in range(16):
@@ -565,7 +556,7 @@ def quantize_iq2_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.nd
             blk[:] = 0
             xbl = x[r, ibl * QK_K : (ibl + 1) * QK_K]
             qbl = qw[ibl * QK_K : (ibl + 1) * QK_K]
-            sigma2 = np.float32(2.0) * _sum_squares(xbl) / np.float32(QK_K)
+            sigma2 = np.float32(2.0) * sum_squares(xbl) / np.float32(QK_K)
             max_scale = np.float32(0.0)
             aborted = False
             for ib in range(16):

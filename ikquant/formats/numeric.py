@@ -199,11 +199,6 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return rounded
 
 
-def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
-    """bf16 bits -> float32 (exact: bf16 is the top half of a float32)."""
-    return (np.ascontiguousarray(b).view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
 @njit(**NJIT)
 def nearest_int_fma(a: np.float32, b: np.float32) -> np.int32:
     """nearest_int(a*b) as ik's build computes it: GCC fuses the product into the 1.5*2^23 rounding add."""
