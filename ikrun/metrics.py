@@ -116,13 +116,13 @@ def _compare_row(logits: np.ndarray, records: np.ndarray, tokens_next: np.ndarra
     codes = records[t, 4:]
     tok = tokens_next[t]
     q_nll = (mx + lse) - row[tok]
-    b_nll = -fmaf(scale, np.float32(codes[tok]), min_lp)
+    b_nll = -(scale * np.float32(codes[tok]) + min_lp)
     top = mx + lse
     acc = 0.0
     imax_base = 0
     best = np.float32(0.0)
     for i in range(n_vocab):
-        lpb = fmaf(scale, np.float32(codes[i]), min_lp)
+        lpb = scale * np.float32(codes[i]) + min_lp
         if i == 0 or lpb > best:
             best = lpb
             imax_base = i
@@ -195,20 +195,30 @@ def covariance(sa: float, sb: float, sab: float, n: int) -> float:
 
 
 def percentile(v: np.ndarray, f: float) -> float:
-    """ik's percentile on an ascending-sorted array (linear interpolation between neighbours)."""
+    """ik's percentile on an ascending-sorted array: linear interpolation between neighbours, in float32 as ik
+    computes it (its per-token values are float32; `f` too)."""
+    v = np.asarray(v, dtype=np.float32)
     if f <= 0:
         return float(v[0])
     if f >= 1:
         return float(v[-1])
-    p = f * (len(v) - 1)
+    p = np.float32(f) * np.float32(len(v) - 1)
     i = int(p)
-    frac = p - i
-    return float((1 - frac) * v[i] + frac * v[min(i + 1, len(v) - 1)])
+    frac = np.float32(p - np.float32(i))
+    return float(_lerp(v[i], v[min(i + 1, len(v) - 1)], frac))
+
+
+@njit(cache=True, nogil=True)
+def _lerp(a: np.float32, b: np.float32, t: np.float32) -> np.float32:
+    """(1 - t) a + t b, the second product fused (ik's compiled arithmetic)."""
+    return fmaf(t, b, (np.float32(1.0) - t) * a)
 
 
 def median(v: np.ndarray) -> float:
+    """ik's median of an ascending-sorted array, in float32."""
+    v = np.asarray(v, dtype=np.float32)
     n = len(v)
-    return float((v[n // 2 - 1] + v[n // 2]) / 2) if n % 2 == 0 else float(v[n // 2])
+    return float(np.float32(0.5) * (v[n // 2] + v[n // 2 - 1])) if n % 2 == 0 else float(v[n // 2])
 
 
 def kld_stats(acc: KLDAccumulator) -> dict[str, float | int]:
@@ -236,8 +246,8 @@ def kld_stats(acc: KLDAccumulator) -> dict[str, float | int]:
     m_pd2, u_pd2 = mean_and_uncertainty(pd2.sum(), (pd2 * pd2).sum(), n)
     rms = math.sqrt(m_pd2) if m_pd2 > 0 else 0.0
     same = float(a["same_top"].sum()) / n if n else 0.0
-    ks = np.sort(kld)
-    ps = np.sort(a["p_diff"].astype(np.float64))
+    ks = np.sort(kld.astype(np.float32))  # ik keeps the per-token values as float32
+    ps = np.sort(a["p_diff"].astype(np.float32))
     stats: dict[str, float | int] = {
         "n_tokens": n,
         "ppl_q": p_q, "ppl_q_err": p_q * u_q,

@@ -32,8 +32,8 @@ from ikrun.ops.numerics import (
     integer_rows,
     round_activations,
 )
-from ikrun.ops.qgemm import IntRows, PackedInts, pack, qmatmul
-from ikrun.weights import INTEGER_TYPES, PACKED, SwapError, WeightStore
+from ikrun.ops.qgemm import IntRows, PackedHeads, PackedInts, pack, qmatmul, row_slice
+from ikrun.weights import CONVERTED, DERIVED, HEADS, INTEGER_TYPES, PACKED, SwapError, WeightStore
 
 __all__ = ["KV_CACHE_TYPES", "Model", "ModelError", "RuntimeOptions"]
 
@@ -254,21 +254,46 @@ class Model:
         activation rows, in float32, where they are not its exact decoding (ikrun/ops/numerics.py); else None."""
         if not self.ik_numerics:
             return None
-        values = ik_kernel(self.weights.encoding(name).type.name).float_values(n_act_rows, weight_rows)
+        kernel = ik_kernel(self.weights.encoding(name).type.name)
+        values = kernel.float_values(n_act_rows, weight_rows)
         if values is None:
             return None
+        kind = DERIVED + CONVERTED * kernel.converts(n_act_rows, weight_rows)
         return self.weights.derived(name, lambda raw, decoded: values(raw, decoded).to_float().reshape(
-            self.shape(name)))
+            self.shape(name)), kind)
 
     def _ik_packed(self, name: str, n_act_rows: int) -> PackedInts | None:
         """Under --numerics ik, the integers ik's kernel multiplies the 2-D weight `name` as, packed for qmatmul;
         None where it multiplies floats (F32/F16/BF16 weights, a type not held as integers)."""
         if not self.ik_numerics:
             return None
-        ints = ik_kernel(self.weights.encoding(name).type.name).integers(n_act_rows, self.shape(name)[0])
+        kernel = ik_kernel(self.weights.encoding(name).type.name)
+        ints = kernel.integers(n_act_rows, self.shape(name)[0])
         if ints is None:
             return None
-        return self.weights.derived(name, lambda raw, decoded: pack(ints(raw, decoded)), PACKED)
+        kind = PACKED + CONVERTED * kernel.converts(n_act_rows, self.shape(name)[0])
+        return self.weights.derived(name, lambda raw, decoded: pack(ints(raw, decoded)), kind)
+
+    def head_matmul(self, x: np.ndarray, name: str) -> np.ndarray | None:
+        """Under --numerics ik, x [H, n, in] times each head's equal slice of the 2-D weight `name`'s rows, as ik's
+        integer kernel multiplies them (the slice is the matrix it sees): [H, n, rows / H]; None where ik
+        multiplies floats (the caller's float path applies) or without --numerics ik."""
+        if not self.ik_numerics:
+            return None
+        n_head, n = x.shape[0], x.shape[1]
+        rows = self.shape(name)[0] // n_head
+        kernel = ik_kernel(self.weights.encoding(name).type.name)
+        ints = kernel.integers(n, rows)
+        if ints is None:
+            return None
+
+        def make(raw: np.ndarray, decoded: np.ndarray) -> PackedHeads:
+            whole = ints(raw, decoded)
+            return PackedHeads(tuple(pack(row_slice(whole, h * rows, (h + 1) * rows)) for h in range(n_head)))
+
+        heads = self.weights.derived(name, make, HEADS + CONVERTED * kernel.converts(n, rows))
+        fmt = self.activation_format(name)
+        return np.stack([qmatmul(integer_rows(x[h], fmt), heads.heads[h]) for h in range(n_head)])
 
     def matmul_weight(self, name: str, n_act_rows: int, weight_rows: int | None = None) -> np.ndarray:
         """Weight `name` (float32, numpy order) as a matmul with `n_act_rows` activation rows multiplies it: its exact
@@ -287,8 +312,9 @@ class Model:
         ints = self._expert_ints(name, count)
         if ints is None:
             return None
+        converted = ik_kernel(self.weights.encoding(name).type.name).converts(count, self.shape(name)[1])
         return self.weights.derived_expert(name, expert, lambda raw, decoded: pack(ints(raw, decoded)),
-                                           keep=not self.streaming)
+                                           keep=not self.streaming, kind=PACKED + CONVERTED * converted)
 
     def ik_has_ints(self, name: str, count: int) -> bool:
         """Whether ik multiplies an expert of `name` with `count` routed tokens in integers held here."""

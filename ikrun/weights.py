@@ -36,11 +36,15 @@ HALF_BITS = {"F16": np.uint16, "BF16": np.int16}
 #: integer ggml types -> their little-endian numpy dtype
 INTEGER_TYPES = {"I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
 
-#: a cache key: a whole tensor, (tensor, expert) for one matrix of a 3-D expert tensor, (tensor, DERIVED or PACKED)
-#: for what ik's kernels make of a tensor, (tensor, expert, PACKED) for that of one expert
+#: a cache key: a whole tensor, (tensor, expert) for one matrix of a 3-D expert tensor, (tensor, kind) for what
+#: ik's kernels make of a tensor (DERIVED floats, PACKED integers, HEADS integers per head slice; each with
+#: CONVERTED added where ik converts the weights first, which makes other values), (tensor, expert, kind) for that
+#: of one expert
 CacheKey = str | tuple[str, int] | tuple[str, int, int]
 DERIVED = -1
 PACKED = -2
+HEADS = -3
+CONVERTED = -10
 
 
 class Sized(Protocol):
@@ -222,10 +226,10 @@ class WeightStore:
         return value
 
     def derived_expert(self, name: str, expert: int, make: Callable[[np.ndarray, np.ndarray], D],
-                       keep: bool = True) -> D:
+                       keep: bool = True, kind: int = PACKED) -> D:
         """What `derived` makes, for one matrix of a 3-D expert tensor (ik's integers of a routed expert); cached
         when `keep` (a layer-streamed pass uses each expert once and keeps nothing)."""
-        key = (name, expert, PACKED)
+        key = (name, expert, kind)
         hit = self._lookup(key)
         if hit is not None:
             return cast(D, hit)

@@ -18,6 +18,7 @@ from ikrun.ops.numerics import (
     Q8_2_X4,
     Q8_K,
     _block_f16,
+    _iq6_k_table_ints,
     _kt_sub_scales,
     integer_rows,
     round_activations,
@@ -201,11 +202,12 @@ def test_the_vnni_kernel_is_built_from_vpdpbusd() -> None:
     from ikrun.ops.qgemm import _tile32
 
     @njit
-    def call(wq, ws, wc, wo, au, asc, asum, out):  # type: ignore[no-untyped-def]
-        _tile32(wq, ws, wc, wo, au, asc, asum, out, 0, 0, 0, 1, 1, 32)
+    def call(wq, ws, wc, wo, au, asc, asum, aisum, out, out1):  # type: ignore[no-untyped-def]
+        _tile32(wq, ws, wc, wo, au, asc, asum, aisum, out, out1, 0, 0, 0, 1, 1, 32)
 
     f32, i8 = np.zeros(64, np.float32), np.zeros(32 * 32, np.int8)
-    call(i8, f32, np.zeros(64, np.int32), f32, np.zeros(4 * 32, np.uint8), f32, f32, np.zeros(4 * 32, np.float32))
+    call(i8, f32, np.zeros(64, np.int32), f32, np.zeros(4 * 32, np.uint8), f32, f32, np.zeros(4, np.int32),
+         np.zeros(4 * 32, np.float32), np.zeros(0, np.float32))
     asm = "\n".join(call.inspect_asm().values())
     assert asm.count("vpdpbusd") >= 64 and "vpdpbusd\t%zmm" in asm  # LLVM may unroll the block loop further
 
@@ -242,6 +244,14 @@ def test_iqk_conversion_is_its_array_definition(type_name: str) -> None:
         d = np.repeat(row, 2, axis=1)
     else:
         d = _block_f16(raw, type_by_name(type_name).type_size)
+    if type_name == "IQ6_K":  # ik's kernels multiply iq6nl_values, which its cubic decoding rounds to
+        ints = _iq6_k_table_ints(raw)
+        scaled = np.repeat(d, 256, axis=1)
+        ls = np.repeat(raw.reshape(16, -1, 212)[..., 4:20].view(np.int8).astype(np.float32), 16, axis=2)
+        cubic = np.divide(decoded, scaled, out=np.zeros_like(decoded), where=scaled != 0)
+        assert np.all(np.abs(ints - cubic) <= 0.5 * np.abs(ls.reshape(16, -1)) + 1e-3)
+        assert np.any(ints != np.rint(cubic))
+        decoded = (ints * scaled).astype(np.float32)
     q, scale = _q8_k_reference(decoded, d, {"IQ2_K": 120, "IQ2_KS": 125}.get(type_name, 127))
     np.testing.assert_array_equal(got.q, q)
     np.testing.assert_array_equal(got.scale, scale)

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 import numpy as np
 
 from ikquant.errors import IkError
+from ikrun.ops.norm import rms_norm
+from ikrun.ops.rope import apply_rope
 
 if TYPE_CHECKING:
     from ikrun.model import Model
@@ -117,6 +119,14 @@ class ArchModel(ABC):
         self.rope_base = float(hp("rope.freq_base", 10000.0))
         if self.n_head % self.n_head_kv:
             raise self.fail(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
+
+    def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """RMSNorm with the architecture's epsilon (`self.eps`), in ik's float order under --numerics ik."""
+        return rms_norm(x, weight, self.eps, self.m.ik_numerics)
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> None:
+        """apply_rope over the architecture's n_rot dims, in ik's float order under --numerics ik."""
+        apply_rope(x, cos, sin, self.n_rot, neox, self.m.ik_numerics)
 
     def fail(self, message: str) -> ModelError:
         """A ModelError about this file (raise it)."""

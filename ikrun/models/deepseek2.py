@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ikrun.models.base import ArchModel, Hparam, Sequence
+from ikrun.ops.attention import ik_latent_attention
 from ikrun.ops.ffn import MoeConfig, dense_ffn, moe_ffn
 from ikrun.ops.mla import latent_attention
 from ikrun.ops.moe import GATING_SIGMOID, GATING_SOFTMAX
-from ikrun.ops.norm import rms_norm
-from ikrun.ops.rope import Yarn, apply_rope, yarn_rope_cache
+from ikrun.ops.rope import Yarn, yarn_log_scale, yarn_rope_cache
 
 if TYPE_CHECKING:
     from ikrun.model import Model
@@ -93,11 +93,10 @@ class Deepseek2(ArchModel):
         self.freq_scale = float(freq_scale)
         attn_factor = f32(hp("rope.scaling.attn_factor", 1.0))
         log_mul = f32(hp("rope.scaling.yarn_log_multiplier", 0.0))
-        ln_inv = np.log(f32(1.0) / freq_scale)
-        mscale = f32(attn_factor * (f32(1.0) + log_mul * ln_inv))
+        mscale = f32(attn_factor * f32(yarn_log_scale(float(log_mul), float(freq_scale))))
         self.kq_scale = float(f32(mscale * mscale) / np.sqrt(f32(self.head_k)))
         self.yarn = Yarn(ext_factor=1.0 if scaling == "yarn" else 0.0,
-                         attn_factor=float(f32(1.0) / (f32(1.0) + f32(0.1) * ln_inv)),
+                         attn_factor=float(f32(1.0) / f32(yarn_log_scale(0.1, float(freq_scale)))),
                          n_ctx_orig=int(hp("rope.scaling.original_context_length", 0) or hp("context_length", 0)))
 
     def _expected(self, i: int) -> dict[str, tuple[int, ...]]:
@@ -164,10 +163,10 @@ class Deepseek2(ArchModel):
 
         def attention(x: np.ndarray, seq: Sequence) -> np.ndarray:
             cos, sin = seq.state["rope"]
-            return x + self._attention(b, rms_norm(x, m.weight(b + "attn_norm.weight"), self.eps), cos, sin, seq)
+            return x + self._attention(b, self.norm(x, m.weight(b + "attn_norm.weight")), cos, sin, seq)
 
         xs = self.each(xs, seqs, attention)
-        hs = [rms_norm(x, m.weight(b + "ffn_norm.weight"), self.eps) for x in xs]
+        hs = [self.norm(x, m.weight(b + "ffn_norm.weight")) for x in xs]
         if i < self.n_dense:
             ys = self.each(hs, seqs, lambda h, seq: dense_ffn(m, h, b))
         else:
@@ -175,7 +174,7 @@ class Deepseek2(ArchModel):
         return [x + y for x, y in zip(xs, ys)]
 
     def head(self, x: np.ndarray, seq: Sequence) -> np.ndarray:
-        x = rms_norm(x, self.m.weight("output_norm.weight"), self.eps)
+        x = self.norm(x, self.m.weight("output_norm.weight"))
         return np.ascontiguousarray(self.m.project(x, "output.weight"), dtype=np.float32)
 
     def _attention(self, b: str, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, seq: Sequence) -> np.ndarray:
@@ -186,7 +185,7 @@ class Deepseek2(ArchModel):
         m = self.m
         if not self.q_lora:
             return None, m.linear(h, b + "attn_q")
-        qa = rms_norm(m.linear(h, b + "attn_q_a"), m.weight(b + "attn_q_a_norm.weight"), self.eps)
+        qa = self.norm(m.linear(h, b + "attn_q_a"), m.weight(b + "attn_q_a_norm.weight"))
         return qa, m.linear(qa, b + "attn_q_b")
 
     def _latent_attention(self, b: str, h: np.ndarray, q: np.ndarray, cos: np.ndarray, sin: np.ndarray,
@@ -199,16 +198,38 @@ class Deepseek2(ArchModel):
         q_nope = np.ascontiguousarray(q[:, :, : self.n_nope])
         q_rope = np.ascontiguousarray(q[:, :, self.n_nope :])
         k_rope = np.ascontiguousarray(kv[:, self.kv_lora :]).reshape(n, 1, self.n_rot)
-        apply_rope(q_rope, cos, sin, self.n_rot, False)
-        apply_rope(k_rope, cos, sin, self.n_rot, False)
-        latent = rms_norm(kv[:, : self.kv_lora], m.weight(b + "attn_kv_a_norm.weight"), self.eps)
+        self.rope(q_rope, cos, sin, False)
+        self.rope(k_rope, cos, sin, False)
+        latent = self.norm(kv[:, : self.kv_lora], m.weight(b + "attn_kv_a_norm.weight"))
         cache = m.kv_store(np.concatenate([k_rope.reshape(n, self.n_rot), latent], axis=1))
         w_kb = m.matmul_weight(b + "attn_k_b.weight", n, self.kv_lora).reshape(self.n_head, self.kv_lora, self.n_nope)
         w_vb = m.matmul_weight(b + "attn_v_b.weight", n, self.head_v).reshape(self.n_head, self.head_v, self.kv_lora)
         if m.observers:
             for head in range(self.n_head):
                 m.observe(b + "attn_k_b.weight", q_nope[:, head], head, self.n_head)
-        out = latent_attention(q_rope, m.activations(q_nope, b + "attn_k_b.weight"), w_kb, cache, w_vb,
-                               self.kq_scale, keep=keep,
-                               vb_input=lambda lat: m.activations(lat, b + "attn_v_b.weight"))
+        if m.ik_numerics and keep is None:
+            out = self._ik_latent_attention(b, q_rope, q_nope, cache)
+        else:
+            out = latent_attention(q_rope, m.activations(q_nope, b + "attn_k_b.weight"), w_kb, cache, w_vb,
+                                   self.kq_scale, keep=keep,
+                                   vb_input=lambda lat: m.activations(lat, b + "attn_v_b.weight"))
         return m.linear(out.reshape(n, self.n_head * self.head_v), b + "attn_output")
+
+    def _ik_latent_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray) -> np.ndarray:
+        """The absorbed attention as ik computes it (--numerics ik): attn_k_b and attn_v_b per head in ik's integer
+        kernels where it multiplies them so (else their float emulation), the scores, softmax and latents in its
+        float kernels' order (ops/attention.ik_latent_attention). [n, H, V]."""
+        m, n = self.m, q_rope.shape[0]
+
+        def per_head(x: np.ndarray, name: str, rows: int, cols: int) -> np.ndarray:
+            got = m.head_matmul(x, name)
+            if got is not None:
+                return got
+            w = m.matmul_weight(name, n, rows).reshape(self.n_head, rows, cols)
+            return np.matmul(m.activations(x, name), w.transpose(0, 2, 1))
+
+        q_lat = per_head(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight", self.kv_lora,
+                         self.n_nope)
+        q = np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2)
+        latent = ik_latent_attention(q, cache, self.n_rot, self.kq_scale)
+        return per_head(latent, b + "attn_v_b.weight", self.head_v, self.kv_lora).transpose(1, 0, 2)

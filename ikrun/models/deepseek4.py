@@ -46,8 +46,7 @@ from ikrun.ops.ffn import MoeConfig, moe_ffn
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.indexer import TIE_TORCH, indexer_scores, select_top_k
 from ikrun.ops.moe import GATING_SQRT_SOFTPLUS
-from ikrun.ops.norm import rms_norm
-from ikrun.ops.rope import apply_rope, inv_freq_default, inv_freq_rope_cache, inv_freq_yarn
+from ikrun.ops.rope import inv_freq_default, inv_freq_rope_cache, inv_freq_yarn
 
 if TYPE_CHECKING:
     from ikrun.model import Model
@@ -303,7 +302,7 @@ class Deepseek4(ArchModel):
         mix = m.linear(self._unit_rms(streams.reshape(len(streams), -1)), "output_hc_fn")
         gate = mix * m.weight("output_hc_scale.weight").reshape(-1)[0] + m.weight("output_hc_base.weight")
         pre = np.float32(1.0) / (np.float32(1.0) + np.exp(-gate)) + np.float32(self.hc_eps)
-        x = rms_norm(hc_combine(streams, pre), m.weight("output_norm.weight"), self.eps)
+        x = self.norm(hc_combine(streams, pre), m.weight("output_norm.weight"))
         return np.ascontiguousarray(m.project(x, "output.weight"), dtype=np.float32)
 
     # ---- pieces ---------------------------------------------------------------------------------------------
@@ -312,7 +311,7 @@ class Deepseek4(ArchModel):
         d = x.shape[-1]
         if d not in self._ones:
             self._ones[d] = np.ones(d, dtype=np.float32)
-        return rms_norm(x, self._ones[d], self.eps)
+        return self.norm(x, self._ones[d])
 
     def _mix_in(self, streams: np.ndarray, hc: str, norm: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(the sub-layer's normed input from the pre-weighted streams, the post weights, the stream mix)."""
@@ -320,20 +319,20 @@ class Deepseek4(ArchModel):
         mixes = m.linear(self._unit_rms(streams.reshape(len(streams), -1)), hc + "_fn")
         pre, post, comb = hc_pre(mixes, m.weight(hc + "_scale.weight"), m.weight(hc + "_base.weight"), self.n_stream,
                                  self.sinkhorn_iters, self.hc_eps)
-        return rms_norm(hc_combine(streams, pre), m.weight(norm), self.eps), post, comb
+        return self.norm(hc_combine(streams, pre), m.weight(norm)), post, comb
 
     def _rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """Interleaved-pair rope on the trailing n_rot dims of every head of x [n, heads, d], in place."""
-        apply_rope(x[:, :, x.shape[2] - self.n_rot :], cos, sin, self.n_rot, False)
+        self.rope(x[:, :, x.shape[2] - self.n_rot :], cos, sin, False)
         return x
 
     def _attention(self, i: int, h: np.ndarray, seq: Sequence) -> np.ndarray:
         m, b, n, ratio = self.m, f"blk.{i}.", len(h), self.ratios[i]
         cos, sin = seq.state["rope"]["compress" if ratio else "main"]
-        q_res = rms_norm(m.linear(h, b + "attn_q_a"), m.weight(b + "attn_q_a_norm.weight"), self.eps)
+        q_res = self.norm(m.linear(h, b + "attn_q_a"), m.weight(b + "attn_q_a_norm.weight"))
         q = self._rope(self._unit_rms(m.linear(q_res, b + "attn_q_b").reshape(n, self.n_head, self.head_dim)),
                        cos, sin)
-        kv = rms_norm(m.linear(h, b + "attn_kv"), m.weight(b + "attn_kv_a_norm.weight"), self.eps)
+        kv = self.norm(m.linear(h, b + "attn_kv"), m.weight(b + "attn_kv_a_norm.weight"))
         kv = m.kv_store(self._rope(kv.reshape(n, 1, self.head_dim), cos, sin).reshape(n, self.head_dim))
         comp = keep = None
         if ratio:
@@ -379,7 +378,7 @@ class Deepseek4(ArchModel):
             kv, gate = rows_kv, rows_gate
         weights = np.exp(gate - gate.max(axis=1, keepdims=True))
         weights /= weights.sum(axis=1, keepdims=True)
-        pooled = rms_norm((kv * weights).sum(axis=1), m.weight(p + "norm.weight"), self.eps)
+        pooled = self.norm((kv * weights).sum(axis=1), m.weight(p + "norm.weight"))
         cos, sin = seq.state["rope"]["compress"]
         rows = np.arange(windows) * ratio
         return self._rope(pooled.reshape(windows, 1, width), cos[rows], sin[rows]).reshape(windows, width)

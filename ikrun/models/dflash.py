@@ -22,8 +22,7 @@ import numpy as np
 
 from ikrun.models.base import ArchModel, ModelError, Sequence
 from ikrun.ops.ffn import dense_ffn
-from ikrun.ops.norm import rms_norm
-from ikrun.ops.rope import apply_rope, rope_cache
+from ikrun.ops.rope import rope_cache
 
 if TYPE_CHECKING:
     from ikrun.model import Model
@@ -121,17 +120,16 @@ class DFlashDraft(ArchModel):
 
     def _kv(self, i: int, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         m, b, n = self.m, f"blk.{i}.", len(h)
-        k = rms_norm(m.linear(h, b + "attn_k").reshape(n, self.n_head_kv, self.head_dim),
-                     m.weight(b + "attn_k_norm.weight"), self.eps)
+        k = self.norm(m.linear(h, b + "attn_k").reshape(n, self.n_head_kv, self.head_dim),
+                     m.weight(b + "attn_k_norm.weight"))
         k = np.ascontiguousarray(k)
-        apply_rope(k, cos, sin, self.n_rot, True)
+        self.rope(k, cos, sin, True)
         return k, m.linear(h, b + "attn_v").reshape(n, self.n_head_kv, self.head_dim)
 
     def extend_context(self, ctx: DraftContext, features: np.ndarray) -> None:
         """Append the context of the next len(features) positions (the target's features of those tokens)."""
         m = self.m
-        t = rms_norm(m.linear(np.ascontiguousarray(features, dtype=np.float32), "dflash_fc"), m.weight(HIDDEN_NORM),
-                     self.eps)
+        t = self.norm(m.linear(np.ascontiguousarray(features, dtype=np.float32), "dflash_fc"), m.weight(HIDDEN_NORM))
         cos, sin = self._rope(np.arange(ctx.length, ctx.length + len(t)))
         for i in range(self.n_layer):
             k, v = self._kv(i, t, cos, sin)
@@ -152,11 +150,11 @@ class DFlashDraft(ArchModel):
         group = self.n_head // self.n_head_kv
         for i in range(self.n_layer):
             b = f"blk.{i}."
-            h = rms_norm(x, m.weight(b + "attn_norm.weight"), self.eps)
-            q = rms_norm(m.linear(h, b + "attn_q").reshape(n, self.n_head, self.head_dim),
-                         m.weight(b + "attn_q_norm.weight"), self.eps)
+            h = self.norm(x, m.weight(b + "attn_norm.weight"))
+            q = self.norm(m.linear(h, b + "attn_q").reshape(n, self.n_head, self.head_dim),
+                         m.weight(b + "attn_q_norm.weight"))
             q = np.ascontiguousarray(q)
-            apply_rope(q, cos, sin, self.n_rot, True)
+            self.rope(q, cos, sin, True)
             k_blk, v_blk = self._kv(i, h, cos, sin)
             k = np.concatenate([ctx.k[i], k_blk]) if ctx.k else k_blk
             v = np.concatenate([ctx.v[i], v_blk]) if ctx.v else v_blk
@@ -171,7 +169,7 @@ class DFlashDraft(ArchModel):
             scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
             attn = np.matmul(scores / scores.sum(axis=-1, keepdims=True), vh)  # [H, n, d]
             x = x + m.linear(np.ascontiguousarray(attn.transpose(1, 0, 2)).reshape(n, -1), b + "attn_output")
-            x = x + dense_ffn(m, rms_norm(x, m.weight(b + "post_attention_norm.weight"), self.eps), b)
+            x = x + dense_ffn(m, self.norm(x, m.weight(b + "post_attention_norm.weight")), b)
             if on_layer is not None:
                 on_layer(i, x)
-        return rms_norm(x, m.weight("output_norm.weight"), self.eps)
+        return self.norm(x, m.weight("output_norm.weight"))

@@ -36,7 +36,6 @@ from ikrun.models.deepseek2 import Deepseek2
 from ikrun.ops.indexer import TIE_LATER_INDEX, hadamard, indexer_scores, select_top_k
 from ikrun.ops.moe import GATING_SIGMOID
 from ikrun.ops.norm import layer_norm
-from ikrun.ops.rope import apply_rope
 
 if TYPE_CHECKING:
     from ikrun.model import Model
@@ -124,8 +123,8 @@ class GlmDsa(Deepseek2):
         q = m.linear(qa, b + "indexer.attn_q_b").reshape(n, self.n_ihead, self.i_dim)
         k = layer_norm(m.linear(h, b + "indexer.attn_k"), m.weight(b + "indexer.k_norm.weight"),
                        m.weight(b + "indexer.k_norm.bias"), self.eps).reshape(n, 1, self.i_dim)
-        apply_rope(q, cos, sin, self.n_rot, False)
-        apply_rope(k, cos, sin, self.n_rot, False)
+        self.rope(q, cos, sin, False)
+        self.rope(k, cos, sin, False)
         if m.kv_cache == "f16":  # ik's indexer key cache: Hadamard-rotated keys stored as f16 (-ictk default)
             q, k = hadamard(q), m.kv_store(hadamard(k))
         w = m.linear(h, b + "indexer.proj") * (np.float32(1.0) / np.sqrt(np.float32(self.n_ihead * self.i_dim)))

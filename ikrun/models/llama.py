@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ikrun.models.base import ArchModel, Sequence
-from ikrun.ops.attention import causal_attention
+from ikrun.ops.attention import causal_attention, ik_causal_attention
 from ikrun.ops.ffn import dense_ffn
-from ikrun.ops.norm import rms_norm
-from ikrun.ops.rope import apply_rope, rope_cache
+from ikrun.ops.rope import rope_cache
 
 if TYPE_CHECKING:
     from ikrun.model import Model
@@ -81,30 +80,34 @@ class LlamaFamily(ArchModel):
     def _block(self, i: int, x: np.ndarray, seq: Sequence) -> np.ndarray:
         m, b, n = self.m, f"blk.{i}.", len(x)
         cos, sin = seq.state["rope"]
-        h = rms_norm(x, m.weight(b + "attn_norm.weight"), self.eps)
+        h = self.norm(x, m.weight(b + "attn_norm.weight"))
         q, k, v = m.linears(h, [b + "attn_q", b + "attn_k", b + "attn_v"])
         q = q.reshape(n, self.n_head, self.head_dim)
         k = k.reshape(n, self.n_head_kv, self.head_dim)
         v = v.reshape(n, self.n_head_kv, self.head_dim_v)
         if self.qk_norm:
-            q = rms_norm(q, m.weight(b + "attn_q_norm.weight"), self.eps)
-            k = rms_norm(k, m.weight(b + "attn_k_norm.weight"), self.eps)
+            q = self.norm(q, m.weight(b + "attn_q_norm.weight"))
+            k = self.norm(k, m.weight(b + "attn_k_norm.weight"))
         q = np.ascontiguousarray(q)
         k = np.ascontiguousarray(k)
-        apply_rope(q, cos, sin, self.n_rot, self.neox)
-        apply_rope(k, cos, sin, self.n_rot, self.neox)
+        self.rope(q, cos, sin, self.neox)
+        self.rope(k, cos, sin, self.neox)
         k, v = m.kv_store(k), m.kv_store(v)
         cache = seq.state.get("kv")
         if cache is not None:  # a continuation: earlier positions' keys and values first
             if i in cache:
                 k, v = np.concatenate([cache[i][0], k]), np.concatenate([cache[i][1], v])
             cache[i] = (k, v)
-        attn = causal_attention(q, k, v, 1.0 / np.sqrt(self.head_dim)).reshape(n, -1)
+        if m.ik_numerics:  # ik's scale is 1.0f / sqrtf(head_dim)
+            attn = ik_causal_attention(q, k, v, float(np.float32(1.0) / np.sqrt(np.float32(self.head_dim))))
+        else:
+            attn = causal_attention(q, k, v, 1.0 / np.sqrt(self.head_dim))
+        attn = attn.reshape(n, -1)
         x = x + m.linear(attn, b + "attn_output")
-        return x + dense_ffn(m, rms_norm(x, m.weight(b + "ffn_norm.weight"), self.eps), b)
+        return x + dense_ffn(m, self.norm(x, m.weight(b + "ffn_norm.weight")), b)
 
     def head(self, x: np.ndarray, seq: Sequence) -> np.ndarray:
-        return self.output_projection(rms_norm(x, self.m.weight("output_norm.weight"), self.eps))
+        return self.output_projection(self.norm(x, self.m.weight("output_norm.weight")))
 
     def output_projection(self, x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(self.m.project(x, self.output), dtype=np.float32)

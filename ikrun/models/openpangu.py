@@ -46,8 +46,7 @@ from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.indexer import TIE_PARTIAL_SORT, indexer_scores, select_top_k
 from ikrun.ops.mla import latent_attention
 from ikrun.ops.moe import GATING_SIGMOID
-from ikrun.ops.norm import rms_norm
-from ikrun.ops.rope import apply_rope, rope_cache
+from ikrun.ops.rope import rope_cache
 
 if TYPE_CHECKING:
     from ikrun.model import Model
@@ -252,14 +251,14 @@ class OpenPangu(ArchModel):
         else:
             xs = self._moe_sublayer(b, xs, seqs)
         if m.has(b + "block_post_norm.weight"):
-            xs = [rms_norm(x.reshape(len(x), -1), m.weight(b + "block_post_norm.weight"), self.eps).reshape(x.shape)
+            xs = [self.norm(x.reshape(len(x), -1), m.weight(b + "block_post_norm.weight")).reshape(x.shape)
                   for x in xs]
         return xs
 
     def head(self, streams: np.ndarray, seq: Sequence) -> np.ndarray:
         m = self.m
         x = hc_combine(streams, self._merge_weights(streams))
-        x = rms_norm(x, m.weight("output_norm.weight"), self.eps)
+        x = self.norm(x, m.weight("output_norm.weight"))
         return np.ascontiguousarray(m.project(x, "output.weight"), dtype=np.float32)
 
     def _moe_sublayer(self, b: str, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
@@ -278,19 +277,19 @@ class OpenPangu(ArchModel):
     def _mix_in(self, streams: np.ndarray, mhc: str, norm: str) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
         """(the sub-layer's normed input from the pre-weighted streams, the (post, mix) weights hc_post needs)."""
         m = self.m
-        flat = rms_norm(streams.reshape(len(streams), -1), m.weight(mhc + "_gamma"), self.eps)
+        flat = self.norm(streams.reshape(len(streams), -1), m.weight(mhc + "_gamma"))
         pre, post, mix = hc_pre(m.linear(flat, mhc + "_phi"), m.weight(mhc + "_alpha"), m.weight(mhc + "_beta"),
                                 self.n_stream, self.sinkhorn_iters)
-        return rms_norm(hc_combine(streams, pre), m.weight(norm), self.eps), (post, mix)
+        return self.norm(hc_combine(streams, pre), m.weight(norm)), (post, mix)
 
     def _mix_out(self, y: np.ndarray, post_norm: str, streams: np.ndarray, weights: tuple[np.ndarray, ...]) -> np.ndarray:
         post, mix = weights
-        return hc_post(rms_norm(y, self.m.weight(post_norm), self.eps), post, streams, mix)
+        return hc_post(self.norm(y, self.m.weight(post_norm)), post, streams, mix)
 
     def _merge_weights(self, streams: np.ndarray) -> np.ndarray:
         """The merge module's per-stream gates sigmoid(alpha * phi . (RMSNorm(streams) * gamma) + beta) [T, S]."""
         m = self.m
-        flat = rms_norm(streams.reshape(len(streams), -1), m.weight("merge_mhc_gamma"), self.eps)
+        flat = self.norm(streams.reshape(len(streams), -1), m.weight("merge_mhc_gamma"))
         logits = m.linear(flat, "merge_mhc_phi") * m.weight("merge_mhc_alpha").reshape(-1)[0] \
             + m.weight("merge_mhc_beta")
         return (np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))).astype(np.float32)
@@ -298,22 +297,22 @@ class OpenPangu(ArchModel):
     def _sinks(self, b: str) -> np.ndarray:
         """The param sinks as cache rows [k_pe | RMSNorm(sink latent) * attn_kv_a_norm] (ik derives them at load)."""
         m = self.m
-        latent = rms_norm(m.weight(b + "attn_param_sink_kv"), m.weight(b + "attn_kv_a_norm.weight"), self.eps)
+        latent = self.norm(m.weight(b + "attn_param_sink_kv"), m.weight(b + "attn_kv_a_norm.weight"))
         return np.concatenate([m.weight(b + "attn_param_sink_k_pe"), latent], axis=1)
 
     def _attention(self, i: int, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         m, b, n = self.m, f"blk.{i}.", len(h)
         q_lat = causal_conv_residual(m.linear(h, b + "attn_q_a"), m.weight(b + "attn_qa_conv.weight"))
-        q_lat = rms_norm(q_lat, m.weight(b + "attn_q_a_norm.weight"), self.eps)
+        q_lat = self.norm(q_lat, m.weight(b + "attn_q_a_norm.weight"))
         q = m.linear(q_lat, b + "attn_q_b").reshape(n, self.n_head, self.head_k)
         q_nope = np.ascontiguousarray(q[:, :, : self.n_nope])
         q_rope = np.ascontiguousarray(q[:, :, self.n_nope :])
         kv = m.linear(h, b + "attn_kv_a_mqa")
         latent = causal_conv_residual(kv[:, : self.kv_lora], m.weight(b + "attn_compresskv_conv.weight"))
-        latent = rms_norm(latent, m.weight(b + "attn_kv_a_norm.weight"), self.eps)
+        latent = self.norm(latent, m.weight(b + "attn_kv_a_norm.weight"))
         k_rope = np.ascontiguousarray(kv[:, self.kv_lora :]).reshape(n, 1, self.n_rot)
-        apply_rope(q_rope, cos, sin, self.n_rot, True)
-        apply_rope(k_rope, cos, sin, self.n_rot, True)
+        self.rope(q_rope, cos, sin, True)
+        self.rope(k_rope, cos, sin, True)
         cache = m.kv_store(np.concatenate([k_rope.reshape(n, self.n_rot), latent], axis=1))
         kind = self.kinds[i]
         keep = self._indexer(b, h, q_lat, cos, sin) if kind.indexer else None
@@ -339,13 +338,13 @@ class OpenPangu(ArchModel):
     def _indexer(self, b: str, h: np.ndarray, q_lat: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray | None:
         """Keys each query keeps [n, n] (None while no query has more than top_k candidates: all are kept)."""
         m, n = self.m, len(h)
-        k = rms_norm(m.linear(h, b + "attn_indexer_k"), m.weight(b + "attn_indexer_k_norm.weight"), self.eps)
+        k = self.norm(m.linear(h, b + "attn_indexer_k"), m.weight(b + "attn_indexer_k_norm.weight"))
         k = np.ascontiguousarray(k).reshape(n, 1, self.idx_dim)
-        apply_rope(k, cos, sin, self.n_rot, True)
+        self.rope(k, cos, sin, True)
         if n <= self.top_k:
             return None
         q = np.ascontiguousarray(m.linear(q_lat, b + "attn_indexer_q_b")).reshape(n, self.n_idx_head, self.idx_dim)
-        apply_rope(q, cos, sin, self.n_rot, True)
+        self.rope(q, cos, sin, True)
         w = m.linear(h, b + "attn_indexer_weights_proj")
         return select_top_k(indexer_scores(q, m.kv_store(k.reshape(n, self.idx_dim)), w), self.top_k,
                             TIE_PARTIAL_SORT)

@@ -1,11 +1,23 @@
-"""Causal multi-head attention with grouped KV heads, scores through BLAS, the masked softmax in Numba."""
+"""Causal multi-head attention with grouped KV heads, scores through BLAS, the masked softmax in Numba; and
+`ik_causal_attention`, ik's own arithmetic of the same (--numerics ik).
+
+ik (no flash attention) multiplies f32 queries with its f16 keys in a float kernel of 16 lanes: lane l sums the
+products of dims l, l + 16, ... (the first a product, the rest fused multiply-adds), then the 16 lanes are added
+as a tree (8 + 8, 4 + 4, then (0 + 2) + (1 + 3)). The softmax scales, takes the row maximum, exponentiates with
+ik's own exp (activations.ik_expf), sums the exponentials in 16 lanes by key (the same tree, then float64) and
+multiplies by float32(1 / sum). The values multiply the float32 probabilities the same way, lanes by key.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
 
+from ikquant.formats.numeric import fmaf
+from ikrun.ops.activations import ik_expf
 from ikrun.ops.parallel import pick
+
+LANES = 16  # ik's float kernels' vector width (AVX-512)
 
 # Query rows per block: bounds the score buffer to heads x block x n_kv floats for long chunks.
 QUERY_BLOCK = 256
@@ -72,6 +84,92 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) 
         causal_softmax(flat, scale, past + q0)
         out[:, :, q0:q1] = np.matmul(scores, vh[:, :, :n_keys])
     return out.reshape(n_head, n, dv).transpose(1, 0, 2)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _lane_sum(a: np.ndarray) -> np.float32:
+    """The 16 lanes of a added as ik's reduction adds them."""
+    t = np.empty(8, np.float32)
+    for j in range(8):
+        t[j] = a[j + 8] + a[j]
+    u0, u1, u2, u3 = t[4] + t[0], t[5] + t[1], t[6] + t[2], t[7] + t[3]
+    return (u0 + u2) + (u1 + u3)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _ik_query(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: np.float32, n_keys: int, p: np.ndarray,
+              out: np.ndarray) -> None:
+    """One query row q [d] against keys k [n, d] 0 .. n_keys - 1 and transposed values vt [dv, n padded to lanes]:
+    ik's scores, softmax and weighted values into out [dv]; p is a scratch row of the padded key count."""
+    d = q.shape[0]
+    a = np.empty(LANES, np.float32)
+    m = -np.inf
+    for j in range(n_keys):
+        for lane in range(LANES):
+            a[lane] = q[lane] * k[j, lane]
+        for c in range(LANES, d, LANES):
+            for lane in range(LANES):
+                a[lane] = fmaf(q[c + lane], k[j, c + lane], a[lane])
+        w = _lane_sum(a) * scale
+        p[j] = w
+        m = max(m, w)
+    a[:] = 0
+    for j in range(p.shape[0]):
+        e = ik_expf(p[j] - m) if j < n_keys else np.float32(0.0)
+        p[j] = e
+        a[j % LANES] += e
+    inv = np.float32(1.0 / np.float64(_lane_sum(a)))
+    for j in range(n_keys):
+        p[j] *= inv
+    for c in range(vt.shape[0]):
+        a[:] = 0
+        for j0 in range(0, p.shape[0], LANES):
+            for lane in range(LANES):
+                a[lane] = fmaf(p[j0 + lane], vt[c, j0 + lane], a[lane])
+        out[c] = _lane_sum(a)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, past: int, out: np.ndarray) -> None:
+    """q [H, n, d], k [Hkv, p + n, d], vt [Hkv, dv, keys padded], out [H, n, dv]."""
+    n_head, n = q.shape[0], q.shape[1]
+    group = n_head // k.shape[0]
+    for t in prange(n_head * n):
+        h, i = t // n, t % n
+        p = np.zeros(vt.shape[2], np.float32)
+        _ik_query(q[h, i], k[h // group], vt[h // group], np.float32(scale), past + i + 1, p, out[h, i])
+
+
+def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """causal_attention in ik's arithmetic (the module docstring); head dims a multiple of 16."""
+    n, n_head, d = q.shape
+    if d % LANES:
+        raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {LANES}, not {d}")
+    n_keys = k.shape[0]
+    padded = n_keys + (-n_keys % LANES)
+    qh = np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32)
+    kh = np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32)
+    vt = np.zeros((k.shape[1], v.shape[2], padded), np.float32)
+    vt[:, :, :n_keys] = v.transpose(1, 2, 0)
+    out = np.empty((n_head, n, v.shape[2]), np.float32)
+    _ik_attention(qh, kh, vt, float(scale), n_keys - n, out)
+    return out.transpose(1, 0, 2)
+
+
+def ik_latent_attention(q: np.ndarray, cache: np.ndarray, n_rope: int, scale: float) -> np.ndarray:
+    """DeepSeek's absorbed attention (ops/mla.py) in ik's arithmetic: queries q [H, n, R + C] ([q_rope | q_lat])
+    against the cache rows [n, R + C] ([k_rope | c_kv], as the f16 cache holds them), the latents c_kv as values:
+    [H, n, C]; dims a multiple of 16."""
+    n_head, n, d = q.shape
+    if d % LANES:
+        raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {LANES}, not {d}")
+    padded = n + (-n % LANES)
+    vt = np.zeros((1, d - n_rope, padded), np.float32)
+    vt[0, :, :n] = cache[:, n_rope:].T
+    out = np.empty((n_head, n, d - n_rope), np.float32)
+    _ik_attention(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(cache, dtype=np.float32)[None],
+                  vt, float(scale), 0, out)
+    return out
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -30,7 +30,7 @@ def dense_ffn(m: Model, h: np.ndarray, b: str, kind: str = "", limit: float = np
     """SwiGLU FFN through ffn_gate/up/down{kind} of block prefix `b` ("" dense layers, "_shexp" shared experts),
     clamped at a finite `limit` (swiglu)."""
     gate, up = m.linears(h, [b + "ffn_gate" + kind, b + "ffn_up" + kind])
-    return m.linear(swiglu(gate, up, limit), b + "ffn_down" + kind)
+    return m.linear(swiglu(gate, up, limit, m.ik_numerics), b + "ffn_down" + kind)
 
 
 @dataclass(frozen=True)

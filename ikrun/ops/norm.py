@@ -1,4 +1,6 @@
-"""RMS normalisation as ggml computes it: the sum of squares in float64, the scale and product in float32."""
+"""RMS normalisation as ggml computes it: the sum of squares in float64, the scale and product in float32; the
+normalised value times the weight as transformers multiplies them, or under --numerics ik (`ik`) the scale times the
+weight first, then the value (ik's fused RMS norm)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from ikrun.ops.parallel import pick
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _row(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
+def _row(x: np.ndarray, w: np.ndarray, eps: float, ik: bool, out: np.ndarray) -> None:
     d = x.shape[0]
     s = 0.0
     for j in range(d):
@@ -17,27 +19,27 @@ def _row(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
         s += np.float64(v * v)
     scale = np.float32(1.0) / np.sqrt(np.float32(s / d) + np.float32(eps))
     for j in range(d):
-        out[j] = (x[j] * scale) * w[j]
+        out[j] = (scale * w[j]) * x[j] if ik else (x[j] * scale) * w[j]
 
 
 @njit(cache=True, nogil=True)
-def _serial(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
+def _serial(x: np.ndarray, w: np.ndarray, eps: float, ik: bool, out: np.ndarray) -> None:
     for i in range(x.shape[0]):
-        _row(x[i], w, eps, out[i])
+        _row(x[i], w, eps, ik, out[i])
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _parallel(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
+def _parallel(x: np.ndarray, w: np.ndarray, eps: float, ik: bool, out: np.ndarray) -> None:
     for i in prange(x.shape[0]):
-        _row(x[i], w, eps, out[i])
+        _row(x[i], w, eps, ik, out[i])
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm over the last axis of `x` (any leading shape), times `weight`."""
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, ik: bool = False) -> np.ndarray:
+    """RMSNorm over the last axis of `x` (any leading shape), times `weight` (`ik`: in ik's order)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     flat = x.reshape(-1, x.shape[-1])
     out = np.empty_like(flat)
-    pick(_serial, _parallel, flat.size)(flat, np.ascontiguousarray(weight, dtype=np.float32), float(eps), out)
+    pick(_serial, _parallel, flat.size)(flat, np.ascontiguousarray(weight, dtype=np.float32), float(eps), ik, out)
     return out.reshape(x.shape)
 
 

@@ -2,7 +2,12 @@
 
 ik multiplies a quantized (or bf16) weight with activation rows it first converts to the format the weight type
 pairs with (ggml's vec_dot_type on an AVX2/AVX-512 build), then sums integer (or bf16) products and scales them. The
-rounding of the activations is what moves ik's KL-divergence above the weights-alone figure. Where the weights are
+rounding of the activations is what moves ik's KL-divergence above the weights-alone figure. Because every such
+rounding is a step function, any other float order anywhere before it (a norm, a rope, a scale sum) flips a few
+roundings and moves PPL(Q) by up to 0.1% on a small model; so --numerics ik computes ik's float order everywhere:
+its gemm kernels' (ikrun/ops/qgemm.py, ORDER_R8 for Q8_0_R8, ORDER_Q8_1, ORDER_R16 for Q8_K_R16), its fused RMS norm,
+its NEOX rope, its attention kernels and exponential (ikrun/ops/attention.py). On the test models (dense qwen3 for
+every kernel family, DeepSeek's MLA with routed experts) the logits are ik's bit for bit. Where the weights are
 held as int8 blocks (`IkKernel.integers`: the 32-value types as stored, the converted K/IQK types) the matmul is
 ik's own: integer block sums scaled block by block (ikrun/ops/qgemm.py, `integer_rows` for the activations). Elsewhere
 (bf16, per-head slices, a native kernel below the conversion threshold, the interleaved types) the activations are
@@ -16,7 +21,7 @@ The formats:
   forms): blocks of 32; the scale
   d = max|x| / 127 rounded to bf16 (nearest even), then q = round-half-even(x * (1/d)) saturated to int8 and
   x' = q * d. ik converts these weights at 32 rows and more to Q8_0_R8, whose integers and f16 scales are the
-  weights' own, so nothing else rounds.
+  weights' own (only the gemm's float order changes).
 - `BF16` (bf16 weights on a build with AVX512-BF16): activations rounded to bf16 (nearest even).
 - F32 and F16 weights take the float32 activations unrounded (ik's float kernels).
 
@@ -33,7 +38,9 @@ least 32 rows (a multiple of 16):
   scale f16(d * max|p| / 127);
 - the IQK types and IQ4_XS (32 rows) to Q8_K_R16: per 256 values the integers p = sub-block scale x grid value
   (p = decoding / d, d the block's f16 scale or the row's scale), kept when max|p| < c, else re-quantized to int8
-  against max|p| / c, scale f16(d * that); c = 127, but 120 for IQ2_K and 125 for IQ2_KS and IQ2_KL.
+  against max|p| / c, scale f16(d * that); c = 127, but 120 for IQ2_K and 125 for IQ2_KS and IQ2_KL. IQ6_K's
+  kernels take the grid value from iq6nl_values, where its decoding evaluates a cubic the table rounds (up to half
+  a step apart), so its integers come from the codes, not the decoding (`_iq6_k_table_ints`).
 - the 1- and 2-bit i-quants the same way, with d = the block's f16 scale / 8 (IQ1_M's f16 is spread over the top
   nibbles of its scale bytes): p = (2 s + 1) x grid level (IQ2_XXS, IQ2_XS, IQ2_S: levels 8, 25, 43, signed) or
   (2 s + 1) x (8 level +- 1) (IQ1_S, IQ1_M: levels -1, 0, 1); c = 124 for the IQ2 types (IQ2_S from 16 activation
@@ -57,15 +64,15 @@ a run refuses them before any compute instead of printing a number ik would not 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.iqk_grids import IQ4K_VALUES
+from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ6NL_VALUES
 from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits
 from ikrun.ops.parallel import pick
-from ikrun.ops.qgemm import TILE, BlockInts, IntRows
+from ikrun.ops.qgemm import ORDER_Q8_1, ORDER_R8, ORDER_R16, TILE, BlockInts, IntRows
 
 Q8_2_X4 = "Q8_2_X4"
 Q8_K = "Q8_K"
@@ -98,6 +105,8 @@ class IkKernel:
     ints: ToInts | None = None
     #: the stored integers multiply as other values than the file decodes to (the trellis types' factor)
     rescales: bool = False
+    #: the values ik's native kernel multiplies where they are neither the decoding nor `ints` (IQ6_K's table)
+    native: ToInts | None = None
 
     def converts(self, n_act_rows: int, n_weight_rows: int) -> bool:
         return self.convert is not None and n_act_rows >= self.convert_rows and n_weight_rows >= 32 \
@@ -113,7 +122,7 @@ class IkKernel:
         integers that rescale), the integers whose values it multiplies; None: the decoding itself."""
         if self.converts(n_act_rows, n_weight_rows):
             return self.convert
-        return self.ints if self.rescales else None
+        return self.ints if self.rescales else self.native
 
 
 def _f16(x: np.ndarray) -> np.ndarray:
@@ -148,6 +157,16 @@ def _q8_0_ints(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
                      block=BLOCK)
 
 
+def _in_r8(ints: ToInts) -> ToInts:
+    """The same integers as ik multiplies them after converting them to Q8_0_R8 (its gemm's float order)."""
+    return lambda raw, decoded: replace(ints(raw, decoded), order=ORDER_R8)
+
+
+def _r8_kernel(ints: ToInts) -> IkKernel:
+    """A 32-value block type whose integers ik keeps when it converts it to Q8_0_R8 (from 32 activation rows)."""
+    return IkKernel(Q8_2_X4, 32, _in_r8(ints), ints)
+
+
 def _f16_scaled(block_bytes: int) -> ToInts:
     return lambda raw, decoded: _scaled_ints(decoded, _block_f16(raw, block_bytes))
 
@@ -168,7 +187,8 @@ def _k_to_q8_1(raw: np.ndarray, decoded: np.ndarray, five_bits: bool) -> BlockIn
         q = q | (((qh[:, :, None, :] >> np.arange(8)[None, None, :, None]) & 1) << 4)
     scale = _f16(d[..., None] * sc.astype(np.float32)).reshape(raw.shape[0], -1)
     offset = _f16(-dmin[..., None] * mn.astype(np.float32)).reshape(raw.shape[0], -1)
-    return BlockInts(q=q.reshape(decoded.shape).astype(np.int8), scale=scale, block=BLOCK, offset=offset)
+    return BlockInts(q=q.reshape(decoded.shape).astype(np.int8), scale=scale, block=BLOCK, offset=offset,
+                     order=ORDER_Q8_1)
 
 
 def _q6_k_to_q8_0(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
@@ -183,7 +203,8 @@ def _q6_k_to_q8_0(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _q8_k_blocks(decoded: np.ndarray, dsup: np.ndarray, inv_c: np.float32, q: np.ndarray, scale: np.ndarray) -> None:
+def _q8_k_blocks(decoded: np.ndarray, dsup: np.ndarray, dscale: np.ndarray, inv_c: np.float32, q: np.ndarray,
+                 scale: np.ndarray) -> None:
     for r in prange(dsup.shape[0]):
         p = np.empty(SUPER, np.float32)
         for b in range(dsup.shape[1]):
@@ -201,17 +222,55 @@ def _q8_k_blocks(decoded: np.ndarray, dsup: np.ndarray, inv_c: np.float32, q: np
             for j in range(SUPER):
                 v = p[j] if small else min(np.float32(127.0), max(np.float32(-128.0), np.float32(np.rint(p[j] * inv))))
                 q[r, b * SUPER + j] = np.int8(v)
-            scale[r, b] = f16_bits_to_f32(f32_to_f16_bits(ds * dnew))
+            scale[r, b] = f16_bits_to_f32(f32_to_f16_bits(dscale[r, b] * dnew))
 
 
-def _to_q8_k(decoded: np.ndarray, dsup: np.ndarray, c: float) -> BlockInts:
-    """ik's convert_to_q8_k_r8 on the integers p = decoded / dsup of each 256-value block (dsup [rows, nb]): p kept
-    when max|p| / c < 1, else re-quantized to int8 against max|p| / c; the scale f16(dsup x that)."""
+def _to_q8_k(decoded: np.ndarray, dsup: np.ndarray, c: float, ints: np.ndarray | None = None) -> BlockInts:
+    """ik's convert_to_q8_k_r8 on the integers p = decoded / dsup of each 256-value block (dsup [rows, nb]), or on
+    `ints` where given (the integers ik's kernel multiplies, not the decoding's): p kept when max|p| / c < 1, else
+    re-quantized to int8 against max|p| / c; the scale f16(dsup x that)."""
     q = np.empty(decoded.shape, np.int8)
     scale = np.empty(dsup.shape, np.float32)
-    _q8_k_blocks(np.ascontiguousarray(decoded, dtype=np.float32), np.ascontiguousarray(dsup, dtype=np.float32),
-                 np.float32(np.float32(1.0) / np.float32(c)), q, scale)
-    return BlockInts(q=q, scale=scale, block=SUPER)
+    dsup = np.ascontiguousarray(dsup, dtype=np.float32)
+    if ints is None:
+        _q8_k_blocks(np.ascontiguousarray(decoded, dtype=np.float32), dsup, dsup, np.float32(np.float32(1) / np.float32(c)),
+                     q, scale)
+    else:
+        _q8_k_blocks(ints.astype(np.float32), np.ones_like(dsup), dsup, np.float32(np.float32(1) / np.float32(c)), q,
+                     scale)
+    return BlockInts(q=q, scale=scale, block=SUPER, order=ORDER_R16)
+
+
+def _iq6_k_table_ints(raw: np.ndarray) -> np.ndarray:
+    """IQ6_K's values as ik's matmul kernels take them [rows, n]: sub-block scale x iq6nl_values[code] (+1 where
+    the extra bit is set), where its to_float evaluates a cubic in the code instead (values up to 0.5 apart)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 212)
+    nb = blocks.shape[1]
+    extra = blocks[..., 2:4].copy().view(np.uint16)[..., 0].astype(np.int32)
+    ls = blocks[..., 4:20].view(np.int8).astype(np.int32)  # [rows, nb, 16]
+    qs = blocks[..., 20:148].reshape(rows, nb, 4, 32).astype(np.int32)  # per 64 values
+    qh = blocks[..., 148:212].reshape(rows, nb, 2, 32).astype(np.int32)
+    codes = np.empty((rows, nb, 4, 64), np.int32)
+    for ib64 in range(4):
+        h = qh[:, :, ib64 // 2] >> (4 * (ib64 % 2))
+        codes[:, :, ib64, :32] = (qs[:, :, ib64] & 15) | ((h & 3) << 4)
+        codes[:, :, ib64, 32:] = (qs[:, :, ib64] >> 4) | ((h & 12) << 2)
+    codes = codes.reshape(rows, nb, 16, 16)
+    bits = (extra[..., None] >> np.arange(16)) & 1
+    values = IQ6NL_VALUES[codes + 64 * bits[..., None]].astype(np.int32)
+    return (values * ls[..., None]).reshape(rows, -1)
+
+
+def _iq6_k_to_q8_k(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
+    return _to_q8_k(decoded, _block_f16(raw, 212), 127, _iq6_k_table_ints(raw))
+
+
+def _iq6_k_native(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
+    """IQ6_K's values as its native kernel multiplies them, for the float path only: d x the table integers (wider
+    than int8)."""
+    p = _iq6_k_table_ints(raw)
+    return BlockInts(q=p, scale=_block_f16(raw, 212), block=SUPER)
 
 
 def _row_scaled_to_q8_k(row_scale: str, c: float) -> ToInts:
@@ -289,24 +348,23 @@ def _kt_ints(type_name: str, f16_scale: bool) -> ToInts:
 
 
 def _kt_kernel(type_name: str, convert_rows: int) -> IkKernel:
-    return IkKernel(Q8_2_X4, convert_rows, _kt_ints(type_name, True), _kt_ints(type_name, False),
+    return IkKernel(Q8_2_X4, convert_rows, _in_r8(_kt_ints(type_name, True)), _kt_ints(type_name, False),
                     rescales=KT_MATMUL_FACTOR[type_name] is not None)
 
 
 #: weight type -> how ik multiplies it (types not listed are not emulated)
 IK_KERNELS: dict[str, IkKernel] = {
     "F32": IkKernel(UNROUNDED), "F16": IkKernel(UNROUNDED), "BF16": IkKernel(BF16),
-    "Q8_0": IkKernel(Q8_2_X4, ints=_q8_0_ints),
-    **{t: IkKernel(Q8_2_X4, ints=_f16_scaled(size)) for t, size in (("Q4_0", 18), ("Q5_0", 22), ("Q6_0", 26),
-                                                                      ("IQ4_NL", 18))},
-    "MXFP4": IkKernel(Q8_2_X4, ints=lambda raw, decoded: _scaled_ints(decoded, _e8m0_half(raw, 17))),
+    "Q8_0": _r8_kernel(_q8_0_ints),
+    **{t: _r8_kernel(_f16_scaled(size)) for t, size in (("Q4_0", 18), ("Q5_0", 22), ("Q6_0", 26), ("IQ4_NL", 18))},
+    "MXFP4": _r8_kernel(lambda raw, decoded: _scaled_ints(decoded, _e8m0_half(raw, 17))),
     **{t: IkKernel(Q8_2_X4) for t in ("Q8_0_R8", "Q4_0_R8", "IQ4_NL_R4", "MXFP4_R8")},
     "Q4_K": IkKernel(Q8_2_X4, 32, lambda raw, w: _k_to_q8_1(raw, w, False)),
     "Q5_K": IkKernel(Q8_2_X4, 32, lambda raw, w: _k_to_q8_1(raw, w, True)),
-    "Q6_K": IkKernel(Q8_2_X4, 64, _q6_k_to_q8_0),
+    "Q6_K": IkKernel(Q8_2_X4, 64, _in_r8(_q6_k_to_q8_0)),
     **{t: IkKernel(Q8_K, 32, _super_scaled_to_q8_k(size, c)) for t, size, c in (
-        ("IQ2_K", 76, 120), ("IQ3_K", 110, 127), ("IQ4_K", 144, 127), ("IQ5_K", 176, 127), ("IQ6_K", 212, 127),
-        ("IQ4_XS", 136, 127))},
+        ("IQ2_K", 76, 120), ("IQ3_K", 110, 127), ("IQ4_K", 144, 127), ("IQ5_K", 176, 127), ("IQ4_XS", 136, 127))},
+    "IQ6_K": IkKernel(Q8_K, 32, _iq6_k_to_q8_k, native=_iq6_k_native),
     **{t: IkKernel(Q8_K, 32, _row_scaled_to_q8_k(scale, c)) for t, scale, c in (
         ("IQ2_KS", "f16", 125), ("IQ2_KL", "f16", 125), ("IQ3_KS", "f16", 127), ("IQ4_KS", "f32", 127),
         ("IQ4_KSS", "f32", 127), ("IQ5_KS", "f32", 127))},
@@ -367,8 +425,8 @@ def _q8_row(x: np.ndarray, block: int, bf16_scale: bool, out: np.ndarray) -> Non
 
 @njit(cache=True, nogil=True, inline="always")
 def _q8_row_ints(x: np.ndarray, block: int, bf16_scale: bool, u: np.ndarray, scale: np.ndarray,
-                 sums: np.ndarray) -> None:
-    """The same rounding kept as integers: u = q + 128, and per block d and d x sum(q)."""
+                 sums: np.ndarray, isums: np.ndarray) -> None:
+    """The same rounding kept as integers: u = q + 128, and per block d, sum(q) and d x sum(q)."""
     for b in range(x.shape[0] // block):
         d, inv = _q8_scale(x, b * block, block, bf16_scale)
         total = 0
@@ -377,6 +435,7 @@ def _q8_row_ints(x: np.ndarray, block: int, bf16_scale: bool, u: np.ndarray, sca
             total += q
             u[j] = np.uint8(q + 128)
         scale[b] = d
+        isums[b] = total
         sums[b] = d * np.float32(total)
 
 
@@ -428,16 +487,16 @@ def round_activations(x: np.ndarray, fmt: str) -> np.ndarray:
 
 @njit(cache=True, nogil=True)
 def _ints_serial(x: np.ndarray, block: int, bf16_scale: bool, u: np.ndarray, scale: np.ndarray,
-                 sums: np.ndarray) -> None:
+                 sums: np.ndarray, isums: np.ndarray) -> None:
     for i in range(x.shape[0]):
-        _q8_row_ints(x[i], block, bf16_scale, u[i], scale[i], sums[i])
+        _q8_row_ints(x[i], block, bf16_scale, u[i], scale[i], sums[i], isums[i])
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _ints_parallel(x: np.ndarray, block: int, bf16_scale: bool, u: np.ndarray, scale: np.ndarray,
-                   sums: np.ndarray) -> None:
+                   sums: np.ndarray, isums: np.ndarray) -> None:
     for i in prange(x.shape[0]):
-        _q8_row_ints(x[i], block, bf16_scale, u[i], scale[i], sums[i])
+        _q8_row_ints(x[i], block, bf16_scale, u[i], scale[i], sums[i], isums[i])
 
 
 def integer_rows(x: np.ndarray, fmt: str) -> IntRows:
@@ -452,5 +511,6 @@ def integer_rows(x: np.ndarray, fmt: str) -> IntRows:
     u = np.full((mp, n), 128, np.uint8)
     scale = np.zeros((mp, n // block), np.float32)
     sums = np.zeros((mp, n // block), np.float32)
-    pick(_ints_serial, _ints_parallel, x.size)(x, block, fmt == Q8_2_X4, u, scale, sums)
-    return IntRows(u=u, scale=scale, sums=sums, rows=m, block=block)
+    isums = np.zeros((mp, n // block), np.int32)
+    pick(_ints_serial, _ints_parallel, x.size)(x, block, fmt == Q8_2_X4, u, scale, sums, isums)
+    return IntRows(u=u, scale=scale, sums=sums, rows=m, block=block, isums=isums)

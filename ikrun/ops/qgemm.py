@@ -3,8 +3,10 @@
 ik's CPU backend multiplies a quantized weight in integers: the weight's values (or what its kernel converts them
 to) are int8 with one float scale per block of 32 or 256 values of a row, the activation rows are rounded to int8
 blocks of the same length (ikrun/ops/numerics.py), each block's integer dot product is exact, and the float result
-sums, block by block, isum * (weight scale * activation scale) (+ offset * activation block sum for Q8_1 weights).
-That is what this kernel computes, so `--numerics ik` is both ik's arithmetic and its speed class.
+sums, block by block, isum * (weight scale * activation scale) (+ offset * activation block sum for Q8_1 weights),
+in the float order of the ik kernel that multiplies the weights (ORDER_*: its fused multiply-adds, its unsigned
+weights' corrections). That is what this kernel computes, so `--numerics ik` is both ik's arithmetic, bit for bit,
+and its speed class.
 
 The weights are packed 16 rows a group: per block and per step of 4 values, the 16 rows' 4 values form one 64-byte
 vector. On a CPU with AVX-512 VNNI one `vpdpbusd` multiplies that vector by 4 activation values broadcast to every
@@ -24,8 +26,17 @@ from numba import config, njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
+from ikquant.formats.numeric import fmaf
 from ikrun.ops.parallel import pick
 
+#: the float order of a block's contribution: ORDER_PLAIN acc += f32(isum) x (w scale x a scale) (+ offset x a
+#: sum); ORDER_R8 ik's Q8_0_R8 gemm: the weights made unsigned (+127), acc = fma(w scale x a scale, f32(isum + 127 x
+#: a's integer sum), acc), a second acc1 = fma(w scale, a scale x a's integer sum, acc1), and at the end
+#: fma(-127, acc1, acc); ORDER_R16 ik's Q8_K_R16 gemm: the weights unsigned (+128), per block acc = fma(w scale x a
+#: scale, f32(isum + 128 x a's integer sum), acc) then acc = fma(w scale x -128, a scale x a's integer sum, acc)
+#: ORDER_Q8_1 ik's Q8_1 gemm (Q4_K, Q5_K converted), four blocks at a time: acc = fma(offset, a scale x a's integer
+#: sum, acc) for each of the four, then acc = fma(w scale x a scale, f32(isum), acc) for each
+ORDER_PLAIN, ORDER_R8, ORDER_R16, ORDER_Q8_1 = 0, 1, 2, 3
 LANES = 16  # weight rows per packed group: one 512-bit vector of int32 lanes
 TILE = 4  # activation rows per kernel call, sharing each weight vector
 GROUPS = 2  # weight groups per kernel call, sharing each activation broadcast
@@ -46,13 +57,16 @@ HAS_VNNI = _host_has_vnni()
 
 @dataclass(frozen=True)
 class BlockInts:
-    """A weight as ik's integer kernels hold it: int8 values q [rows, n], a float32 scale per block of `block`
-    values of a row [rows, n // block], and for Q8_1 weights an offset per block added to every value."""
+    """A weight as ik's integer kernels hold it: int8 values q [rows, n] (wider integers where only the float path
+    multiplies them), a float32 scale per block of `block` values of a row [rows, n // block], and for Q8_1 weights
+    an offset per block added to every value."""
 
     q: np.ndarray
     scale: np.ndarray
     block: int
     offset: np.ndarray | None = None
+    #: the float order of ik's gemm that multiplies them (ORDER_*)
+    order: int = 0
 
     def to_float(self) -> np.ndarray:
         """The weight as float32 [rows, n]: scale x q (+ offset), every value exact."""
@@ -75,6 +89,7 @@ class PackedInts:
     rows: int
     n: int
     block: int
+    order: int = ORDER_PLAIN
 
     @property
     def nbytes(self) -> int:
@@ -83,6 +98,23 @@ class PackedInts:
     @property
     def has_offset(self) -> bool:
         return self.offset.size > 0
+
+
+@dataclass(frozen=True)
+class PackedHeads:
+    """A weight's equal row slices (one per attention head), each packed for qmatmul."""
+
+    heads: tuple[PackedInts, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.nbytes for h in self.heads)
+
+
+def row_slice(w: BlockInts, r0: int, r1: int) -> BlockInts:
+    """Rows r0 .. r1 - 1 of w."""
+    return BlockInts(q=w.q[r0:r1], scale=w.scale[r0:r1], block=w.block,
+                     offset=None if w.offset is None else w.offset[r0:r1], order=w.order)
 
 
 def _by_group(a: np.ndarray, groups: int) -> np.ndarray:
@@ -105,7 +137,7 @@ def pack(w: BlockInts) -> PackedInts:
     _pack_groups(q, w.block, packed, corr)
     offset = np.empty(0, np.float32) if w.offset is None else _by_group(padded(w.offset).astype(np.float32), groups)
     return PackedInts(q=packed, scale=_by_group(padded(w.scale), groups), corr=corr, offset=offset, rows=rows, n=n,
-                      block=w.block)
+                      block=w.block, order=w.order)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -135,65 +167,118 @@ def _vector(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, vty: ir.Vect
     return builder.load(builder.bitcast(builder.gep(base, [index]), vty.as_pointer()), align=1)
 
 
-def _make_tile(block: int, offsets: bool):  # type: ignore[no-untyped-def]
+def _make_tile(block: int, offsets: bool, order: int = ORDER_PLAIN):  # type: ignore[no-untyped-def]
     """The VNNI micro-kernel for weight groups GROUPS x g .. GROUPS x g + GROUPS - 1 and activation rows m0 ..
-    m0 + TILE - 1, all blocks of the row: out[m, 16 h : 16 h + 16] = sum_b f32(isum - corr) x (scale x a_scale[m,
-    b]) (+ offset x a_sum[m, b]) for each group h. Each block's integer sum is split over CHAINS accumulators
-    (exact, and the additions no longer wait for one another)."""
+    m0 + TILE - 1, blocks b0 .. b1 of the row, added to what out (and out1) hold: per block f32(isum - corr) x
+    (scale x a_scale[m, b]) (+ offset x a_sum[m, b]) for each group h, in the float order `order` (ORDER_R8 sums
+    the activation-sum terms into out1; ORDER_Q8_1 takes the blocks four at a time, offsets first). Each block's
+    integer sum is split over CHAINS accumulators (exact, and the additions no longer wait for one another)."""
     steps = block // 4
+    r8, r16, q81 = order == ORDER_R8, order == ORDER_R16, order == ORDER_Q8_1
+    per_step = 4 if q81 else 1  # blocks per step of the loop
 
     @intrinsic
-    def tile(typingctx, wq, ws, wcorr, wofs, au, asc, asum, out, g, m0, b0, b1, nb, n):  # type: ignore[no-untyped-def]
-        sig = types.void(wq, ws, wcorr, wofs, au, asc, asum, out, *[types.int64] * 6)
+    def tile(typingctx, wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, m0, b0, b1, nb,  # type: ignore[no-untyped-def]
+             n):
+        sig = types.void(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, *[types.int64] * 6)
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            wq_p, ws_p, wc_p, wo_p, au_p, as_p, su_p, out_p = (
-                context.make_array(t)(context, builder, value=v).data for t, v in zip(signature.args[:8], args[:8]))
-            g_v, m0_v, b0_v, b1_v, nb_v, n_v = args[8:]
+            wq_p, ws_p, wc_p, wo_p, au_p, as_p, su_p, si_p, out_p, out1_p = (
+                context.make_array(t)(context, builder, value=v).data for t, v in zip(signature.args[:10], args[:10]))
+            g_v, m0_v, b0_v, b1_v, nb_v, n_v = args[10:]
             dpbusd = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_V16I, [_V16I, _V16I, _V16I]), "llvm.x86.avx512.vpdpbusd.512")
+            fma_fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fma.v16f32")
+            fma = lambda a, b, c: builder.call(fma_fn, [a, b, c])  # noqa: E731
             const = lambda v: ir.Constant(_I64, v)  # noqa: E731
             row_len = builder.mul(nb_v, const(block))
             groups = [builder.add(builder.mul(g_v, const(GROUPS)), const(h)) for h in range(GROUPS)]
             rows = [builder.add(m0_v, const(i)) for i in range(TILE)]
-            outs = {(h, i): builder.bitcast(builder.gep(out_p, [builder.add(builder.mul(rows[i], n_v), builder.mul(
-                groups[h], const(LANES)))]), _V16F.as_pointer()) for h in range(GROUPS) for i in range(TILE)}
+            keys = [(h, i) for h in range(GROUPS) for i in range(TILE)]
+
+            def out_vectors(base: ir.Value) -> dict:  # type: ignore[type-arg]
+                return {(h, i): builder.bitcast(builder.gep(base, [builder.add(builder.mul(rows[i], n_v), builder.mul(
+                    groups[h], const(LANES)))]), _V16F.as_pointer()) for h, i in keys}
+
+            outs = out_vectors(out_p)
             accs = {key: cgutils.alloca_once_value(builder, builder.load(o, align=1)) for key, o in outs.items()}
-            with cgutils.for_range(builder, builder.sub(b1_v, b0_v)) as loop:
-                b = builder.add(b0_v, loop.index)
+            outs1 = out_vectors(out1_p) if r8 else {}
+            accs1 = {key: cgutils.alloca_once_value(builder, builder.load(o, align=1)) for key, o in outs1.items()}
+
+            def integer_sums(b: ir.Value) -> dict:  # type: ignore[type-arg]
+                """Block b's exact sums of u x q per (group, row): isum - corr."""
                 gb = [builder.add(builder.mul(gh, nb_v), b) for gh in groups]
                 wbase = [builder.mul(x, const(steps * 64)) for x in gb]
                 abase = [builder.add(builder.mul(r, row_len), builder.mul(b, const(block))) for r in rows]
                 zero = ir.Constant(_V16I, [0] * LANES)
-                isum = {(h, i, c): zero for h in range(GROUPS) for i in range(TILE) for c in range(CHAINS)}
+                isum = {(h, i, c): zero for h, i in keys for c in range(CHAINS)}
                 for s in range(steps):
                     w = [_vector(builder, wq_p, builder.add(wb, const(s * 64)), _V16I) for wb in wbase]
                     for i in range(TILE):
                         ap = builder.gep(au_p, [builder.add(abase[i], const(s * 4))])
                         a = _splat(builder, builder.load(builder.bitcast(ap, _I32.as_pointer()), align=1), _V16I)
                         for h in range(GROUPS):
-                            key = (h, i, s % CHAINS)
-                            isum[key] = builder.call(dpbusd, [isum[key], a, w[h]])
-                a_scale = [_splat(builder, builder.load(builder.gep(as_p, [builder.add(builder.mul(r, nb_v), b)])),
-                                  _V16F) for r in rows]
-                a_sum = [_splat(builder, builder.load(builder.gep(su_p, [builder.add(builder.mul(r, nb_v), b)])),
-                                _V16F) for r in rows] if offsets else []
-                for h in range(GROUPS):
-                    lane = builder.mul(gb[h], const(LANES))
-                    corr = _vector(builder, wc_p, lane, _V16I)
-                    scale = _vector(builder, ws_p, lane, _V16F)
-                    offset = _vector(builder, wo_p, lane, _V16F) if offsets else None
-                    for i in range(TILE):
-                        total = isum[(h, i, 0)]
-                        for c in range(1, CHAINS):
-                            total = builder.add(total, isum[(h, i, c)])
-                        f = builder.sitofp(builder.sub(total, corr), _V16F)
-                        acc = builder.fadd(builder.load(accs[(h, i)]), builder.fmul(f, builder.fmul(scale, a_scale[i])))
-                        if offset is not None:
-                            acc = builder.fadd(acc, builder.fmul(offset, a_sum[i]))
-                        builder.store(acc, accs[(h, i)])
+                            isum[(h, i, s % CHAINS)] = builder.call(dpbusd, [isum[(h, i, s % CHAINS)], a, w[h]])
+                totals = {}
+                for h, i in keys:
+                    total = isum[(h, i, 0)]
+                    for c in range(1, CHAINS):
+                        total = builder.add(total, isum[(h, i, c)])
+                    totals[(h, i)] = builder.sub(total, _vector(builder, wc_p, builder.mul(gb[h], const(LANES)), _V16I))
+                return totals
+
+            def weights(b: ir.Value, p: ir.Value) -> list[ir.Value]:
+                return [_vector(builder, p, builder.mul(builder.add(builder.mul(gh, nb_v), b), const(LANES)), _V16F)
+                        for gh in groups]
+
+            def activations(b: ir.Value, p: ir.Value) -> list[ir.Value]:
+                return [_splat(builder, builder.load(builder.gep(p, [builder.add(builder.mul(r, nb_v), b)])), _V16F)
+                        for r in rows]
+
+            def add(key: tuple[int, int], value: ir.Value) -> None:
+                builder.store(value, accs[key])
+
+            with cgutils.for_range(builder, builder.udiv(builder.sub(b1_v, b0_v), const(per_step))) as loop:
+                first = builder.add(b0_v, builder.mul(loop.index, const(per_step)))
+                blocks = [builder.add(first, const(t)) for t in range(per_step)]
+                if q81:  # ik's Q8_1 kernel: the four blocks' offset terms, then their scaled sums
+                    for b in blocks:
+                        offset, a_sum = weights(b, wo_p), activations(b, su_p)
+                        for h, i in keys:
+                            add((h, i), fma(offset[h], a_sum[i], builder.load(accs[(h, i)])))
+                for b in blocks:
+                    totals = integer_sums(b)
+                    scale, a_scale = weights(b, ws_p), activations(b, as_p)
+                    a_sum = activations(b, su_p) if offsets or r8 or r16 else []
+                    a_int = []
+                    if r8 or r16:
+                        unsigned = ir.Constant(_I32, 127 if r8 else 128)
+                        a_int = [_splat(builder, builder.mul(builder.load(builder.gep(si_p, [builder.add(
+                            builder.mul(r, nb_v), b)])), unsigned), _V16I) for r in rows]
+                    offset = weights(b, wo_p) if offsets and not q81 else []
+                    for h, i in keys:
+                        acc = builder.load(accs[(h, i)])
+                        d = builder.fmul(scale[h], a_scale[i])
+                        if r8 or r16:
+                            f = builder.sitofp(builder.add(totals[(h, i)], a_int[i]), _V16F)
+                            acc = fma(d, f, acc)
+                            if r8:
+                                builder.store(fma(scale[h], a_sum[i], builder.load(accs1[(h, i)])), accs1[(h, i)])
+                            else:
+                                minus = ir.Constant(_V16F, [-128.0] * LANES)
+                                acc = fma(builder.fmul(scale[h], minus), a_sum[i], acc)
+                        elif q81:
+                            acc = fma(d, builder.sitofp(totals[(h, i)], _V16F), acc)
+                        else:
+                            acc = builder.fadd(acc, builder.fmul(builder.sitofp(totals[(h, i)], _V16F), d))
+                            if offsets:
+                                acc = builder.fadd(acc, builder.fmul(offset[h], a_sum[i]))
+                        add((h, i), acc)
             for key, o in outs.items():
                 builder.store(builder.load(accs[key]), o, align=1)
+            for key, o in outs1.items():
+                builder.store(builder.load(accs1[key]), o, align=1)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -202,74 +287,118 @@ def _make_tile(block: int, offsets: bool):  # type: ignore[no-untyped-def]
 
 
 _tile32, _tile32_offset, _tile256 = _make_tile(32, False), _make_tile(32, True), _make_tile(256, False)
+_tile32_r8, _tile256_r16 = _make_tile(32, False, ORDER_R8), _make_tile(256, False, ORDER_R16)
+_tile32_q81 = _make_tile(32, True, ORDER_Q8_1)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, out, g, m0, m1, block, nb, n):  # type: ignore[no-untyped-def]
+def _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, m0, m1, block, nb, n,  # type: ignore[no-untyped-def]
+                order):
     """Weight groups of call g against activation rows m0 .. m1, K_BYTES of each row at a time (so the groups'
     values stay in the core's first-level cache for all the rows)."""
     chunk = max(1, K_BYTES // block)
     for b0 in range(0, nb, chunk):
         b1 = min(nb, b0 + chunk)
         for t in range(m0, m1, TILE):
-            if block == 256:
-                _tile256(wq, ws, wcorr, wofs, au, asc, asum, out, g, t, b0, b1, nb, n)
+            if block == 256 and order == ORDER_R16:
+                _tile256_r16(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, t, b0, b1, nb, n)
+            elif block == 256:
+                _tile256(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, t, b0, b1, nb, n)
+            elif order == ORDER_Q8_1:
+                _tile32_q81(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, t, b0, b1, nb, n)
+            elif order == ORDER_R8:
+                _tile32_r8(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, t, b0, b1, nb, n)
             elif wofs.size > 0:
-                _tile32_offset(wq, ws, wcorr, wofs, au, asc, asum, out, g, t, b0, b1, nb, n)
+                _tile32_offset(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, t, b0, b1, nb, n)
             else:
-                _tile32(wq, ws, wcorr, wofs, au, asc, asum, out, g, t, b0, b1, nb, n)
+                _tile32(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, t, b0, b1, nb, n)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _vnni_parallel(wq, ws, wcorr, wofs, au, asc, asum, out, block, nb, n, mp, panel):  # type: ignore[no-untyped-def]
+def _vnni_parallel(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
+                   order):
     for p0 in range(0, mp, panel):
         for g in prange(n // (GROUPS * LANES)):
-            _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, out, g, p0, min(mp, p0 + panel), block, nb, n)
+            _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, p0, min(mp, p0 + panel), block, nb,
+                        n, order)
 
 
 @njit(cache=True, nogil=True)
-def _vnni_serial(wq, ws, wcorr, wofs, au, asc, asum, out, block, nb, n, mp, panel):  # type: ignore[no-untyped-def]
+def _vnni_serial(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
+                 order):
     for p0 in range(0, mp, panel):
         for g in range(n // (GROUPS * LANES)):
-            _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, out, g, p0, min(mp, p0 + panel), block, nb, n)
+            _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, p0, min(mp, p0 + panel), block, nb,
+                        n, order)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _portable_group(wq, ws, wcorr, wofs, au, asc, asum, out, g, m0, m1, block, nb, n):  # type: ignore[no-untyped-def]
+def _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, m0, m1, block, nb,  # type: ignore[no-untyped-def]
+                    n, order):
+    """The tile kernels' arithmetic in scalar code, one 16-row group against rows m0 .. m1, in the same order."""
     steps = block // 4
     acc = np.empty(LANES, np.float32)
+    acc1 = np.empty(LANES, np.float32)
     for m in range(m0, m1):
         acc[:] = 0
+        acc1[:] = 0
         for b in range(nb):
             gb = g * nb + b
             a0 = m * nb * block + b * block
-            d_a = asc[m * nb + b]
+            d_a, a_sum = asc[m * nb + b], asum[m * nb + b]
             for r in range(LANES):
+                if order == ORDER_Q8_1 and b % 4 == 0:  # the offsets of this block and the next three first
+                    for t in range(4):
+                        acc[r] = fmaf(wofs[(gb + t) * LANES + r], asum[m * nb + b + t], acc[r])
                 s = np.int32(0)
                 for k in range(steps):
                     w0 = (gb * steps + k) * 64 + r * 4
                     for t in range(4):
                         s = np.int32(s + np.int32(au[a0 + 4 * k + t]) * np.int32(wq[w0 + t]))
-                f = np.float32(s - wcorr[gb * LANES + r])
-                acc[r] = acc[r] + f * (ws[gb * LANES + r] * d_a)
-                if wofs.size > 0:
-                    acc[r] = acc[r] + wofs[gb * LANES + r] * asum[m * nb + b]
+                w_scale = ws[gb * LANES + r]
+                if order == ORDER_R8:
+                    f = np.float32(s - wcorr[gb * LANES + r] + 127 * aisum[m * nb + b])
+                    acc[r] = fmaf(w_scale * d_a, f, acc[r])
+                    acc1[r] = fmaf(w_scale, a_sum, acc1[r])
+                elif order == ORDER_R16:
+                    f = np.float32(s - wcorr[gb * LANES + r] + 128 * aisum[m * nb + b])
+                    acc[r] = fmaf(w_scale * d_a, f, acc[r])
+                    acc[r] = fmaf(w_scale * np.float32(-128.0), a_sum, acc[r])
+                elif order == ORDER_Q8_1:
+                    acc[r] = fmaf(w_scale * d_a, np.float32(s - wcorr[gb * LANES + r]), acc[r])
+                else:
+                    acc[r] = acc[r] + np.float32(s - wcorr[gb * LANES + r]) * (w_scale * d_a)
+                    if wofs.size > 0:
+                        acc[r] = acc[r] + wofs[gb * LANES + r] * a_sum
         for r in range(LANES):
             out[m * n + g * LANES + r] = acc[r]
+            if order == ORDER_R8:
+                out1[m * n + g * LANES + r] = acc1[r]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _portable_parallel(wq, ws, wcorr, wofs, au, asc, asum, out, block, nb, n, mp, panel):  # type: ignore[no-untyped-def]
+def _portable_parallel(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
+                       order):
     for p0 in range(0, mp, panel):
         for g in prange(n // LANES):
-            _portable_group(wq, ws, wcorr, wofs, au, asc, asum, out, g, p0, min(mp, p0 + panel), block, nb, n)
+            _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, p0, min(mp, p0 + panel), block,
+                            nb, n, order)
 
 
 @njit(cache=True, nogil=True)
-def _portable_serial(wq, ws, wcorr, wofs, au, asc, asum, out, block, nb, n, mp, panel):  # type: ignore[no-untyped-def]
+def _portable_serial(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
+                     order):
     for p0 in range(0, mp, panel):
         for g in range(n // LANES):
-            _portable_group(wq, ws, wcorr, wofs, au, asc, asum, out, g, p0, min(mp, p0 + panel), block, nb, n)
+            _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, p0, min(mp, p0 + panel), block,
+                            nb, n, order)
+
+
+@njit(cache=True, nogil=True)
+def _r8_finish(out: np.ndarray, out1: np.ndarray) -> None:
+    """ORDER_R8's last step: out = fma(-127, out1, out)."""
+    for j in range(out.size):
+        out[j] = fmaf(np.float32(-127.0), out1[j], out[j])
 
 
 @dataclass(frozen=True)
@@ -282,15 +411,18 @@ class IntRows:
     sums: np.ndarray
     rows: int
     block: int
+    #: the integer sum of every block [padded rows, n // block] (ORDER_R8 multiplies it)
+    isums: np.ndarray
 
     def take(self, rows: np.ndarray) -> IntRows:
         """Rows `rows` (of the true rows), padded to whole tiles again: the tokens routed to one expert."""
         m = len(rows)
         mp = m + (-m % TILE)
         u = np.full((mp, self.u.shape[1]), 128, np.uint8)
-        scale, sums = np.zeros((mp, self.scale.shape[1]), np.float32), np.zeros((mp, self.scale.shape[1]), np.float32)
-        u[:m], scale[:m], sums[:m] = self.u[rows], self.scale[rows], self.sums[rows]
-        return IntRows(u=u, scale=scale, sums=sums, rows=m, block=self.block)
+        nb = self.scale.shape[1]
+        scale, sums, isums = np.zeros((mp, nb), np.float32), np.zeros((mp, nb), np.float32), np.zeros((mp, nb), np.int32)
+        u[:m], scale[:m], sums[:m], isums[:m] = self.u[rows], self.scale[rows], self.sums[rows], self.isums[rows]
+        return IntRows(u=u, scale=scale, sums=sums, rows=m, block=self.block, isums=isums)
 
 
 def panel_rows(n: int) -> int:
@@ -304,10 +436,16 @@ def qmatmul(x: IntRows, w: PackedInts, vnni: bool = HAS_VNNI) -> np.ndarray:
     if x.block != w.block or x.u.shape[1] != w.n:
         raise ValueError(f"activations of {x.u.shape[1]} values in blocks of {x.block} against weights of {w.n} "
                          f"in blocks of {w.block}")
+    if w.order == ORDER_Q8_1 and (w.n // w.block) % 4:
+        raise ValueError(f"ik's Q8_1 order takes blocks four at a time; rows of {w.n} values are not")
     mp, n_out = x.u.shape[0], w.scale.size // (w.n // w.block)
     out = np.zeros((mp, n_out), np.float32)  # the kernels add each block to what is there
+    out1 = np.zeros((mp, n_out) if w.order == ORDER_R8 else 0, np.float32)
     serial, parallel = (_vnni_serial, _vnni_parallel) if vnni else (_portable_serial, _portable_parallel)
     pick(serial, parallel, mp * w.n * n_out // 64)(
-        w.q, w.scale, w.corr, w.offset, x.u.reshape(-1), x.scale.reshape(-1), x.sums.reshape(-1), out.reshape(-1),
-        w.block, w.n // w.block, n_out, mp, panel_rows(w.n))
+        w.q, w.scale, w.corr, w.offset, x.u.reshape(-1), x.scale.reshape(-1), x.sums.reshape(-1),
+        x.isums.reshape(-1), out.reshape(-1), out1.reshape(-1), w.block, w.n // w.block, n_out, mp, panel_rows(w.n),
+        w.order)
+    if w.order == ORDER_R8:
+        _r8_finish(out.reshape(-1), out1.reshape(-1))
     return out[: x.rows, : w.rows]

@@ -1,7 +1,9 @@
 """Rotary position embedding in ggml's two layouts.
 
-ggml builds the angles the way its rope cache does: theta starts at the (scaled) position and is multiplied by
-theta_scale = base^(-2/n_rot) once per pair, in float32, optionally divided by per-frequency factors (rope_freqs).
+ggml builds the angles the way its rope cache does: theta starts at the position and is multiplied by theta_scale =
+base^(-2/n_rot) once per pair, in float32; each pair's angle is freq_scale x theta (divided first by the pair's
+factor from rope_freqs). The rotation is x0 cos - x1 sin and x0 sin + x1 cos; ik's build fuses each first product
+into the addition for NEOX (not for NORM), which `fused` reproduces.
 NORM rotates adjacent pairs (x[2i], x[2i+1]); NEOX rotates (x[i], x[i + n_rot/2]). `yarn_rope_cache` adds
 ggml's YaRN (rope_yarn): per-pair ramp between interpolated and extrapolated angles, magnitude factor on cos/sin.
 """
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from ikquant.formats.numeric import fmaf
 from ikrun.ops.parallel import pick
 
 
@@ -21,9 +24,9 @@ def _angles(positions: np.ndarray, n_rot: int, base: float, freq_scale: float, f
             cos: np.ndarray, sin: np.ndarray) -> None:
     theta_scale = np.float32(np.float32(base) ** (np.float32(-2.0) / np.float32(n_rot)))
     for p in range(positions.shape[0]):
-        theta = np.float32(freq_scale) * np.float32(positions[p])
+        theta = np.float32(positions[p])
         for i in range(n_rot // 2):
-            t = theta / factors[i] if factors.size else theta
+            t = np.float32(freq_scale) * (theta / factors[i] if factors.size else theta)
             cos[p, i] = np.cos(t)
             sin[p, i] = np.sin(t)
             theta = theta * theta_scale
@@ -41,7 +44,7 @@ def rope_cache(positions: np.ndarray, n_rot: int, base: float, freq_scale: float
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _row(x: np.ndarray, c_row: np.ndarray, s_row: np.ndarray, n_rot: int, neox: bool) -> None:
+def _row(x: np.ndarray, c_row: np.ndarray, s_row: np.ndarray, n_rot: int, neox: bool, fused: bool) -> None:
     half = n_rot // 2
     for h in range(x.shape[0]):
         for i in range(half):
@@ -50,8 +53,12 @@ def _row(x: np.ndarray, c_row: np.ndarray, s_row: np.ndarray, n_rot: int, neox: 
             if neox:
                 a = x[h, i]
                 b = x[h, i + half]
-                x[h, i] = a * c - b * s
-                x[h, i + half] = a * s + b * c
+                if fused:
+                    x[h, i] = fmaf(a, c, -(b * s))
+                    x[h, i + half] = fmaf(a, s, b * c)
+                else:
+                    x[h, i] = a * c - b * s
+                    x[h, i + half] = a * s + b * c
             else:
                 a = x[h, 2 * i]
                 b = x[h, 2 * i + 1]
@@ -60,20 +67,21 @@ def _row(x: np.ndarray, c_row: np.ndarray, s_row: np.ndarray, n_rot: int, neox: 
 
 
 @njit(cache=True, nogil=True)
-def _serial(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, neox: bool) -> None:
+def _serial(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, neox: bool, fused: bool) -> None:
     for p in range(x.shape[0]):
-        _row(x[p], cos[p], sin[p], n_rot, neox)
+        _row(x[p], cos[p], sin[p], n_rot, neox, fused)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _parallel(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, neox: bool) -> None:
+def _parallel(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, neox: bool, fused: bool) -> None:
     for p in prange(x.shape[0]):
-        _row(x[p], cos[p], sin[p], n_rot, neox)
+        _row(x[p], cos[p], sin[p], n_rot, neox, fused)
 
 
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, neox: bool) -> None:
-    """Rotate the first n_rot dims of every head of x [n_pos, heads, head_dim] in place."""
-    pick(_serial, _parallel, x.size)(x, cos, sin, n_rot, neox)
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, neox: bool, fused: bool = False) -> None:
+    """Rotate the first n_rot dims of every head of x [n_pos, heads, head_dim] in place; `fused`: NEOX's products
+    fused into the additions as ik's build computes them (--numerics ik)."""
+    pick(_serial, _parallel, x.size)(x, cos, sin, n_rot, neox, fused)
 
 
 @dataclass(frozen=True)
@@ -94,12 +102,21 @@ def _corr_dim(n_rot: int, n_ctx_orig: int, rotations: float, base: float) -> np.
 
 
 @njit(cache=True, nogil=True)
+def yarn_log_scale(mul: float, freq_scale: float) -> float:
+    """1 + mul x ln(1 / freq_scale) in ik's float32 arithmetic: logf, and the multiply-add fused (GCC contracts
+    it)."""
+    return fmaf(np.float32(mul), np.log(np.float32(1.0) / np.float32(freq_scale)), np.float32(1.0))
+
+
+@njit(cache=True, nogil=True)
 def _yarn_angles(positions: np.ndarray, n_rot: int, base: float, freq_scale: float, ext_factor: float,
-                 mscale: float, low: float, high: float, cos: np.ndarray, sin: np.ndarray) -> None:
+                 attn_factor: float, low: float, high: float, cos: np.ndarray, sin: np.ndarray) -> None:
     theta_scale = np.float32(np.float32(base) ** (np.float32(-2.0) / np.float32(n_rot)))
     fs = np.float32(freq_scale)
     ext = np.float32(ext_factor)
-    ms = np.float32(mscale)
+    ms = np.float32(attn_factor)
+    if ext != np.float32(0.0):
+        ms = ms * np.float32(yarn_log_scale(0.1, freq_scale))
     lo = np.float32(low)
     span = max(np.float32(0.001), np.float32(high) - lo)
     for p in range(positions.shape[0]):
@@ -109,7 +126,7 @@ def _yarn_angles(positions: np.ndarray, n_rot: int, base: float, freq_scale: flo
             if ext != np.float32(0.0):
                 y = (np.float32(i) - lo) / span
                 mix = (np.float32(1.0) - min(np.float32(1.0), max(np.float32(0.0), y))) * ext
-                theta = theta * (np.float32(1.0) - mix) + theta_extrap * mix
+                theta = fmaf(theta, np.float32(1.0) - mix, theta_extrap * mix)
             cos[p, i] = np.cos(theta) * ms
             sin[p, i] = np.sin(theta) * ms
             theta_extrap = theta_extrap * theta_scale
@@ -123,17 +140,15 @@ def yarn_rope_cache(positions: np.ndarray, n_rot: int, base: float, freq_scale: 
     dims (from beta_fast/beta_slow and n_ctx_orig) and cos/sin are scaled by 1 + 0.1 ln(1/freq_scale).
     """
     f32 = np.float32
-    mscale = f32(yarn.attn_factor)
     low = high = f32(0.0)
     if yarn.ext_factor != 0.0:
-        mscale = f32(mscale * (f32(1.0) + f32(0.1) * np.log(f32(1.0) / f32(freq_scale))))
         low = f32(max(0.0, np.floor(_corr_dim(n_rot, yarn.n_ctx_orig, yarn.beta_fast, base))))
         high = f32(min(n_rot - 1.0, np.ceil(_corr_dim(n_rot, yarn.n_ctx_orig, yarn.beta_slow, base))))
     n = len(positions)
     cos = np.empty((n, n_rot // 2), dtype=np.float32)
     sin = np.empty_like(cos)
     _yarn_angles(np.asarray(positions, dtype=np.int64), n_rot, float(base), float(freq_scale),
-                 float(yarn.ext_factor), float(mscale), float(low), float(high), cos, sin)
+                 float(yarn.ext_factor), float(yarn.attn_factor), float(low), float(high), cos, sin)
     return cos, sin
 
 
