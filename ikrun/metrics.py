@@ -205,13 +205,8 @@ def percentile(v: np.ndarray, f: float) -> float:
     p = np.float32(f) * np.float32(len(v) - 1)
     i = int(p)
     frac = np.float32(p - np.float32(i))
-    return float(_lerp(v[i], v[min(i + 1, len(v) - 1)], frac))
-
-
-@njit(cache=True, nogil=True)
-def _lerp(a: np.float32, b: np.float32, t: np.float32) -> np.float32:
-    """(1 - t) a + t b, the second product fused (ik's compiled arithmetic)."""
-    return fmaf(t, b, (np.float32(1.0) - t) * a)
+    one = np.float32(1.0)
+    return float(np.float32((one - frac) * v[i]) + np.float32(frac * v[min(i + 1, len(v) - 1)]))
 
 
 def median(v: np.ndarray) -> float:

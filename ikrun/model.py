@@ -23,7 +23,9 @@ from threadpoolctl import ThreadpoolController
 from ikquant.gguf_io import GGUFFile
 from ikquant.types import GGMLType
 from ikrun.models.base import ArchModel, ModelError
+from ikrun.ops.ikgemm import ik_float_matmul
 from ikrun.ops.numerics import (
+    IK_FLOAT_TYPES,
     IK_KERNELS,
     UNROUNDED,
     ToInts,
@@ -274,14 +276,26 @@ class Model:
         kind = PACKED + CONVERTED * kernel.converts(n_act_rows, self.shape(name)[0])
         return self.weights.derived(name, lambda raw, decoded: pack(ints(raw, decoded)), kind)
 
+    def _ik_float_kind(self, name: str) -> str | None:
+        """F32, F16 or BF16 where ik multiplies weight `name` in its float kernels (ikrun/ops/ikgemm.py) on rows they
+        take whole, else None."""
+        type_name = self.weights.encoding(name).type.name
+        whole = self.weights.info(name).n_per_row % (32 if type_name == "BF16" else 16) == 0
+        return type_name if type_name in IK_FLOAT_TYPES and whole else None
+
     def head_matmul(self, x: np.ndarray, name: str) -> np.ndarray | None:
         """Under --numerics ik, x [H, n, in] times each head's equal slice of the 2-D weight `name`'s rows, as ik's
-        integer kernel multiplies them (the slice is the matrix it sees): [H, n, rows / H]; None where ik
-        multiplies floats (the caller's float path applies) or without --numerics ik."""
+        kernel multiplies them (the slice is the matrix it sees): [H, n, rows / H]; None where this runtime
+        multiplies them as floats (the caller's float path applies) or without --numerics ik."""
         if not self.ik_numerics:
             return None
         n_head, n = x.shape[0], x.shape[1]
         rows = self.shape(name)[0] // n_head
+        float_kind = self._ik_float_kind(name)
+        if float_kind is not None:
+            w = self.weight(name).reshape(n_head, rows, -1)
+            xr = self.activations(x, name)
+            return np.stack([ik_float_matmul(xr[h], w[h], float_kind == "BF16") for h in range(n_head)])
         kernel = ik_kernel(self.weights.encoding(name).type.name)
         ints = kernel.integers(n, rows)
         if ints is None:
@@ -348,6 +362,9 @@ class Model:
             converted = self._ik_converted(weight_name, len(x), self.shape(weight_name)[0])
             if converted is not None:
                 return x @ converted.T
+            kind = self._ik_float_kind(weight_name)
+            if kind is not None and self.fits(self.weights.decoded_bytes(weight_name)):
+                return ik_float_matmul(x, self.weight(weight_name), kind == "BF16")
         w = self.weights
         hit = w.cached_array(weight_name)
         if hit is not None:

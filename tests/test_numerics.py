@@ -122,18 +122,21 @@ def test_deepseek_v3_q8_0_prints_iks_single_thread_figures() -> None:
     one-thread figures to the last digit."""
     ik = _printed(BITS / "ik-deepseek-v3-q8_0-t1-kld.txt")
     got = _kld(DATA / "convert" / "deepseek-v3" / "ik-q8_0.gguf", DATA / "logits" / "deepseek-v3" / "ik-base.kld")
-    assert abs(got["kld_mean"] - ik["kld_mean"]) <= 5e-7 and abs(got["ppl_q"] - ik["ppl_q"]) <= 5e-7, (got, ik)
+    for key, value in ik.items():
+        assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), (key, got[key], value)
     golden = _printed(DATA / "logits" / "deepseek-v3" / "ik-q8_0-kld.txt")
     assert abs(golden["kld_mean"] - ik["kld_mean"]) > 1e-4
 
 
-@pytest.mark.parametrize(("weights", "kld_rel"), [("q8_0", 0.003), ("bf16", 0.03)])
-def test_qwen3_q8_0_and_bf16(weights: str, kld_rel: float) -> None:
-    """bf16's KLD (2.0e-5) is printed with two digits; its PPL(Q) carries the check."""
-    ik = _printed(DATA / "logits" / "qwen3" / f"ik-{weights}-kld.txt")
-    got = _kld(DATA / "convert" / "qwen3" / f"ik-{weights}.gguf", DATA / "logits" / "qwen3" / "ik-base.kld")
-    assert _close(got["kld_mean"], ik["kld_mean"], kld_rel), (got["kld_mean"], ik)
-    assert abs(got["ppl_q"] / ik["ppl_q"] - 1) < 5e-4, (got["ppl_q"], ik)
+@pytest.mark.parametrize(("variant", "weights"), [("qwen3", "q8_0"), ("qwen3", "bf16"), ("deepseek-v3", "bf16")])
+def test_golden_variants_print_iks_figures_to_the_last_digit(variant: str, weights: str) -> None:
+    """The golden ik-q8_0 / ik-bf16 KLD runs of the other variants: bf16 through ik's bf16 kernel (activations
+    rounded to bf16, vdpbf16ps pairs), DeepSeek's MLA, routed experts and their weighting as ik's graph computes
+    them; every printed figure to its last digit (the deepseek-v3 Q8_0 run: the next test)."""
+    ik = _printed(DATA / "logits" / variant / f"ik-{weights}-kld.txt")
+    got = _kld(DATA / "convert" / variant / f"ik-{weights}.gguf", DATA / "logits" / variant / "ik-base.kld")
+    for key, value in ik.items():
+        assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), (key, got[key], value)
 
 
 def test_deepseek_v4_mxfp4_experts_reproduce_iks_kld_against_transformers() -> None:

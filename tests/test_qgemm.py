@@ -23,7 +23,7 @@ from ikrun.ops.numerics import (
     integer_rows,
     round_activations,
 )
-from ikrun.ops.qgemm import HAS_VNNI, TILE, BlockInts, pack, qmatmul
+from ikrun.ops.qgemm import HAS_VNNI, ORDER_Q8_1, ORDER_R8, ORDER_R16, TILE, BlockInts, IntRows, pack, qmatmul
 
 DATA = Path(__file__).parent / "data"
 #: (block, activation format, with Q8_1 offsets)
@@ -59,6 +59,68 @@ def test_block_sums_are_exact_integers() -> None:
     x[:, 0] = 127  # every activation block's scale is then bf16(127 / 127) = 1
     got = qmatmul(integer_rows(x, Q8_2_X4), pack(BlockInts(q, np.ones((16, 1), np.float32), 32)))
     np.testing.assert_array_equal(got, x.astype(np.int64) @ q.T.astype(np.int64))
+
+
+def _fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """a b + c of float32 arrays with one rounding: the float64 product is exact, the float64 sum's own error
+    (two-sum) settles the rare sums that land on a float32 midpoint."""
+    a, b, c = (np.asarray(v, np.float32).astype(np.float64) for v in np.broadcast_arrays(a, b, c))
+    p = a * b
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    r = s.astype(np.float32)
+    up, down = np.nextafter(r, np.float32(np.inf)), np.nextafter(r, np.float32(-np.inf))
+    r = np.where((err > 0) & ((r.astype(np.float64) + up) / 2 == s), up, r)
+    return np.where((err < 0) & ((r.astype(np.float64) + down) / 2 == s), down, r)
+
+
+def _ik_reference(x: IntRows, w: BlockInts) -> np.ndarray:
+    """The float order of ik's kernel for `w.order`, written out with numpy from the integers (tests/_fma32)."""
+    m, nb = x.rows, w.scale.shape[1]
+    qa = x.u[:m].astype(np.int64).reshape(m, nb, w.block) - 128
+    qw = w.q.astype(np.int64).reshape(-1, nb, w.block)
+    isum = np.einsum("mbk,rbk->mrb", qa, qw)
+    asum = qa.sum(axis=2)
+    d = (w.scale[None, :, :] * x.scale[:m, None, :]).astype(np.float32)  # [m, r, b]
+    zero = np.zeros(d.shape[:2], np.float32)
+    if w.order == ORDER_R8:
+        acc, acc1 = zero, zero
+        for b in range(nb):
+            acc = _fma32(d[..., b], (isum[..., b] + 127 * asum[:, None, b]).astype(np.float32), acc)
+            acc1 = _fma32(w.scale[None, :, b], x.sums[:m, None, b], acc1)
+        return _fma32(np.float32(-127), acc1, acc)
+    acc = zero
+    if w.order == ORDER_R16:
+        for b in range(nb):
+            acc = _fma32(d[..., b], (isum[..., b] + 128 * asum[:, None, b]).astype(np.float32), acc)
+            acc = _fma32((w.scale[:, b] * np.float32(-128)).astype(np.float32)[None, :], x.sums[:m, None, b], acc)
+        return acc
+    assert w.order == ORDER_Q8_1 and w.offset is not None
+    for b0 in range(0, nb, 4):
+        for b in range(b0, b0 + 4):
+            acc = _fma32(w.offset[None, :, b], x.sums[:m, None, b], acc)
+        for b in range(b0, b0 + 4):
+            acc = _fma32(d[..., b], isum[..., b].astype(np.float32), acc)
+    return acc
+
+
+@pytest.mark.parametrize("vnni", [False, True] if HAS_VNNI else [False])
+@pytest.mark.parametrize(("block", "fmt", "order"), [(32, Q8_2_X4, ORDER_R8), (32, Q8_2_X4, ORDER_Q8_1),
+                                                     (256, Q8_K, ORDER_R16)])
+def test_each_order_is_iks_float_arithmetic(block: int, fmt: str, order: int, vnni: bool) -> None:
+    """ik's Q8_0_R8, Q8_1 and Q8_K_R16 gemms (ikrun/ops/qgemm.py ORDER_*), written out block by block with exact
+    fused multiply-adds: the kernels give their bits, over rows long enough to take several passes of K_BYTES and
+    row counts that are no whole tiles or groups; the plain order gives other bits."""
+    rng = np.random.default_rng(order)
+    w = _weights(rng, 40, 24 * block if block == 32 else 4 * block, block, order == ORDER_Q8_1)
+    w = BlockInts(w.q, w.scale, block, w.offset, order)
+    x = (rng.standard_normal((TILE + 3, w.q.shape[1])) * rng.uniform(0.1, 10, (TILE + 3, 1))).astype(np.float32)
+    rows = integer_rows(x, fmt)
+    got = qmatmul(rows, pack(w), vnni=vnni)
+    np.testing.assert_array_equal(got, _ik_reference(rows, w))
+    plain = qmatmul(rows, pack(BlockInts(w.q, w.scale, block, w.offset)), vnni=vnni)
+    assert np.any(plain != got)
 
 
 @pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI: only the portable kernel runs")
@@ -202,12 +264,12 @@ def test_the_vnni_kernel_is_built_from_vpdpbusd() -> None:
     from ikrun.ops.qgemm import _tile32
 
     @njit
-    def call(wq, ws, wc, wo, au, asc, asum, aisum, out, out1):  # type: ignore[no-untyped-def]
-        _tile32(wq, ws, wc, wo, au, asc, asum, aisum, out, out1, 0, 0, 0, 1, 1, 32)
+    def call(wq, ws, wc, wo, au, asc, asum, aisum, out):  # type: ignore[no-untyped-def]
+        _tile32(wq, ws, wc, wo, au, asc, asum, aisum, out, 0, 0, 0, 1, 1, 32)
 
     f32, i8 = np.zeros(64, np.float32), np.zeros(32 * 32, np.int8)
     call(i8, f32, np.zeros(64, np.int32), f32, np.zeros(4 * 32, np.uint8), f32, f32, np.zeros(4, np.int32),
-         np.zeros(4 * 32, np.float32), np.zeros(0, np.float32))
+         np.zeros(4 * 32, np.float32))
     asm = "\n".join(call.inspect_asm().values())
     assert asm.count("vpdpbusd") >= 64 and "vpdpbusd\t%zmm" in asm  # LLVM may unroll the block loop further
 

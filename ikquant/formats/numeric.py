@@ -40,6 +40,17 @@ def f32_from_bits(typingctx, u):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
+def f64_from_bits(typingctx, u):  # type: ignore[no-untyped-def]
+    """Reinterpret a uint64 as float64."""
+    sig = types.float64(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return sig, codegen
+
+
+@intrinsic
 def fmaf(typingctx, a, b, c):  # type: ignore[no-untyped-def]
     """a*b + c with one rounding (llvm.fma.f32), as GCC emits when it contracts a multiply-add."""
     sig = types.float32(types.float32, types.float32, types.float32)

@@ -13,11 +13,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.numeric import fmaf
 from ikrun.ops.activations import ik_expf
+from ikrun.ops.ikgemm import DOTS, LANES, dots
 from ikrun.ops.parallel import pick
-
-LANES = 16  # ik's float kernels' vector width (AVX-512)
 
 # Query rows per block: bounds the score buffer to heads x block x n_kv floats for long chunks.
 QUERY_BLOCK = 256
@@ -87,57 +85,50 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) 
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _lane_sum(a: np.ndarray) -> np.float32:
-    """The 16 lanes of a added as ik's reduction adds them."""
-    t = np.empty(8, np.float32)
-    for j in range(8):
-        t[j] = a[j + 8] + a[j]
-    u0, u1, u2, u3 = t[4] + t[0], t[5] + t[1], t[6] + t[2], t[7] + t[3]
-    return (u0 + u2) + (u1 + u3)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _ik_query(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: np.float32, n_keys: int, p: np.ndarray,
-              out: np.ndarray) -> None:
-    """One query row q [d] against keys k [n, d] 0 .. n_keys - 1 and transposed values vt [dv, n padded to lanes]:
-    ik's scores, softmax and weighted values into out [dv]; p is a scratch row of the padded key count."""
-    d = q.shape[0]
-    a = np.empty(LANES, np.float32)
+def _ik_query(q: np.ndarray, q0: int, k: np.ndarray, k0: int, vt: np.ndarray, v0: int, d: int, dv: int,
+              stride_k: int, stride_v: int, scale: np.float32, n_keys: int, p: np.ndarray, out: np.ndarray,
+              o0: int, tail: np.ndarray) -> None:
+    """One query row (q[q0 : q0 + d]) against keys 0 .. n_keys - 1 (rows of k from k0, stride_k apart) and the
+    transposed values (rows of vt from v0, stride_v apart): ik's scores, softmax and weighted values into
+    out[o0 : o0 + dv]; p is a scratch row of at least n_keys rounded up to 16."""
+    dots(q, q0, k, k0, stride_k, d, n_keys, p, 0, tail, False)
     m = -np.inf
     for j in range(n_keys):
-        for lane in range(LANES):
-            a[lane] = q[lane] * k[j, lane]
-        for c in range(LANES, d, LANES):
-            for lane in range(LANES):
-                a[lane] = fmaf(q[c + lane], k[j, c + lane], a[lane])
-        w = _lane_sum(a) * scale
+        w = p[j] * scale
         p[j] = w
         m = max(m, w)
-    a[:] = 0
-    for j in range(p.shape[0]):
-        e = ik_expf(p[j] - m) if j < n_keys else np.float32(0.0)
-        p[j] = e
-        a[j % LANES] += e
-    inv = np.float32(1.0 / np.float64(_lane_sum(a)))
+    lanes = np.zeros(LANES, np.float32)
+    width = n_keys + (-n_keys % LANES)
+    for c in range(0, width, LANES):
+        for lane in range(LANES):
+            e = ik_expf(p[c + lane] - m)
+            e = e if c + lane < n_keys else np.float32(0.0)
+            p[c + lane] = e
+            lanes[lane] += e
+    t = np.empty(8, np.float32)
+    for j in range(8):
+        t[j] = lanes[j + 8] + lanes[j]
+    total = ((t[4] + t[0]) + (t[6] + t[2])) + ((t[5] + t[1]) + (t[7] + t[3]))
+    inv = np.float32(1.0 / np.float64(total))
     for j in range(n_keys):
         p[j] *= inv
-    for c in range(vt.shape[0]):
-        a[:] = 0
-        for j0 in range(0, p.shape[0], LANES):
-            for lane in range(LANES):
-                a[lane] = fmaf(p[j0 + lane], vt[c, j0 + lane], a[lane])
-        out[c] = _lane_sum(a)
+    dots(p, 0, vt, v0, stride_v, width, dv, out, o0, tail, False)
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, past: int, out: np.ndarray) -> None:
-    """q [H, n, d], k [Hkv, p + n, d], vt [Hkv, dv, keys padded], out [H, n, dv]."""
-    n_head, n = q.shape[0], q.shape[1]
-    group = n_head // k.shape[0]
+    """q [H, n, d], k [Hkv, p + n, d], vt [Hkv, dv, keys padded], out [H, n, dv] (all C-contiguous)."""
+    n_head, n, d = q.shape
+    n_kv, n_all, dv, padded = k.shape[0], k.shape[1], vt.shape[1], vt.shape[2]
+    group = n_head // n_kv
+    qf, kf, vf, of = q.reshape(-1), k.reshape(-1), vt.reshape(-1), out.reshape(-1)
     for t in prange(n_head * n):
         h, i = t // n, t % n
-        p = np.zeros(vt.shape[2], np.float32)
-        _ik_query(q[h, i], k[h // group], vt[h // group], np.float32(scale), past + i + 1, p, out[h, i])
+        g = h // group
+        p = np.zeros(padded, np.float32)
+        tail = np.empty(DOTS, np.float32)
+        _ik_query(qf, t * d, kf, g * n_all * d, vf, g * dv * padded, d, dv, d, padded, np.float32(scale),
+                  past + i + 1, p, of, t * dv, tail)
 
 
 def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:

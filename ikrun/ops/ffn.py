@@ -80,15 +80,18 @@ def moe_ffn(m: Model, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: M
         m.chunk = seq.index
         chosen = None if hash_table is None else hash_table[seq.tokens]
         routes.append(route(m.linear(h, b + "ffn_gate_inp"), bias, cfg.n_used, cfg.gating, cfg.w_norm, cfg.w_scale,
-                            chosen))
+                            chosen, m.ik_numerics))
     x = hs[0] if len(hs) == 1 else np.concatenate(hs)
     sel = routes[0][0] if len(hs) == 1 else np.concatenate([r[0] for r in routes])
     w = routes[0][1] if len(hs) == 1 else np.concatenate([r[1] for r in routes])
     names = [b + t + ".weight" for t in EXPERT_TENSORS]
     formats = (m.activation_format(names[0]), m.activation_format(names[1]), m.activation_format(names[2]))
     counts = np.bincount(sel.reshape(-1), minlength=cfg.n_expert)
+    ik = (m.weights.encoding(names[0]).type.name, m.weights.encoding(names[1]).type.name,
+          m.weights.encoding(names[2]).type.name) if m.ik_numerics else None
     res = moe_experts(x, sel, w, cfg.n_expert, _fetcher(m, names, counts), _group(m, names, cfg.n_expert), limit,
-                      formats, _integers(m, names, counts) if m.ik_numerics else None, keep_act=bool(m.observers))
+                      formats, _integers(m, names, counts) if m.ik_numerics else None, keep_act=bool(m.observers),
+                      ik=ik)
     starts = np.cumsum([0] + [len(h) for h in hs])
     if m.observers:
         _observe_experts(m, names, x, res, cfg, starts, seqs)

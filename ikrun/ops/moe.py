@@ -19,8 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from ikquant.formats.numeric import fmaf
+from ikrun.ops.activations import ik_expf
 from ikrun.ops.fgemm import expert_matmul
-from ikrun.ops.numerics import UNROUNDED, integer_rows, round_activations
+from ikrun.ops.ikgemm import ik_float_matmul
+from ikrun.ops.numerics import IK_FLOAT_TYPES, UNROUNDED, integer_rows, round_activations
 from ikrun.ops.qgemm import IntRows, PackedInts, qmatmul
 
 GATING_SOFTMAX = 1
@@ -52,7 +55,7 @@ def _softmax(x: np.ndarray, out: np.ndarray) -> None:
 
 @njit(cache=True, nogil=True, inline="always")
 def _route_row(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, scale: np.float32, preset: bool,
-               probs: np.ndarray, taken: np.ndarray, sel: np.ndarray, w: np.ndarray) -> None:
+               ik: bool, probs: np.ndarray, taken: np.ndarray, sel: np.ndarray, w: np.ndarray) -> None:
     n_expert = logits.shape[0]
     one = np.float32(1.0)
     if gating == GATING_SOFTMAX:
@@ -89,7 +92,14 @@ def _route_row(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, sc
             w[s] = probs[best]
     if gating == GATING_SOFTMAX_WEIGHT:
         _softmax(w.copy(), w)
-    if norm:
+    if norm and ik:  # ik's fused sum_rows + div: a float32 sum, its reciprocal, a product
+        t = np.float32(0.0)
+        for s in range(w.shape[0]):
+            t += w[s]
+        inv = one / t if t > 0 else np.float32(0.0)
+        for s in range(w.shape[0]):
+            w[s] = w[s] * inv
+    elif norm:
         total = 1e-20  # transformers' guard: DeepSeek-V4's sqrt(softplus) scores of a hash row can all be 0
         for s in range(w.shape[0]):
             total += np.float64(w[s])
@@ -102,21 +112,22 @@ def _route_row(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, sc
 
 
 @njit(cache=True, nogil=True)
-def _route(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, scale: float, preset: bool,
+def _route(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, scale: float, preset: bool, ik: bool,
            sel: np.ndarray, w: np.ndarray) -> None:
     n, n_expert = logits.shape
     probs = np.empty(n_expert, dtype=np.float32)
     taken = np.empty(n_expert, dtype=np.bool_)
     for t in range(n):
-        _route_row(logits[t], bias, gating, norm, np.float32(scale), preset, probs, taken, sel[t], w[t])
+        _route_row(logits[t], bias, gating, norm, np.float32(scale), preset, ik, probs, taken, sel[t], w[t])
 
 
 def route(logits: np.ndarray, bias: np.ndarray | None, n_used: int, gating: int, norm: bool,
-          scale: float, chosen: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+          scale: float, chosen: np.ndarray | None = None, ik: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(chosen experts [n, n_used] int64, their weights [n, n_used] float32) from router logits [n, n_expert].
 
     `chosen` [n, n_used] fixes the experts instead of the top-k (hash routing: DeepSeek-V4's tid2eid rows, which
-    may name an expert twice); they are weighed, normalised and scaled as a top-k choice would be."""
+    may name an expert twice); they are weighed, normalised and scaled as a top-k choice would be; `ik`:
+    normalised as ik's graph computes it (--numerics ik)."""
     logits = np.ascontiguousarray(logits, dtype=np.float32)
     n = logits.shape[0]
     if chosen is None:
@@ -128,7 +139,7 @@ def route(logits: np.ndarray, bias: np.ndarray | None, n_used: int, gating: int,
                              f"0..{logits.shape[1] - 1}")
     w = np.empty((n, n_used), dtype=np.float32)
     b = np.empty(0, dtype=np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
-    _route(logits, b, gating, norm, float(scale), chosen is not None, sel, w)
+    _route(logits, b, gating, norm, float(scale), chosen is not None, ik, sel, w)
     return sel, w
 
 
@@ -142,33 +153,36 @@ def group_by_expert(sel: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.ndar
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _swiglu1(g: np.float32, u: np.float32, limit: np.float32) -> np.float32:
-    """One clamped SwiGLU value from the gate and up projections."""
+def _swiglu1(g: np.float32, u: np.float32, limit: np.float32, ik: bool) -> np.float32:
+    """One clamped SwiGLU value from the gate and up projections (`ik`: with ik's exponential)."""
     g = min(g, limit)
-    return (g / (np.float32(1.0) + np.exp(-g))) * max(-limit, min(u, limit))
+    e = ik_expf(-g) if ik else np.exp(-g)
+    return (g / (np.float32(1.0) + e)) * max(-limit, min(u, limit))
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _combine_row(y: np.ndarray, w: np.ndarray, t: int, out: np.ndarray) -> None:
+def _combine_row(y: np.ndarray, w: np.ndarray, t: int, out: np.ndarray, ik: bool) -> None:
+    """Token t's slots weighted and summed in slot order (`ik`: each after the first fused into the sum, as ik's
+    compiled mul_multi_add)."""
     k = w.shape[1]
     for j in range(out.shape[1]):
         out[t, j] = y[t * k, j] * w[t, 0]
     for s in range(1, k):
         ws = w[t, s]
         for j in range(out.shape[1]):
-            out[t, j] += y[t * k + s, j] * ws
+            out[t, j] = fmaf(y[t * k + s, j], ws, out[t, j]) if ik else out[t, j] + y[t * k + s, j] * ws
 
 
 @njit(cache=True, nogil=True)
-def _combine_serial(y, w, out):  # type: ignore[no-untyped-def]
+def _combine_serial(y, w, out, ik):  # type: ignore[no-untyped-def]
     for t in range(out.shape[0]):
-        _combine_row(y, w, t, out)
+        _combine_row(y, w, t, out, ik)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _combine_parallel(y, w, out):  # type: ignore[no-untyped-def]
+def _combine_parallel(y, w, out, ik):  # type: ignore[no-untyped-def]
     for t in prange(out.shape[0]):
-        _combine_row(y, w, t, out)
+        _combine_row(y, w, t, out, ik)
 
 
 #: expert ids -> their (up, gate, down) matrices, [len(ids), ...] each, in the order of ids
@@ -178,16 +192,16 @@ ExpertInts = Callable[[int], tuple[PackedInts, PackedInts, PackedInts] | None]
 
 
 @njit(cache=True, nogil=True)
-def _swiglu_rows(g: np.ndarray, u: np.ndarray, limit: float, out: np.ndarray) -> None:
+def _swiglu_rows(g: np.ndarray, u: np.ndarray, limit: float, ik: bool, out: np.ndarray) -> None:
     for i in range(g.shape[0]):
         for j in range(g.shape[1]):
-            out[i, j] = _swiglu1(g[i, j], u[i, j], np.float32(limit))
+            out[i, j] = _swiglu1(g[i, j], u[i, j], np.float32(limit), ik)
 
 
-def _swiglu(g: np.ndarray, u: np.ndarray, limit: float) -> np.ndarray:
+def _swiglu(g: np.ndarray, u: np.ndarray, limit: float, ik: bool) -> np.ndarray:
     """The clamped SwiGLU of an expert's gate and up projections [tokens, n_ff]."""
     out = np.empty(g.shape, np.float32)
-    _swiglu_rows(np.ascontiguousarray(g), np.ascontiguousarray(u), float(limit), out)
+    _swiglu_rows(np.ascontiguousarray(g), np.ascontiguousarray(u), float(limit), ik, out)
     return out
 
 
@@ -210,13 +224,15 @@ class RoutedExperts:
 def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fetch: ExpertFetch,
                 group: int | None = None, limit: float = np.inf,
                 formats: tuple[str, str, str] = (UNROUNDED, UNROUNDED, UNROUNDED),
-                ints: ExpertInts | None = None, keep_act: bool = True) -> RoutedExperts:
+                ints: ExpertInts | None = None, keep_act: bool = True,
+                ik: tuple[str, str, str] | None = None) -> RoutedExperts:
     """Routed SwiGLU experts: x [n, n_embd], sel/w [n, k]; `fetch(ids)` gives the up/gate [len(ids), n_ff, n_embd] and
     down [len(ids), n_embd, n_ff] matrices of experts `ids` (float32, or f16/bf16 bits as expert_matmul reads them); a finite `limit` clamps the SwiGLU as swiglu does;
     `formats` are the activation formats (ikrun/ops/numerics.py) of up, gate and down under --numerics ik, and
     `ints(e)` gives the integers ik's kernels multiply expert e as (qmatmul: integer rows per expert) where they do;
     `keep_act` keeps the ffn_down inputs of every assignment for observers ([n k, n_ff] floats: a streamed pass over
-    many chunks would hold them for nothing).
+    many chunks would hold them for nothing); `ik` (--numerics ik: the up, gate and down weight types) computes the
+    SwiGLU and the weighted sum in ik's float order and F32/F16/BF16 experts in ik's float kernels.
 
     Only experts with at least one assignment are fetched, `group` of them at a time (None: all at once), so a
     layer's expert tensor never has to be decoded whole. Every assignment's result is computed by its expert alone
@@ -246,7 +262,7 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
         if not xs:  # the routed tokens rounded once for every expert
             xs = [integer_rows(x, formats[0])]
             xs.append(xs[0] if formats[1] == formats[0] else integer_rows(x, formats[1]))
-        a = _swiglu(qmatmul(xs[1].take(rows // k), gate), qmatmul(xs[0].take(rows // k), up), limit)
+        a = _swiglu(qmatmul(xs[1].take(rows // k), gate), qmatmul(xs[0].take(rows // k), up), limit, ik is not None)
         if act is not None:
             act[rows] = a
         y[rows] = qmatmul(integer_rows(a, formats[2]), down)
@@ -263,12 +279,30 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
         for j, e in enumerate(ids.tolist()):
             rows = order[offsets[e] : offsets[e + 1]]
             tokens = rows // k
-            a = _swiglu(expert_matmul(xg, gates[j], tokens), expert_matmul(xu, ups[j], tokens), limit)
+            a = _swiglu(_expert_product(xg, gates[j], tokens, ik and ik[1]),
+                        _expert_product(xu, ups[j], tokens, ik and ik[0]), limit, ik is not None)
             if act is not None:
                 act[rows] = a
-            y[rows] = expert_matmul(round_activations(a, formats[2]), downs[j])
+            y[rows] = _expert_product(round_activations(a, formats[2]), downs[j], None, ik and ik[2])
     assert y is not None, "a routing without assignments"
     out = np.empty((n, y.shape[1]), dtype=np.float32)
     combine = _combine_parallel if n * k * y.shape[1] >= PARALLEL_MIN_FLOPS else _combine_serial
-    combine(y, np.ascontiguousarray(w), out)
+    combine(y, np.ascontiguousarray(w), out, ik is not None)
     return RoutedExperts(out, act, order, offsets)
+
+
+def _expert_product(x: np.ndarray, w: np.ndarray, tokens: np.ndarray | None, ik: str | None) -> np.ndarray:
+    """x (its rows `tokens`) times an expert matrix: in ik's float kernel for an F32/F16/BF16 weight under --numerics
+    ik (`ik` its type), else expert_matmul."""
+    if ik in IK_FLOAT_TYPES and x.shape[1] % (32 if ik == "BF16" else 16) == 0:
+        return ik_float_matmul(x if tokens is None else x[tokens], widened(w), ik == "BF16")
+    return expert_matmul(x, w, tokens)
+
+
+def widened(mat: np.ndarray) -> np.ndarray:
+    """An expert matrix as float32: as fetched, or from its 16-bit patterns (uint16 f16, int16 bf16)."""
+    if mat.dtype == np.uint16:
+        return mat.view(np.float16).astype(np.float32)
+    if mat.dtype == np.int16:
+        return (mat.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return np.asarray(mat, dtype=np.float32)

@@ -375,6 +375,10 @@ IK_KERNELS: dict[str, IkKernel] = {
 }
 
 
+#: weight types ik multiplies in its float kernels (ikrun/ops/ikgemm.py)
+IK_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
 def ik_kernel(type_name: str) -> IkKernel:
     """How ik multiplies a weight type under --numerics ik."""
     try:

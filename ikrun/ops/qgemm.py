@@ -169,23 +169,25 @@ def _vector(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, vty: ir.Vect
 
 def _make_tile(block: int, offsets: bool, order: int = ORDER_PLAIN):  # type: ignore[no-untyped-def]
     """The VNNI micro-kernel for weight groups GROUPS x g .. GROUPS x g + GROUPS - 1 and activation rows m0 ..
-    m0 + TILE - 1, blocks b0 .. b1 of the row, added to what out (and out1) hold: per block f32(isum - corr) x
-    (scale x a_scale[m, b]) (+ offset x a_sum[m, b]) for each group h, in the float order `order` (ORDER_R8 sums
-    the activation-sum terms into out1; ORDER_Q8_1 takes the blocks four at a time, offsets first). Each block's
-    integer sum is split over CHAINS accumulators (exact, and the additions no longer wait for one another)."""
+    m0 + TILE - 1, blocks b0 .. b1 of the row, added to what out holds: per block f32(isum - corr) x (scale x
+    a_scale[m, b]) (+ offset x a_sum[m, b]) for each group h, in the float order `order` (ORDER_R8: a call takes
+    the whole row, its two sums meet at the end; ORDER_Q8_1 takes the blocks four at a time, offsets first). Each
+    block's integer sum is split over CHAINS accumulators (exact, and the additions no longer wait for one another;
+    one for the orders whose second terms need the registers)."""
     steps = block // 4
     r8, r16, q81 = order == ORDER_R8, order == ORDER_R16, order == ORDER_Q8_1
     per_step = 4 if q81 else 1  # blocks per step of the loop
+    chains = 1 if q81 or r8 else CHAINS  # their second terms leave no registers for more
 
     @intrinsic
-    def tile(typingctx, wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, m0, b0, b1, nb,  # type: ignore[no-untyped-def]
+    def tile(typingctx, wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, b0, b1, nb,  # type: ignore[no-untyped-def]
              n):
-        sig = types.void(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, *[types.int64] * 6)
+        sig = types.void(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, *[types.int64] * 6)
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            wq_p, ws_p, wc_p, wo_p, au_p, as_p, su_p, si_p, out_p, out1_p = (
-                context.make_array(t)(context, builder, value=v).data for t, v in zip(signature.args[:10], args[:10]))
-            g_v, m0_v, b0_v, b1_v, nb_v, n_v = args[10:]
+            wq_p, ws_p, wc_p, wo_p, au_p, as_p, su_p, si_p, out_p = (
+                context.make_array(t)(context, builder, value=v).data for t, v in zip(signature.args[:9], args[:9]))
+            g_v, m0_v, b0_v, b1_v, nb_v, n_v = args[9:]
             dpbusd = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_V16I, [_V16I, _V16I, _V16I]), "llvm.x86.avx512.vpdpbusd.512")
             fma_fn = cgutils.get_or_insert_function(
@@ -203,8 +205,8 @@ def _make_tile(block: int, offsets: bool, order: int = ORDER_PLAIN):  # type: ig
 
             outs = out_vectors(out_p)
             accs = {key: cgutils.alloca_once_value(builder, builder.load(o, align=1)) for key, o in outs.items()}
-            outs1 = out_vectors(out1_p) if r8 else {}
-            accs1 = {key: cgutils.alloca_once_value(builder, builder.load(o, align=1)) for key, o in outs1.items()}
+            zero_f = ir.Constant(_V16F, [0.0] * LANES)
+            accs1 = {key: cgutils.alloca_once_value(builder, zero_f) for key in keys} if r8 else {}
 
             def integer_sums(b: ir.Value) -> dict:  # type: ignore[type-arg]
                 """Block b's exact sums of u x q per (group, row): isum - corr."""
@@ -212,18 +214,18 @@ def _make_tile(block: int, offsets: bool, order: int = ORDER_PLAIN):  # type: ig
                 wbase = [builder.mul(x, const(steps * 64)) for x in gb]
                 abase = [builder.add(builder.mul(r, row_len), builder.mul(b, const(block))) for r in rows]
                 zero = ir.Constant(_V16I, [0] * LANES)
-                isum = {(h, i, c): zero for h, i in keys for c in range(CHAINS)}
+                isum = {(h, i, c): zero for h, i in keys for c in range(chains)}
                 for s in range(steps):
                     w = [_vector(builder, wq_p, builder.add(wb, const(s * 64)), _V16I) for wb in wbase]
                     for i in range(TILE):
                         ap = builder.gep(au_p, [builder.add(abase[i], const(s * 4))])
                         a = _splat(builder, builder.load(builder.bitcast(ap, _I32.as_pointer()), align=1), _V16I)
                         for h in range(GROUPS):
-                            isum[(h, i, s % CHAINS)] = builder.call(dpbusd, [isum[(h, i, s % CHAINS)], a, w[h]])
+                            isum[(h, i, s % chains)] = builder.call(dpbusd, [isum[(h, i, s % chains)], a, w[h]])
                 totals = {}
                 for h, i in keys:
                     total = isum[(h, i, 0)]
-                    for c in range(1, CHAINS):
+                    for c in range(1, chains):
                         total = builder.add(total, isum[(h, i, c)])
                     totals[(h, i)] = builder.sub(total, _vector(builder, wc_p, builder.mul(gb[h], const(LANES)), _V16I))
                 return totals
@@ -265,7 +267,7 @@ def _make_tile(block: int, offsets: bool, order: int = ORDER_PLAIN):  # type: ig
                             acc = fma(d, f, acc)
                             if r8:
                                 builder.store(fma(scale[h], a_sum[i], builder.load(accs1[(h, i)])), accs1[(h, i)])
-                            else:
+                            if r16:
                                 minus = ir.Constant(_V16F, [-128.0] * LANES)
                                 acc = fma(builder.fmul(scale[h], minus), a_sum[i], acc)
                         elif q81:
@@ -275,10 +277,12 @@ def _make_tile(block: int, offsets: bool, order: int = ORDER_PLAIN):  # type: ig
                             if offsets:
                                 acc = builder.fadd(acc, builder.fmul(offset[h], a_sum[i]))
                         add((h, i), acc)
+            minus127 = ir.Constant(_V16F, [-127.0] * LANES)
             for key, o in outs.items():
-                builder.store(builder.load(accs[key]), o, align=1)
-            for key, o in outs1.items():
-                builder.store(builder.load(accs1[key]), o, align=1)
+                value = builder.load(accs[key])
+                if r8:  # a call covers the whole row (_vnni_tiles): fma(-127, acc1, acc)
+                    value = fma(minus127, builder.load(accs1[key]), value)
+                builder.store(value, o, align=1)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -292,48 +296,49 @@ _tile32_q81 = _make_tile(32, True, ORDER_Q8_1)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, m0, m1, block, nb, n,  # type: ignore[no-untyped-def]
+def _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block, nb, n,  # type: ignore[no-untyped-def]
                 order):
     """Weight groups of call g against activation rows m0 .. m1, K_BYTES of each row at a time (so the groups'
     values stay in the core's first-level cache for all the rows)."""
-    chunk = max(1, K_BYTES // block)
+    # ORDER_R8's two sums meet after the row's last block: one call per row
+    chunk = nb if order == ORDER_R8 else max(1, K_BYTES // block)
     for b0 in range(0, nb, chunk):
         b1 = min(nb, b0 + chunk)
         for t in range(m0, m1, TILE):
             if block == 256 and order == ORDER_R16:
-                _tile256_r16(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, t, b0, b1, nb, n)
+                _tile256_r16(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             elif block == 256:
-                _tile256(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, t, b0, b1, nb, n)
+                _tile256(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             elif order == ORDER_Q8_1:
-                _tile32_q81(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, t, b0, b1, nb, n)
+                _tile32_q81(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             elif order == ORDER_R8:
-                _tile32_r8(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, t, b0, b1, nb, n)
+                _tile32_r8(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             elif wofs.size > 0:
-                _tile32_offset(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, t, b0, b1, nb, n)
+                _tile32_offset(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             else:
-                _tile32(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, t, b0, b1, nb, n)
+                _tile32(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _vnni_parallel(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
+def _vnni_parallel(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
                    order):
     for p0 in range(0, mp, panel):
         for g in prange(n // (GROUPS * LANES)):
-            _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, p0, min(mp, p0 + panel), block, nb,
+            _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, p0, min(mp, p0 + panel), block, nb,
                         n, order)
 
 
 @njit(cache=True, nogil=True)
-def _vnni_serial(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
+def _vnni_serial(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
                  order):
     for p0 in range(0, mp, panel):
         for g in range(n // (GROUPS * LANES)):
-            _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, p0, min(mp, p0 + panel), block, nb,
+            _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, p0, min(mp, p0 + panel), block, nb,
                         n, order)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, m0, m1, block, nb,  # type: ignore[no-untyped-def]
+def _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block, nb,  # type: ignore[no-untyped-def]
                     n, order):
     """The tile kernels' arithmetic in scalar code, one 16-row group against rows m0 .. m1, in the same order."""
     steps = block // 4
@@ -371,34 +376,25 @@ def _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, m0,
                     if wofs.size > 0:
                         acc[r] = acc[r] + wofs[gb * LANES + r] * a_sum
         for r in range(LANES):
-            out[m * n + g * LANES + r] = acc[r]
-            if order == ORDER_R8:
-                out1[m * n + g * LANES + r] = acc1[r]
+            out[m * n + g * LANES + r] = fmaf(np.float32(-127.0), acc1[r], acc[r]) if order == ORDER_R8 else acc[r]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _portable_parallel(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
+def _portable_parallel(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
                        order):
     for p0 in range(0, mp, panel):
         for g in prange(n // LANES):
-            _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, p0, min(mp, p0 + panel), block,
+            _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, p0, min(mp, p0 + panel), block,
                             nb, n, order)
 
 
 @njit(cache=True, nogil=True)
-def _portable_serial(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
+def _portable_serial(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
                      order):
     for p0 in range(0, mp, panel):
         for g in range(n // LANES):
-            _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, out1, g, p0, min(mp, p0 + panel), block,
+            _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, p0, min(mp, p0 + panel), block,
                             nb, n, order)
-
-
-@njit(cache=True, nogil=True)
-def _r8_finish(out: np.ndarray, out1: np.ndarray) -> None:
-    """ORDER_R8's last step: out = fma(-127, out1, out)."""
-    for j in range(out.size):
-        out[j] = fmaf(np.float32(-127.0), out1[j], out[j])
 
 
 @dataclass(frozen=True)
@@ -440,12 +436,9 @@ def qmatmul(x: IntRows, w: PackedInts, vnni: bool = HAS_VNNI) -> np.ndarray:
         raise ValueError(f"ik's Q8_1 order takes blocks four at a time; rows of {w.n} values are not")
     mp, n_out = x.u.shape[0], w.scale.size // (w.n // w.block)
     out = np.zeros((mp, n_out), np.float32)  # the kernels add each block to what is there
-    out1 = np.zeros((mp, n_out) if w.order == ORDER_R8 else 0, np.float32)
     serial, parallel = (_vnni_serial, _vnni_parallel) if vnni else (_portable_serial, _portable_parallel)
     pick(serial, parallel, mp * w.n * n_out // 64)(
         w.q, w.scale, w.corr, w.offset, x.u.reshape(-1), x.scale.reshape(-1), x.sums.reshape(-1),
-        x.isums.reshape(-1), out.reshape(-1), out1.reshape(-1), w.block, w.n // w.block, n_out, mp, panel_rows(w.n),
+        x.isums.reshape(-1), out.reshape(-1), w.block, w.n // w.block, n_out, mp, panel_rows(w.n),
         w.order)
-    if w.order == ORDER_R8:
-        _r8_finish(out.reshape(-1), out1.reshape(-1))
     return out[: x.rows, : w.rows]

@@ -1,0 +1,161 @@
+"""ik's float matmul kernels, for --numerics ik: the dot products of its AVX-512 f32/f16 kernel and of its bf16
+kernel, and the matmuls built from them.
+
+ik multiplies F32 and F16 weights (and the attention's f16 cache) with f32 activations in a kernel of 16 lanes: lane
+l sums the products of values l, l + 16, l + 32, ... (the first a product, the rest fused multiply-adds); the 16
+lanes are then added as a tree (8 + 8, 4 + 4, then (0 + 2) + (1 + 3)). BF16 weights multiply activations rounded to
+bf16 with vdpbf16ps: per 32 values, lane l takes values 2l + 1 then 2l, each a fused multiply-add (the products
+are exact), then the same tree. (vdpbf16ps also flushes subnormal inputs and results to zero, which only values
+below 1.2e-38 would show; ik's bf16 kernel drops the last values of rows that are no multiple of 32, which no model
+has.) Every dot product here is computed with LLVM's 16-float vectors in exactly that order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
+
+LANES = 16  # ik's float kernels' vector width (AVX-512)
+_V16F = ir.VectorType(ir.FloatType(), LANES)
+
+
+def _tree(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """The 16 lanes of v added as ik's reduction adds them: 8 + 8, 4 + 4, then (0 + 2) + (1 + 3)."""
+    i32 = ir.IntType(32)
+
+    def halves(v: ir.Value, width: int) -> ir.Value:
+        lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
+        hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
+        return builder.fadd(hi, lo)
+
+    u = halves(halves(v, 8), 4)
+    e = [builder.extract_element(u, ir.Constant(i32, j)) for j in range(4)]
+    return builder.fadd(builder.fadd(e[0], e[2]), builder.fadd(e[1], e[3]))
+
+
+#: dot products ik_dots computes at once (independent chains of fused multiply-adds hide their latency)
+DOTS = 4
+
+
+@intrinsic
+def ik_dots(typingctx, x, x0, y, y0, stride, n, out, o0):  # type: ignore[no-untyped-def]
+    """out[o0 + t] = sum x[x0 + i] y[y0 + t stride + i] over i < n (a multiple of 16), t < DOTS, each summed as
+    ik's AVX-512 float kernel sums a dot product: lane l takes i = l, l + 16, ... (the first a product, the rest
+    fused multiply-adds), then the lanes are added as a tree: 8 + 8, 4 + 4, then (0 + 2) + (1 + 3)."""
+    sig = types.void(x, types.int64, y, types.int64, types.int64, types.int64, out, types.int64)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        xa, x0_v, ya, y0_v, stride_v, n_v, oa, o0_v = args
+        xp = context.make_array(signature.args[0])(context, builder, value=xa).data
+        yp = context.make_array(signature.args[2])(context, builder, value=ya).data
+        op = context.make_array(signature.args[6])(context, builder, value=oa).data
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fma.v16f32")
+        i64 = ir.IntType(64)
+
+        def load(p: ir.Value, off: ir.Value) -> ir.Value:
+            return builder.load(builder.bitcast(builder.gep(p, [off]), _V16F.as_pointer()), align=4)
+
+        rows = [builder.add(y0_v, builder.mul(stride_v, ir.Constant(i64, t))) for t in range(DOTS)]
+        first = load(xp, x0_v)
+        accs = [cgutils.alloca_once_value(builder, builder.fmul(first, load(yp, r))) for r in rows]
+        steps = builder.sub(builder.udiv(n_v, ir.Constant(i64, LANES)), ir.Constant(i64, 1))
+        with cgutils.for_range(builder, steps) as loop:
+            off = builder.mul(builder.add(loop.index, ir.Constant(i64, 1)), ir.Constant(i64, LANES))
+            xv = load(xp, builder.add(x0_v, off))
+            for acc, r in zip(accs, rows):
+                builder.store(builder.call(fma, [xv, load(yp, builder.add(r, off)), builder.load(acc)]), acc)
+
+        for t, acc in enumerate(accs):
+            builder.store(_tree(builder, builder.load(acc)), builder.gep(op, [builder.add(o0_v, ir.Constant(i64, t))]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+
+@intrinsic
+def ik_bf16_dots(typingctx, x, x0, y, y0, stride, n, out, o0):  # type: ignore[no-untyped-def]
+    """ik_dots as ik's bf16 kernel sums them (n a multiple of 32, the values bf16 held as float32): per 32 values
+    lane l takes value 2l + 1 then 2l, each a fused multiply-add; then the same tree."""
+    sig = types.void(x, types.int64, y, types.int64, types.int64, types.int64, out, types.int64)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        xa, x0_v, ya, y0_v, stride_v, n_v, oa, o0_v = args
+        xp = context.make_array(signature.args[0])(context, builder, value=xa).data
+        yp = context.make_array(signature.args[2])(context, builder, value=ya).data
+        op = context.make_array(signature.args[6])(context, builder, value=oa).data
+        fma = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fma.v16f32")
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        even = ir.Constant(ir.VectorType(i32, LANES), list(range(0, 2 * LANES, 2)))
+        odd = ir.Constant(ir.VectorType(i32, LANES), list(range(1, 2 * LANES, 2)))
+
+        def pairs(p: ir.Value, off: ir.Value) -> tuple[ir.Value, ir.Value]:
+            lo = builder.load(builder.bitcast(builder.gep(p, [off]), _V16F.as_pointer()), align=4)
+            hi = builder.load(builder.bitcast(builder.gep(p, [builder.add(off, ir.Constant(i64, LANES))]),
+                                              _V16F.as_pointer()), align=4)
+            return builder.shuffle_vector(lo, hi, odd), builder.shuffle_vector(lo, hi, even)
+
+        rows = [builder.add(y0_v, builder.mul(stride_v, ir.Constant(i64, t))) for t in range(DOTS)]
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * LANES)) for _ in rows]
+        with cgutils.for_range(builder, builder.udiv(n_v, ir.Constant(i64, 2 * LANES))) as loop:
+            off = builder.mul(loop.index, ir.Constant(i64, 2 * LANES))
+            x_odd, x_even = pairs(xp, builder.add(x0_v, off))
+            for acc, r in zip(accs, rows):
+                y_odd, y_even = pairs(yp, builder.add(r, off))
+                a = builder.call(fma, [x_odd, y_odd, builder.load(acc)])
+                builder.store(builder.call(fma, [x_even, y_even, a]), acc)
+        for t, acc in enumerate(accs):
+            builder.store(_tree(builder, builder.load(acc)), builder.gep(op, [builder.add(o0_v, ir.Constant(i64, t))]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def dots(x: np.ndarray, x0: int, y: np.ndarray, y0: int, stride: int, n: int, count: int, out: np.ndarray,
+         o0: int, tail: np.ndarray, bf16: bool) -> None:
+    """out[o0 + t] = x[x0 :] . y[y0 + t stride :] (n values) for t < count as ik's f32/f16 kernel (or with `bf16`,
+    its bf16 kernel) sums them: DOTS at a time, the last count % DOTS one at a time through `tail`."""
+    t = 0
+    while t + DOTS <= count:
+        if bf16:
+            ik_bf16_dots(x, x0, y, y0 + t * stride, stride, n, out, o0 + t)
+        else:
+            ik_dots(x, x0, y, y0 + t * stride, stride, n, out, o0 + t)
+        t += DOTS
+    for u in range(t, count):  # stride 0: DOTS copies of row u
+        if bf16:
+            ik_bf16_dots(x, x0, y, y0 + u * stride, 0, n, tail, 0)
+        else:
+            ik_dots(x, x0, y, y0 + u * stride, 0, n, tail, 0)
+        out[o0 + u] = tail[0]
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _gemm(x: np.ndarray, w: np.ndarray, out: np.ndarray, bf16: bool) -> None:
+    m, k = x.shape
+    n = w.shape[0]
+    xf, wf, of = x.reshape(-1), w.reshape(-1), out.reshape(-1)
+    blocks = (n + 63) // 64
+    for t in prange(m * blocks):
+        i, b = t // blocks, t % blocks
+        r0 = b * 64
+        tail = np.empty(DOTS, np.float32)
+        dots(xf, i * k, wf, r0 * k, k, k, min(64, n - r0), of, i * n + r0, tail, bf16)
+
+
+def ik_float_matmul(x: np.ndarray, w: np.ndarray, bf16: bool = False) -> np.ndarray:
+    """x [m, k] @ w [n, k]^T as ik's f32/f16 kernel computes it (k a multiple of 16), or with `bf16` its bf16
+    kernel (x and w bf16 values held as float32, k a multiple of 32)."""
+    k = x.shape[1]
+    if k % (2 * LANES if bf16 else LANES):
+        raise ValueError(f"ik's {'bf16' if bf16 else 'float'} kernel takes rows in multiples of "
+                         f"{2 * LANES if bf16 else LANES} values, not {k}")
+    out = np.empty((x.shape[0], w.shape[0]), np.float32)
+    _gemm(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(w, dtype=np.float32), out, bf16)
+    return out

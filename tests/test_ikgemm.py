@@ -1,0 +1,56 @@
+"""ik's float kernels (ikrun/ops/ikgemm.py) against their arithmetic written out with numpy: 16 lanes of fused
+multiply-adds along the row and ik's tree over the lanes (f32/f16), the vdpbf16ps pairs (bf16)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ikquant.formats.numeric import f32_to_bf16_bits
+from ikrun.ops.ikgemm import ik_float_matmul
+from tests.test_numerics import bf16_bits_to_f32
+from tests.test_qgemm import _fma32
+
+
+def _tree(acc: np.ndarray) -> np.ndarray:
+    """[..., 16] lanes added as ik's reduction adds them."""
+    t = acc[..., 8:] + acc[..., :8]
+    u = t[..., 4:] + t[..., :4]
+    return (u[..., 0] + u[..., 2]) + (u[..., 1] + u[..., 3])
+
+
+def _reference(x: np.ndarray, w: np.ndarray, bf16: bool) -> np.ndarray:
+    xs, ws = x[:, None, :], w[None, :, :]
+    if bf16:  # per 32 values, lane l: value 2l + 1 then 2l
+        acc = np.zeros((x.shape[0], w.shape[0], 16), np.float32)
+        for b in range(0, x.shape[1], 32):
+            for first in (1, 0):
+                lanes = slice(b + first, b + 32, 2)
+                acc = _fma32(xs[..., lanes], ws[..., lanes], acc)
+        return _tree(acc)
+    acc = (xs[..., :16] * ws[..., :16]).astype(np.float32)
+    for c in range(16, x.shape[1], 16):
+        acc = _fma32(xs[..., c : c + 16], ws[..., c : c + 16], acc)
+    return _tree(acc)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize(("m", "n", "k"), [(3, 5, 64), (17, 70, 256), (9, 64, 1024)])
+def test_float_kernels_are_iks_arithmetic(bf16: bool, m: int, n: int, k: int) -> None:
+    """Every output bit equals the written-out order (row counts that are no whole group of 4 or 64 rows); a plain
+    float64 product differs, so the order is what is tested."""
+    rng = np.random.default_rng(k + bf16)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 100, (m, 1))).astype(np.float32)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 10, (n, 1))).astype(np.float32)
+    if bf16:
+        x, w = bf16_bits_to_f32(f32_to_bf16_bits(x)).reshape(x.shape), bf16_bits_to_f32(f32_to_bf16_bits(w)).reshape(w.shape)
+    got = ik_float_matmul(x, w, bf16)
+    np.testing.assert_array_equal(got, _reference(x, w, bf16))
+    assert np.any(got != (x.astype(np.float64) @ w.T.astype(np.float64)).astype(np.float32))
+
+
+def test_rows_the_kernels_do_not_take_whole_are_refused() -> None:
+    with pytest.raises(ValueError, match="multiples of 32"):
+        ik_float_matmul(np.zeros((2, 48), np.float32), np.zeros((3, 48), np.float32), bf16=True)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        ik_float_matmul(np.zeros((2, 40), np.float32), np.zeros((3, 40), np.float32))
