@@ -77,6 +77,75 @@ def ik_dots(typingctx, x, x0, y, y0, stride, n, out, o0):  # type: ignore[no-unt
 
 
 
+#: activation rows ik_dot_grid takes at once (with DOTS weight rows: XROWS x DOTS chains, each weight vector
+#: loaded once for all of them)
+XROWS = 4
+
+
+def _make_grid(bf16: bool):  # type: ignore[no-untyped-def]
+    """An intrinsic computing the XROWS x DOTS dot products of activation rows x0 + a xs and weight rows y0 + t ys
+    (n values each) into out[o0 + a os + t], each in ik's order (ik_dots, ik_bf16_dots)."""
+
+    @intrinsic
+    def grid(typingctx, x, x0, xs, y, y0, ys, n, out, o0, os):  # type: ignore[no-untyped-def]
+        sig = types.void(x, types.int64, types.int64, y, types.int64, types.int64, types.int64, out, types.int64,
+                         types.int64)
+
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            xa, x0_v, xs_v, ya, y0_v, ys_v, n_v, oa, o0_v, os_v = args
+            xp = context.make_array(signature.args[0])(context, builder, value=xa).data
+            yp = context.make_array(signature.args[3])(context, builder, value=ya).data
+            op = context.make_array(signature.args[7])(context, builder, value=oa).data
+            fma_fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fma.v16f32")
+            i64, i32 = ir.IntType(64), ir.IntType(32)
+            const = lambda v: ir.Constant(i64, v)  # noqa: E731
+
+            def load(p: ir.Value, off: ir.Value) -> ir.Value:
+                return builder.load(builder.bitcast(builder.gep(p, [off]), _V16F.as_pointer()), align=4)
+
+            xrows = [builder.add(x0_v, builder.mul(xs_v, const(a))) for a in range(XROWS)]
+            yrows = [builder.add(y0_v, builder.mul(ys_v, const(t))) for t in range(DOTS)]
+            keys = [(a, t) for a in range(XROWS) for t in range(DOTS)]
+            if bf16:
+                even = ir.Constant(ir.VectorType(i32, LANES), list(range(0, 2 * LANES, 2)))
+                odd = ir.Constant(ir.VectorType(i32, LANES), list(range(1, 2 * LANES, 2)))
+
+                def pairs(p: ir.Value, off: ir.Value) -> tuple[ir.Value, ir.Value]:
+                    lo, hi = load(p, off), load(p, builder.add(off, const(LANES)))
+                    return builder.shuffle_vector(lo, hi, odd), builder.shuffle_vector(lo, hi, even)
+
+                accs = {key: cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * LANES)) for key in keys}
+                with cgutils.for_range(builder, builder.udiv(n_v, const(2 * LANES))) as loop:
+                    off = builder.mul(loop.index, const(2 * LANES))
+                    xv = [pairs(xp, builder.add(r, off)) for r in xrows]
+                    yv = [pairs(yp, builder.add(r, off)) for r in yrows]
+                    for a, t in keys:
+                        acc = builder.call(fma_fn, [xv[a][0], yv[t][0], builder.load(accs[(a, t)])])
+                        builder.store(builder.call(fma_fn, [xv[a][1], yv[t][1], acc]), accs[(a, t)])
+            else:
+                xv0 = [load(xp, r) for r in xrows]
+                yv0 = [load(yp, r) for r in yrows]
+                accs = {(a, t): cgutils.alloca_once_value(builder, builder.fmul(xv0[a], yv0[t])) for a, t in keys}
+                with cgutils.for_range(builder, builder.sub(builder.udiv(n_v, const(LANES)), const(1))) as loop:
+                    off = builder.mul(builder.add(loop.index, const(1)), const(LANES))
+                    xv = [load(xp, builder.add(r, off)) for r in xrows]
+                    yv = [load(yp, builder.add(r, off)) for r in yrows]
+                    for a, t in keys:
+                        builder.store(builder.call(fma_fn, [xv[a], yv[t], builder.load(accs[(a, t)])]), accs[(a, t)])
+            for a, t in keys:
+                dest = builder.add(o0_v, builder.add(builder.mul(os_v, const(a)), const(t)))
+                builder.store(_tree(builder, builder.load(accs[(a, t)])), builder.gep(op, [dest]))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return grid
+
+
+ik_dot_grid, ik_bf16_dot_grid = _make_grid(False), _make_grid(True)
+
+
 @intrinsic
 def ik_bf16_dots(typingctx, x, x0, y, y0, stride, n, out, o0):  # type: ignore[no-untyped-def]
     """ik_dots as ik's bf16 kernel sums them (n a multiple of 32, the values bf16 held as float32): per 32 values
@@ -136,17 +205,33 @@ def dots(x: np.ndarray, x0: int, y: np.ndarray, y0: int, stride: int, n: int, co
         out[o0 + u] = tail[0]
 
 
+#: weight rows a task multiplies by every activation row (their floats stay in the core's cache meanwhile)
+ROW_BLOCK = 64
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _gemm(x: np.ndarray, w: np.ndarray, out: np.ndarray, bf16: bool) -> None:
     m, k = x.shape
     n = w.shape[0]
     xf, wf, of = x.reshape(-1), w.reshape(-1), out.reshape(-1)
-    blocks = (n + 63) // 64
-    for t in prange(m * blocks):
-        i, b = t // blocks, t % blocks
-        r0 = b * 64
+    for b in prange((n + ROW_BLOCK - 1) // ROW_BLOCK):
+        r0 = b * ROW_BLOCK
+        rows = min(ROW_BLOCK, n - r0)
         tail = np.empty(DOTS, np.float32)
-        dots(xf, i * k, wf, r0 * k, k, k, min(64, n - r0), of, i * n + r0, tail, bf16)
+        full = rows - rows % DOTS
+        i = 0
+        while i + XROWS <= m:  # XROWS activation rows x DOTS weight rows per call
+            for r in range(r0, r0 + full, DOTS):
+                if bf16:
+                    ik_bf16_dot_grid(xf, i * k, k, wf, r * k, k, k, of, i * n + r, n)
+                else:
+                    ik_dot_grid(xf, i * k, k, wf, r * k, k, k, of, i * n + r, n)
+            for a in range(XROWS):
+                dots(xf, (i + a) * k, wf, (r0 + full) * k, k, k, rows - full, of, (i + a) * n + r0 + full, tail,
+                     bf16)
+            i += XROWS
+        for a in range(i, m):
+            dots(xf, a * k, wf, r0 * k, k, k, rows, of, a * n + r0, tail, bf16)
 
 
 def ik_float_matmul(x: np.ndarray, w: np.ndarray, bf16: bool = False) -> np.ndarray:
