@@ -36,45 +36,8 @@ def _tree(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
     return builder.fadd(builder.fadd(e[0], e[2]), builder.fadd(e[1], e[3]))
 
 
-#: dot products ik_dots computes at once (independent chains of fused multiply-adds hide their latency)
+#: weight rows per call of the dot-product kernels (independent chains of fused multiply-adds hide their latency)
 DOTS = 4
-
-
-@intrinsic
-def ik_dots(typingctx, x, x0, y, y0, stride, n, out, o0):  # type: ignore[no-untyped-def]
-    """out[o0 + t] = sum x[x0 + i] y[y0 + t stride + i] over i < n (a multiple of 16), t < DOTS, each summed as
-    ik's AVX-512 float kernel sums a dot product: lane l takes i = l, l + 16, ... (the first a product, the rest
-    fused multiply-adds), then the lanes are added as a tree: 8 + 8, 4 + 4, then (0 + 2) + (1 + 3)."""
-    sig = types.void(x, types.int64, y, types.int64, types.int64, types.int64, out, types.int64)
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        xa, x0_v, ya, y0_v, stride_v, n_v, oa, o0_v = args
-        xp = context.make_array(signature.args[0])(context, builder, value=xa).data
-        yp = context.make_array(signature.args[2])(context, builder, value=ya).data
-        op = context.make_array(signature.args[6])(context, builder, value=oa).data
-        fma = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fma.v16f32")
-        i64 = ir.IntType(64)
-
-        def load(p: ir.Value, off: ir.Value) -> ir.Value:
-            return builder.load(builder.bitcast(builder.gep(p, [off]), _V16F.as_pointer()), align=4)
-
-        rows = [builder.add(y0_v, builder.mul(stride_v, ir.Constant(i64, t))) for t in range(DOTS)]
-        first = load(xp, x0_v)
-        accs = [cgutils.alloca_once_value(builder, builder.fmul(first, load(yp, r))) for r in rows]
-        steps = builder.sub(builder.udiv(n_v, ir.Constant(i64, LANES)), ir.Constant(i64, 1))
-        with cgutils.for_range(builder, steps) as loop:
-            off = builder.mul(builder.add(loop.index, ir.Constant(i64, 1)), ir.Constant(i64, LANES))
-            xv = load(xp, builder.add(x0_v, off))
-            for acc, r in zip(accs, rows):
-                builder.store(builder.call(fma, [xv, load(yp, builder.add(r, off)), builder.load(acc)]), acc)
-
-        for t, acc in enumerate(accs):
-            builder.store(_tree(builder, builder.load(acc)), builder.gep(op, [builder.add(o0_v, ir.Constant(i64, t))]))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
 
 
 #: activation rows ik_dot_grid takes at once (with DOTS weight rows: XROWS x DOTS chains, each weight vector
@@ -82,9 +45,11 @@ def ik_dots(typingctx, x, x0, y, y0, stride, n, out, o0):  # type: ignore[no-unt
 XROWS = 4
 
 
-def _make_grid(bf16: bool):  # type: ignore[no-untyped-def]
-    """An intrinsic computing the XROWS x DOTS dot products of activation rows x0 + a xs and weight rows y0 + t ys
-    (n values each) into out[o0 + a os + t], each in ik's order (ik_dots, ik_bf16_dots)."""
+def _make_grid(bf16: bool, xrows: int):  # type: ignore[no-untyped-def]
+    """An intrinsic computing the xrows x DOTS dot products of activation rows x0 + a xs and weight rows y0 + t ys
+    (n values each, a multiple of 16, or of 32 with `bf16`) into out[o0 + a os + t], each summed as ik's kernel sums
+    it (the module docstring): f32/f16, lane l takes values l, l + 16, ... (the first a product, the rest fused
+    multiply-adds); bf16, per 32 values lane l takes value 2l + 1 then 2l; then ik's tree over the lanes."""
 
     @intrinsic
     def grid(typingctx, x, x0, xs, y, y0, ys, n, out, o0, os):  # type: ignore[no-untyped-def]
@@ -104,9 +69,9 @@ def _make_grid(bf16: bool):  # type: ignore[no-untyped-def]
             def load(p: ir.Value, off: ir.Value) -> ir.Value:
                 return builder.load(builder.bitcast(builder.gep(p, [off]), _V16F.as_pointer()), align=4)
 
-            xrows = [builder.add(x0_v, builder.mul(xs_v, const(a))) for a in range(XROWS)]
+            xrows_v = [builder.add(x0_v, builder.mul(xs_v, const(a))) for a in range(xrows)]
             yrows = [builder.add(y0_v, builder.mul(ys_v, const(t))) for t in range(DOTS)]
-            keys = [(a, t) for a in range(XROWS) for t in range(DOTS)]
+            keys = [(a, t) for a in range(xrows) for t in range(DOTS)]
             if bf16:
                 even = ir.Constant(ir.VectorType(i32, LANES), list(range(0, 2 * LANES, 2)))
                 odd = ir.Constant(ir.VectorType(i32, LANES), list(range(1, 2 * LANES, 2)))
@@ -118,18 +83,18 @@ def _make_grid(bf16: bool):  # type: ignore[no-untyped-def]
                 accs = {key: cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * LANES)) for key in keys}
                 with cgutils.for_range(builder, builder.udiv(n_v, const(2 * LANES))) as loop:
                     off = builder.mul(loop.index, const(2 * LANES))
-                    xv = [pairs(xp, builder.add(r, off)) for r in xrows]
+                    xv = [pairs(xp, builder.add(r, off)) for r in xrows_v]
                     yv = [pairs(yp, builder.add(r, off)) for r in yrows]
                     for a, t in keys:
                         acc = builder.call(fma_fn, [xv[a][0], yv[t][0], builder.load(accs[(a, t)])])
                         builder.store(builder.call(fma_fn, [xv[a][1], yv[t][1], acc]), accs[(a, t)])
             else:
-                xv0 = [load(xp, r) for r in xrows]
+                xv0 = [load(xp, r) for r in xrows_v]
                 yv0 = [load(yp, r) for r in yrows]
                 accs = {(a, t): cgutils.alloca_once_value(builder, builder.fmul(xv0[a], yv0[t])) for a, t in keys}
                 with cgutils.for_range(builder, builder.sub(builder.udiv(n_v, const(LANES)), const(1))) as loop:
                     off = builder.mul(builder.add(loop.index, const(1)), const(LANES))
-                    xv = [load(xp, builder.add(r, off)) for r in xrows]
+                    xv = [load(xp, builder.add(r, off)) for r in xrows_v]
                     yv = [load(yp, builder.add(r, off)) for r in yrows]
                     for a, t in keys:
                         builder.store(builder.call(fma_fn, [xv[a], yv[t], builder.load(accs[(a, t)])]), accs[(a, t)])
@@ -143,46 +108,9 @@ def _make_grid(bf16: bool):  # type: ignore[no-untyped-def]
     return grid
 
 
-ik_dot_grid, ik_bf16_dot_grid = _make_grid(False), _make_grid(True)
-
-
-@intrinsic
-def ik_bf16_dots(typingctx, x, x0, y, y0, stride, n, out, o0):  # type: ignore[no-untyped-def]
-    """ik_dots as ik's bf16 kernel sums them (n a multiple of 32, the values bf16 held as float32): per 32 values
-    lane l takes value 2l + 1 then 2l, each a fused multiply-add; then the same tree."""
-    sig = types.void(x, types.int64, y, types.int64, types.int64, types.int64, out, types.int64)
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        xa, x0_v, ya, y0_v, stride_v, n_v, oa, o0_v = args
-        xp = context.make_array(signature.args[0])(context, builder, value=xa).data
-        yp = context.make_array(signature.args[2])(context, builder, value=ya).data
-        op = context.make_array(signature.args[6])(context, builder, value=oa).data
-        fma = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fma.v16f32")
-        i64, i32 = ir.IntType(64), ir.IntType(32)
-        even = ir.Constant(ir.VectorType(i32, LANES), list(range(0, 2 * LANES, 2)))
-        odd = ir.Constant(ir.VectorType(i32, LANES), list(range(1, 2 * LANES, 2)))
-
-        def pairs(p: ir.Value, off: ir.Value) -> tuple[ir.Value, ir.Value]:
-            lo = builder.load(builder.bitcast(builder.gep(p, [off]), _V16F.as_pointer()), align=4)
-            hi = builder.load(builder.bitcast(builder.gep(p, [builder.add(off, ir.Constant(i64, LANES))]),
-                                              _V16F.as_pointer()), align=4)
-            return builder.shuffle_vector(lo, hi, odd), builder.shuffle_vector(lo, hi, even)
-
-        rows = [builder.add(y0_v, builder.mul(stride_v, ir.Constant(i64, t))) for t in range(DOTS)]
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * LANES)) for _ in rows]
-        with cgutils.for_range(builder, builder.udiv(n_v, ir.Constant(i64, 2 * LANES))) as loop:
-            off = builder.mul(loop.index, ir.Constant(i64, 2 * LANES))
-            x_odd, x_even = pairs(xp, builder.add(x0_v, off))
-            for acc, r in zip(accs, rows):
-                y_odd, y_even = pairs(yp, builder.add(r, off))
-                a = builder.call(fma, [x_odd, y_odd, builder.load(acc)])
-                builder.store(builder.call(fma, [x_even, y_even, a]), acc)
-        for t, acc in enumerate(accs):
-            builder.store(_tree(builder, builder.load(acc)), builder.gep(op, [builder.add(o0_v, ir.Constant(i64, t))]))
-        return context.get_dummy_value()
-
-    return sig, codegen
+ik_dot_grid, ik_bf16_dot_grid = _make_grid(False, XROWS), _make_grid(True, XROWS)
+#: one activation row against DOTS weight rows (attention, and the rows the grid leaves)
+ik_dots, ik_bf16_dots = _make_grid(False, 1), _make_grid(True, 1)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -193,15 +121,15 @@ def dots(x: np.ndarray, x0: int, y: np.ndarray, y0: int, stride: int, n: int, co
     t = 0
     while t + DOTS <= count:
         if bf16:
-            ik_bf16_dots(x, x0, y, y0 + t * stride, stride, n, out, o0 + t)
+            ik_bf16_dots(x, x0, 0, y, y0 + t * stride, stride, n, out, o0 + t, 0)
         else:
-            ik_dots(x, x0, y, y0 + t * stride, stride, n, out, o0 + t)
+            ik_dots(x, x0, 0, y, y0 + t * stride, stride, n, out, o0 + t, 0)
         t += DOTS
     for u in range(t, count):  # stride 0: DOTS copies of row u
         if bf16:
-            ik_bf16_dots(x, x0, y, y0 + u * stride, 0, n, tail, 0)
+            ik_bf16_dots(x, x0, 0, y, y0 + u * stride, 0, n, tail, 0, 0)
         else:
-            ik_dots(x, x0, y, y0 + u * stride, 0, n, tail, 0)
+            ik_dots(x, x0, 0, y, y0 + u * stride, 0, n, tail, 0, 0)
         out[o0 + u] = tail[0]
 
 
