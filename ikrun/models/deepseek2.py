@@ -22,6 +22,7 @@ import numpy as np
 from ikrun.models.base import ArchModel, Hparam, Sequence
 from ikrun.ops.attention import ik_latent_attention
 from ikrun.ops.ffn import MoeConfig, dense_ffn, moe_ffn
+from ikrun.ops.ikgemm import LANES
 from ikrun.ops.mla import latent_attention
 from ikrun.ops.moe import GATING_SIGMOID, GATING_SOFTMAX
 from ikrun.ops.rope import Yarn, yarn_log_scale, yarn_rope_cache
@@ -207,7 +208,7 @@ class Deepseek2(ArchModel):
         if m.observers:
             for head in range(self.n_head):
                 m.observe(b + "attn_k_b.weight", q_nope[:, head], head, self.n_head)
-        if m.ik_numerics and keep is None:
+        if m.ik_numerics and keep is None and (self.n_rot + self.kv_lora) % LANES == 0:
             out = self._ik_latent_attention(b, q_rope, q_nope, cache)
         else:
             out = latent_attention(q_rope, m.activations(q_nope, b + "attn_k_b.weight"), w_kb, cache, w_vb,

@@ -14,6 +14,7 @@ import numpy as np
 from ikrun.models.base import ArchModel, Sequence
 from ikrun.ops.attention import causal_attention, ik_causal_attention
 from ikrun.ops.ffn import dense_ffn
+from ikrun.ops.ikgemm import LANES
 from ikrun.ops.rope import rope_cache
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class LlamaFamily(ArchModel):
             if i in cache:
                 k, v = np.concatenate([cache[i][0], k]), np.concatenate([cache[i][1], v])
             cache[i] = (k, v)
-        if m.ik_numerics:  # ik's scale is 1.0f / sqrtf(head_dim)
+        if m.ik_numerics and self.head_dim % LANES == 0:  # ik's scale is 1.0f / sqrtf(head_dim)
             attn = ik_causal_attention(q, k, v, float(np.float32(1.0) / np.sqrt(np.float32(self.head_dim))))
         else:
             attn = causal_attention(q, k, v, 1.0 / np.sqrt(self.head_dim))
