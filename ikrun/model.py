@@ -23,7 +23,7 @@ from threadpoolctl import ThreadpoolController
 from ikquant.gguf_io import GGUFFile
 from ikquant.types import GGMLType
 from ikrun.models.base import ArchModel, ModelError
-from ikrun.ops.ikgemm import ik_float_matmul
+from ikrun.ops.ikgemm import ik_float_matmul, takes_whole
 from ikrun.ops.numerics import (
     IK_FLOAT_TYPES,
     IK_KERNELS,
@@ -280,7 +280,7 @@ class Model:
         """F32, F16 or BF16 where ik multiplies weight `name` in its float kernels (ikrun/ops/ikgemm.py) on rows they
         take whole, else None."""
         type_name = self.weights.encoding(name).type.name
-        whole = self.weights.info(name).n_per_row % (32 if type_name == "BF16" else 16) == 0
+        whole = takes_whole(self.weights.info(name).n_per_row, type_name == "BF16")
         return type_name if type_name in IK_FLOAT_TYPES and whole else None
 
     def head_matmul(self, x: np.ndarray, name: str) -> np.ndarray | None:

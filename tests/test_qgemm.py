@@ -23,7 +23,18 @@ from ikrun.ops.numerics import (
     integer_rows,
     round_activations,
 )
-from ikrun.ops.qgemm import HAS_VNNI, ORDER_Q8_1, ORDER_R8, ORDER_R16, TILE, BlockInts, IntRows, pack, qmatmul
+from ikrun.ops.qgemm import (
+    HAS_VNNI,
+    ORDER_PLAIN,
+    ORDER_Q8_1,
+    ORDER_R8,
+    ORDER_R16,
+    TILE,
+    BlockInts,
+    IntRows,
+    pack,
+    qmatmul,
+)
 
 DATA = Path(__file__).parent / "data"
 #: (block, activation format, with Q8_1 offsets)
@@ -34,7 +45,7 @@ def _weights(rng: np.random.Generator, rows: int, n: int, block: int, offsets: b
     q = rng.integers(-128, 128, (rows, n)).astype(np.int8)
     scale = rng.random((rows, n // block)).astype(np.float32)
     offset = rng.standard_normal((rows, n // block)).astype(np.float32) if offsets else None
-    return BlockInts(q, scale, block, offset)
+    return BlockInts(q, scale, block, offset, ORDER_Q8_1 if offsets else ORDER_PLAIN)
 
 
 @pytest.mark.parametrize(("block", "fmt", "offsets"), LAYOUTS)
@@ -119,15 +130,28 @@ def test_each_order_is_iks_float_arithmetic(block: int, fmt: str, order: int, vn
     rows = integer_rows(x, fmt)
     got = qmatmul(rows, pack(w), vnni=vnni)
     np.testing.assert_array_equal(got, _ik_reference(rows, w))
-    plain = qmatmul(rows, pack(BlockInts(w.q, w.scale, block, w.offset)), vnni=vnni)
+    plain = qmatmul(rows, pack(BlockInts(w.q, w.scale, block)), vnni=vnni)
+    if w.offset is not None:  # the plain order has no offsets: add them block by block after the scaled sums
+        for b in range(w.scale.shape[1]):
+            plain = plain + w.offset[None, :, b] * rows.sums[: rows.rows, None, b]
     assert np.any(plain != got)
+
+
+def test_offsets_belong_to_the_q8_1_order_alone() -> None:
+    rng = np.random.default_rng(4)
+    x = integer_rows(rng.standard_normal((TILE, 128)).astype(np.float32), Q8_2_X4)
+    w = _weights(rng, 16, 128, 32, True)
+    with pytest.raises(ValueError, match="offsets belong"):
+        qmatmul(x, pack(BlockInts(w.q, w.scale, 32, w.offset, ORDER_R8)))
+    with pytest.raises(ValueError, match="offsets belong"):
+        qmatmul(x, pack(BlockInts(w.q, w.scale, 32, None, ORDER_Q8_1)))
 
 
 @pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI: only the portable kernel runs")
 @pytest.mark.parametrize(("block", "fmt", "offsets"), LAYOUTS)
 def test_vnni_and_portable_kernels_give_the_same_bits(block: int, fmt: str, offsets: bool) -> None:
     rng = np.random.default_rng(11)
-    w, x = _weights(rng, 64, 2 * block, block, offsets), rng.standard_normal((9, 2 * block)).astype(np.float32)
+    w, x = _weights(rng, 64, 4 * block, block, offsets), rng.standard_normal((9, 4 * block)).astype(np.float32)
     rows, packed = integer_rows(x, fmt), pack(w)
     np.testing.assert_array_equal(qmatmul(rows, packed, vnni=True), qmatmul(rows, packed, vnni=False))
 

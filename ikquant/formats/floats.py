@@ -38,6 +38,13 @@ def _widen_rows(bits: np.ndarray, out: np.ndarray) -> None:
             out[r, j] = widen_16(bits[r, j])
 
 
+def widen_bits(bits: np.ndarray) -> np.ndarray:
+    """float32 values of f16 (uint16) or bf16 (int16) bit patterns, any shape, exactly."""
+    out = np.empty(bits.shape, np.float32)
+    _widen_rows(np.ascontiguousarray(bits).reshape(-1, bits.shape[-1]), out.reshape(-1, bits.shape[-1]))
+    return out
+
+
 class F32Codec(Codec):
     type_name = "F32"
     uses_imatrix = False

@@ -162,11 +162,16 @@ def _gemm(x: np.ndarray, w: np.ndarray, out: np.ndarray, bf16: bool) -> None:
             dots(xf, a * k, wf, r0 * k, k, k, rows, of, a * n + r0, tail, bf16)
 
 
+def takes_whole(k: int, bf16: bool) -> bool:
+    """Whether ik's f32/f16 (or bf16) kernel takes rows of k values whole: multiples of 16 (32)."""
+    return k % (2 * LANES if bf16 else LANES) == 0
+
+
 def ik_float_matmul(x: np.ndarray, w: np.ndarray, bf16: bool = False) -> np.ndarray:
     """x [m, k] @ w [n, k]^T as ik's f32/f16 kernel computes it (k a multiple of 16), or with `bf16` its bf16
     kernel (x and w bf16 values held as float32, k a multiple of 32)."""
     k = x.shape[1]
-    if k % (2 * LANES if bf16 else LANES):
+    if not takes_whole(k, bf16):
         raise ValueError(f"ik's {'bf16' if bf16 else 'float'} kernel takes rows in multiples of "
                          f"{2 * LANES if bf16 else LANES} values, not {k}")
     out = np.empty((x.shape[0], w.shape[0]), np.float32)

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from ikquant.formats.floats import widen_bits
 from ikquant.formats.numeric import fmaf
 from ikrun.ops.activations import ik_expf
 from ikrun.ops.fgemm import expert_matmul
-from ikrun.ops.ikgemm import ik_float_matmul
+from ikrun.ops.ikgemm import ik_float_matmul, takes_whole
 from ikrun.ops.numerics import IK_FLOAT_TYPES, UNROUNDED, integer_rows, round_activations
 from ikrun.ops.qgemm import IntRows, PackedInts, qmatmul
 
@@ -294,15 +295,7 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
 def _expert_product(x: np.ndarray, w: np.ndarray, tokens: np.ndarray | None, ik: str | None) -> np.ndarray:
     """x (its rows `tokens`) times an expert matrix: in ik's float kernel for an F32/F16/BF16 weight under --numerics
     ik (`ik` its type), else expert_matmul."""
-    if ik in IK_FLOAT_TYPES and x.shape[1] % (32 if ik == "BF16" else 16) == 0:
-        return ik_float_matmul(x if tokens is None else x[tokens], widened(w), ik == "BF16")
+    if ik in IK_FLOAT_TYPES and takes_whole(x.shape[1], ik == "BF16"):
+        weights = widen_bits(w) if w.dtype in (np.uint16, np.int16) else w  # F16/BF16 experts come as their bits
+        return ik_float_matmul(x if tokens is None else x[tokens], weights, ik == "BF16")
     return expert_matmul(x, w, tokens)
-
-
-def widened(mat: np.ndarray) -> np.ndarray:
-    """An expert matrix as float32: as fetched, or from its 16-bit patterns (uint16 f16, int16 bf16)."""
-    if mat.dtype == np.uint16:
-        return mat.view(np.float16).astype(np.float32)
-    if mat.dtype == np.int16:
-        return (mat.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
-    return np.asarray(mat, dtype=np.float32)

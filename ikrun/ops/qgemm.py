@@ -29,8 +29,7 @@ from numba.core.extending import intrinsic
 from ikquant.formats.numeric import fmaf
 from ikrun.ops.parallel import pick
 
-#: the float order of a block's contribution: ORDER_PLAIN acc += f32(isum) x (w scale x a scale) (+ offset x a
-#: sum); ORDER_R8 ik's Q8_0_R8 gemm: the weights made unsigned (+127), acc = fma(w scale x a scale, f32(isum + 127 x
+#: the float order of a block's contribution: ORDER_PLAIN acc += f32(isum) x (w scale x a scale); ORDER_R8 ik's Q8_0_R8 gemm: the weights made unsigned (+127), acc = fma(w scale x a scale, f32(isum + 127 x
 #: a's integer sum), acc), a second acc1 = fma(w scale, a scale x a's integer sum, acc1), and at the end
 #: fma(-127, acc1, acc); ORDER_R16 ik's Q8_K_R16 gemm: the weights unsigned (+128), per block acc = fma(w scale x a
 #: scale, f32(isum + 128 x a's integer sum), acc) then acc = fma(w scale x -128, a scale x a's integer sum, acc)
@@ -66,7 +65,7 @@ class BlockInts:
     block: int
     offset: np.ndarray | None = None
     #: the float order of ik's gemm that multiplies them (ORDER_*)
-    order: int = 0
+    order: int = ORDER_PLAIN
 
     def to_float(self) -> np.ndarray:
         """The weight as float32 [rows, n]: scale x q (+ offset), every value exact."""
@@ -167,11 +166,12 @@ def _vector(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, vty: ir.Vect
     return builder.load(builder.bitcast(builder.gep(base, [index]), vty.as_pointer()), align=1)
 
 
-def _make_tile(block: int, offsets: bool, order: int = ORDER_PLAIN):  # type: ignore[no-untyped-def]
+def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped-def]
     """The VNNI micro-kernel for weight groups GROUPS x g .. GROUPS x g + GROUPS - 1 and activation rows m0 ..
     m0 + TILE - 1, blocks b0 .. b1 of the row, added to what out holds: per block f32(isum - corr) x (scale x
-    a_scale[m, b]) (+ offset x a_sum[m, b]) for each group h, in the float order `order` (ORDER_R8: a call takes
-    the whole row, its two sums meet at the end; ORDER_Q8_1 takes the blocks four at a time, offsets first). Each
+    a_scale[m, b]) (ORDER_Q8_1: + offset x a_sum[m, b]) for each group h, in the float order `order` (ORDER_R8: a
+    call takes the whole row, its two sums meet at the end; ORDER_Q8_1 takes the blocks four at a time, offsets
+    first). Each
     block's integer sum is split over CHAINS accumulators (exact, and the additions no longer wait for one another;
     one for the orders whose second terms need the registers)."""
     steps = block // 4
@@ -252,13 +252,12 @@ def _make_tile(block: int, offsets: bool, order: int = ORDER_PLAIN):  # type: ig
                 for b in blocks:
                     totals = integer_sums(b)
                     scale, a_scale = weights(b, ws_p), activations(b, as_p)
-                    a_sum = activations(b, su_p) if offsets or r8 or r16 else []
+                    a_sum = activations(b, su_p) if r8 or r16 else []
                     a_int = []
                     if r8 or r16:
                         unsigned = ir.Constant(_I32, 127 if r8 else 128)
                         a_int = [_splat(builder, builder.mul(builder.load(builder.gep(si_p, [builder.add(
                             builder.mul(r, nb_v), b)])), unsigned), _V16I) for r in rows]
-                    offset = weights(b, wo_p) if offsets and not q81 else []
                     for h, i in keys:
                         acc = builder.load(accs[(h, i)])
                         d = builder.fmul(scale[h], a_scale[i])
@@ -274,8 +273,6 @@ def _make_tile(block: int, offsets: bool, order: int = ORDER_PLAIN):  # type: ig
                             acc = fma(d, builder.sitofp(totals[(h, i)], _V16F), acc)
                         else:
                             acc = builder.fadd(acc, builder.fmul(builder.sitofp(totals[(h, i)], _V16F), d))
-                            if offsets:
-                                acc = builder.fadd(acc, builder.fmul(offset[h], a_sum[i]))
                         add((h, i), acc)
             minus127 = ir.Constant(_V16F, [-127.0] * LANES)
             for key, o in outs.items():
@@ -290,9 +287,8 @@ def _make_tile(block: int, offsets: bool, order: int = ORDER_PLAIN):  # type: ig
     return tile
 
 
-_tile32, _tile32_offset, _tile256 = _make_tile(32, False), _make_tile(32, True), _make_tile(256, False)
-_tile32_r8, _tile256_r16 = _make_tile(32, False, ORDER_R8), _make_tile(256, False, ORDER_R16)
-_tile32_q81 = _make_tile(32, True, ORDER_Q8_1)
+_tile32, _tile256 = _make_tile(32), _make_tile(256)
+_tile32_r8, _tile256_r16, _tile32_q81 = _make_tile(32, ORDER_R8), _make_tile(256, ORDER_R16), _make_tile(32, ORDER_Q8_1)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -313,8 +309,6 @@ def _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block
                 _tile32_q81(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             elif order == ORDER_R8:
                 _tile32_r8(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
-            elif wofs.size > 0:
-                _tile32_offset(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             else:
                 _tile32(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
 
@@ -373,8 +367,6 @@ def _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, b
                     acc[r] = fmaf(w_scale * d_a, np.float32(s - wcorr[gb * LANES + r]), acc[r])
                 else:
                     acc[r] = acc[r] + np.float32(s - wcorr[gb * LANES + r]) * (w_scale * d_a)
-                    if wofs.size > 0:
-                        acc[r] = acc[r] + wofs[gb * LANES + r] * a_sum
         for r in range(LANES):
             out[m * n + g * LANES + r] = fmaf(np.float32(-127.0), acc1[r], acc[r]) if order == ORDER_R8 else acc[r]
 
@@ -432,6 +424,8 @@ def qmatmul(x: IntRows, w: PackedInts, vnni: bool = HAS_VNNI) -> np.ndarray:
     if x.block != w.block or x.u.shape[1] != w.n:
         raise ValueError(f"activations of {x.u.shape[1]} values in blocks of {x.block} against weights of {w.n} "
                          f"in blocks of {w.block}")
+    if w.has_offset != (w.order == ORDER_Q8_1):
+        raise ValueError("offsets belong to ik's Q8_1 weights (ORDER_Q8_1) and only to them")
     if w.order == ORDER_Q8_1 and (w.n // w.block) % 4:
         raise ValueError(f"ik's Q8_1 order takes blocks four at a time; rows of {w.n} values are not")
     mp, n_out = x.u.shape[0], w.scale.size // (w.n // w.block)
