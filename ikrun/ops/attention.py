@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikrun.ops.activations import ik_expf
-from ikrun.ops.ikgemm import DOTS, LANES, dots
+from ikrun.ops.ikgemm import DOTS, LANES, XROWS, dots, ik_dot_grid
 from ikrun.ops.parallel import pick
 
 # Query rows per block: bounds the score buffer to heads x block x n_kv floats for long chunks.
@@ -85,50 +85,75 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) 
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _ik_query(q: np.ndarray, q0: int, k: np.ndarray, k0: int, vt: np.ndarray, v0: int, d: int, dv: int,
-              stride_k: int, stride_v: int, scale: np.float32, n_keys: int, p: np.ndarray, out: np.ndarray,
-              o0: int, tail: np.ndarray) -> None:
-    """One query row (q[q0 : q0 + d]) against keys 0 .. n_keys - 1 (rows of k from k0, stride_k apart) and the
-    transposed values (rows of vt from v0, stride_v apart): ik's scores, softmax and weighted values into
-    out[o0 : o0 + dv]; p is a scratch row of at least n_keys rounded up to 16."""
-    dots(q, q0, k, k0, stride_k, d, n_keys, p, 0, tail, False)
-    m = -np.inf
+def _ik_softmax(r: np.ndarray, n_keys: int, scale: np.float32) -> None:
+    """ik's softmax of the scores r[:n_keys] in place (the module docstring), zeros after them (r's length a
+    multiple of 16). Each pass is a loop LLVM vectorises (on a view from 0: an offset start keeps it scalar): the
+    maximum and the sum in 16 lanes (the maximum's order changes nothing; the sum's is ik's)."""
+    whole = n_keys + (-n_keys % LANES)
     for j in range(n_keys):
-        w = p[j] * scale
-        p[j] = w
-        m = max(m, w)
-    lanes = np.zeros(LANES, np.float32)
-    width = n_keys + (-n_keys % LANES)
-    for c in range(0, width, LANES):
+        r[j] *= scale
+    for j in range(n_keys, whole):
+        r[j] = -np.inf  # ik_expf(-inf) is 0
+    lanes = np.full(LANES, -np.inf, np.float32)
+    for c in range(0, whole, LANES):
         for lane in range(LANES):
-            e = ik_expf(p[c + lane] - m)
-            e = e if c + lane < n_keys else np.float32(0.0)
-            p[c + lane] = e
-            lanes[lane] += e
+            lanes[lane] = max(lanes[lane], r[c + lane])
+    m = lanes.max()
+    for j in range(whole):
+        r[j] = ik_expf(r[j] - m)
+    lanes[:] = 0
+    for c in range(0, whole, LANES):
+        for lane in range(LANES):
+            lanes[lane] += r[c + lane]
     t = np.empty(8, np.float32)
     for j in range(8):
         t[j] = lanes[j + 8] + lanes[j]
     total = ((t[4] + t[0]) + (t[6] + t[2])) + ((t[5] + t[1]) + (t[7] + t[3]))
     inv = np.float32(1.0 / np.float64(total))
     for j in range(n_keys):
-        p[j] *= inv
-    dots(p, 0, vt, v0, stride_v, width, dv, out, o0, tail, False)
+        r[j] *= inv
+    for j in range(whole, r.shape[0]):
+        r[j] = np.float32(0.0)
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, past: int, out: np.ndarray) -> None:
-    """q [H, n, d], k [Hkv, p + n, d], vt [Hkv, dv, keys padded], out [H, n, dv] (all C-contiguous)."""
+    """q [H, n, d], k [Hkv, keys padded, d], vt [Hkv, dv, keys padded], out [H, n, dv] (all C-contiguous; the
+    padding, to a multiple of 16 keys, zeros).
+
+    XROWS queries of a head at a time: their scores against DOTS keys, and their weighted values of DOTS dims, per
+    kernel call (each key and value vector loaded once for all of them). The scores a query may not see are
+    computed with the others' and then dropped, and its probabilities are zero past its last key, so each dot
+    product sums exactly what a query alone would (a product of zero adds nothing)."""
     n_head, n, d = q.shape
-    n_kv, n_all, dv, padded = k.shape[0], k.shape[1], vt.shape[1], vt.shape[2]
-    group = n_head // n_kv
+    n_kv, padded, dv = k.shape[0], k.shape[1], vt.shape[1]
+    group, n_groups = n_head // n_kv, (n + XROWS - 1) // XROWS
+    sc = np.float32(scale)
     qf, kf, vf, of = q.reshape(-1), k.reshape(-1), vt.reshape(-1), out.reshape(-1)
-    for t in prange(n_head * n):
-        h, i = t // n, t % n
+    for task in prange(n_head * n_groups):
+        h, i0 = task // n_groups, task % n_groups * XROWS
+        rows = min(XROWS, n - i0)
         g = h // group
-        p = np.zeros(padded, np.float32)
+        k0, v0 = g * padded * d, g * dv * padded
+        p = np.empty(XROWS * padded, np.float32)
         tail = np.empty(DOTS, np.float32)
-        _ik_query(qf, t * d, kf, g * n_all * d, vf, g * dv * padded, d, dv, d, padded, np.float32(scale),
-                  past + i + 1, p, of, t * dv, tail)
+        last = past + i0 + rows  # keys the group's last query sees
+        width = last + (-last % LANES)
+        q0 = (h * n + i0) * d
+        if rows == XROWS:
+            for j in range(0, last + (-last % DOTS), DOTS):
+                ik_dot_grid(qf, q0, d, kf, k0 + j * d, d, d, p, j, padded)
+        else:
+            for a in range(rows):
+                dots(qf, q0 + a * d, kf, k0, d, d, last, p, a * padded, tail, False)
+        for a in range(rows):
+            _ik_softmax(p[a * padded : a * padded + width], past + i0 + a + 1, sc)
+        o0 = (h * n + i0) * dv
+        full = dv - dv % DOTS if rows == XROWS else 0
+        for c in range(0, full, DOTS):
+            ik_dot_grid(p, 0, padded, vf, v0 + c * padded, padded, width, of, o0 + c, dv)
+        for a in range(rows):
+            dots(p, a * padded, vf, v0 + full * padded, padded, width, dv - full, of, o0 + a * dv + full, tail, False)
 
 
 def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
@@ -139,7 +164,8 @@ def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
     n_keys = k.shape[0]
     padded = n_keys + (-n_keys % LANES)
     qh = np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32)
-    kh = np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32)
+    kh = np.zeros((k.shape[1], padded, d), np.float32)
+    kh[:, :n_keys] = k.transpose(1, 0, 2)
     vt = np.zeros((k.shape[1], v.shape[2], padded), np.float32)
     vt[:, :, :n_keys] = v.transpose(1, 2, 0)
     out = np.empty((n_head, n, v.shape[2]), np.float32)
@@ -155,11 +181,12 @@ def ik_latent_attention(q: np.ndarray, cache: np.ndarray, n_rope: int, scale: fl
     if d % LANES:
         raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {LANES}, not {d}")
     padded = n + (-n % LANES)
+    keys = np.zeros((1, padded, d), np.float32)
+    keys[0, :n] = cache
     vt = np.zeros((1, d - n_rope, padded), np.float32)
     vt[0, :, :n] = cache[:, n_rope:].T
     out = np.empty((n_head, n, d - n_rope), np.float32)
-    _ik_attention(np.ascontiguousarray(q, dtype=np.float32), np.ascontiguousarray(cache, dtype=np.float32)[None],
-                  vt, float(scale), 0, out)
+    _ik_attention(np.ascontiguousarray(q, dtype=np.float32), keys, vt, float(scale), 0, out)
     return out
 
 
