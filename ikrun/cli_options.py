@@ -1,8 +1,9 @@
 """The options every evaluating `ikrun` command shares, declared once and added to each command by one decorator.
 
 `@evaluation_options` adds --threads, --kv-cache, --mem, --stream/--no-stream, --spill-dir and one option per
-RuntimeOptions field (their help and flag come from the field's metadata) to a command's signature, and hands the
-command one `Evaluation` in their place. A new runtime option is a field of RuntimeOptions and nothing else here.
+RuntimeOptions field (their help and flag come from the field's metadata; a bool is a flag, an int takes a value)
+to a command's signature, and hands the command one `Evaluation` in their place. A new runtime option is a field
+of RuntimeOptions and nothing else here.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _runtime_parameters() -> list[inspect.Parameter]:
             choice = Enum(f.name.title(), {c: c for c in f.metadata["choices"]}, type=str)  # type: ignore[misc]
             option, annotation = typer.Option(f.default, flag, case_sensitive=False, help=help_text), choice
         else:
-            option, annotation = typer.Option(f.default, flag, help=help_text), bool
+            option, annotation = typer.Option(f.default, flag, help=help_text), type(f.default)
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation))
     return params
 

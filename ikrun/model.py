@@ -9,6 +9,7 @@ any compute.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,7 +55,8 @@ class RuntimeOptions:
 
     An architecture lists the ones it honours in its class attribute `runtime_options`; setting any other is an
     error, so a flag never silently does nothing. Each field's metadata holds its command-line help: the CLI makes
-    the option --name-with-dashes from it (ikrun/cli_options.py), a bool as a flag, None-defaulted as on/off.
+    the option --name-with-dashes from it (ikrun/cli_options.py), a bool as a flag, None-defaulted as on/off, an
+    int taking a value.
     """
 
     #: lightning-indexer sparse attention: None keeps the architecture's default (sparse, as the model was trained);
@@ -79,6 +81,13 @@ class RuntimeOptions:
         "exact (default): float32 on the exactly decoded weights, the error of the stored weights alone. ik: the "
         "arithmetic of ik's CPU backend, to get the numbers llama-perplexity prints: activations rounded to the "
         "8-bit (or bf16) format ik pairs with each weight type, and ik's f16 KV cache (whatever --kv-cache says).")})
+
+    #: the thread count whose kernel choices --numerics ik reproduces (ik's choice depends on it for matrices of fewer
+    #: than 32 rows per thread)
+    ik_threads: int = field(default=1, metadata={"every_arch": True, "help": (
+        "With --numerics ik: make ik's kernel choices as llama-perplexity makes them with this many threads (-t). "
+        "They differ only for matrices of fewer than 32 rows per thread, where ik multiplies with its own kernel "
+        "instead of converting the weights first: small test models. Default 1.")})
 
     def given(self) -> list[str]:
         """The options that were set (field names; the command-line flag is --name with dashes)."""
@@ -130,6 +139,10 @@ class Model:
                 honour = [a for a in supported_architectures() if option in model_class(a).runtime_options]
                 raise ModelError(f"--{option.replace('_', '-')} applies only to {', '.join(honour)}; {self.path} "
                                  f"is {self.arch}")
+        if self.options.ik_threads < 1:
+            raise ModelError(f"--ik-threads must be at least 1, not {self.options.ik_threads}")
+        if self.options.ik_threads != 1 and not self.ik_numerics:
+            raise ModelError("--ik-threads chooses ik's kernels, which only --numerics ik runs")
         if self.options.dsa is False and self.options.dsa_sink:
             raise ModelError("--dsa-sink changes the indexer's top-k selection, which --dsa off does not run")
         #: the memory budget in bytes (None: unbounded); the decoded-weight cache lives in what evaluation leaves
@@ -251,30 +264,38 @@ class Model:
         """x as the matmul with `weight_name` consumes it: unchanged, or with --numerics ik rounded as ik does."""
         return round_activations(x, self.activation_format(weight_name))
 
-    def _ik_converted(self, name: str, n_act_rows: int, weight_rows: int) -> np.ndarray | None:
+    def _ik_converted(self, name: str, n_act_rows: int, weight_rows: int, threads: int | None) -> np.ndarray | None:
         """Under --numerics ik, the weights ik's kernel multiplies `name` as in a matmul with `n_act_rows`
-        activation rows, in float32, where they are not its exact decoding (ikrun/ops/numerics.py); else None."""
+        activation rows (of matrices of `weight_rows` rows, `threads` ik threads each), in float32, where they are
+        not its exact decoding (ikrun/ops/numerics.py); else None."""
         if not self.ik_numerics:
             return None
         kernel = ik_kernel(self.weights.encoding(name).type.name)
-        values = kernel.float_values(n_act_rows, weight_rows)
+        values = kernel.float_values(n_act_rows, weight_rows, threads)
         if values is None:
             return None
-        kind = DERIVED + CONVERTED * kernel.converts(n_act_rows, weight_rows)
+        kind = DERIVED + CONVERTED * kernel.converts(n_act_rows, weight_rows, threads)
         return self.weights.derived(name, lambda raw, decoded: values(raw, decoded).to_float().reshape(
             self.shape(name)), kind)
 
-    def _ik_packed(self, name: str, n_act_rows: int) -> PackedInts | None:
-        """Under --numerics ik, the integers ik's kernel multiplies the 2-D weight `name` as, packed for qmatmul;
-        None where it multiplies floats (F32/F16/BF16 weights, a type not held as integers)."""
+    def _ik_packed(self, name: str, n_act_rows: int, threads: int | None) -> PackedInts | None:
+        """Under --numerics ik, the integers ik's kernel multiplies the 2-D weight `name` as (its rows shared by
+        `threads` ik threads), packed for qmatmul; None where it multiplies floats (F32/F16/BF16 weights, a type not
+        held as integers)."""
         if not self.ik_numerics:
             return None
         kernel = ik_kernel(self.weights.encoding(name).type.name)
-        ints = kernel.integers(n_act_rows, self.shape(name)[0])
+        rows = self.shape(name)[0]
+        ints = kernel.integers(n_act_rows, rows, threads)
         if ints is None:
             return None
-        kind = PACKED + CONVERTED * kernel.converts(n_act_rows, self.shape(name)[0])
+        kind = PACKED + CONVERTED * kernel.converts(n_act_rows, rows, threads)
         return self.weights.derived(name, lambda raw, decoded: pack(ints(raw, decoded)), kind)
+
+    def _ik_threads(self, n_matrices: int) -> int:
+        """The threads ik gives each of `n_matrices` equal matrices it multiplies at once (one per head): its
+        --ik-threads divided by their greatest common divisor with the count (ik's split of a batched matmul)."""
+        return self.options.ik_threads // math.gcd(n_matrices, self.options.ik_threads)
 
     def _ik_float_kind(self, name: str) -> str | None:
         """F32, F16 or BF16 where ik multiplies weight `name` in its float kernels (ikrun/ops/ikgemm.py) on rows they
@@ -297,7 +318,8 @@ class Model:
             xr = self.activations(x, name)
             return np.stack([ik_float_matmul(xr[h], w[h], float_kind == "BF16") for h in range(n_head)])
         kernel = ik_kernel(self.weights.encoding(name).type.name)
-        ints = kernel.integers(n, rows)
+        threads = self._ik_threads(n_head)
+        ints = kernel.integers(n, rows, threads)
         if ints is None:
             return None
 
@@ -305,7 +327,7 @@ class Model:
             whole = ints(raw, decoded)
             return PackedHeads(tuple(pack(row_slice(whole, h * rows, (h + 1) * rows)) for h in range(n_head)))
 
-        heads = self.weights.derived(name, make, HEADS + CONVERTED * kernel.converts(n, rows))
+        heads = self.weights.derived(name, make, HEADS + CONVERTED * kernel.converts(n, rows, threads))
         fmt = self.activation_format(name)
         return np.stack([qmatmul(integer_rows(x[h], fmt), heads.heads[h]) for h in range(n_head)])
 
@@ -314,7 +336,8 @@ class Model:
         decoding, or under --numerics ik the weights ik's kernel converts it to when it does; `weight_rows` is the
         row count of each matrix ik multiplies (a per-head slice), default all rows."""
         rows = self.weights.info(name).n_rows if weight_rows is None else weight_rows
-        converted = self._ik_converted(name, n_act_rows, rows)
+        converted = self._ik_converted(name, n_act_rows, rows,
+                                       self._ik_threads(self.weights.info(name).n_rows // rows))
         return self.weight(name) if converted is None else converted
 
     def _expert_ints(self, name: str, count: int) -> ToInts | None:
@@ -345,11 +368,14 @@ class Model:
             if values is not None:
                 mats[j] = values(np.ascontiguousarray(raw[e]), mats[j]).to_float()
 
-    def project(self, x: np.ndarray, weight_name: str, rounded: dict[str, IntRows] | None = None) -> np.ndarray:
+    def project(self, x: np.ndarray, weight_name: str, rounded: dict[str, IntRows] | None = None,
+                fused: bool = False) -> np.ndarray:
         """x @ W^T for the 2-D weight `weight_name`; decoded whole when it fits the cache, else a tile of rows at a
-        time (the output head of a large vocabulary under a small budget)."""
+        time (the output head of a large vocabulary under a small budget). `fused`: ik multiplies it in its fused
+        up-gate op, whose kernel choice does not depend on its thread count (--ik-threads)."""
         if self.ik_numerics:
-            packed = self._ik_packed(weight_name, len(x))
+            threads = None if fused else self.options.ik_threads
+            packed = self._ik_packed(weight_name, len(x), threads)
             if packed is not None:
                 fmt = self.activation_format(weight_name)
                 rows = rounded.get(fmt) if rounded is not None else None
@@ -359,7 +385,7 @@ class Model:
                         rounded[fmt] = rows
                 return qmatmul(rows, packed)
             x = self.activations(x, weight_name)
-            converted = self._ik_converted(weight_name, len(x), self.shape(weight_name)[0])
+            converted = self._ik_converted(weight_name, len(x), self.shape(weight_name)[0], threads)
             if converted is not None:
                 return x @ converted.T
             kind = self._ik_float_kind(weight_name)
@@ -380,20 +406,23 @@ class Model:
             y[:, r0 : r0 + len(rows)] = x @ w.decode_rows(weight_name, rows).T
         return y
 
-    def linear(self, x: np.ndarray, name: str, rounded: dict[str, IntRows] | None = None) -> np.ndarray:
+    def linear(self, x: np.ndarray, name: str, rounded: dict[str, IntRows] | None = None,
+               fused: bool = False) -> np.ndarray:
         """x @ W^T (+ bias) for the weight `name` (without the .weight suffix), shown to the observers first;
-        `rounded` keeps x's integer rows per activation format for the next weight on the same input."""
+        `rounded` keeps x's integer rows per activation format for the next weight on the same input; `fused` as
+        for project."""
         self.observe(name + ".weight", x)
-        y = self.project(x, name + ".weight", rounded)
+        y = self.project(x, name + ".weight", rounded, fused)
         if self.has(name + ".bias"):
             y += self.weight(name + ".bias")
         return y
 
-    def linears(self, x: np.ndarray, names: list[str]) -> list[np.ndarray]:
+    def linears(self, x: np.ndarray, names: list[str], fused: bool = False) -> list[np.ndarray]:
         """linear(x, name) for weights that share the input x (q/k/v, gate/up): under --numerics ik x is rounded
-        once per activation format, not once per weight."""
+        once per activation format, not once per weight; `fused`: the gate and up weights of a SwiGLU FFN, which
+        ik multiplies in its fused up-gate op (project)."""
         rounded: dict[str, IntRows] = {}
-        return [self.linear(x, name, rounded) for name in names]
+        return [self.linear(x, name, rounded, fused) for name in names]
 
     def embed_rows(self, name: str, tokens: np.ndarray) -> np.ndarray:
         """Rows `tokens` of an embedding table: from its cached decoding when evaluations repeat and it fits, else

@@ -114,25 +114,35 @@ def test_logits_are_iks_bit_for_bit(case: dict[str, Any]) -> None:
     assert digest.hexdigest() == case["blake2b"]
 
 
-def test_deepseek_v3_q8_0_prints_iks_single_thread_figures() -> None:
-    """ik's own figures for the deepseek-v3 Q8_0 file depend on its thread count: its kernels for matrices of
-    fewer than 32 rows per thread differ (the tiny model's 32-row heads and 48-row KV projection), so one thread
-    prints KLD 0.015814 and PPL(Q) 486.896746, two threads (the golden ik-q8_0-kld.txt) 0.015552 and 487.161389.
-    --numerics ik computes ik's kernels for whole matrices (real models have hundreds of rows per thread): ik's
-    one-thread figures to the last digit."""
-    ik = _printed(BITS / "ik-deepseek-v3-q8_0-t1-kld.txt")
-    got = _kld(DATA / "convert" / "deepseek-v3" / "ik-q8_0.gguf", DATA / "logits" / "deepseek-v3" / "ik-base.kld")
+@pytest.mark.parametrize(("threads", "printed"), [(1, BITS / "ik-deepseek-v3-q8_0-t1-kld.txt"),
+                                                  (2, DATA / "logits" / "deepseek-v3" / "ik-q8_0-kld.txt")])
+def test_deepseek_v3_q8_0_prints_iks_figures_for_its_thread_count(threads: int, printed: Path) -> None:
+    """ik's own figures for the deepseek-v3 Q8_0 file depend on its thread count: a plain matmul whose threads get
+    fewer than 32 rows each takes Q8_0's own kernel instead of converting to Q8_0_R8 (the tiny model's 32-row
+    q_a and 48-row KV projections at two threads; its fused up-gate op does not), so one thread prints KLD
+    0.015814 and PPL(Q) 486.896746, two threads (the golden ik-q8_0-kld.txt) 0.015552 and 487.161389.
+    --ik-threads makes ik's choice for the given count, and Q8_0's own kernel is ik's float order
+    (qgemm.ORDER_Q8_0_NATIVE): every printed figure of both runs to its last digit."""
+    ik = _printed(printed)
+    got = _kld(DATA / "convert" / "deepseek-v3" / "ik-q8_0.gguf", DATA / "logits" / "deepseek-v3" / "ik-base.kld",
+               "--ik-threads", str(threads))
     for key, value in ik.items():
         assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), (key, got[key], value)
-    golden = _printed(DATA / "logits" / "deepseek-v3" / "ik-q8_0-kld.txt")
-    assert abs(golden["kld_mean"] - ik["kld_mean"]) > 1e-4
+
+
+def test_ik_threads_are_checked() -> None:
+    gguf = str(DATA / "convert" / "deepseek-v3" / "ik-q8_0.gguf")
+    res = runner.invoke(app, ["logits", gguf, "--tokens", "1,2", "--ik-threads", "2"])
+    assert res.exit_code != 0 and "--ik-threads chooses ik's kernels, which only --numerics ik runs" in res.output
+    res = runner.invoke(app, ["logits", gguf, "--tokens", "1,2", "--numerics", "ik", "--ik-threads", "0"])
+    assert res.exit_code != 0 and "--ik-threads must be at least 1, not 0" in res.output
 
 
 @pytest.mark.parametrize(("variant", "weights"), [("qwen3", "q8_0"), ("qwen3", "bf16"), ("deepseek-v3", "bf16")])
 def test_golden_variants_print_iks_figures_to_the_last_digit(variant: str, weights: str) -> None:
     """The golden ik-q8_0 / ik-bf16 KLD runs of the other variants: bf16 through ik's bf16 kernel (activations
     rounded to bf16, vdpbf16ps pairs), DeepSeek's MLA, routed experts and their weighting as ik's graph computes
-    them; every printed figure to its last digit (the deepseek-v3 Q8_0 run: the next test)."""
+    them; every printed figure to its last digit (the deepseek-v3 Q8_0 run: the test before)."""
     ik = _printed(DATA / "logits" / variant / f"ik-{weights}-kld.txt")
     got = _kld(DATA / "convert" / variant / f"ik-{weights}.gguf", DATA / "logits" / variant / "ik-base.kld")
     for key, value in ik.items():

@@ -26,6 +26,7 @@ from ikrun.ops.numerics import (
 from ikrun.ops.qgemm import (
     HAS_VNNI,
     ORDER_PLAIN,
+    ORDER_Q8_0_NATIVE,
     ORDER_Q8_1,
     ORDER_R8,
     ORDER_R16,
@@ -95,6 +96,22 @@ def _ik_reference(x: IntRows, w: BlockInts) -> np.ndarray:
     asum = qa.sum(axis=2)
     d = (w.scale[None, :, :] * x.scale[:m, None, :]).astype(np.float32)  # [m, r, b]
     zero = np.zeros(d.shape[:2], np.float32)
+    if w.order == ORDER_Q8_0_NATIVE:  # the weights + 127 as bytes (wrapping, as ik adds them)
+        prods = np.einsum("mbk,rbk->mrbk", qa, (qw + 127) % 256)
+        acc, accm = np.zeros((*d.shape[:2], 8), np.float32), np.zeros((*d.shape[:2], 4), np.float32)
+        corr = (w.scale * np.float32(-127)).astype(np.float32)[None] * x.sums[:m, None, :]
+        for b in range(nb):
+            if b < nb // 4 * 4:  # a whole group of four: halves to accumulators j and 4 + j
+                j = b % 4
+                accm[..., j] += corr[..., b]
+                acc[..., j] = _fma32(d[..., b], prods[..., b, :16].sum(-1).astype(np.float32), acc[..., j])
+                acc[..., 4 + j] = _fma32(d[..., b], prods[..., b, 16:].sum(-1).astype(np.float32), acc[..., 4 + j])
+            else:  # after them: eight 4-value sums, a quarter of the correction to each accm
+                accm += (corr[..., b] * np.float32(0.25))[..., None]
+                fours = prods[..., b, :].reshape(*prods.shape[:2], 8, 4).sum(-1).astype(np.float32)
+                acc = _fma32(d[..., b, None], fours, acc)
+        t = (acc[..., :4] + acc[..., 4:]) + accm
+        return (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])
     if w.order == ORDER_R8:
         acc, acc1 = zero, zero
         for b in range(nb):
@@ -118,13 +135,15 @@ def _ik_reference(x: IntRows, w: BlockInts) -> np.ndarray:
 
 @pytest.mark.parametrize("vnni", [False, True] if HAS_VNNI else [False])
 @pytest.mark.parametrize(("block", "fmt", "order"), [(32, Q8_2_X4, ORDER_R8), (32, Q8_2_X4, ORDER_Q8_1),
-                                                     (256, Q8_K, ORDER_R16)])
+                                                     (256, Q8_K, ORDER_R16), (32, Q8_2_X4, ORDER_Q8_0_NATIVE)])
 def test_each_order_is_iks_float_arithmetic(block: int, fmt: str, order: int, vnni: bool) -> None:
-    """ik's Q8_0_R8, Q8_1 and Q8_K_R16 gemms (ikrun/ops/qgemm.py ORDER_*), written out block by block with exact
-    fused multiply-adds: the kernels give their bits, over rows long enough to take several passes of K_BYTES and
-    row counts that are no whole tiles or groups; the plain order gives other bits."""
+    """ik's Q8_0_R8, Q8_1 and Q8_K_R16 gemms and its own Q8_0 kernel (ikrun/ops/qgemm.py ORDER_*), written out
+    block by block with exact fused multiply-adds: the kernels give their bits, over rows long enough to take
+    several passes of K_BYTES (Q8_0's kernel: blocks past the last whole group of four too) and row counts that are
+    no whole tiles or groups; the plain order gives other bits."""
     rng = np.random.default_rng(order)
-    w = _weights(rng, 40, 24 * block if block == 32 else 4 * block, block, order == ORDER_Q8_1)
+    n = {ORDER_Q8_0_NATIVE: 26 * block, ORDER_R16: 4 * block}.get(order, 24 * block)
+    w = _weights(rng, 40, n, block, order == ORDER_Q8_1)
     w = BlockInts(w.q, w.scale, block, w.offset, order)
     x = (rng.standard_normal((TILE + 3, w.q.shape[1])) * rng.uniform(0.1, 10, (TILE + 3, 1))).astype(np.float32)
     rows = integer_rows(x, fmt)

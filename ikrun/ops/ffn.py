@@ -29,7 +29,7 @@ EXPERT_TENSORS = ("ffn_up_exps", "ffn_gate_exps", "ffn_down_exps")
 def dense_ffn(m: Model, h: np.ndarray, b: str, kind: str = "", limit: float = np.inf) -> np.ndarray:
     """SwiGLU FFN through ffn_gate/up/down{kind} of block prefix `b` ("" dense layers, "_shexp" shared experts),
     clamped at a finite `limit` (swiglu)."""
-    gate, up = m.linears(h, [b + "ffn_gate" + kind, b + "ffn_up" + kind])
+    gate, up = m.linears(h, [b + "ffn_gate" + kind, b + "ffn_up" + kind], fused=True)
     return m.linear(swiglu(gate, up, limit, m.ik_numerics), b + "ffn_down" + kind)
 
 

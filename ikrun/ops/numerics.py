@@ -72,7 +72,7 @@ from numba import njit, prange
 from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ6NL_VALUES
 from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits
 from ikrun.ops.parallel import pick
-from ikrun.ops.qgemm import ORDER_Q8_1, ORDER_R8, ORDER_R16, TILE, BlockInts, IntRows
+from ikrun.ops.qgemm import ORDER_PLAIN, ORDER_Q8_0_NATIVE, ORDER_Q8_1, ORDER_R8, ORDER_R16, TILE, BlockInts, IntRows
 
 Q8_2_X4 = "Q8_2_X4"
 Q8_K = "Q8_K"
@@ -108,19 +108,23 @@ class IkKernel:
     #: the values ik's native kernel multiplies where they are neither the decoding nor `ints` (IQ6_K's table)
     native: ToInts | None = None
 
-    def converts(self, n_act_rows: int, n_weight_rows: int) -> bool:
-        return self.convert is not None and n_act_rows >= self.convert_rows and n_weight_rows >= 32 \
-            and n_weight_rows % 16 == 0
+    def converts(self, n_act_rows: int, n_weight_rows: int, threads: int | None = None) -> bool:
+        """Whether ik converts the weights of a matmul with `n_act_rows` activation rows and `n_weight_rows` weight
+        rows (a multiple of 16): from `convert_rows` activation rows on. `threads`: the ik threads that share a
+        plain matmul's rows, which takes the type's own kernel when they get fewer than 32 rows each; None for
+        ik's MoE and fused up-gate ops, which choose by the activation rows alone."""
+        rows_ok = n_weight_rows % 16 == 0 and (threads is None or n_weight_rows // threads >= 32)
+        return self.convert is not None and n_act_rows >= self.convert_rows and rows_ok
 
-    def integers(self, n_act_rows: int, n_weight_rows: int) -> ToInts | None:
-        """The integers of a matmul with `n_act_rows` activation rows, None where ik multiplies floats or the
-        stored weights of a type not held as integers here."""
-        return self.convert if self.converts(n_act_rows, n_weight_rows) else self.ints
+    def integers(self, n_act_rows: int, n_weight_rows: int, threads: int | None = None) -> ToInts | None:
+        """The integers of such a matmul, None where ik multiplies floats or the stored weights of a type not held
+        as integers here."""
+        return self.convert if self.converts(n_act_rows, n_weight_rows, threads) else self.ints
 
-    def float_values(self, n_act_rows: int, n_weight_rows: int) -> ToInts | None:
+    def float_values(self, n_act_rows: int, n_weight_rows: int, threads: int | None = None) -> ToInts | None:
         """Where a float matmul must multiply other values than the exact decoding (converted weights, or stored
         integers that rescale), the integers whose values it multiplies; None: the decoding itself."""
-        if self.converts(n_act_rows, n_weight_rows):
+        if self.converts(n_act_rows, n_weight_rows, threads):
             return self.convert
         return self.ints if self.rescales else self.native
 
@@ -157,14 +161,20 @@ def _q8_0_ints(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
                      block=BLOCK)
 
 
+def _in_order(ints: ToInts, order: int) -> ToInts:
+    """The same integers multiplied in the float order of another ik kernel (qgemm.ORDER_*)."""
+    return lambda raw, decoded: replace(ints(raw, decoded), order=order)
+
+
 def _in_r8(ints: ToInts) -> ToInts:
     """The same integers as ik multiplies them after converting them to Q8_0_R8 (its gemm's float order)."""
-    return lambda raw, decoded: replace(ints(raw, decoded), order=ORDER_R8)
+    return _in_order(ints, ORDER_R8)
 
 
-def _r8_kernel(ints: ToInts) -> IkKernel:
-    """A 32-value block type whose integers ik keeps when it converts it to Q8_0_R8 (from 32 activation rows)."""
-    return IkKernel(Q8_2_X4, 32, _in_r8(ints), ints)
+def _r8_kernel(ints: ToInts, native: int = ORDER_PLAIN) -> IkKernel:
+    """A 32-value block type whose integers ik keeps when it converts it to Q8_0_R8 (from 32 activation rows);
+    below that its own kernel multiplies them in the order `native`."""
+    return IkKernel(Q8_2_X4, 32, _in_r8(ints), _in_order(ints, native) if native != ORDER_PLAIN else ints)
 
 
 def _f16_scaled(block_bytes: int) -> ToInts:
@@ -355,7 +365,7 @@ def _kt_kernel(type_name: str, convert_rows: int) -> IkKernel:
 #: weight type -> how ik multiplies it (types not listed are not emulated)
 IK_KERNELS: dict[str, IkKernel] = {
     "F32": IkKernel(UNROUNDED), "F16": IkKernel(UNROUNDED), "BF16": IkKernel(BF16),
-    "Q8_0": _r8_kernel(_q8_0_ints),
+    "Q8_0": _r8_kernel(_q8_0_ints, ORDER_Q8_0_NATIVE),
     **{t: _r8_kernel(_f16_scaled(size)) for t, size in (("Q4_0", 18), ("Q5_0", 22), ("Q6_0", 26), ("IQ4_NL", 18))},
     "MXFP4": _r8_kernel(lambda raw, decoded: _scaled_ints(decoded, _e8m0_half(raw, 17))),
     **{t: IkKernel(Q8_2_X4) for t in ("Q8_0_R8", "Q4_0_R8", "IQ4_NL_R4", "MXFP4_R8")},

@@ -34,8 +34,14 @@ from ikrun.ops.parallel import pick
 #: fma(-127, acc1, acc); ORDER_R16 ik's Q8_K_R16 gemm: the weights unsigned (+128), per block acc = fma(w scale x a
 #: scale, f32(isum + 128 x a's integer sum), acc) then acc = fma(w scale x -128, a scale x a's integer sum, acc)
 #: ORDER_Q8_1 ik's Q8_1 gemm (Q4_K, Q5_K converted), four blocks at a time: acc = fma(offset, a scale x a's integer
-#: sum, acc) for each of the four, then acc = fma(w scale x a scale, f32(isum), acc) for each
-ORDER_PLAIN, ORDER_R8, ORDER_R16, ORDER_Q8_1 = 0, 1, 2, 3
+#: sum, acc) for each of the four, then acc = fma(w scale x a scale, f32(isum), acc) for each; ORDER_Q8_0_NATIVE ik's
+#: own Q8_0 kernel (fewer activation rows than it converts for): the weights unsigned (+127), eight accumulators, a
+#: block of a group of four adding its first 16 products to accumulator j and its last 16 to 4 + j (j its place in
+#: the group), d = w scale x a scale as fma(d, f32(half sum), acc), and its correction (w scale x -127) x (a scale x
+#: a's integer sum) to a sum of its own (accm[j]); a block past the last whole group adds its eight 4-value sums to
+#: the eight accumulators and a quarter of its correction to each accm; at the end (acc[j] + acc[4 + j]) + accm[j],
+#: summed (0 + 2) + (1 + 3)
+ORDER_PLAIN, ORDER_R8, ORDER_R16, ORDER_Q8_1, ORDER_Q8_0_NATIVE = 0, 1, 2, 3, 4
 LANES = 16  # weight rows per packed group: one 512-bit vector of int32 lanes
 TILE = 4  # activation rows per kernel call, sharing each weight vector
 GROUPS = 2  # weight groups per kernel call, sharing each activation broadcast
@@ -131,6 +137,8 @@ def pack(w: BlockInts) -> PackedInts:
         return np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)]) if pad else a
 
     q = padded(np.ascontiguousarray(w.q, dtype=np.int8))
+    if w.order == ORDER_Q8_0_NATIVE:  # ik's Q8_0 kernel multiplies the values + 127, unsigned
+        q = (q.view(np.uint8) + np.uint8(127)).view(np.int8)
     packed = np.empty(q.size, np.int8)
     corr = np.empty(groups * nb * LANES, np.int32)
     _pack_groups(q, w.block, packed, corr)
@@ -287,8 +295,107 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
     return tile
 
 
+def _make_q8_0_native_tile():  # type: ignore[no-untyped-def]
+    """The VNNI micro-kernel of ORDER_Q8_0_NATIVE (32-value blocks) for weight groups GROUPS x g .. GROUPS x g +
+    GROUPS - 1 and activation rows m0 .. m0 + TILE - 1, a whole row per call (b0 = 0, b1 = nb). The weights are
+    packed unsigned (+127, `pack`) and the activations' bytes made signed again (u xor 0x80), so each vpdpbusd
+    sums ik's own integers."""
+    steps = 8
+
+    @intrinsic
+    def tile(typingctx, wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, b0, b1, nb,  # type: ignore[no-untyped-def]
+             n):
+        sig = types.void(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, *[types.int64] * 6)
+
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            wq_p, ws_p, _, _, au_p, as_p, su_p, _, out_p = (
+                context.make_array(t)(context, builder, value=v).data for t, v in zip(signature.args[:9], args[:9]))
+            g_v, m0_v, _, _, nb_v, n_v = args[9:]
+            dpbusd = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_V16I, [_V16I, _V16I, _V16I]), "llvm.x86.avx512.vpdpbusd.512")
+            fma_fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fma.v16f32")
+            fma = lambda a, b, c: builder.call(fma_fn, [a, b, c])  # noqa: E731
+            const = lambda v: ir.Constant(_I64, v)  # noqa: E731
+            fconst = lambda v: ir.Constant(_V16F, [v] * LANES)  # noqa: E731
+            row_len = builder.mul(nb_v, const(32))
+            groups = [builder.add(builder.mul(g_v, const(GROUPS)), const(h)) for h in range(GROUPS)]
+            rows = [builder.add(m0_v, const(i)) for i in range(TILE)]
+            keys = [(h, i) for h in range(GROUPS) for i in range(TILE)]
+            zero_i, zero_f = ir.Constant(_V16I, [0] * LANES), fconst(0.0)
+            acc = {(h, i, lane): cgutils.alloca_once_value(builder, zero_f) for h, i in keys for lane in range(8)}
+            accm = {(h, i, j): cgutils.alloca_once_value(builder, zero_f) for h, i in keys for j in range(4)}
+            sign = ir.Constant(_I32, -0x7F7F7F80)  # 0x80808080
+
+            def step_sums(b: ir.Value, chains: list[list[int]]) -> dict:  # type: ignore[type-arg]
+                """Per (group, row, chain): the integer sum of block b's steps in that chain."""
+                wbase = [builder.mul(builder.add(builder.mul(gh, nb_v), b), const(steps * 64)) for gh in groups]
+                abase = [builder.add(builder.mul(r, row_len), builder.mul(b, const(32))) for r in rows]
+                sums = {(h, i, c): zero_i for h, i in keys for c in range(len(chains))}
+                for c, chain in enumerate(chains):
+                    for s in chain:
+                        w = [_vector(builder, wq_p, builder.add(wb, const(s * 64)), _V16I) for wb in wbase]
+                        for i in range(TILE):
+                            ap = builder.bitcast(builder.gep(au_p, [builder.add(abase[i], const(s * 4))]),
+                                                 _I32.as_pointer())
+                            a = _splat(builder, builder.xor(builder.load(ap, align=1), sign), _V16I)
+                            for h in range(GROUPS):
+                                sums[(h, i, c)] = builder.call(dpbusd, [sums[(h, i, c)], w[h], a])
+                return sums
+
+            def scales(b: ir.Value) -> tuple[dict, dict]:  # type: ignore[type-arg]
+                """Per (group, row): d = w scale x a scale and the correction (w scale x -127) x a's scaled sum."""
+                w = [_vector(builder, ws_p, builder.mul(builder.add(builder.mul(gh, nb_v), b), const(LANES)), _V16F)
+                     for gh in groups]
+                idx = [builder.add(builder.mul(r, nb_v), b) for r in rows]
+                a_d = [_splat(builder, builder.load(builder.gep(as_p, [x])), _V16F) for x in idx]
+                a_s = [_splat(builder, builder.load(builder.gep(su_p, [x])), _V16F) for x in idx]
+                d = {(h, i): builder.fmul(w[h], a_d[i]) for h, i in keys}
+                m = {(h, i): builder.fmul(builder.fmul(w[h], fconst(-127.0)), a_s[i]) for h, i in keys}
+                return d, m
+
+            def add(slot: ir.Value, value: ir.Value) -> None:
+                builder.store(builder.fadd(builder.load(slot), value), slot)
+
+            def fma_into(slot: ir.Value, d: ir.Value, isum: ir.Value) -> None:
+                builder.store(fma(d, builder.sitofp(isum, _V16F), builder.load(slot)), slot)
+
+            whole = builder.udiv(nb_v, const(4))
+            with cgutils.for_range(builder, whole) as loop:  # whole groups of four blocks
+                for t in range(4):
+                    b = builder.add(builder.mul(loop.index, const(4)), const(t))
+                    sums = step_sums(b, [[0, 1, 2, 3], [4, 5, 6, 7]])
+                    d, m = scales(b)
+                    for h, i in keys:
+                        add(accm[(h, i, t)], m[(h, i)])
+                        fma_into(acc[(h, i, t)], d[(h, i)], sums[(h, i, 0)])
+                        fma_into(acc[(h, i, 4 + t)], d[(h, i)], sums[(h, i, 1)])
+            with cgutils.for_range(builder, builder.sub(nb_v, builder.mul(whole, const(4)))) as loop:  # the rest
+                b = builder.add(builder.mul(whole, const(4)), loop.index)
+                sums = step_sums(b, [[s] for s in range(steps)])
+                d, m = scales(b)
+                for h, i in keys:
+                    quarter = builder.fmul(m[(h, i)], fconst(0.25))
+                    for j in range(4):
+                        add(accm[(h, i, j)], quarter)
+                    for lane in range(8):
+                        fma_into(acc[(h, i, lane)], d[(h, i)], sums[(h, i, lane)])
+            for h, i in keys:
+                t = [builder.fadd(builder.fadd(builder.load(acc[(h, i, j)]), builder.load(acc[(h, i, 4 + j)])),
+                                  builder.load(accm[(h, i, j)])) for j in range(4)]
+                value = builder.fadd(builder.fadd(t[0], t[2]), builder.fadd(t[1], t[3]))
+                o = builder.gep(out_p, [builder.add(builder.mul(rows[i], n_v), builder.mul(groups[h], const(LANES)))])
+                builder.store(value, builder.bitcast(o, _V16F.as_pointer()), align=1)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
+
+
 _tile32, _tile256 = _make_tile(32), _make_tile(256)
 _tile32_r8, _tile256_r16, _tile32_q81 = _make_tile(32, ORDER_R8), _make_tile(256, ORDER_R16), _make_tile(32, ORDER_Q8_1)
+_tile32_native = _make_q8_0_native_tile()
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -296,8 +403,8 @@ def _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block
                 order):
     """Weight groups of call g against activation rows m0 .. m1, K_BYTES of each row at a time (so the groups'
     values stay in the core's first-level cache for all the rows)."""
-    # ORDER_R8's two sums meet after the row's last block: one call per row
-    chunk = nb if order == ORDER_R8 else max(1, K_BYTES // block)
+    # ORDER_R8's two sums and ORDER_Q8_0_NATIVE's twelve meet after the row's last block: one call per row
+    chunk = nb if order == ORDER_R8 or order == ORDER_Q8_0_NATIVE else max(1, K_BYTES // block)
     for b0 in range(0, nb, chunk):
         b1 = min(nb, b0 + chunk)
         for t in range(m0, m1, TILE):
@@ -309,6 +416,8 @@ def _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block
                 _tile32_q81(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             elif order == ORDER_R8:
                 _tile32_r8(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
+            elif order == ORDER_Q8_0_NATIVE:
+                _tile32_native(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             else:
                 _tile32(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
 
@@ -335,6 +444,9 @@ def _vnni_serial(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, block, nb, n, m
 def _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block, nb,  # type: ignore[no-untyped-def]
                     n, order):
     """The tile kernels' arithmetic in scalar code, one 16-row group against rows m0 .. m1, in the same order."""
+    if order == ORDER_Q8_0_NATIVE:
+        _portable_native(wq, ws, au, asc, asum, out, g, m0, m1, nb, n)
+        return
     steps = block // 4
     acc = np.empty(LANES, np.float32)
     acc1 = np.empty(LANES, np.float32)
@@ -369,6 +481,42 @@ def _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, b
                     acc[r] = acc[r] + np.float32(s - wcorr[gb * LANES + r]) * (w_scale * d_a)
         for r in range(LANES):
             out[m * n + g * LANES + r] = fmaf(np.float32(-127.0), acc1[r], acc[r]) if order == ORDER_R8 else acc[r]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _portable_native(wq, ws, au, asc, asum, out, g, m0, m1, nb, n):  # type: ignore[no-untyped-def]
+    """ORDER_Q8_0_NATIVE in scalar code, one 16-row group against rows m0 .. m1 (weights packed +127)."""
+    acc = np.empty(8, np.float32)
+    accm = np.empty(4, np.float32)
+    part = np.empty(8, np.int32)
+    whole = nb // 4 * 4
+    for m in range(m0, m1):
+        for r in range(LANES):
+            acc[:] = 0
+            accm[:] = 0
+            for b in range(nb):
+                gb = g * nb + b
+                for k in range(8):
+                    s = np.int32(0)
+                    w0, a0 = (gb * 8 + k) * 64 + r * 4, m * nb * 32 + b * 32 + 4 * k
+                    for t in range(4):
+                        s += np.int32(np.uint8(wq[w0 + t])) * (np.int32(au[a0 + t]) - 128)
+                    part[k] = s
+                d = ws[gb * LANES + r] * asc[m * nb + b]
+                corr = (ws[gb * LANES + r] * np.float32(-127.0)) * asum[m * nb + b]
+                if b < whole:
+                    j = b % 4
+                    accm[j] += corr
+                    acc[j] = fmaf(d, np.float32(part[0] + part[1] + part[2] + part[3]), acc[j])
+                    acc[4 + j] = fmaf(d, np.float32(part[4] + part[5] + part[6] + part[7]), acc[4 + j])
+                else:
+                    for j in range(4):
+                        accm[j] += corr * np.float32(0.25)
+                    for lane in range(8):
+                        acc[lane] = fmaf(d, np.float32(part[lane]), acc[lane])
+            t0, t1 = (acc[0] + acc[4]) + accm[0], (acc[1] + acc[5]) + accm[1]
+            t2, t3 = (acc[2] + acc[6]) + accm[2], (acc[3] + acc[7]) + accm[3]
+            out[m * n + g * LANES + r] = (t0 + t2) + (t1 + t3)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -426,6 +574,8 @@ def qmatmul(x: IntRows, w: PackedInts, vnni: bool = HAS_VNNI) -> np.ndarray:
                          f"in blocks of {w.block}")
     if w.has_offset != (w.order == ORDER_Q8_1):
         raise ValueError("offsets belong to ik's Q8_1 weights (ORDER_Q8_1) and only to them")
+    if w.order == ORDER_Q8_0_NATIVE and w.block != 32:
+        raise ValueError(f"ik's Q8_0 kernel takes blocks of 32 values, not {w.block}")
     if w.order == ORDER_Q8_1 and (w.n // w.block) % 4:
         raise ValueError(f"ik's Q8_1 order takes blocks four at a time; rows of {w.n} values are not")
     mp, n_out = x.u.shape[0], w.scale.size // (w.n // w.block)
