@@ -122,7 +122,7 @@ def test_deepseek_v3_q8_0_prints_iks_figures_for_its_thread_count(threads: int, 
     q_a and 48-row KV projections at two threads; its fused up-gate op does not), so one thread prints KLD
     0.015814 and PPL(Q) 486.896746, two threads (the golden ik-q8_0-kld.txt) 0.015552 and 487.161389.
     --ik-threads makes ik's choice for the given count, and Q8_0's own kernel is ik's float order
-    (qgemm.ORDER_Q8_0_NATIVE): every printed figure of both runs to its last digit."""
+    (qgemm.ORDER_QX_0_NATIVE): every printed figure of both runs to its last digit."""
     ik = _printed(printed)
     got = _kld(DATA / "convert" / "deepseek-v3" / "ik-q8_0.gguf", DATA / "logits" / "deepseek-v3" / "ik-base.kld",
                "--ik-threads", str(threads))

@@ -26,8 +26,8 @@ from ikrun.ops.numerics import (
 from ikrun.ops.qgemm import (
     HAS_VNNI,
     ORDER_PLAIN,
-    ORDER_Q8_0_NATIVE,
     ORDER_Q8_1,
+    ORDER_QX_0_NATIVE,
     ORDER_R8,
     ORDER_R16,
     TILE,
@@ -96,10 +96,10 @@ def _ik_reference(x: IntRows, w: BlockInts) -> np.ndarray:
     asum = qa.sum(axis=2)
     d = (w.scale[None, :, :] * x.scale[:m, None, :]).astype(np.float32)  # [m, r, b]
     zero = np.zeros(d.shape[:2], np.float32)
-    if w.order == ORDER_Q8_0_NATIVE:  # the weights + 127 as bytes (wrapping, as ik adds them)
-        prods = np.einsum("mbk,rbk->mrbk", qa, (qw + 127) % 256)
+    if w.order == ORDER_QX_0_NATIVE:  # the weights + bias as bytes (wrapping, as ik adds them)
+        prods = np.einsum("mbk,rbk->mrbk", qa, (qw + w.bias) % 256)
         acc, accm = np.zeros((*d.shape[:2], 8), np.float32), np.zeros((*d.shape[:2], 4), np.float32)
-        corr = (w.scale * np.float32(-127)).astype(np.float32)[None] * x.sums[:m, None, :]
+        corr = (w.scale * np.float32(-w.bias)).astype(np.float32)[None] * x.sums[:m, None, :]
         for b in range(nb):
             if b < nb // 4 * 4:  # a whole group of four: halves to accumulators j and 4 + j
                 j = b % 4
@@ -135,16 +135,16 @@ def _ik_reference(x: IntRows, w: BlockInts) -> np.ndarray:
 
 @pytest.mark.parametrize("vnni", [False, True] if HAS_VNNI else [False])
 @pytest.mark.parametrize(("block", "fmt", "order"), [(32, Q8_2_X4, ORDER_R8), (32, Q8_2_X4, ORDER_Q8_1),
-                                                     (256, Q8_K, ORDER_R16), (32, Q8_2_X4, ORDER_Q8_0_NATIVE)])
+                                                     (256, Q8_K, ORDER_R16), (32, Q8_2_X4, ORDER_QX_0_NATIVE)])
 def test_each_order_is_iks_float_arithmetic(block: int, fmt: str, order: int, vnni: bool) -> None:
     """ik's Q8_0_R8, Q8_1 and Q8_K_R16 gemms and its own Q8_0 kernel (ikrun/ops/qgemm.py ORDER_*), written out
     block by block with exact fused multiply-adds: the kernels give their bits, over rows long enough to take
     several passes of K_BYTES (Q8_0's kernel: blocks past the last whole group of four too) and row counts that are
     no whole tiles or groups; the plain order gives other bits."""
     rng = np.random.default_rng(order)
-    n = {ORDER_Q8_0_NATIVE: 26 * block, ORDER_R16: 4 * block}.get(order, 24 * block)
+    n = {ORDER_QX_0_NATIVE: 26 * block, ORDER_R16: 4 * block}.get(order, 24 * block)
     w = _weights(rng, 40, n, block, order == ORDER_Q8_1)
-    w = BlockInts(w.q, w.scale, block, w.offset, order)
+    w = BlockInts(w.q, w.scale, block, w.offset, order, bias=127 if order == ORDER_QX_0_NATIVE else 0)
     x = (rng.standard_normal((TILE + 3, w.q.shape[1])) * rng.uniform(0.1, 10, (TILE + 3, 1))).astype(np.float32)
     rows = integer_rows(x, fmt)
     got = qmatmul(rows, pack(w), vnni=vnni)
@@ -154,6 +154,27 @@ def test_each_order_is_iks_float_arithmetic(block: int, fmt: str, order: int, vn
         for b in range(w.scale.shape[1]):
             plain = plain + w.offset[None, :, b] * rows.sums[: rows.rows, None, b]
     assert np.any(plain != got)
+
+
+NATIVE = np.load(DATA / "logits" / "ik-bits" / "ik-native-matmuls.npz")
+
+
+@pytest.mark.parametrize("vnni", [False, True] if HAS_VNNI else [False])
+@pytest.mark.parametrize("case", sorted({k.rsplit("-", 1)[0] for k in NATIVE.files}))
+def test_32_value_types_below_conversion_multiply_as_iks_own_kernel(case: str, vnni: bool) -> None:
+    """ik's own matmuls of Q8_0, Q4_0, Q5_0, Q6_0, IQ4_NL and MXFP4 weights (its file's bytes) with fewer
+    activation rows than it converts them from (tests/data/logits/ik-bits): every output bit, whole groups of four
+    blocks and blocks after them."""
+    type_name, shape, _ = case.split("-")
+    rows, k = (int(v) for v in shape.split("x"))
+    raw, x, want = NATIVE[case + "-w"].reshape(rows, -1), NATIVE[case + "-x"], NATIVE[case + "-y"]
+    decoded = type_by_name(type_name.upper()).require_codec().dequantize(raw, k).reshape(rows, k)
+    kernel = IK_KERNELS[type_name.upper()]
+    assert not kernel.converts(len(x), rows)
+    ints = kernel.integers(len(x), rows)
+    assert ints is not None
+    got = qmatmul(integer_rows(x, kernel.activation), pack(ints(raw, decoded)), vnni=vnni)
+    np.testing.assert_array_equal(got.view(np.uint32), want.reshape(got.shape).view(np.uint32))
 
 
 def test_offsets_belong_to_the_q8_1_order_alone() -> None:

@@ -72,7 +72,7 @@ from numba import njit, prange
 from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ6NL_VALUES
 from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits
 from ikrun.ops.parallel import pick
-from ikrun.ops.qgemm import ORDER_PLAIN, ORDER_Q8_0_NATIVE, ORDER_Q8_1, ORDER_R8, ORDER_R16, TILE, BlockInts, IntRows
+from ikrun.ops.qgemm import ORDER_Q8_1, ORDER_QX_0_NATIVE, ORDER_R8, ORDER_R16, TILE, BlockInts, IntRows
 
 Q8_2_X4 = "Q8_2_X4"
 Q8_K = "Q8_K"
@@ -161,20 +161,16 @@ def _q8_0_ints(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
                      block=BLOCK)
 
 
-def _in_order(ints: ToInts, order: int) -> ToInts:
-    """The same integers multiplied in the float order of another ik kernel (qgemm.ORDER_*)."""
-    return lambda raw, decoded: replace(ints(raw, decoded), order=order)
-
-
 def _in_r8(ints: ToInts) -> ToInts:
     """The same integers as ik multiplies them after converting them to Q8_0_R8 (its gemm's float order)."""
-    return _in_order(ints, ORDER_R8)
+    return lambda raw, decoded: replace(ints(raw, decoded), order=ORDER_R8)
 
 
-def _r8_kernel(ints: ToInts, native: int = ORDER_PLAIN) -> IkKernel:
-    """A 32-value block type whose integers ik keeps when it converts it to Q8_0_R8 (from 32 activation rows);
-    below that its own kernel multiplies them in the order `native`."""
-    return IkKernel(Q8_2_X4, 32, _in_r8(ints), _in_order(ints, native) if native != ORDER_PLAIN else ints)
+def _r8_kernel(ints: ToInts, bias: int) -> IkKernel:
+    """A 32-value block type whose integers ik keeps when it converts it to Q8_0_R8 (from 32 activation rows); below
+    that its own kernel multiplies them, made unsigned by adding `bias` (qgemm.ORDER_QX_0_NATIVE)."""
+    return IkKernel(Q8_2_X4, 32, _in_r8(ints),
+                    lambda raw, decoded: replace(ints(raw, decoded), order=ORDER_QX_0_NATIVE, bias=bias))
 
 
 def _f16_scaled(block_bytes: int) -> ToInts:
@@ -365,9 +361,10 @@ def _kt_kernel(type_name: str, convert_rows: int) -> IkKernel:
 #: weight type -> how ik multiplies it (types not listed are not emulated)
 IK_KERNELS: dict[str, IkKernel] = {
     "F32": IkKernel(UNROUNDED), "F16": IkKernel(UNROUNDED), "BF16": IkKernel(BF16),
-    "Q8_0": _r8_kernel(_q8_0_ints, ORDER_Q8_0_NATIVE),
-    **{t: _r8_kernel(_f16_scaled(size)) for t, size in (("Q4_0", 18), ("Q5_0", 22), ("Q6_0", 26), ("IQ4_NL", 18))},
-    "MXFP4": _r8_kernel(lambda raw, decoded: _scaled_ints(decoded, _e8m0_half(raw, 17))),
+    "Q8_0": _r8_kernel(_q8_0_ints, 127),
+    **{t: _r8_kernel(_f16_scaled(size), bias) for t, size, bias in (
+        ("Q4_0", 18, 8), ("Q5_0", 22, 16), ("Q6_0", 26, 32), ("IQ4_NL", 18, 128))},
+    "MXFP4": _r8_kernel(lambda raw, decoded: _scaled_ints(decoded, _e8m0_half(raw, 17)), 12),
     **{t: IkKernel(Q8_2_X4) for t in ("Q8_0_R8", "Q4_0_R8", "IQ4_NL_R4", "MXFP4_R8")},
     "Q4_K": IkKernel(Q8_2_X4, 32, lambda raw, w: _k_to_q8_1(raw, w, False)),
     "Q5_K": IkKernel(Q8_2_X4, 32, lambda raw, w: _k_to_q8_1(raw, w, True)),

@@ -34,14 +34,15 @@ from ikrun.ops.parallel import pick
 #: fma(-127, acc1, acc); ORDER_R16 ik's Q8_K_R16 gemm: the weights unsigned (+128), per block acc = fma(w scale x a
 #: scale, f32(isum + 128 x a's integer sum), acc) then acc = fma(w scale x -128, a scale x a's integer sum, acc)
 #: ORDER_Q8_1 ik's Q8_1 gemm (Q4_K, Q5_K converted), four blocks at a time: acc = fma(offset, a scale x a's integer
-#: sum, acc) for each of the four, then acc = fma(w scale x a scale, f32(isum), acc) for each; ORDER_Q8_0_NATIVE ik's
-#: own Q8_0 kernel (fewer activation rows than it converts for): the weights unsigned (+127), eight accumulators, a
-#: block of a group of four adding its first 16 products to accumulator j and its last 16 to 4 + j (j its place in
-#: the group), d = w scale x a scale as fma(d, f32(half sum), acc), and its correction (w scale x -127) x (a scale x
-#: a's integer sum) to a sum of its own (accm[j]); a block past the last whole group adds its eight 4-value sums to
-#: the eight accumulators and a quarter of its correction to each accm; at the end (acc[j] + acc[4 + j]) + accm[j],
+#: sum, acc) for each of the four, then acc = fma(w scale x a scale, f32(isum), acc) for each; ORDER_QX_0_NATIVE ik's
+#: own kernel of the 32-value block types (Q8_0, Q4_0, Q5_0, Q6_0, IQ4_NL, MXFP4; below the activation rows it
+#: converts them from): the weights made unsigned (+ the type's bias, BlockInts.bias), eight accumulators, a block of
+#: a group of four adding its first 16 products to accumulator j and its last 16 to 4 + j (j its place in the
+#: group), d = w scale x a scale as fma(d, f32(half sum), acc), and its correction (w scale x -bias) x (a scale x a's
+#: integer sum) to a sum of its own (accm[j]); a block past the last whole group adds its eight 4-value sums to the
+#: eight accumulators and a quarter of its correction to each accm; at the end (acc[j] + acc[4 + j]) + accm[j],
 #: summed (0 + 2) + (1 + 3)
-ORDER_PLAIN, ORDER_R8, ORDER_R16, ORDER_Q8_1, ORDER_Q8_0_NATIVE = 0, 1, 2, 3, 4
+ORDER_PLAIN, ORDER_R8, ORDER_R16, ORDER_Q8_1, ORDER_QX_0_NATIVE = 0, 1, 2, 3, 4
 LANES = 16  # weight rows per packed group: one 512-bit vector of int32 lanes
 TILE = 4  # activation rows per kernel call, sharing each weight vector
 GROUPS = 2  # weight groups per kernel call, sharing each activation broadcast
@@ -72,6 +73,8 @@ class BlockInts:
     offset: np.ndarray | None = None
     #: the float order of ik's gemm that multiplies them (ORDER_*)
     order: int = ORDER_PLAIN
+    #: ORDER_QX_0_NATIVE: what ik's kernel adds to every value to make it unsigned (Q8_0 127, Q4_0 8, ...)
+    bias: int = 0
 
     def to_float(self) -> np.ndarray:
         """The weight as float32 [rows, n]: scale x q (+ offset), every value exact."""
@@ -84,8 +87,9 @@ class BlockInts:
 
 @dataclass(frozen=True)
 class PackedInts:
-    """BlockInts in the kernel's layout: rows padded to whole kernel calls (GROUPS x 16 rows); per group, block and 4-value step the
-    16 rows' values (q), per group and block the 16 rows' scales, offsets and 128 x block sums (corr)."""
+    """BlockInts in the kernel's layout: rows padded to whole kernel calls (GROUPS x 16 rows); per group, block and
+    4-value step the 16 rows' values (q; ORDER_QX_0_NATIVE: + bias, unsigned), per group and block the 16 rows'
+    scales, offsets (ORDER_QX_0_NATIVE: scale x -bias) and 128 x block sums (corr)."""
 
     q: np.ndarray
     scale: np.ndarray
@@ -119,7 +123,7 @@ class PackedHeads:
 def row_slice(w: BlockInts, r0: int, r1: int) -> BlockInts:
     """Rows r0 .. r1 - 1 of w."""
     return BlockInts(q=w.q[r0:r1], scale=w.scale[r0:r1], block=w.block,
-                     offset=None if w.offset is None else w.offset[r0:r1], order=w.order)
+                     offset=None if w.offset is None else w.offset[r0:r1], order=w.order, bias=w.bias)
 
 
 def _by_group(a: np.ndarray, groups: int) -> np.ndarray:
@@ -137,12 +141,13 @@ def pack(w: BlockInts) -> PackedInts:
         return np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)]) if pad else a
 
     q = padded(np.ascontiguousarray(w.q, dtype=np.int8))
-    if w.order == ORDER_Q8_0_NATIVE:  # ik's Q8_0 kernel multiplies the values + 127, unsigned
-        q = (q.view(np.uint8) + np.uint8(127)).view(np.int8)
+    offset = np.empty(0, np.float32) if w.offset is None else _by_group(padded(w.offset).astype(np.float32), groups)
+    if w.order == ORDER_QX_0_NATIVE:  # ik's kernel multiplies the values + bias as bytes (wrapping, as ik adds them)
+        q = (q.view(np.uint8) + np.uint8(w.bias)).view(np.int8)
+        offset = _by_group(padded(w.scale * np.float32(-w.bias)), groups)  # its float32 product, rounded once
     packed = np.empty(q.size, np.int8)
     corr = np.empty(groups * nb * LANES, np.int32)
     _pack_groups(q, w.block, packed, corr)
-    offset = np.empty(0, np.float32) if w.offset is None else _by_group(padded(w.offset).astype(np.float32), groups)
     return PackedInts(q=packed, scale=_by_group(padded(w.scale), groups), corr=corr, offset=offset, rows=rows, n=n,
                       block=w.block, order=w.order)
 
@@ -296,9 +301,9 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
 
 
 def _make_q8_0_native_tile():  # type: ignore[no-untyped-def]
-    """The VNNI micro-kernel of ORDER_Q8_0_NATIVE (32-value blocks) for weight groups GROUPS x g .. GROUPS x g +
+    """The VNNI micro-kernel of ORDER_QX_0_NATIVE (32-value blocks) for weight groups GROUPS x g .. GROUPS x g +
     GROUPS - 1 and activation rows m0 .. m0 + TILE - 1, a whole row per call (b0 = 0, b1 = nb). The weights are
-    packed unsigned (+127, `pack`) and the activations' bytes made signed again (u xor 0x80), so each vpdpbusd
+    packed unsigned (+ bias, `pack`) and the activations' bytes made signed again (u xor 0x80), so each vpdpbusd
     sums ik's own integers."""
     steps = 8
 
@@ -308,7 +313,7 @@ def _make_q8_0_native_tile():  # type: ignore[no-untyped-def]
         sig = types.void(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, *[types.int64] * 6)
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            wq_p, ws_p, _, _, au_p, as_p, su_p, _, out_p = (
+            wq_p, ws_p, _, wo_p, au_p, as_p, su_p, _, out_p = (
                 context.make_array(t)(context, builder, value=v).data for t, v in zip(signature.args[:9], args[:9]))
             g_v, m0_v, _, _, nb_v, n_v = args[9:]
             dpbusd = cgutils.get_or_insert_function(
@@ -344,14 +349,15 @@ def _make_q8_0_native_tile():  # type: ignore[no-untyped-def]
                 return sums
 
             def scales(b: ir.Value) -> tuple[dict, dict]:  # type: ignore[type-arg]
-                """Per (group, row): d = w scale x a scale and the correction (w scale x -127) x a's scaled sum."""
-                w = [_vector(builder, ws_p, builder.mul(builder.add(builder.mul(gh, nb_v), b), const(LANES)), _V16F)
-                     for gh in groups]
+                """Per (group, row): d = w scale x a scale and the correction (w scale x -bias) x a's scaled sum."""
+                at = [builder.mul(builder.add(builder.mul(gh, nb_v), b), const(LANES)) for gh in groups]
+                w = [_vector(builder, ws_p, x, _V16F) for x in at]
+                minus = [_vector(builder, wo_p, x, _V16F) for x in at]
                 idx = [builder.add(builder.mul(r, nb_v), b) for r in rows]
                 a_d = [_splat(builder, builder.load(builder.gep(as_p, [x])), _V16F) for x in idx]
                 a_s = [_splat(builder, builder.load(builder.gep(su_p, [x])), _V16F) for x in idx]
                 d = {(h, i): builder.fmul(w[h], a_d[i]) for h, i in keys}
-                m = {(h, i): builder.fmul(builder.fmul(w[h], fconst(-127.0)), a_s[i]) for h, i in keys}
+                m = {(h, i): builder.fmul(minus[h], a_s[i]) for h, i in keys}
                 return d, m
 
             def add(slot: ir.Value, value: ir.Value) -> None:
@@ -403,8 +409,8 @@ def _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block
                 order):
     """Weight groups of call g against activation rows m0 .. m1, K_BYTES of each row at a time (so the groups'
     values stay in the core's first-level cache for all the rows)."""
-    # ORDER_R8's two sums and ORDER_Q8_0_NATIVE's twelve meet after the row's last block: one call per row
-    chunk = nb if order == ORDER_R8 or order == ORDER_Q8_0_NATIVE else max(1, K_BYTES // block)
+    # ORDER_R8's two sums and ORDER_QX_0_NATIVE's twelve meet after the row's last block: one call per row
+    chunk = nb if order == ORDER_R8 or order == ORDER_QX_0_NATIVE else max(1, K_BYTES // block)
     for b0 in range(0, nb, chunk):
         b1 = min(nb, b0 + chunk)
         for t in range(m0, m1, TILE):
@@ -416,7 +422,7 @@ def _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block
                 _tile32_q81(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             elif order == ORDER_R8:
                 _tile32_r8(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
-            elif order == ORDER_Q8_0_NATIVE:
+            elif order == ORDER_QX_0_NATIVE:
                 _tile32_native(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             else:
                 _tile32(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
@@ -444,8 +450,8 @@ def _vnni_serial(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, block, nb, n, m
 def _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block, nb,  # type: ignore[no-untyped-def]
                     n, order):
     """The tile kernels' arithmetic in scalar code, one 16-row group against rows m0 .. m1, in the same order."""
-    if order == ORDER_Q8_0_NATIVE:
-        _portable_native(wq, ws, au, asc, asum, out, g, m0, m1, nb, n)
+    if order == ORDER_QX_0_NATIVE:
+        _portable_native(wq, ws, wofs, au, asc, asum, out, g, m0, m1, nb, n)
         return
     steps = block // 4
     acc = np.empty(LANES, np.float32)
@@ -484,8 +490,9 @@ def _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, b
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _portable_native(wq, ws, au, asc, asum, out, g, m0, m1, nb, n):  # type: ignore[no-untyped-def]
-    """ORDER_Q8_0_NATIVE in scalar code, one 16-row group against rows m0 .. m1 (weights packed +127)."""
+def _portable_native(wq, ws, wofs, au, asc, asum, out, g, m0, m1, nb, n):  # type: ignore[no-untyped-def]
+    """ORDER_QX_0_NATIVE in scalar code, one 16-row group against rows m0 .. m1 (weights packed + bias, wofs the
+    scales x -bias)."""
     acc = np.empty(8, np.float32)
     accm = np.empty(4, np.float32)
     part = np.empty(8, np.int32)
@@ -503,7 +510,7 @@ def _portable_native(wq, ws, au, asc, asum, out, g, m0, m1, nb, n):  # type: ign
                         s += np.int32(np.uint8(wq[w0 + t])) * (np.int32(au[a0 + t]) - 128)
                     part[k] = s
                 d = ws[gb * LANES + r] * asc[m * nb + b]
-                corr = (ws[gb * LANES + r] * np.float32(-127.0)) * asum[m * nb + b]
+                corr = wofs[gb * LANES + r] * asum[m * nb + b]
                 if b < whole:
                     j = b % 4
                     accm[j] += corr
@@ -572,10 +579,10 @@ def qmatmul(x: IntRows, w: PackedInts, vnni: bool = HAS_VNNI) -> np.ndarray:
     if x.block != w.block or x.u.shape[1] != w.n:
         raise ValueError(f"activations of {x.u.shape[1]} values in blocks of {x.block} against weights of {w.n} "
                          f"in blocks of {w.block}")
-    if w.has_offset != (w.order == ORDER_Q8_1):
+    if w.has_offset != (w.order in (ORDER_Q8_1, ORDER_QX_0_NATIVE)):
         raise ValueError("offsets belong to ik's Q8_1 weights (ORDER_Q8_1) and only to them")
-    if w.order == ORDER_Q8_0_NATIVE and w.block != 32:
-        raise ValueError(f"ik's Q8_0 kernel takes blocks of 32 values, not {w.block}")
+    if w.order == ORDER_QX_0_NATIVE and w.block != 32:
+        raise ValueError(f"ik's kernel of the 32-value block types takes blocks of 32 values, not {w.block}")
     if w.order == ORDER_Q8_1 and (w.n // w.block) % 4:
         raise ValueError(f"ik's Q8_1 order takes blocks four at a time; rows of {w.n} values are not")
     mp, n_out = x.u.shape[0], w.scale.size // (w.n // w.block)
