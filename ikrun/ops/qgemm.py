@@ -18,6 +18,7 @@ operations in the same order, so both give identical bits; at any thread count t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -179,18 +180,52 @@ def _vector(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, vty: ir.Vect
     return builder.load(builder.bitcast(builder.gep(base, [index]), vty.as_pointer()), align=1)
 
 
-def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped-def]
-    """The VNNI micro-kernel for weight groups GROUPS x g .. GROUPS x g + GROUPS - 1 and activation rows m0 ..
-    m0 + TILE - 1, blocks b0 .. b1 of the row, added to what out holds: per block f32(isum - corr) x (scale x
-    a_scale[m, b]) (ORDER_Q8_1: + offset x a_sum[m, b]) for each group h, in the float order `order` (ORDER_R8: a
-    call takes the whole row, its two sums meet at the end; ORDER_Q8_1 takes the blocks four at a time, offsets
-    first). Each
-    block's integer sum is split over CHAINS accumulators (exact, and the additions no longer wait for one another;
-    one for the orders whose second terms need the registers)."""
-    steps = block // 4
-    r8, r16, q81 = order == ORDER_R8, order == ORDER_R16, order == ORDER_Q8_1
-    per_step = 4 if q81 else 1  # blocks per step of the loop
-    chains = 1 if q81 or r8 else CHAINS  # their second terms leave no registers for more
+@dataclass(frozen=True)
+class _TileArgs:
+    """What a tile's code generator works with: the LLVM builder, the data pointers of the kernel's arrays, its
+    scalar arguments, and emitters for vpdpbusd, the fused multiply-add and 64-bit constants."""
+
+    builder: ir.IRBuilder
+    wq: ir.Value
+    ws: ir.Value
+    wcorr: ir.Value
+    wofs: ir.Value
+    au: ir.Value
+    asc: ir.Value
+    asum: ir.Value
+    aisum: ir.Value
+    out: ir.Value
+    g: ir.Value
+    m0: ir.Value
+    b0: ir.Value
+    b1: ir.Value
+    nb: ir.Value
+    n: ir.Value
+    dpbusd: ir.Function
+    fma_fn: ir.Function
+
+    def fma(self, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+        return self.builder.call(self.fma_fn, [a, b, c])
+
+    def dot(self, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
+        return self.builder.call(self.dpbusd, [acc, unsigned, signed])
+
+    def groups(self) -> list[ir.Value]:
+        """The call's weight groups: GROUPS x g + h."""
+        return [self.builder.add(self.builder.mul(self.g, _const(GROUPS)), _const(h)) for h in range(GROUPS)]
+
+    def rows(self) -> list[ir.Value]:
+        """The call's activation rows: m0 + i."""
+        return [self.builder.add(self.m0, _const(i)) for i in range(TILE)]
+
+
+def _const(v: int) -> ir.Constant:
+    return ir.Constant(_I64, v)
+
+
+def _tile_intrinsic(emit: Callable[[_TileArgs], None]):  # type: ignore[no-untyped-def]
+    """A tile kernel (wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, b0, b1, nb, n) whose body `emit`
+    generates."""
 
     @intrinsic
     def tile(typingctx, wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, b0, b1, nb,  # type: ignore[no-untyped-def]
@@ -198,101 +233,13 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
         sig = types.void(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, *[types.int64] * 6)
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            wq_p, ws_p, wc_p, wo_p, au_p, as_p, su_p, si_p, out_p = (
-                context.make_array(t)(context, builder, value=v).data for t, v in zip(signature.args[:9], args[:9]))
-            g_v, m0_v, b0_v, b1_v, nb_v, n_v = args[9:]
+            arrays = [context.make_array(ty)(context, builder, value=v).data
+                      for ty, v in zip(signature.args[:9], args[:9])]
             dpbusd = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_V16I, [_V16I, _V16I, _V16I]), "llvm.x86.avx512.vpdpbusd.512")
             fma_fn = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fma.v16f32")
-            fma = lambda a, b, c: builder.call(fma_fn, [a, b, c])  # noqa: E731
-            const = lambda v: ir.Constant(_I64, v)  # noqa: E731
-            row_len = builder.mul(nb_v, const(block))
-            groups = [builder.add(builder.mul(g_v, const(GROUPS)), const(h)) for h in range(GROUPS)]
-            rows = [builder.add(m0_v, const(i)) for i in range(TILE)]
-            keys = [(h, i) for h in range(GROUPS) for i in range(TILE)]
-
-            def out_vectors(base: ir.Value) -> dict:  # type: ignore[type-arg]
-                return {(h, i): builder.bitcast(builder.gep(base, [builder.add(builder.mul(rows[i], n_v), builder.mul(
-                    groups[h], const(LANES)))]), _V16F.as_pointer()) for h, i in keys}
-
-            outs = out_vectors(out_p)
-            accs = {key: cgutils.alloca_once_value(builder, builder.load(o, align=1)) for key, o in outs.items()}
-            zero_f = ir.Constant(_V16F, [0.0] * LANES)
-            accs1 = {key: cgutils.alloca_once_value(builder, zero_f) for key in keys} if r8 else {}
-
-            def integer_sums(b: ir.Value) -> dict:  # type: ignore[type-arg]
-                """Block b's exact sums of u x q per (group, row): isum - corr."""
-                gb = [builder.add(builder.mul(gh, nb_v), b) for gh in groups]
-                wbase = [builder.mul(x, const(steps * 64)) for x in gb]
-                abase = [builder.add(builder.mul(r, row_len), builder.mul(b, const(block))) for r in rows]
-                zero = ir.Constant(_V16I, [0] * LANES)
-                isum = {(h, i, c): zero for h, i in keys for c in range(chains)}
-                for s in range(steps):
-                    w = [_vector(builder, wq_p, builder.add(wb, const(s * 64)), _V16I) for wb in wbase]
-                    for i in range(TILE):
-                        ap = builder.gep(au_p, [builder.add(abase[i], const(s * 4))])
-                        a = _splat(builder, builder.load(builder.bitcast(ap, _I32.as_pointer()), align=1), _V16I)
-                        for h in range(GROUPS):
-                            isum[(h, i, s % chains)] = builder.call(dpbusd, [isum[(h, i, s % chains)], a, w[h]])
-                totals = {}
-                for h, i in keys:
-                    total = isum[(h, i, 0)]
-                    for c in range(1, chains):
-                        total = builder.add(total, isum[(h, i, c)])
-                    totals[(h, i)] = builder.sub(total, _vector(builder, wc_p, builder.mul(gb[h], const(LANES)), _V16I))
-                return totals
-
-            def weights(b: ir.Value, p: ir.Value) -> list[ir.Value]:
-                return [_vector(builder, p, builder.mul(builder.add(builder.mul(gh, nb_v), b), const(LANES)), _V16F)
-                        for gh in groups]
-
-            def activations(b: ir.Value, p: ir.Value) -> list[ir.Value]:
-                return [_splat(builder, builder.load(builder.gep(p, [builder.add(builder.mul(r, nb_v), b)])), _V16F)
-                        for r in rows]
-
-            def add(key: tuple[int, int], value: ir.Value) -> None:
-                builder.store(value, accs[key])
-
-            with cgutils.for_range(builder, builder.udiv(builder.sub(b1_v, b0_v), const(per_step))) as loop:
-                first = builder.add(b0_v, builder.mul(loop.index, const(per_step)))
-                blocks = [builder.add(first, const(t)) for t in range(per_step)]
-                if q81:  # ik's Q8_1 kernel: the four blocks' offset terms, then their scaled sums
-                    for b in blocks:
-                        offset, a_sum = weights(b, wo_p), activations(b, su_p)
-                        for h, i in keys:
-                            add((h, i), fma(offset[h], a_sum[i], builder.load(accs[(h, i)])))
-                for b in blocks:
-                    totals = integer_sums(b)
-                    scale, a_scale = weights(b, ws_p), activations(b, as_p)
-                    a_sum = activations(b, su_p) if r8 or r16 else []
-                    a_int = []
-                    if r8 or r16:
-                        unsigned = ir.Constant(_I32, 127 if r8 else 128)
-                        a_int = [_splat(builder, builder.mul(builder.load(builder.gep(si_p, [builder.add(
-                            builder.mul(r, nb_v), b)])), unsigned), _V16I) for r in rows]
-                    for h, i in keys:
-                        acc = builder.load(accs[(h, i)])
-                        d = builder.fmul(scale[h], a_scale[i])
-                        if r8 or r16:
-                            f = builder.sitofp(builder.add(totals[(h, i)], a_int[i]), _V16F)
-                            acc = fma(d, f, acc)
-                            if r8:
-                                builder.store(fma(scale[h], a_sum[i], builder.load(accs1[(h, i)])), accs1[(h, i)])
-                            if r16:
-                                minus = ir.Constant(_V16F, [-128.0] * LANES)
-                                acc = fma(builder.fmul(scale[h], minus), a_sum[i], acc)
-                        elif q81:
-                            acc = fma(d, builder.sitofp(totals[(h, i)], _V16F), acc)
-                        else:
-                            acc = builder.fadd(acc, builder.fmul(builder.sitofp(totals[(h, i)], _V16F), d))
-                        add((h, i), acc)
-            minus127 = ir.Constant(_V16F, [-127.0] * LANES)
-            for key, o in outs.items():
-                value = builder.load(accs[key])
-                if r8:  # a call covers the whole row (_vnni_tiles): fma(-127, acc1, acc)
-                    value = fma(minus127, builder.load(accs1[key]), value)
-                builder.store(value, o, align=1)
+            emit(_TileArgs(builder, *arrays, *args[9:], dpbusd, fma_fn))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -300,108 +247,201 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
     return tile
 
 
-def _make_q8_0_native_tile():  # type: ignore[no-untyped-def]
+def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped-def]
+    """The VNNI micro-kernel for weight groups GROUPS x g .. GROUPS x g + GROUPS - 1 and activation rows m0 ..
+    m0 + TILE - 1, blocks b0 .. b1 of the row, added to what out holds: per block f32(isum - corr) x (scale x
+    a_scale[m, b]) (ORDER_Q8_1: + offset x a_sum[m, b]) for each group h, in the float order `order` (ORDER_R8: a
+    call takes the whole row, its two sums meet at the end; ORDER_Q8_1 takes the blocks four at a time, offsets
+    first). Each block's integer sum is split over CHAINS accumulators (exact, and the additions no longer wait for
+    one another; one for the orders whose second terms need the registers)."""
+    steps = block // 4
+    r8, r16, q81 = order == ORDER_R8, order == ORDER_R16, order == ORDER_Q8_1
+    per_step = 4 if q81 else 1  # blocks per step of the loop
+    chains = 1 if q81 or r8 else CHAINS  # their second terms leave no registers for more
+
+    def emit(t: _TileArgs) -> None:
+        builder = t.builder
+        wq_p, ws_p, wc_p, wo_p, au_p, as_p, su_p, si_p, out_p = t.wq, t.ws, t.wcorr, t.wofs, t.au, t.asc, t.asum, \
+            t.aisum, t.out
+        b0_v, b1_v, nb_v, n_v = t.b0, t.b1, t.nb, t.n
+        fma, const = t.fma, _const
+        row_len = builder.mul(nb_v, const(block))
+        groups, rows = t.groups(), t.rows()
+        keys = [(h, i) for h in range(GROUPS) for i in range(TILE)]
+
+        def out_vectors(base: ir.Value) -> dict:  # type: ignore[type-arg]
+            return {(h, i): builder.bitcast(builder.gep(base, [builder.add(builder.mul(rows[i], n_v), builder.mul(
+                groups[h], const(LANES)))]), _V16F.as_pointer()) for h, i in keys}
+
+        outs = out_vectors(out_p)
+        accs = {key: cgutils.alloca_once_value(builder, builder.load(o, align=1)) for key, o in outs.items()}
+        zero_f = ir.Constant(_V16F, [0.0] * LANES)
+        accs1 = {key: cgutils.alloca_once_value(builder, zero_f) for key in keys} if r8 else {}
+
+        def integer_sums(b: ir.Value) -> dict:  # type: ignore[type-arg]
+            """Block b's exact sums of u x q per (group, row): isum - corr."""
+            gb = [builder.add(builder.mul(gh, nb_v), b) for gh in groups]
+            wbase = [builder.mul(x, const(steps * 64)) for x in gb]
+            abase = [builder.add(builder.mul(r, row_len), builder.mul(b, const(block))) for r in rows]
+            zero = ir.Constant(_V16I, [0] * LANES)
+            isum = {(h, i, c): zero for h, i in keys for c in range(chains)}
+            for s in range(steps):
+                w = [_vector(builder, wq_p, builder.add(wb, const(s * 64)), _V16I) for wb in wbase]
+                for i in range(TILE):
+                    ap = builder.gep(au_p, [builder.add(abase[i], const(s * 4))])
+                    a = _splat(builder, builder.load(builder.bitcast(ap, _I32.as_pointer()), align=1), _V16I)
+                    for h in range(GROUPS):
+                        isum[(h, i, s % chains)] = t.dot(isum[(h, i, s % chains)], a, w[h])
+            totals = {}
+            for h, i in keys:
+                total = isum[(h, i, 0)]
+                for c in range(1, chains):
+                    total = builder.add(total, isum[(h, i, c)])
+                totals[(h, i)] = builder.sub(total, _vector(builder, wc_p, builder.mul(gb[h], const(LANES)), _V16I))
+            return totals
+
+        def weights(b: ir.Value, p: ir.Value) -> list[ir.Value]:
+            return [_vector(builder, p, builder.mul(builder.add(builder.mul(gh, nb_v), b), const(LANES)), _V16F)
+                    for gh in groups]
+
+        def activations(b: ir.Value, p: ir.Value) -> list[ir.Value]:
+            return [_splat(builder, builder.load(builder.gep(p, [builder.add(builder.mul(r, nb_v), b)])), _V16F)
+                    for r in rows]
+
+        def add(key: tuple[int, int], value: ir.Value) -> None:
+            builder.store(value, accs[key])
+
+        with cgutils.for_range(builder, builder.udiv(builder.sub(b1_v, b0_v), const(per_step))) as loop:
+            first = builder.add(b0_v, builder.mul(loop.index, const(per_step)))
+            blocks = [builder.add(first, const(t)) for t in range(per_step)]
+            if q81:  # ik's Q8_1 kernel: the four blocks' offset terms, then their scaled sums
+                for b in blocks:
+                    offset, a_sum = weights(b, wo_p), activations(b, su_p)
+                    for h, i in keys:
+                        add((h, i), fma(offset[h], a_sum[i], builder.load(accs[(h, i)])))
+            for b in blocks:
+                totals = integer_sums(b)
+                scale, a_scale = weights(b, ws_p), activations(b, as_p)
+                a_sum = activations(b, su_p) if r8 or r16 else []
+                a_int = []
+                if r8 or r16:
+                    unsigned = ir.Constant(_I32, 127 if r8 else 128)
+                    a_int = [_splat(builder, builder.mul(builder.load(builder.gep(si_p, [builder.add(
+                        builder.mul(r, nb_v), b)])), unsigned), _V16I) for r in rows]
+                for h, i in keys:
+                    acc = builder.load(accs[(h, i)])
+                    d = builder.fmul(scale[h], a_scale[i])
+                    if r8 or r16:
+                        f = builder.sitofp(builder.add(totals[(h, i)], a_int[i]), _V16F)
+                        acc = fma(d, f, acc)
+                        if r8:
+                            builder.store(fma(scale[h], a_sum[i], builder.load(accs1[(h, i)])), accs1[(h, i)])
+                        if r16:
+                            minus = ir.Constant(_V16F, [-128.0] * LANES)
+                            acc = fma(builder.fmul(scale[h], minus), a_sum[i], acc)
+                    elif q81:
+                        acc = fma(d, builder.sitofp(totals[(h, i)], _V16F), acc)
+                    else:
+                        acc = builder.fadd(acc, builder.fmul(builder.sitofp(totals[(h, i)], _V16F), d))
+                    add((h, i), acc)
+        minus127 = ir.Constant(_V16F, [-127.0] * LANES)
+        for key, o in outs.items():
+            value = builder.load(accs[key])
+            if r8:  # a call covers the whole row (_vnni_tiles): fma(-127, acc1, acc)
+                value = fma(minus127, builder.load(accs1[key]), value)
+            builder.store(value, o, align=1)
+
+    return _tile_intrinsic(emit)
+
+
+def _make_native_tile():  # type: ignore[no-untyped-def]
     """The VNNI micro-kernel of ORDER_QX_0_NATIVE (32-value blocks) for weight groups GROUPS x g .. GROUPS x g +
     GROUPS - 1 and activation rows m0 .. m0 + TILE - 1, a whole row per call (b0 = 0, b1 = nb). The weights are
     packed unsigned (+ bias, `pack`) and the activations' bytes made signed again (u xor 0x80), so each vpdpbusd
     sums ik's own integers."""
     steps = 8
 
-    @intrinsic
-    def tile(typingctx, wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, b0, b1, nb,  # type: ignore[no-untyped-def]
-             n):
-        sig = types.void(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, *[types.int64] * 6)
+    def emit(t: _TileArgs) -> None:
+        builder = t.builder
+        wq_p, ws_p, wo_p, au_p, as_p, su_p, out_p = t.wq, t.ws, t.wofs, t.au, t.asc, t.asum, t.out
+        nb_v, n_v = t.nb, t.n
+        fma, const = t.fma, _const
+        fconst = lambda v: ir.Constant(_V16F, [v] * LANES)  # noqa: E731
+        row_len = builder.mul(nb_v, const(32))
+        groups, rows = t.groups(), t.rows()
+        keys = [(h, i) for h in range(GROUPS) for i in range(TILE)]
+        zero_i, zero_f = ir.Constant(_V16I, [0] * LANES), fconst(0.0)
+        acc = {(h, i, lane): cgutils.alloca_once_value(builder, zero_f) for h, i in keys for lane in range(8)}
+        accm = {(h, i, j): cgutils.alloca_once_value(builder, zero_f) for h, i in keys for j in range(4)}
+        sign = ir.Constant(_I32, -0x7F7F7F80)  # 0x80808080
 
-        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-            wq_p, ws_p, _, wo_p, au_p, as_p, su_p, _, out_p = (
-                context.make_array(t)(context, builder, value=v).data for t, v in zip(signature.args[:9], args[:9]))
-            g_v, m0_v, _, _, nb_v, n_v = args[9:]
-            dpbusd = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_V16I, [_V16I, _V16I, _V16I]), "llvm.x86.avx512.vpdpbusd.512")
-            fma_fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fma.v16f32")
-            fma = lambda a, b, c: builder.call(fma_fn, [a, b, c])  # noqa: E731
-            const = lambda v: ir.Constant(_I64, v)  # noqa: E731
-            fconst = lambda v: ir.Constant(_V16F, [v] * LANES)  # noqa: E731
-            row_len = builder.mul(nb_v, const(32))
-            groups = [builder.add(builder.mul(g_v, const(GROUPS)), const(h)) for h in range(GROUPS)]
-            rows = [builder.add(m0_v, const(i)) for i in range(TILE)]
-            keys = [(h, i) for h in range(GROUPS) for i in range(TILE)]
-            zero_i, zero_f = ir.Constant(_V16I, [0] * LANES), fconst(0.0)
-            acc = {(h, i, lane): cgutils.alloca_once_value(builder, zero_f) for h, i in keys for lane in range(8)}
-            accm = {(h, i, j): cgutils.alloca_once_value(builder, zero_f) for h, i in keys for j in range(4)}
-            sign = ir.Constant(_I32, -0x7F7F7F80)  # 0x80808080
+        def step_sums(b: ir.Value, chains: list[list[int]]) -> dict:  # type: ignore[type-arg]
+            """Per (group, row, chain): the integer sum of block b's steps in that chain."""
+            wbase = [builder.mul(builder.add(builder.mul(gh, nb_v), b), const(steps * 64)) for gh in groups]
+            abase = [builder.add(builder.mul(r, row_len), builder.mul(b, const(32))) for r in rows]
+            sums = {(h, i, c): zero_i for h, i in keys for c in range(len(chains))}
+            for c, chain in enumerate(chains):
+                for s in chain:
+                    w = [_vector(builder, wq_p, builder.add(wb, const(s * 64)), _V16I) for wb in wbase]
+                    for i in range(TILE):
+                        ap = builder.bitcast(builder.gep(au_p, [builder.add(abase[i], const(s * 4))]),
+                                             _I32.as_pointer())
+                        a = _splat(builder, builder.xor(builder.load(ap, align=1), sign), _V16I)
+                        for h in range(GROUPS):
+                            sums[(h, i, c)] = t.dot(sums[(h, i, c)], w[h], a)
+            return sums
 
-            def step_sums(b: ir.Value, chains: list[list[int]]) -> dict:  # type: ignore[type-arg]
-                """Per (group, row, chain): the integer sum of block b's steps in that chain."""
-                wbase = [builder.mul(builder.add(builder.mul(gh, nb_v), b), const(steps * 64)) for gh in groups]
-                abase = [builder.add(builder.mul(r, row_len), builder.mul(b, const(32))) for r in rows]
-                sums = {(h, i, c): zero_i for h, i in keys for c in range(len(chains))}
-                for c, chain in enumerate(chains):
-                    for s in chain:
-                        w = [_vector(builder, wq_p, builder.add(wb, const(s * 64)), _V16I) for wb in wbase]
-                        for i in range(TILE):
-                            ap = builder.bitcast(builder.gep(au_p, [builder.add(abase[i], const(s * 4))]),
-                                                 _I32.as_pointer())
-                            a = _splat(builder, builder.xor(builder.load(ap, align=1), sign), _V16I)
-                            for h in range(GROUPS):
-                                sums[(h, i, c)] = builder.call(dpbusd, [sums[(h, i, c)], w[h], a])
-                return sums
+        def scales(b: ir.Value) -> tuple[dict, dict]:  # type: ignore[type-arg]
+            """Per (group, row): d = w scale x a scale and the correction (w scale x -bias) x a's scaled sum."""
+            at = [builder.mul(builder.add(builder.mul(gh, nb_v), b), const(LANES)) for gh in groups]
+            w = [_vector(builder, ws_p, x, _V16F) for x in at]
+            minus = [_vector(builder, wo_p, x, _V16F) for x in at]
+            idx = [builder.add(builder.mul(r, nb_v), b) for r in rows]
+            a_d = [_splat(builder, builder.load(builder.gep(as_p, [x])), _V16F) for x in idx]
+            a_s = [_splat(builder, builder.load(builder.gep(su_p, [x])), _V16F) for x in idx]
+            d = {(h, i): builder.fmul(w[h], a_d[i]) for h, i in keys}
+            m = {(h, i): builder.fmul(minus[h], a_s[i]) for h, i in keys}
+            return d, m
 
-            def scales(b: ir.Value) -> tuple[dict, dict]:  # type: ignore[type-arg]
-                """Per (group, row): d = w scale x a scale and the correction (w scale x -bias) x a's scaled sum."""
-                at = [builder.mul(builder.add(builder.mul(gh, nb_v), b), const(LANES)) for gh in groups]
-                w = [_vector(builder, ws_p, x, _V16F) for x in at]
-                minus = [_vector(builder, wo_p, x, _V16F) for x in at]
-                idx = [builder.add(builder.mul(r, nb_v), b) for r in rows]
-                a_d = [_splat(builder, builder.load(builder.gep(as_p, [x])), _V16F) for x in idx]
-                a_s = [_splat(builder, builder.load(builder.gep(su_p, [x])), _V16F) for x in idx]
-                d = {(h, i): builder.fmul(w[h], a_d[i]) for h, i in keys}
-                m = {(h, i): builder.fmul(minus[h], a_s[i]) for h, i in keys}
-                return d, m
+        def add(slot: ir.Value, value: ir.Value) -> None:
+            builder.store(builder.fadd(builder.load(slot), value), slot)
 
-            def add(slot: ir.Value, value: ir.Value) -> None:
-                builder.store(builder.fadd(builder.load(slot), value), slot)
+        def fma_into(slot: ir.Value, d: ir.Value, isum: ir.Value) -> None:
+            builder.store(fma(d, builder.sitofp(isum, _V16F), builder.load(slot)), slot)
 
-            def fma_into(slot: ir.Value, d: ir.Value, isum: ir.Value) -> None:
-                builder.store(fma(d, builder.sitofp(isum, _V16F), builder.load(slot)), slot)
-
-            whole = builder.udiv(nb_v, const(4))
-            with cgutils.for_range(builder, whole) as loop:  # whole groups of four blocks
-                for t in range(4):
-                    b = builder.add(builder.mul(loop.index, const(4)), const(t))
-                    sums = step_sums(b, [[0, 1, 2, 3], [4, 5, 6, 7]])
-                    d, m = scales(b)
-                    for h, i in keys:
-                        add(accm[(h, i, t)], m[(h, i)])
-                        fma_into(acc[(h, i, t)], d[(h, i)], sums[(h, i, 0)])
-                        fma_into(acc[(h, i, 4 + t)], d[(h, i)], sums[(h, i, 1)])
-            with cgutils.for_range(builder, builder.sub(nb_v, builder.mul(whole, const(4)))) as loop:  # the rest
-                b = builder.add(builder.mul(whole, const(4)), loop.index)
-                sums = step_sums(b, [[s] for s in range(steps)])
+        whole = builder.udiv(nb_v, const(4))
+        with cgutils.for_range(builder, whole) as loop:  # whole groups of four blocks
+            for pos in range(4):
+                b = builder.add(builder.mul(loop.index, const(4)), const(pos))
+                sums = step_sums(b, [[0, 1, 2, 3], [4, 5, 6, 7]])
                 d, m = scales(b)
                 for h, i in keys:
-                    quarter = builder.fmul(m[(h, i)], fconst(0.25))
-                    for j in range(4):
-                        add(accm[(h, i, j)], quarter)
-                    for lane in range(8):
-                        fma_into(acc[(h, i, lane)], d[(h, i)], sums[(h, i, lane)])
+                    add(accm[(h, i, pos)], m[(h, i)])
+                    fma_into(acc[(h, i, pos)], d[(h, i)], sums[(h, i, 0)])
+                    fma_into(acc[(h, i, 4 + pos)], d[(h, i)], sums[(h, i, 1)])
+        with cgutils.for_range(builder, builder.sub(nb_v, builder.mul(whole, const(4)))) as loop:  # the rest
+            b = builder.add(builder.mul(whole, const(4)), loop.index)
+            sums = step_sums(b, [[s] for s in range(steps)])
+            d, m = scales(b)
             for h, i in keys:
-                t = [builder.fadd(builder.fadd(builder.load(acc[(h, i, j)]), builder.load(acc[(h, i, 4 + j)])),
-                                  builder.load(accm[(h, i, j)])) for j in range(4)]
-                value = builder.fadd(builder.fadd(t[0], t[2]), builder.fadd(t[1], t[3]))
-                o = builder.gep(out_p, [builder.add(builder.mul(rows[i], n_v), builder.mul(groups[h], const(LANES)))])
-                builder.store(value, builder.bitcast(o, _V16F.as_pointer()), align=1)
-            return context.get_dummy_value()
+                quarter = builder.fmul(m[(h, i)], fconst(0.25))
+                for j in range(4):
+                    add(accm[(h, i, j)], quarter)
+                for lane in range(8):
+                    fma_into(acc[(h, i, lane)], d[(h, i)], sums[(h, i, lane)])
+        for h, i in keys:
+            tot = [builder.fadd(builder.fadd(builder.load(acc[(h, i, j)]), builder.load(acc[(h, i, 4 + j)])),
+                                builder.load(accm[(h, i, j)])) for j in range(4)]
+            value = builder.fadd(builder.fadd(tot[0], tot[2]), builder.fadd(tot[1], tot[3]))
+            o = builder.gep(out_p, [builder.add(builder.mul(rows[i], n_v), builder.mul(groups[h], const(LANES)))])
+            builder.store(value, builder.bitcast(o, _V16F.as_pointer()), align=1)
 
-        return sig, codegen
-
-    return tile
+    return _tile_intrinsic(emit)
 
 
 _tile32, _tile256 = _make_tile(32), _make_tile(256)
 _tile32_r8, _tile256_r16, _tile32_q81 = _make_tile(32, ORDER_R8), _make_tile(256, ORDER_R16), _make_tile(32, ORDER_Q8_1)
-_tile32_native = _make_q8_0_native_tile()
+_tile32_native = _make_native_tile()
 
 
 @njit(cache=True, nogil=True, inline="always")
