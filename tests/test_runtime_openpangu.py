@@ -25,6 +25,7 @@ from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.indexer import TIE_LATER_INDEX
 from ikrun.reference_openpangu import OpenPanguReference
 from ikrun.validate import HFReference, compare_logits
+from tests.test_qgemm import _fma32
 from tests.test_runtime_deepseek2 import _rewrite
 
 runner = CliRunner()
@@ -248,6 +249,39 @@ def test_hyper_connection_ops_against_numpy() -> None:
     np.testing.assert_allclose(hc_post(y, post, streams, m),
                                post[:, :, None] * y[:, None] + np.einsum("tji,tjd->tid", m, streams), rtol=1e-5,
                                atol=1e-6)
+
+
+def test_fused_hyper_connection_and_conv_ops_are_iks_fused_multiply_adds() -> None:
+    """Under --numerics ik (fused) each product-plus-sum is one fused multiply-add, as ik's compiled hc_pre,
+    hc_post, mul_multi_add and ssm_conv compute them: the stream sums and the convolution written out with exact
+    fused multiply-adds give every bit (the unfused forms other bits); hc_pre's gates are checked as formulas."""
+    rng = np.random.default_rng(3)
+    t, s, d = 7, 4, 40
+    mixes = rng.standard_normal((t, 2 * s + s * s), dtype=np.float32)
+    alpha, beta = rng.standard_normal(3, dtype=np.float32), rng.standard_normal(2 * s + s * s, dtype=np.float32)
+    pre, post, m = hc_pre(mixes, alpha, beta, s, 2, 0.0, fused=True)
+    sig = lambda v: 1 / (1 + np.exp(-v.astype(np.float64)))  # noqa: E731
+    np.testing.assert_allclose(pre, sig(_fma32(mixes[:, :s], alpha[0], beta[:s])), rtol=1e-6)
+    np.testing.assert_allclose(post, 2 * sig(_fma32(mixes[:, s : 2 * s], alpha[1], beta[s : 2 * s])), rtol=1e-6)
+    streams = rng.standard_normal((t, s, d), dtype=np.float32)
+    y = rng.standard_normal((t, d), dtype=np.float32)
+    want = streams[:, 0] * pre[:, :1]
+    for j in range(1, s):
+        want = _fma32(streams[:, j], pre[:, j : j + 1], want)
+    np.testing.assert_array_equal(hc_combine(streams, pre, fused=True), want)
+    assert not np.array_equal(hc_combine(streams, pre), want)
+    want = post[:, :, None] * y[:, None]
+    for j in range(s):
+        want = _fma32(m[:, j, :, None], streams[:, j, None], want)
+    np.testing.assert_array_equal(hc_post(y, post, streams, m, fused=True), want)
+    assert not np.array_equal(hc_post(y, post, streams, m), want)
+    x, w = rng.standard_normal((12, d), dtype=np.float32), rng.standard_normal((d, 3), dtype=np.float32)
+    padded = np.concatenate([np.zeros((2, d), np.float32), x])
+    acc = padded[:-2] * w[:, 0]
+    for k in (1, 2):
+        acc = _fma32(w[:, k], padded[k : len(padded) - 2 + k], acc)
+    np.testing.assert_array_equal(causal_conv_residual(x, w, fused=True), x + acc)
+    assert not np.array_equal(causal_conv_residual(x, w), x + acc)
 
 
 def test_causal_conv_against_numpy() -> None:

@@ -279,12 +279,12 @@ class OpenPangu(ArchModel):
         m = self.m
         flat = self.norm(streams.reshape(len(streams), -1), m.weight(mhc + "_gamma"))
         pre, post, mix = hc_pre(m.linear(flat, mhc + "_phi"), m.weight(mhc + "_alpha"), m.weight(mhc + "_beta"),
-                                self.n_stream, self.sinkhorn_iters)
-        return self.norm(hc_combine(streams, pre), m.weight(norm)), (post, mix)
+                                self.n_stream, self.sinkhorn_iters, fused=m.ik_numerics)
+        return self.norm(hc_combine(streams, pre, fused=m.ik_numerics), m.weight(norm)), (post, mix)
 
     def _mix_out(self, y: np.ndarray, post_norm: str, streams: np.ndarray, weights: tuple[np.ndarray, ...]) -> np.ndarray:
         post, mix = weights
-        return hc_post(self.norm(y, self.m.weight(post_norm)), post, streams, mix)
+        return hc_post(self.norm(y, self.m.weight(post_norm)), post, streams, mix, fused=self.m.ik_numerics)
 
     def _merge_weights(self, streams: np.ndarray) -> np.ndarray:
         """The merge module's per-stream gates sigmoid(alpha * phi . (RMSNorm(streams) * gamma) + beta) [T, S]."""
@@ -302,13 +302,14 @@ class OpenPangu(ArchModel):
 
     def _attention(self, i: int, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         m, b, n = self.m, f"blk.{i}.", len(h)
-        q_lat = causal_conv_residual(m.linear(h, b + "attn_q_a"), m.weight(b + "attn_qa_conv.weight"))
+        q_lat = causal_conv_residual(m.linear(h, b + "attn_q_a"), m.weight(b + "attn_qa_conv.weight"), m.ik_numerics)
         q_lat = self.norm(q_lat, m.weight(b + "attn_q_a_norm.weight"))
         q = m.linear(q_lat, b + "attn_q_b").reshape(n, self.n_head, self.head_k)
         q_nope = np.ascontiguousarray(q[:, :, : self.n_nope])
         q_rope = np.ascontiguousarray(q[:, :, self.n_nope :])
         kv = m.linear(h, b + "attn_kv_a_mqa")
-        latent = causal_conv_residual(kv[:, : self.kv_lora], m.weight(b + "attn_compresskv_conv.weight"))
+        latent = causal_conv_residual(kv[:, : self.kv_lora], m.weight(b + "attn_compresskv_conv.weight"),
+                                      m.ik_numerics)
         latent = self.norm(latent, m.weight(b + "attn_kv_a_norm.weight"))
         k_rope = np.ascontiguousarray(kv[:, self.kv_lora :]).reshape(n, 1, self.n_rot)
         self.rope(q_rope, cos, sin, True)
@@ -326,7 +327,8 @@ class OpenPangu(ArchModel):
                                window=kind.window, keep=keep, ik_avx512_sinks=self.ik_avx512_sinks,
                                on_latent=(lambda lat: self._observe_heads(b + "attn_v_b.weight", lat))
                                if m.observers else None)
-        out = causal_conv_residual(out.reshape(n, self.n_head * self.head_v), m.weight(b + "attn_o_conv.weight"))
+        out = causal_conv_residual(out.reshape(n, self.n_head * self.head_v), m.weight(b + "attn_o_conv.weight"),
+                                   m.ik_numerics)
         return m.linear(out, b + "attn_output")
 
     def _observe_heads(self, name: str, rows: np.ndarray) -> None:

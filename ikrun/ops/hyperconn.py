@@ -12,7 +12,10 @@ mixes = phi . (RMSNorm(R flattened to S*H) * gamma), 2S + S*S numbers per token 
 - `hc_combine(R, pre)`: the sub-layer input x = sum_s pre[s] * R[s] (streams in order).
 - `hc_post(y, post, R, M)`: the new streams R'[i] = post[i] * y + sum_j M[j, i] * R[j] (y = sub-layer output).
 
-openPangu passes eps = 0 (ik's build_openpangu); the row-major M layout is ggml_hc_pre's.
+openPangu passes eps = 0 (ik's build_openpangu); the row-major M layout is ggml_hc_pre's. `fused` (--numerics ik):
+each product-plus-sum as the single fused multiply-add ik's compiled ops compute (GCC contracts them: the affine
+maps of hc_pre, the sums of hc_post; ik's mul_multi_add for hc_combine); otherwise each rounded apart, as
+transformers computes them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ikquant.formats.numeric import fmaf
 from ikrun.ops.parallel import pick
 
 
@@ -29,14 +33,19 @@ def _sigmoid(x: np.float32) -> np.float32:
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _mul_add(a: np.float32, b: np.float32, c: np.float32, fused: bool) -> np.float32:
+    return fmaf(a, b, c) if fused else a * b + c
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _pre_row(x: np.ndarray, alpha: np.ndarray, beta: np.ndarray, n: int, iters: int, eps: np.float32,
-             pre: np.ndarray, post: np.ndarray, m: np.ndarray) -> None:
+             fused: bool, pre: np.ndarray, post: np.ndarray, m: np.ndarray) -> None:
     for i in range(n):
-        pre[i] = _sigmoid(x[i] * alpha[0] + beta[i]) + eps
-        post[i] = np.float32(2.0) * _sigmoid(x[n + i] * alpha[1] + beta[n + i])
+        pre[i] = _sigmoid(_mul_add(x[i], alpha[0], beta[i], fused)) + eps
+        post[i] = np.float32(2.0) * _sigmoid(_mul_add(x[n + i], alpha[1], beta[n + i], fused))
     for r in range(n):
         for c in range(n):
-            m[r, c] = x[2 * n + r * n + c] * alpha[2] + beta[2 * n + r * n + c]
+            m[r, c] = _mul_add(x[2 * n + r * n + c], alpha[2], beta[2 * n + r * n + c], fused)
     for r in range(n):
         mx = m[r, 0]
         for c in range(1, n):
@@ -69,21 +78,21 @@ def _pre_row(x: np.ndarray, alpha: np.ndarray, beta: np.ndarray, n: int, iters: 
 
 
 @njit(cache=True, nogil=True)
-def _pre_serial(x: np.ndarray, alpha: np.ndarray, beta: np.ndarray, n: int, iters: int, eps: float,
+def _pre_serial(x: np.ndarray, alpha: np.ndarray, beta: np.ndarray, n: int, iters: int, eps: float, fused: bool,
                 pre: np.ndarray, post: np.ndarray, m: np.ndarray) -> None:
     for t in range(x.shape[0]):
-        _pre_row(x[t], alpha, beta, n, iters, np.float32(eps), pre[t], post[t], m[t])
+        _pre_row(x[t], alpha, beta, n, iters, np.float32(eps), fused, pre[t], post[t], m[t])
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _pre_parallel(x: np.ndarray, alpha: np.ndarray, beta: np.ndarray, n: int, iters: int, eps: float,
+def _pre_parallel(x: np.ndarray, alpha: np.ndarray, beta: np.ndarray, n: int, iters: int, eps: float, fused: bool,
                   pre: np.ndarray, post: np.ndarray, m: np.ndarray) -> None:
     for t in prange(x.shape[0]):
-        _pre_row(x[t], alpha, beta, n, iters, np.float32(eps), pre[t], post[t], m[t])
+        _pre_row(x[t], alpha, beta, n, iters, np.float32(eps), fused, pre[t], post[t], m[t])
 
 
 def hc_pre(mixes: np.ndarray, alpha: np.ndarray, beta: np.ndarray, n_stream: int, iters: int,
-           eps: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+           eps: float = 0.0, fused: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(pre [T, S], post [T, S], M [T, S, S]) from mixes [T, 2S + S*S], alpha [3], beta [2S + S*S]."""
     if iters < 1:
         raise ValueError(f"Sinkhorn needs at least one iteration (got {iters})")
@@ -95,68 +104,70 @@ def hc_pre(mixes: np.ndarray, alpha: np.ndarray, beta: np.ndarray, n_stream: int
     # each token costs about iters * 2S^2 divisions: weigh it like that many elements
     kernel = pick(_pre_serial, _pre_parallel, t * iters * 2 * n_stream * n_stream)
     kernel(mixes, np.ascontiguousarray(alpha, dtype=np.float32), np.ascontiguousarray(beta, dtype=np.float32),
-           n_stream, iters, float(eps), pre, post, m)
+           n_stream, iters, float(eps), fused, pre, post, m)
     return pre, post, m
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _combine_row(r: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+def _combine_row(r: np.ndarray, w: np.ndarray, fused: bool, out: np.ndarray) -> None:
     for h in range(out.shape[0]):
         out[h] = r[0, h] * w[0]
     for s in range(1, r.shape[0]):
         ws = w[s]
         for h in range(out.shape[0]):
-            out[h] += r[s, h] * ws
+            out[h] = _mul_add(r[s, h], ws, out[h], fused)
 
 
 @njit(cache=True, nogil=True)
-def _combine_serial(r: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+def _combine_serial(r: np.ndarray, w: np.ndarray, fused: bool, out: np.ndarray) -> None:
     for t in range(r.shape[0]):
-        _combine_row(r[t], w[t], out[t])
+        _combine_row(r[t], w[t], fused, out[t])
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _combine_parallel(r: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+def _combine_parallel(r: np.ndarray, w: np.ndarray, fused: bool, out: np.ndarray) -> None:
     for t in prange(r.shape[0]):
-        _combine_row(r[t], w[t], out[t])
+        _combine_row(r[t], w[t], fused, out[t])
 
 
-def hc_combine(streams: np.ndarray, weights: np.ndarray) -> np.ndarray:
+def hc_combine(streams: np.ndarray, weights: np.ndarray, fused: bool = False) -> np.ndarray:
     """sum_s weights[t, s] * streams[t, s] -> [T, H] for streams [T, S, H] (streams summed in order)."""
     streams = np.ascontiguousarray(streams, dtype=np.float32)
     out = np.empty((streams.shape[0], streams.shape[2]), dtype=np.float32)
-    pick(_combine_serial, _combine_parallel, streams.size)(streams, np.ascontiguousarray(weights, np.float32), out)
+    pick(_combine_serial, _combine_parallel, streams.size)(streams, np.ascontiguousarray(weights, np.float32), fused,
+                                                           out)
     return out
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _post_row(y: np.ndarray, post: np.ndarray, r: np.ndarray, m: np.ndarray, out: np.ndarray) -> None:
+def _post_row(y: np.ndarray, post: np.ndarray, r: np.ndarray, m: np.ndarray, fused: bool, out: np.ndarray) -> None:
     n = post.shape[0]
     for h in range(y.shape[0]):
         for i in range(n):
             acc = y[h] * post[i]
             for j in range(n):
-                acc += m[j, i] * r[j, h]
+                acc = _mul_add(m[j, i], r[j, h], acc, fused)
             out[i, h] = acc
 
 
 @njit(cache=True, nogil=True)
-def _post_serial(y: np.ndarray, post: np.ndarray, r: np.ndarray, m: np.ndarray, out: np.ndarray) -> None:
+def _post_serial(y: np.ndarray, post: np.ndarray, r: np.ndarray, m: np.ndarray, fused: bool, out: np.ndarray) -> None:
     for t in range(y.shape[0]):
-        _post_row(y[t], post[t], r[t], m[t], out[t])
+        _post_row(y[t], post[t], r[t], m[t], fused, out[t])
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _post_parallel(y: np.ndarray, post: np.ndarray, r: np.ndarray, m: np.ndarray, out: np.ndarray) -> None:
+def _post_parallel(y: np.ndarray, post: np.ndarray, r: np.ndarray, m: np.ndarray, fused: bool,
+                   out: np.ndarray) -> None:
     for t in prange(y.shape[0]):
-        _post_row(y[t], post[t], r[t], m[t], out[t])
+        _post_row(y[t], post[t], r[t], m[t], fused, out[t])
 
 
-def hc_post(y: np.ndarray, post: np.ndarray, streams: np.ndarray, m: np.ndarray) -> np.ndarray:
+def hc_post(y: np.ndarray, post: np.ndarray, streams: np.ndarray, m: np.ndarray, fused: bool = False) -> np.ndarray:
     """New streams [T, S, H]: post[t, i] * y[t] + sum_j m[t, j, i] * streams[t, j]."""
     streams = np.ascontiguousarray(streams, dtype=np.float32)
     out = np.empty_like(streams)
     pick(_post_serial, _post_parallel, streams.size)(np.ascontiguousarray(y, dtype=np.float32),
                                                      np.ascontiguousarray(post, np.float32), streams,
-                                                     np.ascontiguousarray(m, np.float32), out)
+                                                     np.ascontiguousarray(m, np.float32), fused, out)
     return out
