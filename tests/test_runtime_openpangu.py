@@ -270,8 +270,8 @@ def test_fused_hyper_connection_and_conv_ops_are_iks_fused_multiply_adds() -> No
         want = _fma32(streams[:, j], pre[:, j : j + 1], want)
     np.testing.assert_array_equal(hc_combine(streams, pre, fused=True), want)
     assert not np.array_equal(hc_combine(streams, pre), want)
-    want = post[:, :, None] * y[:, None]
-    for j in range(s):
+    want = _fma32(post[:, :, None], y[:, None], m[:, 0, :, None] * streams[:, 0, None])
+    for j in range(1, s):
         want = _fma32(m[:, j, :, None], streams[:, j, None], want)
     np.testing.assert_array_equal(hc_post(y, post, streams, m, fused=True), want)
     assert not np.array_equal(hc_post(y, post, streams, m), want)

@@ -40,9 +40,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ikrun.models.base import ArchModel, Hparam, Sequence
+from ikrun.ops.attention import ik_sink_latent_attention
 from ikrun.ops.conv import causal_conv_residual
 from ikrun.ops.ffn import MoeConfig, dense_ffn, moe_ffn
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
+from ikrun.ops.ikgemm import LANES
 from ikrun.ops.indexer import TIE_PARTIAL_SORT, indexer_scores, select_top_k
 from ikrun.ops.mla import latent_attention
 from ikrun.ops.moe import GATING_SIGMOID
@@ -317,10 +319,15 @@ class OpenPangu(ArchModel):
         cache = m.kv_store(np.concatenate([k_rope.reshape(n, self.n_rot), latent], axis=1))
         kind = self.kinds[i]
         keep = self._indexer(b, h, q_lat, cos, sin) if kind.indexer else None
-        w_kb = m.matmul_weight(b + "attn_k_b.weight", n, self.kv_lora).reshape(self.n_head, self.kv_lora, self.n_nope)
-        w_vb = m.matmul_weight(b + "attn_v_b.weight", n, self.head_v).reshape(self.n_head, self.head_v, self.kv_lora)
         if m.observers:
             self._observe_heads(b + "attn_k_b.weight", q_nope.transpose(1, 0, 2))
+        if m.ik_numerics and (self.n_rot + self.kv_lora) % LANES == 0:
+            out = self._ik_attention(b, q_rope, q_nope, cache, kind, keep)
+            out = causal_conv_residual(out.reshape(n, self.n_head * self.head_v),
+                                       m.weight(b + "attn_o_conv.weight"), True)
+            return m.linear(out, b + "attn_output")
+        w_kb = m.matmul_weight(b + "attn_k_b.weight", n, self.kv_lora).reshape(self.n_head, self.kv_lora, self.n_nope)
+        w_vb = m.matmul_weight(b + "attn_v_b.weight", n, self.head_v).reshape(self.n_head, self.head_v, self.kv_lora)
         out = latent_attention(q_rope, m.activations(q_nope, b + "attn_k_b.weight"), w_kb, cache, w_vb,
                                self.kq_scale, sinks=self._sinks(b),
                                vb_input=lambda lat: m.activations(lat, b + "attn_v_b.weight"),
@@ -330,6 +337,34 @@ class OpenPangu(ArchModel):
         out = causal_conv_residual(out.reshape(n, self.n_head * self.head_v), m.weight(b + "attn_o_conv.weight"),
                                    m.ik_numerics)
         return m.linear(out, b + "attn_output")
+
+    def _ik_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, kind: LayerKind,
+                      keep: np.ndarray | None) -> np.ndarray:
+        """The attention as ik's CPU graph computes it (--numerics ik): attn_k_b and attn_v_b per head as ik's
+        kernels multiply them, the sinks and cache in ik's layout ([latent | rope], unlike the cache rows here) and
+        its float order (ops/attention.ik_sink_latent_attention). [n, H, V]."""
+        m, n = self.m, q_rope.shape[0]
+        q_lat = self._per_head(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight", self.kv_lora)
+        q = np.concatenate([q_lat, q_rope.transpose(1, 0, 2)], axis=2)
+        lat_first = np.r_[self.n_rot : self.n_rot + self.kv_lora, : self.n_rot]
+        t, s = np.arange(n)[:, None], np.arange(n)[None, :]
+        visible = (s <= t) & ((t - s < kind.window) if kind.window > 0 else True)
+        if keep is not None:
+            visible &= keep
+        latent = ik_sink_latent_attention(q, cache[:, lat_first], self._sinks(b)[:, lat_first], visible,
+                                          self.kv_lora, self.kq_scale, self.ik_avx512_sinks)
+        if m.observers:
+            self._observe_heads(b + "attn_v_b.weight", latent)
+        return self._per_head(latent, b + "attn_v_b.weight", self.head_v).transpose(1, 0, 2)
+
+    def _per_head(self, x: np.ndarray, name: str, rows: int) -> np.ndarray:
+        """x [H, n, in] times each head's slice of `name` as ik multiplies it: [H, n, rows]."""
+        m = self.m
+        got = m.head_matmul(x, name)
+        if got is not None:
+            return got
+        w = m.matmul_weight(name, x.shape[1], rows).reshape(self.n_head, rows, -1)
+        return np.matmul(m.activations(x, name), w.transpose(0, 2, 1))
 
     def _observe_heads(self, name: str, rows: np.ndarray) -> None:
         """Per-head inputs [H, n, d] of a per-head weight (attn_k_b, attn_v_b), one matrix per head as ik's imatrix

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ikquant.formats.numeric import fmaf
 from ikrun.ops.activations import ik_expf
 from ikrun.ops.ikgemm import DOTS, LANES, XROWS, dots, ik_dot_grid
 from ikrun.ops.parallel import pick
@@ -259,4 +260,113 @@ def shared_kv_attention(q: np.ndarray, kv: np.ndarray, scale: float, *, window: 
         pick(_sink_serial, _sink_parallel, scores.size)(scores, float(scale), sink, q0, lo, q1 - lo, int(window),
                                                          keep[q0:q1])
         np.matmul(scores, keys, out=out[q0:q1])
+    return out
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _ik_masked_softmax(r: np.ndarray, visible: np.ndarray, n_sink: int, scale: np.float32) -> None:
+    """ggml's soft_max_ext over a row of r (sinks first, always visible, then one score per cache cell, visible
+    where `visible` says): scaled, -inf where masked, the maximum, then ik's exponential in 16 lanes and their
+    sum reduced as ik's tree, the cells past the last whole 16 with expf summed after it in float64, times
+    float32(1 / sum)."""
+    width = r.shape[0]
+    m = -np.inf
+    for j in range(width):
+        v = r[j] * scale if j < n_sink or visible[j - n_sink] else -np.inf
+        r[j] = v
+        m = max(m, v)
+    whole = width - width % LANES
+    lanes = np.zeros(LANES, np.float32)
+    for c in range(0, whole, LANES):
+        for lane in range(LANES):
+            e = ik_expf(r[c + lane] - m)
+            r[c + lane] = e
+            lanes[lane] += e
+    t = np.empty(8, np.float32)
+    for j in range(8):
+        t[j] = lanes[j + 8] + lanes[j]
+    total = np.float64(((t[4] + t[0]) + (t[6] + t[2])) + ((t[5] + t[1]) + (t[7] + t[3])))
+    for j in range(whole, width):
+        e = np.exp(np.float32(r[j] - m))
+        r[j] = e
+        total += np.float64(e)
+    inv = np.float32(1.0 / total)
+    for j in range(width):
+        r[j] *= inv
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _ik_sink_values(p: np.ndarray, s_lat: np.ndarray, c: int, n_sink: int, overread: bool) -> np.float32:
+    """Latent channel c of the sinks' weighted values as ik's f32 kernel sums them: 16-lane fused multiply-adds over
+    the sink probabilities p[:n_sink] and the channel's row of the transposed sink latents (s_lat: [C x S] flat,
+    16 zeros after it). With fewer than 16 sinks its first step reads 16 floats of each anyway and its 4-float
+    tail steps then add the row again (`overread`: ik's AVX-512 build; else the row alone)."""
+    acc = np.zeros(LANES, np.float32)
+    x0 = c * n_sink
+    steps = n_sink // LANES
+    if overread or n_sink >= LANES:
+        for lane in range(LANES):
+            acc[lane] = p[lane] * s_lat[x0 + lane]
+    else:
+        for lane in range(n_sink):
+            acc[lane] = p[lane] * s_lat[x0 + lane]
+    for i in range(1, steps):
+        for lane in range(LANES):
+            acc[lane] = fmaf(p[i * LANES + lane], s_lat[x0 + i * LANES + lane], acc[lane])
+    if overread or n_sink >= LANES:
+        for i in range(steps * 4, n_sink // 4):
+            for lane in range(4):
+                acc[lane] = fmaf(p[4 * i + lane], s_lat[x0 + 4 * i + lane], acc[lane])
+    t = np.empty(8, np.float32)
+    for j in range(8):
+        t[j] = acc[j + 8] + acc[j]
+    return ((t[4] + t[0]) + (t[6] + t[2])) + ((t[5] + t[1]) + (t[7] + t[3]))
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _ik_sink_attention(q: np.ndarray, cache: np.ndarray, vt: np.ndarray, sinks: np.ndarray, s_lat: np.ndarray,
+                       visible: np.ndarray, scale: float, overread: bool, out: np.ndarray) -> None:
+    n_head, n, d = q.shape
+    n_sink, n_cells, n_lat = sinks.shape[0], cache.shape[0], vt.shape[0]
+    qf, kf, sf, vf, of = q.reshape(-1), cache.reshape(-1), sinks.reshape(-1), vt.reshape(-1), out.reshape(-1)
+    for task in prange(n_head * n):
+        h, t = task // n, task % n
+        p = np.zeros(n_sink + n_cells + LANES, np.float32)
+        tail = np.empty(DOTS, np.float32)
+        q0 = (h * n + t) * d
+        dots(qf, q0, sf, 0, d, d, n_sink, p, 0, tail, False)
+        dots(qf, q0, kf, 0, d, d, n_cells, p, n_sink, tail, False)
+        _ik_masked_softmax(p[: n_sink + n_cells], visible[t], n_sink, np.float32(scale))
+        dots(p, n_sink, vf, 0, n_cells, n_cells, n_lat, of, (h * n + t) * n_lat, tail, False)
+        for c in range(n_lat):
+            of[(h * n + t) * n_lat + c] += _ik_sink_values(p, s_lat, c, n_sink, overread)
+
+
+#: ik's KV cache grows in cells of this many tokens without flash attention: the rows its attention multiplies
+KV_CELL_PAD = 32
+
+
+def ik_sink_latent_attention(q: np.ndarray, cache: np.ndarray, sinks: np.ndarray, visible: np.ndarray,
+                             n_lat: int, scale: float, overread: bool) -> np.ndarray:
+    """openPangu's latent attention as ik's CPU graph computes it (its unfused chain): queries q [H, n, C + R]
+    ([q_lat | q_pe], ik's layout), the cache rows [n, C + R] ([c_kv | k_pe], f16 values) and the sinks [S, C + R]
+    (f32), query t seeing cache row j where visible[t, j]. The scores of the sinks and of ik's whole cache (n
+    rounded up to KV_CELL_PAD cells, the extra ones masked) in its 16-lane kernel, one softmax over [sinks | cells]
+    (_ik_masked_softmax), the cells' latents weighted in the same kernel plus the sinks' (_ik_sink_values,
+    `overread`: ik's AVX-512 over-read for fewer than 16 sinks, the floats past the last channel's row read as 0).
+    Returns the latents [H, n, C]."""
+    n_head, n, d = q.shape
+    if d % LANES:
+        raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {LANES}, not {d}")
+    cells = n + (-n % KV_CELL_PAD)
+    keys = np.zeros((cells, d), np.float32)
+    keys[:n] = cache
+    mask = np.zeros((n, cells), np.bool_)
+    mask[:, :n] = visible
+    vt = np.ascontiguousarray(keys[:, :n_lat].T)
+    s_lat = np.zeros(n_lat * len(sinks) + LANES, np.float32)
+    s_lat[: n_lat * len(sinks)] = np.ascontiguousarray(sinks[:, :n_lat].T).reshape(-1)
+    out = np.empty((n_head, n, n_lat), np.float32)
+    _ik_sink_attention(np.ascontiguousarray(q, dtype=np.float32), keys, vt, np.ascontiguousarray(sinks, np.float32),
+                       s_lat, mask, float(scale), overread, out)
     return out

@@ -14,8 +14,8 @@ mixes = phi . (RMSNorm(R flattened to S*H) * gamma), 2S + S*S numbers per token 
 
 openPangu passes eps = 0 (ik's build_openpangu); the row-major M layout is ggml_hc_pre's. `fused` (--numerics ik):
 each product-plus-sum as the single fused multiply-add ik's compiled ops compute (GCC contracts them: the affine
-maps of hc_pre, the sums of hc_post; ik's mul_multi_add for hc_combine); otherwise each rounded apart, as
-transformers computes them.
+maps of hc_pre; in hc_post y x post fused into the first stream's rounded product, then each further stream fused;
+ik's mul_multi_add for hc_combine); otherwise each rounded apart, as transformers computes them.
 """
 
 from __future__ import annotations
@@ -144,8 +144,11 @@ def _post_row(y: np.ndarray, post: np.ndarray, r: np.ndarray, m: np.ndarray, fus
     n = post.shape[0]
     for h in range(y.shape[0]):
         for i in range(n):
-            acc = y[h] * post[i]
-            for j in range(n):
+            if fused:  # GCC fuses y x post into the first sum, the first stream's product rounded apart
+                acc = fmaf(y[h], post[i], m[0, i] * r[0, h])
+            else:
+                acc = y[h] * post[i] + m[0, i] * r[0, h]
+            for j in range(1, n):
                 acc = _mul_add(m[j, i], r[j, h], acc, fused)
             out[i, h] = acc
 
