@@ -284,7 +284,7 @@ class Deepseek4(ArchModel):
 
         def attention(streams: np.ndarray, seq: Sequence) -> np.ndarray:
             h, post, comb = self._mix_in(streams, b + "hc_attn", b + "attn_norm.weight")
-            return hc_post(self._attention(i, h, seq), post, streams, comb)
+            return hc_post(self._attention(i, h, seq), post, streams, comb, fused=m.ik_numerics)
 
         xs = self.each(xs, seqs, attention)
         mixed = []
@@ -295,14 +295,14 @@ class Deepseek4(ArchModel):
             if i < self.n_hash else None
         ys = moe_ffn(m, [h for h, _, _ in mixed], seqs, b, self.moe, limit=self.clamp_exp[i],
                      shared_limit=self.clamp_shexp[i], hash_table=table)
-        return [hc_post(y, post, streams, comb) for y, streams, (_, post, comb) in zip(ys, xs, mixed)]
+        return [hc_post(y, post, streams, comb, fused=m.ik_numerics) for y, streams, (_, post, comb) in zip(ys, xs, mixed)]
 
     def head(self, streams: np.ndarray, seq: Sequence) -> np.ndarray:
         m = self.m
         mix = m.linear(self._unit_rms(streams.reshape(len(streams), -1)), "output_hc_fn")
         gate = mix * m.weight("output_hc_scale.weight").reshape(-1)[0] + m.weight("output_hc_base.weight")
         pre = np.float32(1.0) / (np.float32(1.0) + np.exp(-gate)) + np.float32(self.hc_eps)
-        x = self.norm(hc_combine(streams, pre), m.weight("output_norm.weight"))
+        x = self.norm(hc_combine(streams, pre, fused=m.ik_numerics), m.weight("output_norm.weight"))
         return np.ascontiguousarray(m.project(x, "output.weight"), dtype=np.float32)
 
     # ---- pieces ---------------------------------------------------------------------------------------------
@@ -318,8 +318,8 @@ class Deepseek4(ArchModel):
         m = self.m
         mixes = m.linear(self._unit_rms(streams.reshape(len(streams), -1)), hc + "_fn")
         pre, post, comb = hc_pre(mixes, m.weight(hc + "_scale.weight"), m.weight(hc + "_base.weight"), self.n_stream,
-                                 self.sinkhorn_iters, self.hc_eps)
-        return self.norm(hc_combine(streams, pre), m.weight(norm)), post, comb
+                                 self.sinkhorn_iters, self.hc_eps, fused=m.ik_numerics)
+        return self.norm(hc_combine(streams, pre, fused=m.ik_numerics), m.weight(norm)), post, comb
 
     def _rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """Interleaved-pair rope on the trailing n_rot dims of every head of x [n, heads, d], in place."""
