@@ -331,6 +331,17 @@ class Model:
         fmt = self.activation_format(name)
         return np.stack([qmatmul(integer_rows(x[h], fmt), heads.heads[h]) for h in range(n_head)])
 
+    def head_product(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x [H, n, in] times each head's equal slice of the 2-D weight `name`'s rows: head_matmul where it applies,
+        else the slices as matmul_weight gives them against x as the matmul consumes it. [H, n, rows / H]."""
+        got = self.head_matmul(x, name)
+        if got is not None:
+            return got
+        n_head, n = x.shape[0], x.shape[1]
+        rows = self.shape(name)[0] // n_head
+        w = self.matmul_weight(name, n, rows).reshape(n_head, rows, -1)
+        return np.matmul(self.activations(x, name), w.transpose(0, 2, 1))
+
     def matmul_weight(self, name: str, n_act_rows: int, weight_rows: int | None = None) -> np.ndarray:
         """Weight `name` (float32, numpy order) as a matmul with `n_act_rows` activation rows multiplies it: its exact
         decoding, or under --numerics ik the weights ik's kernel converts it to when it does; `weight_rows` is the

@@ -220,17 +220,8 @@ class Deepseek2(ArchModel):
         """The absorbed attention as ik computes it (--numerics ik): attn_k_b and attn_v_b per head in ik's integer
         kernels where it multiplies them so (else their float emulation), the scores, softmax and latents in its
         float kernels' order (ops/attention.ik_latent_attention). [n, H, V]."""
-        m, n = self.m, q_rope.shape[0]
-
-        def per_head(x: np.ndarray, name: str, rows: int, cols: int) -> np.ndarray:
-            got = m.head_matmul(x, name)
-            if got is not None:
-                return got
-            w = m.matmul_weight(name, n, rows).reshape(self.n_head, rows, cols)
-            return np.matmul(m.activations(x, name), w.transpose(0, 2, 1))
-
-        q_lat = per_head(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight", self.kv_lora,
-                         self.n_nope)
+        m = self.m
+        q_lat = m.head_product(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight")
         q = np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2)
         latent = ik_latent_attention(q, cache, self.n_rot, self.kq_scale)
-        return per_head(latent, b + "attn_v_b.weight", self.head_v, self.kv_lora).transpose(1, 0, 2)
+        return m.head_product(latent, b + "attn_v_b.weight").transpose(1, 0, 2)

@@ -344,7 +344,7 @@ class OpenPangu(ArchModel):
         kernels multiply them, the sinks and cache in ik's layout ([latent | rope], unlike the cache rows here) and
         its float order (ops/attention.ik_sink_latent_attention). [n, H, V]."""
         m, n = self.m, q_rope.shape[0]
-        q_lat = self._per_head(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight", self.kv_lora)
+        q_lat = m.head_product(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight")
         q = np.concatenate([q_lat, q_rope.transpose(1, 0, 2)], axis=2)
         lat_first = np.r_[self.n_rot : self.n_rot + self.kv_lora, : self.n_rot]
         t, s = np.arange(n)[:, None], np.arange(n)[None, :]
@@ -355,16 +355,7 @@ class OpenPangu(ArchModel):
                                           self.kv_lora, self.kq_scale, self.ik_avx512_sinks)
         if m.observers:
             self._observe_heads(b + "attn_v_b.weight", latent)
-        return self._per_head(latent, b + "attn_v_b.weight", self.head_v).transpose(1, 0, 2)
-
-    def _per_head(self, x: np.ndarray, name: str, rows: int) -> np.ndarray:
-        """x [H, n, in] times each head's slice of `name` as ik multiplies it: [H, n, rows]."""
-        m = self.m
-        got = m.head_matmul(x, name)
-        if got is not None:
-            return got
-        w = m.matmul_weight(name, x.shape[1], rows).reshape(self.n_head, rows, -1)
-        return np.matmul(m.activations(x, name), w.transpose(0, 2, 1))
+        return m.head_product(latent, b + "attn_v_b.weight").transpose(1, 0, 2)
 
     def _observe_heads(self, name: str, rows: np.ndarray) -> None:
         """Per-head inputs [H, n, d] of a per-head weight (attn_k_b, attn_v_b), one matrix per head as ik's imatrix

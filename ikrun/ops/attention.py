@@ -86,6 +86,15 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) 
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _lane_sum(lanes: np.ndarray) -> np.float32:
+    """16 float32 lanes added as ik's reduction adds them: 8 + 8, 4 + 4, then (0 + 2) + (1 + 3)."""
+    t = np.empty(8, np.float32)
+    for j in range(8):
+        t[j] = lanes[j + 8] + lanes[j]
+    return ((t[4] + t[0]) + (t[6] + t[2])) + ((t[5] + t[1]) + (t[7] + t[3]))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _ik_softmax(r: np.ndarray, n_keys: int, scale: np.float32) -> None:
     """ik's softmax of the scores r[:n_keys] in place (the module docstring), zeros after them (r's length a
     multiple of 16). Each pass is a loop LLVM vectorises (on a view from 0: an offset start keeps it scalar): the
@@ -106,10 +115,7 @@ def _ik_softmax(r: np.ndarray, n_keys: int, scale: np.float32) -> None:
     for c in range(0, whole, LANES):
         for lane in range(LANES):
             lanes[lane] += r[c + lane]
-    t = np.empty(8, np.float32)
-    for j in range(8):
-        t[j] = lanes[j + 8] + lanes[j]
-    total = ((t[4] + t[0]) + (t[6] + t[2])) + ((t[5] + t[1]) + (t[7] + t[3]))
+    total = _lane_sum(lanes)
     inv = np.float32(1.0 / np.float64(total))
     for j in range(n_keys):
         r[j] *= inv
@@ -282,10 +288,7 @@ def _ik_masked_softmax(r: np.ndarray, visible: np.ndarray, n_sink: int, scale: n
             e = ik_expf(r[c + lane] - m)
             r[c + lane] = e
             lanes[lane] += e
-    t = np.empty(8, np.float32)
-    for j in range(8):
-        t[j] = lanes[j + 8] + lanes[j]
-    total = np.float64(((t[4] + t[0]) + (t[6] + t[2])) + ((t[5] + t[1]) + (t[7] + t[3])))
+    total = np.float64(_lane_sum(lanes))
     for j in range(whole, width):
         e = np.exp(np.float32(r[j] - m))
         r[j] = e
@@ -304,23 +307,17 @@ def _ik_sink_values(p: np.ndarray, s_lat: np.ndarray, c: int, n_sink: int, overr
     acc = np.zeros(LANES, np.float32)
     x0 = c * n_sink
     steps = n_sink // LANES
-    if overread or n_sink >= LANES:
-        for lane in range(LANES):
-            acc[lane] = p[lane] * s_lat[x0 + lane]
-    else:
-        for lane in range(n_sink):
-            acc[lane] = p[lane] * s_lat[x0 + lane]
+    iks = overread or n_sink >= LANES  # ik's kernel: a first step of 16 floats, then 4-float tail steps
+    for lane in range(LANES if iks else n_sink):
+        acc[lane] = p[lane] * s_lat[x0 + lane]
     for i in range(1, steps):
         for lane in range(LANES):
             acc[lane] = fmaf(p[i * LANES + lane], s_lat[x0 + i * LANES + lane], acc[lane])
-    if overread or n_sink >= LANES:
+    if iks:
         for i in range(steps * 4, n_sink // 4):
             for lane in range(4):
                 acc[lane] = fmaf(p[4 * i + lane], s_lat[x0 + 4 * i + lane], acc[lane])
-    t = np.empty(8, np.float32)
-    for j in range(8):
-        t[j] = acc[j + 8] + acc[j]
-    return ((t[4] + t[0]) + (t[6] + t[2])) + ((t[5] + t[1]) + (t[7] + t[3]))
+    return _lane_sum(acc)
 
 
 @njit(cache=True, nogil=True, parallel=True)
