@@ -17,37 +17,23 @@ from numba.core.extending import intrinsic
 NJIT = dict(cache=True, nogil=True)
 
 
-@intrinsic
-def f32_bits(typingctx, x):  # type: ignore[no-untyped-def]
-    """Reinterpret a float32 as uint32."""
-    sig = types.uint32(types.float32)
+def _bitcast(result: types.Type, argument: types.Type, target: ir.Type):  # type: ignore[no-untyped-def]
+    """An intrinsic reinterpreting the bits of an `argument` value as a `result` (LLVM type `target`)."""
 
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
+    @intrinsic
+    def cast(typingctx, x):  # type: ignore[no-untyped-def]
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            return builder.bitcast(args[0], target)
 
-    return sig, codegen
+        return result(argument), codegen
 
-
-@intrinsic
-def f32_from_bits(typingctx, u):  # type: ignore[no-untyped-def]
-    """Reinterpret a uint32 as float32."""
-    sig = types.float32(types.uint32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return sig, codegen
+    return cast
 
 
-@intrinsic
-def f64_from_bits(typingctx, u):  # type: ignore[no-untyped-def]
-    """Reinterpret a uint64 as float64."""
-    sig = types.float64(types.uint64)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.DoubleType())
-
-    return sig, codegen
+#: a float32's bits as uint32, and back; a uint64's bits as float64
+f32_bits = _bitcast(types.uint32, types.float32, ir.IntType(32))
+f32_from_bits = _bitcast(types.float32, types.uint32, ir.FloatType())
+f64_from_bits = _bitcast(types.float64, types.uint64, ir.DoubleType())
 
 
 @intrinsic
