@@ -19,12 +19,12 @@ from rich.table import Table
 
 from ikquant.cli_common import err, fail, new_app, out
 from ikquant.errors import IkError
-from ikrun.cli_options import Evaluation, evaluation_options
+from ikrun.commands.options import Evaluation, evaluation_options
 
 if TYPE_CHECKING:
     from ikquant.types import GGMLType
+    from ikrun.eval.stream import StreamPlan
     from ikrun.model import Model
-    from ikrun.stream import StreamPlan
 
 app = new_app(__doc__, "Evaluate GGUF models: logits, perplexity, KL-divergence against a base, validation against HF.")
 
@@ -74,7 +74,7 @@ def _load(path: Path, ev: Evaluation, beside: bool = False) -> Model:
 
 
 def _plan(m: Model, n_chunk: int, ctx: int, ev: Evaluation, one_pass: bool = True) -> StreamPlan:
-    from ikrun.stream import plan_run
+    from ikrun.eval.stream import plan_run
 
     try:
         plan = plan_run(m, n_chunk, ctx, one_pass, ev.spill_dir)
@@ -94,8 +94,8 @@ def _tracked(m: Model, plan: StreamPlan, label: str) -> Iterator[tuple[Callable[
                                                                       Callable[[int, int, int], None]]]:
     """Progress callbacks (per chunk, per streamed block: bytes decoded, projected time) and the closing report."""
     from ikquant.sizes import format_size
+    from ikrun.eval.stream import RunReport
     from ikrun.memory import peak_resident_memory
-    from ikrun.stream import RunReport
 
     t0 = time.perf_counter()
     read0 = sum(m.weights.reads.values())
@@ -177,8 +177,8 @@ def ppl(
 
     Example: ikrun ppl model.gguf --text wiki.test.raw --ctx 512 --json
     """
-    from ikrun.evaluate import perplexity, tokenize_chunks
-    from ikrun.metrics import ppl_stats
+    from ikrun.eval.evaluate import perplexity, tokenize_chunks
+    from ikrun.eval.metrics import ppl_stats
 
     m = _load(model, ev)
     try:
@@ -220,7 +220,7 @@ def kld(
     """
     import tempfile
 
-    from ikrun.evaluate import kl_divergence, open_base, perplexity, tokenize_chunks
+    from ikrun.eval.evaluate import kl_divergence, open_base, perplexity, tokenize_chunks
 
     if (base is None) == (base_logits is None):
         fail("give exactly one of --base (with --text) or --base-logits")
@@ -251,7 +251,7 @@ def kld(
     finally:
         if tmpdir is not None:
             tmpdir.cleanup()
-    from ikrun.metrics import kld_stats
+    from ikrun.eval.metrics import kld_stats
 
     stats = kld_stats(acc)
     if json_out:
@@ -323,9 +323,9 @@ def imatrix(
     Example: ikrun imatrix model-f32.gguf --text calibration.txt --ctx 512 -o imatrix.dat
     """
     from ikquant.imatrix import read_imatrix
-    from ikrun.evaluate import collect_imatrix, tokenize_chunks
-    from ikrun.imatrix import ImatrixCollector
-    from ikrun.metrics import ppl_stats
+    from ikrun.eval.evaluate import collect_imatrix, tokenize_chunks
+    from ikrun.eval.imatrix import ImatrixCollector
+    from ikrun.eval.metrics import ppl_stats
 
     m = _load(model, ev)
     collector = ImatrixCollector(process_output=process_output)
@@ -400,8 +400,8 @@ def sweep(
     --imatrix imatrix.dat -o sweep.json --plot sweep.png
     """
     from ikquant.imatrix import read_imatrix
-    from ikrun.evaluate import tokenize_chunks
-    from ikrun.sweep import auto_rounds, load_rows, sweep_groups, sweep_header
+    from ikrun.eval.evaluate import tokenize_chunks
+    from ikrun.sweep.measure import auto_rounds, load_rows, sweep_groups, sweep_header
 
     if metric not in ("kld", "acceptance"):
         fail(f"--metric must be kld or acceptance, not {metric!r}")
@@ -460,7 +460,7 @@ def sweep(
     out.print(sweep_table(rows))
     err.print(f"wrote {output}: {len(rows)} measurements ({len(rows) - len(done)} new)")
     if plot is not None:
-        from ikrun.plot import plot_sweep
+        from ikrun.sweep.plot import plot_sweep
 
         try:
             plot_sweep(rows, plot, f"{model.name}: mean KLD per tensor and type")
@@ -484,8 +484,8 @@ def _draft_pair(target: Path, draft: Path, ev: Evaluation, text: Path, prompts: 
                 block: Optional[int]) -> tuple[Model, Model, int, list[np.ndarray]]:
     """Target and DFlash draft loaded and checked against each other, the block size, and the prompts cut from
     the text (tokenized without BOS), before any compute."""
+    from ikrun.eval.speculative import prompt_starts
     from ikrun.models.dflash import DFlashDraft
-    from ikrun.speculative import prompt_starts
 
     t, d = _load(target, ev), _load(draft, ev, beside=True)
     try:
@@ -507,8 +507,8 @@ def _acceptance_sweep(model: Path, target: Path, text: Path, types: str, output:
                       block: Optional[int], plot: Optional[Path], ev: Evaluation) -> None:
     """`ikrun sweep DRAFT --target T --metric acceptance`: the acceptance length each draft tensor costs."""
     from ikquant.imatrix import read_imatrix
-    from ikrun.sweep import load_rows, save_rows, sweep_groups, sweep_header
-    from ikrun.sweep_acceptance import AcceptanceRow, decoding_identity, run_acceptance_sweep
+    from ikrun.sweep.acceptance import AcceptanceRow, decoding_identity, run_acceptance_sweep
+    from ikrun.sweep.measure import load_rows, save_rows, sweep_groups, sweep_header
 
     t, d, bs, chunks = _draft_pair(target, model, ev, text, prompts, prompt_len, max_new, block)
     try:
@@ -549,8 +549,8 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
     round extending the last one's per-token scores; stop once two rounds rank the groups alike."""
     import tempfile
 
-    from ikrun.evaluate import open_base, perplexity
-    from ikrun.sweep import AUTO_STABLE_TAU, Scored, rank_agreement, run_sweep, save_rows, sweep_header
+    from ikrun.eval.evaluate import open_base, perplexity
+    from ikrun.sweep.measure import AUTO_STABLE_TAU, Scored, rank_agreement, run_sweep, save_rows, sweep_header
 
     scored: Scored = {}
     previous: list | None = None  # type: ignore[type-arg]
@@ -577,7 +577,7 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
                     run_sweep(m, open_base(base_path, m), groups, type_list, imat, done, on_row, ev.spill_dir,
                               full_forward, scored)
                 else:
-                    from ikrun.sweep_cluster import run_sweep_on_cluster
+                    from ikrun.sweep.cluster import run_sweep_on_cluster
 
                     run_sweep_on_cluster(cluster, _worker_spec(m, ev, cluster, imatrix, full_forward), base_path,
                                          groups, type_list, done, on_row, lambda msg: err.print(msg), scored)
@@ -609,7 +609,7 @@ def _worker_spec(m: Model, ev: Evaluation, cluster, imatrix: Optional[Path], ful
     """What every Ray worker loads: a local cluster's workers share this machine's budget, a remote cluster's
     workers take --mem each (default: their node's share)."""
     from ikquant.sizes import parse_size
-    from ikrun.sweep_cluster import WorkerSpec
+    from ikrun.sweep.cluster import WorkerSpec
 
     local = cluster.address.strip().startswith("local")
     mem = _budget(ev) // cluster.workers if local else (parse_size(ev.mem) if ev.mem else None)
@@ -660,8 +660,8 @@ def mix(
     from ikquant.quantize import QuantizeOptions
     from ikquant.recipes_mainline import recipe_file_type
     from ikquant.sweepfile import file_sha256, read_sweep_file
-    from ikrun.evaluate import open_base, perplexity, tokenize_chunks
-    from ikrun.sweep import model_fingerprint
+    from ikrun.eval.evaluate import open_base, perplexity, tokenize_chunks
+    from ikrun.sweep.measure import model_fingerprint
 
     targets = [t for t in (target_bpw is not None, target_size is not None, bool(budget)) if t]
     if len(targets) != 1:
@@ -727,8 +727,8 @@ def _assemble_and_measure(model: Path, output: Path, opts, types: dict[str, str]
     import dataclasses
 
     from ikquant.quantize import quantize_model
-    from ikrun.evaluate import kl_divergence
-    from ikrun.metrics import kld_stats
+    from ikrun.eval.evaluate import kl_divergence
+    from ikrun.eval.metrics import kld_stats
 
     try:
         quantize_model(model, output, dataclasses.replace(opts, tensor_types=types))
@@ -751,7 +751,7 @@ def _refine(m: Model, output: Path, opts, groups, options, plan, target, sweep: 
     from ikquant.gguf_io import GGUFFile
     from ikquant.mix import plan_mix
     from ikquant.outputs import partial_path
-    from ikrun.refine import most_sensitive, refined_options
+    from ikrun.sweep.refine import most_sensitive, refined_options
 
     chosen = most_sensitive(plan.choice, refine)
     mixed = _load(output, ev)
@@ -824,7 +824,7 @@ def accept(
     --compare Q8_0,Q4_K
     """
     from ikquant.types import type_by_name
-    from ikrun.speculative import (
+    from ikrun.eval.speculative import (
         acceptance_by_position,
         greedy_continuation,
         mean_acceptance_length,
@@ -882,7 +882,7 @@ def _quantize_draft_in_memory(d: Model, qtype) -> list[str]:  # type: ignore[no-
     """Every quantizable draft weight re-encoded as `qtype` from its stored encoding and swapped in; the types
     written (ik's fallback where a row does not hold `qtype`'s blocks)."""
     from ikquant.recipes import eligible
-    from ikrun.sweep import quantized_copy
+    from ikrun.sweep.measure import quantized_copy
 
     used_types = set()
     for name in d.weights.names():
@@ -934,9 +934,9 @@ def validate(
     Example: ikrun validate --hf ./Qwen3-0.6B --gguf qwen3-0.6b-f32.gguf
     """
     from ikconvert.tiny import CORPUS
-    from ikrun.evaluate import tokenize_chunks
-    from ikrun.stream import evaluate_chunks
-    from ikrun.validate import HFReference
+    from ikrun.eval.evaluate import tokenize_chunks
+    from ikrun.eval.stream import evaluate_chunks
+    from ikrun.validate.hf import HFReference
 
     m = _load(gguf, ev)
     try:
@@ -960,7 +960,7 @@ def validate(
 
 
 def _report_validation(refs: np.ndarray, gots: np.ndarray, tolerance: float, json_out: bool) -> None:
-    from ikrun.validate import compare_logits
+    from ikrun.validate.hf import compare_logits
 
     res = compare_logits(refs, gots)
     ok = res["max_rel_logit_err"] <= tolerance and math.isfinite(res["max_rel_logit_err"])

@@ -24,8 +24,7 @@ from threadpoolctl import ThreadpoolController
 from ikquant.gguf_io import GGUFFile
 from ikquant.types import GGMLType
 from ikrun.models.base import ArchModel, ModelError
-from ikrun.ops.ikgemm import ik_float_matmul, takes_whole
-from ikrun.ops.numerics import (
+from ikrun.numerics.ik.formats import (
     IK_FLOAT_TYPES,
     IK_KERNELS,
     UNROUNDED,
@@ -35,7 +34,8 @@ from ikrun.ops.numerics import (
     integer_rows,
     round_activations,
 )
-from ikrun.ops.qgemm import IntRows, PackedHeads, PackedInts, pack, qmatmul, row_slice
+from ikrun.numerics.ik.ikgemm import ik_float_matmul, takes_whole
+from ikrun.numerics.ik.qgemm import IntRows, PackedHeads, PackedInts, pack, qmatmul, row_slice
 from ikrun.weights import CONVERTED, DERIVED, HEADS, INTEGER_TYPES, PACKED, SwapError, WeightStore
 
 __all__ = ["KV_CACHE_TYPES", "Model", "ModelError", "RuntimeOptions"]
@@ -55,7 +55,7 @@ class RuntimeOptions:
 
     An architecture lists the ones it honours in its class attribute `runtime_options`; setting any other is an
     error, so a flag never silently does nothing. Each field's metadata holds its command-line help: the CLI makes
-    the option --name-with-dashes from it (ikrun/cli_options.py), a bool as a flag, None-defaulted as on/off, an
+    the option --name-with-dashes from it (ikrun/commands/options.py), a bool as a flag, None-defaulted as on/off, an
     int taking a value.
     """
 
@@ -149,11 +149,11 @@ class Model:
         self.mem = mem
         self.weights.capacity = mem
         #: layer-streamed evaluation: True always, False never, None when the model does not fit `mem`
-        #: (ikrun/stream.py)
+        #: (ikrun/eval/stream.py)
         self.stream = stream
         #: the chunk whose rows the observers are shown (set by the architectures' per-sequence steps)
         self.chunk = 0
-        #: set while a layer-streamed pass runs (ikrun/stream.py): every weight is used once, nothing worth caching
+        #: set while a layer-streamed pass runs (ikrun/eval/stream.py): every weight is used once, nothing worth caching
         self.streaming = False
         #: matmuls that had to decode their weight in tiles (it did not fit the cache)
         self.tiled: set[str] = set()
@@ -267,7 +267,7 @@ class Model:
     def _ik_converted(self, name: str, n_act_rows: int, weight_rows: int, threads: int | None) -> np.ndarray | None:
         """Under --numerics ik, the weights ik's kernel multiplies `name` as in a matmul with `n_act_rows`
         activation rows (of matrices of `weight_rows` rows, `threads` ik threads each), in float32, where they are
-        not its exact decoding (ikrun/ops/numerics.py); else None."""
+        not its exact decoding (ikrun/numerics/ik/formats.py); else None."""
         if not self.ik_numerics:
             return None
         kernel = ik_kernel(self.weights.encoding(name).type.name)
@@ -298,7 +298,7 @@ class Model:
         return self.options.ik_threads // math.gcd(n_matrices, self.options.ik_threads)
 
     def _ik_float_kind(self, name: str) -> str | None:
-        """F32, F16 or BF16 where ik multiplies weight `name` in its float kernels (ikrun/ops/ikgemm.py) on rows they
+        """F32, F16 or BF16 where ik multiplies weight `name` in its float kernels (ikrun/numerics/ik/ikgemm.py) on rows they
         take whole, else None."""
         type_name = self.weights.encoding(name).type.name
         whole = takes_whole(self.weights.info(name).n_per_row, type_name == "BF16")

@@ -75,10 +75,10 @@ def test_ray_quantization_writes_the_same_bytes(model: Path, imatrix: Path, tmp_
 def test_a_killed_worker_loses_no_row(model: Path, tmp_path: Path) -> None:
     from ikquant.cluster import open_cluster
     from ikquant.types import type_by_name
-    from ikrun.evaluate import perplexity, tokenize_chunks
+    from ikrun.eval.evaluate import perplexity, tokenize_chunks
     from ikrun.model import Model
-    from ikrun.sweep import sweep_groups
-    from ikrun.sweep_cluster import WorkerSpec, run_sweep_on_cluster
+    from ikrun.sweep.cluster import WorkerSpec, run_sweep_on_cluster
+    from ikrun.sweep.measure import sweep_groups
 
     local = tmp_path / "local.json"
     assert _sweep(model, local, "--chunks", "3").exit_code == 0
@@ -148,7 +148,7 @@ def test_auto_chunks_extend_rounds_to_the_rows_of_a_fixed_count(model: Path, tmp
 def test_kendall_tau() -> None:
     import numpy as np
 
-    from ikrun.sweep import auto_rounds, kendall_tau
+    from ikrun.sweep.measure import auto_rounds, kendall_tau
 
     x = np.array([1.0, 2.0, 3.0, 4.0])
     assert kendall_tau(x, x * 10) == 1.0

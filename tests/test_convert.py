@@ -174,7 +174,7 @@ def test_hub_reference_resolves_from_the_offline_cache(data_dir: Path, tmp_path:
 def test_tied_embeddings_convert_and_run(tmp_path: Path) -> None:
     from ikconvert.tiny import TinySpec, make_tiny_checkpoint
     from ikrun.model import Model
-    from ikrun.validate import HFReference, compare_logits
+    from ikrun.validate.hf import HFReference, compare_logits
 
     hf = make_tiny_checkpoint(tmp_path / "tied", TinySpec(arch="qwen3", tie_embeddings=True, seed=5))
     out = Converter(hf, "f32", "qwen2").write(tmp_path / "tied.gguf")

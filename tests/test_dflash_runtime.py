@@ -36,8 +36,8 @@ def oracle() -> dict:  # type: ignore[type-arg]
 
 
 def test_speculative_decoding_reproduces_the_reference(pair: tuple[Path, Path], oracle: dict) -> None:  # type: ignore[type-arg]
+    from ikrun.eval.speculative import greedy_continuation, speculative_generate
     from ikrun.model import Model
-    from ikrun.speculative import greedy_continuation, speculative_generate
 
     target, draft = Model(pair[0]), Model(pair[1])
     logits = np.load(GOLD / "dflash-draft-logits.npz")
@@ -53,10 +53,10 @@ def test_speculative_decoding_reproduces_the_reference(pair: tuple[Path, Path], 
 
 
 def test_draft_layers_match_the_independent_reference(pair: tuple[Path, Path], oracle: dict) -> None:  # type: ignore[type-arg]
+    from ikrun.eval.speculative import TargetDecoder
     from ikrun.model import Model
     from ikrun.models.dflash import DraftContext
-    from ikrun.reference_dflash import DFlashReference, target_embeddings
-    from ikrun.speculative import TargetDecoder
+    from ikrun.validate.dflash import DFlashReference, target_embeddings
 
     target, draft = Model(pair[0]), Model(pair[1])
     d = draft.impl
@@ -81,7 +81,7 @@ def test_a_draft_with_biases_matches_the_reference(tmp_path: Path) -> None:
     from ikconvert.convert import Converter
     from ikrun.model import Model
     from ikrun.models.dflash import DraftContext
-    from ikrun.reference_dflash import DFlashReference
+    from ikrun.validate.dflash import DFlashReference
 
     src = Path(__file__).parent / "data" / "convert" / "dflash-gptoss"
     path = Converter(src / "hf", "f32", "qwen2", arch_options={"target_model_dir": str(src / "target")}).write(
@@ -122,8 +122,8 @@ def test_quantized_drafts_are_compared(pair: tuple[Path, Path]) -> None:
 
 
 def test_deterministic_at_any_thread_count(pair: tuple[Path, Path], oracle: dict) -> None:  # type: ignore[type-arg]
+    from ikrun.eval.speculative import speculative_generate
     from ikrun.model import Model
-    from ikrun.speculative import speculative_generate
 
     runs = []
     for threads in (1, 2):

@@ -1,4 +1,4 @@
-"""ik's float kernels (ikrun/ops/ikgemm.py) against their arithmetic written out with numpy: 16 lanes of fused
+"""ik's float kernels (ikrun/numerics/ik/ikgemm.py) against their arithmetic written out with numpy: 16 lanes of fused
 multiply-adds along the row and ik's tree over the lanes (f32/f16), the vdpbf16ps pairs (bf16)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ikquant.formats.numeric import f32_to_bf16_bits
-from ikrun.ops.ikgemm import ik_float_matmul
+from ikrun.numerics.ik.ikgemm import ik_float_matmul
 from tests.test_numerics import bf16_bits_to_f32
 from tests.test_qgemm import _fma32
 

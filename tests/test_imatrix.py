@@ -17,10 +17,10 @@ from ikquant.imatrix import read_imatrix, read_imatrix_dat, write_imatrix_dat
 from ikquant.quantize import quantize_rows
 from ikquant.types import type_by_name
 from ikrun.cli import app
-from ikrun.evaluate import collect_imatrix, tokenize_chunks
-from ikrun.imatrix import ImatrixCollector
+from ikrun.eval.evaluate import collect_imatrix, tokenize_chunks
+from ikrun.eval.imatrix import ImatrixCollector
 from ikrun.model import Model
-from ikrun.validate import HFReference
+from ikrun.validate.hf import HFReference
 
 runner = CliRunner()
 

@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from ikrun.cli import app
-from ikrun.evaluate import kl_divergence, open_base, perplexity
-from ikrun.metrics import BaseLogitsFile, kld_stats
+from ikrun.eval.evaluate import kl_divergence, open_base, perplexity
+from ikrun.eval.metrics import BaseLogitsFile, kld_stats
 from ikrun.model import Model
 from tests.blas import AVX512_GEMM
 
@@ -96,8 +96,8 @@ def test_base_file_written_then_read_gives_identical_stats(data_dir: Path, tmp_p
     for key in REQUIRED_KEYS:
         assert through_cli[key] == pytest.approx(direct[key], rel=1e-12, abs=1e-15), key
     # the records read back are exactly the ones encoded from the base model's logits
-    from ikrun.evaluate import chunk_logits
-    from ikrun.metrics import encode_records
+    from ikrun.eval.evaluate import chunk_logits
+    from ikrun.eval.metrics import encode_records
 
     chunk = np.asarray(ik_base.tokens[3])
     records, _ = encode_records(chunk_logits(base_model, chunk), chunk[33:])

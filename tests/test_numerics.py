@@ -16,11 +16,11 @@ from typer.testing import CliRunner
 from ikquant.formats.numeric import f32_to_bf16_bits
 from ikquant.types import type_by_name
 from ikrun.cli import app
-from ikrun.metrics import BaseLogitsFile
+from ikrun.eval.metrics import BaseLogitsFile
+from ikrun.eval.stream import fed_tokens
 from ikrun.model import Model, ModelError, RuntimeOptions
-from ikrun.ops.numerics import BF16, IK_KERNELS, Q8_2_X4, Q8_K, round_activations
-from ikrun.ops.qgemm import BlockInts
-from ikrun.stream import fed_tokens
+from ikrun.numerics.ik.formats import BF16, IK_KERNELS, Q8_2_X4, Q8_K, round_activations
+from ikrun.numerics.ik.qgemm import BlockInts
 from tests.test_qgemm import _q8_k_reference
 from tests.test_runtime_deepseek2 import assert_thread_invariant
 
@@ -301,7 +301,7 @@ def test_routed_experts_are_converted_per_expert_by_their_token_count(monkeypatc
     as converted, the others as stored. The tiny MoE models cannot hold a K-quant, so MXFP4 is given a marking
     conversion (x 2, its scales doubled) at 3 tokens here: the forward then multiplies those experts in integers
     and the others as floats."""
-    import ikrun.ops.numerics as numerics
+    import ikrun.numerics.ik.formats as numerics
 
     path = DATA / "convert" / "deepseek-v4-flash" / "ref-f32.gguf"
     tokens = np.load(DATA / "hf-logits" / "deepseek-v4-flash" / "tokens.npy")[0]

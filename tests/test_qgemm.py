@@ -1,4 +1,4 @@
-"""The integer matmul of --numerics ik (ikrun/ops/qgemm.py) and the integer forms it multiplies."""
+"""The integer matmul of --numerics ik (ikrun/numerics/ik/qgemm.py) and the integer forms it multiplies."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ import pytest
 import ikquant.formats  # noqa: F401  (registers the codecs)
 from ikquant.gguf_io import GGUFFile
 from ikquant.types import type_by_name
-from ikrun.ops.moe import moe_experts
-from ikrun.ops.numerics import (
+from ikrun.numerics.ik.formats import (
     IK_KERNELS,
     KT_MATMUL_FACTOR,
     Q8_2_X4,
@@ -23,7 +22,7 @@ from ikrun.ops.numerics import (
     integer_rows,
     round_activations,
 )
-from ikrun.ops.qgemm import (
+from ikrun.numerics.ik.qgemm import (
     HAS_VNNI,
     ORDER_PLAIN,
     ORDER_Q8_1,
@@ -36,6 +35,7 @@ from ikrun.ops.qgemm import (
     pack,
     qmatmul,
 )
+from ikrun.ops.moe import moe_experts
 
 DATA = Path(__file__).parent / "data"
 #: (block, activation format, with Q8_1 offsets)
@@ -137,7 +137,7 @@ def _ik_reference(x: IntRows, w: BlockInts) -> np.ndarray:
 @pytest.mark.parametrize(("block", "fmt", "order"), [(32, Q8_2_X4, ORDER_R8), (32, Q8_2_X4, ORDER_Q8_1),
                                                      (256, Q8_K, ORDER_R16), (32, Q8_2_X4, ORDER_QX_0_NATIVE)])
 def test_each_order_is_iks_float_arithmetic(block: int, fmt: str, order: int, vnni: bool) -> None:
-    """ik's Q8_0_R8, Q8_1 and Q8_K_R16 gemms and its own Q8_0 kernel (ikrun/ops/qgemm.py ORDER_*), written out
+    """ik's Q8_0_R8, Q8_1 and Q8_K_R16 gemms and its own Q8_0 kernel (ikrun/numerics/ik/qgemm.py ORDER_*), written out
     block by block with exact fused multiply-adds: the kernels give their bits, over rows long enough to take
     several passes of K_BYTES (Q8_0's kernel: blocks past the last whole group of four too) and row counts that are
     no whole tiles or groups; the plain order gives other bits."""
@@ -325,7 +325,7 @@ def test_the_vnni_kernel_is_built_from_vpdpbusd() -> None:
     8 per 32-value block of each of the 4 x 2 accumulators."""
     from numba import njit
 
-    from ikrun.ops.qgemm import _tile32
+    from ikrun.numerics.ik.qgemm import _tile32
 
     @njit
     def call(wq, ws, wc, wo, au, asc, asum, aisum, out):  # type: ignore[no-untyped-def]

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ikrun.reference_deepseek4 import DeepseekV4Reference, dequantize_fp4, torch_topk
+from ikrun.validate.deepseek4 import DeepseekV4Reference, dequantize_fp4, torch_topk
 
 DATA = Path(__file__).parent / "data"
 CKPT = DATA / "convert" / "deepseek-v4-flash" / "hf"

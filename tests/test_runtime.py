@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from ikrun.cli import app
 from ikrun.model import Model
-from ikrun.validate import HFReference, compare_logits
+from ikrun.validate.hf import HFReference, compare_logits
 
 
 def test_f32_gguf_matches_the_numpy_reference(tiny_hf: Path, tiny_f32: Path) -> None:
@@ -85,12 +85,12 @@ def test_missing_tensor_is_named_before_compute(data_dir: Path, tmp_path: Path) 
 
 def test_a_bug_shows_its_traceback_not_a_user_error(data_dir: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Only IkError means "your input is wrong" (exit 2, one line); a ValueError from our own code is a bug."""
-    import ikrun.stream
+    import ikrun.eval.stream
 
     def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise ValueError("an internal mistake")
 
-    monkeypatch.setattr(ikrun.stream, "plan_run", broken)
+    monkeypatch.setattr(ikrun.eval.stream, "plan_run", broken)
     res = CliRunner().invoke(app, ["ppl", str(data_dir / "convert" / "qwen3" / "ik-f32.gguf"), "--text",
                                    str(data_dir / "logits" / "qwen3" / "text.txt"), "--ctx", "64"])
     assert res.exit_code == 1 and isinstance(res.exception, ValueError)

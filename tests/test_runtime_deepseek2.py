@@ -17,12 +17,12 @@ from ikquant.gguf_io import GGUFFile, GGUFStreamWriter, KeyValue
 from ikquant.imatrix import read_imatrix_dat
 from ikquant.types import type_by_name
 from ikrun.cli import app
-from ikrun.evaluate import collect_imatrix
-from ikrun.imatrix import ImatrixCollector
+from ikrun.eval.evaluate import collect_imatrix
+from ikrun.eval.imatrix import ImatrixCollector
 from ikrun.model import Model, ModelError
 from ikrun.ops import moe
-from ikrun.reference_deepseek2 import DeepseekV3Reference
-from ikrun.validate import HFReference, compare_logits
+from ikrun.validate.deepseek2 import DeepseekV3Reference
+from ikrun.validate.hf import HFReference, compare_logits
 
 runner = CliRunner()
 V3 = "deepseek-v3"

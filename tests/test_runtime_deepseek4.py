@@ -19,7 +19,7 @@ from ikquant.imatrix import read_imatrix_dat
 from ikrun.cli import app
 from ikrun.model import Model, ModelError
 from ikrun.ops.indexer import TIE_TORCH, select_top_k
-from ikrun.reference_deepseek4 import DeepseekV4Reference, torch_topk
+from ikrun.validate.deepseek4 import DeepseekV4Reference, torch_topk
 from tests.test_reference_deepseek4 import _kl
 from tests.test_runtime_deepseek2 import _rewrite, assert_thread_invariant
 
@@ -246,7 +246,7 @@ def test_hot_swap_of_an_indexer_and_an_expert_tensor(model: Model, long_tokens: 
 def test_streamed_under_a_small_budget_with_hca_and_selection_live(long_tokens: np.ndarray) -> None:
     """Chunks long enough for HCA entries and indexer choices: layer-streamed under the smallest budget gives the
     chunk-by-chunk logits bit for bit (no compressor or indexer state leaks between chunks or blocks)."""
-    from ikrun.stream import evaluate_chunks, minimum_budget, model_decoded_bytes, plan_run
+    from ikrun.eval.stream import evaluate_chunks, minimum_budget, model_decoded_bytes, plan_run
 
     chunks = np.stack([long_tokens[:300], long_tokens[300:600], long_tokens[150:450]])
     free = Model(GGUF)

@@ -19,7 +19,7 @@ from ikquant.imatrix import read_imatrix_dat
 from ikrun.cli import app
 from ikrun.model import Model, ModelError, RuntimeOptions
 from ikrun.ops.indexer import hadamard
-from ikrun.validate import HFReference, compare_logits
+from ikrun.validate.hf import HFReference, compare_logits
 from tests.blas import needs_avx512_gemm
 from tests.test_convert_glm_dsa import GlmSpec, make_glm_checkpoint
 from tests.test_runtime_deepseek2 import _rewrite, assert_thread_invariant

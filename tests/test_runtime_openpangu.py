@@ -15,16 +15,16 @@ from typer.testing import CliRunner
 from ikquant.gguf_io import GGUFFile
 from ikquant.imatrix import read_imatrix_dat
 from ikrun.cli import app
-from ikrun.evaluate import chunk_logits, open_base
-from ikrun.metrics import BaseLogitsFile, KLDAccumulator, kld_stats
+from ikrun.eval.evaluate import chunk_logits, open_base
+from ikrun.eval.metrics import BaseLogitsFile, KLDAccumulator, kld_stats
 from ikrun.model import Model, ModelError, RuntimeOptions
 from ikrun.models import openpangu
 from ikrun.ops import moe
 from ikrun.ops.conv import causal_conv_residual
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.indexer import TIE_LATER_INDEX
-from ikrun.reference_openpangu import OpenPanguReference
-from ikrun.validate import HFReference, compare_logits
+from ikrun.validate.hf import HFReference, compare_logits
+from ikrun.validate.openpangu import OpenPanguReference
 from tests.test_qgemm import _fma32
 from tests.test_runtime_deepseek2 import _rewrite
 

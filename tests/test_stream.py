@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 
 from ikquant.sizes import parse_size
 from ikrun.cli import app
-from ikrun.evaluate import collect_imatrix, perplexity
-from ikrun.imatrix import ImatrixCollector
+from ikrun.eval.evaluate import collect_imatrix, perplexity
+from ikrun.eval.imatrix import ImatrixCollector
+from ikrun.eval.stream import evaluate_chunks, minimum_budget, model_decoded_bytes, plan_run
 from ikrun.memory import BudgetError
 from ikrun.model import Model, RuntimeOptions
-from ikrun.stream import evaluate_chunks, minimum_budget, model_decoded_bytes, plan_run
 
 runner = CliRunner()
 CTX = 48
@@ -106,9 +106,9 @@ def test_an_interrupted_streamed_run_removes_its_spill_file(data_dir: Path, tmp_
 
 def test_a_spill_disk_without_room_is_refused_before_the_run(data_dir: Path, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    import ikrun.stream
+    import ikrun.eval.stream
 
-    monkeypatch.setattr(ikrun.stream, "free_disk", lambda path: 1000)
+    monkeypatch.setattr(ikrun.eval.stream, "free_disk", lambda path: 1000)
     m = Model(_path(data_dir, "qwen3"))
     m.mem = minimum_budget(m, CTX) + 64 * 1024
     with pytest.raises(BudgetError, match="on disk"):

@@ -136,9 +136,9 @@ def test_layer_local_rows_equal_full_forward_rows(data_dir: Path, tmp_path: Path
     import numpy as np
 
     from ikquant.types import type_by_name
-    from ikrun.evaluate import open_base, perplexity
+    from ikrun.eval.evaluate import open_base, perplexity
     from ikrun.model import Model
-    from ikrun.sweep import run_sweep, start_block, sweep_groups
+    from ikrun.sweep.measure import run_sweep, start_block, sweep_groups
     from tests.test_stream import MODELS
 
     model = Model(data_dir / "convert" / MODELS[arch])
@@ -190,7 +190,7 @@ def test_csv_sweeps_resume_and_feed_the_mix(model256: Path, tmp_path: Path) -> N
 
 def test_rows_within_noise_are_marked() -> None:
     from ikrun.cli import sweep_table
-    from ikrun.sweep import SweepRow
+    from ikrun.sweep.measure import SweepRow
 
     def row(group: str, ratio: float, err: float) -> SweepRow:
         return SweepRow(group, [group], "Q4_0", "Q4_0", 100, 400, 56, 4.5, 0.01, 0.001, 0.02, 0.9, 1.0, ratio, err, 1.0)
@@ -245,10 +245,10 @@ def test_a_sweep_of_a_model_larger_than_its_budget_streams_with_the_same_rows(da
     import numpy as np
 
     from ikquant.types import type_by_name
-    from ikrun.evaluate import open_base, perplexity
+    from ikrun.eval.evaluate import open_base, perplexity
+    from ikrun.eval.stream import minimum_budget, plan_run
     from ikrun.model import Model
-    from ikrun.stream import minimum_budget, plan_run
-    from ikrun.sweep import run_sweep, sweep_groups
+    from ikrun.sweep.measure import run_sweep, sweep_groups
     from tests.test_stream import MODELS
 
     rows = {}

@@ -13,7 +13,7 @@ from ikconvert.tiny import CORPUS
 from ikconvert.tokenizer import BPETokenizer
 from ikconvert.vocab import PRE_TOKENIZER_HASHES, PROBE_TEXT, HFTokenizerFiles
 from ikquant.gguf_io import GGUFFile
-from ikrun.metrics import BaseLogitsFile
+from ikrun.eval.metrics import BaseLogitsFile
 
 TEXTS = [
     CORPUS.read_text(encoding="utf-8"),

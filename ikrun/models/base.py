@@ -12,7 +12,7 @@ before any compute) and computes a forward in three steps over a `Sequence`:
 
 Per-sequence state that a later block needs (rope tables, the indexer's last selection) lives in `seq.state`, so the
 same sequence can go through block 0 now and block 1 later: that is how layer-streamed evaluation
-(ikrun/stream.py) runs all chunks through one block before reading the next block's weights. Tensors named
+(ikrun/eval/stream.py) runs all chunks through one block before reading the next block's weights. Tensors named
 `blk.{i}.*` belong to block i; all others to embed/head.
 """
 

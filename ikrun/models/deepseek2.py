@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ikrun.models.base import ArchModel, Hparam, Sequence
+from ikrun.modules.ffn import MoeConfig, dense_ffn, moe_ffn
+from ikrun.numerics.ik.ikgemm import LANES
 from ikrun.ops.attention import ik_latent_attention
-from ikrun.ops.ffn import MoeConfig, dense_ffn, moe_ffn
-from ikrun.ops.ikgemm import LANES
 from ikrun.ops.mla import latent_attention
 from ikrun.ops.moe import GATING_SIGMOID, GATING_SOFTMAX
 from ikrun.ops.rope import Yarn, yarn_log_scale, yarn_rope_cache

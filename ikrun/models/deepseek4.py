@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ikrun.models.base import ArchModel, Sequence
+from ikrun.modules.ffn import MoeConfig, moe_ffn
 from ikrun.ops.attention import shared_kv_attention
-from ikrun.ops.ffn import MoeConfig, moe_ffn
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.indexer import TIE_TORCH, indexer_scores, select_top_k
 from ikrun.ops.moe import GATING_SQRT_SOFTPLUS

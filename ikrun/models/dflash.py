@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ikrun.models.base import ArchModel, ModelError, Sequence
-from ikrun.ops.ffn import dense_ffn
+from ikrun.modules.ffn import dense_ffn
 from ikrun.ops.rope import rope_cache
 
 if TYPE_CHECKING:

@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ikrun.models.base import ArchModel, Sequence
+from ikrun.modules.ffn import dense_ffn
+from ikrun.numerics.ik.ikgemm import LANES
 from ikrun.ops.attention import causal_attention, ik_causal_attention
-from ikrun.ops.ffn import dense_ffn
-from ikrun.ops.ikgemm import LANES
 from ikrun.ops.rope import rope_cache
 
 if TYPE_CHECKING:

@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ikrun.models.base import ArchModel, Hparam, Sequence
+from ikrun.modules.ffn import MoeConfig, dense_ffn, moe_ffn
+from ikrun.numerics.ik.ikgemm import LANES
 from ikrun.ops.attention import ik_sink_latent_attention
 from ikrun.ops.conv import causal_conv_residual
-from ikrun.ops.ffn import MoeConfig, dense_ffn, moe_ffn
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
-from ikrun.ops.ikgemm import LANES
 from ikrun.ops.indexer import TIE_PARTIAL_SORT, indexer_scores, select_top_k
 from ikrun.ops.mla import latent_attention
 from ikrun.ops.moe import GATING_SIGMOID

@@ -14,8 +14,8 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.numeric import fmaf
+from ikrun.numerics.ik.ikgemm import DOTS, LANES, XROWS, dots, ik_dot_grid
 from ikrun.ops.activations import ik_expf
-from ikrun.ops.ikgemm import DOTS, LANES, XROWS, dots, ik_dot_grid
 from ikrun.ops.parallel import pick
 
 # Query rows per block: bounds the score buffer to heads x block x n_kv floats for long chunks.

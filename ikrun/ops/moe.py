@@ -7,7 +7,7 @@ weights to sum 1 (sum in float64 like ggml_sum_rows) and a final scale.
 
 Experts: every (token, slot) assignment is processed by its expert only (no dense pass over all experts), each
 expert's matmuls running in parallel over its weight rows (ikrun/ops/fgemm.py: one FMA chain per output in the
-exact mode; ikrun/ops/qgemm.py: ik's integer sums under --numerics ik); the weighted expert outputs are summed in
+exact mode; ikrun/numerics/ik/qgemm.py: ik's integer sums under --numerics ik); the weighted expert outputs are summed in
 slot order (ggml's mul_multi_add), so results depend neither on the thread count nor on how tokens are batched.
 """
 
@@ -21,11 +21,11 @@ from numba import njit, prange
 
 from ikquant.formats.floats import widen_bits
 from ikquant.formats.numeric import fmaf
+from ikrun.numerics.ik.formats import IK_FLOAT_TYPES, UNROUNDED, integer_rows, round_activations
+from ikrun.numerics.ik.ikgemm import ik_float_matmul, takes_whole
+from ikrun.numerics.ik.qgemm import IntRows, PackedInts, qmatmul
 from ikrun.ops.activations import ik_expf
 from ikrun.ops.fgemm import expert_matmul
-from ikrun.ops.ikgemm import ik_float_matmul, takes_whole
-from ikrun.ops.numerics import IK_FLOAT_TYPES, UNROUNDED, integer_rows, round_activations
-from ikrun.ops.qgemm import IntRows, PackedInts, qmatmul
 
 GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
@@ -229,7 +229,7 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
                 ik: tuple[str, str, str] | None = None) -> RoutedExperts:
     """Routed SwiGLU experts: x [n, n_embd], sel/w [n, k]; `fetch(ids)` gives the up/gate [len(ids), n_ff, n_embd] and
     down [len(ids), n_embd, n_ff] matrices of experts `ids` (float32, or f16/bf16 bits as expert_matmul reads them); a finite `limit` clamps the SwiGLU as swiglu does;
-    `formats` are the activation formats (ikrun/ops/numerics.py) of up, gate and down under --numerics ik, and
+    `formats` are the activation formats (ikrun/numerics/ik/formats.py) of up, gate and down under --numerics ik, and
     `ints(e)` gives the integers ik's kernels multiply expert e as (qmatmul: integer rows per expert) where they do;
     `keep_act` keeps the ffn_down inputs of every assignment for observers ([n k, n_ff] floats: a streamed pass over
     many chunks would hold them for nothing); `ik` (--numerics ik: the up, gate and down weight types) computes the

@@ -70,7 +70,7 @@ class OpenPanguReference:
     architectures = ("OpenPanguV2ForCausalLM",)
 
     def __init__(self, config: dict, tensors: dict, ik_avx512_sinks: bool = False):  # type: ignore[type-arg]
-        from ikrun.validate import HFReferenceError
+        from ikrun.validate.hf import HFReferenceError
 
         for key, value in _FIXED.items():
             if config.get(key, value) != value:

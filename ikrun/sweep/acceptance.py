@@ -15,9 +15,9 @@ import numpy as np
 
 from ikquant.imatrix import Imatrix
 from ikquant.types import GGMLType
+from ikrun.eval.speculative import acceptance_by_position, mean_acceptance_length, speculative_generate
 from ikrun.model import Model
-from ikrun.speculative import acceptance_by_position, mean_acceptance_length, speculative_generate
-from ikrun.sweep import Measured, model_fingerprint, pending_jobs, prepare_candidate
+from ikrun.sweep.measure import Measured, model_fingerprint, pending_jobs, prepare_candidate
 
 
 @dataclass

@@ -22,10 +22,10 @@ class HFReferenceError(IkError, ValueError):
 
 def _other_references() -> dict[str, type]:
     """Architectures whose numpy reference lives in its own module (ikrun/reference_<arch>.py)."""
-    from ikrun.reference_deepseek2 import DeepseekV3Reference
-    from ikrun.reference_deepseek4 import DeepseekV4Reference
-    from ikrun.reference_glm_dsa import GlmDsaReference
-    from ikrun.reference_openpangu import OpenPanguReference
+    from ikrun.validate.deepseek2 import DeepseekV3Reference
+    from ikrun.validate.deepseek4 import DeepseekV4Reference
+    from ikrun.validate.glm_dsa import GlmDsaReference
+    from ikrun.validate.openpangu import OpenPanguReference
 
     return {arch: cls for cls in (DeepseekV3Reference, DeepseekV4Reference, GlmDsaReference, OpenPanguReference)
             for arch in cls.architectures}

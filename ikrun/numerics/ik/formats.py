@@ -5,11 +5,11 @@ pairs with (ggml's vec_dot_type on an AVX2/AVX-512 build), then sums integer (or
 rounding of the activations is what moves ik's KL-divergence above the weights-alone figure. Because every such
 rounding is a step function, any other float order anywhere before it (a norm, a rope, a scale sum) flips a few
 roundings and moves PPL(Q) by up to 0.1% on a small model; so --numerics ik computes ik's float order everywhere:
-its gemm kernels' (ikrun/ops/qgemm.py, ORDER_R8 for Q8_0_R8, ORDER_Q8_1, ORDER_R16 for Q8_K_R16), its fused RMS norm,
+its gemm kernels' (ikrun/numerics/ik/qgemm.py, ORDER_R8 for Q8_0_R8, ORDER_Q8_1, ORDER_R16 for Q8_K_R16), its fused RMS norm,
 its NEOX rope, its attention kernels and exponential (ikrun/ops/attention.py). On the test models (dense qwen3 for
 every kernel family, DeepSeek's MLA with routed experts) the logits are ik's bit for bit. Where the weights are
 held as int8 blocks (`IkKernel.integers`: the 32-value types as stored, the converted K/IQK types) the matmul is
-ik's own: integer block sums scaled block by block (ikrun/ops/qgemm.py, `integer_rows` for the activations). Elsewhere
+ik's own: integer block sums scaled block by block (ikrun/numerics/ik/qgemm.py, `integer_rows` for the activations). Elsewhere
 (bf16, per-head slices, a native kernel below the conversion threshold, the interleaved types) the activations are
 rounded to the format and widened back (every value is representable in float32), then multiplied in float32 with
 the exactly decoded (or converted) weights, which differs from ik's integer sums only in the float32 order of the
@@ -71,8 +71,8 @@ from numba import njit, prange
 
 from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ6NL_VALUES
 from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits
+from ikrun.numerics.ik.qgemm import ORDER_Q8_1, ORDER_QX_0_NATIVE, ORDER_R8, ORDER_R16, TILE, BlockInts, IntRows
 from ikrun.ops.parallel import pick
-from ikrun.ops.qgemm import ORDER_Q8_1, ORDER_QX_0_NATIVE, ORDER_R8, ORDER_R16, TILE, BlockInts, IntRows
 
 Q8_2_X4 = "Q8_2_X4"
 Q8_K = "Q8_K"
@@ -382,7 +382,7 @@ IK_KERNELS: dict[str, IkKernel] = {
 }
 
 
-#: weight types ik multiplies in its float kernels (ikrun/ops/ikgemm.py)
+#: weight types ik multiplies in its float kernels (ikrun/numerics/ik/ikgemm.py)
 IK_FLOAT_TYPES = ("F32", "F16", "BF16")
 
 

@@ -2,7 +2,7 @@
 
 ik's CPU backend multiplies a quantized weight in integers: the weight's values (or what its kernel converts them
 to) are int8 with one float scale per block of 32 or 256 values of a row, the activation rows are rounded to int8
-blocks of the same length (ikrun/ops/numerics.py), each block's integer dot product is exact, and the float result
+blocks of the same length (ikrun/numerics/ik/formats.py), each block's integer dot product is exact, and the float result
 sums, block by block, isum * (weight scale * activation scale) (+ offset * activation block sum for Q8_1 weights),
 in the float order of the ik kernel that multiplies the weights (ORDER_*: its fused multiply-adds, its unsigned
 weights' corrections). That is what this kernel computes, so `--numerics ik` is both ik's arithmetic, bit for bit,

@@ -16,9 +16,9 @@ from pathlib import Path
 from ikquant.imatrix import Imatrix
 from ikquant.mix import Option
 from ikquant.types import type_by_name
-from ikrun.metrics import BaseLogitsFile
+from ikrun.eval.metrics import BaseLogitsFile
 from ikrun.model import Model
-from ikrun.sweep import Measurer, prepare_candidate
+from ikrun.sweep.measure import Measurer, prepare_candidate
 
 
 def most_sensitive(choice: dict[str, Option], n: int) -> list[str]:

@@ -23,9 +23,9 @@ import numpy as np
 from ikquant.cluster import Cluster
 from ikquant.imatrix import read_imatrix
 from ikquant.types import GGMLType, type_by_name
-from ikrun.metrics import KLDAccumulator
+from ikrun.eval.metrics import KLDAccumulator
 from ikrun.model import Model, RuntimeOptions
-from ikrun.sweep import (
+from ikrun.sweep.measure import (
     Candidate,
     Measurer,
     Scored,
@@ -73,7 +73,7 @@ class SweepWorker:
         self.model = Model(spec.model, spec.threads, spec.kv_cache, spec.options, mem, spec.stream)
         self.imatrix = read_imatrix(Path(spec.imatrix)) if spec.imatrix else None
         self.folder = tempfile.TemporaryDirectory(prefix="ikrun-sweep-worker-")
-        from ikrun.evaluate import open_base
+        from ikrun.eval.evaluate import open_base
 
         path = Path(self.folder.name) / "base.kld"
         base_blob.tofile(path)

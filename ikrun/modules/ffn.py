@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ikrun.numerics.ik.qgemm import PackedInts
 from ikrun.ops.activations import swiglu
 from ikrun.ops.moe import GATING_NAMES, ExpertFetch, ExpertInts, moe_experts, route
-from ikrun.ops.qgemm import PackedInts
 
 if TYPE_CHECKING:
     from ikrun.model import Model

@@ -1,6 +1,6 @@
 """Independent numpy reference for GlmMoeDsaForCausalLM, written from the Hugging Face model definition.
 
-GLM-5's layers are DeepSeek-V3's (ikrun/reference_deepseek2.py: expanded per-head keys and values, HF's rope and
+GLM-5's layers are DeepSeek-V3's (ikrun/validate/deepseek2.py: expanded per-head keys and values, HF's rope and
 router) with DeepSeek Sparse Attention: each attention block's mask keeps, per query, only the `index_topk` keys its
 lightning indexer scores highest. As transformers computes it: the indexer query from the q LoRA latent through
 wq_b, the one key head through wk and a LayerNorm (eps 1e-6, as HF builds it), rope on the first qk_rope_head_dim
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ikrun.reference_deepseek2 import BlockHook, DeepseekV3Reference, Observe, Proj
+from ikrun.validate.deepseek2 import BlockHook, DeepseekV3Reference, Observe, Proj
 
 
 def layer_types(config: dict, n_layer: int) -> list[str]:  # type: ignore[type-arg]

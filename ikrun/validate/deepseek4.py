@@ -210,7 +210,7 @@ class DeepseekV4Reference:
         self.ratios: list[int] = list(c.get("compress_ratios") or [0] * self.n_layer)[: self.n_layer]
         for r in self.ratios:
             if r not in LAYER_TYPES:
-                from ikrun.validate import HFReferenceError
+                from ikrun.validate.hf import HFReferenceError
 
                 raise HFReferenceError(f"compress ratio {r} is not one transformers implements ({sorted(LAYER_TYPES)})")
         self.n_hash: int = min(c.get("num_hash_layers", 3), self.n_layer)

@@ -30,11 +30,11 @@ from ikquant.quantize import quantize_rows
 from ikquant.recipes import eligible, with_row_fallback
 from ikquant.sweepfile import check_resumable, file_sha256, read_sweep_file, write_sweep_file
 from ikquant.types import GGMLType
-from ikrun.evaluate import kl_divergence
-from ikrun.metrics import BaseLogitsFile, KLDAccumulator, kld_stats
+from ikrun.eval.evaluate import kl_divergence
+from ikrun.eval.metrics import BaseLogitsFile, KLDAccumulator, kld_stats
+from ikrun.eval.stream import BlockInputs, plan_run
 from ikrun.model import Model
 from ikrun.models.base import block_of
-from ikrun.stream import BlockInputs, plan_run
 
 GROUP_MODES = ("tensor", "layer", "class")
 # Quantizations queued ahead of the evaluation. Types alternate between slow (IQ4_KS) and fast (Q4_0) ones; with two

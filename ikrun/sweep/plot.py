@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ikrun.sweep import SweepRow, layer_of, tensor_class
+from ikrun.sweep.measure import SweepRow, layer_of, tensor_class
 
 
 def plot_sweep(rows: list[SweepRow], path: Path, title: str) -> None:

@@ -1,7 +1,7 @@
 """Chunked evaluation as llama-perplexity does it: tokenize once, cut into n_ctx chunks, evaluate each chunk
 from an empty context (first token swapped for BOS when the vocabulary adds one), score the second half.
 
-Each function takes a StreamPlan (ikrun/stream.py: chunk by chunk or layer-streamed within the memory budget);
+Each function takes a StreamPlan (ikrun/eval/stream.py: chunk by chunk or layer-streamed within the memory budget);
 without one it plans a one-pass run itself."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ikquant.errors import IkError
-from ikrun.metrics import (
+from ikrun.eval.metrics import (
     BaseLogitsError,
     BaseLogitsFile,
     BaseLogitsWriter,
@@ -21,8 +21,8 @@ from ikrun.metrics import (
     encode_records,
     kld_stats,
 )
+from ikrun.eval.stream import BlockInputs, BlockProgress, StreamPlan, evaluate_chunks, fed_tokens, plan_run
 from ikrun.model import Model
-from ikrun.stream import BlockInputs, BlockProgress, StreamPlan, evaluate_chunks, fed_tokens, plan_run
 
 Progress = Callable[[int, int], None]
 
