@@ -11,14 +11,8 @@ import resource
 import shutil
 from pathlib import Path
 
-from ikquant.errors import IkError
-
 #: share of the memory available at start-up that the default budget takes
 DEFAULT_SHARE = 0.75
-
-
-class BudgetError(IkError, ValueError):
-    """A memory budget that cannot be met (too small for one block, no room for the spill file)."""
 
 
 def available_memory() -> int:

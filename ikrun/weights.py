@@ -26,9 +26,9 @@ from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 
-from ikquant.errors import IkError
 from ikquant.gguf_io import GGUFFile, GGUFFormatError, TensorInfo, file_stamp
 from ikquant.types import GGMLType
+from ikrun.errors import SwapError
 from ikrun.ops.parallel import threads_for
 
 #: half-precision float types -> the integer dtype their bits are handed to the expert kernel as (ikrun/ops/fgemm.py)
@@ -55,10 +55,6 @@ class Sized(Protocol):
 
 
 D = TypeVar("D", bound=Sized)
-
-
-class SwapError(IkError, ValueError):
-    """A swap or reload that cannot be correct; nothing was changed."""
 
 
 @dataclass(frozen=True)
@@ -115,11 +111,18 @@ class WeightStore:
         self._cached_bytes = 0
         #: most bytes the decoded-weight cache may hold (None: no bound)
         self.capacity: int | None = None
+        #: set while a layer-streamed pass runs (ikrun/eval/stream.py): every weight is used once, nothing worth
+        #: caching
+        self.streaming = False
         #: encoded bytes decoded so far, per tensor (whole tensors, expert matrices and rows alike)
         self.reads: Counter[str] = Counter()
         # the file encoding's decoded copy, set aside while a swap is in place: a sweep restores every tensor it
         # swaps, and decoding and fingerprinting it again cost a tiny model's sweep 3% of its time
         self._stash: dict[str, tuple[np.ndarray, bytes]] = {}
+
+    def fits(self, n_bytes: int) -> bool:
+        """Whether a decoded copy of `n_bytes` may be cached."""
+        return self.capacity is None or n_bytes <= self.capacity
 
     @property
     def metadata(self) -> GGUFFile:

@@ -67,7 +67,7 @@ def test_draft_layers_match_the_independent_reference(pair: tuple[Path, Path], o
     ctx = DraftContext()
     d.extend_context(ctx, features)
     layers: list[np.ndarray] = []
-    out = d.draft(ctx, target.embed_rows("token_embd.weight", block), lambda i, x: layers.append(x.copy()))
+    out = d.draft(ctx, target.ctx.embed_rows("token_embd.weight", block), lambda i, x: layers.append(x.copy()))
     ref = DFlashReference(GOLD / "hf").forward(features, target_embeddings(GOLD / "target")[0][block])
     for i, (ours, theirs) in enumerate(zip([*layers, out], ref)):
         assert np.abs(ours - theirs).max() < 1e-4, f"draft layer {i} differs first"

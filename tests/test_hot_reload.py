@@ -11,8 +11,8 @@ import pytest
 
 from ikquant.gguf_io import GGUFFile, GGUFStreamWriter
 from ikquant.types import type_by_name
+from ikrun.errors import SwapError
 from ikrun.model import Model
-from ikrun.weights import SwapError
 
 TOKENS = np.arange(5, 69)
 
@@ -100,7 +100,7 @@ def _split_one_tensor_per_file(src: Path, folder: Path) -> list[Path]:
 def test_reload_changed_reloads_exactly_the_changed_tensors(tiny_f32: Path, tmp_path: Path) -> None:
     paths = _split_one_tensor_per_file(tiny_f32, tmp_path)
     m = Model(paths[0])
-    assert len(m.gguf.tensors) == 1 and m.has("output_norm.weight")
+    assert len(m.gguf.tensors) == 1 and m.weights.has("output_norm.weight")
     before = m.logits(TOKENS)
     np.testing.assert_array_equal(before, Model(tiny_f32).logits(TOKENS))
     assert m.reload_changed() == []

@@ -1,4 +1,4 @@
-"""ik's attention arithmetic (ikrun/ops/attention.py ik_causal_attention, ik_latent_attention): queries are
+"""ik's attention arithmetic (ikrun/numerics/ik/attention.py ik_causal_attention, ik_latent_attention): queries are
 computed a group at a time, and what a query gets must not depend on its group, on how many queries share the
 call, or on keys it may not see."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ikrun.ops.attention import causal_attention, ik_causal_attention, ik_latent_attention
+from ikrun.numerics.ik.attention import ik_causal_attention, ik_latent_attention
+from ikrun.ops.attention import causal_attention
 
 
 def _f16(a: np.ndarray) -> np.ndarray:

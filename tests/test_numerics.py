@@ -16,11 +16,13 @@ from typer.testing import CliRunner
 from ikquant.formats.numeric import f32_to_bf16_bits
 from ikquant.types import type_by_name
 from ikrun.cli import app
+from ikrun.errors import ModelError
 from ikrun.eval.metrics import BaseLogitsFile
 from ikrun.eval.stream import fed_tokens
-from ikrun.model import Model, ModelError, RuntimeOptions
+from ikrun.model import Model
 from ikrun.numerics.ik.formats import BF16, IK_KERNELS, Q8_2_X4, Q8_K, round_activations
 from ikrun.numerics.ik.qgemm import BlockInts
+from ikrun.options import RuntimeOptions
 from tests.test_qgemm import _q8_k_reference
 from tests.test_runtime_deepseek2 import assert_thread_invariant
 
@@ -240,7 +242,7 @@ def test_i_quants_convert_to_the_integers_of_their_decoding(type_name: str) -> N
     model = Model(IQUANTS / f"ik-{type_name.lower()}.gguf", options=IK)
     name = "blk.0.ffn_down.weight"
     raw = model.weights.encoding(name).raw.reshape(model.weights.info(name).n_rows, -1)
-    decoded = model.weight(name)
+    decoded = model.ctx.weight(name)
     dsup = _iquant_d(raw, type_name) * np.float32(0.125)
     p = decoded.reshape(*dsup.shape, 256) / dsup[..., None]
     np.testing.assert_array_equal(p, np.rint(p))
@@ -264,14 +266,14 @@ def test_i_quants_multiply_in_integers_as_their_float_emulation(type_name: str) 
     threshold = IQUANT_CONVERSION[type_name][0]
     model = Model(IQUANTS / f"ik-{type_name.lower()}.gguf", options=IK)
     name = "blk.1.ffn_up.weight"
-    x = np.random.default_rng(3).standard_normal((threshold, model.shape(name)[1])).astype(np.float32)
-    converted = model.matmul_weight(name, threshold)
-    assert not np.array_equal(converted, model.weight(name))
+    x = np.random.default_rng(3).standard_normal((threshold, model.ctx.shape(name)[1])).astype(np.float32)
+    converted = model.numerics.matmul_weight(name, threshold)
+    assert not np.array_equal(converted, model.ctx.weight(name))
     want = round_activations(x, Q8_K).astype(np.float64) @ converted.T.astype(np.float64)
-    np.testing.assert_allclose(model.project(x, name), want, rtol=0, atol=2e-6 * np.abs(want).max())
-    np.testing.assert_array_equal(model.matmul_weight(name, threshold - 1), model.weight(name))
-    native = round_activations(x[1:], Q8_K).astype(np.float64) @ model.weight(name).T.astype(np.float64)
-    np.testing.assert_allclose(model.project(x[1:], name), native, rtol=0, atol=2e-6 * np.abs(native).max())
+    np.testing.assert_allclose(model.numerics.project(x, name), want, rtol=0, atol=2e-6 * np.abs(want).max())
+    np.testing.assert_array_equal(model.numerics.matmul_weight(name, threshold - 1), model.ctx.weight(name))
+    native = round_activations(x[1:], Q8_K).astype(np.float64) @ model.ctx.weight(name).T.astype(np.float64)
+    np.testing.assert_allclose(model.numerics.project(x[1:], name), native, rtol=0, atol=2e-6 * np.abs(native).max())
 
 
 # ---- what it cannot reproduce ---------------------------------------------------------------------------------
@@ -318,7 +320,7 @@ def test_routed_experts_are_converted_per_expert_by_their_token_count(monkeypatc
 
     monkeypatch.setitem(numerics.IK_KERNELS, "MXFP4", numerics.IkKernel(numerics.Q8_2_X4, 3, doubled))
     mats = exact.copy()
-    model.ik_convert_experts(name, np.arange(4), np.array([0, 2, 3, 40]), mats)
+    model.numerics.convert_experts(name, np.arange(4), np.array([0, 2, 3, 40]), mats)
     np.testing.assert_array_equal(mats[:2], exact[:2])
     np.testing.assert_array_equal(mats[2:], exact[2:] * 2)
     assert not np.array_equal(model.logits(tokens), as_stored)  # the forward multiplies the converted experts
@@ -362,8 +364,8 @@ def test_weights_sharing_an_input_reuse_its_rounding_per_format() -> None:
     model = Model(DATA / "convert" / "qwen3-plan-quants" / "ik-q8_0.gguf", options=IK)
     name = "blk.0.attn_k.weight"
     codec = type_by_name("IQ4_KS").require_codec()
-    model.swap(name, type_by_name("IQ4_KS"), codec.quantize(model.weight(name)))
-    x = np.random.default_rng(0).standard_normal((40, model.shape(name)[1])).astype(np.float32)
+    model.swap(name, type_by_name("IQ4_KS"), codec.quantize(model.ctx.weight(name)))
+    x = np.random.default_rng(0).standard_normal((40, model.ctx.shape(name)[1])).astype(np.float32)
     names = ["blk.0.attn_q", "blk.0.attn_k", "blk.0.attn_v"]
-    for got, name in zip(model.linears(x, names), names):
-        np.testing.assert_array_equal(got, model.linear(x, name))
+    for got, name in zip(model.ctx.linears(x, names), names):
+        np.testing.assert_array_equal(got, model.ctx.linear(x, name))

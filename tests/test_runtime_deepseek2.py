@@ -17,9 +17,10 @@ from ikquant.gguf_io import GGUFFile, GGUFStreamWriter, KeyValue
 from ikquant.imatrix import read_imatrix_dat
 from ikquant.types import type_by_name
 from ikrun.cli import app
+from ikrun.errors import ModelError
 from ikrun.eval.evaluate import collect_imatrix
 from ikrun.eval.imatrix import ImatrixCollector
-from ikrun.model import Model, ModelError
+from ikrun.model import Model
 from ikrun.ops import moe
 from ikrun.validate.deepseek2 import DeepseekV3Reference
 from ikrun.validate.hf import HFReference, compare_logits
@@ -147,7 +148,7 @@ def test_half_precision_experts_multiply_as_decoded(data_dir: Path, tmp_path: Pa
     """BF16/F16 routed experts go to the expert kernel as their bits (never decoded): the logits are those of their
     float32 decoding, to the bit, in both arithmetics (ik's kernels convert neither type)."""
     from ikquant.cli import app as ikquant_app
-    from ikrun.model import RuntimeOptions
+    from ikrun.options import RuntimeOptions
     from ikrun.weights import WeightStore
 
     path = _gguf(data_dir, kind) if kind == "bf16" else tmp_path / "f16.gguf"

@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 from ikquant.gguf_io import GGUFFile
 from ikquant.imatrix import read_imatrix_dat
 from ikrun.cli import app
-from ikrun.model import Model, ModelError
+from ikrun.errors import ModelError
+from ikrun.model import Model
 from ikrun.ops.indexer import TIE_TORCH, select_top_k
 from ikrun.validate.deepseek4 import DeepseekV4Reference, torch_topk
 from tests.test_reference_deepseek4 import _kl

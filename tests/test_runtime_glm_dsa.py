@@ -17,8 +17,10 @@ from ikconvert.convert import Converter
 from ikquant.gguf_io import GGUFFile
 from ikquant.imatrix import read_imatrix_dat
 from ikrun.cli import app
-from ikrun.model import Model, ModelError, RuntimeOptions
+from ikrun.errors import ModelError
+from ikrun.model import Model
 from ikrun.ops.indexer import hadamard
+from ikrun.options import RuntimeOptions
 from ikrun.validate.hf import HFReference, compare_logits
 from tests.blas import needs_avx512_gemm
 from tests.test_convert_glm_dsa import GlmSpec, make_glm_checkpoint

@@ -15,14 +15,16 @@ from typer.testing import CliRunner
 from ikquant.gguf_io import GGUFFile
 from ikquant.imatrix import read_imatrix_dat
 from ikrun.cli import app
+from ikrun.errors import ModelError
 from ikrun.eval.evaluate import chunk_logits, open_base
 from ikrun.eval.metrics import BaseLogitsFile, KLDAccumulator, kld_stats
-from ikrun.model import Model, ModelError, RuntimeOptions
+from ikrun.model import Model
 from ikrun.models import openpangu
 from ikrun.ops import moe
 from ikrun.ops.conv import causal_conv_residual
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.indexer import TIE_LATER_INDEX
+from ikrun.options import RuntimeOptions
 from ikrun.validate.hf import HFReference, compare_logits
 from ikrun.validate.openpangu import OpenPanguReference
 from tests.test_qgemm import _fma32
@@ -172,7 +174,7 @@ def test_every_attention_path_runs_at_this_context(data_dir: Path, monkeypatch: 
     assert [w for w, _ in seen] == [0, 16, 16]
     keep = seen[0][1]
     assert keep is not None and (keep.sum(1) == np.minimum(np.arange(64) + 1, 16)).all()  # 48 queries pruned
-    assert model.has("blk.2.block_post_norm.weight") and not model.has("blk.1.block_post_norm.weight")
+    assert model.weights.has("blk.2.block_post_norm.weight") and not model.weights.has("blk.1.block_post_norm.weight")
 
 
 def test_validate_command(data_dir: Path) -> None:

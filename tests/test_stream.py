@@ -12,11 +12,12 @@ from typer.testing import CliRunner
 
 from ikquant.sizes import parse_size
 from ikrun.cli import app
+from ikrun.errors import BudgetError
 from ikrun.eval.evaluate import collect_imatrix, perplexity
 from ikrun.eval.imatrix import ImatrixCollector
 from ikrun.eval.stream import evaluate_chunks, minimum_budget, model_decoded_bytes, plan_run
-from ikrun.memory import BudgetError
-from ikrun.model import Model, RuntimeOptions
+from ikrun.model import Model
+from ikrun.options import RuntimeOptions
 
 runner = CliRunner()
 CTX = 48
@@ -165,12 +166,12 @@ def test_a_budget_below_one_block_stops_before_compute(data_dir: Path, tmp_path:
 
 
 def test_the_output_head_runs_in_tiles_when_it_does_not_fit(data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ikrun.model
+    import ikrun.numerics.exact
 
     free = Model(_path(data_dir, "qwen3"))
     chunks = _chunks(free, 2)
     expected = _logits(free, chunks, plan_run(free, 2, CTX, one_pass=False))
-    monkeypatch.setattr(ikrun.model, "TILE_BYTES", 64 * 4 * 32)  # 32 rows at a time
+    monkeypatch.setattr(ikrun.numerics.exact, "TILE_BYTES", 64 * 4 * 32)  # 32 rows at a time
     m = Model(_path(data_dir, "qwen3"))
     m.mem = minimum_budget(m, CTX)
     plan = plan_run(m, 2, CTX, one_pass=True)

@@ -189,7 +189,7 @@ def test_csv_sweeps_resume_and_feed_the_mix(model256: Path, tmp_path: Path) -> N
 
 
 def test_rows_within_noise_are_marked() -> None:
-    from ikrun.cli import sweep_table
+    from ikrun.commands.sweep import sweep_table
     from ikrun.sweep.measure import SweepRow
 
     def row(group: str, ratio: float, err: float) -> SweepRow:

@@ -25,8 +25,7 @@ import numba
 import numpy as np
 
 from ikconvert.convert import Converter
-from ikrun.eval.speculative import mean_acceptance_length, speculative_generate
-from ikrun.model import Model
+from ikrun import Model, mean_acceptance_length, speculative_generate
 
 PAIR = Path(__file__).parents[1] / "tests" / "data" / "dflash" / "dflash-qwen3-trained"
 

@@ -31,9 +31,7 @@ from ikconvert.convert import Converter
 from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
 from ikquant.ftypes import file_type
 from ikquant.quantize import QuantizeOptions, quantize_model
-from ikrun.eval.evaluate import tokenize_chunks
-from ikrun.model import Model, RuntimeOptions
-from ikrun.validate.hf import HFReference
+from ikrun import HFReference, Model, RuntimeOptions, tokenize_chunks
 
 DATA = Path(__file__).parents[1] / "tests" / "data"
 #: golden tiny models: (file, text, our runtime options, ik's extra flags) computing the same function in both

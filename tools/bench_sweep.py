@@ -31,10 +31,7 @@ from typing import Any
 from ikconvert.convert import Converter
 from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
 from ikquant.types import type_by_name
-from ikrun.eval.evaluate import open_base, perplexity, tokenize_chunks
-from ikrun.eval.metrics import KLDAccumulator
-from ikrun.model import Model
-from ikrun.sweep.measure import run_sweep, sweep_groups
+from ikrun import KLDAccumulator, Model, open_base, perplexity, run_sweep, sweep_groups, tokenize_chunks
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ from ikconvert.convert import Converter
 from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
 from ikquant.cli import app as ikquant_app
 from ikquant.gguf_io import GGUFFile
-from ikrun.cli import app as ikrun_app
+from ikrun import app as ikrun_app
 
 runner = CliRunner()
 

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import typer
 
-from ikrun.model import RuntimeOptions
+from ikrun.options import RuntimeOptions
 
 
 class OnOff(str, Enum):

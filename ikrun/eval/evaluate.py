@@ -12,23 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ikquant.errors import IkError
-from ikrun.eval.metrics import (
-    BaseLogitsError,
-    BaseLogitsFile,
-    BaseLogitsWriter,
-    KLDAccumulator,
-    encode_records,
-    kld_stats,
-)
+from ikrun.errors import BaseLogitsError, EvalError
+from ikrun.eval.metrics import BaseLogitsFile, BaseLogitsWriter, KLDAccumulator, encode_records, kld_stats
 from ikrun.eval.stream import BlockInputs, BlockProgress, StreamPlan, evaluate_chunks, fed_tokens, plan_run
 from ikrun.model import Model
 
 Progress = Callable[[int, int], None]
-
-
-class EvalError(IkError, ValueError):
-    """Options or inputs that make an evaluation impossible (too little text, context mismatch, ...)."""
 
 
 def tokenize_chunks(model: Model, text: str, n_ctx: int, max_chunks: int | None = None) -> np.ndarray:

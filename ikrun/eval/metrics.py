@@ -16,15 +16,11 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
-from ikquant.errors import IkError
 from ikquant.formats.numeric import f32_bits, fmaf
+from ikrun.errors import BaseLogitsError
 from ikrun.ops.parallel import pick
 
 MAGIC = b"_logits_"
-
-
-class BaseLogitsError(IkError, ValueError):
-    """A base-logits file that is not in ik's layout, or does not fit the model or options it is used with."""
 
 
 def record_words(n_vocab: int) -> int:
@@ -163,7 +159,7 @@ class KLDAccumulator:
     def add(self, logits: np.ndarray, records: np.ndarray, tokens_next: np.ndarray) -> None:
         """Score rows of model logits against the base records for the same positions."""
         n = logits.shape[0]
-        outs = [np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.float64), np.empty(n, np.float32),
+        outs: list[np.ndarray] = [np.empty(n, np.float32), np.empty(n, np.float32), np.empty(n, np.float64), np.empty(n, np.float32),
                 np.empty(n, np.bool_)]
         pick(_compare_serial, _compare_parallel, logits.size)(
             np.ascontiguousarray(logits, dtype=np.float32), np.ascontiguousarray(records),

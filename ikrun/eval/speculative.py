@@ -19,14 +19,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ikquant.errors import IkError
+from ikrun.errors import AcceptError
 from ikrun.model import Model
 from ikrun.models.base import Sequence
 from ikrun.models.dflash import DFlashDraft, DraftContext
-
-
-class AcceptError(IkError, ValueError):
-    """Prompts or options that cannot be decoded (a prompt longer than the text, a block larger than the draft's)."""
 
 
 class TargetDecoder:
@@ -94,7 +90,7 @@ def speculative_generate(target: Model, draft: Model, prompt: np.ndarray, max_ne
         while start < max_length:  # whole blocks, the last one cut at max_length afterwards
             blk = out[start : start + bs].copy()
             d.extend_context(ctx, pending)
-            hidden = d.draft(ctx, target.embed_rows("token_embd.weight", blk))
+            hidden = d.draft(ctx, target.ctx.embed_rows("token_embd.weight", blk))
             proposals = target.impl.output_projection(hidden)
             if keep_logits:
                 run.draft_logits.append(proposals)

@@ -22,9 +22,11 @@ import numpy as np
 
 from ikquant.outputs import OutputError, write_errors
 from ikquant.sizes import format_size
-from ikrun.memory import BudgetError, free_disk
-from ikrun.model import TILE_BYTES, Model
+from ikrun.errors import BudgetError
+from ikrun.memory import free_disk
+from ikrun.model import Model
 from ikrun.models.base import Sequence
+from ikrun.numerics.exact import TILE_BYTES
 
 #: reports (done, total, bytes of weights decoded so far) after each streamed block
 BlockProgress = Callable[[int, int, int], None]
@@ -220,7 +222,7 @@ class BlockInputs:
             with model.blas_limit():
                 for c, tokens in enumerate(self.tokens):
                     seq = Sequence(tokens, c)
-                    model.chunk = c
+                    model.ctx.chunk = c
                     impl.begin(seq)
                     x = impl.embed(seq)
                     if self._hidden is None:
@@ -285,10 +287,10 @@ def _streamed(model: Model, fed: dict[int, np.ndarray], plan: StreamPlan, window
     seqs: list[Sequence] = []
     hidden: _Hidden | None = None
     read0 = sum(weights.reads.values())
-    model.streaming = True
+    model.weights.streaming = True
     try:
         for k, (c, tokens) in enumerate(fed.items()):
-            model.chunk = c
+            model.ctx.chunk = c
             if resume is None:
                 seq = Sequence(tokens, c)
                 model.check_tokens(seq.tokens)
@@ -312,12 +314,12 @@ def _streamed(model: Model, fed: dict[int, np.ndarray], plan: StreamPlan, window
             if on_block is not None:
                 on_block(i + 1, impl.n_active, sum(weights.reads.values()) - read0)
         for k, seq in enumerate(seqs):
-            model.chunk = seq.index
+            model.ctx.chunk = seq.index
             logits = impl.head(hidden.get(k), seq)
             seq.state.clear()
             yield seq.index, logits[window[0] : window[1]]
     finally:
-        model.streaming = False
+        model.weights.streaming = False
         if hidden is not None:
             hidden.close()
 

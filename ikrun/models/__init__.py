@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ikrun.errors import ModelError
 from ikrun.models.base import ArchModel
 from ikrun.models.deepseek2 import Deepseek2
 from ikrun.models.deepseek4 import Deepseek4
@@ -19,7 +20,7 @@ def supported_architectures() -> list[str]:
 
 
 def model_class(arch: str) -> type[ArchModel]:
-    from ikrun.model import ModelError
+
 
     try:
         return _BY_ARCH[arch]

@@ -22,25 +22,20 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeVar
 
 import numpy as np
 
-from ikquant.errors import IkError
-from ikrun.ops.norm import rms_norm
-from ikrun.ops.rope import apply_rope
+from ikrun.errors import ModelError
 
 if TYPE_CHECKING:
-    from ikrun.model import Model
+    from ikrun.context import Context
 
 #: the hidden state after each main block, for tests that localise a mismatch
 BlockHook = Callable[[int, np.ndarray], None]
 Hparam = Callable[..., Any]
+T = TypeVar("T")
 _BLOCK = re.compile(r"blk\.(\d+)\.")
-
-
-class ModelError(IkError, ValueError):
-    """A GGUF the runtime cannot evaluate: unsupported architecture, missing tensors, inconsistent shapes."""
 
 
 def block_of(name: str) -> int | None:
@@ -65,7 +60,7 @@ class Sequence:
 
 
 class ArchModel(ABC):
-    """One GGUF architecture's forward on a loaded Model (see the module docstring for the contract)."""
+    """One GGUF architecture's forward on a loaded model's Context (see the module docstring for the contract)."""
 
     archs: ClassVar[tuple[str, ...]]
     runtime_options: ClassVar[tuple[str, ...]] = ()
@@ -74,8 +69,8 @@ class ArchModel(ABC):
     n_active: int
     n_embd: int
 
-    def __init__(self, model: Model):
-        self.m = model
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
         self._tables: dict[Any, Any] = {}
 
     def table(self, key: Any, make: Callable[[], Any]) -> Any:
@@ -88,7 +83,7 @@ class ArchModel(ABC):
     def block_tensors(self, i: int) -> list[str]:
         """The tensors block i reads (those of the file named blk.i.*)."""
         prefix = f"blk.{i}."
-        return [n for n in self.m.weights.names() if n.startswith(prefix)]
+        return [n for n in self.ctx.weights.names() if n.startswith(prefix)]
 
     def hidden_width(self) -> int:
         """Numbers per token of the hidden state between blocks."""
@@ -108,7 +103,7 @@ class ArchModel(ABC):
 
     def read_gqa_hparams(self) -> None:
         """The hyperparameters of a plain grouped-query attention stack (the llama family, DFlash drafts)."""
-        hp = self.m.hparam
+        hp = self.ctx.hparam
         self.n_layer = int(hp("block_count"))
         self.n_embd = int(hp("embedding_length"))
         self.n_head = int(hp("attention.head_count"))
@@ -121,33 +116,33 @@ class ArchModel(ABC):
             raise self.fail(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
 
     def norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        """RMSNorm with the architecture's epsilon (`self.eps`), in ik's float order under --numerics ik."""
-        return rms_norm(x, weight, self.eps, self.m.ik_numerics)
+        """RMSNorm with the architecture's epsilon (`self.eps`)."""
+        return self.ctx.numerics.norm(x, weight, self.eps)
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> None:
-        """apply_rope over the architecture's n_rot dims, in ik's float order under --numerics ik."""
-        apply_rope(x, cos, sin, self.n_rot, neox, self.m.ik_numerics)
+        """Rope over the architecture's n_rot dims, in place."""
+        self.ctx.numerics.rope(x, cos, sin, self.n_rot, neox)
 
     def fail(self, message: str) -> ModelError:
         """A ModelError about this file (raise it)."""
-        return ModelError(f"{self.m.path}: {message}")
+        return ModelError(f"{self.ctx.path}: {message}")
 
     def fail_hparam(self, key: str, why: str) -> NoReturn:
         """Raise a ModelError about the file's hyperparameter `{arch}.{key}`."""
-        raise self.fail(f"{self.m.arch}.{key} {why}")
+        raise self.fail(f"{self.ctx.arch}.{key} {why}")
 
     def check_tensors(self, want: dict[str, tuple[int, ...]], optional: dict[str, tuple[int, ...]] | None = None,
                       hint: str = "") -> None:
         """Every tensor of `want` present with its shape; those of `optional` shape-checked where present."""
-        m = self.m
-        missing = [n for n in want if not m.has(n)]
+        cx = self.ctx
+        missing = [n for n in want if not cx.has(n)]
         if missing:
-            raise self.fail(f"{len(missing)} tensors missing for {m.arch}: {', '.join(missing[:8])}"
+            raise self.fail(f"{len(missing)} tensors missing for {cx.arch}: {', '.join(missing[:8])}"
                             + (" ..." if len(missing) > 8 else "") + hint)
-        present = {n: s for n, s in (optional or {}).items() if m.has(n)}
+        present = {n: s for n, s in (optional or {}).items() if cx.has(n)}
         for name, shape in {**want, **present}.items():
-            if m.shape(name) != shape:
-                raise self.fail(f"tensor {name} has shape {list(m.shape(name))}, the hyperparameters imply "
+            if cx.shape(name) != shape:
+                raise self.fail(f"tensor {name} has shape {list(cx.shape(name))}, the hyperparameters imply "
                                 f"{list(shape)}")
 
     #: False for models that run only beside another (a DFlash draft beside its target)
@@ -158,7 +153,7 @@ class ArchModel(ABC):
 
     def output_projection(self, x: np.ndarray) -> np.ndarray:
         """The output head alone (no final norm) on hidden rows: what a DFlash draft's proposals go through."""
-        raise self.fail(f"{self.m.arch} models cannot serve as a DFlash target yet (supported: llama, qwen2, qwen3)")
+        raise self.fail(f"{self.ctx.arch} models cannot serve as a DFlash target yet (supported: llama, qwen2, qwen3)")
 
     # ---- the forward ----------------------------------------------------------------------------------------
     def begin(self, seq: Sequence) -> None:  # noqa: B027 (a hook most architectures use, none must)
@@ -173,25 +168,24 @@ class ArchModel(ABC):
     @abstractmethod
     def head(self, x: np.ndarray, seq: Sequence) -> np.ndarray: ...
 
-    def each(self, xs: list[np.ndarray], seqs: list[Sequence],
-             step: Callable[[np.ndarray, Sequence], np.ndarray]) -> list[np.ndarray]:
+    def each(self, xs: list[np.ndarray], seqs: list[Sequence], step: Callable[[np.ndarray, Sequence], T]) -> list[T]:
         """`step` on every sequence of a batch in turn (observers are told which chunk they see)."""
         out = []
         for x, seq in zip(xs, seqs):
-            self.m.chunk = seq.index
+            self.ctx.chunk = seq.index
             out.append(step(x, seq))
         return out
 
     def forward(self, tokens: np.ndarray, on_block: BlockHook | None = None, index: int = 0) -> np.ndarray:
         """float32 logits of one fresh sequence; `on_block(i, hidden)` sees the hidden state after each block."""
         seq = Sequence(np.asarray(tokens), index)
-        self.m.chunk = seq.index
+        self.ctx.chunk = seq.index
         self.begin(seq)
         return self.run_from(0, self.embed(seq), seq, on_block)
 
     def run_from(self, first: int, x: np.ndarray, seq: Sequence, on_block: BlockHook | None = None) -> np.ndarray:
         """Logits of one sequence whose hidden state `x` enters block `first` (n_active: only the head)."""
-        self.m.chunk = seq.index
+        self.ctx.chunk = seq.index
         for i in range(first, self.n_active):
             x = self.block(i, [x], [seq])[0]
             if on_block is not None:

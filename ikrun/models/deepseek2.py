@@ -21,14 +21,11 @@ import numpy as np
 
 from ikrun.models.base import ArchModel, Hparam, Sequence
 from ikrun.modules.ffn import MoeConfig, dense_ffn, moe_ffn
-from ikrun.numerics.ik.ikgemm import LANES
-from ikrun.ops.attention import ik_latent_attention
-from ikrun.ops.mla import latent_attention
 from ikrun.ops.moe import GATING_SIGMOID, GATING_SOFTMAX
 from ikrun.ops.rope import Yarn, yarn_log_scale, yarn_rope_cache
 
 if TYPE_CHECKING:
-    from ikrun.model import Model
+    from ikrun.context import Context
 
 #: rope scaling types ik knows for this architecture (llama_rope_scaling_type_from_string)
 ROPE_SCALING = ("none", "linear", "yarn")
@@ -37,9 +34,9 @@ ROPE_SCALING = ("none", "linear", "yarn")
 class Deepseek2(ArchModel):
     archs = ("deepseek2",)
 
-    def __init__(self, model: Model):
-        super().__init__(model)
-        hp = model.hparam
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        hp = ctx.hparam
         self.n_layer = int(hp("block_count"))
         self.n_embd = int(hp("embedding_length"))
         self.n_head = int(hp("attention.head_count"))
@@ -61,20 +58,20 @@ class Deepseek2(ArchModel):
         self.head_k, self.head_v = key_length, value_length
         self.n_nope = key_length - self.n_rot
         if self.n_rot <= 0 or self.n_rot % 2 or self.n_nope <= 0:
-            raise self.fail(f"{model.arch}.rope.dimension_count {self.n_rot} must be even, positive and below the "
+            raise self.fail(f"{ctx.arch}.rope.dimension_count {self.n_rot} must be even, positive and below the "
                             f"key length {key_length}")
         self.n_dense = int(hp("leading_dense_block_count"))
         self.n_mtp = int(hp("nextn_predict_layers", 0))
         if not 0 <= self.n_mtp < self.n_layer:
-            raise self.fail(f"{model.arch}.nextn_predict_layers {self.n_mtp} leaves no main layers of "
+            raise self.fail(f"{ctx.arch}.nextn_predict_layers {self.n_mtp} leaves no main layers of "
                             f"{self.n_layer}")
         self.n_active = self.n_layer - self.n_mtp
         if self.n_dense < self.n_layer:
-            self.moe = MoeConfig.read(hp, self._default_gating(), lambda why: self.fail(f"{model.arch}.{why}"))
+            self.moe = MoeConfig.read(hp, self._default_gating(), lambda why: self.fail(f"{ctx.arch}.{why}"))
         self._read_rope(hp)
-        if not model.has("token_embd.weight"):
+        if not ctx.has("token_embd.weight"):
             raise self.fail("tensor token_embd.weight is missing")
-        self.n_vocab = model.shape("token_embd.weight")[0]
+        self.n_vocab = ctx.shape("token_embd.weight")[0]
         self._check_tensors()
 
     def _default_gating(self) -> int:
@@ -87,7 +84,7 @@ class Deepseek2(ArchModel):
         self.freq_base = float(hp("rope.freq_base", 10000.0))
         scaling = str(hp("rope.scaling.type", "linear"))
         if scaling not in ROPE_SCALING:
-            raise self.fail(f"{self.m.arch}.rope.scaling.type {scaling!r} is not one of "
+            raise self.fail(f"{self.ctx.arch}.rope.scaling.type {scaling!r} is not one of "
                               f"{', '.join(ROPE_SCALING)}")
         factor = float(hp("rope.scaling.factor", 0.0) or hp("rope.scale_linear", 0.0) or 0.0)
         freq_scale = f32(1.0) if scaling == "none" or factor == 0.0 else f32(1.0) / f32(factor)
@@ -113,7 +110,7 @@ class Deepseek2(ArchModel):
         else:
             want[b + "attn_q.weight"] = (h * self.head_k, e)
         if i < self.n_dense:
-            ff = int(self.m.hparam("feed_forward_length"))
+            ff = int(self.ctx.hparam("feed_forward_length"))
             want.update({b + "ffn_gate.weight": (ff, e), b + "ffn_up.weight": (ff, e),
                          b + "ffn_down.weight": (e, ff)})
             return want
@@ -129,26 +126,26 @@ class Deepseek2(ArchModel):
 
     def _check_tensors(self) -> None:
         """Every main block's tensors must be there; the NextN/MTP blocks' are checked where present."""
-        m = self.m
+        cx = self.ctx
         want = {"token_embd.weight": (self.n_vocab, self.n_embd), "output_norm.weight": (self.n_embd,),
                 "output.weight": (self.n_vocab, self.n_embd)}
         for i in range(self.n_active):
             want.update(self._expected(i))
-        missing = [n for i in range(self.n_active) for n in list(self._mla_shapes(i))[:2] if not m.has(n)]
-        kv_b_only = any(m.has(n.rsplit(".", 2)[0] + ".attn_kv_b.weight") for n in missing)
+        missing = [n for i in range(self.n_active) for n in list(self._mla_shapes(i))[:2] if not cx.has(n)]
+        kv_b_only = any(cx.has(n.rsplit(".", 2)[0] + ".attn_kv_b.weight") for n in missing)
         derive = " (ik derives them from attn_kv_b at load; ikrun needs files converted with them)" if kv_b_only else ""
-        self.check_tensors({**want, **{n: m.shape(n) if m.has(n) else () for n in missing}},
+        self.check_tensors({**want, **{n: cx.shape(n) if cx.has(n) else () for n in missing}},
                            {n: s for i in range(self.n_active, self.n_layer) for n, s in self._expected(i).items()},
                            derive)
         for i in range(self.n_layer):
             for name, shapes in self._mla_shapes(i).items():
-                if m.has(name) and m.shape(name) not in shapes:
-                    raise self.fail(f"tensor {name} has shape {list(m.shape(name))}, the hyperparameters imply "
+                if cx.has(name) and cx.shape(name) not in shapes:
+                    raise self.fail(f"tensor {name} has shape {list(cx.shape(name))}, the hyperparameters imply "
                                     f"{' or '.join(str(list(s)) for s in shapes)}")
         for i in range(self.n_dense, self.n_layer):
             bias = f"blk.{i}.exp_probs_b.bias"
-            if m.has(bias) and m.shape(bias) != (self.moe.n_expert,):
-                raise self.fail(f"tensor {bias} has shape {list(m.shape(bias))}, the hyperparameters imply "
+            if cx.has(bias) and cx.shape(bias) != (self.moe.n_expert,):
+                raise self.fail(f"tensor {bias} has shape {list(cx.shape(bias))}, the hyperparameters imply "
                                 f"{[self.moe.n_expert]}")
 
     def begin(self, seq: Sequence) -> None:
@@ -157,71 +154,54 @@ class Deepseek2(ArchModel):
             np.arange(n), self.n_rot, self.freq_base, self.freq_scale, self.yarn))
 
     def embed(self, seq: Sequence) -> np.ndarray:
-        return self.m.embed_rows("token_embd.weight", seq.tokens)
+        return self.ctx.embed_rows("token_embd.weight", seq.tokens)
 
     def block(self, i: int, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
-        m, b = self.m, f"blk.{i}."
+        cx, b = self.ctx, f"blk.{i}."
 
         def attention(x: np.ndarray, seq: Sequence) -> np.ndarray:
             cos, sin = seq.state["rope"]
-            return x + self._attention(b, self.norm(x, m.weight(b + "attn_norm.weight")), cos, sin, seq)
+            return x + self._attention(b, self.norm(x, cx.weight(b + "attn_norm.weight")), cos, sin, seq)
 
         xs = self.each(xs, seqs, attention)
-        hs = [self.norm(x, m.weight(b + "ffn_norm.weight")) for x in xs]
+        hs = [self.norm(x, cx.weight(b + "ffn_norm.weight")) for x in xs]
         if i < self.n_dense:
-            ys = self.each(hs, seqs, lambda h, seq: dense_ffn(m, h, b))
+            ys = self.each(hs, seqs, lambda h, seq: dense_ffn(cx, h, b))
         else:
-            ys = moe_ffn(m, hs, seqs, b, self.moe)
+            ys = moe_ffn(cx, hs, seqs, b, self.moe)
         return [x + y for x, y in zip(xs, ys)]
 
     def head(self, x: np.ndarray, seq: Sequence) -> np.ndarray:
-        x = self.norm(x, self.m.weight("output_norm.weight"))
-        return np.ascontiguousarray(self.m.project(x, "output.weight"), dtype=np.float32)
+        x = self.norm(x, self.ctx.weight("output_norm.weight"))
+        return np.ascontiguousarray(self.ctx.project(x, "output.weight"), dtype=np.float32)
 
     def _attention(self, b: str, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, seq: Sequence) -> np.ndarray:
         return self._latent_attention(b, h, self._query(b, h)[1], cos, sin)
 
     def _query(self, b: str, h: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         """(the normalised q LoRA latent, or None without one; the query heads [n, H * key_length])."""
-        m = self.m
+        cx = self.ctx
         if not self.q_lora:
-            return None, m.linear(h, b + "attn_q")
-        qa = self.norm(m.linear(h, b + "attn_q_a"), m.weight(b + "attn_q_a_norm.weight"))
-        return qa, m.linear(qa, b + "attn_q_b")
+            return None, cx.linear(h, b + "attn_q")
+        qa = self.norm(cx.linear(h, b + "attn_q_a"), cx.weight(b + "attn_q_a_norm.weight"))
+        return qa, cx.linear(qa, b + "attn_q_b")
 
     def _latent_attention(self, b: str, h: np.ndarray, q: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                           keep: np.ndarray | None = None) -> np.ndarray:
         """The attention block's output from its query; `keep` [n, n] limits the keys each query sees."""
-        m = self.m
+        cx = self.ctx
         n = h.shape[0]
-        kv = m.linear(h, b + "attn_kv_a_mqa")
+        kv = cx.linear(h, b + "attn_kv_a_mqa")
         q = q.reshape(n, self.n_head, self.head_k)
         q_nope = np.ascontiguousarray(q[:, :, : self.n_nope])
         q_rope = np.ascontiguousarray(q[:, :, self.n_nope :])
         k_rope = np.ascontiguousarray(kv[:, self.kv_lora :]).reshape(n, 1, self.n_rot)
         self.rope(q_rope, cos, sin, False)
         self.rope(k_rope, cos, sin, False)
-        latent = self.norm(kv[:, : self.kv_lora], m.weight(b + "attn_kv_a_norm.weight"))
-        cache = m.kv_store(np.concatenate([k_rope.reshape(n, self.n_rot), latent], axis=1))
-        w_kb = m.matmul_weight(b + "attn_k_b.weight", n, self.kv_lora).reshape(self.n_head, self.kv_lora, self.n_nope)
-        w_vb = m.matmul_weight(b + "attn_v_b.weight", n, self.head_v).reshape(self.n_head, self.head_v, self.kv_lora)
-        if m.observers:
+        latent = self.norm(kv[:, : self.kv_lora], cx.weight(b + "attn_kv_a_norm.weight"))
+        cache = cx.kv_store(np.concatenate([k_rope.reshape(n, self.n_rot), latent], axis=1))
+        if cx.observers:
             for head in range(self.n_head):
-                m.observe(b + "attn_k_b.weight", q_nope[:, head], head, self.n_head)
-        if m.ik_numerics and keep is None and (self.n_rot + self.kv_lora) % LANES == 0:
-            out = self._ik_latent_attention(b, q_rope, q_nope, cache)
-        else:
-            out = latent_attention(q_rope, m.activations(q_nope, b + "attn_k_b.weight"), w_kb, cache, w_vb,
-                                   self.kq_scale, keep=keep,
-                                   vb_input=lambda lat: m.activations(lat, b + "attn_v_b.weight"))
-        return m.linear(out.reshape(n, self.n_head * self.head_v), b + "attn_output")
-
-    def _ik_latent_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray) -> np.ndarray:
-        """The absorbed attention as ik computes it (--numerics ik): attn_k_b and attn_v_b per head in ik's integer
-        kernels where it multiplies them so (else their float emulation), the scores, softmax and latents in its
-        float kernels' order (ops/attention.ik_latent_attention). [n, H, V]."""
-        m = self.m
-        q_lat = m.head_product(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight")
-        q = np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2)
-        latent = ik_latent_attention(q, cache, self.n_rot, self.kq_scale)
-        return m.head_product(latent, b + "attn_v_b.weight").transpose(1, 0, 2)
+                cx.observe(b + "attn_k_b.weight", q_nope[:, head], head, self.n_head)
+        out = cx.numerics.latent_attention(b, q_rope, q_nope, cache, self.kq_scale, keep=keep)
+        return cx.linear(out.reshape(n, self.n_head * self.head_v), b + "attn_output")

@@ -43,13 +43,12 @@ import numpy as np
 from ikrun.models.base import ArchModel, Sequence
 from ikrun.modules.ffn import MoeConfig, moe_ffn
 from ikrun.ops.attention import shared_kv_attention
-from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.indexer import TIE_TORCH, indexer_scores, select_top_k
 from ikrun.ops.moe import GATING_SQRT_SOFTPLUS
 from ikrun.ops.rope import inv_freq_default, inv_freq_rope_cache, inv_freq_yarn
 
 if TYPE_CHECKING:
-    from ikrun.model import Model
+    from ikrun.context import Context
 
 #: compress ratio -> the layer kind transformers names it
 RATIOS = {0: "sliding", 4: "CSA", 128: "HCA"}
@@ -65,9 +64,9 @@ class Deepseek4(ArchModel):
 
     archs = ("deepseek4",)
 
-    def __init__(self, model: Model):
-        super().__init__(model)
-        hp = model.hparam
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        hp = ctx.hparam
         self.n_layer = int(hp("block_count"))
         self.n_embd = int(hp("embedding_length"))
         self.n_head = int(hp("attention.head_count"))
@@ -81,14 +80,14 @@ class Deepseek4(ArchModel):
         self.hc_eps = float(hp("hyper_connection.epsilon", self.eps))
         self.n_hash = int(hp("hash_layer_count", 0))
         self.kq_scale = float(np.float32(1.0) / np.sqrt(np.float32(self.head_dim)))
-        if not model.has("token_embd.weight"):
+        if not ctx.has("token_embd.weight"):
             raise self.fail("tensor token_embd.weight is missing")
-        self.n_vocab = model.shape("token_embd.weight")[0]
-        self.n_mtp = sum(model.has(f"blk.{i}.nextn.eh_proj.weight") for i in range(self.n_layer))
+        self.n_vocab = ctx.shape("token_embd.weight")[0]
+        self.n_mtp = sum(ctx.has(f"blk.{i}.nextn.eh_proj.weight") for i in range(self.n_layer))
         self.n_active = self.n_layer - self.n_mtp
         self._check_sizes()
         self.ratios = self._read_ratios()
-        moe = MoeConfig.read(hp, GATING_SQRT_SOFTPLUS, lambda why: self.fail(f"{model.arch}.{why}"))
+        moe = MoeConfig.read(hp, GATING_SQRT_SOFTPLUS, lambda why: self.fail(f"{ctx.arch}.{why}"))
         if moe.gating != GATING_SQRT_SOFTPLUS:
             self.fail_hparam("expert_gating_func", f"is {moe.gating}; DeepSeek-V4 scores experts by sqrt(softplus) "
                              f"({GATING_SQRT_SOFTPLUS})")
@@ -97,7 +96,7 @@ class Deepseek4(ArchModel):
         self.clamp_exp = self._per_layer("swiglu_clamp_exp", None)
         self.clamp_shexp = self._per_layer("swiglu_clamp_shexp", self.clamp_exp)
         self.n_groups = int(hp("attention.output_group_count", 0)) or self._infer_groups()
-        self.o_lora = int(hp("attention.output_lora_rank", 0)) or model.shape("blk.0.attn_output_b.weight")[1] \
+        self.o_lora = int(hp("attention.output_lora_rank", 0)) or ctx.shape("blk.0.attn_output_b.weight")[1] \
             // self.n_groups
         self.n_ihead = self.i_dim = self.top_k = 0
         if CSA in self.ratios[: self.n_active]:
@@ -123,7 +122,7 @@ class Deepseek4(ArchModel):
                              "one iteration")
         if not 0 <= self.n_hash <= self.n_active:
             self.fail_hparam("hash_layer_count", f"{self.n_hash} must be within the {self.n_active} main layers")
-        if int(self.m.hparam("leading_dense_block_count", 0)):
+        if int(self.ctx.hparam("leading_dense_block_count", 0)):
             self.fail_hparam("leading_dense_block_count", "is not 0: DeepSeek-V4 has no dense FFN layers")
         if self.window < 0:
             self.fail_hparam("attention.sliding_window", f"{self.window} is negative")
@@ -131,11 +130,11 @@ class Deepseek4(ArchModel):
     def _read_ratios(self) -> list[int]:
         """One compress ratio per main layer: the file's list (the main layers', optionally then the MTP
         predictor's), or, without one, what each layer's tensors imply (as ik infers them)."""
-        m, n = self.m, self.n_active
-        ratios = m.hparam("attention.compress_ratios", None)
+        cx, n = self.ctx, self.n_active
+        ratios = cx.hparam("attention.compress_ratios", None)
         if ratios is None:
-            return [CSA if m.has(f"blk.{i}.indexer.attn_q_b.weight") else
-                    128 if m.has(f"blk.{i}.attn_compressor_kv.weight") else 0 for i in range(n)]
+            return [CSA if cx.has(f"blk.{i}.indexer.attn_q_b.weight") else
+                    128 if cx.has(f"blk.{i}.attn_compressor_kv.weight") else 0 for i in range(n)]
         ratios = [int(r) for r in ratios]
         if not n <= len(ratios) <= self.n_layer + 1:
             self.fail_hparam("attention.compress_ratios", f"has {len(ratios)} entries; it needs one per main layer "
@@ -148,7 +147,7 @@ class Deepseek4(ArchModel):
 
     def _per_layer(self, key: str, default: list[float] | None) -> list[float]:
         """A float per layer from a scalar or an array key (ik's get_key_or_arr)."""
-        value = self.m.hparam(key, None)
+        value = self.ctx.hparam(key, None)
         if value is None:
             if default is None:
                 self.fail_hparam(key, "is missing (DeepSeek-V4's SwiGLU clamp, transformers' swiglu_limit)")
@@ -161,7 +160,7 @@ class Deepseek4(ArchModel):
 
     def _infer_groups(self) -> int:
         """output_group_count from attn_output_a's shape, as ik infers it."""
-        cols = self.m.shape("blk.0.attn_output_a.weight")[1]
+        cols = self.ctx.shape("blk.0.attn_output_a.weight")[1]
         if (self.n_head * self.head_dim) % cols:
             self.fail_hparam("attention.output_group_count", f"is missing and attn_output_a's {cols} columns do not "
                              f"divide head_count x key_length ({self.n_head * self.head_dim})")
@@ -170,7 +169,7 @@ class Deepseek4(ArchModel):
     def _read_rope(self) -> None:
         """The main rope (sliding layers) and the compress rope (CSA/HCA layers), transformers' inverse
         frequencies."""
-        hp = self.m.hparam
+        hp = self.ctx.hparam
         self.inv_freq = {"main": inv_freq_default(float(hp("rope.freq_base", 10000.0)), self.n_rot)}
         base = float(hp("attention.compress_rope_freq_base", hp("rope.freq_base", 10000.0)))
         scaling = str(hp("rope.scaling.type", "none"))
@@ -227,25 +226,25 @@ class Deepseek4(ArchModel):
     def _check_tensors(self) -> None:
         """Each main layer's tensors as its compress ratio and routing imply (named per layer when missing), the
         globals, and the MTP blocks' where present."""
-        m, e, c = self.m, self.n_embd, self.n_stream
+        cx, e, c = self.ctx, self.n_embd, self.n_stream
         for i, r in enumerate(self.ratios):
             b = f"blk.{i}."
             parts = [("attn_compressor_" + t, "compressor") for t in COMPRESSOR] if r else []
             parts += [(t, "indexer") for t in INDEXER] if r == CSA else []
-            missing = [b + t for t, _ in parts if not m.has(b + t)]
+            missing = [b + t for t, _ in parts if not cx.has(b + t)]
             if missing:
                 raise self.fail(f"layer {i} has compress ratio {r} ({RATIOS[r]}; attention.compress_ratios) but "
                                 f"lacks {', '.join(missing)}")
-            if i < self.n_hash and not m.has(b + "ffn_gate_tid2eid.weight"):
+            if i < self.n_hash and not cx.has(b + "ffn_gate_tid2eid.weight"):
                 raise self.fail(f"layer {i} is hash-routed (hash_layer_count {self.n_hash}) but lacks "
                                 f"{b}ffn_gate_tid2eid.weight")
         if self.top_k:
             csa = self.ratios.index(CSA)
-            longest = int(m.hparam("context_length", 1 << 62)) // CSA
+            longest = int(cx.hparam("context_length", 1 << 62)) // CSA
             if not 1 <= self.top_k <= longest:
                 self.fail_hparam("attention.indexer.top_k", f"{self.top_k} (layer {csa}, the first CSA layer) must be "
                                  f"in 1..{longest}, the compressed entries of context_length "
-                                 f"{m.hparam('context_length')}")
+                                 f"{cx.hparam('context_length')}")
             if self.n_ihead <= 0 or self.i_dim < self.n_rot:
                 self.fail_hparam("attention.indexer.key_length", f"{self.i_dim} must be at least rope.dimension_count "
                                  f"{self.n_rot} and head_count {self.n_ihead} must be positive (layer {csa})")
@@ -260,8 +259,8 @@ class Deepseek4(ArchModel):
         self.check_tensors(want, optional)
         for i in range(self.n_hash):
             table = f"blk.{i}.ffn_gate_tid2eid.weight"
-            if m.weights.encoding(table).type.name not in ("I32", "I64"):
-                raise self.fail(f"tensor {table} is {m.weights.encoding(table).type.name}; the hash routing table "
+            if cx.weights.encoding(table).type.name not in ("I32", "I64"):
+                raise self.fail(f"tensor {table} is {cx.weights.encoding(table).type.name}; the hash routing table "
                                 "must hold integer expert ids (I32)")
 
     # ---- forward --------------------------------------------------------------------------------------------
@@ -277,33 +276,33 @@ class Deepseek4(ArchModel):
 
     def embed(self, seq: Sequence) -> np.ndarray:
         """The embedding in all c streams."""
-        return np.repeat(self.m.embed_rows("token_embd.weight", seq.tokens)[:, None, :], self.n_stream, axis=1)
+        return np.repeat(self.ctx.embed_rows("token_embd.weight", seq.tokens)[:, None, :], self.n_stream, axis=1)
 
     def block(self, i: int, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
-        m, b = self.m, f"blk.{i}."
+        cx, b = self.ctx, f"blk.{i}."
 
         def attention(streams: np.ndarray, seq: Sequence) -> np.ndarray:
             h, post, comb = self._mix_in(streams, b + "hc_attn", b + "attn_norm.weight")
-            return hc_post(self._attention(i, h, seq), post, streams, comb, fused=m.ik_numerics)
+            return cx.numerics.hc_post(self._attention(i, h, seq), post, streams, comb)
 
         xs = self.each(xs, seqs, attention)
         mixed = []
         for streams, seq in zip(xs, seqs):
-            m.chunk = seq.index
+            cx.chunk = seq.index
             mixed.append(self._mix_in(streams, b + "hc_ffn", b + "ffn_norm.weight"))
-        table = self.table(("tid2eid", i), lambda: m.integers(b + "ffn_gate_tid2eid.weight")) \
+        table = self.table(("tid2eid", i), lambda: cx.integers(b + "ffn_gate_tid2eid.weight")) \
             if i < self.n_hash else None
-        ys = moe_ffn(m, [h for h, _, _ in mixed], seqs, b, self.moe, limit=self.clamp_exp[i],
+        ys = moe_ffn(cx, [h for h, _, _ in mixed], seqs, b, self.moe, limit=self.clamp_exp[i],
                      shared_limit=self.clamp_shexp[i], hash_table=table)
-        return [hc_post(y, post, streams, comb, fused=m.ik_numerics) for y, streams, (_, post, comb) in zip(ys, xs, mixed)]
+        return [cx.numerics.hc_post(y, post, streams, comb) for y, streams, (_, post, comb) in zip(ys, xs, mixed)]
 
     def head(self, streams: np.ndarray, seq: Sequence) -> np.ndarray:
-        m = self.m
-        mix = m.linear(self._unit_rms(streams.reshape(len(streams), -1)), "output_hc_fn")
-        gate = mix * m.weight("output_hc_scale.weight").reshape(-1)[0] + m.weight("output_hc_base.weight")
+        cx = self.ctx
+        mix = cx.linear(self._unit_rms(streams.reshape(len(streams), -1)), "output_hc_fn")
+        gate = mix * cx.weight("output_hc_scale.weight").reshape(-1)[0] + cx.weight("output_hc_base.weight")
         pre = np.float32(1.0) / (np.float32(1.0) + np.exp(-gate)) + np.float32(self.hc_eps)
-        x = self.norm(hc_combine(streams, pre, fused=m.ik_numerics), m.weight("output_norm.weight"))
-        return np.ascontiguousarray(m.project(x, "output.weight"), dtype=np.float32)
+        x = self.norm(cx.numerics.hc_combine(streams, pre), cx.weight("output_norm.weight"))
+        return np.ascontiguousarray(cx.project(x, "output.weight"), dtype=np.float32)
 
     # ---- pieces ---------------------------------------------------------------------------------------------
     def _unit_rms(self, x: np.ndarray) -> np.ndarray:
@@ -315,11 +314,11 @@ class Deepseek4(ArchModel):
 
     def _mix_in(self, streams: np.ndarray, hc: str, norm: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(the sub-layer's normed input from the pre-weighted streams, the post weights, the stream mix)."""
-        m = self.m
-        mixes = m.linear(self._unit_rms(streams.reshape(len(streams), -1)), hc + "_fn")
-        pre, post, comb = hc_pre(mixes, m.weight(hc + "_scale.weight"), m.weight(hc + "_base.weight"), self.n_stream,
-                                 self.sinkhorn_iters, self.hc_eps, fused=m.ik_numerics)
-        return self.norm(hc_combine(streams, pre, fused=m.ik_numerics), m.weight(norm)), post, comb
+        cx = self.ctx
+        mixes = cx.linear(self._unit_rms(streams.reshape(len(streams), -1)), hc + "_fn")
+        pre, post, comb = cx.numerics.hc_pre(mixes, cx.weight(hc + "_scale.weight"), cx.weight(hc + "_base.weight"),
+                                             self.n_stream, self.sinkhorn_iters, self.hc_eps)
+        return self.norm(cx.numerics.hc_combine(streams, pre), cx.weight(norm)), post, comb
 
     def _rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """Interleaved-pair rope on the trailing n_rot dims of every head of x [n, heads, d], in place."""
@@ -327,34 +326,33 @@ class Deepseek4(ArchModel):
         return x
 
     def _attention(self, i: int, h: np.ndarray, seq: Sequence) -> np.ndarray:
-        m, b, n, ratio = self.m, f"blk.{i}.", len(h), self.ratios[i]
+        cx, b, n, ratio = self.ctx, f"blk.{i}.", len(h), self.ratios[i]
         cos, sin = seq.state["rope"]["compress" if ratio else "main"]
-        q_res = self.norm(m.linear(h, b + "attn_q_a"), m.weight(b + "attn_q_a_norm.weight"))
-        q = self._rope(self._unit_rms(m.linear(q_res, b + "attn_q_b").reshape(n, self.n_head, self.head_dim)),
+        q_res = self.norm(cx.linear(h, b + "attn_q_a"), cx.weight(b + "attn_q_a_norm.weight"))
+        q = self._rope(self._unit_rms(cx.linear(q_res, b + "attn_q_b").reshape(n, self.n_head, self.head_dim)),
                        cos, sin)
-        kv = self.norm(m.linear(h, b + "attn_kv"), m.weight(b + "attn_kv_a_norm.weight"))
-        kv = m.kv_store(self._rope(kv.reshape(n, 1, self.head_dim), cos, sin).reshape(n, self.head_dim))
+        kv = self.norm(cx.linear(h, b + "attn_kv"), cx.weight(b + "attn_kv_a_norm.weight"))
+        kv = cx.kv_store(self._rope(kv.reshape(n, 1, self.head_dim), cos, sin).reshape(n, self.head_dim))
         comp = keep = None
         if ratio:
-            comp = m.kv_store(self._compress(b + "attn_compressor_", h, ratio, self.head_dim, seq))
+            comp = cx.kv_store(self._compress(b + "attn_compressor_", h, ratio, self.head_dim, seq))
             keep = np.arange(len(comp))[None, :] < ((np.arange(n) + 1) // ratio)[:, None]
             if ratio == CSA and len(comp):
                 keep = self._select(b, h, q_res, keep, seq)
-        sinks = m.weight(b + "attn_sinks.weight") if m.has(b + "attn_sinks.weight") else None
+        sinks = cx.weight(b + "attn_sinks.weight") if cx.has(b + "attn_sinks.weight") else None
         out = shared_kv_attention(q, kv, self.kq_scale, window=self.window, sinks=sinks, comp=comp, comp_keep=keep)
         out = self._rope(out, cos, -sin)  # the values carried the keys' rotation: undo it
-        return m.linear(self._grouped_output(b, out), b + "attn_output_b")
+        return cx.linear(self._grouped_output(b, out), b + "attn_output_b")
 
     def _grouped_output(self, b: str, out: np.ndarray) -> np.ndarray:
         """attn_output_a per group of heads: [n, heads, d] -> [n, groups * o_lora]."""
-        m, n, g = self.m, len(out), self.n_groups
+        cx, n, g = self.ctx, len(out), self.n_groups
         grouped = np.ascontiguousarray(out.reshape(n, g, -1).transpose(1, 0, 2))  # [g, n, heads * d / g]
         name = b + "attn_output_a.weight"
-        if m.observers:
+        if cx.observers:
             for j in range(g):
-                m.observe(name, grouped[j], j, g)
-        wa = m.matmul_weight(name, n, self.o_lora).reshape(g, self.o_lora, -1)
-        product = np.matmul(m.activations(grouped, name), wa.transpose(0, 2, 1))
+                cx.observe(name, grouped[j], j, g)
+        product = cx.numerics.sliced_product(grouped, name)
         return np.ascontiguousarray(product.transpose(1, 0, 2)).reshape(n, -1)
 
     def _compress(self, p: str, h: np.ndarray, ratio: int, width: int, seq: Sequence) -> np.ndarray:
@@ -362,14 +360,14 @@ class Deepseek4(ArchModel):
         windows of the sequence: per channel a softmax over the window's rows of gate + ape weighs the kv rows;
         RMSNorm; the compress rope at position w * ratio. CSA (ratio 4) pools window w's second half of the
         channels with window w-1's first half (window -1 empty)."""
-        m = self.m
-        kv, gate = m.linear(h, p + "kv"), m.linear(h, p + "gate")
+        cx = self.ctx
+        kv, gate = cx.linear(h, p + "kv"), cx.linear(h, p + "gate")
         windows = len(h) // ratio
         if windows == 0:
             return np.zeros((0, width), dtype=np.float32)
         used = windows * ratio
         kv = kv[:used].reshape(windows, ratio, -1)
-        gate = gate[:used].reshape(windows, ratio, -1) + m.weight(p + "ape.weight")
+        gate = gate[:used].reshape(windows, ratio, -1) + cx.weight(p + "ape.weight")
         if ratio == CSA:
             rows_kv = np.zeros((windows, 2 * ratio, width), dtype=np.float32)
             rows_gate = np.full((windows, 2 * ratio, width), -np.inf, dtype=np.float32)
@@ -378,20 +376,20 @@ class Deepseek4(ArchModel):
             kv, gate = rows_kv, rows_gate
         weights = np.exp(gate - gate.max(axis=1, keepdims=True))
         weights /= weights.sum(axis=1, keepdims=True)
-        pooled = self.norm((kv * weights).sum(axis=1), m.weight(p + "norm.weight"))
+        pooled = self.norm((kv * weights).sum(axis=1), cx.weight(p + "norm.weight"))
         cos, sin = seq.state["rope"]["compress"]
         rows = np.arange(windows) * ratio
         return self._rope(pooled.reshape(windows, 1, width), cos[rows], sin[rows]).reshape(windows, width)
 
     def _select(self, b: str, h: np.ndarray, q_res: np.ndarray, visible: np.ndarray, seq: Sequence) -> np.ndarray:
         """The lightning indexer's choice among the visible compressed entries [n, T] (CSA layers)."""
-        m, n = self.m, len(h)
+        cx, n = self.ctx, len(h)
         keys = self._compress(b + "indexer_compressor_", h, CSA, self.i_dim, seq)
         cos, sin = seq.state["rope"]["compress"]
-        q = self._rope(np.ascontiguousarray(m.linear(q_res, b + "indexer.attn_q_b")).reshape(n, self.n_ihead,
+        q = self._rope(np.ascontiguousarray(cx.linear(q_res, b + "indexer.attn_q_b")).reshape(n, self.n_ihead,
                                                                                               self.i_dim), cos, sin)
         scale = np.float32(1.0) / np.sqrt(np.float32(self.n_ihead)) / np.sqrt(np.float32(self.i_dim))
-        w = m.linear(h, b + "indexer.proj") * scale
+        w = cx.linear(h, b + "indexer.proj") * scale
         scores = indexer_scores(q, keys, w, q0=len(keys))
         scores[~visible] = -np.inf
         return select_top_k(scores, self.top_k, TIE_TORCH) & visible

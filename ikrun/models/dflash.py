@@ -20,12 +20,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ikrun.models.base import ArchModel, ModelError, Sequence
+from ikrun.errors import ModelError
+from ikrun.models.base import ArchModel, Sequence
 from ikrun.modules.ffn import dense_ffn
 from ikrun.ops.rope import rope_cache
 
 if TYPE_CHECKING:
-    from ikrun.model import Model
+    from ikrun.context import Context
 
 FC, HIDDEN_NORM = "dflash_fc.weight", "dflash_hidden_norm.weight"
 
@@ -46,9 +47,9 @@ class DFlashDraft(ArchModel):
     archs = ("dflash-draft",)
     standalone = False
 
-    def __init__(self, model: Model):
-        super().__init__(model)
-        hp = model.hparam
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        hp = ctx.hparam
         self.read_gqa_hparams()
         self.block_size = int(hp("dflash.block_size"))
         self.mask_token_id = int(hp("dflash.mask_token_id"))
@@ -61,13 +62,13 @@ class DFlashDraft(ArchModel):
         # no forward of its own: n_vocab is the target's; n_active 0 keeps the runtime's block loops off it
         self.n_vocab, self.n_active = 0, 0
         for name in ("attn_gate", "attn_sinks"):
-            if any(model.has(f"blk.{i}.{name}.weight") or model.has(f"blk.{i}.{name}") for i in range(self.n_layer)):
+            if any(ctx.has(f"blk.{i}.{name}.weight") or ctx.has(f"blk.{i}.{name}") for i in range(self.n_layer)):
                 raise self.fail(f"draft layers with {name} tensors are not supported by the runtime yet")
         self.check_tensors(self._expected())
 
     def _expected(self) -> dict[str, tuple[int, ...]]:
         e, q, kv = self.n_embd, self.n_head * self.head_dim, self.n_head_kv * self.head_dim
-        ff = int(self.m.hparam("feed_forward_length"))
+        ff = int(self.ctx.hparam("feed_forward_length"))
         want: dict[str, tuple[int, ...]] = {FC: (e, self.n_target_features), HIDDEN_NORM: (e,),
                                             "output_norm.weight": (e,)}
         for i in range(self.n_layer):
@@ -82,7 +83,7 @@ class DFlashDraft(ArchModel):
 
     def check_target(self, target: ArchModel) -> None:
         """The target must give the features this draft was trained on (layers, widths) and serve as a target."""
-        t = target.m
+        t = target.ctx
         if not target.continues:
             raise self.fail(f"{t.path} ({t.arch}) cannot serve as a DFlash target yet (supported: llama, qwen2, "
                             "qwen3)")
@@ -94,7 +95,7 @@ class DFlashDraft(ArchModel):
         if width != self.n_target_features:
             raise self.fail(f"the draft takes {self.n_target_features} target features, {t.path} gives "
                             f"{len(self.target_layer_ids)} layers x {target.n_embd} = {width}")
-        tokens = self.m.gguf.get("tokenizer.ggml.tokens")
+        tokens = self.ctx.weights.metadata.get("tokenizer.ggml.tokens")
         if tokens is not None and len(tokens) != target.n_vocab:
             raise self.fail(f"the draft's vocabulary has {len(tokens)} tokens, the target {t.path} has "
                             f"{target.n_vocab}: a draft of another model")
@@ -119,17 +120,17 @@ class DFlashDraft(ArchModel):
         return rope_cache(positions, self.n_rot, self.rope_base)
 
     def _kv(self, i: int, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        m, b, n = self.m, f"blk.{i}.", len(h)
-        k = self.norm(m.linear(h, b + "attn_k").reshape(n, self.n_head_kv, self.head_dim),
-                     m.weight(b + "attn_k_norm.weight"))
+        cx, b, n = self.ctx, f"blk.{i}.", len(h)
+        k = self.norm(cx.linear(h, b + "attn_k").reshape(n, self.n_head_kv, self.head_dim),
+                     cx.weight(b + "attn_k_norm.weight"))
         k = np.ascontiguousarray(k)
         self.rope(k, cos, sin, True)
-        return k, m.linear(h, b + "attn_v").reshape(n, self.n_head_kv, self.head_dim)
+        return k, cx.linear(h, b + "attn_v").reshape(n, self.n_head_kv, self.head_dim)
 
     def extend_context(self, ctx: DraftContext, features: np.ndarray) -> None:
         """Append the context of the next len(features) positions (the target's features of those tokens)."""
-        m = self.m
-        t = self.norm(m.linear(np.ascontiguousarray(features, dtype=np.float32), "dflash_fc"), m.weight(HIDDEN_NORM))
+        cx = self.ctx
+        t = self.norm(cx.linear(np.ascontiguousarray(features, dtype=np.float32), "dflash_fc"), cx.weight(HIDDEN_NORM))
         cos, sin = self._rope(np.arange(ctx.length, ctx.length + len(t)))
         for i in range(self.n_layer):
             k, v = self._kv(i, t, cos, sin)
@@ -144,15 +145,15 @@ class DFlashDraft(ArchModel):
               on_layer: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
         """The draft's output rows [block, n_embd] for a block at positions ctx.length.. (the context unchanged);
         `on_layer(i, x)` sees each layer's output."""
-        m, n, p0 = self.m, len(block_embeddings), ctx.length
+        cx, n, p0 = self.ctx, len(block_embeddings), ctx.length
         cos, sin = self._rope(np.arange(p0, p0 + n))
         x = np.ascontiguousarray(block_embeddings, dtype=np.float32)
         group = self.n_head // self.n_head_kv
         for i in range(self.n_layer):
             b = f"blk.{i}."
-            h = self.norm(x, m.weight(b + "attn_norm.weight"))
-            q = self.norm(m.linear(h, b + "attn_q").reshape(n, self.n_head, self.head_dim),
-                         m.weight(b + "attn_q_norm.weight"))
+            h = self.norm(x, cx.weight(b + "attn_norm.weight"))
+            q = self.norm(cx.linear(h, b + "attn_q").reshape(n, self.n_head, self.head_dim),
+                         cx.weight(b + "attn_q_norm.weight"))
             q = np.ascontiguousarray(q)
             self.rope(q, cos, sin, True)
             k_blk, v_blk = self._kv(i, h, cos, sin)
@@ -161,15 +162,16 @@ class DFlashDraft(ArchModel):
             kh = np.repeat(k.transpose(1, 0, 2), group, axis=0)  # [H, keys, d]
             vh = np.repeat(v.transpose(1, 0, 2), group, axis=0)
             scores = np.matmul(q.transpose(1, 0, 2), kh.transpose(0, 2, 1)) * np.float32(self.head_dim ** -0.5)
-            if self.windows[i] is not None:  # sliding layers are causal within their window (the reference's mask)
+            window = self.windows[i]
+            if window is not None:  # sliding layers are causal within their window (the reference's mask)
                 qpos = np.arange(p0, p0 + n)[:, None]
                 kpos = np.arange(len(k))[None, :]
-                visible = (kpos <= qpos) & (qpos - kpos < self.windows[i])
+                visible = (kpos <= qpos) & (qpos - kpos < window)
                 scores = np.where(visible, scores, np.float32(-np.inf))
             scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
             attn = np.matmul(scores / scores.sum(axis=-1, keepdims=True), vh)  # [H, n, d]
-            x = x + m.linear(np.ascontiguousarray(attn.transpose(1, 0, 2)).reshape(n, -1), b + "attn_output")
-            x = x + dense_ffn(m, self.norm(x, m.weight(b + "post_attention_norm.weight")), b)
+            x = x + cx.linear(np.ascontiguousarray(attn.transpose(1, 0, 2)).reshape(n, -1), b + "attn_output")
+            x = x + dense_ffn(cx, self.norm(x, cx.weight(b + "post_attention_norm.weight")), b)
             if on_layer is not None:
                 on_layer(i, x)
-        return self.norm(x, m.weight("output_norm.weight"))
+        return self.norm(x, cx.weight("output_norm.weight"))

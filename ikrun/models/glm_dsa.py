@@ -19,7 +19,7 @@ With `--kv-cache f16` the runtime reproduces ik's default caches: the MLA latent
 and the indexer keys Walsh-Hadamard-rotated (the queries too) and rounded to f16, as ik's indexer key cache holds
 them; the few near-tie selections ik's f16 caches flip then flip here too.
 
-Runtime options (ikrun/model.RuntimeOptions): by default the model's semantics, sparse attention with no sink;
+Runtime options (ikrun/ctx.RuntimeOptions): by default the model's semantics, sparse attention with no sink;
 `dsa=False` runs dense attention everywhere (ik without --dsa); `dsa_sink` adds ik's boost that always keeps each
 sequence's first token (ik's --dsa default, not in the model). A file without `expert_gating_func` routes by
 sigmoid, GLM-5's scoring function (ik falls back to softmax there).
@@ -38,7 +38,7 @@ from ikrun.ops.moe import GATING_SIGMOID
 from ikrun.ops.norm import layer_norm
 
 if TYPE_CHECKING:
-    from ikrun.model import Model
+    from ikrun.context import Context
 
 INDEXER = ("indexer.attn_q_b.weight", "indexer.attn_k.weight", "indexer.k_norm.weight", "indexer.k_norm.bias",
            "indexer.proj.weight")
@@ -50,14 +50,14 @@ class GlmDsa(Deepseek2):
     archs = ("glm-dsa",)
     runtime_options = ("dsa", "dsa_sink")
 
-    def __init__(self, model: Model):
-        hp = model.hparam
+    def __init__(self, ctx: Context):
+        hp = ctx.hparam
         self.n_ihead = int(hp("attention.indexer.head_count"))
         self.i_dim = int(hp("attention.indexer.key_length"))
         self.top_k = int(hp("attention.indexer.top_k"))
-        self.sparse = model.options.dsa is not False
-        self.sink = model.options.dsa_sink
-        super().__init__(model)
+        self.sparse = ctx.options.dsa is not False
+        self.sink = ctx.options.dsa_sink
+        super().__init__(ctx)
 
     def _default_gating(self) -> int:
         return GATING_SIGMOID
@@ -72,11 +72,11 @@ class GlmDsa(Deepseek2):
                  "indexer.k_norm.bias": (self.i_dim,), "indexer.proj.weight": (self.n_ihead, e),
                  "nextn.eh_proj.weight": (e, 2 * e), "nextn.enorm.weight": (e,), "nextn.hnorm.weight": (e,),
                  "nextn.shared_head_norm.weight": (e,)}
-        want.update({b + name: shape for name, shape in extra.items() if self.m.has(b + name)})
+        want.update({b + name: shape for name, shape in extra.items() if self.ctx.has(b + name)})
         return want
 
     def _check_tensors(self) -> None:
-        m, arch = self.m, self.m.arch
+        cx, arch = self.ctx, self.ctx.arch
         if not self.q_lora:
             raise self.fail(f"{arch}.attention.q_lora_rank is missing; the indexer's query is built from "
                               "the q LoRA latent")
@@ -85,10 +85,10 @@ class GlmDsa(Deepseek2):
                               f"rope.dimension_count {self.n_rot}, and head_count {self.n_ihead} and top_k "
                               f"{self.top_k} must be positive")
         super()._check_tensors()
-        if self.sparse and m.kv_cache == "f16" and self.i_dim & (self.i_dim - 1):
+        if self.sparse and cx.kv_cache == "f16" and self.i_dim & (self.i_dim - 1):
             raise self.fail(f"--kv-cache f16 reproduces ik's indexer cache, whose Hadamard rotation needs a "
                               f"power-of-two {arch}.attention.indexer.key_length (got {self.i_dim})")
-        types = m.hparam("attention.indexer.types", None)
+        types = cx.hparam("attention.indexer.types", None)
         full = [True] * self.n_active if types is None else [bool(t) for t in types]
         if len(full) != self.n_active or not full[0]:
             raise self.fail(f"{arch}.attention.indexer.types must have one entry per main layer "
@@ -98,7 +98,7 @@ class GlmDsa(Deepseek2):
         self.full = {f"blk.{i}.": f for i, f in enumerate(full)}
         for i in range(self.n_layer):
             b = f"blk.{i}."
-            present = [n for n in INDEXER if m.has(b + n)]
+            present = [n for n in INDEXER if cx.has(b + n)]
             needed = self.sparse and self.full.get(b, False)
             if (needed or present) and len(present) < len(INDEXER):
                 missing = ", ".join(b + n for n in INDEXER if n not in present)
@@ -118,16 +118,16 @@ class GlmDsa(Deepseek2):
 
     def _select(self, b: str, h: np.ndarray, qa: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """The lightning indexer's keep mask [n, n] for the queries h (attention input) with q latent qa."""
-        m = self.m
+        cx = self.ctx
         n = h.shape[0]
-        q = m.linear(qa, b + "indexer.attn_q_b").reshape(n, self.n_ihead, self.i_dim)
-        k = layer_norm(m.linear(h, b + "indexer.attn_k"), m.weight(b + "indexer.k_norm.weight"),
-                       m.weight(b + "indexer.k_norm.bias"), self.eps).reshape(n, 1, self.i_dim)
+        q = cx.linear(qa, b + "indexer.attn_q_b").reshape(n, self.n_ihead, self.i_dim)
+        k = layer_norm(cx.linear(h, b + "indexer.attn_k"), cx.weight(b + "indexer.k_norm.weight"),
+                       cx.weight(b + "indexer.k_norm.bias"), self.eps).reshape(n, 1, self.i_dim)
         self.rope(q, cos, sin, False)
         self.rope(k, cos, sin, False)
-        if m.kv_cache == "f16":  # ik's indexer key cache: Hadamard-rotated keys stored as f16 (-ictk default)
-            q, k = hadamard(q), m.kv_store(hadamard(k))
-        w = m.linear(h, b + "indexer.proj") * (np.float32(1.0) / np.sqrt(np.float32(self.n_ihead * self.i_dim)))
+        if cx.kv_cache == "f16":  # ik's indexer key cache: Hadamard-rotated keys stored as f16 (-ictk default)
+            q, k = hadamard(q), cx.kv_store(hadamard(k))
+        w = cx.linear(h, b + "indexer.proj") * (np.float32(1.0) / np.sqrt(np.float32(self.n_ihead * self.i_dim)))
         scores = indexer_scores(q, k.reshape(n, self.i_dim), w)
         if self.sink:
             scores[:, 0] += SINK_BOOST

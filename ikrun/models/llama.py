@@ -13,39 +13,37 @@ import numpy as np
 
 from ikrun.models.base import ArchModel, Sequence
 from ikrun.modules.ffn import dense_ffn
-from ikrun.numerics.ik.ikgemm import LANES
-from ikrun.ops.attention import causal_attention, ik_causal_attention
 from ikrun.ops.rope import rope_cache
 
 if TYPE_CHECKING:
-    from ikrun.model import Model
+    from ikrun.context import Context
 
 
 class LlamaFamily(ArchModel):
     archs = ("llama", "qwen2", "qwen3")
     continues = True
 
-    def __init__(self, model: Model):
-        super().__init__(model)
-        hp = model.hparam
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        hp = ctx.hparam
         self.read_gqa_hparams()
         self.head_dim_v = int(hp("attention.value_length", self.head_dim))
         scaling = hp("rope.scaling.type", None)
         factor = float(hp("rope.scaling.factor", 1.0))
         self.freq_scale = 1.0 / factor if scaling == "linear" and factor else 1.0
-        self.neox = model.arch != "llama"
-        self.qk_norm = model.arch == "qwen3"
-        self.output = "output.weight" if model.has("output.weight") else "token_embd.weight"
-        if not model.has("token_embd.weight"):
+        self.neox = ctx.arch != "llama"
+        self.qk_norm = ctx.arch == "qwen3"
+        self.output = "output.weight" if ctx.has("output.weight") else "token_embd.weight"
+        if not ctx.has("token_embd.weight"):
             raise self.fail("tensor token_embd.weight is missing")
-        self.n_vocab = model.shape("token_embd.weight")[0]
+        self.n_vocab = ctx.shape("token_embd.weight")[0]
         self.n_active = self.n_layer
         self.check_tensors(self._expected())
 
     def _expected(self) -> dict[str, tuple[int, ...]]:
         e, q, kv, kvv = self.n_embd, self.n_head * self.head_dim, self.n_head_kv * self.head_dim, \
             self.n_head_kv * self.head_dim_v
-        ff = int(self.m.hparam("feed_forward_length"))
+        ff = int(self.ctx.hparam("feed_forward_length"))
         want: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.n_vocab, e), "output_norm.weight": (e,)}
         if self.output == "output.weight":
             want["output.weight"] = (self.n_vocab, e)
@@ -63,8 +61,8 @@ class LlamaFamily(ArchModel):
         return want
 
     def begin(self, seq: Sequence) -> None:
-        m = self.m
-        factors = m.weight("rope_freqs.weight") if m.has("rope_freqs.weight") else None
+        cx = self.ctx
+        factors = cx.weight("rope_freqs.weight") if cx.has("rope_freqs.weight") else None
 
         def table() -> tuple[np.ndarray, np.ndarray]:
             return rope_cache(np.arange(seq.start, seq.start + len(seq)), self.n_rot, self.rope_base,
@@ -73,42 +71,38 @@ class LlamaFamily(ArchModel):
         seq.state["rope"] = self.table(("rope", len(seq)), table) if seq.start == 0 else table()
 
     def embed(self, seq: Sequence) -> np.ndarray:
-        return self.m.embed_rows("token_embd.weight", seq.tokens)
+        return self.ctx.embed_rows("token_embd.weight", seq.tokens)
 
     def block(self, i: int, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
         return self.each(xs, seqs, lambda x, seq: self._block(i, x, seq))
 
     def _block(self, i: int, x: np.ndarray, seq: Sequence) -> np.ndarray:
-        m, b, n = self.m, f"blk.{i}.", len(x)
+        cx, b, n = self.ctx, f"blk.{i}.", len(x)
         cos, sin = seq.state["rope"]
-        h = self.norm(x, m.weight(b + "attn_norm.weight"))
-        q, k, v = m.linears(h, [b + "attn_q", b + "attn_k", b + "attn_v"])
+        h = self.norm(x, cx.weight(b + "attn_norm.weight"))
+        q, k, v = cx.linears(h, [b + "attn_q", b + "attn_k", b + "attn_v"])
         q = q.reshape(n, self.n_head, self.head_dim)
         k = k.reshape(n, self.n_head_kv, self.head_dim)
         v = v.reshape(n, self.n_head_kv, self.head_dim_v)
         if self.qk_norm:
-            q = self.norm(q, m.weight(b + "attn_q_norm.weight"))
-            k = self.norm(k, m.weight(b + "attn_k_norm.weight"))
+            q = self.norm(q, cx.weight(b + "attn_q_norm.weight"))
+            k = self.norm(k, cx.weight(b + "attn_k_norm.weight"))
         q = np.ascontiguousarray(q)
         k = np.ascontiguousarray(k)
         self.rope(q, cos, sin, self.neox)
         self.rope(k, cos, sin, self.neox)
-        k, v = m.kv_store(k), m.kv_store(v)
+        k, v = cx.kv_store(k), cx.kv_store(v)
         cache = seq.state.get("kv")
         if cache is not None:  # a continuation: earlier positions' keys and values first
             if i in cache:
                 k, v = np.concatenate([cache[i][0], k]), np.concatenate([cache[i][1], v])
             cache[i] = (k, v)
-        if m.ik_numerics and self.head_dim % LANES == 0:  # ik's scale is 1.0f / sqrtf(head_dim)
-            attn = ik_causal_attention(q, k, v, float(np.float32(1.0) / np.sqrt(np.float32(self.head_dim))))
-        else:
-            attn = causal_attention(q, k, v, 1.0 / np.sqrt(self.head_dim))
-        attn = attn.reshape(n, -1)
-        x = x + m.linear(attn, b + "attn_output")
-        return x + dense_ffn(m, self.norm(x, m.weight(b + "ffn_norm.weight")), b)
+        attn = cx.numerics.causal_attention(q, k, v, self.head_dim).reshape(n, -1)
+        x = x + cx.linear(attn, b + "attn_output")
+        return x + dense_ffn(cx, self.norm(x, cx.weight(b + "ffn_norm.weight")), b)
 
     def head(self, x: np.ndarray, seq: Sequence) -> np.ndarray:
-        return self.output_projection(self.norm(x, self.m.weight("output_norm.weight")))
+        return self.output_projection(self.norm(x, self.ctx.weight("output_norm.weight")))
 
     def output_projection(self, x: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(self.m.project(x, self.output), dtype=np.float32)
+        return np.ascontiguousarray(self.ctx.project(x, self.output), dtype=np.float32)

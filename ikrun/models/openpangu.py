@@ -41,17 +41,13 @@ import numpy as np
 
 from ikrun.models.base import ArchModel, Hparam, Sequence
 from ikrun.modules.ffn import MoeConfig, dense_ffn, moe_ffn
-from ikrun.numerics.ik.ikgemm import LANES
-from ikrun.ops.attention import ik_sink_latent_attention
-from ikrun.ops.conv import causal_conv_residual
-from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
+from ikrun.ops.hyperconn import hc_combine
 from ikrun.ops.indexer import TIE_PARTIAL_SORT, indexer_scores, select_top_k
-from ikrun.ops.mla import latent_attention
 from ikrun.ops.moe import GATING_SIGMOID
 from ikrun.ops.rope import rope_cache
 
 if TYPE_CHECKING:
-    from ikrun.model import Model
+    from ikrun.context import Context
 
 CONV_KERNEL = 3  # ik's MoME convolution width
 INDEXER = ("attn_indexer_q_b", "attn_indexer_k", "attn_indexer_k_norm", "attn_indexer_weights_proj")
@@ -71,9 +67,9 @@ class OpenPangu(ArchModel):
     archs = ("openpangu",)
     runtime_options = ("ik_sink_overread",)
 
-    def __init__(self, model: Model):
-        super().__init__(model)
-        hp = model.hparam
+    def __init__(self, ctx: Context):
+        super().__init__(ctx)
+        hp = ctx.hparam
         self.n_layer = int(hp("block_count"))
         self.n_embd = int(hp("embedding_length"))
         self.n_head = int(hp("attention.head_count"))
@@ -92,16 +88,15 @@ class OpenPangu(ArchModel):
         self.freq_base = float(hp("rope.freq_base", 10000.0))
         self.kq_scale = float(np.float32(1.0) / np.sqrt(np.float32(self.head_k)))
         #: reproduce ik's AVX-512 GEMM for fewer than 16 sinks (see the module docstring)
-        self.ik_avx512_sinks = model.options.ik_sink_overread
         self._check_sizes()
         self.n_active = self.n_layer - self.n_mtp
         if self.n_dense < self.n_layer:
             # ik: absent or "none" gating means sigmoid
-            self.moe = MoeConfig.read(hp, GATING_SIGMOID, lambda why: self.fail(f"{model.arch}.{why}"))
+            self.moe = MoeConfig.read(hp, GATING_SIGMOID, lambda why: self.fail(f"{ctx.arch}.{why}"))
         self.freq_scale = self._read_rope(hp)
-        if not model.has("token_embd.weight"):
+        if not ctx.has("token_embd.weight"):
             raise self.fail("tensor token_embd.weight is missing")
-        self.n_vocab = model.shape("token_embd.weight")[0]
+        self.n_vocab = ctx.shape("token_embd.weight")[0]
         self.n_idx_head = self.idx_dim = self.top_k = 0  # read when a layer runs the indexer
         self.kinds = self._read_schedule(hp)
         self._check_tensors()
@@ -151,7 +146,7 @@ class OpenPangu(ArchModel):
             window[il] = w
         if not any(window[: self.n_active]):
             return [LayerKind() for _ in range(self.n_active)]  # ik runs dense without a base window
-        kinds = [LayerKind(window=w) if w else LayerKind(indexer=self.m.has(f"blk.{i}.attn_indexer_q_b.weight"))
+        kinds = [LayerKind(window=w) if w else LayerKind(indexer=self.ctx.has(f"blk.{i}.attn_indexer_q_b.weight"))
                  for i, w in enumerate(window[: self.n_active])]
         if any(k.indexer for k in kinds):
             self.n_idx_head = int(hp("attention.indexer.head_count"))
@@ -185,7 +180,7 @@ class OpenPangu(ArchModel):
                 want.update({f"{b}{sub}_mhc_phi.weight": (mixes, s), f"{b}{sub}_mhc_alpha": (3,),
                              f"{b}{sub}_mhc_beta": (mixes,), f"{b}{sub}_mhc_gamma": (s,)})
         if i < self.n_dense:
-            ff = int(self.m.hparam("feed_forward_length"))
+            ff = int(self.ctx.hparam("feed_forward_length"))
             want.update({b + "ffn_gate.weight": (ff, e), b + "ffn_up.weight": (ff, e), b + "ffn_down.weight": (e, ff)})
             return want
         want.update({**self.moe.expected(b, e), b + "exp_probs_b.bias": (self.moe.n_expert,)})
@@ -194,7 +189,7 @@ class OpenPangu(ArchModel):
     def _optional(self, i: int) -> dict[str, tuple[int, ...]]:
         """Tensors checked where present: block_post_norm, the indexer's, and a NextN block's own."""
         e, b = self.n_embd, f"blk.{i}."
-        want = {b + "block_post_norm.weight": (self.n_stream * e,)}
+        want: dict[str, tuple[int, ...]] = {b + "block_post_norm.weight": (self.n_stream * e,)}
         if self.top_k:
             di, ih = self.idx_dim, self.n_idx_head
             want.update({b + "attn_indexer_q_b.weight": (ih * di, self.q_lora), b + "attn_indexer_k.weight": (di, e),
@@ -209,7 +204,7 @@ class OpenPangu(ArchModel):
     def _check_tensors(self) -> None:
         """Every main block's tensors and the globals must be there, the indexer's on layers that run it; tensors of
         NextN blocks and optional ones are shape-checked where present."""
-        m, e, s = self.m, self.n_embd, self.n_stream
+        cx, e, s = self.ctx, self.n_embd, self.n_stream
         want = {"token_embd.weight": (self.n_vocab, e), "output_norm.weight": (e,), "output.weight": (self.n_vocab, e),
                 "merge_mhc_phi.weight": (s, s * e), "merge_mhc_beta": (s,), "merge_mhc_gamma": (s * e,)}
         for i in range(self.n_active):
@@ -217,14 +212,14 @@ class OpenPangu(ArchModel):
             if self.kinds[i].indexer:
                 want.update({f"blk.{i}.{name}.weight": self._optional(i)[f"blk.{i}.{name}.weight"]
                              for name in INDEXER})
-        if not m.has("merge_mhc_alpha"):
+        if not cx.has("merge_mhc_alpha"):
             want["merge_mhc_alpha"] = (1,)  # () or (1,): named as missing here, its shape is checked below
         optional: dict[str, tuple[int, ...]] = {}
         for i in range(self.n_layer):
             optional.update(self._optional(i) if i < self.n_active else {**self._expected(i), **self._optional(i)})
         self.check_tensors(want, optional)
-        if m.shape("merge_mhc_alpha") not in ((), (1,)):
-            raise self.fail(f"tensor merge_mhc_alpha has shape {list(m.shape('merge_mhc_alpha'))}, expected one "
+        if cx.shape("merge_mhc_alpha") not in ((), (1,)):
+            raise self.fail(f"tensor merge_mhc_alpha has shape {list(cx.shape('merge_mhc_alpha'))}, expected one "
                             "number")
 
     # ---- forward --------------------------------------------------------------------------------------------
@@ -235,10 +230,10 @@ class OpenPangu(ArchModel):
 
     def embed(self, seq: Sequence) -> np.ndarray:
         """The embedding in all S streams."""
-        return np.repeat(self.m.embed_rows("token_embd.weight", seq.tokens)[:, None, :], self.n_stream, axis=1)
+        return np.repeat(self.ctx.embed_rows("token_embd.weight", seq.tokens)[:, None, :], self.n_stream, axis=1)
 
     def block(self, i: int, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
-        m, b = self.m, f"blk.{i}."
+        cx, b = self.ctx, f"blk.{i}."
 
         def attention(streams: np.ndarray, seq: Sequence) -> np.ndarray:
             cos, sin = seq.state["rope"]
@@ -249,24 +244,24 @@ class OpenPangu(ArchModel):
         if i < self.n_dense:
             xs = self.each(xs, seqs, lambda streams, seq: self._sublayer(
                 streams, b + "mlp_mhc", b + "ffn_norm.weight", b + "post_ffw_norm.weight",
-                lambda h: dense_ffn(m, h, b)))
+                lambda h: dense_ffn(cx, h, b)))
         else:
             xs = self._moe_sublayer(b, xs, seqs)
-        if m.has(b + "block_post_norm.weight"):
-            xs = [self.norm(x.reshape(len(x), -1), m.weight(b + "block_post_norm.weight")).reshape(x.shape)
+        if cx.has(b + "block_post_norm.weight"):
+            xs = [self.norm(x.reshape(len(x), -1), cx.weight(b + "block_post_norm.weight")).reshape(x.shape)
                   for x in xs]
         return xs
 
     def head(self, streams: np.ndarray, seq: Sequence) -> np.ndarray:
-        m = self.m
+        cx = self.ctx
         x = hc_combine(streams, self._merge_weights(streams))
-        x = self.norm(x, m.weight("output_norm.weight"))
-        return np.ascontiguousarray(m.project(x, "output.weight"), dtype=np.float32)
+        x = self.norm(x, cx.weight("output_norm.weight"))
+        return np.ascontiguousarray(cx.project(x, "output.weight"), dtype=np.float32)
 
     def _moe_sublayer(self, b: str, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
         """The mHC-wrapped MoE FFN for a batch: mixes and sandwich norms per sequence, the experts once for all."""
         mixed = self.each(xs, seqs, lambda streams, seq: self._mix_in(streams, b + "mlp_mhc", b + "ffn_norm.weight"))
-        ys = moe_ffn(self.m, [h for h, _ in mixed], seqs, b, self.moe)
+        ys = moe_ffn(self.ctx, [h for h, _ in mixed], seqs, b, self.moe)
         return [self._mix_out(y, b + "post_ffw_norm.weight", streams, mix)
                 for y, streams, (_, mix) in zip(ys, xs, mixed)]
 
@@ -278,101 +273,71 @@ class OpenPangu(ArchModel):
 
     def _mix_in(self, streams: np.ndarray, mhc: str, norm: str) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
         """(the sub-layer's normed input from the pre-weighted streams, the (post, mix) weights hc_post needs)."""
-        m = self.m
-        flat = self.norm(streams.reshape(len(streams), -1), m.weight(mhc + "_gamma"))
-        pre, post, mix = hc_pre(m.linear(flat, mhc + "_phi"), m.weight(mhc + "_alpha"), m.weight(mhc + "_beta"),
-                                self.n_stream, self.sinkhorn_iters, fused=m.ik_numerics)
-        return self.norm(hc_combine(streams, pre, fused=m.ik_numerics), m.weight(norm)), (post, mix)
+        cx = self.ctx
+        flat = self.norm(streams.reshape(len(streams), -1), cx.weight(mhc + "_gamma"))
+        pre, post, mix = cx.numerics.hc_pre(cx.linear(flat, mhc + "_phi"), cx.weight(mhc + "_alpha"),
+                                            cx.weight(mhc + "_beta"), self.n_stream, self.sinkhorn_iters)
+        return self.norm(cx.numerics.hc_combine(streams, pre), cx.weight(norm)), (post, mix)
 
     def _mix_out(self, y: np.ndarray, post_norm: str, streams: np.ndarray, weights: tuple[np.ndarray, ...]) -> np.ndarray:
         post, mix = weights
-        return hc_post(self.norm(y, self.m.weight(post_norm)), post, streams, mix, fused=self.m.ik_numerics)
+        return self.ctx.numerics.hc_post(self.norm(y, self.ctx.weight(post_norm)), post, streams, mix)
 
     def _merge_weights(self, streams: np.ndarray) -> np.ndarray:
         """The merge module's per-stream gates sigmoid(alpha * phi . (RMSNorm(streams) * gamma) + beta) [T, S]."""
-        m = self.m
-        flat = self.norm(streams.reshape(len(streams), -1), m.weight("merge_mhc_gamma"))
-        logits = m.linear(flat, "merge_mhc_phi") * m.weight("merge_mhc_alpha").reshape(-1)[0] \
-            + m.weight("merge_mhc_beta")
+        cx = self.ctx
+        flat = self.norm(streams.reshape(len(streams), -1), cx.weight("merge_mhc_gamma"))
+        logits = cx.linear(flat, "merge_mhc_phi") * cx.weight("merge_mhc_alpha").reshape(-1)[0] \
+            + cx.weight("merge_mhc_beta")
         return (np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))).astype(np.float32)
 
     def _sinks(self, b: str) -> np.ndarray:
         """The param sinks as cache rows [k_pe | RMSNorm(sink latent) * attn_kv_a_norm] (ik derives them at load)."""
-        m = self.m
-        latent = self.norm(m.weight(b + "attn_param_sink_kv"), m.weight(b + "attn_kv_a_norm.weight"))
-        return np.concatenate([m.weight(b + "attn_param_sink_k_pe"), latent], axis=1)
+        cx = self.ctx
+        latent = self.norm(cx.weight(b + "attn_param_sink_kv"), cx.weight(b + "attn_kv_a_norm.weight"))
+        return np.concatenate([cx.weight(b + "attn_param_sink_k_pe"), latent], axis=1)
 
     def _attention(self, i: int, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        m, b, n = self.m, f"blk.{i}.", len(h)
-        q_lat = causal_conv_residual(m.linear(h, b + "attn_q_a"), m.weight(b + "attn_qa_conv.weight"), m.ik_numerics)
-        q_lat = self.norm(q_lat, m.weight(b + "attn_q_a_norm.weight"))
-        q = m.linear(q_lat, b + "attn_q_b").reshape(n, self.n_head, self.head_k)
+        cx, b, n = self.ctx, f"blk.{i}.", len(h)
+        q_lat = cx.numerics.conv(cx.linear(h, b + "attn_q_a"), cx.weight(b + "attn_qa_conv.weight"))
+        q_lat = self.norm(q_lat, cx.weight(b + "attn_q_a_norm.weight"))
+        q = cx.linear(q_lat, b + "attn_q_b").reshape(n, self.n_head, self.head_k)
         q_nope = np.ascontiguousarray(q[:, :, : self.n_nope])
         q_rope = np.ascontiguousarray(q[:, :, self.n_nope :])
-        kv = m.linear(h, b + "attn_kv_a_mqa")
-        latent = causal_conv_residual(kv[:, : self.kv_lora], m.weight(b + "attn_compresskv_conv.weight"),
-                                      m.ik_numerics)
-        latent = self.norm(latent, m.weight(b + "attn_kv_a_norm.weight"))
+        kv = cx.linear(h, b + "attn_kv_a_mqa")
+        latent = cx.numerics.conv(kv[:, : self.kv_lora], cx.weight(b + "attn_compresskv_conv.weight"))
+        latent = self.norm(latent, cx.weight(b + "attn_kv_a_norm.weight"))
         k_rope = np.ascontiguousarray(kv[:, self.kv_lora :]).reshape(n, 1, self.n_rot)
         self.rope(q_rope, cos, sin, True)
         self.rope(k_rope, cos, sin, True)
-        cache = m.kv_store(np.concatenate([k_rope.reshape(n, self.n_rot), latent], axis=1))
+        cache = cx.kv_store(np.concatenate([k_rope.reshape(n, self.n_rot), latent], axis=1))
         kind = self.kinds[i]
         keep = self._indexer(b, h, q_lat, cos, sin) if kind.indexer else None
-        if m.observers:
+        if cx.observers:
             self._observe_heads(b + "attn_k_b.weight", q_nope.transpose(1, 0, 2))
-        if m.ik_numerics and (self.n_rot + self.kv_lora) % LANES == 0:
-            out = self._ik_attention(b, q_rope, q_nope, cache, kind, keep)
-            out = causal_conv_residual(out.reshape(n, self.n_head * self.head_v),
-                                       m.weight(b + "attn_o_conv.weight"), True)
-            return m.linear(out, b + "attn_output")
-        w_kb = m.matmul_weight(b + "attn_k_b.weight", n, self.kv_lora).reshape(self.n_head, self.kv_lora, self.n_nope)
-        w_vb = m.matmul_weight(b + "attn_v_b.weight", n, self.head_v).reshape(self.n_head, self.head_v, self.kv_lora)
-        out = latent_attention(q_rope, m.activations(q_nope, b + "attn_k_b.weight"), w_kb, cache, w_vb,
-                               self.kq_scale, sinks=self._sinks(b),
-                               vb_input=lambda lat: m.activations(lat, b + "attn_v_b.weight"),
-                               window=kind.window, keep=keep, ik_avx512_sinks=self.ik_avx512_sinks,
-                               on_latent=(lambda lat: self._observe_heads(b + "attn_v_b.weight", lat))
-                               if m.observers else None)
-        out = causal_conv_residual(out.reshape(n, self.n_head * self.head_v), m.weight(b + "attn_o_conv.weight"),
-                                   m.ik_numerics)
-        return m.linear(out, b + "attn_output")
-
-    def _ik_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, kind: LayerKind,
-                      keep: np.ndarray | None) -> np.ndarray:
-        """The attention as ik's CPU graph computes it (--numerics ik): attn_k_b and attn_v_b per head as ik's
-        kernels multiply them, the sinks and cache in ik's layout ([latent | rope], unlike the cache rows here) and
-        its float order (ops/attention.ik_sink_latent_attention). [n, H, V]."""
-        m, n = self.m, q_rope.shape[0]
-        q_lat = m.head_product(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight")
-        q = np.concatenate([q_lat, q_rope.transpose(1, 0, 2)], axis=2)
-        lat_first = np.r_[self.n_rot : self.n_rot + self.kv_lora, : self.n_rot]
-        t, s = np.arange(n)[:, None], np.arange(n)[None, :]
-        visible = (s <= t) & ((t - s < kind.window) if kind.window > 0 else True)
-        if keep is not None:
-            visible &= keep
-        latent = ik_sink_latent_attention(q, cache[:, lat_first], self._sinks(b)[:, lat_first], visible,
-                                          self.kv_lora, self.kq_scale, self.ik_avx512_sinks)
-        if m.observers:
-            self._observe_heads(b + "attn_v_b.weight", latent)
-        return m.head_product(latent, b + "attn_v_b.weight").transpose(1, 0, 2)
+        out = cx.numerics.latent_attention(b, q_rope, q_nope, cache, self.kq_scale, sinks=self._sinks(b),
+                                           window=kind.window, keep=keep,
+                                           on_latent=(lambda lat: self._observe_heads(b + "attn_v_b.weight", lat))
+                                           if cx.observers else None)
+        out = cx.numerics.conv(out.reshape(n, self.n_head * self.head_v), cx.weight(b + "attn_o_conv.weight"))
+        return cx.linear(out, b + "attn_output")
 
     def _observe_heads(self, name: str, rows: np.ndarray) -> None:
         """Per-head inputs [H, n, d] of a per-head weight (attn_k_b, attn_v_b), one matrix per head as ik's imatrix
         records them."""
         for head in range(self.n_head):
-            self.m.observe(name, rows[head], head, self.n_head)
+            self.ctx.observe(name, rows[head], head, self.n_head)
 
     def _indexer(self, b: str, h: np.ndarray, q_lat: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray | None:
         """Keys each query keeps [n, n] (None while no query has more than top_k candidates: all are kept)."""
-        m, n = self.m, len(h)
-        k = self.norm(m.linear(h, b + "attn_indexer_k"), m.weight(b + "attn_indexer_k_norm.weight"))
+        cx, n = self.ctx, len(h)
+        k = self.norm(cx.linear(h, b + "attn_indexer_k"), cx.weight(b + "attn_indexer_k_norm.weight"))
         k = np.ascontiguousarray(k).reshape(n, 1, self.idx_dim)
         self.rope(k, cos, sin, True)
         if n <= self.top_k:
             return None
-        q = np.ascontiguousarray(m.linear(q_lat, b + "attn_indexer_q_b")).reshape(n, self.n_idx_head, self.idx_dim)
+        q = np.ascontiguousarray(cx.linear(q_lat, b + "attn_indexer_q_b")).reshape(n, self.n_idx_head, self.idx_dim)
         self.rope(q, cos, sin, True)
-        w = m.linear(h, b + "attn_indexer_weights_proj")
-        return select_top_k(indexer_scores(q, m.kv_store(k.reshape(n, self.idx_dim)), w), self.top_k,
+        w = cx.linear(h, b + "attn_indexer_weights_proj")
+        return select_top_k(indexer_scores(q, cx.kv_store(k.reshape(n, self.idx_dim)), w), self.top_k,
                             TIE_PARTIAL_SORT)

@@ -1,10 +1,10 @@
 """The feed-forward blocks the architectures share: the SwiGLU FFN and the routed MoE FFN with shared experts.
 
-Both take the Model (ikrun/model.py) for its weights, matmuls and observers. The MoE FFN routes every sequence of a
-batch separately (the router and shared experts are matmuls whose rounding depends on the batch's row count), then
-runs the routed experts once for the whole batch: each routed expert is decoded once per batch (cached per expert
-while the budget allows, except in a layer-streamed pass, which uses each once), and only the experts that receive
-a token at all, a group at a time sized to what the cache holds.
+Both take the Context (ikrun/context.py) for its weights, arithmetic and observers. The MoE FFN routes every sequence
+of a batch separately (the router and shared experts are matmuls whose rounding depends on the batch's row count),
+then runs the routed experts once for the whole batch: each routed expert is decoded once per batch (cached per
+expert while the budget allows, except in a layer-streamed pass, which uses each once), and only the experts that
+receive a token at all, a group at a time sized to what the cache holds.
 """
 
 from __future__ import annotations
@@ -15,22 +15,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ikrun.numerics.ik.qgemm import PackedInts
-from ikrun.ops.activations import swiglu
-from ikrun.ops.moe import GATING_NAMES, ExpertFetch, ExpertInts, moe_experts, route
+from ikrun.ops.moe import GATING_NAMES, RoutedExperts
 
 if TYPE_CHECKING:
-    from ikrun.model import Model
+    from ikrun.context import Context
     from ikrun.models.base import Sequence
 
 EXPERT_TENSORS = ("ffn_up_exps", "ffn_gate_exps", "ffn_down_exps")
 
 
-def dense_ffn(m: Model, h: np.ndarray, b: str, kind: str = "", limit: float = np.inf) -> np.ndarray:
+def dense_ffn(cx: Context, h: np.ndarray, b: str, kind: str = "", limit: float = np.inf) -> np.ndarray:
     """SwiGLU FFN through ffn_gate/up/down{kind} of block prefix `b` ("" dense layers, "_shexp" shared experts),
     clamped at a finite `limit` (swiglu)."""
-    gate, up = m.linears(h, [b + "ffn_gate" + kind, b + "ffn_up" + kind], fused=True)
-    return m.linear(swiglu(gate, up, limit, m.ik_numerics), b + "ffn_down" + kind)
+    gate, up = cx.linears(h, [b + "ffn_gate" + kind, b + "ffn_up" + kind], fused=True)
+    return cx.linear(cx.numerics.swiglu(gate, up, limit), b + "ffn_down" + kind)
 
 
 @dataclass(frozen=True)
@@ -67,39 +65,34 @@ class MoeConfig:
         return want
 
 
-def moe_ffn(m: Model, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: MoeConfig, *,
+def moe_ffn(cx: Context, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: MoeConfig, *,
             limit: float = np.inf, shared_limit: float = np.inf,
             hash_table: np.ndarray | None = None) -> list[np.ndarray]:
     """The MoE FFN of block prefix `b` on a batch of sequences' normed hidden states (one [n, n_embd] each).
 
     `limit` / `shared_limit` clamp the routed / shared experts' SwiGLU; `hash_table` [vocab, n_used] routes each
     token to the experts of its row instead of the top-k (DeepSeek-V4's hash layers)."""
-    bias = m.weight(b + "exp_probs_b.bias") if m.has(b + "exp_probs_b.bias") else None
+    bias = cx.weight(b + "exp_probs_b.bias") if cx.has(b + "exp_probs_b.bias") else None
     routes = []
     for h, seq in zip(hs, seqs):
-        m.chunk = seq.index
+        cx.chunk = seq.index
         chosen = None if hash_table is None else hash_table[seq.tokens]
-        routes.append(route(m.linear(h, b + "ffn_gate_inp"), bias, cfg.n_used, cfg.gating, cfg.w_norm, cfg.w_scale,
-                            chosen, m.ik_numerics))
+        routes.append(cx.numerics.route(cx.linear(h, b + "ffn_gate_inp"), bias, cfg.n_used, cfg.gating, cfg.w_norm,
+                                        cfg.w_scale, chosen))
     x = hs[0] if len(hs) == 1 else np.concatenate(hs)
     sel = routes[0][0] if len(hs) == 1 else np.concatenate([r[0] for r in routes])
     w = routes[0][1] if len(hs) == 1 else np.concatenate([r[1] for r in routes])
     names = [b + t + ".weight" for t in EXPERT_TENSORS]
-    formats = (m.activation_format(names[0]), m.activation_format(names[1]), m.activation_format(names[2]))
-    counts = np.bincount(sel.reshape(-1), minlength=cfg.n_expert)
-    ik = (m.weights.encoding(names[0]).type.name, m.weights.encoding(names[1]).type.name,
-          m.weights.encoding(names[2]).type.name) if m.ik_numerics else None
-    res = moe_experts(x, sel, w, cfg.n_expert, _fetcher(m, names, counts), _group(m, names, cfg.n_expert), limit,
-                      formats, _integers(m, names, counts) if m.ik_numerics else None, keep_act=bool(m.observers),
-                      ik=ik)
+    res = cx.numerics.routed_experts(x, sel, w, cfg.n_expert, names, _group(cx, names, cfg.n_expert), limit,
+                                     keep_act=bool(cx.observers))
     starts = np.cumsum([0] + [len(h) for h in hs])
-    if m.observers:
-        _observe_experts(m, names, x, res, cfg, starts, seqs)
+    if cx.observers:
+        _observe_experts(cx, names, x, res, cfg, starts, seqs)
     outs = [res.out[starts[c] : starts[c + 1]] for c in range(len(hs))]
     if cfg.n_shared:
         for c, (h, seq) in enumerate(zip(hs, seqs)):
-            m.chunk = seq.index
-            outs[c] = outs[c] + dense_ffn(m, h, b, "_shexp", shared_limit)
+            cx.chunk = seq.index
+            outs[c] = outs[c] + dense_ffn(cx, h, b, "_shexp", shared_limit)
     return outs
 
 
@@ -108,55 +101,18 @@ def moe_ffn(m: Model, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: M
 STREAM_DECODE_BYTES = 64 << 20
 
 
-def _group(m: Model, names: list[str], n_expert: int) -> int | None:
+def _group(cx: Context, names: list[str], n_expert: int) -> int | None:
     """How many routed experts to decode at a time: all of them when their decoded matrices fit the cache, else
     what it holds (one at least); streamed, what STREAM_DECODE_BYTES holds."""
-    per_expert = sum(m.weights.decoded_bytes(n) for n in names) // n_expert
-    capacity = m.weights.capacity
-    if m.streaming:
+    per_expert = sum(cx.weights.decoded_bytes(n) for n in names) // n_expert
+    capacity = cx.weights.capacity
+    if cx.weights.streaming:
         capacity = STREAM_DECODE_BYTES if capacity is None else min(capacity, STREAM_DECODE_BYTES)
     return None if capacity is None else max(1, int(capacity // per_expert))
 
 
-def _fetcher(m: Model, names: list[str], counts: np.ndarray) -> ExpertFetch:
-    """The routed experts' matrices, decoded (and cached) one expert at a time: a whole expert tensor is never
-    decoded for a batch, only the experts that receive tokens; F16/BF16 experts are handed over as their bits (the
-    expert kernel widens them), never decoded. Under --numerics ik an expert whose kernel ik converts at its token
-    count (`counts`, per expert) is multiplied as converted."""
-
-    def matrices(name: str, ids: np.ndarray) -> np.ndarray:
-        half = m.weights.half_experts(name, ids)  # F16/BF16: ik's kernels convert neither, so under ik's numerics too
-        if half is not None:
-            return half
-        mat = m.weights.decode_experts(name, ids, not m.streaming)
-        if m.ik_numerics:
-            m.ik_convert_experts(name, ids, counts[ids], mat)
-        return mat
-
-    def fetch(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        up, gate, down = (matrices(name, ids) for name in names)
-        return up, gate, down
-
-    return fetch
-
-
-def _integers(m: Model, names: list[str], counts: np.ndarray) -> ExpertInts:
-    """Under --numerics ik, an expert's (up, gate, down) integers where ik multiplies all three in integers at its
-    token count (`counts`, per expert); None sends it to the float kernel."""
-
-    def ints(e: int) -> tuple[PackedInts, PackedInts, PackedInts] | None:
-        count = int(counts[e])
-        if not all(m.ik_has_ints(name, count) for name in names):
-            return None
-        up, gate, down = (m.ik_expert_ints(name, e, count) for name in names)
-        assert up is not None and gate is not None and down is not None
-        return up, gate, down
-
-    return ints
-
-
-def _observe_experts(m: Model, names: list[str], x: np.ndarray, res: Any, cfg: MoeConfig, starts: np.ndarray,
-                     seqs: list[Sequence]) -> None:
+def _observe_experts(cx: Context, names: list[str], x: np.ndarray, res: RoutedExperts, cfg: MoeConfig,
+                     starts: np.ndarray, seqs: list[Sequence]) -> None:
     """Each expert's rows per sequence, in sequence order (the order a chunk-by-chunk run shows them): as ik's fused
     up/gate op, the shared input is recorded under the up tensor only."""
     up, _, down = names
@@ -170,6 +126,6 @@ def _observe_experts(m: Model, names: list[str], x: np.ndarray, res: Any, cfg: M
         for c, seq in enumerate(seqs):
             part = rows[cuts[c] : cuts[c + 1]]
             if part.size:
-                m.chunk = seq.index
-                m.observe(up, x[part // cfg.n_used], e, cfg.n_expert)
-                m.observe(down, res.act[part], e, cfg.n_expert)
+                cx.chunk = seq.index
+                cx.observe(up, x[part // cfg.n_used], e, cfg.n_expert)
+                cx.observe(down, res.act[part], e, cfg.n_expert)

@@ -1,11 +1,6 @@
-"""Causal multi-head attention with grouped KV heads, scores through BLAS, the masked softmax in Numba; and
-`ik_causal_attention`, ik's own arithmetic of the same (--numerics ik).
-
-ik (no flash attention) multiplies f32 queries with its f16 keys in a float kernel of 16 lanes: lane l sums the
-products of dims l, l + 16, ... (the first a product, the rest fused multiply-adds), then the 16 lanes are added
-as a tree (8 + 8, 4 + 4, then (0 + 2) + (1 + 3)). The softmax scales, takes the row maximum, exponentiates with
-ik's own exp (activations.ik_expf), sums the exponentials in 16 lanes by key (the same tree, then float64) and
-multiplies by float32(1 / sum). The values multiply the float32 probabilities the same way, lanes by key.
+"""Causal multi-head attention with grouped KV heads, and one shared key/value head with sinks, a window and extra
+masked rows (DeepSeek-V4): scores through BLAS, the masked softmax in Numba. ik's own arithmetic of these lives in
+ikrun/numerics/ik/attention.py.
 """
 
 from __future__ import annotations
@@ -13,9 +8,6 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.numeric import fmaf
-from ikrun.numerics.ik.ikgemm import DOTS, LANES, XROWS, dots, ik_dot_grid
-from ikrun.ops.activations import ik_expf
 from ikrun.ops.parallel import pick
 
 # Query rows per block: bounds the score buffer to heads x block x n_kv floats for long chunks.
@@ -83,118 +75,6 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) 
         causal_softmax(flat, scale, past + q0)
         out[:, :, q0:q1] = np.matmul(scores, vh[:, :, :n_keys])
     return out.reshape(n_head, n, dv).transpose(1, 0, 2)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _lane_sum(lanes: np.ndarray) -> np.float32:
-    """16 float32 lanes added as ik's reduction adds them: 8 + 8, 4 + 4, then (0 + 2) + (1 + 3)."""
-    t = np.empty(8, np.float32)
-    for j in range(8):
-        t[j] = lanes[j + 8] + lanes[j]
-    return ((t[4] + t[0]) + (t[6] + t[2])) + ((t[5] + t[1]) + (t[7] + t[3]))
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _ik_softmax(r: np.ndarray, n_keys: int, scale: np.float32) -> None:
-    """ik's softmax of the scores r[:n_keys] in place (the module docstring), zeros after them (r's length a
-    multiple of 16). Each pass is a loop LLVM vectorises (on a view from 0: an offset start keeps it scalar): the
-    maximum and the sum in 16 lanes (the maximum's order changes nothing; the sum's is ik's)."""
-    whole = n_keys + (-n_keys % LANES)
-    for j in range(n_keys):
-        r[j] *= scale
-    for j in range(n_keys, whole):
-        r[j] = -np.inf  # ik_expf(-inf) is 0
-    lanes = np.full(LANES, -np.inf, np.float32)
-    for c in range(0, whole, LANES):
-        for lane in range(LANES):
-            lanes[lane] = max(lanes[lane], r[c + lane])
-    m = lanes.max()
-    for j in range(whole):
-        r[j] = ik_expf(r[j] - m)
-    lanes[:] = 0
-    for c in range(0, whole, LANES):
-        for lane in range(LANES):
-            lanes[lane] += r[c + lane]
-    total = _lane_sum(lanes)
-    inv = np.float32(1.0 / np.float64(total))
-    for j in range(n_keys):
-        r[j] *= inv
-    for j in range(whole, r.shape[0]):
-        r[j] = np.float32(0.0)
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, past: int, out: np.ndarray) -> None:
-    """q [H, n, d], k [Hkv, keys padded, d], vt [Hkv, dv, keys padded], out [H, n, dv] (all C-contiguous; the
-    padding, to a multiple of 16 keys, zeros).
-
-    XROWS queries of a head at a time: their scores against DOTS keys, and their weighted values of DOTS dims, per
-    kernel call (each key and value vector loaded once for all of them). The scores a query may not see are
-    computed with the others' and then dropped, and its probabilities are zero past its last key, so each dot
-    product sums exactly what a query alone would (a product of zero adds nothing)."""
-    n_head, n, d = q.shape
-    n_kv, padded, dv = k.shape[0], k.shape[1], vt.shape[1]
-    group, n_groups = n_head // n_kv, (n + XROWS - 1) // XROWS
-    sc = np.float32(scale)
-    qf, kf, vf, of = q.reshape(-1), k.reshape(-1), vt.reshape(-1), out.reshape(-1)
-    for task in prange(n_head * n_groups):
-        h, i0 = task // n_groups, task % n_groups * XROWS
-        rows = min(XROWS, n - i0)
-        g = h // group
-        k0, v0 = g * padded * d, g * dv * padded
-        p = np.empty(XROWS * padded, np.float32)
-        tail = np.empty(DOTS, np.float32)
-        last = past + i0 + rows  # keys the group's last query sees
-        width = last + (-last % LANES)
-        q0 = (h * n + i0) * d
-        if rows == XROWS:
-            for j in range(0, last + (-last % DOTS), DOTS):
-                ik_dot_grid(qf, q0, d, kf, k0 + j * d, d, d, p, j, padded)
-        else:
-            for a in range(rows):
-                dots(qf, q0 + a * d, kf, k0, d, d, last, p, a * padded, tail, False)
-        for a in range(rows):
-            _ik_softmax(p[a * padded : a * padded + width], past + i0 + a + 1, sc)
-        o0 = (h * n + i0) * dv
-        full = dv - dv % DOTS if rows == XROWS else 0
-        for c in range(0, full, DOTS):
-            ik_dot_grid(p, 0, padded, vf, v0 + c * padded, padded, width, of, o0 + c, dv)
-        for a in range(rows):
-            dots(p, a * padded, vf, v0 + full * padded, padded, width, dv - full, of, o0 + a * dv + full, tail, False)
-
-
-def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-    """causal_attention in ik's arithmetic (the module docstring); head dims a multiple of 16."""
-    n, n_head, d = q.shape
-    if d % LANES:
-        raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {LANES}, not {d}")
-    n_keys = k.shape[0]
-    padded = n_keys + (-n_keys % LANES)
-    qh = np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32)
-    kh = np.zeros((k.shape[1], padded, d), np.float32)
-    kh[:, :n_keys] = k.transpose(1, 0, 2)
-    vt = np.zeros((k.shape[1], v.shape[2], padded), np.float32)
-    vt[:, :, :n_keys] = v.transpose(1, 2, 0)
-    out = np.empty((n_head, n, v.shape[2]), np.float32)
-    _ik_attention(qh, kh, vt, float(scale), n_keys - n, out)
-    return out.transpose(1, 0, 2)
-
-
-def ik_latent_attention(q: np.ndarray, cache: np.ndarray, n_rope: int, scale: float) -> np.ndarray:
-    """DeepSeek's absorbed attention (ops/mla.py) in ik's arithmetic: queries q [H, n, R + C] ([q_rope | q_lat])
-    against the cache rows [n, R + C] ([k_rope | c_kv], as the f16 cache holds them), the latents c_kv as values:
-    [H, n, C]; dims a multiple of 16."""
-    n_head, n, d = q.shape
-    if d % LANES:
-        raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {LANES}, not {d}")
-    padded = n + (-n % LANES)
-    keys = np.zeros((1, padded, d), np.float32)
-    keys[0, :n] = cache
-    vt = np.zeros((1, d - n_rope, padded), np.float32)
-    vt[0, :, :n] = cache[:, n_rope:].T
-    out = np.empty((n_head, n, d - n_rope), np.float32)
-    _ik_attention(np.ascontiguousarray(q, dtype=np.float32), keys, vt, float(scale), 0, out)
-    return out
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -266,104 +146,4 @@ def shared_kv_attention(q: np.ndarray, kv: np.ndarray, scale: float, *, window: 
         pick(_sink_serial, _sink_parallel, scores.size)(scores, float(scale), sink, q0, lo, q1 - lo, int(window),
                                                          keep[q0:q1])
         np.matmul(scores, keys, out=out[q0:q1])
-    return out
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _ik_masked_softmax(r: np.ndarray, visible: np.ndarray, n_sink: int, scale: np.float32) -> None:
-    """ggml's soft_max_ext over a row of r (sinks first, always visible, then one score per cache cell, visible
-    where `visible` says): scaled, -inf where masked, the maximum, then ik's exponential in 16 lanes and their
-    sum reduced as ik's tree, the cells past the last whole 16 with expf summed after it in float64, times
-    float32(1 / sum)."""
-    width = r.shape[0]
-    m = -np.inf
-    for j in range(width):
-        v = r[j] * scale if j < n_sink or visible[j - n_sink] else -np.inf
-        r[j] = v
-        m = max(m, v)
-    whole = width - width % LANES
-    lanes = np.zeros(LANES, np.float32)
-    for c in range(0, whole, LANES):
-        for lane in range(LANES):
-            e = ik_expf(r[c + lane] - m)
-            r[c + lane] = e
-            lanes[lane] += e
-    total = np.float64(_lane_sum(lanes))
-    for j in range(whole, width):
-        e = np.exp(np.float32(r[j] - m))
-        r[j] = e
-        total += np.float64(e)
-    inv = np.float32(1.0 / total)
-    for j in range(width):
-        r[j] *= inv
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _ik_sink_values(p: np.ndarray, s_lat: np.ndarray, c: int, n_sink: int, overread: bool) -> np.float32:
-    """Latent channel c of the sinks' weighted values as ik's f32 kernel sums them: 16-lane fused multiply-adds over
-    the sink probabilities p[:n_sink] and the channel's row of the transposed sink latents (s_lat: [C x S] flat,
-    16 zeros after it). With fewer than 16 sinks its first step reads 16 floats of each anyway and its 4-float
-    tail steps then add the row again (`overread`: ik's AVX-512 build; else the row alone)."""
-    acc = np.zeros(LANES, np.float32)
-    x0 = c * n_sink
-    steps = n_sink // LANES
-    iks = overread or n_sink >= LANES  # ik's kernel: a first step of 16 floats, then 4-float tail steps
-    for lane in range(LANES if iks else n_sink):
-        acc[lane] = p[lane] * s_lat[x0 + lane]
-    for i in range(1, steps):
-        for lane in range(LANES):
-            acc[lane] = fmaf(p[i * LANES + lane], s_lat[x0 + i * LANES + lane], acc[lane])
-    if iks:
-        for i in range(steps * 4, n_sink // 4):
-            for lane in range(4):
-                acc[lane] = fmaf(p[4 * i + lane], s_lat[x0 + 4 * i + lane], acc[lane])
-    return _lane_sum(acc)
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _ik_sink_attention(q: np.ndarray, cache: np.ndarray, vt: np.ndarray, sinks: np.ndarray, s_lat: np.ndarray,
-                       visible: np.ndarray, scale: float, overread: bool, out: np.ndarray) -> None:
-    n_head, n, d = q.shape
-    n_sink, n_cells, n_lat = sinks.shape[0], cache.shape[0], vt.shape[0]
-    qf, kf, sf, vf, of = q.reshape(-1), cache.reshape(-1), sinks.reshape(-1), vt.reshape(-1), out.reshape(-1)
-    for task in prange(n_head * n):
-        h, t = task // n, task % n
-        p = np.zeros(n_sink + n_cells + LANES, np.float32)
-        tail = np.empty(DOTS, np.float32)
-        q0 = (h * n + t) * d
-        dots(qf, q0, sf, 0, d, d, n_sink, p, 0, tail, False)
-        dots(qf, q0, kf, 0, d, d, n_cells, p, n_sink, tail, False)
-        _ik_masked_softmax(p[: n_sink + n_cells], visible[t], n_sink, np.float32(scale))
-        dots(p, n_sink, vf, 0, n_cells, n_cells, n_lat, of, (h * n + t) * n_lat, tail, False)
-        for c in range(n_lat):
-            of[(h * n + t) * n_lat + c] += _ik_sink_values(p, s_lat, c, n_sink, overread)
-
-
-#: ik's KV cache grows in cells of this many tokens without flash attention: the rows its attention multiplies
-KV_CELL_PAD = 32
-
-
-def ik_sink_latent_attention(q: np.ndarray, cache: np.ndarray, sinks: np.ndarray, visible: np.ndarray,
-                             n_lat: int, scale: float, overread: bool) -> np.ndarray:
-    """openPangu's latent attention as ik's CPU graph computes it (its unfused chain): queries q [H, n, C + R]
-    ([q_lat | q_pe], ik's layout), the cache rows [n, C + R] ([c_kv | k_pe], f16 values) and the sinks [S, C + R]
-    (f32), query t seeing cache row j where visible[t, j]. The scores of the sinks and of ik's whole cache (n
-    rounded up to KV_CELL_PAD cells, the extra ones masked) in its 16-lane kernel, one softmax over [sinks | cells]
-    (_ik_masked_softmax), the cells' latents weighted in the same kernel plus the sinks' (_ik_sink_values,
-    `overread`: ik's AVX-512 over-read for fewer than 16 sinks, the floats past the last channel's row read as 0).
-    Returns the latents [H, n, C]."""
-    n_head, n, d = q.shape
-    if d % LANES:
-        raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {LANES}, not {d}")
-    cells = n + (-n % KV_CELL_PAD)
-    keys = np.zeros((cells, d), np.float32)
-    keys[:n] = cache
-    mask = np.zeros((n, cells), np.bool_)
-    mask[:, :n] = visible
-    vt = np.ascontiguousarray(keys[:, :n_lat].T)
-    s_lat = np.zeros(n_lat * len(sinks) + LANES, np.float32)
-    s_lat[: n_lat * len(sinks)] = np.ascontiguousarray(sinks[:, :n_lat].T).reshape(-1)
-    out = np.empty((n_head, n, n_lat), np.float32)
-    _ik_sink_attention(np.ascontiguousarray(q, dtype=np.float32), keys, vt, np.ascontiguousarray(sinks, np.float32),
-                       s_lat, mask, float(scale), overread, out)
     return out

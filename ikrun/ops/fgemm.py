@@ -39,7 +39,9 @@ def _tile(typingctx, w, wr, ws, wk, xt, g0, k0, k1, n, out, r0, n_tok):  # type:
         w_p = context.make_array(signature.args[0])(context, builder, value=args[0]).data
         x_p = context.make_array(signature.args[4])(context, builder, value=args[4]).data
         o_p = context.make_array(signature.args[9])(context, builder, value=args[9]).data
-        wr, ws, wk, g0, k0, k1, n, r0, n_tok = (*args[1:4], *args[5:9], args[10], args[11])
+        wr, ws, wk = args[1], args[2], args[3]
+        g0, k0, k1, n = args[5], args[6], args[7], args[8]
+        r0, n_tok = args[10], args[11]
         const = lambda v: ir.Constant(_I64, v)  # noqa: E731
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
         rows = [builder.add(r0, const(i)) for i in range(ROWS)]

@@ -23,13 +23,14 @@ import numpy as np
 from ikquant.cluster import Cluster
 from ikquant.imatrix import read_imatrix
 from ikquant.types import GGMLType, type_by_name
+from ikrun.errors import SweepError
 from ikrun.eval.metrics import KLDAccumulator
-from ikrun.model import Model, RuntimeOptions
+from ikrun.model import Model
+from ikrun.options import RuntimeOptions
 from ikrun.sweep.measure import (
     Candidate,
     Measurer,
     Scored,
-    SweepError,
     SweepRow,
     concurrent_kernels_are_safe,
     pending_jobs,

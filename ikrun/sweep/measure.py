@@ -24,12 +24,12 @@ from typing import Any
 import numba
 import numpy as np
 
-from ikquant.errors import IkError
 from ikquant.imatrix import Imatrix
 from ikquant.quantize import quantize_rows
 from ikquant.recipes import eligible, with_row_fallback
 from ikquant.sweepfile import check_resumable, file_sha256, read_sweep_file, write_sweep_file
 from ikquant.types import GGMLType
+from ikrun.errors import SweepError
 from ikrun.eval.evaluate import kl_divergence
 from ikrun.eval.metrics import BaseLogitsFile, KLDAccumulator, kld_stats
 from ikrun.eval.stream import BlockInputs, plan_run
@@ -41,11 +41,6 @@ GROUP_MODES = ("tensor", "layer", "class")
 # in the queue the quantizing thread runs on through a fast one instead of leaving the evaluation waiting after a
 # slow one (2.8% of a tiny sweep's time with one).
 LOOKAHEAD = 2
-
-
-class SweepError(IkError, ValueError):
-    """Sweep options that cannot be measured: an unknown grouping, a regex that matches nothing, a type that does
-    not fit a tensor's rows."""
 
 
 @dataclass

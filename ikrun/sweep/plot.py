@@ -25,7 +25,7 @@ def plot_sweep(rows: list[SweepRow], path: Path, title: str) -> None:
         raise RuntimeError("--plot needs matplotlib: pip install 'iktools[plot]'") from None
     types = list(dict.fromkeys(r.type for r in rows))
     tensors = sorted({t for r in rows for t in r.tensors})
-    layers = sorted({layer_of(t) for t in tensors if layer_of(t) is not None})
+    layers = sorted({layer for t in tensors if (layer := layer_of(t)) is not None})
     classes = sorted({tensor_class(t) for t in tensors if layer_of(t) is not None})
     values = [r.kld_mean for r in rows if r.kld_mean > 0]
     norm = LogNorm(vmin=min(values), vmax=max(values)) if values else None

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ikrun.errors import HFReferenceError
+
 Observe = Callable[[str, np.ndarray], None]
 BlockHook = Callable[[int, np.ndarray], None]
 Proj = Callable[[np.ndarray, str], np.ndarray]
@@ -43,7 +45,7 @@ class DeepseekV3Reference:
             return (np.float32(1.0) / pos_freqs).astype(np.float32), 1.0
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind != "yarn":
-            from ikrun.validate.hf import HFReferenceError
+
 
             raise HFReferenceError(f"rope_scaling type {kind!r} is not implemented in the DeepSeek-V3 reference")
         factor = float(scaling["factor"])

@@ -45,6 +45,7 @@ import numpy as np
 from ikconvert.archs.deepseek4 import dequantize_fp8_e8m0, e8m0_bytes
 from ikconvert.checkpoint import Checkpoint
 from ikconvert.safetensors_io import E8M0_TABLE, SafeTensor
+from ikrun.errors import HFReferenceError
 
 BlockHook = Callable[[int, np.ndarray], None]
 Observe = Callable[[str, np.ndarray], None]
@@ -210,7 +211,7 @@ class DeepseekV4Reference:
         self.ratios: list[int] = list(c.get("compress_ratios") or [0] * self.n_layer)[: self.n_layer]
         for r in self.ratios:
             if r not in LAYER_TYPES:
-                from ikrun.validate.hf import HFReferenceError
+
 
                 raise HFReferenceError(f"compress ratio {r} is not one transformers implements ({sorted(LAYER_TYPES)})")
         self.n_hash: int = min(c.get("num_hash_layers", 3), self.n_layer)

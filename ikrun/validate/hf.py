@@ -13,40 +13,26 @@ from pathlib import Path
 import numpy as np
 
 from ikconvert.checkpoint import Checkpoint
-from ikquant.errors import IkError
-
-
-class HFReferenceError(IkError, ValueError):
-    """A checkpoint the numpy reference does not implement."""
-
-
-def _other_references() -> dict[str, type]:
-    """Architectures whose numpy reference lives in its own module (ikrun/reference_<arch>.py)."""
-    from ikrun.validate.deepseek2 import DeepseekV3Reference
-    from ikrun.validate.deepseek4 import DeepseekV4Reference
-    from ikrun.validate.glm_dsa import GlmDsaReference
-    from ikrun.validate.openpangu import OpenPanguReference
-
-    return {arch: cls for cls in (DeepseekV3Reference, DeepseekV4Reference, GlmDsaReference, OpenPanguReference)
-            for arch in cls.architectures}
+from ikrun.errors import HFReferenceError
+from ikrun.validate import REFERENCES, reference_class
+from ikrun.validate.dflash import DFlashReference
 
 
 class HFReference:
     """Numpy forward of LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM from the HF checkpoint."""
 
-    supported = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
     def __init__(self, folder: Path):
         self.ckpt = Checkpoint(folder)
         self.cfg = self.ckpt.config
-        other = _other_references()
-        if self.ckpt.architecture not in self.supported and self.ckpt.architecture not in other:
-            raise HFReferenceError(f"{folder}: no numpy reference for {self.ckpt.architecture}; "
-                                 f"available: {', '.join([*self.supported, *other])}")
+        arch = self.ckpt.architecture
+        own = reference_class(arch)
+        if own is None or own is DFlashReference:
+            raise HFReferenceError(f"{folder}: no numpy reference for {arch}; available: "
+                                   + ", ".join(a for a in REFERENCES if reference_class(a) is not DFlashReference))
         self.tensors = dict(self.ckpt.iter_tensors())
         #: the architecture's own reference module, for those not written here
-        self.other = other[self.ckpt.architecture](self.cfg, self.tensors) if self.ckpt.architecture in other \
-            else None
+        self.other = own(self.cfg, self.tensors) if own is not HFReference else None
 
     def w(self, name: str) -> np.ndarray:
         return self.tensors[name].to_f32()

@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ikrun.errors import HFReferenceError
+
 Observe = Callable[[str, np.ndarray], None]
 BlockHook = Callable[[int, np.ndarray], None]
 #: config switches whose other setting ik's graph does not implement
@@ -70,7 +72,7 @@ class OpenPanguReference:
     architectures = ("OpenPanguV2ForCausalLM",)
 
     def __init__(self, config: dict, tensors: dict, ik_avx512_sinks: bool = False):  # type: ignore[type-arg]
-        from ikrun.validate.hf import HFReferenceError
+
 
         for key, value in _FIXED.items():
             if config.get(key, value) != value:

@@ -71,6 +71,7 @@ from numba import njit, prange
 
 from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ6NL_VALUES
 from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits
+from ikrun.errors import NumericsError
 from ikrun.numerics.ik.qgemm import ORDER_Q8_1, ORDER_QX_0_NATIVE, ORDER_R8, ORDER_R16, TILE, BlockInts, IntRows
 from ikrun.ops.parallel import pick
 
@@ -83,10 +84,6 @@ SUPER = 256  # values per Q8_K block
 #: the formats as the Numba kernels take them (_round_row)
 FMT_NONE, FMT_Q8_2_X4, FMT_BF16, FMT_Q8_K = 0, 1, 2, 3
 FORMAT_CODES = {UNROUNDED: FMT_NONE, Q8_2_X4: FMT_Q8_2_X4, BF16: FMT_BF16, Q8_K: FMT_Q8_K}
-
-
-class NumericsError(ValueError):
-    """A weight type whose ik arithmetic the runtime does not reproduce."""
 
 
 #: raw rows [rows, row bytes] and their exact decoding [rows, n] -> the integers ik's kernel multiplies
@@ -455,7 +452,7 @@ def _q8_row_ints(x: np.ndarray, block: int, bf16_scale: bool, u: np.ndarray, sca
         for j in range(block):
             k = b0 + np.uint64(j)
             q = np.int32(_q8(x[k], inv))
-            total += q
+            total += int(q)
             u[k] = np.uint8(q + 128)
         scale[b] = d
         isums[b] = total

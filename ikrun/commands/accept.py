@@ -1,0 +1,153 @@
+"""`ikrun accept`: speculative decoding with a DFlash draft, and its acceptance lengths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+import typer
+from rich.table import Table
+
+from ikquant.cli_common import fail, out
+from ikquant.errors import IkError
+from ikrun.commands.common import load_model, progress_bar, read_text
+from ikrun.commands.options import Evaluation, evaluation_options
+
+if TYPE_CHECKING:
+    from ikrun.model import Model
+
+
+@evaluation_options
+def accept(
+    target: Path = typer.Argument(..., help="The target model's GGUF."),
+    draft: Path = typer.Argument(..., help="The DFlash draft's GGUF (ikconvert hf2gguf ... --target-model-dir)."),
+    text: Path = typer.Option(..., "--text", help="Text the prompts are cut from (tokenized without BOS)."),
+    prompts: int = typer.Option(6, "--prompts", help="Number of prompts; prompt i starts at token i*floor((n-L-M)/N)."),
+    prompt_len: int = typer.Option(24, "--prompt-len", help="Tokens per prompt (L)."),
+    max_new: int = typer.Option(96, "--max-new", help="New tokens per prompt (M)."),
+    block: Optional[int] = typer.Option(None, "--block", help="Block size (default: the draft's)."),
+    compare: Optional[str] = typer.Option(None, "--compare", help="Comma-separated types: quantize the draft to each "
+                                          "in memory (from its own weights) and measure it too, e.g. Q8_0,Q4_K,IQ4_KS."),
+    check: bool = typer.Option(True, "--check/--no-check", help="Check every output against the target's own greedy "
+                               "continuation (speculation must not change it)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    ev: Evaluation = None,  # type: ignore[assignment]
+) -> None:
+    """Greedy speculative decoding with a DFlash draft: acceptance length (tokens per target step) per prompt and
+    per draft position, tokens/s, and the check that the output is the target's own.
+
+    Example: ikrun accept qwen3-8b.gguf dflash-draft.gguf --text wiki.test.raw --prompts 8 --max-new 256
+    --compare Q8_0,Q4_K
+    """
+    from ikquant.types import type_by_name
+    from ikrun.eval.speculative import (
+        acceptance_by_position,
+        greedy_continuation,
+        mean_acceptance_length,
+        speculative_generate,
+    )
+
+    t, d, bs, chunks = draft_pair(target, draft, ev, text, prompts, prompt_len, max_new, block)
+    try:
+        types = [type_by_name(x) for x in compare.split(",") if x.strip()] if compare else []
+        for qt in types:
+            qt.require_codec()
+    except IkError as exc:
+        fail(str(exc))
+
+    def measure(label: str, used: list[str]) -> dict:  # type: ignore[type-arg]
+        with progress_bar() as bar:
+            task = bar.add_task(f"{label}: speculative decoding", total=len(chunks))
+            runs = []
+            for p in chunks:
+                runs.append(speculative_generate(t, d, p, max_new, bs))
+                bar.update(task, advance=1)
+        mismatched = []
+        if check:
+            for i, (p, r) in enumerate(zip(chunks, runs)):
+                if greedy_continuation(t, p, max_new) != r.output_ids:
+                    mismatched.append(i)
+        seconds = sum(r.seconds for r in runs)
+        return {"draft": label, "types_used": used, "draft_bytes": sum(d.weights.encoding(n).raw.nbytes for n in d.weights.names()),
+                "mean_acceptance_length": mean_acceptance_length(runs),
+                "tokens_per_second": len(chunks) * max_new / seconds if seconds > 0 else 0.0,
+                "output_matches_target": not mismatched if check else None, "mismatched_prompts": mismatched,
+                "acceptance_by_position": acceptance_by_position(runs, bs),
+                "runs": [{"prompt": r.prompt, "output_ids": r.output_ids, "acceptance_lengths": r.acceptance_lengths}
+                         for r in runs]}
+
+    results = [measure("as stored", sorted({d.weights.encoding(n).type.name for n in d.weights.names()}))]
+    for qt in types:
+        try:
+            results.append(measure(qt.name, _quantize_draft_in_memory(d, qt)))
+        except IkError as exc:
+            fail(str(exc))
+        finally:
+            d.restore()
+    if json_out:
+        out.print_json(json.dumps(results[0] if not types else results))
+    else:
+        _print_acceptance(results, bs, len(chunks), prompt_len, max_new)
+    if check and any(r["mismatched_prompts"] for r in results):
+        bad = next(r for r in results if r["mismatched_prompts"])
+        fail(f"draft {bad['draft']}: the speculative output of prompt {bad['mismatched_prompts'][0]} differs from the "
+             "target's own greedy continuation (a runtime bug: please report it)")
+
+
+def draft_pair(target: Path, draft: Path, ev: Evaluation, text: Path, prompts: int, prompt_len: int, max_new: int,
+                block: Optional[int]) -> tuple[Model, Model, int, list[np.ndarray]]:
+    """Target and DFlash draft loaded and checked against each other, the block size, and the prompts cut from
+    the text (tokenized without BOS), before any compute."""
+    from ikrun.eval.speculative import prompt_starts
+    from ikrun.models.dflash import DFlashDraft
+
+    t, d = load_model(target, ev), load_model(draft, ev, beside=True)
+    try:
+        if not isinstance(d.impl, DFlashDraft):
+            fail(f"{draft} is a {d.arch} model, not a DFlash draft (dflash-draft)")
+        d.impl.check_target(t.impl)
+        bs = block or d.impl.block_size
+        if bs < 2:
+            fail(f"--block {bs}: a block holds the known token and at least one proposal")
+        ids = np.asarray(t.tokenizer().encode(read_text(text), add_special=False), dtype=np.int64)
+        starts = prompt_starts(len(ids), prompts, prompt_len, max_new)
+    except IkError as exc:
+        fail(str(exc))
+    return t, d, bs, [ids[s : s + prompt_len] for s in starts]
+
+
+def _quantize_draft_in_memory(d: Model, qtype) -> list[str]:  # type: ignore[no-untyped-def]
+    """Every quantizable draft weight re-encoded as `qtype` from its stored encoding and swapped in; the types
+    written (ik's fallback where a row does not hold `qtype`'s blocks)."""
+    from ikquant.recipes import eligible
+    from ikrun.sweep.measure import quantized_copy
+
+    used_types = set()
+    for name in d.weights.names():
+        info = d.weights.info(name)
+        if eligible(name, len(info.ne), info.type):
+            used, raw = quantized_copy(d, name, qtype, None)
+            d.swap(name, used, raw)
+            used_types.add(used.name)
+    return sorted(used_types)
+
+
+def _print_acceptance(results: list, bs: int, n_prompts: int, prompt_len: int, max_new: int) -> None:  # type: ignore[type-arg]
+    table = Table(title=f"acceptance length: {n_prompts} prompts of {prompt_len} tokens, {max_new} new, blocks of {bs}")
+    for col in ("draft", "weights", "MiB", "mean acceptance", "per prompt", "tok/s", "= target"):
+        table.add_column(col, justify="right")
+    for r in results:
+        per = [sum(x["acceptance_lengths"]) / len(x["acceptance_lengths"]) for x in r["runs"]]
+        table.add_row(r["draft"], "+".join(r["types_used"]), f"{r['draft_bytes'] / 2**20:.3f}", f"{r['mean_acceptance_length']:.2f}",
+                      " ".join(f"{v:.1f}" for v in per), f"{r['tokens_per_second']:.1f}",
+                      "-" if r["output_matches_target"] is None else "yes" if r["output_matches_target"] else "NO")
+    out.print(table)
+    pos = Table(title="accepted share by draft position")
+    pos.add_column("draft")
+    for j in range(1, bs):
+        pos.add_column(str(j), justify="right")
+    for r in results:
+        pos.add_row(r["draft"], *(f"{100 * v:.0f}%" for v in r["acceptance_by_position"]))
+    out.print(pos)

@@ -1,0 +1,64 @@
+"""`ikrun imatrix`: an importance matrix from a model's activations on a text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import typer
+
+from ikquant.cli_common import err, fail
+from ikquant.errors import IkError
+from ikrun.commands.common import load_model, read_text, run_plan, tracked
+from ikrun.commands.options import Evaluation, evaluation_options
+
+if TYPE_CHECKING:
+    pass
+
+
+@evaluation_options
+def imatrix(
+    model: Path = typer.Argument(..., help="GGUF model (ideally the unquantized one)."),
+    text: Path = typer.Option(..., "--text", help="Calibration text (UTF-8)."),
+    output: Path = typer.Option(Path("imatrix.dat"), "--output", "-o", help="Output: ik's .dat layout, or "
+                                "mainline's GGUF imatrix when the name ends in .gguf."),
+    ctx: int = typer.Option(512, "--ctx", "-c", help="Chunk length in tokens."),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="Use at most this many chunks."),
+    in_file: list[Path] = typer.Option([], "--in-file", help="Earlier imatrix to merge in (repeatable)."),
+    save_every: int = typer.Option(10, "--save-every", help="Rewrite the output every N chunks, so an interrupted "
+                                   "run loses little (0: only at the end; a streamed run finishes all chunks "
+                                   "together and saves at the end)."),
+    process_output: bool = typer.Option(False, "--process-output", help="Also collect for output.weight."),
+    ev: Evaluation = None,  # type: ignore[assignment]
+) -> None:
+    """Collect an importance matrix: per weight matrix, the mean square of its input activations per column.
+
+    Example: ikrun imatrix model-f32.gguf --text calibration.txt --ctx 512 -o imatrix.dat
+    """
+    from ikquant.imatrix import read_imatrix
+    from ikrun.eval.evaluate import collect_imatrix, tokenize_chunks
+    from ikrun.eval.imatrix import ImatrixCollector
+    from ikrun.eval.metrics import ppl_stats
+
+    m = load_model(model, ev)
+    collector = ImatrixCollector(process_output=process_output)
+    try:
+        chunk_tokens = tokenize_chunks(m, read_text(text), ctx, chunks)
+        for f in in_file:
+            collector.merge(read_imatrix(f), ctx)
+    except IkError as exc:
+        fail(str(exc))
+    dataset = str(text)
+    plan = run_plan(m, len(chunk_tokens), ctx, ev)
+    with tracked(m, plan, "imatrix") as (on_chunk, on_block):
+
+        def step(i: int, n: int) -> None:
+            on_chunk(i, n)
+            if save_every and i % save_every == 0 and i < n and not plan.streamed:
+                collector.save(output, i, ctx, dataset)
+
+        nll = collect_imatrix(m, chunk_tokens, collector, step, plan, on_block)
+    collector.save(output, len(chunk_tokens), ctx, dataset)
+    stats = ppl_stats(nll)
+    err.print(f"wrote {output}: {len(collector.sums)} entries from {len(chunk_tokens)} chunks of {ctx} tokens "
+              f"(PPL {stats['ppl']:.4f} +/- {stats['ppl_err']:.5f})")

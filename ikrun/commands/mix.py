@@ -1,0 +1,186 @@
+"""`ikrun mix`: a per-tensor type mix at a size budget from a sweep, assembled, measured and refined."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import typer
+from rich.table import Table
+
+from ikquant.cli_common import err, fail, out
+from ikquant.errors import IkError
+from ikrun.commands.common import load_model, progress_bar, read_text, run_plan
+from ikrun.commands.options import Evaluation, evaluation_options
+from ikrun.errors import SweepError
+
+if TYPE_CHECKING:
+    from ikrun.model import Model
+
+
+@evaluation_options
+def mix(
+    model: Path = typer.Argument(..., help="The base GGUF the sweep was measured on (the KLD reference)."),
+    output: Path = typer.Argument(..., help="The mixed GGUF to write (temporary name, renamed when complete)."),
+    sweep: Path = typer.Option(..., "--sweep", help="An `ikrun sweep` result (.json or .csv)."),
+    type_name: str = typer.Option(..., "--type", help="File type for every tensor the sweep did not measure, as "
+                                  "ikquant --type (e.g. IQ4_KS)."),
+    target_bpw: Optional[float] = typer.Option(None, "--target-bpw", help="The whole file's bits per weight."),
+    target_size: Optional[str] = typer.Option(None, "--target-size", help="The whole file's tensor bytes, e.g. "
+                                              "200GiB."),
+    budget: list[str] = typer.Option([], "--budget", help="Repeatable REGEX=SIZE (rest=SIZE for the others), as "
+                                     "ikquant --budget."),
+    refine: int = typer.Option(0, "--refine", help="Re-measure the N groups of highest predicted KLD at every swept "
+                               "type on top of the assembled mix, choose again with those costs, and keep the "
+                               "refined file if it measures lower."),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix for the quantization "
+                                           "(default: the sweep's)."),
+    text: Optional[Path] = typer.Option(None, "--text", help="Text to measure on (default: the sweep's)."),
+    ctx: Optional[int] = typer.Option(None, "--ctx", "-c", help="Chunk length (default: the sweep's)."),
+    chunks: Optional[int] = typer.Option(None, "--chunks", help="Chunks to measure (default: the sweep's)."),
+    recipe: str = typer.Option("ik", "--recipe", help="ik or mainline: whose rules type the unswept tensors, and "
+                               "with mainline only mainline-loadable types are chosen (as ikquant --recipe)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the mixes' sizes, predicted and measured KLD as JSON."),
+    ev: Evaluation = None,  # type: ignore[assignment]
+) -> None:
+    """Build the mix a sweep predicts best within a target, then measure it: predicted vs measured mean KLD.
+
+    The prediction adds up KLDs measured one group at a time; tensors interact, so the assembled file is measured
+    against the base on the sweep's text. --refine re-measures the most sensitive groups inside the mix.
+
+    Example: ikrun mix model-bf16.gguf mix.gguf --sweep sweep.json --type IQ4_KS --target-bpw 3.5 --refine 8
+    """
+    import tempfile
+
+    from ikquant.cli import print_mix
+    from ikquant.gguf_io import GGUFFile
+    from ikquant.imatrix import read_imatrix
+    from ikquant.mix import MixTarget, plan_mix, read_sweep
+    from ikquant.quantize import QuantizeOptions
+    from ikquant.recipes_mainline import recipe_file_type
+    from ikquant.sweepfile import file_sha256, read_sweep_file
+    from ikrun.eval.evaluate import open_base, perplexity, tokenize_chunks
+    from ikrun.sweep.measure import model_fingerprint
+
+    targets = [t for t in (target_bpw is not None, target_size is not None, bool(budget)) if t]
+    if len(targets) != 1:
+        fail("give exactly one of --target-bpw, --target-size or --budget")
+    m = load_model(model, ev)
+    try:
+        header = read_sweep_file(sweep)[0]
+        missing = [key for key in ("ctx", "chunks", "model_fingerprint") if key not in header]
+        if missing:
+            raise SweepError(f"{sweep}: its header has no {', '.join(missing)}")
+        groups, options = read_sweep(sweep)
+        defaults = []  # the sweep's own files, used unless named: they must still be what it measured on
+        if text is None:
+            text = Path(header["text"])
+            defaults.append((text, "text_sha256", "text"))
+        if imatrix is None and header.get("imatrix"):
+            imatrix = Path(header["imatrix"])
+            defaults.append((imatrix, "imatrix_sha256", "imatrix"))
+        for path, key, what in defaults:
+            if file_sha256(path) != header[key]:
+                fail(f"{sweep}'s {what} {path} has changed since the sweep; name it with --{what} to use it anyway")
+        if model_fingerprint(m) != header["model_fingerprint"]:
+            err.print(f"[yellow]warning:[/] {sweep} was measured on another file than {model}: its predictions "
+                      "may not hold", soft_wrap=True)
+        imat = read_imatrix(imatrix) if imatrix else None
+        opts = QuantizeOptions(recipe_file_type(recipe, type_name), imatrix=imat, recipe=recipe)
+        target = MixTarget(target_bpw, target_size, budget)
+        plan = plan_mix(GGUFFile(model), opts, groups, options, target, str(sweep))
+        chunk_tokens = tokenize_chunks(m, read_text(text), ctx or header["ctx"], chunks or header["chunks"])
+    except IkError as exc:
+        fail(str(exc))
+    print_mix(plan)
+    n_chunk, n_ctx = chunk_tokens.shape
+    summary = []
+    with tempfile.TemporaryDirectory() as tmp:
+        base_path = Path(tmp) / "base.kld"
+        with progress_bar() as bar:
+            task = bar.add_task("base logits", total=n_chunk)
+            perplexity(m, chunk_tokens, base_path, lambda i, _: bar.update(task, completed=i),
+                       run_plan(m, n_chunk, n_ctx, ev))
+        base = open_base(base_path, m)
+        first = _assemble_and_measure(model, output, opts, plan.tensor_types, base, ev)
+        summary.append({"mix": "sweep", "bytes": plan.total_bits // 8, "bpw": plan.total_bits / plan.n_weights,
+                        "predicted_kld": plan.predicted_kld, **first, "kept": True})
+        if refine > 0:
+            refined = _refine(m, output, opts, groups, options, plan, target, sweep, base, first, refine, imat, ev)
+            if refined is not None:
+                summary.append(refined)
+                summary[0]["kept"] = not refined["kept"]
+    if json_out:
+        out.print_json(json.dumps(summary))
+        return
+    table = Table(title=f"{output.name}: predicted vs measured mean KLD ({n_chunk} chunks of {n_ctx})")
+    for col in ("mix", "MiB", "bpw", "predicted", "measured", "±", "measured/predicted", "kept"):
+        table.add_column(col, justify="right")
+    for row in summary:
+        table.add_row(row["mix"], f"{row['bytes'] / 2**20:.3f}", f"{row['bpw']:.4f}", f"{row['predicted_kld']:.6f}",
+                      f"{row['kld_mean']:.6f}", f"{row['kld_mean_err']:.6f}",
+                      f"{row['kld_mean'] / row['predicted_kld']:.3f}" if row["predicted_kld"] > 0 else "-",
+                      "yes" if row["kept"] else "no")
+    out.print(table)
+
+
+def _assemble_and_measure(model: Path, output: Path, opts, types: dict[str, str], base, ev: Evaluation) -> dict:  # type: ignore[no-untyped-def, type-arg]
+    """Quantize `model` with `types` into `output` and measure its KLD against `base`."""
+    import dataclasses
+
+    from ikquant.quantize import quantize_model
+    from ikrun.eval.evaluate import kl_divergence
+    from ikrun.eval.metrics import kld_stats
+
+    try:
+        quantize_model(model, output, dataclasses.replace(opts, tensor_types=types))
+    except IkError as exc:
+        fail(str(exc))
+    mixed = load_model(output, ev)
+    with progress_bar() as bar:
+        task = bar.add_task(f"measuring {output.name}", total=base.n_chunk)
+        stats = kld_stats(kl_divergence(mixed, base, lambda i, _: bar.update(task, completed=i)))
+    err.print(f"{output}: measured mean KLD {stats['kld_mean']:.6f} ± {stats['kld_mean_err']:.6f}", highlight=False)
+    return {"kld_mean": float(stats["kld_mean"]), "kld_mean_err": float(stats["kld_mean_err"]),
+            "same_top_p": float(stats["same_top_p"])}
+
+
+def _refine(m: Model, output: Path, opts, groups, options, plan, target, sweep: Path, base, first: dict,  # type: ignore[no-untyped-def, type-arg]
+            refine: int, imat, ev: Evaluation) -> dict | None:  # type: ignore[type-arg]
+    """Re-cost the most sensitive groups inside the assembled mix, choose again, keep the better-measured file
+    (None: the same mix is chosen again)."""
+    from ikquant.cli import print_mix
+    from ikquant.gguf_io import GGUFFile
+    from ikquant.mix import plan_mix
+    from ikquant.outputs import partial_path
+    from ikrun.sweep.refine import most_sensitive, refined_options
+
+    chosen = most_sensitive(plan.choice, refine)
+    mixed = load_model(output, ev)
+    with progress_bar() as bar:
+        task = bar.add_task("refining", total=sum(len(options[g]) - 1 for g in chosen))
+        new_options = refined_options(m, mixed, base, groups, options, plan.choice, chosen, first["kld_mean"], imat,
+                                      ev.spill_dir, lambda g, t, d: bar.update(task, advance=1,
+                                                                               description=f"{g} {t}"))
+    del mixed
+    refined = plan_mix(GGUFFile(m.path), opts, groups, new_options, target, str(sweep))
+    row = {"mix": f"refined ({len(chosen)} groups)", "bytes": refined.total_bits // 8,
+           "bpw": refined.total_bits / refined.n_weights, "predicted_kld": refined.predicted_kld}
+    if refined.tensor_types == plan.tensor_types:
+        err.print(f"--refine {refine}: the re-measured costs choose the same mix", highlight=False)
+        return None
+    print_mix(refined)
+    candidate = partial_path(output.with_name(output.stem + "-refined.gguf"))
+    try:
+        second = _assemble_and_measure(m.path, candidate, opts, refined.tensor_types, base, ev)
+        kept = second["kld_mean"] < first["kld_mean"]
+        if kept:
+            os.replace(candidate, output)
+        err.print(f"--refine {refine}: the refined mix measures {second['kld_mean']:.6f} against "
+                  f"{first['kld_mean']:.6f}: {output} holds the " + ("refined" if kept else "first") + " mix",
+                  highlight=False)
+    finally:
+        candidate.unlink(missing_ok=True)
+    return {**row, **second, "kept": kept}

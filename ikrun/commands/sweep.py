@@ -1,0 +1,282 @@
+"""`ikrun sweep`: each tensor group's KLD (or a DFlash draft's acceptance) per candidate type."""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import typer
+from rich.table import Table
+
+from ikquant.cli_common import err, fail, out
+from ikquant.errors import IkError
+from ikrun.commands.accept import draft_pair
+from ikrun.commands.common import load_model, memory_budget, progress_bar, read_text, run_plan
+from ikrun.commands.options import Evaluation, evaluation_options
+
+if TYPE_CHECKING:
+    from ikquant.types import GGMLType
+    from ikrun.model import Model
+
+
+@evaluation_options
+def sweep(
+    model: Path = typer.Argument(..., help="Base GGUF (unquantized, or the model whose tensors you want to vary)."),
+    text: Path = typer.Option(..., "--text", help="Evaluation text (UTF-8)."),
+    types: str = typer.Option(..., "--types", help="Comma-separated types to try, e.g. IQ2_KS,IQ3_K,IQ4_KS."),
+    output: Path = typer.Option(Path("sweep.json"), "--output", "-o", help="Results (.json, or .csv). Rerunning "
+                                "with the same output skips the rows already measured."),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix for the quantizations."),
+    tensors: Optional[str] = typer.Option(None, "--tensors", help="Regex: only tensors whose name matches."),
+    group: str = typer.Option("tensor", "--group", help="Measure each tensor, each layer, or each tensor class "
+                              "(tensor | layer | class)."),
+    ctx: int = typer.Option(512, "--ctx", "-c", help="Chunk length in tokens."),
+    chunks: Optional[str] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks; auto: 4 "
+                                         "chunks, then 8, 16, ... (each round scores only its new chunks) until "
+                                         "the ranking of the groups is stable (Kendall tau >= 0.9 between two "
+                                         "rounds, for every type) or the text runs out. The output holds the "
+                                         "latest round."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw a heatmap (.png or .svg; needs "
+                                        "pip install 'iktools[plot]')."),
+    full_forward: bool = typer.Option(False, "--full-forward", help="Run every candidate through the whole model "
+                                      "instead of from the first block it changes (the same rows, slower: a check)."),
+    ray: Optional[str] = typer.Option(None, "--ray", help="Measure on Ray workers of --threads CPUs each: local or "
+                                      "local:N starts N local workers (sharing --mem), else a cluster address "
+                                      "(auto, HOST:PORT, ray://HOST:10001) whose nodes read the model and "
+                                      "--imatrix at the same paths. Needs pip install 'iktools[ray]'."),
+    metric: str = typer.Option("kld", "--metric", help="kld: KL-divergence against the base's logits on --text; "
+                               "acceptance: a DFlash draft's mean acceptance length with --target on prompts from "
+                               "--text (--prompts, --prompt-len, --max-new, --block as ikrun accept)."),
+    target: Optional[Path] = typer.Option(None, "--target", help="With --metric acceptance: the draft's target GGUF."),
+    recipe: str = typer.Option("ik", "--recipe", help="mainline: accept only --types that mainline llama.cpp loads "
+                               "(for mixes made with ikquant --recipe mainline)."),
+    prompts: int = typer.Option(6, "--prompts", help="With --metric acceptance: number of prompts."),
+    prompt_len: int = typer.Option(24, "--prompt-len", help="With --metric acceptance: tokens per prompt."),
+    max_new: int = typer.Option(96, "--max-new", help="With --metric acceptance: new tokens per prompt."),
+    block: Optional[int] = typer.Option(None, "--block", help="With --metric acceptance: block size (default: the "
+                                        "draft's)."),
+    ev: Evaluation = None,  # type: ignore[assignment]
+) -> None:
+    """How much each tensor costs: quantize one tensor (or group) at a time, swap it in, measure KL-divergence
+    (or, for a DFlash draft, the acceptance length it loses).
+
+    The base model is loaded once and its logits computed once; each measurement hot-swaps the group's tensors
+    and swaps them back.
+
+    Example: ikrun sweep model-bf16.gguf --text wiki.test.raw --ctx 512 --chunks 20 --types IQ2_KS,IQ4_KS
+    --imatrix imatrix.dat -o sweep.json --plot sweep.png
+    """
+    from ikquant.imatrix import read_imatrix
+    from ikrun.eval.evaluate import tokenize_chunks
+    from ikrun.sweep.measure import auto_rounds, load_rows, sweep_groups, sweep_header
+
+    if metric not in ("kld", "acceptance"):
+        fail(f"--metric must be kld or acceptance, not {metric!r}")
+    if recipe not in ("ik", "mainline"):
+        fail(f"--recipe must be ik or mainline, not {recipe!r}")
+    if recipe == "mainline":
+        from ikquant.recipes_mainline import require_mainline_type
+
+        try:
+            for t in types.split(","):
+                if t.strip():
+                    require_mainline_type(t.strip(), f"--types {t.strip()}")
+        except IkError as exc:
+            fail(str(exc))
+    if (metric == "acceptance") != (target is not None):
+        fail("--metric acceptance and --target go together (a draft is measured with its target)")
+    if metric == "acceptance":
+        if ray is not None or chunks is not None or full_forward:
+            fail("--ray, --chunks and --full-forward apply to KLD sweeps; an acceptance sweep decodes --prompts")
+        assert target is not None
+        _acceptance_sweep(model, target, text, types, output, imatrix, tensors, group, prompts, prompt_len, max_new,
+                          block, plot, ev)
+        return
+    auto = chunks is not None and chunks.strip().lower() == "auto"
+    if chunks is not None and not auto and not chunks.strip().isdigit():
+        fail(f"--chunks must be a number of chunks or auto, not {chunks!r}")
+    m = load_model(model, ev)
+    try:
+        type_list = _candidate_types(m, types)
+        imat = read_imatrix(imatrix) if imatrix else None
+        groups = sweep_groups(m, group, tensors)
+        all_tokens = tokenize_chunks(m, read_text(text), ctx, None if auto or chunks is None else int(chunks))
+        rounds = auto_rounds(len(all_tokens)) if auto else [len(all_tokens)]
+        if output.exists() and auto:  # resume the round the file was measured in
+            from ikquant.sweepfile import read_sweep_file
+
+            theirs = read_sweep_file(output)[0]
+            if theirs.get("chunks") in rounds:
+                stopped = theirs.get("ranking", {}).get("stable", False)
+                rounds = [n for n in rounds if n == theirs["chunks"] or (n > theirs["chunks"] and not stopped)]
+        done = load_rows(output, sweep_header(m, text, ctx, rounds[0], group, imatrix))
+    except IkError as exc:
+        fail(str(exc))
+    with ExitStack() as stack:
+        cluster = None
+        if ray is not None:
+            from ikquant.cluster import open_cluster
+
+            try:
+                cluster = stack.enter_context(open_cluster(ray, ev.threads or 1))
+            except IkError as exc:
+                fail(str(exc))
+            err.print(f"Ray {ray}: {cluster.workers} workers of {cluster.threads} thread(s)", highlight=False)
+        rows = _sweep_rounds(m, ev, text, all_tokens, rounds, group, imatrix, imat, groups, type_list, done, output,
+                             full_forward, cluster, auto)
+    out.print(sweep_table(rows))
+    err.print(f"wrote {output}: {len(rows)} measurements ({len(rows) - len(done)} new)")
+    if plot is not None:
+        from ikrun.sweep.plot import plot_sweep
+
+        try:
+            plot_sweep(rows, plot, f"{model.name}: mean KLD per tensor and type")
+        except RuntimeError as exc:
+            fail(str(exc))
+        err.print(f"wrote {plot}")
+
+
+def _candidate_types(m: Model, types: str) -> list[GGMLType]:
+    """A sweep's --types: each one iktools can write and the run's numerics can evaluate."""
+    from ikquant.types import type_by_name
+
+    out = [type_by_name(t) for t in types.split(",") if t.strip()]
+    for t in out:
+        t.require_codec()
+        m.check_type(t)
+    return out
+
+
+def _acceptance_sweep(model: Path, target: Path, text: Path, types: str, output: Path, imatrix: Optional[Path],  # type: ignore[no-untyped-def]
+                      tensors: Optional[str], group: str, prompts: int, prompt_len: int, max_new: int,
+                      block: Optional[int], plot: Optional[Path], ev: Evaluation) -> None:
+    """`ikrun sweep DRAFT --target T --metric acceptance`: the acceptance length each draft tensor costs."""
+    from ikquant.imatrix import read_imatrix
+    from ikrun.sweep.acceptance import AcceptanceRow, decoding_identity, run_acceptance_sweep
+    from ikrun.sweep.measure import load_rows, save_rows, sweep_groups, sweep_header
+
+    t, d, bs, chunks = draft_pair(target, model, ev, text, prompts, prompt_len, max_new, block)
+    try:
+        type_list = _candidate_types(d, types)
+        imat = read_imatrix(imatrix) if imatrix else None
+        groups = sweep_groups(d, group, tensors)
+        header = {**sweep_header(d, text, 0, 0, group, imatrix), "metric": "acceptance", "ctx": None,
+                  "chunks": None, "decoding": decoding_identity(t, chunks, max_new, bs)}
+        done = load_rows(output, header, AcceptanceRow)
+    except IkError as exc:
+        fail(str(exc))
+    rows = list(done)
+    with progress_bar() as bar:
+        task = bar.add_task("acceptance sweep", total=len(groups) * len(type_list) - len(done))
+
+        def on_row(row) -> None:  # type: ignore[no-untyped-def]
+            rows.append(row)
+            save_rows(output, header, rows)
+            bar.update(task, advance=1, description=f"{row.group} {row.type}")
+
+        run_acceptance_sweep(d, t, chunks, max_new, bs, groups, type_list, imat, done, on_row)
+    table = Table(title="acceptance length lost per group (most first)")
+    for col in ("type", "group", "bpw", "acceptance", "lost", "first position"):
+        table.add_column(col, justify="left" if col in ("type", "group") else "right")
+    for r in sorted(rows, key=lambda r: (r.type, -r.acceptance_loss)):
+        table.add_row(r.type, r.group, f"{r.bpw:.2f}", f"{r.acceptance_mean:.3f}", f"{r.acceptance_loss:+.3f}",
+                      f"{100 * r.acceptance_first:.0f}%")
+    out.print(table)
+    err.print(f"wrote {output}: {len(rows)} measurements ({len(rows) - len(done)} new)")
+    if plot is not None:
+        err.print("[yellow]warning:[/] --plot draws KLD sweeps; nothing drawn for an acceptance sweep")
+
+
+def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list[int], group: str,  # type: ignore[no-untyped-def]
+                  imatrix: Optional[Path], imat, groups: dict[str, list[str]], type_list: list, done: list,
+                  output: Path, full_forward: bool, cluster, auto: bool) -> list:  # type: ignore[type-arg]
+    """Measure the sweep on the first n chunks for every n of `rounds` (one round unless --chunks auto), each
+    round extending the last one's per-token scores; stop once two rounds rank the groups alike."""
+    import tempfile
+
+    from ikrun.eval.evaluate import open_base, perplexity
+    from ikrun.sweep.measure import AUTO_STABLE_TAU, Scored, rank_agreement, run_sweep, save_rows, sweep_header
+
+    scored: Scored = {}
+    previous: list | None = None  # type: ignore[type-arg]
+    rows: list = list(done)  # type: ignore[type-arg]
+    for k, n in enumerate(rounds):
+        header = sweep_header(m, text, all_tokens.shape[1], n, group, imatrix)
+        chunk_tokens = all_tokens[:n]
+        todo = len(groups) * len(type_list) - sum(1 for r in done if r.group in groups)
+        base_plan = run_plan(m, n, all_tokens.shape[1], ev)
+        with tempfile.TemporaryDirectory() as tmp, progress_bar() as bar:
+            base_path = Path(tmp) / "base.kld"
+            task = bar.add_task(f"base logits ({n} chunks)", total=n)
+            perplexity(m, chunk_tokens, base_path, lambda i, _: bar.update(task, completed=i), base_plan)
+            bar.update(task, description="sweep", completed=0, total=max(todo, 0))
+            rows = list(done)
+
+            def on_row(row) -> None:  # type: ignore[no-untyped-def]
+                rows.append(row)
+                save_rows(output, header, rows)
+                bar.update(task, advance=1, description=f"{row.group} {row.type}")
+
+            try:
+                if cluster is None:
+                    run_sweep(m, open_base(base_path, m), groups, type_list, imat, done, on_row, ev.spill_dir,
+                              full_forward, scored)
+                else:
+                    from ikrun.sweep.cluster import run_sweep_on_cluster
+
+                    run_sweep_on_cluster(cluster, _worker_spec(m, ev, cluster, imatrix, full_forward), base_path,
+                                         groups, type_list, done, on_row, lambda msg: err.print(msg), scored)
+            except IkError as exc:
+                bar.stop()
+                fail(str(exc))
+        if auto:
+            if previous is not None:
+                tau = rank_agreement(previous, rows)
+                stable = tau >= AUTO_STABLE_TAU
+                err.print(f"--chunks auto: {rounds[k - 1]} -> {n} chunks, rank agreement "
+                          f"(least Kendall tau over types) {tau:.3f}"
+                          + (f" >= {AUTO_STABLE_TAU}: stable, stopping at {n} chunks" if stable else ""),
+                          highlight=False)
+                if stable:
+                    save_rows(output, {**header, "ranking": {"after_chunks": rounds[k - 1], "kendall_tau": tau,
+                                                             "stable": True}}, rows)
+                    break
+            if k == len(rounds) - 1:
+                err.print(f"--chunks auto: stopped at {n} chunks: " + (
+                    f"{output} says the ranking was stable here" if n < len(all_tokens) else
+                    "the text has no more" + ("" if previous is not None else " (one round: no ranking compared)")),
+                    highlight=False)
+            previous, done = rows, []
+    return rows
+
+
+def _worker_spec(m: Model, ev: Evaluation, cluster, imatrix: Optional[Path], full_forward: bool):  # type: ignore[no-untyped-def]
+    """What every Ray worker loads: a local cluster's workers share this machine's budget, a remote cluster's
+    workers take --mem each (default: their node's share)."""
+    from ikquant.sizes import parse_size
+    from ikrun.sweep.cluster import WorkerSpec
+
+    local = cluster.address.strip().startswith("local")
+    mem = memory_budget(ev) // cluster.workers if local else (parse_size(ev.mem) if ev.mem else None)
+    return WorkerSpec(str(m.path.resolve()), cluster.threads, m.kv_cache, m.options, mem, ev.stream,
+                      str(imatrix.resolve()) if imatrix else None, str(ev.spill_dir) if ev.spill_dir else None,
+                      full_forward)
+
+
+def sweep_table(rows: list) -> Table:  # type: ignore[type-arg]
+    """The most and least sensitive groups per type; `~` marks a group whose effect on perplexity is within noise
+    (the paired ln PPL ratio against the base within two standard errors of 0)."""
+    t = Table(title="most and least sensitive (mean KLD; ~ : PPL effect within noise)")
+    for col in ("type", "group", "bpw", "mean KLD", "±", "99% KLD", "same top"):
+        t.add_column(col, justify="right" if col not in ("type", "group") else "left")
+    for qtype in dict.fromkeys(r.type for r in rows):
+        ranked = sorted((r for r in rows if r.type == qtype), key=lambda r: -r.kld_mean)
+        shown = ranked if len(ranked) <= 8 else ranked[:4] + ranked[-4:]
+        for i, r in enumerate(shown):
+            if len(ranked) > 8 and i == 4:
+                t.add_row("", "...", "", "", "", "", "")
+            t.add_row(qtype, ("~ " if r.within_noise else "") + r.group, f"{r.bpw:.2f}", f"{r.kld_mean:.6f}",
+                      f"{r.kld_sem:.6f}", f"{r.kld_p99:.6f}", f"{100 * r.same_top_p:.1f}%")
+        t.add_section()
+    return t

@@ -1,0 +1,278 @@
+"""`--numerics ik`: the arithmetic of ik's CPU backend, to get the numbers llama-perplexity prints.
+
+Activations are rounded to the format each weight type pairs with and multiplied in ik's integer kernels' float
+orders (formats.py, qgemm.py) or its float kernels' (ikgemm.py); norms, rope, attention, the SwiGLU's exponential,
+the experts' weighting, hyper-connections and convolutions follow ik's float order (the fused multiply-adds its
+build makes); the KV cache is ik's f16 one. Which kernel ik takes is its choice per matmul: by the activation rows
+and, for a plain matmul, the rows each of its threads gets (`--ik-threads`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ikrun.numerics.exact import Numerics
+from ikrun.numerics.ik.attention import ik_causal_attention, ik_latent_attention, ik_sink_latent_attention
+from ikrun.numerics.ik.formats import (
+    IK_FLOAT_TYPES,
+    IK_KERNELS,
+    ToInts,
+    activation_format,
+    ik_kernel,
+    integer_rows,
+    round_activations,
+)
+from ikrun.numerics.ik.ikgemm import LANES, ik_float_matmul, takes_whole
+from ikrun.numerics.ik.qgemm import PackedHeads, PackedInts, pack, qmatmul, row_slice
+from ikrun.ops.activations import swiglu
+from ikrun.ops.conv import causal_conv_residual
+from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
+from ikrun.ops.moe import RoutedExperts, moe_experts, route
+from ikrun.ops.norm import rms_norm
+from ikrun.ops.rope import apply_rope
+from ikrun.weights import CONVERTED, DERIVED, HEADS, INTEGER_TYPES, PACKED
+
+if TYPE_CHECKING:
+    from ikquant.types import GGMLType
+
+
+class IkNumerics(Numerics):
+    """ik's CPU arithmetic (the module docstring)."""
+
+    name = "ik"
+
+    # ---- what a file may hold ---------------------------------------------------------------------------------
+    def kv_cache(self, requested: str) -> str:
+        return "f16"
+
+    def check_weights(self) -> list[str]:
+        odd: dict[str, list[str]] = {}
+        for name in self.weights.names():
+            info = self.weights.info(name)
+            if len(info.ne) >= 2 and name != "token_embd.weight" and info.type.name not in INTEGER_TYPES \
+                    and info.type.name not in IK_KERNELS:
+                odd.setdefault(info.type.name, []).append(name)
+        if not odd:
+            return []
+        kinds = "; ".join(f"{t} ({len(n)} tensors, e.g. {n[0]})" for t, n in odd.items())
+        return [f"--numerics ik does not reproduce ik's arithmetic for {kinds}: ik's kernels re-quantize such weights "
+                "in ways not emulated; reproduced: " + ", ".join(sorted(IK_KERNELS))]
+
+    def check_type(self, gtype: GGMLType) -> str | None:
+        if gtype.name in IK_KERNELS:
+            return None
+        return (f"--numerics ik does not reproduce ik's arithmetic for {gtype.name} weights; reproduced: "
+                + ", ".join(sorted(IK_KERNELS)))
+
+    # ---- element-wise: ik's float orders ----------------------------------------------------------------------
+    def norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        return rms_norm(x, weight, eps, ik=True)
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, neox: bool) -> None:
+        apply_rope(x, cos, sin, n_rot, neox, fused=True)
+
+    def swiglu(self, gate: np.ndarray, up: np.ndarray, limit: float = np.inf) -> np.ndarray:
+        return swiglu(gate, up, limit, ik=True)
+
+    def route(self, logits: np.ndarray, bias: np.ndarray | None, n_used: int, gating: int, norm: bool,
+              scale: float, chosen: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        return route(logits, bias, n_used, gating, norm, scale, chosen, ik=True)
+
+    def hc_pre(self, mixes: np.ndarray, alpha: np.ndarray, beta: np.ndarray, n_stream: int, iters: int,
+               eps: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return hc_pre(mixes, alpha, beta, n_stream, iters, eps, fused=True)
+
+    def hc_combine(self, streams: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        return hc_combine(streams, weights, fused=True)
+
+    def hc_post(self, y: np.ndarray, post: np.ndarray, streams: np.ndarray, mix: np.ndarray) -> np.ndarray:
+        return hc_post(y, post, streams, mix, fused=True)
+
+    def conv(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return causal_conv_residual(x, w, fused=True)
+
+    def kv_store(self, x: np.ndarray, kv_cache: str) -> np.ndarray:
+        return super().kv_store(x, "f16")
+
+    # ---- attention: ik's kernels where its 16-lane kernels take the head dims whole ---------------------------
+    def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int) -> np.ndarray:
+        if head_dim % LANES:
+            return super().causal_attention(q, k, v, head_dim)
+        return ik_causal_attention(q, k, v, float(np.float32(1.0) / np.sqrt(np.float32(head_dim))))  # 1.0f / sqrtf
+
+    def latent_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, scale: float, *,
+                         sinks: np.ndarray | None = None, window: int = 0, keep: np.ndarray | None = None,
+                         on_latent: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+        """ik's attention kernels with attn_k_b / attn_v_b per head as ik's kernels multiply them: DeepSeek's plain
+        causal form, and openPangu's with sinks (its unfused chain, in ik's [latent | rope] layout); a keep mask
+        without sinks (GLM's DSA) keeps this runtime's float order around ik's matmuls."""
+        n, n_head, n_rot = q_rope.shape
+        n_lat = cache.shape[1] - n_rot
+        plain = sinks is None and window == 0 and keep is None
+        if (n_rot + n_lat) % LANES or not (plain or sinks is not None):
+            return super().latent_attention(b, q_rope, q_nope, cache, scale, sinks=sinks, window=window, keep=keep,
+                                            on_latent=on_latent)
+        q_lat = self.head_product(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight")
+        if sinks is None:
+            q = np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2)
+            latent = ik_latent_attention(q, cache, n_rot, scale)
+        else:
+            q = np.concatenate([q_lat, q_rope.transpose(1, 0, 2)], axis=2)
+            lat_first = np.r_[n_rot : n_rot + n_lat, :n_rot]
+            t, s = np.arange(n)[:, None], np.arange(n)[None, :]
+            visible = (s <= t) & ((t - s < window) if window > 0 else True)
+            if keep is not None:
+                visible &= keep
+            latent = ik_sink_latent_attention(q, cache[:, lat_first], sinks[:, lat_first], visible, n_lat, scale,
+                                              self.options.ik_sink_overread)
+        if on_latent is not None:
+            on_latent(latent)
+        return self.head_product(latent, b + "attn_v_b.weight").transpose(1, 0, 2)
+
+    # ---- matmuls: ik's kernels ------------------------------------------------------------------------------
+    def _format(self, weight_name: str) -> str:
+        return activation_format(self.weights.encoding(weight_name).type.name)
+
+    def activations(self, x: np.ndarray, weight_name: str) -> np.ndarray:
+        """x rounded as ik rounds the activations of a matmul with `weight_name`."""
+        return round_activations(x, self._format(weight_name))
+
+    def _kernel_threads(self, n_matrices: int) -> int:
+        """The threads ik gives each of `n_matrices` equal matrices it multiplies at once (one per head): its
+        --ik-threads divided by their greatest common divisor with the count (ik's split of a batched matmul)."""
+        return self.options.ik_threads // math.gcd(n_matrices, self.options.ik_threads)
+
+    def _converted(self, name: str, n_act_rows: int, weight_rows: int, threads: int | None) -> np.ndarray | None:
+        """The weights ik's kernel multiplies `name` as in a matmul with `n_act_rows` activation rows (of matrices
+        of `weight_rows` rows, `threads` ik threads each), in float32, where they are not its exact decoding
+        (formats.py); else None."""
+        kernel = ik_kernel(self.weights.encoding(name).type.name)
+        values = kernel.float_values(n_act_rows, weight_rows, threads)
+        if values is None:
+            return None
+        kind = DERIVED + CONVERTED * kernel.converts(n_act_rows, weight_rows, threads)
+        shape = self.weights.info(name).shape
+        return self.weights.derived(name, lambda raw, decoded: values(raw, decoded).to_float().reshape(shape), kind)
+
+    def _packed(self, name: str, n_act_rows: int, threads: int | None) -> PackedInts | None:
+        """The integers ik's kernel multiplies the 2-D weight `name` as (its rows shared by `threads` ik threads),
+        packed for qmatmul; None where it multiplies floats."""
+        kernel = ik_kernel(self.weights.encoding(name).type.name)
+        rows = self.weights.info(name).shape[0]
+        ints = kernel.integers(n_act_rows, rows, threads)
+        if ints is None:
+            return None
+        kind = PACKED + CONVERTED * kernel.converts(n_act_rows, rows, threads)
+        return self.weights.derived(name, lambda raw, decoded: pack(ints(raw, decoded)), kind)
+
+    def _float_kind(self, name: str) -> str | None:
+        """F32, F16 or BF16 where ik multiplies weight `name` in its float kernels on rows they take whole."""
+        type_name = self.weights.encoding(name).type.name
+        whole = takes_whole(self.weights.info(name).n_per_row, type_name == "BF16")
+        return type_name if type_name in IK_FLOAT_TYPES and whole else None
+
+    def project(self, x: np.ndarray, weight_name: str, shared: dict[str, Any] | None = None,
+                fused: bool = False) -> np.ndarray:
+        """ik's matmul: `shared` keeps x's integer rows per activation format for the next weight on the same
+        input; `fused`: ik multiplies it in its fused up-gate op, whose kernel choice does not depend on its thread
+        count (--ik-threads)."""
+        threads = None if fused else self.options.ik_threads
+        packed = self._packed(weight_name, len(x), threads)
+        if packed is not None:
+            fmt = self._format(weight_name)
+            rows = shared.get(fmt) if shared is not None else None
+            if rows is None:
+                rows = integer_rows(x, fmt)
+                if shared is not None:
+                    shared[fmt] = rows
+            return qmatmul(rows, packed)
+        x = self.activations(x, weight_name)
+        converted = self._converted(weight_name, len(x), self.weights.info(weight_name).shape[0], threads)
+        if converted is not None:
+            return x @ converted.T
+        kind = self._float_kind(weight_name)
+        if kind is not None and self.weights.fits(self.weights.decoded_bytes(weight_name)):
+            return ik_float_matmul(x, self.weights.decode(weight_name), kind == "BF16")
+        return super().project(x, weight_name)
+
+    def matmul_weight(self, name: str, n_act_rows: int, weight_rows: int | None = None) -> np.ndarray:
+        """Weight `name` as ik's kernel converts it when it does, else its exact decoding."""
+        rows = self.weights.info(name).n_rows if weight_rows is None else weight_rows
+        converted = self._converted(name, n_act_rows, rows,
+                                    self._kernel_threads(self.weights.info(name).n_rows // rows))
+        return self.weights.decode(name) if converted is None else converted
+
+    def head_product(self, x: np.ndarray, name: str) -> np.ndarray:
+        """Each head's slice as ik's kernel multiplies it (the slice is the matrix it sees): in its float kernels,
+        in integers where it holds them, else the converted floats against the rounded activations."""
+        n_head, n = x.shape[0], x.shape[1]
+        rows = self.weights.info(name).shape[0] // n_head
+        float_kind = self._float_kind(name)
+        if float_kind is not None:
+            w = self.weights.decode(name).reshape(n_head, rows, -1)
+            xr = self.activations(x, name)
+            return np.stack([ik_float_matmul(xr[h], w[h], float_kind == "BF16") for h in range(n_head)])
+        kernel = ik_kernel(self.weights.encoding(name).type.name)
+        threads = self._kernel_threads(n_head)
+        ints = kernel.integers(n, rows, threads)
+        if ints is None:
+            return self.sliced_product(x, name)
+
+        def make(raw: np.ndarray, decoded: np.ndarray) -> PackedHeads:
+            whole = ints(raw, decoded)
+            return PackedHeads(tuple(pack(row_slice(whole, h * rows, (h + 1) * rows)) for h in range(n_head)))
+
+        heads = self.weights.derived(name, make, HEADS + CONVERTED * kernel.converts(n, rows, threads))
+        fmt = self._format(name)
+        return np.stack([qmatmul(integer_rows(x[h], fmt), heads.heads[h]) for h in range(n_head)])
+
+    # ---- routed experts ---------------------------------------------------------------------------------------
+    def _expert_ints(self, name: str, count: int) -> ToInts | None:
+        return ik_kernel(self.weights.encoding(name).type.name).integers(count, self.weights.info(name).shape[1])
+
+    def expert_ints(self, name: str, expert: int, count: int) -> PackedInts | None:
+        """The packed integers ik's kernel multiplies expert `expert` of the 3-D tensor `name` as when `count`
+        tokens are routed to it; None where it multiplies floats."""
+        ints = self._expert_ints(name, count)
+        if ints is None:
+            return None
+        converted = ik_kernel(self.weights.encoding(name).type.name).converts(count, self.weights.info(name).shape[1])
+        return self.weights.derived_expert(name, expert, lambda raw, decoded: pack(ints(raw, decoded)),
+                                           keep=not self.weights.streaming, kind=PACKED + CONVERTED * converted)
+
+    def convert_experts(self, name: str, ids: np.ndarray, counts: np.ndarray, mats: np.ndarray) -> np.ndarray:
+        """In place: each expert as ik multiplies it for its token count (ik decides per expert: is_dequant_better on
+        the rows routed to it)."""
+        kernel = ik_kernel(self.weights.encoding(name).type.name)
+        n_expert, rows, _ = self.weights.info(name).shape
+        raw = self.weights.encoding(name).raw.reshape(n_expert, rows, -1)
+        for j, (e, count) in enumerate(zip(ids.tolist(), counts.tolist())):
+            values = kernel.float_values(int(count), rows)
+            if values is not None:
+                mats[j] = values(np.ascontiguousarray(raw[e]), mats[j]).to_float()
+        return mats
+
+    def routed_experts(self, x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, names: list[str],
+                       group: int | None, limit: float, keep_act: bool) -> RoutedExperts:
+        """Per expert ik's choice at its token count: integers where ik multiplies all three matrices in integers,
+        else its float kernels or the converted floats against the rounded activations."""
+        counts = np.bincount(sel.reshape(-1), minlength=n_expert)
+        up, gate, down = names
+        formats = (self._format(up), self._format(gate), self._format(down))
+        types = (self.weights.encoding(up).type.name, self.weights.encoding(gate).type.name,
+                 self.weights.encoding(down).type.name)
+
+        def ints(e: int) -> tuple[PackedInts, PackedInts, PackedInts] | None:
+            count = int(counts[e])
+            if not all(self._expert_ints(name, count) is not None for name in names):
+                return None
+            packed = [self.expert_ints(name, e, count) for name in names]
+            assert packed[0] is not None and packed[1] is not None and packed[2] is not None
+            return packed[0], packed[1], packed[2]
+
+        return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, sel, n_expert), group, limit, formats, ints,
+                           keep_act=keep_act, ik=types)

@@ -1,0 +1,80 @@
+"""The switches that change what a run computes (`RuntimeOptions`), declared once: the model, the architectures
+and the CLI (ikrun/commands/options.py makes every field a flag) read them from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from ikrun.errors import ModelError
+from ikrun.numerics import NUMERICS
+
+KV_CACHE_TYPES = ("f32", "f16")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """Evaluation switches that change what an architecture computes (the defaults are the model's semantics).
+
+    An architecture lists the ones it honours in its class attribute `runtime_options`; setting any other is an
+    error, so a flag never silently does nothing. Each field's metadata holds its command-line help: the CLI makes
+    the option --name-with-dashes from it (ikrun/commands/options.py), a bool as a flag, None-defaulted as on/off, an
+    int taking a value.
+    """
+
+    #: lightning-indexer sparse attention: None keeps the architecture's default (sparse, as the model was trained);
+    #: False runs dense attention on every layer (ik without --dsa)
+    dsa: bool | None = field(default=None, metadata={"help": (
+        "Lightning-indexer sparse attention (glm-dsa): on (the default: the model's semantics) or off (dense attention "
+        "on every layer, as ik without --dsa). An error for a model without an indexer.")})
+    #: ik's attention-sink boost: the indexer always keeps each sequence's first token (ik's --dsa default)
+    dsa_sink: bool = field(default=False, metadata={"help": (
+        "Add ik's attention-sink boost to the indexer: each sequence's first token always survives the top-k (ik's "
+        "--dsa default, not part of the model). An error for a model without an indexer.")})
+    #: reproduce ik's AVX-512 f32 GEMM over-read of openPangu's param-sink values (only fewer than 16 sinks, i.e.
+    #: small test models, are affected): the numbers ik prints for them, not the model's
+    ik_sink_overread: bool = field(default=False, metadata={"help": (
+        "openPangu: reproduce ik's AVX-512 f32 GEMM, which misreads the param-sink values of files with fewer than 16 "
+        "sinks (small test models; real ones have 128), to get the numbers ik prints for them. Off: the model's "
+        "exact forward.")})
+
+    #: the arithmetic: "exact" (float32 on exactly decoded weights) or "ik" (ik's CPU backend: activations rounded
+    #: to the format each weight type pairs with, ik's f16 KV cache); every architecture honours it
+    numerics: str = field(default="exact", metadata={"choices": NUMERICS, "every_arch": True, "help": (
+        "exact (default): float32 on the exactly decoded weights, the error of the stored weights alone. ik: the "
+        "arithmetic of ik's CPU backend, to get the numbers llama-perplexity prints: activations rounded to the "
+        "8-bit (or bf16) format ik pairs with each weight type, and ik's f16 KV cache (whatever --kv-cache says).")})
+
+    #: the thread count whose kernel choices --numerics ik reproduces (ik's choice depends on it for matrices of fewer
+    #: than 32 rows per thread)
+    ik_threads: int = field(default=1, metadata={"every_arch": True, "help": (
+        "With --numerics ik: make ik's kernel choices as llama-perplexity makes them with this many threads (-t). "
+        "They differ only for matrices of fewer than 32 rows per thread, where ik multiplies with its own kernel "
+        "instead of converting the weights first: small test models. Default 1.")})
+
+    def given(self) -> list[str]:
+        """The options that were set (field names; the command-line flag is --name with dashes)."""
+        return [f.name for f in fields(self) if getattr(self, f.name) != f.default]
+
+    def check(self, path: Path, arch: str, honoured: tuple[str, ...]) -> None:
+        """Refuse options that cannot apply to the model at `path` (of `arch`, whose architecture honours the
+        fields `honoured`) or to each other: a flag never silently does nothing."""
+        from ikrun.models import model_class, supported_architectures
+
+        if self.numerics not in NUMERICS:
+            raise ModelError(f"--numerics {self.numerics!r} is not one of {', '.join(NUMERICS)}")
+        for option in self.given():
+            if option not in honoured and not _every_arch(option):
+                honour = [a for a in supported_architectures() if option in model_class(a).runtime_options]
+                raise ModelError(f"--{option.replace('_', '-')} applies only to {', '.join(honour)}; {path} is {arch}")
+        if self.ik_threads < 1:
+            raise ModelError(f"--ik-threads must be at least 1, not {self.ik_threads}")
+        if self.ik_threads != 1 and self.numerics != "ik":
+            raise ModelError("--ik-threads chooses ik's kernels, which only --numerics ik runs")
+        if self.dsa is False and self.dsa_sink:
+            raise ModelError("--dsa-sink changes the indexer's top-k selection, which --dsa off does not run")
+
+
+def _every_arch(option: str) -> bool:
+    """Whether a RuntimeOptions field applies to every architecture (not listed in their runtime_options)."""
+    return any(f.name == option and f.metadata.get("every_arch", False) for f in fields(RuntimeOptions))
