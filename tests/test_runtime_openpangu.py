@@ -20,6 +20,7 @@ from ikrun.eval.evaluate import chunk_logits, open_base
 from ikrun.eval.metrics import BaseLogitsFile, KLDAccumulator, kld_stats
 from ikrun.model import Model
 from ikrun.models import openpangu
+from ikrun.numerics import exact
 from ikrun.ops import moe
 from ikrun.ops.conv import causal_conv_residual
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
@@ -139,8 +140,7 @@ def test_every_block_matches_the_numpy_reference(data_dir: Path, ik_sinks: bool)
     """The S hidden streams after each decoder block, runtime on the GGUF vs reference on the safetensors."""
     ref = _reference(data_dir)
     ref.ik_avx512_sinks = ik_sinks
-    model = Model(_gguf(data_dir))
-    model.impl.ik_avx512_sinks = ik_sinks
+    model = Model(_gguf(data_dir), options=RuntimeOptions(ik_sink_overread=ik_sinks))
     for chunk in (3, 11):
         tokens = _tokens(data_dir, chunk)
         theirs: dict[int, np.ndarray] = {}
@@ -163,13 +163,13 @@ def test_every_attention_path_runs_at_this_context(data_dir: Path, monkeypatch: 
     assert [(k.window, k.indexer) for k in impl.kinds] == [(0, True), (16, False), (16, False)]
     assert (impl.n_active, impl.n_dense, impl.n_sink, impl.top_k) == (3, 1, 8, 16)
     seen: list[tuple[int, np.ndarray | None]] = []
-    real = openpangu.latent_attention
+    real = exact.latent_attention
 
     def spy(*args: Any, **kwargs: Any) -> np.ndarray:
         seen.append((kwargs["window"], kwargs["keep"]))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(openpangu, "latent_attention", spy)
+    monkeypatch.setattr(exact, "latent_attention", spy)
     model.logits(_tokens(data_dir, 0))
     assert [w for w, _ in seen] == [0, 16, 16]
     keep = seen[0][1]

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ikrun.models.base import ArchModel, Hparam, Sequence
+from ikrun.modules.attention import MlaAttention
 from ikrun.modules.ffn import MoeConfig, dense_ffn, moe_ffn
 from ikrun.ops.moe import GATING_SIGMOID, GATING_SOFTMAX
 from ikrun.ops.rope import Yarn, yarn_log_scale, yarn_rope_cache
@@ -69,6 +70,8 @@ class Deepseek2(ArchModel):
         if self.n_dense < self.n_layer:
             self.moe = MoeConfig.read(hp, self._default_gating(), lambda why: self.fail(f"{ctx.arch}.{why}"))
         self._read_rope(hp)
+        self.attention = MlaAttention(self.n_head, self.q_lora, self.kv_lora, self.n_rot, self.head_k, self.head_v,
+                                      self.eps, self.kq_scale)
         if not ctx.has("token_embd.weight"):
             raise self.fail("tensor token_embd.weight is missing")
         self.n_vocab = ctx.shape("token_embd.weight")[0]
@@ -176,32 +179,10 @@ class Deepseek2(ArchModel):
         return np.ascontiguousarray(self.ctx.project(x, "output.weight"), dtype=np.float32)
 
     def _attention(self, b: str, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, seq: Sequence) -> np.ndarray:
-        return self._latent_attention(b, h, self._query(b, h)[1], cos, sin)
-
-    def _query(self, b: str, h: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
-        """(the normalised q LoRA latent, or None without one; the query heads [n, H * key_length])."""
-        cx = self.ctx
-        if not self.q_lora:
-            return None, cx.linear(h, b + "attn_q")
-        qa = self.norm(cx.linear(h, b + "attn_q_a"), cx.weight(b + "attn_q_a_norm.weight"))
-        return qa, cx.linear(qa, b + "attn_q_b")
+        return self._latent_attention(b, h, self.attention.query(self.ctx, b, h)[1], cos, sin)
 
     def _latent_attention(self, b: str, h: np.ndarray, q: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                           keep: np.ndarray | None = None) -> np.ndarray:
         """The attention block's output from its query; `keep` [n, n] limits the keys each query sees."""
-        cx = self.ctx
-        n = h.shape[0]
-        kv = cx.linear(h, b + "attn_kv_a_mqa")
-        q = q.reshape(n, self.n_head, self.head_k)
-        q_nope = np.ascontiguousarray(q[:, :, : self.n_nope])
-        q_rope = np.ascontiguousarray(q[:, :, self.n_nope :])
-        k_rope = np.ascontiguousarray(kv[:, self.kv_lora :]).reshape(n, 1, self.n_rot)
-        self.rope(q_rope, cos, sin, False)
-        self.rope(k_rope, cos, sin, False)
-        latent = self.norm(kv[:, : self.kv_lora], cx.weight(b + "attn_kv_a_norm.weight"))
-        cache = cx.kv_store(np.concatenate([k_rope.reshape(n, self.n_rot), latent], axis=1))
-        if cx.observers:
-            for head in range(self.n_head):
-                cx.observe(b + "attn_k_b.weight", q_nope[:, head], head, self.n_head)
-        out = cx.numerics.latent_attention(b, q_rope, q_nope, cache, self.kq_scale, keep=keep)
-        return cx.linear(out.reshape(n, self.n_head * self.head_v), b + "attn_output")
+        cache = self.attention.cache_rows(self.ctx, b, h, cos, sin)
+        return self.attention(self.ctx, b, q, cache, cos, sin, keep=keep)

@@ -110,7 +110,7 @@ class GlmDsa(Deepseek2):
         return n_ctx * n_ctx if self.sparse else 0  # the last full layer's keep mask, for the shared layers
 
     def _attention(self, b: str, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, seq: Sequence) -> np.ndarray:
-        qa, q = self._query(b, h)
+        qa, q = self.attention.query(self.ctx, b, h)
         if self.sparse and self.full[b]:
             assert qa is not None
             seq.state["keep"] = self._select(b, h, qa, cos, sin)

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ikrun.models.base import ArchModel, Hparam, Sequence
+from ikrun.modules.attention import MlaAttention
 from ikrun.modules.ffn import MoeConfig, dense_ffn, moe_ffn
 from ikrun.ops.hyperconn import hc_combine
 from ikrun.ops.indexer import TIE_PARTIAL_SORT, indexer_scores, select_top_k
@@ -87,7 +88,8 @@ class OpenPangu(ArchModel):
         self.n_sink = int(hp("param_sink_number"))
         self.freq_base = float(hp("rope.freq_base", 10000.0))
         self.kq_scale = float(np.float32(1.0) / np.sqrt(np.float32(self.head_k)))
-        #: reproduce ik's AVX-512 GEMM for fewer than 16 sinks (see the module docstring)
+        self.attention = MlaAttention(self.n_head, self.q_lora, self.kv_lora, self.n_rot, self.head_k, self.head_v,
+                                      self.eps, self.kq_scale, neox=True, convolutions=True, observe_values=True)
         self._check_sizes()
         self.n_active = self.n_layer - self.n_mtp
         if self.n_dense < self.n_layer:
@@ -291,42 +293,12 @@ class OpenPangu(ArchModel):
             + cx.weight("merge_mhc_beta")
         return (np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))).astype(np.float32)
 
-    def _sinks(self, b: str) -> np.ndarray:
-        """The param sinks as cache rows [k_pe | RMSNorm(sink latent) * attn_kv_a_norm] (ik derives them at load)."""
-        cx = self.ctx
-        latent = self.norm(cx.weight(b + "attn_param_sink_kv"), cx.weight(b + "attn_kv_a_norm.weight"))
-        return np.concatenate([cx.weight(b + "attn_param_sink_k_pe"), latent], axis=1)
-
     def _attention(self, i: int, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        cx, b, n = self.ctx, f"blk.{i}.", len(h)
-        q_lat = cx.numerics.conv(cx.linear(h, b + "attn_q_a"), cx.weight(b + "attn_qa_conv.weight"))
-        q_lat = self.norm(q_lat, cx.weight(b + "attn_q_a_norm.weight"))
-        q = cx.linear(q_lat, b + "attn_q_b").reshape(n, self.n_head, self.head_k)
-        q_nope = np.ascontiguousarray(q[:, :, : self.n_nope])
-        q_rope = np.ascontiguousarray(q[:, :, self.n_nope :])
-        kv = cx.linear(h, b + "attn_kv_a_mqa")
-        latent = cx.numerics.conv(kv[:, : self.kv_lora], cx.weight(b + "attn_compresskv_conv.weight"))
-        latent = self.norm(latent, cx.weight(b + "attn_kv_a_norm.weight"))
-        k_rope = np.ascontiguousarray(kv[:, self.kv_lora :]).reshape(n, 1, self.n_rot)
-        self.rope(q_rope, cos, sin, True)
-        self.rope(k_rope, cos, sin, True)
-        cache = cx.kv_store(np.concatenate([k_rope.reshape(n, self.n_rot), latent], axis=1))
-        kind = self.kinds[i]
+        cx, b, attention, kind = self.ctx, f"blk.{i}.", self.attention, self.kinds[i]
+        q_lat, q = attention.query(cx, b, h)
+        cache = attention.cache_rows(cx, b, h, cos, sin)
         keep = self._indexer(b, h, q_lat, cos, sin) if kind.indexer else None
-        if cx.observers:
-            self._observe_heads(b + "attn_k_b.weight", q_nope.transpose(1, 0, 2))
-        out = cx.numerics.latent_attention(b, q_rope, q_nope, cache, self.kq_scale, sinks=self._sinks(b),
-                                           window=kind.window, keep=keep,
-                                           on_latent=(lambda lat: self._observe_heads(b + "attn_v_b.weight", lat))
-                                           if cx.observers else None)
-        out = cx.numerics.conv(out.reshape(n, self.n_head * self.head_v), cx.weight(b + "attn_o_conv.weight"))
-        return cx.linear(out, b + "attn_output")
-
-    def _observe_heads(self, name: str, rows: np.ndarray) -> None:
-        """Per-head inputs [H, n, d] of a per-head weight (attn_k_b, attn_v_b), one matrix per head as ik's imatrix
-        records them."""
-        for head in range(self.n_head):
-            self.ctx.observe(name, rows[head], head, self.n_head)
+        return attention(cx, b, q, cache, cos, sin, sinks=attention.sink_rows(cx, b), window=kind.window, keep=keep)
 
     def _indexer(self, b: str, h: np.ndarray, q_lat: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray | None:
         """Keys each query keeps [n, n] (None while no query has more than top_k candidates: all are kept)."""
