@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from ikrun.eval.speculative import mean_acceptance_length, speculative_generate
     from ikrun.model import Model
     from ikrun.options import RuntimeOptions
-    from ikrun.sweep.measure import run_sweep, sweep_groups
+    from ikrun.sweep import run_sweep
+    from ikrun.sweep.measure import sweep_groups
     from ikrun.validate.hf import HFReference, compare_logits
 
 #: public name -> the module that defines it
@@ -34,7 +35,7 @@ _EXPORTS = {
     "kld_stats": "ikrun.eval.metrics",
     "speculative_generate": "ikrun.eval.speculative",
     "mean_acceptance_length": "ikrun.eval.speculative",
-    "run_sweep": "ikrun.sweep.measure",
+    "run_sweep": "ikrun.sweep",
     "sweep_groups": "ikrun.sweep.measure",
     "HFReference": "ikrun.validate.hf",
     "compare_logits": "ikrun.validate.hf",

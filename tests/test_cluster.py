@@ -75,9 +75,9 @@ def test_ray_quantization_writes_the_same_bytes(model: Path, imatrix: Path, tmp_
 def test_a_killed_worker_loses_no_row(model: Path, tmp_path: Path) -> None:
     from ikquant.cluster import open_cluster
     from ikquant.types import type_by_name
-    from ikrun.eval.evaluate import perplexity, tokenize_chunks
+    from ikrun.eval.evaluate import open_base, perplexity, tokenize_chunks
     from ikrun.model import Model
-    from ikrun.sweep.cluster import WorkerSpec, run_sweep_on_cluster
+    from ikrun.sweep import run_sweep
     from ikrun.sweep.measure import sweep_groups
 
     local = tmp_path / "local.json"
@@ -86,7 +86,6 @@ def test_a_killed_worker_loses_no_row(model: Path, tmp_path: Path) -> None:
     base = tmp_path / "base.kld"
     perplexity(m, tokenize_chunks(m, CORPUS.read_text(encoding="utf-8"), 64, 3), base)
     groups = sweep_groups(m, "tensor", r"blk\.1\.")
-    spec = WorkerSpec(str(model), 1, "f32", m.options, 1 << 30, None, None, None, False)
     seen: list[list[int]] = []  # the workers' pids, each time the set changes
     rows, events = [], []
 
@@ -96,9 +95,9 @@ def test_a_killed_worker_loses_no_row(model: Path, tmp_path: Path) -> None:
             os.kill(seen[0][0], signal.SIGKILL)
 
     with open_cluster("local:2", 1) as cluster:
-        run_sweep_on_cluster(cluster, spec, base, groups, [type_by_name("Q4_0"), type_by_name("IQ4_KS")], [],
-                             kill_once, events.append,
-                             on_workers=lambda ws: seen.append(ray.get([w.pid.remote() for w in ws])))
+        run_sweep(m, open_base(base, m), groups, [type_by_name("Q4_0"), type_by_name("IQ4_KS")], None, [], kill_once,
+                  cluster=cluster, worker_mem=1 << 30, on_event=events.append,
+                  on_workers=lambda ws: seen.append(ray.get([w.pid.remote() for w in ws])))
     assert any("lost" in e for e in events), events
     assert len(seen) == 2 and seen[0][0] not in seen[1] and len(set(seen[1])) == 2  # replaced once
     got = {(r.group, r.type): r for r in rows}

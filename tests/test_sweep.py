@@ -138,7 +138,8 @@ def test_layer_local_rows_equal_full_forward_rows(data_dir: Path, tmp_path: Path
     from ikquant.types import type_by_name
     from ikrun.eval.evaluate import open_base, perplexity
     from ikrun.model import Model
-    from ikrun.sweep.measure import run_sweep, start_block, sweep_groups
+    from ikrun.sweep import run_sweep
+    from ikrun.sweep.measure import start_block, sweep_groups
     from tests.test_stream import MODELS
 
     model = Model(data_dir / "convert" / MODELS[arch])
@@ -248,7 +249,8 @@ def test_a_sweep_of_a_model_larger_than_its_budget_streams_with_the_same_rows(da
     from ikrun.eval.evaluate import open_base, perplexity
     from ikrun.eval.stream import minimum_budget, plan_run
     from ikrun.model import Model
-    from ikrun.sweep.measure import run_sweep, sweep_groups
+    from ikrun.sweep import run_sweep
+    from ikrun.sweep.measure import sweep_groups
     from tests.test_stream import MODELS
 
     rows = {}
@@ -262,7 +264,7 @@ def test_a_sweep_of_a_model_larger_than_its_budget_streams_with_the_same_rows(da
             assert plan_run(model, 3, 32, one_pass=False).streamed  # the decoded model does not fit
         groups = {g: n for g, n in sweep_groups(model, "tensor").items()
                   if all(model.weights.info(t).n_per_row % 32 == 0 for t in n)}
-        got = run_sweep(model, base, groups, [type_by_name("Q4_0")], None, [], lambda r: None, tmp_path,
+        got = run_sweep(model, base, groups, [type_by_name("Q4_0")], None, [], lambda r: None, spill_dir=tmp_path,
                         full_forward=not tight)
         rows[tight] = {r.group: (r.kld_mean, r.kld_p99, r.same_top_p) for r in got}
     assert rows[True] == rows[False]

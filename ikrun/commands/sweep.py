@@ -196,7 +196,8 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
     import tempfile
 
     from ikrun.eval.evaluate import open_base, perplexity
-    from ikrun.sweep.measure import AUTO_STABLE_TAU, Scored, rank_agreement, run_sweep, save_rows, sweep_header
+    from ikrun.sweep import run_sweep
+    from ikrun.sweep.measure import AUTO_STABLE_TAU, Scored, rank_agreement, save_rows, sweep_header
 
     scored: Scored = {}
     previous: list | None = None  # type: ignore[type-arg]
@@ -219,14 +220,10 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
                 bar.update(task, advance=1, description=f"{row.group} {row.type}")
 
             try:
-                if cluster is None:
-                    run_sweep(m, open_base(base_path, m), groups, type_list, imat, done, on_row, ev.spill_dir,
-                              full_forward, scored)
-                else:
-                    from ikrun.sweep.cluster import run_sweep_on_cluster
-
-                    run_sweep_on_cluster(cluster, _worker_spec(m, ev, cluster, imatrix, full_forward), base_path,
-                                         groups, type_list, done, on_row, lambda msg: err.print(msg), scored)
+                run_sweep(m, open_base(base_path, m), groups, type_list, imat, done, on_row, spill_dir=ev.spill_dir,
+                          full_forward=full_forward, scored=scored, cluster=cluster,
+                          worker_mem=_worker_mem(ev, cluster) if cluster is not None else None,
+                          on_event=lambda msg: err.print(msg))
             except IkError as exc:
                 bar.stop()
                 fail(str(exc))
@@ -251,17 +248,14 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
     return rows
 
 
-def _worker_spec(m: Model, ev: Evaluation, cluster, imatrix: Optional[Path], full_forward: bool):  # type: ignore[no-untyped-def]
-    """What every Ray worker loads: a local cluster's workers share this machine's budget, a remote cluster's
-    workers take --mem each (default: their node's share)."""
+def _worker_mem(ev: Evaluation, cluster) -> int | None:  # type: ignore[no-untyped-def]
+    """Each Ray worker's budget: a local cluster's workers share this machine's budget, a remote cluster's workers
+    take --mem each (default: their node's share)."""
     from ikquant.sizes import parse_size
-    from ikrun.sweep.cluster import WorkerSpec
 
-    local = cluster.address.strip().startswith("local")
-    mem = memory_budget(ev) // cluster.workers if local else (parse_size(ev.mem) if ev.mem else None)
-    return WorkerSpec(str(m.path.resolve()), cluster.threads, m.kv_cache, m.options, mem, ev.stream,
-                      str(imatrix.resolve()) if imatrix else None, str(ev.spill_dir) if ev.spill_dir else None,
-                      full_forward)
+    if cluster.address.strip().startswith("local"):
+        return memory_budget(ev) // cluster.workers
+    return parse_size(ev.mem) if ev.mem else None
 
 
 def sweep_table(rows: list) -> Table:  # type: ignore[type-arg]

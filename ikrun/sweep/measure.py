@@ -255,12 +255,11 @@ def pending_jobs(groups: dict[str, list[str]], types: list[GGMLType], done: Sequ
     return [(g, names, t) for g, names in groups.items() for t in types if (g, t.name) not in finished]
 
 
-def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], types: list[GGMLType],
-              imatrix: Imatrix | None, done: list[SweepRow],
-              on_row: Callable[[SweepRow], None], spill_dir: Path | None = None,
-              full_forward: bool = False, scored: Scored | None = None) -> list[SweepRow]:
-    """Measure every (group, type) not in `done`; `on_row` sees each new row as soon as it exists. With `scored`,
-    each measurement extends what was scored before (and its entry is updated).
+def measure_locally(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], types: list[GGMLType],
+                    imatrix: Imatrix | None, done: list[SweepRow], on_row: Callable[[SweepRow], None],
+                    spill_dir: Path | None = None, full_forward: bool = False,
+                    scored: Scored | None = None) -> list[SweepRow]:
+    """run_sweep in this process (ikrun/sweep/__init__.py).
 
     The next measurement's quantization runs in a second thread while the current one is evaluated (the kernels
     release the GIL), so the sweep costs little more than its evaluations. Each evaluation starts at the first
