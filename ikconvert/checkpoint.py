@@ -13,15 +13,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ikconvert.safetensors_io import SafeTensor, SafetensorsError, SafetensorsFile
-from ikquant.errors import IkError
+from ikconvert.errors import CheckpointError, SafetensorsError
+from ikconvert.safetensors_io import SafeTensor, SafetensorsFile
 
 INDEX_NAME = "model.safetensors.index.json"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "README.md", "additional_chat_templates/*"]
-
-
-class CheckpointError(IkError, ValueError):
-    """A checkpoint folder that cannot be converted as it is (missing files, inconsistent index, bad config)."""
 
 
 def resolve_source(source: str) -> Path:

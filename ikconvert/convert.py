@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 from gguf import Metadata, size_label
 
-from ikconvert.archs.base import Arch, ConvertError, OutTensor, arch_for
+from ikconvert.archs.base import Arch, OutTensor, arch_for
 from ikconvert.checkpoint import Checkpoint
-from ikquant.formats.base import QuantInputError, find_bad_value
+from ikconvert.errors import ConvertError
+from ikquant.errors import QuantInputError
+from ikquant.formats.base import find_bad_value
 from ikquant.ftypes import FileType, file_type
 from ikquant.gguf_io import GGUFStreamWriter
 from ikquant.types import GGMLType, type_by_name

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ikquant.errors import IkError
+from ikconvert.errors import SafetensorsError
 from ikquant.gguf_io import file_stamp
 
 # safetensors dtype -> (numpy storage dtype, bytes per element). Float formats numpy lacks are kept as raw bits.
@@ -37,10 +37,6 @@ _DTYPES: dict[str, tuple[np.dtype, int]] = {
     "F8_E5M2": (np.dtype("u1"), 1),
     "F8_E8M0": (np.dtype("u1"), 1),
 }
-
-
-class SafetensorsError(IkError, ValueError):
-    """A safetensors file that is malformed, truncated, or inconsistent with what was asked of it."""
 
 
 def _file_stamp(path: Path) -> tuple[int, int, int, int]:

@@ -22,13 +22,9 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.gguf_reader import ReaderField
 
-from ikquant.errors import IkError
+from ikquant.errors import GGUFFormatError, InputChangedError, UnknownTypeError
 from ikquant.outputs import partial_path, prepare_output, require_space, write_errors
-from ikquant.types import GGMLType, UnknownTypeError, type_by_id
-
-
-class GGUFFormatError(IkError, ValueError):
-    """A file that is not a readable GGUF (bad magic, truncated, inconsistent tensor table)."""
+from ikquant.types import GGMLType, type_by_id
 
 
 @dataclass(frozen=True)
@@ -103,10 +99,6 @@ class KeyValue:
     value: Any
     type: GGUFValueType
     sub_type: GGUFValueType | None = None
-
-
-class InputChangedError(IkError, ValueError):
-    """An input file that changed on disk while a command was reading it."""
 
 
 def file_stamp(path: Path) -> tuple[int, int, int, int]:

@@ -14,11 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ikquant.errors import IkError
-
-
-class ImatrixError(IkError, ValueError):
-    """An importance-matrix file that cannot be read or does not fit the model."""
+from ikquant.errors import GGUFFormatError, ImatrixError
 
 
 @dataclass
@@ -145,7 +141,7 @@ def read_imatrix_gguf(path: str | os.PathLike[str]) -> Imatrix:
     Each matrix's columns become mean(x^2) = sums / count with that matrix's own count (ik's converter divides every
     expert by expert 0's count); a matrix that no token reached reads as all ones, as ik's .dat writer stores it.
     """
-    from ikquant.gguf_io import GGUFFile, GGUFFormatError
+    from ikquant.gguf_io import GGUFFile
 
     p = Path(path)
     try:

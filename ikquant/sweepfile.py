@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ikquant.errors import IkError
+from ikquant.errors import SweepFileError
 
 FORMAT = "iktools-sweep"
 VERSION = 2
@@ -34,10 +34,6 @@ CSV_COLUMNS = {
 }
 _INTS = {"n_weights", "bytes_base", "bytes_new"}
 _STRS = {"group", "type", "type_used"}
-
-
-class SweepFileError(IkError, ValueError):
-    """A sweep file that cannot be read, or whose rows were measured on something else than this run."""
 
 
 def file_sha256(path: Path) -> str:

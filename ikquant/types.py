@@ -11,14 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ikquant.errors import IkError
+from ikquant.errors import UnknownTypeError
 
 if TYPE_CHECKING:
     from ikquant.formats.base import Codec
-
-
-class UnknownTypeError(IkError, ValueError):
-    """A type name or id that ik_llama.cpp does not define (or that we cannot size)."""
 
 
 @dataclass(eq=False)

@@ -26,8 +26,8 @@ from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 
-from ikquant.errors import IkError
-from ikquant.gguf_io import GGUFFile, GGUFFormatError, TensorInfo, file_stamp
+from ikquant.errors import GGUFFormatError, IkError
+from ikquant.gguf_io import GGUFFile, TensorInfo, file_stamp
 from ikquant.types import GGMLType
 from ikrun.ops.parallel import threads_for
 

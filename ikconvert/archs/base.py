@@ -17,13 +17,9 @@ from typing import Any, ClassVar
 import numpy as np
 from gguf import GGUFWriter
 
-from ikconvert.checkpoint import Checkpoint, CheckpointError
+from ikconvert.checkpoint import Checkpoint
+from ikconvert.errors import CheckpointError, ConvertError
 from ikconvert.safetensors_io import SafeTensor
-from ikquant.errors import IkError
-
-
-class ConvertError(IkError, ValueError):
-    """A checkpoint that does not convert: names the file, tensor or config key at fault."""
 
 
 @dataclass

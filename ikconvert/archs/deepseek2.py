@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 from gguf import GGUFWriter, RopeScalingType
 
-from ikconvert.archs.base import Arch, ConvertError, Fill, OutTensor, dequantize_fp8, register, stacked
+from ikconvert.archs.base import Arch, Fill, OutTensor, dequantize_fp8, register, stacked
 from ikconvert.checkpoint import Checkpoint, block_id
+from ikconvert.errors import ConvertError
 from ikconvert.safetensors_io import E4M3_TABLE, SafeTensor
 
 # ik's ExpertGatingFuncType (the PyPI gguf package lacks sqrtsoftplus)

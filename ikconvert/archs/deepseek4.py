@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 from gguf import GGUFWriter, RopeScalingType
 
-from ikconvert.archs.base import Arch, ConvertError, OutTensor, dequantize_fp8, register, stacked
+from ikconvert.archs.base import Arch, OutTensor, dequantize_fp8, register, stacked
 from ikconvert.checkpoint import Checkpoint
+from ikconvert.errors import ConvertError
 from ikconvert.safetensors_io import E8M0_TABLE, SafeTensor
 
 Load = Callable[[], np.ndarray]

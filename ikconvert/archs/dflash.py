@@ -23,8 +23,9 @@ from typing import Any
 
 from gguf import GGUFWriter, RopeScalingType
 
-from ikconvert.archs.base import Arch, ConvertError, OutTensor, lazy, register
+from ikconvert.archs.base import Arch, OutTensor, lazy, register
 from ikconvert.checkpoint import Checkpoint, block_id
+from ikconvert.errors import ConvertError
 from ikconvert.safetensors_io import SafeTensor
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 from numba import njit, prange
 
-from ikquant.errors import IkError
+from ikquant.errors import QuantInputError
 from ikquant.types import GGMLType, type_by_name
 
 
@@ -40,10 +40,6 @@ def find_bad_value(x: np.ndarray, limit: float = np.inf) -> tuple[int, int] | No
     _bad_columns(x, float(limit), cols)
     rows = np.flatnonzero(cols >= 0)
     return (int(rows[0]), int(cols[rows[0]])) if rows.size else None
-
-
-class QuantInputError(IkError, ValueError):
-    """Input that no quantizer can represent correctly (NaN/Inf, wrong shape, wrong row length)."""
 
 
 class Codec:

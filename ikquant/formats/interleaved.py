@@ -20,7 +20,8 @@ from typing import Protocol
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.base import Codec, QuantInputError
+from ikquant.errors import QuantInputError
+from ikquant.formats.base import Codec
 from ikquant.formats.numeric import fmaf, load_f16, store_f16
 from ikquant.types import register_codec, type_by_name
 

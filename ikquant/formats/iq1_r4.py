@@ -31,7 +31,8 @@ import warnings
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.base import Codec, QuantInputError
+from ikquant.errors import QuantInputError
+from ikquant.formats.base import Codec
 from ikquant.formats.iq1_search import (
     IQ1M_SHIFT_MASKS,
     NO_SHIFT,
