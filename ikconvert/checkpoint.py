@@ -15,6 +15,7 @@ from typing import Any
 
 from ikconvert.errors import CheckpointError, SafetensorsError
 from ikconvert.safetensors_io import SafeTensor, SafetensorsFile
+from ikquant.errors import InputNotFoundError
 
 INDEX_NAME = "model.safetensors.index.json"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "README.md", "additional_chat_templates/*"]
@@ -36,6 +37,8 @@ def resolve_source(source: str) -> Path:
             # the hub's own failures (unknown repo or revision, gated, offline without a cached copy, no network)
             raise CheckpointError(f"{source}: could not fetch from the Hugging Face hub ({exc})") from None
     path = Path(source)
+    if not path.exists():
+        raise InputNotFoundError(f"{source}: no such folder (and not an hf://org/repo reference)")
     if not path.is_dir():
         raise CheckpointError(f"{source}: not a folder (and not an hf://org/repo reference)")
     return path

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ikconvert.errors import SafetensorsError
+from ikquant.errors import InputNotFoundError
 from ikquant.gguf_io import file_stamp
 
 # safetensors dtype -> (numpy storage dtype, bytes per element). Float formats numpy lacks are kept as raw bits.
@@ -121,7 +122,7 @@ class SafetensorsFile:
         try:
             size = self.path.stat().st_size
         except FileNotFoundError:
-            raise FileNotFoundError(f"{self.path}: no such file") from None
+            raise InputNotFoundError(f"{self.path}: no such file") from None
         self.stamp = _file_stamp(self.path)
         if size < 8:
             raise SafetensorsError(f"{self.path}: file too small to be safetensors ({size} bytes)")

@@ -11,6 +11,15 @@ class IkError(Exception):
     """A mistake in what the user gave: a file, a tensor, an option. Its message names it."""
 
 
+class InputNotFoundError(IkError, FileNotFoundError):
+    """Raised when an input the user named (a GGUF, an imatrix, a sweep, a checkpoint folder or shard) does not
+    exist."""
+
+
+class CodecMissingError(IkError, NotImplementedError):
+    """Raised when a type is asked to quantize or dequantize and iktools has no codec for it."""
+
+
 class UnknownTypeError(IkError, ValueError):
     """Raised for a type name or id that ik_llama.cpp does not define (or that we cannot size)."""
 

@@ -22,7 +22,7 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.gguf_reader import ReaderField
 
-from ikquant.errors import GGUFFormatError, InputChangedError, UnknownTypeError
+from ikquant.errors import GGUFFormatError, InputChangedError, InputNotFoundError, UnknownTypeError
 from ikquant.outputs import partial_path, prepare_output, require_space, write_errors
 from ikquant.types import GGMLType, type_by_id
 
@@ -113,7 +113,7 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         if not self.path.is_file():
-            raise FileNotFoundError(f"{self.path}: no such file")
+            raise InputNotFoundError(f"{self.path}: no such file")
         try:
             self._reader = _IkReader(self.path, "r")
         except GGUFFormatError as exc:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ikquant.errors import GGUFFormatError, ImatrixError
+from ikquant.errors import GGUFFormatError, ImatrixError, InputNotFoundError
 
 
 @dataclass
@@ -180,7 +180,7 @@ def read_imatrix(path: str | os.PathLike[str]) -> Imatrix:
     """ik's .dat, or mainline's GGUF imatrix (told apart by the GGUF magic)."""
     p = Path(path)
     if not p.is_file():
-        raise ImatrixError(f"{p}: no such file")
+        raise InputNotFoundError(f"{p}: no such file")
     with open(p, "rb") as fh:
         magic = fh.read(4)
     return read_imatrix_gguf(p) if magic == b"GGUF" else read_imatrix_dat(p)

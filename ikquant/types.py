@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ikquant.errors import UnknownTypeError
+from ikquant.errors import CodecMissingError, UnknownTypeError
 
 if TYPE_CHECKING:
     from ikquant.formats.base import Codec
@@ -59,7 +59,7 @@ class GGMLType:
         import ikquant.formats  # noqa: F401  (importing the formats registers their codecs)
 
         if self.codec is None:
-            raise NotImplementedError(f"type {self.name} (ggml id {self.id}) has no quantize/dequantize implementation")
+            raise CodecMissingError(f"type {self.name} (ggml id {self.id}) has no quantize/dequantize implementation")
         return self.codec
 
     def __repr__(self) -> str:
