@@ -190,7 +190,7 @@ def test_error_messages_keep_square_brackets(tmp_path: Path) -> None:
     missing = tmp_path / "ckpt[bold]" / "[2, 1]"
     res = _convert([str(missing)])
     assert res.exit_code == 2
-    assert f"{missing}: not a folder" in res.output
+    assert f"{missing}: no such folder" in res.output
 
 
 def test_a_missing_checkpoint_folder_is_a_one_line_error(tmp_path: Path) -> None:
