@@ -142,6 +142,7 @@ class Converter:
             meta.size_label = size_label(total, shared, expert, count)
         meta.set_gguf_meta_model(gw)
         self.arch.set_gguf_parameters(gw)
+        assert self.pre_tokenizer is not None, "build_plan resolves the pre-tokenizer"
         self.arch.set_vocab(gw, self.pre_tokenizer)
         gw.add_quantization_version(2)
 

@@ -253,9 +253,9 @@ def _mainline_plan(src: GGUFFile, opts: QuantizeOptions) -> Plan:
     for pattern, tname in custom:
         require_mainline_type(tname, f"--custom-q {pattern.pattern}={tname}")
     overrides = {"token_embd.weight": opts.token_embedding_type, "output.weight": opts.output_tensor_type}
-    for name, tname in overrides.items():
-        if tname:
-            require_mainline_type(_type(tname, name), f"type for {name}")
+    for name, override in overrides.items():
+        if override:
+            require_mainline_type(_type(override, name), f"type for {name}")
     rules_apply = not opts.pure and opts.ftype.default_type not in FLOAT_TYPES
     chooser = MainlineChooser(opts.ftype, model_facts(src), opts.imatrix is not None, list(src.tensors))
     decided: dict[str, Decision] = {}

@@ -9,7 +9,7 @@ the header written, before any weight is read.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -59,12 +59,12 @@ def dequantize_fp8(w: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> 
 Fill = Callable[[np.ndarray], None]
 
 
-def stacked(fills: list[Fill], shape: tuple[int, ...], dtype: type = np.float32) -> Callable[[], np.ndarray]:
+def stacked(fills: Sequence[Fill], shape: tuple[int, ...], dtype: type = np.float32) -> Callable[[], np.ndarray]:
     """A layer's experts merged into one [E, *shape] array, each written in place one at a time (the peak is the
     stack, not the stack plus every expert's copy)."""
 
     def load() -> np.ndarray:
-        out = np.empty((len(fills), *shape), dtype=dtype)
+        out: np.ndarray = np.empty((len(fills), *shape), dtype=dtype)
         for i, fill in enumerate(fills):
             fill(out[i])
         return out

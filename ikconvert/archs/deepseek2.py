@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from gguf import GGUFWriter, RopeScalingType
@@ -38,7 +38,7 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 
 @register
 class DeepseekV2Arch(Arch):
-    hf_architectures = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+    hf_architectures: ClassVar[tuple[str, ...]] = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
     gguf_arch = "deepseek2"
     tensor_map = {
         "model.embed_tokens": "token_embd",

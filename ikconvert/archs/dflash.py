@@ -109,7 +109,9 @@ class DFlashDraftArch(Arch):
         if not isinstance(cfg, dict):
             raise ConvertError(f"{path}: not a JSON object")
         model_type = str(cfg.get("model_type", ""))
-        archs = cfg.get("architectures") if isinstance(cfg.get("architectures"), list) else []
+        archs = cfg.get("architectures")
+        if not isinstance(archs, list):
+            archs = []
         if model_type.startswith("gemma4") or any(str(a).startswith("Gemma4") for a in archs):
             raise ConvertError(f"{path}: Gemma4 targets use a SentencePiece vocabulary, which is not supported yet")
         return cfg

@@ -442,7 +442,7 @@ def _field_recode(block_bytes: int, offsets: list[int], dtype: type, forward: Ca
     def apply(rows: np.ndarray, f: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         starts = np.arange(rows.shape[1] // block_bytes)[:, None] * block_bytes + np.array(offsets)[None, :]
         pos = starts.reshape(-1)[:, None] + np.arange(width)[None, :]
-        values = np.ascontiguousarray(rows[:, pos]).view(dtype)[..., 0]
+        values: np.ndarray = np.ascontiguousarray(rows[:, pos]).view(dtype)[..., 0]
         out = rows.copy()
         out[:, pos] = np.ascontiguousarray(f(values).astype(dtype))[..., None].view(np.uint8)
         return out

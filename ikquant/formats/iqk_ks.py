@@ -81,7 +81,7 @@ _KL_INDEX, _KL_NEIGHBOURS = IQ2KL_INDEX.astype(np.int64), IQ2KL_NEIGHBOURS.astyp
 
 
 @njit(**NJIT)
-def _load_u16(row: np.ndarray, pos: int) -> int:
+def _load_u16(row: np.ndarray, pos: int) -> np.int64:
     return np.int64(row[pos]) | (np.int64(row[pos + 1]) << 8)
 
 
@@ -694,7 +694,7 @@ def _quantize_iq3_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
             for ib in range(8):
                 s = ibl * 8 + ib
                 off = 8 if shifted[s] else 0
-                l = min(15, max(-16, np.int64(nearest_int_fma(id_, scales[s]))))
+                l = min(15, max(-16, int(nearest_int_fma(id_, scales[s]))))
                 blk[2 + ib % 4] |= np.uint8(((l + 16) & 0xF) << (4 * (ib // 4)))
                 blk[0] |= np.uint8(((l + 16) >> 4) << ib)
                 dl = d * np.float32(l)
@@ -746,7 +746,7 @@ IQ5KS_BYTES = 168
 @njit(**NJIT)
 def _scale_level(id_: np.float32, scale: np.float32) -> int:
     """Odd sub-block scale in [-127, 127] nearest to scale/d, as ik rounds it: 2*round((id*s + 127)/2) - 127."""
-    l = np.int64(nearest_int_fma(np.float32(0.5), fmaf(id_, scale, np.float32(127.0))))
+    l = int(nearest_int_fma(np.float32(0.5), fmaf(id_, scale, np.float32(127.0))))
     return (min(127, max(0, l)) << 1) - 127
 
 

@@ -459,7 +459,7 @@ def _quantize_q3_k_ref(x: np.ndarray, out: np.ndarray) -> None:
             if max_scale != 0:
                 iscale = np.float32(-32.0) / max_scale
                 for j in range(16):
-                    Ls[j] = min(31, max(-32, np.int32(np.int8(nearest_int_fma(iscale, scales[j]))))) + 32
+                    Ls[j] = min(31, max(-32, int(np.int8(nearest_int_fma(iscale, scales[j]))))) + 32
                 d_block = np.float32(1.0) / iscale
             else:
                 for j in range(16):

@@ -129,7 +129,7 @@ def _quantize_sym(x: np.ndarray, qw: np.ndarray, out: np.ndarray, nmax: int, typ
                 for j in range(QK):
                     # ik truncates x*id + nmax + 0.5 (one fused rounding) to int8, then caps the top code
                     v = fmaf(xb[j], idv, fn + np.float32(0.5))
-                    L[j] = min(2 * nmax - 1, np.int32(np.int8(np.int32(v))))
+                    L[j] = min(2 * nmax - 1, int(np.int8(np.int32(v))))
             store_f16(out[r], o, d)
             if nmax == 16:
                 _store_qh5(L, out[r], o + 2)
@@ -221,7 +221,7 @@ def _quantize_affine(x: np.ndarray, qw: np.ndarray, out: np.ndarray, nmax: int, 
                     # ik truncates (x - min)*id + 0.5 (one fused rounding); Q4_1 also caps the code at 15
                     v = np.int32(fmaf(xb[j] - m, idv, np.float32(0.5)))
                     if nmax == 15:
-                        v = min(15, np.int32(np.int8(v)))
+                        v = min(np.int32(15), np.int32(np.int8(v)))
                     L[j] = v
             store_f16(out[r], o, d)
             store_f16(out[r], o + 2, m)

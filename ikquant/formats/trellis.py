@@ -25,10 +25,10 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.core.extending import intrinsic
 
 from ikquant.formats.base import Codec
 from ikquant.formats.iqk_grids import IQ4K, keep_better, nearest
+from ikquant.formats.jit import intrinsic
 from ikquant.formats.numeric import abs_max, fmaf, load_f32, load_u32, nearest_int_fma, store_f32
 
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
