@@ -245,7 +245,8 @@ def arch_for(ckpt: Checkpoint, options: dict[str, Any] | None = None) -> Arch:
     return cls(ckpt, options)
 
 
-def supported_architectures() -> list[str]:
-    import ikconvert.archs  # noqa: F401
+def architectures() -> dict[str, type[Arch]]:
+    """Every Hugging Face architecture name ikconvert converts, in name order, with its converter class."""
+    import ikconvert.archs  # noqa: F401  (registers every architecture)
 
-    return sorted(_REGISTRY)
+    return dict(sorted(_REGISTRY.items()))
