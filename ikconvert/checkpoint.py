@@ -13,15 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ikconvert.safetensors_io import SafeTensor, SafetensorsError, SafetensorsFile
-from ikquant.errors import IkError
+from ikconvert.errors import CheckpointError, SafetensorsError
+from ikconvert.safetensors_io import SafeTensor, SafetensorsFile
+from ikquant.errors import InputNotFoundError
 
 INDEX_NAME = "model.safetensors.index.json"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "README.md", "additional_chat_templates/*"]
-
-
-class CheckpointError(IkError, ValueError):
-    """A checkpoint folder that cannot be converted as it is (missing files, inconsistent index, bad config)."""
 
 
 def resolve_source(source: str) -> Path:
@@ -40,6 +37,8 @@ def resolve_source(source: str) -> Path:
             # the hub's own failures (unknown repo or revision, gated, offline without a cached copy, no network)
             raise CheckpointError(f"{source}: could not fetch from the Hugging Face hub ({exc})") from None
     path = Path(source)
+    if not path.exists():
+        raise InputNotFoundError(f"{source}: no such folder (and not an hf://org/repo reference)")
     if not path.is_dir():
         raise CheckpointError(f"{source}: not a folder (and not an hf://org/repo reference)")
     return path

@@ -49,7 +49,7 @@ def hf2gguf(
         options = {"target_model_dir": target_model_dir, "mtp": mtp}
         conv = Converter(folder, outtype, pre_tokenizer, allow_nonfinite, model_name, options)
         plan = conv.build_plan()
-    except (IkError, FileNotFoundError) as exc:
+    except IkError as exc:
         fail(str(exc))
     if dry_run:
         _print_plan(conv)

@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 from gguf import Metadata, size_label
 
-from ikconvert.archs.base import Arch, ConvertError, OutTensor, arch_for
+from ikconvert.archs.base import Arch, OutTensor, arch_for
 from ikconvert.checkpoint import Checkpoint
-from ikquant.formats.base import QuantInputError, find_bad_value
+from ikconvert.errors import ConvertError
+from ikquant.errors import QuantInputError
+from ikquant.formats.base import find_bad_value
 from ikquant.ftypes import FileType, file_type
 from ikquant.gguf_io import GGUFStreamWriter
 from ikquant.types import GGMLType, type_by_name
@@ -140,6 +142,7 @@ class Converter:
             meta.size_label = size_label(total, shared, expert, count)
         meta.set_gguf_meta_model(gw)
         self.arch.set_gguf_parameters(gw)
+        assert self.pre_tokenizer is not None, "build_plan resolves the pre-tokenizer"
         self.arch.set_vocab(gw, self.pre_tokenizer)
         gw.add_quantization_version(2)
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ikquant.errors import IkError
+from ikconvert.errors import SafetensorsError
+from ikquant.errors import InputNotFoundError
 from ikquant.gguf_io import file_stamp
 
 # safetensors dtype -> (numpy storage dtype, bytes per element). Float formats numpy lacks are kept as raw bits.
@@ -37,10 +38,6 @@ _DTYPES: dict[str, tuple[np.dtype, int]] = {
     "F8_E5M2": (np.dtype("u1"), 1),
     "F8_E8M0": (np.dtype("u1"), 1),
 }
-
-
-class SafetensorsError(IkError, ValueError):
-    """A safetensors file that is malformed, truncated, or inconsistent with what was asked of it."""
 
 
 def _file_stamp(path: Path) -> tuple[int, int, int, int]:
@@ -125,7 +122,7 @@ class SafetensorsFile:
         try:
             size = self.path.stat().st_size
         except FileNotFoundError:
-            raise FileNotFoundError(f"{self.path}: no such file") from None
+            raise InputNotFoundError(f"{self.path}: no such file") from None
         self.stamp = _file_stamp(self.path)
         if size < 8:
             raise SafetensorsError(f"{self.path}: file too small to be safetensors ({size} bytes)")

@@ -12,6 +12,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -88,7 +89,7 @@ def _tokenizer_files(spec: TinySpec) -> tuple[dict, dict, dict[str, int]]:
         vocab.setdefault(a + b, len(vocab))
     specials = (["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"] if llama
                 else ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    added = []
+    added: list[dict[str, Any]] = []
     for text in specials + ["<think>", "</think>"]:
         added.append({"id": len(vocab), "content": text, "single_word": False, "lstrip": False, "rstrip": False,
                       "normalized": False, "special": text.startswith("<|")})

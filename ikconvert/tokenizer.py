@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import regex
 
-from ikquant.errors import IkError
+from ikconvert.errors import TokenizerError
 
 # token types (gguf TokenType)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -100,10 +100,6 @@ def byte_encoder() -> dict[int, str]:
             chars.append(256 + n)
             n += 1
     return {b: chr(c) for b, c in zip(keep, chars)}
-
-
-class TokenizerError(IkError, ValueError):
-    """A vocabulary the tokenizer cannot work with (unsupported model or pre-tokenizer type)."""
 
 
 @dataclass

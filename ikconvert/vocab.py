@@ -17,7 +17,7 @@ from typing import Any
 
 from gguf import GGUFWriter, SpecialVocab, TokenType
 
-from ikquant.errors import IkError
+from ikconvert.errors import VocabError
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +72,6 @@ PRE_TOKENIZER_HASHES: dict[str, str] = {
 
 # HF ByteLevel pre-tokenizer's own split pattern (GPT-2).
 _BYTELEVEL_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-
-
-class VocabError(IkError, ValueError):
-    """Tokenizer files that cannot be converted (unsupported kind, unknown pre-tokenizer, ids out of range)."""
 
 
 def _looks_special(token: str) -> bool:

@@ -1,9 +1,72 @@
-"""ik_llama.cpp's GGUF file and number formats: type registry, GGUF I/O, quantization formats and recipes."""
+"""ik_llama.cpp's GGUF file and number formats: type registry, GGUF I/O, quantization formats and recipes.
+
+The names in `__all__` are the library's public API. They are loaded when first used (PEP 562 `__getattr__`), so
+that `import ikquant` stays cheap for the command-line tools, which set up the environment below before numpy and
+Numba load.
+"""
+
+from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ikquant.cli import app
+    from ikquant.errors import IkError
+    from ikquant.formats.numeric import f32_to_bf16_bits
+    from ikquant.ftypes import FileType, file_type
+    from ikquant.gguf_io import GGUFFile, GGUFStreamWriter
+    from ikquant.imatrix import Imatrix, ImatrixEntry, read_imatrix, write_imatrix_dat
+    from ikquant.quantize import QuantizeOptions, quantize_model
+    from ikquant.types import GGMLType, all_types, implemented_types, type_by_id, type_by_name
+
+#: public name -> the module that defines it
+_EXPORTS = {
+    "IkError": "ikquant.errors",
+    "GGUFFile": "ikquant.gguf_io",
+    "GGUFStreamWriter": "ikquant.gguf_io",
+    "GGMLType": "ikquant.types",
+    "type_by_name": "ikquant.types",
+    "type_by_id": "ikquant.types",
+    "all_types": "ikquant.types",
+    "implemented_types": "ikquant.types",
+    "FileType": "ikquant.ftypes",
+    "file_type": "ikquant.ftypes",
+    "QuantizeOptions": "ikquant.quantize",
+    "quantize_model": "ikquant.quantize",
+    "Imatrix": "ikquant.imatrix",
+    "ImatrixEntry": "ikquant.imatrix",
+    "read_imatrix": "ikquant.imatrix",
+    "write_imatrix_dat": "ikquant.imatrix",
+    "f32_to_bf16_bits": "ikquant.formats.numeric",
+    "app": "ikquant.cli",
+}
+__all__ = [
+    "IkError", "GGUFFile", "GGUFStreamWriter", "GGMLType", "type_by_name", "type_by_id", "all_types",
+    "implemented_types", "FileType", "file_type", "QuantizeOptions", "quantize_model", "Imatrix", "ImatrixEntry",
+    "read_imatrix", "write_imatrix_dat", "f32_to_bf16_bits", "app",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use. The type registry comes with every codec attached
+    (ikquant.formats imported), so a type from the public API can always quantize and dequantize."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ikquant' has no attribute {name!r}")
+    if module == "ikquant.types":
+        importlib.import_module("ikquant.formats")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 # OpenBLAS's worker threads spin for 2^28 cycles after each call (~0.1 s), and the runtime alternates BLAS with
 # Numba's parallel kernels on the same cores: a spinning BLAS thread halves every kernel that follows (measured:

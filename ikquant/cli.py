@@ -141,7 +141,7 @@ def quantize(
         if sweep is not None:
             opts.tensor_types = _mix_from_sweep(source, opts, sweep, target_bpw, target_size, budget)
         plan = make_plan(source, opts)
-    except (FileNotFoundError, IkError) as exc:
+    except IkError as exc:
         fail(str(exc))
     try:
         check_writable(plan)
@@ -177,7 +177,7 @@ def quantize(
         try:
             quantize_model(src, dst, opts, lambda p: bar.update(task, advance=p.info.nbytes, description=p.name),
                            cluster)
-        except (IkError, NotImplementedError) as exc:
+        except IkError as exc:
             bar.stop()
             fail(str(exc))
     size_in = sum(p.info.nbytes for p in plan.tensors)
@@ -211,7 +211,7 @@ def _repack(src: Path, dst: Path, pattern: Optional[str], unpack: bool, repack: 
             task = bar.add_task("unpacking" if unpack else "repacking", total=sum(s.info.nbytes for s in steps))
             repack_model(src, dst, pattern, unpack, lambda s: bar.update(task, advance=s.info.nbytes,
                                                                          description=s.info.name))
-    except (FileNotFoundError, IkError) as exc:
+    except IkError as exc:
         fail(str(exc))
     changed = sum(1 for s in steps if s.changed)
     err.print(f"wrote [bold]{dst}[/]: {changed} of {len(steps)} tensors {'unpacked' if unpack else 'repacked'}, "

@@ -9,6 +9,7 @@ from typing import Any, NoReturn
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.models import CommandFunctionType
 
 err = Console(stderr=True)
 out = Console()
@@ -24,10 +25,10 @@ class App(typer.Typer):
     """A Typer app whose commands turn the operating-system errors a user can act on (no space, no permission, no
     such folder, a read-only file system) into one-line messages; any other error keeps its traceback."""
 
-    def command(self, *args: Any, **kwargs: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        register = super().command(*args, **kwargs)
+    def command(self, name: str | None = None, **kwargs: Any) -> Callable[[CommandFunctionType], CommandFunctionType]:
+        register = super().command(name, **kwargs)
 
-        def decorator(f: Callable[..., Any]) -> Callable[..., Any]:
+        def decorator(f: CommandFunctionType) -> CommandFunctionType:
             register(_os_errors_as_messages(f))
             return f
 

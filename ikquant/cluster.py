@@ -17,15 +17,11 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from ikquant.errors import IkError
+from ikquant.errors import ClusterError
 
 INSTALL_HINT = "pip install 'iktools[ray]'"
 #: how long a cluster address may take to accept a connection before it is called unreachable
 CONNECT_TIMEOUT_S = 5.0
-
-
-class ClusterError(IkError, ValueError):
-    """--ray cannot be used: Ray is not installed, the address is malformed or does not answer."""
 
 
 def ray_module() -> ModuleType:

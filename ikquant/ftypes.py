@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ikquant.errors import IkError
+from ikquant.errors import UnknownFileTypeError
 from ikquant.types import GGMLType, type_by_name
 
 
@@ -104,10 +104,6 @@ _FTYPES = (
     FileType("Q8_K_R8", 399, "Q8_K_R8"),
 )
 _BY_NAME = {f.name: f for f in _FTYPES}
-
-
-class UnknownFileTypeError(IkError, ValueError):
-    pass
 
 
 def all_file_types() -> list[FileType]:

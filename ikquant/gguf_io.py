@@ -22,13 +22,9 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 from gguf.gguf_reader import ReaderField
 
-from ikquant.errors import IkError
+from ikquant.errors import GGUFFormatError, InputChangedError, InputNotFoundError, UnknownTypeError
 from ikquant.outputs import partial_path, prepare_output, require_space, write_errors
-from ikquant.types import GGMLType, UnknownTypeError, type_by_id
-
-
-class GGUFFormatError(IkError, ValueError):
-    """A file that is not a readable GGUF (bad magic, truncated, inconsistent tensor table)."""
+from ikquant.types import GGMLType, type_by_id
 
 
 @dataclass(frozen=True)
@@ -105,10 +101,6 @@ class KeyValue:
     sub_type: GGUFValueType | None = None
 
 
-class InputChangedError(IkError, ValueError):
-    """An input file that changed on disk while a command was reading it."""
-
-
 def file_stamp(path: Path) -> tuple[int, int, int, int]:
     """(device, inode, size, mtime_ns): what changes when a file is replaced, truncated or rewritten."""
     st = path.stat()
@@ -121,7 +113,7 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         if not self.path.is_file():
-            raise FileNotFoundError(f"{self.path}: no such file")
+            raise InputNotFoundError(f"{self.path}: no such file")
         try:
             self._reader = _IkReader(self.path, "r")
         except GGUFFormatError as exc:

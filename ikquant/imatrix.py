@@ -14,11 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ikquant.errors import IkError
-
-
-class ImatrixError(IkError, ValueError):
-    """An importance-matrix file that cannot be read or does not fit the model."""
+from ikquant.errors import GGUFFormatError, ImatrixError, InputNotFoundError
 
 
 @dataclass
@@ -145,7 +141,7 @@ def read_imatrix_gguf(path: str | os.PathLike[str]) -> Imatrix:
     Each matrix's columns become mean(x^2) = sums / count with that matrix's own count (ik's converter divides every
     expert by expert 0's count); a matrix that no token reached reads as all ones, as ik's .dat writer stores it.
     """
-    from ikquant.gguf_io import GGUFFile, GGUFFormatError
+    from ikquant.gguf_io import GGUFFile
 
     p = Path(path)
     try:
@@ -184,7 +180,7 @@ def read_imatrix(path: str | os.PathLike[str]) -> Imatrix:
     """ik's .dat, or mainline's GGUF imatrix (told apart by the GGUF magic)."""
     p = Path(path)
     if not p.is_file():
-        raise ImatrixError(f"{p}: no such file")
+        raise InputNotFoundError(f"{p}: no such file")
     with open(p, "rb") as fh:
         magic = fh.read(4)
     return read_imatrix_gguf(p) if magic == b"GGUF" else read_imatrix_dat(p)

@@ -14,16 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ikquant.errors import IkError
-from ikquant.sweepfile import DEFAULTS, METRICS, SweepFileError, read_sweep_file
+from ikquant.errors import MixError, SweepFileError
+from ikquant.sweepfile import DEFAULTS, METRICS, read_sweep_file
 
 if TYPE_CHECKING:
     from ikquant.gguf_io import GGUFFile
     from ikquant.quantize import QuantizeOptions
-
-
-class MixError(IkError, ValueError):
-    """A sweep that cannot serve this model or budget."""
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ikquant.errors import IkError
+from ikquant.errors import OutputError
 from ikquant.sizes import format_size
 
 #: errno -> what a user is told; other OS errors are not a user's mistake we can name, and keep their traceback
@@ -33,10 +33,6 @@ KNOWN_ERRNOS = {
     errno.EISDIR: "is a folder",
 }
 _PARTIAL = re.compile(r"\.(?P<name>.+)\.partial-(?P<pid>\d+)")
-
-
-class OutputError(IkError, ValueError):
-    """An output that cannot be written: no room, no permission, no such folder, a read-only file system."""
 
 
 def partial_path(path: Path) -> Path:

@@ -19,7 +19,7 @@ import numpy as np
 from gguf import GGUFValueType
 
 from ikquant.cluster import Cluster, ordered_map
-from ikquant.errors import IkError
+from ikquant.errors import MainlineError, QuantizeError, UnknownTypeError
 from ikquant.ftypes import FileType
 from ikquant.gguf_io import GGUFFile, GGUFStreamWriter, KeyValue, TensorInfo
 from ikquant.imatrix import Imatrix
@@ -35,17 +35,13 @@ from ikquant.recipes import (
     size_class,
     with_row_fallback,
 )
-from ikquant.types import GGMLType, UnknownTypeError, type_by_name
+from ikquant.types import GGMLType, type_by_name
 
 #: float32 input held per quantization batch (bytes)
 BATCH_BYTES = 64 << 20
 #: the per-class options, as QuantizeOptions.class_types keys (their CLI spelling is --attn-q-type etc.)
 CLASS_OPTIONS = ("attn_q_type", "attn_k_type", "attn_v_type", "attn_output_type", "ffn_gate_type", "ffn_up_type",
                  "ffn_down_type")
-
-
-class QuantizeError(IkError, ValueError):
-    """A quantization that cannot proceed as asked (names the tensor or option at fault)."""
 
 
 @dataclass
@@ -247,13 +243,7 @@ def _quantized(info: TensorInfo, decision: Decision, opts: QuantizeOptions, note
 
 def _mainline_plan(src: GGUFFile, opts: QuantizeOptions) -> Plan:
     """make_plan for mainline llama.cpp: its rules, in its loader's order, and only types it loads."""
-    from ikquant.recipes_mainline import (
-        MainlineChooser,
-        MainlineError,
-        loader_order,
-        require_mainline_type,
-        with_fallback,
-    )
+    from ikquant.recipes_mainline import MainlineChooser, loader_order, require_mainline_type, with_fallback
     from ikquant.recipes_mainline import eligible as mainline_eligible
 
     if opts.class_types:
@@ -263,9 +253,9 @@ def _mainline_plan(src: GGUFFile, opts: QuantizeOptions) -> Plan:
     for pattern, tname in custom:
         require_mainline_type(tname, f"--custom-q {pattern.pattern}={tname}")
     overrides = {"token_embd.weight": opts.token_embedding_type, "output.weight": opts.output_tensor_type}
-    for name, tname in overrides.items():
-        if tname:
-            require_mainline_type(_type(tname, name), f"type for {name}")
+    for name, override in overrides.items():
+        if override:
+            require_mainline_type(_type(override, name), f"type for {name}")
     rules_apply = not opts.pure and opts.ftype.default_type not in FLOAT_TYPES
     chooser = MainlineChooser(opts.ftype, model_facts(src), opts.imatrix is not None, list(src.tensors))
     decided: dict[str, Decision] = {}

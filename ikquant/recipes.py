@@ -25,6 +25,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ikquant.errors import QuantizeError
 from ikquant.ftypes import FileType
 from ikquant.types import GGMLType, type_by_name
 
@@ -455,8 +456,6 @@ def with_row_fallback(gtype: GGMLType, n_per_row: int, name: str = "") -> Decisi
     Refuses, as ik does, a type that has no substitute (the BitNet types) on rows its blocks do not divide."""
     need = NO_ROW_FALLBACK.get(gtype.name)
     if need is not None and n_per_row % need:
-        from ikquant.quantize import QuantizeError  # deferred: ikquant.quantize imports this module
-
         raise QuantizeError(f"tensor {name or '(unnamed)'!r} has rows of {n_per_row} values, which {gtype.name}'s "
                             f"{need}-value blocks cannot hold, and {gtype.name} has no fallback type (ik's "
                             "llama-quantize refuses it too); --custom-q 'REGEX=f16' keeps such tensors as they are")

@@ -11,15 +11,10 @@ fall back to F16 when even those do not fit.
 
 from __future__ import annotations
 
-from ikquant.errors import IkError
+from ikquant.errors import MainlineError
 from ikquant.ftypes import FileType
 from ikquant.recipes import Decision, ModelFacts, use_more_bits
 from ikquant.types import type_by_name
-
-
-class MainlineError(IkError, ValueError):
-    """Something `--recipe mainline` cannot write: an ik-only file type or tensor type, an ik-only option."""
-
 
 MainlineFileType = FileType  # the same fields; the ids are mainline's general.file_type values
 

@@ -14,14 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ikquant.errors import IkError
+from ikquant.errors import RepackError
 from ikquant.formats.interleaved import InterleavedCodec
 from ikquant.gguf_io import GGUFFile, GGUFStreamWriter, TensorInfo
 from ikquant.types import GGMLType, all_types, type_by_name
-
-
-class RepackError(IkError, ValueError):
-    """A repack that cannot be done as asked (a bad pattern, the input as the output)."""
 
 
 @dataclass(frozen=True)

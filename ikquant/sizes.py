@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import re
 
-from ikquant.errors import IkError
+from ikquant.errors import SizeError
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-
-
-class SizeError(IkError, ValueError):
-    """A size that does not parse, or is not positive."""
 
 
 def parse_size(text: str, option: str = "--mem") -> int:

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ikquant.errors import IkError
+from ikquant.errors import InputNotFoundError, SweepFileError
 
 FORMAT = "iktools-sweep"
 VERSION = 2
@@ -36,10 +36,6 @@ _INTS = {"n_weights", "bytes_base", "bytes_new"}
 _STRS = {"group", "type", "type_used"}
 
 
-class SweepFileError(IkError, ValueError):
-    """A sweep file that cannot be read, or whose rows were measured on something else than this run."""
-
-
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -53,7 +49,7 @@ def read_sweep_file(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise SweepFileError(f"{path}: no such file") from None
+        raise InputNotFoundError(f"{path}: no such file") from None
     except UnicodeDecodeError as exc:
         raise SweepFileError(f"{path}: not a sweep file ({exc})") from None
     try:

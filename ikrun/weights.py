@@ -26,7 +26,8 @@ from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 
-from ikquant.gguf_io import GGUFFile, GGUFFormatError, TensorInfo, file_stamp
+from ikquant.errors import GGUFFormatError, InputNotFoundError
+from ikquant.gguf_io import GGUFFile, TensorInfo, file_stamp
 from ikquant.types import GGMLType
 from ikrun.errors import SwapError
 from ikrun.ops.parallel import threads_for
@@ -360,7 +361,7 @@ class WeightStore:
         """Take tensor `name` from another GGUF file, which must hold it with the same logical shape."""
         try:
             other = GGUFFile(path)
-        except (GGUFFormatError, FileNotFoundError) as exc:
+        except (GGUFFormatError, InputNotFoundError) as exc:
             raise SwapError(f"cannot swap {name!r} from {path}: {exc}") from None
         if name not in other.tensors:
             raise SwapError(f"{path} has no tensor named {name!r}")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ikquant.formats  # noqa: F401  (registers the codecs)
-from ikquant.formats.base import QuantInputError
+from ikquant.errors import QuantInputError
 from ikquant.types import type_by_name
 from tests.quant_golden import golden_cases
 

@@ -190,4 +190,12 @@ def test_error_messages_keep_square_brackets(tmp_path: Path) -> None:
     missing = tmp_path / "ckpt[bold]" / "[2, 1]"
     res = _convert([str(missing)])
     assert res.exit_code == 2
-    assert f"{missing}: not a folder" in res.output
+    assert f"{missing}: no such folder" in res.output
+
+
+def test_a_missing_checkpoint_folder_is_a_one_line_error(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    res = _convert([str(missing)])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and str(missing) in lines[0] and "no such folder" in lines[0], \
+        res.output

@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 from ikconvert.cli import app as ikconvert_app
 from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
 from ikquant.cli import app as ikquant_app
-from ikquant.gguf_io import GGUFFile, InputChangedError
+from ikquant.errors import InputChangedError
+from ikquant.gguf_io import GGUFFile
 from ikrun.cli import app as ikrun_app
 from tests.test_quantize_streaming import sparse_f16_model
 
@@ -168,7 +169,8 @@ def test_a_killed_sweep_resumes_to_the_uninterrupted_rows(model: Path, tmp_path:
 
 
 def test_inputs_that_change_underneath_are_errors(model: Path, hf: Path, tmp_path: Path) -> None:
-    from ikconvert.safetensors_io import SafetensorsError, SafetensorsFile
+    from ikconvert.errors import SafetensorsError
+    from ikconvert.safetensors_io import SafetensorsFile
     from ikquant.ftypes import file_type
     from ikquant.quantize import QuantizeOptions, quantize_model
     from ikrun.model import Model

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from ikquant.gguf_io import GGUFFile, GGUFFormatError, GGUFStreamWriter
+from ikquant.errors import GGUFFormatError
+from ikquant.gguf_io import GGUFFile, GGUFStreamWriter
 from ikquant.types import all_types, type_by_id, type_by_name
 
 

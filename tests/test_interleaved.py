@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
 from ikquant.cli import app as ikquant_app
-from ikquant.formats.base import QuantInputError
+from ikquant.errors import QuantInputError
 from ikquant.formats.interleaved import InterleavedCodec
 from ikquant.gguf_io import GGUFFile
 from ikquant.types import all_types, type_by_name

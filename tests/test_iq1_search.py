@@ -7,7 +7,7 @@ import numba
 import numpy as np
 import pytest
 
-from ikquant.formats.base import QuantInputError
+from ikquant.errors import QuantInputError
 from ikquant.types import type_by_name
 
 IQ1_TYPES = ["IQ1_S", "IQ1_M", "IQ1_S_R4", "IQ1_M_R4"]

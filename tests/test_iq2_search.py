@@ -8,7 +8,7 @@ import numba
 import numpy as np
 import pytest
 
-from ikquant.formats.base import QuantInputError
+from ikquant.errors import QuantInputError
 from ikquant.formats.iq2_search import GRIDS, grid_tables
 from ikquant.types import type_by_name
 

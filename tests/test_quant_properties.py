@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ikquant.formats.base import QuantInputError
+from ikquant.errors import QuantInputError
 from ikquant.types import implemented_types
 
 TYPES = [t.name for t in implemented_types()]

@@ -194,3 +194,38 @@ def test_a_plan_naming_a_type_without_codec_is_refused_before_writing(untied_256
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "m.gguf"]
     res = runner.invoke(app, [*args, "--dry-run"], env={"COLUMNS": "300"})
     assert res.exit_code == 0 and "this plan cannot be written" in res.output
+
+
+def _one_line_error(res, *words: str) -> None:  # type: ignore[no-untyped-def]
+    """Exit 2 with a single 'error:' line naming `words`, and no traceback."""
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 2, res.output
+    assert len(lines) == 1 and lines[0].startswith("error:"), res.output
+    assert all(w in lines[0] for w in words), res.output
+
+
+def test_missing_inputs_are_one_line_errors(data_dir: Path, tmp_path: Path) -> None:
+    f32 = str(data_dir / "convert" / "qwen3" / "ik-f32.gguf")
+    out = str(tmp_path / "out.gguf")
+    missing = str(tmp_path / "missing")
+    _one_line_error(_run(missing + ".gguf", out, "--type", "q8_0"), missing + ".gguf", "no such file")
+    _one_line_error(_run(missing + ".gguf", out, "--repack"), missing + ".gguf", "no such file")
+    _one_line_error(_run(f32, out, "--type", "q4_0", "--imatrix", missing + ".dat"), missing + ".dat", "no such file")
+    _one_line_error(_run(f32, out, "--type", "q4_0", "--sweep", missing + ".json", "--target-bpw", "5"),
+                    missing + ".json", "no such file")
+    _no_output(tmp_path)
+
+
+def test_a_type_without_codec_is_a_one_line_error(data_dir: Path, tmp_path: Path) -> None:
+    from ikquant.errors import CodecMissingError, IkError, InputNotFoundError
+
+    f32 = str(data_dir / "convert" / "qwen3" / "ik-f32.gguf")
+    _one_line_error(_run(f32, str(tmp_path / "out.gguf"), "--type", "q4_0", "--custom-q", "attn_q=q8_1"),
+                    "Q8_1", "cannot encode", "nothing was written")
+    _no_output(tmp_path)
+    with pytest.raises(CodecMissingError, match="Q8_1") as info:
+        type_by_name("Q8_1").require_codec()
+    assert isinstance(info.value, IkError) and isinstance(info.value, NotImplementedError)
+    with pytest.raises(InputNotFoundError) as missing:
+        GGUFFile(tmp_path / "missing.gguf")
+    assert isinstance(missing.value, IkError) and isinstance(missing.value, FileNotFoundError)

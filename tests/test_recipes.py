@@ -10,10 +10,11 @@ import pytest
 from typer.testing import CliRunner
 
 from ikquant.cli import app
+from ikquant.errors import QuantizeError
 from ikquant.ftypes import file_type
 from ikquant.gguf_io import GGUFFile, GGUFStreamWriter
 from ikquant.imatrix import read_imatrix, read_imatrix_dat
-from ikquant.quantize import QuantizeError, QuantizeOptions, make_plan
+from ikquant.quantize import QuantizeOptions, make_plan
 from ikquant.types import type_by_name
 
 DATA = Path(__file__).parent / "data" / "plans"

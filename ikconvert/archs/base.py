@@ -9,7 +9,7 @@ the header written, before any weight is read.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -17,13 +17,9 @@ from typing import Any, ClassVar
 import numpy as np
 from gguf import GGUFWriter
 
-from ikconvert.checkpoint import Checkpoint, CheckpointError
+from ikconvert.checkpoint import Checkpoint
+from ikconvert.errors import CheckpointError, ConvertError
 from ikconvert.safetensors_io import SafeTensor
-from ikquant.errors import IkError
-
-
-class ConvertError(IkError, ValueError):
-    """A checkpoint that does not convert: names the file, tensor or config key at fault."""
 
 
 @dataclass
@@ -63,12 +59,12 @@ def dequantize_fp8(w: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> 
 Fill = Callable[[np.ndarray], None]
 
 
-def stacked(fills: list[Fill], shape: tuple[int, ...], dtype: type = np.float32) -> Callable[[], np.ndarray]:
+def stacked(fills: Sequence[Fill], shape: tuple[int, ...], dtype: type = np.float32) -> Callable[[], np.ndarray]:
     """A layer's experts merged into one [E, *shape] array, each written in place one at a time (the peak is the
     stack, not the stack plus every expert's copy)."""
 
     def load() -> np.ndarray:
-        out = np.empty((len(fills), *shape), dtype=dtype)
+        out: np.ndarray = np.empty((len(fills), *shape), dtype=dtype)
         for i, fill in enumerate(fills):
             fill(out[i])
         return out
@@ -249,7 +245,8 @@ def arch_for(ckpt: Checkpoint, options: dict[str, Any] | None = None) -> Arch:
     return cls(ckpt, options)
 
 
-def supported_architectures() -> list[str]:
-    import ikconvert.archs  # noqa: F401
+def architectures() -> dict[str, type[Arch]]:
+    """Every Hugging Face architecture name ikconvert converts, in name order, with its converter class."""
+    import ikconvert.archs  # noqa: F401  (registers every architecture)
 
-    return sorted(_REGISTRY)
+    return dict(sorted(_REGISTRY.items()))

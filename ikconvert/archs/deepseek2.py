@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from gguf import GGUFWriter, RopeScalingType
 
-from ikconvert.archs.base import Arch, ConvertError, Fill, OutTensor, dequantize_fp8, register, stacked
+from ikconvert.archs.base import Arch, Fill, OutTensor, dequantize_fp8, register, stacked
 from ikconvert.checkpoint import Checkpoint, block_id
+from ikconvert.errors import ConvertError
 from ikconvert.safetensors_io import E4M3_TABLE, SafeTensor
 
 # ik's ExpertGatingFuncType (the PyPI gguf package lacks sqrtsoftplus)
@@ -37,7 +38,7 @@ _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 
 @register
 class DeepseekV2Arch(Arch):
-    hf_architectures = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+    hf_architectures: ClassVar[tuple[str, ...]] = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
     gguf_arch = "deepseek2"
     tensor_map = {
         "model.embed_tokens": "token_embd",

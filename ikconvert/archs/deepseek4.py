@@ -23,13 +23,15 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
 from gguf import GGUFWriter, RopeScalingType
 
-from ikconvert.archs.base import Arch, ConvertError, OutTensor, dequantize_fp8, register, stacked
+from ikconvert.archs.base import Arch, OutTensor, dequantize_fp8, register, stacked
 from ikconvert.checkpoint import Checkpoint
+from ikconvert.errors import ConvertError
 from ikconvert.safetensors_io import E8M0_TABLE, SafeTensor
 
 Load = Callable[[], np.ndarray]
@@ -404,13 +406,12 @@ class DeepseekV4Arch(Arch):
         if first.dtype not in FP4_PACKED:
             loaders = [self._float_loader(name, t) for name, t in parts]
             note = loaders[0][1]
-            fills = [lambda dst, f=f: np.copyto(dst, f()) for f, _ in loaders]
+            fills = [partial(_copy_into, f) for f, _ in loaders]
             return self._out(target, (n, *first.shape), source, stacked(fills, tuple(first.shape)), first.dtype,
                              f"stacked experts 0..{n - 1}" + (f"; {note}" if note else ""))
         pairs = [(t, self._fp4_scale(name, t)) for name, t in parts]
         rows, cols = first.shape
-        repacked = [lambda dst, w=w, s=s: np.copyto(dst, repack_fp4_as_mxfp4(w.raw().view(np.uint8), e8m0_bytes(s)))
-                    for w, s in pairs]
+        repacked = [partial(_copy_into, partial(_fp4_as_mxfp4, w, s)) for w, s in pairs]
         mxfp4_row = 2 * cols // 32 * 17  # bytes: a 32-value block is one E8M0 byte and 16 packed bytes
         return self._out(target, (n, rows, 2 * cols), source, stacked(repacked, (rows, mxfp4_row), np.uint8),
                          first.dtype,
@@ -497,10 +498,10 @@ class DeepseekV4Arch(Arch):
             raise ConvertError(f"{self.ckpt.dir}: {name!r} has no partner for nextn.eh_proj "
                                f"({' and '.join(_EH)} are concatenated)")
         self._layout = self.layout()
-        missing = sorted(set(self._layout) - self._made)
-        if missing:
-            raise ConvertError(f"{self.ckpt.dir}: the checkpoint lacks {len(missing)} tensor(s) the {self.gguf_arch} "
-                               f"layout needs (config.json compress_ratios, num_hash_layers), first {missing[0]}")
+        absent = sorted(set(self._layout) - self._made)
+        if absent:
+            raise ConvertError(f"{self.ckpt.dir}: the checkpoint lacks {len(absent)} tensor(s) the {self.gguf_arch} "
+                               f"layout needs (config.json compress_ratios, num_hash_layers), first {absent[0]}")
 
 
 def e8m0_bytes(s: SafeTensor) -> np.ndarray:
@@ -531,3 +532,13 @@ def repack_fp4_as_mxfp4(codes: np.ndarray, scale: np.ndarray) -> np.ndarray:
     vals[..., 1::2] = src >> 4
     packed = vals[..., : MX_GROUP // 2] | (vals[..., MX_GROUP // 2:] << 4)
     return np.concatenate([scale.reshape(rows, blocks, 1), packed], axis=-1).reshape(rows, blocks * 17)
+
+
+def _copy_into(load: Callable[[], np.ndarray], dst: np.ndarray) -> None:
+    """A stacked expert's fill: what `load` makes, written into the stack's slot."""
+    np.copyto(dst, load())
+
+
+def _fp4_as_mxfp4(codes: SafeTensor, scale: SafeTensor) -> np.ndarray:
+    """One expert's FP4 codes and E8M0 scales as MXFP4 rows, read when its slot of the stack is filled."""
+    return repack_fp4_as_mxfp4(codes.raw().view(np.uint8), e8m0_bytes(scale))

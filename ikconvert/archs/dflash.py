@@ -23,8 +23,9 @@ from typing import Any
 
 from gguf import GGUFWriter, RopeScalingType
 
-from ikconvert.archs.base import Arch, ConvertError, OutTensor, lazy, register
+from ikconvert.archs.base import Arch, OutTensor, lazy, register
 from ikconvert.checkpoint import Checkpoint, block_id
+from ikconvert.errors import ConvertError
 from ikconvert.safetensors_io import SafeTensor
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,9 @@ class DFlashDraftArch(Arch):
         if not isinstance(cfg, dict):
             raise ConvertError(f"{path}: not a JSON object")
         model_type = str(cfg.get("model_type", ""))
-        archs = cfg.get("architectures") if isinstance(cfg.get("architectures"), list) else []
+        archs = cfg.get("architectures")
+        if not isinstance(archs, list):
+            archs = []
         if model_type.startswith("gemma4") or any(str(a).startswith("Gemma4") for a in archs):
             raise ConvertError(f"{path}: Gemma4 targets use a SentencePiece vocabulary, which is not supported yet")
         return cfg

@@ -25,9 +25,10 @@ from typing import Any
 import numpy as np
 from gguf import GGUFWriter
 
-from ikconvert.archs.base import ConvertError, OutTensor, register
+from ikconvert.archs.base import OutTensor, register
 from ikconvert.archs.deepseek2 import DeepseekV2Arch
 from ikconvert.checkpoint import Checkpoint, block_id
+from ikconvert.errors import ConvertError
 from ikconvert.safetensors_io import SafeTensor
 
 INDEXER = ("indexer.attn_q_b.weight", "indexer.attn_k.weight", "indexer.k_norm.weight", "indexer.k_norm.bias",

@@ -14,7 +14,8 @@ import math
 import numpy as np
 from gguf import GGUFWriter, RopeScalingType
 
-from ikconvert.archs.base import Arch, ConvertError, OutTensor, lazy, register
+from ikconvert.archs.base import Arch, OutTensor, lazy, register
+from ikconvert.errors import ConvertError
 from ikconvert.safetensors_io import SafeTensor
 
 _DECODER_MAP = {

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 from gguf import ExpertGatingFuncType, GGUFWriter
 
-from ikconvert.archs.base import Arch, ConvertError, OutTensor, lazy, register
+from ikconvert.archs.base import Arch, OutTensor, lazy, register
 from ikconvert.checkpoint import Checkpoint
+from ikconvert.errors import ConvertError
 from ikconvert.safetensors_io import SafeTensor
 
 _L = "model.layers.{bid}."

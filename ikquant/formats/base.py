@@ -8,12 +8,13 @@ is free to parallelise over them.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import numpy as np
 from numba import njit, prange
 
-from ikquant.errors import IkError
-from ikquant.types import GGMLType, type_by_name
+from ikquant.errors import QuantInputError
+from ikquant.types import GGMLType, register_codec, type_by_name
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -42,12 +43,12 @@ def find_bad_value(x: np.ndarray, limit: float = np.inf) -> tuple[int, int] | No
     return (int(rows[0]), int(cols[rows[0]])) if rows.size else None
 
 
-class QuantInputError(IkError, ValueError):
-    """Input that no quantizer can represent correctly (NaN/Inf, wrong shape, wrong row length)."""
-
-
 class Codec:
-    """Base class: validation and array plumbing; subclasses supply `_quantize` and `_dequantize`."""
+    """Base class: validation and array plumbing; subclasses supply `_quantize` and `_dequantize`.
+
+    A subclass that names its type, `class Q4_0Codec(Codec, type_name="Q4_0")`, registers an instance as that
+    type's codec when it is defined, so a new type's codec is written in one place; bases shared by several types
+    name none. Codecs built per type by a factory (InterleavedCodec) are registered with `register_codec`."""
 
     type_name: str = ""
     #: False for a type iktools decodes but cannot encode yet (the plan check refuses to write it)
@@ -65,6 +66,12 @@ class Codec:
     #: True when (without importance weights) the bytes of a row depend on the other rows of the same call, so
     #: callers must batch rows as ik does to reproduce its output
     rows_interact: bool = False
+
+    def __init_subclass__(cls, type_name: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if type_name is not None:
+            cls.type_name = type_name
+            register_codec(cls())
 
     @property
     def ggml_type(self) -> GGMLType:

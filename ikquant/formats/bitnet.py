@@ -124,8 +124,7 @@ def _dequantize_iq2_bn(q: np.ndarray, out: np.ndarray) -> None:
                     out[r, base + j + 16 * s] = d * np.float32(((b >> (2 * s)) & 3) - 1)
 
 
-class IQ1BNCodec(Codec):
-    type_name = "IQ1_BN"
+class IQ1BNCodec(Codec, type_name="IQ1_BN"):
     uses_imatrix = False
     max_abs_input = 65504.0
     # a value below M/2 becomes 0, one at or above it +-d: the error is at most M/2 plus the f16 rounding of d = M
@@ -140,8 +139,7 @@ class IQ1BNCodec(Codec):
         _dequantize_iq1_bn(q, TRITS, out)
 
 
-class IQ2BNCodec(Codec):
-    type_name = "IQ2_BN"
+class IQ2BNCodec(Codec, type_name="IQ2_BN"):
     uses_imatrix = False
     # as IQ1_BN with an exact f32 scale: the error is at most M/2
     rel_error_bound = 0.5
@@ -164,5 +162,5 @@ def iq2_bn_r4_block(row_bytes: int, ib: int) -> np.ndarray:
     return np.array(bits, dtype=np.int64)
 
 
-for _codec in (IQ1BNCodec(), IQ2BNCodec(), InterleavedCodec("IQ2_BN_R4", iq2_bn_r4_block, row_scales_r4)):
-    register_codec(_codec.type_name, _codec)
+
+register_codec(InterleavedCodec("IQ2_BN_R4", iq2_bn_r4_block, row_scales_r4))

@@ -7,7 +7,6 @@ from numba import njit, prange
 
 from ikquant.formats.base import Codec
 from ikquant.formats.numeric import f32_bits, f32_to_f16_bits, widen_16
-from ikquant.types import register_codec
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -45,8 +44,7 @@ def widen_bits(bits: np.ndarray) -> np.ndarray:
     return out
 
 
-class F32Codec(Codec):
-    type_name = "F32"
+class F32Codec(Codec, type_name="F32"):
     uses_imatrix = False
     rel_error_bound = 0.0
 
@@ -57,8 +55,7 @@ class F32Codec(Codec):
         out[...] = q.view(np.float32)
 
 
-class F16Codec(Codec):
-    type_name = "F16"
+class F16Codec(Codec, type_name="F16"):
     uses_imatrix = False
     max_abs_input = 65504.0
     rel_error_bound = 2.0**-11
@@ -71,8 +68,7 @@ class F16Codec(Codec):
         _widen_rows(q.view(np.uint16), out)
 
 
-class BF16Codec(Codec):
-    type_name = "BF16"
+class BF16Codec(Codec, type_name="BF16"):
     uses_imatrix = False
     # values that would round up past the largest finite bf16 become inf
     max_abs_input = 3.3895313892515355e38
@@ -85,6 +81,3 @@ class BF16Codec(Codec):
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _widen_rows(q.view(np.int16), out)
 
-
-for _codec in (F32Codec(), F16Codec(), BF16Codec()):
-    register_codec(_codec.type_name, _codec)

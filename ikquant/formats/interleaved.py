@@ -20,7 +20,8 @@ from typing import Protocol
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.base import Codec, QuantInputError
+from ikquant.errors import QuantInputError
+from ikquant.formats.base import Codec
 from ikquant.formats.numeric import fmaf, load_f16, store_f16
 from ikquant.types import register_codec, type_by_name
 
@@ -441,7 +442,7 @@ def _field_recode(block_bytes: int, offsets: list[int], dtype: type, forward: Ca
     def apply(rows: np.ndarray, f: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
         starts = np.arange(rows.shape[1] // block_bytes)[:, None] * block_bytes + np.array(offsets)[None, :]
         pos = starts.reshape(-1)[:, None] + np.arange(width)[None, :]
-        values = np.ascontiguousarray(rows[:, pos]).view(dtype)[..., 0]
+        values: np.ndarray = np.ascontiguousarray(rows[:, pos]).view(dtype)[..., 0]
         out = rows.copy()
         out[:, pos] = np.ascontiguousarray(f(values).astype(dtype))[..., None].view(np.uint8)
         return out
@@ -834,21 +835,24 @@ class Q8KRows:
         _dequantize_q8_k_rows(q, self.offset, out)
 
 
-for _name, _block, _header in (
-        ("Q8_0_R8", _nibble_map(q8_0_r8_block), None), ("Q4_0_R8", _nibble_map(q4_0_r8_block), None),
-        ("IQ4_NL_R4", _nibble_map(iq4_nl_r4_block), None), ("MXFP4_R8", _nibble_map(mxfp4_r8_block), None),
-        ("IQ2_K_R4", iq2_k_r4_block, None), ("IQ3_K_R4", iq3_k_r4_block, None), ("IQ4_K_R4", iq4_k_r4_block, None),
-        ("IQ5_K_R4", iq5_k_r4_block, None), ("IQ4_KS_R4", iq4_ks_r4_block, row_scales_r4),
-        ("IQ5_KS_R4", iq5_ks_r4_block, row_scales_r4), ("Q4_K_R4", q4_k_r4_block, None),
-        ("Q6_K_R4", q6_k_r4_block, None), ("IQ4_XS_R8", iq4_xs_r8_block, None), ("Q2_K_R4", q2_k_r4_block, None), ("Q3_K_R4", q3_k_r4_block, None),
-        ("Q5_K_R4", q5_k_r4_block, None), ("IQ2_S_R4", iq2_s_r4_block, None), ("IQ3_S_R4", iq3_s_r4_block, None)):
-    register_codec(_name, InterleavedCodec(_name, _block, _header))
-for _name, _block, _recode in (
-        ("IQ2_XXS_R4", iq2_xxs_r4_block, IQ2_XXS_RECODE), ("IQ2_XS_R4", iq2_xs_r4_block, IQ2_XS_RECODE),
-        ("IQ3_XXS_R4", iq3_xxs_r4_block, IQ3_XXS_RECODE)):
-    register_codec(_name, InterleavedCodec(_name, _block, recode=_recode))
-for _name, _block in (("Q5_0_R4", q5_0_r4_block), ("Q6_0_R4", q6_0_r4_block)):
-    register_codec(_name, InterleavedCodec(_name, _block, positive_zeros=True))
-register_codec("Q8_KV_R8", InterleavedCodec("Q8_KV_R8", q8_kv_r8_block, q8_kv_r8_header, recode=Q8_KV_RECODE))
-register_codec("Q8_K_R8", InterleavedCodec("Q8_K_R8", _q8_k_rows_block(8), plain=Q8KRows(0)))
-register_codec("Q8_K_R16", InterleavedCodec("Q8_K_R16", _q8_k_rows_block(16), plain=Q8KRows(128)))
+for _codec in (
+        InterleavedCodec("Q8_0_R8", _nibble_map(q8_0_r8_block)), InterleavedCodec("Q4_0_R8", _nibble_map(q4_0_r8_block)),
+        InterleavedCodec("IQ4_NL_R4", _nibble_map(iq4_nl_r4_block)),
+        InterleavedCodec("MXFP4_R8", _nibble_map(mxfp4_r8_block)),
+        InterleavedCodec("IQ2_K_R4", iq2_k_r4_block), InterleavedCodec("IQ3_K_R4", iq3_k_r4_block),
+        InterleavedCodec("IQ4_K_R4", iq4_k_r4_block), InterleavedCodec("IQ5_K_R4", iq5_k_r4_block),
+        InterleavedCodec("IQ4_KS_R4", iq4_ks_r4_block, row_scales_r4),
+        InterleavedCodec("IQ5_KS_R4", iq5_ks_r4_block, row_scales_r4), InterleavedCodec("Q4_K_R4", q4_k_r4_block),
+        InterleavedCodec("Q6_K_R4", q6_k_r4_block), InterleavedCodec("IQ4_XS_R8", iq4_xs_r8_block),
+        InterleavedCodec("Q2_K_R4", q2_k_r4_block), InterleavedCodec("Q3_K_R4", q3_k_r4_block),
+        InterleavedCodec("Q5_K_R4", q5_k_r4_block), InterleavedCodec("IQ2_S_R4", iq2_s_r4_block),
+        InterleavedCodec("IQ3_S_R4", iq3_s_r4_block),
+        InterleavedCodec("IQ2_XXS_R4", iq2_xxs_r4_block, recode=IQ2_XXS_RECODE),
+        InterleavedCodec("IQ2_XS_R4", iq2_xs_r4_block, recode=IQ2_XS_RECODE),
+        InterleavedCodec("IQ3_XXS_R4", iq3_xxs_r4_block, recode=IQ3_XXS_RECODE),
+        InterleavedCodec("Q5_0_R4", q5_0_r4_block, positive_zeros=True),
+        InterleavedCodec("Q6_0_R4", q6_0_r4_block, positive_zeros=True),
+        InterleavedCodec("Q8_KV_R8", q8_kv_r8_block, q8_kv_r8_header, recode=Q8_KV_RECODE),
+        InterleavedCodec("Q8_K_R8", _q8_k_rows_block(8), plain=Q8KRows(0)),
+        InterleavedCodec("Q8_K_R16", _q8_k_rows_block(16), plain=Q8KRows(128))):
+    register_codec(_codec)

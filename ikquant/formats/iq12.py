@@ -38,7 +38,6 @@ from ikquant.formats.iq2_search import (
 from ikquant.formats.iq12_grids import KGRID_IQ1S, KGRID_IQ2S, KGRID_IQ2XS, KGRID_IQ2XXS
 from ikquant.formats.iquants import KSIGNS
 from ikquant.formats.numeric import f16_bits_to_f32, load_f16
-from ikquant.types import register_codec
 
 QK_K = 256
 KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
@@ -179,9 +178,7 @@ class _NeedsImatrix(_IQ2Codec):
     requires_imatrix = True
 
 
-class IQ2_XXSCodec(_NeedsImatrix):
-    type_name = "IQ2_XXS"
-
+class IQ2_XXSCodec(_NeedsImatrix, type_name="IQ2_XXS"):
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         t = grid_tables("IQ2_XXS")
         quantize_iq2_xxs(x, w, out, t.levels, t.magnitudes, t.kmap, t.neighbours)
@@ -190,8 +187,7 @@ class IQ2_XXSCodec(_NeedsImatrix):
         _dequantize_iq2_xxs(q, out, GRID_IQ2XXS, KSIGNS)
 
 
-class IQ2_XSCodec(_NeedsImatrix):
-    type_name = "IQ2_XS"
+class IQ2_XSCodec(_NeedsImatrix, type_name="IQ2_XS"):
     max_abs_input = 65504.0 / 1.05
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
@@ -202,10 +198,8 @@ class IQ2_XSCodec(_NeedsImatrix):
         _dequantize_iq2_xs(q, out, GRID_IQ2XS, KSIGNS)
 
 
-class IQ2_SCodec(_IQ2Codec):
+class IQ2_SCodec(_IQ2Codec, type_name="IQ2_S"):
     """Without an importance vector ik weights each value by sigma2 / 4 + x^2 (it does not require one)."""
-
-    type_name = "IQ2_S"
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         t = grid_tables("IQ2_S")
@@ -215,11 +209,10 @@ class IQ2_SCodec(_IQ2Codec):
         _dequantize_iq2_s(q, out, GRID_IQ2S)
 
 
-class IQ1_SCodec(Codec):
+class IQ1_SCodec(Codec, type_name="IQ1_S"):
     """ik's ggml_quantize_chunk asserts an importance vector for IQ1_S. Codec.quantize's redo of rows whose weights
     vanish quantizes them with unit importance, as ik's reference quantizer does."""
 
-    type_name = "IQ1_S"
     requires_imatrix = True
     # d = 1.125 max scale / 15 in f16; a block's scale is at most 8 max|x| (a fit may put every value on +-1/8)
     max_abs_input = 65504.0 * 15 / (8 * 1.125)
@@ -234,11 +227,10 @@ class IQ1_SCodec(Codec):
         _dequantize_iq1_s(q, out, GRID_IQ1S)
 
 
-class IQ1_MCodec(Codec):
+class IQ1_MCodec(Codec, type_name="IQ1_M"):
     """Without an importance vector ik weights each value by x^2. A block of 16 values below 1e-7 takes the shift
     bits its position held in the call's previous super-block (ik's quirk), so rows interact."""
 
-    type_name = "IQ1_M"
     # d is refitted: at most 8 max|x| (every level +-1/8), stored 8.5% larger in f16
     max_abs_input = 65504.0 / (8 * 1.085)
     rel_error_bound = 2.0
@@ -252,6 +244,3 @@ class IQ1_MCodec(Codec):
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq1_m(q, out, GRID_IQ1S)
 
-
-for _codec in (IQ2_XXSCodec(), IQ2_XSCodec(), IQ2_SCodec(), IQ1_SCodec(), IQ1_MCodec()):
-    register_codec(_codec.type_name, _codec)

@@ -31,7 +31,8 @@ import warnings
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.base import Codec, QuantInputError
+from ikquant.errors import QuantInputError
+from ikquant.formats.base import Codec
 from ikquant.formats.iq1_search import (
     IQ1M_SHIFT_MASKS,
     NO_SHIFT,
@@ -45,7 +46,6 @@ from ikquant.formats.iq1_search import (
 )
 from ikquant.formats.iq12 import GRID_IQ1S, IQ1S_DELTA
 from ikquant.formats.numeric import fmaf, load_f16, nearest_int_fma, store_f16
-from ikquant.types import register_codec
 
 GROUP = 4
 BLOCK = 32
@@ -287,9 +287,7 @@ class _IQ1R4Codec(Codec):
             out[rows] = fixed
 
 
-class IQ1_S_R4Codec(_IQ1R4Codec):
-    type_name = "IQ1_S_R4"
-
+class IQ1_S_R4Codec(_IQ1R4Codec, type_name="IQ1_S_R4"):
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         _quantize_iq1_s_r4(self._grouped(x), w, self._grouped(out), iq1_grid())
 
@@ -297,8 +295,7 @@ class IQ1_S_R4Codec(_IQ1R4Codec):
         _dequantize_iq1_s_r4(self._grouped(q), self._grouped(out), GRID_IQ1S)
 
 
-class IQ1_M_R4Codec(_IQ1R4Codec):
-    type_name = "IQ1_M_R4"
+class IQ1_M_R4Codec(_IQ1R4Codec, type_name="IQ1_M_R4"):
     # a half below the threshold takes the shift bits of the call's previous blocks (ik's quirk)
     rows_interact = True
 
@@ -312,6 +309,3 @@ class IQ1_M_R4Codec(_IQ1R4Codec):
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq1_m_r4(self._grouped(q), self._grouped(out), GRID_IQ1S)
 
-
-for _codec in (IQ1_S_R4Codec(), IQ1_M_R4Codec()):
-    register_codec(_codec.type_name, _codec)

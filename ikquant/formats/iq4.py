@@ -14,7 +14,6 @@ from numba import njit, prange
 from ikquant.formats.base import Codec
 from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ4NL_INDEX
 from ikquant.formats.numeric import abs_max, fmaf, load_f16, nearest_int_fma, store_f16, trunc_i32
-from ikquant.types import register_codec
 
 BLOCK = 32
 SUPER = 256
@@ -287,8 +286,7 @@ def _dequantize_iq4_xs(q: np.ndarray, out: np.ndarray, qk: int) -> None:
 # worst seen on sparse random blocks is 1.005*amax. |d| <= amax also sets max_abs_input (fp16 scale).
 
 
-class IQ4_NLCodec(Codec):
-    type_name = "IQ4_NL"
+class IQ4_NLCodec(Codec, type_name="IQ4_NL"):
     max_abs_input = 65504.0
     rel_error_bound = 2.0 + 2.0**-9
     abs_error_floor = 128 * 2.0**-25
@@ -300,8 +298,7 @@ class IQ4_NLCodec(Codec):
         _dequantize_iq4_nl(q, out, BLOCK)
 
 
-class IQ4_XSCodec(Codec):
-    type_name = "IQ4_XS"
+class IQ4_XSCodec(Codec, type_name="IQ4_XS"):
     # as IQ4_NL: the block scale d*l (fp16 d = -max_scale/32, 6-bit l) stays within max_scale <= amax
     max_abs_input = 65504.0
     rel_error_bound = 2.0 + 2.0**-9
@@ -313,6 +310,3 @@ class IQ4_XSCodec(Codec):
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq4_xs(q, out, BLOCK)
 
-
-for _codec in (IQ4_NLCodec(), IQ4_XSCodec()):
-    register_codec(_codec.type_name, _codec)

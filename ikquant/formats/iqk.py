@@ -33,7 +33,6 @@ from ikquant.formats.iqk_grids import (
     sum_squares,
 )
 from ikquant.formats.numeric import abs_max, fmaf, load_f16, nearest_int_fma, store_f16
-from ikquant.types import register_codec
 
 QK_K = 256
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
@@ -658,8 +657,7 @@ def _error_floor(largest_code: int) -> float:
     return largest_code * 2.0**-24
 
 
-class IQ2_KCodec(Codec):
-    type_name = "IQ2_K"
+class IQ2_KCodec(Codec, type_name="IQ2_K"):
     max_abs_input = _search_limit(31, 1.5)
     rel_error_bound = _error_bound(IQ2NL)
     # codes are grid (|v| <= 31) times a sub-block scale in [-8, 7], and d is stored 3 % larger
@@ -672,8 +670,7 @@ class IQ2_KCodec(Codec):
         _dequantize_iq2_k(q, out)
 
 
-class IQ3_KCodec(Codec):
-    type_name = "IQ3_K"
+class IQ3_KCodec(Codec, type_name="IQ3_K"):
     max_abs_input = _search_limit(63, 1.5)
     rel_error_bound = _error_bound(IQ3NL)
     # grid |v| <= 63 times an odd sub-block scale |2n + 1| <= 31
@@ -686,8 +683,7 @@ class IQ3_KCodec(Codec):
         _dequantize_iq3_k(q, out)
 
 
-class IQ4_KCodec(Codec):
-    type_name = "IQ4_K"
+class IQ4_KCodec(Codec, type_name="IQ4_K"):
     # without importances IQ4_K weighs by x^2 alone
     max_abs_input = _search_limit(127, 1.0)
     rel_error_bound = _error_bound(IQ4K)
@@ -700,8 +696,7 @@ class IQ4_KCodec(Codec):
         _dequantize_iq4_k(q, out)
 
 
-class IQ5_KCodec(Codec):
-    type_name = "IQ5_K"
+class IQ5_KCodec(Codec, type_name="IQ5_K"):
     max_abs_input = _search_limit(126, 1.5)
     rel_error_bound = _error_bound(IQ5NL)
     abs_error_floor = _error_floor(126 * 32)
@@ -713,8 +708,7 @@ class IQ5_KCodec(Codec):
         _dequantize_iq5_k(q, out)
 
 
-class IQ6_KCodec(Codec):
-    type_name = "IQ6_K"
+class IQ6_KCodec(Codec, type_name="IQ6_K"):
     max_abs_input = _search_limit(127, 1.5)
     # the decoder's cubic strays from the quantizer's integer grid by up to 0.49
     rel_error_bound = _error_bound(IQ6NL, 0.49)
@@ -726,6 +720,3 @@ class IQ6_KCodec(Codec):
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq6_k(q, out)
 
-
-for _codec in (IQ2_KCodec(), IQ3_KCodec(), IQ4_KCodec(), IQ5_KCodec(), IQ6_KCodec()):
-    register_codec(_codec.type_name, _codec)

@@ -37,7 +37,6 @@ from ikquant.formats.iqk_grids import (
     sum_squares,
 )
 from ikquant.formats.numeric import abs_max, fmaf, load_f16, load_f32, nearest_int_fma, store_f16, store_f32
-from ikquant.types import register_codec
 
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
 KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
@@ -82,7 +81,7 @@ _KL_INDEX, _KL_NEIGHBOURS = IQ2KL_INDEX.astype(np.int64), IQ2KL_NEIGHBOURS.astyp
 
 
 @njit(**NJIT)
-def _load_u16(row: np.ndarray, pos: int) -> int:
+def _load_u16(row: np.ndarray, pos: int) -> np.int64:
     return np.int64(row[pos]) | (np.int64(row[pos + 1]) << 8)
 
 
@@ -695,7 +694,7 @@ def _quantize_iq3_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
             for ib in range(8):
                 s = ibl * 8 + ib
                 off = 8 if shifted[s] else 0
-                l = min(15, max(-16, np.int64(nearest_int_fma(id_, scales[s]))))
+                l = min(15, max(-16, int(nearest_int_fma(id_, scales[s]))))
                 blk[2 + ib % 4] |= np.uint8(((l + 16) & 0xF) << (4 * (ib // 4)))
                 blk[0] |= np.uint8(((l + 16) >> 4) << ib)
                 dl = d * np.float32(l)
@@ -747,7 +746,7 @@ IQ5KS_BYTES = 168
 @njit(**NJIT)
 def _scale_level(id_: np.float32, scale: np.float32) -> int:
     """Odd sub-block scale in [-127, 127] nearest to scale/d, as ik rounds it: 2*round((id*s + 127)/2) - 127."""
-    l = np.int64(nearest_int_fma(np.float32(0.5), fmaf(id_, scale, np.float32(127.0))))
+    l = int(nearest_int_fma(np.float32(0.5), fmaf(id_, scale, np.float32(127.0))))
     return (min(127, max(0, l)) << 1) - 127
 
 
@@ -1108,8 +1107,7 @@ def _dequantize_iq4_kss(q: np.ndarray, out: np.ndarray) -> None:
 # sub-blocks below 1e-16 and their float32 search loses precision below ~1e-10 (x^2 weights underflow): 1e-11.
 
 
-class IQ2_KSCodec(Codec):
-    type_name = "IQ2_KS"
+class IQ2_KSCodec(Codec, type_name="IQ2_KS"):
     max_abs_input = 1e5
     # grid half-gaps up to 9 of a 31 span; measured worst 0.43 of max|x|
     rel_error_bound = 0.75
@@ -1133,8 +1131,7 @@ class IQ2_KSCodec(Codec):
         _dequantize_iq2_ks(q, out)
 
 
-class IQ2_KLCodec(Codec):
-    type_name = "IQ2_KL"
+class IQ2_KLCodec(Codec, type_name="IQ2_KL"):
     max_abs_input = 3e7
     # 2-D pair grid: a pair far from every stored pair is coded with the nearest of 8 candidates; measured worst
     # 0.66 of max|x| (constant rows)
@@ -1148,8 +1145,7 @@ class IQ2_KLCodec(Codec):
         _dequantize_iq2_kl(q, out)
 
 
-class IQ3_KSCodec(Codec):
-    type_name = "IQ3_KS"
+class IQ3_KSCodec(Codec, type_name="IQ3_KS"):
     max_abs_input = 1e5
     # grid half-gaps up to 11.5 of a 110 span; measured worst 0.23 of max|x|
     rel_error_bound = 0.5
@@ -1162,8 +1158,7 @@ class IQ3_KSCodec(Codec):
         _dequantize_iq3_ks(q, out)
 
 
-class IQ4_KSCodec(Codec):
-    type_name = "IQ4_KS"
+class IQ4_KSCodec(Codec, type_name="IQ4_KS"):
     max_abs_input = 1e5
     # grid half-gaps up to 12 of a 240 span, odd integer scales up to 127; measured worst 0.11 of max|x|
     rel_error_bound = 0.2
@@ -1176,8 +1171,7 @@ class IQ4_KSCodec(Codec):
         _dequantize_iq4_ks(q, out)
 
 
-class IQ4_KSSCodec(Codec):
-    type_name = "IQ4_KSS"
+class IQ4_KSSCodec(Codec, type_name="IQ4_KSS"):
     max_abs_input = 1e5
     # as IQ4_KS, but a group of four codes may have one code moved by up to 2 grid steps to even its parity;
     # measured worst 0.23 of max|x|
@@ -1191,8 +1185,7 @@ class IQ4_KSSCodec(Codec):
         _dequantize_iq4_kss(q, out)
 
 
-class IQ5_KSCodec(Codec):
-    type_name = "IQ5_KS"
+class IQ5_KSCodec(Codec, type_name="IQ5_KS"):
     max_abs_input = 1e5
     # grid half-gaps up to 6 of a 247 span, odd integer scales up to 127; measured worst 0.06 of max|x|
     rel_error_bound = 0.1
@@ -1204,6 +1197,3 @@ class IQ5_KSCodec(Codec):
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq5_ks(q, out)
 
-
-for _codec in (IQ2_KSCodec(), IQ2_KLCodec(), IQ3_KSCodec(), IQ4_KSCodec(), IQ4_KSSCodec(), IQ5_KSCodec()):
-    register_codec(_codec.type_name, _codec)

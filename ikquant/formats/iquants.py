@@ -31,7 +31,6 @@ from numba import njit, prange
 
 from ikquant.formats.base import Codec
 from ikquant.formats.numeric import f32_to_f16_bits, fmaf, load_f16, nearest_int
-from ikquant.types import register_codec
 
 QK_K = 256
 BLOCK = 32
@@ -444,8 +443,7 @@ def _dequantize_iq3_s(q: np.ndarray, out: np.ndarray) -> None:
                         out[r, ibl * QK_K + ib * BLOCK + 4 * k + i] = -v if (signs >> bit) & 1 else v
 
 
-class IQ3_SCodec(Codec):
-    type_name = "IQ3_S"
+class IQ3_SCodec(Codec, type_name="IQ3_S"):
     # d = 1.033 max scale / 31 in f16; the fitted scale maps the block maximum near 15
     max_abs_input = 65504.0 * 31 / 15
     rel_error_bound = 2.0
@@ -458,8 +456,7 @@ class IQ3_SCodec(Codec):
         _dequantize_iq3_s(q, out)
 
 
-class IQ3_XXSCodec(Codec):
-    type_name = "IQ3_XXS"
+class IQ3_XXSCodec(Codec, type_name="IQ3_XXS"):
     # d = 1.0125 max scale / 31 in f16, a sub-block scale up to d * 15.5 / 2
     max_abs_input = 65504.0 * 31 / 15
     rel_error_bound = 2.0
@@ -471,6 +468,3 @@ class IQ3_XXSCodec(Codec):
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq3_xxs(q, out)
 
-
-for _codec in (IQ3_SCodec(), IQ3_XXSCodec()):
-    register_codec(_codec.type_name, _codec)

@@ -20,7 +20,6 @@ from numba import njit, prange
 from ikquant.formats.base import Codec
 from ikquant.formats.numeric import abs_max, fmaf, load_f16, nearest_int_fma, store_f16
 from ikquant.formats.scale_search import make_qkx3_quants, make_qx_quants
-from ikquant.types import register_codec
 
 QK_K = 256
 GROUP_MAX_EPS = np.float32(1e-15)
@@ -460,7 +459,7 @@ def _quantize_q3_k_ref(x: np.ndarray, out: np.ndarray) -> None:
             if max_scale != 0:
                 iscale = np.float32(-32.0) / max_scale
                 for j in range(16):
-                    Ls[j] = min(31, max(-32, np.int32(np.int8(nearest_int_fma(iscale, scales[j]))))) + 32
+                    Ls[j] = min(31, max(-32, int(np.int8(nearest_int_fma(iscale, scales[j]))))) + 32
                 d_block = np.float32(1.0) / iscale
             else:
                 for j in range(16):
@@ -832,8 +831,7 @@ def _in_range_weights(w: np.ndarray) -> np.ndarray:
     return np.ldexp(w, -int(np.frexp(wmax)[1])).astype(np.float32)
 
 
-class Q2_KCodec(Codec):
-    type_name = "Q2_K"
+class Q2_KCodec(Codec, type_name="Q2_K"):
     # without importance weights, ternary storage is decided over all rows of one call
     rows_interact = True
     # Ternary storage (plain calls only) keeps max|x| of the call itself as the fp16 d and dmin.
@@ -859,8 +857,7 @@ class Q2_KCodec(Codec):
         _dequantize_q2_k(q, out)
 
 
-class Q3_KCodec(Codec):
-    type_name = "Q3_K"
+class Q3_KCodec(Codec, type_name="Q3_K"):
     # d = |largest sub-block scale| / 32 in fp16, and a sub-block scale never exceeds its max|x|; halved because
     # the weighted fit of the scales can land above the plain max-based d
     max_abs_input = FP16_MAX * 32 / 2
@@ -880,8 +877,7 @@ class Q3_KCodec(Codec):
         _dequantize_q3_k(q, out)
 
 
-class Q4_KCodec(Codec):
-    type_name = "Q4_K"
+class Q4_KCodec(Codec, type_name="Q4_K"):
     # dmin = largest sub-block min / 63 in fp16, a min is at most max|x|; halved because the least-squares min
     # can overshoot the data
     max_abs_input = FP16_MAX * 63 / 2
@@ -901,8 +897,7 @@ class Q4_KCodec(Codec):
         _dequantize_q4_k(q, out)
 
 
-class Q5_KCodec(Codec):
-    type_name = "Q5_K"
+class Q5_KCodec(Codec, type_name="Q5_K"):
     # as Q4_K: dmin = largest sub-block min / 63 in fp16, halved for the least-squares min
     max_abs_input = FP16_MAX * 63 / 2
     # One whole step of the widest grid (range/30.5 <= max/15.25), plus 6-bit scale and min rounding
@@ -921,8 +916,7 @@ class Q5_KCodec(Codec):
         _dequantize_q5_k(q, out)
 
 
-class Q6_KCodec(Codec):
-    type_name = "Q6_K"
+class Q6_KCodec(Codec, type_name="Q6_K"):
     # d = |largest sub-block scale| / 128 in fp16, a sub-block scale never exceeds its max|x|; halved as for Q3_K
     max_abs_input = FP16_MAX * 128 / 2
     # The largest sub-block may settle on code +-1 (scale = max|x|), so the 8-bit sub-block scales count in units
@@ -937,6 +931,3 @@ class Q6_KCodec(Codec):
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_q6_k(q, out)
 
-
-for _codec in (Q2_KCodec(), Q3_KCodec(), Q4_KCodec(), Q5_KCodec(), Q6_KCodec()):
-    register_codec(_codec.type_name, _codec)

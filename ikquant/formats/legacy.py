@@ -14,7 +14,6 @@ from numba import njit, prange
 from ikquant.formats.base import Codec
 from ikquant.formats.numeric import fmaf, load_f16, roundf, store_f16
 from ikquant.formats.scale_search import make_qkx3_quants, make_qx_quants
-from ikquant.types import register_codec
 
 QK = 32
 # int32 constants keep the integer code arithmetic 32-bit wide (a plain literal widens it to int64 and halves the
@@ -130,7 +129,7 @@ def _quantize_sym(x: np.ndarray, qw: np.ndarray, out: np.ndarray, nmax: int, typ
                 for j in range(QK):
                     # ik truncates x*id + nmax + 0.5 (one fused rounding) to int8, then caps the top code
                     v = fmaf(xb[j], idv, fn + np.float32(0.5))
-                    L[j] = min(2 * nmax - 1, np.int32(np.int8(np.int32(v))))
+                    L[j] = min(2 * nmax - 1, int(np.int8(np.int32(v))))
             store_f16(out[r], o, d)
             if nmax == 16:
                 _store_qh5(L, out[r], o + 2)
@@ -222,7 +221,7 @@ def _quantize_affine(x: np.ndarray, qw: np.ndarray, out: np.ndarray, nmax: int, 
                     # ik truncates (x - min)*id + 0.5 (one fused rounding); Q4_1 also caps the code at 15
                     v = np.int32(fmaf(xb[j] - m, idv, np.float32(0.5)))
                     if nmax == 15:
-                        v = min(15, np.int32(np.int8(v)))
+                        v = min(np.int32(15), np.int32(np.int8(v)))
                     L[j] = v
             store_f16(out[r], o, d)
             store_f16(out[r], o + 2, m)
@@ -333,8 +332,7 @@ def _dequantize_q6_0(q: np.ndarray, out: np.ndarray, qk: int) -> None:
 # ---------------------------------------------------------------------------------------------------- codecs
 
 
-class Q8_0Codec(Codec):
-    type_name = "Q8_0"
+class Q8_0Codec(Codec, type_name="Q8_0"):
     uses_imatrix = False
     # d = amax/127 is stored as fp16
     max_abs_input = 65504.0 * 127
@@ -353,8 +351,7 @@ class Q8_0Codec(Codec):
 # Q5_1 also store the fitted min, which adversarial weights push to 2.4*amax, hence a quarter of that.
 
 
-class Q4_0Codec(Codec):
-    type_name = "Q4_0"
+class Q4_0Codec(Codec, type_name="Q4_0"):
     # plain: d = max/-8 (fp16); the far side of the range clips at 7*|d| (error amax/8), rounding elsewhere costs
     # |d|/2, the fp16 rounding of d at most 8*|d|*2^-11
     max_abs_input = 65504.0
@@ -368,8 +365,7 @@ class Q4_0Codec(Codec):
         _dequantize_q4_0(q, out, QK)
 
 
-class Q5_0Codec(Codec):
-    type_name = "Q5_0"
+class Q5_0Codec(Codec, type_name="Q5_0"):
     # as Q4_0 with d = max/-16: clipping at 15*|d| costs amax/16
     max_abs_input = 65504.0
     rel_error_bound = 1.0 / 16 + 2.0**-10
@@ -382,8 +378,7 @@ class Q5_0Codec(Codec):
         _dequantize_q5_0(q, out, QK)
 
 
-class Q4_1Codec(Codec):
-    type_name = "Q4_1"
+class Q4_1Codec(Codec, type_name="Q4_1"):
     # plain: d = (max - min)/15 and m = min as fp16; rounding costs d/2 <= amax/15, the fp16 rounding of d and m
     # at most 15*d*2^-11 + |m|*2^-11 <= 3*amax*2^-11
     max_abs_input = 65504.0 / 4
@@ -397,8 +392,7 @@ class Q4_1Codec(Codec):
         _dequantize_q4_1(q, out, QK)
 
 
-class Q5_1Codec(Codec):
-    type_name = "Q5_1"
+class Q5_1Codec(Codec, type_name="Q5_1"):
     # as Q4_1 with d = (max - min)/31
     max_abs_input = 65504.0 / 4
     rel_error_bound = 1.0 / 31 + 3 * 2.0**-11
@@ -411,8 +405,7 @@ class Q5_1Codec(Codec):
         _dequantize_q5_1(q, out, QK)
 
 
-class Q6_0Codec(Codec):
-    type_name = "Q6_0"
+class Q6_0Codec(Codec, type_name="Q6_0"):
     # Always the weighted search (weights x^2 without an imatrix). Its trial scales are (32 +- 0.9)/max and
     # (31 +- 0.9)/max, so |d| >= amax/32.9 and a value clipped at the far code 31 is off by at most
     # amax*(1 - 31/32.9) < amax/16; rounding elsewhere costs |d|/2.
@@ -426,6 +419,3 @@ class Q6_0Codec(Codec):
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_q6_0(q, out, QK)
 
-
-for _codec in (Q8_0Codec(), Q4_0Codec(), Q4_1Codec(), Q5_0Codec(), Q5_1Codec(), Q6_0Codec()):
-    register_codec(_codec.type_name, _codec)

@@ -14,7 +14,6 @@ from numba import njit, prange
 
 from ikquant.formats.base import Codec
 from ikquant.formats.numeric import e8m0_half_to_f32, trunc_i32
-from ikquant.types import register_codec
 
 QK = 32
 BLOCK_BYTES = 17
@@ -93,8 +92,7 @@ def _dequantize_mxfp4(q: np.ndarray, out: np.ndarray, qk: int) -> None:
                 hi[j] = d * _FVALUES[src[j] >> np.uint8(4)]
 
 
-class MXFP4Codec(Codec):
-    type_name = "MXFP4"
+class MXFP4Codec(Codec, type_name="MXFP4"):
     uses_imatrix = False
     # The scale puts amax/(2d) in [4, 8) (or just below 4 when log2f rounds up to the next power of two), where
     # the E2M1 grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 is at most 2 apart, and clips at 6: the error stays below amax/4.
@@ -109,5 +107,3 @@ class MXFP4Codec(Codec):
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_mxfp4(q, out, QK)
 
-
-register_codec(MXFP4Codec.type_name, MXFP4Codec())

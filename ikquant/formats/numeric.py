@@ -12,7 +12,8 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
-from numba.core.extending import intrinsic
+
+from ikquant.formats.jit import intrinsic
 
 NJIT = dict(cache=True, nogil=True)
 

@@ -14,7 +14,6 @@ from numba import njit, prange
 
 from ikquant.formats.base import Codec
 from ikquant.formats.numeric import finite_abs_max, load_f16, load_f32, store_f16, store_f32
-from ikquant.types import register_codec
 
 KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
 QK1 = 128
@@ -92,8 +91,7 @@ def _dequantize_q1_0(q: np.ndarray, out: np.ndarray) -> None:
                     out[r, ib * QK1 + 8 * k + j] = d if (bits >> j) & 1 else -d
 
 
-class Q8KVCodec(Codec):
-    type_name = "Q8_KV"
+class Q8KVCodec(Codec, type_name="Q8_KV"):
     uses_imatrix = False
     # rounding to the nearest code costs half a step (amax/254), the f32 reciprocal a few ulps; below
     # amax = 127/FLT_MAX the reciprocal overflows and ik stores -128 codes: the error there is at most 2*amax
@@ -107,8 +105,7 @@ class Q8KVCodec(Codec):
         _dequantize_q8_kv(q, out)
 
 
-class Q1_0G128Codec(Codec):
-    type_name = "Q1_0_G128"
+class Q1_0G128Codec(Codec, type_name="Q1_0_G128"):
     uses_imatrix = False
     # the f16 magnitude is the block's mean |x|, at most amax; a value is off by at most max(|x|, d) <= amax, plus
     # the f16 rounding of d
@@ -122,6 +119,3 @@ class Q1_0G128Codec(Codec):
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_q1_0(q, out)
 
-
-for _codec in (Q8KVCodec(), Q1_0G128Codec()):
-    register_codec(_codec.type_name, _codec)

@@ -25,12 +25,11 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.core.extending import intrinsic
 
 from ikquant.formats.base import Codec
 from ikquant.formats.iqk_grids import IQ4K, keep_better, nearest
+from ikquant.formats.jit import intrinsic
 from ikquant.formats.numeric import abs_max, fmaf, load_f32, load_u32, nearest_int_fma, store_f32
-from ikquant.types import register_codec
 
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
 KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
@@ -924,8 +923,7 @@ class _TrellisCodec(Codec):
         _quantize_kt(x, w, _row_limit(x.shape[1], w), out, self.kind, cb[0], cb[-1])
 
 
-class IQ1KTCodec(_TrellisCodec):
-    type_name = "IQ1_KT"
+class IQ1KTCodec(_TrellisCodec, type_name="IQ1_KT"):
     rel_error_bound = 4.0
     kind = 1
     searchers = ("IQ1_KT",)
@@ -934,8 +932,7 @@ class IQ1KTCodec(_TrellisCodec):
         _dequantize_iq1(q, out, _GEN_POW)
 
 
-class IQ2KTCodec(_TrellisCodec):
-    type_name = "IQ2_KT"
+class IQ2KTCodec(_TrellisCodec, type_name="IQ2_KT"):
     rel_error_bound = 3.0
     kind = 2
     searchers = ("IQ2_KT",)
@@ -944,8 +941,7 @@ class IQ2KTCodec(_TrellisCodec):
         _dequantize_iq23(q, out, _GEN_POW, False)
 
 
-class IQ3KTCodec(_TrellisCodec):
-    type_name = "IQ3_KT"
+class IQ3KTCodec(_TrellisCodec, type_name="IQ3_KT"):
     rel_error_bound = 1.5
     kind = 3
     searchers = ("IQ3_KT",)
@@ -954,8 +950,7 @@ class IQ3KTCodec(_TrellisCodec):
         _dequantize_iq23(q, out, _GEN_POW, True)
 
 
-class IQ4KTCodec(_TrellisCodec):
-    type_name = "IQ4_KT"
+class IQ4KTCodec(_TrellisCodec, type_name="IQ4_KT"):
     rel_error_bound = 1.5
     kind = 4
     searchers = ("IQ4_KT", "IQ4_KT+")
@@ -963,6 +958,3 @@ class IQ4KTCodec(_TrellisCodec):
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq4(q, out, _GEN_POW)
 
-
-for _codec in (IQ1KTCodec(), IQ2KTCodec(), IQ3KTCodec(), IQ4KTCodec()):
-    register_codec(_codec.type_name, _codec)

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ikquant.outputs import OutputError, write_errors
+from ikquant.errors import OutputError
+from ikquant.outputs import write_errors
 from ikquant.sizes import format_size
 from ikrun.errors import BudgetError
 from ikrun.memory import free_disk
