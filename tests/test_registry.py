@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from ikconvert.archs.base import _REGISTRY, supported_architectures
+from ikconvert import architectures
 from ikrun.models import model_class
 from ikrun.validate import REFERENCES, WITHOUT_REFERENCE, reference_class
 
-HF_ARCHITECTURES = supported_architectures()
+CONVERTERS = architectures()
+HF_ARCHITECTURES = list(CONVERTERS)
 
 
 @pytest.mark.parametrize("hf_arch", HF_ARCHITECTURES)
 def test_every_converted_architecture_runs(hf_arch: str) -> None:
-    gguf_arch = _REGISTRY[hf_arch].gguf_arch
+    gguf_arch = CONVERTERS[hf_arch].gguf_arch
     assert gguf_arch in model_class(gguf_arch).archs
 
 

@@ -24,7 +24,7 @@ import ikquant  # noqa: F401  (first: its import sets OpenBLAS's thread timeout 
 import numba
 import numpy as np
 
-from ikconvert.convert import Converter
+from ikconvert import Converter
 from ikrun import Model, mean_acceptance_length, speculative_generate
 
 PAIR = Path(__file__).parents[1] / "tests" / "data" / "dflash" / "dflash-qwen3-trained"

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ikconvert.safetensors_io import write_safetensors
-from ikconvert.tiny import TinySpec, make_tiny_checkpoint
-from ikquant.formats.numeric import f32_to_bf16_bits
+from ikconvert import TinySpec, make_tiny_checkpoint, write_safetensors
+from ikquant import f32_to_bf16_bits
 
 DEEPSEEK_TOKENIZER = Path(__file__).parents[1] / "tests" / "data" / "convert" / "deepseek-v3" / "hf"
 DEEPSEEK4_TOKENIZER = Path(__file__).parents[1] / "tests" / "data" / "convert" / "deepseek-v4-flash" / "hf"

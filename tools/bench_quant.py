@@ -16,7 +16,7 @@ import time
 import numba
 import numpy as np
 
-from ikquant.types import implemented_types, type_by_name
+from ikquant import implemented_types, type_by_name
 
 # ik_llama.cpp, single thread, with importance weights, 64 x 4096 (M weights/s): (quantize, dequantize)
 IK = {

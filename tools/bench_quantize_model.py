@@ -17,9 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ikquant.gguf_io import GGUFStreamWriter
-from ikquant.imatrix import Imatrix, ImatrixEntry, write_imatrix_dat
-from ikquant.types import type_by_name
+from ikquant import GGUFStreamWriter, Imatrix, ImatrixEntry, type_by_name, write_imatrix_dat
 
 PEAK_RSS = Path(__file__).parent / "peak_rss.py"
 
@@ -61,7 +59,7 @@ def main() -> None:
         print(f"writing a {a.size_gb:g} GB synthetic model ...", flush=True)
         n_weights, dat = make_model(src, a.size_gb)
     else:
-        from ikquant.gguf_io import GGUFFile
+        from ikquant import GGUFFile
 
         n_weights = sum(t.n_elements for t in GGUFFile(src).tensors.values())
     print(f"model: {src.stat().st_size / 1e9:.2f} GB, {n_weights / 1e6:.0f} M weights")

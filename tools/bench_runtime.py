@@ -27,10 +27,8 @@ import ikquant  # noqa: F401  (first: its import sets OpenBLAS's thread timeout 
 
 import numba
 
-from ikconvert.convert import Converter
-from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
-from ikquant.ftypes import file_type
-from ikquant.quantize import QuantizeOptions, quantize_model
+from ikconvert import CORPUS, Converter, TinySpec, make_tiny_checkpoint
+from ikquant import QuantizeOptions, file_type, quantize_model
 from ikrun import HFReference, Model, RuntimeOptions, tokenize_chunks
 
 DATA = Path(__file__).parents[1] / "tests" / "data"

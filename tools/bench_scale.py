@@ -34,10 +34,8 @@ import ikquant  # noqa: F401  (first: its import sets OpenBLAS's thread timeout 
 
 import numba
 
-from ikconvert.convert import Converter
-from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
-from ikquant.ftypes import file_type
-from ikquant.quantize import QuantizeOptions, quantize_model
+from ikconvert import CORPUS, Converter, TinySpec, make_tiny_checkpoint
+from ikquant import QuantizeOptions, file_type, quantize_model
 
 TOOLS = Path(__file__).parent
 sys.path.insert(0, str(TOOLS))

@@ -28,9 +28,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from ikconvert.convert import Converter
-from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
-from ikquant.types import type_by_name
+from ikconvert import CORPUS, Converter, TinySpec, make_tiny_checkpoint
+from ikquant import type_by_name
 from ikrun import KLDAccumulator, Model, open_base, perplexity, run_sweep, sweep_groups, tokenize_chunks
 
 

@@ -18,10 +18,9 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from ikconvert.convert import Converter
-from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
-from ikquant.cli import app as ikquant_app
-from ikquant.gguf_io import GGUFFile
+from ikconvert import CORPUS, Converter, TinySpec, make_tiny_checkpoint
+from ikquant import GGUFFile
+from ikquant import app as ikquant_app
 from ikrun import app as ikrun_app
 
 runner = CliRunner()

@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ikconvert.tiny import CORPUS, TinySpec, make_tiny_checkpoint
+from ikconvert import CORPUS, TinySpec, make_tiny_checkpoint
 
 OUT = Path("demo-out")
 BIN = Path(sys.executable).parent

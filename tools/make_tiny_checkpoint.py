@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from ikconvert.tiny import TinySpec, make_tiny_checkpoint
+from ikconvert import TinySpec, make_tiny_checkpoint
 
 
 def main() -> None:

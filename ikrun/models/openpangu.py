@@ -296,6 +296,7 @@ class OpenPangu(ArchModel):
     def _attention(self, i: int, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         cx, b, attention, kind = self.ctx, f"blk.{i}.", self.attention, self.kinds[i]
         q_lat, q = attention.query(cx, b, h)
+        assert q_lat is not None, "openPangu's query always goes through its q LoRA"
         cache = attention.cache_rows(cx, b, h, cos, sin)
         keep = self._indexer(b, h, q_lat, cos, sin) if kind.indexer else None
         return attention(cx, b, q, cache, cos, sin, sinks=attention.sink_rows(cx, b), window=kind.window, keep=keep)
