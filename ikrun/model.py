@@ -44,7 +44,7 @@ class Model:
 
     def __init__(self, path: str | os.PathLike[str], threads: int | None = None, kv_cache: str = "f32",
                  options: RuntimeOptions | None = None, mem: int | None = None, stream: bool | None = None):
-        from ikrun.models import model_class
+        from ikrun.models import check_options, model_class
 
         if kv_cache not in KV_CACHE_TYPES:
             raise ModelError(f"kv cache type {kv_cache!r} is not one of {', '.join(KV_CACHE_TYPES)}")
@@ -57,7 +57,7 @@ class Model:
         #: switches the architecture reads (checked against the ones it honours before it is built)
         self.options = options or RuntimeOptions()
         impl_class = model_class(self.arch)
-        self.options.check(self.path, self.arch, impl_class.runtime_options)
+        check_options(self.options, self.path, self.arch)
         self.numerics = make_numerics(self.weights, self.options)
         #: "f16" rounds K and V to half precision as ik's default KV cache stores them, to reproduce ik's numbers
         self.kv_cache = self.numerics.kv_cache(kv_cache)

@@ -4,7 +4,6 @@ and the CLI (ikrun/commands/options.py makes every field a flag) read them from 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
 from ikrun.errors import ModelError
 from ikrun.numerics import NUMERICS
@@ -56,17 +55,10 @@ class RuntimeOptions:
         """The options that were set (field names; the command-line flag is --name with dashes)."""
         return [f.name for f in fields(self) if getattr(self, f.name) != f.default]
 
-    def check(self, path: Path, arch: str, honoured: tuple[str, ...]) -> None:
-        """Refuse options that cannot apply to the model at `path` (of `arch`, whose architecture honours the
-        fields `honoured`) or to each other: a flag never silently does nothing."""
-        from ikrun.models import model_class, supported_architectures
-
+    def check(self) -> None:
+        """Refuse options that contradict each other (which architecture honours which: models.check_options)."""
         if self.numerics not in NUMERICS:
             raise ModelError(f"--numerics {self.numerics!r} is not one of {', '.join(NUMERICS)}")
-        for option in self.given():
-            if option not in honoured and not _every_arch(option):
-                honour = [a for a in supported_architectures() if option in model_class(a).runtime_options]
-                raise ModelError(f"--{option.replace('_', '-')} applies only to {', '.join(honour)}; {path} is {arch}")
         if self.ik_threads < 1:
             raise ModelError(f"--ik-threads must be at least 1, not {self.ik_threads}")
         if self.ik_threads != 1 and self.numerics != "ik":
@@ -75,6 +67,6 @@ class RuntimeOptions:
             raise ModelError("--dsa-sink changes the indexer's top-k selection, which --dsa off does not run")
 
 
-def _every_arch(option: str) -> bool:
+def every_arch(option: str) -> bool:
     """Whether a RuntimeOptions field applies to every architecture (not listed in their runtime_options)."""
     return any(f.name == option and f.metadata.get("every_arch", False) for f in fields(RuntimeOptions))

@@ -1,6 +1,9 @@
-"""One module per GGUF architecture; `model_class` finds the one for a file's general.architecture."""
+"""One module per GGUF architecture, registered here: `model_class` finds the one for a file's
+general.architecture, `check_options` refuses a runtime option it does not honour."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from ikrun.errors import ModelError
 from ikrun.models.base import ArchModel
@@ -10,9 +13,21 @@ from ikrun.models.dflash import DFlashDraft
 from ikrun.models.glm_dsa import GlmDsa
 from ikrun.models.llama import LlamaFamily
 from ikrun.models.openpangu import OpenPangu
+from ikrun.options import RuntimeOptions, every_arch
 
-_BY_ARCH = {arch: cls for cls in (LlamaFamily, Deepseek2, Deepseek4, OpenPangu, GlmDsa,
-                                                    DFlashDraft) for arch in cls.archs}
+_BY_ARCH = {arch: cls for cls in (LlamaFamily, Deepseek2, Deepseek4, OpenPangu, GlmDsa, DFlashDraft)
+            for arch in cls.archs}
+
+
+def check_options(options: RuntimeOptions, path: Path, arch: str) -> None:
+    """Refuse an option the architecture of the model at `path` does not honour: a flag never silently does
+    nothing."""
+    options.check()
+    honoured = model_class(arch).runtime_options
+    for option in options.given():
+        if option not in honoured and not every_arch(option):
+            honour = [a for a in supported_architectures() if option in model_class(a).runtime_options]
+            raise ModelError(f"--{option.replace('_', '-')} applies only to {', '.join(honour)}; {path} is {arch}")
 
 
 def supported_architectures() -> list[str]:
@@ -20,8 +35,6 @@ def supported_architectures() -> list[str]:
 
 
 def model_class(arch: str) -> type[ArchModel]:
-
-
     try:
         return _BY_ARCH[arch]
     except KeyError:
