@@ -39,3 +39,7 @@ class HFReferenceError(IkError, ValueError):
 
 class NumericsError(IkError, ValueError):
     """A weight type or row size whose ik arithmetic the runtime does not reproduce."""
+
+
+class MissingExtraError(IkError, ImportError):
+    """An optional dependency a requested feature needs is not installed (matplotlib for --plot)."""

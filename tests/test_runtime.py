@@ -94,3 +94,15 @@ def test_a_bug_shows_its_traceback_not_a_user_error(data_dir: Path, monkeypatch)
     res = CliRunner().invoke(app, ["ppl", str(data_dir / "convert" / "qwen3" / "ik-f32.gguf"), "--text",
                                    str(data_dir / "logits" / "qwen3" / "text.txt"), "--ctx", "64"])
     assert res.exit_code == 1 and isinstance(res.exception, ValueError)
+
+
+def test_bad_text_and_tokens_are_one_line_errors(tiny_f32: Path, tmp_path: Path) -> None:
+    """A missing or non-UTF-8 --text and a malformed --tokens are the user's mistakes: one line, exit 2."""
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9".encode("latin-1"))
+    for args, says in ((["ppl", str(tiny_f32), "--text", str(tmp_path / "missing.txt")], "no such file"),
+                       (["ppl", str(tiny_f32), "--text", str(latin1)], "not UTF-8"),
+                       (["logits", str(tiny_f32), "--tokens", "1,x,3"], "comma-separated list")):
+        res = CliRunner().invoke(app, args)
+        assert res.exit_code == 2 and says in res.output, res.output
+        assert "Traceback" not in res.output and len(res.output.strip().splitlines()) <= 2, res.output

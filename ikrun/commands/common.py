@@ -106,10 +106,11 @@ def tracked(m: Model, plan: StreamPlan, label: str) -> Iterator[tuple[Callable[[
 
 
 def read_text(path: Path) -> str:
+    """The --text file, or a one-line error."""
+    from ikrun.eval.evaluate import read_text as read_corpus
+
     try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        fail(f"--text {path}: no such file")
-    except UnicodeDecodeError as exc:
-        fail(f"--text {path}: not UTF-8 ({exc})")
+        return read_corpus(path)
+    except IkError as exc:
+        fail(f"--text {exc}")
     return ""

@@ -37,10 +37,10 @@ def logits(
         fail("give exactly one of --text or --tokens")
     try:
         if tokens is not None:
-            try:
-                ids = np.array([int(t) for t in tokens.split(",") if t.strip()], dtype=np.int64)
-            except ValueError:
+            ids_text = [t.strip() for t in tokens.split(",") if t.strip()]
+            if not all(t.lstrip("-").isdigit() for t in ids_text):
                 fail(f"--tokens {tokens!r} is not a comma-separated list of token ids")
+            ids = np.array([int(t) for t in ids_text], dtype=np.int64)
         else:
             ids = np.array(m.tokenizer().encode(read_text(text)), dtype=np.int64)  # type: ignore[arg-type]
         run_plan(m, 1, len(ids), ev)

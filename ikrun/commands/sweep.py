@@ -132,7 +132,7 @@ def sweep(
 
         try:
             plot_sweep(rows, plot, f"{model.name}: mean KLD per tensor and type")
-        except RuntimeError as exc:
+        except IkError as exc:
             fail(str(exc))
         err.print(f"wrote {plot}")
 

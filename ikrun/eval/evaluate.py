@@ -12,12 +12,23 @@ from pathlib import Path
 
 import numpy as np
 
+from ikquant.errors import InputNotFoundError
 from ikrun.errors import BaseLogitsError, EvalError
 from ikrun.eval.metrics import BaseLogitsFile, BaseLogitsWriter, KLDAccumulator, encode_records, kld_stats
 from ikrun.eval.stream import BlockInputs, BlockProgress, StreamPlan, evaluate_chunks, fed_tokens, plan_run
 from ikrun.model import Model
 
 Progress = Callable[[int, int], None]
+
+
+def read_text(path: Path) -> str:
+    """A text to evaluate on, as UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputNotFoundError(f"{path}: no such file") from None
+    except UnicodeDecodeError as exc:
+        raise EvalError(f"{path}: not UTF-8 ({exc})") from None
 
 
 def tokenize_chunks(model: Model, text: str, n_ctx: int, max_chunks: int | None = None) -> np.ndarray:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ikrun.errors import MissingExtraError
 from ikrun.sweep.measure import SweepRow, layer_of, tensor_class
 
 
@@ -22,7 +23,7 @@ def plot_sweep(rows: list[SweepRow], path: Path, title: str) -> None:
         import matplotlib.pyplot as plt
         from matplotlib.colors import LogNorm
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'iktools[plot]'") from None
+        raise MissingExtraError("--plot needs matplotlib: pip install 'iktools[plot]'") from None
     types = list(dict.fromkeys(r.type for r in rows))
     tensors = sorted({t for r in rows for t in r.tensors})
     layers = sorted({layer for t in tensors if (layer := layer_of(t)) is not None})
