@@ -167,14 +167,13 @@ class Numerics:
                        group: int | None, limit: float, keep_act: bool) -> RoutedExperts:
         """The routed SwiGLU experts of the 3-D tensors `names` (up, gate, down) on x [n, n_embd] routed by sel/w
         [n, k], `group` experts decoded at a time (ops/moe.moe_experts)."""
-        return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, sel, n_expert), group, limit,
-                           keep_act=keep_act)
+        counts = np.bincount(sel.reshape(-1), minlength=n_expert)
+        return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts), group, limit, keep_act=keep_act)
 
-    def expert_fetch(self, names: list[str], sel: np.ndarray, n_expert: int) -> ExpertFetch:
+    def expert_fetch(self, names: list[str], counts: np.ndarray) -> ExpertFetch:
         """The routed experts' matrices, decoded (and cached) one expert at a time: a whole expert tensor is never
         decoded for a batch, only the experts that receive tokens; F16/BF16 experts are handed over as their bits
-        (the expert kernel widens them), never decoded."""
-        counts = np.bincount(sel.reshape(-1), minlength=n_expert)
+        (the expert kernel widens them), never decoded; `counts`: the tokens routed to each expert."""
 
         def matrices(name: str, ids: np.ndarray) -> np.ndarray:
             half = self.weights.half_experts(name, ids)

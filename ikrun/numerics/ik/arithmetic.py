@@ -95,9 +95,6 @@ class IkNumerics(Numerics):
     def conv(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return causal_conv_residual(x, w, fused=True)
 
-    def kv_store(self, x: np.ndarray, kv_cache: str) -> np.ndarray:
-        return super().kv_store(x, "f16")
-
     # ---- attention: ik's kernels where its 16-lane kernels take the head dims whole ---------------------------
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int) -> np.ndarray:
         if head_dim % LANES:
@@ -274,5 +271,5 @@ class IkNumerics(Numerics):
             assert packed[0] is not None and packed[1] is not None and packed[2] is not None
             return packed[0], packed[1], packed[2]
 
-        return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, sel, n_expert), group, limit, formats, ints,
+        return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts), group, limit, formats, ints,
                            keep_act=keep_act, ik=types)
