@@ -21,6 +21,13 @@ INDEX_NAME = "model.safetensors.index.json"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "README.md", "additional_chat_templates/*"]
 
 
+def hub_repo(source: str) -> str | None:
+    """`org/repo` of an `hf://org/repo[@rev]` source (None for a local folder)."""
+    if not source.startswith("hf://"):
+        return None
+    return source[len("hf://"):].partition("@")[0]
+
+
 def resolve_source(source: str) -> Path:
     """A local folder, or `hf://org/repo[@rev]` downloaded (or taken from the offline cache) by huggingface_hub."""
     if source.startswith("hf://"):

@@ -9,7 +9,18 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from ikquant.cli_common import err, fail, new_app, out
+from ikquant.cli_common import (
+    NO_TENSOR_FIRST_SPLIT,
+    OVERRIDE_KV,
+    SPLIT_MAX_SIZE,
+    SPLIT_MAX_TENSORS,
+    err,
+    fail,
+    new_app,
+    out,
+    print_shard_plan,
+    report_outputs,
+)
 from ikquant.errors import IkError
 
 app = new_app(__doc__, "Convert Hugging Face checkpoints into GGUF files for ik_llama.cpp.")
@@ -36,23 +47,33 @@ def hf2gguf(
                                                     "model's folder (tokenizer, vocabulary size, hidden size)."),
     mtp: bool = typer.Option(False, "--mtp", help="DeepSeek-V4: export only the standalone MTP predictor, as ik's "
                              "converter does with --mtp."),
+    split_max_size: Optional[str] = SPLIT_MAX_SIZE,
+    split_max_tensors: int = SPLIT_MAX_TENSORS,
+    no_tensor_first_split: bool = NO_TENSOR_FIRST_SPLIT,
+    override_kv: list[str] = OVERRIDE_KV,
 ) -> None:
     """Convert a Hugging Face checkpoint to GGUF, key for key and byte for byte what ik's converter writes.
 
     Example: ikconvert hf2gguf ./Qwen3-0.6B --outtype bf16 --outfile qwen3-0.6b-bf16.gguf
     """
-    from ikconvert.checkpoint import resolve_source
+    from ikconvert.checkpoint import hub_repo, resolve_source
     from ikconvert.convert import Converter
+    from ikquant.kv_override import parse_override
+    from ikquant.split_layout import output_shards
 
     try:
+        shards = output_shards(split_max_size, split_max_tensors, no_tensor_first_split)
+        overrides = [parse_override(text) for text in override_kv]
         folder = resolve_source(src)
         options = {"target_model_dir": target_model_dir, "mtp": mtp}
-        conv = Converter(folder, outtype, pre_tokenizer, allow_nonfinite, model_name, options)
+        conv = Converter(folder, outtype, pre_tokenizer, allow_nonfinite, model_name, options, hub_repo(src))
         plan = conv.build_plan()
     except IkError as exc:
         fail(str(exc))
     if dry_run:
         _print_plan(conv)
+        print_shard_plan(outfile or Path(f"{folder.name}-{conv.outtype.upper()}.gguf"),
+                         [p.type.tensor_bytes(tuple(reversed(p.shape))) for p in plan], shards.limits)
         return
     if outfile is None:
         outfile = Path(f"{folder.name}-{conv.outtype.upper()}.gguf")
@@ -67,14 +88,16 @@ def hf2gguf(
             bar.update(task, advance=nbytes, description=p.out.name)
 
         try:
-            path = conv.write(outfile, step)
+            path = conv.write(outfile, step, shards.limits, overrides)
         except IkError as exc:
             bar.stop()
             fail(str(exc))
+    report_outputs(conv.outputs, [])
     notes = [p for p in plan if p.note]
     for p in notes:
         err.print(f"[yellow]warning:[/] {p.out.name}: {p.note}")
-    err.print(f"wrote [bold]{path}[/] ({len(plan)} tensors, {total / 2**20:.1f} MiB, arch {conv.arch.gguf_arch}, "
+    in_shards = f" in {len(conv.outputs)} shards" if len(conv.outputs) > 1 else ""
+    err.print(f"wrote [bold]{path}[/]{in_shards} ({len(plan)} tensors, {total / 2**20:.1f} MiB, arch {conv.arch.gguf_arch}, "
               f"pre-tokenizer {conv.pre_tokenizer})")
 
 

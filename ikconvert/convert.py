@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 from gguf import Metadata, size_label
+from gguf.gguf_writer import GGUFValue
 
 from ikconvert.archs.base import Arch, OutTensor, arch_for
 from ikconvert.checkpoint import Checkpoint
@@ -24,7 +25,8 @@ from ikconvert.errors import ConvertError
 from ikquant.errors import QuantInputError
 from ikquant.formats.base import find_bad_value
 from ikquant.ftypes import FileType, file_type
-from ikquant.gguf_io import GGUFStreamWriter
+from ikquant.gguf_io import GGUFStreamWriter, KeyValue
+from ikquant.split_layout import SplitLimits
 from ikquant.types import GGMLType, type_by_name
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,7 @@ class Converter:
 
     def __init__(self, src: Path, outtype: str = "f16", pre_tokenizer: str | None = None,
                  allow_nonfinite: bool = False, model_name: str | None = None,
-                 arch_options: dict[str, Any] | None = None):
+                 arch_options: dict[str, Any] | None = None, hub_repo: str | None = None):
         self.ckpt = Checkpoint(src)
         self.arch: Arch = arch_for(self.ckpt, arch_options)
         self.outtype = resolve_outtype(outtype, self.ckpt)
@@ -97,9 +99,13 @@ class Converter:
         self.pre_tokenizer = pre_tokenizer
         self.allow_nonfinite = allow_nonfinite
         self.model_name = model_name
+        #: `org/repo` when the checkpoint came from the hub: general.repo_url (and the name, when nothing else does)
+        self.hub_repo = hub_repo
         self.plan: list[PlannedTensor] = []
         #: HF tensors the architecture drops on purpose, as ik does (e.g. DeepSeek's MTP layers)
         self.skipped: list[str] = []
+        #: the files written: one, or the shards of a split output
+        self.outputs: list[Path] = []
 
     def build_plan(self) -> list[PlannedTensor]:
         """Map every checkpoint tensor to its GGUF tensors (no weight data is read)."""
@@ -136,8 +142,10 @@ class Converter:
         meta = Metadata.load(None, self.ckpt.dir, self.model_name, total)
         for key in [k for k in vars(meta) if k.startswith("sampling_")]:
             setattr(meta, key, None)  # ik's converter does not write generation_config.json sampler keys
+        if self.hub_repo is not None and meta.repo_url is None:
+            meta.repo_url = f"https://huggingface.co/{self.hub_repo}"
         if meta.name is None:
-            meta.name = self.ckpt.dir.name
+            meta.name = self.hub_repo.split("/")[1] if self.hub_repo is not None else self.ckpt.dir.name
         if meta.size_label is None and total > 0:
             meta.size_label = size_label(total, shared, expert, count)
         meta.set_gguf_meta_model(gw)
@@ -146,20 +154,26 @@ class Converter:
         self.arch.set_vocab(gw, self.pre_tokenizer)
         gw.add_quantization_version(2)
 
-    def write(self, outfile: Path, progress: Callable[[PlannedTensor, int], None] | None = None) -> Path:
-        """Write the GGUF (to a temporary name, renamed when complete); returns the output path."""
+    def write(self, outfile: Path, progress: Callable[[PlannedTensor, int], None] | None = None,
+              split: SplitLimits | None = None, overrides: list[KeyValue] | None = None) -> Path:
+        """Write the GGUF (to a temporary name, renamed when complete), split per `split`, with `overrides` (ik's
+        --override-kv) replacing or adding keys; returns the output path (the first shard of a split)."""
         if not self.plan:
             self.build_plan()
-        with GGUFStreamWriter(outfile, self.arch.gguf_arch) as writer:
+        with GGUFStreamWriter(outfile, self.arch.gguf_arch, split=split) as writer:
             for p in self.plan:
                 writer.add_tensor_info(p.out.name, p.shape, p.type)
             self._metadata(writer)
+            for kv in overrides or []:
+                writer.gw.kv_data[0][kv.key] = GGUFValue(kv.value, kv.type, kv.sub_type)
             for p in self.plan:
                 data = self._encode(p)
                 writer.write_tensor(p.out.name, data)
                 if progress is not None:
                     progress(p, data.nbytes)
-            return writer.finish()
+            path = writer.finish()
+        self.outputs = writer.outputs
+        return path
 
     def _encode(self, p: PlannedTensor) -> np.ndarray:
         if p.out.encoded:

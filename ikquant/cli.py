@@ -1,20 +1,45 @@
-"""`ikquant`: quantize a GGUF with ik_llama.cpp's formats and per-tensor decisions."""
+"""`ikquant`: quantize a GGUF (one file or a split one) with ik_llama.cpp's formats and per-tensor decisions
+(`ikquant IN.gguf OUT.gguf --type T ...` runs `quantize`), and write a model card for the result."""
 
 from __future__ import annotations
 
 import json
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
+from typer.core import TyperGroup
 
-from ikquant.cli_common import App, err, fail, out
+from ikquant.cli_common import (
+    NO_TENSOR_FIRST_SPLIT,
+    OVERRIDE_KV,
+    SPLIT_MAX_SIZE,
+    SPLIT_MAX_TENSORS,
+    App,
+    err,
+    fail,
+    out,
+    print_shard_plan,
+    report_outputs,
+)
 from ikquant.errors import IkError
 
-app = App(add_completion=False, no_args_is_help=True, help=__doc__)
+if TYPE_CHECKING:
+    from ikquant.split_layout import OutputShards
+
+class _QuantizeByDefault(TyperGroup):
+    """`ikquant IN OUT --type T` runs `quantize`; `ikquant card ...` the named command."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["quantize", *args]
+        return super().parse_args(ctx, args)
+
+
+app = App(cls=_QuantizeByDefault, add_completion=False, no_args_is_help=True, help=__doc__)
 
 
 def _custom_q(values: list[str]) -> list[tuple[str, str]]:
@@ -31,7 +56,7 @@ def _custom_q(values: list[str]) -> list[tuple[str, str]]:
     return rules
 
 
-@app.command()
+@app.command(context_settings={"help_option_names": ["--help", "-h"]})
 def quantize(
     src: Path = typer.Argument(..., help="Input GGUF (f32/f16/bf16, or quantized with --allow-requantize)."),
     dst: Path = typer.Argument(..., help="Output GGUF (written to a temporary name, renamed when complete)."),
@@ -94,6 +119,22 @@ def quantize(
                                                  "the tensors whose names match this regex."),
     unpack: bool = typer.Option(False, "--unpack", help="Instead of quantizing: convert every interleaved tensor "
                                 "back to its base type (bytes moved, values unchanged)."),
+    split_max_size: Optional[str] = SPLIT_MAX_SIZE,
+    split_max_tensors: int = SPLIT_MAX_TENSORS,
+    no_tensor_first_split: bool = NO_TENSOR_FIRST_SPLIT,
+    keep_split: bool = typer.Option(False, "--keep-split", help="A split input gives a split output with the same "
+                                    "tensors in each shard (ik's --keep-split)."),
+    partial_requant: bool = typer.Option(False, "--partial-requant", help="Leave every existing output shard this run "
+                                         "would write identically (same metadata, same tensor types) as it is and "
+                                         "rewrite the others; says which. Trusts that the input and imatrix are "
+                                         "those the shards were made from."),
+    override_kv: list[str] = OVERRIDE_KV,
+    hide_imatrix: bool = typer.Option(False, "--hide-imatrix", help="Write the quantize.imatrix.* keys as "
+                                      "'top_secret' and 0 instead of the imatrix's file, dataset and counts (ik's "
+                                      "--hide-imatrix)."),
+    recipe_out: Optional[Path] = typer.Option(None, "--recipe-out", help="Also write the chosen per-tensor types as "
+                                              "ik --custom-q rules (one anchored regex=type a line; # comments with "
+                                              "sizes, predicted KLD and -ot offload lines)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan (tensor, type, reason, sizes, bpw) and "
                                  "write nothing."),
     json_out: bool = typer.Option(False, "--json", help="With --dry-run: print the plan as a JSON list of "
@@ -105,14 +146,26 @@ def quantize(
     Example: ikquant model-bf16.gguf model-iq4_ks.gguf --type iq4_ks --custom-q "ffn_down=iq5_ks" --dry-run
     """
     from ikquant.cluster import open_cluster
-    from ikquant.gguf_io import GGUFFile, exit_cleanly_on_sigterm
+    from ikquant.gguf_io import exit_cleanly_on_sigterm
     from ikquant.imatrix import filter_entries, read_imatrix
+    from ikquant.kv_override import parse_override
     from ikquant.quantize import QuantizeOptions, check_writable, make_plan, quantize_model
+    from ikquant.recipe_out import recipe_text, write_recipe
     from ikquant.recipes_mainline import recipe_file_type
+    from ikquant.shards import GGUFModel
+    from ikquant.split_layout import output_shards
 
     exit_cleanly_on_sigterm()
+    try:
+        shards = output_shards(split_max_size, split_max_tensors, no_tensor_first_split, keep_split, partial_requant)
+        overrides = [parse_override(text) for text in override_kv]
+    except IkError as exc:
+        fail(str(exc))
     if repack or repack_pattern is not None or unpack:
-        _repack(src, dst, repack_pattern, unpack, repack or repack_pattern is not None, type_name, dry_run)
+        if overrides or hide_imatrix or recipe_out:
+            fail("--repack / --unpack copy the metadata as it is: --override-kv, --hide-imatrix and --recipe-out "
+                 "go with quantizing")
+        _repack(src, dst, repack_pattern, unpack, repack or repack_pattern is not None, type_name, dry_run, shards)
         return
     if type_name is None:
         fail("--type is required (or --repack / --unpack to convert a file's tensors as they are)")
@@ -131,15 +184,22 @@ def quantize(
             imat = filter_entries(read_imatrix(imatrix), include_weights, exclude_weights)
         elif include_weights or exclude_weights:
             fail("--include-weights/--exclude-weights need --imatrix")
+        if hide_imatrix and imat is None:
+            fail("--hide-imatrix hides the provenance of an --imatrix: give one")
         opts = QuantizeOptions(ftype, pure, imat, allow_requantize, leave_output_tensor, ignore_imatrix_rules,
                                _custom_q(custom_q), class_types, output_tensor_type, token_embedding_type, slow_iq2ks,
-                               recipe=recipe)
-        source = GGUFFile(src)
+                               recipe=recipe, kv_overrides=overrides, hide_imatrix=hide_imatrix)
+        source = GGUFModel(src)
+        if keep_split and not source.is_split:
+            err.print(f"[yellow]warning:[/] --keep-split: {src} is not split, so neither is the output",
+                      highlight=False)
         targets = [t for t in (target_bpw is not None, target_size is not None, bool(budget)) if t]
         if (sweep is None) != (not targets) or len(targets) > 1:
             fail("--sweep goes with exactly one of --target-bpw, --target-size or --budget")
+        mix = None
         if sweep is not None:
-            opts.tensor_types = _mix_from_sweep(source, opts, sweep, target_bpw, target_size, budget)
+            mix = _mix_from_sweep(source, opts, sweep, target_bpw, target_size, budget)
+            opts.tensor_types = mix.tensor_types
         plan = make_plan(source, opts)
     except IkError as exc:
         fail(str(exc))
@@ -162,7 +222,15 @@ def quantize(
                                         "imatrix": p.imatrix_entry} for p in plan.tensors]))
         else:
             _print_plan(plan)
+            if not shards.keep_input:
+                print_shard_plan(dst, [p.new_bytes for p in plan.tensors], shards.limits)
         return
+    if recipe_out is not None:
+        try:
+            write_recipe(recipe_out, recipe_text(plan, type_name, mix))
+        except IkError as exc:
+            fail(str(exc))
+        err.print(f"wrote {recipe_out}: the per-tensor types as --custom-q rules", highlight=False)
     total = sum(p.info.nbytes for p in plan.tensors)
     with ExitStack() as stack:
         try:
@@ -175,29 +243,65 @@ def quantize(
                                            TransferSpeedColumn(), TimeRemainingColumn(), console=err))
         task = bar.add_task("quantizing", total=total)
         try:
-            quantize_model(src, dst, opts, lambda p: bar.update(task, advance=p.info.nbytes, description=p.name),
-                           cluster)
+            done = quantize_model(src, dst, opts, lambda p: bar.update(task, advance=p.info.nbytes,
+                                                                       description=p.name), cluster, shards)
         except IkError as exc:
             bar.stop()
             fail(str(exc))
     size_in = sum(p.info.nbytes for p in plan.tensors)
     size_out = sum(p.new_bytes for p in plan.tensors)
-    err.print(f"wrote [bold]{dst}[/]: {size_in / 2**20:.2f} MiB -> {size_out / 2**20:.2f} MiB, "
+    report_outputs(done.outputs, done.kept)
+    where = done.outputs[0] if len(done.outputs) == 1 else f"{done.outputs[0]} and {len(done.outputs) - 1} more shards"
+    err.print(f"wrote [bold]{where}[/]: {size_in / 2**20:.2f} MiB -> {size_out / 2**20:.2f} MiB, "
               f"{plan.bits_per_weight:.3f} bits per weight")
 
 
+@app.command()
+def card(
+    model: Path = typer.Argument(..., help="The quantized GGUF (the first shard of a split one)."),
+    output: Path = typer.Option(..., "--output", "-o", help="The model card to write (README.md)."),
+    kld: list[Path] = typer.Option([], "--kld", help="An `ikrun kld --json` result measured on this file (or on "
+                                   "another quant of the same model, for comparison); repeatable, one row each, "
+                                   "labelled by its file name (IQ4_KS.json: IQ4_KS)."),
+    recipe_file: Optional[Path] = typer.Option(None, "--recipe", help="The --recipe-out file the quant was made "
+                                               "with: shown, with its -ot offload lines in the run command."),
+) -> None:
+    """Write a Hugging Face model card for a quantized GGUF: front matter, file type and size, tensor types per
+    class, imatrix provenance, the measured PPL/KLD, the recipe, the offload line and the shard list.
+
+    Example: ikrun kld model-iq4_ks.gguf --base-logits base.kld --json > iq4_ks.json;
+    ikquant card model-iq4_ks.gguf --kld iq4_ks.json --recipe recipe.txt -o README.md
+    """
+    from ikquant.card import model_card, read_kld
+    from ikquant.errors import InputNotFoundError
+    from ikquant.outputs import output_file
+    from ikquant.shards import GGUFModel
+
+    try:
+        klds = [(p.stem, read_kld(p)) for p in kld]
+        if recipe_file is not None and not recipe_file.is_file():
+            raise InputNotFoundError(f"--recipe {recipe_file}: no such file")
+        recipe = recipe_file.read_text(encoding="utf-8") if recipe_file is not None else None
+        text = model_card(GGUFModel(model), klds, recipe)
+        with output_file(output) as tmp:
+            tmp.write_text(text, encoding="utf-8")
+    except IkError as exc:
+        fail(str(exc))
+    err.print(f"wrote {output}", highlight=False)
+
+
 def _repack(src: Path, dst: Path, pattern: Optional[str], unpack: bool, repack: bool, type_name: Optional[str],
-            dry_run: bool) -> None:
+            dry_run: bool, shards: OutputShards) -> None:
     """--repack / --unpack: the file's tensors regrouped, nothing requantized."""
-    from ikquant.gguf_io import GGUFFile
     from ikquant.repack import plan_repack, repack_model
+    from ikquant.shards import GGUFModel
 
     if repack and unpack:
         fail("--repack and --unpack go in opposite directions: give one")
     if type_name is not None:
         fail("--repack / --unpack convert the tensors as they are: --type does not go with them")
     try:
-        steps = plan_repack(GGUFFile(src), pattern, unpack)
+        steps = plan_repack(GGUFModel(src), pattern, unpack)
         if dry_run:
             table = Table(title="repack plan (nothing written: --dry-run)")
             for col in ("tensor", "type", "reason"):
@@ -209,24 +313,25 @@ def _repack(src: Path, dst: Path, pattern: Optional[str], unpack: bool, repack: 
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                       TimeRemainingColumn(), console=err) as bar:
             task = bar.add_task("unpacking" if unpack else "repacking", total=sum(s.info.nbytes for s in steps))
-            repack_model(src, dst, pattern, unpack, lambda s: bar.update(task, advance=s.info.nbytes,
-                                                                         description=s.info.name))
+            _, outputs, kept = repack_model(src, dst, pattern, unpack, lambda s: bar.update(
+                task, advance=s.info.nbytes, description=s.info.name), shards)
     except IkError as exc:
         fail(str(exc))
+    report_outputs(outputs, kept)
     changed = sum(1 for s in steps if s.changed)
-    err.print(f"wrote [bold]{dst}[/]: {changed} of {len(steps)} tensors {'unpacked' if unpack else 'repacked'}, "
+    err.print(f"wrote [bold]{outputs[0]}[/]: {changed} of {len(steps)} tensors {'unpacked' if unpack else 'repacked'}, "
               "no value changed")
 
 
 def _mix_from_sweep(source, opts, sweep: Path, target_bpw: float | None, target_size: str | None,  # type: ignore[no-untyped-def]
-                    budget: list[str]) -> dict[str, str]:
-    """Per-tensor types from a sweep within the target(s); prints the mix and its predicted KLD."""
+                    budget: list[str]):
+    """The mix of per-tensor types from a sweep within the target(s); prints it and its predicted KLD."""
     from ikquant.mix import MixTarget, plan_mix, read_sweep
 
     groups, options = read_sweep(sweep)
     plan = plan_mix(source, opts, groups, options, MixTarget(target_bpw, target_size, budget), str(sweep))
     print_mix(plan)
-    return plan.tensor_types
+    return plan
 
 
 def print_mix(plan) -> None:  # type: ignore[no-untyped-def]

@@ -4,15 +4,30 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NoReturn
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from typer.models import CommandFunctionType
 
+if TYPE_CHECKING:
+    from ikquant.split_layout import SplitLimits
+
 err = Console(stderr=True)
 out = Console()
+
+# the output options ikconvert and ikquant share
+SPLIT_MAX_SIZE = typer.Option(None, "--split-max-size", help="Split the output into shards of at most this much "
+                              "tensor data (48G = 48e9 bytes, as mainline's converter reads it; 45GiB also works): "
+                              "OUT-00001-of-0000N.gguf ...")
+SPLIT_MAX_TENSORS = typer.Option(0, "--split-max-tensors", help="Split the output into shards of at most this many "
+                                 "tensors.")
+NO_TENSOR_FIRST_SPLIT = typer.Option(False, "--no-tensor-first-split", help="Split with a first shard that holds the "
+                                     "metadata alone (a chat-template fix rewrites a small file).")
+OVERRIDE_KV = typer.Option([], "--override-kv", help="KEY=TYPE:VALUE (TYPE int, float, bool or str; repeatable): set "
+                           "a metadata key in the output, as ik's --override-kv.")
 
 
 def fail(message: str) -> NoReturn:
@@ -49,6 +64,24 @@ def _os_errors_as_messages(f: Callable[..., Any]) -> Callable[..., Any]:
             fail(message)
 
     return wrapper
+
+
+def print_shard_plan(path: Path, sizes: list[int], limits: SplitLimits) -> None:
+    """What a split output would be (--dry-run): each shard's name, tensor count and size."""
+    from ikquant.split_layout import shard_plan
+
+    if not limits.splits:
+        return
+    for shard, n, nbytes in shard_plan(path, sizes, limits):
+        out.print(f"  {shard}: {n} tensors, {nbytes / 2**20:.2f} MiB", highlight=False)
+
+
+def report_outputs(outputs: list[Path], kept: list[Path]) -> None:
+    """Name the shards of a split output, and those left as they were."""
+    if len(outputs) < 2 and not kept:
+        return
+    for path in outputs:
+        err.print(f"  {path}: " + ("unchanged, left as it was" if path in kept else "written"), highlight=False)
 
 
 def new_app(help_text: str | None, summary: str) -> typer.Typer:

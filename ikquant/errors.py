@@ -74,3 +74,13 @@ class OutputError(IkError, ValueError):
 
 class ClusterError(IkError, ValueError):
     """Raised when --ray cannot be used: Ray is not installed, the address is malformed or does not answer."""
+
+
+class SplitError(IkError, ValueError):
+    """Raised when an output cannot be split as asked (a size limit below a tensor's size, a layout that does not
+    fit)."""
+
+
+class MetadataError(IkError, ValueError):
+    """Raised for metadata a user gives that cannot be written (an --override-kv that does not parse), or a key a
+    command needs that a file lacks (a model card for a file without a file type)."""

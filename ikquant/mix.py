@@ -10,7 +10,7 @@ budget), then leftover bits spent on the upgrades with the best KLD saved per bi
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,8 +18,8 @@ from ikquant.errors import MixError, SweepFileError
 from ikquant.sweepfile import DEFAULTS, METRICS, read_sweep_file
 
 if TYPE_CHECKING:
-    from ikquant.gguf_io import GGUFFile
     from ikquant.quantize import QuantizeOptions
+    from ikquant.shards import GGUFModel
 
 
 @dataclass(frozen=True)
@@ -202,6 +202,8 @@ class MixPlan:
     title: str
     n_weights: int
     total_bits: int
+    #: every swept group's tensors
+    groups: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def tensor_types(self) -> dict[str, str]:
@@ -216,7 +218,7 @@ class MixPlan:
         return {g: o for _, mix, _ in self.results for g, o in mix.choice.items()}
 
 
-def plan_mix(source: GGUFFile, opts: QuantizeOptions, groups: dict[str, list[str]], options: dict[str, list[Option]],
+def plan_mix(source: GGUFModel, opts: QuantizeOptions, groups: dict[str, list[str]], options: dict[str, list[Option]],
              target: MixTarget, sweep_name: str) -> MixPlan:
     """The mix for `source` quantized per `opts` (the unswept tensors' types) within `target`; for a mainline
     recipe only among the measured types mainline loads."""
@@ -239,4 +241,4 @@ def plan_mix(source: GGUFFile, opts: QuantizeOptions, groups: dict[str, list[str
     else:
         budgets, title = parse_budgets(list(target.budgets)), "type mix per budget"
     results = choose_mixes({p.name: 8 * p.new_bytes for p in plan.tensors}, groups, options, budgets)
-    return MixPlan(results, title, n_weights, sum(fixed + mix.bits for _, mix, fixed in results))
+    return MixPlan(results, title, n_weights, sum(fixed + mix.bits for _, mix, fixed in results), groups)

@@ -21,7 +21,7 @@ from gguf import GGUFValueType
 from ikquant.cluster import Cluster, ordered_map
 from ikquant.errors import MainlineError, QuantizeError, UnknownTypeError
 from ikquant.ftypes import FileType
-from ikquant.gguf_io import GGUFFile, GGUFStreamWriter, KeyValue, TensorInfo
+from ikquant.gguf_io import GGUFStreamWriter, KeyValue, TensorInfo
 from ikquant.imatrix import Imatrix
 from ikquant.recipes import (
     FLOAT_TYPES,
@@ -35,6 +35,8 @@ from ikquant.recipes import (
     size_class,
     with_row_fallback,
 )
+from ikquant.shards import GGUFModel
+from ikquant.split_layout import OutputShards
 from ikquant.types import GGMLType, type_by_name
 
 #: float32 input held per quantization batch (bytes)
@@ -64,6 +66,10 @@ class QuantizeOptions:
     tensor_types: dict[str, str] = field(default_factory=dict)
     #: whose llama-quantize decides: "ik", or "mainline" (ftype from recipes_mainline, mainline-loadable types only)
     recipe: str = "ik"
+    #: --override-kv entries, written as given
+    kv_overrides: list[KeyValue] = field(default_factory=list)
+    #: --hide-imatrix: the quantize.imatrix.* keys say "top_secret" and 0 instead of the file, dataset and counts
+    hide_imatrix: bool = False
 
 
 @dataclass
@@ -90,6 +96,9 @@ class TensorPlan:
 class Plan:
     tensors: list[TensorPlan]
     warnings: list[str]
+    #: once written: the files (one, or the shards), and the shards left as they were (OutputShards.partial)
+    outputs: list[Path] = field(default_factory=list)
+    kept: list[Path] = field(default_factory=list)
 
     @property
     def bits_per_weight(self) -> float:
@@ -104,7 +113,7 @@ def _type(name: str, option: str) -> str:
         raise QuantizeError(f"{option}: {name!r} is not a ggml type; e.g. q4_K, q6_K, iq4_ks, q8_0, f16") from None
 
 
-def model_facts(src: GGUFFile) -> ModelFacts:
+def model_facts(src: GGUFModel) -> ModelFacts:
     """The hyperparameters ik's rules consult, from the GGUF header."""
     arch = src.architecture
 
@@ -132,7 +141,7 @@ def model_facts(src: GGUFFile) -> ModelFacts:
     )
 
 
-def make_plan(src: GGUFFile, opts: QuantizeOptions) -> Plan:
+def make_plan(src: GGUFModel, opts: QuantizeOptions) -> Plan:
     """Each tensor's type and the reason, as ik's (or with recipe "mainline", mainline's) llama-quantize decides
     them (no tensor data is read)."""
     if opts.recipe == "mainline":
@@ -241,7 +250,7 @@ def _quantized(info: TensorInfo, decision: Decision, opts: QuantizeOptions, note
     return plan
 
 
-def _mainline_plan(src: GGUFFile, opts: QuantizeOptions) -> Plan:
+def _mainline_plan(src: GGUFModel, opts: QuantizeOptions) -> Plan:
     """make_plan for mainline llama.cpp: its rules, in its loader's order, and only types it loads."""
     from ikquant.recipes_mainline import MainlineChooser, loader_order, require_mainline_type, with_fallback
     from ikquant.recipes_mainline import eligible as mainline_eligible
@@ -357,27 +366,30 @@ def _check_ik_matmul_rows(plans: list[TensorPlan], warnings: list[str]) -> None:
                             "products unwritten (garbage results); --custom-q can give them another type")
 
 
-def output_metadata(src: GGUFFile, opts: QuantizeOptions) -> list[KeyValue]:
+def output_metadata(src: GGUFModel, opts: QuantizeOptions) -> list[KeyValue]:
     """The output's key/values in ik's order: input keys (updated in place), then new ones."""
-    kvs = [kv for kv in src.kv() if not kv.key.startswith("split.")]
+    kvs = list(src.kv())
     by_key = {kv.key: kv for kv in kvs}
 
     def put(kv: KeyValue) -> None:
         if kv.key in by_key:
-            by_key[kv.key].value = kv.value
+            old = by_key[kv.key]
+            old.value, old.type, old.sub_type = kv.value, kv.type, kv.sub_type
         else:
             kvs.append(kv)
             by_key[kv.key] = kv
 
     put(KeyValue("general.quantization_version", 2, GGUFValueType.UINT32))
+    for kv in opts.kv_overrides:  # ik applies the user's overrides, then its own imatrix entries
+        put(kv)
     if opts.imatrix is not None and opts.imatrix.entries:
-        imat = opts.imatrix
-        put(KeyValue("quantize.imatrix.file", str(imat.path), GGUFValueType.STRING))
+        imat, hide = opts.imatrix, opts.hide_imatrix
+        put(KeyValue("quantize.imatrix.file", "top_secret" if hide else str(imat.path), GGUFValueType.STRING))
         if imat.dataset:
-            put(KeyValue("quantize.imatrix.dataset", imat.dataset, GGUFValueType.STRING))
-        put(KeyValue("quantize.imatrix.entries_count", len(imat.entries), GGUFValueType.INT32))
+            put(KeyValue("quantize.imatrix.dataset", "top_secret" if hide else imat.dataset, GGUFValueType.STRING))
+        put(KeyValue("quantize.imatrix.entries_count", 0 if hide else len(imat.entries), GGUFValueType.INT32))
         if imat.chunks > 0:
-            put(KeyValue("quantize.imatrix.chunks_count", imat.chunks, GGUFValueType.INT32))
+            put(KeyValue("quantize.imatrix.chunks_count", 0 if hide else imat.chunks, GGUFValueType.INT32))
     put(KeyValue("general.file_type", opts.ftype.id, GGUFValueType.UINT32))
     return kvs
 
@@ -397,7 +409,7 @@ def ik_call_rows(codec_rows_interact: bool, weighted: bool, n_per_row: int, rows
     return max(1, -(-min_chunk // n_per_row)) if n_per_row < min_chunk else 1
 
 
-def quantize_tensor(src: GGUFFile, plan: TensorPlan, imatrix: Imatrix | None, slow_iq2ks: bool = False,
+def quantize_tensor(src: GGUFModel, plan: TensorPlan, imatrix: Imatrix | None, slow_iq2ks: bool = False,
                     threads: int | None = None) -> np.ndarray:
     """The new bytes of one tensor, quantized in row batches (bounded memory). `threads` sets the batching (which
     some codecs' results depend on, as ik's do); default: this process's thread count."""
@@ -416,7 +428,7 @@ def _quantize_on_worker(src_path: str, name: str, type_name: str, imatrix: Imatr
     """One tensor quantized in a cluster worker, from the input file at the same path."""
     from ikquant.types import type_by_name
 
-    src = GGUFFile(Path(src_path))
+    src = GGUFModel(Path(src_path))
     info = src.tensors[name]
     return quantize_tensor(src, TensorPlan(info, type_by_name(type_name), True, ""), imatrix, slow_iq2ks, threads)
 
@@ -445,34 +457,39 @@ def quantize_rows(raw: np.ndarray, info: TensorInfo, gtype: GGMLType, codec, ima
 
 
 def quantize_model(src_path: Path, dst_path: Path, opts: QuantizeOptions,
-                   progress: Callable[[TensorPlan], None] | None = None, cluster: Cluster | None = None) -> Plan:
-    """Quantize `src_path` into `dst_path` per `opts`; returns the executed plan. With a `cluster`, the tensors
-    are quantized on its workers (batched as this process would batch them) and written here in order: the
-    same bytes as a local run."""
+                   progress: Callable[[TensorPlan], None] | None = None, cluster: Cluster | None = None,
+                   shards: OutputShards | None = None) -> Plan:
+    """Quantize `src_path` (one file, or the first shard of a split model) into `dst_path` per `opts`, laid out in
+    files per `shards`; returns the executed plan. With a `cluster`, the tensors are quantized on its workers
+    (batched as this process would batch them) and written here in order: the same bytes as a local run."""
     if Path(src_path).resolve() == Path(dst_path).resolve():
         raise QuantizeError(f"output {dst_path} is the input file; choose another output path")
-    src = GGUFFile(src_path)
+    src = GGUFModel(src_path)
     plan = make_plan(src, opts)
     check_writable(plan)
     # ik always writes 32-byte alignment even when it copies a different general.alignment (an inconsistent
     # file); we write the alignment the copied key announces.
-    with GGUFStreamWriter(dst_path, src.architecture, alignment=src.alignment) as writer:
+    shards = shards or OutputShards()
+    keep = shards.keep_input and src.is_split
+    with GGUFStreamWriter(dst_path, src.architecture, src.alignment, shards.limits, shards.partial) as writer:
         for kv in output_metadata(src, opts):
             if kv.key != "general.architecture":
                 writer.add_kv(kv)
         for p in plan.tensors:
-            writer.add_tensor_info(p.name, p.info.shape, p.type)
-        for p, data in zip(plan.tensors, _tensor_bytes(src, plan, opts, cluster)):
+            writer.add_tensor_info(p.name, p.info.shape, p.type, src.shard_of(p.name) if keep else None)
+        todo = Plan([p for p in plan.tensors if not writer.is_kept(p.name)], plan.warnings)
+        for p, data in zip(todo.tensors, _tensor_bytes(src, todo, opts, cluster)):
             writer.write_tensor(p.name, data)
             del data
             src.release(p.name)
             if progress is not None:
                 progress(p)
         writer.finish()
+    plan.outputs, plan.kept = writer.outputs, writer.kept
     return plan
 
 
-def _tensor_bytes(src: GGUFFile, plan: Plan, opts: QuantizeOptions, cluster: Cluster | None) -> Iterator[np.ndarray]:
+def _tensor_bytes(src: GGUFModel, plan: Plan, opts: QuantizeOptions, cluster: Cluster | None) -> Iterator[np.ndarray]:
     """Every planned tensor's output bytes, in plan order."""
     if cluster is None:
         for p in plan.tensors:

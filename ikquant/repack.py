@@ -16,7 +16,9 @@ import numpy as np
 
 from ikquant.errors import RepackError
 from ikquant.formats.interleaved import InterleavedCodec
-from ikquant.gguf_io import GGUFFile, GGUFStreamWriter, TensorInfo
+from ikquant.gguf_io import GGUFStreamWriter, TensorInfo
+from ikquant.shards import GGUFModel
+from ikquant.split_layout import OutputShards
 from ikquant.types import GGMLType, all_types, type_by_name
 
 
@@ -45,7 +47,7 @@ def interleaved_form(base: GGMLType) -> GGMLType | None:
     return next((t for t in all_types() if t.base == base.name and _regroups_base(t)), None)
 
 
-def plan_repack(src: GGUFFile, pattern: str | None = None, unpack: bool = False) -> list[RepackStep]:
+def plan_repack(src: GGUFModel, pattern: str | None = None, unpack: bool = False) -> list[RepackStep]:
     """Each tensor's type in the output: interleaved where it can be (and `pattern` matches its name), or, with
     `unpack`, every interleaved tensor back to its base type."""
     try:
@@ -84,23 +86,31 @@ def _regrouped(raw: np.ndarray, step: RepackStep) -> np.ndarray:
 
 
 def repack_model(src_path: Path, dst_path: Path, pattern: str | None = None, unpack: bool = False,
-                 progress: Callable[[RepackStep], None] | None = None) -> list[RepackStep]:
-    """Write `src_path`'s tensors to `dst_path` repacked (or unpacked); metadata and every other tensor copied."""
+                 progress: Callable[[RepackStep], None] | None = None,
+                 shards: OutputShards | None = None) -> tuple[list[RepackStep], list[Path], list[Path]]:
+    """Write `src_path`'s tensors (one file, or a split model) to `dst_path` repacked (or unpacked), laid out in
+    files per `shards`; metadata and every other tensor copied. Returns the steps, the files (one, or the shards)
+    and the shards left as they were."""
     if Path(src_path).resolve() == Path(dst_path).resolve():
         raise RepackError(f"output {dst_path} is the input file; choose another output path")
-    src = GGUFFile(src_path)
+    src = GGUFModel(src_path)
     steps = plan_repack(src, pattern, unpack)
-    with GGUFStreamWriter(dst_path, src.architecture, alignment=src.alignment) as writer:
+    shards = shards or OutputShards()
+    keep = shards.keep_input and src.is_split
+    with GGUFStreamWriter(dst_path, src.architecture, src.alignment, shards.limits, shards.partial) as writer:
         for kv in src.kv():
-            if kv.key != "general.architecture" and not kv.key.startswith("split."):
+            if kv.key != "general.architecture":
                 writer.add_kv(kv)
         for step in steps:
-            writer.add_tensor_info(step.info.name, step.info.shape, step.type)
+            writer.add_tensor_info(step.info.name, step.info.shape, step.type,
+                                   src.shard_of(step.info.name) if keep else None)
         for step in steps:
+            if writer.is_kept(step.info.name):
+                continue
             raw = src.raw(step.info.name)
             writer.write_tensor(step.info.name, _regrouped(raw, step) if step.changed else raw)
             src.release(step.info.name)
             if progress is not None:
                 progress(step)
         writer.finish()
-    return steps
+    return steps, writer.outputs, writer.kept

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import numpy as np
 
 from ikquant.errors import GGUFFormatError, InputNotFoundError
 from ikquant.gguf_io import GGUFFile, TensorInfo, file_stamp
+from ikquant.shards import GGUFModel
 from ikquant.types import GGMLType
 from ikrun.errors import SwapError
 from ikrun.ops.parallel import threads_for
@@ -77,36 +77,14 @@ class _Shard:
     stamp: tuple[int, int, int, int]  # gguf_io.file_stamp when loaded
 
 
-def shard_paths(first: Path, file: GGUFFile) -> list[Path]:
-    """The files of a split GGUF (split.count > 1), or just `first`."""
-    count = int(file.get("split.count", 1) or 1)
-    if count <= 1:
-        return [first]
-    m = re.fullmatch(r"(.*)-(\d{5})-of-(\d{5})\.gguf", first.name)
-    if m is None:
-        raise SwapError(f"{first}: split into {count} files, but its name is not <prefix>-00001-of-{count:05d}.gguf")
-    paths = [first.with_name(f"{m.group(1)}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
-    missing = [p for p in paths if not p.is_file()]
-    if missing:
-        raise SwapError(f"{first}: split file {missing[0]} is missing")
-    return paths
-
-
 class WeightStore:
     """Every tensor of a (possibly split) GGUF model, decodable to float32, swappable one at a time."""
 
     def __init__(self, path: Path):
-        first = GGUFFile(path)
-        self.shards: list[_Shard] = []
-        for p in shard_paths(path, first):
-            f = first if p == path else GGUFFile(p)
-            self.shards.append(_Shard(p, f, f.stamp))
-        self._source: dict[str, tuple[int, TensorInfo]] = {}
-        for i, shard in enumerate(self.shards):
-            for name, info in shard.file.tensors.items():
-                if name in self._source:
-                    raise SwapError(f"{shard.path}: tensor {name!r} is also in {self.shards[self._source[name][0]].path}")
-                self._source[name] = (i, info)
+        model = GGUFModel(path)  # finds and checks the shards of a split model
+        self.shards = [_Shard(f.path, f, f.stamp) for f in model.shards]
+        self._source: dict[str, tuple[int, TensorInfo]] = {name: (model.shard_of(name), info)
+                                                           for name, info in model.tensors.items()}
         self._override: dict[str, Encoding] = {}
         self._cache: OrderedDict[CacheKey, tuple[Any, bytes]] = OrderedDict()  # arrays, and PACKED integers
         self._cached_bytes = 0

@@ -75,10 +75,10 @@ def test_opening_a_huge_file_reads_only_the_header(tmp_path: Path) -> None:
     with GGUFStreamWriter(path, "llama") as w:
         shape = (65536, 16384)  # 2 GiB of f16
         w.add_tensor_info("big.weight", shape, t)
-        w._start()  # header only; then a sparse data section instead of 2 GiB of writes
-        fout = w.gw.fout[0]
-        data_start = -(-fout.tell() // w.gw.data_alignment) * w.gw.data_alignment
-        fout.seek(data_start + t.tensor_bytes(tuple(reversed(shape))) - 1)
+        w._start()  # header only (padded); then a sparse data section instead of 2 GiB of writes
+        fout = w._shards[0].file
+        assert fout is not None
+        fout.seek(fout.tell() + t.tensor_bytes(tuple(reversed(shape))) - 1)
         fout.write(b"\0")
         w._next = 1
         w.finish()

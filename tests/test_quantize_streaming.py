@@ -21,11 +21,10 @@ def sparse_f16_model(path: Path, n: int = N_TENSORS, rows: int = ROWS, cols: int
     with GGUFStreamWriter(path, "llama") as w:
         for i in range(n):
             w.add_tensor_info(f"blk.{i}.ffn_up.weight", (rows, cols), f16)
-        w._start()
-        fout = w.gw.fout[0]
-        align = w.gw.data_alignment
-        start = -(-fout.tell() // align) * align
-        fout.truncate(start + n * f16.tensor_bytes((cols, rows)))
+        w._start()  # the header, padded
+        fout = w._shards[0].file
+        assert fout is not None
+        fout.truncate(fout.tell() + n * f16.tensor_bytes((cols, rows)))
         w._next = n
         w.finish()
 

@@ -43,6 +43,9 @@ def mix(
     recipe: str = typer.Option("ik", "--recipe", help="ik or mainline: whose rules type the unswept tensors, and "
                                "with mainline only mainline-loadable types are chosen (as ikquant --recipe)."),
     json_out: bool = typer.Option(False, "--json", help="Print the mixes' sizes, predicted and measured KLD as JSON."),
+    recipe_out: Optional[Path] = typer.Option(None, "--recipe-out", help="Also write the kept mix's per-tensor "
+                                              "types as ik --custom-q rules, with its predicted and measured KLD "
+                                              "(as ikquant --recipe-out)."),
     ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
     """Build the mix a sweep predicts best within a target, then measure it: predicted vs measured mean KLD.
@@ -55,11 +58,11 @@ def mix(
     import tempfile
 
     from ikquant.cli import print_mix
-    from ikquant.gguf_io import GGUFFile
     from ikquant.imatrix import read_imatrix
     from ikquant.mix import MixTarget, plan_mix, read_sweep
     from ikquant.quantize import QuantizeOptions
     from ikquant.recipes_mainline import recipe_file_type
+    from ikquant.shards import GGUFModel
     from ikquant.sweepfile import file_sha256, read_sweep_file
     from ikrun.eval.evaluate import open_base, perplexity, tokenize_chunks
     from ikrun.sweep.measure import model_fingerprint
@@ -90,7 +93,7 @@ def mix(
         imat = read_imatrix(imatrix) if imatrix else None
         opts = QuantizeOptions(recipe_file_type(recipe, type_name), imatrix=imat, recipe=recipe)
         target = MixTarget(target_bpw, target_size, budget)
-        plan = plan_mix(GGUFFile(model), opts, groups, options, target, str(sweep))
+        plan = plan_mix(GGUFModel(model), opts, groups, options, target, str(sweep))
         chunk_tokens = tokenize_chunks(m, read_text(text), ctx or header["ctx"], chunks or header["chunks"])
     except IkError as exc:
         fail(str(exc))
@@ -104,14 +107,26 @@ def mix(
             perplexity(m, chunk_tokens, base_path, lambda i, _: bar.update(task, completed=i),
                        run_plan(m, n_chunk, n_ctx, ev))
         base = open_base(base_path, m)
-        first = _assemble_and_measure(model, output, opts, plan.tensor_types, base, ev)
+        first, written = _assemble_and_measure(model, output, opts, plan.tensor_types, base, ev)
         summary.append({"mix": "sweep", "bytes": plan.total_bits // 8, "bpw": plan.total_bits / plan.n_weights,
                         "predicted_kld": plan.predicted_kld, **first, "kept": True})
+        kept = (written, plan, first["kld_mean"])
         if refine > 0:
             refined = _refine(m, output, opts, groups, options, plan, target, sweep, base, first, refine, imat, ev)
             if refined is not None:
-                summary.append(refined)
-                summary[0]["kept"] = not refined["kept"]
+                row, refined_written, refined_plan = refined
+                summary.append(row)
+                summary[0]["kept"] = not row["kept"]
+                if row["kept"]:
+                    kept = (refined_written, refined_plan, row["kld_mean"])
+    if recipe_out is not None:
+        from ikquant.recipe_out import recipe_text, write_recipe
+
+        try:
+            write_recipe(recipe_out, recipe_text(kept[0], type_name, kept[1], kept[2]))
+        except IkError as exc:
+            fail(str(exc))
+        err.print(f"wrote {recipe_out}: the kept mix as --custom-q rules", highlight=False)
     if json_out:
         out.print_json(json.dumps(summary))
         return
@@ -126,8 +141,9 @@ def mix(
     out.print(table)
 
 
-def _assemble_and_measure(model: Path, output: Path, opts, types: dict[str, str], base, ev: Evaluation) -> dict:  # type: ignore[no-untyped-def, type-arg]
-    """Quantize `model` with `types` into `output` and measure its KLD against `base`."""
+def _assemble_and_measure(model: Path, output: Path, opts, types: dict[str, str], base, ev: Evaluation):  # type: ignore[no-untyped-def]
+    """Quantize `model` with `types` into `output` and measure its KLD against `base`: (statistics, the executed
+    quantization plan)."""
     import dataclasses
 
     from ikquant.quantize import quantize_model
@@ -135,7 +151,7 @@ def _assemble_and_measure(model: Path, output: Path, opts, types: dict[str, str]
     from ikrun.eval.metrics import kld_stats
 
     try:
-        quantize_model(model, output, dataclasses.replace(opts, tensor_types=types))
+        written = quantize_model(model, output, dataclasses.replace(opts, tensor_types=types))
     except IkError as exc:
         fail(str(exc))
     mixed = load_model(output, ev)
@@ -144,17 +160,17 @@ def _assemble_and_measure(model: Path, output: Path, opts, types: dict[str, str]
         stats = kld_stats(kl_divergence(mixed, base, lambda i, _: bar.update(task, completed=i)))
     err.print(f"{output}: measured mean KLD {stats['kld_mean']:.6f} ± {stats['kld_mean_err']:.6f}", highlight=False)
     return {"kld_mean": float(stats["kld_mean"]), "kld_mean_err": float(stats["kld_mean_err"]),
-            "same_top_p": float(stats["same_top_p"])}
+            "same_top_p": float(stats["same_top_p"])}, written
 
 
 def _refine(m: Model, output: Path, opts, groups, options, plan, target, sweep: Path, base, first: dict,  # type: ignore[no-untyped-def, type-arg]
-            refine: int, imat, ev: Evaluation) -> dict | None:  # type: ignore[type-arg]
-    """Re-cost the most sensitive groups inside the assembled mix, choose again, keep the better-measured file
-    (None: the same mix is chosen again)."""
+            refine: int, imat, ev: Evaluation):
+    """Re-cost the most sensitive groups inside the assembled mix, choose again, keep the better-measured file:
+    (its summary row, its quantization plan, its mix), or None when the same mix is chosen again."""
     from ikquant.cli import print_mix
-    from ikquant.gguf_io import GGUFFile
     from ikquant.mix import plan_mix
     from ikquant.outputs import partial_path
+    from ikquant.shards import GGUFModel
     from ikrun.sweep.refine import most_sensitive, refined_options
 
     chosen = most_sensitive(plan.choice, refine)
@@ -165,7 +181,7 @@ def _refine(m: Model, output: Path, opts, groups, options, plan, target, sweep: 
                                       ev.spill_dir, lambda g, t, d: bar.update(task, advance=1,
                                                                                description=f"{g} {t}"))
     del mixed
-    refined = plan_mix(GGUFFile(m.path), opts, groups, new_options, target, str(sweep))
+    refined = plan_mix(GGUFModel(m.path), opts, groups, new_options, target, str(sweep))
     row = {"mix": f"refined ({len(chosen)} groups)", "bytes": refined.total_bits // 8,
            "bpw": refined.total_bits / refined.n_weights, "predicted_kld": refined.predicted_kld}
     if refined.tensor_types == plan.tensor_types:
@@ -174,7 +190,7 @@ def _refine(m: Model, output: Path, opts, groups, options, plan, target, sweep: 
     print_mix(refined)
     candidate = partial_path(output.with_name(output.stem + "-refined.gguf"))
     try:
-        second = _assemble_and_measure(m.path, candidate, opts, refined.tensor_types, base, ev)
+        second, written = _assemble_and_measure(m.path, candidate, opts, refined.tensor_types, base, ev)
         kept = second["kld_mean"] < first["kld_mean"]
         if kept:
             os.replace(candidate, output)
@@ -183,4 +199,4 @@ def _refine(m: Model, output: Path, opts, groups, options, plan, target, sweep: 
                   highlight=False)
     finally:
         candidate.unlink(missing_ok=True)
-    return {**row, **second, "kept": kept}
+    return {**row, **second, "kept": kept}, written, refined
