@@ -1,11 +1,15 @@
 """ik_llama.cpp itself, as PyPI's `ik-llama-cpp-python` wheel ships it (the `test` extra installs it): its
-`llama-quantize` binary, and its libllama loaded through ctypes to read a file's logits. A build from before
-openPangu and DeepSeek-V4, with generic x86-64 (AVX2) kernels; IK_LLAMA_CPP_LIB_PATH points the library at another
-build."""
+`llama-quantize` binary, and its libllama loaded through ctypes (the wheel's own bindings) to read a file's logits.
+The wheel's ik is a build from before openPangu and DeepSeek-V4, with generic x86-64 kernels. Another build:
+IK_LLAMA_CPP_LIB_PATH names its libllama.so (its C structs must match the wheel's bindings), IK_LLAMA_QUANTIZE its
+llama-quantize."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -21,30 +25,47 @@ def _package() -> Path:
 
 
 def llama_quantize(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run ik's llama-quantize from the wheel with `args`."""
+    """Run ik's llama-quantize (the wheel's, or IK_LLAMA_QUANTIZE's) with `args`."""
     pkg = _package()
-    return subprocess.run([str(pkg / "bin" / "llama-quantize"), *args], capture_output=True, text=True,
+    exe = os.environ.get("IK_LLAMA_QUANTIZE", str(pkg / "bin" / "llama-quantize"))
+    return subprocess.run([exe, *args], capture_output=True, text=True, errors="replace",
                           env={"LD_LIBRARY_PATH": str(pkg / "lib")})
 
 
-def logits(path: Path, tokens: list[int]) -> np.ndarray:
-    """ik's logits [len(tokens), n_vocab] of one sequence decoded as one batch (flash attention off)."""
+def logits(path: Path, tokens: list[int], threads: int = 2) -> np.ndarray:
+    """ik's logits [len(tokens), n_vocab] of one sequence decoded as one batch (flash attention off, f16 KV cache),
+    computed in a child process: ik aborts the process on what it cannot compute."""
     _package()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "logits.npy"
+        res = subprocess.run([sys.executable, __file__, str(path), str(out), str(threads), *map(str, tokens)],
+                             capture_output=True, text=True, errors="replace")
+        if res.returncode != 0:
+            said = [line for line in res.stderr.splitlines() if "GGML_ASSERT" in line or "error" in line.lower()]
+            raise IkFailed(f"ik could not run {path} (exit {res.returncode}): {' | '.join(said[:2])}")
+        return np.load(out)
+
+
+class IkFailed(AssertionError):
+    """ik refused or aborted on a file."""
+
+
+def _child(path: str, out: str, threads: int, tokens: list[int]) -> None:
     from ik_llama_cpp import _ctypes_api as api
     from ik_llama_cpp._internals import IkContext, IkModel
 
-    model = IkModel(str(path), use_mmap=True)
-    ctx = IkContext(model, n_ctx=len(tokens), n_threads=2, flash_attn=False)
+    model = IkModel(path, use_mmap=True)
+    ctx = IkContext(model, n_ctx=len(tokens), n_threads=threads, flash_attn=False)
     batch = api.llama_batch_init(len(tokens), 0, 1)
-    try:
-        batch.n_tokens = len(tokens)
-        for i, token in enumerate(tokens):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, 1
-            batch.seq_id[i][0] = 0
-        assert ctx.decode(batch) == 0, f"ik could not decode {path}"
-        n_vocab = api.llama_vocab_n_tokens(api.llama_model_get_vocab(model.model))
-        return np.array([np.ctypeslib.as_array(ctx.get_logits(i), shape=(n_vocab,)) for i in range(len(tokens))])
-    finally:
-        api.llama_batch_free(batch)
-        ctx.close()
-        model.close()
+    batch.n_tokens = len(tokens)
+    for i, token in enumerate(tokens):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, i, 1, 1
+        batch.seq_id[i][0] = 0
+    if ctx.decode(batch) != 0:
+        raise SystemExit(f"llama_decode failed on {path}")
+    n_vocab = api.llama_vocab_n_tokens(api.llama_model_get_vocab(model.model))
+    np.save(out, np.array([np.ctypeslib.as_array(ctx.get_logits(i), shape=(n_vocab,)) for i in range(len(tokens))]))
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2], int(sys.argv[3]), [int(t) for t in sys.argv[4:]])
