@@ -170,6 +170,7 @@ def test_mixes_from_a_split_input_and_their_recipes(base: Path, split: Path, swe
     # --slow-iq2ks is that search; with it the bytes are the same
     _ok(ikquant_app, base, tmp_path / "slow.gguf", "--type", "IQ4_KS", "--custom-q", custom, "--slow-iq2ks")
     assert (tmp_path / "ik.gguf").read_bytes() == (tmp_path / "slow.gguf").read_bytes()
+    assert np.isfinite(ik_engine.logits(tmp_path / "a.gguf", TOKENS)).all()  # and ik runs the mix
     # ikrun mix takes the split base and writes the same mix and recipe
     res = runner.invoke(ikrun_app, ["mix", str(split), str(tmp_path / "m.gguf"), "--sweep", str(sweep), "--type",
                                     "IQ4_KS", "--target-bpw", "4.0", "--recipe-out", str(tmp_path / "m.txt")], env=ENV)
@@ -194,6 +195,7 @@ def test_keep_split_and_partial_requant(split: Path, tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     for i, ours in enumerate(names, 1):
         assert (tmp_path / f"ik-0000{i}-of-00003.gguf").read_bytes() == ours.read_bytes()
+    assert np.isfinite(ik_engine.logits(names[0], TOKENS)).all()
     # a rule that changes a tensor of the second shard rewrites that shard alone
     before = [_md5(p) for p in names]
     changed = GGUFModel(split).shards[1].tensors
