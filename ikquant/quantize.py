@@ -327,6 +327,11 @@ def check_writable(plan: Plan) -> None:
             "written: pass --imatrix with entries for them, or give them another type (--custom-q)")
 
 
+#: file types ik's llama-quantize refuses outright without an imatrix (examples/quantize), before any tensor's rule
+FTYPES_NEED_IMATRIX = ("IQ2_XS", "IQ2_XXS", "IQ2_S", "IQ2_XXS_R4", "Q2_K_S", "IQ2_XS_R4", "IQ1_S", "IQ1_S_R4",
+                       "IQ1_M_R4", "IQ1_M")
+
+
 def _check_imatrix(plans: list[TensorPlan], opts: QuantizeOptions, warnings: list[str]) -> None:
     quantized = [p for p in plans if p.quantize]
     if opts.imatrix is not None and quantized and opts.imatrix.entries:
@@ -340,6 +345,9 @@ def _check_imatrix(plans: list[TensorPlan], opts: QuantizeOptions, warnings: lis
                             + (" ..." if len(missing) > 6 else ""))
     if opts.ignore_imatrix_rules:
         return
+    if opts.imatrix is None and opts.ftype.name in FTYPES_NEED_IMATRIX:
+        raise QuantizeError(f"--type {opts.ftype.name} without an importance matrix: ik refuses it as garbage (whatever "
+                            "the tensors' rows allow); pass --imatrix (or --ignore-imatrix-rules to quantize anyway)")
     needy = [p for p in quantized if p.type.name in NEEDS_IMATRIX and p.imatrix_entry is None
              and p.name not in ("token_embd.weight", "output.weight")]
     if needy:

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import numpy as np
 from gguf import GGUFWriter, RopeScalingType
 
-from ikconvert.archs.base import Arch, Fill, OutTensor, dequantize_fp8, register, stacked
+from ikconvert.archs.base import Arch, ExpertMerger, Fill, OutTensor, dequantize_fp8, register
 from ikconvert.checkpoint import Checkpoint, block_id
 from ikconvert.errors import ConvertError
 from ikconvert.safetensors_io import E4M3_TABLE, SafeTensor
@@ -31,8 +31,6 @@ from ikconvert.safetensors_io import E4M3_TABLE, SafeTensor
 GATING_FUNCS = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 SCALE_SUFFIX = "_scale_inv"
-EXPERT_PROJS = ("down_proj", "gate_proj", "up_proj")  # ik's merge order
-_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(down_proj|gate_proj|up_proj)\.weight")
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -71,8 +69,8 @@ class DeepseekV2Arch(Arch):
                 f"{ckpt.dir / 'config.json'}: vocab_size 163840 selects ik's Kimi-K2 tiktoken vocabulary, which "
                 "this converter does not implement"
             )
-        #: per layer, the expert tensors seen so far: (expert, projection) -> (HF name, tensor)
-        self._experts: dict[int, dict[tuple[int, str], tuple[str, SafeTensor]]] = {}
+        self._experts = ExpertMerger(int(self.hparams.get("n_routed_experts") or 0), "n_routed_experts",
+                                     self._filler)
 
     # ---- config -------------------------------------------------------------------------------------------
     def _key_length(self) -> int:
@@ -173,7 +171,7 @@ class DeepseekV2Arch(Arch):
             self._check_scale(name, t)
             return []  # consumed by its weight's loader
         if "mlp.experts" in name:
-            return self._add_expert(name, t)
+            return self._experts.add(name, t)
         fill, note = self._filler(name, t)
         load = _allocating(fill, t.shape) if t.dtype in FP8_DTYPES else t.to_f32
         if name.endswith("e_score_correction_bias"):
@@ -212,49 +210,8 @@ class DeepseekV2Arch(Arch):
                       note + sep + "kv_b split: v_b (v rows per head)"),
         ]
 
-    def _add_expert(self, name: str, t: SafeTensor) -> list[OutTensor]:
-        """Buffer one routed-expert tensor (no data read); emit the layer's three merged tensors on its last one."""
-        n_experts = int(self.require("n_routed_experts"))
-        m = _EXPERT_RE.fullmatch(name)
-        if m is None or int(m.group(2)) >= n_experts:
-            raise ConvertError(f"{t.path}: tensor {name!r} is not one of experts 0..{n_experts - 1} "
-                               f"(n_routed_experts) {{gate,up,down}}_proj.weight")
-        bid, xid, proj = int(m.group(1)), int(m.group(2)), m.group(3)
-        layer = self._experts.setdefault(bid, {})
-        layer[(xid, proj)] = (name, t)
-        if len(layer) < 3 * n_experts:
-            return []
-        del self._experts[bid]
-        outs = []
-        for proj in EXPERT_PROJS:
-            parts = [layer[(x, proj)] for x in range(n_experts)]
-            shape = parts[0][1].shape
-            for pname, pt in parts:
-                if pt.shape != shape:
-                    raise ConvertError(f"{pt.path}: expert tensor {pname!r} has shape {list(pt.shape)}, expert 0's "
-                                       f"is {list(shape)}")
-            fills = [self._filler(pname, pt) for pname, pt in parts]
-            note = f"expert merge: {n_experts} x {list(shape)} stacked"
-            if fills[0][1]:
-                note += f"; each {fills[0][1]}"
-            source = f"model.layers.{bid}.mlp.experts.{{0..{n_experts - 1}}}.{proj}.weight"
-            gguf = f"blk.{bid}.ffn_{proj.removesuffix('_proj')}_exps.weight"
-            outs.append(OutTensor(gguf, (n_experts, *shape), source, stacked([f for f, _ in fills], shape),
-                                  parts[0][1].dtype, note))
-        return outs
-
     def finish(self) -> None:
-        """ik raises 'Unprocessed experts' for a layer whose experts never completed; so do we, naming them."""
-        n_experts = int(self.require("n_routed_experts")) if self._experts else 0
-        for bid, layer in sorted(self._experts.items()):
-            missing = [f"model.layers.{bid}.mlp.experts.{x}.{p}.weight" for x in range(n_experts)
-                       for p in EXPERT_PROJS if (x, p) not in layer]
-            some = next(iter(layer.values()))[1].path
-            raise ConvertError(
-                f"{some.parent}: layer {bid} has {len(layer)} of {3 * n_experts} routed-expert tensors "
-                f"(n_routed_experts={n_experts}); missing {len(missing)}: " + ", ".join(missing[:6])
-                + (" ..." if len(missing) > 6 else "")
-            )
+        self._experts.finish()
 
     # ---- shape checks -------------------------------------------------------------------------------------
     def check_shapes(self, out: OutTensor) -> None:

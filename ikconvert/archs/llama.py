@@ -18,7 +18,7 @@ from ikconvert.archs.base import Arch, OutTensor, lazy, register
 from ikconvert.errors import ConvertError
 from ikconvert.safetensors_io import SafeTensor
 
-_DECODER_MAP = {
+DECODER_MAP = {
     "model.embed_tokens": "token_embd",
     "lm_head": "output",
     "model.norm": "output_norm",
@@ -83,7 +83,7 @@ class Qwen3Arch(DecoderArch):
     hf_architectures = ("Qwen3ForCausalLM",)
     gguf_arch = "qwen3"
     tensor_map = {
-        **_DECODER_MAP,
+        **DECODER_MAP,
         "model.layers.{bid}.self_attn.q_norm": "blk.{bid}.attn_q_norm",
         "model.layers.{bid}.self_attn.k_norm": "blk.{bid}.attn_k_norm",
     }
@@ -93,7 +93,7 @@ class Qwen3Arch(DecoderArch):
 class Qwen2Arch(DecoderArch):
     hf_architectures = ("Qwen2ForCausalLM",)
     gguf_arch = "qwen2"
-    tensor_map = _DECODER_MAP
+    tensor_map = DECODER_MAP
 
 
 def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -106,7 +106,7 @@ def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 class LlamaArch(DecoderArch):
     hf_architectures = ("LlamaForCausalLM",)
     gguf_arch = "llama"
-    tensor_map = _DECODER_MAP
+    tensor_map = DECODER_MAP
 
     def set_gguf_parameters(self, gw: GGUFWriter) -> None:
         super().set_gguf_parameters(gw)

@@ -7,7 +7,7 @@ FFN, residual. Then the output norm and the output projection (token_embd when t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 class LlamaFamily(ArchModel):
-    archs = ("llama", "qwen2", "qwen3")
+    archs: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3")
     continues = True
 
     def __init__(self, ctx: Context):
@@ -33,7 +33,7 @@ class LlamaFamily(ArchModel):
         factor = float(hp("rope.scaling.factor", 1.0))
         self.freq_scale = 1.0 / factor if scaling == "linear" and factor else 1.0
         self.attention = GqaAttention(self.n_head, self.n_head_kv, self.head_dim, self.head_dim_v, self.n_rot, self.eps,
-                                      neox=ctx.arch != "llama", qk_norm=ctx.arch == "qwen3")
+                                      neox=ctx.arch != "llama", qk_norm=ctx.arch.startswith("qwen3"))
         self.output = "output.weight" if ctx.has("output.weight") else "token_embd.weight"
         if not ctx.has("token_embd.weight"):
             raise self.fail("tensor token_embd.weight is missing")
@@ -43,7 +43,6 @@ class LlamaFamily(ArchModel):
 
     def _expected(self) -> dict[str, tuple[int, ...]]:
         e = self.n_embd
-        ff = int(self.ctx.hparam("feed_forward_length"))
         want: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.n_vocab, e), "output_norm.weight": (e,)}
         if self.output == "output.weight":
             want["output.weight"] = (self.n_vocab, e)
@@ -51,9 +50,12 @@ class LlamaFamily(ArchModel):
             b = f"blk.{i}."
             want[b + "attn_norm.weight"] = (e,)
             want.update(self.attention.expected(b, e))
-            want.update({b + "ffn_norm.weight": (e,), b + "ffn_gate.weight": (ff, e), b + "ffn_up.weight": (ff, e),
-                         b + "ffn_down.weight": (e, ff)})
+            want.update({b + "ffn_norm.weight": (e,), **self._ffn_expected(i, b)})
         return want
+
+    def _ffn_expected(self, i: int, b: str) -> dict[str, tuple[int, ...]]:
+        e, ff = self.n_embd, int(self.ctx.hparam("feed_forward_length"))
+        return {b + "ffn_gate.weight": (ff, e), b + "ffn_up.weight": (ff, e), b + "ffn_down.weight": (e, ff)}
 
     def begin(self, seq: Sequence) -> None:
         cx = self.ctx

@@ -11,6 +11,7 @@ REFERENCES = {
     "LlamaForCausalLM": "ikrun.validate.hf:HFReference",
     "Qwen2ForCausalLM": "ikrun.validate.hf:HFReference",
     "Qwen3ForCausalLM": "ikrun.validate.hf:HFReference",
+    "Qwen3MoeForCausalLM": "ikrun.validate.hf:HFReference",
     "DeepseekV3ForCausalLM": "ikrun.validate.deepseek2:DeepseekV3Reference",
     "DeepseekV4ForCausalLM": "ikrun.validate.deepseek4:DeepseekV4Reference",
     "DeepseekV4FlashForCausalLM": "ikrun.validate.deepseek4:DeepseekV4Reference",

@@ -19,7 +19,8 @@ from ikrun.validate.dflash import DFlashReference
 
 
 class HFReference:
-    """Numpy forward of LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM from the HF checkpoint."""
+    """Numpy forward of LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM / Qwen3MoeForCausalLM from the HF
+    checkpoint."""
 
 
     def __init__(self, folder: Path):
@@ -62,7 +63,8 @@ class HFReference:
         n_head = cfg["num_attention_heads"]
         n_kv = cfg.get("num_key_value_heads") or n_head
         hd = cfg.get("head_dim") or cfg["hidden_size"] // n_head
-        qwen3 = self.ckpt.architecture == "Qwen3ForCausalLM"
+        qwen3 = self.ckpt.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        moe = self.ckpt.architecture == "Qwen3MoeForCausalLM"
         x = self.w("model.embed_tokens.weight")[tokens]
         pos = np.arange(n)
         mask = np.triu(np.full((n, n), -np.inf, dtype=np.float32), 1)
@@ -92,12 +94,36 @@ class HFReference:
             o = np.einsum("hij,jhd->ihd", att, v).reshape(n, n_head * hd)
             x = x + proj(o, "self_attn.o_proj")
             h = self._rmsnorm(x, self.w(p + "post_attention_layernorm.weight"))
-            g = proj(h, "mlp.gate_proj")
-            u = proj(h, "mlp.up_proj")
-            x = x + proj((g / (1 + np.exp(-g))) * u, "mlp.down_proj")
+            if moe and p + "mlp.gate.weight" in self.tensors:
+                x = x + self._sparse_moe(h, proj)
+            else:
+                x = x + self._mlp(h, proj, "mlp.")
         x = self._rmsnorm(x, self.w("model.norm.weight"))
         head = "lm_head.weight" if "lm_head.weight" in self.tensors else "model.embed_tokens.weight"
         return (x @ self.w(head).T).astype(np.float32)
+
+
+    @staticmethod
+    def _mlp(h: np.ndarray, proj: Callable[[np.ndarray, str], np.ndarray], prefix: str) -> np.ndarray:
+        g = proj(h, prefix + "gate_proj")
+        return proj((g / (1 + np.exp(-g))) * proj(h, prefix + "up_proj"), prefix + "down_proj")
+
+    def _sparse_moe(self, h: np.ndarray, proj: Callable[[np.ndarray, str], np.ndarray]) -> np.ndarray:
+        """Qwen3MoeSparseMoeBlock: softmax over the router logits, the top-k experts, their weights renormalised
+        when norm_topk_prob, each expert a SwiGLU MLP on the tokens routed to it."""
+        probs = proj(h, "mlp.gate")
+        probs = np.exp(probs - probs.max(-1, keepdims=True))
+        probs = probs / probs.sum(-1, keepdims=True)
+        k = int(self.cfg["num_experts_per_tok"])
+        top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+        weights = np.take_along_axis(probs, top, axis=-1)
+        if self.cfg.get("norm_topk_prob", False):
+            weights = weights / weights.sum(-1, keepdims=True)
+        out = np.zeros_like(h)
+        for e in np.unique(top):
+            rows, slot = np.nonzero(top == e)
+            out[rows] += weights[rows, slot, None] * self._mlp(h[rows], proj, f"mlp.experts.{e}.")
+        return out
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
