@@ -102,6 +102,7 @@ _FTYPES = (
     FileType("IQ5_KS_R4", 350, "IQ5_KS_R4"),
     FileType("Q8_KV_R8", 398, "Q8_KV_R8"),
     FileType("Q8_K_R8", 399, "Q8_K_R8"),
+    FileType("BF16_R16", 232, "BF16_R16"),
 )
 _BY_NAME = {f.name: f for f in _FTYPES}
 

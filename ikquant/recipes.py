@@ -47,7 +47,7 @@ NO_ROW_FALLBACK: dict[str, int] = dict.fromkeys(["IQ1_BN", "IQ2_BN", "IQ2_BN_R4"
 NEVER_QUANTIZED = ("ffn_gate_inp.weight", "ssm_conv1d", "ssm_x.weight", "ssm_dt.weight", "attn_rel_b.weight")
 NEVER_QUANTIZED_EXACT = ("position_embd.weight", "token_types.weight")
 INT_TYPES = ("I8", "I16", "I32", "I64")
-FLOAT_TYPES = ("F32", "F16", "BF16")
+FLOAT_TYPES = ("F32", "F16", "BF16", "BF16_R16")
 # Types ik refuses to produce without importance data (outside token_embd/output), unless --ignore-imatrix-rules.
 NEEDS_IMATRIX = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "IQ1_KT", "IQ2_KT", "IQ2_XXS_R4", "IQ2_XS_R4",
                  "IQ2_S_R4", "IQ1_S_R4", "IQ1_M_R4")

@@ -148,6 +148,9 @@ _TYPES: tuple[GGMLType, ...] = (
     GGMLType("IQ2_S_R4", "iq2_s_r4", 222, 256, 82, row_group=4, base="IQ2_S"),
     GGMLType("IQ1_M_R4", "iq1_m_r4", 229, 32, 7, row_meta_size=2, row_group=4, base="IQ1_M"),
     GGMLType("Q8_K_R16", "q8_k_r16", 397, 256, 258, row_group=16, base="Q8_0"),
+    # ik declares blocks of one value; its regrouping moves pairs of values (rows of an even length), so here a
+    # block is a pair: the same bytes per row
+    GGMLType("BF16_R16", "bf16_r16", 230, 2, 4, row_group=16, base="BF16"),
     GGMLType("Q8_KV_R8", "q8_KV_r8", 398, 32, 32, row_meta_size=4, row_group=8, base="Q8_KV"),
     GGMLType("Q8_K_R8", "q8_k_r8", 399, 256, 258, row_group=8, base="Q8_0"),
 )

@@ -27,9 +27,8 @@ from tests import ik_engine
 runner = CliRunner()
 DATA = Path(__file__).parent / "data"
 
-#: every type the wheel's llama-quantize takes, as the file type whose --pure base it is (but BF16_R16, which
-#: ikquant does not write)
-TYPES = ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_0", "Q8_0", "MXFP4", "IQ4_NL", "Q2_K", "Q3_K_M",
+#: every type the wheel's llama-quantize takes, as the file type whose --pure base it is
+TYPES = ["F16", "BF16", "BF16_R16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_0", "Q8_0", "MXFP4", "IQ4_NL", "Q2_K", "Q3_K_M",
          "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M",
          "IQ1_BN", "IQ2_BN", "IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ2_KS", "IQ2_KL", "IQ3_KS", "IQ4_KS",
          "IQ4_KSS", "IQ5_KS", "IQ1_KT", "IQ2_KT", "IQ3_KT", "IQ4_KT", "Q8_KV", "Q4_0_R8", "Q5_0_R4", "Q6_0_R4",
@@ -39,6 +38,9 @@ TYPES = ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_0", "Q8_0", "MXFP4",
 #: what the wheel's generic x86-64 build cannot compute, and what it says: BitNet activations need rows of at least
 #: 512 values (this model's are 256; the interleaved IQ2_BN_R4 has a kernel of its own that runs)
 IK_CANNOT_RUN = {"IQ1_BN": "QK_IQ1BN", "IQ2_BN": "QK_IQ1BN"}
+#: what the wheel's build computes wrongly on its own files (byte-identical to ikquant's): BF16_R16 products, a mean
+#: KLD of 0.28 where ikrun's is 4e-5 (why is not established here; its BF16 files it computes right)
+IK_WRONG = {"BF16_R16": 0.1}
 #: the wheel's build searches IQ2_KS scales with ik's scalar code (no AVX2 path compiled in): without an imatrix that
 #: is ikquant's --slow-iq2ks, byte for byte; with one its bytes differ from both of ikquant's searches (the generic
 #: build's float order, likely its lack of fused multiply-adds: not established here)
@@ -130,6 +132,10 @@ def test_every_type_ik_knows_loads_and_runs_in_ik(model256: dict, ftype: str) ->
     if ftype in IK_CANNOT_RUN:
         with pytest.raises(ik_engine.IkFailed, match=IK_CANNOT_RUN[ftype]):
             ik_engine.logits(ours, model256["tokens"])
+        return
+    if ftype in IK_WRONG:
+        assert mean_kld(model256["ik_base"], ik_engine.logits(ours, model256["tokens"])) > IK_WRONG[ftype]
+        assert mean_kld(model256["our_base"], Model(ours, kv_cache="f16").logits(model256["chunk"])) < 1e-4
         return
     _both_agree(model256, ours)
 

@@ -105,7 +105,7 @@ def test_row_length_must_fit_the_blocks(type_name: str) -> None:
 
     gtype = type_by_name(type_name)
     with pytest.raises(QuantInputError, match="not a multiple of the block size"):
-        gtype.require_codec().quantize(np.ones((2 * gtype.row_group, gtype.block_size + 16), dtype=np.float32))
+        gtype.require_codec().quantize(np.ones((2 * gtype.row_group, gtype.block_size * 3 // 2), dtype=np.float32))
 
 
 @pytest.mark.parametrize("type_name", TYPES)

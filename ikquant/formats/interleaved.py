@@ -835,6 +835,27 @@ class Q8KRows:
         _dequantize_q8_k_rows(q, self.offset, out)
 
 
+def bf16_r16_block(row_bytes: int, ib: int) -> np.ndarray:
+    """BF16_R16: per pair of values 64 bytes, the 16 rows' pairs (4 bytes each) row after row."""
+    return np.array(_bytes([k * row_bytes + 4 * ib + b for k in range(16) for b in range(4)]), dtype=np.int64)
+
+
+class Bf16R16Codec(InterleavedCodec):
+    """BF16_R16 regroups BF16 rows, but ik writes it from float32 by dropping each value's low 16 bits (BF16 rounds
+    to nearest even): a regrouping of those truncated rows."""
+
+    #: truncation errs up to one unit of the 8-bit mantissa's last place (rounding: half of it)
+    rel_error_bound = 2.0**-7
+
+    def __init__(self) -> None:
+        super().__init__("BF16_R16", bf16_r16_block)
+
+    def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        self._groups(x.shape[0])
+        bits = (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+        out[:] = self.pack(bits.view(np.uint8))
+
+
 for _codec in (
         InterleavedCodec("Q8_0_R8", _nibble_map(q8_0_r8_block)), InterleavedCodec("Q4_0_R8", _nibble_map(q4_0_r8_block)),
         InterleavedCodec("IQ4_NL_R4", _nibble_map(iq4_nl_r4_block)),
@@ -854,5 +875,5 @@ for _codec in (
         InterleavedCodec("Q6_0_R4", q6_0_r4_block, positive_zeros=True),
         InterleavedCodec("Q8_KV_R8", q8_kv_r8_block, q8_kv_r8_header, recode=Q8_KV_RECODE),
         InterleavedCodec("Q8_K_R8", _q8_k_rows_block(8), plain=Q8KRows(0)),
-        InterleavedCodec("Q8_K_R16", _q8_k_rows_block(16), plain=Q8KRows(128))):
+        InterleavedCodec("Q8_K_R16", _q8_k_rows_block(16), plain=Q8KRows(128)), Bf16R16Codec()):
     register_codec(_codec)
