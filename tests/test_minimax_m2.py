@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 
 from ikconvert import write_safetensors
 from ikconvert.checkpoint import Checkpoint
+from ikconvert.cli import app as convert_app
 from ikconvert.convert import Converter
-from ikconvert.errors import ConvertError
+from ikconvert.errors import CheckpointError, ConvertError
 from ikquant.imatrix import read_imatrix_dat
 from ikrun.cli import app
 from ikrun.context import Context
@@ -136,6 +137,23 @@ def test_a_missing_expert_is_named(tmp_path: Path) -> None:
         Converter(hf, "f32", "minimax-m2").build_plan()
 
 
+def test_a_missing_expert_shard_is_named(tmp_path: Path) -> None:
+    """A two-shard checkpoint whose second shard (layer 1's experts) is absent: the index names the shard and a
+    tensor it holds."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for cfg in HF.glob("*.json"):
+        shutil.copy(cfg, hf)
+    tensors = {n: ("F32", t.to_f32()) for n, t in Checkpoint(HF).iter_tensors()}
+    second = {n for n in tensors if n.startswith("model.layers.1.block_sparse_moe.experts.")}
+    write_safetensors(hf / "model-00001-of-00002.safetensors", {n: v for n, v in tensors.items() if n not in second})
+    weight_map = {n: f"model-0000{1 + (n in second)}-of-00002.safetensors" for n in tensors}
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=r"shard model-00002-of-00002\.safetensors is missing .*"
+                                              r"'model\.layers\.1\.block_sparse_moe\.experts\.0\.w1\.weight'"):
+        Converter(hf, "f32", "minimax-m2").build_plan()
+
+
 @pytest.mark.parametrize(("key", "value"), [("attn_type_list", [0, 1]), ("use_qk_norm", False),
                                             ("qk_norm_type", "per_head"), ("shared_intermediate_size", 64),
                                             ("sliding_window", 16), ("rope_scaling", {"type": "linear", "factor": 2}),
@@ -177,3 +195,49 @@ def test_plans_equal_iks_llama_quantize(tmp_path: Path, f32: Path, ftype: str, i
     plan = make_plan(GGUFModel(f32), QuantizeOptions(file_type(ftype), imatrix=opts.imatrix,
                                                      ignore_imatrix_rules=True))
     assert {p.name: (p.ik_type or p.type).ggml_name for p in plan.tensors} == ik_plan(res.stdout + res.stderr)
+
+
+PLANS = DATA / "plans" / "minimax-m2-plan"
+
+
+@pytest.mark.parametrize("imat", [False, True], ids=["plain", "imat"])
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q6_K", "Q8_0", "IQ4_KS", "IQ4_XS", "IQ3_K", "IQ2_KS", "IQ2_KT", "IQ4_K",
+                                   "Q3_K_M"])
+def test_plans_with_256_wide_rows_equal_iks(tmp_path: Path, ftype: str, imat: bool) -> None:
+    """Where the k- and i-quants apply (hidden and expert FFN 256): ik's golden plans of minimax-m2-plan (its
+    recipes' promotions of attn_v / attn_k / attn_output / the last ffn_down_exps), from the F16 file's header with
+    zeros for weights, and the wheel's llama-quantize on that same input."""
+    from ikquant.ftypes import file_type
+    from ikquant.quantize import QuantizeOptions, make_plan
+    from ikquant.shards import GGUFModel
+    from tests.test_ik_engine import ik_plan
+
+    model = tmp_path / "m.gguf"
+    header = (PLANS / "ref-f16.header.bin").read_bytes()
+    with open(model, "wb") as fh:
+        fh.write(header)
+        fh.truncate(len(header) + (8 << 20))
+    imatrix = PLANS / "imatrix.dat"
+    plan = make_plan(GGUFModel(model), QuantizeOptions(file_type(ftype), ignore_imatrix_rules=True,
+                                                       imatrix=read_imatrix_dat(imatrix) if imat else None))
+    ours = {p.name: (p.ik_type or p.type).ggml_name for p in plan.tensors}
+    lines = (PLANS / f"ik-plan-{ftype}{'-imat' * imat}.txt").read_text().splitlines()
+    assert ours == dict(line.split() for line in lines if line.strip())
+    res = ik_engine.llama_quantize("--dry-run", "--ignore-imatrix-rules", *["--imatrix", str(imatrix)] * imat,
+                                   str(model), str(tmp_path / "out.gguf"), ftype, "1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert ik_plan(res.stdout + res.stderr) == ours
+
+
+def test_the_runtime_refuses_a_rope_scaling_it_does_not_compute(tmp_path: Path) -> None:
+    from ikquant.gguf_io import GGUFFile
+    from ikrun.errors import ModelError
+
+    out = tmp_path / "yarn.gguf"
+    res = CliRunner().invoke(convert_app, ["hf2gguf", str(HF), "--outtype", "f32", "--pre-tokenizer", "minimax-m2",
+                                           "--outfile", str(out), "--override-kv",
+                                           "minimax-m2.rope.scaling.type=str:yarn"])
+    assert res.exit_code == 0, res.output
+    assert GGUFFile(out).get("minimax-m2.rope.scaling.type") == "yarn"
+    with pytest.raises(ModelError, match=r"minimax-m2\.rope\.scaling\.type = 'yarn' is not implemented"):
+        Model(out)

@@ -5,7 +5,8 @@ weight per row element, not per head), NEOX rope on the first `rope.dimension_co
 rotary), causal GQA attention, attn_output, residual; RMSNorm and the routed MoE FFN: sigmoid scores, the top-k
 chosen on score + `exp_probs_b.bias`, weighted by their scores renormalised to sum 1; no shared experts, no dense
 layers. ik and transformers compute the same model; the default (exact) mode follows transformers' float32
-arithmetic and `--numerics ik` ik's (its fused sums and reciprocals), both through the shared modules.
+arithmetic and `--numerics ik` ik's (its fused sums and reciprocals), both through the shared modules. A rope
+scaling other than linear (YaRN, which ik would apply) is refused by key and value before anything is computed.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class MiniMaxM2(LlamaFamily):
         if not 0 < self.moe.n_used <= self.moe.n_expert:
             raise ModelError(f"{ctx.path}: minimax-m2.expert_used_count {self.moe.n_used} must be in "
                              f"1..expert_count {self.moe.n_expert}")
+        scaling = hp("rope.scaling.type", None)
+        if scaling not in (None, "none", "linear"):
+            raise ModelError(f"{ctx.path}: minimax-m2.rope.scaling.type = {scaling!r} is not implemented for "
+                             "minimax-m2 (linear or none)")
         super().__init__(ctx)
 
     def make_attention(self) -> GqaAttention:
