@@ -72,39 +72,60 @@ def stacked(fills: Sequence[Fill], shape: tuple[int, ...], dtype: type = np.floa
     return load
 
 
-#: ik's merge order of a layer's expert projections
-EXPERT_PROJS = ("down_proj", "gate_proj", "up_proj")
-_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(down_proj|gate_proj|up_proj)\.weight")
+@dataclass(frozen=True)
+class ExpertNames:
+    """How a checkpoint names one routed-expert tensor (`template` with {bid}, {x} the expert, {proj}), and its
+    projections in the order ik merges them, each with the `ffn_{kind}_exps` it becomes."""
+
+    template: str
+    projs: tuple[tuple[str, str], ...]
+
+    def pattern(self) -> re.Pattern[str]:
+        """A full-match regex with groups bid, x and proj."""
+        alternatives = "|".join(re.escape(p) for p, _ in self.projs)
+        fields = {"bid": r"(?P<bid>\d+)", "x": r"(?P<x>\d+)", "proj": f"(?P<proj>{alternatives})"}
+        parts = re.split(r"(\{bid\}|\{x\}|\{proj\})", self.template)
+        return re.compile("".join(fields[p[1:-1]] if p in ("{bid}", "{x}", "{proj}") else re.escape(p) for p in parts))
+
+    def name(self, bid: int | str, x: int | str, proj: str) -> str:
+        return self.template.format(bid=bid, x=x, proj=proj)
+
+
+#: `model.layers.L.mlp.experts.X.{down,gate,up}_proj.weight`, merged down, gate, up (DeepSeek, Qwen3-MoE)
+MLP_EXPERTS = ExpertNames("model.layers.{bid}.mlp.experts.{x}.{proj}.weight",
+                          (("down_proj", "down"), ("gate_proj", "gate"), ("up_proj", "up")))
 
 
 class ExpertMerger:
-    """A model's routed experts (`model.layers.L.mlp.experts.X.{down,gate,up}_proj.weight`), buffered as they
-    arrive (no data read) and merged into ik's 3-D `blk.L.ffn_{down,gate,up}_exps` when a layer's last one arrives;
-    `count_key` is the config key that says how many there are, `filler` reads one expert into a given array (and
-says how: a transform note); by default a plain float32 copy."""
+    """A model's routed experts (by default `MLP_EXPERTS`), buffered as they arrive (no data read) and merged into
+    ik's 3-D `blk.L.ffn_{kind}_exps` in `names.projs` order when a layer's last one arrives; `count_key` is the
+    config key that says how many there are, `filler` reads one expert into a given array (and says how: a
+    transform note); by default a plain float32 copy."""
 
     def __init__(self, n_experts: int, count_key: str,
-                 filler: Callable[[str, SafeTensor], tuple[Fill, str]] | None = None):
-        self.n_experts, self.count_key = n_experts, count_key
+                 filler: Callable[[str, SafeTensor], tuple[Fill, str]] | None = None,
+                 names: ExpertNames = MLP_EXPERTS):
+        self.n_experts, self.count_key, self.names = n_experts, count_key, names
         self.filler = filler or (lambda name, t: ((lambda dst: np.copyto(dst, t.to_f32())), ""))
+        self._pattern = names.pattern()
         #: per layer, the expert tensors seen so far: (expert, projection) -> (HF name, tensor)
         self._layers: dict[int, dict[tuple[int, str], tuple[str, SafeTensor]]] = {}
 
     def add(self, name: str, t: SafeTensor) -> list[OutTensor]:
         """Buffer one routed-expert tensor; the layer's three merged tensors on its last one."""
-        n = self.n_experts
-        m = _EXPERT_RE.fullmatch(name)
-        if m is None or int(m.group(2)) >= n:
+        n, projs = self.n_experts, self.names.projs
+        m = self._pattern.fullmatch(name)
+        if m is None or int(m.group("x")) >= n:
             raise ConvertError(f"{t.path}: tensor {name!r} is not one of experts 0..{n - 1} ({self.count_key}) "
-                               "{gate,up,down}_proj.weight")
-        bid = int(m.group(1))
+                               + self.names.name("L", "X", "{" + ",".join(p for p, _ in projs) + "}"))
+        bid = int(m.group("bid"))
         layer = self._layers.setdefault(bid, {})
-        layer[(int(m.group(2)), m.group(3))] = (name, t)
-        if len(layer) < 3 * n:
+        layer[(int(m.group("x")), m.group("proj"))] = (name, t)
+        if len(layer) < len(projs) * n:
             return []
         del self._layers[bid]
         outs = []
-        for proj in EXPERT_PROJS:
+        for proj, kind in projs:
             parts = [layer[(x, proj)] for x in range(n)]
             shape = parts[0][1].shape
             for pname, pt in parts:
@@ -115,20 +136,20 @@ says how: a transform note); by default a plain float32 copy."""
             note = f"expert merge: {n} x {list(shape)} stacked"
             if fills[0][1]:
                 note += f"; each {fills[0][1]}"
-            source = f"model.layers.{bid}.mlp.experts.{{0..{n - 1}}}.{proj}.weight"
-            gguf = f"blk.{bid}.ffn_{proj.removesuffix('_proj')}_exps.weight"
-            outs.append(OutTensor(gguf, (n, *shape), source, stacked([f for f, _ in fills], shape),
-                                  parts[0][1].dtype, note))
+            source = self.names.name(bid, f"{{0..{n - 1}}}", proj)
+            outs.append(OutTensor(f"blk.{bid}.ffn_{kind}_exps.weight", (n, *shape), source,
+                                  stacked([f for f, _ in fills], shape), parts[0][1].dtype, note))
         return outs
 
     def finish(self) -> None:
         """ik raises 'Unprocessed experts' for a layer whose experts never completed; so do we, naming them."""
+        projs = self.names.projs
         for bid, layer in sorted(self._layers.items()):
-            missing = [f"model.layers.{bid}.mlp.experts.{x}.{p}.weight" for x in range(self.n_experts)
-                       for p in EXPERT_PROJS if (x, p) not in layer]
+            missing = [self.names.name(bid, x, p) for x in range(self.n_experts) for p, _ in projs
+                       if (x, p) not in layer]
             some = next(iter(layer.values()))[1].path
             raise ConvertError(
-                f"{some.parent}: layer {bid} has {len(layer)} of {3 * self.n_experts} routed-expert tensors "
+                f"{some.parent}: layer {bid} has {len(layer)} of {len(projs) * self.n_experts} routed-expert tensors "
                 f"({self.count_key}={self.n_experts}); missing {len(missing)}: " + ", ".join(missing[:6])
                 + (" ..." if len(missing) > 6 else "")
             )

@@ -32,14 +32,20 @@ class LlamaFamily(ArchModel):
         scaling = hp("rope.scaling.type", None)
         factor = float(hp("rope.scaling.factor", 1.0))
         self.freq_scale = 1.0 / factor if scaling == "linear" and factor else 1.0
-        self.attention = GqaAttention(self.n_head, self.n_head_kv, self.head_dim, self.head_dim_v, self.n_rot, self.eps,
-                                      neox=ctx.arch != "llama", qk_norm=ctx.arch.startswith("qwen3"))
+        self.attention = self.make_attention()
         self.output = "output.weight" if ctx.has("output.weight") else "token_embd.weight"
         if not ctx.has("token_embd.weight"):
             raise self.fail("tensor token_embd.weight is missing")
         self.n_vocab = ctx.shape("token_embd.weight")[0]
         self.n_active = self.n_layer
         self.check_tensors(self._expected())
+
+    def make_attention(self) -> GqaAttention:
+        """The attention block: NORM rope for llama (its converter permuted q/k), NEOX otherwise; per-head q/k
+        norms for qwen3."""
+        arch = self.ctx.arch
+        return GqaAttention(self.n_head, self.n_head_kv, self.head_dim, self.head_dim_v, self.n_rot, self.eps,
+                            neox=arch != "llama", qk_norm=arch.startswith("qwen3"))
 
     def _expected(self) -> dict[str, tuple[int, ...]]:
         e = self.n_embd

@@ -1,7 +1,7 @@
 """The attention blocks the architectures share, each owning its tensors under a block prefix `b` ("blk.7.").
 
 - `GqaAttention`: grouped-query attention (the llama family): attn_q/k/v (+ biases where the file has them),
-  per-head q/k RMSNorm (qwen3), rope on the first n_rot dims (NORM or NEOX pairing), the KV cache, attn_output.
+  q/k RMSNorm per head (qwen3) or over all heads' projection at once (minimax-m2), rope on the first n_rot dims (NORM or NEOX pairing), the KV cache, attn_output.
 - `MlaAttention`: DeepSeek's multi-head latent attention in the absorbed form: the query through the q LoRA
   (attn_q_a, its norm, attn_q_b) or attn_q, attn_kv_a_mqa's latent and shared rope key, attn_kv_a_norm, the latent
   cache, attn_k_b / attn_v_b per head, attn_output. Variants are data: the rope pairing, openPangu's MoME
@@ -35,6 +35,8 @@ class GqaAttention:
     eps: float
     neox: bool
     qk_norm: bool
+    #: the q/k norms span the whole projection (every head together, MiniMax-M2) instead of one head
+    qk_norm_all_heads: bool = False
 
     def expected(self, b: str, n_embd: int) -> dict[str, tuple[int, ...]]:
         """The block's attention tensors and their numpy shapes (biases are optional)."""
@@ -43,8 +45,8 @@ class GqaAttention:
             b + "attn_q.weight": (q, n_embd), b + "attn_k.weight": (kv, n_embd), b + "attn_v.weight": (kvv, n_embd),
             b + "attn_output.weight": (n_embd, self.n_head * self.head_dim_v)}
         if self.qk_norm:
-            want[b + "attn_q_norm.weight"] = (self.head_dim,)
-            want[b + "attn_k_norm.weight"] = (self.head_dim,)
+            want[b + "attn_q_norm.weight"] = (q,) if self.qk_norm_all_heads else (self.head_dim,)
+            want[b + "attn_k_norm.weight"] = (kv,) if self.qk_norm_all_heads else (self.head_dim,)
         return want
 
     def __call__(self, cx: Context, b: str, h: np.ndarray, cos: np.ndarray, sin: np.ndarray,
@@ -54,10 +56,13 @@ class GqaAttention:
         are kept for the next call)."""
         nx, n = cx.numerics, len(h)
         q, k, v = cx.linears(h, [b + "attn_q", b + "attn_k", b + "attn_v"])
+        if self.qk_norm and self.qk_norm_all_heads:
+            q = nx.norm(q, cx.weight(b + "attn_q_norm.weight"), self.eps)
+            k = nx.norm(k, cx.weight(b + "attn_k_norm.weight"), self.eps)
         q = q.reshape(n, self.n_head, self.head_dim)
         k = k.reshape(n, self.n_head_kv, self.head_dim)
         v = v.reshape(n, self.n_head_kv, self.head_dim_v)
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_all_heads:
             q = nx.norm(q, cx.weight(b + "attn_q_norm.weight"), self.eps)
             k = nx.norm(k, cx.weight(b + "attn_k_norm.weight"), self.eps)
         q = np.ascontiguousarray(q)

@@ -12,6 +12,7 @@ REFERENCES = {
     "Qwen2ForCausalLM": "ikrun.validate.hf:HFReference",
     "Qwen3ForCausalLM": "ikrun.validate.hf:HFReference",
     "Qwen3MoeForCausalLM": "ikrun.validate.hf:HFReference",
+    "MiniMaxM2ForCausalLM": "ikrun.validate.minimax_m2:MiniMaxM2Reference",
     "DeepseekV3ForCausalLM": "ikrun.validate.deepseek2:DeepseekV3Reference",
     "DeepseekV4ForCausalLM": "ikrun.validate.deepseek4:DeepseekV4Reference",
     "DeepseekV4FlashForCausalLM": "ikrun.validate.deepseek4:DeepseekV4Reference",
