@@ -33,13 +33,21 @@ class LlamaFamily(ArchModel):
         factor = float(hp("rope.scaling.factor", 1.0))
         self.freq_scale = 1.0 / factor if scaling == "linear" and factor else 1.0
         self.attention = GqaAttention(self.n_head, self.n_head_kv, self.head_dim, self.head_dim_v, self.n_rot, self.eps,
-                                      neox=ctx.arch != "llama", qk_norm=ctx.arch.startswith("qwen3"))
+                                      neox=ctx.arch != "llama", qk_norm=self._qk_norm())
         self.output = "output.weight" if ctx.has("output.weight") else "token_embd.weight"
         if not ctx.has("token_embd.weight"):
             raise self.fail("tensor token_embd.weight is missing")
         self.n_vocab = ctx.shape("token_embd.weight")[0]
-        self.n_active = self.n_layer
+        self.n_active = self.n_layer - self._n_trailing()
         self.check_tensors(self._expected())
+
+    def _qk_norm(self) -> bool:
+        """Whether the blocks RMSNorm each query and key head (attn_q_norm / attn_k_norm)."""
+        return self.ctx.arch.startswith("qwen3")
+
+    def _n_trailing(self) -> int:
+        """Blocks at the end of the file the main forward skips (NextN/MTP layers)."""
+        return 0
 
     def _expected(self) -> dict[str, tuple[int, ...]]:
         e = self.n_embd
