@@ -30,7 +30,7 @@ class Context:
         self.weights = weights
         self.numerics = numerics
         self.options = options
-        #: "f16" rounds K and V to half precision as ik's default KV cache stores them
+        #: "f16" rounds K and V to half precision as ik's default KV cache stores them; "k-f32" V alone (ik's -ctk f32)
         self.kv_cache = kv_cache
         self.observers = observers
         self.arch: str = weights.metadata.architecture
@@ -92,6 +92,6 @@ class Context:
         shared: dict[str, Any] = {}
         return [self.linear(x, name, shared, fused) for name in names]
 
-    def kv_store(self, x: np.ndarray) -> np.ndarray:
-        """K or V as the KV cache holds them."""
-        return self.numerics.kv_store(x, self.kv_cache)
+    def kv_store(self, x: np.ndarray, value: bool = False) -> np.ndarray:
+        """Keys (or, `value`, values) as the KV cache holds them."""
+        return self.numerics.kv_store(x, self.kv_cache, value)

@@ -59,7 +59,8 @@ class Model:
         impl_class = model_class(self.arch)
         check_options(self.options, self.path, self.arch)
         self.numerics = make_numerics(self.weights, self.options)
-        #: "f16" rounds K and V to half precision as ik's default KV cache stores them, to reproduce ik's numbers
+        #: "f16" rounds K and V to half precision as ik's default KV cache stores them, to reproduce ik's numbers;
+        #: "k-f32" rounds V alone (ik's -ctk f32)
         self.kv_cache = self.numerics.kv_cache(kv_cache)
         #: see the rows that meet each weight matrix (ikrun/context.Observer)
         self.observers: list[Observer] = []

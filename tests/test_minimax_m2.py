@@ -19,7 +19,6 @@ from ikconvert.convert import Converter
 from ikconvert.errors import CheckpointError, ConvertError
 from ikquant.imatrix import read_imatrix_dat
 from ikrun.cli import app
-from ikrun.context import Context
 from ikrun.eval.stream import evaluate_chunks, minimum_budget, plan_run
 from ikrun.model import Model
 from ikrun.validate.hf import HFReference
@@ -61,19 +60,10 @@ def test_runtime_against_transformers_and_iks_base_logits(f32: Path) -> None:
     assert 1e-5 < _kld_json(f32, LOGITS / "ik-base.kld")["kld_mean"] <= 1e-3
 
 
-def test_iks_f32_key_cache_base_is_f16_values(f32: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the keys kept in float32 and only the values rounded to f16, as ik's -ctk f32 run held them, the runtime
-    takes ik's routings too: the 1.5e-4 above is that cache, not the model."""
-    store = Context.kv_store
-    calls = {"n": 0}
-
-    def values_in_f16(self: Context, x: np.ndarray) -> np.ndarray:
-        calls["n"] += 1  # GqaAttention stores K, then V
-        return x.astype(np.float16).astype(np.float32) if calls["n"] % 2 == 0 else store(self, x)
-
-    monkeypatch.setattr(Context, "kv_store", values_in_f16)
-    assert _kld_json(f32, LOGITS / "ik-base-ctk-f32.kld")["kld_mean"] <= 1e-6
-    assert calls["n"] > 0
+def test_iks_f32_key_cache_base_is_f16_values(f32: Path) -> None:
+    """With the keys kept in float32 and only the values rounded to f16 (`--kv-cache k-f32`), as ik's -ctk f32 run
+    held them, the runtime takes ik's routings too: the 1.5e-4 above is that cache, not the model."""
+    assert _kld_json(f32, LOGITS / "ik-base-ctk-f32.kld", "--kv-cache", "k-f32")["kld_mean"] <= 1e-6
 
 
 def test_numerics_ik_prints_iks_perplexity(f32: Path) -> None:

@@ -1,3 +1,13 @@
 """One module per Hugging Face architecture; importing this package registers them all."""
 
-from ikconvert.archs import deepseek2, deepseek4, dflash, glm_dsa, llama, minimax_m2, openpangu, qwen3moe  # noqa: F401
+from ikconvert.archs import (  # noqa: F401
+    deepseek2,
+    deepseek4,
+    dflash,
+    glm4moe,
+    glm_dsa,
+    llama,
+    minimax_m2,
+    openpangu,
+    qwen3moe,
+)

@@ -28,7 +28,8 @@ class OnOff(str, Enum):
 
 
 KV_HELP = ("KV cache precision: f32 (default) measures the weights alone; f16 rounds K/V as ik's default cache "
-           "does, to reproduce ik's own numbers.")
+           "does, to reproduce ik's own numbers; k-f32 rounds V alone, as ik's -ctk f32 (its values stay F16 "
+           "without flash attention).")
 MEM_HELP = ("Memory budget for everything the run holds (decoded weights, hidden states, caches, logits), e.g. 8GiB "
             "or 512MiB. Default: 75% of the memory available at start-up.")
 STREAM_HELP = ("Layer-streamed evaluation: all chunks through block 0, then block 1, ..., each block's weights read "

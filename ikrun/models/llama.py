@@ -37,15 +37,21 @@ class LlamaFamily(ArchModel):
         if not ctx.has("token_embd.weight"):
             raise self.fail("tensor token_embd.weight is missing")
         self.n_vocab = ctx.shape("token_embd.weight")[0]
-        self.n_active = self.n_layer
+        self.n_active = self.n_layer - self._n_trailing()
         self.check_tensors(self._expected())
 
     def make_attention(self) -> GqaAttention:
-        """The attention block: NORM rope for llama (its converter permuted q/k), NEOX otherwise; per-head q/k
-        norms for qwen3."""
-        arch = self.ctx.arch
+        """The attention block: NORM rope for llama (its converter permuted q/k), NEOX otherwise."""
         return GqaAttention(self.n_head, self.n_head_kv, self.head_dim, self.head_dim_v, self.n_rot, self.eps,
-                            neox=arch != "llama", qk_norm=arch.startswith("qwen3"))
+                            neox=self.ctx.arch != "llama", qk_norm=self._qk_norm())
+
+    def _qk_norm(self) -> bool:
+        """Whether the blocks RMSNorm each query and key head (attn_q_norm / attn_k_norm)."""
+        return self.ctx.arch.startswith("qwen3")
+
+    def _n_trailing(self) -> int:
+        """Blocks at the end of the file the main forward skips (NextN/MTP layers)."""
+        return 0
 
     def _expected(self) -> dict[str, tuple[int, ...]]:
         e = self.n_embd

@@ -69,7 +69,7 @@ class GqaAttention:
         k = np.ascontiguousarray(k)
         nx.rope(q, cos, sin, self.n_rot, self.neox)
         nx.rope(k, cos, sin, self.n_rot, self.neox)
-        k, v = cx.kv_store(k), cx.kv_store(v)
+        k, v = cx.kv_store(k), cx.kv_store(v, value=True)
         if cache is not None:
             if b in cache:
                 k, v = np.concatenate([cache[b][0], k]), np.concatenate([cache[b][1], v])

@@ -42,6 +42,9 @@ class MoeConfig:
     w_scale: float
     w_norm: bool
     gating: int
+    #: expert groups (n_group, topk_group): the top-k limited to the best groups (transformers' GLM-4.x with
+    #: n_group > 1); (1, 1) is a plain top-k
+    groups: tuple[int, int] = (1, 1)
 
     @classmethod
     def read(cls, hp: Callable[..., Any], default_gating: int, fail: Callable[[str], Exception]) -> MoeConfig:
@@ -78,7 +81,7 @@ def moe_ffn(cx: Context, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg
         cx.chunk = seq.index
         chosen = None if hash_table is None else hash_table[seq.tokens]
         routes.append(cx.numerics.route(cx.linear(h, b + "ffn_gate_inp"), bias, cfg.n_used, cfg.gating, cfg.w_norm,
-                                        cfg.w_scale, chosen))
+                                        cfg.w_scale, chosen, cfg.groups))
     x = hs[0] if len(hs) == 1 else np.concatenate(hs)
     sel = routes[0][0] if len(hs) == 1 else np.concatenate([r[0] for r in routes])
     w = routes[0][1] if len(hs) == 1 else np.concatenate([r[1] for r in routes])

@@ -20,7 +20,7 @@ from ikrun.ops.attention import causal_attention
 from ikrun.ops.conv import causal_conv_residual
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.mla import latent_attention
-from ikrun.ops.moe import ExpertFetch, RoutedExperts, moe_experts, route
+from ikrun.ops.moe import GATING_SIGMOID, ExpertFetch, RoutedExperts, group_limited_top_k, moe_experts, route
 from ikrun.ops.norm import rms_norm
 from ikrun.ops.rope import apply_rope
 
@@ -48,7 +48,7 @@ class Numerics:
 
     # ---- what a file may hold ---------------------------------------------------------------------------------
     def kv_cache(self, requested: str) -> str:
-        """The KV-cache precision a run keeps ("f32" or "f16") when `requested` was asked for."""
+        """The KV-cache precision a run keeps (one of options.KV_CACHE_TYPES) when `requested` was asked for."""
         return requested
 
     def check_weights(self) -> list[str]:
@@ -73,8 +73,12 @@ class Numerics:
         return swiglu(gate, up, limit)
 
     def route(self, logits: np.ndarray, bias: np.ndarray | None, n_used: int, gating: int, norm: bool,
-              scale: float, chosen: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(chosen experts, their weights) from router logits (ops/moe.route)."""
+              scale: float, chosen: np.ndarray | None = None,
+              groups: tuple[int, int] = (1, 1)) -> tuple[np.ndarray, np.ndarray]:
+        """(chosen experts, their weights) from router logits (ops/moe.route); `groups` (n_group, topk_group)
+        limits a sigmoid top-k to the best groups as transformers does (ops/moe.group_limited_top_k)."""
+        if chosen is None and groups[0] > 1 and gating == GATING_SIGMOID:
+            chosen = group_limited_top_k(logits, bias, n_used, *groups)
         return route(logits, bias, n_used, gating, norm, scale, chosen)
 
     def hc_pre(self, mixes: np.ndarray, alpha: np.ndarray, beta: np.ndarray, n_stream: int, iters: int,
@@ -94,9 +98,10 @@ class Numerics:
         """x plus its causal short convolution by taps w (openPangu's MoME convolutions)."""
         return causal_conv_residual(x, w)
 
-    def kv_store(self, x: np.ndarray, kv_cache: str) -> np.ndarray:
-        """K or V as a KV cache of precision `kv_cache` holds them."""
-        return x.astype(np.float16).astype(np.float32) if kv_cache == "f16" else x
+    def kv_store(self, x: np.ndarray, kv_cache: str, value: bool = False) -> np.ndarray:
+        """Keys (or, `value`, values) as a KV cache of precision `kv_cache` holds them (ikrun/options.py)."""
+        half = kv_cache == "f16" or (kv_cache == "k-f32" and value)
+        return x.astype(np.float16).astype(np.float32) if half else x
 
     # ---- attention --------------------------------------------------------------------------------------------
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int) -> np.ndarray:

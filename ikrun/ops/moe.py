@@ -144,6 +144,25 @@ def route(logits: np.ndarray, bias: np.ndarray | None, n_used: int, gating: int,
     return sel, w
 
 
+def group_limited_top_k(logits: np.ndarray, bias: np.ndarray | None, n_used: int, n_group: int,
+                        topk_group: int) -> np.ndarray:
+    """The experts [n, n_used] transformers' DeepSeek-V3 / GLM-4.x routers choose with expert groups: sigmoid scores
+    plus the correction bias, each group scored by its two best, the `topk_group` best groups kept, the other
+    experts' scores set to 0 (not -inf: a kept expert scoring below 0 loses to them, as in transformers), then the
+    top-k. Ties go to the lower index."""
+    scores = (np.float32(1.0) / (np.float32(1.0) + np.exp(-np.asarray(logits, dtype=np.float32)))).astype(np.float32)
+    if bias is not None:
+        scores = scores + np.asarray(bias, dtype=np.float32)
+    n, n_expert = scores.shape
+    grouped = scores.reshape(n, n_group, n_expert // n_group)
+    best_two = -np.sort(-grouped, axis=-1)[:, :, :2].sum(axis=-1)
+    kept = np.argsort(-best_two, axis=-1, kind="stable")[:, :topk_group]
+    mask = np.zeros((n, n_group), dtype=bool)
+    np.put_along_axis(mask, kept, True, axis=-1)
+    masked = np.where(np.repeat(mask, n_expert // n_group, axis=-1), scores, np.float32(0.0))
+    return np.argsort(-masked, axis=-1, kind="stable")[:, :n_used]
+
+
 def group_by_expert(sel: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.ndarray]:
     """Assignments (flat index token*k + slot) ordered by expert, then token; and each expert's start offset."""
     flat = sel.reshape(-1)

@@ -17,6 +17,7 @@ REFERENCES = {
     "DeepseekV4ForCausalLM": "ikrun.validate.deepseek4:DeepseekV4Reference",
     "DeepseekV4FlashForCausalLM": "ikrun.validate.deepseek4:DeepseekV4Reference",
     "DeepseekV4ProForCausalLM": "ikrun.validate.deepseek4:DeepseekV4Reference",
+    "Glm4MoeForCausalLM": "ikrun.validate.glm4moe:Glm4MoeReference",
     "GlmMoeDsaForCausalLM": "ikrun.validate.glm_dsa:GlmDsaReference",
     "OpenPanguV2ForCausalLM": "ikrun.validate.openpangu:OpenPanguReference",
     "DFlashDraftModel": "ikrun.validate.dflash:DFlashReference",

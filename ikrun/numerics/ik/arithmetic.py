@@ -79,7 +79,9 @@ class IkNumerics(Numerics):
         return swiglu(gate, up, limit, ik=True)
 
     def route(self, logits: np.ndarray, bias: np.ndarray | None, n_used: int, gating: int, norm: bool,
-              scale: float, chosen: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+              scale: float, chosen: np.ndarray | None = None,
+              groups: tuple[int, int] = (1, 1)) -> tuple[np.ndarray, np.ndarray]:
+        """ik's graphs route deepseek2 and glm4moe by a plain top-k: expert groups are ignored."""
         return route(logits, bias, n_used, gating, norm, scale, chosen, ik=True)
 
     def hc_pre(self, mixes: np.ndarray, alpha: np.ndarray, beta: np.ndarray, n_stream: int, iters: int,
