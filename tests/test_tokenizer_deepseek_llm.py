@@ -12,9 +12,13 @@ from pathlib import Path
 import pytest
 import tokenizers
 
+from ikconvert.convert import Converter
 from ikconvert.tiny import CORPUS
 from ikconvert.tokenizer import BPETokenizer
 from ikconvert.vocab import PROBE_TEXT, HFTokenizerFiles
+from ikquant.gguf_io import GGUFFile
+from tests import ik_engine
+from tests.convert_helpers import deepseek_v3_with_vocab
 
 TEXTS = [
     CORPUS.read_text(encoding="utf-8"),
@@ -55,3 +59,16 @@ def test_converter_probe_reads_the_same_sequence(folder: Path) -> None:
     probe, runtime = HFTokenizerFiles(folder).probe_tokenizer(), _runtime(folder)
     for text in TEXTS:
         assert probe.split_words(text) == runtime.split_words(text)
+
+
+def test_converted_file_tokenizes_the_same_in_ik_and_ikrun(data_dir: Path, folder: Path, tmp_path: Path) -> None:
+    """The tiny DeepSeek-V3 model with this vocabulary, converted naming `deepseek-llm`: ik (the wheel) and the
+    runtime read the same keys and give the `tokenizers` library's ids."""
+    n_vocab = len(HFTokenizerFiles(folder).vocab)
+    hf_dir = deepseek_v3_with_vocab(data_dir, tmp_path / "hf", n_vocab, [folder / "tokenizer.json"])
+    gguf = Converter(hf_dir, "bf16", pre_tokenizer="deepseek-llm").write(tmp_path / "ds-llm.gguf")
+    ours = BPETokenizer.from_gguf(GGUFFile(gguf))
+    hf = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    expected = [hf.encode(t, add_special_tokens=False).ids for t in TEXTS]
+    assert [ours.encode(t, add_special=False) for t in TEXTS] == expected
+    assert ik_engine.tokenize(gguf, TEXTS) == expected

@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +21,14 @@ from typer.testing import CliRunner
 
 from ikconvert.convert import Converter
 from ikconvert.errors import VocabError
-from ikconvert.safetensors_io import SafetensorsFile, write_safetensors
 from ikconvert.tiktoken_vocab import TIKTOKEN_FILE, TiktokenFiles, read_tiktoken_ranks
 from ikconvert.tokenizer import CONTROL, NORMAL, UNUSED, byte_encoder
 from ikconvert.vocab import PRE_TOKENIZER_HASHES, PROBE_TEXT
-from ikquant.formats.numeric import f32_to_bf16_bits
 from ikquant.gguf_io import GGUFFile
 from ikrun.cli import app as ikrun_app
 from ikrun.model import Model
-from tests.convert_helpers import convert_fails
+from tests import ik_engine
+from tests.convert_helpers import convert_fails, deepseek_v3_with_vocab
 
 KIMI_VOCAB = 163840
 
@@ -52,26 +50,12 @@ def _n_base(kimi_dir: Path) -> int:
 
 def make_kimi_checkpoint(data_dir: Path, kimi_dir: Path, folder: Path) -> Path:
     """The tiny DeepSeek-V3 checkpoint with 163840-row embeddings and Kimi's tokenizer files."""
-    shutil.copytree(data_dir / "convert" / "deepseek-v3" / "hf", folder)
-    for p in folder.iterdir():
-        p.chmod(0o644)
-    (folder / "tokenizer.json").unlink()
-    for name in (TIKTOKEN_FILE, "tokenizer_config.json"):
-        shutil.copyfile(kimi_dir / "tokenizer" / name, folder / name)
+    tokenizer = kimi_dir / "tokenizer"
+    deepseek_v3_with_vocab(data_dir, folder, KIMI_VOCAB, [tokenizer / TIKTOKEN_FILE, tokenizer / "tokenizer_config.json"])
     cfg = json.loads((folder / "config.json").read_text())
     n_base = _n_base(kimi_dir)
-    cfg.update(vocab_size=KIMI_VOCAB, bos_token_id=n_base, eos_token_id=n_base + 1)
+    cfg.update(bos_token_id=n_base, eos_token_id=n_base + 1)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    rng = np.random.default_rng(0)
-    for shard in sorted(folder.glob("model-*.safetensors")):
-        st = SafetensorsFile(shard)
-        tensors = {n: (t.dtype, np.array(t.raw())) for n, t in st.tensors.items()}
-        del st
-        for name in ("model.embed_tokens.weight", "lm_head.weight"):
-            if name in tensors:
-                rows = rng.standard_normal((KIMI_VOCAB, cfg["hidden_size"])).astype(np.float32) * 0.1
-                tensors[name] = ("BF16", f32_to_bf16_bits(rows))
-        write_safetensors(shard, tensors, {"format": "pt"})
     return folder
 
 
@@ -206,3 +190,23 @@ def test_ikrun_ppl_runs_on_the_kimi_file(kimi_gguf: Path, reference: dict[str, A
     assert res.exit_code == 0, res.output
     stats = json.loads(res.stdout)
     assert stats["n_tokens"] == 2 * (64 // 2 - 1) and np.isfinite(stats["ppl"])  # ik scores ctx/2 - 1 a chunk
+
+
+def test_the_wheels_ik_differs_only_on_script_han_outside_its_ranges_and_uppercase_contractions(
+        kimi_gguf: Path, reference: dict[str, Any]) -> None:
+    """ik (the wheel) tokenizes the converted file with its own Kimi splitter: tiktoken's ids except where a
+    character is Script=Han outside the CJK blocks ik lists (々 U+3005, 〇 U+3007) or a contraction is uppercase
+    ('VE: the wheel compares case-sensitively; ik's current source lowercases). Without those, ik gives ours."""
+    texts = [c["text"] for c in reference["cases"]]
+    ik = ik_engine.tokenize(kimi_gguf, texts)
+    tok = Model(kimi_gguf).tokenizer()
+    differs = [i for i, (text, ids) in enumerate(zip(texts, ik)) if ids != tok.encode(text)]
+    assert differs == [i for i, t in enumerate(texts) if regex.search(r"[々〇]|'(?:VE|S|T)\b", t)] and differs
+
+    def plain(text: str) -> str:
+        return regex.sub(r"'(VE|S|T)\b", lambda m: "'" + m.group(1).lower(), text.replace("々", "").replace("〇", ""))
+
+    cleaned = [plain(t) for t in texts]
+    assert ik_engine.tokenize(kimi_gguf, cleaned) == [tok.encode(t) for t in cleaned]
+    assert ik_engine.tokenize(kimi_gguf, cleaned, parse_special=True) == [
+        tok.encode(t, add_special=False, parse_special=True) for t in cleaned]
