@@ -123,6 +123,21 @@ def test_conversion_writes_iks_kimi_vocabulary(kimi_gguf: Path, kimi_dir: Path, 
     assert [kv.key for kv in g.kv()] == [kv.key for kv in ik.kv() if kv.key not in absent]
 
 
+def test_tokenizer_keys_equal_what_iks_own_set_vocab_wrote(kimi_gguf: Path, kimi_dir: Path) -> None:
+    """ik-tokenizer-keys.json: ik's Kimi-K2 set_vocab itself, run on this checkpoint (see tests/data/README.md)."""
+    ik = json.loads((kimi_dir / "ik-tokenizer-keys.json").read_text(encoding="utf-8"))
+    g = GGUFFile(kimi_gguf)
+    ours = [kv for kv in g.kv() if kv.key.startswith("tokenizer.")]
+    assert [[kv.key, int(kv.type)] for kv in ours] == ik["keys"]
+    named = ik["tokens_before_padding"]
+    assert list(g.get("tokenizer.ggml.tokens")) == named + [f"[PAD{i}]" for i in range(len(named), ik["n_tokens"])]
+    assert list(g.get("tokenizer.ggml.token_type")) == [t for t, n in ik["token_type_runs"] for _ in range(n)]
+    assert list(g.get("tokenizer.ggml.merges")) == ik["merges"]
+    assert g.get("tokenizer.ggml.pre") == ik["pre"]
+    assert (g.get("tokenizer.ggml.bos_token_id"), g.get("tokenizer.ggml.eos_token_id")) == (ik["bos_token_id"],
+                                                                                          ik["eos_token_id"])
+
+
 def test_probe_hash_is_the_one_tiktoken_gives(kimi_dir: Path, reference: dict[str, Any]) -> None:
     """ik hashes the probe text's ids from Kimi's tokenizer: ours are tiktoken's, so the real vocabulary's hash is
     ik's kimi-k2 entry; this tiny one is in no table, and the converter refuses it like ik does."""
