@@ -119,15 +119,24 @@ class TiktokenFiles:
                 types.append(int(TokenType.CONTROL if i in special_ids else TokenType.NORMAL))
         return tokens, types
 
-    def probe_hash(self) -> str:
-        """sha256 of str(ids) of ik's probe text, tokenized as Kimi's tokenizer does (no BOS, Kimi's regex)."""
+    def encode(self, text: str) -> list[int]:
+        """tiktoken's encode_ordinary, which produced ik's hash: Kimi's regex pieces, a piece that is a token taken
+        whole, any other merged by rank (unlimited); the runtime's merge-list BPE is a separate implementation."""
         from ikconvert.tokenizer import PRE_TOKENIZERS, BPETokenizer
+
+        splitter = BPETokenizer(tokens=[], merges=[], regexes=PRE_TOKENIZERS["kimi-k2"].regexes)
+        ids: list[int] = []
+        for piece in splitter.split_words(text):
+            word = piece.encode("utf-8")
+            parts = [word] if word in self.ranks else rank_merge(self.ranks, word, len(self.ranks))
+            ids.extend(self.ranks[p] for p in parts)
+        return ids
+
+    def probe_hash(self) -> str:
+        """sha256 of str(ids) of ik's probe text as Kimi's tokenizer encodes it (no BOS)."""
         from ikconvert.vocab import PROBE_TEXT
 
-        tokens, types = self.tokens_and_types(max(self.specials.values()) + 1)
-        tok = BPETokenizer(tokens=tokens, merges=self.merges(), regexes=PRE_TOKENIZERS["kimi-k2"].regexes,
-                           token_types=types)
-        return hashlib.sha256(str(tok.encode(PROBE_TEXT, add_special=False)).encode()).hexdigest()
+        return hashlib.sha256(str(self.encode(PROBE_TEXT)).encode()).hexdigest()
 
     def detect_pre_tokenizer(self) -> str:
         """ik's get_vocab_base_pre on this vocabulary: the probe hash looked up in ik's table."""

@@ -90,8 +90,10 @@ def tiktoken_encode(ranks: dict[bytes, int], pat_str: str, text: str) -> list[in
 def test_fixture_ids_are_tiktokens(kimi_dir: Path, reference: dict[str, Any]) -> None:
     ranks = {base64.b64decode(t): int(r) for t, r in
              (line.split() for line in (kimi_dir / "tokenizer" / TIKTOKEN_FILE).read_text().splitlines())}
+    files = TiktokenFiles(kimi_dir / "tokenizer")
     for case in reference["cases"]:
         assert tiktoken_encode(ranks, reference["pat_str"], case["text"]) == case["ordinary"]
+        assert files.encode(case["text"]) == case["ordinary"]  # the converter's, for the probe hash
 
 
 # ---- the converter -------------------------------------------------------------------------------------------------
