@@ -49,3 +49,39 @@ def write_sharded(folder: Path, weights: dict, shard_of, index_name: str) -> Non
         write_safetensors(folder / fname, part, {"format": "pt"})
         weight_map.update({n: fname for n in part})
     (folder / index_name).write_text(json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}))
+
+
+def deepseek_v3_with_vocab(data_dir: Path, folder: Path, vocab_size: int, tokenizer_files: list[Path],
+                           seed: int = 0) -> Path:
+    """The tiny DeepSeek-V3 checkpoint (tests/data/convert/deepseek-v3/hf) with another vocabulary: its tokenizer
+    files replaced by `tokenizer_files`, config.json's vocab_size set and the embedding and LM head re-drawn with
+    that many rows (bf16). Tokenizer tests use it to convert a vocabulary and run ik and ikrun on the file."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    from ikconvert.safetensors_io import SafetensorsFile, write_safetensors
+    from ikquant.formats.numeric import f32_to_bf16_bits
+
+    shutil.copytree(data_dir / "convert" / "deepseek-v3" / "hf", folder)
+    for p in folder.iterdir():
+        p.chmod(0o644)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    for src in tokenizer_files:
+        shutil.copyfile(src, folder / src.name)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["vocab_size"] = vocab_size
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    rng = np.random.default_rng(seed)
+    for shard in sorted(folder.glob("model-*.safetensors")):
+        st = SafetensorsFile(shard)
+        tensors = {n: (t.dtype, np.array(t.raw())) for n, t in st.tensors.items()}
+        del st
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in tensors:
+                rows = rng.standard_normal((vocab_size, cfg["hidden_size"])).astype(np.float32) * 0.1
+                tensors[name] = ("BF16", f32_to_bf16_bits(rows))
+        write_safetensors(shard, tensors, {"format": "pt"})
+    return folder

@@ -6,6 +6,7 @@ llama-quantize."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -44,6 +45,20 @@ def logits(path: Path, tokens: list[int], threads: int = 2) -> np.ndarray:
             said = [line for line in res.stderr.splitlines() if "GGML_ASSERT" in line or "error" in line.lower()]
             raise IkFailed(f"ik could not run {path} (exit {res.returncode}): {' | '.join(said[:2])}")
         return np.load(out)
+
+
+def tokenize(path: Path, texts: list[str], parse_special: bool = False) -> list[list[int]]:
+    """ik's llama_tokenize of each text with the file's vocabulary (no BOS added), in a child process."""
+    _package()
+    script = ("import json, sys\nfrom ik_llama_cpp._internals import IkModel\nm = IkModel(sys.argv[1])\n"
+              "texts, special = json.loads(sys.stdin.read()), sys.argv[2] == '1'\n"
+              "print(json.dumps([m.tokenize(t, add_bos=False, special=special) for t in texts]))")
+    res = subprocess.run([sys.executable, "-c", script, str(path), "1" if parse_special else "0"],
+                         input=json.dumps(texts), capture_output=True, text=True, errors="replace")
+    if res.returncode != 0:
+        raise IkFailed(f"ik could not tokenize with {path} (exit {res.returncode}): {res.stderr[-300:]}")
+    ids: list[list[int]] = json.loads(res.stdout.strip().splitlines()[-1])
+    return ids
 
 
 class IkFailed(AssertionError):

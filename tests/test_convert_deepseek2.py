@@ -497,12 +497,6 @@ def test_expert_gating_func(data_dir: Path, tmp_path: Path, scoring: str, code: 
     assert [kv.key for kv in g.kv()] == [kv.key for kv in ik.kv()]
 
 
-def test_kimi_vocab_size_is_refused(data_dir: Path, tmp_path: Path) -> None:
-    hf = _copy(_golden(data_dir) / "hf", tmp_path / "hf")
-    _edit_config(hf, vocab_size=163840)
-    _fails(hf, tmp_path, "config.json", "vocab_size 163840", "Kimi-K2 tiktoken")
-
-
 # ---- 5. --dry-run -----------------------------------------------------------------------------------------------
 def test_dry_run_shows_merges_splits_and_dequantization(data_dir: Path, tmp_path: Path) -> None:
     res = _convert([str(_golden(data_dir, "deepseek-v3-fp8") / "hf"), "--dry-run", "--outtype", "q8_0",

@@ -3,7 +3,8 @@
 What ik does, reproduced: MLA attention tensors renamed, `kv_b_proj` written fused *and* split per head into
 `attn_k_b` (each head's nope rows, transposed) and `attn_v_b` (its v rows); routed experts merged per layer into
 3-D `ffn_{down,gate,up}_exps` emitted when the layer's last expert tensor arrives; `e_score_correction_bias` as
-`exp_probs_b.bias`; MTP/NextN layers (index >= num_hidden_layers) dropped; routing and YaRN metadata.
+`exp_probs_b.bias`; MTP/NextN layers (index >= num_hidden_layers) dropped; routing and YaRN metadata. A
+vocab_size of 163840 means Kimi-K2 (DeepSeek-V3's layout) and its tiktoken vocabulary (ikconvert.tiktoken_vocab).
 
 Beyond ik: FP8 checkpoints (F8_E4M3 weights with an F32 `weight_scale_inv` per tile, DeepSeek's published format,
 which ik rejects) are dequantized here tile by tile in float32, the tile taken from config.json
@@ -26,6 +27,7 @@ from ikconvert.archs.base import Arch, ExpertMerger, Fill, OutTensor, dequantize
 from ikconvert.checkpoint import Checkpoint, block_id
 from ikconvert.errors import ConvertError
 from ikconvert.safetensors_io import E4M3_TABLE, SafeTensor
+from ikconvert.tiktoken_vocab import KIMI_VOCAB_SIZE, TiktokenFiles, write_tiktoken_vocab
 
 # ik's ExpertGatingFuncType (the PyPI gguf package lacks sqrtsoftplus)
 GATING_FUNCS = {"softmax": 1, "sigmoid": 2, "sqrtsoftplus": 4}
@@ -64,13 +66,25 @@ class DeepseekV2Arch(Arch):
 
     def __init__(self, ckpt: Checkpoint, options: dict[str, Any] | None = None):
         super().__init__(ckpt, options)
-        if self.hparams.get("vocab_size") == 163840:
-            raise ConvertError(
-                f"{ckpt.dir / 'config.json'}: vocab_size 163840 selects ik's Kimi-K2 tiktoken vocabulary, which "
-                "this converter does not implement"
-            )
         self._experts = ExpertMerger(int(self.hparams.get("n_routed_experts") or 0), "n_routed_experts",
                                      self._filler)
+
+    # ---- vocabulary ---------------------------------------------------------------------------------------
+    @property
+    def _kimi_vocab(self) -> bool:
+        """ik reads Kimi-K2's tiktoken vocabulary instead of tokenizer.json exactly when vocab_size is 163840."""
+        return self.hparams.get("vocab_size") == KIMI_VOCAB_SIZE
+
+    def detect_pre_tokenizer(self) -> str:
+        if self._kimi_vocab:
+            return TiktokenFiles(self.tokenizer_dir()).detect_pre_tokenizer()
+        return super().detect_pre_tokenizer()
+
+    def set_vocab(self, gw: GGUFWriter, pre_tokenizer: str) -> None:
+        if self._kimi_vocab:
+            write_tiktoken_vocab(gw, self.tokenizer_dir(), KIMI_VOCAB_SIZE, pre_tokenizer)
+        else:
+            super().set_vocab(gw, pre_tokenizer)
 
     # ---- config -------------------------------------------------------------------------------------------
     def _key_length(self) -> int:
