@@ -26,7 +26,7 @@ import numpy as np
 
 from ikrun.models.base import Sequence
 from ikrun.models.llama import LlamaFamily
-from ikrun.modules.ffn import MoeConfig, dense_ffn, moe_ffn
+from ikrun.modules.ffn import MoeConfig, moe_ffn
 from ikrun.ops.moe import GATING_SIGMOID
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ ROPE_SCALING = ("none", "linear")
 
 
 class Glm4Moe(LlamaFamily):
+    ffn_norm = "post_attention_norm.weight"  # ik loads GLM's post-attention norm as the FFN norm
     archs = ("glm4moe",)
 
     def __init__(self, ctx: Context):
@@ -97,18 +98,5 @@ class Glm4Moe(LlamaFamily):
         nextn = {n: s for i in range(self.n_active, self.n_layer) for n, s in self._nextn_expected(i).items()}
         super().check_tensors(want, {**(optional or {}), **nextn}, hint)
 
-    def block(self, i: int, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
-        cx, b = self.ctx, f"blk.{i}."
-
-        def attention(x: np.ndarray, seq: Sequence) -> np.ndarray:
-            cos, sin = seq.state["rope"]
-            return x + self.attention(cx, b, self.norm(x, cx.weight(b + "attn_norm.weight")), cos, sin,
-                                      seq.state.get("kv"))
-
-        xs = self.each(xs, seqs, attention)
-        hs = [self.norm(x, cx.weight(b + "post_attention_norm.weight")) for x in xs]
-        if i < self.n_dense:
-            ys = self.each(hs, seqs, lambda h, seq: dense_ffn(cx, h, b))
-        else:
-            ys = moe_ffn(cx, hs, seqs, b, self.moe)
-        return [x + y for x, y in zip(xs, ys)]
+    def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
+        return super().ffn(i, hs, seqs) if i < self.n_dense else moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe)

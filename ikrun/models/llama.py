@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 class LlamaFamily(ArchModel):
     archs: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3")
+    #: the norm before a block's FFN
+    ffn_norm: ClassVar[str] = "ffn_norm.weight"
     continues = True
 
     def __init__(self, ctx: Context):
@@ -83,14 +85,22 @@ class LlamaFamily(ArchModel):
         return self.ctx.embed_rows("token_embd.weight", seq.tokens)
 
     def block(self, i: int, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
-        return self.each(xs, seqs, lambda x, seq: self._block(i, x, seq))
-
-    def _block(self, i: int, x: np.ndarray, seq: Sequence) -> np.ndarray:
+        """Attention (each sequence), then the FFN block on the normed states of all of them (`ffn`)."""
         cx, b = self.ctx, f"blk.{i}."
-        cos, sin = seq.state["rope"]
-        h = self.norm(x, cx.weight(b + "attn_norm.weight"))
-        x = x + self.attention(cx, b, h, cos, sin, seq.state.get("kv"))
-        return x + dense_ffn(cx, self.norm(x, cx.weight(b + "ffn_norm.weight")), b)
+
+        def attention(x: np.ndarray, seq: Sequence) -> np.ndarray:
+            cos, sin = seq.state["rope"]
+            return x + self.attention(cx, b, self.norm(x, cx.weight(b + "attn_norm.weight")), cos, sin,
+                                      seq.state.get("kv"))
+
+        xs = self.each(xs, seqs, attention)
+        hs = [self.norm(x, cx.weight(b + self.ffn_norm)) for x in xs]
+        return [x + y for x, y in zip(xs, self.ffn(i, hs, seqs))]
+
+    def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
+        """Block `i`'s FFN on each sequence's normed states: the SwiGLU FFN (MoE families route where their layers
+        do)."""
+        return self.each(hs, seqs, lambda h, seq: dense_ffn(self.ctx, h, f"blk.{i}."))
 
     def head(self, x: np.ndarray, seq: Sequence) -> np.ndarray:
         return self.output_projection(self.norm(x, self.ctx.weight("output_norm.weight")))

@@ -54,14 +54,5 @@ class MiniMaxM2(LlamaFamily):
     def _ffn_expected(self, i: int, b: str) -> dict[str, tuple[int, ...]]:
         return {**self.moe.expected(b, self.n_embd), b + "exp_probs_b.bias": (self.moe.n_expert,)}
 
-    def block(self, i: int, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
-        cx, b = self.ctx, f"blk.{i}."
-
-        def attention(x: np.ndarray, seq: Sequence) -> np.ndarray:
-            cos, sin = seq.state["rope"]
-            return x + self.attention(cx, b, self.norm(x, cx.weight(b + "attn_norm.weight")), cos, sin,
-                                      seq.state.get("kv"))
-
-        xs = self.each(xs, seqs, attention)
-        ys = moe_ffn(cx, [self.norm(x, cx.weight(b + "ffn_norm.weight")) for x in xs], seqs, b, self.moe)
-        return [x + y for x, y in zip(xs, ys)]
+    def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
+        return moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe)

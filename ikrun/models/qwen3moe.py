@@ -15,7 +15,7 @@ import numpy as np
 from ikrun.errors import ModelError
 from ikrun.models.base import Sequence
 from ikrun.models.llama import LlamaFamily
-from ikrun.modules.ffn import MoeConfig, dense_ffn, moe_ffn
+from ikrun.modules.ffn import MoeConfig, moe_ffn
 from ikrun.ops.moe import GATING_SOFTMAX
 
 if TYPE_CHECKING:
@@ -39,18 +39,5 @@ class Qwen3Moe(LlamaFamily):
     def _ffn_expected(self, i: int, b: str) -> dict[str, tuple[int, ...]]:
         return super()._ffn_expected(i, b) if i in self.dense else self.moe.expected(b, self.n_embd)
 
-    def block(self, i: int, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
-        cx, b = self.ctx, f"blk.{i}."
-
-        def attention(x: np.ndarray, seq: Sequence) -> np.ndarray:
-            cos, sin = seq.state["rope"]
-            return x + self.attention(cx, b, self.norm(x, cx.weight(b + "attn_norm.weight")), cos, sin,
-                                      seq.state.get("kv"))
-
-        xs = self.each(xs, seqs, attention)
-        hs = [self.norm(x, cx.weight(b + "ffn_norm.weight")) for x in xs]
-        if i in self.dense:
-            ys = self.each(hs, seqs, lambda h, seq: dense_ffn(cx, h, b))
-        else:
-            ys = moe_ffn(cx, hs, seqs, b, self.moe)
-        return [x + y for x, y in zip(xs, ys)]
+    def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
+        return super().ffn(i, hs, seqs) if i in self.dense else moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe)
