@@ -1,3 +1,3 @@
 """One module per Hugging Face architecture; importing this package registers them all."""
 
-from ikconvert.archs import deepseek2, deepseek4, dflash, glm_dsa, llama, minimax_m2, openpangu, qwen3moe  # noqa: F401
+from ikconvert.archs import deepseek2, deepseek4, dflash, glm_dsa, gpt_oss, llama, minimax_m2, openpangu, qwen3moe  # noqa: F401
