@@ -1,0 +1,175 @@
+"""gpt-oss (`gpt-oss`): the reference layout byte for byte (MXFP4 experts included), the YaRN `truncate: false` key,
+the runtime against transformers and ik's base logits, ik itself (the wheel), streaming, refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikconvert import write_safetensors
+from ikconvert.checkpoint import Checkpoint
+from ikconvert.convert import Converter
+from ikconvert.errors import ConvertError
+from ikquant.gguf_io import GGUFFile
+from ikrun.cli import app
+from ikrun.errors import ModelError
+from ikrun.eval.stream import evaluate_chunks, minimum_budget, plan_run
+from ikrun.model import Model
+from ikrun.options import RuntimeOptions
+from ikrun.validate.hf import HFReference
+from tests import ik_engine
+from tests.convert_helpers import assert_same_gguf
+from tests.test_ik_engine import mean_kld
+
+runner = CliRunner()
+DATA = Path(__file__).parent / "data"
+HF = DATA / "convert" / "gpt-oss" / "hf"
+REF = DATA / "convert" / "gpt-oss" / "ref-f32.gguf"
+HF_LOGITS = DATA / "hf-logits" / "gpt-oss"
+LOGITS = DATA / "logits" / "gpt-oss"
+SCORED = slice(32, 63)  # the positions ik scores in a 64-token chunk
+TRUNCATE_KEY = "gpt-oss.rope.scaling.yarn_truncate"
+
+
+@pytest.fixture(scope="module")
+def f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Converter(HF, "f32", "gpt-4o").write(tmp_path_factory.mktemp("gptoss") / "f32.gguf")
+
+
+def _variant(tmp_path: Path, config: dict, tensors: dict[str, tuple[str, np.ndarray]] | None = None) -> Path:  # type: ignore[type-arg]
+    hf = tmp_path / "hf"
+    shutil.copytree(HF, hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, **config}))
+    if tensors is not None:
+        (hf / "model.safetensors").unlink()
+        write_safetensors(hf / "model.safetensors", tensors)
+    return hf
+
+
+def _scored_kld(ref: np.ndarray, got: np.ndarray) -> float:
+    return mean_kld(ref[:, SCORED].reshape(-1, ref.shape[-1]), got[:, SCORED].reshape(-1, ref.shape[-1]))
+
+
+def _kld_json(gguf: Path, base: Path, *extra: str) -> dict:  # type: ignore[type-arg]
+    res = runner.invoke(app, ["kld", str(gguf), "--base-logits", str(base), "--json", *extra])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout[res.stdout.index("{"):])  # type: ignore[no-any-return]
+
+
+def test_conversion_is_the_reference_layout_plus_the_truncate_key(f32: Path) -> None:
+    """Every key, tensor and byte of the reference (the MXFP4 experts repacked byte for byte, gate/up rows split),
+    plus our key saying transformers' YaRN range is fractional."""
+    ours, ref = GGUFFile(f32), GGUFFile(REF)
+    assert ours.get(TRUNCATE_KEY) is False
+    assert [(kv.key, kv.type, kv.value) for kv in ours.kv() if kv.key != TRUNCATE_KEY] == \
+        [(kv.key, kv.type, kv.value) for kv in ref.kv()]
+    assert [(t.name, t.ne, t.type) for t in ours.tensors.values()] == [(t.name, t.ne, t.type) for t in ref.tensors.values()]
+    for name in ref.tensors:
+        assert ours.raw(name).tobytes() == ref.raw(name).tobytes(), name
+
+
+def test_truncate_true_is_the_reference_file_byte_for_byte(tmp_path: Path) -> None:
+    hf = _variant(tmp_path, {"rope_scaling": {**json.loads((HF / "config.json").read_text())["rope_scaling"],
+                                              "truncate": True}})
+    assert_same_gguf(Converter(hf, "f32", "gpt-4o").write(tmp_path / "m.gguf"), REF)
+
+
+def test_runtime_against_transformers(f32: Path) -> None:
+    """Our file computes transformers' model (fractional YaRN range); the reference layout without our key computes
+    ik's rounding, which is transformers' with `truncate: true`; the two models differ by ~1e-4."""
+    tokens = np.load(HF_LOGITS / "tokens.npy")
+    ref, ref_truncated = np.load(HF_LOGITS / "logits.npy"), np.load(HF_LOGITS / "logits-yarn-truncate.npy")
+    ours = np.stack([Model(f32).logits(t) for t in tokens])
+    assert _scored_kld(ref, ours) <= 1e-8
+    rounded = np.stack([Model(REF).logits(t) for t in tokens])
+    assert _scored_kld(ref_truncated, rounded) <= 1e-8
+    assert _scored_kld(ref, rounded) > 5e-5
+
+
+def test_numpy_reference_is_transformers() -> None:
+    tokens = np.load(HF_LOGITS / "tokens.npy")[:2]
+    ref = np.load(HF_LOGITS / "logits.npy")[:2]
+    got = np.stack([HFReference(HF).logits(t) for t in tokens])
+    assert mean_kld(ref.reshape(-1, ref.shape[-1]), got.reshape(-1, ref.shape[-1])) <= 1e-8
+
+
+def test_runtime_against_iks_base_logits() -> None:
+    """ik's run of the dequantized file is the model (ik's YaRN rounding: the reference layout without our key);
+    ik's run of the MXFP4 file rounds the activations to 8 bits before the expert matmuls."""
+    assert _kld_json(REF, LOGITS / "ik-base-dequant.kld")["kld_mean"] <= 1e-5
+    assert _kld_json(REF, LOGITS / "ik-base-dequant.kld", "--kv-cache", "f16")["kld_mean"] <= 1e-6
+    assert _kld_json(REF, LOGITS / "ik-base.kld")["kld_mean"] <= 1e-3
+
+
+def test_numerics_ik_is_refused_before_any_compute() -> None:
+    with pytest.raises(ModelError, match="--numerics ik is not implemented for gpt-oss"):
+        Model(REF, options=RuntimeOptions(numerics="ik"))
+
+
+def test_streamed_equals_chunk_by_chunk(f32: Path) -> None:
+    free = Model(f32)
+    chunks = np.random.default_rng(0).integers(0, free.n_vocab, size=(5, 48))
+    expected = [x.copy() for _, x in evaluate_chunks(free, chunks, plan_run(free, 5, 48, one_pass=False))]
+    tight = Model(f32)
+    tight.mem = minimum_budget(tight, 48)
+    plan = plan_run(tight, 5, 48, one_pass=True)
+    assert plan.streamed
+    for a, (_, b) in zip(expected, evaluate_chunks(tight, chunks, plan)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_ik_runs_the_conversion_as_ikrun_does(tmp_path: Path) -> None:
+    """The wheel's ik on the reference layout dequantized by its own llama-quantize --allow-requantize F32 (the MXFP4
+    file itself: ik rounds the activations of its expert matmuls to 8 bits, ~1e-4 KL away)."""
+    tokens = [int(t) for t in np.load(HF_LOGITS / "tokens.npy")[0]]
+    dequant = tmp_path / "dequant.gguf"
+    res = ik_engine.llama_quantize("--allow-requantize", str(REF), str(dequant), "F32", "1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    ours = Model(REF, kv_cache="f16").logits(np.asarray(tokens))
+    assert mean_kld(ik_engine.logits(dequant, tokens), ours) <= 1e-5
+    assert mean_kld(ik_engine.logits(REF, tokens), ours) <= 1e-3
+
+
+def _tensors() -> dict[str, tuple[str, np.ndarray]]:
+    out = {}
+    for name, t in Checkpoint(HF).iter_tensors():
+        out[name] = ("U8", t.raw().view(np.uint8).reshape(t.shape)) if t.dtype == "U8" else ("F32", t.to_f32())
+    return out
+
+
+def test_mxfp4_blocks_without_scales_name_the_tensor(tmp_path: Path) -> None:
+    tensors = _tensors()
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    hf = _variant(tmp_path, {}, tensors)
+    with pytest.raises(ConvertError, match=r"'model\.layers\.1\.mlp\.experts\.down_proj_blocks' has no "
+                                           r"model\.layers\.1\.mlp\.experts\.down_proj_scales partner"):
+        Converter(hf, "f32", "gpt-4o").build_plan()
+
+
+@pytest.mark.parametrize(("config", "needle"), [
+    ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types[1] = 'chunked_attention'"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types[0] = 'full_attention'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling.rope_type = 'longrope'"),
+    ({"swiglu_limit": 10.0}, "swiglu_limit = 10.0"),
+])
+def test_settings_the_layout_cannot_carry_are_refused(tmp_path: Path, config: dict, needle: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ConvertError) as err:
+        Converter(_variant(tmp_path, config), "f32", "gpt-4o").build_plan()
+    assert needle in str(err.value) and "config.json" in str(err.value)
+
+
+def test_the_runtime_refuses_a_rope_scaling_it_does_not_compute(tmp_path: Path) -> None:
+    from gguf import GGUFValueType
+
+    from ikquant.gguf_io import KeyValue
+
+    out = Converter(HF, "f32", "gpt-4o").write(
+        tmp_path / "m.gguf", overrides=[KeyValue("gpt-oss.rope.scaling.type", "longrope", GGUFValueType.STRING)])
+    with pytest.raises(ModelError, match="gpt-oss.rope.scaling.type = 'longrope'"):
+        Model(out)
