@@ -173,3 +173,75 @@ def test_the_runtime_refuses_a_rope_scaling_it_does_not_compute(tmp_path: Path) 
         tmp_path / "m.gguf", overrides=[KeyValue("gpt-oss.rope.scaling.type", "longrope", GGUFValueType.STRING)])
     with pytest.raises(ModelError, match="gpt-oss.rope.scaling.type = 'longrope'"):
         Model(out)
+
+
+FTYPES = ["Q4_K_M", "Q6_K", "Q8_0", "IQ4_KS", "IQ4_XS", "IQ3_K", "IQ2_KS", "IQ2_KT", "IQ4_K", "Q3_K_M"]
+
+
+def _plan(model: Path, ftype: str, imatrix: Path | None) -> dict[str, str]:
+    from ikquant.ftypes import file_type
+    from ikquant.imatrix import read_imatrix_dat
+    from ikquant.quantize import QuantizeOptions, make_plan
+    from ikquant.shards import GGUFModel
+
+    opts = QuantizeOptions(file_type(ftype), imatrix=None if imatrix is None else read_imatrix_dat(imatrix),
+                           ignore_imatrix_rules=True, allow_requantize=True)
+    return {p.name: (p.ik_type or p.type).ggml_name for p in make_plan(GGUFModel(model), opts).tensors}
+
+
+def _iks(model: Path, tmp_path: Path, ftype: str, imatrix: Path | None) -> dict[str, str]:
+    from tests.test_ik_engine import ik_plan
+
+    res = ik_engine.llama_quantize("--dry-run", "--ignore-imatrix-rules",
+                                   *([] if imatrix is None else ["--imatrix", str(imatrix)]), str(model),
+                                   str(tmp_path / "out.gguf"), ftype, "1")
+    assert res.returncode == 0, res.stderr[-2000:]
+    return ik_plan(res.stdout + res.stderr)
+
+
+def _golden(folder: Path, ftype: str, imat: bool) -> dict[str, str]:
+    lines = (folder / f"ik-plan-{ftype}{'-imat' * imat}.txt").read_text().splitlines()
+    return dict(line.split() for line in lines if line.strip())
+
+
+@pytest.mark.parametrize("imat", [False, True], ids=["plain", "imat"])
+@pytest.mark.parametrize("ftype", FTYPES)
+def test_plans_equal_iks(tmp_path: Path, ftype: str, imat: bool) -> None:
+    """The MXFP4 experts re-encoded as --allow-requantize does (ik's --dry-run plans them too): ik's golden plans of
+    the reference file and the wheel's llama-quantize --dry-run (64-wide rows: ik's fallbacks)."""
+    folder = DATA / "plans" / "gpt-oss"
+    imatrix = folder / "imatrix.dat" if imat else None
+    ours = _plan(REF, ftype, imatrix)
+    assert ours == _golden(folder, ftype, imat)
+    assert ours == _iks(REF, tmp_path, ftype, imatrix)
+
+
+@pytest.mark.parametrize("imat", [False, True], ids=["plain", "imat"])
+@pytest.mark.parametrize("ftype", FTYPES)
+def test_plans_with_256_wide_rows_equal_iks(tmp_path: Path, ftype: str, imat: bool) -> None:
+    """gpt-oss-plan (hidden and expert FFN 256, MXFP4 experts): ik's golden plans from the reference file's header
+    with zeros for weights, and the wheel's llama-quantize on that same input."""
+    folder = DATA / "plans" / "gpt-oss-plan"
+    model = tmp_path / "m.gguf"
+    header = (folder / "ref-f32.header.bin").read_bytes()
+    with open(model, "wb") as fh:
+        fh.write(header)
+        fh.truncate(len(header) + (4 << 20))
+    imatrix = folder / "imatrix.dat" if imat else None
+    ours = _plan(model, ftype, imatrix)
+    assert ours == _golden(folder, ftype, imat)
+    assert ours == _iks(model, tmp_path, ftype, imatrix)
+
+
+def test_mxfp4_experts_need_allow_requantize(tmp_path: Path) -> None:
+    """As ik's real run ('requantizing from type mxfp4 is disabled'), re-encoding the MXFP4 experts is refused without
+    --allow-requantize, naming the tensor."""
+    from ikquant.errors import QuantizeError
+    from ikquant.ftypes import file_type
+    from ikquant.quantize import QuantizeOptions, make_plan
+    from ikquant.shards import GGUFModel
+
+    res = ik_engine.llama_quantize(str(REF), str(tmp_path / "out.gguf"), "Q8_0", "1")
+    assert res.returncode != 0 and "requantizing from type mxfp4 is disabled" in res.stdout + res.stderr
+    with pytest.raises(QuantizeError, match="'blk.0.ffn_gate_exps.weight' is already quantized"):
+        make_plan(GGUFModel(REF), QuantizeOptions(file_type("Q8_0")))
