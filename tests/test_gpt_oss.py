@@ -267,3 +267,21 @@ def test_imatrix_equals_iks_up_to_the_first_mxfp4_product(tmp_path: Path) -> Non
     for name in upstream:
         a, b = ik.entries[name].mean_sq(), ours.entries[name].mean_sq()
         assert (np.abs(a - b) <= 1e-4 * np.abs(a)).all(), name
+
+
+def test_a_continued_sequence_sees_the_window_of_its_cache(f32: Path) -> None:
+    """A sequence continued from its KV cache (a speculative-decoding target) gets the logits of the whole sequence:
+    the sliding window and the rope positions count from the cached start."""
+    from ikrun.models.base import Sequence
+
+    model = Model(f32)
+    arch = model.impl
+    tokens = np.load(HF_LOGITS / "tokens.npy")[0][:48]
+    whole = arch.forward(tokens)
+    kv: dict = {}  # type: ignore[type-arg]
+    logits = []
+    for start, stop in ((0, 20), (20, 37), (37, 48)):
+        seq = Sequence(tokens[start:stop], start=start, state={"kv": kv})
+        arch.begin(seq)
+        logits.append(arch.run_from(0, arch.embed(seq), seq))
+    np.testing.assert_allclose(np.concatenate(logits), whole, rtol=0, atol=2e-5)
