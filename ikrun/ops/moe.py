@@ -156,13 +156,11 @@ def group_by_expert(sel: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.ndar
 @njit(cache=True, nogil=True, inline="always")
 def _swiglu1(g: np.float32, u: np.float32, limit: np.float32, alpha: np.float32, ik: bool) -> np.float32:
     """One clamped SwiGLU value from the gate and up projections (`ik`: with ik's exponential); a positive `alpha` is
-    gpt-oss's form (up + 1) * gate * sigmoid(alpha * gate)."""
+    gpt-oss's form (up + 1) * gate * sigmoid(alpha * gate), whose exponential ik takes from libm as well."""
     g = min(g, limit)
     u = max(-limit, min(u, limit))
     if alpha > np.float32(0.0):
-        ag = alpha * g
-        e = ik_expf(-ag) if ik else np.exp(-ag)
-        return (u + np.float32(1.0)) * (g / (np.float32(1.0) + e))
+        return (u + np.float32(1.0)) * (g / (np.float32(1.0) + np.exp(-g * alpha)))
     e = ik_expf(-g) if ik else np.exp(-g)
     return (g / (np.float32(1.0) + e)) * u
 
