@@ -146,7 +146,7 @@ class Converter:
             meta.repo_url = f"https://huggingface.co/{self.hub_repo}"
         if meta.name is None:
             meta.name = self.hub_repo.split("/")[1] if self.hub_repo is not None else self.ckpt.dir.name
-        if meta.size_label is None and total > 0:
+        if meta.size_label is None and total > 0 and self.arch.writes_size_label:
             meta.size_label = size_label(total, shared, expert, count)
         meta.set_gguf_meta_model(gw)
         self.arch.set_gguf_parameters(gw)

@@ -6,6 +6,7 @@ from ikconvert.archs import (  # noqa: F401
     dflash,
     glm4moe,
     glm_dsa,
+    gpt_oss,
     llama,
     minimax_m2,
     openpangu,

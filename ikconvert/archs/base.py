@@ -170,6 +170,8 @@ class Arch:
     #: general.file_type of the output (the Converter sets it); ik writes it last among the base keys, so keys an
     #: architecture adds after super().set_gguf_parameters() follow it
     file_type: int = 0
+    #: False for layouts whose reference writer has no general.size_label (ik derives one from the tensor count)
+    writes_size_label: ClassVar[bool] = True
 
     def __init__(self, ckpt: Checkpoint, options: dict[str, Any] | None = None):
         #: converter options an architecture may read (e.g. target_model_dir for DFlash drafts, mtp for DeepSeek-V4)

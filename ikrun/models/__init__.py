@@ -12,14 +12,15 @@ from ikrun.models.deepseek4 import Deepseek4
 from ikrun.models.dflash import DFlashDraft
 from ikrun.models.glm4moe import Glm4Moe
 from ikrun.models.glm_dsa import GlmDsa
+from ikrun.models.gpt_oss import GptOss
 from ikrun.models.llama import LlamaFamily
 from ikrun.models.minimax_m2 import MiniMaxM2
 from ikrun.models.openpangu import OpenPangu
 from ikrun.models.qwen3moe import Qwen3Moe
 from ikrun.options import RuntimeOptions, every_arch
 
-_BY_ARCH = {arch: cls for cls in (LlamaFamily, Qwen3Moe, Glm4Moe, MiniMaxM2, Deepseek2, Deepseek4, OpenPangu, GlmDsa,
-                                  DFlashDraft)
+_BY_ARCH = {arch: cls for cls in (LlamaFamily, Qwen3Moe, Glm4Moe, MiniMaxM2, GptOss, Deepseek2, Deepseek4, OpenPangu,
+                                  GlmDsa, DFlashDraft)
             for arch in cls.archs}
 
 

@@ -88,14 +88,20 @@ class LlamaFamily(ArchModel):
         """Attention (each sequence), then the FFN block on the normed states of all of them (`ffn`)."""
         cx, b = self.ctx, f"blk.{i}."
 
+        window = self.attention_window(i)
+
         def attention(x: np.ndarray, seq: Sequence) -> np.ndarray:
             cos, sin = seq.state["rope"]
             return x + self.attention(cx, b, self.norm(x, cx.weight(b + "attn_norm.weight")), cos, sin,
-                                      seq.state.get("kv"))
+                                      seq.state.get("kv"), window)
 
         xs = self.each(xs, seqs, attention)
         hs = [self.norm(x, cx.weight(b + self.ffn_norm)) for x in xs]
         return [x + y for x, y in zip(xs, self.ffn(i, hs, seqs))]
+
+    def attention_window(self, i: int) -> int:
+        """The keys block `i` attends to, its own included (0: every earlier one)."""
+        return 0
 
     def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
         """Block `i`'s FFN on each sequence's normed states: the SwiGLU FFN (MoE families route where their layers

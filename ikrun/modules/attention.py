@@ -1,7 +1,8 @@
 """The attention blocks the architectures share, each owning its tensors under a block prefix `b` ("blk.7.").
 
 - `GqaAttention`: grouped-query attention (the llama family): attn_q/k/v (+ biases where the file has them),
-  q/k RMSNorm per head (qwen3) or over all heads' projection at once (minimax-m2), rope on the first n_rot dims (NORM or NEOX pairing), the KV cache, attn_output.
+  q/k RMSNorm per head (qwen3) or over all heads' projection at once (minimax-m2), rope on the first n_rot dims (NORM
+  or NEOX pairing), the KV cache, per-head sinks and a sliding window per call (gpt-oss), attn_output.
 - `MlaAttention`: DeepSeek's multi-head latent attention in the absorbed form: the query through the q LoRA
   (attn_q_a, its norm, attn_q_b) or attn_q, attn_kv_a_mqa's latent and shared rope key, attn_kv_a_norm, the latent
   cache, attn_k_b / attn_v_b per head, attn_output. Variants are data: the rope pairing, openPangu's MoME
@@ -37,6 +38,8 @@ class GqaAttention:
     qk_norm: bool
     #: the q/k norms span the whole projection (every head together, MiniMax-M2) instead of one head
     qk_norm_all_heads: bool = False
+    #: one learned logit per head in every softmax's denominator (gpt-oss's `attn_sinks.weight`)
+    sinks: bool = False
 
     def expected(self, b: str, n_embd: int) -> dict[str, tuple[int, ...]]:
         """The block's attention tensors and their numpy shapes (biases are optional)."""
@@ -44,16 +47,18 @@ class GqaAttention:
         want: dict[str, tuple[int, ...]] = {
             b + "attn_q.weight": (q, n_embd), b + "attn_k.weight": (kv, n_embd), b + "attn_v.weight": (kvv, n_embd),
             b + "attn_output.weight": (n_embd, self.n_head * self.head_dim_v)}
+        if self.sinks:
+            want[b + "attn_sinks.weight"] = (self.n_head,)
         if self.qk_norm:
             want[b + "attn_q_norm.weight"] = (q,) if self.qk_norm_all_heads else (self.head_dim,)
             want[b + "attn_k_norm.weight"] = (kv,) if self.qk_norm_all_heads else (self.head_dim,)
         return want
 
     def __call__(self, cx: Context, b: str, h: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                 cache: dict[str, Any] | None = None) -> np.ndarray:
+                 cache: dict[str, Any] | None = None, window: int = 0) -> np.ndarray:
         """The attention output [n, n_embd] for the normed hidden rows h of positions cos/sin cover; `cache` holds
         the keys and values of earlier positions under `b` (a continuation: they are prepended, then the block's own
-        are kept for the next call)."""
+        are kept for the next call); a `window` > 0 lets each query see only that many keys (its own included)."""
         nx, n = cx.numerics, len(h)
         q, k, v = cx.linears(h, [b + "attn_q", b + "attn_k", b + "attn_v"])
         if self.qk_norm and self.qk_norm_all_heads:
@@ -74,7 +79,8 @@ class GqaAttention:
             if b in cache:
                 k, v = np.concatenate([cache[b][0], k]), np.concatenate([cache[b][1], v])
             cache[b] = (k, v)
-        attn = nx.causal_attention(q, k, v, self.head_dim).reshape(n, -1)
+        sinks = cx.weight(b + "attn_sinks.weight") if self.sinks else None
+        attn = nx.causal_attention(q, k, v, self.head_dim, window=window, sinks=sinks).reshape(n, -1)
         return cx.linear(attn, b + "attn_output")
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ikrun.ops.moe import GATING_NAMES, RoutedExperts
+from ikrun.ops.moe import GATING_NAMES, ExpertGlu, RoutedExperts
 
 if TYPE_CHECKING:
     from ikrun.context import Context
@@ -69,12 +69,14 @@ class MoeConfig:
 
 
 def moe_ffn(cx: Context, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: MoeConfig, *,
-            limit: float = np.inf, shared_limit: float = np.inf,
+            limit: float = np.inf, shared_limit: float = np.inf, alpha: float = 0.0,
             hash_table: np.ndarray | None = None) -> list[np.ndarray]:
     """The MoE FFN of block prefix `b` on a batch of sequences' normed hidden states (one [n, n_embd] each).
 
-    `limit` / `shared_limit` clamp the routed / shared experts' SwiGLU; `hash_table` [vocab, n_used] routes each
-    token to the experts of its row instead of the top-k (DeepSeek-V4's hash layers)."""
+    `limit` / `shared_limit` clamp the routed / shared experts' SwiGLU; a positive `alpha` makes the routed experts'
+    SwiGLU gpt-oss's (ops/moe.ExpertGlu); `hash_table` [vocab, n_used] routes each token to the experts of its row
+    instead of the top-k (DeepSeek-V4's hash layers). The router's bias (`ffn_gate_inp.bias`) and the experts'
+    (`ffn_{up,gate,down}_exps.bias`) are added where the file has them."""
     bias = cx.weight(b + "exp_probs_b.bias") if cx.has(b + "exp_probs_b.bias") else None
     routes = []
     for h, seq in zip(hs, seqs):
@@ -86,7 +88,10 @@ def moe_ffn(cx: Context, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg
     sel = routes[0][0] if len(hs) == 1 else np.concatenate([r[0] for r in routes])
     w = routes[0][1] if len(hs) == 1 else np.concatenate([r[1] for r in routes])
     names = [b + t + ".weight" for t in EXPERT_TENSORS]
-    res = cx.numerics.routed_experts(x, sel, w, cfg.n_expert, names, _group(cx, names, cfg.n_expert), limit,
+    biases = [b + t + ".bias" for t in EXPERT_TENSORS]
+    glu = ExpertGlu(limit, alpha, (cx.weight(biases[0]), cx.weight(biases[1]), cx.weight(biases[2]))
+                    if all(cx.has(n) for n in biases) else None)
+    res = cx.numerics.routed_experts(x, sel, w, cfg.n_expert, names, _group(cx, names, cfg.n_expert), glu,
                                      keep_act=bool(cx.observers))
     starts = np.cumsum([0] + [len(h) for h in hs])
     if cx.observers:

@@ -20,7 +20,15 @@ from ikrun.ops.attention import causal_attention
 from ikrun.ops.conv import causal_conv_residual
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.mla import latent_attention
-from ikrun.ops.moe import GATING_SIGMOID, ExpertFetch, RoutedExperts, group_limited_top_k, moe_experts, route
+from ikrun.ops.moe import (
+    GATING_SIGMOID,
+    ExpertFetch,
+    ExpertGlu,
+    RoutedExperts,
+    group_limited_top_k,
+    moe_experts,
+    route,
+)
 from ikrun.ops.norm import rms_norm
 from ikrun.ops.rope import apply_rope
 
@@ -104,10 +112,12 @@ class Numerics:
         return x.astype(np.float16).astype(np.float32) if half else x
 
     # ---- attention --------------------------------------------------------------------------------------------
-    def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int) -> np.ndarray:
+    def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,
+                         sinks: np.ndarray | None = None) -> np.ndarray:
         """Causal grouped-query attention scaled by 1 / sqrt(head_dim): q [n, H, d], k/v [keys, H_kv, d] (the last
-        n keys are the queries' own positions) -> [n, H, d_v]."""
-        return causal_attention(q, k, v, 1.0 / np.sqrt(head_dim))
+        n keys are the queries' own positions) -> [n, H, d_v]; a sliding `window` (keys seen, the own included) and
+        per-head `sinks` logits (ops/attention.causal_attention)."""
+        return causal_attention(q, k, v, 1.0 / np.sqrt(head_dim), window=window, sinks=sinks)
 
     def latent_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, scale: float, *,
                          sinks: np.ndarray | None = None, window: int = 0, keep: np.ndarray | None = None,
@@ -169,11 +179,11 @@ class Numerics:
         return np.matmul(self.activations(x, name), w.transpose(0, 2, 1))
 
     def routed_experts(self, x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, names: list[str],
-                       group: int | None, limit: float, keep_act: bool) -> RoutedExperts:
+                       group: int | None, glu: ExpertGlu, keep_act: bool) -> RoutedExperts:
         """The routed SwiGLU experts of the 3-D tensors `names` (up, gate, down) on x [n, n_embd] routed by sel/w
-        [n, k], `group` experts decoded at a time (ops/moe.moe_experts)."""
+        [n, k], `group` experts decoded at a time, `glu` their SwiGLU's form and biases (ops/moe.moe_experts)."""
         counts = np.bincount(sel.reshape(-1), minlength=n_expert)
-        return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts), group, limit, keep_act=keep_act)
+        return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts), group, glu, keep_act=keep_act)
 
     def expert_fetch(self, names: list[str], counts: np.ndarray) -> ExpertFetch:
         """The routed experts' matrices, decoded (and cached) one expert at a time: a whole expert tensor is never

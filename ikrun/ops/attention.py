@@ -15,49 +15,65 @@ QUERY_BLOCK = 256
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _row(r: np.ndarray, sc: np.float32, last: int) -> None:
-    m = -np.inf
-    for j in range(last + 1):
+def _row(r: np.ndarray, sc: np.float32, first: int, last: int, sink: np.float32) -> None:
+    """softmax(sc * r) over keys first..last plus a `sink` logit (-inf: none) that takes weight but has no value;
+    0 for the other keys."""
+    m = sink
+    for j in range(first, last + 1):
         v = r[j] * sc
         r[j] = v
         if v > m:
             m = v
-    s = 0.0
-    for j in range(last + 1):
+    s = np.float64(np.exp(sink - m)) if sink > -np.inf else 0.0
+    for j in range(first, last + 1):
         e = np.exp(r[j] - m)
         r[j] = e
         s += np.float64(e)
     inv = np.float32(1.0 / s)
-    for j in range(last + 1):
+    for j in range(first, last + 1):
         r[j] *= inv
+    for j in range(first):
+        r[j] = np.float32(0.0)
     for j in range(last + 1, r.shape[0]):
         r[j] = np.float32(0.0)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _head_rows(scores: np.ndarray, h: int, scale: float, q0: int, window: int, sinks: np.ndarray) -> None:
+    n_kv = scores.shape[2]
+    sink = sinks[h] if sinks.shape[0] else np.float32(-np.inf)
+    for i in range(scores.shape[1]):
+        last = min(q0 + i, n_kv - 1)
+        first = max(0, q0 + i - window + 1) if window > 0 else 0
+        _row(scores[h, i], np.float32(scale), first, last, sink)
+
+
 @njit(cache=True, nogil=True)
-def _serial(scores: np.ndarray, scale: float, q0: int) -> None:
-    heads, n_q, n_kv = scores.shape
-    for h in range(heads):
-        for i in range(n_q):
-            _row(scores[h, i], np.float32(scale), min(q0 + i, n_kv - 1))
+def _serial(scores: np.ndarray, scale: float, q0: int, window: int, sinks: np.ndarray) -> None:
+    for h in range(scores.shape[0]):
+        _head_rows(scores, h, scale, q0, window, sinks)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _parallel(scores: np.ndarray, scale: float, q0: int) -> None:
-    heads, n_q, n_kv = scores.shape
-    for h in prange(heads):
-        for i in range(n_q):
-            _row(scores[h, i], np.float32(scale), min(q0 + i, n_kv - 1))
+def _parallel(scores: np.ndarray, scale: float, q0: int, window: int, sinks: np.ndarray) -> None:
+    for h in prange(scores.shape[0]):
+        _head_rows(scores, h, scale, q0, window, sinks)
 
 
-def causal_softmax(scores: np.ndarray, scale: float, q0: int) -> None:
-    """scores [heads, n_q, n_kv] -> softmax(scale*scores) in place, keys after query q0+i masked out."""
-    pick(_serial, _parallel, scores.size)(scores, scale, q0)
+def causal_softmax(scores: np.ndarray, scale: float, q0: int, window: int = 0,
+                   sinks: np.ndarray | None = None) -> None:
+    """scores [heads, n_q, n_kv] -> softmax(scale*scores) in place, keys after query q0+i masked out, and with a
+    `window` the keys `window` or more positions before it; `sinks` [heads] one unscaled logit per head in every
+    row's denominator (gpt-oss)."""
+    sink = np.empty(0, np.float32) if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
+    pick(_serial, _parallel, scores.size)(scores, scale, q0, int(window), sink)
 
 
-def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *, window: int = 0,
+                     sinks: np.ndarray | None = None) -> np.ndarray:
     """q [n, H, d], k/v [p + n, Hkv, d(v)] -> [n, H, dv]; the queries are positions p..p+n-1 (p = 0 for a fresh
-    sequence; a continuation's earlier keys and values come first) and query i attends to keys 0..p+i."""
+    sequence; a continuation's earlier keys and values come first) and query i attends to keys 0..p+i (with a
+    `window`, only the last `window` of them, its own included); `sinks` [H] (causal_softmax)."""
     n, n_head, _ = q.shape
     past = k.shape[0] - n
     n_kv_head = k.shape[1]
@@ -72,7 +88,7 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) 
         n_keys = past + q1
         scores = np.matmul(qh[:, :, q0:q1], kh[..., :n_keys])  # [Hkv, g, nq, n_keys]
         flat = scores.reshape(n_kv_head * group, q1 - q0, n_keys)
-        causal_softmax(flat, scale, past + q0)
+        causal_softmax(flat, scale, past + q0, window, sinks)
         out[:, :, q0:q1] = np.matmul(scores, vh[:, :, :n_keys])
     return out.reshape(n_head, n, dv).transpose(1, 0, 2)
 

@@ -173,11 +173,15 @@ def group_by_expert(sel: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.ndar
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _swiglu1(g: np.float32, u: np.float32, limit: np.float32, ik: bool) -> np.float32:
-    """One clamped SwiGLU value from the gate and up projections (`ik`: with ik's exponential)."""
+def _swiglu1(g: np.float32, u: np.float32, limit: np.float32, alpha: np.float32, ik: bool) -> np.float32:
+    """One clamped SwiGLU value from the gate and up projections (`ik`: with ik's exponential); a positive `alpha` is
+    gpt-oss's form (up + 1) * gate * sigmoid(alpha * gate), whose exponential ik takes from libm as well."""
     g = min(g, limit)
+    u = max(-limit, min(u, limit))
+    if alpha > np.float32(0.0):
+        return (u + np.float32(1.0)) * (g / (np.float32(1.0) + np.exp(-g * alpha)))
     e = ik_expf(-g) if ik else np.exp(-g)
-    return (g / (np.float32(1.0) + e)) * max(-limit, min(u, limit))
+    return (g / (np.float32(1.0) + e)) * u
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -212,17 +216,41 @@ ExpertInts = Callable[[int], tuple[PackedInts, PackedInts, PackedInts] | None]
 
 
 @njit(cache=True, nogil=True)
-def _swiglu_rows(g: np.ndarray, u: np.ndarray, limit: float, ik: bool, out: np.ndarray) -> None:
+def _swiglu_rows(g: np.ndarray, u: np.ndarray, limit: float, alpha: float, ik: bool, out: np.ndarray) -> None:
     for i in range(g.shape[0]):
         for j in range(g.shape[1]):
-            out[i, j] = _swiglu1(g[i, j], u[i, j], np.float32(limit), ik)
+            out[i, j] = _swiglu1(g[i, j], u[i, j], np.float32(limit), np.float32(alpha), ik)
 
 
-def _swiglu(g: np.ndarray, u: np.ndarray, limit: float, ik: bool) -> np.ndarray:
-    """The clamped SwiGLU of an expert's gate and up projections [tokens, n_ff]."""
+@dataclass(frozen=True)
+class ExpertGlu:
+    """What an expert does between its projections: the SwiGLU's clamp `limit`, gpt-oss's `alpha` (0: plain
+    silu(gate) * up), and per-expert biases (up [E, n_ff], gate [E, n_ff], down [E, n_embd]) added to each
+    projection's output."""
+
+    limit: float = np.inf
+    alpha: float = 0.0
+    biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def bias(self, which: int, e: int) -> np.ndarray | None:
+        """Expert e's bias of projection `which` (0 up, 1 gate, 2 down), None without biases."""
+        return None if self.biases is None else self.biases[which][e]
+
+
+def _swiglu(g: np.ndarray, u: np.ndarray, glu: ExpertGlu, e: int, ik: bool) -> np.ndarray:
+    """The clamped SwiGLU of expert e's gate and up projections [tokens, n_ff], its biases added first."""
+    gb, ub = glu.bias(1, e), glu.bias(0, e)
+    if gb is not None and ub is not None:
+        g, u = g + gb, u + ub
     out = np.empty(g.shape, np.float32)
-    _swiglu_rows(np.ascontiguousarray(g), np.ascontiguousarray(u), float(limit), ik, out)
+    _swiglu_rows(np.ascontiguousarray(g), np.ascontiguousarray(u), float(glu.limit), float(glu.alpha), ik, out)
     return out
+
+
+def _down(y: np.ndarray, glu: ExpertGlu, e: int) -> np.ndarray:
+    """Expert e's down projection with its bias, if any."""
+    b = glu.bias(2, e)
+    return y if b is None else y + b
 
 
 @dataclass
@@ -242,12 +270,13 @@ class RoutedExperts:
 
 
 def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fetch: ExpertFetch,
-                group: int | None = None, limit: float = np.inf,
+                group: int | None = None, glu: ExpertGlu = ExpertGlu(),
                 formats: tuple[str, str, str] = (UNROUNDED, UNROUNDED, UNROUNDED),
                 ints: ExpertInts | None = None, keep_act: bool = True,
                 ik: tuple[str, str, str] | None = None) -> RoutedExperts:
     """Routed SwiGLU experts: x [n, n_embd], sel/w [n, k]; `fetch(ids)` gives the up/gate [len(ids), n_ff, n_embd] and
-    down [len(ids), n_embd, n_ff] matrices of experts `ids` (float32, or f16/bf16 bits as expert_matmul reads them); a finite `limit` clamps the SwiGLU as swiglu does;
+    down [len(ids), n_embd, n_ff] matrices of experts `ids` (float32, or f16/bf16 bits as expert_matmul reads them);
+    `glu` the SwiGLU's form (a finite limit clamps it as swiglu does) and the experts' biases;
     `formats` are the activation formats (ikrun/numerics/ik/formats.py) of up, gate and down under --numerics ik, and
     `ints(e)` gives the integers ik's kernels multiply expert e as (qmatmul: integer rows per expert) where they do;
     `keep_act` keeps the ffn_down inputs of every assignment for observers ([n k, n_ff] floats: a streamed pass over
@@ -282,10 +311,10 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
         if not xs:  # the routed tokens rounded once for every expert
             xs = [integer_rows(x, formats[0])]
             xs.append(xs[0] if formats[1] == formats[0] else integer_rows(x, formats[1]))
-        a = _swiglu(qmatmul(xs[1].take(rows // k), gate), qmatmul(xs[0].take(rows // k), up), limit, ik is not None)
+        a = _swiglu(qmatmul(xs[1].take(rows // k), gate), qmatmul(xs[0].take(rows // k), up), glu, e, ik is not None)
         if act is not None:
             act[rows] = a
-        y[rows] = qmatmul(integer_rows(a, formats[2]), down)
+        y[rows] = _down(qmatmul(integer_rows(a, formats[2]), down), glu, e)
     floats = np.array(as_floats, dtype=np.int64)
     if len(floats):  # the rounded floats, for the experts ik multiplies as floats
         xu = round_activations(x, formats[0])
@@ -300,10 +329,10 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
             rows = order[offsets[e] : offsets[e + 1]]
             tokens = rows // k
             a = _swiglu(_expert_product(xg, gates[j], tokens, ik and ik[1]),
-                        _expert_product(xu, ups[j], tokens, ik and ik[0]), limit, ik is not None)
+                        _expert_product(xu, ups[j], tokens, ik and ik[0]), glu, e, ik is not None)
             if act is not None:
                 act[rows] = a
-            y[rows] = _expert_product(round_activations(a, formats[2]), downs[j], None, ik and ik[2])
+            y[rows] = _down(_expert_product(round_activations(a, formats[2]), downs[j], None, ik and ik[2]), glu, e)
     assert y is not None, "a routing without assignments"
     out = np.empty((n, y.shape[1]), dtype=np.float32)
     combine = _combine_parallel if n * k * y.shape[1] >= PARALLEL_MIN_FLOPS else _combine_serial

@@ -93,6 +93,9 @@ class Yarn:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     n_ctx_orig: int = 0
+    #: round the correction range out to whole dims as ggml always does; False keeps it fractional (transformers'
+    #: `rope_scaling.truncate: false`, gpt-oss)
+    truncate: bool = True
 
 
 def _corr_dim(n_rot: int, n_ctx_orig: int, rotations: float, base: float) -> np.float32:
@@ -137,13 +140,17 @@ def yarn_rope_cache(positions: np.ndarray, n_rot: int, base: float, freq_scale: 
     """cos/sin tables [n_pos, n_rot/2] as ggml's rope_yarn builds them (magnitude scaling folded in).
 
     With ext_factor != 0, each pair mixes the interpolated and extrapolated angle by a ramp between the correction
-    dims (from beta_fast/beta_slow and n_ctx_orig) and cos/sin are scaled by 1 + 0.1 ln(1/freq_scale).
+    dims (from beta_fast/beta_slow and n_ctx_orig; rounded out to whole dims unless `yarn.truncate` is False) and
+    cos/sin are scaled by 1 + 0.1 ln(1/freq_scale).
     """
     f32 = np.float32
     low = high = f32(0.0)
     if yarn.ext_factor != 0.0:
-        low = f32(max(0.0, np.floor(_corr_dim(n_rot, yarn.n_ctx_orig, yarn.beta_fast, base))))
-        high = f32(min(n_rot - 1.0, np.ceil(_corr_dim(n_rot, yarn.n_ctx_orig, yarn.beta_slow, base))))
+        fast = float(_corr_dim(n_rot, yarn.n_ctx_orig, yarn.beta_fast, base))
+        slow = float(_corr_dim(n_rot, yarn.n_ctx_orig, yarn.beta_slow, base))
+        if yarn.truncate:
+            fast, slow = float(np.floor(fast)), float(np.ceil(slow))
+        low, high = f32(max(0.0, fast)), f32(min(n_rot - 1.0, slow))
     n = len(positions)
     cos = np.empty((n, n_rot // 2), dtype=np.float32)
     sin = np.empty_like(cos)

@@ -13,6 +13,7 @@ REFERENCES = {
     "Qwen3ForCausalLM": "ikrun.validate.hf:HFReference",
     "Qwen3MoeForCausalLM": "ikrun.validate.hf:HFReference",
     "MiniMaxM2ForCausalLM": "ikrun.validate.minimax_m2:MiniMaxM2Reference",
+    "GptOssForCausalLM": "ikrun.validate.gpt_oss:GptOssReference",
     "DeepseekV3ForCausalLM": "ikrun.validate.deepseek2:DeepseekV3Reference",
     "DeepseekV4ForCausalLM": "ikrun.validate.deepseek4:DeepseekV4Reference",
     "DeepseekV4FlashForCausalLM": "ikrun.validate.deepseek4:DeepseekV4Reference",

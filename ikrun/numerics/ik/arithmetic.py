@@ -31,7 +31,7 @@ from ikrun.numerics.ik.qgemm import PackedHeads, PackedInts, pack, qmatmul, row_
 from ikrun.ops.activations import swiglu
 from ikrun.ops.conv import causal_conv_residual
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
-from ikrun.ops.moe import RoutedExperts, moe_experts, route
+from ikrun.ops.moe import ExpertGlu, RoutedExperts, moe_experts, route
 from ikrun.ops.norm import rms_norm
 from ikrun.ops.rope import apply_rope
 from ikrun.weights import CONVERTED, DERIVED, HEADS, INTEGER_TYPES, PACKED
@@ -98,9 +98,12 @@ class IkNumerics(Numerics):
         return causal_conv_residual(x, w, fused=True)
 
     # ---- attention: ik's kernels where its 16-lane kernels take the head dims whole ---------------------------
-    def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int) -> np.ndarray:
-        if head_dim % LANES:
-            return super().causal_attention(q, k, v, head_dim)
+    def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,
+                         sinks: np.ndarray | None = None) -> np.ndarray:
+        """ik's kernel for plain causal attention; a window or sinks (gpt-oss, which refuses --numerics ik) keep
+        the exact arithmetic."""
+        if head_dim % LANES or window or sinks is not None:
+            return super().causal_attention(q, k, v, head_dim, window=window, sinks=sinks)
         return ik_causal_attention(q, k, v, float(np.float32(1.0) / np.sqrt(np.float32(head_dim))))  # 1.0f / sqrtf
 
     def latent_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, scale: float, *,
@@ -256,7 +259,7 @@ class IkNumerics(Numerics):
         return mats
 
     def routed_experts(self, x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, names: list[str],
-                       group: int | None, limit: float, keep_act: bool) -> RoutedExperts:
+                       group: int | None, glu: ExpertGlu, keep_act: bool) -> RoutedExperts:
         """Per expert ik's choice at its token count: integers where ik multiplies all three matrices in integers,
         else its float kernels or the converted floats against the rounded activations."""
         counts = np.bincount(sel.reshape(-1), minlength=n_expert)
@@ -273,5 +276,5 @@ class IkNumerics(Numerics):
             assert packed[0] is not None and packed[1] is not None and packed[2] is not None
             return packed[0], packed[1], packed[2]
 
-        return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts), group, limit, formats, ints,
+        return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts), group, glu, formats, ints,
                            keep_act=keep_act, ik=types)
