@@ -20,6 +20,7 @@ from typing import Any
 from gguf import ExpertGatingFuncType, GGUFWriter
 
 from ikconvert.archs.base import Arch, ExpertMerger, ExpertNames, OutTensor, lazy, register
+from ikconvert.archs.llama import DECODER_MAP
 from ikconvert.checkpoint import Checkpoint, block_id
 from ikconvert.errors import ConvertError
 from ikconvert.safetensors_io import SafeTensor
@@ -52,15 +53,7 @@ class MiniMaxM2Arch(Arch):
     hf_architectures = ("MiniMaxM2ForCausalLM",)
     gguf_arch = "minimax-m2"
     tensor_map = {
-        "model.embed_tokens": "token_embd",
-        "lm_head": "output",
-        "model.norm": "output_norm",
-        "model.layers.{bid}.input_layernorm": "blk.{bid}.attn_norm",
-        "model.layers.{bid}.post_attention_layernorm": "blk.{bid}.ffn_norm",
-        "model.layers.{bid}.self_attn.q_proj": "blk.{bid}.attn_q",
-        "model.layers.{bid}.self_attn.k_proj": "blk.{bid}.attn_k",
-        "model.layers.{bid}.self_attn.v_proj": "blk.{bid}.attn_v",
-        "model.layers.{bid}.self_attn.o_proj": "blk.{bid}.attn_output",
+        **{hf: gguf for hf, gguf in DECODER_MAP.items() if ".mlp." not in hf},
         "model.layers.{bid}.self_attn.q_norm": "blk.{bid}.attn_q_norm",
         "model.layers.{bid}.self_attn.k_norm": "blk.{bid}.attn_k_norm",
         "model.layers.{bid}.block_sparse_moe.gate": "blk.{bid}.ffn_gate_inp",
