@@ -168,7 +168,8 @@ def test_mixes_from_a_split_input_and_their_recipes(base: Path, split: Path, swe
     assert res.returncode == 0, res.stderr
     # the wheel's generic x86-64 build searches IQ2_KS scales with its scalar code (no AVX2 path compiled in):
     # --slow-iq2ks is that search; with it the bytes are the same
-    _ok(ikquant_app, base, tmp_path / "slow.gguf", "--type", "IQ4_KS", "--custom-q", custom, "--slow-iq2ks")
+    _ok(ikquant_app, base, tmp_path / "slow.gguf", "--type", "IQ4_KS", "--custom-q", custom, "--slow-iq2ks",
+        "--threads", "2")  # ik batches its quantize calls by its thread count: as the wheel's run
     assert (tmp_path / "ik.gguf").read_bytes() == (tmp_path / "slow.gguf").read_bytes()
     assert np.isfinite(ik_engine.logits(tmp_path / "a.gguf", TOKENS)).all()  # and ik runs the mix
     # ikrun mix takes the split base and writes the same mix and recipe
@@ -187,7 +188,7 @@ def test_mixes_from_a_split_input_and_their_recipes(base: Path, split: Path, swe
 
 def test_keep_split_and_partial_requant(split: Path, tmp_path: Path) -> None:
     out = tmp_path / "q.gguf"
-    _ok(ikquant_app, split, out, "--type", "Q8_0", "--keep-split")
+    _ok(ikquant_app, split, out, "--type", "Q8_0", "--keep-split", "--threads", "2")
     names = [tmp_path / f"q-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
     assert [list(s.tensors) for s in GGUFModel(names[0]).shards] == [list(s.tensors) for s in GGUFModel(split).shards]
     # ik's --keep-split writes the same shards, byte for byte
@@ -252,7 +253,7 @@ def test_override_kv_and_hide_imatrix(hf: Path, base: Path, tmp_path: Path) -> N
     overrides = ["--override-kv", "general.name=str:Tiny test", "--override-kv", "qwen3.context_length=int:4096",
                  "--override-kv", "my.scale=float:0.5", "--override-kv", "tokenizer.ggml.add_bos_token=bool:true"]
     out = tmp_path / "q.gguf"
-    _ok(ikquant_app, base, out, "--type", "IQ4_KS", "--imatrix", imat, "--hide-imatrix", *overrides)
+    _ok(ikquant_app, base, out, "--type", "IQ4_KS", "--imatrix", imat, "--hide-imatrix", *overrides, "--threads", "2")
     g = GGUFFile(out)
     kv = {k.key: (k.value, k.type) for k in g.kv()}
     assert kv["general.name"] == ("Tiny test", GGUFValueType.STRING)

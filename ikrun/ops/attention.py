@@ -18,7 +18,7 @@ QUERY_BLOCK = 256
 def _row(r: np.ndarray, sc: np.float32, first: int, last: int, sink: np.float32) -> None:
     """softmax(sc * r) over keys first..last plus a `sink` logit (-inf: none) that takes weight but has no value;
     0 for the other keys."""
-    m = sink
+    m = np.float64(sink)  # the max and the exponentials in float64, as before sinks existed (bit for bit)
     for j in range(first, last + 1):
         v = r[j] * sc
         r[j] = v
