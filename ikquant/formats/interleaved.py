@@ -844,8 +844,9 @@ class Bf16R16Codec(InterleavedCodec):
     """BF16_R16 regroups BF16 rows, but ik writes it from float32 by dropping each value's low 16 bits (BF16 rounds
     to nearest even): a regrouping of those truncated rows."""
 
-    #: truncation errs up to one unit of the 8-bit mantissa's last place (rounding: half of it)
+    #: truncation errs up to one unit in the last place (rounding: half of it), subnormals included
     rel_error_bound = 2.0**-7
+    abs_error_floor = 2.0**-133
 
     def __init__(self) -> None:
         super().__init__("BF16_R16", bf16_r16_block)
