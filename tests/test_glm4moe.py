@@ -4,28 +4,24 @@ imatrix, streaming, plans, and ik itself."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from ikconvert import write_safetensors
 from ikconvert.checkpoint import Checkpoint
 from ikconvert.convert import Converter
 from ikconvert.errors import ConvertError
 from ikquant.gguf_io import GGUFFile
 from ikquant.imatrix import read_imatrix_dat
 from ikquant.kv_override import parse_override
-from ikrun.cli import app
 from ikrun.errors import ModelError
-from ikrun.eval.stream import evaluate_chunks, minimum_budget, plan_run
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
 from ikrun.validate.hf import HFReference
 from tests import ik_engine
+from tests.family_checks import assert_imatrix_equals_iks, assert_streamed_equals_chunk_by_chunk, hf_variant, kld_json
 from tests.test_ik_engine import mean_kld
 from tests.test_numerics import _printed
 
@@ -57,13 +53,7 @@ def test_the_nextn_layer_is_loaded_and_checked_not_run(f32: Path, tmp_path: Path
     tensors = {n: ("F32", t.to_f32()) for n, t in Checkpoint(HF).iter_tensors()}
     tensors["model.layers.3.eh_proj.weight"] = ("F32", np.zeros((64, 64), dtype=np.float32))
     with pytest.raises(ConvertError, match=r"model.layers.3.eh_proj.weight.*\[64, 128\]"):
-        Converter(_variant(tmp_path, {}, tensors), "f32", "glm4").build_plan()
-
-
-def _kld_json(gguf: Path, base: Path, *extra: str) -> dict:  # type: ignore[type-arg]
-    res = runner.invoke(app, ["kld", str(gguf), "--base-logits", str(base), "--json", *extra])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)  # type: ignore[no-any-return]
+        Converter(hf_variant(HF, tmp_path, {}, tensors), "f32", "glm4").build_plan()
 
 
 def test_runtime_against_transformers_and_iks_base_logits(f32: Path) -> None:
@@ -73,16 +63,16 @@ def test_runtime_against_transformers_and_iks_base_logits(f32: Path) -> None:
     assert mean_kld(ref[:, SCORED].reshape(-1, ref.shape[-1]), got[:, SCORED].reshape(-1, ref.shape[-1])) <= 1e-4
     # ik's -ctk f32 keeps its values in F16 (no flash attention): that rounding flips a near-tie routing in a chunk
     # transformers' logits do not cover, so the exact F32 cache is near it, and the same cache matches it
-    assert _kld_json(f32, LOGITS / "ik-base-ctk-f32.kld", "--kv-cache", "k-f32")["kld_mean"] <= 1e-5
-    assert 1e-5 < _kld_json(f32, LOGITS / "ik-base-ctk-f32.kld")["kld_mean"] <= 1e-4
-    assert _kld_json(f32, LOGITS / "ik-base.kld", "--kv-cache", "f16")["kld_mean"] <= 1e-5
-    assert _kld_json(f32, LOGITS / "ik-base.kld")["kld_mean"] <= 1e-3
+    assert kld_json(f32, LOGITS / "ik-base-ctk-f32.kld", "--kv-cache", "k-f32")["kld_mean"] <= 1e-5
+    assert 1e-5 < kld_json(f32, LOGITS / "ik-base-ctk-f32.kld")["kld_mean"] <= 1e-4
+    assert kld_json(f32, LOGITS / "ik-base.kld", "--kv-cache", "f16")["kld_mean"] <= 1e-5
+    assert kld_json(f32, LOGITS / "ik-base.kld")["kld_mean"] <= 1e-3
 
 
 @pytest.mark.parametrize("outtype", ["q8_0", "bf16"])
 def test_numerics_ik_prints_iks_figures(outtype: str) -> None:
     ik = _printed(LOGITS / f"ik-{outtype}-kld.txt")
-    got = _kld_json(DATA / "convert" / "glm4-moe" / f"ik-{outtype}.gguf", LOGITS / "ik-base.kld", "--numerics", "ik")
+    got = kld_json(DATA / "convert" / "glm4-moe" / f"ik-{outtype}.gguf", LOGITS / "ik-base.kld", "--numerics", "ik")
     for key, value in ik.items():  # printed with 6 decimals (same top p: 3 decimals of a percentage)
         if outtype == "bf16" and key == "ppl_q":  # 585.767797 vs ik's 585.767635: 2.8e-7 relative, as for qwen3moe
             assert abs(got[key] - value) <= 3e-7 * value
@@ -91,40 +81,11 @@ def test_numerics_ik_prints_iks_figures(outtype: str) -> None:
 
 
 def test_imatrix_equals_iks(f32: Path, tmp_path: Path) -> None:
-    out = tmp_path / "imatrix.dat"
-    # ik's run kept its default F16 cache: so does ours here
-    res = runner.invoke(app, ["imatrix", str(f32), "--text", str(LOGITS / "text.txt"), "--ctx", "64", "-o", str(out),
-                              "--kv-cache", "f16"])
-    assert res.exit_code == 0, res.output
-    ik, ours = read_imatrix_dat(LOGITS / "ik-imatrix.dat"), read_imatrix_dat(out)
-    assert set(ours.entries) == set(ik.entries) and ours.chunks == ik.chunks
-    for name, entry in ik.entries.items():
-        assert ours.entries[name].ncall == entry.ncall
-        a, b = entry.mean_sq(), ours.entries[name].mean_sq()
-        assert (np.abs(a - b) <= 1e-3 * np.abs(a)).all(), name  # every value within 0.1%
+    assert_imatrix_equals_iks(f32, LOGITS / "text.txt", LOGITS / "ik-imatrix.dat", tmp_path / "imatrix.dat")
 
 
 def test_streamed_equals_chunk_by_chunk(f32: Path) -> None:
-    free = Model(f32)
-    chunks = np.random.default_rng(0).integers(0, free.n_vocab, size=(5, 48))
-    expected = [x.copy() for _, x in evaluate_chunks(free, chunks, plan_run(free, 5, 48, one_pass=False))]
-    tight = Model(f32)
-    tight.mem = minimum_budget(tight, 48)
-    plan = plan_run(tight, 5, 48, one_pass=True)
-    assert plan.streamed
-    for a, (_, b) in zip(expected, evaluate_chunks(tight, chunks, plan)):
-        np.testing.assert_array_equal(a, b)
-
-
-def _variant(tmp_path: Path, config: dict, tensors: dict[str, tuple[str, np.ndarray]] | None = None) -> Path:  # type: ignore[type-arg]
-    hf = tmp_path / "hf"
-    shutil.copytree(HF, hf)
-    cfg = json.loads((hf / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps({**cfg, **config}))
-    if tensors is not None:
-        (hf / "model.safetensors").unlink()
-        write_safetensors(hf / "model.safetensors", tensors)
-    return hf
+    assert_streamed_equals_chunk_by_chunk(f32)
 
 
 def _matches_reference(hf: Path, gguf: Path) -> np.ndarray:
@@ -140,7 +101,7 @@ def _matches_reference(hf: Path, gguf: Path) -> np.ndarray:
 @pytest.mark.parametrize("config", [{"routed_scaling_factor": 2.5}, {"norm_topk_prob": False}],
                          ids=["scaled", "unnormalised"])
 def test_routing_keys_are_carried_and_computed(tmp_path: Path, f32: Path, config: dict) -> None:  # type: ignore[type-arg]
-    hf = _variant(tmp_path, config)
+    hf = hf_variant(HF, tmp_path, config)
     gguf = Converter(hf, "f32", "glm4").write(tmp_path / "m.gguf")
     changed = _matches_reference(hf, gguf)
     plain = np.stack([Model(f32).logits(t) for t in np.load(TOKENS)[:2]])
@@ -154,7 +115,7 @@ def test_qk_norm_where_the_config_says(tmp_path: Path) -> None:
     for i in range(4):
         for which in ("q_norm", "k_norm"):
             tensors[f"model.layers.{i}.self_attn.{which}.weight"] = ("F32", rng.uniform(0.5, 1.5, 32).astype(np.float32))
-    hf = _variant(tmp_path, {"use_qk_norm": True}, tensors)
+    hf = hf_variant(HF, tmp_path, {"use_qk_norm": True}, tensors)
     gguf = Converter(hf, "f32", "glm4").write(tmp_path / "m.gguf")
     assert "blk.1.attn_q_norm.weight" in GGUFFile(gguf).tensors
     _matches_reference(hf, gguf)
@@ -163,7 +124,7 @@ def test_qk_norm_where_the_config_says(tmp_path: Path) -> None:
 def test_expert_groups_limit_the_top_k_as_transformers_does(tmp_path: Path, f32: Path) -> None:
     """n_group 2 / topk_group 1 (beyond ik, which drops both): written as expert_group_count / _used_count; the exact
     runtime keeps the top-k inside the best group as transformers does, --numerics ik takes ik's plain top-k."""
-    hf = _variant(tmp_path, {"n_group": 2, "topk_group": 1})
+    hf = hf_variant(HF, tmp_path, {"n_group": 2, "topk_group": 1})
     gguf = Converter(hf, "f32", "glm4").write(tmp_path / "m.gguf")
     meta = GGUFFile(gguf)
     assert meta.get("glm4moe.expert_group_count") == 2 and meta.get("glm4moe.expert_group_used_count") == 1
@@ -183,7 +144,7 @@ def test_expert_groups_limit_the_top_k_as_transformers_does(tmp_path: Path, f32:
 ])
 def test_configs_not_computed_are_refused_naming_key_and_value(tmp_path: Path, config: dict, said: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ConvertError, match=said.replace("(", r"\(").replace("{", r"\{").replace("[", r"\[")):
-        Converter(_variant(tmp_path, config), "f32", "glm4")
+        Converter(hf_variant(HF, tmp_path, config), "f32", "glm4")
 
 
 @pytest.mark.parametrize(("override", "said"), [

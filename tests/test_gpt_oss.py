@@ -4,26 +4,24 @@ the runtime against transformers and ik's base logits, ik itself (the wheel), st
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from ikconvert import write_safetensors
 from ikconvert.checkpoint import Checkpoint
 from ikconvert.convert import Converter
 from ikconvert.errors import ConvertError
 from ikquant.gguf_io import GGUFFile
 from ikrun.cli import app
 from ikrun.errors import ModelError
-from ikrun.eval.stream import evaluate_chunks, minimum_budget, plan_run
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
 from ikrun.validate.hf import HFReference
 from tests import ik_engine
 from tests.convert_helpers import assert_same_gguf
+from tests.family_checks import assert_streamed_equals_chunk_by_chunk, hf_variant, kld_json
 from tests.test_ik_engine import mean_kld
 
 runner = CliRunner()
@@ -41,25 +39,8 @@ def f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Converter(HF, "f32", "gpt-4o").write(tmp_path_factory.mktemp("gptoss") / "f32.gguf")
 
 
-def _variant(tmp_path: Path, config: dict, tensors: dict[str, tuple[str, np.ndarray]] | None = None) -> Path:  # type: ignore[type-arg]
-    hf = tmp_path / "hf"
-    shutil.copytree(HF, hf)
-    cfg = json.loads((hf / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps({**cfg, **config}))
-    if tensors is not None:
-        (hf / "model.safetensors").unlink()
-        write_safetensors(hf / "model.safetensors", tensors)
-    return hf
-
-
 def _scored_kld(ref: np.ndarray, got: np.ndarray) -> float:
     return mean_kld(ref[:, SCORED].reshape(-1, ref.shape[-1]), got[:, SCORED].reshape(-1, ref.shape[-1]))
-
-
-def _kld_json(gguf: Path, base: Path, *extra: str) -> dict:  # type: ignore[type-arg]
-    res = runner.invoke(app, ["kld", str(gguf), "--base-logits", str(base), "--json", *extra])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout[res.stdout.index("{"):])  # type: ignore[no-any-return]
 
 
 def test_conversion_is_the_reference_layout_plus_the_truncate_key(f32: Path) -> None:
@@ -75,7 +56,7 @@ def test_conversion_is_the_reference_layout_plus_the_truncate_key(f32: Path) -> 
 
 
 def test_truncate_true_is_the_reference_file_byte_for_byte(tmp_path: Path) -> None:
-    hf = _variant(tmp_path, {"rope_scaling": {**json.loads((HF / "config.json").read_text())["rope_scaling"],
+    hf = hf_variant(HF, tmp_path, {"rope_scaling": {**json.loads((HF / "config.json").read_text())["rope_scaling"],
                                               "truncate": True}})
     assert_same_gguf(Converter(hf, "f32", "gpt-4o").write(tmp_path / "m.gguf"), REF)
 
@@ -102,9 +83,9 @@ def test_numpy_reference_is_transformers() -> None:
 def test_runtime_against_iks_base_logits() -> None:
     """ik's run of the dequantized file is the model (ik's YaRN rounding: the reference layout without our key);
     ik's run of the MXFP4 file rounds the activations to 8 bits before the expert matmuls."""
-    assert _kld_json(REF, LOGITS / "ik-base-dequant.kld")["kld_mean"] <= 1e-5
-    assert _kld_json(REF, LOGITS / "ik-base-dequant.kld", "--kv-cache", "f16")["kld_mean"] <= 1e-6
-    assert _kld_json(REF, LOGITS / "ik-base.kld")["kld_mean"] <= 1e-3
+    assert kld_json(REF, LOGITS / "ik-base-dequant.kld")["kld_mean"] <= 1e-5
+    assert kld_json(REF, LOGITS / "ik-base-dequant.kld", "--kv-cache", "f16")["kld_mean"] <= 1e-6
+    assert kld_json(REF, LOGITS / "ik-base.kld")["kld_mean"] <= 1e-3
 
 
 def test_numerics_ik_is_refused_before_any_compute() -> None:
@@ -113,15 +94,7 @@ def test_numerics_ik_is_refused_before_any_compute() -> None:
 
 
 def test_streamed_equals_chunk_by_chunk(f32: Path) -> None:
-    free = Model(f32)
-    chunks = np.random.default_rng(0).integers(0, free.n_vocab, size=(5, 48))
-    expected = [x.copy() for _, x in evaluate_chunks(free, chunks, plan_run(free, 5, 48, one_pass=False))]
-    tight = Model(f32)
-    tight.mem = minimum_budget(tight, 48)
-    plan = plan_run(tight, 5, 48, one_pass=True)
-    assert plan.streamed
-    for a, (_, b) in zip(expected, evaluate_chunks(tight, chunks, plan)):
-        np.testing.assert_array_equal(a, b)
+    assert_streamed_equals_chunk_by_chunk(f32)
 
 
 def test_ik_runs_the_conversion_as_ikrun_does(tmp_path: Path) -> None:
@@ -146,7 +119,7 @@ def _tensors() -> dict[str, tuple[str, np.ndarray]]:
 def test_mxfp4_blocks_without_scales_name_the_tensor(tmp_path: Path) -> None:
     tensors = _tensors()
     del tensors["model.layers.1.mlp.experts.down_proj_scales"]
-    hf = _variant(tmp_path, {}, tensors)
+    hf = hf_variant(HF, tmp_path, {}, tensors)
     with pytest.raises(ConvertError, match=r"'model\.layers\.1\.mlp\.experts\.down_proj_blocks' has no "
                                            r"model\.layers\.1\.mlp\.experts\.down_proj_scales partner"):
         Converter(hf, "f32", "gpt-4o").build_plan()
@@ -160,7 +133,7 @@ def test_mxfp4_blocks_without_scales_name_the_tensor(tmp_path: Path) -> None:
 ])
 def test_settings_the_layout_cannot_carry_are_refused(tmp_path: Path, config: dict, needle: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ConvertError) as err:
-        Converter(_variant(tmp_path, config), "f32", "gpt-4o").build_plan()
+        Converter(hf_variant(HF, tmp_path, config), "f32", "gpt-4o").build_plan()
     assert needle in str(err.value) and "config.json" in str(err.value)
 
 

@@ -18,11 +18,10 @@ from ikconvert.cli import app as convert_app
 from ikconvert.convert import Converter
 from ikconvert.errors import CheckpointError, ConvertError
 from ikquant.imatrix import read_imatrix_dat
-from ikrun.cli import app
-from ikrun.eval.stream import evaluate_chunks, minimum_budget, plan_run
 from ikrun.model import Model
 from ikrun.validate.hf import HFReference
 from tests import ik_engine
+from tests.family_checks import assert_imatrix_equals_iks, assert_streamed_equals_chunk_by_chunk, kld_json
 from tests.test_ik_engine import mean_kld
 
 runner = CliRunner()
@@ -42,35 +41,29 @@ def test_conversion_is_the_file_ik_loads_byte_for_byte(f32: Path) -> None:
     assert f32.read_bytes() == (DATA / "convert" / "minimax-m2" / "ref-f32.gguf").read_bytes()
 
 
-def _kld_json(gguf: Path, base: Path, *extra: str) -> dict:  # type: ignore[type-arg]
-    res = runner.invoke(app, ["kld", str(gguf), "--base-logits", str(base), "--json", *extra])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)  # type: ignore[no-any-return]
-
-
 def test_runtime_against_transformers_and_iks_base_logits(f32: Path) -> None:
     ref = np.load(DATA / "hf-logits" / "minimax-m2" / "logits.npy")
     model = Model(f32)
     got = np.stack([model.logits(t) for t in np.load(TOKENS)])
     assert mean_kld(ref[:, SCORED].reshape(-1, ref.shape[-1]), got[:, SCORED].reshape(-1, ref.shape[-1])) <= 1e-4
-    assert _kld_json(f32, LOGITS / "ik-base.kld", "--kv-cache", "f16")["kld_mean"] <= 1e-5
+    assert kld_json(f32, LOGITS / "ik-base.kld", "--kv-cache", "f16")["kld_mean"] <= 1e-5
     # ik's -ctk f32 keeps V in F16 (ik refuses -ctv f32 without flash attention), which flips near-tie routings in
     # chunks 12 and 20 (see test_iks_f32_key_cache_base_is_f16_values): our F32 cache does not take them
-    assert 1e-5 < _kld_json(f32, LOGITS / "ik-base-ctk-f32.kld")["kld_mean"] <= 1e-3
-    assert 1e-5 < _kld_json(f32, LOGITS / "ik-base.kld")["kld_mean"] <= 1e-3
+    assert 1e-5 < kld_json(f32, LOGITS / "ik-base-ctk-f32.kld")["kld_mean"] <= 1e-3
+    assert 1e-5 < kld_json(f32, LOGITS / "ik-base.kld")["kld_mean"] <= 1e-3
 
 
 def test_iks_f32_key_cache_base_is_f16_values(f32: Path) -> None:
     """With the keys kept in float32 and only the values rounded to f16 (`--kv-cache k-f32`), as ik's -ctk f32 run
     held them, the runtime takes ik's routings too: the 1.5e-4 above is that cache, not the model."""
-    assert _kld_json(f32, LOGITS / "ik-base-ctk-f32.kld", "--kv-cache", "k-f32")["kld_mean"] <= 1e-6
+    assert kld_json(f32, LOGITS / "ik-base-ctk-f32.kld", "--kv-cache", "k-f32")["kld_mean"] <= 1e-6
 
 
 def test_numerics_ik_prints_iks_perplexity(f32: Path) -> None:
     """ik printed `PPL over 60 chunks for n_ctx=64 = 522.8352 +/- 13.06699` for this file (ik-f32-ppl.txt)."""
     final = next(line for line in (LOGITS / "ik-f32-ppl.txt").read_text(errors="replace").splitlines() if "Final estimate" in line)
     ppl, err = (float(v) for v in final.split("=")[-1].split("+/-"))
-    got = _kld_json(f32, LOGITS / "ik-base.kld", "--numerics", "ik")
+    got = kld_json(f32, LOGITS / "ik-base.kld", "--numerics", "ik")
     assert round(got["ppl_q"], 4) == ppl and round(got["ppl_q_err"], 5) == err
     assert abs(got["kld_mean"]) <= 1e-7 and got["same_top_p"] == 1.0
 
@@ -84,28 +77,11 @@ def test_reference_is_transformers_and_the_runtime(f32: Path) -> None:
 
 
 def test_imatrix_equals_iks(f32: Path, tmp_path: Path) -> None:
-    out = tmp_path / "imatrix.dat"
-    res = runner.invoke(app, ["imatrix", str(f32), "--text", str(LOGITS / "text.txt"), "--ctx", "64", "-o", str(out),
-                              "--kv-cache", "f16"])
-    assert res.exit_code == 0, res.output
-    ik, ours = read_imatrix_dat(LOGITS / "ik-imatrix.dat"), read_imatrix_dat(out)
-    assert set(ours.entries) == set(ik.entries) and ours.chunks == ik.chunks
-    for name, entry in ik.entries.items():
-        assert ours.entries[name].ncall == entry.ncall
-        a, b = entry.mean_sq(), ours.entries[name].mean_sq()
-        assert (np.abs(a - b) <= 1e-3 * np.abs(a)).all(), name  # every value within 0.1%
+    assert_imatrix_equals_iks(f32, LOGITS / "text.txt", LOGITS / "ik-imatrix.dat", tmp_path / "imatrix.dat")
 
 
 def test_streamed_equals_chunk_by_chunk(f32: Path) -> None:
-    free = Model(f32)
-    chunks = np.random.default_rng(0).integers(0, free.n_vocab, size=(5, 48))
-    expected = [x.copy() for _, x in evaluate_chunks(free, chunks, plan_run(free, 5, 48, one_pass=False))]
-    tight = Model(f32)
-    tight.mem = minimum_budget(tight, 48)
-    plan = plan_run(tight, 5, 48, one_pass=True)
-    assert plan.streamed
-    for a, (_, b) in zip(expected, evaluate_chunks(tight, chunks, plan)):
-        np.testing.assert_array_equal(a, b)
+    assert_streamed_equals_chunk_by_chunk(f32)
 
 
 def _variant(tmp_path: Path, config: dict, drop: str | None = None) -> Path:  # type: ignore[type-arg]

@@ -3,25 +3,21 @@
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from ikconvert import write_safetensors
 from ikconvert.checkpoint import Checkpoint
 from ikconvert.convert import Converter
 from ikconvert.errors import ConvertError
 from ikquant.gguf_io import GGUFFile
 from ikquant.imatrix import read_imatrix_dat
-from ikrun.cli import app
-from ikrun.eval.stream import evaluate_chunks, minimum_budget, plan_run
 from ikrun.model import Model
 from ikrun.validate.hf import HFReference
 from tests import ik_engine
+from tests.family_checks import assert_imatrix_equals_iks, assert_streamed_equals_chunk_by_chunk, hf_variant, kld_json
 from tests.test_ik_engine import mean_kld
 from tests.test_numerics import _printed
 
@@ -43,12 +39,6 @@ def test_conversion_is_iks_byte_for_byte(tmp_path: Path, outtype: str) -> None:
     assert out.read_bytes() == (DATA / "convert" / "qwen3-moe" / f"ik-{outtype}.gguf").read_bytes()
 
 
-def _kld_json(gguf: Path, base: Path, *extra: str) -> dict:  # type: ignore[type-arg]
-    res = runner.invoke(app, ["kld", str(gguf), "--base-logits", str(base), "--json", *extra])
-    assert res.exit_code == 0, res.output
-    return json.loads(res.stdout)  # type: ignore[no-any-return]
-
-
 def test_runtime_against_transformers_and_iks_base_logits(f32: Path) -> None:
     tokens = np.load(DATA / "hf-logits" / "qwen3-moe" / "tokens.npy")
     ref = np.load(DATA / "hf-logits" / "qwen3-moe" / "logits.npy")
@@ -56,53 +46,24 @@ def test_runtime_against_transformers_and_iks_base_logits(f32: Path) -> None:
     got = np.stack([model.logits(t) for t in tokens])
     assert mean_kld(ref[:, SCORED].reshape(-1, ref.shape[-1]), got[:, SCORED].reshape(-1, ref.shape[-1])) <= 1e-4
     # ik with an F32 key cache computes the model; its default F16 cache flips a near-tie routing (chunk 5, layer 0)
-    assert _kld_json(f32, LOGITS / "ik-base-ctk-f32.kld")["kld_mean"] <= 1e-5
-    assert _kld_json(f32, LOGITS / "ik-base.kld", "--kv-cache", "f16")["kld_mean"] <= 1e-5
-    assert 1e-5 < _kld_json(f32, LOGITS / "ik-base.kld")["kld_mean"] <= 1e-3
+    assert kld_json(f32, LOGITS / "ik-base-ctk-f32.kld")["kld_mean"] <= 1e-5
+    assert kld_json(f32, LOGITS / "ik-base.kld", "--kv-cache", "f16")["kld_mean"] <= 1e-5
+    assert 1e-5 < kld_json(f32, LOGITS / "ik-base.kld")["kld_mean"] <= 1e-3
 
 
 def test_numerics_ik_prints_iks_figures() -> None:
     ik = _printed(LOGITS / "ik-q8_0-kld.txt")
-    got = _kld_json(DATA / "convert" / "qwen3-moe" / "ik-q8_0.gguf", LOGITS / "ik-base.kld", "--numerics", "ik")
+    got = kld_json(DATA / "convert" / "qwen3-moe" / "ik-q8_0.gguf", LOGITS / "ik-base.kld", "--numerics", "ik")
     for key, value in ik.items():  # printed with 6 decimals (same top p: 3 decimals of a percentage)
         assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), (key, got[key], value)
 
 
 def test_imatrix_equals_iks(f32: Path, tmp_path: Path) -> None:
-    out = tmp_path / "imatrix.dat"
-    # ik's run kept its default F16 key cache, whose rounding moves a few routings: so does ours here
-    res = runner.invoke(app, ["imatrix", str(f32), "--text", str(LOGITS / "text.txt"), "--ctx", "64", "-o", str(out),
-                              "--kv-cache", "f16"])
-    assert res.exit_code == 0, res.output
-    ik, ours = read_imatrix_dat(LOGITS / "ik-imatrix.dat"), read_imatrix_dat(out)
-    assert set(ours.entries) == set(ik.entries) and ours.chunks == ik.chunks
-    for name, entry in ik.entries.items():
-        assert ours.entries[name].ncall == entry.ncall
-        a, b = entry.mean_sq(), ours.entries[name].mean_sq()
-        assert (np.abs(a - b) <= 1e-3 * np.abs(a)).all(), name  # every value within 0.1%
+    assert_imatrix_equals_iks(f32, LOGITS / "text.txt", LOGITS / "ik-imatrix.dat", tmp_path / "imatrix.dat")
 
 
 def test_streamed_equals_chunk_by_chunk(f32: Path) -> None:
-    free = Model(f32)
-    chunks = np.random.default_rng(0).integers(0, free.n_vocab, size=(5, 48))
-    expected = [x.copy() for _, x in evaluate_chunks(free, chunks, plan_run(free, 5, 48, one_pass=False))]
-    tight = Model(f32)
-    tight.mem = minimum_budget(tight, 48)
-    plan = plan_run(tight, 5, 48, one_pass=True)
-    assert plan.streamed
-    for a, (_, b) in zip(expected, evaluate_chunks(tight, chunks, plan)):
-        np.testing.assert_array_equal(a, b)
-
-
-def _variant(tmp_path: Path, config: dict, tensors: dict[str, tuple[str, np.ndarray]] | None = None) -> Path:  # type: ignore[type-arg]
-    hf = tmp_path / "hf"
-    shutil.copytree(HF, hf)
-    cfg = json.loads((hf / "config.json").read_text())
-    (hf / "config.json").write_text(json.dumps({**cfg, **config}))
-    if tensors is not None:
-        (hf / "model.safetensors").unlink()
-        write_safetensors(hf / "model.safetensors", tensors)
-    return hf
+    assert_streamed_equals_chunk_by_chunk(f32)
 
 
 def _matches_reference(hf: Path, gguf: Path) -> None:
@@ -113,7 +74,7 @@ def _matches_reference(hf: Path, gguf: Path) -> None:
 
 
 def test_norm_topk_prob_false_is_carried(tmp_path: Path) -> None:
-    hf = _variant(tmp_path, {"norm_topk_prob": False})
+    hf = hf_variant(HF, tmp_path, {"norm_topk_prob": False})
     gguf = Converter(hf, "f32", "qwen2").write(tmp_path / "m.gguf")
     assert GGUFFile(gguf).get("qwen3moe.expert_weights_norm") is False
     _matches_reference(hf, gguf)
@@ -126,13 +87,13 @@ def test_dense_layers_where_the_config_says(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     for proj, shape in (("gate_proj", (128, 64)), ("up_proj", (128, 64)), ("down_proj", (64, 128))):
         tensors[f"model.layers.1.mlp.{proj}.weight"] = ("F32", rng.normal(0, 0.05, shape).astype(np.float32))
-    hf = _variant(tmp_path, {"mlp_only_layers": [1]}, tensors)
+    hf = hf_variant(HF, tmp_path, {"mlp_only_layers": [1]}, tensors)
     gguf = Converter(hf, "f32", "qwen2").write(tmp_path / "m.gguf")
     names = set(GGUFFile(gguf).tensors)
     assert "blk.1.ffn_gate.weight" in names and "blk.1.ffn_gate_inp.weight" not in names
     _matches_reference(hf, gguf)
     # the experts of a layer the config makes dense are refused, naming the tensor
-    wrong = _variant(tmp_path / "wrong", {"mlp_only_layers": [0]})
+    wrong = hf_variant(HF, tmp_path / "wrong", {"mlp_only_layers": [0]})
     with pytest.raises(ConvertError, match="does not belong in layer 0"):
         Converter(wrong, "f32", "qwen2").build_plan()
 

@@ -1,0 +1,68 @@
+"""The checks every model family's tests make in the same way: ik's KLD report as JSON, the imatrix against ik's,
+streamed runs against chunk-by-chunk ones, and checkpoint variants with a changed config."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from typer.testing import CliRunner
+
+from ikconvert import write_safetensors
+from ikquant.imatrix import read_imatrix_dat
+from ikrun.cli import app
+from ikrun.eval.stream import evaluate_chunks, minimum_budget, plan_run
+from ikrun.model import Model
+
+runner = CliRunner()
+
+
+def kld_json(gguf: Path, base: Path, *extra: str) -> dict[str, Any]:
+    """`ikrun kld --json` of `gguf` against the base-logits file `base`."""
+    res = runner.invoke(app, ["kld", str(gguf), "--base-logits", str(base), "--json", *extra])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout[res.stdout.index("{"):])  # type: ignore[no-any-return]
+
+
+def assert_imatrix_equals_iks(gguf: Path, text: Path, ik_imatrix: Path, out: Path) -> None:
+    """ikrun's imatrix over `text` (chunks of 64, ik's default F16 cache as ik's run kept it) has ik's entries, calls
+    and chunks, and every value within 0.1% of ik's."""
+    res = runner.invoke(app, ["imatrix", str(gguf), "--text", str(text), "--ctx", "64", "-o", str(out),
+                              "--kv-cache", "f16"])
+    assert res.exit_code == 0, res.output
+    ik, ours = read_imatrix_dat(ik_imatrix), read_imatrix_dat(out)
+    assert set(ours.entries) == set(ik.entries) and ours.chunks == ik.chunks
+    for name, entry in ik.entries.items():
+        assert ours.entries[name].ncall == entry.ncall
+        a, b = entry.mean_sq(), ours.entries[name].mean_sq()
+        assert (np.abs(a - b) <= 1e-3 * np.abs(a)).all(), name
+
+
+def assert_streamed_equals_chunk_by_chunk(gguf: Path) -> None:
+    """Five chunks layer-streamed under the smallest budget give the chunk-by-chunk logits bit for bit."""
+    free = Model(gguf)
+    chunks = np.random.default_rng(0).integers(0, free.n_vocab, size=(5, 48))
+    expected = [x.copy() for _, x in evaluate_chunks(free, chunks, plan_run(free, 5, 48, one_pass=False))]
+    tight = Model(gguf)
+    tight.mem = minimum_budget(tight, 48)
+    plan = plan_run(tight, 5, 48, one_pass=True)
+    assert plan.streamed
+    for a, (_, b) in zip(expected, evaluate_chunks(tight, chunks, plan)):
+        np.testing.assert_array_equal(a, b)
+
+
+def hf_variant(src: Path, tmp_path: Path, config: dict[str, Any],
+               tensors: dict[str, tuple[str, np.ndarray]] | None = None) -> Path:
+    """A copy of checkpoint `src` under tmp_path/hf with `config` merged into its config.json and, when given,
+    `tensors` as its only safetensors file."""
+    hf = tmp_path / "hf"
+    shutil.copytree(src, hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, **config}))
+    if tensors is not None:
+        (hf / "model.safetensors").unlink()
+        write_safetensors(hf / "model.safetensors", tensors)
+    return hf
