@@ -280,6 +280,7 @@ class GGUFStreamWriter:
         self._given_shard: list[int | None] = []
         self._next = 0
         self._shards: list[_Shard] = []
+        self._started = False
         self._shard_of: dict[str, int] = {}
 
     def __enter__(self) -> GGUFStreamWriter:
@@ -372,6 +373,7 @@ class GGUFStreamWriter:
                           and _same_bytes(shard.path, shard.header))
 
     def _start(self) -> None:
+        self._started = True
         if not self._shards:
             self._plan()
         written = [s for s in self._shards if not s.kept]
@@ -388,7 +390,7 @@ class GGUFStreamWriter:
     def write_tensor(self, name: str, data: np.ndarray) -> None:
         """Write the next tensor's bytes (any dtype; its raw bytes must be the declared size). Tensors of kept shards
         are not written (`is_kept`)."""
-        if not self._shards or all(s.file is None for s in self._shards if not s.kept):
+        if not self._started:
             self._start()
         self._skip_kept()
         if self._next >= len(self._order):
@@ -416,7 +418,7 @@ class GGUFStreamWriter:
     def finish(self) -> Path:
         """Check every tensor was written, close, and atomically move the file(s) into place; returns `path` or the
         first shard."""
-        if not self._shards or all(s.file is None for s in self._shards if not s.kept):
+        if not self._started:
             self._start()
         self._skip_kept()
         if self._next != len(self._order):

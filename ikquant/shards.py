@@ -45,14 +45,14 @@ class GGUFModel:
         elif no != 0:
             raise GGUFFormatError(f"{self.path}: split.no is {no} but split.count is {count}")
         self.tensors: dict[str, TensorInfo] = {}
-        self._home: dict[str, GGUFFile] = {}
-        for shard in self.shards:
+        self._home: dict[str, int] = {}  # tensor -> its shard's index
+        for i, shard in enumerate(self.shards):
             for name, info in shard.tensors.items():
                 if name in self._home:
-                    raise GGUFFormatError(f"{shard.path}: tensor {name!r} is also in {self._home[name].path}; "
+                    raise GGUFFormatError(f"{shard.path}: tensor {name!r} is also in {self._file(name).path}; "
                                           "these shards are not one split model")
                 self.tensors[name] = info
-                self._home[name] = shard
+                self._home[name] = i
         if total is not None and total != len(self.tensors):
             raise GGUFFormatError(f"{self.path}: split.tensors.count is {total}, but its {count} shards hold "
                                   f"{len(self.tensors)} tensors")
@@ -95,7 +95,10 @@ class GGUFModel:
 
     def shard_of(self, name: str) -> int:
         """The 0-based shard that holds tensor `name`."""
-        return self.shards.index(self._file(name))
+        try:
+            return self._home[name]
+        except KeyError:
+            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
 
     def kv(self) -> Iterator[KeyValue]:
         """The model's metadata (the first shard's keys, without the split.* keys)."""
@@ -112,10 +115,7 @@ class GGUFModel:
         return self.shards[0].architecture
 
     def _file(self, name: str) -> GGUFFile:
-        try:
-            return self._home[name]
-        except KeyError:
-            raise KeyError(f"{self.path}: no tensor named {name!r}") from None
+        return self.shards[self.shard_of(name)]
 
     def info(self, name: str) -> TensorInfo:
         return self._file(name).info(name)
