@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Memory and speed of `ikrun ppl` on ~1B-parameter models: unconstrained, default, and under a small --mem.
 
-Generates (once, cached in --workdir) a Qwen3-shaped model and a DeepSeek-V3-shaped MoE (MLA, 1 dense + 3 MoE
-layers of 64 experts), both as F16 and IQ4_KS, and a DeepSeek-V4-shaped one (6 layers of 1024: sliding, CSA and HCA
-attention, mHC, 32 MXFP4 experts; ~350M parameters) as F16 with its MXFP4 experts, then runs each file in a fresh process (tools/peak_rss.py, so the
-peak RSS is the command's own):
+Generates (once, cached in --workdir) a Qwen3-shaped model, a DeepSeek-V3-shaped MoE (MLA, 1 dense + 3 MoE
+layers of 64 experts) and a Qwen3-MoE-shaped one (10 layers of 1024, 64 experts of 512, 8 used), each as F16 and
+IQ4_KS, and, as F16 with their MXFP4 experts, a DeepSeek-V4-shaped one (6 layers of 1024: sliding, CSA and HCA
+attention, mHC, 32 MXFP4 experts; ~350M parameters) and a gpt-oss-shaped one (12 layers of 1024, sinks, alternating
+128-token windows, 32 MXFP4 experts of 1024, 4 used; ~1.2B parameters). Each file runs in a fresh process
+(tools/peak_rss.py, so the peak RSS is the command's own):
 
 - `unconstrained`: --no-stream with no budget worth the name (every decoded weight cached, the pre-budget runtime);
 - `default`: no flags (75% of the available memory; one-pass runs are layer-streamed);
@@ -39,16 +41,23 @@ from ikquant import QuantizeOptions, file_type, quantize_model
 
 TOOLS = Path(__file__).parent
 sys.path.insert(0, str(TOOLS))
-from bench_convert import make_deepseek4_checkpoint, make_deepseek_fp8_checkpoint  # noqa: E402
+from bench_convert import (  # noqa: E402
+    make_deepseek4_checkpoint,
+    make_deepseek_fp8_checkpoint,
+    make_gpt_oss_checkpoint,
+    make_qwen3moe_checkpoint,
+)
 
 GiB = 1 << 30
-PRE_TOKENIZERS = {"qwen3": "qwen2", "deepseek": "deepseek-v3", "deepseek4": "joyai-llm"}
+PRE_TOKENIZERS = {"qwen3": "qwen2", "deepseek": "deepseek-v3", "deepseek4": "joyai-llm", "qwen3moe": "qwen2",
+                  "gpt-oss": "gpt-4o"}
+MXFP4_EXPERTS = ("deepseek4", "gpt-oss")  # routed experts MXFP4 in every file (requantizing them is not the point)
 
 
 def build_models(workdir: Path, only: str | None) -> dict[str, Path]:
     """The benchmark files, generated and converted once; with `only`, just the models a label it matches needs."""
     files = {}
-    for name in ("qwen3", "deepseek", "deepseek4"):
+    for name in ("qwen3", "deepseek", "deepseek4", "qwen3moe", "gpt-oss"):
         if only and not any(re.search(only, f"{name} {kind}") for kind in ("F16", "IQ4_KS", "F16+MXFP4")):
             continue
         hf = workdir / f"hf-{name}"
@@ -58,12 +67,16 @@ def build_models(workdir: Path, only: str | None) -> dict[str, Path]:
                                                   head_dim=128, ffn=6144))
             elif name == "deepseek":
                 make_deepseek_fp8_checkpoint(hf, 4)
+            elif name == "qwen3moe":
+                make_qwen3moe_checkpoint(hf)
+            elif name == "gpt-oss":
+                make_gpt_oss_checkpoint(hf)
             else:
                 make_deepseek4_checkpoint(hf)
         f16 = workdir / f"{name}-f16.gguf"
         if not f16.exists():
             Converter(hf, "f16", PRE_TOKENIZERS[name]).write(f16)
-        if name == "deepseek4":  # its routed experts are MXFP4 in every file (requantizing them is refused)
+        if name in MXFP4_EXPERTS:
             files[f"{name} F16+MXFP4"] = f16
             continue
         iq4 = workdir / f"{name}-iq4_ks.gguf"
