@@ -19,16 +19,15 @@ from ikrun.cli import app
 DATA = Path(__file__).parent / "data" / "dflash"
 SHAPES = DATA / "shapes"
 QWEN3_TARGET = DATA / "dflash-qwen3-trained" / "target"
-GPT_OSS_TARGET = Path(__file__).parent / "data" / "convert" / "gpt-oss" / "hf"
 TEXT = Path(__file__).parent / "data" / "logits" / "qwen3" / "text.txt"
 runner = CliRunner()
 
 
 def _target_dir(shape: Path, tmp: Path) -> Path:
-    """The shape's target folder: the tiny gpt-oss for `gptoss`, else the shared Qwen3 target, under the shape's
-    own config where it has one."""
-    if shape.name == "gptoss":
-        return GPT_OSS_TARGET
+    """The shape's target folder: its own, else the shared Qwen3 target, under the shape's own config where it has
+    one."""
+    if (shape / "target").is_dir():
+        return shape / "target"
     if not (shape / "target-config.json").is_file():
         return QWEN3_TARGET
     folder = tmp / "target"
@@ -47,7 +46,7 @@ def _pair(shape: Path, tmp: Path) -> tuple[Path, Path]:
     return target, draft
 
 
-@pytest.mark.parametrize("name", ["layer0", "onelayer", "block8", "gqa3", "rope5e5", "issue"])
+@pytest.mark.parametrize("name", ["layer0", "onelayer", "block8", "gqa3", "rope5e5", "issue", "gptoss"])
 def test_every_step_equals_the_reference(name: str, tmp_path: Path) -> None:
     from ikrun.eval.speculative import speculative_generate
     from ikrun.model import Model
@@ -110,7 +109,7 @@ def test_drafts_that_do_not_fit_the_target_are_refused_before_compute(tmp_path: 
     from ikconvert.tiny import TinySpec, make_tiny_checkpoint
 
     target, draft = _pair(SHAPES / "layer0", tmp_path)
-    gpt_oss = Converter(GPT_OSS_TARGET, "f32", "qwen2").write(tmp_path / "gpt-oss.gguf")
+    gpt_oss = Converter(SHAPES / "gptoss" / "target", "f32", "qwen2").write(tmp_path / "gpt-oss.gguf")
 
     def refused(t: Path, d: Path) -> str:
         res = runner.invoke(app, ["accept", str(t), str(d), "--text", str(TEXT)])

@@ -44,6 +44,40 @@ def load_target(folder: Path):  # type: ignore[no-untyped-def]
     return model.float().eval()
 
 
+def train_target(folder: Path, out: Path, ids: torch.Tensor, steps: int, seed: int):  # type: ignore[no-untyped-def]
+    """A random target's greedy tokens are hard to draft: teach it the text first. Every tensor the checkpoint stores
+    unquantized learns (next token, windows of 96); MXFP4 experts stay as stored. Saved to `out`, the stored tensors
+    replaced in their own dtype, the others (MXFP4 blocks and scales) copied byte for byte."""
+    from safetensors.torch import load_file, save_file
+
+    model = load_target(folder)
+    stored = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        stored.update(load_file(path))
+    learn = [(n, p) for n, p in model.named_parameters() if n in stored]
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in stored)
+    opt = torch.optim.AdamW([p for _, p in learn], lr=3e-3, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    model.train()
+    for step in range(steps):
+        starts = torch.randint(0, len(ids) - 97, (16,), generator=gen).tolist()
+        win = torch.stack([ids[s : s + 97] for s in starts])
+        loss = model(win[:, :-1], labels=win[:, :-1]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 100 == 0:
+            print(f"target step {step}: loss {loss.item():.3f}", flush=True)
+    shutil.copytree(folder, out, dirs_exist_ok=True)
+    for path in out.glob("*.safetensors"):
+        path.unlink()
+    trained = dict(learn)
+    save_file({n: (trained[n].detach().to(t.dtype) if n in trained else t).contiguous() for n, t in stored.items()},
+              out / "model.safetensors", metadata={"format": "pt"})
+    return load_target(out)
+
+
 def draft_config(target_cfg, args: argparse.Namespace) -> Qwen3Config:  # type: ignore[no-untyped-def]
     layers = [int(i) for i in args.target_layers.split(",")]
     cfg = Qwen3Config(
@@ -113,6 +147,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--train-target", type=int, default=0, help="first train the target's unquantized tensors on "
+                    "the text for this many steps (OUT/target)")
     ap.add_argument("--decode-only", action="store_true", help="OUT/hf exists: only decode with it")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
@@ -127,11 +163,15 @@ def main() -> None:
         cfg["rope_theta"] = args.target_rope_theta
         (target_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         shutil.copy(target_dir / "config.json", args.out / "target-config.json")
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    ids = torch.tensor(tok.encode(args.text.read_text(), add_special_tokens=False), dtype=torch.long)
+    if args.train_target:
+        target_dir = args.out / "target"
+        if not (args.decode_only and target_dir.is_dir()):
+            train_target(args.target, target_dir, ids, args.train_target, args.seed)
     target = load_target(target_dir)
     for p in target.parameters():
         p.requires_grad_(False)
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    ids = torch.tensor(tok.encode(args.text.read_text(), add_special_tokens=False), dtype=torch.long)
     loss = None  # none when only decoding
     if not (args.decode_only and (args.out / "hf").is_dir()):
         draft = ref.DFlashDraftModel(draft_config(target.config, args)).float()
