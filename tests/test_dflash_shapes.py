@@ -1,8 +1,8 @@
 """DFlash drafts of every shape against the reference implementation: pairs trained on the shared tiny Qwen3
 target, each differing from the shared pair in one way (target layer 0 among the features, a one-layer draft,
 blocks of 8, 3 query heads per key/value head, rope theta 5e5), one with all of them at once (the target under
-rope theta 5e5 too), and a gpt-oss target whose last layer is a feature; every step's acceptance length and every
-token equal z-lab/dflash's `dflash_generate` (tools/make_dflash_pair.py made them)."""
+rope theta 5e5 too), and gpt-oss and Qwen3-MoE targets whose last layer is a feature; every step's acceptance
+length and every token equal z-lab/dflash's `dflash_generate` (tools/make_dflash_pair.py made them)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def _pair(shape: Path, tmp: Path) -> tuple[Path, Path]:
     return target, draft
 
 
-@pytest.mark.parametrize("name", ["layer0", "onelayer", "block8", "gqa3", "rope5e5", "issue", "gptoss"])
+@pytest.mark.parametrize("name", ["layer0", "onelayer", "block8", "gqa3", "rope5e5", "issue", "gptoss",
+                                  "qwen3moe"])
 def test_every_step_equals_the_reference(name: str, tmp_path: Path) -> None:
     from ikrun.eval.speculative import speculative_generate
     from ikrun.model import Model
