@@ -33,6 +33,12 @@ def accept(
     check: bool = typer.Option(True, "--check/--no-check", help="Check every output against the target's own greedy "
                                "continuation (speculation must not change it)."),
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="The draft's Hugging Face folder: compare every "
+                                         "step's draft layer by layer with the independent reference of it and "
+                                         "name the first layer that differs."),
+    oracle: Optional[Path] = typer.Option(None, "--oracle", help="A reference run's JSON (z-lab/dflash's "
+                                          "dflash_generate: runs[].prompt, runs[].acceptance_lengths): name the "
+                                          "first step whose acceptance differs."),
     ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
     """Greedy speculative decoding with a DFlash draft: acceptance length (tokens per target step) per prompt and
@@ -42,6 +48,7 @@ def accept(
     --compare Q8_0,Q4_K
     """
     from ikquant.types import type_by_name
+    from ikrun.eval.dflash_trace import LayerTrace, first_acceptance_difference
     from ikrun.eval.speculative import (
         acceptance_by_position,
         greedy_continuation,
@@ -50,6 +57,8 @@ def accept(
     )
 
     t, d, bs, chunks = draft_pair(target, draft, ev, text, prompts, prompt_len, max_new, block)
+    reference_runs = _oracle_runs(oracle, chunks) if oracle else None
+    reference = _trace_reference(trace) if trace else None
     try:
         types = [type_by_name(x) for x in compare.split(",") if x.strip()] if compare else []
         for qt in types:
@@ -57,12 +66,15 @@ def accept(
     except IkError as exc:
         fail(str(exc))
 
-    def measure(label: str, used: list[str]) -> dict:  # type: ignore[type-arg]
+    def measure(label: str, used: list[str], traced: bool = False) -> dict:  # type: ignore[type-arg]
         with progress_bar() as bar:
             task = bar.add_task(f"{label}: speculative decoding", total=len(chunks))
-            runs = []
+            runs, traces = [], []
             for p in chunks:
-                runs.append(speculative_generate(t, d, p, max_new, bs))
+                observer = LayerTrace(reference) if traced and reference is not None else None
+                runs.append(speculative_generate(t, d, p, max_new, bs, observe=observer))
+                if observer is not None:
+                    traces.append(observer.summary())
                 bar.update(task, advance=1)
         mismatched = []
         if check:
@@ -70,7 +82,13 @@ def accept(
                 if greedy_continuation(t, p, max_new) != r.output_ids:
                     mismatched.append(i)
         seconds = sum(r.seconds for r in runs)
-        return {"draft": label, "types_used": used, "draft_bytes": sum(d.weights.encoding(n).raw.nbytes for n in d.weights.names()),
+        extra: dict = {}  # type: ignore[type-arg]
+        if traces:
+            extra["trace"] = traces
+        if reference_runs is not None:
+            first = first_acceptance_difference([r.acceptance_lengths for r in runs], reference_runs)
+            extra["oracle_first_difference"] = None if first is None else {"prompt": first[0], "step": first[1]}
+        return {**extra, "draft": label, "types_used": used, "draft_bytes": sum(d.weights.encoding(n).raw.nbytes for n in d.weights.names()),
                 "mean_acceptance_length": mean_acceptance_length(runs),
                 "tokens_per_second": len(chunks) * max_new / seconds if seconds > 0 else 0.0,
                 "output_matches_target": not mismatched if check else None, "mismatched_prompts": mismatched,
@@ -78,7 +96,7 @@ def accept(
                 "runs": [{"prompt": r.prompt, "output_ids": r.output_ids, "acceptance_lengths": r.acceptance_lengths}
                          for r in runs]}
 
-    results = [measure("as stored", sorted({d.weights.encoding(n).type.name for n in d.weights.names()}))]
+    results = [measure("as stored", sorted({d.weights.encoding(n).type.name for n in d.weights.names()}), True)]
     for qt in types:
         try:
             results.append(measure(qt.name, _quantize_draft_in_memory(d, qt)))
@@ -90,6 +108,7 @@ def accept(
         out.print_json(json.dumps(results[0] if not types else results))
     else:
         _print_acceptance(results, bs, len(chunks), prompt_len, max_new)
+        _print_checks(results[0])
     if check and any(r["mismatched_prompts"] for r in results):
         bad = next(r for r in results if r["mismatched_prompts"])
         fail(f"draft {bad['draft']}: the speculative output of prompt {bad['mismatched_prompts'][0]} differs from the "
@@ -116,6 +135,47 @@ def draft_pair(target: Path, draft: Path, ev: Evaluation, text: Path, prompts: i
     except IkError as exc:
         fail(str(exc))
     return t, d, bs, [ids[s : s + prompt_len] for s in starts]
+
+
+def _oracle_runs(path: Path, chunks: list[np.ndarray]) -> list[list[int]]:
+    """The reference run's acceptance lengths per prompt, its prompts checked to be the ones cut from --text."""
+    try:
+        runs = json.loads(path.read_text(encoding="utf-8"))["runs"]
+        prompts = [r["prompt"] for r in runs]
+        lengths = [[int(a) for a in r["acceptance_lengths"]] for r in runs]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        fail(f"--oracle {path}: not a reference run's JSON with runs[].prompt and runs[].acceptance_lengths ({exc})")
+    for p, chunk in enumerate(chunks):
+        if p >= len(prompts) or prompts[p] != [int(x) for x in chunk]:
+            fail(f"--oracle {path}: its prompt {p} is not prompt {p} cut from --text (same --text, --prompts, "
+                 "--prompt-len and --max-new as the reference run?)")
+    return lengths
+
+
+def _trace_reference(folder: Path):  # type: ignore[no-untyped-def]
+    """The independent reference of the draft's Hugging Face checkpoint."""
+    from ikrun.validate.dflash import DFlashReference
+
+    if not (folder / "config.json").is_file() or not any(folder.glob("*.safetensors")):
+        fail(f"--trace {folder}: not a Hugging Face draft folder (config.json and *.safetensors)")
+    return DFlashReference(folder)
+
+
+def _print_checks(result: dict) -> None:  # type: ignore[type-arg]
+    """What --trace and --oracle found."""
+    for p, tr in enumerate(result.get("trace", [])):
+        first = tr["first_divergence"]
+        if first is None:
+            out.print(f"prompt {p}: every step's draft layers agree with the reference (largest difference "
+                      f"{max(tr['max_abs_by_layer'], default=0.0):.2e})")
+        else:
+            out.print(f"prompt {p}: step {first['step']}, draft layer {first['layer']} differs first from the "
+                      f"reference (by {first['max_abs']:.2e}; the last layer index is the final norm)")
+    if "oracle_first_difference" in result:
+        first = result["oracle_first_difference"]
+        out.print("acceptance equal to the reference run at every step" if first is None else
+                  f"acceptance differs from the reference run first at prompt {first['prompt']}, step "
+                  f"{first['step']}")
 
 
 def _quantize_draft_in_memory(d: Model, qtype) -> list[str]:  # type: ignore[no-untyped-def]

@@ -15,6 +15,7 @@ the last block's tokens past them cut afterwards (its acceptance length counts t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,7 +27,8 @@ from ikrun.models.dflash import DFlashDraft, DraftContext
 
 
 class TargetDecoder:
-    """The target continuing one sequence through its key/value cache, with the hidden states of chosen blocks."""
+    """The target continuing one sequence through its key/value cache, with the hidden states of chosen blocks
+    from the same forward: transformers' `hidden_states[i + 1]`, which for the last block is the output norm's."""
 
     def __init__(self, model: Model, feature_layers: list[int]):
         self.model, self.impl = model, model.impl
@@ -42,10 +44,11 @@ class TargetDecoder:
             impl.begin(seq)
             x = impl.embed(seq)
             features = {}
+            last = impl.n_active - 1
             for i in range(impl.n_active):
                 x = impl.block(i, [x], [seq])[0]
                 if i in self.layers:
-                    features[i] = x
+                    features[i] = impl.final_norm(x) if i == last else x
             logits = impl.head(x, seq)
         self.length += len(tokens)
         return logits, np.concatenate([features[i] for i in self.layers], axis=1) if self.layers else x[:, :0]
@@ -68,8 +71,13 @@ class SpecRun:
     seconds: float = 0.0
 
 
+#: sees, at every step, the target's features of every position before the block, the block's embeddings and the
+#: draft's output per layer, then its final norm's
+DraftObserver = Callable[[np.ndarray, np.ndarray, list[np.ndarray]], None]
+
+
 def speculative_generate(target: Model, draft: Model, prompt: np.ndarray, max_new: int, block: int | None = None,
-                         keep_logits: bool = False) -> SpecRun:
+                         keep_logits: bool = False, observe: DraftObserver | None = None) -> SpecRun:
     """Greedy DFlash speculative decoding of `max_new` tokens after `prompt`."""
     d = draft.impl
     assert isinstance(d, DFlashDraft)
@@ -86,11 +94,17 @@ def speculative_generate(target: Model, draft: Model, prompt: np.ndarray, max_ne
     ctx = DraftContext()
     run = SpecRun([int(t) for t in prompt], [], [])
     start = n
+    seen = pending[:0]  # every position's features, kept only for an observer
     with draft.blas_limit():
         while start < max_length:  # whole blocks, the last one cut at max_length afterwards
             blk = out[start : start + bs].copy()
             d.extend_context(ctx, pending)
-            hidden = d.draft(ctx, target.ctx.embed_rows("token_embd.weight", blk))
+            embeddings = target.ctx.embed_rows("token_embd.weight", blk)
+            layers: list[np.ndarray] = []
+            hidden = d.draft(ctx, embeddings, None if observe is None else lambda i, x: layers.append(x.copy()))
+            if observe is not None:
+                seen = np.concatenate([seen, pending])
+                observe(seen, embeddings, [*layers, hidden])
             proposals = target.impl.output_projection(hidden)
             if keep_logits:
                 run.draft_logits.append(proposals)

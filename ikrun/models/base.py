@@ -153,7 +153,12 @@ class ArchModel(ABC):
 
     def output_projection(self, x: np.ndarray) -> np.ndarray:
         """The output head alone (no final norm) on hidden rows: what a DFlash draft's proposals go through."""
-        raise self.fail(f"{self.ctx.arch} models cannot serve as a DFlash target yet (supported: llama, qwen2, qwen3)")
+        raise self.fail(f"{self.ctx.arch} models have no hidden-state output for a DFlash draft")
+
+    def final_norm(self, x: np.ndarray) -> np.ndarray:
+        """The output norm alone on hidden rows: transformers' last hidden state, a DFlash feature when a draft
+        takes the target's last layer."""
+        raise self.fail(f"{self.ctx.arch} models have no hidden-state output for a DFlash draft")
 
     # ---- the forward ----------------------------------------------------------------------------------------
     def begin(self, seq: Sequence) -> None:  # noqa: B027 (a hook most architectures use, none must)

@@ -83,24 +83,31 @@ class DFlashDraft(ArchModel):
 
     def check_target(self, target: ArchModel) -> None:
         """The target must give the features this draft was trained on (layers, widths) and serve as a target."""
+        from ikrun.models import model_class, supported_architectures
+
         t = target.ctx
         if not target.continues:
-            raise self.fail(f"{t.path} ({t.arch}) cannot serve as a DFlash target yet (supported: llama, qwen2, "
-                            "qwen3)")
+            targets = [a for a in supported_architectures() if model_class(a).continues]
+            raise self.fail(f"{t.path} ({t.arch}) gives no hidden-state output to serve as a DFlash target "
+                            f"(targets: {', '.join(targets)})")
         bad = [i for i in self.target_layer_ids if not 0 <= i < target.n_active]
         if bad:
-            raise self.fail(f"target layer {bad[0]} of dflash.target_layer_ids is not a block of {t.path} "
-                            f"({target.n_active} blocks)")
+            raise self.fail(f"{self.ctx.arch}.dflash.target_layer_ids: target layer {bad[0]} is not a block of "
+                            f"{t.path} ({target.n_active} blocks)")
         width = len(self.target_layer_ids) * target.n_embd
         if width != self.n_target_features:
-            raise self.fail(f"the draft takes {self.n_target_features} target features, {t.path} gives "
-                            f"{len(self.target_layer_ids)} layers x {target.n_embd} = {width}")
+            raise self.fail(f"{self.ctx.arch}.dflash.n_target_features: the draft takes {self.n_target_features} target features, "
+                            f"{t.path} gives {len(self.target_layer_ids)} layers x {target.n_embd} = {width}")
+        if self.n_embd != target.n_embd:
+            raise self.fail(f"{self.ctx.arch}.embedding_length: the draft's hidden size {self.n_embd} is not the target's "
+                            f"{target.n_embd} ({t.path}), whose embeddings and output head it uses")
         tokens = self.ctx.weights.metadata.get("tokenizer.ggml.tokens")
         if tokens is not None and len(tokens) != target.n_vocab:
-            raise self.fail(f"the draft's vocabulary has {len(tokens)} tokens, the target {t.path} has "
-                            f"{target.n_vocab}: a draft of another model")
+            raise self.fail(f"tokenizer.ggml.tokens: the draft's vocabulary has {len(tokens)} tokens, the target "
+                            f"{t.path} has {target.n_vocab}: a draft of another model")
         if not 0 <= self.mask_token_id < target.n_vocab:
-            raise self.fail(f"mask token {self.mask_token_id} is not in the target's vocabulary of {target.n_vocab}")
+            raise self.fail(f"{self.ctx.arch}.dflash.mask_token_id: mask token {self.mask_token_id} is not in the target's "
+                            f"vocabulary of {target.n_vocab}")
 
     # ---- the runtime contract: a draft has no forward of its own ---------------------------------------------
     def _alone(self) -> ModelError:

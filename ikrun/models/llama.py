@@ -109,7 +109,10 @@ class LlamaFamily(ArchModel):
         return self.each(hs, seqs, lambda h, seq: dense_ffn(self.ctx, h, f"blk.{i}."))
 
     def head(self, x: np.ndarray, seq: Sequence) -> np.ndarray:
-        return self.output_projection(self.norm(x, self.ctx.weight("output_norm.weight")))
+        return self.output_projection(self.final_norm(x))
+
+    def final_norm(self, x: np.ndarray) -> np.ndarray:
+        return self.norm(x, self.ctx.weight("output_norm.weight"))
 
     def output_projection(self, x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(self.ctx.project(x, self.output), dtype=np.float32)
