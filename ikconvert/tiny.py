@@ -77,11 +77,22 @@ def learn_merges(text: str, n_merges: int, regex_pattern: str) -> list[tuple[str
 
 
 def _tokenizer_files(spec: TinySpec) -> tuple[dict, dict, dict[str, int]]:
+    llama = spec.arch == "llama"
+    merges = learn_merges(CORPUS.read_text(encoding="utf-8"), spec.n_merges, pretokenizer_regex(llama))
+    return tokenizer_files(merges, llama)
+
+
+def pretokenizer_regex(llama: bool) -> str:
+    """The Split regex of the tokenizers these checkpoints carry: Llama 3's, or Qwen2's (ik's `qwen2` pre)."""
+    return _LLAMA3_REGEX if llama else _QWEN2_REGEX
+
+
+def tokenizer_files(merges: list[tuple[str, str]], llama: bool) -> tuple[dict, dict, dict[str, int]]:
+    """tokenizer.json, tokenizer_config.json and {n_vocab, bos, eos} of a byte-level BPE with these merges: the 256
+    byte symbols first, then one token per merge, then the special tokens."""
     from ikconvert.tokenizer import byte_encoder
 
-    llama = spec.arch == "llama"
-    pattern = _LLAMA3_REGEX if llama else _QWEN2_REGEX
-    merges = learn_merges(CORPUS.read_text(encoding="utf-8"), spec.n_merges, pattern)
+    pattern = pretokenizer_regex(llama)
     vocab: dict[str, int] = {}
     for ch in byte_encoder().values():
         vocab.setdefault(ch, len(vocab))
