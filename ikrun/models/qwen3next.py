@@ -26,6 +26,7 @@ from ikrun.models.llama import LlamaFamily
 from ikrun.modules.attention import GqaAttention
 from ikrun.modules.delta_net import GatedDeltaNet
 from ikrun.modules.ffn import MoeConfig, moe_ffn
+from ikrun.numerics.ik.delta_net import FUSED_HEAD_DIMS
 from ikrun.ops.moe import GATING_SOFTMAX
 
 if TYPE_CHECKING:
@@ -57,7 +58,12 @@ class Qwen3Next(LlamaFamily):
             if ctx.has(f"blk.{i}.ssm_in.weight"):
                 raise ModelError(f"{ctx.path}: tensor blk.{i}.ssm_in.weight (a fused delta-net input projection) is "
                                  "a layer layout ikrun does not implement; convert with attn_qkv / attn_gate")
-        self.delta_net = self._read_delta_net(ctx, fail)
+        self.delta_net = net = self._read_delta_net(ctx, fail)
+        if ctx.options.numerics == "ik" and (net.head_k != net.head_v or net.head_k not in FUSED_HEAD_DIMS):
+            raise fail("ssm.state_size", f"{net.head_k} (value head dim {net.head_v}): --numerics ik computes ik's "
+                                         "fused delta-net kernel, which keeps one head dim for keys and values and "
+                                         "which ik runs right only for 64 and 128 (its fallback is wrong); use the "
+                                         "exact arithmetic")
         scaling = hp("rope.scaling.type", None)
         if scaling not in ROPE_SCALINGS:
             raise fail("rope.scaling.type", f"{scaling!r} is a rope scheme ikrun does not implement for {ctx.arch}")

@@ -75,6 +75,6 @@ class GatedDeltaNet:
         k = conv[:, hk * dk : 2 * hk * dk].reshape(n, hk, dk)
         v = conv[:, 2 * hk * dk :].reshape(n, hv, dv)
         g, beta = nx.decay_and_beta(alpha, beta_in, cx.weight(b + "ssm_a"), cx.weight(b + "ssm_dt.bias"))
-        out = nx.delta_rule(q, k, v, g, beta, self.key_heads())
+        out = nx.delta_rule(q, k, v, g, beta, self.key_heads(), self.eps)
         out = nx.gated_norm(out, z.reshape(n, hv, dv), cx.weight(b + "ssm_norm.weight"), self.eps)
         return cx.linear(out.reshape(n, hv * dv), b + "ssm_out")
