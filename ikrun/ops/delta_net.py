@@ -1,6 +1,6 @@
 """The gated delta rule (Qwen3-Next's and Qwen3.5's linear attention) and the short convolution before it, as
-transformers defines them (`torch_causal_conv1d_update`-free prefill: conv1d + SiLU; `torch_chunk_gated_delta_rule`
-and `torch_recurrent_gated_delta_rule`).
+transformers defines them for a prompt (the causal conv1d + SiLU; `torch_chunk_gated_delta_rule` and
+`torch_recurrent_gated_delta_rule`).
 
 Per value head h (its key head given by `k_head[h]`: grouped or tiled order is the caller's choice) and token t, with
 q and k L2-normalised (rsqrt(sum x^2 + 1e-6)), q scaled by 1/sqrt(d_k), decay exp(g_t) and write strength beta_t:
