@@ -95,6 +95,17 @@ def test_iks_delta_net_kernels_compute_the_same_functions() -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_numerics_ik_on_the_f32_file_prints_iks_ppl(family: str) -> None:
+    """On F32 weights ik's float order gives the PPL ik printed to its last digit (541.2250 / 514.8854), which the
+    exact arithmetic misses in the last one or two (541.22487 / 514.88557)."""
+    printed = re.search(r"Final estimate: PPL over \d+ chunks for n_ctx=64 = ([0-9.]+)",
+                        (DATA / "logits" / family / "ik-f32-ppl.txt").read_text(errors="replace"))
+    assert printed is not None
+    got = kld_json(_f32(family), DATA / "logits" / family / "ik-base.kld", "--numerics", "ik")
+    assert f"{got['ppl_q']:.4f}" == printed.group(1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_numerics_ik_on_the_q8_0_file_near_iks_printed_figures(family: str) -> None:
     """ik's matmuls with its 8-bit activations, its delta-net kernels, norms and gates: within 5e-6 of the mean KLD
     ik printed (0.020644 / 0.023922; measured 0.0206409 / 0.0239214, while the exact arithmetic gives 0.0156 /

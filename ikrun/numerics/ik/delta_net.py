@@ -48,6 +48,12 @@ def ik_conv_silu(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return out
 
 
+@njit(cache=True, nogil=True, inline="always")
+def ik_sigmoid(x: np.float32) -> np.float32:
+    """1 / (1 + expf(-x)) with libm's expf, as ggml_sigmoid and ik's gates compute it."""
+    return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
+
+
 @njit(cache=True, nogil=True)
 def _decay_and_beta(a: np.ndarray, b: np.ndarray, ssm_a: np.ndarray, dt: np.ndarray, g: np.ndarray,
                     beta: np.ndarray) -> None:
@@ -59,12 +65,6 @@ def _decay_and_beta(a: np.ndarray, b: np.ndarray, ssm_a: np.ndarray, dt: np.ndar
             beta[t, h] = ik_sigmoid(b[t, h])
 
 
-@njit(cache=True, nogil=True, inline="always")
-def ik_sigmoid(x: np.float32) -> np.float32:
-    """1 / (1 + expf(-x)) with libm's expf, as ggml_sigmoid and ik's gates compute it."""
-    return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
-
-
 @njit(cache=True, nogil=True)
 def _sigmoid(x: np.ndarray, out: np.ndarray) -> None:
     for i in range(x.shape[0]):
@@ -72,6 +72,7 @@ def _sigmoid(x: np.ndarray, out: np.ndarray) -> None:
 
 
 def ik_sigmoid_array(x: np.ndarray) -> np.ndarray:
+    """ik_sigmoid of every element (the attention output gate, the shared expert's gate)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = np.empty_like(x)
     _sigmoid(x.reshape(-1), out.reshape(-1))
