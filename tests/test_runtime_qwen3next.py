@@ -182,6 +182,8 @@ def _with_keys(src: Path, dst: Path, keys: dict[str, Any]) -> Path:
     # heads the exact arithmetic runs (key dim 32, value dim 96) but ik's fused kernel does not
     ("qwen3-next", {"qwen3next.ssm.state_size": 32, "qwen3next.ssm.inner_size": 384, "--numerics": "ik"},
      r"qwen3next.ssm.state_size 32 \(value head dim 96\): --numerics ik"),
+    ("qwen3-next", {"qwen3next.full_attention_interval": 2, "--numerics": "ik"},
+     "qwen3next.full_attention_interval 2: ik's qwen3next makes every 4th layer full attention"),
 ])
 def test_what_the_runtime_does_not_implement_is_refused(family: str, keys: dict[str, Any], message: str,
                                                         tmp_path: Path) -> None:

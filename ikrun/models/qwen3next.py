@@ -53,6 +53,10 @@ class Qwen3Next(LlamaFamily):
         interval = int(hp("full_attention_interval", 4))
         if interval < 1:
             raise fail("full_attention_interval", f"{interval} names no layer type (it must be at least 1)")
+        if ctx.options.numerics == "ik" and interval != 4 and not self.qwen35_layout:
+            raise fail("full_attention_interval", f"{interval}: ik's qwen3next makes every 4th layer full attention "
+                                                  "whatever the file says (it cannot load this file); --numerics ik "
+                                                  "has no ik arithmetic to reproduce, use the exact one")
         self.full_attention = {i for i in range(n_layer) if (i + 1) % interval == 0}
         for i in range(n_layer):
             if ctx.has(f"blk.{i}.ssm_in.weight"):
