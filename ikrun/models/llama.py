@@ -88,16 +88,18 @@ class LlamaFamily(ArchModel):
         """Attention (each sequence), then the FFN block on the normed states of all of them (`ffn`)."""
         cx, b = self.ctx, f"blk.{i}."
 
-        window = self.attention_window(i)
-
         def attention(x: np.ndarray, seq: Sequence) -> np.ndarray:
-            cos, sin = seq.state["rope"]
-            return x + self.attention(cx, b, self.norm(x, cx.weight(b + "attn_norm.weight")), cos, sin,
-                                      seq.state.get("kv"), window)
+            return x + self.mixer(i, self.norm(x, cx.weight(b + "attn_norm.weight")), seq)
 
         xs = self.each(xs, seqs, attention)
         hs = [self.norm(x, cx.weight(b + self.ffn_norm)) for x in xs]
         return [x + y for x, y in zip(xs, self.ffn(i, hs, seqs))]
+
+    def mixer(self, i: int, h: np.ndarray, seq: Sequence) -> np.ndarray:
+        """Block `i`'s token mixer on one sequence's normed states: the attention (hybrid families put their
+        linear attention here)."""
+        cos, sin = seq.state["rope"]
+        return self.attention(self.ctx, f"blk.{i}.", h, cos, sin, seq.state.get("kv"), self.attention_window(i))
 
     def attention_window(self, i: int) -> int:
         """The keys block `i` attends to, its own included (0: every earlier one)."""

@@ -2,7 +2,9 @@
 
 - `GqaAttention`: grouped-query attention (the llama family): attn_q/k/v (+ biases where the file has them),
   q/k RMSNorm per head (qwen3) or over all heads' projection at once (minimax-m2), rope on the first n_rot dims (NORM
-  or NEOX pairing), the KV cache, per-head sinks and a sliding window per call (gpt-oss), attn_output.
+  or NEOX pairing), the KV cache, per-head sinks and a sliding window per call (gpt-oss), an output gate (Qwen3-Next,
+  Qwen3.5: attn_q gives each head its query and a gate, the heads' output is multiplied by the gate's sigmoid),
+  attn_output.
 - `MlaAttention`: DeepSeek's multi-head latent attention in the absorbed form: the query through the q LoRA
   (attn_q_a, its norm, attn_q_b) or attn_q, attn_kv_a_mqa's latent and shared rope key, attn_kv_a_norm, the latent
   cache, attn_k_b / attn_v_b per head, attn_output. Variants are data: the rope pairing, openPangu's MoME
@@ -40,12 +42,15 @@ class GqaAttention:
     qk_norm_all_heads: bool = False
     #: one learned logit per head in every softmax's denominator (gpt-oss's `attn_sinks.weight`)
     sinks: bool = False
+    #: attn_q's rows per head are [query | gate], the attention output times sigmoid(gate) (Qwen3-Next, Qwen3.5)
+    output_gate: bool = False
 
     def expected(self, b: str, n_embd: int) -> dict[str, tuple[int, ...]]:
         """The block's attention tensors and their numpy shapes (biases are optional)."""
         q, kv, kvv = self.n_head * self.head_dim, self.n_head_kv * self.head_dim, self.n_head_kv * self.head_dim_v
         want: dict[str, tuple[int, ...]] = {
-            b + "attn_q.weight": (q, n_embd), b + "attn_k.weight": (kv, n_embd), b + "attn_v.weight": (kvv, n_embd),
+            b + "attn_q.weight": (2 * q if self.output_gate else q, n_embd), b + "attn_k.weight": (kv, n_embd),
+            b + "attn_v.weight": (kvv, n_embd),
             b + "attn_output.weight": (n_embd, self.n_head * self.head_dim_v)}
         if self.sinks:
             want[b + "attn_sinks.weight"] = (self.n_head,)
@@ -61,6 +66,8 @@ class GqaAttention:
         are kept for the next call); a `window` > 0 lets each query see only that many keys (its own included)."""
         nx, n = cx.numerics, len(h)
         q, k, v = cx.linears(h, [b + "attn_q", b + "attn_k", b + "attn_v"])
+        if self.output_gate:
+            q, gate = np.split(q.reshape(n, self.n_head, 2 * self.head_dim), 2, axis=2)
         if self.qk_norm and self.qk_norm_all_heads:
             q = nx.norm(q, cx.weight(b + "attn_q_norm.weight"), self.eps)
             k = nx.norm(k, cx.weight(b + "attn_k_norm.weight"), self.eps)
@@ -81,6 +88,8 @@ class GqaAttention:
             cache[b] = (k, v)
         sinks = cx.weight(b + "attn_sinks.weight") if self.sinks else None
         attn = nx.causal_attention(q, k, v, self.head_dim, window=window, sinks=sinks).reshape(n, -1)
+        if self.output_gate:
+            attn = attn * nx.sigmoid(gate.reshape(n, -1))
         return cx.linear(attn, b + "attn_output")
 
 

@@ -45,6 +45,10 @@ class MoeConfig:
     #: expert groups (n_group, topk_group): the top-k limited to the best groups (transformers' GLM-4.x with
     #: n_group > 1); (1, 1) is a plain top-k
     groups: tuple[int, int] = (1, 1)
+    #: the shared expert's width when it is not n_ff x n_shared (Qwen3-Next's expert_shared_feed_forward_length)
+    n_ff_shared: int = 0
+    #: the shared expert's output times sigmoid(ffn_gate_inp_shexp . x) (Qwen3-Next, Qwen3.5)
+    shared_gate: bool = False
 
     @classmethod
     def read(cls, hp: Callable[..., Any], default_gating: int, fail: Callable[[str], Exception]) -> MoeConfig:
@@ -59,7 +63,7 @@ class MoeConfig:
         return cfg
 
     def expected(self, b: str, n_embd: int) -> dict[str, tuple[int, ...]]:
-        x, fe, fs = self.n_expert, self.n_ff, self.n_ff * self.n_shared
+        x, fe, fs = self.n_expert, self.n_ff, self.n_ff_shared or self.n_ff * self.n_shared
         want = {b + "ffn_gate_inp.weight": (x, n_embd), b + "ffn_up_exps.weight": (x, fe, n_embd),
                 b + "ffn_gate_exps.weight": (x, fe, n_embd), b + "ffn_down_exps.weight": (x, n_embd, fe)}
         if self.n_shared:
@@ -100,7 +104,10 @@ def moe_ffn(cx: Context, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg
     if cfg.n_shared:
         for c, (h, seq) in enumerate(zip(hs, seqs)):
             cx.chunk = seq.index
-            outs[c] = outs[c] + dense_ffn(cx, h, b, "_shexp", shared_limit)
+            shared = dense_ffn(cx, h, b, "_shexp", shared_limit)
+            if cfg.shared_gate:
+                shared = shared * cx.numerics.sigmoid(cx.linear(h, b + "ffn_gate_inp_shexp").reshape(len(h), 1))
+            outs[c] = outs[c] + shared
     return outs
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from ikrun.ops.activations import swiglu
 from ikrun.ops.attention import causal_attention
 from ikrun.ops.conv import causal_conv_residual
+from ikrun.ops.delta_net import causal_conv_silu, decay_and_beta, delta_rule_chunked, gated_rms_norm
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.mla import latent_attention
 from ikrun.ops.moe import (
@@ -105,6 +106,30 @@ class Numerics:
     def conv(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """x plus its causal short convolution by taps w (openPangu's MoME convolutions)."""
         return causal_conv_residual(x, w)
+
+    def sigmoid(self, x: np.ndarray) -> np.ndarray:
+        """1 / (1 + exp(-x)) in float32 (the output gates of gated attention and of a shared expert)."""
+        return (np.float32(1.0) / (np.float32(1.0) + np.exp(-np.asarray(x, dtype=np.float32)))).astype(np.float32)
+
+    # ---- the gated delta-net (ops/delta_net.py) -------------------------------------------------------------
+    def conv_silu(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """SiLU of the causal short convolution of x [T, C] by taps w [C, K] (the delta-net's q/k/v)."""
+        return causal_conv_silu(x, w)
+
+    def decay_and_beta(self, a: np.ndarray, b: np.ndarray, ssm_a: np.ndarray,
+                       dt_bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The delta rule's log-decay g and write strength beta [T, H] from the a / b projections."""
+        return decay_and_beta(a, b, ssm_a, dt_bias)
+
+    def delta_rule(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                   k_head: np.ndarray, eps: float) -> np.ndarray:
+        """The gated delta rule over a fresh sequence [T, Hv, dv] (transformers' chunked prompt form, whose q/k L2
+        norm has its own fixed epsilon; an engine's may use the model's rms `eps`)."""
+        return delta_rule_chunked(q, k, v, g, beta, k_head)
+
+    def gated_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """RMSNorm of x times weight, times SiLU(z) (the delta-net's output norm)."""
+        return gated_rms_norm(x, z, weight, eps)
 
     def kv_store(self, x: np.ndarray, kv_cache: str, value: bool = False) -> np.ndarray:
         """Keys (or, `value`, values) as a KV cache of precision `kv_cache` holds them (ikrun/options.py)."""

@@ -17,6 +17,7 @@ import numpy as np
 
 from ikrun.numerics.exact import Numerics
 from ikrun.numerics.ik.attention import ik_causal_attention, ik_latent_attention, ik_sink_latent_attention
+from ikrun.numerics.ik.delta_net import ik_conv_silu, ik_decay_and_beta, ik_delta_rule, ik_sigmoid_array
 from ikrun.numerics.ik.formats import (
     IK_FLOAT_TYPES,
     IK_KERNELS,
@@ -96,6 +97,25 @@ class IkNumerics(Numerics):
 
     def conv(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return causal_conv_residual(x, w, fused=True)
+
+    def sigmoid(self, x: np.ndarray) -> np.ndarray:
+        return ik_sigmoid_array(x)
+
+    # ---- the gated delta-net: ik's conv, its fused kernel, its norms (numerics/ik/delta_net.py) ----------------
+    def conv_silu(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        return ik_conv_silu(x, w)
+
+    def decay_and_beta(self, a: np.ndarray, b: np.ndarray, ssm_a: np.ndarray,
+                       dt_bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return ik_decay_and_beta(a, b, ssm_a, dt_bias)
+
+    def delta_rule(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                   k_head: np.ndarray, eps: float) -> np.ndarray:
+        return ik_delta_rule(q, k, v, g, beta, k_head, eps)
+
+    def gated_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+        """ik's RMS norm, then its fused SiLU(z) times the normed value."""
+        return swiglu(z, self.norm(x, weight, eps), ik=True)
 
     # ---- attention: ik's kernels where its 16-lane kernels take the head dims whole ---------------------------
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,
@@ -198,7 +218,9 @@ class IkNumerics(Numerics):
             return x @ converted.T
         kind = self._float_kind(weight_name)
         if kind is not None and self.weights.fits(self.weights.decoded_bytes(weight_name)):
-            return ik_float_matmul(x, self.weights.decode(weight_name), kind == "BF16")
+            # a 1-D weight is one row, as ggml multiplies it (ik's quantizer writes ffn_gate_inp_shexp as a vector)
+            w = self.weights.decode(weight_name)
+            return ik_float_matmul(x, w.reshape(-1, w.shape[-1]), kind == "BF16")
         return super().project(x, weight_name)
 
     def matmul_weight(self, name: str, n_act_rows: int, weight_rows: int | None = None) -> np.ndarray:

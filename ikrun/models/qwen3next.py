@@ -1,0 +1,145 @@
+"""Qwen3-Next (`qwen3next`): a hybrid of gated delta-net layers (linear attention, ikrun/modules/delta_net.py) and
+gated full attention every `full_attention_interval`-th layer, each followed by a MoE FFN with a gated shared expert.
+
+Per layer: RMSNorm (attn_norm; the file holds the zero-centred gains plus 1), the token mixer (the delta-net, or
+Qwen3's attention with per-head q/k RMSNorm and partial NEOX rope whose attn_q also gives a sigmoid output gate),
+residual; RMSNorm (post_attention_norm), the MoE FFN: softmax router, top-k renormalised, plus the shared expert
+times sigmoid(ffn_gate_inp_shexp . x) (a layer holding ffn_gate/up/down instead of a router is dense), residual.
+The delta-net's V heads come in the file's grouped order with b and a fused in ssm_ba (Qwen3.5, ikrun/models/
+qwen35moe.py, changes both). The recurrent state lives within one sequence's pass through a layer: every evaluated
+sequence starts from zero, as ik resets it per chunk, so sequences do not continue one another (`continues`).
+
+ik's own qwen3next hard-codes every 4th layer as full attention; this runtime reads `full_attention_interval` as
+transformers' config does (files ik can load say 4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+
+from ikrun.errors import ModelError
+from ikrun.models.base import Sequence
+from ikrun.models.llama import LlamaFamily
+from ikrun.modules.attention import GqaAttention
+from ikrun.modules.delta_net import GatedDeltaNet
+from ikrun.modules.ffn import MoeConfig, moe_ffn
+from ikrun.numerics.ik.delta_net import FUSED_HEAD_DIMS
+from ikrun.ops.moe import GATING_SOFTMAX
+
+if TYPE_CHECKING:
+    from ikrun.context import Context
+
+#: rope scaling types the hybrid families run (none: transformers' default rope)
+ROPE_SCALINGS = (None, "none", "linear")
+
+
+class Qwen3Next(LlamaFamily):
+    archs: ClassVar[tuple[str, ...]] = ("qwen3next",)
+    ffn_norm: ClassVar[str] = "post_attention_norm.weight"
+    continues = False
+    #: value heads in tiled order, b and a in two tensors (Qwen3.5's layout)
+    qwen35_layout: ClassVar[bool] = False
+
+    def __init__(self, ctx: Context):
+        hp = ctx.hparam
+
+        def fail(key: str, why: str) -> ModelError:
+            return ModelError(f"{ctx.path}: {ctx.arch}.{key} {why}")
+
+        n_layer = int(hp("block_count"))
+        interval = int(hp("full_attention_interval", 4))
+        if interval < 1:
+            raise fail("full_attention_interval", f"{interval} names no layer type (it must be at least 1)")
+        if ctx.options.numerics == "ik" and interval != 4 and not self.qwen35_layout:
+            raise fail("full_attention_interval", f"{interval}: ik's qwen3next makes every 4th layer full attention "
+                                                  "whatever the file says (it cannot load this file); --numerics ik "
+                                                  "has no ik arithmetic to reproduce, use the exact one")
+        self.full_attention = {i for i in range(n_layer) if (i + 1) % interval == 0}
+        for i in range(n_layer):
+            if ctx.has(f"blk.{i}.ssm_in.weight"):
+                raise ModelError(f"{ctx.path}: tensor blk.{i}.ssm_in.weight (a fused delta-net input projection) is "
+                                 "a layer layout ikrun does not implement; convert with attn_qkv / attn_gate")
+        self.delta_net = net = self._read_delta_net(ctx, fail)
+        if ctx.options.numerics == "ik" and (net.head_k != net.head_v or net.head_k not in FUSED_HEAD_DIMS):
+            raise fail("ssm.state_size", f"{net.head_k} (value head dim {net.head_v}): --numerics ik computes ik's "
+                                         "fused delta-net kernel, which keeps one head dim for keys and values and "
+                                         "which ik runs right only for 64 and 128 (its fallback is wrong); use the "
+                                         "exact arithmetic")
+        scaling = hp("rope.scaling.type", None)
+        if scaling not in ROPE_SCALINGS:
+            raise fail("rope.scaling.type", f"{scaling!r} is a rope scheme ikrun does not implement for {ctx.arch}")
+        self.moe = MoeConfig(int(hp("expert_count")), int(hp("expert_used_count")),
+                             int(hp("expert_feed_forward_length")), 1 if hp("expert_shared_feed_forward_length", 0)
+                             else 0, 1.0, bool(hp("expert_weights_norm", True)), GATING_SOFTMAX,
+                             n_ff_shared=int(hp("expert_shared_feed_forward_length", 0)),
+                             shared_gate=any(ctx.has(f"blk.{i}.ffn_gate_inp_shexp.weight") for i in range(n_layer)))
+        if not 0 < self.moe.n_used <= self.moe.n_expert:
+            raise fail("expert_used_count", f"{self.moe.n_used} must be in 1..expert_count {self.moe.n_expert}")
+        self.dense = {i for i in range(n_layer) if not ctx.has(f"blk.{i}.ffn_gate_inp.weight")}
+        super().__init__(ctx)
+        if self.n_rot % 2 or not 0 < self.n_rot <= self.head_dim:
+            self.fail_hparam("rope.dimension_count", f"{self.n_rot} must be even and in 2..key_length "
+                                                     f"{self.head_dim}")
+
+    def _read_delta_net(self, ctx: Context, fail: Callable[[str, str], ModelError]) -> GatedDeltaNet:
+        """The delta-net's shape from the ssm.* keys, each checked against the others and against attn_qkv."""
+        hp = ctx.hparam
+        state, groups = int(hp("ssm.state_size")), int(hp("ssm.group_count"))
+        v_heads, inner, kernel = int(hp("ssm.time_step_rank")), int(hp("ssm.inner_size")), int(hp("ssm.conv_kernel"))
+        if kernel < 1:
+            raise fail("ssm.conv_kernel", f"{kernel}: a convolution needs at least one tap")
+        if groups < 1 or v_heads < 1 or state < 1:
+            raise fail("ssm.group_count", f"{groups}, time_step_rank {v_heads} and state_size {state} must be "
+                                            "positive")
+        if v_heads % groups:
+            raise fail("ssm.time_step_rank", f"{v_heads} (value heads) is not a multiple of group_count {groups} "
+                                               "(key heads)")
+        if inner % v_heads:
+            raise fail("ssm.inner_size", f"{inner} is not a multiple of time_step_rank {v_heads} (value heads)")
+        net = GatedDeltaNet(groups, v_heads, state, inner // v_heads, kernel, float(hp("attention.layer_norm_rms_epsilon")),
+                            tiled=self.qwen35_layout, fused_ba=not self.qwen35_layout)
+        for i in range(int(hp("block_count"))):
+            qkv = f"blk.{i}.attn_qkv.weight"
+            if ctx.has(qkv) and ctx.shape(qkv)[0] != net.conv_channels:
+                raise fail("ssm.state_size", f"{state} disagrees with the heads: {qkv} has {ctx.shape(qkv)[0]} "
+                                               f"rows, 2 x group_count {groups} x state_size {state} + inner_size "
+                                               f"{inner} = {net.conv_channels}")
+        return net
+
+    def make_attention(self) -> GqaAttention:
+        return GqaAttention(self.n_head, self.n_head_kv, self.head_dim, self.head_dim_v, self.n_rot, self.eps,
+                            neox=True, qk_norm=True, output_gate=True)
+
+    def _expected(self) -> dict[str, tuple[int, ...]]:
+        e = self.n_embd
+        want: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.n_vocab, e), "output_norm.weight": (e,)}
+        if self.output == "output.weight":
+            want["output.weight"] = (self.n_vocab, e)
+        for i in range(self.n_layer):
+            b = f"blk.{i}."
+            want.update({b + "attn_norm.weight": (e,), b + self.ffn_norm: (e,)})
+            mixer = self.attention if i in self.full_attention else self.delta_net
+            want.update(mixer.expected(b, e))
+            want.update(self._ffn_expected(i, b))
+        return want
+
+    def _ffn_expected(self, i: int, b: str) -> dict[str, tuple[int, ...]]:
+        if i in self.dense:
+            return super()._ffn_expected(i, b)
+        want = self.moe.expected(b, self.n_embd)
+        if self.moe.shared_gate:  # ik's quantizer writes it as a vector, the F32 conversion as one row
+            gate = b + "ffn_gate_inp_shexp.weight"
+            want[gate] = (self.n_embd,) if self.ctx.has(gate) and self.ctx.shape(gate) == (self.n_embd,) \
+                else (1, self.n_embd)
+        return want
+
+    def mixer(self, i: int, h: np.ndarray, seq: Sequence) -> np.ndarray:
+        if i in self.full_attention:
+            return super().mixer(i, h, seq)
+        return self.delta_net(self.ctx, f"blk.{i}.", h)
+
+    def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
+        return super().ffn(i, hs, seqs) if i in self.dense else moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe)

@@ -1,0 +1,80 @@
+"""The gated delta-net token mixer (Qwen3-Next's and Qwen3.5's linear attention), owning its tensors under a block
+prefix `b` ("blk.7.").
+
+attn_qkv projects the normed hidden rows to [all q heads | all k heads | all v heads], attn_gate to the output gate
+z; ssm_ba (Qwen3-Next: per key head [b of its value heads | a of them]) or ssm_beta / ssm_alpha (Qwen3.5) to the
+write-strength and decay inputs. q/k/v go through the causal short convolution ssm_conv1d and SiLU, the gated delta
+rule runs per value head (ikrun/ops/delta_net.py) with g = ssm_a * softplus(a + ssm_dt.bias) and beta = sigmoid(b),
+the output is RMS-normed per head by ssm_norm times SiLU(z), then projected by ssm_out.
+
+Value heads share key heads in one of two orders the file's layout fixes: grouped (value head h reads key head
+h // (Hv / Hk): transformers' repeat_interleave, kept by Qwen3-Next files) or tiled (h % Hk: Qwen3.5 files, whose
+converter reorders the value heads).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ikrun.context import Context
+
+
+@dataclass(frozen=True)
+class GatedDeltaNet:
+    """The gated delta-net (the module docstring)."""
+
+    n_k_heads: int
+    n_v_heads: int
+    head_k: int
+    head_v: int
+    conv_kernel: int
+    eps: float
+    #: value heads in tiled order (Qwen3.5) instead of grouped (Qwen3-Next)
+    tiled: bool
+    #: b and a from one projection ssm_ba (Qwen3-Next) instead of ssm_beta and ssm_alpha (Qwen3.5)
+    fused_ba: bool
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.n_k_heads * self.head_k + self.n_v_heads * self.head_v
+
+    def expected(self, b: str, n_embd: int) -> dict[str, tuple[int, ...]]:
+        """The block's delta-net tensors and their numpy shapes."""
+        hv, inner = self.n_v_heads, self.n_v_heads * self.head_v
+        want: dict[str, tuple[int, ...]] = {
+            b + "attn_qkv.weight": (self.conv_channels, n_embd), b + "attn_gate.weight": (inner, n_embd),
+            b + "ssm_conv1d.weight": (self.conv_channels, self.conv_kernel), b + "ssm_dt.bias": (hv,),
+            b + "ssm_a": (hv,), b + "ssm_norm.weight": (self.head_v,), b + "ssm_out.weight": (n_embd, inner)}
+        if self.fused_ba:
+            want[b + "ssm_ba.weight"] = (2 * hv, n_embd)
+        else:
+            want.update({b + "ssm_beta.weight": (hv, n_embd), b + "ssm_alpha.weight": (hv, n_embd)})
+        return want
+
+    def key_heads(self) -> np.ndarray:
+        """The key head each value head reads."""
+        heads = np.arange(self.n_v_heads)
+        return heads % self.n_k_heads if self.tiled else heads // (self.n_v_heads // self.n_k_heads)
+
+    def __call__(self, cx: Context, b: str, h: np.ndarray) -> np.ndarray:
+        """The mixer's output [n, n_embd] for the normed hidden rows h of a fresh sequence."""
+        nx, n = cx.numerics, len(h)
+        hk, hv, dk, dv = self.n_k_heads, self.n_v_heads, self.head_k, self.head_v
+        if self.fused_ba:
+            qkv, z, ba = cx.linears(h, [b + "attn_qkv", b + "attn_gate", b + "ssm_ba"])
+            ba = ba.reshape(n, hk, 2, hv // hk)
+            beta_in, alpha = ba[:, :, 0].reshape(n, hv), ba[:, :, 1].reshape(n, hv)
+        else:
+            qkv, z, beta_in, alpha = cx.linears(h, [b + "attn_qkv", b + "attn_gate", b + "ssm_beta", b + "ssm_alpha"])
+        conv = nx.conv_silu(qkv, cx.weight(b + "ssm_conv1d.weight"))
+        q = conv[:, : hk * dk].reshape(n, hk, dk)
+        k = conv[:, hk * dk : 2 * hk * dk].reshape(n, hk, dk)
+        v = conv[:, 2 * hk * dk :].reshape(n, hv, dv)
+        g, beta = nx.decay_and_beta(alpha, beta_in, cx.weight(b + "ssm_a"), cx.weight(b + "ssm_dt.bias"))
+        out = nx.delta_rule(q, k, v, g, beta, self.key_heads(), self.eps)
+        out = nx.gated_norm(out, z.reshape(n, hv, dv), cx.weight(b + "ssm_norm.weight"), self.eps)
+        return cx.linear(out.reshape(n, hv * dv), b + "ssm_out")
