@@ -35,9 +35,9 @@ from ikconvert.tiny import pretokenizer_regex, tokenizer_files
 SPLITS = {0: "calib", 1: "eval"}  # path hash mod 10 -> split; the rest trains
 
 
-def stdlib_texts(limit: int) -> dict[str, str]:
-    """{train, calib, eval} texts from the standard library's .py files, each at most `limit` characters but
-    train, which takes every file left."""
+def stdlib_texts(limit: int, train_limit: int) -> dict[str, str]:
+    """{train, calib, eval} texts from the standard library's .py files: calib and eval at most `limit` characters,
+    train at most `train_limit` (whole files, in path order)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     parts: dict[str, list[str]] = {"train": [], "calib": [], "eval": []}
     sizes = dict.fromkeys(parts, 0)
@@ -47,7 +47,7 @@ def stdlib_texts(limit: int) -> dict[str, str]:
             continue
         split = SPLITS.get(int(hashlib.sha256(rel.encode()).hexdigest(), 16) % 10, "train")
         text = path.read_text(encoding="utf-8", errors="replace")
-        if split != "train" and sizes[split] + len(text) > limit:
+        if sizes[split] + len(text) > (train_limit if split == "train" else limit):
             continue
         parts[split].append(text)
         sizes[split] += len(text)
@@ -80,12 +80,13 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--text-limit", type=int, default=400_000, help="characters of calibration / evaluation text")
+    ap.add_argument("--train-limit", type=int, default=4_000_000, help="characters of training text")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     torch.manual_seed(a.seed)
     hf = a.out / "hf"
     hf.mkdir(parents=True, exist_ok=True)
-    texts = stdlib_texts(a.text_limit)
+    texts = stdlib_texts(a.text_limit, a.train_limit)
     for split in ("calib", "eval"):
         (a.out / f"{split}.txt").write_text(texts[split], encoding="utf-8")
     tokenizer, tok_config, ids = tokenizer_files(learn_bpe_merges(texts["train"], a.vocab), llama=False)
