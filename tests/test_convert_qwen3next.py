@@ -207,6 +207,17 @@ def test_dense_qwen35(tmp_path: Path) -> None:
     assert g.raw("blk.0.attn_gate.weight").tobytes() == ref.raw("blk.0.attn_gate.weight").tobytes()
 
 
+def test_qwen35_without_mrope_section_gets_mainlines_default(tmp_path: Path) -> None:
+    """ik's qwen35moe loader requires rope.dimension_sections: mainline writes [11, 11, 10, 0], after its other keys."""
+    folder = _variant(tmp_path, "qwen35-moe", lambda c: c["rope_parameters"].pop("mrope_section"))
+    g = GGUFFile(Converter(folder, "f32", "qwen35").write(tmp_path / "x.gguf"))
+    keys = [kv.key for kv in g.kv()]
+    assert list(g.get("qwen35moe.rope.dimension_sections")) == [11, 11, 10, 0]
+    assert keys.index("qwen35moe.rope.dimension_sections") == keys.index("qwen35moe.rope.dimension_count") + 1
+    qwen3next = GGUFFile(DATA / "qwen3-next" / "ref-f32.gguf")
+    assert not any(kv.key.endswith("dimension_sections") for kv in qwen3next.kv())
+
+
 # ---- bad input: one line naming the culprit, exit 2, nothing written -------------------------------------------
 
 def _fails(folder: Path, tmp_path: Path, pre: str, *needles: str) -> None:

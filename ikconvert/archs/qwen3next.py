@@ -135,6 +135,9 @@ class GatedDeltaNetArch(Arch):
     tiled_v_heads: ClassVar[bool] = False
     #: whether the delta-net's input projection is one fused qkvz tensor (Qwen3-Next)
     fused_qkvz: ClassVar[bool] = False
+    #: rope.dimension_sections written when the config has no mrope_section (mainline's Qwen3.5 default: ik's
+    #: qwen35 / qwen35moe loaders require the key)
+    default_mrope_section: ClassVar[tuple[int, ...] | None] = None
 
     def __init__(self, ckpt: Checkpoint, options: dict[str, Any] | None = None):
         super().__init__(ckpt, options)
@@ -199,6 +202,8 @@ class GatedDeltaNetArch(Arch):
         gw.add_full_attention_interval(int(h.get("full_attention_interval") or IK_QWEN3NEXT_INTERVAL))
         head_dim = int(h.get("head_dim") or int(self.require("hidden_size")) // int(self.require("num_attention_heads")))
         gw.add_rope_dimension_count(int(head_dim * float(rope.get("partial_rotary_factor", 0.25))))
+        if rope.get("mrope_section") is None and self.default_mrope_section is not None:
+            gw.add_rope_dimension_sections(list(self.default_mrope_section))
 
     # ---- tensors ------------------------------------------------------------------------------------------
     def map_tensor(self, name: str, t: SafeTensor) -> list[OutTensor]:
@@ -437,6 +442,7 @@ class Qwen35MoeArch(GatedDeltaNetArch):
     hf_architectures = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
     gguf_arch = "qwen35moe"
     tiled_v_heads = True
+    default_mrope_section = (11, 11, 10, 0)
 
 
 @register
@@ -444,3 +450,4 @@ class Qwen35Arch(GatedDeltaNetArch):
     hf_architectures = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
     gguf_arch = "qwen35"
     tiled_v_heads = True
+    default_mrope_section = (11, 11, 10, 0)
