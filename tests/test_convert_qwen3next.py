@@ -183,20 +183,24 @@ def test_qwen3next_interval_other_than_4_converts_with_a_warning(tmp_path: Path,
     assert "full_attention_interval = 2" in caplog.text and "will not load" in caplog.text
 
 
+def _dense_config(cfg: dict) -> None:
+    """Config edit: the Qwen3.5 MoE checkpoint as a dense Qwen3_5ForCausalLM (FFN 96)."""
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        del cfg[key]
+    cfg.update(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", intermediate_size=96)
+
+
+def _dense_tensors(t: dict[str, tuple[str, np.ndarray]]) -> None:
+    """Tensor edit: the shared expert becomes the dense MLP, the routed experts and gates go."""
+    for name in [n for n in t if ".mlp." in n]:
+        if ".shared_expert." in name:
+            t[name.replace(".shared_expert.", ".")] = t[name]
+        del t[name]
+
+
 def test_dense_qwen35(tmp_path: Path) -> None:
     """Qwen3_5ForCausalLM (arch qwen35): a dense SwiGLU FFN per layer, no expert keys."""
-    def edit_config(cfg: dict) -> None:
-        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
-            del cfg[key]
-        cfg.update(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", intermediate_size=96)
-
-    def edit_tensors(t: dict[str, tuple[str, np.ndarray]]) -> None:
-        for name in [n for n in t if ".mlp." in n]:
-            if ".shared_expert." in name:
-                t[name.replace(".shared_expert.", ".")] = t[name]
-            del t[name]
-
-    g = GGUFFile(Converter(_variant(tmp_path, "qwen35-moe", edit_config, edit_tensors), "f32", "qwen35")
+    g = GGUFFile(Converter(_variant(tmp_path, "qwen35-moe", _dense_config, _dense_tensors), "f32", "qwen35")
                  .write(tmp_path / "dense.gguf"))
     assert g.get("general.architecture") == "qwen35" and g.get("qwen35.feed_forward_length") == 96
     keys = [kv.key for kv in g.kv()]
@@ -216,6 +220,29 @@ def test_qwen35_without_mrope_section_gets_mainlines_default(tmp_path: Path) -> 
     assert keys.index("qwen35moe.rope.dimension_sections") == keys.index("qwen35moe.rope.dimension_count") + 1
     qwen3next = GGUFFile(DATA / "qwen3-next" / "ref-f32.gguf")
     assert not any(kv.key.endswith("dimension_sections") for kv in qwen3next.kv())
+
+
+def test_ik_runs_the_dense_qwen35_conversion_as_transformers_defines_it(tmp_path: Path) -> None:
+    """No golden file for dense Qwen3.5: ik (the wheel) on our conversion against the numpy reference on the
+    checkpoint (ikrun.validate.qwen3next, itself checked against transformers on the MoE model)."""
+    from ikrun.validate.hf import HFReference
+    from tests import ik_engine
+    from tests.test_ik_engine import mean_kld
+
+    folder = _variant(tmp_path, "qwen35-moe", _dense_config, _dense_tensors)
+    out = Converter(folder, "f32", "qwen35").write(tmp_path / "dense.gguf")
+    tokens = np.load(DATA.parent / "hf-logits" / "qwen35-moe" / "tokens.npy")[0]
+    assert mean_kld(HFReference(folder).logits(tokens), ik_engine.logits(out, [int(t) for t in tokens])) <= 1e-8
+
+
+def test_ik_refuses_the_interval_2_file_as_the_warning_says(tmp_path: Path) -> None:
+    from tests import ik_engine
+
+    folder = _variant(tmp_path, "qwen3-next", lambda c: c.update(full_attention_interval=2),
+                      _layer_as_full_attention(1))
+    out = Converter(folder, "f32", "qwen2").write(tmp_path / "i2.gguf")
+    with pytest.raises(ik_engine.IkFailed, match="blk.1.ssm_conv1d.weight' not found"):
+        ik_engine.logits(out, [1, 2, 3])
 
 
 # ---- bad input: one line naming the culprit, exit 2, nothing written -------------------------------------------
