@@ -235,6 +235,43 @@ def test_ik_runs_the_dense_qwen35_conversion_as_transformers_defines_it(tmp_path
     assert mean_kld(HFReference(folder).logits(tokens), ik_engine.logits(out, [int(t) for t in tokens])) <= 1e-8
 
 
+def _value_heads_of(dv: int, cfg: dict) -> Callable[[dict[str, tuple[str, np.ndarray]]], None]:
+    """Tensor edit: every delta-net value head cut to its first `dv` channels (config `cfg`'s heads)."""
+    n_k, dk, n_v, old = (cfg[k] for k in ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads",
+                                           "linear_value_head_dim"))
+    keep = np.concatenate([np.arange(2 * n_k * dk)] + [2 * n_k * dk + h * old + np.arange(dv) for h in range(n_v)])
+    keep_z = np.concatenate([h * old + np.arange(dv) for h in range(n_v)])
+
+    def edit(t: dict[str, tuple[str, np.ndarray]]) -> None:
+        for name, (dtype, w) in list(t.items()):
+            if ".linear_attn." not in name:
+                continue
+            if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+                t[name] = (dtype, w[keep])
+            elif name.endswith("in_proj_z.weight"):
+                t[name] = (dtype, w[keep_z])
+            elif name.endswith("out_proj.weight"):
+                t[name] = (dtype, w[:, keep_z])
+            elif name.endswith("norm.weight"):
+                t[name] = (dtype, w[:dv])
+    return edit
+
+
+def test_qwen35_value_head_size_off_the_key_head_size_converts_with_a_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from tests import ik_engine
+
+    cfg = json.loads((DATA / "qwen35-moe" / "hf" / "config.json").read_text())
+    folder = _variant(tmp_path, "qwen35-moe", lambda c: c.update(linear_value_head_dim=32), _value_heads_of(32, cfg))
+    with caplog.at_level(logging.WARNING):
+        out = Converter(folder, "f32", "qwen35").write(tmp_path / "dv32.gguf")
+    assert "linear_value_head_dim = 32 differs from linear_key_head_dim = 64" in caplog.text
+    g = GGUFFile(out)
+    assert g.get("qwen35moe.ssm.inner_size") == 128 and g.tensors["blk.0.ssm_norm.weight"].ne == (32,)
+    with pytest.raises(ik_engine.IkFailed, match="attn_qkv.weight"):
+        ik_engine.logits(out, [1, 2, 3])
+
+
 def test_ik_refuses_the_interval_2_file_as_the_warning_says(tmp_path: Path) -> None:
     from tests import ik_engine
 

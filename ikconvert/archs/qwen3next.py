@@ -19,7 +19,8 @@ Vision towers (`model.visual.*`) and MTP layers (`mtp.*`) are skipped and listed
 checkpoint's `model.language_model.` prefix and `text_config` are read as the text model's.
 
 ik's qwen3next ignores `full_attention_interval` (every 4th layer is full attention in its loader): another interval
-is converted (the file says it; ikrun computes it) with a warning that ik will not load the file. Refused before any
+is converted (the file says it; ikrun computes it) with a warning that ik will not load the file; so is a Qwen3.5
+value head size other than the key head size (ik's qwen35 / qwen35moe loaders take it from ssm.state_size). Refused before any
 tensor is read, naming the key: `layer_types` that no interval describes (GGUF has no key for another pattern),
 value heads that are not a multiple of the key heads; tensors whose shapes disagree with the heads (a conv kernel or
 channel count, a state size) name the tensor and the config keys.
@@ -328,6 +329,10 @@ class GatedDeltaNetArch(Arch):
             log.warning("%s: full_attention_interval = %d: ik's qwen3next loader assumes %d whatever the file says "
                         "and will not load this file (ikrun computes it)", self.config_path, interval,
                         IK_QWEN3NEXT_INTERVAL)
+        if self.tiled_v_heads and self.d_v != self.d_k:
+            log.warning("%s: linear_value_head_dim = %d differs from linear_key_head_dim = %d: ik's %s loader takes "
+                        "the value head size from ssm.state_size and will not load this file (ikrun computes it)",
+                        self.config_path, self.d_v, self.d_k, self.gguf_arch)
 
     def trailing_tensors(self) -> list[OutTensor]:
         names = ["token_embd.weight"]
