@@ -316,6 +316,19 @@ def test_layer_types_off_the_interval(tmp_path: Path) -> None:
     _fails(folder, tmp_path, "qwen35", "layer_types", "full_attention_interval = 4")
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rope_scaling_is_refused(tmp_path: Path, family: str) -> None:
+    def edit(cfg: dict) -> None:
+        if family == "qwen3-next":
+            cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+        else:
+            cfg["rope_parameters"]["rope_type"] = "yarn"
+
+    folder = _variant(tmp_path, family, edit)
+    _fails(folder, tmp_path, _pre(family), "rope_scaling" if family == "qwen3-next" else "rope_parameters.rope_type",
+           "'yarn'", "not supported")
+
+
 def test_unknown_layer_type(tmp_path: Path) -> None:
     types = ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]
     folder = _variant(tmp_path, "qwen35-moe", lambda c: c.update(layer_types=types))

@@ -20,10 +20,11 @@ checkpoint's `model.language_model.` prefix and `text_config` are read as the te
 
 ik's qwen3next ignores `full_attention_interval` (every 4th layer is full attention in its loader): another interval
 is converted (the file says it; ikrun computes it) with a warning that ik will not load the file; so is a Qwen3.5
-value head size other than the key head size (ik's qwen35 / qwen35moe loaders take it from ssm.state_size). Refused before any
-tensor is read, naming the key: `layer_types` that no interval describes (GGUF has no key for another pattern),
-value heads that are not a multiple of the key heads; tensors whose shapes disagree with the heads (a conv kernel or
-channel count, a state size) name the tensor and the config keys.
+value head size other than the key head size (ik's qwen35 / qwen35moe loaders take it from ssm.state_size).
+Refused before any tensor is read, naming the key: rope scaling (the layout has plain rope), `layer_types` that no
+interval describes (GGUF has no key for another pattern), value heads that are not a multiple of the key heads;
+tensors whose shapes disagree with the heads (a conv kernel or channel count, a state size) name the tensor and the
+config keys.
 """
 
 from __future__ import annotations
@@ -153,6 +154,11 @@ class GatedDeltaNetArch(Arch):
                                f"linear_num_key_heads = {self.n_k}")
         self.d_k, self.d_v = int(self.require("linear_key_head_dim")), int(self.require("linear_value_head_dim"))
         self.full = full_attention_layers(h, self.block_count, str(self.config_path))
+        scaling, rope_type = h.get("rope_scaling"), self.rope_parameters.get("rope_type", "default")
+        if scaling is not None or rope_type != "default":
+            key, value = ("rope_scaling", scaling) if scaling is not None else ("rope_parameters.rope_type", rope_type)
+            raise ConvertError(f"{self.config_path}: {key} = {value!r} is not supported for {self.hf_architectures[0]}"
+                               " (the layout has plain rope only, as every released model)")
         self.n_expert = int(h.get("num_experts") or 0)
         self._experts = ExpertMerger(self.n_expert, "num_experts") if self.n_expert else None
         #: GGUF name -> tensor, emitted in the reference order once the walk is over
