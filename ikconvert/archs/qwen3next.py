@@ -20,7 +20,8 @@ checkpoint's `model.language_model.` prefix and `text_config` are read as the te
 
 ik's qwen3next ignores `full_attention_interval` (every 4th layer is full attention in its loader): another interval
 is converted (the file says it; ikrun computes it) with a warning that ik will not load the file; so is a Qwen3.5
-value head size other than the key head size (ik's qwen35 / qwen35moe loaders take it from ssm.state_size).
+value head size other than the key head size (ik's qwen35 / qwen35moe loaders take it from ssm.state_size), and
+head sizes other than 64 and 128 (ik loads the file but its generic delta-net path computes something else).
 Refused before any tensor is read, naming the key: rope scaling (the layout has plain rope), `layer_types` that no
 interval describes (GGUF has no key for another pattern), value heads that are not a multiple of the key heads;
 tensors whose shapes disagree with the heads (a conv kernel or channel count, a state size) name the tensor and the
@@ -46,6 +47,8 @@ log = logging.getLogger(__name__)
 
 #: the interval ik's qwen3next loader assumes whatever the file says
 IK_QWEN3NEXT_INTERVAL = 4
+#: the delta-net head sizes ik's fused kernels compute right (its generic fallback does not)
+IK_DELTA_NET_HEAD_SIZES = (64, 128)
 LAYER_TYPES = ("linear_attention", "full_attention")
 #: per block, the GGUF tensors in the reference layout's order; `{exps}` stands for the routed experts
 BLOCK_ORDER = ("attn_norm.weight", "post_attention_norm.weight",
@@ -335,6 +338,11 @@ class GatedDeltaNetArch(Arch):
             log.warning("%s: full_attention_interval = %d: ik's qwen3next loader assumes %d whatever the file says "
                         "and will not load this file (ikrun computes it)", self.config_path, interval,
                         IK_QWEN3NEXT_INTERVAL)
+        if not {self.d_k, self.d_v} <= set(IK_DELTA_NET_HEAD_SIZES):
+            log.warning("%s: linear_key_head_dim = %d, linear_value_head_dim = %d: ik's fused delta-net kernels "
+                        "cover head sizes %s only; ik runs this file through its generic path, which computes "
+                        "something else (ikrun computes it)", self.config_path, self.d_k, self.d_v,
+                        " and ".join(map(str, IK_DELTA_NET_HEAD_SIZES)))
         if self.tiled_v_heads and self.d_v != self.d_k:
             log.warning("%s: linear_value_head_dim = %d differs from linear_key_head_dim = %d: ik's %s loader takes "
                         "the value head size from ssm.state_size and will not load this file (ikrun computes it)",
