@@ -38,6 +38,8 @@ OUTTYPES: dict[str, FileType] = {name: file_type(name.upper())
 RAISED_NAMES = ("token_embd.weight", "output.weight")
 RAISED_SUFFIXES = (".attn_v.weight", ".attn_k.weight", ".attn_qkv.weight")
 ALWAYS_F32_NAMES = ("position_embd.weight", "token_types.weight")
+#: block tensors mainline's converter keeps in F32 whatever the output type (routers, the delta-net's conv kernel)
+ALWAYS_F32_SUFFIXES = (".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".ssm_conv1d.weight")
 
 
 @dataclass
@@ -61,8 +63,11 @@ def choose_type(out: OutTensor, shape: tuple[int, ...], outtype: str) -> tuple[G
         return type_by_name(out.encoded), ""
     if len(shape) <= 1 or out.name.endswith("_norm.weight"):
         return type_by_name("F32"), ""
-    is_gate_inp = out.name.startswith("blk.") and out.name.endswith(".ffn_gate_inp.weight")
-    if is_gate_inp or out.name in ALWAYS_F32_NAMES or not out.source.endswith(".weight"):
+    always_f32 = out.name.startswith("blk.") and out.name.endswith(ALWAYS_F32_SUFFIXES)
+    # a source without `.weight` is a bias or a raw parameter, except transformers 5's fused experts (mainline
+    # names them `.weight` and quantizes them)
+    is_weight = out.source.endswith(".weight") or out.name.endswith("_exps.weight")
+    if always_f32 or out.name in ALWAYS_F32_NAMES or not is_weight:
         return type_by_name("F32"), ""
     gtype = OUTTYPES[outtype].base
     if out.name in RAISED_NAMES or (out.name.startswith("blk.") and out.name.endswith(RAISED_SUFFIXES)):

@@ -47,6 +47,20 @@ class TensorInfo:
         return tuple(reversed(self.ne))
 
     @property
+    def n_dims(self) -> int:
+        """ggml_n_dims: trailing size-1 dims do not count ({H, 1} is 1-D), at least 1. ik's quantizer decides on
+        this, and writes this many dims."""
+        dims = len(self.ne)
+        while dims > 1 and self.ne[dims - 1] == 1:
+            dims -= 1
+        return max(dims, 1)
+
+    @property
+    def written_shape(self) -> tuple[int, ...]:
+        """The numpy-order shape ggml writes for this tensor: `n_dims` dims (a 0-d scalar stays 0-d)."""
+        return tuple(reversed(self.ne[:self.n_dims])) if self.ne else ()
+
+    @property
     def n_elements(self) -> int:
         return int(np.prod(self.ne, dtype=np.int64)) if self.ne else 1
 

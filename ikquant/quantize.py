@@ -173,7 +173,7 @@ def make_plan(src: GGUFModel, opts: QuantizeOptions) -> Plan:
     for info in src.tensors.values():
         plans.append(_plan_tensor(info, opts, chooser, rules_apply, out_type, embd_type))
     for regex, _ in (opts.custom_q if rules_apply else []):
-        if not any(re.search(regex, p.name) for p in plans if p.quantize or eligible(p.name, len(p.info.ne),
+        if not any(re.search(regex, p.name) for p in plans if p.quantize or eligible(p.name, p.info.n_dims,
                                                                                      p.info.type)):
             warnings.append(f"--custom-q {regex!r} matches no tensor")
     _check_imatrix(plans, opts, warnings)
@@ -185,7 +185,7 @@ def _plan_tensor(info: TensorInfo, opts: QuantizeOptions, chooser: TypeChooser, 
                  out_type: str | None, embd_type: str | None) -> TensorPlan:
     name = info.name
     keep = TensorPlan(info, info.type, False, "")
-    if not eligible(name, len(info.ne), info.type):
+    if not eligible(name, info.n_dims, info.type):
         keep.reason = "never quantized (1-D, norm, integer, bias or excluded tensor)"
         return keep
     if opts.leave_output_tensor and name == "output.weight":
@@ -270,7 +270,7 @@ def _mainline_plan(src: GGUFModel, opts: QuantizeOptions) -> Plan:
     decided: dict[str, Decision] = {}
     for name in loader_order(list(src.tensors)):
         info = src.tensors[name]
-        if not mainline_eligible(name, len(info.ne)) or (opts.leave_output_tensor and name == "output.weight"):
+        if not mainline_eligible(name, info.n_dims) or (opts.leave_output_tensor and name == "output.weight"):
             continue
         if overrides.get(name):
             decided[name] = Decision(type_by_name(_type(overrides[name] or "", name)), "type option")
@@ -484,7 +484,7 @@ def quantize_model(src_path: Path, dst_path: Path, opts: QuantizeOptions,
             if kv.key != "general.architecture":
                 writer.add_kv(kv)
         for p in plan.tensors:
-            writer.add_tensor_info(p.name, p.info.shape, p.type, src.shard_of(p.name) if keep else None)
+            writer.add_tensor_info(p.name, p.info.written_shape, p.type, src.shard_of(p.name) if keep else None)
         todo = Plan([p for p in plan.tensors if not writer.is_kept(p.name)], plan.warnings)
         for p, data in zip(todo.tensors, _tensor_bytes(src, todo, opts, cluster)):
             writer.write_tensor(p.name, data)

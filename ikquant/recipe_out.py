@@ -40,7 +40,7 @@ def recipe_text(plan: Plan, type_name: str, mix: MixPlan | None = None, measured
             for name in mix.groups[group]:
                 predicted[name] = (group, option.kld)
     for p in plan.tensors:
-        if not (p.quantize or eligible(p.name, len(p.info.ne), p.info.type)):
+        if not (p.quantize or eligible(p.name, p.info.n_dims, p.info.type)):
             continue
         note = f"# {p.name}: {p.new_bytes} bytes"
         if p.name in predicted:

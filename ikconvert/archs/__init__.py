@@ -11,4 +11,5 @@ from ikconvert.archs import (  # noqa: F401
     minimax_m2,
     openpangu,
     qwen3moe,
+    qwen3next,
 )

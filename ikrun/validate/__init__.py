@@ -22,6 +22,11 @@ REFERENCES = {
     "GlmMoeDsaForCausalLM": "ikrun.validate.glm_dsa:GlmDsaReference",
     "OpenPanguV2ForCausalLM": "ikrun.validate.openpangu:OpenPanguReference",
     "DFlashDraftModel": "ikrun.validate.dflash:DFlashReference",
+    "Qwen3NextForCausalLM": "ikrun.validate.qwen3next:GatedDeltaNetReference",
+    "Qwen3_5MoeForCausalLM": "ikrun.validate.qwen3next:GatedDeltaNetReference",
+    "Qwen3_5MoeForConditionalGeneration": "ikrun.validate.qwen3next:GatedDeltaNetReference",
+    "Qwen3_5ForCausalLM": "ikrun.validate.qwen3next:GatedDeltaNetReference",
+    "Qwen3_5ForConditionalGeneration": "ikrun.validate.qwen3next:GatedDeltaNetReference",
 }
 
 #: converted architectures without a reference of their own, and why
