@@ -194,3 +194,18 @@ def test_what_the_runtime_does_not_implement_is_refused(family: str, keys: dict[
                               *options])
     assert res.exit_code == 2, res.output
     assert re.search(message, " ".join(res.output.split())), res.output
+
+
+def test_dense_qwen35_runs_as_transformers_defines_it(tmp_path: Path) -> None:
+    """qwen35 (dense Qwen3.5, no golden file): the runtime on our conversion of the dense variant against the numpy
+    reference on its checkpoint (itself checked against transformers on the MoE model)."""
+    from ikconvert import Converter
+    from ikrun.validate.hf import HFReference
+    from tests.test_convert_qwen3next import _dense_config, _dense_tensors, _variant
+
+    folder = _variant(tmp_path, "qwen35-moe", _dense_config, _dense_tensors)
+    out = Converter(folder, "f32", "qwen35").write(tmp_path / "dense.gguf")
+    tokens = [int(t) for t in np.load(DATA / "hf-logits" / "qwen35-moe" / "tokens.npy")[0]]
+    model = Model(out)
+    assert model.arch == "qwen35"
+    assert mean_kld(HFReference(folder).logits(tokens), model.logits(tokens)) <= 1e-9

@@ -18,11 +18,12 @@ from ikrun.models.minimax_m2 import MiniMaxM2
 from ikrun.models.openpangu import OpenPangu
 from ikrun.models.qwen3moe import Qwen3Moe
 from ikrun.models.qwen3next import Qwen3Next
+from ikrun.models.qwen35 import Qwen35
 from ikrun.models.qwen35moe import Qwen35Moe
 from ikrun.options import RuntimeOptions, every_arch
 
 _BY_ARCH = {arch: cls for cls in (LlamaFamily, Qwen3Moe, Glm4Moe, MiniMaxM2, GptOss, Deepseek2, Deepseek4, OpenPangu,
-                                  GlmDsa, DFlashDraft, Qwen3Next, Qwen35Moe)
+                                  GlmDsa, DFlashDraft, Qwen3Next, Qwen35Moe, Qwen35)
             for arch in cls.archs}
 
 

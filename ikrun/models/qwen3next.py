@@ -3,7 +3,7 @@ gated full attention every `full_attention_interval`-th layer, each followed by 
 
 Per layer: RMSNorm (attn_norm; the file holds the zero-centred gains plus 1), the token mixer (the delta-net, or
 Qwen3's attention with per-head q/k RMSNorm and partial NEOX rope whose attn_q also gives a sigmoid output gate),
-residual; RMSNorm (post_attention_norm), the MoE FFN: softmax router, top-k renormalised, plus the shared expert
+residual; RMSNorm (post_attention_norm), the FFN: without `expert_count` (dense Qwen3.5) a SwiGLU, else the MoE FFN: softmax router, top-k renormalised, plus the shared expert
 times sigmoid(ffn_gate_inp_shexp . x) (a layer holding ffn_gate/up/down instead of a router is dense), residual.
 The delta-net's V heads come in the file's grouped order with b and a fused in ssm_ba (Qwen3.5, ikrun/models/
 qwen35moe.py, changes both). The recurrent state lives within one sequence's pass through a layer: every evaluated
@@ -71,14 +71,16 @@ class Qwen3Next(LlamaFamily):
         scaling = hp("rope.scaling.type", None)
         if scaling not in ROPE_SCALINGS:
             raise fail("rope.scaling.type", f"{scaling!r} is a rope scheme ikrun does not implement for {ctx.arch}")
-        self.moe = MoeConfig(int(hp("expert_count")), int(hp("expert_used_count")),
-                             int(hp("expert_feed_forward_length")), 1 if hp("expert_shared_feed_forward_length", 0)
-                             else 0, 1.0, bool(hp("expert_weights_norm", True)), GATING_SOFTMAX,
+        n_expert = int(hp("expert_count", 0))
+        self.moe = MoeConfig(n_expert, int(hp("expert_used_count")), int(hp("expert_feed_forward_length")),
+                             1 if hp("expert_shared_feed_forward_length", 0) else 0, 1.0,
+                             bool(hp("expert_weights_norm", True)), GATING_SOFTMAX,
                              n_ff_shared=int(hp("expert_shared_feed_forward_length", 0)),
-                             shared_gate=any(ctx.has(f"blk.{i}.ffn_gate_inp_shexp.weight") for i in range(n_layer)))
-        if not 0 < self.moe.n_used <= self.moe.n_expert:
+                             shared_gate=any(ctx.has(f"blk.{i}.ffn_gate_inp_shexp.weight") for i in range(n_layer))) \
+            if n_expert else None
+        if self.moe is not None and not 0 < self.moe.n_used <= self.moe.n_expert:
             raise fail("expert_used_count", f"{self.moe.n_used} must be in 1..expert_count {self.moe.n_expert}")
-        self.dense = {i for i in range(n_layer) if not ctx.has(f"blk.{i}.ffn_gate_inp.weight")}
+        self.dense = {i for i in range(n_layer) if self.moe is None or not ctx.has(f"blk.{i}.ffn_gate_inp.weight")}
         super().__init__(ctx)
         if self.n_rot % 2 or not 0 < self.n_rot <= self.head_dim:
             self.fail_hparam("rope.dimension_count", f"{self.n_rot} must be even and in 2..key_length "
@@ -127,7 +129,7 @@ class Qwen3Next(LlamaFamily):
         return want
 
     def _ffn_expected(self, i: int, b: str) -> dict[str, tuple[int, ...]]:
-        if i in self.dense:
+        if i in self.dense or self.moe is None:
             return super()._ffn_expected(i, b)
         want = self.moe.expected(b, self.n_embd)
         if self.moe.shared_gate:  # ik's quantizer writes it as a vector, the F32 conversion as one row
@@ -142,4 +144,6 @@ class Qwen3Next(LlamaFamily):
         return self.delta_net(self.ctx, f"blk.{i}.", h)
 
     def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
-        return super().ffn(i, hs, seqs) if i in self.dense else moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe)
+        if i in self.dense or self.moe is None:
+            return super().ffn(i, hs, seqs)
+        return moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe)
