@@ -1,0 +1,85 @@
+"""Quantized KV caches (--cache-type-k/-ctk, --cache-type-v/-ctv): ik's cache writes byte for byte, the cache holding
+their exact decoding, what a quantized K cache costs, and the caches a model or an arithmetic cannot take."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikquant.formats.cache_rows import cache_row_bytes
+from ikquant.types import type_by_name
+from ikrun.cli import app
+from ikrun.model import Model
+
+runner = CliRunner()
+DATA = Path(__file__).parent / "data"
+GOLD = DATA / "kv-cache"
+QWEN3 = DATA / "convert" / "qwen3" / "ik-f32.gguf"
+QWEN3_BASE = DATA / "logits" / "qwen3" / "ik-base.kld"
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q6_0", "f16", "bf16"])
+def test_cache_writes_are_the_bytes_iks_cpy_writes(name: str) -> None:
+    """Rows of keys written into a cache of each type: the bytes ik's own from_float wrote (tools/ik_cache_rows.py,
+    a native AVX2 build)."""
+    rows = np.load(GOLD / "rows.npy")
+    ik = np.fromfile(GOLD / f"ik-{name}.bin", dtype=np.uint8).reshape(len(rows), -1)
+    assert np.array_equal(cache_row_bytes(name.upper(), rows), ik)
+
+
+@pytest.mark.parametrize("name", ["q4_0", "q6_0"])
+def test_q4_0_and_q6_0_caches_are_not_llama_quantizes_rounding(name: str) -> None:
+    """The cache quantizers of Q4_0 (ik's low-PPL variant) and Q6_0 (reference codes, refitted scale) write other
+    bytes than the weight codecs: a cache run on the codec alone would measure another cache."""
+    rows = np.load(GOLD / "rows.npy")
+    ik = np.fromfile(GOLD / f"ik-{name}.bin", dtype=np.uint8).reshape(len(rows), -1)
+    assert not np.array_equal(type_by_name(name.upper()).require_codec().quantize(rows), ik)
+
+
+def test_the_cache_holds_the_decoded_cache_bytes() -> None:
+    """What the attention reads back is the cache type's dequantize of ik's quantize, for K and V separately."""
+    m = Model(QWEN3, cache_type_k="q4_0", cache_type_v="q8_0")
+    x = np.random.default_rng(1).standard_normal((7, 2, 32)).astype(np.float32)
+    for value, name in ((False, "Q4_0"), (True, "Q8_0")):
+        codec = type_by_name(name).require_codec()
+        want = codec.dequantize(cache_row_bytes(name, x.reshape(-1, 32)), 32).reshape(x.shape)
+        got = m.ctx.kv_store(x, value=value)
+        assert np.array_equal(got, want)
+        assert not np.array_equal(got, x)
+
+
+def _kld(*flags: str) -> dict:
+    res = runner.invoke(app, ["kld", str(QWEN3), "--base-logits", str(QWEN3_BASE), "--json", *flags])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def test_a_quantized_k_cache_costs_kld_in_the_order_of_its_bits() -> None:
+    """qwen3 in F32 against ik's base run (F16 caches): an F32 K cache agrees to ~1e-6; q8_0 keys cost more, q4_0
+    keys far more. The report names the caches."""
+    f32, q8, q4 = (_kld("-ctk", name, "-ctv", "f16") for name in ("f32", "q8_0", "q4_0"))
+    assert f32["kld_mean"] < 1e-5 < q8["kld_mean"] < q4["kld_mean"] / 10
+    assert (q4["cache_type_k"], q4["cache_type_v"]) == ("q4_0", "f16")
+
+
+@pytest.mark.parametrize(("model", "flags", "words"), [
+    (QWEN3, ["-ctk", "q3_K"], ["--cache-type-k q3_K", "not a cache type ik takes"]),
+    (QWEN3, ["-ctv", "iq4_nl"], ["--cache-type-v iq4_nl", "not reproduced"]),
+    (QWEN3, ["-ctk", "q8_0", "--numerics", "ik"], ["--cache-type-k q8_0", "--numerics ik"]),
+    (DATA / "convert" / "gpt-oss" / "ref-f32.gguf", ["-ctk", "q8_0"], ["--cache-type-k q8_0", "key head size",
+                                                                       "is 16"]),
+    (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", ["-ctk", "q4_0"], ["--cache-type-k q4_0", "MLA latent",
+                                                                          "is 48"]),
+    (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", ["-ctv", "q8_0"], ["--cache-type-v q8_0", "latent alone"]),
+    (DATA / "convert" / "glm-dsa" / "ref-f32.gguf", ["-ctk", "q8_0"], ["--cache-type-k q8_0", "glm-dsa"]),
+])
+def test_caches_a_model_or_arithmetic_cannot_take_are_refused(model: Path, flags: list[str],
+                                                              words: list[str]) -> None:
+    res = runner.invoke(app, ["ppl", str(model), "--text", str(DATA / "logits" / "qwen3" / "text.txt"), *flags])
+    assert res.exit_code == 2, res.output
+    line = " ".join(res.output.split())
+    assert all(w in line for w in words), res.output
