@@ -98,4 +98,5 @@ class Context:
 
     def kv_store(self, x: np.ndarray, value: bool = False) -> np.ndarray:
         """Keys (or, `value`, values) as the KV cache holds them."""
-        return self.numerics.kv_store(x, self.cache.v if value else self.cache.k)
+        c = self.cache
+        return self.numerics.kv_store(x, c.v, c.v_hadamard) if value else self.numerics.kv_store(x, c.k, c.k_hadamard)

@@ -45,10 +45,11 @@ class Model:
 
     def __init__(self, path: str | os.PathLike[str], threads: int | None = None, kv_cache: str = "f32",
                  options: RuntimeOptions | None = None, mem: int | None = None, stream: bool | None = None,
-                 cache_type_k: str | None = None, cache_type_v: str | None = None):
+                 cache_type_k: str | None = None, cache_type_v: str | None = None, k_cache_hadamard: bool = False,
+                 v_cache_hadamard: bool = False):
         from ikrun.models import check_options, model_class
 
-        requested = requested_cache(kv_cache, cache_type_k, cache_type_v)
+        requested = requested_cache(kv_cache, cache_type_k, cache_type_v, k_cache_hadamard, v_cache_hadamard)
         self.path = Path(path)
         try:
             self.weights = WeightStore(self.path)
@@ -60,11 +61,9 @@ class Model:
         impl_class = model_class(self.arch)
         check_options(self.options, self.path, self.arch)
         self.numerics = make_numerics(self.weights, self.options)
-        #: the K and V caches' types (ikrun/kvcache.py; ik's arithmetic keeps its F16 caches)
+        #: the K and V caches' types and Hadamard blocks (ikrun/kvcache.py; ik's arithmetic keeps its F16 caches),
+        #: resolved against the model below
         self.cache = self.numerics.kv_cache(requested)
-        #: their --kv-cache shorthand: "f16" both F16, as ik's default caches, to reproduce ik's numbers; "k-f32"
-        #: F32 keys and F16 values (ik's -ctk f32); other pairs `k-<type>,v-<type>`
-        self.kv_cache = self.cache.label
         #: see the rows that meet each weight matrix (ikrun/context.Observer)
         self.observers: list[Observer] = []
         #: the memory budget in bytes (None: unbounded); the decoded-weight cache lives in what evaluation leaves
@@ -74,7 +73,11 @@ class Model:
         #: (ikrun/eval/stream.py)
         self.stream = stream
         self.ctx = Context(self.path, self.weights, self.numerics, self.options, self.cache, self.observers)
-        check_cache(requested, self.ctx, self.numerics.name, (cache_type_k, cache_type_v))
+        self.cache = self.ctx.cache = check_cache(self.cache, self.ctx, self.numerics.name,
+                                                  (cache_type_k, cache_type_v))
+        #: the caches' --kv-cache shorthand: "f16" both F16, as ik's default caches, to reproduce ik's numbers;
+        #: "k-f32" F32 keys and F16 values (ik's -ctk f32); other pairs `k-<type>,v-<type>`
+        self.kv_cache = self.cache.label
         self.impl: ArchModel = impl_class(self.ctx)
         for problem in self.numerics.check_weights():
             raise ModelError(f"{self.path}: {problem}")

@@ -83,3 +83,15 @@ def test_caches_a_model_or_arithmetic_cannot_take_are_refused(model: Path, flags
     assert res.exit_code == 2, res.output
     line = " ".join(res.output.split())
     assert all(w in line for w in words), res.output
+
+
+def test_the_k_hadamard_transform_spreads_outliers_before_the_write() -> None:
+    """-khad on qwen3 (heads of 32): a block of 32 around a quantized K cache, which holds the outlier-laden rows
+    closer than the plain cache does (mean square error 0.0086 vs 0.0239); ik drops it around an F16 cache."""
+    rows = np.load(GOLD / "rows.npy").reshape(-1, 4, 32)
+    plain, rotated = Model(QWEN3, cache_type_k="q4_0"), Model(QWEN3, cache_type_k="q4_0", k_cache_hadamard=True)
+    assert (plain.cache.k_hadamard, rotated.cache.k_hadamard) == (0, 32)
+    err_plain = np.square(plain.ctx.kv_store(rows) - rows).mean()
+    err_rotated = np.square(rotated.ctx.kv_store(rows) - rows).mean()
+    assert err_rotated < 0.8 * err_plain
+    assert Model(QWEN3, cache_type_k="f16", k_cache_hadamard=True).cache.k_hadamard == 0

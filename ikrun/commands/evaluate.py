@@ -159,7 +159,9 @@ def kld(
 
 def caches(m: Model) -> str:
     """The run's cache types, as its console report names them."""
-    return f"K cache {m.cache.k}, V cache {m.cache.v}"
+    had = "".join(f", {side} Hadamard blocks of {b}" for side, b in (("K", m.cache.k_hadamard),
+                                                                     ("V", m.cache.v_hadamard)) if b)
+    return f"K cache {m.cache.k}, V cache {m.cache.v}{had}"
 
 
 def kld_table(stats: dict, title: str) -> Table:

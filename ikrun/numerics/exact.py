@@ -107,9 +107,10 @@ class Numerics:
         """x plus its causal short convolution by taps w (openPangu's MoME convolutions)."""
         return causal_conv_residual(x, w)
 
-    def kv_store(self, x: np.ndarray, cache_type: str) -> np.ndarray:
-        """Rows x [..., width] of keys or values as a cache of `cache_type` (ik's name) holds them."""
-        return cache_holds(x, cache_type)
+    def kv_store(self, x: np.ndarray, cache_type: str, hadamard_block: int = 0) -> np.ndarray:
+        """Rows x [..., width] of keys or values as a cache of `cache_type` (ik's name) holds them, written through
+        ik's Hadamard transform over blocks of `hadamard_block` values where given (ikrun/kvcache.py)."""
+        return cache_holds(x, cache_type, hadamard_block)
 
     # ---- attention --------------------------------------------------------------------------------------------
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,

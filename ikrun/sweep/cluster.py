@@ -74,7 +74,8 @@ class SweepWorker:
         mem = spec.mem if spec.mem is not None else default_budget() * spec.threads // (os.cpu_count() or 1)
         self.spec = spec
         self.model = Model(spec.model, spec.threads, options=spec.options, mem=mem, stream=spec.stream,
-                           cache_type_k=spec.cache.k, cache_type_v=spec.cache.v)
+                           cache_type_k=spec.cache.k, cache_type_v=spec.cache.v,
+                           k_cache_hadamard=bool(spec.cache.k_hadamard), v_cache_hadamard=bool(spec.cache.v_hadamard))
         self.imatrix = read_imatrix(Path(spec.imatrix)) if spec.imatrix else None
         self.folder = tempfile.TemporaryDirectory(prefix="ikrun-sweep-worker-")
         from ikrun.eval.evaluate import open_base
