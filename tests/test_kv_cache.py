@@ -4,12 +4,16 @@ their exact decoding, what a quantized K cache costs, and the caches a model or 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from ikconvert import write_safetensors
+from ikconvert.checkpoint import Checkpoint
+from ikconvert.convert import Converter
 from ikquant.formats.cache_rows import cache_row_bytes
 from ikquant.types import type_by_name
 from ikrun.cli import app
@@ -95,3 +99,37 @@ def test_the_k_hadamard_transform_spreads_outliers_before_the_write() -> None:
     err_rotated = np.square(rotated.ctx.kv_store(rows) - rows).mean()
     assert err_rotated < 0.8 * err_plain
     assert Model(QWEN3, cache_type_k="f16", k_cache_hadamard=True).cache.k_hadamard == 0
+
+
+def _deepseek_with_latent_of(width: int, tmp_path: Path) -> Path:
+    """The deepseek-v3 test checkpoint with kv_lora_rank `width` (random kv_a / kv_b weights of those shapes, seeded),
+    converted to F32: its latent cache rows are width + 16 rope dims."""
+    hf_src = DATA / "convert" / "deepseek-v3" / "hf"
+    rng = np.random.default_rng(2)
+    tensors = {}
+    for name, t in Checkpoint(hf_src).iter_tensors():
+        a = t.to_f32()
+        if name.endswith("kv_a_proj_with_mqa.weight"):
+            a = rng.normal(0, 0.1, (width + 16, a.shape[1])).astype(np.float32)
+        elif name.endswith("kv_a_layernorm.weight"):
+            a = rng.uniform(0.5, 1.5, width).astype(np.float32)
+        elif name.endswith("kv_b_proj.weight"):
+            a = rng.normal(0, 0.1, (a.shape[0], width)).astype(np.float32)
+        tensors[name] = ("F32", a)
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_src, hf, ignore=shutil.ignore_patterns("*.safetensors*"))
+    (hf / "config.json").write_text(json.dumps({**json.loads((hf / "config.json").read_text()),
+                                                "kv_lora_rank": width}))
+    write_safetensors(hf / "model.safetensors", tensors)
+    return Converter(hf, "f32", "deepseek-v3").write(tmp_path / "m.gguf")
+
+
+def test_the_mla_latent_cache_takes_the_k_cache_type(tmp_path: Path) -> None:
+    """A DeepSeek model whose latent rows are 64 wide: -ctk sets the latent cache (ik's only cache with MLA), whose
+    rounding moves the logits, q4_0 more than q8_0; -khad rotates its rows in blocks of 64."""
+    gguf = _deepseek_with_latent_of(48, tmp_path)
+    tokens = np.arange(1, 41)
+    exact = Model(gguf).logits(tokens)
+    moved = {name: np.abs(Model(gguf, cache_type_k=name).logits(tokens) - exact).max() for name in ("q8_0", "q4_0")}
+    assert 0 < moved["q8_0"] < moved["q4_0"]
+    assert Model(gguf, cache_type_k="q4_0", k_cache_hadamard=True).cache.k_hadamard == 64
