@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 #: ik's cache types (ggml type ids) whose writes are saved
-TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q6_0": 133, "f16": 1, "bf16": 30}
+TYPES = {"q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q6_0": 133, "iq4_nl": 20, "f16": 1,
+         "bf16": 30}
 
 
 class TypeTraits(ctypes.Structure):

@@ -9,9 +9,10 @@ uses for a weight of that type (the codecs in this package):
 - Q6_0: the reference rounding (d = max/-32, codes truncated from x/d + 32.5) with the same x^2-weighted refit of
   the scale (llama-quantize always runs the weighted search);
 - Q4_1, Q5_0, Q5_1: the reference rounding, the codecs' path without importance weights;
+- IQ4_NL: the block search without its trial scales (ntry -1: the extreme at the grid's low end, then the greedy
+  code moves), weights x^2, the codes of the search kept (llama-quantize tries 15 scales and recomputes the codes);
 - F16, BF16: the round-to-nearest-even conversions.
-IQ4_NL (its scale search with ntry = -1 and a refinement loop) and Q8_KV (a scale per row) are not ported:
-`cache_row_bytes` refuses them. The bytes decode with the type's codec.
+Q8_KV (a scale per row) is not ported: `cache_row_bytes` refuses it. The bytes decode with the type's codec.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.errors import QuantInputError
+from ikquant.formats.iq4 import block_scale_iq4nl
 from ikquant.formats.numeric import fmaf, store_f16
 from ikquant.types import type_by_name
 
@@ -121,7 +123,21 @@ def _cache_q6_0(x: np.ndarray, out: np.ndarray) -> None:
             store_f16(out[r], o, sumqx / sumq2 if sumq2 > 0 else d)
 
 
-_CACHE_KERNELS = {"Q8_0": _cache_q8_0, "Q4_0": _cache_q4_0, "Q6_0": _cache_q6_0}
+@njit(**KERNEL)
+def _cache_iq4_nl(x: np.ndarray, out: np.ndarray) -> None:
+    n_rows, n = x.shape
+    for r in prange(n_rows):
+        codes = np.zeros(QK, dtype=np.uint8)  # a zero block keeps the codes before it, as ik's do (its scale is 0)
+        for ib in range(n // QK):
+            xb = x[r, ib * QK : (ib + 1) * QK]
+            d = block_scale_iq4nl(xb, xb * xb, codes, False)
+            o = ib * 18
+            store_f16(out[r], o, d)
+            for j in range(16):
+                out[r, o + 2 + j] = codes[j] | (codes[j + 16] << np.uint8(4))
+
+
+_CACHE_KERNELS = {"Q8_0": _cache_q8_0, "Q4_0": _cache_q4_0, "Q6_0": _cache_q6_0, "IQ4_NL": _cache_iq4_nl}
 #: types whose cache write is the codec's own quantizer without importance weights
 _CODEC_WRITES = ("F32", "F16", "BF16", "Q4_1", "Q5_0", "Q5_1")
 #: the cache types whose writes this module reproduces

@@ -30,8 +30,8 @@ class OnOff(str, Enum):
 KV_HELP = ("KV cache precision: f32 (default) measures the weights alone; f16 rounds K/V as ik's default cache "
            "does, to reproduce ik's own numbers; k-f32 rounds V alone, as ik's -ctk f32 (its values stay F16 "
            "without flash attention).")
-CTK_HELP = ("K cache type as ik's -ctk names it (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q6_0; ik's iq4_nl and "
-             "q8_KV are refused): the keys are written with ik's cache quantizer and read back exactly. Overrides "
+CTK_HELP = ("K cache type as ik's -ctk names it (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q6_0, iq4_nl; ik's "
+             "q8_KV is refused): the keys are written with ik's cache quantizer and read back exactly. Overrides "
              "--kv-cache for K. On DeepSeek's MLA models it sets the latent cache.")
 CTV_HELP = ("V cache type as ik's -ctv names it (the -ctk types; ik itself needs flash attention for one other than "
             "f16 or bf16). Overrides --kv-cache for V.")
