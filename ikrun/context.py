@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ikrun.errors import ModelError
+from ikrun.kvcache import KvCache
 from ikrun.numerics.exact import Numerics
 from ikrun.options import RuntimeOptions
 from ikrun.weights import WeightStore
@@ -25,13 +26,16 @@ class Context:
     """A loaded model as its forward computes it (the module docstring)."""
 
     def __init__(self, path: Path, weights: WeightStore, numerics: Numerics, options: RuntimeOptions,
-                 kv_cache: str, observers: list[Observer]):
+                 cache: KvCache, observers: list[Observer]):
         self.path = path
         self.weights = weights
         self.numerics = numerics
         self.options = options
-        #: "f16" rounds K and V to half precision as ik's default KV cache stores them; "k-f32" V alone (ik's -ctk f32)
-        self.kv_cache = kv_cache
+        #: the K and V caches' types (ikrun/kvcache.py)
+        self.cache = cache
+        #: their --kv-cache shorthand ("f16": both F16 as ik's default caches, "k-f32": F32 keys, F16 values; other
+        #: pairs `k-<type>,v-<type>`)
+        self.kv_cache = cache.label
         self.observers = observers
         self.arch: str = weights.metadata.architecture
         #: the chunk whose rows the observers are shown (set by the per-sequence steps)
@@ -94,4 +98,5 @@ class Context:
 
     def kv_store(self, x: np.ndarray, value: bool = False) -> np.ndarray:
         """Keys (or, `value`, values) as the KV cache holds them."""
-        return self.numerics.kv_store(x, self.kv_cache, value)
+        c = self.cache
+        return self.numerics.kv_store(x, c.v, c.v_hadamard) if value else self.numerics.kv_store(x, c.k, c.k_hadamard)

@@ -23,9 +23,10 @@ from ikquant.gguf_io import GGUFFile
 from ikquant.types import GGMLType
 from ikrun.context import Context, Observer
 from ikrun.errors import ModelError, SwapError
+from ikrun.kvcache import check_cache, requested_cache
 from ikrun.models.base import ArchModel
 from ikrun.numerics import make_numerics
-from ikrun.options import KV_CACHE_TYPES, RuntimeOptions
+from ikrun.options import RuntimeOptions
 from ikrun.weights import WeightStore
 
 __all__ = ["Model"]
@@ -43,11 +44,12 @@ class Model:
     """A GGUF file plus the architecture module that evaluates it."""
 
     def __init__(self, path: str | os.PathLike[str], threads: int | None = None, kv_cache: str = "f32",
-                 options: RuntimeOptions | None = None, mem: int | None = None, stream: bool | None = None):
+                 options: RuntimeOptions | None = None, mem: int | None = None, stream: bool | None = None,
+                 cache_type_k: str | None = None, cache_type_v: str | None = None, k_cache_hadamard: bool = False,
+                 v_cache_hadamard: bool = False):
         from ikrun.models import check_options, model_class
 
-        if kv_cache not in KV_CACHE_TYPES:
-            raise ModelError(f"kv cache type {kv_cache!r} is not one of {', '.join(KV_CACHE_TYPES)}")
+        requested = requested_cache(kv_cache, cache_type_k, cache_type_v, k_cache_hadamard, v_cache_hadamard)
         self.path = Path(path)
         try:
             self.weights = WeightStore(self.path)
@@ -59,9 +61,9 @@ class Model:
         impl_class = model_class(self.arch)
         check_options(self.options, self.path, self.arch)
         self.numerics = make_numerics(self.weights, self.options)
-        #: "f16" rounds K and V to half precision as ik's default KV cache stores them, to reproduce ik's numbers;
-        #: "k-f32" rounds V alone (ik's -ctk f32)
-        self.kv_cache = self.numerics.kv_cache(kv_cache)
+        #: the K and V caches' types and Hadamard blocks (ikrun/kvcache.py; ik's arithmetic keeps its F16 caches),
+        #: resolved against the model below
+        self.cache = self.numerics.kv_cache(requested)
         #: see the rows that meet each weight matrix (ikrun/context.Observer)
         self.observers: list[Observer] = []
         #: the memory budget in bytes (None: unbounded); the decoded-weight cache lives in what evaluation leaves
@@ -70,7 +72,12 @@ class Model:
         #: layer-streamed evaluation: True always, False never, None when the model does not fit `mem`
         #: (ikrun/eval/stream.py)
         self.stream = stream
-        self.ctx = Context(self.path, self.weights, self.numerics, self.options, self.kv_cache, self.observers)
+        self.ctx = Context(self.path, self.weights, self.numerics, self.options, self.cache, self.observers)
+        self.cache = self.ctx.cache = check_cache(self.cache, self.ctx, self.numerics.name,
+                                                  (cache_type_k, cache_type_v))
+        #: the caches' --kv-cache shorthand: "f16" both F16, as ik's default caches, to reproduce ik's numbers;
+        #: "k-f32" F32 keys and F16 values (ik's -ctk f32); other pairs `k-<type>,v-<type>`
+        self.kv_cache = self.cache.label
         self.impl: ArchModel = impl_class(self.ctx)
         for problem in self.numerics.check_weights():
             raise ModelError(f"{self.path}: {problem}")

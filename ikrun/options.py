@@ -8,9 +8,6 @@ from dataclasses import dataclass, field, fields
 from ikrun.errors import ModelError
 from ikrun.numerics import NUMERICS
 
-#: "k-f32" is ik's `-ctk f32` without flash attention: keys in F32, values still in F16 (ik refuses -ctv f32 there)
-KV_CACHE_TYPES = ("f32", "f16", "k-f32")
-
 
 @dataclass(frozen=True)
 class RuntimeOptions:

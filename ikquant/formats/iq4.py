@@ -65,13 +65,15 @@ def _trial_sums(xb: np.ndarray, weight: np.ndarray, ids: np.ndarray, sumqx: np.n
 
 
 @njit(**SCALAR)
-def block_scale_iq4nl(xb: np.ndarray, weight: np.ndarray, Lb: np.ndarray) -> np.float32:
-    """ik's weighted search for one block's scale (ntry 7); Lb receives the codes. A zero block: 0, Lb untouched."""
+def block_scale_iq4nl(xb: np.ndarray, weight: np.ndarray, Lb: np.ndarray, trials: bool = True) -> np.float32:
+    """ik's weighted search for one block's scale (ntry 7); Lb receives the codes. A zero block: 0, Lb untouched.
+    Without `trials` (ntry -1, ik's KV cache writes) the first scale puts the block's extreme at the grid's low end
+    and only the greedy moves follow."""
     n = xb.size
     amax, vmax = abs_max(xb)
     if amax < np.float32(1e-15):
         return np.float32(0.0)
-    id_ = np.float32(1.0) / (-vmax / _FVALUES[0])
+    id_ = np.float32(1.0) / ((-vmax if trials else vmax) / _FVALUES[0])
     sumqx = np.float32(0.0)
     sumq2 = np.float32(0.0)
     for j in range(n):
@@ -83,6 +85,17 @@ def block_scale_iq4nl(xb: np.ndarray, weight: np.ndarray, Lb: np.ndarray) -> np.
         sumq2 = fmaf(q, wq, sumq2)
     d = sumqx / sumq2
     best = d * sumqx
+    if trials:
+        d, best, sumqx, sumq2 = _best_trial(xb, weight, Lb, vmax, d, best, sumqx, sumq2)
+    return _greedy_moves(xb, weight, Lb, d, best, sumqx, sumq2)
+
+
+@njit(**SCALAR)
+def _best_trial(xb: np.ndarray, weight: np.ndarray, Lb: np.ndarray, vmax: np.float32, d: np.float32,
+                best: np.float32, sumqx: np.float32,
+                sumq2: np.float32) -> tuple[np.float32, np.float32, np.float32, np.float32]:
+    """ik's trial scales (ntry 7) after the first: (d, best, sumqx, sumq2) of the best fit, Lb its codes."""
+    n = xb.size
     # ik tries id = (itry + grid end)/max for itry in -7..7, low end then high end, keeping a trial when it beats
     # the best so far; the trials do not depend on each other, so their sums are computed first, side by side
     ids = np.empty(NTRIAL, dtype=np.float32)
@@ -103,6 +116,14 @@ def block_scale_iq4nl(xb: np.ndarray, weight: np.ndarray, Lb: np.ndarray) -> np.
     if winner >= 0:
         for j in range(n):
             Lb[j] = best_index_iq4nl(ids[winner] * xb[j])
+    return d, best, sumqx, sumq2
+
+
+@njit(**SCALAR)
+def _greedy_moves(xb: np.ndarray, weight: np.ndarray, Lb: np.ndarray, d: np.float32, best: np.float32,
+                  sumqx: np.float32, sumq2: np.float32) -> np.float32:
+    """ik's greedy single-code moves after the scale search; returns the final scale, Lb the codes."""
+    n = xb.size
     # greedy single-code moves: take the one with the smallest step to the next grid point while the fit improves
     for _ in range(32 * n):
         min_step = np.float32(np.inf)

@@ -16,7 +16,7 @@ from ikrun.commands.common import load_model, read_text, run_plan, tracked
 from ikrun.commands.options import Evaluation, evaluation_options
 
 if TYPE_CHECKING:
-    pass
+    from ikrun.model import Model
 
 
 @evaluation_options
@@ -63,7 +63,8 @@ def ppl(
     text: Path = typer.Option(..., "--text", help="UTF-8 text file."),
     ctx: int = typer.Option(512, "--ctx", "-c", help="Chunk length in tokens (ik's -c)."),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object {n_tokens, ppl, ppl_err}."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object {n_tokens, ppl, ppl_err, "
+                                  "cache_type_k, cache_type_v}."),
     ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
     """Perplexity over the text, chunked and scored exactly like ik's llama-perplexity.
@@ -83,10 +84,10 @@ def ppl(
         res = perplexity(m, chunk_tokens, progress=on_chunk, plan=plan, on_block=on_block)
     stats = ppl_stats(res.nll)
     if json_out:
-        out.print_json(json.dumps(stats))
+        out.print_json(json.dumps({**stats, **m.cache.report()}))
     else:
         out.print(f"Final estimate: PPL over {res.n_chunk} chunks for n_ctx={ctx} = {stats['ppl']:.4f} +/- "
-                  f"{stats['ppl_err']:.5f}  ({stats['n_tokens']} tokens scored)")
+                  f"{stats['ppl_err']:.5f}  ({stats['n_tokens']} tokens scored; {caches(m)})")
 
 
 @evaluation_options
@@ -147,13 +148,20 @@ def kld(
 
     stats = kld_stats(acc)
     if json_out:
-        out.print_json(json.dumps({k: (float(v) if isinstance(v, (float, np.floating)) else v)
-                                   for k, v in stats.items()}))
+        out.print_json(json.dumps({**{k: (float(v) if isinstance(v, (float, np.floating)) else v)
+                                      for k, v in stats.items()}, **m.cache.report()}))
         return
     if stats["n_tokens"] < 100:
         err.print(f"[yellow]warning:[/] only {stats['n_tokens']} tokens scored; ik prints no final statistics "
                   "below 100")
-    out.print(kld_table(stats, str(model)))
+    out.print(kld_table(stats, f"{model} ({caches(m)})"))
+
+
+def caches(m: Model) -> str:
+    """The run's cache types, as its console report names them."""
+    had = "".join(f", {side} Hadamard blocks of {b}" for side, b in (("K", m.cache.k_hadamard),
+                                                                     ("V", m.cache.v_hadamard)) if b)
+    return f"K cache {m.cache.k}, V cache {m.cache.v}{had}"
 
 
 def kld_table(stats: dict, title: str) -> Table:

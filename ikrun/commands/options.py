@@ -1,6 +1,6 @@
 """The options every evaluating `ikrun` command shares, declared once and added to each command by one decorator.
 
-`@evaluation_options` adds --threads, --kv-cache, --mem, --stream/--no-stream, --spill-dir and one option per
+`@evaluation_options` adds --threads, --kv-cache, --cache-type-k/-ctk, --cache-type-v/-ctv, -khad/-vhad, --mem, --stream/--no-stream, --spill-dir and one option per
 RuntimeOptions field (their help and flag come from the field's metadata; a bool is a flag, an int takes a value)
 to a command's signature, and hands the command one `Evaluation` in their place. A new runtime option is a field
 of RuntimeOptions and nothing else here.
@@ -30,6 +30,14 @@ class OnOff(str, Enum):
 KV_HELP = ("KV cache precision: f32 (default) measures the weights alone; f16 rounds K/V as ik's default cache "
            "does, to reproduce ik's own numbers; k-f32 rounds V alone, as ik's -ctk f32 (its values stay F16 "
            "without flash attention).")
+CTK_HELP = ("K cache type as ik's -ctk names it (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q6_0, iq4_nl; ik's "
+             "q8_KV is refused): the keys are written with ik's cache quantizer and read back exactly. Overrides "
+             "--kv-cache for K. On DeepSeek's MLA models it sets the latent cache.")
+CTV_HELP = ("V cache type as ik's -ctv names it (the -ctk types; ik itself needs flash attention for one other than "
+            "f16 or bf16). Overrides --kv-cache for V.")
+KHAD_HELP = ("ik's -khad: rotate keys (and queries) by a Hadamard transform over blocks of each head (of 64 values of "
+             "an MLA latent row) around a quantized K cache; dropped for an unquantized one, as ik drops it.")
+VHAD_HELP = "ik's -vhad: the same for the values around a quantized V cache."
 MEM_HELP = ("Memory budget for everything the run holds (decoded weights, hidden states, caches, logits), e.g. 8GiB "
             "or 512MiB. Default: 75% of the memory available at start-up.")
 STREAM_HELP = ("Layer-streamed evaluation: all chunks through block 0, then block 1, ..., each block's weights read "
@@ -48,6 +56,10 @@ class Evaluation:
     stream: bool | None
     spill_dir: Path | None
     options: RuntimeOptions
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
+    k_cache_hadamard: bool = False
+    v_cache_hadamard: bool = False
 
 
 def _runtime_parameters() -> list[inspect.Parameter]:
@@ -72,6 +84,14 @@ def _shared_parameters() -> list[inspect.Parameter]:
         inspect.Parameter("threads", kw, annotation=Optional[int],
                           default=typer.Option(None, "--threads", "-t", help="Worker threads (default: all cores).")),
         inspect.Parameter("kv_cache", kw, annotation=str, default=typer.Option("f32", "--kv-cache", help=KV_HELP)),
+        inspect.Parameter("cache_type_k", kw, annotation=Optional[str],
+                          default=typer.Option(None, "--cache-type-k", "-ctk", help=CTK_HELP)),
+        inspect.Parameter("cache_type_v", kw, annotation=Optional[str],
+                          default=typer.Option(None, "--cache-type-v", "-ctv", help=CTV_HELP)),
+        inspect.Parameter("k_cache_hadamard", kw, annotation=bool,
+                          default=typer.Option(False, "--k-cache-hadamard", "-khad", help=KHAD_HELP)),
+        inspect.Parameter("v_cache_hadamard", kw, annotation=bool,
+                          default=typer.Option(False, "--v-cache-hadamard", "-vhad", help=VHAD_HELP)),
         inspect.Parameter("mem", kw, annotation=Optional[str], default=typer.Option(None, "--mem", help=MEM_HELP)),
         inspect.Parameter("stream", kw, annotation=Optional[bool],
                           default=typer.Option(None, "--stream/--no-stream", help=STREAM_HELP)),
@@ -100,7 +120,8 @@ def evaluation_options(command: Callable[..., Any]) -> Callable[..., Any]:
         given = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
         runtime: dict[str, Any] = {f.name: _option_value(f, given[f.name]) for f in dataclasses.fields(RuntimeOptions)}
         ev = Evaluation(given["threads"], given["kv_cache"], given["mem"], given["stream"], given["spill_dir"],
-                        RuntimeOptions(**runtime))
+                        RuntimeOptions(**runtime), given["cache_type_k"], given["cache_type_v"],
+                        given["k_cache_hadamard"], given["v_cache_hadamard"])
         return command(**kwargs, ev=ev)
 
     wrapper.__signature__ = sig.replace(parameters=[  # type: ignore[attr-defined]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ikrun.kvcache import KvCache, cache_holds
 from ikrun.ops.activations import swiglu
 from ikrun.ops.attention import causal_attention
 from ikrun.ops.conv import causal_conv_residual
@@ -56,8 +57,8 @@ class Numerics:
         self.tiled: set[str] = set()
 
     # ---- what a file may hold ---------------------------------------------------------------------------------
-    def kv_cache(self, requested: str) -> str:
-        """The KV-cache precision a run keeps (one of options.KV_CACHE_TYPES) when `requested` was asked for."""
+    def kv_cache(self, requested: KvCache) -> KvCache:
+        """The KV caches a run keeps when `requested` was asked for (ikrun/kvcache.py)."""
         return requested
 
     def check_weights(self) -> list[str]:
@@ -131,10 +132,10 @@ class Numerics:
         """RMSNorm of x times weight, times SiLU(z) (the delta-net's output norm)."""
         return gated_rms_norm(x, z, weight, eps)
 
-    def kv_store(self, x: np.ndarray, kv_cache: str, value: bool = False) -> np.ndarray:
-        """Keys (or, `value`, values) as a KV cache of precision `kv_cache` holds them (ikrun/options.py)."""
-        half = kv_cache == "f16" or (kv_cache == "k-f32" and value)
-        return x.astype(np.float16).astype(np.float32) if half else x
+    def kv_store(self, x: np.ndarray, cache_type: str, hadamard_block: int = 0) -> np.ndarray:
+        """Rows x [..., width] of keys or values as a cache of `cache_type` (ik's name) holds them, written through
+        ik's Hadamard transform over blocks of `hadamard_block` values where given (ikrun/kvcache.py)."""
+        return cache_holds(x, cache_type, hadamard_block)
 
     # ---- attention --------------------------------------------------------------------------------------------
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,

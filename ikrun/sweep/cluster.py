@@ -25,6 +25,7 @@ from ikquant.imatrix import read_imatrix
 from ikquant.types import GGMLType, type_by_name
 from ikrun.errors import SweepError
 from ikrun.eval.metrics import KLDAccumulator
+from ikrun.kvcache import KvCache
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
 from ikrun.sweep.measure import (
@@ -50,7 +51,8 @@ class WorkerSpec:
 
     model: str
     threads: int
-    kv_cache: str
+    #: the K and V caches' types (ikrun/kvcache.py)
+    cache: KvCache
     options: RuntimeOptions
     #: each worker's memory budget in bytes; None: 75% of its node's available memory shared by its workers
     mem: int | None
@@ -71,7 +73,9 @@ class SweepWorker:
         numba.set_num_threads(max(1, min(spec.threads, numba.config.NUMBA_NUM_THREADS)))
         mem = spec.mem if spec.mem is not None else default_budget() * spec.threads // (os.cpu_count() or 1)
         self.spec = spec
-        self.model = Model(spec.model, spec.threads, spec.kv_cache, spec.options, mem, spec.stream)
+        self.model = Model(spec.model, spec.threads, options=spec.options, mem=mem, stream=spec.stream,
+                           cache_type_k=spec.cache.k, cache_type_v=spec.cache.v,
+                           k_cache_hadamard=bool(spec.cache.k_hadamard), v_cache_hadamard=bool(spec.cache.v_hadamard))
         self.imatrix = read_imatrix(Path(spec.imatrix)) if spec.imatrix else None
         self.folder = tempfile.TemporaryDirectory(prefix="ikrun-sweep-worker-")
         from ikrun.eval.evaluate import open_base

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ikrun.kvcache import KvCache
 from ikrun.numerics.exact import Numerics
 from ikrun.numerics.ik.attention import ik_causal_attention, ik_latent_attention, ik_sink_latent_attention
 from ikrun.numerics.ik.delta_net import ik_conv_silu, ik_decay_and_beta, ik_delta_rule, ik_sigmoid_array
@@ -47,8 +48,8 @@ class IkNumerics(Numerics):
     name = "ik"
 
     # ---- what a file may hold ---------------------------------------------------------------------------------
-    def kv_cache(self, requested: str) -> str:
-        return "f16"
+    def kv_cache(self, requested: KvCache) -> KvCache:
+        return KvCache("f16", "f16")
 
     def check_weights(self) -> list[str]:
         odd: dict[str, list[str]] = {}

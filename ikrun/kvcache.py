@@ -1,0 +1,156 @@
+"""The KV cache's types: what `--kv-cache`, `--cache-type-k/-ctk` and `--cache-type-v/-ctv` ask for, checked against
+the model before any compute, and how a cache of each type holds the keys and values written into it.
+
+ik writes a cache with `ggml_cpy` from float32: its type's row quantizer (ikquant/formats/cache_rows.py) over every
+32-value block of a head's keys or values (of the MLA latent row [roped key | latent] for DeepSeek's caches). The
+exact arithmetic reads back what that wrote (decoded exactly), so a cache type's cost is measured alone.
+
+With `--k-cache-hadamard/-khad` (`--v-cache-hadamard/-vhad`) ik rotates the keys (values) by a Walsh-Hadamard
+transform over blocks of each head (of 64 values of DeepSeek's latent row) before the write and rotates the queries
+(the attention output) to match; exactly, the cache then holds H(dequantize(quantize(H x))). As ik does, the
+transform is dropped for an unquantized cache and for heads no block size divides.
+
+`--kv-cache` stays the shorthand it was: f32 (both caches F32, the default: the weights alone), f16 (both F16, ik's
+default), k-f32 (F32 keys, F16 values: ik's -ctk f32 without flash attention); -ctk / -ctv override one side each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ikquant.formats.cache_rows import CACHE_WRITE_TYPES, cache_round_trip
+from ikquant.types import type_by_name
+from ikrun.errors import ModelError
+from ikrun.ops.indexer import hadamard
+
+if TYPE_CHECKING:
+    from ikrun.context import Context
+
+#: the --kv-cache shorthands: (K type, V type)
+KV_SHORTHANDS = {"f32": ("f32", "f32"), "f16": ("f16", "f16"), "k-f32": ("f32", "f16")}
+#: the names ik's -ctk / -ctv accept (common.cpp kv_cache_type_from_str), as ik spells them
+IK_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1", "q6_0", "q8_KV")
+#: the architectures whose caches a type other than f32/f16 is reproduced for: grouped-query K/V caches and
+#: DeepSeek's MLA latent cache (the DSA, openPangu and DeepSeek-V4 caches, with their indexer caches, are not)
+QUANTIZED_CACHE_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "glm4moe", "minimax-m2", "gpt-oss", "deepseek2")
+
+
+def ggml_name(ik_name: str) -> str:
+    """The GGML type name of a cache type as ik spells it (q8_0 -> Q8_0, q8_KV -> Q8_KV)."""
+    return ik_name.upper()
+
+
+@dataclass(frozen=True)
+class KvCache:
+    """The K and V caches' types, as ik spells them."""
+
+    k: str = "f32"
+    v: str = "f32"
+    #: the block of ik's Hadamard transform of the keys (values) around the cache, 0: none
+    k_hadamard: int = 0
+    v_hadamard: int = 0
+
+    @property
+    def label(self) -> str:
+        """The --kv-cache shorthand these types are, or `k-<type>,v-<type>`; `,khad` / `,vhad` for the transforms."""
+        label = next((name for name, pair in KV_SHORTHANDS.items() if pair == (self.k, self.v)),
+                     f"k-{self.k},v-{self.v}")
+        return label + ",khad" * bool(self.k_hadamard) + ",vhad" * bool(self.v_hadamard)
+
+    def report(self) -> dict[str, str | int]:
+        """The cache types as a run's report names them."""
+        return {"cache_type_k": self.k, "cache_type_v": self.v, "k_cache_hadamard": self.k_hadamard,
+                "v_cache_hadamard": self.v_hadamard}
+
+
+def hadamard_size(head_size: int) -> int:
+    """ik's Hadamard block for a head: the head when a power of two, else the largest of 512 .. 64 dividing it, else
+    0 (no transform)."""
+    if head_size & (head_size - 1) == 0:
+        return head_size
+    return next((b for b in (512, 256, 128, 64) if head_size % b == 0), 0)
+
+
+def requested_cache(kv_cache: str, cache_type_k: str | None, cache_type_v: str | None, k_hadamard: bool = False,
+                    v_hadamard: bool = False) -> KvCache:
+    """The caches --kv-cache, -ctk / -ctv and -khad / -vhad ask for (a Hadamard block of 1: asked for, its size
+    still to be found from the model); a name ik does not take is refused."""
+    if kv_cache not in KV_SHORTHANDS:
+        raise ModelError(f"--kv-cache {kv_cache}: not one of {', '.join(KV_SHORTHANDS)}")
+    k, v = KV_SHORTHANDS[kv_cache]
+    for flag, name in (("--cache-type-k", cache_type_k), ("--cache-type-v", cache_type_v)):
+        if name is not None and name not in IK_CACHE_TYPES:
+            raise ModelError(f"{flag} {name}: not a cache type ik takes ({', '.join(IK_CACHE_TYPES)})")
+    return KvCache(cache_type_k or k, cache_type_v or v, int(k_hadamard), int(v_hadamard))
+
+
+def check_cache(cache: KvCache, cx: Context, numerics: str, given: tuple[str | None, str | None]) -> KvCache:
+    """The caches a run keeps (Hadamard blocks resolved as ik resolves them); refuses what this model (or the
+    arithmetic) cannot hold, naming the option and the model's fact. `given`: the -ctk and -ctv values given (under
+    --numerics ik, which reproduces ik's F16 caches, only f16 is accepted)."""
+    if numerics != "exact":
+        for flag, name in zip(("--cache-type-k", "--cache-type-v"), given):
+            if name not in (None, "f16"):
+                ik_says = "; ik itself: V cache quantization requires flash_attn" if "v" in flag and name != "bf16" \
+                    else ""
+                raise ModelError(f"{flag} {name}: --numerics {numerics} reproduces ik's F16 caches only (ik's "
+                                 f"attention kernels for other cache types are not ported{ik_says})")
+        return replace(cache, k_hadamard=0, v_hadamard=0)  # ik drops the transform around an F16 cache
+    for flag, name in (("--cache-type-k", cache.k), ("--cache-type-v", cache.v)):
+        if ggml_name(name) not in CACHE_WRITE_TYPES:
+            raise ModelError(f"{flag} {name}: ik takes it, but its cache writes are not reproduced here; reproduced: "
+                             + ", ".join(t.lower() for t in CACHE_WRITE_TYPES))
+        if name not in ("f32", "f16") and cx.arch not in QUANTIZED_CACHE_ARCHS:
+            raise ModelError(f"{flag} {name}: {cx.path} is {cx.arch}, whose caches are reproduced as f32 or f16 only "
+                             f"(other types: {', '.join(QUANTIZED_CACHE_ARCHS)})")
+    latent = cx.hparam("attention.kv_lora_rank", 0)
+    if latent:
+        if cache.v not in ("f32", "f16"):
+            raise ModelError(f"--cache-type-v {cache.v}: {cx.path} ({cx.arch}) caches MLA's latent alone, whose type "
+                             "--cache-type-k sets")
+        rows = {"--cache-type-k": ("the MLA latent cache row (latent + rope dims)",
+                                   latent + cx.hparam("rope.dimension_count"))}
+        blocks = {"--cache-type-k": 64}
+    else:
+        n_head = cx.hparam("attention.head_count")
+        head_k = cx.hparam("attention.key_length", cx.hparam("embedding_length") // n_head)
+        rows = {"--cache-type-k": ("the key head size", head_k),
+                "--cache-type-v": ("the value head size", cx.hparam("attention.value_length", head_k))}
+        blocks = {flag: hadamard_size(width) for flag, (_, width) in rows.items()}
+    for flag, (what, width) in rows.items():
+        name = cache.k if flag == "--cache-type-k" else cache.v
+        block = type_by_name(ggml_name(name)).block_size
+        if width % block:
+            raise ModelError(f"{flag} {name}: {what} of {cx.path} is {width}, not a multiple of {name}'s block of "
+                             f"{block} values")
+    k_block, v_block = (blocks.get(flag, 0) if type_by_name(ggml_name(name)).block_size > 1 else 0
+                        for flag, name in (("--cache-type-k", cache.k), ("--cache-type-v", cache.v)))
+    if cache.k_hadamard and k_block and rows["--cache-type-k"][1] % k_block:
+        raise ModelError(f"--k-cache-hadamard: {rows['--cache-type-k'][0]} of {cx.path} is "
+                         f"{rows['--cache-type-k'][1]}, not a multiple of ik's Hadamard block of {k_block}")
+    return replace(cache, k_hadamard=k_block * cache.k_hadamard, v_hadamard=v_block * cache.v_hadamard)
+
+
+def cache_holds(x: np.ndarray, cache_type: str, hadamard_block: int = 0) -> np.ndarray:
+    """Rows x [..., width] as a cache of `cache_type` holds them: each row written with ik's cache quantizer and
+    decoded exactly; with a `hadamard_block`, rotated by ik's Hadamard transform over blocks of that many values
+    before the write and rotated back after the read."""
+    if cache_type == "f32":
+        return x
+    if cache_type == "f16":
+        return x.astype(np.float16).astype(np.float32)
+    rows = x.reshape(-1, x.shape[-1])
+    if hadamard_block:
+        rows = _blockwise_hadamard(rows, hadamard_block)
+    held = cache_round_trip(ggml_name(cache_type), rows)
+    if hadamard_block:
+        held = _blockwise_hadamard(held, hadamard_block)
+    return held.reshape(x.shape)
+
+
+def _blockwise_hadamard(rows: np.ndarray, block: int) -> np.ndarray:
+    """ik's Hadamard transform over consecutive blocks of `block` values of each row (its own inverse)."""
+    return hadamard(rows.reshape(len(rows), -1, block)).reshape(rows.shape)
