@@ -1,0 +1,179 @@
+"""ik's two MLA computations (--mla prefill: keys and values through attn_kv_b; decode: absorbed through attn_k_b /
+attn_v_b), files that carry attn_kv_b alone, --dsa-top-k, and the bad-input errors of both options, on the tiny
+DeepSeek-V3 and GLM-5.2 (glm-dsa) golden models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikquant.gguf_io import GGUFFile
+from ikquant.types import type_by_name
+from ikrun.cli import app
+from ikrun.errors import ModelError
+from ikrun.model import Model
+from ikrun.numerics.exact import derived_k_b, derived_v_b
+from ikrun.options import RuntimeOptions
+from ikrun.validate.hf import compare_logits
+from tests.test_runtime_deepseek2 import _rewrite
+
+runner = CliRunner()
+DATA = Path(__file__).parent / "data"
+V3 = DATA / "convert" / "deepseek-v3" / "ik-f32.gguf"
+GLM = DATA / "convert" / "glm-dsa" / "ref-f32.gguf"
+QWEN3 = DATA / "convert" / "qwen3" / "ik-f32.gguf"
+#: the tiny model's three main layers; 4 heads of nope 32 and value 32 over a latent of 32
+LAYERS, N_HEAD, N_NOPE = range(3), 4, 32
+PREFILL, DECODE = RuntimeOptions(mla="prefill"), RuntimeOptions(mla="decode")
+
+
+def _tokens(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, 320, n)
+
+
+def _kv_b_alone(tmp_path: Path) -> Path:
+    """The DeepSeek model without attn_k_b / attn_v_b (as mainline's converter or ik's own older files have it)."""
+    drop = tuple(f"blk.{i}.attn_{k}_b.weight" for i in LAYERS for k in ("k", "v"))
+    return _rewrite(V3, tmp_path / "kv_b-only.gguf", drop=drop)
+
+
+def _quantized_kv_b(src: Path, dst: Path, gtype: str) -> Path:
+    """A copy of `src` whose attn_kv_b alone is stored as `gtype` (the rest as it is)."""
+    from ikquant.gguf_io import GGUFStreamWriter
+
+    f = GGUFFile(src)
+    codec = type_by_name(gtype).require_codec()
+    with GGUFStreamWriter(dst, f.architecture) as w:
+        for item in f.kv():
+            if item.key != "general.architecture":
+                w.add_kv(item)
+        kv_b = {n for n in f.tensors if n.endswith("attn_kv_b.weight")}
+        for t in f.tensors.values():
+            w.add_tensor_info(t.name, t.shape, type_by_name(gtype) if t.name in kv_b else t.type)
+        for t in f.tensors.values():
+            w.write_tensor(t.name, codec.quantize(f.dequantize(t.name)) if t.name in kv_b else f.raw(t.name))
+        return w.finish()
+
+
+# ---- the two paths ------------------------------------------------------------------------------------------------
+
+def test_prefill_and_decode_compute_the_same_function_of_one_set_of_weights() -> None:
+    """attn_kv_b holds what attn_k_b / attn_v_b hold in the converted file: both forms agree to float order."""
+    tokens = _tokens(130)
+    res = compare_logits(Model(V3, options=DECODE).logits(tokens), Model(V3, options=PREFILL).logits(tokens))
+    assert res["max_rel_logit_err"] < 1e-5 and res["same_top"] == 1.0, res
+
+
+def test_auto_follows_iks_batch_rule_and_numerics() -> None:
+    assert Model(V3).computed_paths(128) == {"mla_path": "prefill"}
+    assert Model(V3).computed_paths(127) == {"mla_path": "decode"}
+    assert Model(V3, options=RuntimeOptions(numerics="ik")).computed_paths(512) == {"mla_path": "decode"}
+    assert Model(V3, options=DECODE).computed_paths(512) == {"mla_path": "decode"}
+    assert Model(QWEN3).computed_paths(512) == {}
+
+
+def test_prefill_reads_attn_kv_b_and_decode_does_not(tmp_path: Path) -> None:
+    """attn_kv_b alone quantized to Q4_0: the prefill form pays for it, the decode form is the f32 model's."""
+    q4 = _quantized_kv_b(V3, tmp_path / "kv_b-q4_0.gguf", "Q4_0")
+    tokens = _tokens(64, 1)
+    np.testing.assert_array_equal(Model(q4, options=DECODE).logits(tokens), Model(V3, options=DECODE).logits(tokens))
+    res = compare_logits(Model(V3, options=PREFILL).logits(tokens), Model(q4, options=PREFILL).logits(tokens))
+    assert res["kld_mean"] > 1e-6, res
+    assert Model(q4).unread_tensors(512) == {f"blk.{i}.attn_{k}_b.weight": "the MLA prefill path (--mla) does not "
+                                             "read it" for i in LAYERS for k in ("k", "v")}
+    assert set(Model(q4).unread_tensors(64)) == {f"blk.{i}.attn_kv_b.weight" for i in LAYERS}
+
+
+def test_kld_report_names_the_path(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["ppl", str(V3), "--text", str(DATA / "logits" / "deepseek-v3" / "text.txt"),
+                              "--ctx", "128", "--chunks", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["mla_path"] == "prefill"
+
+
+# ---- files with attn_kv_b alone ----------------------------------------------------------------------------------
+
+def test_a_file_with_attn_kv_b_alone_runs_both_paths(tmp_path: Path) -> None:
+    path = _kv_b_alone(tmp_path)
+    tokens = _tokens(64, 2)
+    np.testing.assert_array_equal(Model(path, options=DECODE).logits(tokens),
+                                  Model(V3, options=DECODE).logits(tokens))
+    np.testing.assert_array_equal(Model(path, options=PREFILL).logits(tokens),
+                                  Model(V3, options=PREFILL).logits(tokens))
+
+
+def test_derived_k_b_is_iks_q8_0_for_a_quantized_attn_kv_b() -> None:
+    """ik derives attn_k_b as Q8_0 of the transposed nope rows of a quantized attn_kv_b, attn_v_b as its rows."""
+    kv_b = GGUFFile(V3).dequantize("blk.0.attn_kv_b.weight")
+    q8 = type_by_name("Q8_0").require_codec()
+    k_b = derived_k_b(kv_b, "Q4_0", N_HEAD, N_NOPE)
+    rows = k_b.reshape(-1, N_NOPE)
+    np.testing.assert_array_equal(q8.dequantize(q8.quantize(rows), N_NOPE), rows)  # Q8_0 values
+    exact = derived_k_b(kv_b, "F32", N_HEAD, N_NOPE)
+    np.testing.assert_array_equal(exact, GGUFFile(V3).dequantize("blk.0.attn_k_b.weight").reshape(exact.shape))
+    assert 0 < np.abs(k_b - exact).max() < 0.01 * np.abs(exact).max()
+    np.testing.assert_array_equal(derived_v_b(kv_b, N_HEAD, N_NOPE).reshape(-1, kv_b.shape[1]),
+                                  GGUFFile(V3).dequantize("blk.0.attn_v_b.weight").reshape(-1, kv_b.shape[1]))
+
+
+def test_a_swap_of_attn_kv_b_reaches_the_derived_tensors(tmp_path: Path) -> None:
+    path = _kv_b_alone(tmp_path)
+    q4 = _quantized_kv_b(path, tmp_path / "kv_b-only-q4_0.gguf", "Q4_0")
+    tokens = _tokens(64, 3)
+    m = Model(path, options=DECODE)
+    before = m.logits(tokens)
+    m.swap_from_file("blk.1.attn_kv_b.weight", q4)
+    assert compare_logits(before, m.logits(tokens))["kld_mean"] > 0
+    m.restore()
+    np.testing.assert_array_equal(m.logits(tokens), before)
+
+
+# ---- --dsa-top-k --------------------------------------------------------------------------------------------------
+
+def test_dsa_top_k_replaces_the_files() -> None:
+    tokens = np.load(DATA / "hf-logits" / "glm-dsa" / "tokens.npy")[0]
+    n = len(tokens)
+    default = Model(GLM).logits(tokens)
+    same = Model(GLM, options=RuntimeOptions(dsa_top_k=int(GGUFFile(GLM).get("glm-dsa.attention.indexer.top_k")))
+                 ).logits(tokens)
+    np.testing.assert_array_equal(same, default)
+    fewer = Model(GLM, options=RuntimeOptions(dsa_top_k=4)).logits(tokens)
+    assert compare_logits(default, fewer)["kld_mean"] > 1e-4
+    every = Model(GLM, options=RuntimeOptions(dsa_top_k=n)).logits(tokens)  # every key kept: dense attention
+    res = compare_logits(Model(GLM, options=RuntimeOptions(dsa=False)).logits(tokens), every)
+    assert res["max_rel_logit_err"] < 1e-5 and res["same_top"] == 1.0, res
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+
+def _refused(args: list[str], *named: str) -> None:
+    res = runner.invoke(app, args, env={"COLUMNS": "250"})
+    assert res.exit_code == 2, res.output
+    for text in named:
+        assert text in res.output, res.output
+
+
+@pytest.mark.parametrize(("model", "flags", "named"), [
+    (QWEN3, ["--mla", "prefill"], ("--mla", "qwen3")),
+    (V3, ["--dsa-top-k", "8"], ("--dsa-top-k", "deepseek2")),
+    (GLM, ["--dsa-top-k", "65"], ("--dsa-top-k 65", "context of 64 tokens")),
+    (GLM, ["--dsa-top-k", "8", "--dsa", "off"], ("--dsa-top-k", "--dsa off")),
+    (V3, ["--mla", "prefill", "--numerics", "ik"], ("--mla prefill", "--numerics ik")),
+])
+def test_bad_options_are_refused_before_compute(model: Path, flags: list[str], named: tuple[str, ...]) -> None:
+    _refused(["ppl", str(model), "--text", str(DATA / "logits" / "deepseek-v3" / "text.txt"), "--ctx", "64",
+              *flags], *named)
+
+
+def test_files_that_lack_what_a_path_reads_are_refused(tmp_path: Path) -> None:
+    no_kv_b = _rewrite(V3, tmp_path / "no-kv_b.gguf", drop=tuple(f"blk.{i}.attn_kv_b.weight" for i in LAYERS))
+    with pytest.raises(ModelError, match=r"attn_kv_b.*--mla prefill"):
+        Model(no_kv_b, options=PREFILL)
+    assert Model(no_kv_b).computed_paths(512) == {"mla_path": "decode"}
+    with pytest.raises(ModelError, match=r"attn_kv_b without attn_k_b / attn_v_b.*--numerics ik"):
+        Model(_kv_b_alone(tmp_path), options=RuntimeOptions(numerics="ik"))
+
