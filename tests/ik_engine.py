@@ -33,13 +33,15 @@ def llama_quantize(*args: str) -> subprocess.CompletedProcess[str]:
                           env={"LD_LIBRARY_PATH": str(pkg / "lib")})
 
 
-def logits(path: Path, tokens: list[int], threads: int = 2) -> np.ndarray:
-    """ik's logits [len(tokens), n_vocab] of one sequence decoded as one batch (flash attention off, f16 KV cache),
-    computed in a child process: ik aborts the process on what it cannot compute."""
+def logits(path: Path, tokens: list[int], threads: int = 2, flash_attn: bool = False) -> np.ndarray:
+    """ik's logits [len(tokens), n_vocab] of one sequence decoded as one batch (f16 KV cache; flash attention off
+    unless `flash_attn`, ik's default), computed in a child process: ik aborts the process on what it cannot
+    compute."""
     _package()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.npy"
-        res = subprocess.run([sys.executable, __file__, str(path), str(out), str(threads), *map(str, tokens)],
+        res = subprocess.run([sys.executable, __file__, str(path), str(out), str(threads), str(int(flash_attn)),
+                              *map(str, tokens)],
                              capture_output=True, text=True, errors="replace")
         if res.returncode != 0:
             said = [line for line in res.stderr.splitlines() if "GGML_ASSERT" in line or "error" in line.lower()]
@@ -65,12 +67,12 @@ class IkFailed(AssertionError):
     """ik refused or aborted on a file."""
 
 
-def _child(path: str, out: str, threads: int, tokens: list[int]) -> None:
+def _child(path: str, out: str, threads: int, flash_attn: bool, tokens: list[int]) -> None:
     from ik_llama_cpp import _ctypes_api as api
     from ik_llama_cpp._internals import IkContext, IkModel
 
     model = IkModel(path, use_mmap=True)
-    ctx = IkContext(model, n_ctx=len(tokens), n_threads=threads, flash_attn=False)
+    ctx = IkContext(model, n_ctx=len(tokens), n_threads=threads, flash_attn=flash_attn)
     batch = api.llama_batch_init(len(tokens), 0, 1)
     batch.n_tokens = len(tokens)
     for i, token in enumerate(tokens):
@@ -83,4 +85,4 @@ def _child(path: str, out: str, threads: int, tokens: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2], int(sys.argv[3]), [int(t) for t in sys.argv[4:]])
+    _child(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1", [int(t) for t in sys.argv[5:]])

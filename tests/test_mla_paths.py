@@ -19,6 +19,8 @@ from ikrun.model import Model
 from ikrun.numerics.exact import derived_k_b, derived_v_b
 from ikrun.options import RuntimeOptions
 from ikrun.validate.hf import compare_logits
+from tests import ik_engine
+from tests.test_ik_engine import mean_kld
 from tests.test_runtime_deepseek2 import _rewrite
 
 runner = CliRunner()
@@ -86,6 +88,23 @@ def test_prefill_reads_attn_kv_b_and_decode_does_not(tmp_path: Path) -> None:
     assert Model(q4).unread_tensors(512) == {f"blk.{i}.attn_{k}_b.weight": "the MLA prefill path (--mla) does not "
                                              "read it" for i in LAYERS for k in ("k", "v")}
     assert set(Model(q4).unread_tensors(64)) == {f"blk.{i}.attn_kv_b.weight" for i in LAYERS}
+
+
+def test_iks_default_run_reads_attn_kv_b_as_the_prefill_path_does(tmp_path: Path) -> None:
+    """ik with its defaults (flash attention, mla 3; the PyPI wheel's build) on one batch of 160 tokens takes its
+    attn_kv_b path: attn_kv_b alone in Q4_0 costs it 0.1135 (nothing with flash attention off), and ikrun's exact
+    prefill form 0.1131 against ik's own f32 logits. The 0.4% between them is ik's arithmetic (activations rounded to
+    8 bits for the Q4_0 product, its f16 flash-attention kernel), which --numerics ik does not reproduce on this
+    path; the decode form does not see the tensor at all."""
+    q4 = _quantized_kv_b(V3, tmp_path / "kv_b-q4_0.gguf", "Q4_0")
+    tokens = [int(t) for t in np.load(DATA / "hf-logits" / "deepseek-v3" / "tokens.npy")[:3].reshape(-1)[:160]]
+    ik_f32, ik_q4 = (ik_engine.logits(p, tokens, flash_attn=True) for p in (V3, q4))
+    assert mean_kld(ik_f32, Model(V3, options=PREFILL).logits(np.array(tokens))) <= 1e-5
+    theirs = mean_kld(ik_f32, ik_q4)
+    assert theirs > 0.05  # ik pays for attn_kv_b
+    assert mean_kld(ik_f32, Model(q4, options=PREFILL).logits(np.array(tokens))) == pytest.approx(theirs, rel=5e-3)
+    assert mean_kld(ik_f32, Model(q4, options=DECODE).logits(np.array(tokens))) < 1e-5
+    assert mean_kld(ik_engine.logits(V3, tokens), ik_engine.logits(q4, tokens)) == 0.0  # -fa off: absorbed form
 
 
 def test_kld_report_names_the_path(tmp_path: Path) -> None:
@@ -177,3 +196,62 @@ def test_files_that_lack_what_a_path_reads_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match=r"attn_kv_b without attn_k_b / attn_v_b.*--numerics ik"):
         Model(_kv_b_alone(tmp_path), options=RuntimeOptions(numerics="ik"))
 
+
+# ---- sweeps and mixes ---------------------------------------------------------------------------------------------
+
+MLA_TENSORS = r"attn_k?v?_b"
+
+
+def _mla_sweep(out: Path, *flags: str) -> dict:
+    res = runner.invoke(app, ["sweep", str(V3), "--text", str(DATA / "logits" / "deepseek-v3" / "text.txt"), "--ctx",
+                              "128", "--chunks", "2", "--types", "Q4_0,Q8_0", "--tensors", MLA_TENSORS, "-o",
+                              str(out), *flags], env={"COLUMNS": "250"})
+    assert res.exit_code == 0, res.output
+    assert "left unmeasured" in res.output
+    return json.loads(out.read_text())
+
+
+def _mix(sweep: Path, out: Path) -> tuple[dict[str, str], str]:
+    """The types ikquant's mix gives the MLA tensors (a generous budget: nothing has to be starved), and its output."""
+    from ikquant.cli import app as ikquant_app
+
+    res = runner.invoke(ikquant_app, [str(V3), str(out), "--type", "q8_0", "--sweep", str(sweep), "--target-bpw",
+                                      "9"], env={"COLUMNS": "250"})
+    assert res.exit_code == 0, res.output
+    return {n: t.type.name for n, t in GGUFFile(out).tensors.items() if "_b.weight" in n}, res.output
+
+
+def test_prefill_sweep_measures_attn_kv_b_and_its_mix_keeps_it(tmp_path: Path) -> None:
+    sweep = _mla_sweep(tmp_path / "prefill.json")
+    assert sweep["runtime"]["mla_path"] == "prefill"
+    assert set(sweep["unmeasured"]) == {f"blk.{i}.attn_{k}_b.weight" for i in LAYERS for k in ("k", "v")}
+    rows = {(r["group"], r["type"]): r["kld_mean"] for r in sweep["rows"]}
+    assert {g for g, _ in rows} == {f"blk.{i}.attn_kv_b.weight" for i in LAYERS}
+    assert all(rows[(f"blk.{i}.attn_kv_b.weight", "Q4_0")] > 10 * max(rows[(f"blk.{i}.attn_kv_b.weight", "Q8_0")],
+                                                                      1e-9) for i in LAYERS)
+    types, output = _mix(tmp_path / "prefill.json", tmp_path / "prefill-mix.gguf")
+    assert all(types[f"blk.{i}.attn_kv_b.weight"] == "Q8_0" for i in LAYERS)  # measured, worth its bits
+    assert "6 tensors unmeasured by the sweep keep the recipe's type" in output
+
+
+def test_decode_sweep_leaves_attn_kv_b_unmeasured_and_its_mix_at_the_recipes_type(tmp_path: Path) -> None:
+    sweep = _mla_sweep(tmp_path / "decode.json", "--mla", "decode")
+    assert sweep["runtime"]["mla_path"] == "decode"
+    assert set(sweep["unmeasured"]) == {f"blk.{i}.attn_kv_b.weight" for i in LAYERS}
+    assert all("attn_kv_b" not in r["group"] for r in sweep["rows"])
+    types, output = _mix(tmp_path / "decode.json", tmp_path / "decode-mix.gguf")
+    assert all(types[f"blk.{i}.attn_kv_b.weight"] == "Q8_0" for i in LAYERS)
+    assert "3 tensors unmeasured by the sweep keep the recipe's type" in output
+
+
+def test_a_mix_never_chooses_on_a_cost_of_zero(tmp_path: Path) -> None:
+    """An older sweep that scored an unread tensor at zero at every type: the mix leaves it to the recipe."""
+    from ikquant.mix import read_sweep
+
+    sweep = _mla_sweep(tmp_path / "prefill.json")
+    del sweep["unmeasured"]
+    sweep["rows"] = [{**r, "kld_mean": 0.0} if r["group"] == "blk.2.attn_kv_b.weight" else r for r in sweep["rows"]]
+    (tmp_path / "old.json").write_text(json.dumps(sweep))
+    groups, options, unmeasured = read_sweep(tmp_path / "old.json")
+    assert set(groups) == {"blk.0.attn_kv_b.weight", "blk.1.attn_kv_b.weight"} == set(options)
+    assert list(unmeasured) == ["blk.2.attn_kv_b.weight"]
