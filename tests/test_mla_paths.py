@@ -244,6 +244,17 @@ def test_decode_sweep_leaves_attn_kv_b_unmeasured_and_its_mix_at_the_recipes_typ
     assert "3 tensors unmeasured by the sweep keep the recipe's type" in output
 
 
+def test_the_nextn_block_is_unmeasured() -> None:
+    """GLM-5.2's NextN block (blk.7) takes no part in the main forward: a sweep cannot measure it."""
+    from ikrun.sweep.measure import sweep_groups, unmeasured_tensors
+
+    model = Model(GLM)
+    nextn = unmeasured_tensors(model, 64, r"^blk\.7\.")
+    assert "blk.7.nextn.eh_proj.weight" in nextn and "blk.7.attn_output.weight" in nextn
+    assert not any(n.startswith("blk.7.") for names in sweep_groups(model, "tensor", None, 64).values() for n in names)
+    assert any(n.startswith("blk.7.") for n in sweep_groups(model, "tensor"))
+
+
 def test_a_mix_never_chooses_on_a_cost_of_zero(tmp_path: Path) -> None:
     """An older sweep that scored an unread tensor at zero at every type: the mix leaves it to the recipe."""
     from ikquant.mix import read_sweep

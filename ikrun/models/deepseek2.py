@@ -177,7 +177,7 @@ class Deepseek2(ArchModel):
         """attn_kv_b under the decode form (when attn_k_b / attn_v_b are there), attn_k_b / attn_v_b under the
         prefill form, and the NextN/MTP blocks' tensors."""
         path = self.mla_path(n_ctx)
-        unread = {n: "an NextN/MTP block: the main forward does not run it" for i in range(self.n_active, self.n_layer)
+        unread = {n: "a NextN/MTP block: the main forward does not run it" for i in range(self.n_active, self.n_layer)
                   for n in self.block_tensors(i)}
         names = ("attn_k_b.weight", "attn_v_b.weight") if path == "prefill" else \
             () if self.kv_b_only else ("attn_kv_b.weight",)
