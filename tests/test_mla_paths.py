@@ -188,11 +188,26 @@ def test_bad_options_are_refused_before_compute(model: Path, flags: list[str], n
               *flags], *named)
 
 
-def test_files_that_lack_what_a_path_reads_are_refused(tmp_path: Path) -> None:
+def test_a_file_without_attn_kv_b_runs_prefill_on_iks_q8_0_derivation(tmp_path: Path) -> None:
+    """ik derives attn_kv_b from attn_k_b / attn_v_b as Q8_0 (an F32 pair too): the same as a file whose attn_kv_b
+    is stored as Q8_0; the sweep then measures attn_k_b / attn_v_b under both forms."""
     no_kv_b = _rewrite(V3, tmp_path / "no-kv_b.gguf", drop=tuple(f"blk.{i}.attn_kv_b.weight" for i in LAYERS))
-    with pytest.raises(ModelError, match=r"attn_kv_b.*--mla prefill"):
-        Model(no_kv_b, options=PREFILL)
-    assert Model(no_kv_b).computed_paths(512) == {"mla_path": "decode"}
+    q8 = _quantized_kv_b(V3, tmp_path / "kv_b-q8_0.gguf", "Q8_0")
+    tokens = _tokens(64, 4)
+    np.testing.assert_array_equal(Model(no_kv_b, options=PREFILL).logits(tokens),
+                                  Model(q8, options=PREFILL).logits(tokens))
+    assert Model(no_kv_b).unread_tensors(512) == {} == Model(no_kv_b).unread_tensors(64)
+    m = Model(no_kv_b, options=PREFILL)
+    before = m.logits(tokens)
+    src = GGUFFile(V3)
+    for name in ("blk.1.attn_v_b.weight", "blk.1.attn_k_b.weight"):  # a swap of either reaches the derived tensor
+        m.swap(name, type_by_name("Q4_0"), type_by_name("Q4_0").require_codec().quantize(src.dequantize(name)))
+        assert compare_logits(before, m.logits(tokens))["kld_mean"] > 0
+        m.restore()
+        np.testing.assert_array_equal(m.logits(tokens), before)
+
+
+def test_derivations_need_the_exact_arithmetic(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match=r"attn_kv_b without attn_k_b / attn_v_b.*--numerics ik"):
         Model(_kv_b_alone(tmp_path), options=RuntimeOptions(numerics="ik"))
 

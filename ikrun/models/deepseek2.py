@@ -9,9 +9,9 @@ generation); attn_output; residual. Then RMSNorm and either the dense SwiGLU FFN
 or the MoE FFN (ikrun/ops/moe.py) plus the shared experts; residual. NextN/MTP blocks at the end
 (nextn_predict_layers) take no part in the main forward.
 
-A file with attn_kv_b alone runs: the decode form derives attn_k_b / attn_v_b from it as ik does at load
-(numerics/exact.split_kv_b; exact arithmetic only). A file without attn_kv_b runs the decode form (ik derives a
-Q8_0 attn_kv_b for its prefill form, which is not reproduced: --mla prefill is refused there).
+Files with half of the MLA tensors run both forms, with the other half derived as ik derives it at load
+(numerics/exact.py; exact arithmetic only): attn_k_b / attn_v_b from attn_kv_b alone, attn_kv_b (Q8_0 unless both
+are F16 or BF16) from attn_k_b / attn_v_b alone (mainline's layout).
 
 YaRN as ik sets it up for this architecture: ext_factor 1 for rope scaling type yarn, beta 32/1, the rope's
 magnitude factor pre-divided by 1 + 0.1 ln(1/freq_scale) (which ggml's rope multiplies back in), and the attention
@@ -142,7 +142,6 @@ class Deepseek2(ArchModel):
             want.update(self._expected(i))
         self.kv_b_only = all(cx.has(f"blk.{i}.attn_kv_b.weight") and not cx.has(f"blk.{i}.attn_k_b.weight")
                              and not cx.has(f"blk.{i}.attn_v_b.weight") for i in range(self.n_active))
-        self.has_kv_b = all(cx.has(f"blk.{i}.attn_kv_b.weight") for i in range(self.n_active))
         missing = [] if self.kv_b_only else \
             [n for i in range(self.n_active) for n in list(self._mla_shapes(i))[:2] if not cx.has(n)]
         self.check_tensors({**want, **{n: cx.shape(n) if cx.has(n) else () for n in missing}},
@@ -151,9 +150,7 @@ class Deepseek2(ArchModel):
             raise self.fail("has attn_kv_b without attn_k_b / attn_v_b, which ik derives at load (Q8_0 for a "
                             "quantized attn_kv_b); --numerics ik does not reproduce that derivation: use --numerics "
                             "exact")
-        if cx.options.mla == "prefill" and not self.has_kv_b:
-            raise self.fail("has no attn_kv_b in every main layer, which --mla prefill reads (ik derives a Q8_0 one "
-                            "from attn_k_b / attn_v_b, not reproduced here); use --mla decode")
+
         for i in range(self.n_layer):
             for name, shapes in self._mla_shapes(i).items():
                 if cx.has(name) and cx.shape(name) not in shapes:
@@ -166,25 +163,25 @@ class Deepseek2(ArchModel):
                                 f"{[self.moe.n_expert]}")
 
     def mla_path(self, n_tokens: int) -> str:
-        """The MLA form ("prefill" or "decode") a sequence of `n_tokens` tokens runs (--mla; a file without
-        attn_kv_b: decode)."""
-        return self.ctx.options.mla_path(n_tokens) if self.has_kv_b else "decode"
+        """The MLA form ("prefill" or "decode") a sequence of `n_tokens` tokens runs (--mla)."""
+        return self.ctx.options.mla_path(n_tokens)
 
     def computed_paths(self, n_ctx: int) -> dict[str, str]:
         return {"mla_path": self.mla_path(n_ctx)}
 
     def unread_tensors(self, n_ctx: int) -> dict[str, str]:
-        """attn_kv_b under the decode form (when attn_k_b / attn_v_b are there), attn_k_b / attn_v_b under the
-        prefill form, and the NextN/MTP blocks' tensors."""
+        """attn_kv_b under the decode form, attn_k_b / attn_v_b under the prefill form (each only where the file
+        has the other: else the form reads it through ik's derivation), and the NextN/MTP blocks' tensors."""
         path = self.mla_path(n_ctx)
         unread = {n: "a NextN/MTP block: the main forward does not run it" for i in range(self.n_active, self.n_layer)
                   for n in self.block_tensors(i)}
-        names = ("attn_k_b.weight", "attn_v_b.weight") if path == "prefill" else \
-            () if self.kv_b_only else ("attn_kv_b.weight",)
+        unused, needed = ("attn_k_b", "attn_kv_b") if path == "prefill" else ("attn_kv_b", "attn_k_b")
         for i in range(self.n_active):
-            for name in names:
-                if self.ctx.has(f"blk.{i}.{name}"):
-                    unread[f"blk.{i}.{name}"] = f"the MLA {path} path (--mla) does not read it"
+            b = f"blk.{i}."
+            if self.ctx.has(b + needed + ".weight"):
+                for name in (["attn_k_b", "attn_v_b"] if unused == "attn_k_b" else ["attn_kv_b"]):
+                    if self.ctx.has(b + name + ".weight"):
+                        unread[b + name + ".weight"] = f"the MLA {path} path (--mla) does not read it"
         return unread
 
     def begin(self, seq: Sequence) -> None:

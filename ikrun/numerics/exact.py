@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 #: vocabulary under a small budget); such a matmul may differ from the untiled one in the last bits
 TILE_BYTES = 64 << 20
 #: the weight-cache kinds of the attn_k_b / attn_v_b derived from a file's attn_kv_b (ikrun/weights.py)
-DERIVED_K_B, DERIVED_V_B = -20, -21
+DERIVED_K_B, DERIVED_V_B, DERIVED_KV_B = -20, -21, -22
 #: weight types ik keeps when it derives attn_k_b from attn_kv_b (any other, quantized, becomes Q8_0)
 UNQUANTIZED = ("F32", "F16", "BF16")
 
@@ -57,6 +57,20 @@ def derived_k_b(kv_b: np.ndarray, type_name: str, n_head: int, n_nope: int) -> n
         return w_kb
     codec = type_by_name("Q8_0").require_codec()
     return codec.dequantize(codec.quantize(w_kb.reshape(-1, n_nope)), n_nope).reshape(w_kb.shape)
+
+
+def derived_kv_b(k_b: np.ndarray, v_b: np.ndarray, types: tuple[str, str], n_head: int) -> np.ndarray:
+    """attn_kv_b [H * (D + V), C] as ik derives it at load from a file's attn_k_b [H, C, D] and attn_v_b [H, V, C]
+    (of types `types`) for its prefill form (llm_compute_wkv_b): per head the transposed k_b rows, then the v_b
+    rows, stored as F16 or BF16 when both are, else as Q8_0 (an F32 pair too)."""
+    from ikquant.types import type_by_name
+
+    n_lat = v_b.shape[-1]
+    heads = np.concatenate([k_b.reshape(n_head, n_lat, -1).transpose(0, 2, 1), v_b.reshape(n_head, -1, n_lat)], axis=1)
+    kv_b = np.ascontiguousarray(heads.reshape(-1, n_lat))
+    kept = types[0] if types[0] == types[1] and types[0] in ("F16", "BF16") else "Q8_0"
+    codec = type_by_name(kept).require_codec()
+    return codec.dequantize(codec.quantize(kv_b), n_lat)
 
 
 def derived_v_b(kv_b: np.ndarray, n_head: int, n_nope: int) -> np.ndarray:
@@ -169,7 +183,13 @@ class Numerics:
                                keep: np.ndarray | None = None) -> np.ndarray:
         """Multi-head latent attention in ik's prefill form through block `b`'s attn_kv_b (ops/mla.py): shapes as
         latent_attention's; `store` rounds the materialised keys and values as the KV cache holds them."""
-        w_kvb = self.matmul_weight(b + "attn_kv_b.weight", cache.shape[0])
+        kvb, kb, vb = b + "attn_kv_b.weight", b + "attn_k_b.weight", b + "attn_v_b.weight"
+        if self.weights.has(kvb):
+            w_kvb = self.matmul_weight(kvb, cache.shape[0])
+        else:
+            types = (self.weights.encoding(kb).type.name, self.weights.encoding(vb).type.name)
+            w_kvb = self.weights.derived(kb, lambda _raw, w: derived_kv_b(w, self.weights.decode(vb), types,
+                                                                          q_rope.shape[1]), DERIVED_KV_B, (vb,))
         return materialized_attention(q_rope, q_nope, cache, w_kvb, scale, keep=keep, store=store)
 
     # ---- matmuls ----------------------------------------------------------------------------------------------
