@@ -152,6 +152,20 @@ def test_glm_dsa_default_run_is_closer_on_the_prefill_path() -> None:
     assert prefill["ppl_base"] == pytest.approx(ppl, rel=1e-6)
 
 
+def test_imatrix_collects_the_per_head_entries_unless_told_prefill(tmp_path: Path) -> None:
+    from ikquant.imatrix import read_imatrix_dat
+
+    names = {}
+    for flags in ([], ["--mla", "prefill"]):
+        out = tmp_path / f"imatrix{len(flags)}.dat"
+        res = runner.invoke(app, ["imatrix", str(V3), "--text", str(DATA / "logits" / "deepseek-v3" / "text.txt"),
+                                  "--ctx", "128", "--chunks", "2", "-o", str(out), *flags])
+        assert res.exit_code == 0, res.output
+        names[len(flags)] = set(read_imatrix_dat(out).entries)
+    assert "blk.0.attn_k_b.weight" in names[0] and "blk.0.attn_kv_b.weight" not in names[0]
+    assert "blk.0.attn_kv_b.weight" in names[2] and "blk.0.attn_k_b.weight" not in names[2]
+
+
 def test_kld_report_names_the_path(tmp_path: Path) -> None:
     res = runner.invoke(app, ["ppl", str(V3), "--text", str(DATA / "logits" / "deepseek-v3" / "text.txt"),
                               "--ctx", "128", "--chunks", "1", "--json"])

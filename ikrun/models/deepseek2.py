@@ -163,7 +163,11 @@ class Deepseek2(ArchModel):
                                 f"{[self.moe.n_expert]}")
 
     def mla_path(self, n_tokens: int) -> str:
-        """The MLA form ("prefill" or "decode") a sequence of `n_tokens` tokens runs (--mla)."""
+        """The MLA form ("prefill" or "decode") a sequence of `n_tokens` tokens runs (--mla). An imatrix collection
+        (observers attached) runs decode unless told otherwise: its attn_k_b / attn_v_b entries are what recipes
+        quantize with, and the prefill form has no per-head inputs for them."""
+        if self.ctx.options.mla == "auto" and self.ctx.observers:
+            return "decode"
         return self.ctx.options.mla_path(n_tokens)
 
     def computed_paths(self, n_ctx: int) -> dict[str, str]:

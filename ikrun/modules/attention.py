@@ -151,7 +151,7 @@ class MlaAttention:
         if prefill:
             if sinks is not None or window:
                 raise ValueError("the prefill form takes no sinks and no window")
-            if cx.observers:
+            if cx.observers and cx.has(b + "attn_kv_b.weight"):  # not a tensor ik derived at load
                 cx.observe(b + "attn_kv_b.weight", cache[:, self.n_rot :])
             out = cx.numerics.materialized_attention(b, q_rope, q_nope, cache, self.kq_scale, cx.kv_store, keep=keep)
             return cx.linear(out.reshape(n, self.n_head * self.head_v), b + "attn_output")
