@@ -48,8 +48,8 @@ class RuntimeOptions:
         "MLA models (deepseek2, glm-dsa): prefill = ik's prompt-processing path, K and V materialised from the "
         "latent cache through attn_kv_b (what ik's defaults, -fa on -mla 3, run for batches of 128 tokens or more); "
         "decode = the absorbed path through attn_k_b / attn_v_b (single-token generation, and every batch with -fa "
-        "off). auto (default): prefill for sequences of 128 tokens or more, decode below and under --numerics ik "
-        "(which reproduces ik's -fa off). An error for a model without MLA.")})
+        "off). auto (default): prefill for sequences of 128 tokens or more, decode below, under --numerics ik "
+        "(which reproduces ik's -fa off) and for imatrix collection. An error for a model without MLA.")})
     #: the DSA indexer's top-k instead of the file's attention.indexer.top_k (0: the file's)
     dsa_top_k: int = field(default=0, metadata={"help": (
         "The lightning indexer's top-k (ik's -dsatk): the keys each query may see, instead of the file's "
