@@ -328,10 +328,19 @@ def _mix_from_sweep(source, opts, sweep: Path, target_bpw: float | None, target_
     """The mix of per-tensor types from a sweep within the target(s); prints it and its predicted KLD."""
     from ikquant.mix import MixTarget, plan_mix, read_sweep
 
-    groups, options = read_sweep(sweep)
+    groups, options, unmeasured = read_sweep(sweep)
     plan = plan_mix(source, opts, groups, options, MixTarget(target_bpw, target_size, budget), str(sweep))
     print_mix(plan)
+    print_unmeasured(unmeasured)
     return plan
+
+
+def print_unmeasured(unmeasured: dict[str, str]) -> None:
+    """Say which tensors a mix left at the recipe's type because the sweep gave them no cost."""
+    if unmeasured:
+        first = next(iter(unmeasured))
+        err.print(f"{len(unmeasured)} tensors unmeasured by the sweep keep the recipe's type, e.g. {first} "
+                  f"({unmeasured[first]})", soft_wrap=True)
 
 
 def print_mix(plan) -> None:  # type: ignore[no-untyped-def]

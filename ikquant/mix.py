@@ -5,6 +5,10 @@ time (`ikrun sweep`). Interactions between tensors are ignored, so the predictio
 the result with `ikrun kld`. The choice is a multiple-choice knapsack: minimise the sum of KLDs subject to the
 total bits, solved by Lagrangian relaxation (each group picks argmin KLD + lambda*bits; lambda bisected to the
 budget), then leftover bits spent on the upgrades with the best KLD saved per bit.
+
+A group with no real cost is not chosen for: the tensors a sweep lists as `unmeasured` (the measured forward never
+reads them) and groups whose every measured cost is zero or below (a swap that changed nothing: an older sweep of
+an unread tensor). They keep the recipe's type, as unswept tensors do; `read_sweep` names them.
 """
 
 from __future__ import annotations
@@ -40,9 +44,10 @@ class Mix:
         return {name: opt.type for g, opt in self.choice.items() for name in self.groups[g]}
 
 
-def read_sweep(path: Path) -> tuple[dict[str, list[str]], dict[str, list[Option]]]:
+def read_sweep(path: Path) -> tuple[dict[str, list[str]], dict[str, list[Option]], dict[str, str]]:
     """Groups and their measured options from an `ikrun sweep` file (.json or .csv); an option's `kld` is the
-    metric's cost (mean KLD, or a draft's acceptance-length loss for `--metric acceptance` sweeps)."""
+    metric's cost (mean KLD, or a draft's acceptance-length loss for `--metric acceptance` sweeps); and the tensors
+    left to the recipe's type, with why (the module docstring)."""
     try:
         header, rows = read_sweep_file(Path(path))
     except SweepFileError as exc:
@@ -58,7 +63,14 @@ def read_sweep(path: Path) -> tuple[dict[str, list[str]], dict[str, list[Option]
         options.setdefault(r["group"], []).append(Option(r["type_used"], 8 * r["bytes_new"], max(r[cost], 0.0)))
     if not options:
         raise MixError(f"--sweep {path}: no measurements")
-    return groups, options
+    unmeasured = {str(n): str(why) for n, why in header.get("unmeasured", {}).items()}
+    for g in [g for g, opts in options.items() if all(o.kld <= 0.0 for o in opts)]:
+        unmeasured.update({n: "every measured type cost nothing: the forward may not read it" for n in groups[g]})
+    for g in [g for g, names in groups.items() if any(n in unmeasured for n in names)]:
+        del groups[g], options[g]
+    if not options:
+        raise MixError(f"--sweep {path}: no group has a measured cost")
+    return groups, options, unmeasured
 
 
 def loadable_by_mainline(options: dict[str, list[Option]], sweep_name: str) -> dict[str, list[Option]]:

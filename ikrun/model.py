@@ -100,6 +100,18 @@ class Model:
         """Matmuls that had to decode their weight in tiles of rows (it did not fit the cache)."""
         return self.numerics.tiled
 
+    def computed_paths(self, n_ctx: int) -> dict[str, str]:
+        """The architecture's alternative computations a run of n_ctx-token chunks takes (ArchModel.computed_paths)."""
+        return self.impl.computed_paths(n_ctx)
+
+    def unread_tensors(self, n_ctx: int) -> dict[str, str]:
+        """The file's tensors a run of n_ctx-token chunks never reads, with why (ArchModel.unread_tensors)."""
+        return self.impl.unread_tensors(n_ctx)
+
+    def check_context(self, n_ctx: int) -> None:
+        """Refuse a chunk length the run's options cannot take (a ModelError before any compute)."""
+        self.impl.check_context(n_ctx)
+
     # ---- hot swapping ----------------------------------------------------------------------------------------
     def _check_swappable(self, name: str) -> None:
         if not self.weights.has(name):

@@ -8,6 +8,12 @@ from dataclasses import dataclass, field, fields
 from ikrun.errors import ModelError
 from ikrun.numerics import NUMERICS
 
+#: --mla: "auto" follows ik's llama-perplexity; "prefill" is ik's attn_kv_b path (K and V materialised from the
+#: latent cache, build_deepseek2's pp_opt), "decode" the absorbed attn_k_b / attn_v_b path
+MLA_PATHS = ("auto", "prefill", "decode")
+#: tokens in a batch from which ik's MLA (mla 2/3 with flash attention, its defaults) takes the attn_kv_b path
+MLA_PREFILL_MIN_TOKENS = 128
+
 
 @dataclass(frozen=True)
 class RuntimeOptions:
@@ -35,6 +41,18 @@ class RuntimeOptions:
         "sinks (small test models; real ones have 128), to get the numbers ik prints for them. Off: the model's "
         "exact forward.")})
 
+    #: which of ik's two MLA computations runs (MLA_PATHS)
+    mla: str = field(default="auto", metadata={"choices": MLA_PATHS, "help": (
+        "MLA models (deepseek2, glm-dsa): prefill = ik's prompt-processing path, K and V materialised from the "
+        "latent cache through attn_kv_b (what ik's defaults, -fa on -mla 3, run for batches of 128 tokens or more); "
+        "decode = the absorbed path through attn_k_b / attn_v_b (single-token generation, and every batch with -fa "
+        "off). auto (default): prefill for sequences of 128 tokens or more, decode below, under --numerics ik "
+        "(which reproduces ik's -fa off) and for imatrix collection. An error for a model without MLA.")})
+    #: the DSA indexer's top-k instead of the file's attention.indexer.top_k (0: the file's)
+    dsa_top_k: int = field(default=0, metadata={"help": (
+        "The lightning indexer's top-k (ik's -dsatk): the keys each query may see, instead of the file's "
+        "attention.indexer.top_k. 0 (default): the file's. An error for a model without an indexer.")})
+
     #: the arithmetic: "exact" (float32 on exactly decoded weights) or "ik" (ik's CPU backend: activations rounded
     #: to the format each weight type pairs with, ik's f16 KV cache); every architecture honours it
     numerics: str = field(default="exact", metadata={"choices": NUMERICS, "every_arch": True, "help": (
@@ -49,6 +67,14 @@ class RuntimeOptions:
         "They differ only for matrices of fewer than 32 rows per thread, where ik multiplies with its own kernel "
         "instead of converting the weights first: small test models. Default 1.")})
 
+    def mla_path(self, n_tokens: int) -> str:
+        """The MLA path ("prefill" or "decode") a forward of `n_tokens` tokens runs (the --mla help)."""
+        if self.mla != "auto":
+            return self.mla
+        if self.numerics == "ik":
+            return "decode"
+        return "prefill" if n_tokens >= MLA_PREFILL_MIN_TOKENS else "decode"
+
     def given(self) -> list[str]:
         """The options that were set (field names; the command-line flag is --name with dashes)."""
         return [f.name for f in fields(self) if getattr(self, f.name) != f.default]
@@ -61,6 +87,16 @@ class RuntimeOptions:
             raise ModelError(f"--ik-threads must be at least 1, not {self.ik_threads}")
         if self.ik_threads != 1 and self.numerics != "ik":
             raise ModelError("--ik-threads chooses ik's kernels, which only --numerics ik runs")
+        if self.mla not in MLA_PATHS:
+            raise ModelError(f"--mla {self.mla!r} is not one of {', '.join(MLA_PATHS)}")
+        if self.mla == "prefill" and self.numerics == "ik":
+            raise ModelError("--mla prefill with --numerics ik: ik's prefill path runs its flash-attention kernels, "
+                             "whose float order is not reproduced; use --numerics exact, or --mla decode (ik's "
+                             "-fa off)")
+        if self.dsa_top_k < 0:
+            raise ModelError(f"--dsa-top-k must be positive, not {self.dsa_top_k}")
+        if self.dsa is False and self.dsa_top_k:
+            raise ModelError("--dsa-top-k sets the indexer's top-k, which --dsa off does not run")
         if self.dsa is False and self.dsa_sink:
             raise ModelError("--dsa-sink changes the indexer's top-k selection, which --dsa off does not run")
 

@@ -98,6 +98,8 @@ class WeightStore:
         # the file encoding's decoded copy, set aside while a swap is in place: a sweep restores every tensor it
         # swaps, and decoding and fingerprinting it again cost a tiny model's sweep 3% of its time
         self._stash: dict[str, tuple[np.ndarray, bytes]] = {}
+        #: tensor -> cache keys of values made from it among others (`derived`'s `also`), forgotten with it
+        self._made_from: dict[str, set[CacheKey]] = {}
 
     def fits(self, n_bytes: int) -> bool:
         """Whether a decoded copy of `n_bytes` may be cached."""
@@ -192,12 +194,15 @@ class WeightStore:
         self._keep(name, w, fingerprint)
         return w
 
-    def derived(self, name: str, make: Callable[[np.ndarray, np.ndarray], D], kind: int = DERIVED) -> D:
+    def derived(self, name: str, make: Callable[[np.ndarray, np.ndarray], D], kind: int = DERIVED,
+                also: tuple[str, ...] = ()) -> D:
         """make(raw rows, their float32 decoding [rows, n_per_row]) for tensor `name`'s current encoding (ik's
         converted weights: DERIVED for their floats, PACKED for the integers qmatmul takes); cached while the
-        capacity allows and forgotten with the tensor (swaps, restores, evictions). The decoding itself is not
-        cached: only what is made from it is used."""
+        capacity allows and forgotten with the tensor (swaps, restores, evictions), and with the tensors `also`
+        that `make` reads too. The decoding itself is not cached: only what is made from it is used."""
         key = (name, kind)
+        for other in also:
+            self._made_from.setdefault(other, set()).add(key)
         hit = self._lookup(key)
         if hit is not None:
             return cast(D, hit)
@@ -299,6 +304,9 @@ class WeightStore:
         """Remove every cache entry (whole and per expert) of the tensors `names`."""
         for key in [k for k in self._cache if (k if isinstance(k, str) else k[0]) in names]:
             self._forget(key)
+        for name in names:
+            for key in self._made_from.get(name, ()):
+                self._forget(key)
 
     def evict(self, names: list[str]) -> None:
         """Drop the decoded copies of `names` (whole and per expert) and their mapped pages."""

@@ -33,14 +33,15 @@ def llama_quantize(*args: str) -> subprocess.CompletedProcess[str]:
                           env={"LD_LIBRARY_PATH": str(pkg / "lib")})
 
 
-def logits(path: Path, tokens: list[int], threads: int = 2, type_k: int = 1) -> np.ndarray:
-    """ik's logits [len(tokens), n_vocab] of one sequence decoded as one batch (flash attention off, an f16 V cache
-    and a K cache of ggml type id `type_k`, f16 by default), computed in a child process: ik aborts the process on
-    what it cannot compute."""
+def logits(path: Path, tokens: list[int], threads: int = 2, type_k: int = 1, flash_attn: bool = False) -> np.ndarray:
+    """ik's logits [len(tokens), n_vocab] of one sequence decoded as one batch (an f16 V cache and a K cache of ggml
+    type id `type_k`, f16 by default; flash attention off unless `flash_attn`, ik's default), computed in a child
+    process: ik aborts the process on what it cannot compute."""
     _package()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "logits.npy"
         res = subprocess.run([sys.executable, __file__, str(path), str(out), str(threads), str(type_k),
+                              str(int(flash_attn)),
                               *map(str, tokens)],
                              capture_output=True, text=True, errors="replace")
         if res.returncode != 0:
@@ -67,7 +68,7 @@ class IkFailed(AssertionError):
     """ik refused or aborted on a file."""
 
 
-def _child(path: str, out: str, threads: int, type_k: int, tokens: list[int]) -> None:
+def _child(path: str, out: str, threads: int, type_k: int, flash_attn: bool, tokens: list[int]) -> None:
     from ik_llama_cpp import _ctypes_api as api
     from ik_llama_cpp._internals import IkContext, IkModel
 
@@ -80,7 +81,7 @@ def _child(path: str, out: str, threads: int, type_k: int, tokens: list[int]) ->
         return params
 
     api.llama_context_default_params = with_k_cache  # IkContext takes the wheel's defaults; the K cache type is ours
-    ctx = IkContext(model, n_ctx=len(tokens), n_threads=threads, flash_attn=False)
+    ctx = IkContext(model, n_ctx=len(tokens), n_threads=threads, flash_attn=flash_attn)
     batch = api.llama_batch_init(len(tokens), 0, 1)
     batch.n_tokens = len(tokens)
     for i, token in enumerate(tokens):
@@ -93,4 +94,5 @@ def _child(path: str, out: str, threads: int, type_k: int, tokens: list[int]) ->
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), [int(t) for t in sys.argv[5:]])
+    _child(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1",
+           [int(t) for t in sys.argv[6:]])

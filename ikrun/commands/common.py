@@ -69,6 +69,7 @@ def run_plan(m: Model, n_chunk: int, ctx: int, ev: Evaluation, one_pass: bool = 
     from ikrun.eval.stream import plan_run
 
     try:
+        m.check_context(ctx)
         plan = plan_run(m, n_chunk, ctx, one_pass, ev.spill_dir)
     except IkError as exc:
         fail(str(exc))

@@ -82,7 +82,7 @@ def ppl(
     plan = run_plan(m, len(chunk_tokens), ctx, ev)
     with tracked(m, plan, "perplexity") as (on_chunk, on_block):
         res = perplexity(m, chunk_tokens, progress=on_chunk, plan=plan, on_block=on_block)
-    stats = ppl_stats(res.nll)
+    stats = {**ppl_stats(res.nll), **m.computed_paths(ctx)}
     if json_out:
         out.print_json(json.dumps({**stats, **m.cache.report()}))
     else:
@@ -149,7 +149,7 @@ def kld(
     stats = kld_stats(acc)
     if json_out:
         out.print_json(json.dumps({**{k: (float(v) if isinstance(v, (float, np.floating)) else v)
-                                      for k, v in stats.items()}, **m.cache.report()}))
+                                      for k, v in stats.items()}, **m.cache.report(), **m.computed_paths(bf.n_ctx)}))
         return
     if stats["n_tokens"] < 100:
         err.print(f"[yellow]warning:[/] only {stats['n_tokens']} tokens scored; ik prints no final statistics "

@@ -57,7 +57,7 @@ def mix(
     """
     import tempfile
 
-    from ikquant.cli import print_mix
+    from ikquant.cli import print_mix, print_unmeasured
     from ikquant.imatrix import read_imatrix
     from ikquant.mix import MixTarget, plan_mix, read_sweep
     from ikquant.quantize import QuantizeOptions
@@ -76,7 +76,7 @@ def mix(
         missing = [key for key in ("ctx", "chunks", "model_fingerprint") if key not in header]
         if missing:
             raise SweepError(f"{sweep}: its header has no {', '.join(missing)}")
-        groups, options = read_sweep(sweep)
+        groups, options, unmeasured = read_sweep(sweep)
         defaults = []  # the sweep's own files, used unless named: they must still be what it measured on
         if text is None:
             text = Path(header["text"])
@@ -98,6 +98,7 @@ def mix(
     except IkError as exc:
         fail(str(exc))
     print_mix(plan)
+    print_unmeasured(unmeasured)
     n_chunk, n_ctx = chunk_tokens.shape
     summary = []
     with tempfile.TemporaryDirectory() as tmp:

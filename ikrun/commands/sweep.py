@@ -69,7 +69,7 @@ def sweep(
     """
     from ikquant.imatrix import read_imatrix
     from ikrun.eval.evaluate import tokenize_chunks
-    from ikrun.sweep.measure import auto_rounds, load_rows, sweep_groups, sweep_header
+    from ikrun.sweep.measure import auto_rounds, load_rows, sweep_groups, sweep_header, unmeasured_tensors
 
     if metric not in ("kld", "acceptance"):
         fail(f"--metric must be kld or acceptance, not {metric!r}")
@@ -100,7 +100,12 @@ def sweep(
     try:
         type_list = _candidate_types(m, types)
         imat = read_imatrix(imatrix) if imatrix else None
-        groups = sweep_groups(m, group, tensors)
+        groups = sweep_groups(m, group, tensors, ctx)
+        unmeasured = unmeasured_tensors(m, ctx, tensors)
+        if unmeasured:
+            first = next(iter(unmeasured))
+            err.print(f"{len(unmeasured)} tensors left unmeasured (listed in the sweep's header), e.g. {first}: "
+                      f"{unmeasured[first]}", soft_wrap=True)
         all_tokens = tokenize_chunks(m, read_text(text), ctx, None if auto or chunks is None else int(chunks))
         rounds = auto_rounds(len(all_tokens)) if auto else [len(all_tokens)]
         if output.exists() and auto:  # resume the round the file was measured in

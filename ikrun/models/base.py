@@ -97,6 +97,19 @@ class ArchModel(ABC):
             return 0
         return 4 * n_ctx * (2 * self.n_embd + moe.n_used * (moe.n_ff + self.n_embd + 2))
 
+    def computed_paths(self, n_ctx: int) -> dict[str, str]:
+        """Which of an engine's alternative computations a run of n_ctx-token chunks takes (named for its report,
+        e.g. {"mla_path": "prefill"}); none by default."""
+        return {}
+
+    def unread_tensors(self, n_ctx: int) -> dict[str, str]:
+        """The file's tensors a run of n_ctx-token chunks never reads, each with why: a sweep cannot measure them
+        (ikrun/sweep/measure.py); none by default."""
+        return {}
+
+    def check_context(self, n_ctx: int) -> None:  # noqa: B027 (a hook some architectures use, none must)
+        """Refuse, before any compute, a chunk length the run's options cannot take (a DSA top-k above it)."""
+
     def sequence_state_bytes(self, n_ctx: int) -> int:
         """Bytes of `seq.state` a sequence of n_ctx tokens carries between blocks (beyond shared tables)."""
         return 0

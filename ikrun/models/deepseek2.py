@@ -1,12 +1,17 @@
-"""DeepSeek-V2/V3 (GGUF arch `deepseek2`): ik's build_deepseek2 graph as it runs on the CPU (mla=3, no flash
-attention).
+"""DeepSeek-V2/V3 (GGUF arch `deepseek2`): ik's build_deepseek2 graph as it runs on the CPU (mla=3).
 
 Per layer: RMSNorm; the query through the q LoRA (attn_q_a, its RMSNorm, attn_q_b), or attn_q for the lite models
 without one; attn_kv_a_mqa gives the KV latent plus the shared rope key; NORM rope with ggml's YaRN on the rope
-parts; RMSNorm of the latent; multi-head latent attention in the absorbed form through attn_k_b / attn_v_b
-(ikrun/ops/mla.py); attn_output; residual. Then RMSNorm and either the dense SwiGLU FFN (the leading dense layers)
+parts; RMSNorm of the latent; multi-head latent attention (ikrun/ops/mla.py) in one of ik's two forms (--mla,
+ikrun/options.py): prefill, keys and values materialised through attn_kv_b (ik's defaults, flash attention, for
+batches of 128 tokens or more), or decode, absorbed through attn_k_b / attn_v_b (ik with -fa off, and single-token
+generation); attn_output; residual. Then RMSNorm and either the dense SwiGLU FFN (the leading dense layers)
 or the MoE FFN (ikrun/ops/moe.py) plus the shared experts; residual. NextN/MTP blocks at the end
 (nextn_predict_layers) take no part in the main forward.
+
+Files with half of the MLA tensors run both forms, with the other half derived as ik derives it at load
+(numerics/exact.py; exact arithmetic only): attn_k_b / attn_v_b from attn_kv_b alone, attn_kv_b (Q8_0 unless both
+are F16 or BF16) from attn_k_b / attn_v_b alone (mainline's layout).
 
 YaRN as ik sets it up for this architecture: ext_factor 1 for rope scaling type yarn, beta 32/1, the rope's
 magnitude factor pre-divided by 1 + 0.1 ln(1/freq_scale) (which ggml's rope multiplies back in), and the attention
@@ -15,7 +20,7 @@ scale mscale^2 / sqrt(key_length) with mscale = attn_factor (1 + yarn_log_multip
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -34,6 +39,7 @@ ROPE_SCALING = ("none", "linear", "yarn")
 
 class Deepseek2(ArchModel):
     archs = ("deepseek2",)
+    runtime_options: ClassVar[tuple[str, ...]] = ("mla",)
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)
@@ -134,12 +140,17 @@ class Deepseek2(ArchModel):
                 "output.weight": (self.n_vocab, self.n_embd)}
         for i in range(self.n_active):
             want.update(self._expected(i))
-        missing = [n for i in range(self.n_active) for n in list(self._mla_shapes(i))[:2] if not cx.has(n)]
-        kv_b_only = any(cx.has(n.rsplit(".", 2)[0] + ".attn_kv_b.weight") for n in missing)
-        derive = " (ik derives them from attn_kv_b at load; ikrun needs files converted with them)" if kv_b_only else ""
+        self.kv_b_only = all(cx.has(f"blk.{i}.attn_kv_b.weight") and not cx.has(f"blk.{i}.attn_k_b.weight")
+                             and not cx.has(f"blk.{i}.attn_v_b.weight") for i in range(self.n_active))
+        missing = [] if self.kv_b_only else \
+            [n for i in range(self.n_active) for n in list(self._mla_shapes(i))[:2] if not cx.has(n)]
         self.check_tensors({**want, **{n: cx.shape(n) if cx.has(n) else () for n in missing}},
-                           {n: s for i in range(self.n_active, self.n_layer) for n, s in self._expected(i).items()},
-                           derive)
+                           {n: s for i in range(self.n_active, self.n_layer) for n, s in self._expected(i).items()})
+        if self.kv_b_only and cx.options.numerics != "exact":
+            raise self.fail("has attn_kv_b without attn_k_b / attn_v_b, which ik derives at load (Q8_0 for a "
+                            "quantized attn_kv_b); --numerics ik does not reproduce that derivation: use --numerics "
+                            "exact")
+
         for i in range(self.n_layer):
             for name, shapes in self._mla_shapes(i).items():
                 if cx.has(name) and cx.shape(name) not in shapes:
@@ -150,6 +161,32 @@ class Deepseek2(ArchModel):
             if cx.has(bias) and cx.shape(bias) != (self.moe.n_expert,):
                 raise self.fail(f"tensor {bias} has shape {list(cx.shape(bias))}, the hyperparameters imply "
                                 f"{[self.moe.n_expert]}")
+
+    def mla_path(self, n_tokens: int) -> str:
+        """The MLA form ("prefill" or "decode") a sequence of `n_tokens` tokens runs (--mla). An imatrix collection
+        (observers attached) runs decode unless told otherwise: its attn_k_b / attn_v_b entries are what recipes
+        quantize with, and the prefill form has no per-head inputs for them."""
+        if self.ctx.options.mla == "auto" and self.ctx.observers:
+            return "decode"
+        return self.ctx.options.mla_path(n_tokens)
+
+    def computed_paths(self, n_ctx: int) -> dict[str, str]:
+        return {"mla_path": self.mla_path(n_ctx)}
+
+    def unread_tensors(self, n_ctx: int) -> dict[str, str]:
+        """attn_kv_b under the decode form, attn_k_b / attn_v_b under the prefill form (each only where the file
+        has the other: else the form reads it through ik's derivation), and the NextN/MTP blocks' tensors."""
+        path = self.mla_path(n_ctx)
+        unread = {n: "a NextN/MTP block: the main forward does not run it" for i in range(self.n_active, self.n_layer)
+                  for n in self.block_tensors(i)}
+        unused, needed = ("attn_k_b", "attn_kv_b") if path == "prefill" else ("attn_kv_b", "attn_k_b")
+        for i in range(self.n_active):
+            b = f"blk.{i}."
+            if self.ctx.has(b + needed + ".weight"):
+                for name in (["attn_k_b", "attn_v_b"] if unused == "attn_k_b" else ["attn_kv_b"]):
+                    if self.ctx.has(b + name + ".weight"):
+                        unread[b + name + ".weight"] = f"the MLA {path} path (--mla) does not read it"
+        return unread
 
     def begin(self, seq: Sequence) -> None:
         n = len(seq)
@@ -185,4 +222,5 @@ class Deepseek2(ArchModel):
                           keep: np.ndarray | None = None) -> np.ndarray:
         """The attention block's output from its query; `keep` [n, n] limits the keys each query sees."""
         cache = self.attention.cache_rows(self.ctx, b, h, cos, sin)
-        return self.attention(self.ctx, b, q, cache, cos, sin, keep=keep)
+        prefill = self.mla_path(len(h)) == "prefill"
+        return self.attention(self.ctx, b, q, cache, cos, sin, keep=keep, prefill=prefill)

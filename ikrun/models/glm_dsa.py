@@ -20,7 +20,8 @@ and the indexer keys Walsh-Hadamard-rotated (the queries too) and rounded to f16
 them; the few near-tie selections ik's f16 caches flip then flip here too.
 
 Runtime options (ikrun/ctx.RuntimeOptions): by default the model's semantics, sparse attention with no sink;
-`dsa=False` runs dense attention everywhere (ik without --dsa); `dsa_sink` adds ik's boost that always keeps each
+`dsa=False` runs dense attention everywhere (ik without --dsa); `dsa_top_k` replaces the file's top-k (ik's
+-dsatk); `dsa_sink` adds ik's boost that always keeps each
 sequence's first token (ik's --dsa default, not in the model). A file without `expert_gating_func` routes by
 sigmoid, GLM-5's scoring function (ik falls back to softmax there).
 """
@@ -48,13 +49,13 @@ SINK_BOOST = np.float32(1e20)
 
 class GlmDsa(Deepseek2):
     archs = ("glm-dsa",)
-    runtime_options = ("dsa", "dsa_sink")
+    runtime_options = ("dsa", "dsa_sink", "mla", "dsa_top_k")
 
     def __init__(self, ctx: Context):
         hp = ctx.hparam
         self.n_ihead = int(hp("attention.indexer.head_count"))
         self.i_dim = int(hp("attention.indexer.key_length"))
-        self.top_k = int(hp("attention.indexer.top_k"))
+        self.top_k = ctx.options.dsa_top_k or int(hp("attention.indexer.top_k"))
         self.sparse = ctx.options.dsa is not False
         self.sink = ctx.options.dsa_sink
         super().__init__(ctx)
@@ -105,6 +106,12 @@ class GlmDsa(Deepseek2):
                 why = "runs its lightning indexer (attention.indexer.types)" if needed else "has part of an indexer"
                 raise self.fail(f"layer {i} {why} but lacks {missing}"
                                   + ("; --dsa off runs the file with dense attention" if needed else ""))
+
+    def check_context(self, n_ctx: int) -> None:
+        top_k = self.ctx.options.dsa_top_k
+        if top_k > n_ctx:
+            raise self.fail(f"--dsa-top-k {top_k} exceeds the context of {n_ctx} tokens: every query would see all "
+                            "its keys")
 
     def sequence_state_bytes(self, n_ctx: int) -> int:
         return n_ctx * n_ctx if self.sparse else 0  # the last full layer's keep mask, for the shared layers

@@ -5,10 +5,11 @@
   or NEOX pairing), the KV cache, per-head sinks and a sliding window per call (gpt-oss), an output gate (Qwen3-Next,
   Qwen3.5: attn_q gives each head its query and a gate, the heads' output is multiplied by the gate's sigmoid),
   attn_output.
-- `MlaAttention`: DeepSeek's multi-head latent attention in the absorbed form: the query through the q LoRA
-  (attn_q_a, its norm, attn_q_b) or attn_q, attn_kv_a_mqa's latent and shared rope key, attn_kv_a_norm, the latent
-  cache, attn_k_b / attn_v_b per head, attn_output. Variants are data: the rope pairing, openPangu's MoME
-  convolutions (attn_qa_conv, attn_compresskv_conv, attn_o_conv), param sinks, a window or a keep mask per call,
+- `MlaAttention`: DeepSeek's multi-head latent attention: the query through the q LoRA (attn_q_a, its norm,
+  attn_q_b) or attn_q, attn_kv_a_mqa's latent and shared rope key, attn_kv_a_norm, the latent cache, then either
+  the absorbed form through attn_k_b / attn_v_b per head or ik's prefill form (keys and values materialised through
+  attn_kv_b; DeepSeek and GLM-DSA only, without sinks or a window), attn_output. Variants are data: the rope
+  pairing, openPangu's MoME convolutions (attn_qa_conv, attn_compresskv_conv, attn_o_conv), param sinks, a window or a keep mask per call,
   and whether attn_v_b's per-head inputs are shown to observers.
 
 Every arithmetic step goes through `cx.numerics`; a block's configuration is read by its architecture.
@@ -146,14 +147,23 @@ class MlaAttention:
         return np.concatenate([cx.weight(b + "attn_param_sink_k_pe"), latent], axis=1)
 
     def __call__(self, cx: Context, b: str, q: np.ndarray, cache: np.ndarray, cos: np.ndarray, sin: np.ndarray, *,
-                 sinks: np.ndarray | None = None, window: int = 0, keep: np.ndarray | None = None) -> np.ndarray:
+                 sinks: np.ndarray | None = None, window: int = 0, keep: np.ndarray | None = None,
+                 prefill: bool = False) -> np.ndarray:
         """The attention output [n, n_embd] from the query heads q [n, H * key_length] and the cache rows of the
-        same positions; `sinks` cache rows every query sees, a `window`, a `keep` mask [n, n]."""
+        same positions; `sinks` cache rows every query sees, a `window`, a `keep` mask [n, n]; `prefill`: ik's
+        attn_kv_b form instead of the absorbed one."""
         n = len(q)
         q = q.reshape(n, self.n_head, self.head_k)
         q_nope = np.ascontiguousarray(q[:, :, : self.n_nope])
         q_rope = np.ascontiguousarray(q[:, :, self.n_nope :])
         cx.numerics.rope(q_rope, cos, sin, self.n_rot, self.neox)
+        if prefill:
+            if sinks is not None or window:
+                raise ValueError("the prefill form takes no sinks and no window")
+            if cx.observers and cx.has(b + "attn_kv_b.weight"):  # not a tensor ik derived at load
+                cx.observe(b + "attn_kv_b.weight", cache[:, self.n_rot :])
+            out = cx.numerics.materialized_attention(b, q_rope, q_nope, cache, self.kq_scale, cx.kv_store, keep=keep)
+            return cx.linear(out.reshape(n, self.n_head * self.head_v), b + "attn_output")
         if cx.observers:
             self._observe_heads(cx, b + "attn_k_b.weight", q_nope.transpose(1, 0, 2))
         on_latent: Callable[[np.ndarray], None] | None = None

@@ -21,7 +21,7 @@ from ikrun.ops.attention import causal_attention
 from ikrun.ops.conv import causal_conv_residual
 from ikrun.ops.delta_net import causal_conv_silu, decay_and_beta, delta_rule_chunked, gated_rms_norm
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
-from ikrun.ops.mla import latent_attention
+from ikrun.ops.mla import latent_attention, materialized_attention
 from ikrun.ops.moe import (
     GATING_SIGMOID,
     ExpertFetch,
@@ -42,6 +42,42 @@ if TYPE_CHECKING:
 #: rows of a weight decoded at a time by a matmul whose weight does not fit the cache (the output head of a big
 #: vocabulary under a small budget); such a matmul may differ from the untiled one in the last bits
 TILE_BYTES = 64 << 20
+#: the weight-cache kinds of the attn_k_b / attn_v_b derived from a file's attn_kv_b (ikrun/weights.py)
+DERIVED_K_B, DERIVED_V_B, DERIVED_KV_B = -20, -21, -22
+#: weight types ik keeps when it derives attn_k_b from attn_kv_b (any other, quantized, becomes Q8_0)
+UNQUANTIZED = ("F32", "F16", "BF16")
+
+
+def derived_k_b(kv_b: np.ndarray, type_name: str, n_head: int, n_nope: int) -> np.ndarray:
+    """attn_k_b [H, C, D] as ik derives it at load from a file's attn_kv_b [H * (D + V), C] (of type `type_name`)
+    alone (llm_prepare_mla): each head's nope rows transposed, stored as Q8_0 when attn_kv_b is quantized, else in
+    its own type (which a transposition does not round)."""
+    from ikquant.types import type_by_name
+
+    w_kb = np.ascontiguousarray(kv_b.reshape(n_head, -1, kv_b.shape[1])[:, :n_nope].transpose(0, 2, 1))
+    if type_name in UNQUANTIZED:
+        return w_kb
+    codec = type_by_name("Q8_0").require_codec()
+    return codec.dequantize(codec.quantize(w_kb.reshape(-1, n_nope)), n_nope).reshape(w_kb.shape)
+
+
+def derived_kv_b(k_b: np.ndarray, v_b: np.ndarray, types: tuple[str, str], n_head: int) -> np.ndarray:
+    """attn_kv_b [H * (D + V), C] as ik derives it at load from a file's attn_k_b [H, C, D] and attn_v_b [H, V, C]
+    (of types `types`) for its prefill form (llm_compute_wkv_b): per head the transposed k_b rows, then the v_b
+    rows, stored as F16 or BF16 when both are, else as Q8_0 (an F32 pair too)."""
+    from ikquant.types import type_by_name
+
+    n_lat = v_b.shape[-1]
+    heads = np.concatenate([k_b.reshape(n_head, n_lat, -1).transpose(0, 2, 1), v_b.reshape(n_head, -1, n_lat)], axis=1)
+    kv_b = np.ascontiguousarray(heads.reshape(-1, n_lat))
+    kept = types[0] if types[0] == types[1] and types[0] in ("F16", "BF16") else "Q8_0"
+    codec = type_by_name(kept).require_codec()
+    return codec.dequantize(codec.quantize(kv_b), n_lat)
+
+
+def derived_v_b(kv_b: np.ndarray, n_head: int, n_nope: int) -> np.ndarray:
+    """attn_v_b [H, V, C] as ik derives it from attn_kv_b alone: each head's value rows, as they are."""
+    return np.ascontiguousarray(kv_b.reshape(n_head, -1, kv_b.shape[1])[:, n_nope:])
 
 
 class Numerics:
@@ -155,12 +191,32 @@ class Numerics:
         n, n_head, _ = q_rope.shape
         n_lat = cache.shape[1] - q_rope.shape[2]
         kb, vb = b + "attn_k_b.weight", b + "attn_v_b.weight"
-        head_v = self.weights.info(vb).n_elements // (n_head * n_lat)
-        w_kb = self.matmul_weight(kb, n, n_lat).reshape(n_head, n_lat, q_nope.shape[2])
-        w_vb = self.matmul_weight(vb, n, head_v).reshape(n_head, head_v, n_lat)
+        if self.weights.has(kb):
+            head_v = self.weights.info(vb).n_elements // (n_head * n_lat)
+            w_kb = self.matmul_weight(kb, n, n_lat).reshape(n_head, n_lat, q_nope.shape[2])
+            w_vb = self.matmul_weight(vb, n, head_v).reshape(n_head, head_v, n_lat)
+        else:
+            kvb, d = b + "attn_kv_b.weight", q_nope.shape[2]
+            type_name = self.weights.encoding(kvb).type.name
+            w_kb = self.weights.derived(kvb, lambda _raw, w: derived_k_b(w, type_name, n_head, d), DERIVED_K_B)
+            w_vb = self.weights.derived(kvb, lambda _raw, w: derived_v_b(w, n_head, d), DERIVED_V_B)
         return latent_attention(q_rope, self.activations(q_nope, kb), w_kb, cache, w_vb, scale, sinks=sinks,
                                 window=window, keep=keep, ik_avx512_sinks=self.options.ik_sink_overread,
                                 on_latent=on_latent, vb_input=lambda lat: self.activations(lat, vb))
+
+    def materialized_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray,
+                               scale: float, store: Callable[[np.ndarray], np.ndarray], *,
+                               keep: np.ndarray | None = None) -> np.ndarray:
+        """Multi-head latent attention in ik's prefill form through block `b`'s attn_kv_b (ops/mla.py): shapes as
+        latent_attention's; `store` rounds the materialised keys and values as the KV cache holds them."""
+        kvb, kb, vb = b + "attn_kv_b.weight", b + "attn_k_b.weight", b + "attn_v_b.weight"
+        if self.weights.has(kvb):
+            w_kvb = self.matmul_weight(kvb, cache.shape[0])
+        else:
+            types = (self.weights.encoding(kb).type.name, self.weights.encoding(vb).type.name)
+            w_kvb = self.weights.derived(kb, lambda _raw, w: derived_kv_b(w, self.weights.decode(vb), types,
+                                                                          q_rope.shape[1]), DERIVED_KV_B, (vb,))
+        return materialized_attention(q_rope, q_nope, cache, w_kvb, scale, keep=keep, store=store)
 
     # ---- matmuls ----------------------------------------------------------------------------------------------
     def activations(self, x: np.ndarray, weight_name: str) -> np.ndarray:

@@ -8,6 +8,10 @@ after each measurement, so an interrupted sweep resumes where it stopped.
 Layer-local propagation: the base run's input to every block is recorded once (stream.BlockInputs), so a group
 whose earliest tensor is in block L runs blocks L..end only; blocks before L cannot see the change. The rows are
 bit-identical to full forwards (`full_forward=True`, the CLI's --full-forward, checks it).
+
+A tensor the measured forward never reads (attn_k_b / attn_v_b under the MLA prefill path, attn_kv_b under the
+decode one, NextN/MTP blocks: ArchModel.unread_tensors) is left out of the groups and listed in the header's
+`unmeasured` with why: swapping it would change nothing, and a KLD of 0 would tell a mix it is free.
 """
 
 from __future__ import annotations
@@ -91,15 +95,33 @@ def layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def sweep_groups(model: Model, mode: str, pattern: str | None = None) -> dict[str, list[str]]:
-    """The groups to measure: every quantizable weight (optionally filtered by regex), grouped by `mode`."""
-    if mode not in GROUP_MODES:
-        raise SweepError(f"--group must be one of {', '.join(GROUP_MODES)}, not {mode!r}")
+def _quantizable(model: Model, pattern: str | None) -> list[str]:
+    """Every quantizable weight of the model whose name the regex `pattern` finds (all without one)."""
     rx = re.compile(pattern) if pattern else None
-    groups: dict[str, list[str]] = {}
+    names = []
     for name in model.weights.names():
         info = model.weights.info(name)
-        if not eligible(name, len(info.ne), info.type) or (rx is not None and not rx.search(name)):
+        if eligible(name, len(info.ne), info.type) and (rx is None or rx.search(name)):
+            names.append(name)
+    return names
+
+
+def unmeasured_tensors(model: Model, n_ctx: int, pattern: str | None = None) -> dict[str, str]:
+    """The quantizable weights (matching `pattern`) a sweep at chunks of n_ctx tokens cannot measure, with why."""
+    unread = model.unread_tensors(n_ctx)
+    return {name: unread[name] for name in _quantizable(model, pattern) if name in unread}
+
+
+def sweep_groups(model: Model, mode: str, pattern: str | None = None, n_ctx: int | None = None,
+                 ) -> dict[str, list[str]]:
+    """The groups to measure: every quantizable weight (optionally filtered by regex) the forward at chunks of
+    n_ctx tokens reads (every one without n_ctx), grouped by `mode`."""
+    if mode not in GROUP_MODES:
+        raise SweepError(f"--group must be one of {', '.join(GROUP_MODES)}, not {mode!r}")
+    unread = model.unread_tensors(n_ctx) if n_ctx is not None else {}
+    groups: dict[str, list[str]] = {}
+    for name in _quantizable(model, pattern):
+        if name in unread:
             continue
         if mode == "tensor":
             key = name
@@ -110,7 +132,9 @@ def sweep_groups(model: Model, mode: str, pattern: str | None = None) -> dict[st
             key = tensor_class(name)
         groups.setdefault(key, []).append(name)
     if not groups:
-        raise SweepError(f"no quantizable tensor matches {pattern!r}" if pattern else "no quantizable tensors")
+        why = f"; the forward does not read {', '.join(sorted(unread)[:3])} ..." if unread else ""
+        raise SweepError((f"no quantizable tensor matches {pattern!r}" if pattern else "no quantizable tensors")
+                         + why)
     return groups
 
 
@@ -151,11 +175,13 @@ def model_fingerprint(model: Model) -> str:
 
 def sweep_header(model: Model, text: Path, ctx: int, chunks: int, group: str, imatrix: Path | None) -> dict:
     """The identity of a sweep's measurements (ikquant/sweepfile.py): what a resumed sweep must match."""
-    runtime = {"kv_cache": model.kv_cache, **{k: getattr(model.options, k) for k in model.options.given()}}
+    runtime = {"kv_cache": model.kv_cache, **{k: getattr(model.options, k) for k in model.options.given()},
+               **model.computed_paths(ctx)}
     return {"metric": "kld", "model": str(model.path), "model_fingerprint": model_fingerprint(model), "text": str(text),
             "text_sha256": file_sha256(text), "ctx": ctx, "chunks": chunks, "group": group,
             "imatrix": str(imatrix) if imatrix else None,
-            "imatrix_sha256": file_sha256(imatrix) if imatrix else None, "runtime": runtime}
+            "imatrix_sha256": file_sha256(imatrix) if imatrix else None, "runtime": runtime,
+            "unmeasured": unmeasured_tensors(model, ctx)}
 
 
 def load_rows(path: Path, header: dict, row_class: type = SweepRow) -> list[Any]:
