@@ -4,7 +4,11 @@ Model of the cost: the KL-divergence of a mix is predicted as the sum of the per
 time (`ikrun sweep`). Interactions between tensors are ignored, so the prediction is a first-order estimate; measure
 the result with `ikrun kld`. The choice is a multiple-choice knapsack: minimise the sum of KLDs subject to the
 total bits, solved by Lagrangian relaxation (each group picks argmin KLD + lambda*bits; lambda bisected to the
-budget), then leftover bits spent on the upgrades with the best KLD saved per bit.
+budget), then leftover bits spent on the upgrades with the best KLD saved per bit, then an exchange repair: the
+single change or the pair of changes (one group up, another down) that lowers the predicted KLD most within the
+budget, repeated until none does (the greedy steps stop at the first upgrade that does not fit; a pair frees the
+bits for it). Constraints (tie groups, lower bounds per class) are applied to the options first
+(mix_constraints.py).
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ikquant.errors import MixError, SweepFileError
 from ikquant.sweepfile import DEFAULTS, METRICS, read_sweep_file
 
 if TYPE_CHECKING:
+    from ikquant.mix_constraints import MixConstraints
     from ikquant.quantize import QuantizeOptions
     from ikquant.shards import GGUFModel
 
@@ -35,6 +42,9 @@ class Mix:
     groups: dict[str, list[str]]  # group -> tensor names
     predicted_kld: float
     bits: int
+    #: the predicted KLD of the greedy choice before the exchange repair, and the repair's number of exchanges
+    greedy_kld: float = 0.0
+    exchanges: int = 0
 
     def tensor_types(self) -> dict[str, str]:
         return {name: opt.type for g, opt in self.choice.items() for name in self.groups[g]}
@@ -110,7 +120,51 @@ def choose_mix(groups: dict[str, list[str]], options: dict[str, list[Option]], b
         _, g, o = best
         used += o.bits - choice[g].bits
         choice[g] = o
-    return Mix(choice, groups, sum(o.kld for o in choice.values()), used)
+    greedy = sum(o.kld for o in choice.values())
+    exchanges = exchange_repair(options, choice, budget_bits)
+    return Mix(choice, groups, sum(o.kld for o in choice.values()), sum(o.bits for o in choice.values()), greedy,
+               exchanges)
+
+
+#: at most this many exchanges per group (each lowers the predicted KLD, so the repair ends anyway; this bounds it)
+MAX_EXCHANGES_PER_GROUP = 8
+
+
+def exchange_repair(options: dict[str, list[Option]], choice: dict[str, Option], budget_bits: float) -> int:
+    """Improve `choice` in place: apply the single change, or the pair of changes in two groups (one up, one down),
+    that lowers the predicted KLD most and keeps the bits within the budget, until none does. Returns the number of
+    changes applied; the result is never worse than `choice` was."""
+    names = list(options)
+    applied = 0
+    for _ in range(MAX_EXCHANGES_PER_GROUP * len(names)):
+        used = sum(o.bits for o in choice.values())
+        moves = [(k, o, o.bits - choice[g].bits, o.kld - choice[g].kld)
+                 for k, g in enumerate(names) for o in options[g] if o != choice[g]]
+        if not moves:
+            break
+        group = np.array([m[0] for m in moves])
+        dbits = np.array([m[2] for m in moves], dtype=np.float64)
+        dkld = np.array([m[3] for m in moves], dtype=np.float64)
+        room = budget_bits - used
+        single = np.where((dbits <= room) & (dkld < 0), dkld, np.inf)
+        best_single = int(np.argmin(single))
+        up, down = np.flatnonzero(dbits > 0), np.flatnonzero(dbits < 0)
+        best_pair, pair_gain = None, np.inf
+        if len(up) and len(down):
+            gain = dkld[up][:, None] + dkld[down][None, :]
+            ok = (dbits[up][:, None] + dbits[down][None, :] <= room) & (group[up][:, None] != group[down][None, :])
+            gain = np.where(ok & (gain < 0), gain, np.inf)
+            flat = int(np.argmin(gain))
+            pair_gain = float(gain.flat[flat])
+            best_pair = (int(up[flat // len(down)]), int(down[flat % len(down)]))
+        if single[best_single] == np.inf and pair_gain == np.inf:
+            break
+        chosen = [best_single] if single[best_single] <= pair_gain else list(best_pair or ())
+        for i in chosen:
+            k, o, _, _ = moves[i]
+            choice[names[k]] = o
+            applied += 1
+    return applied
 
 
 @dataclass(frozen=True)
@@ -202,8 +256,17 @@ class MixPlan:
     title: str
     n_weights: int
     total_bits: int
-    #: every swept group's tensors
+    #: every swept group's tensors, and its options, after the constraints (tied groups merged)
     groups: dict[str, list[str]] = field(default_factory=dict)
+    options: dict[str, list[Option]] = field(default_factory=dict)
+
+    @property
+    def greedy_kld(self) -> float:
+        return sum(m.greedy_kld for _, m, _ in self.results)
+
+    @property
+    def exchanges(self) -> int:
+        return sum(m.exchanges for _, m, _ in self.results)
 
     @property
     def tensor_types(self) -> dict[str, str]:
@@ -219,9 +282,10 @@ class MixPlan:
 
 
 def plan_mix(source: GGUFModel, opts: QuantizeOptions, groups: dict[str, list[str]], options: dict[str, list[Option]],
-             target: MixTarget, sweep_name: str) -> MixPlan:
-    """The mix for `source` quantized per `opts` (the unswept tensors' types) within `target`; for a mainline
-    recipe only among the measured types mainline loads."""
+             target: MixTarget, sweep_name: str, constraints: MixConstraints | None = None) -> MixPlan:
+    """The mix for `source` quantized per `opts` (the unswept tensors' types) within `target`, under `constraints`
+    (default: the default ties); for a mainline recipe only among the measured types mainline loads."""
+    from ikquant.mix_constraints import MixConstraints, constrained
     from ikquant.quantize import make_plan
     from ikquant.sizes import parse_size
 
@@ -232,6 +296,8 @@ def plan_mix(source: GGUFModel, opts: QuantizeOptions, groups: dict[str, list[st
     if missing:
         raise MixError(f"--sweep {sweep_name}: tensor {missing[0]!r} is not in {source.path}: a sweep of another "
                        "model?")
+    groups, options = constrained(groups, options, constraints or MixConstraints(),
+                                  {n: source.tensors[n].n_per_row for n in swept})
     plan = make_plan(source, opts)
     n_weights = sum(p.info.n_elements for p in plan.tensors)
     if target.bpw is not None:
@@ -241,4 +307,4 @@ def plan_mix(source: GGUFModel, opts: QuantizeOptions, groups: dict[str, list[st
     else:
         budgets, title = parse_budgets(list(target.budgets)), "type mix per budget"
     results = choose_mixes({p.name: 8 * p.new_bytes for p in plan.tensors}, groups, options, budgets)
-    return MixPlan(results, title, n_weights, sum(fixed + mix.bits for _, mix, fixed in results), groups)
+    return MixPlan(results, title, n_weights, sum(fixed + mix.bits for _, mix, fixed in results), groups, options)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Optional
 import typer
 from rich.table import Table
 
-from ikquant.cli_common import err, fail, out
+from ikquant.cli_common import MIN_TYPE, NO_DEFAULT_TIES, TIE, err, fail, out
 from ikquant.errors import IkError
 from ikrun.commands.common import load_model, progress_bar, read_text, run_plan
 from ikrun.commands.options import Evaluation, evaluation_options
@@ -40,6 +40,9 @@ def mix(
     text: Optional[Path] = typer.Option(None, "--text", help="Text to measure on (default: the sweep's)."),
     ctx: Optional[int] = typer.Option(None, "--ctx", "-c", help="Chunk length (default: the sweep's)."),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Chunks to measure (default: the sweep's)."),
+    tie: list[str] = TIE,
+    no_default_ties: bool = NO_DEFAULT_TIES,
+    min_type: list[str] = MIN_TYPE,
     recipe: str = typer.Option("ik", "--recipe", help="ik or mainline: whose rules type the unswept tensors, and "
                                "with mainline only mainline-loadable types are chosen (as ikquant --recipe)."),
     json_out: bool = typer.Option(False, "--json", help="Print the mixes' sizes, predicted and measured KLD as JSON."),
@@ -60,6 +63,7 @@ def mix(
     from ikquant.cli import print_mix
     from ikquant.imatrix import read_imatrix
     from ikquant.mix import MixTarget, plan_mix, read_sweep
+    from ikquant.mix_constraints import MixConstraints
     from ikquant.quantize import QuantizeOptions
     from ikquant.recipes_mainline import recipe_file_type
     from ikquant.shards import GGUFModel
@@ -93,7 +97,8 @@ def mix(
         imat = read_imatrix(imatrix) if imatrix else None
         opts = QuantizeOptions(recipe_file_type(recipe, type_name), imatrix=imat, recipe=recipe)
         target = MixTarget(target_bpw, target_size, budget)
-        plan = plan_mix(GGUFModel(model), opts, groups, options, target, str(sweep))
+        constraints = MixConstraints(tuple(tie), not no_default_ties, tuple(min_type))
+        plan = plan_mix(GGUFModel(model), opts, groups, options, target, str(sweep), constraints)
         chunk_tokens = tokenize_chunks(m, read_text(text), ctx or header["ctx"], chunks or header["chunks"])
     except IkError as exc:
         fail(str(exc))
@@ -112,7 +117,7 @@ def mix(
                         "predicted_kld": plan.predicted_kld, **first, "kept": True})
         kept = (written, plan, first["kld_mean"])
         if refine > 0:
-            refined = _refine(m, output, opts, groups, options, plan, target, sweep, base, first, refine, imat, ev)
+            refined = _refine(m, output, opts, plan, target, constraints, sweep, base, first, refine, imat, ev)
             if refined is not None:
                 row, refined_written, refined_plan = refined
                 summary.append(row)
@@ -163,7 +168,7 @@ def _assemble_and_measure(model: Path, output: Path, opts, types: dict[str, str]
             "same_top_p": float(stats["same_top_p"])}, written
 
 
-def _refine(m: Model, output: Path, opts, groups, options, plan, target, sweep: Path, base, first: dict,  # type: ignore[no-untyped-def, type-arg]
+def _refine(m: Model, output: Path, opts, plan, target, constraints, sweep: Path, base, first: dict,  # type: ignore[no-untyped-def, type-arg]
             refine: int, imat, ev: Evaluation):
     """Re-cost the most sensitive groups inside the assembled mix, choose again, keep the better-measured file:
     (its summary row, its quantization plan, its mix), or None when the same mix is chosen again."""
@@ -174,6 +179,7 @@ def _refine(m: Model, output: Path, opts, groups, options, plan, target, sweep: 
     from ikrun.sweep.refine import most_sensitive, refined_options
 
     chosen = most_sensitive(plan.choice, refine)
+    groups, options = plan.groups, plan.options
     mixed = load_model(output, ev)
     with progress_bar() as bar:
         task = bar.add_task("refining", total=sum(len(options[g]) - 1 for g in chosen))
@@ -181,7 +187,7 @@ def _refine(m: Model, output: Path, opts, groups, options, plan, target, sweep: 
                                       ev.spill_dir, lambda g, t, d: bar.update(task, advance=1,
                                                                                description=f"{g} {t}"))
     del mixed
-    refined = plan_mix(GGUFModel(m.path), opts, groups, new_options, target, str(sweep))
+    refined = plan_mix(GGUFModel(m.path), opts, groups, new_options, target, str(sweep), constraints)
     row = {"mix": f"refined ({len(chosen)} groups)", "bytes": refined.total_bits // 8,
            "bpw": refined.total_bits / refined.n_weights, "predicted_kld": refined.predicted_kld}
     if refined.tensor_types == plan.tensor_types:
