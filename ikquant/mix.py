@@ -281,6 +281,22 @@ class MixPlan:
         return {g: o for _, mix, _ in self.results for g, o in mix.choice.items()}
 
 
+def _check_reachable(target: MixTarget, bits: float, tensor_bits: dict[str, int], groups: dict[str, list[str]],
+                     options: dict[str, list[Option]], n_weights: int) -> None:
+    """Refuse a whole-file target below the cheapest mix the sweep allows or above its most expensive one (the
+    unswept tensors at their planned types): one is impossible, the other would only take the largest types."""
+    swept = {n for names in groups.values() for n in names}
+    fixed = sum(b for name, b in tensor_bits.items() if name not in swept)
+    least = fixed + sum(min(o.bits for o in opts) for opts in options.values())
+    most = fixed + sum(max(o.bits for o in opts) for opts in options.values())
+    if least <= bits <= most:
+        return
+    option, value = ("--target-bpw", f"{target.bpw:g}") if target.bpw is not None else ("--target-size", target.size)
+    side, edge = ("below the cheapest", least) if bits < least else ("above the most expensive", most)
+    raise MixError(f"{option} {value} is {side} mix the sweep allows ({edge / n_weights:.4f} bits per weight, "
+                   f"{edge / 8 / 2**20:.3f} MiB of tensors)")
+
+
 def plan_mix(source: GGUFModel, opts: QuantizeOptions, groups: dict[str, list[str]], options: dict[str, list[Option]],
              target: MixTarget, sweep_name: str, constraints: MixConstraints | None = None) -> MixPlan:
     """The mix for `source` quantized per `opts` (the unswept tensors' types) within `target`, under `constraints`
@@ -300,11 +316,14 @@ def plan_mix(source: GGUFModel, opts: QuantizeOptions, groups: dict[str, list[st
                                   {n: source.tensors[n].n_per_row for n in swept})
     plan = make_plan(source, opts)
     n_weights = sum(p.info.n_elements for p in plan.tensors)
+    tensor_bits = {p.name: 8 * p.new_bytes for p in plan.tensors}
     if target.bpw is not None:
         budgets, title = [Budget(None, target.bpw * n_weights)], f"type mix for {target.bpw:g} bits per weight"
     elif target.size is not None:
         budgets, title = [Budget(None, 8 * parse_size(target.size, "--target-size"))], f"type mix for {target.size}"
     else:
         budgets, title = parse_budgets(list(target.budgets)), "type mix per budget"
-    results = choose_mixes({p.name: 8 * p.new_bytes for p in plan.tensors}, groups, options, budgets)
+    if target.bpw is not None or target.size is not None:
+        _check_reachable(target, budgets[0].bits, tensor_bits, groups, options, n_weights)
+    results = choose_mixes(tensor_bits, groups, options, budgets)
     return MixPlan(results, title, n_weights, sum(fixed + mix.bits for _, mix, fixed in results), groups, options)

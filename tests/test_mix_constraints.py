@@ -1,4 +1,5 @@
-"""Mix constraints: tie groups, lower bounds per class, and the exchange repair after the greedy choice."""
+"""Choosing a mix under constraints (tie groups, lower bounds per class, the exchange repair after the greedy
+choice), measuring it on held-out text, and refusing bad input before anything is written."""
 
 from __future__ import annotations
 
@@ -100,3 +101,48 @@ def test_bad_constraints_are_refused(moe_sweep: tuple[Path, Path], tmp_path: Pat
     res = _quantize(model, sweep, out, "--target-bpw", "7", *extra)
     assert res.exit_code == 2 and needle in " ".join(res.output.split()), res.output
     assert not out.exists()
+
+
+def _mix(model: Path, sweep: Path, out: Path, *extra: str):  # type: ignore[no-untyped-def]
+    return runner.invoke(app, ["mix", str(model), str(out), "--sweep", str(sweep), "--type", "Q8_0", "--json",
+                               *extra], env={"COLUMNS": "200"})
+
+
+def test_mix_is_measured_on_held_out_text_and_says_so(moe_sweep: tuple[Path, Path], tmp_path: Path) -> None:
+    model, sweep = moe_sweep
+    held_out = tmp_path / "held-out.txt"  # real prose the sweep never saw: a standard-library module's source
+    held_out.write_text(Path(json.__file__).read_text(encoding="utf-8"), encoding="utf-8")
+    out = tmp_path / "mix.gguf"
+    res = _mix(model, sweep, out, "--target-bpw", "6", "--eval-text", str(held_out))
+    assert res.exit_code == 0, res.output
+    first, on_eval = json.loads(res.stdout)
+    assert first["sample"] == "in-sample" and first["text"] == str(CORPUS)
+    assert on_eval["sample"] == "held-out" and on_eval["text"] == str(held_out)
+    kld = runner.invoke(app, ["kld", str(out), "--base", str(model), "--text", str(held_out), "--ctx", "64",
+                              "--chunks", "3", "--json"])
+    assert json.loads(kld.stdout)["kld_mean"] == pytest.approx(on_eval["kld_mean"], rel=1e-12)
+    assert on_eval["kld_mean"] != pytest.approx(first["kld_mean"], rel=1e-3)
+    res = _mix(model, sweep, tmp_path / "again.gguf", "--target-bpw", "6", "--eval-text", str(CORPUS))
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)[1]["sample"] == "in-sample"
+
+
+def test_bad_mix_input_is_one_line_exit_2_and_writes_nothing(moe_sweep: tuple[Path, Path], data_dir: Path,
+                                                             tmp_path: Path) -> None:
+    model, sweep = moe_sweep
+    short = tmp_path / "short.txt"
+    short.write_text("too short", encoding="utf-8")
+    cases = [
+        (model, ["--target-bpw", "2"], "--target-bpw 2 is below the cheapest mix the sweep allows"),
+        (model, ["--target-bpw", "30"], "--target-bpw 30 is above the most expensive mix the sweep allows"),
+        (model, ["--target-size", "1KiB"], "--target-size 1KiB is below the cheapest"),
+        (model, ["--target-bpw", "6", "--eval-text", str(short)], f"--eval-text {short}: the text gives"),
+        (model, ["--target-bpw", "6", "--tie", "attn_(q|output)"], "different shapes"),
+        (data_dir / "convert" / "qwen3-moe" / "ik-bf16.gguf", ["--target-bpw", "6"],
+         "was measured on another model file"),
+    ]
+    for base, extra, needle in cases:
+        out = tmp_path / "bad.gguf"
+        res = _mix(base, sweep, out, *extra)
+        assert res.exit_code == 2 and needle in " ".join(res.output.split()), (extra, res.output)
+        assert res.output.count("error:") == 1 and not out.exists() and not list(tmp_path.glob("*.gguf*"))

@@ -284,12 +284,12 @@ def narrow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_type_a_tensor_cannot_hold_takes_ik_fallback_and_the_sweep_goes_on(narrow_model: Path,
                                                                               tmp_path: Path) -> None:
     out = tmp_path / "sweep.csv"
-    res = _sweep(narrow_model, out, "--types", "Q4_0,IQ4_KS", "--tensors", r"blk\.0\.(attn_output|ffn_down)")
+    res = _sweep(narrow_model, out, "--types", "Q4_0,IQ4_KS,Q8_0", "--tensors", r"blk\.0\.(attn_output|ffn_down)")
     assert res.exit_code == 0, res.output
     from ikquant.sweepfile import read_sweep_file
 
     rows = {(r["group"], r["type"]): r for r in read_sweep_file(out)[1]}
-    assert len(rows) == 4
+    assert len(rows) == 6
     for qtype in ("Q4_0", "IQ4_KS"):  # 16 columns: no block fits, the tensor keeps its own encoding
         row = rows[("blk.0.attn_output.weight", qtype)]
         assert row["type_used"] == "F32" and row["bytes_new"] == row["bytes_base"]
@@ -299,6 +299,6 @@ def test_a_type_a_tensor_cannot_hold_takes_ik_fallback_and_the_sweep_goes_on(nar
     assert rows[("blk.0.ffn_down.weight", "Q4_0")]["fallback"] is None
     mixed = tmp_path / "mix.gguf"
     res = runner.invoke(ikquant_app, [str(narrow_model), str(mixed), "--type", "q8_0", "--sweep", str(out),
-                                      "--target-bpw", "12"], env={"COLUMNS": "200"})
+                                      "--target-bpw", "8.75"], env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     assert GGUFFile(mixed).tensors["blk.0.attn_output.weight"].type.name == "F32"

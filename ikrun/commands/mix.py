@@ -37,7 +37,11 @@ def mix(
                                "refined file if it measures lower."),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix for the quantization "
                                            "(default: the sweep's)."),
-    text: Optional[Path] = typer.Option(None, "--text", help="Text to measure on (default: the sweep's)."),
+    text: Optional[Path] = typer.Option(None, "--text", help="Text to measure and --refine on (default: the "
+                                        "sweep's)."),
+    eval_text: Optional[Path] = typer.Option(None, "--eval-text", help="Also measure the kept file on this text "
+                                             "(same --ctx and --chunks); the report says held-out when it is not "
+                                             "the text the sweep was measured on, else in-sample."),
     ctx: Optional[int] = typer.Option(None, "--ctx", "-c", help="Chunk length (default: the sweep's)."),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Chunks to measure (default: the sweep's)."),
     tie: list[str] = TIE,
@@ -90,16 +94,24 @@ def mix(
             defaults.append((imatrix, "imatrix_sha256", "imatrix"))
         for path, key, what in defaults:
             if file_sha256(path) != header[key]:
-                fail(f"{sweep}'s {what} {path} has changed since the sweep; name it with --{what} to use it anyway")
+                fail(f"--sweep {sweep}: its {what} {path} has changed since the sweep; name it with --{what} to use "
+                     "it anyway")
         if model_fingerprint(m) != header["model_fingerprint"]:
-            err.print(f"[yellow]warning:[/] {sweep} was measured on another file than {model}: its predictions "
-                      "may not hold", soft_wrap=True)
+            fail(f"--sweep {sweep} was measured on another model file ({header.get('model')}) than {model}: its "
+                 "costs are against another base; sweep this file")
         imat = read_imatrix(imatrix) if imatrix else None
         opts = QuantizeOptions(recipe_file_type(recipe, type_name), imatrix=imat, recipe=recipe)
         target = MixTarget(target_bpw, target_size, budget)
         constraints = MixConstraints(tuple(tie), not no_default_ties, tuple(min_type))
         plan = plan_mix(GGUFModel(model), opts, groups, options, target, str(sweep), constraints)
         chunk_tokens = tokenize_chunks(m, read_text(text), ctx or header["ctx"], chunks or header["chunks"])
+        eval_tokens = None
+        if eval_text is not None:
+            try:
+                eval_tokens = tokenize_chunks(m, read_text(eval_text), chunk_tokens.shape[1],
+                                              chunks or header["chunks"])
+            except IkError as exc:
+                raise SweepError(f"--eval-text {eval_text}: {exc}") from None
     except IkError as exc:
         fail(str(exc))
     print_mix(plan)
@@ -124,6 +136,13 @@ def mix(
                 summary[0]["kept"] = not row["kept"]
                 if row["kept"]:
                     kept = (refined_written, refined_plan, row["kld_mean"])
+    label = "held-out" if file_sha256(text) != header["text_sha256"] else "in-sample"
+    for row in summary:
+        row["text"], row["sample"] = str(text), label
+    if eval_tokens is not None:
+        assert eval_text is not None
+        summary.append(_measure_on(m, output, eval_tokens, ev, kept[1], eval_text,
+                                   "held-out" if file_sha256(eval_text) != header["text_sha256"] else "in-sample"))
     if recipe_out is not None:
         from ikquant.recipe_out import recipe_text, write_recipe
 
@@ -135,15 +154,45 @@ def mix(
     if json_out:
         out.print_json(json.dumps(summary))
         return
-    table = Table(title=f"{output.name}: predicted vs measured mean KLD ({n_chunk} chunks of {n_ctx})")
-    for col in ("mix", "MiB", "bpw", "predicted", "measured", "±", "measured/predicted", "kept"):
+    table = Table(title=f"{output.name}: predicted vs measured mean KLD ({n_chunk} chunks of {n_ctx} per text; "
+                        "in-sample: the sweep's text, held-out: another)")
+    for col in ("mix", "MiB", "bpw", "text", "predicted", "measured", "±", "measured/predicted", "kept"):
         table.add_column(col, justify="right")
     for row in summary:
-        table.add_row(row["mix"], f"{row['bytes'] / 2**20:.3f}", f"{row['bpw']:.4f}", f"{row['predicted_kld']:.6f}",
+        table.add_row(row["mix"], f"{row['bytes'] / 2**20:.3f}", f"{row['bpw']:.4f}",
+                      f"{Path(row['text']).name} ({row['sample']})", f"{row['predicted_kld']:.6f}",
                       f"{row['kld_mean']:.6f}", f"{row['kld_mean_err']:.6f}",
                       f"{row['kld_mean'] / row['predicted_kld']:.3f}" if row["predicted_kld"] > 0 else "-",
                       "yes" if row["kept"] else "no")
     out.print(table)
+
+
+def _measure_on(m: Model, output: Path, tokens, ev: Evaluation, plan, eval_text: Path,  # type: ignore[no-untyped-def]
+                label: str) -> dict:  # type: ignore[type-arg]
+    """The kept file `output` measured against the base on another text (--eval-text): its summary row."""
+    import tempfile
+
+    from ikrun.eval.evaluate import kl_divergence, open_base, perplexity
+    from ikrun.eval.metrics import kld_stats
+
+    n_chunk, n_ctx = tokens.shape
+    with tempfile.TemporaryDirectory() as tmp:
+        base_path = Path(tmp) / "eval-base.kld"
+        with progress_bar() as bar:
+            task = bar.add_task(f"base logits on {eval_text.name}", total=n_chunk)
+            perplexity(m, tokens, base_path, lambda i, _: bar.update(task, completed=i),
+                       run_plan(m, n_chunk, n_ctx, ev))
+        base = open_base(base_path, m)
+        mixed = load_model(output, ev)
+        with progress_bar() as bar:
+            task = bar.add_task(f"measuring {output.name} on {eval_text.name}", total=n_chunk)
+            stats = kld_stats(kl_divergence(mixed, base, lambda i, _: bar.update(task, completed=i)))
+    err.print(f"{output} on {eval_text} ({label}): measured mean KLD {stats['kld_mean']:.6f} ± "
+              f"{stats['kld_mean_err']:.6f}", highlight=False)
+    return {"mix": "kept, on --eval-text", "bytes": plan.total_bits // 8, "bpw": plan.total_bits / plan.n_weights,
+            "predicted_kld": plan.predicted_kld, "kld_mean": float(stats["kld_mean"]),
+            "kld_mean_err": float(stats["kld_mean_err"]), "same_top_p": float(stats["same_top_p"]), "kept": True,
+            "text": str(eval_text), "sample": label}
 
 
 def _assemble_and_measure(model: Path, output: Path, opts, types: dict[str, str], base, ev: Evaluation):  # type: ignore[no-untyped-def]
