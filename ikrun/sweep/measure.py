@@ -76,6 +76,12 @@ class SweepRow(Measured):
     seconds: float
     #: why a tensor of the group is stored as another type than asked (ik's fallback), None when none is
     fallback: str | None = None
+    #: False for a row a pruned sweep (--target-bpw) predicted instead of measuring: kld_mean is the prediction,
+    #: the other statistics NaN
+    measured: bool = True
+    #: a pruned sweep's predicted mean KLD (also on the rows it measured besides the anchors) and what it rests on
+    prediction: float | None = None
+    basis: str | None = None
 
     @property
     def within_noise(self) -> bool:
