@@ -5,9 +5,10 @@ A measurement costs a partial forward; a quantization costs far less. So every (
 importance-weighted squared quantization error (a quantize and a dequantize: sum over columns of the imatrix's
 mean squared activation times the squared weight error, or the plain squared error without an imatrix). Each group
 is then measured at one anchor type (the cheapest swept type: the largest, least noisy effect), which gives its
-sensitivity (measured KLD per unit of weighted error); every other type's KLD is predicted as sensitivity x error.
-The mixes at the budgets are chosen from these costs (ikquant/mix.py), and each chosen (group, type) not measured
-yet is measured and the mixes chosen again, until every type the mixes choose was measured. The rest are written
+sensitivity (measured KLD per unit of weighted error); another type's KLD is predicted as sensitivity x its error,
+the sensitivity taken from the group's measured type nearest in error (the anchor at first). The mixes at the
+budgets are chosen from these costs (ikquant/mix.py), and each chosen (group, type) not measured yet is measured
+and the mixes chosen again, until every type the mixes choose was measured. The rest are written
 as predicted rows ("measured": false, with the prediction and its basis).
 """
 
@@ -148,16 +149,21 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
 
     run({(g, anchor.name) for g in groups} - measured.keys())
 
-    def predicted(g: str, tname: str) -> float:
-        base = measured[(g, anchor.name)]
-        err0 = prior[(g, anchor.name)].error
-        return max(base.kld_mean, 0.0) * prior[(g, tname)].error / err0 if err0 > 0 else max(base.kld_mean, 0.0)
+    def predicted(g: str, tname: str) -> tuple[float, str]:
+        """The KLD of (g, tname) from the group's measured type of the nearest weighted error (log scale), and its
+        basis."""
+        err = prior[(g, tname)].error
+        known = [(t.name, prior[(g, t.name)].error) for t in types if (g, t.name) in measured]
+        ref, ref_err = min(known, key=lambda k: abs(math.log((k[1] + 1e-300) / (err + 1e-300))))
+        kld = max(measured[(g, ref)].kld_mean, 0.0)
+        basis = f"the {ref} measurement x weighted quantization error {err:.4g} / {ref_err:.4g} at {ref}"
+        return (kld * err / ref_err, basis) if ref_err > 0 else (kld, f"the {ref} measurement (no error there)")
 
-    predictions = {(g, t.name): predicted(g, t.name) for g in groups for t in types}
+    forecast: dict[tuple[str, str], tuple[float, str]] = {}  # what was predicted of a row before it was measured
     while True:
         options = {g: [Option(t.name, 8 * prior[(g, t.name)].bytes_new,
                               max(measured[(g, t.name)].kld_mean, 0.0) if (g, t.name) in measured
-                              else predictions[(g, t.name)]) for t in types] for g in groups}
+                              else predicted(g, t.name)[0]) for t in types] for g in groups}
         chosen = set()
         for bpw in bpws:
             try:
@@ -168,6 +174,7 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
         missing = chosen - measured.keys()
         if not missing:
             break
+        forecast.update({key: predicted(*key) for key in missing})
         run(missing)
     rows, checks = [], []
     for g, names in groups.items():
@@ -175,23 +182,18 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
             key = (g, t.name)
             if key in measured:
                 row = measured[key]
-                if t is not anchor:
-                    row.prediction, row.basis = predictions[key], _basis(anchor, prior[key], prior[(g, anchor.name)])
-                    checks.append((predictions[key], row.kld_mean))
+                if key in forecast:
+                    row.prediction, row.basis = forecast[key]
+                    checks.append((row.prediction, row.kld_mean))
                 rows.append(row)
                 continue
             p = prior[key]
+            kld, basis = predicted(g, t.name)
             n_weights = sum(model.weights.info(n).n_elements for n in names)
             nan = float("nan")
             rows.append(SweepRow(g, names, t.name, p.type_used, n_weights,
                                  sum(model.weights.source_encoding(n).raw.nbytes for n in names), p.bytes_new,
-                                 8.0 * p.bytes_new / n_weights, predictions[key], nan, nan, nan, nan, nan, nan, 0.0,
-                                 p.fallback, measured=False, prediction=predictions[key],
-                                 basis=_basis(anchor, p, prior[(g, anchor.name)])))
+                                 8.0 * p.bytes_new / n_weights, kld, nan, nan, nan, nan, nan, nan, 0.0, p.fallback,
+                                 measured=False, prediction=kld, basis=basis))
     n_measured = sum(1 for r in rows if r.measured)
     return PrunedSweep(rows, n_measured, len(rows) - n_measured, checks)
-
-
-def _basis(anchor: GGMLType, prior: Prior, at_anchor: Prior) -> str:
-    return (f"the {anchor.name} measurement x weighted quantization error {prior.error:.4g} / "
-            f"{at_anchor.error:.4g} at {anchor.name}")
