@@ -34,6 +34,8 @@ class Option:
     type: str  # the type actually stored (after ik's row-length fallback)
     bits: int
     kld: float
+    #: the weights the sweep measured the group's tensors with (None: not from a sweep file)
+    n_weights: int | None = None
 
 
 @dataclass
@@ -65,7 +67,8 @@ def read_sweep(path: Path) -> tuple[dict[str, list[str]], dict[str, list[Option]
             raise MixError(f"--sweep {path}: group {r['group']!r} mixes types ({r['type_used']}); sweep with --group "
                            "tensor to choose per tensor")
         groups[r["group"]] = r["tensors"]
-        options.setdefault(r["group"], []).append(Option(r["type_used"], 8 * r["bytes_new"], max(r[cost], 0.0)))
+        options.setdefault(r["group"], []).append(Option(r["type_used"], 8 * r["bytes_new"], max(r[cost], 0.0),
+                                                         r["n_weights"]))
     if not options:
         raise MixError(f"--sweep {path}: no measurements")
     return groups, options
@@ -312,6 +315,11 @@ def plan_mix(source: GGUFModel, opts: QuantizeOptions, groups: dict[str, list[st
     if missing:
         raise MixError(f"--sweep {sweep_name}: tensor {missing[0]!r} is not in {source.path}: a sweep of another "
                        "model?")
+    for g, measured in options.items():
+        n_weights = sum(source.tensors[n].n_elements for n in groups[g])
+        if any(o.n_weights not in (None, n_weights) for o in measured):
+            raise MixError(f"--sweep {sweep_name}: group {g!r} was measured with other shapes than {source.path}'s "
+                           f"({n_weights} weights here): a sweep of another model")
     groups, options = constrained(groups, options, constraints or MixConstraints(),
                                   {n: source.tensors[n].n_per_row for n in swept})
     plan = make_plan(source, opts)

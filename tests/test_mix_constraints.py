@@ -146,3 +146,15 @@ def test_bad_mix_input_is_one_line_exit_2_and_writes_nothing(moe_sweep: tuple[Pa
         res = _mix(base, sweep, out, *extra)
         assert res.exit_code == 2 and needle in " ".join(res.output.split()), (extra, res.output)
         assert res.output.count("error:") == 1 and not out.exists() and not list(tmp_path.glob("*.gguf*"))
+
+
+def test_ikquant_refuses_a_sweep_of_another_model_shape(moe_sweep: tuple[Path, Path], tmp_path: Path) -> None:
+    model, sweep = moe_sweep
+    data = json.loads(sweep.read_text())
+    data["rows"][0]["n_weights"] *= 2  # what a wider model of the same tensor names measures
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(data))
+    out = tmp_path / "mix.gguf"
+    res = _quantize(model, other, out, "--target-bpw", "7")
+    assert res.exit_code == 2 and "a sweep of another model" in res.output and not out.exists()
+    assert data["rows"][0]["group"] in res.output
