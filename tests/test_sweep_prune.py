@@ -57,6 +57,12 @@ def test_pruned_sweep_measures_fewer_rows_for_mixes_as_good(data_dir: Path, tmp_
     for bpw in BUDGETS:
         exhaustive = _mix_kld(model, full, tmp_path / f"full{bpw}.gguf", bpw)
         assert _mix_kld(model, pruned, tmp_path / f"pruned{bpw}.gguf", bpw) <= MARGIN * exhaustive
+    # resumed without a target, the sweep measures exactly the rows that were predicted
+    res = _sweep(model, pruned)
+    assert res.exit_code == 0 and f"({len(predicted)} new)" in res.output, res.output
+    completed = {(r["group"], r["type"]): r for r in read_sweep_file(pruned)[1]}
+    assert {k: r["kld_mean"] for k, r in completed.items()} == {k: r["kld_mean"] for k, r in every.items()}
+    assert all(r["measured"] for r in completed.values())
 
 
 def test_unreachable_budgets_are_refused_before_measuring(data_dir: Path, tmp_path: Path) -> None:

@@ -119,7 +119,8 @@ def sweep(
             if theirs.get("chunks") in rounds:
                 stopped = theirs.get("ranking", {}).get("stable", False)
                 rounds = [n for n in rounds if n == theirs["chunks"] or (n > theirs["chunks"] and not stopped)]
-        done = load_rows(output, sweep_header(m, text, ctx, rounds[0], group, imatrix))
+        # a pruned sweep's predicted rows are no measurements: a sweep resumed on its file measures them
+        done = [r for r in load_rows(output, sweep_header(m, text, ctx, rounds[0], group, imatrix)) if r.measured]
         if bpws is not None:
             from ikrun.sweep.prune import check_budgets
 
