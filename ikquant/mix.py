@@ -151,15 +151,7 @@ def exchange_repair(options: dict[str, list[Option]], choice: dict[str, Option],
         room = budget_bits - used
         single = np.where((dbits <= room) & (dkld < 0), dkld, np.inf)
         best_single = int(np.argmin(single))
-        up, down = np.flatnonzero(dbits > 0), np.flatnonzero(dbits < 0)
-        best_pair, pair_gain = None, np.inf
-        if len(up) and len(down):
-            gain = dkld[up][:, None] + dkld[down][None, :]
-            ok = (dbits[up][:, None] + dbits[down][None, :] <= room) & (group[up][:, None] != group[down][None, :])
-            gain = np.where(ok & (gain < 0), gain, np.inf)
-            flat = int(np.argmin(gain))
-            pair_gain = float(gain.flat[flat])
-            best_pair = (int(up[flat // len(down)]), int(down[flat % len(down)]))
+        best_pair, pair_gain = _best_pair(group, dbits, dkld, room)
         if single[best_single] == np.inf and pair_gain == np.inf:
             break
         chosen = [best_single] if single[best_single] <= pair_gain else list(best_pair or ())
@@ -168,6 +160,40 @@ def exchange_repair(options: dict[str, list[Option]], choice: dict[str, Option],
             choice[names[k]] = o
             applied += 1
     return applied
+
+
+def _best_pair(group: np.ndarray, dbits: np.ndarray, dkld: np.ndarray, room: float,
+               ) -> tuple[tuple[int, int] | None, float]:
+    """The pair of moves (an upgrade, a downgrade of another group) of least summed KLD change below 0 whose bits
+    fit `room`, and that change (inf: none). The upgrades are sorted by bits with a running best and a running best
+    of another group than the best's, so each downgrade finds its partner by one binary search: O(M log M) for M
+    moves, where the full pair table of a DeepSeek-sized sweep would not fit in memory."""
+    up, down = np.flatnonzero(dbits > 0), np.flatnonzero(dbits < 0)
+    if not len(up) or not len(down):
+        return None, np.inf
+    up = up[np.argsort(dbits[up], kind="stable")]
+    best = np.empty(len(up), dtype=np.int64)  # index into `up` of the least dkld so far
+    second = np.full(len(up), -1, dtype=np.int64)  # the least dkld so far among other groups than best's
+    b, c = 0, -1
+    for i in range(len(up)):
+        if dkld[up[i]] < dkld[up[b]]:
+            if group[up[i]] != group[up[b]]:
+                c = b
+            b = i
+        elif group[up[i]] != group[up[b]] and (c < 0 or dkld[up[i]] < dkld[up[c]]):
+            c = i
+        best[i], second[i] = b, c
+    last = np.searchsorted(dbits[up], room - dbits[down], side="right") - 1
+    ok = last >= 0
+    last = np.maximum(last, 0)
+    partner = np.where(group[up[best[last]]] != group[down], best[last], second[last])
+    ok &= partner >= 0
+    gain = np.where(ok, dkld[up[np.maximum(partner, 0)]] + dkld[down], np.inf)
+    gain[gain >= 0] = np.inf
+    k = int(np.argmin(gain))
+    if gain[k] == np.inf:
+        return None, np.inf
+    return (int(up[partner[k]]), int(down[k])), float(gain[k])
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,29 @@ def test_exchange_repair_is_never_worse_than_the_greedy_choice_and_often_better(
     assert improved > 0  # the greedy choice alone is not optimal on these: the repair has work to do
 
 
+def test_the_best_exchange_pair_is_the_full_tables_best() -> None:
+    """The sorted search finds the pair the full (upgrade x downgrade) table finds."""
+    from ikquant.mix import _best_pair
+
+    rng = np.random.default_rng(1)
+    for _ in range(500):
+        n = int(rng.integers(2, 40))
+        group = rng.integers(0, max(2, n // 3), n)
+        dbits = rng.integers(-50, 50, n).astype(np.float64)
+        dkld = rng.normal(0, 1, n)
+        room = float(rng.integers(-20, 40))
+        up, down = np.flatnonzero(dbits > 0), np.flatnonzero(dbits < 0)
+        table = [(dkld[u] + dkld[d], u, d) for u in up for d in down
+                 if group[u] != group[d] and dbits[u] + dbits[d] <= room and dkld[u] + dkld[d] < 0]
+        pair, gain = _best_pair(group, dbits, dkld, room)
+        if not table:
+            assert pair is None and gain == np.inf
+            continue
+        assert pair is not None and gain == pytest.approx(min(table)[0], abs=1e-12)
+        u, d = pair
+        assert group[u] != group[d] and dbits[u] + dbits[d] <= room and dkld[u] + dkld[d] == pytest.approx(gain)
+
+
 @pytest.fixture(scope="module")
 def moe_sweep(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     model = data_dir / "convert" / "qwen3-moe" / "ik-f32.gguf"
