@@ -72,7 +72,7 @@ def mix(
     from ikquant.recipes_mainline import recipe_file_type
     from ikquant.shards import GGUFModel
     from ikquant.sweepfile import file_sha256, read_sweep_file
-    from ikrun.eval.evaluate import open_base, perplexity, tokenize_chunks
+    from ikrun.eval.evaluate import tokenize_chunks
     from ikrun.sweep.measure import model_fingerprint
 
     targets = [t for t in (target_bpw is not None, target_size is not None, bool(budget)) if t]
@@ -118,12 +118,7 @@ def mix(
     n_chunk, n_ctx = chunk_tokens.shape
     summary = []
     with tempfile.TemporaryDirectory() as tmp:
-        base_path = Path(tmp) / "base.kld"
-        with progress_bar() as bar:
-            task = bar.add_task("base logits", total=n_chunk)
-            perplexity(m, chunk_tokens, base_path, lambda i, _: bar.update(task, completed=i),
-                       run_plan(m, n_chunk, n_ctx, ev))
-        base = open_base(base_path, m)
+        base = _base_logits(m, chunk_tokens, Path(tmp) / "base.kld", ev, "base logits")
         first, written = _assemble_and_measure(model, output, opts, plan.tensor_types, base, ev)
         summary.append({"mix": "sweep", "bytes": plan.total_bits // 8, "bpw": plan.total_bits / plan.n_weights,
                         "predicted_kld": plan.predicted_kld, **first, "kept": True})
@@ -136,13 +131,13 @@ def mix(
                 summary[0]["kept"] = not row["kept"]
                 if row["kept"]:
                     kept = (refined_written, refined_plan, row["kld_mean"])
-    label = "held-out" if file_sha256(text) != header["text_sha256"] else "in-sample"
+    def sample(path: Path) -> str:
+        return "held-out" if file_sha256(path) != header["text_sha256"] else "in-sample"
+
     for row in summary:
-        row["text"], row["sample"] = str(text), label
-    if eval_tokens is not None:
-        assert eval_text is not None
-        summary.append(_measure_on(m, output, eval_tokens, ev, kept[1], eval_text,
-                                   "held-out" if file_sha256(eval_text) != header["text_sha256"] else "in-sample"))
+        row["text"], row["sample"] = str(text), sample(text)
+    if eval_text is not None and eval_tokens is not None:
+        summary.append(_measure_on(m, output, eval_tokens, ev, kept[1], eval_text, sample(eval_text)))
     if recipe_out is not None:
         from ikquant.recipe_out import recipe_text, write_recipe
 
@@ -167,32 +162,41 @@ def mix(
     out.print(table)
 
 
+def _base_logits(m: Model, tokens, path: Path, ev: Evaluation, what: str):  # type: ignore[no-untyped-def]
+    """The base model's logits on `tokens`, written to `path` and opened as the KLD reference."""
+    from ikrun.eval.evaluate import open_base, perplexity
+
+    n_chunk, n_ctx = tokens.shape
+    with progress_bar() as bar:
+        task = bar.add_task(what, total=n_chunk)
+        perplexity(m, tokens, path, lambda i, _: bar.update(task, completed=i), run_plan(m, n_chunk, n_ctx, ev))
+    return open_base(path, m)
+
+
+def _measured(path: Path, base, ev: Evaluation, what: str) -> dict:  # type: ignore[no-untyped-def, type-arg]
+    """The KLD statistics of the GGUF at `path` against `base`, printed as `what`."""
+    from ikrun.eval.evaluate import kl_divergence
+    from ikrun.eval.metrics import kld_stats
+
+    mixed = load_model(path, ev)
+    with progress_bar() as bar:
+        task = bar.add_task(f"measuring {what}", total=base.n_chunk)
+        stats = kld_stats(kl_divergence(mixed, base, lambda i, _: bar.update(task, completed=i)))
+    err.print(f"{what}: measured mean KLD {stats['kld_mean']:.6f} ± {stats['kld_mean_err']:.6f}", highlight=False)
+    return {"kld_mean": float(stats["kld_mean"]), "kld_mean_err": float(stats["kld_mean_err"]),
+            "same_top_p": float(stats["same_top_p"])}
+
+
 def _measure_on(m: Model, output: Path, tokens, ev: Evaluation, plan, eval_text: Path,  # type: ignore[no-untyped-def]
                 label: str) -> dict:  # type: ignore[type-arg]
     """The kept file `output` measured against the base on another text (--eval-text): its summary row."""
     import tempfile
 
-    from ikrun.eval.evaluate import kl_divergence, open_base, perplexity
-    from ikrun.eval.metrics import kld_stats
-
-    n_chunk, n_ctx = tokens.shape
     with tempfile.TemporaryDirectory() as tmp:
-        base_path = Path(tmp) / "eval-base.kld"
-        with progress_bar() as bar:
-            task = bar.add_task(f"base logits on {eval_text.name}", total=n_chunk)
-            perplexity(m, tokens, base_path, lambda i, _: bar.update(task, completed=i),
-                       run_plan(m, n_chunk, n_ctx, ev))
-        base = open_base(base_path, m)
-        mixed = load_model(output, ev)
-        with progress_bar() as bar:
-            task = bar.add_task(f"measuring {output.name} on {eval_text.name}", total=n_chunk)
-            stats = kld_stats(kl_divergence(mixed, base, lambda i, _: bar.update(task, completed=i)))
-    err.print(f"{output} on {eval_text} ({label}): measured mean KLD {stats['kld_mean']:.6f} ± "
-              f"{stats['kld_mean_err']:.6f}", highlight=False)
+        base = _base_logits(m, tokens, Path(tmp) / "eval-base.kld", ev, f"base logits on {eval_text.name}")
+        stats = _measured(output, base, ev, f"{output} on {eval_text} ({label})")
     return {"mix": "kept, on --eval-text", "bytes": plan.total_bits // 8, "bpw": plan.total_bits / plan.n_weights,
-            "predicted_kld": plan.predicted_kld, "kld_mean": float(stats["kld_mean"]),
-            "kld_mean_err": float(stats["kld_mean_err"]), "same_top_p": float(stats["same_top_p"]), "kept": True,
-            "text": str(eval_text), "sample": label}
+            "predicted_kld": plan.predicted_kld, **stats, "kept": True, "text": str(eval_text), "sample": label}
 
 
 def _assemble_and_measure(model: Path, output: Path, opts, types: dict[str, str], base, ev: Evaluation):  # type: ignore[no-untyped-def]
@@ -201,20 +205,12 @@ def _assemble_and_measure(model: Path, output: Path, opts, types: dict[str, str]
     import dataclasses
 
     from ikquant.quantize import quantize_model
-    from ikrun.eval.evaluate import kl_divergence
-    from ikrun.eval.metrics import kld_stats
 
     try:
         written = quantize_model(model, output, dataclasses.replace(opts, tensor_types=types))
     except IkError as exc:
         fail(str(exc))
-    mixed = load_model(output, ev)
-    with progress_bar() as bar:
-        task = bar.add_task(f"measuring {output.name}", total=base.n_chunk)
-        stats = kld_stats(kl_divergence(mixed, base, lambda i, _: bar.update(task, completed=i)))
-    err.print(f"{output}: measured mean KLD {stats['kld_mean']:.6f} ± {stats['kld_mean_err']:.6f}", highlight=False)
-    return {"kld_mean": float(stats["kld_mean"]), "kld_mean_err": float(stats["kld_mean_err"]),
-            "same_top_p": float(stats["same_top_p"])}, written
+    return _measured(output, base, ev, str(output)), written
 
 
 def _refine(m: Model, output: Path, opts, plan, target, constraints, sweep: Path, base, first: dict,  # type: ignore[no-untyped-def, type-arg]
