@@ -14,10 +14,13 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from ikquant.cli_common import (
+    MIN_TYPE,
+    NO_DEFAULT_TIES,
     NO_TENSOR_FIRST_SPLIT,
     OVERRIDE_KV,
     SPLIT_MAX_SIZE,
     SPLIT_MAX_TENSORS,
+    TIE,
     App,
     err,
     fail,
@@ -103,6 +106,9 @@ def quantize(
     budget: list[str] = typer.Option([], "--budget", help="With --sweep, repeatable: REGEX=SIZE caps the tensors whose "
                                      "names match (the first matching budget owns a tensor), rest=SIZE the others; "
                                      "e.g. --budget 'ffn_.*_exps=180GiB' --budget 'rest=22GiB' for a CPU/GPU split."),
+    tie: list[str] = TIE,
+    no_default_ties: bool = NO_DEFAULT_TIES,
+    min_type: list[str] = MIN_TYPE,
     recipe: str = typer.Option("ik", "--recipe", help="Whose per-tensor rules: ik (ik_llama.cpp's llama-quantize, "
                                "every ik type) or mainline (mainline llama.cpp's, its file types, only types mainline "
                                "llama.cpp and llama-cpp-python/Ollama/LM Studio load)."),
@@ -198,8 +204,14 @@ def quantize(
             fail("--sweep goes with exactly one of --target-bpw, --target-size or --budget")
         mix = None
         if sweep is not None:
-            mix = _mix_from_sweep(source, opts, sweep, target_bpw, target_size, budget)
+            from ikquant.mix import MixTarget
+            from ikquant.mix_constraints import MixConstraints
+
+            mix = _mix_from_sweep(source, opts, sweep, MixTarget(target_bpw, target_size, budget),
+                                  MixConstraints(tuple(tie), not no_default_ties, tuple(min_type)))
             opts.tensor_types = mix.tensor_types
+        elif tie or min_type or no_default_ties:
+            fail("--tie, --min-type and --no-default-ties constrain a mix: they go with --sweep")
         plan = make_plan(source, opts)
     except IkError as exc:
         fail(str(exc))
@@ -323,13 +335,12 @@ def _repack(src: Path, dst: Path, pattern: Optional[str], unpack: bool, repack: 
               "no value changed")
 
 
-def _mix_from_sweep(source, opts, sweep: Path, target_bpw: float | None, target_size: str | None,  # type: ignore[no-untyped-def]
-                    budget: list[str]):
+def _mix_from_sweep(source, opts, sweep: Path, target, constraints):  # type: ignore[no-untyped-def]
     """The mix of per-tensor types from a sweep within the target(s); prints it and its predicted KLD."""
-    from ikquant.mix import MixTarget, plan_mix, read_sweep
+    from ikquant.mix import plan_mix, read_sweep
 
     groups, options, unmeasured = read_sweep(sweep)
-    plan = plan_mix(source, opts, groups, options, MixTarget(target_bpw, target_size, budget), str(sweep))
+    plan = plan_mix(source, opts, groups, options, target, str(sweep), constraints)
     print_mix(plan)
     print_unmeasured(unmeasured)
     return plan
@@ -361,6 +372,9 @@ def print_mix(plan) -> None:  # type: ignore[no-untyped-def]
     err.print(f"whole file: {plan.total_bits / plan.n_weights:.4f} bits per weight, {plan.total_bits / 8 / 2**30:.3f} "
               f"GiB of tensors; predicted mean KLD {plan.predicted_kld:.6f} (the sum of the swept tensors' KLDs, each "
               "measured alone)", soft_wrap=True)
+    if plan.exchanges:
+        err.print(f"exchange repair: {plan.exchanges} type changes after the greedy choice lowered the predicted KLD "
+                  f"from {plan.greedy_kld:.6f}", soft_wrap=True)
 
 
 def _print_plan(plan) -> None:  # type: ignore[no-untyped-def]

@@ -26,6 +26,13 @@ SPLIT_MAX_TENSORS = typer.Option(0, "--split-max-tensors", help="Split the outpu
                                  "tensors.")
 NO_TENSOR_FIRST_SPLIT = typer.Option(False, "--no-tensor-first-split", help="Split with a first shard that holds the "
                                      "metadata alone (a chat-template fix rewrites a small file).")
+# the mix constraints ikquant --sweep and ikrun mix share (ikquant/mix_constraints.py)
+TIE = typer.Option([], "--tie", help="Repeatable REGEX: the swept tensors of one layer that it matches get one type "
+                   "(e.g. 'attn_(k_b|v_b)'; tensors of different row lengths cannot be tied). ffn_up_exps and "
+                   "ffn_gate_exps are tied by default (ik's fused MoE kernels).")
+NO_DEFAULT_TIES = typer.Option(False, "--no-default-ties", help="Do not tie ffn_up_exps with ffn_gate_exps.")
+MIN_TYPE = typer.Option([], "--min-type", help="Repeatable REGEX=TYPE: the swept tensors it matches get no type "
+                        "of fewer bits per weight than TYPE (e.g. 'ffn_.*_exps=IQ2_KS'; the first match applies).")
 OVERRIDE_KV = typer.Option([], "--override-kv", help="KEY=TYPE:VALUE (TYPE int, float, bool or str; repeatable): set "
                            "a metadata key in the output, as ik's --override-kv.")
 

@@ -4,7 +4,11 @@ Model of the cost: the KL-divergence of a mix is predicted as the sum of the per
 time (`ikrun sweep`). Interactions between tensors are ignored, so the prediction is a first-order estimate; measure
 the result with `ikrun kld`. The choice is a multiple-choice knapsack: minimise the sum of KLDs subject to the
 total bits, solved by Lagrangian relaxation (each group picks argmin KLD + lambda*bits; lambda bisected to the
-budget), then leftover bits spent on the upgrades with the best KLD saved per bit.
+budget), then leftover bits spent on the upgrades with the best KLD saved per bit, then an exchange repair: the
+single change or the pair of changes (one group up, another down) that lowers the predicted KLD most within the
+budget, repeated until none does (the greedy steps stop at the first upgrade that does not fit; a pair frees the
+bits for it). Constraints (tie groups, lower bounds per class) are applied to the options first
+(mix_constraints.py).
 
 A group with no real cost is not chosen for: the tensors a sweep lists as `unmeasured` (the measured forward never
 reads them) and groups whose every measured cost is zero or below (a swap that changed nothing: an older sweep of
@@ -18,10 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from ikquant.errors import MixError, SweepFileError
 from ikquant.sweepfile import DEFAULTS, METRICS, read_sweep_file
 
 if TYPE_CHECKING:
+    from ikquant.mix_constraints import MixConstraints
     from ikquant.quantize import QuantizeOptions
     from ikquant.shards import GGUFModel
 
@@ -31,6 +38,8 @@ class Option:
     type: str  # the type actually stored (after ik's row-length fallback)
     bits: int
     kld: float
+    #: the weights the sweep measured the group's tensors with (None: not from a sweep file)
+    n_weights: int | None = None
 
 
 @dataclass
@@ -39,6 +48,9 @@ class Mix:
     groups: dict[str, list[str]]  # group -> tensor names
     predicted_kld: float
     bits: int
+    #: the predicted KLD of the greedy choice before the exchange repair, and the repair's number of exchanges
+    greedy_kld: float = 0.0
+    exchanges: int = 0
 
     def tensor_types(self) -> dict[str, str]:
         return {name: opt.type for g, opt in self.choice.items() for name in self.groups[g]}
@@ -60,7 +72,8 @@ def read_sweep(path: Path) -> tuple[dict[str, list[str]], dict[str, list[Option]
             raise MixError(f"--sweep {path}: group {r['group']!r} mixes types ({r['type_used']}); sweep with --group "
                            "tensor to choose per tensor")
         groups[r["group"]] = r["tensors"]
-        options.setdefault(r["group"], []).append(Option(r["type_used"], 8 * r["bytes_new"], max(r[cost], 0.0)))
+        options.setdefault(r["group"], []).append(Option(r["type_used"], 8 * r["bytes_new"], max(r[cost], 0.0),
+                                                         r["n_weights"]))
     if not options:
         raise MixError(f"--sweep {path}: no measurements")
     unmeasured = {str(n): str(why) for n, why in header.get("unmeasured", {}).items()}
@@ -122,7 +135,77 @@ def choose_mix(groups: dict[str, list[str]], options: dict[str, list[Option]], b
         _, g, o = best
         used += o.bits - choice[g].bits
         choice[g] = o
-    return Mix(choice, groups, sum(o.kld for o in choice.values()), used)
+    greedy = sum(o.kld for o in choice.values())
+    exchanges = exchange_repair(options, choice, budget_bits)
+    return Mix(choice, groups, sum(o.kld for o in choice.values()), sum(o.bits for o in choice.values()), greedy,
+               exchanges)
+
+
+#: at most this many exchanges per group (each lowers the predicted KLD, so the repair ends anyway; this bounds it)
+MAX_EXCHANGES_PER_GROUP = 8
+
+
+def exchange_repair(options: dict[str, list[Option]], choice: dict[str, Option], budget_bits: float) -> int:
+    """Improve `choice` in place: apply the single change, or the pair of changes in two groups (one up, one down),
+    that lowers the predicted KLD most and keeps the bits within the budget, until none does. Returns the number of
+    changes applied; the result is never worse than `choice` was."""
+    names = list(options)
+    applied = 0
+    for _ in range(MAX_EXCHANGES_PER_GROUP * len(names)):
+        used = sum(o.bits for o in choice.values())
+        moves = [(k, o, o.bits - choice[g].bits, o.kld - choice[g].kld)
+                 for k, g in enumerate(names) for o in options[g] if o != choice[g]]
+        if not moves:
+            break
+        group = np.array([m[0] for m in moves])
+        dbits = np.array([m[2] for m in moves], dtype=np.float64)
+        dkld = np.array([m[3] for m in moves], dtype=np.float64)
+        room = budget_bits - used
+        single = np.where((dbits <= room) & (dkld < 0), dkld, np.inf)
+        best_single = int(np.argmin(single))
+        best_pair, pair_gain = _best_pair(group, dbits, dkld, room)
+        if single[best_single] == np.inf and pair_gain == np.inf:
+            break
+        chosen = [best_single] if single[best_single] <= pair_gain else list(best_pair or ())
+        for i in chosen:
+            k, o, _, _ = moves[i]
+            choice[names[k]] = o
+            applied += 1
+    return applied
+
+
+def _best_pair(group: np.ndarray, dbits: np.ndarray, dkld: np.ndarray, room: float,
+               ) -> tuple[tuple[int, int] | None, float]:
+    """The pair of moves (an upgrade, a downgrade of another group) of least summed KLD change below 0 whose bits
+    fit `room`, and that change (inf: none). The upgrades are sorted by bits with a running best and a running best
+    of another group than the best's, so each downgrade finds its partner by one binary search: O(M log M) for M
+    moves, where the full pair table of a DeepSeek-sized sweep would not fit in memory."""
+    up, down = np.flatnonzero(dbits > 0), np.flatnonzero(dbits < 0)
+    if not len(up) or not len(down):
+        return None, np.inf
+    up = up[np.argsort(dbits[up], kind="stable")]
+    best = np.empty(len(up), dtype=np.int64)  # index into `up` of the least dkld so far
+    second = np.full(len(up), -1, dtype=np.int64)  # the least dkld so far among other groups than best's
+    b, c = 0, -1
+    for i in range(len(up)):
+        if dkld[up[i]] < dkld[up[b]]:
+            if group[up[i]] != group[up[b]]:
+                c = b
+            b = i
+        elif group[up[i]] != group[up[b]] and (c < 0 or dkld[up[i]] < dkld[up[c]]):
+            c = i
+        best[i], second[i] = b, c
+    last = np.searchsorted(dbits[up], room - dbits[down], side="right") - 1
+    ok = last >= 0
+    last = np.maximum(last, 0)
+    partner = np.where(group[up[best[last]]] != group[down], best[last], second[last])
+    ok &= partner >= 0
+    gain = np.where(ok, dkld[up[np.maximum(partner, 0)]] + dkld[down], np.inf)
+    gain[gain >= 0] = np.inf
+    k = int(np.argmin(gain))
+    if gain[k] == np.inf:
+        return None, np.inf
+    return (int(up[partner[k]]), int(down[k])), float(gain[k])
 
 
 @dataclass(frozen=True)
@@ -214,8 +297,17 @@ class MixPlan:
     title: str
     n_weights: int
     total_bits: int
-    #: every swept group's tensors
+    #: every swept group's tensors, and its options, after the constraints (tied groups merged)
     groups: dict[str, list[str]] = field(default_factory=dict)
+    options: dict[str, list[Option]] = field(default_factory=dict)
+
+    @property
+    def greedy_kld(self) -> float:
+        return sum(m.greedy_kld for _, m, _ in self.results)
+
+    @property
+    def exchanges(self) -> int:
+        return sum(m.exchanges for _, m, _ in self.results)
 
     @property
     def tensor_types(self) -> dict[str, str]:
@@ -230,10 +322,27 @@ class MixPlan:
         return {g: o for _, mix, _ in self.results for g, o in mix.choice.items()}
 
 
+def _check_reachable(target: MixTarget, bits: float, tensor_bits: dict[str, int], groups: dict[str, list[str]],
+                     options: dict[str, list[Option]], n_weights: int) -> None:
+    """Refuse a whole-file target below the cheapest mix the sweep allows or above its most expensive one (the
+    unswept tensors at their planned types): one is impossible, the other would only take the largest types."""
+    swept = {n for names in groups.values() for n in names}
+    fixed = sum(b for name, b in tensor_bits.items() if name not in swept)
+    least = fixed + sum(min(o.bits for o in opts) for opts in options.values())
+    most = fixed + sum(max(o.bits for o in opts) for opts in options.values())
+    if least <= bits <= most:
+        return
+    option, value = ("--target-bpw", f"{target.bpw:g}") if target.bpw is not None else ("--target-size", target.size)
+    side, edge = ("below the cheapest", least) if bits < least else ("above the most expensive", most)
+    raise MixError(f"{option} {value} is {side} mix the sweep allows ({edge / n_weights:.4f} bits per weight, "
+                   f"{edge / 8 / 2**20:.3f} MiB of tensors)")
+
+
 def plan_mix(source: GGUFModel, opts: QuantizeOptions, groups: dict[str, list[str]], options: dict[str, list[Option]],
-             target: MixTarget, sweep_name: str) -> MixPlan:
-    """The mix for `source` quantized per `opts` (the unswept tensors' types) within `target`; for a mainline
-    recipe only among the measured types mainline loads."""
+             target: MixTarget, sweep_name: str, constraints: MixConstraints | None = None) -> MixPlan:
+    """The mix for `source` quantized per `opts` (the unswept tensors' types) within `target`, under `constraints`
+    (default: the default ties); for a mainline recipe only among the measured types mainline loads."""
+    from ikquant.mix_constraints import MixConstraints, constrained
     from ikquant.quantize import make_plan
     from ikquant.sizes import parse_size
 
@@ -244,13 +353,23 @@ def plan_mix(source: GGUFModel, opts: QuantizeOptions, groups: dict[str, list[st
     if missing:
         raise MixError(f"--sweep {sweep_name}: tensor {missing[0]!r} is not in {source.path}: a sweep of another "
                        "model?")
+    for g, measured in options.items():
+        n_weights = sum(source.tensors[n].n_elements for n in groups[g])
+        if any(o.n_weights not in (None, n_weights) for o in measured):
+            raise MixError(f"--sweep {sweep_name}: group {g!r} was measured with other shapes than {source.path}'s "
+                           f"({n_weights} weights here): a sweep of another model")
+    groups, options = constrained(groups, options, constraints or MixConstraints(),
+                                  {n: source.tensors[n].n_per_row for n in swept})
     plan = make_plan(source, opts)
     n_weights = sum(p.info.n_elements for p in plan.tensors)
+    tensor_bits = {p.name: 8 * p.new_bytes for p in plan.tensors}
     if target.bpw is not None:
         budgets, title = [Budget(None, target.bpw * n_weights)], f"type mix for {target.bpw:g} bits per weight"
     elif target.size is not None:
         budgets, title = [Budget(None, 8 * parse_size(target.size, "--target-size"))], f"type mix for {target.size}"
     else:
         budgets, title = parse_budgets(list(target.budgets)), "type mix per budget"
-    results = choose_mixes({p.name: 8 * p.new_bytes for p in plan.tensors}, groups, options, budgets)
-    return MixPlan(results, title, n_weights, sum(fixed + mix.bits for _, mix, fixed in results), groups)
+    if target.bpw is not None or target.size is not None:
+        _check_reachable(target, budgets[0].bits, tensor_bits, groups, options, n_weights)
+    results = choose_mixes(tensor_bits, groups, options, budgets)
+    return MixPlan(results, title, n_weights, sum(fixed + mix.bits for _, mix, fixed in results), groups, options)

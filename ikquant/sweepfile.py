@@ -28,12 +28,17 @@ DEFAULTS = {"metric": "kld"}
 METRICS = {"kld": "kld_mean", "acceptance": "acceptance_loss"}
 CSV_COLUMNS = {
     "kld": ("group", "tensors", "type", "type_used", "n_weights", "bytes_base", "bytes_new", "bpw", "kld_mean",
-            "kld_sem", "kld_p99", "same_top_p", "ppl_ratio", "ln_ppl_ratio", "ln_ppl_ratio_err", "seconds"),
+            "kld_sem", "kld_p99", "same_top_p", "ppl_ratio", "ln_ppl_ratio", "ln_ppl_ratio_err", "seconds", "fallback",
+            "measured", "prediction", "basis"),
     "acceptance": ("group", "tensors", "type", "type_used", "n_weights", "bytes_base", "bytes_new", "bpw",
-                   "acceptance_mean", "acceptance_loss", "acceptance_first", "seconds"),
+                   "acceptance_mean", "acceptance_loss", "acceptance_first", "seconds", "fallback"),
 }
 _INTS = {"n_weights", "bytes_base", "bytes_new"}
 _STRS = {"group", "type", "type_used"}
+#: columns a row may leave empty (written as "", read as None)
+_OPTIONAL_STRS = {"fallback", "basis"}
+_OPTIONAL_FLOATS = {"prediction"}
+_BOOLS = {"measured"}
 
 
 def file_sha256(path: Path) -> str:
@@ -83,6 +88,12 @@ def _typed(row: dict[str, str]) -> dict[str, Any]:
             out[key] = value.split(";")
         elif key in _STRS:
             out[key] = value
+        elif key in _OPTIONAL_STRS:
+            out[key] = value or None
+        elif key in _OPTIONAL_FLOATS:
+            out[key] = float(value) if value else None
+        elif key in _BOOLS:
+            out[key] = value != "False"
         else:
             out[key] = int(value) if key in _INTS else float(value)
     return out

@@ -268,3 +268,37 @@ def test_a_sweep_of_a_model_larger_than_its_budget_streams_with_the_same_rows(da
                         full_forward=not tight)
         rows[tight] = {r.group: (r.kld_mean, r.kld_p99, r.same_top_p) for r in got}
     assert rows[True] == rows[False]
+
+
+@pytest.fixture(scope="module")
+def narrow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3 whose attn_output rows are 16 values wide: no 32-value block (Q4_0, IQ4_NL) holds them."""
+    from ikconvert.convert import Converter
+
+    folder = tmp_path_factory.mktemp("narrow")
+    hf = make_tiny_checkpoint(folder / "hf", TinySpec(arch="qwen3", hidden=64, layers=2, heads=2, kv_heads=1,
+                                                      head_dim=8, ffn=128, seed=5))
+    return Converter(hf, "f32", "qwen2").write(folder / "narrow-f32.gguf")
+
+
+def test_a_type_a_tensor_cannot_hold_takes_ik_fallback_and_the_sweep_goes_on(narrow_model: Path,
+                                                                              tmp_path: Path) -> None:
+    out = tmp_path / "sweep.csv"
+    res = _sweep(narrow_model, out, "--types", "Q4_0,IQ4_KS,Q8_0", "--tensors", r"blk\.0\.(attn_output|ffn_down)")
+    assert res.exit_code == 0, res.output
+    from ikquant.sweepfile import read_sweep_file
+
+    rows = {(r["group"], r["type"]): r for r in read_sweep_file(out)[1]}
+    assert len(rows) == 6
+    for qtype in ("Q4_0", "IQ4_KS"):  # 16 columns: no block fits, the tensor keeps its own encoding
+        row = rows[("blk.0.attn_output.weight", qtype)]
+        assert row["type_used"] == "F32" and row["bytes_new"] == row["bytes_base"]
+        assert "16 columns cannot hold" in row["fallback"] and "kept as F32" in row["fallback"]
+    down = rows[("blk.0.ffn_down.weight", "IQ4_KS")]  # 128 columns: ik's IQ4_KS -> IQ4_NL
+    assert down["type_used"] == "IQ4_NL" and "falls back to IQ4_NL" in down["fallback"]
+    assert rows[("blk.0.ffn_down.weight", "Q4_0")]["fallback"] is None
+    mixed = tmp_path / "mix.gguf"
+    res = runner.invoke(ikquant_app, [str(narrow_model), str(mixed), "--type", "q8_0", "--sweep", str(out),
+                                      "--target-bpw", "8.75"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert GGUFFile(mixed).tensors["blk.0.attn_output.weight"].type.name == "F32"

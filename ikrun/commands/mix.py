@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Optional
 import typer
 from rich.table import Table
 
-from ikquant.cli_common import err, fail, out
+from ikquant.cli_common import MIN_TYPE, NO_DEFAULT_TIES, TIE, err, fail, out
 from ikquant.errors import IkError
 from ikrun.commands.common import load_model, progress_bar, read_text, run_plan
 from ikrun.commands.options import Evaluation, evaluation_options
@@ -37,9 +37,16 @@ def mix(
                                "refined file if it measures lower."),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="Importance matrix for the quantization "
                                            "(default: the sweep's)."),
-    text: Optional[Path] = typer.Option(None, "--text", help="Text to measure on (default: the sweep's)."),
+    text: Optional[Path] = typer.Option(None, "--text", help="Text to measure and --refine on (default: the "
+                                        "sweep's)."),
+    eval_text: Optional[Path] = typer.Option(None, "--eval-text", help="Also measure the kept file on this text "
+                                             "(same --ctx and --chunks); the report says held-out when it is not "
+                                             "the text the sweep was measured on, else in-sample."),
     ctx: Optional[int] = typer.Option(None, "--ctx", "-c", help="Chunk length (default: the sweep's)."),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Chunks to measure (default: the sweep's)."),
+    tie: list[str] = TIE,
+    no_default_ties: bool = NO_DEFAULT_TIES,
+    min_type: list[str] = MIN_TYPE,
     recipe: str = typer.Option("ik", "--recipe", help="ik or mainline: whose rules type the unswept tensors, and "
                                "with mainline only mainline-loadable types are chosen (as ikquant --recipe)."),
     json_out: bool = typer.Option(False, "--json", help="Print the mixes' sizes, predicted and measured KLD as JSON."),
@@ -60,11 +67,12 @@ def mix(
     from ikquant.cli import print_mix, print_unmeasured
     from ikquant.imatrix import read_imatrix
     from ikquant.mix import MixTarget, plan_mix, read_sweep
+    from ikquant.mix_constraints import MixConstraints
     from ikquant.quantize import QuantizeOptions
     from ikquant.recipes_mainline import recipe_file_type
     from ikquant.shards import GGUFModel
     from ikquant.sweepfile import file_sha256, read_sweep_file
-    from ikrun.eval.evaluate import open_base, perplexity, tokenize_chunks
+    from ikrun.eval.evaluate import tokenize_chunks
     from ikrun.sweep.measure import model_fingerprint
 
     targets = [t for t in (target_bpw is not None, target_size is not None, bool(budget)) if t]
@@ -86,15 +94,24 @@ def mix(
             defaults.append((imatrix, "imatrix_sha256", "imatrix"))
         for path, key, what in defaults:
             if file_sha256(path) != header[key]:
-                fail(f"{sweep}'s {what} {path} has changed since the sweep; name it with --{what} to use it anyway")
+                fail(f"--sweep {sweep}: its {what} {path} has changed since the sweep; name it with --{what} to use "
+                     "it anyway")
         if model_fingerprint(m) != header["model_fingerprint"]:
-            err.print(f"[yellow]warning:[/] {sweep} was measured on another file than {model}: its predictions "
-                      "may not hold", soft_wrap=True)
+            fail(f"--sweep {sweep} was measured on another model file ({header.get('model')}) than {model}: its "
+                 "costs are against another base; sweep this file")
         imat = read_imatrix(imatrix) if imatrix else None
         opts = QuantizeOptions(recipe_file_type(recipe, type_name), imatrix=imat, recipe=recipe)
         target = MixTarget(target_bpw, target_size, budget)
-        plan = plan_mix(GGUFModel(model), opts, groups, options, target, str(sweep))
+        constraints = MixConstraints(tuple(tie), not no_default_ties, tuple(min_type))
+        plan = plan_mix(GGUFModel(model), opts, groups, options, target, str(sweep), constraints)
         chunk_tokens = tokenize_chunks(m, read_text(text), ctx or header["ctx"], chunks or header["chunks"])
+        eval_tokens = None
+        if eval_text is not None:
+            try:
+                eval_tokens = tokenize_chunks(m, read_text(eval_text), chunk_tokens.shape[1],
+                                              chunks or header["chunks"])
+            except IkError as exc:
+                raise SweepError(f"--eval-text {eval_text}: {exc}") from None
     except IkError as exc:
         fail(str(exc))
     print_mix(plan)
@@ -102,24 +119,26 @@ def mix(
     n_chunk, n_ctx = chunk_tokens.shape
     summary = []
     with tempfile.TemporaryDirectory() as tmp:
-        base_path = Path(tmp) / "base.kld"
-        with progress_bar() as bar:
-            task = bar.add_task("base logits", total=n_chunk)
-            perplexity(m, chunk_tokens, base_path, lambda i, _: bar.update(task, completed=i),
-                       run_plan(m, n_chunk, n_ctx, ev))
-        base = open_base(base_path, m)
+        base = _base_logits(m, chunk_tokens, Path(tmp) / "base.kld", ev, "base logits")
         first, written = _assemble_and_measure(model, output, opts, plan.tensor_types, base, ev)
         summary.append({"mix": "sweep", "bytes": plan.total_bits // 8, "bpw": plan.total_bits / plan.n_weights,
                         "predicted_kld": plan.predicted_kld, **first, "kept": True})
         kept = (written, plan, first["kld_mean"])
         if refine > 0:
-            refined = _refine(m, output, opts, groups, options, plan, target, sweep, base, first, refine, imat, ev)
+            refined = _refine(m, output, opts, plan, target, constraints, sweep, base, first, refine, imat, ev)
             if refined is not None:
                 row, refined_written, refined_plan = refined
                 summary.append(row)
                 summary[0]["kept"] = not row["kept"]
                 if row["kept"]:
                     kept = (refined_written, refined_plan, row["kld_mean"])
+    def sample(path: Path) -> str:
+        return "held-out" if file_sha256(path) != header["text_sha256"] else "in-sample"
+
+    for row in summary:
+        row["text"], row["sample"] = str(text), sample(text)
+    if eval_text is not None and eval_tokens is not None:
+        summary.append(_measure_on(m, output, eval_tokens, ev, kept[1], eval_text, sample(eval_text)))
     if recipe_out is not None:
         from ikquant.recipe_out import recipe_text, write_recipe
 
@@ -131,15 +150,54 @@ def mix(
     if json_out:
         out.print_json(json.dumps(summary))
         return
-    table = Table(title=f"{output.name}: predicted vs measured mean KLD ({n_chunk} chunks of {n_ctx})")
-    for col in ("mix", "MiB", "bpw", "predicted", "measured", "±", "measured/predicted", "kept"):
+    table = Table(title=f"{output.name}: predicted vs measured mean KLD ({n_chunk} chunks of {n_ctx} per text; "
+                        "in-sample: the sweep's text, held-out: another)")
+    for col in ("mix", "MiB", "bpw", "text", "predicted", "measured", "±", "measured/predicted", "kept"):
         table.add_column(col, justify="right")
     for row in summary:
-        table.add_row(row["mix"], f"{row['bytes'] / 2**20:.3f}", f"{row['bpw']:.4f}", f"{row['predicted_kld']:.6f}",
+        table.add_row(row["mix"], f"{row['bytes'] / 2**20:.3f}", f"{row['bpw']:.4f}",
+                      f"{Path(row['text']).name} ({row['sample']})", f"{row['predicted_kld']:.6f}",
                       f"{row['kld_mean']:.6f}", f"{row['kld_mean_err']:.6f}",
                       f"{row['kld_mean'] / row['predicted_kld']:.3f}" if row["predicted_kld"] > 0 else "-",
                       "yes" if row["kept"] else "no")
     out.print(table)
+
+
+def _base_logits(m: Model, tokens, path: Path, ev: Evaluation, what: str):  # type: ignore[no-untyped-def]
+    """The base model's logits on `tokens`, written to `path` and opened as the KLD reference."""
+    from ikrun.eval.evaluate import open_base, perplexity
+
+    n_chunk, n_ctx = tokens.shape
+    with progress_bar() as bar:
+        task = bar.add_task(what, total=n_chunk)
+        perplexity(m, tokens, path, lambda i, _: bar.update(task, completed=i), run_plan(m, n_chunk, n_ctx, ev))
+    return open_base(path, m)
+
+
+def _measured(path: Path, base, ev: Evaluation, what: str) -> dict:  # type: ignore[no-untyped-def, type-arg]
+    """The KLD statistics of the GGUF at `path` against `base`, printed as `what`."""
+    from ikrun.eval.evaluate import kl_divergence
+    from ikrun.eval.metrics import kld_stats
+
+    mixed = load_model(path, ev)
+    with progress_bar() as bar:
+        task = bar.add_task(f"measuring {what}", total=base.n_chunk)
+        stats = kld_stats(kl_divergence(mixed, base, lambda i, _: bar.update(task, completed=i)))
+    err.print(f"{what}: measured mean KLD {stats['kld_mean']:.6f} ± {stats['kld_mean_err']:.6f}", highlight=False)
+    return {"kld_mean": float(stats["kld_mean"]), "kld_mean_err": float(stats["kld_mean_err"]),
+            "same_top_p": float(stats["same_top_p"])}
+
+
+def _measure_on(m: Model, output: Path, tokens, ev: Evaluation, plan, eval_text: Path,  # type: ignore[no-untyped-def]
+                label: str) -> dict:  # type: ignore[type-arg]
+    """The kept file `output` measured against the base on another text (--eval-text): its summary row."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        base = _base_logits(m, tokens, Path(tmp) / "eval-base.kld", ev, f"base logits on {eval_text.name}")
+        stats = _measured(output, base, ev, f"{output} on {eval_text} ({label})")
+    return {"mix": "kept, on --eval-text", "bytes": plan.total_bits // 8, "bpw": plan.total_bits / plan.n_weights,
+            "predicted_kld": plan.predicted_kld, **stats, "kept": True, "text": str(eval_text), "sample": label}
 
 
 def _assemble_and_measure(model: Path, output: Path, opts, types: dict[str, str], base, ev: Evaluation):  # type: ignore[no-untyped-def]
@@ -148,23 +206,15 @@ def _assemble_and_measure(model: Path, output: Path, opts, types: dict[str, str]
     import dataclasses
 
     from ikquant.quantize import quantize_model
-    from ikrun.eval.evaluate import kl_divergence
-    from ikrun.eval.metrics import kld_stats
 
     try:
         written = quantize_model(model, output, dataclasses.replace(opts, tensor_types=types))
     except IkError as exc:
         fail(str(exc))
-    mixed = load_model(output, ev)
-    with progress_bar() as bar:
-        task = bar.add_task(f"measuring {output.name}", total=base.n_chunk)
-        stats = kld_stats(kl_divergence(mixed, base, lambda i, _: bar.update(task, completed=i)))
-    err.print(f"{output}: measured mean KLD {stats['kld_mean']:.6f} ± {stats['kld_mean_err']:.6f}", highlight=False)
-    return {"kld_mean": float(stats["kld_mean"]), "kld_mean_err": float(stats["kld_mean_err"]),
-            "same_top_p": float(stats["same_top_p"])}, written
+    return _measured(output, base, ev, str(output)), written
 
 
-def _refine(m: Model, output: Path, opts, groups, options, plan, target, sweep: Path, base, first: dict,  # type: ignore[no-untyped-def, type-arg]
+def _refine(m: Model, output: Path, opts, plan, target, constraints, sweep: Path, base, first: dict,  # type: ignore[no-untyped-def, type-arg]
             refine: int, imat, ev: Evaluation):
     """Re-cost the most sensitive groups inside the assembled mix, choose again, keep the better-measured file:
     (its summary row, its quantization plan, its mix), or None when the same mix is chosen again."""
@@ -175,6 +225,7 @@ def _refine(m: Model, output: Path, opts, groups, options, plan, target, sweep: 
     from ikrun.sweep.refine import most_sensitive, refined_options
 
     chosen = most_sensitive(plan.choice, refine)
+    groups, options = plan.groups, plan.options
     mixed = load_model(output, ev)
     with progress_bar() as bar:
         task = bar.add_task("refining", total=sum(len(options[g]) - 1 for g in chosen))
@@ -182,7 +233,7 @@ def _refine(m: Model, output: Path, opts, groups, options, plan, target, sweep: 
                                       ev.spill_dir, lambda g, t, d: bar.update(task, advance=1,
                                                                                description=f"{g} {t}"))
     del mixed
-    refined = plan_mix(GGUFModel(m.path), opts, groups, new_options, target, str(sweep))
+    refined = plan_mix(GGUFModel(m.path), opts, groups, new_options, target, str(sweep), constraints)
     row = {"mix": f"refined ({len(chosen)} groups)", "bytes": refined.total_bits // 8,
            "bpw": refined.total_bits / refined.n_weights, "predicted_kld": refined.predicted_kld}
     if refined.tensor_types == plan.tensor_types:

@@ -32,6 +32,12 @@ def sweep(
     group: str = typer.Option("tensor", "--group", help="Measure each tensor, each layer, or each tensor class "
                               "(tensor | layer | class)."),
     ctx: int = typer.Option(512, "--ctx", "-c", help="Chunk length in tokens."),
+    target_bpw: Optional[str] = typer.Option(None, "--target-bpw", help="Comma-separated whole-file bits per "
+                                             "weight (e.g. 3.5,4.5) the sweep serves: measure each group at the "
+                                             "cheapest type only, predict the other types from the weighted "
+                                             "quantization error, and measure just the types the mixes at these "
+                                             "budgets choose (until they choose only measured ones); the other "
+                                             "rows are written as predicted (\"measured\": false)."),
     chunks: Optional[str] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks; auto: 4 "
                                          "chunks, then 8, 16, ... (each round scores only its new chunks) until "
                                          "the ranking of the groups is stable (Kendall tau >= 0.9 between two "
@@ -96,6 +102,9 @@ def sweep(
     auto = chunks is not None and chunks.strip().lower() == "auto"
     if chunks is not None and not auto and not chunks.strip().isdigit():
         fail(f"--chunks must be a number of chunks or auto, not {chunks!r}")
+    bpws = _target_bpws(target_bpw) if target_bpw is not None else None
+    if bpws is not None and (auto or ray is not None):
+        fail("--target-bpw prunes a one-round local sweep: it does not go with --chunks auto or --ray")
     m = load_model(model, ev)
     try:
         type_list = _candidate_types(m, types)
@@ -115,9 +124,20 @@ def sweep(
             if theirs.get("chunks") in rounds:
                 stopped = theirs.get("ranking", {}).get("stable", False)
                 rounds = [n for n in rounds if n == theirs["chunks"] or (n > theirs["chunks"] and not stopped)]
-        done = load_rows(output, sweep_header(m, text, ctx, rounds[0], group, imatrix))
+        # a pruned sweep's predicted rows are no measurements: a sweep resumed on its file measures them
+        done = [r for r in load_rows(output, sweep_header(m, text, ctx, rounds[0], group, imatrix)) if r.measured]
+        if bpws is not None:
+            from ikrun.sweep.prune import check_budgets
+
+            check_budgets(m, groups, type_list, bpws)
     except IkError as exc:
         fail(str(exc))
+    if bpws is not None:
+        rows = _pruned_sweep(m, ev, text, all_tokens, group, imatrix, imat, groups, type_list, done, output,
+                             full_forward, bpws)
+        out.print(sweep_table(rows))
+        err.print(f"wrote {output}: {len(rows)} rows ({sum(1 for r in rows if r.measured)} measured)")
+        return
     with ExitStack() as stack:
         cluster = None
         if ray is not None:
@@ -251,6 +271,62 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
                     highlight=False)
             previous, done = rows, []
     return rows
+
+
+def _target_bpws(value: str) -> list[float]:
+    """--target-bpw B1,B2,...: positive numbers."""
+    try:
+        bpws = [float(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        fail(f"--target-bpw {value!r} is not a comma-separated list of bits per weight (e.g. 3.5,4.5)")
+    if not bpws or any(not b > 0 for b in bpws):
+        fail(f"--target-bpw {value!r} is not a comma-separated list of bits per weight (e.g. 3.5,4.5)")
+    return bpws
+
+
+def _pruned_sweep(m: Model, ev: Evaluation, text: Path, all_tokens, group: str, imatrix: Optional[Path], imat,  # type: ignore[no-untyped-def]
+                  groups: dict[str, list[str]], type_list: list, done: list, output: Path, full_forward: bool,  # type: ignore[type-arg]
+                  bpws: list[float]) -> list:  # type: ignore[type-arg]
+    """`ikrun sweep --target-bpw`: the base logits once, then the measurements the pruning asks for
+    (ikrun/sweep/prune.py), each row saved as it comes; finally the measured and predicted rows together."""
+    import tempfile
+
+    from ikrun.eval.evaluate import open_base, perplexity
+    from ikrun.sweep import run_sweep
+    from ikrun.sweep.measure import save_rows, sweep_header
+    from ikrun.sweep.prune import run_pruned_sweep
+
+    n = len(all_tokens)
+    header = {**sweep_header(m, text, all_tokens.shape[1], n, group, imatrix), "target_bpw": bpws}
+    rows = [r for r in done if r.measured]
+    with tempfile.TemporaryDirectory() as tmp, progress_bar() as bar:
+        base_path = Path(tmp) / "base.kld"
+        task = bar.add_task(f"base logits ({n} chunks)", total=n)
+        perplexity(m, all_tokens, base_path, lambda i, _: bar.update(task, completed=i),
+                   run_plan(m, n, all_tokens.shape[1], ev))
+        base = open_base(base_path, m)
+        bar.update(task, description="pruned sweep", completed=0, total=None)
+
+        def measure(subset: dict[str, list[str]], qtype) -> list:  # type: ignore[no-untyped-def, type-arg]
+            new: list = []  # type: ignore[type-arg]
+
+            def on_row(row) -> None:  # type: ignore[no-untyped-def]
+                rows.append(row)
+                new.append(row)
+                save_rows(output, header, rows)
+                bar.update(task, advance=1, description=f"{row.group} {row.type}")
+
+            run_sweep(m, base, subset, [qtype], imat, [], on_row, spill_dir=ev.spill_dir, full_forward=full_forward)
+            return new
+
+        try:
+            result = run_pruned_sweep(m, groups, type_list, imat, bpws, done, measure)
+        except IkError as exc:
+            bar.stop()
+            fail(str(exc))
+    save_rows(output, header, result.rows)
+    err.print(result.summary(), highlight=False)
+    return result.rows
 
 
 def _worker_mem(ev: Evaluation, cluster) -> int | None:  # type: ignore[no-untyped-def]

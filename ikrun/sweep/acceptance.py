@@ -28,6 +28,8 @@ class AcceptanceRow(Measured):
     #: accepted share at the first draft position
     acceptance_first: float
     seconds: float
+    #: why a tensor of the group is stored as another type than asked (ik's fallback), None when none is
+    fallback: str | None = None
 
 
 def decoding_identity(target: Model, prompts: list[np.ndarray], max_new: int, block: int) -> dict:  # type: ignore[type-arg]
@@ -65,7 +67,8 @@ def run_acceptance_sweep(draft: Model, target: Model, prompts: list[np.ndarray],
         n_weights = sum(draft.weights.info(n).n_elements for n in names)
         row = AcceptanceRow(group, names, gtype.name, "+".join(sorted({u.name for u, _ in job.encodings})), n_weights,
                             sum(draft.weights.source_encoding(n).raw.nbytes for n in names), bytes_new,
-                            8.0 * bytes_new / n_weights, mean, base - mean, first, time.perf_counter() - t0)
+                            8.0 * bytes_new / n_weights, mean, base - mean, first, time.perf_counter() - t0,
+                            job.fallback)
         rows.append(row)
         on_row(row)
     return rows

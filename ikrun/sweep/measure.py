@@ -28,6 +28,7 @@ from typing import Any
 import numba
 import numpy as np
 
+from ikquant.errors import QuantizeError
 from ikquant.imatrix import Imatrix
 from ikquant.quantize import quantize_rows
 from ikquant.recipes import eligible, with_row_fallback
@@ -77,6 +78,14 @@ class SweepRow(Measured):
     ln_ppl_ratio: float
     ln_ppl_ratio_err: float
     seconds: float
+    #: why a tensor of the group is stored as another type than asked (ik's fallback), None when none is
+    fallback: str | None = None
+    #: False for a row a pruned sweep (--target-bpw) predicted instead of measuring: kld_mean is the prediction,
+    #: the other statistics NaN
+    measured: bool = True
+    #: a pruned sweep's predicted mean KLD (also on the rows it measured besides the anchors) and what it rests on
+    prediction: float | None = None
+    basis: str | None = None
 
     @property
     def within_noise(self) -> bool:
@@ -138,15 +147,31 @@ def sweep_groups(model: Model, mode: str, pattern: str | None = None, n_ctx: int
     return groups
 
 
-def quantized_copy(model: Model, name: str, gtype: GGMLType, imatrix: Imatrix | None) -> tuple[GGMLType, np.ndarray]:
-    """Tensor `name` quantized to `gtype` (or ik's row-length fallback) from the base's encoding."""
+def stored_type(model: Model, name: str, gtype: GGMLType) -> tuple[GGMLType, str | None]:
+    """The type tensor `name` is stored as when a sweep asks for `gtype`, and why when it is another: ik's
+    row-length fallback, or, where no fallback's blocks fit the rows, the tensor's own encoding (what ikquant
+    writes for it)."""
     info = model.weights.info(name)
-    fb = with_row_fallback(gtype, info.n_per_row)
+    try:
+        fb = with_row_fallback(gtype, info.n_per_row, name)
+    except QuantizeError:
+        fb = None
     used = fb.type if fb is not None else gtype
-    if info.n_per_row % used.block_size:
-        raise SweepError(f"{name}: {info.n_per_row} columns cannot hold {used.name} blocks")
-    codec = used.require_codec()
-    raw = quantize_rows(model.weights.source_encoding(name).raw, info, used, codec, imatrix, numba.get_num_threads())
+    if info.n_per_row % used.block_size == 0:
+        return used, fb.reason if fb is not None else None
+    own = model.weights.source_encoding(name).type
+    return own, (f"{name}: {info.n_per_row} columns cannot hold {used.name} blocks and ik has no type for "
+                 f"{gtype.name} that fits: kept as {own.name}")
+
+
+def quantized_copy(model: Model, name: str, gtype: GGMLType, imatrix: Imatrix | None) -> tuple[GGMLType, np.ndarray]:
+    """Tensor `name` stored as a sweep stores it when asked for `gtype` (stored_type), from the base's encoding."""
+    info = model.weights.info(name)
+    used, _ = stored_type(model, name, gtype)
+    source = model.weights.source_encoding(name)
+    if used is source.type:
+        return used, source.raw
+    raw = quantize_rows(source.raw, info, used, used.require_codec(), imatrix, numba.get_num_threads())
     return used, raw
 
 
@@ -205,12 +230,19 @@ class Candidate:
     type: GGMLType
     encodings: list[tuple[GGMLType, np.ndarray]]
     seconds: float
+    #: the reasons its tensors are stored as other types than asked (stored_type)
+    fallbacks: list[str]
+
+    @property
+    def fallback(self) -> str | None:
+        return "; ".join(self.fallbacks) or None
 
 
 def prepare_candidate(model: Model, group: str, names: list[str], gtype: GGMLType, imatrix: Imatrix | None) -> Candidate:
     t0 = time.perf_counter()
     encodings = [quantized_copy(model, name, gtype, imatrix) for name in names]
-    return Candidate(group, names, gtype, encodings, time.perf_counter() - t0)
+    fallbacks = [why for name in names if (why := stored_type(model, name, gtype)[1]) is not None]
+    return Candidate(group, names, gtype, encodings, time.perf_counter() - t0, fallbacks)
 
 
 def concurrent_kernels_are_safe() -> bool:
@@ -266,7 +298,7 @@ class Measurer:
         row = SweepRow(job.group, job.names, job.type.name, used_types, n_weights, bytes_base, bytes_new,
                        8.0 * bytes_new / n_weights, float(stats["kld_mean"]), float(stats["kld_mean_err"]),
                        float(stats["kld_p99"]), float(stats["same_top_p"]), float(stats["ppl_ratio"]),
-                       float(stats["ln_ppl_ratio"]), float(stats["ln_ppl_ratio_err"]), seconds)
+                       float(stats["ln_ppl_ratio"]), float(stats["ln_ppl_ratio_err"]), seconds, job.fallback)
         return row, acc
 
     def close(self) -> None:

@@ -1,0 +1,199 @@
+"""Fewer measurements for the same mix: `ikrun sweep --target-bpw B1,B2` measures only what can change the mixes at
+those budgets and predicts the rest.
+
+A measurement costs a partial forward; a quantization costs far less. So every (group, type) gets a prior, its
+importance-weighted squared quantization error (a quantize and a dequantize: sum over columns of the imatrix's
+mean squared activation times the squared weight error, or the plain squared error without an imatrix). Each group
+is then measured at one anchor type (the cheapest swept type: the largest, least noisy effect), which gives its
+sensitivity (measured KLD per unit of weighted error); another type's KLD is predicted as sensitivity x its error,
+the sensitivity taken from the group's measured type nearest in error (the anchor at first). The mixes at the
+budgets are chosen from these costs (ikquant/mix.py), and each chosen (group, type) not measured yet is measured
+and the mixes chosen again, until every type the mixes choose was measured. The rest are written
+as predicted rows ("measured": false, with the prediction and its basis).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ikquant.errors import IkError
+from ikquant.imatrix import Imatrix
+from ikquant.mix import Option, choose_mix
+from ikquant.types import GGMLType
+from ikrun.errors import SweepError
+from ikrun.model import Model
+from ikrun.sweep.measure import SweepRow, quantized_copy, stored_type
+
+#: rows dequantized at a time when computing a prior (bounds the memory of a large expert tensor)
+PRIOR_ROWS = 4096
+
+
+@dataclass(frozen=True)
+class Prior:
+    """What a quantization alone says of a (group, type): the types stored, their bytes, the weighted error."""
+
+    type_used: str
+    bytes_new: int
+    error: float
+    fallback: str | None
+
+
+def stored_bytes(model: Model, name: str, gtype: GGMLType) -> int:
+    """The bytes tensor `name` takes when a sweep asks for `gtype` (no quantization needed)."""
+    info = model.weights.info(name)
+    used, _ = stored_type(model, name, gtype)
+    source = model.weights.source_encoding(name)
+    return int(source.raw.nbytes) if used is source.type else used.row_bytes(info.n_per_row) * info.n_rows
+
+
+def weighted_error(model: Model, name: str, gtype: GGMLType, imatrix: Imatrix | None) -> float:
+    """Sum over the tensor's weights of (importance of the column) x (quantized - base)^2."""
+    info = model.weights.info(name)
+    n = info.n_per_row
+    used, raw = quantized_copy(model, name, gtype, imatrix)
+    source = model.weights.source_encoding(name)
+    if used is source.type:
+        return 0.0
+    n_mat = info.ne[2] if len(info.ne) > 2 else 1
+    weights = imatrix.lookup(name, n, n_mat, info.n_rows)[0] if imatrix is not None else None
+    rows_per_group = info.n_rows // (weights.shape[0] if weights is not None else 1)
+    base_codec, new_codec = source.type.require_codec(), used.require_codec()
+    total = 0.0
+    for r0 in range(0, info.n_rows, PRIOR_ROWS):
+        r1 = min(r0 + PRIOR_ROWS, info.n_rows)
+        x = base_codec.dequantize(source.raw[r0:r1], n).reshape(r1 - r0, n).astype(np.float64)
+        q = new_codec.dequantize(raw[r0:r1], n).reshape(r1 - r0, n).astype(np.float64)
+        d2 = (q - x) ** 2
+        if weights is not None:
+            d2 *= weights[np.arange(r0, r1) // rows_per_group]
+        total += float(d2.sum())
+    return total
+
+
+def priors(model: Model, groups: dict[str, list[str]], types: list[GGMLType], imatrix: Imatrix | None,
+           ) -> dict[tuple[str, str], Prior]:
+    """Every (group, type)'s prior."""
+    out = {}
+    for g, names in groups.items():
+        for t in types:
+            used = [stored_type(model, n, t) for n in names]
+            why = "; ".join(w for _, w in used if w) or None
+            out[(g, t.name)] = Prior("+".join(sorted({u.name for u, _ in used})),
+                                     sum(stored_bytes(model, n, t) for n in names),
+                                     sum(weighted_error(model, n, t, imatrix) for n in names), why)
+    return out
+
+
+def budget_bits(model: Model, groups: dict[str, list[str]], bpw: float) -> float:
+    """The bits the swept groups may take for a whole file of `bpw` bits per weight (the other tensors as stored)."""
+    swept = {n for names in groups.values() for n in names}
+    names = model.weights.names()
+    n_weights = sum(model.weights.info(n).n_elements for n in names)
+    fixed = sum(8 * model.weights.source_encoding(n).raw.nbytes for n in names if n not in swept)
+    return bpw * n_weights - fixed
+
+
+def check_budgets(model: Model, groups: dict[str, list[str]], types: list[GGMLType], bpws: list[float]) -> None:
+    """Refuse a --target-bpw the swept types cannot reach, before anything is measured."""
+    least = sum(min(8 * sum(stored_bytes(model, n, t) for n in names) for t in types) for names in groups.values())
+    most = sum(max(8 * sum(stored_bytes(model, n, t) for n in names) for t in types) for names in groups.values())
+    for bpw in bpws:
+        bits = budget_bits(model, groups, bpw)
+        if not least <= bits <= most:
+            side = "below the cheapest" if bits < least else "above the most expensive"
+            raise SweepError(f"--target-bpw {bpw:g} is {side} mix of the swept types")
+
+
+@dataclass
+class PrunedSweep:
+    """The rows (measured and predicted), and what the pruning saved and how good its predictions were."""
+
+    rows: list[SweepRow]
+    n_measured: int
+    n_predicted: int
+    #: (predicted, measured) mean KLD of the rows measured besides the anchors
+    checks: list[tuple[float, float]]
+
+    def summary(self) -> str:
+        total = self.n_measured + self.n_predicted
+        text = (f"--target-bpw: measured {self.n_measured} of {total} (group, type) candidates, predicted "
+                f"{self.n_predicted} ({100 * self.n_predicted / max(total, 1):.0f}% skipped)")
+        ratios = [m / p for p, m in self.checks if p > 0 and m > 0]
+        if ratios:
+            logs = np.abs(np.log(ratios))
+            text += (f"; on the {len(ratios)} measured besides the anchors, measured/predicted median "
+                     f"{float(np.median(ratios)):.3f}, median |log ratio| {float(np.median(logs)):.3f}, within "
+                     f"2x: {100 * float(np.mean(logs <= math.log(2))):.0f}%")
+        return text
+
+
+def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGMLType], imatrix: Imatrix | None,
+                     bpws: list[float], done: list[SweepRow],
+                     measure: Callable[[dict[str, list[str]], GGMLType], list[SweepRow]]) -> PrunedSweep:
+    """The pruned sweep: `measure(groups, type)` measures those groups at one type (and records the rows); `done`
+    holds rows an earlier run measured; the budgets must be reachable (check_budgets)."""
+    prior = priors(model, groups, types, imatrix)
+    anchor = min(types, key=lambda t: sum(prior[(g, t.name)].bytes_new for g in groups))
+    measured = {r.key: r for r in done if r.measured}
+
+    def run(jobs: set[tuple[str, str]]) -> None:
+        for t in types:
+            todo = {g: groups[g] for g, tn in sorted(jobs) if tn == t.name}
+            if todo:
+                for r in measure(todo, t):
+                    measured[r.key] = r
+
+    run({(g, anchor.name) for g in groups} - measured.keys())
+
+    def predicted(g: str, tname: str) -> tuple[float, str]:
+        """The KLD of (g, tname) from the group's measured type of the nearest weighted error (log scale), and its
+        basis."""
+        err = prior[(g, tname)].error
+        known = [(t.name, prior[(g, t.name)].error) for t in types if (g, t.name) in measured]
+        ref, ref_err = min(known, key=lambda k: abs(math.log((k[1] + 1e-300) / (err + 1e-300))))
+        kld = max(measured[(g, ref)].kld_mean, 0.0)
+        basis = f"the {ref} measurement x weighted quantization error {err:.4g} / {ref_err:.4g} at {ref}"
+        return (kld * err / ref_err, basis) if ref_err > 0 else (kld, f"the {ref} measurement (no error there)")
+
+    forecast: dict[tuple[str, str], tuple[float, str]] = {}  # what was predicted of a row before it was measured
+    while True:
+        options = {g: [Option(t.name, 8 * prior[(g, t.name)].bytes_new,
+                              max(measured[(g, t.name)].kld_mean, 0.0) if (g, t.name) in measured
+                              else predicted(g, t.name)[0]) for t in types] for g in groups}
+        chosen = set()
+        for bpw in bpws:
+            try:
+                mix = choose_mix(groups, options, budget_bits(model, groups, bpw))
+            except IkError as exc:
+                raise SweepError(f"--target-bpw {bpw:g}: {exc}") from None
+            chosen |= {(g, o.type) for g, o in mix.choice.items()}
+        missing = chosen - measured.keys()
+        if not missing:
+            break
+        forecast.update({key: predicted(*key) for key in missing})
+        run(missing)
+    rows, checks = [], []
+    for g, names in groups.items():
+        for t in types:
+            key = (g, t.name)
+            if key in measured:
+                row = measured[key]
+                if key in forecast:
+                    row.prediction, row.basis = forecast[key]
+                    checks.append((row.prediction, row.kld_mean))
+                rows.append(row)
+                continue
+            p = prior[key]
+            kld, basis = predicted(g, t.name)
+            n_weights = sum(model.weights.info(n).n_elements for n in names)
+            nan = float("nan")
+            rows.append(SweepRow(g, names, t.name, p.type_used, n_weights,
+                                 sum(model.weights.source_encoding(n).raw.nbytes for n in names), p.bytes_new,
+                                 8.0 * p.bytes_new / n_weights, kld, nan, nan, nan, nan, nan, nan, 0.0, p.fallback,
+                                 measured=False, prediction=kld, basis=basis))
+    n_measured = sum(1 for r in rows if r.measured)
+    return PrunedSweep(rows, n_measured, len(rows) - n_measured, checks)

@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Pruned against exhaustive sweeps: rows measured, CPU time, and the mixes' KLD in-sample and held-out.
+
+Runs `ikrun sweep` twice on MODEL (every row; then `--target-bpw` with the budgets), builds `ikrun mix` at every
+budget from each sweep with `--eval-text`, and prints one table: for each budget and sweep, the rows it measured,
+its CPU seconds (the child processes' user+system time: fair on a shared machine, where wall time is not), the
+mix's bits per weight, predicted KLD, and measured KLD on the sweep's text (in-sample) and on --eval-text
+(held-out). --pure adds whole-file types at their own size for reference (held-out KLD from `ikrun kld`).
+
+Example: python tools/bench_prune.py model-f32.gguf --text calibration.txt --eval-text held-out.txt \
+             --types Q4_0,Q5_0,Q6_0,Q8_0 --budgets 5.565,6.563 --pure q5_0,q6_0 --ctx 64 --chunks 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ikquant.gguf_io import GGUFFile
+
+BIN = Path(sys.executable).parent
+
+
+def run(cmd: list[str]) -> tuple[str, float]:
+    """(stdout, CPU seconds) of one command; its stderr is shown only when it fails."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if res.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
+    return res.stdout, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--text", type=Path, required=True, help="The sweep's text.")
+    ap.add_argument("--eval-text", type=Path, required=True, help="Held-out text the mixes are also measured on.")
+    ap.add_argument("--types", default="Q4_0,Q5_0,Q6_0,Q8_0")
+    ap.add_argument("--budgets", required=True, help="Comma-separated whole-file bits per weight.")
+    ap.add_argument("--pure", default="", help="Comma-separated file types to measure as references.")
+    ap.add_argument("--ctx", default="64")
+    ap.add_argument("--chunks", default="16")
+    ap.add_argument("--threads", default="1")
+    ap.add_argument("--workdir", type=Path, default=None)
+    a = ap.parse_args()
+    work = a.workdir or Path(tempfile.mkdtemp(prefix="bench-prune-"))
+    work.mkdir(parents=True, exist_ok=True)
+    common = ["--ctx", a.ctx, "--chunks", a.chunks, "--threads", a.threads]
+    sweeps = {}
+    for kind, extra in (("exhaustive", []), ("pruned", ["--target-bpw", a.budgets])):
+        out = work / f"{kind}.json"
+        out.unlink(missing_ok=True)
+        _, cpu = run([str(BIN / "ikrun"), "sweep", str(a.model), "--text", str(a.text), "--types", a.types, "-o",
+                      str(out), *common, *extra])
+        rows = json.loads(out.read_text())["rows"]
+        sweeps[kind] = (out, sum(1 for r in rows if r.get("measured", True)), len(rows), cpu)
+    print("| budget | sweep | rows measured | CPU s | bpw | predicted | in-sample KLD | held-out KLD |")
+    print("|---|---|---|---|---|---|---|---|")
+    for bpw in a.budgets.split(","):
+        for kind, (path, measured, total, cpu) in sweeps.items():
+            stdout, _ = run([str(BIN / "ikrun"), "mix", str(a.model), str(work / f"{kind}-{bpw}.gguf"), "--sweep",
+                             str(path), "--type", "Q8_0", "--target-bpw", bpw, "--eval-text", str(a.eval_text),
+                             "--json", "--threads", a.threads])
+            first, held = json.loads(stdout)
+            print(f"| {bpw} | {kind} | {measured} of {total} | {cpu:.1f} | {first['bpw']:.4f} | "
+                  f"{first['predicted_kld']:.5f} | {first['kld_mean']:.5f} ± {first['kld_mean_err']:.5f} | "
+                  f"{held['kld_mean']:.5f} ± {held['kld_mean_err']:.5f} |")
+    for ftype in filter(None, a.pure.split(",")):
+        pure = work / f"pure-{ftype}.gguf"
+        run([str(BIN / "ikquant"), str(a.model), str(pure), "--type", ftype, "--pure"])
+        stdout, _ = run([str(BIN / "ikrun"), "kld", str(pure), "--base", str(a.model), "--text", str(a.eval_text),
+                         "--json", *common])
+        kld = json.loads(stdout)
+        g = GGUFFile(pure)
+        bits = 8 * sum(t.nbytes for t in g.tensors.values()) / sum(t.n_elements for t in g.tensors.values())
+        print(f"| pure {ftype} | - | - | - | {bits:.4f} | - | - | {kld['kld_mean']:.5f} ± {kld['kld_mean_err']:.5f} |")
+
+
+if __name__ == "__main__":
+    main()
