@@ -1,6 +1,7 @@
 """The hybrid linear-attention runtime (`qwen3next`, `qwen35moe`) on the reference files ik's runtime loads: against
 transformers' logits and ik's base logits, ik's printed Q8_0 figures, the delta rule's chunked form against its
-recurrence, streaming, imatrix, hot swap, and the refusals of hyperparameters it does not implement."""
+recurrence, streaming, imatrix, hot swap, a sequence continued through its cache (and rolled back) against the whole,
+and the refusals of hyperparameters it does not implement."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from typer.testing import CliRunner
 from ikquant.gguf_io import GGUFFile, GGUFStreamWriter
 from ikquant.types import type_by_name
 from ikrun.cli import app
+from ikrun.eval.speculative import TargetDecoder
 from ikrun.model import Model
 from ikrun.numerics.ik.delta_net import ik_conv_silu, ik_delta_rule
 from ikrun.ops.delta_net import causal_conv_silu, delta_rule_chunked, delta_rule_recurrent
+from ikrun.options import RuntimeOptions
 from tests.family_checks import assert_imatrix_equals_iks, assert_streamed_equals_chunk_by_chunk, kld_json
 from tests.test_hot_reload import _copy_with, _requantized
 from tests.test_ik_engine import mean_kld
@@ -92,6 +95,65 @@ def test_iks_delta_net_kernels_compute_the_same_functions() -> None:
     for heads in (np.arange(hv) // 2, np.arange(hv) % hk):
         np.testing.assert_allclose(ik_delta_rule(q, k, v, g, beta, heads, 1e-6),
                                    delta_rule_recurrent(q, k, v, g, beta, heads), rtol=0, atol=2e-6)
+
+
+def test_the_delta_rule_continues_from_a_state() -> None:
+    """A sequence in pieces, each from the state the last one left: the exact forms give the whole sequence's output
+    to float32 rounding (chunk boundaries move), ik's token-by-token kernel to the bit."""
+    rng = np.random.default_rng(5)
+    n, hk, hv, d = 90, 2, 4, 32
+    q, k = rng.normal(size=(n, hk, d)).astype(np.float32), rng.normal(size=(n, hk, d)).astype(np.float32)
+    v = rng.normal(size=(n, hv, d)).astype(np.float32)
+    g = -rng.uniform(0.0, 0.5, size=(n, hv)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, size=(n, hv)).astype(np.float32)
+    heads = np.arange(hv) // 2
+    cuts = [(0, 30), (30, 31), (31, 40), (40, 90)]
+    forms = [(delta_rule_chunked, lambda *a: delta_rule_chunked(*a[:6], state=a[6]), 2e-6),
+             (delta_rule_recurrent, delta_rule_recurrent, 2e-6),
+             (lambda *a: ik_delta_rule(*a, 1e-6), lambda *a: ik_delta_rule(*a[:6], 1e-6, a[6]), 0.0)]
+    for whole_form, piece_form, atol in forms:
+        whole = whole_form(q, k, v, g, beta, heads)
+        state = np.zeros((hv, d, d), dtype=np.float32)
+        pieces = np.concatenate([piece_form(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], heads, state)
+                                 for a, b in cuts])
+        np.testing.assert_allclose(pieces, whole, rtol=0, atol=atol)
+        assert np.abs(whole_form(q[40:], k[40:], v[40:], g[40:], beta[40:], heads) - whole[40:]).max() > 0.01
+
+
+def _decoded(model: Model, tokens: np.ndarray, calls: list[tuple[int, int]], keep: dict[int, int]) -> np.ndarray:
+    """Logits of `tokens` fed through the cache in calls [a, b), each call i followed by keep(keep[i]) if given;
+    the logits of rows a call kept."""
+    dec, rows = TargetDecoder(model, []), []
+    for i, (a, b) in enumerate(calls):
+        logits, _ = dec.run(tokens[a:b])
+        rows.append(logits[: keep.get(i, b) - a])
+        if i in keep:
+            dec.keep(keep[i])
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("numerics", ["exact", "ik"])
+def test_a_continued_sequence_equals_the_whole(family: str, numerics: str) -> None:
+    """A prompt, single tokens, a block and the rest fed through the cache (conv tails, delta-net states, keys and
+    values), and a verified block of 8 of which 3 positions are kept: the whole sequence's logits, bit for bit under
+    ik's token-by-token arithmetic; the exact one moves chunk boundaries and its matmuls round by row count (1e-4
+    on logits). Rolling back further than the last call is a bug, refused."""
+    model = Model(_f32(family), options=RuntimeOptions(numerics=numerics))
+    tokens = np.load(DATA / "hf-logits" / family / "tokens.npy")[0][:64]
+    whole = model.impl.forward(tokens)
+    pieces = _decoded(model, tokens, [(0, 20), (20, 21), (21, 22), (22, 31), (31, 64)], {})
+    rolled = _decoded(model, tokens, [(0, 20), (20, 28), (23, 40), (40, 64)], {1: 23})
+    fresh = model.impl.forward(tokens[31:])  # the same tokens without their past
+    atol = 0.0 if numerics == "ik" else 1e-4
+    for got in (pieces, rolled):
+        np.testing.assert_allclose(got, whole, rtol=0, atol=atol)
+    assert np.abs(fresh - whole[31:]).max() > 0.1
+    dec = TargetDecoder(model, [])
+    dec.run(tokens[:20])
+    dec.run(tokens[20:28])
+    with pytest.raises(ValueError, match="rolls back only within its last call"):
+        dec.keep(19)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
