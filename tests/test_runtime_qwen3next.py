@@ -1,10 +1,11 @@
 """The hybrid linear-attention runtime (`qwen3next`, `qwen35moe`) on the reference files ik's runtime loads: against
 transformers' logits and ik's base logits, ik's printed Q8_0 figures, the delta rule's chunked form against its
-recurrence, streaming, imatrix, hot swap, a sequence continued through its cache (and rolled back) against the whole,
+recurrence, streaming, imatrix (and the sweep and mix it guides), hot swap, a sequence continued through its cache (and rolled back) against the whole,
 and the refusals of hyperparameters it does not implement."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from ikquant.cli import app as ikquant_app
 from ikquant.gguf_io import GGUFFile, GGUFStreamWriter
 from ikquant.types import type_by_name
 from ikrun.cli import app
@@ -192,6 +194,35 @@ def test_imatrix_equals_iks(family: str, tmp_path: Path) -> None:
     ssm_out) and the shared expert's gate included."""
     logits = DATA / "logits" / family
     assert_imatrix_equals_iks(_f32(family), logits / "text.txt", logits / "ik-imatrix.dat", tmp_path / "imatrix.dat")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_imatrix_guided_sweep_and_mix(family: str, tmp_path: Path) -> None:
+    """ikrun imatrix -> ikrun sweep --imatrix -> ikrun mix: the sweep measures every tensor ikquant quantizes (the
+    delta-net's projections among them), each at a non-zero cost, and the mix within the budget is measured."""
+    f32, text = _f32(family), DATA / "logits" / family / "text.txt"
+    imatrix, sweep, pure, mix = (tmp_path / n for n in ("imatrix.dat", "sweep.json", "q4_0.gguf", "mix.gguf"))
+    assert runner.invoke(app, ["imatrix", str(f32), "--text", str(text), "--ctx", "64", "-o", str(imatrix)]
+                         ).exit_code == 0
+    res = runner.invoke(ikquant_app, [str(f32), str(pure), "--pure", "--type", "Q4_0", "--imatrix", str(imatrix)])
+    assert res.exit_code == 0, res.output
+    quantized = {n for n, t in GGUFFile(pure).tensors.items() if t.type.name != "F32"}
+    mixer = ("attn_qkv", "attn_gate", "ssm_out", "ssm_beta", "ssm_alpha") if "35" in family else \
+        ("attn_qkv", "attn_gate", "ssm_out", "ssm_ba")
+    assert {f"blk.0.{t}.weight" for t in mixer} <= quantized
+    res = runner.invoke(app, ["sweep", str(f32), "--text", str(text), "--ctx", "64", "--chunks", "2", "--types",
+                              "Q4_0,Q8_0", "--imatrix", str(imatrix), "-o", str(sweep)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(sweep.read_text())["rows"]
+    assert {r["group"] for r in rows} == quantized and len(rows) == 2 * len(quantized)
+    assert all(r["kld_mean"] > 0 for r in rows), [r["group"] for r in rows if not r["kld_mean"] > 0]
+    res = runner.invoke(app, ["mix", str(f32), str(mix), "--sweep", str(sweep), "--type", "Q4_0", "--target-bpw",
+                              "6.5", "--imatrix", str(imatrix), "--json"])
+    assert res.exit_code == 0, res.output
+    measured = json.loads(res.stdout)[0]
+    g = GGUFFile(mix)
+    assert 8 * sum(t.nbytes for t in g.tensors.values()) / sum(t.n_elements for t in g.tensors.values()) <= 6.5
+    assert {"Q4_0", "Q8_0"} <= {t.type.name for t in g.tensors.values()} and measured["kld_mean"] > 0
 
 
 @pytest.mark.parametrize("name", ["blk.0.attn_qkv.weight", "blk.1.ssm_out.weight", "blk.3.attn_q.weight"])
