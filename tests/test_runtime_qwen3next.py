@@ -18,7 +18,7 @@ from ikquant.cli import app as ikquant_app
 from ikquant.gguf_io import GGUFFile, GGUFStreamWriter
 from ikquant.types import type_by_name
 from ikrun.cli import app
-from ikrun.eval.speculative import TargetDecoder
+from ikrun.eval.speculative import TargetDecoder, greedy_continuation, speculative_generate
 from ikrun.model import Model
 from ikrun.numerics.ik.delta_net import ik_conv_silu, ik_delta_rule
 from ikrun.ops.delta_net import causal_conv_silu, delta_rule_chunked, delta_rule_recurrent
@@ -156,6 +156,26 @@ def test_a_continued_sequence_equals_the_whole(family: str, numerics: str) -> No
     dec.run(tokens[20:28])
     with pytest.raises(ValueError, match="rolls back only within its last call"):
         dec.keep(19)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speculative_decoding_with_a_hybrid_target_gives_its_greedy_continuation(family: str, tmp_path: Path) -> None:
+    """The qwen3moe pair's DFlash draft (it fits these targets' width, vocabulary, tokenizer and layers, though it
+    learned another target) drafts blocks of 8 that the hybrid target mostly rejects, so nearly every step rolls
+    7 positions back out of the delta-net states: the output is still the target's own greedy continuation, through
+    its cache token by token and by one forward over the whole output."""
+    from ikconvert.convert import Converter
+
+    shape = DATA / "dflash" / "shapes" / "qwen3moe"
+    draft = Converter(shape / "hf", "f32", "qwen2", arch_options={"target_model_dir": str(shape / "target")}).write(
+        tmp_path / "draft.gguf")
+    target = Model(_f32(family))
+    prompt = np.load(DATA / "hf-logits" / family / "tokens.npy")[0][:24]
+    run = speculative_generate(target, Model(draft), prompt, 48)
+    assert run.output_ids == greedy_continuation(target, prompt, 48)
+    whole = target.impl.forward(np.array(run.output_ids[:-1]))
+    assert run.output_ids[24:] == np.argmax(whole[23:], axis=-1).tolist()
+    assert len(run.acceptance_lengths) > 40 and min(run.acceptance_lengths) == 1
 
 
 @pytest.mark.parametrize("family", FAMILIES)
