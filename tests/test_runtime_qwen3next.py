@@ -1,9 +1,11 @@
 """The hybrid linear-attention runtime (`qwen3next`, `qwen35moe`) on the reference files ik's runtime loads: against
 transformers' logits and ik's base logits, ik's printed Q8_0 figures, the delta rule's chunked form against its
-recurrence, streaming, imatrix, hot swap, and the refusals of hyperparameters it does not implement."""
+recurrence, streaming, imatrix (and the sweep and mix it guides), hot swap, a sequence continued through its cache (and rolled back) against the whole,
+and the refusals of hyperparameters it does not implement."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -12,12 +14,15 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from ikquant.cli import app as ikquant_app
 from ikquant.gguf_io import GGUFFile, GGUFStreamWriter
 from ikquant.types import type_by_name
 from ikrun.cli import app
+from ikrun.eval.speculative import TargetDecoder, greedy_continuation, speculative_generate
 from ikrun.model import Model
 from ikrun.numerics.ik.delta_net import ik_conv_silu, ik_delta_rule
 from ikrun.ops.delta_net import causal_conv_silu, delta_rule_chunked, delta_rule_recurrent
+from ikrun.options import RuntimeOptions
 from tests.family_checks import assert_imatrix_equals_iks, assert_streamed_equals_chunk_by_chunk, kld_json
 from tests.test_hot_reload import _copy_with, _requantized
 from tests.test_ik_engine import mean_kld
@@ -94,6 +99,85 @@ def test_iks_delta_net_kernels_compute_the_same_functions() -> None:
                                    delta_rule_recurrent(q, k, v, g, beta, heads), rtol=0, atol=2e-6)
 
 
+def test_the_delta_rule_continues_from_a_state() -> None:
+    """A sequence in pieces, each from the state the last one left: the exact forms give the whole sequence's output
+    to float32 rounding (chunk boundaries move), ik's token-by-token kernel to the bit."""
+    rng = np.random.default_rng(5)
+    n, hk, hv, d = 90, 2, 4, 32
+    q, k = rng.normal(size=(n, hk, d)).astype(np.float32), rng.normal(size=(n, hk, d)).astype(np.float32)
+    v = rng.normal(size=(n, hv, d)).astype(np.float32)
+    g = -rng.uniform(0.0, 0.5, size=(n, hv)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, size=(n, hv)).astype(np.float32)
+    heads = np.arange(hv) // 2
+    cuts = [(0, 30), (30, 31), (31, 40), (40, 90)]
+    forms = [(delta_rule_chunked, lambda *a: delta_rule_chunked(*a[:6], state=a[6]), 2e-6),
+             (delta_rule_recurrent, delta_rule_recurrent, 2e-6),
+             (lambda *a: ik_delta_rule(*a, 1e-6), lambda *a: ik_delta_rule(*a[:6], 1e-6, a[6]), 0.0)]
+    for whole_form, piece_form, atol in forms:
+        whole = whole_form(q, k, v, g, beta, heads)
+        state = np.zeros((hv, d, d), dtype=np.float32)
+        pieces = np.concatenate([piece_form(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], heads, state)
+                                 for a, b in cuts])
+        np.testing.assert_allclose(pieces, whole, rtol=0, atol=atol)
+        assert np.abs(whole_form(q[40:], k[40:], v[40:], g[40:], beta[40:], heads) - whole[40:]).max() > 0.01
+
+
+def _decoded(model: Model, tokens: np.ndarray, calls: list[tuple[int, int]], keep: dict[int, int]) -> np.ndarray:
+    """Logits of `tokens` fed through the cache in calls [a, b), each call i followed by keep(keep[i]) if given;
+    the logits of rows a call kept."""
+    dec, rows = TargetDecoder(model, []), []
+    for i, (a, b) in enumerate(calls):
+        logits, _ = dec.run(tokens[a:b])
+        rows.append(logits[: keep.get(i, b) - a])
+        if i in keep:
+            dec.keep(keep[i])
+    return np.concatenate(rows)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("numerics", ["exact", "ik"])
+def test_a_continued_sequence_equals_the_whole(family: str, numerics: str) -> None:
+    """A prompt, single tokens, a block and the rest fed through the cache (conv tails, delta-net states, keys and
+    values), and a verified block of 8 of which 3 positions are kept: the whole sequence's logits, bit for bit under
+    ik's token-by-token arithmetic; the exact one moves chunk boundaries and its matmuls round by row count (1e-4
+    on logits). Rolling back further than the last call is a bug, refused."""
+    model = Model(_f32(family), options=RuntimeOptions(numerics=numerics))
+    tokens = np.load(DATA / "hf-logits" / family / "tokens.npy")[0][:64]
+    whole = model.impl.forward(tokens)
+    pieces = _decoded(model, tokens, [(0, 20), (20, 21), (21, 22), (22, 31), (31, 64)], {})
+    rolled = _decoded(model, tokens, [(0, 20), (20, 28), (23, 40), (40, 64)], {1: 23})
+    fresh = model.impl.forward(tokens[31:])  # the same tokens without their past
+    atol = 0.0 if numerics == "ik" else 1e-4
+    for got in (pieces, rolled):
+        np.testing.assert_allclose(got, whole, rtol=0, atol=atol)
+    assert np.abs(fresh - whole[31:]).max() > 0.1
+    dec = TargetDecoder(model, [])
+    dec.run(tokens[:20])
+    dec.run(tokens[20:28])
+    with pytest.raises(ValueError, match="rolls back only within its last call"):
+        dec.keep(19)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speculative_decoding_with_a_hybrid_target_gives_its_greedy_continuation(family: str, tmp_path: Path) -> None:
+    """The qwen3moe pair's DFlash draft (it fits these targets' width, vocabulary, tokenizer and layers, though it
+    learned another target) drafts blocks of 8 that the hybrid target mostly rejects, so nearly every step rolls
+    7 positions back out of the delta-net states: the output is still the target's own greedy continuation, through
+    its cache token by token and by one forward over the whole output."""
+    from ikconvert.convert import Converter
+
+    shape = DATA / "dflash" / "shapes" / "qwen3moe"
+    draft = Converter(shape / "hf", "f32", "qwen2", arch_options={"target_model_dir": str(shape / "target")}).write(
+        tmp_path / "draft.gguf")
+    target = Model(_f32(family))
+    prompt = np.load(DATA / "hf-logits" / family / "tokens.npy")[0][:24]
+    run = speculative_generate(target, Model(draft), prompt, 48)
+    assert run.output_ids == greedy_continuation(target, prompt, 48)
+    whole = target.impl.forward(np.array(run.output_ids[:-1]))
+    assert run.output_ids[24:] == np.argmax(whole[23:], axis=-1).tolist()
+    assert len(run.acceptance_lengths) > 40 and min(run.acceptance_lengths) == 1
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_numerics_ik_on_the_f32_file_prints_iks_ppl(family: str) -> None:
     """On F32 weights ik's float order gives the PPL ik printed to its last digit (541.2250 / 514.8854), which the
@@ -130,6 +214,35 @@ def test_imatrix_equals_iks(family: str, tmp_path: Path) -> None:
     ssm_out) and the shared expert's gate included."""
     logits = DATA / "logits" / family
     assert_imatrix_equals_iks(_f32(family), logits / "text.txt", logits / "ik-imatrix.dat", tmp_path / "imatrix.dat")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_imatrix_guided_sweep_and_mix(family: str, tmp_path: Path) -> None:
+    """ikrun imatrix -> ikrun sweep --imatrix -> ikrun mix: the sweep measures every tensor ikquant quantizes (the
+    delta-net's projections among them), each at a non-zero cost, and the mix within the budget is measured."""
+    f32, text = _f32(family), DATA / "logits" / family / "text.txt"
+    imatrix, sweep, pure, mix = (tmp_path / n for n in ("imatrix.dat", "sweep.json", "q4_0.gguf", "mix.gguf"))
+    assert runner.invoke(app, ["imatrix", str(f32), "--text", str(text), "--ctx", "64", "-o", str(imatrix)]
+                         ).exit_code == 0
+    res = runner.invoke(ikquant_app, [str(f32), str(pure), "--pure", "--type", "Q4_0", "--imatrix", str(imatrix)])
+    assert res.exit_code == 0, res.output
+    quantized = {n for n, t in GGUFFile(pure).tensors.items() if t.type.name != "F32"}
+    mixer = ("attn_qkv", "attn_gate", "ssm_out", "ssm_beta", "ssm_alpha") if "35" in family else \
+        ("attn_qkv", "attn_gate", "ssm_out", "ssm_ba")
+    assert {f"blk.0.{t}.weight" for t in mixer} <= quantized
+    res = runner.invoke(app, ["sweep", str(f32), "--text", str(text), "--ctx", "64", "--chunks", "2", "--types",
+                              "Q4_0,Q8_0", "--imatrix", str(imatrix), "-o", str(sweep)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(sweep.read_text())["rows"]
+    assert {r["group"] for r in rows} == quantized and len(rows) == 2 * len(quantized)
+    assert all(r["kld_mean"] > 0 for r in rows), [r["group"] for r in rows if not r["kld_mean"] > 0]
+    res = runner.invoke(app, ["mix", str(f32), str(mix), "--sweep", str(sweep), "--type", "Q4_0", "--target-bpw",
+                              "6.5", "--imatrix", str(imatrix), "--json"])
+    assert res.exit_code == 0, res.output
+    measured = json.loads(res.stdout)[0]
+    g = GGUFFile(mix)
+    assert 8 * sum(t.nbytes for t in g.tensors.values()) / sum(t.n_elements for t in g.tensors.values()) <= 6.5
+    assert {"Q4_0", "Q8_0"} <= {t.type.name for t in g.tensors.values()} and measured["kld_mean"] > 0
 
 
 @pytest.mark.parametrize("name", ["blk.0.attn_qkv.weight", "blk.1.ssm_out.weight", "blk.3.attn_q.weight"])

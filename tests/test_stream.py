@@ -23,7 +23,7 @@ runner = CliRunner()
 CTX = 48
 MODELS = {"qwen3": "qwen3/ik-f32.gguf", "deepseek2": "deepseek-v3/ik-q8_0.gguf",
           "openpangu": "openpangu-v2/ik-q8_0.gguf", "glm-dsa": "glm-dsa/ref-f32.gguf",
-          "deepseek4": "deepseek-v4-flash/ref-f32.gguf"}
+          "deepseek4": "deepseek-v4-flash/ref-f32.gguf", "qwen3next": "qwen3-next/ref-f32.gguf"}
 
 
 def _path(data_dir: Path, arch: str) -> Path:

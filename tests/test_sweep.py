@@ -129,7 +129,7 @@ def test_ikrun_mix_measures_the_assembled_file_and_refines_it(model256: Path, tm
     assert res.exit_code == 2 and "exactly one of" in res.output and not (tmp_path / "x.gguf").exists()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "deepseek2", "openpangu", "glm-dsa", "deepseek4"])
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek2", "openpangu", "glm-dsa", "deepseek4", "qwen3next"])
 def test_layer_local_rows_equal_full_forward_rows(data_dir: Path, tmp_path: Path, arch: str) -> None:
     """Starting each candidate at the first block it changes gives the full forward's digits, on every architecture
     (openPangu's streams and GLM's shared indexer selections are carried in the recorded block inputs)."""
@@ -239,7 +239,7 @@ def test_size_and_per_group_budgets(model256: Path, tmp_path: Path) -> None:
         assert not bad.exists()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "deepseek2", "deepseek4"])
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek2", "deepseek4", "qwen3next"])
 def test_a_sweep_of_a_model_larger_than_its_budget_streams_with_the_same_rows(data_dir: Path, tmp_path: Path,
                                                                              arch: str) -> None:
     """Under a budget the decoded model does not fit, every candidate is layer-streamed from its first block."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ class TargetDecoder:
     def __init__(self, model: Model, feature_layers: list[int]):
         self.model, self.impl = model, model.impl
         self.layers = feature_layers
-        self.kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.kv: dict[str, Any] = {}
         self.length = 0
 
     def run(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -55,7 +56,7 @@ class TargetDecoder:
 
     def keep(self, length: int) -> None:
         """Forget every position from `length` on (the rejected part of a verified block)."""
-        self.kv = {i: (k[:length], v[:length]) for i, (k, v) in self.kv.items()}
+        self.kv = self.impl.keep_cache(self.kv, length)
         self.length = length
 
 

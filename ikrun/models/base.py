@@ -164,6 +164,11 @@ class ArchModel(ABC):
     #: `state["kv"]`): what speculative decoding's verification needs of a target
     continues: ClassVar[bool] = False
 
+    def keep_cache(self, cache: dict[str, Any], length: int) -> dict[str, Any]:
+        """A continued sequence's cache (`state["kv"]`) with every position from `length` on forgotten (the rejected
+        part of a verified block): keys and values cut there, per block prefix."""
+        return {b: (k[:length], v[:length]) for b, (k, v) in cache.items()}
+
     def output_projection(self, x: np.ndarray) -> np.ndarray:
         """The output head alone (no final norm) on hidden rows: what a DFlash draft's proposals go through."""
         raise self.fail(f"{self.ctx.arch} models have no hidden-state output for a DFlash draft")

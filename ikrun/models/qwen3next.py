@@ -6,8 +6,12 @@ Qwen3's attention with per-head q/k RMSNorm and partial NEOX rope whose attn_q a
 residual; RMSNorm (post_attention_norm), the FFN: without `expert_count` (dense Qwen3.5) a SwiGLU, else the MoE FFN: softmax router, top-k renormalised, plus the shared expert
 times sigmoid(ffn_gate_inp_shexp . x) (a layer holding ffn_gate/up/down instead of a router is dense), residual.
 The delta-net's V heads come in the file's grouped order with b and a fused in ssm_ba (Qwen3.5, ikrun/models/
-qwen35moe.py, changes both). The recurrent state lives within one sequence's pass through a layer: every evaluated
-sequence starts from zero, as ik resets it per chunk, so sequences do not continue one another (`continues`).
+qwen35moe.py, changes both). Every evaluated sequence starts from zero state, as ik resets it per chunk; a sequence
+continued through its cache (`continues`: a speculative-decoding target) carries each delta-net layer's conv tail
+and recurrent state there beside the attention layers' keys and values (ikrun/modules/delta_net.py), and rolls
+them back by recomputing the last call's kept rows (`keep_cache`). transformers (4.57.1) continues its cache one
+token at a time only: a continued call of several tokens restarts both from zero there; here pieces of any length
+give the whole sequence's logits.
 
 ik's own qwen3next hard-codes every 4th layer as full attention; this runtime reads `full_attention_interval` as
 transformers' config does (files ik can load say 4).
@@ -16,12 +20,12 @@ transformers' config does (files ik can load say 4).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from ikrun.errors import ModelError
-from ikrun.models.base import Sequence
+from ikrun.models.base import Sequence, block_of
 from ikrun.models.llama import LlamaFamily
 from ikrun.modules.attention import GqaAttention
 from ikrun.modules.delta_net import GatedDeltaNet
@@ -39,7 +43,7 @@ ROPE_SCALINGS = (None, "none", "linear")
 class Qwen3Next(LlamaFamily):
     archs: ClassVar[tuple[str, ...]] = ("qwen3next",)
     ffn_norm: ClassVar[str] = "post_attention_norm.weight"
-    continues = False
+    continues = True
     #: value heads in tiled order, b and a in two tensors (Qwen3.5's layout)
     qwen35_layout: ClassVar[bool] = False
 
@@ -141,7 +145,12 @@ class Qwen3Next(LlamaFamily):
     def mixer(self, i: int, h: np.ndarray, seq: Sequence) -> np.ndarray:
         if i in self.full_attention:
             return super().mixer(i, h, seq)
-        return self.delta_net(self.ctx, f"blk.{i}.", h)
+        return self.delta_net(self.ctx, f"blk.{i}.", h, seq.state.get("kv"))
+
+    def keep_cache(self, cache: dict[str, Any], length: int) -> dict[str, Any]:
+        """Attention layers' keys and values cut at `length`, delta-net layers' state recomputed to it."""
+        kept = super().keep_cache({b: c for b, c in cache.items() if block_of(b) in self.full_attention}, length)
+        return {b: kept[b] if b in kept else self.delta_net.keep(self.ctx, c, length) for b, c in cache.items()}
 
     def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
         if i in self.dense or self.moe is None:

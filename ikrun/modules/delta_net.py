@@ -10,17 +10,41 @@ the output is RMS-normed per head by ssm_norm times SiLU(z), then projected by s
 Value heads share key heads in one of two orders the file's layout fixes: grouped (value head h reads key head
 h // (Hv / Hk): transformers' repeat_interleave, kept by Qwen3-Next files) or tiled (h % Hk: Qwen3.5 files, whose
 converter reorders the value heads).
+
+A sequence continued through its cache (speculative decoding's target) carries per layer a `DeltaNetCache`: the last
+conv_kernel - 1 rows entering the convolution and the delta rule's state [Hv, dk, dv]. Unlike keys and values, that
+state cannot be cut back to an earlier position, so the cache also keeps where the last call began (its tail and
+state) and that call's delta-rule inputs: `keep` recomputes the state over the kept rows alone, which is the state a
+call of just those tokens leaves, to the bit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
     from ikrun.context import Context
+
+
+@dataclass(frozen=True)
+class DeltaNetCache:
+    """One delta-net layer's state after `length` positions of a continued sequence (the module docstring)."""
+
+    length: int
+    #: the last conv_kernel - 1 (fewer at the start) attn_qkv rows, which the next call's convolution reads first
+    tail: np.ndarray
+    #: the delta rule's state [Hv, dk, dv]
+    state: np.ndarray
+    #: positions before the last call, and that call's starting tail and state
+    start: int
+    start_tail: np.ndarray
+    start_state: np.ndarray
+    #: the last call's attn_qkv rows and its delta-rule inputs (q, k, v, g, beta) per row
+    qkv: np.ndarray
+    rule: tuple[np.ndarray, ...]
 
 
 @dataclass(frozen=True)
@@ -60,8 +84,13 @@ class GatedDeltaNet:
         heads = np.arange(self.n_v_heads)
         return heads % self.n_k_heads if self.tiled else heads // (self.n_v_heads // self.n_k_heads)
 
-    def __call__(self, cx: Context, b: str, h: np.ndarray) -> np.ndarray:
-        """The mixer's output [n, n_embd] for the normed hidden rows h of a fresh sequence."""
+    def _tail(self, rows: np.ndarray) -> np.ndarray:
+        return rows[max(0, len(rows) - (self.conv_kernel - 1)) :]
+
+    def __call__(self, cx: Context, b: str, h: np.ndarray, cache: dict[str, Any] | None = None) -> np.ndarray:
+        """The mixer's output [n, n_embd] for the normed hidden rows h of a fresh sequence, or of one that continues
+        the sequence whose state `cache[b]` holds (which the call then advances; with a cache and no entry for b the
+        sequence starts here)."""
         nx, n = cx.numerics, len(h)
         hk, hv, dk, dv = self.n_k_heads, self.n_v_heads, self.head_k, self.head_v
         if self.fused_ba:
@@ -70,11 +99,34 @@ class GatedDeltaNet:
             beta_in, alpha = ba[:, :, 0].reshape(n, hv), ba[:, :, 1].reshape(n, hv)
         else:
             qkv, z, beta_in, alpha = cx.linears(h, [b + "attn_qkv", b + "attn_gate", b + "ssm_beta", b + "ssm_alpha"])
-        conv = nx.conv_silu(qkv, cx.weight(b + "ssm_conv1d.weight"))
+        prev: DeltaNetCache | None = cache.get(b) if cache is not None else None
+        tail = prev.tail if prev is not None else qkv[:0]
+        conv = nx.conv_silu(np.concatenate([tail, qkv]), cx.weight(b + "ssm_conv1d.weight"))[len(tail) :]
         q = conv[:, : hk * dk].reshape(n, hk, dk)
         k = conv[:, hk * dk : 2 * hk * dk].reshape(n, hk, dk)
         v = conv[:, 2 * hk * dk :].reshape(n, hv, dv)
         g, beta = nx.decay_and_beta(alpha, beta_in, cx.weight(b + "ssm_a"), cx.weight(b + "ssm_dt.bias"))
-        out = nx.delta_rule(q, k, v, g, beta, self.key_heads(), self.eps)
+        start_state = prev.state if prev is not None else np.zeros((hv, dk, dv), dtype=np.float32)
+        state = start_state.copy()
+        out = nx.delta_rule(q, k, v, g, beta, self.key_heads(), self.eps, state)
+        if cache is not None:
+            start = prev.length if prev is not None else 0
+            cache[b] = DeltaNetCache(start + n, self._tail(np.concatenate([tail, qkv])), state, start, tail,
+                                     start_state, qkv, (q, k, v, g, beta))
         out = nx.gated_norm(out, z.reshape(n, hv, dv), cx.weight(b + "ssm_norm.weight"), self.eps)
         return cx.linear(out.reshape(n, hv * dv), b + "ssm_out")
+
+    def keep(self, cx: Context, entry: DeltaNetCache, length: int) -> DeltaNetCache:
+        """The layer's cache as if the last call had stopped at position `length` (the rejected rest of a verified
+        block forgotten): the delta rule rerun from that call's starting state over the kept rows."""
+        n = length - entry.start
+        if not 0 <= n <= len(entry.qkv):
+            raise ValueError(f"a delta-net state after {entry.length} positions rolls back only within its last call "
+                             f"(positions {entry.start}..{entry.length}), not to {length}")
+        if length == entry.length:
+            return entry
+        q, k, v, g, beta = (a[:n] for a in entry.rule)
+        state = entry.start_state.copy()
+        cx.numerics.delta_rule(q, k, v, g, beta, self.key_heads(), self.eps, state)
+        return DeltaNetCache(length, self._tail(np.concatenate([entry.start_tail, entry.qkv[:n]])), state,
+                             entry.start, entry.start_tail, entry.start_state, entry.qkv[:n], (q, k, v, g, beta))

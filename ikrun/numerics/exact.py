@@ -159,10 +159,11 @@ class Numerics:
         return decay_and_beta(a, b, ssm_a, dt_bias)
 
     def delta_rule(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-                   k_head: np.ndarray, eps: float) -> np.ndarray:
-        """The gated delta rule over a fresh sequence [T, Hv, dv] (transformers' chunked prompt form, whose q/k L2
-        norm has its own fixed epsilon; an engine's may use the model's rms `eps`)."""
-        return delta_rule_chunked(q, k, v, g, beta, k_head)
+                   k_head: np.ndarray, eps: float, state: np.ndarray | None = None) -> np.ndarray:
+        """The gated delta rule [T, Hv, dv] (transformers' chunked prompt form, whose q/k L2 norm has its own fixed
+        epsilon; an engine's may use the model's rms `eps`) from zero, or from a continued sequence's `state`
+        [Hv, dk, dv], which it advances in place."""
+        return delta_rule_chunked(q, k, v, g, beta, k_head, state=state)
 
     def gated_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """RMSNorm of x times weight, times SiLU(z) (the delta-net's output norm)."""

@@ -10,8 +10,9 @@ q and k L2-normalised (rsqrt(sum x^2 + 1e-6)), q scaled by 1/sqrt(d_k), decay ex
 `delta_rule_recurrent` runs that token by token; `delta_rule_chunked` is transformers' chunked form for prompts
 (chunks of 64: within a chunk the WY representation from a forward substitution, across chunks the state), the same
 function up to float rounding. Every head and chunk is computed from its own sequence alone, in a fixed order, so a
-sequence's output does not depend on what else runs beside it. The state starts at zero: every evaluated sequence
-is a fresh one (ik resets it per chunk like its KV cache).
+sequence's output does not depend on what else runs beside it. The state starts at zero for a fresh sequence (ik
+resets it per chunk like its KV cache); a sequence continued through its cache passes the state [Hv, dk, dv] its
+earlier part left, which the call advances in place.
 """
 
 from __future__ import annotations
@@ -97,11 +98,10 @@ def _normalised(q: np.ndarray, k: np.ndarray, kh: int, t0: int, n: int) -> tuple
 
 @njit(cache=True, nogil=True, inline="always")
 def _recurrent_head(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, h: int, kh: int,
-                    out: np.ndarray) -> None:
+                    s: np.ndarray, out: np.ndarray) -> None:
     n, dv = v.shape[0], v.shape[2]
     qn, kn = _normalised(q, k, kh, 0, n)
     dk = qn.shape[1]
-    s = np.zeros((dk, dv), dtype=np.float32)
     delta = np.empty(dv, dtype=np.float32)
     for t in range(n):
         decay = np.exp(g[t, h])
@@ -201,9 +201,8 @@ def _chunk(qn: np.ndarray, kn: np.ndarray, v: np.ndarray, g: np.ndarray, beta: n
 
 @njit(cache=True, nogil=True, inline="always")
 def _chunked_head(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, h: int, kh: int,
-                  chunk: int, out: np.ndarray) -> None:
+                  chunk: int, s: np.ndarray, out: np.ndarray) -> None:
     n, dv = v.shape[0], v.shape[2]
-    s = np.zeros((q.shape[2], dv), dtype=np.float32)
     for t0 in range(0, n, chunk):
         m = min(chunk, n - t0)
         qn, kn = _normalised(q, k, kh, t0, m)
@@ -215,33 +214,44 @@ def _chunked_head(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, be
 
 @njit(cache=True, nogil=True, parallel=True)
 def _delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, k_head: np.ndarray,
-                chunk: int, out: np.ndarray) -> None:
+                chunk: int, state: np.ndarray, out: np.ndarray) -> None:
     for h in prange(v.shape[1]):
         if chunk > 0:
-            _chunked_head(q, k, v, g, beta, h, k_head[h], chunk, out)
+            _chunked_head(q, k, v, g, beta, h, k_head[h], chunk, state[h], out)
         else:
-            _recurrent_head(q, k, v, g, beta, h, k_head[h], out)
+            _recurrent_head(q, k, v, g, beta, h, k_head[h], state[h], out)
+
+
+def initial_state(q: np.ndarray, v: np.ndarray, state: np.ndarray | None) -> np.ndarray:
+    """The state [Hv, dk, dv] a call advances: `state` itself (a continued sequence's), else zeros."""
+    shape = (v.shape[1], q.shape[2], v.shape[2])
+    if state is None:
+        return np.zeros(shape, dtype=np.float32)
+    if state.shape != shape or state.dtype != np.float32 or not state.flags.c_contiguous:
+        raise ValueError(f"delta-net state {list(state.shape)} {state.dtype} is not a contiguous float32 {list(shape)}")
+    return state
 
 
 def _run(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, k_head: np.ndarray,
-         chunk: int) -> np.ndarray:
+         chunk: int, state: np.ndarray | None) -> np.ndarray:
     out = np.empty(v.shape, dtype=np.float32)
     f32 = [np.ascontiguousarray(a, dtype=np.float32) for a in (q, k, v, g, beta)]
-    _delta_rule(*f32, np.ascontiguousarray(k_head, dtype=np.int64), chunk, out)
+    _delta_rule(*f32, np.ascontiguousarray(k_head, dtype=np.int64), chunk, initial_state(q, v, state), out)
     return out
 
 
 def delta_rule_chunked(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-                       k_head: np.ndarray, chunk: int = CHUNK) -> np.ndarray:
+                       k_head: np.ndarray, chunk: int = CHUNK, state: np.ndarray | None = None) -> np.ndarray:
     """The gated delta rule's output [T, Hv, dv] in transformers' chunked form: q, k [T, Hk, dk] (before the L2
-    norm), v [T, Hv, dv], g and beta [T, Hv], value head h reading key head k_head[h]."""
-    return _run(q, k, v, g, beta, k_head, chunk)
+    norm), v [T, Hv, dv], g and beta [T, Hv], value head h reading key head k_head[h]; from `state` [Hv, dk, dv]
+    (advanced in place) where the sequence continues, else from zero."""
+    return _run(q, k, v, g, beta, k_head, chunk, state)
 
 
 def delta_rule_recurrent(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-                         k_head: np.ndarray) -> np.ndarray:
+                         k_head: np.ndarray, state: np.ndarray | None = None) -> np.ndarray:
     """The same output computed token by token (transformers' recurrent form)."""
-    return _run(q, k, v, g, beta, k_head, 0)
+    return _run(q, k, v, g, beta, k_head, 0, state)
 
 
 def gated_rms_norm(x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

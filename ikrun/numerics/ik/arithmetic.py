@@ -111,8 +111,8 @@ class IkNumerics(Numerics):
         return ik_decay_and_beta(a, b, ssm_a, dt_bias)
 
     def delta_rule(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
-                   k_head: np.ndarray, eps: float) -> np.ndarray:
-        return ik_delta_rule(q, k, v, g, beta, k_head, eps)
+                   k_head: np.ndarray, eps: float, state: np.ndarray | None = None) -> np.ndarray:
+        return ik_delta_rule(q, k, v, g, beta, k_head, eps, state)
 
     def gated_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """ik's RMS norm, then its fused SiLU(z) times the normed value."""

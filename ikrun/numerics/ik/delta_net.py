@@ -1,4 +1,5 @@
-"""ik's gated delta-net arithmetic (--numerics ik), as its CPU backend computes a fresh sequence:
+"""ik's gated delta-net arithmetic (--numerics ik), as its CPU backend computes a sequence (a continued one from the
+state its cache holds: the kernel runs token by token, so pieces give the whole sequence's floats bit for bit):
 
 - the short convolution: taps summed from the oldest as fused multiply-adds, then ggml's SiLU apart (ik's AVX-512
   exponential, ik_expf). ik's 4-tap AVX2 kernel can apply an AVX2 SiLU in place, but only when the SiLU's buffer does
@@ -22,6 +23,7 @@ from numba import njit, prange
 from ikquant.formats.numeric import fmaf
 from ikrun.numerics.ik.attention import _lane_sum
 from ikrun.ops.activations import ik_expf
+from ikrun.ops.delta_net import initial_state
 
 LANES = 16
 #: the head dims ik's fused delta-net kernel computes right (its generic fallback does not)
@@ -101,12 +103,12 @@ def _l2(x: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
 
 @njit(cache=True, nogil=True, parallel=True)
 def _delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, k_head: np.ndarray,
-                eps: float, out: np.ndarray) -> None:
+                eps: float, state: np.ndarray, out: np.ndarray) -> None:
     n, d = v.shape[0], v.shape[2]
     scale = np.float32(1.0) / np.sqrt(np.float32(d))
     for h in prange(v.shape[1]):
         kh = k_head[h]
-        s = np.zeros((d, d), dtype=np.float32)  # [key dim c, value dim r]
+        s = state[h]  # [key dim c, value dim r]
         qn = np.empty(d, dtype=np.float32)
         kn = np.empty(d, dtype=np.float32)
         lanes = np.empty(LANES, dtype=np.float32)
@@ -141,14 +143,15 @@ def _delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta
 
 
 def ik_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, k_head: np.ndarray,
-                  eps: float) -> np.ndarray:
+                  eps: float, state: np.ndarray | None = None) -> np.ndarray:
     """The gated delta rule [T, Hv, d] in ik's fused kernel's order (module docstring); q/k [T, Hk, d] before the
-    L2 norm, one head dim d (a multiple of 16) for keys and values."""
+    L2 norm, one head dim d (a multiple of 16) for keys and values; from `state` [Hv, d, d] (advanced in place) where
+    the sequence continues, else from zero."""
     d = v.shape[2]
     if q.shape[2] != d or d % LANES:
         raise ValueError(f"ik's fused delta-net takes one head dim, a multiple of {LANES}: keys {q.shape[2]}, "
                          f"values {d}")
     out = np.empty(v.shape, dtype=np.float32)
     f32 = [np.ascontiguousarray(a, dtype=np.float32) for a in (q, k, v, g, beta)]
-    _delta_rule(*f32, np.ascontiguousarray(k_head, dtype=np.int64), float(eps), out)
+    _delta_rule(*f32, np.ascontiguousarray(k_head, dtype=np.int64), float(eps), initial_state(q, v, state), out)
     return out
