@@ -110,6 +110,59 @@ def test_ikrun_accept_prints_the_reference_acceptance(pair: tuple[Path, Path], o
     assert len(got["acceptance_by_position"]) == 15 and got["acceptance_by_position"][0] > 0.9
 
 
+def _spec_bench_figures(run: dict) -> dict:  # type: ignore[type-arg]
+    """One `ikrun accept --json` run in the terms of ik's llama-spec-bench dflash stage."""
+    accepted = [a - 1 for a in run["acceptance_lengths"]]
+    drafted = run["draft_lengths"]
+    return {"drafts": len(accepted), "draft_tokens": sum(drafted), "accepted": sum(accepted),
+            "drafted_by_position": [sum(1 for n in drafted if n > j) for j in range(15)],
+            "accepted_by_position": [sum(1 for n in accepted if n > j) for j in range(15)]}
+
+
+def test_ik_spec_bench_acceptance_reproduced_with_the_switches(pair: tuple[Path, Path], oracle: dict) -> None:  # type: ignore[type-arg]
+    """ik's llama-spec-bench (cross_ctx 128) on the same prompts: with ik's late feature positions and its draft
+    budget every prompt's drafts, accepted tokens and both by-position counts are ik's; either switch alone is not."""
+    from ikrun.model import Model
+
+    rows = [json.loads(line) for line in (GOLD / "ik-spec-bench.jsonl").read_text().splitlines()]
+    tok = Model(pair[0]).tokenizer()
+    assert [tok.encode(r["prompt_text"], add_special=True) for r in rows] == [r["prompt"] for r in oracle["runs"]]
+    want = [{k: r["stages"][0][k] for k in ("drafts", "draft_tokens", "accepted", "drafted_by_position",
+                                            "accepted_by_position")} for r in rows]
+    base = ["accept", str(pair[0]), str(pair[1]), "--text", str(TEXT), "--json", "--cross-ctx", "128"]
+    res = runner.invoke(app, [*base, "--late-feature-positions", "--budget-drafts"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout)
+    assert [_spec_bench_figures(r) for r in got["runs"]] == want
+    assert [r["output_ids"] for r in got["runs"]] == [r["output_ids"] for r in oracle["runs"]]
+    for switch in ("--late-feature-positions", "--budget-drafts"):
+        alone = json.loads(runner.invoke(app, [*base, switch]).stdout)
+        assert [_spec_bench_figures(r) for r in alone["runs"]] != want, switch
+
+
+def test_cross_ctx_attends_to_the_newest_positions_only(pair: tuple[Path, Path]) -> None:
+    """A draft context limited to N rows holds the newest N rows of the whole context (keys roped at their own
+    positions) and drafts what they draft, a different block than the whole context does."""
+    from ikrun.model import Model
+    from ikrun.models.dflash import DraftContext
+
+    d = Model(pair[1]).impl
+    rng = np.random.default_rng(3)
+    features = rng.standard_normal((40, d.n_target_features)).astype(np.float32)
+    block = rng.standard_normal((d.block_size, d.n_embd)).astype(np.float32)
+    limited, whole = DraftContext(limit=16), DraftContext()
+    for part in (features[:30], features[30:]):
+        d.extend_context(limited, part)
+        d.extend_context(whole, part)
+    newest = DraftContext([k[-16:] for k in whole.k], [v[-16:] for v in whole.v], whole.positions[-16:])
+    assert limited.positions.tolist() == list(range(24, 40))
+    assert np.array_equal(d.draft(limited, block), d.draft(newest, block))
+    assert not np.allclose(d.draft(limited, block), d.draft(whole, block))
+    res = runner.invoke(app, ["accept", str(pair[0]), str(pair[1]), "--text", str(TEXT), "--cross-ctx", "8"])
+    assert res.exit_code == 2 and "--cross-ctx 8: below the block size 16" in res.output
+    assert len(res.output.strip().splitlines()) == 1
+
+
 def test_quantized_drafts_are_compared(pair: tuple[Path, Path]) -> None:
     res = runner.invoke(app, ["accept", str(pair[0]), str(pair[1]), "--text", str(TEXT), "--prompts", "2",
                               "--max-new", "32", "--compare", "Q8_0,Q4_0", "--json"])

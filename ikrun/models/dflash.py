@@ -33,14 +33,24 @@ FC, HIDDEN_NORM = "dflash_fc.weight", "dflash_hidden_norm.weight"
 
 @dataclass
 class DraftContext:
-    """The keys and values of the context positions 0..length-1, per draft layer."""
+    """The keys and values of the context rows, per draft layer, and the positions they were roped at.
+
+    `limit` keeps only the newest rows (ik's `cross_ctx`: the draft attends to a window of the target's features);
+    None keeps every row, as the reference does."""
 
     k: list[np.ndarray] = field(default_factory=list)
     v: list[np.ndarray] = field(default_factory=list)
+    positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    limit: int | None = None
 
     @property
     def length(self) -> int:
-        return len(self.k[0]) if self.k else 0
+        return len(self.positions)
+
+    @property
+    def next_position(self) -> int:
+        """The position after the newest row (where the reference's next block starts)."""
+        return int(self.positions[-1]) + 1 if len(self.positions) else 0
 
 
 class DFlashDraft(ArchModel):
@@ -134,25 +144,31 @@ class DFlashDraft(ArchModel):
         self.rope(k, cos, sin, True)
         return k, cx.linear(h, b + "attn_v").reshape(n, self.n_head_kv, self.head_dim)
 
-    def extend_context(self, ctx: DraftContext, features: np.ndarray) -> None:
-        """Append the context of the next len(features) positions (the target's features of those tokens)."""
+    def extend_context(self, ctx: DraftContext, features: np.ndarray, positions: np.ndarray | None = None) -> None:
+        """Append the context rows of the target's features of len(features) tokens, roped at `positions` (default:
+        the positions after the newest row); past ctx.limit the oldest rows are dropped."""
         cx = self.ctx
         t = self.norm(cx.linear(np.ascontiguousarray(features, dtype=np.float32), "dflash_fc"), cx.weight(HIDDEN_NORM))
-        cos, sin = self._rope(np.arange(ctx.length, ctx.length + len(t)))
+        if positions is None:
+            positions = np.arange(ctx.next_position, ctx.next_position + len(t))
+        cos, sin = self._rope(positions)
+        keep = -ctx.limit if ctx.limit is not None else 0
         for i in range(self.n_layer):
             k, v = self._kv(i, t, cos, sin)
             if len(ctx.k) <= i:
-                ctx.k.append(k)
-                ctx.v.append(v)
+                ctx.k.append(k[keep:])
+                ctx.v.append(v[keep:])
             else:
-                ctx.k[i] = np.concatenate([ctx.k[i], k])
-                ctx.v[i] = np.concatenate([ctx.v[i], v])
+                ctx.k[i] = np.concatenate([ctx.k[i], k])[keep:]
+                ctx.v[i] = np.concatenate([ctx.v[i], v])[keep:]
+        ctx.positions = np.concatenate([ctx.positions, np.asarray(positions, dtype=np.int64)])[keep:]
 
     def draft(self, ctx: DraftContext, block_embeddings: np.ndarray,
-              on_layer: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
-        """The draft's output rows [block, n_embd] for a block at positions ctx.length.. (the context unchanged);
-        `on_layer(i, x)` sees each layer's output."""
-        cx, n, p0 = self.ctx, len(block_embeddings), ctx.length
+              on_layer: Callable[[int, np.ndarray], None] | None = None, start: int | None = None) -> np.ndarray:
+        """The draft's output rows [block, n_embd] for a block at positions start.. (default: after the newest
+        context row; the context unchanged); `on_layer(i, x)` sees each layer's output."""
+        cx, n = self.ctx, len(block_embeddings)
+        p0 = ctx.next_position if start is None else start
         cos, sin = self._rope(np.arange(p0, p0 + n))
         x = np.ascontiguousarray(block_embeddings, dtype=np.float32)
         group = self.n_head // self.n_head_kv
@@ -172,7 +188,7 @@ class DFlashDraft(ArchModel):
             window = self.windows[i]
             if window is not None:  # sliding layers are causal within their window (the reference's mask)
                 qpos = np.arange(p0, p0 + n)[:, None]
-                kpos = np.arange(len(k))[None, :]
+                kpos = np.concatenate([ctx.positions, np.arange(p0, p0 + n)])[None, :]
                 visible = (kpos <= qpos) & (qpos - kpos < window)
                 scores = np.where(visible, scores, np.float32(-np.inf))
             scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
