@@ -3,8 +3,9 @@
 HF tensor names read from the draft's safetensors (bf16 widened to float32), the target's embedding and lm_head
 from the target's: `hidden_norm(fc(target_hidden))` as every layer's context; per layer input_layernorm on the
 block only, q/k/v projections, q_norm and k_norm per head (k_norm on the context keys and the block keys alike),
-rotate-half rope from inverse frequencies at the context positions then the block positions, attention with no
-mask (grouped KV heads repeated), o_proj, residual, post_attention_layernorm, SwiGLU, residual; the final norm.
+rotate-half rope from inverse frequencies (rope_theta, from `rope_parameters` in a transformers-5 config) at the
+context positions then the block positions, attention with no mask (grouped KV heads repeated), o_proj, residual,
+post_attention_layernorm, SwiGLU, residual; the final norm.
 float32 throughout, softmax in float64. The runtime's draft (ikrun/models/dflash.py) is checked against this layer
 by layer.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ikconvert.archs.base import with_rope_parameters
 from ikconvert.safetensors_io import SafetensorsFile
 
 
@@ -53,7 +55,7 @@ class DFlashReference:
     """A draft checkpoint folder."""
 
     def __init__(self, draft_dir: Path):
-        self.cfg = json.loads((draft_dir / "config.json").read_text(encoding="utf-8"))
+        self.cfg = with_rope_parameters(json.loads((draft_dir / "config.json").read_text(encoding="utf-8")))
         self.w = {k.removeprefix("model."): v for k, v in _load(draft_dir).items()}
 
     def _linear(self, x: np.ndarray, name: str) -> np.ndarray:
