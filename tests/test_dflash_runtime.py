@@ -160,7 +160,10 @@ def test_cross_ctx_attends_to_the_newest_positions_only(pair: tuple[Path, Path])
     assert not np.allclose(d.draft(limited, block), d.draft(whole, block))
     res = runner.invoke(app, ["accept", str(pair[0]), str(pair[1]), "--text", str(TEXT), "--cross-ctx", "8"])
     assert res.exit_code == 2 and "--cross-ctx 8: below the block size 16" in res.output
-    assert len(res.output.strip().splitlines()) == 1
+    assert sum(line.startswith("error:") for line in res.output.splitlines()) == 1
+    res = runner.invoke(app, ["accept", str(pair[0]), str(pair[1]), "--text", str(TEXT), "--late-feature-positions",
+                              "--trace", str(GOLD / "hf")])
+    assert res.exit_code == 2 and "--trace compares" in res.output
 
 
 def test_quantized_drafts_are_compared(pair: tuple[Path, Path]) -> None:

@@ -69,6 +69,9 @@ def accept(
     t, d, bs, chunks = draft_pair(target, draft, ev, text, prompts, prompt_len, max_new, block)
     if cross_ctx is not None and cross_ctx < bs:
         fail(f"--cross-ctx {cross_ctx}: below the block size {bs} (the draft must see at least a block of positions)")
+    if trace and (cross_ctx is not None or late_features):
+        fail("--trace compares each step with the reference's draft over every position at its own place: it does "
+             "not go with --cross-ctx or --late-feature-positions")
     ik = IkSpecBench(cross_ctx, late_features, budget_drafts)
     reference_runs = _oracle_runs(oracle, chunks) if oracle else None
     reference = _trace_reference(trace) if trace else None
