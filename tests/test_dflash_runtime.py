@@ -99,6 +99,52 @@ def test_a_draft_with_biases_matches_the_reference(tmp_path: Path) -> None:
         assert np.abs(ours - theirs).max() < 1e-4, f"draft layer {i} differs first"
 
 
+def test_a_mimo_style_draft_matches_the_reference(tmp_path: Path) -> None:
+    """The shared draft with MiMo's additions (sink logits per head, values scaled by 0.5, the context's keys roped
+    at a backbone base of 2.5e5, rope over half of each head): the runtime's layers equal the independent reference's
+    on random target features and block embeddings; without the additions the draft computes something else. An
+    attention gate (ik's graph gates Laguna drafts only) is refused."""
+    from ikconvert.convert import Converter
+    from ikconvert.safetensors_io import SafetensorsFile, write_safetensors
+    from ikrun.model import Model
+    from ikrun.models.dflash import DraftContext
+    from ikrun.validate.dflash import DFlashReference
+
+    folder = tmp_path / "mimo"
+    folder.mkdir()
+    tensors = {n: ("F32", t.to_f32()) for n, t in SafetensorsFile(GOLD / "hf" / "model.safetensors").tensors.items()}
+    rng = np.random.default_rng(5)
+    for i in range(2):
+        tensors[f"layers.{i}.self_attn.attention_sink_bias"] = ("F32", rng.normal(0, 2, 4).astype(np.float32))
+    write_safetensors(folder / "model.safetensors", tensors, {"format": "pt"})
+    cfg = json.loads((GOLD / "hf" / "config.json").read_text())
+    cfg["partial_rotary_factor"] = 0.5
+    cfg["dflash_config"] = {**cfg["dflash_config"], "backbone_rotary_base": 250000.0, "attention_value_scale": 0.5}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    path = Converter(folder, "f32", "qwen2", arch_options={"target_model_dir": str(GOLD / "target")}).write(
+        tmp_path / "mimo.gguf")
+    d = Model(path).impl
+    assert (d.n_rot, d.value_scale, d.context_rope_base) == (16, 0.5, 250000.0)
+    features = rng.standard_normal((20, d.n_target_features)).astype(np.float32)
+    block = rng.standard_normal((d.block_size, d.n_embd)).astype(np.float32)
+    ctx = DraftContext()
+    d.extend_context(ctx, features[:13])
+    d.extend_context(ctx, features[13:])
+    layers: list[np.ndarray] = []
+    out = d.draft(ctx, block, lambda i, x: layers.append(x.copy()))
+    for i, (ours, theirs) in enumerate(zip([*layers, out], DFlashReference(folder).forward(features, block))):
+        assert np.abs(ours - theirs).max() < 1e-4, f"draft layer {i} differs first"
+    plain = DFlashReference(GOLD / "hf").forward(features, block)[-1]
+    assert np.abs(out - plain).max() > 0.1
+    tensors["layers.0.self_attn.g_proj.weight"] = ("F32", rng.standard_normal((4, 64)).astype(np.float32))
+    write_safetensors(folder / "model.safetensors", tensors, {"format": "pt"})
+    gated = Converter(folder, "f32", "qwen2", arch_options={"target_model_dir": str(GOLD / "target")}).write(
+        tmp_path / "gated.gguf")
+    target = Converter(GOLD / "target", "f32", "qwen2").write(tmp_path / "target.gguf")
+    res = runner.invoke(app, ["accept", str(target), str(gated), "--text", str(TEXT)])
+    assert res.exit_code == 2 and "attn_gate tensors are not supported" in res.output, res.output
+
+
 def test_ikrun_accept_prints_the_reference_acceptance(pair: tuple[Path, Path], oracle: dict) -> None:  # type: ignore[type-arg]
     res = runner.invoke(app, ["accept", str(pair[0]), str(pair[1]), "--text", str(TEXT), "--json"])
     assert res.exit_code == 0, res.output

@@ -7,6 +7,9 @@ roped at the context positions) into a context its block attends to. The block i
 `[last known token, mask x (block_size - 1)]` at the next positions; each layer attends non-causally to the whole
 context plus the block, a sliding-window layer causally within its window (Qwen3 layers otherwise: q/k norms, NEOX
 rope, SwiGLU; attention biases where the file has them). The draft's output norm ends it; the proposals are the target's output head on rows 1.. of it.
+MiMo drafts add, as ik's draft graph computes them: values scaled by `attention.value_scale`, the context's keys
+roped at `dflash.backbone_rotary_base`, a sink logit per head (`attn_sinks`), rope over `rope.dimension_count`
+dims only (partial rotary).
 
 A draft runs only with its target (`ikrun accept`); the context a draft has seen stays in a DraftContext, so each
 verified token's features are projected once.
@@ -69,12 +72,18 @@ class DFlashDraft(ArchModel):
         pattern = hp("attention.sliding_window_pattern", None)
         self.windows: list[int | None] = [
             int(window) if window and (pattern is None or bool(pattern[i])) else None for i in range(self.n_layer)]
+        # MiMo drafts: values scaled (context and block alike), the context's keys roped at the target backbone's
+        # base, a per-head sink logit in every softmax (ik's build_dflash)
+        self.value_scale = float(hp("attention.value_scale", 1.0))
+        backbone = float(hp("dflash.backbone_rotary_base", 0.0))
+        self.context_rope_base = backbone if backbone > 0 else self.rope_base
         # no forward of its own: n_vocab is the target's; n_active 0 keeps the runtime's block loops off it
         self.n_vocab, self.n_active = 0, 0
-        for name in ("attn_gate", "attn_sinks"):
-            if any(ctx.has(f"blk.{i}.{name}.weight") or ctx.has(f"blk.{i}.{name}") for i in range(self.n_layer)):
-                raise self.fail(f"draft layers with {name} tensors are not supported by the runtime yet")
-        self.check_tensors(self._expected())
+        if any(ctx.has(f"blk.{i}.attn_gate.weight") for i in range(self.n_layer)):
+            raise self.fail("draft layers with attn_gate tensors are not supported by the runtime yet (ik's draft "
+                            "graph applies a gate to Laguna drafts only)")
+        self.check_tensors(self._expected(), {f"blk.{i}.attn_sinks.weight": (self.n_head,)
+                                              for i in range(self.n_layer)})
 
     def _expected(self) -> dict[str, tuple[int, ...]]:
         e, q, kv = self.n_embd, self.n_head * self.head_dim, self.n_head_kv * self.head_dim
@@ -133,8 +142,8 @@ class DFlashDraft(ArchModel):
         raise self._alone()
 
     # ---- drafting ---------------------------------------------------------------------------------------------
-    def _rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return rope_cache(positions, self.n_rot, self.rope_base)
+    def _rope(self, positions: np.ndarray, base: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        return rope_cache(positions, self.n_rot, self.rope_base if base is None else base)
 
     def _kv(self, i: int, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         cx, b, n = self.ctx, f"blk.{i}.", len(h)
@@ -142,7 +151,8 @@ class DFlashDraft(ArchModel):
                      cx.weight(b + "attn_k_norm.weight"))
         k = np.ascontiguousarray(k)
         self.rope(k, cos, sin, True)
-        return k, cx.linear(h, b + "attn_v").reshape(n, self.n_head_kv, self.head_dim)
+        v = cx.linear(h, b + "attn_v").reshape(n, self.n_head_kv, self.head_dim)
+        return k, v * np.float32(self.value_scale) if self.value_scale != 1.0 else v
 
     def extend_context(self, ctx: DraftContext, features: np.ndarray, positions: np.ndarray | None = None) -> None:
         """Append the context rows of the target's features of len(features) tokens, roped at `positions` (default:
@@ -151,7 +161,7 @@ class DFlashDraft(ArchModel):
         t = self.norm(cx.linear(np.ascontiguousarray(features, dtype=np.float32), "dflash_fc"), cx.weight(HIDDEN_NORM))
         if positions is None:
             positions = np.arange(ctx.next_position, ctx.next_position + len(t))
-        cos, sin = self._rope(positions)
+        cos, sin = self._rope(positions, self.context_rope_base)
         keep = -ctx.limit if ctx.limit is not None else 0
         for i in range(self.n_layer):
             k, v = self._kv(i, t, cos, sin)
@@ -191,8 +201,16 @@ class DFlashDraft(ArchModel):
                 kpos = np.concatenate([ctx.positions, np.arange(p0, p0 + n)])[None, :]
                 visible = (kpos <= qpos) & (qpos - kpos < window)
                 scores = np.where(visible, scores, np.float32(-np.inf))
-            scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-            attn = np.matmul(scores / scores.sum(axis=-1, keepdims=True), vh)  # [H, n, d]
+            top = scores.max(axis=-1, keepdims=True)
+            sink = b + "attn_sinks.weight"
+            if cx.has(sink):  # one more logit per head in the softmax's denominator, attending to nothing
+                sinks = cx.weight(sink).astype(np.float32)[:, None, None]
+                top = np.maximum(top, sinks)
+                denominator = np.exp(sinks - top)
+            else:
+                denominator = np.float32(0.0)
+            scores = np.exp(scores - top)
+            attn = np.matmul(scores / (scores.sum(axis=-1, keepdims=True) + denominator), vh)  # [H, n, d]
             x = x + cx.linear(np.ascontiguousarray(attn.transpose(1, 0, 2)).reshape(n, -1), b + "attn_output")
             x = x + dense_ffn(cx, self.norm(x, cx.weight(b + "post_attention_norm.weight")), b)
             if on_layer is not None:
