@@ -1,8 +1,9 @@
 """DFlash drafts of every shape against the reference implementation: pairs trained on the shared tiny Qwen3
 target, each differing from the shared pair in one way (target layer 0 among the features, a one-layer draft,
 blocks of 8, 3 query heads per key/value head, rope theta 5e5), one with all of them at once (the target under
-rope theta 5e5 too), and gpt-oss and Qwen3-MoE targets whose last layer is a feature; every step's acceptance
-length and every token equal z-lab/dflash's `dflash_generate` (tools/make_dflash_pair.py made them)."""
+rope theta 5e5 too), gpt-oss and Qwen3-MoE targets whose last layer is a feature, and a draft with MiMo-V2.5-Pro's
+attention (sinks, value scale, backbone rope base, partial rotary); every step's acceptance length and every token
+equal z-lab/dflash's `dflash_generate` (tools/make_dflash_pair.py made them)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def _pair(shape: Path, tmp: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("name", ["layer0", "onelayer", "block8", "gqa3", "rope5e5", "issue", "gptoss",
-                                  "qwen3moe"])
+                                  "qwen3moe", "mimo"])
 def test_every_step_equals_the_reference(name: str, tmp_path: Path) -> None:
     from ikrun.eval.speculative import speculative_generate
     from ikrun.model import Model
