@@ -206,7 +206,10 @@ def test_generated_draft_accounts_for_every_tensor(generated: tuple[Path, Path],
         got = g.get(key)
         assert (pytest.approx(value) if isinstance(value, float) else value) == got, key
     keys = [kv.key for kv in g.kv()]
-    assert f"{a}.rope.freq_base" not in keys  # ik writes it only for a top-level rope_theta
+    # ik writes freq_base only for a top-level rope_theta (its runtime would rope this draft at 10000); the draft's
+    # theta is rope_parameters' and written where ik writes a top-level one
+    assert g.get(f"{a}.rope.freq_base") == 500000.0
+    assert keys.index(f"{a}.rope.freq_base") == keys.index(f"{a}.attention.head_count_kv") + 1
     assert keys.index("general.file_type") == keys.index(f"{a}.attention.value_length") + 1
     assert keys.index(f"{a}.attention.causal") == keys.index("general.file_type") + 1
     tokens = g.get("tokenizer.ggml.tokens")

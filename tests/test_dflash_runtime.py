@@ -99,6 +99,52 @@ def test_a_draft_with_biases_matches_the_reference(tmp_path: Path) -> None:
         assert np.abs(ours - theirs).max() < 1e-4, f"draft layer {i} differs first"
 
 
+def test_a_mimo_style_draft_matches_the_reference(tmp_path: Path) -> None:
+    """The shared draft with MiMo's additions (sink logits per head, values scaled by 0.5, the context's keys roped
+    at a backbone base of 2.5e5, rope over half of each head): the runtime's layers equal the independent reference's
+    on random target features and block embeddings; without the additions the draft computes something else. An
+    attention gate (ik's graph gates Laguna drafts only) is refused."""
+    from ikconvert.convert import Converter
+    from ikconvert.safetensors_io import SafetensorsFile, write_safetensors
+    from ikrun.model import Model
+    from ikrun.models.dflash import DraftContext
+    from ikrun.validate.dflash import DFlashReference
+
+    folder = tmp_path / "mimo"
+    folder.mkdir()
+    tensors = {n: ("F32", t.to_f32()) for n, t in SafetensorsFile(GOLD / "hf" / "model.safetensors").tensors.items()}
+    rng = np.random.default_rng(5)
+    for i in range(2):
+        tensors[f"layers.{i}.self_attn.attention_sink_bias"] = ("F32", rng.normal(0, 2, 4).astype(np.float32))
+    write_safetensors(folder / "model.safetensors", tensors, {"format": "pt"})
+    cfg = json.loads((GOLD / "hf" / "config.json").read_text())
+    cfg["partial_rotary_factor"] = 0.5
+    cfg["dflash_config"] = {**cfg["dflash_config"], "backbone_rotary_base": 250000.0, "attention_value_scale": 0.5}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    path = Converter(folder, "f32", "qwen2", arch_options={"target_model_dir": str(GOLD / "target")}).write(
+        tmp_path / "mimo.gguf")
+    d = Model(path).impl
+    assert (d.n_rot, d.value_scale, d.context_rope_base) == (16, 0.5, 250000.0)
+    features = rng.standard_normal((20, d.n_target_features)).astype(np.float32)
+    block = rng.standard_normal((d.block_size, d.n_embd)).astype(np.float32)
+    ctx = DraftContext()
+    d.extend_context(ctx, features[:13])
+    d.extend_context(ctx, features[13:])
+    layers: list[np.ndarray] = []
+    out = d.draft(ctx, block, lambda i, x: layers.append(x.copy()))
+    for i, (ours, theirs) in enumerate(zip([*layers, out], DFlashReference(folder).forward(features, block))):
+        assert np.abs(ours - theirs).max() < 1e-4, f"draft layer {i} differs first"
+    plain = DFlashReference(GOLD / "hf").forward(features, block)[-1]
+    assert np.abs(out - plain).max() > 0.1
+    tensors["layers.0.self_attn.g_proj.weight"] = ("F32", rng.standard_normal((4, 64)).astype(np.float32))
+    write_safetensors(folder / "model.safetensors", tensors, {"format": "pt"})
+    gated = Converter(folder, "f32", "qwen2", arch_options={"target_model_dir": str(GOLD / "target")}).write(
+        tmp_path / "gated.gguf")
+    target = Converter(GOLD / "target", "f32", "qwen2").write(tmp_path / "target.gguf")
+    res = runner.invoke(app, ["accept", str(target), str(gated), "--text", str(TEXT)])
+    assert res.exit_code == 2 and "attn_gate tensors are not supported" in res.output, res.output
+
+
 def test_ikrun_accept_prints_the_reference_acceptance(pair: tuple[Path, Path], oracle: dict) -> None:  # type: ignore[type-arg]
     res = runner.invoke(app, ["accept", str(pair[0]), str(pair[1]), "--text", str(TEXT), "--json"])
     assert res.exit_code == 0, res.output
@@ -108,6 +154,62 @@ def test_ikrun_accept_prints_the_reference_acceptance(pair: tuple[Path, Path], o
     assert [r["acceptance_lengths"] for r in got["runs"]] == [r["acceptance_lengths"] for r in oracle["runs"]]
     assert got["output_matches_target"] is True
     assert len(got["acceptance_by_position"]) == 15 and got["acceptance_by_position"][0] > 0.9
+
+
+def _spec_bench_figures(run: dict) -> dict:  # type: ignore[type-arg]
+    """One `ikrun accept --json` run in the terms of ik's llama-spec-bench dflash stage."""
+    accepted = [a - 1 for a in run["acceptance_lengths"]]
+    drafted = run["draft_lengths"]
+    return {"drafts": len(accepted), "draft_tokens": sum(drafted), "accepted": sum(accepted),
+            "drafted_by_position": [sum(1 for n in drafted if n > j) for j in range(15)],
+            "accepted_by_position": [sum(1 for n in accepted if n > j) for j in range(15)]}
+
+
+def test_ik_spec_bench_acceptance_reproduced_with_the_switches(pair: tuple[Path, Path], oracle: dict) -> None:  # type: ignore[type-arg]
+    """ik's llama-spec-bench (cross_ctx 128) on the same prompts: with ik's late feature positions and its draft
+    budget every prompt's drafts, accepted tokens and both by-position counts are ik's; either switch alone is not."""
+    from ikrun.model import Model
+
+    rows = [json.loads(line) for line in (GOLD / "ik-spec-bench.jsonl").read_text().splitlines()]
+    tok = Model(pair[0]).tokenizer()
+    assert [tok.encode(r["prompt_text"], add_special=True) for r in rows] == [r["prompt"] for r in oracle["runs"]]
+    want = [{k: r["stages"][0][k] for k in ("drafts", "draft_tokens", "accepted", "drafted_by_position",
+                                            "accepted_by_position")} for r in rows]
+    base = ["accept", str(pair[0]), str(pair[1]), "--text", str(TEXT), "--json", "--cross-ctx", "128"]
+    res = runner.invoke(app, [*base, "--late-feature-positions", "--budget-drafts"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout)
+    assert [_spec_bench_figures(r) for r in got["runs"]] == want
+    assert [r["output_ids"] for r in got["runs"]] == [r["output_ids"] for r in oracle["runs"]]
+    for switch in ("--late-feature-positions", "--budget-drafts"):
+        alone = json.loads(runner.invoke(app, [*base, switch]).stdout)
+        assert [_spec_bench_figures(r) for r in alone["runs"]] != want, switch
+
+
+def test_cross_ctx_attends_to_the_newest_positions_only(pair: tuple[Path, Path]) -> None:
+    """A draft context limited to N rows holds the newest N rows of the whole context (keys roped at their own
+    positions) and drafts what they draft, a different block than the whole context does."""
+    from ikrun.model import Model
+    from ikrun.models.dflash import DraftContext
+
+    d = Model(pair[1]).impl
+    rng = np.random.default_rng(3)
+    features = rng.standard_normal((40, d.n_target_features)).astype(np.float32)
+    block = rng.standard_normal((d.block_size, d.n_embd)).astype(np.float32)
+    limited, whole = DraftContext(limit=16), DraftContext()
+    for part in (features[:30], features[30:]):
+        d.extend_context(limited, part)
+        d.extend_context(whole, part)
+    newest = DraftContext([k[-16:] for k in whole.k], [v[-16:] for v in whole.v], whole.positions[-16:])
+    assert limited.positions.tolist() == list(range(24, 40))
+    assert np.array_equal(d.draft(limited, block), d.draft(newest, block))
+    assert not np.allclose(d.draft(limited, block), d.draft(whole, block))
+    res = runner.invoke(app, ["accept", str(pair[0]), str(pair[1]), "--text", str(TEXT), "--cross-ctx", "8"])
+    assert res.exit_code == 2 and "--cross-ctx 8: below the block size 16" in res.output
+    assert sum(line.startswith("error:") for line in res.output.splitlines()) == 1
+    res = runner.invoke(app, ["accept", str(pair[0]), str(pair[1]), "--text", str(TEXT), "--late-feature-positions",
+                              "--trace", str(GOLD / "hf")])
+    assert res.exit_code == 2 and "--trace compares" in res.output
 
 
 def test_quantized_drafts_are_compared(pair: tuple[Path, Path]) -> None:

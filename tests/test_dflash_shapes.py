@@ -1,8 +1,9 @@
 """DFlash drafts of every shape against the reference implementation: pairs trained on the shared tiny Qwen3
 target, each differing from the shared pair in one way (target layer 0 among the features, a one-layer draft,
 blocks of 8, 3 query heads per key/value head, rope theta 5e5), one with all of them at once (the target under
-rope theta 5e5 too), and gpt-oss and Qwen3-MoE targets whose last layer is a feature; every step's acceptance
-length and every token equal z-lab/dflash's `dflash_generate` (tools/make_dflash_pair.py made them)."""
+rope theta 5e5 too), gpt-oss and Qwen3-MoE targets whose last layer is a feature, and a draft with MiMo-V2.5-Pro's
+attention (sinks, value scale, backbone rope base, partial rotary); every step's acceptance length and every token
+equal z-lab/dflash's `dflash_generate` (tools/make_dflash_pair.py made them)."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def _pair(shape: Path, tmp: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("name", ["layer0", "onelayer", "block8", "gqa3", "rope5e5", "issue", "gptoss",
-                                  "qwen3moe"])
+                                  "qwen3moe", "mimo"])
 def test_every_step_equals_the_reference(name: str, tmp_path: Path) -> None:
     from ikrun.eval.speculative import speculative_generate
     from ikrun.model import Model
@@ -90,6 +91,35 @@ def test_accept_names_the_first_step_and_layer_that_differ(tmp_path: Path) -> No
     assert res.exit_code == 2 and "its prompt 1 is not prompt 1 cut from --text" in res.output
     res = runner.invoke(app, [*base, "--trace", str(tmp_path)])
     assert res.exit_code == 2 and "not a Hugging Face draft folder" in res.output
+
+
+def test_a_rope_parameters_config_keeps_its_rope_theta(tmp_path: Path) -> None:
+    """The rope5e5 draft with rope_theta only inside `rope_parameters` (transformers 5's layout): its file is the
+    transformers-4 config's byte for byte (rope.freq_base 5e5, where ik's converter writes none and ik's runtime
+    would rope at 10000), every step's acceptance is the reference's, and the independent reference reads the same
+    theta (--trace: no layer differs)."""
+    from ikconvert.convert import Converter
+
+    shape = SHAPES / "rope5e5"
+    target, draft = _pair(shape, tmp_path)
+    v5 = tmp_path / "v5" / "hf"
+    shutil.copytree(shape / "hf", v5)
+    cfg = json.loads((v5 / "config.json").read_text())
+    theta = cfg.pop("rope_theta")
+    del cfg["rope_scaling"]
+    (v5 / "config.json").write_text(json.dumps({**cfg, "rope_parameters": {"rope_theta": theta,
+                                                                           "rope_type": "default"}}))
+    draft5 = Converter(v5, "f32", "qwen2", arch_options={"target_model_dir": str(QWEN3_TARGET)}).write(
+        tmp_path / "draft5.gguf")
+    assert draft5.read_bytes() == draft.read_bytes()
+    res = runner.invoke(app, ["accept", str(target), str(draft5), "--text", str(TEXT), "--json", "--oracle",
+                              str(shape / "dflash-oracle.json"), "--trace", str(v5)])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout)
+    oracle = json.loads((shape / "dflash-oracle.json").read_text())
+    assert got["oracle_first_difference"] is None
+    assert [r["acceptance_lengths"] for r in got["runs"]] == [r["acceptance_lengths"] for r in oracle["runs"]]
+    assert [t["first_divergence"] for t in got["trace"]] == [None] * 6
 
 
 def _draft_variant(tmp: Path, name: str, **dflash_config: object) -> Path:

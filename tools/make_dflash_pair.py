@@ -8,6 +8,9 @@ The reference is z-lab/dflash's `dflash/model.py` (DFlashDraftModel, dflash_gene
         --text text.txt --out OUT --target-layers 0,2 --draft-layers 1 --block 8 --heads 6 --kv-heads 2 \
         --rope-theta 5e5
 
+`--mimo VALUE_SCALE BACKBONE_BASE PARTIAL` gives the draft MiMo-V2.5-Pro's attention (add_mimo_attention: sink
+logits, value scale, the context keys' rope base, partial rotary), which z-lab's model does not have.
+
 OUT/hf is the draft (bf16), OUT/target-config.json the target's config when --target-rope-theta changes it (the
 target's weights are TARGET_DIR's), OUT/dflash-oracle.json the reference's greedy speculative decoding of 6
 prompts of 24 tokens, 96 new tokens each (output ids and acceptance lengths per step, as the shared oracle has).
@@ -78,6 +81,63 @@ def train_target(folder: Path, out: Path, ids: torch.Tensor, steps: int, seed: i
     return load_target(out)
 
 
+def add_mimo_attention(ref) -> None:  # type: ignore[no-untyped-def]
+    """MiMo-V2.5-Pro drafts' attention as ik's draft graph computes it, patched into the reference's attention where
+    the config asks for it: a learned sink logit per head in the softmax (`attention_sink_bias`), values times
+    dflash_config.attention_value_scale, the context's keys roped at dflash_config.backbone_rotary_base (the
+    block's at rope_theta), rope over head_dim x partial_rotary_factor dims (the rest unrotated)."""
+    import copy
+
+    attention = ref.Qwen3DFlashAttention
+    plain_init, plain_forward = attention.__init__, attention.forward
+
+    def init(self, config, layer_idx: int) -> None:  # type: ignore[no-untyped-def]
+        plain_init(self, config, layer_idx)
+        extra = config.dflash_config
+        self.mimo = bool(extra.get("mimo_attention"))
+        if self.mimo:
+            self.attention_sink_bias = torch.nn.Parameter(torch.zeros(config.num_attention_heads))
+            self.value_scale = float(extra.get("attention_value_scale", 1.0))
+            backbone = copy.deepcopy(config)
+            backbone.rope_theta = float(extra.get("backbone_rotary_base") or config.rope_theta)
+            self.backbone_rotary = ref.Qwen3RotaryEmbedding(backbone)
+
+    def forward(self, hidden_states, target_hidden, position_embeddings, attention_mask,  # type: ignore[no-untyped-def]
+                past_key_values=None, cache_position=None, **kwargs):
+        if not self.mimo:
+            return plain_forward(self, hidden_states, target_hidden, position_embeddings, attention_mask,
+                                 past_key_values, cache_position, **kwargs)
+        assert attention_mask is None and self.sliding_window is None
+        bsz, q_len = hidden_states.shape[:-1]
+        ctx_len = target_hidden.shape[1]
+        q = self.q_norm(self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim)).transpose(1, 2)
+        both = torch.cat([target_hidden, hidden_states], dim=1)
+        k = self.k_norm(self.k_proj(both).view(bsz, ctx_len + q_len, -1, self.head_dim)).transpose(1, 2)
+        v = (self.v_proj(both) * self.value_scale).view(bsz, ctx_len + q_len, -1, self.head_dim).transpose(1, 2)
+        cos, sin = position_embeddings
+        bcos, bsin = self.backbone_rotary(hidden_states, kwargs["position_ids"])
+        rot = cos.shape[-1]
+
+        def rope(x, c, s):  # type: ignore[no-untyped-def]
+            r = x[..., :rot]
+            return torch.cat([r * c.unsqueeze(1) + ref.rotate_half(r) * s.unsqueeze(1), x[..., rot:]], dim=-1)
+
+        q = rope(q, cos[:, -q_len:], sin[:, -q_len:])
+        k = torch.cat([rope(k[:, :, :ctx_len], bcos[:, :ctx_len], bsin[:, :ctx_len]),
+                       rope(k[:, :, ctx_len:], cos[:, -q_len:], sin[:, -q_len:])], dim=2)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx, {"cache_position": cache_position})
+        k = k.repeat_interleave(self.num_key_value_groups, dim=1)
+        v = v.repeat_interleave(self.num_key_value_groups, dim=1)
+        scores = (q @ k.transpose(2, 3)) * self.scaling
+        sinks = self.attention_sink_bias.view(1, -1, 1, 1).expand(bsz, -1, q_len, 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+        out = (probs @ v).transpose(1, 2).reshape(bsz, q_len, -1)
+        return self.o_proj(out), probs
+
+    attention.__init__, attention.forward = init, forward
+
+
 def draft_config(target_cfg, args: argparse.Namespace) -> Qwen3Config:  # type: ignore[no-untyped-def]
     layers = [int(i) for i in args.target_layers.split(",")]
     cfg = Qwen3Config(
@@ -90,6 +150,10 @@ def draft_config(target_cfg, args: argparse.Namespace) -> Qwen3Config:  # type: 
     cfg.block_size = args.block
     cfg.num_target_layers = target_cfg.num_hidden_layers
     cfg.dflash_config = {"mask_token_id": args.mask_token, "target_layer_ids": layers}
+    if args.mimo:
+        cfg.partial_rotary_factor = args.mimo[2]
+        cfg.dflash_config.update({"mimo_attention": True, "attention_value_scale": args.mimo[0],
+                                  "backbone_rotary_base": args.mimo[1]})
     cfg._attn_implementation = "eager"
     return cfg
 
@@ -150,10 +214,14 @@ def main() -> None:
     ap.add_argument("--train-target", type=int, default=0, help="first train the target's unquantized tensors on "
                     "the text for this many steps (OUT/target)")
     ap.add_argument("--decode-only", action="store_true", help="OUT/hf exists: only decode with it")
+    ap.add_argument("--mimo", type=float, nargs=3, metavar=("VALUE_SCALE", "BACKBONE_BASE", "PARTIAL"),
+                    help="MiMo-V2.5-Pro attention (add_mimo_attention, with sink logits): the value scale, the "
+                    "context keys' rope base, the partial rotary factor")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     ref = load_reference(args.reference)
+    add_mimo_attention(ref)
     args.out.mkdir(parents=True, exist_ok=True)
     target_dir = args.target
     if args.target_rope_theta is not None:  # the same weights under another rope theta

@@ -59,6 +59,15 @@ def dequantize_fp8(w: np.ndarray, scale: np.ndarray, block: tuple[int, int]) -> 
 Fill = Callable[[np.ndarray], None]
 
 
+def with_rope_parameters(hparams: dict[str, Any]) -> dict[str, Any]:
+    """The config with rope_theta and partial_rotary_factor lifted from a transformers-5 `rope_parameters` where the
+    top level lacks them (top-level keys win): what the model computes, so the file says it too."""
+    params = hparams.get("rope_parameters")
+    if not isinstance(params, dict):
+        return hparams
+    return {**{k: params[k] for k in ("rope_theta", "partial_rotary_factor") if k in params}, **hparams}
+
+
 def stacked(fills: Sequence[Fill], shape: tuple[int, ...], dtype: type = np.float32) -> Callable[[], np.ndarray]:
     """A layer's experts merged into one [E, *shape] array, each written in place one at a time (the peak is the
     stack, not the stack plus every expert's copy)."""

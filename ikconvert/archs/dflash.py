@@ -6,9 +6,10 @@ or LM head: those come from the target model, so `--target-model-dir` is require
 the target vocab_size (text_config first) and the target hidden size used to infer n_target_features.
 
 The block tensors are Qwen3's, except that post_attention_layernorm becomes `post_attention_norm`: the
-dflash-draft tensor list has ATTN_POST_NORM and no FFN_NORM. Like ik: a draft config with only `rope_parameters`
-gets no rope.freq_base, rope.dimension_count defaults to head_dim 128 when the config has no head_dim, and a draft
-with output.weight but no token_embd is rejected. Unlike ik, tensor shapes are checked against the configs (ik's
+dflash-draft tensor list has ATTN_POST_NORM and no FFN_NORM. Like ik: rope.dimension_count defaults to head_dim 128 when the
+config has no head_dim, and a draft with output.weight but no token_embd is rejected. Unlike ik, a transformers-5
+config with rope_theta (or partial_rotary_factor) only inside `rope_parameters` gets rope.freq_base (and the rotary
+width) from there: ik writes no freq_base for it and its runtime then ropes at 10000, not what the draft computes. Unlike ik, tensor shapes are checked against the configs (ik's
 runtime would refuse the file later), and a target folder without tokenizer.json is an error before anything is
 written rather than whatever the installed transformers makes of it.
 """
@@ -16,19 +17,16 @@ written rather than whatever the installed transformers makes of it.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gguf import GGUFWriter, RopeScalingType
 
-from ikconvert.archs.base import Arch, OutTensor, lazy, register
+from ikconvert.archs.base import Arch, OutTensor, lazy, register, with_rope_parameters
 from ikconvert.checkpoint import Checkpoint, block_id
 from ikconvert.errors import ConvertError
 from ikconvert.safetensors_io import SafeTensor
-
-log = logging.getLogger(__name__)
 
 _SINK_SUFFIX = ".self_attn.attention_sink_bias"
 
@@ -73,6 +71,7 @@ class DFlashDraftArch(Arch):
 
     def __init__(self, ckpt: Checkpoint, options: dict[str, Any] | None = None):
         super().__init__(ckpt, options)
+        self.hparams = with_rope_parameters(self.hparams)
         self.config_path = ckpt.dir / "config.json"
         self.target_dir = self._target_dir()
         self.target_raw = self._target_config()
@@ -190,8 +189,6 @@ class DFlashDraftArch(Arch):
             pattern = [str(t) == "sliding_attention" for t in h["layer_types"]]
         else:
             pattern = [True] * int(h.get("num_hidden_layers", self.block_count))
-        if "rope_theta" not in h and "rope_parameters" in h:
-            log.warning("%s: only rope_parameters is set; like ik, no rope.freq_base is written", self.config_path)
         return DFlashKeys(block_size, mask_token_id, target_layer_ids, n_target_features,
                           None if window is None else int(window), pattern)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from gguf import GGUFWriter
 
-from ikconvert.archs.base import ExpertMerger, OutTensor, register
+from ikconvert.archs.base import ExpertMerger, OutTensor, register, with_rope_parameters
 from ikconvert.archs.llama import DECODER_MAP, DecoderArch
 from ikconvert.checkpoint import Checkpoint, block_id
 from ikconvert.errors import ConvertError
@@ -83,10 +83,7 @@ class Glm4MoeArch(DecoderArch):
 
     def __init__(self, ckpt: Checkpoint, options: dict[str, Any] | None = None):
         super().__init__(ckpt, options)
-        params = self.hparams.get("rope_parameters")
-        if isinstance(params, dict):  # transformers 5 configs: the rope keys inside rope_parameters
-            self.hparams = {**{k: params[k] for k in ("rope_theta", "partial_rotary_factor") if k in params},
-                            **self.hparams}
+        self.hparams = with_rope_parameters(self.hparams)  # transformers 5: the rope keys inside rope_parameters
         why = unsupported_config(self.hparams)
         if why is not None:
             raise ConvertError(f"{ckpt.dir / 'config.json'}: {why}")

@@ -39,6 +39,15 @@ def accept(
     oracle: Optional[Path] = typer.Option(None, "--oracle", help="A reference run's JSON (z-lab/dflash's "
                                           "dflash_generate: runs[].prompt, runs[].acceptance_lengths): name the "
                                           "first step whose acceptance differs."),
+    cross_ctx: Optional[int] = typer.Option(None, "--cross-ctx", help="The draft attends to the newest N target "
+                                            "positions only (ik's cross_ctx, e.g. 128; at least the block size). "
+                                            "Default: every position, as the reference."),
+    late_features: bool = typer.Option(False, "--late-feature-positions", help="Commit the positions a step "
+                                       "verified one position late and start the next block one late, as ik's "
+                                       "speculative loop does (with --budget-drafts: ik's llama-spec-bench)."),
+    budget_drafts: bool = typer.Option(False, "--budget-drafts", help="Draft at most (tokens left - 2) tokens a "
+                                       "step in a block that long, none with fewer than 3 left, as ik's loop does "
+                                       "(default: whole blocks, cut afterwards, as the reference)."),
     ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
     """Greedy speculative decoding with a DFlash draft: acceptance length (tokens per target step) per prompt and
@@ -50,6 +59,7 @@ def accept(
     from ikquant.types import type_by_name
     from ikrun.eval.dflash_trace import LayerTrace, first_acceptance_difference
     from ikrun.eval.speculative import (
+        IkSpecBench,
         acceptance_by_position,
         greedy_continuation,
         mean_acceptance_length,
@@ -57,6 +67,12 @@ def accept(
     )
 
     t, d, bs, chunks = draft_pair(target, draft, ev, text, prompts, prompt_len, max_new, block)
+    if cross_ctx is not None and cross_ctx < bs:
+        fail(f"--cross-ctx {cross_ctx}: below the block size {bs} (the draft must see at least a block of positions)")
+    if trace and (cross_ctx is not None or late_features):
+        fail("--trace compares each step with the reference's draft over every position at its own place: it does "
+             "not go with --cross-ctx or --late-feature-positions")
+    ik = IkSpecBench(cross_ctx, late_features, budget_drafts)
     reference_runs = _oracle_runs(oracle, chunks) if oracle else None
     reference = _trace_reference(trace) if trace else None
     try:
@@ -72,7 +88,7 @@ def accept(
             runs, traces = [], []
             for p in chunks:
                 observer = LayerTrace(reference) if traced and reference is not None else None
-                runs.append(speculative_generate(t, d, p, max_new, bs, observe=observer))
+                runs.append(speculative_generate(t, d, p, max_new, bs, observe=observer, ik=ik))
                 if observer is not None:
                     traces.append(observer.summary())
                 bar.update(task, advance=1)
@@ -93,7 +109,8 @@ def accept(
                 "tokens_per_second": len(chunks) * max_new / seconds if seconds > 0 else 0.0,
                 "output_matches_target": not mismatched if check else None, "mismatched_prompts": mismatched,
                 "acceptance_by_position": acceptance_by_position(runs, bs),
-                "runs": [{"prompt": r.prompt, "output_ids": r.output_ids, "acceptance_lengths": r.acceptance_lengths}
+                "runs": [{"prompt": r.prompt, "output_ids": r.output_ids, "acceptance_lengths": r.acceptance_lengths,
+                          "draft_lengths": r.draft_lengths}
                          for r in runs]}
 
     results = [measure("as stored", sorted({d.weights.encoding(n).type.name for n in d.weights.names()}), True)]

@@ -60,6 +60,21 @@ class TargetDecoder:
         self.length = length
 
 
+@dataclass(frozen=True)
+class IkSpecBench:
+    """Where ik's `llama-spec-bench` departs from the reference loop; each switch on reproduces one departure, all
+    off (the default) is the reference's behaviour."""
+
+    #: the draft attends to the newest `cross_ctx` rows of target features only (ik's `cross_ctx`)
+    cross_ctx: int | None = None
+    #: the rows a step verifies are committed at their positions + 1 and the next block starts one position late
+    #: (ik's `common_speculative_run_round` passes `n_past + 1` as the commit's first position)
+    late_feature_positions: bool = False
+    #: each step drafts min(block - 1, tokens left - 2) tokens in a block that long, none once fewer than 3 tokens
+    #: are left (those come from the target alone), instead of whole blocks cut afterwards
+    budget_drafts: bool = False
+
+
 @dataclass
 class SpecRun:
     """One prompt's speculative decoding."""
@@ -69,6 +84,8 @@ class SpecRun:
     acceptance_lengths: list[int]
     #: per step, the target's output head on every row of the draft's block (row 0: the known token's position)
     draft_logits: list[np.ndarray] = field(default_factory=list)
+    #: per step, how many tokens were drafted (block - 1 but where the draft budget shortened the block)
+    draft_lengths: list[int] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -78,7 +95,8 @@ DraftObserver = Callable[[np.ndarray, np.ndarray, list[np.ndarray]], None]
 
 
 def speculative_generate(target: Model, draft: Model, prompt: np.ndarray, max_new: int, block: int | None = None,
-                         keep_logits: bool = False, observe: DraftObserver | None = None) -> SpecRun:
+                         keep_logits: bool = False, observe: DraftObserver | None = None,
+                         ik: IkSpecBench = IkSpecBench()) -> SpecRun:
     """Greedy DFlash speculative decoding of `max_new` tokens after `prompt`."""
     d = draft.impl
     assert isinstance(d, DFlashDraft)
@@ -92,19 +110,24 @@ def speculative_generate(target: Model, draft: Model, prompt: np.ndarray, max_ne
     dec = TargetDecoder(target, d.target_layer_ids)
     logits, pending = dec.run(out[:n])
     out[n] = int(np.argmax(logits[-1]))
-    ctx = DraftContext()
+    ctx = DraftContext(limit=ik.cross_ctx)
+    d.extend_context(ctx, pending, np.arange(n))
     run = SpecRun([int(t) for t in prompt], [], [])
     start = n
-    seen = pending[:0]  # every position's features, kept only for an observer
+    seen = pending  # every position's features, kept only for an observer
     with draft.blas_limit():
         while start < max_length:  # whole blocks, the last one cut at max_length afterwards
-            blk = out[start : start + bs].copy()
-            d.extend_context(ctx, pending)
+            size = bs
+            if ik.budget_drafts:  # ik's budget counts the first step's known token as still to come, later ones not
+                left = max_length - start - (1 if run.acceptance_lengths else 0)
+                if left < 3:
+                    break
+                size = min(bs, left - 1)
+            blk = out[start : start + size].copy()
             embeddings = target.ctx.embed_rows("token_embd.weight", blk)
             layers: list[np.ndarray] = []
             hidden = d.draft(ctx, embeddings, None if observe is None else lambda i, x: layers.append(x.copy()))
             if observe is not None:
-                seen = np.concatenate([seen, pending])
                 observe(seen, embeddings, [*layers, hidden])
             proposals = target.impl.output_projection(hidden)
             if keep_logits:
@@ -115,10 +138,18 @@ def speculative_generate(target: Model, draft: Model, prompt: np.ndarray, max_ne
             accepted = int(np.cumprod(blk[1:] == posterior[:-1]).sum())
             out[start : start + accepted + 1] = blk[: accepted + 1]
             out[start + accepted + 1] = posterior[accepted]
+            late = int(ik.late_feature_positions)
+            d.extend_context(ctx, features[: accepted + 1], np.arange(start + late, start + late + accepted + 1))
+            if observe is not None:
+                seen = np.concatenate([seen, features[: accepted + 1]])
             start += accepted + 1
             dec.keep(start)
             run.acceptance_lengths.append(accepted + 1)
-            pending = features[: accepted + 1]
+            run.draft_lengths.append(size - 1)
+        while start < max_length - 1:  # what the draft budget left to the target alone
+            logits, _ = dec.run(out[start : start + 1])
+            start += 1
+            out[start] = int(np.argmax(logits[-1]))
     run.output_ids = [int(t) for t in out[:max_length]]
     run.seconds = time.perf_counter() - t0
     return run

@@ -7,6 +7,9 @@ roped at the context positions) into a context its block attends to. The block i
 `[last known token, mask x (block_size - 1)]` at the next positions; each layer attends non-causally to the whole
 context plus the block, a sliding-window layer causally within its window (Qwen3 layers otherwise: q/k norms, NEOX
 rope, SwiGLU; attention biases where the file has them). The draft's output norm ends it; the proposals are the target's output head on rows 1.. of it.
+MiMo drafts add, as ik's draft graph computes them: values scaled by `attention.value_scale`, the context's keys
+roped at `dflash.backbone_rotary_base`, a sink logit per head (`attn_sinks`), rope over `rope.dimension_count`
+dims only (partial rotary).
 
 A draft runs only with its target (`ikrun accept`); the context a draft has seen stays in a DraftContext, so each
 verified token's features are projected once.
@@ -33,14 +36,24 @@ FC, HIDDEN_NORM = "dflash_fc.weight", "dflash_hidden_norm.weight"
 
 @dataclass
 class DraftContext:
-    """The keys and values of the context positions 0..length-1, per draft layer."""
+    """The keys and values of the context rows, per draft layer, and the positions they were roped at.
+
+    `limit` keeps only the newest rows (ik's `cross_ctx`: the draft attends to a window of the target's features);
+    None keeps every row, as the reference does."""
 
     k: list[np.ndarray] = field(default_factory=list)
     v: list[np.ndarray] = field(default_factory=list)
+    positions: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    limit: int | None = None
 
     @property
     def length(self) -> int:
-        return len(self.k[0]) if self.k else 0
+        return len(self.positions)
+
+    @property
+    def next_position(self) -> int:
+        """The position after the newest row (where the reference's next block starts)."""
+        return int(self.positions[-1]) + 1 if len(self.positions) else 0
 
 
 class DFlashDraft(ArchModel):
@@ -59,12 +72,18 @@ class DFlashDraft(ArchModel):
         pattern = hp("attention.sliding_window_pattern", None)
         self.windows: list[int | None] = [
             int(window) if window and (pattern is None or bool(pattern[i])) else None for i in range(self.n_layer)]
+        # MiMo drafts: values scaled (context and block alike), the context's keys roped at the target backbone's
+        # base, a per-head sink logit in every softmax (ik's build_dflash)
+        self.value_scale = float(hp("attention.value_scale", 1.0))
+        backbone = float(hp("dflash.backbone_rotary_base", 0.0))
+        self.context_rope_base = backbone if backbone > 0 else self.rope_base
         # no forward of its own: n_vocab is the target's; n_active 0 keeps the runtime's block loops off it
         self.n_vocab, self.n_active = 0, 0
-        for name in ("attn_gate", "attn_sinks"):
-            if any(ctx.has(f"blk.{i}.{name}.weight") or ctx.has(f"blk.{i}.{name}") for i in range(self.n_layer)):
-                raise self.fail(f"draft layers with {name} tensors are not supported by the runtime yet")
-        self.check_tensors(self._expected())
+        if any(ctx.has(f"blk.{i}.attn_gate.weight") for i in range(self.n_layer)):
+            raise self.fail("draft layers with attn_gate tensors are not supported by the runtime yet (ik's draft "
+                            "graph applies a gate to Laguna drafts only)")
+        self.check_tensors(self._expected(), {f"blk.{i}.attn_sinks.weight": (self.n_head,)
+                                              for i in range(self.n_layer)})
 
     def _expected(self) -> dict[str, tuple[int, ...]]:
         e, q, kv = self.n_embd, self.n_head * self.head_dim, self.n_head_kv * self.head_dim
@@ -123,8 +142,8 @@ class DFlashDraft(ArchModel):
         raise self._alone()
 
     # ---- drafting ---------------------------------------------------------------------------------------------
-    def _rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return rope_cache(positions, self.n_rot, self.rope_base)
+    def _rope(self, positions: np.ndarray, base: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        return rope_cache(positions, self.n_rot, self.rope_base if base is None else base)
 
     def _kv(self, i: int, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         cx, b, n = self.ctx, f"blk.{i}.", len(h)
@@ -132,27 +151,34 @@ class DFlashDraft(ArchModel):
                      cx.weight(b + "attn_k_norm.weight"))
         k = np.ascontiguousarray(k)
         self.rope(k, cos, sin, True)
-        return k, cx.linear(h, b + "attn_v").reshape(n, self.n_head_kv, self.head_dim)
+        v = cx.linear(h, b + "attn_v").reshape(n, self.n_head_kv, self.head_dim)
+        return k, v * np.float32(self.value_scale) if self.value_scale != 1.0 else v
 
-    def extend_context(self, ctx: DraftContext, features: np.ndarray) -> None:
-        """Append the context of the next len(features) positions (the target's features of those tokens)."""
+    def extend_context(self, ctx: DraftContext, features: np.ndarray, positions: np.ndarray | None = None) -> None:
+        """Append the context rows of the target's features of len(features) tokens, roped at `positions` (default:
+        the positions after the newest row); past ctx.limit the oldest rows are dropped."""
         cx = self.ctx
         t = self.norm(cx.linear(np.ascontiguousarray(features, dtype=np.float32), "dflash_fc"), cx.weight(HIDDEN_NORM))
-        cos, sin = self._rope(np.arange(ctx.length, ctx.length + len(t)))
+        if positions is None:
+            positions = np.arange(ctx.next_position, ctx.next_position + len(t))
+        cos, sin = self._rope(positions, self.context_rope_base)
+        keep = -ctx.limit if ctx.limit is not None else 0
         for i in range(self.n_layer):
             k, v = self._kv(i, t, cos, sin)
             if len(ctx.k) <= i:
-                ctx.k.append(k)
-                ctx.v.append(v)
+                ctx.k.append(k[keep:])
+                ctx.v.append(v[keep:])
             else:
-                ctx.k[i] = np.concatenate([ctx.k[i], k])
-                ctx.v[i] = np.concatenate([ctx.v[i], v])
+                ctx.k[i] = np.concatenate([ctx.k[i], k])[keep:]
+                ctx.v[i] = np.concatenate([ctx.v[i], v])[keep:]
+        ctx.positions = np.concatenate([ctx.positions, np.asarray(positions, dtype=np.int64)])[keep:]
 
     def draft(self, ctx: DraftContext, block_embeddings: np.ndarray,
-              on_layer: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
-        """The draft's output rows [block, n_embd] for a block at positions ctx.length.. (the context unchanged);
-        `on_layer(i, x)` sees each layer's output."""
-        cx, n, p0 = self.ctx, len(block_embeddings), ctx.length
+              on_layer: Callable[[int, np.ndarray], None] | None = None, start: int | None = None) -> np.ndarray:
+        """The draft's output rows [block, n_embd] for a block at positions start.. (default: after the newest
+        context row; the context unchanged); `on_layer(i, x)` sees each layer's output."""
+        cx, n = self.ctx, len(block_embeddings)
+        p0 = ctx.next_position if start is None else start
         cos, sin = self._rope(np.arange(p0, p0 + n))
         x = np.ascontiguousarray(block_embeddings, dtype=np.float32)
         group = self.n_head // self.n_head_kv
@@ -172,11 +198,19 @@ class DFlashDraft(ArchModel):
             window = self.windows[i]
             if window is not None:  # sliding layers are causal within their window (the reference's mask)
                 qpos = np.arange(p0, p0 + n)[:, None]
-                kpos = np.arange(len(k))[None, :]
+                kpos = np.concatenate([ctx.positions, np.arange(p0, p0 + n)])[None, :]
                 visible = (kpos <= qpos) & (qpos - kpos < window)
                 scores = np.where(visible, scores, np.float32(-np.inf))
-            scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-            attn = np.matmul(scores / scores.sum(axis=-1, keepdims=True), vh)  # [H, n, d]
+            top = scores.max(axis=-1, keepdims=True)
+            sink = b + "attn_sinks.weight"
+            if cx.has(sink):  # one more logit per head in the softmax's denominator, attending to nothing
+                sinks = cx.weight(sink).astype(np.float32)[:, None, None]
+                top = np.maximum(top, sinks)
+                denominator = np.exp(sinks - top)
+            else:
+                denominator = np.float32(0.0)
+            scores = np.exp(scores - top)
+            attn = np.matmul(scores / (scores.sum(axis=-1, keepdims=True) + denominator), vh)  # [H, n, d]
             x = x + cx.linear(np.ascontiguousarray(attn.transpose(1, 0, 2)).reshape(n, -1), b + "attn_output")
             x = x + dense_ffn(cx, self.norm(x, cx.weight(b + "post_attention_norm.weight")), b)
             if on_layer is not None:
