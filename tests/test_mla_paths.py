@@ -306,11 +306,15 @@ def _mla_sweep(out: Path, *flags: str) -> dict:
 
 
 def _mix(sweep: Path, out: Path) -> tuple[dict[str, str], str]:
-    """The types ikquant's mix gives the MLA tensors (a generous budget: nothing has to be starved), and its output."""
+    """The types ikquant's mix gives the MLA tensors at the most generous budget a mix may have (the tensor bytes of
+    the plain Q8_0 file: nothing has to be starved), and its output."""
     from ikquant.cli import app as ikquant_app
 
-    res = runner.invoke(ikquant_app, [str(V3), str(out), "--type", "q8_0", "--sweep", str(sweep), "--target-bpw",
-                                      "9"], env={"COLUMNS": "250"})
+    plain = out.with_name("plain-q8_0.gguf")
+    assert runner.invoke(ikquant_app, [str(V3), str(plain), "--type", "q8_0"]).exit_code == 0
+    size = sum(t.nbytes for t in GGUFFile(plain).tensors.values())
+    res = runner.invoke(ikquant_app, [str(V3), str(out), "--type", "q8_0", "--sweep", str(sweep), "--target-size",
+                                      str(size)], env={"COLUMNS": "250"})
     assert res.exit_code == 0, res.output
     return {n: t.type.name for n, t in GGUFFile(out).tensors.items() if "_b.weight" in n}, res.output
 
