@@ -15,8 +15,9 @@ attention, mHC, 32 MXFP4 experts; ~350M parameters) and a gpt-oss-shaped one (12
   weight type it does not reproduce;
 - `ik`: ik_llama.cpp's llama-perplexity on the same file, chunks and threads, when --ik-bin is given.
 
-Reported: tokens/s of the evaluation (ikrun's own report, without start-up; ik's prompt-eval figure), peak RSS,
-and peak RSS over the file size.
+Reported: tokens/s of the evaluation (ikrun's own report, without start-up; ik's prompt-eval figure), its ratio to
+the first mode run for that file ("x first": the unconstrained run unless --modes leaves it out), peak RSS, and peak
+RSS over the file size.
 
 Example: python tools/bench_scale.py --workdir /tmp/bench-scale --ik-bin ~/ik/build/bin/llama-perplexity
 """
@@ -132,6 +133,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--mem", default="1GiB")
     ap.add_argument("--only", help="regex: only the files whose label matches (e.g. 'qwen3 F16')")
+    ap.add_argument("--modes", help="regex: only the modes whose name matches (e.g. 'default|numerics|ik')")
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
     files = build_models(a.workdir, a.only)
@@ -140,7 +142,7 @@ def main() -> None:
     modes = {"unconstrained": ["--no-stream", "--mem", "1000GiB"], "default": [], f"--mem {a.mem}": ["--mem", a.mem],
              "--numerics ik": ["--numerics", "ik"]}
     print(f"ctx {a.ctx}, {a.chunks} chunks, {a.threads} threads")
-    print(f"{'file':16s} {'GiB':>6s} {'mode':>14s} {'tok/s':>7s} {'x uncon.':>8s} {'peak RSS GiB':>12s} "
+    print(f"{'file':16s} {'GiB':>6s} {'mode':>14s} {'tok/s':>7s} {'x first':>8s} {'peak RSS GiB':>12s} "
           f"{'RSS/file':>8s}")
     for label, path in files.items():
         if a.only and not re.search(a.only, label):
@@ -148,6 +150,8 @@ def main() -> None:
         size = path.stat().st_size
         base = None
         for mode, extra in [*modes.items(), *([("ik", [])] if a.ik_bin else [])]:
+            if a.modes and not re.search(a.modes, mode):
+                continue
             try:
                 tps, rss = ik_ppl(a.ik_bin, path, text, a.ctx, a.chunks, a.threads) if mode == "ik" else \
                     ikrun_ppl(path, text, a.ctx, a.chunks, a.threads, extra)
