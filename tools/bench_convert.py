@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -192,37 +193,50 @@ QWEN3MOE_TOKENIZER = Path(__file__).parents[1] / "tests" / "data" / "convert" / 
 GPT_OSS_TOKENIZER = Path(__file__).parents[1] / "tests" / "data" / "convert" / "gpt-oss" / "hf"
 
 
+def _bf16(rng: np.random.Generator, *shape: int, scale: float | None = None) -> tuple[str, np.ndarray]:
+    """Normal draws scaled by 1/sqrt(fan_in) (or `scale`), as a BF16 tensor."""
+    s = 1 / np.sqrt(shape[-1]) if scale is None else scale
+    return "BF16", f32_to_bf16_bits((rng.standard_normal(shape) * s).astype(np.float32))
+
+
+def _ones(n: int) -> tuple[str, np.ndarray]:
+    return "BF16", f32_to_bf16_bits(np.ones(n, np.float32))
+
+
+def _write_layer_shards(folder: Path, layers: int, layer: Callable[[str], dict], last: dict) -> dict[str, str]:
+    """One shard per layer (`layer(prefix)` gives its tensors) and a last one with `last`; the weight map."""
+    folder.mkdir(parents=True)
+    weight_map = {}
+    for i in range(layers + 1):
+        part = last if i == layers else layer(f"model.layers.{i}.")
+        fname = f"model-{i + 1:05d}-of-{layers + 1:05d}.safetensors"
+        write_safetensors(folder / fname, part, {"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    return weight_map
+
+
 def make_qwen3moe_checkpoint(folder: Path, layers: int = 10) -> None:
     """Qwen3-30B-A3B's layout scaled to 1024 wide (~105M parameters a layer): 16 heads of 128 over 4 KV heads with
     q/k norms, 64 routed experts of 512 (8 used, softmax, normalised top-k), every layer MoE; bf16, one shard per
     layer."""
     h, heads, kv, hd, n_exp, moe_ff, vocab = 1024, 16, 4, 128, 64, 512, 320
     rng = np.random.default_rng(0)
-    folder.mkdir(parents=True)
 
-    def bf16(*shape: int) -> tuple[str, np.ndarray]:
-        return "BF16", f32_to_bf16_bits((rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32))
+    def layer(p: str) -> dict:
+        part = {f"{p}{n}.weight": _ones(d) for n, d in (("input_layernorm", h), ("post_attention_layernorm", h),
+                                                        ("self_attn.q_norm", hd), ("self_attn.k_norm", hd))}
+        for n, shape in (("q_proj", (heads * hd, h)), ("k_proj", (kv * hd, h)), ("v_proj", (kv * hd, h)),
+                         ("o_proj", (h, heads * hd))):
+            part[f"{p}self_attn.{n}.weight"] = _bf16(rng, *shape)
+        part[f"{p}mlp.gate.weight"] = _bf16(rng, n_exp, h)
+        for x in range(n_exp):
+            for n, shape in (("gate_proj", (moe_ff, h)), ("up_proj", (moe_ff, h)), ("down_proj", (h, moe_ff))):
+                part[f"{p}mlp.experts.{x}.{n}.weight"] = _bf16(rng, *shape)
+        return part
 
-    weight_map = {}
-    for i in range(layers + 1):
-        p, part = f"model.layers.{i}.", {}
-        if i == layers:
-            part = {"model.embed_tokens.weight": bf16(vocab, h), "lm_head.weight": bf16(vocab, h),
-                    "model.norm.weight": ("BF16", f32_to_bf16_bits(np.ones(h, np.float32)))}
-        else:
-            for n, d in (("input_layernorm", h), ("post_attention_layernorm", h), ("self_attn.q_norm", hd),
-                         ("self_attn.k_norm", hd)):
-                part[f"{p}{n}.weight"] = ("BF16", f32_to_bf16_bits(np.ones(d, np.float32)))
-            for n, shape in (("q_proj", (heads * hd, h)), ("k_proj", (kv * hd, h)), ("v_proj", (kv * hd, h)),
-                             ("o_proj", (h, heads * hd))):
-                part[f"{p}self_attn.{n}.weight"] = bf16(*shape)
-            part[f"{p}mlp.gate.weight"] = bf16(n_exp, h)
-            for x in range(n_exp):
-                for n, shape in (("gate_proj", (moe_ff, h)), ("up_proj", (moe_ff, h)), ("down_proj", (h, moe_ff))):
-                    part[f"{p}mlp.experts.{x}.{n}.weight"] = bf16(*shape)
-        fname = f"model-{i + 1:05d}-of-{layers + 1:05d}.safetensors"
-        write_safetensors(folder / fname, part, {"format": "pt"})
-        weight_map.update({n: fname for n in part})
+    last = {"model.embed_tokens.weight": _bf16(rng, vocab, h), "lm_head.weight": _bf16(rng, vocab, h),
+            "model.norm.weight": _ones(h)}
+    weight_map = _write_layer_shards(folder, layers, layer, last)
     config = json.loads((QWEN3MOE_TOKENIZER / "config.json").read_text())
     config.update({"hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": heads,
                    "num_key_value_heads": kv, "head_dim": hd, "num_experts": n_exp, "num_experts_per_tok": 8,
@@ -237,38 +251,29 @@ def make_gpt_oss_checkpoint(folder: Path, layers: int = 12) -> None:
     published checkpoint stores them (MXFP4 blocks and E8M0 scales, bf16 biases); one shard per layer."""
     h, heads, kv, hd, n_exp, ff, vocab = 1024, 16, 4, 64, 32, 1024, 336
     rng = np.random.default_rng(0)
-    folder.mkdir(parents=True)
-
-    def bf16(*shape: int, scale: float | None = None) -> tuple[str, np.ndarray]:
-        s = 1 / np.sqrt(shape[-1]) if scale is None else scale
-        return "BF16", f32_to_bf16_bits((rng.standard_normal(shape) * s).astype(np.float32))
+    exponent = 127 - int(np.ceil(np.log2(np.sqrt(h)))) - 2  # E2M1 values of ~2: ~1/sqrt(fan_in) in all
 
     def mxfp4(part: dict, name: str, rows: int, cols: int) -> None:
         part[name + "_blocks"] = ("U8", rng.integers(0, 256, (n_exp, rows, cols // 32, 16), dtype=np.uint8))
-        exponent = 127 - int(np.ceil(np.log2(np.sqrt(cols)))) - 2  # E2M1 values of ~2: ~1/sqrt(cols) in all
         part[name + "_scales"] = ("U8", np.full((n_exp, rows, cols // 32), exponent, dtype=np.uint8))
-        part[name + "_bias"] = bf16(n_exp, rows, scale=0.02)
+        part[name + "_bias"] = _bf16(rng, n_exp, rows, scale=0.02)
 
-    weight_map = {}
-    for i in range(layers + 1):
-        p, part = f"model.layers.{i}.", {}
-        if i == layers:
-            part = {"model.embed_tokens.weight": bf16(vocab, h), "lm_head.weight": bf16(vocab, h),
-                    "model.norm.weight": ("BF16", f32_to_bf16_bits(np.ones(h, np.float32)))}
-        else:
-            for n in ("input_layernorm", "post_attention_layernorm"):
-                part[f"{p}{n}.weight"] = ("BF16", f32_to_bf16_bits(np.ones(h, np.float32)))
-            for n, rows, cols in (("q_proj", heads * hd, h), ("k_proj", kv * hd, h), ("v_proj", kv * hd, h),
-                                  ("o_proj", h, heads * hd)):
-                part[f"{p}self_attn.{n}.weight"] = bf16(rows, cols)
-                part[f"{p}self_attn.{n}.bias"] = bf16(rows, scale=0.02)
-            part[f"{p}self_attn.sinks"] = bf16(heads, scale=1.0)
-            part[f"{p}mlp.router.weight"], part[f"{p}mlp.router.bias"] = bf16(n_exp, h), bf16(n_exp, scale=0.02)
-            mxfp4(part, f"{p}mlp.experts.gate_up_proj", 2 * ff, h)
-            mxfp4(part, f"{p}mlp.experts.down_proj", h, ff)
-        fname = f"model-{i + 1:05d}-of-{layers + 1:05d}.safetensors"
-        write_safetensors(folder / fname, part, {"format": "pt"})
-        weight_map.update({n: fname for n in part})
+    def layer(p: str) -> dict:
+        part = {f"{p}{n}.weight": _ones(h) for n in ("input_layernorm", "post_attention_layernorm")}
+        for n, rows, cols in (("q_proj", heads * hd, h), ("k_proj", kv * hd, h), ("v_proj", kv * hd, h),
+                              ("o_proj", h, heads * hd)):
+            part[f"{p}self_attn.{n}.weight"] = _bf16(rng, rows, cols)
+            part[f"{p}self_attn.{n}.bias"] = _bf16(rng, rows, scale=0.02)
+        part[f"{p}self_attn.sinks"] = _bf16(rng, heads, scale=1.0)
+        part[f"{p}mlp.router.weight"], part[f"{p}mlp.router.bias"] = _bf16(rng, n_exp, h), _bf16(rng, n_exp,
+                                                                                                  scale=0.02)
+        mxfp4(part, f"{p}mlp.experts.gate_up_proj", 2 * ff, h)
+        mxfp4(part, f"{p}mlp.experts.down_proj", h, ff)
+        return part
+
+    last = {"model.embed_tokens.weight": _bf16(rng, vocab, h), "lm_head.weight": _bf16(rng, vocab, h),
+            "model.norm.weight": _ones(h)}
+    weight_map = _write_layer_shards(folder, layers, layer, last)
     config = json.loads((GPT_OSS_TOKENIZER / "config.json").read_text())
     config.update({"hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": heads,
                    "num_key_value_heads": kv, "head_dim": hd, "num_local_experts": n_exp, "experts_per_token": 4,

@@ -39,6 +39,7 @@ import numpy as np
 from gguf import GGUFWriter
 
 from ikconvert.archs.base import Arch, ExpertMerger, OutTensor, lazy, register
+from ikconvert.archs.llama import DECODER_MAP
 from ikconvert.checkpoint import Checkpoint, block_id
 from ikconvert.errors import ConvertError
 from ikconvert.safetensors_io import SafeTensor
@@ -68,15 +69,8 @@ RAW_PARAM_NAMES = {"dt_bias": "ssm_dt.bias", "A_log": "ssm_a"}
 _FUSED = re.compile(r"model\.layers\.(?P<bid>\d+)\.mlp\.experts\.(?P<proj>gate_up_proj|down_proj)")
 
 MAP = {
-    "model.embed_tokens": "token_embd",
-    "lm_head": "output",
-    "model.norm": "output_norm",
-    "model.layers.{bid}.input_layernorm": "blk.{bid}.attn_norm",
+    **DECODER_MAP,
     "model.layers.{bid}.post_attention_layernorm": "blk.{bid}.post_attention_norm",
-    "model.layers.{bid}.self_attn.q_proj": "blk.{bid}.attn_q",
-    "model.layers.{bid}.self_attn.k_proj": "blk.{bid}.attn_k",
-    "model.layers.{bid}.self_attn.v_proj": "blk.{bid}.attn_v",
-    "model.layers.{bid}.self_attn.o_proj": "blk.{bid}.attn_output",
     "model.layers.{bid}.self_attn.q_norm": "blk.{bid}.attn_q_norm",
     "model.layers.{bid}.self_attn.k_norm": "blk.{bid}.attn_k_norm",
     "model.layers.{bid}.linear_attn.conv1d": "blk.{bid}.ssm_conv1d",
@@ -92,9 +86,6 @@ MAP = {
     "model.layers.{bid}.mlp.shared_expert.up_proj": "blk.{bid}.ffn_up_shexp",
     "model.layers.{bid}.mlp.shared_expert.down_proj": "blk.{bid}.ffn_down_shexp",
     "model.layers.{bid}.mlp.shared_expert_gate": "blk.{bid}.ffn_gate_inp_shexp",
-    "model.layers.{bid}.mlp.gate_proj": "blk.{bid}.ffn_gate",
-    "model.layers.{bid}.mlp.up_proj": "blk.{bid}.ffn_up",
-    "model.layers.{bid}.mlp.down_proj": "blk.{bid}.ffn_down",
 }
 
 
