@@ -69,16 +69,6 @@ class Glm4Moe(LlamaFamily):
             raise self.fail(f"glm4moe.nextn_predict_layers {self.n_mtp} leaves no main layers of {self.n_layer}")
         return self.n_mtp
 
-    def _expected(self) -> dict[str, tuple[int, ...]]:
-        """The main blocks' tensors (the NextN/MTP blocks': check_tensors, where present)."""
-        e = self.n_embd
-        want: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.n_vocab, e), "output_norm.weight": (e,)}
-        if self.output == "output.weight":
-            want["output.weight"] = (self.n_vocab, e)
-        for i in range(self.n_active):
-            want.update(self._block_expected(i))
-        return want
-
     def _block_expected(self, i: int) -> dict[str, tuple[int, ...]]:
         b, e = f"blk.{i}.", self.n_embd
         want = {b + "attn_norm.weight": (e,), b + "post_attention_norm.weight": (e,),

@@ -82,7 +82,6 @@ class GptOss(LlamaFamily):
         x, ff = self.moe.n_expert, self.moe.n_ff
         for i in range(self.n_layer):
             b = f"blk.{i}."
-            want[b + "post_attention_norm.weight"] = want.pop(b + "ffn_norm.weight")
             want.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,),
                          b + "attn_output.bias": (e,), b + "ffn_gate_inp.bias": (x,), b + "ffn_up_exps.bias": (x, ff),
                          b + "ffn_gate_exps.bias": (x, ff), b + "ffn_down_exps.bias": (x, e)})

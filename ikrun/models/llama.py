@@ -56,16 +56,22 @@ class LlamaFamily(ArchModel):
         return 0
 
     def _expected(self) -> dict[str, tuple[int, ...]]:
+        """The main blocks' tensors and shapes (the NextN/MTP blocks': the architecture's own check, where present)."""
         e = self.n_embd
         want: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.n_vocab, e), "output_norm.weight": (e,)}
         if self.output == "output.weight":
             want["output.weight"] = (self.n_vocab, e)
-        for i in range(self.n_layer):
-            b = f"blk.{i}."
-            want[b + "attn_norm.weight"] = (e,)
-            want.update(self.attention.expected(b, e))
-            want.update({b + "ffn_norm.weight": (e,), **self._ffn_expected(i, b)})
+        for i in range(self.n_active):
+            want.update(self._block_expected(i))
         return want
+
+    def _block_expected(self, i: int) -> dict[str, tuple[int, ...]]:
+        b, e = f"blk.{i}.", self.n_embd
+        return {b + "attn_norm.weight": (e,), **self._mixer_expected(i, b), b + self.ffn_norm: (e,),
+                **self._ffn_expected(i, b)}
+
+    def _mixer_expected(self, i: int, b: str) -> dict[str, tuple[int, ...]]:
+        return self.attention.expected(b, self.n_embd)
 
     def _ffn_expected(self, i: int, b: str) -> dict[str, tuple[int, ...]]:
         e, ff = self.n_embd, int(self.ctx.hparam("feed_forward_length"))

@@ -119,18 +119,8 @@ class Qwen3Next(LlamaFamily):
         return GqaAttention(self.n_head, self.n_head_kv, self.head_dim, self.head_dim_v, self.n_rot, self.eps,
                             neox=True, qk_norm=True, output_gate=True)
 
-    def _expected(self) -> dict[str, tuple[int, ...]]:
-        e = self.n_embd
-        want: dict[str, tuple[int, ...]] = {"token_embd.weight": (self.n_vocab, e), "output_norm.weight": (e,)}
-        if self.output == "output.weight":
-            want["output.weight"] = (self.n_vocab, e)
-        for i in range(self.n_layer):
-            b = f"blk.{i}."
-            want.update({b + "attn_norm.weight": (e,), b + self.ffn_norm: (e,)})
-            mixer = self.attention if i in self.full_attention else self.delta_net
-            want.update(mixer.expected(b, e))
-            want.update(self._ffn_expected(i, b))
-        return want
+    def _mixer_expected(self, i: int, b: str) -> dict[str, tuple[int, ...]]:
+        return (self.attention if i in self.full_attention else self.delta_net).expected(b, self.n_embd)
 
     def _ffn_expected(self, i: int, b: str) -> dict[str, tuple[int, ...]]:
         if i in self.dense or self.moe is None:
