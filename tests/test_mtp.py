@@ -1,0 +1,111 @@
+"""The NextN/MTP head of GLM-4.x (`glm4moe`) against an independent numpy reference of ik's MTP graph, and greedy
+speculative decoding with it (`ikrun accept --mtp`): the output is the target's own greedy continuation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikconvert.checkpoint import Checkpoint
+from ikrun.cli import app
+from ikrun.eval.speculative import NextnDecoder, TargetDecoder, greedy_continuation, mtp_generate
+from ikrun.model import Model
+
+runner = CliRunner()
+DATA = Path(__file__).parent / "data"
+HF = DATA / "convert" / "glm4-moe" / "hf"
+GGUF = DATA / "convert" / "glm4-moe" / "ik-f32.gguf"
+TEXT = DATA / "logits" / "glm4-moe" / "text.txt"
+NO_NEXTN = DATA / "convert" / "qwen3-moe" / "ik-f32.gguf"
+
+
+def rms(x: np.ndarray, w: np.ndarray, eps: float = 1e-5) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1 + np.exp(-x))
+
+
+def reference_head(w: dict[str, np.ndarray], hidden: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """GLM-4.5's MTP layer 3 in float64 from the checkpoint's tensors, as ik's graph defines it: position p takes
+    the hidden row p (the target's state before it) and token p; heads 4 x 32, 2 KV heads, NEOX rope on the first 16
+    dims (theta 1e6), sigmoid top-2 of 4 experts renormalised, one shared expert."""
+    g = {n[len("model.layers.3."):]: t.astype(np.float64) for n, t in w.items() if n.startswith("model.layers.3.")}
+    n = len(tokens)
+    x = np.concatenate([rms(g["embed_tokens.weight"][tokens], g["enorm.weight"]), rms(hidden, g["hnorm.weight"])], 1)
+    x = x @ g["eh_proj.weight"].T
+    h = rms(x, g["input_layernorm.weight"])
+    q = (h @ g["self_attn.q_proj.weight"].T + g["self_attn.q_proj.bias"]).reshape(n, 4, 32)
+    k = (h @ g["self_attn.k_proj.weight"].T + g["self_attn.k_proj.bias"]).reshape(n, 2, 32)
+    v = (h @ g["self_attn.v_proj.weight"].T + g["self_attn.v_proj.bias"]).reshape(n, 2, 32)
+    ang = np.arange(n)[:, None] * (1e6 ** (-np.arange(0, 16, 2) / 16))[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+
+    def rope(t: np.ndarray) -> np.ndarray:
+        a, b = t[..., :8], t[..., 8:16]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin, t[..., 16:]], axis=-1)
+
+    q, k = rope(q), rope(k)
+    att = np.empty((n, 4, 32))
+    for head in range(4):
+        s = q[:, head] @ k[:, head // 2].T / np.sqrt(32) + np.triu(np.full((n, n), -np.inf), 1)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        att[:, head] = (p / p.sum(axis=1, keepdims=True)) @ v[:, head // 2]
+    x = x + att.reshape(n, 128) @ g["self_attn.o_proj.weight"].T
+    h = rms(x, g["post_attention_layernorm.weight"])
+
+    def mlp(t: np.ndarray, b: str) -> np.ndarray:
+        return (silu(t @ g[b + "gate_proj.weight"].T) * (t @ g[b + "up_proj.weight"].T)) @ g[b + "down_proj.weight"].T
+
+    scores = 1 / (1 + np.exp(-(h @ g["mlp.gate.weight"].T)))
+    y = mlp(h, "mlp.shared_experts.")
+    for r in range(n):
+        top = np.argsort(-(scores[r] + g["mlp.gate.e_score_correction_bias"]), kind="stable")[:2]
+        for e in top:
+            y[r] += scores[r, e] / scores[r, top].sum() * mlp(h[r : r + 1], f"mlp.experts.{e}.")[0]
+    x = rms(x + y, g["shared_head.norm.weight"])
+    return x @ g["shared_head.head.weight"].T
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model(GGUF)
+
+
+def test_nextn_head_equals_the_numpy_reference_whole_and_continued(model: Model) -> None:
+    """The head over 20 positions (hidden rows shifted as ik's warmup shifts them) equals the reference; running the
+    same positions as 8 + 1 + 1 + ... through its cache gives the same logits."""
+    tokens = np.random.default_rng(3).integers(0, 336, 20)
+    _, features = TargetDecoder(model, [model.impl.n_active - 1]).run(tokens)
+    hidden = np.concatenate([np.zeros_like(features[:1]), features[:-1]])
+    weights = {n: t.to_f32() for n, t in Checkpoint(HF).iter_tensors() if n.startswith("model.layers.3.")}
+    ref = reference_head(weights, hidden.astype(np.float64), tokens)
+    _, whole = NextnDecoder(model).run(hidden, tokens)
+    assert np.abs(whole - ref).max() < 2e-5 * np.abs(ref).max()
+    dec = NextnDecoder(model)
+    parts = [dec.run(hidden[:8], tokens[:8])[1]] + [dec.run(hidden[i : i + 1], tokens[i : i + 1])[1]
+                                                     for i in range(8, 20)]
+    np.testing.assert_allclose(np.concatenate(parts), whole, rtol=0, atol=2e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize(("n_max", "p_min"), [(1, 0.0), (3, 0.0), (4, 0.02)])
+def test_mtp_speculation_gives_the_targets_greedy_continuation(model: Model, n_max: int, p_min: float) -> None:
+    prompt = np.random.default_rng(n_max).integers(0, 336, 12)
+    run = mtp_generate(model, prompt, 24, n_max, p_min)
+    assert run.output_ids == greedy_continuation(model, prompt, 24)
+    assert sum(run.acceptance_lengths) >= 24 and all(1 <= a <= n_max + 1 for a in run.acceptance_lengths)
+    assert all(1 <= d <= n_max for d in run.draft_lengths) and (p_min > 0 or set(run.draft_lengths) == {n_max})
+
+
+def test_accept_mtp_cli_and_a_file_without_nextn_tensors() -> None:
+    res = runner.invoke(app, ["accept", str(GGUF), "--mtp", "--n-max", "2", "--text", str(TEXT), "--prompts", "2",
+                              "--prompt-len", "8", "--max-new", "12", "--json"])
+    assert res.exit_code == 0, res.output
+    assert '"output_matches_target": true' in res.output and '"mean_acceptance_length"' in res.output
+    res = runner.invoke(app, ["accept", str(NO_NEXTN), "--mtp", "--text", str(TEXT)])
+    assert res.exit_code == 2
+    assert str(NO_NEXTN) in res.output and "NextN" in res.output and len(res.output.strip().splitlines()) == 1
