@@ -3,6 +3,7 @@ speculative decoding with it (`ikrun accept --mtp`): the output is the target's 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ikconvert.checkpoint import Checkpoint
+from ikconvert.convert import Converter
 from ikrun.cli import app
 from ikrun.eval.speculative import NextnDecoder, TargetDecoder, greedy_continuation, mtp_generate
 from ikrun.model import Model
@@ -20,6 +22,7 @@ HF = DATA / "convert" / "glm4-moe" / "hf"
 GGUF = DATA / "convert" / "glm4-moe" / "ik-f32.gguf"
 TEXT = DATA / "logits" / "glm4-moe" / "text.txt"
 NO_NEXTN = DATA / "convert" / "qwen3-moe" / "ik-f32.gguf"
+TRAINED = DATA / "mtp" / "glm4-moe-trained"
 
 
 def rms(x: np.ndarray, w: np.ndarray, eps: float = 1e-5) -> np.ndarray:
@@ -109,3 +112,21 @@ def test_accept_mtp_cli_and_a_file_without_nextn_tensors() -> None:
     res = runner.invoke(app, ["accept", str(NO_NEXTN), "--mtp", "--text", str(TEXT)])
     assert res.exit_code == 2
     assert str(NO_NEXTN) in res.output and "NextN" in res.output and len(res.output.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:  # type: ignore[type-arg]
+    gguf = Converter(TRAINED / "hf", "f32", "glm4").write(tmp_path_factory.mktemp("mtp") / "f32.gguf")
+    return gguf, json.loads((TRAINED / "mtp-oracle.json").read_text())
+
+
+def test_a_trained_heads_acceptance_equals_the_reference_loop_at_every_step(trained: tuple[Path, dict]) -> None:  # type: ignore[type-arg]
+    """tools/make_mtp_head.py's torch loop (whole-sequence forwards, no caches) on the trained head: ikrun drafts,
+    accepts and outputs the same at every step of all 6 prompts."""
+    gguf, oracle = trained
+    model = Model(gguf)
+    assert oracle["mean_acceptance_length"] > 1.5  # a head that drafts: the accepted path is exercised
+    for r in oracle["runs"]:
+        run = mtp_generate(model, np.asarray(r["prompt"]), oracle["max_new_tokens"], oracle["n_max"])
+        assert run.acceptance_lengths == r["acceptance_lengths"]
+        assert run.output_ids == r["output_ids"]
