@@ -12,7 +12,9 @@ from typer.testing import CliRunner
 
 from ikconvert.checkpoint import Checkpoint
 from ikconvert.convert import Converter
+from ikquant.imatrix import read_imatrix_dat
 from ikrun.cli import app
+from ikrun.eval.evaluate import tokenize_chunks
 from ikrun.eval.speculative import NextnDecoder, TargetDecoder, greedy_continuation, mtp_generate
 from ikrun.model import Model
 
@@ -130,3 +132,32 @@ def test_a_trained_heads_acceptance_equals_the_reference_loop_at_every_step(trai
         run = mtp_generate(model, np.asarray(r["prompt"]), oracle["max_new_tokens"], oracle["n_max"])
         assert run.acceptance_lengths == r["acceptance_lengths"]
         assert run.output_ids == r["output_ids"]
+
+
+def test_imatrix_mtp_collects_the_heads_tensors_by_running_it(model: Model, tmp_path: Path) -> None:
+    """`ikrun imatrix --mtp`: the main tensors' entries as without it, the head's block gets entries (ik's gives it
+    none), eh_proj's being the mean square of the reference's [enorm(embedding) | hnorm(previous hidden)] rows."""
+    plain, with_head = tmp_path / "plain.dat", tmp_path / "mtp.dat"
+    for out, extra in ((plain, []), (with_head, ["--mtp"])):
+        res = runner.invoke(app, ["imatrix", str(GGUF), "--text", str(TEXT), "--ctx", "32", "--chunks", "3", "-o",
+                                  str(out), *extra])
+        assert res.exit_code == 0, res.output
+    a, b = read_imatrix_dat(plain), read_imatrix_dat(with_head)
+    assert not any(n.startswith("blk.3.") for n in a.entries)
+    assert {"blk.3.nextn.eh_proj.weight", "blk.3.attn_q.weight", "blk.3.attn_output.weight", "blk.3.ffn_up_exps.weight",
+            "blk.3.ffn_down_exps.weight", "blk.3.ffn_gate_shexp.weight"} <= set(b.entries)
+    for name, entry in a.entries.items():
+        np.testing.assert_array_equal(b.entries[name].values, entry.values)
+    w = {n: t.to_f32().astype(np.float64) for n, t in Checkpoint(HF).iter_tensors() if n.startswith("model.layers.3.")}
+    rows = []
+    for tokens in tokenize_chunks(model, TEXT.read_text(), 32, 3):
+        _, features = TargetDecoder(model, [model.impl.n_active - 1]).run(tokens)
+        hidden = np.concatenate([np.zeros_like(features[:1]), features[:-1]]).astype(np.float64)
+        rows.append(np.concatenate([rms(w["model.layers.3.embed_tokens.weight"][tokens], w["model.layers.3.enorm.weight"]),
+                                    rms(hidden, w["model.layers.3.hnorm.weight"])], axis=1))
+    x = np.concatenate(rows)
+    entry = b.entries["blk.3.nextn.eh_proj.weight"]
+    assert entry.ncall == 3
+    np.testing.assert_allclose(entry.values, np.mean(x * x, axis=0) * 3, rtol=1e-5)
+    res = runner.invoke(app, ["imatrix", str(NO_NEXTN), "--mtp", "--text", str(TEXT), "-o", str(tmp_path / "x.dat")])
+    assert res.exit_code == 2 and str(NO_NEXTN) in res.output and not (tmp_path / "x.dat").exists()

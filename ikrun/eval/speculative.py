@@ -167,15 +167,16 @@ class NextnDecoder:
     """A target's NextN/MTP head continuing one sequence through its own key/value cache (ikrun/modules/nextn.py):
     position p takes token p and the target's hidden state of position p - 1."""
 
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, index: int = 0):
         self.model, self.impl = model, model.impl
         self.head = model.impl.nextn_head()
         self.kv: dict[str, Any] = {}
         self.length = 0
+        self.index = index  # the chunk observers are told they see
 
     def run(self, hidden: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The head's normed states and logits at the next len(tokens) positions."""
-        seq = Sequence(np.asarray(tokens, dtype=np.int64), start=self.length, state={"kv": self.kv})
+        seq = Sequence(np.asarray(tokens, dtype=np.int64), self.index, start=self.length, state={"kv": self.kv})
         with self.model.blas_limit():
             self.impl.begin(seq)
             states, logits = self.head(self.model.ctx, hidden, seq)
@@ -186,6 +187,12 @@ class NextnDecoder:
         """Forget every position from `length` on (the drafts past the verified token)."""
         self.kv = self.impl.keep_cache(self.kv, length)
         self.length = length
+
+
+def previous_states(features: np.ndarray) -> np.ndarray:
+    """Row p: the target's state of position p - 1, what the head takes at p (zeros before the first, as ik's fresh
+    warmup)."""
+    return np.concatenate([np.zeros_like(features[:1]), features[:-1]])
 
 
 def top_probability(logits: np.ndarray) -> float:
@@ -208,8 +215,7 @@ def mtp_generate(target: Model, prompt: np.ndarray, max_new: int, n_max: int, p_
     logits, features = dec.run(out[:n])
     out[n] = int(np.argmax(logits[-1]))
     head = NextnDecoder(target)
-    # the prompt's positions: the first has no earlier hidden state (zeros, as ik's fresh warmup)
-    head.run(np.concatenate([np.zeros_like(features[:1]), features[:-1]]), out[:n])
+    head.run(previous_states(features), out[:n])
     hidden, start = features[-1:], n
     run = SpecRun([int(t) for t in prompt], [], [])
     while start < max_length:

@@ -57,6 +57,7 @@ class NextnHead:
         """The head's normed states [n, n_embd] and logits [n, vocab] at the positions of `seq` (its tokens), from
         the target's hidden rows of the positions before them."""
         b = f"blk.{self.block}.nextn."
+        cx.chunk = seq.index  # observers are told which chunk they see
         e = self.norm(cx.embed_rows(self.embeddings, seq.tokens), cx.weight(b + "enorm.weight"))
         h = self.norm(hidden, cx.weight(b + "hnorm.weight"))
         x = cx.linear(np.ascontiguousarray(np.concatenate([e, h], axis=1), dtype=np.float32), b + "eh_proj")
