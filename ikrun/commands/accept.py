@@ -52,13 +52,13 @@ def accept(
                                        "(default: whole blocks, cut afterwards, as the reference)."),
     mtp: bool = typer.Option(False, "--mtp", help="Draft with the target's own NextN/MTP head (GLM-4.x) instead of a "
                              "DFlash draft, as ik's --spec-type mtp; --compare then quantizes the head's block."),
-    n_max: int = typer.Option(3, "--n-max", help="With --mtp: tokens drafted per step, each from the previous "
-                              "draft's state (ik's --draft-max)."),
-    p_min: float = typer.Option(0.0, "--p-min", help="With --mtp: stop drafting after a token whose probability is "
+    n_max: Optional[int] = typer.Option(None, "--n-max", help="With --mtp: tokens drafted per step, each from the "
+                                        "previous draft's state (ik's --draft-max; default 3)."),
+    p_min: Optional[float] = typer.Option(None, "--p-min", help="With --mtp: stop drafting after a token whose probability is "
                                 "below this, and drop such tokens but the first (ik's --draft-p-min)."),
     ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
-    """Greedy speculative decoding with a DFlash draft: acceptance length (tokens per target step) per prompt and
+    """Greedy speculative decoding with a DFlash draft (or, --mtp, the target's NextN head): acceptance length (tokens per target step) per prompt and
     per draft position, tokens/s, and the check that the output is the target's own.
 
     Example: ikrun accept qwen3-8b.gguf dflash-draft.gguf --text wiki.test.raw --prompts 8 --max-new 256
@@ -79,6 +79,7 @@ def accept(
         if draft is not None or trace or oracle or cross_ctx is not None or late_features or budget_drafts or block:
             fail("--mtp drafts with the target's own NextN head: it takes no draft model, --block, --trace, --oracle, "
                  "--cross-ctx, --late-feature-positions or --budget-drafts")
+        n_max, p_min = 3 if n_max is None else n_max, p_min or 0.0
         if n_max < 1:
             fail(f"--n-max {n_max}: at least one token is drafted a step")
         t, head_block, chunks = mtp_target(target, ev, text, prompts, prompt_len, max_new)
@@ -86,6 +87,8 @@ def accept(
     else:
         if draft is None:
             fail("give a DFlash draft's GGUF after the target, or --mtp to draft with the target's NextN head")
+        if n_max is not None or p_min is not None:
+            fail("--n-max and --p-min go with --mtp (a DFlash draft drafts a block: --block)")
         t, d, bs, chunks = draft_pair(target, draft, ev, text, prompts, prompt_len, max_new, block)
         drafted = d.weights.names()
     if cross_ctx is not None and cross_ctx < bs:
@@ -109,7 +112,7 @@ def accept(
             runs, traces = [], []
             for p in chunks:
                 observer = LayerTrace(reference) if traced and reference is not None else None
-                runs.append(mtp_generate(t, p, max_new, n_max, p_min) if mtp else
+                runs.append(mtp_generate(t, p, max_new, bs - 1, p_min or 0.0) if mtp else
                             speculative_generate(t, d, p, max_new, bs, observe=observer, ik=ik))
                 if observer is not None:
                     traces.append(observer.summary())
