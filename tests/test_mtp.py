@@ -17,6 +17,7 @@ from ikrun.cli import app
 from ikrun.eval.evaluate import tokenize_chunks
 from ikrun.eval.speculative import NextnDecoder, TargetDecoder, greedy_continuation, mtp_generate
 from ikrun.model import Model
+from ikrun.options import RuntimeOptions
 
 runner = CliRunner()
 DATA = Path(__file__).parent / "data"
@@ -166,3 +167,12 @@ def test_imatrix_mtp_collects_the_heads_tensors_by_running_it(model: Model, tmp_
     np.testing.assert_allclose(entry.values, np.mean(x * x, axis=0) * 3, rtol=1e-5)
     res = runner.invoke(app, ["imatrix", str(NO_NEXTN), "--mtp", "--text", str(TEXT), "-o", str(tmp_path / "x.dat")])
     assert res.exit_code == 2 and str(NO_NEXTN) in res.output and not (tmp_path / "x.dat").exists()
+
+
+def test_numerics_ik_drafts_with_the_models_tables_as_iks_loader_ignores_the_heads(trained: tuple[Path, dict]) -> None:  # type: ignore[type-arg]
+    """ik loads this file with "model has unused tensor blk.3.nextn.embed_tokens.weight ... ignoring" (and
+    shared_head_head), its MTP graph then falls back to token_embd / output; the default keeps the head's own."""
+    gguf, _ = trained
+    own, ik = Model(gguf).impl.nextn_head(), Model(gguf, options=RuntimeOptions(numerics="ik")).impl.nextn_head()
+    assert (own.embeddings, own.output) == ("blk.3.nextn.embed_tokens.weight", "blk.3.nextn.shared_head_head.weight")
+    assert (ik.embeddings, ik.output) == ("token_embd.weight", "output.weight")

@@ -8,7 +8,8 @@ first layers) or the MoE FFN: sigmoid scores, the top-k chosen on scores + exp_p
 plain scores, renormalised when expert_weights_norm, times expert_weights_scale, plus the shared experts; residual.
 The NextN/MTP blocks at the end (nextn_predict_layers) are loaded and shape-checked but take no part in the main
 forward, as in both ik and transformers; the last of them drafts tokens for speculative decoding (`nextn_head`:
-ikrun/modules/nextn.py, the block run as the layer it is, as ik's build_glm4_moe_mtp does).
+ikrun/modules/nextn.py, the block run as the layer it is, as ik's build_glm4_moe_mtp does; with its own
+nextn.embed_tokens / shared_head_head, which ik's loader ignores, so that `--numerics ik` takes token_embd / output).
 
 Where ik and transformers differ, the default (exact) arithmetic computes transformers' model and `--numerics ik`
 computes ik's: with expert groups (`expert_group_count` > 1, which ikconvert writes from n_group) transformers
@@ -108,7 +109,11 @@ class Glm4Moe(LlamaFamily):
         missing = NextnHead.missing(self.ctx, i)
         if missing:
             raise self.fail(f"NextN/MTP tensors missing: {', '.join(missing)}")
-        return NextnHead.of(self.ctx, i, self.output, lambda x, seq: self.block(i, [x], [seq])[0], self.norm)
+        # ik's loader leaves a glm4moe head's own nextn.embed_tokens / shared_head_head unused ("model has unused
+        # tensor ... ignoring") and its graph then takes token_embd / output: --numerics ik does the same
+        own_tables = self.ctx.options.numerics != "ik"
+        return NextnHead.of(self.ctx, i, self.output, lambda x, seq: self.block(i, [x], [seq])[0], self.norm,
+                            own_tables)
 
     def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
         return super().ffn(i, hs, seqs) if i < self.n_dense else moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe)

@@ -46,12 +46,13 @@ class NextnHead:
         return [f"blk.{block}.{n}" for n in REQUIRED if not cx.has(f"blk.{block}.{n}")]
 
     @classmethod
-    def of(cls, cx: Context, block: int, output: str, layer: Layer, norm: Norm) -> NextnHead:
-        """The head of block `block`, with the model's embeddings and `output` where it carries none of its own."""
+    def of(cls, cx: Context, block: int, output: str, layer: Layer, norm: Norm, own_tables: bool = True) -> NextnHead:
+        """The head of block `block`, with the model's embeddings and `output` where it carries none of its own (or,
+        not `own_tables`, always: what ik runs where its loader ignores the head's own)."""
         b = f"blk.{block}.nextn."
         own_embd, own_head = b + "embed_tokens.weight", b + "shared_head_head.weight"
-        return cls(block, own_embd if cx.has(own_embd) else "token_embd.weight",
-                   own_head if cx.has(own_head) else output, layer, norm)
+        return cls(block, own_embd if own_tables and cx.has(own_embd) else "token_embd.weight",
+                   own_head if own_tables and cx.has(own_head) else output, layer, norm)
 
     def __call__(self, cx: Context, hidden: np.ndarray, seq: Sequence) -> tuple[np.ndarray, np.ndarray]:
         """The head's normed states [n, n_embd] and logits [n, vocab] at the positions of `seq` (its tokens), from
