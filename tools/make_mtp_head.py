@@ -4,7 +4,7 @@ Needs torch and transformers, OUTSIDE the product: run it with a separate enviro
 in ikconvert/ikquant/ikrun imports it.
 
     /work/torchenv/bin/python tools/make_mtp_head.py --target tests/data/convert/glm4-moe/hf \
-        --text tests/data/logits/glm4-moe/text.txt --out OUT --train-target 600 --steps 600
+        --text tests/data/logits/glm4-moe/text.txt --out OUT --train-target 500 --steps 500
 
 The target (transformers' Glm4MoeForCausalLM, which ignores the NextN layer) first learns the text
 (make_dflash_pair.train_target); then only the NextN layer (model.layers.{num_hidden_layers}.*: embed_tokens, enorm,
