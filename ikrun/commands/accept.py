@@ -1,4 +1,5 @@
-"""`ikrun accept`: speculative decoding with a DFlash draft, and its acceptance lengths."""
+"""`ikrun accept`: speculative decoding with a DFlash draft or the target's own NextN/MTP head (--mtp), and its
+acceptance lengths."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ if TYPE_CHECKING:
 @evaluation_options
 def accept(
     target: Path = typer.Argument(..., help="The target model's GGUF."),
-    draft: Path = typer.Argument(..., help="The DFlash draft's GGUF (ikconvert hf2gguf ... --target-model-dir)."),
+    draft: Optional[Path] = typer.Argument(None, help="The DFlash draft's GGUF (ikconvert hf2gguf ... "
+                                           "--target-model-dir); none with --mtp."),
     text: Path = typer.Option(..., "--text", help="Text the prompts are cut from (tokenized without BOS)."),
     prompts: int = typer.Option(6, "--prompts", help="Number of prompts; prompt i starts at token i*floor((n-L-M)/N)."),
     prompt_len: int = typer.Option(24, "--prompt-len", help="Tokens per prompt (L)."),
@@ -48,13 +50,19 @@ def accept(
     budget_drafts: bool = typer.Option(False, "--budget-drafts", help="Draft at most (tokens left - 2) tokens a "
                                        "step in a block that long, none with fewer than 3 left, as ik's loop does "
                                        "(default: whole blocks, cut afterwards, as the reference)."),
+    mtp: bool = typer.Option(False, "--mtp", help="Draft with the target's own NextN/MTP head (GLM-4.x) instead of a "
+                             "DFlash draft, as ik's --spec-type mtp; --compare then quantizes the head's block."),
+    n_max: Optional[int] = typer.Option(None, "--n-max", help="With --mtp: tokens drafted per step, each from the "
+                                        "previous draft's state (ik's --draft-max; default 3)."),
+    p_min: Optional[float] = typer.Option(None, "--p-min", help="With --mtp: stop drafting after a token whose probability is "
+                                "below this, and drop such tokens but the first (ik's --draft-p-min)."),
     ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
-    """Greedy speculative decoding with a DFlash draft: acceptance length (tokens per target step) per prompt and
+    """Greedy speculative decoding with a DFlash draft (or, --mtp, the target's NextN head): acceptance length (tokens per target step) per prompt and
     per draft position, tokens/s, and the check that the output is the target's own.
 
     Example: ikrun accept qwen3-8b.gguf dflash-draft.gguf --text wiki.test.raw --prompts 8 --max-new 256
-    --compare Q8_0,Q4_K
+    --compare Q8_0,Q4_K; ikrun accept GLM-4.5-Air.gguf --mtp --n-max 3 --text wiki.test.raw --compare Q4_0
     """
     from ikquant.types import type_by_name
     from ikrun.eval.dflash_trace import LayerTrace, first_acceptance_difference
@@ -63,10 +71,26 @@ def accept(
         acceptance_by_position,
         greedy_continuation,
         mean_acceptance_length,
+        mtp_generate,
         speculative_generate,
     )
 
-    t, d, bs, chunks = draft_pair(target, draft, ev, text, prompts, prompt_len, max_new, block)
+    if mtp:
+        if draft is not None or trace or oracle or cross_ctx is not None or late_features or budget_drafts or block:
+            fail("--mtp drafts with the target's own NextN head: it takes no draft model, --block, --trace, --oracle, "
+                 "--cross-ctx, --late-feature-positions or --budget-drafts")
+        n_max, p_min = 3 if n_max is None else n_max, p_min or 0.0
+        if n_max < 1:
+            fail(f"--n-max {n_max}: at least one token is drafted a step")
+        t, head_block, chunks = mtp_target(target, ev, text, prompts, prompt_len, max_new)
+        d, bs, drafted = t, n_max + 1, [n for n in t.weights.names() if n.startswith(f"blk.{head_block}.")]
+    else:
+        if draft is None:
+            fail("give a DFlash draft's GGUF after the target, or --mtp to draft with the target's NextN head")
+        if n_max is not None or p_min is not None:
+            fail("--n-max and --p-min go with --mtp (a DFlash draft drafts a block: --block)")
+        t, d, bs, chunks = draft_pair(target, draft, ev, text, prompts, prompt_len, max_new, block)
+        drafted = d.weights.names()
     if cross_ctx is not None and cross_ctx < bs:
         fail(f"--cross-ctx {cross_ctx}: below the block size {bs} (the draft must see at least a block of positions)")
     if trace and (cross_ctx is not None or late_features):
@@ -88,7 +112,8 @@ def accept(
             runs, traces = [], []
             for p in chunks:
                 observer = LayerTrace(reference) if traced and reference is not None else None
-                runs.append(speculative_generate(t, d, p, max_new, bs, observe=observer, ik=ik))
+                runs.append(mtp_generate(t, p, max_new, bs - 1, p_min or 0.0) if mtp else
+                            speculative_generate(t, d, p, max_new, bs, observe=observer, ik=ik))
                 if observer is not None:
                     traces.append(observer.summary())
                 bar.update(task, advance=1)
@@ -104,7 +129,7 @@ def accept(
         if reference_runs is not None:
             first = first_acceptance_difference([r.acceptance_lengths for r in runs], reference_runs)
             extra["oracle_first_difference"] = None if first is None else {"prompt": first[0], "step": first[1]}
-        return {**extra, "draft": label, "types_used": used, "draft_bytes": sum(d.weights.encoding(n).raw.nbytes for n in d.weights.names()),
+        return {**extra, "draft": label, "types_used": used, "draft_bytes": sum(d.weights.encoding(n).raw.nbytes for n in drafted),
                 "mean_acceptance_length": mean_acceptance_length(runs),
                 "tokens_per_second": len(chunks) * max_new / seconds if seconds > 0 else 0.0,
                 "output_matches_target": not mismatched if check else None, "mismatched_prompts": mismatched,
@@ -113,10 +138,10 @@ def accept(
                           "draft_lengths": r.draft_lengths}
                          for r in runs]}
 
-    results = [measure("as stored", sorted({d.weights.encoding(n).type.name for n in d.weights.names()}), True)]
+    results = [measure("as stored", sorted({d.weights.encoding(n).type.name for n in drafted}), True)]
     for qt in types:
         try:
-            results.append(measure(qt.name, _quantize_draft_in_memory(d, qt)))
+            results.append(measure(qt.name, _quantize_draft_in_memory(d, qt, drafted)))
         except IkError as exc:
             fail(str(exc))
         finally:
@@ -152,6 +177,22 @@ def draft_pair(target: Path, draft: Path, ev: Evaluation, text: Path, prompts: i
     except IkError as exc:
         fail(str(exc))
     return t, d, bs, [ids[s : s + prompt_len] for s in starts]
+
+
+def mtp_target(target: Path, ev: Evaluation, text: Path, prompts: int, prompt_len: int,
+               max_new: int) -> tuple[Model, int, list[np.ndarray]]:
+    """A target with a NextN/MTP head loaded and its head checked, and the prompts cut from the text, before any
+    compute."""
+    from ikrun.eval.speculative import prompt_starts
+
+    t = load_model(target, ev)
+    try:
+        head = t.impl.nextn_head()
+        ids = np.asarray(t.tokenizer().encode(read_text(text), add_special=False), dtype=np.int64)
+        starts = prompt_starts(len(ids), prompts, prompt_len, max_new)
+    except IkError as exc:
+        fail(str(exc))
+    return t, head.block, [ids[s : s + prompt_len] for s in starts]
 
 
 def _oracle_runs(path: Path, chunks: list[np.ndarray]) -> list[list[int]]:
@@ -195,14 +236,14 @@ def _print_checks(result: dict) -> None:  # type: ignore[type-arg]
                   f"{first['step']}")
 
 
-def _quantize_draft_in_memory(d: Model, qtype) -> list[str]:  # type: ignore[no-untyped-def]
-    """Every quantizable draft weight re-encoded as `qtype` from its stored encoding and swapped in; the types
-    written (ik's fallback where a row does not hold `qtype`'s blocks)."""
+def _quantize_draft_in_memory(d: Model, qtype, names: list[str]) -> list[str]:  # type: ignore[no-untyped-def]
+    """Every quantizable draft weight among `names` re-encoded as `qtype` from its stored encoding and swapped in;
+    the types written (ik's fallback where a row does not hold `qtype`'s blocks)."""
     from ikquant.recipes import eligible
     from ikrun.sweep.measure import quantized_copy
 
     used_types = set()
-    for name in d.weights.names():
+    for name in names:
         info = d.weights.info(name)
         if eligible(name, len(info.ne), info.type):
             used, raw = quantized_copy(d, name, qtype, None)

@@ -29,6 +29,9 @@ def imatrix(
                                    "run loses little (0: only at the end; a streamed run finishes all chunks "
                                    "together and saves at the end)."),
     process_output: bool = typer.Option(False, "--process-output", help="Also collect for output.weight."),
+    mtp: bool = typer.Option(False, "--mtp", help="Also collect for the NextN/MTP head's tensors (GLM-4.x) by running "
+                             "the head at every position from the target's hidden states (ik's llama-imatrix "
+                             "leaves them without data)."),
     ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
     """Collect an importance matrix: per weight matrix, the mean square of its input activations per column.
@@ -37,12 +40,14 @@ def imatrix(
     """
     from ikquant.imatrix import read_imatrix
     from ikrun.eval.evaluate import collect_imatrix, tokenize_chunks
-    from ikrun.eval.imatrix import ImatrixCollector
+    from ikrun.eval.imatrix import ImatrixCollector, collect_nextn
     from ikrun.eval.metrics import ppl_stats
 
     m = load_model(model, ev)
     collector = ImatrixCollector(process_output=process_output)
     try:
+        if mtp:
+            m.impl.nextn_head()
         chunk_tokens = tokenize_chunks(m, read_text(text), ctx, chunks)
         for f in in_file:
             collector.merge(read_imatrix(f), ctx)
@@ -58,6 +63,8 @@ def imatrix(
                 collector.save(output, i, ctx, dataset)
 
         nll = collect_imatrix(m, chunk_tokens, collector, step, plan, on_block)
+    if mtp:
+        collect_nextn(m, chunk_tokens, collector)
     collector.save(output, len(chunk_tokens), ctx, dataset)
     stats = ppl_stats(nll)
     err.print(f"wrote {output}: {len(collector.sums)} entries from {len(chunk_tokens)} chunks of {ctx} tokens "

@@ -3,16 +3,24 @@
 What is collected follows ik's llama-imatrix: every matmul of a `blk.*` weight whose activation batch has at least
 16 rows (the output tensor only on request), one `ncall` per evaluation of the graph (here: per chunk that showed
 the weight rows, whatever order a layer-streamed run shows them in), and the stored value mean(x^2) * ncall. Sums are kept in float64 (ik: float32).
+
+ik's forward never runs a NextN/MTP block, so its imatrix has no data for one; `collect_nextn` runs the head at
+every position of each chunk (one draft step per position, from the target's hidden state of the position before,
+as its speculative decoding computes them) so that the head's tensors get theirs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ikquant.imatrix import Imatrix, ImatrixEntry, write_imatrix_dat, write_imatrix_gguf
+
+if TYPE_CHECKING:
+    from ikrun.model import Model
 
 MIN_ROWS = 16
 
@@ -80,3 +88,17 @@ class ImatrixCollector:
             write_imatrix_gguf(path, self.sums, self.counts, chunks, chunk_size, dataset)
         else:
             write_imatrix_dat(path, self.to_imatrix(chunks, dataset))
+
+
+def collect_nextn(model: Model, chunks: np.ndarray, collector: ImatrixCollector) -> None:
+    """The NextN head's activations on every chunk, shown to `collector` alone (the target's forward that gives the
+    head its hidden states is not observed: its tensors were collected by the main pass)."""
+    from ikrun.eval.speculative import NextnDecoder, TargetDecoder, previous_states
+
+    for i, tokens in enumerate(chunks):
+        _, features = TargetDecoder(model, [model.impl.n_active - 1]).run(tokens)
+        model.observers.append(collector)
+        try:
+            NextnDecoder(model, i).run(previous_states(features), tokens)
+        finally:
+            model.observers.remove(collector)

@@ -133,23 +133,109 @@ def speculative_generate(target: Model, draft: Model, prompt: np.ndarray, max_ne
             if keep_logits:
                 run.draft_logits.append(proposals)
             blk[1:] = np.argmax(proposals[1:], axis=-1)
-            logits, features = dec.run(blk)
-            posterior = np.argmax(logits, axis=-1)
-            accepted = int(np.cumprod(blk[1:] == posterior[:-1]).sum())
-            out[start : start + accepted + 1] = blk[: accepted + 1]
-            out[start + accepted + 1] = posterior[accepted]
+            accepted, features = verify(dec, out, start, blk)
             late = int(ik.late_feature_positions)
             d.extend_context(ctx, features[: accepted + 1], np.arange(start + late, start + late + accepted + 1))
             if observe is not None:
                 seen = np.concatenate([seen, features[: accepted + 1]])
             start += accepted + 1
-            dec.keep(start)
             run.acceptance_lengths.append(accepted + 1)
             run.draft_lengths.append(size - 1)
         while start < max_length - 1:  # what the draft budget left to the target alone
             logits, _ = dec.run(out[start : start + 1])
             start += 1
             out[start] = int(np.argmax(logits[-1]))
+    run.output_ids = [int(t) for t in out[:max_length]]
+    run.seconds = time.perf_counter() - t0
+    return run
+
+
+def verify(dec: TargetDecoder, out: np.ndarray, start: int, blk: np.ndarray) -> tuple[int, np.ndarray]:
+    """The target's verification of `blk` = [known token, proposals ...] at position `start`: the proposals it agrees
+    with (the longest such prefix) and its own next token written into `out`, its cache cut after them; returns how
+    many proposals were accepted and the block's features."""
+    logits, features = dec.run(blk)
+    posterior = np.argmax(logits, axis=-1)
+    accepted = int(np.cumprod(blk[1:] == posterior[:-1]).sum())
+    out[start : start + accepted + 1] = blk[: accepted + 1]
+    out[start + accepted + 1] = posterior[accepted]
+    dec.keep(start + accepted + 1)
+    return accepted, features
+
+
+class NextnDecoder:
+    """A target's NextN/MTP head continuing one sequence through its own key/value cache (ikrun/modules/nextn.py):
+    position p takes token p and the target's hidden state of position p - 1."""
+
+    def __init__(self, model: Model, index: int = 0):
+        self.model, self.impl = model, model.impl
+        self.head = model.impl.nextn_head()
+        self.kv: dict[str, Any] = {}
+        self.length = 0
+        self.index = index  # the chunk observers are told they see
+
+    def run(self, hidden: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The head's normed states and logits at the next len(tokens) positions."""
+        seq = Sequence(np.asarray(tokens, dtype=np.int64), self.index, start=self.length, state={"kv": self.kv})
+        with self.model.blas_limit():
+            self.impl.begin(seq)
+            states, logits = self.head(self.model.ctx, hidden, seq)
+        self.length += len(tokens)
+        return states, logits
+
+    def keep(self, length: int) -> None:
+        """Forget every position from `length` on (the drafts past the verified token)."""
+        self.kv = self.impl.keep_cache(self.kv, length)
+        self.length = length
+
+
+def previous_states(features: np.ndarray) -> np.ndarray:
+    """Row p: the target's state of position p - 1, what the head takes at p (zeros before the first, as ik's fresh
+    warmup)."""
+    return np.concatenate([np.zeros_like(features[:1]), features[:-1]])
+
+
+def top_probability(logits: np.ndarray) -> float:
+    """The softmax probability of the greedy token (what ik's --draft-p-min compares)."""
+    z = np.exp(logits.astype(np.float64) - logits.max())
+    return float(z.max() / z.sum())
+
+
+def mtp_generate(target: Model, prompt: np.ndarray, max_new: int, n_max: int, p_min: float = 0.0) -> SpecRun:
+    """Greedy speculative decoding of `max_new` tokens after `prompt`, the target's NextN head drafting up to `n_max`
+    tokens a step, each from the previous one's state (ik's mtp_speculative_gen_draft: the first draft always, then
+    none whose probability is below `p_min`, and none after one below it); the last step's tokens past max_new are cut
+    afterwards, as speculative_generate does."""
+    n = len(prompt)
+    max_length = n + max_new
+    t0 = time.perf_counter()
+    out = np.zeros(max_length + n_max + 1, dtype=np.int64)
+    out[:n] = prompt
+    dec = TargetDecoder(target, [target.impl.n_active - 1])
+    logits, features = dec.run(out[:n])
+    out[n] = int(np.argmax(logits[-1]))
+    head = NextnDecoder(target)
+    head.run(previous_states(features), out[:n])
+    hidden, start = features[-1:], n
+    run = SpecRun([int(t) for t in prompt], [], [])
+    while start < max_length:
+        blk, state = [int(out[start])], hidden
+        for k in range(n_max):
+            state, proposal = head.run(state, np.asarray(blk[-1:]))
+            token, p = int(np.argmax(proposal[-1])), top_probability(proposal[-1])
+            if k > 0 and p < p_min:
+                break
+            blk.append(token)
+            if p < p_min:
+                break
+        accepted, features = verify(dec, out, start, np.asarray(blk, dtype=np.int64))
+        head.keep(start + 1)  # the known token's position holds the target's own hidden state; drafts after it not
+        if accepted:
+            head.run(features[:accepted], out[start + 1 : start + accepted + 1])
+        hidden = features[accepted : accepted + 1]
+        start += accepted + 1
+        run.acceptance_lengths.append(accepted + 1)
+        run.draft_lengths.append(len(blk) - 1)
     run.output_ids = [int(t) for t in out[:max_length]]
     run.seconds = time.perf_counter() - t0
     return run

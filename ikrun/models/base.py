@@ -30,6 +30,7 @@ from ikrun.errors import ModelError
 
 if TYPE_CHECKING:
     from ikrun.context import Context
+    from ikrun.modules.nextn import NextnHead
 
 #: the hidden state after each main block, for tests that localise a mismatch
 BlockHook = Callable[[int, np.ndarray], None]
@@ -172,6 +173,10 @@ class ArchModel(ABC):
     def output_projection(self, x: np.ndarray) -> np.ndarray:
         """The output head alone (no final norm) on hidden rows: what a DFlash draft's proposals go through."""
         raise self.fail(f"{self.ctx.arch} models have no hidden-state output for a DFlash draft")
+
+    def nextn_head(self) -> NextnHead:
+        """The NextN/MTP head that drafts for this model (ikrun/modules/nextn.py); refused for models without one."""
+        raise self.fail(f"{self.ctx.arch} models have no NextN/MTP head that ikrun runs")
 
     def final_norm(self, x: np.ndarray) -> np.ndarray:
         """The output norm alone on hidden rows: transformers' last hidden state, a DFlash feature when a draft

@@ -7,7 +7,9 @@ rotary: 64 of 128 in the released models), causal GQA attention, attn_output, re
 first layers) or the MoE FFN: sigmoid scores, the top-k chosen on scores + exp_probs_b.bias and weighted by the
 plain scores, renormalised when expert_weights_norm, times expert_weights_scale, plus the shared experts; residual.
 The NextN/MTP blocks at the end (nextn_predict_layers) are loaded and shape-checked but take no part in the main
-forward, as in both ik and transformers.
+forward, as in both ik and transformers; the last of them drafts tokens for speculative decoding (`nextn_head`:
+ikrun/modules/nextn.py, the block run as the layer it is, as ik's build_glm4_moe_mtp does; with its own
+nextn.embed_tokens / shared_head_head, which ik's loader ignores, so that `--numerics ik` takes token_embd / output).
 
 Where ik and transformers differ, the default (exact) arithmetic computes transformers' model and `--numerics ik`
 computes ik's: with expert groups (`expert_group_count` > 1, which ikconvert writes from n_group) transformers
@@ -27,6 +29,7 @@ import numpy as np
 from ikrun.models.base import Sequence
 from ikrun.models.llama import LlamaFamily
 from ikrun.modules.ffn import MoeConfig, moe_ffn
+from ikrun.modules.nextn import NextnHead
 from ikrun.ops.moe import GATING_SIGMOID
 
 if TYPE_CHECKING:
@@ -87,6 +90,20 @@ class Glm4Moe(LlamaFamily):
                       hint: str = "") -> None:
         nextn = {n: s for i in range(self.n_active, self.n_layer) for n, s in self._nextn_expected(i).items()}
         super().check_tensors(want, {**(optional or {}), **nextn}, hint)
+
+    def nextn_head(self) -> NextnHead:
+        """The last block's NextN head (ik drafts with block n_layer - 1, the only one GLM-4.x carries)."""
+        i = self.n_layer - 1
+        if not self.n_mtp:
+            raise self.fail("glm4moe.nextn_predict_layers is 0: the file has no NextN/MTP head to draft with")
+        missing = NextnHead.missing(self.ctx, i)
+        if missing:
+            raise self.fail(f"NextN/MTP tensors missing: {', '.join(missing)}")
+        # ik's loader leaves a glm4moe head's own nextn.embed_tokens / shared_head_head unused ("model has unused
+        # tensor ... ignoring") and its graph then takes token_embd / output: --numerics ik does the same
+        own_tables = self.ctx.options.numerics != "ik"
+        return NextnHead.of(self.ctx, i, self.output, lambda x, seq: self.block(i, [x], [seq])[0], self.norm,
+                            own_tables)
 
     def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
         return super().ffn(i, hs, seqs) if i < self.n_dense else moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe)

@@ -1,0 +1,178 @@
+"""The NextN/MTP head of GLM-4.x (`glm4moe`) against an independent numpy reference of ik's MTP graph, and greedy
+speculative decoding with it (`ikrun accept --mtp`): the output is the target's own greedy continuation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikconvert.checkpoint import Checkpoint
+from ikconvert.convert import Converter
+from ikquant.imatrix import read_imatrix_dat
+from ikrun.cli import app
+from ikrun.eval.evaluate import tokenize_chunks
+from ikrun.eval.speculative import NextnDecoder, TargetDecoder, greedy_continuation, mtp_generate
+from ikrun.model import Model
+from ikrun.options import RuntimeOptions
+
+runner = CliRunner()
+DATA = Path(__file__).parent / "data"
+HF = DATA / "convert" / "glm4-moe" / "hf"
+GGUF = DATA / "convert" / "glm4-moe" / "ik-f32.gguf"
+TEXT = DATA / "logits" / "glm4-moe" / "text.txt"
+NO_NEXTN = DATA / "convert" / "qwen3-moe" / "ik-f32.gguf"
+TRAINED = DATA / "mtp" / "glm4-moe-trained"
+
+
+def rms(x: np.ndarray, w: np.ndarray, eps: float = 1e-5) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1 + np.exp(-x))
+
+
+def reference_head(w: dict[str, np.ndarray], hidden: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """GLM-4.5's MTP layer 3 in float64 from the checkpoint's tensors, as ik's graph defines it: position p takes
+    the hidden row p (the target's state before it) and token p; heads 4 x 32, 2 KV heads, NEOX rope on the first 16
+    dims (theta 1e6), sigmoid top-2 of 4 experts renormalised, one shared expert."""
+    g = {n[len("model.layers.3."):]: t.astype(np.float64) for n, t in w.items() if n.startswith("model.layers.3.")}
+    n = len(tokens)
+    x = np.concatenate([rms(g["embed_tokens.weight"][tokens], g["enorm.weight"]), rms(hidden, g["hnorm.weight"])], 1)
+    x = x @ g["eh_proj.weight"].T
+    h = rms(x, g["input_layernorm.weight"])
+    q = (h @ g["self_attn.q_proj.weight"].T + g["self_attn.q_proj.bias"]).reshape(n, 4, 32)
+    k = (h @ g["self_attn.k_proj.weight"].T + g["self_attn.k_proj.bias"]).reshape(n, 2, 32)
+    v = (h @ g["self_attn.v_proj.weight"].T + g["self_attn.v_proj.bias"]).reshape(n, 2, 32)
+    ang = np.arange(n)[:, None] * (1e6 ** (-np.arange(0, 16, 2) / 16))[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+
+    def rope(t: np.ndarray) -> np.ndarray:
+        a, b = t[..., :8], t[..., 8:16]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin, t[..., 16:]], axis=-1)
+
+    q, k = rope(q), rope(k)
+    att = np.empty((n, 4, 32))
+    for head in range(4):
+        s = q[:, head] @ k[:, head // 2].T / np.sqrt(32) + np.triu(np.full((n, n), -np.inf), 1)
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        att[:, head] = (p / p.sum(axis=1, keepdims=True)) @ v[:, head // 2]
+    x = x + att.reshape(n, 128) @ g["self_attn.o_proj.weight"].T
+    h = rms(x, g["post_attention_layernorm.weight"])
+
+    def mlp(t: np.ndarray, b: str) -> np.ndarray:
+        return (silu(t @ g[b + "gate_proj.weight"].T) * (t @ g[b + "up_proj.weight"].T)) @ g[b + "down_proj.weight"].T
+
+    scores = 1 / (1 + np.exp(-(h @ g["mlp.gate.weight"].T)))
+    y = mlp(h, "mlp.shared_experts.")
+    for r in range(n):
+        top = np.argsort(-(scores[r] + g["mlp.gate.e_score_correction_bias"]), kind="stable")[:2]
+        for e in top:
+            y[r] += scores[r, e] / scores[r, top].sum() * mlp(h[r : r + 1], f"mlp.experts.{e}.")[0]
+    x = rms(x + y, g["shared_head.norm.weight"])
+    return x @ g["shared_head.head.weight"].T
+
+
+@pytest.fixture(scope="module")
+def model() -> Model:
+    return Model(GGUF)
+
+
+def test_nextn_head_equals_the_numpy_reference_whole_and_continued(model: Model) -> None:
+    """The head over 20 positions (hidden rows shifted as ik's warmup shifts them) equals the reference; running the
+    same positions as 8 + 1 + 1 + ... through its cache gives the same logits."""
+    tokens = np.random.default_rng(3).integers(0, 336, 20)
+    _, features = TargetDecoder(model, [model.impl.n_active - 1]).run(tokens)
+    hidden = np.concatenate([np.zeros_like(features[:1]), features[:-1]])
+    weights = {n: t.to_f32() for n, t in Checkpoint(HF).iter_tensors() if n.startswith("model.layers.3.")}
+    ref = reference_head(weights, hidden.astype(np.float64), tokens)
+    _, whole = NextnDecoder(model).run(hidden, tokens)
+    assert np.abs(whole - ref).max() < 2e-5 * np.abs(ref).max()
+    dec = NextnDecoder(model)
+    parts = [dec.run(hidden[:8], tokens[:8])[1]] + [dec.run(hidden[i : i + 1], tokens[i : i + 1])[1]
+                                                     for i in range(8, 20)]
+    np.testing.assert_allclose(np.concatenate(parts), whole, rtol=0, atol=2e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize(("n_max", "p_min"), [(1, 0.0), (3, 0.0), (4, 0.02)])
+def test_mtp_speculation_gives_the_targets_greedy_continuation(model: Model, n_max: int, p_min: float) -> None:
+    prompt = np.random.default_rng(n_max).integers(0, 336, 12)
+    run = mtp_generate(model, prompt, 24, n_max, p_min)
+    assert run.output_ids == greedy_continuation(model, prompt, 24)
+    assert sum(run.acceptance_lengths) >= 24 and all(1 <= a <= n_max + 1 for a in run.acceptance_lengths)
+    assert all(1 <= d <= n_max for d in run.draft_lengths)
+    assert set(run.draft_lengths) == {n_max} if p_min == 0 else len(set(run.draft_lengths)) > 1  # p_min cut some
+
+
+def test_accept_mtp_cli_and_a_file_without_nextn_tensors() -> None:
+    res = runner.invoke(app, ["accept", str(GGUF), "--mtp", "--n-max", "2", "--text", str(TEXT), "--prompts", "2",
+                              "--prompt-len", "8", "--max-new", "12", "--json"])
+    assert res.exit_code == 0, res.output
+    assert '"output_matches_target": true' in res.output and '"mean_acceptance_length"' in res.output
+    res = runner.invoke(app, ["accept", str(NO_NEXTN), "--mtp", "--text", str(TEXT)])
+    assert res.exit_code == 2
+    assert str(NO_NEXTN) in res.output and "NextN" in res.output and len(res.output.strip().splitlines()) == 1
+    res = runner.invoke(app, ["accept", str(GGUF), "--text", str(TEXT)])
+    assert res.exit_code == 2 and "--mtp" in res.output
+    res = runner.invoke(app, ["accept", str(GGUF), "--mtp", "--block", "4", "--text", str(TEXT)])
+    assert res.exit_code == 2 and "--block" in res.output
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:  # type: ignore[type-arg]
+    gguf = Converter(TRAINED / "hf", "f32", "glm4").write(tmp_path_factory.mktemp("mtp") / "f32.gguf")
+    return gguf, json.loads((TRAINED / "mtp-oracle.json").read_text())
+
+
+def test_a_trained_heads_acceptance_equals_the_reference_loop_at_every_step(trained: tuple[Path, dict]) -> None:  # type: ignore[type-arg]
+    """tools/make_mtp_head.py's torch loop (whole-sequence forwards, no caches) on the trained head: ikrun drafts,
+    accepts and outputs the same at every step of all 6 prompts."""
+    gguf, oracle = trained
+    model = Model(gguf)
+    assert oracle["mean_acceptance_length"] > 1.5  # a head that drafts: the accepted path is exercised
+    for r in oracle["runs"]:
+        run = mtp_generate(model, np.asarray(r["prompt"]), oracle["max_new_tokens"], oracle["n_max"])
+        assert run.acceptance_lengths == r["acceptance_lengths"]
+        assert run.output_ids == r["output_ids"]
+
+
+def test_imatrix_mtp_collects_the_heads_tensors_by_running_it(model: Model, tmp_path: Path) -> None:
+    """`ikrun imatrix --mtp`: the main tensors' entries as without it, the head's block gets entries (ik's gives it
+    none), eh_proj's being the mean square of the reference's [enorm(embedding) | hnorm(previous hidden)] rows."""
+    plain, with_head = tmp_path / "plain.dat", tmp_path / "mtp.dat"
+    for out, extra in ((plain, []), (with_head, ["--mtp"])):
+        res = runner.invoke(app, ["imatrix", str(GGUF), "--text", str(TEXT), "--ctx", "32", "--chunks", "3", "-o",
+                                  str(out), *extra])
+        assert res.exit_code == 0, res.output
+    a, b = read_imatrix_dat(plain), read_imatrix_dat(with_head)
+    assert not any(n.startswith("blk.3.") for n in a.entries)
+    assert {"blk.3.nextn.eh_proj.weight", "blk.3.attn_q.weight", "blk.3.attn_output.weight", "blk.3.ffn_up_exps.weight",
+            "blk.3.ffn_down_exps.weight", "blk.3.ffn_gate_shexp.weight"} <= set(b.entries)
+    for name, entry in a.entries.items():
+        np.testing.assert_array_equal(b.entries[name].values, entry.values)
+    w = {n: t.to_f32().astype(np.float64) for n, t in Checkpoint(HF).iter_tensors() if n.startswith("model.layers.3.")}
+    rows = []
+    for tokens in tokenize_chunks(model, TEXT.read_text(), 32, 3):
+        _, features = TargetDecoder(model, [model.impl.n_active - 1]).run(tokens)
+        hidden = np.concatenate([np.zeros_like(features[:1]), features[:-1]]).astype(np.float64)
+        rows.append(np.concatenate([rms(w["model.layers.3.embed_tokens.weight"][tokens], w["model.layers.3.enorm.weight"]),
+                                    rms(hidden, w["model.layers.3.hnorm.weight"])], axis=1))
+    x = np.concatenate(rows)
+    entry = b.entries["blk.3.nextn.eh_proj.weight"]
+    assert entry.ncall == 3
+    np.testing.assert_allclose(entry.values, np.mean(x * x, axis=0) * 3, rtol=1e-5)
+    res = runner.invoke(app, ["imatrix", str(NO_NEXTN), "--mtp", "--text", str(TEXT), "-o", str(tmp_path / "x.dat")])
+    assert res.exit_code == 2 and str(NO_NEXTN) in res.output and not (tmp_path / "x.dat").exists()
+
+
+def test_numerics_ik_drafts_with_the_models_tables_as_iks_loader_ignores_the_heads(trained: tuple[Path, dict]) -> None:  # type: ignore[type-arg]
+    """ik loads this file with "model has unused tensor blk.3.nextn.embed_tokens.weight ... ignoring" (and
+    shared_head_head), its MTP graph then falls back to token_embd / output; the default keeps the head's own."""
+    gguf, _ = trained
+    own, ik = Model(gguf).impl.nextn_head(), Model(gguf, options=RuntimeOptions(numerics="ik")).impl.nextn_head()
+    assert (own.embeddings, own.output) == ("blk.3.nextn.embed_tokens.weight", "blk.3.nextn.shared_head_head.weight")
+    assert (ik.embeddings, ik.output) == ("token_embd.weight", "output.weight")
