@@ -11,9 +11,10 @@ and its speed class.
 The weights are packed 16 rows a group: per block and per step of 4 values, the 16 rows' 4 values form one 64-byte
 vector. On a CPU with AVX-512 VNNI one `vpdpbusd` multiplies that vector by 4 activation values broadcast to every
 lane (unsigned: the activation plus 128, corrected by 128 x the block's weight sum), so 16 rows accumulate at once
-and nothing is summed across lanes. Elsewhere a scalar loop computes the same integers and the same float
-operations in the same order, so both give identical bits; at any thread count too, since a thread owns whole
-16-row groups.
+and nothing is summed across lanes. Without VNNI (AVX2) the same tile kernels sum each lane's 4 byte products in
+plain vector code (vpmaddwd), exact integers as vpdpbusd's. A scalar loop computes the same integers and the same
+float operations in the same order (the reference the tile kernels are tested against), so all give identical
+bits; at any thread count too, since a thread owns whole 16-row groups.
 """
 
 from __future__ import annotations
@@ -180,6 +181,37 @@ def _vector(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, vty: ir.Vect
     return builder.load(builder.bitcast(builder.gep(base, [index]), vty.as_pointer()), align=1)
 
 
+def _dpbusd_vnni(builder: ir.IRBuilder) -> Callable[[ir.IRBuilder, ir.Value, ir.Value, ir.Value], ir.Value]:
+    """vpdpbusd itself (AVX-512 VNNI)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16I, [_V16I, _V16I, _V16I]),
+                                        "llvm.x86.avx512.vpdpbusd.512")
+    return lambda b, acc, unsigned, signed: b.call(fn, [acc, unsigned, signed])
+
+
+def _dpbusd_generic(builder: ir.IRBuilder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
+    """vpdpbusd's integers in plain vector IR, for CPUs without VNNI: per lane, acc + the sum of its 4 unsigned
+    bytes times its 4 signed ones. The byte products are exact in 16 bits and their sums in 32, so the result is
+    vpdpbusd's to the bit; LLVM lowers the widening multiply-adds to vpmaddwd on AVX2."""
+    i16, i32 = ir.IntType(16), ir.IntType(32)
+    v64 = ir.VectorType(ir.IntType(8), 64)
+    u = builder.zext(builder.bitcast(unsigned, v64), ir.VectorType(i16, 64))
+    s = builder.sext(builder.bitcast(signed, v64), ir.VectorType(i16, 64))
+    undef = ir.Constant(ir.VectorType(i16, 64), ir.Undefined)
+
+    def pair_sums(parity: int) -> ir.Value:
+        """Per pair of bytes (2p + parity, both operands): the product, widened to 32 bits."""
+        pick = ir.Constant(ir.VectorType(i32, 32), [2 * p + parity for p in range(32)])
+        wide = ir.VectorType(i32, 32)
+        return builder.mul(builder.sext(builder.shuffle_vector(u, undef, pick), wide),
+                           builder.sext(builder.shuffle_vector(s, undef, pick), wide))
+
+    pairs = builder.add(pair_sums(0), pair_sums(1))  # [32]: bytes 2p and 2p + 1
+    undef32 = ir.Constant(ir.VectorType(i32, 32), ir.Undefined)
+    halves = [builder.shuffle_vector(pairs, undef32, ir.Constant(_V16I, [2 * r + h for r in range(LANES)]))
+              for h in range(2)]
+    return builder.add(acc, builder.add(halves[0], halves[1]))
+
+
 @dataclass(frozen=True)
 class _TileArgs:
     """What a tile's code generator works with: the LLVM builder, the data pointers of the kernel's arrays, its
@@ -201,14 +233,14 @@ class _TileArgs:
     b1: ir.Value
     nb: ir.Value
     n: ir.Value
-    dpbusd: ir.Function
+    dpbusd: Callable[[ir.IRBuilder, ir.Value, ir.Value, ir.Value], ir.Value]
     fma_fn: ir.Function
 
     def fma(self, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
         return self.builder.call(self.fma_fn, [a, b, c])
 
     def dot(self, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
-        return self.builder.call(self.dpbusd, [acc, unsigned, signed])
+        return self.dpbusd(self.builder, acc, unsigned, signed)
 
     def groups(self) -> list[ir.Value]:
         """The call's weight groups: GROUPS x g + h."""
@@ -235,8 +267,7 @@ def _tile_intrinsic(emit: Callable[[_TileArgs], None]):  # type: ignore[no-untyp
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             arrays = [context.make_array(ty)(context, builder, value=v).data
                       for ty, v in zip(signature.args[:9], args[:9])]
-            dpbusd = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_V16I, [_V16I, _V16I, _V16I]), "llvm.x86.avx512.vpdpbusd.512")
+            dpbusd = _dpbusd_vnni(builder) if HAS_VNNI else _dpbusd_generic
             fma_fn = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fma.v16f32")
             emit(_TileArgs(builder, *arrays, *args[9:], dpbusd, fma_fn))
@@ -248,7 +279,7 @@ def _tile_intrinsic(emit: Callable[[_TileArgs], None]):  # type: ignore[no-untyp
 
 
 def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped-def]
-    """The VNNI micro-kernel for weight groups GROUPS x g .. GROUPS x g + GROUPS - 1 and activation rows m0 ..
+    """The tile micro-kernel for weight groups GROUPS x g .. GROUPS x g + GROUPS - 1 and activation rows m0 ..
     m0 + TILE - 1, blocks b0 .. b1 of the row, added to what out holds: per block f32(isum - corr) x (scale x
     a_scale[m, b]) (ORDER_Q8_1: + offset x a_sum[m, b]) for each group h, in the float order `order` (ORDER_R8: a
     call takes the whole row, its two sums meet at the end; ORDER_Q8_1 takes the blocks four at a time, offsets
@@ -347,7 +378,7 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
         minus127 = ir.Constant(_V16F, [-127.0] * LANES)
         for key, o in outs.items():
             value = builder.load(accs[key])
-            if r8:  # a call covers the whole row (_vnni_tiles): fma(-127, acc1, acc)
+            if r8:  # a call covers the whole row (_tiles): fma(-127, acc1, acc)
                 value = fma(minus127, builder.load(accs1[key]), value)
             builder.store(value, o, align=1)
 
@@ -355,7 +386,7 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
 
 
 def _make_native_tile():  # type: ignore[no-untyped-def]
-    """The VNNI micro-kernel of ORDER_QX_0_NATIVE (32-value blocks) for weight groups GROUPS x g .. GROUPS x g +
+    """The tile micro-kernel of ORDER_QX_0_NATIVE (32-value blocks) for weight groups GROUPS x g .. GROUPS x g +
     GROUPS - 1 and activation rows m0 .. m0 + TILE - 1, a whole row per call (b0 = 0, b1 = nb). The weights are
     packed unsigned (+ bias, `pack`) and the activations' bytes made signed again (u xor 0x80), so each vpdpbusd
     sums ik's own integers."""
@@ -445,7 +476,7 @@ _tile32_native = _make_native_tile()
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block, nb, n,  # type: ignore[no-untyped-def]
+def _tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block, nb, n,  # type: ignore[no-untyped-def]
                 order):
     """Weight groups of call g against activation rows m0 .. m1, K_BYTES of each row at a time (so the groups'
     values stay in the core's first-level cache for all the rows)."""
@@ -469,20 +500,20 @@ def _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _vnni_parallel(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
+def _tiled_parallel(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
                    order):
     for p0 in range(0, mp, panel):
         for g in prange(n // (GROUPS * LANES)):
-            _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, p0, min(mp, p0 + panel), block, nb,
+            _tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, p0, min(mp, p0 + panel), block, nb,
                         n, order)
 
 
 @njit(cache=True, nogil=True)
-def _vnni_serial(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
+def _tiled_serial(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
                  order):
     for p0 in range(0, mp, panel):
         for g in range(n // (GROUPS * LANES)):
-            _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, p0, min(mp, p0 + panel), block, nb,
+            _tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, p0, min(mp, p0 + panel), block, nb,
                         n, order)
 
 
@@ -614,8 +645,9 @@ def panel_rows(n: int) -> int:
     return max(TILE, PANEL_BYTES // n // TILE * TILE)
 
 
-def qmatmul(x: IntRows, w: PackedInts, vnni: bool = HAS_VNNI) -> np.ndarray:
-    """x @ w^T in ik's integer arithmetic: float32 [x.rows, w.rows]."""
+def qmatmul(x: IntRows, w: PackedInts, tiled: bool = True) -> np.ndarray:
+    """x @ w^T in ik's integer arithmetic: float32 [x.rows, w.rows]; `tiled` False: in the scalar kernel (the
+    reference the tile kernels are tested against; the same bits)."""
     if x.block != w.block or x.u.shape[1] != w.n:
         raise ValueError(f"activations of {x.u.shape[1]} values in blocks of {x.block} against weights of {w.n} "
                          f"in blocks of {w.block}")
@@ -627,7 +659,7 @@ def qmatmul(x: IntRows, w: PackedInts, vnni: bool = HAS_VNNI) -> np.ndarray:
         raise ValueError(f"ik's Q8_1 order takes blocks four at a time; rows of {w.n} values are not")
     mp, n_out = x.u.shape[0], w.scale.size // (w.n // w.block)
     out = np.zeros((mp, n_out), np.float32)  # the kernels add each block to what is there
-    serial, parallel = (_vnni_serial, _vnni_parallel) if vnni else (_portable_serial, _portable_parallel)
+    serial, parallel = (_tiled_serial, _tiled_parallel) if tiled else (_portable_serial, _portable_parallel)
     pick(serial, parallel, mp * w.n * n_out // 64)(
         w.q, w.scale, w.corr, w.offset, x.u.reshape(-1), x.scale.reshape(-1), x.sums.reshape(-1),
         x.isums.reshape(-1), out.reshape(-1), w.block, w.n // w.block, n_out, mp, panel_rows(w.n),
