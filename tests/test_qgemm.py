@@ -319,10 +319,8 @@ def test_k_quants_convert_to_their_values_with_f16_scales(type_name: str) -> Non
     assert (np.abs(ints.to_float() - decoded) <= bound).all()
 
 
-@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI")
-def test_the_vnni_kernel_is_built_from_vpdpbusd() -> None:
-    """What LLVM emits for the micro-kernel (compiled afresh: cached code cannot be inspected): 512-bit vpdpbusd,
-    8 per 32-value block of each of the 4 x 2 accumulators."""
+def _tile32_asm() -> str:
+    """What LLVM emits for the 32-value micro-kernel (compiled afresh: cached code cannot be inspected)."""
     from numba import njit
 
     from ikrun.numerics.ik.qgemm import _tile32
@@ -334,8 +332,21 @@ def test_the_vnni_kernel_is_built_from_vpdpbusd() -> None:
     f32, i8 = np.zeros(64, np.float32), np.zeros(32 * 32, np.int8)
     call(i8, f32, np.zeros(64, np.int32), f32, np.zeros(4 * 32, np.uint8), f32, f32, np.zeros(4, np.int32),
          np.zeros(4 * 32, np.float32))
-    asm = "\n".join(call.inspect_asm().values())
+    return "\n".join(call.inspect_asm().values())
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI")
+def test_the_vnni_kernel_is_built_from_vpdpbusd() -> None:
+    """512-bit vpdpbusd, 8 per 32-value block of each of the 4 x 2 accumulators."""
+    asm = _tile32_asm()
     assert asm.count("vpdpbusd") >= 64 and "vpdpbusd\t%zmm" in asm  # LLVM may unroll the block loop further
+
+
+@pytest.mark.skipif(HAS_VNNI, reason="this CPU has AVX-512 VNNI: the kernel is built from vpdpbusd")
+def test_the_kernel_without_vnni_is_vector_code() -> None:
+    """Without VNNI the byte products are summed by vpmaddwd on vector registers, not one value at a time."""
+    asm = _tile32_asm()
+    assert "vpdpbusd" not in asm and asm.count("vpmaddwd") >= 64
 
 
 def _q8_k_reference(decoded: np.ndarray, dsup: np.ndarray, c: float) -> tuple[np.ndarray, np.ndarray]:
