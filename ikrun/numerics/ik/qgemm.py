@@ -181,41 +181,62 @@ def _vector(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, vty: ir.Vect
     return builder.load(builder.bitcast(builder.gep(base, [index]), vty.as_pointer()), align=1)
 
 
-def _dpbusd_vnni(builder: ir.IRBuilder) -> Callable[[ir.IRBuilder, ir.Value, ir.Value, ir.Value], ir.Value]:
-    """vpdpbusd itself (AVX-512 VNNI)."""
+@dataclass(frozen=True)
+class _Dot:
+    """How a tile sums 4-byte products per lane: an accumulator's zero, one step acc + u x s (64 unsigned bytes
+    times 64 signed ones), and the finished [16] int32 sums of an accumulator."""
+
+    zero: ir.Constant
+    step: Callable[[ir.IRBuilder, ir.Value, ir.Value, ir.Value], ir.Value]
+    finish: Callable[[ir.IRBuilder, ir.Value], ir.Value]
+
+
+def _dot_vnni(builder: ir.IRBuilder) -> _Dot:
+    """vpdpbusd itself (AVX-512 VNNI): its accumulator is the sums."""
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16I, [_V16I, _V16I, _V16I]),
                                         "llvm.x86.avx512.vpdpbusd.512")
-    return lambda b, acc, unsigned, signed: b.call(fn, [acc, unsigned, signed])
+    return _Dot(ir.Constant(_V16I, [0] * LANES), lambda b, acc, unsigned, signed: b.call(fn, [acc, unsigned, signed]),
+                lambda b, acc: acc)
 
 
-def _dpbusd_generic(builder: ir.IRBuilder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
-    """vpdpbusd's integers in plain vector IR, for CPUs without VNNI: per lane, acc + the sum of its 4 unsigned
-    bytes times its 4 signed ones. The byte products are exact in 16 bits and their sums in 32, so the result is
-    vpdpbusd's to the bit; LLVM lowers the widening multiply-adds to vpmaddwd on AVX2."""
-    i16, i32 = ir.IntType(16), ir.IntType(32)
-    v64 = ir.VectorType(ir.IntType(8), 64)
-    u = builder.zext(builder.bitcast(unsigned, v64), ir.VectorType(i16, 64))
-    s = builder.sext(builder.bitcast(signed, v64), ir.VectorType(i16, 64))
-    undef = ir.Constant(ir.VectorType(i16, 64), ir.Undefined)
+_V32I = ir.VectorType(_I32, 2 * LANES)
 
-    def pair_sums(parity: int) -> ir.Value:
-        """Per pair of bytes (2p + parity, both operands): the product, widened to 32 bits."""
-        pick = ir.Constant(ir.VectorType(i32, 32), [2 * p + parity for p in range(32)])
-        wide = ir.VectorType(i32, 32)
-        return builder.mul(builder.sext(builder.shuffle_vector(u, undef, pick), wide),
-                           builder.sext(builder.shuffle_vector(s, undef, pick), wide))
 
-    pairs = builder.add(pair_sums(0), pair_sums(1))  # [32]: bytes 2p and 2p + 1
-    undef32 = ir.Constant(ir.VectorType(i32, 32), ir.Undefined)
-    halves = [builder.shuffle_vector(pairs, undef32, ir.Constant(_V16I, [2 * r + h for r in range(LANES)]))
+def _pair_step(builder: ir.IRBuilder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
+    """acc [32] + the sums of byte pairs 2p, 2p + 1 of u x s, widened to 16 bits (exact: |255 x 128| < 2^15) and
+    multiplied in 32: the pattern LLVM lowers to vpmaddwd."""
+    i16 = ir.IntType(16)
+    v64, w64 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(i16, 64)
+    u = builder.zext(builder.bitcast(unsigned, v64), w64)
+    s = builder.sext(builder.bitcast(signed, v64), w64)
+    undef = ir.Constant(w64, ir.Undefined)
+
+    def products(parity: int) -> ir.Value:
+        pick = ir.Constant(_V32I, [2 * p + parity for p in range(2 * LANES)])
+        return builder.mul(builder.sext(builder.shuffle_vector(u, undef, pick), _V32I),
+                           builder.sext(builder.shuffle_vector(s, undef, pick), _V32I))
+
+    return builder.add(acc, builder.add(products(0), products(1)))
+
+
+def _pair_finish(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
+    """Lane r's sum: its two pair sums (2r, 2r + 1), added once per block rather than per step."""
+    undef = ir.Constant(_V32I, ir.Undefined)
+    halves = [builder.shuffle_vector(acc, undef, ir.Constant(_V16I, [2 * r + h for r in range(LANES)]))
               for h in range(2)]
-    return builder.add(acc, builder.add(halves[0], halves[1]))
+    return builder.add(halves[0], halves[1])
+
+
+#: vpdpbusd's integers in plain vector code, for CPUs without VNNI: pair sums accumulated in 32 lanes, each
+#: lane's two added when the block is done; all integers exact, so the sums are vpdpbusd's to the bit
+_DOT_PAIRS = _Dot(ir.Constant(_V32I, [0] * 2 * LANES), _pair_step, _pair_finish)
 
 
 @dataclass(frozen=True)
 class _TileArgs:
     """What a tile's code generator works with: the LLVM builder, the data pointers of the kernel's arrays, its
-    scalar arguments, and emitters for vpdpbusd, the fused multiply-add and 64-bit constants."""
+    scalar arguments, and emitters for the byte dot products (vpdpbusd or its equivalent), the fused multiply-add
+    and 64-bit constants."""
 
     builder: ir.IRBuilder
     wq: ir.Value
@@ -233,14 +254,18 @@ class _TileArgs:
     b1: ir.Value
     nb: ir.Value
     n: ir.Value
-    dpbusd: Callable[[ir.IRBuilder, ir.Value, ir.Value, ir.Value], ir.Value]
+    dots: _Dot
     fma_fn: ir.Function
 
     def fma(self, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
         return self.builder.call(self.fma_fn, [a, b, c])
 
     def dot(self, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
-        return self.dpbusd(self.builder, acc, unsigned, signed)
+        return self.dots.step(self.builder, acc, unsigned, signed)
+
+    def dot_total(self, acc: ir.Value) -> ir.Value:
+        """An accumulator's [16] int32 sums."""
+        return self.dots.finish(self.builder, acc)
 
     def groups(self) -> list[ir.Value]:
         """The call's weight groups: GROUPS x g + h."""
@@ -267,10 +292,10 @@ def _tile_intrinsic(emit: Callable[[_TileArgs], None]):  # type: ignore[no-untyp
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             arrays = [context.make_array(ty)(context, builder, value=v).data
                       for ty, v in zip(signature.args[:9], args[:9])]
-            dpbusd = _dpbusd_vnni(builder) if HAS_VNNI else _dpbusd_generic
+            dots = _dot_vnni(builder) if HAS_VNNI else _DOT_PAIRS
             fma_fn = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fma.v16f32")
-            emit(_TileArgs(builder, *arrays, *args[9:], dpbusd, fma_fn))
+            emit(_TileArgs(builder, *arrays, *args[9:], dots, fma_fn))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -288,7 +313,7 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
     steps = block // 4
     r8, r16, q81 = order == ORDER_R8, order == ORDER_R16, order == ORDER_Q8_1
     per_step = 4 if q81 else 1  # blocks per step of the loop
-    chains = 1 if q81 or r8 else CHAINS  # their second terms leave no registers for more
+    chains = 1 if q81 or r8 or not HAS_VNNI else CHAINS  # their second terms leave no registers for more
 
     def emit(t: _TileArgs) -> None:
         builder = t.builder
@@ -314,8 +339,7 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
             gb = [builder.add(builder.mul(gh, nb_v), b) for gh in groups]
             wbase = [builder.mul(x, const(steps * 64)) for x in gb]
             abase = [builder.add(builder.mul(r, row_len), builder.mul(b, const(block))) for r in rows]
-            zero = ir.Constant(_V16I, [0] * LANES)
-            isum = {(h, i, c): zero for h, i in keys for c in range(chains)}
+            isum = {(h, i, c): t.dots.zero for h, i in keys for c in range(chains)}
             for s in range(steps):
                 w = [_vector(builder, wq_p, builder.add(wb, const(s * 64)), _V16I) for wb in wbase]
                 for i in range(TILE):
@@ -328,6 +352,7 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
                 total = isum[(h, i, 0)]
                 for c in range(1, chains):
                     total = builder.add(total, isum[(h, i, c)])
+                total = t.dot_total(total)
                 totals[(h, i)] = builder.sub(total, _vector(builder, wc_p, builder.mul(gb[h], const(LANES)), _V16I))
             return totals
 
@@ -401,7 +426,7 @@ def _make_native_tile():  # type: ignore[no-untyped-def]
         row_len = builder.mul(nb_v, const(32))
         groups, rows = t.groups(), t.rows()
         keys = [(h, i) for h in range(GROUPS) for i in range(TILE)]
-        zero_i, zero_f = ir.Constant(_V16I, [0] * LANES), fconst(0.0)
+        zero_f = fconst(0.0)
         acc = {(h, i, lane): cgutils.alloca_once_value(builder, zero_f) for h, i in keys for lane in range(8)}
         accm = {(h, i, j): cgutils.alloca_once_value(builder, zero_f) for h, i in keys for j in range(4)}
         sign = ir.Constant(_I32, -0x7F7F7F80)  # 0x80808080
@@ -410,7 +435,7 @@ def _make_native_tile():  # type: ignore[no-untyped-def]
             """Per (group, row, chain): the integer sum of block b's steps in that chain."""
             wbase = [builder.mul(builder.add(builder.mul(gh, nb_v), b), const(steps * 64)) for gh in groups]
             abase = [builder.add(builder.mul(r, row_len), builder.mul(b, const(32))) for r in rows]
-            sums = {(h, i, c): zero_i for h, i in keys for c in range(len(chains))}
+            sums = {(h, i, c): t.dots.zero for h, i in keys for c in range(len(chains))}
             for c, chain in enumerate(chains):
                 for s in chain:
                     w = [_vector(builder, wq_p, builder.add(wb, const(s * 64)), _V16I) for wb in wbase]
@@ -420,7 +445,7 @@ def _make_native_tile():  # type: ignore[no-untyped-def]
                         a = _splat(builder, builder.xor(builder.load(ap, align=1), sign), _V16I)
                         for h in range(GROUPS):
                             sums[(h, i, c)] = t.dot(sums[(h, i, c)], w[h], a)
-            return sums
+            return {key: t.dot_total(v) for key, v in sums.items()}
 
         def scales(b: ir.Value) -> tuple[dict, dict]:  # type: ignore[type-arg]
             """Per (group, row): d = w scale x a scale and the correction (w scale x -bias) x a's scaled sum."""
