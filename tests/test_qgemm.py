@@ -133,10 +133,10 @@ def _ik_reference(x: IntRows, w: BlockInts) -> np.ndarray:
     return acc
 
 
-@pytest.mark.parametrize("vnni", [False, True] if HAS_VNNI else [False])
+@pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize(("block", "fmt", "order"), [(32, Q8_2_X4, ORDER_R8), (32, Q8_2_X4, ORDER_Q8_1),
                                                      (256, Q8_K, ORDER_R16), (32, Q8_2_X4, ORDER_QX_0_NATIVE)])
-def test_each_order_is_iks_float_arithmetic(block: int, fmt: str, order: int, vnni: bool) -> None:
+def test_each_order_is_iks_float_arithmetic(block: int, fmt: str, order: int, tiled: bool) -> None:
     """ik's Q8_0_R8, Q8_1 and Q8_K_R16 gemms and its own Q8_0 kernel (ikrun/numerics/ik/qgemm.py ORDER_*), written out
     block by block with exact fused multiply-adds: the kernels give their bits, over rows long enough to take
     several passes of K_BYTES (Q8_0's kernel: blocks past the last whole group of four too) and row counts that are
@@ -147,9 +147,9 @@ def test_each_order_is_iks_float_arithmetic(block: int, fmt: str, order: int, vn
     w = BlockInts(w.q, w.scale, block, w.offset, order, bias=127 if order == ORDER_QX_0_NATIVE else 0)
     x = (rng.standard_normal((TILE + 3, w.q.shape[1])) * rng.uniform(0.1, 10, (TILE + 3, 1))).astype(np.float32)
     rows = integer_rows(x, fmt)
-    got = qmatmul(rows, pack(w), vnni=vnni)
+    got = qmatmul(rows, pack(w), tiled=tiled)
     np.testing.assert_array_equal(got, _ik_reference(rows, w))
-    plain = qmatmul(rows, pack(BlockInts(w.q, w.scale, block)), vnni=vnni)
+    plain = qmatmul(rows, pack(BlockInts(w.q, w.scale, block)), tiled=tiled)
     if w.offset is not None:  # the plain order has no offsets: add them block by block after the scaled sums
         for b in range(w.scale.shape[1]):
             plain = plain + w.offset[None, :, b] * rows.sums[: rows.rows, None, b]
@@ -159,9 +159,9 @@ def test_each_order_is_iks_float_arithmetic(block: int, fmt: str, order: int, vn
 NATIVE = np.load(DATA / "logits" / "ik-bits" / "ik-native-matmuls.npz")
 
 
-@pytest.mark.parametrize("vnni", [False, True] if HAS_VNNI else [False])
+@pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize("case", sorted({k.rsplit("-", 1)[0] for k in NATIVE.files}))
-def test_32_value_types_below_conversion_multiply_as_iks_own_kernel(case: str, vnni: bool) -> None:
+def test_32_value_types_below_conversion_multiply_as_iks_own_kernel(case: str, tiled: bool) -> None:
     """ik's own matmuls of Q8_0, Q4_0, Q5_0, Q6_0, IQ4_NL and MXFP4 weights (its file's bytes) with fewer
     activation rows than it converts them from (tests/data/logits/ik-bits): every output bit, whole groups of four
     blocks and blocks after them."""
@@ -173,7 +173,7 @@ def test_32_value_types_below_conversion_multiply_as_iks_own_kernel(case: str, v
     assert not kernel.converts(len(x), rows)
     ints = kernel.integers(len(x), rows)
     assert ints is not None
-    got = qmatmul(integer_rows(x, kernel.activation), pack(ints(raw, decoded)), vnni=vnni)
+    got = qmatmul(integer_rows(x, kernel.activation), pack(ints(raw, decoded)), tiled=tiled)
     np.testing.assert_array_equal(got.view(np.uint32), want.reshape(got.shape).view(np.uint32))
 
 
@@ -187,17 +187,17 @@ def test_offsets_belong_to_the_q8_1_order_alone() -> None:
         qmatmul(x, pack(BlockInts(w.q, w.scale, 32, None, ORDER_Q8_1)))
 
 
-@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI: only the portable kernel runs")
 @pytest.mark.parametrize(("block", "fmt", "offsets"), LAYOUTS)
-def test_vnni_and_portable_kernels_give_the_same_bits(block: int, fmt: str, offsets: bool) -> None:
+def test_tile_and_scalar_kernels_give_the_same_bits(block: int, fmt: str, offsets: bool) -> None:
+    """vpdpbusd on AVX-512 VNNI, its vector-code equivalent elsewhere: the scalar reference's bits either way."""
     rng = np.random.default_rng(11)
     w, x = _weights(rng, 64, 4 * block, block, offsets), rng.standard_normal((9, 4 * block)).astype(np.float32)
     rows, packed = integer_rows(x, fmt), pack(w)
-    np.testing.assert_array_equal(qmatmul(rows, packed, vnni=True), qmatmul(rows, packed, vnni=False))
+    np.testing.assert_array_equal(qmatmul(rows, packed, tiled=True), qmatmul(rows, packed, tiled=False))
 
 
-@pytest.mark.parametrize("vnni", [False, True] if HAS_VNNI else [False])
-def test_any_thread_count_gives_the_same_bits(vnni: bool) -> None:
+@pytest.mark.parametrize("tiled", [False, True])
+def test_any_thread_count_gives_the_same_bits(tiled: bool) -> None:
     """Large enough for the parallel kernel: a thread owns whole 16-row groups, so one or two change nothing."""
     rng = np.random.default_rng(3)
     w, x = _weights(rng, 512, 1024, 32, False), rng.standard_normal((64, 1024)).astype(np.float32)
@@ -205,9 +205,9 @@ def test_any_thread_count_gives_the_same_bits(vnni: bool) -> None:
     before = numba.get_num_threads()
     try:
         numba.set_num_threads(1)
-        one = qmatmul(rows, packed, vnni=vnni)
+        one = qmatmul(rows, packed, tiled=tiled)
         numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
-        two = qmatmul(rows, packed, vnni=vnni)
+        two = qmatmul(rows, packed, tiled=tiled)
     finally:
         numba.set_num_threads(before)
     np.testing.assert_array_equal(one, two)
@@ -319,10 +319,8 @@ def test_k_quants_convert_to_their_values_with_f16_scales(type_name: str) -> Non
     assert (np.abs(ints.to_float() - decoded) <= bound).all()
 
 
-@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI")
-def test_the_vnni_kernel_is_built_from_vpdpbusd() -> None:
-    """What LLVM emits for the micro-kernel (compiled afresh: cached code cannot be inspected): 512-bit vpdpbusd,
-    8 per 32-value block of each of the 4 x 2 accumulators."""
+def _tile32_asm() -> str:
+    """What LLVM emits for the 32-value micro-kernel (compiled afresh: cached code cannot be inspected)."""
     from numba import njit
 
     from ikrun.numerics.ik.qgemm import _tile32
@@ -334,8 +332,21 @@ def test_the_vnni_kernel_is_built_from_vpdpbusd() -> None:
     f32, i8 = np.zeros(64, np.float32), np.zeros(32 * 32, np.int8)
     call(i8, f32, np.zeros(64, np.int32), f32, np.zeros(4 * 32, np.uint8), f32, f32, np.zeros(4, np.int32),
          np.zeros(4 * 32, np.float32))
-    asm = "\n".join(call.inspect_asm().values())
+    return "\n".join(call.inspect_asm().values())
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="this CPU has no AVX-512 VNNI")
+def test_the_vnni_kernel_is_built_from_vpdpbusd() -> None:
+    """512-bit vpdpbusd, 8 per 32-value block of each of the 4 x 2 accumulators."""
+    asm = _tile32_asm()
     assert asm.count("vpdpbusd") >= 64 and "vpdpbusd\t%zmm" in asm  # LLVM may unroll the block loop further
+
+
+@pytest.mark.skipif(HAS_VNNI, reason="this CPU has AVX-512 VNNI: the kernel is built from vpdpbusd")
+def test_the_kernel_without_vnni_is_vector_code() -> None:
+    """Without VNNI the byte products are summed by vpmaddwd on vector registers, not one value at a time."""
+    asm = _tile32_asm()
+    assert "vpdpbusd" not in asm and asm.count("vpmaddwd") >= 64
 
 
 def _q8_k_reference(decoded: np.ndarray, dsup: np.ndarray, c: float) -> tuple[np.ndarray, np.ndarray]:

@@ -11,9 +11,10 @@ and its speed class.
 The weights are packed 16 rows a group: per block and per step of 4 values, the 16 rows' 4 values form one 64-byte
 vector. On a CPU with AVX-512 VNNI one `vpdpbusd` multiplies that vector by 4 activation values broadcast to every
 lane (unsigned: the activation plus 128, corrected by 128 x the block's weight sum), so 16 rows accumulate at once
-and nothing is summed across lanes. Elsewhere a scalar loop computes the same integers and the same float
-operations in the same order, so both give identical bits; at any thread count too, since a thread owns whole
-16-row groups.
+and nothing is summed across lanes. Without VNNI (AVX2) the same tile kernels sum each lane's 4 byte products in
+plain vector code (vpmaddwd), exact integers as vpdpbusd's. A scalar loop computes the same integers and the same
+float operations in the same order (the reference the tile kernels are tested against), so all give identical
+bits; at any thread count too, since a thread owns whole 16-row groups.
 """
 
 from __future__ import annotations
@@ -181,9 +182,61 @@ def _vector(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, vty: ir.Vect
 
 
 @dataclass(frozen=True)
+class _Dot:
+    """How a tile sums 4-byte products per lane: an accumulator's zero, one step acc + u x s (64 unsigned bytes
+    times 64 signed ones), and the finished [16] int32 sums of an accumulator."""
+
+    zero: ir.Constant
+    step: Callable[[ir.IRBuilder, ir.Value, ir.Value, ir.Value], ir.Value]
+    finish: Callable[[ir.IRBuilder, ir.Value], ir.Value]
+
+
+def _dot_vnni(builder: ir.IRBuilder) -> _Dot:
+    """vpdpbusd itself (AVX-512 VNNI): its accumulator is the sums."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16I, [_V16I, _V16I, _V16I]),
+                                        "llvm.x86.avx512.vpdpbusd.512")
+    return _Dot(ir.Constant(_V16I, [0] * LANES), lambda b, acc, unsigned, signed: b.call(fn, [acc, unsigned, signed]),
+                lambda b, acc: acc)
+
+
+_V32I = ir.VectorType(_I32, 2 * LANES)
+
+
+def _pair_step(builder: ir.IRBuilder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
+    """acc [32] + the sums of byte pairs 2p, 2p + 1 of u x s, widened to 16 bits (exact: |255 x 128| < 2^15) and
+    multiplied in 32: the pattern LLVM lowers to vpmaddwd."""
+    i16 = ir.IntType(16)
+    v64, w64 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(i16, 64)
+    u = builder.zext(builder.bitcast(unsigned, v64), w64)
+    s = builder.sext(builder.bitcast(signed, v64), w64)
+    undef = ir.Constant(w64, ir.Undefined)
+
+    def products(parity: int) -> ir.Value:
+        pick = ir.Constant(_V32I, [2 * p + parity for p in range(2 * LANES)])
+        return builder.mul(builder.sext(builder.shuffle_vector(u, undef, pick), _V32I),
+                           builder.sext(builder.shuffle_vector(s, undef, pick), _V32I))
+
+    return builder.add(acc, builder.add(products(0), products(1)))
+
+
+def _pair_finish(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
+    """Lane r's sum: its two pair sums (2r, 2r + 1), added once per block rather than per step."""
+    undef = ir.Constant(_V32I, ir.Undefined)
+    halves = [builder.shuffle_vector(acc, undef, ir.Constant(_V16I, [2 * r + h for r in range(LANES)]))
+              for h in range(2)]
+    return builder.add(halves[0], halves[1])
+
+
+#: vpdpbusd's integers in plain vector code, for CPUs without VNNI: pair sums accumulated in 32 lanes, each
+#: lane's two added when the block is done; all integers exact, so the sums are vpdpbusd's to the bit
+_DOT_PAIRS = _Dot(ir.Constant(_V32I, [0] * 2 * LANES), _pair_step, _pair_finish)
+
+
+@dataclass(frozen=True)
 class _TileArgs:
     """What a tile's code generator works with: the LLVM builder, the data pointers of the kernel's arrays, its
-    scalar arguments, and emitters for vpdpbusd, the fused multiply-add and 64-bit constants."""
+    scalar arguments, and emitters for the byte dot products (vpdpbusd or its equivalent), the fused multiply-add
+    and 64-bit constants."""
 
     builder: ir.IRBuilder
     wq: ir.Value
@@ -201,14 +254,18 @@ class _TileArgs:
     b1: ir.Value
     nb: ir.Value
     n: ir.Value
-    dpbusd: ir.Function
+    dots: _Dot
     fma_fn: ir.Function
 
     def fma(self, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
         return self.builder.call(self.fma_fn, [a, b, c])
 
     def dot(self, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
-        return self.builder.call(self.dpbusd, [acc, unsigned, signed])
+        return self.dots.step(self.builder, acc, unsigned, signed)
+
+    def dot_total(self, acc: ir.Value) -> ir.Value:
+        """An accumulator's [16] int32 sums."""
+        return self.dots.finish(self.builder, acc)
 
     def groups(self) -> list[ir.Value]:
         """The call's weight groups: GROUPS x g + h."""
@@ -235,11 +292,10 @@ def _tile_intrinsic(emit: Callable[[_TileArgs], None]):  # type: ignore[no-untyp
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             arrays = [context.make_array(ty)(context, builder, value=v).data
                       for ty, v in zip(signature.args[:9], args[:9])]
-            dpbusd = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_V16I, [_V16I, _V16I, _V16I]), "llvm.x86.avx512.vpdpbusd.512")
+            dots = _dot_vnni(builder) if HAS_VNNI else _DOT_PAIRS
             fma_fn = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fma.v16f32")
-            emit(_TileArgs(builder, *arrays, *args[9:], dpbusd, fma_fn))
+            emit(_TileArgs(builder, *arrays, *args[9:], dots, fma_fn))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -248,7 +304,7 @@ def _tile_intrinsic(emit: Callable[[_TileArgs], None]):  # type: ignore[no-untyp
 
 
 def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped-def]
-    """The VNNI micro-kernel for weight groups GROUPS x g .. GROUPS x g + GROUPS - 1 and activation rows m0 ..
+    """The tile micro-kernel for weight groups GROUPS x g .. GROUPS x g + GROUPS - 1 and activation rows m0 ..
     m0 + TILE - 1, blocks b0 .. b1 of the row, added to what out holds: per block f32(isum - corr) x (scale x
     a_scale[m, b]) (ORDER_Q8_1: + offset x a_sum[m, b]) for each group h, in the float order `order` (ORDER_R8: a
     call takes the whole row, its two sums meet at the end; ORDER_Q8_1 takes the blocks four at a time, offsets
@@ -257,7 +313,7 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
     steps = block // 4
     r8, r16, q81 = order == ORDER_R8, order == ORDER_R16, order == ORDER_Q8_1
     per_step = 4 if q81 else 1  # blocks per step of the loop
-    chains = 1 if q81 or r8 else CHAINS  # their second terms leave no registers for more
+    chains = 1 if q81 or r8 or not HAS_VNNI else CHAINS  # their second terms leave no registers for more
 
     def emit(t: _TileArgs) -> None:
         builder = t.builder
@@ -283,8 +339,7 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
             gb = [builder.add(builder.mul(gh, nb_v), b) for gh in groups]
             wbase = [builder.mul(x, const(steps * 64)) for x in gb]
             abase = [builder.add(builder.mul(r, row_len), builder.mul(b, const(block))) for r in rows]
-            zero = ir.Constant(_V16I, [0] * LANES)
-            isum = {(h, i, c): zero for h, i in keys for c in range(chains)}
+            isum = {(h, i, c): t.dots.zero for h, i in keys for c in range(chains)}
             for s in range(steps):
                 w = [_vector(builder, wq_p, builder.add(wb, const(s * 64)), _V16I) for wb in wbase]
                 for i in range(TILE):
@@ -297,6 +352,7 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
                 total = isum[(h, i, 0)]
                 for c in range(1, chains):
                     total = builder.add(total, isum[(h, i, c)])
+                total = t.dot_total(total)
                 totals[(h, i)] = builder.sub(total, _vector(builder, wc_p, builder.mul(gb[h], const(LANES)), _V16I))
             return totals
 
@@ -347,7 +403,7 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
         minus127 = ir.Constant(_V16F, [-127.0] * LANES)
         for key, o in outs.items():
             value = builder.load(accs[key])
-            if r8:  # a call covers the whole row (_vnni_tiles): fma(-127, acc1, acc)
+            if r8:  # a call covers the whole row (_tiles): fma(-127, acc1, acc)
                 value = fma(minus127, builder.load(accs1[key]), value)
             builder.store(value, o, align=1)
 
@@ -355,7 +411,7 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
 
 
 def _make_native_tile():  # type: ignore[no-untyped-def]
-    """The VNNI micro-kernel of ORDER_QX_0_NATIVE (32-value blocks) for weight groups GROUPS x g .. GROUPS x g +
+    """The tile micro-kernel of ORDER_QX_0_NATIVE (32-value blocks) for weight groups GROUPS x g .. GROUPS x g +
     GROUPS - 1 and activation rows m0 .. m0 + TILE - 1, a whole row per call (b0 = 0, b1 = nb). The weights are
     packed unsigned (+ bias, `pack`) and the activations' bytes made signed again (u xor 0x80), so each vpdpbusd
     sums ik's own integers."""
@@ -370,7 +426,7 @@ def _make_native_tile():  # type: ignore[no-untyped-def]
         row_len = builder.mul(nb_v, const(32))
         groups, rows = t.groups(), t.rows()
         keys = [(h, i) for h in range(GROUPS) for i in range(TILE)]
-        zero_i, zero_f = ir.Constant(_V16I, [0] * LANES), fconst(0.0)
+        zero_f = fconst(0.0)
         acc = {(h, i, lane): cgutils.alloca_once_value(builder, zero_f) for h, i in keys for lane in range(8)}
         accm = {(h, i, j): cgutils.alloca_once_value(builder, zero_f) for h, i in keys for j in range(4)}
         sign = ir.Constant(_I32, -0x7F7F7F80)  # 0x80808080
@@ -379,7 +435,7 @@ def _make_native_tile():  # type: ignore[no-untyped-def]
             """Per (group, row, chain): the integer sum of block b's steps in that chain."""
             wbase = [builder.mul(builder.add(builder.mul(gh, nb_v), b), const(steps * 64)) for gh in groups]
             abase = [builder.add(builder.mul(r, row_len), builder.mul(b, const(32))) for r in rows]
-            sums = {(h, i, c): zero_i for h, i in keys for c in range(len(chains))}
+            sums = {(h, i, c): t.dots.zero for h, i in keys for c in range(len(chains))}
             for c, chain in enumerate(chains):
                 for s in chain:
                     w = [_vector(builder, wq_p, builder.add(wb, const(s * 64)), _V16I) for wb in wbase]
@@ -389,7 +445,7 @@ def _make_native_tile():  # type: ignore[no-untyped-def]
                         a = _splat(builder, builder.xor(builder.load(ap, align=1), sign), _V16I)
                         for h in range(GROUPS):
                             sums[(h, i, c)] = t.dot(sums[(h, i, c)], w[h], a)
-            return sums
+            return {key: t.dot_total(v) for key, v in sums.items()}
 
         def scales(b: ir.Value) -> tuple[dict, dict]:  # type: ignore[type-arg]
             """Per (group, row): d = w scale x a scale and the correction (w scale x -bias) x a's scaled sum."""
@@ -445,7 +501,7 @@ _tile32_native = _make_native_tile()
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block, nb, n,  # type: ignore[no-untyped-def]
+def _tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block, nb, n,  # type: ignore[no-untyped-def]
                 order):
     """Weight groups of call g against activation rows m0 .. m1, K_BYTES of each row at a time (so the groups'
     values stay in the core's first-level cache for all the rows)."""
@@ -469,20 +525,20 @@ def _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _vnni_parallel(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
+def _tiled_parallel(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
                    order):
     for p0 in range(0, mp, panel):
         for g in prange(n // (GROUPS * LANES)):
-            _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, p0, min(mp, p0 + panel), block, nb,
+            _tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, p0, min(mp, p0 + panel), block, nb,
                         n, order)
 
 
 @njit(cache=True, nogil=True)
-def _vnni_serial(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
+def _tiled_serial(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
                  order):
     for p0 in range(0, mp, panel):
         for g in range(n // (GROUPS * LANES)):
-            _vnni_tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, p0, min(mp, p0 + panel), block, nb,
+            _tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, p0, min(mp, p0 + panel), block, nb,
                         n, order)
 
 
@@ -614,8 +670,9 @@ def panel_rows(n: int) -> int:
     return max(TILE, PANEL_BYTES // n // TILE * TILE)
 
 
-def qmatmul(x: IntRows, w: PackedInts, vnni: bool = HAS_VNNI) -> np.ndarray:
-    """x @ w^T in ik's integer arithmetic: float32 [x.rows, w.rows]."""
+def qmatmul(x: IntRows, w: PackedInts, tiled: bool = True) -> np.ndarray:
+    """x @ w^T in ik's integer arithmetic: float32 [x.rows, w.rows]; `tiled` False: in the scalar kernel (the
+    reference the tile kernels are tested against; the same bits)."""
     if x.block != w.block or x.u.shape[1] != w.n:
         raise ValueError(f"activations of {x.u.shape[1]} values in blocks of {x.block} against weights of {w.n} "
                          f"in blocks of {w.block}")
@@ -627,7 +684,7 @@ def qmatmul(x: IntRows, w: PackedInts, vnni: bool = HAS_VNNI) -> np.ndarray:
         raise ValueError(f"ik's Q8_1 order takes blocks four at a time; rows of {w.n} values are not")
     mp, n_out = x.u.shape[0], w.scale.size // (w.n // w.block)
     out = np.zeros((mp, n_out), np.float32)  # the kernels add each block to what is there
-    serial, parallel = (_vnni_serial, _vnni_parallel) if vnni else (_portable_serial, _portable_parallel)
+    serial, parallel = (_tiled_serial, _tiled_parallel) if tiled else (_portable_serial, _portable_parallel)
     pick(serial, parallel, mp * w.n * n_out // 64)(
         w.q, w.scale, w.corr, w.offset, x.u.reshape(-1), x.scale.reshape(-1), x.sums.reshape(-1),
         x.isums.reshape(-1), out.reshape(-1), w.block, w.n // w.block, n_out, mp, panel_rows(w.n),
