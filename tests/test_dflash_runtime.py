@@ -46,6 +46,7 @@ def test_speculative_decoding_reproduces_the_reference(pair: tuple[Path, Path], 
         assert run.output_ids == ref["output_ids"], p
         assert run.acceptance_lengths == ref["acceptance_lengths"], p
         assert len(run.draft_logits) == len(ref["acceptance_lengths"])
+        assert 0 < run.decode_seconds < run.seconds  # decode only: the prompt's forward is left out
         for k, got in enumerate(run.draft_logits):
             assert np.abs(got - logits[f"p{p}_step{k}"]).max() < 1e-4, (p, k)
         if p == 0:  # speculation never changes the greedy output

@@ -81,6 +81,25 @@ def train_target(folder: Path, out: Path, ids: torch.Tensor, steps: int, seed: i
     return load_target(out)
 
 
+def resize_target(folder: Path, out: Path, hidden: int, layers: int, ffn: int, seed: int) -> Path:
+    """A fresh, randomly initialised target shaped hidden x layers x ffn (heads of the folder's head size) with the
+    folder's tokenizer and every other config key, for drafts whose rows are wide enough for the real quantized
+    types (multiples of 256); --train-target then teaches it the text."""
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=ffn,
+               num_attention_heads=hidden // cfg["head_dim"], torch_dtype="bfloat16")
+    cfg["num_key_value_heads"] = max(1, cfg["num_attention_heads"] // 2)
+    out.mkdir(parents=True, exist_ok=True)
+    for path in folder.iterdir():
+        if path.name.startswith("tokenizer"):
+            shutil.copy(path, out / path.name)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(Qwen3Config.from_pretrained(out))
+    model.to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
 def add_mimo_attention(ref) -> None:  # type: ignore[no-untyped-def]
     """MiMo-V2.5-Pro drafts' attention as ik's draft graph computes it, patched into the reference's attention where
     the config asks for it: a learned sink logit per head in the softmax (`attention_sink_bias`), values times
@@ -141,7 +160,7 @@ def add_mimo_attention(ref) -> None:  # type: ignore[no-untyped-def]
 def draft_config(target_cfg, args: argparse.Namespace) -> Qwen3Config:  # type: ignore[no-untyped-def]
     layers = [int(i) for i in args.target_layers.split(",")]
     cfg = Qwen3Config(
-        vocab_size=target_cfg.vocab_size, hidden_size=target_cfg.hidden_size, intermediate_size=128,
+        vocab_size=target_cfg.vocab_size, hidden_size=target_cfg.hidden_size, intermediate_size=args.intermediate,
         num_hidden_layers=args.draft_layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
         head_dim=args.head_dim, rms_norm_eps=target_cfg.rms_norm_eps, max_position_embeddings=40960,
         rope_theta=args.rope_theta, tie_word_embeddings=False)
@@ -205,6 +224,10 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--intermediate", type=int, default=128, help="the draft's FFN width")
+    ap.add_argument("--new-target", type=int, nargs=3, metavar=("HIDDEN", "LAYERS", "FFN"), help="start from a "
+                    "fresh random target of this shape (--target's tokenizer and config otherwise; OUT/target-init), "
+                    "to be trained with --train-target")
     ap.add_argument("--rope-theta", type=float, default=1e6)
     ap.add_argument("--target-rope-theta", type=float, default=None)
     ap.add_argument("--mask-token", type=int, default=304)
@@ -224,6 +247,8 @@ def main() -> None:
     add_mimo_attention(ref)
     args.out.mkdir(parents=True, exist_ok=True)
     target_dir = args.target
+    if args.new_target:
+        args.target = target_dir = resize_target(args.target, args.out / "target-init", *args.new_target, args.seed)
     if args.target_rope_theta is not None:  # the same weights under another rope theta
         target_dir = args.out / "target"
         shutil.copytree(args.target, target_dir, dirs_exist_ok=True)

@@ -87,6 +87,8 @@ class SpecRun:
     #: per step, how many tokens were drafted (block - 1 but where the draft budget shortened the block)
     draft_lengths: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    #: the time after the prompt's forward and the draft's context from it (ik's `decode_s`: prefill excluded)
+    decode_seconds: float = 0.0
 
 
 #: sees, at every step, the target's features of every position before the block, the block's embeddings and the
@@ -112,6 +114,7 @@ def speculative_generate(target: Model, draft: Model, prompt: np.ndarray, max_ne
     out[n] = int(np.argmax(logits[-1]))
     ctx = DraftContext(limit=ik.cross_ctx)
     d.extend_context(ctx, pending, np.arange(n))
+    t_decode = time.perf_counter()
     run = SpecRun([int(t) for t in prompt], [], [])
     start = n
     seen = pending  # every position's features, kept only for an observer
@@ -146,7 +149,8 @@ def speculative_generate(target: Model, draft: Model, prompt: np.ndarray, max_ne
             start += 1
             out[start] = int(np.argmax(logits[-1]))
     run.output_ids = [int(t) for t in out[:max_length]]
-    run.seconds = time.perf_counter() - t0
+    t_end = time.perf_counter()
+    run.seconds, run.decode_seconds = t_end - t0, t_end - t_decode
     return run
 
 
