@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """A sweep's mix against a recipe at the same size: mean KLD of both assembled files, and the mix's prediction.
 
-Generates (or takes with --model) an F32 model, collects its imatrix, sweeps every tensor at --types, then for each
---ftypes: quantizes by the recipe (--recipe ik or mainline), builds the sweep's mix with --target-size equal to the
-recipe file's tensor bytes (`ikrun mix`, which also measures it and can --refine), and measures the recipe file's
-KLD against the same base logits. Everything is measured on the sweep's own chunks (in-sample).
+Generates (or takes with --model) an F32 model, collects its imatrix on --text, sweeps every tensor at --types on
+--text (the exhaustive sweep, and with --sweeps pruned a `--target-bpw` sweep at the recipes' sizes), then for each
+--ftypes: quantizes by the recipe (--recipe ik or mainline), builds each sweep's mix with --target-size equal to
+the recipe file's tensor bytes (`ikrun mix`, which also measures it and can --refine), and measures the recipe
+file's KLD against the same base logits. With --eval-text every KLD in the table is measured on that held-out text
+(the imatrix and sweeps never see it); without, on the sweep's own chunks (in-sample).
 
 Example: python tools/compare_mix.py --recipe mainline --ftypes Q3_K_M,Q4_K_M --types Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0
+         python tools/compare_mix.py --model lm-f32.gguf --text calib.txt --eval-text eval.txt \
+             --ftypes IQ3_K,IQ4_KS,Q4_K_M --types IQ2_KS,IQ3_KS,IQ4_KS,Q6_K --sweeps exhaustive,pruned
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -36,43 +41,72 @@ def _ok(app, args: list[str]):  # type: ignore[no-untyped-def]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="an F32/F16 GGUF (default: a generated 4-layer 256-wide Qwen3)")
+    ap.add_argument("--text", type=Path, help="imatrix and sweep text (default: the tiny corpus twice)")
+    ap.add_argument("--eval-text", type=Path, help="held-out text every KLD in the table is measured on")
     ap.add_argument("--recipe", default="ik", choices=("ik", "mainline"))
     ap.add_argument("--ftypes", default="IQ3_K,IQ4_KS")
     ap.add_argument("--types", default="IQ2_KS,IQ3_K,IQ4_KS,IQ5_K,Q8_0")
+    ap.add_argument("--sweeps", default="exhaustive", help="exhaustive, pruned or both (comma-separated)")
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--refine", type=int, default=0)
+    ap.add_argument("--workdir", type=Path, help="keep the files here (default: a temporary folder)")
     a = ap.parse_args()
+    kinds = a.sweeps.split(",")
+    if not set(kinds) <= {"exhaustive", "pruned"}:
+        raise SystemExit(f"--sweeps {a.sweeps}: exhaustive, pruned or both")
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
+        folder = a.workdir or Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
         model = a.model or Converter(make_tiny_checkpoint(folder / "hf", TinySpec(
             arch="qwen3", hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, ffn=768, seed=11)), "f32",
             "qwen2").write(folder / "m-f32.gguf")
-        text = folder / "text.txt"
-        text.write_text(CORPUS.read_text(encoding="utf-8") * 2, encoding="utf-8")
-        imatrix, sweep, base = folder / "imatrix.dat", folder / "sweep.json", folder / "base.kld"
-        common = ["--text", str(text), "--ctx", str(a.ctx), "--chunks", str(a.chunks)]
+        text = a.text or folder / "text.txt"
+        if a.text is None:
+            text.write_text(CORPUS.read_text(encoding="utf-8") * 2, encoding="utf-8")
+        imatrix, base = folder / "imatrix.dat", folder / "base.kld"
+        shape = ["--ctx", str(a.ctx), "--chunks", str(a.chunks)]
+        common = ["--text", str(text), *shape]
         _ok(ikrun_app, ["imatrix", str(model), *common, "-o", str(imatrix)])
-        _ok(ikrun_app, ["sweep", str(model), *common, "--types", a.types, "--imatrix", str(imatrix), "-o", str(sweep)])
-        _ok(ikrun_app, ["kld", str(model), "--base", str(model), *common, "--save-base-logits", str(base)])
+        _ok(ikrun_app, ["kld", str(model), "--base", str(model), "--text", str(a.eval_text or text), *shape,
+                        "--save-base-logits", str(base)])
         n_weights = sum(t.n_elements for t in GGUFFile(model).tensors.values())
-        print(f"| target | {a.recipe}'s recipe: bytes, bpw, mean KLD | sweep mix: bytes, bpw, mean KLD | mix predicted |")
-        print("|---|---|---|---|")
+        recipes = {}
         for ftype in a.ftypes.split(","):
             recipe_file = folder / f"recipe-{ftype}.gguf"
             _ok(ikquant_app, [str(model), str(recipe_file), "--type", ftype, "--recipe", a.recipe, "--imatrix",
                               str(imatrix)])
             size = sum(t.nbytes for t in GGUFFile(recipe_file).tensors.values())
             kld = json.loads(_ok(ikrun_app, ["kld", str(recipe_file), "--base-logits", str(base), "--json"]).stdout)
-            res = _ok(ikrun_app, ["mix", str(model), str(folder / f"mix-{ftype}.gguf"), "--sweep", str(sweep),
-                                  "--type", ftype, "--recipe", a.recipe, "--target-size", f"{size}B", "--refine",
-                                  str(a.refine), "--json"])
-            mixes = json.loads(res.stdout)
-            kept = next(m for m in mixes if m["kept"])
-            print(f"| {ftype} | {size}, {8 * size / n_weights:.4f}, {kld['kld_mean']:.6f} ± {kld['kld_mean_err']:.6f} "
-                  f"| {kept['bytes']}, {kept['bpw']:.4f}, {kept['kld_mean']:.6f} ± {kept['kld_mean_err']:.6f} "
-                  f"| {kept['predicted_kld']:.6f} ({kept['mix']}) |")
-
+            recipes[ftype] = (size, kld)
+        sweeps = {}
+        for kind in kinds:
+            sweep = folder / f"sweep-{kind}.json"
+            budgets = ["--target-bpw", ",".join(repr(8 * s / n_weights) for s, _ in recipes.values())]
+            t0 = time.process_time()
+            _ok(ikrun_app, ["sweep", str(model), *common, "--types", a.types, "--imatrix", str(imatrix), "-o",
+                            str(sweep), *(budgets if kind == "pruned" else [])])
+            rows = json.loads(sweep.read_text())["rows"]
+            sweeps[kind] = sweep
+            print(f"{kind} sweep: {sum(1 for r in rows if r.get('measured', True))} of {len(rows)} rows measured, "
+                  f"{time.process_time() - t0:.0f} CPU s")
+        where = f"held-out ({a.eval_text.name})" if a.eval_text else "in-sample"
+        print(f"\n| target | mix | bytes | bpw | predicted | measured KLD, {where} |")
+        print("|---|---|---|---|---|---|")
+        for ftype, (size, kld) in recipes.items():
+            print(f"| {ftype} | {a.recipe}'s recipe | {size} | {8 * size / n_weights:.4f} | - | "
+                  f"{kld['kld_mean']:.6f} ± {kld['kld_mean_err']:.6f} |")
+            for kind, sweep in sweeps.items():
+                eval_args = ["--eval-text", str(a.eval_text)] if a.eval_text else []
+                res = _ok(ikrun_app, ["mix", str(model), str(folder / f"mix-{kind}-{ftype}.gguf"), "--sweep",
+                                      str(sweep), "--type", ftype, "--recipe", a.recipe, "--target-size",
+                                      f"{size}B", "--refine", str(a.refine), "--json", *eval_args])
+                mixes = json.loads(res.stdout)
+                kept = next(m for m in mixes if m["kept"])
+                judged = mixes[-1] if a.eval_text else kept
+                print(f"| {ftype} | {kind} sweep's mix | {kept['bytes']} | {kept['bpw']:.4f} | "
+                      f"{kept['predicted_kld']:.6f} | {judged['kld_mean']:.6f} ± {judged['kld_mean_err']:.6f} "
+                      f"({judged['kld_mean'] / kld['kld_mean'] - 1:+.0%}) |")
 
 if __name__ == "__main__":
     main()
