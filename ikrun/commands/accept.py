@@ -245,7 +245,7 @@ def _quantize_draft_in_memory(d: Model, qtype, names: list[str]) -> list[str]:  
     used_types = set()
     for name in names:
         info = d.weights.info(name)
-        if eligible(name, len(info.ne), info.type):
+        if eligible(name, info.n_dims, info.type):
             used, raw = quantized_copy(d, name, qtype, None)
             d.swap(name, used, raw)
             used_types.add(used.name)

@@ -110,7 +110,7 @@ def _quantizable(model: Model, pattern: str | None) -> list[str]:
     names = []
     for name in model.weights.names():
         info = model.weights.info(name)
-        if eligible(name, len(info.ne), info.type) and (rx is None or rx.search(name)):
+        if eligible(name, info.n_dims, info.type) and (rx is None or rx.search(name)):
             names.append(name)
     return names
 
@@ -187,14 +187,20 @@ def start_block(model: Model, names: list[str]) -> int | None:
     return min(starts)
 
 
+#: bytes from each end of every tensor's data that a model's fingerprint takes
+FINGERPRINT_BYTES = 64
+
+
 def model_fingerprint(model: Model) -> str:
-    """What identifies the model's weights without reading them: every tensor's name, type, shape and place, and
-    the files' sizes (a requantized or rewritten file changes it)."""
+    """What identifies the model's weights without reading them all: every tensor's name, type and shape and the
+    first and last bytes of its data (a requantized or rewritten model changes it; the same model split into shards
+    or joined again does not)."""
     h = hashlib.blake2b(model.arch.encode(), digest_size=16)
     for shard in model.weights.shards:
-        h.update(f"|{shard.path.stat().st_size}|".encode())
         for t in shard.file.tensors.values():
-            h.update(f"{t.name}|{t.type.name}|{t.ne}|{t.offset}|{t.nbytes};".encode())
+            flat = shard.file.raw(t.name).reshape(-1)
+            h.update(f"{t.name}|{t.type.name}|{t.ne}|{t.nbytes}|".encode() + flat[:FINGERPRINT_BYTES].tobytes()
+                     + flat[-FINGERPRINT_BYTES:].tobytes() + b";")
     return h.hexdigest()
 
 
