@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.numeric import f32_bits, fmaf
+from ikquant.formats.numeric import f32_bits
 from ikrun.errors import BaseLogitsError
 from ikrun.ops.parallel import pick
 
@@ -57,7 +57,7 @@ def _encode_row(logits: np.ndarray, tokens_next: np.ndarray, out: np.ndarray, nl
         inv = np.float32(1.0) / scale
         for i in range(n_vocab):
             if row[i] > mn:
-                v = fmaf(inv, row[i] - mn, np.float32(12582912.0))
+                v = np.float32(inv * (row[i] - mn)) + np.float32(12582912.0)  # not fused: ik's nearest_int
                 codes[i] = np.uint16((f32_bits(v) & np.uint32(0x007FFFFF)) - np.uint32(0x00400000))
             else:
                 codes[i] = 0
