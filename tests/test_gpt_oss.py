@@ -1,9 +1,11 @@
 """gpt-oss (`gpt-oss`): the reference layout byte for byte (MXFP4 experts included), the YaRN `truncate: false` key,
-the runtime against transformers and ik's base logits, ik itself (the wheel), streaming, refusals of bad input."""
+the runtime against transformers and ik's base logits, `--numerics ik` to ik's printed figures, ik itself (the
+wheel), streaming, refusals of bad input."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,8 @@ from ikconvert.errors import ConvertError
 from ikquant.gguf_io import GGUFFile
 from ikrun.cli import app
 from ikrun.errors import ModelError
+from ikrun.eval.evaluate import chunk_logits, perplexity
+from ikrun.eval.metrics import BaseLogitsFile, encode_records
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
 from ikrun.validate.hf import HFReference
@@ -88,9 +92,62 @@ def test_runtime_against_iks_base_logits() -> None:
     assert kld_json(REF, LOGITS / "ik-base.kld")["kld_mean"] <= 1e-3
 
 
-def test_numerics_ik_is_refused_before_any_compute() -> None:
-    with pytest.raises(ModelError, match="--numerics ik is not implemented for gpt-oss"):
-        Model(REF, options=RuntimeOptions(numerics="ik"))
+IK = RuntimeOptions(numerics="ik")
+
+
+def _iks_running_ppl(printed: Path) -> list[str]:
+    """The PPL llama-perplexity prints after each chunk ([1]700.0754,[2]...)."""
+    return re.findall(r"\[\d+\](\d+\.\d+)", printed.read_text(errors="replace"))
+
+
+def _running_ppl(nll: np.ndarray, n_chunk: int) -> list[str]:
+    """The same figures from our NLLs: ik sums the float32 NLLs in float64 and prints exp(mean) with 4 decimals."""
+    sums = np.cumsum(nll.reshape(n_chunk, -1).astype(np.float64).sum(axis=1))
+    return [f"{np.exp(total / ((i + 1) * (nll.size // n_chunk))):.4f}" for i, total in enumerate(sums)]
+
+
+@pytest.fixture(scope="module")
+def dequantized(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ref-f32.gguf with its MXFP4 experts decoded to F32, as ik's llama-quantize --allow-requantize F32 writes it."""
+    from ikquant.ftypes import file_type
+    from ikquant.quantize import QuantizeOptions, quantize_model
+
+    out = tmp_path_factory.mktemp("gptoss-dequant") / "dequant.gguf"
+    quantize_model(REF, out, QuantizeOptions(file_type("F32"), allow_requantize=True))
+    return out
+
+
+def test_numerics_ik_is_iks_forward_of_the_dequantized_file(dequantized: Path, tmp_path: Path) -> None:
+    """All-F32 weights under --numerics ik: ik's attention with sinks and windows, its YaRN rope, norms, router and
+    clamped SwiGLU in its float order give ik's logits: the base-logits file we write is ik's byte for byte (every
+    16-bit log-probability code of 1860 positions), and the PPL after every chunk is the one ik prints."""
+    ours = tmp_path / "base.kld"
+    tokens = np.asarray(BaseLogitsFile(LOGITS / "ik-base-dequant.kld").tokens)
+    res = perplexity(Model(dequantized, options=IK), tokens, save_base=ours)
+    assert ours.read_bytes() == (LOGITS / "ik-base-dequant.kld").read_bytes()
+    assert _running_ppl(res.nll, res.n_chunk) == _iks_running_ppl(LOGITS / "ik-dequant-f32-ppl.txt")
+
+
+def test_numerics_ik_prints_iks_ppl_of_the_mxfp4_file() -> None:
+    """The MXFP4 experts on 8-bit activations, each in ik's kernel for the tokens a chunk routes to it (its
+    conversion to Q8_0_R8 from 32 on): ik's final PPL to the digit, from the streamed CLI run that batches all 60
+    chunks (the choice is still made per chunk) and from the chunk-by-chunk one."""
+    ik = _iks_running_ppl(LOGITS / "ik-f32-ppl.txt")
+    assert ik[-1] == "555.6223"
+    assert f"{kld_json(REF, LOGITS / 'ik-base.kld', '--numerics', 'ik')['ppl_q']:.4f}" == ik[-1]
+    model = Model(REF, options=IK)
+    tokens = np.asarray(BaseLogitsFile(LOGITS / "ik-base.kld").tokens)
+    nll = np.concatenate([encode_records(chunk_logits(model, t), t[33:])[1] for t in tokens])
+    assert _running_ppl(nll, len(tokens))[-1] == ik[-1]
+
+
+def test_numerics_ik_rounds_the_yarn_range_as_ik_does(f32: Path) -> None:
+    """Our key `rope.scaling.yarn_truncate = false` (transformers' fractional range) is the exact mode's; ik always
+    rounds, so under --numerics ik the converted file computes what the reference layout without the key does."""
+    tokens = np.load(HF_LOGITS / "tokens.npy")[0]
+    assert GGUFFile(f32).get(TRUNCATE_KEY) is False
+    np.testing.assert_array_equal(Model(f32, options=IK).logits(tokens), Model(REF, options=IK).logits(tokens))
+    assert not np.array_equal(Model(f32).logits(tokens), Model(REF).logits(tokens))
 
 
 def test_streamed_equals_chunk_by_chunk(f32: Path) -> None:

@@ -95,9 +95,9 @@ def moe_ffn(cx: Context, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg
     biases = [b + t + ".bias" for t in EXPERT_TENSORS]
     glu = ExpertGlu(limit, alpha, (cx.weight(biases[0]), cx.weight(biases[1]), cx.weight(biases[2]))
                     if all(cx.has(n) for n in biases) else None)
-    res = cx.numerics.routed_experts(x, sel, w, cfg.n_expert, names, _group(cx, names, cfg.n_expert), glu,
-                                     keep_act=bool(cx.observers))
     starts = np.cumsum([0] + [len(h) for h in hs])
+    res = cx.numerics.routed_experts(x, sel, w, cfg.n_expert, names, _group(cx, names, cfg.n_expert), glu,
+                                     keep_act=bool(cx.observers), batches=starts)
     if cx.observers:
         _observe_experts(cx, names, x, res, cfg, starts, seqs)
     outs = [res.out[starts[c] : starts[c + 1]] for c in range(len(hs))]

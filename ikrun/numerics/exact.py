@@ -97,6 +97,11 @@ class Numerics:
         """The KV caches a run keeps when `requested` was asked for (ikrun/kvcache.py)."""
         return requested
 
+    def yarn_truncates(self, requested: bool) -> bool:
+        """Whether YaRN's correction range is rounded out to whole dims: as the file asks (transformers' model;
+        `requested` False keeps it fractional)."""
+        return requested
+
     def check_weights(self) -> list[str]:
         """Why this arithmetic cannot run the loaded weights (empty: it can); checked before any compute."""
         return []
@@ -262,9 +267,11 @@ class Numerics:
         return np.matmul(self.activations(x, name), w.transpose(0, 2, 1))
 
     def routed_experts(self, x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, names: list[str],
-                       group: int | None, glu: ExpertGlu, keep_act: bool) -> RoutedExperts:
+                       group: int | None, glu: ExpertGlu, keep_act: bool,
+                       batches: np.ndarray | None = None) -> RoutedExperts:
         """The routed SwiGLU experts of the 3-D tensors `names` (up, gate, down) on x [n, n_embd] routed by sel/w
-        [n, k], `group` experts decoded at a time, `glu` their SwiGLU's form and biases (ops/moe.moe_experts)."""
+        [n, k], `group` experts decoded at a time, `glu` their SwiGLU's form and biases (ops/moe.moe_experts);
+        `batches`: the start rows of the sequences x joins, and n (every token's result is its own here)."""
         counts = np.bincount(sel.reshape(-1), minlength=n_expert)
         return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts), group, glu, keep_act=keep_act)
 

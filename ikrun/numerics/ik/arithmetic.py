@@ -33,7 +33,7 @@ from ikrun.numerics.ik.qgemm import PackedHeads, PackedInts, pack, qmatmul, row_
 from ikrun.ops.activations import swiglu
 from ikrun.ops.conv import causal_conv_residual
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
-from ikrun.ops.moe import ExpertGlu, RoutedExperts, moe_experts, route
+from ikrun.ops.moe import ExpertGlu, RoutedExperts, group_by_expert, moe_experts, route
 from ikrun.ops.norm import rms_norm
 from ikrun.ops.rope import apply_rope
 from ikrun.weights import CONVERTED, DERIVED, HEADS, INTEGER_TYPES, PACKED
@@ -50,6 +50,10 @@ class IkNumerics(Numerics):
     # ---- what a file may hold ---------------------------------------------------------------------------------
     def kv_cache(self, requested: KvCache) -> KvCache:
         return KvCache("f16", "f16")
+
+    def yarn_truncates(self, requested: bool) -> bool:
+        """ggml always rounds YaRN's correction range to whole dims (GGUF has no key for anything else)."""
+        return True
 
     def check_weights(self) -> list[str]:
         odd: dict[str, list[str]] = {}
@@ -121,11 +125,11 @@ class IkNumerics(Numerics):
     # ---- attention: ik's kernels where its 16-lane kernels take the head dims whole ---------------------------
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,
                          sinks: np.ndarray | None = None) -> np.ndarray:
-        """ik's kernel for plain causal attention; a window or sinks (gpt-oss, which refuses --numerics ik) keep
-        the exact arithmetic."""
-        if head_dim % LANES or window or sinks is not None:
+        """ik's kernels for causal attention, a sliding window and sinks (gpt-oss) included."""
+        if head_dim % LANES:
             return super().causal_attention(q, k, v, head_dim, window=window, sinks=sinks)
-        return ik_causal_attention(q, k, v, float(np.float32(1.0) / np.sqrt(np.float32(head_dim))))  # 1.0f / sqrtf
+        return ik_causal_attention(q, k, v, float(np.float32(1.0) / np.sqrt(np.float32(head_dim))),  # 1.0f / sqrtf
+                                   window, sinks)
 
     def latent_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, scale: float, *,
                          sinks: np.ndarray | None = None, window: int = 0, keep: np.ndarray | None = None,
@@ -282,9 +286,24 @@ class IkNumerics(Numerics):
         return mats
 
     def routed_experts(self, x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, names: list[str],
-                       group: int | None, glu: ExpertGlu, keep_act: bool) -> RoutedExperts:
-        """Per expert ik's choice at its token count: integers where ik multiplies all three matrices in integers,
-        else its float kernels or the converted floats against the rounded activations."""
+                       group: int | None, glu: ExpertGlu, keep_act: bool,
+                       batches: np.ndarray | None = None) -> RoutedExperts:
+        """ik runs each sequence as a batch of its own and chooses each expert's kernel by the tokens routed to it
+        in that batch: sequences joined in x (`batches`: their start rows, and n) are run one by one and their
+        results joined."""
+        if batches is None or len(batches) <= 2:
+            return self._routed_batch(x, sel, w, n_expert, names, group, glu, keep_act)
+        parts = [self._routed_batch(x[a:b], sel[a:b], w[a:b], n_expert, names, group, glu, keep_act)
+                 for a, b in zip(batches[:-1].tolist(), batches[1:].tolist())]
+        order, offsets = group_by_expert(sel, n_expert)
+        act = np.concatenate([p.act for p in parts if p.act is not None]) if keep_act else None
+        return RoutedExperts(np.concatenate([p.out for p in parts]), act, order, offsets)
+
+    def _routed_batch(self, x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, names: list[str],
+                      group: int | None, glu: ExpertGlu, keep_act: bool) -> RoutedExperts:
+        """One batch's routed experts, per expert ik's choice at its token count: integers where ik multiplies all
+        three matrices in integers, else its float kernels or the converted floats against the rounded
+        activations."""
         counts = np.bincount(sel.reshape(-1), minlength=n_expert)
         up, gate, down = names
         formats = (self._format(up), self._format(gate), self._format(down))

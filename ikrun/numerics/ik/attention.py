@@ -5,7 +5,9 @@ ik multiplies f32 queries with its f16 keys in a float kernel of 16 lanes: lane 
 l + 16, ... (the first a product, the rest fused multiply-adds), then the 16 lanes are added as a tree (8 + 8,
 4 + 4, then (0 + 2) + (1 + 3)). The softmax scales, takes the row maximum, exponentiates with ik's own exp
 (ops/activations.ik_expf), sums the exponentials in 16 lanes by key (the same tree, then float64) and multiplies by
-float32(1 / sum). The values multiply the float32 probabilities the same way, lanes by key.
+float32(1 / sum). The values multiply the float32 probabilities the same way, lanes by key. gpt-oss's per-head
+sink logits join the maximum and, through expf, the float64 sum after the lanes (ggml's soft_max with sinks); its
+sliding window masks the keys before it (-inf, as ik's mask cells).
 """
 
 from __future__ import annotations
@@ -28,28 +30,34 @@ def _lane_sum(lanes: np.ndarray) -> np.float32:
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _ik_softmax(r: np.ndarray, n_keys: int, scale: np.float32) -> None:
-    """ik's softmax of the scores r[:n_keys] in place (the module docstring), zeros after them (r's length a
-    multiple of 16). Each pass is a loop LLVM vectorises (on a view from 0: an offset start keeps it scalar): the
-    maximum and the sum in 16 lanes (the maximum's order changes nothing; the sum's is ik's)."""
+def _ik_softmax(r: np.ndarray, first: int, n_keys: int, scale: np.float32, sink: np.float32) -> None:
+    """ik's softmax of the scores r[first:n_keys] in place (the module docstring), zeros before and after them (r's
+    length a multiple of 16). Each pass is a loop LLVM vectorises (on a view from 0: an offset start keeps it
+    scalar): the maximum and the sum in 16 lanes (the maximum's order changes nothing; the sum's is ik's). A sink
+    logit (-inf: none) joins the maximum, and its expf joins the float64 sum after the lanes (ggml's soft_max with
+    sinks)."""
     whole = n_keys + (-n_keys % LANES)
     for j in range(n_keys):
         r[j] *= scale
+    for j in range(first):
+        r[j] = -np.inf  # a sliding window's masked keys
     for j in range(n_keys, whole):
         r[j] = -np.inf  # ik_expf(-inf) is 0
     lanes = np.full(LANES, -np.inf, np.float32)
     for c in range(0, whole, LANES):
         for lane in range(LANES):
             lanes[lane] = max(lanes[lane], r[c + lane])
-    m = lanes.max()
+    m = max(lanes.max(), sink)
     for j in range(whole):
         r[j] = ik_expf(r[j] - m)
     lanes[:] = 0
     for c in range(0, whole, LANES):
         for lane in range(LANES):
             lanes[lane] += r[c + lane]
-    total = _lane_sum(lanes)
-    inv = np.float32(1.0 / np.float64(total))
+    total = np.float64(_lane_sum(lanes))
+    if sink > -np.inf:
+        total += np.float64(np.exp(np.float32(sink - m)))
+    inv = np.float32(1.0 / total)
     for j in range(n_keys):
         r[j] *= inv
     for j in range(whole, r.shape[0]):
@@ -57,9 +65,11 @@ def _ik_softmax(r: np.ndarray, n_keys: int, scale: np.float32) -> None:
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, past: int, out: np.ndarray) -> None:
+def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, past: int, window: int,
+                  sinks: np.ndarray, out: np.ndarray) -> None:
     """q [H, n, d], k [Hkv, keys padded, d], vt [Hkv, dv, keys padded], out [H, n, dv] (all C-contiguous; the
-    padding, to a multiple of 16 keys, zeros).
+    padding, to a multiple of 16 keys, zeros); a query sees its last `window` keys (0: all), `sinks` one logit per
+    head (empty: none).
 
     XROWS queries of a head at a time: their scores against DOTS keys, and their weighted values of DOTS dims, per
     kernel call (each key and value vector loaded once for all of them). The scores a query may not see are
@@ -86,8 +96,11 @@ def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, pa
         else:
             for a in range(rows):
                 dots(qf, q0 + a * d, kf, k0, d, d, last, p, a * padded, tail, False)
+        sink = sinks[h] if sinks.shape[0] else np.float32(-np.inf)
         for a in range(rows):
-            _ik_softmax(p[a * padded : a * padded + width], past + i0 + a + 1, sc)
+            seen = past + i0 + a + 1
+            first = max(0, seen - window) if window > 0 else 0
+            _ik_softmax(p[a * padded : a * padded + width], first, seen, sc, sink)
         o0 = (h * n + i0) * dv
         full = dv - dv % DOTS if rows == XROWS else 0
         for c in range(0, full, DOTS):
@@ -96,8 +109,10 @@ def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, pa
             dots(p, a * padded, vf, v0 + full * padded, padded, width, dv - full, of, o0 + a * dv + full, tail, False)
 
 
-def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
-    """causal_attention in ik's arithmetic (the module docstring); head dims a multiple of 16."""
+def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int = 0,
+                        sinks: np.ndarray | None = None) -> np.ndarray:
+    """causal_attention in ik's arithmetic (the module docstring); head dims a multiple of 16; a sliding `window`
+    (keys seen, the own included; ik's masked cells) and per-head `sinks` logits (ggml's soft_max with sinks)."""
     n, n_head, d = q.shape
     if d % LANES:
         raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {LANES}, not {d}")
@@ -109,7 +124,8 @@ def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
     vt = np.zeros((k.shape[1], v.shape[2], padded), np.float32)
     vt[:, :, :n_keys] = v.transpose(1, 2, 0)
     out = np.empty((n_head, n, v.shape[2]), np.float32)
-    _ik_attention(qh, kh, vt, float(scale), n_keys - n, out)
+    sink = np.empty(0, np.float32) if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
+    _ik_attention(qh, kh, vt, float(scale), n_keys - n, window, sink, out)
     return out.transpose(1, 0, 2)
 
 
@@ -126,7 +142,7 @@ def ik_latent_attention(q: np.ndarray, cache: np.ndarray, n_rope: int, scale: fl
     vt = np.zeros((1, d - n_rope, padded), np.float32)
     vt[0, :, :n] = cache[:, n_rope:].T
     out = np.empty((n_head, n, d - n_rope), np.float32)
-    _ik_attention(np.ascontiguousarray(q, dtype=np.float32), keys, vt, float(scale), 0, out)
+    _ik_attention(np.ascontiguousarray(q, dtype=np.float32), keys, vt, float(scale), 0, 0, np.empty(0, np.float32), out)
     return out
 
 
