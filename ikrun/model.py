@@ -162,13 +162,14 @@ class Model:
             raise ModelError(f"token id {int(tokens.max() if tokens.max() >= self.n_vocab else tokens.min())} is "
                              f"outside the vocabulary (0..{self.n_vocab - 1})")
 
-    def logits(self, tokens: np.ndarray, index: int = 0) -> np.ndarray:
+    def logits(self, tokens: np.ndarray, index: int = 0, outputs: int = 0) -> np.ndarray:
         """float32 logits [len(tokens), n_vocab] for one sequence at positions 0..n-1 (a fresh context); `index`
-        tells observers which chunk of a run it is."""
+        tells observers which chunk of a run it is; `outputs`: the first row whose logits the caller reads (rows
+        before it are computed too, but --numerics ik chooses its kernels as ik does when asked for these rows)."""
         tokens = np.asarray(tokens, dtype=np.int64)
         self.check_tokens(tokens)
         with self.blas_limit():
-            return self.impl.forward(tokens, index=index)
+            return self.impl.forward(tokens, index=index, outputs=outputs)
 
     @contextmanager
     def blas_limit(self) -> Iterator[None]:

@@ -18,8 +18,8 @@ from ikconvert.errors import ConvertError
 from ikquant.gguf_io import GGUFFile
 from ikrun.cli import app
 from ikrun.errors import ModelError
-from ikrun.eval.evaluate import chunk_logits, perplexity
-from ikrun.eval.metrics import BaseLogitsFile, encode_records
+from ikrun.eval.evaluate import perplexity
+from ikrun.eval.metrics import BaseLogitsFile
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
 from ikrun.validate.hf import HFReference
@@ -117,28 +117,28 @@ def dequantized(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_numerics_ik_is_iks_forward_of_the_dequantized_file(dequantized: Path, tmp_path: Path) -> None:
-    """All-F32 weights under --numerics ik: ik's attention with sinks and windows, its YaRN rope, norms, router and
-    clamped SwiGLU in its float order give ik's logits: the base-logits file we write is ik's byte for byte (every
-    16-bit log-probability code of 1860 positions), and the PPL after every chunk is the one ik prints."""
+def _assert_iks_forward(model: Path, base: Path, printed: Path, tmp_path: Path) -> None:
+    """Our --save-base-logits file of `model` under --numerics ik is ik's `base` byte for byte (every 16-bit
+    log-probability code of 1860 positions), and the PPL after every chunk is the one ik prints."""
     ours = tmp_path / "base.kld"
-    tokens = np.asarray(BaseLogitsFile(LOGITS / "ik-base-dequant.kld").tokens)
-    res = perplexity(Model(dequantized, options=IK), tokens, save_base=ours)
-    assert ours.read_bytes() == (LOGITS / "ik-base-dequant.kld").read_bytes()
-    assert _running_ppl(res.nll, res.n_chunk) == _iks_running_ppl(LOGITS / "ik-dequant-f32-ppl.txt")
+    res = perplexity(Model(model, options=IK), np.asarray(BaseLogitsFile(base).tokens), save_base=ours)
+    assert ours.read_bytes() == base.read_bytes()
+    assert _running_ppl(res.nll, res.n_chunk) == _iks_running_ppl(printed)
 
 
-def test_numerics_ik_prints_iks_ppl_of_the_mxfp4_file() -> None:
-    """The MXFP4 experts on 8-bit activations, each in ik's kernel for the tokens a chunk routes to it (its
-    conversion to Q8_0_R8 from 32 on): ik's final PPL to the digit, from the streamed CLI run that batches all 60
-    chunks (the choice is still made per chunk) and from the chunk-by-chunk one."""
-    ik = _iks_running_ppl(LOGITS / "ik-f32-ppl.txt")
-    assert ik[-1] == "555.6223"
-    assert f"{kld_json(REF, LOGITS / 'ik-base.kld', '--numerics', 'ik')['ppl_q']:.4f}" == ik[-1]
-    model = Model(REF, options=IK)
-    tokens = np.asarray(BaseLogitsFile(LOGITS / "ik-base.kld").tokens)
-    nll = np.concatenate([encode_records(chunk_logits(model, t), t[33:])[1] for t in tokens])
-    assert _running_ppl(nll, len(tokens))[-1] == ik[-1]
+def test_numerics_ik_is_iks_forward_of_the_dequantized_file(dequantized: Path, tmp_path: Path) -> None:
+    """All-F32 weights: ik's attention with sinks and windows, its YaRN rope, norms, router and clamped SwiGLU in
+    its float order."""
+    _assert_iks_forward(dequantized, LOGITS / "ik-base-dequant.kld", LOGITS / "ik-dequant-f32-ppl.txt", tmp_path)
+
+
+def test_numerics_ik_is_iks_forward_of_the_mxfp4_file(tmp_path: Path) -> None:
+    """The MXFP4 experts on 8-bit activations, each in ik's kernel for the tokens ik's batch routes to it (its
+    conversion to Q8_0_R8 from 32 on): a chunk's rows, and in the last block only the rows whose logits
+    llama-perplexity reads. The CLI's streamed run, which joins all 60 chunks, prints ik's PPL too."""
+    _assert_iks_forward(REF, LOGITS / "ik-base.kld", LOGITS / "ik-f32-ppl.txt", tmp_path)
+    printed = _iks_running_ppl(LOGITS / "ik-f32-ppl.txt")[-1]
+    assert f"{kld_json(REF, LOGITS / 'ik-base.kld', '--numerics', 'ik')['ppl_q']:.4f}" == printed == "555.6223"
 
 
 def test_numerics_ik_rounds_the_yarn_range_as_ik_does(f32: Path) -> None:

@@ -222,7 +222,7 @@ class BlockInputs:
         try:
             with model.blas_limit():
                 for c, tokens in enumerate(self.tokens):
-                    seq = Sequence(tokens, c)
+                    seq = Sequence(tokens, c, outputs=n_ctx // 2)
                     model.ctx.chunk = c
                     impl.begin(seq)
                     x = impl.embed(seq)
@@ -242,7 +242,7 @@ class BlockInputs:
     def at(self, c: int, block: int) -> tuple[Sequence, np.ndarray]:
         """Chunk c as it enters `block` (n_block: the head)."""
         assert self._hidden is not None
-        return Sequence(self.tokens[c], c, dict(self.states[c][block])), \
+        return Sequence(self.tokens[c], c, dict(self.states[c][block]), outputs=len(self.tokens[c]) // 2), \
             self._hidden.get(c * (self.n_block + 1) + block)
 
     def close(self) -> None:
@@ -270,7 +270,7 @@ def evaluate_chunks(model: Model, chunks: np.ndarray, plan: StreamPlan, on_block
             if not plan.streamed:
                 for c in ids:
                     if resume is None:
-                        yield c, model.logits(feed(c), index=c)[first:last]
+                        yield c, model.logits(feed(c), index=c, outputs=first)[first:last]
                     else:
                         seq, x = resume[0].at(c, resume[1])
                         yield c, model.impl.run_from(resume[1], x, seq)[first:last]
@@ -293,7 +293,7 @@ def _streamed(model: Model, fed: dict[int, np.ndarray], plan: StreamPlan, window
         for k, (c, tokens) in enumerate(fed.items()):
             model.ctx.chunk = c
             if resume is None:
-                seq = Sequence(tokens, c)
+                seq = Sequence(tokens, c, outputs=window[0])
                 model.check_tokens(seq.tokens)
                 impl.begin(seq)
                 x = impl.embed(seq)

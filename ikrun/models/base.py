@@ -55,6 +55,9 @@ class Sequence:
     index: int = 0
     state: dict[str, Any] = field(default_factory=dict)
     start: int = 0
+    #: the first row whose logits the caller reads: ik's graph runs its last block's FFN on those rows only (its
+    #: llama-perplexity asks for the second half of a chunk), which its kernel choices by row count see
+    outputs: int = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -204,9 +207,11 @@ class ArchModel(ABC):
             out.append(step(x, seq))
         return out
 
-    def forward(self, tokens: np.ndarray, on_block: BlockHook | None = None, index: int = 0) -> np.ndarray:
-        """float32 logits of one fresh sequence; `on_block(i, hidden)` sees the hidden state after each block."""
-        seq = Sequence(np.asarray(tokens), index)
+    def forward(self, tokens: np.ndarray, on_block: BlockHook | None = None, index: int = 0,
+                outputs: int = 0) -> np.ndarray:
+        """float32 logits of one fresh sequence; `on_block(i, hidden)` sees the hidden state after each block;
+        `outputs`: the first row whose logits are read (Sequence.outputs)."""
+        seq = Sequence(np.asarray(tokens), index, outputs=outputs)
         self.ctx.chunk = seq.index
         self.begin(seq)
         return self.run_from(0, self.embed(seq), seq, on_block)

@@ -74,13 +74,14 @@ class MoeConfig:
 
 def moe_ffn(cx: Context, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: MoeConfig, *,
             limit: float = np.inf, shared_limit: float = np.inf, alpha: float = 0.0,
-            hash_table: np.ndarray | None = None) -> list[np.ndarray]:
+            hash_table: np.ndarray | None = None, last: bool = False) -> list[np.ndarray]:
     """The MoE FFN of block prefix `b` on a batch of sequences' normed hidden states (one [n, n_embd] each).
 
     `limit` / `shared_limit` clamp the routed / shared experts' SwiGLU; a positive `alpha` makes the routed experts'
     SwiGLU gpt-oss's (ops/moe.ExpertGlu); `hash_table` [vocab, n_used] routes each token to the experts of its row
     instead of the top-k (DeepSeek-V4's hash layers). The router's bias (`ffn_gate_inp.bias`) and the experts'
-    (`ffn_{up,gate,down}_exps.bias`) are added where the file has them."""
+    (`ffn_{up,gate,down}_exps.bias`) are added where the file has them. In the `last` block ik's batch is a
+    sequence's output rows (Sequence.outputs) alone, the rows before them a batch apart."""
     bias = cx.weight(b + "exp_probs_b.bias") if cx.has(b + "exp_probs_b.bias") else None
     routes = []
     for h, seq in zip(hs, seqs):
@@ -96,8 +97,12 @@ def moe_ffn(cx: Context, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg
     glu = ExpertGlu(limit, alpha, (cx.weight(biases[0]), cx.weight(biases[1]), cx.weight(biases[2]))
                     if all(cx.has(n) for n in biases) else None)
     starts = np.cumsum([0] + [len(h) for h in hs])
+    batches = starts
+    if last:
+        cuts = [int(a) + min(max(s.outputs, 0), len(s)) for a, s in zip(starts[:-1], seqs)]
+        batches = np.unique(np.concatenate([starts, cuts]))
     res = cx.numerics.routed_experts(x, sel, w, cfg.n_expert, names, _group(cx, names, cfg.n_expert), glu,
-                                     keep_act=bool(cx.observers), batches=starts)
+                                     keep_act=bool(cx.observers), batches=batches)
     if cx.observers:
         _observe_experts(cx, names, x, res, cfg, starts, seqs)
     outs = [res.out[starts[c] : starts[c + 1]] for c in range(len(hs))]
