@@ -90,15 +90,20 @@ def requested_cache(kv_cache: str, cache_type_k: str | None, cache_type_v: str |
 def check_cache(cache: KvCache, cx: Context, numerics: str, given: tuple[str | None, str | None]) -> KvCache:
     """The caches a run keeps (Hadamard blocks resolved as ik resolves them); refuses what this model (or the
     arithmetic) cannot hold, naming the option and the model's fact. `given`: the -ctk and -ctv values given (under
-    --numerics ik, which reproduces ik's F16 caches, only f16 is accepted)."""
+    --numerics ik, which reproduces ik's F16 caches, only f16 is accepted, and an F32 key cache for models without
+    a latent cache)."""
     if numerics != "exact":
         for flag, name in zip(("--cache-type-k", "--cache-type-v"), given):
-            if name not in (None, "f16"):
+            if name not in (None, "f16") and (flag, name) != ("--cache-type-k", "f32"):
                 ik_says = "; ik itself: V cache quantization requires flash_attn" if "v" in flag and name != "bf16" \
                     else ""
-                raise ModelError(f"{flag} {name}: --numerics {numerics} reproduces ik's F16 caches only (ik's "
-                                 f"attention kernels for other cache types are not ported{ik_says})")
-        return replace(cache, k_hadamard=0, v_hadamard=0)  # ik drops the transform around an F16 cache
+                raise ModelError(f"{flag} {name}: --numerics {numerics} reproduces ik's F16 caches and its F32 key "
+                                 f"cache only (ik's attention kernels for other cache types are not ported{ik_says})")
+        keys = "f32" if given[0] == "f32" else cache.k
+        if keys == "f32" and cx.hparam("attention.kv_lora_rank", 0):
+            raise ModelError("--cache-type-k f32: --numerics ik reproduces an F32 key cache for grouped-query "
+                             f"attention, not {cx.path}'s latent cache")
+        return replace(cache, k=keys, k_hadamard=0, v_hadamard=0)  # ik drops the transform around an F16 cache
     for flag, name in (("--cache-type-k", cache.k), ("--cache-type-v", cache.v)):
         if ggml_name(name) not in CACHE_WRITE_TYPES:
             raise ModelError(f"{flag} {name}: ik takes it, but its cache writes are not reproduced here; reproduced: "

@@ -141,6 +141,14 @@ def test_numerics_ik_is_iks_forward_of_the_mxfp4_file(tmp_path: Path) -> None:
     assert f"{kld_json(REF, LOGITS / 'ik-base.kld', '--numerics', 'ik')['ppl_q']:.4f}" == printed == "555.6223"
 
 
+def test_numerics_ik_with_an_f32_key_cache_prints_iks_ppls() -> None:
+    """-ctk f32: ik's float kernel on unrounded keys (the values stay F16); every running PPL ik prints (555.8145)."""
+    model = Model(REF, options=IK, cache_type_k="f32")
+    assert model.kv_cache == "k-f32"
+    res = perplexity(model, np.asarray(BaseLogitsFile(LOGITS / "ik-base.kld").tokens))
+    assert _running_ppl(res.nll, res.n_chunk) == _iks_running_ppl(LOGITS / "ik-f32-ctk-f32-ppl.txt")
+
+
 def test_numerics_ik_rounds_the_yarn_range_as_ik_does(f32: Path) -> None:
     """Our key `rope.scaling.yarn_truncate = false` (transformers' fractional range) is the exact mode's; ik always
     rounds, so under --numerics ik the converted file computes what the reference layout without the key does."""

@@ -89,6 +89,8 @@ def test_a_quantized_k_cache_costs_kld_in_the_order_of_its_bits() -> None:
                                                                           "is 48"]),
     (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", ["-ctv", "q8_0"], ["--cache-type-v q8_0", "latent alone"]),
     (DATA / "convert" / "glm-dsa" / "ref-f32.gguf", ["-ctk", "q8_0"], ["--cache-type-k q8_0", "glm-dsa"]),
+    (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", ["-ctk", "f32", "--numerics", "ik"],
+     ["--cache-type-k f32", "latent cache"]),
 ])
 def test_caches_a_model_or_arithmetic_cannot_take_are_refused(model: Path, flags: list[str],
                                                               words: list[str]) -> None:
