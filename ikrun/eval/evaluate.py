@@ -103,7 +103,7 @@ def kl_divergence(model: Model, base: BaseLogitsFile, progress: Progress | None 
     n_ctx = base.n_ctx
     tokens = np.asarray(base.tokens[: base.n_chunk])
     plan = plan or plan_run(model, base.n_chunk - start, n_ctx, one_pass=True)
-    for i, logits in evaluate_chunks(model, tokens, plan, on_block, resume=resume, start=start):
+    for i, logits in evaluate_chunks(model, tokens, plan, on_block, resume=resume, start=start, every_row=True):
         acc.add(logits, np.asarray(base.records(i)), tokens[i][n_ctx // 2 + 1 :])
         if per_chunk is not None:
             per_chunk(i + 1, kld_stats(acc))
@@ -120,7 +120,7 @@ def collect_imatrix(model: Model, chunks: np.ndarray, collector, progress: Progr
     nlls = []
     model.observers.append(collector)
     try:
-        for i, logits in evaluate_chunks(model, chunks, plan, on_block):
+        for i, logits in evaluate_chunks(model, chunks, plan, on_block, every_row=True):
             nlls.append(encode_records(logits, chunks[i][n_ctx // 2 + 1 :])[1])
             if progress:
                 progress(i + 1, n_chunk)

@@ -222,7 +222,7 @@ class BlockInputs:
         try:
             with model.blas_limit():
                 for c, tokens in enumerate(self.tokens):
-                    seq = Sequence(tokens, c, outputs=n_ctx // 2)
+                    seq = Sequence(tokens, c)
                     model.ctx.chunk = c
                     impl.begin(seq)
                     x = impl.embed(seq)
@@ -242,7 +242,7 @@ class BlockInputs:
     def at(self, c: int, block: int) -> tuple[Sequence, np.ndarray]:
         """Chunk c as it enters `block` (n_block: the head)."""
         assert self._hidden is not None
-        return Sequence(self.tokens[c], c, dict(self.states[c][block]), outputs=len(self.tokens[c]) // 2), \
+        return Sequence(self.tokens[c], c, dict(self.states[c][block])), \
             self._hidden.get(c * (self.n_block + 1) + block)
 
     def close(self) -> None:
@@ -252,15 +252,17 @@ class BlockInputs:
 
 def evaluate_chunks(model: Model, chunks: np.ndarray, plan: StreamPlan, on_block: BlockProgress | None = None,
                     as_perplexity: bool = True, resume: tuple[BlockInputs, int] | None = None,
-                    start: int = 0) -> Iterator[tuple[int, np.ndarray]]:
+                    start: int = 0, every_row: bool = False) -> Iterator[tuple[int, np.ndarray]]:
     """(chunk index, logits) for every chunk from `start` on, in order, evaluated as `plan` says: as
     llama-perplexity (BOS swapped in, the scored positions' logits), or with `as_perplexity=False` each chunk as
-    given, all its logits.
+    given, all its logits. ik's perplexity run asks for the logits of the second half of a chunk, its KL-divergence
+    and imatrix runs for every row (`every_row`), which its last block's kernel choices see (Sequence.outputs).
 
     `resume=(inputs, L)` starts every chunk at block L from the base run's recorded inputs (chunks as perplexity).
     """
     n_ctx = chunks.shape[1]
     first, last = (n_ctx // 2, n_ctx - 1) if as_perplexity else (0, n_ctx)
+    outputs = 0 if every_row else first
     feed = (lambda c: fed_tokens(model, chunks[c])) if as_perplexity else (lambda c: np.asarray(chunks[c], np.int64))
     saved_capacity = model.weights.capacity
     model.weights.capacity = plan.cache_capacity
@@ -270,19 +272,20 @@ def evaluate_chunks(model: Model, chunks: np.ndarray, plan: StreamPlan, on_block
             if not plan.streamed:
                 for c in ids:
                     if resume is None:
-                        yield c, model.logits(feed(c), index=c, outputs=first)[first:last]
+                        yield c, model.logits(feed(c), index=c, outputs=outputs)[first:last]
                     else:
                         seq, x = resume[0].at(c, resume[1])
                         yield c, model.impl.run_from(resume[1], x, seq)[first:last]
                 return
-            yield from _streamed(model, {c: feed(c) for c in ids}, plan, (first, last), on_block, resume)
+            yield from _streamed(model, {c: feed(c) for c in ids}, plan, (first, last), outputs, on_block, resume)
     finally:
         model.weights.capacity = saved_capacity
 
 
-def _streamed(model: Model, fed: dict[int, np.ndarray], plan: StreamPlan, window: tuple[int, int],
+def _streamed(model: Model, fed: dict[int, np.ndarray], plan: StreamPlan, window: tuple[int, int], outputs: int,
               on_block: BlockProgress | None, resume: tuple[BlockInputs, int] | None) -> Iterator[tuple[int, np.ndarray]]:
-    """`fed`: the tokens of each chunk to evaluate, by chunk index (hidden states are held by position)."""
+    """`fed`: the tokens of each chunk to evaluate, by chunk index (hidden states are held by position);
+    `outputs`: the first row whose logits ik is asked for (Sequence.outputs)."""
     impl, weights = model.impl, model.weights
     n_chunk = len(fed)
     seqs: list[Sequence] = []
@@ -293,7 +296,7 @@ def _streamed(model: Model, fed: dict[int, np.ndarray], plan: StreamPlan, window
         for k, (c, tokens) in enumerate(fed.items()):
             model.ctx.chunk = c
             if resume is None:
-                seq = Sequence(tokens, c, outputs=window[0])
+                seq = Sequence(tokens, c, outputs=outputs)
                 model.check_tokens(seq.tokens)
                 impl.begin(seq)
                 x = impl.embed(seq)
