@@ -149,6 +149,37 @@ def test_numerics_ik_with_an_f32_key_cache_prints_iks_ppls() -> None:
     assert _running_ppl(res.nll, res.n_chunk) == _iks_running_ppl(LOGITS / "ik-f32-ctk-f32-ppl.txt")
 
 
+HARMONY_TEXTS = ["Hello world", "HelloWorld and CamelCaseWords, HTTPServer", "don't I'LL we'Re THEY'VE",
+                 "1234567 89 0.5 3,141,592", "  two  spaces\tand\ttabs\n\n\nnewlines \r\n crlf   ",
+                 "naïve café Ölçü ÉCOLE straße ΣΊΣΥΦΟΣ", "日本語のテキスト 中文 한국어", "emoji 👍🏽 and 🇫🇷 flags",
+                 "math: x² + y² = z², ∑ᵢ aᵢ", "path/to/file.txt\n/usr/bin", "trailing space ", " leading",
+                 "a\u00a0b\u2003c", "ÀÉÎÕÜàéîõü ÉCole éCOLE", "x" * 50 + "yy" * 20,
+                 "<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>final<|message|>Hello!<|return|>",
+                 "<|call|> <|constrain|>json <|endoftext|>"]
+
+
+def test_harmony_tokenization_is_the_tokenizers_librarys_and_iks(f32: Path) -> None:
+    """gpt-oss's pre-tokenizer (o200k's regex, GGUF pre `gpt-4o`) splits text as the tokenizers library's Split with
+    that regex does (Unicode letters by case, digits in threes, whitespace runs), and the ids, harmony's special
+    tokens parsed, are the tokenizers library's (the checkpoint's tokenizer.json with o200k's regex; the tiny file's
+    own is a simpler one) and ik's."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    from ikconvert.tokenizer import BPETokenizer
+
+    ours = BPETokenizer.from_gguf(GGUFFile(f32))
+    (regex,) = ours.regexes
+    split = pre_tokenizers.Split(Regex(regex), behavior="isolated")
+    tj = json.loads((HF / "tokenizer.json").read_text())
+    tj["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = regex
+    reference = Tokenizer.from_str(json.dumps(tj))
+    got = [ours.encode(t, add_special=False, parse_special=True) for t in HARMONY_TEXTS]
+    assert [ours.split_words(t) for t in HARMONY_TEXTS] == \
+        [[piece for piece, _ in split.pre_tokenize_str(t)] for t in HARMONY_TEXTS]
+    assert got == [reference.encode(t, add_special_tokens=False).ids for t in HARMONY_TEXTS]
+    assert got == ik_engine.tokenize(f32, HARMONY_TEXTS, parse_special=True)
+
+
 def test_numerics_ik_rounds_the_yarn_range_as_ik_does(f32: Path) -> None:
     """Our key `rope.scaling.yarn_truncate = false` (transformers' fractional range) is the exact mode's; ik always
     rounds, so under --numerics ik the converted file computes what the reference layout without the key does."""
