@@ -10,9 +10,10 @@ weighted by a softmax over those k, the experts' projections each with its bias 
 YaRN: ext_factor 1, beta 32/1, cos/sin times 1 + 0.1 ln(factor). ggml rounds the correction range out to whole
 dims; the exact mode computes transformers' model and so keeps it fractional when the file carries our key
 `gpt-oss.rope.scaling.yarn_truncate = false` (ikconvert writes it for `rope_scaling.truncate: false`; without the key,
-ik's rounding; `--numerics ik` always rounds, as ik does). `--numerics ik` computes ik's graph in ik's float order (ikrun/numerics/ik/): its attention kernel
-with the sinks in the softmax and the window as masked cells, the MXFP4 experts in its integer kernels on 8-bit
-activations, chosen per expert by the tokens a sequence routes to it.
+ik's rounding; `--numerics ik` always rounds, as ik does). `--numerics ik` computes ik's graph in ik's float order
+(ikrun/numerics/ik/): its attention kernel with the sinks in the softmax and the window as masked cells, the MXFP4
+experts in its integer kernels on 8-bit activations, chosen per expert by the tokens ik's batch routes to it (a
+chunk; in the last block only the rows whose logits ik is asked for).
 """
 
 from __future__ import annotations
