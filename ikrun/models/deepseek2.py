@@ -208,7 +208,7 @@ class Deepseek2(ArchModel):
         if i < self.n_dense:
             ys = self.each(hs, seqs, lambda h, seq: dense_ffn(cx, h, b))
         else:
-            ys = moe_ffn(cx, hs, seqs, b, self.moe)
+            ys = moe_ffn(cx, hs, seqs, b, self.moe, last=i == self.n_active - 1)
         return [x + y for x, y in zip(xs, ys)]
 
     def head(self, x: np.ndarray, seq: Sequence) -> np.ndarray:

@@ -106,4 +106,5 @@ class Glm4Moe(LlamaFamily):
                             own_tables)
 
     def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
-        return super().ffn(i, hs, seqs) if i < self.n_dense else moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe)
+        return super().ffn(i, hs, seqs) if i < self.n_dense else moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe,
+                                                                          last=i == self.n_active - 1)
