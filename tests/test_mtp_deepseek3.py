@@ -103,3 +103,51 @@ def test_ik_arithmetic_continues_the_latent_cache_bit_for_bit() -> None:
     dec = TargetDecoder(model, [])
     parts = [dec.run(tokens[:8])[0]] + [dec.run(tokens[i : i + 1])[0] for i in range(8, 20)]
     np.testing.assert_array_equal(np.concatenate(parts), whole)
+
+
+def test_keep_mtp_refused_where_it_does_not_apply(tmp_path: Path) -> None:
+    import json
+
+    from ikconvert.cli import app as ikconvert_app
+
+    no_mtp = tmp_path / "no-mtp"  # DeepSeek-V3 without an MTP layer
+    no_mtp.mkdir()
+    for f in HF.iterdir():
+        (no_mtp / f.name).symlink_to(f)
+    (no_mtp / "config.json").unlink()
+    (no_mtp / "config.json").write_text(json.dumps({**json.loads((HF / "config.json").read_text()),
+                                                    "num_nextn_predict_layers": 0}))
+    for hf, said in ((DATA / "convert" / "qwen3" / "hf", "--keep-mtp does not apply"),
+                     (DATA / "convert" / "glm-dsa" / "hf", "--keep-mtp does not apply"),
+                     (no_mtp, "num_nextn_predict_layers is 0")):
+        res = runner.invoke(ikconvert_app, ["hf2gguf", str(hf), "--keep-mtp", "--outfile", str(tmp_path / "x.gguf")],
+                            env={"COLUMNS": "400"})
+        assert res.exit_code == 2 and said in res.output and len(res.output.strip().splitlines()) == 1, res.output
+    assert not (tmp_path / "x.gguf").exists()
+
+
+TRAINED = DATA / "mtp" / "deepseek-v3-trained"
+
+
+def test_a_trained_heads_acceptance_equals_the_reference_loop_at_every_step(tmp_path: Path) -> None:
+    """tools/make_mtp_head.py's torch loop (transformers' DeepseekV3 layers, whole-sequence forwards, no caches) on
+    a head trained there: ikrun drafts, accepts and outputs the same at every step of all 6 prompts; an acceptance
+    sweep of the head measures what `accept --mtp --compare` does for the whole head at a type."""
+    import json
+
+    gguf = Converter(TRAINED / "hf", "f32", "deepseek-v3", arch_options={"keep_mtp": True}).write(tmp_path / "t.gguf")
+    oracle = json.loads((TRAINED / "mtp-oracle.json").read_text())
+    assert oracle["mean_acceptance_length"] > 1.5  # a head that drafts: the accepted path is exercised
+    model = Model(gguf)
+    for r in oracle["runs"]:
+        run = mtp_generate(model, np.asarray(r["prompt"]), oracle["max_new_tokens"], oracle["n_max"])
+        assert run.acceptance_lengths == r["acceptance_lengths"]
+        assert run.output_ids == r["output_ids"]
+    decoding = ["--text", str(TEXT), "--prompts", "2", "--prompt-len", "16", "--max-new", "24"]
+    res = runner.invoke(app, ["sweep", str(gguf), "--metric", "acceptance", "--mtp", *decoding, "--types", "Q4_0",
+                              "--group", "layer", "-o", str(tmp_path / "head.json")])
+    assert res.exit_code == 0, res.output
+    row = json.loads((tmp_path / "head.json").read_text())["rows"][0]
+    res = runner.invoke(app, ["accept", str(gguf), "--mtp", *decoding, "--compare", "Q4_0", "--json", "--no-check"])
+    assert res.exit_code == 0, res.output
+    assert row["group"] == "blk.3" and row["acceptance_mean"] == json.loads(res.stdout)[1]["mean_acceptance_length"]
