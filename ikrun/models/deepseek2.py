@@ -11,8 +11,9 @@ or the MoE FFN (ikrun/ops/moe.py) plus the shared experts; residual. NextN/MTP b
 wrote: ik drops the layer and runs no DeepSeek-V3 MTP) drafts as the NextN head of ikrun/modules/nextn.py
 (`nextn_head`): DeepSeek's MTP module (the V3 report's section 2.2, as vLLM's and SGLang's DeepSeekMTP run it):
 RMSNorm of the token's embedding and of the main model's output-normed hidden state, concatenated embedding first,
-eh_proj, the layer's MLA + MoE block with its own cache, shared_head's norm and head. A sequence continues through
-the latent cache (`continues`: a speculative-decoding target, its MTP head's drafts too).
+eh_proj, the layer's MLA + MoE block with its own cache, shared_head's norm and head (under `--numerics ik` in ik's
+kernels, with no ik run to check it against). A sequence continues through the latent cache (`continues`: a
+speculative-decoding target, its MTP head's drafts too).
 
 Files with half of the MLA tensors run both forms, with the other half derived as ik derives it at load
 (numerics/exact.py; exact arithmetic only): attn_k_b / attn_v_b from attn_kv_b alone, attn_kv_b (Q8_0 unless both
