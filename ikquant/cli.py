@@ -367,10 +367,11 @@ def head_from_sweep(source, mtp_sweep: Path, max_loss: float, constraints):  # t
     from ikquant.mix_constraints import constrained
     from ikquant.mix_head import choose_head, read_head_sweep
 
-    groups, options, _ = read_head_sweep(mtp_sweep, set(source.tensors))
+    groups, options, decoding = read_head_sweep(mtp_sweep, set(source.tensors))
     groups, options = constrained(groups, options, constraints,
                                   {n: source.tensors[n].n_per_row for names in groups.values() for n in names})
     head = choose_head(groups, options, max_loss, str(mtp_sweep))
+    head.decoding = decoding
     types = head.tensor_types
     err.print(f"NextN head from {mtp_sweep}: {len(types)} tensors as "
               + ", ".join(f"{t} x{sum(1 for v in types.values() if v == t)}" for t in sorted(set(types.values())))

@@ -10,7 +10,7 @@ is typed as without the head sweep (a KLD sweep's mix, or the recipe), with the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ikquant.errors import MixError
@@ -28,6 +28,8 @@ class HeadMix:
     choice: dict[str, Option]
     groups: dict[str, list[str]]
     max_loss: float
+    #: the head sweep's decoding (prompts, max_new, n_max, p_min, the target's fingerprint): what to measure it on
+    decoding: dict = field(default_factory=dict)  # type: ignore[type-arg]
 
     @property
     def predicted_loss(self) -> float:

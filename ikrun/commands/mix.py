@@ -113,7 +113,9 @@ def mix(
         if mtp_sweep is not None and max_acceptance_loss is not None:
             head = head_from_sweep(GGUFModel(model), mtp_sweep, max_acceptance_loss, constraints)
             opts.tensor_types = dict(head.tensor_types)
-            head_decoding = _head_decoding(m, mtp_sweep)
+            if head.decoding.get("target_fingerprint") != model_fingerprint(m):
+                raise SweepError(f"--mtp-sweep {mtp_sweep} was measured on another model file than {model}: sweep "
+                                 "this file's head")
         plan = plan_mix(GGUFModel(model), opts, groups, options, target, str(sweep), constraints)
         chunk_tokens = tokenize_chunks(m, read_text(text), ctx or header["ctx"], chunks or header["chunks"])
         eval_tokens = None
@@ -152,7 +154,7 @@ def mix(
         summary.append(_measure_on(m, output, eval_tokens, ev, kept[1], eval_text, sample(eval_text)))
     if head is not None:
         kept_row = next(r for r in summary if r["kept"])
-        kept_row["head"] = _head_acceptance(m, output, ev, head_decoding, head.predicted_loss)
+        kept_row["head"] = _head_acceptance(m, output, ev, head.decoding, head.predicted_loss)
     if recipe_out is not None:
         from ikquant.recipe_out import recipe_text, write_recipe
 
@@ -266,18 +268,6 @@ def _refine(m: Model, output: Path, opts, plan, target, constraints, sweep: Path
     finally:
         candidate.unlink(missing_ok=True)
     return {**row, **second, "kept": kept}, written, refined
-
-
-def _head_decoding(m: Model, mtp_sweep: Path) -> dict:  # type: ignore[type-arg]
-    """The head sweep's decoding (prompts, max_new, n_max, p_min), checked to be of this base model."""
-    from ikquant.sweepfile import read_sweep_file
-    from ikrun.sweep.measure import model_fingerprint
-
-    decoding = read_sweep_file(mtp_sweep)[0]["decoding"]
-    if decoding.get("target_fingerprint") != model_fingerprint(m):
-        raise SweepError(f"--mtp-sweep {mtp_sweep} was measured on another model file than {m.path}: sweep this "
-                         "file's head")
-    return decoding  # type: ignore[no-any-return]
 
 
 def _head_acceptance(m: Model, output: Path, ev: Evaluation, decoding: dict, predicted: float) -> dict:  # type: ignore[type-arg]
