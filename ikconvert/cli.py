@@ -47,6 +47,9 @@ def hf2gguf(
                                                     "model's folder (tokenizer, vocabulary size, hidden size)."),
     mtp: bool = typer.Option(False, "--mtp", help="DeepSeek-V4: export only the standalone MTP predictor, as ik's "
                              "converter does with --mtp."),
+    keep_mtp: bool = typer.Option(False, "--keep-mtp", help="DeepSeek-V3: keep the MTP layer as the last block "
+                                  "(nextn.* tensors, as GLM's NextN blocks), for ikrun accept --mtp. ik's converter "
+                                  "drops it and ik's loader refuses such a file (ik runs no DeepSeek-V3 MTP)."),
     split_max_size: Optional[str] = SPLIT_MAX_SIZE,
     split_max_tensors: int = SPLIT_MAX_TENSORS,
     no_tensor_first_split: bool = NO_TENSOR_FIRST_SPLIT,
@@ -65,7 +68,7 @@ def hf2gguf(
         shards = output_shards(split_max_size, split_max_tensors, no_tensor_first_split)
         overrides = [parse_override(text) for text in override_kv]
         folder = resolve_source(src)
-        options = {"target_model_dir": target_model_dir, "mtp": mtp}
+        options = {"target_model_dir": target_model_dir, "mtp": mtp, "keep_mtp": keep_mtp}
         conv = Converter(folder, outtype, pre_tokenizer, allow_nonfinite, model_name, options, hub_repo(src))
         plan = conv.build_plan()
     except IkError as exc:

@@ -14,7 +14,9 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from ikquant.cli_common import (
+    MAX_ACCEPTANCE_LOSS,
     MIN_TYPE,
+    MTP_SWEEP,
     NO_DEFAULT_TIES,
     NO_TENSOR_FIRST_SPLIT,
     OVERRIDE_KV,
@@ -106,6 +108,8 @@ def quantize(
     budget: list[str] = typer.Option([], "--budget", help="With --sweep, repeatable: REGEX=SIZE caps the tensors whose "
                                      "names match (the first matching budget owns a tensor), rest=SIZE the others; "
                                      "e.g. --budget 'ffn_.*_exps=180GiB' --budget 'rest=22GiB' for a CPU/GPU split."),
+    mtp_sweep: Optional[Path] = MTP_SWEEP,
+    max_acceptance_loss: Optional[float] = MAX_ACCEPTANCE_LOSS,
     tie: list[str] = TIE,
     no_default_ties: bool = NO_DEFAULT_TIES,
     min_type: list[str] = MIN_TYPE,
@@ -202,16 +206,27 @@ def quantize(
         targets = [t for t in (target_bpw is not None, target_size is not None, bool(budget)) if t]
         if (sweep is None) != (not targets) or len(targets) > 1:
             fail("--sweep goes with exactly one of --target-bpw, --target-size or --budget")
+        if (mtp_sweep is None) != (max_acceptance_loss is None):
+            fail("--mtp-sweep and --max-acceptance-loss go together (the head's types within a bound on its loss)")
+        from ikquant.mix_constraints import MixConstraints
+
+        constraints = MixConstraints(tuple(tie), not no_default_ties, tuple(min_type))
+        head: dict[str, str] = {}
+        if mtp_sweep is not None and max_acceptance_loss is not None:
+            head = head_from_sweep(source, mtp_sweep, max_acceptance_loss, constraints).tensor_types
+            opts.tensor_types = dict(head)
         mix = None
         if sweep is not None:
             from ikquant.mix import MixTarget
-            from ikquant.mix_constraints import MixConstraints
 
-            mix = _mix_from_sweep(source, opts, sweep, MixTarget(target_bpw, target_size, budget),
-                                  MixConstraints(tuple(tie), not no_default_ties, tuple(min_type)))
-            opts.tensor_types = mix.tensor_types
-        elif tie or min_type or no_default_ties:
-            fail("--tie, --min-type and --no-default-ties constrain a mix: they go with --sweep")
+            mix = _mix_from_sweep(source, opts, sweep, MixTarget(target_bpw, target_size, budget), constraints)
+            both = sorted(set(mix.tensor_types) & set(head))
+            if both:
+                fail(f"tensor {both[0]} is typed by both --sweep {sweep} and --mtp-sweep {mtp_sweep}: sweep the "
+                     "model by KLD and its head by acceptance")
+            opts.tensor_types = {**mix.tensor_types, **head}
+        elif (tie or min_type or no_default_ties) and mtp_sweep is None:
+            fail("--tie, --min-type and --no-default-ties constrain a mix: they go with --sweep or --mtp-sweep")
         plan = make_plan(source, opts)
     except IkError as exc:
         fail(str(exc))
@@ -344,6 +359,25 @@ def _mix_from_sweep(source, opts, sweep: Path, target, constraints):  # type: ig
     print_mix(plan)
     print_unmeasured(unmeasured)
     return plan
+
+
+def head_from_sweep(source, mtp_sweep: Path, max_loss: float, constraints):  # type: ignore[no-untyped-def]
+    """The NextN head's types from an `--mtp-sweep` within `--max-acceptance-loss` (under the mix's constraints);
+    prints them."""
+    from ikquant.mix_constraints import constrained
+    from ikquant.mix_head import choose_head, read_head_sweep
+
+    groups, options, decoding = read_head_sweep(mtp_sweep, set(source.tensors))
+    groups, options = constrained(groups, options, constraints,
+                                  {n: source.tensors[n].n_per_row for names in groups.values() for n in names})
+    head = choose_head(groups, options, max_loss, str(mtp_sweep))
+    head.decoding = decoding
+    types = head.tensor_types
+    err.print(f"NextN head from {mtp_sweep}: {len(types)} tensors as "
+              + ", ".join(f"{t} x{sum(1 for v in types.values() if v == t)}" for t in sorted(set(types.values())))
+              + f", {head.bits / 8 / 2**20:.3f} MiB; predicted acceptance loss {head.predicted_loss:.4f} of at most "
+              f"{max_loss:g} tokens per step", soft_wrap=True, highlight=False)
+    return head
 
 
 def print_unmeasured(unmeasured: dict[str, str]) -> None:

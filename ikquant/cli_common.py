@@ -33,6 +33,12 @@ TIE = typer.Option([], "--tie", help="Repeatable REGEX: the swept tensors of one
 NO_DEFAULT_TIES = typer.Option(False, "--no-default-ties", help="Do not tie ffn_up_exps with ffn_gate_exps.")
 MIN_TYPE = typer.Option([], "--min-type", help="Repeatable REGEX=TYPE: the swept tensors it matches get no type "
                         "of fewer bits per weight than TYPE (e.g. 'ffn_.*_exps=IQ2_KS'; the first match applies).")
+MTP_SWEEP = typer.Option(None, "--mtp-sweep", help="An `ikrun sweep T --metric acceptance --mtp` result: type the "
+                         "model's NextN/MTP head from it within --max-acceptance-loss (the rest of the file as without "
+                         "it; the head's bits count as fixed in a --sweep mix).")
+MAX_ACCEPTANCE_LOSS = typer.Option(None, "--max-acceptance-loss", help="With --mtp-sweep: the most mean acceptance "
+                                   "length (tokens per target step) the head's types may lose, predicted as the sum of "
+                                   "its tensors' measured losses; the head gets the fewest bits within it.")
 OVERRIDE_KV = typer.Option([], "--override-kv", help="KEY=TYPE:VALUE (TYPE int, float, bool or str; repeatable): set "
                            "a metadata key in the output, as ik's --override-kv.")
 

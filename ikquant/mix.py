@@ -11,8 +11,9 @@ bits for it). Constraints (tie groups, lower bounds per class) are applied to th
 (mix_constraints.py).
 
 A group with no real cost is not chosen for: the tensors a sweep lists as `unmeasured` (the measured forward never
-reads them) and groups whose every measured cost is zero or below (a swap that changed nothing: an older sweep of
-an unread tensor). They keep the recipe's type, as unswept tensors do; `read_sweep` names them.
+reads them) and, in a KLD sweep, groups whose every measured cost is zero or below (a swap that changed nothing: an
+older sweep of an unread tensor; an acceptance sweep's drafter reads every tensor it swaps, and a zero loss there is
+a measured one). They keep the recipe's type, as unswept tensors do; `read_sweep` names them.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def read_sweep(path: Path) -> tuple[dict[str, list[str]], dict[str, list[Option]
     if not options:
         raise MixError(f"--sweep {path}: no measurements")
     unmeasured = {str(n): str(why) for n, why in header.get("unmeasured", {}).items()}
-    for g in [g for g, opts in options.items() if all(o.kld <= 0.0 for o in opts)]:
+    zero_is_unread = header.get("metric", DEFAULTS["metric"]) == "kld"  # a drafter reads every tensor it is swept by
+    for g in [g for g, opts in options.items() if zero_is_unread and all(o.kld <= 0.0 for o in opts)]:
         unmeasured.update({n: "every measured type cost nothing: the forward may not read it" for n in groups[g]})
     for g in [g for g, names in groups.items() if any(n in unmeasured for n in names)]:
         del groups[g], options[g]

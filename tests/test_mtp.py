@@ -176,3 +176,125 @@ def test_numerics_ik_drafts_with_the_models_tables_as_iks_loader_ignores_the_hea
     own, ik = Model(gguf).impl.nextn_head(), Model(gguf, options=RuntimeOptions(numerics="ik")).impl.nextn_head()
     assert (own.embeddings, own.output) == ("blk.3.nextn.embed_tokens.weight", "blk.3.nextn.shared_head_head.weight")
     assert (ik.embeddings, ik.output) == ("token_embd.weight", "output.weight")
+
+
+@pytest.fixture(scope="module")
+def head_sweep(trained: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory) -> Path:  # type: ignore[type-arg]
+    """`ikrun sweep --metric acceptance --mtp` of the trained head: every head tensor at Q4_0 and Q8_0."""
+    out = tmp_path_factory.mktemp("head-sweep") / "head.json"
+    res = runner.invoke(app, ["sweep", str(trained[0]), "--metric", "acceptance", "--mtp", *DECODING, "--types",
+                              "Q4_0,Q8_0", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+#: the prompts an acceptance sweep and `accept --mtp` decode in these tests
+DECODING = ["--text", str(TEXT), "--prompts", "3", "--prompt-len", "16", "--max-new", "32"]
+
+
+def _accept(gguf: Path, *extra: str) -> list[dict]:  # type: ignore[type-arg]
+    res = runner.invoke(app, ["accept", str(gguf), "--mtp", *DECODING, "--no-check", "--json", *extra])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout)
+    return got if isinstance(got, list) else [got]
+
+
+def test_mtp_acceptance_sweep_rows_are_the_heads_acceptance(trained: tuple[Path, dict], head_sweep: Path,
+                                                            tmp_path: Path) -> None:  # type: ignore[type-arg]
+    """A head tensor's row is `accept --mtp` on the file with that tensor alone quantized; the whole head's row
+    (--group layer) is `accept --mtp --compare`'s figure for the type, below the stored head's."""
+    from ikquant.ftypes import file_type
+    from ikquant.quantize import QuantizeOptions, quantize_model
+    from ikquant.recipes import eligible
+
+    gguf = trained[0]
+    data = json.loads(head_sweep.read_text())
+    assert data["metric"] == "acceptance" and data["decoding"]["mtp"] == {"n_max": 3, "p_min": 0.0}
+    assert data["unmeasured"] == {} and len(data["rows"]) == 26
+    w = Model(gguf).weights
+    assert {r["group"] for r in data["rows"]} == {n for n in w.names() if n.startswith("blk.3.") and eligible(
+        n, w.info(n).n_dims, w.info(n).type)}  # every quantizable tensor of the head, none of the model's
+    stored, q4, q8 = _accept(gguf, "--compare", "Q4_0,Q8_0")
+    row = next(r for r in data["rows"] if (r["group"], r["type"]) == ("blk.3.nextn.eh_proj.weight", "Q4_0"))
+    single = tmp_path / "one.gguf"
+    quantize_model(gguf, single, QuantizeOptions(file_type("F32"), pure=True, tensor_types={row["group"]: "Q4_0"}))
+    assert _accept(single)[0]["mean_acceptance_length"] == row["acceptance_mean"]
+    assert row["acceptance_loss"] == pytest.approx(stored["mean_acceptance_length"] - row["acceptance_mean"],
+                                                   abs=1e-12)
+    out = tmp_path / "layer.json"
+    res = runner.invoke(app, ["sweep", str(gguf), "--metric", "acceptance", "--mtp", *DECODING, "--types",
+                              "Q4_0,Q8_0", "--group", "layer", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = {r["type"]: r for r in json.loads(out.read_text())["rows"]}
+    assert [r["group"] for r in rows.values()] == ["blk.3", "blk.3"]
+    assert rows["Q4_0"]["acceptance_mean"] == q4["mean_acceptance_length"] < stored["mean_acceptance_length"]
+    assert rows["Q8_0"]["acceptance_mean"] == q8["mean_acceptance_length"]
+
+
+def test_a_bound_on_the_heads_acceptance_loss_chooses_its_types(trained: tuple[Path, dict], head_sweep: Path,
+                                                                tmp_path: Path) -> None:  # type: ignore[type-arg]
+    """ikquant --mtp-sweep: a tight bound keeps the head at Q8_0 while the rest goes to Q4_0, a loose one lets the
+    head go down to Q4_0, one between mixes both within it; ikrun mix measures the kept file's head."""
+    from ikquant.cli import app as ikquant_app
+
+    gguf = trained[0]
+
+    def head_types(bound: str) -> dict[str, str]:
+        res = runner.invoke(ikquant_app, [str(gguf), str(tmp_path / "x.gguf"), "--type", "Q4_0", "--mtp-sweep",
+                                          str(head_sweep), "--max-acceptance-loss", bound, "--dry-run", "--json"])
+        assert res.exit_code == 0, res.output
+        plan = json.loads(res.stdout)
+        assert {p["type"] for p in plan if p["name"] == "blk.0.attn_q.weight"} == {"q4_0"}
+        return {p["name"]: p["type"] for p in plan if p["name"].startswith("blk.3.") and p["type"] != "f32"}
+
+    rows = json.loads(head_sweep.read_text())["rows"]
+    q4_loss = sum(max(r["acceptance_loss"], 0.0) for r in rows if r["type"] == "Q4_0")
+    tight, loose, middle = head_types("0"), head_types(f"{q4_loss + 0.01}"), head_types(f"{q4_loss / 3}")
+    assert len(tight) == 13 and set(tight.values()) == {"q8_0"}
+    assert set(loose.values()) == {"q4_0"}
+    assert set(middle.values()) == {"q4_0", "q8_0"}
+    assert sum(max(r["acceptance_loss"], 0.0) for r in rows if middle[r["group"]] == r["type"].lower()) <= q4_loss / 3
+    assert middle["blk.3.ffn_up_exps.weight"] == middle["blk.3.ffn_gate_exps.weight"]  # ik's fused pair stays tied
+    kld = tmp_path / "kld.json"
+    res = runner.invoke(app, ["sweep", str(gguf), "--text", str(TEXT), "--types", "Q4_0,Q8_0", "--ctx", "32",
+                              "--chunks", "2", "--tensors", r"blk\.0\.attn", "-o", str(kld)])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["mix", str(gguf), str(tmp_path / "mix.gguf"), "--sweep", str(kld), "--type", "Q4_0",
+                              "--target-bpw", "5.85", "--mtp-sweep", str(head_sweep), "--max-acceptance-loss",
+                              f"{q4_loss / 3}", "--json"])
+    assert res.exit_code == 0, res.output
+    head = json.loads(res.stdout)[0]["head"]
+    assert head["acceptance"] < head["acceptance_base"] and head["predicted_acceptance_loss"] <= q4_loss / 3
+    written = Model(tmp_path / "mix.gguf").weights
+    assert {n: written.encoding(n).type.name.lower() for n in middle} == middle
+
+
+def test_head_sweeps_and_bounds_refuse_bad_input(head_sweep: Path, tmp_path: Path) -> None:
+    from ikquant.cli import app as ikquant_app
+
+    cases = [
+        (app, ["sweep", str(NO_NEXTN), "--metric", "acceptance", "--mtp", *DECODING, "--types", "Q4_0"], "NextN"),
+        (app, ["sweep", str(GGUF), "--mtp", "--text", str(TEXT), "--types", "Q4_0"], "--metric acceptance"),
+        (app, ["sweep", str(GGUF), "--metric", "acceptance", "--mtp", "--target", str(GGUF), "--text", str(TEXT),
+               "--types", "Q4_0"], "--target"),
+        (app, ["sweep", str(GGUF), "--metric", "acceptance", "--mtp", "--text", str(TEXT), "--prompts", "0",
+               "--types", "Q4_0"], "prompts"),
+        (app, ["sweep", str(GGUF), "--n-max", "2", "--text", str(TEXT), "--types", "Q4_0"], "--n-max"),
+        (app, ["sweep", str(GGUF), "--metric", "acceptance", "--mtp", *DECODING, "--types", "Q4_0", "--tensors",
+               r"blk\.0\."], "NextN head"),
+        (ikquant_app, [str(GGUF), str(tmp_path / "x.gguf"), "--type", "Q4_0", "--mtp-sweep", str(head_sweep)],
+         "--max-acceptance-loss"),
+        (ikquant_app, [str(GGUF), str(tmp_path / "x.gguf"), "--type", "Q4_0", "--mtp-sweep", str(head_sweep),
+                       "--max-acceptance-loss", "-1"], "--max-acceptance-loss"),
+        (ikquant_app, [str(NO_NEXTN), str(tmp_path / "x.gguf"), "--type", "Q4_0", "--mtp-sweep", str(head_sweep),
+                       "--max-acceptance-loss", "1"], "not in the model"),
+    ]
+    kld = tmp_path / "kld.json"
+    kld.write_text(head_sweep.read_text().replace('"metric": "acceptance"', '"metric": "kld"'))
+    cases.append((ikquant_app, [str(GGUF), str(tmp_path / "x.gguf"), "--type", "Q4_0", "--mtp-sweep", str(kld),
+                                "--max-acceptance-loss", "1"], "--metric acceptance --mtp"))
+    for cli, args, said in cases:
+        res = runner.invoke(cli, args, env={"COLUMNS": "400"})
+        assert res.exit_code == 2 and said in res.output and len(res.output.strip().splitlines()) == 1, (args,
+                                                                                                         res.output)
+    assert not (tmp_path / "x.gguf").exists()

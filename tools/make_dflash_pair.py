@@ -73,7 +73,7 @@ def train_target(folder: Path, out: Path, ids: torch.Tensor, steps: int, seed: i
         if step % 100 == 0:
             print(f"target step {step}: loss {loss.item():.3f}", flush=True)
     shutil.copytree(folder, out, dirs_exist_ok=True)
-    for path in out.glob("*.safetensors"):
+    for path in [*out.glob("*.safetensors"), *out.glob("*.safetensors.index.json")]:  # one file replaces the shards
         path.unlink()
     trained = dict(learn)
     save_file({n: (trained[n].detach().to(t.dtype) if n in trained else t).contiguous() for n, t in stored.items()},

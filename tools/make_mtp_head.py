@@ -1,4 +1,5 @@
-"""Train the NextN/MTP head of a tiny GLM-4.x target and record a reference greedy MTP speculative decoding with it.
+"""Train the NextN/MTP head of a tiny GLM-4.x or DeepSeek-V3 target and record a reference greedy MTP speculative
+decoding with it.
 
 Needs torch and transformers, OUTSIDE the product: run it with a separate environment (e.g. /work/torchenv); nothing
 in ikconvert/ikquant/ikrun imports it.
@@ -6,10 +7,11 @@ in ikconvert/ikquant/ikrun imports it.
     /work/torchenv/bin/python tools/make_mtp_head.py --target tests/data/convert/glm4-moe/hf \
         --text tests/data/logits/glm4-moe/text.txt --out OUT --train-target 500 --steps 500
 
-The target (transformers' Glm4MoeForCausalLM, which ignores the NextN layer) first learns the text
-(make_dflash_pair.train_target); then only the NextN layer (model.layers.{num_hidden_layers}.*: embed_tokens, enorm,
-hnorm, eh_proj, the decoder layer, shared_head) learns to predict, at position p from the target's output-normed
-hidden state of p - 1 and token p, the target's own greedy token p + 1. OUT/hf is the checkpoint with both (the
+The target (transformers' Glm4MoeForCausalLM or DeepseekV3ForCausalLM, both of which ignore the NextN/MTP layer)
+first learns the text (make_dflash_pair.train_target); then only the NextN layer (model.layers.{num_hidden_layers}.*:
+embed_tokens, enorm, hnorm, eh_proj, the decoder layer of the model's own kind, shared_head) learns to predict, at
+position p from the target's output-normed hidden state of p - 1 and token p, the target's own greedy token p + 1
+(GLM-4.5's NextN layer and DeepSeek-V3's MTP module are this one computation; DeepSeek-V3 report, section 2.2). OUT/hf is the checkpoint with both (the
 stored dtype), OUT/mtp-oracle.json the reference loop's greedy decoding of 6 prompts of 24 tokens, 64 new each,
 drafting 3 tokens a step (each from the previous draft's state), computed in float32 from exactly the stored weights.
 The reference loop recomputes every forward over the whole sequence (no caches): what ik's MTP path computes with
@@ -19,6 +21,7 @@ its caches (ikrun/eval/speculative.py mtp_generate).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shutil
 import sys
@@ -27,29 +30,40 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
-from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer, Glm4MoeRMSNorm
 
 sys.path.insert(0, str(Path(__file__).parent))
 from make_dflash_pair import load_target, train_target  # noqa: E402
 
 N_PROMPTS, PROMPT_LEN, MAX_NEW, N_MAX = 6, 24, 64, 3
 LAYER = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
+#: config model_type -> transformers' module, its decoder layer and RMSNorm classes
+FAMILIES = {"glm4_moe": ("glm4_moe", "Glm4Moe"), "deepseek_v3": ("deepseek_v3", "DeepseekV3")}
+
+
+def family_classes(config):  # type: ignore[no-untyped-def]
+    """The decoder layer and RMSNorm classes of the target's family."""
+    if config.model_type not in FAMILIES:
+        raise SystemExit(f"model_type {config.model_type!r}: this tool trains heads of {', '.join(FAMILIES)}")
+    module, prefix = FAMILIES[config.model_type]
+    mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    return getattr(mod, prefix + "DecoderLayer"), getattr(mod, prefix + "RMSNorm")
 
 
 class NextnHead(torch.nn.Module):
-    """GLM-4.5's MTP layer: [enorm(embedding of token p) | hnorm(hidden of p - 1)] through eh_proj, one decoder
-    layer (causal attention, MoE), shared_head.norm (the next step's hidden state) and shared_head.head."""
+    """The MTP layer: [enorm(embedding of token p) | hnorm(hidden of p - 1)] through eh_proj, one decoder layer of
+    the target's kind (causal attention, MoE), shared_head.norm (the next step's hidden state) and shared_head.head."""
 
     def __init__(self, config) -> None:  # type: ignore[no-untyped-def]
         super().__init__()
+        layer, norm = family_classes(config)
         e, v, eps = config.hidden_size, config.vocab_size, config.rms_norm_eps
         self.index = config.num_hidden_layers
         self.embed_tokens = torch.nn.Embedding(v, e)
-        self.enorm, self.hnorm = Glm4MoeRMSNorm(e, eps), Glm4MoeRMSNorm(e, eps)
+        self.enorm, self.hnorm = norm(e, eps), norm(e, eps)
         self.eh_proj = torch.nn.Linear(2 * e, e, bias=False)
-        self.layer = Glm4MoeDecoderLayer(config, layer_idx=self.index)
+        self.layer = layer(config, layer_idx=self.index)
         self.shared_head = torch.nn.Module()
-        self.shared_head.norm = Glm4MoeRMSNorm(e, eps)
+        self.shared_head.norm = norm(e, eps)
         self.shared_head.head = torch.nn.Linear(e, v, bias=False)
 
     def checkpoint_name(self, name: str) -> str:

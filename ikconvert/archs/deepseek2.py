@@ -6,6 +6,14 @@ What ik does, reproduced: MLA attention tensors renamed, `kv_b_proj` written fus
 `exp_probs_b.bias`; MTP/NextN layers (index >= num_hidden_layers) dropped; routing and YaRN metadata. A
 vocab_size of 163840 means Kimi-K2 (DeepSeek-V3's layout) and its tiktoken vocabulary (ikconvert.tiktoken_vocab).
 
+Beyond ik, on request (`--keep-mtp`): DeepSeek-V3's MTP layer kept as the last block, in the layout ik gives the
+NextN blocks of GLM-4.x and GLM-5 (block_count counts it, `nextn_predict_layers`, its decoder layer under the usual
+names, `enorm`/`hnorm`/`eh_proj`/`embed_tokens`/`shared_head.{norm,head}` as `nextn.*`). ik does not run DeepSeek-V3's
+MTP: its converter drops the layer (DeepseekV2Model.modify_tensors), its deepseek2 hyperparameters never read
+nextn_predict_layers (llama-hparams.cpp, LLM_ARCH_DEEPSEEK2), create_deepseek2_tensors loads no nextn tensor, and
+build_deepseek2's MTP tail aborts for any architecture but GLM_DSA. Such a file is for ikrun (`ikrun accept --mtp`);
+ik's loader refuses it (a block it runs as a main layer, and tensors it never creates).
+
 Beyond ik: FP8 checkpoints (F8_E4M3 weights with an F32 `weight_scale_inv` per tile, DeepSeek's published format,
 which ik rejects) are dequantized here tile by tile in float32, the tile taken from config.json
 `quantization_config.weight_block_size` and never guessed from the scale grid (a 192-row weight with 128-row tiles
@@ -62,12 +70,29 @@ class DeepseekV2Arch(Arch):
         "model.layers.{bid}.mlp.shared_experts.gate_proj": "blk.{bid}.ffn_gate_shexp",
         "model.layers.{bid}.mlp.shared_experts.up_proj": "blk.{bid}.ffn_up_shexp",
         "model.layers.{bid}.mlp.shared_experts.down_proj": "blk.{bid}.ffn_down_shexp",
+        "model.layers.{bid}.eh_proj": "blk.{bid}.nextn.eh_proj",
+        "model.layers.{bid}.enorm": "blk.{bid}.nextn.enorm",
+        "model.layers.{bid}.hnorm": "blk.{bid}.nextn.hnorm",
+        "model.layers.{bid}.embed_tokens": "blk.{bid}.nextn.embed_tokens",
+        "model.layers.{bid}.shared_head.head": "blk.{bid}.nextn.shared_head_head",
+        "model.layers.{bid}.shared_head.norm": "blk.{bid}.nextn.shared_head_norm",
     }
+    accepted_options: ClassVar[tuple[str, ...]] = ("keep_mtp",)
 
     def __init__(self, ckpt: Checkpoint, options: dict[str, Any] | None = None):
         super().__init__(ckpt, options)
         self._experts = ExpertMerger(int(self.hparams.get("n_routed_experts") or 0), "n_routed_experts",
                                      self._filler)
+        #: the MTP layers written (--keep-mtp), 0 as ik
+        self.kept_mtp = int(self.hparams.get("num_nextn_predict_layers") or 0) if self.options.get("keep_mtp") else 0
+        if self.options.get("keep_mtp") and self.kept_mtp != 1:
+            raise ConvertError(f"{ckpt.dir / 'config.json'}: --keep-mtp keeps one MTP layer; num_nextn_predict_layers "
+                               f"is {self.hparams.get('num_nextn_predict_layers')!r}")
+
+    @property
+    def block_count(self) -> int:
+        """The main layers, and with --keep-mtp the MTP layer after them."""
+        return int(self.require("num_hidden_layers")) + self.kept_mtp
 
     # ---- vocabulary ---------------------------------------------------------------------------------------
     @property
@@ -126,6 +151,8 @@ class DeepseekV2Arch(Arch):
             gw.add_rope_scaling_factor(scaling["factor"])
             gw.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
             gw.add_rope_scaling_yarn_log_mul(0.1 * scaling["mscale_all_dim"])
+        if self.kept_mtp:
+            gw.add_nextn_predict_layers(self.kept_mtp)
 
     # ---- skipping -----------------------------------------------------------------------------------------
     def is_skipped(self, name: str) -> bool:
@@ -265,8 +292,13 @@ class DeepseekV2Arch(Arch):
             "ffn_gate_shexp.weight": (sh_ff, hidden), "ffn_up_shexp.weight": (sh_ff, hidden),
             "ffn_down_shexp.weight": (hidden, sh_ff),
         }
+        nextn = {"nextn.eh_proj.weight": (hidden, 2 * hidden), "nextn.enorm.weight": (hidden,),
+                 "nextn.hnorm.weight": (hidden,), "nextn.shared_head_norm.weight": (hidden,),
+                 "nextn.embed_tokens.weight": (vocab, hidden), "nextn.shared_head_head.weight": (vocab, hidden)}
         if key in attn:
             self._expect(out, attn[key])
+        elif key in nextn:
+            self._expect(out, nextn[key])
         elif key in ffn or key in moe:
             table, other = (ffn, moe) if dense else (moe, ffn)
             if key in other:

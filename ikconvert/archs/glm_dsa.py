@@ -60,13 +60,8 @@ class GlmDsaArch(DeepseekV2Arch):
         "model.layers.{bid}.self_attn.indexer.wk": "blk.{bid}.indexer.attn_k",
         "model.layers.{bid}.self_attn.indexer.k_norm": "blk.{bid}.indexer.k_norm",
         "model.layers.{bid}.self_attn.indexer.weights_proj": "blk.{bid}.indexer.proj",
-        "model.layers.{bid}.eh_proj": "blk.{bid}.nextn.eh_proj",
-        "model.layers.{bid}.enorm": "blk.{bid}.nextn.enorm",
-        "model.layers.{bid}.hnorm": "blk.{bid}.nextn.hnorm",
-        "model.layers.{bid}.shared_head.norm": "blk.{bid}.nextn.shared_head_norm",
-        "model.layers.{bid}.embed_tokens": "blk.{bid}.nextn.embed_tokens",
-        "model.layers.{bid}.shared_head.head": "blk.{bid}.nextn.shared_head_head",
     }
+    accepted_options = ()  # GLM-5 keeps its NextN block always, as ik does
 
     def __init__(self, ckpt: Checkpoint, options: dict[str, Any] | None = None):
         super().__init__(ckpt, options)

@@ -79,9 +79,7 @@ def accept(
         if draft is not None or trace or oracle or cross_ctx is not None or late_features or budget_drafts or block:
             fail("--mtp drafts with the target's own NextN head: it takes no draft model, --block, --trace, --oracle, "
                  "--cross-ctx, --late-feature-positions or --budget-drafts")
-        n_max, p_min = 3 if n_max is None else n_max, p_min or 0.0
-        if n_max < 1:
-            fail(f"--n-max {n_max}: at least one token is drafted a step")
+        n_max, p_min = mtp_settings(n_max, p_min)
         t, head_block, chunks = mtp_target(target, ev, text, prompts, prompt_len, max_new)
         d, bs, drafted = t, n_max + 1, [n for n in t.weights.names() if n.startswith(f"blk.{head_block}.")]
     else:
@@ -177,6 +175,14 @@ def draft_pair(target: Path, draft: Path, ev: Evaluation, text: Path, prompts: i
     except IkError as exc:
         fail(str(exc))
     return t, d, bs, [ids[s : s + prompt_len] for s in starts]
+
+
+def mtp_settings(n_max: Optional[int], p_min: Optional[float]) -> tuple[int, float]:
+    """--n-max and --p-min of a NextN head's drafting, with ik's defaults (3, 0)."""
+    n_max = 3 if n_max is None else n_max
+    if n_max < 1:
+        fail(f"--n-max {n_max}: at least one token is drafted a step")
+    return n_max, p_min or 0.0
 
 
 def mtp_target(target: Path, ev: Evaluation, text: Path, prompts: int, prompt_len: int,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Optional
 import typer
 from rich.table import Table
 
-from ikquant.cli_common import MIN_TYPE, NO_DEFAULT_TIES, TIE, err, fail, out
+from ikquant.cli_common import MAX_ACCEPTANCE_LOSS, MIN_TYPE, MTP_SWEEP, NO_DEFAULT_TIES, TIE, err, fail, out
 from ikquant.errors import IkError
 from ikrun.commands.common import load_model, progress_bar, read_text, run_plan
 from ikrun.commands.options import Evaluation, evaluation_options
@@ -44,6 +44,8 @@ def mix(
                                              "the text the sweep was measured on, else in-sample."),
     ctx: Optional[int] = typer.Option(None, "--ctx", "-c", help="Chunk length (default: the sweep's)."),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Chunks to measure (default: the sweep's)."),
+    mtp_sweep: Optional[Path] = MTP_SWEEP,
+    max_acceptance_loss: Optional[float] = MAX_ACCEPTANCE_LOSS,
     tie: list[str] = TIE,
     no_default_ties: bool = NO_DEFAULT_TIES,
     min_type: list[str] = MIN_TYPE,
@@ -58,13 +60,15 @@ def mix(
     """Build the mix a sweep predicts best within a target, then measure it: predicted vs measured mean KLD.
 
     The prediction adds up KLDs measured one group at a time; tensors interact, so the assembled file is measured
-    against the base on the sweep's text. --refine re-measures the most sensitive groups inside the mix.
+    against the base on the sweep's text. --refine re-measures the most sensitive groups inside the mix. With
+    --mtp-sweep the NextN head is typed within --max-acceptance-loss and the kept file's head is measured on the
+    head sweep's prompts: predicted vs measured acceptance loss.
 
     Example: ikrun mix model-bf16.gguf mix.gguf --sweep sweep.json --type IQ4_KS --target-bpw 3.5 --refine 8
     """
     import tempfile
 
-    from ikquant.cli import print_mix, print_unmeasured
+    from ikquant.cli import head_from_sweep, print_mix, print_unmeasured
     from ikquant.imatrix import read_imatrix
     from ikquant.mix import MixTarget, plan_mix, read_sweep
     from ikquant.mix_constraints import MixConstraints
@@ -78,6 +82,8 @@ def mix(
     targets = [t for t in (target_bpw is not None, target_size is not None, bool(budget)) if t]
     if len(targets) != 1:
         fail("give exactly one of --target-bpw, --target-size or --budget")
+    if (mtp_sweep is None) != (max_acceptance_loss is None):
+        fail("--mtp-sweep and --max-acceptance-loss go together (the head's types within a bound on its loss)")
     m = load_model(model, ev)
     try:
         header = read_sweep_file(sweep)[0]
@@ -103,6 +109,13 @@ def mix(
         opts = QuantizeOptions(recipe_file_type(recipe, type_name), imatrix=imat, recipe=recipe)
         target = MixTarget(target_bpw, target_size, budget)
         constraints = MixConstraints(tuple(tie), not no_default_ties, tuple(min_type))
+        head = None
+        if mtp_sweep is not None and max_acceptance_loss is not None:
+            head = head_from_sweep(GGUFModel(model), mtp_sweep, max_acceptance_loss, constraints)
+            opts.tensor_types = dict(head.tensor_types)
+            if head.decoding.get("target_fingerprint") != model_fingerprint(m):
+                raise SweepError(f"--mtp-sweep {mtp_sweep} was measured on another model file than {model}: sweep "
+                                 "this file's head")
         plan = plan_mix(GGUFModel(model), opts, groups, options, target, str(sweep), constraints)
         chunk_tokens = tokenize_chunks(m, read_text(text), ctx or header["ctx"], chunks or header["chunks"])
         eval_tokens = None
@@ -139,6 +152,9 @@ def mix(
         row["text"], row["sample"] = str(text), sample(text)
     if eval_text is not None and eval_tokens is not None:
         summary.append(_measure_on(m, output, eval_tokens, ev, kept[1], eval_text, sample(eval_text)))
+    if head is not None:
+        kept_row = next(r for r in summary if r["kept"])
+        kept_row["head"] = _head_acceptance(m, output, ev, head.decoding, head.predicted_loss)
     if recipe_out is not None:
         from ikquant.recipe_out import recipe_text, write_recipe
 
@@ -207,8 +223,8 @@ def _assemble_and_measure(model: Path, output: Path, opts, types: dict[str, str]
 
     from ikquant.quantize import quantize_model
 
-    try:
-        written = quantize_model(model, output, dataclasses.replace(opts, tensor_types=types))
+    try:  # the types already in opts (a NextN head's) stay
+        written = quantize_model(model, output, dataclasses.replace(opts, tensor_types={**opts.tensor_types, **types}))
     except IkError as exc:
         fail(str(exc))
     return _measured(output, base, ev, str(output)), written
@@ -252,3 +268,24 @@ def _refine(m: Model, output: Path, opts, plan, target, constraints, sweep: Path
     finally:
         candidate.unlink(missing_ok=True)
     return {**row, **second, "kept": kept}, written, refined
+
+
+def _head_acceptance(m: Model, output: Path, ev: Evaluation, decoding: dict, predicted: float) -> dict:  # type: ignore[type-arg]
+    """The kept file's NextN head against the base's on the head sweep's prompts: mean acceptance lengths and the
+    loss, beside the predicted one."""
+    import numpy as np
+
+    from ikrun.eval.speculative import mean_acceptance_length, mtp_generate
+
+    mtp = decoding["mtp"]
+
+    def mean(model: Model) -> float:
+        return mean_acceptance_length([mtp_generate(model, np.asarray(p), decoding["max_new"], mtp["n_max"],
+                                                    mtp["p_min"]) for p in decoding["prompts"]])
+
+    base, mixed = mean(m), mean(load_model(output, ev))
+    err.print(f"NextN head: mean acceptance {mixed:.4f} against the base's {base:.4f} on the head sweep's "
+              f"{len(decoding['prompts'])} prompts: loss {base - mixed:.4f} (predicted {predicted:.4f})",
+              highlight=False)
+    return {"acceptance_base": base, "acceptance": mixed, "acceptance_loss": base - mixed,
+            "predicted_acceptance_loss": predicted}

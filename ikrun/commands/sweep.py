@@ -1,4 +1,4 @@
-"""`ikrun sweep`: each tensor group's KLD (or a DFlash draft's acceptance) per candidate type."""
+"""`ikrun sweep`: each tensor group's KLD (or a DFlash draft's or NextN head's acceptance) per candidate type."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from rich.table import Table
 
 from ikquant.cli_common import err, fail, out
 from ikquant.errors import IkError
-from ikrun.commands.accept import draft_pair
+from ikrun.commands.accept import draft_pair, mtp_settings, mtp_target
 from ikrun.commands.common import load_model, memory_budget, progress_bar, read_text, run_plan
 from ikrun.commands.options import Evaluation, evaluation_options
 
@@ -52,9 +52,15 @@ def sweep(
                                       "(auto, HOST:PORT, ray://HOST:10001) whose nodes read the model and "
                                       "--imatrix at the same paths. Needs pip install 'iktools[ray]'."),
     metric: str = typer.Option("kld", "--metric", help="kld: KL-divergence against the base's logits on --text; "
-                               "acceptance: a DFlash draft's mean acceptance length with --target on prompts from "
-                               "--text (--prompts, --prompt-len, --max-new, --block as ikrun accept)."),
+                               "acceptance: a DFlash draft's mean acceptance length with --target (or, --mtp, the "
+                               "model's own NextN head's) on prompts from --text (--prompts, --prompt-len, "
+                               "--max-new, --block / --n-max, --p-min as ikrun accept)."),
     target: Optional[Path] = typer.Option(None, "--target", help="With --metric acceptance: the draft's target GGUF."),
+    mtp: bool = typer.Option(False, "--mtp", help="With --metric acceptance: sweep the model's own NextN/MTP head's "
+                             "tensors by the acceptance length its drafts lose (ikrun accept --mtp); the rows feed "
+                             "ikquant --mtp-sweep / ikrun mix --mtp-sweep with --max-acceptance-loss."),
+    n_max: Optional[int] = typer.Option(None, "--n-max", help="With --mtp: tokens drafted per step (default 3)."),
+    p_min: Optional[float] = typer.Option(None, "--p-min", help="With --mtp: ik's --draft-p-min (default 0)."),
     recipe: str = typer.Option("ik", "--recipe", help="mainline: accept only --types that mainline llama.cpp loads "
                                "(for mixes made with ikquant --recipe mainline)."),
     prompts: int = typer.Option(6, "--prompts", help="With --metric acceptance: number of prompts."),
@@ -90,14 +96,21 @@ def sweep(
                     require_mainline_type(t.strip(), f"--types {t.strip()}")
         except IkError as exc:
             fail(str(exc))
-    if (metric == "acceptance") != (target is not None):
-        fail("--metric acceptance and --target go together (a draft is measured with its target)")
+    if metric != "acceptance" and (target is not None or mtp):
+        fail("--target and --mtp go with --metric acceptance (a KLD sweep lists a NextN head's tensors as "
+             "unmeasured: the forward it scores never reads them)")
+    if not mtp and (n_max is not None or p_min is not None):
+        fail("--n-max and --p-min go with --mtp (a DFlash draft drafts a block: --block)")
     if metric == "acceptance":
+        if mtp and (target is not None or block is not None):
+            fail("--mtp sweeps the model's own NextN head: it takes no --target or --block")
+        if not mtp and target is None:
+            fail("--metric acceptance and --target go together (a draft is measured with its target; --mtp for the "
+                 "model's own NextN head)")
         if ray is not None or chunks is not None or full_forward:
             fail("--ray, --chunks and --full-forward apply to KLD sweeps; an acceptance sweep decodes --prompts")
-        assert target is not None
         _acceptance_sweep(model, target, text, types, output, imatrix, tensors, group, prompts, prompt_len, max_new,
-                          block, plot, ev)
+                          block, plot, ev, mtp_settings(n_max, p_min) if mtp else None)
         return
     auto = chunks is not None and chunks.strip().lower() == "auto"
     if chunks is not None and not auto and not chunks.strip().isdigit():
@@ -173,21 +186,42 @@ def _candidate_types(m: Model, types: str) -> list[GGMLType]:
     return out
 
 
-def _acceptance_sweep(model: Path, target: Path, text: Path, types: str, output: Path, imatrix: Optional[Path],  # type: ignore[no-untyped-def]
-                      tensors: Optional[str], group: str, prompts: int, prompt_len: int, max_new: int,
-                      block: Optional[int], plot: Optional[Path], ev: Evaluation) -> None:
-    """`ikrun sweep DRAFT --target T --metric acceptance`: the acceptance length each draft tensor costs."""
+def _acceptance_sweep(model: Path, target: Optional[Path], text: Path, types: str, output: Path,  # type: ignore[no-untyped-def]
+                      imatrix: Optional[Path], tensors: Optional[str], group: str, prompts: int, prompt_len: int,
+                      max_new: int, block: Optional[int], plot: Optional[Path], ev: Evaluation,
+                      mtp: tuple[int, float] | None) -> None:
+    """`ikrun sweep DRAFT --target T --metric acceptance`: the acceptance length each draft tensor costs; with
+    `mtp` = (n_max, p_min), `ikrun sweep T --metric acceptance --mtp`: each tensor of T's NextN head."""
+    from functools import partial
+
     from ikquant.imatrix import read_imatrix
-    from ikrun.sweep.acceptance import AcceptanceRow, decoding_identity, run_acceptance_sweep
+    from ikrun.eval.speculative import mtp_generate, speculative_generate
+    from ikrun.sweep.acceptance import AcceptanceRow, Decode, decoding_identity, run_acceptance_sweep
     from ikrun.sweep.measure import load_rows, save_rows, sweep_groups, sweep_header
 
-    t, d, bs, chunks = draft_pair(target, model, ev, text, prompts, prompt_len, max_new, block)
+    decode: Decode
+    if mtp is not None:
+        n_max, p_min = mtp
+        t, head, chunks = mtp_target(model, ev, text, prompts, prompt_len, max_new)
+        d, bs, drafter = t, n_max + 1, f"blk.{head}."
+        decode = partial(mtp_generate, t, max_new=max_new, n_max=n_max, p_min=p_min)
+    else:
+        assert target is not None
+        t, d, bs, chunks = draft_pair(target, model, ev, text, prompts, prompt_len, max_new, block)
+        drafter = ""
+        decode = partial(speculative_generate, t, d, max_new=max_new, block=bs)
     try:
         type_list = _candidate_types(d, types)
         imat = read_imatrix(imatrix) if imatrix else None
-        groups = sweep_groups(d, group, tensors)
+        groups = {g: kept for g, names in sweep_groups(d, group, tensors).items()
+                  if (kept := [n for n in names if n.startswith(drafter)])}
+        if not groups:
+            fail(f"--tensors {tensors!r} matches none of {model}'s NextN head tensors ({drafter}*)")
+        decoding = decoding_identity(t, chunks, max_new, bs, None if mtp is None else
+                                     {"n_max": mtp[0], "p_min": mtp[1]})
+        # an --mtp sweep measures the head the file's KLD forward never reads: nothing of what it sweeps is unmeasured
         header = {**sweep_header(d, text, 0, 0, group, imatrix), "metric": "acceptance", "ctx": None,
-                  "chunks": None, "decoding": decoding_identity(t, chunks, max_new, bs)}
+                  "chunks": None, "decoding": decoding, **({"unmeasured": {}} if mtp is not None else {})}
         done = load_rows(output, header, AcceptanceRow)
     except IkError as exc:
         fail(str(exc))
@@ -200,7 +234,7 @@ def _acceptance_sweep(model: Path, target: Path, text: Path, types: str, output:
             save_rows(output, header, rows)
             bar.update(task, advance=1, description=f"{row.group} {row.type}")
 
-        run_acceptance_sweep(d, t, chunks, max_new, bs, groups, type_list, imat, done, on_row)
+        run_acceptance_sweep(d, decode, chunks, bs, groups, type_list, imat, done, on_row)
     table = Table(title="acceptance length lost per group (most first)")
     for col in ("type", "group", "bpw", "acceptance", "lost", "first position"):
         table.add_column(col, justify="left" if col in ("type", "group") else "right")

@@ -7,7 +7,13 @@ ikrun/options.py): prefill, keys and values materialised through attn_kv_b (ik's
 batches of 128 tokens or more), or decode, absorbed through attn_k_b / attn_v_b (ik with -fa off, and single-token
 generation); attn_output; residual. Then RMSNorm and either the dense SwiGLU FFN (the leading dense layers)
 or the MoE FFN (ikrun/ops/moe.py) plus the shared experts; residual. NextN/MTP blocks at the end
-(nextn_predict_layers) take no part in the main forward.
+(nextn_predict_layers) take no part in the main forward; DeepSeek-V3's MTP layer (a file `ikconvert --keep-mtp`
+wrote: ik drops the layer and runs no DeepSeek-V3 MTP) drafts as the NextN head of ikrun/modules/nextn.py
+(`nextn_head`): DeepSeek's MTP module (the V3 report's section 2.2, as vLLM's and SGLang's DeepSeekMTP run it):
+RMSNorm of the token's embedding and of the main model's output-normed hidden state, concatenated embedding first,
+eh_proj, the layer's MLA + MoE block with its own cache, shared_head's norm and head (under `--numerics ik` in ik's
+kernels, with no ik run to check it against). A sequence continues through the latent cache (`continues`: a
+speculative-decoding target, its MTP head's drafts too).
 
 Files with half of the MLA tensors run both forms, with the other half derived as ik derives it at load
 (numerics/exact.py; exact arithmetic only): attn_k_b / attn_v_b from attn_kv_b alone, attn_kv_b (Q8_0 unless both
@@ -20,13 +26,14 @@ scale mscale^2 / sqrt(key_length) with mscale = attn_factor (1 + yarn_log_multip
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from ikrun.models.base import ArchModel, Hparam, Sequence
 from ikrun.modules.attention import MlaAttention
 from ikrun.modules.ffn import MoeConfig, dense_ffn, moe_ffn
+from ikrun.modules.nextn import NextnHead
 from ikrun.ops.moe import GATING_SIGMOID, GATING_SOFTMAX
 from ikrun.ops.rope import Yarn, yarn_log_scale, yarn_rope_cache
 
@@ -40,6 +47,7 @@ ROPE_SCALING = ("none", "linear", "yarn")
 class Deepseek2(ArchModel):
     archs = ("deepseek2",)
     runtime_options: ClassVar[tuple[str, ...]] = ("mla",)
+    continues = True
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)
@@ -190,8 +198,12 @@ class Deepseek2(ArchModel):
 
     def begin(self, seq: Sequence) -> None:
         n = len(seq)
-        seq.state["rope"] = self.table(("rope", n), lambda: yarn_rope_cache(
-            np.arange(n), self.n_rot, self.freq_base, self.freq_scale, self.yarn))
+
+        def table() -> tuple[np.ndarray, np.ndarray]:
+            return yarn_rope_cache(np.arange(seq.start, seq.start + n), self.n_rot, self.freq_base, self.freq_scale,
+                                   self.yarn)
+
+        seq.state["rope"] = self.table(("rope", n), table) if seq.start == 0 else table()
 
     def embed(self, seq: Sequence) -> np.ndarray:
         return self.ctx.embed_rows("token_embd.weight", seq.tokens)
@@ -212,15 +224,41 @@ class Deepseek2(ArchModel):
         return [x + y for x, y in zip(xs, ys)]
 
     def head(self, x: np.ndarray, seq: Sequence) -> np.ndarray:
-        x = self.norm(x, self.ctx.weight("output_norm.weight"))
+        return self.output_projection(self.final_norm(x))
+
+    def final_norm(self, x: np.ndarray) -> np.ndarray:
+        return self.norm(x, self.ctx.weight("output_norm.weight"))
+
+    def output_projection(self, x: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(self.ctx.project(x, "output.weight"), dtype=np.float32)
 
     def _attention(self, b: str, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, seq: Sequence) -> np.ndarray:
-        return self._latent_attention(b, h, self.attention.query(self.ctx, b, h)[1], cos, sin)
+        return self._latent_attention(b, h, self.attention.query(self.ctx, b, h)[1], cos, sin,
+                                      kv=seq.state.get("kv"))
 
     def _latent_attention(self, b: str, h: np.ndarray, q: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                          keep: np.ndarray | None = None) -> np.ndarray:
-        """The attention block's output from its query; `keep` [n, n] limits the keys each query sees."""
+                          keep: np.ndarray | None = None, kv: dict[str, Any] | None = None) -> np.ndarray:
+        """The attention block's output from its query; `keep` [n, n] limits the keys each query sees; `kv` holds
+        the cache rows of a continued sequence's earlier positions under `b` (prepended, then kept with these)."""
         cache = self.attention.cache_rows(self.ctx, b, h, cos, sin)
+        if kv is not None:
+            if b in kv:
+                cache = np.concatenate([kv[b], cache])
+            kv[b] = cache
         prefill = self.mla_path(len(h)) == "prefill"
         return self.attention(self.ctx, b, q, cache, cos, sin, keep=keep, prefill=prefill)
+
+    def keep_cache(self, cache: dict[str, Any], length: int) -> dict[str, Any]:
+        """The latent cache rows of every block cut at `length`."""
+        return {b: rows[:length] for b, rows in cache.items()}
+
+    def nextn_head(self) -> NextnHead:
+        """The MTP layer's head (the last block; a file without one, or without its nextn tensors, is refused)."""
+        i = self.n_layer - 1
+        if not self.n_mtp:
+            raise self.fail(f"{self.ctx.arch}.nextn_predict_layers is 0: the file has no MTP head to draft with (ik's "
+                            "converter drops DeepSeek-V3's MTP layer; ikconvert --keep-mtp keeps it)")
+        missing = NextnHead.missing(self.ctx, i)
+        if missing:
+            raise self.fail(f"NextN/MTP tensors missing: {', '.join(missing)}")
+        return NextnHead.of(self.ctx, i, "output.weight", lambda x, seq: self.block(i, [x], [seq])[0], self.norm)

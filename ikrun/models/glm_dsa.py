@@ -34,6 +34,7 @@ import numpy as np
 
 from ikrun.models.base import Sequence
 from ikrun.models.deepseek2 import Deepseek2
+from ikrun.modules.nextn import NextnHead
 from ikrun.ops.indexer import TIE_LATER_INDEX, hadamard, indexer_scores, select_top_k
 from ikrun.ops.moe import GATING_SIGMOID
 from ikrun.ops.norm import layer_norm
@@ -50,6 +51,12 @@ SINK_BOOST = np.float32(1e20)
 class GlmDsa(Deepseek2):
     archs = ("glm-dsa",)
     runtime_options = ("dsa", "dsa_sink", "mla", "dsa_top_k")
+    continues = False  # the indexer's selection over a continued cache is not computed here
+
+    def nextn_head(self) -> NextnHead:
+        """Refused: ik's MTP graph runs GLM-5's head MLA without the DSA indexer; neither form is run here yet."""
+        raise self.fail("glm-dsa's NextN/MTP head is not run here (ik's MTP graph runs its MLA without the DSA "
+                        "indexer)")
 
     def __init__(self, ctx: Context):
         hp = ctx.hparam

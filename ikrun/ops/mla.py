@@ -44,10 +44,11 @@ def latent_attention(q_rope: np.ndarray, q_nope: np.ndarray, w_kb: np.ndarray, c
                      keep: np.ndarray | None = None, ik_avx512_sinks: bool = False,
                      on_latent: Callable[[np.ndarray], None] | None = None,
                      vb_input: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
-    """Causal MLA over one fresh sequence (positions 0..n-1).
+    """Causal MLA over the positions p..p+n-1 of a sequence (p = 0 for a fresh one).
 
-    q_rope [n, H, R] (roped), q_nope [n, H, D], w_kb [H, C, D], cache [n, R + C] rows [k_rope | c_kv],
-    w_vb [H, V, C]; returns the heads' values [n, H, V].
+    q_rope [n, H, R] (roped), q_nope [n, H, D], w_kb [H, C, D], cache [p + n, R + C] rows [k_rope | c_kv] (a
+    continuation's earlier positions first), w_vb [H, V, C]; returns the heads' values [n, H, V]. The options below
+    take a fresh sequence (p = 0).
     Optional: `sinks` [S, R + C] rows in the cache layout, seen by every query (key and value as a cache row's);
     `window` > 0 limits query t to keys s with t - s < window; `keep` [n, n] (bool) the keys each query may see;
     `ik_avx512_sinks` adds ik's AVX-512 GEMM over-read to the sinks' values (module docstring); `on_latent` sees
@@ -59,15 +60,18 @@ def latent_attention(q_rope: np.ndarray, q_nope: np.ndarray, w_kb: np.ndarray, c
     q = np.empty((n_head, n, n_rope + n_lat), dtype=np.float32)
     q[:, :, :n_rope] = q_rope.transpose(1, 0, 2)
     np.matmul(q_nope.transpose(1, 0, 2), w_kb.transpose(0, 2, 1), out=q[:, :, n_rope:])
+    past = len(cache) - n
     if sinks is not None or window > 0 or keep is not None:
+        if past:
+            raise ValueError("a continued sequence's MLA takes no sinks, window or keep mask")
         latent = _restricted(q, cache, n_rope, scale, sinks, window, keep, ik_avx512_sinks)
     else:
         latent = np.empty((n_head, n, n_lat), dtype=np.float32)
         for q0 in range(0, n, QUERY_BLOCK):
-            q1 = min(n, q0 + QUERY_BLOCK)
-            scores = np.matmul(q[:, q0:q1], cache[:q1].T)  # [H, nq, q1]: keys past the block's last query never count
-            causal_softmax(scores, scale, q0)
-            np.matmul(scores, cache[:q1, n_rope:], out=latent[:, q0:q1])
+            q1 = past + min(n, q0 + QUERY_BLOCK)  # keys past the block's last query never count
+            scores = np.matmul(q[:, q0 : q1 - past], cache[:q1].T)  # [H, nq, q1]
+            causal_softmax(scores, scale, past + q0)
+            np.matmul(scores, cache[:q1, n_rope:], out=latent[:, q0 : q1 - past])
     if on_latent is not None:
         on_latent(latent)
     if vb_input is not None:
@@ -78,20 +82,25 @@ def latent_attention(q_rope: np.ndarray, q_nope: np.ndarray, w_kb: np.ndarray, c
 def materialized_attention(q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, w_kvb: np.ndarray,
                            scale: float, *, keep: np.ndarray | None = None,
                            store: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
-    """Causal MLA in the prefill form over one fresh sequence (the module docstring).
+    """Causal MLA in the prefill form over the positions p..p+n-1 of a sequence (the module docstring).
 
-    q_rope [n, H, R] (roped), q_nope [n, H, D], cache [n, R + C] rows [k_rope | c_kv], w_kvb [H * (D + V), C];
-    returns the heads' values [n, H, V]. `keep` [n, n] (bool): the keys each query may see; `store` rounds the
-    materialised keys and values as ik casts them to its cache type.
+    q_rope [n, H, R] (roped), q_nope [n, H, D], cache [p + n, R + C] rows [k_rope | c_kv] (a continuation's earlier
+    positions first), w_kvb [H * (D + V), C]; returns the heads' values [n, H, V]. `keep` [n, n] (bool, a fresh
+    sequence): the keys each query may see; `store` rounds the materialised keys and values as ik casts them to its
+    cache type.
     """
     n, n_head, n_rope = q_rope.shape
     n_nope = q_nope.shape[2]
-    kv = np.matmul(cache[:, n_rope:], w_kvb.T).reshape(n, n_head, -1)
+    n_keys = len(cache)
+    past = n_keys - n
+    if past and keep is not None:
+        raise ValueError("a continued sequence's MLA takes no keep mask")
+    kv = np.matmul(cache[:, n_rope:], w_kvb.T).reshape(n_keys, n_head, -1)
     k_nope, v = kv[:, :, :n_nope], kv[:, :, n_nope:]
     if store is not None:
         k_nope, v = store(k_nope), store(v)
     q = np.concatenate([q_rope, q_nope], axis=2).transpose(1, 0, 2)  # [H, n, R + D]
-    k = np.empty((n_head, n, n_rope + n_nope), dtype=np.float32)
+    k = np.empty((n_head, n_keys, n_rope + n_nope), dtype=np.float32)
     k[:, :, :n_rope] = cache[None, :, :n_rope]
     k[:, :, n_rope:] = k_nope.transpose(1, 0, 2)
     vt = np.ascontiguousarray(v.transpose(1, 0, 2))
@@ -99,12 +108,12 @@ def materialized_attention(q_rope: np.ndarray, q_nope: np.ndarray, cache: np.nda
     out = np.empty((n_head, n, v.shape[2]), dtype=np.float32)
     for q0 in range(0, n, QUERY_BLOCK):
         q1 = min(n, q0 + QUERY_BLOCK)
-        scores = np.matmul(q[:, q0:q1], k[:, :q1].transpose(0, 2, 1))  # [H, nq, q1]
+        scores = np.matmul(q[:, q0:q1], k[:, : past + q1].transpose(0, 2, 1))  # [H, nq, p + q1]
         if mask is None:
-            causal_softmax(scores, scale, q0)
+            causal_softmax(scores, scale, past + q0)
         else:
             pick(_masked_serial, _masked_parallel, scores.size)(scores, float(scale), 0, q0, 0, 0, mask[q0:q1], True)
-        np.matmul(scores, vt[:, :q1], out=out[:, q0:q1])
+        np.matmul(scores, vt[:, : past + q1], out=out[:, q0:q1])
     return out.transpose(1, 0, 2)
 
 

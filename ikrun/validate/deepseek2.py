@@ -3,7 +3,10 @@
 It shares nothing with the runtime's forward: HF tensor names and layouts (kv_b_proj expanded into per-head keys and
 values, no latent absorption), HF's YaRN inverse frequencies with interleaved rotate-half rope, the HF router
 (sigmoid scores, e_score_correction_bias for the choice only, group-limited top-k, weights renormalised with
-+1e-20 and scaled) and experts summed in expert order. float32 throughout, like transformers on CPU.
++1e-20 and scaled) and experts summed in expert order. float32 throughout, like transformers on CPU (`dtype`
+float64 for a check of the runtime's float32 that rounds nothing of its own; rope frequencies stay transformers'
+float32 values). `mtp_logits`: DeepSeek-V3's multi-token-prediction module (below), which transformers' model
+leaves out.
 """
 
 from __future__ import annotations
@@ -25,14 +28,15 @@ class DeepseekV3Reference:
     #: HF builds q_a_layernorm and kv_a_layernorm without the config's eps, so they keep RMSNorm's default
     latent_norm_eps = 1e-6
 
-    def __init__(self, config: dict, tensors: dict):  # type: ignore[type-arg]
+    def __init__(self, config: dict, tensors: dict, dtype: type = np.float32):  # type: ignore[type-arg]
         self.cfg = config
         self.tensors = tensors
+        self.dtype = dtype
         self.inv_freq, self.rope_factor = self._rope_frequencies()
         self.scaling = self._attention_scaling()
 
     def w(self, name: str) -> np.ndarray:
-        return self.tensors[name].to_f32()
+        return self.tensors[name].to_f32().astype(self.dtype, copy=False)
 
     def _rope_frequencies(self) -> tuple[np.ndarray, float]:
         """HF's default or YaRN inverse frequencies for the rope part, and the cos/sin attention factor."""
@@ -94,9 +98,9 @@ class DeepseekV3Reference:
 
     def _rmsnorm(self, x: np.ndarray, name: str, eps: float | None = None) -> np.ndarray:
         """HF's RMSNorm; eps defaults to rms_norm_eps (HF builds q_a/kv_a_layernorm with its own 1e-6)."""
-        var = np.mean(x.astype(np.float32) ** 2, axis=-1, keepdims=True)
+        var = np.mean(x.astype(self.dtype) ** 2, axis=-1, keepdims=True)
         eps = self.cfg["rms_norm_eps"] if eps is None else eps
-        return self.w(name) * (x / np.sqrt(var + np.float32(eps))).astype(np.float32)
+        return self.w(name) * (x / np.sqrt(var + self.dtype(eps))).astype(self.dtype)
 
     def _rope(self, x: np.ndarray, positions: np.ndarray, interleave: bool | None = None) -> np.ndarray:
         """x [n, heads, d]: HF's interleaved variant (pairs de-interleaved first; config rope_interleave unless
@@ -104,12 +108,12 @@ class DeepseekV3Reference:
         n, heads, d = x.shape
         if self.cfg.get("rope_interleave", True) if interleave is None else interleave:
             x = x.reshape(n, heads, d // 2, 2).transpose(0, 1, 3, 2).reshape(n, heads, d)
-        freqs = positions[:, None].astype(np.float32) * self.inv_freq[None, :]
+        freqs: np.ndarray = positions[:, None].astype(self.dtype) * self.inv_freq[None, :].astype(self.dtype)
         emb = np.concatenate([freqs, freqs], axis=-1)
-        cos = (np.cos(emb) * np.float32(self.rope_factor))[:, None, :]
-        sin = (np.sin(emb) * np.float32(self.rope_factor))[:, None, :]
+        cos = (np.cos(emb) * self.dtype(self.rope_factor))[:, None, :]
+        sin = (np.sin(emb) * self.dtype(self.rope_factor))[:, None, :]
         rotated = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
-        return (x * cos + rotated * sin).astype(np.float32)
+        return (x * cos + rotated * sin).astype(self.dtype)
 
     def logits(self, tokens: np.ndarray, observe: Observe | None = None,
                on_block: BlockHook | None = None) -> np.ndarray:
@@ -125,16 +129,33 @@ class DeepseekV3Reference:
         x = self.w("model.embed_tokens.weight")[tokens]
         positions = np.arange(len(tokens))
         for i in range(cfg["num_hidden_layers"]):
-            p = f"model.layers.{i}."
-            h = self._rmsnorm(x, p + "input_layernorm.weight")
-            x = x + self._attention(h, p + "self_attn.", positions, proj)
-            h = self._rmsnorm(x, p + "post_attention_layernorm.weight")
-            moe = i >= cfg.get("first_k_dense_replace", 0)
-            x = x + (self._moe(h, p + "mlp.", proj) if moe else self._mlp(h, p + "mlp.", proj))
+            x = self._layer(i, x, positions, proj)
             if on_block is not None:
                 on_block(i, x)
         x = self._rmsnorm(x, "model.norm.weight")
-        return (x @ self.w("lm_head.weight").T).astype(np.float32)
+        return (x @ self.w("lm_head.weight").T).astype(self.dtype)
+
+    def _layer(self, i: int, x: np.ndarray, positions: np.ndarray, proj: Proj) -> np.ndarray:
+        """Decoder layer i on the hidden rows x of `positions`."""
+        p = f"model.layers.{i}."
+        h = self._rmsnorm(x, p + "input_layernorm.weight")
+        x = x + self._attention(h, p + "self_attn.", positions, proj)
+        h = self._rmsnorm(x, p + "post_attention_layernorm.weight")
+        moe = i >= self.cfg.get("first_k_dense_replace", 0)
+        return x + (self._moe(h, p + "mlp.", proj) if moe else self._mlp(h, p + "mlp.", proj))
+
+    def mtp_logits(self, hidden: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """The MTP module's logits (layer num_hidden_layers: DeepSeek-V3 report, section 2.2, as vLLM's and SGLang's
+        DeepSeekMTP run it): position p takes token p and row p of `hidden`, the main model's output-normed hidden
+        state of position p - 1; RMSNorm each (enorm, hnorm), [embedding | hidden] through eh_proj, the decoder
+        layer over these positions (causal, positions from 0), then shared_head's norm and head."""
+        i = self.cfg["num_hidden_layers"]
+        p = f"model.layers.{i}."
+        e = self._rmsnorm(self.w(p + "embed_tokens.weight")[tokens], p + "enorm.weight")
+        x = np.concatenate([e, self._rmsnorm(hidden, p + "hnorm.weight")], axis=-1) @ self.w(p + "eh_proj.weight").T
+        x = self._layer(i, x, np.arange(len(tokens)), lambda h, name: h @ self.w(name + ".weight").T)
+        x = self._rmsnorm(x, p + "shared_head.norm.weight")
+        return (x @ self.w(p + "shared_head.head.weight").T).astype(self.dtype)
 
     def _attention(self, h: np.ndarray, p: str, positions: np.ndarray, proj: Proj) -> np.ndarray:
         cfg = self.cfg
@@ -159,7 +180,7 @@ class DeepseekV3Reference:
         att = np.exp(att - att.max(-1, keepdims=True))
         att = att / att.sum(-1, keepdims=True)
         out = np.einsum("hij,jhd->ihd", att, kv[..., nope:]).reshape(n, n_head * v_dim)
-        return proj(out.astype(np.float32), p + "o_proj")
+        return proj(out.astype(self.dtype), p + "o_proj")
 
     def _mask(self, h: np.ndarray, q_resid: np.ndarray | None, p: str, positions: np.ndarray,
               proj: Proj) -> np.ndarray:
@@ -188,7 +209,7 @@ class DeepseekV3Reference:
         weights = np.take_along_axis(scores, chosen, axis=-1)
         if cfg.get("norm_topk_prob"):
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-        return chosen, (weights * cfg["routed_scaling_factor"]).astype(np.float32)
+        return chosen, (weights * cfg["routed_scaling_factor"]).astype(self.dtype)
 
     def _moe(self, h: np.ndarray, p: str, proj: Proj) -> np.ndarray:
         chosen, weights = self._route(h, p, proj)

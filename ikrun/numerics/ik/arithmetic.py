@@ -141,6 +141,8 @@ class IkNumerics(Numerics):
         n, n_head, n_rot = q_rope.shape
         n_lat = cache.shape[1] - n_rot
         plain = sinks is None and window == 0 and keep is None
+        if len(cache) != n and not plain:
+            raise ValueError("a continued sequence's MLA takes no sinks, window or keep mask")
         if (n_rot + n_lat) % LANES or not (plain or sinks is not None):
             return super().latent_attention(b, q_rope, q_nope, cache, scale, sinks=sinks, window=window, keep=keep,
                                             on_latent=on_latent)

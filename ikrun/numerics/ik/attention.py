@@ -131,18 +131,20 @@ def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
 
 def ik_latent_attention(q: np.ndarray, cache: np.ndarray, n_rope: int, scale: float) -> np.ndarray:
     """DeepSeek's absorbed attention (ops/mla.py) in ik's arithmetic: queries q [H, n, R + C] ([q_rope | q_lat])
-    against the cache rows [n, R + C] ([k_rope | c_kv], as the f16 cache holds them), the latents c_kv as values:
-    [H, n, C]; dims a multiple of 16."""
+    against the cache rows [p + n, R + C] ([k_rope | c_kv], as the f16 cache holds them; p rows of a continued
+    sequence's earlier positions first), the latents c_kv as values: [H, n, C]; dims a multiple of 16."""
     n_head, n, d = q.shape
     if d % LANES:
         raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {LANES}, not {d}")
-    padded = n + (-n % LANES)
+    n_keys = len(cache)
+    padded = n_keys + (-n_keys % LANES)
     keys = np.zeros((1, padded, d), np.float32)
-    keys[0, :n] = cache
+    keys[0, :n_keys] = cache
     vt = np.zeros((1, d - n_rope, padded), np.float32)
-    vt[0, :, :n] = cache[:, n_rope:].T
+    vt[0, :, :n_keys] = cache[:, n_rope:].T
     out = np.empty((n_head, n, d - n_rope), np.float32)
-    _ik_attention(np.ascontiguousarray(q, dtype=np.float32), keys, vt, float(scale), 0, 0, np.empty(0, np.float32), out)
+    _ik_attention(np.ascontiguousarray(q, dtype=np.float32), keys, vt, float(scale), n_keys - n, 0,
+                  np.empty(0, np.float32), out)
     return out
 
 
