@@ -10,9 +10,9 @@ weighted by a softmax over those k, the experts' projections each with its bias 
 YaRN: ext_factor 1, beta 32/1, cos/sin times 1 + 0.1 ln(factor). ggml rounds the correction range out to whole
 dims; the exact mode computes transformers' model and so keeps it fractional when the file carries our key
 `gpt-oss.rope.scaling.yarn_truncate = false` (ikconvert writes it for `rope_scaling.truncate: false`; without the key,
-ik's rounding). `--numerics ik` is refused before anything is computed: ik's arithmetic of attention with sinks and
-a sliding window is not reproduced (without it, ik's MXFP4 activation rounding alone brings the KL-divergence to ik's
-own logits from 2.8e-4 to 2.9e-7, but not ik's printed figures to the digit).
+ik's rounding). `--numerics ik` is refused before anything is computed (IkNumerics.check_arch): ik's arithmetic of
+attention with sinks and a sliding window is not reproduced (without it, ik's MXFP4 activation rounding alone brings
+the KL-divergence to ik's own logits from 2.8e-4 to 2.9e-7, but not ik's printed figures to the digit).
 """
 
 from __future__ import annotations
@@ -45,10 +45,6 @@ class GptOss(LlamaFamily):
 
     def __init__(self, ctx: Context):
         hp = ctx.hparam
-        if ctx.options.numerics != "exact":
-            raise self._refuse(ctx, f"--numerics {ctx.options.numerics} is not implemented for gpt-oss (ik's "
-                                    "arithmetic of attention with sinks and a sliding window is not reproduced); use "
-                                    "the exact mode")
         self.moe = MoeConfig(int(hp("expert_count")), int(hp("expert_used_count")),
                              int(hp("expert_feed_forward_length")), 0, 1.0, False, GATING_SOFTMAX_WEIGHT)
         if not 0 < self.moe.n_used <= self.moe.n_expert:

@@ -105,6 +105,28 @@ class Numerics:
         """Why a weight of `gtype` (a hot swap brings it in) cannot be multiplied here, None when it can."""
         return None
 
+    # ---- what a model may ask of it (a refusal's why, None where this arithmetic computes it) -----------------
+    def check_arch(self, arch: str) -> str | None:
+        """Why models of `arch` cannot run in this arithmetic at all, None when they can."""
+        return None
+
+    def check_full_attention_interval(self, arch: str, interval: int) -> str | None:
+        """Why a hybrid `arch` model with full attention every `interval`-th layer cannot run here."""
+        return None
+
+    def check_delta_net(self, head_k: int, head_v: int) -> str | None:
+        """Why a gated delta-net with these key and value head dims cannot run here."""
+        return None
+
+    def check_kv_b_derivation(self) -> str | None:
+        """Why attn_k_b / attn_v_b cannot be derived here from a file's attn_kv_b alone (derived_k_b)."""
+        return None
+
+    def nextn_own_tables(self, arch: str) -> bool:
+        """Whether an `arch` NextN head reads its own embedding and output tables where it carries them
+        (transformers' model does; an engine's loader may ignore them)."""
+        return True
+
     # ---- element-wise -----------------------------------------------------------------------------------------
     def norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """RMSNorm over the last axis, times `weight`."""

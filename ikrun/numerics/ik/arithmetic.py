@@ -18,7 +18,13 @@ import numpy as np
 from ikrun.kvcache import KvCache
 from ikrun.numerics.exact import Numerics
 from ikrun.numerics.ik.attention import ik_causal_attention, ik_latent_attention, ik_sink_latent_attention
-from ikrun.numerics.ik.delta_net import ik_conv_silu, ik_decay_and_beta, ik_delta_rule, ik_sigmoid_array
+from ikrun.numerics.ik.delta_net import (
+    FUSED_HEAD_DIMS,
+    ik_conv_silu,
+    ik_decay_and_beta,
+    ik_delta_rule,
+    ik_sigmoid_array,
+)
 from ikrun.numerics.ik.formats import (
     IK_FLOAT_TYPES,
     IK_KERNELS,
@@ -40,6 +46,15 @@ from ikrun.weights import CONVERTED, DERIVED, HEADS, INTEGER_TYPES, PACKED
 
 if TYPE_CHECKING:
     from ikquant.types import GGMLType
+
+
+#: architectures whose ik arithmetic is not reproduced, with why
+UNREPRODUCED_ARCHS = {"gpt-oss": "ik's arithmetic of attention with sinks and a sliding window is not reproduced"}
+#: architectures whose ik graph hard-codes the full attention layers of a hybrid, whatever the file says
+FIXED_FULL_ATTENTION_INTERVAL = {"qwen3next": 4}
+#: architectures whose NextN head ik's loader strips of its own nextn.embed_tokens / shared_head_head ("model has
+#: unused tensor ... ignoring"): its graph takes token_embd / output instead
+NEXTN_TABLES_IGNORED = ("glm4moe",)
 
 
 class IkNumerics(Numerics):
@@ -69,6 +84,30 @@ class IkNumerics(Numerics):
             return None
         return (f"--numerics ik does not reproduce ik's arithmetic for {gtype.name} weights; reproduced: "
                 + ", ".join(sorted(IK_KERNELS)))
+
+    # ---- what ik computes otherwise, or wrongly --------------------------------------------------------------
+    def check_arch(self, arch: str) -> str | None:
+        why = UNREPRODUCED_ARCHS.get(arch)
+        return None if why is None else f"--numerics ik is not implemented for {arch} ({why}); use the exact mode"
+
+    def check_full_attention_interval(self, arch: str, interval: int) -> str | None:
+        fixed = FIXED_FULL_ATTENTION_INTERVAL.get(arch)
+        if fixed is None or interval == fixed:
+            return None
+        return (f"ik's {arch} makes every {fixed}th layer full attention whatever the file says (it cannot load this "
+                "file); --numerics ik has no ik arithmetic to reproduce, use the exact one")
+
+    def check_delta_net(self, head_k: int, head_v: int) -> str | None:
+        if head_k == head_v and head_k in FUSED_HEAD_DIMS:
+            return None
+        return ("--numerics ik computes ik's fused delta-net kernel, which keeps one head dim for keys and values and "
+                "which ik runs right only for 64 and 128 (its fallback is wrong); use the exact arithmetic")
+
+    def check_kv_b_derivation(self) -> str | None:
+        return "--numerics ik does not reproduce that derivation: use --numerics exact"
+
+    def nextn_own_tables(self, arch: str) -> bool:
+        return arch not in NEXTN_TABLES_IGNORED
 
     # ---- element-wise: ik's float orders ----------------------------------------------------------------------
     def norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
