@@ -20,8 +20,9 @@ from ikquant.types import type_by_name
 from ikrun.cli import app
 from ikrun.eval.speculative import TargetDecoder, greedy_continuation, speculative_generate
 from ikrun.model import Model
-from ikrun.numerics.ik.delta_net import ik_conv_silu, ik_delta_rule
-from ikrun.ops.delta_net import causal_conv_silu, delta_rule_chunked, delta_rule_recurrent
+from ikrun.numerics.ik.delta_net import ik_delta_rule
+from ikrun.ops.conv import causal_conv_silu
+from ikrun.ops.delta_net import delta_rule_chunked, delta_rule_recurrent
 from ikrun.options import RuntimeOptions
 from tests.family_checks import assert_imatrix_equals_iks, assert_streamed_equals_chunk_by_chunk, kld_json
 from tests.test_hot_reload import _copy_with, _requantized
@@ -88,7 +89,7 @@ def test_iks_delta_net_kernels_compute_the_same_functions() -> None:
     rng = np.random.default_rng(3)
     w = rng.normal(0, 0.5, size=(32, 4)).astype(np.float32)
     x = rng.normal(size=(40, 32)).astype(np.float32)
-    np.testing.assert_allclose(ik_conv_silu(x, w), causal_conv_silu(x, w), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(causal_conv_silu(x, w, ik=True), causal_conv_silu(x, w), rtol=0, atol=1e-6)
     n, hk, hv, d = 70, 2, 4, 32
     q, k = rng.normal(size=(n, hk, d)).astype(np.float32), rng.normal(size=(n, hk, d)).astype(np.float32)
     v = rng.normal(size=(n, hv, d)).astype(np.float32)

@@ -18,8 +18,8 @@ import numpy as np
 from ikrun.kvcache import KvCache, cache_holds
 from ikrun.ops.activations import swiglu
 from ikrun.ops.attention import causal_attention
-from ikrun.ops.conv import causal_conv_residual
-from ikrun.ops.delta_net import causal_conv_silu, decay_and_beta, delta_rule_chunked, gated_rms_norm
+from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
+from ikrun.ops.delta_net import decay_and_beta, delta_rule_chunked, gated_rms_norm
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.mla import latent_attention, materialized_attention
 from ikrun.ops.moe import (

@@ -20,7 +20,6 @@ from ikrun.numerics.exact import Numerics
 from ikrun.numerics.ik.attention import ik_causal_attention, ik_latent_attention, ik_sink_latent_attention
 from ikrun.numerics.ik.delta_net import (
     FUSED_HEAD_DIMS,
-    ik_conv_silu,
     ik_decay_and_beta,
     ik_delta_rule,
     ik_sigmoid_array,
@@ -37,7 +36,7 @@ from ikrun.numerics.ik.formats import (
 from ikrun.numerics.ik.ikgemm import LANES, ik_float_matmul, takes_whole
 from ikrun.numerics.ik.qgemm import PackedHeads, PackedInts, pack, qmatmul, row_slice
 from ikrun.ops.activations import swiglu
-from ikrun.ops.conv import causal_conv_residual
+from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.moe import ExpertGlu, RoutedExperts, moe_experts, route
 from ikrun.ops.norm import rms_norm
@@ -143,7 +142,7 @@ class IkNumerics(Numerics):
 
     # ---- the gated delta-net: ik's conv, its fused kernel, its norms (numerics/ik/delta_net.py) ----------------
     def conv_silu(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        return ik_conv_silu(x, w)
+        return causal_conv_silu(x, w, ik=True)
 
     def decay_and_beta(self, a: np.ndarray, b: np.ndarray, ssm_a: np.ndarray,
                        dt_bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
