@@ -138,7 +138,8 @@ class Qwen3Next(LlamaFamily):
         kept = super().keep_cache({b: c for b, c in cache.items() if block_of(b) in self.full_attention}, length)
         return {b: kept[b] if b in kept else self.delta_net.keep(self.ctx, c, length) for b, c in cache.items()}
 
-    def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
+    def ffn_residual(self, i: int, xs: list[np.ndarray], hs: list[np.ndarray],
+                     seqs: list[Sequence]) -> list[np.ndarray]:
         if i in self.dense or self.moe is None:
-            return super().ffn(i, hs, seqs)
-        return moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe)
+            return super().ffn_residual(i, xs, hs, seqs)
+        return moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe, residual=xs)

@@ -166,6 +166,10 @@ class Numerics:
         """x plus its causal short convolution by taps w (openPangu's MoME convolutions)."""
         return causal_conv_residual(x, w)
 
+    def moe_residual(self, x: np.ndarray, routed: np.ndarray, shared: np.ndarray | None) -> np.ndarray:
+        """The residual stream after a MoE FFN: x + (routed experts + shared experts), transformers' order."""
+        return x + (routed if shared is None else routed + shared)
+
     def sigmoid(self, x: np.ndarray) -> np.ndarray:
         """1 / (1 + exp(-x)) in float32 (the output gates of gated attention and of a shared expert)."""
         return (np.float32(1.0) / (np.float32(1.0) + np.exp(-np.asarray(x, dtype=np.float32)))).astype(np.float32)
@@ -284,9 +288,12 @@ class Numerics:
         return np.matmul(self.activations(x, name), w.transpose(0, 2, 1))
 
     def routed_experts(self, x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, names: list[str],
-                       group: int | None, glu: ExpertGlu, keep_act: bool) -> RoutedExperts:
+                       group: int | None, glu: ExpertGlu, keep_act: bool,
+                       starts: np.ndarray | None = None) -> RoutedExperts:
         """The routed SwiGLU experts of the 3-D tensors `names` (up, gate, down) on x [n, n_embd] routed by sel/w
-        [n, k], `group` experts decoded at a time, `glu` their SwiGLU's form and biases (ops/moe.moe_experts)."""
+        [n, k], `group` experts decoded at a time, `glu` their SwiGLU's form and biases (ops/moe.moe_experts).
+        `starts`: where each sequence of a batch begins in x (and n at the end), which the exact products ignore
+        (a token's result does not depend on what is batched with it)."""
         counts = np.bincount(sel.reshape(-1), minlength=n_expert)
         return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts), group, glu, keep_act=keep_act)
 

@@ -38,7 +38,7 @@ from ikrun.numerics.ik.qgemm import PackedHeads, PackedInts, pack, qmatmul, row_
 from ikrun.ops.activations import swiglu
 from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
-from ikrun.ops.moe import ExpertGlu, RoutedExperts, moe_experts, route
+from ikrun.ops.moe import ExpertGlu, RoutedExperts, group_by_expert, moe_experts, route
 from ikrun.ops.norm import rms_norm
 from ikrun.ops.rope import apply_rope
 from ikrun.weights import CONVERTED, DERIVED, HEADS, INTEGER_TYPES, PACKED
@@ -136,6 +136,10 @@ class IkNumerics(Numerics):
 
     def conv(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return causal_conv_residual(x, w, fused=True)
+
+    def moe_residual(self, x: np.ndarray, routed: np.ndarray, shared: np.ndarray | None) -> np.ndarray:
+        """ik's llm_build_std_moe_ffn with add_input: the routed experts plus the input, then the shared experts."""
+        return routed + x if shared is None else (routed + x) + shared
 
     def sigmoid(self, x: np.ndarray) -> np.ndarray:
         return ik_sigmoid_array(x)
@@ -320,9 +324,18 @@ class IkNumerics(Numerics):
         return mats
 
     def routed_experts(self, x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, names: list[str],
-                       group: int | None, glu: ExpertGlu, keep_act: bool) -> RoutedExperts:
-        """Per expert ik's choice at its token count: integers where ik multiplies all three matrices in integers,
-        else its float kernels or the converted floats against the rounded activations."""
+                       group: int | None, glu: ExpertGlu, keep_act: bool,
+                       starts: np.ndarray | None = None) -> RoutedExperts:
+        """Per expert ik's choice at its token count in each sequence (ik evaluates a chunk as one batch, so a
+        batch of several chunks is multiplied chunk by chunk): integers where ik multiplies all three matrices in
+        integers, else its float kernels or the converted floats against the rounded activations."""
+        if starts is not None and len(starts) > 2:
+            parts = [self.routed_experts(x[s0:s1], sel[s0:s1], w[s0:s1], n_expert, names, group, glu, keep_act)
+                     for s0, s1 in zip(starts[:-1], starts[1:])]
+            order, offsets = group_by_expert(sel, n_expert)
+            act = np.concatenate([p.act for p in parts]) if keep_act and all(p.act is not None for p in parts) \
+                else None
+            return RoutedExperts(np.concatenate([p.out for p in parts]), act, order, offsets)
         counts = np.bincount(sel.reshape(-1), minlength=n_expert)
         up, gate, down = names
         formats = (self._format(up), self._format(gate), self._format(down))
