@@ -154,10 +154,10 @@ class Deepseek2(ArchModel):
             [n for i in range(self.n_active) for n in list(self._mla_shapes(i))[:2] if not cx.has(n)]
         self.check_tensors({**want, **{n: cx.shape(n) if cx.has(n) else () for n in missing}},
                            {n: s for i in range(self.n_active, self.n_layer) for n, s in self._expected(i).items()})
-        if self.kv_b_only and cx.options.numerics != "exact":
+        why = cx.numerics.check_kv_b_derivation() if self.kv_b_only else None
+        if why:
             raise self.fail("has attn_kv_b without attn_k_b / attn_v_b, which ik derives at load (Q8_0 for a "
-                            "quantized attn_kv_b); --numerics ik does not reproduce that derivation: use --numerics "
-                            "exact")
+                            f"quantized attn_kv_b); {why}")
 
         for i in range(self.n_layer):
             for name, shapes in self._mla_shapes(i).items():

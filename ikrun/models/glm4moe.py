@@ -99,11 +99,8 @@ class Glm4Moe(LlamaFamily):
         missing = NextnHead.missing(self.ctx, i)
         if missing:
             raise self.fail(f"NextN/MTP tensors missing: {', '.join(missing)}")
-        # ik's loader leaves a glm4moe head's own nextn.embed_tokens / shared_head_head unused ("model has unused
-        # tensor ... ignoring") and its graph then takes token_embd / output: --numerics ik does the same
-        own_tables = self.ctx.options.numerics != "ik"
         return NextnHead.of(self.ctx, i, self.output, lambda x, seq: self.block(i, [x], [seq])[0], self.norm,
-                            own_tables)
+                            self.ctx.numerics.nextn_own_tables(self.ctx.arch))
 
     def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
         return super().ffn(i, hs, seqs) if i < self.n_dense else moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe,

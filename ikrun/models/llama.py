@@ -98,7 +98,11 @@ class LlamaFamily(ArchModel):
             return x + self.mixer(i, self.norm(x, cx.weight(b + "attn_norm.weight")), seq)
 
         xs = self.each(xs, seqs, attention)
-        hs = [self.norm(x, cx.weight(b + self.ffn_norm)) for x in xs]
+        return self.ffn_residual(i, xs, [self.norm(x, cx.weight(b + self.ffn_norm)) for x in xs], seqs)
+
+    def ffn_residual(self, i: int, xs: list[np.ndarray], hs: list[np.ndarray],
+                     seqs: list[Sequence]) -> list[np.ndarray]:
+        """The residual stream after block `i`'s FFN: each x plus the FFN of its normed states hs."""
         return [x + y for x, y in zip(xs, self.ffn(i, hs, seqs))]
 
     def mixer(self, i: int, h: np.ndarray, seq: Sequence) -> np.ndarray:

@@ -30,7 +30,6 @@ from ikrun.models.llama import LlamaFamily
 from ikrun.modules.attention import GqaAttention
 from ikrun.modules.delta_net import GatedDeltaNet
 from ikrun.modules.ffn import MoeConfig, moe_ffn
-from ikrun.numerics.ik.delta_net import FUSED_HEAD_DIMS
 from ikrun.ops.moe import GATING_SOFTMAX
 
 if TYPE_CHECKING:
@@ -57,21 +56,18 @@ class Qwen3Next(LlamaFamily):
         interval = int(hp("full_attention_interval", 4))
         if interval < 1:
             raise fail("full_attention_interval", f"{interval} names no layer type (it must be at least 1)")
-        if ctx.options.numerics == "ik" and interval != 4 and not self.qwen35_layout:
-            raise fail("full_attention_interval", f"{interval}: ik's qwen3next makes every 4th layer full attention "
-                                                  "whatever the file says (it cannot load this file); --numerics ik "
-                                                  "has no ik arithmetic to reproduce, use the exact one")
+        why = ctx.numerics.check_full_attention_interval(ctx.arch, interval)
+        if why:
+            raise fail("full_attention_interval", f"{interval}: {why}")
         self.full_attention = {i for i in range(n_layer) if (i + 1) % interval == 0}
         for i in range(n_layer):
             if ctx.has(f"blk.{i}.ssm_in.weight"):
                 raise ModelError(f"{ctx.path}: tensor blk.{i}.ssm_in.weight (a fused delta-net input projection) is "
                                  "a layer layout ikrun does not implement; convert with attn_qkv / attn_gate")
         self.delta_net = net = self._read_delta_net(ctx, fail)
-        if ctx.options.numerics == "ik" and (net.head_k != net.head_v or net.head_k not in FUSED_HEAD_DIMS):
-            raise fail("ssm.state_size", f"{net.head_k} (value head dim {net.head_v}): --numerics ik computes ik's "
-                                         "fused delta-net kernel, which keeps one head dim for keys and values and "
-                                         "which ik runs right only for 64 and 128 (its fallback is wrong); use the "
-                                         "exact arithmetic")
+        why = ctx.numerics.check_delta_net(net.head_k, net.head_v)
+        if why:
+            raise fail("ssm.state_size", f"{net.head_k} (value head dim {net.head_v}): {why}")
         scaling = hp("rope.scaling.type", None)
         if scaling not in ROPE_SCALINGS:
             raise fail("rope.scaling.type", f"{scaling!r} is a rope scheme ikrun does not implement for {ctx.arch}")
@@ -142,7 +138,8 @@ class Qwen3Next(LlamaFamily):
         kept = super().keep_cache({b: c for b, c in cache.items() if block_of(b) in self.full_attention}, length)
         return {b: kept[b] if b in kept else self.delta_net.keep(self.ctx, c, length) for b, c in cache.items()}
 
-    def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
+    def ffn_residual(self, i: int, xs: list[np.ndarray], hs: list[np.ndarray],
+                     seqs: list[Sequence]) -> list[np.ndarray]:
         if i in self.dense or self.moe is None:
-            return super().ffn(i, hs, seqs)
-        return moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe)
+            return super().ffn_residual(i, xs, hs, seqs)
+        return moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe, residual=xs)

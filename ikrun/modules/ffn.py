@@ -74,14 +74,17 @@ class MoeConfig:
 
 def moe_ffn(cx: Context, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: MoeConfig, *,
             limit: float = np.inf, shared_limit: float = np.inf, alpha: float = 0.0,
-            hash_table: np.ndarray | None = None, last: bool = False) -> list[np.ndarray]:
+            hash_table: np.ndarray | None = None, last: bool = False,
+            residual: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """The MoE FFN of block prefix `b` on a batch of sequences' normed hidden states (one [n, n_embd] each).
 
     `limit` / `shared_limit` clamp the routed / shared experts' SwiGLU; a positive `alpha` makes the routed experts'
     SwiGLU gpt-oss's (ops/moe.ExpertGlu); `hash_table` [vocab, n_used] routes each token to the experts of its row
     instead of the top-k (DeepSeek-V4's hash layers). The router's bias (`ffn_gate_inp.bias`) and the experts'
     (`ffn_{up,gate,down}_exps.bias`) are added where the file has them. In the `last` block ik's batch is a
-    sequence's output rows (Sequence.outputs) alone, the rows before them a batch apart."""
+    sequence's output rows (Sequence.outputs) alone, the rows before them a batch apart. With `residual` (each
+    sequence's block input) the result is the residual stream after the FFN, summed in the arithmetic's order
+    (Numerics.moe_residual); without it, the FFN's output alone."""
     bias = cx.weight(b + "exp_probs_b.bias") if cx.has(b + "exp_probs_b.bias") else None
     routes = []
     for h, seq in zip(hs, seqs):
@@ -105,14 +108,18 @@ def moe_ffn(cx: Context, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg
                                      keep_act=bool(cx.observers), batches=batches)
     if cx.observers:
         _observe_experts(cx, names, x, res, cfg, starts, seqs)
-    outs = [res.out[starts[c] : starts[c + 1]] for c in range(len(hs))]
-    if cfg.n_shared:
-        for c, (h, seq) in enumerate(zip(hs, seqs)):
+    outs = []
+    for c, (h, seq) in enumerate(zip(hs, seqs)):
+        routed, shared = res.out[starts[c] : starts[c + 1]], None
+        if cfg.n_shared:
             cx.chunk = seq.index
             shared = dense_ffn(cx, h, b, "_shexp", shared_limit)
             if cfg.shared_gate:
                 shared = shared * cx.numerics.sigmoid(cx.linear(h, b + "ffn_gate_inp_shexp").reshape(len(h), 1))
-            outs[c] = outs[c] + shared
+        if residual is not None:
+            outs.append(cx.numerics.moe_residual(residual[c], routed, shared))
+        else:
+            outs.append(routed if shared is None else routed + shared)
     return outs
 
 

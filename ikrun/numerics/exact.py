@@ -18,8 +18,8 @@ import numpy as np
 from ikrun.kvcache import KvCache, cache_holds
 from ikrun.ops.activations import swiglu
 from ikrun.ops.attention import causal_attention
-from ikrun.ops.conv import causal_conv_residual
-from ikrun.ops.delta_net import causal_conv_silu, decay_and_beta, delta_rule_chunked, gated_rms_norm
+from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
+from ikrun.ops.delta_net import decay_and_beta, delta_rule_chunked, gated_rms_norm
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.mla import latent_attention, materialized_attention
 from ikrun.ops.moe import (
@@ -110,6 +110,28 @@ class Numerics:
         """Why a weight of `gtype` (a hot swap brings it in) cannot be multiplied here, None when it can."""
         return None
 
+    # ---- what a model may ask of it (a refusal's why, None where this arithmetic computes it) -----------------
+    def check_arch(self, arch: str) -> str | None:
+        """Why models of `arch` cannot run in this arithmetic at all, None when they can."""
+        return None
+
+    def check_full_attention_interval(self, arch: str, interval: int) -> str | None:
+        """Why a hybrid `arch` model with full attention every `interval`-th layer cannot run here."""
+        return None
+
+    def check_delta_net(self, head_k: int, head_v: int) -> str | None:
+        """Why a gated delta-net with these key and value head dims cannot run here."""
+        return None
+
+    def check_kv_b_derivation(self) -> str | None:
+        """Why attn_k_b / attn_v_b cannot be derived here from a file's attn_kv_b alone (derived_k_b)."""
+        return None
+
+    def nextn_own_tables(self, arch: str) -> bool:
+        """Whether an `arch` NextN head reads its own embedding and output tables where it carries them
+        (transformers' model does; an engine's loader may ignore them)."""
+        return True
+
     # ---- element-wise -----------------------------------------------------------------------------------------
     def norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """RMSNorm over the last axis, times `weight`."""
@@ -148,6 +170,10 @@ class Numerics:
     def conv(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """x plus its causal short convolution by taps w (openPangu's MoME convolutions)."""
         return causal_conv_residual(x, w)
+
+    def moe_residual(self, x: np.ndarray, routed: np.ndarray, shared: np.ndarray | None) -> np.ndarray:
+        """The residual stream after a MoE FFN: x + (routed experts + shared experts), transformers' order."""
+        return x + (routed if shared is None else routed + shared)
 
     def sigmoid(self, x: np.ndarray) -> np.ndarray:
         """1 / (1 + exp(-x)) in float32 (the output gates of gated attention and of a shared expert)."""

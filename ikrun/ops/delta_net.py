@@ -1,6 +1,6 @@
-"""The gated delta rule (Qwen3-Next's and Qwen3.5's linear attention) and the short convolution before it, as
-transformers defines them for a prompt (the causal conv1d + SiLU; `torch_chunk_gated_delta_rule` and
-`torch_recurrent_gated_delta_rule`).
+"""The gated delta rule (Qwen3-Next's and Qwen3.5's linear attention), as transformers defines it for a prompt
+(`torch_chunk_gated_delta_rule` and `torch_recurrent_gated_delta_rule`; the short convolution + SiLU before it is
+ops/conv.causal_conv_silu).
 
 Per value head h (its key head given by `k_head[h]`: grouped or tiled order is the caller's choice) and token t, with
 q and k L2-normalised (rsqrt(sum x^2 + 1e-6)), q scaled by 1/sqrt(d_k), decay exp(g_t) and write strength beta_t:
@@ -21,46 +21,11 @@ import numpy as np
 from numba import njit, prange
 
 from ikrun.ops.norm import rms_norm
-from ikrun.ops.parallel import pick
 
 #: transformers' L2-norm epsilon inside the delta rule (fixed, not the model's rms epsilon)
 L2_EPS = 1e-6
 #: transformers' chunk length for the chunked prompt form
 CHUNK = 64
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _conv_row(x: np.ndarray, w: np.ndarray, t: int, out: np.ndarray) -> None:
-    n_tap = w.shape[1]
-    for c in range(x.shape[1]):
-        acc = np.float32(0.0)
-        for k in range(n_tap):
-            src = t - (n_tap - 1) + k
-            if src >= 0:
-                acc += w[c, k] * x[src, c]
-        out[t, c] = acc / (np.float32(1.0) + np.exp(-acc))
-
-
-@njit(cache=True, nogil=True)
-def _conv_serial(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-    for t in range(x.shape[0]):
-        _conv_row(x, w, t, out)
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _conv_parallel(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-    for t in prange(x.shape[0]):
-        _conv_row(x, w, t, out)
-
-
-def causal_conv_silu(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """SiLU of the causal depthwise convolution of x [T, C] by taps w [C, K] (positions before the start read 0)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    if w.ndim != 2 or w.shape[0] != x.shape[1]:
-        raise ValueError(f"conv kernel {list(w.shape)} does not fit {x.shape[1]} channels")
-    out = np.empty_like(x)
-    pick(_conv_serial, _conv_parallel, x.size)(x, np.ascontiguousarray(w, dtype=np.float32), out)
-    return out
 
 
 def decay_and_beta(a: np.ndarray, b: np.ndarray, ssm_a: np.ndarray, dt_bias: np.ndarray) -> tuple[np.ndarray,

@@ -3,7 +3,9 @@
 Routing per token: gating probabilities from the router logits (softmax, sigmoid, raw logits re-softmaxed over the
 chosen experts, or sqrt(softplus)), the top-k experts by probability plus the optional selection bias
 (exp_probs_b; the bias only chooses, the unbiased probabilities weigh), optional normalisation of the chosen
-weights to sum 1 (sum in float64 like ggml_sum_rows) and a final scale.
+weights to sum 1 (sum in float64 like ggml_sum_rows) and a final scale. Under --numerics ik a softmax router without
+a selection bias runs as ik's CPU graph runs it, fused with the top-k (iqk_topk_moe: libstdc++'s partial sort of the
+logits, a float32 sum of the exponentials in that order) and the normalisation (iqk_sumrows_div).
 
 Experts: every (token, slot) assignment is processed by its expert only (no dense pass over all experts), each
 expert's matmuls running in parallel over its weight rows (ikrun/ops/fgemm.py: one FMA chain per output in the
@@ -55,8 +57,83 @@ def _softmax(x: np.ndarray, out: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _route_row(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, scale: np.float32, preset: bool,
-               ik: bool, probs: np.ndarray, taken: np.ndarray, sel: np.ndarray, w: np.ndarray) -> None:
+def _sift(ids: np.ndarray, hole: int, length: int, value: int, logits: np.ndarray) -> None:
+    """libstdc++'s __adjust_heap (then __push_heap) on ids[:length] from `hole`, placing `value`, with the
+    comparison `logits[a] > logits[b]`: the heap step of std::partial_sort."""
+    top = hole
+    child = hole
+    while child < (length - 1) // 2:
+        child = 2 * (child + 1)
+        if logits[ids[child]] > logits[ids[child - 1]]:
+            child -= 1
+        ids[hole] = ids[child]
+        hole = child
+    if length % 2 == 0 and child == (length - 2) // 2:
+        child = 2 * (child + 1)
+        ids[hole] = ids[child - 1]
+        hole = child - 1
+    parent = (hole - 1) // 2
+    while hole > top and logits[ids[parent]] > logits[value]:
+        ids[hole] = ids[parent]
+        hole = parent
+        parent = (hole - 1) // 2
+    ids[hole] = value
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _ik_partial_sort(logits: np.ndarray, k: int, ids: np.ndarray) -> None:
+    """ids = 0..n-1 as std::partial_sort(ids, ids + k, ids + n, logits[a] > logits[b]) leaves them in libstdc++:
+    the top k in descending order, then the others in the order its heap selection left them (which is the order
+    ik sums their exponentials in)."""
+    n = ids.shape[0]
+    for j in range(n):
+        ids[j] = j
+    if k >= 2:
+        parent = (k - 2) // 2
+        while True:
+            _sift(ids, parent, k, ids[parent], logits)
+            if parent == 0:
+                break
+            parent -= 1
+    for i in range(k, n):
+        if logits[ids[i]] > logits[ids[0]]:
+            value = ids[i]
+            ids[i] = ids[0]
+            _sift(ids, 0, k, value, logits)
+    last = k
+    while last > 1:
+        last -= 1
+        value = ids[last]
+        ids[last] = ids[0]
+        _sift(ids, 0, last, value, logits)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _ik_softmax_top_k(logits: np.ndarray, ids: np.ndarray, sel: np.ndarray, w: np.ndarray) -> None:
+    """ik's fused softmax + top-k of a router row (iqk_topk_moe, which its CPU graph runs for softmax gating
+    without a selection bias): the experts by partial sort of the logits, then expf(l - max) of the chosen in
+    order, a float32 sum over the chosen and then the rest, and the chosen times its reciprocal."""
+    k = sel.shape[0]
+    _ik_partial_sort(logits, k, ids)
+    top = logits[ids[0]]
+    total = np.float32(0.0)
+    for s in range(k):
+        p = np.exp(logits[ids[s]] - top)
+        sel[s] = ids[s]
+        w[s] = p
+        total += p
+    for j in range(k, ids.shape[0]):
+        total += np.exp(logits[ids[j]] - top)
+    inv = np.float32(1.0) / total
+    for s in range(k):
+        w[s] *= inv
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _choose(logits: np.ndarray, bias: np.ndarray, gating: int, preset: bool, probs: np.ndarray, taken: np.ndarray,
+            sel: np.ndarray, w: np.ndarray) -> None:
+    """The gating probabilities, the top-k of them plus the selection bias (or the preset experts) and their
+    unbiased probabilities as the weights."""
     n_expert = logits.shape[0]
     one = np.float32(1.0)
     if gating == GATING_SOFTMAX:
@@ -91,6 +168,17 @@ def _route_row(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, sc
             taken[best] = True
             sel[s] = best
             w[s] = probs[best]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _route_row(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, scale: np.float32, preset: bool,
+               ik: bool, probs: np.ndarray, taken: np.ndarray, ids: np.ndarray, sel: np.ndarray,
+               w: np.ndarray) -> None:
+    one = np.float32(1.0)
+    if ik and gating == GATING_SOFTMAX and not preset and bias.shape[0] == 0:
+        _ik_softmax_top_k(logits, ids, sel, w)
+    else:
+        _choose(logits, bias, gating, preset, probs, taken, sel, w)
     if gating == GATING_SOFTMAX_WEIGHT:
         _softmax(w.copy(), w)
     if norm and ik:  # ik's fused sum_rows + div: a float32 sum, its reciprocal, a product
@@ -118,8 +206,9 @@ def _route(logits: np.ndarray, bias: np.ndarray, gating: int, norm: bool, scale:
     n, n_expert = logits.shape
     probs = np.empty(n_expert, dtype=np.float32)
     taken = np.empty(n_expert, dtype=np.bool_)
+    ids = np.empty(n_expert, dtype=np.int64)
     for t in range(n):
-        _route_row(logits[t], bias, gating, norm, np.float32(scale), preset, ik, probs, taken, sel[t], w[t])
+        _route_row(logits[t], bias, gating, norm, np.float32(scale), preset, ik, probs, taken, ids, sel[t], w[t])
 
 
 def route(logits: np.ndarray, bias: np.ndarray | None, n_used: int, gating: int, norm: bool,

@@ -18,7 +18,12 @@ import numpy as np
 from ikrun.kvcache import KvCache
 from ikrun.numerics.exact import Numerics
 from ikrun.numerics.ik.attention import ik_causal_attention, ik_latent_attention, ik_sink_latent_attention
-from ikrun.numerics.ik.delta_net import ik_conv_silu, ik_decay_and_beta, ik_delta_rule, ik_sigmoid_array
+from ikrun.numerics.ik.delta_net import (
+    FUSED_HEAD_DIMS,
+    ik_decay_and_beta,
+    ik_delta_rule,
+    ik_sigmoid_array,
+)
 from ikrun.numerics.ik.formats import (
     IK_FLOAT_TYPES,
     IK_KERNELS,
@@ -31,7 +36,7 @@ from ikrun.numerics.ik.formats import (
 from ikrun.numerics.ik.ikgemm import LANES, ik_float_matmul, takes_whole
 from ikrun.numerics.ik.qgemm import PackedHeads, PackedInts, pack, qmatmul, row_slice
 from ikrun.ops.activations import swiglu
-from ikrun.ops.conv import causal_conv_residual
+from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.moe import ExpertGlu, RoutedExperts, group_by_expert, moe_experts, route
 from ikrun.ops.norm import rms_norm
@@ -40,6 +45,15 @@ from ikrun.weights import CONVERTED, DERIVED, HEADS, INTEGER_TYPES, PACKED
 
 if TYPE_CHECKING:
     from ikquant.types import GGMLType
+
+
+#: architectures whose ik arithmetic is not reproduced, with why
+UNREPRODUCED_ARCHS = {"gpt-oss": "ik's arithmetic of attention with sinks and a sliding window is not reproduced"}
+#: architectures whose ik graph hard-codes the full attention layers of a hybrid, whatever the file says
+FIXED_FULL_ATTENTION_INTERVAL = {"qwen3next": 4}
+#: architectures whose NextN head ik's loader strips of its own nextn.embed_tokens / shared_head_head ("model has
+#: unused tensor ... ignoring"): its graph takes token_embd / output instead
+NEXTN_TABLES_IGNORED = ("glm4moe",)
 
 
 class IkNumerics(Numerics):
@@ -75,6 +89,30 @@ class IkNumerics(Numerics):
         return (f"--numerics ik does not reproduce ik's arithmetic for {gtype.name} weights; reproduced: "
                 + ", ".join(sorted(IK_KERNELS)))
 
+    # ---- what ik computes otherwise, or wrongly --------------------------------------------------------------
+    def check_arch(self, arch: str) -> str | None:
+        why = UNREPRODUCED_ARCHS.get(arch)
+        return None if why is None else f"--numerics ik is not implemented for {arch} ({why}); use the exact mode"
+
+    def check_full_attention_interval(self, arch: str, interval: int) -> str | None:
+        fixed = FIXED_FULL_ATTENTION_INTERVAL.get(arch)
+        if fixed is None or interval == fixed:
+            return None
+        return (f"ik's {arch} makes every {fixed}th layer full attention whatever the file says (it cannot load this "
+                "file); --numerics ik has no ik arithmetic to reproduce, use the exact one")
+
+    def check_delta_net(self, head_k: int, head_v: int) -> str | None:
+        if head_k == head_v and head_k in FUSED_HEAD_DIMS:
+            return None
+        return ("--numerics ik computes ik's fused delta-net kernel, which keeps one head dim for keys and values and "
+                "which ik runs right only for 64 and 128 (its fallback is wrong); use the exact arithmetic")
+
+    def check_kv_b_derivation(self) -> str | None:
+        return "--numerics ik does not reproduce that derivation: use --numerics exact"
+
+    def nextn_own_tables(self, arch: str) -> bool:
+        return arch not in NEXTN_TABLES_IGNORED
+
     # ---- element-wise: ik's float orders ----------------------------------------------------------------------
     def norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         return rms_norm(x, weight, eps, ik=True)
@@ -104,12 +142,16 @@ class IkNumerics(Numerics):
     def conv(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         return causal_conv_residual(x, w, fused=True)
 
+    def moe_residual(self, x: np.ndarray, routed: np.ndarray, shared: np.ndarray | None) -> np.ndarray:
+        """ik's llm_build_std_moe_ffn with add_input: the routed experts plus the input, then the shared experts."""
+        return routed + x if shared is None else (routed + x) + shared
+
     def sigmoid(self, x: np.ndarray) -> np.ndarray:
         return ik_sigmoid_array(x)
 
     # ---- the gated delta-net: ik's conv, its fused kernel, its norms (numerics/ik/delta_net.py) ----------------
     def conv_silu(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        return ik_conv_silu(x, w)
+        return causal_conv_silu(x, w, ik=True)
 
     def decay_and_beta(self, a: np.ndarray, b: np.ndarray, ssm_a: np.ndarray,
                        dt_bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,9 +1,9 @@
 """ik's gated delta-net arithmetic (--numerics ik), as its CPU backend computes a sequence (a continued one from the
 state its cache holds: the kernel runs token by token, so pieces give the whole sequence's floats bit for bit):
 
-- the short convolution: taps summed from the oldest as fused multiply-adds, then ggml's SiLU apart (ik's AVX-512
-  exponential, ik_expf). ik's 4-tap AVX2 kernel can apply an AVX2 SiLU in place, but only when the SiLU's buffer does
-  not overlap the input's; measured against ik's printed Q8_0 figures, the graphs ran the SiLU apart (in place,
+- the short convolution (ops/conv.causal_conv_silu with `ik`): taps summed from the oldest as fused multiply-adds,
+  then ggml's SiLU apart (ik's AVX-512 exponential, ik_expf). ik's 4-tap AVX2 kernel can apply an AVX2 SiLU in
+  place, but only when the SiLU's buffer does not overlap the input's; measured against ik's printed Q8_0 figures, the graphs ran the SiLU apart (in place,
   qwen35-moe's mean KLD moves 9e-6 further from ik's);
 - q and k by ggml_l2_norm: the squares' sum in float64, scale 1 / max(sqrtf(sum), eps) with the model's rms eps;
 - g = softplus(a + dt_bias) * ssm_a with softplus log(1 + expf(x)) (x above 20 kept), beta = 1 / (1 + expf(-b))
@@ -22,33 +22,11 @@ from numba import njit, prange
 
 from ikquant.formats.numeric import fmaf
 from ikrun.numerics.ik.attention import _lane_sum
-from ikrun.ops.activations import ik_expf
 from ikrun.ops.delta_net import initial_state
 
 LANES = 16
 #: the head dims ik's fused delta-net kernel computes right (its generic fallback does not)
 FUSED_HEAD_DIMS = (64, 128)
-
-@njit(cache=True, nogil=True, parallel=True)
-def _conv_silu(x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-    n, n_tap = x.shape[0], w.shape[1]
-    for c in prange(x.shape[1]):
-        for t in range(n):
-            acc = np.float32(0.0)
-            for k in range(n_tap):
-                src = t - (n_tap - 1) + k
-                if src >= 0:
-                    acc = fmaf(x[src, c], w[c, k], acc)
-            out[t, c] = acc / (np.float32(1.0) + ik_expf(-acc))
-
-
-def ik_conv_silu(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """SiLU of the causal short convolution of x [T, C] by taps w [C, K], in ik's order (module docstring)."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    out = np.empty_like(x)
-    _conv_silu(x, np.ascontiguousarray(w, dtype=np.float32), out)
-    return out
-
 
 @njit(cache=True, nogil=True, inline="always")
 def ik_sigmoid(x: np.float32) -> np.float32:
