@@ -326,12 +326,12 @@ def test_dense_qwen35_runs_as_transformers_defines_it(tmp_path: Path) -> None:
 
 
 def _fused_qkvz_file(src: Path, dst: Path) -> Path:
-    """`src` (a qwen3next file) with each delta-net block's attn_qkv and attn_gate re-packed into one ssm_in as older
+    """`src` with each delta-net block's attn_qkv and attn_gate re-packed into one ssm_in as older
     mainline conversions wrote it: per key head [its q | its k | its value heads' v | their z] rows (ik's reading of
     ssm_in), the stored rows moved as they are (F32 and Q8_0 rows stand alone)."""
     g = GGUFFile(src)
-    hk, dk = g.require("qwen3next.ssm.group_count"), g.require("qwen3next.ssm.state_size")
-    vr = g.require("qwen3next.ssm.inner_size") // hk  # v (and z) rows of one key head's value heads
+    hk, dk = g.require(f"{g.architecture}.ssm.group_count"), g.require(f"{g.architecture}.ssm.state_size")
+    vr = g.require(f"{g.architecture}.ssm.inner_size") // hk  # v (and z) rows of one key head's value heads
     tensors: dict[str, tuple[tuple[int, ...], Any, np.ndarray]] = {}
     for n in g.tensors:
         if n.endswith("attn_gate.weight"):
@@ -424,3 +424,12 @@ def test_ik_on_a_fused_ssm_in_file_computes_what_ikrun_does(tmp_path: Path) -> N
     ik_fused = ik_engine.logits(fused, tokens)
     np.testing.assert_array_equal(ik_fused, ik_engine.logits(_f32("qwen3-next"), tokens))
     assert mean_kld(ik_fused, Model(fused, kv_cache="f16").logits(np.array(tokens))) <= 1e-9  # measured 3.2e-11
+
+
+def test_a_fused_ssm_in_qwen35moe_file_is_refused(tmp_path: Path) -> None:
+    """ik's qwen35moe loads no ssm_in: such a file is refused before compute, naming the tensor."""
+    fused = _fused_qkvz_file(_f32("qwen35-moe"), tmp_path / "fused.gguf")
+    res = runner.invoke(app, ["kld", str(fused), "--base-logits", str(DATA / "logits" / "qwen35-moe" / "ik-base.kld")])
+    assert res.exit_code == 2, res.output
+    assert "blk.0.ssm_in.weight (a fused delta-net input projection) is a layout ik's qwen35moe does not load" in \
+        " ".join(res.output.split())
