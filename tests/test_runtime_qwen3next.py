@@ -1,7 +1,7 @@
 """The hybrid linear-attention runtime (`qwen3next`, `qwen35moe`) on the reference files ik's runtime loads: against
 transformers' logits and ik's base logits, ik's printed Q8_0 figures, the delta rule's chunked form against its
 recurrence, streaming, imatrix (and the sweep and mix it guides), hot swap, a sequence continued through its cache (and rolled back) against the whole,
-and the refusals of hyperparameters it does not implement."""
+the refusals of hyperparameters it does not implement, and files holding the fused ssm_in against the split ones."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from ikquant.cli import app as ikquant_app
 from ikquant.gguf_io import GGUFFile, GGUFStreamWriter
+from ikquant.imatrix import read_imatrix_dat
 from ikquant.types import type_by_name
 from ikrun.cli import app
 from ikrun.eval.speculative import TargetDecoder, greedy_continuation, speculative_generate
@@ -327,3 +328,113 @@ def test_dense_qwen35_runs_as_transformers_defines_it(tmp_path: Path) -> None:
     model = Model(out)
     assert model.arch == "qwen35"
     assert mean_kld(HFReference(folder).logits(tokens), model.logits(tokens)) <= 1e-9
+
+
+def _fused_qkvz_file(src: Path, dst: Path) -> Path:
+    """`src` with each delta-net block's attn_qkv and attn_gate re-packed into one ssm_in as older
+    mainline conversions wrote it: per key head [its q | its k | its value heads' v | their z] rows (ik's reading of
+    ssm_in), the stored rows moved as they are (F32 and Q8_0 rows stand alone)."""
+    g = GGUFFile(src)
+    hk, dk = g.require(f"{g.architecture}.ssm.group_count"), g.require(f"{g.architecture}.ssm.state_size")
+    vr = g.require(f"{g.architecture}.ssm.inner_size") // hk  # v (and z) rows of one key head's value heads
+    tensors: dict[str, tuple[tuple[int, ...], Any, np.ndarray]] = {}
+    for n in g.tensors:
+        if n.endswith("attn_gate.weight"):
+            continue
+        info = g.info(n)
+        if not n.endswith("attn_qkv.weight"):
+            tensors[n] = (info.shape, info.type, g.raw(n))
+            continue
+        b = n.removesuffix("attn_qkv.weight")
+        qkv, z = g.raw(n), g.raw(b + "attn_gate.weight")
+        q, k, v = qkv[: hk * dk], qkv[hk * dk : 2 * hk * dk], qkv[2 * hk * dk :]
+        rows = [np.concatenate([q[j * dk : (j + 1) * dk], k[j * dk : (j + 1) * dk], v[j * vr : (j + 1) * vr],
+                                z[j * vr : (j + 1) * vr]]) for j in range(hk)]
+        tensors[b + "ssm_in.weight"] = ((len(qkv) + len(z), info.shape[1]), info.type, np.concatenate(rows))
+    with GGUFStreamWriter(dst, g.architecture) as w:
+        for kv in g.kv():
+            if kv.key != "general.architecture":
+                w.add_kv(kv)
+        for n, (shape, gtype, _) in tensors.items():
+            w.add_tensor_info(n, shape, gtype)
+        for n, (_, _, raw) in tensors.items():
+            w.write_tensor(n, raw)
+        w.finish()
+    return dst
+
+
+@pytest.mark.parametrize("stored", ["ref-f32", "ref-q8_0"])
+def test_a_fused_ssm_in_file_runs_as_the_split_one(stored: str, tmp_path: Path) -> None:
+    """A file whose delta-net blocks hold one ssm_in gives the split file's logits: one sequence, and every chunk of
+    ik's base run layer-streamed (`ikrun kld`'s report). Under --numerics ik bit for bit (ik's matmul computes each
+    output on its own); the exact arithmetic to float rounding (measured: 3.2e-5 on a logit, mean KLD 1.3e-12
+    between the two), as OpenBLAS's sgemm sums in another order for a product of 768 weight rows than for products
+    of 512 and 256 (from 8 input rows on)."""
+    split = DATA / "convert" / "qwen3-next" / f"{stored}.gguf"
+    fused = _fused_qkvz_file(split, tmp_path / "fused.gguf")
+    assert "blk.0.ssm_in.weight" in GGUFFile(fused).tensors
+    assert not any(n.endswith(("attn_qkv.weight", "attn_gate.weight")) for n in GGUFFile(fused).tensors)
+    tokens = np.load(DATA / "hf-logits" / "qwen3-next" / "tokens.npy")[0]
+    base = DATA / "logits" / "qwen3-next" / "ik-base.kld"
+    for numerics in ("exact", "ik"):
+        options = RuntimeOptions(numerics=numerics)
+        got, want = Model(fused, options=options).logits(tokens), Model(split, options=options).logits(tokens)
+        got_report, want_report = (kld_json(path, base, "--numerics", numerics) for path in (fused, split))
+        if numerics == "ik":
+            np.testing.assert_array_equal(got, want)
+            assert got_report == want_report
+        else:
+            assert np.abs(got - want).max() <= 1e-4 and mean_kld(want, got) <= 1e-10
+            assert got_report["same_top_p"] == want_report["same_top_p"]
+            assert abs(got_report["ppl_q"] / want_report["ppl_q"] - 1) <= 1e-7  # measured 2e-8
+            assert abs(got_report["kld_mean"] - want_report["kld_mean"]) <= 1e-8  # 6.8e-9 (F32), 1.4e-9 (Q8_0)
+
+
+def test_imatrix_and_sweep_on_a_fused_ssm_in_file_see_ssm_in(tmp_path: Path) -> None:
+    """imatrix records ssm_in as ik's does, with the values attn_qkv and attn_gate get in the split file (bit for
+    bit under --numerics ik, where the layers before give the same rows), and a sweep measures ssm_in as stored, at
+    a non-zero cost per type."""
+    text = DATA / "logits" / "qwen3-next" / "text.txt"
+    fused = _fused_qkvz_file(_f32("qwen3-next"), tmp_path / "fused.gguf")
+    dats = {}
+    for name, path in (("split", _f32("qwen3-next")), ("fused", fused)):
+        dats[name] = tmp_path / f"{name}.dat"
+        res = runner.invoke(app, ["imatrix", str(path), "--text", str(text), "--ctx", "64", "-o", str(dats[name]),
+                                  "--numerics", "ik"])
+        assert res.exit_code == 0, res.output
+    split, ours = read_imatrix_dat(dats["split"]).entries, read_imatrix_dat(dats["fused"]).entries
+    blocks = sorted({n.removesuffix("attn_qkv.weight") for n in split if n.endswith("attn_qkv.weight")})
+    assert set(ours) == {n for n in split if not n.endswith(("attn_qkv.weight", "attn_gate.weight"))} | \
+        {b + "ssm_in.weight" for b in blocks}
+    for b in blocks:
+        for part in ("attn_qkv.weight", "attn_gate.weight"):
+            assert ours[b + "ssm_in.weight"].ncall == split[b + part].ncall
+            np.testing.assert_array_equal(ours[b + "ssm_in.weight"].mean_sq(), split[b + part].mean_sq())
+    sweep = tmp_path / "sweep.json"
+    res = runner.invoke(app, ["sweep", str(fused), "--text", str(text), "--ctx", "64", "--chunks", "2", "--types",
+                              "Q4_0,Q8_0", "--imatrix", str(dats["fused"]), "--tensors", "ssm_in", "-o", str(sweep)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(sweep.read_text())["rows"]
+    assert {r["group"] for r in rows} == {b + "ssm_in.weight" for b in blocks} and len(rows) == 2 * len(blocks)
+    assert all(r["kld_mean"] > 0 for r in rows)
+
+
+def test_ik_on_a_fused_ssm_in_file_computes_what_ikrun_does(tmp_path: Path) -> None:
+    """The wheel's ik loads the fused file and its logits are its split file's bit for bit, and ours (with ik's F16
+    cache) to float rounding."""
+    from tests import ik_engine
+
+    fused = _fused_qkvz_file(_f32("qwen3-next"), tmp_path / "fused.gguf")
+    tokens = [int(t) for t in np.load(DATA / "hf-logits" / "qwen3-next" / "tokens.npy")[0]]
+    ik_fused = ik_engine.logits(fused, tokens)
+    np.testing.assert_array_equal(ik_fused, ik_engine.logits(_f32("qwen3-next"), tokens))
+    assert mean_kld(ik_fused, Model(fused, kv_cache="f16").logits(np.array(tokens))) <= 1e-9  # measured 3.2e-11
+
+
+def test_a_fused_ssm_in_qwen35moe_file_is_refused(tmp_path: Path) -> None:
+    """ik's qwen35moe loads no ssm_in: such a file is refused before compute, naming the tensor."""
+    fused = _fused_qkvz_file(_f32("qwen35-moe"), tmp_path / "fused.gguf")
+    res = runner.invoke(app, ["kld", str(fused), "--base-logits", str(DATA / "logits" / "qwen35-moe" / "ik-base.kld")])
+    assert res.exit_code == 2, res.output
+    assert "blk.0.ssm_in.weight (a fused delta-net input projection) is a layout ik's qwen35moe does not load" in \
+        " ".join(res.output.split())

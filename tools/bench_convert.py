@@ -191,6 +191,7 @@ def make_deepseek4_checkpoint(folder: Path, layers: int = 6) -> None:
 
 QWEN3MOE_TOKENIZER = Path(__file__).parents[1] / "tests" / "data" / "convert" / "qwen3-moe" / "hf"
 GPT_OSS_TOKENIZER = Path(__file__).parents[1] / "tests" / "data" / "convert" / "gpt-oss" / "hf"
+QWEN3NEXT_TOKENIZER = Path(__file__).parents[1] / "tests" / "data" / "convert" / "qwen3-next" / "hf"
 
 
 def _bf16(rng: np.random.Generator, *shape: int, scale: float | None = None) -> tuple[str, np.ndarray]:
@@ -201,6 +202,19 @@ def _bf16(rng: np.random.Generator, *shape: int, scale: float | None = None) -> 
 
 def _ones(n: int) -> tuple[str, np.ndarray]:
     return "BF16", f32_to_bf16_bits(np.ones(n, np.float32))
+
+
+def _zeros(n: int) -> tuple[str, np.ndarray]:
+    """A zero-centred norm's unit gain (Qwen3-Next stores gain - 1)."""
+    return "BF16", f32_to_bf16_bits(np.zeros(n, np.float32))
+
+
+def _moe_experts(rng: np.random.Generator, part: dict, p: str, n_exp: int, h: int, moe_ff: int) -> None:
+    """A router `mlp.gate` and `n_exp` SwiGLU experts of width `moe_ff` under prefix `p` (Qwen3-MoE's names)."""
+    part[f"{p}mlp.gate.weight"] = _bf16(rng, n_exp, h)
+    for x in range(n_exp):
+        for n, shape in (("gate_proj", (moe_ff, h)), ("up_proj", (moe_ff, h)), ("down_proj", (h, moe_ff))):
+            part[f"{p}mlp.experts.{x}.{n}.weight"] = _bf16(rng, *shape)
 
 
 def _write_layer_shards(folder: Path, layers: int, layer: Callable[[str], dict], last: dict) -> dict[str, str]:
@@ -228,10 +242,7 @@ def make_qwen3moe_checkpoint(folder: Path, layers: int = 10) -> None:
         for n, shape in (("q_proj", (heads * hd, h)), ("k_proj", (kv * hd, h)), ("v_proj", (kv * hd, h)),
                          ("o_proj", (h, heads * hd))):
             part[f"{p}self_attn.{n}.weight"] = _bf16(rng, *shape)
-        part[f"{p}mlp.gate.weight"] = _bf16(rng, n_exp, h)
-        for x in range(n_exp):
-            for n, shape in (("gate_proj", (moe_ff, h)), ("up_proj", (moe_ff, h)), ("down_proj", (h, moe_ff))):
-                part[f"{p}mlp.experts.{x}.{n}.weight"] = _bf16(rng, *shape)
+        _moe_experts(rng, part, p, n_exp, h, moe_ff)
         return part
 
     last = {"model.embed_tokens.weight": _bf16(rng, vocab, h), "lm_head.weight": _bf16(rng, vocab, h),
@@ -280,6 +291,52 @@ def make_gpt_oss_checkpoint(folder: Path, layers: int = 12) -> None:
                    "num_experts_per_tok": 4, "intermediate_size": ff, "sliding_window": 128, "vocab_size": vocab,
                    "layer_types": ["sliding_attention" if j % 2 == 0 else "full_attention" for j in range(layers)]})
     _finish_checkpoint(folder, config, weight_map, GPT_OSS_TOKENIZER)
+
+
+def make_qwen3next_checkpoint(folder: Path, layers: int = 10) -> None:
+    """Qwen3-Next-80B-A3B's layout scaled to 1024 wide (~110M parameters a layer): gated delta-net layers of 8 key
+    and 16 value heads, both of 128 (the head dim ik's fused kernels take), a 4-tap convolution; gated full attention
+    (8 heads of 256 over 2 KV heads, a quarter rotated) every 4th layer (ik hard-codes 4); every layer a MoE of 64
+    experts of 512 (8 used) plus a shared expert of 512 behind its sigmoid gate. Zero-centred norms stored as
+    gain - 1, as the published checkpoint does; bf16, one shard per layer."""
+    h, heads, kv, hd, n_exp, moe_ff, vocab = 1024, 8, 2, 256, 64, 512, 320
+    k_heads, v_heads, d_lin, kernel = 8, 16, 128, 4
+    conv = (2 * k_heads + v_heads) * d_lin
+    rng = np.random.default_rng(0)
+
+    def layer(p: str) -> dict:
+        part = {f"{p}{n}.weight": _zeros(h) for n in ("input_layernorm", "post_attention_layernorm")}
+        if int(p.split(".")[2]) % 4 == 3:  # "model.layers.{i}."
+            part.update({f"{p}self_attn.{n}.weight": _zeros(hd) for n in ("q_norm", "k_norm")})
+            for n, shape in (("q_proj", (2 * heads * hd, h)), ("k_proj", (kv * hd, h)), ("v_proj", (kv * hd, h)),
+                             ("o_proj", (h, heads * hd))):
+                part[f"{p}self_attn.{n}.weight"] = _bf16(rng, *shape)
+        else:
+            a = f"{p}linear_attn."
+            part.update({a + "in_proj_qkvz.weight": _bf16(rng, conv + v_heads * d_lin, h),
+                         a + "in_proj_ba.weight": _bf16(rng, 2 * v_heads, h),
+                         a + "conv1d.weight": _bf16(rng, conv, 1, kernel, scale=0.5),
+                         a + "dt_bias": _ones(v_heads), a + "norm.weight": _ones(d_lin),
+                         a + "out_proj.weight": _bf16(rng, h, v_heads * d_lin),
+                         a + "A_log": ("BF16", f32_to_bf16_bits(np.log(rng.uniform(1, 16, v_heads))
+                                                                .astype(np.float32)))})
+        _moe_experts(rng, part, p, n_exp, h, moe_ff)
+        for n, shape in (("gate_proj", (moe_ff, h)), ("up_proj", (moe_ff, h)), ("down_proj", (h, moe_ff))):
+            part[f"{p}mlp.shared_expert.{n}.weight"] = _bf16(rng, *shape)
+        part[f"{p}mlp.shared_expert_gate.weight"] = _bf16(rng, 1, h)
+        return part
+
+    last = {"model.embed_tokens.weight": _bf16(rng, vocab, h), "lm_head.weight": _bf16(rng, vocab, h),
+            "model.norm.weight": _zeros(h)}
+    weight_map = _write_layer_shards(folder, layers, layer, last)
+    config = json.loads((QWEN3NEXT_TOKENIZER / "config.json").read_text())
+    config.update({"hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": heads,
+                   "num_key_value_heads": kv, "head_dim": hd, "linear_num_key_heads": k_heads,
+                   "linear_num_value_heads": v_heads, "linear_key_head_dim": d_lin, "linear_value_head_dim": d_lin,
+                   "linear_conv_kernel_dim": kernel, "full_attention_interval": 4, "num_experts": n_exp,
+                   "num_experts_per_tok": 8, "moe_intermediate_size": moe_ff,
+                   "shared_expert_intermediate_size": moe_ff, "intermediate_size": 3 * moe_ff, "vocab_size": vocab})
+    _finish_checkpoint(folder, config, weight_map, QWEN3NEXT_TOKENIZER)
 
 
 def main() -> None:

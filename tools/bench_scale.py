@@ -5,7 +5,9 @@ Generates (once, cached in --workdir) a Qwen3-shaped model, a DeepSeek-V3-shaped
 layers of 64 experts) and a Qwen3-MoE-shaped one (10 layers of 1024, 64 experts of 512, 8 used), each as F16 and
 IQ4_KS, and, as F16 with their MXFP4 experts, a DeepSeek-V4-shaped one (6 layers of 1024: sliding, CSA and HCA
 attention, mHC, 32 MXFP4 experts; ~350M parameters) and a gpt-oss-shaped one (12 layers of 1024, sinks, alternating
-128-token windows, 32 MXFP4 experts of 1024, 4 used; ~1.2B parameters). Each file runs in a fresh process
+128-token windows, 32 MXFP4 experts of 1024, 4 used; ~1.2B parameters), and a Qwen3-Next-shaped one as F16 and
+IQ4_KS (10 layers of 1024: gated delta-net with 8 key / 16 value heads of 128, gated full attention every 4th
+layer, 64 experts of 512, 8 used, and a gated shared expert; ~1.1B parameters). Each file runs in a fresh process
 (tools/peak_rss.py, so the peak RSS is the command's own):
 
 - `unconstrained`: --no-stream with no budget worth the name (every decoded weight cached, the pre-budget runtime);
@@ -47,18 +49,19 @@ from bench_convert import (  # noqa: E402
     make_deepseek_fp8_checkpoint,
     make_gpt_oss_checkpoint,
     make_qwen3moe_checkpoint,
+    make_qwen3next_checkpoint,
 )
 
 GiB = 1 << 30
 PRE_TOKENIZERS = {"qwen3": "qwen2", "deepseek": "deepseek-v3", "deepseek4": "joyai-llm", "qwen3moe": "qwen2",
-                  "gpt-oss": "gpt-4o"}
+                  "gpt-oss": "gpt-4o", "qwen3next": "qwen2"}
 MXFP4_EXPERTS = ("deepseek4", "gpt-oss")  # routed experts MXFP4 in every file (requantizing them is not the point)
 
 
 def build_models(workdir: Path, only: str | None) -> dict[str, Path]:
     """The benchmark files, generated and converted once; with `only`, just the models a label it matches needs."""
     files = {}
-    for name in ("qwen3", "deepseek", "deepseek4", "qwen3moe", "gpt-oss"):
+    for name in ("qwen3", "deepseek", "deepseek4", "qwen3moe", "gpt-oss", "qwen3next"):
         if only and not any(re.search(only, f"{name} {kind}") for kind in ("F16", "IQ4_KS", "F16+MXFP4")):
             continue
         hf = workdir / f"hf-{name}"
@@ -72,6 +75,8 @@ def build_models(workdir: Path, only: str | None) -> dict[str, Path]:
                 make_qwen3moe_checkpoint(hf)
             elif name == "gpt-oss":
                 make_gpt_oss_checkpoint(hf)
+            elif name == "qwen3next":
+                make_qwen3next_checkpoint(hf)
             else:
                 make_deepseek4_checkpoint(hf)
         f16 = workdir / f"{name}-f16.gguf"

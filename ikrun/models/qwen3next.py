@@ -6,7 +6,8 @@ Qwen3's attention with per-head q/k RMSNorm and partial NEOX rope whose attn_q a
 residual; RMSNorm (post_attention_norm), the FFN: without `expert_count` (dense Qwen3.5) a SwiGLU, else the MoE FFN: softmax router, top-k renormalised, plus the shared expert
 times sigmoid(ffn_gate_inp_shexp . x) (a layer holding ffn_gate/up/down instead of a router is dense), residual.
 The delta-net's V heads come in the file's grouped order with b and a fused in ssm_ba (Qwen3.5, ikrun/models/
-qwen35moe.py, changes both). Every evaluated sequence starts from zero state, as ik resets it per chunk; a sequence
+qwen35moe.py, changes both); its input projection is attn_qkv and attn_gate, or the fused ssm_in of older mainline
+conversions, which ik's qwen3next loads too (Qwen3.5's do not). Every evaluated sequence starts from zero state, as ik resets it per chunk; a sequence
 continued through its cache (`continues`: a speculative-decoding target) carries each delta-net layer's conv tail
 and recurrent state there beside the attention layers' keys and values (ikrun/modules/delta_net.py), and rolls
 them back by recomputing the last call's kept rows (`keep_cache`). transformers (4.57.1) continues its cache one
@@ -61,9 +62,9 @@ class Qwen3Next(LlamaFamily):
             raise fail("full_attention_interval", f"{interval}: {why}")
         self.full_attention = {i for i in range(n_layer) if (i + 1) % interval == 0}
         for i in range(n_layer):
-            if ctx.has(f"blk.{i}.ssm_in.weight"):
+            if self.qwen35_layout and ctx.has(f"blk.{i}.ssm_in.weight"):
                 raise ModelError(f"{ctx.path}: tensor blk.{i}.ssm_in.weight (a fused delta-net input projection) is "
-                                 "a layer layout ikrun does not implement; convert with attn_qkv / attn_gate")
+                                 f"a layout ik's {ctx.arch} does not load; convert with attn_qkv / attn_gate")
         self.delta_net = net = self._read_delta_net(ctx, fail)
         why = ctx.numerics.check_delta_net(net.head_k, net.head_v)
         if why:
@@ -104,11 +105,12 @@ class Qwen3Next(LlamaFamily):
         net = GatedDeltaNet(groups, v_heads, state, inner // v_heads, kernel, float(hp("attention.layer_norm_rms_epsilon")),
                             tiled=self.qwen35_layout, fused_ba=not self.qwen35_layout)
         for i in range(int(hp("block_count"))):
-            qkv = f"blk.{i}.attn_qkv.weight"
-            if ctx.has(qkv) and ctx.shape(qkv)[0] != net.conv_channels:
-                raise fail("ssm.state_size", f"{state} disagrees with the heads: {qkv} has {ctx.shape(qkv)[0]} "
-                                               f"rows, 2 x group_count {groups} x state_size {state} + inner_size "
-                                               f"{inner} = {net.conv_channels}")
+            for proj, rows, extra in ((f"blk.{i}.attn_qkv.weight", net.conv_channels, ""),
+                                      (f"blk.{i}.ssm_in.weight", net.conv_channels + inner, " + inner_size")):
+                if ctx.has(proj) and ctx.shape(proj)[0] != rows:
+                    raise fail("ssm.state_size", f"{state} disagrees with the heads: {proj} has "
+                                                   f"{ctx.shape(proj)[0]} rows, 2 x group_count {groups} x "
+                                                   f"state_size {state} + inner_size {inner}{extra} = {rows}")
         return net
 
     def make_attention(self) -> GqaAttention:
@@ -116,7 +118,9 @@ class Qwen3Next(LlamaFamily):
                             neox=True, qk_norm=True, output_gate=True)
 
     def _mixer_expected(self, i: int, b: str) -> dict[str, tuple[int, ...]]:
-        return (self.attention if i in self.full_attention else self.delta_net).expected(b, self.n_embd)
+        if i in self.full_attention:
+            return self.attention.expected(b, self.n_embd)
+        return self.delta_net.expected(b, self.n_embd, self.delta_net.fused_qkvz(self.ctx, b))
 
     def _ffn_expected(self, i: int, b: str) -> dict[str, tuple[int, ...]]:
         if i in self.dense or self.moe is None:

@@ -2,10 +2,15 @@
 prefix `b` ("blk.7.").
 
 attn_qkv projects the normed hidden rows to [all q heads | all k heads | all v heads], attn_gate to the output gate
-z; ssm_ba (Qwen3-Next: per key head [b of its value heads | a of them]) or ssm_beta / ssm_alpha (Qwen3.5) to the
+z, ssm_ba (Qwen3-Next: per key head [b of its value heads | a of them]) or ssm_beta / ssm_alpha (Qwen3.5) to the
 write-strength and decay inputs. q/k/v go through the causal short convolution ssm_conv1d and SiLU, the gated delta
 rule runs per value head (ikrun/ops/delta_net.py) with g = ssm_a * softplus(a + ssm_dt.bias) and beta = sigmoid(b),
 the output is RMS-normed per head by ssm_norm times SiLU(z), then projected by ssm_out.
+
+Qwen3-Next files of older mainline conversions hold one ssm_in in place of attn_qkv and attn_gate: per key head [its
+q | its k | its value heads' v | their z] rows. Its product is split into attn_qkv's and attn_gate's columns as ik's
+views of it split them (one matmul, so imatrix, sweeps and swaps see ssm_in as stored); a block holding both layouts
+runs attn_qkv and attn_gate, as ik does.
 
 Value heads share key heads in one of two orders the file's layout fixes: grouped (value head h reads key head
 h // (Hv / Hk): transformers' repeat_interleave, kept by Qwen3-Next files) or tiled (h % Hk: Qwen3.5 files, whose
@@ -66,11 +71,19 @@ class GatedDeltaNet:
     def conv_channels(self) -> int:
         return 2 * self.n_k_heads * self.head_k + self.n_v_heads * self.head_v
 
-    def expected(self, b: str, n_embd: int) -> dict[str, tuple[int, ...]]:
-        """The block's delta-net tensors and their numpy shapes."""
+    @staticmethod
+    def fused_qkvz(cx: Context, b: str) -> bool:
+        """Whether block `b` projects q, k, v and z with one ssm_in (the module docstring)."""
+        return cx.has(b + "ssm_in.weight") and not (cx.has(b + "attn_qkv.weight") and cx.has(b + "attn_gate.weight"))
+
+    def expected(self, b: str, n_embd: int, fused_qkvz: bool = False) -> dict[str, tuple[int, ...]]:
+        """The block's delta-net tensors and their numpy shapes (`fused_qkvz`: with ssm_in)."""
         hv, inner = self.n_v_heads, self.n_v_heads * self.head_v
+        projections: dict[str, tuple[int, ...]] = \
+            {b + "ssm_in.weight": (self.conv_channels + inner, n_embd)} if fused_qkvz else \
+            {b + "attn_qkv.weight": (self.conv_channels, n_embd), b + "attn_gate.weight": (inner, n_embd)}
         want: dict[str, tuple[int, ...]] = {
-            b + "attn_qkv.weight": (self.conv_channels, n_embd), b + "attn_gate.weight": (inner, n_embd),
+            **projections,
             b + "ssm_conv1d.weight": (self.conv_channels, self.conv_kernel), b + "ssm_dt.bias": (hv,),
             b + "ssm_a": (hv,), b + "ssm_norm.weight": (self.head_v,), b + "ssm_out.weight": (n_embd, inner)}
         if self.fused_ba:
@@ -84,6 +97,15 @@ class GatedDeltaNet:
         heads = np.arange(self.n_v_heads)
         return heads % self.n_k_heads if self.tiled else heads // (self.n_v_heads // self.n_k_heads)
 
+    def split_qkvz(self, qkvz: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """ssm_in's product [n, per key head (q, k, v x r, z x r)] as attn_qkv's [n, all q | all k | all v] and
+        attn_gate's [n, all z], value heads in grouped order (ik's views of the fused product, in its order)."""
+        n, hk, dk, vr = len(qkvz), self.n_k_heads, self.head_k, self.n_v_heads // self.n_k_heads * self.head_v
+        per_head = qkvz.reshape(n, hk, 2 * dk + 2 * vr)
+        q, k, v, z = (per_head[:, :, a:e].reshape(n, -1) for a, e in
+                      ((0, dk), (dk, 2 * dk), (2 * dk, 2 * dk + vr), (2 * dk + vr, 2 * dk + 2 * vr)))
+        return np.concatenate([q, k, v], axis=1), z
+
     def _tail(self, rows: np.ndarray) -> np.ndarray:
         return rows[max(0, len(rows) - (self.conv_kernel - 1)) :]
 
@@ -93,12 +115,17 @@ class GatedDeltaNet:
         sequence starts here)."""
         nx, n = cx.numerics, len(h)
         hk, hv, dk, dv = self.n_k_heads, self.n_v_heads, self.head_k, self.head_v
-        if self.fused_ba:
-            qkv, z, ba = cx.linears(h, [b + "attn_qkv", b + "attn_gate", b + "ssm_ba"])
-            ba = ba.reshape(n, hk, 2, hv // hk)
-            beta_in, alpha = ba[:, :, 0].reshape(n, hv), ba[:, :, 1].reshape(n, hv)
+        gates = [b + "ssm_ba"] if self.fused_ba else [b + "ssm_beta", b + "ssm_alpha"]
+        if self.fused_qkvz(cx, b):
+            qkvz, *ba = cx.linears(h, [b + "ssm_in", *gates])
+            qkv, z = self.split_qkvz(qkvz)
         else:
-            qkv, z, beta_in, alpha = cx.linears(h, [b + "attn_qkv", b + "attn_gate", b + "ssm_beta", b + "ssm_alpha"])
+            qkv, z, *ba = cx.linears(h, [b + "attn_qkv", b + "attn_gate", *gates])
+        if self.fused_ba:
+            per_head = ba[0].reshape(n, hk, 2, hv // hk)
+            beta_in, alpha = per_head[:, :, 0].reshape(n, hv), per_head[:, :, 1].reshape(n, hv)
+        else:
+            beta_in, alpha = ba
         prev: DeltaNetCache | None = cache.get(b) if cache is not None else None
         tail = prev.tail if prev is not None else qkv[:0]
         conv = nx.conv_silu(np.concatenate([tail, qkv]), cx.weight(b + "ssm_conv1d.weight"))[len(tail) :]
