@@ -61,9 +61,6 @@ class Model:
         impl_class = model_class(self.arch)
         check_options(self.options, self.path, self.arch)
         self.numerics = make_numerics(self.weights, self.options)
-        why = self.numerics.check_arch(self.arch)
-        if why:
-            raise ModelError(f"{self.path}: {why}")
         #: the K and V caches' types and Hadamard blocks (ikrun/kvcache.py; ik's arithmetic keeps its F16 caches),
         #: resolved against the model below
         self.cache = self.numerics.kv_cache(requested)

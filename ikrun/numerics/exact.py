@@ -111,10 +111,6 @@ class Numerics:
         return None
 
     # ---- what a model may ask of it (a refusal's why, None where this arithmetic computes it) -----------------
-    def check_arch(self, arch: str) -> str | None:
-        """Why models of `arch` cannot run in this arithmetic at all, None when they can."""
-        return None
-
     def check_full_attention_interval(self, arch: str, interval: int) -> str | None:
         """Why a hybrid `arch` model with full attention every `interval`-th layer cannot run here."""
         return None

@@ -47,8 +47,6 @@ if TYPE_CHECKING:
     from ikquant.types import GGMLType
 
 
-#: architectures whose ik arithmetic is not reproduced, with why
-UNREPRODUCED_ARCHS = {"gpt-oss": "ik's arithmetic of attention with sinks and a sliding window is not reproduced"}
 #: architectures whose ik graph hard-codes the full attention layers of a hybrid, whatever the file says
 FIXED_FULL_ATTENTION_INTERVAL = {"qwen3next": 4}
 #: architectures whose NextN head ik's loader strips of its own nextn.embed_tokens / shared_head_head ("model has
@@ -90,10 +88,6 @@ class IkNumerics(Numerics):
                 + ", ".join(sorted(IK_KERNELS)))
 
     # ---- what ik computes otherwise, or wrongly --------------------------------------------------------------
-    def check_arch(self, arch: str) -> str | None:
-        why = UNREPRODUCED_ARCHS.get(arch)
-        return None if why is None else f"--numerics ik is not implemented for {arch} ({why}); use the exact mode"
-
     def check_full_attention_interval(self, arch: str, interval: int) -> str | None:
         fixed = FIXED_FULL_ATTENTION_INTERVAL.get(arch)
         if fixed is None or interval == fixed:
