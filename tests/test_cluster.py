@@ -62,6 +62,23 @@ def test_ray_sweep_rows_equal_the_local_sweep(model: Path, imatrix: Path, tmp_pa
     assert len(_rows(local)) == 14
 
 
+def test_a_pruned_sweep_on_ray_in_auto_rounds_has_the_local_rows(model: Path, tmp_path: Path) -> None:
+    """--target-bpw with --ray and --chunks auto: the rows (measured and predicted) of the same pruned sweep run
+    locally on the chunk count the rounds stopped at."""
+    remote, local = tmp_path / "ray.json", tmp_path / "local.json"
+    pruning = ("--ctx", "32", "--target-bpw", "20.6", "--tie", r"attn_[kv]\.")
+    res = _sweep(model, remote, "--chunks", "auto", "--ray", "local:2", *pruning)
+    assert res.exit_code == 0, res.output
+    header = json.loads(remote.read_text())
+    n = header["chunks"]
+    assert "2 workers" in res.output and "rank agreement" in res.output and n >= 8
+    assert _sweep(model, local, "--chunks", str(n), *pruning).exit_code == 0
+    rows = _rows(remote)
+    assert rows == _rows(local)
+    assert 0 < sum(r["measured"] for r in rows.values()) < len(rows)
+    assert rows[("blk.1.attn_k.weight", "Q4_0")]["measured"] == rows[("blk.1.attn_v.weight", "Q4_0")]["measured"]
+
+
 def test_ray_quantization_writes_the_same_bytes(model: Path, imatrix: Path, tmp_path: Path) -> None:
     for qtype in ("IQ4_KS", "Q4_K_M"):
         a, b = tmp_path / f"{qtype}-local.gguf", tmp_path / f"{qtype}-ray.gguf"

@@ -106,13 +106,14 @@ class SweepWorker:
 def measure_on_cluster(cluster: Cluster, spec: WorkerSpec, base_path: Path, groups: dict[str, list[str]],
                        types: list[GGMLType], done: list[SweepRow], on_row: Callable[[SweepRow], None],
                        on_event: Callable[[str], None], scored: Scored | None = None,
-                       on_workers: Callable[[list[Any]], None] | None = None) -> list[SweepRow]:
+                       on_workers: Callable[[list[Any]], None] | None = None,
+                       only: set[tuple[str, str]] | None = None) -> list[SweepRow]:
     """run_sweep's rows (ikrun/sweep/__init__.py), measured by `cluster.workers` Ray workers (`on_workers` sees the
     worker handles once they are started, and again when one is replaced)."""
     ray = cluster.ray
     from ray.exceptions import RayActorError
 
-    jobs = deque(pending_jobs(groups, types, done))
+    jobs = deque(pending_jobs(groups, types, done, only))
     rows = list(done)
     if not jobs:
         return rows
