@@ -124,6 +124,39 @@ def test_a_killed_worker_loses_no_row(model: Path, tmp_path: Path) -> None:
         assert r.kld_mean == want[key]["kld_mean"] and r.kld_p99 == want[key]["kld_p99"]
 
 
+def test_a_worker_pool_serves_every_batch_of_a_round(model: Path, tmp_path: Path) -> None:
+    """A pruned sweep's batches of one round run on the workers the first batch started (each loads the model and
+    records its block inputs once), with the rows of one call."""
+    from ikquant.cluster import open_cluster
+    from ikquant.types import type_by_name
+    from ikrun.eval.evaluate import open_base, perplexity, tokenize_chunks
+    from ikrun.model import Model
+    from ikrun.sweep import run_sweep
+    from ikrun.sweep.cluster import WorkerPool
+    from ikrun.sweep.measure import sweep_groups
+
+    m = Model(model, threads=1)
+    base = tmp_path / "base.kld"
+    perplexity(m, tokenize_chunks(m, CORPUS.read_text(encoding="utf-8"), 64, 2), base)
+    groups = sweep_groups(m, "tensor", r"blk\.1\.")
+    types = [type_by_name("Q4_0"), type_by_name("IQ4_KS")]
+    started: list[list[int]] = []
+    with open_cluster("local:2", 1) as cluster:
+        one = run_sweep(m, open_base(base, m), groups, types, None, [], lambda r: None, cluster=cluster,
+                        worker_mem=1 << 30)
+        pool = WorkerPool()
+        try:
+            batches = [run_sweep(m, open_base(base, m), groups, types, None, [], lambda r: None, cluster=cluster,
+                                 worker_mem=1 << 30, only={(g, t.name) for g in groups}, pool=pool,
+                                 on_workers=lambda ws: started.append(ray.get([w.pid.remote() for w in ws])))
+                       for t in types]
+            assert len(started) == 1 and ray.get([w.pid.remote() for w in pool.workers]) == started[0]
+        finally:
+            pool.close(ray)
+    assert [{r.key for r in b} for b in batches] == [{(g, t.name) for g in groups} for t in types]
+    assert {r.key: r.kld_mean for b in batches for r in b} == {r.key: r.kld_mean for r in one}
+
+
 def test_bad_ray_addresses_and_no_ray(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "s.json"
     res = _sweep(model, out, "--chunks", "2", "--ray", "127.0.0.1:1")

@@ -255,6 +255,11 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
                        total=None if pruning else max(todo, 0))
             rows = list(done)
             base = open_base(base_path, m)
+            pool = None
+            if cluster is not None:
+                from ikrun.sweep.cluster import WorkerPool
+
+                pool = WorkerPool()  # the round's workers, for all its batches
 
             def on_row(row) -> None:  # type: ignore[no-untyped-def]
                 rows.append(row)
@@ -265,7 +270,7 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
                 return run_sweep(m, base, groups, type_list, imat, already, on_row, spill_dir=ev.spill_dir,
                                  full_forward=full_forward, scored=scored, cluster=cluster,
                                  worker_mem=_worker_mem(ev, cluster) if cluster is not None else None,
-                                 on_event=lambda msg: err.print(msg), only=jobs)
+                                 on_event=lambda msg: err.print(msg), only=jobs, pool=pool)
 
             try:
                 if pruning is None:
@@ -278,6 +283,9 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
             except IkError as exc:
                 bar.stop()
                 fail(str(exc))
+            finally:
+                if pool is not None:
+                    pool.close(cluster.ray)
         if pruning is not None:
             err.print(result.summary(), highlight=False)
         if auto:

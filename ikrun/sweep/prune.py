@@ -181,11 +181,14 @@ class PrunedSweep:
     n_predicted: int
     #: (predicted, measured) mean KLD of the rows measured besides the anchors
     checks: list[tuple[float, float]]
+    #: the batches of measurements asked for (the anchors, then one per choice that met unmeasured types)
+    rounds: int = 0
 
     def summary(self) -> str:
         total = self.n_measured + self.n_predicted
         text = (f"--target-bpw: measured {self.n_measured} of {total} (group, type) candidates, predicted "
-                f"{self.n_predicted} ({100 * self.n_predicted / max(total, 1):.0f}% skipped)")
+                f"{self.n_predicted} ({100 * self.n_predicted / max(total, 1):.0f}% skipped) in {self.rounds} "
+                "rounds of measurements")
         ratios = [m / p for p, m in self.checks if p > 0 and m > 0]
         if ratios:
             logs = np.abs(np.log(ratios))
@@ -205,9 +208,12 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
     decision = Decision(model, groups, types, constraints or MixConstraints())
     prior = priors(model, groups, types, imatrix)
     measured = {r.key: r for r in done if r.measured}
+    rounds = 0
 
     def run(jobs: set[tuple[str, str]]) -> None:
+        nonlocal rounds
         if jobs:
+            rounds += 1
             for r in measure(jobs):
                 measured[r.key] = r
 
@@ -253,4 +259,4 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
                                  8.0 * p.bytes_new / n_weights, kld, nan, nan, nan, nan, nan, nan, 0.0, p.fallback,
                                  measured=False, prediction=kld, basis=basis))
     n_measured = sum(1 for r in rows if r.measured)
-    return PrunedSweep(rows, n_measured, len(rows) - n_measured, checks)
+    return PrunedSweep(rows, n_measured, len(rows) - n_measured, checks, rounds)
