@@ -62,6 +62,23 @@ def test_ray_sweep_rows_equal_the_local_sweep(model: Path, imatrix: Path, tmp_pa
     assert len(_rows(local)) == 14
 
 
+def test_a_pruned_sweep_on_ray_in_auto_rounds_has_the_local_rows(model: Path, tmp_path: Path) -> None:
+    """--target-bpw with --ray and --chunks auto: the rows (measured and predicted) of the same pruned sweep run
+    locally on the chunk count the rounds stopped at."""
+    remote, local = tmp_path / "ray.json", tmp_path / "local.json"
+    pruning = ("--ctx", "32", "--target-bpw", "20.6", "--tie", r"attn_[kv]\.")
+    res = _sweep(model, remote, "--chunks", "auto", "--ray", "local:2", *pruning)
+    assert res.exit_code == 0, res.output
+    header = json.loads(remote.read_text())
+    n = header["chunks"]
+    assert "2 workers" in res.output and "rank agreement" in res.output and n >= 8
+    assert _sweep(model, local, "--chunks", str(n), *pruning).exit_code == 0
+    rows = _rows(remote)
+    assert rows == _rows(local)
+    assert 0 < sum(r["measured"] for r in rows.values()) < len(rows)
+    assert rows[("blk.1.attn_k.weight", "Q4_0")]["measured"] == rows[("blk.1.attn_v.weight", "Q4_0")]["measured"]
+
+
 def test_ray_quantization_writes_the_same_bytes(model: Path, imatrix: Path, tmp_path: Path) -> None:
     for qtype in ("IQ4_KS", "Q4_K_M"):
         a, b = tmp_path / f"{qtype}-local.gguf", tmp_path / f"{qtype}-ray.gguf"
@@ -105,6 +122,39 @@ def test_a_killed_worker_loses_no_row(model: Path, tmp_path: Path) -> None:
     want = _rows(local)
     for key, r in got.items():
         assert r.kld_mean == want[key]["kld_mean"] and r.kld_p99 == want[key]["kld_p99"]
+
+
+def test_a_worker_pool_serves_every_batch_of_a_round(model: Path, tmp_path: Path) -> None:
+    """A pruned sweep's batches of one round run on the workers the first batch started (each loads the model and
+    records its block inputs once), with the rows of one call."""
+    from ikquant.cluster import open_cluster
+    from ikquant.types import type_by_name
+    from ikrun.eval.evaluate import open_base, perplexity, tokenize_chunks
+    from ikrun.model import Model
+    from ikrun.sweep import run_sweep
+    from ikrun.sweep.cluster import WorkerPool
+    from ikrun.sweep.measure import sweep_groups
+
+    m = Model(model, threads=1)
+    base = tmp_path / "base.kld"
+    perplexity(m, tokenize_chunks(m, CORPUS.read_text(encoding="utf-8"), 64, 2), base)
+    groups = sweep_groups(m, "tensor", r"blk\.1\.")
+    types = [type_by_name("Q4_0"), type_by_name("IQ4_KS")]
+    started: list[list[int]] = []
+    with open_cluster("local:2", 1) as cluster:
+        one = run_sweep(m, open_base(base, m), groups, types, None, [], lambda r: None, cluster=cluster,
+                        worker_mem=1 << 30)
+        pool = WorkerPool()
+        try:
+            batches = [run_sweep(m, open_base(base, m), groups, types, None, [], lambda r: None, cluster=cluster,
+                                 worker_mem=1 << 30, only={(g, t.name) for g in groups}, pool=pool,
+                                 on_workers=lambda ws: started.append(ray.get([w.pid.remote() for w in ws])))
+                       for t in types]
+            assert len(started) == 1 and ray.get([w.pid.remote() for w in pool.workers]) == started[0]
+        finally:
+            pool.close(ray)
+    assert [{r.key for r in b} for b in batches] == [{(g, t.name) for g in groups} for t in types]
+    assert {r.key: r.kld_mean for b in batches for r in b} == {r.key: r.kld_mean for r in one}
 
 
 def test_bad_ray_addresses_and_no_ray(model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

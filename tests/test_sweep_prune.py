@@ -31,10 +31,21 @@ def _mix_kld(model: Path, sweep: Path, out: Path, bpw: float) -> float:
     return float(json.loads(res.stdout)[0]["kld_mean"])
 
 
-def test_pruned_sweep_measures_fewer_rows_for_mixes_as_good(data_dir: Path, tmp_path: Path) -> None:
-    model = data_dir / "convert" / "qwen3-moe" / "ik-f32.gguf"
-    full, pruned = tmp_path / "full.json", tmp_path / "pruned.csv"
-    assert _sweep(model, full).exit_code == 0
+@pytest.fixture(scope="module")
+def model(data_dir: Path) -> Path:
+    return data_dir / "convert" / "qwen3-moe" / "ik-f32.gguf"
+
+
+@pytest.fixture(scope="module")
+def full(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The exhaustive sweep."""
+    path = tmp_path_factory.mktemp("exhaustive") / "full.json"
+    assert _sweep(model, path).exit_code == 0
+    return path
+
+
+def test_pruned_sweep_measures_fewer_rows_for_mixes_as_good(model: Path, full: Path, tmp_path: Path) -> None:
+    pruned = tmp_path / "pruned.csv"
     res = _sweep(model, pruned, "--target-bpw", ",".join(map(str, BUDGETS)))
     assert res.exit_code == 0, res.output
     from ikquant.sweepfile import read_sweep_file
@@ -65,12 +76,55 @@ def test_pruned_sweep_measures_fewer_rows_for_mixes_as_good(data_dir: Path, tmp_
     assert all(r["measured"] for r in completed.values())
 
 
-def test_unreachable_budgets_are_refused_before_measuring(data_dir: Path, tmp_path: Path) -> None:
-    model = data_dir / "convert" / "qwen3-moe" / "ik-f32.gguf"
+def _mix_types(model: Path, sweep: Path, out: Path, bpw: float, *extra: str) -> dict[str, str]:
+    res = runner.invoke(app, ["mix", str(model), str(out), "--sweep", str(sweep), "--type", "Q8_0", "--target-bpw",
+                              str(bpw), *extra])
+    assert res.exit_code == 0, res.output
+    from ikquant.shards import GGUFModel
+
+    return {name: t.type.name for name, t in GGUFModel(out).tensors.items()}
+
+
+def test_a_pruned_sweep_decides_under_the_mix_ties_and_bounds(model: Path, full: Path, tmp_path: Path) -> None:
+    """A tie is one choice: its tensors are measured at the same types, and the mix from the pruned sweep is the
+    exhaustive sweep's mix under the same tie; a bound keeps the sweep from measuring below it."""
+    from ikquant.sweepfile import read_sweep_file
+
+    tie = ["--tie", r"attn_[kv]\."]
+    pruned = tmp_path / "tied.json"
+    res = _sweep(model, pruned, "--target-bpw", ",".join(map(str, BUDGETS)), *tie)
+    assert res.exit_code == 0, res.output
+    header, rows = read_sweep_file(pruned)
+    assert header["constraints"] == {"ties": [r"attn_[kv]\."], "default_ties": True, "min_types": []}
+    measured: dict[str, set[str]] = {}
+    for r in rows:
+        if r["measured"]:
+            measured.setdefault(r["group"], set()).add(r["type"])
+    for layer in (0, 1):
+        for a, b in (("attn_k", "attn_v"), ("ffn_up_exps", "ffn_gate_exps")):
+            ta, tb = measured[f"blk.{layer}.{a}.weight"], measured[f"blk.{layer}.{b}.weight"]
+            assert ta == tb, (layer, a, ta, tb)
+    assert any(len(types) > 1 for types in measured.values())
+    for bpw in BUDGETS:
+        exhaustive = _mix_types(model, full, tmp_path / f"full{bpw}.gguf", bpw, *tie)
+        assert _mix_types(model, pruned, tmp_path / f"tied{bpw}.gguf", bpw, *tie) == exhaustive
+        assert exhaustive["blk.0.attn_k.weight"] == exhaustive["blk.0.attn_v.weight"]
+    bounded = tmp_path / "bounded.json"
+    res = _sweep(model, bounded, "--target-bpw", "6.5", "--min-type", "ffn_.*_exps=Q6_0")
+    assert res.exit_code == 0, res.output
+    for r in read_sweep_file(bounded)[1]:
+        if "_exps" in r["group"] and r["measured"]:
+            assert r["type"] in ("Q6_0", "Q8_0"), r
+    res = _sweep(model, tmp_path / "x.json", "--target-bpw", "5.5", "--min-type", "ffn_.*_exps=Q8_0")
+    assert res.exit_code == 2 and "--target-bpw 5.5 is below the cheapest mix of the swept types under --min-type" \
+        in " ".join(res.output.split()), res.output
+
+
+def test_unreachable_budgets_are_refused_before_measuring(model: Path, tmp_path: Path) -> None:
     for extra, needle in ((["--target-bpw", "30"], "--target-bpw 30 is above the most expensive"),
                           (["--target-bpw", "1,6"], "--target-bpw 1 is below the cheapest"),
                           (["--target-bpw", "6,x"], "is not a comma-separated list"),
-                          (["--target-bpw", "6", "--chunks", "auto"], "does not go with --chunks auto")):
+                          (["--tie", "attn_q"], "decide what a --target-bpw sweep measures")):
         out = tmp_path / "s.json"
         res = _sweep(model, out, *extra)
         assert res.exit_code == 2 and needle in " ".join(res.output.split()), (extra, res.output)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,17 +48,43 @@ def _finish_checkpoint(folder: Path, config: dict, weight_map: dict[str, str], t
         shutil.copyfile(tokenizer / name, folder / name)
 
 
-def make_deepseek_fp8_checkpoint(folder: Path, layers: int) -> None:
-    """DeepSeek-V3's layout at 2048 wide: layer 0 dense, the rest MoE (64 experts of 768 + 1 shared), FP8
-    linears with 128x128 scales, one shard per layer so the generator holds one layer at a time."""
-    h, heads, q_lora, kv_lora, nope, rope, v, ff, moe_ff, n_exp = 2048, 16, 768, 512, 128, 64, 128, 6144, 768, 64
+@dataclass(frozen=True)
+class DeepSeekShape:
+    """The widths and counts of a generated DeepSeek-V3-layout checkpoint (default: the 2048-wide bench model)."""
+
+    hidden: int = 2048
+    heads: int = 16
+    q_lora: int = 768
+    kv_lora: int = 512
+    nope: int = 128
+    rope: int = 64
+    v: int = 128
+    ffn: int = 6144
+    moe_ffn: int = 768
+    experts: int = 64
+    used: int = 8
+    first_dense: int = 1
+    vocab: int = 320
+
+
+def make_deepseek_fp8_checkpoint(folder: Path, layers: int, dims: DeepSeekShape = DeepSeekShape(),
+                                 fp8: bool = True) -> None:
+    """DeepSeek-V3's layout (by default at 2048 wide: layer 0 dense, the rest MoE, 64 experts of 768 + 1 shared),
+    FP8 linears with 128x128 scales (BF16 ones without `fp8`), one shard per layer so the generator holds one layer
+    at a time."""
+    h, heads, q_lora, kv_lora, nope, rope, v = dims.hidden, dims.heads, dims.q_lora, dims.kv_lora, dims.nope, \
+        dims.rope, dims.v
+    ff, moe_ff, n_exp = dims.ffn, dims.moe_ffn, dims.experts
     rng = np.random.default_rng(0)
     folder.mkdir(parents=True)
 
     def bf16(*shape: int) -> tuple[str, np.ndarray]:
         return "BF16", f32_to_bf16_bits((rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32))
 
-    def fp8(part: dict, name: str, rows: int, cols: int) -> None:
+    def linear(part: dict, name: str, rows: int, cols: int) -> None:
+        if not fp8:
+            part[name] = bf16(rows, cols)
+            return
         codes = rng.integers(0, 256, size=(rows, cols), dtype=np.uint8)
         codes[(codes & 0x7F) == 0x7F] -= 1  # no NaN codes
         part[name] = ("F8_E4M3", codes)
@@ -68,7 +95,7 @@ def make_deepseek_fp8_checkpoint(folder: Path, layers: int) -> None:
     for i in range(layers + 1):
         p, part = f"model.layers.{i}.", {}
         if i == layers:  # last shard: embeddings, head, final norm
-            part = {"model.embed_tokens.weight": bf16(320, h), "lm_head.weight": bf16(320, h),
+            part = {"model.embed_tokens.weight": bf16(dims.vocab, h), "lm_head.weight": bf16(dims.vocab, h),
                     "model.norm.weight": bf16(h)}
         else:
             for n, d in (("input_layernorm", h), ("post_attention_layernorm", h), ("self_attn.q_a_layernorm", q_lora),
@@ -77,31 +104,34 @@ def make_deepseek_fp8_checkpoint(folder: Path, layers: int) -> None:
             for n, shape in (("q_a_proj", (q_lora, h)), ("q_b_proj", (heads * (nope + rope), q_lora)),
                              ("kv_a_proj_with_mqa", (kv_lora + rope, h)), ("kv_b_proj", (heads * (nope + v), kv_lora)),
                              ("o_proj", (h, heads * v))):
-                fp8(part, f"{p}self_attn.{n}.weight", *shape)
-            mlps = [("mlp.", ff)] if i == 0 else [(f"mlp.experts.{x}.", moe_ff) for x in range(n_exp)] + [
+                linear(part, f"{p}self_attn.{n}.weight", *shape)
+            dense = i < dims.first_dense
+            mlps = [("mlp.", ff)] if dense else [(f"mlp.experts.{x}.", moe_ff) for x in range(n_exp)] + [
                 ("mlp.shared_experts.", moe_ff)]
             for prefix, width in mlps:
                 for n, shape in (("gate_proj", (width, h)), ("up_proj", (width, h)), ("down_proj", (h, width))):
-                    fp8(part, f"{p}{prefix}{n}.weight", *shape)
-            if i > 0:
+                    linear(part, f"{p}{prefix}{n}.weight", *shape)
+            if not dense:
                 part[f"{p}mlp.gate.weight"] = bf16(n_exp, h)
                 part[f"{p}mlp.gate.e_score_correction_bias"] = ("F32", rng.standard_normal(n_exp).astype(np.float32))
         fname = f"model-{i + 1:05d}-of-{layers + 1:05d}.safetensors"
         write_safetensors(folder / fname, part, {"format": "pt"})
         weight_map.update({n: fname for n in part})
     config = {
-        "architectures": ["DeepseekV3ForCausalLM"], "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 1,
+        "architectures": ["DeepseekV3ForCausalLM"], "bos_token_id": 0, "eos_token_id": 1,
+        "first_k_dense_replace": dims.first_dense,
         "hidden_size": h, "intermediate_size": ff, "kv_lora_rank": kv_lora, "max_position_embeddings": 163840,
         "moe_intermediate_size": moe_ff, "n_routed_experts": n_exp, "n_shared_experts": 1, "norm_topk_prob": True,
-        "num_attention_heads": heads, "num_experts_per_tok": 8, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_experts_per_tok": dims.used, "num_hidden_layers": layers,
         "num_key_value_heads": heads, "q_lora_rank": q_lora, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
         "rms_norm_eps": 1e-6, "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
-        "v_head_dim": v, "vocab_size": 320, "torch_dtype": "bfloat16",
+        "v_head_dim": v, "vocab_size": dims.vocab, "torch_dtype": "bfloat16",
         "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
                          "original_max_position_embeddings": 4096, "type": "yarn"},
-        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                "weight_block_size": [128, 128]},
     }
+    if fp8:
+        config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                         "weight_block_size": [128, 128]}
     _finish_checkpoint(folder, config, weight_map, DEEPSEEK_TOKENIZER)
 
 

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 from contextlib import ExitStack
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.table import Table
 
-from ikquant.cli_common import err, fail, out
+from ikquant.cli_common import MIN_TYPE, NO_DEFAULT_TIES, TIE, err, fail, out
 from ikquant.errors import IkError
 from ikrun.commands.accept import draft_pair, mtp_settings, mtp_target
 from ikrun.commands.common import load_model, memory_budget, progress_bar, read_text, run_plan
 from ikrun.commands.options import Evaluation, evaluation_options
 
 if TYPE_CHECKING:
+    from ikquant.mix_constraints import MixConstraints
     from ikquant.types import GGMLType
     from ikrun.model import Model
 
@@ -36,8 +38,9 @@ def sweep(
                                              "weight (e.g. 3.5,4.5) the sweep serves: measure each group at the "
                                              "cheapest type only, predict the other types from the weighted "
                                              "quantization error, and measure just the types the mixes at these "
-                                             "budgets choose (until they choose only measured ones); the other "
-                                             "rows are written as predicted (\"measured\": false)."),
+                                             "budgets choose (until they choose only measured ones), under "
+                                             "--tie/--min-type as ikrun mix chooses; the other rows are written as "
+                                             "predicted (\"measured\": false)."),
     chunks: Optional[str] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks; auto: 4 "
                                          "chunks, then 8, 16, ... (each round scores only its new chunks) until "
                                          "the ranking of the groups is stable (Kendall tau >= 0.9 between two "
@@ -68,6 +71,9 @@ def sweep(
     max_new: int = typer.Option(96, "--max-new", help="With --metric acceptance: new tokens per prompt."),
     block: Optional[int] = typer.Option(None, "--block", help="With --metric acceptance: block size (default: the "
                                         "draft's)."),
+    tie: list[str] = TIE,
+    no_default_ties: bool = NO_DEFAULT_TIES,
+    min_type: list[str] = MIN_TYPE,
     ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
     """How much each tensor costs: quantize one tensor (or group) at a time, swap it in, measure KL-divergence
@@ -116,8 +122,12 @@ def sweep(
     if chunks is not None and not auto and not chunks.strip().isdigit():
         fail(f"--chunks must be a number of chunks or auto, not {chunks!r}")
     bpws = _target_bpws(target_bpw) if target_bpw is not None else None
-    if bpws is not None and (auto or ray is not None):
-        fail("--target-bpw prunes a one-round local sweep: it does not go with --chunks auto or --ray")
+    if bpws is None and (tie or no_default_ties or min_type):
+        fail("--tie, --no-default-ties and --min-type decide what a --target-bpw sweep measures; an exhaustive "
+             "sweep measures every type (give them to ikrun mix)")
+    from ikquant.mix_constraints import MixConstraints
+
+    constraints = MixConstraints(tuple(tie), not no_default_ties, tuple(min_type))
     m = load_model(model, ev)
     try:
         type_list = _candidate_types(m, types)
@@ -142,15 +152,9 @@ def sweep(
         if bpws is not None:
             from ikrun.sweep.prune import check_budgets
 
-            check_budgets(m, groups, type_list, bpws)
+            check_budgets(m, groups, type_list, bpws, constraints)
     except IkError as exc:
         fail(str(exc))
-    if bpws is not None:
-        rows = _pruned_sweep(m, ev, text, all_tokens, group, imatrix, imat, groups, type_list, done, output,
-                             full_forward, bpws)
-        out.print(sweep_table(rows))
-        err.print(f"wrote {output}: {len(rows)} rows ({sum(1 for r in rows if r.measured)} measured)")
-        return
     with ExitStack() as stack:
         cluster = None
         if ray is not None:
@@ -161,10 +165,14 @@ def sweep(
             except IkError as exc:
                 fail(str(exc))
             err.print(f"Ray {ray}: {cluster.workers} workers of {cluster.threads} thread(s)", highlight=False)
+        pruning = (bpws, constraints) if bpws is not None else None
         rows = _sweep_rounds(m, ev, text, all_tokens, rounds, group, imatrix, imat, groups, type_list, done, output,
-                             full_forward, cluster, auto)
+                             full_forward, cluster, auto, pruning)
     out.print(sweep_table(rows))
-    err.print(f"wrote {output}: {len(rows)} measurements ({len(rows) - len(done)} new)")
+    if bpws is not None:
+        err.print(f"wrote {output}: {len(rows)} rows ({sum(1 for r in rows if r.measured)} measured)")
+    else:
+        err.print(f"wrote {output}: {len(rows)} measurements ({len(rows) - len(done)} new)")
     if plot is not None:
         from ikrun.sweep.plot import plot_sweep
 
@@ -249,20 +257,27 @@ def _acceptance_sweep(model: Path, target: Optional[Path], text: Path, types: st
 
 def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list[int], group: str,  # type: ignore[no-untyped-def]
                   imatrix: Optional[Path], imat, groups: dict[str, list[str]], type_list: list, done: list,
-                  output: Path, full_forward: bool, cluster, auto: bool) -> list:  # type: ignore[type-arg]
+                  output: Path, full_forward: bool, cluster, auto: bool,
+                  pruning: tuple[list[float], MixConstraints] | None = None) -> list:  # type: ignore[type-arg]
     """Measure the sweep on the first n chunks for every n of `rounds` (one round unless --chunks auto), each
-    round extending the last one's per-token scores; stop once two rounds rank the groups alike."""
+    round extending the last one's per-token scores; stop once two rounds rank the groups alike. With `pruning`
+    (the --target-bpw budgets and the mix's constraints) each round is a pruned sweep (ikrun/sweep/prune.py): its
+    measurements are those the pruning asks for, locally or on the cluster, and its rows the measured and
+    predicted ones together; rounds are compared on the rows both measured."""
     import tempfile
 
     from ikrun.eval.evaluate import open_base, perplexity
     from ikrun.sweep import run_sweep
     from ikrun.sweep.measure import AUTO_STABLE_TAU, Scored, rank_agreement, save_rows, sweep_header
+    from ikrun.sweep.prune import run_pruned_sweep
 
     scored: Scored = {}
     previous: list | None = None  # type: ignore[type-arg]
     rows: list = list(done)  # type: ignore[type-arg]
     for k, n in enumerate(rounds):
         header = sweep_header(m, text, all_tokens.shape[1], n, group, imatrix)
+        if pruning is not None:
+            header = {**header, "target_bpw": pruning[0], "constraints": asdict(pruning[1])}
         chunk_tokens = all_tokens[:n]
         todo = len(groups) * len(type_list) - sum(1 for r in done if r.group in groups)
         base_plan = run_plan(m, n, all_tokens.shape[1], ev)
@@ -270,25 +285,46 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
             base_path = Path(tmp) / "base.kld"
             task = bar.add_task(f"base logits ({n} chunks)", total=n)
             perplexity(m, chunk_tokens, base_path, lambda i, _: bar.update(task, completed=i), base_plan)
-            bar.update(task, description="sweep", completed=0, total=max(todo, 0))
+            bar.update(task, description="pruned sweep" if pruning else "sweep", completed=0,
+                       total=None if pruning else max(todo, 0))
             rows = list(done)
+            base = open_base(base_path, m)
+            pool = None
+            if cluster is not None:
+                from ikrun.sweep.cluster import WorkerPool
+
+                pool = WorkerPool()  # the round's workers, for all its batches
 
             def on_row(row) -> None:  # type: ignore[no-untyped-def]
                 rows.append(row)
                 save_rows(output, header, rows)
                 bar.update(task, advance=1, description=f"{row.group} {row.type}")
 
+            def measure(jobs: set[tuple[str, str]] | None, already: list) -> list:  # type: ignore[type-arg]
+                return run_sweep(m, base, groups, type_list, imat, already, on_row, spill_dir=ev.spill_dir,
+                                 full_forward=full_forward, scored=scored, cluster=cluster,
+                                 worker_mem=_worker_mem(ev, cluster) if cluster is not None else None,
+                                 on_event=lambda msg: err.print(msg), only=jobs, pool=pool)
+
             try:
-                run_sweep(m, open_base(base_path, m), groups, type_list, imat, done, on_row, spill_dir=ev.spill_dir,
-                          full_forward=full_forward, scored=scored, cluster=cluster,
-                          worker_mem=_worker_mem(ev, cluster) if cluster is not None else None,
-                          on_event=lambda msg: err.print(msg))
+                if pruning is None:
+                    measure(None, done)
+                else:
+                    result = run_pruned_sweep(m, groups, type_list, imat, pruning[0], done,
+                                              lambda jobs: measure(jobs, []), pruning[1])
+                    rows = result.rows
+                    save_rows(output, header, rows)
             except IkError as exc:
                 bar.stop()
                 fail(str(exc))
+            finally:
+                if pool is not None:
+                    pool.close(cluster.ray)
+        if pruning is not None:
+            err.print(result.summary(), highlight=False)
         if auto:
             if previous is not None:
-                tau = rank_agreement(previous, rows)
+                tau = rank_agreement([r for r in previous if r.measured], [r for r in rows if r.measured])
                 stable = tau >= AUTO_STABLE_TAU
                 err.print(f"--chunks auto: {rounds[k - 1]} -> {n} chunks, rank agreement "
                           f"(least Kendall tau over types) {tau:.3f}"
@@ -316,51 +352,6 @@ def _target_bpws(value: str) -> list[float]:
     if not bpws or any(not b > 0 for b in bpws):
         fail(f"--target-bpw {value!r} is not a comma-separated list of bits per weight (e.g. 3.5,4.5)")
     return bpws
-
-
-def _pruned_sweep(m: Model, ev: Evaluation, text: Path, all_tokens, group: str, imatrix: Optional[Path], imat,  # type: ignore[no-untyped-def]
-                  groups: dict[str, list[str]], type_list: list, done: list, output: Path, full_forward: bool,  # type: ignore[type-arg]
-                  bpws: list[float]) -> list:  # type: ignore[type-arg]
-    """`ikrun sweep --target-bpw`: the base logits once, then the measurements the pruning asks for
-    (ikrun/sweep/prune.py), each row saved as it comes; finally the measured and predicted rows together."""
-    import tempfile
-
-    from ikrun.eval.evaluate import open_base, perplexity
-    from ikrun.sweep import run_sweep
-    from ikrun.sweep.measure import save_rows, sweep_header
-    from ikrun.sweep.prune import run_pruned_sweep
-
-    n = len(all_tokens)
-    header = {**sweep_header(m, text, all_tokens.shape[1], n, group, imatrix), "target_bpw": bpws}
-    rows = [r for r in done if r.measured]
-    with tempfile.TemporaryDirectory() as tmp, progress_bar() as bar:
-        base_path = Path(tmp) / "base.kld"
-        task = bar.add_task(f"base logits ({n} chunks)", total=n)
-        perplexity(m, all_tokens, base_path, lambda i, _: bar.update(task, completed=i),
-                   run_plan(m, n, all_tokens.shape[1], ev))
-        base = open_base(base_path, m)
-        bar.update(task, description="pruned sweep", completed=0, total=None)
-
-        def measure(subset: dict[str, list[str]], qtype) -> list:  # type: ignore[no-untyped-def, type-arg]
-            new: list = []  # type: ignore[type-arg]
-
-            def on_row(row) -> None:  # type: ignore[no-untyped-def]
-                rows.append(row)
-                new.append(row)
-                save_rows(output, header, rows)
-                bar.update(task, advance=1, description=f"{row.group} {row.type}")
-
-            run_sweep(m, base, subset, [qtype], imat, [], on_row, spill_dir=ev.spill_dir, full_forward=full_forward)
-            return new
-
-        try:
-            result = run_pruned_sweep(m, groups, type_list, imat, bpws, done, measure)
-        except IkError as exc:
-            bar.stop()
-            fail(str(exc))
-    save_rows(output, header, result.rows)
-    err.print(result.summary(), highlight=False)
-    return result.rows
 
 
 def _worker_mem(ev: Evaluation, cluster) -> int | None:  # type: ignore[no-untyped-def]

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from ikquant.types import GGMLType
     from ikrun.eval.metrics import BaseLogitsFile
     from ikrun.model import Model
+    from ikrun.sweep.cluster import WorkerPool
 
 
 def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], types: list[GGMLType],
@@ -24,17 +25,20 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
               spill_dir: Path | None = None, full_forward: bool = False, scored: Scored | None = None,
               cluster: Cluster | None = None, worker_mem: int | None = None,
               on_event: Callable[[str], None] | None = None,
-              on_workers: Callable[[list[Any]], None] | None = None) -> list[SweepRow]:
-    """Measure every (group, type) not in `done` against `base`; `on_row` sees each new row as soon as it exists.
+              on_workers: Callable[[list[Any]], None] | None = None,
+              only: set[tuple[str, str]] | None = None, pool: WorkerPool | None = None) -> list[SweepRow]:
+    """Measure every (group, type) not in `done` (of those in `only`, when given) against `base`; `on_row` sees each new row as soon as it exists.
     With `scored`, each measurement extends what was scored before (and its entry is updated). Each evaluation
     starts at the first block its group can change, unless `full_forward`.
 
     Locally the next candidate is quantized in a second thread while the current one is evaluated. With `cluster`,
     each Ray worker loads the model file (at `worker_mem` bytes each; None: its node's share) and the imatrix file
     itself and measures candidates the driver hands out; a lost worker is replaced and its candidate rerun
-    (`on_event` hears of it, `on_workers` sees the worker handles)."""
+    (`on_event` hears of it, `on_workers` sees the worker handles); `pool` keeps the workers between calls (the
+    batches of one pruned sweep round: ikrun/sweep/cluster.py)."""
     if cluster is None:
-        return measure_locally(model, base, groups, types, imatrix, done, on_row, spill_dir, full_forward, scored)
+        return measure_locally(model, base, groups, types, imatrix, done, on_row, spill_dir, full_forward, scored,
+                               only)
     from ikrun.sweep.cluster import WorkerSpec, measure_on_cluster
 
     if imatrix is not None and imatrix.path is None:
@@ -43,4 +47,4 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
                       model.stream, str(imatrix.path.resolve()) if imatrix is not None and imatrix.path else None,
                       str(spill_dir) if spill_dir else None, full_forward)
     return measure_on_cluster(cluster, spec, base.path, groups, types, done, on_row, on_event or (lambda _: None),
-                              scored, on_workers)
+                              scored, on_workers, only, pool)

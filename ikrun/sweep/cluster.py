@@ -103,25 +103,47 @@ class SweepWorker:
         return self.measurer.measure(ready.result() if ready is not None else self._prepare(job), prior)
 
 
+class WorkerPool:
+    """The Ray workers of one sweep round, kept between its batches of measurements (a pruned sweep asks for its
+    measurements in several): started by the first batch, each loading the model and recording its block inputs
+    once; the caller closes the pool."""
+
+    def __init__(self) -> None:
+        self.workers: list[Any] = []
+        self.actor: Any = None
+        self.blob: Any = None
+
+    def close(self, ray: Any) -> None:
+        for w in self.workers:
+            ray.kill(w)
+        self.workers.clear()
+
+
 def measure_on_cluster(cluster: Cluster, spec: WorkerSpec, base_path: Path, groups: dict[str, list[str]],
                        types: list[GGMLType], done: list[SweepRow], on_row: Callable[[SweepRow], None],
                        on_event: Callable[[str], None], scored: Scored | None = None,
-                       on_workers: Callable[[list[Any]], None] | None = None) -> list[SweepRow]:
+                       on_workers: Callable[[list[Any]], None] | None = None,
+                       only: set[tuple[str, str]] | None = None, pool: WorkerPool | None = None) -> list[SweepRow]:
     """run_sweep's rows (ikrun/sweep/__init__.py), measured by `cluster.workers` Ray workers (`on_workers` sees the
-    worker handles once they are started, and again when one is replaced)."""
+    worker handles once they are started, and again when one is replaced), those of `pool` when given (started
+    there if it has none; left running), else workers started and stopped for this call."""
     ray = cluster.ray
     from ray.exceptions import RayActorError
 
-    jobs = deque(pending_jobs(groups, types, done))
+    jobs = deque(pending_jobs(groups, types, done, only))
     rows = list(done)
     if not jobs:
         return rows
-    blob = ray.put(np.fromfile(base_path, dtype=np.uint8))
-    actor = ray.remote(num_cpus=cluster.threads, max_restarts=0, max_task_retries=0)(SweepWorker)
-    workers = [actor.remote(spec, blob) for _ in range(min(cluster.workers, len(jobs)))]
-    _ready(ray, workers)
-    if on_workers is not None:
-        on_workers(list(workers))
+    own = pool is None
+    pool = pool if pool is not None else WorkerPool()
+    if not pool.workers:
+        pool.blob = ray.put(np.fromfile(base_path, dtype=np.uint8))
+        pool.actor = ray.remote(num_cpus=cluster.threads, max_restarts=0, max_task_retries=0)(SweepWorker)
+        pool.workers.extend(pool.actor.remote(spec, pool.blob) for _ in range(min(cluster.workers, len(jobs))))
+        _ready(ray, pool.workers)
+        if on_workers is not None:
+            on_workers(list(pool.workers))
+    workers, actor, blob = pool.workers, pool.actor, pool.blob
     losses, allowed = 0, LOSSES_PER_WORKER * len(workers)
     inflight: dict[Any, tuple[Any, tuple[str, list[str], GGMLType]]] = {}
     reserved: dict[Any, tuple[str, list[str], GGMLType]] = {}  # the job each worker is quantizing ahead
@@ -168,8 +190,8 @@ def measure_on_cluster(cluster: Cluster, spec: WorkerSpec, base_path: Path, grou
             rows.append(row)
             on_row(row)
     finally:
-        for w in workers:
-            ray.kill(w)
+        if own:
+            pool.close(ray)
     return rows
 
 

@@ -313,23 +313,24 @@ class Measurer:
 
 
 def pending_jobs(groups: dict[str, list[str]], types: list[GGMLType], done: Sequence[Measured],
-                 ) -> list[tuple[str, list[str], GGMLType]]:
-    """Every (group, tensors, type) that `done` has no row for, in sweep order."""
+                 only: set[tuple[str, str]] | None = None) -> list[tuple[str, list[str], GGMLType]]:
+    """Every (group, tensors, type) that `done` has no row for (and `only` names, when given), in sweep order."""
     finished = {r.key for r in done}
-    return [(g, names, t) for g, names in groups.items() for t in types if (g, t.name) not in finished]
+    return [(g, names, t) for g, names in groups.items() for t in types
+            if (g, t.name) not in finished and (only is None or (g, t.name) in only)]
 
 
 def measure_locally(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], types: list[GGMLType],
                     imatrix: Imatrix | None, done: list[SweepRow], on_row: Callable[[SweepRow], None],
                     spill_dir: Path | None = None, full_forward: bool = False,
-                    scored: Scored | None = None) -> list[SweepRow]:
+                    scored: Scored | None = None, only: set[tuple[str, str]] | None = None) -> list[SweepRow]:
     """run_sweep in this process (ikrun/sweep/__init__.py).
 
     The next measurement's quantization runs in a second thread while the current one is evaluated (the kernels
     release the GIL), so the sweep costs little more than its evaluations. Each evaluation starts at the first
     block its group can change, unless `full_forward`.
     """
-    jobs = pending_jobs(groups, types, done)
+    jobs = pending_jobs(groups, types, done, only)
     rows = list(done)
     if not jobs:
         return rows

@@ -7,9 +7,14 @@ mean squared activation times the squared weight error, or the plain squared err
 is then measured at one anchor type (the cheapest swept type: the largest, least noisy effect), which gives its
 sensitivity (measured KLD per unit of weighted error); another type's KLD is predicted as sensitivity x its error,
 the sensitivity taken from the group's measured type nearest in error (the anchor at first). The mixes at the
-budgets are chosen from these costs (ikquant/mix.py), and each chosen (group, type) not measured yet is measured
-and the mixes chosen again, until every type the mixes choose was measured. The rest are written
+budgets are chosen from these costs by the mix's own function under the mix's constraints (ties, bounds and the
+exchange repair: ikquant/mix_constraints.py, ikquant/mix.py), and each chosen (group, type) not measured yet is
+measured and the mixes chosen again, until every type the mixes choose was measured. The rest are written
 as predicted rows ("measured": false, with the prediction and its basis).
+
+Under the constraints a tie is one choice: its groups are anchored at the cheapest type all of them may take and
+measured together at every type the mix chooses for the tie; a bounded group is anchored at its cheapest allowed
+type and never measured below its bound.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 from ikquant.errors import IkError
 from ikquant.imatrix import Imatrix
 from ikquant.mix import Option, choose_mix
+from ikquant.mix_constraints import MixConstraints, constrained
 from ikquant.types import GGMLType
 from ikrun.errors import SweepError
 from ikrun.model import Model
@@ -97,15 +103,73 @@ def budget_bits(model: Model, groups: dict[str, list[str]], bpw: float) -> float
     return bpw * n_weights - fixed
 
 
-def check_budgets(model: Model, groups: dict[str, list[str]], types: list[GGMLType], bpws: list[float]) -> None:
-    """Refuse a --target-bpw the swept types cannot reach, before anything is measured."""
-    least = sum(min(8 * sum(stored_bytes(model, n, t) for n in names) for t in types) for names in groups.values())
-    most = sum(max(8 * sum(stored_bytes(model, n, t) for n in names) for t in types) for names in groups.values())
-    for bpw in bpws:
-        bits = budget_bits(model, groups, bpw)
-        if not least <= bits <= most:
-            side = "below the cheapest" if bits < least else "above the most expensive"
-            raise SweepError(f"--target-bpw {bpw:g} is {side} mix of the swept types")
+class Decision:
+    """The pruned sweep's choices made as the mix makes them: the groups' options (priced per stored type, as the
+    sweep file gives them to `ikrun mix`) under the mix's constraints, and the way back from a tie's chosen option
+    to each of its groups' asked type."""
+
+    def __init__(self, model: Model, groups: dict[str, list[str]], types: list[GGMLType],
+                 constraints: MixConstraints):
+        self.model, self.groups, self.types, self.constraints = model, groups, types, constraints
+        self.stored = {(g, t.name): _stored_name(model, names, t) for g, names in groups.items() for t in types}
+        self.bits = {(g, t.name): 8 * sum(stored_bytes(model, n, t) for n in names)
+                     for g, names in groups.items() for t in types}
+        self.row_length = {n: model.weights.info(n).n_per_row for names in groups.values() for n in names}
+        self.group_of = {n: g for g, names in groups.items() for n in names}
+
+    def options(self, cost: Callable[[str, str], float]) -> tuple[dict[str, list[str]], dict[str, list[Option]]]:
+        """The constrained units (a tie's groups merged) and their options, each (group, type) at `cost`."""
+        options = {g: [Option(self.stored[(g, t.name)], self.bits[(g, t.name)], cost(g, t.name)) for t in self.types]
+                   for g in self.groups}
+        return constrained(self.groups, options, self.constraints, self.row_length)
+
+    def members(self, unit: list[str], option: Option) -> set[tuple[str, str]]:
+        """The (group, asked type) pairs a unit's option stands for: each of its groups at the first swept type
+        stored as the option's type."""
+        out = set()
+        for g in dict.fromkeys(self.group_of[n] for n in unit):
+            out.add((g, next(t.name for t in self.types if self.stored[(g, t.name)] == option.type)))
+        return out
+
+    def anchors(self) -> set[tuple[str, str]]:
+        """Each unit's cheapest allowed option, for all its groups."""
+        units, options = self.options(lambda g, t: 0.0)
+        return {key for u, names in units.items() for key in self.members(names, min(options[u], key=lambda o: o.bits))}
+
+    def chosen(self, cost: Callable[[str, str], float], bpws: list[float]) -> set[tuple[str, str]]:
+        """The (group, type) pairs the mixes at `bpws` choose with these costs."""
+        units, options = self.options(cost)
+        out = set()
+        for bpw in bpws:
+            try:
+                mix = choose_mix(units, options, budget_bits(self.model, self.groups, bpw))
+            except IkError as exc:
+                raise SweepError(f"--target-bpw {bpw:g}: {exc}") from None
+            out |= {key for u, o in mix.choice.items() for key in self.members(units[u], o)}
+        return out
+
+    def check_budgets(self, bpws: list[float]) -> None:
+        """Refuse a --target-bpw the swept types cannot reach under the constraints, before anything is measured."""
+        _, options = self.options(lambda g, t: 0.0)
+        least = sum(min(o.bits for o in opts) for opts in options.values())
+        most = sum(max(o.bits for o in opts) for opts in options.values())
+        for bpw in bpws:
+            bits = budget_bits(self.model, self.groups, bpw)
+            if not least <= bits <= most:
+                side = "below the cheapest" if bits < least else "above the most expensive"
+                raise SweepError(f"--target-bpw {bpw:g} is {side} mix of the swept types"
+                                 + (" under --min-type" if self.constraints.min_types else ""))
+
+
+def _stored_name(model: Model, names: list[str], gtype: GGMLType) -> str:
+    return "+".join(sorted({stored_type(model, n, gtype)[0].name for n in names}))
+
+
+def check_budgets(model: Model, groups: dict[str, list[str]], types: list[GGMLType], bpws: list[float],
+                  constraints: MixConstraints) -> None:
+    """Refuse a --target-bpw the swept types cannot reach (under the constraints), or constraints the mix would
+    refuse, before anything is measured."""
+    Decision(model, groups, types, constraints).check_budgets(bpws)
 
 
 @dataclass
@@ -117,11 +181,14 @@ class PrunedSweep:
     n_predicted: int
     #: (predicted, measured) mean KLD of the rows measured besides the anchors
     checks: list[tuple[float, float]]
+    #: the batches of measurements asked for (the anchors, then one per choice that met unmeasured types)
+    rounds: int = 0
 
     def summary(self) -> str:
         total = self.n_measured + self.n_predicted
         text = (f"--target-bpw: measured {self.n_measured} of {total} (group, type) candidates, predicted "
-                f"{self.n_predicted} ({100 * self.n_predicted / max(total, 1):.0f}% skipped)")
+                f"{self.n_predicted} ({100 * self.n_predicted / max(total, 1):.0f}% skipped) in {self.rounds} "
+                "rounds of measurements")
         ratios = [m / p for p, m in self.checks if p > 0 and m > 0]
         if ratios:
             logs = np.abs(np.log(ratios))
@@ -133,21 +200,24 @@ class PrunedSweep:
 
 def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGMLType], imatrix: Imatrix | None,
                      bpws: list[float], done: list[SweepRow],
-                     measure: Callable[[dict[str, list[str]], GGMLType], list[SweepRow]]) -> PrunedSweep:
-    """The pruned sweep: `measure(groups, type)` measures those groups at one type (and records the rows); `done`
-    holds rows an earlier run measured; the budgets must be reachable (check_budgets)."""
+                     measure: Callable[[set[tuple[str, str]]], list[SweepRow]],
+                     constraints: MixConstraints | None = None) -> PrunedSweep:
+    """The pruned sweep: `measure(jobs)` measures those (group, type) pairs (and records the rows); `done` holds
+    rows an earlier run measured; the budgets must be reachable (check_budgets); the mixes are chosen under
+    `constraints` (default: the mix's default ties)."""
+    decision = Decision(model, groups, types, constraints or MixConstraints())
     prior = priors(model, groups, types, imatrix)
-    anchor = min(types, key=lambda t: sum(prior[(g, t.name)].bytes_new for g in groups))
     measured = {r.key: r for r in done if r.measured}
+    rounds = 0
 
     def run(jobs: set[tuple[str, str]]) -> None:
-        for t in types:
-            todo = {g: groups[g] for g, tn in sorted(jobs) if tn == t.name}
-            if todo:
-                for r in measure(todo, t):
-                    measured[r.key] = r
+        nonlocal rounds
+        if jobs:
+            rounds += 1
+            for r in measure(jobs):
+                measured[r.key] = r
 
-    run({(g, anchor.name) for g in groups} - measured.keys())
+    run(decision.anchors() - measured.keys())
 
     def predicted(g: str, tname: str) -> tuple[float, str]:
         """The KLD of (g, tname) from the group's measured type of the nearest weighted error (log scale), and its
@@ -159,19 +229,12 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
         basis = f"the {ref} measurement x weighted quantization error {err:.4g} / {ref_err:.4g} at {ref}"
         return (kld * err / ref_err, basis) if ref_err > 0 else (kld, f"the {ref} measurement (no error there)")
 
+    def cost(g: str, tname: str) -> float:
+        return max(measured[(g, tname)].kld_mean, 0.0) if (g, tname) in measured else predicted(g, tname)[0]
+
     forecast: dict[tuple[str, str], tuple[float, str]] = {}  # what was predicted of a row before it was measured
     while True:
-        options = {g: [Option(t.name, 8 * prior[(g, t.name)].bytes_new,
-                              max(measured[(g, t.name)].kld_mean, 0.0) if (g, t.name) in measured
-                              else predicted(g, t.name)[0]) for t in types] for g in groups}
-        chosen = set()
-        for bpw in bpws:
-            try:
-                mix = choose_mix(groups, options, budget_bits(model, groups, bpw))
-            except IkError as exc:
-                raise SweepError(f"--target-bpw {bpw:g}: {exc}") from None
-            chosen |= {(g, o.type) for g, o in mix.choice.items()}
-        missing = chosen - measured.keys()
+        missing = decision.chosen(cost, bpws) - measured.keys()
         if not missing:
             break
         forecast.update({key: predicted(*key) for key in missing})
@@ -196,4 +259,4 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
                                  8.0 * p.bytes_new / n_weights, kld, nan, nan, nan, nan, nan, nan, 0.0, p.fallback,
                                  measured=False, prediction=kld, basis=basis))
     n_measured = sum(1 for r in rows if r.measured)
-    return PrunedSweep(rows, n_measured, len(rows) - n_measured, checks)
+    return PrunedSweep(rows, n_measured, len(rows) - n_measured, checks, rounds)
