@@ -93,6 +93,12 @@ class WeightStore:
         #: set while a layer-streamed pass runs (ikrun/eval/stream.py): every weight is used once, nothing worth
         #: caching
         self.streaming = False
+        #: set while a layer-streamed pass takes its chunks through each block in several groups: every group meets
+        #: the block's experts again, so what is decoded or converted of single experts is kept for the next group
+        #: (until the block's tensors are evicted) where it fits beside what the cache holds; never in place of
+        #: other entries: the experts come back in the same order each group, so evicting the first for the last
+        #: would keep none of them until they are needed again
+        self.regrouped = False
         #: encoded bytes decoded so far, per tensor (whole tensors, expert matrices and rows alike)
         self.reads: Counter[str] = Counter()
         # the file encoding's decoded copy, set aside while a swap is in place: a sweep restores every tensor it
@@ -100,6 +106,12 @@ class WeightStore:
         self._stash: dict[str, tuple[np.ndarray, bytes]] = {}
         #: tensor -> cache keys of values made from it among others (`derived`'s `also`), forgotten with it
         self._made_from: dict[str, set[CacheKey]] = {}
+
+    @property
+    def keeps_experts(self) -> bool:
+        """Whether single experts' decodings and conversions are cached: outside a streamed pass (each evaluation
+        meets them again), or in one that meets a block in several groups."""
+        return not self.streaming or self.regrouped
 
     def fits(self, n_bytes: int) -> bool:
         """Whether a decoded copy of `n_bytes` may be cached."""
@@ -162,9 +174,10 @@ class WeightStore:
             i = self._source[name][0]
             self.shards[i].file.release(name)
 
-    def _keep(self, key: CacheKey, value: Sized, fingerprint: bytes) -> None:
-        """Cache `value` under `key` if it fits the capacity, evicting the least recently used entries first."""
-        if self.capacity is not None and value.nbytes > self.capacity:
+    def _keep(self, key: CacheKey, value: Sized, fingerprint: bytes, make_room: bool = True) -> None:
+        """Cache `value` under `key` if it fits the capacity, evicting the least recently used entries first
+        (`make_room`), else only into room left free."""
+        if self.capacity is not None and value.nbytes > self.capacity - (0 if make_room else self._cached_bytes):
             return
         if self.capacity is not None:
             self._stash.clear()  # set-aside copies are the first thing a bounded cache gives up
@@ -215,7 +228,7 @@ class WeightStore:
     def derived_expert(self, name: str, expert: int, make: Callable[[np.ndarray, np.ndarray], D],
                        keep: bool = True, kind: int = PACKED) -> D:
         """What `derived` makes, for one matrix of a 3-D expert tensor (ik's integers of a routed expert); cached
-        when `keep` (a layer-streamed pass uses each expert once and keeps nothing)."""
+        when `keep` (`keeps_experts`: a layer-streamed pass that meets each expert once keeps nothing)."""
         key = (name, expert, kind)
         hit = self._lookup(key)
         if hit is not None:
@@ -227,7 +240,7 @@ class WeightStore:
         value = make(raw, whole[expert] if whole is not None else self._decode_rows(name, enc, raw, cols))
         self._release(name)
         if keep:
-            self._keep(key, value, b"")
+            self._keep(key, value, b"", make_room=not self.streaming)
         return value
 
     def integers(self, name: str) -> np.ndarray:
@@ -260,7 +273,7 @@ class WeightStore:
         """Matrices `experts` of a 3-D expert tensor [E, rows, cols] in float32, [len(experts), rows, cols].
 
         Taken from the whole tensor's decoded copy when it is cached, else decoded per expert (and cached when
-        `keep`: a layer-streamed pass uses each expert once and keeps nothing).
+        `keep`: `keeps_experts`).
         """
         whole = self.cached_array(name)
         if whole is not None:
@@ -280,7 +293,7 @@ class WeightStore:
                 raw = enc.raw.reshape(n_expert, rows, -1)
             out[j] = self._decode_rows(name, enc, raw[e], cols).reshape(rows, cols)
             if keep:
-                self._keep((name, e), out[j].copy(), b"")
+                self._keep((name, e), out[j].copy(), b"", make_room=not self.streaming)
         if enc is not None:
             self._release(name)
         return out

@@ -198,7 +198,8 @@ def test_tile_and_scalar_kernels_give_the_same_bits(block: int, fmt: str, offset
 
 @pytest.mark.parametrize("tiled", [False, True])
 def test_any_thread_count_gives_the_same_bits(tiled: bool) -> None:
-    """Large enough for the parallel kernel: a thread owns whole 16-row groups, so one or two change nothing."""
+    """Large enough for the parallel kernel: a task (a weight group against a panel of rows) computes its outputs
+    whole whichever thread claims it, so one or two change nothing."""
     rng = np.random.default_rng(3)
     w, x = _weights(rng, 512, 1024, 32, False), rng.standard_normal((64, 1024)).astype(np.float32)
     rows, packed = integer_rows(x, Q8_2_X4), pack(w)
@@ -211,6 +212,21 @@ def test_any_thread_count_gives_the_same_bits(tiled: bool) -> None:
     finally:
         numba.set_num_threads(before)
     np.testing.assert_array_equal(one, two)
+
+
+def test_work_claimed_in_small_tasks_is_computed_once() -> None:
+    """Few weight groups and many rows: the threads claim row panels of each group from a shared counter; every
+    output is computed exactly once (the kernels add to the output, so a task run twice or never shows)."""
+    rng = np.random.default_rng(5)
+    w, x = _weights(rng, 64, 2048, 32, False), rng.standard_normal((203, 2048)).astype(np.float32)
+    rows, packed = integer_rows(x, Q8_2_X4), pack(w)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        for _ in range(5):
+            np.testing.assert_array_equal(qmatmul(rows, packed, tiled=True), qmatmul(rows, packed, tiled=False))
+    finally:
+        numba.set_num_threads(before)
 
 
 @pytest.mark.parametrize("fmt", [Q8_2_X4, Q8_K])

@@ -4,6 +4,7 @@ block once, spill hidden states to disk when asked to, and refuse budgets they c
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +77,32 @@ def test_each_block_is_read_once_per_pass_whatever_the_chunk_count(data_dir: Pat
     assert all(reads[6][n] >= reads[2][n] for n in reads[2])  # more chunks route to more experts, never re-read
     assert {n: r for n, r in reads[6].items() if "_exps" not in n} == \
         {n: r for n, r in reads[2].items() if "_exps" not in n}
+
+
+@pytest.mark.parametrize("numerics", ["exact", "ik"])
+def test_a_pass_in_several_groups_converts_each_expert_once_where_it_fits(data_dir: Path, numerics: str) -> None:
+    """Chunks taken through each block one at a time: the experts decoded (exact) or converted to ik's integers
+    for the first chunk serve the next ones while the cache has room (read once per pass), and are read again per
+    chunk without it; the logits are the chunk-by-chunk run's either way. Under --numerics ik an expert has two
+    forms (its stored integers below ik's conversion threshold of routed tokens, the converted ones from it on),
+    each read once."""
+    options = RuntimeOptions(numerics=numerics)
+    free = Model(_path(data_dir, "deepseek2"), options=options)
+    chunks = _chunks(free, 4)
+    expected = _logits(free, chunks, plan_run(free, 4, CTX, one_pass=False))
+    expert_reads = {}
+    for room in (True, False):
+        m = Model(_path(data_dir, "deepseek2"), options=options)
+        m.mem = minimum_budget(m, CTX)
+        plan = replace(plan_run(m, 4, CTX, one_pass=True), group=1, cache_capacity=None if room else 0)
+        for a, b in zip(expected, _logits(m, chunks, plan)):
+            np.testing.assert_array_equal(a, b)
+        reads = {n: r for n, r in m.weights.reads.items() if "_exps" in n}
+        if room:
+            forms = 2 if numerics == "ik" else 1
+            assert all(r <= forms * m.weights.encoded_bytes(n) for n, r in reads.items())
+        expert_reads[room] = sum(reads.values())
+    assert expert_reads[False] > expert_reads[True] > 0
 
 
 def test_hidden_states_spill_to_disk_and_the_file_is_removed(data_dir: Path, tmp_path: Path) -> None:

@@ -292,6 +292,7 @@ def _streamed(model: Model, fed: dict[int, np.ndarray], plan: StreamPlan, window
     hidden: _Hidden | None = None
     read0 = sum(weights.reads.values())
     model.weights.streaming = True
+    model.weights.regrouped = plan.group < n_chunk
     try:
         for k, (c, tokens) in enumerate(fed.items()):
             model.ctx.chunk = c
@@ -323,7 +324,7 @@ def _streamed(model: Model, fed: dict[int, np.ndarray], plan: StreamPlan, window
             seq.state.clear()
             yield seq.index, logits[window[0] : window[1]]
     finally:
-        model.weights.streaming = False
+        model.weights.streaming = model.weights.regrouped = False
         if hidden is not None:
             hidden.close()
 

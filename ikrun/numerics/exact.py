@@ -307,7 +307,7 @@ class Numerics:
             if half is not None:
                 return half
             return self.convert_experts(name, ids, counts[ids],
-                                        self.weights.decode_experts(name, ids, not self.weights.streaming))
+                                        self.weights.decode_experts(name, ids, self.weights.keeps_experts))
 
         def fetch(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             up, gate, down = (matrices(name, ids) for name in names)

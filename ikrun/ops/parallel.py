@@ -3,6 +3,12 @@
 Starting Numba's thread pool costs tens of microseconds and, on a busy machine, far more (threads wait for a core
 while BLAS threads spin); for the small per-op arrays of small models a serial loop is faster. Each kernel is a
 per-row function inlined into a serial and a parallel driver; `pick` chooses by element count.
+
+Numba's `prange` hands each thread a fixed equal share of the iterations (its OpenMP layer schedules statically,
+whatever `set_parallel_chunksize` says; the workqueue layer too), so with another process busy on one core every
+parallel op waits for the thread that shares it. The hot kernels instead cut their work into many small tasks and
+let each thread take the next untaken one from a shared counter (`claim`): a thread that runs slower takes fewer.
+Which thread computes a task never changes what the task computes, so the bits do not depend on it.
 """
 
 from __future__ import annotations
@@ -18,9 +24,40 @@ if "OMP_WAIT_POLICY" not in os.environ:
     os.environ.setdefault("GOMP_SPINCOUNT", "1000")
 
 import numba  # noqa: E402  (after the environment libgomp reads when Numba loads it)
+import numpy as np  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import njit, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.core.extending import intrinsic  # noqa: E402
 
 #: below this many elements an op runs on one thread
 PARALLEL_MIN_ELEMENTS = 1 << 18
+
+
+#: tasks per thread a kernel that claims its work aims for: a thread slowed to a tenth waits on at most about one
+#: task of its own at the end, a small share of the op
+TASKS_PER_THREAD = 8
+
+
+@intrinsic
+def _fetch_add(typingctx, counter):  # type: ignore[no-untyped-def]
+    """counter[0] += 1 atomically; the value before."""
+    sig = types.int64(counter)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        slot = cgutils.get_item_pointer(context, builder, signature.args[0], array, [context.get_constant(types.intp, 0)])
+        return builder.atomic_rmw("add", slot, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def claim(counter: np.ndarray) -> int:
+    """The next untaken task of a parallel op (0, 1, ... across all its threads; `counter` a 1-element int64 array
+    starting at 0): its threads loop `for _ in prange(threads)` taking tasks until one is past the last (the thread
+    count comes as an argument: `numba.get_num_threads()` inside a kernel keeps it from Numba's cache)."""
+    return _fetch_add(counter)  # type: ignore[call-arg]  # Numba passes the typing context
 
 
 def pick(serial: Callable, parallel: Callable, n_elements: int) -> Callable:

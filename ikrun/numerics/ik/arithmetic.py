@@ -310,7 +310,7 @@ class IkNumerics(Numerics):
             return None
         converted = ik_kernel(self.weights.encoding(name).type.name).converts(count, self.weights.info(name).shape[1])
         return self.weights.derived_expert(name, expert, lambda raw, decoded: pack(ints(raw, decoded)),
-                                           keep=not self.weights.streaming, kind=PACKED + CONVERTED * converted)
+                                           keep=self.weights.keeps_experts, kind=PACKED + CONVERTED * converted)
 
     def convert_experts(self, name: str, ids: np.ndarray, counts: np.ndarray, mats: np.ndarray) -> np.ndarray:
         """In place: each expert as ik multiplies it for its token count (ik decides per expert: is_dequant_better on

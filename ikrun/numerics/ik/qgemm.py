@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import numpy as np
 from llvmlite import binding, ir
-from numba import config, njit, prange, types
+from numba import config, get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from ikquant.formats.numeric import fmaf
-from ikrun.ops.parallel import pick
+from ikrun.ops.parallel import TASKS_PER_THREAD, claim, pick
 
 #: the float order of a block's contribution: ORDER_PLAIN acc += f32(isum) x (w scale x a scale); ORDER_R8 ik's Q8_0_R8 gemm: the weights made unsigned (+127), acc = fma(w scale x a scale, f32(isum + 127 x
 #: a's integer sum), acc), a second acc1 = fma(w scale, a scale x a's integer sum, acc1), and at the end
@@ -526,11 +526,19 @@ def _tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block, nb,
 
 @njit(cache=True, nogil=True, parallel=True)
 def _tiled_parallel(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, block, nb, n, mp, panel,  # type: ignore[no-untyped-def]
-                   order):
-    for p0 in range(0, mp, panel):
-        for g in prange(n // (GROUPS * LANES)):
-            _tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, p0, min(mp, p0 + panel), block, nb,
-                        n, order)
+                   order, threads):
+    """The serial loops' (panel, call) pairs as tasks the `threads` threads claim in that order
+    (ikrun/ops/parallel.py)."""
+    calls = n // (GROUPS * LANES)
+    tasks = (mp + panel - 1) // panel * calls
+    counter = np.zeros(1, np.int64)
+    for _ in prange(threads):
+        task = claim(counter)
+        while task < tasks:
+            p0 = task // calls * panel
+            _tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, task % calls, p0, min(mp, p0 + panel), block, nb,
+                   n, order)
+            task = claim(counter)
 
 
 @njit(cache=True, nogil=True)
@@ -664,10 +672,15 @@ class IntRows:
         return IntRows(u=u, scale=scale, sums=sums, rows=m, block=self.block, isums=isums)
 
 
-def panel_rows(n: int) -> int:
+def panel_rows(n: int, mp: int = 0, calls: int = 0, threads: int = 1) -> int:
     """Activation rows multiplied by every weight group before the next rows: as many whole tiles as keep the
-    panel within PANEL_BYTES (in the core's own cache while the weights stream past)."""
-    return max(TILE, PANEL_BYTES // n // TILE * TILE)
+    panel within PANEL_BYTES (in the core's own cache while the weights stream past); fewer where `mp` rows against
+    `calls` kernel calls' weight groups would leave `threads` threads fewer than TASKS_PER_THREAD tasks each."""
+    panel = max(TILE, PANEL_BYTES // n // TILE * TILE)
+    if calls:
+        panels = -(-TASKS_PER_THREAD * threads // calls)
+        panel = min(panel, max(TILE, -(-mp // panels // TILE) * TILE))
+    return panel
 
 
 def qmatmul(x: IntRows, w: PackedInts, tiled: bool = True) -> np.ndarray:
@@ -685,8 +698,12 @@ def qmatmul(x: IntRows, w: PackedInts, tiled: bool = True) -> np.ndarray:
     mp, n_out = x.u.shape[0], w.scale.size // (w.n // w.block)
     out = np.zeros((mp, n_out), np.float32)  # the kernels add each block to what is there
     serial, parallel = (_tiled_serial, _tiled_parallel) if tiled else (_portable_serial, _portable_parallel)
-    pick(serial, parallel, mp * w.n * n_out // 64)(
-        w.q, w.scale, w.corr, w.offset, x.u.reshape(-1), x.scale.reshape(-1), x.sums.reshape(-1),
-        x.isums.reshape(-1), out.reshape(-1), w.block, w.n // w.block, n_out, mp, panel_rows(w.n),
-        w.order)
+    kernel = pick(serial, parallel, mp * w.n * n_out // 64)
+    args = (w.q, w.scale, w.corr, w.offset, x.u.reshape(-1), x.scale.reshape(-1), x.sums.reshape(-1),
+            x.isums.reshape(-1), out.reshape(-1), w.block, w.n // w.block, n_out, mp)
+    if kernel is _tiled_parallel:
+        threads = get_num_threads()
+        kernel(*args, panel_rows(w.n, mp, n_out // (GROUPS * LANES), threads), w.order, threads)
+    else:
+        kernel(*args, panel_rows(w.n), w.order)
     return out[: x.rows, : w.rows]
