@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 
 #: architectures whose ik arithmetic is not reproduced, with why
-UNREPRODUCED_ARCHS = {"gpt-oss": "ik's arithmetic of attention with sinks and a sliding window is not reproduced"}
+UNREPRODUCED_ARCHS: dict[str, str] = {}
 #: architectures whose ik graph hard-codes the full attention layers of a hybrid, whatever the file says
 FIXED_FULL_ATTENTION_INTERVAL = {"qwen3next": 4}
 #: architectures whose NextN head ik's loader strips of its own nextn.embed_tokens / shared_head_head ("model has
