@@ -90,3 +90,12 @@ def assert_iks_forward(model: Model, base: Path, printed: Path, out: Path) -> No
     res = perplexity(model, np.asarray(BaseLogitsFile(base).tokens), save_base=out)
     assert out.read_bytes() == base.read_bytes()
     assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(printed)
+
+
+def dequantized_f32(gguf: Path, out: Path) -> Path:
+    """`gguf` with every tensor decoded to F32, as ik's llama-quantize --allow-requantize F32 writes it."""
+    from ikquant.ftypes import file_type
+    from ikquant.quantize import QuantizeOptions, quantize_model
+
+    quantize_model(gguf, out, QuantizeOptions(file_type("F32"), allow_requantize=True))
+    return out

@@ -28,6 +28,7 @@ from tests.family_checks import (
     assert_iks_forward,
     assert_imatrix_equals_iks,
     assert_streamed_equals_chunk_by_chunk,
+    dequantized_f32,
     kld_json,
 )
 from tests.test_hot_reload import _copy_with, _requantized
@@ -68,6 +69,23 @@ def test_q8_0_file_gives_iks_printed_weight_error(family: str) -> None:
     assert abs(got["same_top_p"] - ik["same_top_p"]) <= 5.01e-6  # 3 decimals of a percentage
     for key in ("kld_max", "ppl_q", "ppl_base"):
         assert abs(got[key] - ik[key]) <= 1e-5 * ik[key], (key, got[key], ik[key])
+
+
+def _assert_prints(got: dict[str, Any], ik: dict[str, float]) -> None:
+    """Every figure of ik's KLD report (`ik`) is ours to its printed digits: 6 decimals, the same top p 3 decimals of
+    a percentage."""
+    for key, value in ik.items():
+        assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), (key, got[key], value)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_numerics_ik_prints_iks_report_of_the_q8_0_file_as_f32(family: str, tmp_path: Path) -> None:
+    """ik's run on its Q8_0 file dequantized to F32: with ik's float order every figure of the report to the printed
+    digits (mean KLD 0.015608 / 0.016474, max 1.168498 / 1.320835, PPL(Q) 544.119642 / 511.207656), which the exact
+    arithmetic misses (max KLD 1.168495, PPL(Q) 544.118691)."""
+    dequantized = dequantized_f32(DATA / "convert" / family / "ref-q8_0.gguf", tmp_path / "q8_0-as-f32.gguf")
+    got = kld_json(dequantized, DATA / "logits" / family / "ik-base.kld", "--numerics", "ik")
+    _assert_prints(got, _printed(DATA / "logits" / family / "ik-q8_0-as-f32-kld.txt"))
 
 
 @pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
@@ -206,11 +224,9 @@ def test_numerics_ik_on_the_q8_0_file_prints_iks_figures(family: str) -> None:
     choice for the routed experts: every figure of ik's report to its printed digits (mean KLD 0.020644 / 0.023922;
     without the router or the residual order some chunks' PPL moves by up to 2e-4 relative, and the mean KLD misses
     by 3e-6 / 1e-6)."""
-    ik = _printed(DATA / "logits" / family / "ik-q8_0-kld.txt")
     got = kld_json(DATA / "convert" / family / "ref-q8_0.gguf", DATA / "logits" / family / "ik-base.kld",
                    "--numerics", "ik")
-    for key, value in ik.items():  # printed with 6 decimals (same top p: 3 decimals of a percentage)
-        assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), (key, got[key], value)
+    _assert_prints(got, _printed(DATA / "logits" / family / "ik-q8_0-kld.txt"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
