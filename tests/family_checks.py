@@ -92,10 +92,10 @@ def assert_iks_forward(model: Model, base: Path, printed: Path, out: Path) -> No
     assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(printed)
 
 
-def dequantized_f32(gguf: Path, out: Path) -> Path:
-    """`gguf` with every tensor decoded to F32, as ik's llama-quantize --allow-requantize F32 writes it."""
+def ik_quantized(gguf: Path, out: Path, ftype: str) -> Path:
+    """`gguf` as ik's llama-quantize --allow-requantize writes it in file type `ftype` (F32: every tensor decoded)."""
     from ikquant.ftypes import file_type
     from ikquant.quantize import QuantizeOptions, quantize_model
 
-    quantize_model(gguf, out, QuantizeOptions(file_type("F32"), allow_requantize=True))
+    quantize_model(gguf, out, QuantizeOptions(file_type(ftype), allow_requantize=True))
     return out

@@ -27,8 +27,8 @@ from tests.convert_helpers import assert_same_gguf
 from tests.family_checks import (
     assert_iks_forward,
     assert_streamed_equals_chunk_by_chunk,
-    dequantized_f32,
     hf_variant,
+    ik_quantized,
     iks_running_ppl,
     kld_json,
     running_ppl,
@@ -105,7 +105,7 @@ IK = RuntimeOptions(numerics="ik")
 @pytest.fixture(scope="module")
 def dequantized(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ref-f32.gguf with its MXFP4 experts decoded to F32, as ik's llama-quantize --allow-requantize F32 writes it."""
-    return dequantized_f32(REF, tmp_path_factory.mktemp("gptoss-dequant") / "dequant.gguf")
+    return ik_quantized(REF, tmp_path_factory.mktemp("gptoss-dequant") / "dequant.gguf", "F32")
 
 
 def _assert_iks_forward(model: Path, base: Path, printed: Path, tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from tests.family_checks import (
     assert_iks_forward,
     assert_imatrix_equals_iks,
     assert_streamed_equals_chunk_by_chunk,
-    dequantized_f32,
+    ik_quantized,
     kld_json,
 )
 from tests.test_hot_reload import _copy_with, _requantized
@@ -79,13 +79,19 @@ def _assert_prints(got: dict[str, Any], ik: dict[str, float]) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_numerics_ik_prints_iks_report_of_the_q8_0_file_as_f32(family: str, tmp_path: Path) -> None:
-    """ik's run on its Q8_0 file dequantized to F32: with ik's float order every figure of the report to the printed
-    digits (mean KLD 0.015608 / 0.016474, max 1.168498 / 1.320835, PPL(Q) 544.119642 / 511.207656), which the exact
-    arithmetic misses (max KLD 1.168495, PPL(Q) 544.118691)."""
-    dequantized = dequantized_f32(DATA / "convert" / family / "ref-q8_0.gguf", tmp_path / "q8_0-as-f32.gguf")
-    got = kld_json(dequantized, DATA / "logits" / family / "ik-base.kld", "--numerics", "ik")
-    _assert_prints(got, _printed(DATA / "logits" / family / "ik-q8_0-as-f32-kld.txt"))
+@pytest.mark.parametrize(("source", "ftype", "report"), [("ref-q8_0.gguf", "F32", "ik-q8_0-as-f32-kld.txt"),
+                                                         ("ref-f32.gguf", "BF16", "ik-bf16-kld.txt")],
+                         ids=["q8_0-as-f32", "bf16"])
+def test_numerics_ik_prints_iks_report_of_float_files(family: str, source: str, ftype: str, report: str,
+                                                      tmp_path: Path) -> None:
+    """ik's runs on float files llama-quantize wrote (ikquant writes them byte for byte): its Q8_0 file dequantized to
+    F32 and ref-f32 in BF16 (its bf16 kernel on bf16-rounded activations). With ik's float order every figure of its
+    report to the printed digits (Q8_0 as F32: mean KLD 0.015608 / 0.016474, max 1.168498 / 1.320835, PPL(Q)
+    544.119642 / 511.207656, where the exact arithmetic gives max 1.168495, PPL(Q) 544.118691; BF16: mean KLD
+    0.001432 / 0.000783, PPL(Q) 541.752766 / 514.621027, same top 95.108% / 96.290%)."""
+    model = ik_quantized(DATA / "convert" / family / source, tmp_path / f"{ftype}.gguf", ftype)
+    got = kld_json(model, DATA / "logits" / family / "ik-base.kld", "--numerics", "ik")
+    _assert_prints(got, _printed(DATA / "logits" / family / report))
 
 
 @pytest.mark.parametrize("tiled", [False, True], ids=["grouped", "tiled"])
