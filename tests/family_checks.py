@@ -1,9 +1,11 @@
 """The checks every model family's tests make in the same way: ik's KLD report as JSON, the imatrix against ik's,
-streamed runs against chunk-by-chunk ones, and checkpoint variants with a changed config."""
+streamed runs against chunk-by-chunk ones, checkpoint variants with a changed config, and a --numerics ik forward
+against ik's saved base logits and the PPLs it printed."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,8 @@ from typer.testing import CliRunner
 from ikconvert import write_safetensors
 from ikquant.imatrix import read_imatrix_dat
 from ikrun.cli import app
+from ikrun.eval.evaluate import perplexity
+from ikrun.eval.metrics import BaseLogitsFile
 from ikrun.eval.stream import evaluate_chunks, minimum_budget, plan_run
 from ikrun.model import Model
 
@@ -66,3 +70,32 @@ def hf_variant(src: Path, tmp_path: Path, config: dict[str, Any],
         (hf / "model.safetensors").unlink()
         write_safetensors(hf / "model.safetensors", tensors)
     return hf
+
+
+def iks_running_ppl(printed: Path) -> list[str]:
+    """The PPL llama-perplexity prints after each chunk ([1]700.0754,[2]...)."""
+    return re.findall(r"\[\d+\](\d+\.\d+)", printed.read_text(errors="replace"))
+
+
+def running_ppl(nll: np.ndarray, n_chunk: int) -> list[str]:
+    """The same figures from our NLLs: ik sums the float32 NLLs in float64 and prints exp(mean) with 4 decimals."""
+    sums = np.cumsum(nll.reshape(n_chunk, -1).astype(np.float64).sum(axis=1))
+    return [f"{np.exp(total / ((i + 1) * (nll.size // n_chunk))):.4f}" for i, total in enumerate(sums)]
+
+
+def assert_iks_forward(model: Model, base: Path, printed: Path, out: Path) -> None:
+    """`model`'s --save-base-logits file `out` over the tokens of ik's base-logits file `base` is `base` byte for
+    byte (every 16-bit log-probability code and both header floats of every scored position), and the PPL after
+    every chunk is the one ik printed (`printed`, llama-perplexity's output)."""
+    res = perplexity(model, np.asarray(BaseLogitsFile(base).tokens), save_base=out)
+    assert out.read_bytes() == base.read_bytes()
+    assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(printed)
+
+
+def ik_quantized(gguf: Path, out: Path, ftype: str) -> Path:
+    """`gguf` as ik's llama-quantize --allow-requantize writes it in file type `ftype` (F32: every tensor decoded)."""
+    from ikquant.ftypes import file_type
+    from ikquant.quantize import QuantizeOptions, quantize_model
+
+    quantize_model(gguf, out, QuantizeOptions(file_type(ftype), allow_requantize=True))
+    return out

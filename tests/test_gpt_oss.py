@@ -5,7 +5,6 @@ wheel), streaming, refusals of bad input."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,15 @@ from ikrun.options import RuntimeOptions
 from ikrun.validate.hf import HFReference
 from tests import ik_engine
 from tests.convert_helpers import assert_same_gguf
-from tests.family_checks import assert_streamed_equals_chunk_by_chunk, hf_variant, kld_json
+from tests.family_checks import (
+    assert_iks_forward,
+    assert_streamed_equals_chunk_by_chunk,
+    hf_variant,
+    ik_quantized,
+    iks_running_ppl,
+    kld_json,
+    running_ppl,
+)
 from tests.test_ik_engine import mean_kld
 
 runner = CliRunner()
@@ -95,35 +102,16 @@ def test_runtime_against_iks_base_logits() -> None:
 IK = RuntimeOptions(numerics="ik")
 
 
-def _iks_running_ppl(printed: Path) -> list[str]:
-    """The PPL llama-perplexity prints after each chunk ([1]700.0754,[2]...)."""
-    return re.findall(r"\[\d+\](\d+\.\d+)", printed.read_text(errors="replace"))
-
-
-def _running_ppl(nll: np.ndarray, n_chunk: int) -> list[str]:
-    """The same figures from our NLLs: ik sums the float32 NLLs in float64 and prints exp(mean) with 4 decimals."""
-    sums = np.cumsum(nll.reshape(n_chunk, -1).astype(np.float64).sum(axis=1))
-    return [f"{np.exp(total / ((i + 1) * (nll.size // n_chunk))):.4f}" for i, total in enumerate(sums)]
-
-
 @pytest.fixture(scope="module")
 def dequantized(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """ref-f32.gguf with its MXFP4 experts decoded to F32, as ik's llama-quantize --allow-requantize F32 writes it."""
-    from ikquant.ftypes import file_type
-    from ikquant.quantize import QuantizeOptions, quantize_model
-
-    out = tmp_path_factory.mktemp("gptoss-dequant") / "dequant.gguf"
-    quantize_model(REF, out, QuantizeOptions(file_type("F32"), allow_requantize=True))
-    return out
+    return ik_quantized(REF, tmp_path_factory.mktemp("gptoss-dequant") / "dequant.gguf", "F32")
 
 
 def _assert_iks_forward(model: Path, base: Path, printed: Path, tmp_path: Path) -> None:
     """Our --save-base-logits file of `model` under --numerics ik is ik's `base` byte for byte (every 16-bit
     log-probability code of 1860 positions), and the PPL after every chunk is the one ik prints."""
-    ours = tmp_path / "base.kld"
-    res = perplexity(Model(model, options=IK), np.asarray(BaseLogitsFile(base).tokens), save_base=ours)
-    assert ours.read_bytes() == base.read_bytes()
-    assert _running_ppl(res.nll, res.n_chunk) == _iks_running_ppl(printed)
+    assert_iks_forward(Model(model, options=IK), base, printed, tmp_path / "base.kld")
 
 
 def test_numerics_ik_is_iks_forward_of_the_dequantized_file(dequantized: Path, tmp_path: Path) -> None:
@@ -137,7 +125,7 @@ def test_numerics_ik_is_iks_forward_of_the_mxfp4_file(tmp_path: Path) -> None:
     conversion to Q8_0_R8 from 32 on): a chunk's rows, and in the last block only the rows whose logits
     llama-perplexity reads. The CLI's streamed run, which joins all 60 chunks, prints ik's PPL too."""
     _assert_iks_forward(REF, LOGITS / "ik-base.kld", LOGITS / "ik-f32-ppl.txt", tmp_path)
-    printed = _iks_running_ppl(LOGITS / "ik-f32-ppl.txt")[-1]
+    printed = iks_running_ppl(LOGITS / "ik-f32-ppl.txt")[-1]
     assert f"{kld_json(REF, LOGITS / 'ik-base.kld', '--numerics', 'ik')['ppl_q']:.4f}" == printed == "555.6223"
 
 
@@ -146,7 +134,7 @@ def test_numerics_ik_with_an_f32_key_cache_prints_iks_ppls() -> None:
     model = Model(REF, options=IK, cache_type_k="f32")
     assert model.kv_cache == "k-f32"
     res = perplexity(model, np.asarray(BaseLogitsFile(LOGITS / "ik-base.kld").tokens))
-    assert _running_ppl(res.nll, res.n_chunk) == _iks_running_ppl(LOGITS / "ik-f32-ctk-f32-ppl.txt")
+    assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(LOGITS / "ik-f32-ctk-f32-ppl.txt")
 
 
 HARMONY_TEXTS = ["Hello world", "HelloWorld and CamelCaseWords, HTTPServer", "don't I'LL we'Re THEY'VE",

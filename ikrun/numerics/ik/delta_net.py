@@ -10,8 +10,11 @@ state its cache holds: the kernel runs token by token, so pieces give the whole 
   (libm expf);
 - the fused delta-net kernel (AVX-512, 16 lanes), token by token: q.k in 16 lanes of fused multiply-adds added as a
   tree; with decay = expf(min(g, 50)), per value row r: p = sum_c S[c, r] k_c and o = sum_c S[c, r] q_c as fused
-  multiply-add chains over the key dim c, v' = v beta - p (beta decay), out = v' (q.k / sqrt(d)) + o (decay / sqrt(d))
-  (one fused multiply-add), S[c, r] = clamp(v'_r k_c + S[c, r] decay, +-1e6) (one fused multiply-add).
+  multiply-add chains over the key dim c, v' = v beta - p (beta decay) (one fused multiply-add: GCC contracts the
+  kernel's mul, mul, sub into a rounded v beta minus the exact product), out = v' (q.k / sqrt(d)) + o (decay /
+  sqrt(d)) (one fused multiply-add), S[c, r] = clamp(v'_r k_c + S[c, r] decay, +-1e6) (one fused multiply-add).
+  F32 weights show each of these roundings in ik's saved logits (tests/test_runtime_qwen3next.py); Q8_0 files'
+  8-bit activations mostly round them away.
   The kernel keeps one head dim for keys and values; ik runs it for head dims 64 and 128 only.
 """
 
@@ -113,7 +116,7 @@ def _delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta
                     p[r] = fmaf(s[c, r], kn[c], p[r])
                     o[r] = fmaf(s[c, r], qn[c], o[r])
             for r in range(d):
-                p[r] = v[t, h, r] * bt - p[r] * c2
+                p[r] = fmaf(-p[r], c2, v[t, h, r] * bt)
                 out[t, h, r] = fmaf(p[r], score, o[r] * c3)
             for c in range(d):
                 for r in range(d):
