@@ -102,6 +102,8 @@ class Glm4Moe(LlamaFamily):
         return NextnHead.of(self.ctx, i, self.output, lambda x, seq: self.block(i, [x], [seq])[0], self.norm,
                             self.ctx.numerics.nextn_own_tables(self.ctx.arch))
 
-    def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
-        return super().ffn(i, hs, seqs) if i < self.n_dense else moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe,
-                                                                          last=i == self.n_active - 1)
+    def ffn_residual(self, i: int, xs: list[np.ndarray], hs: list[np.ndarray],
+                     seqs: list[Sequence]) -> list[np.ndarray]:
+        if i < self.n_dense:
+            return super().ffn_residual(i, xs, hs, seqs)
+        return moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe, last=i == self.n_active - 1, residual=xs)
