@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ikrun.ops.moe import _ik_partial_sort
+from ikrun.ops.stl_heap import partial_sort
 
 CASES = Path(__file__).parent / "data" / "moe" / "libstdcxx-partial-sort.txt"
 
@@ -23,5 +23,5 @@ def test_the_partial_sort_leaves_the_experts_as_libstdcxx_does() -> None:
         logits = np.array(values, dtype=np.float32)
         assert len(logits) == int(n)
         ids = np.empty(int(n), dtype=np.int64)
-        _ik_partial_sort(logits, int(k), ids)
+        partial_sort(logits, int(k), ids)
         assert ids.tolist() == [int(v) for v in want.split()], row

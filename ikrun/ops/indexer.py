@@ -34,6 +34,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikrun.ops.parallel import pick
+from ikrun.ops.stl_heap import heap_select
 
 TIE_LATER_INDEX = 0
 TIE_PARTIAL_SORT = 1
@@ -91,64 +92,11 @@ def indexer_scores(q: np.ndarray, k: np.ndarray, w: np.ndarray, q0: int = 0) -> 
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _adjust_heap(idx: np.ndarray, score: np.ndarray, hole: int, length: int, value: int) -> None:
-    """libstdc++'s __adjust_heap then __push_heap for the comparator score[a] > score[b] (a min-heap on score)."""
-    top = hole
-    child = hole
-    while child < (length - 1) // 2:
-        child = 2 * (child + 1)
-        if score[idx[child]] > score[idx[child - 1]]:
-            child -= 1
-        idx[hole] = idx[child]
-        hole = child
-    if (length & 1) == 0 and child == (length - 2) // 2:
-        child = 2 * (child + 1)
-        idx[hole] = idx[child - 1]
-        hole = child - 1
-    parent = (hole - 1) // 2
-    while hole > top and score[idx[parent]] > score[value]:
-        idx[hole] = idx[parent]
-        hole = parent
-        parent = (hole - 1) // 2
-    idx[hole] = value
-
-
-@njit(cache=True, nogil=True, inline="always")
 def _partial_sort_front(score: np.ndarray, top_k: int, idx: np.ndarray) -> None:
     """The first top_k entries of std::partial_sort(indices, +top_k, end, score[a] > score[b]), as a set."""
-    n = score.shape[0]
-    for j in range(n):
+    for j in range(score.shape[0]):
         idx[j] = j
-    if top_k >= 2:
-        parent = (top_k - 2) // 2
-        while True:
-            _adjust_heap(idx, score, parent, top_k, idx[parent])
-            if parent == 0:
-                break
-            parent -= 1
-    for i in range(top_k, n):
-        if score[idx[i]] > score[idx[0]]:
-            value = idx[i]
-            idx[i] = idx[0]
-            _adjust_heap(idx, score, 0, top_k, value)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _heap_select(idx: np.ndarray, score: np.ndarray, first: int, middle: int, last: int) -> None:
-    """libstdc++'s __heap_select on idx[first:last] (the heap in idx[first:middle]) for score[a] > score[b]."""
-    length = middle - first
-    if length > 1:
-        parent = (length - 2) // 2
-        while True:
-            _adjust_heap(idx[first:], score, parent, length, idx[first + parent])
-            if parent == 0:
-                break
-            parent -= 1
-    for i in range(middle, last):
-        if score[idx[i]] > score[idx[first]]:
-            value = idx[i]
-            idx[i] = idx[first]
-            _adjust_heap(idx[first:], score, 0, length, value)
+    heap_select(idx, score, 0, top_k, score.shape[0])
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -165,7 +113,7 @@ def _nth_element_front(score: np.ndarray, top_k: int, idx: np.ndarray) -> None:
         depth += 2
     while last - first > 3:
         if depth == 0:
-            _heap_select(idx, score, first, nth + 1, last)
+            heap_select(idx, score, first, nth + 1, last)
             idx[first], idx[nth] = idx[nth], idx[first]
             return
         depth -= 1

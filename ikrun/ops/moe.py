@@ -28,6 +28,7 @@ from ikrun.numerics.ik.ikgemm import ik_float_matmul, takes_whole
 from ikrun.numerics.ik.qgemm import IntRows, PackedInts, qmatmul
 from ikrun.ops.activations import ik_expf
 from ikrun.ops.fgemm import expert_matmul
+from ikrun.ops.stl_heap import partial_sort
 
 GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
@@ -57,64 +58,12 @@ def _softmax(x: np.ndarray, out: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _sift(ids: np.ndarray, hole: int, length: int, value: int, logits: np.ndarray) -> None:
-    """libstdc++'s __adjust_heap (then __push_heap) on ids[:length] from `hole`, placing `value`, with the
-    comparison `logits[a] > logits[b]`: the heap step of std::partial_sort."""
-    top = hole
-    child = hole
-    while child < (length - 1) // 2:
-        child = 2 * (child + 1)
-        if logits[ids[child]] > logits[ids[child - 1]]:
-            child -= 1
-        ids[hole] = ids[child]
-        hole = child
-    if length % 2 == 0 and child == (length - 2) // 2:
-        child = 2 * (child + 1)
-        ids[hole] = ids[child - 1]
-        hole = child - 1
-    parent = (hole - 1) // 2
-    while hole > top and logits[ids[parent]] > logits[value]:
-        ids[hole] = ids[parent]
-        hole = parent
-        parent = (hole - 1) // 2
-    ids[hole] = value
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _ik_partial_sort(logits: np.ndarray, k: int, ids: np.ndarray) -> None:
-    """ids = 0..n-1 as std::partial_sort(ids, ids + k, ids + n, logits[a] > logits[b]) leaves them in libstdc++:
-    the top k in descending order, then the others in the order its heap selection left them (which is the order
-    ik sums their exponentials in)."""
-    n = ids.shape[0]
-    for j in range(n):
-        ids[j] = j
-    if k >= 2:
-        parent = (k - 2) // 2
-        while True:
-            _sift(ids, parent, k, ids[parent], logits)
-            if parent == 0:
-                break
-            parent -= 1
-    for i in range(k, n):
-        if logits[ids[i]] > logits[ids[0]]:
-            value = ids[i]
-            ids[i] = ids[0]
-            _sift(ids, 0, k, value, logits)
-    last = k
-    while last > 1:
-        last -= 1
-        value = ids[last]
-        ids[last] = ids[0]
-        _sift(ids, 0, last, value, logits)
-
-
-@njit(cache=True, nogil=True, inline="always")
 def _ik_softmax_top_k(logits: np.ndarray, ids: np.ndarray, sel: np.ndarray, w: np.ndarray) -> None:
     """ik's fused softmax + top-k of a router row (iqk_topk_moe, which its CPU graph runs for softmax gating
     without a selection bias): the experts by partial sort of the logits, then expf(l - max) of the chosen in
     order, a float32 sum over the chosen and then the rest, and the chosen times its reciprocal."""
     k = sel.shape[0]
-    _ik_partial_sort(logits, k, ids)
+    partial_sort(logits, k, ids)
     top = logits[ids[0]]
     total = np.float32(0.0)
     for s in range(k):
