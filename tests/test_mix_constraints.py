@@ -143,7 +143,9 @@ def test_mix_is_measured_on_held_out_text_and_says_so(moe_sweep: tuple[Path, Pat
     assert on_eval["sample"] == "held-out" and on_eval["text"] == str(held_out)
     kld = runner.invoke(app, ["kld", str(out), "--base", str(model), "--text", str(held_out), "--ctx", "64",
                               "--chunks", "3", "--json"])
-    assert json.loads(kld.stdout)["kld_mean"] == pytest.approx(on_eval["kld_mean"], rel=1e-12)
+    alone = json.loads(kld.stdout)
+    assert alone["kld_mean"] == pytest.approx(on_eval["kld_mean"], rel=1e-12)
+    assert alone["kld_mean_err"] == pytest.approx(on_eval["kld_mean_err"], rel=1e-12)  # one ± (ik's), both places
     assert on_eval["kld_mean"] != pytest.approx(first["kld_mean"], rel=1e-3)
     res = _mix(model, sweep, tmp_path / "again.gguf", "--target-bpw", "6", "--eval-text", str(CORPUS))
     assert res.exit_code == 0, res.output

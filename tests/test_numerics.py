@@ -37,7 +37,8 @@ def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
 
 
 #: the figures of ik's final report as printed, by our JSON keys (same top p in %)
-PRINTED = {"kld_mean": r"Mean    KLD:\s+([-0-9.]+)", "kld_max": r"Maximum KLD:\s+([-0-9.]+)",
+PRINTED = {"kld_mean": r"Mean    KLD:\s+([-0-9.]+)", "kld_mean_err": r"Mean    KLD:\s+[-0-9.]+\s+±\s+([0-9.]+)",
+           "kld_max": r"Maximum KLD:\s+([-0-9.]+)",
            "kld_p999": r"99\.9%   KLD:\s+([-0-9.]+)", "kld_p99": r"99\.0%   KLD:\s+([-0-9.]+)",
            "kld_p95": r"95\.0%   KLD:\s+([-0-9.]+)", "kld_median": r"Median  KLD:\s+([-0-9.]+)",
            "kld_p01": r" 1\.0%   KLD:\s+([-0-9.]+)", "kld_min": r"Minimum KLD:\s+([-0-9.]+)",

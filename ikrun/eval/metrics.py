@@ -177,6 +177,9 @@ class KLDAccumulator:
 
 
 def mean_and_uncertainty(s: float, s2: float, n: int) -> tuple[float, float]:
+    """A mean from its sum `s` and sum of squares `s2` over `n` values, and its standard error as ik's
+    llama-perplexity prints it (sqrt(population variance / (n - 1)), 0 for 10 values or fewer): the one ± of every
+    mean KLD we report (`ikrun kld`, `ikrun mix`'s rows, a sweep row's `kld_sem`), all through kld_stats."""
     if n < 1:
         return 0.0, 0.0
     m = s / n
