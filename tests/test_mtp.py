@@ -291,6 +291,13 @@ def test_head_sweeps_and_bounds_refuse_bad_input(head_sweep: Path, tmp_path: Pat
     ]
     kld = tmp_path / "kld.json"
     kld.write_text(head_sweep.read_text().replace('"metric": "acceptance"', '"metric": "kld"'))
+    own = tmp_path / "own-kld.json"  # a KLD sweep of GGUF itself, so that only the head sweep is another model's
+    res = runner.invoke(app, ["sweep", str(GGUF), "--text", str(TEXT), "--types", "Q4_0,Q8_0", "--ctx", "32",
+                              "--chunks", "2", "--tensors", r"blk\.0\.attn_q\.", "-o", str(own)])
+    assert res.exit_code == 0, res.output
+    cases.append((app, ["mix", str(GGUF), str(tmp_path / "x.gguf"), "--sweep", str(own), "--type", "Q4_0",
+                        "--target-bpw", "6", "--mtp-sweep", str(head_sweep), "--max-acceptance-loss", "1"],
+                  "another model file"))
     cases.append((ikquant_app, [str(GGUF), str(tmp_path / "x.gguf"), "--type", "Q4_0", "--mtp-sweep", str(kld),
                                 "--max-acceptance-loss", "1"], "--metric acceptance --mtp"))
     for cli, args, said in cases:

@@ -111,11 +111,12 @@ def mix(
         constraints = MixConstraints(tuple(tie), not no_default_ties, tuple(min_type))
         head = None
         if mtp_sweep is not None and max_acceptance_loss is not None:
-            head = head_from_sweep(GGUFModel(model), mtp_sweep, max_acceptance_loss, constraints)
-            opts.tensor_types = dict(head.tensor_types)
-            if head.decoding.get("target_fingerprint") != model_fingerprint(m):
+            decoding = read_sweep_file(mtp_sweep)[0].get("decoding") or {}
+            if "mtp" in decoding and decoding.get("target_fingerprint") != model_fingerprint(m):
                 raise SweepError(f"--mtp-sweep {mtp_sweep} was measured on another model file than {model}: sweep "
                                  "this file's head")
+            head = head_from_sweep(GGUFModel(model), mtp_sweep, max_acceptance_loss, constraints)
+            opts.tensor_types = dict(head.tensor_types)
         plan = plan_mix(GGUFModel(model), opts, groups, options, target, str(sweep), constraints)
         chunk_tokens = tokenize_chunks(m, read_text(text), ctx or header["ctx"], chunks or header["chunks"])
         eval_tokens = None
