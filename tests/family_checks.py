@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from ikquant.imatrix import read_imatrix_dat
 from ikrun.cli import app
 from ikrun.eval.evaluate import perplexity
 from ikrun.eval.metrics import BaseLogitsFile
+from ikrun.eval.speculative import NextnDecoder, TargetDecoder, previous_states
 from ikrun.eval.stream import evaluate_chunks, minimum_budget, plan_run
 from ikrun.model import Model
 
@@ -99,3 +101,19 @@ def ik_quantized(gguf: Path, out: Path, ftype: str) -> Path:
 
     quantize_model(gguf, out, QuantizeOptions(file_type(ftype), allow_requantize=True))
     return out
+
+
+def assert_head_equals_reference(model: Model, tokens: np.ndarray, reference: Callable[[np.ndarray], np.ndarray],
+                                 rel: float) -> None:
+    """The model's NextN/MTP head over `tokens` (fed the target's last states shifted by one, as ik's warmup feeds
+    it) equals `reference(hidden in float64)` within rel x its largest logit, run whole and run 8 + 1 + 1 + ...
+    through the head's own cache."""
+    _, features = TargetDecoder(model, [model.impl.n_active - 1]).run(tokens)
+    hidden = previous_states(features)
+    ref = reference(hidden.astype(np.float64))
+    _, whole = NextnDecoder(model).run(hidden, tokens)
+    assert np.abs(whole - ref).max() < rel * np.abs(ref).max()
+    dec = NextnDecoder(model)
+    parts = [dec.run(hidden[:8], tokens[:8])[1]] + [dec.run(hidden[i : i + 1], tokens[i : i + 1])[1]
+                                                     for i in range(8, len(tokens))]
+    np.testing.assert_allclose(np.concatenate(parts), whole, rtol=0, atol=rel * np.abs(ref).max())

@@ -15,9 +15,10 @@ from ikconvert.convert import Converter
 from ikquant.imatrix import read_imatrix_dat
 from ikrun.cli import app
 from ikrun.eval.evaluate import tokenize_chunks
-from ikrun.eval.speculative import NextnDecoder, TargetDecoder, greedy_continuation, mtp_generate
+from ikrun.eval.speculative import TargetDecoder, greedy_continuation, mtp_generate
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
+from tests.family_checks import assert_head_equals_reference
 
 runner = CliRunner()
 DATA = Path(__file__).parent / "data"
@@ -86,16 +87,8 @@ def test_nextn_head_equals_the_numpy_reference_whole_and_continued(model: Model)
     """The head over 20 positions (hidden rows shifted as ik's warmup shifts them) equals the reference; running the
     same positions as 8 + 1 + 1 + ... through its cache gives the same logits."""
     tokens = np.random.default_rng(3).integers(0, 336, 20)
-    _, features = TargetDecoder(model, [model.impl.n_active - 1]).run(tokens)
-    hidden = np.concatenate([np.zeros_like(features[:1]), features[:-1]])
     weights = {n: t.to_f32() for n, t in Checkpoint(HF).iter_tensors() if n.startswith("model.layers.3.")}
-    ref = reference_head(weights, hidden.astype(np.float64), tokens)
-    _, whole = NextnDecoder(model).run(hidden, tokens)
-    assert np.abs(whole - ref).max() < 2e-5 * np.abs(ref).max()
-    dec = NextnDecoder(model)
-    parts = [dec.run(hidden[:8], tokens[:8])[1]] + [dec.run(hidden[i : i + 1], tokens[i : i + 1])[1]
-                                                     for i in range(8, 20)]
-    np.testing.assert_allclose(np.concatenate(parts), whole, rtol=0, atol=2e-5 * np.abs(ref).max())
+    assert_head_equals_reference(model, tokens, lambda hidden: reference_head(weights, hidden, tokens), 2e-5)
 
 
 @pytest.mark.parametrize(("n_max", "p_min"), [(1, 0.0), (3, 0.0), (4, 0.02)])

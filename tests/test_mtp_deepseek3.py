@@ -14,10 +14,11 @@ from ikconvert.checkpoint import Checkpoint
 from ikconvert.convert import Converter
 from ikquant.gguf_io import GGUFFile
 from ikrun.cli import app
-from ikrun.eval.speculative import NextnDecoder, TargetDecoder, greedy_continuation, mtp_generate, previous_states
+from ikrun.eval.speculative import TargetDecoder, greedy_continuation, mtp_generate
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
 from ikrun.validate.deepseek2 import DeepseekV3Reference
+from tests.family_checks import assert_head_equals_reference
 
 runner = CliRunner()
 DATA = Path(__file__).parent / "data"
@@ -52,17 +53,9 @@ def test_mtp_head_equals_the_float64_reference_whole_and_continued(gguf: Path) -
     module in float64 from the checkpoint; the same positions run 8 + 1 + 1 + ... through its latent cache."""
     model = Model(gguf)
     tokens = np.random.default_rng(3).integers(0, 320, 20)
-    _, features = TargetDecoder(model, [model.impl.n_active - 1]).run(tokens)
-    hidden = previous_states(features)
     ckpt = Checkpoint(HF)
-    ref = DeepseekV3Reference(ckpt.config, dict(ckpt.iter_tensors()), np.float64).mtp_logits(
-        hidden.astype(np.float64), tokens)
-    _, whole = NextnDecoder(model).run(hidden, tokens)
-    assert np.abs(whole - ref).max() < 2e-6 * np.abs(ref).max()
-    dec = NextnDecoder(model)
-    parts = [dec.run(hidden[:8], tokens[:8])[1]] + [dec.run(hidden[i : i + 1], tokens[i : i + 1])[1]
-                                                     for i in range(8, 20)]
-    np.testing.assert_allclose(np.concatenate(parts), whole, rtol=0, atol=2e-6 * np.abs(ref).max())
+    reference = DeepseekV3Reference(ckpt.config, dict(ckpt.iter_tensors()), np.float64)
+    assert_head_equals_reference(model, tokens, lambda hidden: reference.mtp_logits(hidden, tokens), 2e-6)
 
 
 @pytest.mark.parametrize("mla", ["decode", "prefill"])
