@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import numba
 import numpy as np
+import pytest
 from numba import njit
 
 from ikquant.formats.numeric import fmaf
-from ikrun.ops.fgemm import expert_matmul
+from ikrun.ops.fgemm import AVX2_TILE, K_STEP, ROWS, _tile, expert_matmul
 
 
 @njit(cache=True)
@@ -67,3 +70,24 @@ def test_half_precision_bits_are_widened_exactly() -> None:
     bf16 = (w.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
     widened = (bf16.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     np.testing.assert_array_equal(expert_matmul(x, bf16), _fma_chains(x, widened))
+
+
+def _tile_asm() -> str:
+    """What LLVM emits for the register tile (compiled afresh: cached code cannot be inspected)."""
+
+    @njit
+    def call(panel, xt, out):  # type: ignore[no-untyped-def]
+        _tile(panel, xt, 0, 0, 64, 64, out, 0, 16)
+
+    call(np.zeros(ROWS * K_STEP, np.float32), np.zeros(4 * 64 * 16, np.float32), np.zeros(8 * 16, np.float32))
+    return "\n".join(call.inspect_asm().values())
+
+
+@pytest.mark.skipif(not AVX2_TILE, reason="the 6 x 16 tile is AVX2's (16 vector registers of 8 floats)")
+def test_the_avx2_tile_keeps_its_accumulators_in_registers() -> None:
+    """12 ymm accumulators, 12 vfmadd a step (LLVM may unroll the step loop), none reloaded from the stack."""
+    asm = _tile_asm()
+    fmas = re.findall(r"vfmadd\w+\s+(.*)", asm)
+    assert len(fmas) >= 12 and all(ops.count("%ymm") == 3 for ops in fmas)
+    assert len({ops.split(", ")[-1] for ops in fmas}) == 12
+    assert not any("rsp" in ops for ops in fmas)
