@@ -23,6 +23,10 @@ from ikrun.numerics.ik.formats import (
     round_activations,
 )
 from ikrun.numerics.ik.qgemm import (
+    _DOT_PAIRS,
+    _DOT_PMADD,
+    GROUPS,
+    HAS_AVX2,
     HAS_VNNI,
     ORDER_PLAIN,
     ORDER_Q8_1,
@@ -32,6 +36,8 @@ from ikrun.numerics.ik.qgemm import (
     TILE,
     BlockInts,
     IntRows,
+    _make_native_tile,
+    _make_tile,
     pack,
     qmatmul,
 )
@@ -363,6 +369,37 @@ def test_the_kernel_without_vnni_is_vector_code() -> None:
     """Without VNNI the byte products are summed by vpmaddwd on vector registers, not one value at a time."""
     asm = _tile32_asm()
     assert "vpdpbusd" not in asm and asm.count("vpmaddwd") >= 64
+
+
+#: the byte dot products this host can run besides its own: (name, the tile's dot)
+OTHER_DOTS = [("portable vector code", lambda builder: _DOT_PAIRS)] + (
+    [("vpmaddwd", lambda builder: _DOT_PMADD)] if HAS_AVX2 and HAS_VNNI else [])
+
+
+@pytest.mark.parametrize(("name", "dot"), OTHER_DOTS, ids=[name for name, _ in OTHER_DOTS])
+@pytest.mark.parametrize(("block", "fmt", "order"), [(32, Q8_2_X4, ORDER_PLAIN), (256, Q8_K, ORDER_PLAIN),
+                                                     (32, Q8_2_X4, ORDER_R8), (32, Q8_2_X4, ORDER_Q8_1),
+                                                     (256, Q8_K, ORDER_R16), (32, Q8_2_X4, ORDER_QX_0_NATIVE)])
+def test_each_dot_product_kernel_gives_the_scalar_bits(name: str, dot, block: int, fmt: str,  # type: ignore[no-untyped-def]
+                                                       order: int) -> None:
+    """The tile kernels built on the byte dot products the host does not pick (the portable vector code a CPU
+    without AVX2 runs; vpmaddwd on a VNNI host): one call, a whole row, the scalar kernel's bits in every order."""
+    tile = _make_native_tile(dot) if order == ORDER_QX_0_NATIVE else _make_tile(block, order, dot)
+
+    @numba.njit
+    def call(wq, ws, wc, wo, au, asc, asum, aisum, out, nb, n):  # type: ignore[no-untyped-def]
+        tile(wq, ws, wc, wo, au, asc, asum, aisum, out, 0, 0, 0, nb, nb, n)
+
+    rng = np.random.default_rng(order)
+    n, rows = 8 * block, GROUPS * 16
+    w = _weights(rng, rows, n, block, order == ORDER_Q8_1)
+    w = BlockInts(w.q, w.scale, block, w.offset, order, bias=127 if order == ORDER_QX_0_NATIVE else 0)
+    x = integer_rows(rng.standard_normal((TILE, n)).astype(np.float32), fmt)
+    packed = pack(w)
+    out = np.zeros((TILE, rows), np.float32)
+    call(packed.q, packed.scale, packed.corr, packed.offset, x.u.reshape(-1), x.scale.reshape(-1),
+         x.sums.reshape(-1), x.isums.reshape(-1), out.reshape(-1), n // block, rows)
+    np.testing.assert_array_equal(out, qmatmul(x, packed, tiled=False))
 
 
 def _q8_k_reference(decoded: np.ndarray, dsup: np.ndarray, c: float) -> tuple[np.ndarray, np.ndarray]:

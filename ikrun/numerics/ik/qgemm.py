@@ -11,8 +11,10 @@ and its speed class.
 The weights are packed 16 rows a group: per block and per step of 4 values, the 16 rows' 4 values form one 64-byte
 vector. On a CPU with AVX-512 VNNI one `vpdpbusd` multiplies that vector by 4 activation values broadcast to every
 lane (unsigned: the activation plus 128, corrected by 128 x the block's weight sum), so 16 rows accumulate at once
-and nothing is summed across lanes. Without VNNI (AVX2) the same tile kernels sum each lane's 4 byte products in
-plain vector code (vpmaddwd), exact integers as vpdpbusd's. A scalar loop computes the same integers and the same
+and nothing is summed across lanes. Without VNNI, on AVX2, the same tile kernels sum each lane's 4 byte products
+with vpmaddwd (bytes widened to 16 bits, pairs multiplied and summed in 32: exact integers as vpdpbusd's), one
+weight group and two rows a pass so the accumulators stay in the 16 registers; on other CPUs in plain vector code
+that LLVM lowers as it can. A scalar loop computes the same integers and the same
 float operations in the same order (the reference the tile kernels are tested against), so all give identical
 bits; at any thread count too, since a thread owns whole 16-row groups.
 """
@@ -23,12 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from llvmlite import binding, ir
-from numba import config, get_num_threads, njit, prange, types
+from llvmlite import ir
+from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from ikquant.formats.numeric import fmaf
+from ikrun.ops.cpu import host_has
 from ikrun.ops.parallel import TASKS_PER_THREAD, claim, pick
 
 #: the float order of a block's contribution: ORDER_PLAIN acc += f32(isum) x (w scale x a scale); ORDER_R8 ik's Q8_0_R8 gemm: the weights made unsigned (+127), acc = fma(w scale x a scale, f32(isum + 127 x
@@ -55,12 +58,8 @@ _I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V16I, _V16F = ir.VectorType(_I32, LANES), ir.VectorType(_F32, LANES)
 
 
-def _host_has_vnni() -> bool:
-    """AVX-512 VNNI on the CPU Numba compiles for (a forced NUMBA_CPU_NAME may target another one: no VNNI)."""
-    return config.CPU_NAME is None and bool(binding.get_host_cpu_features().get("avx512vnni", False))
-
-
-HAS_VNNI = _host_has_vnni()
+HAS_VNNI = host_has("avx512vnni")
+HAS_AVX2 = host_has("avx2")
 
 
 @dataclass(frozen=True)
@@ -184,11 +183,14 @@ def _vector(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, vty: ir.Vect
 @dataclass(frozen=True)
 class _Dot:
     """How a tile sums 4-byte products per lane: an accumulator's zero, one step acc + u x s (64 unsigned bytes
-    times 64 signed ones), and the finished [16] int32 sums of an accumulator."""
+    times 64 signed ones), the finished [16] int32 sums of an accumulator, and how many weight groups and
+    activation rows of a call one pass over the blocks takes (as many as keep the accumulators in registers)."""
 
     zero: ir.Constant
     step: Callable[[ir.IRBuilder, ir.Value, ir.Value, ir.Value], ir.Value]
     finish: Callable[[ir.IRBuilder, ir.Value], ir.Value]
+    pass_groups: int = 2
+    pass_rows: int = 4
 
 
 def _dot_vnni(builder: ir.IRBuilder) -> _Dot:
@@ -228,8 +230,38 @@ def _pair_finish(builder: ir.IRBuilder, acc: ir.Value) -> ir.Value:
 
 
 #: vpdpbusd's integers in plain vector code, for CPUs without VNNI: pair sums accumulated in 32 lanes, each
-#: lane's two added when the block is done; all integers exact, so the sums are vpdpbusd's to the bit
-_DOT_PAIRS = _Dot(ir.Constant(_V32I, [0] * 2 * LANES), _pair_step, _pair_finish)
+#: lane's two added when the block is done; all integers exact, so the sums are vpdpbusd's to the bit. A pass
+#: takes one weight group and two rows (a 32-lane accumulator is 4 of AVX2's registers)
+_DOT_PAIRS = _Dot(ir.Constant(_V32I, [0] * 2 * LANES), _pair_step, _pair_finish, 1, 2)
+
+
+def _pmadd_step(builder: ir.IRBuilder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
+    """_pair_step with AVX2's vpmaddwd called directly: each quarter of the 64 bytes (4 rows' 4 values) widened to
+    16 x 16 bits, one vpmaddwd giving those 4 rows' two pair sums (a broadcast activation is widened once)."""
+    i8, i16 = ir.IntType(8), ir.IntType(16)
+    v16s, v8i = ir.VectorType(i16, 16), ir.VectorType(_I32, 8)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i, [v16s, v16s]), "llvm.x86.avx2.pmadd.wd")
+    u, s = (builder.bitcast(v, ir.VectorType(i8, 64)) for v in (unsigned, signed))
+    undef = ir.Constant(ir.VectorType(i8, 64), ir.Undefined)
+
+    def quarter(v: ir.Value, q: int) -> ir.Value:
+        return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, 16), list(range(16 * q, 16 * q + 16))))
+
+    parts = [builder.call(fn, [builder.zext(quarter(u, q), v16s), builder.sext(quarter(s, q), v16s)])
+             for q in range(4)]
+    halves = [builder.shuffle_vector(parts[2 * h], parts[2 * h + 1], ir.Constant(_V16I, list(range(16))))
+              for h in range(2)]
+    return builder.add(acc, builder.shuffle_vector(halves[0], halves[1], ir.Constant(_V32I, list(range(32)))))
+
+
+#: the same integers and layout as _DOT_PAIRS, from vpmaddwd itself (AVX2)
+_DOT_PMADD = _Dot(ir.Constant(_V32I, [0] * 2 * LANES), _pmadd_step, _pair_finish, 1, 2)
+
+
+def host_dot(builder: ir.IRBuilder) -> _Dot:
+    """The byte dot products the host runs fastest: vpdpbusd (AVX-512 VNNI), vpmaddwd (AVX2), else plain vector
+    code."""
+    return _dot_vnni(builder) if HAS_VNNI else _DOT_PMADD if HAS_AVX2 else _DOT_PAIRS
 
 
 @dataclass(frozen=True)
@@ -280,9 +312,10 @@ def _const(v: int) -> ir.Constant:
     return ir.Constant(_I64, v)
 
 
-def _tile_intrinsic(emit: Callable[[_TileArgs], None]):  # type: ignore[no-untyped-def]
+def _tile_intrinsic(emit: Callable[[_TileArgs], None],  # type: ignore[no-untyped-def]
+                    dot: Callable[[ir.IRBuilder], _Dot] = host_dot):
     """A tile kernel (wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, b0, b1, nb, n) whose body `emit`
-    generates."""
+    generates, its byte dot products those `dot` emits."""
 
     @intrinsic
     def tile(typingctx, wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, b0, b1, nb,  # type: ignore[no-untyped-def]
@@ -292,7 +325,7 @@ def _tile_intrinsic(emit: Callable[[_TileArgs], None]):  # type: ignore[no-untyp
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             arrays = [context.make_array(ty)(context, builder, value=v).data
                       for ty, v in zip(signature.args[:9], args[:9])]
-            dots = _dot_vnni(builder) if HAS_VNNI else _DOT_PAIRS
+            dots = dot(builder)
             fma_fn = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fma.v16f32")
             emit(_TileArgs(builder, *arrays, *args[9:], dots, fma_fn))
@@ -303,7 +336,8 @@ def _tile_intrinsic(emit: Callable[[_TileArgs], None]):  # type: ignore[no-untyp
     return tile
 
 
-def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped-def]
+def _make_tile(block: int, order: int = ORDER_PLAIN,  # type: ignore[no-untyped-def]
+               dot: Callable[[ir.IRBuilder], _Dot] = host_dot):
     """The tile micro-kernel for weight groups GROUPS x g .. GROUPS x g + GROUPS - 1 and activation rows m0 ..
     m0 + TILE - 1, blocks b0 .. b1 of the row, added to what out holds: per block f32(isum - corr) x (scale x
     a_scale[m, b]) (ORDER_Q8_1: + offset x a_sum[m, b]) for each group h, in the float order `order` (ORDER_R8: a
@@ -315,7 +349,8 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
     per_step = 4 if q81 else 1  # blocks per step of the loop
     chains = 1 if q81 or r8 or not HAS_VNNI else CHAINS  # their second terms leave no registers for more
 
-    def emit(t: _TileArgs) -> None:
+    def emit_pass(t: _TileArgs, keys: list[tuple[int, int]]) -> None:
+        """The blocks b0 .. b1 for the (group, row) pairs `keys` of the call."""
         builder = t.builder
         wq_p, ws_p, wc_p, wo_p, au_p, as_p, su_p, si_p, out_p = t.wq, t.ws, t.wcorr, t.wofs, t.au, t.asc, t.asum, \
             t.aisum, t.out
@@ -323,7 +358,6 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
         fma, const = t.fma, _const
         row_len = builder.mul(nb_v, const(block))
         groups, rows = t.groups(), t.rows()
-        keys = [(h, i) for h in range(GROUPS) for i in range(TILE)]
 
         def out_vectors(base: ir.Value) -> dict:  # type: ignore[type-arg]
             return {(h, i): builder.bitcast(builder.gep(base, [builder.add(builder.mul(rows[i], n_v), builder.mul(
@@ -339,14 +373,20 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
             gb = [builder.add(builder.mul(gh, nb_v), b) for gh in groups]
             wbase = [builder.mul(x, const(steps * 64)) for x in gb]
             abase = [builder.add(builder.mul(r, row_len), builder.mul(b, const(block))) for r in rows]
-            isum = {(h, i, c): t.dots.zero for h, i in keys for c in range(chains)}
-            for s in range(steps):
-                w = [_vector(builder, wq_p, builder.add(wb, const(s * 64)), _V16I) for wb in wbase]
-                for i in range(TILE):
-                    ap = builder.gep(au_p, [builder.add(abase[i], const(s * 4))])
-                    a = _splat(builder, builder.load(builder.bitcast(ap, _I32.as_pointer()), align=1), _V16I)
-                    for h in range(GROUPS):
-                        isum[(h, i, s % chains)] = t.dot(isum[(h, i, s % chains)], a, w[h])
+            slots = {(h, i, c): cgutils.alloca_once_value(builder, t.dots.zero) for h, i in keys for c in range(chains)}
+            # a loop over the steps, not the steps unrolled: LLVM then keeps the widened values of one step in
+            # registers instead of scheduling a block's loads together and spilling them
+            with cgutils.for_range(builder, const(steps // chains)) as loop:
+                for c in range(chains):
+                    s = builder.add(builder.mul(loop.index, const(chains)), const(c))
+                    w = [_vector(builder, wq_p, builder.add(wb, builder.mul(s, const(64))), _V16I) for wb in wbase]
+                    for i in sorted({i for _, i in keys}):
+                        ap = builder.gep(au_p, [builder.add(abase[i], builder.mul(s, const(4)))])
+                        a = _splat(builder, builder.load(builder.bitcast(ap, _I32.as_pointer()), align=1), _V16I)
+                        for h in sorted({h for h, _ in keys}):
+                            slot = slots[(h, i, c)]
+                            builder.store(t.dot(builder.load(slot), a, w[h]), slot)
+            isum = {key: builder.load(slot) for key, slot in slots.items()}
             totals = {}
             for h, i in keys:
                 total = isum[(h, i, 0)]
@@ -407,17 +447,26 @@ def _make_tile(block: int, order: int = ORDER_PLAIN):  # type: ignore[no-untyped
                 value = fma(minus127, builder.load(accs1[key]), value)
             builder.store(value, o, align=1)
 
-    return _tile_intrinsic(emit)
+    def emit(t: _TileArgs) -> None:
+        """The call in passes of as many groups and rows as the dot products' accumulators leave registers for
+        (each output's operations, and so its bits, are the same whichever pass computes it)."""
+        pg, pr = t.dots.pass_groups, t.dots.pass_rows
+        for g0 in range(0, GROUPS, pg):
+            for r0 in range(0, TILE, pr):
+                emit_pass(t, [(h, i) for h in range(g0, g0 + pg) for i in range(r0, r0 + pr)])
+
+    return _tile_intrinsic(emit, dot)
 
 
-def _make_native_tile():  # type: ignore[no-untyped-def]
+def _make_native_tile(dot: Callable[[ir.IRBuilder], _Dot] = host_dot):  # type: ignore[no-untyped-def]
     """The tile micro-kernel of ORDER_QX_0_NATIVE (32-value blocks) for weight groups GROUPS x g .. GROUPS x g +
     GROUPS - 1 and activation rows m0 .. m0 + TILE - 1, a whole row per call (b0 = 0, b1 = nb). The weights are
     packed unsigned (+ bias, `pack`) and the activations' bytes made signed again (u xor 0x80), so each vpdpbusd
     sums ik's own integers."""
     steps = 8
 
-    def emit(t: _TileArgs) -> None:
+    def emit_pass(t: _TileArgs, keys: list[tuple[int, int]]) -> None:
+        """The whole row for the (group, row) pairs `keys` of the call."""
         builder = t.builder
         wq_p, ws_p, wo_p, au_p, as_p, su_p, out_p = t.wq, t.ws, t.wofs, t.au, t.asc, t.asum, t.out
         nb_v, n_v = t.nb, t.n
@@ -425,7 +474,6 @@ def _make_native_tile():  # type: ignore[no-untyped-def]
         fconst = lambda v: ir.Constant(_V16F, [v] * LANES)  # noqa: E731
         row_len = builder.mul(nb_v, const(32))
         groups, rows = t.groups(), t.rows()
-        keys = [(h, i) for h in range(GROUPS) for i in range(TILE)]
         zero_f = fconst(0.0)
         acc = {(h, i, lane): cgutils.alloca_once_value(builder, zero_f) for h, i in keys for lane in range(8)}
         accm = {(h, i, j): cgutils.alloca_once_value(builder, zero_f) for h, i in keys for j in range(4)}
@@ -439,11 +487,11 @@ def _make_native_tile():  # type: ignore[no-untyped-def]
             for c, chain in enumerate(chains):
                 for s in chain:
                     w = [_vector(builder, wq_p, builder.add(wb, const(s * 64)), _V16I) for wb in wbase]
-                    for i in range(TILE):
+                    for i in sorted({i for _, i in keys}):
                         ap = builder.bitcast(builder.gep(au_p, [builder.add(abase[i], const(s * 4))]),
                                              _I32.as_pointer())
                         a = _splat(builder, builder.xor(builder.load(ap, align=1), sign), _V16I)
-                        for h in range(GROUPS):
+                        for h in sorted({h for h, _ in keys}):
                             sums[(h, i, c)] = t.dot(sums[(h, i, c)], w[h], a)
             return {key: t.dot_total(v) for key, v in sums.items()}
 
@@ -492,7 +540,14 @@ def _make_native_tile():  # type: ignore[no-untyped-def]
             o = builder.gep(out_p, [builder.add(builder.mul(rows[i], n_v), builder.mul(groups[h], const(LANES)))])
             builder.store(value, builder.bitcast(o, _V16F.as_pointer()), align=1)
 
-    return _tile_intrinsic(emit)
+    def emit(t: _TileArgs) -> None:
+        """The call in passes, as _make_tile's."""
+        pg, pr = t.dots.pass_groups, t.dots.pass_rows
+        for g0 in range(0, GROUPS, pg):
+            for r0 in range(0, TILE, pr):
+                emit_pass(t, [(h, i) for h in range(g0, g0 + pg) for i in range(r0, r0 + pr)])
+
+    return _tile_intrinsic(emit, dot)
 
 
 _tile32, _tile256 = _make_tile(32), _make_tile(256)
