@@ -52,6 +52,9 @@ class Mix:
     #: the predicted KLD of the greedy choice before the exchange repair, and the repair's number of exchanges
     greedy_kld: float = 0.0
     exchanges: int = 0
+    #: the Lagrange multiplier at the budget (predicted KLD per bit): an upgrade saving less than this per bit
+    #: it costs was not worth its bits
+    lam: float = 0.0
 
     def tensor_types(self) -> dict[str, str]:
         return {name: opt.type for g, opt in self.choice.items() for name in self.groups[g]}
@@ -140,7 +143,7 @@ def choose_mix(groups: dict[str, list[str]], options: dict[str, list[Option]], b
     greedy = sum(o.kld for o in choice.values())
     exchanges = exchange_repair(options, choice, budget_bits)
     return Mix(choice, groups, sum(o.kld for o in choice.values()), sum(o.bits for o in choice.values()), greedy,
-               exchanges)
+               exchanges, hi)
 
 
 #: at most this many exchanges per group (each lowers the predicted KLD, so the repair ends anyway; this bounds it)

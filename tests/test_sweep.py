@@ -302,3 +302,26 @@ def test_a_type_a_tensor_cannot_hold_takes_ik_fallback_and_the_sweep_goes_on(nar
                                       "--target-bpw", "8.75"], env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.output
     assert GGUFFile(mixed).tensors["blk.0.attn_output.weight"].type.name == "F32"
+
+
+def test_the_header_keeps_resolved_paths_for_a_mix_run_elsewhere(model256: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep given relative --text and --imatrix paths records them resolved: `ikrun mix` run from another
+    directory finds both (a relative path there names another file, or none)."""
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir(), elsewhere.mkdir()
+    (here / "text.txt").write_text(CORPUS.read_text(encoding="utf-8"), encoding="utf-8")
+    monkeypatch.chdir(here)
+    res = runner.invoke(app, ["imatrix", str(model256), "--text", "text.txt", "--ctx", "64", "--chunks", "2", "-o",
+                              "imatrix.dat"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["sweep", str(model256), "--text", "text.txt", "--ctx", "64", "--chunks", "2", "-o",
+                              str(tmp_path / "sweep.json"), "--types", "Q4_0,Q8_0", "--imatrix", "imatrix.dat",
+                              "--tensors", "ffn_down"])
+    assert res.exit_code == 0, res.output
+    header = json.loads((tmp_path / "sweep.json").read_text())
+    assert header["imatrix"] == str(here / "imatrix.dat") and header["text"] == str(here / "text.txt")
+    monkeypatch.chdir(elsewhere)
+    res = runner.invoke(app, ["mix", str(model256), "mix.gguf", "--sweep", str(tmp_path / "sweep.json"), "--type",
+                              "Q8_0", "--target-bpw", "8", "--json"])
+    assert res.exit_code == 0, res.output

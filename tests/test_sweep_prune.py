@@ -4,6 +4,7 @@ exhaustive sweep's at those budgets (in-sample: the mixes are measured on the sw
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,97 @@ def test_the_prior_is_the_weighted_squared_error(data_dir: Path, qtype: str) -> 
     per_expert = info.n_rows // n_exp
     expected = sum(float((d2[e * per_expert:(e + 1) * per_expert] * w[e]).sum()) for e in range(n_exp))
     assert weighted_error(model, name, t, imat) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.fixture(scope="module")
+def six_layers(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A 6-layer tiny Qwen3 (blocks 0, 4 and 5 sampled, 1-3 predicted) and its exhaustive sweep."""
+    from ikconvert.convert import Converter
+    from ikconvert.tiny import TinySpec, make_tiny_checkpoint
+
+    folder = tmp_path_factory.mktemp("six")
+    hf = make_tiny_checkpoint(folder / "hf", TinySpec(arch="qwen3", hidden=64, layers=6, heads=4, kv_heads=2,
+                                                      head_dim=32, ffn=128, seed=5))
+    model = Converter(hf, "f32", "qwen2").write(folder / "m6-f32.gguf")
+    full = folder / "full.json"
+    assert _sweep(model, full).exit_code == 0
+    return model, full
+
+
+def test_a_spread_sweep_samples_blocks_and_measures_near_the_frontier(six_layers: tuple[Path, Path],
+                                                                      tmp_path: Path) -> None:
+    """With --prediction-spread the unsampled blocks' rows are predicted from the sampled blocks of their class
+    (the basis says which), far fewer rows are measured, every measured row is the exhaustive sweep's, and the
+    mixes measure as the exhaustive sweep's do."""
+    from ikquant.sweepfile import read_sweep_file
+
+    model, full = six_layers
+    every = {(r["group"], r["type"]): r for r in json.loads(full.read_text())["rows"]}
+    pruned = tmp_path / "spread.json"
+    res = _sweep(model, pruned, "--target-bpw", ",".join(map(str, BUDGETS)), "--prediction-spread", "1.25")
+    assert res.exit_code == 0, res.output
+    assert "spread 1.25: 23 of 44 groups sampled" in " ".join(res.output.split())
+    header, rows = read_sweep_file(pruned)
+    assert header["prediction_spread"] == 1.25 and len(rows) == len(every)
+    measured = [r for r in rows if r["measured"]]
+    assert len(measured) < 0.5 * len(rows)
+    for r in measured:
+        assert r["kld_mean"] == every[(r["group"], r["type"])]["kld_mean"]
+    predicted = [r for r in rows if not r["measured"]]
+    assert all(r["kld_mean"] == r["prediction"] for r in predicted)
+    touched = {r["group"] for r in measured}
+    for r in predicted:  # a group never measured is predicted from its class's sampled blocks, else from its own
+        layer = int(r["group"].split(".")[1]) if r["group"].startswith("blk.") else None
+        if r["group"] not in touched:
+            assert layer in (1, 2, 3) and re.match(r"interpolated between blk\.\d and blk\.\d of ", r["basis"]), r
+        else:
+            assert "measurement" in r["basis"], r
+    assert len({r["group"] for r in predicted} - touched) >= 6
+    for bpw in BUDGETS:
+        exhaustive = _mix_kld(model, full, tmp_path / f"full{bpw}.gguf", bpw)
+        assert _mix_kld(model, pruned, tmp_path / f"spread{bpw}.gguf", bpw) <= MARGIN * exhaustive
+    res = _sweep(model, tmp_path / "x.json", "--prediction-spread", "2")
+    assert res.exit_code == 2 and "--prediction-spread 2: give a factor of 1 or more, with --target-bpw" in \
+        " ".join(res.output.split()), res.output
+
+
+def test_the_sampled_blocks_and_the_predictions_from_them() -> None:
+    """Every 4th block of a class and its last are sampled; on costs that follow log KLD = b(block) + alpha log
+    error exactly, with b linear in the block, the predictions of unsampled blocks and unmeasured types are exact."""
+    import math
+
+    from ikrun.sweep.predict import Predictor, sampled_groups
+
+    groups = {f"blk.{i}.{c}.weight": [f"blk.{i}.{c}.weight"] for i in range(24) for c in ("attn_q", "ffn_down")}
+    groups["output.weight"] = ["output.weight"]
+    sample = sampled_groups(groups)
+    assert sample == {"output.weight"} | {f"blk.{i}.{c}.weight" for i in (0, 4, 8, 12, 16, 20, 23)
+                                          for c in ("attn_q", "ffn_down")}
+    types = ["A", "B", "C", "D"]
+    alpha = {"attn_q": 0.8, "ffn_down": 1.3, "output": 1.0}
+    error = {(g, t): (k + 1) * 0.01 * (1 + len(g) % 3) for g in groups for k, t in enumerate(types)}
+
+    def truth(g: str, t: str) -> float:
+        layer = int(g.split(".")[1]) if g.startswith("blk.") else 0
+        cls = g.split(".")[2] if g.startswith("blk.") else "output"
+        return math.exp(-9 + 0.1 * layer + alpha[cls] * math.log(error[(g, t)]))
+
+    measured = {(g, t): truth(g, t) for g in sample for t in ("A", "C")}
+    predict = Predictor(groups, types, error, measured)
+    for g in groups:
+        for t in types:
+            assert predict(g, t)[0] == pytest.approx(truth(g, t), rel=1e-9), (g, t, predict(g, t))
+    assert "interpolated between blk.20 and blk.23 of ffn_down" in predict("blk.21.ffn_down.weight", "B")[1]
+    assert "interpolated between the A and C measurements" in predict("blk.4.attn_q.weight", "B")[1]
+    assert "^1.30 (alpha of ffn_down)" in predict("blk.4.ffn_down.weight", "D")[1]
+
+
+def test_near_the_frontier_is_within_the_spread_of_the_multiplier() -> None:
+    from ikrun.sweep.predict import near_frontier
+
+    chosen, lam = (400, 0.010), 1e-5  # (bits, KLD); lam: KLD per bit
+    assert near_frontier(chosen, (500, 0.0095), lam, 2.0)  # saves 5e-6 a bit: half the multiplier
+    assert not near_frontier(chosen, (500, 0.0096), lam, 2.0)  # saves 4e-6 a bit
+    assert near_frontier(chosen, (300, 0.0115), lam, 2.0)  # loses 1.5e-5 a bit saved
+    assert not near_frontier(chosen, (300, 0.0125), lam, 2.0)  # loses 2.5e-5 a bit saved
+    assert not near_frontier(chosen, (500, 0.0095), lam, 1.0)  # a spread of 1 trusts the predictions

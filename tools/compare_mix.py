@@ -6,7 +6,9 @@ Generates (or takes with --model) an F32 model, collects its imatrix on --text, 
 --ftypes: quantizes by the recipe (--recipe ik or mainline), builds each sweep's mix with --target-size equal to
 the recipe file's tensor bytes (`ikrun mix`, which also measures it and can --refine), and measures the recipe
 file's KLD against the same base logits. With --eval-text every KLD in the table is measured on that held-out text
-(the imatrix and sweeps never see it); without, on the sweep's own chunks (in-sample).
+(the imatrix and sweeps never see it); without, on the sweep's own chunks (in-sample). --sweeps spread adds a
+`--target-bpw ... --prediction-spread F` sweep (--spread F). --reuse keeps what --workdir already holds (imatrix,
+base logits, recipe files, sweeps and their CPU seconds) and measures only what is missing.
 
 Example: python tools/compare_mix.py --recipe mainline --ftypes Q3_K_M,Q4_K_M --types Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0
          python tools/compare_mix.py --model lm-f32.gguf --text calib.txt --eval-text eval.txt \
@@ -46,15 +48,19 @@ def main() -> None:
     ap.add_argument("--recipe", default="ik", choices=("ik", "mainline"))
     ap.add_argument("--ftypes", default="IQ3_K,IQ4_KS")
     ap.add_argument("--types", default="IQ2_KS,IQ3_K,IQ4_KS,IQ5_K,Q8_0")
-    ap.add_argument("--sweeps", default="exhaustive", help="exhaustive, pruned or both (comma-separated)")
+    ap.add_argument("--sweeps", default="exhaustive", help="exhaustive, pruned, spread (comma-separated)")
+    ap.add_argument("--spread", default="2", help="the spread sweep's --prediction-spread")
+    ap.add_argument("--reuse", action="store_true", help="keep the files --workdir already holds")
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--refine", type=int, default=0)
     ap.add_argument("--workdir", type=Path, help="keep the files here (default: a temporary folder)")
     a = ap.parse_args()
     kinds = a.sweeps.split(",")
-    if not set(kinds) <= {"exhaustive", "pruned"}:
-        raise SystemExit(f"--sweeps {a.sweeps}: exhaustive, pruned or both")
+    if not set(kinds) <= {"exhaustive", "pruned", "spread"}:
+        raise SystemExit(f"--sweeps {a.sweeps}: exhaustive, pruned, spread")
+    if a.reuse and a.workdir is None:
+        raise SystemExit("--reuse keeps the files of a --workdir")
     with tempfile.TemporaryDirectory() as tmp:
         folder = a.workdir or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
@@ -67,29 +73,42 @@ def main() -> None:
         imatrix, base = folder / "imatrix.dat", folder / "base.kld"
         shape = ["--ctx", str(a.ctx), "--chunks", str(a.chunks)]
         common = ["--text", str(text), *shape]
-        _ok(ikrun_app, ["imatrix", str(model), *common, "-o", str(imatrix)])
-        _ok(ikrun_app, ["kld", str(model), "--base", str(model), "--text", str(a.eval_text or text), *shape,
-                        "--save-base-logits", str(base)])
+        def missing(path: Path) -> bool:
+            return not (a.reuse and path.exists())
+
+        if missing(imatrix):
+            _ok(ikrun_app, ["imatrix", str(model), *common, "-o", str(imatrix)])
+        if missing(base):
+            _ok(ikrun_app, ["kld", str(model), "--base", str(model), "--text", str(a.eval_text or text), *shape,
+                            "--save-base-logits", str(base)])
         n_weights = sum(t.n_elements for t in GGUFFile(model).tensors.values())
         recipes = {}
         for ftype in a.ftypes.split(","):
             recipe_file = folder / f"recipe-{ftype}.gguf"
-            _ok(ikquant_app, [str(model), str(recipe_file), "--type", ftype, "--recipe", a.recipe, "--imatrix",
-                              str(imatrix)])
+            if missing(recipe_file):
+                _ok(ikquant_app, [str(model), str(recipe_file), "--type", ftype, "--recipe", a.recipe, "--imatrix",
+                                  str(imatrix)])
             size = sum(t.nbytes for t in GGUFFile(recipe_file).tensors.values())
             kld = json.loads(_ok(ikrun_app, ["kld", str(recipe_file), "--base-logits", str(base), "--json"]).stdout)
             recipes[ftype] = (size, kld)
         sweeps = {}
         for kind in kinds:
-            sweep = folder / f"sweep-{kind}.json"
+            sweep, seconds = folder / f"sweep-{kind}.json", folder / f"sweep-{kind}.cpu"
             budgets = ["--target-bpw", ",".join(repr(8 * s / n_weights) for s, _ in recipes.values())]
-            t0 = time.process_time()
-            _ok(ikrun_app, ["sweep", str(model), *common, "--types", a.types, "--imatrix", str(imatrix), "-o",
-                            str(sweep), *(budgets if kind == "pruned" else [])])
+            extra = {"exhaustive": [], "pruned": budgets, "spread": [*budgets, "--prediction-spread", a.spread]}
+            if missing(sweep) or missing(seconds):
+                sweep.unlink(missing_ok=True)
+                t0 = time.process_time()
+                _ok(ikrun_app, ["sweep", str(model), *common, "--types", a.types, "--imatrix", str(imatrix), "-o",
+                                str(sweep), *extra[kind]])
+                seconds.write_text(f"{time.process_time() - t0:.1f}")
             rows = json.loads(sweep.read_text())["rows"]
             sweeps[kind] = sweep
+            cpu = float(seconds.read_text())
             print(f"{kind} sweep: {sum(1 for r in rows if r.get('measured', True))} of {len(rows)} rows measured, "
-                  f"{time.process_time() - t0:.0f} CPU s")
+                  f"{cpu:.0f} CPU s" + (f" ({cpu / float((folder / 'sweep-exhaustive.cpu').read_text()):.2f}x the "
+                                        "exhaustive sweep's)" if kind != "exhaustive" and "exhaustive" in sweeps
+                                        else ""))
         where = f"held-out ({a.eval_text.name})" if a.eval_text else "in-sample"
         print(f"\n| target | mix | bytes | bpw | predicted | measured KLD, {where} |")
         print("|---|---|---|---|---|---|")

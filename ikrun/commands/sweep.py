@@ -41,6 +41,10 @@ def sweep(
                                              "budgets choose (until they choose only measured ones), under "
                                              "--tie/--min-type as ikrun mix chooses; the other rows are written as "
                                              "predicted (\"measured\": false)."),
+    prediction_spread: Optional[float] = typer.Option(
+        None, "--prediction-spread", help="With --target-bpw: measure every 4th block of each tensor class (and "
+        "its last) at two types, predict the other blocks and types from them, and measure only the options whose "
+        "predicted KLD saved per bit is within this factor of the mixes' Lagrange multiplier (e.g. 2)."),
     chunks: Optional[str] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks; auto: 4 "
                                          "chunks, then 8, 16, ... (each round scores only its new chunks) until "
                                          "the ranking of the groups is stable (Kendall tau >= 0.9 between two "
@@ -122,6 +126,8 @@ def sweep(
     if chunks is not None and not auto and not chunks.strip().isdigit():
         fail(f"--chunks must be a number of chunks or auto, not {chunks!r}")
     bpws = _target_bpws(target_bpw) if target_bpw is not None else None
+    if prediction_spread is not None and (bpws is None or not prediction_spread >= 1):
+        fail(f"--prediction-spread {prediction_spread:g}: give a factor of 1 or more, with --target-bpw")
     if bpws is None and (tie or no_default_ties or min_type):
         fail("--tie, --no-default-ties and --min-type decide what a --target-bpw sweep measures; an exhaustive "
              "sweep measures every type (give them to ikrun mix)")
@@ -165,7 +171,7 @@ def sweep(
             except IkError as exc:
                 fail(str(exc))
             err.print(f"Ray {ray}: {cluster.workers} workers of {cluster.threads} thread(s)", highlight=False)
-        pruning = (bpws, constraints) if bpws is not None else None
+        pruning = (bpws, constraints, prediction_spread) if bpws is not None else None
         rows = _sweep_rounds(m, ev, text, all_tokens, rounds, group, imatrix, imat, groups, type_list, done, output,
                              full_forward, cluster, auto, pruning)
     out.print(sweep_table(rows))
@@ -258,7 +264,7 @@ def _acceptance_sweep(model: Path, target: Optional[Path], text: Path, types: st
 def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list[int], group: str,  # type: ignore[no-untyped-def]
                   imatrix: Optional[Path], imat, groups: dict[str, list[str]], type_list: list, done: list,
                   output: Path, full_forward: bool, cluster, auto: bool,
-                  pruning: tuple[list[float], MixConstraints] | None = None) -> list:  # type: ignore[type-arg]
+                  pruning: tuple[list[float], MixConstraints, float | None] | None = None) -> list:  # type: ignore[type-arg]
     """Measure the sweep on the first n chunks for every n of `rounds` (one round unless --chunks auto), each
     round extending the last one's per-token scores; stop once two rounds rank the groups alike. With `pruning`
     (the --target-bpw budgets and the mix's constraints) each round is a pruned sweep (ikrun/sweep/prune.py): its
@@ -277,7 +283,8 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
     for k, n in enumerate(rounds):
         header = sweep_header(m, text, all_tokens.shape[1], n, group, imatrix)
         if pruning is not None:
-            header = {**header, "target_bpw": pruning[0], "constraints": asdict(pruning[1])}
+            header = {**header, "target_bpw": pruning[0], "constraints": asdict(pruning[1]),
+                      **({"prediction_spread": pruning[2]} if pruning[2] is not None else {})}
         chunk_tokens = all_tokens[:n]
         todo = len(groups) * len(type_list) - sum(1 for r in done if r.group in groups)
         base_plan = run_plan(m, n, all_tokens.shape[1], ev)
@@ -311,7 +318,7 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
                     measure(None, done)
                 else:
                     result = run_pruned_sweep(m, groups, type_list, imat, pruning[0], done,
-                                              lambda jobs: measure(jobs, []), pruning[1])
+                                              lambda jobs: measure(jobs, []), pruning[1], pruning[2])
                     rows = result.rows
                     save_rows(output, header, rows)
             except IkError as exc:

@@ -208,9 +208,10 @@ def sweep_header(model: Model, text: Path, ctx: int, chunks: int, group: str, im
     """The identity of a sweep's measurements (ikquant/sweepfile.py): what a resumed sweep must match."""
     runtime = {"kv_cache": model.kv_cache, **{k: getattr(model.options, k) for k in model.options.given()},
                **model.computed_paths(ctx)}
-    return {"metric": "kld", "model": str(model.path), "model_fingerprint": model_fingerprint(model), "text": str(text),
-            "text_sha256": file_sha256(text), "ctx": ctx, "chunks": chunks, "group": group,
-            "imatrix": str(imatrix) if imatrix else None,
+    # the paths resolved: `ikrun mix` reads the text and imatrix from here, maybe run from another directory
+    return {"metric": "kld", "model": str(model.path), "model_fingerprint": model_fingerprint(model),
+            "text": str(text.resolve()), "text_sha256": file_sha256(text), "ctx": ctx, "chunks": chunks,
+            "group": group, "imatrix": str(imatrix.resolve()) if imatrix else None,
             "imatrix_sha256": file_sha256(imatrix) if imatrix else None, "runtime": runtime,
             "unmeasured": unmeasured_tensors(model, ctx)}
 

@@ -27,12 +27,13 @@ import numpy as np
 
 from ikquant.errors import IkError
 from ikquant.imatrix import Imatrix
-from ikquant.mix import Option, choose_mix
+from ikquant.mix import Mix, Option, choose_mix
 from ikquant.mix_constraints import MixConstraints, constrained
 from ikquant.types import GGMLType
 from ikrun.errors import SweepError
 from ikrun.model import Model
 from ikrun.sweep.measure import SweepRow, quantized_copy, stored_type
+from ikrun.sweep.predict import Predictor, near_frontier, sampled_groups
 
 #: rows dequantized at a time when computing a prior (bounds the memory of a large expert tensor)
 PRIOR_ROWS = 4096
@@ -136,15 +137,42 @@ class Decision:
         units, options = self.options(lambda g, t: 0.0)
         return {key for u, names in units.items() for key in self.members(names, min(options[u], key=lambda o: o.bits))}
 
+    def seconds(self) -> set[tuple[str, str]]:
+        """Each unit's middle option by bits (a second type for the class's exponent), for all its groups."""
+        units, options = self.options(lambda g, t: 0.0)
+        out = set()
+        for u, names in units.items():
+            ordered = sorted(options[u], key=lambda o: o.bits)
+            if len(ordered) > 1:
+                out |= self.members(names, ordered[len(ordered) // 2])
+        return out
+
+    def near(self, cost: Callable[[str, str], float], bpws: list[float], spread: float) -> set[tuple[str, str]]:
+        """The (group, type) pairs of the units whose choice a prediction off by `spread` could change at a budget:
+        the chosen option and every option near it at the budget's multiplier (predict.near_frontier)."""
+        units, options = self.options(cost)
+        out = set()
+        for bpw in bpws:
+            mix = self._mix(units, options, bpw)
+            for u, o in mix.choice.items():
+                close = [x for x in options[u]
+                         if x != o and near_frontier((o.bits, o.kld), (x.bits, x.kld), mix.lam, spread)]
+                for x in close + ([o] if close else []):
+                    out |= self.members(units[u], x)
+        return out
+
+    def _mix(self, units: dict[str, list[str]], options: dict[str, list[Option]], bpw: float) -> Mix:
+        try:
+            return choose_mix(units, options, budget_bits(self.model, self.groups, bpw))
+        except IkError as exc:
+            raise SweepError(f"--target-bpw {bpw:g}: {exc}") from None
+
     def chosen(self, cost: Callable[[str, str], float], bpws: list[float]) -> set[tuple[str, str]]:
         """The (group, type) pairs the mixes at `bpws` choose with these costs."""
         units, options = self.options(cost)
         out = set()
         for bpw in bpws:
-            try:
-                mix = choose_mix(units, options, budget_bits(self.model, self.groups, bpw))
-            except IkError as exc:
-                raise SweepError(f"--target-bpw {bpw:g}: {exc}") from None
+            mix = self._mix(units, options, bpw)
             out |= {key for u, o in mix.choice.items() for key in self.members(units[u], o)}
         return out
 
@@ -183,12 +211,18 @@ class PrunedSweep:
     checks: list[tuple[float, float]]
     #: the batches of measurements asked for (the anchors, then one per choice that met unmeasured types)
     rounds: int = 0
+    #: with --prediction-spread: the spread, and the groups sampled of all
+    spread: float | None = None
+    sampled: tuple[int, int] | None = None
 
     def summary(self) -> str:
         total = self.n_measured + self.n_predicted
         text = (f"--target-bpw: measured {self.n_measured} of {total} (group, type) candidates, predicted "
                 f"{self.n_predicted} ({100 * self.n_predicted / max(total, 1):.0f}% skipped) in {self.rounds} "
                 "rounds of measurements")
+        if self.spread is not None and self.sampled is not None:
+            text += (f"; spread {self.spread:g}: {self.sampled[0]} of {self.sampled[1]} groups sampled, the rest "
+                     "measured only near the frontier")
         ratios = [m / p for p, m in self.checks if p > 0 and m > 0]
         if ratios:
             logs = np.abs(np.log(ratios))
@@ -201,10 +235,11 @@ class PrunedSweep:
 def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGMLType], imatrix: Imatrix | None,
                      bpws: list[float], done: list[SweepRow],
                      measure: Callable[[set[tuple[str, str]]], list[SweepRow]],
-                     constraints: MixConstraints | None = None) -> PrunedSweep:
+                     constraints: MixConstraints | None = None, spread: float | None = None) -> PrunedSweep:
     """The pruned sweep: `measure(jobs)` measures those (group, type) pairs (and records the rows); `done` holds
     rows an earlier run measured; the budgets must be reachable (check_budgets); the mixes are chosen under
-    `constraints` (default: the mix's default ties)."""
+    `constraints` (default: the mix's default ties). With `spread` only the sampled blocks are measured first (at
+    two types each) and then only the options near the mixes' frontier (ikrun/sweep/predict.py)."""
     decision = Decision(model, groups, types, constraints or MixConstraints())
     prior = priors(model, groups, types, imatrix)
     measured = {r.key: r for r in done if r.measured}
@@ -217,9 +252,7 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
             for r in measure(jobs):
                 measured[r.key] = r
 
-    run(decision.anchors() - measured.keys())
-
-    def predicted(g: str, tname: str) -> tuple[float, str]:
+    def nearest(g: str, tname: str) -> tuple[float, str]:
         """The KLD of (g, tname) from the group's measured type of the nearest weighted error (log scale), and its
         basis."""
         err = prior[(g, tname)].error
@@ -229,16 +262,32 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
         basis = f"the {ref} measurement x weighted quantization error {err:.4g} / {ref_err:.4g} at {ref}"
         return (kld * err / ref_err, basis) if ref_err > 0 else (kld, f"the {ref} measurement (no error there)")
 
+    def sampled() -> Predictor:
+        return Predictor(groups, [t.name for t in types], {k: p.error for k, p in prior.items()},
+                         {k: r.kld_mean for k, r in measured.items()})
+
+    predicted: Callable[[str, str], tuple[float, str]] = nearest
+    sample: set[str] = set()
+    if spread is None:
+        run(decision.anchors() - measured.keys())
+    else:
+        sample = sampled_groups(groups)
+        run({key for key in decision.anchors() | decision.seconds() if key[0] in sample} - measured.keys())
+        predicted = sampled()
+
     def cost(g: str, tname: str) -> float:
         return max(measured[(g, tname)].kld_mean, 0.0) if (g, tname) in measured else predicted(g, tname)[0]
 
     forecast: dict[tuple[str, str], tuple[float, str]] = {}  # what was predicted of a row before it was measured
     while True:
-        missing = decision.chosen(cost, bpws) - measured.keys()
+        wanted = decision.chosen(cost, bpws) if spread is None else decision.near(cost, bpws, spread)
+        missing = wanted - measured.keys()
         if not missing:
             break
         forecast.update({key: predicted(*key) for key in missing})
         run(missing)
+        if spread is not None:
+            predicted = sampled()
     rows, checks = [], []
     for g, names in groups.items():
         for t in types:
@@ -259,4 +308,5 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
                                  8.0 * p.bytes_new / n_weights, kld, nan, nan, nan, nan, nan, nan, 0.0, p.fallback,
                                  measured=False, prediction=kld, basis=basis))
     n_measured = sum(1 for r in rows if r.measured)
-    return PrunedSweep(rows, n_measured, len(rows) - n_measured, checks, rounds)
+    return PrunedSweep(rows, n_measured, len(rows) - n_measured, checks, rounds, spread,
+                       None if spread is None else (len(sample), len(groups)))

@@ -1,0 +1,135 @@
+"""Predicting what a (group, type) costs from a few blocks' measurements: `ikrun sweep --target-bpw ...
+--prediction-spread F` measures only a sample of the blocks, so the other blocks' costs must come from somewhere.
+
+Two observations carry the prediction. Across types, a tensor's KLD follows a power of its importance-weighted
+quantization error (the prior, ikrun/sweep/prune.py): log KLD = b + alpha log error, alpha about 1 (a small change
+of the weights changes the logits in proportion), the same for every tensor of a class. Across blocks, the
+intercept b (the tensor's sensitivity) drifts smoothly with depth within a class. So every class is measured at
+every SAMPLE_STRIDE-th block and its last, each sampled group at two types (which gives the class its alpha); a
+measured group's other types are interpolated between its measured types on the log-log line (or extended along
+the class's alpha), and an unsampled group's b is interpolated linearly between the nearest sampled blocks of its
+class.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ikrun.sweep.measure import layer_of, tensor_class
+
+#: every this-many-th block of a class is sampled (and its last block)
+SAMPLE_STRIDE = 4
+#: measured KLDs at or below this (noise) are taken as this, so that their logarithm exists
+KLD_FLOOR = 1e-9
+#: the class exponent is kept within these bounds (two noisy measurements can give any slope)
+ALPHA_BOUNDS = (0.25, 4.0)
+
+
+def group_class(names: list[str]) -> str:
+    """The class a group's tensors make (`ffn_down_exps`; `attn_k+attn_v` for a group of both)."""
+    return "+".join(sorted({tensor_class(n) for n in names}))
+
+
+def sampled_groups(groups: dict[str, list[str]]) -> set[str]:
+    """Per class, the groups of every SAMPLE_STRIDE-th block it occurs in and of its last; every group outside
+    the blocks (output, token_embd)."""
+    out: set[str] = set()
+    by_class: dict[str, dict[int, list[str]]] = {}
+    for g, names in groups.items():
+        layer = layer_of(names[0])
+        if layer is None:
+            out.add(g)
+        else:
+            by_class.setdefault(group_class(names), {}).setdefault(layer, []).append(g)
+    for layers in by_class.values():
+        ordered = sorted(layers)
+        for layer in set(ordered[::SAMPLE_STRIDE]) | {ordered[-1]}:
+            out.update(layers[layer])
+    return out
+
+
+Prediction = tuple[float, str]
+
+
+class Predictor:
+    """The predicted KLD of every (group, type) from `measured` {(group, type): KLD} and the priors `error`
+    {(group, type): importance-weighted squared error}, with the basis of each prediction in words."""
+
+    def __init__(self, groups: dict[str, list[str]], type_names: list[str], error: dict[tuple[str, str], float],
+                 measured: dict[tuple[str, str], float]):
+        self.error = error
+        self.cls = {g: group_class(names) for g, names in groups.items()}
+        self.layer = {g: layer_of(names[0]) for g, names in groups.items()}
+        # each group's measured points (log error, log KLD, type), by error
+        self.points = {g: sorted((math.log(error[(g, t)]), math.log(max(measured[(g, t)], KLD_FLOOR)), t)
+                                 for t in type_names if (g, t) in measured and error[(g, t)] > 0)
+                       for g in groups}
+        slopes: dict[str, list[float]] = {}
+        for g, pts in self.points.items():
+            if len(pts) >= 2 and pts[-1][0] - pts[0][0] > 1e-6:
+                slopes.setdefault(self.cls[g], []).append((pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]))
+        every = [s for v in slopes.values() for s in v]
+        default = float(np.median(every)) if every else 1.0
+        self.alpha = {c: float(np.clip(np.median(slopes[c]) if c in slopes else default, *ALPHA_BOUNDS))
+                      for c in set(self.cls.values())}
+        # each measured group's intercept b (log KLD - alpha log error, averaged over its points), by class and block
+        self.intercepts: dict[str, list[tuple[int, float]]] = {}
+        for g, pts in self.points.items():
+            layer = self.layer[g]
+            if pts and layer is not None:
+                a = self.alpha[self.cls[g]]
+                self.intercepts.setdefault(self.cls[g], []).append(
+                    (layer, float(np.mean([lk - a * le for le, lk, _ in pts]))))
+        for v in self.intercepts.values():
+            v.sort()
+
+    def __call__(self, g: str, t: str) -> Prediction:
+        err = self.error[(g, t)]
+        if err <= 0:
+            return 0.0, "no weighted quantization error (the tensor's own encoding)"
+        le, pts, a = math.log(err), self.points[g], self.alpha[self.cls[g]]
+        if pts:
+            below = [p for p in pts if p[0] <= le]
+            above = [p for p in pts if p[0] >= le]
+            if below and above and above[0][0] > below[-1][0]:
+                (e0, k0, t0), (e1, k1, t1) = below[-1], above[0]
+                return (math.exp(k0 + (k1 - k0) * (le - e0) / (e1 - e0)),
+                        f"interpolated between the {t0} and {t1} measurements on log KLD vs log weighted "
+                        f"quantization error ({err:.4g})")
+            e0, k0, t0 = min(pts, key=lambda p: abs(p[0] - le))
+            return (math.exp(k0 + a * (le - e0)),
+                    f"the {t0} measurement x (weighted quantization error {err:.4g} / {math.exp(e0):.4g})^{a:.2f} "
+                    f"(alpha of {self.cls[g]})")
+        b, where = self._intercept(g)
+        return math.exp(b + a * le), (f"{where}: log KLD = {b:.3f} + {a:.2f} log weighted quantization error "
+                                      f"({err:.4g})")
+
+    def _intercept(self, g: str) -> tuple[float, str]:
+        """The group's b interpolated over the measured blocks of its class, and whence."""
+        known = self.intercepts.get(self.cls[g], [])
+        layer = self.layer[g]
+        if not known or layer is None:
+            every = [b for v in self.intercepts.values() for _, b in v]
+            return float(np.median(every)) if every else math.log(KLD_FLOOR), "the median of every measured class"
+        lower = [k for k in known if k[0] <= layer]
+        upper = [k for k in known if k[0] >= layer]
+        if lower and upper and upper[0][0] > lower[-1][0]:
+            (l0, b0), (l1, b1) = lower[-1], upper[0]
+            return (b0 + (b1 - b0) * (layer - l0) / (l1 - l0),
+                    f"interpolated between blk.{l0} and blk.{l1} of {self.cls[g]}")
+        l0, b0 = (lower or upper)[-1 if lower else 0]
+        return b0, f"blk.{l0} of {self.cls[g]}"
+
+
+def near_frontier(current: tuple[int, float], other: tuple[int, float], lam: float, spread: float) -> bool:
+    """Whether a prediction off by a factor `spread` could make a group choose `other` (bits, KLD) instead of
+    `current` at the multiplier `lam` (KLD per bit): an upgrade that saves at least lam/spread per added bit, a
+    downgrade that loses at most lam x spread per bit saved."""
+    (b0, k0), (b1, k1) = current, other
+    if b1 == b0:
+        return k1 <= k0 * spread
+    rate = (k0 - k1) / (b1 - b0) if b1 > b0 else (k1 - k0) / (b0 - b1)
+    return rate * spread >= lam if b1 > b0 else rate <= lam * spread
+
