@@ -109,6 +109,25 @@ def test_q8_k_forms_have_no_plain_form_to_unpack_to() -> None:
     assert interleaved_form(type_by_name("Q8_KV")) is type_by_name("Q8_KV_R8")
 
 
+@pytest.mark.parametrize("name", [t.name for t in all_types() if isinstance(t.codec, InterleavedCodec)
+                                  and t.codec.quantizes_directly])
+def test_direct_interleaved_quantizers_equal_quantize_then_regroup(name: str) -> None:
+    """The 8-bit forms quantized straight into their layout give the bytes of their plain rows quantized and then
+    regrouped, byte for byte: on several groups and blocks, an all-zero row and block, an outlier, and a row so
+    small that the reciprocal of its scale overflows."""
+    codec = type_by_name(name).require_codec()
+    assert isinstance(codec, InterleavedCodec)
+    x = np.random.default_rng(7).standard_normal((32, 512)).astype(np.float32)
+    x[0] = 0
+    x[1, :256] = 0
+    x[2, 300] = 90.0
+    x[3] *= np.float32(1e-40)
+    got = codec.quantize(x)
+    want = np.empty_like(got)
+    codec.quantize_then_regroup(x, np.empty(0, dtype=np.float32), want)
+    assert np.array_equal(got, want)
+
+
 def test_mxfp4_r8_rows_of_256_follow_the_layout() -> None:
     """ik's own MXFP4_R8 quantizer corrupts its heap on 256-value rows (its decoder overruns the group): the layout
     defines such a tensor all the same, as the base type's blocks regrouped."""

@@ -23,6 +23,7 @@ from numba import njit, prange
 from ikquant.errors import QuantInputError
 from ikquant.formats.base import Codec
 from ikquant.formats.numeric import fmaf, load_f16, store_f16
+from ikquant.formats.q8_direct import quantize_q8_k_interleaved, quantize_q8_kv_r8
 from ikquant.types import register_codec, type_by_name
 
 
@@ -589,11 +590,13 @@ class InterleavedCodec(Codec):
     plain rows) of every bit of the interleaved form. The plain rows are the base type's, rewritten by `recode`
     when there is one, or those `plain` makes (then the form has no base type to unpack to). `positive_zeros`: ik
     decodes the form as d x unsigned code - offset x d, so a zero value is always +0 where the base type's
-    d x (code - offset) keeps the sign of d."""
+    d x (code - offset) keeps the sign of d. `direct(x, groups)`, where given, quantizes rows x straight into the
+    interleaved bytes of their groups ([rows / group, group row bytes]), with the bytes quantize-then-regroup gives."""
 
     def __init__(self, type_name: str, block: Callable[[int, int], np.ndarray],
                  header: Callable[[int], np.ndarray] | None = None, recode: Recode | None = None,
-                 plain: PlainRows | None = None, positive_zeros: bool = False) -> None:
+                 plain: PlainRows | None = None, positive_zeros: bool = False,
+                 direct: Callable[[np.ndarray, np.ndarray], None] | None = None) -> None:
         self.type_name = type_name
         gtype = type_by_name(type_name)
         assert gtype.base is not None
@@ -604,6 +607,7 @@ class InterleavedCodec(Codec):
         self._recode = recode
         self._plain = plain
         self._positive_zeros = positive_zeros
+        self._direct = direct
         self._maps: dict[int, tuple[UnitMap, UnitMap, np.ndarray]] = {}
 
     # the base codec and its documented properties, looked up when first used (format modules register in any order)
@@ -615,6 +619,11 @@ class InterleavedCodec(Codec):
     def unpacks_to_base(self) -> bool:
         """Whether the form is a regrouping of base-type rows (so a file's tensors can be repacked and unpacked)."""
         return self._plain is None
+
+    @property
+    def quantizes_directly(self) -> bool:
+        """Whether rows are quantized straight into the interleaved layout (no regrouping pass)."""
+        return self._direct is not None
 
     can_quantize = _from_base("can_quantize")  # type: ignore[assignment]
     uses_imatrix = _from_base("uses_imatrix")  # type: ignore[assignment]
@@ -694,6 +703,14 @@ class InterleavedCodec(Codec):
         return self._recode.inverse(plain) if self._recode is not None else plain
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        groups = self._groups(x.shape[0])
+        if self._direct is not None:
+            self._direct(x, out.reshape(groups, -1))
+            return
+        self.quantize_then_regroup(x, w, out)
+
+    def quantize_then_regroup(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        """The plain rows quantized, then regrouped (what a direct quantizer must equal byte for byte)."""
         self._groups(x.shape[0])
         if self._plain is not None:
             plain = np.empty_like(out)
@@ -874,7 +891,10 @@ for _codec in (
         InterleavedCodec("IQ3_XXS_R4", iq3_xxs_r4_block, recode=IQ3_XXS_RECODE),
         InterleavedCodec("Q5_0_R4", q5_0_r4_block, positive_zeros=True),
         InterleavedCodec("Q6_0_R4", q6_0_r4_block, positive_zeros=True),
-        InterleavedCodec("Q8_KV_R8", q8_kv_r8_block, q8_kv_r8_header, recode=Q8_KV_RECODE),
-        InterleavedCodec("Q8_K_R8", _q8_k_rows_block(8), plain=Q8KRows(0)),
-        InterleavedCodec("Q8_K_R16", _q8_k_rows_block(16), plain=Q8KRows(128)), Bf16R16Codec()):
+        InterleavedCodec("Q8_KV_R8", q8_kv_r8_block, q8_kv_r8_header, recode=Q8_KV_RECODE, direct=quantize_q8_kv_r8),
+        InterleavedCodec("Q8_K_R8", _q8_k_rows_block(8), plain=Q8KRows(0),
+                         direct=lambda x, groups: quantize_q8_k_interleaved(x, 8, 0, groups)),
+        InterleavedCodec("Q8_K_R16", _q8_k_rows_block(16), plain=Q8KRows(128),
+                         direct=lambda x, groups: quantize_q8_k_interleaved(x, 16, 128, groups)),
+        Bf16R16Codec()):
     register_codec(_codec)

@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.base import Codec
-from ikquant.formats.numeric import e8m0_half_to_f32, trunc_i32
+from ikquant.formats.numeric import e8m0_half_to_f32, finite_abs_max, trunc_i32
 
 QK = 32
 BLOCK_BYTES = 17
@@ -31,19 +31,33 @@ def _block_exponent(amax: np.float32) -> np.uint8:
     return np.uint8(trunc_i32(e) & np.int32(0xFF))
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def _nearest_code(v: np.float32, grid: np.ndarray) -> np.int32:
+    """ik takes the first code with the smallest float32 |x - d*v| over all 16. Rounding is symmetric, so
+    |x + d*v| = ||x| - d*v|, and a grid point of the other sign never beats code 0; hence: search |x| over codes
+    0-7 in order, then move a nonzero code of a negative x to its negated twin (8 + k). Written with selects only
+    (and a 32-bit code, the floats' width), so that a loop over values vectorises."""
+    a = abs(v)
+    best = a
+    code = np.int32(0)
+    for k in range(1, 8):
+        diff = abs(a - grid[k])
+        better = diff < best
+        best = diff if better else best
+        code = np.int32(k) if better else code
+    return code + np.int32(8) if v < 0 and code != 0 else code
+
+
 @njit(**KERNEL)
 def _quantize_mxfp4(x: np.ndarray, out: np.ndarray) -> None:
     n_rows, n = x.shape
     for r in prange(n_rows):
         grid = np.empty(8, dtype=np.float32)
-        best = np.empty(QK, dtype=np.float32)
-        code = np.empty(QK, dtype=np.uint8)
+        code = np.empty(QK, dtype=np.int32)
         for ib in range(n // QK):
             xb = x[r, ib * QK : (ib + 1) * QK]
             o = ib * BLOCK_BYTES
-            amax = np.float32(0.0)
-            for j in range(QK):
-                amax = max(amax, abs(xb[j]))
+            amax = finite_abs_max(xb)
             if amax == 0:
                 for k in range(BLOCK_BYTES):
                     out[r, o + k] = 0
@@ -53,23 +67,10 @@ def _quantize_mxfp4(x: np.ndarray, out: np.ndarray) -> None:
             d = e8m0_half_to_f32(e)
             for k in range(8):
                 grid[k] = d * _FVALUES[k]
-            # ik takes the first code with the smallest float32 |x - d*v| over all 16. Rounding is symmetric, so
-            # |x + d*v| = ||x| - d*v|, and a grid point of the other sign never beats code 0; hence: search
-            # |x| over codes 0-7 in order, then move a nonzero code of a negative x to its negated twin (8 + k).
             for j in range(QK):
-                best[j] = abs(xb[j])
-                code[j] = 0
-            for k in range(1, 8):
-                for j in range(QK):
-                    diff = abs(abs(xb[j]) - grid[k])
-                    if diff < best[j]:
-                        best[j] = diff
-                        code[j] = k
-            for j in range(QK):
-                if xb[j] < 0 and code[j] != 0:
-                    code[j] += 8
+                code[j] = _nearest_code(xb[j], grid)
             for j in range(QK // 2):
-                out[r, o + 1 + j] = code[j] | (code[j + QK // 2] << np.uint8(4))
+                out[r, o + 1 + j] = np.uint8(code[j] | (code[j + QK // 2] << 4))
 
 
 @njit(**KERNEL)

@@ -28,11 +28,13 @@ def make_qx_quants(n: int, nmax: int, x: np.ndarray, L: np.ndarray, w: np.ndarra
             L[i] = 0
         return np.float32(0.0)
     fn = np.float32(nmax)
+    # the code range as int32: Numba would clamp against int64 bounds in 64-bit lanes, half the vector width
+    lo, hi = np.int32(-nmax), np.int32(nmax - 1)
     iscale = -fn / fmax
     sumlx = np.float32(0.0)
     suml2 = np.float32(0.0)
     for i in range(n):
-        l = min(nmax - 1, max(-nmax, nearest_int_fma(iscale, x[i])))
+        l = min(hi, max(lo, nearest_int_fma(iscale, x[i])))
         L[i] = l + nmax
         fl = np.float32(l)
         sumlx = fmaf(w[i] * x[i], fl, sumlx)
@@ -57,7 +59,7 @@ def make_qx_quants(n: int, nmax: int, x: np.ndarray, L: np.ndarray, w: np.ndarra
         wi = w[i]
         wxi = wi * xi
         for c in range(ntrial):
-            fl = np.float32(min(nmax - 1, max(-nmax, nearest_int_fma(iscales[c], xi))))
+            fl = np.float32(min(hi, max(lo, nearest_int_fma(iscales[c], xi))))
             t_sumlx[c] += wxi * fl
             t_suml2[c] += (wi * fl) * fl
     winner = -1
@@ -72,7 +74,7 @@ def make_qx_quants(n: int, nmax: int, x: np.ndarray, L: np.ndarray, w: np.ndarra
             winner = c
     if winner >= 0:
         for i in range(n):
-            L[i] = nmax + min(nmax - 1, max(-nmax, nearest_int_fma(iscales[winner], x[i])))
+            L[i] = nmax + min(hi, max(lo, nearest_int_fma(iscales[winner], x[i])))
     sumlx = best_sumlx
     suml2 = best_suml2
     for _ in range(n * (2 * nmax - 1)):

@@ -1,0 +1,84 @@
+"""ik's 8-bit interleaved forms (Q8_K_R8, Q8_K_R16, Q8_KV_R8) quantized straight into their layout.
+
+Each of them stores every row's codes four at a time, the group's rows side by side: quantize-then-regroup spends
+most of its time moving those bytes a second time. Here a row's codes are computed in a vectorised pass into a
+buffer of the group's rows and written to their interleaved places as 4-byte words, in order, with the same arithmetic as the plain rows'
+kernels (tests/test_interleaved.py checks the bytes against quantize-then-repack).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ikquant.formats.numeric import finite_abs_max, store_f16, store_f32
+
+KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
+#: int32 conversion is exact below this magnitude; beyond it x86 gives INT_MIN (ik's saturating packs store -128)
+I32_LIMIT = np.float32(2147483648.0)
+
+
+@njit(cache=True, nogil=True)
+def _codes(xr: np.ndarray, mul: np.float32, offset: int, codes: np.ndarray) -> None:
+    """codes = rint(mul x) saturated to int8, plus `offset` (mod 256). With a finite multiplier every product is at
+    most ~127 in magnitude, so the loop has no range test and vectorises."""
+    if abs(mul) < np.inf:
+        for j in range(xr.size):
+            v = min(max(np.int32(np.rint(mul * xr[j])), np.int32(-128)), np.int32(127))
+            codes[j] = np.uint8((v + offset) & 255)
+        return
+    for j in range(xr.size):
+        p = mul * xr[j]
+        q = np.int32(np.rint(p)) if abs(p) < I32_LIMIT else np.int32(-2147483648)
+        codes[j] = np.uint8((min(max(q, np.int32(-128)), np.int32(127)) + offset) & 255)
+
+
+@njit(cache=True, nogil=True)
+def _interleave_quads(codes: np.ndarray, words: np.ndarray, start: int) -> None:
+    """The rows' codes [n, 4 m] to words[start + n j + k] = row k's codes 4 j .. 4 j + 3 as one 32-bit word
+    (written in order)."""
+    n = codes.shape[0]
+    quads = codes.view(np.uint32)
+    for j in range(quads.shape[1]):
+        for k in range(n):
+            words[start + n * j + k] = quads[k, j]
+
+
+@njit(**KERNEL)
+def quantize_q8_k_interleaved(x: np.ndarray, n: int, offset: int, out: np.ndarray) -> None:
+    """Q8_K_R8 (n = 8, offset 0) / Q8_K_R16 (n = 16, offset 128): per group of n rows and block of 256 values, the
+    rows' f16 d = max|x| / 127, then byte 4 n j + 4 k + i = row k's code 4 j + i (rint(x 127 / max|x|), as ik's
+    AVX2 quantize_row_q8_K32). `out` is the groups' bytes [rows / n, n row bytes]."""
+    nb = x.shape[1] // 256
+    for g in prange(x.shape[0] // n):
+        dst = out[g]
+        words = dst.view(np.uint32)
+        codes = np.empty((n, 256), np.uint8)
+        for b in range(nb):
+            o = b * n * 258
+            for k in range(n):
+                xb = x[g * n + k, 256 * b : 256 * b + 256]
+                amax = finite_abs_max(xb)
+                store_f16(dst, o + 2 * k, amax / np.float32(127.0))
+                _codes(xb, np.float32(127.0) / amax if amax != 0 else np.float32(0.0), offset, codes[k])
+            _interleave_quads(codes, words, (o + 2 * n) // 4)
+
+
+@njit(**KERNEL)
+def quantize_q8_kv_r8(x: np.ndarray, out: np.ndarray) -> None:
+    """Q8_KV_R8: per group of 8 rows their f32 scales d = max|x| / 127, then byte 32 m + 4 k + i (after the 32
+    scale bytes) = row k's code 4 m + i, rint(x / d) (as Q8_KV's rows; an all-zero row has d = 0 and zero codes).
+    `out` is the groups' bytes [rows / 8, 8 row bytes]."""
+    for g in prange(x.shape[0] // 8):
+        dst = out[g]
+        codes = np.empty((8, x.shape[1]), np.uint8)
+        for k in range(8):
+            xr = x[8 * g + k]
+            amax = finite_abs_max(xr)
+            d = amax / np.float32(127.0)
+            if amax == 0:
+                codes[k] = 0
+            else:
+                _codes(xr, np.float32(1.0) / d, 0, codes[k])
+            store_f32(dst, 4 * k, d)
+        _interleave_quads(codes, dst.view(np.uint32), 8)
