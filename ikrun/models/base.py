@@ -187,8 +187,8 @@ class ArchModel(ABC):
 
     def check_head(self, head: ArchModel) -> None:
         """Refuse a NextN/MTP head from another file: only architectures whose heads ik loads separately take one."""
-        raise head.fail(f"a separate MTP file: {self.ctx.arch} models draft with their own NextN/MTP head (no file "
-                        "after the target)")
+        raise head.fail(f"is given as an MTP file, but {self.ctx.arch} models draft with their own NextN/MTP head "
+                        "(give the target alone)")
 
     def final_norm(self, x: np.ndarray) -> np.ndarray:
         """The output norm alone on hidden rows: transformers' last hidden state, a DFlash feature when a draft
