@@ -47,15 +47,18 @@ def test_a_continued_target_equals_the_whole_forward_until_its_indexer_ranks_few
     """24 tokens, then one a call: equal to the whole 80-token forward (float rounding) up to position 67. From 68 on
     (17 CSA entries visible, the indexer keeps 16, and ReLU's zero scores tie) the continued indexer ranks the 17
     entries that exist, the whole forward's rows also hold the 3 not yet visible, and torch's top-k order over the
-    two rows keeps different tied entries: a semantic of continuing, not rounding."""
+    two rows keeps different tied entries: a semantic of continuing, not rounding. Calls of 4 tokens (a verified
+    block) rank as one token a call does, so speculation keeps the target's greedy text."""
     seq = tokens[:80]
     whole = target.logits(seq)
-    dec = TargetDecoder(target, [])
+    dec, blocks = TargetDecoder(target, []), TargetDecoder(target, [])
     cont = np.concatenate([dec.run(seq[:24])[0]] + [dec.run(seq[p : p + 1])[0] for p in range(24, 80)])
+    in_blocks = np.concatenate([blocks.run(seq[:24])[0]] + [blocks.run(seq[p : p + 4])[0] for p in range(24, 80, 4)])
     scale = np.abs(whole).max()
     diff = np.abs(cont - whole).max(axis=1)
     assert diff[:68].max() < 1e-5 * scale  # 5.2e-6 absolute measured, scale ~4
     assert diff[68] > 1e-2 * scale
+    np.testing.assert_allclose(in_blocks, cont, rtol=0, atol=1e-5 * scale)
 
 
 def test_a_cut_cache_continues_as_if_the_rejected_rows_never_ran(target: Model, tokens: np.ndarray) -> None:

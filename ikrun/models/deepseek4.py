@@ -374,8 +374,9 @@ class Deepseek4(ArchModel):
     def _attention(self, i: int, h: np.ndarray, seq: Sequence) -> np.ndarray:
         """A continued sequence keeps each layer's inputs and key = value rows (`state["kv"]`): the new queries
         attend over every kept row, and the compressed entries are pooled again from the kept inputs, so a cut cache
-        (keep_cache) rolls back exactly. The indexer then ranks the entries that exist so far: where its scores tie,
-        the top-k it keeps can differ from the whole sequence's, whose rows also hold the entries not yet visible."""
+        (keep_cache) rolls back exactly. The indexer then ranks, per query, the entries that exist when it is decoded
+        alone: where its scores tie, the top-k it keeps can differ from the whole sequence's, whose rows also hold
+        the entries not yet visible."""
         cx, b, n, ratio, start = self.ctx, f"blk.{i}.", len(h), self.ratios[i], seq.start
         cos, sin = (t[start:] for t in seq.state["rope"]["compress" if ratio else "main"])
         q_res = self.norm(cx.linear(h, b + "attn_q_a"), cx.weight(b + "attn_q_a_norm.weight"))
@@ -453,4 +454,13 @@ class Deepseek4(ArchModel):
         w = cx.linear(inputs[len(inputs) - n :], b + "indexer.proj") * scale
         scores = indexer_scores(q, keys, w, q0=len(keys))
         scores[~visible] = -np.inf
-        return select_top_k(scores, self.top_k, TIE_TORCH) & visible
+        if "kv" not in seq.state:  # the whole sequence: every query ranks all its entries, as transformers does
+            return select_top_k(scores, self.top_k, TIE_TORCH) & visible
+        # through a cache: each query ranks the entries that exist when it is decoded alone (those it sees), so how
+        # the sequence is cut into calls (a verified block or one token a call) does not change the choice
+        keep = np.zeros_like(visible)
+        seen = visible.sum(axis=1)
+        for count in np.unique(seen[seen > 0]):
+            rows = np.flatnonzero(seen == count)
+            keep[rows, :count] = select_top_k(scores[rows, :count], self.top_k, TIE_TORCH)
+        return keep
