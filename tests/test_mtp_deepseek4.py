@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from ikquant.imatrix import read_imatrix_dat
 from ikrun.cli import app
-from ikrun.eval.speculative import TargetDecoder, greedy_continuation, mtp_generate
+from ikrun.eval.evaluate import tokenize_chunks
+from ikrun.eval.speculative import TargetDecoder, greedy_continuation, mtp_generate, previous_states
 from ikrun.model import Model
 from ikrun.validate.deepseek4 import DeepseekV4Reference
 from tests.family_checks import assert_head_equals_reference
@@ -94,18 +95,43 @@ def test_mtp_speculation_gives_the_targets_greedy_continuation(target: Model, he
     assert set(run.draft_lengths) == {n_max} and all(1 <= a <= n_max + 1 for a in run.acceptance_lengths)
 
 
-def test_accept_imatrix_and_sweep_take_the_export_beside_the_target(tmp_path: Path) -> None:
+def test_imatrix_collects_the_exports_head_in_the_same_file(target: Model, tmp_path: Path) -> None:
+    """`imatrix T --mtp --mtp-model MTP`: the target's entries as without it, the export's block added, eh_proj's
+    the mean square of [enorm(embedding) | hnorm(stream)] over every stream of the previous position."""
+    plain, with_head = tmp_path / "plain.dat", tmp_path / "mtp.dat"
+    for out, extra in ((plain, []), (with_head, ["--mtp", "--mtp-model", str(EXPORT)])):
+        res = runner.invoke(app, ["imatrix", str(TARGET), "--text", str(TEXT), "--ctx", "64", "--chunks", "2", "-o",
+                                  str(out), *extra])
+        assert res.exit_code == 0, res.output
+    a, b = read_imatrix_dat(plain).entries, read_imatrix_dat(with_head).entries
+    assert {"blk.3.nextn.eh_proj.weight", "blk.3.attn_q_a.weight", "blk.3.ffn_up_exps.weight"} <= set(b)
+    assert set(b) - set(a) == {n for n in b if n.startswith("blk.3.")}
+    for name, entry in a.items():
+        np.testing.assert_array_equal(b[name].values, entry.values)
+    ckpt = DeepseekV4Reference.from_folder(HF)
+    embed, enorm, hnorm = (ckpt.w(n).astype(np.float64) for n in ("embed.weight", "mtp.0.enorm.weight",
+                                                                  "mtp.0.hnorm.weight"))
+    rows = []
+    for tokens in tokenize_chunks(target, TEXT.read_text(), 64, 2):
+        _, features = TargetDecoder(target, [target.impl.n_active - 1], nextn=True).run(tokens)
+        hidden = previous_states(features).astype(np.float64).reshape(len(tokens) * 4, -1)
+        e = np.repeat(_rms(embed[tokens], enorm), 4, axis=0)
+        rows.append(np.concatenate([e, _rms(hidden, hnorm)], axis=1))
+    x = np.concatenate(rows)
+    entry = b["blk.3.nextn.eh_proj.weight"]
+    assert entry.ncall == 2
+    np.testing.assert_allclose(entry.values, np.mean(x * x, axis=0) * 2, rtol=1e-5)
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def test_accept_and_sweep_take_the_export_beside_the_target(tmp_path: Path) -> None:
     res = runner.invoke(app, ["accept", str(TARGET), str(EXPORT), "--mtp", *DECODING, "--json"])
     assert res.exit_code == 0, res.output
     got = json.loads(res.stdout[res.stdout.index("{"):])
     assert got["output_matches_target"] and got["mean_acceptance_length"] >= 1
-    res = runner.invoke(app, ["imatrix", str(TARGET), "--mtp", "--mtp-model", str(EXPORT), "--text", str(TEXT),
-                              "--ctx", "64", "--chunks", "2", "-o", str(tmp_path / "imatrix.dat")])
-    assert res.exit_code == 0, res.output
-    entries = read_imatrix_dat(tmp_path / "imatrix.dat").entries
-    head = {n for n in entries if n.startswith("blk.3.")}
-    assert {"blk.3.nextn.eh_proj.weight", "blk.3.attn_q_a.weight", "blk.3.ffn_up_exps.weight"} <= head
-    assert all(entries[n].ncall > 0 for n in head) and "blk.0.attn_q_a.weight" in entries
     res = runner.invoke(app, ["sweep", str(EXPORT), "--target", str(TARGET), "--metric", "acceptance", "--mtp",
                               *DECODING, "--types", "Q4_0", "--tensors", r"eh_proj|attn_q_a\.",
                               "-o", str(tmp_path / "head.json")])
