@@ -308,10 +308,14 @@ class Deepseek4(ArchModel):
         """Rope tables of every position up to the sequence's last (a continued one's compressed entries start at
         0)."""
         n = seq.start + len(seq)
-        seq.state["rope"] = {kind: self._rope_table(kind, n) for kind in self.inv_freq}
+        seq.state["rope"] = {kind: self._rope_table(kind, n, shared=seq.start == 0) for kind in self.inv_freq}
 
-    def _rope_table(self, kind: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def _rope_table(self, kind: str, n: int, shared: bool) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin of positions 0..n-1; `shared` (fresh sequences) made once per length, a continued sequence's own
+        (one table per length it passes through would grow without bound)."""
         freq = self.inv_freq[kind]
+        if not shared:
+            return inv_freq_rope_cache(np.arange(n), freq)
         table: tuple[np.ndarray, np.ndarray] = self.table(("rope", kind, n),
                                                           lambda: inv_freq_rope_cache(np.arange(n), freq))
         return table
