@@ -64,7 +64,8 @@ def accept(
     per draft position, tokens/s, and the check that the output is the target's own.
 
     Example: ikrun accept qwen3-8b.gguf dflash-draft.gguf --text wiki.test.raw --prompts 8 --max-new 256
-    --compare Q8_0,Q4_K; ikrun accept GLM-4.5-Air.gguf --mtp --n-max 3 --text wiki.test.raw --compare Q4_0
+    --compare Q8_0,Q4_K; ikrun accept GLM-4.5-Air.gguf --mtp --n-max 3 --text wiki.test.raw --compare Q4_0;
+    ikrun accept DeepSeek-V4-Flash.gguf DeepSeek-V4-Flash-mtp.gguf --mtp --text wiki.test.raw
     """
     from ikquant.types import type_by_name
     from ikrun.eval.dflash_trace import LayerTrace, first_acceptance_difference
