@@ -144,11 +144,14 @@ def test_bad_input_is_refused_in_one_line(tmp_path: Path) -> None:
     cases = [
         (["ppl", str(EXPORT), "--text", str(TEXT), "--ctx", "64"], "MTP export"),
         (["accept", str(TARGET), "--mtp", "--text", str(TEXT)], "ikconvert hf2gguf --mtp"),
+        (["accept", str(EXPORT), "--mtp", "--text", str(TEXT)], "MTP export"),
+        (["sweep", str(EXPORT), "--metric", "acceptance", "--mtp", "--text", str(TEXT), "--types", "Q8_0", "-o",
+          str(tmp_path / "x.json")], "MTP export"),
         (["accept", str(TARGET), str(TARGET), "--mtp", "--text", str(TEXT)], "not a DeepSeek-V4 MTP export"),
         (["imatrix", str(TARGET), "--mtp-model", str(EXPORT), "--text", str(TEXT), "-o", str(tmp_path / "x.dat")],
          "--mtp-model goes with --mtp"),
     ]
     for args, said in cases:
-        res = runner.invoke(app, args, env={"COLUMNS": "400"})
+        res = runner.invoke(app, [*args, "--mem", "1G"], env={"COLUMNS": "400"})  # no note on a memory-short host
         assert res.exit_code == 2 and said in res.output and len(res.output.strip().splitlines()) == 1, (args,
                                                                                                          res.output)

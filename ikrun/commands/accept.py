@@ -198,6 +198,7 @@ def mtp_target(target: Path, ev: Evaluation, text: Path, prompts: int, prompt_le
     t = load_model(target, ev)
     h = None if head_file is None else load_model(head_file, ev, beside=True)
     try:
+        t.check_context(prompt_len + max_new)  # the target runs (an MTP export alone cannot)
         if h is not None:
             t.impl.check_head(h.impl)
         head = (h or t).impl.nextn_head()
