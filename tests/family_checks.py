@@ -104,16 +104,16 @@ def ik_quantized(gguf: Path, out: Path, ftype: str) -> Path:
 
 
 def assert_head_equals_reference(model: Model, tokens: np.ndarray, reference: Callable[[np.ndarray], np.ndarray],
-                                 rel: float) -> None:
-    """The model's NextN/MTP head over `tokens` (fed the target's last states shifted by one, as ik's warmup feeds
-    it) equals `reference(hidden in float64)` within rel x its largest logit, run whole and run 8 + 1 + 1 + ...
-    through the head's own cache."""
-    _, features = TargetDecoder(model, [model.impl.n_active - 1]).run(tokens)
+                                 rel: float, head: Model | None = None) -> None:
+    """The model's NextN/MTP head (or `head`'s, an MTP export beside it) over `tokens` (fed the target's last states
+    shifted by one, as ik's warmup feeds it) equals `reference(hidden in float64)` within rel x its largest logit, run
+    whole and run 8 + 1 + 1 + ... through the head's own cache."""
+    _, features = TargetDecoder(model, [model.impl.n_active - 1], nextn=True).run(tokens)
     hidden = previous_states(features)
     ref = reference(hidden.astype(np.float64))
-    _, whole = NextnDecoder(model).run(hidden, tokens)
+    _, whole = NextnDecoder(head or model).run(hidden, tokens)
     assert np.abs(whole - ref).max() < rel * np.abs(ref).max()
-    dec = NextnDecoder(model)
+    dec = NextnDecoder(head or model)
     parts = [dec.run(hidden[:8], tokens[:8])[1]] + [dec.run(hidden[i : i + 1], tokens[i : i + 1])[1]
                                                      for i in range(8, len(tokens))]
     np.testing.assert_allclose(np.concatenate(parts), whole, rtol=0, atol=rel * np.abs(ref).max())

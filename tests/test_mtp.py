@@ -269,7 +269,7 @@ def test_head_sweeps_and_bounds_refuse_bad_input(head_sweep: Path, tmp_path: Pat
         (app, ["sweep", str(NO_NEXTN), "--metric", "acceptance", "--mtp", *DECODING, "--types", "Q4_0"], "NextN"),
         (app, ["sweep", str(GGUF), "--mtp", "--text", str(TEXT), "--types", "Q4_0"], "--metric acceptance"),
         (app, ["sweep", str(GGUF), "--metric", "acceptance", "--mtp", "--target", str(GGUF), "--text", str(TEXT),
-               "--types", "Q4_0"], "--target"),
+               "--types", "Q4_0"], "own NextN/MTP head"),
         (app, ["sweep", str(GGUF), "--metric", "acceptance", "--mtp", "--text", str(TEXT), "--prompts", "0",
                "--types", "Q4_0"], "prompts"),
         (app, ["sweep", str(GGUF), "--n-max", "2", "--text", str(TEXT), "--types", "Q4_0"], "--n-max"),

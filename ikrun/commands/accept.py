@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 def accept(
     target: Path = typer.Argument(..., help="The target model's GGUF."),
     draft: Optional[Path] = typer.Argument(None, help="The DFlash draft's GGUF (ikconvert hf2gguf ... "
-                                           "--target-model-dir); none with --mtp."),
+                                           "--target-model-dir); with --mtp only DeepSeek-V4's MTP export "
+                                           "(ikconvert hf2gguf --mtp), which ik loads beside its target."),
     text: Path = typer.Option(..., "--text", help="Text the prompts are cut from (tokenized without BOS)."),
     prompts: int = typer.Option(6, "--prompts", help="Number of prompts; prompt i starts at token i*floor((n-L-M)/N)."),
     prompt_len: int = typer.Option(24, "--prompt-len", help="Tokens per prompt (L)."),
@@ -50,8 +51,9 @@ def accept(
     budget_drafts: bool = typer.Option(False, "--budget-drafts", help="Draft at most (tokens left - 2) tokens a "
                                        "step in a block that long, none with fewer than 3 left, as ik's loop does "
                                        "(default: whole blocks, cut afterwards, as the reference)."),
-    mtp: bool = typer.Option(False, "--mtp", help="Draft with the target's own NextN/MTP head (GLM-4.x) instead of a "
-                             "DFlash draft, as ik's --spec-type mtp; --compare then quantizes the head's block."),
+    mtp: bool = typer.Option(False, "--mtp", help="Draft with the target's own NextN/MTP head (GLM-4.x, DeepSeek-V3; "
+                             "DeepSeek-V4: its MTP export after the target) instead of a DFlash draft, as ik's "
+                             "--spec-type mtp; --compare then quantizes the head's block."),
     n_max: Optional[int] = typer.Option(None, "--n-max", help="With --mtp: tokens drafted per step, each from the "
                                         "previous draft's state (ik's --draft-max; default 3)."),
     p_min: Optional[float] = typer.Option(None, "--p-min", help="With --mtp: stop drafting after a token whose probability is "
@@ -62,7 +64,8 @@ def accept(
     per draft position, tokens/s, and the check that the output is the target's own.
 
     Example: ikrun accept qwen3-8b.gguf dflash-draft.gguf --text wiki.test.raw --prompts 8 --max-new 256
-    --compare Q8_0,Q4_K; ikrun accept GLM-4.5-Air.gguf --mtp --n-max 3 --text wiki.test.raw --compare Q4_0
+    --compare Q8_0,Q4_K; ikrun accept GLM-4.5-Air.gguf --mtp --n-max 3 --text wiki.test.raw --compare Q4_0;
+    ikrun accept DeepSeek-V4-Flash.gguf DeepSeek-V4-Flash-mtp.gguf --mtp --text wiki.test.raw
     """
     from ikquant.types import type_by_name
     from ikrun.eval.dflash_trace import LayerTrace, first_acceptance_difference
@@ -76,12 +79,13 @@ def accept(
     )
 
     if mtp:
-        if draft is not None or trace or oracle or cross_ctx is not None or late_features or budget_drafts or block:
-            fail("--mtp drafts with the target's own NextN head: it takes no draft model, --block, --trace, --oracle, "
+        if trace or oracle or cross_ctx is not None or late_features or budget_drafts or block:
+            fail("--mtp drafts with the target's NextN/MTP head: it takes no --block, --trace, --oracle, "
                  "--cross-ctx, --late-feature-positions or --budget-drafts")
         n_max, p_min = mtp_settings(n_max, p_min)
-        t, head_block, chunks = mtp_target(target, ev, text, prompts, prompt_len, max_new)
-        d, bs, drafted = t, n_max + 1, [n for n in t.weights.names() if n.startswith(f"blk.{head_block}.")]
+        t, head_model, head_block, chunks = mtp_target(target, ev, text, prompts, prompt_len, max_new, draft)
+        d, bs = head_model or t, n_max + 1
+        drafted = [n for n in d.weights.names() if n.startswith(f"blk.{head_block}.")]
     else:
         if draft is None:
             fail("give a DFlash draft's GGUF after the target, or --mtp to draft with the target's NextN head")
@@ -110,7 +114,7 @@ def accept(
             runs, traces = [], []
             for p in chunks:
                 observer = LayerTrace(reference) if traced and reference is not None else None
-                runs.append(mtp_generate(t, p, max_new, bs - 1, p_min or 0.0) if mtp else
+                runs.append(mtp_generate(t, p, max_new, bs - 1, p_min or 0.0, head_model) if mtp else
                             speculative_generate(t, d, p, max_new, bs, observe=observer, ik=ik))
                 if observer is not None:
                     traces.append(observer.summary())
@@ -185,20 +189,24 @@ def mtp_settings(n_max: Optional[int], p_min: Optional[float]) -> tuple[int, flo
     return n_max, p_min or 0.0
 
 
-def mtp_target(target: Path, ev: Evaluation, text: Path, prompts: int, prompt_len: int,
-               max_new: int) -> tuple[Model, int, list[np.ndarray]]:
-    """A target with a NextN/MTP head loaded and its head checked, and the prompts cut from the text, before any
-    compute."""
+def mtp_target(target: Path, ev: Evaluation, text: Path, prompts: int, prompt_len: int, max_new: int,
+               head_file: Optional[Path] = None) -> tuple[Model, Optional[Model], int, list[np.ndarray]]:
+    """A target with a NextN/MTP head (its own, or `head_file`'s: an MTP export ik loads beside it) loaded and the
+    head checked, and the prompts cut from the text, before any compute."""
     from ikrun.eval.speculative import prompt_starts
 
     t = load_model(target, ev)
+    h = None if head_file is None else load_model(head_file, ev, beside=True)
     try:
-        head = t.impl.nextn_head()
+        t.check_context(prompt_len + max_new)  # the target runs (an MTP export alone cannot)
+        if h is not None:
+            t.impl.check_head(h.impl)
+        head = (h or t).impl.nextn_head()
         ids = np.asarray(t.tokenizer().encode(read_text(text), add_special=False), dtype=np.int64)
         starts = prompt_starts(len(ids), prompts, prompt_len, max_new)
     except IkError as exc:
         fail(str(exc))
-    return t, head.block, [ids[s : s + prompt_len] for s in starts]
+    return t, h, head.block, [ids[s : s + prompt_len] for s in starts]
 
 
 def _oracle_runs(path: Path, chunks: list[np.ndarray]) -> list[list[int]]:

@@ -29,9 +29,12 @@ def imatrix(
                                    "run loses little (0: only at the end; a streamed run finishes all chunks "
                                    "together and saves at the end)."),
     process_output: bool = typer.Option(False, "--process-output", help="Also collect for output.weight."),
-    mtp: bool = typer.Option(False, "--mtp", help="Also collect for the NextN/MTP head's tensors (GLM-4.x) by running "
-                             "the head at every position from the target's hidden states (ik's llama-imatrix "
-                             "leaves them without data)."),
+    mtp: bool = typer.Option(False, "--mtp", help="Also collect for the NextN/MTP head's tensors (GLM-4.x, "
+                             "DeepSeek-V3; DeepSeek-V4: --mtp-model) by running the head at every position from "
+                             "the target's hidden states (ik's llama-imatrix leaves them without data)."),
+    mtp_model: Optional[Path] = typer.Option(None, "--mtp-model", help="With --mtp: the MTP export that drafts beside "
+                                             "the model (DeepSeek-V4, ikconvert hf2gguf --mtp); its head's entries "
+                                             "go into the same output."),
     ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
     """Collect an importance matrix: per weight matrix, the mean square of its input activations per column.
@@ -43,11 +46,16 @@ def imatrix(
     from ikrun.eval.imatrix import ImatrixCollector, collect_nextn
     from ikrun.eval.metrics import ppl_stats
 
+    if mtp_model is not None and not mtp:
+        fail("--mtp-model goes with --mtp (the export's head is run only to collect its tensors)")
     m = load_model(model, ev)
+    head = None if mtp_model is None else load_model(mtp_model, ev, beside=True)
     collector = ImatrixCollector(process_output=process_output)
     try:
+        if head is not None:
+            m.impl.check_head(head.impl)
         if mtp:
-            m.impl.nextn_head()
+            (head or m).impl.nextn_head()
         chunk_tokens = tokenize_chunks(m, read_text(text), ctx, chunks)
         for f in in_file:
             collector.merge(read_imatrix(f), ctx)
@@ -64,7 +72,7 @@ def imatrix(
 
         nll = collect_imatrix(m, chunk_tokens, collector, step, plan, on_block)
     if mtp:
-        collect_nextn(m, chunk_tokens, collector)
+        collect_nextn(m, chunk_tokens, collector, head)
     collector.save(output, len(chunk_tokens), ctx, dataset)
     stats = ppl_stats(nll)
     err.print(f"wrote {output}: {len(collector.sums)} entries from {len(chunk_tokens)} chunks of {ctx} tokens "

@@ -64,7 +64,8 @@ def sweep(
                                "--max-new, --block / --n-max, --p-min as ikrun accept)."),
     target: Optional[Path] = typer.Option(None, "--target", help="With --metric acceptance: the draft's target GGUF."),
     mtp: bool = typer.Option(False, "--mtp", help="With --metric acceptance: sweep the model's own NextN/MTP head's "
-                             "tensors by the acceptance length its drafts lose (ikrun accept --mtp); the rows feed "
+                             "tensors (or, with --target, those of the MTP export MODEL: DeepSeek-V4) by the "
+                             "acceptance length its drafts lose (ikrun accept --mtp); the rows feed "
                              "ikquant --mtp-sweep / ikrun mix --mtp-sweep with --max-acceptance-loss."),
     n_max: Optional[int] = typer.Option(None, "--n-max", help="With --mtp: tokens drafted per step (default 3)."),
     p_min: Optional[float] = typer.Option(None, "--p-min", help="With --mtp: ik's --draft-p-min (default 0)."),
@@ -112,8 +113,8 @@ def sweep(
     if not mtp and (n_max is not None or p_min is not None):
         fail("--n-max and --p-min go with --mtp (a DFlash draft drafts a block: --block)")
     if metric == "acceptance":
-        if mtp and (target is not None or block is not None):
-            fail("--mtp sweeps the model's own NextN head: it takes no --target or --block")
+        if mtp and block is not None:
+            fail("--mtp sweeps a NextN/MTP head: it takes no --block (--n-max drafts per step)")
         if not mtp and target is None:
             fail("--metric acceptance and --target go together (a draft is measured with its target; --mtp for the "
                  "model's own NextN head)")
@@ -205,7 +206,8 @@ def _acceptance_sweep(model: Path, target: Optional[Path], text: Path, types: st
                       max_new: int, block: Optional[int], plot: Optional[Path], ev: Evaluation,
                       mtp: tuple[int, float] | None) -> None:
     """`ikrun sweep DRAFT --target T --metric acceptance`: the acceptance length each draft tensor costs; with
-    `mtp` = (n_max, p_min), `ikrun sweep T --metric acceptance --mtp`: each tensor of T's NextN head."""
+    `mtp` = (n_max, p_min), `ikrun sweep T --metric acceptance --mtp`: each tensor of T's NextN head (`ikrun sweep
+    MTP --target T ... --mtp`: of the MTP export MTP drafting for T)."""
     from functools import partial
 
     from ikquant.imatrix import read_imatrix
@@ -216,9 +218,11 @@ def _acceptance_sweep(model: Path, target: Optional[Path], text: Path, types: st
     decode: Decode
     if mtp is not None:
         n_max, p_min = mtp
-        t, head, chunks = mtp_target(model, ev, text, prompts, prompt_len, max_new)
-        d, bs, drafter = t, n_max + 1, f"blk.{head}."
-        decode = partial(mtp_generate, t, max_new=max_new, n_max=n_max, p_min=p_min)
+        # the model's own head, or (--target T) the model is an MTP export that drafts beside T (DeepSeek-V4)
+        t, h, head, chunks = (mtp_target(model, ev, text, prompts, prompt_len, max_new) if target is None else
+                              mtp_target(target, ev, text, prompts, prompt_len, max_new, model))
+        d, bs, drafter = h or t, n_max + 1, f"blk.{head}."
+        decode = partial(mtp_generate, t, max_new=max_new, n_max=n_max, p_min=p_min, head=h)
     else:
         assert target is not None
         t, d, bs, chunks = draft_pair(target, model, ev, text, prompts, prompt_len, max_new, block)

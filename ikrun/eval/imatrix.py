@@ -90,15 +90,17 @@ class ImatrixCollector:
             write_imatrix_dat(path, self.to_imatrix(chunks, dataset))
 
 
-def collect_nextn(model: Model, chunks: np.ndarray, collector: ImatrixCollector) -> None:
-    """The NextN head's activations on every chunk, shown to `collector` alone (the target's forward that gives the
-    head its hidden states is not observed: its tensors were collected by the main pass)."""
+def collect_nextn(model: Model, chunks: np.ndarray, collector: ImatrixCollector, head: Model | None = None) -> None:
+    """The NextN head's activations on every chunk (the model's own head, or `head`'s: an MTP export beside it),
+    shown to `collector` alone (the target's forward that gives the head its hidden states is not observed: its
+    tensors were collected by the main pass)."""
     from ikrun.eval.speculative import NextnDecoder, TargetDecoder, previous_states
 
+    drafter = head or model
     for i, tokens in enumerate(chunks):
-        _, features = TargetDecoder(model, [model.impl.n_active - 1]).run(tokens)
-        model.observers.append(collector)
+        _, features = TargetDecoder(model, [model.impl.n_active - 1], nextn=True).run(tokens)
+        drafter.observers.append(collector)
         try:
-            NextnDecoder(model, i).run(previous_states(features), tokens)
+            NextnDecoder(drafter, i).run(previous_states(features), tokens)
         finally:
-            model.observers.remove(collector)
+            drafter.observers.remove(collector)

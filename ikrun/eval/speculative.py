@@ -31,9 +31,10 @@ class TargetDecoder:
     """The target continuing one sequence through its key/value cache, with the hidden states of chosen blocks
     from the same forward: transformers' `hidden_states[i + 1]`, which for the last block is the output norm's."""
 
-    def __init__(self, model: Model, feature_layers: list[int]):
+    def __init__(self, model: Model, feature_layers: list[int], nextn: bool = False):
         self.model, self.impl = model, model.impl
         self.layers = feature_layers
+        self.nextn = nextn  # the last block's feature is the state a NextN/MTP head takes (impl.nextn_state)
         self.kv: dict[str, Any] = {}
         self.length = 0
 
@@ -49,7 +50,7 @@ class TargetDecoder:
             for i in range(impl.n_active):
                 x = impl.block(i, [x], [seq])[0]
                 if i in self.layers:
-                    features[i] = impl.final_norm(x) if i == last else x
+                    features[i] = x if i != last else impl.nextn_state(x) if self.nextn else impl.final_norm(x)
             logits = impl.head(x, seq)
         self.length += len(tokens)
         return logits, np.concatenate([features[i] for i in self.layers], axis=1) if self.layers else x[:, :0]
@@ -205,27 +206,28 @@ def top_probability(logits: np.ndarray) -> float:
     return float(z.max() / z.sum())
 
 
-def mtp_generate(target: Model, prompt: np.ndarray, max_new: int, n_max: int, p_min: float = 0.0) -> SpecRun:
-    """Greedy speculative decoding of `max_new` tokens after `prompt`, the target's NextN head drafting up to `n_max`
-    tokens a step, each from the previous one's state (ik's mtp_speculative_gen_draft: the first draft always, then
-    none whose probability is below `p_min`, and none after one below it); the last step's tokens past max_new are cut
-    afterwards, as speculative_generate does."""
+def mtp_generate(target: Model, prompt: np.ndarray, max_new: int, n_max: int, p_min: float = 0.0,
+                 head: Model | None = None) -> SpecRun:
+    """Greedy speculative decoding of `max_new` tokens after `prompt`, the target's NextN head (or `head`'s, an MTP
+    export ik loads beside the target) drafting up to `n_max` tokens a step, each from the previous one's state (ik's
+    mtp_speculative_gen_draft: the first draft always, then none whose probability is below `p_min`, and none after
+    one below it); the last step's tokens past max_new are cut afterwards, as speculative_generate does."""
     n = len(prompt)
     max_length = n + max_new
     t0 = time.perf_counter()
     out = np.zeros(max_length + n_max + 1, dtype=np.int64)
     out[:n] = prompt
-    dec = TargetDecoder(target, [target.impl.n_active - 1])
+    dec = TargetDecoder(target, [target.impl.n_active - 1], nextn=True)
     logits, features = dec.run(out[:n])
     out[n] = int(np.argmax(logits[-1]))
-    head = NextnDecoder(target)
-    head.run(previous_states(features), out[:n])
+    drafter = NextnDecoder(head or target)
+    drafter.run(previous_states(features), out[:n])
     hidden, start = features[-1:], n
     run = SpecRun([int(t) for t in prompt], [], [])
     while start < max_length:
         blk, state = [int(out[start])], hidden
         for k in range(n_max):
-            state, proposal = head.run(state, np.asarray(blk[-1:]))
+            state, proposal = drafter.run(state, np.asarray(blk[-1:]))
             token, p = int(np.argmax(proposal[-1])), top_probability(proposal[-1])
             if k > 0 and p < p_min:
                 break
@@ -233,9 +235,9 @@ def mtp_generate(target: Model, prompt: np.ndarray, max_new: int, n_max: int, p_
             if p < p_min:
                 break
         accepted, features = verify(dec, out, start, np.asarray(blk, dtype=np.int64))
-        head.keep(start + 1)  # the known token's position holds the target's own hidden state; drafts after it not
+        drafter.keep(start + 1)  # the known token's position holds the target's own hidden state; drafts after it not
         if accepted:
-            head.run(features[:accepted], out[start + 1 : start + accepted + 1])
+            drafter.run(features[:accepted], out[start + 1 : start + accepted + 1])
         hidden = features[accepted : accepted + 1]
         start += accepted + 1
         run.acceptance_lengths.append(accepted + 1)

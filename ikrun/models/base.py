@@ -181,6 +181,15 @@ class ArchModel(ABC):
         """The NextN/MTP head that drafts for this model (ikrun/modules/nextn.py); refused for models without one."""
         raise self.fail(f"{self.ctx.arch} models have no NextN/MTP head that ikrun runs")
 
+    def nextn_state(self, x: np.ndarray) -> np.ndarray:
+        """The hidden state after the last main block as the model's NextN/MTP head takes it (the output norm's)."""
+        return self.final_norm(x)
+
+    def check_head(self, head: ArchModel) -> None:
+        """Refuse a NextN/MTP head from another file: only architectures whose heads ik loads separately take one."""
+        raise head.fail(f"is given as an MTP file, but {self.ctx.arch} models draft with their own NextN/MTP head "
+                        "(give the target alone)")
+
     def final_norm(self, x: np.ndarray) -> np.ndarray:
         """The output norm alone on hidden rows: transformers' last hidden state, a DFlash feature when a draft
         takes the target's last layer."""

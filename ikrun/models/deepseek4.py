@@ -29,6 +29,12 @@ expert named twice counts twice), the others by top-k of score + exp_probs_b; th
 and times expert_weights_scale; SwiGLU experts clamped at swiglu_clamp_exp (gate <= limit, |up| <= limit), the
 shared expert at swiglu_clamp_shexp.
 
+MTP: ik loads the predictor from its own export (ikconvert hf2gguf --mtp: token_embd, output, output_hc_* and the
+block num_hidden_layers with its nextn.* tensors, no main layers; `export`). It drafts beside its target as the NextN
+head of ikrun/modules/nextn.py (`nextn_head`): the target's last-layer streams (before the output mix, ik's
+result_mtp_embd) and the token's embedding, per stream hnorm / enorm and eh_proj, the block run dense (sliding window,
+main rope, with its own cache), the export's output_hc_* mix, shared_head_norm and output.
+
 Where ik differs (by default the model is computed): ik's f16 K cache (`--kv-cache f16` rounds the raw and
 compressed rows through f16 as ik stores them) and its indexer top-k's tie order (std::partial_sort).
 """
@@ -42,6 +48,7 @@ import numpy as np
 
 from ikrun.models.base import ArchModel, Sequence
 from ikrun.modules.ffn import MoeConfig, moe_ffn
+from ikrun.modules.nextn import NextnHead
 from ikrun.ops.attention import shared_kv_attention
 from ikrun.ops.indexer import TIE_TORCH, indexer_scores, select_top_k
 from ikrun.ops.moe import GATING_SQRT_SOFTPLUS
@@ -63,6 +70,7 @@ class Deepseek4(ArchModel):
     """The hidden state between blocks is the hc streams [T, c, H]."""
 
     archs = ("deepseek4",)
+    continues = True
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)
@@ -85,8 +93,10 @@ class Deepseek4(ArchModel):
         self.n_vocab = ctx.shape("token_embd.weight")[0]
         self.n_mtp = sum(ctx.has(f"blk.{i}.nextn.eh_proj.weight") for i in range(self.n_layer))
         self.n_active = self.n_layer - self.n_mtp
+        #: ik's standalone MTP export: the predictor block without the main layers, run only as a head
+        self.export = self.n_mtp > 0 and not ctx.has("blk.0.attn_norm.weight")
         self._check_sizes()
-        self.ratios = self._read_ratios()
+        self.ratios = self._read_ratios() + [0] * self.n_mtp  # ik runs the predictor dense
         moe = MoeConfig.read(hp, GATING_SQRT_SOFTPLUS, lambda why: self.fail(f"{ctx.arch}.{why}"))
         if moe.gating != GATING_SQRT_SOFTPLUS:
             self.fail_hparam("expert_gating_func", f"is {moe.gating}; DeepSeek-V4 scores experts by sqrt(softplus) "
@@ -227,7 +237,7 @@ class Deepseek4(ArchModel):
         """Each main layer's tensors as its compress ratio and routing imply (named per layer when missing), the
         globals, and the MTP blocks' where present."""
         cx, e, c = self.ctx, self.n_embd, self.n_stream
-        for i, r in enumerate(self.ratios):
+        for i, r in enumerate(self.ratios[: 0 if self.export else self.n_active]):
             b = f"blk.{i}."
             parts = [("attn_compressor_" + t, "compressor") for t in COMPRESSOR] if r else []
             parts += [(t, "indexer") for t in INDEXER] if r == CSA else []
@@ -250,26 +260,62 @@ class Deepseek4(ArchModel):
                                  f"{self.n_rot} and head_count {self.n_ihead} must be positive (layer {csa})")
         want = {"token_embd.weight": (self.n_vocab, e), "output_norm.weight": (e,), "output.weight": (self.n_vocab, e),
                 "output_hc_fn.weight": (c, c * e), "output_hc_base.weight": (c,), "output_hc_scale.weight": (1,)}
-        for i in range(self.n_active):
+        for i in range(0 if self.export else self.n_active):
             want.update(self._expected(i))
         optional: dict[str, tuple[int, ...]] = {f"blk.{i}.attn_sinks.weight": (self.n_head,)
                                                 for i in range(self.n_layer)}
         for i in range(self.n_active, self.n_layer):
-            optional.update(self._expected(i, main=False))
+            (want if self.export else optional).update(self._expected(i, main=False))
         self.check_tensors(want, optional)
-        for i in range(self.n_hash):
+        for i in range(0 if self.export else self.n_hash):
             table = f"blk.{i}.ffn_gate_tid2eid.weight"
             if cx.weights.encoding(table).type.name not in ("I32", "I64"):
                 raise self.fail(f"tensor {table} is {cx.weights.encoding(table).type.name}; the hash routing table "
                                 "must hold integer expert ids (I32)")
 
+    def check_context(self, n_ctx: int) -> None:
+        if self.export:
+            raise self.fail("is DeepSeek-V4's MTP export (ikconvert hf2gguf --mtp): it has no main layers and drafts "
+                            f"beside its target (ikrun accept TARGET.gguf {self.ctx.path.name} --mtp)")
+
+    # ---- MTP ------------------------------------------------------------------------------------------------
+    def nextn_head(self) -> NextnHead:
+        """The predictor of an MTP export (a full model carries none: ik exports it as its own file)."""
+        if not self.export:
+            raise self.fail("has no MTP block: ik loads DeepSeek-V4's MTP from its own export (ikconvert hf2gguf "
+                            "--mtp), given after the target (ikrun accept TARGET.gguf MTP.gguf --mtp)")
+        if self.n_mtp != 1:
+            self.fail_hparam("nextn_predict_layers", f"is {self.n_mtp}; ik's export holds one predictor block")
+        i = self.n_layer - 1
+        return NextnHead.of(self.ctx, i, "output.weight", lambda x, seq: self.block(i, [x], [seq])[0], self.norm,
+                            streams=self.n_stream, collapse=self._hc_head)
+
+    def nextn_state(self, x: np.ndarray) -> np.ndarray:
+        """The last layer's streams, flattened (what ik hands its MTP graph)."""
+        return x.reshape(len(x), -1)
+
+    def check_head(self, head: ArchModel) -> None:
+        """Refuse an MTP export whose widths or vocabulary are not this model's."""
+        if not isinstance(head, Deepseek4) or not head.export:
+            raise head.fail("is not a DeepSeek-V4 MTP export (ikconvert hf2gguf --mtp)")
+        mine = (self.n_embd, self.n_stream, self.n_vocab, self.n_active)
+        theirs = (head.n_embd, head.n_stream, head.n_vocab, head.n_active)
+        if mine != theirs:
+            raise head.fail(f"has (embedding, streams, vocabulary, main layers) {theirs}; the target {mine}")
+
     # ---- forward --------------------------------------------------------------------------------------------
     def begin(self, seq: Sequence) -> None:
-        n = len(seq)
-        seq.state["rope"] = {kind: self._rope_table(kind, n) for kind in self.inv_freq}
+        """Rope tables of every position up to the sequence's last (a continued one's compressed entries start at
+        0)."""
+        n = seq.start + len(seq)
+        seq.state["rope"] = {kind: self._rope_table(kind, n, shared=seq.start == 0) for kind in self.inv_freq}
 
-    def _rope_table(self, kind: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def _rope_table(self, kind: str, n: int, shared: bool) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin of positions 0..n-1; `shared` (fresh sequences) made once per length, a continued sequence's own
+        (one table per length it passes through would grow without bound)."""
         freq = self.inv_freq[kind]
+        if not shared:
+            return inv_freq_rope_cache(np.arange(n), freq)
         table: tuple[np.ndarray, np.ndarray] = self.table(("rope", kind, n),
                                                           lambda: inv_freq_rope_cache(np.arange(n), freq))
         return table
@@ -297,12 +343,16 @@ class Deepseek4(ArchModel):
         return [cx.numerics.hc_post(y, post, streams, comb) for y, streams, (_, post, comb) in zip(ys, xs, mixed)]
 
     def head(self, streams: np.ndarray, seq: Sequence) -> np.ndarray:
+        x = self.norm(self._hc_head(streams), self.ctx.weight("output_norm.weight"))
+        return np.ascontiguousarray(self.ctx.project(x, "output.weight"), dtype=np.float32)
+
+    def _hc_head(self, streams: np.ndarray) -> np.ndarray:
+        """The streams [n, c, H] mixed into one state [n, H] by the output_hc_* weights."""
         cx = self.ctx
         mix = cx.linear(self._unit_rms(streams.reshape(len(streams), -1)), "output_hc_fn")
         gate = mix * cx.weight("output_hc_scale.weight").reshape(-1)[0] + cx.weight("output_hc_base.weight")
         pre = np.float32(1.0) / (np.float32(1.0) + np.exp(-gate)) + np.float32(self.hc_eps)
-        x = self.norm(cx.numerics.hc_combine(streams, pre), cx.weight("output_norm.weight"))
-        return np.ascontiguousarray(cx.project(x, "output.weight"), dtype=np.float32)
+        return cx.numerics.hc_combine(streams, pre)
 
     # ---- pieces ---------------------------------------------------------------------------------------------
     def _unit_rms(self, x: np.ndarray) -> np.ndarray:
@@ -326,21 +376,35 @@ class Deepseek4(ArchModel):
         return x
 
     def _attention(self, i: int, h: np.ndarray, seq: Sequence) -> np.ndarray:
-        cx, b, n, ratio = self.ctx, f"blk.{i}.", len(h), self.ratios[i]
-        cos, sin = seq.state["rope"]["compress" if ratio else "main"]
+        """A continued sequence keeps each layer's inputs and key = value rows (`state["kv"]`): the new queries
+        attend over every kept row, and the compressed entries are pooled again from the kept inputs, so a cut cache
+        (keep_cache) rolls back exactly. The indexer then ranks, per query, the entries that exist when it is decoded
+        alone: where its scores tie, the top-k it keeps can differ from the whole sequence's, whose rows also hold
+        the entries not yet visible."""
+        cx, b, n, ratio, start = self.ctx, f"blk.{i}.", len(h), self.ratios[i], seq.start
+        cos, sin = (t[start:] for t in seq.state["rope"]["compress" if ratio else "main"])
         q_res = self.norm(cx.linear(h, b + "attn_q_a"), cx.weight(b + "attn_q_a_norm.weight"))
         q = self._rope(self._unit_rms(cx.linear(q_res, b + "attn_q_b").reshape(n, self.n_head, self.head_dim)),
                        cos, sin)
         kv = self.norm(cx.linear(h, b + "attn_kv"), cx.weight(b + "attn_kv_a_norm.weight"))
         kv = cx.kv_store(self._rope(kv.reshape(n, 1, self.head_dim), cos, sin).reshape(n, self.head_dim))
+        inputs = h
+        cache = seq.state.get("kv")
+        if cache is not None:
+            kept_h, kept_kv = cache.get(b, (h[:0], kv[:0]))
+            if len(kept_h) != start:
+                raise self.fail(f"layer {i}: the cache holds {len(kept_h)} positions, the sequence continues at {start}")
+            inputs, kv = np.concatenate([kept_h, h]), np.concatenate([kept_kv, kv])
+            cache[b] = (inputs, kv)
         comp = keep = None
         if ratio:
-            comp = cx.kv_store(self._compress(b + "attn_compressor_", h, ratio, self.head_dim, seq))
-            keep = np.arange(len(comp))[None, :] < ((np.arange(n) + 1) // ratio)[:, None]
+            comp = cx.kv_store(self._compress(b + "attn_compressor_", inputs, ratio, self.head_dim, seq))
+            keep = np.arange(len(comp))[None, :] < ((start + np.arange(n) + 1) // ratio)[:, None]
             if ratio == CSA and len(comp):
-                keep = self._select(b, h, q_res, keep, seq)
+                keep = self._select(b, inputs, q_res, keep, seq)
         sinks = cx.weight(b + "attn_sinks.weight") if cx.has(b + "attn_sinks.weight") else None
-        out = shared_kv_attention(q, kv, self.kq_scale, window=self.window, sinks=sinks, comp=comp, comp_keep=keep)
+        out = shared_kv_attention(q, kv, self.kq_scale, window=self.window, sinks=sinks, comp=comp, comp_keep=keep,
+                                  start=start)
         out = self._rope(out, cos, -sin)  # the values carried the keys' rotation: undo it
         return cx.linear(self._grouped_output(b, out), b + "attn_output_b")
 
@@ -381,15 +445,26 @@ class Deepseek4(ArchModel):
         rows = np.arange(windows) * ratio
         return self._rope(pooled.reshape(windows, 1, width), cos[rows], sin[rows]).reshape(windows, width)
 
-    def _select(self, b: str, h: np.ndarray, q_res: np.ndarray, visible: np.ndarray, seq: Sequence) -> np.ndarray:
-        """The lightning indexer's choice among the visible compressed entries [n, T] (CSA layers)."""
-        cx, n = self.ctx, len(h)
-        keys = self._compress(b + "indexer_compressor_", h, CSA, self.i_dim, seq)
-        cos, sin = seq.state["rope"]["compress"]
+    def _select(self, b: str, inputs: np.ndarray, q_res: np.ndarray, visible: np.ndarray,
+                seq: Sequence) -> np.ndarray:
+        """The lightning indexer's choice among the visible compressed entries [n, T] (CSA layers) for the last n of
+        the layer's `inputs` (every position's, from 0)."""
+        cx, n = self.ctx, len(q_res)
+        keys = self._compress(b + "indexer_compressor_", inputs, CSA, self.i_dim, seq)
+        cos, sin = (t[seq.start:] for t in seq.state["rope"]["compress"])
         q = self._rope(np.ascontiguousarray(cx.linear(q_res, b + "indexer.attn_q_b")).reshape(n, self.n_ihead,
                                                                                               self.i_dim), cos, sin)
         scale = np.float32(1.0) / np.sqrt(np.float32(self.n_ihead)) / np.sqrt(np.float32(self.i_dim))
-        w = cx.linear(h, b + "indexer.proj") * scale
+        w = cx.linear(inputs[len(inputs) - n :], b + "indexer.proj") * scale
         scores = indexer_scores(q, keys, w, q0=len(keys))
         scores[~visible] = -np.inf
-        return select_top_k(scores, self.top_k, TIE_TORCH) & visible
+        if "kv" not in seq.state:  # the whole sequence: every query ranks all its entries, as transformers does
+            return select_top_k(scores, self.top_k, TIE_TORCH) & visible
+        # through a cache: each query ranks the entries that exist when it is decoded alone (those it sees), so how
+        # the sequence is cut into calls (a verified block or one token a call) does not change the choice
+        keep = np.zeros_like(visible)
+        seen = visible.sum(axis=1)
+        for count in np.unique(seen[seen > 0]):
+            rows = np.flatnonzero(seen == count)
+            keep[rows, :count] = select_top_k(scores[rows, :count], self.top_k, TIE_TORCH)
+        return keep

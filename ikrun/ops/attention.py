@@ -140,14 +140,17 @@ def _sink_parallel(scores, scale, sinks, q0, lo, n_raw, window, comp_keep):  # t
 
 def shared_kv_attention(q: np.ndarray, kv: np.ndarray, scale: float, *, window: int = 0,
                         sinks: np.ndarray | None = None, comp: np.ndarray | None = None,
-                        comp_keep: np.ndarray | None = None) -> np.ndarray:
-    """Attention of a fresh sequence whose single key head is also its value (DeepSeek-V4).
+                        comp_keep: np.ndarray | None = None, start: int = 0) -> np.ndarray:
+    """Attention of a sequence whose single key head is also its value (DeepSeek-V4).
 
-    q [n, H, d]; kv [n, d] the per-position key = value rows (query t sees row s when s <= t and, with a window,
-    t - s < window); `comp` [T, d] extra key = value rows (compressed entries) seen where `comp_keep` [n, T] says;
-    `sinks` [H] one logit per head in every softmax's denominator. Returns [n, H, d]. Scores and values go through
-    BLAS per block of queries over the raw rows the block can see, the masked softmax in Numba."""
+    q [n, H, d] the queries at positions start..start+n-1 (start > 0: a continued sequence); kv [start + n, d] the
+    per-position key = value rows (query t sees row s when s <= t and, with a window, t - s < window); `comp` [T, d]
+    extra key = value rows (compressed entries) seen where `comp_keep` [n, T] says; `sinks` [H] one logit per head in
+    every softmax's denominator. Returns [n, H, d]. Scores and values go through BLAS per block of queries over the
+    raw rows the block can see, the masked softmax in Numba."""
     n, n_head, d = q.shape
+    if len(kv) != start + n:
+        raise ValueError(f"kv has {len(kv)} rows, expected {start + n} (start {start} + {n} queries)")
     extra = np.zeros((0, d), dtype=np.float32) if comp is None else np.ascontiguousarray(comp, dtype=np.float32)
     keep = np.zeros((n, 0), dtype=np.bool_) if comp_keep is None else np.ascontiguousarray(comp_keep, dtype=np.bool_)
     if keep.shape != (n, extra.shape[0]):
@@ -156,10 +159,11 @@ def shared_kv_attention(q: np.ndarray, kv: np.ndarray, scale: float, *, window: 
     out = np.empty((n, n_head, d), dtype=np.float32)
     for q0 in range(0, n, QUERY_BLOCK):
         q1 = min(n, q0 + QUERY_BLOCK)
-        lo = max(0, q0 - window + 1) if window > 0 else 0
-        keys = np.concatenate([kv[lo:q1], extra])  # [visible raw span + T, d]
+        p0, p1 = start + q0, start + q1  # the block's positions
+        lo = max(0, p0 - window + 1) if window > 0 else 0
+        keys = np.concatenate([kv[lo:p1], extra])  # [visible raw span + T, d]
         scores = np.matmul(q[q0:q1], keys.T)  # [nq, H, keys]
-        pick(_sink_serial, _sink_parallel, scores.size)(scores, float(scale), sink, q0, lo, q1 - lo, int(window),
+        pick(_sink_serial, _sink_parallel, scores.size)(scores, float(scale), sink, p0, lo, p1 - lo, int(window),
                                                          keep[q0:q1])
         np.matmul(scores, keys, out=out[q0:q1])
     return out

@@ -10,7 +10,10 @@ FineGrainedFP8Config(dequantize=True, expert_dtype='fp4') loads them: BF16/F32 a
 per 32 values. Activations are float32 like transformers on CPU; softmaxes and the Sinkhorn loop run in float64.
 
 It is the stateless forward transformers runs with `use_cache=False`: positions 0..n-1, the compressors pool only
-complete windows of this sequence (no carried buffer or overlap state), and the MTP block is not run.
+complete windows of this sequence (no carried buffer or overlap state), and the MTP block is not run by `logits`.
+`mtp_logits` runs it alone, in float64 (a check of a float32 runtime that rounds nothing of its own), as DeepSeek's
+MTPBlock defines it: per hyper-connection stream e_proj(enorm(embedding)) + h_proj(hnorm(stream)), the block (its
+compress ratio 0: a sliding-window layer with the main rope), its own hc_head mix, norm and the shared head.
 
 Where the definition leaves a choice, or transformers' behaviour is easy to miss, and what is done here:
 
@@ -347,6 +350,13 @@ class DeepseekV4Reference:
         h = self._rmsnorm(self._hyper_head(x), "norm.weight")
         return self._proj(h, "head.weight")
 
+    def mtp_logits(self, hidden: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """float64 logits [n, vocab] of the MTP block at positions 0..n-1 (module docstring) from `hidden` [n, hc_mult
+        x hidden], the target's last-layer streams of each position's predecessor."""
+        if not any(name.startswith("mtp.0.") for name in self.tensors):
+            raise HFReferenceError("the checkpoint has no MTP block (mtp.0.*)")
+        return _Mtp64(self).logits(np.asarray(hidden, dtype=np.float64), np.asarray(tokens, dtype=np.int64))
+
     # ---- hyper-connections (DeepseekV4HyperConnection / DeepseekV4HyperHead) -----------------------------------
     def _hyper_connection(self, x: np.ndarray, p: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(post [n, hc], comb [n, hc, hc], collapsed [n, H]) of the streams x [n, hc, H]."""
@@ -503,3 +513,110 @@ class DeepseekV4Reference:
                 # an id) and transformers' index_add then counts it twice
                 np.add.at(out, tok, self._swiglu(h[tok], f"{p}experts.{e}.") * weights[tok, slot][:, None])
         return (out + self._swiglu(h, p + "shared_experts.")).astype(np.float32)
+
+
+class _Mtp64:
+    """DeepSeek-V4's MTP block in float64 over a reference's checkpoint tensors (DeepseekV4Reference.mtp_logits)."""
+
+    def __init__(self, ref: DeepseekV4Reference, prefix: str = "mtp.0."):
+        self.ref, self.p, self.c = ref, prefix, ref.cfg
+
+    def w(self, name: str) -> np.ndarray:
+        return self.ref.w(name).astype(np.float64)
+
+    def lin(self, x: np.ndarray, name: str) -> np.ndarray:
+        return x @ self.w(name).T
+
+    def rms(self, x: np.ndarray, weight: str | None = None) -> np.ndarray:
+        y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + self.ref.eps)
+        return y if weight is None else y * self.w(weight)
+
+    @staticmethod
+    def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """Interleaved pairs of the trailing 2 x len(cos) channels of x [n, heads, d]."""
+        r = 2 * cos.shape[-1]
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        out = x.copy()
+        even, odd = x[..., -r::2], x[..., -r + 1 :: 2]
+        out[..., -r::2] = even * cos - odd * sin
+        out[..., -r + 1 :: 2] = odd * cos + even * sin
+        return out
+
+    def logits(self, hidden: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        p, c = self.p, self.c
+        n, hc = len(tokens), c["hc_mult"]
+        e = self.lin(self.rms(self.w("embed.weight")[tokens], p + "enorm.weight"), p + "e_proj.weight")
+        h = self.lin(self.rms(hidden.reshape(n, hc, -1), p + "hnorm.weight"), p + "h_proj.weight")
+        x = e[:, None, :] + h
+        pre, post, comb = self.hyper(x, p + "hc_attn_")
+        x = post[:, :, None] * self.attention(self.rms((pre[:, :, None] * x).sum(1), p + "attn_norm.weight")) \
+            [:, None, :] + np.einsum("njk,njd->nkd", comb, x)
+        pre, post, comb = self.hyper(x, p + "hc_ffn_")
+        x = post[:, :, None] * self.moe(self.rms((pre[:, :, None] * x).sum(1), p + "ffn_norm.weight"))[:, None, :] \
+            + np.einsum("njk,njd->nkd", comb, x)
+        mix = self.lin(self.rms(x.reshape(n, -1)), p + "hc_head_fn")
+        pre = 1.0 / (1.0 + np.exp(-(mix * self.w(p + "hc_head_scale")[0] + self.w(p + "hc_head_base")))) \
+            + self.ref.hc_eps
+        return self.lin(self.rms((pre[:, :, None] * x).sum(1), p + "norm.weight"), "head.weight")
+
+    def hyper(self, x: np.ndarray, p: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(pre [n, hc], post [n, hc], comb [n, hc, hc]) of the streams x [n, hc, H] (DeepseekV4HyperConnection)."""
+        n, hc, _ = x.shape
+        eps = self.ref.hc_eps
+        mix = self.lin(self.rms(x.reshape(n, -1)), p + "fn")
+        base, scale = self.w(p + "base"), self.w(p + "scale")
+        pre = 1.0 / (1.0 + np.exp(-(mix[:, :hc] * scale[0] + base[:hc]))) + eps
+        post = 2.0 / (1.0 + np.exp(-(mix[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])))
+        logits = mix[:, 2 * hc :].reshape(n, hc, hc) * scale[2] + base[2 * hc :].reshape(hc, hc)
+        comb = np.exp(logits - logits.max(-1, keepdims=True))
+        comb = comb / comb.sum(-1, keepdims=True) + eps
+        comb = comb / (comb.sum(-2, keepdims=True) + eps)
+        for _ in range(self.c.get("hc_sinkhorn_iters", 20) - 1):
+            comb = comb / (comb.sum(-1, keepdims=True) + eps)
+            comb = comb / (comb.sum(-2, keepdims=True) + eps)
+        return pre, post, comb
+
+    def attention(self, h: np.ndarray) -> np.ndarray:
+        """The block's sliding-window attention (compress ratio 0) over positions 0..n-1, one shared key = value
+        head, per-head sinks, the grouped low-rank output."""
+        p, c = self.p + "attn.", self.c
+        n, nh, hd = len(h), c["num_attention_heads"], self.ref.hd
+        cos, sin = (t.astype(np.float64) for t in self.ref._cos_sin("main", np.arange(n)))
+        q_res = self.rms(self.lin(h, p + "wq_a.weight"), p + "q_norm.weight")
+        q = self.rope(self.rms(self.lin(q_res, p + "wq_b.weight").reshape(n, nh, hd)), cos, sin)
+        kv = self.rope(self.rms(self.lin(h, p + "wkv.weight"), p + "kv_norm.weight")[:, None, :], cos, sin)[:, 0]
+        rows = np.arange(n)
+        visible = (rows[None, :] <= rows[:, None]) & (rows[:, None] - rows[None, :] < c["sliding_window"])
+        scores = np.einsum("nhd,md->hnm", q, kv) * hd ** -0.5 + np.where(visible, 0.0, -np.inf)[None]
+        sinks = np.broadcast_to(self.w(p + "attn_sink")[:, None, None], (nh, n, 1))
+        z = np.concatenate([scores, sinks], axis=-1)
+        z = np.exp(z - z.max(-1, keepdims=True))
+        probs = (z / z.sum(-1, keepdims=True))[..., :-1]
+        out = self.rope(np.einsum("hnm,md->nhd", probs, kv), cos, -sin)
+        g, ol = c["o_groups"], c["o_lora_rank"]
+        wa = self.w(p + "wo_a.weight").reshape(g, ol, nh * hd // g)
+        mid = np.einsum("ngd,god->ngo", out.reshape(n, g, -1), wa).reshape(n, -1)
+        return self.lin(mid, p + "wo_b.weight")
+
+    def swiglu(self, h: np.ndarray, p: str) -> np.ndarray:
+        limit = self.ref.limit
+        gate = np.minimum(self.lin(h, p + "w1.weight"), limit)
+        up = np.clip(self.lin(h, p + "w3.weight"), -limit, limit)
+        return self.lin(gate / (1.0 + np.exp(-gate)) * up, p + "w2.weight")
+
+    def moe(self, h: np.ndarray) -> np.ndarray:
+        """sqrt(softplus) scores, top-k of score + bias, renormalised times routed_scaling_factor; the shared
+        expert added."""
+        p, c = self.p + "ffn.", self.c
+        logits = self.lin(h, p + "gate.weight")
+        scores = np.sqrt(np.where(logits > SOFTPLUS_THRESHOLD, logits,
+                                  np.log1p(np.exp(np.minimum(logits, SOFTPLUS_THRESHOLD)))))
+        choice = scores + self.w(p + "gate.bias")[None, :]
+        chosen = np.array([torch_topk(row, c["num_experts_per_tok"]) for row in choice], dtype=np.int64)
+        weights = np.take_along_axis(scores, chosen, axis=-1)
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20) * c["routed_scaling_factor"]
+        out = np.zeros_like(h)
+        for t in range(len(h)):
+            for e, wt in zip(chosen[t], weights[t]):
+                out[t] += wt * self.swiglu(h[t : t + 1], f"{p}experts.{e}.")[0]
+        return out + self.swiglu(h, p + "shared_experts.")
