@@ -5,6 +5,7 @@ with it gives the target's own continuation."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ikconvert.checkpoint import Checkpoint
+from ikconvert.convert import Converter
 from ikrun.cli import app
 from ikrun.eval.speculative import NextnDecoder, TargetDecoder, greedy_continuation, mtp_generate, previous_states
 from ikrun.model import Model
@@ -97,3 +99,39 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
         assert res.exit_code == 2 and said in res.output and len(res.output.strip().splitlines()) == 1, res.output
     res = runner.invoke(app, ["accept", str(no_indexer), "--mtp", "--dsa", "off", *decoding, "--json"])
     assert res.exit_code == 0 and '"output_matches_target": true' in res.output, res.output
+
+
+TRAINED = DATA / "mtp" / "glm-dsa-trained"  # tools/make_mtp_head.py on the target above (README there)
+#: `accept --mtp --compare` by the head block's type: mean acceptance on the oracle's 6 prompts (F32 as stored: 2.617)
+BY_TYPE = {"Q8_0": 2.628, "Q4_0": 2.553, "IQ4_NL": 2.462}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:  # type: ignore[type-arg]
+    gguf = Converter(TRAINED / "hf", "f32", "glm4").write(tmp_path_factory.mktemp("glm-dsa-mtp") / "f32.gguf")
+    return gguf, json.loads((TRAINED / "mtp-oracle.json").read_text())
+
+
+def test_a_trained_heads_acceptance_equals_the_reference_loop_at_every_step(trained: tuple[Path, dict]) -> None:  # type: ignore[type-arg]
+    """tools/make_mtp_head.py's torch loop (transformers' DeepseekV3 layers under the indexers' masks, whole-sequence
+    forwards, no caches): ikrun drafts, accepts and outputs the same at every step of all 6 prompts, the head
+    sparse through its own indexer and the target through its latent and indexer caches."""
+    gguf, oracle = trained
+    model = Model(gguf)
+    assert oracle["mean_acceptance_length"] > 1.5  # a head that drafts: the accepted path is exercised
+    for r in oracle["runs"]:
+        run = mtp_generate(model, np.asarray(r["prompt"]), oracle["max_new_tokens"], oracle["n_max"])
+        assert run.acceptance_lengths == r["acceptance_lengths"]
+        assert run.output_ids == r["output_ids"]
+
+
+def test_acceptance_by_the_heads_type(trained: tuple[Path, dict]) -> None:  # type: ignore[type-arg]
+    """`accept --mtp --compare` on the oracle's prompts: the stored head's figure is the torch loop's, and each type's
+    is the table's in the README (tests/data/mtp/glm-dsa-trained/README.md)."""
+    gguf, oracle = trained
+    res = runner.invoke(app, ["accept", str(gguf), "--mtp", "--text", str(TEXT), "--prompts", "6", "--prompt-len",
+                              "24", "--max-new", "64", "--compare", ",".join(BY_TYPE), "--json", "--no-check"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)
+    assert rows[0]["mean_acceptance_length"] == oracle["mean_acceptance_length"]
+    assert {t: round(r["mean_acceptance_length"], 3) for t, r in zip(BY_TYPE, rows[1:])} == BY_TYPE
