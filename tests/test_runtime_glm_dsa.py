@@ -145,9 +145,9 @@ def _per_layer(model: Model, ref: HFReference, tokens: np.ndarray) -> list[tuple
     run = model.impl._latent_attention
 
     def spy(b: str, h: np.ndarray, q: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-            keep: np.ndarray | None = None) -> np.ndarray:
+            keep: np.ndarray | None = None, kv: dict[str, Any] | None = None) -> np.ndarray:
         kept.append(keep)
-        return run(b, h, q, cos, sin, keep)
+        return run(b, h, q, cos, sin, keep, kv)
 
     model.impl._latent_attention = spy
     try:

@@ -1,4 +1,4 @@
-"""Train the NextN/MTP head of a tiny GLM-4.x or DeepSeek-V3 target and record a reference greedy MTP speculative
+"""Train the NextN/MTP head of a tiny GLM-4.x, DeepSeek-V3 or GLM-5 target and record a reference greedy MTP speculative
 decoding with it.
 
 Needs torch and transformers, OUTSIDE the product: run it with a separate environment (e.g. /work/torchenv); nothing
@@ -7,11 +7,14 @@ in ikconvert/ikquant/ikrun imports it.
     /work/torchenv/bin/python tools/make_mtp_head.py --target tests/data/convert/glm4-moe/hf \
         --text tests/data/logits/glm4-moe/text.txt --out OUT --train-target 500 --steps 500
 
-The target (transformers' Glm4MoeForCausalLM or DeepseekV3ForCausalLM, both of which ignore the NextN/MTP layer)
-first learns the text (make_dflash_pair.train_target); then only the NextN layer (model.layers.{num_hidden_layers}.*:
+The target (transformers' Glm4MoeForCausalLM or DeepseekV3ForCausalLM, both of which ignore the NextN/MTP layer, or
+GLM-5 from tools/glm_dsa_torch.py: DeepseekV3 layers under sparse attention) first learns the text
+(make_dflash_pair.train_target, glm_dsa_torch.train_glm_target); then only the NextN layer (model.layers.{num_hidden_layers}.*:
 embed_tokens, enorm, hnorm, eh_proj, the decoder layer of the model's own kind, shared_head) learns to predict, at
 position p from the target's output-normed hidden state of p - 1 and token p, the target's own greedy token p + 1
-(GLM-4.5's NextN layer and DeepSeek-V3's MTP module are this one computation; DeepSeek-V3 report, section 2.2). OUT/hf is the checkpoint with both (the
+(GLM-4.5's NextN layer and DeepSeek-V3's MTP module are this one computation; DeepSeek-V3 report, section 2.2;
+GLM-5's layer attends sparsely through its own indexer, which gets no gradient through its top-k and stays as stored,
+and it reads the target's embedding and lm_head, having none of its own). OUT/hf is the checkpoint with both (the
 stored dtype), OUT/mtp-oracle.json the reference loop's greedy decoding of 6 prompts of 24 tokens, 64 new each,
 drafting 3 tokens a step (each from the previous draft's state), computed in float32 from exactly the stored weights.
 The reference loop recomputes every forward over the whole sequence (no caches): what ik's MTP path computes with
@@ -32,6 +35,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
+from glm_dsa_torch import GlmDsa, Indexer, attention_keep, load_glm_target, train_glm_target  # noqa: E402
 from make_dflash_pair import load_target, train_target  # noqa: E402
 
 N_PROMPTS, PROMPT_LEN, MAX_NEW, N_MAX = 6, 24, 64, 3
@@ -51,22 +55,30 @@ def family_classes(config):  # type: ignore[no-untyped-def]
 
 class NextnHead(torch.nn.Module):
     """The MTP layer: [enorm(embedding of token p) | hnorm(hidden of p - 1)] through eh_proj, one decoder layer of
-    the target's kind (causal attention, MoE), shared_head.norm (the next step's hidden state) and shared_head.head."""
+    the target's kind (causal attention, MoE), shared_head.norm (the next step's hidden state) and shared_head.head.
+    GLM-5's (`glm`: the target) adds its indexer's mask and reads the target's embedding and lm_head."""
 
-    def __init__(self, config) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, config, glm: GlmDsa | None = None) -> None:  # type: ignore[no-untyped-def]
         super().__init__()
         layer, norm = family_classes(config)
         e, v, eps = config.hidden_size, config.vocab_size, config.rms_norm_eps
         self.index = config.num_hidden_layers
-        self.embed_tokens = torch.nn.Embedding(v, e)
         self.enorm, self.hnorm = norm(e, eps), norm(e, eps)
         self.eh_proj = torch.nn.Linear(2 * e, e, bias=False)
         self.layer = layer(config, layer_idx=self.index)
         self.shared_head = torch.nn.Module()
         self.shared_head.norm = norm(e, eps)
-        self.shared_head.head = torch.nn.Linear(e, v, bias=False)
+        self.indexer = None if glm is None else Indexer(glm.cfg)
+        if glm is None:
+            self.embed_tokens = torch.nn.Embedding(v, e)
+            self.shared_head.head = torch.nn.Linear(e, v, bias=False)
+            self.tables = (self.embed_tokens, self.shared_head.head)
+        else:
+            self.tables = (glm.inner.model.embed_tokens, glm.inner.lm_head)  # a tuple: not the head's parameters
 
     def checkpoint_name(self, name: str) -> str:
+        if name.startswith("indexer."):
+            return f"model.layers.{self.index}.self_attn.{name}"
         return f"model.layers.{self.index}." + (name[len("layer."):] if name.startswith("layer.") else name)
 
     def load(self, stored: dict[str, torch.Tensor]) -> None:
@@ -75,18 +87,23 @@ class NextnHead(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor, ids: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
         """Normed states and logits [batch, n, .] of positions 0..n-1 (hidden row p: the state of position p - 1)."""
-        x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(ids)), self.hnorm(hidden)], dim=-1))
+        embed, head = self.tables
+        x = self.eh_proj(torch.cat([self.enorm(embed(ids)), self.hnorm(hidden)], dim=-1))
         n = ids.shape[1]
         pos = torch.arange(n).unsqueeze(0)
-        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-        x = self.layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rotary(x, pos))
+        causal = torch.full((n, n), float("-inf")).triu(1)[None]
+        cos, sin = rotary(x, pos)
+        mask = causal if self.indexer is None else attention_keep(self.indexer, self.layer, x, cos, sin, causal) + causal
+        x = self.layer(x, attention_mask=mask[:, None], position_ids=pos, position_embeddings=(cos, sin))
         x = x[0] if isinstance(x, tuple) else x
         s = self.shared_head.norm(x)
-        return s, self.shared_head.head(s)
+        return s, head(s)
 
 
 def target_states(target, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
     """The target's output-normed hidden states and logits."""
+    if isinstance(target, GlmDsa):
+        return target(ids)  # type: ignore[no-any-return]
     h = target.model(ids).last_hidden_state
     return h, target.lm_head(h)
 
@@ -105,7 +122,7 @@ def train_head(target, head: NextnHead, ids: torch.Tensor, steps: int, lr: float
         win = torch.stack([ids[s : s + 96] for s in starts])
         with torch.no_grad():
             h, logits = target_states(target, win)
-        _, out = head(shifted(h), win, target.model.rotary_emb)
+        _, out = head(shifted(h), win, rotary_of(target))
         loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), logits.argmax(-1).reshape(-1))
         opt.zero_grad()
         loss.backward()
@@ -118,7 +135,7 @@ def train_head(target, head: NextnHead, ids: torch.Tensor, steps: int, lr: float
 @torch.no_grad()
 def generate(target, head: NextnHead, prompt: list[int]) -> dict:  # type: ignore[no-untyped-def, type-arg]
     """Greedy MTP speculative decoding, every forward over the whole sequence."""
-    rotary = target.model.rotary_emb
+    rotary = rotary_of(target)
     n = len(prompt)
     h, logits = target_states(target, torch.tensor([prompt]))
     out = [*prompt, int(logits[0, -1].argmax())]
@@ -143,6 +160,14 @@ def generate(target, head: NextnHead, prompt: list[int]) -> dict:  # type: ignor
     return {"prompt": prompt, "output_ids": out[: n + MAX_NEW], "acceptance_lengths": lengths}
 
 
+def rotary_of(target):  # type: ignore[no-untyped-def]
+    return (target.inner.model if isinstance(target, GlmDsa) else target.model).rotary_emb
+
+
+def new_head(target) -> NextnHead:  # type: ignore[no-untyped-def]
+    return NextnHead(target.config, target if isinstance(target, GlmDsa) else None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", type=Path, required=True)
@@ -158,15 +183,18 @@ def main() -> None:
     ids = torch.tensor(Tokenizer.from_file(str(args.target / "tokenizer.json")).encode(
         args.text.read_text(), add_special_tokens=False).ids, dtype=torch.long)
     hf = args.out / "hf"
-    target = train_target(args.target, hf, ids, args.train_target, args.seed)
+    glm = json.loads((args.target / "config.json").read_text())["model_type"] == "glm_moe_dsa"
+    train, load = (train_glm_target, load_glm_target) if glm else (train_target, load_target)
+    target = train(args.target, hf, ids, args.train_target, args.seed)
     for p in target.parameters():
         p.requires_grad_(False)
     stored = load_file(hf / "model.safetensors")
-    head = NextnHead(target.config)
+    head = new_head(target)
     head.load(stored)
-    with torch.no_grad():  # start from the target's own embeddings and output, as released GLM heads do
-        head.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
-        head.shared_head.head.weight.copy_(target.lm_head.weight)
+    if not glm:
+        with torch.no_grad():  # start from the target's own embeddings and output, as released GLM heads do
+            head.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+            head.shared_head.head.weight.copy_(target.lm_head.weight)
     loss = train_head(target, head, ids, args.steps, args.lr, args.seed)
     for n, t in head.state_dict().items():
         name = head.checkpoint_name(n)
@@ -174,8 +202,8 @@ def main() -> None:
     save_file(stored, hf / "model.safetensors", metadata={"format": "pt"})
     shutil.copy(args.target / "config.json", hf / "config.json")
     # decode with exactly the stored weights, in float32, loaded afresh
-    target = load_target(hf)
-    head = NextnHead(target.config)
+    target = load(hf)
+    head = new_head(target)
     head.load(load_file(hf / "model.safetensors"))
     head.eval()
     step = (len(ids) - PROMPT_LEN - MAX_NEW) // N_PROMPTS

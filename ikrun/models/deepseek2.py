@@ -238,7 +238,7 @@ class Deepseek2(ArchModel):
 
     def _latent_attention(self, b: str, h: np.ndarray, q: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                           keep: np.ndarray | None = None, kv: dict[str, Any] | None = None) -> np.ndarray:
-        """The attention block's output from its query; `keep` [n, n] limits the keys each query sees; `kv` holds
+        """The attention block's output from its query; `keep` [n, cache rows] limits the keys each query sees; `kv` holds
         the cache rows of a continued sequence's earlier positions under `b` (prepended, then kept with these)."""
         cache = self.attention.cache_rows(self.ctx, b, h, cos, sin)
         if kv is not None:

@@ -19,6 +19,12 @@ With `--kv-cache f16` the runtime reproduces ik's default caches: the MLA latent
 and the indexer keys Walsh-Hadamard-rotated (the queries too) and rounded to f16, as ik's indexer key cache holds
 them; the few near-tie selections ik's f16 caches flip then flip here too.
 
+A sequence continues through the latent cache and an indexer key cache (each full layer's roped, normed keys, as
+ik's indexer cache holds them): a continued query selects among every cached key (`continues`, a speculative
+decoding target). The NextN/MTP block (`nextn_head`, ikrun/modules/nextn.py) is a full layer with its own indexer,
+sparse as the model defines it (vLLM's and SGLang's GLM-5 MTP); ik's MTP graph runs its attention dense, which
+`--numerics ik` follows (Numerics.nextn_sparse_attention).
+
 Runtime options (ikrun/ctx.RuntimeOptions): by default the model's semantics, sparse attention with no sink;
 `dsa=False` runs dense attention everywhere (ik without --dsa); `dsa_top_k` replaces the file's top-k (ik's
 -dsatk); `dsa_sink` adds ik's boost that always keeps each
@@ -28,7 +34,7 @@ sigmoid, GLM-5's scoring function (ik falls back to softmax there).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -51,12 +57,7 @@ SINK_BOOST = np.float32(1e20)
 class GlmDsa(Deepseek2):
     archs = ("glm-dsa",)
     runtime_options = ("dsa", "dsa_sink", "mla", "dsa_top_k")
-    continues = False  # the indexer's selection over a continued cache is not computed here
-
-    def nextn_head(self) -> NextnHead:
-        """Refused: ik's MTP graph runs GLM-5's head MLA without the DSA indexer; neither form is run here yet."""
-        raise self.fail("glm-dsa's NextN/MTP head is not run here (ik's MTP graph runs its MLA without the DSA "
-                        "indexer)")
+    continues = True
 
     def __init__(self, ctx: Context):
         hp = ctx.hparam
@@ -102,12 +103,13 @@ class GlmDsa(Deepseek2):
             raise self.fail(f"{arch}.attention.indexer.types must have one entry per main layer "
                               f"({self.n_active}), the first true (layer 0 has no earlier selection to reuse); "
                               f"got {types}")
-        #: block prefix -> whether the layer runs its own indexer
+        #: block prefix -> whether the block runs its own indexer (the NextN head's: as the arithmetic runs it)
         self.full = {f"blk.{i}.": f for i, f in enumerate(full)}
+        self.full.update({f"blk.{i}.": cx.numerics.nextn_sparse_attention() for i in range(self.n_active, self.n_layer)})
         for i in range(self.n_layer):
             b = f"blk.{i}."
             present = [n for n in INDEXER if cx.has(b + n)]
-            needed = self.sparse and self.full.get(b, False)
+            needed = self.sparse and i < self.n_active and self.full[b]
             if (needed or present) and len(present) < len(INDEXER):
                 missing = ", ".join(b + n for n in INDEXER if n not in present)
                 why = "runs its lightning indexer (attention.indexer.types)" if needed else "has part of an indexer"
@@ -123,15 +125,30 @@ class GlmDsa(Deepseek2):
     def sequence_state_bytes(self, n_ctx: int) -> int:
         return n_ctx * n_ctx if self.sparse else 0  # the last full layer's keep mask, for the shared layers
 
+    def nextn_head(self) -> NextnHead:
+        """The last block's NextN head: the model's layer, sparse through its own indexer (or dense, as ik's MTP
+        graph runs it: Numerics.nextn_sparse_attention)."""
+        head = super().nextn_head()
+        b = f"blk.{head.block}."
+        missing = [b + n for n in INDEXER if not self.ctx.has(b + n)]
+        if self.sparse and self.full[b] and missing:
+            raise self.fail(f"the NextN/MTP head attends sparsely through its own indexer but lacks "
+                            f"{', '.join(missing)}; --dsa off runs it dense")
+        return head
+
     def _attention(self, b: str, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, seq: Sequence) -> np.ndarray:
         qa, q = self.attention.query(self.ctx, b, h)
+        kv = seq.state.get("kv")
         if self.sparse and self.full[b]:
             assert qa is not None
-            seq.state["keep"] = self._select(b, h, qa, cos, sin)
-        return self._latent_attention(b, h, q, cos, sin, seq.state.get("keep"))
+            seq.state["keep"] = self._select(b, h, qa, cos, sin, kv)
+        return self._latent_attention(b, h, q, cos, sin, seq.state.get("keep"), kv)
 
-    def _select(self, b: str, h: np.ndarray, qa: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        """The lightning indexer's keep mask [n, n] for the queries h (attention input) with q latent qa."""
+    def _select(self, b: str, h: np.ndarray, qa: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                kv: dict[str, Any] | None) -> np.ndarray:
+        """The lightning indexer's keep mask [n, cache rows] for the queries h (attention input) with q latent qa;
+        `kv` holds a continued sequence's indexer keys of earlier positions under `b + "indexer"` (prepended, then
+        kept with these, as ik's indexer key cache)."""
         cx = self.ctx
         n = h.shape[0]
         q = cx.linear(qa, b + "indexer.attn_q_b").reshape(n, self.n_ihead, self.i_dim)
@@ -141,8 +158,13 @@ class GlmDsa(Deepseek2):
         self.rope(k, cos, sin, False)
         if cx.kv_cache == "f16":  # ik's indexer key cache: Hadamard-rotated keys stored as f16 (-ictk default)
             q, k = hadamard(q), cx.kv_store(hadamard(k))
+        keys = k.reshape(n, self.i_dim)
+        if kv is not None:
+            if b + "indexer" in kv:
+                keys = np.concatenate([kv[b + "indexer"], keys])
+            kv[b + "indexer"] = keys
         w = cx.linear(h, b + "indexer.proj") * (np.float32(1.0) / np.sqrt(np.float32(self.n_ihead * self.i_dim)))
-        scores = indexer_scores(q, k.reshape(n, self.i_dim), w)
+        scores = indexer_scores(q, keys, w, len(keys) - n)
         if self.sink:
             scores[:, 0] += SINK_BOOST
         return select_top_k(scores, self.top_k, TIE_LATER_INDEX)

@@ -150,7 +150,7 @@ class MlaAttention:
                  sinks: np.ndarray | None = None, window: int = 0, keep: np.ndarray | None = None,
                  prefill: bool = False) -> np.ndarray:
         """The attention output [n, n_embd] from the query heads q [n, H * key_length] and the cache rows of the
-        same positions; `sinks` cache rows every query sees, a `window`, a `keep` mask [n, n]; `prefill`: ik's
+        same positions; `sinks` cache rows every query sees, a `window`, a `keep` mask [n, cache rows]; `prefill`: ik's
         attn_kv_b form instead of the absorbed one."""
         n = len(q)
         q = q.reshape(n, self.n_head, self.head_k)

@@ -128,6 +128,11 @@ class Numerics:
         (transformers' model does; an engine's loader may ignore them)."""
         return True
 
+    def nextn_sparse_attention(self) -> bool:
+        """Whether a DSA model's NextN head runs its attention sparse through its own indexer, as the model defines
+        it (an engine may run the head dense)."""
+        return True
+
     # ---- element-wise -----------------------------------------------------------------------------------------
     def norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """RMSNorm over the last axis, times `weight`."""
@@ -214,7 +219,7 @@ class Numerics:
                          on_latent: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """Multi-head latent attention in the absorbed form through block `b`'s attn_k_b / attn_v_b (ops/mla.py):
         q_rope [n, H, R] (roped), q_nope [n, H, D], cache rows [n, R + C] ([k_rope | latent]); `sinks` [S, R + C]
-        seen by every query, a `window`, a `keep` mask [n, n]; `on_latent` sees the heads' latents [H, n, C] as they
+        seen by every query, a `window`, a `keep` mask [n, cache rows]; `on_latent` sees the heads' latents [H, n, C] as they
         enter attn_v_b. Returns [n, H, V]."""
         n, n_head, _ = q_rope.shape
         n_lat = cache.shape[1] - q_rope.shape[2]

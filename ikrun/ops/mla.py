@@ -47,10 +47,10 @@ def latent_attention(q_rope: np.ndarray, q_nope: np.ndarray, w_kb: np.ndarray, c
     """Causal MLA over the positions p..p+n-1 of a sequence (p = 0 for a fresh one).
 
     q_rope [n, H, R] (roped), q_nope [n, H, D], w_kb [H, C, D], cache [p + n, R + C] rows [k_rope | c_kv] (a
-    continuation's earlier positions first), w_vb [H, V, C]; returns the heads' values [n, H, V]. The options below
+    continuation's earlier positions first), w_vb [H, V, C]; returns the heads' values [n, H, V]. Sinks and a window
     take a fresh sequence (p = 0).
     Optional: `sinks` [S, R + C] rows in the cache layout, seen by every query (key and value as a cache row's);
-    `window` > 0 limits query t to keys s with t - s < window; `keep` [n, n] (bool) the keys each query may see;
+    `window` > 0 limits query t to keys s with t - s < window; `keep` [n, p + n] (bool) the keys each query may see;
     `ik_avx512_sinks` adds ik's AVX-512 GEMM over-read to the sinks' values (module docstring); `on_latent` sees
     the heads' latent outputs [H, n, C] as they enter attn_v_b (for imatrix observers); `vb_input` rounds them
     as the attn_v_b product consumes them (--numerics ik).
@@ -62,8 +62,8 @@ def latent_attention(q_rope: np.ndarray, q_nope: np.ndarray, w_kb: np.ndarray, c
     np.matmul(q_nope.transpose(1, 0, 2), w_kb.transpose(0, 2, 1), out=q[:, :, n_rope:])
     past = len(cache) - n
     if sinks is not None or window > 0 or keep is not None:
-        if past:
-            raise ValueError("a continued sequence's MLA takes no sinks, window or keep mask")
+        if past and (sinks is not None or window > 0):
+            raise ValueError("a continued sequence's MLA takes no sinks or window")
         latent = _restricted(q, cache, n_rope, scale, sinks, window, keep, ik_avx512_sinks)
     else:
         latent = np.empty((n_head, n, n_lat), dtype=np.float32)
@@ -85,16 +85,14 @@ def materialized_attention(q_rope: np.ndarray, q_nope: np.ndarray, cache: np.nda
     """Causal MLA in the prefill form over the positions p..p+n-1 of a sequence (the module docstring).
 
     q_rope [n, H, R] (roped), q_nope [n, H, D], cache [p + n, R + C] rows [k_rope | c_kv] (a continuation's earlier
-    positions first), w_kvb [H * (D + V), C]; returns the heads' values [n, H, V]. `keep` [n, n] (bool, a fresh
-    sequence): the keys each query may see; `store` rounds the materialised keys and values as ik casts them to its
+    positions first), w_kvb [H * (D + V), C]; returns the heads' values [n, H, V]. `keep` [n, p + n] (bool): the
+    keys each query may see; `store` rounds the materialised keys and values as ik casts them to its
     cache type.
     """
     n, n_head, n_rope = q_rope.shape
     n_nope = q_nope.shape[2]
     n_keys = len(cache)
     past = n_keys - n
-    if past and keep is not None:
-        raise ValueError("a continued sequence's MLA takes no keep mask")
     kv = np.matmul(cache[:, n_rope:], w_kvb.T).reshape(n_keys, n_head, -1)
     k_nope, v = kv[:, :, :n_nope], kv[:, :, n_nope:]
     if store is not None:
@@ -112,7 +110,8 @@ def materialized_attention(q_rope: np.ndarray, q_nope: np.ndarray, cache: np.nda
         if mask is None:
             causal_softmax(scores, scale, past + q0)
         else:
-            pick(_masked_serial, _masked_parallel, scores.size)(scores, float(scale), 0, q0, 0, 0, mask[q0:q1], True)
+            pick(_masked_serial, _masked_parallel, scores.size)(scores, float(scale), 0, past + q0, 0, 0, mask[q0:q1],
+                                                                 True)
         np.matmul(scores, vt[:, : past + q1], out=out[:, q0:q1])
     return out.transpose(1, 0, 2)
 
@@ -180,8 +179,9 @@ def overread_applies(n_sink: int) -> bool:
 def _restricted(q: np.ndarray, cache: np.ndarray, n_rope: int, scale: float, sinks: np.ndarray | None,
                 window: int, keep: np.ndarray | None, ik_avx512_sinks: bool) -> np.ndarray:
     """Latent outputs [H, n, C] under sinks, a window and/or a keep mask: per query block, only the sinks and the
-    cache span its queries may see enter the products."""
+    cache span its queries may see enter the products (the queries are the cache's last n positions)."""
     n_head, n, _ = q.shape
+    past = len(cache) - n
     n_sink = 0 if sinks is None else sinks.shape[0]
     sink_rows = np.zeros((0, cache.shape[1]), dtype=np.float32) if sinks is None else \
         np.ascontiguousarray(sinks, dtype=np.float32)
@@ -191,10 +191,10 @@ def _restricted(q: np.ndarray, cache: np.ndarray, n_rope: int, scale: float, sin
     latent = np.empty((n_head, n, cache.shape[1] - n_rope), dtype=np.float32)
     for q0 in range(0, n, QUERY_BLOCK):
         q1 = min(n, q0 + QUERY_BLOCK)
-        lo = max(0, q0 - window + 1) if window > 0 else 0
-        keys = np.concatenate([sink_rows, cache[lo:q1]])  # [sinks + visible cache span, R + C]
+        lo = max(0, past + q0 - window + 1) if window > 0 else 0
+        keys = np.concatenate([sink_rows, cache[lo : past + q1]])  # [sinks + visible cache span, R + C]
         scores = np.matmul(q[:, q0:q1], keys.T)
-        pick(_masked_serial, _masked_parallel, scores.size)(scores, float(scale), n_sink, q0, lo, int(window),
+        pick(_masked_serial, _masked_parallel, scores.size)(scores, float(scale), n_sink, past + q0, lo, int(window),
                                                              mask[q0:q1], use_keep)
         np.matmul(scores, keys[:, n_rope:], out=latent[:, q0:q1])
         if overread is not None:

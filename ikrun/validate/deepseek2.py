@@ -148,14 +148,18 @@ class DeepseekV3Reference:
         """The MTP module's logits (layer num_hidden_layers: DeepSeek-V3 report, section 2.2, as vLLM's and SGLang's
         DeepSeekMTP run it): position p takes token p and row p of `hidden`, the main model's output-normed hidden
         state of position p - 1; RMSNorm each (enorm, hnorm), [embedding | hidden] through eh_proj, the decoder
-        layer over these positions (causal, positions from 0), then shared_head's norm and head."""
+        layer over these positions (causal, positions from 0), then shared_head's norm and head (the model's
+        embedding and lm_head where the layer has none of its own, as GLM-5's)."""
         i = self.cfg["num_hidden_layers"]
         p = f"model.layers.{i}."
-        e = self._rmsnorm(self.w(p + "embed_tokens.weight")[tokens], p + "enorm.weight")
+        embed, head = p + "embed_tokens.weight", p + "shared_head.head.weight"
+        embed = embed if embed in self.tensors else "model.embed_tokens.weight"
+        head = head if head in self.tensors else "lm_head.weight"
+        e = self._rmsnorm(self.w(embed)[tokens], p + "enorm.weight")
         x = np.concatenate([e, self._rmsnorm(hidden, p + "hnorm.weight")], axis=-1) @ self.w(p + "eh_proj.weight").T
         x = self._layer(i, x, np.arange(len(tokens)), lambda h, name: h @ self.w(name + ".weight").T)
         x = self._rmsnorm(x, p + "shared_head.norm.weight")
-        return (x @ self.w(p + "shared_head.head.weight").T).astype(self.dtype)
+        return (x @ self.w(head).T).astype(self.dtype)
 
     def _attention(self, h: np.ndarray, p: str, positions: np.ndarray, proj: Proj) -> np.ndarray:
         cfg = self.cfg

@@ -6,7 +6,7 @@ lightning indexer scores highest. As transformers computes it: the indexer query
 wq_b, the one key head through wk and a LayerNorm (eps 1e-6, as HF builds it), rope on the first qk_rope_head_dim
 dims of both, score = sum over heads of weights_proj * n_heads^-0.5 * relu(q . k * index_head_dim^-0.5), causal,
 top-k. "shared" layers (indexer_types, derived from config.json as transformers does) reuse the last full layer's
-top-k. No attention-sink forcing, float32 throughout.
+top-k. No attention-sink forcing, float32 throughout (`dtype` float64 for a check of the runtime's float32).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ class GlmDsaReference(DeepseekV3Reference):
     #: HF builds the indexer's k_norm as nn.LayerNorm(index_head_dim, eps=1e-6)
     indexer_norm_eps = 1e-6
 
-    def __init__(self, config: dict, tensors: dict):  # type: ignore[type-arg]
+    def __init__(self, config: dict, tensors: dict, dtype: type = np.float32):  # type: ignore[type-arg]
         config = {**config, "rope_theta": config.get("rope_theta", (config.get("rope_parameters") or {}).get(
             "rope_theta", 10000.0))}
-        super().__init__(config, tensors)
+        super().__init__(config, tensors, dtype)
         self.types = layer_types(config, config["num_hidden_layers"])
         #: during a forward: the last full layer's top-k [n, k] (key indices per query)
         self._topk: np.ndarray | None = None
@@ -49,11 +49,17 @@ class GlmDsaReference(DeepseekV3Reference):
         self._topk, self.selections = None, {}
         return super().logits(tokens, observe, on_block)
 
+    def mtp_logits(self, hidden: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """The NextN/MTP layer's logits (DeepseekV3Reference.mtp_logits): its attention is a full DSA layer with its
+        own indexer, as vLLM's and SGLang's GLM-5 MTP run it."""
+        self._topk = None
+        return super().mtp_logits(hidden, tokens)
+
     def _mask(self, h: np.ndarray, q_resid: np.ndarray | None, p: str, positions: np.ndarray,
               proj: Proj) -> np.ndarray:
         causal = super()._mask(h, q_resid, p, positions, proj)
         layer = int(p.split(".")[2])
-        if self.types[layer] == "full" or self._topk is None:
+        if layer >= len(self.types) or self.types[layer] == "full" or self._topk is None:  # the MTP layer: full
             self._topk = self._indexer(h, q_resid, p + "indexer.", positions, causal, proj)  # type: ignore[arg-type]
         self.selections[layer] = self._topk
         index_mask = np.full_like(causal, -np.inf)
@@ -70,10 +76,10 @@ class GlmDsaReference(DeepseekV3Reference):
         k = proj(h, p + "wk")
         mean = k.mean(-1, keepdims=True)
         var = ((k - mean) ** 2).mean(-1, keepdims=True)
-        k = (k - mean) / np.sqrt(var + np.float32(self.indexer_norm_eps)) * self.w(p + "k_norm.weight") \
+        k = (k - mean) / np.sqrt(var + self.dtype(self.indexer_norm_eps)) * self.w(p + "k_norm.weight") \
             + self.w(p + "k_norm.bias")
         k = np.concatenate([self._rope(k[:, None, :rope], positions, interleave)[:, 0], k[:, rope:]], axis=-1)
-        weights = proj(h, p + "weights_proj") * np.float32(heads ** -0.5)
-        scores = np.maximum(np.einsum("shd,td->sht", q, k) * np.float32(dim ** -0.5), 0)
+        weights = proj(h, p + "weights_proj") * self.dtype(heads ** -0.5)
+        scores = np.maximum(np.einsum("shd,td->sht", q, k) * self.dtype(dim ** -0.5), 0)
         index = np.einsum("sht,sh->st", scores, weights) + causal
         return np.argsort(-index, axis=-1, kind="stable")[:, : min(cfg["index_topk"], n)]

@@ -107,6 +107,10 @@ class IkNumerics(Numerics):
     def nextn_own_tables(self, arch: str) -> bool:
         return arch not in NEXTN_TABLES_IGNORED
 
+    def nextn_sparse_attention(self) -> bool:
+        """ik's MTP graph runs a DSA head's attention dense (dsa_should_use is off for MTP passes)."""
+        return False
+
     # ---- element-wise: ik's float orders ----------------------------------------------------------------------
     def norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         return rms_norm(x, weight, eps, ik=True)
@@ -177,8 +181,8 @@ class IkNumerics(Numerics):
         n, n_head, n_rot = q_rope.shape
         n_lat = cache.shape[1] - n_rot
         plain = sinks is None and window == 0 and keep is None
-        if len(cache) != n and not plain:
-            raise ValueError("a continued sequence's MLA takes no sinks, window or keep mask")
+        if len(cache) != n and (sinks is not None or window > 0):
+            raise ValueError("a continued sequence's MLA takes no sinks or window")
         if (n_rot + n_lat) % LANES or not (plain or sinks is not None):
             return super().latent_attention(b, q_rope, q_nope, cache, scale, sinks=sinks, window=window, keep=keep,
                                             on_latent=on_latent)
@@ -278,7 +282,7 @@ class IkNumerics(Numerics):
         """Each head's slice as ik's kernel multiplies it (the slice is the matrix it sees): in its float kernels,
         in integers where it holds them, else the converted floats against the rounded activations."""
         n_head, n = x.shape[0], x.shape[1]
-        rows = self.weights.info(name).shape[0] // n_head
+        rows = math.prod(self.weights.info(name).shape[:-1]) // n_head  # ik's 2-D layout or mainline's 3-D one
         float_kind = self._float_kind(name)
         if float_kind is not None:
             w = self.weights.decode(name).reshape(n_head, rows, -1)
