@@ -97,6 +97,7 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
     for gguf, said in ((no_head, "nextn_predict_layers is 0"), (no_indexer, "blk.7.indexer.attn_q_b.weight")):
         res = runner.invoke(app, ["accept", str(gguf), "--mtp", *decoding], env={"COLUMNS": "400"})
         assert res.exit_code == 2 and said in res.output and len(res.output.strip().splitlines()) == 1, res.output
+        assert "--keep-mtp" not in res.output  # DeepSeek-V3's converter option: GLM-5's keeps the layer anyway
     res = runner.invoke(app, ["accept", str(no_indexer), "--mtp", "--dsa", "off", *decoding, "--json"])
     assert res.exit_code == 0 and '"output_matches_target": true' in res.output, res.output
 
@@ -135,3 +136,22 @@ def test_acceptance_by_the_heads_type(trained: tuple[Path, dict]) -> None:  # ty
     rows = json.loads(res.stdout)
     assert rows[0]["mean_acceptance_length"] == oracle["mean_acceptance_length"]
     assert {t: round(r["mean_acceptance_length"], 3) for t, r in zip(BY_TYPE, rows[1:])} == BY_TYPE
+
+
+def test_imatrix_mtp_collects_the_heads_tensors_its_indexer_included(tmp_path: Path) -> None:
+    """`imatrix --mtp` runs the head at every position of each chunk: its entries are added (the indexer's among
+    them, as the head runs it sparse), the main model's stay as without --mtp."""
+    from ikquant.imatrix import read_imatrix_dat
+
+    outs = {}
+    for name, extra in (("main", []), ("mtp", ["--mtp"])):
+        res = runner.invoke(app, ["imatrix", str(GGUF), "--text", str(TEXT), "--ctx", "64", "--chunks", "4", "-o",
+                                  str(tmp_path / f"{name}.dat"), *extra])
+        assert res.exit_code == 0, res.output
+        outs[name] = read_imatrix_dat(tmp_path / f"{name}.dat").entries
+    added = set(outs["mtp"]) - set(outs["main"])
+    assert set(outs["main"]) <= set(outs["mtp"]) and all(n.startswith("blk.7.") for n in added)
+    assert {"blk.7.nextn.eh_proj.weight", "blk.7.indexer.attn_q_b.weight", "blk.7.indexer.attn_k.weight",
+            "blk.7.indexer.proj.weight", "blk.7.attn_k_b.weight", "blk.7.ffn_up_exps.weight"} <= added
+    for name, entry in outs["main"].items():
+        np.testing.assert_array_equal(outs["mtp"][name].mean_sq(), entry.mean_sq())

@@ -48,6 +48,8 @@ class Deepseek2(ArchModel):
     archs = ("deepseek2",)
     runtime_options: ClassVar[tuple[str, ...]] = ("mla",)
     continues = True
+    #: where a file without an MTP layer comes from, said when --mtp asks for one
+    no_mtp_hint = " (ik's converter drops DeepSeek-V3's MTP layer; ikconvert --keep-mtp keeps it)"
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)
@@ -256,8 +258,8 @@ class Deepseek2(ArchModel):
         """The MTP layer's head (the last block; a file without one, or without its nextn tensors, is refused)."""
         i = self.n_layer - 1
         if not self.n_mtp:
-            raise self.fail(f"{self.ctx.arch}.nextn_predict_layers is 0: the file has no MTP head to draft with (ik's "
-                            "converter drops DeepSeek-V3's MTP layer; ikconvert --keep-mtp keeps it)")
+            raise self.fail(f"{self.ctx.arch}.nextn_predict_layers is 0: the file has no MTP head to draft with"
+                            + self.no_mtp_hint)
         missing = NextnHead.missing(self.ctx, i)
         if missing:
             raise self.fail(f"NextN/MTP tensors missing: {', '.join(missing)}")

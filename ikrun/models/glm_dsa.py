@@ -58,6 +58,7 @@ class GlmDsa(Deepseek2):
     archs = ("glm-dsa",)
     runtime_options = ("dsa", "dsa_sink", "mla", "dsa_top_k")
     continues = True
+    no_mtp_hint = " (its checkpoint's num_nextn_predict_layers was 0, or the layer was dropped)"
 
     def __init__(self, ctx: Context):
         hp = ctx.hparam
