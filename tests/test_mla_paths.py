@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from ikquant.formats.cache_rows import cache_round_trip, cache_row_bytes
 from ikquant.gguf_io import GGUFFile
 from ikquant.types import type_by_name
 from ikrun.cli import app
@@ -44,12 +45,14 @@ def _kv_b_alone(tmp_path: Path) -> Path:
     return _rewrite(V3, tmp_path / "kv_b-only.gguf", drop=drop)
 
 
-def _quantized_kv_b(src: Path, dst: Path, gtype: str) -> Path:
-    """A copy of `src` whose attn_kv_b alone is stored as `gtype` (the rest as it is)."""
+def _quantized_kv_b(src: Path, dst: Path, gtype: str, cache_writer: bool = False) -> Path:
+    """A copy of `src` whose attn_kv_b alone is stored as `gtype` (the rest as it is), by llama-quantize's codec or,
+    `cache_writer`, by ik's ggml_cpy row quantizer (what ik's load-time derivations store)."""
     from ikquant.gguf_io import GGUFStreamWriter
 
     f = GGUFFile(src)
     codec = type_by_name(gtype).require_codec()
+    quantize = (lambda rows: cache_row_bytes(gtype, rows)) if cache_writer else codec.quantize
     with GGUFStreamWriter(dst, f.architecture) as w:
         for item in f.kv():
             if item.key != "general.architecture":
@@ -58,7 +61,7 @@ def _quantized_kv_b(src: Path, dst: Path, gtype: str) -> Path:
         for t in f.tensors.values():
             w.add_tensor_info(t.name, t.shape, type_by_name(gtype) if t.name in kv_b else t.type)
         for t in f.tensors.values():
-            w.write_tensor(t.name, codec.quantize(f.dequantize(t.name)) if t.name in kv_b else f.raw(t.name))
+            w.write_tensor(t.name, quantize(f.dequantize(t.name)) if t.name in kv_b else f.raw(t.name))
         return w.finish()
 
 
@@ -205,13 +208,15 @@ def test_a_file_with_attn_kv_b_alone_runs_both_paths(tmp_path: Path) -> None:
 
 
 def test_derived_k_b_is_iks_q8_0_for_a_quantized_attn_kv_b() -> None:
-    """ik derives attn_k_b as Q8_0 of the transposed nope rows of a quantized attn_kv_b, attn_v_b as its rows."""
+    """ik derives attn_k_b as Q8_0 of the transposed nope rows of a quantized attn_kv_b (written by ggml_cast, its
+    cache writer's rounding, not llama-quantize's), attn_v_b as its rows."""
     kv_b = GGUFFile(V3).dequantize("blk.0.attn_kv_b.weight")
     q8 = type_by_name("Q8_0").require_codec()
     k_b = derived_k_b(kv_b, "Q4_0", N_HEAD, N_NOPE)
-    rows = k_b.reshape(-1, N_NOPE)
-    np.testing.assert_array_equal(q8.dequantize(q8.quantize(rows), N_NOPE), rows)  # Q8_0 values
     exact = derived_k_b(kv_b, "F32", N_HEAD, N_NOPE)
+    rows = exact.reshape(-1, N_NOPE)
+    np.testing.assert_array_equal(k_b.reshape(-1, N_NOPE), cache_round_trip("Q8_0", rows))
+    assert not np.array_equal(k_b.reshape(-1, N_NOPE), q8.dequantize(q8.quantize(rows), N_NOPE))
     np.testing.assert_array_equal(exact, GGUFFile(V3).dequantize("blk.0.attn_k_b.weight").reshape(exact.shape))
     assert 0 < np.abs(k_b - exact).max() < 0.01 * np.abs(exact).max()
     np.testing.assert_array_equal(derived_v_b(kv_b, N_HEAD, N_NOPE).reshape(-1, kv_b.shape[1]),
@@ -268,10 +273,11 @@ def test_bad_options_are_refused_before_compute(model: Path, flags: list[str], n
 
 
 def test_a_file_without_attn_kv_b_runs_prefill_on_iks_q8_0_derivation(tmp_path: Path) -> None:
-    """ik derives attn_kv_b from attn_k_b / attn_v_b as Q8_0 (an F32 pair too): the same as a file whose attn_kv_b
-    is stored as Q8_0; the sweep then measures attn_k_b / attn_v_b under both forms."""
+    """ik derives attn_kv_b from attn_k_b / attn_v_b as Q8_0 (an F32 pair too) with ggml_cast: the same as a file
+    whose attn_kv_b is stored as Q8_0 by ik's cache writer; the sweep then measures attn_k_b / attn_v_b under both
+    forms."""
     no_kv_b = _rewrite(V3, tmp_path / "no-kv_b.gguf", drop=tuple(f"blk.{i}.attn_kv_b.weight" for i in LAYERS))
-    q8 = _quantized_kv_b(V3, tmp_path / "kv_b-q8_0.gguf", "Q8_0")
+    q8 = _quantized_kv_b(V3, tmp_path / "kv_b-q8_0.gguf", "Q8_0", cache_writer=True)
     tokens = _tokens(64, 4)
     np.testing.assert_array_equal(Model(no_kv_b, options=PREFILL).logits(tokens),
                                   Model(q8, options=PREFILL).logits(tokens))

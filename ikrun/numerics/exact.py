@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ikquant.formats.cache_rows import cache_round_trip
 from ikrun.kvcache import KvCache, cache_holds
 from ikrun.ops.activations import swiglu
 from ikrun.ops.attention import causal_attention
@@ -51,28 +52,24 @@ UNQUANTIZED = ("F32", "F16", "BF16")
 def derived_k_b(kv_b: np.ndarray, type_name: str, n_head: int, n_nope: int) -> np.ndarray:
     """attn_k_b [H, C, D] as ik derives it at load from a file's attn_kv_b [H * (D + V), C] (of type `type_name`)
     alone (llm_prepare_mla): each head's nope rows transposed, stored as Q8_0 when attn_kv_b is quantized, else in
-    its own type (which a transposition does not round)."""
-    from ikquant.types import type_by_name
-
+    its own type (which a transposition does not round). ik's load makes the Q8_0 with ggml_cast, its cache
+    writer's row quantizer (ikquant/formats/cache_rows.py), not llama-quantize's."""
     w_kb = np.ascontiguousarray(kv_b.reshape(n_head, -1, kv_b.shape[1])[:, :n_nope].transpose(0, 2, 1))
     if type_name in UNQUANTIZED:
         return w_kb
-    codec = type_by_name("Q8_0").require_codec()
-    return codec.dequantize(codec.quantize(w_kb.reshape(-1, n_nope)), n_nope).reshape(w_kb.shape)
+    return cache_round_trip("Q8_0", w_kb.reshape(-1, n_nope)).reshape(w_kb.shape)
 
 
 def derived_kv_b(k_b: np.ndarray, v_b: np.ndarray, types: tuple[str, str], n_head: int) -> np.ndarray:
     """attn_kv_b [H * (D + V), C] as ik derives it at load from a file's attn_k_b [H, C, D] and attn_v_b [H, V, C]
     (of types `types`) for its prefill form (llm_compute_wkv_b): per head the transposed k_b rows, then the v_b
-    rows, stored as F16 or BF16 when both are, else as Q8_0 (an F32 pair too)."""
-    from ikquant.types import type_by_name
-
+    rows, stored as F16 or BF16 when both are, else as Q8_0 (an F32 pair too), with ggml_cast (ik's cache writer's
+    rounding, as derived_k_b)."""
     n_lat = v_b.shape[-1]
     heads = np.concatenate([k_b.reshape(n_head, n_lat, -1).transpose(0, 2, 1), v_b.reshape(n_head, -1, n_lat)], axis=1)
     kv_b = np.ascontiguousarray(heads.reshape(-1, n_lat))
     kept = types[0] if types[0] == types[1] and types[0] in ("F16", "BF16") else "Q8_0"
-    codec = type_by_name(kept).require_codec()
-    return codec.dequantize(codec.quantize(kv_b), n_lat)
+    return cache_round_trip(kept, kv_b)
 
 
 def derived_v_b(kv_b: np.ndarray, n_head: int, n_nope: int) -> np.ndarray:
