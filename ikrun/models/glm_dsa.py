@@ -17,7 +17,7 @@ hard-codes GLM-5.2's schedule, which is wrong for GLM-5 (whose layers all run th
 
 With `--kv-cache f16` the runtime reproduces ik's default caches: the MLA latent rounded to f16 (as for DeepSeek)
 and the indexer keys Walsh-Hadamard-rotated (the queries too) and rounded to f16, as ik's indexer key cache holds
-them; the few near-tie selections ik's f16 caches flip then flip here too.
+them (another type with -ictk, ikrun/kvcache.py); the few near-tie selections ik's caches flip then flip here too.
 
 Runtime options (ikrun/ctx.RuntimeOptions): by default the model's semantics, sparse attention with no sink;
 `dsa=False` runs dense attention everywhere (ik without --dsa); `dsa_top_k` replaces the file's top-k (ik's
@@ -93,9 +93,10 @@ class GlmDsa(Deepseek2):
                               f"rope.dimension_count {self.n_rot}, and head_count {self.n_ihead} and top_k "
                               f"{self.top_k} must be positive")
         super()._check_tensors()
-        if self.sparse and cx.kv_cache == "f16" and self.i_dim & (self.i_dim - 1):
-            raise self.fail(f"--kv-cache f16 reproduces ik's indexer cache, whose Hadamard rotation needs a "
-                              f"power-of-two {arch}.attention.indexer.key_length (got {self.i_dim})")
+        if self.sparse and cx.cache.indexer != "f32" and self.i_dim & (self.i_dim - 1):
+            raise self.fail(f"an indexer key cache of {cx.cache.indexer} (-ictk, f16 unless the K cache is f32) is "
+                            "ik's, whose Hadamard rotation needs a power-of-two "
+                            f"{arch}.attention.indexer.key_length (got {self.i_dim})")
         types = cx.hparam("attention.indexer.types", None)
         full = [True] * self.n_active if types is None else [bool(t) for t in types]
         if len(full) != self.n_active or not full[0]:
@@ -139,8 +140,8 @@ class GlmDsa(Deepseek2):
                        cx.weight(b + "indexer.k_norm.bias"), self.eps).reshape(n, 1, self.i_dim)
         self.rope(q, cos, sin, False)
         self.rope(k, cos, sin, False)
-        if cx.kv_cache == "f16":  # ik's indexer key cache: Hadamard-rotated keys stored as f16 (-ictk default)
-            q, k = hadamard(q), cx.kv_store(hadamard(k))
+        if cx.cache.indexer != "f32":  # ik's indexer key cache (-ictk): Hadamard-rotated keys, queries to match
+            q, k = hadamard(q), cx.indexer_store(hadamard(k))
         w = cx.linear(h, b + "indexer.proj") * (np.float32(1.0) / np.sqrt(np.float32(self.n_ihead * self.i_dim)))
         scores = indexer_scores(q, k.reshape(n, self.i_dim), w)
         if self.sink:

@@ -62,7 +62,8 @@ class IkNumerics(Numerics):
     # ---- what a file may hold ---------------------------------------------------------------------------------
     def kv_cache(self, requested: KvCache) -> KvCache:
         """ik's F16 caches, or its F32 key cache (-ctk f32: the same float kernel on unrounded keys)."""
-        return KvCache("f32" if (requested.k, requested.v) == ("f32", "f16") else "f16", "f16")
+        return KvCache("f32" if (requested.k, requested.v) == ("f32", "f16") else "f16", "f16",
+                       indexer=requested.indexer)
 
     def yarn_truncates(self, requested: bool) -> bool:
         """ggml always rounds YaRN's correction range to whole dims (GGUF has no key for anything else)."""
