@@ -16,7 +16,6 @@ from ikquant.formats.cache_rows import cache_round_trip, cache_row_bytes
 from ikquant.gguf_io import GGUFFile
 from ikquant.types import type_by_name
 from ikrun.cli import app
-from ikrun.errors import ModelError
 from ikrun.model import Model
 from ikrun.numerics.exact import derived_k_b, derived_v_b
 from ikrun.options import RuntimeOptions
@@ -292,9 +291,53 @@ def test_a_file_without_attn_kv_b_runs_prefill_on_iks_q8_0_derivation(tmp_path: 
         np.testing.assert_array_equal(m.logits(tokens), before)
 
 
-def test_derivations_need_the_exact_arithmetic(tmp_path: Path) -> None:
-    with pytest.raises(ModelError, match=r"attn_kv_b without attn_k_b / attn_v_b.*--numerics ik"):
-        Model(_kv_b_alone(tmp_path), options=RuntimeOptions(numerics="ik"))
+def _with_iks_derived_heads(src: Path, dst: Path) -> Path:
+    """A copy of `src` (attn_kv_b in Q4_0) that also stores attn_k_b / attn_v_b as ik derives them at load: the
+    transposed nope rows as Q8_0 by its cache writer, the value rows' Q4_0 bytes as they are."""
+    from ikquant.gguf_io import GGUFStreamWriter
+
+    f = GGUFFile(src)
+    q8, q4 = type_by_name("Q8_0"), type_by_name("Q4_0")
+    with GGUFStreamWriter(dst, f.architecture) as w:
+        for item in f.kv():
+            if item.key != "general.architecture":
+                w.add_kv(item)
+        for t in f.tensors.values():
+            w.add_tensor_info(t.name, t.shape, t.type)
+        for i in LAYERS:
+            w.add_tensor_info(f"blk.{i}.attn_k_b.weight", (N_HEAD * 32, N_NOPE), q8)
+            w.add_tensor_info(f"blk.{i}.attn_v_b.weight", (N_HEAD * 32, 32), q4)
+        for t in f.tensors.values():
+            w.write_tensor(t.name, f.raw(t.name))
+        for i in LAYERS:
+            kv_b = f.dequantize(f"blk.{i}.attn_kv_b.weight").reshape(N_HEAD, -1, 32)
+            k_rows = kv_b[:, :N_NOPE].transpose(0, 2, 1).reshape(-1, N_NOPE)
+            w.write_tensor(f"blk.{i}.attn_k_b.weight", cache_row_bytes("Q8_0", np.ascontiguousarray(k_rows)))
+            raw = f.raw(f"blk.{i}.attn_kv_b.weight").reshape(N_HEAD, -1, q4.row_bytes(32))
+            w.write_tensor(f"blk.{i}.attn_v_b.weight", np.ascontiguousarray(raw[:, N_NOPE:]).reshape(-1, q4.row_bytes(32)))
+        return w.finish()
+
+
+def test_numerics_ik_derives_attn_k_b_and_attn_v_b_as_iks_load(tmp_path: Path) -> None:
+    """Under --numerics ik a file with attn_kv_b alone runs on the heads ik derives (Q8_0 by its cache writer from
+    a quantized attn_kv_b, the value rows in attn_kv_b's type): the logits of a file storing exactly those, bit for
+    bit; an F32 attn_kv_b gives the original file's."""
+    ik = RuntimeOptions(numerics="ik")
+    tokens = _tokens(64, 5)
+    np.testing.assert_array_equal(Model(_kv_b_alone(tmp_path), options=ik).logits(tokens),
+                                  Model(V3, options=ik).logits(tokens))
+    q4_alone = _quantized_kv_b(_kv_b_alone(tmp_path), tmp_path / "kv_b-only-q4_0.gguf", "Q4_0")
+    stored = _with_iks_derived_heads(q4_alone, tmp_path / "heads.gguf")
+    derived = Model(q4_alone, options=ik).logits(tokens)
+    np.testing.assert_array_equal(derived, Model(stored, options=ik).logits(tokens))
+    assert compare_logits(Model(V3, options=ik).logits(tokens), derived)["kld_mean"] > 0
+
+
+def test_numerics_ik_runs_a_3d_attn_k_b() -> None:
+    """GLM-5.2's file stores attn_k_b as [heads, latent, nope] (3-D): ik's dense run (-fa off) to within its f16
+    cache's near-ties (it crashed here, taking one row per head)."""
+    res = _kld(GLM, DATA / "logits" / "glm-dsa" / "ik-base.kld", "--dsa", "off", "--numerics", "ik")
+    assert res["kld_mean"] < 1e-6 and res["same_top_p"] == 1.0, res
 
 
 # ---- sweeps and mixes ---------------------------------------------------------------------------------------------

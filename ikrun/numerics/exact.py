@@ -116,10 +116,6 @@ class Numerics:
         """Why a gated delta-net with these key and value head dims cannot run here."""
         return None
 
-    def check_kv_b_derivation(self) -> str | None:
-        """Why attn_k_b / attn_v_b cannot be derived here from a file's attn_kv_b alone (derived_k_b)."""
-        return None
-
     def nextn_own_tables(self, arch: str) -> bool:
         """Whether an `arch` NextN head reads its own embedding and output tables where it carries them
         (transformers' model does; an engine's loader may ignore them)."""

@@ -34,6 +34,7 @@ from ikrun.numerics.ik.formats import (
     round_activations,
 )
 from ikrun.numerics.ik.ikgemm import LANES, ik_float_matmul, takes_whole
+from ikrun.numerics.ik.mla_weights import HeadSource, derived_k_b_source, derived_k_b_type, derived_v_b_source
 from ikrun.numerics.ik.qgemm import PackedHeads, PackedInts, pack, qmatmul, row_slice
 from ikrun.ops.activations import swiglu
 from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
@@ -101,9 +102,6 @@ class IkNumerics(Numerics):
             return None
         return ("--numerics ik computes ik's fused delta-net kernel, which keeps one head dim for keys and values and "
                 "which ik runs right only for 64 and 128 (its fallback is wrong); use the exact arithmetic")
-
-    def check_kv_b_derivation(self) -> str | None:
-        return "--numerics ik does not reproduce that derivation: use --numerics exact"
 
     def nextn_own_tables(self, arch: str) -> bool:
         return arch not in NEXTN_TABLES_IGNORED
@@ -183,7 +181,8 @@ class IkNumerics(Numerics):
         if (n_rot + n_lat) % LANES or not (plain or sinks is not None):
             return super().latent_attention(b, q_rope, q_nope, cache, scale, sinks=sinks, window=window, keep=keep,
                                             on_latent=on_latent)
-        q_lat = self.head_product(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight")
+        k_b, v_b = self._mla_heads(b, n_head, q_nope.shape[2])
+        q_lat = self.head_product(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight", k_b)
         if sinks is None:
             q = np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2)
             latent = ik_latent_attention(q, cache, n_rot, scale)
@@ -198,11 +197,26 @@ class IkNumerics(Numerics):
                                               self.options.ik_sink_overread)
         if on_latent is not None:
             on_latent(latent)
-        return self.head_product(latent, b + "attn_v_b.weight").transpose(1, 0, 2)
+        return self.head_product(latent, b + "attn_v_b.weight", v_b).transpose(1, 0, 2)
+
+    def _mla_heads(self, b: str, n_head: int, n_nope: int) -> tuple[HeadSource | None, HeadSource | None]:
+        """Block `b`'s attn_k_b / attn_v_b: the file's (None), or as ik derives them from its attn_kv_b alone."""
+        if self.weights.has(b + "attn_k_b.weight"):
+            return None, None
+        kvb = b + "attn_kv_b.weight"
+        type_name, (rows, n_lat) = self.weights.encoding(kvb).type.name, self.weights.info(kvb).shape
+        return (derived_k_b_source(kvb, type_name, n_head, n_nope, n_lat),
+                derived_v_b_source(kvb, type_name, n_head, n_nope, rows // n_head - n_nope))
 
     # ---- matmuls: ik's kernels ------------------------------------------------------------------------------
     def _format(self, weight_name: str) -> str:
-        return activation_format(self.weights.encoding(weight_name).type.name)
+        """The activation format of a matmul with `weight_name` (attn_k_b / attn_v_b: ik's derived ones where the
+        file has attn_kv_b alone)."""
+        if self.weights.has(weight_name):
+            return activation_format(self.weights.encoding(weight_name).type.name)
+        kv_b_type = self.weights.encoding(weight_name.replace("attn_k_b", "attn_kv_b").replace(
+            "attn_v_b", "attn_kv_b")).type.name
+        return activation_format(derived_k_b_type(kv_b_type) if "attn_k_b" in weight_name else kv_b_type)
 
     def activations(self, x: np.ndarray, weight_name: str) -> np.ndarray:
         """x rounded as ik rounds the activations of a matmul with `weight_name`."""
@@ -275,28 +289,41 @@ class IkNumerics(Numerics):
                                     self._kernel_threads(self.weights.info(name).n_rows // rows))
         return self.weights.decode(name) if converted is None else converted
 
-    def head_product(self, x: np.ndarray, name: str) -> np.ndarray:
+    def head_product(self, x: np.ndarray, name: str, source: HeadSource | None = None) -> np.ndarray:
         """Each head's slice as ik's kernel multiplies it (the slice is the matrix it sees): in its float kernels,
-        in integers where it holds them, else the converted floats against the rounded activations."""
-        n_head, n = x.shape[0], x.shape[1]
-        rows = self.weights.info(name).shape[0] // n_head
-        float_kind = self._float_kind(name)
-        if float_kind is not None:
-            w = self.weights.decode(name).reshape(n_head, rows, -1)
-            xr = self.activations(x, name)
-            return np.stack([ik_float_matmul(xr[h], w[h], float_kind == "BF16") for h in range(n_head)])
-        kernel = ik_kernel(self.weights.encoding(name).type.name)
+        in integers where it holds them, else the converted floats against the rounded activations. `source`: the
+        rows ik derives for `name` at load (mla_weights.py), where the file does not carry it."""
+        n_head, n, n_in = x.shape
+        src = source if source is not None else HeadSource(name, self.weights.encoding(name).type.name)
+        rows = src.head_rows or self.weights.info(name).n_elements // (n_head * n_in)  # a 3-D [H, rows, in] too
+        fmt = activation_format(src.type_name)
+        if src.type_name in IK_FLOAT_TYPES and takes_whole(n_in, src.type_name == "BF16"):
+            w = (self.weights.decode(name) if source is None else
+                 self.weights.derived(src.name, lambda raw, dec: src.rows(raw, dec)[1], DERIVED + src.kind))
+            xr = round_activations(x, fmt)
+            w = w.reshape(n_head, rows, -1)
+            return np.stack([ik_float_matmul(xr[h], w[h], src.type_name == "BF16") for h in range(n_head)])
+        kernel = ik_kernel(src.type_name)
         threads = self._kernel_threads(n_head)
+        converts = CONVERTED * kernel.converts(n, rows, threads)
         ints = kernel.integers(n, rows, threads)
         if ints is None:
-            return self.sliced_product(x, name)
+            if source is None:
+                return self.sliced_product(x, name)
+            values = kernel.float_values(n, rows, threads)
+
+            def floats(raw: np.ndarray, decoded: np.ndarray) -> np.ndarray:
+                taken = src.rows(raw, decoded)
+                return taken[1] if values is None else values(*taken).to_float()
+
+            w = self.weights.derived(src.name, floats, DERIVED + converts + src.kind).reshape(n_head, rows, -1)
+            return np.matmul(round_activations(x, fmt), w.transpose(0, 2, 1))
 
         def make(raw: np.ndarray, decoded: np.ndarray) -> PackedHeads:
-            whole = ints(raw, decoded)
+            whole = ints(*src.rows(raw, decoded))
             return PackedHeads(tuple(pack(row_slice(whole, h * rows, (h + 1) * rows)) for h in range(n_head)))
 
-        heads = self.weights.derived(name, make, HEADS + CONVERTED * kernel.converts(n, rows, threads))
-        fmt = self._format(name)
+        heads = self.weights.derived(src.name, make, HEADS + converts + src.kind)
         return np.stack([qmatmul(integer_rows(x[h], fmt), heads.heads[h]) for h in range(n_head)])
 
     # ---- routed experts ---------------------------------------------------------------------------------------
