@@ -96,10 +96,11 @@ class Context:
         shared: dict[str, Any] = {}
         return [self.linear(x, name, shared, fused) for name in names]
 
-    def indexer_store(self, k: np.ndarray) -> np.ndarray:
-        """DSA indexer keys as the indexer key cache (-ictk) holds them."""
-        assert self.cache.indexer is not None, "a model without an indexer cache stores no indexer keys"
-        return self.numerics.kv_store(k, self.cache.indexer)
+    def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """The DSA indexer's causal scores [n, n] of queries q [n, heads, d] against keys k [n, d] written into the
+        indexer key cache (-ictk), head weights w [n, heads]."""
+        assert self.cache.indexer is not None, "a model without an indexer cache scores no indexer keys"
+        return self.numerics.indexer_scores(q, k, w, self.cache.indexer)
 
     def kv_store(self, x: np.ndarray, value: bool = False) -> np.ndarray:
         """Keys (or, `value`, values) as the KV cache holds them."""

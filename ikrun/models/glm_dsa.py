@@ -35,7 +35,7 @@ import numpy as np
 from ikrun.models.base import Sequence
 from ikrun.models.deepseek2 import Deepseek2
 from ikrun.modules.nextn import NextnHead
-from ikrun.ops.indexer import TIE_LATER_INDEX, hadamard, indexer_scores, select_top_k
+from ikrun.ops.indexer import TIE_LATER_INDEX, hadamard, select_top_k
 from ikrun.ops.moe import GATING_SIGMOID
 from ikrun.ops.norm import layer_norm
 
@@ -141,9 +141,9 @@ class GlmDsa(Deepseek2):
         self.rope(q, cos, sin, False)
         self.rope(k, cos, sin, False)
         if cx.cache.indexer != "f32":  # ik's indexer key cache (-ictk): Hadamard-rotated keys, queries to match
-            q, k = hadamard(q), cx.indexer_store(hadamard(k))
+            q, k = hadamard(q), hadamard(k)
         w = cx.linear(h, b + "indexer.proj") * (np.float32(1.0) / np.sqrt(np.float32(self.n_ihead * self.i_dim)))
-        scores = indexer_scores(q, k.reshape(n, self.i_dim), w)
+        scores = cx.indexer_scores(q, k.reshape(n, self.i_dim), w)
         if self.sink:
             scores[:, 0] += SINK_BOOST
         return select_top_k(scores, self.top_k, TIE_LATER_INDEX)

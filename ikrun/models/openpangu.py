@@ -43,7 +43,7 @@ from ikrun.models.base import ArchModel, Hparam, Sequence
 from ikrun.modules.attention import MlaAttention
 from ikrun.modules.ffn import MoeConfig, dense_ffn, moe_ffn
 from ikrun.ops.hyperconn import hc_combine
-from ikrun.ops.indexer import TIE_PARTIAL_SORT, indexer_scores, select_top_k
+from ikrun.ops.indexer import TIE_PARTIAL_SORT, select_top_k
 from ikrun.ops.moe import GATING_SIGMOID
 from ikrun.ops.rope import rope_cache
 
@@ -312,5 +312,5 @@ class OpenPangu(ArchModel):
         q = np.ascontiguousarray(cx.linear(q_lat, b + "attn_indexer_q_b")).reshape(n, self.n_idx_head, self.idx_dim)
         self.rope(q, cos, sin, True)
         w = cx.linear(h, b + "attn_indexer_weights_proj")
-        return select_top_k(indexer_scores(q, cx.indexer_store(k.reshape(n, self.idx_dim)), w), self.top_k,
+        return select_top_k(cx.indexer_scores(q, k.reshape(n, self.idx_dim), w), self.top_k,
                             TIE_PARTIAL_SORT)

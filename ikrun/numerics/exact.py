@@ -22,6 +22,7 @@ from ikrun.ops.attention import causal_attention
 from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
 from ikrun.ops.delta_net import decay_and_beta, delta_rule_chunked, gated_rms_norm
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
+from ikrun.ops.indexer import indexer_scores
 from ikrun.ops.mla import latent_attention, materialized_attention
 from ikrun.ops.moe import (
     GATING_SIGMOID,
@@ -193,6 +194,11 @@ class Numerics:
         """Rows x [..., width] of keys or values as a cache of `cache_type` (ik's name) holds them, written through
         ik's Hadamard transform over blocks of `hadamard_block` values where given (ikrun/kvcache.py)."""
         return cache_holds(x, cache_type, hadamard_block)
+
+    def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, cache_type: str) -> np.ndarray:
+        """The DSA indexer's causal scores [n, n] (ops/indexer.indexer_scores) of queries q [n, heads, d] against
+        keys k [n, d] as an indexer cache of `cache_type` holds them, head weights w [n, heads]."""
+        return indexer_scores(q, self.kv_store(k, cache_type), w)
 
     # ---- attention --------------------------------------------------------------------------------------------
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,

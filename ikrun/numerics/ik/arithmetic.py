@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ikrun.kvcache import KvCache
+from ikquant.formats.cache_rows import cache_row_bytes
+from ikquant.types import type_by_name
+from ikrun.kvcache import KvCache, ggml_name
 from ikrun.numerics.exact import Numerics
 from ikrun.numerics.ik.attention import ik_causal_attention, ik_latent_attention, ik_sink_latent_attention
 from ikrun.numerics.ik.delta_net import (
@@ -39,6 +41,7 @@ from ikrun.numerics.ik.qgemm import PackedHeads, PackedInts, pack, qmatmul, row_
 from ikrun.ops.activations import swiglu
 from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
+from ikrun.ops.indexer import scores_from_products
 from ikrun.ops.moe import ExpertGlu, RoutedExperts, group_by_expert, moe_experts, route
 from ikrun.ops.norm import rms_norm
 from ikrun.ops.rope import apply_rope
@@ -157,6 +160,22 @@ class IkNumerics(Numerics):
     def gated_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """ik's RMS norm, then its fused SiLU(z) times the normed value."""
         return swiglu(z, self.norm(x, weight, eps), ik=True)
+
+    def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, cache_type: str) -> np.ndarray:
+        """A quantized indexer cache's q . k as ik's matmul of the cache with each head's queries computes it (the
+        queries rounded to the type's activation blocks, integer dot products); other caches as the exact
+        arithmetic."""
+        type_name = ggml_name(cache_type)
+        kernel = IK_KERNELS.get(type_name)
+        n, n_head, d = q.shape
+        ints = None if kernel is None else kernel.integers(n, len(k), self.options.ik_threads)
+        if ints is None:
+            return super().indexer_scores(q, k, w, cache_type)
+        raw = cache_row_bytes(type_name, np.ascontiguousarray(k, dtype=np.float32))
+        packed = pack(ints(raw, type_by_name(type_name).require_codec().dequantize(raw, d)))
+        fmt = activation_format(type_name)
+        qk = np.stack([qmatmul(integer_rows(q[:, h], fmt), packed)[:n] for h in range(n_head)], axis=1)
+        return scores_from_products(qk, w)
 
     # ---- attention: ik's kernels where its 16-lane kernels take the head dims whole ---------------------------
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,
