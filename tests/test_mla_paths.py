@@ -264,7 +264,6 @@ def _refused(args: list[str], *named: str) -> None:
     (V3, ["--dsa-top-k", "8"], ("--dsa-top-k", "deepseek2")),
     (GLM, ["--dsa-top-k", "65"], ("--dsa-top-k 65", "context of 64 tokens")),
     (GLM, ["--dsa-top-k", "8", "--dsa", "off"], ("--dsa-top-k", "--dsa off")),
-    (V3, ["--mla", "prefill", "--numerics", "ik"], ("--mla prefill", "--numerics ik")),
 ])
 def test_bad_options_are_refused_before_compute(model: Path, flags: list[str], named: tuple[str, ...]) -> None:
     _refused(["ppl", str(model), "--text", str(DATA / "logits" / "deepseek-v3" / "text.txt"), "--ctx", "64",

@@ -26,6 +26,7 @@ from ikrun.numerics.ik.delta_net import (
     ik_delta_rule,
     ik_sigmoid_array,
 )
+from ikrun.numerics.ik.flash_attention import flash_attention_f16
 from ikrun.numerics.ik.formats import (
     IK_FLOAT_TYPES,
     IK_KERNELS,
@@ -53,6 +54,9 @@ if TYPE_CHECKING:
 
 #: architectures whose ik graph hard-codes the full attention layers of a hybrid, whatever the file says
 FIXED_FULL_ATTENTION_INTERVAL = {"qwen3next": 4}
+#: the (key, value) head sizes ik's own flash-attention kernels take (ggml/src/iqk/fa); others run ggml's generic one
+IQK_FA_HEADS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256), (320, 256), (512, 512),
+                (576, 512))
 #: architectures whose NextN head ik's loader strips of its own nextn.embed_tokens / shared_head_head ("model has
 #: unused tensor ... ignoring"): its graph takes token_embd / output instead
 NEXTN_TABLES_IGNORED = ("glm4moe",)
@@ -105,6 +109,13 @@ class IkNumerics(Numerics):
             return None
         return ("--numerics ik computes ik's fused delta-net kernel, which keeps one head dim for keys and values and "
                 "which ik runs right only for 64 and 128 (its fallback is wrong); use the exact arithmetic")
+
+    def check_mla_prefill(self, head_k: int, head_v: int) -> str | None:
+        if (head_k, head_v) in IQK_FA_HEADS:
+            return (f"ik runs head sizes {head_k}/{head_v} in its own iqk flash-attention kernel, which --numerics ik "
+                    "does not reproduce (ggml's generic kernel, which it does, takes the others); use --numerics "
+                    "exact, or --mla decode (ik with -fa off)")
+        return None
 
     def nextn_own_tables(self, arch: str) -> bool:
         return arch not in NEXTN_TABLES_IGNORED
@@ -226,6 +237,27 @@ class IkNumerics(Numerics):
         type_name, (rows, n_lat) = self.weights.encoding(kvb).type.name, self.weights.info(kvb).shape
         return (derived_k_b_source(kvb, type_name, n_head, n_nope, n_lat),
                 derived_v_b_source(kvb, type_name, n_head, n_nope, rows // n_head - n_nope))
+
+    def materialized_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray,
+                               scale: float, store: Callable[[np.ndarray], np.ndarray], *,
+                               keep: np.ndarray | None = None) -> np.ndarray:
+        """ik's prefill form: attn_kv_b times the f16 latent in ik's matmul, keys and values cast to f16, then ggml's
+        generic flash-attention kernel (flash_attention.py); a keep mask or a derived attn_kv_b keeps this
+        runtime's float order around ik's matmuls."""
+        kvb = b + "attn_kv_b.weight"
+        if keep is not None or not self.weights.has(kvb):
+            return super().materialized_attention(b, q_rope, q_nope, cache, scale, store, keep=keep)
+        n, n_head, n_rope = q_rope.shape
+        n_nope, n_keys = q_nope.shape[2], len(cache)
+        kv = self.project(np.ascontiguousarray(cache[:, n_rope:]), kvb).reshape(n_keys, n_head, -1)
+        k = np.empty((n_head, n_keys, n_rope + n_nope), dtype=np.float32)
+        k[:, :, :n_rope] = cache[None, :, :n_rope]
+        k[:, :, n_rope:] = store(kv[:, :, :n_nope]).transpose(1, 0, 2)
+        v = np.ascontiguousarray(store(kv[:, :, n_nope:]).transpose(1, 0, 2))
+        q = np.ascontiguousarray(np.concatenate([q_rope, q_nope], axis=2).transpose(1, 0, 2), dtype=np.float32)
+        out = np.empty((n_head, n, v.shape[2]), dtype=np.float32)
+        flash_attention_f16(q, k, v, float(np.float32(scale)), n_keys - n, out)
+        return out.transpose(1, 0, 2)
 
     # ---- matmuls: ik's kernels ------------------------------------------------------------------------------
     def _format(self, weight_name: str) -> str:
