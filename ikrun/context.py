@@ -96,6 +96,12 @@ class Context:
         shared: dict[str, Any] = {}
         return [self.linear(x, name, shared, fused) for name in names]
 
+    def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, q0: int = 0) -> np.ndarray:
+        """The DSA indexer's causal scores [n, keys] of queries q [n, heads, d] (the first at position q0) against
+        keys k [keys, d] written into the indexer key cache (-ictk), head weights w [n, heads]."""
+        assert self.cache.indexer is not None, "a model without an indexer cache scores no indexer keys"
+        return self.numerics.indexer_scores(q, k, w, self.cache.indexer, q0)
+
     def kv_store(self, x: np.ndarray, value: bool = False) -> np.ndarray:
         """Keys (or, `value`, values) as the KV cache holds them."""
         c = self.cache

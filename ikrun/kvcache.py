@@ -10,6 +10,10 @@ transform over blocks of each head (of 64 values of DeepSeek's latent row) befor
 (the attention output) to match; exactly, the cache then holds H(dequantize(quantize(H x))). As ik does, the
 transform is dropped for an unquantized cache and for heads no block size divides.
 
+The DSA indexer's key cache (`--indexer-cache-type-k/-ictk`, glm-dsa and openPangu) holds each layer's indexer keys
+(glm-dsa's Walsh-Hadamard-rotated first, as ik rotates them and the queries whatever the type); unset, it is ik's
+default F16 where the K cache is not F32 (ik's -ictk default does not follow -ctk) and F32 otherwise.
+
 `--kv-cache` stays the shorthand it was: f32 (both caches F32, the default: the weights alone), f16 (both F16, ik's
 default), k-f32 (F32 keys, F16 values: ik's -ctk f32 without flash attention); -ctk / -ctv override one side each.
 """
@@ -36,6 +40,9 @@ IK_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0"
 #: the architectures whose caches a type other than f32/f16 is reproduced for: grouped-query K/V caches and
 #: DeepSeek's MLA latent cache (the DSA, openPangu and DeepSeek-V4 caches, with their indexer caches, are not)
 QUANTIZED_CACHE_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "glm4moe", "minimax-m2", "gpt-oss", "deepseek2")
+#: the architectures with a DSA indexer key cache reproduced here -> the -ictk types ik takes for it (None: all)
+INDEXER_CACHE_TYPES: dict[str, tuple[str, ...] | None] = {"glm-dsa": None,
+                                                           "openpangu": ("f32", "f16", "bf16", "q8_0")}
 
 
 def ggml_name(ik_name: str) -> str:
@@ -52,6 +59,8 @@ class KvCache:
     #: the block of ik's Hadamard transform of the keys (values) around the cache, 0: none
     k_hadamard: int = 0
     v_hadamard: int = 0
+    #: the DSA indexer's key cache type (-ictk); None until resolved against the model (check_cache)
+    indexer: str | None = None
 
     @property
     def label(self) -> str:
@@ -62,8 +71,11 @@ class KvCache:
 
     def report(self) -> dict[str, str | int]:
         """The cache types as a run's report names them."""
-        return {"cache_type_k": self.k, "cache_type_v": self.v, "k_cache_hadamard": self.k_hadamard,
-                "v_cache_hadamard": self.v_hadamard}
+        report: dict[str, str | int] = {"cache_type_k": self.k, "cache_type_v": self.v,
+                                        "k_cache_hadamard": self.k_hadamard, "v_cache_hadamard": self.v_hadamard}
+        if self.indexer is not None:
+            report["indexer_cache_type_k"] = self.indexer
+        return report
 
 
 def hadamard_size(head_size: int) -> int:
@@ -75,23 +87,53 @@ def hadamard_size(head_size: int) -> int:
 
 
 def requested_cache(kv_cache: str, cache_type_k: str | None, cache_type_v: str | None, k_hadamard: bool = False,
-                    v_hadamard: bool = False) -> KvCache:
-    """The caches --kv-cache, -ctk / -ctv and -khad / -vhad ask for (a Hadamard block of 1: asked for, its size
-    still to be found from the model); a name ik does not take is refused."""
+                    v_hadamard: bool = False, indexer_cache_type_k: str | None = None) -> KvCache:
+    """The caches --kv-cache, -ctk / -ctv, -khad / -vhad and -ictk ask for (a Hadamard block of 1: asked for, its
+    size still to be found from the model); a name ik does not take is refused."""
     if kv_cache not in KV_SHORTHANDS:
         raise ModelError(f"--kv-cache {kv_cache}: not one of {', '.join(KV_SHORTHANDS)}")
     k, v = KV_SHORTHANDS[kv_cache]
-    for flag, name in (("--cache-type-k", cache_type_k), ("--cache-type-v", cache_type_v)):
+    for flag, name in (("--cache-type-k", cache_type_k), ("--cache-type-v", cache_type_v),
+                       ("--indexer-cache-type-k", indexer_cache_type_k)):
         if name is not None and name not in IK_CACHE_TYPES:
             raise ModelError(f"{flag} {name}: not a cache type ik takes ({', '.join(IK_CACHE_TYPES)})")
-    return KvCache(cache_type_k or k, cache_type_v or v, int(k_hadamard), int(v_hadamard))
+    return KvCache(cache_type_k or k, cache_type_v or v, int(k_hadamard), int(v_hadamard), indexer_cache_type_k)
+
+
+def _indexer_cache(cache: KvCache, cx: Context) -> str | None:
+    """The indexer key cache's type for this model (None: it has none), refusing an -ictk it cannot take."""
+    name = cache.indexer
+    if cx.arch not in INDEXER_CACHE_TYPES:
+        if name is not None:
+            raise ModelError(f"--indexer-cache-type-k {name}: {cx.path} is {cx.arch}, which has no DSA indexer key "
+                             f"cache reproduced here (those of: {', '.join(INDEXER_CACHE_TYPES)})")
+        return None
+    if name is None:
+        return None if cx.options.dsa is False else "f32" if cache.k == "f32" else "f16"
+    if cx.options.dsa is False:
+        raise ModelError(f"--indexer-cache-type-k {name}: --dsa off runs no indexer, so {cx.path} has no indexer "
+                         "cache to set")
+    taken = INDEXER_CACHE_TYPES[cx.arch]
+    if taken is not None and name not in taken:
+        raise ModelError(f"--indexer-cache-type-k {name}: {cx.path} is {cx.arch}, whose indexer key cache ik takes as "
+                         f"{', '.join(taken)} only")
+    if ggml_name(name) not in CACHE_WRITE_TYPES:
+        raise ModelError(f"--indexer-cache-type-k {name}: ik takes it, but its cache writes are not reproduced here; "
+                         "reproduced: " + ", ".join(t.lower() for t in CACHE_WRITE_TYPES))
+    width = cx.hparam("attention.indexer.key_length", 0)
+    block = type_by_name(ggml_name(name)).block_size
+    if width % block:
+        raise ModelError(f"--indexer-cache-type-k {name}: the indexer key length of {cx.path} is {width}, not a "
+                         f"multiple of {name}'s block of {block} values")
+    return name
 
 
 def check_cache(cache: KvCache, cx: Context, numerics: str, given: tuple[str | None, str | None]) -> KvCache:
-    """The caches a run keeps (Hadamard blocks resolved as ik resolves them); refuses what this model (or the
-    arithmetic) cannot hold, naming the option and the model's fact. `given`: the -ctk and -ctv values given (under
-    --numerics ik, which reproduces ik's F16 caches, only f16 is accepted, and an F32 key cache for models without
-    a latent cache)."""
+    """The caches a run keeps (Hadamard blocks and the indexer cache resolved as ik resolves them); refuses what
+    this model (or the arithmetic) cannot hold, naming the option and the model's fact. `given`: the -ctk and -ctv
+    values given (under --numerics ik, which reproduces ik's F16 caches, only f16 is accepted, and an F32 key cache
+    for models without a latent cache; the indexer cache is written as in the exact arithmetic)."""
+    cache = replace(cache, indexer=_indexer_cache(cache, cx))
     if numerics != "exact":
         for flag, name in zip(("--cache-type-k", "--cache-type-v"), given):
             if name not in (None, "f16") and (flag, name) != ("--cache-type-k", "f32"):

@@ -46,10 +46,11 @@ class Model:
     def __init__(self, path: str | os.PathLike[str], threads: int | None = None, kv_cache: str = "f32",
                  options: RuntimeOptions | None = None, mem: int | None = None, stream: bool | None = None,
                  cache_type_k: str | None = None, cache_type_v: str | None = None, k_cache_hadamard: bool = False,
-                 v_cache_hadamard: bool = False):
+                 v_cache_hadamard: bool = False, indexer_cache_type_k: str | None = None):
         from ikrun.models import check_options, model_class
 
-        requested = requested_cache(kv_cache, cache_type_k, cache_type_v, k_cache_hadamard, v_cache_hadamard)
+        requested = requested_cache(kv_cache, cache_type_k, cache_type_v, k_cache_hadamard, v_cache_hadamard,
+                                    indexer_cache_type_k)
         self.path = Path(path)
         try:
             self.weights = WeightStore(self.path)

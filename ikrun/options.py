@@ -47,7 +47,8 @@ class RuntimeOptions:
         "latent cache through attn_kv_b (what ik's defaults, -fa on -mla 3, run for batches of 128 tokens or more); "
         "decode = the absorbed path through attn_k_b / attn_v_b (single-token generation, and every batch with -fa "
         "off). auto (default): prefill for sequences of 128 tokens or more, decode below, under --numerics ik "
-        "(which reproduces ik's -fa off) and for imatrix collection. An error for a model without MLA.")})
+        "(which reproduces ik's -fa off; with --mla prefill it runs ggml's generic flash-attention kernel, and refuses "
+        "the head sizes ik's own kernels take) and for imatrix collection. An error for a model without MLA.")})
     #: the DSA indexer's top-k instead of the file's attention.indexer.top_k (0: the file's)
     dsa_top_k: int = field(default=0, metadata={"help": (
         "The lightning indexer's top-k (ik's -dsatk): the keys each query may see, instead of the file's "
@@ -89,10 +90,6 @@ class RuntimeOptions:
             raise ModelError("--ik-threads chooses ik's kernels, which only --numerics ik runs")
         if self.mla not in MLA_PATHS:
             raise ModelError(f"--mla {self.mla!r} is not one of {', '.join(MLA_PATHS)}")
-        if self.mla == "prefill" and self.numerics == "ik":
-            raise ModelError("--mla prefill with --numerics ik: ik's prefill path runs its flash-attention kernels, "
-                             "whose float order is not reproduced; use --numerics exact, or --mla decode (ik's "
-                             "-fa off)")
         if self.dsa_top_k < 0:
             raise ModelError(f"--dsa-top-k must be positive, not {self.dsa_top_k}")
         if self.dsa is False and self.dsa_top_k:

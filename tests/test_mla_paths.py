@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from ikquant.formats.cache_rows import cache_round_trip, cache_row_bytes
 from ikquant.gguf_io import GGUFFile
 from ikquant.types import type_by_name
 from ikrun.cli import app
-from ikrun.errors import ModelError
 from ikrun.model import Model
 from ikrun.numerics.exact import derived_k_b, derived_v_b
 from ikrun.options import RuntimeOptions
@@ -44,12 +44,14 @@ def _kv_b_alone(tmp_path: Path) -> Path:
     return _rewrite(V3, tmp_path / "kv_b-only.gguf", drop=drop)
 
 
-def _quantized_kv_b(src: Path, dst: Path, gtype: str) -> Path:
-    """A copy of `src` whose attn_kv_b alone is stored as `gtype` (the rest as it is)."""
+def _quantized_kv_b(src: Path, dst: Path, gtype: str, cache_writer: bool = False) -> Path:
+    """A copy of `src` whose attn_kv_b alone is stored as `gtype` (the rest as it is), by llama-quantize's codec or,
+    `cache_writer`, by ik's ggml_cpy row quantizer (what ik's load-time derivations store)."""
     from ikquant.gguf_io import GGUFStreamWriter
 
     f = GGUFFile(src)
     codec = type_by_name(gtype).require_codec()
+    quantize = (lambda rows: cache_row_bytes(gtype, rows)) if cache_writer else codec.quantize
     with GGUFStreamWriter(dst, f.architecture) as w:
         for item in f.kv():
             if item.key != "general.architecture":
@@ -58,7 +60,7 @@ def _quantized_kv_b(src: Path, dst: Path, gtype: str) -> Path:
         for t in f.tensors.values():
             w.add_tensor_info(t.name, t.shape, type_by_name(gtype) if t.name in kv_b else t.type)
         for t in f.tensors.values():
-            w.write_tensor(t.name, codec.quantize(f.dequantize(t.name)) if t.name in kv_b else f.raw(t.name))
+            w.write_tensor(t.name, quantize(f.dequantize(t.name)) if t.name in kv_b else f.raw(t.name))
         return w.finish()
 
 
@@ -205,13 +207,15 @@ def test_a_file_with_attn_kv_b_alone_runs_both_paths(tmp_path: Path) -> None:
 
 
 def test_derived_k_b_is_iks_q8_0_for_a_quantized_attn_kv_b() -> None:
-    """ik derives attn_k_b as Q8_0 of the transposed nope rows of a quantized attn_kv_b, attn_v_b as its rows."""
+    """ik derives attn_k_b as Q8_0 of the transposed nope rows of a quantized attn_kv_b (written by ggml_cast, its
+    cache writer's rounding, not llama-quantize's), attn_v_b as its rows."""
     kv_b = GGUFFile(V3).dequantize("blk.0.attn_kv_b.weight")
     q8 = type_by_name("Q8_0").require_codec()
     k_b = derived_k_b(kv_b, "Q4_0", N_HEAD, N_NOPE)
-    rows = k_b.reshape(-1, N_NOPE)
-    np.testing.assert_array_equal(q8.dequantize(q8.quantize(rows), N_NOPE), rows)  # Q8_0 values
     exact = derived_k_b(kv_b, "F32", N_HEAD, N_NOPE)
+    rows = exact.reshape(-1, N_NOPE)
+    np.testing.assert_array_equal(k_b.reshape(-1, N_NOPE), cache_round_trip("Q8_0", rows))
+    assert not np.array_equal(k_b.reshape(-1, N_NOPE), q8.dequantize(q8.quantize(rows), N_NOPE))
     np.testing.assert_array_equal(exact, GGUFFile(V3).dequantize("blk.0.attn_k_b.weight").reshape(exact.shape))
     assert 0 < np.abs(k_b - exact).max() < 0.01 * np.abs(exact).max()
     np.testing.assert_array_equal(derived_v_b(kv_b, N_HEAD, N_NOPE).reshape(-1, kv_b.shape[1]),
@@ -260,7 +264,6 @@ def _refused(args: list[str], *named: str) -> None:
     (V3, ["--dsa-top-k", "8"], ("--dsa-top-k", "deepseek2")),
     (GLM, ["--dsa-top-k", "65"], ("--dsa-top-k 65", "context of 64 tokens")),
     (GLM, ["--dsa-top-k", "8", "--dsa", "off"], ("--dsa-top-k", "--dsa off")),
-    (V3, ["--mla", "prefill", "--numerics", "ik"], ("--mla prefill", "--numerics ik")),
 ])
 def test_bad_options_are_refused_before_compute(model: Path, flags: list[str], named: tuple[str, ...]) -> None:
     _refused(["ppl", str(model), "--text", str(DATA / "logits" / "deepseek-v3" / "text.txt"), "--ctx", "64",
@@ -268,10 +271,11 @@ def test_bad_options_are_refused_before_compute(model: Path, flags: list[str], n
 
 
 def test_a_file_without_attn_kv_b_runs_prefill_on_iks_q8_0_derivation(tmp_path: Path) -> None:
-    """ik derives attn_kv_b from attn_k_b / attn_v_b as Q8_0 (an F32 pair too): the same as a file whose attn_kv_b
-    is stored as Q8_0; the sweep then measures attn_k_b / attn_v_b under both forms."""
+    """ik derives attn_kv_b from attn_k_b / attn_v_b as Q8_0 (an F32 pair too) with ggml_cast: the same as a file
+    whose attn_kv_b is stored as Q8_0 by ik's cache writer; the sweep then measures attn_k_b / attn_v_b under both
+    forms."""
     no_kv_b = _rewrite(V3, tmp_path / "no-kv_b.gguf", drop=tuple(f"blk.{i}.attn_kv_b.weight" for i in LAYERS))
-    q8 = _quantized_kv_b(V3, tmp_path / "kv_b-q8_0.gguf", "Q8_0")
+    q8 = _quantized_kv_b(V3, tmp_path / "kv_b-q8_0.gguf", "Q8_0", cache_writer=True)
     tokens = _tokens(64, 4)
     np.testing.assert_array_equal(Model(no_kv_b, options=PREFILL).logits(tokens),
                                   Model(q8, options=PREFILL).logits(tokens))
@@ -286,9 +290,53 @@ def test_a_file_without_attn_kv_b_runs_prefill_on_iks_q8_0_derivation(tmp_path: 
         np.testing.assert_array_equal(m.logits(tokens), before)
 
 
-def test_derivations_need_the_exact_arithmetic(tmp_path: Path) -> None:
-    with pytest.raises(ModelError, match=r"attn_kv_b without attn_k_b / attn_v_b.*--numerics ik"):
-        Model(_kv_b_alone(tmp_path), options=RuntimeOptions(numerics="ik"))
+def _with_iks_derived_heads(src: Path, dst: Path) -> Path:
+    """A copy of `src` (attn_kv_b in Q4_0) that also stores attn_k_b / attn_v_b as ik derives them at load: the
+    transposed nope rows as Q8_0 by its cache writer, the value rows' Q4_0 bytes as they are."""
+    from ikquant.gguf_io import GGUFStreamWriter
+
+    f = GGUFFile(src)
+    q8, q4 = type_by_name("Q8_0"), type_by_name("Q4_0")
+    with GGUFStreamWriter(dst, f.architecture) as w:
+        for item in f.kv():
+            if item.key != "general.architecture":
+                w.add_kv(item)
+        for t in f.tensors.values():
+            w.add_tensor_info(t.name, t.shape, t.type)
+        for i in LAYERS:
+            w.add_tensor_info(f"blk.{i}.attn_k_b.weight", (N_HEAD * 32, N_NOPE), q8)
+            w.add_tensor_info(f"blk.{i}.attn_v_b.weight", (N_HEAD * 32, 32), q4)
+        for t in f.tensors.values():
+            w.write_tensor(t.name, f.raw(t.name))
+        for i in LAYERS:
+            kv_b = f.dequantize(f"blk.{i}.attn_kv_b.weight").reshape(N_HEAD, -1, 32)
+            k_rows = kv_b[:, :N_NOPE].transpose(0, 2, 1).reshape(-1, N_NOPE)
+            w.write_tensor(f"blk.{i}.attn_k_b.weight", cache_row_bytes("Q8_0", np.ascontiguousarray(k_rows)))
+            raw = f.raw(f"blk.{i}.attn_kv_b.weight").reshape(N_HEAD, -1, q4.row_bytes(32))
+            w.write_tensor(f"blk.{i}.attn_v_b.weight", np.ascontiguousarray(raw[:, N_NOPE:]).reshape(-1, q4.row_bytes(32)))
+        return w.finish()
+
+
+def test_numerics_ik_derives_attn_k_b_and_attn_v_b_as_iks_load(tmp_path: Path) -> None:
+    """Under --numerics ik a file with attn_kv_b alone runs on the heads ik derives (Q8_0 by its cache writer from
+    a quantized attn_kv_b, the value rows in attn_kv_b's type): the logits of a file storing exactly those, bit for
+    bit; an F32 attn_kv_b gives the original file's."""
+    ik = RuntimeOptions(numerics="ik")
+    tokens = _tokens(64, 5)
+    np.testing.assert_array_equal(Model(_kv_b_alone(tmp_path), options=ik).logits(tokens),
+                                  Model(V3, options=ik).logits(tokens))
+    q4_alone = _quantized_kv_b(_kv_b_alone(tmp_path), tmp_path / "kv_b-only-q4_0.gguf", "Q4_0")
+    stored = _with_iks_derived_heads(q4_alone, tmp_path / "heads.gguf")
+    derived = Model(q4_alone, options=ik).logits(tokens)
+    np.testing.assert_array_equal(derived, Model(stored, options=ik).logits(tokens))
+    assert compare_logits(Model(V3, options=ik).logits(tokens), derived)["kld_mean"] > 0
+
+
+def test_numerics_ik_runs_a_3d_attn_k_b() -> None:
+    """GLM-5.2's file stores attn_k_b as [heads, latent, nope] (3-D): ik's dense run (-fa off) to within its f16
+    cache's near-ties (it crashed here, taking one row per head)."""
+    res = _kld(GLM, DATA / "logits" / "glm-dsa" / "ik-base.kld", "--dsa", "off", "--numerics", "ik")
+    assert res["kld_mean"] < 1e-6 and res["same_top_p"] == 1.0, res
 
 
 # ---- sweeps and mixes ---------------------------------------------------------------------------------------------

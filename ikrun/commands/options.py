@@ -1,6 +1,6 @@
 """The options every evaluating `ikrun` command shares, declared once and added to each command by one decorator.
 
-`@evaluation_options` adds --threads, --kv-cache, --cache-type-k/-ctk, --cache-type-v/-ctv, -khad/-vhad, --mem, --stream/--no-stream, --spill-dir and one option per
+`@evaluation_options` adds --threads, --kv-cache, --cache-type-k/-ctk, --cache-type-v/-ctv, -khad/-vhad, -ictk, --mem, --stream/--no-stream, --spill-dir and one option per
 RuntimeOptions field (their help and flag come from the field's metadata; a bool is a flag, an int takes a value)
 to a command's signature, and hands the command one `Evaluation` in their place. A new runtime option is a field
 of RuntimeOptions and nothing else here.
@@ -38,6 +38,9 @@ CTV_HELP = ("V cache type as ik's -ctv names it (the -ctk types; ik itself needs
 KHAD_HELP = ("ik's -khad: rotate keys (and queries) by a Hadamard transform over blocks of each head (of 64 values of "
              "an MLA latent row) around a quantized K cache; dropped for an unquantized one, as ik drops it.")
 VHAD_HELP = "ik's -vhad: the same for the values around a quantized V cache."
+ICTK_HELP = ("DSA indexer key cache type as ik's -ictk names it (glm-dsa: the -ctk types, its keys Hadamard-rotated "
+             "first as ik rotates them; openpangu: f32, f16, bf16, q8_0). Default: f16, ik's default, unless the K "
+             "cache is f32.")
 MEM_HELP = ("Memory budget for everything the run holds (decoded weights, hidden states, caches, logits), e.g. 8GiB "
             "or 512MiB. Default: 75% of the memory available at start-up.")
 STREAM_HELP = ("Layer-streamed evaluation: all chunks through block 0, then block 1, ..., each block's weights read "
@@ -60,6 +63,7 @@ class Evaluation:
     cache_type_v: str | None = None
     k_cache_hadamard: bool = False
     v_cache_hadamard: bool = False
+    indexer_cache_type_k: str | None = None
 
 
 def _runtime_parameters() -> list[inspect.Parameter]:
@@ -92,6 +96,8 @@ def _shared_parameters() -> list[inspect.Parameter]:
                           default=typer.Option(False, "--k-cache-hadamard", "-khad", help=KHAD_HELP)),
         inspect.Parameter("v_cache_hadamard", kw, annotation=bool,
                           default=typer.Option(False, "--v-cache-hadamard", "-vhad", help=VHAD_HELP)),
+        inspect.Parameter("indexer_cache_type_k", kw, annotation=Optional[str],
+                          default=typer.Option(None, "--indexer-cache-type-k", "-ictk", help=ICTK_HELP)),
         inspect.Parameter("mem", kw, annotation=Optional[str], default=typer.Option(None, "--mem", help=MEM_HELP)),
         inspect.Parameter("stream", kw, annotation=Optional[bool],
                           default=typer.Option(None, "--stream/--no-stream", help=STREAM_HELP)),
@@ -121,7 +127,7 @@ def evaluation_options(command: Callable[..., Any]) -> Callable[..., Any]:
         runtime: dict[str, Any] = {f.name: _option_value(f, given[f.name]) for f in dataclasses.fields(RuntimeOptions)}
         ev = Evaluation(given["threads"], given["kv_cache"], given["mem"], given["stream"], given["spill_dir"],
                         RuntimeOptions(**runtime), given["cache_type_k"], given["cache_type_v"],
-                        given["k_cache_hadamard"], given["v_cache_hadamard"])
+                        given["k_cache_hadamard"], given["v_cache_hadamard"], given["indexer_cache_type_k"])
         return command(**kwargs, ev=ev)
 
     wrapper.__signature__ = sig.replace(parameters=[  # type: ignore[attr-defined]

@@ -16,8 +16,8 @@ kernels, with no ik run to check it against). A sequence continues through the l
 speculative-decoding target, its MTP head's drafts too).
 
 Files with half of the MLA tensors run both forms, with the other half derived as ik derives it at load
-(numerics/exact.py; exact arithmetic only): attn_k_b / attn_v_b from attn_kv_b alone, attn_kv_b (Q8_0 unless both
-are F16 or BF16) from attn_k_b / attn_v_b alone (mainline's layout).
+(numerics/exact.py; as ik's kernels multiply them, numerics/ik/mla_weights.py): attn_k_b / attn_v_b from attn_kv_b
+alone, attn_kv_b (Q8_0 unless both are F16 or BF16) from attn_k_b / attn_v_b alone (mainline's layout).
 
 YaRN as ik sets it up for this architecture: ext_factor 1 for rope scaling type yarn, beta 32/1, the rope's
 magnitude factor pre-divided by 1 + 0.1 ln(1/freq_scale) (which ggml's rope multiplies back in), and the attention
@@ -91,6 +91,9 @@ class Deepseek2(ArchModel):
         if not ctx.has("token_embd.weight"):
             raise self.fail("tensor token_embd.weight is missing")
         self.n_vocab = ctx.shape("token_embd.weight")[0]
+        why = ctx.numerics.check_mla_prefill(self.head_k, self.head_v) if ctx.options.mla == "prefill" else None
+        if why:
+            raise self.fail(f"--mla prefill: {why}")
         self._check_tensors()
 
     def _default_gating(self) -> int:
@@ -156,10 +159,6 @@ class Deepseek2(ArchModel):
             [n for i in range(self.n_active) for n in list(self._mla_shapes(i))[:2] if not cx.has(n)]
         self.check_tensors({**want, **{n: cx.shape(n) if cx.has(n) else () for n in missing}},
                            {n: s for i in range(self.n_active, self.n_layer) for n, s in self._expected(i).items()})
-        why = cx.numerics.check_kv_b_derivation() if self.kv_b_only else None
-        if why:
-            raise self.fail("has attn_kv_b without attn_k_b / attn_v_b, which ik derives at load (Q8_0 for a "
-                            f"quantized attn_kv_b); {why}")
 
         for i in range(self.n_layer):
             for name, shapes in self._mla_shapes(i).items():

@@ -17,7 +17,7 @@ hard-codes GLM-5.2's schedule, which is wrong for GLM-5 (whose layers all run th
 
 With `--kv-cache f16` the runtime reproduces ik's default caches: the MLA latent rounded to f16 (as for DeepSeek)
 and the indexer keys Walsh-Hadamard-rotated (the queries too) and rounded to f16, as ik's indexer key cache holds
-them; the few near-tie selections ik's f16 caches flip then flip here too.
+them (another type with -ictk, ikrun/kvcache.py); the few near-tie selections ik's caches flip then flip here too.
 
 A sequence continues through the latent cache and an indexer key cache (each full layer's roped, normed keys, as
 ik's indexer cache holds them): a continued query selects among every cached key (`continues`, a speculative
@@ -41,7 +41,7 @@ import numpy as np
 from ikrun.models.base import Sequence
 from ikrun.models.deepseek2 import Deepseek2
 from ikrun.modules.nextn import NextnHead
-from ikrun.ops.indexer import TIE_LATER_INDEX, hadamard, indexer_scores, select_top_k
+from ikrun.ops.indexer import TIE_LATER_INDEX, hadamard, select_top_k
 from ikrun.ops.moe import GATING_SIGMOID
 from ikrun.ops.norm import layer_norm
 
@@ -95,9 +95,10 @@ class GlmDsa(Deepseek2):
                               f"rope.dimension_count {self.n_rot}, and head_count {self.n_ihead} and top_k "
                               f"{self.top_k} must be positive")
         super()._check_tensors()
-        if self.sparse and cx.kv_cache == "f16" and self.i_dim & (self.i_dim - 1):
-            raise self.fail(f"--kv-cache f16 reproduces ik's indexer cache, whose Hadamard rotation needs a "
-                              f"power-of-two {arch}.attention.indexer.key_length (got {self.i_dim})")
+        if self.sparse and cx.cache.indexer != "f32" and self.i_dim & (self.i_dim - 1):
+            raise self.fail(f"an indexer key cache of {cx.cache.indexer} (-ictk, f16 unless the K cache is f32) is "
+                            "ik's, whose Hadamard rotation needs a power-of-two "
+                            f"{arch}.attention.indexer.key_length (got {self.i_dim})")
         types = cx.hparam("attention.indexer.types", None)
         full = [True] * self.n_active if types is None else [bool(t) for t in types]
         if len(full) != self.n_active or not full[0]:
@@ -157,15 +158,15 @@ class GlmDsa(Deepseek2):
                        cx.weight(b + "indexer.k_norm.bias"), self.eps).reshape(n, 1, self.i_dim)
         self.rope(q, cos, sin, False)
         self.rope(k, cos, sin, False)
-        if cx.kv_cache == "f16":  # ik's indexer key cache: Hadamard-rotated keys stored as f16 (-ictk default)
-            q, k = hadamard(q), cx.kv_store(hadamard(k))
+        if cx.cache.indexer != "f32":  # ik's indexer key cache (-ictk): Hadamard-rotated keys, queries to match
+            q, k = hadamard(q), hadamard(k)
         keys = k.reshape(n, self.i_dim)
-        if kv is not None:
+        if kv is not None:  # a continued sequence: the cache's earlier keys, rounded again to the same rows
             if b + "indexer" in kv:
                 keys = np.concatenate([kv[b + "indexer"], keys])
             kv[b + "indexer"] = keys
         w = cx.linear(h, b + "indexer.proj") * (np.float32(1.0) / np.sqrt(np.float32(self.n_ihead * self.i_dim)))
-        scores = indexer_scores(q, keys, w, len(keys) - n)
+        scores = cx.indexer_scores(q, keys, w, len(keys) - n)
         if self.sink:
             scores[:, 0] += SINK_BOOST
         return select_top_k(scores, self.top_k, TIE_LATER_INDEX)

@@ -21,7 +21,7 @@ Attention is DeepSeek's absorbed MLA (ikrun/ops/mla.py) plus:
 NEOX rope, scale 1/sqrt(key_length). MoE: sigmoid routing with exp_probs_b, normalised, scaled, plus the shared
 experts; the leading dense layers use ffn_gate/up/down. NextN/MTP blocks (nextn_predict_layers, at the end) are
 shape-checked where present and take no part in the forward. With --kv-cache f16 the latent cache and the indexer
-keys are rounded to f16, as ik's default caches (-ctk f16, -ictk f16) hold them.
+keys are rounded to f16, as ik's default caches (-ctk f16, -ictk f16) hold them; -ictk sets the indexer's alone.
 
 Beyond ik: sliding windows may differ per layer (ik refuses a file whose base windows differ).
 
@@ -43,7 +43,7 @@ from ikrun.models.base import ArchModel, Hparam, Sequence
 from ikrun.modules.attention import MlaAttention
 from ikrun.modules.ffn import MoeConfig, dense_ffn, moe_ffn
 from ikrun.ops.hyperconn import hc_combine
-from ikrun.ops.indexer import TIE_PARTIAL_SORT, indexer_scores, select_top_k
+from ikrun.ops.indexer import TIE_PARTIAL_SORT, select_top_k
 from ikrun.ops.moe import GATING_SIGMOID
 from ikrun.ops.rope import rope_cache
 
@@ -312,5 +312,5 @@ class OpenPangu(ArchModel):
         q = np.ascontiguousarray(cx.linear(q_lat, b + "attn_indexer_q_b")).reshape(n, self.n_idx_head, self.idx_dim)
         self.rope(q, cos, sin, True)
         w = cx.linear(h, b + "attn_indexer_weights_proj")
-        return select_top_k(indexer_scores(q, cx.kv_store(k.reshape(n, self.idx_dim)), w), self.top_k,
+        return select_top_k(cx.indexer_scores(q, k.reshape(n, self.idx_dim), w), self.top_k,
                             TIE_PARTIAL_SORT)

@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ikquant.formats.cache_rows import cache_round_trip
 from ikrun.kvcache import KvCache, cache_holds
 from ikrun.ops.activations import swiglu
 from ikrun.ops.attention import causal_attention
 from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
 from ikrun.ops.delta_net import decay_and_beta, delta_rule_chunked, gated_rms_norm
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
+from ikrun.ops.indexer import indexer_scores
 from ikrun.ops.mla import latent_attention, materialized_attention
 from ikrun.ops.moe import (
     GATING_SIGMOID,
@@ -51,28 +53,24 @@ UNQUANTIZED = ("F32", "F16", "BF16")
 def derived_k_b(kv_b: np.ndarray, type_name: str, n_head: int, n_nope: int) -> np.ndarray:
     """attn_k_b [H, C, D] as ik derives it at load from a file's attn_kv_b [H * (D + V), C] (of type `type_name`)
     alone (llm_prepare_mla): each head's nope rows transposed, stored as Q8_0 when attn_kv_b is quantized, else in
-    its own type (which a transposition does not round)."""
-    from ikquant.types import type_by_name
-
+    its own type (which a transposition does not round). ik's load makes the Q8_0 with ggml_cast, its cache
+    writer's row quantizer (ikquant/formats/cache_rows.py), not llama-quantize's."""
     w_kb = np.ascontiguousarray(kv_b.reshape(n_head, -1, kv_b.shape[1])[:, :n_nope].transpose(0, 2, 1))
     if type_name in UNQUANTIZED:
         return w_kb
-    codec = type_by_name("Q8_0").require_codec()
-    return codec.dequantize(codec.quantize(w_kb.reshape(-1, n_nope)), n_nope).reshape(w_kb.shape)
+    return cache_round_trip("Q8_0", w_kb.reshape(-1, n_nope)).reshape(w_kb.shape)
 
 
 def derived_kv_b(k_b: np.ndarray, v_b: np.ndarray, types: tuple[str, str], n_head: int) -> np.ndarray:
     """attn_kv_b [H * (D + V), C] as ik derives it at load from a file's attn_k_b [H, C, D] and attn_v_b [H, V, C]
     (of types `types`) for its prefill form (llm_compute_wkv_b): per head the transposed k_b rows, then the v_b
-    rows, stored as F16 or BF16 when both are, else as Q8_0 (an F32 pair too)."""
-    from ikquant.types import type_by_name
-
+    rows, stored as F16 or BF16 when both are, else as Q8_0 (an F32 pair too), with ggml_cast (ik's cache writer's
+    rounding, as derived_k_b)."""
     n_lat = v_b.shape[-1]
     heads = np.concatenate([k_b.reshape(n_head, n_lat, -1).transpose(0, 2, 1), v_b.reshape(n_head, -1, n_lat)], axis=1)
     kv_b = np.ascontiguousarray(heads.reshape(-1, n_lat))
     kept = types[0] if types[0] == types[1] and types[0] in ("F16", "BF16") else "Q8_0"
-    codec = type_by_name(kept).require_codec()
-    return codec.dequantize(codec.quantize(kv_b), n_lat)
+    return cache_round_trip(kept, kv_b)
 
 
 def derived_v_b(kv_b: np.ndarray, n_head: int, n_nope: int) -> np.ndarray:
@@ -119,8 +117,8 @@ class Numerics:
         """Why a gated delta-net with these key and value head dims cannot run here."""
         return None
 
-    def check_kv_b_derivation(self) -> str | None:
-        """Why attn_k_b / attn_v_b cannot be derived here from a file's attn_kv_b alone (derived_k_b)."""
+    def check_mla_prefill(self, head_k: int, head_v: int) -> str | None:
+        """Why MLA's prefill form (keys and values through attn_kv_b) with these head sizes cannot run here."""
         return None
 
     def nextn_own_tables(self, arch: str) -> bool:
@@ -205,6 +203,13 @@ class Numerics:
         """Rows x [..., width] of keys or values as a cache of `cache_type` (ik's name) holds them, written through
         ik's Hadamard transform over blocks of `hadamard_block` values where given (ikrun/kvcache.py)."""
         return cache_holds(x, cache_type, hadamard_block)
+
+    def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, cache_type: str,
+                       q0: int = 0) -> np.ndarray:
+        """The DSA indexer's causal scores [n, keys] (ops/indexer.indexer_scores) of queries q [n, heads, d], the
+        first at position q0, against keys k [keys, d] as an indexer cache of `cache_type` holds them, head weights
+        w [n, heads]."""
+        return indexer_scores(q, self.kv_store(k, cache_type), w, q0)
 
     # ---- attention --------------------------------------------------------------------------------------------
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,

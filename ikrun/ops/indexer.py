@@ -91,6 +91,30 @@ def indexer_scores(q: np.ndarray, k: np.ndarray, w: np.ndarray, q0: int = 0) -> 
     return out
 
 
+@njit(cache=True, nogil=True, error_model="numpy")
+def _scores_unfused(qk: np.ndarray, w: np.ndarray, first: int, out: np.ndarray) -> None:
+    """Scores summed as ik's graph sums them with flash attention off: per head a product, then an add."""
+    zero = np.float32(0.0)
+    for t in range(qk.shape[0]):
+        last = min(first + t, out.shape[1] - 1)
+        for s in range(out.shape[1]):
+            out[t, s] = zero if s <= last else -np.inf
+        for h in range(qk.shape[1]):
+            for s in range(last + 1):
+                v = qk[t, h, s]
+                term = (v if v > zero else zero) * w[t, h]
+                out[t, s] = out[t, s] + term
+
+
+def scores_from_products(qk: np.ndarray, w: np.ndarray, q0: int = 0) -> np.ndarray:
+    """indexer_scores from the heads' products qk [n, heads, n_keys] (an engine's own q . k), each head's weighted
+    term rounded before it is added, in head order (ik's per-head ggml_mul and ggml_add)."""
+    qk = np.ascontiguousarray(qk, dtype=np.float32)
+    out = np.empty((qk.shape[0], qk.shape[2]), dtype=np.float32)
+    _scores_unfused(qk, np.ascontiguousarray(w, dtype=np.float32), q0, out)
+    return out
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _partial_sort_front(score: np.ndarray, top_k: int, idx: np.ndarray) -> None:
     """The first top_k entries of std::partial_sort(indices, +top_k, end, score[a] > score[b]), as a set."""

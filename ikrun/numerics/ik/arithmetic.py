@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ikrun.kvcache import KvCache
+from ikquant.formats.cache_rows import cache_row_bytes
+from ikquant.types import type_by_name
+from ikrun.kvcache import KvCache, ggml_name
 from ikrun.numerics.exact import Numerics
 from ikrun.numerics.ik.attention import ik_causal_attention, ik_latent_attention, ik_sink_latent_attention
 from ikrun.numerics.ik.delta_net import (
@@ -24,6 +26,7 @@ from ikrun.numerics.ik.delta_net import (
     ik_delta_rule,
     ik_sigmoid_array,
 )
+from ikrun.numerics.ik.flash_attention import flash_attention_f16
 from ikrun.numerics.ik.formats import (
     IK_FLOAT_TYPES,
     IK_KERNELS,
@@ -34,10 +37,12 @@ from ikrun.numerics.ik.formats import (
     round_activations,
 )
 from ikrun.numerics.ik.ikgemm import LANES, ik_float_matmul, takes_whole
+from ikrun.numerics.ik.mla_weights import HeadSource, derived_k_b_source, derived_k_b_type, derived_v_b_source
 from ikrun.numerics.ik.qgemm import PackedHeads, PackedInts, pack, qmatmul, row_slice
 from ikrun.ops.activations import swiglu
 from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
+from ikrun.ops.indexer import scores_from_products
 from ikrun.ops.moe import ExpertGlu, RoutedExperts, group_by_expert, moe_experts, route
 from ikrun.ops.norm import rms_norm
 from ikrun.ops.rope import apply_rope
@@ -49,6 +54,9 @@ if TYPE_CHECKING:
 
 #: architectures whose ik graph hard-codes the full attention layers of a hybrid, whatever the file says
 FIXED_FULL_ATTENTION_INTERVAL = {"qwen3next": 4}
+#: the (key, value) head sizes ik's own flash-attention kernels take (ggml/src/iqk/fa); others run ggml's generic one
+IQK_FA_HEADS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256), (320, 256), (512, 512),
+                (576, 512))
 #: architectures whose NextN head ik's loader strips of its own nextn.embed_tokens / shared_head_head ("model has
 #: unused tensor ... ignoring"): its graph takes token_embd / output instead
 NEXTN_TABLES_IGNORED = ("glm4moe",)
@@ -62,7 +70,8 @@ class IkNumerics(Numerics):
     # ---- what a file may hold ---------------------------------------------------------------------------------
     def kv_cache(self, requested: KvCache) -> KvCache:
         """ik's F16 caches, or its F32 key cache (-ctk f32: the same float kernel on unrounded keys)."""
-        return KvCache("f32" if (requested.k, requested.v) == ("f32", "f16") else "f16", "f16")
+        return KvCache("f32" if (requested.k, requested.v) == ("f32", "f16") else "f16", "f16",
+                       indexer=requested.indexer)
 
     def yarn_truncates(self, requested: bool) -> bool:
         """ggml always rounds YaRN's correction range to whole dims (GGUF has no key for anything else)."""
@@ -101,8 +110,12 @@ class IkNumerics(Numerics):
         return ("--numerics ik computes ik's fused delta-net kernel, which keeps one head dim for keys and values and "
                 "which ik runs right only for 64 and 128 (its fallback is wrong); use the exact arithmetic")
 
-    def check_kv_b_derivation(self) -> str | None:
-        return "--numerics ik does not reproduce that derivation: use --numerics exact"
+    def check_mla_prefill(self, head_k: int, head_v: int) -> str | None:
+        if (head_k, head_v) in IQK_FA_HEADS:
+            return (f"ik runs head sizes {head_k}/{head_v} in its own iqk flash-attention kernel, which --numerics ik "
+                    "does not reproduce (ggml's generic kernel, which it does, takes the others); use --numerics "
+                    "exact, or --mla decode (ik with -fa off)")
+        return None
 
     def nextn_own_tables(self, arch: str) -> bool:
         return arch not in NEXTN_TABLES_IGNORED
@@ -163,6 +176,23 @@ class IkNumerics(Numerics):
         """ik's RMS norm, then its fused SiLU(z) times the normed value."""
         return swiglu(z, self.norm(x, weight, eps), ik=True)
 
+    def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, cache_type: str,
+                       q0: int = 0) -> np.ndarray:
+        """A quantized indexer cache's q . k as ik's matmul of the cache with each head's queries computes it (the
+        queries rounded to the type's activation blocks, integer dot products); other caches as the exact
+        arithmetic."""
+        type_name = ggml_name(cache_type)
+        kernel = IK_KERNELS.get(type_name)
+        n, n_head, d = q.shape
+        ints = None if kernel is None else kernel.integers(n, len(k), self.options.ik_threads)
+        if ints is None:
+            return super().indexer_scores(q, k, w, cache_type, q0)
+        raw = cache_row_bytes(type_name, np.ascontiguousarray(k, dtype=np.float32))
+        packed = pack(ints(raw, type_by_name(type_name).require_codec().dequantize(raw, d)))
+        fmt = activation_format(type_name)
+        qk = np.stack([qmatmul(integer_rows(q[:, h], fmt), packed)[:n] for h in range(n_head)], axis=1)
+        return scores_from_products(qk, w, q0)
+
     # ---- attention: ik's kernels where its 16-lane kernels take the head dims whole ---------------------------
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,
                          sinks: np.ndarray | None = None) -> np.ndarray:
@@ -186,7 +216,8 @@ class IkNumerics(Numerics):
         if (n_rot + n_lat) % LANES or not (plain or sinks is not None):
             return super().latent_attention(b, q_rope, q_nope, cache, scale, sinks=sinks, window=window, keep=keep,
                                             on_latent=on_latent)
-        q_lat = self.head_product(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight")
+        k_b, v_b = self._mla_heads(b, n_head, q_nope.shape[2])
+        q_lat = self.head_product(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight", k_b)
         if sinks is None:
             q = np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2)
             latent = ik_latent_attention(q, cache, n_rot, scale)
@@ -201,11 +232,47 @@ class IkNumerics(Numerics):
                                               self.options.ik_sink_overread)
         if on_latent is not None:
             on_latent(latent)
-        return self.head_product(latent, b + "attn_v_b.weight").transpose(1, 0, 2)
+        return self.head_product(latent, b + "attn_v_b.weight", v_b).transpose(1, 0, 2)
+
+    def _mla_heads(self, b: str, n_head: int, n_nope: int) -> tuple[HeadSource | None, HeadSource | None]:
+        """Block `b`'s attn_k_b / attn_v_b: the file's (None), or as ik derives them from its attn_kv_b alone."""
+        if self.weights.has(b + "attn_k_b.weight"):
+            return None, None
+        kvb = b + "attn_kv_b.weight"
+        type_name, (rows, n_lat) = self.weights.encoding(kvb).type.name, self.weights.info(kvb).shape
+        return (derived_k_b_source(kvb, type_name, n_head, n_nope, n_lat),
+                derived_v_b_source(kvb, type_name, n_head, n_nope, rows // n_head - n_nope))
+
+    def materialized_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray,
+                               scale: float, store: Callable[[np.ndarray], np.ndarray], *,
+                               keep: np.ndarray | None = None) -> np.ndarray:
+        """ik's prefill form: attn_kv_b times the f16 latent in ik's matmul, keys and values cast to f16, then ggml's
+        generic flash-attention kernel (flash_attention.py); a keep mask or a derived attn_kv_b keeps this
+        runtime's float order around ik's matmuls."""
+        kvb = b + "attn_kv_b.weight"
+        if keep is not None or not self.weights.has(kvb):
+            return super().materialized_attention(b, q_rope, q_nope, cache, scale, store, keep=keep)
+        n, n_head, n_rope = q_rope.shape
+        n_nope, n_keys = q_nope.shape[2], len(cache)
+        kv = self.project(np.ascontiguousarray(cache[:, n_rope:]), kvb).reshape(n_keys, n_head, -1)
+        k = np.empty((n_head, n_keys, n_rope + n_nope), dtype=np.float32)
+        k[:, :, :n_rope] = cache[None, :, :n_rope]
+        k[:, :, n_rope:] = store(kv[:, :, :n_nope]).transpose(1, 0, 2)
+        v = np.ascontiguousarray(store(kv[:, :, n_nope:]).transpose(1, 0, 2))
+        q = np.ascontiguousarray(np.concatenate([q_rope, q_nope], axis=2).transpose(1, 0, 2), dtype=np.float32)
+        out = np.empty((n_head, n, v.shape[2]), dtype=np.float32)
+        flash_attention_f16(q, k, v, float(np.float32(scale)), n_keys - n, out)
+        return out.transpose(1, 0, 2)
 
     # ---- matmuls: ik's kernels ------------------------------------------------------------------------------
     def _format(self, weight_name: str) -> str:
-        return activation_format(self.weights.encoding(weight_name).type.name)
+        """The activation format of a matmul with `weight_name` (attn_k_b / attn_v_b: ik's derived ones where the
+        file has attn_kv_b alone)."""
+        if self.weights.has(weight_name):
+            return activation_format(self.weights.encoding(weight_name).type.name)
+        kv_b_type = self.weights.encoding(weight_name.replace("attn_k_b", "attn_kv_b").replace(
+            "attn_v_b", "attn_kv_b")).type.name
+        return activation_format(derived_k_b_type(kv_b_type) if "attn_k_b" in weight_name else kv_b_type)
 
     def activations(self, x: np.ndarray, weight_name: str) -> np.ndarray:
         """x rounded as ik rounds the activations of a matmul with `weight_name`."""
@@ -278,28 +345,41 @@ class IkNumerics(Numerics):
                                     self._kernel_threads(self.weights.info(name).n_rows // rows))
         return self.weights.decode(name) if converted is None else converted
 
-    def head_product(self, x: np.ndarray, name: str) -> np.ndarray:
+    def head_product(self, x: np.ndarray, name: str, source: HeadSource | None = None) -> np.ndarray:
         """Each head's slice as ik's kernel multiplies it (the slice is the matrix it sees): in its float kernels,
-        in integers where it holds them, else the converted floats against the rounded activations."""
-        n_head, n = x.shape[0], x.shape[1]
-        rows = math.prod(self.weights.info(name).shape[:-1]) // n_head  # ik's 2-D layout or mainline's 3-D one
-        float_kind = self._float_kind(name)
-        if float_kind is not None:
-            w = self.weights.decode(name).reshape(n_head, rows, -1)
-            xr = self.activations(x, name)
-            return np.stack([ik_float_matmul(xr[h], w[h], float_kind == "BF16") for h in range(n_head)])
-        kernel = ik_kernel(self.weights.encoding(name).type.name)
+        in integers where it holds them, else the converted floats against the rounded activations. `source`: the
+        rows ik derives for `name` at load (mla_weights.py), where the file does not carry it."""
+        n_head, n, n_in = x.shape
+        src = source if source is not None else HeadSource(name, self.weights.encoding(name).type.name)
+        rows = src.head_rows or self.weights.info(name).n_elements // (n_head * n_in)  # a 3-D [H, rows, in] too
+        fmt = activation_format(src.type_name)
+        if src.type_name in IK_FLOAT_TYPES and takes_whole(n_in, src.type_name == "BF16"):
+            w = (self.weights.decode(name) if source is None else
+                 self.weights.derived(src.name, lambda raw, dec: src.rows(raw, dec)[1], DERIVED + src.kind))
+            xr = round_activations(x, fmt)
+            w = w.reshape(n_head, rows, -1)
+            return np.stack([ik_float_matmul(xr[h], w[h], src.type_name == "BF16") for h in range(n_head)])
+        kernel = ik_kernel(src.type_name)
         threads = self._kernel_threads(n_head)
+        converts = CONVERTED * kernel.converts(n, rows, threads)
         ints = kernel.integers(n, rows, threads)
         if ints is None:
-            return self.sliced_product(x, name)
+            if source is None:
+                return self.sliced_product(x, name)
+            values = kernel.float_values(n, rows, threads)
+
+            def floats(raw: np.ndarray, decoded: np.ndarray) -> np.ndarray:
+                taken = src.rows(raw, decoded)
+                return taken[1] if values is None else values(*taken).to_float()
+
+            w = self.weights.derived(src.name, floats, DERIVED + converts + src.kind).reshape(n_head, rows, -1)
+            return np.matmul(round_activations(x, fmt), w.transpose(0, 2, 1))
 
         def make(raw: np.ndarray, decoded: np.ndarray) -> PackedHeads:
-            whole = ints(raw, decoded)
+            whole = ints(*src.rows(raw, decoded))
             return PackedHeads(tuple(pack(row_slice(whole, h * rows, (h + 1) * rows)) for h in range(n_head)))
 
-        heads = self.weights.derived(name, make, HEADS + CONVERTED * kernel.converts(n, rows, threads))
-        fmt = self._format(name)
+        heads = self.weights.derived(src.name, make, HEADS + converts + src.kind)
         return np.stack([qmatmul(integer_rows(x[h], fmt), heads.heads[h]) for h in range(n_head)])
 
     # ---- routed experts ---------------------------------------------------------------------------------------

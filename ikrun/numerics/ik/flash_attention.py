@@ -1,0 +1,83 @@
+"""ggml's generic CPU flash-attention kernel (ggml_compute_forward_flash_attn_ext_f16) with F16 keys and values, as
+an AVX2 build computes it: what ik runs for MLA's prefill path (keys and values materialised through attn_kv_b) at
+head sizes its own iqk kernels do not take.
+
+Per query row: the query rounded to f16; for each visible key in order, s = f16 dot product (four 8-lane FMA
+accumulators over whole steps of 32 values, folded 0+2, 1+3, 0+1, the 8 lanes summed in halves and two horizontal
+adds, the remaining values' products added in double), s * scale; an online softmax whose value sums stay in f16
+(on a new maximum the sums are scaled by expf(old - new) and rounded, else the key's weight is expf(s - max); then
+sums = f16(fma(v, weight, sums))), the weight total S = fma(S, ms, vs); at the end the sums times 1 / S.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ikquant.formats.numeric import f16_bits_to_f32, f32_to_f16_bits, fmaf
+
+#: ggml's f16 dot product: values per step, lanes per accumulator
+STEP, LANES = 32, 8
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _f16(x: np.float32) -> np.float32:
+    return f16_bits_to_f32(f32_to_f16_bits(np.float32(x)))
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _dot_f16(x: np.ndarray, y: np.ndarray) -> np.float32:
+    n = x.shape[0]
+    n_steps = n - n % STEP
+    acc = np.zeros((4, LANES), dtype=np.float32)
+    for i in range(0, n_steps, STEP):
+        for j in range(4):
+            for lane in range(LANES):
+                e = i + j * LANES + lane
+                acc[j, lane] = fmaf(x[e], y[e], acc[j, lane])
+    for lane in range(LANES):
+        acc[0, lane] = acc[0, lane] + acc[2, lane]
+        acc[1, lane] = acc[1, lane] + acc[3, lane]
+    for lane in range(LANES):
+        acc[0, lane] = acc[0, lane] + acc[1, lane]
+    t0, t1, t2, t3 = (acc[0, 0] + acc[0, 4], acc[0, 1] + acc[0, 5], acc[0, 2] + acc[0, 6], acc[0, 3] + acc[0, 7])
+    total = np.float64((t0 + t1) + (t2 + t3))
+    for e in range(n_steps, n):
+        total += np.float64(np.float32(x[e] * y[e]))
+    return np.float32(total)
+
+
+@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
+def flash_attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, first: int,
+                        out: np.ndarray) -> None:
+    """Causal attention of q [H, n, Dk] (float32) against k [H, n_keys, Dk] and v [H, n_keys, Dv] (f16 values held
+    in float32), query t at position first + t seeing keys 0..first + t; out [H, n, Dv]."""
+    n_head, n, dk = q.shape
+    dv = v.shape[2]
+    sc = np.float32(scale)
+    for job in prange(n_head * n):
+        h, t = job // n, job % n
+        qh = np.empty(dk, dtype=np.float32)
+        for d in range(dk):
+            qh[d] = _f16(q[h, t, d])
+        sums = np.zeros(dv, dtype=np.float32)
+        total = np.float32(0.0)
+        top = np.float32(-np.inf)
+        for s in range(first + t + 1):
+            score = np.float32(_dot_f16(k[h, s], qh) * sc)
+            ms = np.float32(1.0)
+            vs = np.float32(1.0)
+            if score > top:
+                old = top
+                top = score
+                ms = np.exp(np.float32(old - top))
+                for d in range(dv):
+                    sums[d] = _f16(sums[d] * ms)
+            else:
+                vs = np.exp(np.float32(score - top))
+            for d in range(dv):
+                sums[d] = _f16(fmaf(v[h, s, d], vs, sums[d]))
+            total = fmaf(total, ms, vs)
+        inv = np.float32(0.0) if total == 0 else np.float32(np.float32(1.0) / total)
+        for d in range(dv):
+            out[h, t, d] = sums[d] * inv
