@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from ikconvert.convert import Converter
 from ikquant.imatrix import read_imatrix_dat
 from ikrun.cli import app
 from ikrun.eval.evaluate import tokenize_chunks
@@ -25,6 +26,7 @@ DATA = Path(__file__).parent / "data"
 FLASH = DATA / "convert" / "deepseek-v4-flash"
 TARGET, EXPORT, HF = FLASH / "ref-f32.gguf", FLASH / "ik-mtp-f32.gguf", FLASH / "hf"
 TEXT = DATA / "logits" / "deepseek-v4-flash" / "text.txt"
+TRAINED = DATA / "mtp" / "deepseek-v4-trained"
 DECODING = ["--text", str(TEXT), "--prompts", "2", "--prompt-len", "24", "--max-new", "12"]
 
 
@@ -121,6 +123,19 @@ def test_imatrix_collects_the_exports_head_in_the_same_file(target: Model, tmp_p
     entry = b["blk.3.nextn.eh_proj.weight"]
     assert entry.ncall == 2
     np.testing.assert_allclose(entry.values, np.mean(x * x, axis=0) * 2, rtol=1e-5)
+
+
+def test_a_trained_heads_acceptance_equals_the_reference_loop_at_every_step(target: Model, tmp_path: Path) -> None:
+    """tools/make_mtp_head_deepseek4.py's loop (the numpy target and the float64 MTPBlock, whole-sequence forwards,
+    no caches) on a head trained there: ikrun, the target continuing through its cache and ik's export layout of
+    the head (ikconvert --mtp), drafts, accepts and outputs the same at every step of all 6 prompts."""
+    oracle = json.loads((TRAINED / "mtp-oracle.json").read_text())
+    assert oracle["mean_acceptance_length"] > 1.5  # a head that drafts: the accepted path is exercised
+    export = Model(Converter(TRAINED / "hf", "f32", "joyai-llm", arch_options={"mtp": True}).write(tmp_path / "mtp.gguf"))
+    for r in oracle["runs"]:
+        run = mtp_generate(target, np.asarray(r["prompt"]), oracle["max_new_tokens"], oracle["n_max"], head=export)
+        assert run.acceptance_lengths == r["acceptance_lengths"]
+        assert run.output_ids == r["output_ids"]
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float = 1e-6) -> np.ndarray:

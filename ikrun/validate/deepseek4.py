@@ -350,12 +350,15 @@ class DeepseekV4Reference:
         h = self._rmsnorm(self._hyper_head(x), "norm.weight")
         return self._proj(h, "head.weight")
 
-    def mtp_logits(self, hidden: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    def mtp_logits(self, hidden: np.ndarray, tokens: np.ndarray,
+                   on_streams: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """float64 logits [n, vocab] of the MTP block at positions 0..n-1 (module docstring) from `hidden` [n, hc_mult
-        x hidden], the target's last-layer streams of each position's predecessor."""
+        x hidden], the target's last-layer streams of each position's predecessor; `on_streams` sees the block's
+        output streams [n, hc_mult, hidden] (what a next draft step takes)."""
         if not any(name.startswith("mtp.0.") for name in self.tensors):
             raise HFReferenceError("the checkpoint has no MTP block (mtp.0.*)")
-        return _Mtp64(self).logits(np.asarray(hidden, dtype=np.float64), np.asarray(tokens, dtype=np.int64))
+        return _Mtp64(self).logits(np.asarray(hidden, dtype=np.float64), np.asarray(tokens, dtype=np.int64),
+                                   on_streams)
 
     # ---- hyper-connections (DeepseekV4HyperConnection / DeepseekV4HyperHead) -----------------------------------
     def _hyper_connection(self, x: np.ndarray, p: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -542,7 +545,8 @@ class _Mtp64:
         out[..., -r + 1 :: 2] = odd * cos + even * sin
         return out
 
-    def logits(self, hidden: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    def logits(self, hidden: np.ndarray, tokens: np.ndarray,
+               on_streams: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         p, c = self.p, self.c
         n, hc = len(tokens), c["hc_mult"]
         e = self.lin(self.rms(self.w("embed.weight")[tokens], p + "enorm.weight"), p + "e_proj.weight")
@@ -554,6 +558,8 @@ class _Mtp64:
         pre, post, comb = self.hyper(x, p + "hc_ffn_")
         x = post[:, :, None] * self.moe(self.rms((pre[:, :, None] * x).sum(1), p + "ffn_norm.weight"))[:, None, :] \
             + np.einsum("njk,njd->nkd", comb, x)
+        if on_streams is not None:
+            on_streams(x)
         mix = self.lin(self.rms(x.reshape(n, -1)), p + "hc_head_fn")
         pre = 1.0 / (1.0 + np.exp(-(mix * self.w(p + "hc_head_scale")[0] + self.w(p + "hc_head_base")))) \
             + self.ref.hc_eps
