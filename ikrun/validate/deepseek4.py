@@ -84,6 +84,23 @@ def _unit_rms(x: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(var + np.float32(eps))).astype(np.float32)
 
 
+def _hc_weights(mix: np.ndarray, base: np.ndarray, scale: np.ndarray, hc: int, eps: float,
+                iters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A hyper-connection's (pre [n, hc], post [n, hc], comb [n, hc, hc]) from its projection `mix`
+    [n, hc * (2 + hc)] (DeepseekV4HyperConnection: sigmoid gates, a Sinkhorn-normalised mixing matrix)."""
+    n = mix.shape[0]
+    pre = 1.0 / (1.0 + np.exp(-(mix[:, :hc] * scale[0] + base[:hc]))) + eps
+    post = 2.0 / (1.0 + np.exp(-(mix[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])))
+    logits = mix[:, 2 * hc:].reshape(n, hc, hc) * scale[2] + base[2 * hc:].reshape(hc, hc)
+    comb = np.exp(logits - logits.max(-1, keepdims=True))
+    comb = comb / comb.sum(-1, keepdims=True) + eps
+    comb = comb / (comb.sum(-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdims=True) + eps)
+        comb = comb / (comb.sum(-2, keepdims=True) + eps)
+    return pre, post, comb
+
+
 def dequantize_fp4(codes: np.ndarray, scale_bytes: np.ndarray) -> np.ndarray:
     """[out, in/2] packed E2M1 (even element in the low nibble) with [out, in/32] E8M0 scale bytes -> float32
     [out, in], each value times 2^(byte-127)."""
@@ -365,18 +382,9 @@ class DeepseekV4Reference:
         """(post [n, hc], comb [n, hc, hc], collapsed [n, H]) of the streams x [n, hc, H]."""
         n, hc, _ = x.shape
         mix = (_unit_rms(x.reshape(n, -1), self.eps) @ self.w(p + "fn").T).astype(np.float64)
-        base = self.w(p + "base").astype(np.float64)
-        scale = self.w(p + "scale").astype(np.float64)
-        eps = self.hc_eps
-        pre = 1.0 / (1.0 + np.exp(-(mix[:, :hc] * scale[0] + base[:hc]))) + eps
-        post = 2.0 / (1.0 + np.exp(-(mix[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])))
-        logits = mix[:, 2 * hc:].reshape(n, hc, hc) * scale[2] + base[2 * hc:].reshape(hc, hc)
-        comb = np.exp(logits - logits.max(-1, keepdims=True))
-        comb = comb / comb.sum(-1, keepdims=True) + eps
-        comb = comb / (comb.sum(-2, keepdims=True) + eps)
-        for _ in range(self.cfg.get("hc_sinkhorn_iters", 20) - 1):
-            comb = comb / (comb.sum(-1, keepdims=True) + eps)
-            comb = comb / (comb.sum(-2, keepdims=True) + eps)
+        pre, post, comb = _hc_weights(mix, self.w(p + "base").astype(np.float64),
+                                      self.w(p + "scale").astype(np.float64), hc, self.hc_eps,
+                                      self.cfg.get("hc_sinkhorn_iters", 20))
         collapsed = (pre.astype(np.float32)[:, :, None] * x).sum(axis=1, dtype=np.float32)
         return post.astype(np.float32), comb.astype(np.float32), collapsed.astype(np.float32)
 
@@ -568,19 +576,9 @@ class _Mtp64:
     def hyper(self, x: np.ndarray, p: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(pre [n, hc], post [n, hc], comb [n, hc, hc]) of the streams x [n, hc, H] (DeepseekV4HyperConnection)."""
         n, hc, _ = x.shape
-        eps = self.ref.hc_eps
         mix = self.lin(self.rms(x.reshape(n, -1)), p + "fn")
-        base, scale = self.w(p + "base"), self.w(p + "scale")
-        pre = 1.0 / (1.0 + np.exp(-(mix[:, :hc] * scale[0] + base[:hc]))) + eps
-        post = 2.0 / (1.0 + np.exp(-(mix[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])))
-        logits = mix[:, 2 * hc :].reshape(n, hc, hc) * scale[2] + base[2 * hc :].reshape(hc, hc)
-        comb = np.exp(logits - logits.max(-1, keepdims=True))
-        comb = comb / comb.sum(-1, keepdims=True) + eps
-        comb = comb / (comb.sum(-2, keepdims=True) + eps)
-        for _ in range(self.c.get("hc_sinkhorn_iters", 20) - 1):
-            comb = comb / (comb.sum(-1, keepdims=True) + eps)
-            comb = comb / (comb.sum(-2, keepdims=True) + eps)
-        return pre, post, comb
+        return _hc_weights(mix, self.w(p + "base"), self.w(p + "scale"), hc, self.ref.hc_eps,
+                           self.c.get("hc_sinkhorn_iters", 20))
 
     def attention(self, h: np.ndarray) -> np.ndarray:
         """The block's sliding-window attention (compress ratio 0) over positions 0..n-1, one shared key = value
