@@ -107,8 +107,8 @@ def main() -> None:
             first, held = json.loads(stdout)
             print(f"| {bpw} | {kind} | {measured} of {total} | {cpu:.1f} ({cpu / exhaustive_cpu:.2f}x) | "
                   f"{first['bpw']:.4f} | "
-                  f"{first['predicted_kld']:.5f} | {first['kld_mean']:.5f} ± {first['kld_mean_err']:.5f} | "
-                  f"{held['kld_mean']:.5f} ± {held['kld_mean_err']:.5f} |")
+                  f"{first['predicted_kld']:.4g} | {first['kld_mean']:.4g} ± {first['kld_mean_err']:.2g} | "
+                  f"{held['kld_mean']:.4g} ± {held['kld_mean_err']:.2g} |")
     for ftype in filter(None, a.pure.split(",")):
         pure = work / f"pure-{ftype}.gguf"
         run([str(BIN / "ikquant"), str(model), str(pure), "--type", ftype, "--pure"])
@@ -117,7 +117,7 @@ def main() -> None:
         kld = json.loads(stdout)
         g = GGUFFile(pure)
         bits = 8 * sum(t.nbytes for t in g.tensors.values()) / sum(t.n_elements for t in g.tensors.values())
-        print(f"| pure {ftype} | - | - | - | {bits:.4f} | - | - | {kld['kld_mean']:.5f} ± {kld['kld_mean_err']:.5f} |")
+        print(f"| pure {ftype} | - | - | - | {bits:.4f} | - | - | {kld['kld_mean']:.4g} ± {kld['kld_mean_err']:.2g} |")
 
 
 if __name__ == "__main__":
