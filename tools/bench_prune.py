@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--chunks", default="16")
     ap.add_argument("--threads", default="1")
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--reuse", action="store_true", help="Keep the sweeps (KIND.json and its CPU seconds, KIND.cpu) "
+                    "that --workdir already holds.")
     a = ap.parse_args()
     work = a.workdir or Path(tempfile.mkdtemp(prefix="bench-prune-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -83,10 +85,15 @@ def main() -> None:
     kinds = [("exhaustive", []), ("pruned", ["--target-bpw", a.budgets])]
     kinds += [(f"spread {f}", ["--target-bpw", a.budgets, "--prediction-spread", f]) for f in filter(None, a.spread.split(","))]
     for kind, extra in kinds:
-        out = work / f"{kind.replace(' ', '-')}.json"
+        out, seconds = work / f"{kind.replace(' ', '-')}.json", work / f"{kind.replace(' ', '-')}.cpu"
+        if a.reuse and out.exists() and seconds.exists():
+            rows = json.loads(out.read_text())["rows"]
+            sweeps[kind] = (out, sum(1 for r in rows if r.get("measured", True)), len(rows), float(seconds.read_text()))
+            continue
         out.unlink(missing_ok=True)
         _, cpu = run([str(BIN / "ikrun"), "sweep", str(model), "--text", str(a.text), "--types", a.types, "-o",
                       str(out), *common, *extra])
+        seconds.write_text(f"{cpu:.1f}")
         rows = json.loads(out.read_text())["rows"]
         sweeps[kind] = (out, sum(1 for r in rows if r.get("measured", True)), len(rows), cpu)
     exhaustive_cpu = sweeps["exhaustive"][3]
@@ -100,8 +107,8 @@ def main() -> None:
             first, held = json.loads(stdout)
             print(f"| {bpw} | {kind} | {measured} of {total} | {cpu:.1f} ({cpu / exhaustive_cpu:.2f}x) | "
                   f"{first['bpw']:.4f} | "
-                  f"{first['predicted_kld']:.5f} | {first['kld_mean']:.5f} ± {first['kld_mean_err']:.5f} | "
-                  f"{held['kld_mean']:.5f} ± {held['kld_mean_err']:.5f} |")
+                  f"{first['predicted_kld']:.4g} | {first['kld_mean']:.4g} ± {first['kld_mean_err']:.2g} | "
+                  f"{held['kld_mean']:.4g} ± {held['kld_mean_err']:.2g} |")
     for ftype in filter(None, a.pure.split(",")):
         pure = work / f"pure-{ftype}.gguf"
         run([str(BIN / "ikquant"), str(model), str(pure), "--type", ftype, "--pure"])
@@ -110,7 +117,7 @@ def main() -> None:
         kld = json.loads(stdout)
         g = GGUFFile(pure)
         bits = 8 * sum(t.nbytes for t in g.tensors.values()) / sum(t.n_elements for t in g.tensors.values())
-        print(f"| pure {ftype} | - | - | - | {bits:.4f} | - | - | {kld['kld_mean']:.5f} ± {kld['kld_mean_err']:.5f} |")
+        print(f"| pure {ftype} | - | - | - | {bits:.4f} | - | - | {kld['kld_mean']:.4g} ± {kld['kld_mean_err']:.2g} |")
 
 
 if __name__ == "__main__":
