@@ -111,7 +111,9 @@ def main() -> None:
                     help="ik's libggml.so (default: the ik_llama_cpp wheel's)")
     a = ap.parse_args()
     if a.ik_lib is None or not a.ik_lib.is_file():
-        sys.exit(f"bench_quant: ik's libggml.so not found ({a.ik_lib or 'no ik_llama_cpp wheel'}); name it with --ik-lib")
+        print(f"bench_quant: ik's libggml.so not found ({a.ik_lib or 'no ik_llama_cpp wheel'}); name it with --ik-lib",
+              file=sys.stderr)
+        sys.exit(2)
     ik = IkQuantizer(a.ik_lib)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 4096)).astype(np.float32)

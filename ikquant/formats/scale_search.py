@@ -194,16 +194,18 @@ def make_qkx3_quants(nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, fus
         L[i] = l
         diff = fma64(np.float64(l), np.float64(scale), np.float64(mn)) - np.float64(x[i])
         best_mad = fma64(np.float64(w[i]), diff * diff, best_mad)
-    Laux = np.empty(n, dtype=np.uint8)
+    # a trial's codes in a vectorised pass (32-bit clamp), then its float64 sums in ik's order
+    Laux = np.empty(n, dtype=np.int32)
+    top = np.int32(nmax)
     for step in range(37):
         iscale = (fmaf(np.float32(step), np.float32(0.05), np.float32(-0.9)) + fnmax) / (mx - mn)
         sum_l = 0.0
         sum_l2 = 0.0
         sum_xl = 0.0
         for i in range(n):
-            l = min(nmax, max(0, nearest_int_fma(x[i] - mn, iscale)))
-            Laux[i] = l
-            fl = np.float64(l)
+            Laux[i] = min(top, max(np.int32(0), nearest_int_fma(x[i] - mn, iscale)))
+        for i in range(n):
+            fl = np.float64(Laux[i])
             wl = np.float64(w[i]) * fl
             sum_l2 = fma64(fl, wl, sum_l2)
             sum_xl = fma64(np.float64(x[i]), wl, sum_xl)
