@@ -27,3 +27,10 @@ def test_importing_the_packages_loads_neither_numpy_nor_numba() -> None:
     code = "import sys, ikconvert; print(sorted(m for m in ('numpy', 'numba', 'typer') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("package", ["ikrun", "ikquant", "ikconvert"])
+def test_python_dash_m_runs_the_command(package: str) -> None:
+    done = subprocess.run([sys.executable, "-m", package, "--help"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert f"Usage: {package} " in done.stdout
