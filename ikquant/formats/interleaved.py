@@ -810,7 +810,8 @@ def _nibble_map(block):  # type: ignore[no-untyped-def]
 @njit(cache=True, nogil=True, parallel=True)
 def _quantize_q8_k_rows(x: np.ndarray, offset: int, out: np.ndarray) -> None:
     """ik's 8-bit activation blocks (its AVX2 quantize_row_q8_K32): per 256 values d = max|x| / 127 (stored f16) and
-    codes rint(x 127 / max|x|), saturated to int8, plus `offset` (128: stored unsigned)."""
+    codes rint(x 127 / max|x|), saturated to int8, plus `offset` (128: stored unsigned). A product beyond int32 (the
+    reciprocal overflows when max|x| < 127/FLT_MAX) converts to INT_MIN as x86's does: code -128."""
     for r in prange(x.shape[0]):
         for b in range(x.shape[1] // 256):
             amax = np.float32(0.0)
@@ -819,7 +820,8 @@ def _quantize_q8_k_rows(x: np.ndarray, offset: int, out: np.ndarray) -> None:
             store_f16(out[r], 258 * b, amax / np.float32(127.0))
             inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
             for j in range(256):
-                v = min(127, max(-128, int(np.rint(inv * x[r, 256 * b + j]))))
+                p = inv * x[r, 256 * b + j]
+                v = min(127, max(-128, int(np.rint(p)) if abs(p) < np.float32(2147483648.0) else -2147483648))
                 out[r, 258 * b + 2 + j] = (v + offset) & 255
 
 
