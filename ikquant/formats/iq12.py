@@ -181,7 +181,7 @@ class _NeedsImatrix(_IQ2Codec):
 class IQ2_XXSCodec(_NeedsImatrix, type_name="IQ2_XXS"):
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         t = grid_tables("IQ2_XXS")
-        quantize_iq2_xxs(x, w, out, t.levels, t.magnitudes, t.kmap, t.neighbours)
+        quantize_iq2_xxs(x, w, out, t.levels, t.dense, t.dense_at, t.kmap, t.neighbours)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq2_xxs(q, out, GRID_IQ2XXS, KSIGNS)
@@ -192,7 +192,7 @@ class IQ2_XSCodec(_NeedsImatrix, type_name="IQ2_XS"):
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         t = grid_tables("IQ2_XS")
-        quantize_iq2_xs(x, w, out, t.levels, t.magnitudes, t.kmap, t.neighbours, GRID_IQ2XS)
+        quantize_iq2_xs(x, w, out, t.levels, t.dense, t.dense_at, t.kmap, t.neighbours, GRID_IQ2XS)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq2_xs(q, out, GRID_IQ2XS, KSIGNS)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.iq2_search import grid_tables
+from ikquant.formats.iq2_search import MAX_NEIGHBOURS, NEIGHBOUR_LANES, grid_tables
 from ikquant.formats.numeric import f32_to_f16_bits, fmaf, nearest_int, store_f16
 
 QK_K = 256
@@ -65,19 +65,20 @@ NO_SHIFT = -1
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
 KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
 
-def iq1_grid() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def iq1_grid() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """What the kernels take of ik's iq2xs_init_impl tables for the IQ1 grid (every grid point within the 3 smallest
-    distances of an off-grid key): (key map, neighbour lists, levels [2048, 8]), built on first use."""
+    distances of an off-grid key): (key map, neighbour lists, levels [2048, 8], the lists' dense magnitudes and
+    where each begins), built on first use."""
     t = grid_tables("IQ1_S")
-    return t.kmap, t.neighbours, t.levels
+    return t.kmap, t.neighbours, t.levels, t.dense, t.dense_at
 
 
 @njit(**NJIT)
-def scratch() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def scratch() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One thread's work arrays: importances (32), levels (32), sort order (32), prefix sums (4 x 33: w x and w, or
-    for IQ1_M those of its first and second group) and grid indices (4)."""
+    for IQ1_M those of its first and second group), grid indices (4) and the neighbour search's errors."""
     return (np.empty(IQ1S_BLOCK, np.float32), np.zeros(IQ1S_BLOCK, np.int64), np.empty(IQ1S_BLOCK, np.int64),
-            np.zeros((4, IQ1S_BLOCK + 1), np.float32), np.zeros(4, np.int64))
+            np.zeros((4, IQ1S_BLOCK + 1), np.float32), np.zeros(4, np.int64), np.empty(MAX_NEIGHBOURS, np.float32))
 
 
 @njit(**NJIT)
@@ -97,11 +98,13 @@ def _sort_order(x: np.ndarray, o: int, n: int, order: np.ndarray) -> None:
 
 @njit(**NJIT)
 def _grid_point(grid: tuple, x: np.ndarray, o: int, weight: np.ndarray, wo: int, scale: np.float32,  # type: ignore[type-arg]
-                shifted: np.ndarray, L: np.ndarray, lo: int) -> tuple[int, bool]:
+                shifted: np.ndarray, L: np.ndarray, lo: int, d2: np.ndarray) -> tuple[int, bool]:
     """The grid point of the group of levels L[lo:lo+8] for the values x[o:o+8], and whether the levels were one.
     Off the grid it is ik's iq1_find_best_neighbour2: the listed neighbour whose shifted levels, times scale, have
-    the least weighted squared error (the first on ties), its levels written into L."""
-    kmap, neighbours, levels = grid
+    the least weighted squared error (the first on ties), its levels written into L. As IQ2's search, the
+    neighbours advance together through the dense magnitudes 2 l + 1 (vectorised by LLVM), each one's sum in ik's
+    order; shifted[l] = shifted[0] + l, so v / 2 + (shifted[0] - 1 / 2) is it exactly (multiples of 1/8)."""
+    kmap, neighbours, levels, dense, dense_at = grid
     u = 0
     for j in range(8):
         u |= L[lo + j] << (2 * j)
@@ -109,17 +112,25 @@ def _grid_point(grid: tuple, x: np.ndarray, o: int, weight: np.ndarray, wo: int,
     if g >= 0:
         return g, True
     start = -g - 1
+    count = neighbours[start]
+    lanes = (count + NEIGHBOUR_LANES - 1) // NEIGHBOUR_LANES * NEIGHBOUR_LANES
+    at = dense_at[start]
+    base = shifted[0] - np.float32(0.5)
+    for j in range(lanes):
+        d2[j] = np.float32(0.0)
+    for i in range(8):
+        neg_x = -x[o + i]
+        w = weight[wo + i]
+        row = dense[at + i * lanes : at + (i + 1) * lanes]  # a slice: j alone indexes it, so no negative wrap
+        for j in range(lanes):
+            diff = fmaf(scale, fmaf(np.float32(row[j]), np.float32(0.5), base), neg_x)
+            d2[j] = fmaf(w * diff, diff, d2[j])
     best_d2 = FLT_MAX
     best = neighbours[start + 1]
-    for j in range(1, neighbours[start] + 1):
-        p = neighbours[start + j]
-        d2 = np.float32(0.0)
-        for i in range(8):
-            diff = fmaf(scale, shifted[levels[p, i]], -x[o + i])
-            d2 = fmaf(weight[wo + i] * diff, diff, d2)
-        if d2 < best_d2:
-            best_d2 = d2
-            best = p
+    for j in range(count):
+        if d2[j] < best_d2:
+            best_d2 = d2[j]
+            best = neighbours[start + 1 + j]
     for i in range(8):
         L[lo + i] = levels[best, i]
     return best, False
@@ -148,7 +159,7 @@ def _levels_of_split(order: np.ndarray, n: int, cut1: int, cut2: int, L: np.ndar
 
 @njit(**NJIT)
 def iq1s_block(x: np.ndarray, o: int, weight: np.ndarray, grid: tuple, L: np.ndarray,  # type: ignore[type-arg]
-               order: np.ndarray, sums: np.ndarray, index: np.ndarray) -> tuple[np.float32, int, bool]:
+               order: np.ndarray, sums: np.ndarray, index: np.ndarray, d2: np.ndarray) -> tuple[np.float32, int, bool]:
     """ik's iq1s_process_1block on the 32 values x[o:o+32], importances weight[:32]: (scale >= 0, shift +1 or -1,
     found), the 4 grid indices into index. found is False where ik aborts (no split fits)."""
     n = IQ1S_BLOCK
@@ -198,7 +209,7 @@ def iq1s_block(x: np.ndarray, o: int, weight: np.ndarray, grid: tuple, L: np.nda
     shifted = SHIFT_PLUS if shift == 1 else SHIFT_MINUS
     on_grid = True
     for k in range(n // 8):
-        g, hit = _grid_point(grid, x, o + 8 * k, weight, 8 * k, scale, shifted, L, 8 * k)
+        g, hit = _grid_point(grid, x, o + 8 * k, weight, 8 * k, scale, shifted, L, 8 * k, d2)
         index[k] = g
         on_grid &= hit
     if not on_grid:
@@ -222,7 +233,8 @@ def _combo(k: int, group: int) -> np.ndarray:
 
 @njit(**NJIT)
 def iq1m_block(x: np.ndarray, o: int, weight: np.ndarray, wo: int, grid: tuple, L: np.ndarray,  # type: ignore[type-arg]
-               order: np.ndarray, sums: np.ndarray, index: np.ndarray, io: int) -> tuple[np.float32, int, bool]:
+               order: np.ndarray, sums: np.ndarray, index: np.ndarray, io: int,
+               d2: np.ndarray) -> tuple[np.float32, int, bool]:
     """ik's iq1m_process_1block on the 16 values x[o:o+16], importances weight[wo:wo+16]: (scale, shift combination
     0..3, found), the 2 grid indices into index[io:io+2]. found is False where ik aborts (no split fits)."""
     n = IQ1M_BLOCK
@@ -278,7 +290,8 @@ def iq1m_block(x: np.ndarray, o: int, weight: np.ndarray, wo: int, grid: tuple, 
         combo = 3 - combo
     on_grid = True
     for k in range(n // 8):
-        g, hit = _grid_point(grid, x, o + 8 * k, weight, wo + 8 * k, scale, _combo(combo, k), L, 8 * k)
+        g, hit = _grid_point(grid, x, o + 8 * k, weight, wo + 8 * k, scale, _combo(combo, k), L, 8 * k,
+                             d2)
         index[io + k] = g
         on_grid &= hit
     if not on_grid:
@@ -336,7 +349,7 @@ def quantize_iq1_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tuple) 
     """IQ1_S rows; qw empty: unit importance (ik's quantize_row_iq1_s_ref)."""
     n_rows, n = x.shape
     for r in prange(n_rows):
-        weight, L, order, sums, index = scratch()
+        weight, L, order, sums, index, d2 = scratch()
         scales = np.zeros(QK_K // IQ1S_BLOCK, np.float32)
         shifts = np.zeros(QK_K // IQ1S_BLOCK, np.int64)
         xr = x[r]
@@ -352,7 +365,7 @@ def quantize_iq1_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tuple) 
                 for i in range(IQ1S_BLOCK):
                     root = np.sqrt(fmaf(xr[o + i], xr[o + i], sigma2))
                     weight[i] = qw[o + i] * root if qw.size else root
-                scale, shift, found = iq1s_block(xr, o, weight, grid, L, order, sums, index)
+                scale, shift, found = iq1s_block(xr, o, weight, grid, L, order, sums, index, d2)
                 aborted |= not found
                 h = 0
                 for k in range(4):
@@ -396,7 +409,7 @@ def search_iq1_m(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tuple, sc
     below the threshold), and each super-block's largest scale (NaN where ik aborts)."""
     n_rows, n = x.shape
     for r in prange(n_rows):
-        weight, L, order, sums, index = scratch()
+        weight, L, order, sums, index, d2 = scratch()
         sigma2 = np.zeros(QK_K // 32, np.float32)
         xr = x[r]
         for ibl in range(n // QK_K):
@@ -421,7 +434,7 @@ def search_iq1_m(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tuple, sc
                     continue
                 if sumwx == 0:
                     _iq1m_weights(xr, o, np.empty(0, np.float32), sigma2[0], weight)
-                scale, combo, found = iq1m_block(xr, o, weight, 0, grid, L, order, sums, index, 0)
+                scale, combo, found = iq1m_block(xr, o, weight, 0, grid, L, order, sums, index, 0, d2)
                 aborted |= not found
                 blk[2 * ib] = index[0] & 255
                 blk[2 * ib + 1] = index[1] & 255

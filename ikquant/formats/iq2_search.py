@@ -53,6 +53,8 @@ IQ2_S_BYTES = 82  # d (2), 32 grid index bytes, 32 sign bytes, 8 bytes of index 
 GROUP_MAX_EPS = np.float32(1e-15)  # ik: a sub-block below this maximum is stored as zeros (IQ2_XXS, IQ2_XS)
 GROUP_MAX_EPS_IQ2_S = np.float32(1e-8)
 K_MAX_Q = 3  # levels 0..2: magnitudes 1, 3, 5
+NEIGHBOUR_LANES = 8  # one AVX2 vector of float32: the dense neighbour lists are padded to a multiple of it
+MAX_NEIGHBOURS = 512  # the longest padded neighbour list (IQ2_XS: 296), the size of the search's scratch
 #: kmap entry of a key with a level 3, which no rounding forms (the levels are clamped to 0..2)
 NO_POINT = np.int32(np.iinfo(np.int32).min)
 NAN_F16 = 0x7E00
@@ -63,7 +65,8 @@ KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
 class GridTables:
     """One grid's search tables: levels [points, 8], magnitudes 2 l + 1 as float32, the key map (key = levels
     2 bits each, low value first; entry >= 0 a grid point, else -(offset + 1) into `neighbours`) and the neighbour
-    lists (a count, then that many grid points)."""
+    lists (a count, then that many grid points), and those lists' magnitudes laid out for the search (dense,
+    dense_at)."""
 
     def __init__(self, kgrid: np.ndarray, nearest_distances: int) -> None:
         shifts = 2 * np.arange(8)
@@ -93,6 +96,23 @@ class GridTables:
         self.neighbours[starts] = counts
         rank = np.arange(len(key_row)) - (np.cumsum(counts) - counts)[key_row]  # place within its key's list
         self.neighbours[starts[key_row] + 1 + rank] = point
+        self._dense_lists(starts, counts, key_row, rank, point)
+
+    def _dense_lists(self, starts: np.ndarray, counts: np.ndarray, key_row: np.ndarray, rank: np.ndarray,
+                     point: np.ndarray) -> None:
+        """Each list's magnitudes again as uint8, value-major (value i of neighbours j, j+1, ... adjacent) and
+        padded to lanes of NEIGHBOUR_LANES, so the search reads contiguous vectors instead of gathering grid rows;
+        dense_at[start] is where the list at neighbours[start] begins."""
+        padded = -(-counts // NEIGHBOUR_LANES) * NEIGHBOUR_LANES
+        if padded.max() > MAX_NEIGHBOURS:
+            raise AssertionError("a neighbour list longer than MAX_NEIGHBOURS")
+        dense_starts = np.concatenate([[0], np.cumsum(8 * padded)[:-1]])
+        self.dense_at = np.zeros(len(self.neighbours), dtype=np.int32)
+        self.dense_at[starts] = dense_starts
+        self.dense = np.zeros(int(8 * padded.sum()), dtype=np.uint8)
+        value = np.arange(8)
+        at = dense_starts[key_row][:, None] + value[None, :] * padded[key_row][:, None] + rank[:, None]
+        self.dense[at] = (2 * self.levels[point] + 1).astype(np.uint8)
 
 
 #: per grid: its points and how many of the smallest distances ik's iq2xs_init_impl keeps as neighbours
@@ -116,28 +136,40 @@ def _level(id_: np.float32, v: np.float32, fused: bool) -> int:
 
 
 @njit(**NJIT)
-def _best_neighbour(levels: np.ndarray, magnitudes: np.ndarray, neighbours: np.ndarray, start: int,
-                    xval: np.ndarray, waux: np.ndarray, o: int, scale: np.float32, L: np.ndarray) -> int:
+def _best_neighbour(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, neighbours: np.ndarray,
+                    start: int, xval: np.ndarray, waux: np.ndarray, o: int, scale: np.float32, L: np.ndarray,
+                    d2: np.ndarray) -> int:
     """ik's iq2_find_best_neighbour: the listed point with the least sum of waux (scale q - x)^2 (the first on
-    ties); its levels into L[o:o+8]."""
+    ties); its levels into L[o:o+8]. Each neighbour's sum runs over the 8 values in ik's order, but the neighbours
+    advance together (a value's magnitudes are adjacent in `dense`), so LLVM vectorises across them; d2 is
+    scratch of MAX_NEIGHBOURS."""
+    count = neighbours[start]
+    lanes = (count + NEIGHBOUR_LANES - 1) // NEIGHBOUR_LANES * NEIGHBOUR_LANES
+    at = dense_at[start]
+    for j in range(lanes):
+        d2[j] = np.float32(0.0)
+    for i in range(8):
+        neg_x = -xval[o + i]
+        w = waux[o + i]
+        row = dense[at + i * lanes : at + (i + 1) * lanes]  # a slice: j alone indexes it, so no negative wrap
+        for j in range(lanes):
+            diff = fmaf(scale, np.float32(row[j]), neg_x)
+            d2[j] = fmaf(w * diff, diff, d2[j])
     best_d2 = np.float32(3.4028235e38)
     best = -1
-    for j in range(1, neighbours[start] + 1):
-        g = neighbours[start + j]
-        d2 = np.float32(0.0)
-        for i in range(8):
-            diff = fmaf(scale, magnitudes[g, i], -xval[o + i])
-            d2 = fmaf(waux[o + i] * diff, diff, d2)
-        if d2 < best_d2:
-            best_d2 = d2
-            best = g
+    for j in range(count):
+        if d2[j] < best_d2:
+            best_d2 = d2[j]
+            best = j
+    g = neighbours[start + 1 + best] if best >= 0 else -1  # all NaN: ik's index -1, as before
     for i in range(8):
-        L[o + i] = levels[best, i]
-    return best
+        L[o + i] = levels[g, i]
+    return g
 
 
 @njit(**NJIT)
-def _round_group(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray,
+def _round_group(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kmap: np.ndarray,
+                 neighbours: np.ndarray, d2: np.ndarray,
                  id_: np.float32, scale: np.float32, xval: np.ndarray, waux: np.ndarray, o: int,
                  L: np.ndarray, fused: bool = True) -> tuple[int, bool]:
     """Group xval[o:o+8] at inverse scale id_ (scale for the neighbour search): its levels into L[o:o+8], and
@@ -150,7 +182,7 @@ def _round_group(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarray, n
     g = kmap[u]
     if g >= 0:
         return g, True
-    return _best_neighbour(levels, magnitudes, neighbours, -g - 1, xval, waux, o, scale, L), False
+    return _best_neighbour(levels, dense, dense_at, neighbours, -g - 1, xval, waux, o, scale, L, d2), False
 
 
 @njit(**NJIT)
@@ -238,7 +270,8 @@ def _scale_code(id_: np.float32, scale: np.float32) -> int:
 
 
 @njit(**NJIT)
-def _iq2_xxs_sub_block(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray,
+def _iq2_xxs_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kmap: np.ndarray,
+                       neighbours: np.ndarray, d2: np.ndarray,
                        weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, L: np.ndarray, Laux: np.ndarray,
                        Lqp: np.ndarray) -> np.float32:
     """Levels (into L) and scale of a 32-value IQ2_XXS sub-block."""
@@ -251,7 +284,7 @@ def _iq2_xxs_sub_block(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndar
         id_ = fmaf(np.float32(step), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / eff_max
         this_scale = np.float32(1.0) / id_
         for k in range(4):
-            _round_group(levels, magnitudes, kmap, neighbours, id_, this_scale, xval, waux, 8 * k, Laux)
+            _round_group(levels, dense, dense_at, kmap, neighbours, d2, id_, this_scale, xval, waux, 8 * k, Laux)
         sumqx, sumq2 = _fit(weight, xval, Laux)
         if sumq2 > 0 and sumqx * sumqx > best * sumq2:
             scale = sumqx / sumq2
@@ -260,7 +293,7 @@ def _iq2_xxs_sub_block(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndar
     if scale > 0:
         id_ = np.float32(1.0) / scale
         for k in range(4):
-            _round_group(levels, magnitudes, kmap, neighbours, id_, scale, xval, waux, 8 * k, L)
+            _round_group(levels, dense, dense_at, kmap, neighbours, d2, id_, scale, xval, waux, 8 * k, L)
         sumqx, sumq2 = _fit(weight, xval, L)
         if sumq2 > 0:
             scale = sumqx / sumq2
@@ -268,11 +301,13 @@ def _iq2_xxs_sub_block(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndar
 
 
 @njit(**KERNEL)
-def quantize_iq2_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.ndarray, magnitudes: np.ndarray,
+def quantize_iq2_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.ndarray, dense: np.ndarray,
+                     dense_at: np.ndarray,
                      kmap: np.ndarray, neighbours: np.ndarray) -> None:
     """Rows x into IQ2_XXS blocks (qw: importance vector, or empty for ik's unweighted branch)."""
     n_rows, n = x.shape
     for r in prange(n_rows):
+        d2 = np.empty(MAX_NEIGHBOURS, dtype=np.float32)
         weight = np.empty(32, dtype=np.float32)
         waux = np.empty(32, dtype=np.float32)
         xval = np.empty(32, dtype=np.float32)
@@ -300,7 +335,8 @@ def quantize_iq2_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.
                     scales[ib] = 0
                     L[:] = 0
                     continue
-                scale = _iq2_xxs_sub_block(levels, magnitudes, kmap, neighbours, weight, waux, xval, L, Laux, Lqp)
+                scale = _iq2_xxs_sub_block(levels, dense, dense_at, kmap, neighbours, d2, weight, waux, xval, L, Laux,
+                                           Lqp)
                 if scale < 0:
                     scale = -scale
                     for k in range(4):
@@ -373,7 +409,8 @@ def _split_scale(weight: np.ndarray, xval: np.ndarray, order: np.ndarray, sumx: 
 
 
 @njit(**NJIT)
-def _iq2_xs_sub_block(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray,
+def _iq2_xs_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kmap: np.ndarray,
+                      neighbours: np.ndarray, d2: np.ndarray,
                       weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, L: np.ndarray, Laux: np.ndarray,
                       index: np.ndarray, aux_index: np.ndarray, order: np.ndarray, sumx: np.ndarray,
                       sumw: np.ndarray) -> np.float32:
@@ -386,7 +423,8 @@ def _iq2_xs_sub_block(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarr
         id_ = fmaf(np.float32(step), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / eff_max
         this_scale = np.float32(1.0) / id_
         for k in range(2):
-            aux_index[k] = _round_group(levels, magnitudes, kmap, neighbours, id_, this_scale, xval, waux, 8 * k,
+            aux_index[k] = _round_group(levels, dense, dense_at, kmap, neighbours, d2, id_, this_scale, xval, waux,
+                                        8 * k,
                                         Laux)[0]
         sumqx, sumq2 = _fit(weight, xval, Laux)
         if sumq2 > 0 and sumqx * sumqx > best * sumq2:
@@ -399,7 +437,8 @@ def _iq2_xs_sub_block(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarr
             id_ = np.float32(1.0) / scale
             changed = False
             for k in range(2):
-                aux_index[k] = _round_group(levels, magnitudes, kmap, neighbours, id_, scale, xval, waux, 8 * k,
+                aux_index[k] = _round_group(levels, dense, dense_at, kmap, neighbours, d2, id_, scale, xval, waux,
+                                            8 * k,
                                             Laux)[0]
                 changed = changed or aux_index[k] != index[k]
             if not changed:
@@ -440,11 +479,13 @@ def _xs_refit_d(xbl: np.ndarray, qbl: np.ndarray, sigma2: np.float32, blk: np.nd
 
 
 @njit(**KERNEL)
-def quantize_iq2_xs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.ndarray, magnitudes: np.ndarray,
+def quantize_iq2_xs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.ndarray, dense: np.ndarray,
+                    dense_at: np.ndarray,
                     kmap: np.ndarray, neighbours: np.ndarray, stored: np.ndarray) -> None:
     """Rows x into IQ2_XS blocks (qw: importance vector, or empty; stored: the grid's decoded magnitudes)."""
     n_rows, n = x.shape
     for r in prange(n_rows):
+        d2 = np.empty(MAX_NEIGHBOURS, dtype=np.float32)
         weight = np.empty(16, dtype=np.float32)
         waux = np.empty(16, dtype=np.float32)
         xval = np.empty(16, dtype=np.float32)
@@ -474,7 +515,8 @@ def quantize_iq2_xs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.n
                     scales[ib] = 0
                     L[:] = 0
                     continue
-                scale = _iq2_xs_sub_block(levels, magnitudes, kmap, neighbours, weight, waux, xval, L, Laux, index,
+                scale = _iq2_xs_sub_block(levels, dense, dense_at, kmap, neighbours, d2, weight, waux, xval, L, Laux,
+                                          index,
                                           aux_index, order, sumx, sumw)
                 if scale < 0:
                     scale = -scale
@@ -505,6 +547,43 @@ def quantize_iq2_xs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.n
 
 
 @njit(**NJIT)
+def _best_listed(levels: np.ndarray, magnitudes: np.ndarray, neighbours: np.ndarray, start: int,
+                    xval: np.ndarray, waux: np.ndarray, o: int, scale: np.float32, L: np.ndarray) -> int:
+    """_best_neighbour one neighbour at a time, for IQ2_S: its lists are short (median 5), where the vector loop's
+    setup cost more than it saved (0.80x ik -> 0.70x)."""
+    best_d2 = np.float32(3.4028235e38)
+    best = -1
+    for j in range(1, neighbours[start] + 1):
+        g = neighbours[start + j]
+        d2 = np.float32(0.0)
+        for i in range(8):
+            diff = fmaf(scale, magnitudes[g, i], -xval[o + i])
+            d2 = fmaf(waux[o + i] * diff, diff, d2)
+        if d2 < best_d2:
+            best_d2 = d2
+            best = g
+    for i in range(8):
+        L[o + i] = levels[best, i]
+    return best
+
+
+@njit(**NJIT)
+def _round_group_listed(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray,
+                 id_: np.float32, scale: np.float32, xval: np.ndarray, waux: np.ndarray, o: int,
+                 L: np.ndarray, fused: bool = True) -> tuple[int, bool]:
+    """_round_group with the one-at-a-time search (IQ2_S)."""
+    u = 0
+    for i in range(8):
+        l = _level(id_, xval[o + i], fused)
+        L[o + i] = l
+        u |= l << (2 * i)
+    g = kmap[u]
+    if g >= 0:
+        return g, True
+    return _best_listed(levels, magnitudes, neighbours, -g - 1, xval, waux, o, scale, L), False
+
+
+@njit(**NJIT)
 def _iq2_s_sub_block(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray,
                      weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, mx: np.float32, L: np.ndarray,
                      Laux: np.ndarray) -> np.float32:
@@ -517,8 +596,8 @@ def _iq2_s_sub_block(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarra
         id_ = fmaf(np.float32(step), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / mx
         this_scale = np.float32(1.0) / id_
         # ik's build rounds the first group's id x before subtracting 1 here (the second's is fused)
-        aux0 = _round_group(levels, magnitudes, kmap, neighbours, id_, this_scale, xval, waux, 0, Laux, False)[1]
-        aux1 = _round_group(levels, magnitudes, kmap, neighbours, id_, this_scale, xval, waux, 8, Laux)[1]
+        aux0 = _round_group_listed(levels, magnitudes, kmap, neighbours, id_, this_scale, xval, waux, 0, Laux, False)[1]
+        aux1 = _round_group_listed(levels, magnitudes, kmap, neighbours, id_, this_scale, xval, waux, 8, Laux)[1]
         sumqx, sumq2 = _fit(weight, xval, Laux)
         if sumq2 > 0 and sumqx * sumqx > best * sumq2:
             scale = sumqx / sumq2
@@ -529,9 +608,9 @@ def _iq2_s_sub_block(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarra
     if (not on_grid0 or not on_grid1) and scale > 0:
         id_ = np.float32(1.0) / scale
         if not on_grid0:
-            _round_group(levels, magnitudes, kmap, neighbours, id_, scale, xval, waux, 0, L)
+            _round_group_listed(levels, magnitudes, kmap, neighbours, id_, scale, xval, waux, 0, L)
         if not on_grid1:
-            _round_group(levels, magnitudes, kmap, neighbours, id_, scale, xval, waux, 8, L)
+            _round_group_listed(levels, magnitudes, kmap, neighbours, id_, scale, xval, waux, 8, L)
         sumqx, sumq2 = _fit(weight, xval, L)
         if sumq2 > 0:
             scale = sumqx / sumq2
