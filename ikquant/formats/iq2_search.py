@@ -168,18 +168,24 @@ def _best_neighbour(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray,
 
 
 @njit(**NJIT)
+def _rounded_key(id_: np.float32, xval: np.ndarray, o: int, L: np.ndarray, fused: bool) -> int:
+    """Group xval[o:o+8] rounded at inverse scale id_: its levels into L[o:o+8], and their grid key."""
+    u = 0
+    for i in range(8):
+        l = _level(id_, xval[o + i], fused)
+        L[o + i] = l
+        u |= l << (2 * i)
+    return u
+
+
+@njit(**NJIT)
 def _round_group(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kmap: np.ndarray,
                  neighbours: np.ndarray, d2: np.ndarray,
                  id_: np.float32, scale: np.float32, xval: np.ndarray, waux: np.ndarray, o: int,
                  L: np.ndarray, fused: bool = True) -> tuple[int, bool]:
     """Group xval[o:o+8] at inverse scale id_ (scale for the neighbour search): its levels into L[o:o+8], and
     (grid point, whether the rounded levels were one)."""
-    u = 0
-    for i in range(8):
-        l = _level(id_, xval[o + i], fused)
-        L[o + i] = l
-        u |= l << (2 * i)
-    g = kmap[u]
+    g = kmap[_rounded_key(id_, xval, o, L, fused)]
     if g >= 0:
         return g, True
     return _best_neighbour(levels, dense, dense_at, neighbours, -g - 1, xval, waux, o, scale, L, d2), False
@@ -572,12 +578,7 @@ def _round_group_listed(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.nda
                  id_: np.float32, scale: np.float32, xval: np.ndarray, waux: np.ndarray, o: int,
                  L: np.ndarray, fused: bool = True) -> tuple[int, bool]:
     """_round_group with the one-at-a-time search (IQ2_S)."""
-    u = 0
-    for i in range(8):
-        l = _level(id_, xval[o + i], fused)
-        L[o + i] = l
-        u |= l << (2 * i)
-    g = kmap[u]
+    g = kmap[_rounded_key(id_, xval, o, L, fused)]
     if g >= 0:
         return g, True
     return _best_listed(levels, magnitudes, neighbours, -g - 1, xval, waux, o, scale, L), False
