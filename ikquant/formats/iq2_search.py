@@ -21,7 +21,7 @@ the value of least importance (w x^2) is fitted with the wrong sign. IQ2_S store
 The importance of a value is qw sqrt(sigma2 + x^2) with an importance vector qw, else sigma2 / 4 + x^2 (sigma2 is
 the super-block's mean square, twice it for IQ2_S). The neighbour lists hold, for every key of 8 levels 0..2 that
 is not a grid point, all grid points within its 2 smallest distances (IQ2_S: the smallest only), in order of
-distance then index, as ik's iq2xs_init_impl builds them; they are built once, at import.
+distance then index, as ik's iq2xs_init_impl builds them; each grid's are built on its first use (grid_tables).
 
 The float arithmetic is ik's GCC build (-O3, AVX-512), read from its assembly: multiply-adds fused (`fmaf`) where
 GCC contracts them, and not where it vectorised the products first: the super-block's sum of squares, the
