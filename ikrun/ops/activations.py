@@ -6,7 +6,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.numeric import f64_from_bits, fmaf
-from ikrun.ops.parallel import pick
+from ikrun.ops.parallel import claim_items, run_claimed, task_items
 
 # ik's AVX-512 exponential: n = round(x log2 e) by the 1.5 x 2^23 trick, the reduced argument in two fused steps,
 # a degree-5 polynomial, then j x 2^n (vscalefps), 0 or inf beyond |n| > 192
@@ -50,9 +50,15 @@ def _serial(gate: np.ndarray, up: np.ndarray, limit: float, ik: bool, out: np.nd
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _parallel(gate: np.ndarray, up: np.ndarray, limit: float, ik: bool, out: np.ndarray) -> None:
-    for i in prange(gate.shape[0]):
-        _row(gate[i], up[i], np.float32(limit), ik, out[i])
+def _parallel(gate: np.ndarray, up: np.ndarray, limit: float, ik: bool, out: np.ndarray, threads: int) -> None:
+    """The rows in tasks the threads claim (ikrun/ops/parallel.py)."""
+    per, counter = task_items(gate.shape[0], threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
+        i0, i1 = claim_items(counter, per, gate.shape[0])
+        while i0 < i1:
+            for i in range(i0, i1):
+                _row(gate[i], up[i], np.float32(limit), ik, out[i])
+            i0, i1 = claim_items(counter, per, gate.shape[0])
 
 
 def swiglu(gate: np.ndarray, up: np.ndarray, limit: float = np.inf, ik: bool = False) -> np.ndarray:
@@ -62,6 +68,6 @@ def swiglu(gate: np.ndarray, up: np.ndarray, limit: float = np.inf, ik: bool = F
     gate = np.ascontiguousarray(gate, dtype=np.float32)
     d = gate.shape[-1]
     out = np.empty_like(gate)
-    pick(_serial, _parallel, gate.size)(gate.reshape(-1, d), np.ascontiguousarray(up, dtype=np.float32).reshape(-1, d),
-                                        float(limit), ik, out.reshape(-1, d))
+    run_claimed(_serial, _parallel, gate.size, gate.reshape(-1, d),
+                np.ascontiguousarray(up, dtype=np.float32).reshape(-1, d), float(limit), ik, out.reshape(-1, d))
     return out

@@ -20,7 +20,7 @@ from numba.core.extending import intrinsic, overload
 
 from ikquant.formats.numeric import widen_16
 from ikrun.ops.cpu import host_has
-from ikrun.ops.parallel import pick
+from ikrun.ops.parallel import claim_items, run_claimed, task_items
 
 LANES = 16  # tokens per vector
 #: weight rows and token groups per call. AVX2 has 16 vector registers of 8 floats: 6 x 1 keeps 12 accumulators,
@@ -104,9 +104,16 @@ def _rows(w, xt, out, t, n, n_groups, n_tok):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _gemm_parallel(w, xt, out, n_rows, n, n_groups, n_tok):  # type: ignore[no-untyped-def]
-    for t in prange(n_rows // ROWS):
-        _rows(w, xt, out, t, n, n_groups, n_tok)
+def _gemm_parallel(w, xt, out, n_rows, n, n_groups, n_tok, threads):  # type: ignore[no-untyped-def]
+    """The ROWS-row tiles in tasks the threads claim (ikrun/ops/parallel.py)."""
+    tiles = n_rows // ROWS
+    per, counter = task_items(tiles, threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
+        t0, t1 = claim_items(counter, per, tiles)
+        while t0 < t1:
+            for t in range(t0, t1):
+                _rows(w, xt, out, t, n, n_groups, n_tok)
+            t0, t1 = claim_items(counter, per, tiles)
 
 
 @njit(cache=True, nogil=True)
@@ -163,8 +170,8 @@ def expert_matmul(x: np.ndarray, w: np.ndarray, tokens: np.ndarray | None = None
     if rows % ROWS:
         w = np.concatenate([w, np.zeros((-rows % ROWS, n), dtype)])
     out = np.zeros((w.shape[0], xt.shape[0] * LANES), np.float32)  # the kernel adds each pass to what is there
-    pick(_gemm_serial, _gemm_parallel, w.shape[0] * n * xt.shape[0])(
-        w.reshape(-1), xt.reshape(-1), out.reshape(-1), w.shape[0], n, xt.shape[0], out.shape[1])
+    run_claimed(_gemm_serial, _gemm_parallel, w.shape[0] * n * xt.shape[0], w.reshape(-1), xt.reshape(-1),
+                out.reshape(-1), w.shape[0], n, xt.shape[0], out.shape[1])
     result = np.empty((m, rows), np.float32)
     _untranspose(out, m, rows, result)
     return result

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit, prange
+from numba import get_num_threads, njit, prange
 
 from ikquant.formats.floats import widen_bits
 from ikquant.formats.numeric import fmaf
@@ -28,6 +28,7 @@ from ikrun.numerics.ik.ikgemm import ik_float_matmul, takes_whole
 from ikrun.numerics.ik.qgemm import IntRows, PackedInts, qmatmul
 from ikrun.ops.activations import ik_expf
 from ikrun.ops.fgemm import expert_matmul
+from ikrun.ops.parallel import claim_items, task_items
 from ikrun.ops.stl_heap import partial_sort
 
 GATING_SOFTMAX = 1
@@ -242,9 +243,15 @@ def _combine_serial(y, w, out, ik):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _combine_parallel(y, w, out, ik):  # type: ignore[no-untyped-def]
-    for t in prange(out.shape[0]):
-        _combine_row(y, w, t, out, ik)
+def _combine_parallel(y, w, out, ik, threads):  # type: ignore[no-untyped-def]
+    """The tokens in tasks the threads claim (ikrun/ops/parallel.py)."""
+    per, counter = task_items(out.shape[0], threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
+        t0, t1 = claim_items(counter, per, out.shape[0])
+        while t0 < t1:
+            for t in range(t0, t1):
+                _combine_row(y, w, t, out, ik)
+            t0, t1 = claim_items(counter, per, out.shape[0])
 
 
 #: expert ids -> their (up, gate, down) matrices, [len(ids), ...] each, in the order of ids
@@ -373,8 +380,10 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
             y[rows] = _down(_expert_product(round_activations(a, formats[2]), downs[j], None, ik and ik[2]), glu, e)
     assert y is not None, "a routing without assignments"
     out = np.empty((n, y.shape[1]), dtype=np.float32)
-    combine = _combine_parallel if n * k * y.shape[1] >= PARALLEL_MIN_FLOPS else _combine_serial
-    combine(y, np.ascontiguousarray(w), out, ik is not None)
+    if n * k * y.shape[1] >= PARALLEL_MIN_FLOPS:
+        _combine_parallel(y, np.ascontiguousarray(w), out, ik is not None, get_num_threads())
+    else:
+        _combine_serial(y, np.ascontiguousarray(w), out, ik is not None)
     return RoutedExperts(out, act, order, offsets)
 
 

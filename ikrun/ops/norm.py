@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ikrun.ops.parallel import pick
+from ikrun.ops.parallel import claim_items, run_claimed, task_items
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -29,9 +29,15 @@ def _serial(x: np.ndarray, w: np.ndarray, eps: float, ik: bool, out: np.ndarray)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _parallel(x: np.ndarray, w: np.ndarray, eps: float, ik: bool, out: np.ndarray) -> None:
-    for i in prange(x.shape[0]):
-        _row(x[i], w, eps, ik, out[i])
+def _parallel(x: np.ndarray, w: np.ndarray, eps: float, ik: bool, out: np.ndarray, threads: int) -> None:
+    """The rows in tasks the threads claim (ikrun/ops/parallel.py)."""
+    per, counter = task_items(x.shape[0], threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
+        i0, i1 = claim_items(counter, per, x.shape[0])
+        while i0 < i1:
+            for i in range(i0, i1):
+                _row(x[i], w, eps, ik, out[i])
+            i0, i1 = claim_items(counter, per, x.shape[0])
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, ik: bool = False) -> np.ndarray:
@@ -39,7 +45,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, ik: bool = False) ->
     x = np.ascontiguousarray(x, dtype=np.float32)
     flat = x.reshape(-1, x.shape[-1])
     out = np.empty_like(flat)
-    pick(_serial, _parallel, flat.size)(flat, np.ascontiguousarray(weight, dtype=np.float32), float(eps), ik, out)
+    run_claimed(_serial, _parallel, flat.size, flat, np.ascontiguousarray(weight, dtype=np.float32), float(eps), ik, out)
     return out.reshape(x.shape)
 
 

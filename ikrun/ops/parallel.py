@@ -60,8 +60,32 @@ def claim(counter: np.ndarray) -> int:
     return _fetch_add(counter)  # type: ignore[call-arg]  # Numba passes the typing context
 
 
+@njit(cache=True, nogil=True, inline="always")
+def task_items(items: int, threads: int) -> int:
+    """Items per task when `items` independent items (rows, heads, tiles) are shared by `threads` threads:
+    TASKS_PER_THREAD tasks a thread."""
+    return max(1, -(-items // (threads * TASKS_PER_THREAD)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def claim_items(counter: np.ndarray, per: int, items: int) -> tuple[int, int]:
+    """The items [start, stop) of the next untaken task of `per` items (`claim`); start >= stop once all are
+    taken. A row kernel's threads loop `for _ in prange(threads)` over `claim_items` until it returns nothing."""
+    start = claim(counter) * per
+    return start, min(items, start + per)
+
+
 def pick(serial: Callable, parallel: Callable, n_elements: int) -> Callable:
     return parallel if n_elements >= PARALLEL_MIN_ELEMENTS else serial
+
+
+def run_claimed(serial: Callable[..., None], claimed: Callable[..., None], n_elements: int, *args: object) -> None:
+    """serial(*args) on little work, else claimed(*args, threads): a kernel whose threads claim their tasks
+    (`claim_items`), given this thread's Numba thread count."""
+    if n_elements >= PARALLEL_MIN_ELEMENTS:
+        claimed(*args, numba.get_num_threads())
+    else:
+        serial(*args)
 
 
 @contextmanager

@@ -16,7 +16,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.numeric import fmaf
-from ikrun.ops.parallel import pick
+from ikrun.ops.parallel import claim_items, run_claimed, task_items
 
 
 @njit(cache=True, nogil=True)
@@ -73,15 +73,22 @@ def _serial(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, neox: b
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _parallel(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, neox: bool, fused: bool) -> None:
-    for p in prange(x.shape[0]):
-        _row(x[p], cos[p], sin[p], n_rot, neox, fused)
+def _parallel(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, neox: bool, fused: bool,
+              threads: int) -> None:
+    """The positions in tasks the threads claim (ikrun/ops/parallel.py)."""
+    per, counter = task_items(x.shape[0], threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
+        p0, p1 = claim_items(counter, per, x.shape[0])
+        while p0 < p1:
+            for p in range(p0, p1):
+                _row(x[p], cos[p], sin[p], n_rot, neox, fused)
+            p0, p1 = claim_items(counter, per, x.shape[0])
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, n_rot: int, neox: bool, fused: bool = False) -> None:
     """Rotate the first n_rot dims of every head of x [n_pos, heads, head_dim] in place; `fused`: NEOX's products
     fused into the additions as ik's build computes them (--numerics ik)."""
-    pick(_serial, _parallel, x.size)(x, cos, sin, n_rot, neox, fused)
+    run_claimed(_serial, _parallel, x.size, x, cos, sin, n_rot, neox, fused)
 
 
 @dataclass(frozen=True)

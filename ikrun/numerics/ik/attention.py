@@ -13,11 +13,12 @@ sliding window masks the keys before it (-inf, as ik's mask cells).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import get_num_threads, njit, prange
 
 from ikquant.formats.numeric import fmaf
 from ikrun.numerics.ik.ikgemm import DOTS, LANES, XROWS, dots, ik_dot_grid
 from ikrun.ops.activations import ik_expf
+from ikrun.ops.parallel import claim_items, task_items
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -66,7 +67,7 @@ def _ik_softmax(r: np.ndarray, first: int, n_keys: int, scale: np.float32, sink:
 
 @njit(cache=True, nogil=True, parallel=True)
 def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, past: int, window: int,
-                  sinks: np.ndarray, out: np.ndarray) -> None:
+                  sinks: np.ndarray, out: np.ndarray, threads: int) -> None:
     """q [H, n, d], k [Hkv, keys padded, d], vt [Hkv, dv, keys padded], out [H, n, dv] (all C-contiguous; the
     padding, to a multiple of 16 keys, zeros); a query sees its last `window` keys (0: all), `sinks` one logit per
     head (empty: none).
@@ -74,39 +75,47 @@ def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, pa
     XROWS queries of a head at a time: their scores against DOTS keys, and their weighted values of DOTS dims, per
     kernel call (each key and value vector loaded once for all of them). The scores a query may not see are
     computed with the others' and then dropped, and its probabilities are zero past its last key, so each dot
-    product sums exactly what a query alone would (a product of zero adds nothing)."""
+    product sums exactly what a query alone would (a product of zero adds nothing). The (head, query group) pairs go
+    in tasks the `threads` threads claim (ikrun/ops/parallel.py)."""
     n_head, n, d = q.shape
     n_kv, padded, dv = k.shape[0], k.shape[1], vt.shape[1]
     group, n_groups = n_head // n_kv, (n + XROWS - 1) // XROWS
     sc = np.float32(scale)
     qf, kf, vf, of = q.reshape(-1), k.reshape(-1), vt.reshape(-1), out.reshape(-1)
-    for task in prange(n_head * n_groups):
-        h, i0 = task // n_groups, task % n_groups * XROWS
-        rows = min(XROWS, n - i0)
-        g = h // group
-        k0, v0 = g * padded * d, g * dv * padded
+    items = n_head * n_groups
+    per, counter = task_items(items, threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
         p = np.empty(XROWS * padded, np.float32)
         tail = np.empty(DOTS, np.float32)
-        last = past + i0 + rows  # keys the group's last query sees
-        width = last + (-last % LANES)
-        q0 = (h * n + i0) * d
-        if rows == XROWS:
-            for j in range(0, last + (-last % DOTS), DOTS):
-                ik_dot_grid(qf, q0, d, kf, k0 + j * d, d, d, p, j, padded)
-        else:
-            for a in range(rows):
-                dots(qf, q0 + a * d, kf, k0, d, d, last, p, a * padded, tail, False)
-        sink = sinks[h] if sinks.shape[0] else np.float32(-np.inf)
-        for a in range(rows):
-            seen = past + i0 + a + 1
-            first = max(0, seen - window) if window > 0 else 0
-            _ik_softmax(p[a * padded : a * padded + width], first, seen, sc, sink)
-        o0 = (h * n + i0) * dv
-        full = dv - dv % DOTS if rows == XROWS else 0
-        for c in range(0, full, DOTS):
-            ik_dot_grid(p, 0, padded, vf, v0 + c * padded, padded, width, of, o0 + c, dv)
-        for a in range(rows):
-            dots(p, a * padded, vf, v0 + full * padded, padded, width, dv - full, of, o0 + a * dv + full, tail, False)
+        t0, t1 = claim_items(counter, per, items)
+        while t0 < t1:
+            for task in range(t0, t1):
+                h, i0 = task // n_groups, task % n_groups * XROWS
+                rows = min(XROWS, n - i0)
+                g = h // group
+                k0, v0 = g * padded * d, g * dv * padded
+                last = past + i0 + rows  # keys the group's last query sees
+                width = last + (-last % LANES)
+                q0 = (h * n + i0) * d
+                if rows == XROWS:
+                    for j in range(0, last + (-last % DOTS), DOTS):
+                        ik_dot_grid(qf, q0, d, kf, k0 + j * d, d, d, p, j, padded)
+                else:
+                    for a in range(rows):
+                        dots(qf, q0 + a * d, kf, k0, d, d, last, p, a * padded, tail, False)
+                sink = sinks[h] if sinks.shape[0] else np.float32(-np.inf)
+                for a in range(rows):
+                    seen = past + i0 + a + 1
+                    first = max(0, seen - window) if window > 0 else 0
+                    _ik_softmax(p[a * padded : a * padded + width], first, seen, sc, sink)
+                o0 = (h * n + i0) * dv
+                full = dv - dv % DOTS if rows == XROWS else 0
+                for c in range(0, full, DOTS):
+                    ik_dot_grid(p, 0, padded, vf, v0 + c * padded, padded, width, of, o0 + c, dv)
+                for a in range(rows):
+                    dots(p, a * padded, vf, v0 + full * padded, padded, width, dv - full, of, o0 + a * dv + full,
+                         tail, False)
+            t0, t1 = claim_items(counter, per, items)
 
 
 def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int = 0,
@@ -125,7 +134,7 @@ def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
     vt[:, :, :n_keys] = v.transpose(1, 2, 0)
     out = np.empty((n_head, n, v.shape[2]), np.float32)
     sink = np.empty(0, np.float32) if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
-    _ik_attention(qh, kh, vt, float(scale), n_keys - n, window, sink, out)
+    _ik_attention(qh, kh, vt, float(scale), n_keys - n, window, sink, out, get_num_threads())
     return out.transpose(1, 0, 2)
 
 
@@ -144,7 +153,7 @@ def ik_latent_attention(q: np.ndarray, cache: np.ndarray, n_rope: int, scale: fl
     vt[0, :, :n_keys] = cache[:, n_rope:].T
     out = np.empty((n_head, n, d - n_rope), np.float32)
     _ik_attention(np.ascontiguousarray(q, dtype=np.float32), keys, vt, float(scale), n_keys - n, 0,
-                  np.empty(0, np.float32), out)
+                  np.empty(0, np.float32), out, get_num_threads())
     return out
 
 

@@ -67,13 +67,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
-from numba import njit, prange
+from numba import get_num_threads, njit, prange
 
 from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ6NL_VALUES
 from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits
 from ikrun.errors import NumericsError
 from ikrun.numerics.ik.qgemm import ORDER_Q8_1, ORDER_QX_0_NATIVE, ORDER_R8, ORDER_R16, TILE, BlockInts, IntRows
-from ikrun.ops.parallel import pick
+from ikrun.ops.parallel import claim_items, run_claimed, task_items
 
 Q8_2_X4 = "Q8_2_X4"
 Q8_K = "Q8_K"
@@ -207,25 +207,32 @@ def _q6_k_to_q8_0(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
 
 @njit(cache=True, nogil=True, parallel=True)
 def _q8_k_blocks(decoded: np.ndarray, dsup: np.ndarray, dscale: np.ndarray, inv_c: np.float32, q: np.ndarray,
-                 scale: np.ndarray) -> None:
-    for r in prange(dsup.shape[0]):
+                 scale: np.ndarray, threads: int) -> None:
+    """The rows in tasks the threads claim (ikrun/ops/parallel.py)."""
+    items = dsup.shape[0]
+    per, counter = task_items(items, threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
         p = np.empty(SUPER, np.float32)
-        for b in range(dsup.shape[1]):
-            ds = dsup[r, b]
-            amax = np.float32(0.0)
-            for j in range(SUPER):
-                v = np.float32(np.rint(decoded[r, b * SUPER + j] / ds)) if ds != 0 else np.float32(0.0)
-                p[j] = v
-                amax = max(amax, abs(v))
-            dnew = amax * inv_c
-            small = dnew < 1
-            if small:
-                dnew = np.float32(1.0)
-            inv = np.float32(1.0) / dnew if abs(dnew) > np.float32(1e-9) else np.float32(0.0)
-            for j in range(SUPER):
-                v = p[j] if small else min(np.float32(127.0), max(np.float32(-128.0), np.float32(np.rint(p[j] * inv))))
-                q[r, b * SUPER + j] = np.int8(v)
-            scale[r, b] = f16_bits_to_f32(f32_to_f16_bits(dscale[r, b] * dnew))
+        i0, i1 = claim_items(counter, per, items)
+        while i0 < i1:
+            for r in range(i0, i1):
+                for b in range(dsup.shape[1]):
+                    ds = dsup[r, b]
+                    amax = np.float32(0.0)
+                    for j in range(SUPER):
+                        v = np.float32(np.rint(decoded[r, b * SUPER + j] / ds)) if ds != 0 else np.float32(0.0)
+                        p[j] = v
+                        amax = max(amax, abs(v))
+                    dnew = amax * inv_c
+                    small = dnew < 1
+                    if small:
+                        dnew = np.float32(1.0)
+                    inv = np.float32(1.0) / dnew if abs(dnew) > np.float32(1e-9) else np.float32(0.0)
+                    for j in range(SUPER):
+                        v = p[j] if small else min(np.float32(127.0), max(np.float32(-128.0), np.float32(np.rint(p[j] * inv))))
+                        q[r, b * SUPER + j] = np.int8(v)
+                    scale[r, b] = f16_bits_to_f32(f32_to_f16_bits(dscale[r, b] * dnew))
+            i0, i1 = claim_items(counter, per, items)
 
 
 def _to_q8_k(decoded: np.ndarray, dsup: np.ndarray, c: float, ints: np.ndarray | None = None) -> BlockInts:
@@ -237,10 +244,10 @@ def _to_q8_k(decoded: np.ndarray, dsup: np.ndarray, c: float, ints: np.ndarray |
     dsup = np.ascontiguousarray(dsup, dtype=np.float32)
     if ints is None:
         _q8_k_blocks(np.ascontiguousarray(decoded, dtype=np.float32), dsup, dsup, np.float32(np.float32(1) / np.float32(c)),
-                     q, scale)
+                     q, scale, get_num_threads())
     else:
         _q8_k_blocks(ints.astype(np.float32), np.ones_like(dsup), dsup, np.float32(np.float32(1) / np.float32(c)), q,
-                     scale)
+                     scale, get_num_threads())
     return BlockInts(q=q, scale=scale, block=SUPER, order=ORDER_R16)
 
 
@@ -478,9 +485,15 @@ def _rows_serial(x: np.ndarray, fmt: int, out: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _rows_parallel(x: np.ndarray, fmt: int, out: np.ndarray) -> None:
-    for i in prange(x.shape[0]):
-        _round_row(x[i], fmt, out[i])
+def _rows_parallel(x: np.ndarray, fmt: int, out: np.ndarray, threads: int) -> None:
+    """The rows in tasks the threads claim (ikrun/ops/parallel.py)."""
+    per, counter = task_items(x.shape[0], threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
+        i0, i1 = claim_items(counter, per, x.shape[0])
+        while i0 < i1:
+            for i in range(i0, i1):
+                _round_row(x[i], fmt, out[i])
+            i0, i1 = claim_items(counter, per, x.shape[0])
 
 
 def _block_of(fmt: str, n: int) -> int:
@@ -501,7 +514,7 @@ def round_activations(x: np.ndarray, fmt: str) -> np.ndarray:
     flat = x.reshape(-1, x.shape[-1])
     _block_of(fmt, flat.shape[1])
     out = np.empty_like(flat)
-    pick(_rows_serial, _rows_parallel, flat.size)(flat, FORMAT_CODES[fmt], out)
+    run_claimed(_rows_serial, _rows_parallel, flat.size, flat, FORMAT_CODES[fmt], out)
     return out.reshape(x.shape)
 
 
@@ -514,9 +527,15 @@ def _ints_serial(x: np.ndarray, block: int, bf16_scale: bool, u: np.ndarray, sca
 
 @njit(cache=True, nogil=True, parallel=True)
 def _ints_parallel(x: np.ndarray, block: int, bf16_scale: bool, u: np.ndarray, scale: np.ndarray,
-                   sums: np.ndarray, isums: np.ndarray) -> None:
-    for i in prange(x.shape[0]):
-        _q8_row_ints(x[i], block, bf16_scale, u[i], scale[i], sums[i], isums[i])
+                   sums: np.ndarray, isums: np.ndarray, threads: int) -> None:
+    """The rows in tasks the threads claim (ikrun/ops/parallel.py)."""
+    per, counter = task_items(x.shape[0], threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
+        i0, i1 = claim_items(counter, per, x.shape[0])
+        while i0 < i1:
+            for i in range(i0, i1):
+                _q8_row_ints(x[i], block, bf16_scale, u[i], scale[i], sums[i], isums[i])
+            i0, i1 = claim_items(counter, per, x.shape[0])
 
 
 def integer_rows(x: np.ndarray, fmt: str) -> IntRows:
@@ -532,5 +551,5 @@ def integer_rows(x: np.ndarray, fmt: str) -> IntRows:
     scale = np.zeros((mp, n // block), np.float32)
     sums = np.zeros((mp, n // block), np.float32)
     isums = np.zeros((mp, n // block), np.int32)
-    pick(_ints_serial, _ints_parallel, x.size)(x, block, fmt == Q8_2_X4, u, scale, sums, isums)
+    run_claimed(_ints_serial, _ints_parallel, x.size, x, block, fmt == Q8_2_X4, u, scale, sums, isums)
     return IntRows(u=u, scale=scale, sums=sums, rows=m, block=block, isums=isums)

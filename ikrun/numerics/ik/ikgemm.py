@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
+
+from ikrun.ops.parallel import claim_items, task_items
 
 LANES = 16  # ik's float kernels' vector width (AVX-512)
 _V16F = ir.VectorType(ir.FloatType(), LANES)
@@ -139,28 +141,35 @@ ROW_BLOCK = 64
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _gemm(x: np.ndarray, w: np.ndarray, out: np.ndarray, bf16: bool) -> None:
+def _gemm(x: np.ndarray, w: np.ndarray, out: np.ndarray, bf16: bool, threads: int) -> None:
+    """The ROW_BLOCK-row blocks in tasks the threads claim (ikrun/ops/parallel.py)."""
     m, k = x.shape
     n = w.shape[0]
     xf, wf, of = x.reshape(-1), w.reshape(-1), out.reshape(-1)
-    for b in prange((n + ROW_BLOCK - 1) // ROW_BLOCK):
-        r0 = b * ROW_BLOCK
-        rows = min(ROW_BLOCK, n - r0)
+    blocks = (n + ROW_BLOCK - 1) // ROW_BLOCK
+    per, counter = task_items(blocks, threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
         tail = np.empty(DOTS, np.float32)
-        full = rows - rows % DOTS
-        i = 0
-        while i + XROWS <= m:  # XROWS activation rows x DOTS weight rows per call
-            for r in range(r0, r0 + full, DOTS):
-                if bf16:
-                    ik_bf16_dot_grid(xf, i * k, k, wf, r * k, k, k, of, i * n + r, n)
-                else:
-                    ik_dot_grid(xf, i * k, k, wf, r * k, k, k, of, i * n + r, n)
-            for a in range(XROWS):
-                dots(xf, (i + a) * k, wf, (r0 + full) * k, k, k, rows - full, of, (i + a) * n + r0 + full, tail,
-                     bf16)
-            i += XROWS
-        for a in range(i, m):
-            dots(xf, a * k, wf, r0 * k, k, k, rows, of, a * n + r0, tail, bf16)
+        b0, b1 = claim_items(counter, per, blocks)
+        while b0 < b1:
+            for b in range(b0, b1):
+                r0 = b * ROW_BLOCK
+                rows = min(ROW_BLOCK, n - r0)
+                full = rows - rows % DOTS
+                i = 0
+                while i + XROWS <= m:  # XROWS activation rows x DOTS weight rows per call
+                    for r in range(r0, r0 + full, DOTS):
+                        if bf16:
+                            ik_bf16_dot_grid(xf, i * k, k, wf, r * k, k, k, of, i * n + r, n)
+                        else:
+                            ik_dot_grid(xf, i * k, k, wf, r * k, k, k, of, i * n + r, n)
+                    for a in range(XROWS):
+                        dots(xf, (i + a) * k, wf, (r0 + full) * k, k, k, rows - full, of, (i + a) * n + r0 + full, tail,
+                             bf16)
+                    i += XROWS
+                for a in range(i, m):
+                    dots(xf, a * k, wf, r0 * k, k, k, rows, of, a * n + r0, tail, bf16)
+            b0, b1 = claim_items(counter, per, blocks)
 
 
 def takes_whole(k: int, bf16: bool) -> bool:
@@ -176,5 +185,6 @@ def ik_float_matmul(x: np.ndarray, w: np.ndarray, bf16: bool = False) -> np.ndar
         raise ValueError(f"ik's {'bf16' if bf16 else 'float'} kernel takes rows in multiples of "
                          f"{2 * LANES if bf16 else LANES} values, not {k}")
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    _gemm(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(w, dtype=np.float32), out, bf16)
+    _gemm(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(w, dtype=np.float32), out, bf16,
+          get_num_threads())
     return out

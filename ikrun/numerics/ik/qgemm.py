@@ -32,7 +32,7 @@ from numba.core.extending import intrinsic
 
 from ikquant.formats.numeric import fmaf
 from ikrun.ops.cpu import host_has
-from ikrun.ops.parallel import TASKS_PER_THREAD, claim, pick
+from ikrun.ops.parallel import TASKS_PER_THREAD, claim, claim_items, pick, task_items
 
 #: the float order of a block's contribution: ORDER_PLAIN acc += f32(isum) x (w scale x a scale); ORDER_R8 ik's Q8_0_R8 gemm: the weights made unsigned (+127), acc = fma(w scale x a scale, f32(isum + 127 x
 #: a's integer sum), acc), a second acc1 = fma(w scale, a scale x a's integer sum, acc1), and at the end
@@ -148,27 +148,34 @@ def pack(w: BlockInts) -> PackedInts:
         offset = _by_group(padded(w.scale * np.float32(-w.bias)), groups)  # its float32 product, rounded once
     packed = np.empty(q.size, np.int8)
     corr = np.empty(groups * nb * LANES, np.int32)
-    _pack_groups(q, w.block, packed, corr)
+    _pack_groups(q, w.block, packed, corr, get_num_threads())
     return PackedInts(q=packed, scale=_by_group(padded(w.scale), groups), corr=corr, offset=offset, rows=rows, n=n,
                       block=w.block, order=w.order)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _pack_groups(q: np.ndarray, block: int, out: np.ndarray, corr: np.ndarray) -> None:
-    """q [rows, n] into out [group, block, step, 16 rows, 4 values] and corr [group, block, 16] = 128 x block sums."""
+def _pack_groups(q: np.ndarray, block: int, out: np.ndarray, corr: np.ndarray, threads: int) -> None:
+    """q [rows, n] into out [group, block, step, 16 rows, 4 values] and corr [group, block, 16] = 128 x block sums;
+    the groups in tasks the threads claim (ikrun/ops/parallel.py)."""
     n = q.shape[1]
     nb, steps = n // block, block // 4
-    for g in prange(q.shape[0] // LANES):
-        for b in range(nb):
-            for r in range(LANES):
-                corr[(g * nb + b) * LANES + r] = 0
-            for s in range(steps):
-                base = ((g * nb + b) * steps + s) * 64
-                for r in range(LANES):
-                    for t in range(4):
-                        v = q[g * LANES + r, b * block + 4 * s + t]
-                        out[base + 4 * r + t] = v
-                        corr[(g * nb + b) * LANES + r] += 128 * np.int32(v)
+    items = q.shape[0] // LANES
+    per, counter = task_items(items, threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
+        i0, i1 = claim_items(counter, per, items)
+        while i0 < i1:
+            for g in range(i0, i1):
+                for b in range(nb):
+                    for r in range(LANES):
+                        corr[(g * nb + b) * LANES + r] = 0
+                    for s in range(steps):
+                        base = ((g * nb + b) * steps + s) * 64
+                        for r in range(LANES):
+                            for t in range(4):
+                                v = q[g * LANES + r, b * block + 4 * s + t]
+                                out[base + 4 * r + t] = v
+                                corr[(g * nb + b) * LANES + r] += 128 * np.int32(v)
+            i0, i1 = claim_items(counter, per, items)
 
 
 def _splat(builder: ir.IRBuilder, value: ir.Value, vty: ir.VectorType) -> ir.Value:
