@@ -167,6 +167,9 @@ class ArchModel(ABC):
     #: whether a Sequence may continue an earlier one through a key/value cache (`Sequence.start`,
     #: `state["kv"]`): what speculative decoding's verification needs of a target
     continues: ClassVar[bool] = False
+    #: whether the blocks pass one hidden state [n, n_embd] (transformers' hidden_states), the features a DFlash
+    #: draft is trained on; False where they pass several streams (DeepSeek-V4's hyper-connections)
+    one_hidden_stream: ClassVar[bool] = True
 
     def keep_cache(self, cache: dict[str, Any], length: int) -> dict[str, Any]:
         """A continued sequence's cache (`state["kv"]`) with every position from `length` on forgotten (the rejected

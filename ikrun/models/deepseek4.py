@@ -71,6 +71,7 @@ class Deepseek4(ArchModel):
 
     archs = ("deepseek4",)
     continues = True
+    one_hidden_stream = False
 
     def __init__(self, ctx: Context):
         super().__init__(ctx)

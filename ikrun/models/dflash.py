@@ -105,8 +105,9 @@ class DFlashDraft(ArchModel):
         from ikrun.models import model_class, supported_architectures
 
         t = target.ctx
-        if not target.continues:
-            targets = [a for a in supported_architectures() if model_class(a).continues]
+        if not (target.continues and target.one_hidden_stream):
+            targets = [a for a in supported_architectures()
+                       if model_class(a).continues and model_class(a).one_hidden_stream]
             raise self.fail(f"{t.path} ({t.arch}) gives no hidden-state output to serve as a DFlash target "
                             f"(targets: {', '.join(targets)})")
         bad = [i for i in self.target_layer_ids if not 0 <= i < target.n_active]
