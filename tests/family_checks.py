@@ -19,7 +19,7 @@ from ikquant.imatrix import read_imatrix_dat
 from ikrun.cli import app
 from ikrun.eval.evaluate import perplexity
 from ikrun.eval.metrics import BaseLogitsFile
-from ikrun.eval.speculative import NextnDecoder, TargetDecoder, previous_states
+from ikrun.eval.speculative import NextnDecoder, TargetDecoder, mtp_generate, previous_states
 from ikrun.eval.stream import evaluate_chunks, minimum_budget, plan_run
 from ikrun.model import Model
 
@@ -117,3 +117,13 @@ def assert_head_equals_reference(model: Model, tokens: np.ndarray, reference: Ca
     parts = [dec.run(hidden[:8], tokens[:8])[1]] + [dec.run(hidden[i : i + 1], tokens[i : i + 1])[1]
                                                      for i in range(8, len(tokens))]
     np.testing.assert_allclose(np.concatenate(parts), whole, rtol=0, atol=rel * np.abs(ref).max())
+
+
+def assert_drafts_equal_the_reference_loop(target: Model, oracle: dict[str, Any], head: Model | None = None) -> None:
+    """A trained head's reference loop (tools/make_mtp_head*.py: whole-sequence forwards, no caches) against ikrun's
+    speculative decoding: the same acceptance and output at every step of every prompt."""
+    assert oracle["mean_acceptance_length"] > 1.5  # a head that drafts: the accepted path is exercised
+    for r in oracle["runs"]:
+        run = mtp_generate(target, np.asarray(r["prompt"]), oracle["max_new_tokens"], oracle["n_max"], head=head)
+        assert run.acceptance_lengths == r["acceptance_lengths"]
+        assert run.output_ids == r["output_ids"]

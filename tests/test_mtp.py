@@ -18,7 +18,7 @@ from ikrun.eval.evaluate import tokenize_chunks
 from ikrun.eval.speculative import TargetDecoder, greedy_continuation, mtp_generate
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
-from tests.family_checks import assert_head_equals_reference
+from tests.family_checks import assert_drafts_equal_the_reference_loop, assert_head_equals_reference
 
 runner = CliRunner()
 DATA = Path(__file__).parent / "data"
@@ -125,12 +125,7 @@ def test_a_trained_heads_acceptance_equals_the_reference_loop_at_every_step(trai
     """tools/make_mtp_head.py's torch loop (whole-sequence forwards, no caches) on the trained head: ikrun drafts,
     accepts and outputs the same at every step of all 6 prompts."""
     gguf, oracle = trained
-    model = Model(gguf)
-    assert oracle["mean_acceptance_length"] > 1.5  # a head that drafts: the accepted path is exercised
-    for r in oracle["runs"]:
-        run = mtp_generate(model, np.asarray(r["prompt"]), oracle["max_new_tokens"], oracle["n_max"])
-        assert run.acceptance_lengths == r["acceptance_lengths"]
-        assert run.output_ids == r["output_ids"]
+    assert_drafts_equal_the_reference_loop(Model(gguf), oracle)
 
 
 def test_imatrix_mtp_collects_the_heads_tensors_by_running_it(model: Model, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from ikrun.eval.evaluate import tokenize_chunks
 from ikrun.eval.speculative import TargetDecoder, greedy_continuation, mtp_generate, previous_states
 from ikrun.model import Model
 from ikrun.validate.deepseek4 import DeepseekV4Reference
-from tests.family_checks import assert_head_equals_reference
+from tests.family_checks import assert_drafts_equal_the_reference_loop, assert_head_equals_reference
 
 runner = CliRunner()
 DATA = Path(__file__).parent / "data"
@@ -130,12 +130,8 @@ def test_a_trained_heads_acceptance_equals_the_reference_loop_at_every_step(targ
     no caches) on a head trained there: ikrun, the target continuing through its cache and ik's export layout of
     the head (ikconvert --mtp), drafts, accepts and outputs the same at every step of all 6 prompts."""
     oracle = json.loads((TRAINED / "mtp-oracle.json").read_text())
-    assert oracle["mean_acceptance_length"] > 1.5  # a head that drafts: the accepted path is exercised
     export = Model(Converter(TRAINED / "hf", "f32", "joyai-llm", arch_options={"mtp": True}).write(tmp_path / "mtp.gguf"))
-    for r in oracle["runs"]:
-        run = mtp_generate(target, np.asarray(r["prompt"]), oracle["max_new_tokens"], oracle["n_max"], head=export)
-        assert run.acceptance_lengths == r["acceptance_lengths"]
-        assert run.output_ids == r["output_ids"]
+    assert_drafts_equal_the_reference_loop(target, oracle, head=export)
 
 
 def _rms(x: np.ndarray, w: np.ndarray, eps: float = 1e-6) -> np.ndarray:
