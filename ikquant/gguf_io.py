@@ -15,7 +15,7 @@ import io
 import mmap
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -307,6 +307,13 @@ class GGUFStreamWriter:
     def add_kv(self, kv: KeyValue) -> None:
         """Copy one metadata entry with its exact stored type."""
         self.gw.add_key_value(kv.key, kv.value, kv.type, sub_type=kv.sub_type)
+
+    def copy_kvs(self, kvs: Iterable[KeyValue], skip: Collection[str] = ()) -> None:
+        """Copy another file's metadata, less the keys in `skip`; general.architecture is never copied (the writer
+        was given it and has written it first)."""
+        for kv in kvs:
+            if kv.key != "general.architecture" and kv.key not in skip:
+                self.add_kv(kv)
 
     def add_tensor_info(self, name: str, shape: tuple[int, ...], gtype: GGMLType, shard: int | None = None) -> int:
         """Declare a tensor (numpy-order `shape`), in the 0-based `shard` when the layout is given; returns its byte

@@ -480,9 +480,7 @@ def quantize_model(src_path: Path, dst_path: Path, opts: QuantizeOptions,
     shards = shards or OutputShards()
     keep = shards.keep_input and src.is_split
     with GGUFStreamWriter(dst_path, src.architecture, src.alignment, shards.limits, shards.partial) as writer:
-        for kv in output_metadata(src, opts):
-            if kv.key != "general.architecture":
-                writer.add_kv(kv)
+        writer.copy_kvs(output_metadata(src, opts))
         for p in plan.tensors:
             writer.add_tensor_info(p.name, p.info.written_shape, p.type, src.shard_of(p.name) if keep else None)
         todo = Plan([p for p in plan.tensors if not writer.is_kept(p.name)], plan.warnings)

@@ -98,9 +98,7 @@ def repack_model(src_path: Path, dst_path: Path, pattern: str | None = None, unp
     shards = shards or OutputShards()
     keep = shards.keep_input and src.is_split
     with GGUFStreamWriter(dst_path, src.architecture, src.alignment, shards.limits, shards.partial) as writer:
-        for kv in src.kv():
-            if kv.key != "general.architecture":
-                writer.add_kv(kv)
+        writer.copy_kvs(src.kv())
         for step in steps:
             writer.add_tensor_info(step.info.name, step.info.shape, step.type,
                                    src.shard_of(step.info.name) if keep else None)

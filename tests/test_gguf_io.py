@@ -20,9 +20,7 @@ def test_round_trip_is_byte_identical(data_dir: Path, tmp_path: Path, variant: s
     g = GGUFFile(src)
     out = tmp_path / "copy.gguf"
     with GGUFStreamWriter(out, g.architecture) as w:
-        for kv in g.kv():
-            if kv.key != "general.architecture":
-                w.add_kv(kv)
+        w.copy_kvs(g.kv())
         for t in g.tensors.values():
             w.add_tensor_info(t.name, t.shape, t.type)
         for t in g.tensors.values():

@@ -26,9 +26,7 @@ def _copy_with(src: Path, dst: Path, replace: dict[str, tuple[str, np.ndarray]] 
     names = names if names is not None else list(g.tensors)
     with GGUFStreamWriter(dst, g.architecture) as w:
         if keep_kv:
-            for kv in g.kv():
-                if kv.key != "general.architecture":
-                    w.add_kv(kv)
+            w.copy_kvs(g.kv())
         if split_key is not None:
             w.gw.add_uint16("split.no", split_key[0])
             w.gw.add_uint16("split.count", split_key[1])

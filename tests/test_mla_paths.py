@@ -53,9 +53,7 @@ def _quantized_kv_b(src: Path, dst: Path, gtype: str, cache_writer: bool = False
     codec = type_by_name(gtype).require_codec()
     quantize = (lambda rows: cache_row_bytes(gtype, rows)) if cache_writer else codec.quantize
     with GGUFStreamWriter(dst, f.architecture) as w:
-        for item in f.kv():
-            if item.key != "general.architecture":
-                w.add_kv(item)
+        w.copy_kvs(f.kv())
         kv_b = {n for n in f.tensors if n.endswith("attn_kv_b.weight")}
         for t in f.tensors.values():
             w.add_tensor_info(t.name, t.shape, type_by_name(gtype) if t.name in kv_b else t.type)
@@ -298,9 +296,7 @@ def _with_iks_derived_heads(src: Path, dst: Path) -> Path:
     f = GGUFFile(src)
     q8, q4 = type_by_name("Q8_0"), type_by_name("Q4_0")
     with GGUFStreamWriter(dst, f.architecture) as w:
-        for item in f.kv():
-            if item.key != "general.architecture":
-                w.add_kv(item)
+        w.copy_kvs(f.kv())
         for t in f.tensors.values():
             w.add_tensor_info(t.name, t.shape, t.type)
         for i in LAYERS:

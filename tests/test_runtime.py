@@ -69,9 +69,7 @@ def test_missing_tensor_is_named_before_compute(data_dir: Path, tmp_path: Path) 
     src = GGUFFile(data_dir / "convert" / "qwen3" / "ik-f32.gguf")
     path = tmp_path / "broken.gguf"
     with GGUFStreamWriter(path, src.architecture) as w:
-        for kv in src.kv():
-            if kv.key != "general.architecture":
-                w.add_kv(kv)
+        w.copy_kvs(src.kv())
         keep = [t for t in src.tensors.values() if t.name != "blk.1.ffn_up.weight"]
         for t in keep:
             w.add_tensor_info(t.name, t.shape, t.type)

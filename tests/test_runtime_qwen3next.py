@@ -298,9 +298,7 @@ def _with_keys(src: Path, dst: Path, keys: dict[str, Any]) -> Path:
     """A copy of `src` whose metadata has `keys` (int: UINT32, str: STRING, list: INT32 array) instead."""
     g = GGUFFile(src)
     with GGUFStreamWriter(dst, g.architecture) as w:
-        for kv in g.kv():
-            if kv.key != "general.architecture" and kv.key not in keys:
-                w.add_kv(kv)
+        w.copy_kvs(g.kv(), skip=keys)
         for key, value in keys.items():
             if isinstance(value, str):
                 w.gw.add_string(key, value)
@@ -379,9 +377,7 @@ def _fused_qkvz_file(src: Path, dst: Path) -> Path:
                                 z[j * vr : (j + 1) * vr]]) for j in range(hk)]
         tensors[b + "ssm_in.weight"] = ((len(qkv) + len(z), info.shape[1]), info.type, np.concatenate(rows))
     with GGUFStreamWriter(dst, g.architecture) as w:
-        for kv in g.kv():
-            if kv.key != "general.architecture":
-                w.add_kv(kv)
+        w.copy_kvs(g.kv())
         for n, (shape, gtype, _) in tensors.items():
             w.add_tensor_info(n, shape, gtype)
         for n, (_, _, raw) in tensors.items():
