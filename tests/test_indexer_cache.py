@@ -81,9 +81,10 @@ def test_an_indexer_cache_the_model_cannot_take_is_refused(model: Path, flags: l
 # ---- against native ik (AVX2 build): llama-perplexity -ictk q8_0 against its own default-cache base ------------
 
 #: (model, folder of ik's files, ikrun flags that ask for ik's run: GLM's --dsa keeps the first token, the relative
-#: distance to ik's printed KLD: openPangu's is every printed digit; GLM's run is 0.16% below ik's, a difference in
-#: its top-k selections not found yet)
-ORACLES = {"glm-dsa": (GLM, DATA / "logits" / "glm-dsa-ictk", ["--dsa-sink"], 2e-3),
+#: distance to ik's printed KLD: openPangu's is every printed digit; GLM's run is 2e-5 from ik's: --numerics ik
+#: models ik's AVX-512 build, and this AVX2 build's 8-lane float kernels differ from it from the first F32
+#: projection on (4.8e-7 there), which moves one top-k selection of 8 chunks)
+ORACLES = {"glm-dsa": (GLM, DATA / "logits" / "glm-dsa-ictk", ["--dsa-sink"], 1e-4),
            "openpangu": (PANGU, DATA / "logits" / "openpangu-v2-ictk", [], 0.0)}
 
 

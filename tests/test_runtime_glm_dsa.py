@@ -23,6 +23,7 @@ from ikrun.ops.indexer import hadamard
 from ikrun.options import RuntimeOptions
 from ikrun.validate.hf import HFReference, compare_logits
 from tests.blas import needs_avx512_gemm
+from tests.family_checks import assert_iks_forward
 from tests.test_convert_glm_dsa import GlmSpec, make_glm_checkpoint
 from tests.test_runtime_deepseek2 import _rewrite, assert_thread_invariant
 
@@ -74,6 +75,19 @@ def test_with_iks_f16_caches_every_run_agrees(base: str, flags: list[str], kld_m
     stats = _kld(base, "--kv-cache", "f16", *flags)
     assert stats["same_top_p"] == 1.0 and stats["kld_max"] < kld_max, stats
     assert abs(stats["kld_mean"]) < 2e-5 and stats["kld_median"] < 2e-7, stats
+
+
+@pytest.mark.parametrize(("base", "printed", "options"), [
+    ("ik-base-dsa.kld", "ik-f32-dsa-ppl.txt", RuntimeOptions(numerics="ik", dsa_sink=True)),
+    ("ik-base-dsa-nosink.kld", "ik-f32-dsa-nosink-ppl.txt", RuntimeOptions(numerics="ik")),
+    ("ik-base.kld", "ik-f32-ppl.txt", RuntimeOptions(numerics="ik", dsa=False)),
+])
+def test_numerics_ik_is_iks_forward(base: str, printed: str, options: RuntimeOptions, tmp_path: Path) -> None:
+    """Under --numerics ik each of ik's three runs comes out byte for byte (its base-logits file, every running
+    PPL): the indexer's selection and ik's -fa off attention under its sparse mask in its float order (before the
+    mask went through ik's kernel, the --dsa run was 515.5757 where ik prints 515.6401). Its kernels are emulated,
+    so this needs no particular BLAS."""
+    assert_iks_forward(Model(GGUF, options=options), LOGITS / base, LOGITS / printed, tmp_path / "base.kld")
 
 
 def test_sink_changes_the_selection() -> None:

@@ -206,11 +206,11 @@ class IkNumerics(Numerics):
                          sinks: np.ndarray | None = None, window: int = 0, keep: np.ndarray | None = None,
                          on_latent: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """ik's attention kernels with attn_k_b / attn_v_b per head as ik's kernels multiply them: DeepSeek's plain
-        causal form, and openPangu's with sinks (its unfused chain, in ik's [latent | rope] layout); a keep mask
-        without sinks (GLM's DSA) keeps this runtime's float order around ik's matmuls."""
+        causal form (with GLM's DSA keep mask, ik's sparse mask), and openPangu's with sinks (its unfused chain, in
+        ik's [latent | rope] layout)."""
         n, n_head, n_rot = q_rope.shape
         n_lat = cache.shape[1] - n_rot
-        plain = sinks is None and window == 0 and keep is None
+        plain = sinks is None and window == 0
         if len(cache) != n and (sinks is not None or window > 0):
             raise ValueError("a continued sequence's MLA takes no sinks or window")
         if (n_rot + n_lat) % LANES or not (plain or sinks is not None):
@@ -220,7 +220,7 @@ class IkNumerics(Numerics):
         q_lat = self.head_product(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight", k_b)
         if sinks is None:
             q = np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2)
-            latent = ik_latent_attention(q, cache, n_rot, scale)
+            latent = ik_latent_attention(q, cache, n_rot, scale, keep)
         else:
             q = np.concatenate([q_lat, q_rope.transpose(1, 0, 2)], axis=2)
             lat_first = np.r_[n_rot : n_rot + n_lat, :n_rot]

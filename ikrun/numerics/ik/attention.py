@@ -31,15 +31,21 @@ def _lane_sum(lanes: np.ndarray) -> np.float32:
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _ik_softmax(r: np.ndarray, first: int, n_keys: int, scale: np.float32, sink: np.float32) -> None:
+def _ik_softmax(r: np.ndarray, first: int, n_keys: int, scale: np.float32, sink: np.float32,
+                keep: np.ndarray) -> None:
     """ik's softmax of the scores r[first:n_keys] in place (the module docstring), zeros before and after them (r's
-    length a multiple of 16). Each pass is a loop LLVM vectorises (on a view from 0: an offset start keeps it
-    scalar): the maximum and the sum in 16 lanes (the maximum's order changes nothing; the sum's is ik's). A sink
-    logit (-inf: none) joins the maximum, and its expf joins the float64 sum after the lanes (ggml's soft_max with
-    sinks)."""
+    length a multiple of 16), and of the keys `keep` marks among them when it is not empty (GLM's DSA: ik adds
+    -1e30 to the others' scaled scores, whose exponentials are then 0 as for -inf). Each pass is a loop LLVM
+    vectorises (on a view from 0: an offset start keeps it scalar): the maximum and the sum in 16 lanes (the
+    maximum's order changes nothing; the sum's is ik's). A sink logit (-inf: none) joins the maximum, and its expf
+    joins the float64 sum after the lanes (ggml's soft_max with sinks)."""
     whole = n_keys + (-n_keys % LANES)
     for j in range(n_keys):
         r[j] *= scale
+    if keep.shape[0]:
+        for j in range(n_keys):
+            if not keep[j]:
+                r[j] = -np.inf
     for j in range(first):
         r[j] = -np.inf  # a sliding window's masked keys
     for j in range(n_keys, whole):
@@ -67,10 +73,10 @@ def _ik_softmax(r: np.ndarray, first: int, n_keys: int, scale: np.float32, sink:
 
 @njit(cache=True, nogil=True, parallel=True)
 def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, past: int, window: int,
-                  sinks: np.ndarray, out: np.ndarray, threads: int) -> None:
+                  sinks: np.ndarray, keep: np.ndarray, out: np.ndarray, threads: int) -> None:
     """q [H, n, d], k [Hkv, keys padded, d], vt [Hkv, dv, keys padded], out [H, n, dv] (all C-contiguous; the
-    padding, to a multiple of 16 keys, zeros); a query sees its last `window` keys (0: all), `sinks` one logit per
-    head (empty: none).
+    padding, to a multiple of 16 keys, zeros); a query sees its last `window` keys (0: all) and those `keep`
+    [n, keys] marks (no rows: all), `sinks` one logit per head (empty: none).
 
     XROWS queries of a head at a time: their scores against DOTS keys, and their weighted values of DOTS dims, per
     kernel call (each key and value vector loaded once for all of them). The scores a query may not see are
@@ -84,6 +90,7 @@ def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, pa
     qf, kf, vf, of = q.reshape(-1), k.reshape(-1), vt.reshape(-1), out.reshape(-1)
     items = n_head * n_groups
     per, counter = task_items(items, threads), np.zeros(1, np.int64)
+    keep_all = np.empty(0, np.bool_)
     for _ in prange(threads):
         p = np.empty(XROWS * padded, np.float32)
         tail = np.empty(DOTS, np.float32)
@@ -107,7 +114,8 @@ def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, pa
                 for a in range(rows):
                     seen = past + i0 + a + 1
                     first = max(0, seen - window) if window > 0 else 0
-                    _ik_softmax(p[a * padded : a * padded + width], first, seen, sc, sink)
+                    row = keep[i0 + a] if keep.shape[0] else keep_all
+                    _ik_softmax(p[a * padded : a * padded + width], first, seen, sc, sink, row)
                 o0 = (h * n + i0) * dv
                 full = dv - dv % DOTS if rows == XROWS else 0
                 for c in range(0, full, DOTS):
@@ -134,14 +142,17 @@ def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
     vt[:, :, :n_keys] = v.transpose(1, 2, 0)
     out = np.empty((n_head, n, v.shape[2]), np.float32)
     sink = np.empty(0, np.float32) if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
-    _ik_attention(qh, kh, vt, float(scale), n_keys - n, window, sink, out, get_num_threads())
+    _ik_attention(qh, kh, vt, float(scale), n_keys - n, window, sink, np.empty((0, 0), np.bool_), out,
+                  get_num_threads())
     return out.transpose(1, 0, 2)
 
 
-def ik_latent_attention(q: np.ndarray, cache: np.ndarray, n_rope: int, scale: float) -> np.ndarray:
+def ik_latent_attention(q: np.ndarray, cache: np.ndarray, n_rope: int, scale: float,
+                        keep: np.ndarray | None = None) -> np.ndarray:
     """DeepSeek's absorbed attention (ops/mla.py) in ik's arithmetic: queries q [H, n, R + C] ([q_rope | q_lat])
     against the cache rows [p + n, R + C] ([k_rope | c_kv], as the f16 cache holds them; p rows of a continued
-    sequence's earlier positions first), the latents c_kv as values: [H, n, C]; dims a multiple of 16."""
+    sequence's earlier positions first), the latents c_kv as values: [H, n, C]; dims a multiple of 16. `keep`
+    [n, p + n]: the causal keys each query may see (GLM's DSA top-k, ik's sparse mask)."""
     n_head, n, d = q.shape
     if d % LANES:
         raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {LANES}, not {d}")
@@ -152,8 +163,9 @@ def ik_latent_attention(q: np.ndarray, cache: np.ndarray, n_rope: int, scale: fl
     vt = np.zeros((1, d - n_rope, padded), np.float32)
     vt[0, :, :n_keys] = cache[:, n_rope:].T
     out = np.empty((n_head, n, d - n_rope), np.float32)
+    mask = np.empty((0, 0), np.bool_) if keep is None else np.ascontiguousarray(keep, dtype=np.bool_)
     _ik_attention(np.ascontiguousarray(q, dtype=np.float32), keys, vt, float(scale), n_keys - n, 0,
-                  np.empty(0, np.float32), out, get_num_threads())
+                  np.empty(0, np.float32), mask, out, get_num_threads())
     return out
 
 
