@@ -46,7 +46,10 @@ class Model:
     def __init__(self, path: str | os.PathLike[str], threads: int | None = None, kv_cache: str = "f32",
                  options: RuntimeOptions | None = None, mem: int | None = None, stream: bool | None = None,
                  cache_type_k: str | None = None, cache_type_v: str | None = None, k_cache_hadamard: bool = False,
-                 v_cache_hadamard: bool = False, indexer_cache_type_k: str | None = None):
+                 v_cache_hadamard: bool = False, indexer_cache_type_k: str | None = None, track_changes: bool = True):
+        """`track_changes`: keep what `reload_changed` needs to tell the tensors a file rewritten in place really
+        changed (off, every cached tensor of such a file counts as changed; a run that never reloads saves a hash of
+        every decoded byte)."""
         from ikrun.models import check_options, model_class
 
         requested = requested_cache(kv_cache, cache_type_k, cache_type_v, k_cache_hadamard, v_cache_hadamard,
@@ -56,6 +59,7 @@ class Model:
             self.weights = WeightStore(self.path)
         except SwapError as exc:
             raise ModelError(str(exc)) from None
+        self.weights.track_changes = track_changes
         self.arch = self.gguf.architecture
         #: switches the architecture reads (checked against the ones it honours before it is built)
         self.options = options or RuntimeOptions()

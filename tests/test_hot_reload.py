@@ -119,6 +119,28 @@ def test_reload_changed_reloads_exactly_the_changed_tensors(tiny_f32: Path, tmp_
     np.testing.assert_array_equal(m.logits(TOKENS), before)
 
 
+def test_without_change_tracking_a_file_rewritten_in_place_counts_as_changed(tiny_f32: Path, tmp_path: Path) -> None:
+    """A model opened with track_changes=False (the commands: they never reload) hashes no decoded bytes; a reload
+    then takes every cached tensor of a file rewritten in place as changed, and still compares a renamed file's
+    bytes."""
+    paths = _split_one_tensor_per_file(tiny_f32, tmp_path)
+    m = Model(paths[0], track_changes=False)
+    before = m.logits(TOKENS)
+    untouched = next(p for p in paths if "blk.0.ffn_up.weight" in GGUFFile(p).tensors)
+    os.utime(untouched)
+    assert m.reload_changed() == ["blk.0.ffn_up.weight"]
+    target = next(p for p in paths if "blk.1.ffn_up.weight" in GGUFFile(p).tensors)
+    candidate = tmp_path / "candidate.gguf"
+    _copy_with(target, candidate, {"blk.1.ffn_up.weight": ("Q4_0", _requantized(target, "blk.1.ffn_up.weight", "Q4_0"))},
+               split_key=(int(GGUFFile(target).get("split.no")), len(paths), len(paths)), keep_kv=False)
+    renamed_same = next(p for p in paths if "blk.1.ffn_down.weight" in GGUFFile(p).tensors)
+    shutil.copy(renamed_same, tmp_path / "same.gguf")
+    os.replace(tmp_path / "same.gguf", renamed_same)
+    os.replace(candidate, target)
+    assert m.reload_changed() == ["blk.1.ffn_up.weight"]
+    assert not np.array_equal(m.logits(TOKENS), before)
+
+
 def test_reload_refuses_broken_or_reshaped_files(tiny_f32: Path, tmp_path: Path) -> None:
     paths = _split_one_tensor_per_file(tiny_f32, tmp_path)
     m = Model(paths[0])

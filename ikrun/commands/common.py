@@ -57,7 +57,8 @@ def load_model(path: Path, ev: Evaluation, beside: bool = False) -> Model:
     use_threads(ev.threads)
     try:
         m = Model(path, ev.threads, ev.kv_cache, ev.options, memory_budget(ev), ev.stream, ev.cache_type_k,
-                  ev.cache_type_v, ev.k_cache_hadamard, ev.v_cache_hadamard, ev.indexer_cache_type_k)
+                  ev.cache_type_v, ev.k_cache_hadamard, ev.v_cache_hadamard, ev.indexer_cache_type_k,
+                  track_changes=False)
     except IkError as exc:
         fail(str(exc))
     if not m.impl.standalone and not beside:

@@ -76,7 +76,7 @@ class SweepWorker:
         self.model = Model(spec.model, spec.threads, options=spec.options, mem=mem, stream=spec.stream,
                            cache_type_k=spec.cache.k, cache_type_v=spec.cache.v,
                            k_cache_hadamard=bool(spec.cache.k_hadamard), v_cache_hadamard=bool(spec.cache.v_hadamard),
-                           indexer_cache_type_k=spec.cache.indexer)
+                           indexer_cache_type_k=spec.cache.indexer, track_changes=False)
         self.imatrix = read_imatrix(Path(spec.imatrix)) if spec.imatrix else None
         self.folder = tempfile.TemporaryDirectory(prefix="ikrun-sweep-worker-")
         from ikrun.eval.evaluate import open_base
