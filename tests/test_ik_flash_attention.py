@@ -1,6 +1,8 @@
-"""`--numerics ik --mla prefill`: ggml's generic flash-attention kernel (ikrun/numerics/ik/flash_attention.py) on
-the keys and values ik materialises through attn_kv_b, against a native AVX2 ik's default run (flash attention on,
-mla 3) of the tiny DeepSeek-V3 (tests/data/logits/deepseek-v3-fa-avx2)."""
+"""`--numerics ik --mla prefill`: ik's flash-attention kernels on the keys and values ik materialises through
+attn_kv_b, against a native AVX2 ik: its own iqk kernel (ikrun/numerics/ik/iqk_flash_attention.py) bit for bit
+against ggml_flash_attn_ext (tests/data/flash-attention/iqk-avx2), ggml's generic one (flash_attention.py) on the
+tiny DeepSeek-V3's 48/32 heads against ik's default run (flash attention on, mla 3; tests/data/logits/
+deepseek-v3-fa-avx2)."""
 
 from __future__ import annotations
 
@@ -14,15 +16,17 @@ import pytest
 from typer.testing import CliRunner
 
 from ikrun.cli import app
-from ikrun.model import Model
+from ikrun.numerics.ik.arithmetic import IQK_FA_HEADS
 from ikrun.numerics.ik.flash_attention import flash_attention_f16
-from ikrun.options import RuntimeOptions
+from ikrun.numerics.ik.iqk_flash_attention import avx2_expf, iqk_flash_attention_f16, k_step_for
+from tests.iqk_fa_cases import CASES, case_inputs
 from tests.test_mla_paths import _quantized_kv_b
 
 runner = CliRunner()
 DATA = Path(__file__).parent / "data"
 V3 = DATA / "convert" / "deepseek-v3" / "ik-f32.gguf"
 FOLDER = DATA / "logits" / "deepseek-v3-fa-avx2"
+IQK_OUTPUTS = DATA / "flash-attention" / "iqk-avx2" / "outputs.npz"
 
 
 def _f16(x: np.ndarray) -> np.ndarray:
@@ -73,8 +77,28 @@ def test_a_q4_0_attn_kv_b_costs_what_ik_prints(tmp_path: Path) -> None:
     assert _kld(q4)["kld_mean"] != pytest.approx(theirs, rel=1e-2)
 
 
-def test_head_sizes_of_iks_own_kernels_are_refused() -> None:
-    numerics = Model(V3, options=RuntimeOptions(numerics="ik")).numerics
-    assert numerics.check_mla_prefill(48, 32) is None
-    why = numerics.check_mla_prefill(192, 128)
-    assert why is not None and "192/128" in why and "iqk" in why
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_iqk_kernel_is_iks_bit_for_bit(case: Any) -> None:
+    """ik's ggml_flash_attn_ext (native AVX2 build, its iqk kernel) on the same inputs gave these very bits, whatever
+    its thread count and the rows it tiles together; keys past the last visible one are skipped (ik weighs them 0)."""
+    q, k, v, scale = case_inputs(case)
+    n_keys = case.first + case.n_q
+    out = np.empty((case.n_head, case.n_q, case.dv), dtype=np.float32)
+    iqk_flash_attention_f16(q, np.ascontiguousarray(k[:, :n_keys], dtype=np.float32),
+                            np.ascontiguousarray(v[:, :n_keys], dtype=np.float32), float(scale), case.first,
+                            k_step_for(case.dk, case.dv, case.n_kv), out)
+    with np.load(IQK_OUTPUTS) as theirs:
+        np.testing.assert_array_equal(out, theirs[case.name])
+
+
+def test_every_head_size_of_iks_kernels_is_checked() -> None:
+    assert {(c.dk, c.dv) for c in CASES} == set(IQK_FA_HEADS)
+
+
+def test_the_avx2_exponential_is_not_expf_and_ends_at_0_and_inf() -> None:
+    x = np.linspace(-120, 0, 100001, dtype=np.float32)
+    ours = np.array([avx2_expf(np.float32(t)) for t in x[::97]])
+    np.testing.assert_allclose(ours, np.exp(x[::97].astype(np.float64)), rtol=3e-7, atol=1e-45)
+    assert (ours != np.exp(x[::97])).any()
+    assert avx2_expf(np.float32(-np.inf)) == 0 and avx2_expf(np.float32(-200.0)) == 0
+    assert avx2_expf(np.float32(0.0)) == 1 and avx2_expf(np.float32(200.0)) == np.inf
