@@ -149,12 +149,12 @@ def test_iks_figures_do_not_depend_on_its_threads() -> None:
 
 
 def test_real_heads_f32_prefill_is_iks_default_run(real_heads: dict[str, Path]) -> None:
-    """ik's own F32 run against its base prints mean KLD 0.000000, maximum 0.000006, PPL(Q) 484.733269: ours the
-    same KLD figures and PPL(Q) 484.728612 (mean KLD 1.2e-8, at any --ik-threads). The attention is ik's to the bit
+    """ik's own F32 run against its base prints mean KLD 0.000000, maximum 0.000006, PPL(Q) 484.733269: ours (the
+    prefill path, which --mla auto takes for ik's 128-token chunks) the same KLD figures and PPL(Q) 484.728612 (mean KLD 1.2e-8, at any --ik-threads). The attention is ik's to the bit
     (test_iqk_kernel_is_iks_bit_for_bit); what is left is the AVX2 build's other kernels (--numerics ik computes
     ik's AVX-512 ones; the decode path against this build's -fa off: 1.5e-7). The exact arithmetic: 2.2e-7."""
     ik = _printed("ik-f32-kld.txt")
-    ours = _real_kld(real_heads["ik-f32.gguf"], "--numerics", "ik", "--mla", "prefill")
+    ours = _real_kld(real_heads["ik-f32.gguf"], "--numerics", "ik")
     assert ours["mla_path"] == "prefill"
     assert f"{ours['kld_mean']:.6f}" == f"{ik['kld_mean']:.6f}" and f"{ours['kld_max']:.6f}" == f"{ik['kld_max']:.6f}"
     assert ours["kld_mean"] < 3e-8 and ours["ppl_q"] == pytest.approx(ik["ppl_q"], rel=2e-5)
@@ -165,10 +165,18 @@ def test_real_heads_q4_0_attn_kv_b_costs_what_ik_prints(real_heads: dict[str, Pa
     """attn_kv_b alone in Q4_0: ik prints mean KLD 0.030781, maximum 0.419790, same top p 68.254%; --numerics ik
     0.030778, 0.419758 and 68.254%; the exact arithmetic 0.030130."""
     ik = _printed("ik-kvb-q4_0-kld.txt")
-    ours = _real_kld(real_heads["kvb-q4_0.gguf"], "--numerics", "ik", "--mla", "prefill")
+    ours = _real_kld(real_heads["kvb-q4_0.gguf"], "--numerics", "ik")
     assert ours["mla_path"] == "prefill"
     assert ours["kld_mean"] == pytest.approx(ik["kld_mean"], rel=2e-4)
     assert ours["kld_max"] == pytest.approx(ik["kld_max"], rel=2e-4)
     assert f"{100 * ours['same_top_p']:.3f}" == f"{ik['same_top_p']:.3f}"
     assert _real_kld(real_heads["kvb-q4_0.gguf"], "--mla", "prefill")["kld_mean"] != pytest.approx(ik["kld_mean"],
                                                                                                    rel=1e-2)
+
+
+def test_the_console_report_names_the_mla_path(real_heads: dict[str, Path]) -> None:
+    for flags, path in (((), "prefill"), (("--mla", "decode"), "decode")):
+        res = runner.invoke(app, ["kld", str(real_heads["ik-f32.gguf"]), "--base-logits", str(REAL / "ik-base.kld"),
+                                  "--numerics", "ik", *flags], env={"COLUMNS": "200"})
+        assert res.exit_code == 0, res.output
+        assert f"MLA {path} path" in res.stdout
