@@ -1,5 +1,6 @@
 """The flash-attention inputs tools/iqk_fa_oracle.py ran through ik's ggml_flash_attn_ext (native AVX2 build) for
-tests/data/flash-attention/iqk-avx2: random queries (float32) and f16 keys and values, made again from their seeds."""
+tests/data/flash-attention/iqk-avx2: random queries (float32) and f16 keys and values, made again from their seeds.
+Every head size ik's own (iqk) kernels take, and a few its generic ggml kernel takes (GENERIC_CASES)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,13 @@ CASES = (
     Case(320, 256, 20, 256, 1, 1, 5, 4.0),  # 32-key blocks
     Case(512, 512, 8, 256, 1, 1, 5, 4.0),
     Case(576, 512, 8, 256, 1, 1, 5, 4.0),  # 32-key blocks
+)
+#: head sizes ik's iqk kernels do not take: ggml's generic kernel (the tiny DeepSeek-V3's 48/32; values not a whole
+#: number of 32-wide steps)
+GENERIC_CASES = (
+    Case(48, 32, 128, 256, 2, 1, 0, 1.0),
+    Case(48, 40, 64, 256, 2, 2, 0, 3.0),
+    Case(80, 72, 37, 256, 2, 1, 30, 3.0),
 )
 
 

@@ -20,7 +20,7 @@ from ikrun.cli import app
 from ikrun.numerics.ik.arithmetic import IQK_FA_HEADS
 from ikrun.numerics.ik.flash_attention import flash_attention_f16
 from ikrun.numerics.ik.iqk_flash_attention import avx2_expf, iqk_flash_attention_f16, k_step_for
-from tests.iqk_fa_cases import CASES, case_inputs
+from tests.iqk_fa_cases import CASES, GENERIC_CASES, case_inputs
 from tests.test_mla_paths import _quantized_kv_b
 
 runner = CliRunner()
@@ -92,7 +92,21 @@ def test_iqk_kernel_is_iks_bit_for_bit(case: Any) -> None:
         np.testing.assert_array_equal(out, theirs[case.name])
 
 
+@pytest.mark.parametrize("case", GENERIC_CASES, ids=lambda c: c.name)
+def test_generic_kernel_is_iks_bit_for_bit(case: Any) -> None:
+    """Other head sizes: ggml's generic kernel of ik's native AVX2 build gave these very bits (its weight total is
+    not fused: S * ms + vs, two roundings)."""
+    q, k, v, scale = case_inputs(case)
+    n_keys = case.first + case.n_q
+    out = np.empty((case.n_head, case.n_q, case.dv), dtype=np.float32)
+    flash_attention_f16(q, np.ascontiguousarray(k[:, :n_keys], dtype=np.float32),
+                        np.ascontiguousarray(v[:, :n_keys], dtype=np.float32), float(scale), case.first, out)
+    with np.load(IQK_OUTPUTS) as theirs:
+        np.testing.assert_array_equal(out, theirs[case.name])
+
+
 def test_every_head_size_of_iks_kernels_is_checked() -> None:
+    assert not {(c.dk, c.dv) for c in GENERIC_CASES} & set(IQK_FA_HEADS)
     assert {(c.dk, c.dv) for c in CASES} == set(IQK_FA_HEADS)
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Run tests/iqk_fa_cases.py's inputs through ik's own flash-attention (ggml_flash_attn_ext of a native ik build,
-tools/iqk_fa_oracle.c) and store the results for tests/test_ik_flash_attention.py.
+"""Run tests/iqk_fa_cases.py's inputs through ik's flash attention (ggml_flash_attn_ext of a native ik build, which
+takes its own iqk kernel or ggml's generic one by head size; tools/iqk_fa_oracle.c) and store the results for
+tests/test_ik_flash_attention.py.
 
 Example: python tools/iqk_fa_oracle.py /work/ik-src tests/data/flash-attention/iqk-avx2/outputs.npz
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.iqk_fa_cases import CASES, case_inputs
+from tests.iqk_fa_cases import CASES, GENERIC_CASES, case_inputs
 
 
 def main() -> None:
@@ -29,7 +30,7 @@ def main() -> None:
         subprocess.run(["gcc", "-O2", "-o", str(exe), str(Path(__file__).with_suffix(".c")),
                         f"-I{a.ik_src / 'ggml' / 'include'}", f"-L{lib}", "-lggml", "-lm", f"-Wl,-rpath,{lib}"],
                        check=True)
-        for case in CASES:
+        for case in CASES + GENERIC_CASES:
             q, k, v, scale = case_inputs(case)
             with data.open("wb") as f:
                 np.array(case[:7], np.int32).tofile(f)
