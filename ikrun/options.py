@@ -46,9 +46,9 @@ class RuntimeOptions:
         "MLA models (deepseek2, glm-dsa): prefill = ik's prompt-processing path, K and V materialised from the "
         "latent cache through attn_kv_b (what ik's defaults, -fa on -mla 3, run for batches of 128 tokens or more); "
         "decode = the absorbed path through attn_k_b / attn_v_b (single-token generation, and every batch with -fa "
-        "off). auto (default): prefill for sequences of 128 tokens or more, decode below, under --numerics ik "
-        "(which reproduces ik's -fa off; with --mla prefill it runs ggml's generic flash-attention kernel, and refuses "
-        "the head sizes ik's own kernels take) and for imatrix collection. An error for a model without MLA.")})
+        "off). auto (default): prefill for sequences of 128 tokens or more, as ik's defaults (under --numerics ik "
+        "with ik's flash-attention kernels), decode below and for imatrix collection. Give decode to compare with ik "
+        "run with -fa off. An error for a model without MLA.")})
     #: the DSA indexer's top-k instead of the file's attention.indexer.top_k (0: the file's)
     dsa_top_k: int = field(default=0, metadata={"help": (
         "The lightning indexer's top-k (ik's -dsatk): the keys each query may see, instead of the file's "
@@ -72,8 +72,6 @@ class RuntimeOptions:
         """The MLA path ("prefill" or "decode") a forward of `n_tokens` tokens runs (the --mla help)."""
         if self.mla != "auto":
             return self.mla
-        if self.numerics == "ik":
-            return "decode"
         return "prefill" if n_tokens >= MLA_PREFILL_MIN_TOKENS else "decode"
 
     def given(self) -> list[str]:

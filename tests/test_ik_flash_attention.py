@@ -1,9 +1,12 @@
-"""`--numerics ik --mla prefill`: ggml's generic flash-attention kernel (ikrun/numerics/ik/flash_attention.py) on
-the keys and values ik materialises through attn_kv_b, against a native AVX2 ik's default run (flash attention on,
-mla 3) of the tiny DeepSeek-V3 (tests/data/logits/deepseek-v3-fa-avx2)."""
+"""`--numerics ik --mla prefill`: ik's flash-attention kernels on the keys and values ik materialises through
+attn_kv_b, against a native AVX2 ik: its own iqk kernel (ikrun/numerics/ik/iqk_flash_attention.py) bit for bit
+against ggml_flash_attn_ext (tests/data/flash-attention/iqk-avx2), ggml's generic one (flash_attention.py) on the
+tiny DeepSeek-V3's 48/32 heads against ik's default run (flash attention on, mla 3; tests/data/logits/
+deepseek-v3-fa-avx2)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -14,15 +17,17 @@ import pytest
 from typer.testing import CliRunner
 
 from ikrun.cli import app
-from ikrun.model import Model
+from ikrun.numerics.ik.arithmetic import IQK_FA_HEADS
 from ikrun.numerics.ik.flash_attention import flash_attention_f16
-from ikrun.options import RuntimeOptions
+from ikrun.numerics.ik.iqk_flash_attention import avx2_expf, iqk_flash_attention_f16, k_step_for
+from tests.iqk_fa_cases import CASES, GENERIC_CASES, case_inputs
 from tests.test_mla_paths import _quantized_kv_b
 
 runner = CliRunner()
 DATA = Path(__file__).parent / "data"
 V3 = DATA / "convert" / "deepseek-v3" / "ik-f32.gguf"
 FOLDER = DATA / "logits" / "deepseek-v3-fa-avx2"
+IQK_OUTPUTS = DATA / "flash-attention" / "iqk-avx2" / "outputs.npz"
 
 
 def _f16(x: np.ndarray) -> np.ndarray:
@@ -73,8 +78,119 @@ def test_a_q4_0_attn_kv_b_costs_what_ik_prints(tmp_path: Path) -> None:
     assert _kld(q4)["kld_mean"] != pytest.approx(theirs, rel=1e-2)
 
 
-def test_head_sizes_of_iks_own_kernels_are_refused() -> None:
-    numerics = Model(V3, options=RuntimeOptions(numerics="ik")).numerics
-    assert numerics.check_mla_prefill(48, 32) is None
-    why = numerics.check_mla_prefill(192, 128)
-    assert why is not None and "192/128" in why and "iqk" in why
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_iqk_kernel_is_iks_bit_for_bit(case: Any) -> None:
+    """ik's ggml_flash_attn_ext (native AVX2 build, its iqk kernel) on the same inputs gave these very bits, whatever
+    its thread count and the rows it tiles together; keys past the last visible one are skipped (ik weighs them 0)."""
+    q, k, v, scale = case_inputs(case)
+    n_keys = case.first + case.n_q
+    out = np.empty((case.n_head, case.n_q, case.dv), dtype=np.float32)
+    iqk_flash_attention_f16(q, np.ascontiguousarray(k[:, :n_keys], dtype=np.float32),
+                            np.ascontiguousarray(v[:, :n_keys], dtype=np.float32), float(scale), case.first,
+                            k_step_for(case.dk, case.dv, case.n_kv), out)
+    with np.load(IQK_OUTPUTS) as theirs:
+        np.testing.assert_array_equal(out, theirs[case.name])
+
+
+@pytest.mark.parametrize("case", GENERIC_CASES, ids=lambda c: c.name)
+def test_generic_kernel_is_iks_bit_for_bit(case: Any) -> None:
+    """Other head sizes: ggml's generic kernel of ik's native AVX2 build gave these very bits (its weight total is
+    not fused: S * ms + vs, two roundings)."""
+    q, k, v, scale = case_inputs(case)
+    n_keys = case.first + case.n_q
+    out = np.empty((case.n_head, case.n_q, case.dv), dtype=np.float32)
+    flash_attention_f16(q, np.ascontiguousarray(k[:, :n_keys], dtype=np.float32),
+                        np.ascontiguousarray(v[:, :n_keys], dtype=np.float32), float(scale), case.first, out)
+    with np.load(IQK_OUTPUTS) as theirs:
+        np.testing.assert_array_equal(out, theirs[case.name])
+
+
+def test_every_head_size_of_iks_kernels_is_checked() -> None:
+    assert not {(c.dk, c.dv) for c in GENERIC_CASES} & set(IQK_FA_HEADS)
+    assert {(c.dk, c.dv) for c in CASES} == set(IQK_FA_HEADS)
+
+
+def test_the_avx2_exponential_is_not_expf_and_ends_at_0_and_inf() -> None:
+    x = np.linspace(-120, 0, 100001, dtype=np.float32)
+    ours = np.array([avx2_expf(np.float32(t)) for t in x[::97]])
+    np.testing.assert_allclose(ours, np.exp(x[::97].astype(np.float64)), rtol=3e-7, atol=1e-45)
+    assert (ours != np.exp(x[::97])).any()
+    assert avx2_expf(np.float32(-np.inf)) == 0 and avx2_expf(np.float32(-200.0)) == 0
+    assert avx2_expf(np.float32(0.0)) == 1 and avx2_expf(np.float32(200.0)) == np.inf
+
+
+# ---- the tiny DeepSeek-V3 with real head sizes (192/128) against ik's default run ------------------------------
+
+REAL = DATA / "logits" / "deepseek-v3-heads192-fa-avx2"
+REAL_SHA256 = {"ik-f32.gguf": "16675deab855ab3ec35c9606d382238a6f87ac6c3175a5cccbae14314669e2be",
+               "kvb-q4_0.gguf": "19ed60f164290874518d91e8e56493cb267349d0f82dfc4ba204add487d66cbf"}
+
+
+@pytest.fixture(scope="module")
+def real_heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The files behind REAL, made again from their seed (its README), checked to be the very bytes ik ran."""
+    from ikconvert.cli import app as ikconvert_app
+    from tests.mla_real_heads import make_checkpoint
+
+    tmp = tmp_path_factory.mktemp("heads192")
+    hf = make_checkpoint(tmp / "hf")
+    f32 = tmp / "ik-f32.gguf"
+    res = runner.invoke(ikconvert_app, ["hf2gguf", str(hf), "--outtype", "f32", "--pre-tokenizer", "deepseek-v3",
+                                        "--outfile", str(f32)])
+    assert res.exit_code == 0, res.output
+    files = {"ik-f32.gguf": f32, "kvb-q4_0.gguf": _quantized_kv_b(f32, tmp / "kvb-q4_0.gguf", "Q4_0")}
+    for name, path in files.items():
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == REAL_SHA256[name], name
+    return files
+
+
+def _real_kld(model: Path, *flags: str) -> dict[str, Any]:
+    res = runner.invoke(app, ["kld", str(model), "--base-logits", str(REAL / "ik-base.kld"), "--json", *flags])
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout)
+
+
+def _printed(name: str) -> dict[str, float]:
+    text = (REAL / name).read_bytes().decode(errors="replace")
+    grab = {"ppl_q": r"Mean PPL\(Q\)\s*:\s*([\d.]+)", "kld_mean": r"Mean\s+KLD:\s*([\d.]+)",
+            "kld_max": r"Maximum KLD:\s*([\d.]+)", "same_top_p": r"Same top p:\s*([\d.]+)"}
+    found = {key: re.search(pattern, text) for key, pattern in grab.items()}
+    return {key: float(m.group(1)) for key, m in found.items() if m is not None}
+
+
+def test_iks_figures_do_not_depend_on_its_threads() -> None:
+    assert _printed("ik-kvb-q4_0-kld.txt") == _printed("ik-kvb-q4_0-kld-t2.txt")
+
+
+def test_real_heads_f32_prefill_is_iks_default_run(real_heads: dict[str, Path]) -> None:
+    """ik's own F32 run against its base prints mean KLD 0.000000, maximum 0.000006, PPL(Q) 484.733269: ours (the
+    prefill path, which --mla auto takes for ik's 128-token chunks) the same KLD figures and PPL(Q) 484.728612 (mean KLD 1.2e-8, at any --ik-threads). The attention is ik's to the bit
+    (test_iqk_kernel_is_iks_bit_for_bit); what is left is the AVX2 build's other kernels (--numerics ik computes
+    ik's AVX-512 ones; the decode path against this build's -fa off: 1.5e-7). The exact arithmetic: 2.2e-7."""
+    ik = _printed("ik-f32-kld.txt")
+    ours = _real_kld(real_heads["ik-f32.gguf"], "--numerics", "ik")
+    assert ours["mla_path"] == "prefill"
+    assert f"{ours['kld_mean']:.6f}" == f"{ik['kld_mean']:.6f}" and f"{ours['kld_max']:.6f}" == f"{ik['kld_max']:.6f}"
+    assert ours["kld_mean"] < 3e-8 and ours["ppl_q"] == pytest.approx(ik["ppl_q"], rel=2e-5)
+    assert _real_kld(real_heads["ik-f32.gguf"], "--mla", "prefill")["kld_mean"] > 10 * ours["kld_mean"]
+
+
+def test_real_heads_q4_0_attn_kv_b_costs_what_ik_prints(real_heads: dict[str, Path]) -> None:
+    """attn_kv_b alone in Q4_0: ik prints mean KLD 0.030781, maximum 0.419790, same top p 68.254%; --numerics ik
+    0.030778, 0.419758 and 68.254%; the exact arithmetic 0.030130."""
+    ik = _printed("ik-kvb-q4_0-kld.txt")
+    ours = _real_kld(real_heads["kvb-q4_0.gguf"], "--numerics", "ik")
+    assert ours["mla_path"] == "prefill"
+    assert ours["kld_mean"] == pytest.approx(ik["kld_mean"], rel=2e-4)
+    assert ours["kld_max"] == pytest.approx(ik["kld_max"], rel=2e-4)
+    assert f"{100 * ours['same_top_p']:.3f}" == f"{ik['same_top_p']:.3f}"
+    assert _real_kld(real_heads["kvb-q4_0.gguf"], "--mla", "prefill")["kld_mean"] != pytest.approx(ik["kld_mean"],
+                                                                                                   rel=1e-2)
+
+
+def test_the_console_report_names_the_mla_path(real_heads: dict[str, Path]) -> None:
+    for flags, path in (((), "prefill"), (("--mla", "decode"), "decode")):
+        res = runner.invoke(app, ["kld", str(real_heads["ik-f32.gguf"]), "--base-logits", str(REAL / "ik-base.kld"),
+                                  "--numerics", "ik", *flags], env={"COLUMNS": "200"})
+        assert res.exit_code == 0, res.output
+        assert f"MLA {path} path" in res.stdout

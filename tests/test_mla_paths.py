@@ -94,7 +94,8 @@ def test_both_kernels_agree_on_one_set_of_weights(masked: bool) -> None:
 def test_auto_follows_iks_batch_rule_and_numerics() -> None:
     assert Model(V3).computed_paths(128) == {"mla_path": "prefill"}
     assert Model(V3).computed_paths(127) == {"mla_path": "decode"}
-    assert Model(V3, options=RuntimeOptions(numerics="ik")).computed_paths(512) == {"mla_path": "decode"}
+    assert Model(V3, options=RuntimeOptions(numerics="ik")).computed_paths(128) == {"mla_path": "prefill"}
+    assert Model(V3, options=RuntimeOptions(numerics="ik")).computed_paths(127) == {"mla_path": "decode"}
     assert Model(V3, options=DECODE).computed_paths(512) == {"mla_path": "decode"}
     assert Model(QWEN3).computed_paths(512) == {}
 

@@ -87,7 +87,7 @@ def ppl(
         out.print_json(json.dumps({**stats, **m.cache.report()}))
     else:
         out.print(f"Final estimate: PPL over {res.n_chunk} chunks for n_ctx={ctx} = {stats['ppl']:.4f} +/- "
-                  f"{stats['ppl_err']:.5f}  ({stats['n_tokens']} tokens scored; {caches(m)})")
+                  f"{stats['ppl_err']:.5f}  ({stats['n_tokens']} tokens scored; {settings(m, ctx)})")
 
 
 @evaluation_options
@@ -154,14 +154,17 @@ def kld(
     if stats["n_tokens"] < 100:
         err.print(f"[yellow]warning:[/] only {stats['n_tokens']} tokens scored; ik prints no final statistics "
                   "below 100")
-    out.print(kld_table(stats, f"{model} ({caches(m)})"))
+    out.print(kld_table(stats, f"{model} ({settings(m, bf.n_ctx)})"))
 
 
-def caches(m: Model) -> str:
-    """The run's cache types, as its console report names them."""
+def settings(m: Model, n_ctx: int) -> str:
+    """The run's cache types and the computation paths its n_ctx-token chunks took (MLA's), as its console report
+    names them."""
     had = "".join(f", {side} Hadamard blocks of {b}" for side, b in (("K", m.cache.k_hadamard),
                                                                      ("V", m.cache.v_hadamard)) if b)
-    return f"K cache {m.cache.k}, V cache {m.cache.v}{had}"
+    paths = "".join(f", {key.removesuffix('_path').upper()} {path} path"
+                    for key, path in m.computed_paths(n_ctx).items())
+    return f"K cache {m.cache.k}, V cache {m.cache.v}{had}{paths}"
 
 
 def kld_table(stats: dict, title: str) -> Table:

@@ -91,9 +91,6 @@ class Deepseek2(ArchModel):
         if not ctx.has("token_embd.weight"):
             raise self.fail("tensor token_embd.weight is missing")
         self.n_vocab = ctx.shape("token_embd.weight")[0]
-        why = ctx.numerics.check_mla_prefill(self.head_k, self.head_v) if ctx.options.mla == "prefill" else None
-        if why:
-            raise self.fail(f"--mla prefill: {why}")
         self._check_tensors()
 
     def _default_gating(self) -> int:

@@ -117,10 +117,6 @@ class Numerics:
         """Why a gated delta-net with these key and value head dims cannot run here."""
         return None
 
-    def check_mla_prefill(self, head_k: int, head_v: int) -> str | None:
-        """Why MLA's prefill form (keys and values through attn_kv_b) with these head sizes cannot run here."""
-        return None
-
     def nextn_own_tables(self, arch: str) -> bool:
         """Whether an `arch` NextN head reads its own embedding and output tables where it carries them
         (transformers' model does; an engine's loader may ignore them)."""

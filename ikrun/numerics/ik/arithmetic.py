@@ -37,6 +37,7 @@ from ikrun.numerics.ik.formats import (
     round_activations,
 )
 from ikrun.numerics.ik.ikgemm import LANES, ik_float_matmul, takes_whole
+from ikrun.numerics.ik.iqk_flash_attention import iqk_flash_attention_f16, k_step_for
 from ikrun.numerics.ik.mla_weights import HeadSource, derived_k_b_source, derived_k_b_type, derived_v_b_source
 from ikrun.numerics.ik.qgemm import PackedHeads, PackedInts, pack, qmatmul, row_slice
 from ikrun.ops.activations import swiglu
@@ -54,9 +55,12 @@ if TYPE_CHECKING:
 
 #: architectures whose ik graph hard-codes the full attention layers of a hybrid, whatever the file says
 FIXED_FULL_ATTENTION_INTERVAL = {"qwen3next": 4}
-#: the (key, value) head sizes ik's own flash-attention kernels take (ggml/src/iqk/fa); others run ggml's generic one
+#: the (key, value) head sizes ik's own flash-attention kernels take (ggml/src/iqk/fa, iqk_flash_attention.py); others
+#: run ggml's generic one (flash_attention.py)
 IQK_FA_HEADS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256), (320, 256), (512, 512),
                 (576, 512))
+#: ik's KV cache length is a multiple of this with flash attention on (llama_kv_cache::get_padding)
+FA_CACHE_PADDING = 256
 #: architectures whose NextN head ik's loader strips of its own nextn.embed_tokens / shared_head_head ("model has
 #: unused tensor ... ignoring"): its graph takes token_embd / output instead
 NEXTN_TABLES_IGNORED = ("glm4moe",)
@@ -109,13 +113,6 @@ class IkNumerics(Numerics):
             return None
         return ("--numerics ik computes ik's fused delta-net kernel, which keeps one head dim for keys and values and "
                 "which ik runs right only for 64 and 128 (its fallback is wrong); use the exact arithmetic")
-
-    def check_mla_prefill(self, head_k: int, head_v: int) -> str | None:
-        if (head_k, head_v) in IQK_FA_HEADS:
-            return (f"ik runs head sizes {head_k}/{head_v} in its own iqk flash-attention kernel, which --numerics ik "
-                    "does not reproduce (ggml's generic kernel, which it does, takes the others); use --numerics "
-                    "exact, or --mla decode (ik with -fa off)")
-        return None
 
     def nextn_own_tables(self, arch: str) -> bool:
         return arch not in NEXTN_TABLES_IGNORED
@@ -246,9 +243,10 @@ class IkNumerics(Numerics):
     def materialized_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray,
                                scale: float, store: Callable[[np.ndarray], np.ndarray], *,
                                keep: np.ndarray | None = None) -> np.ndarray:
-        """ik's prefill form: attn_kv_b times the f16 latent in ik's matmul, keys and values cast to f16, then ggml's
-        generic flash-attention kernel (flash_attention.py); a keep mask or a derived attn_kv_b keeps this
-        runtime's float order around ik's matmuls."""
+        """ik's prefill form: attn_kv_b times the f16 latent in ik's matmul, keys and values cast to f16, then ik's
+        own flash-attention kernel for the head sizes it takes (iqk_flash_attention.py), ggml's generic one for the
+        others (flash_attention.py); a keep mask or a derived attn_kv_b keeps this runtime's float order around ik's
+        matmuls."""
         kvb = b + "attn_kv_b.weight"
         if keep is not None or not self.weights.has(kvb):
             return super().materialized_attention(b, q_rope, q_nope, cache, scale, store, keep=keep)
@@ -261,7 +259,13 @@ class IkNumerics(Numerics):
         v = np.ascontiguousarray(store(kv[:, :, n_nope:]).transpose(1, 0, 2))
         q = np.ascontiguousarray(np.concatenate([q_rope, q_nope], axis=2).transpose(1, 0, 2), dtype=np.float32)
         out = np.empty((n_head, n, v.shape[2]), dtype=np.float32)
-        flash_attention_f16(q, k, v, float(np.float32(scale)), n_keys - n, out)
+        head_k, head_v = k.shape[2], v.shape[2]
+        if (head_k, head_v) in IQK_FA_HEADS:
+            n_kv = -(-n_keys // FA_CACHE_PADDING) * FA_CACHE_PADDING
+            iqk_flash_attention_f16(q, k, v, float(np.float32(scale)), n_keys - n, k_step_for(head_k, head_v, n_kv),
+                                    out)
+        else:
+            flash_attention_f16(q, k, v, float(np.float32(scale)), n_keys - n, out)
         return out.transpose(1, 0, 2)
 
     # ---- matmuls: ik's kernels ------------------------------------------------------------------------------

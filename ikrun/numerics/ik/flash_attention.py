@@ -6,7 +6,8 @@ Per query row: the query rounded to f16; for each visible key in order, s = f16 
 accumulators over whole steps of 32 values, folded 0+2, 1+3, 0+1, the 8 lanes summed in halves and two horizontal
 adds, the remaining values' products added in double), s * scale; an online softmax whose value sums stay in f16
 (on a new maximum the sums are scaled by expf(old - new) and rounded, else the key's weight is expf(s - max); then
-sums = f16(fma(v, weight, sums))), the weight total S = fma(S, ms, vs); at the end the sums times 1 / S.
+sums = f16(fma(v, weight, sums))), the weight total S = S * ms + vs (two roundings: ik's build does not fuse it);
+at the end the sums times 1 / S.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def flash_attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
                 vs = np.exp(np.float32(score - top))
             for d in range(dv):
                 sums[d] = _f16(fmaf(v[h, s, d], vs, sums[d]))
-            total = fmaf(total, ms, vs)
+            total = np.float32(total * ms) + vs
         inv = np.float32(0.0) if total == 0 else np.float32(np.float32(1.0) / total)
         for d in range(dv):
             out[h, t, d] = sums[d] * inv

@@ -1,0 +1,131 @@
+"""ik's own CPU flash-attention kernel (ggml/src/iqk/fa) with F16 keys and values, as an AVX2 build computes it: what
+ik runs for MLA's prefill path (keys and values materialised through attn_kv_b) at the head sizes in
+arithmetic.IQK_FA_HEADS; ggml's generic kernel (flash_attention.py) takes the others.
+
+Per query row, the keys in blocks of `k_step` (k_step_for): q (float32, not rounded) dot k (f16) in two fused
+accumulators, one for the elements whose index mod 8 is 0-3 and one for 4-7, added at the end; s = dot * scale,
+masked keys -inf. Per block: the block's maximum; on a new maximum the running sum S and the value sums R are scaled
+by expf(old - new) (libm), before any: S = R = 0; the weights p = ik's AVX2 exponential of s - max, S += their sum
+in 8-lane vectors (vector 0 + 1, then each next one added, the lanes folded i + (i+4), then (0+2) + (1+3)), and
+R = fma(v, p, R) key after key, in float32. At the end R * (1 / S).
+
+Each row's arithmetic depends on neither the rows ik tiles with it nor its thread count: for a batch of tokens
+(rows of one head per call) ik's threads split heads and rows, never keys. Keys beyond the last visible one (ik's
+cache is padded to 256 with flash attention) weigh exactly 0 and are skipped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ikquant.formats.numeric import f32_bits, f32_from_bits, fmaf
+
+#: AVX2 float lanes
+LANES = 8
+#: head sizes whose kernel ik instantiates with 32-key blocks whatever the cache length (iqk_fa_320_256 / 576_512)
+SHORT_BLOCK_HEADS = ((320, 256), (576, 512))
+
+# ik's AVX2 exponential (iqk_utils.h v_expf): n = round(x log2 e) by the 1.5 x 2^23 trick, the reduced argument in
+# two fused steps, a degree-5 polynomial without its constant term, scaled by 2^n built in the exponent bits
+_LOG2E, _SHIFT = np.float32(float.fromhex("0x1.715476p+0")), np.float32(float.fromhex("0x1.8p23"))
+_LN2_HI, _LN2_LO = np.float32(float.fromhex("0x1.62e4p-1")), np.float32(float.fromhex("0x1.7f7d1cp-20"))
+_P5, _P4 = np.float32(float.fromhex("0x1.0e4020p-7")), np.float32(float.fromhex("0x1.573e2ep-5"))
+_P3, _P2 = np.float32(float.fromhex("0x1.555e66p-3")), np.float32(float.fromhex("0x1.fffdb6p-2"))
+_P1 = np.float32(float.fromhex("0x1.ffffecp-1"))
+_ONE_BITS = np.uint32(0x3F800000)
+
+
+def k_step_for(head_k: int, head_v: int, n_kv: int) -> int:
+    """The keys per block ik's kernel for these head sizes takes on a cache of `n_kv` keys (a multiple of 32)."""
+    if (head_k, head_v) in SHORT_BLOCK_HEADS:
+        return 32
+    return 128 if n_kv % 128 == 0 else 64 if n_kv % 64 == 0 else 32
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def avx2_expf(x: np.float32) -> np.float32:
+    """exp(x) as ik's AVX2 vector kernels compute it (within a few ulp of expf, not the same bits); 0 for -inf."""
+    z = fmaf(x, _LOG2E, _SHIFT)
+    n = z - _SHIFT
+    b = fmaf(-n, _LN2_LO, fmaf(-n, _LN2_HI, x))
+    e = np.uint32(f32_bits(z) << np.uint32(23))
+    k = f32_from_bits(np.uint32(e + _ONE_BITS))
+    u = b * b
+    j = fmaf(fmaf(fmaf(_P5, b, _P4), u, fmaf(_P3, b, _P2)), u, _P1 * b)
+    if not abs(n) > np.float32(126.0):
+        return fmaf(k, j, k)
+    g = np.uint32(0x82000000) if n <= np.float32(0.0) else np.uint32(0)
+    s1 = f32_from_bits(np.uint32(g + np.uint32(0x7F000000)))
+    if abs(n) > np.float32(192.0):
+        return s1 * s1
+    s2 = f32_from_bits(np.uint32(e - g))
+    return fmaf(s2, j, s2) * s1
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _dot(q: np.ndarray, k: np.ndarray) -> np.float32:
+    """ik's float GEMM for one (query, key) pair: one fused accumulator per half of each 8 elements."""
+    lo = np.float32(0.0)
+    hi = np.float32(0.0)
+    for i in range(0, q.shape[0], LANES):
+        for c in range(4):
+            lo = fmaf(k[i + c], q[i + c], lo)
+            hi = fmaf(k[i + 4 + c], q[i + 4 + c], hi)
+    return lo + hi
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _block_sum(p: np.ndarray) -> np.float32:
+    """The weights of one block summed as ik's AVX2 reduction adds them (module docstring)."""
+    acc = np.empty(LANES, dtype=np.float32)
+    for lane in range(LANES):
+        acc[lane] = p[lane] + p[LANES + lane]
+    for c in range(2, p.shape[0] // LANES):
+        for lane in range(LANES):
+            acc[lane] = acc[lane] + p[c * LANES + lane]
+    a0, a1, a2, a3 = acc[0] + acc[4], acc[1] + acc[5], acc[2] + acc[6], acc[3] + acc[7]
+    return (a0 + a2) + (a1 + a3)
+
+
+@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
+def iqk_flash_attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, first: int, k_step: int,
+                            out: np.ndarray) -> None:
+    """Causal attention of q [H, n, Dk] (float32) against k [H, n_keys, Dk] and v [H, n_keys, Dv] (f16 values held
+    in float32), query t at position first + t seeing keys 0..first + t, in blocks of k_step keys; out [H, n, Dv]."""
+    n_head, n, _ = q.shape
+    dv = v.shape[2]
+    sc = np.float32(scale)
+    for job in prange(n_head * n):
+        h, t = job // n, job % n
+        visible = first + t + 1
+        s = np.empty(k_step, dtype=np.float32)
+        p = np.empty(k_step, dtype=np.float32)
+        sums = np.zeros(dv, dtype=np.float32)
+        total = np.float32(0.0)
+        top = np.float32(-np.inf)
+        for b0 in range(0, visible, k_step):
+            n_in = min(k_step, visible - b0)
+            block_top = np.float32(-np.inf)
+            for l in range(n_in):
+                s[l] = _dot(q[h, t], k[h, b0 + l]) * sc
+                block_top = max(block_top, s[l])
+            if block_top > top:
+                if top > -np.inf:
+                    m = np.exp(np.float32(top - block_top))
+                    total = total * m
+                    for d in range(dv):
+                        sums[d] = sums[d] * m
+                else:
+                    total = np.float32(0.0)
+                    sums[:] = 0.0
+                top = block_top
+            for l in range(k_step):
+                p[l] = avx2_expf(np.float32(s[l] - top)) if l < n_in else np.float32(0.0)
+            total = total + _block_sum(p)
+            for l in range(n_in):
+                for d in range(dv):
+                    sums[d] = fmaf(v[h, b0 + l, d], p[l], sums[d])
+        inv = np.float32(np.float32(1.0) / total) if total > 0 else np.float32(0.0)
+        for d in range(dv):
+            out[h, t, d] = inv * sums[d]
