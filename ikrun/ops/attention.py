@@ -147,7 +147,8 @@ def shared_kv_attention(q: np.ndarray, kv: np.ndarray, scale: float, *, window: 
     per-position key = value rows (query t sees row s when s <= t and, with a window, t - s < window); `comp` [T, d]
     extra key = value rows (compressed entries) seen where `comp_keep` [n, T] says; `sinks` [H] one logit per head in
     every softmax's denominator. Returns [n, H, d]. Scores and values go through BLAS per block of queries over the
-    raw rows the block can see, the masked softmax in Numba."""
+    raw rows the block can see, all heads of the block in one product (the heads share the keys), the masked softmax
+    in Numba."""
     n, n_head, d = q.shape
     if len(kv) != start + n:
         raise ValueError(f"kv has {len(kv)} rows, expected {start + n} (start {start} + {n} queries)")
@@ -162,8 +163,9 @@ def shared_kv_attention(q: np.ndarray, kv: np.ndarray, scale: float, *, window: 
         p0, p1 = start + q0, start + q1  # the block's positions
         lo = max(0, p0 - window + 1) if window > 0 else 0
         keys = np.concatenate([kv[lo:p1], extra])  # [visible raw span + T, d]
-        scores = np.matmul(q[q0:q1], keys.T)  # [nq, H, keys]
+        nq = q1 - q0
+        scores = (q[q0:q1].reshape(nq * n_head, d) @ keys.T).reshape(nq, n_head, len(keys))
         pick(_sink_serial, _sink_parallel, scores.size)(scores, float(scale), sink, p0, lo, p1 - lo, int(window),
                                                          keep[q0:q1])
-        np.matmul(scores, keys, out=out[q0:q1])
+        out[q0:q1] = (scores.reshape(nq * n_head, len(keys)) @ keys).reshape(nq, n_head, d)
     return out
