@@ -15,7 +15,8 @@ layer, 64 experts of 512, 8 used, and a gated shared expert; ~1.1B parameters). 
 - `--mem M`: the given budget (default 1GiB), layer-streamed;
 - `--numerics ik`: the default mode with ik's arithmetic (integer matmuls), shown as "refused" for a file with a
   weight type it does not reproduce;
-- `ik`: ik_llama.cpp's llama-perplexity on the same file, chunks and threads, when --ik-bin is given.
+- `ik`: ik_llama.cpp's llama-perplexity on the same file, chunks and threads, when --ik-bin is given, with its
+  defaults (flash attention on; --ik-flash-attn off for -fa off).
 
 Reported: tokens/s of the evaluation (ikrun's own report, without start-up; ik's prompt-eval figure), its ratio to
 the first mode run for that file ("x first": the unconstrained run unless --modes leaves it out), peak RSS, and peak
@@ -120,9 +121,10 @@ def ikrun_ppl(path: Path, text: Path, ctx: int, chunks: int, threads: int, extra
     return chunks * ctx / seconds, rss
 
 
-def ik_ppl(ik_bin: Path, path: Path, text: Path, ctx: int, chunks: int, threads: int) -> tuple[float, float]:
+def ik_ppl(ik_bin: Path, path: Path, text: Path, ctx: int, chunks: int, threads: int,
+           flash_attn: str) -> tuple[float, float]:
     out, rss = run([str(ik_bin), "-m", str(path), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "--chunks",
-                    str(chunks), "-t", str(threads), "-fa", "off"])
+                    str(chunks), "-t", str(threads), "-fa", flash_attn])
     m = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", out)
     if m is None:
         raise SystemExit(f"no prompt eval time in ik's output:\n{out[-2000:]}")
@@ -139,6 +141,9 @@ def main() -> None:
     ap.add_argument("--mem", default="1GiB")
     ap.add_argument("--only", help="regex: only the files whose label matches (e.g. 'qwen3 F16')")
     ap.add_argument("--modes", help="regex: only the modes whose name matches (e.g. 'default|numerics|ik')")
+    ap.add_argument("--ik-flash-attn", choices=("on", "off"), default="on",
+                    help="ik's -fa: on is its default (what users run; its DeepSeek-V4 graph asserts with off); off "
+                         "was these figures' setting before")
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
     files = build_models(a.workdir, a.only)
@@ -158,7 +163,7 @@ def main() -> None:
             if a.modes and not re.search(a.modes, mode):
                 continue
             try:
-                tps, rss = ik_ppl(a.ik_bin, path, text, a.ctx, a.chunks, a.threads) if mode == "ik" else \
+                tps, rss = ik_ppl(a.ik_bin, path, text, a.ctx, a.chunks, a.threads, a.ik_flash_attn) if mode == "ik" else \
                     ikrun_ppl(path, text, a.ctx, a.chunks, a.threads, extra)
             except Refused:
                 print(f"{label:16s} {size / GiB:6.2f} {mode:>14s} {'refused':>7s}", flush=True)
