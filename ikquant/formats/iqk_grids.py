@@ -145,12 +145,60 @@ def keep_better(sumqx: np.float32, sumq2: np.float32, d: np.float32, best: np.fl
     return d, best, False
 
 
+def _neighbours(index: np.ndarray, n: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """ik's lookup table up to its limit as two candidate entries per slot (equal where the slot answers alone),
+    with one slot more at each end for ik's clamps below the table and from its limit on."""
+    index = index[:limit].astype(np.int64)
+    lo = np.where(index < n, index, index - n)
+    hi = np.where(index < n, index, index - n + 1)
+    return (np.concatenate([[0], lo, [n - 1]]).astype(np.int32), np.concatenate([[0], hi, [n - 1]]).astype(np.int32))
+
+
+_LO3, _HI3 = _neighbours(IQ3NL_INDEX, 8, 111)
+_LO4, _HI4 = _neighbours(IQ4NL_INDEX, 16, 241)
+_LO5, _HI5 = _neighbours(IQ5NL_INDEX, 32, 247)
+_LO6, _HI6 = _neighbours(IQ6NL_INDEX, 64, 249)
+
+
+@njit(**NJIT)
+def neighbours(kind: int) -> tuple[np.ndarray, np.ndarray]:
+    """The two candidate entries per lookup slot of grid `kind` (see _neighbours)."""
+    if kind == 3:
+        return _LO3, _HI3
+    if kind == 4:
+        return _LO4, _HI4
+    if kind == 5:
+        return _LO5, _HI5
+    return _LO6, _HI6
+
+
 @njit(inline='always', **NJIT)
-def grid_sums(kind: int, base: int, xb: np.ndarray, wb: np.ndarray, inv: np.float32
-              ) -> tuple[np.float32, np.float32, np.float32, np.float32]:
+def nearest_value(kind: int, base: int, x: np.float32) -> np.float32:
+    """grid[base + nearest(kind, base, x)] without branches on x (whose slot and side of a midpoint are not
+    predictable): both candidates of x's slot are read and compared; a slot that answers alone has them equal."""
+    values, ivalues, _, _, limit = grid(kind)
+    lo_tab, hi_tab = neighbours(kind)
+    if kind == 6:
+        ix = trunc_i32(x - values[base])
+    else:
+        ix = np.int32(trunc_i32(x) - np.int32(ivalues[base]))
+    slot = min(max(ix + np.int32(1), np.int32(0)), np.int32(limit + 1))
+    vlo = values[base + lo_tab[slot]]
+    vhi = values[base + hi_tab[slot]]
+    return vlo if x - vlo < vhi - x else vhi
+
+
+@njit(inline='always', **NJIT)
+def grid_sums(kind: int, base: int, xb: np.ndarray, wb: np.ndarray, inv: np.float32, qp: np.ndarray,
+              qm: np.ndarray) -> tuple[np.float32, np.float32, np.float32, np.float32]:
     """Weighted sums for one trial inverse scale: (sum w q x, sum w q^2) rounding x*inv onto the grid half at
-    `base`, then the same for -x*inv."""
-    values = grid(kind)[0]
+    `base`, then the same for -x*inv. The grid values are found first for the whole sub-block without branches
+    (qp, qm: scratch of xb's size), then summed in ik's order: 1.1-2.3x faster searches than one loop with ik's
+    branchy lookup (IQ3_K, IQ5_KS, IQ5_K, IQ6_K most)."""
+    for j in range(xb.size):
+        al = inv * xb[j]
+        qp[j] = nearest_value(kind, base, al)
+        qm[j] = nearest_value(kind, base, -al)
     sumqx_p = F(0.0)
     sumq2_p = F(0.0)
     sumqx_m = F(0.0)
@@ -158,12 +206,11 @@ def grid_sums(kind: int, base: int, xb: np.ndarray, wb: np.ndarray, inv: np.floa
     for j in range(xb.size):
         x = xb[j]
         w = wb[j]
-        al = inv * x
-        q = values[base + nearest(kind, base, al)]
+        q = qp[j]
         wq = w * q
         sumqx_p = fmaf(wq, x, sumqx_p)
         sumq2_p = fmaf(wq, q, sumq2_p)
-        q = values[base + nearest(kind, base, -al)]
+        q = qm[j]
         wq = w * q
         sumqx_m = fmaf(wq, x, sumqx_m)
         sumq2_m = fmaf(wq, q, sumq2_m)
@@ -180,8 +227,10 @@ def grid_search(kind: int, xb: np.ndarray, wb: np.ndarray, vmax: np.float32, ntr
     fit has a positive denominator (the other types divide unconditionally).
     """
     values, ivalues, _, n, _ = grid(kind)
+    qp = np.empty(xb.size, dtype=np.float32)
+    qm = np.empty(xb.size, dtype=np.float32)
     d = -vmax / values[0]
-    sumqx_p, sumq2_p, sumqx_m, sumq2_m = grid_sums(kind, 0, xb, wb, F(1.0) / d)
+    sumqx_p, sumq2_p, sumqx_m, sumq2_m = grid_sums(kind, 0, xb, wb, F(1.0) / d, qp, qm)
     best = F(0.0)
     if not guard_first or sumq2_p > 0:
         d = sumqx_p / sumq2_p
@@ -191,7 +240,7 @@ def grid_search(kind: int, xb: np.ndarray, wb: np.ndarray, vmax: np.float32, ntr
     for itry in range(-ntry, ntry + 1):
         for base in (0, n):
             inv = F(step * itry + ivalues[base]) / vmax
-            sumqx_p, sumq2_p, sumqx_m, sumq2_m = grid_sums(kind, base, xb, wb, inv)
+            sumqx_p, sumq2_p, sumqx_m, sumq2_m = grid_sums(kind, base, xb, wb, inv, qp, qm)
             d, best, better_p = keep_better(sumqx_p, sumq2_p, d, best)
             d, best, better_m = keep_better(sumqx_m, sumq2_m, d, best)
             if better_p or better_m:

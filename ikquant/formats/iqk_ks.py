@@ -878,13 +878,21 @@ def _dequantize_iq5_ks(q: np.ndarray, out: np.ndarray) -> None:
 IQ4KSS_BYTES = 128
 
 
-@njit(**NJIT)
-def _popcount(v: int) -> int:
-    c = 0
-    while v:
-        v &= v - 1
-        c += 1
-    return c
+def _parity_moves() -> tuple[np.ndarray, np.ndarray]:
+    """For each code q, the codes within 2 steps of it whose bit count has the other parity, ascending (the order
+    ik tries them in), and how many there are: the only moves ik's prune_iq4ks can choose."""
+    moves = np.zeros((16, 4), dtype=np.int64)
+    counts = np.zeros(16, dtype=np.int64)
+    for q in range(16):
+        for qq in range(max(q - 2, 0), min(q + 2, 15) + 1):
+            if qq != q and (bin(qq).count("1") - bin(q).count("1")) % 2:
+                moves[q, counts[q]] = qq
+                counts[q] += 1
+    return moves, counts
+
+
+_MOVES, _N_MOVES = _parity_moves()
+_PARITY = np.array([bin(q).count("1") % 2 for q in range(16)], dtype=np.int64)
 
 
 @njit(**NJIT)
@@ -905,48 +913,67 @@ def _group_pos(k: int, j: int) -> int:
     return 2 * k + (j >> 1) + 16 * (j & 1)
 
 
-@njit(**NJIT)
-def _iq4kss_cost(off: int, q: int, x: np.float32, w: np.float32, dl: np.float32,
-                 diff0: np.float32) -> np.float32:
-    diff1 = fmaf(dl, IQ4K[off + q], -x)
-    return w * fmaf(diff1, diff1, -(diff0 * diff0))
+@njit(inline="always", **NJIT)
+def _best_move(q: int, off: int, x: np.float32, w: np.float32, dl: np.float32, best_score: np.float32
+               ) -> tuple[np.float32, int]:
+    """The cheapest parity-changing move of code q (ik's score: weighted change of squared error, the current
+    error measured on the plain grid) if it beats best_score, else -1."""
+    diff0 = fmaf(dl, IQ4K[q], -x)
+    e0 = diff0 * diff0
+    bestq = -1
+    for m in range(_N_MOVES[q]):
+        qq = _MOVES[q, m]
+        diff1 = fmaf(dl, IQ4K[off + qq], -x)
+        score = w * fmaf(diff1, diff1, -e0)
+        if score < best_score:
+            best_score = score
+            bestq = qq
+    return best_score, bestq
 
 
-@njit(**NJIT)
-def _iq4kss_prune(v: int, off: int, x0: np.float32, x1: np.float32, x2: np.float32, x3: np.float32,
-                  w0: np.float32, w1: np.float32, w2: np.float32, w3: np.float32, dl: np.float32) -> int:
-    """ik's prune_iq4ks: give an odd-parity group of four codes even parity by moving the one code (by at most 2
-    steps) whose change costs least weighted squared error. The current error is measured on the plain grid even
-    when the group uses the shifted one, exactly as ik does."""
-    if _popcount(v) % 2 == 0:
-        return v
-    best_score = np.float32(np.finfo(np.float32).max)
-    jbest = 0
-    bestq = 0
-    for j in range(4):
-        x = x0 if j == 0 else (x1 if j == 1 else (x2 if j == 2 else x3))
-        w = w0 if j == 0 else (w1 if j == 1 else (w2 if j == 2 else w3))
-        q = (v >> (4 * j)) & 0xF
-        pc = _popcount(q)
-        diff0 = fmaf(dl, IQ4K[q], -x)
-        for qq in range(max(q - 2, 0), min(q + 2, 15) + 1):
-            if qq != q and (_popcount(qq) - pc) % 2 != 0:
-                score = _iq4kss_cost(off, qq, x, w, dl, diff0)
-                if score < best_score:
-                    best_score = score
-                    jbest = j
-                    bestq = qq
-    return (v & ~(0xF << (4 * jbest))) | (bestq << (4 * jbest))
+@njit(inline="always", **NJIT)
+def _iq4kss_prune(q0: int, q1: int, q2: int, q3: int, off: int, x0: np.float32, x1: np.float32, x2: np.float32,
+                  x3: np.float32, w0: np.float32, w1: np.float32, w2: np.float32, w3: np.float32, dl: np.float32
+                  ) -> tuple[int, int, int, int]:
+    """ik's prune_iq4ks: give a group of four codes of odd parity even parity by moving the one code (by at most
+    2 steps) whose change costs least weighted squared error; ties go to the earlier code and smaller move."""
+    if _PARITY[q0] ^ _PARITY[q1] ^ _PARITY[q2] ^ _PARITY[q3] == 0:
+        return q0, q1, q2, q3
+    best, m0 = _best_move(q0, off, x0, w0, dl, np.float32(np.finfo(np.float32).max))
+    best, m1 = _best_move(q1, off, x1, w1, dl, best)
+    best, m2 = _best_move(q2, off, x2, w2, dl, best)
+    best, m3 = _best_move(q3, off, x3, w3, dl, best)
+    if m3 >= 0:
+        return q0, q1, q2, m3
+    if m2 >= 0:
+        return q0, q1, m2, q3
+    if m1 >= 0:
+        return q0, m1, q2, q3
+    return max(m0, 0), q1, q2, q3  # no finite score at all: code 0 set to 0, as the earlier port did
 
 
-@njit(**NJIT)
-def _iq4kss_group(xb: np.ndarray, w: np.ndarray, k: int, off: int, id_: np.float32, dl: np.float32) -> int:
+@njit(inline="always", **NJIT)
+def _iq4kss_group(xb: np.ndarray, w: np.ndarray, k: int, off: int, id_: np.float32, dl: np.float32
+                  ) -> tuple[int, int, int, int]:
     """Codes (grid half at `off`) of group k nearest to x*id_, parity-repaired at scale dl."""
-    v = 0
+    p = 2 * k
+    x0, x1, x2, x3 = xb[p], xb[p + 16], xb[p + 1], xb[p + 17]
+    return _iq4kss_prune(nearest(4, off, id_ * x0), nearest(4, off, id_ * x1), nearest(4, off, id_ * x2),
+                         nearest(4, off, id_ * x3), off, x0, x1, x2, x3, w[p], w[p + 16], w[p + 1], w[p + 17], dl)
+
+
+@njit(inline="always", **NJIT)
+def _add_group(xb: np.ndarray, w: np.ndarray, k: int, off: int, q0: int, q1: int, q2: int, q3: int,
+               sumqx: np.float32, sumq2: np.float32) -> tuple[np.float32, np.float32]:
+    """The fit's sums (sum w q x, sum w q^2) with group k's codes added in ik's order."""
+    p = 2 * k
     for j in range(4):
-        v |= nearest(4, off, id_ * xb[_group_pos(k, j)]) << (4 * j)
-    p0, p1, p2, p3 = _group_pos(k, 0), _group_pos(k, 1), _group_pos(k, 2), _group_pos(k, 3)
-    return _iq4kss_prune(v, off, xb[p0], xb[p1], xb[p2], xb[p3], w[p0], w[p1], w[p2], w[p3], dl)
+        pos = p + (j >> 1) + 16 * (j & 1)
+        q = IQ4K[off + (q0 if j == 0 else (q1 if j == 1 else (q2 if j == 2 else q3)))]
+        wq = w[pos] * q
+        sumqx = fmaf(wq, xb[pos], sumqx)
+        sumq2 = fmaf(wq, q, sumq2)
+    return sumqx, sumq2
 
 
 @njit(**NJIT)
@@ -964,18 +991,10 @@ def _iq4kss_search(xb: np.ndarray, w: np.ndarray, vmax: np.float32) -> np.float3
             sumqx_m = np.float32(0.0)
             sumq2_m = np.float32(0.0)
             for k in range(SUB // 4):
-                vp = _iq4kss_group(xb, w, k, off, id_, this_d)
-                vm = _iq4kss_group(xb, w, k, off, -id_, this_d)
-                for j in range(4):
-                    p = _group_pos(k, j)
-                    q = IQ4K[off + ((vp >> (4 * j)) & 0xF)]
-                    wq = w[p] * q
-                    sumqx_p = fmaf(wq, xb[p], sumqx_p)
-                    sumq2_p = fmaf(wq, q, sumq2_p)
-                    q = IQ4K[off + ((vm >> (4 * j)) & 0xF)]
-                    wq = w[p] * q
-                    sumqx_m = fmaf(wq, xb[p], sumqx_m)
-                    sumq2_m = fmaf(wq, q, sumq2_m)
+                p0, p1, p2, p3 = _iq4kss_group(xb, w, k, off, id_, this_d)
+                m0, m1, m2, m3 = _iq4kss_group(xb, w, k, off, -id_, this_d)
+                sumqx_p, sumq2_p = _add_group(xb, w, k, off, p0, p1, p2, p3, sumqx_p, sumq2_p)
+                sumqx_m, sumq2_m = _add_group(xb, w, k, off, m0, m1, m2, m3, sumqx_m, sumq2_m)
             d, best, _ = keep_better(sumqx_p, sumq2_p, d, best)
             d, best, _ = keep_better(sumqx_m, sumq2_m, d, best)
     return d
@@ -990,6 +1009,11 @@ def _iq4kss_mse(xb: np.ndarray, w: np.ndarray, k: int, off: int, v: int, dl: np.
         diff = fmaf(-dl, IQ4K[off + ((v >> (4 * j)) & 0xF)], xb[p])
         mse = fmaf(w[p] * diff, diff, mse)
     return mse
+
+
+@njit(**NJIT)
+def _pack4(q0: int, q1: int, q2: int, q3: int) -> int:
+    return q0 | (q1 << 4) | (q2 << 8) | (q3 << 12)
 
 
 @njit(**KERNEL)
@@ -1038,8 +1062,10 @@ def _quantize_iq4_kss(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                 mse_p = np.float32(0.0)
                 mse_m = np.float32(0.0)
                 for k in range(SUB // 4):
-                    vps[k] = _iq4kss_group(xb, weight, k, 0, idl, dl)
-                    vms[k] = _iq4kss_group(xb, weight, k, 16, idl, dl)
+                    p0, p1, p2, p3 = _iq4kss_group(xb, weight, k, 0, idl, dl)
+                    m0, m1, m2, m3 = _iq4kss_group(xb, weight, k, 16, idl, dl)
+                    vps[k] = _pack4(p0, p1, p2, p3)
+                    vms[k] = _pack4(m0, m1, m2, m3)
                     mse_p = _iq4kss_mse(xb, weight, k, 0, vps[k], dl, mse_p)
                     mse_m = _iq4kss_mse(xb, weight, k, 16, vms[k], dl, mse_m)
                 use_shifted = mse_m < mse_p
