@@ -36,7 +36,7 @@ from ikrun.numerics.ik.formats import (
     integer_rows,
     round_activations,
 )
-from ikrun.numerics.ik.ikgemm import LANES, ik_float_matmul, takes_whole
+from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
 from ikrun.numerics.ik.iqk_flash_attention import iqk_flash_attention_f16, k_step_for
 from ikrun.numerics.ik.mla_weights import HeadSource, derived_k_b_source, derived_k_b_type, derived_v_b_source
 from ikrun.numerics.ik.qgemm import PackedHeads, PackedInts, pack, qmatmul, row_slice
@@ -70,6 +70,14 @@ class IkNumerics(Numerics):
     """ik's CPU arithmetic (the module docstring)."""
 
     name = "ik"
+    #: whether the float orders are ik's AVX2 build's (8-lane float kernels, its AVX2 exponential, numerics/ik/
+    #: avx2.py) rather than its AVX-512 build's
+    avx2 = False
+
+    @property
+    def lanes(self) -> int:
+        """The lanes of ik's float kernels in the build this arithmetic reproduces."""
+        return AVX2_LANES if self.avx2 else LANES
 
     # ---- what a file may hold ---------------------------------------------------------------------------------
     def kv_cache(self, requested: KvCache) -> KvCache:
@@ -129,7 +137,7 @@ class IkNumerics(Numerics):
         apply_rope(x, cos, sin, n_rot, neox, fused=True)
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray, limit: float = np.inf) -> np.ndarray:
-        return swiglu(gate, up, limit, ik=True)
+        return swiglu(gate, up, limit, ik=True, avx2=self.avx2)
 
     def route(self, logits: np.ndarray, bias: np.ndarray | None, n_used: int, gating: int, norm: bool,
               scale: float, chosen: np.ndarray | None = None,
@@ -171,7 +179,7 @@ class IkNumerics(Numerics):
 
     def gated_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """ik's RMS norm, then its fused SiLU(z) times the normed value."""
-        return swiglu(z, self.norm(x, weight, eps), ik=True)
+        return swiglu(z, self.norm(x, weight, eps), ik=True, avx2=self.avx2)
 
     def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, cache_type: str,
                        q0: int = 0) -> np.ndarray:
@@ -190,14 +198,14 @@ class IkNumerics(Numerics):
         qk = np.stack([qmatmul(integer_rows(q[:, h], fmt), packed)[:n] for h in range(n_head)], axis=1)
         return scores_from_products(qk, w, q0)
 
-    # ---- attention: ik's kernels where its 16-lane kernels take the head dims whole ---------------------------
+    # ---- attention: ik's kernels where its float kernels take the head dims whole -----------------------------
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,
                          sinks: np.ndarray | None = None) -> np.ndarray:
         """ik's kernels for causal attention, a sliding window and sinks (gpt-oss) included."""
-        if head_dim % LANES:
+        if head_dim % self.lanes:
             return super().causal_attention(q, k, v, head_dim, window=window, sinks=sinks)
         return ik_causal_attention(q, k, v, float(np.float32(1.0) / np.sqrt(np.float32(head_dim))),  # 1.0f / sqrtf
-                                   window, sinks)
+                                   window, sinks, self.avx2)
 
     def latent_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, scale: float, *,
                          sinks: np.ndarray | None = None, window: int = 0, keep: np.ndarray | None = None,
@@ -210,14 +218,14 @@ class IkNumerics(Numerics):
         plain = sinks is None and window == 0
         if len(cache) != n and (sinks is not None or window > 0):
             raise ValueError("a continued sequence's MLA takes no sinks or window")
-        if (n_rot + n_lat) % LANES or not (plain or sinks is not None):
+        if (n_rot + n_lat) % self.lanes or not (plain or sinks is not None):
             return super().latent_attention(b, q_rope, q_nope, cache, scale, sinks=sinks, window=window, keep=keep,
                                             on_latent=on_latent)
         k_b, v_b = self._mla_heads(b, n_head, q_nope.shape[2])
         q_lat = self.head_product(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight", k_b)
         if sinks is None:
             q = np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2)
-            latent = ik_latent_attention(q, cache, n_rot, scale, keep)
+            latent = ik_latent_attention(q, cache, n_rot, scale, keep, self.avx2)
         else:
             q = np.concatenate([q_lat, q_rope.transpose(1, 0, 2)], axis=2)
             lat_first = np.r_[n_rot : n_rot + n_lat, :n_rot]
@@ -313,8 +321,20 @@ class IkNumerics(Numerics):
     def _float_kind(self, name: str) -> str | None:
         """F32, F16 or BF16 where ik multiplies weight `name` in its float kernels on rows they take whole."""
         type_name = self.weights.encoding(name).type.name
-        whole = takes_whole(self.weights.info(name).n_per_row, type_name == "BF16")
-        return type_name if type_name in IK_FLOAT_TYPES and whole else None
+        return type_name if type_name in IK_FLOAT_TYPES and self._takes_whole(self.weights.info(name).n_per_row,
+                                                                               type_name) else None
+
+    def _bf16_kernel(self, type_name: str) -> bool:
+        """Whether ik multiplies `type_name` weights in its bf16 kernel (its AVX2 build has none: the float kernel
+        on activations rounded to bf16)."""
+        return type_name == "BF16" and not self.avx2
+
+    def _takes_whole(self, n_per_row: int, type_name: str) -> bool:
+        return takes_whole(n_per_row, self._bf16_kernel(type_name), self.lanes)
+
+    def _float_matmul(self, x: np.ndarray, w: np.ndarray, type_name: str) -> np.ndarray:
+        """x (rounded as ik rounds it for `type_name`) @ w^T in ik's float kernel for that type."""
+        return ik_float_matmul(x, w, self._bf16_kernel(type_name), self.lanes)
 
     def project(self, x: np.ndarray, weight_name: str, shared: dict[str, Any] | None = None,
                 fused: bool = False) -> np.ndarray:
@@ -339,7 +359,7 @@ class IkNumerics(Numerics):
         if kind is not None and self.weights.fits(self.weights.decoded_bytes(weight_name)):
             # a 1-D weight is one row, as ggml multiplies it (ik's quantizer writes ffn_gate_inp_shexp as a vector)
             w = self.weights.decode(weight_name)
-            return ik_float_matmul(x, w.reshape(-1, w.shape[-1]), kind == "BF16")
+            return self._float_matmul(x, w.reshape(-1, w.shape[-1]), kind)
         return super().project(x, weight_name)
 
     def matmul_weight(self, name: str, n_act_rows: int, weight_rows: int | None = None) -> np.ndarray:
@@ -357,12 +377,12 @@ class IkNumerics(Numerics):
         src = source if source is not None else HeadSource(name, self.weights.encoding(name).type.name)
         rows = src.head_rows or self.weights.info(name).n_elements // (n_head * n_in)  # a 3-D [H, rows, in] too
         fmt = activation_format(src.type_name)
-        if src.type_name in IK_FLOAT_TYPES and takes_whole(n_in, src.type_name == "BF16"):
+        if src.type_name in IK_FLOAT_TYPES and self._takes_whole(n_in, src.type_name):
             w = (self.weights.decode(name) if source is None else
                  self.weights.derived(src.name, lambda raw, dec: src.rows(raw, dec)[1], DERIVED + src.kind))
             xr = round_activations(x, fmt)
             w = w.reshape(n_head, rows, -1)
-            return np.stack([ik_float_matmul(xr[h], w[h], src.type_name == "BF16") for h in range(n_head)])
+            return np.stack([self._float_matmul(xr[h], w[h], src.type_name) for h in range(n_head)])
         kernel = ik_kernel(src.type_name)
         threads = self._kernel_threads(n_head)
         converts = CONVERTED * kernel.converts(n, rows, threads)

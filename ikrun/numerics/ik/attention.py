@@ -8,6 +8,10 @@ l + 16, ... (the first a product, the rest fused multiply-adds), then the 16 lan
 float32(1 / sum). The values multiply the float32 probabilities the same way, lanes by key. gpt-oss's per-head
 sink logits join the maximum and, through expf, the float64 sum after the lanes (ggml's soft_max with sinks); its
 sliding window masks the keys before it (-inf, as ik's mask cells).
+
+ik's AVX2 build (`lanes` = 8, `avx2`, --numerics ik-avx2) multiplies in 8 lanes (ikgemm.py), exponentiates with its
+AVX2 exponential (ik_expf_avx2), and its softmax adds each 8 exponentials' sum (4 + 4, then (0 + 2) + (1 + 3)) to
+the float64 sum in turn.
 """
 
 from __future__ import annotations
@@ -16,30 +20,36 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 
 from ikquant.formats.numeric import fmaf
-from ikrun.numerics.ik.ikgemm import DOTS, LANES, XROWS, dots, ik_dot_grid
-from ikrun.ops.activations import ik_expf
+from ikrun.numerics.ik.ikgemm import AVX2_LANES, DOTS, LANES, XROWS, dots, ik_dot_grid
+from ikrun.ops.activations import ik_exp
 from ikrun.ops.parallel import claim_items, task_items
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _lane_sum(lanes: np.ndarray) -> np.float32:
-    """16 float32 lanes added as ik's reduction adds them: 8 + 8, 4 + 4, then (0 + 2) + (1 + 3)."""
-    t = np.empty(8, np.float32)
-    for j in range(8):
-        t[j] = lanes[j + 8] + lanes[j]
-    return ((t[4] + t[0]) + (t[6] + t[2])) + ((t[5] + t[1]) + (t[7] + t[3]))
+    """16 (or 8) float32 lanes added as ik's reduction adds them: 8 + 8, 4 + 4, then (0 + 2) + (1 + 3)."""
+    t = np.empty(4, np.float32)
+    if lanes.shape[0] == AVX2_LANES:
+        for j in range(4):
+            t[j] = lanes[j + 4] + lanes[j]
+    else:
+        for j in range(4):
+            t[j] = (lanes[j + 12] + lanes[j + 4]) + (lanes[j + 8] + lanes[j])
+    return (t[0] + t[2]) + (t[1] + t[3])
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _ik_softmax(r: np.ndarray, first: int, n_keys: int, scale: np.float32, sink: np.float32,
-                keep: np.ndarray) -> None:
+                keep: np.ndarray, avx2: bool) -> None:
     """ik's softmax of the scores r[first:n_keys] in place (the module docstring), zeros before and after them (r's
     length a multiple of 16), and of the keys `keep` marks among them when it is not empty (GLM's DSA: ik adds
     -1e30 to the others' scaled scores, whose exponentials are then 0 as for -inf). Each pass is a loop LLVM
     vectorises (on a view from 0: an offset start keeps it scalar): the maximum and the sum in 16 lanes (the
-    maximum's order changes nothing; the sum's is ik's). A sink logit (-inf: none) joins the maximum, and its expf
-    joins the float64 sum after the lanes (ggml's soft_max with sinks)."""
-    whole = n_keys + (-n_keys % LANES)
+    maximum's order changes nothing; the sum's is ik's), or with `avx2` as ik's AVX2 build sums (the module
+    docstring). A sink logit (-inf: none) joins the maximum, and its expf joins the float64 sum after the lanes
+    (ggml's soft_max with sinks)."""
+    step = AVX2_LANES if avx2 else LANES
+    whole = n_keys + (-n_keys % step)
     for j in range(n_keys):
         r[j] *= scale
     if keep.shape[0]:
@@ -51,17 +61,22 @@ def _ik_softmax(r: np.ndarray, first: int, n_keys: int, scale: np.float32, sink:
     for j in range(n_keys, whole):
         r[j] = -np.inf  # ik_expf(-inf) is 0
     lanes = np.full(LANES, -np.inf, np.float32)
-    for c in range(0, whole, LANES):
-        for lane in range(LANES):
+    for c in range(0, whole, step):
+        for lane in range(step):
             lanes[lane] = max(lanes[lane], r[c + lane])
     m = max(lanes.max(), sink)
     for j in range(whole):
-        r[j] = ik_expf(r[j] - m)
-    lanes[:] = 0
-    for c in range(0, whole, LANES):
-        for lane in range(LANES):
-            lanes[lane] += r[c + lane]
-    total = np.float64(_lane_sum(lanes))
+        r[j] = ik_exp(r[j] - m, avx2)
+    total = np.float64(0.0)
+    if avx2:
+        for c in range(0, whole, AVX2_LANES):
+            total += np.float64(_lane_sum(r[c : c + AVX2_LANES]))
+    else:
+        lanes[:] = 0
+        for c in range(0, whole, LANES):
+            for lane in range(LANES):
+                lanes[lane] += r[c + lane]
+        total = np.float64(_lane_sum(lanes))
     if sink > -np.inf:
         total += np.float64(np.exp(np.float32(sink - m)))
     inv = np.float32(1.0 / total)
@@ -73,10 +88,11 @@ def _ik_softmax(r: np.ndarray, first: int, n_keys: int, scale: np.float32, sink:
 
 @njit(cache=True, nogil=True, parallel=True)
 def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, past: int, window: int,
-                  sinks: np.ndarray, keep: np.ndarray, out: np.ndarray, threads: int) -> None:
+                  sinks: np.ndarray, keep: np.ndarray, out: np.ndarray, avx2: bool, threads: int) -> None:
     """q [H, n, d], k [Hkv, keys padded, d], vt [Hkv, dv, keys padded], out [H, n, dv] (all C-contiguous; the
     padding, to a multiple of 16 keys, zeros); a query sees its last `window` keys (0: all) and those `keep`
-    [n, keys] marks (no rows: all), `sinks` one logit per head (empty: none).
+    [n, keys] marks (no rows: all), `sinks` one logit per head (empty: none); `avx2`: ik's AVX2 build's
+    arithmetic.
 
     XROWS queries of a head at a time: their scores against DOTS keys, and their weighted values of DOTS dims, per
     kernel call (each key and value vector loaded once for all of them). The scores a query may not see are
@@ -91,6 +107,7 @@ def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, pa
     items = n_head * n_groups
     per, counter = task_items(items, threads), np.zeros(1, np.int64)
     keep_all = np.empty(0, np.bool_)
+    lanes = AVX2_LANES if avx2 else LANES
     for _ in prange(threads):
         p = np.empty(XROWS * padded, np.float32)
         tail = np.empty(DOTS, np.float32)
@@ -102,37 +119,39 @@ def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, pa
                 g = h // group
                 k0, v0 = g * padded * d, g * dv * padded
                 last = past + i0 + rows  # keys the group's last query sees
-                width = last + (-last % LANES)
+                width = last + (-last % lanes)
                 q0 = (h * n + i0) * d
                 if rows == XROWS:
                     for j in range(0, last + (-last % DOTS), DOTS):
-                        ik_dot_grid(qf, q0, d, kf, k0 + j * d, d, d, p, j, padded)
+                        ik_dot_grid(qf, q0, d, kf, k0 + j * d, d, d, p, j, padded, False, lanes)
                 else:
                     for a in range(rows):
-                        dots(qf, q0 + a * d, kf, k0, d, d, last, p, a * padded, tail, False)
+                        dots(qf, q0 + a * d, kf, k0, d, d, last, p, a * padded, tail, False, lanes)
                 sink = sinks[h] if sinks.shape[0] else np.float32(-np.inf)
                 for a in range(rows):
                     seen = past + i0 + a + 1
                     first = max(0, seen - window) if window > 0 else 0
                     row = keep[i0 + a] if keep.shape[0] else keep_all
-                    _ik_softmax(p[a * padded : a * padded + width], first, seen, sc, sink, row)
+                    _ik_softmax(p[a * padded : a * padded + width], first, seen, sc, sink, row, avx2)
                 o0 = (h * n + i0) * dv
                 full = dv - dv % DOTS if rows == XROWS else 0
                 for c in range(0, full, DOTS):
-                    ik_dot_grid(p, 0, padded, vf, v0 + c * padded, padded, width, of, o0 + c, dv)
+                    ik_dot_grid(p, 0, padded, vf, v0 + c * padded, padded, width, of, o0 + c, dv, False, lanes)
                 for a in range(rows):
                     dots(p, a * padded, vf, v0 + full * padded, padded, width, dv - full, of, o0 + a * dv + full,
-                         tail, False)
+                         tail, False, lanes)
             t0, t1 = claim_items(counter, per, items)
 
 
 def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int = 0,
-                        sinks: np.ndarray | None = None) -> np.ndarray:
-    """causal_attention in ik's arithmetic (the module docstring); head dims a multiple of 16; a sliding `window`
-    (keys seen, the own included; ik's masked cells) and per-head `sinks` logits (ggml's soft_max with sinks)."""
+                        sinks: np.ndarray | None = None, avx2: bool = False) -> np.ndarray:
+    """causal_attention in ik's arithmetic (the module docstring; `avx2`: its AVX2 build's); head dims a multiple of
+    its lanes; a sliding `window` (keys seen, the own included; ik's masked cells) and per-head `sinks` logits
+    (ggml's soft_max with sinks)."""
     n, n_head, d = q.shape
-    if d % LANES:
-        raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {LANES}, not {d}")
+    lanes = AVX2_LANES if avx2 else LANES
+    if d % lanes:
+        raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {lanes}, not {d}")
     n_keys = k.shape[0]
     padded = n_keys + (-n_keys % LANES)
     qh = np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32)
@@ -142,20 +161,21 @@ def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
     vt[:, :, :n_keys] = v.transpose(1, 2, 0)
     out = np.empty((n_head, n, v.shape[2]), np.float32)
     sink = np.empty(0, np.float32) if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
-    _ik_attention(qh, kh, vt, float(scale), n_keys - n, window, sink, np.empty((0, 0), np.bool_), out,
+    _ik_attention(qh, kh, vt, float(scale), n_keys - n, window, sink, np.empty((0, 0), np.bool_), out, avx2,
                   get_num_threads())
     return out.transpose(1, 0, 2)
 
 
 def ik_latent_attention(q: np.ndarray, cache: np.ndarray, n_rope: int, scale: float,
-                        keep: np.ndarray | None = None) -> np.ndarray:
+                        keep: np.ndarray | None = None, avx2: bool = False) -> np.ndarray:
     """DeepSeek's absorbed attention (ops/mla.py) in ik's arithmetic: queries q [H, n, R + C] ([q_rope | q_lat])
     against the cache rows [p + n, R + C] ([k_rope | c_kv], as the f16 cache holds them; p rows of a continued
-    sequence's earlier positions first), the latents c_kv as values: [H, n, C]; dims a multiple of 16. `keep`
-    [n, p + n]: the causal keys each query may see (GLM's DSA top-k, ik's sparse mask)."""
+    sequence's earlier positions first), the latents c_kv as values: [H, n, C]; dims a multiple of the lanes (16, or
+    8 with `avx2`). `keep` [n, p + n]: the causal keys each query may see (GLM's DSA top-k, ik's sparse mask)."""
     n_head, n, d = q.shape
-    if d % LANES:
-        raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {LANES}, not {d}")
+    lanes = AVX2_LANES if avx2 else LANES
+    if d % lanes:
+        raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {lanes}, not {d}")
     n_keys = len(cache)
     padded = n_keys + (-n_keys % LANES)
     keys = np.zeros((1, padded, d), np.float32)
@@ -165,7 +185,7 @@ def ik_latent_attention(q: np.ndarray, cache: np.ndarray, n_rope: int, scale: fl
     out = np.empty((n_head, n, d - n_rope), np.float32)
     mask = np.empty((0, 0), np.bool_) if keep is None else np.ascontiguousarray(keep, dtype=np.bool_)
     _ik_attention(np.ascontiguousarray(q, dtype=np.float32), keys, vt, float(scale), n_keys - n, 0,
-                  np.empty(0, np.float32), mask, out, get_num_threads())
+                  np.empty(0, np.float32), mask, out, avx2, get_num_threads())
     return out
 
 
@@ -185,7 +205,7 @@ def _ik_masked_softmax(r: np.ndarray, visible: np.ndarray, n_sink: int, scale: n
     lanes = np.zeros(LANES, np.float32)
     for c in range(0, whole, LANES):
         for lane in range(LANES):
-            e = ik_expf(r[c + lane] - m)
+            e = ik_exp(r[c + lane] - m, False)
             r[c + lane] = e
             lanes[lane] += e
     total = np.float64(_lane_sum(lanes))
@@ -231,10 +251,10 @@ def _ik_sink_attention(q: np.ndarray, cache: np.ndarray, vt: np.ndarray, sinks: 
         p = np.zeros(n_sink + n_cells + LANES, np.float32)
         tail = np.empty(DOTS, np.float32)
         q0 = (h * n + t) * d
-        dots(qf, q0, sf, 0, d, d, n_sink, p, 0, tail, False)
-        dots(qf, q0, kf, 0, d, d, n_cells, p, n_sink, tail, False)
+        dots(qf, q0, sf, 0, d, d, n_sink, p, 0, tail, False, LANES)
+        dots(qf, q0, kf, 0, d, d, n_cells, p, n_sink, tail, False, LANES)
         _ik_masked_softmax(p[: n_sink + n_cells], visible[t], n_sink, np.float32(scale))
-        dots(p, n_sink, vf, 0, n_cells, n_cells, n_lat, of, (h * n + t) * n_lat, tail, False)
+        dots(p, n_sink, vf, 0, n_cells, n_cells, n_lat, of, (h * n + t) * n_lat, tail, False, LANES)
         for c in range(n_lat):
             of[(h * n + t) * n_lat + c] += _ik_sink_values(p, s_lat, c, n_sink, overread)
 

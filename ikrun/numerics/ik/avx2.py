@@ -1,0 +1,48 @@
+"""`--numerics ik-avx2`: ik's CPU arithmetic as its AVX2 build computes it (no AVX-512: `HAVE_FANCY_SIMD` undefined),
+to get the numbers an AVX2 machine's llama-perplexity prints.
+
+It differs from the AVX-512 build's (arithmetic.py) in its float kernels, which sum in 8 lanes and add them as 4 + 4,
+then (0 + 2) + (1 + 3) (ikgemm.py; bf16 weights too, on activations rounded to bf16), in its exponential
+(ik_expf_avx2: the softmax and the SiLU) and in its softmax's float64 sum of each 8 exponentials' sum
+(attention.py). ik's flash-attention ports are its AVX2 build's already. Only what was checked bit for bit against
+this build runs: other architectures, weight types and AVX-512-only flags are refused before any compute.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ikrun.numerics.ik.arithmetic import IkNumerics
+
+if TYPE_CHECKING:
+    from ikquant.types import GGMLType
+
+#: the architectures whose ik graph was checked against ik's AVX2 build op for op
+VERIFIED_ARCHS = ("qwen3",)
+#: the weight types whose kernels were checked against it
+VERIFIED_TYPES = ("F32", "F16")
+
+
+class IkAvx2Numerics(IkNumerics):
+    """ik's CPU arithmetic of its AVX2 build (the module docstring)."""
+
+    name = "ik-avx2"
+    avx2 = True
+
+    def check_weights(self) -> list[str]:
+        arch = self.weights.metadata.architecture
+        if arch not in VERIFIED_ARCHS:
+            return [f"--numerics ik-avx2 does not reproduce ik's AVX2 arithmetic for {arch} (its ops are not checked "
+                    f"against ik's AVX2 build; checked: {', '.join(VERIFIED_ARCHS)}); use --numerics ik"]
+        odd = sorted({self.weights.info(name).type.name for name in self.weights.names()
+                      if len(self.weights.info(name).ne) >= 2 and name != "token_embd.weight"} - set(VERIFIED_TYPES))
+        if odd:
+            return [f"--numerics ik-avx2 does not reproduce ik's AVX2 kernels for {', '.join(odd)} weights; checked: "
+                    f"{', '.join(VERIFIED_TYPES)}"]
+        return super().check_weights()
+
+    def check_type(self, gtype: GGMLType) -> str | None:
+        if gtype.name not in VERIFIED_TYPES:
+            return (f"--numerics ik-avx2 does not reproduce ik's AVX2 kernels for {gtype.name} weights; checked: "
+                    + ", ".join(VERIFIED_TYPES))
+        return super().check_type(gtype)
