@@ -281,10 +281,14 @@ class IkNumerics(Numerics):
         """The activation format of a matmul with `weight_name` (attn_k_b / attn_v_b: ik's derived ones where the
         file has attn_kv_b alone)."""
         if self.weights.has(weight_name):
-            return activation_format(self.weights.encoding(weight_name).type.name)
+            return self._activation_format(self.weights.encoding(weight_name).type.name)
         kv_b_type = self.weights.encoding(weight_name.replace("attn_k_b", "attn_kv_b").replace(
             "attn_v_b", "attn_kv_b")).type.name
-        return activation_format(derived_k_b_type(kv_b_type) if "attn_k_b" in weight_name else kv_b_type)
+        return self._activation_format(derived_k_b_type(kv_b_type) if "attn_k_b" in weight_name else kv_b_type)
+
+    def _activation_format(self, type_name: str) -> str:
+        """The format ik rounds a matmul's activations to for `type_name` weights."""
+        return activation_format(type_name)
 
     def activations(self, x: np.ndarray, weight_name: str) -> np.ndarray:
         """x rounded as ik rounds the activations of a matmul with `weight_name`."""
@@ -325,9 +329,8 @@ class IkNumerics(Numerics):
                                                                                type_name) else None
 
     def _bf16_kernel(self, type_name: str) -> bool:
-        """Whether ik multiplies `type_name` weights in its bf16 kernel (its AVX2 build has none: the float kernel
-        on activations rounded to bf16)."""
-        return type_name == "BF16" and not self.avx2
+        """Whether ik multiplies `type_name` weights in its bf16 kernel."""
+        return type_name == "BF16"
 
     def _takes_whole(self, n_per_row: int, type_name: str) -> bool:
         return takes_whole(n_per_row, self._bf16_kernel(type_name), self.lanes)
@@ -376,7 +379,7 @@ class IkNumerics(Numerics):
         n_head, n, n_in = x.shape
         src = source if source is not None else HeadSource(name, self.weights.encoding(name).type.name)
         rows = src.head_rows or self.weights.info(name).n_elements // (n_head * n_in)  # a 3-D [H, rows, in] too
-        fmt = activation_format(src.type_name)
+        fmt = self._activation_format(src.type_name)
         if src.type_name in IK_FLOAT_TYPES and self._takes_whole(n_in, src.type_name):
             w = (self.weights.decode(name) if source is None else
                  self.weights.derived(src.name, lambda raw, dec: src.rows(raw, dec)[1], DERIVED + src.kind))

@@ -2,7 +2,7 @@
 to get the numbers an AVX2 machine's llama-perplexity prints.
 
 It differs from the AVX-512 build's (arithmetic.py) in its float kernels, which sum in 8 lanes and add them as 4 + 4,
-then (0 + 2) + (1 + 3) (ikgemm.py; bf16 weights too, on activations rounded to bf16), in its exponential
+then (0 + 2) + (1 + 3) (ikgemm.py; bf16 weights too, on unrounded float32 activations), in its exponential
 (ik_expf_avx2: the softmax and the SiLU) and in its softmax's float64 sum of each 8 exponentials' sum
 (attention.py). ik's flash-attention ports are its AVX2 build's already. Only what was checked bit for bit against
 this build runs: other architectures, weight types and AVX-512-only flags are refused before any compute.
@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ikrun.numerics.ik.arithmetic import IkNumerics
+from ikrun.numerics.ik.formats import UNROUNDED
 
 if TYPE_CHECKING:
     from ikquant.types import GGMLType
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 #: the architectures whose ik graph was checked against ik's AVX2 build op for op
 VERIFIED_ARCHS = ("qwen3",)
 #: the weight types whose kernels were checked against it
-VERIFIED_TYPES = ("F32", "F16")
+VERIFIED_TYPES = ("F32", "F16", "BF16")
 
 
 class IkAvx2Numerics(IkNumerics):
@@ -46,3 +47,11 @@ class IkAvx2Numerics(IkNumerics):
             return (f"--numerics ik-avx2 does not reproduce ik's AVX2 kernels for {gtype.name} weights; checked: "
                     + ", ".join(VERIFIED_TYPES))
         return super().check_type(gtype)
+
+    def _activation_format(self, type_name: str) -> str:
+        """ik's AVX2 build multiplies bf16 weights with float32 activations as they are (its float kernel)."""
+        return UNROUNDED if type_name == "BF16" else super()._activation_format(type_name)
+
+    def _bf16_kernel(self, type_name: str) -> bool:
+        """ik's AVX2 build has no bf16 kernel: bf16 weights go through its float kernel."""
+        return False
