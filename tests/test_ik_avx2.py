@@ -1,0 +1,62 @@
+"""--numerics ik-avx2 against ik's AVX2 build (tests/data/logits/qwen3-avx2: this machine's native ik, no AVX-512):
+its base-logits file byte for byte, every running PPL, and the bf16 file's printed KL-divergence; --numerics ik (the
+AVX-512 build's float order) does not give them; what it does not reproduce is refused before any compute."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikrun.cli import app
+from ikrun.eval.evaluate import perplexity
+from ikrun.eval.metrics import BaseLogitsFile
+from ikrun.model import Model
+from ikrun.options import RuntimeOptions
+from tests.family_checks import assert_iks_forward
+from tests.test_numerics import _printed
+
+runner = CliRunner()
+DATA = Path(__file__).parent / "data"
+CONVERT, LOGITS = DATA / "convert" / "qwen3", DATA / "logits" / "qwen3-avx2"
+AVX2 = RuntimeOptions(numerics="ik-avx2")
+
+
+def test_ik_avx2_gives_iks_avx2_base_logits(tmp_path: Path) -> None:
+    assert_iks_forward(Model(CONVERT / "ik-f32.gguf", options=AVX2), LOGITS / "ik-base.kld",
+                       LOGITS / "ik-f32-ppl.txt", tmp_path / "base.kld")
+
+
+def test_ik_avx512_order_is_not_iks_avx2(tmp_path: Path) -> None:
+    """The AVX-512 build's float order (--numerics ik) misses the AVX2 build's file: the check above can fail."""
+    base = LOGITS / "ik-base.kld"
+    out = tmp_path / "base.kld"
+    perplexity(Model(CONVERT / "ik-f32.gguf", options=RuntimeOptions(numerics="ik")),
+               np.asarray(BaseLogitsFile(base).tokens), save_base=out)
+    assert out.read_bytes() != base.read_bytes()
+
+
+def test_ik_avx2_bf16_kld_is_iks() -> None:
+    """ik's AVX2 build multiplies bf16 weights in its float kernel with unrounded activations: every figure its
+    --kl-divergence run printed for the bf16 file, to the last digit."""
+    res = runner.invoke(app, ["kld", str(CONVERT / "ik-bf16.gguf"), "--base-logits", str(LOGITS / "ik-base.kld"),
+                              "--json", "--numerics", "ik-avx2"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout)
+    for key, value in _printed(LOGITS / "ik-bf16-kld.txt").items():
+        assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), (key, got[key], value)
+
+
+@pytest.mark.parametrize(("gguf", "extra", "message"), [
+    (CONVERT / "ik-q8_0.gguf", [], "--numerics ik-avx2 does not reproduce ik's AVX2 kernels for Q8_0 weights"),
+    (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", [], "--numerics ik-avx2 does not reproduce ik's AVX2 "
+     "arithmetic for deepseek2"),
+    (DATA / "convert" / "openpangu-v2" / "ik-f32.gguf", ["--ik-sink-overread"], "--ik-sink-overread reproduces "
+     "ik's AVX-512 build"),
+])
+def test_ik_avx2_refuses_what_it_does_not_reproduce(gguf: Path, extra: list[str], message: str) -> None:
+    res = runner.invoke(app, ["logits", str(gguf), "--tokens", "1,2", "--numerics", "ik-avx2", *extra])
+    assert res.exit_code == 2 and message in res.output, res.output
