@@ -16,7 +16,7 @@ from ikrun.eval.evaluate import perplexity
 from ikrun.eval.metrics import BaseLogitsFile
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
-from tests.family_checks import assert_iks_forward
+from tests.family_checks import assert_iks_forward, ik_quantized
 from tests.test_numerics import _printed
 
 runner = CliRunner()
@@ -39,19 +39,46 @@ def test_ik_avx512_order_is_not_iks_avx2(tmp_path: Path) -> None:
     assert out.read_bytes() != base.read_bytes()
 
 
+def _kld(gguf: Path, numerics: str) -> dict[str, float]:
+    res = runner.invoke(app, ["kld", str(gguf), "--base-logits", str(LOGITS / "ik-base.kld"), "--json",
+                              "--numerics", numerics])
+    assert res.exit_code == 0, res.output
+    return dict(json.loads(res.stdout))
+
+
+def _matches(got: dict[str, float], printed: Path) -> bool:
+    """Every figure ik printed, to its last digit."""
+    return all(abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7)
+               for key, value in _printed(printed).items())
+
+
 def test_ik_avx2_bf16_kld_is_iks() -> None:
     """ik's AVX2 build multiplies bf16 weights in its float kernel with unrounded activations: every figure its
     --kl-divergence run printed for the bf16 file, to the last digit."""
-    res = runner.invoke(app, ["kld", str(CONVERT / "ik-bf16.gguf"), "--base-logits", str(LOGITS / "ik-base.kld"),
-                              "--json", "--numerics", "ik-avx2"])
-    assert res.exit_code == 0, res.output
-    got = json.loads(res.stdout)
-    for key, value in _printed(LOGITS / "ik-bf16-kld.txt").items():
-        assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), (key, got[key], value)
+    assert _matches(_kld(CONVERT / "ik-bf16.gguf", "ik-avx2"), LOGITS / "ik-bf16-kld.txt")
+
+
+def test_ik_avx2_q8_0_kld_is_iks() -> None:
+    """ik's AVX2 Q8_0_R8 kernel (qgemm.ORDER_R8_AVX2): every figure printed for the Q8_0 file (KLD 0.000579, PPL(Q)
+    542.179591), which the AVX-512 build's order (--numerics ik) misses."""
+    assert _matches(_kld(CONVERT / "ik-q8_0.gguf", "ik-avx2"), LOGITS / "ik-q8_0-kld.txt")
+    assert not _matches(_kld(CONVERT / "ik-q8_0.gguf", "ik"), LOGITS / "ik-q8_0-kld.txt")
+
+
+def test_ik_avx2_refuses_other_quant_types(tmp_path: Path) -> None:
+    q4 = ik_quantized(CONVERT / "ik-f32.gguf", tmp_path / "q4_0.gguf", "Q4_0")
+    res = runner.invoke(app, ["logits", str(q4), "--tokens", "1,2", "--numerics", "ik-avx2"])
+    assert res.exit_code == 2 and "--numerics ik-avx2 does not reproduce ik's AVX2 kernels for Q4_0" in res.output, \
+        res.output
+
+
+def test_ik_avx2_refuses_q8_0s_own_kernel() -> None:
+    """Below 32 activation rows ik multiplies Q8_0 in its own kernel, whose AVX2 order is not reproduced."""
+    res = runner.invoke(app, ["logits", str(CONVERT / "ik-q8_0.gguf"), "--tokens", "1,2", "--numerics", "ik-avx2"])
+    assert res.exit_code == 2 and "not the kernel ik takes for 2 rows" in res.output, res.output
 
 
 @pytest.mark.parametrize(("gguf", "extra", "message"), [
-    (CONVERT / "ik-q8_0.gguf", [], "--numerics ik-avx2 does not reproduce ik's AVX2 kernels for Q8_0 weights"),
     (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", [], "--numerics ik-avx2 does not reproduce ik's AVX2 "
      "arithmetic for deepseek2"),
     (DATA / "convert" / "openpangu-v2" / "ik-f32.gguf", ["--ik-sink-overread"], "--ik-sink-overread reproduces "

@@ -30,6 +30,7 @@ from ikrun.numerics.ik.flash_attention import flash_attention_f16
 from ikrun.numerics.ik.formats import (
     IK_FLOAT_TYPES,
     IK_KERNELS,
+    IkKernel,
     ToInts,
     activation_format,
     ik_kernel,
@@ -189,7 +190,7 @@ class IkNumerics(Numerics):
         type_name = ggml_name(cache_type)
         kernel = IK_KERNELS.get(type_name)
         n, n_head, d = q.shape
-        ints = None if kernel is None else kernel.integers(n, len(k), self.options.ik_threads)
+        ints = None if kernel is None else self._integers(kernel, n, len(k), self.options.ik_threads)
         if ints is None:
             return super().indexer_scores(q, k, w, cache_type, q0)
         raw = cache_row_bytes(type_name, np.ascontiguousarray(k, dtype=np.float32))
@@ -311,12 +312,18 @@ class IkNumerics(Numerics):
         shape = self.weights.info(name).shape
         return self.weights.derived(name, lambda raw, decoded: values(raw, decoded).to_float().reshape(shape), kind)
 
+    def _integers(self, kernel: IkKernel, n_act_rows: int, n_weight_rows: int,
+                  threads: int | None = None) -> ToInts | None:
+        """The integers (and float order) `kernel` multiplies its weights as in a matmul of `n_act_rows` activation
+        rows (IkKernel.integers)."""
+        return kernel.integers(n_act_rows, n_weight_rows, threads)
+
     def _packed(self, name: str, n_act_rows: int, threads: int | None) -> PackedInts | None:
         """The integers ik's kernel multiplies the 2-D weight `name` as (its rows shared by `threads` ik threads),
         packed for qmatmul; None where it multiplies floats."""
         kernel = ik_kernel(self.weights.encoding(name).type.name)
         rows = self.weights.info(name).shape[0]
-        ints = kernel.integers(n_act_rows, rows, threads)
+        ints = self._integers(kernel, n_act_rows, rows, threads)
         if ints is None:
             return None
         kind = PACKED + CONVERTED * kernel.converts(n_act_rows, rows, threads)
@@ -389,7 +396,7 @@ class IkNumerics(Numerics):
         kernel = ik_kernel(src.type_name)
         threads = self._kernel_threads(n_head)
         converts = CONVERTED * kernel.converts(n, rows, threads)
-        ints = kernel.integers(n, rows, threads)
+        ints = self._integers(kernel, n, rows, threads)
         if ints is None:
             if source is None:
                 return self.sliced_product(x, name)
@@ -411,7 +418,7 @@ class IkNumerics(Numerics):
 
     # ---- routed experts ---------------------------------------------------------------------------------------
     def _expert_ints(self, name: str, count: int) -> ToInts | None:
-        return ik_kernel(self.weights.encoding(name).type.name).integers(count, self.weights.info(name).shape[1])
+        return self._integers(ik_kernel(self.weights.encoding(name).type.name), count, self.weights.info(name).shape[1])
 
     def expert_ints(self, name: str, expert: int, count: int) -> PackedInts | None:
         """The packed integers ik's kernel multiplies expert `expert` of the 3-D tensor `name` as when `count`

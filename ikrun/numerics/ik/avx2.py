@@ -10,10 +10,13 @@ this build runs: other architectures, weight types and AVX-512-only flags are re
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from ikrun.errors import ModelError
 from ikrun.numerics.ik.arithmetic import IkNumerics
-from ikrun.numerics.ik.formats import UNROUNDED
+from ikrun.numerics.ik.formats import UNROUNDED, IkKernel, ToInts
+from ikrun.numerics.ik.qgemm import ORDER_R8, ORDER_R8_AVX2
 
 if TYPE_CHECKING:
     from ikquant.types import GGMLType
@@ -21,7 +24,7 @@ if TYPE_CHECKING:
 #: the architectures whose ik graph was checked against ik's AVX2 build op for op
 VERIFIED_ARCHS = ("qwen3",)
 #: the weight types whose kernels were checked against it
-VERIFIED_TYPES = ("F32", "F16", "BF16")
+VERIFIED_TYPES = ("F32", "F16", "BF16", "Q8_0")
 
 
 class IkAvx2Numerics(IkNumerics):
@@ -55,3 +58,21 @@ class IkAvx2Numerics(IkNumerics):
     def _bf16_kernel(self, type_name: str) -> bool:
         """ik's AVX2 build has no bf16 kernel: bf16 weights go through its float kernel."""
         return False
+
+    def _integers(self, kernel: IkKernel, n_act_rows: int, n_weight_rows: int,
+                  threads: int | None = None) -> ToInts | None:
+        """Q8_0_R8's float order of ik's AVX2 build (qgemm.ORDER_R8_AVX2); the other integer kernels' AVX2 orders
+        are not reproduced."""
+        ints = super()._integers(kernel, n_act_rows, n_weight_rows, threads)
+        if ints is None:
+            return None
+        inner = ints
+
+        def avx2(raw, decoded):  # type: ignore[no-untyped-def]
+            held = inner(raw, decoded)
+            if held.order != ORDER_R8:
+                raise ModelError(f"--numerics ik-avx2 reproduces ik's AVX2 Q8_0_R8 kernel (32 activation rows and "
+                                 f"more a thread), not the kernel ik takes for {n_act_rows} rows")
+            return replace(held, order=ORDER_R8_AVX2)
+
+        return avx2
