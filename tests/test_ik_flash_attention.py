@@ -17,9 +17,14 @@ import pytest
 from typer.testing import CliRunner
 
 from ikrun.cli import app
+from ikrun.eval.evaluate import perplexity
+from ikrun.eval.metrics import BaseLogitsFile
+from ikrun.model import Model
 from ikrun.numerics.ik.arithmetic import IQK_FA_HEADS
 from ikrun.numerics.ik.flash_attention import flash_attention_f16
 from ikrun.numerics.ik.iqk_flash_attention import avx2_expf, iqk_flash_attention_f16, k_step_for
+from ikrun.options import RuntimeOptions
+from tests.family_checks import assert_iks_forward
 from tests.iqk_fa_cases import CASES, GENERIC_CASES, case_inputs
 from tests.test_mla_paths import _quantized_kv_b
 
@@ -186,6 +191,23 @@ def test_real_heads_q4_0_attn_kv_b_costs_what_ik_prints(real_heads: dict[str, Pa
     assert f"{100 * ours['same_top_p']:.3f}" == f"{ik['same_top_p']:.3f}"
     assert _real_kld(real_heads["kvb-q4_0.gguf"], "--mla", "prefill")["kld_mean"] != pytest.approx(ik["kld_mean"],
                                                                                                    rel=1e-2)
+
+
+REAL_FA_OFF = DATA / "logits" / "deepseek-v3-heads192-avx2-fa-off"
+
+
+@pytest.mark.parametrize(("folder", "mla"), [(REAL, "auto"), (REAL_FA_OFF, "decode")])
+def test_real_heads_ik_avx2_is_iks_avx2_build(real_heads: dict[str, Path], folder: Path, mla: str,
+                                              tmp_path: Path) -> None:
+    """--numerics ik-avx2 (ik's AVX2 build's float orders around its flash-attention kernels): ik's default run's
+    base-logits file (prefill, PPL 484.7333) and its -fa off run's (decode, 484.7470) byte for byte, every running
+    PPL; --numerics ik's files differ (PPL(Q) 484.7286 and 484.7474)."""
+    base, printed = folder / "ik-base.kld", folder / "ik-base.txt"
+    assert_iks_forward(Model(real_heads["ik-f32.gguf"], options=RuntimeOptions(numerics="ik-avx2", mla=mla)), base,
+                       printed, tmp_path / "avx2.kld")
+    perplexity(Model(real_heads["ik-f32.gguf"], options=RuntimeOptions(numerics="ik", mla=mla)),
+               np.asarray(BaseLogitsFile(base).tokens), save_base=tmp_path / "avx512.kld")
+    assert (tmp_path / "avx512.kld").read_bytes() != base.read_bytes()
 
 
 def test_the_console_report_names_the_mla_path(real_heads: dict[str, Path]) -> None:

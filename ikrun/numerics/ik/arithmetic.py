@@ -476,4 +476,4 @@ class IkNumerics(Numerics):
             return packed[0], packed[1], packed[2]
 
         return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts), group, glu, formats, ints,
-                           keep_act=keep_act, ik=types)
+                           keep_act=keep_act, ik=types, avx2=self.avx2)
