@@ -235,7 +235,7 @@ class IkNumerics(Numerics):
             if keep is not None:
                 visible &= keep
             latent = ik_sink_latent_attention(q, cache[:, lat_first], sinks[:, lat_first], visible, n_lat, scale,
-                                              self.options.ik_sink_overread)
+                                              self.options.ik_sink_overread, self.avx2)
         if on_latent is not None:
             on_latent(latent)
         return self.head_product(latent, b + "attn_v_b.weight", v_b).transpose(1, 0, 2)

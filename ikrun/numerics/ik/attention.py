@@ -190,25 +190,30 @@ def ik_latent_attention(q: np.ndarray, cache: np.ndarray, n_rope: int, scale: fl
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _ik_masked_softmax(r: np.ndarray, visible: np.ndarray, n_sink: int, scale: np.float32) -> None:
+def _ik_masked_softmax(r: np.ndarray, visible: np.ndarray, n_sink: int, scale: np.float32, avx2: bool) -> None:
     """ggml's soft_max_ext over a row of r (sinks first, always visible, then one score per cache cell, visible
     where `visible` says): scaled, -inf where masked, the maximum, then ik's exponential in 16 lanes and their
-    sum reduced as ik's tree, the cells past the last whole 16 with expf summed after it in float64, times
-    float32(1 / sum)."""
+    sum reduced as ik's tree (`avx2`: its AVX2 exponential in 8 lanes, each 8's sum added to the float64 sum),
+    the cells past the last whole vector with expf summed after it in float64, times float32(1 / sum)."""
     width = r.shape[0]
     m = -np.inf
     for j in range(width):
         v = r[j] * scale if j < n_sink or visible[j - n_sink] else -np.inf
         r[j] = v
         m = max(m, v)
-    whole = width - width % LANES
+    step = AVX2_LANES if avx2 else LANES
+    whole = width - width % step
     lanes = np.zeros(LANES, np.float32)
-    for c in range(0, whole, LANES):
-        for lane in range(LANES):
-            e = ik_exp(r[c + lane] - m, False)
+    total = np.float64(0.0)
+    for c in range(0, whole, step):
+        for lane in range(step):
+            e = ik_exp(r[c + lane] - m, avx2)
             r[c + lane] = e
             lanes[lane] += e
-    total = np.float64(_lane_sum(lanes))
+        if avx2:
+            total += np.float64(_lane_sum(r[c : c + AVX2_LANES]))
+    if not avx2:
+        total = np.float64(_lane_sum(lanes))
     for j in range(whole, width):
         e = np.exp(np.float32(r[j] - m))
         r[j] = e
@@ -219,22 +224,24 @@ def _ik_masked_softmax(r: np.ndarray, visible: np.ndarray, n_sink: int, scale: n
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _ik_sink_values(p: np.ndarray, s_lat: np.ndarray, c: int, n_sink: int, overread: bool) -> np.float32:
-    """Latent channel c of the sinks' weighted values as ik's f32 kernel sums them: 16-lane fused multiply-adds over
-    the sink probabilities p[:n_sink] and the channel's row of the transposed sink latents (s_lat: [C x S] flat,
-    16 zeros after it). With fewer than 16 sinks its first step reads 16 floats of each anyway and its 4-float
-    tail steps then add the row again (`overread`: ik's AVX-512 build; else the row alone)."""
-    acc = np.zeros(LANES, np.float32)
+def _ik_sink_values(p: np.ndarray, s_lat: np.ndarray, c: int, n_sink: int, overread: bool,
+                    lanes: int) -> np.float32:
+    """Latent channel c of the sinks' weighted values as ik's f32 kernel of `lanes` lanes sums them: fused
+    multiply-adds over the sink probabilities p[:n_sink] and the channel's row of the transposed sink latents
+    (s_lat: [C x S] flat, 16 zeros after it). With fewer sinks than lanes its first step reads a whole vector of
+    each anyway and its 4-float tail steps then add the row again (`overread`: ik's AVX-512 build; else the row
+    alone)."""
+    acc = np.zeros(lanes, np.float32)
     x0 = c * n_sink
-    steps = n_sink // LANES
-    iks = overread or n_sink >= LANES  # ik's kernel: a first step of 16 floats, then 4-float tail steps
-    for lane in range(LANES if iks else n_sink):
+    steps = n_sink // lanes
+    iks = overread or n_sink >= lanes  # ik's kernel: a first step of a whole vector, then 4-float tail steps
+    for lane in range(lanes if iks else n_sink):
         acc[lane] = p[lane] * s_lat[x0 + lane]
     for i in range(1, steps):
-        for lane in range(LANES):
-            acc[lane] = fmaf(p[i * LANES + lane], s_lat[x0 + i * LANES + lane], acc[lane])
+        for lane in range(lanes):
+            acc[lane] = fmaf(p[i * lanes + lane], s_lat[x0 + i * lanes + lane], acc[lane])
     if iks:
-        for i in range(steps * 4, n_sink // 4):
+        for i in range(steps * lanes // 4, n_sink // 4):
             for lane in range(4):
                 acc[lane] = fmaf(p[4 * i + lane], s_lat[x0 + 4 * i + lane], acc[lane])
     return _lane_sum(acc)
@@ -242,21 +249,22 @@ def _ik_sink_values(p: np.ndarray, s_lat: np.ndarray, c: int, n_sink: int, overr
 
 @njit(cache=True, nogil=True, parallel=True)
 def _ik_sink_attention(q: np.ndarray, cache: np.ndarray, vt: np.ndarray, sinks: np.ndarray, s_lat: np.ndarray,
-                       visible: np.ndarray, scale: float, overread: bool, out: np.ndarray) -> None:
+                       visible: np.ndarray, scale: float, overread: bool, avx2: bool, out: np.ndarray) -> None:
     n_head, n, d = q.shape
     n_sink, n_cells, n_lat = sinks.shape[0], cache.shape[0], vt.shape[0]
     qf, kf, sf, vf, of = q.reshape(-1), cache.reshape(-1), sinks.reshape(-1), vt.reshape(-1), out.reshape(-1)
+    lanes = AVX2_LANES if avx2 else LANES
     for task in prange(n_head * n):
         h, t = task // n, task % n
         p = np.zeros(n_sink + n_cells + LANES, np.float32)
         tail = np.empty(DOTS, np.float32)
         q0 = (h * n + t) * d
-        dots(qf, q0, sf, 0, d, d, n_sink, p, 0, tail, False, LANES)
-        dots(qf, q0, kf, 0, d, d, n_cells, p, n_sink, tail, False, LANES)
-        _ik_masked_softmax(p[: n_sink + n_cells], visible[t], n_sink, np.float32(scale))
-        dots(p, n_sink, vf, 0, n_cells, n_cells, n_lat, of, (h * n + t) * n_lat, tail, False, LANES)
+        dots(qf, q0, sf, 0, d, d, n_sink, p, 0, tail, False, lanes)
+        dots(qf, q0, kf, 0, d, d, n_cells, p, n_sink, tail, False, lanes)
+        _ik_masked_softmax(p[: n_sink + n_cells], visible[t], n_sink, np.float32(scale), avx2)
+        dots(p, n_sink, vf, 0, n_cells, n_cells, n_lat, of, (h * n + t) * n_lat, tail, False, lanes)
         for c in range(n_lat):
-            of[(h * n + t) * n_lat + c] += _ik_sink_values(p, s_lat, c, n_sink, overread)
+            of[(h * n + t) * n_lat + c] += _ik_sink_values(p, s_lat, c, n_sink, overread, lanes)
 
 
 #: ik's KV cache grows in cells of this many tokens without flash attention: the rows its attention multiplies
@@ -264,17 +272,18 @@ KV_CELL_PAD = 32
 
 
 def ik_sink_latent_attention(q: np.ndarray, cache: np.ndarray, sinks: np.ndarray, visible: np.ndarray,
-                             n_lat: int, scale: float, overread: bool) -> np.ndarray:
+                             n_lat: int, scale: float, overread: bool, avx2: bool = False) -> np.ndarray:
     """openPangu's latent attention as ik's CPU graph computes it (its unfused chain): queries q [H, n, C + R]
     ([q_lat | q_pe], ik's layout), the cache rows [n, C + R] ([c_kv | k_pe], f16 values) and the sinks [S, C + R]
     (f32), query t seeing cache row j where visible[t, j]. The scores of the sinks and of ik's whole cache (n
     rounded up to KV_CELL_PAD cells, the extra ones masked) in its 16-lane kernel, one softmax over [sinks | cells]
     (_ik_masked_softmax), the cells' latents weighted in the same kernel plus the sinks' (_ik_sink_values,
-    `overread`: ik's AVX-512 over-read for fewer than 16 sinks, the floats past the last channel's row read as 0).
-    Returns the latents [H, n, C]."""
+    `overread`: ik's AVX-512 over-read for fewer than 16 sinks, the floats past the last channel's row read as 0;
+    `avx2`: ik's AVX2 build's kernels and softmax). Returns the latents [H, n, C]."""
     n_head, n, d = q.shape
-    if d % LANES:
-        raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {LANES}, not {d}")
+    lanes = AVX2_LANES if avx2 else LANES
+    if d % lanes:
+        raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {lanes}, not {d}")
     cells = n + (-n % KV_CELL_PAD)
     keys = np.zeros((cells, d), np.float32)
     keys[:n] = cache
@@ -285,5 +294,5 @@ def ik_sink_latent_attention(q: np.ndarray, cache: np.ndarray, sinks: np.ndarray
     s_lat[: n_lat * len(sinks)] = np.ascontiguousarray(sinks[:, :n_lat].T).reshape(-1)
     out = np.empty((n_head, n, n_lat), np.float32)
     _ik_sink_attention(np.ascontiguousarray(q, dtype=np.float32), keys, vt, np.ascontiguousarray(sinks, np.float32),
-                       s_lat, mask, float(scale), overread, out)
+                       s_lat, mask, float(scale), overread, avx2, out)
     return out
