@@ -66,9 +66,9 @@ def test_ik_avx2_q8_0_kld_is_iks() -> None:
 
 
 def test_ik_avx2_refuses_other_quant_types(tmp_path: Path) -> None:
-    q4 = ik_quantized(CONVERT / "ik-f32.gguf", tmp_path / "q4_0.gguf", "Q4_0")
-    res = runner.invoke(app, ["logits", str(q4), "--tokens", "1,2", "--numerics", "ik-avx2"])
-    assert res.exit_code == 2 and "--numerics ik-avx2 does not reproduce ik's AVX2 kernels for Q4_0" in res.output, \
+    q5 = ik_quantized(CONVERT / "ik-f32.gguf", tmp_path / "q5_0.gguf", "Q5_0")
+    res = runner.invoke(app, ["logits", str(q5), "--tokens", "1,2", "--numerics", "ik-avx2"])
+    assert res.exit_code == 2 and "--numerics ik-avx2 does not reproduce ik's AVX2 kernels for Q5_0" in res.output, \
         res.output
 
 

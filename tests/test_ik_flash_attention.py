@@ -210,6 +210,18 @@ def test_real_heads_ik_avx2_is_iks_avx2_build(real_heads: dict[str, Path], folde
     assert (tmp_path / "avx512.kld").read_bytes() != base.read_bytes()
 
 
+def test_real_heads_ik_avx2_q4_0_attn_kv_b_is_what_ik_prints(real_heads: dict[str, Path]) -> None:
+    """attn_kv_b alone in Q4_0 (ik converts it to Q8_0_R8 for the prefill's 128 latent rows; its AVX2 gemm order):
+    under --numerics ik-avx2 PPL(Q) 480.164173, mean KLD 0.030781, maximum 0.419790, same top p 68.254%, as ik
+    prints them (--numerics ik: 0.030778, 0.419758)."""
+    ik = _printed("ik-kvb-q4_0-kld.txt")
+    ours = _real_kld(real_heads["kvb-q4_0.gguf"], "--numerics", "ik-avx2")
+    assert ours["mla_path"] == "prefill"
+    assert {key: f"{ours[key]:.6f}" for key in ("ppl_q", "kld_mean", "kld_max")} == \
+        {key: f"{ik[key]:.6f}" for key in ("ppl_q", "kld_mean", "kld_max")}
+    assert f"{100 * ours['same_top_p']:.3f}" == f"{ik['same_top_p']:.3f}"
+
+
 def test_the_console_report_names_the_mla_path(real_heads: dict[str, Path]) -> None:
     for flags, path in (((), "prefill"), (("--mla", "decode"), "decode")):
         res = runner.invoke(app, ["kld", str(real_heads["ik-f32.gguf"]), "--base-logits", str(REAL / "ik-base.kld"),

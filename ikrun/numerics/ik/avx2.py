@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 #: the architectures whose ik graph was checked against ik's AVX2 build op for op
 VERIFIED_ARCHS = ("qwen3", "deepseek2", "glm-dsa", "openpangu")
 #: the weight types whose kernels were checked against it
-VERIFIED_TYPES = ("F32", "F16", "BF16", "Q8_0")
+VERIFIED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 
 
 class IkAvx2Numerics(IkNumerics):
