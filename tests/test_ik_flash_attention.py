@@ -71,6 +71,21 @@ def test_f32_prefill_is_iks_default_run() -> None:
     assert _kld(V3)["kld_mean"] > 100 * ours["kld_mean"]
 
 
+def test_ik_avx2_is_iks_default_run(tmp_path: Path) -> None:
+    """--numerics ik-avx2 (ik's AVX2 build around ggml's generic flash-attention kernel, heads 48/32): ik's base-logits
+    file byte for byte with every running PPL (490.9511; --numerics ik 490.9675, 80300 bytes differ), and with
+    attn_kv_b in Q4_0 every figure ik printed (PPL(Q) 521.403029, KLD 0.086238, maximum 0.463238, same top p
+    52.381%)."""
+    assert_iks_forward(Model(V3, options=RuntimeOptions(numerics="ik-avx2", mla="prefill")), FOLDER / "ik-base.kld",
+                       FOLDER / "ik-base.txt", tmp_path / "base.kld")
+    ours = _kld(_quantized_kv_b(V3, tmp_path / "kvb-q4_0.gguf", "Q4_0"), "--numerics", "ik-avx2")
+    text = (FOLDER / "ik-kvb-q4_0-kld.txt").read_bytes().decode(errors="replace")
+    for key, pattern in (("ppl_q", r"Mean PPL\(Q\)\s*:\s*([\d.]+)"), ("kld_mean", r"Mean\s+KLD:\s*([\d.]+)"),
+                         ("kld_max", r"Maximum KLD:\s*([\d.]+)")):
+        m = re.search(pattern, text)
+        assert m is not None and f"{ours[key]:.6f}" == m.group(1), (key, ours[key])
+
+
 def test_a_q4_0_attn_kv_b_costs_what_ik_prints(tmp_path: Path) -> None:
     """attn_kv_b alone in Q4_0 (the latent rounded to 8 bits for its product): ik prints 0.086238; --numerics ik
     0.086241, the exact arithmetic 0.0881."""
