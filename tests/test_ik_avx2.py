@@ -109,9 +109,25 @@ def test_openpangu_ik_avx2_is_iks_avx2_build(tmp_path: Path) -> None:
     assert _matches(json.loads(res.stdout), PANGU_ICTK / "ik-ictk-q8_0-kld.txt")
 
 
+@pytest.mark.parametrize(("variant", "gguf"), [("qwen3-moe", "ik-f32.gguf"), ("glm4-moe", "ik-f32.gguf"),
+                                             ("minimax-m2", "ref-f32.gguf")])
+def test_moe_families_are_iks_avx2_build(variant: str, gguf: str, tmp_path: Path) -> None:
+    """qwen3moe, glm4moe and minimax-m2 (tests/data/logits/<variant>-avx2, 8 chunks): ik's base-logits file byte for
+    byte with every running PPL (525.1843, 590.5826, 508.5050; --numerics ik: 525.1851, 590.5827, 508.5055)."""
+    folder = DATA / "logits" / f"{variant}-avx2"
+    base = folder / "ik-base.kld"
+    model = DATA / "convert" / variant / gguf
+    assert_iks_forward(Model(model, options=AVX2), base, folder / "ik-base.txt", tmp_path / "avx2.kld")
+    perplexity(Model(model, options=RuntimeOptions(numerics="ik")), np.asarray(BaseLogitsFile(base).tokens),
+               save_base=tmp_path / "avx512.kld")
+    assert (tmp_path / "avx512.kld").read_bytes() != base.read_bytes()
+
+
 @pytest.mark.parametrize(("gguf", "extra", "message"), [
-    (DATA / "convert" / "qwen3-moe" / "ik-f32.gguf", [], "--numerics ik-avx2 does not reproduce ik's AVX2 "
-     "arithmetic for qwen3moe"),
+    (DATA / "convert" / "qwen3-next" / "ref-f32.gguf", [], "--numerics ik-avx2 does not reproduce ik's AVX2 "
+     "arithmetic for qwen3next"),
+    (DATA / "convert" / "gpt-oss" / "ref-f32.gguf", [], "--numerics ik-avx2 does not reproduce ik's AVX2 "
+     "arithmetic for gpt-oss"),
     (DATA / "convert" / "openpangu-v2" / "ik-f32.gguf", ["--ik-sink-overread"], "--ik-sink-overread reproduces "
      "ik's AVX-512 build"),
 ])

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ikquant.types import GGMLType
 
 #: the architectures whose ik graph was checked against ik's AVX2 build op for op
-VERIFIED_ARCHS = ("qwen3", "deepseek2", "glm-dsa", "openpangu")
+VERIFIED_ARCHS = ("qwen3", "deepseek2", "glm-dsa", "openpangu", "qwen3moe", "glm4moe", "minimax-m2")
 #: the weight types whose kernels were checked against it
 VERIFIED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 
