@@ -168,7 +168,7 @@ class IkNumerics(Numerics):
 
     # ---- the gated delta-net: ik's conv, its fused kernel, its norms (numerics/ik/delta_net.py) ----------------
     def conv_silu(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        return causal_conv_silu(x, w, ik=True)
+        return causal_conv_silu(x, w, ik=True, avx2=self.avx2)
 
     def decay_and_beta(self, a: np.ndarray, b: np.ndarray, ssm_a: np.ndarray,
                        dt_bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -176,7 +176,7 @@ class IkNumerics(Numerics):
 
     def delta_rule(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
                    k_head: np.ndarray, eps: float, state: np.ndarray | None = None) -> np.ndarray:
-        return ik_delta_rule(q, k, v, g, beta, k_head, eps, state)
+        return ik_delta_rule(q, k, v, g, beta, k_head, eps, state, self.avx2)
 
     def gated_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """ik's RMS norm, then its fused SiLU(z) times the normed value."""

@@ -4,7 +4,8 @@ to get the numbers an AVX2 machine's llama-perplexity prints.
 It differs from the AVX-512 build's (arithmetic.py) in its float kernels, which sum in 8 lanes and add them as 4 + 4,
 then (0 + 2) + (1 + 3) (ikgemm.py; bf16 weights too, on unrounded float32 activations), in its exponential
 (ik_expf_avx2: the softmax and the SiLU, the routed experts' too) and in its softmax's float64 sum of each 8
-exponentials' sum (attention.py), and in its Q8_0_R8 gemm (qgemm.ORDER_R8_AVX2). ik's flash-attention ports are its
+exponentials' sum (attention.py), in its Q8_0_R8 gemm (qgemm.ORDER_R8_AVX2) and in its fused delta-net kernel (8-lane
+q.k, its scalar update as GCC contracts it: delta_net.py). ik's flash-attention ports are its
 AVX2 build's already. Only what was checked bit for bit against this build runs: other architectures and weight
 types, and AVX-512-only flags, are refused before any compute; the integer kernels other than Q8_0_R8 (Q8_0's own,
 below 32 activation rows) when a matmul first needs them.
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from ikquant.types import GGMLType
 
 #: the architectures whose ik graph was checked against ik's AVX2 build op for op
-VERIFIED_ARCHS = ("qwen3", "deepseek2", "glm-dsa", "openpangu", "qwen3moe", "glm4moe", "minimax-m2")
+VERIFIED_ARCHS = ("qwen3", "deepseek2", "glm-dsa", "openpangu", "qwen3moe", "glm4moe", "minimax-m2", "qwen3next", "qwen35moe")
 #: the weight types whose kernels were checked against it
 VERIFIED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 
