@@ -59,7 +59,10 @@ class RuntimeOptions:
     numerics: str = field(default="exact", metadata={"choices": NUMERICS, "every_arch": True, "help": (
         "exact (default): float32 on the exactly decoded weights, the error of the stored weights alone. ik: the "
         "arithmetic of ik's CPU backend, to get the numbers llama-perplexity prints: activations rounded to the "
-        "8-bit (or bf16) format ik pairs with each weight type, and ik's f16 KV cache (whatever --kv-cache says).")})
+        "8-bit (or bf16) format ik pairs with each weight type, and ik's f16 KV cache (whatever --kv-cache says), "
+        "in its AVX-512 build's float order. ik-avx2: the same in its AVX2 build's (checked: qwen3, qwen3moe, "
+        "qwen3next, qwen35moe, glm4moe, minimax-m2, deepseek2, glm-dsa, openpangu; F32, F16, BF16, Q8_0, Q4_0 "
+        "weights).")})
 
     #: the thread count whose kernel choices --numerics ik reproduces (ik's choice depends on it for matrices of fewer
     #: than 32 rows per thread)
@@ -84,8 +87,11 @@ class RuntimeOptions:
             raise ModelError(f"--numerics {self.numerics!r} is not one of {', '.join(NUMERICS)}")
         if self.ik_threads < 1:
             raise ModelError(f"--ik-threads must be at least 1, not {self.ik_threads}")
-        if self.ik_threads != 1 and self.numerics != "ik":
-            raise ModelError("--ik-threads chooses ik's kernels, which only --numerics ik runs")
+        if self.ik_threads != 1 and self.numerics not in ("ik", "ik-avx2"):
+            raise ModelError("--ik-threads chooses ik's kernels, which only --numerics ik runs (and ik-avx2)")
+        if self.ik_sink_overread and self.numerics == "ik-avx2":
+            raise ModelError("--ik-sink-overread reproduces ik's AVX-512 build, which --numerics ik-avx2 does not "
+                             "compute")
         if self.mla not in MLA_PATHS:
             raise ModelError(f"--mla {self.mla!r} is not one of {', '.join(MLA_PATHS)}")
         if self.dsa_top_k < 0:

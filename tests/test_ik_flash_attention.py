@@ -17,9 +17,14 @@ import pytest
 from typer.testing import CliRunner
 
 from ikrun.cli import app
+from ikrun.eval.evaluate import perplexity
+from ikrun.eval.metrics import BaseLogitsFile
+from ikrun.model import Model
 from ikrun.numerics.ik.arithmetic import IQK_FA_HEADS
 from ikrun.numerics.ik.flash_attention import flash_attention_f16
 from ikrun.numerics.ik.iqk_flash_attention import avx2_expf, iqk_flash_attention_f16, k_step_for
+from ikrun.options import RuntimeOptions
+from tests.family_checks import assert_iks_forward
 from tests.iqk_fa_cases import CASES, GENERIC_CASES, case_inputs
 from tests.test_mla_paths import _quantized_kv_b
 
@@ -64,6 +69,21 @@ def test_f32_prefill_is_iks_default_run() -> None:
     ours = _kld(V3, "--numerics", "ik")
     assert ours["mla_path"] == "prefill" and ours["kld_mean"] < 1e-6, ours["kld_mean"]
     assert _kld(V3)["kld_mean"] > 100 * ours["kld_mean"]
+
+
+def test_ik_avx2_is_iks_default_run(tmp_path: Path) -> None:
+    """--numerics ik-avx2 (ik's AVX2 build around ggml's generic flash-attention kernel, heads 48/32): ik's base-logits
+    file byte for byte with every running PPL (490.9511; --numerics ik 490.9675, 80300 bytes differ), and with
+    attn_kv_b in Q4_0 every figure ik printed (PPL(Q) 521.403029, KLD 0.086238, maximum 0.463238, same top p
+    52.381%)."""
+    assert_iks_forward(Model(V3, options=RuntimeOptions(numerics="ik-avx2", mla="prefill")), FOLDER / "ik-base.kld",
+                       FOLDER / "ik-base.txt", tmp_path / "base.kld")
+    ours = _kld(_quantized_kv_b(V3, tmp_path / "kvb-q4_0.gguf", "Q4_0"), "--numerics", "ik-avx2")
+    text = (FOLDER / "ik-kvb-q4_0-kld.txt").read_bytes().decode(errors="replace")
+    for key, pattern in (("ppl_q", r"Mean PPL\(Q\)\s*:\s*([\d.]+)"), ("kld_mean", r"Mean\s+KLD:\s*([\d.]+)"),
+                         ("kld_max", r"Maximum KLD:\s*([\d.]+)")):
+        m = re.search(pattern, text)
+        assert m is not None and f"{ours[key]:.6f}" == m.group(1), (key, ours[key])
 
 
 def test_a_q4_0_attn_kv_b_costs_what_ik_prints(tmp_path: Path) -> None:
@@ -186,6 +206,35 @@ def test_real_heads_q4_0_attn_kv_b_costs_what_ik_prints(real_heads: dict[str, Pa
     assert f"{100 * ours['same_top_p']:.3f}" == f"{ik['same_top_p']:.3f}"
     assert _real_kld(real_heads["kvb-q4_0.gguf"], "--mla", "prefill")["kld_mean"] != pytest.approx(ik["kld_mean"],
                                                                                                    rel=1e-2)
+
+
+REAL_FA_OFF = DATA / "logits" / "deepseek-v3-heads192-avx2-fa-off"
+
+
+@pytest.mark.parametrize(("folder", "mla"), [(REAL, "auto"), (REAL_FA_OFF, "decode")])
+def test_real_heads_ik_avx2_is_iks_avx2_build(real_heads: dict[str, Path], folder: Path, mla: str,
+                                              tmp_path: Path) -> None:
+    """--numerics ik-avx2 (ik's AVX2 build's float orders around its flash-attention kernels): ik's default run's
+    base-logits file (prefill, PPL 484.7333) and its -fa off run's (decode, 484.7470) byte for byte, every running
+    PPL; --numerics ik's files differ (PPL(Q) 484.7286 and 484.7474)."""
+    base, printed = folder / "ik-base.kld", folder / "ik-base.txt"
+    assert_iks_forward(Model(real_heads["ik-f32.gguf"], options=RuntimeOptions(numerics="ik-avx2", mla=mla)), base,
+                       printed, tmp_path / "avx2.kld")
+    perplexity(Model(real_heads["ik-f32.gguf"], options=RuntimeOptions(numerics="ik", mla=mla)),
+               np.asarray(BaseLogitsFile(base).tokens), save_base=tmp_path / "avx512.kld")
+    assert (tmp_path / "avx512.kld").read_bytes() != base.read_bytes()
+
+
+def test_real_heads_ik_avx2_q4_0_attn_kv_b_is_what_ik_prints(real_heads: dict[str, Path]) -> None:
+    """attn_kv_b alone in Q4_0 (ik converts it to Q8_0_R8 for the prefill's 128 latent rows; its AVX2 gemm order):
+    under --numerics ik-avx2 PPL(Q) 480.164173, mean KLD 0.030781, maximum 0.419790, same top p 68.254%, as ik
+    prints them (--numerics ik: 0.030778, 0.419758)."""
+    ik = _printed("ik-kvb-q4_0-kld.txt")
+    ours = _real_kld(real_heads["kvb-q4_0.gguf"], "--numerics", "ik-avx2")
+    assert ours["mla_path"] == "prefill"
+    assert {key: f"{ours[key]:.6f}" for key in ("ppl_q", "kld_mean", "kld_max")} == \
+        {key: f"{ik[key]:.6f}" for key in ("ppl_q", "kld_mean", "kld_max")}
+    assert f"{100 * ours['same_top_p']:.3f}" == f"{ik['same_top_p']:.3f}"
 
 
 def test_the_console_report_names_the_mla_path(real_heads: dict[str, Path]) -> None:

@@ -32,6 +32,7 @@ from ikrun.numerics.ik.qgemm import (
     ORDER_Q8_1,
     ORDER_QX_0_NATIVE,
     ORDER_R8,
+    ORDER_R8_AVX2,
     ORDER_R16,
     TILE,
     BlockInts,
@@ -125,6 +126,10 @@ def _ik_reference(x: IntRows, w: BlockInts) -> np.ndarray:
             acc1 = _fma32(w.scale[None, :, b], x.sums[:m, None, b], acc1)
         return _fma32(np.float32(-127), acc1, acc)
     acc = zero
+    if w.order == ORDER_R8_AVX2:
+        for b in range(nb):
+            acc = _fma32(d[..., b], isum[..., b].astype(np.float32), acc)
+        return acc
     if w.order == ORDER_R16:
         for b in range(nb):
             acc = _fma32(d[..., b], (isum[..., b] + 128 * asum[:, None, b]).astype(np.float32), acc)
@@ -141,7 +146,8 @@ def _ik_reference(x: IntRows, w: BlockInts) -> np.ndarray:
 
 @pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize(("block", "fmt", "order"), [(32, Q8_2_X4, ORDER_R8), (32, Q8_2_X4, ORDER_Q8_1),
-                                                     (256, Q8_K, ORDER_R16), (32, Q8_2_X4, ORDER_QX_0_NATIVE)])
+                                                     (256, Q8_K, ORDER_R16), (32, Q8_2_X4, ORDER_QX_0_NATIVE),
+                                                     (32, Q8_2_X4, ORDER_R8_AVX2)])
 def test_each_order_is_iks_float_arithmetic(block: int, fmt: str, order: int, tiled: bool) -> None:
     """ik's Q8_0_R8, Q8_1 and Q8_K_R16 gemms and its own Q8_0 kernel (ikrun/numerics/ik/qgemm.py ORDER_*), written out
     block by block with exact fused multiply-adds: the kernels give their bits, over rows long enough to take
@@ -379,7 +385,8 @@ OTHER_DOTS = [("portable vector code", lambda builder: _DOT_PAIRS)] + (
 @pytest.mark.parametrize(("name", "dot"), OTHER_DOTS, ids=[name for name, _ in OTHER_DOTS])
 @pytest.mark.parametrize(("block", "fmt", "order"), [(32, Q8_2_X4, ORDER_PLAIN), (256, Q8_K, ORDER_PLAIN),
                                                      (32, Q8_2_X4, ORDER_R8), (32, Q8_2_X4, ORDER_Q8_1),
-                                                     (256, Q8_K, ORDER_R16), (32, Q8_2_X4, ORDER_QX_0_NATIVE)])
+                                                     (256, Q8_K, ORDER_R16), (32, Q8_2_X4, ORDER_QX_0_NATIVE),
+                                                     (32, Q8_2_X4, ORDER_R8_AVX2)])
 def test_each_dot_product_kernel_gives_the_scalar_bits(name: str, dot, block: int, fmt: str,  # type: ignore[no-untyped-def]
                                                        order: int) -> None:
     """The tile kernels built on the byte dot products the host does not pick (the portable vector code a CPU

@@ -42,9 +42,10 @@ import numpy as np
 from ikrun.models.base import ArchModel, Hparam, Sequence
 from ikrun.modules.attention import MlaAttention
 from ikrun.modules.ffn import MoeConfig, dense_ffn, moe_ffn
-from ikrun.ops.hyperconn import hc_combine
+from ikrun.ops.hyperconn import hc_combine, stream_gates
 from ikrun.ops.indexer import TIE_PARTIAL_SORT, select_top_k
 from ikrun.ops.moe import GATING_SIGMOID
+from ikrun.ops.norm import rms_norm
 from ikrun.ops.rope import rope_cache
 
 if TYPE_CHECKING:
@@ -250,7 +251,7 @@ class OpenPangu(ArchModel):
         else:
             xs = self._moe_sublayer(b, xs, seqs)
         if cx.has(b + "block_post_norm.weight"):
-            xs = [self.norm(x.reshape(len(x), -1), cx.weight(b + "block_post_norm.weight")).reshape(x.shape)
+            xs = [rms_norm(x.reshape(len(x), -1), cx.weight(b + "block_post_norm.weight"), self.eps).reshape(x.shape)
                   for x in xs]
         return xs
 
@@ -288,10 +289,10 @@ class OpenPangu(ArchModel):
     def _merge_weights(self, streams: np.ndarray) -> np.ndarray:
         """The merge module's per-stream gates sigmoid(alpha * phi . (RMSNorm(streams) * gamma) + beta) [T, S]."""
         cx = self.ctx
-        flat = self.norm(streams.reshape(len(streams), -1), cx.weight("merge_mhc_gamma"))
+        flat = rms_norm(streams.reshape(len(streams), -1), cx.weight("merge_mhc_gamma"), self.eps)
         logits = cx.linear(flat, "merge_mhc_phi") * cx.weight("merge_mhc_alpha").reshape(-1)[0] \
             + cx.weight("merge_mhc_beta")
-        return (np.float32(1.0) / (np.float32(1.0) + np.exp(-logits))).astype(np.float32)
+        return stream_gates(logits)
 
     def _attention(self, i: int, h: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         cx, b, attention, kind = self.ctx, f"blk.{i}.", self.attention, self.kinds[i]

@@ -19,11 +19,11 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.numeric import fmaf
-from ikrun.ops.activations import ik_expf
+from ikrun.ops.activations import ik_expf, ik_expf_avx2
 from ikrun.ops.parallel import pick
 
 #: what follows the taps' sum (the module docstring)
-RESIDUAL, SILU, SILU_IK_EXPF = 0, 1, 2
+RESIDUAL, SILU, SILU_IK_EXPF, SILU_IK_AVX2 = 0, 1, 2, 3
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -37,8 +37,10 @@ def _row(x: np.ndarray, w: np.ndarray, t: int, fused: bool, epilogue: int, out: 
                 acc = fmaf(w[c, k], x[src, c], acc) if fused else acc + w[c, k] * x[src, c]
         if epilogue == RESIDUAL:
             out[t, c] = x[t, c] + acc
-        elif epilogue == SILU:
+        elif epilogue == SILU or (epilogue == SILU_IK_AVX2 and c >= x.shape[1] - x.shape[1] % 8):
             out[t, c] = acc / (np.float32(1.0) + np.exp(-acc))
+        elif epilogue == SILU_IK_AVX2:  # ggml's AVX2 SiLU: 8 channels at a time, libm's expf past the last 8
+            out[t, c] = acc / (np.float32(1.0) + ik_expf_avx2(-acc))
         else:
             out[t, c] = acc / (np.float32(1.0) + ik_expf(-acc))
 
@@ -57,7 +59,7 @@ def _parallel(x: np.ndarray, w: np.ndarray, fused: bool, epilogue: int, out: np.
 
 def causal_conv(x: np.ndarray, w: np.ndarray, epilogue: int, fused: bool = False) -> np.ndarray:
     """The causal depthwise convolution of x [T, C] (a fresh sequence, or one led by its kept tail) by taps w [C, K],
-    then `epilogue` (RESIDUAL, SILU or SILU_IK_EXPF)."""
+    then `epilogue` (RESIDUAL, SILU, SILU_IK_EXPF or SILU_IK_AVX2)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if w.ndim != 2 or w.shape[0] != x.shape[1]:
         raise ValueError(f"conv kernel {list(w.shape)} does not fit {x.shape[1]} channels")
@@ -71,7 +73,7 @@ def causal_conv_residual(x: np.ndarray, w: np.ndarray, fused: bool = False) -> n
     return causal_conv(x, w, RESIDUAL, fused)
 
 
-def causal_conv_silu(x: np.ndarray, w: np.ndarray, ik: bool = False) -> np.ndarray:
+def causal_conv_silu(x: np.ndarray, w: np.ndarray, ik: bool = False, avx2: bool = False) -> np.ndarray:
     """SiLU of the causal depthwise convolution of x [T, C] by taps w [C, K]: transformers' float order, or (`ik`)
-    ik's, fused taps and its exponential."""
-    return causal_conv(x, w, SILU_IK_EXPF if ik else SILU, fused=ik)
+    ik's, fused taps and its exponential (`avx2`: its AVX2 build's SiLU)."""
+    return causal_conv(x, w, (SILU_IK_AVX2 if avx2 else SILU_IK_EXPF) if ik else SILU, fused=ik)

@@ -32,6 +32,21 @@ def _sigmoid(x: np.float32) -> np.float32:
     return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
 
 
+@njit(cache=True, nogil=True)
+def _sigmoid_all(x: np.ndarray, out: np.ndarray) -> None:
+    for i in range(x.shape[0]):
+        out[i] = _sigmoid(x[i])
+
+
+def stream_gates(logits: np.ndarray) -> np.ndarray:
+    """1 / (1 + expf(-x)) of every logit with libm's expf, value by value, as ggml_sigmoid computes the gates of a
+    merge of streams (numpy's own vectorised exp rounds other bits)."""
+    x = np.ascontiguousarray(logits, dtype=np.float32)
+    out = np.empty_like(x)
+    _sigmoid_all(x.reshape(-1), out.reshape(-1))
+    return out
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _mul_add(a: np.float32, b: np.float32, c: np.float32, fused: bool) -> np.float32:
     return fmaf(a, b, c) if fused else a * b + c

@@ -24,9 +24,9 @@ from numba import get_num_threads, njit, prange
 from ikquant.formats.floats import widen_bits
 from ikquant.formats.numeric import fmaf
 from ikrun.numerics.ik.formats import IK_FLOAT_TYPES, UNROUNDED, integer_rows, round_activations
-from ikrun.numerics.ik.ikgemm import ik_float_matmul, takes_whole
+from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
 from ikrun.numerics.ik.qgemm import IntRows, PackedInts, qmatmul
-from ikrun.ops.activations import ik_expf
+from ikrun.ops.activations import ik_exp
 from ikrun.ops.fgemm import expert_matmul
 from ikrun.ops.parallel import claim_items, task_items
 from ikrun.ops.stl_heap import partial_sort
@@ -212,14 +212,15 @@ def group_by_expert(sel: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.ndar
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _swiglu1(g: np.float32, u: np.float32, limit: np.float32, alpha: np.float32, ik: bool) -> np.float32:
-    """One clamped SwiGLU value from the gate and up projections (`ik`: with ik's exponential); a positive `alpha` is
+def _swiglu1(g: np.float32, u: np.float32, limit: np.float32, alpha: np.float32, ik: bool, avx2: bool) -> np.float32:
+    """One clamped SwiGLU value from the gate and up projections (`ik`: with ik's exponential, `avx2` its AVX2
+    build's); a positive `alpha` is
     gpt-oss's form (up + 1) * gate * sigmoid(alpha * gate), whose exponential ik takes from libm as well."""
     g = min(g, limit)
     u = max(-limit, min(u, limit))
     if alpha > np.float32(0.0):
         return (u + np.float32(1.0)) * (g / (np.float32(1.0) + np.exp(-g * alpha)))
-    e = ik_expf(-g) if ik else np.exp(-g)
+    e = ik_exp(-g, avx2) if ik else np.exp(-g)
     return (g / (np.float32(1.0) + e)) * u
 
 
@@ -261,10 +262,11 @@ ExpertInts = Callable[[int], tuple[PackedInts, PackedInts, PackedInts] | None]
 
 
 @njit(cache=True, nogil=True)
-def _swiglu_rows(g: np.ndarray, u: np.ndarray, limit: float, alpha: float, ik: bool, out: np.ndarray) -> None:
+def _swiglu_rows(g: np.ndarray, u: np.ndarray, limit: float, alpha: float, ik: bool, avx2: bool,
+                 out: np.ndarray) -> None:
     for i in range(g.shape[0]):
         for j in range(g.shape[1]):
-            out[i, j] = _swiglu1(g[i, j], u[i, j], np.float32(limit), np.float32(alpha), ik)
+            out[i, j] = _swiglu1(g[i, j], u[i, j], np.float32(limit), np.float32(alpha), ik, avx2)
 
 
 @dataclass(frozen=True)
@@ -282,13 +284,14 @@ class ExpertGlu:
         return None if self.biases is None else self.biases[which][e]
 
 
-def _swiglu(g: np.ndarray, u: np.ndarray, glu: ExpertGlu, e: int, ik: bool) -> np.ndarray:
+def _swiglu(g: np.ndarray, u: np.ndarray, glu: ExpertGlu, e: int, ik: bool, avx2: bool) -> np.ndarray:
     """The clamped SwiGLU of expert e's gate and up projections [tokens, n_ff], its biases added first."""
     gb, ub = glu.bias(1, e), glu.bias(0, e)
     if gb is not None and ub is not None:
         g, u = g + gb, u + ub
     out = np.empty(g.shape, np.float32)
-    _swiglu_rows(np.ascontiguousarray(g), np.ascontiguousarray(u), float(glu.limit), float(glu.alpha), ik, out)
+    _swiglu_rows(np.ascontiguousarray(g), np.ascontiguousarray(u), float(glu.limit), float(glu.alpha), ik, avx2,
+                 out)
     return out
 
 
@@ -318,7 +321,7 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
                 group: int | None = None, glu: ExpertGlu = ExpertGlu(),
                 formats: tuple[str, str, str] = (UNROUNDED, UNROUNDED, UNROUNDED),
                 ints: ExpertInts | None = None, keep_act: bool = True,
-                ik: tuple[str, str, str] | None = None) -> RoutedExperts:
+                ik: tuple[str, str, str] | None = None, avx2: bool = False) -> RoutedExperts:
     """Routed SwiGLU experts: x [n, n_embd], sel/w [n, k]; `fetch(ids)` gives the up/gate [len(ids), n_ff, n_embd] and
     down [len(ids), n_embd, n_ff] matrices of experts `ids` (float32, or f16/bf16 bits as expert_matmul reads them);
     `glu` the SwiGLU's form (a finite limit clamps it as swiglu does) and the experts' biases;
@@ -326,7 +329,8 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
     `ints(e)` gives the integers ik's kernels multiply expert e as (qmatmul: integer rows per expert) where they do;
     `keep_act` keeps the ffn_down inputs of every assignment for observers ([n k, n_ff] floats: a streamed pass over
     many chunks would hold them for nothing); `ik` (--numerics ik: the up, gate and down weight types) computes the
-    SwiGLU and the weighted sum in ik's float order and F32/F16/BF16 experts in ik's float kernels.
+    SwiGLU and the weighted sum in ik's float order and F32/F16/BF16 experts in ik's float kernels (`avx2`: its AVX2
+    build's, numerics/ik/avx2.py).
 
     Only experts with at least one assignment are fetched, `group` of them at a time (None: all at once), so a
     layer's expert tensor never has to be decoded whole. Every assignment's result is computed by its expert alone
@@ -356,7 +360,8 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
         if not xs:  # the routed tokens rounded once for every expert
             xs = [integer_rows(x, formats[0])]
             xs.append(xs[0] if formats[1] == formats[0] else integer_rows(x, formats[1]))
-        a = _swiglu(qmatmul(xs[1].take(rows // k), gate), qmatmul(xs[0].take(rows // k), up), glu, e, ik is not None)
+        a = _swiglu(qmatmul(xs[1].take(rows // k), gate), qmatmul(xs[0].take(rows // k), up), glu, e, ik is not None,
+                    avx2)
         if act is not None:
             act[rows] = a
         y[rows] = _down(qmatmul(integer_rows(a, formats[2]), down), glu, e)
@@ -373,11 +378,12 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
         for j, e in enumerate(ids.tolist()):
             rows = order[offsets[e] : offsets[e + 1]]
             tokens = rows // k
-            a = _swiglu(_expert_product(xg, gates[j], tokens, ik and ik[1]),
-                        _expert_product(xu, ups[j], tokens, ik and ik[0]), glu, e, ik is not None)
+            a = _swiglu(_expert_product(xg, gates[j], tokens, ik and ik[1], avx2),
+                        _expert_product(xu, ups[j], tokens, ik and ik[0], avx2), glu, e, ik is not None, avx2)
             if act is not None:
                 act[rows] = a
-            y[rows] = _down(_expert_product(round_activations(a, formats[2]), downs[j], None, ik and ik[2]), glu, e)
+            y[rows] = _down(_expert_product(round_activations(a, formats[2]), downs[j], None, ik and ik[2], avx2),
+                            glu, e)
     assert y is not None, "a routing without assignments"
     out = np.empty((n, y.shape[1]), dtype=np.float32)
     if n * k * y.shape[1] >= PARALLEL_MIN_FLOPS:
@@ -387,10 +393,12 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
     return RoutedExperts(out, act, order, offsets)
 
 
-def _expert_product(x: np.ndarray, w: np.ndarray, tokens: np.ndarray | None, ik: str | None) -> np.ndarray:
+def _expert_product(x: np.ndarray, w: np.ndarray, tokens: np.ndarray | None, ik: str | None,
+                    avx2: bool = False) -> np.ndarray:
     """x (its rows `tokens`) times an expert matrix: in ik's float kernel for an F32/F16/BF16 weight under --numerics
-    ik (`ik` its type), else expert_matmul."""
-    if ik in IK_FLOAT_TYPES and takes_whole(x.shape[1], ik == "BF16"):
+    ik (`ik` its type; `avx2`: its AVX2 build's 8-lane kernel, bf16 weights included), else expert_matmul."""
+    bf16, lanes = ik == "BF16" and not avx2, AVX2_LANES if avx2 else LANES
+    if ik in IK_FLOAT_TYPES and takes_whole(x.shape[1], bf16, lanes):
         weights = widen_bits(w) if w.dtype in (np.uint16, np.int16) else w  # F16/BF16 experts come as their bits
-        return ik_float_matmul(x if tokens is None else x[tokens], weights, ik == "BF16")
+        return ik_float_matmul(x if tokens is None else x[tokens], weights, bf16, lanes)
     return expert_matmul(x, w, tokens)

@@ -30,13 +30,14 @@ from ikrun.numerics.ik.flash_attention import flash_attention_f16
 from ikrun.numerics.ik.formats import (
     IK_FLOAT_TYPES,
     IK_KERNELS,
+    IkKernel,
     ToInts,
     activation_format,
     ik_kernel,
     integer_rows,
     round_activations,
 )
-from ikrun.numerics.ik.ikgemm import LANES, ik_float_matmul, takes_whole
+from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
 from ikrun.numerics.ik.iqk_flash_attention import iqk_flash_attention_f16, k_step_for
 from ikrun.numerics.ik.mla_weights import HeadSource, derived_k_b_source, derived_k_b_type, derived_v_b_source
 from ikrun.numerics.ik.qgemm import PackedHeads, PackedInts, pack, qmatmul, row_slice
@@ -70,6 +71,14 @@ class IkNumerics(Numerics):
     """ik's CPU arithmetic (the module docstring)."""
 
     name = "ik"
+    #: whether the float orders are ik's AVX2 build's (8-lane float kernels, its AVX2 exponential, numerics/ik/
+    #: avx2.py) rather than its AVX-512 build's
+    avx2 = False
+
+    @property
+    def lanes(self) -> int:
+        """The lanes of ik's float kernels in the build this arithmetic reproduces."""
+        return AVX2_LANES if self.avx2 else LANES
 
     # ---- what a file may hold ---------------------------------------------------------------------------------
     def kv_cache(self, requested: KvCache) -> KvCache:
@@ -129,7 +138,7 @@ class IkNumerics(Numerics):
         apply_rope(x, cos, sin, n_rot, neox, fused=True)
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray, limit: float = np.inf) -> np.ndarray:
-        return swiglu(gate, up, limit, ik=True)
+        return swiglu(gate, up, limit, ik=True, avx2=self.avx2)
 
     def route(self, logits: np.ndarray, bias: np.ndarray | None, n_used: int, gating: int, norm: bool,
               scale: float, chosen: np.ndarray | None = None,
@@ -159,7 +168,7 @@ class IkNumerics(Numerics):
 
     # ---- the gated delta-net: ik's conv, its fused kernel, its norms (numerics/ik/delta_net.py) ----------------
     def conv_silu(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        return causal_conv_silu(x, w, ik=True)
+        return causal_conv_silu(x, w, ik=True, avx2=self.avx2)
 
     def decay_and_beta(self, a: np.ndarray, b: np.ndarray, ssm_a: np.ndarray,
                        dt_bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -167,11 +176,11 @@ class IkNumerics(Numerics):
 
     def delta_rule(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
                    k_head: np.ndarray, eps: float, state: np.ndarray | None = None) -> np.ndarray:
-        return ik_delta_rule(q, k, v, g, beta, k_head, eps, state)
+        return ik_delta_rule(q, k, v, g, beta, k_head, eps, state, self.avx2)
 
     def gated_norm(self, x: np.ndarray, z: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
         """ik's RMS norm, then its fused SiLU(z) times the normed value."""
-        return swiglu(z, self.norm(x, weight, eps), ik=True)
+        return swiglu(z, self.norm(x, weight, eps), ik=True, avx2=self.avx2)
 
     def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, cache_type: str,
                        q0: int = 0) -> np.ndarray:
@@ -181,7 +190,7 @@ class IkNumerics(Numerics):
         type_name = ggml_name(cache_type)
         kernel = IK_KERNELS.get(type_name)
         n, n_head, d = q.shape
-        ints = None if kernel is None else kernel.integers(n, len(k), self.options.ik_threads)
+        ints = None if kernel is None else self._integers(kernel, n, len(k), self.options.ik_threads)
         if ints is None:
             return super().indexer_scores(q, k, w, cache_type, q0)
         raw = cache_row_bytes(type_name, np.ascontiguousarray(k, dtype=np.float32))
@@ -190,14 +199,14 @@ class IkNumerics(Numerics):
         qk = np.stack([qmatmul(integer_rows(q[:, h], fmt), packed)[:n] for h in range(n_head)], axis=1)
         return scores_from_products(qk, w, q0)
 
-    # ---- attention: ik's kernels where its 16-lane kernels take the head dims whole ---------------------------
+    # ---- attention: ik's kernels where its float kernels take the head dims whole -----------------------------
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,
                          sinks: np.ndarray | None = None) -> np.ndarray:
         """ik's kernels for causal attention, a sliding window and sinks (gpt-oss) included."""
-        if head_dim % LANES:
+        if head_dim % self.lanes:
             return super().causal_attention(q, k, v, head_dim, window=window, sinks=sinks)
         return ik_causal_attention(q, k, v, float(np.float32(1.0) / np.sqrt(np.float32(head_dim))),  # 1.0f / sqrtf
-                                   window, sinks)
+                                   window, sinks, self.avx2)
 
     def latent_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, scale: float, *,
                          sinks: np.ndarray | None = None, window: int = 0, keep: np.ndarray | None = None,
@@ -210,14 +219,14 @@ class IkNumerics(Numerics):
         plain = sinks is None and window == 0
         if len(cache) != n and (sinks is not None or window > 0):
             raise ValueError("a continued sequence's MLA takes no sinks or window")
-        if (n_rot + n_lat) % LANES or not (plain or sinks is not None):
+        if (n_rot + n_lat) % self.lanes or not (plain or sinks is not None):
             return super().latent_attention(b, q_rope, q_nope, cache, scale, sinks=sinks, window=window, keep=keep,
                                             on_latent=on_latent)
         k_b, v_b = self._mla_heads(b, n_head, q_nope.shape[2])
         q_lat = self.head_product(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight", k_b)
         if sinks is None:
             q = np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2)
-            latent = ik_latent_attention(q, cache, n_rot, scale, keep)
+            latent = ik_latent_attention(q, cache, n_rot, scale, keep, self.avx2)
         else:
             q = np.concatenate([q_lat, q_rope.transpose(1, 0, 2)], axis=2)
             lat_first = np.r_[n_rot : n_rot + n_lat, :n_rot]
@@ -226,7 +235,7 @@ class IkNumerics(Numerics):
             if keep is not None:
                 visible &= keep
             latent = ik_sink_latent_attention(q, cache[:, lat_first], sinks[:, lat_first], visible, n_lat, scale,
-                                              self.options.ik_sink_overread)
+                                              self.options.ik_sink_overread, self.avx2)
         if on_latent is not None:
             on_latent(latent)
         return self.head_product(latent, b + "attn_v_b.weight", v_b).transpose(1, 0, 2)
@@ -273,10 +282,14 @@ class IkNumerics(Numerics):
         """The activation format of a matmul with `weight_name` (attn_k_b / attn_v_b: ik's derived ones where the
         file has attn_kv_b alone)."""
         if self.weights.has(weight_name):
-            return activation_format(self.weights.encoding(weight_name).type.name)
+            return self._activation_format(self.weights.encoding(weight_name).type.name)
         kv_b_type = self.weights.encoding(weight_name.replace("attn_k_b", "attn_kv_b").replace(
             "attn_v_b", "attn_kv_b")).type.name
-        return activation_format(derived_k_b_type(kv_b_type) if "attn_k_b" in weight_name else kv_b_type)
+        return self._activation_format(derived_k_b_type(kv_b_type) if "attn_k_b" in weight_name else kv_b_type)
+
+    def _activation_format(self, type_name: str) -> str:
+        """The format ik rounds a matmul's activations to for `type_name` weights."""
+        return activation_format(type_name)
 
     def activations(self, x: np.ndarray, weight_name: str) -> np.ndarray:
         """x rounded as ik rounds the activations of a matmul with `weight_name`."""
@@ -299,12 +312,18 @@ class IkNumerics(Numerics):
         shape = self.weights.info(name).shape
         return self.weights.derived(name, lambda raw, decoded: values(raw, decoded).to_float().reshape(shape), kind)
 
+    def _integers(self, kernel: IkKernel, n_act_rows: int, n_weight_rows: int,
+                  threads: int | None = None) -> ToInts | None:
+        """The integers (and float order) `kernel` multiplies its weights as in a matmul of `n_act_rows` activation
+        rows (IkKernel.integers)."""
+        return kernel.integers(n_act_rows, n_weight_rows, threads)
+
     def _packed(self, name: str, n_act_rows: int, threads: int | None) -> PackedInts | None:
         """The integers ik's kernel multiplies the 2-D weight `name` as (its rows shared by `threads` ik threads),
         packed for qmatmul; None where it multiplies floats."""
         kernel = ik_kernel(self.weights.encoding(name).type.name)
         rows = self.weights.info(name).shape[0]
-        ints = kernel.integers(n_act_rows, rows, threads)
+        ints = self._integers(kernel, n_act_rows, rows, threads)
         if ints is None:
             return None
         kind = PACKED + CONVERTED * kernel.converts(n_act_rows, rows, threads)
@@ -313,8 +332,19 @@ class IkNumerics(Numerics):
     def _float_kind(self, name: str) -> str | None:
         """F32, F16 or BF16 where ik multiplies weight `name` in its float kernels on rows they take whole."""
         type_name = self.weights.encoding(name).type.name
-        whole = takes_whole(self.weights.info(name).n_per_row, type_name == "BF16")
-        return type_name if type_name in IK_FLOAT_TYPES and whole else None
+        return type_name if type_name in IK_FLOAT_TYPES and self._takes_whole(self.weights.info(name).n_per_row,
+                                                                               type_name) else None
+
+    def _bf16_kernel(self, type_name: str) -> bool:
+        """Whether ik multiplies `type_name` weights in its bf16 kernel."""
+        return type_name == "BF16"
+
+    def _takes_whole(self, n_per_row: int, type_name: str) -> bool:
+        return takes_whole(n_per_row, self._bf16_kernel(type_name), self.lanes)
+
+    def _float_matmul(self, x: np.ndarray, w: np.ndarray, type_name: str) -> np.ndarray:
+        """x (rounded as ik rounds it for `type_name`) @ w^T in ik's float kernel for that type."""
+        return ik_float_matmul(x, w, self._bf16_kernel(type_name), self.lanes)
 
     def project(self, x: np.ndarray, weight_name: str, shared: dict[str, Any] | None = None,
                 fused: bool = False) -> np.ndarray:
@@ -339,7 +369,7 @@ class IkNumerics(Numerics):
         if kind is not None and self.weights.fits(self.weights.decoded_bytes(weight_name)):
             # a 1-D weight is one row, as ggml multiplies it (ik's quantizer writes ffn_gate_inp_shexp as a vector)
             w = self.weights.decode(weight_name)
-            return ik_float_matmul(x, w.reshape(-1, w.shape[-1]), kind == "BF16")
+            return self._float_matmul(x, w.reshape(-1, w.shape[-1]), kind)
         return super().project(x, weight_name)
 
     def matmul_weight(self, name: str, n_act_rows: int, weight_rows: int | None = None) -> np.ndarray:
@@ -356,17 +386,17 @@ class IkNumerics(Numerics):
         n_head, n, n_in = x.shape
         src = source if source is not None else HeadSource(name, self.weights.encoding(name).type.name)
         rows = src.head_rows or self.weights.info(name).n_elements // (n_head * n_in)  # a 3-D [H, rows, in] too
-        fmt = activation_format(src.type_name)
-        if src.type_name in IK_FLOAT_TYPES and takes_whole(n_in, src.type_name == "BF16"):
+        fmt = self._activation_format(src.type_name)
+        if src.type_name in IK_FLOAT_TYPES and self._takes_whole(n_in, src.type_name):
             w = (self.weights.decode(name) if source is None else
                  self.weights.derived(src.name, lambda raw, dec: src.rows(raw, dec)[1], DERIVED + src.kind))
             xr = round_activations(x, fmt)
             w = w.reshape(n_head, rows, -1)
-            return np.stack([ik_float_matmul(xr[h], w[h], src.type_name == "BF16") for h in range(n_head)])
+            return np.stack([self._float_matmul(xr[h], w[h], src.type_name) for h in range(n_head)])
         kernel = ik_kernel(src.type_name)
         threads = self._kernel_threads(n_head)
         converts = CONVERTED * kernel.converts(n, rows, threads)
-        ints = kernel.integers(n, rows, threads)
+        ints = self._integers(kernel, n, rows, threads)
         if ints is None:
             if source is None:
                 return self.sliced_product(x, name)
@@ -388,7 +418,7 @@ class IkNumerics(Numerics):
 
     # ---- routed experts ---------------------------------------------------------------------------------------
     def _expert_ints(self, name: str, count: int) -> ToInts | None:
-        return ik_kernel(self.weights.encoding(name).type.name).integers(count, self.weights.info(name).shape[1])
+        return self._integers(ik_kernel(self.weights.encoding(name).type.name), count, self.weights.info(name).shape[1])
 
     def expert_ints(self, name: str, expert: int, count: int) -> PackedInts | None:
         """The packed integers ik's kernel multiplies expert `expert` of the 3-D tensor `name` as when `count`
@@ -446,4 +476,4 @@ class IkNumerics(Numerics):
             return packed[0], packed[1], packed[2]
 
         return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts), group, glu, formats, ints,
-                           keep_act=keep_act, ik=types)
+                           keep_act=keep_act, ik=types, avx2=self.avx2)

@@ -16,6 +16,9 @@ state its cache holds: the kernel runs token by token, so pieces give the whole 
   F32 weights show each of these roundings in ik's saved logits (tests/test_runtime_qwen3next.py); Q8_0 files'
   8-bit activations mostly round them away.
   The kernel keeps one head dim for keys and values; ik runs it for head dims 64 and 128 only.
+  Its AVX2 build (`avx2`, --numerics ik-avx2) sums q.k in 8 lanes and computes the value update in scalar code that
+  GCC contracts otherwise: v' = fma(v, beta, -((p beta) decay)), out = fma(o decay, 1 / sqrt(d), v' (q.k / sqrt(d)));
+  its SiLU after the convolution is ggml's AVX2 one (ik_expf_avx2, 8 channels at a time).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from numba import njit, prange
 
 from ikquant.formats.numeric import fmaf
 from ikrun.numerics.ik.attention import _lane_sum
+from ikrun.numerics.ik.ikgemm import AVX2_LANES
 from ikrun.ops.delta_net import initial_state
 
 LANES = 16
@@ -84,23 +88,24 @@ def _l2(x: np.ndarray, eps: np.float32, out: np.ndarray) -> None:
 
 @njit(cache=True, nogil=True, parallel=True)
 def _delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, k_head: np.ndarray,
-                eps: float, state: np.ndarray, out: np.ndarray) -> None:
+                eps: float, state: np.ndarray, avx2: bool, out: np.ndarray) -> None:
     n, d = v.shape[0], v.shape[2]
+    width = AVX2_LANES if avx2 else LANES
     scale = np.float32(1.0) / np.sqrt(np.float32(d))
     for h in prange(v.shape[1]):
         kh = k_head[h]
         s = state[h]  # [key dim c, value dim r]
         qn = np.empty(d, dtype=np.float32)
         kn = np.empty(d, dtype=np.float32)
-        lanes = np.empty(LANES, dtype=np.float32)
+        lanes = np.empty(width, dtype=np.float32)
         p = np.empty(d, dtype=np.float32)
         o = np.empty(d, dtype=np.float32)
         for t in range(n):
             _l2(q[t, kh], np.float32(eps), qn)
             _l2(k[t, kh], np.float32(eps), kn)
-            for lane in range(LANES):
+            for lane in range(width):
                 acc = np.float32(0.0)
-                for i in range(lane, d, LANES):
+                for i in range(lane, d, width):
                     acc = fmaf(kn[i], qn[i], acc)
                 lanes[lane] = acc
             score = _lane_sum(lanes) * scale
@@ -116,15 +121,19 @@ def _delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta
                     p[r] = fmaf(s[c, r], kn[c], p[r])
                     o[r] = fmaf(s[c, r], qn[c], o[r])
             for r in range(d):
-                p[r] = fmaf(-p[r], c2, v[t, h, r] * bt)
-                out[t, h, r] = fmaf(p[r], score, o[r] * c3)
+                if avx2:  # the AVX2 build's scalar code as GCC contracts it
+                    p[r] = fmaf(v[t, h, r], bt, -((p[r] * bt) * decay))
+                    out[t, h, r] = fmaf(o[r] * decay, scale, p[r] * score)
+                else:
+                    p[r] = fmaf(-p[r], c2, v[t, h, r] * bt)
+                    out[t, h, r] = fmaf(p[r], score, o[r] * c3)
             for c in range(d):
                 for r in range(d):
                     s[c, r] = min(np.float32(1e6), max(np.float32(-1e6), fmaf(p[r], kn[c], s[c, r] * decay)))
 
 
 def ik_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, k_head: np.ndarray,
-                  eps: float, state: np.ndarray | None = None) -> np.ndarray:
+                  eps: float, state: np.ndarray | None = None, avx2: bool = False) -> np.ndarray:
     """The gated delta rule [T, Hv, d] in ik's fused kernel's order (module docstring); q/k [T, Hk, d] before the
     L2 norm, one head dim d (a multiple of 16) for keys and values; from `state` [Hv, d, d] (advanced in place) where
     the sequence continues, else from zero."""
@@ -134,5 +143,6 @@ def ik_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, be
                          f"values {d}")
     out = np.empty(v.shape, dtype=np.float32)
     f32 = [np.ascontiguousarray(a, dtype=np.float32) for a in (q, k, v, g, beta)]
-    _delta_rule(*f32, np.ascontiguousarray(k_head, dtype=np.int64), float(eps), initial_state(q, v, state), out)
+    _delta_rule(*f32, np.ascontiguousarray(k_head, dtype=np.int64), float(eps), initial_state(q, v, state), avx2,
+                out)
     return out

@@ -1,5 +1,5 @@
 """ik's float matmul kernels, for --numerics ik: the dot products of its AVX-512 f32/f16 kernel and of its bf16
-kernel, and the matmuls built from them.
+kernel, those of its AVX2 f32/f16 kernel (--numerics ik-avx2), and the matmuls built from them.
 
 ik multiplies F32 and F16 weights (and the attention's f16 cache) with f32 activations in a kernel of 16 lanes: lane
 l sums the products of values l, l + 16, l + 32, ... (the first a product, the rest fused multiply-adds); the 16
@@ -7,7 +7,9 @@ lanes are then added as a tree (8 + 8, 4 + 4, then (0 + 2) + (1 + 3)). BF16 weig
 bf16 with vdpbf16ps: per 32 values, lane l takes values 2l + 1 then 2l, each a fused multiply-add (the products
 are exact), then the same tree. (vdpbf16ps also flushes subnormal inputs and results to zero, which only values
 below 1.2e-38 would show; ik's bf16 kernel drops the last values of rows that are no multiple of 32, which no model
-has.) Every dot product here is computed with LLVM's 16-float vectors in exactly that order.
+has.) ik's AVX2 build sums in 8 lanes the same way (lane l: values l, l + 8, ...), then adds them as 4 + 4 and
+(0 + 2) + (1 + 3); it multiplies bf16 weights in that kernel too, on activations rounded to bf16. Every dot product
+here is computed with LLVM's vectors of the kernel's width in exactly that order.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from numba.core.extending import intrinsic
 from ikrun.ops.parallel import claim_items, task_items
 
 LANES = 16  # ik's float kernels' vector width (AVX-512)
-_V16F = ir.VectorType(ir.FloatType(), LANES)
+AVX2_LANES = 8  # that of its AVX2 build
 
 
-def _tree(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
-    """The 16 lanes of v added as ik's reduction adds them: 8 + 8, 4 + 4, then (0 + 2) + (1 + 3)."""
+def _tree(builder: ir.IRBuilder, v: ir.Value, lanes: int) -> ir.Value:
+    """The `lanes` lanes of v added as ik's reduction adds them: halves (8 + 8 for 16 lanes, then 4 + 4), then
+    (0 + 2) + (1 + 3)."""
     i32 = ir.IntType(32)
 
     def halves(v: ir.Value, width: int) -> ir.Value:
@@ -33,7 +36,10 @@ def _tree(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
         hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
         return builder.fadd(hi, lo)
 
-    u = halves(halves(v, 8), 4)
+    u, width = v, lanes // 2
+    while width >= 4:
+        u = halves(u, width)
+        width //= 2
     e = [builder.extract_element(u, ir.Constant(i32, j)) for j in range(4)]
     return builder.fadd(builder.fadd(e[0], e[2]), builder.fadd(e[1], e[3]))
 
@@ -48,11 +54,12 @@ DOTS = 4
 XROWS = 6
 
 
-def _make_grid(bf16: bool, xrows: int):  # type: ignore[no-untyped-def]
+def _make_grid(bf16: bool, xrows: int, lanes: int = LANES):  # type: ignore[no-untyped-def]
     """An intrinsic computing the xrows x DOTS dot products of activation rows x0 + a xs and weight rows y0 + t ys
-    (n values each, a multiple of 16, or of 32 with `bf16`) into out[o0 + a os + t], each summed as ik's kernel sums
-    it (the module docstring): f32/f16, lane l takes values l, l + 16, ... (the first a product, the rest fused
-    multiply-adds); bf16, per 32 values lane l takes value 2l + 1 then 2l; then ik's tree over the lanes."""
+    (n values each, a multiple of `lanes`, or of 32 with `bf16`) into out[o0 + a os + t], each summed as ik's kernel
+    sums it (the module docstring): f32/f16, lane l takes values l, l + lanes, ... (the first a product, the rest
+    fused multiply-adds); bf16, per 32 values lane l takes value 2l + 1 then 2l; then ik's tree over the lanes."""
+    vec = ir.VectorType(ir.FloatType(), lanes)
 
     @intrinsic
     def grid(typingctx, x, x0, xs, y, y0, ys, n, out, o0, os):  # type: ignore[no-untyped-def]
@@ -65,27 +72,27 @@ def _make_grid(bf16: bool, xrows: int):  # type: ignore[no-untyped-def]
             yp = context.make_array(signature.args[3])(context, builder, value=ya).data
             op = context.make_array(signature.args[7])(context, builder, value=oa).data
             fma_fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_V16F, [_V16F, _V16F, _V16F]), "llvm.fma.v16f32")
+                builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{lanes}f32")
             i64, i32 = ir.IntType(64), ir.IntType(32)
             const = lambda v: ir.Constant(i64, v)  # noqa: E731
 
             def load(p: ir.Value, off: ir.Value) -> ir.Value:
-                return builder.load(builder.bitcast(builder.gep(p, [off]), _V16F.as_pointer()), align=4)
+                return builder.load(builder.bitcast(builder.gep(p, [off]), vec.as_pointer()), align=4)
 
             xrows_v = [builder.add(x0_v, builder.mul(xs_v, const(a))) for a in range(xrows)]
             yrows = [builder.add(y0_v, builder.mul(ys_v, const(t))) for t in range(DOTS)]
             keys = [(a, t) for a in range(xrows) for t in range(DOTS)]
             if bf16:
-                even = ir.Constant(ir.VectorType(i32, LANES), list(range(0, 2 * LANES, 2)))
-                odd = ir.Constant(ir.VectorType(i32, LANES), list(range(1, 2 * LANES, 2)))
+                even = ir.Constant(ir.VectorType(i32, lanes), list(range(0, 2 * lanes, 2)))
+                odd = ir.Constant(ir.VectorType(i32, lanes), list(range(1, 2 * lanes, 2)))
 
                 def pairs(p: ir.Value, off: ir.Value) -> tuple[ir.Value, ir.Value]:
-                    lo, hi = load(p, off), load(p, builder.add(off, const(LANES)))
+                    lo, hi = load(p, off), load(p, builder.add(off, const(lanes)))
                     return builder.shuffle_vector(lo, hi, odd), builder.shuffle_vector(lo, hi, even)
 
-                accs = {key: cgutils.alloca_once_value(builder, ir.Constant(_V16F, [0.0] * LANES)) for key in keys}
-                with cgutils.for_range(builder, builder.udiv(n_v, const(2 * LANES))) as loop:
-                    off = builder.mul(loop.index, const(2 * LANES))
+                accs = {key: cgutils.alloca_once_value(builder, ir.Constant(vec, [0.0] * lanes)) for key in keys}
+                with cgutils.for_range(builder, builder.udiv(n_v, const(2 * lanes))) as loop:
+                    off = builder.mul(loop.index, const(2 * lanes))
                     xv = [pairs(xp, builder.add(r, off)) for r in xrows_v]
                     yv = [pairs(yp, builder.add(r, off)) for r in yrows]
                     for a, t in keys:
@@ -95,15 +102,15 @@ def _make_grid(bf16: bool, xrows: int):  # type: ignore[no-untyped-def]
                 xv0 = [load(xp, r) for r in xrows_v]
                 yv0 = [load(yp, r) for r in yrows]
                 accs = {(a, t): cgutils.alloca_once_value(builder, builder.fmul(xv0[a], yv0[t])) for a, t in keys}
-                with cgutils.for_range(builder, builder.sub(builder.udiv(n_v, const(LANES)), const(1))) as loop:
-                    off = builder.mul(builder.add(loop.index, const(1)), const(LANES))
+                with cgutils.for_range(builder, builder.sub(builder.udiv(n_v, const(lanes)), const(1))) as loop:
+                    off = builder.mul(builder.add(loop.index, const(1)), const(lanes))
                     xv = [load(xp, builder.add(r, off)) for r in xrows_v]
                     yv = [load(yp, builder.add(r, off)) for r in yrows]
                     for a, t in keys:
                         builder.store(builder.call(fma_fn, [xv[a], yv[t], builder.load(accs[(a, t)])]), accs[(a, t)])
             for a, t in keys:
                 dest = builder.add(o0_v, builder.add(builder.mul(os_v, const(a)), const(t)))
-                builder.store(_tree(builder, builder.load(accs[(a, t)])), builder.gep(op, [dest]))
+                builder.store(_tree(builder, builder.load(accs[(a, t)]), lanes), builder.gep(op, [dest]))
             return context.get_dummy_value()
 
         return sig, codegen
@@ -111,28 +118,48 @@ def _make_grid(bf16: bool, xrows: int):  # type: ignore[no-untyped-def]
     return grid
 
 
-ik_dot_grid, ik_bf16_dot_grid = _make_grid(False, XROWS), _make_grid(True, XROWS)
+_grid16, _bf16_grid = _make_grid(False, XROWS), _make_grid(True, XROWS)
+_grid8 = _make_grid(False, XROWS, AVX2_LANES)
 #: one activation row against DOTS weight rows (attention, and the rows the grid leaves)
-ik_dots, ik_bf16_dots = _make_grid(False, 1), _make_grid(True, 1)
+_dots16, _bf16_dots, _dots8 = _make_grid(False, 1), _make_grid(True, 1), _make_grid(False, 1, AVX2_LANES)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def ik_dot_grid(x: np.ndarray, x0: int, xs: int, y: np.ndarray, y0: int, ys: int, n: int, out: np.ndarray, o0: int,
+                os: int, bf16: bool, lanes: int) -> None:
+    """XROWS x DOTS dot products (_make_grid) in ik's bf16 kernel, or its f32/f16 kernel of `lanes` lanes."""
+    if bf16:
+        _bf16_grid(x, x0, xs, y, y0, ys, n, out, o0, os)
+    elif lanes == AVX2_LANES:
+        _grid8(x, x0, xs, y, y0, ys, n, out, o0, os)
+    else:
+        _grid16(x, x0, xs, y, y0, ys, n, out, o0, os)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _row_dots(x: np.ndarray, x0: int, y: np.ndarray, y0: int, ys: int, n: int, out: np.ndarray, o0: int,
+              bf16: bool, lanes: int) -> None:
+    """One activation row against DOTS weight rows, as ik_dot_grid."""
+    if bf16:
+        _bf16_dots(x, x0, 0, y, y0, ys, n, out, o0, 0)
+    elif lanes == AVX2_LANES:
+        _dots8(x, x0, 0, y, y0, ys, n, out, o0, 0)
+    else:
+        _dots16(x, x0, 0, y, y0, ys, n, out, o0, 0)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def dots(x: np.ndarray, x0: int, y: np.ndarray, y0: int, stride: int, n: int, count: int, out: np.ndarray,
-         o0: int, tail: np.ndarray, bf16: bool) -> None:
-    """out[o0 + t] = x[x0 :] . y[y0 + t stride :] (n values) for t < count as ik's f32/f16 kernel (or with `bf16`,
-    its bf16 kernel) sums them: DOTS at a time, the last count % DOTS one at a time through `tail`."""
+         o0: int, tail: np.ndarray, bf16: bool, lanes: int) -> None:
+    """out[o0 + t] = x[x0 :] . y[y0 + t stride :] (n values) for t < count as ik's f32/f16 kernel of `lanes` lanes
+    (or with `bf16`, its bf16 kernel) sums them: DOTS at a time, the last count % DOTS one at a time through
+    `tail`."""
     t = 0
     while t + DOTS <= count:
-        if bf16:
-            ik_bf16_dots(x, x0, 0, y, y0 + t * stride, stride, n, out, o0 + t, 0)
-        else:
-            ik_dots(x, x0, 0, y, y0 + t * stride, stride, n, out, o0 + t, 0)
+        _row_dots(x, x0, y, y0 + t * stride, stride, n, out, o0 + t, bf16, lanes)
         t += DOTS
     for u in range(t, count):  # stride 0: DOTS copies of row u
-        if bf16:
-            ik_bf16_dots(x, x0, 0, y, y0 + u * stride, 0, n, tail, 0, 0)
-        else:
-            ik_dots(x, x0, 0, y, y0 + u * stride, 0, n, tail, 0, 0)
+        _row_dots(x, x0, y, y0 + u * stride, 0, n, tail, 0, bf16, lanes)
         out[o0 + u] = tail[0]
 
 
@@ -141,7 +168,7 @@ ROW_BLOCK = 64
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _gemm(x: np.ndarray, w: np.ndarray, out: np.ndarray, bf16: bool, threads: int) -> None:
+def _gemm(x: np.ndarray, w: np.ndarray, out: np.ndarray, bf16: bool, lanes: int, threads: int) -> None:
     """The ROW_BLOCK-row blocks in tasks the threads claim (ikrun/ops/parallel.py)."""
     m, k = x.shape
     n = w.shape[0]
@@ -159,32 +186,30 @@ def _gemm(x: np.ndarray, w: np.ndarray, out: np.ndarray, bf16: bool, threads: in
                 i = 0
                 while i + XROWS <= m:  # XROWS activation rows x DOTS weight rows per call
                     for r in range(r0, r0 + full, DOTS):
-                        if bf16:
-                            ik_bf16_dot_grid(xf, i * k, k, wf, r * k, k, k, of, i * n + r, n)
-                        else:
-                            ik_dot_grid(xf, i * k, k, wf, r * k, k, k, of, i * n + r, n)
+                        ik_dot_grid(xf, i * k, k, wf, r * k, k, k, of, i * n + r, n, bf16, lanes)
                     for a in range(XROWS):
                         dots(xf, (i + a) * k, wf, (r0 + full) * k, k, k, rows - full, of, (i + a) * n + r0 + full, tail,
-                             bf16)
+                             bf16, lanes)
                     i += XROWS
                 for a in range(i, m):
-                    dots(xf, a * k, wf, r0 * k, k, k, rows, of, a * n + r0, tail, bf16)
+                    dots(xf, a * k, wf, r0 * k, k, k, rows, of, a * n + r0, tail, bf16, lanes)
             b0, b1 = claim_items(counter, per, blocks)
 
 
-def takes_whole(k: int, bf16: bool) -> bool:
-    """Whether ik's f32/f16 (or bf16) kernel takes rows of k values whole: multiples of 16 (32)."""
-    return k % (2 * LANES if bf16 else LANES) == 0
+def takes_whole(k: int, bf16: bool, lanes: int = LANES) -> bool:
+    """Whether ik's f32/f16 kernel of `lanes` lanes (or its AVX-512 bf16 kernel) takes rows of k values whole:
+    multiples of the lanes (of 32)."""
+    return k % (2 * lanes if bf16 else lanes) == 0
 
 
-def ik_float_matmul(x: np.ndarray, w: np.ndarray, bf16: bool = False) -> np.ndarray:
-    """x [m, k] @ w [n, k]^T as ik's f32/f16 kernel computes it (k a multiple of 16), or with `bf16` its bf16
-    kernel (x and w bf16 values held as float32, k a multiple of 32)."""
+def ik_float_matmul(x: np.ndarray, w: np.ndarray, bf16: bool = False, lanes: int = LANES) -> np.ndarray:
+    """x [m, k] @ w [n, k]^T as ik's f32/f16 kernel of `lanes` lanes computes it (k a multiple of them), or with
+    `bf16` its AVX-512 bf16 kernel (x and w bf16 values held as float32, k a multiple of 32)."""
     k = x.shape[1]
-    if not takes_whole(k, bf16):
+    if not takes_whole(k, bf16, lanes):
         raise ValueError(f"ik's {'bf16' if bf16 else 'float'} kernel takes rows in multiples of "
-                         f"{2 * LANES if bf16 else LANES} values, not {k}")
+                         f"{2 * lanes if bf16 else lanes} values, not {k}")
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    _gemm(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(w, dtype=np.float32), out, bf16,
+    _gemm(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(w, dtype=np.float32), out, bf16, lanes,
           get_num_threads())
     return out

@@ -46,8 +46,9 @@ from ikrun.ops.parallel import TASKS_PER_THREAD, claim, claim_items, pick, task_
 #: group), d = w scale x a scale as fma(d, f32(half sum), acc), and its correction (w scale x -bias) x (a scale x a's
 #: integer sum) to a sum of its own (accm[j]); a block past the last whole group adds its eight 4-value sums to the
 #: eight accumulators and a quarter of its correction to each accm; at the end (acc[j] + acc[4 + j]) + accm[j],
-#: summed (0 + 2) + (1 + 3)
-ORDER_PLAIN, ORDER_R8, ORDER_R16, ORDER_Q8_1, ORDER_QX_0_NATIVE = 0, 1, 2, 3, 4
+#: summed (0 + 2) + (1 + 3); ORDER_R8_AVX2 ik's Q8_0_R8 gemm in its AVX2 build: signed weights, per block
+#: acc = fma(w scale x a scale, f32(isum), acc)
+ORDER_PLAIN, ORDER_R8, ORDER_R16, ORDER_Q8_1, ORDER_QX_0_NATIVE, ORDER_R8_AVX2 = 0, 1, 2, 3, 4, 5
 LANES = 16  # weight rows per packed group: one 512-bit vector of int32 lanes
 TILE = 4  # activation rows per kernel call, sharing each weight vector
 GROUPS = 2  # weight groups per kernel call, sharing each activation broadcast
@@ -353,6 +354,7 @@ def _make_tile(block: int, order: int = ORDER_PLAIN,  # type: ignore[no-untyped-
     one another; one for the orders whose second terms need the registers)."""
     steps = block // 4
     r8, r16, q81 = order == ORDER_R8, order == ORDER_R16, order == ORDER_Q8_1
+    fused = q81 or order == ORDER_R8_AVX2  # acc = fma(d, f32(isum), acc)
     per_step = 4 if q81 else 1  # blocks per step of the loop
     chains = 1 if q81 or r8 or not HAS_VNNI else CHAINS  # their second terms leave no registers for more
 
@@ -442,7 +444,7 @@ def _make_tile(block: int, order: int = ORDER_PLAIN,  # type: ignore[no-untyped-
                         if r16:
                             minus = ir.Constant(_V16F, [-128.0] * LANES)
                             acc = fma(builder.fmul(scale[h], minus), a_sum[i], acc)
-                    elif q81:
+                    elif fused:
                         acc = fma(d, builder.sitofp(totals[(h, i)], _V16F), acc)
                     else:
                         acc = builder.fadd(acc, builder.fmul(builder.sitofp(totals[(h, i)], _V16F), d))
@@ -559,6 +561,7 @@ def _make_native_tile(dot: Callable[[ir.IRBuilder], _Dot] = host_dot):  # type: 
 
 _tile32, _tile256 = _make_tile(32), _make_tile(256)
 _tile32_r8, _tile256_r16, _tile32_q81 = _make_tile(32, ORDER_R8), _make_tile(256, ORDER_R16), _make_tile(32, ORDER_Q8_1)
+_tile32_r8_avx2 = _make_tile(32, ORDER_R8_AVX2)
 _tile32_native = _make_native_tile()
 
 
@@ -580,6 +583,8 @@ def _tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block, nb,
                 _tile32_q81(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             elif order == ORDER_R8:
                 _tile32_r8(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
+            elif order == ORDER_R8_AVX2:
+                _tile32_r8_avx2(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             elif order == ORDER_QX_0_NATIVE:
                 _tile32_native(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             else:
@@ -647,7 +652,7 @@ def _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, b
                     f = np.float32(s - wcorr[gb * LANES + r] + 128 * aisum[m * nb + b])
                     acc[r] = fmaf(w_scale * d_a, f, acc[r])
                     acc[r] = fmaf(w_scale * np.float32(-128.0), a_sum, acc[r])
-                elif order == ORDER_Q8_1:
+                elif order == ORDER_Q8_1 or order == ORDER_R8_AVX2:
                     acc[r] = fmaf(w_scale * d_a, np.float32(s - wcorr[gb * LANES + r]), acc[r])
                 else:
                     acc[r] = acc[r] + np.float32(s - wcorr[gb * LANES + r]) * (w_scale * d_a)

@@ -1,0 +1,81 @@
+"""`--numerics ik-avx2`: ik's CPU arithmetic as its AVX2 build computes it (no AVX-512: `HAVE_FANCY_SIMD` undefined),
+to get the numbers an AVX2 machine's llama-perplexity prints.
+
+It differs from the AVX-512 build's (arithmetic.py) in its float kernels, which sum in 8 lanes and add them as 4 + 4,
+then (0 + 2) + (1 + 3) (ikgemm.py; bf16 weights too, on unrounded float32 activations), in its exponential
+(ik_expf_avx2: the softmax and the SiLU, the routed experts' too) and in its softmax's float64 sum of each 8
+exponentials' sum (attention.py), in its Q8_0_R8 gemm (qgemm.ORDER_R8_AVX2) and in its fused delta-net kernel (8-lane
+q.k, its scalar update as GCC contracts it: delta_net.py). ik's flash-attention ports are its
+AVX2 build's already. Only what was checked bit for bit against this build runs: other architectures and weight
+types, and AVX-512-only flags, are refused before any compute; the integer kernels other than Q8_0_R8 (Q8_0's own,
+below 32 activation rows) when a matmul first needs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from ikrun.errors import ModelError
+from ikrun.numerics.ik.arithmetic import IkNumerics
+from ikrun.numerics.ik.formats import UNROUNDED, IkKernel, ToInts
+from ikrun.numerics.ik.qgemm import ORDER_R8, ORDER_R8_AVX2
+
+if TYPE_CHECKING:
+    from ikquant.types import GGMLType
+
+#: the architectures whose ik graph was checked against ik's AVX2 build op for op
+VERIFIED_ARCHS = ("qwen3", "deepseek2", "glm-dsa", "openpangu", "qwen3moe", "glm4moe", "minimax-m2", "qwen3next", "qwen35moe")
+#: the weight types whose kernels were checked against it
+VERIFIED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+
+
+class IkAvx2Numerics(IkNumerics):
+    """ik's CPU arithmetic of its AVX2 build (the module docstring)."""
+
+    name = "ik-avx2"
+    avx2 = True
+
+    def check_weights(self) -> list[str]:
+        arch = self.weights.metadata.architecture
+        if arch not in VERIFIED_ARCHS:
+            return [f"--numerics ik-avx2 does not reproduce ik's AVX2 arithmetic for {arch} (its ops are not checked "
+                    f"against ik's AVX2 build; checked: {', '.join(VERIFIED_ARCHS)}); use --numerics ik"]
+        odd = sorted({self.weights.info(name).type.name for name in self.weights.names()
+                      if len(self.weights.info(name).ne) >= 2 and name != "token_embd.weight"} - set(VERIFIED_TYPES))
+        if odd:
+            return [f"--numerics ik-avx2 does not reproduce ik's AVX2 kernels for {', '.join(odd)} weights; checked: "
+                    f"{', '.join(VERIFIED_TYPES)}"]
+        return super().check_weights()
+
+    def check_type(self, gtype: GGMLType) -> str | None:
+        if gtype.name not in VERIFIED_TYPES:
+            return (f"--numerics ik-avx2 does not reproduce ik's AVX2 kernels for {gtype.name} weights; checked: "
+                    + ", ".join(VERIFIED_TYPES))
+        return super().check_type(gtype)
+
+    def _activation_format(self, type_name: str) -> str:
+        """ik's AVX2 build multiplies bf16 weights with float32 activations as they are (its float kernel)."""
+        return UNROUNDED if type_name == "BF16" else super()._activation_format(type_name)
+
+    def _bf16_kernel(self, type_name: str) -> bool:
+        """ik's AVX2 build has no bf16 kernel: bf16 weights go through its float kernel."""
+        return False
+
+    def _integers(self, kernel: IkKernel, n_act_rows: int, n_weight_rows: int,
+                  threads: int | None = None) -> ToInts | None:
+        """Q8_0_R8's float order of ik's AVX2 build (qgemm.ORDER_R8_AVX2); the other integer kernels' AVX2 orders
+        are not reproduced."""
+        ints = super()._integers(kernel, n_act_rows, n_weight_rows, threads)
+        if ints is None:
+            return None
+        inner = ints
+
+        def avx2(raw, decoded):  # type: ignore[no-untyped-def]
+            held = inner(raw, decoded)
+            if held.order != ORDER_R8:
+                raise ModelError(f"--numerics ik-avx2 reproduces ik's AVX2 Q8_0_R8 kernel (32 activation rows and "
+                                 f"more a thread), not the kernel ik takes for {n_act_rows} rows")
+            return replace(held, order=ORDER_R8_AVX2)
+
+        return avx2

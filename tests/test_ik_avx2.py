@@ -1,0 +1,136 @@
+"""--numerics ik-avx2 against ik's AVX2 build (tests/data/logits/qwen3-avx2: this machine's native ik, no AVX-512):
+its base-logits file byte for byte, every running PPL, and the bf16 file's printed KL-divergence; --numerics ik (the
+AVX-512 build's float order) does not give them; what it does not reproduce is refused before any compute."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikrun.cli import app
+from ikrun.eval.evaluate import perplexity
+from ikrun.eval.metrics import BaseLogitsFile
+from ikrun.model import Model
+from ikrun.options import RuntimeOptions
+from tests.family_checks import assert_iks_forward, ik_quantized
+from tests.test_numerics import _printed
+
+runner = CliRunner()
+DATA = Path(__file__).parent / "data"
+CONVERT, LOGITS = DATA / "convert" / "qwen3", DATA / "logits" / "qwen3-avx2"
+AVX2 = RuntimeOptions(numerics="ik-avx2")
+
+
+def test_ik_avx2_gives_iks_avx2_base_logits(tmp_path: Path) -> None:
+    assert_iks_forward(Model(CONVERT / "ik-f32.gguf", options=AVX2), LOGITS / "ik-base.kld",
+                       LOGITS / "ik-f32-ppl.txt", tmp_path / "base.kld")
+
+
+def test_ik_avx512_order_is_not_iks_avx2(tmp_path: Path) -> None:
+    """The AVX-512 build's float order (--numerics ik) misses the AVX2 build's file: the check above can fail."""
+    base = LOGITS / "ik-base.kld"
+    out = tmp_path / "base.kld"
+    perplexity(Model(CONVERT / "ik-f32.gguf", options=RuntimeOptions(numerics="ik")),
+               np.asarray(BaseLogitsFile(base).tokens), save_base=out)
+    assert out.read_bytes() != base.read_bytes()
+
+
+def _kld(gguf: Path, numerics: str) -> dict[str, float]:
+    res = runner.invoke(app, ["kld", str(gguf), "--base-logits", str(LOGITS / "ik-base.kld"), "--json",
+                              "--numerics", numerics])
+    assert res.exit_code == 0, res.output
+    return dict(json.loads(res.stdout))
+
+
+def _matches(got: dict[str, float], printed: Path) -> bool:
+    """Every figure ik printed, to its last digit."""
+    return all(abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7)
+               for key, value in _printed(printed).items())
+
+
+def test_ik_avx2_bf16_kld_is_iks() -> None:
+    """ik's AVX2 build multiplies bf16 weights in its float kernel with unrounded activations: every figure its
+    --kl-divergence run printed for the bf16 file, to the last digit."""
+    assert _matches(_kld(CONVERT / "ik-bf16.gguf", "ik-avx2"), LOGITS / "ik-bf16-kld.txt")
+
+
+def test_ik_avx2_q8_0_kld_is_iks() -> None:
+    """ik's AVX2 Q8_0_R8 kernel (qgemm.ORDER_R8_AVX2): every figure printed for the Q8_0 file (KLD 0.000579, PPL(Q)
+    542.179591), which the AVX-512 build's order (--numerics ik) misses."""
+    assert _matches(_kld(CONVERT / "ik-q8_0.gguf", "ik-avx2"), LOGITS / "ik-q8_0-kld.txt")
+    assert not _matches(_kld(CONVERT / "ik-q8_0.gguf", "ik"), LOGITS / "ik-q8_0-kld.txt")
+
+
+def test_ik_avx2_refuses_other_quant_types(tmp_path: Path) -> None:
+    q5 = ik_quantized(CONVERT / "ik-f32.gguf", tmp_path / "q5_0.gguf", "Q5_0")
+    res = runner.invoke(app, ["logits", str(q5), "--tokens", "1,2", "--numerics", "ik-avx2"])
+    assert res.exit_code == 2 and "--numerics ik-avx2 does not reproduce ik's AVX2 kernels for Q5_0" in res.output, \
+        res.output
+
+
+def test_ik_avx2_refuses_q8_0s_own_kernel() -> None:
+    """Below 32 activation rows ik multiplies Q8_0 in its own kernel, whose AVX2 order is not reproduced."""
+    res = runner.invoke(app, ["logits", str(CONVERT / "ik-q8_0.gguf"), "--tokens", "1,2", "--numerics", "ik-avx2"])
+    assert res.exit_code == 2 and "not the kernel ik takes for 2 rows" in res.output, res.output
+
+
+GLM, GLM_ICTK = DATA / "convert" / "glm-dsa" / "ref-f32.gguf", DATA / "logits" / "glm-dsa-ictk"
+
+
+def test_glm_dsa_ik_avx2_is_iks_avx2_build(tmp_path: Path) -> None:
+    """GLM-5.x with ik's --dsa sink against this machine's ik: the default caches' base-logits file byte for byte
+    (PPL 515.6411) and every figure of the q8_0 indexer cache's KL-divergence run (KLD 0.093825, PPL(Q) 536.412028;
+    --numerics ik: 0.093823)."""
+    options = RuntimeOptions(numerics="ik-avx2", dsa_sink=True)
+    assert_iks_forward(Model(GLM, options=options), GLM_ICTK / "ik-base.kld", GLM_ICTK / "ik-base.txt",
+                       tmp_path / "base.kld")
+    res = runner.invoke(app, ["kld", str(GLM), "--base-logits", str(GLM_ICTK / "ik-base.kld"), "--json",
+                              "--numerics", "ik-avx2", "--dsa-sink", "-ictk", "q8_0"])
+    assert res.exit_code == 0, res.output
+    assert _matches(json.loads(res.stdout), GLM_ICTK / "ik-ictk-q8_0-kld.txt")
+
+
+PANGU, PANGU_ICTK = DATA / "convert" / "openpangu-v2" / "ik-f32.gguf", DATA / "logits" / "openpangu-v2-ictk"
+
+
+def test_openpangu_ik_avx2_is_iks_avx2_build(tmp_path: Path) -> None:
+    """openPangu (8 param sinks: ik's AVX2 GEMM reads them whole) against this machine's ik: the default caches'
+    base-logits file byte for byte (PPL 569.5097) and every figure of the q8_0 indexer cache's run (KLD 0.011595,
+    PPL(Q) 565.797767)."""
+    assert_iks_forward(Model(PANGU, options=AVX2), PANGU_ICTK / "ik-base.kld", PANGU_ICTK / "ik-base.txt",
+                       tmp_path / "base.kld")
+    res = runner.invoke(app, ["kld", str(PANGU), "--base-logits", str(PANGU_ICTK / "ik-base.kld"), "--json",
+                              "--numerics", "ik-avx2", "-ictk", "q8_0"])
+    assert res.exit_code == 0, res.output
+    assert _matches(json.loads(res.stdout), PANGU_ICTK / "ik-ictk-q8_0-kld.txt")
+
+
+@pytest.mark.parametrize(("variant", "gguf"), [("qwen3-moe", "ik-f32.gguf"), ("glm4-moe", "ik-f32.gguf"),
+                                             ("minimax-m2", "ref-f32.gguf"), ("qwen3-next", "ref-f32.gguf"),
+                                             ("qwen35-moe", "ref-f32.gguf")])
+def test_moe_families_are_iks_avx2_build(variant: str, gguf: str, tmp_path: Path) -> None:
+    """qwen3moe, glm4moe, minimax-m2, qwen3next and qwen35moe (tests/data/logits/<variant>-avx2, 8 chunks): ik's
+    base-logits file byte for byte with every running PPL (525.1843, 590.5826, 508.5050, 534.7389, 554.3415;
+    --numerics ik: 525.1851, 590.5827, 508.5055, 534.7391, 554.3412)."""
+    folder = DATA / "logits" / f"{variant}-avx2"
+    base = folder / "ik-base.kld"
+    model = DATA / "convert" / variant / gguf
+    assert_iks_forward(Model(model, options=AVX2), base, folder / "ik-base.txt", tmp_path / "avx2.kld")
+    perplexity(Model(model, options=RuntimeOptions(numerics="ik")), np.asarray(BaseLogitsFile(base).tokens),
+               save_base=tmp_path / "avx512.kld")
+    assert (tmp_path / "avx512.kld").read_bytes() != base.read_bytes()
+
+
+@pytest.mark.parametrize(("gguf", "extra", "message"), [
+    (DATA / "convert" / "gpt-oss" / "ref-f32.gguf", [], "--numerics ik-avx2 does not reproduce ik's AVX2 "
+     "arithmetic for gpt-oss"),
+    (DATA / "convert" / "openpangu-v2" / "ik-f32.gguf", ["--ik-sink-overread"], "--ik-sink-overread reproduces "
+     "ik's AVX-512 build"),
+])
+def test_ik_avx2_refuses_what_it_does_not_reproduce(gguf: Path, extra: list[str], message: str) -> None:
+    res = runner.invoke(app, ["logits", str(gguf), "--tokens", "1,2", "--numerics", "ik-avx2", *extra])
+    assert res.exit_code == 2 and message in res.output, res.output
