@@ -129,7 +129,7 @@ def main() -> None:
         ties = [arg for regex in a.tie for arg in ("--tie", regex)]
         for ftype, (size, kld) in recipes.items():
             print(f"| {ftype} | {a.recipe}'s recipe | {size} | {8 * size / n_weights:.4f} | - | "
-                  f"{kld['kld_mean']:.6f} ± {kld['kld_mean_err']:.6f} | - | - |")
+                  f"{kld['kld_mean']:.3e} ± {kld['kld_mean_err']:.3e} | - | - |")
             for kind, (sweep, measured, cpu) in sweeps.items():
                 mix_file = folder / f"mix-{kind}-{ftype}.gguf"
                 res = _ok(ikrun_app, ["mix", str(model), str(mix_file), "--sweep", str(sweep), "--type", ftype,
@@ -139,7 +139,7 @@ def main() -> None:
                 judged = json.loads(_ok(ikrun_app, ["kld", str(mix_file), "--base-logits", str(base), "--json"]).stdout
                                     ) if a.eval_text else kept
                 print(f"| {ftype} | {kind} sweep's mix | {kept['bytes']} | {kept['bpw']:.4f} | "
-                      f"{kept['predicted_kld']:.6f} | {judged['kld_mean']:.6f} ± {judged['kld_mean_err']:.6f} "
+                      f"{kept['predicted_kld']:.3e} | {judged['kld_mean']:.3e} ± {judged['kld_mean_err']:.3e} "
                       f"({judged['kld_mean'] / kld['kld_mean'] - 1:+.0%}) | {measured} | {cpu:.0f} |")
 
 if __name__ == "__main__":
