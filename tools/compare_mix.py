@@ -6,7 +6,10 @@ Generates (or takes with --model) an F32 model, collects its imatrix on --text, 
 --ftypes: quantizes by the recipe (--recipe ik or mainline), builds each sweep's mix with --target-size equal to
 the recipe file's tensor bytes (`ikrun mix`, which also measures it and can --refine), and measures the recipe
 file's KLD against the same base logits. With --eval-text every KLD in the table is measured on that held-out text
-(the imatrix and sweeps never see it); without, on the sweep's own chunks (in-sample). --sweeps spread adds a
+(the imatrix and sweeps never see it), --eval-chunks of it (more than the sweeps' --chunks narrows the ±), the mixes
+by `ikrun kld` against the same base logits as the recipes; without, on the sweep's own chunks (in-sample). --tie and
+--refine go to `ikrun mix` (the sweeps are made without ties); --mix-types lets the mixes choose among those swept
+types only (from a copy of each sweep without the other types' rows). --sweeps spread adds a
 `--target-bpw ... --prediction-spread F` sweep (--spread F). --reuse keeps what --workdir already holds (imatrix,
 base logits, recipe files, sweeps and their CPU seconds) and measures only what is missing.
 
@@ -40,6 +43,15 @@ def _ok(app, args: list[str]):  # type: ignore[no-untyped-def]
     return res
 
 
+def only_types(sweep: Path, types: list[str]) -> Path:
+    """A copy of `sweep` (beside it) without the rows of types other than `types`."""
+    data = json.loads(sweep.read_text())
+    data["rows"] = [r for r in data["rows"] if r["type"] in types]
+    out = sweep.with_name(f"{sweep.stem}-{'-'.join(types)}.json")
+    out.write_text(json.dumps(data))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="an F32/F16 GGUF (default: a generated 4-layer 256-wide Qwen3)")
@@ -53,7 +65,10 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="keep the files --workdir already holds")
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--eval-chunks", type=int, help="chunks of --eval-text to measure on (default: --chunks)")
     ap.add_argument("--refine", type=int, default=0)
+    ap.add_argument("--tie", action="append", default=[], help="REGEX for ikrun mix --tie (repeatable)")
+    ap.add_argument("--mix-types", help="comma-separated swept types the mixes may choose (default: all)")
     ap.add_argument("--workdir", type=Path, help="keep the files here (default: a temporary folder)")
     a = ap.parse_args()
     kinds = a.sweeps.split(",")
@@ -79,7 +94,8 @@ def main() -> None:
         if missing(imatrix):
             _ok(ikrun_app, ["imatrix", str(model), *common, "-o", str(imatrix)])
         if missing(base):
-            _ok(ikrun_app, ["kld", str(model), "--base", str(model), "--text", str(a.eval_text or text), *shape,
+            eval_shape = ["--ctx", str(a.ctx), "--chunks", str(a.eval_chunks or a.chunks)] if a.eval_text else shape
+            _ok(ikrun_app, ["kld", str(model), "--base", str(model), "--text", str(a.eval_text or text), *eval_shape,
                             "--save-base-logits", str(base)])
         n_weights = sum(t.n_elements for t in GGUFFile(model).tensors.values())
         recipes = {}
@@ -103,29 +119,28 @@ def main() -> None:
                                 str(sweep), *extra[kind]])
                 seconds.write_text(f"{time.process_time() - t0:.1f}")
             rows = json.loads(sweep.read_text())["rows"]
-            sweeps[kind] = sweep
             cpu = float(seconds.read_text())
-            print(f"{kind} sweep: {sum(1 for r in rows if r.get('measured', True))} of {len(rows)} rows measured, "
-                  f"{cpu:.0f} CPU s" + (f" ({cpu / float((folder / 'sweep-exhaustive.cpu').read_text()):.2f}x the "
-                                        "exhaustive sweep's)" if kind != "exhaustive" and "exhaustive" in sweeps
-                                        else ""))
+            if a.mix_types:
+                sweep = only_types(sweep, a.mix_types.split(","))
+            sweeps[kind] = (sweep, f"{sum(1 for r in rows if r.get('measured', True))}/{len(rows)}", cpu)
         where = f"held-out ({a.eval_text.name})" if a.eval_text else "in-sample"
-        print(f"\n| target | mix | bytes | bpw | predicted | measured KLD, {where} |")
-        print("|---|---|---|---|---|---|")
+        print(f"\n| target | mix | bytes | bpw | predicted | measured KLD, {where} | rows measured | CPU s |")
+        print("|---|---|---|---|---|---|---|---|")
+        ties = [arg for regex in a.tie for arg in ("--tie", regex)]
         for ftype, (size, kld) in recipes.items():
             print(f"| {ftype} | {a.recipe}'s recipe | {size} | {8 * size / n_weights:.4f} | - | "
-                  f"{kld['kld_mean']:.6f} ± {kld['kld_mean_err']:.6f} |")
-            for kind, sweep in sweeps.items():
-                eval_args = ["--eval-text", str(a.eval_text)] if a.eval_text else []
-                res = _ok(ikrun_app, ["mix", str(model), str(folder / f"mix-{kind}-{ftype}.gguf"), "--sweep",
-                                      str(sweep), "--type", ftype, "--recipe", a.recipe, "--target-size",
-                                      f"{size}B", "--refine", str(a.refine), "--json", *eval_args])
-                mixes = json.loads(res.stdout)
-                kept = next(m for m in mixes if m["kept"])
-                judged = mixes[-1] if a.eval_text else kept
+                  f"{kld['kld_mean']:.3e} ± {kld['kld_mean_err']:.3e} | - | - |")
+            for kind, (sweep, measured, cpu) in sweeps.items():
+                mix_file = folder / f"mix-{kind}-{ftype}.gguf"
+                res = _ok(ikrun_app, ["mix", str(model), str(mix_file), "--sweep", str(sweep), "--type", ftype,
+                                      "--recipe", a.recipe, "--target-size", f"{size}B", "--refine", str(a.refine),
+                                      "--json", *ties])
+                kept = next(m for m in json.loads(res.stdout) if m["kept"])
+                judged = json.loads(_ok(ikrun_app, ["kld", str(mix_file), "--base-logits", str(base), "--json"]).stdout
+                                    ) if a.eval_text else kept
                 print(f"| {ftype} | {kind} sweep's mix | {kept['bytes']} | {kept['bpw']:.4f} | "
-                      f"{kept['predicted_kld']:.6f} | {judged['kld_mean']:.6f} ± {judged['kld_mean_err']:.6f} "
-                      f"({judged['kld_mean'] / kld['kld_mean'] - 1:+.0%}) |")
+                      f"{kept['predicted_kld']:.3e} | {judged['kld_mean']:.3e} ± {judged['kld_mean_err']:.3e} "
+                      f"({judged['kld_mean'] / kld['kld_mean'] - 1:+.0%}) | {measured} | {cpu:.0f} |")
 
 if __name__ == "__main__":
     main()
