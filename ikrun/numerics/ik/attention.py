@@ -39,6 +39,22 @@ def _lane_sum(lanes: np.ndarray) -> np.float32:
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _exp_sum(r: np.ndarray, whole: int, avx2: bool) -> np.float64:
+    """The float64 sum of the exponentials r[:whole] (a whole number of vectors) as ik's softmax adds them: in 16
+    lanes reduced by its tree, or (`avx2`) each 8's tree sum added in turn."""
+    total = np.float64(0.0)
+    if avx2:
+        for c in range(0, whole, AVX2_LANES):
+            total += np.float64(_lane_sum(r[c : c + AVX2_LANES]))
+        return total
+    lanes = np.zeros(LANES, np.float32)
+    for c in range(0, whole, LANES):
+        for lane in range(LANES):
+            lanes[lane] += r[c + lane]
+    return total + np.float64(_lane_sum(lanes))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _ik_softmax(r: np.ndarray, first: int, n_keys: int, scale: np.float32, sink: np.float32,
                 keep: np.ndarray, avx2: bool) -> None:
     """ik's softmax of the scores r[first:n_keys] in place (the module docstring), zeros before and after them (r's
@@ -67,16 +83,7 @@ def _ik_softmax(r: np.ndarray, first: int, n_keys: int, scale: np.float32, sink:
     m = max(lanes.max(), sink)
     for j in range(whole):
         r[j] = ik_exp(r[j] - m, avx2)
-    total = np.float64(0.0)
-    if avx2:
-        for c in range(0, whole, AVX2_LANES):
-            total += np.float64(_lane_sum(r[c : c + AVX2_LANES]))
-    else:
-        lanes[:] = 0
-        for c in range(0, whole, LANES):
-            for lane in range(LANES):
-                lanes[lane] += r[c + lane]
-        total = np.float64(_lane_sum(lanes))
+    total = _exp_sum(r, whole, avx2)
     if sink > -np.inf:
         total += np.float64(np.exp(np.float32(sink - m)))
     inv = np.float32(1.0 / total)
@@ -201,19 +208,10 @@ def _ik_masked_softmax(r: np.ndarray, visible: np.ndarray, n_sink: int, scale: n
         v = r[j] * scale if j < n_sink or visible[j - n_sink] else -np.inf
         r[j] = v
         m = max(m, v)
-    step = AVX2_LANES if avx2 else LANES
-    whole = width - width % step
-    lanes = np.zeros(LANES, np.float32)
-    total = np.float64(0.0)
-    for c in range(0, whole, step):
-        for lane in range(step):
-            e = ik_exp(r[c + lane] - m, avx2)
-            r[c + lane] = e
-            lanes[lane] += e
-        if avx2:
-            total += np.float64(_lane_sum(r[c : c + AVX2_LANES]))
-    if not avx2:
-        total = np.float64(_lane_sum(lanes))
+    whole = width - width % (AVX2_LANES if avx2 else LANES)
+    for j in range(whole):
+        r[j] = ik_exp(r[j] - m, avx2)
+    total = _exp_sum(r, whole, avx2)
     for j in range(whole, width):
         e = np.exp(np.float32(r[j] - m))
         r[j] = e
