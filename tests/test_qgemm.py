@@ -34,6 +34,7 @@ from ikrun.numerics.ik.qgemm import (
     ORDER_R8,
     ORDER_R8_AVX2,
     ORDER_R16,
+    SIGNED_TILES,
     TILE,
     BlockInts,
     IntRows,
@@ -50,7 +51,8 @@ LAYOUTS = [(32, Q8_2_X4, False), (32, Q8_2_X4, True), (256, Q8_K, False)]
 
 
 def _weights(rng: np.random.Generator, rows: int, n: int, block: int, offsets: bool) -> BlockInts:
-    q = rng.integers(-128, 128, (rows, n)).astype(np.int8)
+    """Values in -127 .. 127, what ik's quantizers and conversions write (a -128 takes the scalar kernel)."""
+    q = rng.integers(-127, 128, (rows, n)).astype(np.int8)
     scale = rng.random((rows, n // block)).astype(np.float32)
     offset = rng.standard_normal((rows, n // block)).astype(np.float32) if offsets else None
     return BlockInts(q, scale, block, offset, ORDER_Q8_1 if offsets else ORDER_PLAIN)
@@ -206,6 +208,34 @@ def test_tile_and_scalar_kernels_give_the_same_bits(block: int, fmt: str, offset
     w, x = _weights(rng, 64, 4 * block, block, offsets), rng.standard_normal((9, 4 * block)).astype(np.float32)
     rows, packed = integer_rows(x, fmt), pack(w)
     np.testing.assert_array_equal(qmatmul(rows, packed, tiled=True), qmatmul(rows, packed, tiled=False))
+
+
+@pytest.mark.parametrize("order", [ORDER_PLAIN, ORDER_R8, ORDER_R8_AVX2])
+def test_weights_holding_minus_128_multiply_exactly(order: int) -> None:
+    """AVX2's signed byte products cannot negate -128: a weight holding one is multiplied in the scalar kernel (on
+    such a host the tile gives other sums for it, shown on the tile itself), every other weight in the tiles."""
+    rng = np.random.default_rng(order)
+    w = _weights(rng, 32, 256, 32, False)
+    q = w.q.copy()
+    q[5, 7] = -128
+    w = BlockInts(q, w.scale, 32, None, order)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    x[0, 7] = -2.0  # negative: vpsignb would negate the weight's -128, which stays -128
+    rows, packed = integer_rows(x, Q8_2_X4), pack(w)
+    assert packed.full_range and not pack(BlockInts(q.clip(-127), w.scale, 32, None, order)).full_range
+    exact = qmatmul(rows, packed, tiled=False)
+    np.testing.assert_array_equal(qmatmul(rows, packed, tiled=True), exact)
+    if SIGNED_TILES:
+        tile = _make_tile(32, order)
+
+        @numba.njit
+        def call(wq, ws, wc, wo, au, asc, asum, aisum, out, nb, n):  # type: ignore[no-untyped-def]
+            tile(wq, ws, wc, wo, au, asc, asum, aisum, out, 0, 0, 0, nb, nb, n)
+
+        out = np.zeros((TILE, 32), np.float32)
+        call(packed.q, packed.scale, packed.corr, packed.offset, rows.u.reshape(-1), rows.scale.reshape(-1),
+             rows.sums.reshape(-1), rows.isums.reshape(-1), out.reshape(-1), 8, 32)
+        assert out[0, 5] != exact[0, 5]
 
 
 @pytest.mark.parametrize("tiled", [False, True])
@@ -372,14 +402,19 @@ def test_the_vnni_kernel_is_built_from_vpdpbusd() -> None:
 
 @pytest.mark.skipif(HAS_VNNI, reason="this CPU has AVX-512 VNNI: the kernel is built from vpdpbusd")
 def test_the_kernel_without_vnni_is_vector_code() -> None:
-    """Without VNNI the byte products are summed by vpmaddwd on vector registers, not one value at a time."""
+    """Without VNNI the byte products are summed on vector registers, not one value at a time: on AVX2 by
+    vpmaddubsw (signed bytes, pairs) then vpmaddwd (pairs to 32 bits)."""
     asm = _tile32_asm()
-    assert "vpdpbusd" not in asm and asm.count("vpmaddwd") >= 64
+    assert "vpdpbusd" not in asm
+    if SIGNED_TILES:  # a step of the loop: 2 groups x 4 rows x 2 halves
+        assert asm.count("vpmaddubsw") >= 16 and asm.count("vpmaddwd") >= 16 and asm.count("vpsignb") >= 16
+    else:
+        assert asm.count("vpmaddwd") >= 64
 
 
 #: the byte dot products this host can run besides its own: (name, the tile's dot)
 OTHER_DOTS = [("portable vector code", lambda builder: _DOT_PAIRS)] + (
-    [("vpmaddwd", lambda builder: _DOT_PMADD)] if HAS_AVX2 and HAS_VNNI else [])
+    [("vpmaddwd", lambda builder: _DOT_PMADD)] if HAS_AVX2 else [])
 
 
 @pytest.mark.parametrize(("name", "dot"), OTHER_DOTS, ids=[name for name, _ in OTHER_DOTS])

@@ -61,6 +61,8 @@ _V16I, _V16F = ir.VectorType(_I32, LANES), ir.VectorType(_F32, LANES)
 
 HAS_VNNI = host_has("avx512vnni")
 HAS_AVX2 = host_has("avx2")
+#: the tiles of _make_tile multiply in AVX2's signed byte products (host_signed_dot)
+SIGNED_TILES = HAS_AVX2 and not HAS_VNNI
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,8 @@ class PackedInts:
     n: int
     block: int
     order: int = ORDER_PLAIN
+    #: a value is -128, beyond what AVX2's signed byte products sum exactly (_DOT_SIGN): the scalar kernel takes it
+    full_range: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -149,33 +153,41 @@ def pack(w: BlockInts) -> PackedInts:
         offset = _by_group(padded(w.scale * np.float32(-w.bias)), groups)  # its float32 product, rounded once
     packed = np.empty(q.size, np.int8)
     corr = np.empty(groups * nb * LANES, np.int32)
-    _pack_groups(q, w.block, packed, corr, get_num_threads())
+    low = np.zeros(groups, np.uint8)
+    _pack_groups(q, q.view(np.int32), w.block, packed.view(np.int32), corr, low, get_num_threads())
     return PackedInts(q=packed, scale=_by_group(padded(w.scale), groups), corr=corr, offset=offset, rows=rows, n=n,
-                      block=w.block, order=w.order)
+                      block=w.block, order=w.order, full_range=bool(low.any()))
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _pack_groups(q: np.ndarray, block: int, out: np.ndarray, corr: np.ndarray, threads: int) -> None:
-    """q [rows, n] into out [group, block, step, 16 rows, 4 values] and corr [group, block, 16] = 128 x block sums;
-    the groups in tasks the threads claim (ikrun/ops/parallel.py)."""
+def _pack_groups(q: np.ndarray, q4: np.ndarray, block: int, out4: np.ndarray, corr: np.ndarray, low: np.ndarray,
+                 threads: int) -> None:
+    """q [rows, n] (q4: its 4-value steps as int32) into out4 [group, block, step, 16 rows] (4 values each),
+    corr [group, block, 16] = 128 x block sums, and low[group] = 1 where a value is -128; the groups in tasks the
+    threads claim (ikrun/ops/parallel.py)."""
     n = q.shape[1]
-    nb, steps = n // block, block // 4
+    nb, steps = n // block, n // 4
     items = q.shape[0] // LANES
     per, counter = task_items(items, threads), np.zeros(1, np.int64)
     for _ in prange(threads):
         i0, i1 = claim_items(counter, per, items)
         while i0 < i1:
             for g in range(i0, i1):
-                for b in range(nb):
+                base = g * steps * LANES
+                for j in range(steps):
                     for r in range(LANES):
-                        corr[(g * nb + b) * LANES + r] = 0
-                    for s in range(steps):
-                        base = ((g * nb + b) * steps + s) * 64
-                        for r in range(LANES):
-                            for t in range(4):
-                                v = q[g * LANES + r, b * block + 4 * s + t]
-                                out[base + 4 * r + t] = v
-                                corr[(g * nb + b) * LANES + r] += 128 * np.int32(v)
+                        out4[base + j * LANES + r] = q4[g * LANES + r, j]
+                least = np.int32(0)
+                for r in range(LANES):
+                    row = q[g * LANES + r]
+                    for b in range(nb):
+                        total = np.int32(0)
+                        for k in range(b * block, (b + 1) * block):
+                            v = np.int32(row[k])
+                            total += v
+                            least = min(least, v)
+                        corr[(g * nb + b) * LANES + r] = 128 * total
+                low[g] = least == -128
             i0, i1 = claim_items(counter, per, items)
 
 
@@ -199,6 +211,8 @@ class _Dot:
     finish: Callable[[ir.IRBuilder, ir.Value], ir.Value]
     pass_groups: int = 2
     pass_rows: int = 4
+    #: the step sums (u - 128) x s, the activations' bytes signed again: no 128 x weight-sum correction follows
+    signed: bool = False
 
 
 def _dot_vnni(builder: ir.IRBuilder) -> _Dot:
@@ -266,10 +280,51 @@ def _pmadd_step(builder: ir.IRBuilder, acc: ir.Value, unsigned: ir.Value, signed
 _DOT_PMADD = _Dot(ir.Constant(_V32I, [0] * 2 * LANES), _pmadd_step, _pair_finish, 1, 2)
 
 
+def _sign_step(builder: ir.IRBuilder, acc: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
+    """acc [16] + each lane's 4 products (u - 128) x s as AVX2 multiplies signed bytes (ik's own AVX2 kernels):
+    per 32-byte half, vpsignb gives s the sign of a = u - 128, vpmaddubsw multiplies |a| by it in pairs summed to 16
+    bits, vpmaddwd by ones sums the pairs to 32. Exact while s > -128: a pair is at most 2 x 128 x 127 < 2^15
+    (`PackedInts.full_range` sends weights holding -128 to the scalar kernel)."""
+    i1, i8, i16 = ir.IntType(1), ir.IntType(8), ir.IntType(16)
+    v32b, v64b, v16s, v8i = (ir.VectorType(i8, 32), ir.VectorType(i8, 64), ir.VectorType(i16, 16),
+                             ir.VectorType(_I32, 8))
+    module = builder.module
+    psign = cgutils.get_or_insert_function(module, ir.FunctionType(v32b, [v32b, v32b]), "llvm.x86.avx2.psign.b")
+    maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(v16s, [v32b, v32b]),
+                                             "llvm.x86.avx2.pmadd.ub.sw")
+    madd = cgutils.get_or_insert_function(module, ir.FunctionType(v8i, [v16s, v16s]), "llvm.x86.avx2.pmadd.wd")
+    absolute = cgutils.get_or_insert_function(module, ir.FunctionType(v32b, [v32b, i1]), "llvm.abs.v32i8")
+    a = builder.xor(builder.bitcast(unsigned, v64b), ir.Constant(v64b, [-128] * 64))
+    w = builder.bitcast(signed, v64b)
+    undef, ones = ir.Constant(v64b, ir.Undefined), ir.Constant(v16s, [1] * 16)
+
+    def half(v: ir.Value, h: int) -> ir.Value:
+        return builder.shuffle_vector(v, undef, ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32))))
+
+    sums = []
+    for h in range(2):
+        a_h = half(a, h)
+        pairs = builder.call(maddubs, [builder.call(absolute, [a_h, ir.Constant(i1, 0)]),
+                                       builder.call(psign, [half(w, h), a_h])])
+        sums.append(builder.call(madd, [pairs, ones]))
+    return builder.add(acc, builder.shuffle_vector(sums[0], sums[1], ir.Constant(_V16I, list(range(16)))))
+
+
+#: the exact sums of (u - 128) x s per lane from AVX2's signed byte products: one weight group and four rows a
+#: pass (a 16-lane accumulator is 2 of AVX2's registers)
+_DOT_SIGN = _Dot(ir.Constant(_V16I, [0] * LANES), _sign_step, lambda builder, acc: acc, 1, 4, signed=True)
+
+
 def host_dot(builder: ir.IRBuilder) -> _Dot:
     """The byte dot products the host runs fastest: vpdpbusd (AVX-512 VNNI), vpmaddwd (AVX2), else plain vector
     code."""
     return _dot_vnni(builder) if HAS_VNNI else _DOT_PMADD if HAS_AVX2 else _DOT_PAIRS
+
+
+def host_signed_dot(builder: ir.IRBuilder) -> _Dot:
+    """host_dot for tiles whose activations are the unsigned operand and whose weights stay above -128: AVX2's
+    signed byte products there (_DOT_SIGN)."""
+    return _DOT_SIGN if SIGNED_TILES else host_dot(builder)
 
 
 @dataclass(frozen=True)
@@ -345,7 +400,7 @@ def _tile_intrinsic(emit: Callable[[_TileArgs], None],  # type: ignore[no-untype
 
 
 def _make_tile(block: int, order: int = ORDER_PLAIN,  # type: ignore[no-untyped-def]
-               dot: Callable[[ir.IRBuilder], _Dot] = host_dot):
+               dot: Callable[[ir.IRBuilder], _Dot] = host_signed_dot):
     """The tile micro-kernel for weight groups GROUPS x g .. GROUPS x g + GROUPS - 1 and activation rows m0 ..
     m0 + TILE - 1, blocks b0 .. b1 of the row, added to what out holds: per block f32(isum - corr) x (scale x
     a_scale[m, b]) (ORDER_Q8_1: + offset x a_sum[m, b]) for each group h, in the float order `order` (ORDER_R8: a
@@ -402,7 +457,8 @@ def _make_tile(block: int, order: int = ORDER_PLAIN,  # type: ignore[no-untyped-
                 for c in range(1, chains):
                     total = builder.add(total, isum[(h, i, c)])
                 total = t.dot_total(total)
-                totals[(h, i)] = builder.sub(total, _vector(builder, wc_p, builder.mul(gb[h], const(LANES)), _V16I))
+                totals[(h, i)] = total if t.dots.signed else builder.sub(
+                    total, _vector(builder, wc_p, builder.mul(gb[h], const(LANES)), _V16I))
             return totals
 
         def weights(b: ir.Value, p: ir.Value) -> list[ir.Value]:
@@ -559,9 +615,11 @@ def _make_native_tile(dot: Callable[[ir.IRBuilder], _Dot] = host_dot):  # type: 
     return _tile_intrinsic(emit, dot)
 
 
-_tile32, _tile256 = _make_tile(32), _make_tile(256)
-_tile32_r8, _tile256_r16, _tile32_q81 = _make_tile(32, ORDER_R8), _make_tile(256, ORDER_R16), _make_tile(32, ORDER_Q8_1)
-_tile32_r8_avx2 = _make_tile(32, ORDER_R8_AVX2)
+# 256-value blocks keep vpmaddwd on AVX2: their correction comes once per 64 steps, and the signed products measured
+# 10% slower there (tools/bench_kernels.py); 32-value blocks gain 20-25% from dropping the per-block correction
+_tile32, _tile256 = _make_tile(32), _make_tile(256, dot=host_dot)
+_tile32_r8, _tile256_r16 = _make_tile(32, ORDER_R8), _make_tile(256, ORDER_R16, host_dot)
+_tile32_q81, _tile32_r8_avx2 = _make_tile(32, ORDER_Q8_1), _make_tile(32, ORDER_R8_AVX2)
 _tile32_native = _make_native_tile()
 
 
@@ -764,6 +822,7 @@ def qmatmul(x: IntRows, w: PackedInts, tiled: bool = True) -> np.ndarray:
         raise ValueError(f"ik's Q8_1 order takes blocks four at a time; rows of {w.n} values are not")
     mp, n_out = x.u.shape[0], w.scale.size // (w.n // w.block)
     out = np.zeros((mp, n_out), np.float32)  # the kernels add each block to what is there
+    tiled = tiled and not (w.full_range and SIGNED_TILES and w.order != ORDER_QX_0_NATIVE)
     serial, parallel = (_tiled_serial, _tiled_parallel) if tiled else (_portable_serial, _portable_parallel)
     kernel = pick(serial, parallel, mp * w.n * n_out // 64)
     args = (w.q, w.scale, w.corr, w.offset, x.u.reshape(-1), x.scale.reshape(-1), x.sums.reshape(-1),
