@@ -64,7 +64,7 @@ IQK_FA_HEADS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 25
 #: the K cache types (ik's names) taken as floats; any other is a quantized key cache
 FLOAT_CACHES = ("f32", "f16", "bf16")
 #: the architectures whose quantized key caches were checked against ik (their grouped-query attention)
-QUANTIZED_KEY_ARCHS = ("qwen3",)
+QUANTIZED_KEY_ARCHS = ("qwen3", "qwen3moe", "glm4moe", "minimax-m2")
 #: ik's KV cache length is a multiple of this with flash attention on (llama_kv_cache::get_padding)
 FA_CACHE_PADDING = 256
 #: architectures whose NextN head ik's loader strips of its own nextn.embed_tokens / shared_head_head ("model has
