@@ -32,6 +32,7 @@ from ikrun.ops.indexer import hadamard
 
 if TYPE_CHECKING:
     from ikrun.context import Context
+    from ikrun.numerics.exact import Numerics
 
 #: the --kv-cache shorthands: (K type, V type)
 KV_SHORTHANDS = {"f32": ("f32", "f32"), "f16": ("f16", "f16"), "k-f32": ("f32", "f16")}
@@ -128,24 +129,28 @@ def _indexer_cache(cache: KvCache, cx: Context) -> str | None:
     return name
 
 
-def check_cache(cache: KvCache, cx: Context, numerics: str, given: tuple[str | None, str | None]) -> KvCache:
+def check_cache(cache: KvCache, cx: Context, numerics: Numerics, given: tuple[str | None, str | None]) -> KvCache:
     """The caches a run keeps (Hadamard blocks and the indexer cache resolved as ik resolves them); refuses what
     this model (or the arithmetic) cannot hold, naming the option and the model's fact. `given`: the -ctk and -ctv
-    values given (under --numerics ik, which reproduces ik's F16 caches, only f16 is accepted, and an F32 key cache
-    for models without a latent cache; the indexer cache is written as in the exact arithmetic)."""
+    values given (under ik's arithmetic, which reproduces ik's F16 caches, only f16 is accepted, an F32 key cache
+    for models without a latent cache and the quantized key caches `numerics.check_key_cache` takes; the indexer
+    cache is written as in the exact arithmetic)."""
     cache = replace(cache, indexer=_indexer_cache(cache, cx))
-    if numerics != "exact":
-        for flag, name in zip(("--cache-type-k", "--cache-type-v"), given):
-            if name not in (None, "f16") and (flag, name) != ("--cache-type-k", "f32"):
-                ik_says = "; ik itself: V cache quantization requires flash_attn" if "v" in flag and name != "bf16" \
-                    else ""
-                raise ModelError(f"{flag} {name}: --numerics {numerics} reproduces ik's F16 caches and its F32 key "
-                                 f"cache only (ik's attention kernels for other cache types are not ported{ik_says})")
+    if numerics.name != "exact":
+        problem = numerics.check_key_cache(cx.arch, given[0] or "f16")
+        if problem is not None:
+            raise ModelError(f"--cache-type-k {given[0]}: {problem}")
+        if given[1] not in (None, "f16"):
+            ik_says = "; ik itself: V cache quantization requires flash_attn" if given[1] != "bf16" else ""
+            raise ModelError(f"--cache-type-v {given[1]}: --numerics {numerics.name} reproduces ik's F16 value cache "
+                             f"only (ik's attention kernels for other cache types are not ported{ik_says})")
         keys = "f32" if given[0] == "f32" else cache.k
         if keys == "f32" and cx.hparam("attention.kv_lora_rank", 0):
-            raise ModelError("--cache-type-k f32: --numerics ik reproduces an F32 key cache for grouped-query "
-                             f"attention, not {cx.path}'s latent cache")
-        return replace(cache, k=keys, k_hadamard=0, v_hadamard=0)  # ik drops the transform around an F16 cache
+            raise ModelError(f"--cache-type-k f32: --numerics {numerics.name} reproduces an F32 key cache for "
+                             f"grouped-query attention, not {cx.path}'s latent cache")
+        if keys in ("f32", "f16"):
+            return replace(cache, k=keys, k_hadamard=0, v_hadamard=0)  # ik drops the transform around an F16 cache
+        cache = replace(cache, v_hadamard=0)
     for flag, name in (("--cache-type-k", cache.k), ("--cache-type-v", cache.v)):
         if ggml_name(name) not in CACHE_WRITE_TYPES:
             raise ModelError(f"{flag} {name}: ik takes it, but its cache writes are not reproduced here; reproduced: "
@@ -191,13 +196,14 @@ def cache_holds(x: np.ndarray, cache_type: str, hadamard_block: int = 0) -> np.n
         return x.astype(np.float16).astype(np.float32)
     rows = x.reshape(-1, x.shape[-1])
     if hadamard_block:
-        rows = _blockwise_hadamard(rows, hadamard_block)
+        rows = blockwise_hadamard(rows, hadamard_block)
     held = cache_round_trip(ggml_name(cache_type), rows)
     if hadamard_block:
-        held = _blockwise_hadamard(held, hadamard_block)
+        held = blockwise_hadamard(held, hadamard_block)
     return held.reshape(x.shape)
 
 
-def _blockwise_hadamard(rows: np.ndarray, block: int) -> np.ndarray:
-    """ik's Hadamard transform over consecutive blocks of `block` values of each row (its own inverse)."""
-    return hadamard(rows.reshape(len(rows), -1, block)).reshape(rows.shape)
+def blockwise_hadamard(x: np.ndarray, block: int) -> np.ndarray:
+    """ik's Hadamard transform (ggml_hadamard) over consecutive blocks of `block` values of each row x [..., width]
+    (its own inverse)."""
+    return hadamard(x.reshape(*x.shape[:-1], -1, block)).reshape(x.shape)

@@ -78,7 +78,7 @@ class Model:
         #: (ikrun/eval/stream.py)
         self.stream = stream
         self.ctx = Context(self.path, self.weights, self.numerics, self.options, self.cache, self.observers)
-        self.cache = self.ctx.cache = check_cache(self.cache, self.ctx, self.numerics.name,
+        self.cache = self.ctx.cache = check_cache(self.cache, self.ctx, self.numerics,
                                                   (cache_type_k, cache_type_v))
         #: the caches' --kv-cache shorthand: "f16" both F16, as ik's default caches, to reproduce ik's numbers;
         #: "k-f32" F32 keys and F16 values (ik's -ctk f32); other pairs `k-<type>,v-<type>`

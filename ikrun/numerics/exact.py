@@ -117,6 +117,11 @@ class Numerics:
         """Why a gated delta-net with these key and value head dims cannot run here."""
         return None
 
+    def check_key_cache(self, arch: str, cache_type: str) -> str | None:
+        """Why an `arch` model's attention cannot read a K cache of `cache_type` (ik's name, given with -ctk) here;
+        the exact arithmetic reads every type's exact decoding (ikrun/kvcache.check_cache checks the model's shapes)."""
+        return None
+
     def nextn_own_tables(self, arch: str) -> bool:
         """Whether an `arch` NextN head reads its own embedding and output tables where it carries them
         (transformers' model does; an engine's loader may ignore them)."""
@@ -205,14 +210,15 @@ class Numerics:
         """The DSA indexer's causal scores [n, keys] (ops/indexer.indexer_scores) of queries q [n, heads, d], the
         first at position q0, against keys k [keys, d] as an indexer cache of `cache_type` holds them, head weights
         w [n, heads]."""
-        return indexer_scores(q, self.kv_store(k, cache_type), w, q0)
+        return indexer_scores(q, cache_holds(k, cache_type), w, q0)
 
     # ---- attention --------------------------------------------------------------------------------------------
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,
-                         sinks: np.ndarray | None = None) -> np.ndarray:
+                         sinks: np.ndarray | None = None, kv: KvCache | None = None) -> np.ndarray:
         """Causal grouped-query attention scaled by 1 / sqrt(head_dim): q [n, H, d], k/v [keys, H_kv, d] (the last
-        n keys are the queries' own positions) -> [n, H, d_v]; a sliding `window` (keys seen, the own included) and
-        per-head `sinks` logits (ops/attention.causal_attention)."""
+        n keys are the queries' own positions, as kv_store returned them for the caches `kv`) -> [n, H, d_v]; a
+        sliding `window` (keys seen, the own included) and per-head `sinks` logits (ops/attention.causal_attention).
+        Here k and v are what the caches hold, decoded, so `kv` changes nothing."""
         return causal_attention(q, k, v, 1.0 / np.sqrt(head_dim), window=window, sinks=sinks)
 
     def latent_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, scale: float, *,

@@ -17,7 +17,7 @@ import numpy as np
 
 from ikquant.formats.cache_rows import cache_row_bytes
 from ikquant.types import type_by_name
-from ikrun.kvcache import KvCache, ggml_name
+from ikrun.kvcache import KvCache, blockwise_hadamard, ggml_name
 from ikrun.numerics.exact import Numerics
 from ikrun.numerics.ik.attention import ik_causal_attention, ik_latent_attention, ik_sink_latent_attention
 from ikrun.numerics.ik.delta_net import (
@@ -39,6 +39,7 @@ from ikrun.numerics.ik.formats import (
 )
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
 from ikrun.numerics.ik.iqk_flash_attention import iqk_flash_attention_f16, k_step_for
+from ikrun.numerics.ik.key_cache import key_cells, key_products
 from ikrun.numerics.ik.mla_weights import HeadSource, derived_k_b_source, derived_k_b_type, derived_v_b_source
 from ikrun.numerics.ik.qgemm import PackedHeads, PackedInts, pack, qmatmul, row_slice
 from ikrun.ops.activations import swiglu
@@ -60,6 +61,10 @@ FIXED_FULL_ATTENTION_INTERVAL = {"qwen3next": 4}
 #: run ggml's generic one (flash_attention.py)
 IQK_FA_HEADS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256), (320, 256), (512, 512),
                 (576, 512))
+#: the K cache types (ik's names) taken as floats; any other is a quantized key cache
+FLOAT_CACHES = ("f32", "f16", "bf16")
+#: the architectures whose quantized key caches were checked against ik (their grouped-query attention)
+QUANTIZED_KEY_ARCHS = ("qwen3", "qwen3moe", "glm4moe", "minimax-m2")
 #: ik's KV cache length is a multiple of this with flash attention on (llama_kv_cache::get_padding)
 FA_CACHE_PADDING = 256
 #: architectures whose NextN head ik's loader strips of its own nextn.embed_tokens / shared_head_head ("model has
@@ -71,6 +76,8 @@ class IkNumerics(Numerics):
     """ik's CPU arithmetic (the module docstring)."""
 
     name = "ik"
+    #: the quantized key caches (ik's names) whose K x Q kernel this arithmetic reproduces (key_cache.py)
+    quantized_keys: tuple[str, ...] = ()
     #: whether the float orders are ik's AVX2 build's (8-lane float kernels, its AVX2 exponential, numerics/ik/
     #: avx2.py) rather than its AVX-512 build's
     avx2 = False
@@ -82,7 +89,10 @@ class IkNumerics(Numerics):
 
     # ---- what a file may hold ---------------------------------------------------------------------------------
     def kv_cache(self, requested: KvCache) -> KvCache:
-        """ik's F16 caches, or its F32 key cache (-ctk f32: the same float kernel on unrounded keys)."""
+        """ik's F16 caches, its F32 key cache (-ctk f32: the same float kernel on unrounded keys) or a quantized key
+        cache (-ctk, checked by check_key_cache) with its Hadamard transform, the values F16."""
+        if requested.k not in FLOAT_CACHES:
+            return KvCache(requested.k, "f16", k_hadamard=requested.k_hadamard, indexer=requested.indexer)
         return KvCache("f32" if (requested.k, requested.v) == ("f32", "f16") else "f16", "f16",
                        indexer=requested.indexer)
 
@@ -122,6 +132,17 @@ class IkNumerics(Numerics):
             return None
         return ("--numerics ik computes ik's fused delta-net kernel, which keeps one head dim for keys and values and "
                 "which ik runs right only for 64 and 128 (its fallback is wrong); use the exact arithmetic")
+
+    def check_key_cache(self, arch: str, cache_type: str) -> str | None:
+        if cache_type in ("f16", "f32"):
+            return None
+        if arch in QUANTIZED_KEY_ARCHS and cache_type in self.quantized_keys:
+            return None
+        if not self.quantized_keys:
+            return (f"--numerics {self.name} reproduces ik's F16 and F32 key caches only (its build's K x Q kernels "
+                    "for quantized ones were not checked); --numerics ik-avx2 reproduces q8_0 and q4_0 key caches")
+        return (f"--numerics {self.name} reproduces ik's F16, F32, {', '.join(self.quantized_keys)} key caches (the "
+                f"quantized ones on {', '.join(QUANTIZED_KEY_ARCHS)}), not a {cache_type} key cache on {arch}")
 
     def nextn_own_tables(self, arch: str) -> bool:
         return arch not in NEXTN_TABLES_IGNORED
@@ -199,14 +220,38 @@ class IkNumerics(Numerics):
         qk = np.stack([qmatmul(integer_rows(q[:, h], fmt), packed)[:n] for h in range(n_head)], axis=1)
         return scores_from_products(qk, w, q0)
 
+    def kv_store(self, x: np.ndarray, cache_type: str, hadamard_block: int = 0) -> np.ndarray:
+        """A quantized key cache (quantized_keys) keeps the rows ik's ggml_cpy quantizes into it (rotated by its
+        Hadamard transform where asked): causal_attention writes and multiplies them as ik's K x Q kernel does."""
+        if cache_type in self.quantized_keys:
+            return blockwise_hadamard(x, hadamard_block) if hadamard_block else x
+        return super().kv_store(x, cache_type, hadamard_block)
+
     # ---- attention: ik's kernels where its float kernels take the head dims whole -----------------------------
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,
-                         sinks: np.ndarray | None = None) -> np.ndarray:
-        """ik's kernels for causal attention, a sliding window and sinks (gpt-oss) included."""
+                         sinks: np.ndarray | None = None, kv: KvCache | None = None) -> np.ndarray:
+        """ik's kernels for causal attention, a sliding window and sinks (gpt-oss) included; over a quantized key
+        cache its integer K x Q product (key_cache.py) feeds the same softmax and values."""
+        scale = float(np.float32(1.0) / np.sqrt(np.float32(head_dim)))  # 1.0f / sqrtf
+        if kv is not None and kv.k in self.quantized_keys:
+            if kv.k_hadamard:
+                q = blockwise_hadamard(q, kv.k_hadamard)
+            return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2, self._key_products(q, k, kv.k))
         if head_dim % self.lanes:
             return super().causal_attention(q, k, v, head_dim, window=window, sinks=sinks)
-        return ik_causal_attention(q, k, v, float(np.float32(1.0) / np.sqrt(np.float32(head_dim))),  # 1.0f / sqrtf
-                                   window, sinks, self.avx2)
+        return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2)
+
+    def _key_products(self, q: np.ndarray, k: np.ndarray, cache_type: str) -> np.ndarray:
+        """q . k [H, n, keys] over a key cache of `cache_type` as ik multiplies them: each query head a matmul of
+        its own, its rows the activation rows (a single query: its group's heads, ik's Ny = 1 path), the head's
+        share of ik's threads splitting the cache cells."""
+        type_name = ggml_name(cache_type)
+        n, n_head, _ = q.shape
+        n_kv = k.shape[1]
+        rows, threads = (n, self._kernel_threads(n_head)) if n > 1 else (n_head // n_kv, self._kernel_threads(n_kv))
+        ints = self._integers(ik_kernel(type_name), rows, key_cells(len(k)), threads)
+        assert ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
+        return key_products(q, k, type_name, ints, self._activation_format(type_name))
 
     def latent_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, scale: float, *,
                          sinks: np.ndarray | None = None, window: int = 0, keep: np.ndarray | None = None,

@@ -95,11 +95,13 @@ def _ik_softmax(r: np.ndarray, first: int, n_keys: int, scale: np.float32, sink:
 
 @njit(cache=True, nogil=True, parallel=True)
 def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, past: int, window: int,
-                  sinks: np.ndarray, keep: np.ndarray, out: np.ndarray, avx2: bool, threads: int) -> None:
+                  sinks: np.ndarray, keep: np.ndarray, scores: np.ndarray, out: np.ndarray, avx2: bool,
+                  threads: int) -> None:
     """q [H, n, d], k [Hkv, keys padded, d], vt [Hkv, dv, keys padded], out [H, n, dv] (all C-contiguous; the
     padding, to a multiple of 16 keys, zeros); a query sees its last `window` keys (0: all) and those `keep`
-    [n, keys] marks (no rows: all), `sinks` one logit per head (empty: none); `avx2`: ik's AVX2 build's
-    arithmetic.
+    [n, keys] marks (no rows: all), `sinks` one logit per head (empty: none); `scores` [H, n, keys padded] the
+    q . k products where another kernel made them (ik's integer K x Q of a quantized K cache; no heads: computed
+    here from q and k); `avx2`: ik's AVX2 build's arithmetic.
 
     XROWS queries of a head at a time: their scores against DOTS keys, and their weighted values of DOTS dims, per
     kernel call (each key and value vector loaded once for all of them). The scores a query may not see are
@@ -128,7 +130,10 @@ def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, pa
                 last = past + i0 + rows  # keys the group's last query sees
                 width = last + (-last % lanes)
                 q0 = (h * n + i0) * d
-                if rows == XROWS:
+                if scores.shape[0]:
+                    for a in range(rows):
+                        p[a * padded : a * padded + last] = scores[h, i0 + a, :last]
+                elif rows == XROWS:
                     for j in range(0, last + (-last % DOTS), DOTS):
                         ik_dot_grid(qf, q0, d, kf, k0 + j * d, d, d, p, j, padded, False, lanes)
                 else:
@@ -151,10 +156,12 @@ def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, pa
 
 
 def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int = 0,
-                        sinks: np.ndarray | None = None, avx2: bool = False) -> np.ndarray:
+                        sinks: np.ndarray | None = None, avx2: bool = False,
+                        scores: np.ndarray | None = None) -> np.ndarray:
     """causal_attention in ik's arithmetic (the module docstring; `avx2`: its AVX2 build's); head dims a multiple of
     its lanes; a sliding `window` (keys seen, the own included; ik's masked cells) and per-head `sinks` logits
-    (ggml's soft_max with sinks)."""
+    (ggml's soft_max with sinks); `scores` [H, n, keys]: the products q . k as ik's integer kernel of a quantized K
+    cache made them (then k gives its shape alone)."""
     n, n_head, d = q.shape
     lanes = AVX2_LANES if avx2 else LANES
     if d % lanes:
@@ -168,8 +175,12 @@ def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
     vt[:, :, :n_keys] = v.transpose(1, 2, 0)
     out = np.empty((n_head, n, v.shape[2]), np.float32)
     sink = np.empty(0, np.float32) if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
-    _ik_attention(qh, kh, vt, float(scale), n_keys - n, window, sink, np.empty((0, 0), np.bool_), out, avx2,
-                  get_num_threads())
+    products = np.zeros((0, 0, 0), np.float32)
+    if scores is not None:
+        products = np.zeros((n_head, n, padded), np.float32)
+        products[:, :, :n_keys] = scores
+    _ik_attention(qh, kh, vt, float(scale), n_keys - n, window, sink, np.empty((0, 0), np.bool_), products, out,
+                  avx2, get_num_threads())
     return out.transpose(1, 0, 2)
 
 
@@ -192,7 +203,7 @@ def ik_latent_attention(q: np.ndarray, cache: np.ndarray, n_rope: int, scale: fl
     out = np.empty((n_head, n, d - n_rope), np.float32)
     mask = np.empty((0, 0), np.bool_) if keep is None else np.ascontiguousarray(keep, dtype=np.bool_)
     _ik_attention(np.ascontiguousarray(q, dtype=np.float32), keys, vt, float(scale), n_keys - n, 0,
-                  np.empty(0, np.float32), mask, out, avx2, get_num_threads())
+                  np.empty(0, np.float32), mask, np.zeros((0, 0, 0), np.float32), out, avx2, get_num_threads())
     return out
 
 

@@ -35,6 +35,7 @@ class IkAvx2Numerics(IkNumerics):
 
     name = "ik-avx2"
     avx2 = True
+    quantized_keys = ("q8_0", "q4_0")
 
     def check_weights(self) -> list[str]:
         arch = self.weights.metadata.architecture
