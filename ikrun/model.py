@@ -83,6 +83,10 @@ class Model:
         #: the caches' --kv-cache shorthand: "f16" both F16, as ik's default caches, to reproduce ik's numbers;
         #: "k-f32" F32 keys and F16 values (ik's -ctk f32); other pairs `k-<type>,v-<type>`
         self.kv_cache = self.cache.label
+        if self.options.flash_attn == "on":
+            problem = self.numerics.check_flash_attention(self.arch, self.cache)
+            if problem is not None:
+                raise ModelError(f"--flash-attn on: {problem}")
         self.impl: ArchModel = impl_class(self.ctx)
         for problem in self.numerics.check_weights():
             raise ModelError(f"{self.path}: {problem}")

@@ -11,6 +11,8 @@ from ikrun.numerics import NUMERICS
 #: --mla: "auto" follows ik's llama-perplexity; "prefill" is ik's attn_kv_b path (K and V materialised from the
 #: latent cache, build_deepseek2's pp_opt), "decode" the absorbed attn_k_b / attn_v_b path
 MLA_PATHS = ("auto", "prefill", "decode")
+#: --flash-attn: "auto" is ik's default (on) where the arithmetic reproduces it; "on" / "off" ik's -fa on / off
+FLASH_ATTN = ("auto", "on", "off")
 #: tokens in a batch from which ik's MLA (mla 2/3 with flash attention, its defaults) takes the attn_kv_b path
 MLA_PREFILL_MIN_TOKENS = 128
 
@@ -49,6 +51,13 @@ class RuntimeOptions:
         "off). auto (default): prefill for sequences of 128 tokens or more, as ik's defaults (under --numerics ik "
         "with ik's flash-attention kernels), decode below and for imatrix collection. Give decode to compare with ik "
         "run with -fa off. An error for a model without MLA.")})
+    #: which of ik's attention graphs grouped-query attention runs under ik's arithmetic (FLASH_ATTN)
+    flash_attn: str = field(default="auto", metadata={"choices": FLASH_ATTN, "help": (
+        "Grouped-query attention (qwen3, qwen3moe, glm4moe, minimax-m2) under --numerics ik / ik-avx2: on = ik's "
+        "flash attention (-fa on: its own kernel for head sizes 64, 96, 128, 192, 256, ggml's generic one for the "
+        "others, over its F16 caches), off = ik's -fa off graph (K x Q matmul, softmax, V product). auto (default): "
+        "ik's default, on, where it is reproduced (F16 caches), else off; the report names the graph. The exact "
+        "arithmetic computes the same softmax attention either way and refuses the option.")})
     #: the DSA indexer's top-k instead of the file's attention.indexer.top_k (0: the file's)
     dsa_top_k: int = field(default=0, metadata={"help": (
         "The lightning indexer's top-k (ik's -dsatk): the keys each query may see, instead of the file's "
@@ -92,6 +101,11 @@ class RuntimeOptions:
         if self.ik_sink_overread and self.numerics == "ik-avx2":
             raise ModelError("--ik-sink-overread reproduces ik's AVX-512 build, which --numerics ik-avx2 does not "
                              "compute")
+        if self.flash_attn not in FLASH_ATTN:
+            raise ModelError(f"--flash-attn {self.flash_attn!r} is not one of {', '.join(FLASH_ATTN)}")
+        if self.flash_attn != "auto" and self.numerics not in ("ik", "ik-avx2"):
+            raise ModelError("--flash-attn chooses between ik's two attention graphs, which only --numerics ik / "
+                             "ik-avx2 compute (the exact arithmetic computes the same softmax attention either way)")
         if self.mla not in MLA_PATHS:
             raise ModelError(f"--mla {self.mla!r} is not one of {', '.join(MLA_PATHS)}")
         if self.dsa_top_k < 0:

@@ -85,6 +85,21 @@ def running_ppl(nll: np.ndarray, n_chunk: int) -> list[str]:
     return [f"{np.exp(total / ((i + 1) * (nll.size // n_chunk))):.4f}" for i, total in enumerate(sums)]
 
 
+def fa_off(gguf: Path) -> dict[str, str]:
+    """{"flash_attn": "off"} for a model whose attention ik computes with or without flash attention (--flash-attn:
+    the grouped-query families), the -fa off graph the stored oracles were made with; {} for the others."""
+    from ikrun.models import model_class
+    from ikrun.weights import WeightStore
+
+    return {"flash_attn": "off"} if "flash_attn" in model_class(
+        WeightStore(gguf).metadata.architecture).runtime_options else {}
+
+
+def fa_off_flags(gguf: Path) -> list[str]:
+    """fa_off as command-line flags."""
+    return ["--flash-attn", "off"] if fa_off(gguf) else []
+
+
 def assert_iks_forward(model: Model, base: Path, printed: Path, out: Path) -> None:
     """`model`'s --save-base-logits file `out` over the tokens of ik's base-logits file `base` is `base` byte for
     byte (every 16-bit log-probability code and both header floats of every scored position), and the PPL after

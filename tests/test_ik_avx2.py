@@ -16,17 +16,19 @@ from ikrun.eval.evaluate import perplexity
 from ikrun.eval.metrics import BaseLogitsFile
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
-from tests.family_checks import assert_iks_forward, ik_quantized
+from tests.family_checks import assert_iks_forward, fa_off, ik_quantized
 from tests.test_numerics import _printed
 
 runner = CliRunner()
 DATA = Path(__file__).parent / "data"
 CONVERT, LOGITS = DATA / "convert" / "qwen3", DATA / "logits" / "qwen3-avx2"
 AVX2 = RuntimeOptions(numerics="ik-avx2")
+#: the -fa off graph qwen3-avx2's runs were made with
+AVX2_FA_OFF = RuntimeOptions(numerics="ik-avx2", flash_attn="off")
 
 
 def test_ik_avx2_gives_iks_avx2_base_logits(tmp_path: Path) -> None:
-    assert_iks_forward(Model(CONVERT / "ik-f32.gguf", options=AVX2), LOGITS / "ik-base.kld",
+    assert_iks_forward(Model(CONVERT / "ik-f32.gguf", options=AVX2_FA_OFF), LOGITS / "ik-base.kld",
                        LOGITS / "ik-f32-ppl.txt", tmp_path / "base.kld")
 
 
@@ -34,14 +36,14 @@ def test_ik_avx512_order_is_not_iks_avx2(tmp_path: Path) -> None:
     """The AVX-512 build's float order (--numerics ik) misses the AVX2 build's file: the check above can fail."""
     base = LOGITS / "ik-base.kld"
     out = tmp_path / "base.kld"
-    perplexity(Model(CONVERT / "ik-f32.gguf", options=RuntimeOptions(numerics="ik")),
+    perplexity(Model(CONVERT / "ik-f32.gguf", options=RuntimeOptions(numerics="ik", flash_attn="off")),
                np.asarray(BaseLogitsFile(base).tokens), save_base=out)
     assert out.read_bytes() != base.read_bytes()
 
 
 def _kld(gguf: Path, numerics: str) -> dict[str, float]:
     res = runner.invoke(app, ["kld", str(gguf), "--base-logits", str(LOGITS / "ik-base.kld"), "--json",
-                              "--numerics", numerics])
+                              "--numerics", numerics, "--flash-attn", "off"])
     assert res.exit_code == 0, res.output
     return dict(json.loads(res.stdout))
 
@@ -119,8 +121,9 @@ def test_moe_families_are_iks_avx2_build(variant: str, gguf: str, tmp_path: Path
     folder = DATA / "logits" / f"{variant}-avx2"
     base = folder / "ik-base.kld"
     model = DATA / "convert" / variant / gguf
-    assert_iks_forward(Model(model, options=AVX2), base, folder / "ik-base.txt", tmp_path / "avx2.kld")
-    perplexity(Model(model, options=RuntimeOptions(numerics="ik")), np.asarray(BaseLogitsFile(base).tokens),
+    assert_iks_forward(Model(model, options=RuntimeOptions(numerics="ik-avx2", **fa_off(model))), base,
+                       folder / "ik-base.txt", tmp_path / "avx2.kld")
+    perplexity(Model(model, options=RuntimeOptions(numerics="ik", **fa_off(model))), np.asarray(BaseLogitsFile(base).tokens),
                save_base=tmp_path / "avx512.kld")
     assert (tmp_path / "avx512.kld").read_bytes() != base.read_bytes()
 

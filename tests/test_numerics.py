@@ -23,6 +23,7 @@ from ikrun.model import Model
 from ikrun.numerics.ik.formats import BF16, IK_KERNELS, Q8_2_X4, Q8_K, round_activations
 from ikrun.numerics.ik.qgemm import BlockInts
 from ikrun.options import RuntimeOptions
+from tests.family_checks import fa_off, fa_off_flags
 from tests.test_qgemm import _q8_k_reference
 from tests.test_runtime_deepseek2 import assert_thread_invariant
 
@@ -55,7 +56,8 @@ def _printed(path: Path) -> dict[str, float]:
 
 
 def _kld(gguf: Path, base: Path, *extra: str) -> dict[str, Any]:
-    res = runner.invoke(app, ["kld", str(gguf), "--base-logits", str(base), "--json", "--numerics", "ik", *extra])
+    res = runner.invoke(app, ["kld", str(gguf), "--base-logits", str(base), "--json", "--numerics", "ik",
+                              *fa_off_flags(gguf), *extra])
     assert res.exit_code == 0, res.output
     return json.loads(res.stdout)
 
@@ -108,7 +110,7 @@ def _digest_case(case: dict[str, Any]) -> str:
 def test_logits_are_iks_bit_for_bit(case: dict[str, Any]) -> None:
     """Every logit of every position equals ik's (its llama-perplexity graph with -fa off, one thread): the
     blake2b digest of the float32 rows, chunk after chunk, as ik computed them (tests/data/logits/ik-bits)."""
-    model = Model(DATA / case["gguf"], options=IK)
+    model = Model(DATA / case["gguf"], options=RuntimeOptions(numerics="ik", **fa_off(DATA / case["gguf"])))
     base = BaseLogitsFile(DATA / case["base"])
     digest = hashlib.blake2b(digest_size=16)
     for c in case["chunks"]:
@@ -350,7 +352,7 @@ def test_sweep_and_imatrix_run_with_iks_numerics(tmp_path: Path) -> None:
               str(out), "--tensors", "blk.0.attn_q.weight"]
     res = runner.invoke(app, [*common, "--numerics", "ik"])
     assert res.exit_code == 0, res.output
-    assert json.loads(out.read_text())["runtime"] == {"kv_cache": "f16", "numerics": "ik"}
+    assert json.loads(out.read_text())["runtime"] == {"kv_cache": "f16", "numerics": "ik", "flash_attn": "on"}
     res = runner.invoke(app, common)
     assert res.exit_code == 2 and "numerics" in res.output
     imatrix = tmp_path / "ik.dat"

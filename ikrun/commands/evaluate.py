@@ -158,12 +158,12 @@ def kld(
 
 
 def settings(m: Model, n_ctx: int) -> str:
-    """The run's cache types and the computation paths its n_ctx-token chunks took (MLA's), as its console report
-    names them."""
+    """The run's cache types and the computation paths its n_ctx-token chunks took (MLA's, ik's flash attention or
+    not), as its console report names them."""
     had = "".join(f", {side} Hadamard blocks of {b}" for side, b in (("K", m.cache.k_hadamard),
                                                                      ("V", m.cache.v_hadamard)) if b)
-    paths = "".join(f", {key.removesuffix('_path').upper()} {path} path"
-                    for key, path in m.computed_paths(n_ctx).items())
+    paths = "".join(f", flash attention {path}" if key == "flash_attn" else
+                    f", {key.removesuffix('_path').upper()} {path} path" for key, path in m.computed_paths(n_ctx).items())
     return f"K cache {m.cache.k}, V cache {m.cache.v}{had}{paths}"
 
 

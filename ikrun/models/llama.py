@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 class LlamaFamily(ArchModel):
     archs: ClassVar[tuple[str, ...]] = ("llama", "qwen2", "qwen3")
+    runtime_options: ClassVar[tuple[str, ...]] = ("flash_attn",)
     #: the norm before a block's FFN
     ffn_norm: ClassVar[str] = "ffn_norm.weight"
     continues = True
@@ -41,6 +42,11 @@ class LlamaFamily(ArchModel):
         self.n_vocab = ctx.shape("token_embd.weight")[0]
         self.n_active = self.n_layer - self._n_trailing()
         self.check_tensors(self._expected())
+
+    def computed_paths(self, n_ctx: int) -> dict[str, str]:
+        """ik's attention graph under its arithmetic (--flash-attn)."""
+        graph = self.ctx.numerics.attention_graph(self.ctx.arch, self.ctx.cache)
+        return {} if graph is None else {"flash_attn": graph}
 
     def make_attention(self) -> GqaAttention:
         """The attention block: NORM rope for llama (its converter permuted q/k), NEOX otherwise."""

@@ -88,7 +88,9 @@ class GqaAttention:
                 k, v = np.concatenate([cache[b][0], k]), np.concatenate([cache[b][1], v])
             cache[b] = (k, v)
         sinks = cx.weight(b + "attn_sinks.weight") if self.sinks else None
-        attn = nx.causal_attention(q, k, v, self.head_dim, window=window, sinks=sinks, kv=cx.cache).reshape(n, -1)
+        flash = nx.attention_graph(cx.arch, cx.cache) == "on"
+        attn = nx.causal_attention(q, k, v, self.head_dim, window=window, sinks=sinks, kv=cx.cache,
+                                   flash=flash).reshape(n, -1)
         if self.output_gate:
             attn = attn * nx.sigmoid(gate.reshape(n, -1))
         return cx.linear(attn, b + "attn_output")

@@ -122,6 +122,17 @@ class Numerics:
         the exact arithmetic reads every type's exact decoding (ikrun/kvcache.check_cache checks the model's shapes)."""
         return None
 
+    def check_flash_attention(self, arch: str, kv: KvCache) -> str | None:
+        """Why ik's flash-attention graph (--flash-attn on) of an `arch` model over the caches `kv` is not reproduced
+        here (RuntimeOptions.check refuses the option in the exact arithmetic, where both graphs are one softmax)."""
+        return None
+
+    def attention_graph(self, arch: str, kv: KvCache) -> str | None:
+        """Which of ik's attention graphs (flash attention "on" or "off", --flash-attn) a grouped-query attention of
+        an `arch` model over the caches `kv` computes; None here: the exact arithmetic computes the one softmax both
+        graphs compute."""
+        return None
+
     def nextn_own_tables(self, arch: str) -> bool:
         """Whether an `arch` NextN head reads its own embedding and output tables where it carries them
         (transformers' model does; an engine's loader may ignore them)."""
@@ -214,11 +225,13 @@ class Numerics:
 
     # ---- attention --------------------------------------------------------------------------------------------
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,
-                         sinks: np.ndarray | None = None, kv: KvCache | None = None) -> np.ndarray:
+                         sinks: np.ndarray | None = None, kv: KvCache | None = None,
+                         flash: bool = False) -> np.ndarray:
         """Causal grouped-query attention scaled by 1 / sqrt(head_dim): q [n, H, d], k/v [keys, H_kv, d] (the last
         n keys are the queries' own positions, as kv_store returned them for the caches `kv`) -> [n, H, d_v]; a
         sliding `window` (keys seen, the own included) and per-head `sinks` logits (ops/attention.causal_attention).
-        Here k and v are what the caches hold, decoded, so `kv` changes nothing."""
+        Here k and v are what the caches hold, decoded, so `kv` changes nothing, and `flash` (ik's flash-attention
+        graph, attention_graph "on") is the same softmax."""
         return causal_attention(q, k, v, 1.0 / np.sqrt(head_dim), window=window, sinks=sinks)
 
     def latent_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, scale: float, *,

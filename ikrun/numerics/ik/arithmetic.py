@@ -67,9 +67,27 @@ FLOAT_CACHES = ("f32", "f16", "bf16")
 QUANTIZED_KEY_ARCHS = ("qwen3", "qwen3moe", "glm4moe", "minimax-m2")
 #: ik's KV cache length is a multiple of this with flash attention on (llama_kv_cache::get_padding)
 FA_CACHE_PADDING = 256
+#: the architectures whose grouped-query attention under ik's flash attention (-fa on) was checked against ik
+FLASH_ATTENTION_ARCHS = QUANTIZED_KEY_ARCHS
 #: architectures whose NextN head ik's loader strips of its own nextn.embed_tokens / shared_head_head ("model has
 #: unused tensor ... ignoring"): its graph takes token_embd / output instead
 NEXTN_TABLES_IGNORED = ("glm4moe",)
+
+
+def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+    """ik's flash attention over its F16 caches (ggml_flash_attn_ext): q [H, n, Dk] (float32), k [H_kv, keys, Dk],
+    v [H_kv, keys, Dv] (f16 values), the queries the last n positions -> [H, n, Dv]. ik's own kernel for the head sizes
+    it takes (IQK_FA_HEADS, its key blocks by the cache length, padded to FA_CACHE_PADDING), ggml's generic one for
+    the others."""
+    n_head, n, head_k = q.shape
+    n_keys, head_v = k.shape[1], v.shape[2]
+    out = np.empty((n_head, n, head_v), dtype=np.float32)
+    if (head_k, head_v) in IQK_FA_HEADS:
+        n_kv = -(-n_keys // FA_CACHE_PADDING) * FA_CACHE_PADDING
+        iqk_flash_attention_f16(q, k, v, float(np.float32(scale)), n_keys - n, k_step_for(head_k, head_v, n_kv), out)
+    else:
+        flash_attention_f16(q, k, v, float(np.float32(scale)), n_keys - n, out)
+    return out
 
 
 class IkNumerics(Numerics):
@@ -228,11 +246,34 @@ class IkNumerics(Numerics):
         return super().kv_store(x, cache_type, hadamard_block)
 
     # ---- attention: ik's kernels where its float kernels take the head dims whole -----------------------------
+    def attention_graph(self, arch: str, kv: KvCache) -> str | None:
+        """ik's flash-attention graph ("on", its default) where --flash-attn asks for it or leaves it to ik's default
+        and this arithmetic reproduces it (FLASH_ATTENTION_ARCHS, an F16 key cache); else its -fa off graph."""
+        if self.options.flash_attn == "off" or self.check_flash_attention(arch, kv) is not None:
+            return "off"
+        return "on"
+
+    def check_flash_attention(self, arch: str, kv: KvCache) -> str | None:
+        if arch not in FLASH_ATTENTION_ARCHS:
+            return (f"--numerics {self.name} reproduces ik's flash attention on {', '.join(FLASH_ATTENTION_ARCHS)}, "
+                    f"not {arch}")
+        if kv.k != "f16" or kv.v != "f16":
+            return (f"--numerics {self.name} reproduces ik's flash attention over F16 caches, not a {kv.k} key "
+                    f"cache (give --flash-attn off: ik's -fa off graph)")
+        return None
+
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,
-                         sinks: np.ndarray | None = None, kv: KvCache | None = None) -> np.ndarray:
+                         sinks: np.ndarray | None = None, kv: KvCache | None = None,
+                         flash: bool = False) -> np.ndarray:
         """ik's kernels for causal attention, a sliding window and sinks (gpt-oss) included; over a quantized key
-        cache its integer K x Q product (key_cache.py) feeds the same softmax and values."""
+        cache its integer K x Q product (key_cache.py) feeds the same softmax and values. `flash`: ik's flash
+        attention over its F16 caches instead (flash_attention), for attention_graph "on"."""
         scale = float(np.float32(1.0) / np.sqrt(np.float32(head_dim)))  # 1.0f / sqrtf
+        if flash:
+            return flash_attention(np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32),
+                                   np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32),
+                                   np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale
+                                   ).transpose(1, 0, 2)
         if kv is not None and kv.k in self.quantized_keys:
             if kv.k_hadamard:
                 q = blockwise_hadamard(q, kv.k_hadamard)
@@ -304,7 +345,7 @@ class IkNumerics(Numerics):
         kvb = b + "attn_kv_b.weight"
         if keep is not None or not self.weights.has(kvb):
             return super().materialized_attention(b, q_rope, q_nope, cache, scale, store, keep=keep)
-        n, n_head, n_rope = q_rope.shape
+        _, n_head, n_rope = q_rope.shape
         n_nope, n_keys = q_nope.shape[2], len(cache)
         kv = self.project(np.ascontiguousarray(cache[:, n_rope:]), kvb).reshape(n_keys, n_head, -1)
         k = np.empty((n_head, n_keys, n_rope + n_nope), dtype=np.float32)
@@ -312,15 +353,7 @@ class IkNumerics(Numerics):
         k[:, :, n_rope:] = store(kv[:, :, :n_nope]).transpose(1, 0, 2)
         v = np.ascontiguousarray(store(kv[:, :, n_nope:]).transpose(1, 0, 2))
         q = np.ascontiguousarray(np.concatenate([q_rope, q_nope], axis=2).transpose(1, 0, 2), dtype=np.float32)
-        out = np.empty((n_head, n, v.shape[2]), dtype=np.float32)
-        head_k, head_v = k.shape[2], v.shape[2]
-        if (head_k, head_v) in IQK_FA_HEADS:
-            n_kv = -(-n_keys // FA_CACHE_PADDING) * FA_CACHE_PADDING
-            iqk_flash_attention_f16(q, k, v, float(np.float32(scale)), n_keys - n, k_step_for(head_k, head_v, n_kv),
-                                    out)
-        else:
-            flash_attention_f16(q, k, v, float(np.float32(scale)), n_keys - n, out)
-        return out.transpose(1, 0, 2)
+        return flash_attention(q, k, v, scale).transpose(1, 0, 2)
 
     # ---- matmuls: ik's kernels ------------------------------------------------------------------------------
     def _format(self, weight_name: str) -> str:

@@ -1,6 +1,7 @@
 """ggml's generic CPU flash-attention kernel (ggml_compute_forward_flash_attn_ext_f16) with F16 keys and values, as
-an AVX2 build computes it: what ik runs for MLA's prefill path (keys and values materialised through attn_kv_b) at
-head sizes its own iqk kernels do not take.
+an AVX2 build computes it: what ik runs at head sizes its own iqk kernels do not take, for MLA's prefill path (keys
+and values materialised through attn_kv_b) and for grouped-query attention with flash attention on (-fa on, ik's
+default).
 
 Per query row: the query rounded to f16; for each visible key in order, s = f16 dot product (four 8-lane FMA
 accumulators over whole steps of 32 values, folded 0+2, 1+3, 0+1, the 8 lanes summed in halves and two horizontal
@@ -51,13 +52,16 @@ def _dot_f16(x: np.ndarray, y: np.ndarray) -> np.float32:
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def flash_attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, first: int,
                         out: np.ndarray) -> None:
-    """Causal attention of q [H, n, Dk] (float32) against k [H, n_keys, Dk] and v [H, n_keys, Dv] (f16 values held
-    in float32), query t at position first + t seeing keys 0..first + t; out [H, n, Dv]."""
+    """Causal attention of q [H, n, Dk] (float32) against k [H_kv, n_keys, Dk] and v [H_kv, n_keys, Dv] (f16 values
+    held in float32; query head h reads key/value head h // (H / H_kv), ggml's broadcast), query t at position first + t
+    seeing keys 0..first + t; out [H, n, Dv]."""
     n_head, n, dk = q.shape
+    group = n_head // k.shape[0]
     dv = v.shape[2]
     sc = np.float32(scale)
     for job in prange(n_head * n):
         h, t = job // n, job % n
+        g = h // group
         qh = np.empty(dk, dtype=np.float32)
         for d in range(dk):
             qh[d] = _f16(q[h, t, d])
@@ -65,7 +69,7 @@ def flash_attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
         total = np.float32(0.0)
         top = np.float32(-np.inf)
         for s in range(first + t + 1):
-            score = np.float32(_dot_f16(k[h, s], qh) * sc)
+            score = np.float32(_dot_f16(k[g, s], qh) * sc)
             ms = np.float32(1.0)
             vs = np.float32(1.0)
             if score > top:
@@ -77,7 +81,7 @@ def flash_attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
             else:
                 vs = np.exp(np.float32(score - top))
             for d in range(dv):
-                sums[d] = _f16(fmaf(v[h, s, d], vs, sums[d]))
+                sums[d] = _f16(fmaf(v[g, s, d], vs, sums[d]))
             total = np.float32(total * ms) + vs
         inv = np.float32(0.0) if total == 0 else np.float32(np.float32(1.0) / total)
         for d in range(dv):

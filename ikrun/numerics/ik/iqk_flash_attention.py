@@ -1,6 +1,7 @@
 """ik's own CPU flash-attention kernel (ggml/src/iqk/fa) with F16 keys and values, as an AVX2 build computes it: what
-ik runs for MLA's prefill path (keys and values materialised through attn_kv_b) at the head sizes in
-arithmetic.IQK_FA_HEADS; ggml's generic kernel (flash_attention.py) takes the others.
+ik runs at the head sizes in arithmetic.IQK_FA_HEADS for MLA's prefill path (keys and values materialised through
+attn_kv_b) and for grouped-query attention with flash attention on (-fa on, ik's default; each query head reads its
+group's key/value head); ggml's generic kernel (flash_attention.py) takes the others.
 
 Per query row, the keys in blocks of `k_step` (k_step_for): q (float32, not rounded) dot k (f16) in two fused
 accumulators, one for the elements whose index mod 8 is 0-3 and one for 4-7, added at the end; s = dot * scale,
@@ -91,13 +92,16 @@ def _block_sum(p: np.ndarray) -> np.float32:
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def iqk_flash_attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, first: int, k_step: int,
                             out: np.ndarray) -> None:
-    """Causal attention of q [H, n, Dk] (float32) against k [H, n_keys, Dk] and v [H, n_keys, Dv] (f16 values held
-    in float32), query t at position first + t seeing keys 0..first + t, in blocks of k_step keys; out [H, n, Dv]."""
+    """Causal attention of q [H, n, Dk] (float32) against k [H_kv, n_keys, Dk] and v [H_kv, n_keys, Dv] (f16 values
+    held in float32; query head h reads key/value head h // (H / H_kv), ggml's broadcast), query t at position first + t
+    seeing keys 0..first + t, in blocks of k_step keys; out [H, n, Dv]."""
     n_head, n, _ = q.shape
+    group = n_head // k.shape[0]
     dv = v.shape[2]
     sc = np.float32(scale)
     for job in prange(n_head * n):
         h, t = job // n, job % n
+        g = h // group
         visible = first + t + 1
         s = np.empty(k_step, dtype=np.float32)
         p = np.empty(k_step, dtype=np.float32)
@@ -108,7 +112,7 @@ def iqk_flash_attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: 
             n_in = min(k_step, visible - b0)
             block_top = np.float32(-np.inf)
             for l in range(n_in):
-                s[l] = _dot(q[h, t], k[h, b0 + l]) * sc
+                s[l] = _dot(q[h, t], k[g, b0 + l]) * sc
                 block_top = max(block_top, s[l])
             if block_top > top:
                 if top > -np.inf:
@@ -125,7 +129,7 @@ def iqk_flash_attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: 
             total = total + _block_sum(p)
             for l in range(n_in):
                 for d in range(dv):
-                    sums[d] = fmaf(v[h, b0 + l, d], p[l], sums[d])
+                    sums[d] = fmaf(v[g, b0 + l, d], p[l], sums[d])
         inv = np.float32(np.float32(1.0) / total) if total > 0 else np.float32(0.0)
         for d in range(dv):
             out[h, t, d] = inv * sums[d]
