@@ -54,7 +54,7 @@ class RuntimeOptions:
     #: which of ik's attention graphs grouped-query attention runs under ik's arithmetic (FLASH_ATTN)
     flash_attn: str = field(default="auto", metadata={"choices": FLASH_ATTN, "help": (
         "Grouped-query attention (qwen3, qwen3moe, glm4moe, minimax-m2) under --numerics ik / ik-avx2: on = ik's "
-        "flash attention (-fa on: its own kernel for head sizes 64, 96, 128, 192, 256, ggml's generic one for the "
+        "flash attention (-fa on: its own kernel for head sizes 64, 96, 128, 192, 256, 512, ggml's generic one for the "
         "others, over its F16 caches), off = ik's -fa off graph (K x Q matmul, softmax, V product). auto (default): "
         "ik's default, on, where it is reproduced (F16 caches), else off; the report names the graph. The exact "
         "arithmetic computes the same softmax attention either way and refuses the option.")})
