@@ -78,7 +78,8 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -
     """ik's flash attention over its F16 caches (ggml_flash_attn_ext): q [H, n, Dk] (float32), k [H_kv, keys, Dk],
     v [H_kv, keys, Dv] (f16 values), the queries the last n positions -> [H, n, Dv]. ik's own kernel for the head sizes
     it takes (IQK_FA_HEADS, its key blocks by the cache length, padded to FA_CACHE_PADDING), ggml's generic one for
-    the others."""
+    the others. Not reproduced: a batch of one token over grouped heads, which ik's own kernel splits by keys among
+    its threads (iqk_flash_attn_noalibi) and merges; here its rows run whole, as in ik's batches of more tokens."""
     n_head, n, head_k = q.shape
     n_keys, head_v = k.shape[1], v.shape[2]
     out = np.empty((n_head, n, head_v), dtype=np.float32)
