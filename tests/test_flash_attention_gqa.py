@@ -125,3 +125,12 @@ def test_flash_attn_where_it_means_nothing_or_is_not_reproduced_is_refused(gguf:
                                                                            says: str) -> None:
     res = runner.invoke(app, ["logits", str(gguf), "--tokens", "1,2", *flags])
     assert res.exit_code == 2 and says in " ".join(res.output.split()), res.output
+
+
+def test_a_one_token_batch_whose_keys_ik_splits_is_refused(heads: dict[str, Path]) -> None:
+    """One token over grouped heads of 64: with more ik threads than key/value heads ik's kernel splits its keys
+    (ikrun/numerics/ik/arithmetic.splits_keys), not reproduced; with as many it computes the whole rows."""
+    flags = ["logits", str(heads["h64-f32.gguf"]), "--tokens", "1", "--numerics", "ik-avx2", "--ik-threads"]
+    res = runner.invoke(app, [*flags, "4"])
+    assert res.exit_code == 2 and "splits a one-token batch's keys" in " ".join(res.output.split()), res.output
+    assert runner.invoke(app, [*flags, "2"]).exit_code == 0

@@ -17,6 +17,7 @@ import numpy as np
 
 from ikquant.formats.cache_rows import cache_row_bytes
 from ikquant.types import type_by_name
+from ikrun.errors import ModelError
 from ikrun.kvcache import KvCache, blockwise_hadamard, ggml_name
 from ikrun.numerics.exact import Numerics
 from ikrun.numerics.ik.attention import ik_causal_attention, ik_latent_attention, ik_sink_latent_attention
@@ -78,8 +79,8 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -
     """ik's flash attention over its F16 caches (ggml_flash_attn_ext): q [H, n, Dk] (float32), k [H_kv, keys, Dk],
     v [H_kv, keys, Dv] (f16 values), the queries the last n positions -> [H, n, Dv]. ik's own kernel for the head sizes
     it takes (IQK_FA_HEADS, its key blocks by the cache length, padded to FA_CACHE_PADDING), ggml's generic one for
-    the others. Not reproduced: a batch of one token over grouped heads, which ik's own kernel splits by keys among
-    its threads (iqk_flash_attn_noalibi) and merges; here its rows run whole, as in ik's batches of more tokens."""
+    the others. A batch of one token over grouped heads whose keys ik's threads split (splits_keys) is not
+    reproduced."""
     n_head, n, head_k = q.shape
     n_keys, head_v = k.shape[1], v.shape[2]
     out = np.empty((n_head, n, head_v), dtype=np.float32)
@@ -89,6 +90,35 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -
     else:
         flash_attention_f16(q, k, v, float(np.float32(scale)), n_keys - n, out)
     return out
+
+
+def splits_keys(n_head: int, n_head_kv: int, n_cells: int, threads: int) -> bool:
+    """Whether ik's own flash-attention kernel (iqk_flash_attn_noalibi) splits the keys of a one-token batch of
+    `n_head` query heads on `n_head_kv` key/value heads among its `threads`, into parts it merges afterwards (another
+    float order); with one part per head it computes the whole rows, as for more tokens."""
+    group = n_head // n_head_kv
+    if group == 1:
+        return False
+    steps = n_cells // 32
+    if n_head_kv == 1 and steps > 1:
+        if steps >= 4 * threads:
+            return threads > 1
+        parts = math.gcd(steps, threads)
+        if -(-group // (threads // parts)) > 1:
+            return parts > 1
+    if n_head_kv * n_cells < 32 * threads:
+        return False
+    per_thread = threads // math.gcd(n_head_kv, threads)
+    chunks = n_head_kv // math.gcd(n_head_kv, threads) * n_cells // 32
+    chunks_per_thread = -(-chunks // per_thread)
+    if chunks_per_thread * per_thread == chunks:
+        keys = 32 * (n_head_kv * n_cells // (32 * threads))
+    else:
+        blocks = 1
+        while blocks * 4 < chunks_per_thread:
+            blocks *= 2
+        keys = 32 * blocks
+    return -(-n_cells // keys) > 1
 
 
 class IkNumerics(Numerics):
@@ -271,6 +301,13 @@ class IkNumerics(Numerics):
         attention over its F16 caches instead (flash_attention), for attention_graph "on"."""
         scale = float(np.float32(1.0) / np.sqrt(np.float32(head_dim)))  # 1.0f / sqrtf
         if flash:
+            n, n_head, _ = q.shape
+            n_cells = -(-len(k) // FA_CACHE_PADDING) * FA_CACHE_PADDING
+            if n == 1 and (head_dim, v.shape[2]) in IQK_FA_HEADS and splits_keys(n_head, k.shape[1], n_cells,
+                                                                               self.options.ik_threads):
+                raise ModelError(f"ik's flash attention splits a one-token batch's keys among its "
+                                 f"{self.options.ik_threads} threads (--ik-threads), which is not reproduced; give "
+                                 "--flash-attn off or fewer --ik-threads")
             return flash_attention(np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale
