@@ -1,0 +1,78 @@
+"""`--flash-attn` over a Q8_0 key cache: ik's default attention graph (its own flash-attention kernel, the cache
+repacked to Q8_0_R8 and multiplied in integers with the queries in Q8_2_X4) for qwen3 heads of 64 and 128, against
+ik's default runs with -ctk q8_0 on a native AVX2 ik (tests/data/logits/gqa-fa-ctk-avx2); the -fa off graph (what
+auto computed before) misses them; the combinations not ported refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikrun.cli import app
+from ikrun.eval.evaluate import perplexity
+from ikrun.eval.metrics import BaseLogitsFile
+from ikrun.model import Model
+from ikrun.options import RuntimeOptions
+from tests.family_checks import assert_iks_forward
+from tests.test_flash_attention_gqa import heads  # noqa: F401  (the fixture making the head-64/128 files)
+from tests.test_numerics import _printed
+
+runner = CliRunner()
+DATA = Path(__file__).parent / "data"
+FOLDER = DATA / "logits" / "gqa-fa-ctk-avx2"
+DEFAULT_BASE = DATA / "logits" / "gqa-fa-avx2"
+CONVERT = DATA / "convert"
+
+
+def _model(path: Path, flash_attn: str = "auto") -> Model:
+    return Model(path, options=RuntimeOptions(numerics="ik-avx2", ik_threads=2, flash_attn=flash_attn),
+                 cache_type_k="q8_0")
+
+
+@pytest.mark.parametrize("head", [64, 128])
+def test_ik_avx2_ctk_q8_0_is_iks_default_run(heads: dict[str, Path], head: int, tmp_path: Path) -> None:  # noqa: F811
+    """ik's default run of the F32 files with -ctk q8_0: its base-logits file byte for byte with every running PPL
+    (heads of 64: PPL 802.6416; 128: 826.4552); the -fa off graph (what auto computed before: PPL 802.6414 /
+    826.4548) misses it."""
+    base, printed = FOLDER / f"qwen3-h{head}-ctk-q8_0-base.kld", FOLDER / f"qwen3-h{head}-ctk-q8_0-base.txt"
+    model = heads[f"h{head}-f32.gguf"]
+    assert_iks_forward(_model(model), base, printed, tmp_path / "fa.kld")
+    perplexity(_model(model, "off"), np.asarray(BaseLogitsFile(base).tokens), save_base=tmp_path / "off.kld")
+    assert (tmp_path / "off.kld").read_bytes() != base.read_bytes()
+
+
+def _kld(model: Path, base: Path, *flags: str) -> dict[str, Any]:
+    res = runner.invoke(app, ["kld", str(model), "--base-logits", str(base), "--json", "--numerics", "ik-avx2",
+                              "--ik-threads", "2", "-ctk", "q8_0", *flags])
+    assert res.exit_code == 0, res.output
+    return dict(json.loads(res.stdout))
+
+
+@pytest.mark.parametrize("head", [64, 128])
+def test_ik_avx2_ctk_q8_0_kld_is_what_ik_prints_by_default(heads: dict[str, Path], head: int) -> None:  # noqa: F811
+    """The Q8_0 files with -ctk q8_0 against ik's default (F16-cache) base: every figure ik printed, to the digit
+    (heads of 64: KLD 0.000134, PPL(Q) 802.531361; 128: 0.000132, 825.598201); the report names the graph. The
+    -fa off graph prints PPL(Q) 802.451363 at 64 and the same figures at 128 (the Q8_0 matmul after attention rounds
+    its activations to int8, which absorbs the two graphs' difference there)."""
+    got = _kld(heads[f"h{head}-q8_0.gguf"], DEFAULT_BASE / f"qwen3-h{head}-base.kld")
+    assert got["flash_attn"] == "on"
+    for key, value in _printed(FOLDER / f"qwen3-h{head}-ctk-q8_0-kld.txt").items():
+        assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), key
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["-ctk", "q8_0"], "not ggml's generic one of heads of 32"),
+    (["-ctk", "q4_0"], "not a q4_0 key cache"),
+    (["-ctk", "q8_0", "-khad"], "without -khad"),
+])
+def test_unported_quantized_key_caches_under_flash_attention_are_refused(flags: list[str], says: str) -> None:
+    """ggml's generic kernel (the qwen3 test model's heads of 32) over a Q8_0 cache, ik's kernel over Q4_0 and
+    over a Hadamard-rotated cache are not ported: --flash-attn on is refused in one line, exit 2."""
+    res = runner.invoke(app, ["logits", str(CONVERT / "qwen3" / "ik-f32.gguf"), "--tokens", "1,2", "--numerics",
+                              "ik-avx2", "--flash-attn", "on", *flags])
+    assert res.exit_code == 2 and says in " ".join(res.output.split()), res.output
