@@ -27,7 +27,7 @@ from ikrun.numerics.ik.delta_net import (
     ik_delta_rule,
     ik_sigmoid_array,
 )
-from ikrun.numerics.ik.flash_attention import flash_attention_f16
+from ikrun.numerics.ik.flash_attention import flash_attention_f16, flash_attention_scored
 from ikrun.numerics.ik.formats import (
     IK_FLOAT_TYPES,
     IK_KERNELS,
@@ -40,7 +40,7 @@ from ikrun.numerics.ik.formats import (
 )
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
 from ikrun.numerics.ik.iqk_flash_attention import iqk_flash_attention_f16, iqk_flash_attention_scored, k_step_for
-from ikrun.numerics.ik.key_cache import key_cells, key_products
+from ikrun.numerics.ik.key_cache import SINGLE_ROW_BLOCKS, key_cells, key_products, single_row_key_products
 from ikrun.numerics.ik.mla_weights import HeadSource, derived_k_b_source, derived_k_b_type, derived_v_b_source
 from ikrun.numerics.ik.qgemm import PackedHeads, PackedInts, pack, qmatmul, row_slice
 from ikrun.ops.activations import swiglu
@@ -97,8 +97,9 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
             iqk_flash_attention_scored(scores, v, float(np.float32(scale)), n_keys - n, k_step, out)
         else:
             iqk_flash_attention_f16(q, k, v, float(np.float32(scale)), n_keys - n, k_step, out)
+    elif scores is not None:
+        flash_attention_scored(scores, v, float(np.float32(scale)), n_keys - n, out)
     else:
-        assert scores is None, "ggml's generic kernel over a quantized key cache is not ported"
         flash_attention_f16(q, k, v, float(np.float32(scale)), n_keys - n, out)
     return out
 
@@ -306,10 +307,11 @@ class IkNumerics(Numerics):
         if kv.k != "f16" and kv.k_hadamard:
             return (f"--numerics {self.name} reproduces ik's flash attention over a {kv.k} key cache without -khad, "
                     "not with it (give --flash-attn off: ik's -fa off graph)")
-        if kv.k != "f16" and (head_dim, head_dim) not in IQK_FA_HEADS:
+        if kv.k != "f16" and (head_dim, head_dim) not in IQK_FA_HEADS and head_dim // 32 > SINGLE_ROW_BLOCKS:
             return (f"--numerics {self.name} reproduces ik's flash attention over a {kv.k} key cache in ik's own "
-                    f"kernel (heads of {', '.join(str(h) for h, w in IQK_FA_HEADS if h == w)}), not ggml's generic "
-                    f"one of heads of {head_dim} (give --flash-attn off: ik's -fa off graph)")
+                    f"kernel (heads of {', '.join(str(h) for h, w in IQK_FA_HEADS if h == w)}) and ggml's generic one "
+                    f"up to heads of {32 * SINGLE_ROW_BLOCKS}, not heads of {head_dim} (give --flash-attn off: ik's -fa "
+                    "off graph)")
         return None
 
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,
@@ -327,7 +329,7 @@ class IkNumerics(Numerics):
                 raise ModelError(f"ik's flash attention splits a one-token batch's keys among its "
                                  f"{self.options.ik_threads} threads (--ik-threads), which is not reproduced; give "
                                  "--flash-attn off or fewer --ik-threads")
-            scores = None if kv is None or kv.k == "f16" else self._flash_key_products(q, k, kv.k)
+            scores = None if kv is None or kv.k == "f16" else self._flash_key_products(q, k, v.shape[2], kv.k)
             return flash_attention(np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale, scores
@@ -352,16 +354,20 @@ class IkNumerics(Numerics):
         assert ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
         return key_products(q, k, type_name, ints, self._activation_format(type_name))
 
-    def _flash_key_products(self, q: np.ndarray, k: np.ndarray, cache_type: str) -> np.ndarray:
-        """q . k [H, n, keys] over a key cache of `cache_type` as ik's own flash-attention kernel multiplies them: a
-        batch of FLASH_REPACK_ROWS tokens and more repacks the Q8_0 cache rows to Q8_0_R8 (iqk_repack_k), whatever
-        its threads, and the queries are rounded as for the matmul of such weights."""
+    def _flash_key_products(self, q: np.ndarray, k: np.ndarray, head_v: int, cache_type: str) -> np.ndarray:
+        """q . k [H, n, keys] over a key cache of `cache_type` as ik's flash attention multiplies them. Its own kernel
+        (IQK_FA_HEADS): a batch of FLASH_REPACK_ROWS tokens and more repacks the Q8_0 cache rows to Q8_0_R8
+        (iqk_repack_k), whatever its threads, the queries rounded as for the matmul of such weights; ggml's generic
+        kernel: ik's Q8_0 kernel one query row and one key at a time."""
+        type_name = ggml_name(cache_type)
+        kernel = ik_kernel(type_name)
+        if (q.shape[2], head_v) not in IQK_FA_HEADS:
+            assert kernel.ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
+            return single_row_key_products(q, k, type_name, kernel.ints)
         n = len(q)
         if n < FLASH_REPACK_ROWS:
             raise ModelError(f"ik's flash attention over a {cache_type} key cache multiplies a batch of fewer than "
                              f"{FLASH_REPACK_ROWS} tokens in a kernel not reproduced; give --flash-attn off")
-        type_name = ggml_name(cache_type)
-        kernel = ik_kernel(type_name)
         ints = self._integers(kernel, max(n, kernel.convert_rows), key_cells(len(k)))
         assert ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
         return key_products(q, k, type_name, ints, self._activation_format(type_name))

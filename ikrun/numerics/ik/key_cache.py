@@ -13,11 +13,13 @@ so the keys are written here as they are read: the same rows, the same bytes. Wi
 from __future__ import annotations
 
 import numpy as np
+from numba import njit, prange
 
 from ikquant.formats.cache_rows import cache_row_bytes
+from ikquant.formats.numeric import fmaf
 from ikquant.types import type_by_name
 from ikrun.numerics.ik.attention import KV_CELL_PAD
-from ikrun.numerics.ik.formats import ToInts, integer_rows
+from ikrun.numerics.ik.formats import Q8_2_X4, ToInts, integer_rows
 from ikrun.numerics.ik.qgemm import pack, qmatmul
 
 
@@ -42,4 +44,62 @@ def key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts, fmt
     scores = np.empty((n_head, n, n_keys), np.float32)
     for h in range(n_head):
         scores[h] = qmatmul(integer_rows(q[:, h], fmt), packed[h // group])
+    return scores
+
+
+#: the most 32-value blocks a head of ik's single-row Q8_0 kernel may have: fewer than its 4-block groups, whose
+#: other float order is not reproduced
+SINGLE_ROW_BLOCKS = 3
+
+
+@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
+def _single_row_scores(qu: np.ndarray, qd: np.ndarray, kq: np.ndarray, kd: np.ndarray, group: int,
+                       out: np.ndarray) -> None:
+    """out[h, t, c] = q_t . k_c as ik's AVX2 Q8_0 kernel with one query row computes it (module function
+    single_row_key_products)."""
+    n_head, n, keys = out.shape
+    nb = qd.shape[2]
+    for job in prange(n_head * n):
+        h, t = job // n, job % n
+        g = h // group
+        acc = np.empty(8, dtype=np.float32)
+        lanes = np.empty(4, dtype=np.float32)
+        for c in range(keys):
+            acc[:] = 0.0
+            for b in range(nb):
+                d = np.float32(kd[g, c, b] * qd[h, t, b])
+                for j in range(8):
+                    p = np.int32(0)
+                    for e in range(4):
+                        i = b * 32 + 4 * j + e
+                        p += np.int32(kq[g, c, i]) * (np.int32(qu[h, t, i]) - 128)
+                    acc[j] = fmaf(d, np.float32(p), acc[j])
+            for j in range(4):
+                lanes[j] = acc[j] + acc[j + 4]
+            out[h, t, c] = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3])
+
+
+def single_row_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts) -> np.ndarray:
+    """The scores q . k [H, n, keys] ggml's generic flash-attention kernel takes from ik's AVX2 Q8_0 kernel, one
+    query row (rounded to Q8_2_X4) against one cache row at a time: per 32-value block d = k scale x q scale (bf16)
+    and the block's products summed 4 bytes a lane into 8 int32 lanes, each lane fma(d, lane, acc); at the end the 8
+    lanes folded i + (i + 4), then (0 + 2) + (1 + 3). Heads of at most SINGLE_ROW_BLOCKS blocks."""
+    n, n_head, d = q.shape
+    n_keys, n_kv = k.shape[0], k.shape[1]
+    if d // 32 > SINGLE_ROW_BLOCKS:
+        raise ValueError(f"heads of {d} take ik's 4-block groups, not reproduced")
+    codec = type_by_name(type_name).require_codec()
+    kq = np.empty((n_kv, n_keys, d), np.int8)
+    kd = np.empty((n_kv, n_keys, d // 32), np.float32)
+    for g in range(n_kv):
+        raw = cache_row_bytes(type_name, np.ascontiguousarray(k[:, g], dtype=np.float32))
+        held = ints(raw, codec.dequantize(raw, d).reshape(n_keys, d))
+        kq[g], kd[g] = held.q, held.scale
+    qu = np.empty((n_head, n, d), np.uint8)
+    qd = np.empty((n_head, n, d // 32), np.float32)
+    for h in range(n_head):
+        rows = integer_rows(q[:, h], Q8_2_X4)
+        qu[h], qd[h] = rows.u[:n], rows.scale[:n]
+    scores = np.empty((n_head, n, n_keys), np.float32)
+    _single_row_scores(qu, qd, kq, kd, n_head // n_kv, scores)
     return scores
