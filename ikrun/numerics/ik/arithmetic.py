@@ -40,7 +40,13 @@ from ikrun.numerics.ik.formats import (
 )
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
 from ikrun.numerics.ik.iqk_flash_attention import iqk_flash_attention_f16, iqk_flash_attention_scored, k_step_for
-from ikrun.numerics.ik.key_cache import SINGLE_ROW_BLOCKS, key_cells, key_products, single_row_key_products
+from ikrun.numerics.ik.key_cache import (
+    SINGLE_ROW_BLOCKS,
+    key_cells,
+    key_products,
+    q4_0_misread_key_products,
+    single_row_key_products,
+)
 from ikrun.numerics.ik.mla_weights import HeadSource, derived_k_b_source, derived_k_b_type, derived_v_b_source
 from ikrun.numerics.ik.qgemm import PackedHeads, PackedInts, pack, qmatmul, row_slice
 from ikrun.ops.activations import swiglu
@@ -66,8 +72,9 @@ IQK_FA_HEADS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 25
 FLOAT_CACHES = ("f32", "f16", "bf16")
 #: the architectures whose quantized key caches were checked against ik (their grouped-query attention)
 QUANTIZED_KEY_ARCHS = ("qwen3", "qwen3moe", "glm4moe", "minimax-m2")
-#: the quantized key caches (ik's names) whose flash attention is reproduced: ik's own kernel (IQK_FA_HEADS) repacks
-#: a Q8_0 cache to Q8_0_R8 from FLASH_REPACK_ROWS query rows on and multiplies it with the queries in Q8_2_X4
+#: the quantized key caches (ik's names) whose flash attention in ik's own kernel (IQK_FA_HEADS) is reproduced: it
+#: repacks a Q8_0 cache to Q8_0_R8 from FLASH_REPACK_ROWS query rows on and multiplies it with the queries in Q8_2_X4
+#: (ggml's generic kernel takes every quantized key cache of the arithmetic, key_cache.SINGLE_ROW_OFFSET)
 FLASH_QUANTIZED_KEYS = ("q8_0",)
 FLASH_REPACK_ROWS = 8
 #: ik's KV cache length is a multiple of this with flash attention on (llama_kv_cache::get_padding)
@@ -300,18 +307,26 @@ class IkNumerics(Numerics):
         if arch not in FLASH_ATTENTION_ARCHS:
             return (f"--numerics {self.name} reproduces ik's flash attention on {', '.join(FLASH_ATTENTION_ARCHS)}, "
                     f"not {arch}")
-        if kv.v != "f16" or kv.k not in ("f16", *(t for t in FLASH_QUANTIZED_KEYS if t in self.quantized_keys)):
+        if kv.v != "f16" or kv.k not in ("f16", *self.quantized_keys):
             return (f"--numerics {self.name} reproduces ik's flash attention over F16 caches"
-                    f"{' and a q8_0 key cache (--numerics ik-avx2)' * bool(self.quantized_keys)}, not a {kv.k} key "
-                    f"cache (give --flash-attn off: ik's -fa off graph)")
-        if kv.k != "f16" and kv.k_hadamard:
+                    f"{' and q8_0 / q4_0 key caches (--numerics ik-avx2)' * bool(self.quantized_keys)}, not a {kv.k} "
+                    f"key cache (give --flash-attn off: ik's -fa off graph)")
+        if kv.k == "f16":
+            return None
+        if kv.k_hadamard:
             return (f"--numerics {self.name} reproduces ik's flash attention over a {kv.k} key cache without -khad, "
                     "not with it (give --flash-attn off: ik's -fa off graph)")
-        if kv.k != "f16" and (head_dim, head_dim) not in IQK_FA_HEADS and head_dim // 32 > SINGLE_ROW_BLOCKS:
-            return (f"--numerics {self.name} reproduces ik's flash attention over a {kv.k} key cache in ik's own "
-                    f"kernel (heads of {', '.join(str(h) for h, w in IQK_FA_HEADS if h == w)}) and ggml's generic one "
-                    f"up to heads of {32 * SINGLE_ROW_BLOCKS}, not heads of {head_dim} (give --flash-attn off: ik's -fa "
+        if (head_dim, head_dim) in IQK_FA_HEADS and kv.k not in FLASH_QUANTIZED_KEYS:
+            return (f"--numerics {self.name} reproduces ik's own flash-attention kernel (heads of {head_dim}) over "
+                    f"{', '.join(FLASH_QUANTIZED_KEYS)} key caches, not a {kv.k} one (give --flash-attn off: ik's -fa "
                     "off graph)")
+        if kv.k == "q4_0" and head_dim != 32:
+            return (f"--numerics {self.name} reproduces ggml's generic flash-attention kernel over a q4_0 key cache "
+                    f"at heads of 32, not {head_dim} (give --flash-attn off: ik's -fa off graph)")
+        if (head_dim, head_dim) not in IQK_FA_HEADS and head_dim // 32 > SINGLE_ROW_BLOCKS:
+            return (f"--numerics {self.name} reproduces ggml's generic flash-attention kernel over a {kv.k} key cache "
+                    f"up to heads of {32 * SINGLE_ROW_BLOCKS}, not heads of {head_dim} (give --flash-attn off: ik's "
+                    "-fa off graph)")
         return None
 
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,
@@ -363,6 +378,8 @@ class IkNumerics(Numerics):
         kernel = ik_kernel(type_name)
         if (q.shape[2], head_v) not in IQK_FA_HEADS:
             assert kernel.ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
+            if type_name == "Q4_0":
+                return q4_0_misread_key_products(q, k, kernel.ints)
             return single_row_key_products(q, k, type_name, kernel.ints)
         n = len(q)
         if n < FLASH_REPACK_ROWS:
