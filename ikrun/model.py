@@ -84,7 +84,9 @@ class Model:
         #: "k-f32" F32 keys and F16 values (ik's -ctk f32); other pairs `k-<type>,v-<type>`
         self.kv_cache = self.cache.label
         if self.options.flash_attn == "on":
-            problem = self.numerics.check_flash_attention(self.arch, self.cache)
+            n_head = max(int(self.ctx.hparam("attention.head_count", 1)), 1)
+            head_dim = int(self.ctx.hparam("attention.key_length", self.ctx.hparam("embedding_length", 0) // n_head))
+            problem = self.numerics.check_flash_attention(self.arch, self.cache, head_dim)
             if problem is not None:
                 raise ModelError(f"--flash-attn on: {problem}")
         self.impl: ArchModel = impl_class(self.ctx)

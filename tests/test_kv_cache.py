@@ -21,7 +21,7 @@ from ikrun.eval.evaluate import open_base
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
 from tests import ik_engine
-from tests.family_checks import assert_iks_forward
+from tests.family_checks import assert_iks_forward, fa_off_flags
 from tests.test_ik_avx2 import _matches
 from tests.test_ik_engine import mean_kld
 from tests.test_numerics import _printed
@@ -69,7 +69,9 @@ def test_the_cache_holds_the_decoded_cache_bytes() -> None:
 
 
 def _kld(*flags: str, model: Path = QWEN3, base: Path = QWEN3_BASE) -> dict:
-    res = runner.invoke(app, ["kld", str(model), "--base-logits", str(base), "--json", *flags])
+    """The kld run's report; under ik's arithmetic ik's -fa off graph, that of the oracles here."""
+    graph = fa_off_flags(model) if "--numerics" in flags else []
+    res = runner.invoke(app, ["kld", str(model), "--base-logits", str(base), "--json", *flags, *graph])
     assert res.exit_code == 0, res.output
     return json.loads(res.stdout)
 

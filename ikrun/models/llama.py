@@ -45,7 +45,7 @@ class LlamaFamily(ArchModel):
 
     def computed_paths(self, n_ctx: int) -> dict[str, str]:
         """ik's attention graph under its arithmetic (--flash-attn)."""
-        graph = self.ctx.numerics.attention_graph(self.ctx.arch, self.ctx.cache)
+        graph = self.ctx.numerics.attention_graph(self.ctx.arch, self.ctx.cache, self.head_dim)
         return {} if graph is None else {"flash_attn": graph}
 
     def make_attention(self) -> GqaAttention:

@@ -88,7 +88,7 @@ class GqaAttention:
                 k, v = np.concatenate([cache[b][0], k]), np.concatenate([cache[b][1], v])
             cache[b] = (k, v)
         sinks = cx.weight(b + "attn_sinks.weight") if self.sinks else None
-        flash = nx.attention_graph(cx.arch, cx.cache) == "on"
+        flash = nx.attention_graph(cx.arch, cx.cache, self.head_dim) == "on"
         attn = nx.causal_attention(q, k, v, self.head_dim, window=window, sinks=sinks, kv=cx.cache,
                                    flash=flash).reshape(n, -1)
         if self.output_gate:

@@ -122,14 +122,15 @@ class Numerics:
         the exact arithmetic reads every type's exact decoding (ikrun/kvcache.check_cache checks the model's shapes)."""
         return None
 
-    def check_flash_attention(self, arch: str, kv: KvCache) -> str | None:
-        """Why ik's flash-attention graph (--flash-attn on) of an `arch` model over the caches `kv` is not reproduced
-        here (RuntimeOptions.check refuses the option in the exact arithmetic, where both graphs are one softmax)."""
+    def check_flash_attention(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
+        """Why ik's flash-attention graph (--flash-attn on) of an `arch` model with heads of `head_dim` over the caches
+        `kv` is not reproduced here (RuntimeOptions.check refuses the option in the exact arithmetic, where both graphs
+        are one softmax)."""
         return None
 
-    def attention_graph(self, arch: str, kv: KvCache) -> str | None:
+    def attention_graph(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
         """Which of ik's attention graphs (flash attention "on" or "off", --flash-attn) a grouped-query attention of
-        an `arch` model over the caches `kv` computes; None here: the exact arithmetic computes the one softmax both
+        an `arch` model with heads of `head_dim` over the caches `kv` computes; None here: the exact arithmetic computes the one softmax both
         graphs compute."""
         return None
 

@@ -27,7 +27,7 @@ from ikrun.numerics.ik.delta_net import (
     ik_delta_rule,
     ik_sigmoid_array,
 )
-from ikrun.numerics.ik.flash_attention import flash_attention_f16
+from ikrun.numerics.ik.flash_attention import flash_attention_f16, flash_attention_scored
 from ikrun.numerics.ik.formats import (
     IK_FLOAT_TYPES,
     IK_KERNELS,
@@ -39,8 +39,14 @@ from ikrun.numerics.ik.formats import (
     round_activations,
 )
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
-from ikrun.numerics.ik.iqk_flash_attention import iqk_flash_attention_f16, k_step_for
-from ikrun.numerics.ik.key_cache import key_cells, key_products
+from ikrun.numerics.ik.iqk_flash_attention import iqk_flash_attention_f16, iqk_flash_attention_scored, k_step_for
+from ikrun.numerics.ik.key_cache import (
+    SINGLE_ROW_BLOCKS,
+    key_cells,
+    key_products,
+    q4_0_misread_key_products,
+    single_row_key_products,
+)
 from ikrun.numerics.ik.mla_weights import HeadSource, derived_k_b_source, derived_k_b_type, derived_v_b_source
 from ikrun.numerics.ik.qgemm import PackedHeads, PackedInts, pack, qmatmul, row_slice
 from ikrun.ops.activations import swiglu
@@ -66,6 +72,11 @@ IQK_FA_HEADS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 25
 FLOAT_CACHES = ("f32", "f16", "bf16")
 #: the architectures whose quantized key caches were checked against ik (their grouped-query attention)
 QUANTIZED_KEY_ARCHS = ("qwen3", "qwen3moe", "glm4moe", "minimax-m2")
+#: the quantized key caches (ik's names) whose flash attention in ik's own kernel (IQK_FA_HEADS) is reproduced: it
+#: repacks a Q8_0 cache to Q8_0_R8 from FLASH_REPACK_ROWS query rows on and multiplies it with the queries in Q8_2_X4
+#: (ggml's generic kernel takes every quantized key cache of the arithmetic, key_cache.SINGLE_ROW_OFFSET)
+FLASH_QUANTIZED_KEYS = ("q8_0",)
+FLASH_REPACK_ROWS = 8
 #: ik's KV cache length is a multiple of this with flash attention on (llama_kv_cache::get_padding)
 FA_CACHE_PADDING = 256
 #: the architectures whose grouped-query attention under ik's flash attention (-fa on) was checked against ik
@@ -75,18 +86,26 @@ FLASH_ATTENTION_ARCHS = QUANTIZED_KEY_ARCHS
 NEXTN_TABLES_IGNORED = ("glm4moe",)
 
 
-def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float) -> np.ndarray:
+def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
+                    scores: np.ndarray | None = None) -> np.ndarray:
     """ik's flash attention over its F16 caches (ggml_flash_attn_ext): q [H, n, Dk] (float32), k [H_kv, keys, Dk],
     v [H_kv, keys, Dv] (f16 values), the queries the last n positions -> [H, n, Dv]. ik's own kernel for the head sizes
     it takes (IQK_FA_HEADS, its key blocks by the cache length, padded to FA_CACHE_PADDING), ggml's generic one for
-    the others. A batch of one token over grouped heads whose keys ik's threads split (splits_keys) is not
-    reproduced."""
+    the others. `scores`: the products q . k [H, n, keys] ik's own kernel takes from its integer kernel over a
+    quantized key cache (FLASH_QUANTIZED_KEYS; k unused). A batch of one token over grouped heads whose keys ik's
+    threads split (splits_keys) is not reproduced."""
     n_head, n, head_k = q.shape
     n_keys, head_v = k.shape[1], v.shape[2]
     out = np.empty((n_head, n, head_v), dtype=np.float32)
     if (head_k, head_v) in IQK_FA_HEADS:
         n_kv = -(-n_keys // FA_CACHE_PADDING) * FA_CACHE_PADDING
-        iqk_flash_attention_f16(q, k, v, float(np.float32(scale)), n_keys - n, k_step_for(head_k, head_v, n_kv), out)
+        k_step = k_step_for(head_k, head_v, n_kv)
+        if scores is not None:
+            iqk_flash_attention_scored(scores, v, float(np.float32(scale)), n_keys - n, k_step, out)
+        else:
+            iqk_flash_attention_f16(q, k, v, float(np.float32(scale)), n_keys - n, k_step, out)
+    elif scores is not None:
+        flash_attention_scored(scores, v, float(np.float32(scale)), n_keys - n, out)
     else:
         flash_attention_f16(q, k, v, float(np.float32(scale)), n_keys - n, out)
     return out
@@ -277,20 +296,37 @@ class IkNumerics(Numerics):
         return super().kv_store(x, cache_type, hadamard_block)
 
     # ---- attention: ik's kernels where its float kernels take the head dims whole -----------------------------
-    def attention_graph(self, arch: str, kv: KvCache) -> str | None:
+    def attention_graph(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
         """ik's flash-attention graph ("on", its default) where --flash-attn asks for it or leaves it to ik's default
-        and this arithmetic reproduces it (FLASH_ATTENTION_ARCHS, an F16 key cache); else its -fa off graph."""
-        if self.options.flash_attn == "off" or self.check_flash_attention(arch, kv) is not None:
+        and this arithmetic reproduces it (check_flash_attention); else its -fa off graph."""
+        if self.options.flash_attn == "off" or self.check_flash_attention(arch, kv, head_dim) is not None:
             return "off"
         return "on"
 
-    def check_flash_attention(self, arch: str, kv: KvCache) -> str | None:
+    def check_flash_attention(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
         if arch not in FLASH_ATTENTION_ARCHS:
             return (f"--numerics {self.name} reproduces ik's flash attention on {', '.join(FLASH_ATTENTION_ARCHS)}, "
                     f"not {arch}")
-        if kv.k != "f16" or kv.v != "f16":
-            return (f"--numerics {self.name} reproduces ik's flash attention over F16 caches, not a {kv.k} key "
-                    f"cache (give --flash-attn off: ik's -fa off graph)")
+        if kv.v != "f16" or kv.k not in ("f16", *self.quantized_keys):
+            return (f"--numerics {self.name} reproduces ik's flash attention over F16 caches"
+                    f"{' and q8_0 / q4_0 key caches (--numerics ik-avx2)' * bool(self.quantized_keys)}, not a {kv.k} "
+                    f"key cache (give --flash-attn off: ik's -fa off graph)")
+        if kv.k == "f16":
+            return None
+        if kv.k_hadamard:
+            return (f"--numerics {self.name} reproduces ik's flash attention over a {kv.k} key cache without -khad, "
+                    "not with it (give --flash-attn off: ik's -fa off graph)")
+        if (head_dim, head_dim) in IQK_FA_HEADS and kv.k not in FLASH_QUANTIZED_KEYS:
+            return (f"--numerics {self.name} reproduces ik's own flash-attention kernel (heads of {head_dim}) over "
+                    f"{', '.join(FLASH_QUANTIZED_KEYS)} key caches, not a {kv.k} one (give --flash-attn off: ik's -fa "
+                    "off graph)")
+        if kv.k == "q4_0" and head_dim != 32:
+            return (f"--numerics {self.name} reproduces ggml's generic flash-attention kernel over a q4_0 key cache "
+                    f"at heads of 32, not {head_dim} (give --flash-attn off: ik's -fa off graph)")
+        if (head_dim, head_dim) not in IQK_FA_HEADS and head_dim // 32 > SINGLE_ROW_BLOCKS:
+            return (f"--numerics {self.name} reproduces ggml's generic flash-attention kernel over a {kv.k} key cache "
+                    f"up to heads of {32 * SINGLE_ROW_BLOCKS}, not heads of {head_dim} (give --flash-attn off: ik's "
+                    "-fa off graph)")
         return None
 
     def causal_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, head_dim: int, *, window: int = 0,
@@ -298,7 +334,7 @@ class IkNumerics(Numerics):
                          flash: bool = False) -> np.ndarray:
         """ik's kernels for causal attention, a sliding window and sinks (gpt-oss) included; over a quantized key
         cache its integer K x Q product (key_cache.py) feeds the same softmax and values. `flash`: ik's flash
-        attention over its F16 caches instead (flash_attention), for attention_graph "on"."""
+        attention over its caches instead (flash_attention), for attention_graph "on"."""
         scale = float(np.float32(1.0) / np.sqrt(np.float32(head_dim)))  # 1.0f / sqrtf
         if flash:
             n, n_head, _ = q.shape
@@ -308,9 +344,10 @@ class IkNumerics(Numerics):
                 raise ModelError(f"ik's flash attention splits a one-token batch's keys among its "
                                  f"{self.options.ik_threads} threads (--ik-threads), which is not reproduced; give "
                                  "--flash-attn off or fewer --ik-threads")
+            scores = None if kv is None or kv.k == "f16" else self._flash_key_products(q, k, v.shape[2], kv.k)
             return flash_attention(np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32),
-                                   np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale
+                                   np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale, scores
                                    ).transpose(1, 0, 2)
         if kv is not None and kv.k in self.quantized_keys:
             if kv.k_hadamard:
@@ -329,6 +366,26 @@ class IkNumerics(Numerics):
         n_kv = k.shape[1]
         rows, threads = (n, self._kernel_threads(n_head)) if n > 1 else (n_head // n_kv, self._kernel_threads(n_kv))
         ints = self._integers(ik_kernel(type_name), rows, key_cells(len(k)), threads)
+        assert ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
+        return key_products(q, k, type_name, ints, self._activation_format(type_name))
+
+    def _flash_key_products(self, q: np.ndarray, k: np.ndarray, head_v: int, cache_type: str) -> np.ndarray:
+        """q . k [H, n, keys] over a key cache of `cache_type` as ik's flash attention multiplies them. Its own kernel
+        (IQK_FA_HEADS): a batch of FLASH_REPACK_ROWS tokens and more repacks the Q8_0 cache rows to Q8_0_R8
+        (iqk_repack_k), whatever its threads, the queries rounded as for the matmul of such weights; ggml's generic
+        kernel: ik's Q8_0 kernel one query row and one key at a time."""
+        type_name = ggml_name(cache_type)
+        kernel = ik_kernel(type_name)
+        if (q.shape[2], head_v) not in IQK_FA_HEADS:
+            assert kernel.ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
+            if type_name == "Q4_0":
+                return q4_0_misread_key_products(q, k, kernel.ints)
+            return single_row_key_products(q, k, type_name, kernel.ints)
+        n = len(q)
+        if n < FLASH_REPACK_ROWS:
+            raise ModelError(f"ik's flash attention over a {cache_type} key cache multiplies a batch of fewer than "
+                             f"{FLASH_REPACK_ROWS} tokens in a kernel not reproduced; give --flash-attn off")
+        ints = self._integers(kernel, max(n, kernel.convert_rows), key_cells(len(k)))
         assert ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
         return key_products(q, k, type_name, ints, self._activation_format(type_name))
 

@@ -49,6 +49,33 @@ def _dot_f16(x: np.ndarray, y: np.ndarray) -> np.float32:
     return np.float32(total)
 
 
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _key_step(score: np.float32, v: np.ndarray, sums: np.ndarray, total: np.float32,
+              top: np.float32) -> tuple[np.float32, np.float32]:
+    """One key's scaled score folded into the f16 value sums `sums`, the weight total and the maximum (module
+    docstring); `v` the key's values; returns the new (total, top)."""
+    ms = np.float32(1.0)
+    vs = np.float32(1.0)
+    if score > top:
+        old = top
+        top = score
+        ms = np.exp(np.float32(old - top))
+        for d in range(sums.shape[0]):
+            sums[d] = _f16(sums[d] * ms)
+    else:
+        vs = np.exp(np.float32(score - top))
+    for d in range(sums.shape[0]):
+        sums[d] = _f16(fmaf(v[d], vs, sums[d]))
+    return np.float32(total * ms) + vs, top
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _store(sums: np.ndarray, total: np.float32, out: np.ndarray) -> None:
+    inv = np.float32(0.0) if total == 0 else np.float32(np.float32(1.0) / total)
+    for d in range(sums.shape[0]):
+        out[d] = sums[d] * inv
+
+
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def flash_attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, first: int,
                         out: np.ndarray) -> None:
@@ -57,7 +84,6 @@ def flash_attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
     seeing keys 0..first + t; out [H, n, Dv]."""
     n_head, n, dk = q.shape
     group = n_head // k.shape[0]
-    dv = v.shape[2]
     sc = np.float32(scale)
     for job in prange(n_head * n):
         h, t = job // n, job % n
@@ -65,24 +91,27 @@ def flash_attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
         qh = np.empty(dk, dtype=np.float32)
         for d in range(dk):
             qh[d] = _f16(q[h, t, d])
-        sums = np.zeros(dv, dtype=np.float32)
+        sums = np.zeros(v.shape[2], dtype=np.float32)
         total = np.float32(0.0)
         top = np.float32(-np.inf)
         for s in range(first + t + 1):
-            score = np.float32(_dot_f16(k[g, s], qh) * sc)
-            ms = np.float32(1.0)
-            vs = np.float32(1.0)
-            if score > top:
-                old = top
-                top = score
-                ms = np.exp(np.float32(old - top))
-                for d in range(dv):
-                    sums[d] = _f16(sums[d] * ms)
-            else:
-                vs = np.exp(np.float32(score - top))
-            for d in range(dv):
-                sums[d] = _f16(fmaf(v[g, s, d], vs, sums[d]))
-            total = np.float32(total * ms) + vs
-        inv = np.float32(0.0) if total == 0 else np.float32(np.float32(1.0) / total)
-        for d in range(dv):
-            out[h, t, d] = sums[d] * inv
+            total, top = _key_step(np.float32(_dot_f16(k[g, s], qh) * sc), v[g, s], sums, total, top)
+        _store(sums, total, out[h, t])
+
+
+@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
+def flash_attention_scored(scores: np.ndarray, v: np.ndarray, scale: float, first: int, out: np.ndarray) -> None:
+    """The same attention over a quantized key cache, whose products q . k [H, n, n_keys] ik's integer kernel
+    computed one query row and one key at a time (key_cache.single_row_key_products); out [H, n, Dv]."""
+    n_head, n, _ = scores.shape
+    group = n_head // v.shape[0]
+    sc = np.float32(scale)
+    for job in prange(n_head * n):
+        h, t = job // n, job % n
+        g = h // group
+        sums = np.zeros(v.shape[2], dtype=np.float32)
+        total = np.float32(0.0)
+        top = np.float32(-np.inf)
+        for s in range(first + t + 1):
+            total, top = _key_step(np.float32(scores[h, t, s] * sc), v[g, s], sums, total, top)
+        _store(sums, total, out[h, t])

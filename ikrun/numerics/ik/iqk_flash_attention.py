@@ -10,6 +10,10 @@ by expf(old - new) (libm), before any: S = R = 0; the weights p = ik's AVX2 expo
 in 8-lane vectors (vector 0 + 1, then each next one added, the lanes folded i + (i+4), then (0+2) + (1+3)), and
 R = fma(v, p, R) key after key, in float32. At the end R * (1 / S).
 
+Over a Q8_0 key cache ik's kernel takes the scores from its integer kernel instead of the float dot (from 8 query
+rows on the cache repacked to Q8_0_R8, the queries rounded to Q8_2_X4: key_cache.key_products), then the same
+softmax and F16 values (iqk_flash_attention_scored).
+
 Each row's arithmetic depends on neither the rows ik tiles with it nor its thread count: for a batch of tokens
 (rows of one head per call) ik's threads split heads and rows, never keys. Keys beyond the last visible one (ik's
 cache is padded to 256 with flash attention) weigh exactly 0 and are skipped.
@@ -89,6 +93,40 @@ def _block_sum(p: np.ndarray) -> np.float32:
     return (a0 + a2) + (a1 + a3)
 
 
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _block_step(s: np.ndarray, n_in: int, p: np.ndarray, v: np.ndarray, g: int, b0: int, sums: np.ndarray,
+                total: np.float32, top: np.float32) -> tuple[np.float32, np.float32]:
+    """One block of `n_in` scaled scores `s` folded into the running sum `total`, maximum `top` and value sums
+    (module docstring); returns the new (total, top)."""
+    block_top = np.float32(-np.inf)
+    for l in range(n_in):
+        block_top = max(block_top, s[l])
+    if block_top > top:
+        if top > -np.inf:
+            m = np.exp(np.float32(top - block_top))
+            total = total * m
+            for d in range(sums.shape[0]):
+                sums[d] = sums[d] * m
+        else:
+            total = np.float32(0.0)
+            sums[:] = 0.0
+        top = block_top
+    for l in range(p.shape[0]):
+        p[l] = avx2_expf(np.float32(s[l] - top)) if l < n_in else np.float32(0.0)
+    total = total + _block_sum(p)
+    for l in range(n_in):
+        for d in range(sums.shape[0]):
+            sums[d] = fmaf(v[g, b0 + l, d], p[l], sums[d])
+    return total, top
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _store(sums: np.ndarray, total: np.float32, out: np.ndarray) -> None:
+    inv = np.float32(np.float32(1.0) / total) if total > 0 else np.float32(0.0)
+    for d in range(sums.shape[0]):
+        out[d] = inv * sums[d]
+
+
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def iqk_flash_attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, first: int, k_step: int,
                             out: np.ndarray) -> None:
@@ -97,7 +135,6 @@ def iqk_flash_attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: 
     seeing keys 0..first + t, in blocks of k_step keys; out [H, n, Dv]."""
     n_head, n, _ = q.shape
     group = n_head // k.shape[0]
-    dv = v.shape[2]
     sc = np.float32(scale)
     for job in prange(n_head * n):
         h, t = job // n, job % n
@@ -105,31 +142,37 @@ def iqk_flash_attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: 
         visible = first + t + 1
         s = np.empty(k_step, dtype=np.float32)
         p = np.empty(k_step, dtype=np.float32)
-        sums = np.zeros(dv, dtype=np.float32)
+        sums = np.zeros(v.shape[2], dtype=np.float32)
         total = np.float32(0.0)
         top = np.float32(-np.inf)
         for b0 in range(0, visible, k_step):
             n_in = min(k_step, visible - b0)
-            block_top = np.float32(-np.inf)
             for l in range(n_in):
                 s[l] = _dot(q[h, t], k[g, b0 + l]) * sc
-                block_top = max(block_top, s[l])
-            if block_top > top:
-                if top > -np.inf:
-                    m = np.exp(np.float32(top - block_top))
-                    total = total * m
-                    for d in range(dv):
-                        sums[d] = sums[d] * m
-                else:
-                    total = np.float32(0.0)
-                    sums[:] = 0.0
-                top = block_top
-            for l in range(k_step):
-                p[l] = avx2_expf(np.float32(s[l] - top)) if l < n_in else np.float32(0.0)
-            total = total + _block_sum(p)
+            total, top = _block_step(s, n_in, p, v, g, b0, sums, total, top)
+        _store(sums, total, out[h, t])
+
+
+@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
+def iqk_flash_attention_scored(scores: np.ndarray, v: np.ndarray, scale: float, first: int, k_step: int,
+                               out: np.ndarray) -> None:
+    """The same attention over a quantized key cache, whose products q . k [H, n, n_keys] ik's integer kernel
+    computed (key_cache.key_products); v [H_kv, n_keys, Dv] f16 values held in float32; out [H, n, Dv]."""
+    n_head, n, _ = scores.shape
+    group = n_head // v.shape[0]
+    sc = np.float32(scale)
+    for job in prange(n_head * n):
+        h, t = job // n, job % n
+        g = h // group
+        visible = first + t + 1
+        s = np.empty(k_step, dtype=np.float32)
+        p = np.empty(k_step, dtype=np.float32)
+        sums = np.zeros(v.shape[2], dtype=np.float32)
+        total = np.float32(0.0)
+        top = np.float32(-np.inf)
+        for b0 in range(0, visible, k_step):
+            n_in = min(k_step, visible - b0)
             for l in range(n_in):
-                for d in range(dv):
-                    sums[d] = fmaf(v[g, b0 + l, d], p[l], sums[d])
-        inv = np.float32(np.float32(1.0) / total) if total > 0 else np.float32(0.0)
-        for d in range(dv):
-            out[h, t, d] = inv * sums[d]
+                s[l] = scores[h, t, b0 + l] * sc
+            total, top = _block_step(s, n_in, p, v, g, b0, sums, total, top)
+        _store(sums, total, out[h, t])

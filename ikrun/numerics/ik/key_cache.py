@@ -13,11 +13,13 @@ so the keys are written here as they are read: the same rows, the same bytes. Wi
 from __future__ import annotations
 
 import numpy as np
+from numba import njit, prange
 
 from ikquant.formats.cache_rows import cache_row_bytes
+from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, fmaf
 from ikquant.types import type_by_name
 from ikrun.numerics.ik.attention import KV_CELL_PAD
-from ikrun.numerics.ik.formats import ToInts, integer_rows
+from ikrun.numerics.ik.formats import Q8_2_X4, ToInts, integer_rows
 from ikrun.numerics.ik.qgemm import pack, qmatmul
 
 
@@ -42,4 +44,127 @@ def key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts, fmt
     scores = np.empty((n_head, n, n_keys), np.float32)
     for h in range(n_head):
         scores[h] = qmatmul(integer_rows(q[:, h], fmt), packed[h // group])
+    return scores
+
+
+#: the most 32-value blocks a head of ik's single-row Q8_0 kernel may have: fewer than its 4-block groups, whose
+#: other float order is not reproduced
+SINGLE_ROW_BLOCKS = 3
+
+
+@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
+def _single_row_scores(qu: np.ndarray, qd: np.ndarray, kq: np.ndarray, kd: np.ndarray, group: int,
+                       out: np.ndarray) -> None:
+    """out[h, t, c] = q_t . k_c as ik's AVX2 Q8_0 kernel with one query row computes it (module function
+    single_row_key_products)."""
+    n_head, n, keys = out.shape
+    nb = qd.shape[2]
+    for job in prange(n_head * n):
+        h, t = job // n, job % n
+        g = h // group
+        acc = np.empty(8, dtype=np.float32)
+        lanes = np.empty(4, dtype=np.float32)
+        for c in range(keys):
+            acc[:] = 0.0
+            for b in range(nb):
+                d = np.float32(kd[g, c, b] * qd[h, t, b])
+                for j in range(8):
+                    p = np.int32(0)
+                    for e in range(4):
+                        i = b * 32 + 4 * j + e
+                        p += np.int32(kq[g, c, i]) * (np.int32(qu[h, t, i]) - 128)
+                    acc[j] = fmaf(d, np.float32(p), acc[j])
+            for j in range(4):
+                lanes[j] = acc[j] + acc[j + 4]
+            out[h, t, c] = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3])
+
+
+def single_row_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts) -> np.ndarray:
+    """The scores q . k [H, n, keys] ggml's generic flash-attention kernel takes from ik's AVX2 Q8_0 kernel, one
+    query row (rounded to Q8_2_X4) against one cache row at a time: per 32-value block d = k scale x q scale (bf16)
+    and the block's products summed 4 bytes a lane into 8 int32 lanes, each lane fma(d, lane, acc); at the end the 8
+    lanes folded i + (i + 4), then (0 + 2) + (1 + 3). Heads of at most SINGLE_ROW_BLOCKS blocks."""
+    n, n_head, d = q.shape
+    n_keys, n_kv = k.shape[0], k.shape[1]
+    if d // 32 > SINGLE_ROW_BLOCKS:
+        raise ValueError(f"heads of {d} take ik's 4-block groups, not reproduced")
+    codec = type_by_name(type_name).require_codec()
+    kq = np.empty((n_kv, n_keys, d), np.int8)
+    kd = np.empty((n_kv, n_keys, d // 32), np.float32)
+    for g in range(n_kv):
+        raw = cache_row_bytes(type_name, np.ascontiguousarray(k[:, g], dtype=np.float32))
+        held = ints(raw, codec.dequantize(raw, d).reshape(n_keys, d))
+        kq[g], kd[g] = held.q, held.scale
+    qu = np.empty((n_head, n, d), np.uint8)
+    qd = np.empty((n_head, n, d // 32), np.float32)
+    for h in range(n_head):
+        rows = integer_rows(q[:, h], Q8_2_X4)
+        qu[h], qd[h] = rows.u[:n], rows.scale[:n]
+    scores = np.empty((n_head, n, n_keys), np.float32)
+    _single_row_scores(qu, qd, kq, kd, n_head // n_kv, scores)
+    return scores
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _signed_byte(x: int) -> int:
+    x &= 0xFF
+    return x - 256 if x > 127 else x
+
+
+@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
+def _q4_0_misread_scores(qu: np.ndarray, qd: np.ndarray, qsum: np.ndarray, kq: np.ndarray, kd: np.ndarray,
+                         group: int, out: np.ndarray) -> None:
+    """out[h, t, c] as ggml's AVX2 Q4_0 x Q8_0 dot reads one Q8_2 query block (q4_0_misread_key_products)."""
+    n_head, n, keys = out.shape
+    d = qu.shape[2]
+    for job in prange(n_head * n):
+        h, t = job // n, job % n
+        g = h // group
+        y = np.empty(d, dtype=np.int32)  # the block's bytes after its first 2, as a Q8_0 block's 32 values
+        y[0], y[1] = _signed_byte(qsum[h, t, 0]), _signed_byte(qsum[h, t, 0] >> 8)
+        for i in range(d - 2):
+            y[2 + i] = np.int32(qu[h, t, i]) - 128
+        yd = f16_bits_to_f32(np.uint16(f32_bits(qd[h, t, 0]) >> np.uint32(16)))
+        acc = np.empty(8, dtype=np.float32)
+        lanes = np.empty(4, dtype=np.float32)
+        for c in range(keys):
+            scale = np.float32(kd[g, c, 0] * yd)
+            for j in range(8):
+                p = np.int32(0)
+                for e in range(4):
+                    x = np.int32(kq[g, c, 4 * j + e])
+                    sy = y[4 * j + e] if x > 0 else (0 if x == 0 else _signed_byte(-y[4 * j + e]))
+                    p += abs(x) * sy
+                acc[j] = scale * np.float32(p)
+            for j in range(4):
+                lanes[j] = acc[j] + acc[j + 4]
+            out[h, t, c] = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3])
+
+
+def q4_0_misread_key_products(q: np.ndarray, k: np.ndarray, ints: ToInts) -> np.ndarray:
+    """The scores q . k [H, n, keys] ggml's generic flash-attention kernel takes over a Q4_0 key cache with heads of
+    32 on ik's AVX2 build: it rounds the query to Q4_0's vec_dot_type, Q8_2_X4 (bf16 scale, int16 sum, 32 int8),
+    but its dot asks ik's kernel for a Q8_0 query, which ik declines, so ggml's own AVX2 Q4_0 x Q8_0 dot reads the
+    block as a Q8_0 one: the bf16 scale's bits as an f16 scale, the sum's two bytes and the first 30 values as the
+    32 values. That dot: scale = k scale x that f16, the products summed 4 a lane (vpsignb on the key's signs: a
+    -128 negated stays -128), each lane scale x lane, folded i + (i + 4), then (0 + 2) + (1 + 3)."""
+    n, n_head, d = q.shape
+    n_keys, n_kv = k.shape[0], k.shape[1]
+    if d != 32:
+        raise ValueError(f"heads of {d} read other bytes, not reproduced")
+    codec = type_by_name("Q4_0").require_codec()
+    kq = np.empty((n_kv, n_keys, d), np.int8)
+    kd = np.empty((n_kv, n_keys, 1), np.float32)
+    for g in range(n_kv):
+        raw = cache_row_bytes("Q4_0", np.ascontiguousarray(k[:, g], dtype=np.float32))
+        held = ints(raw, codec.dequantize(raw, d).reshape(n_keys, d))
+        kq[g], kd[g] = held.q, held.scale
+    qu = np.empty((n_head, n, d), np.uint8)
+    qd = np.empty((n_head, n, 1), np.float32)
+    qsum = np.empty((n_head, n, 1), np.int32)
+    for h in range(n_head):
+        rows = integer_rows(q[:, h], Q8_2_X4)
+        qu[h], qd[h], qsum[h] = rows.u[:n], rows.scale[:n], rows.isums[:n]
+    scores = np.empty((n_head, n, n_keys), np.float32)
+    _q4_0_misread_scores(qu, qd, qsum, kq, kd, n_head // n_kv, scores)
     return scores

@@ -1,0 +1,125 @@
+"""`--flash-attn` over a Q8_0 (and at heads of 32 a Q4_0) key cache: ik's default attention graph against ik's default runs with -ctk q8_0 on a
+native AVX2 ik (tests/data/logits/gqa-fa-ctk-avx2): its own flash-attention kernel (the cache repacked to Q8_0_R8 and
+multiplied in integers with the queries in Q8_2_X4) for qwen3 heads of 64 and 128, ggml's generic one (ik's Q8_0
+kernel one query row and one key at a time) for the test models' heads of 32; the -fa off graph (what auto computed
+before) misses them; the combinations not ported refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikrun.cli import app
+from ikrun.eval.evaluate import perplexity
+from ikrun.eval.metrics import BaseLogitsFile
+from ikrun.kvcache import KvCache
+from ikrun.model import Model
+from ikrun.options import RuntimeOptions
+from tests.family_checks import assert_iks_forward
+from tests.test_flash_attention_gqa import heads  # noqa: F401  (the fixture making the head-64/128 files)
+from tests.test_numerics import _printed
+
+runner = CliRunner()
+DATA = Path(__file__).parent / "data"
+FOLDER = DATA / "logits" / "gqa-fa-ctk-avx2"
+DEFAULT_BASE = DATA / "logits" / "gqa-fa-avx2"
+CONVERT = DATA / "convert"
+
+
+def _model(path: Path, flash_attn: str = "auto", cache: str = "q8_0") -> Model:
+    return Model(path, options=RuntimeOptions(numerics="ik-avx2", ik_threads=2, flash_attn=flash_attn),
+                 cache_type_k=cache)
+
+
+@pytest.mark.parametrize("head", [32, 64, 128])
+def test_ik_avx2_ctk_q8_0_is_iks_default_run(heads: dict[str, Path], head: int, tmp_path: Path) -> None:  # noqa: F811
+    """ik's default run of the F32 files with -ctk q8_0: its base-logits file byte for byte with every running PPL
+    (heads of 32: PPL 542.8500; 64: 802.6416; 128: 826.4552); the -fa off graph (what auto computed before: PPL
+    543.0119 / 802.6414 / 826.4548) misses it."""
+    base, printed = FOLDER / f"qwen3-h{head}-ctk-q8_0-base.kld", FOLDER / f"qwen3-h{head}-ctk-q8_0-base.txt"
+    model = heads[f"h{head}-f32.gguf"]
+    assert_iks_forward(_model(model), base, printed, tmp_path / "fa.kld")
+    perplexity(_model(model, "off"), np.asarray(BaseLogitsFile(base).tokens), save_base=tmp_path / "off.kld")
+    assert (tmp_path / "off.kld").read_bytes() != base.read_bytes()
+
+
+def _kld(model: Path, base: Path, cache: str = "q8_0") -> dict[str, Any]:
+    res = runner.invoke(app, ["kld", str(model), "--base-logits", str(base), "--json", "--numerics", "ik-avx2",
+                              "--ik-threads", "2", "-ctk", cache])
+    assert res.exit_code == 0, res.output
+    return dict(json.loads(res.stdout))
+
+
+@pytest.mark.parametrize("head", [32, 64, 128])
+def test_ik_avx2_ctk_q8_0_kld_is_what_ik_prints_by_default(heads: dict[str, Path], head: int) -> None:  # noqa: F811
+    """The Q8_0 files with -ctk q8_0 against ik's default (F16-cache) base: every figure ik printed, to the digit
+    (heads of 32: KLD 0.000632, PPL(Q) 543.223725; 64: 0.000134, 802.531361; 128: 0.000132, 825.598201); the
+    report names the graph. The -fa off graph prints KLD 0.000623, PPL(Q) 542.047431 at 32, PPL(Q) 802.451363 at 64 and the same figures at 128 (the Q8_0 matmul after attention rounds
+    its activations to int8, which absorbs the two graphs' difference there)."""
+    got = _kld(heads[f"h{head}-q8_0.gguf"], DEFAULT_BASE / f"qwen3-h{head}-base.kld")
+    assert got["flash_attn"] == "on"
+    for key, value in _printed(FOLDER / f"qwen3-h{head}-ctk-q8_0-kld.txt").items():
+        assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), key
+
+
+@pytest.mark.parametrize(("folder", "gguf"), [("qwen3-moe", "ik-f32"), ("glm4-moe", "ik-f32"),
+                                              ("minimax-m2", "ref-f32")])
+def test_ik_avx2_ctk_q8_0_is_iks_default_run_on_the_other_gqa_models(folder: str, gguf: str, tmp_path: Path) -> None:
+    """qwen3moe (PPL 523.3148), glm4moe (590.7626) and minimax-m2 (509.2873), heads of 32, -ctk q8_0: ik's default
+    run byte for byte."""
+    assert_iks_forward(_model(CONVERT / folder / f"{gguf}.gguf"), FOLDER / f"{folder}-ctk-q8_0-base.kld",
+                       FOLDER / f"{folder}-ctk-q8_0-base.txt", tmp_path / "fa.kld")
+
+
+@pytest.mark.parametrize(("folder", "gguf", "ppl"), [("qwen3", "ik-f32", "476.7251"), ("qwen3-moe", "ik-f32", "562.5884"),
+                                                     ("glm4-moe", "ik-f32", "516.4841"),
+                                                     ("minimax-m2", "ref-f32", "512.5022")])
+def test_ik_avx2_ctk_q4_0_is_iks_default_run_at_heads_of_32(folder: str, gguf: str, ppl: str, tmp_path: Path) -> None:
+    """ggml's generic kernel over a Q4_0 key cache, which on ik's AVX2 build reads each Q8_2 query block as a Q8_0
+    one (key_cache.q4_0_misread_key_products): ik's default run byte for byte (PPL as named; the -fa off graph,
+    what auto computed before: 539.7396, 522.6608, 589.2986, 523.2597)."""
+    name = "qwen3-h32" if folder == "qwen3" else folder
+    printed = FOLDER / f"{name}-ctk-q4_0-base.txt"
+    assert f"= {ppl} +/-" in printed.read_text(errors="replace")
+    assert_iks_forward(_model(CONVERT / folder / f"{gguf}.gguf", cache="q4_0"), FOLDER / f"{name}-ctk-q4_0-base.kld",
+                       printed, tmp_path / "fa.kld")
+
+
+def test_ik_avx2_ctk_q4_0_kld_is_what_ik_prints_by_default() -> None:
+    """The qwen3 Q8_0 file with -ctk q4_0 against ik's default base: every figure ik printed, to the digit (KLD
+    0.921939, PPL(Q) 514.086648, same top 0.806%: ik's misread query blocks; the -fa off graph gives 0.005102,
+    540.197088)."""
+    got = _kld(CONVERT / "qwen3" / "ik-q8_0.gguf", DEFAULT_BASE / "qwen3-h32-base.kld", "q4_0")
+    assert got["flash_attn"] == "on"
+    for key, value in _printed(FOLDER / "qwen3-h32-ctk-q4_0-kld.txt").items():
+        assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), key
+
+
+@pytest.mark.parametrize(("head", "flags", "says"), [
+    (64, ["-ctk", "q4_0"], "not a q4_0 one"),
+    (32, ["-ctk", "q8_0", "-khad"], "without -khad"),
+])
+def test_unported_quantized_key_caches_under_flash_attention_are_refused(heads: dict[str, Path], head: int,  # noqa: F811
+                                                                         flags: list[str], says: str) -> None:
+    """ik's own kernel over a Q4_0 cache and either kernel over a Hadamard-rotated one are not ported: --flash-attn
+    on is refused in one line, exit 2."""
+    res = runner.invoke(app, ["logits", str(heads[f"h{head}-f32.gguf"]), "--tokens", "1,2", "--numerics", "ik-avx2",
+                              "--flash-attn", "on", *flags])
+    assert res.exit_code == 2 and says in " ".join(res.output.split()), res.output
+
+
+def test_heads_taking_iks_four_block_groups_are_not_reproduced() -> None:
+    """ggml's generic kernel over a Q8_0 cache at heads of 4 blocks and more (160: ik's Q8_0 kernel sums 4-block
+    groups in another float order), over a Q4_0 cache at heads other than 32 (other bytes misread): refused, so
+    auto keeps -fa off."""
+    numerics = Model(CONVERT / "qwen3" / "ik-f32.gguf", options=RuntimeOptions(numerics="ik-avx2"),
+                     cache_type_k="q8_0").numerics
+    assert numerics.check_flash_attention("qwen3", KvCache("q8_0", "f16"), 32) is None
+    assert "not heads of 160" in str(numerics.check_flash_attention("qwen3", KvCache("q8_0", "f16"), 160))
+    assert "at heads of 32, not 160" in str(numerics.check_flash_attention("qwen3", KvCache("q4_0", "f16"), 160))
+    assert numerics.attention_graph("qwen3", KvCache("q8_0", "f16"), 160) == "off"
