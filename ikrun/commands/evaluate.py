@@ -162,8 +162,9 @@ def settings(m: Model, n_ctx: int) -> str:
     not), as its console report names them."""
     had = "".join(f", {side} Hadamard blocks of {b}" for side, b in (("K", m.cache.k_hadamard),
                                                                      ("V", m.cache.v_hadamard)) if b)
-    paths = "".join(f", flash attention {path}" if key == "flash_attn" else
-                    f", {key.removesuffix('_path').upper()} {path} path" for key, path in m.computed_paths(n_ctx).items())
+    named = {"flash_attn": "flash attention {}", "ik_defect": "reproducing {}"}
+    paths = "".join(", " + named.get(key, key.removesuffix("_path").upper() + " {} path").format(path)
+                    for key, path in m.computed_paths(n_ctx).items())
     return f"K cache {m.cache.k}, V cache {m.cache.v}{had}{paths}"
 
 

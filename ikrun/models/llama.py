@@ -44,9 +44,11 @@ class LlamaFamily(ArchModel):
         self.check_tensors(self._expected())
 
     def computed_paths(self, n_ctx: int) -> dict[str, str]:
-        """ik's attention graph under its arithmetic (--flash-attn)."""
-        graph = self.ctx.numerics.attention_graph(self.ctx.arch, self.ctx.cache, self.head_dim)
-        return {} if graph is None else {"flash_attn": graph}
+        """ik's attention graph under its arithmetic (--flash-attn), and an error of ik's it reproduces."""
+        nx, arch, cache = self.ctx.numerics, self.ctx.arch, self.ctx.cache
+        graph = nx.attention_graph(arch, cache, self.head_dim)
+        defect = nx.reproduced_defect(arch, cache, self.head_dim)
+        return {**({} if graph is None else {"flash_attn": graph}), **({} if defect is None else {"ik_defect": defect})}
 
     def make_attention(self) -> GqaAttention:
         """The attention block: NORM rope for llama (its converter permuted q/k), NEOX otherwise."""

@@ -134,6 +134,11 @@ class Numerics:
         graphs compute."""
         return None
 
+    def reproduced_defect(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
+        """An error of ik's that the attention of an `arch` model with heads of `head_dim` over the caches `kv`
+        reproduces here, for the run's report to name (its figures are ik's, not the model's); None here."""
+        return None
+
     def nextn_own_tables(self, arch: str) -> bool:
         """Whether an `arch` NextN head reads its own embedding and output tables where it carries them
         (transformers' model does; an engine's loader may ignore them)."""

@@ -303,6 +303,14 @@ class IkNumerics(Numerics):
             return "off"
         return "on"
 
+    def reproduced_defect(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
+        """ggml's generic flash-attention kernel over a Q4_0 key cache reads each query block as a Q8_0 one
+        (q4_0_misread_key_products)."""
+        if kv.k == "q4_0" and (head_dim, head_dim) not in IQK_FA_HEADS and \
+                self.attention_graph(arch, kv, head_dim) == "on":
+            return "ik's AVX2 misread of the Q8_2 query blocks over a q4_0 key cache (its figures are wrong)"
+        return None
+
     def check_flash_attention(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
         if arch not in FLASH_ATTENTION_ARCHS:
             return (f"--numerics {self.name} reproduces ik's flash attention on {', '.join(FLASH_ATTENTION_ARCHS)}, "
