@@ -218,19 +218,26 @@ def _q8_k_blocks(decoded: np.ndarray, dsup: np.ndarray, dscale: np.ndarray, inv_
             for r in range(i0, i1):
                 for b in range(dsup.shape[1]):
                     ds = dsup[r, b]
+                    src, dst = decoded[r, b * SUPER:(b + 1) * SUPER], q[r, b * SUPER:(b + 1) * SUPER]
+                    # the branches hoisted out of the value loops, so that each loop is one vector loop
+                    if ds != 0:
+                        for j in range(SUPER):
+                            p[j] = np.rint(src[j] / ds)
+                    else:
+                        p[:] = 0
                     amax = np.float32(0.0)
                     for j in range(SUPER):
-                        v = np.float32(np.rint(decoded[r, b * SUPER + j] / ds)) if ds != 0 else np.float32(0.0)
-                        p[j] = v
-                        amax = max(amax, abs(v))
+                        amax = max(amax, abs(p[j]))
                     dnew = amax * inv_c
                     small = dnew < 1
                     if small:
                         dnew = np.float32(1.0)
-                    inv = np.float32(1.0) / dnew if abs(dnew) > np.float32(1e-9) else np.float32(0.0)
-                    for j in range(SUPER):
-                        v = p[j] if small else min(np.float32(127.0), max(np.float32(-128.0), np.float32(np.rint(p[j] * inv))))
-                        q[r, b * SUPER + j] = np.int8(v)
+                        for j in range(SUPER):
+                            dst[j] = np.int8(p[j])
+                    else:
+                        inv = np.float32(1.0) / dnew if abs(dnew) > np.float32(1e-9) else np.float32(0.0)
+                        for j in range(SUPER):
+                            dst[j] = np.int8(min(np.float32(127.0), max(np.float32(-128.0), np.rint(p[j] * inv))))
                     scale[r, b] = f16_bits_to_f32(f32_to_f16_bits(dscale[r, b] * dnew))
             i0, i1 = claim_items(counter, per, items)
 
