@@ -163,6 +163,39 @@ def test_the_prior_is_the_weighted_squared_error(data_dir: Path, qtype: str) -> 
     assert weighted_error(model, name, t, imat) == pytest.approx(expected, rel=1e-12)
 
 
+def test_the_prior_of_a_large_tensor_is_estimated_from_a_sample_of_its_rows(data_dir: Path) -> None:
+    """A tensor of more rows than the sample: the prior quantizes only the sampled rows (the same share of every
+    expert, evenly spaced) and scales their weighted error to all rows; those rows encode as in the whole tensor
+    (Q8_0's rows do not interact), so the estimate is the whole tensor's error on exactly those rows."""
+    import numpy as np
+
+    from ikquant.imatrix import Imatrix, ImatrixEntry
+    from ikquant.types import type_by_name
+    from ikrun.model import Model
+    from ikrun.sweep.measure import quantized_copy
+    from ikrun.sweep.prune import sampled_rows, weighted_error
+
+    assert sampled_rows(2048, 8, 1, 256).tolist() == [e * 256 + 8 * k for e in range(8) for k in range(32)]
+    assert sampled_rows(16, 1, 4, 8).tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert sampled_rows(100, 1, 1, 256).tolist() == list(range(100))
+    model = Model(data_dir / "convert" / "qwen3-moe" / "ik-f32.gguf")
+    name = "blk.0.ffn_up_exps.weight"  # 4 experts of 32 rows
+    info = model.weights.info(name)
+    t = type_by_name("Q8_0")
+    n_exp = info.ne[2]
+    imat = Imatrix({name: ImatrixEntry(np.arange(1, n_exp * info.n_per_row + 1, dtype=np.float32), 1)})
+    w = imat.lookup(name, info.n_per_row, n_exp, info.n_rows)[0]
+    assert w is not None
+    x = model.weights.source_encoding(name).raw.view(np.float32).reshape(info.n_rows, info.n_per_row)
+    q = t.require_codec().dequantize(quantized_copy(model, name, t, imat)[1], info.n_per_row).reshape(x.shape)
+    d2 = (q.astype(np.float64) - x) ** 2 * w[np.arange(info.n_rows) // (info.n_rows // n_exp)]
+    rows = sampled_rows(info.n_rows, n_exp, 1, 16)
+    assert len(rows) == 16 and sorted(set(rows // 32)) == [0, 1, 2, 3]
+    expected = float(d2[rows].sum()) * info.n_rows / 16
+    assert weighted_error(model, name, t, imat, sample=16) == pytest.approx(expected, rel=1e-12)
+    assert weighted_error(model, name, t, imat, sample=16) != pytest.approx(float(d2.sum()), rel=1e-6)
+
+
 @pytest.fixture(scope="module")
 def six_layers(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A 6-layer tiny Qwen3 (blocks 0, 4 and 5 sampled, 1-3 predicted) and its exhaustive sweep."""

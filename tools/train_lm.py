@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Train a small Qwen3-architecture language model on real text that every machine has (the sources of this
-Python's standard library), save it as a Hugging Face checkpoint, and write disjoint calibration and evaluation
-texts beside it, so that mixes and recipes are judged on a model that has learned something, on text it was not
-tuned on.
+"""Train a small Qwen3-architecture language model (dense, or Qwen3-MoE with `--experts`) on real text that every
+machine has (the sources of this Python's standard library), save it as a Hugging Face checkpoint, and write
+disjoint calibration and evaluation texts beside it, so that mixes and recipes are judged on a model that has
+learned something, on text it was not tuned on.
 
 Needs torch and transformers (`pip install -e '.[train]'`); nothing in the product imports them.
 
@@ -12,6 +12,10 @@ Qwen2's pre-tokenizer (ik's `qwen2`), its merges learned on the training text. W
 that every quantization type fits every weight row. The training is short (a few hundred steps of AdamW on random
 windows): the model is weak, but its predictions are far from uniform and depend on its weights the way a real
 model's do.
+
+With `--experts N` every layer's FFN is N routed experts of width `--expert-ffn`, `--experts-used` of them per
+token (top-k weights renormalised, as every released Qwen3-MoE), trained with transformers' load-balancing loss so
+that the router uses them all: a MoE whose sweeps have per-expert tensors to measure.
 
 Example: python tools/train_lm.py --out /tmp/lm   (then ikconvert hf2gguf /tmp/lm/hf --outtype f32 ...)
 """
@@ -28,7 +32,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from ikconvert.tiny import pretokenizer_regex, tokenizer_files
 
@@ -74,6 +78,10 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=0, help="routed experts per layer (0: a dense Qwen3)")
+    ap.add_argument("--experts-used", type=int, default=2, help="experts per token (with --experts)")
+    ap.add_argument("--expert-ffn", type=int, default=256, help="each expert's FFN width (with --experts)")
+    ap.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss weight (with --experts)")
     ap.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary before the special tokens")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=8)
@@ -94,11 +102,14 @@ def main() -> None:
     (hf / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n", encoding="utf-8")
     tokens = torch.tensor(Tokenizer.from_str(json.dumps(tokenizer)).encode(texts["train"]).ids, dtype=torch.long)
     vocab_size = -(-ids["n_vocab"] // 64) * 64
-    config = Qwen3Config(vocab_size=vocab_size, hidden_size=a.hidden, intermediate_size=a.ffn,
-                         num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                         head_dim=a.hidden // a.heads, max_position_embeddings=4096, rope_theta=1e6,
-                         tie_word_embeddings=False, bos_token_id=ids["bos"], eos_token_id=ids["eos"])
-    model = Qwen3ForCausalLM(config)
+    shape = dict(vocab_size=vocab_size, hidden_size=a.hidden, intermediate_size=a.ffn,
+                 num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                 head_dim=a.hidden // a.heads, max_position_embeddings=4096, rope_theta=1e6,
+                 tie_word_embeddings=False, bos_token_id=ids["bos"], eos_token_id=ids["eos"])
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        **shape, num_experts=a.experts, num_experts_per_tok=a.experts_used, moe_intermediate_size=a.expert_ffn,
+        norm_topk_prob=True, router_aux_loss_coef=a.aux_loss)) if a.experts else Qwen3ForCausalLM(Qwen3Config(**shape))
+    router = {"output_router_logits": True} if a.experts else {}
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{n_params / 1e6:.1f}M parameters, {len(tokens) / 1e6:.2f}M training tokens, vocab {vocab_size}",
           flush=True)
@@ -111,14 +122,15 @@ def main() -> None:
     for step in range(a.steps):
         starts = torch.randint(0, len(tokens) - a.ctx - 1, (a.batch,), generator=gen)
         batch = torch.stack([tokens[s : s + a.ctx + 1] for s in starts.tolist()])
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab_size), batch[:, 1:].reshape(-1))
+        out = model(input_ids=batch[:, :-1], **router)
+        loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, vocab_size), batch[:, 1:].reshape(-1))
+        total = loss + a.aux_loss * out.aux_loss if a.experts else loss
         opt.zero_grad()
-        loss.backward()
+        total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % 20 == 0 or step == a.steps - 1:
+        if step % 20 == 0 or step == a.steps - 1 or step < 10:
             print(f"step {step:4d}  loss {loss.item():.3f}  {time.perf_counter() - t0:.0f} s", flush=True)
     model.to(torch.bfloat16).save_pretrained(hf, safe_serialization=True)
     print(f"saved {hf} ({n_params / 1e6:.1f}M parameters); texts: {a.out / 'calib.txt'}, {a.out / 'eval.txt'}")

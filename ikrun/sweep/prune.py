@@ -1,9 +1,10 @@
 """Fewer measurements for the same mix: `ikrun sweep --target-bpw B1,B2` measures only what can change the mixes at
 those budgets and predicts the rest.
 
-A measurement costs a partial forward; a quantization costs far less. So every (group, type) gets a prior, its
-importance-weighted squared quantization error (a quantize and a dequantize: sum over columns of the imatrix's
-mean squared activation times the squared weight error, or the plain squared error without an imatrix). Each group
+A measurement costs a partial forward; a quantization costs far less, and a quantization of a few hundred rows
+less still. So every (group, type) gets a prior, its importance-weighted squared quantization error estimated on
+a sample of its rows (a quantize and a dequantize: sum over columns of the imatrix's mean squared activation times
+the squared weight error, or the plain squared error without an imatrix). Each group
 is then measured at one anchor type (the cheapest swept type: the largest, least noisy effect), which gives its
 sensitivity (measured KLD per unit of weighted error); another type's KLD is predicted as sensitivity x its error,
 the sensitivity taken from the group's measured type nearest in error (the anchor at first). The mixes at the
@@ -35,8 +36,10 @@ from ikrun.model import Model
 from ikrun.sweep.measure import SweepRow, quantized_copy, stored_type
 from ikrun.sweep.predict import Predictor, near_frontier, sampled_groups
 
-#: rows dequantized at a time when computing a prior (bounds the memory of a large expert tensor)
-PRIOR_ROWS = 4096
+#: rows of a tensor its prior quantizes (spread evenly over its importance slices): the prior serves ratios between
+#: types and between groups, which a sample of rows gives; quantizing every row at every type costs as much as all
+#: the quantizations of an exhaustive sweep
+PRIOR_SAMPLE_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -57,28 +60,45 @@ def stored_bytes(model: Model, name: str, gtype: GGMLType) -> int:
     return int(source.raw.nbytes) if used is source.type else used.row_bytes(info.n_per_row) * info.n_rows
 
 
-def weighted_error(model: Model, name: str, gtype: GGMLType, imatrix: Imatrix | None) -> float:
-    """Sum over the tensor's weights of (importance of the column) x (quantized - base)^2."""
+def sampled_rows(n_rows: int, slices: int, row_group: int, sample: int) -> np.ndarray:
+    """About `sample` row indices (all when there are no more), the same share of every importance slice, in
+    whole groups of `row_group` rows (an interleaved type quantizes no fewer), evenly spaced within each slice."""
+    per_slice = n_rows // slices
+    groups_per_slice = per_slice // row_group
+    take = min(groups_per_slice, max(1, -(-sample // (slices * row_group))))
+    starts = np.linspace(0, groups_per_slice, take, endpoint=False).astype(np.int64) * row_group
+    rows = (np.arange(slices)[:, None] * per_slice + starts[None, :])[..., None] + np.arange(row_group)
+    return rows.reshape(-1)
+
+
+def weighted_error(model: Model, name: str, gtype: GGMLType, imatrix: Imatrix | None,
+                   sample: int = PRIOR_SAMPLE_ROWS) -> float:
+    """Sum over the tensor's weights of (importance of the column) x (quantized - base)^2, estimated from about
+    `sample` of its rows (sampled_rows; each slice's sum scaled to all its rows; exact when it has no more)."""
     info = model.weights.info(name)
     n = info.n_per_row
-    used, raw = quantized_copy(model, name, gtype, imatrix)
+    used, _ = stored_type(model, name, gtype)
     source = model.weights.source_encoding(name)
     if used is source.type:
         return 0.0
     n_mat = info.ne[2] if len(info.ne) > 2 else 1
     weights = imatrix.lookup(name, n, n_mat, info.n_rows)[0] if imatrix is not None else None
-    rows_per_group = info.n_rows // (weights.shape[0] if weights is not None else 1)
-    base_codec, new_codec = source.type.require_codec(), used.require_codec()
-    total = 0.0
-    for r0 in range(0, info.n_rows, PRIOR_ROWS):
-        r1 = min(r0 + PRIOR_ROWS, info.n_rows)
-        x = base_codec.dequantize(source.raw[r0:r1], n).reshape(r1 - r0, n).astype(np.float64)
-        q = new_codec.dequantize(raw[r0:r1], n).reshape(r1 - r0, n).astype(np.float64)
-        d2 = (q - x) ** 2
-        if weights is not None:
-            d2 *= weights[np.arange(r0, r1) // rows_per_group]
-        total += float(d2.sum())
-    return total
+    slices = weights.shape[0] if weights is not None else n_mat
+    rows = sampled_rows(info.n_rows, slices, used.row_group, sample)
+    codec = used.require_codec()
+    if len(rows) == info.n_rows:
+        x = source.type.require_codec().dequantize(source.raw, n)
+        q = codec.dequantize(quantized_copy(model, name, gtype, imatrix)[1], n)
+    else:
+        x = source.type.require_codec().dequantize(source.raw[rows], n)
+        per_slice = len(rows) // slices
+        q = np.concatenate([codec.dequantize(codec.quantize(x[k * per_slice:(k + 1) * per_slice],
+                                                            None if weights is None else weights[k]), n)
+                            for k in range(slices)])
+    d2 = (q.astype(np.float64) - x.astype(np.float64)) ** 2
+    if weights is not None:
+        d2 *= weights[rows // (info.n_rows // slices)]
+    return float(d2.sum()) * info.n_rows / len(rows)
 
 
 def priors(model: Model, groups: dict[str, list[str]], types: list[GGMLType], imatrix: Imatrix | None,
