@@ -102,12 +102,12 @@ def test_ik_avx2_ctk_q4_0_kld_is_what_ik_prints_by_default() -> None:
 
 @pytest.mark.parametrize(("head", "flags", "says"), [
     (64, ["-ctk", "q4_0"], "not a q4_0 one"),
-    (32, ["-ctk", "q8_0", "-khad"], "without -khad"),
+    (64, ["-ctk", "q4_0", "-khad"], "not a q4_0 one"),
 ])
 def test_unported_quantized_key_caches_under_flash_attention_are_refused(heads: dict[str, Path], head: int,  # noqa: F811
                                                                          flags: list[str], says: str) -> None:
-    """ik's own kernel over a Q4_0 cache and either kernel over a Hadamard-rotated one are not ported: --flash-attn
-    on is refused in one line, exit 2."""
+    """ik's own kernel over a Q4_0 cache, Hadamard-rotated or not, is not ported: --flash-attn on is refused in one
+    line, exit 2."""
     res = runner.invoke(app, ["logits", str(heads[f"h{head}-f32.gguf"]), "--tokens", "1,2", "--numerics", "ik-avx2",
                               "--flash-attn", "on", *flags])
     assert res.exit_code == 2 and says in " ".join(res.output.split()), res.output

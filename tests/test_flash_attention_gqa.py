@@ -99,10 +99,11 @@ def test_ik_avx2_q8_0_kld_is_what_ik_prints_by_default(heads: dict[str, Path], h
 
 
 def test_the_report_names_the_attention_graph() -> None:
-    """auto is on over F16 caches and off over a Hadamard-rotated key cache (whose flash attention is not ported);
-    the console line says which."""
+    """auto is on over F16 caches and Hadamard-rotated q4_0 ones, off over an F32 key cache (whose flash attention
+    is not ported); the console line says which."""
     base = FOLDER / "qwen3-h32-base.kld"
-    assert _kld(CONVERT / "qwen3" / "ik-q8_0.gguf", base, "-ctk", "q4_0", "-khad")["flash_attn"] == "off"
+    assert _kld(CONVERT / "qwen3" / "ik-q8_0.gguf", base, "-ctk", "q4_0", "-khad")["flash_attn"] == "on"
+    assert _kld(CONVERT / "qwen3" / "ik-q8_0.gguf", base, "-ctk", "f32")["flash_attn"] == "off"
     res = runner.invoke(app, ["kld", str(CONVERT / "qwen3" / "ik-q8_0.gguf"), "--base-logits", str(base),
                               "--numerics", "ik-avx2", "--ik-threads", "2"])
     assert res.exit_code == 0 and "flash attention on" in " ".join(res.output.split()), res.output
@@ -112,8 +113,8 @@ def test_the_report_names_the_attention_graph() -> None:
     (CONVERT / "qwen3" / "ik-f32.gguf", ["--flash-attn", "on"], "only --numerics ik / ik-avx2 compute"),
     (CONVERT / "qwen3" / "ik-f32.gguf", ["--flash-attn", "off"], "only --numerics ik / ik-avx2 compute"),
     (CONVERT / "qwen3" / "ik-f32.gguf", ["--flash-attn", "maybe", "--numerics", "ik-avx2"], "maybe"),
-    (CONVERT / "qwen3" / "ik-f32.gguf", ["--flash-attn", "on", "--numerics", "ik-avx2", "-ctk", "q4_0", "-khad"],
-     "without -khad"),
+    (CONVERT / "qwen3" / "ik-f32.gguf", ["--flash-attn", "on", "--numerics", "ik", "-ctk", "q8_0", "-khad"],
+     "F16 and F32 key caches only"),
     (CONVERT / "qwen3" / "ik-f32.gguf", ["--flash-attn", "on", "--numerics", "ik", "-ctk", "f32"],
      "not a f32 key cache"),
     (CONVERT / "deepseek-v3" / "ik-f32.gguf", ["--flash-attn", "on", "--numerics", "ik-avx2"],

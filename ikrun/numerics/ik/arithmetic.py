@@ -321,9 +321,6 @@ class IkNumerics(Numerics):
                     f"key cache (give --flash-attn off: ik's -fa off graph)")
         if kv.k == "f16":
             return None
-        if kv.k_hadamard:
-            return (f"--numerics {self.name} reproduces ik's flash attention over a {kv.k} key cache without -khad, "
-                    "not with it (give --flash-attn off: ik's -fa off graph)")
         if (head_dim, head_dim) in IQK_FA_HEADS and kv.k not in FLASH_QUANTIZED_KEYS:
             return (f"--numerics {self.name} reproduces ik's own flash-attention kernel (heads of {head_dim}) over "
                     f"{', '.join(FLASH_QUANTIZED_KEYS)} key caches, not a {kv.k} one (give --flash-attn off: ik's -fa "
@@ -352,6 +349,8 @@ class IkNumerics(Numerics):
                 raise ModelError(f"ik's flash attention splits a one-token batch's keys among its "
                                  f"{self.options.ik_threads} threads (--ik-threads), which is not reproduced; give "
                                  "--flash-attn off or fewer --ik-threads")
+            if kv is not None and kv.k_hadamard:  # ik's graph rotates the queries before either attention graph
+                q = blockwise_hadamard(q, kv.k_hadamard)
             scores = None if kv is None or kv.k == "f16" else self._flash_key_products(q, k, v.shape[2], kv.k)
             return flash_attention(np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32),
