@@ -21,8 +21,8 @@ from ikrun.eval.evaluate import perplexity
 from ikrun.eval.metrics import BaseLogitsFile
 from ikrun.model import Model
 from ikrun.numerics.ik.arithmetic import IQK_FA_HEADS
-from ikrun.numerics.ik.flash_attention import flash_attention_f16
-from ikrun.numerics.ik.iqk_flash_attention import avx2_expf, iqk_flash_attention_f16, k_step_for
+from ikrun.numerics.ik.flash_attention import generic_flash_attention
+from ikrun.numerics.ik.iqk_flash_attention import NO_SCORES, avx2_expf, iqk_flash_attention, k_step_for
 from ikrun.options import RuntimeOptions
 from tests.family_checks import assert_iks_forward
 from tests.iqk_fa_cases import CASES, GENERIC_CASES, case_inputs
@@ -53,7 +53,7 @@ def test_one_visible_key_gives_its_value_and_the_rest_is_a_softmax_in_f16() -> N
     q = rng.standard_normal((2, 40, 48)).astype(np.float32)
     k, v = _f16(rng.standard_normal((2, 40, 48)).astype(np.float32)), _f16(rng.standard_normal((2, 40, 32)))
     out = np.empty((2, 40, 32), dtype=np.float32)
-    flash_attention_f16(q, k, v, 0.2, 0, out)
+    generic_flash_attention(q, k, NO_SCORES, v, 0.2, 0, out)
     np.testing.assert_array_equal(out[:, 0], v[:, 0])
     s = np.einsum("htd,hsd->hts", _f16(q).astype(np.float64), k.astype(np.float64)) * 0.2
     s[:, np.triu_indices(40, 1)[0], np.triu_indices(40, 1)[1]] = -np.inf
@@ -105,9 +105,9 @@ def test_iqk_kernel_is_iks_bit_for_bit(case: Any) -> None:
     q, k, v, scale = case_inputs(case)
     n_keys = case.first + case.n_q
     out = np.empty((case.n_head, case.n_q, case.dv), dtype=np.float32)
-    iqk_flash_attention_f16(q, np.ascontiguousarray(k[:, :n_keys], dtype=np.float32),
-                            np.ascontiguousarray(v[:, :n_keys], dtype=np.float32), float(scale), case.first,
-                            k_step_for(case.dk, case.dv, case.n_kv), out)
+    iqk_flash_attention(q, np.ascontiguousarray(k[:, :n_keys], dtype=np.float32), NO_SCORES,
+                        np.ascontiguousarray(v[:, :n_keys], dtype=np.float32), float(scale), case.first,
+                        k_step_for(case.dk, case.dv, case.n_kv), out)
     with np.load(IQK_OUTPUTS) as theirs:
         np.testing.assert_array_equal(out, theirs[case.name])
 
@@ -119,8 +119,8 @@ def test_generic_kernel_is_iks_bit_for_bit(case: Any) -> None:
     q, k, v, scale = case_inputs(case)
     n_keys = case.first + case.n_q
     out = np.empty((case.n_head, case.n_q, case.dv), dtype=np.float32)
-    flash_attention_f16(q, np.ascontiguousarray(k[:, :n_keys], dtype=np.float32),
-                        np.ascontiguousarray(v[:, :n_keys], dtype=np.float32), float(scale), case.first, out)
+    generic_flash_attention(q, np.ascontiguousarray(k[:, :n_keys], dtype=np.float32), NO_SCORES,
+                            np.ascontiguousarray(v[:, :n_keys], dtype=np.float32), float(scale), case.first, out)
     with np.load(IQK_OUTPUTS) as theirs:
         np.testing.assert_array_equal(out, theirs[case.name])
 

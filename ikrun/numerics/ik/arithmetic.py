@@ -27,7 +27,7 @@ from ikrun.numerics.ik.delta_net import (
     ik_delta_rule,
     ik_sigmoid_array,
 )
-from ikrun.numerics.ik.flash_attention import flash_attention_f16, flash_attention_scored
+from ikrun.numerics.ik.flash_attention import generic_flash_attention
 from ikrun.numerics.ik.formats import (
     IK_FLOAT_TYPES,
     IK_KERNELS,
@@ -39,7 +39,7 @@ from ikrun.numerics.ik.formats import (
     round_activations,
 )
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
-from ikrun.numerics.ik.iqk_flash_attention import iqk_flash_attention_f16, iqk_flash_attention_scored, k_step_for
+from ikrun.numerics.ik.iqk_flash_attention import NO_SCORES, iqk_flash_attention, k_step_for
 from ikrun.numerics.ik.key_cache import (
     SINGLE_ROW_BLOCKS,
     key_cells,
@@ -97,17 +97,13 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
     n_head, n, head_k = q.shape
     n_keys, head_v = k.shape[1], v.shape[2]
     out = np.empty((n_head, n, head_v), dtype=np.float32)
+    given = NO_SCORES if scores is None else scores
     if (head_k, head_v) in IQK_FA_HEADS:
         n_kv = -(-n_keys // FA_CACHE_PADDING) * FA_CACHE_PADDING
         k_step = k_step_for(head_k, head_v, n_kv)
-        if scores is not None:
-            iqk_flash_attention_scored(scores, v, float(np.float32(scale)), n_keys - n, k_step, out)
-        else:
-            iqk_flash_attention_f16(q, k, v, float(np.float32(scale)), n_keys - n, k_step, out)
-    elif scores is not None:
-        flash_attention_scored(scores, v, float(np.float32(scale)), n_keys - n, out)
+        iqk_flash_attention(q, k, given, v, float(np.float32(scale)), n_keys - n, k_step, out)
     else:
-        flash_attention_f16(q, k, v, float(np.float32(scale)), n_keys - n, out)
+        generic_flash_attention(q, k, given, v, float(np.float32(scale)), n_keys - n, out)
     return out
 
 

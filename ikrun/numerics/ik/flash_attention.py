@@ -77,41 +77,28 @@ def _store(sums: np.ndarray, total: np.float32, out: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
-def flash_attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, first: int,
-                        out: np.ndarray) -> None:
+def generic_flash_attention(q: np.ndarray, k: np.ndarray, scores: np.ndarray, v: np.ndarray, scale: float, first: int,
+                            out: np.ndarray) -> None:
     """Causal attention of q [H, n, Dk] (float32) against k [H_kv, n_keys, Dk] and v [H_kv, n_keys, Dv] (f16 values
     held in float32; query head h reads key/value head h // (H / H_kv), ggml's broadcast), query t at position first + t
-    seeing keys 0..first + t; out [H, n, Dv]."""
-    n_head, n, dk = q.shape
-    group = n_head // k.shape[0]
+    seeing keys 0..first + t; out [H, n, Dv]. `scores` [H, n, n_keys]: the products q . k ik's integer kernel computed
+    one query row and one key at a time over a quantized key cache (key_cache.single_row_key_products), or empty
+    (iqk_flash_attention.NO_SCORES): the f16 dot over F16 keys."""
+    n_head, n = out.shape[0], out.shape[1]
+    dk = q.shape[2]
+    group = n_head // v.shape[0]
+    given = scores.size > 0
     sc = np.float32(scale)
     for job in prange(n_head * n):
         h, t = job // n, job % n
         g = h // group
-        qh = np.empty(dk, dtype=np.float32)
-        for d in range(dk):
+        qh = np.empty(0 if given else dk, dtype=np.float32)
+        for d in range(qh.size):
             qh[d] = _f16(q[h, t, d])
         sums = np.zeros(v.shape[2], dtype=np.float32)
         total = np.float32(0.0)
         top = np.float32(-np.inf)
         for s in range(first + t + 1):
-            total, top = _key_step(np.float32(_dot_f16(k[g, s], qh) * sc), v[g, s], sums, total, top)
-        _store(sums, total, out[h, t])
-
-
-@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
-def flash_attention_scored(scores: np.ndarray, v: np.ndarray, scale: float, first: int, out: np.ndarray) -> None:
-    """The same attention over a quantized key cache, whose products q . k [H, n, n_keys] ik's integer kernel
-    computed one query row and one key at a time (key_cache.single_row_key_products); out [H, n, Dv]."""
-    n_head, n, _ = scores.shape
-    group = n_head // v.shape[0]
-    sc = np.float32(scale)
-    for job in prange(n_head * n):
-        h, t = job // n, job % n
-        g = h // group
-        sums = np.zeros(v.shape[2], dtype=np.float32)
-        total = np.float32(0.0)
-        top = np.float32(-np.inf)
-        for s in range(first + t + 1):
-            total, top = _key_step(np.float32(scores[h, t, s] * sc), v[g, s], sums, total, top)
+            score = scores[h, t, s] if given else _dot_f16(k[g, s], qh)
+            total, top = _key_step(np.float32(score * sc), v[g, s], sums, total, top)
         _store(sums, total, out[h, t])

@@ -12,7 +12,7 @@ R = fma(v, p, R) key after key, in float32. At the end R * (1 / S).
 
 Over a Q8_0 key cache ik's kernel takes the scores from its integer kernel instead of the float dot (from 8 query
 rows on the cache repacked to Q8_0_R8, the queries rounded to Q8_2_X4: key_cache.key_products), then the same
-softmax and F16 values (iqk_flash_attention_scored).
+softmax and F16 values (iqk_flash_attention's `scores`).
 
 Each row's arithmetic depends on neither the rows ik tiles with it nor its thread count: for a batch of tokens
 (rows of one head per call) ik's threads split heads and rows, never keys. Keys beyond the last visible one (ik's
@@ -28,6 +28,8 @@ from ikquant.formats.numeric import f32_bits, f32_from_bits, fmaf
 
 #: AVX2 float lanes
 LANES = 8
+#: the `scores` of a flash attention over F16 keys: none, the kernel takes the float dot
+NO_SCORES = np.zeros((0, 0, 0), np.float32)
 #: head sizes whose kernel ik instantiates with 32-key blocks whatever the cache length (iqk_fa_320_256 / 576_512)
 SHORT_BLOCK_HEADS = ((320, 256), (576, 512))
 
@@ -128,38 +130,16 @@ def _store(sums: np.ndarray, total: np.float32, out: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
-def iqk_flash_attention_f16(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, first: int, k_step: int,
-                            out: np.ndarray) -> None:
+def iqk_flash_attention(q: np.ndarray, k: np.ndarray, scores: np.ndarray, v: np.ndarray, scale: float, first: int,
+                        k_step: int, out: np.ndarray) -> None:
     """Causal attention of q [H, n, Dk] (float32) against k [H_kv, n_keys, Dk] and v [H_kv, n_keys, Dv] (f16 values
     held in float32; query head h reads key/value head h // (H / H_kv), ggml's broadcast), query t at position first + t
-    seeing keys 0..first + t, in blocks of k_step keys; out [H, n, Dv]."""
-    n_head, n, _ = q.shape
-    group = n_head // k.shape[0]
-    sc = np.float32(scale)
-    for job in prange(n_head * n):
-        h, t = job // n, job % n
-        g = h // group
-        visible = first + t + 1
-        s = np.empty(k_step, dtype=np.float32)
-        p = np.empty(k_step, dtype=np.float32)
-        sums = np.zeros(v.shape[2], dtype=np.float32)
-        total = np.float32(0.0)
-        top = np.float32(-np.inf)
-        for b0 in range(0, visible, k_step):
-            n_in = min(k_step, visible - b0)
-            for l in range(n_in):
-                s[l] = _dot(q[h, t], k[g, b0 + l]) * sc
-            total, top = _block_step(s, n_in, p, v, g, b0, sums, total, top)
-        _store(sums, total, out[h, t])
-
-
-@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
-def iqk_flash_attention_scored(scores: np.ndarray, v: np.ndarray, scale: float, first: int, k_step: int,
-                               out: np.ndarray) -> None:
-    """The same attention over a quantized key cache, whose products q . k [H, n, n_keys] ik's integer kernel
-    computed (key_cache.key_products); v [H_kv, n_keys, Dv] f16 values held in float32; out [H, n, Dv]."""
-    n_head, n, _ = scores.shape
+    seeing keys 0..first + t, in blocks of k_step keys; out [H, n, Dv]. `scores` [H, n, n_keys]: the products q . k
+    ik's integer kernel computed over a quantized key cache (key_cache.key_products), or empty (NO_SCORES): the float
+    dot over F16 keys."""
+    n_head, n = out.shape[0], out.shape[1]
     group = n_head // v.shape[0]
+    given = scores.size > 0
     sc = np.float32(scale)
     for job in prange(n_head * n):
         h, t = job // n, job % n
@@ -173,6 +153,6 @@ def iqk_flash_attention_scored(scores: np.ndarray, v: np.ndarray, scale: float, 
         for b0 in range(0, visible, k_step):
             n_in = min(k_step, visible - b0)
             for l in range(n_in):
-                s[l] = scores[h, t, b0 + l] * sc
+                s[l] = (scores[h, t, b0 + l] if given else _dot(q[h, t], k[g, b0 + l])) * sc
             total, top = _block_step(s, n_in, p, v, g, b0, sums, total, top)
         _store(sums, total, out[h, t])
