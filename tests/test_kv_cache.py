@@ -194,9 +194,10 @@ def test_ik_avx2_prints_iks_figures_with_a_quantized_k_cache(case: str, flags: l
 
 
 def test_ik_avx2_writes_iks_base_logits_with_a_hadamard_q4_0_k_cache(tmp_path: Path) -> None:
-    """ik's base-logits file of a -ctk q4_0 -khad run (8 chunks, -t 2) byte for byte, with every running PPL."""
-    model = Model(QWEN3, options=RuntimeOptions(numerics="ik-avx2", ik_threads=2), cache_type_k="q4_0",
-                  k_cache_hadamard=True)
+    """ik's base-logits file of a -ctk q4_0 -khad -fa off run (8 chunks, -t 2) byte for byte, with every running
+    PPL."""
+    model = Model(QWEN3, options=RuntimeOptions(numerics="ik-avx2", ik_threads=2, flash_attn="off"),
+                  cache_type_k="q4_0", k_cache_hadamard=True)
     assert_iks_forward(model, CTK / "ik-ctk-q4_0-khad-base.kld", CTK / "ik-ctk-q4_0-khad-ppl.txt",
                        tmp_path / "base.kld")
 
