@@ -74,7 +74,7 @@ FLOAT_CACHES = ("f32", "f16", "bf16")
 QUANTIZED_KEY_ARCHS = ("qwen3", "qwen3moe", "glm4moe", "minimax-m2")
 #: the quantized key caches (ik's names) whose flash attention in ik's own kernel (IQK_FA_HEADS) is reproduced: it
 #: repacks a Q8_0 cache to Q8_0_R8 from FLASH_REPACK_ROWS query rows on and multiplies it with the queries in Q8_2_X4
-#: (ggml's generic kernel takes every quantized key cache of the arithmetic, key_cache.SINGLE_ROW_OFFSET)
+#: (ggml's generic kernel takes every quantized key cache of the arithmetic, up to key_cache.SINGLE_ROW_BLOCKS)
 FLASH_QUANTIZED_KEYS = ("q8_0",)
 FLASH_REPACK_ROWS = 8
 #: ik's KV cache length is a multiple of this with flash attention on (llama_kv_cache::get_padding)
@@ -337,6 +337,8 @@ class IkNumerics(Numerics):
         cache its integer K x Q product (key_cache.py) feeds the same softmax and values. `flash`: ik's flash
         attention over its caches instead (flash_attention), for attention_graph "on"."""
         scale = float(np.float32(1.0) / np.sqrt(np.float32(head_dim)))  # 1.0f / sqrtf
+        if kv is not None and kv.k_hadamard:  # ik's graph rotates the queries before either attention graph
+            q = blockwise_hadamard(q, kv.k_hadamard)
         if flash:
             n, n_head, _ = q.shape
             n_cells = -(-len(k) // FA_CACHE_PADDING) * FA_CACHE_PADDING
@@ -345,16 +347,12 @@ class IkNumerics(Numerics):
                 raise ModelError(f"ik's flash attention splits a one-token batch's keys among its "
                                  f"{self.options.ik_threads} threads (--ik-threads), which is not reproduced; give "
                                  "--flash-attn off or fewer --ik-threads")
-            if kv is not None and kv.k_hadamard:  # ik's graph rotates the queries before either attention graph
-                q = blockwise_hadamard(q, kv.k_hadamard)
             scores = None if kv is None or kv.k == "f16" else self._flash_key_products(q, k, v.shape[2], kv.k)
             return flash_attention(np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale, scores
                                    ).transpose(1, 0, 2)
         if kv is not None and kv.k in self.quantized_keys:
-            if kv.k_hadamard:
-                q = blockwise_hadamard(q, kv.k_hadamard)
             return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2, self._key_products(q, k, kv.k))
         if head_dim % self.lanes:
             return super().causal_attention(q, k, v, head_dim, window=window, sinks=sinks)

@@ -20,7 +20,7 @@ from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, fmaf
 from ikquant.types import type_by_name
 from ikrun.numerics.ik.attention import KV_CELL_PAD
 from ikrun.numerics.ik.formats import Q8_2_X4, ToInts, integer_rows
-from ikrun.numerics.ik.qgemm import pack, qmatmul
+from ikrun.numerics.ik.qgemm import BlockInts, IntRows, pack, qmatmul
 
 
 def key_cells(n_keys: int) -> int:
@@ -33,18 +33,36 @@ def key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts, fmt
     """The scores q . k [H, n, keys] of queries q [n, H, d] against keys k [keys, H_kv, d] written into a K cache of
     GGML type `type_name`, multiplied as ik's kernel holds the cache rows (`ints`) against the queries rounded to
     activation format `fmt`."""
-    n, n_head, d = q.shape
-    n_keys, n_kv = k.shape[0], k.shape[1]
-    codec = type_by_name(type_name).require_codec()
-    packed = []
-    for g in range(n_kv):
-        raw = cache_row_bytes(type_name, np.ascontiguousarray(k[:, g], dtype=np.float32))
-        packed.append(pack(ints(raw, codec.dequantize(raw, d).reshape(n_keys, d))))
-    group = n_head // n_kv
-    scores = np.empty((n_head, n, n_keys), np.float32)
+    n, n_head, _ = q.shape
+    packed = [pack(held) for held in _cache_ints(k, type_name, ints)]
+    group = n_head // len(packed)
+    scores = np.empty((n_head, n, len(k)), np.float32)
     for h in range(n_head):
         scores[h] = qmatmul(integer_rows(q[:, h], fmt), packed[h // group])
     return scores
+
+
+def _cache_ints(k: np.ndarray, type_name: str, ints: ToInts) -> list[BlockInts]:
+    """Per KV head, the integers ik's kernel holds for keys k [keys, H_kv, d] written into a K cache of GGML type
+    `type_name` (the rows ik's ggml_cpy writes, then `ints` of them)."""
+    n_keys, n_kv, d = k.shape
+    codec = type_by_name(type_name).require_codec()
+    held = []
+    for g in range(n_kv):
+        raw = cache_row_bytes(type_name, np.ascontiguousarray(k[:, g], dtype=np.float32))
+        held.append(ints(raw, codec.dequantize(raw, d).reshape(n_keys, d)))
+    return held
+
+
+def _query_rows(q: np.ndarray) -> list[IntRows]:
+    """Per query head, the queries q [n, H, d] rounded to Q8_2_X4 (the vec_dot_type of Q8_0 and Q4_0)."""
+    return [integer_rows(q[:, h], Q8_2_X4) for h in range(q.shape[1])]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _fold_lanes(acc: np.ndarray) -> np.float32:
+    """ik's AVX2 horizontal sum of 8 float lanes: i + (i + 4), then (0 + 2) + (1 + 3)."""
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 
 
 #: the most 32-value blocks a head of ik's single-row Q8_0 kernel may have: fewer than its 4-block groups, whose
@@ -63,7 +81,6 @@ def _single_row_scores(qu: np.ndarray, qd: np.ndarray, kq: np.ndarray, kd: np.nd
         h, t = job // n, job % n
         g = h // group
         acc = np.empty(8, dtype=np.float32)
-        lanes = np.empty(4, dtype=np.float32)
         for c in range(keys):
             acc[:] = 0.0
             for b in range(nb):
@@ -74,9 +91,7 @@ def _single_row_scores(qu: np.ndarray, qd: np.ndarray, kq: np.ndarray, kd: np.nd
                         i = b * 32 + 4 * j + e
                         p += np.int32(kq[g, c, i]) * (np.int32(qu[h, t, i]) - 128)
                     acc[j] = fmaf(d, np.float32(p), acc[j])
-            for j in range(4):
-                lanes[j] = acc[j] + acc[j + 4]
-            out[h, t, c] = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3])
+            out[h, t, c] = _fold_lanes(acc)
 
 
 def single_row_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts) -> np.ndarray:
@@ -85,23 +100,13 @@ def single_row_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: 
     and the block's products summed 4 bytes a lane into 8 int32 lanes, each lane fma(d, lane, acc); at the end the 8
     lanes folded i + (i + 4), then (0 + 2) + (1 + 3). Heads of at most SINGLE_ROW_BLOCKS blocks."""
     n, n_head, d = q.shape
-    n_keys, n_kv = k.shape[0], k.shape[1]
     if d // 32 > SINGLE_ROW_BLOCKS:
         raise ValueError(f"heads of {d} take ik's 4-block groups, not reproduced")
-    codec = type_by_name(type_name).require_codec()
-    kq = np.empty((n_kv, n_keys, d), np.int8)
-    kd = np.empty((n_kv, n_keys, d // 32), np.float32)
-    for g in range(n_kv):
-        raw = cache_row_bytes(type_name, np.ascontiguousarray(k[:, g], dtype=np.float32))
-        held = ints(raw, codec.dequantize(raw, d).reshape(n_keys, d))
-        kq[g], kd[g] = held.q, held.scale
-    qu = np.empty((n_head, n, d), np.uint8)
-    qd = np.empty((n_head, n, d // 32), np.float32)
-    for h in range(n_head):
-        rows = integer_rows(q[:, h], Q8_2_X4)
-        qu[h], qd[h] = rows.u[:n], rows.scale[:n]
-    scores = np.empty((n_head, n, n_keys), np.float32)
-    _single_row_scores(qu, qd, kq, kd, n_head // n_kv, scores)
+    held, rows = _cache_ints(k, type_name, ints), _query_rows(q)
+    kq, kd = np.stack([x.q for x in held]), np.stack([x.scale for x in held])
+    qu, qd = np.stack([r.u[:n] for r in rows]), np.stack([r.scale[:n] for r in rows])
+    scores = np.empty((n_head, n, len(k)), np.float32)
+    _single_row_scores(qu, qd, kq, kd, n_head // len(held), scores)
     return scores
 
 
@@ -126,7 +131,6 @@ def _q4_0_misread_scores(qu: np.ndarray, qd: np.ndarray, qsum: np.ndarray, kq: n
             y[2 + i] = np.int32(qu[h, t, i]) - 128
         yd = f16_bits_to_f32(np.uint16(f32_bits(qd[h, t, 0]) >> np.uint32(16)))
         acc = np.empty(8, dtype=np.float32)
-        lanes = np.empty(4, dtype=np.float32)
         for c in range(keys):
             scale = np.float32(kd[g, c, 0] * yd)
             for j in range(8):
@@ -136,9 +140,7 @@ def _q4_0_misread_scores(qu: np.ndarray, qd: np.ndarray, qsum: np.ndarray, kq: n
                     sy = y[4 * j + e] if x > 0 else (0 if x == 0 else _signed_byte(-y[4 * j + e]))
                     p += abs(x) * sy
                 acc[j] = scale * np.float32(p)
-            for j in range(4):
-                lanes[j] = acc[j] + acc[j + 4]
-            out[h, t, c] = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3])
+            out[h, t, c] = _fold_lanes(acc)
 
 
 def q4_0_misread_key_products(q: np.ndarray, k: np.ndarray, ints: ToInts) -> np.ndarray:
@@ -149,22 +151,12 @@ def q4_0_misread_key_products(q: np.ndarray, k: np.ndarray, ints: ToInts) -> np.
     32 values. That dot: scale = k scale x that f16, the products summed 4 a lane (vpsignb on the key's signs: a
     -128 negated stays -128), each lane scale x lane, folded i + (i + 4), then (0 + 2) + (1 + 3)."""
     n, n_head, d = q.shape
-    n_keys, n_kv = k.shape[0], k.shape[1]
     if d != 32:
         raise ValueError(f"heads of {d} read other bytes, not reproduced")
-    codec = type_by_name("Q4_0").require_codec()
-    kq = np.empty((n_kv, n_keys, d), np.int8)
-    kd = np.empty((n_kv, n_keys, 1), np.float32)
-    for g in range(n_kv):
-        raw = cache_row_bytes("Q4_0", np.ascontiguousarray(k[:, g], dtype=np.float32))
-        held = ints(raw, codec.dequantize(raw, d).reshape(n_keys, d))
-        kq[g], kd[g] = held.q, held.scale
-    qu = np.empty((n_head, n, d), np.uint8)
-    qd = np.empty((n_head, n, 1), np.float32)
-    qsum = np.empty((n_head, n, 1), np.int32)
-    for h in range(n_head):
-        rows = integer_rows(q[:, h], Q8_2_X4)
-        qu[h], qd[h], qsum[h] = rows.u[:n], rows.scale[:n], rows.isums[:n]
-    scores = np.empty((n_head, n, n_keys), np.float32)
-    _q4_0_misread_scores(qu, qd, qsum, kq, kd, n_head // n_kv, scores)
+    held, rows = _cache_ints(k, "Q4_0", ints), _query_rows(q)
+    kq, kd = np.stack([x.q for x in held]), np.stack([x.scale for x in held])
+    qu, qd = np.stack([r.u[:n] for r in rows]), np.stack([r.scale[:n] for r in rows])
+    qsum = np.stack([r.isums[:n] for r in rows])
+    scores = np.empty((n_head, n, len(k)), np.float32)
+    _q4_0_misread_scores(qu, qd, qsum, kq, kd, n_head // len(held), scores)
     return scores
