@@ -19,7 +19,7 @@ from numba import njit, prange
 
 from ikquant.formats.base import Codec
 from ikquant.formats.numeric import abs_max, fmaf, load_f16, nearest_int_fma, store_f16
-from ikquant.formats.scale_search import make_qkx3_quants, make_qx_quants
+from ikquant.formats.scale_search import make_qkx3_blocks, make_qx_quants
 
 QK_K = 256
 GROUP_MAX_EPS = np.float32(1e-15)
@@ -349,7 +349,7 @@ def _quantize_q2_k_imat(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
         L = np.empty(QK_K, dtype=np.uint8)
         Ls = np.empty(16, dtype=np.uint8)
         Lm = np.empty(16, dtype=np.uint8)
-        w = np.empty(16, dtype=np.float32)
+        w = np.empty((16, 16), dtype=np.float32)
         sw = np.empty(16, dtype=np.float32)
         scales = np.empty(16, dtype=np.float32)
         mins = np.empty(16, dtype=np.float32)
@@ -364,11 +364,12 @@ def _quantize_q2_k_imat(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                 xs = xb[16 * j : 16 * j + 16]
                 sumw = np.float32(0.0)
                 for i in range(16):
-                    w[i] = qw[ib * QK_K + 16 * j + i] * np.sqrt(fmaf(xs[i], xs[i], sigma2))
-                    sumw += w[i]
+                    w[j, i] = qw[ib * QK_K + 16 * j + i] * np.sqrt(fmaf(xs[i], xs[i], sigma2))
+                    sumw += w[j, i]
                 sw[j] = sumw
-                scales[j], m = make_qkx3_quants(3, xs, w, L[16 * j : 16 * j + 16], True)
-                mins[j] = -m
+            make_qkx3_blocks(3, xb.reshape(16, 16), w, L.reshape(16, 16), True, scales, mins)
+            for j in range(16):
+                mins[j] = -mins[j]
             dm = make_qp_quants(15, scales, Ls, sw)
             mm = make_qp_quants(15, mins, Lm, sw)
             store_f16(ob, 80, dm)
@@ -649,7 +650,7 @@ def _quantize_k45_imat(x: np.ndarray, qw: np.ndarray, out: np.ndarray, nmax: int
         L = np.empty(QK_K, dtype=np.uint8)
         Ls = np.empty(8, dtype=np.uint8)
         Lm = np.empty(8, dtype=np.uint8)
-        w = np.empty(32, dtype=np.float32)
+        w = np.empty((8, 32), dtype=np.float32)
         sw = np.empty(8, dtype=np.float32)
         scales = np.empty(8, dtype=np.float32)
         mins = np.empty(8, dtype=np.float32)
@@ -664,11 +665,12 @@ def _quantize_k45_imat(x: np.ndarray, qw: np.ndarray, out: np.ndarray, nmax: int
                 xs = xb[32 * j : 32 * j + 32]
                 sumw = np.float32(0.0)
                 for i in range(32):
-                    w[i] = qw[ib * QK_K + 32 * j + i] * np.sqrt(fmaf(xs[i], xs[i], sigma2))
-                    sumw += w[i]
+                    w[j, i] = qw[ib * QK_K + 32 * j + i] * np.sqrt(fmaf(xs[i], xs[i], sigma2))
+                    sumw += w[j, i]
                 sw[j] = sumw
-                scales[j], m = make_qkx3_quants(nmax, xs, w, L[32 * j : 32 * j + 32], False)
-                mins[j] = -m
+            make_qkx3_blocks(nmax, xb.reshape(8, 32), w, L.reshape(8, 32), False, scales, mins)
+            for j in range(8):
+                mins[j] = -mins[j]
             d_block = make_qp_quants(63, scales, Ls, sw)
             m_block = make_qp_quants(63, mins, Lm, sw)
             if nmax == 31:

@@ -13,7 +13,7 @@ from numba import njit, prange
 
 from ikquant.formats.base import Codec
 from ikquant.formats.numeric import fmaf, load_f16, roundf, store_f16
-from ikquant.formats.scale_search import make_qkx3_quants, make_qx_quants
+from ikquant.formats.scale_search import make_qkx3_blocks, make_qx_quants
 
 QK = 32
 # int32 constants keep the integer code arithmetic 32-bit wide (a plain literal widens it to int64 and halves the
@@ -194,19 +194,27 @@ def _dequantize_q5_0(q: np.ndarray, out: np.ndarray, qk: int) -> None:
 def _quantize_affine(x: np.ndarray, qw: np.ndarray, out: np.ndarray, nmax: int, type_size: int) -> None:
     """Q4_1 (nmax 15) and Q5_1 (nmax 31): codes q in [0, nmax], y = q*d + m."""
     n_rows, n = x.shape
+    nb = n // QK
     weighted = qw.size > 0
     for r in prange(n_rows):
         xr = x[r]
-        L = np.empty(QK, dtype=np.uint8)
-        weight = np.empty(QK, dtype=np.float32)
-        sigma2 = _row_sigma2(xr) if weighted else np.float32(0.0)
-        for ib in range(n // QK):
+        codes = np.empty((nb, QK), dtype=np.uint8)
+        weight = np.empty((nb, QK), dtype=np.float32)
+        ds = np.empty(nb, dtype=np.float32)
+        ms = np.empty(nb, dtype=np.float32)
+        if weighted:
+            # the row's blocks searched together (make_qkx3_blocks runs several side by side)
+            sigma2 = _row_sigma2(xr)
+            for ib in range(nb):
+                _block_weights(xr[ib * QK : (ib + 1) * QK], qw[ib * QK : (ib + 1) * QK], sigma2, weight[ib])
+            make_qkx3_blocks(nmax, xr.reshape(nb, QK), weight, codes, False, ds, ms)
+        for ib in range(nb):
             base = ib * QK
             xb = xr[base : base + QK]
             o = ib * type_size
+            L = codes[ib]
             if weighted:
-                _block_weights(xb, qw[base : base + QK], sigma2, weight)
-                d, m = make_qkx3_quants(nmax, xb, weight, L, False)
+                d, m = ds[ib], ms[ib]
             else:
                 m = np.float32(np.finfo(np.float32).max)
                 mx = -m

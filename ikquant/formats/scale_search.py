@@ -9,9 +9,12 @@ where it vectorised a loop.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
 
-from ikquant.formats.numeric import abs_max, fma64, fmaf, nearest_int_fma
+from ikquant.formats.jit import intrinsic
+from ikquant.formats.numeric import abs_bits_max, abs_max, f32_bits, fma64, fmaf, nearest_int_fma
 
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
 
@@ -153,22 +156,15 @@ def _qkx3_fit(sum_w: float, sum_x: float, sum_l: float, sum_l2: float, sum_xl: f
 
 
 @njit(**NJIT)
-def make_qkx3_quants(nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, fused_sum_x2: bool
-                     ) -> tuple[np.float32, np.float32]:
-    """ik's weighted scale-and-min search (rmin -0.9, rdelta 0.05, nstep 36, squared error: the settings of every
-    caller in ik) over len(x) values.
-
-    Returns (scale, min) with min <= 0, so y = scale*L + min; L receives codes in [0, nmax]. The moments are in
-    float64 as in ik; fused and unfused steps follow ik's GCC build, which fuses the x^2 sum in the 16-value copy
-    (Q2_K) but not in the 32-value ones (Q4_K, Q5_K, Q4_1, Q5_1): `fused_sum_x2` selects which.
-    """
-    n = x.size
+def _qkx3_moments(x: np.ndarray, w: np.ndarray, fused_sum_x2: bool
+                  ) -> tuple[np.float32, np.float32, float, float, float]:
+    """(min clamped to <= 0, max, sum w, sum w x, sum w x^2) of a block, the sums in float64 in ik's order."""
     mn = x[0]
     mx = x[0]
     sum_w = np.float64(w[0])
     sum_x = sum_w * np.float64(x[0])
     sum_x2 = sum_x * np.float64(x[0])
-    for i in range(1, n):
+    for i in range(1, x.size):
         if x[i] < mn:
             mn = x[i]
         if x[i] > mx:
@@ -181,24 +177,112 @@ def make_qkx3_quants(nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, fus
         sum_x2 = fma64(wx, xi, sum_x2) if fused_sum_x2 else sum_x2 + wx * xi
     if mn > 0:
         mn = np.float32(0.0)
-    if mx - mn < np.float32(1e-10):
-        for i in range(n):
-            L[i] = 0
-        return np.float32(0.0), mn
-    fnmax = np.float32(nmax)
-    iscale = fnmax / (mx - mn)
+    return mn, mx, sum_w, sum_x, sum_x2
+
+
+@njit(**NJIT)
+def _qkx3_start(nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, mn: np.float32, mx: np.float32
+                ) -> tuple[np.float32, float]:
+    """The codes of the plain grid over [min, max] into L; returns (its scale, its weighted squared error)."""
+    iscale = np.float32(nmax) / (mx - mn)
     scale = np.float32(1.0) / iscale
     best_mad = 0.0
-    for i in range(n):
+    for i in range(x.size):
         l = min(nmax, max(0, nearest_int_fma(x[i] - mn, iscale)))
         L[i] = l
         diff = fma64(np.float64(l), np.float64(scale), np.float64(mn)) - np.float64(x[i])
         best_mad = fma64(np.float64(w[i]), diff * diff, best_mad)
+    return scale, best_mad
+
+
+@njit(**NJIT)
+def _trial_iscale(step: int, nmax: int, mn: np.float32, mx: np.float32) -> np.float32:
+    """The inverse scale of trial `step` (rmin -0.9, rdelta 0.05) over [min, max]."""
+    return (fmaf(np.float32(step), np.float32(0.05), np.float32(-0.9)) + np.float32(nmax)) / (mx - mn)
+
+
+@njit(**NJIT)
+def _qkx3_refine(nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, scale: np.float32, mn: np.float32,
+                 sum_w: float, sum_x: float) -> tuple[np.float32, np.float32]:
+    """ik's greedy pass after the trials: moves one code at a time by the largest residual while the fit
+    improves; returns the final (scale, min)."""
+    n = x.size
+    sum_l = 0.0
+    sum_l2 = 0.0
+    sum_xl = 0.0
+    for i in range(n):
+        fl = np.float64(L[i])
+        wl = np.float64(w[i]) * fl
+        sum_l2 = fma64(fl, wl, sum_l2)
+        sum_l += wl
+        sum_xl = fma64(np.float64(x[i]), wl, sum_xl)
+    best = _qkx3_gain(np.float64(scale), np.float64(mn), sum_w, sum_x, sum_l, sum_l2, sum_xl)
+    last_j = -1
+    last_dir = 0
+    top = np.int32(nmax)
+    # per code, |residual| as float bits where the code may move that way (else 0): the largest, first found, is
+    # ik's choice, found with a branch-free pass and an integer maximum (both vectorise)
+    movable = np.empty(n, np.uint32)
+    for _ in range(nmax * n):
+        for j in range(n):
+            lj = np.int32(L[j])
+            g = fmaf(-scale, np.float32(lj), x[j]) - mn
+            ok = ((g > 0) & (lj < top)) | ((g < 0) & (lj > 0))
+            movable[j] = (f32_bits(g) & np.uint32(0x7FFFFFFF)) if ok else np.uint32(0)
+        gbits = np.uint32(0)
+        for j in range(n):
+            gbits = abs_bits_max(gbits, movable[j])
+        if gbits == 0:
+            break
+        best_j = 0
+        while movable[best_j] != gbits:
+            best_j += 1
+        direction = 1 if fmaf(-scale, np.float32(L[best_j]), x[best_j]) - mn > 0 else -1
+        if best_j == last_j and direction == -last_dir:
+            break
+        wj = np.float64(w[best_j])
+        fd = np.float64(direction)
+        lj = np.int32(L[best_j])
+        sum_l = fma64(wj, fd, sum_l)
+        sum_l2 = fma64(wj, np.float64(2 * lj * direction + 1), sum_l2)
+        sum_xl = fma64(np.float64(x[best_j]) * wj, fd, sum_xl)
+        D, this_scale, this_min = _qkx3_fit(sum_w, sum_x, sum_l, sum_l2, sum_xl)
+        if D <= 0 or this_scale < 0:
+            break
+        score = _qkx3_gain(this_scale, this_min, sum_w, sum_x, sum_l, sum_l2, sum_xl)
+        if score <= best:
+            break
+        best = score
+        scale = np.float32(this_scale)
+        mn = np.float32(this_min)
+        L[best_j] = lj + direction
+        last_j = best_j
+        last_dir = direction
+    return scale, mn
+
+
+@njit(**NJIT)
+def make_qkx3_quants(nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, fused_sum_x2: bool
+                     ) -> tuple[np.float32, np.float32]:
+    """ik's weighted scale-and-min search (rmin -0.9, rdelta 0.05, nstep 36, squared error: the settings of every
+    caller in ik) over len(x) values.
+
+    Returns (scale, min) with min <= 0, so y = scale*L + min; L receives codes in [0, nmax]. The moments are in
+    float64 as in ik; fused and unfused steps follow ik's GCC build, which fuses the x^2 sum in the 16-value copy
+    (Q2_K) but not in the 32-value ones (Q4_K, Q5_K, Q4_1, Q5_1): `fused_sum_x2` selects which.
+    """
+    n = x.size
+    mn, mx, sum_w, sum_x, sum_x2 = _qkx3_moments(x, w, fused_sum_x2)
+    if mx - mn < np.float32(1e-10):
+        for i in range(n):
+            L[i] = 0
+        return np.float32(0.0), mn
+    scale, best_mad = _qkx3_start(nmax, x, w, L, mn, mx)
     # a trial's codes in a vectorised pass (32-bit clamp), then its float64 sums in ik's order
     Laux = np.empty(n, dtype=np.int32)
     top = np.int32(nmax)
     for step in range(37):
-        iscale = (fmaf(np.float32(step), np.float32(0.05), np.float32(-0.9)) + fnmax) / (mx - mn)
+        iscale = _trial_iscale(step, nmax, mn, mx)
         sum_l = 0.0
         sum_l2 = 0.0
         sum_xl = 0.0
@@ -220,51 +304,126 @@ def make_qkx3_quants(nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, fus
                 best_mad = mad
                 scale = np.float32(this_scale)
                 mn = np.float32(this_min)
-    sum_l = 0.0
-    sum_l2 = 0.0
-    sum_xl = 0.0
-    for i in range(n):
-        fl = np.float64(L[i])
-        wl = np.float64(w[i]) * fl
-        sum_l2 = fma64(fl, wl, sum_l2)
-        sum_l += wl
-        sum_xl = fma64(np.float64(x[i]), wl, sum_xl)
-    best = _qkx3_gain(np.float64(scale), np.float64(mn), sum_w, sum_x, sum_l, sum_l2, sum_xl)
-    last_j = -1
-    last_dir = 0
-    for _ in range(nmax * n):
-        gmax = np.float32(0.0)
-        best_j = -1
-        direction = 0
-        for j in range(n):
-            lj = np.int32(L[j])
-            g = fmaf(-scale, np.float32(lj), x[j]) - mn
-            if g > 0 and lj < nmax and g > gmax:
-                gmax = g
-                best_j = j
-                direction = 1
-            elif g < 0 and lj > 0 and -g > gmax:
-                gmax = -g
-                best_j = j
-                direction = -1
-        if best_j < 0 or (best_j == last_j and direction == -last_dir):
-            break
-        wj = np.float64(w[best_j])
-        fd = np.float64(direction)
-        lj = np.int32(L[best_j])
-        sum_l = fma64(wj, fd, sum_l)
-        sum_l2 = fma64(wj, np.float64(2 * lj * direction + 1), sum_l2)
-        sum_xl = fma64(np.float64(x[best_j]) * wj, fd, sum_xl)
-        D, this_scale, this_min = _qkx3_fit(sum_w, sum_x, sum_l, sum_l2, sum_xl)
-        if D <= 0 or this_scale < 0:
-            break
-        score = _qkx3_gain(this_scale, this_min, sum_w, sum_x, sum_l, sum_l2, sum_xl)
-        if score <= best:
-            break
-        best = score
-        scale = np.float32(this_scale)
-        mn = np.float32(this_min)
-        L[best_j] = lj + direction
-        last_j = best_j
-        last_dir = direction
-    return scale, mn
+    return _qkx3_refine(nmax, x, w, L, scale, mn, sum_w, sum_x)
+
+
+#: blocks whose trial scales make_qkx3_blocks computes side by side (four float64 lanes of an AVX2 register)
+LANES = 4
+_F32, _F64, _I32, _I64 = ir.FloatType(), ir.DoubleType(), ir.IntType(32), ir.IntType(64)
+_V4F, _V4D, _V4I = ir.VectorType(_F32, LANES), ir.VectorType(_F64, LANES), ir.VectorType(_I32, LANES)
+
+
+def _splat(builder: ir.IRBuilder, value: ir.Value, vty: ir.VectorType) -> ir.Value:
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_V4I, [0] * LANES))
+
+
+@intrinsic
+def _lane_trial(typingctx, xt, wt, mn, iscale, top, codes, sums):  # type: ignore[no-untyped-def]
+    """One trial scale for LANES blocks side by side (xt, wt, codes: [n, LANES]; mn, iscale: [LANES]): each lane's
+    codes min(top, max(0, nearest_int(iscale (x - mn)))) into `codes` and its float64 sums w l, w l^2, w x l into
+    sums [3, LANES], every lane in ik's order (the rounding add fused as ik's build fuses it).
+
+    Written as vector IR because LLVM does not vectorise four independent reduction chains: one <4 x double>
+    multiply-add advances all four lanes' sums."""
+    sig = types.void(xt, wt, mn, iscale, types.int32, codes, sums)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        xt_v, wt_v, mn_v, isc_v, top_v, codes_v, sums_v = args
+        data = [context.make_array(t)(context, builder, value=v).data
+                for t, v in zip(signature.args, args) if isinstance(t, types.Array)]
+        x_p, w_p, mn_p, isc_p, c_p, s_p = data
+        n = builder.extract_value(context.make_array(signature.args[0])(context, builder, value=xt_v).shape, 0)
+
+        def vec_at(ptr: ir.Value, index: ir.Value, vty: ir.VectorType) -> ir.Value:
+            return builder.bitcast(builder.gep(ptr, [index]), vty.as_pointer())
+
+        vmn = builder.load(vec_at(mn_p, ir.Constant(_I64, 0), _V4F), align=4)
+        visc = builder.load(vec_at(isc_p, ir.Constant(_I64, 0), _V4F), align=4)
+        vtop = _splat(builder, top_v, _V4I)
+        zero_i = ir.Constant(_V4I, [0] * LANES)
+        magic = ir.Constant(_V4F, [12582912.0] * LANES)
+        fma4f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V4F, [_V4F] * 3), "llvm.fma.v4f32")
+        fma4d = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V4D, [_V4D] * 3), "llvm.fma.v4f64")
+        acc = [cgutils.alloca_once_value(builder, ir.Constant(_V4D, [0.0] * LANES)) for _ in range(3)]
+        with cgutils.for_range(builder, n) as loop:
+            off = builder.mul(loop.index, ir.Constant(_I64, LANES))
+            x = builder.load(vec_at(x_p, off, _V4F), align=4)
+            r = builder.call(fma4f, [builder.fsub(x, vmn), visc, magic])
+            q = builder.sub(builder.and_(builder.bitcast(r, _V4I), ir.Constant(_V4I, [0x7FFFFF] * LANES)),
+                            ir.Constant(_V4I, [0x400000] * LANES))
+            q = builder.select(builder.icmp_signed(">", q, zero_i), q, zero_i)
+            q = builder.select(builder.icmp_signed("<", q, vtop), q, vtop)
+            builder.store(q, vec_at(c_p, off, _V4I), align=4)
+            fl = builder.sitofp(q, _V4D)
+            wl = builder.fmul(builder.load(vec_at(w_p, off, _V4D), align=8), fl)
+            builder.store(builder.fadd(builder.load(acc[0]), wl), acc[0])
+            builder.store(builder.call(fma4d, [fl, wl, builder.load(acc[1])]), acc[1])
+            builder.store(builder.call(fma4d, [builder.fpext(x, _V4D), wl, builder.load(acc[2])]), acc[2])
+        for k in range(3):
+            builder.store(builder.load(acc[k]), vec_at(s_p, ir.Constant(_I64, LANES * k), _V4D), align=8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(**NJIT)
+def make_qkx3_blocks(nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, fused_sum_x2: bool,
+                     scales: np.ndarray, mins: np.ndarray) -> None:
+    """make_qkx3_quants over every block (row) of x [blocks, n] (w, L alike), into scales and mins: the same bits.
+
+    Each trial's float64 sums are a chain of dependent multiply-adds that ik's order forbids reassociating, so one
+    block's search waits on latency. The blocks are independent: LANES of them run their trials side by side, each
+    lane its own chain in its own order (a vector multiply-add advances all four)."""
+    nb, n = x.shape
+    top = np.int32(nmax)
+    xt = np.empty((n, LANES), np.float32)
+    wt = np.empty((n, LANES), np.float64)
+    Laux = np.empty((n, LANES), np.int32)
+    mn = np.zeros(LANES, np.float32)
+    mx = np.ones(LANES, np.float32)
+    scale = np.zeros(LANES, np.float32)
+    best_mad = np.zeros(LANES, np.float64)
+    sum_w = np.zeros(LANES, np.float64)
+    sum_x = np.zeros(LANES, np.float64)
+    sum_x2 = np.zeros(LANES, np.float64)
+    live = np.zeros(LANES, np.bool_)
+    iscale = np.empty(LANES, np.float32)
+    sums = np.empty((3, LANES), np.float64)
+    for b0 in range(0, nb - nb % LANES, LANES):
+        for k in range(LANES):
+            b = b0 + k
+            mn[k], mx[k], sum_w[k], sum_x[k], sum_x2[k] = _qkx3_moments(x[b], w[b], fused_sum_x2)
+            live[k] = not (mx[k] - mn[k] < np.float32(1e-10))
+            if live[k]:
+                scale[k], best_mad[k] = _qkx3_start(nmax, x[b], w[b], L[b], mn[k], mx[k])
+            else:
+                L[b] = 0
+                scales[b], mins[b] = np.float32(0.0), mn[k]
+                mn[k], mx[k] = 0.0, 1.0  # a dead lane computes on a harmless range and is never read
+            for i in range(n):
+                xt[i, k] = x[b, i]
+                wt[i, k] = w[b, i]
+        for step in range(37):
+            for k in range(LANES):
+                iscale[k] = _trial_iscale(step, nmax, mn[k], mx[k])
+            _lane_trial(xt, wt, mn, iscale, top, Laux, sums)
+            for k in range(LANES):
+                if not live[k]:
+                    continue
+                D, this_scale, this_min = _qkx3_fit(sum_w[k], sum_x[k], sums[0, k], sums[1, k], sums[2, k])
+                if D > 0:
+                    mad = _qkx3_error(this_scale, this_min, sum_w[k], sum_x[k], sum_x2[k], sums[0, k], sums[1, k],
+                                      sums[2, k])
+                    if mad < best_mad[k]:
+                        for i in range(n):
+                            L[b0 + k, i] = Laux[i, k]
+                        best_mad[k] = mad
+                        scale[k] = np.float32(this_scale)
+                        mn[k] = np.float32(this_min)
+        for k in range(LANES):
+            b = b0 + k
+            if live[k]:
+                scales[b], mins[b] = _qkx3_refine(nmax, x[b], w[b], L[b], scale[k], mn[k], sum_w[k], sum_x[k])
+    for b in range(nb - nb % LANES, nb):
+        scales[b], mins[b] = make_qkx3_quants(nmax, x[b], w[b], L[b], fused_sum_x2)

@@ -1,0 +1,43 @@
+"""make_qkx3_blocks (several blocks' trial scales side by side) against make_qkx3_quants block by block: the same
+codes, scales and mins, bit for bit, on blocks that take every branch (flat blocks, all-positive blocks, zeros of
+both signs, a lone outlier) and block counts that leave a remainder."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import njit
+
+from ikquant.formats.scale_search import LANES, make_qkx3_blocks, make_qkx3_quants
+
+
+@njit(cache=True)
+def _one_by_one(nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, fused: bool, scales: np.ndarray,
+                mins: np.ndarray) -> None:
+    for b in range(x.shape[0]):
+        scales[b], mins[b] = make_qkx3_quants(nmax, x[b], w[b], L[b], fused)
+
+
+def _blocks(n: int, count: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((count, n)).astype(np.float32)
+    w = (rng.lognormal(0, 1, (count, n)) * (x * x + 1)).astype(np.float32)
+    special = [np.full(n, 0.25), np.abs(rng.standard_normal(n)), np.zeros(n), np.where(np.arange(n) % 2, 0.0, -0.0),
+               np.where(np.arange(n) == 3, 40.0, 0.01), -np.abs(rng.standard_normal(n)), np.full(n, -1e-12)]
+    for i, row in enumerate(special[:count]):
+        x[i] = row
+    w[min(count - 1, 8)] = 0.0  # a block whose weights vanish (its fit divides 0 by 0)
+    return x, w
+
+
+@pytest.mark.parametrize("n, nmax, fused", [(32, 15, False), (32, 31, False), (16, 3, True)])
+@pytest.mark.parametrize("count", [1, LANES - 1, LANES, 2 * LANES + 3, 64])
+def test_blocks_equal_one_by_one(n: int, nmax: int, fused: bool, count: int) -> None:
+    x, w = _blocks(n, count, seed=count + n + nmax)
+    got = (np.zeros((count, n), np.uint8), np.zeros(count, np.float32), np.zeros(count, np.float32))
+    want = (np.zeros((count, n), np.uint8), np.zeros(count, np.float32), np.zeros(count, np.float32))
+    make_qkx3_blocks(nmax, x, w, got[0], fused, got[1], got[2])
+    _one_by_one(nmax, x, w, want[0], fused, want[1], want[2])
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1].view(np.uint32), want[1].view(np.uint32))
+    np.testing.assert_array_equal(got[2].view(np.uint32), want[2].view(np.uint32))
