@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from ikquant.formats.scale_search import LANES, make_qkx3_blocks, make_qkx3_quants
+from ikquant.formats.scale_search import LANES, make_qkx3_blocks, make_qkx3_quants, qkx3_scratch
 
 
 @njit(cache=True)
@@ -36,7 +36,7 @@ def test_blocks_equal_one_by_one(n: int, nmax: int, fused: bool, count: int) -> 
     x, w = _blocks(n, count, seed=count + n + nmax)
     got = (np.zeros((count, n), np.uint8), np.zeros(count, np.float32), np.zeros(count, np.float32))
     want = (np.zeros((count, n), np.uint8), np.zeros(count, np.float32), np.zeros(count, np.float32))
-    make_qkx3_blocks(nmax, x, w, got[0], fused, got[1], got[2])
+    make_qkx3_blocks(nmax, x, w, got[0], fused, got[1], got[2], qkx3_scratch(n))
     _one_by_one(nmax, x, w, want[0], fused, want[1], want[2])
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1].view(np.uint32), want[1].view(np.uint32))

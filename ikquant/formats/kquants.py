@@ -19,7 +19,7 @@ from numba import njit, prange
 
 from ikquant.formats.base import Codec
 from ikquant.formats.numeric import abs_max, fmaf, load_f16, nearest_int_fma, store_f16
-from ikquant.formats.scale_search import make_qkx3_blocks, make_qx_quants
+from ikquant.formats.scale_search import make_qkx3_blocks, make_qx_quants, qkx3_scratch, qx_scratch
 
 QK_K = 256
 GROUP_MAX_EPS = np.float32(1e-15)
@@ -346,6 +346,7 @@ def _quantize_q2_k_imat(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
     """Unlike the other types, ik re-derives the codes here from the unrounded dm, mm (not their fp16) via 1/d."""
     n_rows, n = x.shape
     for r in prange(n_rows):
+        scratch = qkx3_scratch(16)
         L = np.empty(QK_K, dtype=np.uint8)
         Ls = np.empty(16, dtype=np.uint8)
         Lm = np.empty(16, dtype=np.uint8)
@@ -367,7 +368,7 @@ def _quantize_q2_k_imat(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                     w[j, i] = qw[ib * QK_K + 16 * j + i] * np.sqrt(fmaf(xs[i], xs[i], sigma2))
                     sumw += w[j, i]
                 sw[j] = sumw
-            make_qkx3_blocks(3, xb.reshape(16, 16), w, L.reshape(16, 16), True, scales, mins)
+            make_qkx3_blocks(3, xb.reshape(16, 16), w, L.reshape(16, 16), True, scales, mins, scratch)
             for j in range(16):
                 mins[j] = -mins[j]
             dm = make_qp_quants(15, scales, Ls, sw)
@@ -474,6 +475,7 @@ def _quantize_q3_k_imat(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
     """Sub-block scales themselves quantized by a weighted make_qx_quants (codes -32..31, weights = their sums)."""
     n_rows, n = x.shape
     for r in prange(n_rows):
+        scratch = qx_scratch(16)
         L = np.empty(QK_K, dtype=np.int8)
         Ls = np.empty(16, dtype=np.int8)
         scales = np.empty(16, dtype=np.float32)
@@ -493,8 +495,8 @@ def _quantize_q3_k_imat(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                     w[i] = qw[ib * QK_K + 16 * j + i] * np.sqrt(fmaf(v, v, sigma2))
                     sumw += w[i]
                 sw[j] = sumw
-                scales[j] = make_qx_quants(16, 4, xb[16 * j : 16 * j + 16], L[16 * j : 16 * j + 16], w)
-            d_block = make_qx_quants(16, 32, scales, Ls, sw)
+                scales[j] = make_qx_quants(16, 4, xb[16 * j : 16 * j + 16], L[16 * j : 16 * j + 16], w, scratch)
+            d_block = make_qx_quants(16, 32, scales, Ls, sw, scratch)
             _pack_q3_k(ob, L, Ls, xb, d_block)
 
 
@@ -647,6 +649,7 @@ def _quantize_k45_imat(x: np.ndarray, qw: np.ndarray, out: np.ndarray, nmax: int
     n_rows, n = x.shape
     bsize = out.shape[1] * QK_K // n
     for r in prange(n_rows):
+        scratch = qkx3_scratch(32)
         L = np.empty(QK_K, dtype=np.uint8)
         Ls = np.empty(8, dtype=np.uint8)
         Lm = np.empty(8, dtype=np.uint8)
@@ -668,7 +671,7 @@ def _quantize_k45_imat(x: np.ndarray, qw: np.ndarray, out: np.ndarray, nmax: int
                     w[j, i] = qw[ib * QK_K + 32 * j + i] * np.sqrt(fmaf(xs[i], xs[i], sigma2))
                     sumw += w[j, i]
                 sw[j] = sumw
-            make_qkx3_blocks(nmax, xb.reshape(8, 32), w, L.reshape(8, 32), False, scales, mins)
+            make_qkx3_blocks(nmax, xb.reshape(8, 32), w, L.reshape(8, 32), False, scales, mins, scratch)
             for j in range(8):
                 mins[j] = -mins[j]
             d_block = make_qp_quants(63, scales, Ls, sw)
@@ -743,6 +746,7 @@ def _quantize_q6_k(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
     n_rows, n = x.shape
     weighted = qw.size > 0
     for r in prange(n_rows):
+        scratch = qx_scratch(16)
         L = np.empty(QK_K, dtype=np.int8)
         scales = np.empty(16, dtype=np.float32)
         w = np.empty(16, dtype=np.float32)
@@ -757,7 +761,7 @@ def _quantize_q6_k(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                 xs = xb[16 * j : 16 * j + 16]
                 for i in range(16):
                     w[i] = qw[ib * QK_K + 16 * j + i] if weighted else xs[i] * xs[i]
-                s = make_qx_quants(16, 32, xs, L[16 * j : 16 * j + 16], w)
+                s = make_qx_quants(16, 32, xs, L[16 * j : 16 * j + 16], w, scratch)
                 scales[j] = s
                 if abs(s) > max_abs_scale:
                     max_abs_scale = abs(s)

@@ -13,7 +13,7 @@ from numba import njit, prange
 
 from ikquant.formats.base import Codec
 from ikquant.formats.numeric import fmaf, load_f16, roundf, store_f16
-from ikquant.formats.scale_search import make_qkx3_blocks, make_qx_quants
+from ikquant.formats.scale_search import make_qkx3_blocks, make_qx_quants, qkx3_scratch, qx_scratch
 
 QK = 32
 # int32 constants keep the integer code arithmetic 32-bit wide (a plain literal widens it to int64 and halves the
@@ -106,6 +106,7 @@ def _quantize_sym(x: np.ndarray, qw: np.ndarray, out: np.ndarray, nmax: int, typ
     weighted = qw.size > 0
     fn = np.float32(nmax)
     for r in prange(n_rows):
+        scratch = qx_scratch(QK)
         xr = x[r]
         L = np.empty(QK, dtype=np.int8)
         weight = np.empty(QK, dtype=np.float32)
@@ -116,7 +117,7 @@ def _quantize_sym(x: np.ndarray, qw: np.ndarray, out: np.ndarray, nmax: int, typ
             o = ib * type_size
             if weighted:
                 _block_weights(xb, qw[base : base + QK], sigma2, weight)
-                d = make_qx_quants(QK, nmax, xb, L, weight)
+                d = make_qx_quants(QK, nmax, xb, L, weight, scratch)
             else:
                 amax = np.float32(0.0)
                 vmax = np.float32(0.0)
@@ -207,7 +208,7 @@ def _quantize_affine(x: np.ndarray, qw: np.ndarray, out: np.ndarray, nmax: int, 
             sigma2 = _row_sigma2(xr)
             for ib in range(nb):
                 _block_weights(xr[ib * QK : (ib + 1) * QK], qw[ib * QK : (ib + 1) * QK], sigma2, weight[ib])
-            make_qkx3_blocks(nmax, xr.reshape(nb, QK), weight, codes, False, ds, ms)
+            make_qkx3_blocks(nmax, xr.reshape(nb, QK), weight, codes, False, ds, ms, qkx3_scratch(QK))
         for ib in range(nb):
             base = ib * QK
             xb = xr[base : base + QK]
@@ -290,6 +291,7 @@ def _quantize_q6_0(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
     n_rows, n = x.shape
     weighted = qw.size > 0
     for r in prange(n_rows):
+        scratch = qx_scratch(QK)
         xr = x[r]
         L = np.empty(QK, dtype=np.int8)
         weight = np.empty(QK, dtype=np.float32)
@@ -303,7 +305,7 @@ def _quantize_q6_0(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
             else:
                 for j in range(QK):
                     weight[j] = xb[j] * xb[j]
-            d = make_qx_quants(QK, 32, xb, L, weight)
+            d = make_qx_quants(QK, 32, xb, L, weight, scratch)
             store_f16(out[r], o, d)
             for k in range(8):
                 out[r, o + 2 + k] = 0

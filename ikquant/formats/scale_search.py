@@ -20,10 +20,52 @@ NJIT = dict(cache=True, nogil=True, error_model="numpy")
 
 
 @njit(**NJIT)
-def make_qx_quants(n: int, nmax: int, x: np.ndarray, L: np.ndarray, w: np.ndarray) -> np.float32:
+def _movable_bits(scale: np.float32, x: np.ndarray, w: np.ndarray, L: np.ndarray, nmax: int, movable: np.ndarray,
+                  n: int) -> None:
+    """make_qx_quants' greedy step: per code, |scale w (x - scale l)| as float bits where the code may move that way,
+    else 0, in a branch-free pass (it vectorises)."""
+    lo, hi = np.int32(-nmax), np.int32(nmax - 1)
+    for j in range(n):
+        l = np.int32(L[j]) - np.int32(nmax)
+        g = scale * w[j] * fmaf(-scale, np.float32(l), x[j])
+        ok = ((g > 0) & (l < hi)) | ((g < 0) & (l > lo))
+        movable[j] = (f32_bits(g) & np.uint32(0x7FFFFFFF)) if ok else np.uint32(0)
+
+
+@njit(**NJIT)
+def _first_largest(movable: np.ndarray, n: int) -> int:
+    """The first position of the largest of n float bit patterns (an integer maximum: it vectorises), -1 when all
+    are 0: the first strict maximum that ik's scalar scan keeps."""
+    top = np.uint32(0)
+    for j in range(n):
+        top = abs_bits_max(top, movable[j])
+    if top == 0:
+        return -1
+    j = 0
+    while movable[j] != top:
+        j += 1
+    return j
+
+
+#: make_qx_quants' trial scales: ik's 38, padded to whole 8-float vectors (the padding is computed, never read)
+QX_TRIALS = 38
+QX_TRIALS_PADDED = 40
+
+
+@njit(**NJIT)
+def qx_scratch(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """make_qx_quants' working arrays for blocks of up to n values, allocated once by a caller that searches many
+    blocks (an allocation per block cost a fifth of Q6_K's time)."""
+    return np.zeros((3, QX_TRIALS_PADDED), np.float32), np.empty(n, np.uint32)
+
+
+@njit(**NJIT)
+def make_qx_quants(n: int, nmax: int, x: np.ndarray, L: np.ndarray, w: np.ndarray,
+                   scratch: tuple[np.ndarray, np.ndarray]) -> np.float32:
     """ik's importance-weighted symmetric scale search (rmse_type 1 with explicit weights).
 
     Returns the scale; L receives codes in [0, 2*nmax). The multiply-adds are fused where ik's GCC build fuses them.
+    `scratch`: qx_scratch(n) or larger.
     """
     amax, fmax = abs_max(x[:n])
     if amax < np.float32(1e-15):
@@ -49,24 +91,25 @@ def make_qx_quants(n: int, nmax: int, x: np.ndarray, L: np.ndarray, w: np.ndarra
     # The 38 trial scales, in ik's order. ik's build vectorises each trial's loop: products are rounded, then
     # summed in order without fusing. The trials are independent, so their sums are accumulated side by side
     # (same roundings, vectorised across trials) and ik's sequential acceptance test runs afterwards.
-    ntrial = 38
-    iscales = np.empty(ntrial, dtype=np.float32)
-    for k in range(ntrial // 2):
+    trials, movable = scratch
+    iscales, t_sumlx, t_suml2 = trials[0], trials[1], trials[2]
+    for k in range(QX_TRIALS // 2):
         step = np.float32(0.1) * np.float32(k - 9)
         iscales[2 * k] = -(step + fn) / fmax
         iscales[2 * k + 1] = (step + (fn - np.float32(1.0))) / fmax
-    t_sumlx = np.zeros(ntrial, dtype=np.float32)
-    t_suml2 = np.zeros(ntrial, dtype=np.float32)
+    for c in range(QX_TRIALS_PADDED):
+        t_sumlx[c] = 0.0
+        t_suml2[c] = 0.0
     for i in range(n):
         xi = x[i]
         wi = w[i]
         wxi = wi * xi
-        for c in range(ntrial):
+        for c in range(QX_TRIALS_PADDED):
             fl = np.float32(min(hi, max(lo, nearest_int_fma(iscales[c], xi))))
             t_sumlx[c] += wxi * fl
             t_suml2[c] += (wi * fl) * fl
     winner = -1
-    for c in range(ntrial):
+    for c in range(QX_TRIALS):
         sumlx = t_sumlx[c]
         suml2 = t_suml2[c]
         if suml2 > 0 and sumlx * sumlx > best * suml2:
@@ -81,22 +124,13 @@ def make_qx_quants(n: int, nmax: int, x: np.ndarray, L: np.ndarray, w: np.ndarra
     sumlx = best_sumlx
     suml2 = best_suml2
     for _ in range(n * (2 * nmax - 1)):
-        abs_gmax = np.float32(0.0)
-        gmax = np.float32(0.0)
-        best_j = -1
-        for j in range(n):
-            l = np.int32(L[j]) - nmax
-            g = scale * w[j] * fmaf(-scale, np.float32(l), x[j])
-            if (g > 0 and l < nmax - 1) or (g < 0 and l > -nmax):
-                ag = abs(g)
-                if ag > abs_gmax:
-                    abs_gmax = ag
-                    gmax = g
-                    best_j = j
+        _movable_bits(scale, x, w, L, nmax, movable, n)
+        best_j = _first_largest(movable, n)
         if best_j < 0:
             break
         wj = w[best_j]
         l = np.int32(L[best_j]) - nmax
+        gmax = scale * wj * fmaf(-scale, np.float32(l), x[best_j])
         # ik's build rounds w*x before adding it, but fuses w*(2l +- 1) into the add
         wx = wj * x[best_j]
         if gmax > 0:
@@ -203,9 +237,9 @@ def _trial_iscale(step: int, nmax: int, mn: np.float32, mx: np.float32) -> np.fl
 
 @njit(**NJIT)
 def _qkx3_refine(nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, scale: np.float32, mn: np.float32,
-                 sum_w: float, sum_x: float) -> tuple[np.float32, np.float32]:
+                 sum_w: float, sum_x: float, movable: np.ndarray) -> tuple[np.float32, np.float32]:
     """ik's greedy pass after the trials: moves one code at a time by the largest residual while the fit
-    improves; returns the final (scale, min)."""
+    improves; returns the final (scale, min). `movable`: room for x.size values."""
     n = x.size
     sum_l = 0.0
     sum_l2 = 0.0
@@ -222,21 +256,15 @@ def _qkx3_refine(nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, scale: 
     top = np.int32(nmax)
     # per code, |residual| as float bits where the code may move that way (else 0): the largest, first found, is
     # ik's choice, found with a branch-free pass and an integer maximum (both vectorise)
-    movable = np.empty(n, np.uint32)
     for _ in range(nmax * n):
         for j in range(n):
             lj = np.int32(L[j])
             g = fmaf(-scale, np.float32(lj), x[j]) - mn
             ok = ((g > 0) & (lj < top)) | ((g < 0) & (lj > 0))
             movable[j] = (f32_bits(g) & np.uint32(0x7FFFFFFF)) if ok else np.uint32(0)
-        gbits = np.uint32(0)
-        for j in range(n):
-            gbits = abs_bits_max(gbits, movable[j])
-        if gbits == 0:
+        best_j = _first_largest(movable, n)
+        if best_j < 0:
             break
-        best_j = 0
-        while movable[best_j] != gbits:
-            best_j += 1
         direction = 1 if fmaf(-scale, np.float32(L[best_j]), x[best_j]) - mn > 0 else -1
         if best_j == last_j and direction == -last_dir:
             break
@@ -304,7 +332,7 @@ def make_qkx3_quants(nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, fus
                 best_mad = mad
                 scale = np.float32(this_scale)
                 mn = np.float32(this_min)
-    return _qkx3_refine(nmax, x, w, L, scale, mn, sum_w, sum_x)
+    return _qkx3_refine(nmax, x, w, L, scale, mn, sum_w, sum_x, np.empty(n, np.uint32))
 
 
 #: blocks whose trial scales make_qkx3_blocks computes side by side (four float64 lanes of an AVX2 register)
@@ -368,28 +396,33 @@ def _lane_trial(typingctx, xt, wt, mn, iscale, top, codes, sums):  # type: ignor
 
 
 @njit(**NJIT)
+def qkx3_scratch(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                   np.ndarray]:
+    """make_qkx3_blocks' working arrays for blocks of n values, allocated once by a caller that searches many
+    blocks: the lanes' values, weights and codes [n, LANES], their float32 and float64 state, which lanes are
+    live, and the greedy pass's room."""
+    return (np.empty((n, LANES), np.float32), np.empty((n, LANES), np.float64), np.empty((n, LANES), np.int32),
+            np.zeros((4, LANES), np.float32), np.zeros((7, LANES), np.float64), np.zeros(LANES, np.bool_),
+            np.empty(n, np.uint32))
+
+
+@njit(**NJIT)
 def make_qkx3_blocks(nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, fused_sum_x2: bool,
-                     scales: np.ndarray, mins: np.ndarray) -> None:
+                     scales: np.ndarray, mins: np.ndarray, scratch: tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                          np.ndarray, np.ndarray, np.ndarray,
+                                                                          np.ndarray]) -> None:
     """make_qkx3_quants over every block (row) of x [blocks, n] (w, L alike), into scales and mins: the same bits.
+    `scratch`: qkx3_scratch(n).
 
     Each trial's float64 sums are a chain of dependent multiply-adds that ik's order forbids reassociating, so one
     block's search waits on latency. The blocks are independent: LANES of them run their trials side by side, each
     lane its own chain in its own order (a vector multiply-add advances all four)."""
     nb, n = x.shape
     top = np.int32(nmax)
-    xt = np.empty((n, LANES), np.float32)
-    wt = np.empty((n, LANES), np.float64)
-    Laux = np.empty((n, LANES), np.int32)
-    mn = np.zeros(LANES, np.float32)
-    mx = np.ones(LANES, np.float32)
-    scale = np.zeros(LANES, np.float32)
-    best_mad = np.zeros(LANES, np.float64)
-    sum_w = np.zeros(LANES, np.float64)
-    sum_x = np.zeros(LANES, np.float64)
-    sum_x2 = np.zeros(LANES, np.float64)
-    live = np.zeros(LANES, np.bool_)
-    iscale = np.empty(LANES, np.float32)
-    sums = np.empty((3, LANES), np.float64)
+    xt, wt, Laux, f32_state, f64_state, live, movable = scratch
+    mn, mx, scale, iscale = f32_state[0], f32_state[1], f32_state[2], f32_state[3]
+    best_mad, sum_w, sum_x, sum_x2 = f64_state[0], f64_state[1], f64_state[2], f64_state[3]
+    sums = f64_state[4:7]
     for b0 in range(0, nb - nb % LANES, LANES):
         for k in range(LANES):
             b = b0 + k
@@ -424,6 +457,7 @@ def make_qkx3_blocks(nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, fus
         for k in range(LANES):
             b = b0 + k
             if live[k]:
-                scales[b], mins[b] = _qkx3_refine(nmax, x[b], w[b], L[b], scale[k], mn[k], sum_w[k], sum_x[k])
+                scales[b], mins[b] = _qkx3_refine(nmax, x[b], w[b], L[b], scale[k], mn[k], sum_w[k], sum_x[k],
+                                                  movable)
     for b in range(nb - nb % LANES, nb):
         scales[b], mins[b] = make_qkx3_quants(nmax, x[b], w[b], L[b], fused_sum_x2)
