@@ -3,6 +3,7 @@ their exact decoding, what a quantized K cache costs, and the caches a model or 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 from ikconvert import write_safetensors
 from ikconvert.checkpoint import Checkpoint
 from ikconvert.convert import Converter
+from ikconvert.tiny import TinySpec, make_tiny_checkpoint
 from ikquant.formats.cache_rows import cache_row_bytes
 from ikquant.types import type_by_name
 from ikrun.cli import app
@@ -88,7 +90,9 @@ def test_a_quantized_k_cache_costs_kld_in_the_order_of_its_bits() -> None:
     (QWEN3, ["-ctk", "q3_K"], ["--cache-type-k q3_K", "not a cache type ik takes"]),
     (QWEN3, ["-ctv", "q8_KV"], ["--cache-type-v q8_KV", "not reproduced"]),
     (QWEN3, ["-ctk", "q8_0", "--numerics", "ik"], ["--cache-type-k q8_0", "--numerics ik ", "--numerics ik-avx2"]),
-    (QWEN3, ["-ctk", "q5_0", "--numerics", "ik-avx2"], ["--cache-type-k q5_0", "not a q5_0 key cache on qwen3"]),
+    (QWEN3, ["-ctk", "bf16", "--numerics", "ik-avx2"], ["--cache-type-k bf16", "not a bf16 key cache on qwen3"]),
+    (QWEN3, ["-ctk", "q6_0", "--numerics", "ik-avx2", "--flash-attn", "on"],
+     ["--flash-attn on", "q8_0 / q4_0 key caches", "not a q6_0 key cache", "--flash-attn off"]),
     (QWEN3, ["-ctv", "q8_0", "--numerics", "ik-avx2"], ["--cache-type-v q8_0", "requires flash_attn"]),
     (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", ["-ctk", "q8_0", "--numerics", "ik-avx2"],
      ["--cache-type-k q8_0", "key cache on deepseek2"]),
@@ -213,3 +217,51 @@ def test_ik_avx2_quantized_k_cache_on_other_gqa_models(folder: str, gguf: str, c
     got = _kld(*flags, "--numerics", "ik-avx2", model=DATA / "convert" / folder / f"{gguf}.gguf",
                base=DATA / "logits" / f"{folder}-avx2" / "ik-base.kld")
     assert _matches(got, CTK_AVX2 / f"{folder}-ctk-{case}-kld.txt")
+
+
+# ---- the other K cache types ik's -fa off graph multiplies in its AVX2 build's integer gemms ------------------------
+#: the types ik converts to Q8_0_R8 (their integers kept) and to Q8_1_R8 (Q4_1, Q5_1: their codes and min)
+MORE_KEYS = ["q6_0", "iq4_nl", "q5_0", "q4_1", "q5_1"]
+
+
+@pytest.mark.parametrize("case", MORE_KEYS)
+def test_ik_avx2_prints_iks_figures_with_more_k_cache_types(case: str) -> None:
+    """ik's -fa off runs with these K caches on qwen3 (heads of 32) under --numerics ik-avx2: every figure ik
+    printed, to the digit. Its AVX2 Q8_1_R8 kernel multiplies whole groups of 4 blocks only, so over a q4_1 / q5_1
+    cache every q . k of a head of 32 is 0 (uniform attention): the report says so."""
+    got = _kld("-ctk", case, "--numerics", "ik-avx2", "--ik-threads", "2")
+    assert _matches(got, CTK / f"ik-ctk-{case}-kld.txt")
+    assert ("ik_defect" in got) == (case in ("q4_1", "q5_1"))
+
+
+H128 = DATA / "logits" / "qwen3-h128-ctk"
+#: ikconvert's qwen3 checkpoint with heads of 128 values (4 blocks: ik's Q8_1_R8 kernel multiplies them all)
+H128_SPEC = TinySpec(head_dim=128, n_merges=40, seed=7)
+
+
+@pytest.fixture(scope="module")
+def qwen3_h128(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The F32 file ik's oracle runs took (tests/data/logits/qwen3-h128-ctk/README.md), rebuilt: the same bytes."""
+    folder = tmp_path_factory.mktemp("h128")
+    hf = make_tiny_checkpoint(folder / "hf128", H128_SPEC)
+    gguf = Converter(hf, "f32", pre_tokenizer="qwen2").write(folder / "qwen3-h128-f32.gguf")
+    assert hashlib.sha256(gguf.read_bytes()).hexdigest()[:16] == (H128 / "gguf.sha256").read_text().split()[0]
+    return gguf
+
+
+@pytest.mark.parametrize("case", ["q4_1", "q5_1", "q6_0"])
+def test_ik_avx2_prints_iks_figures_with_heads_of_128(case: str, qwen3_h128: Path) -> None:
+    """Heads of 128, where ik's AVX2 Q8_1_R8 kernel takes every block (its offsets of 4 blocks first, then each
+    block's two 16-value sums scaled one at a time) against ik's own -fa off base run: every figure ik printed."""
+    got = _kld("-ctk", case, "--numerics", "ik-avx2", "--ik-threads", "2", model=qwen3_h128,
+               base=H128 / "ik-base.kld")
+    assert _matches(got, H128 / f"ik-ctk-{case}-kld.txt")
+    assert "ik_defect" not in got
+
+
+def test_ik_avx2_writes_iks_base_logits_with_a_q5_1_k_cache(qwen3_h128: Path, tmp_path: Path) -> None:
+    """ik's base-logits file of a -ctk q5_1 -fa off run on heads of 128 (8 chunks, -t 2) byte for byte, with every
+    running PPL."""
+    model = Model(qwen3_h128, options=RuntimeOptions(numerics="ik-avx2", ik_threads=2, flash_attn="off"),
+                  cache_type_k="q5_1")
+    assert_iks_forward(model, H128 / "ik-ctk-q5_1-base.kld", H128 / "ik-ctk-q5_1-ppl.txt", tmp_path / "base.kld")

@@ -36,6 +36,7 @@ from ikrun.numerics.ik.formats import (
     activation_format,
     ik_kernel,
     integer_rows,
+    key_cache_kernel,
     round_activations,
 )
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
@@ -140,8 +141,11 @@ class IkNumerics(Numerics):
     """ik's CPU arithmetic (the module docstring)."""
 
     name = "ik"
-    #: the quantized key caches (ik's names) whose K x Q kernel this arithmetic reproduces (key_cache.py)
+    #: the quantized key caches (ik's names) whose K x Q kernel of ik's -fa off graph this arithmetic reproduces
+    #: (key_cache.py)
     quantized_keys: tuple[str, ...] = ()
+    #: those of them whose K x Q products in ik's flash attention it reproduces too
+    flash_keys: tuple[str, ...] = ()
     #: whether the float orders are ik's AVX2 build's (8-lane float kernels, its AVX2 exponential, numerics/ik/
     #: avx2.py) rather than its AVX-512 build's
     avx2 = False
@@ -204,7 +208,7 @@ class IkNumerics(Numerics):
             return None
         if not self.quantized_keys:
             return (f"--numerics {self.name} reproduces ik's F16 and F32 key caches only (its build's K x Q kernels "
-                    "for quantized ones were not checked); --numerics ik-avx2 reproduces q8_0 and q4_0 key caches")
+                    "for quantized ones were not checked); --numerics ik-avx2 reproduces some quantized key caches")
         return (f"--numerics {self.name} reproduces ik's F16, F32, {', '.join(self.quantized_keys)} key caches (the "
                 f"quantized ones on {', '.join(QUANTIZED_KEY_ARCHS)}), not a {cache_type} key cache on {arch}")
 
@@ -301,19 +305,23 @@ class IkNumerics(Numerics):
 
     def reproduced_defect(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
         """ggml's generic flash-attention kernel over a Q4_0 key cache reads each query block as a Q8_0 one
-        (q4_0_misread_key_products)."""
+        (q4_0_misread_key_products); ik's AVX2 Q8_1_R8 gemm, which multiplies a Q4_1 or Q5_1 key cache, has no loop
+        for the blocks past a key head's last whole 128 values (qgemm.ORDER_Q8_1_AVX2)."""
         if kv.k == "q4_0" and (head_dim, head_dim) not in IQK_FA_HEADS and \
                 self.attention_graph(arch, kv, head_dim) == "on":
             return "ik's AVX2 misread of the Q8_2 query blocks over a q4_0 key cache (its figures are wrong)"
+        if kv.k in ("q4_1", "q5_1") and kv.k in self.quantized_keys and head_dim % 128:
+            return (f"ik's AVX2 Q8_1_R8 kernel leaves the last {head_dim % 128} of {head_dim} values of each key head "
+                    f"out of q . k over a {kv.k} key cache (its figures are wrong)")
         return None
 
     def check_flash_attention(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
         if arch not in FLASH_ATTENTION_ARCHS:
             return (f"--numerics {self.name} reproduces ik's flash attention on {', '.join(FLASH_ATTENTION_ARCHS)}, "
                     f"not {arch}")
-        if kv.v != "f16" or kv.k not in ("f16", *self.quantized_keys):
-            return (f"--numerics {self.name} reproduces ik's flash attention over F16 caches"
-                    f"{' and q8_0 / q4_0 key caches (--numerics ik-avx2)' * bool(self.quantized_keys)}, not a {kv.k} "
+        if kv.v != "f16" or kv.k not in ("f16", *self.flash_keys):
+            keys = f" and {' / '.join(self.flash_keys)} key caches" if self.flash_keys else ""
+            return (f"--numerics {self.name} reproduces ik's flash attention over F16 caches{keys}, not a {kv.k} "
                     f"key cache (give --flash-attn off: ik's -fa off graph)")
         if kv.k == "f16":
             return None
@@ -366,9 +374,12 @@ class IkNumerics(Numerics):
         n, n_head, _ = q.shape
         n_kv = k.shape[1]
         rows, threads = (n, self._kernel_threads(n_head)) if n > 1 else (n_head // n_kv, self._kernel_threads(n_kv))
-        ints = self._integers(ik_kernel(type_name), rows, key_cells(len(k)), threads)
-        assert ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
-        return key_products(q, k, type_name, ints, self._activation_format(type_name))
+        kernel = key_cache_kernel(type_name)
+        ints = self._integers(kernel, rows, key_cells(len(k)), threads)
+        if ints is None:
+            raise ModelError(f"ik multiplies a {cache_type} key cache with {rows} query rows in its own kernel, which "
+                             "is not reproduced")
+        return key_products(q, k, type_name, ints, kernel.activation)
 
     def _flash_key_products(self, q: np.ndarray, k: np.ndarray, head_v: int, cache_type: str) -> np.ndarray:
         """q . k [H, n, keys] over a key cache of `cache_type` as ik's flash attention multiplies them. Its own kernel

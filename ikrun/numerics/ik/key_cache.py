@@ -1,10 +1,11 @@
-"""ik's K x Q product over a quantized K cache without flash attention (-ctk q8_0 / q4_0, -fa off).
+"""ik's K x Q product over a quantized K cache without flash attention (-ctk q8_0, q4_0, ..., -fa off).
 
 ik's graph multiplies the cache's view of a layer's keys (one matrix of its cells per KV head) with the queries in
 its ordinary matmul: the K cache is the "weight". The queries are rounded to the K type's vec_dot_type (Q8_2_X4 on
-AVX2 for Q8_0 and Q4_0, the activations of a Q8_0 or Q4_0 weight), and each query head is one matmul of its own
+AVX2 for every 32-value block type, the activations of such a weight), and each query head is one matmul of its own
 against its group's keys (iqk_mul_mat_4d: the heads split over ik's threads, each head's keys over the threads left),
-which takes the weights' kernel choice: with 32 query rows and more ik converts the cache rows to Q8_0_R8 and
+which takes the weights' kernel choice: with 32 query rows and more ik converts the cache rows to Q8_0_R8 (Q8_0,
+Q4_0, Q5_0, Q6_0, IQ4_NL: their integers and scales kept) or Q8_1_R8 (Q4_1, Q5_1: their codes, scales and mins) and
 multiplies integers (formats.py, qgemm.py). The cache holds what ik's ggml_cpy wrote (ikquant/formats/cache_rows.py),
 so the keys are written here as they are read: the same rows, the same bytes. With -khad ik rotates both the keys
 (before the write) and the queries by its Hadamard transform; the rotated queries are what is rounded.
