@@ -90,7 +90,9 @@ def test_a_quantized_k_cache_costs_kld_in_the_order_of_its_bits() -> None:
     (QWEN3, ["-ctk", "q3_K"], ["--cache-type-k q3_K", "not a cache type ik takes"]),
     (QWEN3, ["-ctv", "q8_KV"], ["--cache-type-v q8_KV", "not reproduced"]),
     (QWEN3, ["-ctk", "q8_0", "--numerics", "ik"], ["--cache-type-k q8_0", "--numerics ik ", "--numerics ik-avx2"]),
-    (QWEN3, ["-ctk", "bf16", "--numerics", "ik-avx2"], ["--cache-type-k bf16", "not a bf16 key cache on qwen3"]),
+    (QWEN3, ["-ctk", "q8_KV", "--numerics", "ik-avx2"], ["--cache-type-k q8_KV", "not a q8_KV key cache on qwen3"]),
+    (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", ["-ctk", "bf16", "--numerics", "ik-avx2"],
+     ["--cache-type-k bf16", "not a bf16 key cache on deepseek2"]),
     (QWEN3, ["-ctk", "q6_0", "--numerics", "ik-avx2", "--flash-attn", "on"],
      ["--flash-attn on", "q8_0 / q4_0 key caches", "not a q6_0 key cache", "--flash-attn off"]),
     (QWEN3, ["-ctv", "q8_0", "--numerics", "ik-avx2"], ["--cache-type-v q8_0", "requires flash_attn"]),
@@ -220,14 +222,15 @@ def test_ik_avx2_quantized_k_cache_on_other_gqa_models(folder: str, gguf: str, c
 
 
 # ---- the other K cache types ik's -fa off graph multiplies in its AVX2 build's integer gemms ------------------------
-#: the types ik converts to Q8_0_R8 (their integers kept) and to Q8_1_R8 (Q4_1, Q5_1: their codes and min)
-MORE_KEYS = ["q6_0", "iq4_nl", "q5_0", "q4_1", "q5_1"]
+#: the types ik converts to Q8_0_R8 (their integers kept) and to Q8_1_R8 (Q4_1, Q5_1: their codes and min), and
+#: BF16, which its F16 cache's float kernel multiplies with the queries unrounded (AVX2 has no bf16 kernel)
+MORE_KEYS = ["q6_0", "iq4_nl", "q5_0", "q4_1", "q5_1", "bf16"]
 
 
 @pytest.mark.parametrize("case", MORE_KEYS)
 def test_ik_avx2_prints_iks_figures_with_more_k_cache_types(case: str) -> None:
     """ik's -fa off runs with these K caches on qwen3 (heads of 32) under --numerics ik-avx2: every figure ik
-    printed, to the digit. Its AVX2 Q8_1_R8 kernel multiplies whole groups of 4 blocks only, so over a q4_1 / q5_1
+    printed, to the digit (bf16: mean KLD 0.000002). Its AVX2 Q8_1_R8 kernel multiplies whole groups of 4 blocks only, so over a q4_1 / q5_1
     cache every q . k of a head of 32 is 0 (uniform attention): the report says so."""
     got = _kld("-ctk", case, "--numerics", "ik-avx2", "--ik-threads", "2")
     assert _matches(got, CTK / f"ik-ctk-{case}-kld.txt")

@@ -146,6 +146,9 @@ class IkNumerics(Numerics):
     quantized_keys: tuple[str, ...] = ()
     #: those of them whose K x Q products in ik's flash attention it reproduces too
     flash_keys: tuple[str, ...] = ()
+    #: the float key caches (ik's names) besides F16 and F32 it reproduces on QUANTIZED_KEY_ARCHS (the float kernel
+    #: of ik's -fa off graph on the cache's values)
+    float_keys: tuple[str, ...] = ()
     #: whether the float orders are ik's AVX2 build's (8-lane float kernels, its AVX2 exponential, numerics/ik/
     #: avx2.py) rather than its AVX-512 build's
     avx2 = False
@@ -204,13 +207,14 @@ class IkNumerics(Numerics):
     def check_key_cache(self, arch: str, cache_type: str) -> str | None:
         if cache_type in ("f16", "f32"):
             return None
-        if arch in QUANTIZED_KEY_ARCHS and cache_type in self.quantized_keys:
+        others = (*self.float_keys, *self.quantized_keys)
+        if arch in QUANTIZED_KEY_ARCHS and cache_type in others:
             return None
-        if not self.quantized_keys:
+        if not others:
             return (f"--numerics {self.name} reproduces ik's F16 and F32 key caches only (its build's K x Q kernels "
                     "for quantized ones were not checked); --numerics ik-avx2 reproduces some quantized key caches")
-        return (f"--numerics {self.name} reproduces ik's F16, F32, {', '.join(self.quantized_keys)} key caches (the "
-                f"quantized ones on {', '.join(QUANTIZED_KEY_ARCHS)}), not a {cache_type} key cache on {arch}")
+        return (f"--numerics {self.name} reproduces ik's F16, F32, {', '.join(others)} key caches (the others on "
+                f"{', '.join(QUANTIZED_KEY_ARCHS)}), not a {cache_type} key cache on {arch}")
 
     def nextn_own_tables(self, arch: str) -> bool:
         return arch not in NEXTN_TABLES_IGNORED
