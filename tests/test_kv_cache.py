@@ -212,6 +212,7 @@ def test_ik_avx2_writes_iks_base_logits_with_a_hadamard_q4_0_k_cache(tmp_path: P
     ("qwen3-moe", "ik-f32", "q4_0-khad", ["-ctk", "q4_0", "-khad"]),
     ("glm4-moe", "ik-f32", "q8_0", ["-ctk", "q8_0"]),
     ("minimax-m2", "ref-f32", "q4_0", ["-ctk", "q4_0"]),
+    ("minimax-m2", "ref-f32", "iq4_nl", ["-ctk", "iq4_nl", "--flash-attn", "off"]),
 ])
 def test_ik_avx2_quantized_k_cache_on_other_gqa_models(folder: str, gguf: str, case: str, flags: list[str]) -> None:
     """The other grouped-query models ik-avx2 reproduces, against their AVX2 base runs: every figure ik printed
@@ -227,14 +228,22 @@ def test_ik_avx2_quantized_k_cache_on_other_gqa_models(folder: str, gguf: str, c
 MORE_KEYS = ["q6_0", "iq4_nl", "q5_0", "q4_1", "q5_1", "bf16"]
 
 
-@pytest.mark.parametrize("case", MORE_KEYS)
+def _ctk(case: str) -> list[str]:
+    """The cache flags of an oracle case: <type> or <type>-khad."""
+    name, _, khad = case.partition("-")
+    return ["-ctk", name, *(["-khad"] if khad else [])]
+
+
+@pytest.mark.parametrize("case", [*MORE_KEYS, "q6_0-khad"])
 def test_ik_avx2_prints_iks_figures_with_more_k_cache_types(case: str) -> None:
     """ik's -fa off runs with these K caches on qwen3 (heads of 32) under --numerics ik-avx2: every figure ik
-    printed, to the digit (bf16: mean KLD 0.000002). Its AVX2 Q8_1_R8 kernel multiplies whole groups of 4 blocks only, so over a q4_1 / q5_1
-    cache every q . k of a head of 32 is 0 (uniform attention): the report says so."""
-    got = _kld("-ctk", case, "--numerics", "ik-avx2", "--ik-threads", "2")
+    printed, to the digit (bf16: mean KLD 0.000002; q6_0 -khad 0.000275). Its AVX2 Q8_1_R8 kernel multiplies whole
+    groups of 4 blocks only, so over a q4_1 / q5_1 cache every q . k of a head of 32 is 0 (uniform attention): the
+    report says so."""
+    got = _kld(*_ctk(case), "--numerics", "ik-avx2", "--ik-threads", "2")
     assert _matches(got, CTK / f"ik-ctk-{case}-kld.txt")
     assert ("ik_defect" in got) == (case in ("q4_1", "q5_1"))
+    assert got["k_cache_hadamard"] == (32 if case.endswith("khad") else 0)
 
 
 H128 = DATA / "logits" / "qwen3-h128-ctk"
@@ -252,11 +261,11 @@ def qwen3_h128(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return gguf
 
 
-@pytest.mark.parametrize("case", ["q4_1", "q5_1", "q6_0"])
+@pytest.mark.parametrize("case", ["q4_1", "q5_1", "q6_0", "q5_1-khad"])
 def test_ik_avx2_prints_iks_figures_with_heads_of_128(case: str, qwen3_h128: Path) -> None:
     """Heads of 128, where ik's AVX2 Q8_1_R8 kernel takes every block (its offsets of 4 blocks first, then each
     block's two 16-value sums scaled one at a time) against ik's own -fa off base run: every figure ik printed."""
-    got = _kld("-ctk", case, "--numerics", "ik-avx2", "--ik-threads", "2", model=qwen3_h128,
+    got = _kld(*_ctk(case), "--numerics", "ik-avx2", "--ik-threads", "2", model=qwen3_h128,
                base=H128 / "ik-base.kld")
     assert _matches(got, H128 / f"ik-ctk-{case}-kld.txt")
     assert "ik_defect" not in got
