@@ -118,6 +118,9 @@ def _indexer_cache(cache: KvCache, cx: Context) -> str | None:
     if taken is not None and name not in taken:
         raise ModelError(f"--indexer-cache-type-k {name}: {cx.path} is {cx.arch}, whose indexer key cache ik takes as "
                          f"{', '.join(taken)} only")
+    if name == "q8_KV":
+        raise ModelError(f"--indexer-cache-type-k {name}: ik takes it, but its indexer scores over q8_KV rows are not "
+                         "reproduced here")
     if ggml_name(name) not in CACHE_WRITE_TYPES:
         raise ModelError(f"--indexer-cache-type-k {name}: ik takes it, but its cache writes are not reproduced here; "
                          "reproduced: " + ", ".join(t.lower() for t in CACHE_WRITE_TYPES))

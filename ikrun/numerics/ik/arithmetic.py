@@ -46,6 +46,7 @@ from ikrun.numerics.ik.key_cache import (
     key_cells,
     key_products,
     q4_0_misread_key_products,
+    q8_kv_key_products,
     single_row_key_products,
 )
 from ikrun.numerics.ik.mla_weights import HeadSource, derived_k_b_source, derived_k_b_type, derived_v_b_source
@@ -78,6 +79,8 @@ QUANTIZED_KEY_ARCHS = ("qwen3", "qwen3moe", "glm4moe", "minimax-m2")
 #: (ggml's generic kernel takes every quantized key cache of the arithmetic, up to key_cache.SINGLE_ROW_BLOCKS)
 FLASH_QUANTIZED_KEYS = ("q8_0",)
 FLASH_REPACK_ROWS = 8
+#: ik's Q8_KV kernel takes rows of a multiple of this (QK_K); its fallback for other rows writes nothing
+Q8_KV_ROWS = 256
 #: ik's KV cache length is a multiple of this with flash attention on (llama_kv_cache::get_padding)
 FA_CACHE_PADDING = 256
 #: the architectures whose grouped-query attention under ik's flash attention (-fa on) was checked against ik
@@ -375,6 +378,12 @@ class IkNumerics(Numerics):
         its own, its rows the activation rows (a single query: its group's heads, ik's Ny = 1 path), the head's
         share of ik's threads splitting the cache cells."""
         type_name = ggml_name(cache_type)
+        if type_name == "Q8_KV":
+            if q.shape[2] % Q8_KV_ROWS:
+                raise ModelError(f"ik multiplies a q8_KV key cache in rows of {Q8_KV_ROWS} values: with heads of "
+                                 f"{q.shape[2]} its q . k is never written (its figures are whatever memory held, not "
+                                 "reproducible)")
+            return q8_kv_key_products(q, k)
         n, n_head, _ = q.shape
         n_kv = k.shape[1]
         rows, threads = (n, self._kernel_threads(n_head)) if n > 1 else (n_head // n_kv, self._kernel_threads(n_kv))
