@@ -631,8 +631,8 @@ _tile32, _tile256 = _make_tile(32), _make_tile(256, dot=host_dot)
 _tile32_r8, _tile256_r16 = _make_tile(32, ORDER_R8), _make_tile(256, ORDER_R16, host_dot)
 _tile32_q81, _tile32_r8_avx2 = _make_tile(32, ORDER_Q8_1), _make_tile(32, ORDER_R8_AVX2)
 #: ORDER_Q8_1_AVX2 sums half blocks, which AVX2's signed byte products do without a correction (hosts without AVX2
-#: take the scalar kernel)
-_tile32_q81_avx2 = _make_tile(32, ORDER_Q8_1_AVX2, lambda builder: _DOT_SIGN)
+#: take the scalar kernel, qmatmul: their stand-in here is never called, and emits no AVX2 instruction)
+_tile32_q81_avx2 = _make_tile(32, ORDER_Q8_1_AVX2, lambda builder: _DOT_SIGN) if HAS_AVX2 else _tile32_q81
 _tile32_native = _make_native_tile()
 
 
