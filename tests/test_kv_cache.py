@@ -244,6 +244,16 @@ def test_ik_avx2_prints_iks_figures_with_more_k_cache_types(case: str) -> None:
     assert got["k_cache_hadamard"] == (32 if case.endswith("khad") else 0)
 
 
+@pytest.mark.parametrize("case", ["q6_0", "q5_1"])
+def test_ik_avx2_refuses_the_types_own_k_cache_kernels(case: str) -> None:
+    """With fewer than 32 cache cells a thread (--ik-threads 36: 9 threads a head over 256 cells) ik multiplies the
+    cache in the type's own kernel, whose AVX2 order is not reproduced: refused in one line."""
+    res = runner.invoke(app, ["kld", str(QWEN3), "--base-logits", str(QWEN3_BASE), "-ctk", case, "--numerics",
+                              "ik-avx2", "--flash-attn", "off", "--ik-threads", "36"])
+    assert res.exit_code == 2 and "9 ik threads a head, in the type's own kernel" in " ".join(res.output.split()), \
+        res.output
+
+
 H128 = DATA / "logits" / "qwen3-h128-ctk"
 #: ikconvert's qwen3 checkpoint with heads of 128 values (4 blocks: ik's Q8_1_R8 kernel multiplies them all)
 H128_SPEC = TinySpec(head_dim=128, n_merges=40, seed=7)

@@ -388,10 +388,12 @@ class IkNumerics(Numerics):
         n_kv = k.shape[1]
         rows, threads = (n, self._kernel_threads(n_head)) if n > 1 else (n_head // n_kv, self._kernel_threads(n_kv))
         kernel = key_cache_kernel(type_name)
+        if not kernel.converts(rows, key_cells(len(k)), threads):
+            raise ModelError(f"ik multiplies a {cache_type} key cache with {rows} query rows, {threads} ik threads a "
+                             "head, in the type's own kernel (it converts the cache rows from 32 query rows and 32 "
+                             "cache cells a thread on), which is not reproduced")
         ints = self._integers(kernel, rows, key_cells(len(k)), threads)
-        if ints is None:
-            raise ModelError(f"ik multiplies a {cache_type} key cache with {rows} query rows in its own kernel, which "
-                             "is not reproduced")
+        assert ints is not None, f"{type_name} converts (formats.IK_KERNELS, KEY_CACHE_KERNELS)"
         return key_products(q, k, type_name, ints, kernel.activation)
 
     def _flash_key_products(self, q: np.ndarray, k: np.ndarray, head_v: int, cache_type: str) -> np.ndarray:
