@@ -118,6 +118,9 @@ def _indexer_cache(cache: KvCache, cx: Context) -> str | None:
     if taken is not None and name not in taken:
         raise ModelError(f"--indexer-cache-type-k {name}: {cx.path} is {cx.arch}, whose indexer key cache ik takes as "
                          f"{', '.join(taken)} only")
+    if name == "q8_KV":
+        raise ModelError(f"--indexer-cache-type-k {name}: ik takes it, but its indexer scores over q8_KV rows are not "
+                         "reproduced here")
     if ggml_name(name) not in CACHE_WRITE_TYPES:
         raise ModelError(f"--indexer-cache-type-k {name}: ik takes it, but its cache writes are not reproduced here; "
                          "reproduced: " + ", ".join(t.lower() for t in CACHE_WRITE_TYPES))
@@ -144,12 +147,12 @@ def check_cache(cache: KvCache, cx: Context, numerics: Numerics, given: tuple[st
             ik_says = "; ik itself: V cache quantization requires flash_attn" if given[1] != "bf16" else ""
             raise ModelError(f"--cache-type-v {given[1]}: --numerics {numerics.name} reproduces ik's F16 value cache "
                              f"only (ik's attention kernels for other cache types are not ported{ik_says})")
-        keys = "f32" if given[0] == "f32" else cache.k
+        keys = given[0] if given[0] in ("f32", "bf16") else cache.k
         if keys == "f32" and cx.hparam("attention.kv_lora_rank", 0):
             raise ModelError(f"--cache-type-k f32: --numerics {numerics.name} reproduces an F32 key cache for "
                              f"grouped-query attention, not {cx.path}'s latent cache")
-        if keys in ("f32", "f16"):
-            return replace(cache, k=keys, k_hadamard=0, v_hadamard=0)  # ik drops the transform around an F16 cache
+        if keys in ("f32", "f16", "bf16"):  # ik drops the transform around a cache it does not quantize
+            return replace(cache, k=keys, k_hadamard=0, v_hadamard=0)
         cache = replace(cache, v_hadamard=0)
     for flag, name in (("--cache-type-k", cache.k), ("--cache-type-v", cache.v)):
         if ggml_name(name) not in CACHE_WRITE_TYPES:

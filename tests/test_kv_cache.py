@@ -3,6 +3,7 @@ their exact decoding, what a quantized K cache costs, and the caches a model or 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 from ikconvert import write_safetensors
 from ikconvert.checkpoint import Checkpoint
 from ikconvert.convert import Converter
+from ikconvert.tiny import TinySpec, make_tiny_checkpoint
 from ikquant.formats.cache_rows import cache_row_bytes
 from ikquant.types import type_by_name
 from ikrun.cli import app
@@ -86,9 +88,11 @@ def test_a_quantized_k_cache_costs_kld_in_the_order_of_its_bits() -> None:
 
 @pytest.mark.parametrize(("model", "flags", "words"), [
     (QWEN3, ["-ctk", "q3_K"], ["--cache-type-k q3_K", "not a cache type ik takes"]),
-    (QWEN3, ["-ctv", "q8_KV"], ["--cache-type-v q8_KV", "not reproduced"]),
     (QWEN3, ["-ctk", "q8_0", "--numerics", "ik"], ["--cache-type-k q8_0", "--numerics ik ", "--numerics ik-avx2"]),
-    (QWEN3, ["-ctk", "q5_0", "--numerics", "ik-avx2"], ["--cache-type-k q5_0", "not a q5_0 key cache on qwen3"]),
+    (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", ["-ctk", "bf16", "--numerics", "ik-avx2"],
+     ["--cache-type-k bf16", "not a bf16 key cache on deepseek2"]),
+    (QWEN3, ["-ctk", "q6_0", "--numerics", "ik-avx2", "--flash-attn", "on"],
+     ["--flash-attn on", "q8_0 / q4_0 key caches", "not a q6_0 key cache", "--flash-attn off"]),
     (QWEN3, ["-ctv", "q8_0", "--numerics", "ik-avx2"], ["--cache-type-v q8_0", "requires flash_attn"]),
     (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", ["-ctk", "q8_0", "--numerics", "ik-avx2"],
      ["--cache-type-k q8_0", "key cache on deepseek2"]),
@@ -206,6 +210,7 @@ def test_ik_avx2_writes_iks_base_logits_with_a_hadamard_q4_0_k_cache(tmp_path: P
     ("qwen3-moe", "ik-f32", "q4_0-khad", ["-ctk", "q4_0", "-khad"]),
     ("glm4-moe", "ik-f32", "q8_0", ["-ctk", "q8_0"]),
     ("minimax-m2", "ref-f32", "q4_0", ["-ctk", "q4_0"]),
+    ("minimax-m2", "ref-f32", "iq4_nl", ["-ctk", "iq4_nl", "--flash-attn", "off"]),
 ])
 def test_ik_avx2_quantized_k_cache_on_other_gqa_models(folder: str, gguf: str, case: str, flags: list[str]) -> None:
     """The other grouped-query models ik-avx2 reproduces, against their AVX2 base runs: every figure ik printed
@@ -213,3 +218,89 @@ def test_ik_avx2_quantized_k_cache_on_other_gqa_models(folder: str, gguf: str, c
     got = _kld(*flags, "--numerics", "ik-avx2", model=DATA / "convert" / folder / f"{gguf}.gguf",
                base=DATA / "logits" / f"{folder}-avx2" / "ik-base.kld")
     assert _matches(got, CTK_AVX2 / f"{folder}-ctk-{case}-kld.txt")
+
+
+# ---- the other K cache types ik's -fa off graph multiplies in its AVX2 build's integer gemms ------------------------
+#: the types ik converts to Q8_0_R8 (their integers kept) and to Q8_1_R8 (Q4_1, Q5_1: their codes and min), and
+#: BF16, which its F16 cache's float kernel multiplies with the queries unrounded (AVX2 has no bf16 kernel)
+MORE_KEYS = ["q6_0", "iq4_nl", "q5_0", "q4_1", "q5_1", "bf16"]
+
+
+def _ctk(case: str) -> list[str]:
+    """The cache flags of an oracle case: <type> or <type>-khad."""
+    name, _, khad = case.partition("-")
+    return ["-ctk", name, *(["-khad"] if khad else [])]
+
+
+@pytest.mark.parametrize("case", [*MORE_KEYS, "q6_0-khad"])
+def test_ik_avx2_prints_iks_figures_with_more_k_cache_types(case: str) -> None:
+    """ik's -fa off runs with these K caches on qwen3 (heads of 32) under --numerics ik-avx2: every figure ik
+    printed, to the digit (bf16: mean KLD 0.000002; q6_0 -khad 0.000275). Its AVX2 Q8_1_R8 kernel multiplies whole
+    groups of 4 blocks only, so over a q4_1 / q5_1 cache every q . k of a head of 32 is 0 (uniform attention): the
+    report says so."""
+    got = _kld(*_ctk(case), "--numerics", "ik-avx2", "--ik-threads", "2")
+    assert _matches(got, CTK / f"ik-ctk-{case}-kld.txt")
+    assert ("ik_defect" in got) == (case in ("q4_1", "q5_1"))
+    assert got["k_cache_hadamard"] == (32 if case.endswith("khad") else 0)
+
+
+@pytest.mark.parametrize("case", ["q6_0", "q5_1"])
+def test_ik_avx2_refuses_the_types_own_k_cache_kernels(case: str) -> None:
+    """With fewer than 32 cache cells a thread (--ik-threads 36: 9 threads a head over 256 cells) ik multiplies the
+    cache in the type's own kernel, whose AVX2 order is not reproduced: refused in one line."""
+    res = runner.invoke(app, ["kld", str(QWEN3), "--base-logits", str(QWEN3_BASE), "-ctk", case, "--numerics",
+                              "ik-avx2", "--flash-attn", "off", "--ik-threads", "36"])
+    assert res.exit_code == 2 and "9 ik threads a head, in the type's own kernel" in " ".join(res.output.split()), \
+        res.output
+
+
+H128 = DATA / "logits" / "qwen3-h128-ctk"
+#: ikconvert's qwen3 checkpoint with heads of 128 values (4 blocks: ik's Q8_1_R8 kernel multiplies them all)
+H128_SPEC = TinySpec(head_dim=128, n_merges=40, seed=7)
+
+
+@pytest.fixture(scope="module")
+def qwen3_h128(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The F32 file ik's oracle runs took (tests/data/logits/qwen3-h128-ctk/README.md), rebuilt: the same bytes."""
+    folder = tmp_path_factory.mktemp("h128")
+    hf = make_tiny_checkpoint(folder / "hf128", H128_SPEC)
+    gguf = Converter(hf, "f32", pre_tokenizer="qwen2").write(folder / "qwen3-h128-f32.gguf")
+    assert hashlib.sha256(gguf.read_bytes()).hexdigest()[:16] == (H128 / "gguf.sha256").read_text().split()[0]
+    return gguf
+
+
+@pytest.mark.parametrize("case", ["q4_1", "q5_1", "q6_0", "q5_1-khad"])
+def test_ik_avx2_prints_iks_figures_with_heads_of_128(case: str, qwen3_h128: Path) -> None:
+    """Heads of 128, where ik's AVX2 Q8_1_R8 kernel takes every block (its offsets of 4 blocks first, then each
+    block's two 16-value sums scaled one at a time) against ik's own -fa off base run: every figure ik printed."""
+    got = _kld(*_ctk(case), "--numerics", "ik-avx2", "--ik-threads", "2", model=qwen3_h128,
+               base=H128 / "ik-base.kld")
+    assert _matches(got, H128 / f"ik-ctk-{case}-kld.txt")
+    assert "ik_defect" not in got
+
+
+def test_ik_avx2_writes_iks_base_logits_with_a_q5_1_k_cache(qwen3_h128: Path, tmp_path: Path) -> None:
+    """ik's base-logits file of a -ctk q5_1 -fa off run on heads of 128 (8 chunks, -t 2) byte for byte, with every
+    running PPL."""
+    model = Model(qwen3_h128, options=RuntimeOptions(numerics="ik-avx2", ik_threads=2, flash_attn="off"),
+                  cache_type_k="q5_1")
+    assert_iks_forward(model, H128 / "ik-ctk-q5_1-base.kld", H128 / "ik-ctk-q5_1-ppl.txt", tmp_path / "base.kld")
+
+
+H256 = DATA / "logits" / "qwen3-h256-ctk"
+
+
+def test_ik_avx2_writes_iks_base_logits_with_a_q8_kv_k_cache(tmp_path: Path) -> None:
+    """A q8_KV key cache on heads of 256 (ik's Q8_KV kernel takes rows of 256 values and more: the keys and the
+    queries each with one f32 scale a head's row, a score (scale x scale) x their integer dot product): ik's
+    base-logits file of its -fa off run byte for byte, with every running PPL; heads of 32 are refused (ik leaves
+    those scores unwritten)."""
+    hf = make_tiny_checkpoint(tmp_path / "hf256", TinySpec(head_dim=256, heads=2, kv_heads=1, n_merges=40, seed=8))
+    gguf = Converter(hf, "f32", pre_tokenizer="qwen2").write(tmp_path / "qwen3-h256-f32.gguf")
+    assert hashlib.sha256(gguf.read_bytes()).hexdigest()[:16] == (H256 / "gguf.sha256").read_text().split()[0]
+    options = RuntimeOptions(numerics="ik-avx2", ik_threads=2, flash_attn="off")
+    assert_iks_forward(Model(gguf, options=options, cache_type_k="q8_KV"), H256 / "ik-ctk-q8_KV-base.kld",
+                       H256 / "ik-ctk-q8_KV-ppl.txt", tmp_path / "base.kld")
+    res = runner.invoke(app, ["kld", str(QWEN3), "--base-logits", str(QWEN3_BASE), "-ctk", "q8_KV", "--numerics",
+                              "ik-avx2", "--flash-attn", "off"])
+    assert res.exit_code == 2 and "heads of 32" in res.output and "never written" in res.output, res.output

@@ -13,6 +13,7 @@ from ikquant.gguf_io import GGUFFile
 from ikquant.types import type_by_name
 from ikrun.numerics.ik.formats import (
     IK_KERNELS,
+    KEY_CACHE_KERNELS,
     KT_MATMUL_FACTOR,
     Q8_2_X4,
     Q8_K,
@@ -30,6 +31,7 @@ from ikrun.numerics.ik.qgemm import (
     HAS_VNNI,
     ORDER_PLAIN,
     ORDER_Q8_1,
+    ORDER_Q8_1_AVX2,
     ORDER_QX_0_NATIVE,
     ORDER_R8,
     ORDER_R8_AVX2,
@@ -137,7 +139,16 @@ def _ik_reference(x: IntRows, w: BlockInts) -> np.ndarray:
             acc = _fma32(d[..., b], (isum[..., b] + 128 * asum[:, None, b]).astype(np.float32), acc)
             acc = _fma32((w.scale[:, b] * np.float32(-128)).astype(np.float32)[None, :], x.sums[:m, None, b], acc)
         return acc
-    assert w.order == ORDER_Q8_1 and w.offset is not None
+    assert w.order in (ORDER_Q8_1, ORDER_Q8_1_AVX2) and w.offset is not None
+    if w.order == ORDER_Q8_1_AVX2:  # each half block's sum scaled on its own; the blocks past the last group: nothing
+        half = np.einsum("mbhk,rbhk->mrbh", qa.reshape(m, nb, 2, 16), qw.reshape(-1, nb, 2, 16))
+        for b0 in range(0, nb // 4 * 4, 4):
+            for b in range(b0, b0 + 4):
+                acc = _fma32(w.offset[None, :, b], x.sums[:m, None, b], acc)
+            for b in range(b0, b0 + 4):
+                for h in range(2):
+                    acc = _fma32(d[..., b], half[..., b, h].astype(np.float32), acc)
+        return acc
     for b0 in range(0, nb, 4):
         for b in range(b0, b0 + 4):
             acc = _fma32(w.offset[None, :, b], x.sums[:m, None, b], acc)
@@ -149,15 +160,15 @@ def _ik_reference(x: IntRows, w: BlockInts) -> np.ndarray:
 @pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize(("block", "fmt", "order"), [(32, Q8_2_X4, ORDER_R8), (32, Q8_2_X4, ORDER_Q8_1),
                                                      (256, Q8_K, ORDER_R16), (32, Q8_2_X4, ORDER_QX_0_NATIVE),
-                                                     (32, Q8_2_X4, ORDER_R8_AVX2)])
+                                                     (32, Q8_2_X4, ORDER_R8_AVX2), (32, Q8_2_X4, ORDER_Q8_1_AVX2)])
 def test_each_order_is_iks_float_arithmetic(block: int, fmt: str, order: int, tiled: bool) -> None:
     """ik's Q8_0_R8, Q8_1 and Q8_K_R16 gemms and its own Q8_0 kernel (ikrun/numerics/ik/qgemm.py ORDER_*), written out
     block by block with exact fused multiply-adds: the kernels give their bits, over rows long enough to take
-    several passes of K_BYTES (Q8_0's kernel: blocks past the last whole group of four too) and row counts that are
-    no whole tiles or groups; the plain order gives other bits."""
+    several passes of K_BYTES (Q8_0's kernel and the AVX2 Q8_1 one: blocks past the last whole group of four too)
+    and row counts that are no whole tiles or groups; the plain order gives other bits."""
     rng = np.random.default_rng(order)
-    n = {ORDER_QX_0_NATIVE: 26 * block, ORDER_R16: 4 * block}.get(order, 24 * block)
-    w = _weights(rng, 40, n, block, order == ORDER_Q8_1)
+    n = {ORDER_QX_0_NATIVE: 26 * block, ORDER_Q8_1_AVX2: 26 * block, ORDER_R16: 4 * block}.get(order, 24 * block)
+    w = _weights(rng, 40, n, block, order in (ORDER_Q8_1, ORDER_Q8_1_AVX2))
     w = BlockInts(w.q, w.scale, block, w.offset, order, bias=127 if order == ORDER_QX_0_NATIVE else 0)
     x = (rng.standard_normal((TILE + 3, w.q.shape[1])) * rng.uniform(0.1, 10, (TILE + 3, 1))).astype(np.float32)
     rows = integer_rows(x, fmt)
@@ -298,6 +309,22 @@ def test_stored_integers_of_block_types_are_their_decoding(type_name: str) -> No
     ints = IK_KERNELS[type_name].ints
     assert ints is not None
     np.testing.assert_array_equal(ints(raw, decoded).to_float(), decoded)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q5_1"])
+def test_types_with_a_min_convert_to_their_codes_scale_and_min(type_name: str) -> None:
+    """Q4_1 and Q5_1 as ik converts them to Q8_1_R8 (a K cache's kernel): scale x code + offset is every decoded
+    float, bit for bit, the codes in 0 .. 15 / 0 .. 31."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((24, 256)) * np.exp(rng.standard_normal((24, 1)))).astype(np.float32)
+    codec = type_by_name(type_name).require_codec()
+    raw = codec.quantize(x)
+    decoded = codec.dequantize(raw, 256)
+    held = KEY_CACHE_KERNELS[type_name].integers(32, 32)
+    assert held is not None
+    w = held(raw, decoded)
+    np.testing.assert_array_equal(w.to_float(), decoded)
+    assert w.q.min() == 0 and w.q.max() == (15 if type_name == "Q4_1" else 31)
 
 
 def test_routed_experts_in_integers_match_their_float_emulation() -> None:

@@ -9,10 +9,11 @@ uses for a weight of that type (the codecs in this package):
 - Q6_0: the reference rounding (d = max/-32, codes truncated from x/d + 32.5) with the same x^2-weighted refit of
   the scale (llama-quantize always runs the weighted search);
 - Q4_1, Q5_0, Q5_1: the reference rounding, the codecs' path without importance weights;
+- Q8_KV: the codec's (ik's quantize_row_q8_KV; one f32 scale per cache row, a head's keys);
 - IQ4_NL: the block search without its trial scales (ntry -1: the extreme at the grid's low end, then the greedy
   code moves), weights x^2, the codes of the search kept (llama-quantize tries 15 scales and recomputes the codes);
 - F16, BF16: the round-to-nearest-even conversions.
-Q8_KV (a scale per row) is not ported: `cache_row_bytes` refuses it. The bytes decode with the type's codec.
+The bytes decode with the type's codec.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ def _cache_iq4_nl(x: np.ndarray, out: np.ndarray) -> None:
 
 _CACHE_KERNELS = {"Q8_0": _cache_q8_0, "Q4_0": _cache_q4_0, "Q6_0": _cache_q6_0, "IQ4_NL": _cache_iq4_nl}
 #: types whose cache write is the codec's own quantizer without importance weights
-_CODEC_WRITES = ("F32", "F16", "BF16", "Q4_1", "Q5_0", "Q5_1")
+_CODEC_WRITES = ("F32", "F16", "BF16", "Q4_1", "Q5_0", "Q5_1", "Q8_KV")
 #: the cache types whose writes this module reproduces
 CACHE_WRITE_TYPES = (*_CODEC_WRITES, *_CACHE_KERNELS)
 

@@ -36,6 +36,7 @@ from ikrun.numerics.ik.formats import (
     activation_format,
     ik_kernel,
     integer_rows,
+    key_cache_kernel,
     round_activations,
 )
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
@@ -45,6 +46,7 @@ from ikrun.numerics.ik.key_cache import (
     key_cells,
     key_products,
     q4_0_misread_key_products,
+    q8_kv_key_products,
     single_row_key_products,
 )
 from ikrun.numerics.ik.mla_weights import HeadSource, derived_k_b_source, derived_k_b_type, derived_v_b_source
@@ -77,6 +79,8 @@ QUANTIZED_KEY_ARCHS = ("qwen3", "qwen3moe", "glm4moe", "minimax-m2")
 #: (ggml's generic kernel takes every quantized key cache of the arithmetic, up to key_cache.SINGLE_ROW_BLOCKS)
 FLASH_QUANTIZED_KEYS = ("q8_0",)
 FLASH_REPACK_ROWS = 8
+#: ik's Q8_KV kernel takes rows of a multiple of this (QK_K); its fallback for other rows writes nothing
+Q8_KV_ROWS = 256
 #: ik's KV cache length is a multiple of this with flash attention on (llama_kv_cache::get_padding)
 FA_CACHE_PADDING = 256
 #: the architectures whose grouped-query attention under ik's flash attention (-fa on) was checked against ik
@@ -140,8 +144,14 @@ class IkNumerics(Numerics):
     """ik's CPU arithmetic (the module docstring)."""
 
     name = "ik"
-    #: the quantized key caches (ik's names) whose K x Q kernel this arithmetic reproduces (key_cache.py)
+    #: the quantized key caches (ik's names) whose K x Q kernel of ik's -fa off graph this arithmetic reproduces
+    #: (key_cache.py)
     quantized_keys: tuple[str, ...] = ()
+    #: those of them whose K x Q products in ik's flash attention it reproduces too
+    flash_keys: tuple[str, ...] = ()
+    #: the float key caches (ik's names) besides F16 and F32 it reproduces on QUANTIZED_KEY_ARCHS (the float kernel
+    #: of ik's -fa off graph on the cache's values)
+    float_keys: tuple[str, ...] = ()
     #: whether the float orders are ik's AVX2 build's (8-lane float kernels, its AVX2 exponential, numerics/ik/
     #: avx2.py) rather than its AVX-512 build's
     avx2 = False
@@ -200,13 +210,14 @@ class IkNumerics(Numerics):
     def check_key_cache(self, arch: str, cache_type: str) -> str | None:
         if cache_type in ("f16", "f32"):
             return None
-        if arch in QUANTIZED_KEY_ARCHS and cache_type in self.quantized_keys:
+        others = (*self.float_keys, *self.quantized_keys)
+        if arch in QUANTIZED_KEY_ARCHS and cache_type in others:
             return None
-        if not self.quantized_keys:
+        if not others:
             return (f"--numerics {self.name} reproduces ik's F16 and F32 key caches only (its build's K x Q kernels "
-                    "for quantized ones were not checked); --numerics ik-avx2 reproduces q8_0 and q4_0 key caches")
-        return (f"--numerics {self.name} reproduces ik's F16, F32, {', '.join(self.quantized_keys)} key caches (the "
-                f"quantized ones on {', '.join(QUANTIZED_KEY_ARCHS)}), not a {cache_type} key cache on {arch}")
+                    "for quantized ones were not checked); --numerics ik-avx2 reproduces some quantized key caches")
+        return (f"--numerics {self.name} reproduces ik's F16, F32, {', '.join(others)} key caches (the others on "
+                f"{', '.join(QUANTIZED_KEY_ARCHS)}), not a {cache_type} key cache on {arch}")
 
     def nextn_own_tables(self, arch: str) -> bool:
         return arch not in NEXTN_TABLES_IGNORED
@@ -301,19 +312,23 @@ class IkNumerics(Numerics):
 
     def reproduced_defect(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
         """ggml's generic flash-attention kernel over a Q4_0 key cache reads each query block as a Q8_0 one
-        (q4_0_misread_key_products)."""
+        (q4_0_misread_key_products); ik's AVX2 Q8_1_R8 gemm, which multiplies a Q4_1 or Q5_1 key cache, has no loop
+        for the blocks past a key head's last whole 128 values (qgemm.ORDER_Q8_1_AVX2)."""
         if kv.k == "q4_0" and (head_dim, head_dim) not in IQK_FA_HEADS and \
                 self.attention_graph(arch, kv, head_dim) == "on":
             return "ik's AVX2 misread of the Q8_2 query blocks over a q4_0 key cache (its figures are wrong)"
+        if kv.k in ("q4_1", "q5_1") and kv.k in self.quantized_keys and head_dim % 128:
+            return (f"ik's AVX2 Q8_1_R8 kernel leaves the last {head_dim % 128} of {head_dim} values of each key head "
+                    f"out of q . k over a {kv.k} key cache (its figures are wrong)")
         return None
 
     def check_flash_attention(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
         if arch not in FLASH_ATTENTION_ARCHS:
             return (f"--numerics {self.name} reproduces ik's flash attention on {', '.join(FLASH_ATTENTION_ARCHS)}, "
                     f"not {arch}")
-        if kv.v != "f16" or kv.k not in ("f16", *self.quantized_keys):
-            return (f"--numerics {self.name} reproduces ik's flash attention over F16 caches"
-                    f"{' and q8_0 / q4_0 key caches (--numerics ik-avx2)' * bool(self.quantized_keys)}, not a {kv.k} "
+        if kv.v != "f16" or kv.k not in ("f16", *self.flash_keys):
+            keys = f" and {' / '.join(self.flash_keys)} key caches" if self.flash_keys else ""
+            return (f"--numerics {self.name} reproduces ik's flash attention over F16 caches{keys}, not a {kv.k} "
                     f"key cache (give --flash-attn off: ik's -fa off graph)")
         if kv.k == "f16":
             return None
@@ -363,12 +378,23 @@ class IkNumerics(Numerics):
         its own, its rows the activation rows (a single query: its group's heads, ik's Ny = 1 path), the head's
         share of ik's threads splitting the cache cells."""
         type_name = ggml_name(cache_type)
+        if type_name == "Q8_KV":
+            if q.shape[2] % Q8_KV_ROWS:
+                raise ModelError(f"ik multiplies a q8_KV key cache in rows of {Q8_KV_ROWS} values: with heads of "
+                                 f"{q.shape[2]} its q . k is never written (its figures are whatever memory held, not "
+                                 "reproducible)")
+            return q8_kv_key_products(q, k)
         n, n_head, _ = q.shape
         n_kv = k.shape[1]
         rows, threads = (n, self._kernel_threads(n_head)) if n > 1 else (n_head // n_kv, self._kernel_threads(n_kv))
-        ints = self._integers(ik_kernel(type_name), rows, key_cells(len(k)), threads)
-        assert ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
-        return key_products(q, k, type_name, ints, self._activation_format(type_name))
+        kernel = key_cache_kernel(type_name)
+        if not kernel.converts(rows, key_cells(len(k)), threads):
+            raise ModelError(f"ik multiplies a {cache_type} key cache with {rows} query rows, {threads} ik threads a "
+                             "head, in the type's own kernel (it converts the cache rows from 32 query rows and 32 "
+                             "cache cells a thread on), which is not reproduced")
+        ints = self._integers(kernel, rows, key_cells(len(k)), threads)
+        assert ints is not None, f"{type_name} converts (formats.IK_KERNELS, KEY_CACHE_KERNELS)"
+        return key_products(q, k, type_name, ints, kernel.activation)
 
     def _flash_key_products(self, q: np.ndarray, k: np.ndarray, head_v: int, cache_type: str) -> np.ndarray:
         """q . k [H, n, keys] over a key cache of `cache_type` as ik's flash attention multiplies them. Its own kernel

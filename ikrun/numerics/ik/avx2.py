@@ -4,11 +4,12 @@ to get the numbers an AVX2 machine's llama-perplexity prints.
 It differs from the AVX-512 build's (arithmetic.py) in its float kernels, which sum in 8 lanes and add them as 4 + 4,
 then (0 + 2) + (1 + 3) (ikgemm.py; bf16 weights too, on unrounded float32 activations), in its exponential
 (ik_expf_avx2: the softmax and the SiLU, the routed experts' too) and in its softmax's float64 sum of each 8
-exponentials' sum (attention.py), in its Q8_0_R8 gemm (qgemm.ORDER_R8_AVX2) and in its fused delta-net kernel (8-lane
+exponentials' sum (attention.py), in its Q8_0_R8 and Q8_1_R8 gemms (qgemm.ORDER_R8_AVX2, ORDER_Q8_1_AVX2: a quantized
+K cache's K x Q, -fa off) and in its fused delta-net kernel (8-lane
 q.k, its scalar update as GCC contracts it: delta_net.py). ik's flash-attention ports are its
 AVX2 build's already. Only what was checked bit for bit against this build runs: other architectures and weight
-types, and AVX-512-only flags, are refused before any compute; the integer kernels other than Q8_0_R8 (Q8_0's own,
-below 32 activation rows) when a matmul first needs them.
+types, and AVX-512-only flags, are refused before any compute; the integer kernels other than Q8_0_R8 and Q8_1_R8
+(the types' own, below 32 activation rows) when a matmul first needs them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 from ikrun.errors import ModelError
 from ikrun.numerics.ik.arithmetic import IkNumerics
 from ikrun.numerics.ik.formats import UNROUNDED, IkKernel, ToInts
-from ikrun.numerics.ik.qgemm import ORDER_R8, ORDER_R8_AVX2
+from ikrun.numerics.ik.qgemm import ORDER_Q8_1, ORDER_Q8_1_AVX2, ORDER_R8, ORDER_R8_AVX2
 
 if TYPE_CHECKING:
     from ikquant.types import GGMLType
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 VERIFIED_ARCHS = ("qwen3", "deepseek2", "glm-dsa", "openpangu", "qwen3moe", "glm4moe", "minimax-m2", "qwen3next", "qwen35moe")
 #: the weight types whose kernels were checked against it
 VERIFIED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+#: the converted weights' gemms of the AVX-512 build (qgemm.ORDER_*) -> the AVX2 build's
+AVX2_ORDERS = {ORDER_R8: ORDER_R8_AVX2, ORDER_Q8_1: ORDER_Q8_1_AVX2}
 
 
 class IkAvx2Numerics(IkNumerics):
@@ -35,7 +38,10 @@ class IkAvx2Numerics(IkNumerics):
 
     name = "ik-avx2"
     avx2 = True
-    quantized_keys = ("q8_0", "q4_0")
+    quantized_keys = ("q8_0", "q4_0", "q6_0", "iq4_nl", "q5_0", "q4_1", "q5_1", "q8_KV")
+    flash_keys = ("q8_0", "q4_0")
+    #: a BF16 key cache takes the F16 cache's float kernel (set_mul_mat_f, unrounded queries: no bf16 kernel on AVX2)
+    float_keys = ("bf16",)
 
     def check_weights(self) -> list[str]:
         arch = self.weights.metadata.architecture
@@ -65,8 +71,8 @@ class IkAvx2Numerics(IkNumerics):
 
     def _integers(self, kernel: IkKernel, n_act_rows: int, n_weight_rows: int,
                   threads: int | None = None) -> ToInts | None:
-        """Q8_0_R8's float order of ik's AVX2 build (qgemm.ORDER_R8_AVX2); the other integer kernels' AVX2 orders
-        are not reproduced."""
+        """The float orders of ik's AVX2 Q8_0_R8 and Q8_1_R8 gemms (qgemm.ORDER_R8_AVX2, ORDER_Q8_1_AVX2); the other
+        integer kernels' AVX2 orders are not reproduced."""
         ints = super()._integers(kernel, n_act_rows, n_weight_rows, threads)
         if ints is None:
             return None
@@ -74,9 +80,9 @@ class IkAvx2Numerics(IkNumerics):
 
         def avx2(raw, decoded):  # type: ignore[no-untyped-def]
             held = inner(raw, decoded)
-            if held.order != ORDER_R8:
-                raise ModelError(f"--numerics ik-avx2 reproduces ik's AVX2 Q8_0_R8 kernel (32 activation rows and "
-                                 f"more a thread), not the kernel ik takes for {n_act_rows} rows")
-            return replace(held, order=ORDER_R8_AVX2)
+            if held.order not in AVX2_ORDERS:
+                raise ModelError(f"--numerics ik-avx2 reproduces ik's AVX2 Q8_0_R8 and Q8_1_R8 kernels (32 activation "
+                                 f"rows and more a thread), not the kernel ik takes for {n_act_rows} rows")
+            return replace(held, order=AVX2_ORDERS[held.order])
 
         return avx2

@@ -194,6 +194,21 @@ def _k_to_q8_1(raw: np.ndarray, decoded: np.ndarray, five_bits: bool) -> BlockIn
                      order=ORDER_Q8_1)
 
 
+def _q_1_to_q8_1(raw: np.ndarray, decoded: np.ndarray, five_bits: bool) -> BlockInts:
+    """Q4_1 / Q5_1 as ik converts them to Q8_1_R8: per 32-value block the codes (0 .. 15 or 0 .. 31: value j of a
+    block the low nibble of its byte j, value 16 + j the high one; Q5_1's fifth bit j of its 32-bit qh), the scale
+    d and the offset m as stored."""
+    size = 24 if five_bits else 20
+    blocks = raw.reshape(raw.shape[0], -1, size)
+    qs = blocks[..., size - 16 :].astype(np.int32)
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    if five_bits:
+        qh = blocks[..., 4:8].copy().view(np.uint32).astype(np.int64)  # [rows, nb, 1]
+        q = q | (((qh >> np.arange(32)) & 1) << 4).astype(np.int32)
+    return BlockInts(q=q.reshape(decoded.shape).astype(np.int8), scale=_block_f16(raw, size),
+                     block=BLOCK, offset=_block_f16(raw, size, 2), order=ORDER_Q8_1)
+
+
 def _q6_k_to_q8_0(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
     d = _block_f16(raw, 210, 208)  # [rows, nb]
     p = np.rint(np.divide(decoded.reshape(*d.shape, 8, 32), d[..., None, None],
@@ -393,6 +408,14 @@ IK_KERNELS: dict[str, IkKernel] = {
 }
 
 
+#: K cache types ik multiplies in a kernel of its own that no weight type of IK_KERNELS takes here: Q4_1 and Q5_1,
+#: converted to Q8_1_R8 from 32 activation rows on (their own kernels below that are not reproduced)
+KEY_CACHE_KERNELS: dict[str, IkKernel] = {
+    "Q4_1": IkKernel(Q8_2_X4, 32, lambda raw, w: _q_1_to_q8_1(raw, w, False)),
+    "Q5_1": IkKernel(Q8_2_X4, 32, lambda raw, w: _q_1_to_q8_1(raw, w, True)),
+}
+
+
 #: weight types ik multiplies in its float kernels (ikrun/numerics/ik/ikgemm.py)
 IK_FLOAT_TYPES = ("F32", "F16", "BF16")
 
@@ -403,6 +426,12 @@ def ik_kernel(type_name: str) -> IkKernel:
         return IK_KERNELS[type_name]
     except KeyError:
         raise NumericsError(type_name) from None
+
+
+def key_cache_kernel(type_name: str) -> IkKernel:
+    """How ik multiplies a K cache of GGML type `type_name` with the queries (its -fa off graph's matmul)."""
+    kernel = KEY_CACHE_KERNELS.get(type_name)
+    return ik_kernel(type_name) if kernel is None else kernel
 
 
 def activation_format(type_name: str) -> str:

@@ -1,11 +1,12 @@
-"""ik's K x Q product over a quantized K cache without flash attention (-ctk q8_0 / q4_0, -fa off).
+"""ik's K x Q product over a quantized K cache without flash attention (-ctk q8_0, q4_0, ..., -fa off).
 
 ik's graph multiplies the cache's view of a layer's keys (one matrix of its cells per KV head) with the queries in
 its ordinary matmul: the K cache is the "weight". The queries are rounded to the K type's vec_dot_type (Q8_2_X4 on
-AVX2 for Q8_0 and Q4_0, the activations of a Q8_0 or Q4_0 weight), and each query head is one matmul of its own
+AVX2 for every 32-value block type, the activations of such a weight), and each query head is one matmul of its own
 against its group's keys (iqk_mul_mat_4d: the heads split over ik's threads, each head's keys over the threads left),
-which takes the weights' kernel choice: with 32 query rows and more ik converts the cache rows to Q8_0_R8 and
-multiplies integers (formats.py, qgemm.py). The cache holds what ik's ggml_cpy wrote (ikquant/formats/cache_rows.py),
+which takes the weights' kernel choice: with 32 query rows and more ik converts the cache rows to Q8_0_R8 (Q8_0,
+Q4_0, Q5_0, Q6_0, IQ4_NL: their integers and scales kept) or Q8_1_R8 (Q4_1, Q5_1: their codes, scales and mins) and
+multiplies integers (formats.py, qgemm.py); a Q8_KV cache takes its own kernel (q8_kv_key_products). The cache holds what ik's ggml_cpy wrote (ikquant/formats/cache_rows.py),
 so the keys are written here as they are read: the same rows, the same bytes. With -khad ik rotates both the keys
 (before the write) and the queries by its Hadamard transform; the rotated queries are what is rounded.
 """
@@ -107,6 +108,30 @@ def single_row_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: 
     qu, qd = np.stack([r.u[:n] for r in rows]), np.stack([r.scale[:n] for r in rows])
     scores = np.empty((n_head, n, len(k)), np.float32)
     _single_row_scores(qu, qd, kq, kd, n_head // len(held), scores)
+    return scores
+
+
+def _q8_kv_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows x [m, d] as ik's quantize_row_q8_KV writes them: their f32 scales [m] and int8 codes [m, d]."""
+    raw = cache_row_bytes("Q8_KV", np.ascontiguousarray(x, dtype=np.float32))
+    return raw[:, :4].copy().view(np.float32)[:, 0], raw[:, 8:].view(np.int8)
+
+
+def q8_kv_key_products(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """The scores q . k [H, n, keys] over a Q8_KV key cache as ik multiplies them (-fa off): each query head's row
+    rounded to Q8_KV too (Q8_KV's vec_dot_type), and each score (key scale x query scale) x f32(the rows' integer
+    dot product), in every kernel ik takes for it (mul_mat_q8_KV_q8_KV)."""
+    n, n_head, d = q.shape
+    n_keys, n_kv, _ = k.shape
+    kd, kq = _q8_kv_rows(k.reshape(-1, d))
+    qd, qq = _q8_kv_rows(q.reshape(-1, d))
+    kd, kq = kd.reshape(n_keys, n_kv), kq.reshape(n_keys, n_kv, d).astype(np.int32)
+    qd, qq = qd.reshape(n, n_head), qq.reshape(n, n_head, d).astype(np.int32)
+    group = n_head // n_kv
+    scores = np.empty((n_head, n, n_keys), np.float32)
+    for h in range(n_head):
+        scale = qd[:, h, None] * kd[None, :, h // group]  # float32 products
+        scores[h] = scale * (qq[:, h] @ kq[:, h // group].T).astype(np.float32)
     return scores
 
 

@@ -47,8 +47,11 @@ from ikrun.ops.parallel import TASKS_PER_THREAD, claim, claim_items, pick, task_
 #: integer sum) to a sum of its own (accm[j]); a block past the last whole group adds its eight 4-value sums to the
 #: eight accumulators and a quarter of its correction to each accm; at the end (acc[j] + acc[4 + j]) + accm[j],
 #: summed (0 + 2) + (1 + 3); ORDER_R8_AVX2 ik's Q8_0_R8 gemm in its AVX2 build: signed weights, per block
-#: acc = fma(w scale x a scale, f32(isum), acc)
-ORDER_PLAIN, ORDER_R8, ORDER_R16, ORDER_Q8_1, ORDER_QX_0_NATIVE, ORDER_R8_AVX2 = 0, 1, 2, 3, 4, 5
+#: acc = fma(w scale x a scale, f32(isum), acc); ORDER_Q8_1_AVX2 ik's Q8_1_R8 gemm in its AVX2 build (Q4_1, Q5_1
+#: converted): ORDER_Q8_1's offsets of four blocks first, then per block its first and its last 16 products each
+#: acc = fma(w scale x a scale, f32(half sum), acc); the blocks past the last whole group of four add nothing (the
+#: kernel has no loop for them)
+ORDER_PLAIN, ORDER_R8, ORDER_R16, ORDER_Q8_1, ORDER_QX_0_NATIVE, ORDER_R8_AVX2, ORDER_Q8_1_AVX2 = 0, 1, 2, 3, 4, 5, 6
 LANES = 16  # weight rows per packed group: one 512-bit vector of int32 lanes
 TILE = 4  # activation rows per kernel call, sharing each weight vector
 GROUPS = 2  # weight groups per kernel call, sharing each activation broadcast
@@ -409,9 +412,10 @@ def _make_tile(block: int, order: int = ORDER_PLAIN,  # type: ignore[no-untyped-
     one another; one for the orders whose second terms need the registers)."""
     steps = block // 4
     r8, r16, q81 = order == ORDER_R8, order == ORDER_R16, order == ORDER_Q8_1
+    halves = order == ORDER_Q8_1_AVX2  # a block's two 16-value sums scaled one at a time
     fused = q81 or order == ORDER_R8_AVX2  # acc = fma(d, f32(isum), acc)
-    per_step = 4 if q81 else 1  # blocks per step of the loop
-    chains = 1 if q81 or r8 or not HAS_VNNI else CHAINS  # their second terms leave no registers for more
+    per_step = 4 if q81 or halves else 1  # blocks per step of the loop
+    chains = 1 if q81 or halves or r8 or not HAS_VNNI else CHAINS  # their second terms leave no registers for more
 
     def emit_pass(t: _TileArgs, keys: list[tuple[int, int]]) -> None:
         """The blocks b0 .. b1 for the (group, row) pairs `keys` of the call."""
@@ -432,17 +436,19 @@ def _make_tile(block: int, order: int = ORDER_PLAIN,  # type: ignore[no-untyped-
         zero_f = ir.Constant(_V16F, [0.0] * LANES)
         accs1 = {key: cgutils.alloca_once_value(builder, zero_f) for key in keys} if r8 else {}
 
-        def integer_sums(b: ir.Value) -> dict:  # type: ignore[type-arg]
-            """Block b's exact sums of u x q per (group, row): isum - corr."""
+        def integer_sums(b: ir.Value, first: int = 0, count: int = steps) -> dict:  # type: ignore[type-arg]
+            """Block b's exact sums of u x q per (group, row) over its steps first .. first + count - 1: isum - corr
+            (a part of a block only with signed dot products, which need no correction)."""
+            assert count == steps or t.dots.signed, "the corrections are whole blocks'"
             gb = [builder.add(builder.mul(gh, nb_v), b) for gh in groups]
             wbase = [builder.mul(x, const(steps * 64)) for x in gb]
             abase = [builder.add(builder.mul(r, row_len), builder.mul(b, const(block))) for r in rows]
             slots = {(h, i, c): cgutils.alloca_once_value(builder, t.dots.zero) for h, i in keys for c in range(chains)}
             # a loop over the steps, not the steps unrolled: LLVM then keeps the widened values of one step in
             # registers instead of scheduling a block's loads together and spilling them
-            with cgutils.for_range(builder, const(steps // chains)) as loop:
+            with cgutils.for_range(builder, const(count // chains)) as loop:
                 for c in range(chains):
-                    s = builder.add(builder.mul(loop.index, const(chains)), const(c))
+                    s = builder.add(builder.mul(loop.index, const(chains)), const(first + c))
                     w = [_vector(builder, wq_p, builder.add(wb, builder.mul(s, const(64))), _V16I) for wb in wbase]
                     for i in sorted({i for _, i in keys}):
                         ap = builder.gep(au_p, [builder.add(abase[i], builder.mul(s, const(4)))])
@@ -475,13 +481,14 @@ def _make_tile(block: int, order: int = ORDER_PLAIN,  # type: ignore[no-untyped-
         with cgutils.for_range(builder, builder.udiv(builder.sub(b1_v, b0_v), const(per_step))) as loop:
             first = builder.add(b0_v, builder.mul(loop.index, const(per_step)))
             blocks = [builder.add(first, const(t)) for t in range(per_step)]
-            if q81:  # ik's Q8_1 kernel: the four blocks' offset terms, then their scaled sums
+            if q81 or halves:  # ik's Q8_1 kernels: the four blocks' offset terms, then their scaled sums
                 for b in blocks:
                     offset, a_sum = weights(b, wo_p), activations(b, su_p)
                     for h, i in keys:
                         add((h, i), fma(offset[h], a_sum[i], builder.load(accs[(h, i)])))
             for b in blocks:
-                totals = integer_sums(b)
+                parts = [integer_sums(b, h * steps // 2, steps // 2) for h in range(2)] if halves else []
+                totals = {} if halves else integer_sums(b)
                 scale, a_scale = weights(b, ws_p), activations(b, as_p)
                 a_sum = activations(b, su_p) if r8 or r16 else []
                 a_int = []
@@ -500,6 +507,9 @@ def _make_tile(block: int, order: int = ORDER_PLAIN,  # type: ignore[no-untyped-
                         if r16:
                             minus = ir.Constant(_V16F, [-128.0] * LANES)
                             acc = fma(builder.fmul(scale[h], minus), a_sum[i], acc)
+                    elif halves:
+                        for part in parts:
+                            acc = fma(d, builder.sitofp(part[(h, i)], _V16F), acc)
                     elif fused:
                         acc = fma(d, builder.sitofp(totals[(h, i)], _V16F), acc)
                     else:
@@ -620,6 +630,9 @@ def _make_native_tile(dot: Callable[[ir.IRBuilder], _Dot] = host_dot):  # type: 
 _tile32, _tile256 = _make_tile(32), _make_tile(256, dot=host_dot)
 _tile32_r8, _tile256_r16 = _make_tile(32, ORDER_R8), _make_tile(256, ORDER_R16, host_dot)
 _tile32_q81, _tile32_r8_avx2 = _make_tile(32, ORDER_Q8_1), _make_tile(32, ORDER_R8_AVX2)
+#: ORDER_Q8_1_AVX2 sums half blocks, which AVX2's signed byte products do without a correction (hosts without AVX2
+#: take the scalar kernel, qmatmul: their stand-in here is never called, and emits no AVX2 instruction)
+_tile32_q81_avx2 = _make_tile(32, ORDER_Q8_1_AVX2, lambda builder: _DOT_SIGN) if HAS_AVX2 else _tile32_q81
 _tile32_native = _make_native_tile()
 
 
@@ -639,6 +652,8 @@ def _tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block, nb,
                 _tile256(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             elif order == ORDER_Q8_1:
                 _tile32_q81(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
+            elif order == ORDER_Q8_1_AVX2:
+                _tile32_q81_avx2(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             elif order == ORDER_R8:
                 _tile32_r8(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             elif order == ORDER_R8_AVX2:
@@ -682,6 +697,9 @@ def _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, b
     if order == ORDER_QX_0_NATIVE:
         _portable_native(wq, ws, wofs, au, asc, asum, out, g, m0, m1, nb, n)
         return
+    if order == ORDER_Q8_1_AVX2:
+        _portable_q81_avx2(wq, ws, wofs, au, asc, asum, out, g, m0, m1, nb, n)
+        return
     steps = block // 4
     acc = np.empty(LANES, np.float32)
     acc1 = np.empty(LANES, np.float32)
@@ -716,6 +734,28 @@ def _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, b
                     acc[r] = acc[r] + np.float32(s - wcorr[gb * LANES + r]) * (w_scale * d_a)
         for r in range(LANES):
             out[m * n + g * LANES + r] = fmaf(np.float32(-127.0), acc1[r], acc[r]) if order == ORDER_R8 else acc[r]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _portable_q81_avx2(wq, ws, wofs, au, asc, asum, out, g, m0, m1, nb, n):  # type: ignore[no-untyped-def]
+    """ORDER_Q8_1_AVX2 in scalar code, one 16-row group against rows m0 .. m1."""
+    for m in range(m0, m1):
+        for r in range(LANES):
+            acc = np.float32(0.0)
+            for b4 in range(0, nb // 4 * 4, 4):
+                for b in range(b4, b4 + 4):
+                    acc = fmaf(wofs[(g * nb + b) * LANES + r], asum[m * nb + b], acc)
+                for b in range(b4, b4 + 4):
+                    gb = g * nb + b
+                    d = ws[gb * LANES + r] * asc[m * nb + b]
+                    for half in range(2):
+                        s = np.int32(0)
+                        for k in range(4 * half, 4 * half + 4):
+                            w0, a0 = (gb * 8 + k) * 64 + r * 4, m * nb * 32 + b * 32 + 4 * k
+                            for t in range(4):
+                                s += np.int32(wq[w0 + t]) * (np.int32(au[a0 + t]) - 128)
+                        acc = fmaf(d, np.float32(s), acc)
+            out[m * n + g * LANES + r] = acc
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -814,15 +854,17 @@ def qmatmul(x: IntRows, w: PackedInts, tiled: bool = True) -> np.ndarray:
     if x.block != w.block or x.u.shape[1] != w.n:
         raise ValueError(f"activations of {x.u.shape[1]} values in blocks of {x.block} against weights of {w.n} "
                          f"in blocks of {w.block}")
-    if w.has_offset != (w.order in (ORDER_Q8_1, ORDER_QX_0_NATIVE)):
+    if w.has_offset != (w.order in (ORDER_Q8_1, ORDER_Q8_1_AVX2, ORDER_QX_0_NATIVE)):
         raise ValueError("offsets belong to ik's Q8_1 weights (ORDER_Q8_1) and only to them")
-    if w.order == ORDER_QX_0_NATIVE and w.block != 32:
+    if w.order in (ORDER_QX_0_NATIVE, ORDER_Q8_1_AVX2) and w.block != 32:
         raise ValueError(f"ik's kernel of the 32-value block types takes blocks of 32 values, not {w.block}")
     if w.order == ORDER_Q8_1 and (w.n // w.block) % 4:
         raise ValueError(f"ik's Q8_1 order takes blocks four at a time; rows of {w.n} values are not")
     mp, n_out = x.u.shape[0], w.scale.size // (w.n // w.block)
     out = np.zeros((mp, n_out), np.float32)  # the kernels add each block to what is there
-    tiled = tiled and not (w.full_range and SIGNED_TILES and w.order != ORDER_QX_0_NATIVE)
+    signed = SIGNED_TILES or w.order == ORDER_Q8_1_AVX2  # the tile takes AVX2's signed byte products
+    tiled = tiled and (HAS_AVX2 or w.order != ORDER_Q8_1_AVX2) and \
+        not (w.full_range and signed and w.order != ORDER_QX_0_NATIVE)
     serial, parallel = (_tiled_serial, _tiled_parallel) if tiled else (_portable_serial, _portable_parallel)
     kernel = pick(serial, parallel, mp * w.n * n_out // 64)
     args = (w.q, w.scale, w.corr, w.offset, x.u.reshape(-1), x.scale.reshape(-1), x.sums.reshape(-1),
