@@ -19,7 +19,15 @@ from numba import njit, prange
 
 from ikquant.formats.base import Codec
 from ikquant.formats.numeric import abs_max, fmaf, load_f16, nearest_int_fma, store_f16
-from ikquant.formats.scale_search import make_qkx3_blocks, make_qx_quants, qkx3_scratch, qx_scratch
+from ikquant.formats.scale_search import (
+    LANES32,
+    lane_error_f32,
+    lane_trial_f32,
+    make_qkx3_blocks,
+    make_qx_quants,
+    qkx3_scratch,
+    qx_scratch,
+)
 
 QK_K = 256
 GROUP_MAX_EPS = np.float32(1e-15)
@@ -90,15 +98,10 @@ def make_q3_quants16(x: np.ndarray, L: np.ndarray) -> np.float32:
 
 
 @njit(**NJ)
-def make_qkx2_quants(
-    nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, Laux: np.ndarray,
-    rmin: np.float32, rdelta: np.float32, nstep: int, use_mad: bool, fused_sum_x: bool,
-) -> tuple[np.float32, np.float32]:
-    """ik's make_qkx2_quants: asymmetric (scale, min) search over nstep+1 trial scales, float32 sums.
-
-    Returns (scale, -min); L receives codes in [0, nmax]. GCC contracts the weighted sum of x into FMAs in the
-    16-value copy (Q2_K) but not in the 32-value one (Q4_K, Q5_K): `fused_sum_x` selects which.
-    """
+def _qkx2_start(nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, use_mad: bool, fused_sum_x: bool
+                ) -> tuple[bool, np.float32, np.float32, np.float32, np.float32, np.float32, np.float32]:
+    """make_qkx2_quants up to its trials: (whether the block has a range, min clamped to <= 0, max, sum w, sum w x,
+    the plain grid's scale, its weighted error), L the plain grid's codes (zeros for a flat block)."""
     n = x.size
     fmin = x[0]
     fmax = x[0]
@@ -114,9 +117,8 @@ def make_qkx2_quants(
     if fmax - fmin < np.float32(1e-10):
         for i in range(n):
             L[i] = 0
-        return np.float32(0.0), -fmin
-    fn = np.float32(nmax)
-    iscale = fn / (fmax - fmin)
+        return False, fmin, fmax, sum_w, sum_x, np.float32(0.0), np.float32(0.0)
+    iscale = np.float32(nmax) / (fmax - fmin)
     scale = np.float32(1.0) / iscale
     best_mad = np.float32(0.0)
     for i in range(n):
@@ -125,8 +127,44 @@ def make_qkx2_quants(
         diff = fmaf(np.float32(l), scale, fmin) - x[i]
         diff = abs(diff) if use_mad else diff * diff
         best_mad = fmaf(w[i], diff, best_mad)
+    return True, fmin, fmax, sum_w, sum_x, scale, best_mad
+
+
+@njit(**NJ)
+def _qkx2_fit(sum_w: np.float32, sum_x: np.float32, sum_l: np.float32, sum_l2: np.float32, sum_xl: np.float32
+              ) -> tuple[bool, np.float32, np.float32]:
+    """A trial's least-squares (scale, min), min clamped to <= 0: (whether it has a fit, scale, min)."""
+    D = fmaf(sum_w, sum_l2, -(sum_l * sum_l))
+    if not D > 0:
+        return False, np.float32(0.0), np.float32(0.0)
+    this_min = fmaf(sum_l2, sum_x, -(sum_l * sum_xl)) / D
+    if this_min > 0:
+        return True, sum_xl / sum_l2, np.float32(0.0)
+    return True, fmaf(-sum_x, sum_l, sum_w * sum_xl) / D, this_min
+
+
+@njit(**NJ)
+def _trial_iscale2(step: int, rdelta: np.float32, rmin: np.float32, nmax: int, fmin: np.float32, fmax: np.float32
+                   ) -> np.float32:
+    return (fmaf(np.float32(step), rdelta, rmin) + np.float32(nmax)) / (fmax - fmin)
+
+
+@njit(**NJ)
+def make_qkx2_quants(
+    nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, Laux: np.ndarray,
+    rmin: np.float32, rdelta: np.float32, nstep: int, use_mad: bool, fused_sum_x: bool,
+) -> tuple[np.float32, np.float32]:
+    """ik's make_qkx2_quants: asymmetric (scale, min) search over nstep+1 trial scales, float32 sums.
+
+    Returns (scale, -min); L receives codes in [0, nmax]. GCC contracts the weighted sum of x into FMAs in the
+    16-value copy (Q2_K) but not in the 32-value one (Q4_K, Q5_K): `fused_sum_x` selects which.
+    """
+    n = x.size
+    live, fmin, fmax, sum_w, sum_x, scale, best_mad = _qkx2_start(nmax, x, w, L, use_mad, fused_sum_x)
+    if not live:
+        return np.float32(0.0), -fmin
     for step in range(nstep + 1):
-        iscale = (fmaf(np.float32(step), rdelta, rmin) + fn) / (fmax - fmin)
+        iscale = _trial_iscale2(step, rdelta, rmin, nmax, fmin, fmax)
         sum_l = np.float32(0.0)
         sum_l2 = np.float32(0.0)
         sum_xl = np.float32(0.0)
@@ -138,14 +176,8 @@ def make_qkx2_quants(
             sum_l += wl
             sum_l2 = fmaf(wl, fl, sum_l2)
             sum_xl = fmaf(wl, x[i], sum_xl)
-        D = fmaf(sum_w, sum_l2, -(sum_l * sum_l))
-        if D > 0:
-            this_min = fmaf(sum_l2, sum_x, -(sum_l * sum_xl)) / D
-            if this_min > 0:
-                this_min = np.float32(0.0)
-                this_scale = sum_xl / sum_l2
-            else:
-                this_scale = fmaf(-sum_x, sum_l, sum_w * sum_xl) / D
+        fits, this_scale, this_min = _qkx2_fit(sum_w, sum_x, sum_l, sum_l2, sum_xl)
+        if fits:
             mad = np.float32(0.0)
             for i in range(n):
                 diff = fmaf(np.float32(Laux[i]), this_scale, this_min) - x[i]
@@ -158,6 +190,67 @@ def make_qkx2_quants(
                 scale = this_scale
                 fmin = this_min
     return scale, -fmin
+
+
+@njit(**NJ)
+def qkx2_scratch(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """make_qkx2_blocks' working arrays for blocks of n values: the lanes' values, weights and codes
+    [n, LANES32], their float32 state, which lanes are live."""
+    return (np.empty((n, LANES32), np.float32), np.empty((n, LANES32), np.float32),
+            np.empty((n, LANES32), np.int32), np.zeros((13, LANES32), np.float32), np.zeros(LANES32, np.bool_))
+
+
+@njit(**NJ)
+def make_qkx2_blocks(nmax: int, x: np.ndarray, w: np.ndarray, L: np.ndarray, rmin: np.float32, rdelta: np.float32,
+                     nstep: int, use_mad: bool, fused_sum_x: bool, scales: np.ndarray, mins: np.ndarray,
+                     scratch: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> None:
+    """make_qkx2_quants over every block (row) of x [blocks, n] (w, L alike) into scales and (negated) mins, the
+    same bits, LANES32 blocks side by side: each trial's float32 sums and error are chains of dependent
+    multiply-adds in ik's order, so one block waits on latency while eight lanes of a vector advance together.
+    Blocks past the last whole group of LANES32 take the one-block search. `scratch`: qkx2_scratch(n)."""
+    nb, n = x.shape
+    top = np.int32(nmax)
+    xt, wt, codes, state, live = scratch
+    fmin, fmax, sum_w, sum_x, scale, best_mad, iscale = (state[0], state[1], state[2], state[3], state[4], state[5],
+                                                         state[6])
+    t_scale, t_min, mad, sums = state[7], state[8], state[9], state[10:13]
+    for b0 in range(0, nb - nb % LANES32, LANES32):
+        for k in range(LANES32):
+            b = b0 + k
+            live[k], fmin[k], fmax[k], sum_w[k], sum_x[k], scale[k], best_mad[k] = _qkx2_start(
+                nmax, x[b], w[b], L[b], use_mad, fused_sum_x)
+            if not live[k]:
+                fmax[k] = fmin[k] + np.float32(1.0)  # a flat lane computes on a harmless range, never read
+            for i in range(n):
+                xt[i, k] = x[b, i]
+                wt[i, k] = w[b, i]
+        for step in range(nstep + 1):
+            for k in range(LANES32):
+                iscale[k] = _trial_iscale2(step, rdelta, rmin, nmax, fmin[k], fmax[k])
+            lane_trial_f32(xt, wt, fmin, iscale, top, codes, sums)
+            any_fit = False
+            for k in range(LANES32):
+                fits, t_scale[k], t_min[k] = _qkx2_fit(sum_w[k], sum_x[k], sums[0, k], sums[1, k], sums[2, k])
+                if not (fits and live[k]):
+                    t_scale[k] = np.nan  # no fit: its error is NaN, never below the best
+                any_fit |= fits and live[k]
+            if not any_fit:
+                continue
+            lane_error_f32(xt, wt, codes, t_scale, t_min, use_mad, mad)
+            for k in range(LANES32):
+                if mad[k] < best_mad[k]:
+                    for i in range(n):
+                        L[b0 + k, i] = codes[i, k]
+                    best_mad[k] = mad[k]
+                    scale[k] = t_scale[k]
+                    fmin[k] = t_min[k]
+        for k in range(LANES32):
+            b = b0 + k
+            scales[b], mins[b] = scale[k], -fmin[k]
+    laux = np.empty(n, L.dtype)
+    for b in range(nb - nb % LANES32, nb):
+        scales[b], mins[b] = make_qkx2_quants(nmax, x[b], w[b], L[b], laux, rmin, rdelta, nstep, use_mad,
+                                              fused_sum_x)
 
 
 @njit(**NJ)
@@ -303,22 +396,21 @@ def _quantize_q2_k_ref(x: np.ndarray, out: np.ndarray) -> None:
     n_rows, n = x.shape
     for r in prange(n_rows):
         L = np.empty(QK_K, dtype=np.uint8)
-        Laux = np.empty(16, dtype=np.uint8)
-        w = np.empty(16, dtype=np.float32)
+        w = np.empty((16, 16), dtype=np.float32)
         scales = np.empty(16, dtype=np.float32)
         mins = np.empty(16, dtype=np.float32)
+        scratch = qkx2_scratch(16)
         for ib in range(n // QK_K):
             xb = x[r, ib * QK_K : (ib + 1) * QK_K]
             ob = out[r, ib * 84 : (ib + 1) * 84]
             max_scale = np.float32(0.0)
             max_min = np.float32(0.0)
             for j in range(16):
-                xs = xb[16 * j : 16 * j + 16]
                 for i in range(16):
-                    w[i] = abs(xs[i])
-                scales[j], mins[j] = make_qkx2_quants(
-                    3, xs, w, L[16 * j : 16 * j + 16], Laux, np.float32(-0.5), np.float32(0.1), 15, True, True
-                )
+                    w[j, i] = abs(xb[16 * j + i])
+            make_qkx2_blocks(3, xb.reshape(16, 16), w, L.reshape(16, 16), np.float32(-0.5), np.float32(0.1), 15, True,
+                             True, scales, mins, scratch)
+            for j in range(16):
                 max_scale = max(max_scale, scales[j])
                 max_min = max(max_min, mins[j])
             if max_scale > 0:
@@ -614,12 +706,12 @@ def _quantize_k45_ref(x: np.ndarray, out: np.ndarray, nmax: int, rmin: np.float3
     bsize = out.shape[1] * QK_K // n
     for r in prange(n_rows):
         L = np.empty(QK_K, dtype=np.uint8)
-        Laux = np.empty(32, dtype=np.uint8)
         Ls = np.empty(8, dtype=np.uint8)
         Lm = np.empty(8, dtype=np.uint8)
-        w = np.empty(32, dtype=np.float32)
+        w = np.empty((8, 32), dtype=np.float32)
         scales = np.empty(8, dtype=np.float32)
         mins = np.empty(8, dtype=np.float32)
+        scratch = qkx2_scratch(32)
         for ib in range(n // QK_K):
             xb = x[r, ib * QK_K : (ib + 1) * QK_K]
             ob = out[r, ib * bsize : (ib + 1) * bsize]
@@ -630,10 +722,9 @@ def _quantize_k45_ref(x: np.ndarray, out: np.ndarray, nmax: int, rmin: np.float3
                     sum_x2 += xs[i] * xs[i]
                 av_x = np.sqrt(sum_x2 * np.float32(1.0 / 32))
                 for i in range(32):
-                    w[i] = av_x + abs(xs[i])
-                scales[j], mins[j] = make_qkx2_quants(
-                    nmax, xs, w, L[32 * j : 32 * j + 32], Laux, rmin, np.float32(0.1), nstep, False, False
-                )
+                    w[j, i] = av_x + abs(xs[i])
+            make_qkx2_blocks(nmax, xb.reshape(8, 32), w, L.reshape(8, 32), rmin, np.float32(0.1), nstep, False, False,
+                             scales, mins, scratch)
             _k4_ref_scales(ob, scales, mins, Ls, Lm)
             _pack_scales_k4(ob, Ls, Lm)
             _requantize_k4(ob, xb, L, nmax)

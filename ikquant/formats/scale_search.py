@@ -343,7 +343,28 @@ _V4F, _V4D, _V4I = ir.VectorType(_F32, LANES), ir.VectorType(_F64, LANES), ir.Ve
 
 def _splat(builder: ir.IRBuilder, value: ir.Value, vty: ir.VectorType) -> ir.Value:
     v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_V4I, [0] * LANES))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(ir.VectorType(_I32, vty.count),
+                                                                                   [0] * vty.count))
+
+
+def _array_data(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    """The data pointers of an intrinsic's array arguments, in order."""
+    return [context.make_array(t)(context, builder, value=v).data
+            for t, v in zip(signature.args, args) if isinstance(t, types.Array)]
+
+
+def _vec_at(builder: ir.IRBuilder, ptr: ir.Value, index: ir.Value, vty: ir.VectorType) -> ir.Value:
+    return builder.bitcast(builder.gep(ptr, [index]), vty.as_pointer())
+
+
+def _rounded_codes(builder: ir.IRBuilder, product: ir.Value, top: ir.Value) -> ir.Value:
+    """min(top, max(0, nearest_int)) of lanes already holding a*b + 1.5*2^23 (ik's fused rounding add)."""
+    vty = ir.VectorType(_I32, product.type.count)
+    q = builder.sub(builder.and_(builder.bitcast(product, vty), ir.Constant(vty, [0x7FFFFF] * vty.count)),
+                    ir.Constant(vty, [0x400000] * vty.count))
+    zero = ir.Constant(vty, [0] * vty.count)
+    q = builder.select(builder.icmp_signed(">", q, zero), q, zero)
+    return builder.select(builder.icmp_signed("<", q, top), q, top)
 
 
 @intrinsic
@@ -357,19 +378,15 @@ def _lane_trial(typingctx, xt, wt, mn, iscale, top, codes, sums):  # type: ignor
     sig = types.void(xt, wt, mn, iscale, types.int32, codes, sums)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        xt_v, wt_v, mn_v, isc_v, top_v, codes_v, sums_v = args
-        data = [context.make_array(t)(context, builder, value=v).data
-                for t, v in zip(signature.args, args) if isinstance(t, types.Array)]
-        x_p, w_p, mn_p, isc_p, c_p, s_p = data
-        n = builder.extract_value(context.make_array(signature.args[0])(context, builder, value=xt_v).shape, 0)
+        x_p, w_p, mn_p, isc_p, c_p, s_p = _array_data(context, builder, signature, args)
+        n = builder.extract_value(context.make_array(signature.args[0])(context, builder, value=args[0]).shape, 0)
 
         def vec_at(ptr: ir.Value, index: ir.Value, vty: ir.VectorType) -> ir.Value:
-            return builder.bitcast(builder.gep(ptr, [index]), vty.as_pointer())
+            return _vec_at(builder, ptr, index, vty)
 
         vmn = builder.load(vec_at(mn_p, ir.Constant(_I64, 0), _V4F), align=4)
         visc = builder.load(vec_at(isc_p, ir.Constant(_I64, 0), _V4F), align=4)
-        vtop = _splat(builder, top_v, _V4I)
-        zero_i = ir.Constant(_V4I, [0] * LANES)
+        vtop = _splat(builder, args[4], _V4I)
         magic = ir.Constant(_V4F, [12582912.0] * LANES)
         fma4f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V4F, [_V4F] * 3), "llvm.fma.v4f32")
         fma4d = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V4D, [_V4D] * 3), "llvm.fma.v4f64")
@@ -377,11 +394,7 @@ def _lane_trial(typingctx, xt, wt, mn, iscale, top, codes, sums):  # type: ignor
         with cgutils.for_range(builder, n) as loop:
             off = builder.mul(loop.index, ir.Constant(_I64, LANES))
             x = builder.load(vec_at(x_p, off, _V4F), align=4)
-            r = builder.call(fma4f, [builder.fsub(x, vmn), visc, magic])
-            q = builder.sub(builder.and_(builder.bitcast(r, _V4I), ir.Constant(_V4I, [0x7FFFFF] * LANES)),
-                            ir.Constant(_V4I, [0x400000] * LANES))
-            q = builder.select(builder.icmp_signed(">", q, zero_i), q, zero_i)
-            q = builder.select(builder.icmp_signed("<", q, vtop), q, vtop)
+            q = _rounded_codes(builder, builder.call(fma4f, [builder.fsub(x, vmn), visc, magic]), vtop)
             builder.store(q, vec_at(c_p, off, _V4I), align=4)
             fl = builder.sitofp(q, _V4D)
             wl = builder.fmul(builder.load(vec_at(w_p, off, _V4D), align=8), fl)
@@ -390,6 +403,74 @@ def _lane_trial(typingctx, xt, wt, mn, iscale, top, codes, sums):  # type: ignor
             builder.store(builder.call(fma4d, [builder.fpext(x, _V4D), wl, builder.load(acc[2])]), acc[2])
         for k in range(3):
             builder.store(builder.load(acc[k]), vec_at(s_p, ir.Constant(_I64, LANES * k), _V4D), align=8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+#: blocks whose float32 trials make_qkx2_blocks computes side by side (eight float32 lanes of an AVX2 register)
+LANES32 = 8
+_V8F, _V8I = ir.VectorType(_F32, LANES32), ir.VectorType(_I32, LANES32)
+
+
+@intrinsic
+def lane_trial_f32(typingctx, xt, wt, fmin, iscale, top, codes, sums):  # type: ignore[no-untyped-def]
+    """make_qkx2_quants' trial for LANES32 blocks side by side (xt, wt, codes: [n, LANES32]; fmin, iscale:
+    [LANES32]): each lane's codes min(top, max(0, nearest_int(iscale (x - fmin)))) into `codes`, and its float32
+    sums w l, w l^2, w l x into sums [3, LANES32], each lane in ik's order (vector IR: see _lane_trial)."""
+    sig = types.void(xt, wt, fmin, iscale, types.int32, codes, sums)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        x_p, w_p, mn_p, isc_p, c_p, s_p = _array_data(context, builder, signature, args)
+        n = builder.extract_value(context.make_array(signature.args[0])(context, builder, value=args[0]).shape, 0)
+        zero = ir.Constant(_I64, 0)
+        vmn = builder.load(_vec_at(builder, mn_p, zero, _V8F), align=4)
+        visc = builder.load(_vec_at(builder, isc_p, zero, _V8F), align=4)
+        vtop = _splat(builder, args[4], _V8I)
+        magic = ir.Constant(_V8F, [12582912.0] * LANES32)
+        fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
+        acc = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * LANES32)) for _ in range(3)]
+        with cgutils.for_range(builder, n) as loop:
+            off = builder.mul(loop.index, ir.Constant(_I64, LANES32))
+            x = builder.load(_vec_at(builder, x_p, off, _V8F), align=4)
+            q = _rounded_codes(builder, builder.call(fma8, [visc, builder.fsub(x, vmn), magic]), vtop)
+            builder.store(q, _vec_at(builder, c_p, off, _V8I), align=4)
+            fl = builder.sitofp(q, _V8F)
+            wl = builder.fmul(builder.load(_vec_at(builder, w_p, off, _V8F), align=4), fl)
+            builder.store(builder.fadd(builder.load(acc[0]), wl), acc[0])
+            builder.store(builder.call(fma8, [wl, fl, builder.load(acc[1])]), acc[1])
+            builder.store(builder.call(fma8, [wl, x, builder.load(acc[2])]), acc[2])
+        for k in range(3):
+            builder.store(builder.load(acc[k]), _vec_at(builder, s_p, ir.Constant(_I64, LANES32 * k), _V8F), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def lane_error_f32(typingctx, xt, wt, codes, scale, mn, use_mad, out):  # type: ignore[no-untyped-def]
+    """make_qkx2_quants' weighted error of each lane's codes at its (scale, min), LANES32 lanes side by side:
+    sum w |l scale + min - x| (use_mad) or sum w (l scale + min - x)^2, in ik's order, into out [LANES32]."""
+    sig = types.void(xt, wt, codes, scale, mn, types.boolean, out)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        x_p, w_p, c_p, sc_p, mn_p, o_p = _array_data(context, builder, signature, args)
+        n = builder.extract_value(context.make_array(signature.args[0])(context, builder, value=args[0]).shape, 0)
+        zero = ir.Constant(_I64, 0)
+        vsc = builder.load(_vec_at(builder, sc_p, zero, _V8F), align=4)
+        vmn = builder.load(_vec_at(builder, mn_p, zero, _V8F), align=4)
+        fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
+        fabs8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F]), "llvm.fabs.v8f32")
+        acc = cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * LANES32))
+        with cgutils.for_range(builder, n) as loop:
+            off = builder.mul(loop.index, ir.Constant(_I64, LANES32))
+            fl = builder.sitofp(builder.load(_vec_at(builder, c_p, off, _V8I), align=4), _V8F)
+            diff = builder.fsub(builder.call(fma8, [fl, vsc, vmn]), builder.load(_vec_at(builder, x_p, off, _V8F),
+                                                                                   align=4))
+            diff = builder.select(args[5], builder.call(fabs8, [diff]), builder.fmul(diff, diff))
+            w = builder.load(_vec_at(builder, w_p, off, _V8F), align=4)
+            builder.store(builder.call(fma8, [w, diff, builder.load(acc)]), acc)
+        builder.store(builder.load(acc), _vec_at(builder, o_p, zero, _V8F), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
