@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Quantize and dequantize throughput per type (M weights/s), one thread and all cores, against ik's own quantizer.
 
-Input: 64 rows x 4096 gaussian floats with an importance vector, the shape ik's own per-type throughput figures use.
+Input: 64 rows x 4096 gaussian floats with an importance vector (none with --plain), the shape ik's own per-type
+throughput figures use.
 ik's quantize is timed in the same run: its libggml.so (a native build's, `--ik-lib`, or by default the one in the
 `ik_llama_cpp` wheel) is loaded through ctypes and ggml_quantize_chunk called on the same rows and importance vector.
 Both sides are timed in thread CPU time, one thread, so that other processes on a loaded machine do not count; the
@@ -53,10 +54,10 @@ class IkQuantizer:
                                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
         self.lib.ggml_quantize_init.argtypes = [ctypes.c_int]
 
-    def quantize(self, t: GGMLType, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-        """Rows x into out (ik's bytes of type t), importance-weighted by w."""
-        self.lib.ggml_quantize_chunk(t.id, x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1], w.ctypes.data,
-                                     None)
+    def quantize(self, t: GGMLType, x: np.ndarray, w: np.ndarray | None, out: np.ndarray) -> None:
+        """Rows x into out (ik's bytes of type t), importance-weighted by w (None: without an importance vector)."""
+        self.lib.ggml_quantize_chunk(t.id, x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1],
+                                     None if w is None else w.ctypes.data, None)
 
 
 def default_ik_lib() -> Path | None:
@@ -109,6 +110,9 @@ def main() -> None:
     ap.add_argument("--type", dest="types", action="append")
     ap.add_argument("--ik-lib", type=Path, default=default_ik_lib(),
                     help="ik's libggml.so (default: the ik_llama_cpp wheel's)")
+    ap.add_argument("--plain", action="store_true",
+                    help="quantize without the importance vector (the reference paths of files made without an "
+                         "imatrix: Q4_K_M, Q5_K_M ...); types that require one are skipped")
     a = ap.parse_args()
     if a.ik_lib is None or not a.ik_lib.is_file():
         print(f"bench_quant: ik's libggml.so not found ({a.ik_lib or 'no ik_llama_cpp wheel'}); name it with --ik-lib",
@@ -117,11 +121,19 @@ def main() -> None:
     ik = IkQuantizer(a.ik_lib)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 4096)).astype(np.float32)
-    w = (np.mean(rng.standard_normal((64, 4096)) ** 2, axis=0) * rng.lognormal(0, 1, 4096)).astype(np.float32)
+    w: np.ndarray | None = (np.mean(rng.standard_normal((64, 4096)) ** 2, axis=0)
+                            * rng.lognormal(0, 1, 4096)).astype(np.float32)
     types = [type_by_name(t) for t in a.types] if a.types else [t for t in implemented_types()
                                                                  if t.name in IK_DEQUANTIZE]
+    if a.plain:
+        skipped = [t.name for t in types if t.require_codec().requires_imatrix]
+        types = [t for t in types if t.name not in skipped]
+        if skipped:
+            print(f"--plain: skipped {', '.join(skipped)} (ik refuses them without an imatrix)")
+        w = None
     all_threads = numba.config.NUMBA_NUM_THREADS
-    print(f"ik: {a.ik_lib}; thread CPU time, one thread unless said")
+    print(f"ik: {a.ik_lib}; thread CPU time, one thread unless said; "
+          f"{'no importance vector' if w is None else 'importance-weighted'}")
     print(f"{'type':10s} | {'quantize M/s: ours':>18s} {f'{all_threads} thr':>7s} {'ik':>6s} {'ours/ik':>7s} "
           f"{'bytes':>5s} | {'dequantize M/s: ours':>20s} {f'{all_threads} thr':>7s} {'ik':>6s} {'ours/ik':>7s} "
           f"{'gguf':>6s}")
