@@ -44,11 +44,21 @@ IK_DEQUANTIZE = {
 }
 
 
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
 class IkQuantizer:
     """ik's ggml_quantize_chunk from its libggml.so, called on whole arrays of rows."""
 
     def __init__(self, path: Path) -> None:
         self.lib = ctypes.CDLL(str(path))
+        # ggml_init's first call fills the fp16 -> fp32 table the k-quants read their stored scales back through;
+        # unfilled, every stored scale reads as 0 and ik's last code pass skips its sub-blocks
+        self.lib.ggml_init.restype = ctypes.c_void_p
+        self.lib.ggml_init.argtypes = [_InitParams]
+        self.lib.ggml_free.argtypes = [ctypes.c_void_p]
+        self.lib.ggml_free(self.lib.ggml_init(_InitParams(1 << 16, None, True)))
         self.lib.ggml_quantize_chunk.restype = ctypes.c_size_t
         self.lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
