@@ -1,8 +1,9 @@
-"""`--flash-attn` over a Q8_0 (and at heads of 32 a Q4_0) key cache: ik's default attention graph against ik's default runs with -ctk q8_0 on a
-native AVX2 ik (tests/data/logits/gqa-fa-ctk-avx2): its own flash-attention kernel (the cache repacked to Q8_0_R8 and
-multiplied in integers with the queries in Q8_2_X4) for qwen3 heads of 64 and 128, ggml's generic one (ik's Q8_0
-kernel one query row and one key at a time) for the test models' heads of 32; the -fa off graph (what auto computed
-before) misses them; the combinations not ported refused."""
+"""`--flash-attn` over a Q8_0 or Q4_0 key cache: ik's default attention graph against ik's default runs with -ctk q8_0 /
+q4_0 on a native AVX2 ik (tests/data/logits/gqa-fa-ctk-avx2): its own flash-attention kernel for qwen3 heads of 64 and
+128 (a Q8_0 cache repacked to Q8_0_R8 and multiplied in integers with the queries in Q8_2_X4, a Q4_0 one in Q4_0's
+kernel as stored), ggml's generic one (ik's Q8_0 kernel one query row and one key at a time; over Q4_0 ik's misread
+query blocks) for the test models' heads of 32; the -fa off graph (what auto computed before) misses them; the
+combinations not ported refused."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from ikrun.eval.evaluate import perplexity
 from ikrun.eval.metrics import BaseLogitsFile
 from ikrun.kvcache import KvCache
 from ikrun.model import Model
+from ikrun.numerics.ik.iqk_flash_attention import kernel_query_rows
 from ikrun.options import RuntimeOptions
-from tests.family_checks import assert_iks_forward
+from tests.family_checks import assert_iks_forward, iks_running_ppl, running_ppl
 from tests.test_flash_attention_gqa import heads  # noqa: F401  (the fixture making the head-64/128 files)
 from tests.test_numerics import _printed
 
@@ -100,13 +102,59 @@ def test_ik_avx2_ctk_q4_0_kld_is_what_ik_prints_by_default() -> None:
         assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), key
 
 
+@pytest.mark.parametrize("head", [64, 128])
+def test_ik_avx2_ctk_q4_0_is_iks_default_run_in_its_own_kernel(heads: dict[str, Path], head: int,  # noqa: F811
+                                                                tmp_path: Path) -> None:
+    """ik's own flash-attention kernel over a Q4_0 key cache (Q4_0's kernel as stored, key_cache.iqk_fa_key_products:
+    heads of 64 its per-block lanes, 128 its 4-block groups): every running PPL ik printed (64: 801.5170; 128:
+    824.9939) and at 64 its base-logits file byte for byte. The -fa off graph, what auto computed before, writes
+    1605 other bytes at 64 and ends at 824.9940 at 128."""
+    base, printed = FOLDER / f"qwen3-h{head}-ctk-q4_0-base.kld", FOLDER / f"qwen3-h{head}-ctk-q4_0-base.txt"
+    model = _model(heads[f"h{head}-f32.gguf"], cache="q4_0")
+    if base.exists():
+        assert_iks_forward(model, base, printed, tmp_path / "fa.kld")
+        return
+    res = perplexity(model, np.asarray(BaseLogitsFile(DEFAULT_BASE / f"qwen3-h{head}-base.kld").tokens))
+    assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(printed)
+
+
+@pytest.mark.parametrize("head", [64, 128])
+def test_ik_avx2_ctk_q4_0_kld_in_its_own_kernel_is_what_ik_prints(heads: dict[str, Path], head: int) -> None:  # noqa: F811
+    """The Q8_0 files with -ctk q4_0 against ik's default base: every figure ik printed, to the digit (heads of 64:
+    KLD 0.000551, PPL(Q) 802.094367; 128: 0.000508, 824.598188)."""
+    got = _kld(heads[f"h{head}-q8_0.gguf"], DEFAULT_BASE / f"qwen3-h{head}-base.kld", "q4_0")
+    assert got["flash_attn"] == "on" and "ik_defect" not in got
+    for key, value in _printed(FOLDER / f"qwen3-h{head}-ctk-q4_0-kld.txt").items():
+        assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), key
+
+
+def test_kernel_query_rows_follow_iks_steps() -> None:
+    """ik's own kernel hands its K x Q kernel 8 rows a call in steps of 8; 12 rows (GLM's special step) as 8 + 4; 7
+    rows as 4, then one at a time; over 512 cells and more 64-row steps; its threads split rows when they outnumber
+    the heads."""
+    assert kernel_query_rows(64, 4, 2, 256) == {8}
+    assert kernel_query_rows(12, 4, 2, 256) == {8, 4}
+    assert kernel_query_rows(15, 4, 2, 256) == {8, 1}
+    assert kernel_query_rows(7, 4, 2, 256) == {4, 1}
+    assert kernel_query_rows(200, 4, 2, 512) == {8}
+    assert kernel_query_rows(20, 2, 4, 256) == {8, 1}  # 2 threads a head: 10 rows each, 8 + 1 + 1
+
+
+def test_a_batch_taking_another_kernel_is_refused(heads: dict[str, Path]) -> None:  # noqa: F811
+    """A batch of 12 tokens hands ik's Q4_0 kernel 4 query rows in one call (mul_mat_qX_0_q8_2_Tx, not reproduced):
+    refused in one line, exit 2."""
+    res = runner.invoke(app, ["logits", str(heads["h64-f32.gguf"]), "--tokens", ",".join(["1"] * 12), "--numerics",
+                              "ik-avx2", "--ik-threads", "2", "--flash-attn", "on", "-ctk", "q4_0"])
+    assert res.exit_code == 2 and "4 query rows" in " ".join(res.output.split()), res.output
+
+
 @pytest.mark.parametrize(("head", "flags", "says"), [
-    (64, ["-ctk", "q4_0"], "not a q4_0 one"),
-    (64, ["-ctk", "q4_0", "-khad"], "not a q4_0 one"),
+    (64, ["-ctk", "q6_0"], "not a q6_0 key cache"),
+    (64, ["-ctk", "q6_0", "-khad"], "not a q6_0 key cache"),
 ])
 def test_unported_quantized_key_caches_under_flash_attention_are_refused(heads: dict[str, Path], head: int,  # noqa: F811
                                                                          flags: list[str], says: str) -> None:
-    """ik's own kernel over a Q4_0 cache, Hadamard-rotated or not, is not ported: --flash-attn on is refused in one
+    """ik's own kernel over a cache type not ported, Hadamard-rotated or not: --flash-attn on is refused in one
     line, exit 2."""
     res = runner.invoke(app, ["logits", str(heads[f"h{head}-f32.gguf"]), "--tokens", "1,2", "--numerics", "ik-avx2",
                               "--flash-attn", "on", *flags])

@@ -40,9 +40,11 @@ from ikrun.numerics.ik.formats import (
     round_activations,
 )
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
-from ikrun.numerics.ik.iqk_flash_attention import NO_SCORES, iqk_flash_attention, k_step_for
+from ikrun.numerics.ik.iqk_flash_attention import NO_SCORES, iqk_flash_attention, k_step_for, kernel_query_rows
 from ikrun.numerics.ik.key_cache import (
+    IQK_FA_KEY_BIAS,
     SINGLE_ROW_BLOCKS,
+    iqk_fa_key_products,
     key_cells,
     key_products,
     q4_0_misread_key_products,
@@ -74,11 +76,18 @@ IQK_FA_HEADS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 25
 FLOAT_CACHES = ("f32", "f16", "bf16")
 #: the architectures whose quantized key caches were checked against ik (their grouped-query attention)
 QUANTIZED_KEY_ARCHS = ("qwen3", "qwen3moe", "glm4moe", "minimax-m2")
-#: the quantized key caches (ik's names) whose flash attention in ik's own kernel (IQK_FA_HEADS) is reproduced: it
-#: repacks a Q8_0 cache to Q8_0_R8 from FLASH_REPACK_ROWS query rows on and multiplies it with the queries in Q8_2_X4
-#: (ggml's generic kernel takes every quantized key cache of the arithmetic, up to key_cache.SINGLE_ROW_BLOCKS)
-FLASH_QUANTIZED_KEYS = ("q8_0",)
+#: the quantized key caches (ik's names) whose flash attention in ik's own kernel (IQK_FA_HEADS) is reproduced, from
+#: FLASH_REPACK_ROWS query rows on: it repacks a Q8_0 cache to Q8_0_R8 and multiplies it with the queries in Q8_2_X4;
+#: the others (key_cache.IQK_FA_KEY_BIAS) in their type's own kernel as stored (ggml's generic kernel takes the
+#: quantized key caches of GENERIC_FLASH_KEYS)
+FLASH_QUANTIZED_KEYS = ("q8_0", "q4_0")
 FLASH_REPACK_ROWS = 8
+#: the query rows per call for which ik's own kernel takes a biased key type (key_cache.IQK_FA_KEY_BIAS) in another
+#: kernel (mul_mat_qX_0_q8_2_Tx), not reproduced
+TX_QUERY_ROWS = frozenset({1, 2, 4})
+#: the quantized key caches (ik's names) whose flash attention in ggml's generic kernel (heads not in IQK_FA_HEADS)
+#: is reproduced: Q8_0 up to key_cache.SINGLE_ROW_BLOCKS blocks a head, Q4_0 (ik's misread) at heads of 32
+GENERIC_FLASH_KEYS = ("q8_0", "q4_0")
 #: ik's Q8_KV kernel takes rows of a multiple of this (QK_K); its fallback for other rows writes nothing
 Q8_KV_ROWS = 256
 #: ik's KV cache length is a multiple of this with flash attention on (llama_kv_cache::get_padding)
@@ -336,7 +345,11 @@ class IkNumerics(Numerics):
             return (f"--numerics {self.name} reproduces ik's own flash-attention kernel (heads of {head_dim}) over "
                     f"{', '.join(FLASH_QUANTIZED_KEYS)} key caches, not a {kv.k} one (give --flash-attn off: ik's -fa "
                     "off graph)")
-        if kv.k == "q4_0" and head_dim != 32:
+        if (head_dim, head_dim) not in IQK_FA_HEADS and kv.k not in GENERIC_FLASH_KEYS:
+            return (f"--numerics {self.name} reproduces ggml's generic flash-attention kernel (heads of {head_dim}) over "
+                    f"{', '.join(GENERIC_FLASH_KEYS)} key caches, not a {kv.k} one (give --flash-attn off: ik's -fa "
+                    "off graph)")
+        if kv.k == "q4_0" and head_dim != 32 and (head_dim, head_dim) not in IQK_FA_HEADS:
             return (f"--numerics {self.name} reproduces ggml's generic flash-attention kernel over a q4_0 key cache "
                     f"at heads of 32, not {head_dim} (give --flash-attn off: ik's -fa off graph)")
         if (head_dim, head_dim) not in IQK_FA_HEADS and head_dim // 32 > SINGLE_ROW_BLOCKS:
@@ -398,9 +411,11 @@ class IkNumerics(Numerics):
 
     def _flash_key_products(self, q: np.ndarray, k: np.ndarray, head_v: int, cache_type: str) -> np.ndarray:
         """q . k [H, n, keys] over a key cache of `cache_type` as ik's flash attention multiplies them. Its own kernel
-        (IQK_FA_HEADS): a batch of FLASH_REPACK_ROWS tokens and more repacks the Q8_0 cache rows to Q8_0_R8
-        (iqk_repack_k), whatever its threads, the queries rounded as for the matmul of such weights; ggml's generic
-        kernel: ik's Q8_0 kernel one query row and one key at a time."""
+        (IQK_FA_HEADS), for a batch of FLASH_REPACK_ROWS tokens and more: it repacks the Q8_0 cache rows to Q8_0_R8
+        (iqk_repack_k), whatever its threads, the queries rounded as for the matmul of such weights; the other types
+        (key_cache.IQK_FA_KEY_BIAS) it multiplies as stored in their own kernel, 8 query rows a call (a biased type's
+        calls of TX_QUERY_ROWS rows take another kernel: refused); ggml's generic kernel: ik's Q8_0 kernel one query
+        row and one key at a time."""
         type_name = ggml_name(cache_type)
         kernel = ik_kernel(type_name)
         if (q.shape[2], head_v) not in IQK_FA_HEADS:
@@ -412,6 +427,16 @@ class IkNumerics(Numerics):
         if n < FLASH_REPACK_ROWS:
             raise ModelError(f"ik's flash attention over a {cache_type} key cache multiplies a batch of fewer than "
                              f"{FLASH_REPACK_ROWS} tokens in a kernel not reproduced; give --flash-attn off")
+        if type_name in IQK_FA_KEY_BIAS:
+            assert kernel.ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
+            odd = kernel_query_rows(n, q.shape[1], self.options.ik_threads,
+                                    -(-len(k) // FA_CACHE_PADDING) * FA_CACHE_PADDING) & TX_QUERY_ROWS \
+                if IQK_FA_KEY_BIAS[type_name] else set()
+            if odd:
+                raise ModelError(f"ik's flash attention over a {cache_type} key cache multiplies {min(odd)} query "
+                                 f"rows at a time here (a batch of {n} tokens, {self.options.ik_threads} ik threads) "
+                                 "in a kernel not reproduced; give --flash-attn off")
+            return iqk_fa_key_products(q, k, type_name, kernel.ints)
         ints = self._integers(kernel, max(n, kernel.convert_rows), key_cells(len(k)))
         assert ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
         return key_products(q, k, type_name, ints, self._activation_format(type_name))
