@@ -1,7 +1,7 @@
-"""`--flash-attn` over a Q8_0 or Q4_0 key cache: ik's default attention graph against ik's default runs with -ctk q8_0 /
-q4_0 on a native AVX2 ik (tests/data/logits/gqa-fa-ctk-avx2): its own flash-attention kernel for qwen3 heads of 64 and
-128 (a Q8_0 cache repacked to Q8_0_R8 and multiplied in integers with the queries in Q8_2_X4, a Q4_0 one in Q4_0's
-kernel as stored), ggml's generic one (ik's Q8_0 kernel one query row and one key at a time; over Q4_0 ik's misread
+"""`--flash-attn` over a Q8_0, Q4_0, Q6_0 or IQ4_NL key cache: ik's default attention graph against ik's default runs
+with -ctk <type> on a native AVX2 ik (tests/data/logits/gqa-fa-ctk-avx2): its own flash-attention kernel for qwen3
+heads of 64 and 128 (a Q8_0 cache repacked to Q8_0_R8 and multiplied in integers with the queries in Q8_2_X4, the
+others in their type's kernel as stored), ggml's generic one (ik's Q8_0 kernel one query row and one key at a time; over Q4_0 ik's misread
 query blocks) for the test models' heads of 32; the -fa off graph (what auto computed before) misses them; the
 combinations not ported refused."""
 
@@ -148,9 +148,53 @@ def test_a_batch_taking_another_kernel_is_refused(heads: dict[str, Path]) -> Non
     assert res.exit_code == 2 and "4 query rows" in " ".join(res.output.split()), res.output
 
 
+@pytest.mark.parametrize(("cache", "head", "ppl"), [("q6_0", 64, "802.7677"), ("q6_0", 128, "826.4400"),
+                                                   ("iq4_nl", 64, "802.8922"), ("iq4_nl", 128, "826.9479")])
+def test_ik_avx2_ctk_q6_0_and_iq4_nl_are_iks_default_run_in_its_own_kernel(heads: dict[str, Path], cache: str,  # noqa: F811
+                                                                            head: int, ppl: str,
+                                                                            tmp_path: Path) -> None:
+    """ik's own flash-attention kernel over a Q6_0 (biased by 32, as Q4_0 by 8) or IQ4_NL (its signed kernel,
+    mul_mat_qX_0_q8_0_T) key cache: every running PPL ik printed (as named) and at 128 its base-logits file byte for
+    byte; the -fa off graph (what auto computed before) misses them: it ends at 802.7685, 826.4399, 802.8919 and
+    826.9478."""
+    base, printed = FOLDER / f"qwen3-h{head}-ctk-{cache}-base.kld", FOLDER / f"qwen3-h{head}-ctk-{cache}-base.txt"
+    assert f"= {ppl} +/-" in printed.read_text(errors="replace")
+    model = _model(heads[f"h{head}-f32.gguf"], cache=cache)
+    if base.exists():
+        assert_iks_forward(model, base, printed, tmp_path / "fa.kld")
+        return
+    res = perplexity(model, np.asarray(BaseLogitsFile(DEFAULT_BASE / f"qwen3-h{head}-base.kld").tokens))
+    assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(printed)
+
+
+@pytest.mark.parametrize(("cache", "head"), [("q6_0", 64), ("q6_0", 128), ("iq4_nl", 64), ("iq4_nl", 128)])
+def test_ik_avx2_ctk_q6_0_and_iq4_nl_kld_is_what_ik_prints(heads: dict[str, Path], cache: str,  # noqa: F811
+                                                           head: int) -> None:
+    """The Q8_0 files with -ctk q6_0 / iq4_nl against ik's default base: every figure ik printed, to the digit
+    (q6_0: KLD 0.000157, PPL(Q) 801.945504 at 64; 0.000158, 825.876850 at 128; iq4_nl: 0.000474, 802.824998;
+    0.000453, 826.307986)."""
+    got = _kld(heads[f"h{head}-q8_0.gguf"], DEFAULT_BASE / f"qwen3-h{head}-base.kld", cache)
+    assert got["flash_attn"] == "on" and "ik_defect" not in got
+    for key, value in _printed(FOLDER / f"qwen3-h{head}-ctk-{cache}-kld.txt").items():
+        assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), key
+
+
+@pytest.mark.parametrize("cache", ["q6_0", "iq4_nl"])
+def test_q6_0_and_iq4_nl_in_ggmls_generic_kernel_are_refused(cache: str) -> None:
+    """At heads of 32 ggml's generic kernel takes a Q6_0 / IQ4_NL cache, its query blocks rounded to Q8_2_X4 and
+    handed to a dot that asks for Q8_1 / Q8_0 (ik prints PPL 521.7585 / 515.3061, KLD 0.505458 / 0.921300 against
+    its F16 base): not reproduced, so auto keeps -fa off and --flash-attn on is refused."""
+    numerics = Model(CONVERT / "qwen3" / "ik-f32.gguf", options=RuntimeOptions(numerics="ik-avx2"),
+                     cache_type_k=cache).numerics
+    assert f"generic flash-attention kernel (heads of 32) over q8_0, q4_0 key caches, not a {cache} one" in str(
+        numerics.check_flash_attention("qwen3", KvCache(cache, "f16"), 32))
+    assert numerics.attention_graph("qwen3", KvCache(cache, "f16"), 32) == "off"
+    assert numerics.check_flash_attention("qwen3", KvCache(cache, "f16"), 64) is None
+
+
 @pytest.mark.parametrize(("head", "flags", "says"), [
-    (64, ["-ctk", "q6_0"], "not a q6_0 key cache"),
-    (64, ["-ctk", "q6_0", "-khad"], "not a q6_0 key cache"),
+    (64, ["-ctk", "q4_1"], "not a q4_1 key cache"),
+    (64, ["-ctk", "q4_1", "-khad"], "not a q4_1 key cache"),
 ])
 def test_unported_quantized_key_caches_under_flash_attention_are_refused(heads: dict[str, Path], head: int,  # noqa: F811
                                                                          flags: list[str], says: str) -> None:

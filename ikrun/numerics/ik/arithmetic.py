@@ -80,7 +80,7 @@ QUANTIZED_KEY_ARCHS = ("qwen3", "qwen3moe", "glm4moe", "minimax-m2")
 #: FLASH_REPACK_ROWS query rows on: it repacks a Q8_0 cache to Q8_0_R8 and multiplies it with the queries in Q8_2_X4;
 #: the others (key_cache.IQK_FA_KEY_BIAS) in their type's own kernel as stored (ggml's generic kernel takes the
 #: quantized key caches of GENERIC_FLASH_KEYS)
-FLASH_QUANTIZED_KEYS = ("q8_0", "q4_0")
+FLASH_QUANTIZED_KEYS = ("q8_0", "q4_0", "q6_0", "iq4_nl")
 FLASH_REPACK_ROWS = 8
 #: the query rows per call for which ik's own kernel takes a biased key type (key_cache.IQK_FA_KEY_BIAS) in another
 #: kernel (mul_mat_qX_0_q8_2_Tx), not reproduced

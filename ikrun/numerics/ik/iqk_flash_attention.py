@@ -11,9 +11,9 @@ in 8-lane vectors (vector 0 + 1, then each next one added, the lanes folded i + 
 R = fma(v, p, R) key after key, in float32. At the end R * (1 / S).
 
 Over a quantized key cache ik's kernel takes the scores from an integer kernel instead of the float dot (Q8_0: from 8
-query rows on the cache repacked to Q8_0_R8, the queries rounded to Q8_2_X4, key_cache.key_products; Q4_0: the
-type's own kernel on the cache as stored, key_cache.iqk_fa_key_products), then the same softmax and F16 values
-(iqk_flash_attention's `scores`).
+query rows on the cache repacked to Q8_0_R8, the queries rounded to Q8_2_X4, key_cache.key_products; Q4_0, Q6_0,
+IQ4_NL: the type's own kernel on the cache as stored, key_cache.iqk_fa_key_products), then the same softmax and F16
+values (iqk_flash_attention's `scores`).
 
 Each row's arithmetic depends on neither the rows ik tiles with it nor its thread count: for a batch of tokens
 (rows of one head per call) ik's threads split heads and rows, never keys. Keys beyond the last visible one (ik's

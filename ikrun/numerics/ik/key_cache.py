@@ -190,7 +190,7 @@ def q4_0_misread_key_products(q: np.ndarray, k: np.ndarray, ints: ToInts) -> np.
 #: the 32-value block key caches (GGML names) ik's own flash-attention kernel multiplies on AVX2 in their own kernel
 #: (iqk_gemm_legacy_fa), each -> what that kernel adds to the key's values to make them unsigned bytes (the query's
 #: block sum x scale x this taken off again), 0 for a signed byte product
-IQK_FA_KEY_BIAS = {"Q4_0": 8}
+IQK_FA_KEY_BIAS = {"Q4_0": 8, "Q6_0": 32, "IQ4_NL": 0}
 #: query rows per call of that kernel (kMaxQ); other counts take their own kernels
 IQK_FA_KEY_ROWS = 8
 
