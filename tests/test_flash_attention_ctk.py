@@ -179,17 +179,35 @@ def test_ik_avx2_ctk_q6_0_and_iq4_nl_kld_is_what_ik_prints(heads: dict[str, Path
         assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), key
 
 
+@pytest.mark.parametrize(("cache", "ppl", "says"), [("q6_0", "521.7585", "zero q . k"),
+                                                   ("iq4_nl", "515.3061", "misread")])
+def test_ik_avx2_ctk_q6_0_and_iq4_nl_are_iks_default_run_at_heads_of_32(cache: str, ppl: str, says: str,
+                                                                        tmp_path: Path) -> None:
+    """At heads of 32 ggml's generic kernel rounds the queries to Q8_2_X4 and hands them to dots that ask ik for a
+    Q8_1 (Q6_0) or Q8_0 (IQ4_NL) query; ik declines both: Q6_0's dot writes 0 (every key weighs the same), IQ4_NL's
+    reads the block as a Q8_0 one (key_cache.iq4_nl_misread_key_products). ik's default run byte for byte (PPL as
+    named); the Q8_0 file against ik's F16-cache base: every figure ik printed (KLD 0.505458, PPL(Q) 523.801955;
+    0.921300, 528.229305), the report naming ik's defect."""
+    printed = FOLDER / f"qwen3-h32-ctk-{cache}-base.txt"
+    assert f"= {ppl} +/-" in printed.read_text(errors="replace")
+    assert_iks_forward(_model(CONVERT / "qwen3" / "ik-f32.gguf", cache=cache),
+                       FOLDER / f"qwen3-h32-ctk-{cache}-base.kld", printed, tmp_path / "fa.kld")
+    got = _kld(CONVERT / "qwen3" / "ik-q8_0.gguf", DEFAULT_BASE / "qwen3-h32-base.kld", cache)
+    assert got["flash_attn"] == "on" and says in got["ik_defect"]
+    for key, value in _printed(FOLDER / f"qwen3-h32-ctk-{cache}-kld.txt").items():
+        assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), key
+
+
 @pytest.mark.parametrize("cache", ["q6_0", "iq4_nl"])
-def test_q6_0_and_iq4_nl_in_ggmls_generic_kernel_are_refused(cache: str) -> None:
-    """At heads of 32 ggml's generic kernel takes a Q6_0 / IQ4_NL cache, its query blocks rounded to Q8_2_X4 and
-    handed to a dot that asks for Q8_1 / Q8_0 (ik prints PPL 521.7585 / 515.3061, KLD 0.505458 / 0.921300 against
-    its F16 base): not reproduced, so auto keeps -fa off and --flash-attn on is refused."""
-    numerics = Model(CONVERT / "qwen3" / "ik-f32.gguf", options=RuntimeOptions(numerics="ik-avx2"),
-                     cache_type_k=cache).numerics
-    assert f"generic flash-attention kernel (heads of 32) over q8_0, q4_0 key caches, not a {cache} one" in str(
-        numerics.check_flash_attention("qwen3", KvCache(cache, "f16"), 32))
-    assert numerics.attention_graph("qwen3", KvCache(cache, "f16"), 32) == "off"
-    assert numerics.check_flash_attention("qwen3", KvCache(cache, "f16"), 64) is None
+@pytest.mark.parametrize(("folder", "gguf"), [("qwen3-moe", "ik-f32"), ("glm4-moe", "ik-f32"),
+                                              ("minimax-m2", "ref-f32")])
+def test_ik_avx2_ctk_q6_0_and_iq4_nl_at_heads_of_32_on_the_other_gqa_models(folder: str, gguf: str,
+                                                                            cache: str) -> None:
+    """qwen3moe (PPL 578.7076 / 545.3116), glm4moe (561.1640 / 516.9782) and minimax-m2 (430.0506 / 524.3603) with
+    -ctk q6_0 / iq4_nl: every running PPL of ik's default run (base files not stored: qwen3's cover the kernel)."""
+    tokens = BaseLogitsFile(FOLDER / f"{folder}-ctk-q8_0-base.kld").tokens
+    res = perplexity(_model(CONVERT / folder / f"{gguf}.gguf", cache=cache), np.asarray(tokens))
+    assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(FOLDER / f"{folder}-ctk-{cache}-base.txt")
 
 
 @pytest.mark.parametrize(("head", "flags", "says"), [
@@ -207,11 +225,12 @@ def test_unported_quantized_key_caches_under_flash_attention_are_refused(heads: 
 
 def test_heads_taking_iks_four_block_groups_are_not_reproduced() -> None:
     """ggml's generic kernel over a Q8_0 cache at heads of 4 blocks and more (160: ik's Q8_0 kernel sums 4-block
-    groups in another float order), over a Q4_0 cache at heads other than 32 (other bytes misread): refused, so
-    auto keeps -fa off."""
+    groups in another float order), over a Q4_0, Q6_0 or IQ4_NL cache at heads other than 32 (other bytes misread,
+    not checked): refused, so auto keeps -fa off."""
     numerics = Model(CONVERT / "qwen3" / "ik-f32.gguf", options=RuntimeOptions(numerics="ik-avx2"),
                      cache_type_k="q8_0").numerics
     assert numerics.check_flash_attention("qwen3", KvCache("q8_0", "f16"), 32) is None
     assert "not heads of 160" in str(numerics.check_flash_attention("qwen3", KvCache("q8_0", "f16"), 160))
-    assert "at heads of 32, not 160" in str(numerics.check_flash_attention("qwen3", KvCache("q4_0", "f16"), 160))
+    for cache in ("q4_0", "q6_0", "iq4_nl"):
+        assert "at heads of 32, not 160" in str(numerics.check_flash_attention("qwen3", KvCache(cache, "f16"), 160))
     assert numerics.attention_graph("qwen3", KvCache("q8_0", "f16"), 160) == "off"

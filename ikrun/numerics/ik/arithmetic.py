@@ -44,6 +44,7 @@ from ikrun.numerics.ik.iqk_flash_attention import NO_SCORES, iqk_flash_attention
 from ikrun.numerics.ik.key_cache import (
     IQK_FA_KEY_BIAS,
     SINGLE_ROW_BLOCKS,
+    iq4_nl_misread_key_products,
     iqk_fa_key_products,
     key_cells,
     key_products,
@@ -86,8 +87,14 @@ FLASH_REPACK_ROWS = 8
 #: kernel (mul_mat_qX_0_q8_2_Tx), not reproduced
 TX_QUERY_ROWS = frozenset({1, 2, 4})
 #: the quantized key caches (ik's names) whose flash attention in ggml's generic kernel (heads not in IQK_FA_HEADS)
-#: is reproduced: Q8_0 up to key_cache.SINGLE_ROW_BLOCKS blocks a head, Q4_0 (ik's misread) at heads of 32
-GENERIC_FLASH_KEYS = ("q8_0", "q4_0")
+#: is reproduced: Q8_0 up to key_cache.SINGLE_ROW_BLOCKS blocks a head, the others at heads of 32 only
+#: (MISREAD_FLASH_KEYS)
+GENERIC_FLASH_KEYS = ("q8_0", "q4_0", "q6_0", "iq4_nl")
+#: key caches whose dot in ggml's generic kernel gets ik's AVX2 Q8_2 query blocks it does not read as such, each
+#: -> what ik computes (at heads of 32, one block, the only size reproduced)
+MISREAD_FLASH_KEYS = {"q4_0": "ik's AVX2 misread of the Q8_2 query blocks over a q4_0 key cache",
+                      "iq4_nl": "ik's AVX2 misread of the Q8_2 query blocks over an iq4_nl key cache",
+                      "q6_0": "ik's zero q . k over a q6_0 key cache (its dot declines the Q8_2 query blocks)"}
 #: ik's Q8_KV kernel takes rows of a multiple of this (QK_K); its fallback for other rows writes nothing
 Q8_KV_ROWS = 256
 #: ik's KV cache length is a multiple of this with flash attention on (llama_kv_cache::get_padding)
@@ -320,12 +327,12 @@ class IkNumerics(Numerics):
         return "on"
 
     def reproduced_defect(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
-        """ggml's generic flash-attention kernel over a Q4_0 key cache reads each query block as a Q8_0 one
-        (q4_0_misread_key_products); ik's AVX2 Q8_1_R8 gemm, which multiplies a Q4_1 or Q5_1 key cache, has no loop
+        """ggml's generic flash-attention kernel over a Q4_0 or IQ4_NL key cache reads each query block as a Q8_0 one
+        (q4_0_misread_key_products, iq4_nl_misread_key_products), over a Q6_0 one writes every q . k 0; ik's AVX2 Q8_1_R8 gemm, which multiplies a Q4_1 or Q5_1 key cache, has no loop
         for the blocks past a key head's last whole 128 values (qgemm.ORDER_Q8_1_AVX2)."""
-        if kv.k == "q4_0" and (head_dim, head_dim) not in IQK_FA_HEADS and \
+        if kv.k in MISREAD_FLASH_KEYS and (head_dim, head_dim) not in IQK_FA_HEADS and \
                 self.attention_graph(arch, kv, head_dim) == "on":
-            return "ik's AVX2 misread of the Q8_2 query blocks over a q4_0 key cache (its figures are wrong)"
+            return f"{MISREAD_FLASH_KEYS[kv.k]} (its figures are wrong)"
         if kv.k in ("q4_1", "q5_1") and kv.k in self.quantized_keys and head_dim % 128:
             return (f"ik's AVX2 Q8_1_R8 kernel leaves the last {head_dim % 128} of {head_dim} values of each key head "
                     f"out of q . k over a {kv.k} key cache (its figures are wrong)")
@@ -349,8 +356,8 @@ class IkNumerics(Numerics):
             return (f"--numerics {self.name} reproduces ggml's generic flash-attention kernel (heads of {head_dim}) over "
                     f"{', '.join(GENERIC_FLASH_KEYS)} key caches, not a {kv.k} one (give --flash-attn off: ik's -fa "
                     "off graph)")
-        if kv.k == "q4_0" and head_dim != 32 and (head_dim, head_dim) not in IQK_FA_HEADS:
-            return (f"--numerics {self.name} reproduces ggml's generic flash-attention kernel over a q4_0 key cache "
+        if kv.k in MISREAD_FLASH_KEYS and head_dim != 32 and (head_dim, head_dim) not in IQK_FA_HEADS:
+            return (f"--numerics {self.name} reproduces ggml's generic flash-attention kernel over a {kv.k} key cache "
                     f"at heads of 32, not {head_dim} (give --flash-attn off: ik's -fa off graph)")
         if (head_dim, head_dim) not in IQK_FA_HEADS and head_dim // 32 > SINGLE_ROW_BLOCKS:
             return (f"--numerics {self.name} reproduces ggml's generic flash-attention kernel over a {kv.k} key cache "
@@ -422,6 +429,10 @@ class IkNumerics(Numerics):
             assert kernel.ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
             if type_name == "Q4_0":
                 return q4_0_misread_key_products(q, k, kernel.ints)
+            if type_name == "IQ4_NL":
+                return iq4_nl_misread_key_products(q, k, kernel.ints)
+            if type_name == "Q6_0":  # ik declines its dot's Q8_1 query: ggml's fallback writes 0
+                return np.zeros((q.shape[1], len(q), len(k)), np.float32)
             return single_row_key_products(q, k, type_name, kernel.ints)
         n = len(q)
         if n < FLASH_REPACK_ROWS:

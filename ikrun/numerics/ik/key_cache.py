@@ -187,6 +187,45 @@ def q4_0_misread_key_products(q: np.ndarray, k: np.ndarray, ints: ToInts) -> np.
     return scores
 
 
+@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
+def _iq4_nl_misread_scores(qu: np.ndarray, qd: np.ndarray, qsum: np.ndarray, kq: np.ndarray, kd: np.ndarray,
+                           group: int, out: np.ndarray) -> None:
+    """out[h, t, c] as ggml's scalar IQ4_NL x Q8_0 dot reads one Q8_2 query block (iq4_nl_misread_key_products)."""
+    n_head, n, keys = out.shape
+    d = qu.shape[2]
+    for job in prange(n_head * n):
+        h, t = job // n, job % n
+        g = h // group
+        y = np.empty(d, dtype=np.int32)
+        y[0], y[1] = _signed_byte(qsum[h, t, 0]), _signed_byte(qsum[h, t, 0] >> 8)
+        for i in range(d - 2):
+            y[2 + i] = np.int32(qu[h, t, i]) - 128
+        yd = f16_bits_to_f32(np.uint16(f32_bits(qd[h, t, 0]) >> np.uint32(16)))
+        for c in range(keys):
+            total = np.int32(0)
+            for e in range(d):
+                total += y[e] * np.int32(kq[g, c, e])
+            out[h, t, c] = np.float32(yd * kd[g, c, 0]) * np.float32(total)
+
+
+def iq4_nl_misread_key_products(q: np.ndarray, k: np.ndarray, ints: ToInts) -> np.ndarray:
+    """The scores q . k [H, n, keys] ggml's generic flash-attention kernel takes over an IQ4_NL key cache with heads
+    of 32 on ik's AVX2 build: the query rounded to IQ4_NL's vec_dot_type, Q8_2_X4, read by a dot that asks ik's kernel
+    for a Q8_0 query, which ik declines; ggml's own dot then reads the block as a Q8_0 one (as
+    q4_0_misread_key_products) in its scalar tail (one block: its AVX2 loop takes pairs): d = that f16 scale x key
+    scale, the score d x the integer sum of the 32 table values times those 32 bytes."""
+    n, n_head, d = q.shape
+    if d != 32:
+        raise ValueError(f"heads of {d} read other bytes, not reproduced")
+    held, rows = _cache_ints(k, "IQ4_NL", ints), _query_rows(q)
+    kq, kd = np.stack([x.q for x in held]), np.stack([x.scale for x in held])
+    qu, qd = np.stack([r.u[:n] for r in rows]), np.stack([r.scale[:n] for r in rows])
+    qsum = np.stack([r.isums[:n] for r in rows])
+    scores = np.empty((n_head, n, len(k)), np.float32)
+    _iq4_nl_misread_scores(qu, qd, qsum, kq, kd, n_head // len(held), scores)
+    return scores
+
+
 #: the 32-value block key caches (GGML names) ik's own flash-attention kernel multiplies on AVX2 in their own kernel
 #: (iqk_gemm_legacy_fa), each -> what that kernel adds to the key's values to make them unsigned bytes (the query's
 #: block sum x scale x this taken off again), 0 for a signed byte product
