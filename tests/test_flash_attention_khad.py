@@ -1,6 +1,6 @@
 """`--flash-attn` over a Hadamard-rotated quantized key cache (-khad): ik's graph rotates the keys before the cache
 write and the queries before attention, whichever attention graph follows, so its default (flash-attention) runs with
--ctk q8_0 -khad (heads of 32, 64, 128) and -ctk q4_0 -khad (heads of 32, 64) are the -ctk runs' kernels over rotated rows
+-ctk q8_0 -khad (heads of 32, 64, 128), -ctk q4_0 -khad (heads of 32, 64), q6_0 (128) and iq4_nl (32, 64) are the -ctk runs' kernels over rotated rows
 (tests/data/logits/gqa-fa-khad-avx2); the -fa off graph (what auto computed before) misses them."""
 
 from __future__ import annotations
@@ -42,12 +42,17 @@ def test_ik_avx2_khad_is_iks_default_run_on_qwen3(heads: dict[str, Path], head: 
     assert_iks_forward(_model(heads[f"h{head}-f32.gguf"], cache), base, printed, tmp_path / "fa.kld")
 
 
-def test_ik_avx2_khad_q4_0_in_iks_own_kernel_is_iks_default_run(heads: dict[str, Path]) -> None:  # noqa: F811
-    """Heads of 64 with -ctk q4_0 -khad (ik's own kernel over a Q4_0 cache of rotated rows): every running PPL ik
-    printed (802.9627; its base file not stored: the -ctk q4_0 run's covers the kernel)."""
-    _, printed = _files("qwen3-h64", "q4_0")
-    tokens = BaseLogitsFile(DATA / "logits" / "gqa-fa-ctk-avx2" / "qwen3-h64-ctk-q4_0-base.kld").tokens
-    res = perplexity(_model(heads["h64-f32.gguf"], "q4_0"), np.asarray(tokens))
+@pytest.mark.parametrize(("head", "cache", "ppl"), [(64, "q4_0", "802.9627"), (128, "q6_0", "826.9240"),
+                                                   (64, "iq4_nl", "802.3103"), (32, "iq4_nl", "538.3672")])
+def test_ik_avx2_khad_over_the_other_key_types_is_iks_default_run(heads: dict[str, Path], head: int, cache: str,  # noqa: F811
+                                                                  ppl: str) -> None:
+    """-ctk q4_0 / q6_0 / iq4_nl -khad (ik's own kernel over the types' caches of rotated rows; at heads of 32 its
+    IQ4_NL misread): every running PPL ik printed (as named; base files not stored: the -ctk runs' cover the
+    kernels)."""
+    _, printed = _files(f"qwen3-h{head}", cache)
+    assert f"= {ppl} +/-" in printed.read_text(errors="replace")
+    tokens = BaseLogitsFile(DATA / "logits" / "gqa-fa-avx2" / f"qwen3-h{head}-base.kld").tokens
+    res = perplexity(_model(heads[f"h{head}-f32.gguf"], cache), np.asarray(tokens))
     assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(printed)
 
 
