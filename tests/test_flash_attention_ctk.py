@@ -1,8 +1,9 @@
-"""`--flash-attn` over a Q8_0 (and at heads of 32 a Q4_0) key cache: ik's default attention graph against ik's default runs with -ctk q8_0 on a
-native AVX2 ik (tests/data/logits/gqa-fa-ctk-avx2): its own flash-attention kernel (the cache repacked to Q8_0_R8 and
-multiplied in integers with the queries in Q8_2_X4) for qwen3 heads of 64 and 128, ggml's generic one (ik's Q8_0
-kernel one query row and one key at a time) for the test models' heads of 32; the -fa off graph (what auto computed
-before) misses them; the combinations not ported refused."""
+"""`--flash-attn` over a Q8_0, Q4_0, Q6_0 or IQ4_NL key cache: ik's default attention graph against ik's default runs
+with -ctk <type> on a native AVX2 ik (tests/data/logits/gqa-fa-ctk-avx2): its own flash-attention kernel for qwen3
+heads of 64 and 128 (a Q8_0 cache repacked to Q8_0_R8 and multiplied in integers with the queries in Q8_2_X4, the
+others in their type's kernel as stored), ggml's generic one (ik's Q8_0 kernel one query row and one key at a time; over Q4_0 ik's misread
+query blocks) for the test models' heads of 32; the -fa off graph (what auto computed before) misses them; the
+combinations not ported refused."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from ikrun.eval.evaluate import perplexity
 from ikrun.eval.metrics import BaseLogitsFile
 from ikrun.kvcache import KvCache
 from ikrun.model import Model
+from ikrun.numerics.ik.iqk_flash_attention import kernel_query_rows
 from ikrun.options import RuntimeOptions
-from tests.family_checks import assert_iks_forward
+from tests.family_checks import assert_iks_forward, iks_running_ppl, running_ppl
 from tests.test_flash_attention_gqa import heads  # noqa: F401  (the fixture making the head-64/128 files)
 from tests.test_numerics import _printed
 
@@ -100,13 +102,121 @@ def test_ik_avx2_ctk_q4_0_kld_is_what_ik_prints_by_default() -> None:
         assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), key
 
 
+@pytest.mark.parametrize("head", [64, 128])
+def test_ik_avx2_ctk_q4_0_is_iks_default_run_in_its_own_kernel(heads: dict[str, Path], head: int,  # noqa: F811
+                                                                tmp_path: Path) -> None:
+    """ik's own flash-attention kernel over a Q4_0 key cache (Q4_0's kernel as stored, key_cache.iqk_fa_key_products:
+    heads of 64 its per-block lanes, 128 its 4-block groups): every running PPL ik printed (64: 801.5170; 128:
+    824.9939) and at 64 its base-logits file byte for byte. The -fa off graph, what auto computed before, writes
+    1605 other bytes at 64 and ends at 824.9940 at 128."""
+    base, printed = FOLDER / f"qwen3-h{head}-ctk-q4_0-base.kld", FOLDER / f"qwen3-h{head}-ctk-q4_0-base.txt"
+    model = _model(heads[f"h{head}-f32.gguf"], cache="q4_0")
+    if base.exists():
+        assert_iks_forward(model, base, printed, tmp_path / "fa.kld")
+        return
+    res = perplexity(model, np.asarray(BaseLogitsFile(DEFAULT_BASE / f"qwen3-h{head}-base.kld").tokens))
+    assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(printed)
+
+
+@pytest.mark.parametrize("head", [64, 128])
+def test_ik_avx2_ctk_q4_0_kld_in_its_own_kernel_is_what_ik_prints(heads: dict[str, Path], head: int) -> None:  # noqa: F811
+    """The Q8_0 files with -ctk q4_0 against ik's default base: every figure ik printed, to the digit (heads of 64:
+    KLD 0.000551, PPL(Q) 802.094367; 128: 0.000508, 824.598188)."""
+    got = _kld(heads[f"h{head}-q8_0.gguf"], DEFAULT_BASE / f"qwen3-h{head}-base.kld", "q4_0")
+    assert got["flash_attn"] == "on" and "ik_defect" not in got
+    for key, value in _printed(FOLDER / f"qwen3-h{head}-ctk-q4_0-kld.txt").items():
+        assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), key
+
+
+def test_kernel_query_rows_follow_iks_steps() -> None:
+    """ik's own kernel hands its K x Q kernel 8 rows a call in steps of 8; 12 rows (GLM's special step) as 8 + 4; 7
+    rows as 4, then one at a time; over 512 cells and more 64-row steps; its threads split rows when they outnumber
+    the heads."""
+    assert kernel_query_rows(64, 4, 2, 256) == {8}
+    assert kernel_query_rows(12, 4, 2, 256) == {8, 4}
+    assert kernel_query_rows(15, 4, 2, 256) == {8, 1}
+    assert kernel_query_rows(7, 4, 2, 256) == {4, 1}
+    assert kernel_query_rows(200, 4, 2, 512) == {8}
+    assert kernel_query_rows(20, 2, 4, 256) == {8, 1}  # 2 threads a head: 10 rows each, 8 + 1 + 1
+
+
+def test_a_batch_taking_another_kernel_is_refused(heads: dict[str, Path]) -> None:  # noqa: F811
+    """A batch of 12 tokens hands ik's Q4_0 kernel 4 query rows in one call (mul_mat_qX_0_q8_2_Tx, not reproduced):
+    refused in one line, exit 2."""
+    res = runner.invoke(app, ["logits", str(heads["h64-f32.gguf"]), "--tokens", ",".join(["1"] * 12), "--numerics",
+                              "ik-avx2", "--ik-threads", "2", "--flash-attn", "on", "-ctk", "q4_0"])
+    assert res.exit_code == 2 and "4 query rows" in " ".join(res.output.split()), res.output
+
+
+@pytest.mark.parametrize(("cache", "head", "ppl"), [("q6_0", 64, "802.7677"), ("q6_0", 128, "826.4400"),
+                                                   ("iq4_nl", 64, "802.8922"), ("iq4_nl", 128, "826.9479")])
+def test_ik_avx2_ctk_q6_0_and_iq4_nl_are_iks_default_run_in_its_own_kernel(heads: dict[str, Path], cache: str,  # noqa: F811
+                                                                            head: int, ppl: str,
+                                                                            tmp_path: Path) -> None:
+    """ik's own flash-attention kernel over a Q6_0 (biased by 32, as Q4_0 by 8) or IQ4_NL (its signed kernel,
+    mul_mat_qX_0_q8_0_T) key cache: every running PPL ik printed (as named) and at 128 its base-logits file byte for
+    byte; the -fa off graph (what auto computed before) misses them: it ends at 802.7685, 826.4399, 802.8919 and
+    826.9478."""
+    base, printed = FOLDER / f"qwen3-h{head}-ctk-{cache}-base.kld", FOLDER / f"qwen3-h{head}-ctk-{cache}-base.txt"
+    assert f"= {ppl} +/-" in printed.read_text(errors="replace")
+    model = _model(heads[f"h{head}-f32.gguf"], cache=cache)
+    if base.exists():
+        assert_iks_forward(model, base, printed, tmp_path / "fa.kld")
+        return
+    res = perplexity(model, np.asarray(BaseLogitsFile(DEFAULT_BASE / f"qwen3-h{head}-base.kld").tokens))
+    assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(printed)
+
+
+@pytest.mark.parametrize(("cache", "head"), [("q6_0", 64), ("q6_0", 128), ("iq4_nl", 64), ("iq4_nl", 128)])
+def test_ik_avx2_ctk_q6_0_and_iq4_nl_kld_is_what_ik_prints(heads: dict[str, Path], cache: str,  # noqa: F811
+                                                           head: int) -> None:
+    """The Q8_0 files with -ctk q6_0 / iq4_nl against ik's default base: every figure ik printed, to the digit
+    (q6_0: KLD 0.000157, PPL(Q) 801.945504 at 64; 0.000158, 825.876850 at 128; iq4_nl: 0.000474, 802.824998;
+    0.000453, 826.307986)."""
+    got = _kld(heads[f"h{head}-q8_0.gguf"], DEFAULT_BASE / f"qwen3-h{head}-base.kld", cache)
+    assert got["flash_attn"] == "on" and "ik_defect" not in got
+    for key, value in _printed(FOLDER / f"qwen3-h{head}-ctk-{cache}-kld.txt").items():
+        assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), key
+
+
+@pytest.mark.parametrize(("cache", "ppl", "says"), [("q6_0", "521.7585", "zero q . k"),
+                                                   ("iq4_nl", "515.3061", "misread")])
+def test_ik_avx2_ctk_q6_0_and_iq4_nl_are_iks_default_run_at_heads_of_32(cache: str, ppl: str, says: str,
+                                                                        tmp_path: Path) -> None:
+    """At heads of 32 ggml's generic kernel rounds the queries to Q8_2_X4 and hands them to dots that ask ik for a
+    Q8_1 (Q6_0) or Q8_0 (IQ4_NL) query; ik declines both: Q6_0's dot writes 0 (every key weighs the same), IQ4_NL's
+    reads the block as a Q8_0 one (key_cache.iq4_nl_misread_key_products). ik's default run byte for byte (PPL as
+    named); the Q8_0 file against ik's F16-cache base: every figure ik printed (KLD 0.505458, PPL(Q) 523.801955;
+    0.921300, 528.229305), the report naming ik's defect."""
+    printed = FOLDER / f"qwen3-h32-ctk-{cache}-base.txt"
+    assert f"= {ppl} +/-" in printed.read_text(errors="replace")
+    assert_iks_forward(_model(CONVERT / "qwen3" / "ik-f32.gguf", cache=cache),
+                       FOLDER / f"qwen3-h32-ctk-{cache}-base.kld", printed, tmp_path / "fa.kld")
+    got = _kld(CONVERT / "qwen3" / "ik-q8_0.gguf", DEFAULT_BASE / "qwen3-h32-base.kld", cache)
+    assert got["flash_attn"] == "on" and says in got["ik_defect"]
+    for key, value in _printed(FOLDER / f"qwen3-h32-ctk-{cache}-kld.txt").items():
+        assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), key
+
+
+@pytest.mark.parametrize("cache", ["q6_0", "iq4_nl"])
+@pytest.mark.parametrize(("folder", "gguf"), [("qwen3-moe", "ik-f32"), ("glm4-moe", "ik-f32"),
+                                              ("minimax-m2", "ref-f32")])
+def test_ik_avx2_ctk_q6_0_and_iq4_nl_at_heads_of_32_on_the_other_gqa_models(folder: str, gguf: str,
+                                                                            cache: str) -> None:
+    """qwen3moe (PPL 578.7076 / 545.3116), glm4moe (561.1640 / 516.9782) and minimax-m2 (430.0506 / 524.3603) with
+    -ctk q6_0 / iq4_nl: every running PPL of ik's default run (base files not stored: qwen3's cover the kernel)."""
+    tokens = BaseLogitsFile(FOLDER / f"{folder}-ctk-q8_0-base.kld").tokens
+    res = perplexity(_model(CONVERT / folder / f"{gguf}.gguf", cache=cache), np.asarray(tokens))
+    assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(FOLDER / f"{folder}-ctk-{cache}-base.txt")
+
+
 @pytest.mark.parametrize(("head", "flags", "says"), [
-    (64, ["-ctk", "q4_0"], "not a q4_0 one"),
-    (64, ["-ctk", "q4_0", "-khad"], "not a q4_0 one"),
+    (64, ["-ctk", "q4_1"], "not a q4_1 key cache"),
+    (64, ["-ctk", "q4_1", "-khad"], "not a q4_1 key cache"),
 ])
 def test_unported_quantized_key_caches_under_flash_attention_are_refused(heads: dict[str, Path], head: int,  # noqa: F811
                                                                          flags: list[str], says: str) -> None:
-    """ik's own kernel over a Q4_0 cache, Hadamard-rotated or not, is not ported: --flash-attn on is refused in one
+    """ik's own kernel over a cache type not ported, Hadamard-rotated or not: --flash-attn on is refused in one
     line, exit 2."""
     res = runner.invoke(app, ["logits", str(heads[f"h{head}-f32.gguf"]), "--tokens", "1,2", "--numerics", "ik-avx2",
                               "--flash-attn", "on", *flags])
@@ -115,11 +225,12 @@ def test_unported_quantized_key_caches_under_flash_attention_are_refused(heads: 
 
 def test_heads_taking_iks_four_block_groups_are_not_reproduced() -> None:
     """ggml's generic kernel over a Q8_0 cache at heads of 4 blocks and more (160: ik's Q8_0 kernel sums 4-block
-    groups in another float order), over a Q4_0 cache at heads other than 32 (other bytes misread): refused, so
-    auto keeps -fa off."""
+    groups in another float order), over a Q4_0, Q6_0 or IQ4_NL cache at heads other than 32 (other bytes misread,
+    not checked): refused, so auto keeps -fa off."""
     numerics = Model(CONVERT / "qwen3" / "ik-f32.gguf", options=RuntimeOptions(numerics="ik-avx2"),
                      cache_type_k="q8_0").numerics
     assert numerics.check_flash_attention("qwen3", KvCache("q8_0", "f16"), 32) is None
     assert "not heads of 160" in str(numerics.check_flash_attention("qwen3", KvCache("q8_0", "f16"), 160))
-    assert "at heads of 32, not 160" in str(numerics.check_flash_attention("qwen3", KvCache("q4_0", "f16"), 160))
+    for cache in ("q4_0", "q6_0", "iq4_nl"):
+        assert "at heads of 32, not 160" in str(numerics.check_flash_attention("qwen3", KvCache(cache, "f16"), 160))
     assert numerics.attention_graph("qwen3", KvCache("q8_0", "f16"), 160) == "off"

@@ -1,6 +1,6 @@
 """`--flash-attn` over a Hadamard-rotated quantized key cache (-khad): ik's graph rotates the keys before the cache
 write and the queries before attention, whichever attention graph follows, so its default (flash-attention) runs with
--ctk q8_0 -khad (heads of 32, 64, 128) and -ctk q4_0 -khad (heads of 32) are the -ctk runs' kernels over rotated rows
+-ctk q8_0 -khad (heads of 32, 64, 128), -ctk q4_0 -khad (heads of 32, 64), q6_0 (128) and iq4_nl (32, 64) are the -ctk runs' kernels over rotated rows
 (tests/data/logits/gqa-fa-khad-avx2); the -fa off graph (what auto computed before) misses them."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ikrun.eval.evaluate import perplexity
 from ikrun.eval.metrics import BaseLogitsFile
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
-from tests.family_checks import assert_iks_forward
+from tests.family_checks import assert_iks_forward, iks_running_ppl, running_ppl
 from tests.test_flash_attention_gqa import heads  # noqa: F401  (the fixture making the head-64/128 files)
 
 DATA = Path(__file__).parent / "data"
@@ -40,6 +40,20 @@ def test_ik_avx2_khad_is_iks_default_run_on_qwen3(heads: dict[str, Path], head: 
     base, printed = _files(f"qwen3-h{head}", cache)
     assert f"= {ppl} +/-" in printed.read_text(errors="replace")
     assert_iks_forward(_model(heads[f"h{head}-f32.gguf"], cache), base, printed, tmp_path / "fa.kld")
+
+
+@pytest.mark.parametrize(("head", "cache", "ppl"), [(64, "q4_0", "802.9627"), (128, "q6_0", "826.9240"),
+                                                   (64, "iq4_nl", "802.3103"), (32, "iq4_nl", "538.3672")])
+def test_ik_avx2_khad_over_the_other_key_types_is_iks_default_run(heads: dict[str, Path], head: int, cache: str,  # noqa: F811
+                                                                  ppl: str) -> None:
+    """-ctk q4_0 / q6_0 / iq4_nl -khad (ik's own kernel over the types' caches of rotated rows; at heads of 32 its
+    IQ4_NL misread): every running PPL ik printed (as named; base files not stored: the -ctk runs' cover the
+    kernels)."""
+    _, printed = _files(f"qwen3-h{head}", cache)
+    assert f"= {ppl} +/-" in printed.read_text(errors="replace")
+    tokens = BaseLogitsFile(DATA / "logits" / "gqa-fa-avx2" / f"qwen3-h{head}-base.kld").tokens
+    res = perplexity(_model(heads[f"h{head}-f32.gguf"], cache), np.asarray(tokens))
+    assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(printed)
 
 
 @pytest.mark.parametrize("cache", ["q8_0", "q4_0"])

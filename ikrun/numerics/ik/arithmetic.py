@@ -40,9 +40,12 @@ from ikrun.numerics.ik.formats import (
     round_activations,
 )
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
-from ikrun.numerics.ik.iqk_flash_attention import NO_SCORES, iqk_flash_attention, k_step_for
+from ikrun.numerics.ik.iqk_flash_attention import NO_SCORES, iqk_flash_attention, k_step_for, kernel_query_rows
 from ikrun.numerics.ik.key_cache import (
+    IQK_FA_KEY_BIAS,
     SINGLE_ROW_BLOCKS,
+    iq4_nl_misread_key_products,
+    iqk_fa_key_products,
     key_cells,
     key_products,
     q4_0_misread_key_products,
@@ -74,11 +77,24 @@ IQK_FA_HEADS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 25
 FLOAT_CACHES = ("f32", "f16", "bf16")
 #: the architectures whose quantized key caches were checked against ik (their grouped-query attention)
 QUANTIZED_KEY_ARCHS = ("qwen3", "qwen3moe", "glm4moe", "minimax-m2")
-#: the quantized key caches (ik's names) whose flash attention in ik's own kernel (IQK_FA_HEADS) is reproduced: it
-#: repacks a Q8_0 cache to Q8_0_R8 from FLASH_REPACK_ROWS query rows on and multiplies it with the queries in Q8_2_X4
-#: (ggml's generic kernel takes every quantized key cache of the arithmetic, up to key_cache.SINGLE_ROW_BLOCKS)
-FLASH_QUANTIZED_KEYS = ("q8_0",)
+#: the quantized key caches (ik's names) whose flash attention in ik's own kernel (IQK_FA_HEADS) is reproduced, from
+#: FLASH_REPACK_ROWS query rows on: it repacks a Q8_0 cache to Q8_0_R8 and multiplies it with the queries in Q8_2_X4;
+#: the others (key_cache.IQK_FA_KEY_BIAS) in their type's own kernel as stored (ggml's generic kernel takes the
+#: quantized key caches of GENERIC_FLASH_KEYS)
+FLASH_QUANTIZED_KEYS = ("q8_0", "q4_0", "q6_0", "iq4_nl")
 FLASH_REPACK_ROWS = 8
+#: the query rows per call for which ik's own kernel takes a biased key type (key_cache.IQK_FA_KEY_BIAS) in another
+#: kernel (mul_mat_qX_0_q8_2_Tx), not reproduced
+TX_QUERY_ROWS = frozenset({1, 2, 4})
+#: the quantized key caches (ik's names) whose flash attention in ggml's generic kernel (heads not in IQK_FA_HEADS)
+#: is reproduced: Q8_0 up to key_cache.SINGLE_ROW_BLOCKS blocks a head, the others at heads of 32 only
+#: (MISREAD_FLASH_KEYS)
+GENERIC_FLASH_KEYS = ("q8_0", "q4_0", "q6_0", "iq4_nl")
+#: key caches whose dot in ggml's generic kernel gets ik's AVX2 Q8_2 query blocks it does not read as such, each
+#: -> what ik computes (at heads of 32, one block, the only size reproduced)
+MISREAD_FLASH_KEYS = {"q4_0": "ik's AVX2 misread of the Q8_2 query blocks over a q4_0 key cache",
+                      "iq4_nl": "ik's AVX2 misread of the Q8_2 query blocks over an iq4_nl key cache",
+                      "q6_0": "ik's zero q . k over a q6_0 key cache (its dot declines the Q8_2 query blocks)"}
 #: ik's Q8_KV kernel takes rows of a multiple of this (QK_K); its fallback for other rows writes nothing
 Q8_KV_ROWS = 256
 #: ik's KV cache length is a multiple of this with flash attention on (llama_kv_cache::get_padding)
@@ -311,12 +327,12 @@ class IkNumerics(Numerics):
         return "on"
 
     def reproduced_defect(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
-        """ggml's generic flash-attention kernel over a Q4_0 key cache reads each query block as a Q8_0 one
-        (q4_0_misread_key_products); ik's AVX2 Q8_1_R8 gemm, which multiplies a Q4_1 or Q5_1 key cache, has no loop
+        """ggml's generic flash-attention kernel over a Q4_0 or IQ4_NL key cache reads each query block as a Q8_0 one
+        (q4_0_misread_key_products, iq4_nl_misread_key_products), over a Q6_0 one writes every q . k 0; ik's AVX2 Q8_1_R8 gemm, which multiplies a Q4_1 or Q5_1 key cache, has no loop
         for the blocks past a key head's last whole 128 values (qgemm.ORDER_Q8_1_AVX2)."""
-        if kv.k == "q4_0" and (head_dim, head_dim) not in IQK_FA_HEADS and \
+        if kv.k in MISREAD_FLASH_KEYS and (head_dim, head_dim) not in IQK_FA_HEADS and \
                 self.attention_graph(arch, kv, head_dim) == "on":
-            return "ik's AVX2 misread of the Q8_2 query blocks over a q4_0 key cache (its figures are wrong)"
+            return f"{MISREAD_FLASH_KEYS[kv.k]} (its figures are wrong)"
         if kv.k in ("q4_1", "q5_1") and kv.k in self.quantized_keys and head_dim % 128:
             return (f"ik's AVX2 Q8_1_R8 kernel leaves the last {head_dim % 128} of {head_dim} values of each key head "
                     f"out of q . k over a {kv.k} key cache (its figures are wrong)")
@@ -336,8 +352,12 @@ class IkNumerics(Numerics):
             return (f"--numerics {self.name} reproduces ik's own flash-attention kernel (heads of {head_dim}) over "
                     f"{', '.join(FLASH_QUANTIZED_KEYS)} key caches, not a {kv.k} one (give --flash-attn off: ik's -fa "
                     "off graph)")
-        if kv.k == "q4_0" and head_dim != 32:
-            return (f"--numerics {self.name} reproduces ggml's generic flash-attention kernel over a q4_0 key cache "
+        if (head_dim, head_dim) not in IQK_FA_HEADS and kv.k not in GENERIC_FLASH_KEYS:
+            return (f"--numerics {self.name} reproduces ggml's generic flash-attention kernel (heads of {head_dim}) over "
+                    f"{', '.join(GENERIC_FLASH_KEYS)} key caches, not a {kv.k} one (give --flash-attn off: ik's -fa "
+                    "off graph)")
+        if kv.k in MISREAD_FLASH_KEYS and head_dim != 32 and (head_dim, head_dim) not in IQK_FA_HEADS:
+            return (f"--numerics {self.name} reproduces ggml's generic flash-attention kernel over a {kv.k} key cache "
                     f"at heads of 32, not {head_dim} (give --flash-attn off: ik's -fa off graph)")
         if (head_dim, head_dim) not in IQK_FA_HEADS and head_dim // 32 > SINGLE_ROW_BLOCKS:
             return (f"--numerics {self.name} reproduces ggml's generic flash-attention kernel over a {kv.k} key cache "
@@ -398,20 +418,36 @@ class IkNumerics(Numerics):
 
     def _flash_key_products(self, q: np.ndarray, k: np.ndarray, head_v: int, cache_type: str) -> np.ndarray:
         """q . k [H, n, keys] over a key cache of `cache_type` as ik's flash attention multiplies them. Its own kernel
-        (IQK_FA_HEADS): a batch of FLASH_REPACK_ROWS tokens and more repacks the Q8_0 cache rows to Q8_0_R8
-        (iqk_repack_k), whatever its threads, the queries rounded as for the matmul of such weights; ggml's generic
-        kernel: ik's Q8_0 kernel one query row and one key at a time."""
+        (IQK_FA_HEADS), for a batch of FLASH_REPACK_ROWS tokens and more: it repacks the Q8_0 cache rows to Q8_0_R8
+        (iqk_repack_k), whatever its threads, the queries rounded as for the matmul of such weights; the other types
+        (key_cache.IQK_FA_KEY_BIAS) it multiplies as stored in their own kernel, 8 query rows a call (a biased type's
+        calls of TX_QUERY_ROWS rows take another kernel: refused); ggml's generic kernel: ik's Q8_0 kernel one query
+        row and one key at a time."""
         type_name = ggml_name(cache_type)
         kernel = ik_kernel(type_name)
         if (q.shape[2], head_v) not in IQK_FA_HEADS:
             assert kernel.ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
             if type_name == "Q4_0":
                 return q4_0_misread_key_products(q, k, kernel.ints)
+            if type_name == "IQ4_NL":
+                return iq4_nl_misread_key_products(q, k, kernel.ints)
+            if type_name == "Q6_0":  # ik declines its dot's Q8_1 query: ggml's fallback writes 0
+                return np.zeros((q.shape[1], len(q), len(k)), np.float32)
             return single_row_key_products(q, k, type_name, kernel.ints)
         n = len(q)
         if n < FLASH_REPACK_ROWS:
             raise ModelError(f"ik's flash attention over a {cache_type} key cache multiplies a batch of fewer than "
                              f"{FLASH_REPACK_ROWS} tokens in a kernel not reproduced; give --flash-attn off")
+        if type_name in IQK_FA_KEY_BIAS:
+            assert kernel.ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
+            odd = kernel_query_rows(n, q.shape[1], self.options.ik_threads,
+                                    -(-len(k) // FA_CACHE_PADDING) * FA_CACHE_PADDING) & TX_QUERY_ROWS \
+                if IQK_FA_KEY_BIAS[type_name] else set()
+            if odd:
+                raise ModelError(f"ik's flash attention over a {cache_type} key cache multiplies {min(odd)} query "
+                                 f"rows at a time here (a batch of {n} tokens, {self.options.ik_threads} ik threads) "
+                                 "in a kernel not reproduced; give --flash-attn off")
+            return iqk_fa_key_products(q, k, type_name, kernel.ints)
         ints = self._integers(kernel, max(n, kernel.convert_rows), key_cells(len(k)))
         assert ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
         return key_products(q, k, type_name, ints, self._activation_format(type_name))

@@ -39,7 +39,7 @@ class IkAvx2Numerics(IkNumerics):
     name = "ik-avx2"
     avx2 = True
     quantized_keys = ("q8_0", "q4_0", "q6_0", "iq4_nl", "q5_0", "q4_1", "q5_1", "q8_KV")
-    flash_keys = ("q8_0", "q4_0")
+    flash_keys = ("q8_0", "q4_0", "q6_0", "iq4_nl")
     #: a BF16 key cache takes the F16 cache's float kernel (set_mul_mat_f, unrounded queries: no bf16 kernel on AVX2)
     float_keys = ("bf16",)
 

@@ -10,9 +10,10 @@ by expf(old - new) (libm), before any: S = R = 0; the weights p = ik's AVX2 expo
 in 8-lane vectors (vector 0 + 1, then each next one added, the lanes folded i + (i+4), then (0+2) + (1+3)), and
 R = fma(v, p, R) key after key, in float32. At the end R * (1 / S).
 
-Over a Q8_0 key cache ik's kernel takes the scores from its integer kernel instead of the float dot (from 8 query
-rows on the cache repacked to Q8_0_R8, the queries rounded to Q8_2_X4: key_cache.key_products), then the same
-softmax and F16 values (iqk_flash_attention's `scores`).
+Over a quantized key cache ik's kernel takes the scores from an integer kernel instead of the float dot (Q8_0: from 8
+query rows on the cache repacked to Q8_0_R8, the queries rounded to Q8_2_X4, key_cache.key_products; Q4_0, Q6_0,
+IQ4_NL: the type's own kernel on the cache as stored, key_cache.iqk_fa_key_products), then the same softmax and F16
+values (iqk_flash_attention's `scores`).
 
 Each row's arithmetic depends on neither the rows ik tiles with it nor its thread count: for a batch of tokens
 (rows of one head per call) ik's threads split heads and rows, never keys. Keys beyond the last visible one (ik's
@@ -20,6 +21,8 @@ cache is padded to 256 with flash attention) weigh exactly 0 and are skipped.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from numba import njit, prange
@@ -48,6 +51,39 @@ def k_step_for(head_k: int, head_v: int, n_kv: int) -> int:
     if (head_k, head_v) in SHORT_BLOCK_HEADS:
         return 32
     return 128 if n_kv % 128 == 0 else 64 if n_kv % 64 == 0 else 32
+
+
+def kernel_query_rows(n: int, n_head: int, threads: int, n_cells: int) -> set[int]:
+    """The query-row counts ik's own kernel hands one K x Q call for a batch of `n` > 1 tokens over `n_head` query
+    heads among `threads`, the cache `n_cells` long: its threads split heads, then rows (iqk_flash_attn_noalibi);
+    each call takes its rows in steps (iqk_flash_helper: 64 / 32 / 16 from 512 cells on, 12 when exactly 12, then
+    8, else 4, else 2, the rest one at a time), a step's rows in calls of 8 (kMaxQ) and the rest."""
+    ntg = threads // math.gcd(n_head, threads)
+    per = -(-n // ntg)
+    counts: set[int] = set()
+
+    def steps(q_step: int, rows: int) -> None:
+        for part in (q_step,) * (rows // q_step) + ((rows % q_step,) if rows % q_step else ()):
+            counts.update((8,) * (part // 8) + ((part % 8,) if part % 8 else ()))
+
+    for first in range(0, n, per):
+        left = min(per, n - first)
+        if n_cells >= 512:
+            for size, q_step in ((128, 64), (64, 64), (32, 32), (16, 16)):
+                if left >= size:
+                    steps(q_step, size * (left // size))
+                    left -= size * (left // size)
+        if left == 12:
+            steps(12, 12)
+            continue
+        for size in (8, 4, 2):
+            if left >= size:
+                steps(size, size * (left // size))
+                left -= size * (left // size)
+                break
+        if left:
+            steps(1, left)
+    return counts
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")

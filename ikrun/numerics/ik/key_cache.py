@@ -185,3 +185,117 @@ def q4_0_misread_key_products(q: np.ndarray, k: np.ndarray, ints: ToInts) -> np.
     scores = np.empty((n_head, n, len(k)), np.float32)
     _q4_0_misread_scores(qu, qd, qsum, kq, kd, n_head // len(held), scores)
     return scores
+
+
+@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
+def _iq4_nl_misread_scores(qu: np.ndarray, qd: np.ndarray, qsum: np.ndarray, kq: np.ndarray, kd: np.ndarray,
+                           group: int, out: np.ndarray) -> None:
+    """out[h, t, c] as ggml's scalar IQ4_NL x Q8_0 dot reads one Q8_2 query block (iq4_nl_misread_key_products)."""
+    n_head, n, keys = out.shape
+    d = qu.shape[2]
+    for job in prange(n_head * n):
+        h, t = job // n, job % n
+        g = h // group
+        y = np.empty(d, dtype=np.int32)
+        y[0], y[1] = _signed_byte(qsum[h, t, 0]), _signed_byte(qsum[h, t, 0] >> 8)
+        for i in range(d - 2):
+            y[2 + i] = np.int32(qu[h, t, i]) - 128
+        yd = f16_bits_to_f32(np.uint16(f32_bits(qd[h, t, 0]) >> np.uint32(16)))
+        for c in range(keys):
+            total = np.int32(0)
+            for e in range(d):
+                total += y[e] * np.int32(kq[g, c, e])
+            out[h, t, c] = np.float32(yd * kd[g, c, 0]) * np.float32(total)
+
+
+def iq4_nl_misread_key_products(q: np.ndarray, k: np.ndarray, ints: ToInts) -> np.ndarray:
+    """The scores q . k [H, n, keys] ggml's generic flash-attention kernel takes over an IQ4_NL key cache with heads
+    of 32 on ik's AVX2 build: the query rounded to IQ4_NL's vec_dot_type, Q8_2_X4, read by a dot that asks ik's kernel
+    for a Q8_0 query, which ik declines; ggml's own dot then reads the block as a Q8_0 one (as
+    q4_0_misread_key_products) in its scalar tail (one block: its AVX2 loop takes pairs): d = that f16 scale x key
+    scale, the score d x the integer sum of the 32 table values times those 32 bytes."""
+    n, n_head, d = q.shape
+    if d != 32:
+        raise ValueError(f"heads of {d} read other bytes, not reproduced")
+    held, rows = _cache_ints(k, "IQ4_NL", ints), _query_rows(q)
+    kq, kd = np.stack([x.q for x in held]), np.stack([x.scale for x in held])
+    qu, qd = np.stack([r.u[:n] for r in rows]), np.stack([r.scale[:n] for r in rows])
+    qsum = np.stack([r.isums[:n] for r in rows])
+    scores = np.empty((n_head, n, len(k)), np.float32)
+    _iq4_nl_misread_scores(qu, qd, qsum, kq, kd, n_head // len(held), scores)
+    return scores
+
+
+#: the 32-value block key caches (GGML names) ik's own flash-attention kernel multiplies on AVX2 in their own kernel
+#: (iqk_gemm_legacy_fa), each -> what that kernel adds to the key's values to make them unsigned bytes (the query's
+#: block sum x scale x this taken off again), 0 for a signed byte product
+IQK_FA_KEY_BIAS = {"Q4_0": 8, "Q6_0": 32, "IQ4_NL": 0}
+#: query rows per call of that kernel (kMaxQ); other counts take their own kernels
+IQK_FA_KEY_ROWS = 8
+
+
+@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
+def _iqk_fa_scores(qu: np.ndarray, qd: np.ndarray, qs: np.ndarray, kq: np.ndarray, kd: np.ndarray, bias: int,
+                   group: int, out: np.ndarray) -> None:
+    """out[h, t, c] = q_t . k_c as ik's AVX2 kernel of the key's type computes it (iqk_fa_key_products)."""
+    n_head, n, keys = out.shape
+    nb = qd.shape[2]
+    minus = np.float32(-bias)
+    for job in prange(n_head * n):
+        h, t = job // n, job % n
+        g = h // group
+        acc = np.empty(8, dtype=np.float32)
+        accm = np.empty(4, dtype=np.float32)
+        for c in range(keys):
+            acc[:] = 0.0
+            accm[:] = 0.0
+            if nb % 4 == 0:
+                for i in range(nb // 4):
+                    for j in range(4):
+                        b = 4 * i + j
+                        if bias:
+                            accm[j] += np.float32(kd[g, c, b] * minus) * np.float32(qd[h, t, b] * np.float32(qs[h, t, b]))
+                        d = np.float32(kd[g, c, b] * qd[h, t, b])
+                        for half in range(2):
+                            p = np.int32(0)
+                            for e in range(b * 32 + 16 * half, b * 32 + 16 * half + 16):
+                                p += (np.int32(kq[g, c, e]) + bias) * (np.int32(qu[h, t, e]) - 128)
+                            acc[4 * half + j] = fmaf(d, np.float32(p), acc[4 * half + j])
+            else:
+                for b in range(nb):
+                    if bias:
+                        m = np.float32(kd[g, c, b] * minus) * np.float32(qd[h, t, b] * np.float32(qs[h, t, b]))
+                        for j in range(4):
+                            accm[j] += np.float32(m * np.float32(0.25))
+                    d = np.float32(kd[g, c, b] * qd[h, t, b])
+                    for lane in range(8):
+                        p = np.int32(0)
+                        for e in range(b * 32 + 4 * lane, b * 32 + 4 * lane + 4):
+                            p += (np.int32(kq[g, c, e]) + bias) * (np.int32(qu[h, t, e]) - 128)
+                        acc[lane] = fmaf(d, np.float32(p), acc[lane])
+            if bias:
+                s0, s1 = (acc[0] + acc[4]) + accm[0], (acc[1] + acc[5]) + accm[1]
+                s2, s3 = (acc[2] + acc[6]) + accm[2], (acc[3] + acc[7]) + accm[3]
+                out[h, t, c] = (s0 + s2) + (s1 + s3)
+            else:
+                out[h, t, c] = _fold_lanes(acc)
+
+
+def iqk_fa_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts) -> np.ndarray:
+    """The scores q . k [H, n, keys] ik's own flash-attention kernel takes over a key cache of `type_name`
+    (IQK_FA_KEY_BIAS) on AVX2: the type's own kernel (mul_mat_qX_1_q8_2_T, IQ4_NL's mul_mat_qX_0_q8_0_T) on the
+    cache rows as stored, the queries rounded to Q8_2_X4. Per 32-value block d = key scale x query scale; the
+    integer products of (key value + bias) and query value summed, for heads of whole 4-block groups, per block
+    and 16-value half into lane (half, block in group), else per 4 values of the block into lane 0-7; each lane
+    fma(d, sum, lane). A biased type also sums (key scale x -bias) x (query scale x the query block's integer sum)
+    per block position in its group (a quarter of it into each of 4 lanes for heads of other blocks); the score
+    is then (t0 + t2) + (t1 + t3) over t_j = (lane j + lane j+4) + that sum, an unbiased one's the 8 lanes folded
+    i + (i + 4), then (0 + 2) + (1 + 3)."""
+    n, n_head, _ = q.shape
+    held, rows = _cache_ints(k, type_name, ints), _query_rows(q)
+    kq, kd = np.stack([x.q for x in held]), np.stack([x.scale for x in held])
+    qu, qd = np.stack([r.u[:n] for r in rows]), np.stack([r.scale[:n] for r in rows])
+    qs = np.stack([r.isums[:n] for r in rows])
+    scores = np.empty((n_head, n, len(k)), np.float32)
+    _iqk_fa_scores(qu, qd, qs, kq, kd, IQK_FA_KEY_BIAS[type_name], n_head // len(held), scores)
+    return scores
