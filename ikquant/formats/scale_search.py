@@ -413,6 +413,16 @@ LANES32 = 8
 _V8F, _V8I = ir.VectorType(_F32, LANES32), ir.VectorType(_I32, LANES32)
 
 
+def _lanes_f32(context, builder, signature, args, *lane_args):  # type: ignore[no-untyped-def]
+    """What both float32 lane kernels start from: their arrays' data pointers, the rows n of the first ([n,
+    LANES32]), the [LANES32] arrays at positions `lane_args` loaded as vectors, and the vector multiply-add."""
+    data = _array_data(context, builder, signature, args)
+    n = builder.extract_value(context.make_array(signature.args[0])(context, builder, value=args[0]).shape, 0)
+    lanes = tuple(builder.load(_vec_at(builder, data[i], ir.Constant(_I64, 0), _V8F), align=4) for i in lane_args)
+    fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
+    return data, n, lanes, fma8
+
+
 @intrinsic
 def lane_trial_f32(typingctx, xt, wt, fmin, iscale, top, codes, sums):  # type: ignore[no-untyped-def]
     """make_qkx2_quants' trial for LANES32 blocks side by side (xt, wt, codes: [n, LANES32]; fmin, iscale:
@@ -421,14 +431,9 @@ def lane_trial_f32(typingctx, xt, wt, fmin, iscale, top, codes, sums):  # type: 
     sig = types.void(xt, wt, fmin, iscale, types.int32, codes, sums)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        x_p, w_p, mn_p, isc_p, c_p, s_p = _array_data(context, builder, signature, args)
-        n = builder.extract_value(context.make_array(signature.args[0])(context, builder, value=args[0]).shape, 0)
-        zero = ir.Constant(_I64, 0)
-        vmn = builder.load(_vec_at(builder, mn_p, zero, _V8F), align=4)
-        visc = builder.load(_vec_at(builder, isc_p, zero, _V8F), align=4)
+        (x_p, w_p, mn_p, isc_p, c_p, s_p), n, (vmn, visc), fma8 = _lanes_f32(context, builder, signature, args, 2, 3)
         vtop = _splat(builder, args[4], _V8I)
         magic = ir.Constant(_V8F, [12582912.0] * LANES32)
-        fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
         acc = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * LANES32)) for _ in range(3)]
         with cgutils.for_range(builder, n) as loop:
             off = builder.mul(loop.index, ir.Constant(_I64, LANES32))
@@ -454,12 +459,8 @@ def lane_error_f32(typingctx, xt, wt, codes, scale, mn, use_mad, out):  # type: 
     sig = types.void(xt, wt, codes, scale, mn, types.boolean, out)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        x_p, w_p, c_p, sc_p, mn_p, o_p = _array_data(context, builder, signature, args)
-        n = builder.extract_value(context.make_array(signature.args[0])(context, builder, value=args[0]).shape, 0)
+        (x_p, w_p, c_p, sc_p, mn_p, o_p), n, (vsc, vmn), fma8 = _lanes_f32(context, builder, signature, args, 3, 4)
         zero = ir.Constant(_I64, 0)
-        vsc = builder.load(_vec_at(builder, sc_p, zero, _V8F), align=4)
-        vmn = builder.load(_vec_at(builder, mn_p, zero, _V8F), align=4)
-        fma8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
         fabs8 = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F]), "llvm.fabs.v8f32")
         acc = cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * LANES32))
         with cgutils.for_range(builder, n) as loop:

@@ -141,6 +141,16 @@ def _signed_byte(x: int) -> int:
     return x - 256 if x > 127 else x
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _misread_query(qu: np.ndarray, qd: np.ndarray, qsum: np.ndarray, h: int, t: int, y: np.ndarray) -> np.float32:
+    """Query row t of head h's Q8_2 block read as a Q8_0 one: y = its sum's two bytes and its first 30 values (the
+    32 values), returned scale = its bf16 scale's bits as an f16."""
+    y[0], y[1] = _signed_byte(qsum[h, t, 0]), _signed_byte(qsum[h, t, 0] >> 8)
+    for i in range(y.size - 2):
+        y[2 + i] = np.int32(qu[h, t, i]) - 128
+    return f16_bits_to_f32(np.uint16(f32_bits(qd[h, t, 0]) >> np.uint32(16)))
+
+
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def _q4_0_misread_scores(qu: np.ndarray, qd: np.ndarray, qsum: np.ndarray, kq: np.ndarray, kd: np.ndarray,
                          group: int, out: np.ndarray) -> None:
@@ -150,11 +160,8 @@ def _q4_0_misread_scores(qu: np.ndarray, qd: np.ndarray, qsum: np.ndarray, kq: n
     for job in prange(n_head * n):
         h, t = job // n, job % n
         g = h // group
-        y = np.empty(d, dtype=np.int32)  # the block's bytes after its first 2, as a Q8_0 block's 32 values
-        y[0], y[1] = _signed_byte(qsum[h, t, 0]), _signed_byte(qsum[h, t, 0] >> 8)
-        for i in range(d - 2):
-            y[2 + i] = np.int32(qu[h, t, i]) - 128
-        yd = f16_bits_to_f32(np.uint16(f32_bits(qd[h, t, 0]) >> np.uint32(16)))
+        y = np.empty(d, dtype=np.int32)
+        yd = _misread_query(qu, qd, qsum, h, t, y)
         acc = np.empty(8, dtype=np.float32)
         for c in range(keys):
             scale = np.float32(kd[g, c, 0] * yd)
@@ -175,16 +182,24 @@ def q4_0_misread_key_products(q: np.ndarray, k: np.ndarray, ints: ToInts) -> np.
     block as a Q8_0 one: the bf16 scale's bits as an f16 scale, the sum's two bytes and the first 30 values as the
     32 values. That dot: scale = k scale x that f16, the products summed 4 a lane (vpsignb on the key's signs: a
     -128 negated stays -128), each lane scale x lane, folded i + (i + 4), then (0 + 2) + (1 + 3)."""
+    scores, operands = _misread_operands(q, k, "Q4_0", ints)
+    _q4_0_misread_scores(*operands, scores)
+    return scores
+
+
+def _misread_operands(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts
+                      ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]]:
+    """For the misread kernels at heads of 32: the scores' array [H, n, keys] and the kernel's operands (the
+    queries' Q8_2_X4 bytes, scales and sums per head, the cache rows' integers and scales per KV head, the head
+    group)."""
     n, n_head, d = q.shape
     if d != 32:
         raise ValueError(f"heads of {d} read other bytes, not reproduced")
-    held, rows = _cache_ints(k, "Q4_0", ints), _query_rows(q)
+    held, rows = _cache_ints(k, type_name, ints), _query_rows(q)
     kq, kd = np.stack([x.q for x in held]), np.stack([x.scale for x in held])
     qu, qd = np.stack([r.u[:n] for r in rows]), np.stack([r.scale[:n] for r in rows])
     qsum = np.stack([r.isums[:n] for r in rows])
-    scores = np.empty((n_head, n, len(k)), np.float32)
-    _q4_0_misread_scores(qu, qd, qsum, kq, kd, n_head // len(held), scores)
-    return scores
+    return np.empty((n_head, n, len(k)), np.float32), (qu, qd, qsum, kq, kd, n_head // len(held))
 
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
@@ -197,10 +212,7 @@ def _iq4_nl_misread_scores(qu: np.ndarray, qd: np.ndarray, qsum: np.ndarray, kq:
         h, t = job // n, job % n
         g = h // group
         y = np.empty(d, dtype=np.int32)
-        y[0], y[1] = _signed_byte(qsum[h, t, 0]), _signed_byte(qsum[h, t, 0] >> 8)
-        for i in range(d - 2):
-            y[2 + i] = np.int32(qu[h, t, i]) - 128
-        yd = f16_bits_to_f32(np.uint16(f32_bits(qd[h, t, 0]) >> np.uint32(16)))
+        yd = _misread_query(qu, qd, qsum, h, t, y)
         for c in range(keys):
             total = np.int32(0)
             for e in range(d):
@@ -214,15 +226,8 @@ def iq4_nl_misread_key_products(q: np.ndarray, k: np.ndarray, ints: ToInts) -> n
     for a Q8_0 query, which ik declines; ggml's own dot then reads the block as a Q8_0 one (as
     q4_0_misread_key_products) in its scalar tail (one block: its AVX2 loop takes pairs): d = that f16 scale x key
     scale, the score d x the integer sum of the 32 table values times those 32 bytes."""
-    n, n_head, d = q.shape
-    if d != 32:
-        raise ValueError(f"heads of {d} read other bytes, not reproduced")
-    held, rows = _cache_ints(k, "IQ4_NL", ints), _query_rows(q)
-    kq, kd = np.stack([x.q for x in held]), np.stack([x.scale for x in held])
-    qu, qd = np.stack([r.u[:n] for r in rows]), np.stack([r.scale[:n] for r in rows])
-    qsum = np.stack([r.isums[:n] for r in rows])
-    scores = np.empty((n_head, n, len(k)), np.float32)
-    _iq4_nl_misread_scores(qu, qd, qsum, kq, kd, n_head // len(held), scores)
+    scores, operands = _misread_operands(q, k, "IQ4_NL", ints)
+    _iq4_nl_misread_scores(*operands, scores)
     return scores
 
 
