@@ -328,8 +328,9 @@ class IkNumerics(Numerics):
 
     def reproduced_defect(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
         """ggml's generic flash-attention kernel over a Q4_0 or IQ4_NL key cache reads each query block as a Q8_0 one
-        (q4_0_misread_key_products, iq4_nl_misread_key_products), over a Q6_0 one writes every q . k 0; ik's AVX2 Q8_1_R8 gemm, which multiplies a Q4_1 or Q5_1 key cache, has no loop
-        for the blocks past a key head's last whole 128 values (qgemm.ORDER_Q8_1_AVX2)."""
+        (q4_0_misread_key_products, iq4_nl_misread_key_products), over a Q6_0 one writes every q . k 0; ik's AVX2
+        Q8_1_R8 gemm, which multiplies a Q4_1 or Q5_1 key cache, has no loop for the blocks past a key head's last
+        whole 128 values (qgemm.ORDER_Q8_1_AVX2)."""
         if kv.k in MISREAD_FLASH_KEYS and (head_dim, head_dim) not in IQK_FA_HEADS and \
                 self.attention_graph(arch, kv, head_dim) == "on":
             return f"{MISREAD_FLASH_KEYS[kv.k]} (its figures are wrong)"
