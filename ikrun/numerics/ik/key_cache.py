@@ -6,8 +6,9 @@ AVX2 for every 32-value block type, the activations of such a weight), and each 
 against its group's keys (iqk_mul_mat_4d: the heads split over ik's threads, each head's keys over the threads left),
 which takes the weights' kernel choice: with 32 query rows and more ik converts the cache rows to Q8_0_R8 (Q8_0,
 Q4_0, Q5_0, Q6_0, IQ4_NL: their integers and scales kept) or Q8_1_R8 (Q4_1, Q5_1: their codes, scales and mins) and
-multiplies integers (formats.py, qgemm.py); a Q8_KV cache takes its own kernel (q8_kv_key_products). The cache holds what ik's ggml_cpy wrote (ikquant/formats/cache_rows.py),
-so the keys are written here as they are read: the same rows, the same bytes. With -khad ik rotates both the keys
+multiplies integers (formats.py, qgemm.py); a Q8_KV cache takes its own kernel (q8_kv_key_products). The cache
+holds what ik's ggml_cpy wrote (ikquant/formats/cache_rows.py), so the keys are written here as they are read: the
+same rows, the same bytes. With -khad ik rotates both the keys
 (before the write) and the queries by its Hadamard transform; the rotated queries are what is rounded.
 """
 
@@ -60,6 +61,18 @@ def _query_rows(q: np.ndarray) -> list[IntRows]:
     return [integer_rows(q[:, h], Q8_2_X4) for h in range(q.shape[1])]
 
 
+def _stacked_operands(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts
+                      ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]]:
+    """What the per-score kernels take: the scores' array [H, n, keys] and their operands, the queries' Q8_2_X4
+    bytes, scales and block sums per head, the cache rows' integers and scales per KV head, and the head group."""
+    n, n_head, _ = q.shape
+    held, rows = _cache_ints(k, type_name, ints), _query_rows(q)
+    kq, kd = np.stack([x.q for x in held]), np.stack([x.scale for x in held])
+    qu, qd = np.stack([r.u[:n] for r in rows]), np.stack([r.scale[:n] for r in rows])
+    qsum = np.stack([r.isums[:n] for r in rows])
+    return np.empty((n_head, n, len(k)), np.float32), (qu, qd, qsum, kq, kd, n_head // len(held))
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _fold_lanes(acc: np.ndarray) -> np.float32:
     """ik's AVX2 horizontal sum of 8 float lanes: i + (i + 4), then (0 + 2) + (1 + 3)."""
@@ -100,14 +113,11 @@ def single_row_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: 
     query row (rounded to Q8_2_X4) against one cache row at a time: per 32-value block d = k scale x q scale (bf16)
     and the block's products summed 4 bytes a lane into 8 int32 lanes, each lane fma(d, lane, acc); at the end the 8
     lanes folded i + (i + 4), then (0 + 2) + (1 + 3). Heads of at most SINGLE_ROW_BLOCKS blocks."""
-    n, n_head, d = q.shape
+    d = q.shape[2]
     if d // 32 > SINGLE_ROW_BLOCKS:
         raise ValueError(f"heads of {d} take ik's 4-block groups, not reproduced")
-    held, rows = _cache_ints(k, type_name, ints), _query_rows(q)
-    kq, kd = np.stack([x.q for x in held]), np.stack([x.scale for x in held])
-    qu, qd = np.stack([r.u[:n] for r in rows]), np.stack([r.scale[:n] for r in rows])
-    scores = np.empty((n_head, n, len(k)), np.float32)
-    _single_row_scores(qu, qd, kq, kd, n_head // len(held), scores)
+    scores, (qu, qd, _, kq, kd, group) = _stacked_operands(q, k, type_name, ints)
+    _single_row_scores(qu, qd, kq, kd, group, scores)
     return scores
 
 
@@ -182,24 +192,11 @@ def q4_0_misread_key_products(q: np.ndarray, k: np.ndarray, ints: ToInts) -> np.
     block as a Q8_0 one: the bf16 scale's bits as an f16 scale, the sum's two bytes and the first 30 values as the
     32 values. That dot: scale = k scale x that f16, the products summed 4 a lane (vpsignb on the key's signs: a
     -128 negated stays -128), each lane scale x lane, folded i + (i + 4), then (0 + 2) + (1 + 3)."""
-    scores, operands = _misread_operands(q, k, "Q4_0", ints)
+    if q.shape[2] != 32:
+        raise ValueError(f"heads of {q.shape[2]} read other bytes, not reproduced")
+    scores, operands = _stacked_operands(q, k, "Q4_0", ints)
     _q4_0_misread_scores(*operands, scores)
     return scores
-
-
-def _misread_operands(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts
-                      ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]]:
-    """For the misread kernels at heads of 32: the scores' array [H, n, keys] and the kernel's operands (the
-    queries' Q8_2_X4 bytes, scales and sums per head, the cache rows' integers and scales per KV head, the head
-    group)."""
-    n, n_head, d = q.shape
-    if d != 32:
-        raise ValueError(f"heads of {d} read other bytes, not reproduced")
-    held, rows = _cache_ints(k, type_name, ints), _query_rows(q)
-    kq, kd = np.stack([x.q for x in held]), np.stack([x.scale for x in held])
-    qu, qd = np.stack([r.u[:n] for r in rows]), np.stack([r.scale[:n] for r in rows])
-    qsum = np.stack([r.isums[:n] for r in rows])
-    return np.empty((n_head, n, len(k)), np.float32), (qu, qd, qsum, kq, kd, n_head // len(held))
 
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
@@ -226,7 +223,9 @@ def iq4_nl_misread_key_products(q: np.ndarray, k: np.ndarray, ints: ToInts) -> n
     for a Q8_0 query, which ik declines; ggml's own dot then reads the block as a Q8_0 one (as
     q4_0_misread_key_products) in its scalar tail (one block: its AVX2 loop takes pairs): d = that f16 scale x key
     scale, the score d x the integer sum of the 32 table values times those 32 bytes."""
-    scores, operands = _misread_operands(q, k, "IQ4_NL", ints)
+    if q.shape[2] != 32:
+        raise ValueError(f"heads of {q.shape[2]} read other bytes, not reproduced")
+    scores, operands = _stacked_operands(q, k, "IQ4_NL", ints)
     _iq4_nl_misread_scores(*operands, scores)
     return scores
 
@@ -296,11 +295,6 @@ def iqk_fa_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToIn
     per block position in its group (a quarter of it into each of 4 lanes for heads of other blocks); the score
     is then (t0 + t2) + (t1 + t3) over t_j = (lane j + lane j+4) + that sum, an unbiased one's the 8 lanes folded
     i + (i + 4), then (0 + 2) + (1 + 3)."""
-    n, n_head, _ = q.shape
-    held, rows = _cache_ints(k, type_name, ints), _query_rows(q)
-    kq, kd = np.stack([x.q for x in held]), np.stack([x.scale for x in held])
-    qu, qd = np.stack([r.u[:n] for r in rows]), np.stack([r.scale[:n] for r in rows])
-    qs = np.stack([r.isums[:n] for r in rows])
-    scores = np.empty((n_head, n, len(k)), np.float32)
-    _iqk_fa_scores(qu, qd, qs, kq, kd, IQK_FA_KEY_BIAS[type_name], n_head // len(held), scores)
+    scores, (qu, qd, qs, kq, kd, group) = _stacked_operands(q, k, type_name, ints)
+    _iqk_fa_scores(qu, qd, qs, kq, kd, IQK_FA_KEY_BIAS[type_name], group, scores)
     return scores
