@@ -78,13 +78,16 @@ class SweepWorker:
                            k_cache_hadamard=bool(spec.cache.k_hadamard), v_cache_hadamard=bool(spec.cache.v_hadamard),
                            indexer_cache_type_k=spec.cache.indexer, track_changes=False)
         self.imatrix = read_imatrix(Path(spec.imatrix)) if spec.imatrix else None
-        self.folder = tempfile.TemporaryDirectory(prefix="ikrun-sweep-worker-")
         from ikrun.eval.evaluate import open_base
 
-        path = Path(self.folder.name) / "base.kld"
-        base_blob.tofile(path)
+        # the base file is memory-mapped, then its folder removed at once: the mapping keeps the bytes, and a worker
+        # that is killed (ray.kill, a lost node) leaves nothing behind in the temporary folder
+        with tempfile.TemporaryDirectory(prefix="ikrun-sweep-worker-") as folder:
+            path = Path(folder) / "base.kld"
+            base_blob.tofile(path)
+            base = open_base(path, self.model)
         spill = Path(spec.spill_dir) if spec.spill_dir else None
-        self.measurer = Measurer(self.model, open_base(path, self.model), spill, spec.full_forward)
+        self.measurer = Measurer(self.model, base, spill, spec.full_forward)
         # the worker's next candidate is quantized in a second thread while this one is evaluated (as run_sweep does)
         self.pool = ThreadPoolExecutor(max_workers=1) if concurrent_kernels_are_safe() else None
         self.ahead: dict[tuple[str, str], Future[Candidate]] = {}
