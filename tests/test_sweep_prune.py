@@ -248,6 +248,43 @@ def test_a_spread_sweep_samples_blocks_and_measures_near_the_frontier(six_layers
         " ".join(res.output.split()), res.output
 
 
+def test_resolution_leaves_unresolvable_options_unmeasured(six_layers: tuple[Path, Path], tmp_path: Path) -> None:
+    """--resolution K skips the options near the frontier whose predicted KLD is within K standard errors of the
+    chosen one's: fewer rows measured the larger K, every measured row the exhaustive sweep's, the count of what
+    was skipped in the summary and K in the header; the mixes stay as good."""
+    from ikquant.sweepfile import read_sweep_file
+
+    model, full = six_layers
+    every = {(r["group"], r["type"]): r for r in json.loads(full.read_text())["rows"]}
+    budgets = ",".join(map(str, BUDGETS))
+    counts = []
+    for k in ("0", "2", "1e9"):
+        out = tmp_path / f"res{k}.json"
+        res = _sweep(model, out, "--target-bpw", budgets, "--prediction-spread", "1.25", "--resolution", k)
+        assert res.exit_code == 0, res.output
+        text = " ".join(res.output.split())
+        header, rows = read_sweep_file(out)
+        measured = [r for r in rows if r["measured"]]
+        for r in measured:
+            assert r["kld_mean"] == every[(r["group"], r["type"])]["kld_mean"]
+        skipped = re.search(r"resolution \S+: (\d+) options near the frontier not measured", text)
+        if k == "0":
+            assert skipped is None and "resolution" not in header
+        else:
+            assert skipped is not None and header["resolution"] == float(k), text
+        counts.append((len(measured), int(skipped.group(1)) if skipped else 0))
+        if k == "2":
+            for bpw in BUDGETS:
+                exhaustive = _mix_kld(model, full, tmp_path / f"full{bpw}.gguf", bpw)
+                assert _mix_kld(model, out, tmp_path / f"res{bpw}.gguf", bpw) <= MARGIN * exhaustive
+    assert counts[0][0] > counts[1][0] > counts[2][0] and counts[2][1] > counts[1][1] > 0, counts
+    for bad, why in ((["--target-bpw", budgets, "--resolution", "1"], "with --prediction-spread"),
+                     (["--target-bpw", budgets, "--prediction-spread", "2", "--resolution", "-1"], "0 or more")):
+        res = _sweep(model, tmp_path / "x.json", *bad)
+        assert res.exit_code == 2 and why in " ".join(res.output.split()), res.output
+        assert not (tmp_path / "x.json").exists()
+
+
 def test_the_sampled_blocks_and_the_predictions_from_them() -> None:
     """Every 4th block of a class and its last are sampled; on costs that follow log KLD = b(block) + alpha log
     error exactly, with b linear in the block, the predictions of unsampled blocks and unmeasured types are exact."""

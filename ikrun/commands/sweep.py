@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -17,9 +16,9 @@ from ikrun.commands.common import load_model, memory_budget, progress_bar, read_
 from ikrun.commands.options import Evaluation, evaluation_options
 
 if TYPE_CHECKING:
-    from ikquant.mix_constraints import MixConstraints
     from ikquant.types import GGMLType
     from ikrun.model import Model
+    from ikrun.sweep.prune import Pruning
 
 
 @evaluation_options
@@ -45,6 +44,11 @@ def sweep(
         None, "--prediction-spread", help="With --target-bpw: measure every 4th block of each tensor class (and "
         "its last) at two types, predict the other blocks and types from them, and measure only the options whose "
         "predicted KLD saved per bit is within this factor of the mixes' Lagrange multiplier (e.g. 2)."),
+    resolution: Optional[float] = typer.Option(
+        None, "--resolution", help="With --prediction-spread: of the options near the frontier, measure only those "
+        "whose predicted KLD differs from the chosen option's by more than this many standard errors of a "
+        "measurement (the group's measured rows' median; e.g. 1): a difference a measurement cannot resolve is "
+        "one the mix cannot choose by."),
     chunks: Optional[str] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks; auto: 4 "
                                          "chunks, then 8, 16, ... (each round scores only its new chunks) until "
                                          "the ranking of the groups is stable (Kendall tau >= 0.9 between two "
@@ -129,10 +133,13 @@ def sweep(
     bpws = _target_bpws(target_bpw) if target_bpw is not None else None
     if prediction_spread is not None and (bpws is None or not prediction_spread >= 1):
         fail(f"--prediction-spread {prediction_spread:g}: give a factor of 1 or more, with --target-bpw")
+    if resolution is not None and (prediction_spread is None or not resolution >= 0):
+        fail(f"--resolution {resolution:g}: give a number of standard errors (0 or more), with --prediction-spread")
     if bpws is None and (tie or no_default_ties or min_type):
         fail("--tie, --no-default-ties and --min-type decide what a --target-bpw sweep measures; an exhaustive "
              "sweep measures every type (give them to ikrun mix)")
     from ikquant.mix_constraints import MixConstraints
+    from ikrun.sweep.prune import Pruning
 
     constraints = MixConstraints(tuple(tie), not no_default_ties, tuple(min_type))
     m = load_model(model, ev)
@@ -172,7 +179,7 @@ def sweep(
             except IkError as exc:
                 fail(str(exc))
             err.print(f"Ray {ray}: {cluster.workers} workers of {cluster.threads} thread(s)", highlight=False)
-        pruning = (bpws, constraints, prediction_spread) if bpws is not None else None
+        pruning = (Pruning(bpws, constraints, prediction_spread, resolution or 0.0) if bpws is not None else None)
         rows = _sweep_rounds(m, ev, text, all_tokens, rounds, group, imatrix, imat, groups, type_list, done, output,
                              full_forward, cluster, auto, pruning)
     out.print(sweep_table(rows))
@@ -268,7 +275,7 @@ def _acceptance_sweep(model: Path, target: Optional[Path], text: Path, types: st
 def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list[int], group: str,  # type: ignore[no-untyped-def]
                   imatrix: Optional[Path], imat, groups: dict[str, list[str]], type_list: list, done: list,
                   output: Path, full_forward: bool, cluster, auto: bool,
-                  pruning: tuple[list[float], MixConstraints, float | None] | None = None) -> list:  # type: ignore[type-arg]
+                  pruning: Pruning | None = None) -> list:  # type: ignore[type-arg]
     """Measure the sweep on the first n chunks for every n of `rounds` (one round unless --chunks auto), each
     round extending the last one's per-token scores; stop once two rounds rank the groups alike. With `pruning`
     (the --target-bpw budgets and the mix's constraints) each round is a pruned sweep (ikrun/sweep/prune.py): its
@@ -287,8 +294,7 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
     for k, n in enumerate(rounds):
         header = sweep_header(m, text, all_tokens.shape[1], n, group, imatrix)
         if pruning is not None:
-            header = {**header, "target_bpw": pruning[0], "constraints": asdict(pruning[1]),
-                      **({"prediction_spread": pruning[2]} if pruning[2] is not None else {})}
+            header = {**header, **pruning.header()}
         chunk_tokens = all_tokens[:n]
         todo = len(groups) * len(type_list) - sum(1 for r in done if r.group in groups)
         base_plan = run_plan(m, n, all_tokens.shape[1], ev)
@@ -321,8 +327,9 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
                 if pruning is None:
                     measure(None, done)
                 else:
-                    result = run_pruned_sweep(m, groups, type_list, imat, pruning[0], done,
-                                              lambda jobs: measure(jobs, []), pruning[1], pruning[2])
+                    result = run_pruned_sweep(m, groups, type_list, imat, pruning.bpws, done,
+                                              lambda jobs: measure(jobs, []), pruning.constraints, pruning.spread,
+                                              pruning.resolution)
                     rows = result.rows
                     save_rows(output, header, rows)
             except IkError as exc:

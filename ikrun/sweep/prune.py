@@ -13,6 +13,11 @@ exchange repair: ikquant/mix_constraints.py, ikquant/mix.py), and each chosen (g
 measured and the mixes chosen again, until every type the mixes choose was measured. The rest are written
 as predicted rows ("measured": false, with the prediction and its basis).
 
+With `--resolution K` (after `--prediction-spread`) an option near the frontier is measured only when its predicted
+KLD differs from the chosen option's by more than K standard errors of a measurement (the group's measured rows'
+median `kld_sem`): on a model whose cheaper types cost little, most options sit that close, and measuring them
+would only pick between figures the measurement cannot tell apart.
+
 Under the constraints a tie is one choice: its groups are anchored at the cheapest type all of them may take and
 measured together at every type the mix chooses for the tie; a bounded group is anchored at its cheapest allowed
 type and never measured below its bound.
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -167,19 +172,25 @@ class Decision:
                 out |= self.members(names, ordered[len(ordered) // 2])
         return out
 
-    def near(self, cost: Callable[[str, str], float], bpws: list[float], spread: float) -> set[tuple[str, str]]:
+    def near(self, cost: Callable[[str, str], float], bpws: list[float], spread: float,
+             floor: Callable[[list[str]], float] = lambda unit: 0.0) -> tuple[set[tuple[str, str]], int]:
         """The (group, type) pairs of the units whose choice a prediction off by `spread` could change at a budget:
-        the chosen option and every option near it at the budget's multiplier (predict.near_frontier)."""
+        the chosen option and every option near it at the budget's multiplier (predict.near_frontier) whose KLD
+        differs from the chosen one's by more than `floor(unit)`; and how many options near the frontier were left
+        out by that floor."""
         units, options = self.options(cost)
-        out = set()
+        out: set[tuple[str, str]] = set()
+        unresolved: set[tuple[str, str]] = set()
         for bpw in bpws:
             mix = self._mix(units, options, bpw)
             for u, o in mix.choice.items():
-                close = [x for x in options[u]
-                         if x != o and near_frontier((o.bits, o.kld), (x.bits, x.kld), mix.lam, spread)]
+                near = [x for x in options[u]
+                        if x != o and near_frontier((o.bits, o.kld), (x.bits, x.kld), mix.lam, spread)]
+                close = [x for x in near if abs(x.kld - o.kld) > floor(units[u])]
+                unresolved |= {(u, x.type) for x in near if x not in close}
                 for x in close + ([o] if close else []):
                     out |= self.members(units[u], x)
-        return out
+        return out, len(unresolved)
 
     def _mix(self, units: dict[str, list[str]], options: dict[str, list[Option]], bpw: float) -> Mix:
         try:
@@ -220,6 +231,22 @@ def check_budgets(model: Model, groups: dict[str, list[str]], types: list[GGMLTy
     Decision(model, groups, types, constraints).check_budgets(bpws)
 
 
+@dataclass(frozen=True)
+class Pruning:
+    """What a pruned sweep is asked for (`ikrun sweep --target-bpw ... [--prediction-spread F] [--resolution K]`)."""
+
+    bpws: list[float]
+    constraints: MixConstraints
+    spread: float | None = None
+    resolution: float = 0.0
+
+    def header(self) -> dict:  # type: ignore[type-arg]
+        """The sweep file's header entries that say how it was pruned."""
+        return {"target_bpw": self.bpws, "constraints": asdict(self.constraints),
+                **({"prediction_spread": self.spread} if self.spread is not None else {}),
+                **({"resolution": self.resolution} if self.resolution > 0 else {})}
+
+
 @dataclass
 class PrunedSweep:
     """The rows (measured and predicted), and what the pruning saved and how good its predictions were."""
@@ -234,6 +261,10 @@ class PrunedSweep:
     #: with --prediction-spread: the spread, and the groups sampled of all
     spread: float | None = None
     sampled: tuple[int, int] | None = None
+    #: with --resolution: the standard errors asked for, and the options near the frontier (at the last choice)
+    #: left unmeasured because their predicted KLD was within that many of the chosen option's
+    resolution: float = 0.0
+    unresolved: int = 0
 
     def summary(self) -> str:
         total = self.n_measured + self.n_predicted
@@ -243,6 +274,10 @@ class PrunedSweep:
         if self.spread is not None and self.sampled is not None:
             text += (f"; spread {self.spread:g}: {self.sampled[0]} of {self.sampled[1]} groups sampled, the rest "
                      "measured only near the frontier")
+        if self.resolution > 0:
+            text += (f"; resolution {self.resolution:g}: {self.unresolved} options near the frontier not measured, "
+                     f"their predicted KLD within {self.resolution:g} standard errors of a measurement of the "
+                     "chosen one's")
         ratios = [m / p for p, m in self.checks if p > 0 and m > 0]
         if ratios:
             logs = np.abs(np.log(ratios))
@@ -255,11 +290,14 @@ class PrunedSweep:
 def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGMLType], imatrix: Imatrix | None,
                      bpws: list[float], done: list[SweepRow],
                      measure: Callable[[set[tuple[str, str]]], list[SweepRow]],
-                     constraints: MixConstraints | None = None, spread: float | None = None) -> PrunedSweep:
+                     constraints: MixConstraints | None = None, spread: float | None = None,
+                     resolution: float = 0.0) -> PrunedSweep:
     """The pruned sweep: `measure(jobs)` measures those (group, type) pairs (and records the rows); `done` holds
     rows an earlier run measured; the budgets must be reachable (check_budgets); the mixes are chosen under
     `constraints` (default: the mix's default ties). With `spread` only the sampled blocks are measured first (at
-    two types each) and then only the options near the mixes' frontier (ikrun/sweep/predict.py)."""
+    two types each) and then only the options near the mixes' frontier (ikrun/sweep/predict.py), and of those
+    (`resolution` > 0) only the ones whose predicted KLD differs from the chosen option's by more than `resolution`
+    standard errors of a measurement: a difference the measurement cannot resolve is one the mix cannot choose by."""
     decision = Decision(model, groups, types, constraints or MixConstraints())
     prior = priors(model, groups, types, imatrix)
     measured = {r.key: r for r in done if r.measured}
@@ -298,9 +336,24 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
     def cost(g: str, tname: str) -> float:
         return max(measured[(g, tname)].kld_mean, 0.0) if (g, tname) in measured else predicted(g, tname)[0]
 
+    def floor(unit: list[str]) -> float:
+        """`resolution` standard errors of a measurement of the unit's KLD: each group's median over its measured
+        rows (all groups' median for a group not measured yet), added in quadrature over the unit's groups."""
+        every = [r.kld_sem for r in measured.values()]
+        fallback = float(np.median(every)) if every else 0.0
+        sems = []
+        for g in dict.fromkeys(decision.group_of[n] for n in unit):
+            own = [measured[(g, t.name)].kld_sem for t in types if (g, t.name) in measured]
+            sems.append(float(np.median(own)) if own else fallback)
+        return resolution * math.sqrt(sum(s * s for s in sems))
+
     forecast: dict[tuple[str, str], tuple[float, str]] = {}  # what was predicted of a row before it was measured
+    unresolved = 0
     while True:
-        wanted = decision.chosen(cost, bpws) if spread is None else decision.near(cost, bpws, spread)
+        if spread is None:
+            wanted = decision.chosen(cost, bpws)
+        else:
+            wanted, unresolved = decision.near(cost, bpws, spread, floor)
         missing = wanted - measured.keys()
         if not missing:
             break
@@ -329,4 +382,4 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
                                  measured=False, prediction=kld, basis=basis))
     n_measured = sum(1 for r in rows if r.measured)
     return PrunedSweep(rows, n_measured, len(rows) - n_measured, checks, rounds, spread,
-                       None if spread is None else (len(sample), len(groups)))
+                       None if spread is None else (len(sample), len(groups)), resolution, unresolved)
