@@ -10,7 +10,8 @@ file's KLD against the same base logits. With --eval-text every KLD in the table
 by `ikrun kld` against the same base logits as the recipes; without, on the sweep's own chunks (in-sample). --tie and
 --refine go to `ikrun mix` (the sweeps are made without ties); --mix-types lets the mixes choose among those swept
 types only (from a copy of each sweep without the other types' rows). --sweeps spread adds a
-`--target-bpw ... --prediction-spread F` sweep (--spread F). --reuse keeps what --workdir already holds (imatrix,
+`--target-bpw ... --prediction-spread F` sweep (--spread F), --sweeps resolved the same with `--resolution K`
+(--resolution K). --reuse keeps what --workdir already holds (imatrix,
 base logits, recipe files, sweeps and their CPU seconds) and measures only what is missing.
 
 Example: python tools/compare_mix.py --recipe mainline --ftypes Q3_K_M,Q4_K_M --types Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0
@@ -60,8 +61,9 @@ def main() -> None:
     ap.add_argument("--recipe", default="ik", choices=("ik", "mainline"))
     ap.add_argument("--ftypes", default="IQ3_K,IQ4_KS")
     ap.add_argument("--types", default="IQ2_KS,IQ3_K,IQ4_KS,IQ5_K,Q8_0")
-    ap.add_argument("--sweeps", default="exhaustive", help="exhaustive, pruned, spread (comma-separated)")
-    ap.add_argument("--spread", default="2", help="the spread sweep's --prediction-spread")
+    ap.add_argument("--sweeps", default="exhaustive", help="exhaustive, pruned, spread, resolved (comma-separated)")
+    ap.add_argument("--spread", default="2", help="the spread and resolved sweeps' --prediction-spread")
+    ap.add_argument("--resolution", default="1", help="the resolved sweep's --resolution")
     ap.add_argument("--reuse", action="store_true", help="keep the files --workdir already holds")
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--chunks", type=int, default=8)
@@ -72,8 +74,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, help="keep the files here (default: a temporary folder)")
     a = ap.parse_args()
     kinds = a.sweeps.split(",")
-    if not set(kinds) <= {"exhaustive", "pruned", "spread"}:
-        raise SystemExit(f"--sweeps {a.sweeps}: exhaustive, pruned, spread")
+    if not set(kinds) <= {"exhaustive", "pruned", "spread", "resolved"}:
+        raise SystemExit(f"--sweeps {a.sweeps}: exhaustive, pruned, spread, resolved")
     if a.reuse and a.workdir is None:
         raise SystemExit("--reuse keeps the files of a --workdir")
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,7 +113,9 @@ def main() -> None:
         for kind in kinds:
             sweep, seconds = folder / f"sweep-{kind}.json", folder / f"sweep-{kind}.cpu"
             budgets = ["--target-bpw", ",".join(repr(8 * s / n_weights) for s, _ in recipes.values())]
-            extra = {"exhaustive": [], "pruned": budgets, "spread": [*budgets, "--prediction-spread", a.spread]}
+            spread = [*budgets, "--prediction-spread", a.spread]
+            extra = {"exhaustive": [], "pruned": budgets, "spread": spread,
+                     "resolved": [*spread, "--resolution", a.resolution]}
             if missing(sweep) or missing(seconds):
                 sweep.unlink(missing_ok=True)
                 t0 = time.process_time()
