@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,16 @@ def test_norm_topk_prob_false_is_carried(tmp_path: Path) -> None:
     gguf = Converter(hf, "f32", "qwen2").write(tmp_path / "m.gguf")
     assert GGUFFile(gguf).get("qwen3moe.expert_weights_norm") is False
     _matches_reference(hf, gguf)
+
+
+def test_a_config_saved_by_transformers_5_converts_alike(tmp_path: Path) -> None:
+    """transformers 5 writes Qwen3-MoE's expert count as num_local_experts: the same file as from num_experts."""
+    hf = hf_variant(HF, tmp_path, {})
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["num_local_experts"] = cfg.pop("num_experts")
+    (hf / "config.json").write_text(json.dumps(cfg))
+    out = Converter(hf, "f32", "qwen2").write(tmp_path / "m.gguf")
+    assert out.read_bytes() == (DATA / "convert" / "qwen3-moe" / "ik-f32.gguf").read_bytes()
 
 
 def test_dense_layers_where_the_config_says(tmp_path: Path) -> None:

@@ -40,6 +40,13 @@ class Qwen3MoeArch(DecoderArch):
 
     def __init__(self, ckpt: Checkpoint, options: dict[str, Any] | None = None):
         super().__init__(ckpt, options)
+        h = self.hparams
+        if h.get("num_experts") is None and h.get("num_local_experts") is not None:
+            # transformers 5 saves the expert count as num_local_experts (its attribute_map); the hub's checkpoints
+            # and earlier releases as num_experts. One name from here on (the base class would add the other's
+            # expert count a second time).
+            self.hparams = {k: v for k, v in h.items() if k != "num_local_experts"} | {
+                "num_experts": h["num_local_experts"]}
         self._experts = ExpertMerger(int(self.require("num_experts")), "num_experts")
 
     def set_gguf_parameters(self, gw: GGUFWriter) -> None:
