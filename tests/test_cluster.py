@@ -145,9 +145,9 @@ def test_a_worker_pool_serves_every_batch_of_a_round(model: Path, tmp_path: Path
     groups = sweep_groups(m, "tensor", r"blk\.1\.")
     types = [type_by_name("Q4_0"), type_by_name("IQ4_KS")]
     started: list[list[int]] = []
+    # the rows of one local call (test_ray_sweep_rows_equal_the_local_sweep: a call on workers has the same)
+    one = run_sweep(m, open_base(base, m), groups, types, None, [], lambda r: None)
     with open_cluster("local:2", 1) as cluster:
-        one = run_sweep(m, open_base(base, m), groups, types, None, [], lambda r: None, cluster=cluster,
-                        worker_mem=1 << 30)
         pool = WorkerPool()
         try:
             batches = [run_sweep(m, open_base(base, m), groups, types, None, [], lambda r: None, cluster=cluster,
