@@ -106,6 +106,11 @@ FLASH_ATTENTION_ARCHS = QUANTIZED_KEY_ARCHS
 NEXTN_TABLES_IGNORED = ("glm4moe",)
 
 
+def fa_cache_cells(n_keys: int) -> int:
+    """The cells of ik's KV cache under flash attention for `n_keys` keys (padded to FA_CACHE_PADDING)."""
+    return -(-n_keys // FA_CACHE_PADDING) * FA_CACHE_PADDING
+
+
 def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
                     scores: np.ndarray | None = None) -> np.ndarray:
     """ik's flash attention over its F16 caches (ggml_flash_attn_ext): q [H, n, Dk] (float32), k [H_kv, keys, Dk],
@@ -119,7 +124,7 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
     out = np.empty((n_head, n, head_v), dtype=np.float32)
     given = NO_SCORES if scores is None else scores
     if (head_k, head_v) in IQK_FA_HEADS:
-        n_kv = -(-n_keys // FA_CACHE_PADDING) * FA_CACHE_PADDING
+        n_kv = fa_cache_cells(n_keys)
         k_step = k_step_for(head_k, head_v, n_kv)
         iqk_flash_attention(q, k, given, v, float(np.float32(scale)), n_keys - n, k_step, out)
     else:
@@ -377,7 +382,7 @@ class IkNumerics(Numerics):
             q = blockwise_hadamard(q, kv.k_hadamard)
         if flash:
             n, n_head, _ = q.shape
-            n_cells = -(-len(k) // FA_CACHE_PADDING) * FA_CACHE_PADDING
+            n_cells = fa_cache_cells(len(k))
             if n == 1 and (head_dim, v.shape[2]) in IQK_FA_HEADS and splits_keys(n_head, k.shape[1], n_cells,
                                                                                self.options.ik_threads):
                 raise ModelError(f"ik's flash attention splits a one-token batch's keys among its "
@@ -441,8 +446,7 @@ class IkNumerics(Numerics):
                              f"{FLASH_REPACK_ROWS} tokens in a kernel not reproduced; give --flash-attn off")
         if type_name in IQK_FA_KEY_BIAS:
             assert kernel.ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
-            odd = kernel_query_rows(n, q.shape[1], self.options.ik_threads,
-                                    -(-len(k) // FA_CACHE_PADDING) * FA_CACHE_PADDING) & TX_QUERY_ROWS \
+            odd = kernel_query_rows(n, q.shape[1], self.options.ik_threads, fa_cache_cells(len(k))) & TX_QUERY_ROWS \
                 if IQK_FA_KEY_BIAS[type_name] else set()
             if odd:
                 raise ModelError(f"ik's flash attention over a {cache_type} key cache multiplies {min(odd)} query "
