@@ -122,6 +122,27 @@ def _ppl(data_dir: Path, *extra: str) -> dict:
     return json.loads(res.stdout)
 
 
+def test_ppl_saves_the_base_logits_kld_would(data_dir: Path, tmp_path: Path) -> None:
+    """ikrun ppl --save-base-logits: the file ikrun kld --save-base-logits writes for the same model and text (ik's
+    tokens), the same perplexity as without it; a folder that does not exist is one line, nothing written."""
+    base = data_dir / "convert" / "qwen3" / "ik-f32.gguf"
+    text = data_dir / "logits" / "qwen3" / "text.txt"
+    by_ppl, by_kld = tmp_path / "ppl.kld", tmp_path / "kld.kld"
+    assert _ppl(data_dir, "--save-base-logits", str(by_ppl)) == _ppl(data_dir)
+    _kld_json(str(base), "--base", str(base), "--text", str(text), "--ctx", "64", "--save-base-logits", str(by_kld))
+    assert by_ppl.read_bytes() == by_kld.read_bytes()
+    np.testing.assert_array_equal(BaseLogitsFile(by_ppl).tokens,
+                                  BaseLogitsFile(data_dir / "logits" / "qwen3" / "ik-base.kld").tokens)
+    missing = tmp_path / "nowhere" / "b.kld"
+    res = runner.invoke(app, ["ppl", str(base), "--text", str(text), "--ctx", "64", "--save-base-logits",
+                              str(missing)])
+    assert res.exit_code == 2 and "--save-base-logits" in res.output and "nowhere" in res.output, res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output  # refused before the model is loaded
+    assert not missing.parent.exists()
+    res = runner.invoke(app, ["kld", str(base), "--base-logits", str(by_kld), "--save-base-logits", str(missing)])
+    assert res.exit_code == 2 and "give it with --base" in res.output, res.output
+
+
 def test_ppl_matches_ik(data_dir: Path) -> None:
     printed = (data_dir / "logits" / "qwen3" / "ik-f32-ppl.txt").read_bytes().decode(errors="replace")
     ik = re.search(r"Final estimate: PPL over 60 chunks for n_ctx=64 = ([\d.]+) \+/- ([\d.]+)", printed)

@@ -117,3 +117,9 @@ def read_text(path: Path) -> str:
     except IkError as exc:
         fail(f"--text {exc}")
     return ""
+
+
+def check_output(path: Optional[Path], option: str) -> None:
+    """An output's folder checked before any model is loaded: a user's slip costs nothing, not a run."""
+    if path is not None and not Path(path).parent.is_dir():
+        fail(f"{option} {path}: the folder {Path(path).parent} does not exist")

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ikquant.cli_common import err, fail, out
 from ikquant.errors import IkError
-from ikrun.commands.common import load_model, read_text, run_plan, tracked
+from ikrun.commands.common import check_output, load_model, read_text, run_plan, tracked
 from ikrun.commands.options import Evaluation, evaluation_options
 
 if TYPE_CHECKING:
@@ -65,15 +65,20 @@ def ppl(
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object {n_tokens, ppl, ppl_err, "
                                   "cache_type_k, cache_type_v}."),
+    save_base_logits: Optional[Path] = typer.Option(None, "--save-base-logits", help="Also write the run's "
+                                                    "base-logits file (ik's --kl-divergence-base), for ikrun kld "
+                                                    "--base-logits and for ik."),
     ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
     """Perplexity over the text, chunked and scored exactly like ik's llama-perplexity.
 
     Example: ikrun ppl model.gguf --text wiki.test.raw --ctx 512 --json
+    Example: ikrun ppl model-bf16.gguf --text wiki.test.raw --save-base-logits base.kld
     """
     from ikrun.eval.evaluate import perplexity, tokenize_chunks
     from ikrun.eval.metrics import ppl_stats
 
+    check_output(save_base_logits, "--save-base-logits")
     m = load_model(model, ev)
     try:
         chunk_tokens = tokenize_chunks(m, read_text(text), ctx, chunks)
@@ -81,13 +86,18 @@ def ppl(
         fail(str(exc))
     plan = run_plan(m, len(chunk_tokens), ctx, ev)
     with tracked(m, plan, "perplexity") as (on_chunk, on_block):
-        res = perplexity(m, chunk_tokens, progress=on_chunk, plan=plan, on_block=on_block)
+        try:
+            res = perplexity(m, chunk_tokens, save_base_logits, on_chunk, plan, on_block)
+        except IkError as exc:
+            fail(str(exc))
     stats = {**ppl_stats(res.nll), **m.computed_paths(ctx)}
     if json_out:
         out.print_json(json.dumps({**stats, **m.cache.report()}))
     else:
         out.print(f"Final estimate: PPL over {res.n_chunk} chunks for n_ctx={ctx} = {stats['ppl']:.4f} +/- "
                   f"{stats['ppl_err']:.5f}  ({stats['n_tokens']} tokens scored; {settings(m, ctx)})")
+    if save_base_logits is not None:
+        err.print(f"wrote {save_base_logits}: base logits of {res.n_chunk} chunks")
 
 
 @evaluation_options
@@ -117,6 +127,9 @@ def kld(
 
     if (base is None) == (base_logits is None):
         fail("give exactly one of --base (with --text) or --base-logits")
+    if save_base_logits is not None and base is None:
+        fail("--save-base-logits writes the base model's run: give it with --base (--base-logits is such a file)")
+    check_output(save_base_logits, "--save-base-logits")
     m = load_model(model, ev)
     tmpdir = None
     try:
