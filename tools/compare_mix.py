@@ -12,7 +12,7 @@ by `ikrun kld` against the same base logits as the recipes; without, on the swee
 types only (from a copy of each sweep without the other types' rows). --sweeps spread adds a
 `--target-bpw ... --prediction-spread F` sweep (--spread F), --sweeps resolved the same with `--resolution K`
 (--resolution K). --reuse keeps what --workdir already holds (imatrix,
-base logits, recipe files, sweeps and their CPU seconds) and measures only what is missing.
+base logits, recipe files and their KLDs, sweeps and their CPU seconds) and measures only what is missing.
 
 Example: python tools/compare_mix.py --recipe mainline --ftypes Q3_K_M,Q4_K_M --types Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0
          python tools/compare_mix.py --model lm-f32.gguf --text calib.txt --eval-text eval.txt \
@@ -107,8 +107,11 @@ def main() -> None:
                 _ok(ikquant_app, [str(model), str(recipe_file), "--type", ftype, "--recipe", a.recipe, "--imatrix",
                                   str(imatrix)])
             size = sum(t.nbytes for t in GGUFFile(recipe_file).tensors.values())
-            kld = json.loads(_ok(ikrun_app, ["kld", str(recipe_file), "--base-logits", str(base), "--json"]).stdout)
-            recipes[ftype] = (size, kld)
+            measured = folder / f"recipe-{ftype}.kld.json"
+            if missing(measured):
+                measured.write_text(_ok(ikrun_app, ["kld", str(recipe_file), "--base-logits", str(base),
+                                                    "--json"]).stdout)
+            recipes[ftype] = (size, json.loads(measured.read_text()))
         sweeps = {}
         for kind in kinds:
             sweep, seconds = folder / f"sweep-{kind}.json", folder / f"sweep-{kind}.cpu"
