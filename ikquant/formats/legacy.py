@@ -224,6 +224,48 @@ def _dequantize_q5_0(q: np.ndarray, out: np.ndarray, qk: int) -> None:
 # ---------------------------------------------------------------------------------------------------- Q4_1, Q5_1
 
 
+@njit(**SCALAR)
+def _plain_affine_row(xr: np.ndarray, nmax: int, orow: np.ndarray, type_size: int) -> None:
+    """A row of Q4_1 / Q5_1 blocks without importance weights (in a function of its own, as _plain_sym_row)."""
+    for ib in range(xr.size // QK):
+        _plain_affine_block(xr[ib * QK : (ib + 1) * QK], nmax, orow, ib * type_size)
+
+
+@njit(**SCALAR)
+def _plain_affine_block(xb: np.ndarray, nmax: int, orow: np.ndarray, o: int) -> None:
+    """A Q4_1 / Q5_1 block without importance weights, as ik's reference: d = (max - min) / nmax, each code the
+    truncation of (x - min)*id + 0.5 (one fused rounding), Q4_1's capped at 15 through int8, Q5_1's kept to 8 bits;
+    codes j and j+16 packed into byte j in one loop (as _plain_sym_block)."""
+    m = np.float32(np.finfo(np.float32).max)
+    mx = -m
+    for j in range(xb.size):
+        if xb[j] < m:
+            m = xb[j]
+        if xb[j] > mx:
+            mx = xb[j]
+    d = (mx - m) / np.float32(nmax)
+    idv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+    half = xb.size // 2
+    store_f16(orow, o, d)
+    store_f16(orow, o + 2, m)
+    if nmax == 15:
+        qs = orow[o + 4 : o + 4 + half]
+        for j in range(half):
+            c0 = min(np.int32(15), np.int32(np.int8(np.int32(fmaf(xb[j] - m, idv, np.float32(0.5))))))
+            c1 = min(np.int32(15), np.int32(np.int8(np.int32(fmaf(xb[j + half] - m, idv, np.float32(0.5))))))
+            qs[j] = np.uint8((c0 & 15) | ((c1 & 15) << 4))
+        return
+    qs = orow[o + 8 : o + 8 + half]
+    qh = np.uint32(0)
+    for j in range(half):
+        c0 = np.int32(fmaf(xb[j] - m, idv, np.float32(0.5)))
+        c1 = np.int32(fmaf(xb[j + half] - m, idv, np.float32(0.5)))
+        qs[j] = np.uint8((c0 & 15) | ((c1 & 15) << 4))
+        qh |= (np.uint32((c0 >> 4) & 1) << np.uint32(j)) | (np.uint32((c1 >> 4) & 1) << np.uint32(j + half))
+    for k in range(4):
+        orow[o + 4 + k] = np.uint8((qh >> np.uint32(8 * k)) & np.uint32(0xFF))
+
+
 @njit(**KERNEL)
 def _quantize_affine(x: np.ndarray, qw: np.ndarray, out: np.ndarray, nmax: int, type_size: int) -> None:
     """Q4_1 (nmax 15) and Q5_1 (nmax 31): codes q in [0, nmax], y = q*d + m."""
@@ -231,40 +273,23 @@ def _quantize_affine(x: np.ndarray, qw: np.ndarray, out: np.ndarray, nmax: int, 
     nb = n // QK
     weighted = qw.size > 0
     for r in prange(n_rows):
+        if not weighted:
+            _plain_affine_row(x[r], nmax, out[r], type_size)
+            continue
         xr = x[r]
         codes = np.empty((nb, QK), dtype=np.uint8)
         weight = np.empty((nb, QK), dtype=np.float32)
         ds = np.empty(nb, dtype=np.float32)
         ms = np.empty(nb, dtype=np.float32)
-        if weighted:
-            # the row's blocks searched together (make_qkx3_blocks runs several side by side)
-            sigma2 = _row_sigma2(xr)
-            for ib in range(nb):
-                _block_weights(xr[ib * QK : (ib + 1) * QK], qw[ib * QK : (ib + 1) * QK], sigma2, weight[ib])
-            make_qkx3_blocks(nmax, xr.reshape(nb, QK), weight, codes, False, ds, ms, qkx3_scratch(QK))
+        # the row's blocks searched together (make_qkx3_blocks runs several side by side)
+        sigma2 = _row_sigma2(xr)
         for ib in range(nb):
-            base = ib * QK
-            xb = xr[base : base + QK]
+            _block_weights(xr[ib * QK : (ib + 1) * QK], qw[ib * QK : (ib + 1) * QK], sigma2, weight[ib])
+        make_qkx3_blocks(nmax, xr.reshape(nb, QK), weight, codes, False, ds, ms, qkx3_scratch(QK))
+        for ib in range(nb):
             o = ib * type_size
             L = codes[ib]
-            if weighted:
-                d, m = ds[ib], ms[ib]
-            else:
-                m = np.float32(np.finfo(np.float32).max)
-                mx = -m
-                for j in range(QK):
-                    if xb[j] < m:
-                        m = xb[j]
-                    if xb[j] > mx:
-                        mx = xb[j]
-                d = (mx - m) / np.float32(nmax)
-                idv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
-                for j in range(QK):
-                    # ik truncates (x - min)*id + 0.5 (one fused rounding); Q4_1 also caps the code at 15
-                    v = np.int32(fmaf(xb[j] - m, idv, np.float32(0.5)))
-                    if nmax == 15:
-                        v = min(np.int32(15), np.int32(np.int8(v)))
-                    L[j] = v
+            d, m = ds[ib], ms[ib]
             store_f16(out[r], o, d)
             store_f16(out[r], o + 2, m)
             if nmax == 31:
