@@ -186,7 +186,8 @@ class Decision:
             for u, o in mix.choice.items():
                 near = [x for x in options[u]
                         if x != o and near_frontier((o.bits, o.kld), (x.bits, x.kld), mix.lam, spread)]
-                close = [x for x in near if abs(x.kld - o.kld) > floor(units[u])]
+                least = floor(units[u]) if near else 0.0
+                close = [x for x in near if abs(x.kld - o.kld) > least]
                 unresolved |= {(u, x.type) for x in near if x not in close}
                 for x in close + ([o] if close else []):
                     out |= self.members(units[u], x)
@@ -336,16 +337,21 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
     def cost(g: str, tname: str) -> float:
         return max(measured[(g, tname)].kld_mean, 0.0) if (g, tname) in measured else predicted(g, tname)[0]
 
-    def floor(unit: list[str]) -> float:
-        """`resolution` standard errors of a measurement of the unit's KLD: each group's median over its measured
-        rows (all groups' median for a group not measured yet), added in quadrature over the unit's groups."""
-        every = [r.kld_sem for r in measured.values()]
-        fallback = float(np.median(every)) if every else 0.0
-        sems = []
-        for g in dict.fromkeys(decision.group_of[n] for n in unit):
-            own = [measured[(g, t.name)].kld_sem for t in types if (g, t.name) in measured]
-            sems.append(float(np.median(own)) if own else fallback)
-        return resolution * math.sqrt(sum(s * s for s in sems))
+    def noise_floor() -> Callable[[list[str]], float]:
+        """`resolution` standard errors of a measurement of a unit's KLD, from the rows measured so far: each
+        group's median over its measured rows (all groups' median for a group not measured yet), added in
+        quadrature over the unit's groups."""
+        by_group: dict[str, list[float]] = {}
+        for (g, _), r in measured.items():
+            by_group.setdefault(g, []).append(r.kld_sem)
+        fallback = float(np.median([r.kld_sem for r in measured.values()])) if measured else 0.0
+        sem = {g: float(np.median(v)) for g, v in by_group.items()}
+
+        def floor(unit: list[str]) -> float:
+            groups_of = dict.fromkeys(decision.group_of[n] for n in unit)
+            return resolution * math.sqrt(sum(sem.get(g, fallback) ** 2 for g in groups_of))
+
+        return floor
 
     forecast: dict[tuple[str, str], tuple[float, str]] = {}  # what was predicted of a row before it was measured
     unresolved = 0
@@ -353,7 +359,7 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
         if spread is None:
             wanted = decision.chosen(cost, bpws)
         else:
-            wanted, unresolved = decision.near(cost, bpws, spread, floor)
+            wanted, unresolved = decision.near(cost, bpws, spread, noise_floor())
         missing = wanted - measured.keys()
         if not missing:
             break
