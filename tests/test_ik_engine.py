@@ -94,7 +94,7 @@ def model256(tmp_path_factory: pytest.TempPathFactory) -> dict:  # type: ignore[
     """A tiny Qwen3 with 256-wide rows (every type's blocks fit), its imatrix, and both engines' base logits."""
     folder = tmp_path_factory.mktemp("ik-types")
     hf = make_tiny_checkpoint(folder / "hf", TinySpec(arch="qwen3", hidden=256, layers=2, heads=4, kv_heads=2,
-                                                      head_dim=64, ffn=512, seed=5))
+                                                      head_dim=64, ffn=256, seed=5))
     base = Converter(hf, "f32", "qwen2").write(folder / "f32.gguf")
     imatrix = folder / "imatrix.dat"
     _run(ikrun_app, "imatrix", base, "--text", CORPUS, "--ctx", "64", "--chunks", "4", "-o", imatrix)
