@@ -172,3 +172,46 @@ def test_bad_inputs(data_dir: Path, tmp_path: Path) -> None:
     short.write_text("too short")
     res = runner.invoke(app, ["ppl", gguf, "--text", str(short), "--ctx", "64"])
     assert res.exit_code == 2 and "tokens" in res.output
+
+
+def test_versus_pairs_two_models_token_by_token(data_dir: Path) -> None:
+    """--versus scores a second model on the same tokens: each model's figures are its own run's, and the
+    difference's ± comes from the per-token differences (quantizations of one model err on the same tokens, so it is
+    well below the two means' errors combined)."""
+    base = str(data_dir / "logits" / "qwen3" / "ik-base.kld")
+    q8, bf16 = (str(data_dir / "convert" / "qwen3" / f"ik-{t}.gguf") for t in ("q8_0", "bf16"))
+    alone_q8, alone_bf16 = _kld_json(q8, "--base-logits", base), _kld_json(bf16, "--base-logits", base)
+    both = _kld_json(q8, "--base-logits", base, "--versus", bf16)
+    assert {k: v for k, v in both.items() if k != "versus"} == alone_q8
+    pair = both["versus"]
+    assert pair["model"] == bf16 and pair["n_tokens"] == alone_q8["n_tokens"]
+    assert (pair["kld_mean"], pair["versus_kld_mean"]) == (alone_q8["kld_mean"], alone_bf16["kld_mean"])
+    assert pair["kld_diff"] == pytest.approx(alone_q8["kld_mean"] - alone_bf16["kld_mean"], rel=1e-9)
+    per_token = [kl_divergence(Model(path), BaseLogitsFile(base)).arrays()["kld"] for path in (q8, bf16)]
+    d = per_token[0] - per_token[1]
+    n = d.size
+    assert pair["kld_diff_err"] == pytest.approx(np.sqrt(d.var() / (n - 1)), rel=1e-9)
+    assert pair["lower_kld_tokens"] == pytest.approx(np.mean(d < 0))
+    assert pair["kld_cor"] == pytest.approx(100 * np.corrcoef(*per_token)[0, 1], rel=1e-3)
+    unpaired = np.hypot(alone_q8["kld_mean_err"], alone_bf16["kld_mean_err"])
+    assert 0 < pair["kld_diff_err"] < unpaired
+    ratio = pair["kld_ratio"]
+    assert ratio == pytest.approx(alone_q8["kld_mean"] / alone_bf16["kld_mean"], rel=1e-12)
+    # the delta method's error of the ratio, from the same per-token values
+    ma, mb = (v.mean() for v in per_token)
+    grad = per_token[0] / ma - per_token[1] / mb
+    assert pair["kld_ratio_err"] == pytest.approx(ratio * np.sqrt(grad.var() / (n - 1)), rel=1e-6)
+    itself = _kld_json(q8, "--base-logits", base, "--versus", q8)["versus"]
+    assert (itself["kld_diff"], itself["kld_diff_err"], itself["kld_ratio"]) == (0.0, 0.0, 1.0)
+    table = runner.invoke(app, ["kld", q8, "--base-logits", base, "--versus", bf16], env={"COLUMNS": "250"})
+    assert table.exit_code == 0 and "Difference (per-token, paired)" in table.output
+
+
+def test_versus_bad_inputs(data_dir: Path, tmp_path: Path) -> None:
+    base = str(data_dir / "logits" / "qwen3" / "ik-base.kld")
+    q8 = str(data_dir / "convert" / "qwen3" / "ik-q8_0.gguf")
+    other_vocab = data_dir / "convert" / "gpt-oss" / "ref-f32.gguf"  # 336 tokens, qwen3 has 320
+    res = runner.invoke(app, ["kld", q8, "--base-logits", base, "--versus", str(other_vocab)])
+    assert res.exit_code == 2 and "--versus" in res.output and "vocabulary" in res.output
+    res = runner.invoke(app, ["kld", q8, "--base-logits", base, "--versus", str(tmp_path / "missing.gguf")])
+    assert res.exit_code == 2 and "missing.gguf" in res.output

@@ -11,8 +11,10 @@ by `ikrun kld` against the same base logits as the recipes; without, on the swee
 --refine go to `ikrun mix` (the sweeps are made without ties); --mix-types lets the mixes choose among those swept
 types only (from a copy of each sweep without the other types' rows). --sweeps spread adds a
 `--target-bpw ... --prediction-spread F` sweep (--spread F), --sweeps resolved the same with `--resolution K`
-(--resolution K). --reuse keeps what --workdir already holds (imatrix,
-base logits, recipe files and their KLDs, sweeps and their CPU seconds) and measures only what is missing.
+(--resolution K). With --eval-text and the exhaustive sweep, each other sweep's mix is also scored against the
+exhaustive sweep's mix token by token (`ikrun kld --versus`): the ratio of their KLDs with its paired error.
+--reuse keeps what --workdir already holds (imatrix, base logits, recipe files and their KLDs, sweeps and their CPU
+seconds) and measures only what is missing.
 
 Example: python tools/compare_mix.py --recipe mainline --ftypes Q3_K_M,Q4_K_M --types Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0
          python tools/compare_mix.py --model lm-f32.gguf --text calib.txt --eval-text eval.txt \
@@ -131,23 +133,30 @@ def main() -> None:
                 sweep = only_types(sweep, a.mix_types.split(","))
             sweeps[kind] = (sweep, f"{sum(1 for r in rows if r.get('measured', True))}/{len(rows)}", cpu)
         where = f"held-out ({a.eval_text.name})" if a.eval_text else "in-sample"
-        print(f"\n| target | mix | bytes | bpw | predicted | measured KLD, {where} | rows measured | CPU s |")
-        print("|---|---|---|---|---|---|---|---|")
+        paired = bool(a.eval_text) and "exhaustive" in sweeps
+        print(f"\n| target | mix | bytes | bpw | predicted | measured KLD, {where} | rows measured | CPU s |"
+              + (" vs exhaustive mix, paired |" if paired else ""))
+        print("|---|---|---|---|---|---|---|---|" + ("---|" if paired else ""))
         ties = [arg for regex in a.tie for arg in ("--tie", regex)]
         for ftype, (size, kld) in recipes.items():
             print(f"| {ftype} | {a.recipe}'s recipe | {size} | {8 * size / n_weights:.4f} | - | "
-                  f"{kld['kld_mean']:.3e} ± {kld['kld_mean_err']:.3e} | - | - |")
-            for kind, (sweep, measured, cpu) in sweeps.items():
+                  f"{kld['kld_mean']:.3e} ± {kld['kld_mean_err']:.3e} | - | - |" + (" |" if paired else ""))
+            exhaustive_mix = folder / f"mix-exhaustive-{ftype}.gguf"
+            for kind, (sweep, measured, cpu) in sorted(sweeps.items(), key=lambda kv: kv[0] != "exhaustive"):
                 mix_file = folder / f"mix-{kind}-{ftype}.gguf"
                 res = _ok(ikrun_app, ["mix", str(model), str(mix_file), "--sweep", str(sweep), "--type", ftype,
                                       "--recipe", a.recipe, "--target-size", f"{size}B", "--refine", str(a.refine),
                                       "--json", *ties])
                 kept = next(m for m in json.loads(res.stdout) if m["kept"])
-                judged = json.loads(_ok(ikrun_app, ["kld", str(mix_file), "--base-logits", str(base), "--json"]).stdout
-                                    ) if a.eval_text else kept
+                versus = ["--versus", str(exhaustive_mix)] if paired and kind != "exhaustive" else []
+                judged = json.loads(_ok(ikrun_app, ["kld", str(mix_file), "--base-logits", str(base), "--json",
+                                                    *versus]).stdout) if a.eval_text else kept
+                pair = judged.get("versus")
+                against = (f" {pair['kld_ratio'] - 1:+.1%} ± {pair['kld_ratio_err']:.1%} |" if pair else " - |"
+                           ) if paired else ""
                 print(f"| {ftype} | {kind} sweep's mix | {kept['bytes']} | {kept['bpw']:.4f} | "
                       f"{kept['predicted_kld']:.3e} | {judged['kld_mean']:.3e} ± {judged['kld_mean_err']:.3e} "
-                      f"({judged['kld_mean'] / kld['kld_mean'] - 1:+.0%}) | {measured} | {cpu:.0f} |")
+                      f"({judged['kld_mean'] / kld['kld_mean'] - 1:+.0%}) | {measured} | {cpu:.0f} |{against}")
 
 if __name__ == "__main__":
     main()

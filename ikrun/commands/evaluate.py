@@ -113,6 +113,9 @@ def kld(
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Evaluate at most this many chunks (with --base)."),
     save_base_logits: Optional[Path] = typer.Option(None, "--save-base-logits", help="Also keep the base run's "
                                                     "logits file, reusable with --base-logits and by ik."),
+    versus: Optional[Path] = typer.Option(None, "--versus", help="A second model under test, scored on the same "
+                                          "tokens against the same base: the report adds the two mean KLDs' "
+                                          "difference and ratio, with errors from the per-token differences."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object with every statistic."),
     ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
@@ -120,6 +123,7 @@ def kld(
 
     Example: ikrun kld model-q4_0.gguf --base model-f32.gguf --text wiki.test.raw --ctx 512
     Example: ikrun kld model-q4_0.gguf --base-logits base.kld --json
+    Example: ikrun kld mix.gguf --base-logits base.kld --versus recipe.gguf
     """
     import tempfile
 
@@ -131,6 +135,9 @@ def kld(
         fail("--save-base-logits writes the base model's run: give it with --base (--base-logits is such a file)")
     check_output(save_base_logits, "--save-base-logits")
     m = load_model(model, ev)
+    other = None if versus is None else load_model(versus, ev)
+    if other is not None and other.n_vocab != m.n_vocab:
+        fail(f"--versus {versus}: {other.n_vocab} tokens, {model} has {m.n_vocab}: not the same vocabulary")
     tmpdir = None
     try:
         if base is not None:
@@ -152,22 +159,48 @@ def kld(
         plan = run_plan(m, bf.n_chunk, bf.n_ctx, ev)
         with tracked(m, plan, "KL-divergence") as (on_chunk, on_block):
             acc = kl_divergence(m, bf, on_chunk, plan=plan, on_block=on_block)
+        other_acc = None
+        if other is not None:
+            m.drop_cache()
+            plan = run_plan(other, bf.n_chunk, bf.n_ctx, ev)
+            with tracked(other, plan, f"KL-divergence of {other.path.name}") as (on_chunk, on_block):
+                other_acc = kl_divergence(other, bf, on_chunk, plan=plan, on_block=on_block)
     except IkError as exc:
         fail(str(exc))
     finally:
         if tmpdir is not None:
             tmpdir.cleanup()
-    from ikrun.eval.metrics import kld_stats
+    from ikrun.eval.metrics import kld_stats, paired_kld_stats
 
     stats = kld_stats(acc)
+    paired = None if other_acc is None else {"model": str(versus), **paired_kld_stats(acc, other_acc)}
     if json_out:
         out.print_json(json.dumps({**{k: (float(v) if isinstance(v, (float, np.floating)) else v)
-                                      for k, v in stats.items()}, **m.cache.report(), **m.computed_paths(bf.n_ctx)}))
+                                      for k, v in stats.items()}, **m.cache.report(), **m.computed_paths(bf.n_ctx),
+                                   **({"versus": paired} if paired else {})}))
         return
     if stats["n_tokens"] < 100:
         err.print(f"[yellow]warning:[/] only {stats['n_tokens']} tokens scored; ik prints no final statistics "
                   "below 100")
     out.print(kld_table(stats, f"{model} ({settings(m, bf.n_ctx)})"))
+    if paired is not None:
+        out.print(paired_table(paired, str(model)))
+
+
+def paired_table(paired: dict, name: str) -> Table:
+    """The two models' mean KLDs on the same tokens, their difference and ratio with the paired errors."""
+    t = Table(title=f"{name} against {paired['model']}: {paired['n_tokens']} tokens, each scored by both")
+    t.add_column("statistic")
+    t.add_column("value", justify="right")
+    t.add_column("±", justify="right")
+    t.add_row(f"Mean KLD, {name}", f"{paired['kld_mean']:.6f}", f"{paired['kld_mean_err']:.6f}")
+    t.add_row(f"Mean KLD, {paired['model']}", f"{paired['versus_kld_mean']:.6f}",
+              f"{paired['versus_kld_mean_err']:.6f}")
+    t.add_row("Difference (per-token, paired)", f"{paired['kld_diff']:.6f}", f"{paired['kld_diff_err']:.6f}")
+    t.add_row("Ratio of the means", f"{paired['kld_ratio']:.4f}", f"{paired['kld_ratio_err']:.4f}")
+    t.add_row("Cor(KLD, KLD)", f"{paired['kld_cor']:.2f}%", "")
+    t.add_row(f"Tokens where {name} is lower", f"{100 * paired['lower_kld_tokens']:.1f}%", "")
+    return t
 
 
 def settings(m: Model, n_ctx: int) -> str:

@@ -270,6 +270,32 @@ def kld_stats(acc: KLDAccumulator) -> dict[str, float | int]:
     return stats
 
 
+def paired_kld_stats(a: KLDAccumulator, b: KLDAccumulator) -> dict[str, float | int]:
+    """Two models' KLDs on the same tokens against the same base, compared token by token: the mean difference
+    (a - b) with the standard error of the per-token differences, and the ratio of the means with its delta-method
+    error. Quantizations of one model err on the same hard tokens, so the paired error is far below the two means'
+    errors combined: a difference of a few percent that two separate runs cannot resolve, this one can. The ±s count
+    tokens as independent, as ik's do."""
+    ka, kb = a.arrays()["kld"], b.arrays()["kld"]
+    if ka.shape != kb.shape:
+        raise ValueError(f"paired KLDs need the same tokens: {ka.size} against {kb.size}")
+    n = int(ka.size)
+    d = ka - kb
+    m_a, u_a = mean_and_uncertainty(ka.sum(), (ka * ka).sum(), n)
+    m_b, u_b = mean_and_uncertainty(kb.sum(), (kb * kb).sum(), n)
+    m_d, u_d = mean_and_uncertainty(d.sum(), (d * d).sum(), n)
+    cov = covariance(ka.sum(), kb.sum(), (ka * kb).sum(), n)
+    ratio = m_a / m_b if m_b > 0 else math.inf
+    rel_sq = ((u_a / m_a) ** 2 + (u_b / m_b) ** 2 - 2 * cov / (m_a * m_b)) if m_a > 0 and m_b > 0 else 0.0
+    return {
+        "n_tokens": n, "kld_mean": m_a, "kld_mean_err": u_a, "versus_kld_mean": m_b, "versus_kld_mean_err": u_b,
+        "kld_diff": m_d, "kld_diff_err": u_d,
+        "kld_ratio": ratio, "kld_ratio_err": ratio * math.sqrt(rel_sq) if rel_sq > 0 else 0.0,
+        "kld_cor": 100 * cov / (u_a * u_b) if u_a * u_b > 0 else 0.0,
+        "lower_kld_tokens": float((d < 0).sum()) / n if n else 0.0,
+    }
+
+
 def ppl_stats(nll: np.ndarray) -> dict[str, float | int]:
     """Final perplexity estimate and its ± (ik: P * sqrt((E[nll^2] - E[nll]^2) / (n - 1)))."""
     v = nll.astype(np.float64)
