@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from ikrun.cli import app
 from ikrun.eval.evaluate import kl_divergence, open_base, perplexity
-from ikrun.eval.metrics import BaseLogitsFile, kld_stats
+from ikrun.eval.metrics import BaseLogitsFile, kld_stats, paired_kld_stats
 from ikrun.model import Model
 from tests.blas import AVX512_GEMM
 
@@ -175,19 +175,21 @@ def test_bad_inputs(data_dir: Path, tmp_path: Path) -> None:
 
 
 def test_versus_pairs_two_models_token_by_token(data_dir: Path) -> None:
-    """--versus scores a second model on the same tokens: each model's figures are its own run's, and the
+    """--versus scores a second model on the same tokens: the first model's figures are its own run's, and the
     difference's ± comes from the per-token differences (quantizations of one model err on the same tokens, so it is
     well below the two means' errors combined)."""
     base = str(data_dir / "logits" / "qwen3" / "ik-base.kld")
     q8, bf16 = (str(data_dir / "convert" / "qwen3" / f"ik-{t}.gguf") for t in ("q8_0", "bf16"))
-    alone_q8, alone_bf16 = _kld_json(q8, "--base-logits", base), _kld_json(bf16, "--base-logits", base)
+    accs = [kl_divergence(Model(path), BaseLogitsFile(base)) for path in (q8, bf16)]
+    alone_q8, alone_bf16 = (kld_stats(acc) for acc in accs)
     both = _kld_json(q8, "--base-logits", base, "--versus", bf16)
-    assert {k: v for k, v in both.items() if k != "versus"} == alone_q8
+    for key in REQUIRED_KEYS:
+        assert both[key] == pytest.approx(alone_q8[key], rel=1e-12, abs=1e-15), key
     pair = both["versus"]
     assert pair["model"] == bf16 and pair["n_tokens"] == alone_q8["n_tokens"]
     assert (pair["kld_mean"], pair["versus_kld_mean"]) == (alone_q8["kld_mean"], alone_bf16["kld_mean"])
     assert pair["kld_diff"] == pytest.approx(alone_q8["kld_mean"] - alone_bf16["kld_mean"], rel=1e-9)
-    per_token = [kl_divergence(Model(path), BaseLogitsFile(base)).arrays()["kld"] for path in (q8, bf16)]
+    per_token = [acc.arrays()["kld"] for acc in accs]
     d = per_token[0] - per_token[1]
     n = d.size
     assert pair["kld_diff_err"] == pytest.approx(np.sqrt(d.var() / (n - 1)), rel=1e-9)
@@ -201,10 +203,14 @@ def test_versus_pairs_two_models_token_by_token(data_dir: Path) -> None:
     ma, mb = (v.mean() for v in per_token)
     grad = per_token[0] / ma - per_token[1] / mb
     assert pair["kld_ratio_err"] == pytest.approx(ratio * np.sqrt(grad.var() / (n - 1)), rel=1e-6)
-    itself = _kld_json(q8, "--base-logits", base, "--versus", q8)["versus"]
+    itself = paired_kld_stats(accs[0], accs[0])
     assert (itself["kld_diff"], itself["kld_diff_err"], itself["kld_ratio"]) == (0.0, 0.0, 1.0)
-    table = runner.invoke(app, ["kld", q8, "--base-logits", base, "--versus", bf16], env={"COLUMNS": "250"})
-    assert table.exit_code == 0 and "Difference (per-token, paired)" in table.output
+    # with --base the base model runs once, then both models; the report's table
+    f32, text = data_dir / "convert" / "qwen3" / "ik-f32.gguf", data_dir / "logits" / "qwen3" / "text.txt"
+    table = runner.invoke(app, ["kld", q8, "--base", str(f32), "--text", str(text), "--ctx", "64", "--chunks", "4",
+                                "--versus", bf16], env={"COLUMNS": "250"})
+    assert table.exit_code == 0, table.output
+    assert "Difference (per-token, paired)" in table.output and "124 tokens, each scored by both" in table.output
 
 
 def test_versus_bad_inputs(data_dir: Path, tmp_path: Path) -> None:
