@@ -105,4 +105,6 @@ class Context:
     def kv_store(self, x: np.ndarray, value: bool = False) -> np.ndarray:
         """Keys (or, `value`, values) as the KV cache holds them."""
         c = self.cache
-        return self.numerics.kv_store(x, c.v, c.v_hadamard) if value else self.numerics.kv_store(x, c.k, c.k_hadamard)
+        if value:
+            return self.numerics.kv_store(x, c.v, c.v_hadamard, value=True)
+        return self.numerics.kv_store(x, c.k, c.k_hadamard)

@@ -122,6 +122,11 @@ class Numerics:
         the exact arithmetic reads every type's exact decoding (ikrun/kvcache.check_cache checks the model's shapes)."""
         return None
 
+    def check_value_cache(self, arch: str, kv: KvCache, head_k: int, head_v: int) -> str | None:
+        """Why an `arch` model's attention with heads of `head_k`/`head_v` cannot read the V cache `kv.v` (given
+        with -ctv, not F16) here; the exact arithmetic reads every type's exact decoding."""
+        return None
+
     def check_flash_attention(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
         """Why ik's flash-attention graph (--flash-attn on) of an `arch` model with heads of `head_dim` over the caches
         `kv` is not reproduced here (RuntimeOptions.check refuses the option in the exact arithmetic, where both graphs
@@ -217,9 +222,9 @@ class Numerics:
         """RMSNorm of x times weight, times SiLU(z) (the delta-net's output norm)."""
         return gated_rms_norm(x, z, weight, eps)
 
-    def kv_store(self, x: np.ndarray, cache_type: str, hadamard_block: int = 0) -> np.ndarray:
-        """Rows x [..., width] of keys or values as a cache of `cache_type` (ik's name) holds them, written through
-        ik's Hadamard transform over blocks of `hadamard_block` values where given (ikrun/kvcache.py)."""
+    def kv_store(self, x: np.ndarray, cache_type: str, hadamard_block: int = 0, value: bool = False) -> np.ndarray:
+        """Rows x [..., width] of keys or (`value`) values as a cache of `cache_type` (ik's name) holds them, written
+        through ik's Hadamard transform over blocks of `hadamard_block` values where given (ikrun/kvcache.py)."""
         return cache_holds(x, cache_type, hadamard_block)
 
     def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, cache_type: str,

@@ -173,6 +173,9 @@ class IkNumerics(Numerics):
     #: the float key caches (ik's names) besides F16 and F32 it reproduces on QUANTIZED_KEY_ARCHS (the float kernel
     #: of ik's -fa off graph on the cache's values)
     float_keys: tuple[str, ...] = ()
+    #: the quantized value caches (ik's names) whose flash attention in ik's own kernel (IQK_FA_HEADS) it
+    #: reproduces (ik quantizes a V cache only with flash attention on)
+    flash_values: tuple[str, ...] = ()
     #: whether the float orders are ik's AVX2 build's (8-lane float kernels, its AVX2 exponential, numerics/ik/
     #: avx2.py) rather than its AVX-512 build's
     avx2 = False
@@ -185,10 +188,14 @@ class IkNumerics(Numerics):
     # ---- what a file may hold ---------------------------------------------------------------------------------
     def kv_cache(self, requested: KvCache) -> KvCache:
         """ik's F16 caches, its F32 key cache (-ctk f32: the same float kernel on unrounded keys) or a quantized key
-        cache (-ctk, checked by check_key_cache) with its Hadamard transform, the values F16."""
+        cache (-ctk, checked by check_key_cache) with its Hadamard transform; the values F16 or a quantized value
+        cache of flash_values (-ctv, checked by check_value_cache)."""
+        quantized_v = requested.v in self.flash_values
+        v, v_hadamard = (requested.v, requested.v_hadamard) if quantized_v else ("f16", 0)
         if requested.k not in FLOAT_CACHES:
-            return KvCache(requested.k, "f16", k_hadamard=requested.k_hadamard, indexer=requested.indexer)
-        return KvCache("f32" if (requested.k, requested.v) == ("f32", "f16") else "f16", "f16",
+            return KvCache(requested.k, v, k_hadamard=requested.k_hadamard, v_hadamard=v_hadamard,
+                           indexer=requested.indexer)
+        return KvCache("f32" if (requested.k, requested.v) == ("f32", "f16") else "f16", v, v_hadamard=v_hadamard,
                        indexer=requested.indexer)
 
     def yarn_truncates(self, requested: bool) -> bool:
@@ -239,6 +246,21 @@ class IkNumerics(Numerics):
                     "for quantized ones were not checked); --numerics ik-avx2 reproduces some quantized key caches")
         return (f"--numerics {self.name} reproduces ik's F16, F32, {', '.join(others)} key caches (the others on "
                 f"{', '.join(QUANTIZED_KEY_ARCHS)}), not a {cache_type} key cache on {arch}")
+
+    def check_value_cache(self, arch: str, kv: KvCache, head_k: int, head_v: int) -> str | None:
+        """Why this arithmetic cannot reproduce ik's run with the value cache `kv.v` (not F16), or None."""
+        if kv.v not in self.flash_values:
+            also = f", and {' / '.join(self.flash_values)} ones under flash attention" if self.flash_values else ""
+            return f"--numerics {self.name} reproduces ik's F16 value caches{also}, not a {kv.v} one"
+        if self.options.flash_attn == "off":
+            return "ik quantizes a V cache only with flash attention (it refuses to run with -fa off)"
+        if (head_k, head_v) not in IQK_FA_HEADS:
+            return (f"ik's own flash-attention kernel takes heads of {', '.join(f'{k}/{v}' for k, v in IQK_FA_HEADS)}; "
+                    f"at heads of {head_k}/{head_v} ggml's generic kernel accumulates a quantized V cache in its own "
+                    "order, which is not reproduced")
+        if kv.v_hadamard:
+            return "ik's Hadamard transform of a quantized V cache (-vhad) is not reproduced"
+        return self.check_flash_attention(arch, kv, head_k)
 
     def nextn_own_tables(self, arch: str) -> bool:
         return arch not in NEXTN_TABLES_IGNORED
@@ -316,12 +338,14 @@ class IkNumerics(Numerics):
         qk = np.stack([qmatmul(integer_rows(q[:, h], fmt), packed)[:n] for h in range(n_head)], axis=1)
         return scores_from_products(qk, w, q0)
 
-    def kv_store(self, x: np.ndarray, cache_type: str, hadamard_block: int = 0) -> np.ndarray:
+    def kv_store(self, x: np.ndarray, cache_type: str, hadamard_block: int = 0, value: bool = False) -> np.ndarray:
         """A quantized key cache (quantized_keys) keeps the rows ik's ggml_cpy quantizes into it (rotated by its
-        Hadamard transform where asked): causal_attention writes and multiplies them as ik's K x Q kernel does."""
-        if cache_type in self.quantized_keys:
+        Hadamard transform where asked): causal_attention writes and multiplies them as ik's K x Q kernel does. A
+        quantized value cache (flash_values) holds its decoded rows: ik's flash-attention kernel decodes each
+        block as scale x integer (exact in float32) before the same fused sums as F16 values."""
+        if cache_type in self.quantized_keys and not value:
             return blockwise_hadamard(x, hadamard_block) if hadamard_block else x
-        return super().kv_store(x, cache_type, hadamard_block)
+        return super().kv_store(x, cache_type, hadamard_block, value)
 
     # ---- attention: ik's kernels where its float kernels take the head dims whole -----------------------------
     def attention_graph(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
@@ -348,7 +372,14 @@ class IkNumerics(Numerics):
         if arch not in FLASH_ATTENTION_ARCHS:
             return (f"--numerics {self.name} reproduces ik's flash attention on {', '.join(FLASH_ATTENTION_ARCHS)}, "
                     f"not {arch}")
-        if kv.v != "f16" or kv.k not in ("f16", *self.flash_keys):
+        if kv.v not in ("f16", *self.flash_values):
+            values = f" and {' / '.join(self.flash_values)} value caches" if self.flash_values else ""
+            return (f"--numerics {self.name} reproduces ik's flash attention over F16{values}, not a {kv.v} value "
+                    "cache")
+        if kv.v != "f16" and (head_dim, head_dim) not in IQK_FA_HEADS:
+            return (f"--numerics {self.name} reproduces a quantized value cache in ik's own flash-attention kernel, "
+                    f"not in ggml's generic one (heads of {head_dim})")
+        if kv.k not in ("f16", *self.flash_keys):
             keys = f" and {' / '.join(self.flash_keys)} key caches" if self.flash_keys else ""
             return (f"--numerics {self.name} reproduces ik's flash attention over F16 caches{keys}, not a {kv.k} "
                     f"key cache (give --flash-attn off: ik's -fa off graph)")
