@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# the CLIs' rich consoles take their width from COLUMNS once, when ikquant.cli_common is first imported: set before
+# any test imports it, so that every test process (pytest-xdist runs several) reads tables and paths unwrapped
+os.environ["COLUMNS"] = "200"
 
 import pytest
 
