@@ -145,23 +145,21 @@ def check_cache(cache: KvCache, cx: Context, numerics: Numerics, given: tuple[st
             raise ModelError(f"--cache-type-k {given[0]}: {problem}")
         keys = given[0] if given[0] in ("f32", "bf16") else cache.k
         if given[1] not in (None, "f16"):
-            values = replace(cache, k=keys, v=given[1])
             n_head = cx.hparam("attention.head_count")
-            head_k = cx.hparam("attention.key_length", cx.hparam("embedding_length") // n_head)
+            head_dim = cx.hparam("attention.key_length", cx.hparam("embedding_length") // n_head)
             problem = (f"{cx.path} ({cx.arch}) caches MLA's latent alone" if cx.hparam("attention.kv_lora_rank", 0)
-                       else numerics.check_value_cache(cx.arch, values, head_k,
-                                                       cx.hparam("attention.value_length", head_k)))
+                       else numerics.check_value_cache(cx.arch, replace(cache, k=keys, v=given[1]), head_dim))
             if problem is not None:
                 raise ModelError(f"--cache-type-v {given[1]}: {problem}")
         if keys == "f32" and cx.hparam("attention.kv_lora_rank", 0):
             raise ModelError(f"--cache-type-k f32: --numerics {numerics.name} reproduces an F32 key cache for "
                              f"grouped-query attention, not {cx.path}'s latent cache")
-        if keys in ("f32", "f16", "bf16") and cache.v == "f16":  # ik drops the transform around an unquantized cache
-            return replace(cache, k=keys, k_hadamard=0, v_hadamard=0)
-        if keys in ("f32", "f16", "bf16"):
+        if keys in ("f32", "f16", "bf16"):  # ik drops the transform around a cache it does not quantize
             cache = replace(cache, k=keys, k_hadamard=0)
         if cache.v == "f16":
             cache = replace(cache, v_hadamard=0)
+            if keys in ("f32", "f16", "bf16"):
+                return cache
     for flag, name in (("--cache-type-k", cache.k), ("--cache-type-v", cache.v)):
         if ggml_name(name) not in CACHE_WRITE_TYPES:
             raise ModelError(f"{flag} {name}: ik takes it, but its cache writes are not reproduced here; reproduced: "

@@ -122,9 +122,9 @@ class Numerics:
         the exact arithmetic reads every type's exact decoding (ikrun/kvcache.check_cache checks the model's shapes)."""
         return None
 
-    def check_value_cache(self, arch: str, kv: KvCache, head_k: int, head_v: int) -> str | None:
-        """Why an `arch` model's attention with heads of `head_k`/`head_v` cannot read the V cache `kv.v` (given
-        with -ctv, not F16) here; the exact arithmetic reads every type's exact decoding."""
+    def check_value_cache(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
+        """Why an `arch` model's attention with heads of `head_dim` cannot read the V cache `kv.v` (given with -ctv,
+        not F16) here; the exact arithmetic reads every type's exact decoding."""
         return None
 
     def check_flash_attention(self, arch: str, kv: KvCache, head_dim: int) -> str | None:

@@ -247,20 +247,14 @@ class IkNumerics(Numerics):
         return (f"--numerics {self.name} reproduces ik's F16, F32, {', '.join(others)} key caches (the others on "
                 f"{', '.join(QUANTIZED_KEY_ARCHS)}), not a {cache_type} key cache on {arch}")
 
-    def check_value_cache(self, arch: str, kv: KvCache, head_k: int, head_v: int) -> str | None:
-        """Why this arithmetic cannot reproduce ik's run with the value cache `kv.v` (not F16), or None."""
-        if kv.v not in self.flash_values:
-            also = f", and {' / '.join(self.flash_values)} ones under flash attention" if self.flash_values else ""
-            return f"--numerics {self.name} reproduces ik's F16 value caches{also}, not a {kv.v} one"
+    def check_value_cache(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
+        """Why this arithmetic cannot reproduce ik's run with the value cache `kv.v` (not F16), or None: ik's flash
+        attention must be on and reproduced over these caches (check_flash_attention), without -vhad."""
         if self.options.flash_attn == "off":
             return "ik quantizes a V cache only with flash attention (it refuses to run with -fa off)"
-        if (head_k, head_v) not in IQK_FA_HEADS:
-            return (f"ik's own flash-attention kernel takes heads of {', '.join(f'{k}/{v}' for k, v in IQK_FA_HEADS)}; "
-                    f"at heads of {head_k}/{head_v} ggml's generic kernel accumulates a quantized V cache in its own "
-                    "order, which is not reproduced")
         if kv.v_hadamard:
             return "ik's Hadamard transform of a quantized V cache (-vhad) is not reproduced"
-        return self.check_flash_attention(arch, kv, head_k)
+        return self.check_flash_attention(arch, kv, head_dim)
 
     def nextn_own_tables(self, arch: str) -> bool:
         return arch not in NEXTN_TABLES_IGNORED
@@ -373,12 +367,12 @@ class IkNumerics(Numerics):
             return (f"--numerics {self.name} reproduces ik's flash attention on {', '.join(FLASH_ATTENTION_ARCHS)}, "
                     f"not {arch}")
         if kv.v not in ("f16", *self.flash_values):
-            values = f" and {' / '.join(self.flash_values)} value caches" if self.flash_values else ""
-            return (f"--numerics {self.name} reproduces ik's flash attention over F16{values}, not a {kv.v} value "
-                    "cache")
+            also = f", and {' / '.join(self.flash_values)} ones under flash attention" if self.flash_values else ""
+            return f"--numerics {self.name} reproduces ik's F16 value caches{also}, not a {kv.v} one"
         if kv.v != "f16" and (head_dim, head_dim) not in IQK_FA_HEADS:
-            return (f"--numerics {self.name} reproduces a quantized value cache in ik's own flash-attention kernel, "
-                    f"not in ggml's generic one (heads of {head_dim})")
+            return (f"ik's own flash-attention kernel takes heads of {', '.join(f'{k}/{v}' for k, v in IQK_FA_HEADS)}; "
+                    f"at heads of {head_dim}/{head_dim} ggml's generic kernel accumulates a quantized V cache in its "
+                    "own order, which is not reproduced")
         if kv.k not in ("f16", *self.flash_keys):
             keys = f" and {' / '.join(self.flash_keys)} key caches" if self.flash_keys else ""
             return (f"--numerics {self.name} reproduces ik's flash attention over F16 caches{keys}, not a {kv.k} "
