@@ -11,9 +11,9 @@ bits for it). Constraints (tie groups, lower bounds per class) are applied to th
 (mix_constraints.py).
 
 A group with no real cost is not chosen for: the tensors a sweep lists as `unmeasured` (the measured forward never
-reads them) and, in a KLD sweep, groups whose every measured cost is zero or below (a swap that changed nothing: an
-older sweep of an unread tensor; an acceptance sweep's drafter reads every tensor it swaps, and a zero loss there is
-a measured one). They keep the recipe's type, as unswept tensors do; `read_sweep` names them.
+reads them) and, in a KLD sweep, groups whose every measured cost is exactly zero (a swap that changed no logit: an
+older sweep of an unread tensor; in a file older than `kld_added`, zero or below; an acceptance sweep's drafter reads
+every tensor it swaps, and a zero loss there is a measured one). They keep the recipe's type, as unswept tensors do; `read_sweep` names them.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def read_sweep(path: Path) -> tuple[dict[str, list[str]], dict[str, list[Option]
         header, rows = read_sweep_file(Path(path))
     except SweepFileError as exc:
         raise MixError(f"--sweep {exc}") from None
-    cost = METRICS[header.get("metric", DEFAULTS["metric"])]
+    metric = header.get("metric", DEFAULTS["metric"])
+    cost = header.get("cost") or METRICS[metric]
     groups: dict[str, list[str]] = {}
     options: dict[str, list[Option]] = {}
     for r in rows:
@@ -81,8 +82,12 @@ def read_sweep(path: Path) -> tuple[dict[str, list[str]], dict[str, list[Option]
     if not options:
         raise MixError(f"--sweep {path}: no measurements")
     unmeasured = {str(n): str(why) for n, why in header.get("unmeasured", {}).items()}
-    zero_is_unread = header.get("metric", DEFAULTS["metric"]) == "kld"  # a drafter reads every tensor it is swept by
-    for g in [g for g, opts in options.items() if zero_is_unread and all(o.kld <= 0.0 for o in opts)]:
+    # a drafter reads every tensor it is swept by; a KLD measured against the model's own KLD is exactly 0 where
+    # the swap changed nothing, and may be a little below 0 where it changed too little to measure
+    zero_is_unread = metric == "kld"
+    changed = {r["group"] for r in rows if r[cost] != 0.0} if cost == "kld_added" else \
+        {r["group"] for r in rows if r[cost] > 0.0}
+    for g in [g for g in options if zero_is_unread and g not in changed]:
         unmeasured.update({n: "every measured type cost nothing: the forward may not read it" for n in groups[g]})
     for g in [g for g, names in groups.items() if any(n in unmeasured for n in names)]:
         del groups[g], options[g]

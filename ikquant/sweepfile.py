@@ -20,16 +20,17 @@ from ikquant.errors import InputNotFoundError, SweepFileError
 FORMAT = "iktools-sweep"
 VERSION = 2
 #: header fields a resumed sweep must match exactly (the model's path and the text's name may move)
-IDENTITY = ("metric", "model_fingerprint", "text_sha256", "ctx", "chunks", "group", "imatrix_sha256", "runtime",
+IDENTITY = ("metric", "cost", "model_fingerprint", "text_sha256", "ctx", "chunks", "group", "imatrix_sha256", "runtime",
             "decoding")
 #: what a header without the field means (files written before the field existed)
 DEFAULTS = {"metric": "kld"}
-#: what each metric's rows measure, and the column a mix minimises (lower is better, additive across groups)
+#: what each metric's rows measure, and the column a mix minimises (lower is better, additive across groups) where
+#: the header names none (a KLD sweep's header says `"cost": "kld_added"`; older files have only kld_mean)
 METRICS = {"kld": "kld_mean", "acceptance": "acceptance_loss"}
 CSV_COLUMNS = {
     "kld": ("group", "tensors", "type", "type_used", "n_weights", "bytes_base", "bytes_new", "bpw", "kld_mean",
             "kld_sem", "kld_p99", "same_top_p", "ppl_ratio", "ln_ppl_ratio", "ln_ppl_ratio_err", "seconds", "fallback",
-            "measured", "prediction", "basis"),
+            "measured", "prediction", "basis", "kld_added", "kld_added_sem"),
     "acceptance": ("group", "tensors", "type", "type_used", "n_weights", "bytes_base", "bytes_new", "bpw",
                    "acceptance_mean", "acceptance_loss", "acceptance_first", "seconds", "fallback"),
 }

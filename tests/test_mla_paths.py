@@ -399,13 +399,29 @@ def test_the_nextn_block_is_unmeasured() -> None:
 
 
 def test_a_mix_never_chooses_on_a_cost_of_zero(tmp_path: Path) -> None:
-    """An older sweep that scored an unread tensor at zero at every type: the mix leaves it to the recipe."""
+    """A sweep that scored an unread tensor at zero at every type: the mix leaves it to the recipe. In an older
+    sweep (no `kld_added`: the cost is kld_mean) zero or below; in a new one exactly zero (a swap that changed no
+    logit), where a cost a little below zero is a read tensor's, measured within its paired error."""
     from ikquant.mix import read_sweep
 
     sweep = _mla_sweep(tmp_path / "prefill.json")
     del sweep["unmeasured"]
-    sweep["rows"] = [{**r, "kld_mean": 0.0} if r["group"] == "blk.2.attn_kv_b.weight" else r for r in sweep["rows"]]
-    (tmp_path / "old.json").write_text(json.dumps(sweep))
+    assert sweep["cost"] == "kld_added"
+    old = {k: v for k, v in sweep.items() if k != "cost"}
+    old["rows"] = [{**{k: v for k, v in r.items() if not k.startswith("kld_added")},
+                    **({"kld_mean": 0.0} if r["group"] == "blk.2.attn_kv_b.weight" else {})} for r in sweep["rows"]]
+    (tmp_path / "old.json").write_text(json.dumps(old))
     groups, options, unmeasured = read_sweep(tmp_path / "old.json")
     assert set(groups) == {"blk.0.attn_kv_b.weight", "blk.1.attn_kv_b.weight"} == set(options)
     assert list(unmeasured) == ["blk.2.attn_kv_b.weight"]
+
+    def costs(r: dict) -> dict:
+        return {"kld_added": {"blk.1.attn_kv_b.weight": -1e-9, "blk.2.attn_kv_b.weight": 0.0}.get(r["group"],
+                                                                                                 r["kld_added"])}
+
+    sweep["rows"] = [{**r, **costs(r)} for r in sweep["rows"]]
+    (tmp_path / "new.json").write_text(json.dumps(sweep))
+    groups, options, unmeasured = read_sweep(tmp_path / "new.json")
+    assert set(groups) == {"blk.0.attn_kv_b.weight", "blk.1.attn_kv_b.weight"} == set(options)
+    assert list(unmeasured) == ["blk.2.attn_kv_b.weight"]
+    assert all(o.kld == 0.0 for o in options["blk.1.attn_kv_b.weight"])  # below zero: no cost, but chosen for

@@ -51,6 +51,13 @@ def test_each_row_is_the_kld_of_that_tensor_alone(model256: Path, tmp_path: Path
         r = runner.invoke(app, ["kld", str(single), *src, "--json"])
         assert r.exit_code == 0, r.output
         assert rows[(name, qtype)]["kld_mean"] == pytest.approx(json.loads(r.stdout)["kld_mean"], rel=1e-12)
+        # what the row adds: this file against the unmodified model, token by token, on the same base
+        r = runner.invoke(app, ["kld", str(single), "--base-logits", str(base), "--versus", str(model256), "--json"])
+        assert r.exit_code == 0, r.output
+        paired = json.loads(r.stdout)["versus"]
+        assert paired["versus_kld_mean"] != 0.0  # the base file's rounding: the unmodified model's own KLD
+        assert rows[(name, qtype)]["kld_added"] == pytest.approx(paired["kld_diff"], rel=1e-12)
+        assert rows[(name, qtype)]["kld_added_sem"] == pytest.approx(paired["kld_diff_err"], rel=1e-12)
     assert rows[("blk.1.ffn_down.weight", "IQ4_KS")]["bpw"] == pytest.approx(4.25 + 32 / 512)
 
 
@@ -170,6 +177,10 @@ def test_resuming_with_other_settings_is_refused(model256: Path, tmp_path: Path)
     assert res.exit_code == 2, res.output
     assert "ctx = 64, this run has 32" in " ".join(res.output.split())
     assert out.read_text() == first
+    before = tmp_path / "before.json"  # a sweep from before kld_added: its rows cost kld_mean, not comparable
+    before.write_text(json.dumps({k: v for k, v in header.items() if k != "cost"}))
+    res = _sweep(model256, before, "--types", "Q4_0", "--group", "class", "--tensors", "ffn_up")
+    assert res.exit_code == 2 and "cost = None, this run has 'kld_added'" in " ".join(res.output.split())
     legacy = tmp_path / "old.json"  # what earlier versions wrote: no format header
     legacy.write_text(json.dumps({"ctx": 64, "rows": header["rows"]}))
     res = _sweep(model256, legacy, "--types", "Q4_0", "--group", "class", "--tensors", "ffn_up")

@@ -191,7 +191,7 @@ def sweep(
         from ikrun.sweep.plot import plot_sweep
 
         try:
-            plot_sweep(rows, plot, f"{model.name}: mean KLD per tensor and type")
+            plot_sweep(rows, plot, f"{model.name}: mean KLD each tensor adds, per type")
         except IkError as exc:
             fail(str(exc))
         err.print(f"wrote {plot}")
@@ -245,7 +245,7 @@ def _acceptance_sweep(model: Path, target: Optional[Path], text: Path, types: st
         decoding = decoding_identity(t, chunks, max_new, bs, None if mtp is None else
                                      {"n_max": mtp[0], "p_min": mtp[1]})
         # an --mtp sweep measures the head the file's KLD forward never reads: nothing of what it sweeps is unmeasured
-        header = {**sweep_header(d, text, 0, 0, group, imatrix), "metric": "acceptance", "ctx": None,
+        header = {**sweep_header(d, text, 0, 0, group, imatrix, "acceptance"), "ctx": None,
                   "chunks": None, "decoding": decoding, **({"unmeasured": {}} if mtp is not None else {})}
         done = load_rows(output, header, AcceptanceRow)
     except IkError as exc:
@@ -383,18 +383,21 @@ def _worker_mem(ev: Evaluation, cluster) -> int | None:  # type: ignore[no-untyp
 
 
 def sweep_table(rows: list) -> Table:  # type: ignore[type-arg]
-    """The most and least sensitive groups per type; `~` marks a group whose effect on perplexity is within noise
-    (the paired ln PPL ratio against the base within two standard errors of 0)."""
-    t = Table(title="most and least sensitive (mean KLD; ~ : PPL effect within noise)")
-    for col in ("type", "group", "bpw", "mean KLD", "±", "99% KLD", "same top"):
+    """The most and least sensitive groups per type (by the KLD each adds to the unmodified model's, paired token by
+    token); `~` marks a group whose effect on perplexity is within noise (the paired ln PPL ratio against the base
+    within two standard errors of 0)."""
+    t = Table(title="most and least sensitive (mean KLD, and what the swap adds to the unmodified model's, paired; "
+                    "~ : PPL effect within noise)")
+    for col in ("type", "group", "bpw", "mean KLD", "±", "added", "±", "99% KLD", "same top"):
         t.add_column(col, justify="right" if col not in ("type", "group") else "left")
     for qtype in dict.fromkeys(r.type for r in rows):
-        ranked = sorted((r for r in rows if r.type == qtype), key=lambda r: -r.kld_mean)
+        ranked = sorted((r for r in rows if r.type == qtype), key=lambda r: -r.cost)
         shown = ranked if len(ranked) <= 8 else ranked[:4] + ranked[-4:]
         for i, r in enumerate(shown):
             if len(ranked) > 8 and i == 4:
-                t.add_row("", "...", "", "", "", "", "")
+                t.add_row("", "...", "", "", "", "", "", "", "")
             t.add_row(qtype, ("~ " if r.within_noise else "") + r.group, f"{r.bpw:.2f}", f"{r.kld_mean:.6f}",
-                      f"{r.kld_sem:.6f}", f"{r.kld_p99:.6f}", f"{100 * r.same_top_p:.1f}%")
+                      f"{r.kld_sem:.6f}", f"{r.kld_added:.3e}", f"{r.kld_added_sem:.1e}", f"{r.kld_p99:.6f}",
+                      f"{100 * r.same_top_p:.1f}%")
         t.add_section()
     return t

@@ -17,6 +17,7 @@ decode one, NextN/MTP blocks: ArchModel.unread_tensors) is left out of the group
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ from ikquant.sweepfile import check_resumable, file_sha256, read_sweep_file, wri
 from ikquant.types import GGMLType
 from ikrun.errors import SweepError
 from ikrun.eval.evaluate import kl_divergence
-from ikrun.eval.metrics import BaseLogitsFile, KLDAccumulator, kld_stats
+from ikrun.eval.metrics import BaseLogitsFile, KLDAccumulator, kld_stats, mean_and_uncertainty
 from ikrun.eval.stream import BlockInputs, plan_run
 from ikrun.model import Model
 from ikrun.models.base import block_of
@@ -86,6 +87,18 @@ class SweepRow(Measured):
     #: a pruned sweep's predicted mean KLD (also on the rows it measured besides the anchors) and what it rests on
     prediction: float | None = None
     basis: str | None = None
+    #: the mean KLD the swap adds to the unmodified model's own KLD against the base, token by token, and the
+    #: standard error of those differences: what a mix minimises. The unmodified model's own KLD is not zero (the
+    #: base file holds 16-bit log-probabilities: e.g. -2.5e-07 ± 2.3e-07), and it errs on the same tokens as every
+    #: swap of a small effect, so the paired error is a small fraction of kld_sem (NaN in files older than it; a
+    #: predicted row's is its prediction)
+    kld_added: float = math.nan
+    kld_added_sem: float = math.nan
+
+    @property
+    def cost(self) -> float:
+        """What a mix minimises: kld_added (kld_mean in a row older than it)."""
+        return self.kld_mean if math.isnan(self.kld_added) else self.kld_added
 
     @property
     def within_noise(self) -> bool:
@@ -204,12 +217,15 @@ def model_fingerprint(model: Model) -> str:
     return h.hexdigest()
 
 
-def sweep_header(model: Model, text: Path, ctx: int, chunks: int, group: str, imatrix: Path | None) -> dict:
-    """The identity of a sweep's measurements (ikquant/sweepfile.py): what a resumed sweep must match."""
+def sweep_header(model: Model, text: Path, ctx: int, chunks: int, group: str, imatrix: Path | None,
+                 metric: str = "kld") -> dict:
+    """The identity of a sweep's measurements (ikquant/sweepfile.py): what a resumed sweep must match; a KLD
+    sweep's `cost` names the column a mix minimises (kld_added: files without it have only kld_mean)."""
     runtime = {"kv_cache": model.kv_cache, **{k: getattr(model.options, k) for k in model.options.given()},
                **model.computed_paths(ctx)}
     # the paths resolved: `ikrun mix` reads the text and imatrix from here, maybe run from another directory
-    return {"metric": "kld", "model": str(model.path), "model_fingerprint": model_fingerprint(model),
+    return {"metric": metric, **({"cost": "kld_added"} if metric == "kld" else {}), "model": str(model.path),
+            "model_fingerprint": model_fingerprint(model),
             "text": str(text.resolve()), "text_sha256": file_sha256(text), "ctx": ctx, "chunks": chunks,
             "group": group, "imatrix": str(imatrix.resolve()) if imatrix else None,
             "imatrix_sha256": file_sha256(imatrix) if imatrix else None, "runtime": runtime,
@@ -279,6 +295,15 @@ class Measurer:
         self.inputs = None if full_forward else BlockInputs(model, np.asarray(base.tokens[: base.n_chunk]), spill_dir)
         if self.inputs is not None and self.plan.cache_capacity is not None:
             self.plan.cache_capacity = max(self.plan.cache_capacity - self.inputs.resident_bytes, 0)
+        self._own: np.ndarray | None = None
+
+    def own_kld(self) -> np.ndarray:
+        """The unmodified model's per-token KLD against the base on every chunk (from the head's recorded inputs:
+        one pass through the output alone), computed at the first call."""
+        if self._own is None:
+            resume = (self.inputs, self.model.impl.n_active) if self.inputs is not None else None
+            self._own = kl_divergence(self.model, self.base, plan=self.plan, resume=resume).arrays()["kld"]
+        return self._own
 
     def measure(self, job: Candidate, prior: tuple[KLDAccumulator, float] | None = None,
                 ) -> tuple[SweepRow, KLDAccumulator]:
@@ -297,6 +322,9 @@ class Measurer:
             for name in job.names:
                 model.restore(name)
         stats = kld_stats(acc)
+        kld = acc.arrays()["kld"]
+        added = kld - self.own_kld()[: len(kld)]
+        added_mean, added_sem = mean_and_uncertainty(float(added.sum()), float((added * added).sum()), len(added))
         bytes_base = sum(model.weights.source_encoding(n).raw.nbytes for n in job.names)
         bytes_new = sum(raw.nbytes for _, raw in job.encodings)
         n_weights = sum(model.weights.info(n).n_elements for n in job.names)
@@ -305,7 +333,8 @@ class Measurer:
         row = SweepRow(job.group, job.names, job.type.name, used_types, n_weights, bytes_base, bytes_new,
                        8.0 * bytes_new / n_weights, float(stats["kld_mean"]), float(stats["kld_mean_err"]),
                        float(stats["kld_p99"]), float(stats["same_top_p"]), float(stats["ppl_ratio"]),
-                       float(stats["ln_ppl_ratio"]), float(stats["ln_ppl_ratio_err"]), seconds, job.fallback)
+                       float(stats["ln_ppl_ratio"]), float(stats["ln_ppl_ratio_err"]), seconds, job.fallback,
+                       kld_added=added_mean, kld_added_sem=added_sem)
         return row, acc
 
     def close(self) -> None:
@@ -392,8 +421,8 @@ def rank_agreement(before: list[SweepRow], after: list[SweepRow]) -> float:
     """The least, over types, of Kendall's tau between the groups' mean-KLD ranks in two measurements."""
     taus = []
     for t in sorted({r.type for r in after}):
-        a = {r.group: r.kld_mean for r in before if r.type == t}
-        b = {r.group: r.kld_mean for r in after if r.type == t}
+        a = {r.group: r.cost for r in before if r.type == t}
+        b = {r.group: r.cost for r in after if r.type == t}
         common = sorted(a.keys() & b.keys())
         if len(common) > 1:
             taus.append(kendall_tau(np.array([a[g] for g in common]), np.array([b[g] for g in common])))

@@ -28,7 +28,7 @@ def plot_sweep(rows: list[SweepRow], path: Path, title: str) -> None:
     tensors = sorted({t for r in rows for t in r.tensors})
     layers = sorted({layer for t in tensors if (layer := layer_of(t)) is not None})
     classes = sorted({tensor_class(t) for t in tensors if layer_of(t) is not None})
-    values = [r.kld_mean for r in rows if r.kld_mean > 0]
+    values = [r.cost for r in rows if r.cost > 0]
     norm = LogNorm(vmin=min(values), vmax=max(values)) if values else None
     fig, axes = plt.subplots(1, len(types), figsize=(2.2 + 0.45 * len(classes) * len(types), 1.6 + 0.3 * len(layers)),
                              squeeze=False)
@@ -42,7 +42,7 @@ def plot_sweep(rows: list[SweepRow], path: Path, title: str) -> None:
                 layer = layer_of(name)
                 if layer is not None:
                     row, col = layers.index(layer), classes.index(tensor_class(name))
-                    grid[row, col] = max(r.kld_mean, 1e-12)
+                    grid[row, col] = max(r.cost, 1e-12)
                     if r.within_noise:
                         ax.text(col, row, "~", ha="center", va="center", color="white", fontsize=8)
         image = ax.imshow(grid, aspect="auto", cmap="viridis", norm=norm, interpolation="nearest")

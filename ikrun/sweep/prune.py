@@ -15,8 +15,8 @@ as predicted rows ("measured": false, with the prediction and its basis).
 
 With `--resolution K` (after `--prediction-spread`) an option near the frontier is measured only when its predicted
 KLD differs from the chosen option's by more than K standard errors of a measurement (the group's measured rows'
-median `kld_sem`): on a model whose cheaper types cost little, most options sit that close, and measuring them
-would only pick between figures the measurement cannot tell apart.
+median `kld_added_sem`, the paired error of what a swap adds): measuring options closer than that would only pick
+between figures the measurement cannot tell apart.
 
 Under the constraints a tie is one choice: its groups are anchored at the cheapest type all of them may take and
 measured together at every type the mix chooses for the tie; a bounded group is anchored at its cheapest allowed
@@ -317,13 +317,13 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
         err = prior[(g, tname)].error
         known = [(t.name, prior[(g, t.name)].error) for t in types if (g, t.name) in measured]
         ref, ref_err = min(known, key=lambda k: abs(math.log((k[1] + 1e-300) / (err + 1e-300))))
-        kld = max(measured[(g, ref)].kld_mean, 0.0)
+        kld = max(measured[(g, ref)].cost, 0.0)
         basis = f"the {ref} measurement x weighted quantization error {err:.4g} / {ref_err:.4g} at {ref}"
         return (kld * err / ref_err, basis) if ref_err > 0 else (kld, f"the {ref} measurement (no error there)")
 
     def sampled() -> Predictor:
         return Predictor(groups, [t.name for t in types], {k: p.error for k, p in prior.items()},
-                         {k: r.kld_mean for k, r in measured.items()})
+                         {k: r.cost for k, r in measured.items()})
 
     predicted: Callable[[str, str], tuple[float, str]] = nearest
     sample: set[str] = set()
@@ -335,7 +335,7 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
         predicted = sampled()
 
     def cost(g: str, tname: str) -> float:
-        return max(measured[(g, tname)].kld_mean, 0.0) if (g, tname) in measured else predicted(g, tname)[0]
+        return max(measured[(g, tname)].cost, 0.0) if (g, tname) in measured else predicted(g, tname)[0]
 
     def noise_floor() -> Callable[[list[str]], float]:
         """`resolution` standard errors of a measurement of a unit's KLD, from the rows measured so far: each
@@ -343,8 +343,8 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
         quadrature over the unit's groups."""
         by_group: dict[str, list[float]] = {}
         for (g, _), r in measured.items():
-            by_group.setdefault(g, []).append(r.kld_sem)
-        fallback = float(np.median([r.kld_sem for r in measured.values()])) if measured else 0.0
+            by_group.setdefault(g, []).append(r.kld_added_sem)
+        fallback = float(np.median([r.kld_added_sem for r in measured.values()])) if measured else 0.0
         sem = {g: float(np.median(v)) for g, v in by_group.items()}
 
         def floor(unit: list[str]) -> float:
@@ -375,7 +375,7 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
                 row = measured[key]
                 if key in forecast:
                     row.prediction, row.basis = forecast[key]
-                    checks.append((row.prediction, row.kld_mean))
+                    checks.append((row.prediction, row.cost))
                 rows.append(row)
                 continue
             p = prior[key]
@@ -385,7 +385,7 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
             rows.append(SweepRow(g, names, t.name, p.type_used, n_weights,
                                  sum(model.weights.source_encoding(n).raw.nbytes for n in names), p.bytes_new,
                                  8.0 * p.bytes_new / n_weights, kld, nan, nan, nan, nan, nan, nan, 0.0, p.fallback,
-                                 measured=False, prediction=kld, basis=basis))
+                                 measured=False, prediction=kld, basis=basis, kld_added=kld))
     n_measured = sum(1 for r in rows if r.measured)
     return PrunedSweep(rows, n_measured, len(rows) - n_measured, checks, rounds, spread,
                        None if spread is None else (len(sample), len(groups)), resolution, unresolved)
