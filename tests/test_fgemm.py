@@ -10,7 +10,7 @@ import pytest
 from numba import njit
 
 from ikquant.formats.numeric import fmaf
-from ikrun.ops.fgemm import AVX2_TILE, K_STEP, ROWS, _tile, expert_matmul
+from ikrun.ops.fgemm import AVX2_TILE, K_STEP, ROWS, _tile, expert_matmul, experts_matmul
 
 
 @njit(cache=True)
@@ -70,6 +70,31 @@ def test_half_precision_bits_are_widened_exactly() -> None:
     bf16 = (w.view(np.uint32) >> 16).astype(np.uint16).view(np.int16)
     widened = (bf16.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     np.testing.assert_array_equal(expert_matmul(x, bf16), _fma_chains(x, widened))
+
+
+def test_experts_in_one_call_give_each_expert_alone_its_bits() -> None:
+    """Several experts' tokens in one call (one with none, one with a single token, counts that are no whole
+    groups, a token routed to two experts, rows that are no whole tiles): each expert's outputs are its own FMA
+    chains, in f32 and f16, on one thread and two."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((40, 600)).astype(np.float32)
+    w = rng.standard_normal((5, 13, 600)).astype(np.float32)
+    counts = np.array([0, 1, 17, 33, 5])
+    row_at = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    tokens = rng.integers(0, len(x), int(row_at[-1])).astype(np.int64)
+    tokens[row_at[2]] = tokens[row_at[3]]
+    before = numba.get_num_threads()
+    try:
+        for threads in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            numba.set_num_threads(threads)
+            for weights, values in ((w, w), (w.astype(np.float16).view(np.uint16), w.astype(np.float16))):
+                out = experts_matmul(x, weights, tokens, row_at)
+                for j in range(len(counts)):
+                    mine = tokens[row_at[j] : row_at[j + 1]]
+                    np.testing.assert_array_equal(out[row_at[j] : row_at[j + 1]],
+                                                  _fma_chains(x[mine], values[j].astype(np.float32)))
+    finally:
+        numba.set_num_threads(before)
 
 
 def _tile_asm() -> str:

@@ -1,4 +1,4 @@
-"""Float32 matmul of a routed expert's tokens with a fixed summation order: the exact mode's expert kernel.
+"""Float32 matmuls of routed experts' tokens with a fixed summation order: the exact mode's expert kernel.
 
 The exact runtime must give the same bits whatever the batching (chunk by chunk, layer-streamed, any grouping of
 experts) and thread count, which BLAS does not promise. Here every output y[t, r] = sum_k w[r, k] x[t, k] is one
@@ -7,7 +7,9 @@ value is broadcast to them, and a call keeps a register tile of accumulators (RO
 groups, sized to the host's vector registers), so the FMA units stay busy without summing across lanes. The
 weights are read from the matrix itself: float32 as decoded, or the file's own f16 / bf16 bits, widened to float32
 (exactly) a small panel at a time (ROWS rows x K_STEP values), so half-precision experts are never
-decoded into a float32 copy. The tokens are transposed, 16 to a group.
+decoded into a float32 copy. The tokens are transposed, 16 to a group. One call takes all experts of a layer that
+receive tokens (a few dozen tokens each in a MoE's batch): the threads share their (expert, row tile) tasks, where a
+call per expert would pay Python's and the thread pool's start for each.
 """
 
 from __future__ import annotations
@@ -84,94 +86,109 @@ def _value_impl(w, at):  # type: ignore[no-untyped-def]
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _panel(w, r0, n, k0, k1, panel):  # type: ignore[no-untyped-def]
-    """Rows r0 .. r0 + ROWS - 1, values k0 .. k1 of w as float32 in `panel` [ROWS, K_STEP] (a vector copy, or
-    vcvtph2ps / shifts for 16-bit weights)."""
+def _panel(w, r0, n_rows, n, k0, k1, panel):  # type: ignore[no-untyped-def]
+    """Rows r0 .. r0 + ROWS - 1 (zeros past the matrix's n_rows), values k0 .. k1 of w as float32 in `panel`
+    [ROWS, K_STEP] (a vector copy, or vcvtph2ps / shifts for 16-bit weights)."""
     for i in range(ROWS):
-        for j in range(k1 - k0):
-            panel[i * K_STEP + j] = _value(w, (r0 + i) * n + k0 + j)
+        if r0 + i < n_rows:
+            for j in range(k1 - k0):
+                panel[i * K_STEP + j] = _value(w, (r0 + i) * n + k0 + j)
+        else:
+            panel[i * K_STEP : i * K_STEP + k1 - k0] = 0
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _rows(w, xt, out, t, n, n_groups, n_tok):  # type: ignore[no-untyped-def]
-    """Weight rows ROWS x t .. against every token group, K_STEP values at a time."""
+def _task(w, xt, group_at, row_at, out, task, n_rows, n):  # type: ignore[no-untyped-def]
+    """One task of a call: weight rows ROWS x t .. of expert j (task = j x tiles + t) against that expert's token
+    groups, every K_STEP panel in order into a zeroed accumulator block, then copied to its tokens' output rows."""
+    tiles = -(-n_rows // ROWS)
+    j, t = task // tiles, task % tiles
+    g0, g1 = group_at[j], group_at[j + 1]
+    n_tok = (g1 - g0) * LANES
+    if n_tok == 0:
+        return
+    wj = w[j * n_rows * n : (j + 1) * n_rows * n]
+    xj = xt[g0 * n * LANES : g1 * n * LANES]
+    acc = np.zeros(ROWS * n_tok, np.float32)
     panel = np.empty(ROWS * K_STEP, np.float32)
     for k0 in range(0, n, K_STEP):
         k1 = min(n, k0 + K_STEP)
-        _panel(w, t * ROWS, n, k0, k1, panel)
-        for g0 in range(0, n_groups, GROUPS):
-            _tile(panel, xt, g0, k0, k1, n, out, t * ROWS, n_tok)
+        _panel(wj, t * ROWS, n_rows, n, k0, k1, panel)
+        for g in range(0, g1 - g0, GROUPS):
+            _tile(panel, xj, g, k0, k1, n, acc, 0, n_tok)
+    r0 = t * ROWS
+    for m in range(row_at[j + 1] - row_at[j]):
+        dst = out[row_at[j] + m]
+        for i in range(min(ROWS, n_rows - r0)):
+            dst[r0 + i] = acc[i * n_tok + m]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _gemm_parallel(w, xt, out, n_rows, n, n_groups, n_tok, threads):  # type: ignore[no-untyped-def]
-    """The ROWS-row tiles in tasks the threads claim (ikrun/ops/parallel.py)."""
-    tiles = n_rows // ROWS
-    per, counter = task_items(tiles, threads), np.zeros(1, np.int64)
+def _experts_parallel(w, xt, group_at, row_at, out, n_rows, n, threads):  # type: ignore[no-untyped-def]
+    """Every (expert, row tile) task, claimed by the threads (ikrun/ops/parallel.py)."""
+    tasks = (len(group_at) - 1) * -(-n_rows // ROWS)
+    per, counter = task_items(tasks, threads), np.zeros(1, np.int64)
     for _ in prange(threads):
-        t0, t1 = claim_items(counter, per, tiles)
+        t0, t1 = claim_items(counter, per, tasks)
         while t0 < t1:
-            for t in range(t0, t1):
-                _rows(w, xt, out, t, n, n_groups, n_tok)
-            t0, t1 = claim_items(counter, per, tiles)
+            for task in range(t0, t1):
+                _task(w, xt, group_at, row_at, out, task, n_rows, n)
+            t0, t1 = claim_items(counter, per, tasks)
 
 
 @njit(cache=True, nogil=True)
-def _gemm_serial(w, xt, out, n_rows, n, n_groups, n_tok):  # type: ignore[no-untyped-def]
-    for t in range(n_rows // ROWS):
-        _rows(w, xt, out, t, n, n_groups, n_tok)
+def _experts_serial(w, xt, group_at, row_at, out, n_rows, n):  # type: ignore[no-untyped-def]
+    for task in range((len(group_at) - 1) * -(-n_rows // ROWS)):
+        _task(w, xt, group_at, row_at, out, task, n_rows, n)
 
 
 @njit(cache=True, nogil=True)
-def _gather_groups(x: np.ndarray, tokens: np.ndarray, xt: np.ndarray) -> None:
-    """xt[g, :, l] = x[tokens[16 g + l]] (xt zeroed beyond the last token)."""
-    for i in range(tokens.size):
-        g, lane = i // LANES, i % LANES
-        src = x[tokens[i]]
-        for k in range(x.shape[1]):
-            xt[g, k, lane] = src[k]
+def _gather_groups(x: np.ndarray, tokens: np.ndarray, row_at: np.ndarray, group_at: np.ndarray,
+                   xt: np.ndarray) -> None:
+    """xt[group_at[j] + g, :, l] = x[tokens[row_at[j] + 16 g + l]] for each expert j (xt zeroed beyond its last
+    token)."""
+    for j in range(len(row_at) - 1):
+        for i in range(row_at[j + 1] - row_at[j]):
+            g, lane = group_at[j] + i // LANES, i % LANES
+            src = x[tokens[row_at[j] + i]]
+            for k in range(x.shape[1]):
+                xt[g, k, lane] = src[k]
 
 
-def token_groups(x: np.ndarray, tokens: np.ndarray | None = None) -> np.ndarray:
-    """Tokens x [m, n] (or the rows `tokens` of x) as the kernel takes them: [groups, n, 16], padded with zero rows to
-    whole call groups, gathered and transposed in one pass."""
+def token_groups(x: np.ndarray, tokens: np.ndarray, row_at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rows `tokens` of x [m, n] as the kernel takes them, expert j's being tokens[row_at[j] : row_at[j + 1]]:
+    [groups, n, 16], each expert's padded with zero rows to whole call groups, gathered and transposed in one pass;
+    and each expert's first group."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    idx = np.arange(x.shape[0], dtype=np.int64) if tokens is None else np.ascontiguousarray(tokens, dtype=np.int64)
-    groups = -(-idx.size // (LANES * GROUPS)) * GROUPS
-    xt = np.zeros((groups, x.shape[1], LANES), np.float32)
-    _gather_groups(x, idx, xt)
-    return xt
-
-
-@njit(cache=True, nogil=True)
-def _untranspose(out: np.ndarray, m: int, rows: int, dst: np.ndarray) -> None:
-    """dst[t, r] = out[r, t] for the m tokens and the weight's rows, 16 rows at a time (their values of one token
-    are one cache line of dst)."""
-    for r0 in range(0, rows, 16):
-        r1 = min(rows, r0 + 16)
-        for t in range(m):
-            for r in range(r0, r1):
-                dst[t, r] = out[r, t]
+    per = -(-np.diff(row_at) // (LANES * GROUPS)) * GROUPS
+    group_at = np.zeros(len(row_at), np.int64)
+    np.cumsum(per, out=group_at[1:])
+    xt = np.zeros((int(group_at[-1]), x.shape[1], LANES), np.float32)
+    _gather_groups(x, tokens, row_at, group_at, xt)
+    return xt, group_at
 
 
 #: weight dtypes the kernel reads: float32, f16 bits (uint16) and bf16 bits (int16), the latter widened exactly
 WEIGHT_DTYPES = (np.float32, np.uint16, np.int16)
 
 
-def expert_matmul(x: np.ndarray, w: np.ndarray, tokens: np.ndarray | None = None) -> np.ndarray:
-    """x [m, n] (or its rows `tokens`) @ w[rows, n]^T in float32, each output one FMA chain over n in order:
-    [m, rows], C-contiguous. w is float32 (any other float dtype is converted), or 16-bit patterns: uint16 for f16,
-    int16 for bf16."""
-    m, n = (x.shape[0] if tokens is None else len(tokens)), x.shape[1]
-    rows = w.shape[0]
-    xt = token_groups(x, tokens)
+def experts_matmul(x: np.ndarray, w: np.ndarray, tokens: np.ndarray, row_at: np.ndarray) -> np.ndarray:
+    """Each expert's tokens times its matrix in one call: out[i] = x[tokens[i]] @ w[j]^T for row_at[j] <= i <
+    row_at[j + 1], in float32, each output one FMA chain over n in order ([len(tokens), rows], C-contiguous). w [E,
+    rows, n] is float32 (any other float dtype is converted), or 16-bit patterns: uint16 for f16, int16 for bf16.
+    The threads share the (expert, row tile) tasks of all experts, so a layer's small experts make one call."""
+    n_rows, n = w.shape[1], w.shape[2]
+    tokens, row_at = np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(row_at, dtype=np.int64)
+    xt, group_at = token_groups(x, tokens, row_at)
     dtype = w.dtype.type if w.dtype.type in WEIGHT_DTYPES else np.float32
-    w = np.ascontiguousarray(w, dtype=dtype)
-    if rows % ROWS:
-        w = np.concatenate([w, np.zeros((-rows % ROWS, n), dtype)])
-    out = np.zeros((w.shape[0], xt.shape[0] * LANES), np.float32)  # the kernel adds each pass to what is there
-    run_claimed(_gemm_serial, _gemm_parallel, w.shape[0] * n * xt.shape[0], w.reshape(-1), xt.reshape(-1),
-                out.reshape(-1), w.shape[0], n, xt.shape[0], out.shape[1])
-    result = np.empty((m, rows), np.float32)
-    _untranspose(out, m, rows, result)
-    return result
+    flat = np.ascontiguousarray(w, dtype=dtype).reshape(-1)
+    out = np.empty((len(tokens), n_rows), np.float32)
+    run_claimed(_experts_serial, _experts_parallel, n_rows * n * xt.shape[0],
+                flat, xt.reshape(-1), group_at, row_at, out, n_rows, n)
+    return out
+
+
+def expert_matmul(x: np.ndarray, w: np.ndarray, tokens: np.ndarray | None = None) -> np.ndarray:
+    """x [m, n] (or its rows `tokens`) @ w[rows, n]^T: experts_matmul of one expert."""
+    idx = np.arange(x.shape[0], dtype=np.int64) if tokens is None else tokens
+    return experts_matmul(x, w[None], idx, np.array([0, len(idx)], np.int64))

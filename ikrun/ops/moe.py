@@ -8,8 +8,9 @@ a selection bias runs as ik's CPU graph runs it, fused with the top-k (iqk_topk_
 logits, a float32 sum of the exponentials in that order) and the normalisation (iqk_sumrows_div).
 
 Experts: every (token, slot) assignment is processed by its expert only (no dense pass over all experts), each
-expert's matmuls running in parallel over its weight rows (ikrun/ops/fgemm.py: one FMA chain per output in the
-exact mode; ikrun/numerics/ik/qgemm.py: ik's integer sums under --numerics ik); the weighted expert outputs are summed in
+in the exact mode all fetched experts' products in one parallel call per projection (ikrun/ops/fgemm.py: one FMA
+chain per output), under --numerics ik each expert's matmuls in parallel over its weight rows
+(ikrun/numerics/ik/qgemm.py: ik's integer sums); the weighted expert outputs are summed in
 slot order (ggml's mul_multi_add), so results depend neither on the thread count nor on how tokens are batched.
 """
 
@@ -27,7 +28,7 @@ from ikrun.numerics.ik.formats import IK_FLOAT_TYPES, UNROUNDED, integer_rows, r
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
 from ikrun.numerics.ik.qgemm import IntRows, PackedInts, qmatmul
 from ikrun.ops.activations import ik_exp
-from ikrun.ops.fgemm import expert_matmul
+from ikrun.ops.fgemm import expert_matmul, experts_matmul
 from ikrun.ops.parallel import claim_items, task_items
 from ikrun.ops.stl_heap import partial_sort
 
@@ -279,13 +280,15 @@ class ExpertGlu:
     alpha: float = 0.0
     biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
-    def bias(self, which: int, e: int) -> np.ndarray | None:
-        """Expert e's bias of projection `which` (0 up, 1 gate, 2 down), None without biases."""
+    def bias(self, which: int, e: int | np.ndarray) -> np.ndarray | None:
+        """Expert e's bias of projection `which` (0 up, 1 gate, 2 down; e an array: each row's expert's), None
+        without biases."""
         return None if self.biases is None else self.biases[which][e]
 
 
-def _swiglu(g: np.ndarray, u: np.ndarray, glu: ExpertGlu, e: int, ik: bool, avx2: bool) -> np.ndarray:
-    """The clamped SwiGLU of expert e's gate and up projections [tokens, n_ff], its biases added first."""
+def _swiglu(g: np.ndarray, u: np.ndarray, glu: ExpertGlu, e: int | np.ndarray, ik: bool, avx2: bool) -> np.ndarray:
+    """The clamped SwiGLU of expert e's gate and up projections [tokens, n_ff] (e an array: each row's expert),
+    its biases added first."""
     gb, ub = glu.bias(1, e), glu.bias(0, e)
     if gb is not None and ub is not None:
         g, u = g + gb, u + ub
@@ -295,8 +298,8 @@ def _swiglu(g: np.ndarray, u: np.ndarray, glu: ExpertGlu, e: int, ik: bool, avx2
     return out
 
 
-def _down(y: np.ndarray, glu: ExpertGlu, e: int) -> np.ndarray:
-    """Expert e's down projection with its bias, if any."""
+def _down(y: np.ndarray, glu: ExpertGlu, e: int | np.ndarray) -> np.ndarray:
+    """Expert e's down projection (e an array: each row's expert's) with its bias, if any."""
     b = glu.bias(2, e)
     return y if b is None else y + b
 
@@ -375,6 +378,19 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
         ups, gates, downs = fetch(ids)
         if y is None:
             act, y = outputs(ups.shape[1], downs.shape[1])
+        if ik is None:  # exact: all experts of the group in one call per projection
+            rows = np.concatenate([order[offsets[e] : offsets[e + 1]] for e in ids.tolist()])
+            row_at = np.zeros(len(ids) + 1, np.int64)
+            np.cumsum(offsets[ids + 1] - offsets[ids], out=row_at[1:])
+            per_row = np.repeat(ids, np.diff(row_at))
+            tokens = rows // k
+            a = _swiglu(experts_matmul(xg, gates, tokens, row_at), experts_matmul(xu, ups, tokens, row_at), glu,
+                        per_row, False, avx2)
+            if act is not None:
+                act[rows] = a
+            y[rows] = _down(experts_matmul(round_activations(a, formats[2]), downs,
+                                           np.arange(len(rows), dtype=np.int64), row_at), glu, per_row)
+            continue
         for j, e in enumerate(ids.tolist()):
             rows = order[offsets[e] : offsets[e + 1]]
             tokens = rows // k
