@@ -45,10 +45,24 @@ def full(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_pruned_sweep_measures_fewer_rows_for_mixes_as_good(model: Path, full: Path, tmp_path: Path) -> None:
+def test_pruned_sweep_measures_fewer_rows_for_mixes_as_good(model: Path, full: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from ikrun.sweep import measure
+
+    recordings = []
+
+    class Counted(measure.BlockInputs):  # type: ignore[misc]
+        def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+            recordings.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(measure, "BlockInputs", Counted)
     pruned = tmp_path / "pruned.csv"
     res = _sweep(model, pruned, "--target-bpw", ",".join(map(str, BUDGETS)))
     assert res.exit_code == 0, res.output
+    rounds = re.search(r"in (\d+) rounds of measurements", " ".join(res.output.split()))
+    assert rounds is not None and int(rounds.group(1)) > 1 and len(recordings) == 1  # the rounds share one recording
+    monkeypatch.undo()
     from ikquant.sweepfile import read_sweep_file
 
     every = {(r["group"], r["type"]): r for r in json.loads(full.read_text())["rows"]}

@@ -285,7 +285,7 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
 
     from ikrun.eval.evaluate import open_base, perplexity
     from ikrun.sweep import run_sweep
-    from ikrun.sweep.measure import AUTO_STABLE_TAU, Scored, rank_agreement, save_rows, sweep_header
+    from ikrun.sweep.measure import AUTO_STABLE_TAU, Measurer, Scored, rank_agreement, save_rows, sweep_header
     from ikrun.sweep.prune import run_pruned_sweep
 
     scored: Scored = {}
@@ -311,6 +311,7 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
                 from ikrun.sweep.cluster import WorkerPool
 
                 pool = WorkerPool()  # the round's workers, for all its batches
+            kept: list[Measurer] = []  # a local pruned sweep's rounds share one recording of the block inputs
 
             def on_row(row) -> None:  # type: ignore[no-untyped-def]
                 rows.append(row)
@@ -318,10 +319,13 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
                 bar.update(task, advance=1, description=f"{row.group} {row.type}")
 
             def measure(jobs: set[tuple[str, str]] | None, already: list) -> list:  # type: ignore[type-arg]
+                if cluster is None and pruning is not None and not kept:
+                    kept.append(Measurer(m, base, ev.spill_dir, full_forward))
                 return run_sweep(m, base, groups, type_list, imat, already, on_row, spill_dir=ev.spill_dir,
                                  full_forward=full_forward, scored=scored, cluster=cluster,
                                  worker_mem=_worker_mem(ev, cluster) if cluster is not None else None,
-                                 on_event=lambda msg: err.print(msg), only=jobs, pool=pool)
+                                 on_event=lambda msg: err.print(msg), only=jobs, pool=pool,
+                                 measurer=kept[0] if kept else None)
 
             try:
                 if pruning is None:
@@ -338,6 +342,8 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
             finally:
                 if pool is not None:
                     pool.close(cluster.ray)
+                for measurer in kept:
+                    measurer.close()
         if pruning is not None:
             err.print(result.summary(), highlight=False)
         if auto:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ikrun.errors import SweepError
-from ikrun.sweep.measure import Scored, SweepRow, measure_locally
+from ikrun.sweep.measure import Measurer, Scored, SweepRow, measure_locally
 
 if TYPE_CHECKING:
     from ikquant.cluster import Cluster
@@ -26,7 +26,8 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
               cluster: Cluster | None = None, worker_mem: int | None = None,
               on_event: Callable[[str], None] | None = None,
               on_workers: Callable[[list[Any]], None] | None = None,
-              only: set[tuple[str, str]] | None = None, pool: WorkerPool | None = None) -> list[SweepRow]:
+              only: set[tuple[str, str]] | None = None, pool: WorkerPool | None = None,
+              measurer: Measurer | None = None) -> list[SweepRow]:
     """Measure every (group, type) not in `done` (of those in `only`, when given) against `base`; `on_row` sees each new row as soon as it exists.
     With `scored`, each measurement extends what was scored before (and its entry is updated). Each evaluation
     starts at the first block its group can change, unless `full_forward`.
@@ -35,10 +36,11 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
     each Ray worker loads the model file (at `worker_mem` bytes each; None: its node's share) and the imatrix file
     itself and measures candidates the driver hands out; a lost worker is replaced and its candidate rerun
     (`on_event` hears of it, `on_workers` sees the worker handles); `pool` keeps the workers between calls (the
-    batches of one pruned sweep round: ikrun/sweep/cluster.py)."""
+    batches of one pruned sweep round: ikrun/sweep/cluster.py), as `measurer` keeps a local run's recorded block
+    inputs between calls (measure_locally)."""
     if cluster is None:
         return measure_locally(model, base, groups, types, imatrix, done, on_row, spill_dir, full_forward, scored,
-                               only)
+                               only, measurer)
     from ikrun.sweep.cluster import WorkerSpec, measure_on_cluster
 
     if imatrix is not None and imatrix.path is None:

@@ -353,12 +353,15 @@ def pending_jobs(groups: dict[str, list[str]], types: list[GGMLType], done: Sequ
 def measure_locally(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], types: list[GGMLType],
                     imatrix: Imatrix | None, done: list[SweepRow], on_row: Callable[[SweepRow], None],
                     spill_dir: Path | None = None, full_forward: bool = False,
-                    scored: Scored | None = None, only: set[tuple[str, str]] | None = None) -> list[SweepRow]:
+                    scored: Scored | None = None, only: set[tuple[str, str]] | None = None,
+                    measurer: Measurer | None = None) -> list[SweepRow]:
     """run_sweep in this process (ikrun/sweep/__init__.py).
 
     The next measurement's quantization runs in a second thread while the current one is evaluated (the kernels
     release the GIL), so the sweep costs little more than its evaluations. Each evaluation starts at the first
-    block its group can change, unless `full_forward`.
+    block its group can change, unless `full_forward`. `measurer` (made for this model, base and `spill_dir`;
+    closed by its owner) keeps the recorded block inputs between calls: the rounds of a pruned sweep record them
+    once.
     """
     jobs = pending_jobs(groups, types, done, only)
     rows = list(done)
@@ -371,7 +374,9 @@ def measure_locally(model: Model, base: BaseLogitsFile, groups: dict[str, list[s
         return pool.submit(prepare_candidate, model, g, names, t, imatrix) if pool else prepare_candidate(model, g, names, t, imatrix)
 
     ahead = LOOKAHEAD if pool else 1  # without a second thread, quantizing early only holds more bytes
-    measurer = Measurer(model, base, spill_dir, full_forward)
+    own = measurer is None
+    if measurer is None:
+        measurer = Measurer(model, base, spill_dir, full_forward)
     pending = [start(k) for k in range(min(ahead, len(jobs)))]
     try:
         for k in range(len(jobs)):
@@ -388,7 +393,8 @@ def measure_locally(model: Model, base: BaseLogitsFile, groups: dict[str, list[s
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-        measurer.close()
+        if own:
+            measurer.close()
     return rows
 
 
