@@ -48,6 +48,14 @@ HEADS = -3
 CONVERTED = -10
 
 
+def select_experts(stack: np.ndarray, experts: np.ndarray) -> np.ndarray:
+    """stack[experts] for a stack of expert matrices [E, ...]: a view where `experts` are consecutive (a batch
+    that reaches every expert of a layer, the usual case, then copies nothing), else a copy."""
+    if len(experts) and np.array_equal(experts, np.arange(experts[0], experts[0] + len(experts))):
+        return stack[int(experts[0]) : int(experts[0]) + len(experts)]
+    return stack[experts]
+
+
 class Sized(Protocol):
     """A cached value: a float32 array, or ik's integers packed for qmatmul."""
 
@@ -172,6 +180,12 @@ class WeightStore:
         self.reads[name] += raw.nbytes
         return w
 
+    def release(self, names: list[str]) -> None:
+        """Drop the mapped pages of these tensors from the process: after the expert kernel has read the views
+        half_experts handed it."""
+        for name in names:
+            self._release(name)
+
     def _release(self, name: str) -> None:
         """Drop the mapped pages of the file's encoding of `name` from the process."""
         if name not in self._override:
@@ -276,12 +290,12 @@ class WeightStore:
     def decode_experts(self, name: str, experts: np.ndarray, keep: bool = True) -> np.ndarray:
         """Matrices `experts` of a 3-D expert tensor [E, rows, cols] in float32, [len(experts), rows, cols].
 
-        Taken from the whole tensor's decoded copy when it is cached, else decoded per expert (and cached when
-        `keep`: `keeps_experts`).
+        Taken from the whole tensor's decoded copy when it is cached (a view of it for consecutive experts:
+        select_experts; not to be written), else decoded per expert (and cached when `keep`: `keeps_experts`).
         """
         whole = self.cached_array(name)
         if whole is not None:
-            return whole[experts]
+            return select_experts(whole, experts)
         n_expert, rows, cols = self.info(name).shape
         out = np.empty((len(experts), rows, cols), dtype=np.float32)
         enc: Encoding | None = None
@@ -304,17 +318,17 @@ class WeightStore:
 
     def half_experts(self, name: str, experts: np.ndarray) -> np.ndarray | None:
         """Matrices `experts` of an F16 or BF16 expert tensor as the file's 16-bit patterns, [len(experts), rows,
-        cols] (uint16 for f16, int16 for bf16: what ikrun/ops/fgemm.py's kernel widens itself), copied from the
-        file and nothing decoded; None for other types or when the tensor's float32 copy is cached."""
+        cols] (uint16 for f16, int16 for bf16: what ikrun/ops/fgemm.py's kernel widens itself), nothing decoded:
+        consecutive experts as a view of the mapped file, whose pages the caller releases once the kernel has read
+        them (`release`), others copied; None for other types or when the tensor's float32 copy is cached."""
         enc = self.encoding(name)
         if enc.type.name not in HALF_BITS or self.cached_array(name) is not None:
             return None
         n_expert, rows, cols = self.info(name).shape
-        raw = enc.raw.reshape(n_expert, rows, -1)
-        out = np.empty((len(experts), rows, 2 * cols), dtype=np.uint8)
-        np.take(raw, experts, axis=0, out=out)
+        out = select_experts(enc.raw.reshape(n_expert, rows, -1), experts)
         self.reads[name] += out.nbytes
-        self._release(name)
+        if not np.shares_memory(out, enc.raw):
+            self._release(name)
         return out.view(HALF_BITS[enc.type.name])
 
     def _forget_tensors(self, names: set[str]) -> None:

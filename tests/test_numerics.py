@@ -326,6 +326,10 @@ def test_routed_experts_are_converted_per_expert_by_their_token_count(monkeypatc
     model.numerics.convert_experts(name, np.arange(4), np.array([0, 2, 3, 40]), mats)
     np.testing.assert_array_equal(mats[:2], exact[:2])
     np.testing.assert_array_equal(mats[2:], exact[2:] * 2)
+    stack = exact.copy()  # handed over as a view of the cached decoding (select_experts): converted in a copy
+    out = model.numerics.convert_experts(name, np.arange(4), np.array([0, 2, 3, 40]), stack[:4])
+    np.testing.assert_array_equal(stack, exact)
+    np.testing.assert_array_equal(out, mats)
     assert not np.array_equal(model.logits(tokens), as_stored)  # the forward multiplies the converted experts
 
 

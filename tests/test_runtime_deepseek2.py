@@ -146,7 +146,9 @@ def test_identical_logits_with_one_and_two_threads(data_dir: Path, monkeypatch: 
 def test_half_precision_experts_multiply_as_decoded(data_dir: Path, tmp_path: Path, kind: str, numerics: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """BF16/F16 routed experts go to the expert kernel as their bits (never decoded): the logits are those of their
-    float32 decoding, to the bit, in both arithmetics (ik's kernels convert neither type)."""
+    float32 decoding, to the bit, in both arithmetics (ik's kernels convert neither type). Consecutive experts are
+    handed over as a view of the mapped file (others copied), and every expert tensor's pages are released once
+    its layer's kernels have read them."""
     from ikquant.cli import app as ikquant_app
     from ikrun.options import RuntimeOptions
     from ikrun.weights import WeightStore
@@ -158,10 +160,31 @@ def test_half_precision_experts_multiply_as_decoded(data_dir: Path, tmp_path: Pa
     tokens = _hf_tokens(data_dir)[0]
     options = RuntimeOptions(numerics=numerics)
     model = Model(path, options=options)
-    assert model.weights.half_experts("blk.1.ffn_up_exps.weight", np.array([0, 2])) is not None
+    name = "blk.1.ffn_up_exps.weight"
+    mapped = model.weights.encoding(name).raw
+    assert not np.shares_memory(model.weights.half_experts(name, np.array([0, 2])), mapped)
+    assert np.shares_memory(model.weights.half_experts(name, np.array([1, 2, 3])), mapped)
+    released: list[str] = []
+    release = WeightStore.release
+    monkeypatch.setattr(WeightStore, "release", lambda self, names: (released.extend(names), release(self, names)))
     halves = model.logits(tokens)
+    experts = {n for n in model.weights.names() if "_exps." in n}
+    assert experts and set(released) == experts
     monkeypatch.setattr(WeightStore, "half_experts", lambda self, name, experts: None)
     np.testing.assert_array_equal(halves, Model(path, options=options).logits(tokens))
+
+
+def test_consecutive_experts_are_handed_over_without_a_copy() -> None:
+    """A batch that reaches a run of consecutive experts (every expert of a layer, usually) gets a view of the
+    stack; any other selection a copy."""
+    from ikrun.weights import select_experts
+
+    stack = np.arange(5 * 2 * 3, dtype=np.float32).reshape(5, 2, 3)
+    view = select_experts(stack, np.array([1, 2, 3]))
+    assert np.shares_memory(view, stack) and np.array_equal(view, stack[1:4])
+    for ids in ([0, 2], [3, 2], []):
+        picked = select_experts(stack, np.array(ids, np.int64))
+        assert not np.shares_memory(picked, stack) and np.array_equal(picked, stack[np.array(ids, np.int64)])
 
 
 def assert_thread_invariant(model: Model, tokens: np.ndarray, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -331,7 +331,8 @@ class Numerics:
         [n, k], `group` experts decoded at a time, `glu` their SwiGLU's form and biases (ops/moe.moe_experts);
         `batches`: the start rows of the sequences x joins, and n (every token's result is its own here)."""
         counts = np.bincount(sel.reshape(-1), minlength=n_expert)
-        return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts), group, glu, keep_act=keep_act)
+        return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts), group, glu, keep_act=keep_act,
+                           done=lambda: self.weights.release(names))
 
     def expert_fetch(self, names: list[str], counts: np.ndarray) -> ExpertFetch:
         """The routed experts' matrices, decoded (and cached) one expert at a time: a whole expert tensor is never

@@ -324,7 +324,8 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
                 group: int | None = None, glu: ExpertGlu = ExpertGlu(),
                 formats: tuple[str, str, str] = (UNROUNDED, UNROUNDED, UNROUNDED),
                 ints: ExpertInts | None = None, keep_act: bool = True,
-                ik: tuple[str, str, str] | None = None, avx2: bool = False) -> RoutedExperts:
+                ik: tuple[str, str, str] | None = None, avx2: bool = False,
+                done: Callable[[], None] | None = None) -> RoutedExperts:
     """Routed SwiGLU experts: x [n, n_embd], sel/w [n, k]; `fetch(ids)` gives the up/gate [len(ids), n_ff, n_embd] and
     down [len(ids), n_embd, n_ff] matrices of experts `ids` (float32, or f16/bf16 bits as expert_matmul reads them);
     `glu` the SwiGLU's form (a finite limit clamps it as swiglu does) and the experts' biases;
@@ -333,7 +334,8 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
     `keep_act` keeps the ffn_down inputs of every assignment for observers ([n k, n_ff] floats: a streamed pass over
     many chunks would hold them for nothing); `ik` (--numerics ik: the up, gate and down weight types) computes the
     SwiGLU and the weighted sum in ik's float order and F32/F16/BF16 experts in ik's float kernels (`avx2`: its AVX2
-    build's, numerics/ik/avx2.py).
+    build's, numerics/ik/avx2.py); `done()` runs after each fetched group's products (the fetched matrices may be
+    views of the mapped file, whose pages it releases).
 
     Only experts with at least one assignment are fetched, `group` of them at a time (None: all at once), so a
     layer's expert tensor never has to be decoded whole. Every assignment's result is computed by its expert alone
@@ -390,16 +392,18 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
                 act[rows] = a
             y[rows] = _down(experts_matmul(round_activations(a, formats[2]), downs,
                                            np.arange(len(rows), dtype=np.int64), row_at), glu, per_row)
-            continue
-        for j, e in enumerate(ids.tolist()):
-            rows = order[offsets[e] : offsets[e + 1]]
-            tokens = rows // k
-            a = _swiglu(_expert_product(xg, gates[j], tokens, ik and ik[1], avx2),
-                        _expert_product(xu, ups[j], tokens, ik and ik[0], avx2), glu, e, ik is not None, avx2)
-            if act is not None:
-                act[rows] = a
-            y[rows] = _down(_expert_product(round_activations(a, formats[2]), downs[j], None, ik and ik[2], avx2),
-                            glu, e)
+        else:
+            for j, e in enumerate(ids.tolist()):
+                rows = order[offsets[e] : offsets[e + 1]]
+                tokens = rows // k
+                a = _swiglu(_expert_product(xg, gates[j], tokens, ik[1], avx2),
+                            _expert_product(xu, ups[j], tokens, ik[0], avx2), glu, e, True, avx2)
+                if act is not None:
+                    act[rows] = a
+                y[rows] = _down(_expert_product(round_activations(a, formats[2]), downs[j], None, ik[2], avx2), glu,
+                                e)
+        if done is not None:
+            done()
     assert y is not None, "a routing without assignments"
     out = np.empty((n, y.shape[1]), dtype=np.float32)
     if n * k * y.shape[1] >= PARALLEL_MIN_FLOPS:

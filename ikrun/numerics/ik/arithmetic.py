@@ -697,14 +697,16 @@ class IkNumerics(Numerics):
                                            keep=self.weights.keeps_experts, kind=PACKED + CONVERTED * converted)
 
     def convert_experts(self, name: str, ids: np.ndarray, counts: np.ndarray, mats: np.ndarray) -> np.ndarray:
-        """In place: each expert as ik multiplies it for its token count (ik decides per expert: is_dequant_better on
-        the rows routed to it)."""
+        """Each expert as ik multiplies it for its token count (ik decides per expert: is_dequant_better on the rows
+        routed to it): in place, or in a copy where `mats` is a view of the cached decoding (select_experts)."""
         kernel = ik_kernel(self.weights.encoding(name).type.name)
         n_expert, rows, _ = self.weights.info(name).shape
         raw = self.weights.encoding(name).raw.reshape(n_expert, rows, -1)
         for j, (e, count) in enumerate(zip(ids.tolist(), counts.tolist())):
             values = kernel.float_values(int(count), rows)
             if values is not None:
+                if not mats.flags.owndata:
+                    mats = mats.copy()
                 mats[j] = values(np.ascontiguousarray(raw[e]), mats[j]).to_float()
         return mats
 
@@ -742,4 +744,4 @@ class IkNumerics(Numerics):
             return packed[0], packed[1], packed[2]
 
         return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts), group, glu, formats, ints,
-                           keep_act=keep_act, ik=types, avx2=self.avx2)
+                           keep_act=keep_act, ik=types, avx2=self.avx2, done=lambda: self.weights.release(names))
