@@ -327,7 +327,7 @@ class WeightStore:
         n_expert, rows, cols = self.info(name).shape
         out = select_experts(enc.raw.reshape(n_expert, rows, -1), experts)
         self.reads[name] += out.nbytes
-        if not np.shares_memory(out, enc.raw):
+        if not np.may_share_memory(out, enc.raw):
             self._release(name)
         return out.view(HALF_BITS[enc.type.name])
 

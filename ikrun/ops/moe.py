@@ -7,11 +7,11 @@ weights to sum 1 (sum in float64 like ggml_sum_rows) and a final scale. Under --
 a selection bias runs as ik's CPU graph runs it, fused with the top-k (iqk_topk_moe: libstdc++'s partial sort of the
 logits, a float32 sum of the exponentials in that order) and the normalisation (iqk_sumrows_div).
 
-Experts: every (token, slot) assignment is processed by its expert only (no dense pass over all experts), each
-in the exact mode all fetched experts' products in one parallel call per projection (ikrun/ops/fgemm.py: one FMA
-chain per output), under --numerics ik each expert's matmuls in parallel over its weight rows
-(ikrun/numerics/ik/qgemm.py: ik's integer sums); the weighted expert outputs are summed in
-slot order (ggml's mul_multi_add), so results depend neither on the thread count nor on how tokens are batched.
+Experts: every (token, slot) assignment is processed by its expert only (no dense pass over all experts): in the
+exact mode all fetched experts' products in one parallel call per projection (ikrun/ops/fgemm.py: one FMA chain per
+output), under --numerics ik each expert's matmuls in parallel over its weight rows (ikrun/numerics/ik/qgemm.py:
+ik's integer sums); the weighted expert outputs are summed in slot order (ggml's mul_multi_add), so results depend
+neither on the thread count nor on how tokens are batched.
 """
 
 from __future__ import annotations
