@@ -292,11 +292,14 @@ class WeightStore:
 
         Taken from the whole tensor's decoded copy when it is cached (a view of it for consecutive experts:
         select_experts; not to be written), else decoded per expert (and cached when `keep`: `keeps_experts`).
+        A batch that reaches every expert outside a layer-streamed pass caches the stack as the whole tensor
+        instead, so the next batches take views of it rather than copying each expert out of the cache.
         """
         whole = self.cached_array(name)
         if whole is not None:
             return select_experts(whole, experts)
         n_expert, rows, cols = self.info(name).shape
+        stack = keep and not self.streaming and np.array_equal(experts, np.arange(n_expert))
         out = np.empty((len(experts), rows, cols), dtype=np.float32)
         enc: Encoding | None = None
         raw = np.empty((0, 0, 0), dtype=np.uint8)
@@ -310,10 +313,15 @@ class WeightStore:
                 enc = self.encoding(name)
                 raw = enc.raw.reshape(n_expert, rows, -1)
             out[j] = self._decode_rows(name, enc, raw[e], cols).reshape(rows, cols)
-            if keep:
+            if keep and not stack:
                 self._keep((name, e), out[j].copy(), b"", make_room=not self.streaming)
         if enc is not None:
             self._release(name)
+        if stack:
+            for e in range(n_expert):
+                self._forget((name, e))
+            self._keep(name, out, b"")
+            return select_experts(out, experts)
         return out
 
     def half_experts(self, name: str, experts: np.ndarray) -> np.ndarray | None:

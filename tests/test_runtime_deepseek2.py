@@ -187,6 +187,31 @@ def test_consecutive_experts_are_handed_over_without_a_copy() -> None:
         assert not np.shares_memory(picked, stack) and np.array_equal(picked, stack[np.array(ids, np.int64)])
 
 
+def test_a_batch_that_reaches_every_expert_caches_them_as_one_stack(data_dir: Path) -> None:
+    """Decoded experts are cached one by one while batches reach some of them; a batch that reaches all of them
+    caches the stack as the whole tensor (the per-expert entries go), and later batches take views of it. The
+    logits do not move."""
+    model = Model(_gguf(data_dir, "q8_0"))
+    tokens = _hf_tokens(data_dir)[0]
+    before = model.logits(tokens)
+    weights = model.weights
+    name = "blk.1.ffn_up_exps.weight"
+    n_expert = weights.info(name).shape[0]
+    per_expert = weights.encoded_bytes(name) // n_expert
+    weights.evict([name])
+    read = weights.reads[name]
+    some = weights.decode_experts(name, np.array([0, 2]))
+    assert weights.cached_array(name) is None and weights.reads[name] == read + 2 * per_expert
+    every = weights.decode_experts(name, np.arange(n_expert))  # the two cached ones are not read again
+    assert weights.reads[name] == read + n_expert * per_expert
+    np.testing.assert_array_equal(every[[0, 2]], some)
+    whole = weights.cached_array(name)
+    assert whole is not None and np.shares_memory(every, whole)
+    assert np.shares_memory(weights.decode_experts(name, np.array([1, 2])), whole)
+    assert weights.reads[name] == read + n_expert * per_expert
+    np.testing.assert_array_equal(model.logits(tokens), before)
+
+
 def assert_thread_invariant(model: Model, tokens: np.ndarray, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same logits with one and two threads, with the size-chosen kernels and with every parallel one forced."""
     two = min(2, numba.config.NUMBA_NUM_THREADS)
