@@ -299,7 +299,8 @@ class WeightStore:
         if whole is not None:
             return select_experts(whole, experts)
         n_expert, rows, cols = self.info(name).shape
-        stack = keep and not self.streaming and np.array_equal(experts, np.arange(n_expert))
+        stack = (keep and not self.streaming and np.array_equal(experts, np.arange(n_expert))
+                 and self.fits(self.decoded_bytes(name)))  # else the per-expert entries it replaces are kept
         out = np.empty((len(experts), rows, cols), dtype=np.float32)
         enc: Encoding | None = None
         raw = np.empty((0, 0, 0), dtype=np.uint8)

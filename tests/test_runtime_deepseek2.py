@@ -210,6 +210,13 @@ def test_a_batch_that_reaches_every_expert_caches_them_as_one_stack(data_dir: Pa
     assert np.shares_memory(weights.decode_experts(name, np.array([1, 2])), whole)
     assert weights.reads[name] == read + n_expert * per_expert
     np.testing.assert_array_equal(model.logits(tokens), before)
+    weights.evict([name])  # a cache with room for the experts one by one, not for the stack, keeps them one by one
+    weights.capacity = weights.decoded_bytes(name) - 1
+    read = weights.reads[name]
+    weights.decode_experts(name, np.arange(n_expert))
+    assert weights.cached_array(name) is None
+    weights.decode_experts(name, np.array([n_expert - 1]))
+    assert weights.reads[name] == read + n_expert * per_expert
 
 
 def assert_thread_invariant(model: Model, tokens: np.ndarray, monkeypatch: pytest.MonkeyPatch) -> None:
