@@ -66,6 +66,9 @@ class Codec:
     #: True when (without importance weights) the bytes of a row depend on the other rows of the same call, so
     #: callers must batch rows as ik does to reproduce its output
     rows_interact: bool = False
+    #: the quantizing kernel itself finds a value that is non-finite or beyond max_abs_input, in the pass over the
+    #: values it makes anyway (`_quantize_checked`); other codecs' input is searched in a pass of its own first
+    checks_values: bool = False
 
     def __init_subclass__(cls, type_name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -79,12 +82,16 @@ class Codec:
 
     def quantize(self, x: np.ndarray, imatrix: np.ndarray | None = None) -> np.ndarray:
         """Quantize rows `x` [n_rows, n_per_row] into [n_rows, row_bytes] uint8, optionally importance-weighted."""
-        x = self._check_rows(x)
+        x = self._check_shape(x)
+        if not self.checks_values:
+            self.refuse_bad_values(x)
         n_rows, n_per_row = x.shape
         w = self._check_imatrix(imatrix, n_per_row)
         out = np.empty((n_rows, self.ggml_type.row_bytes(n_per_row)), dtype=np.uint8)
         if n_rows:
-            self._quantize(x, w, out)
+            if not self._quantize_checked(x, w, out):
+                self.refuse_bad_values(x)
+                raise AssertionError(f"{self.type_name}: the kernel met a bad value that the search did not find")
             if w.size:
                 self._repair_degenerate_rows(x, out)
         return out
@@ -116,6 +123,13 @@ class Codec:
         return out
 
     def _check_rows(self, x: np.ndarray) -> np.ndarray:
+        """Rows `x` as a contiguous float32 [n_rows, n_per_row] array, refused when malformed or holding a value the
+        type cannot store."""
+        x = self._check_shape(x)
+        self.refuse_bad_values(x)
+        return x
+
+    def _check_shape(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x)
         if x.ndim == 1:
             x = x[None, :]
@@ -126,7 +140,10 @@ class Codec:
             raise QuantInputError(
                 f"{self.type_name}: row length {x.shape[1]} is not a multiple of the block size {block}"
             )
-        x = np.ascontiguousarray(x, dtype=np.float32)
+        return np.ascontiguousarray(x, dtype=np.float32)
+
+    def refuse_bad_values(self, x: np.ndarray) -> None:
+        """Raise, naming the first, when rows `x` hold a non-finite value or one beyond max_abs_input."""
         bad = find_bad_value(x, self.max_abs_input)
         if bad is not None:
             row, col = bad
@@ -140,7 +157,6 @@ class Codec:
                 f"{self.type_name}: row {row} holds {value:g} at column {col}, beyond the largest magnitude "
                 f"the type can store ({self.max_abs_input:g})"
             )
-        return x
 
     def _check_imatrix(self, imatrix: np.ndarray | None, n_per_row: int) -> np.ndarray:
         if imatrix is None and self.requires_imatrix:
@@ -158,6 +174,12 @@ class Codec:
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         raise NotImplementedError
+
+    def _quantize_checked(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
+        """`_quantize`, False when a codec that `checks_values` met a value it cannot store (what it wrote is then
+        discarded)."""
+        self._quantize(x, w, out)
+        return True
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         raise NotImplementedError

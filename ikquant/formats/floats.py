@@ -10,23 +10,39 @@ from ikquant.formats.numeric import f32_bits, f32_to_f16_bits, widen_16
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _to_f16(x: np.ndarray, out: np.ndarray) -> None:
+def _to_f16(x: np.ndarray, out: np.ndarray, limit: float) -> bool:
+    """out = the f16 bits of x; False when some |x| is beyond `limit` or not finite (tested in the same vectorised
+    pass: NaN fails every comparison)."""
+    lim = np.float32(limit)
+    bad = np.zeros(x.shape[0], np.bool_)
     for r in prange(x.shape[0]):
+        b = False
         for c in range(x.shape[1]):
-            out[r, c] = f32_to_f16_bits(x[r, c])
+            v = x[r, c]
+            b |= not (abs(v) <= lim)
+            out[r, c] = f32_to_f16_bits(v)
+        bad[r] = b
+    return not bad.any()
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _to_bf16(x: np.ndarray, out: np.ndarray) -> None:
-    """ggml's fp32 -> bf16: round to nearest even; NaN becomes a quiet NaN with the same sign."""
+def _to_bf16(x: np.ndarray, out: np.ndarray, limit: float) -> bool:
+    """ggml's fp32 -> bf16: round to nearest even; NaN becomes a quiet NaN with the same sign. False as _to_f16."""
+    lim = np.float32(limit)
+    bad = np.zeros(x.shape[0], np.bool_)
     for r in prange(x.shape[0]):
+        b = False
         for c in range(x.shape[1]):
-            u = f32_bits(x[r, c])
+            v = x[r, c]
+            b |= not (abs(v) <= lim)
+            u = f32_bits(v)
             if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
                 out[r, c] = np.uint16((u >> np.uint32(16)) | np.uint32(64))
             else:
                 out[r, c] = np.uint16((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))))
                                       >> np.uint32(16))
+        bad[r] = b
+    return not bad.any()
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -57,12 +73,16 @@ class F32Codec(Codec, type_name="F32"):
 
 class F16Codec(Codec, type_name="F16"):
     uses_imatrix = False
+    checks_values = True
     max_abs_input = 65504.0
     rel_error_bound = 2.0**-11
     abs_error_floor = 2.0**-25
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-        _to_f16(x, out.view(np.uint16))
+        self._quantize_checked(x, w, out)
+
+    def _quantize_checked(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
+        return bool(_to_f16(x, out.view(np.uint16), self.max_abs_input))
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _widen_rows(q.view(np.uint16), out)
@@ -74,9 +94,13 @@ class BF16Codec(Codec, type_name="BF16"):
     max_abs_input = 3.3895313892515355e38
     rel_error_bound = 2.0**-8
     abs_error_floor = 2.0**-134
+    checks_values = True
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-        _to_bf16(x, out.view(np.uint16))
+        self._quantize_checked(x, w, out)
+
+    def _quantize_checked(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
+        return bool(_to_bf16(x, out.view(np.uint16), self.max_abs_input))
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _widen_rows(q.view(np.int16), out)

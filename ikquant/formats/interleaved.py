@@ -596,7 +596,7 @@ class InterleavedCodec(Codec):
     def __init__(self, type_name: str, block: Callable[[int, int], np.ndarray],
                  header: Callable[[int], np.ndarray] | None = None, recode: Recode | None = None,
                  plain: PlainRows | None = None, positive_zeros: bool = False,
-                 direct: Callable[[np.ndarray, np.ndarray], None] | None = None) -> None:
+                 direct: Callable[[np.ndarray, np.ndarray, float], bool] | None = None) -> None:
         self.type_name = type_name
         gtype = type_by_name(type_name)
         assert gtype.base is not None
@@ -608,6 +608,8 @@ class InterleavedCodec(Codec):
         self._plain = plain
         self._positive_zeros = positive_zeros
         self._direct = direct
+        # a direct kernel finds values beyond max_abs_input in its own pass (it returns False on one)
+        self.checks_values = direct is not None
         self._maps: dict[int, tuple[UnitMap, UnitMap, np.ndarray]] = {}
 
     # the base codec and its documented properties, looked up when first used (format modules register in any order)
@@ -703,11 +705,14 @@ class InterleavedCodec(Codec):
         return self._recode.inverse(plain) if self._recode is not None else plain
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
+        self._quantize_checked(x, w, out)
+
+    def _quantize_checked(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
         groups = self._groups(x.shape[0])
         if self._direct is not None:
-            self._direct(x, out.reshape(groups, -1))
-            return
+            return bool(self._direct(x, out.reshape(groups, -1), self.max_abs_input))
         self.quantize_then_regroup(x, w, out)
+        return True
 
     def quantize_then_regroup(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         """The plain rows quantized, then regrouped (what a direct quantizer must equal byte for byte)."""
@@ -895,8 +900,8 @@ for _codec in (
         InterleavedCodec("Q6_0_R4", q6_0_r4_block, positive_zeros=True),
         InterleavedCodec("Q8_KV_R8", q8_kv_r8_block, q8_kv_r8_header, recode=Q8_KV_RECODE, direct=quantize_q8_kv_r8),
         InterleavedCodec("Q8_K_R8", _q8_k_rows_block(8), plain=Q8KRows(0),
-                         direct=lambda x, groups: quantize_q8_k_interleaved(x, 8, 0, groups)),
+                         direct=lambda x, groups, limit: quantize_q8_k_interleaved(x, 8, 0, limit, groups)),
         InterleavedCodec("Q8_K_R16", _q8_k_rows_block(16), plain=Q8KRows(128),
-                         direct=lambda x, groups: quantize_q8_k_interleaved(x, 16, 128, groups)),
+                         direct=lambda x, groups, limit: quantize_q8_k_interleaved(x, 16, 128, limit, groups)),
         Bf16R16Codec()):
     register_codec(_codec)

@@ -45,11 +45,14 @@ def _interleave_quads(codes: np.ndarray, words: np.ndarray, start: int) -> None:
 
 
 @njit(**KERNEL)
-def quantize_q8_k_interleaved(x: np.ndarray, n: int, offset: int, out: np.ndarray) -> None:
+def quantize_q8_k_interleaved(x: np.ndarray, n: int, offset: int, limit: float, out: np.ndarray) -> bool:
     """Q8_K_R8 (n = 8, offset 0) / Q8_K_R16 (n = 16, offset 128): per group of n rows and block of 256 values, the
     rows' f16 d = max|x| / 127, then byte 4 n j + 4 k + i = row k's code 4 j + i (rint(x 127 / max|x|), as ik's
-    AVX2 quantize_row_q8_K32). `out` is the groups' bytes [rows / n, n row bytes]."""
+    AVX2 quantize_row_q8_K32). `out` is the groups' bytes [rows / n, n row bytes]. False when some |x| is beyond
+    `limit` or not finite (a block's max |x| is then beyond it, NaN or infinite)."""
+    lim = np.float32(limit)
     nb = x.shape[1] // 256
+    bad = np.zeros(x.shape[0] // n, np.bool_)
     for g in prange(x.shape[0] // n):
         dst = out[g]
         words = dst.view(np.uint32)
@@ -59,22 +62,27 @@ def quantize_q8_k_interleaved(x: np.ndarray, n: int, offset: int, out: np.ndarra
             for k in range(n):
                 xb = x[g * n + k, 256 * b : 256 * b + 256]
                 amax = finite_abs_max(xb)
+                bad[g] |= not amax <= lim
                 store_f16(dst, o + 2 * k, amax / np.float32(127.0))
                 _codes(xb, np.float32(127.0) / amax if amax != 0 else np.float32(0.0), offset, codes[k])
             _interleave_quads(codes, words, (o + 2 * n) // 4)
+    return not bad.any()
 
 
 @njit(**KERNEL)
-def quantize_q8_kv_r8(x: np.ndarray, out: np.ndarray) -> None:
+def quantize_q8_kv_r8(x: np.ndarray, out: np.ndarray, limit: float) -> bool:
     """Q8_KV_R8: per group of 8 rows their f32 scales d = max|x| / 127, then byte 32 m + 4 k + i (after the 32
     scale bytes) = row k's code 4 m + i, rint(x / d) (as Q8_KV's rows; an all-zero row has d = 0 and zero codes).
-    `out` is the groups' bytes [rows / 8, 8 row bytes]."""
+    `out` is the groups' bytes [rows / 8, 8 row bytes]. False as quantize_q8_k_interleaved."""
+    lim = np.float32(limit)
+    bad = np.zeros(x.shape[0] // 8, np.bool_)
     for g in prange(x.shape[0] // 8):
         dst = out[g]
         codes = np.empty((8, x.shape[1]), np.uint8)
         for k in range(8):
             xr = x[8 * g + k]
             amax = finite_abs_max(xr)
+            bad[g] |= not amax <= lim
             d = amax / np.float32(127.0)
             if amax == 0:
                 codes[k] = 0
@@ -82,3 +90,4 @@ def quantize_q8_kv_r8(x: np.ndarray, out: np.ndarray) -> None:
                 _codes(xr, np.float32(1.0) / d, 0, codes[k])
             store_f32(dst, 4 * k, d)
         _interleave_quads(codes, dst.view(np.uint32), 8)
+    return not bad.any()

@@ -20,11 +20,18 @@ QK1 = 128
 
 
 @njit(**KERNEL)
-def _quantize_q8_kv(x: np.ndarray, out: np.ndarray) -> None:
+def _quantize_q8_kv(x: np.ndarray, out: np.ndarray, limit: float) -> bool:
+    """Q8_KV rows; False when some |x| is beyond `limit` or not finite (its row's max |x| is then beyond it, NaN or
+    infinite)."""
+    lim = np.float32(limit)
     n_rows, n = x.shape
     codes = out.view(np.int8)
+    bad = np.zeros(n_rows, np.bool_)
     for r in prange(n_rows):
         amax = finite_abs_max(x[r])
+        if not amax <= lim:
+            bad[r] = True
+            continue
         if amax == 0:
             out[r, :] = 0
             continue
@@ -34,6 +41,7 @@ def _quantize_q8_kv(x: np.ndarray, out: np.ndarray) -> None:
         u = np.uint32(np.int64(total) & 0xFFFFFFFF)
         for k in range(4):
             out[r, 4 + k] = np.uint8((u >> np.uint32(8 * k)) & np.uint32(0xFF))
+    return not bad.any()
 
 
 @njit(cache=True, nogil=True)
@@ -104,9 +112,13 @@ class Q8KVCodec(Codec, type_name="Q8_KV"):
     # amax = 127/FLT_MAX the reciprocal overflows and ik stores -128 codes: the error there is at most 2*amax
     rel_error_bound = 0.5 / 127 + 2.0**-20
     abs_error_floor = 2 * 127 / float(np.finfo(np.float32).max)
+    checks_values = True
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
-        _quantize_q8_kv(x, out)
+        self._quantize_checked(x, w, out)
+
+    def _quantize_checked(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> bool:
+        return bool(_quantize_q8_kv(x, out, self.max_abs_input))
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_q8_kv(q, out)
