@@ -113,8 +113,9 @@ def test_q8_k_forms_have_no_plain_form_to_unpack_to() -> None:
                                   and t.codec.quantizes_directly])
 def test_direct_interleaved_quantizers_equal_quantize_then_regroup(name: str) -> None:
     """The 8-bit forms quantized straight into their layout give the bytes of their plain rows quantized and then
-    regrouped, byte for byte: on several groups and blocks, an all-zero row and block, an outlier, and a row so
-    small that the reciprocal of its scale overflows."""
+    regrouped, byte for byte, and decoded straight from it the floats of the rows regrouped and then decoded, bit for
+    bit: on several groups and blocks, an all-zero row and block, an outlier, and a row so small that the reciprocal
+    of its scale overflows."""
     codec = type_by_name(name).require_codec()
     assert isinstance(codec, InterleavedCodec)
     x = np.random.default_rng(7).standard_normal((32, 512)).astype(np.float32)
@@ -126,6 +127,9 @@ def test_direct_interleaved_quantizers_equal_quantize_then_regroup(name: str) ->
     want = np.empty_like(got)
     codec.quantize_then_regroup(x, np.empty(0, dtype=np.float32), want)
     assert np.array_equal(got, want)
+    decoded = np.empty_like(x)
+    codec.regroup_then_decode(got, decoded)
+    assert np.array_equal(codec.dequantize(got, x.shape[1]).view(np.uint32), decoded.view(np.uint32))
 
 
 def test_mxfp4_r8_rows_of_256_follow_the_layout() -> None:

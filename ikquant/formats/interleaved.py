@@ -23,7 +23,12 @@ from numba import njit, prange
 from ikquant.errors import QuantInputError
 from ikquant.formats.base import Codec
 from ikquant.formats.numeric import fmaf, load_f16, store_f16
-from ikquant.formats.q8_direct import quantize_q8_k_interleaved, quantize_q8_kv_r8
+from ikquant.formats.q8_direct import (
+    dequantize_q8_k_interleaved,
+    dequantize_q8_kv_r8,
+    quantize_q8_k_interleaved,
+    quantize_q8_kv_r8,
+)
 from ikquant.types import register_codec, type_by_name
 
 
@@ -596,7 +601,8 @@ class InterleavedCodec(Codec):
     def __init__(self, type_name: str, block: Callable[[int, int], np.ndarray],
                  header: Callable[[int], np.ndarray] | None = None, recode: Recode | None = None,
                  plain: PlainRows | None = None, positive_zeros: bool = False,
-                 direct: Callable[[np.ndarray, np.ndarray, float], bool] | None = None) -> None:
+                 direct: Callable[[np.ndarray, np.ndarray, float], bool] | None = None,
+                 decode: Callable[[np.ndarray, np.ndarray], None] | None = None) -> None:
         self.type_name = type_name
         gtype = type_by_name(type_name)
         assert gtype.base is not None
@@ -608,6 +614,7 @@ class InterleavedCodec(Codec):
         self._plain = plain
         self._positive_zeros = positive_zeros
         self._direct = direct
+        self._decode = decode
         # a direct kernel finds values beyond max_abs_input in its own pass (it returns False on one)
         self.checks_values = direct is not None
         self._maps: dict[int, tuple[UnitMap, UnitMap, np.ndarray]] = {}
@@ -727,6 +734,13 @@ class InterleavedCodec(Codec):
         out[:] = self.pack(rows)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
+        if self._decode is not None:
+            self._decode(q.reshape(self._groups(q.shape[0]), -1), out)
+        else:
+            self.regroup_then_decode(q, out)
+
+    def regroup_then_decode(self, q: np.ndarray, out: np.ndarray) -> None:
+        """The rows regrouped into the plain form, then decoded (what a direct decoder must equal value for value)."""
         if self._plain is not None:
             self._plain._dequantize(self._deinterleave(q), out)
         else:
@@ -898,10 +912,13 @@ for _codec in (
         InterleavedCodec("IQ3_XXS_R4", iq3_xxs_r4_block, recode=IQ3_XXS_RECODE),
         InterleavedCodec("Q5_0_R4", q5_0_r4_block, positive_zeros=True),
         InterleavedCodec("Q6_0_R4", q6_0_r4_block, positive_zeros=True),
-        InterleavedCodec("Q8_KV_R8", q8_kv_r8_block, q8_kv_r8_header, recode=Q8_KV_RECODE, direct=quantize_q8_kv_r8),
+        InterleavedCodec("Q8_KV_R8", q8_kv_r8_block, q8_kv_r8_header, recode=Q8_KV_RECODE, direct=quantize_q8_kv_r8,
+                         decode=dequantize_q8_kv_r8),
         InterleavedCodec("Q8_K_R8", _q8_k_rows_block(8), plain=Q8KRows(0),
-                         direct=lambda x, groups, limit: quantize_q8_k_interleaved(x, 8, 0, limit, groups)),
+                         direct=lambda x, groups, limit: quantize_q8_k_interleaved(x, 8, 0, limit, groups),
+                         decode=lambda groups, out: dequantize_q8_k_interleaved(groups, 8, 0, out)),
         InterleavedCodec("Q8_K_R16", _q8_k_rows_block(16), plain=Q8KRows(128),
-                         direct=lambda x, groups, limit: quantize_q8_k_interleaved(x, 16, 128, limit, groups)),
+                         direct=lambda x, groups, limit: quantize_q8_k_interleaved(x, 16, 128, limit, groups),
+                         decode=lambda groups, out: dequantize_q8_k_interleaved(groups, 16, 128, out)),
         Bf16R16Codec()):
     register_codec(_codec)

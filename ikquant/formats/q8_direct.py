@@ -1,9 +1,11 @@
-"""ik's 8-bit interleaved forms (Q8_K_R8, Q8_K_R16, Q8_KV_R8) quantized straight into their layout.
+"""ik's 8-bit interleaved forms (Q8_K_R8, Q8_K_R16, Q8_KV_R8) quantized straight into their layout, and decoded
+straight from it.
 
 Each of them stores every row's codes four at a time, the group's rows side by side: quantize-then-regroup spends
 most of its time moving those bytes a second time. Here a row's codes are computed in a vectorised pass into a
 buffer of the group's rows and written to their interleaved places as 4-byte words, with the same arithmetic as
-the plain rows' kernels (tests/test_interleaved.py checks the bytes against quantize-then-repack).
+the plain rows' kernels (tests/test_interleaved.py checks the bytes against quantize-then-repack); decoding gathers
+the words back into such a buffer and scales it row by row (checked against regroup-then-decode).
 """
 
 from __future__ import annotations
@@ -11,7 +13,16 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.numeric import abs_bits_max, f32_bits, f32_from_bits, store_f16, store_f32
+from ikquant.formats.numeric import (
+    abs_bits_max,
+    f32_bits,
+    f32_from_bits,
+    fmaf,
+    load_f16,
+    load_f32,
+    store_f16,
+    store_f32,
+)
 
 KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
 #: int32 conversion is exact below this magnitude; beyond it x86 gives INT_MIN (ik's saturating packs store -128)
@@ -112,3 +123,54 @@ def quantize_q8_kv_r8(x: np.ndarray, out: np.ndarray, limit: float) -> bool:
             store_f32(dst, 4 * k, d)
         _interleave_quads(codes, dst.view(np.uint32), 8)
     return not bad.any()
+
+
+@njit(cache=True, nogil=True)
+def _gather_quads(words: np.ndarray, start: int, codes: np.ndarray) -> None:
+    """_interleave_quads undone: codes [n, 4 m] from words[start + n j + k] (row k's codes 4 j .. 4 j + 3)."""
+    n = U(codes.shape[0])
+    quads = codes.view(np.uint32)
+    for k in range(codes.shape[0]):
+        for j in range(quads.shape[1]):
+            quads[k, j] = words[U(start) + n * U(j) + U(k)]
+
+
+@njit(**KERNEL)
+def dequantize_q8_k_interleaved(q: np.ndarray, n: int, offset: int, out: np.ndarray) -> None:
+    """Q8_K_R8 / Q8_K_R16 groups [rows / n, n row bytes] -> rows: d x code, with an offset as ik's Q8_K_R16 decoding
+    computes it, d x stored byte - 128 d (one rounding: ik's build fuses the multiply-add)."""
+    off = np.float32(-offset)
+    for g in prange(q.shape[0]):
+        src = q[g]
+        words = src.view(np.uint32)
+        codes = np.empty((n, 256), np.uint8)
+        signed = codes.view(np.int8)
+        for b in range(out.shape[1] // 256):
+            o = b * n * 258
+            _gather_quads(words, (o + 2 * n) // 4, codes)
+            start = U(256 * b)
+            for k in range(n):
+                d = load_f16(src, o + 2 * k)
+                row = U(g * n + k)
+                if offset:
+                    m = off * d
+                    for j in range(256):
+                        out[row, start + U(j)] = fmaf(d, np.float32(codes[k, j]), m)
+                else:
+                    for j in range(256):
+                        out[row, start + U(j)] = d * np.float32(signed[k, j])
+
+
+@njit(**KERNEL)
+def dequantize_q8_kv_r8(q: np.ndarray, out: np.ndarray) -> None:
+    """Q8_KV_R8 groups [rows / 8, 8 row bytes] -> rows: each row's f32 scale x its int8 codes."""
+    for g in prange(q.shape[0]):
+        src = q[g]
+        codes = np.empty((8, out.shape[1]), np.uint8)
+        signed = codes.view(np.int8)
+        _gather_quads(src.view(np.uint32), 8, codes)
+        for k in range(8):
+            d = load_f32(src, 4 * k)
+            row = U(8 * g + k)
+            for j in range(out.shape[1]):
+                out[row, U(j)] = d * np.float32(signed[k, j])
