@@ -123,3 +123,34 @@ def test_vanishing_importance_weights_never_give_nan(type_name: str) -> None:
         y = codec.dequantize(codec.quantize(x, w), n)
     assert np.isfinite(y).all()
     assert all("quantized without importance weights" in str(c.message) for c in caught)
+
+
+@pytest.mark.parametrize("type_name", [t.name for t in implemented_types()
+                                       if t.require_codec().block_scale_f16 is not None])
+def test_block_scale_f16_is_the_scale_every_value_is_a_multiple_of(type_name: str) -> None:
+    """The field the NaN check after a weighted quantization reads instead of decoding: doubling it doubles every
+    value of its block and nothing else, and a NaN or infinity there makes exactly its row's decoding non-finite."""
+    from ikquant.types import type_by_name
+
+    gtype = type_by_name(type_name)
+    codec = gtype.require_codec()
+    at, ts, b = codec.block_scale_f16, gtype.type_size, gtype.block_size
+    assert at is not None
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((4, 2 * b)) * 0.5).astype(np.float32)
+    q = codec.quantize(x, rng.uniform(0.5, 2, 2 * b).astype(np.float32))
+    y = codec.dequantize(q, 2 * b)
+    doubled = q.copy()
+    blocks = doubled.reshape(4, 2, ts)
+    d = blocks[:, 1, at : at + 2].copy().view(np.float16)
+    blocks[:, 1, at : at + 2] = (d * np.float16(2)).view(np.uint8)
+    y2 = codec.dequantize(doubled, 2 * b)
+    np.testing.assert_array_equal(y2[:, :b], y[:, :b])
+    np.testing.assert_array_equal(y2[:, b:], 2 * y[:, b:])
+    for bad in (np.nan, np.inf):
+        poked = q.copy()
+        poked.reshape(4, 2, ts)[2, 0, at : at + 2] = np.array([bad], np.float16).view(np.uint8)
+        with np.errstate(all="ignore"):
+            decoded = ~np.isfinite(codec.dequantize(poked, 2 * b)).all(axis=1)
+        np.testing.assert_array_equal(codec._nonfinite_block_scales(poked).any(axis=1), decoded)
+        assert decoded.tolist() == [False, False, True, False]

@@ -69,6 +69,10 @@ class Codec:
     #: the quantizing kernel itself finds a value that is non-finite or beyond max_abs_input, in the pass over the
     #: values it makes anyway (`_quantize_checked`); other codecs' input is searched in a pass of its own first
     checks_values: bool = False
+    #: byte offset, in each block, of the f16 scale every decoded value of the block is a finite multiple of (its
+    #: other fields are integers): a decoding holds a non-finite value exactly when one of these does, so the check
+    #: after an importance-weighted quantization reads them instead of decoding the rows
+    block_scale_f16: int | None = None
 
     def __init_subclass__(cls, type_name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -100,13 +104,24 @@ class Codec:
         """Importance weights that vanish over a whole block make some of ik's searches divide 0 by 0 and store
         NaN scales (ik writes them as they are). Such rows are quantized again without the weights, with a warning,
         so that no NaN ever reaches a file."""
-        bad = np.flatnonzero(~np.isfinite(self.dequantize(out, x.shape[1])).all(axis=1))
+        if self.block_scale_f16 is None:
+            bad = np.flatnonzero(~np.isfinite(self.dequantize(out, x.shape[1])).all(axis=1))
+        else:
+            bad = np.flatnonzero(self._nonfinite_block_scales(out).any(axis=1))
         if bad.size:
             warnings.warn(f"{self.type_name}: the importance weights gave NaN scales in {bad.size} row(s) (first: "
                           f"row {bad[0]}); those rows were quantized without importance weights", stacklevel=3)
             fixed = np.empty((bad.size, out.shape[1]), dtype=np.uint8)
             self._quantize(np.ascontiguousarray(x[bad]), np.empty(0, dtype=np.float32), fixed)
             out[bad] = fixed
+
+    def _nonfinite_block_scales(self, out: np.ndarray) -> np.ndarray:
+        """[rows, blocks]: whether the block's f16 scale (at block_scale_f16) is infinite or NaN."""
+        assert self.block_scale_f16 is not None
+        ts, at = self.ggml_type.type_size, self.block_scale_f16
+        blocks = out.reshape(out.shape[0], -1, ts)
+        h = blocks[:, :, at].astype(np.uint16) | (blocks[:, :, at + 1].astype(np.uint16) << 8)
+        return (h & 0x7C00) == 0x7C00
 
     def dequantize(self, q: np.ndarray, n_per_row: int) -> np.ndarray:
         """Decode [n_rows, row_bytes] (or flat) bytes of rows of `n_per_row` values into float32 [n_rows, n_per_row]."""

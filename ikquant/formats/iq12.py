@@ -167,6 +167,7 @@ class _IQ2Codec(Codec):
 
     max_abs_input = 65504.0 * 31
     rel_error_bound = 2.0
+    block_scale_f16 = 0
     abs_error_floor = 2 * 15.5 / 4 * 43 * 2.0**-24
 
 
@@ -214,6 +215,7 @@ class IQ1_SCodec(Codec, type_name="IQ1_S"):
     vanish quantizes them with unit importance, as ik's reference quantizer does."""
 
     requires_imatrix = True
+    block_scale_f16 = 0
     # d = 1.125 max scale / 15 in f16; a block's scale is at most 8 max|x| (a fit may put every value on +-1/8)
     max_abs_input = 65504.0 * 15 / (8 * 1.125)
     rel_error_bound = 2.0

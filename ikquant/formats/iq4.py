@@ -308,6 +308,7 @@ def _dequantize_iq4_xs(q: np.ndarray, out: np.ndarray, qk: int) -> None:
 
 
 class IQ4_NLCodec(Codec, type_name="IQ4_NL"):
+    block_scale_f16 = 0
     max_abs_input = 65504.0
     rel_error_bound = 2.0 + 2.0**-9
     abs_error_floor = 128 * 2.0**-25
@@ -320,6 +321,7 @@ class IQ4_NLCodec(Codec, type_name="IQ4_NL"):
 
 
 class IQ4_XSCodec(Codec, type_name="IQ4_XS"):
+    block_scale_f16 = 0
     # as IQ4_NL: the block scale d*l (fp16 d = -max_scale/32, 6-bit l) stays within max_scale <= amax
     max_abs_input = 65504.0
     rel_error_bound = 2.0 + 2.0**-9

@@ -658,6 +658,7 @@ def _error_floor(largest_code: int) -> float:
 
 
 class IQ2_KCodec(Codec, type_name="IQ2_K"):
+    block_scale_f16 = 0
     max_abs_input = _search_limit(31, 1.5)
     rel_error_bound = _error_bound(IQ2NL)
     # codes are grid (|v| <= 31) times a sub-block scale in [-8, 7], and d is stored 3 % larger
@@ -671,6 +672,7 @@ class IQ2_KCodec(Codec, type_name="IQ2_K"):
 
 
 class IQ3_KCodec(Codec, type_name="IQ3_K"):
+    block_scale_f16 = 0
     max_abs_input = _search_limit(63, 1.5)
     rel_error_bound = _error_bound(IQ3NL)
     # grid |v| <= 63 times an odd sub-block scale |2n + 1| <= 31
@@ -684,6 +686,7 @@ class IQ3_KCodec(Codec, type_name="IQ3_K"):
 
 
 class IQ4_KCodec(Codec, type_name="IQ4_K"):
+    block_scale_f16 = 0
     # without importances IQ4_K weighs by x^2 alone
     max_abs_input = _search_limit(127, 1.0)
     rel_error_bound = _error_bound(IQ4K)
@@ -697,6 +700,7 @@ class IQ4_KCodec(Codec, type_name="IQ4_K"):
 
 
 class IQ5_KCodec(Codec, type_name="IQ5_K"):
+    block_scale_f16 = 0
     max_abs_input = _search_limit(126, 1.5)
     rel_error_bound = _error_bound(IQ5NL)
     abs_error_floor = _error_floor(126 * 32)
@@ -709,6 +713,7 @@ class IQ5_KCodec(Codec, type_name="IQ5_K"):
 
 
 class IQ6_KCodec(Codec, type_name="IQ6_K"):
+    block_scale_f16 = 0
     max_abs_input = _search_limit(127, 1.5)
     # the decoder's cubic strays from the quantizer's integer grid by up to 0.49
     rel_error_bound = _error_bound(IQ6NL, 0.49)

@@ -444,6 +444,7 @@ def _dequantize_iq3_s(q: np.ndarray, out: np.ndarray) -> None:
 
 
 class IQ3_SCodec(Codec, type_name="IQ3_S"):
+    block_scale_f16 = 0
     # d = 1.033 max scale / 31 in f16; the fitted scale maps the block maximum near 15
     max_abs_input = 65504.0 * 31 / 15
     rel_error_bound = 2.0
@@ -457,6 +458,7 @@ class IQ3_SCodec(Codec, type_name="IQ3_S"):
 
 
 class IQ3_XXSCodec(Codec, type_name="IQ3_XXS"):
+    block_scale_f16 = 0
     # d = 1.0125 max scale / 31 in f16, a sub-block scale up to d * 15.5 / 2
     max_abs_input = 65504.0 * 31 / 15
     rel_error_bound = 2.0

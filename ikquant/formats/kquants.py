@@ -955,6 +955,7 @@ class Q2_KCodec(Codec, type_name="Q2_K"):
 
 
 class Q3_KCodec(Codec, type_name="Q3_K"):
+    block_scale_f16 = 108  # after hmask, qs and the scales
     # d = |largest sub-block scale| / 32 in fp16, and a sub-block scale never exceeds its max|x|; halved because
     # the weighted fit of the scales can land above the plain max-based d
     max_abs_input = FP16_MAX * 32 / 2
@@ -1014,6 +1015,7 @@ class Q5_KCodec(Codec, type_name="Q5_K"):
 
 
 class Q6_KCodec(Codec, type_name="Q6_K"):
+    block_scale_f16 = 208  # after ql, qh and the scales
     # d = |largest sub-block scale| / 128 in fp16, a sub-block scale never exceeds its max|x|; halved as for Q3_K
     max_abs_input = FP16_MAX * 128 / 2
     # The largest sub-block may settle on code +-1 (scale = max|x|), so the 8-bit sub-block scales count in units

@@ -420,6 +420,7 @@ class Q8_0Codec(Codec, type_name="Q8_0"):
 
 
 class Q4_0Codec(Codec, type_name="Q4_0"):
+    block_scale_f16 = 0
     # plain: d = max/-8 (fp16); the far side of the range clips at 7*|d| (error amax/8), rounding elsewhere costs
     # |d|/2, the fp16 rounding of d at most 8*|d|*2^-11
     max_abs_input = 65504.0
@@ -434,6 +435,7 @@ class Q4_0Codec(Codec, type_name="Q4_0"):
 
 
 class Q5_0Codec(Codec, type_name="Q5_0"):
+    block_scale_f16 = 0
     # as Q4_0 with d = max/-16: clipping at 15*|d| costs amax/16
     max_abs_input = 65504.0
     rel_error_bound = 1.0 / 16 + 2.0**-10
@@ -474,6 +476,7 @@ class Q5_1Codec(Codec, type_name="Q5_1"):
 
 
 class Q6_0Codec(Codec, type_name="Q6_0"):
+    block_scale_f16 = 0
     # Always the weighted search (weights x^2 without an imatrix). Its trial scales are (32 +- 0.9)/max and
     # (31 +- 0.9)/max, so |d| >= amax/32.9 and a value clipped at the far code 31 is off by at most
     # amax*(1 - 31/32.9) < amax/16; rounding elsewhere costs |d|/2.
