@@ -29,6 +29,7 @@ from ikquant.formats.q8_direct import (
     quantize_q8_k_interleaved,
     quantize_q8_kv_r8,
 )
+from ikquant.formats.r8_direct import dequantize_q4_0_r8, dequantize_q8_0_r8
 from ikquant.types import register_codec, type_by_name
 
 
@@ -630,6 +631,11 @@ class InterleavedCodec(Codec):
         return self._plain is None
 
     @property
+    def decodes_directly(self) -> bool:
+        """Whether rows are decoded straight from the interleaved layout (no regrouping pass)."""
+        return self._decode is not None
+
+    @property
     def quantizes_directly(self) -> bool:
         """Whether rows are quantized straight into the interleaved layout (no regrouping pass)."""
         return self._direct is not None
@@ -896,7 +902,8 @@ class Bf16R16Codec(InterleavedCodec):
 
 
 for _codec in (
-        InterleavedCodec("Q8_0_R8", _nibble_map(q8_0_r8_block)), InterleavedCodec("Q4_0_R8", _nibble_map(q4_0_r8_block)),
+        InterleavedCodec("Q8_0_R8", _nibble_map(q8_0_r8_block), decode=dequantize_q8_0_r8),
+        InterleavedCodec("Q4_0_R8", _nibble_map(q4_0_r8_block), decode=dequantize_q4_0_r8),
         InterleavedCodec("IQ4_NL_R4", _nibble_map(iq4_nl_r4_block)),
         InterleavedCodec("MXFP4_R8", _nibble_map(mxfp4_r8_block)),
         InterleavedCodec("IQ2_K_R4", iq2_k_r4_block), InterleavedCodec("IQ3_K_R4", iq3_k_r4_block),
