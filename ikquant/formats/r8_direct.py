@@ -22,35 +22,34 @@ QK = 32
 
 
 @njit(**KERNEL)
+def _decode(q: np.ndarray, out: np.ndarray, nibbles: bool) -> None:
+    """Groups [rows / 8, 8 row bytes] -> rows: Q4_0_R8's packed nibbles (`nibbles`) or Q8_0_R8's codes."""
+    codes = q.view(np.int8)
+    block_bytes = ROWS * (2 + (QK // 2 if nibbles else QK))
+    for g in prange(q.shape[0]):
+        gg = U(g)
+        for ib in range(out.shape[1] // QK):
+            o = ib * block_bytes
+            for k in range(ROWS):
+                d = load_f16(q[g], o + 2 * k)
+                row = U(ROWS * g + k)
+                for j in range(QK // 8 if nibbles else QK // 4):
+                    at = U(o + 2 * ROWS + 32 * j + 4 * k)
+                    to = U(QK * ib + 4 * j)
+                    for i in range(4):
+                        if nibbles:
+                            b = np.int32(q[gg, at + U(i)])
+                            out[row, to + U(i)] = np.float32(np.int32((b & np.int32(15)) - np.int32(8))) * d
+                            out[row, to + U(i + 16)] = np.float32(np.int32((b >> np.int32(4)) - np.int32(8))) * d
+                        else:
+                            out[row, to + U(i)] = np.float32(codes[gg, at + U(i)]) * d
+
+
 def dequantize_q8_0_r8(q: np.ndarray, out: np.ndarray) -> None:
     """Q8_0_R8 groups [rows / 8, 8 row bytes] -> rows."""
-    codes = q.view(np.int8)
-    for g in prange(q.shape[0]):
-        gg = U(g)
-        for ib in range(out.shape[1] // QK):
-            o = ib * (ROWS * 34)
-            for k in range(ROWS):
-                d = load_f16(q[g], o + 2 * k)
-                row = U(ROWS * g + k)
-                for j in range(QK // 4):
-                    at = U(o + 2 * ROWS + 32 * j + 4 * k)
-                    for i in range(4):
-                        out[row, U(QK * ib + 4 * j + i)] = np.float32(codes[gg, at + U(i)]) * d
+    _decode(q, out, False)
 
 
-@njit(**KERNEL)
 def dequantize_q4_0_r8(q: np.ndarray, out: np.ndarray) -> None:
     """Q4_0_R8 groups [rows / 8, 8 row bytes] -> rows."""
-    for g in prange(q.shape[0]):
-        gg = U(g)
-        for ib in range(out.shape[1] // QK):
-            o = ib * (ROWS * 18)
-            for k in range(ROWS):
-                d = load_f16(q[g], o + 2 * k)
-                row = U(ROWS * g + k)
-                for j in range(QK // 8):
-                    at = U(o + 2 * ROWS + 32 * j + 4 * k)
-                    for i in range(4):
-                        b = np.int32(q[gg, at + U(i)])
-                        out[row, U(QK * ib + 4 * j + i)] = np.float32(np.int32((b & np.int32(15)) - np.int32(8))) * d
-                        out[row, U(QK * ib + 4 * j + i + 16)] = np.float32(np.int32((b >> np.int32(4)) - np.int32(8))) * d
+    _decode(q, out, True)
