@@ -17,6 +17,13 @@ DATA = Path(__file__).parent / "data"
 PRE = {"qwen3": "qwen2", "llama": "llama-bpe"}
 
 
+@pytest.fixture(autouse=True)
+def _own_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test runs in a folder of its own, so a command's default output (`ikrun logits` writes logits.npy,
+    `ikrun imatrix` imatrix.dat) never lands in the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     return DATA
