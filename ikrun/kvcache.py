@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 KV_SHORTHANDS = {"f32": ("f32", "f32"), "f16": ("f16", "f16"), "k-f32": ("f32", "f16")}
 #: the names ik's -ctk / -ctv accept (common.cpp kv_cache_type_from_str), as ik spells them
 IK_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1", "q6_0", "q8_KV")
+#: the cache types (ik's names) that hold floats; ik writes the others blockwise quantized
+FLOAT_CACHES = ("f32", "f16", "bf16")
 #: the architectures whose caches a type other than f32/f16 is reproduced for: grouped-query K/V caches and
 #: DeepSeek's MLA latent cache (the DSA, openPangu and DeepSeek-V4 caches, with their indexer caches, are not)
 QUANTIZED_CACHE_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "glm4moe", "minimax-m2", "gpt-oss", "deepseek2")
@@ -151,14 +153,17 @@ def check_cache(cache: KvCache, cx: Context, numerics: Numerics, given: tuple[st
                        else numerics.check_value_cache(cx.arch, replace(cache, k=keys, v=given[1]), head_dim))
             if problem is not None:
                 raise ModelError(f"--cache-type-v {given[1]}: {problem}")
+        if keys not in FLOAT_CACHES and cache.k_hadamard and cx.hparam("attention.kv_lora_rank", 0):
+            raise ModelError(f"--k-cache-hadamard: --numerics {numerics.name} does not reproduce ik's transform of "
+                             f"{cx.path}'s quantized MLA latent cache")
         if keys == "f32" and cx.hparam("attention.kv_lora_rank", 0):
             raise ModelError(f"--cache-type-k f32: --numerics {numerics.name} reproduces an F32 key cache for "
                              f"grouped-query attention, not {cx.path}'s latent cache")
-        if keys in ("f32", "f16", "bf16"):  # ik drops the transform around a cache it does not quantize
+        if keys in FLOAT_CACHES:  # ik drops the transform around a cache it does not quantize
             cache = replace(cache, k=keys, k_hadamard=0)
         if cache.v == "f16":
             cache = replace(cache, v_hadamard=0)
-            if keys in ("f32", "f16", "bf16"):
+            if keys in FLOAT_CACHES:
                 return cache
     for flag, name in (("--cache-type-k", cache.k), ("--cache-type-v", cache.v)):
         if ggml_name(name) not in CACHE_WRITE_TYPES:

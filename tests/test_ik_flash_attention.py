@@ -143,12 +143,17 @@ def test_the_avx2_exponential_is_not_expf_and_ends_at_0_and_inf() -> None:
 
 REAL = DATA / "logits" / "deepseek-v3-heads192-fa-avx2"
 REAL_SHA256 = {"ik-f32.gguf": "16675deab855ab3ec35c9606d382238a6f87ac6c3175a5cccbae14314669e2be",
-               "kvb-q4_0.gguf": "19ed60f164290874518d91e8e56493cb267349d0f82dfc4ba204add487d66cbf"}
+               "kvb-q4_0.gguf": "19ed60f164290874518d91e8e56493cb267349d0f82dfc4ba204add487d66cbf",
+               "kvb-q8_0.gguf": "e27e8ca6ea50dea0c8e5f808e4baa7d6595972fba45adf07b03f69c3b439ee28",
+               "kvb-f16.gguf": "0e84cd3cad396929994fc2b40fe20aa85c7e80da49050844b366a7dad3d76071",
+               "kvb-bf16.gguf": "fc58a2201a9c709b8999ab21a44139dd1b8e71dfd0737658f13b9cd9e2360d8f"}
 
 
 @pytest.fixture(scope="module")
 def real_heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The files behind REAL, made again from their seed (its README), checked to be the very bytes ik ran."""
+    """The files behind REAL (and tests/data/logits/deepseek-v3-heads192-fa-ctk-avx2), made again from their seed
+    (the READMEs), checked to be the very bytes ik ran: the F32 file and copies with attn_kv_b alone in Q4_0, Q8_0,
+    F16 and BF16."""
     from ikconvert.cli import app as ikconvert_app
     from tests.mla_real_heads import make_checkpoint
 
@@ -158,7 +163,8 @@ def real_heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     res = runner.invoke(ikconvert_app, ["hf2gguf", str(hf), "--outtype", "f32", "--pre-tokenizer", "deepseek-v3",
                                         "--outfile", str(f32)])
     assert res.exit_code == 0, res.output
-    files = {"ik-f32.gguf": f32, "kvb-q4_0.gguf": _quantized_kv_b(f32, tmp / "kvb-q4_0.gguf", "Q4_0")}
+    files = {"ik-f32.gguf": f32, **{f"kvb-{t.lower()}.gguf": _quantized_kv_b(f32, tmp / f"kvb-{t.lower()}.gguf", t)
+                                    for t in ("Q4_0", "Q8_0", "F16", "BF16")}}
     for name, path in files.items():
         assert hashlib.sha256(path.read_bytes()).hexdigest() == REAL_SHA256[name], name
     return files

@@ -176,6 +176,15 @@ class Deepseek2(ArchModel):
             return "decode"
         return self.ctx.options.mla_path(n_tokens)
 
+    def check_context(self, n_ctx: int) -> None:
+        """A latent cache the arithmetic does not reproduce in the MLA form n_ctx-token chunks take, refused."""
+        kinds = ((n, self.ctx.weights.encoding(n).type.name if self.ctx.has(n) else "absent")
+                 for n in (f"blk.{i}.attn_kv_b.weight" for i in range(self.n_active)))
+        odd = next((kind for kind in kinds if kind[1] in ("F32", "absent")), None)
+        problem = self.ctx.numerics.latent_cache_problem(self.ctx.cache, self.mla_path(n_ctx), odd)
+        if problem is not None:
+            raise self.fail(problem)
+
     def computed_paths(self, n_ctx: int) -> dict[str, str]:
         return {"mla_path": self.mla_path(n_ctx)}
 

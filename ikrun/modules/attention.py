@@ -164,15 +164,15 @@ class MlaAttention:
                 raise ValueError("the prefill form takes no sinks and no window")
             if cx.observers and cx.has(b + "attn_kv_b.weight"):  # not a tensor ik derived at load
                 cx.observe(b + "attn_kv_b.weight", cache[:, self.n_rot :])
-            out = cx.numerics.materialized_attention(b, q_rope, q_nope, cache, self.kq_scale, cx.kv_store, keep=keep)
+            out = cx.numerics.materialized_attention(b, q_rope, q_nope, cache, self.kq_scale, cx.cache, keep=keep)
             return cx.linear(out.reshape(n, self.n_head * self.head_v), b + "attn_output")
         if cx.observers:
             self._observe_heads(cx, b + "attn_k_b.weight", q_nope.transpose(1, 0, 2))
         on_latent: Callable[[np.ndarray], None] | None = None
         if cx.observers and self.observe_values:
             on_latent = lambda lat: self._observe_heads(cx, b + "attn_v_b.weight", lat)  # noqa: E731
-        out = cx.numerics.latent_attention(b, q_rope, q_nope, cache, self.kq_scale, sinks=sinks, window=window,
-                                           keep=keep, on_latent=on_latent)
+        out = cx.numerics.latent_attention(b, q_rope, q_nope, cache, self.kq_scale, cx.cache, sinks=sinks,
+                                           window=window, keep=keep, on_latent=on_latent)
         out = out.reshape(n, self.n_head * self.head_v)
         if self.convolutions:
             out = cx.numerics.conv(out, cx.weight(b + "attn_o_conv.weight"))

@@ -227,6 +227,12 @@ class Numerics:
         through ik's Hadamard transform over blocks of `hadamard_block` values where given (ikrun/kvcache.py)."""
         return cache_holds(x, cache_type, hadamard_block)
 
+    def latent_cache_problem(self, kv: KvCache, path: str, odd_kv_b: tuple[str, str] | None) -> str | None:
+        """Why a run over the MLA latent cache `kv.k` in the form `path` ("prefill" / "decode"; `odd_kv_b`: the name
+        of an attn_kv_b that is F32 or absent, and which) is not computed as asked, or None: here every cache type
+        is its exact round trip."""
+        return None
+
     def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, cache_type: str,
                        q0: int = 0) -> np.ndarray:
         """The DSA indexer's causal scores [n, keys] (ops/indexer.indexer_scores) of queries q [n, heads, d], the
@@ -245,13 +251,15 @@ class Numerics:
         graph, attention_graph "on") is the same softmax."""
         return causal_attention(q, k, v, 1.0 / np.sqrt(head_dim), window=window, sinks=sinks)
 
-    def latent_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, scale: float, *,
-                         sinks: np.ndarray | None = None, window: int = 0, keep: np.ndarray | None = None,
+    def latent_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, scale: float,
+                         kv: KvCache, *, sinks: np.ndarray | None = None, window: int = 0,
+                         keep: np.ndarray | None = None,
                          on_latent: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """Multi-head latent attention in the absorbed form through block `b`'s attn_k_b / attn_v_b (ops/mla.py):
-        q_rope [n, H, R] (roped), q_nope [n, H, D], cache rows [n, R + C] ([k_rope | latent]); `sinks` [S, R + C]
-        seen by every query, a `window`, a `keep` mask [n, cache rows]; `on_latent` sees the heads' latents [H, n, C] as they
-        enter attn_v_b. Returns [n, H, V]."""
+        q_rope [n, H, R] (roped), q_nope [n, H, D], cache rows [n, R + C] ([k_rope | latent]) as kv_store returned
+        them for the caches `kv` (here decoded, so `kv` changes nothing); `sinks` [S, R + C] seen by every query, a
+        `window`, a `keep` mask [n, cache rows]; `on_latent` sees the heads' latents [H, n, C] as they enter
+        attn_v_b. Returns [n, H, V]."""
         n, n_head, _ = q_rope.shape
         n_lat = cache.shape[1] - q_rope.shape[2]
         kb, vb = b + "attn_k_b.weight", b + "attn_v_b.weight"
@@ -269,10 +277,10 @@ class Numerics:
                                 on_latent=on_latent, vb_input=lambda lat: self.activations(lat, vb))
 
     def materialized_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray,
-                               scale: float, store: Callable[[np.ndarray], np.ndarray], *,
-                               keep: np.ndarray | None = None) -> np.ndarray:
+                               scale: float, kv: KvCache, *, keep: np.ndarray | None = None) -> np.ndarray:
         """Multi-head latent attention in ik's prefill form through block `b`'s attn_kv_b (ops/mla.py): shapes as
-        latent_attention's; `store` rounds the materialised keys and values as the KV cache holds them."""
+        latent_attention's; the materialised keys and values are rounded as ik casts them to the latent cache's
+        type `kv.k` (kv_store)."""
         kvb, kb, vb = b + "attn_kv_b.weight", b + "attn_k_b.weight", b + "attn_v_b.weight"
         if self.weights.has(kvb):
             w_kvb = self.matmul_weight(kvb, cache.shape[0])
@@ -280,7 +288,8 @@ class Numerics:
             types = (self.weights.encoding(kb).type.name, self.weights.encoding(vb).type.name)
             w_kvb = self.weights.derived(kb, lambda _raw, w: derived_kv_b(w, self.weights.decode(vb), types,
                                                                           q_rope.shape[1]), DERIVED_KV_B, (vb,))
-        return materialized_attention(q_rope, q_nope, cache, w_kvb, scale, keep=keep, store=store)
+        return materialized_attention(q_rope, q_nope, cache, w_kvb, scale, keep=keep,
+                                      store=lambda x: self.kv_store(x, kv.k, kv.k_hadamard))
 
     # ---- matmuls ----------------------------------------------------------------------------------------------
     def activations(self, x: np.ndarray, weight_name: str) -> np.ndarray:

@@ -18,7 +18,7 @@ import numpy as np
 from ikquant.formats.cache_rows import cache_row_bytes
 from ikquant.types import type_by_name
 from ikrun.errors import ModelError
-from ikrun.kvcache import KvCache, blockwise_hadamard, ggml_name
+from ikrun.kvcache import FLOAT_CACHES, KvCache, blockwise_hadamard, cache_holds, ggml_name
 from ikrun.numerics.exact import Numerics
 from ikrun.numerics.ik.attention import ik_causal_attention, ik_latent_attention, ik_sink_latent_attention
 from ikrun.numerics.ik.delta_net import (
@@ -61,6 +61,7 @@ from ikrun.ops.indexer import scores_from_products
 from ikrun.ops.moe import ExpertGlu, RoutedExperts, group_by_expert, moe_experts, route
 from ikrun.ops.norm import rms_norm
 from ikrun.ops.rope import apply_rope
+from ikrun.options import MLA_PREFILL_MIN_TOKENS
 from ikrun.weights import CONVERTED, DERIVED, HEADS, INTEGER_TYPES, PACKED
 
 if TYPE_CHECKING:
@@ -73,10 +74,11 @@ FIXED_FULL_ATTENTION_INTERVAL = {"qwen3next": 4}
 #: run ggml's generic one (flash_attention.py)
 IQK_FA_HEADS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256), (320, 256), (512, 512),
                 (576, 512))
-#: the K cache types (ik's names) taken as floats; any other is a quantized key cache
-FLOAT_CACHES = ("f32", "f16", "bf16")
 #: the architectures whose quantized key caches were checked against ik (their grouped-query attention)
 QUANTIZED_KEY_ARCHS = ("qwen3", "qwen3moe", "glm4moe", "minimax-m2")
+#: the architectures whose MLA latent cache may be quantized -> the types (ik's names) reproduced for it, in the
+#: prefill form (its keys and values cast to the type, ik's own flash-attention kernel over them)
+MLA_QUANTIZED_LATENT = {"deepseek2": ("q8_0",)}
 #: the quantized key caches (ik's names) whose flash attention in ik's own kernel (IQK_FA_HEADS) is reproduced, from
 #: FLASH_REPACK_ROWS query rows on: it repacks a Q8_0 cache to Q8_0_R8 and multiplies it with the queries in Q8_2_X4;
 #: the others (key_cache.IQK_FA_KEY_BIAS) in their type's own kernel as stored (ggml's generic kernel takes the
@@ -241,11 +243,34 @@ class IkNumerics(Numerics):
         others = (*self.float_keys, *self.quantized_keys)
         if arch in QUANTIZED_KEY_ARCHS and cache_type in others:
             return None
+        if cache_type in MLA_QUANTIZED_LATENT.get(arch, ()) and cache_type in self.quantized_keys:
+            return None
         if not others:
             return (f"--numerics {self.name} reproduces ik's F16 and F32 key caches only (its build's K x Q kernels "
                     "for quantized ones were not checked); --numerics ik-avx2 reproduces some quantized key caches")
+        latent = "".join(f"; {'/'.join(types)} as {name}'s MLA latent" for name, types in MLA_QUANTIZED_LATENT.items())
         return (f"--numerics {self.name} reproduces ik's F16, F32, {', '.join(others)} key caches (the others on "
-                f"{', '.join(QUANTIZED_KEY_ARCHS)}), not a {cache_type} key cache on {arch}")
+                f"{', '.join(QUANTIZED_KEY_ARCHS)}{latent}), not a {cache_type} key cache on {arch}")
+
+    def latent_cache_problem(self, kv: KvCache, path: str, odd_kv_b: tuple[str, str] | None) -> str | None:
+        """Why ik's run over the MLA latent cache `kv.k` in the form `path` is not reproduced, or None: a quantized
+        cache (MLA_QUANTIZED_LATENT) in the prefill form only, over the file's own attn_kv_b, not F32 (`odd_kv_b`:
+        (name, "F32" or "absent") of one that is not: ik converts the decoded cache for an F32 matmul with a
+        conversion F32 lacks, and crashes; the attn_kv_b ik derives at load is not reproduced under it)."""
+        if kv.k in FLOAT_CACHES:
+            return None
+        if path != "prefill":
+            return (f"--cache-type-k {kv.k}: ik's attention over a {kv.k} latent cache in the absorbed form (batches "
+                    f"under {MLA_PREFILL_MIN_TOKENS} tokens under --mla auto, or --mla decode) is not reproduced; the "
+                    "prefill form is")
+        if odd_kv_b is not None and odd_kv_b[1] == "F32":
+            return (f"--cache-type-k {kv.k}: {odd_kv_b[0]} is F32, and ik's prefill form converts a quantized latent "
+                    "cache for an F32 matmul with a conversion F32 lacks (ik crashes there); quantize attn_kv_b or "
+                    "run the exact arithmetic")
+        if odd_kv_b is not None:
+            return (f"--cache-type-k {kv.k}: the file has no {odd_kv_b[0]}; the one ik derives at load is not "
+                    f"reproduced over a {kv.k} latent cache")
+        return None
 
     def check_value_cache(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
         """Why this arithmetic cannot reproduce ik's run with the value cache `kv.v` (not F16), or None: ik's flash
@@ -482,20 +507,24 @@ class IkNumerics(Numerics):
         assert ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
         return key_products(q, k, type_name, ints, self._activation_format(type_name))
 
-    def latent_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, scale: float, *,
-                         sinks: np.ndarray | None = None, window: int = 0, keep: np.ndarray | None = None,
+    def latent_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, scale: float,
+                         kv: KvCache, *, sinks: np.ndarray | None = None, window: int = 0,
+                         keep: np.ndarray | None = None,
                          on_latent: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """ik's attention kernels with attn_k_b / attn_v_b per head as ik's kernels multiply them: DeepSeek's plain
         causal form (with GLM's DSA keep mask, ik's sparse mask), and openPangu's with sinks (its unfused chain, in
-        ik's [latent | rope] layout)."""
+        ik's [latent | rope] layout). A quantized latent cache is reproduced in the prefill form only."""
+        problem = self.latent_cache_problem(kv, "decode", None)
+        if problem is not None:
+            raise ModelError(problem)
         n, n_head, n_rot = q_rope.shape
         n_lat = cache.shape[1] - n_rot
         plain = sinks is None and window == 0
         if len(cache) != n and (sinks is not None or window > 0):
             raise ValueError("a continued sequence's MLA takes no sinks or window")
         if (n_rot + n_lat) % self.lanes or not (plain or sinks is not None):
-            return super().latent_attention(b, q_rope, q_nope, cache, scale, sinks=sinks, window=window, keep=keep,
-                                            on_latent=on_latent)
+            return super().latent_attention(b, q_rope, q_nope, cache, scale, kv, sinks=sinks, window=window,
+                                            keep=keep, on_latent=on_latent)
         k_b, v_b = self._mla_heads(b, n_head, q_nope.shape[2])
         q_lat = self.head_product(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight", k_b)
         if sinks is None:
@@ -524,24 +553,45 @@ class IkNumerics(Numerics):
                 derived_v_b_source(kvb, type_name, n_head, n_nope, rows // n_head - n_nope))
 
     def materialized_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray,
-                               scale: float, store: Callable[[np.ndarray], np.ndarray], *,
-                               keep: np.ndarray | None = None) -> np.ndarray:
-        """ik's prefill form: attn_kv_b times the f16 latent in ik's matmul, keys and values cast to f16, then ik's
-        own flash-attention kernel for the head sizes it takes (iqk_flash_attention.py), ggml's generic one for the
-        others (flash_attention.py); a keep mask or a derived attn_kv_b keeps this runtime's float order around ik's
-        matmuls."""
+                               scale: float, kv: KvCache, *, keep: np.ndarray | None = None) -> np.ndarray:
+        """ik's prefill form: attn_kv_b times the latent cache in ik's matmul, keys and values cast to the cache's
+        type, then ik's own flash-attention kernel for the head sizes it takes (iqk_flash_attention.py), ggml's
+        generic one for the others (flash_attention.py); a keep mask or a derived attn_kv_b keeps this runtime's
+        float order around ik's matmuls. Over a quantized latent cache (MLA_QUANTIZED_LATENT; `cache` then holds the
+        rows before ik's write) the matmul takes the cache's latent decoded, the keys [roped key | nope] are the
+        cache's rope blocks beside the nope keys written in the type (blockwise, so the rows before the write stand
+        for both) and multiplied by ik's integer kernel, the values decoded after their write."""
         kvb = b + "attn_kv_b.weight"
-        if keep is not None or not self.weights.has(kvb):
-            return super().materialized_attention(b, q_rope, q_nope, cache, scale, store, keep=keep)
+        quantized = kv.k not in FLOAT_CACHES
+        weight_type = self.weights.encoding(kvb).type.name if self.weights.has(kvb) else "absent"
+        if quantized:
+            problem = self.latent_cache_problem(kv, "prefill", (kvb, weight_type) if weight_type in (
+                "F32", "absent") else None)
+            if problem is not None:
+                raise ModelError(problem)
+        if keep is not None or weight_type == "absent":
+            return super().materialized_attention(b, q_rope, q_nope, cache, scale, kv, keep=keep)
         _, n_head, n_rope = q_rope.shape
         n_nope, n_keys = q_nope.shape[2], len(cache)
-        kv = self.project(np.ascontiguousarray(cache[:, n_rope:]), kvb).reshape(n_keys, n_head, -1)
+        latent = cache[:, n_rope:]
+        if quantized:
+            # ik decodes the cache rows, then converts them to the weight's vec_dot_type: F16 / BF16 rows for those
+            # weights (a float input would take its own float kernel), the activation blocks otherwise (as a float)
+            latent = cache_holds(cache, kv.k)[:, n_rope:]
+            if weight_type in ("F16", "BF16"):
+                latent = cache_holds(latent, weight_type.lower())
+        kv_rows = self.project(np.ascontiguousarray(latent), kvb).reshape(n_keys, n_head, -1)
         k = np.empty((n_head, n_keys, n_rope + n_nope), dtype=np.float32)
         k[:, :, :n_rope] = cache[None, :, :n_rope]
-        k[:, :, n_rope:] = store(kv[:, :, :n_nope]).transpose(1, 0, 2)
-        v = np.ascontiguousarray(store(kv[:, :, n_nope:]).transpose(1, 0, 2))
         q = np.ascontiguousarray(np.concatenate([q_rope, q_nope], axis=2).transpose(1, 0, 2), dtype=np.float32)
-        return flash_attention(q, k, v, scale).transpose(1, 0, 2)
+        if not quantized:
+            k[:, :, n_rope:] = self.kv_store(kv_rows[:, :, :n_nope], kv.k).transpose(1, 0, 2)
+            v = np.ascontiguousarray(self.kv_store(kv_rows[:, :, n_nope:], kv.k).transpose(1, 0, 2))
+            return flash_attention(q, k, v, scale).transpose(1, 0, 2)
+        k[:, :, n_rope:] = kv_rows[:, :, :n_nope].transpose(1, 0, 2)
+        v = np.ascontiguousarray(cache_holds(kv_rows[:, :, n_nope:], kv.k).transpose(1, 0, 2))
+        scores = self._flash_key_products(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.shape[2], kv.k)
+        return flash_attention(q, k, v, scale, scores).transpose(1, 0, 2)
 
     # ---- matmuls: ik's kernels ------------------------------------------------------------------------------
     def _format(self, weight_name: str) -> str:
