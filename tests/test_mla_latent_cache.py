@@ -24,8 +24,8 @@ runner = CliRunner()
 FOLDER = Path(__file__).parent / "data" / "logits" / "deepseek-v3-heads192-fa-ctk-avx2"
 
 
-def _model(path: Path, numerics: str = "ik-avx2", **options: Any) -> Model:
-    return Model(path, options=RuntimeOptions(numerics=numerics, **options), cache_type_k="q8_0")
+def _model(path: Path) -> Model:
+    return Model(path, options=RuntimeOptions(numerics="ik-avx2"), cache_type_k="q8_0")
 
 
 @pytest.mark.parametrize("weight", ["q4_0", "f16"])
