@@ -178,12 +178,12 @@ class Deepseek2(ArchModel):
 
     def check_context(self, n_ctx: int) -> None:
         """A latent cache the arithmetic does not reproduce in the MLA form n_ctx-token chunks take, refused."""
-        kinds = ((n, self.ctx.weights.encoding(n).type.name if self.ctx.has(n) else "absent")
-                 for n in (f"blk.{i}.attn_kv_b.weight" for i in range(self.n_active)))
-        odd = next((kind for kind in kinds if kind[1] in ("F32", "absent")), None)
-        problem = self.ctx.numerics.latent_cache_problem(self.ctx.cache, self.mla_path(n_ctx), odd)
-        if problem is not None:
-            raise self.fail(problem)
+        path = self.mla_path(n_ctx)
+        for name in (f"blk.{i}.attn_kv_b.weight" for i in range(self.n_active)):
+            kind = self.ctx.weights.encoding(name).type.name if self.ctx.has(name) else "absent"
+            problem = self.ctx.numerics.latent_cache_problem(self.ctx.cache, path, (name, kind))
+            if problem is not None:
+                raise self.fail(problem)
 
     def computed_paths(self, n_ctx: int) -> dict[str, str]:
         return {"mla_path": self.mla_path(n_ctx)}

@@ -252,23 +252,24 @@ class IkNumerics(Numerics):
         return (f"--numerics {self.name} reproduces ik's F16, F32, {', '.join(others)} key caches (the others on "
                 f"{', '.join(QUANTIZED_KEY_ARCHS)}{latent}), not a {cache_type} key cache on {arch}")
 
-    def latent_cache_problem(self, kv: KvCache, path: str, odd_kv_b: tuple[str, str] | None) -> str | None:
+    def latent_cache_problem(self, kv: KvCache, path: str, kv_b: tuple[str, str] | None) -> str | None:
         """Why ik's run over the MLA latent cache `kv.k` in the form `path` is not reproduced, or None: a quantized
-        cache (MLA_QUANTIZED_LATENT) in the prefill form only, over the file's own attn_kv_b, not F32 (`odd_kv_b`:
-        (name, "F32" or "absent") of one that is not: ik converts the decoded cache for an F32 matmul with a
-        conversion F32 lacks, and crashes; the attn_kv_b ik derives at load is not reproduced under it)."""
+        cache (MLA_QUANTIZED_LATENT) in the prefill form only, over the file's own attn_kv_b, not F32 (`kv_b`: a
+        block's attn_kv_b and its type, "absent" where the file has none: ik converts the decoded cache for an F32
+        matmul with a conversion F32 lacks, and crashes; the attn_kv_b ik derives at load is not reproduced under
+        it)."""
         if kv.k in FLOAT_CACHES:
             return None
         if path != "prefill":
             return (f"--cache-type-k {kv.k}: ik's attention over a {kv.k} latent cache in the absorbed form (batches "
                     f"under {MLA_PREFILL_MIN_TOKENS} tokens under --mla auto, or --mla decode) is not reproduced; the "
                     "prefill form is")
-        if odd_kv_b is not None and odd_kv_b[1] == "F32":
-            return (f"--cache-type-k {kv.k}: {odd_kv_b[0]} is F32, and ik's prefill form converts a quantized latent "
+        if kv_b is not None and kv_b[1] == "F32":
+            return (f"--cache-type-k {kv.k}: {kv_b[0]} is F32, and ik's prefill form converts a quantized latent "
                     "cache for an F32 matmul with a conversion F32 lacks (ik crashes there); quantize attn_kv_b or "
                     "run the exact arithmetic")
-        if odd_kv_b is not None:
-            return (f"--cache-type-k {kv.k}: the file has no {odd_kv_b[0]}; the one ik derives at load is not "
+        if kv_b is not None and kv_b[1] == "absent":
+            return (f"--cache-type-k {kv.k}: the file has no {kv_b[0]}; the one ik derives at load is not "
                     f"reproduced over a {kv.k} latent cache")
         return None
 
@@ -562,17 +563,15 @@ class IkNumerics(Numerics):
         cache's rope blocks beside the nope keys written in the type (blockwise, so the rows before the write stand
         for both) and multiplied by ik's integer kernel, the values decoded after their write."""
         kvb = b + "attn_kv_b.weight"
-        quantized = kv.k not in FLOAT_CACHES
         weight_type = self.weights.encoding(kvb).type.name if self.weights.has(kvb) else "absent"
-        if quantized:
-            problem = self.latent_cache_problem(kv, "prefill", (kvb, weight_type) if weight_type in (
-                "F32", "absent") else None)
-            if problem is not None:
-                raise ModelError(problem)
+        problem = self.latent_cache_problem(kv, "prefill", (kvb, weight_type))
+        if problem is not None:
+            raise ModelError(problem)
         if keep is not None or weight_type == "absent":
             return super().materialized_attention(b, q_rope, q_nope, cache, scale, kv, keep=keep)
         _, n_head, n_rope = q_rope.shape
         n_nope, n_keys = q_nope.shape[2], len(cache)
+        quantized = kv.k not in FLOAT_CACHES
         latent = cache[:, n_rope:]
         if quantized:
             # ik decodes the cache rows, then converts them to the weight's vec_dot_type: F16 / BF16 rows for those
@@ -581,16 +580,14 @@ class IkNumerics(Numerics):
             if weight_type in ("F16", "BF16"):
                 latent = cache_holds(latent, weight_type.lower())
         kv_rows = self.project(np.ascontiguousarray(latent), kvb).reshape(n_keys, n_head, -1)
+        nope = kv_rows[:, :, :n_nope]
         k = np.empty((n_head, n_keys, n_rope + n_nope), dtype=np.float32)
         k[:, :, :n_rope] = cache[None, :, :n_rope]
-        q = np.ascontiguousarray(np.concatenate([q_rope, q_nope], axis=2).transpose(1, 0, 2), dtype=np.float32)
-        if not quantized:
-            k[:, :, n_rope:] = self.kv_store(kv_rows[:, :, :n_nope], kv.k).transpose(1, 0, 2)
-            v = np.ascontiguousarray(self.kv_store(kv_rows[:, :, n_nope:], kv.k).transpose(1, 0, 2))
-            return flash_attention(q, k, v, scale).transpose(1, 0, 2)
-        k[:, :, n_rope:] = kv_rows[:, :, :n_nope].transpose(1, 0, 2)
+        k[:, :, n_rope:] = (nope if quantized else cache_holds(nope, kv.k)).transpose(1, 0, 2)
         v = np.ascontiguousarray(cache_holds(kv_rows[:, :, n_nope:], kv.k).transpose(1, 0, 2))
-        scores = self._flash_key_products(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.shape[2], kv.k)
+        q = np.ascontiguousarray(np.concatenate([q_rope, q_nope], axis=2).transpose(1, 0, 2), dtype=np.float32)
+        scores = self._flash_key_products(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.shape[2], kv.k) \
+            if quantized else None
         return flash_attention(q, k, v, scale, scores).transpose(1, 0, 2)
 
     # ---- matmuls: ik's kernels ------------------------------------------------------------------------------
