@@ -14,6 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from ikrun.cli import app
+from ikrun.eval.evaluate import perplexity
+from ikrun.eval.metrics import BaseLogitsFile
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
 from tests.family_checks import assert_iks_forward, iks_running_ppl, running_ppl
@@ -43,9 +45,6 @@ def test_q8_0_latent_cache_is_iks_default_run(real_heads: dict[str, Path], weigh
 def test_q8_0_latent_cache_prints_iks_perplexities(real_heads: dict[str, Path], weight: str,  # noqa: F811
                                                    ppl: str) -> None:
     """attn_kv_b in Q8_0 and BF16, -ctk q8_0: every running PPL ik printed."""
-    from ikrun.eval.evaluate import perplexity
-    from ikrun.eval.metrics import BaseLogitsFile
-
     printed = FOLDER / f"kvb-{weight}-ctk-q8_0-base.txt"
     assert f"= {ppl} +/-" in printed.read_text(errors="replace")
     res = perplexity(_model(real_heads[f"kvb-{weight}.gguf"]),
