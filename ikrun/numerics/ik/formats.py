@@ -223,36 +223,40 @@ def _q6_k_to_q8_0(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
 @njit(cache=True, nogil=True, parallel=True)
 def _q8_k_blocks(decoded: np.ndarray, dsup: np.ndarray, dscale: np.ndarray, inv_c: np.float32, q: np.ndarray,
                  scale: np.ndarray, threads: int) -> None:
-    """The rows in tasks the threads claim (ikrun/ops/parallel.py)."""
+    """The rows in tasks the threads claim (ikrun/ops/parallel.py). Each loop is one vector loop: the branches
+    hoisted out of them, max|p| taken as the largest of the values' bits without the sign (a float maximum stays
+    scalar: LLVM may not reorder its NaN cases), the int8 values converted through int32 (a direct float -> int8
+    conversion stayed scalar); 2.1 -> 0.6 ns a value."""
     items = dsup.shape[0]
     per, counter = task_items(items, threads), np.zeros(1, np.int64)
     for _ in prange(threads):
         p = np.empty(SUPER, np.float32)
+        p_bits = p.view(np.int32)
         i0, i1 = claim_items(counter, per, items)
         while i0 < i1:
             for r in range(i0, i1):
                 for b in range(dsup.shape[1]):
                     ds = dsup[r, b]
                     src, dst = decoded[r, b * SUPER:(b + 1) * SUPER], q[r, b * SUPER:(b + 1) * SUPER]
-                    # the branches hoisted out of the value loops, so that each loop is one vector loop
                     if ds != 0:
                         for j in range(SUPER):
                             p[j] = np.rint(src[j] / ds)
                     else:
                         p[:] = 0
-                    amax = np.float32(0.0)
+                    most = np.int32(0)
                     for j in range(SUPER):
-                        amax = max(amax, abs(p[j]))
-                    dnew = amax * inv_c
+                        most = max(most, p_bits[j] & np.int32(0x7FFFFFFF))
+                    dnew = f32_from_bits(np.uint32(most)) * inv_c
                     small = dnew < 1
                     if small:
                         dnew = np.float32(1.0)
                         for j in range(SUPER):
-                            dst[j] = np.int8(p[j])
+                            dst[j] = np.int8(np.int32(p[j]))
                     else:
                         inv = np.float32(1.0) / dnew if abs(dnew) > np.float32(1e-9) else np.float32(0.0)
                         for j in range(SUPER):
-                            dst[j] = np.int8(min(np.float32(127.0), max(np.float32(-128.0), np.rint(p[j] * inv))))
+                            dst[j] = np.int8(np.int32(min(np.float32(127.0), max(np.float32(-128.0),
+                                                                                   np.rint(p[j] * inv)))))
                     scale[r, b] = f16_bits_to_f32(f32_to_f16_bits(dscale[r, b] * dnew))
             i0, i1 = claim_items(counter, per, items)
 
