@@ -226,11 +226,12 @@ class WeightStore:
         return w
 
     def derived(self, name: str, make: Callable[[np.ndarray, np.ndarray], D], kind: int = DERIVED,
-                also: tuple[str, ...] = ()) -> D:
+                also: tuple[str, ...] = (), direct: Callable[[np.ndarray], D | None] | None = None) -> D:
         """make(raw rows, their float32 decoding [rows, n_per_row]) for tensor `name`'s current encoding (ik's
         converted weights: DERIVED for their floats, PACKED for the integers qmatmul takes); cached while the
         capacity allows and forgotten with the tensor (swaps, restores, evictions), and with the tensors `also`
-        that `make` reads too. The decoding itself is not cached: only what is made from it is used."""
+        that `make` reads too. The decoding itself is not cached: only what is made from it is used. `direct`
+        makes the same from the raw rows alone where it can (None where it declines): then nothing is decoded."""
         key = (name, kind)
         for other in also:
             self._made_from.setdefault(other, set()).add(key)
@@ -238,13 +239,14 @@ class WeightStore:
         if hit is not None:
             return cast(D, hit)
         info, enc = self.info(name), self.encoding(name)
-        value = make(enc.raw, self._decode_rows(name, enc, enc.raw, info.n_per_row))
+        value = self._make(name, enc, enc.raw, info.n_per_row, make, direct)
         self._release(name)
         self._keep(key, value, b"")
         return value
 
     def derived_expert(self, name: str, expert: int, make: Callable[[np.ndarray, np.ndarray], D],
-                       keep: bool = True, kind: int = PACKED) -> D:
+                       keep: bool = True, kind: int = PACKED,
+                       direct: Callable[[np.ndarray], D | None] | None = None) -> D:
         """What `derived` makes, for one matrix of a 3-D expert tensor (ik's integers of a routed expert); cached
         when `keep` (`keeps_experts`: a layer-streamed pass that meets each expert once keeps nothing)."""
         key = (name, expert, kind)
@@ -255,11 +257,23 @@ class WeightStore:
         enc = self.encoding(name)
         raw = enc.raw.reshape(n_expert, rows, -1)[expert]
         whole = self.cached_array(name)
-        value = make(raw, whole[expert] if whole is not None else self._decode_rows(name, enc, raw, cols))
+        value = make(raw, whole[expert]) if whole is not None else self._make(name, enc, raw, cols, make, direct)
         self._release(name)
         if keep:
             self._keep(key, value, b"", make_room=not self.streaming)
         return value
+
+    def _make(self, name: str, enc: Encoding, raw: np.ndarray, n_per_row: int,
+              make: Callable[[np.ndarray, np.ndarray], D], direct: Callable[[np.ndarray], D | None] | None) -> D:
+        """direct(raw) where given and it does not decline (counted in `reads` as a decoding is), else make(raw,
+        its decoding)."""
+        if direct is not None:
+            with threads_for(raw.shape[0] * n_per_row):
+                value = direct(raw)
+            if value is not None:
+                self.reads[name] += raw.nbytes
+                return value
+        return make(raw, self._decode_rows(name, enc, raw, n_per_row))
 
     def integers(self, name: str) -> np.ndarray:
         """An integer tensor (I8/I16/I32/I64: a routing table, not a weight) as int64 in numpy order."""

@@ -640,7 +640,14 @@ class IkNumerics(Numerics):
         if ints is None:
             return None
         kind = PACKED + CONVERTED * kernel.converts(n_act_rows, rows, threads)
-        return self.weights.derived(name, lambda raw, decoded: pack(ints(raw, decoded)), kind)
+        return self.weights.derived(name, lambda raw, decoded: pack(ints(raw, decoded)), kind,
+                                    direct=self._direct(kernel, n_act_rows, rows, threads))
+
+    def _direct(self, kernel: IkKernel, n_act_rows: int, n_weight_rows: int,
+                threads: int | None = None) -> Callable[[np.ndarray], PackedInts | None] | None:
+        """What makes `_integers`' result packed straight from the raw rows, where something does
+        (IkKernel.packed)."""
+        return kernel.packed(n_act_rows, n_weight_rows, threads)
 
     def _float_kind(self, name: str) -> str | None:
         """F32, F16 or BF16 where ik multiplies weight `name` in its float kernels on rows they take whole."""
@@ -739,9 +746,12 @@ class IkNumerics(Numerics):
         ints = self._expert_ints(name, count)
         if ints is None:
             return None
-        converted = ik_kernel(self.weights.encoding(name).type.name).converts(count, self.weights.info(name).shape[1])
+        kernel = ik_kernel(self.weights.encoding(name).type.name)
+        rows = self.weights.info(name).shape[1]
         return self.weights.derived_expert(name, expert, lambda raw, decoded: pack(ints(raw, decoded)),
-                                           keep=self.weights.keeps_experts, kind=PACKED + CONVERTED * converted)
+                                           keep=self.weights.keeps_experts,
+                                           kind=PACKED + CONVERTED * kernel.converts(count, rows),
+                                           direct=self._direct(kernel, count, rows))
 
     def convert_experts(self, name: str, ids: np.ndarray, counts: np.ndarray, mats: np.ndarray) -> np.ndarray:
         """Each expert as ik multiplies it for its token count (ik decides per expert: is_dequant_better on the rows

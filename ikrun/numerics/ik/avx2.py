@@ -14,15 +14,18 @@ types, and AVX-512-only flags, are refused before any compute; the integer kerne
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ikrun.errors import ModelError
 from ikrun.numerics.ik.arithmetic import IkNumerics
 from ikrun.numerics.ik.formats import UNROUNDED, IkKernel, ToInts
-from ikrun.numerics.ik.qgemm import ORDER_Q8_1, ORDER_Q8_1_AVX2, ORDER_R8, ORDER_R8_AVX2
+from ikrun.numerics.ik.qgemm import ORDER_Q8_1, ORDER_Q8_1_AVX2, ORDER_R8, ORDER_R8_AVX2, PackedInts
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from ikquant.types import GGMLType
 
 #: the architectures whose ik graph was checked against ik's AVX2 build op for op
@@ -88,3 +91,9 @@ class IkAvx2Numerics(IkNumerics):
             return replace(held, order=AVX2_ORDERS[held.order])
 
         return avx2
+
+    def _direct(self, kernel: IkKernel, n_act_rows: int, n_weight_rows: int,
+                threads: int | None = None) -> Callable[[np.ndarray], PackedInts | None] | None:
+        """None: the integers packed straight from the bytes are in orders this build's kernels do not take (and
+        `_integers` says so)."""
+        return None

@@ -72,7 +72,17 @@ from numba import get_num_threads, njit, prange
 from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ6NL_VALUES
 from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits
 from ikrun.errors import NumericsError
-from ikrun.numerics.ik.qgemm import ORDER_Q8_1, ORDER_QX_0_NATIVE, ORDER_R8, ORDER_R16, TILE, BlockInts, IntRows
+from ikrun.numerics.ik.q8k_direct import iq4_ks_packed
+from ikrun.numerics.ik.qgemm import (
+    ORDER_Q8_1,
+    ORDER_QX_0_NATIVE,
+    ORDER_R8,
+    ORDER_R16,
+    TILE,
+    BlockInts,
+    IntRows,
+    PackedInts,
+)
 from ikrun.ops.parallel import claim_items, run_claimed, task_items
 
 Q8_2_X4 = "Q8_2_X4"
@@ -104,6 +114,8 @@ class IkKernel:
     rescales: bool = False
     #: the values ik's native kernel multiplies where they are neither the decoding nor `ints` (IQ6_K's table)
     native: ToInts | None = None
+    #: `convert` packed for qmatmul straight from the raw rows (q8k_direct.py); None where it declines the rows
+    convert_packed: Callable[[np.ndarray], PackedInts | None] | None = None
 
     def converts(self, n_act_rows: int, n_weight_rows: int, threads: int | None = None) -> bool:
         """Whether ik converts the weights of a matmul with `n_act_rows` activation rows and `n_weight_rows` weight
@@ -117,6 +129,11 @@ class IkKernel:
         """The integers of such a matmul, None where ik multiplies floats or the stored weights of a type not held
         as integers here."""
         return self.convert if self.converts(n_act_rows, n_weight_rows, threads) else self.ints
+
+    def packed(self, n_act_rows: int, n_weight_rows: int,
+               threads: int | None = None) -> Callable[[np.ndarray], PackedInts | None] | None:
+        """`convert_packed` where such a matmul converts the weights (`converts`), else None."""
+        return self.convert_packed if self.converts(n_act_rows, n_weight_rows, threads) else None
 
     def float_values(self, n_act_rows: int, n_weight_rows: int, threads: int | None = None) -> ToInts | None:
         """Where a float matmul must multiply other values than the exact decoding (converted weights, or stored
@@ -403,8 +420,9 @@ IK_KERNELS: dict[str, IkKernel] = {
         ("IQ2_K", 76, 120), ("IQ3_K", 110, 127), ("IQ4_K", 144, 127), ("IQ5_K", 176, 127), ("IQ4_XS", 136, 127))},
     "IQ6_K": IkKernel(Q8_K, 32, _iq6_k_to_q8_k, native=_iq6_k_native),
     **{t: IkKernel(Q8_K, 32, _row_scaled_to_q8_k(scale, c)) for t, scale, c in (
-        ("IQ2_KS", "f16", 125), ("IQ2_KL", "f16", 125), ("IQ3_KS", "f16", 127), ("IQ4_KS", "f32", 127),
+        ("IQ2_KS", "f16", 125), ("IQ2_KL", "f16", 125), ("IQ3_KS", "f16", 127),
         ("IQ4_KSS", "f32", 127), ("IQ5_KS", "f32", 127))},
+    "IQ4_KS": IkKernel(Q8_K, 32, _row_scaled_to_q8_k("f32", 127), convert_packed=lambda raw: iq4_ks_packed(raw, 127)),
     **{t: _kt_kernel(t, rows) for t, rows in (("IQ1_KT", 16), ("IQ2_KT", 16), ("IQ3_KT", 16), ("IQ4_KT", 24))},
     **{t: IkKernel(Q8_K, rows, _iquant_to_q8_k(block_d, c)) for t, block_d, rows, c in (
         ("IQ2_XXS", _leading_f16(66), 32, 124), ("IQ2_XS", _leading_f16(74), 32, 124),
