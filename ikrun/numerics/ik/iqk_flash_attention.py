@@ -107,15 +107,22 @@ def avx2_expf(x: np.float32) -> np.float32:
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _dot(q: np.ndarray, k: np.ndarray) -> np.float32:
-    """ik's float GEMM for one (query, key) pair: one fused accumulator per half of each 8 elements."""
-    lo = np.float32(0.0)
-    hi = np.float32(0.0)
+def _block_scores(q: np.ndarray, kt: np.ndarray, b0: int, n_in: int, lo: np.ndarray, hi: np.ndarray,
+                  sc: np.float32, s: np.ndarray) -> None:
+    """s[l] = (q . key b0 + l) x sc for the block's n_in keys, each dot in ik's float GEMM order: one fused
+    accumulator per half of each 8 elements, added at the end. The keys are the vector lanes (kt [Dk, keys]: keys
+    transposed), so the chains of one key's dot, which wait on each other, run side by side with other keys'."""
+    lo[:n_in] = 0.0
+    hi[:n_in] = 0.0
     for i in range(0, q.shape[0], LANES):
         for c in range(4):
-            lo = fmaf(k[i + c], q[i + c], lo)
-            hi = fmaf(k[i + 4 + c], q[i + 4 + c], hi)
-    return lo + hi
+            q_lo, q_hi = q[i + c], q[i + 4 + c]
+            k_lo, k_hi = kt[i + c, b0:b0 + n_in], kt[i + 4 + c, b0:b0 + n_in]
+            for l in range(n_in):
+                lo[l] = fmaf(k_lo[l], q_lo, lo[l])
+                hi[l] = fmaf(k_hi[l], q_hi, hi[l])
+    for l in range(n_in):
+        s[l] = (lo[l] + hi[l]) * sc
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
@@ -165,7 +172,6 @@ def _store(sums: np.ndarray, total: np.float32, out: np.ndarray) -> None:
         out[d] = inv * sums[d]
 
 
-@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def iqk_flash_attention(q: np.ndarray, k: np.ndarray, scores: np.ndarray, v: np.ndarray, scale: float, first: int,
                         k_step: int, out: np.ndarray) -> None:
     """Causal attention of q [H, n, Dk] (float32) against k [H_kv, n_keys, Dk] and v [H_kv, n_keys, Dv] (f16 values
@@ -173,22 +179,34 @@ def iqk_flash_attention(q: np.ndarray, k: np.ndarray, scores: np.ndarray, v: np.
     seeing keys 0..first + t, in blocks of k_step keys; out [H, n, Dv]. `scores` [H, n, n_keys]: the products q . k
     ik's integer kernel computed over a quantized key cache (key_cache.key_products), or empty (NO_SCORES): the float
     dot over F16 keys."""
+    kt = np.ascontiguousarray(k.transpose(0, 2, 1), dtype=np.float32) if scores.size == 0 else NO_SCORES
+    _attention(q, kt, scores, v, np.float32(scale), first, k_step, out)
+
+
+@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
+def _attention(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, v: np.ndarray, sc: np.float32, first: int,
+               k_step: int, out: np.ndarray) -> None:
+    """iqk_flash_attention with the keys transposed (kt [H_kv, Dk, n_keys]; unused where `scores` are given)."""
     n_head, n = out.shape[0], out.shape[1]
     group = n_head // v.shape[0]
     given = scores.size > 0
-    sc = np.float32(scale)
     for job in prange(n_head * n):
         h, t = job // n, job % n
         g = h // group
         visible = first + t + 1
         s = np.empty(k_step, dtype=np.float32)
         p = np.empty(k_step, dtype=np.float32)
+        lo = np.empty(k_step, dtype=np.float32)
+        hi = np.empty(k_step, dtype=np.float32)
         sums = np.zeros(v.shape[2], dtype=np.float32)
         total = np.float32(0.0)
         top = np.float32(-np.inf)
         for b0 in range(0, visible, k_step):
             n_in = min(k_step, visible - b0)
-            for l in range(n_in):
-                s[l] = (scores[h, t, b0 + l] if given else _dot(q[h, t], k[g, b0 + l])) * sc
+            if given:
+                for l in range(n_in):
+                    s[l] = scores[h, t, b0 + l] * sc
+            else:
+                _block_scores(q[h, t], kt[g], b0, n_in, lo, hi, sc, s)
             total, top = _block_step(s, n_in, p, v, g, b0, sums, total, top)
         _store(sums, total, out[h, t])
