@@ -70,7 +70,7 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 
 from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ6NL_VALUES
-from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits
+from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits, load_f16
 from ikrun.errors import NumericsError
 from ikrun.numerics.ik.q8k_direct import iq4_ks_packed
 from ikrun.numerics.ik.qgemm import (
@@ -82,6 +82,7 @@ from ikrun.numerics.ik.qgemm import (
     BlockInts,
     IntRows,
     PackedInts,
+    pack,
 )
 from ikrun.ops.parallel import claim_items, run_claimed, task_items
 
@@ -180,6 +181,18 @@ def _in_r8(ints: ToInts) -> ToInts:
     return lambda raw, decoded: replace(ints(raw, decoded), order=ORDER_R8)
 
 
+def _k_kernel(five_bits: bool) -> IkKernel:
+    """Q4_K / Q5_K: converted to Q8_1 from 32 activation rows on (_k_to_q8_1), from the bytes alone."""
+    return IkKernel(Q8_2_X4, 32, lambda raw, decoded: _k_to_q8_1(raw, five_bits),
+                    convert_packed=lambda raw: pack(_k_to_q8_1(raw, five_bits)))
+
+
+def _q6_k_packed(raw: np.ndarray) -> PackedInts | None:
+    """Q6_K's conversion packed straight from the bytes (IkKernel.convert_packed); None where _q6_k_ints declines."""
+    ints = _q6_k_ints(raw)
+    return None if ints is None else pack(replace(ints, order=ORDER_R8))
+
+
 def _r8_kernel(ints: ToInts, bias: int) -> IkKernel:
     """A 32-value block type whose integers ik keeps when it converts it to Q8_0_R8 (from 32 activation rows); below
     that its own kernel multiplies them, made unsigned by adding `bias` (qgemm.ORDER_QX_0_NATIVE)."""
@@ -191,24 +204,66 @@ def _f16_scaled(block_bytes: int) -> ToInts:
     return lambda raw, decoded: _scaled_ints(decoded, _block_f16(raw, block_bytes))
 
 
-def _k_to_q8_1(raw: np.ndarray, decoded: np.ndarray, five_bits: bool) -> BlockInts:
+def _k_to_q8_1(raw: np.ndarray, five_bits: bool) -> BlockInts:
     """Q4_K / Q5_K as ik converts them to Q8_1: per 32-value block the values kept, the scale f16(d x sc) and the
-    offset f16(-dmin x m)."""
+    offset f16(-dmin x m); from the bytes alone."""
+    rows, n = raw.shape[0], raw.shape[1] // (176 if five_bits else 144) * 256
+    q = np.empty((rows, n), np.int8)
+    scale = np.empty((rows, n // BLOCK), np.float32)
+    offset = np.empty((rows, n // BLOCK), np.float32)
+    run_claimed(_k_to_q8_1_serial, _k_to_q8_1_parallel, rows * n, np.ascontiguousarray(raw), five_bits, q, scale,
+                offset)
+    return BlockInts(q=q, scale=scale, block=BLOCK, offset=offset, order=ORDER_Q8_1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _k_to_q8_1_row(row: np.ndarray, five_bits: bool, q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> None:
+    """One row of _k_to_q8_1: per 256 values d, dmin (f16), 12 bytes of 6-bit scales and minimums, Q5_K's 32
+    bytes of fifth bits (bit j of byte l: value l of sub-block j), then 128 bytes of nibbles (byte l of chunk c:
+    value l of sub-block 2c low, of 2c + 1 high)."""
     size = 176 if five_bits else 144
-    blocks = raw.reshape(raw.shape[0], -1, size)
-    d, dmin = _block_f16(raw, size), _block_f16(raw, size, 2)
-    s = blocks[..., 4:16].astype(np.int32)
-    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
-    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
-    qs = blocks[..., size - 128 :].reshape(*blocks.shape[:2], 4, 32)
-    q = np.stack([qs & 15, qs >> 4], axis=3).reshape(*blocks.shape[:2], 8, 32)
-    if five_bits:  # bit j of qh[l] is the fifth bit of value l of sub-block j
-        qh = blocks[..., 16:48].astype(np.int32)
-        q = q | (((qh[:, :, None, :] >> np.arange(8)[None, None, :, None]) & 1) << 4)
-    scale = _f16(d[..., None] * sc.astype(np.float32)).reshape(raw.shape[0], -1)
-    offset = _f16(-dmin[..., None] * mn.astype(np.float32)).reshape(raw.shape[0], -1)
-    return BlockInts(q=q.reshape(decoded.shape).astype(np.int8), scale=scale, block=BLOCK, offset=offset,
-                     order=ORDER_Q8_1)
+    for b in range(q.shape[0] // 256):
+        o = b * size
+        d, dmin = load_f16(row, o), load_f16(row, o + 2)
+        for j in range(8):
+            if j < 4:
+                sc, mn = np.int32(row[o + 4 + j]) & 63, np.int32(row[o + 8 + j]) & 63
+            else:
+                low, high_s, high_m = np.int32(row[o + 8 + j]), np.int32(row[o + j]), np.int32(row[o + 4 + j])
+                sc, mn = (low & 15) | ((high_s >> 6) << 4), (low >> 4) | ((high_m >> 6) << 4)
+            scale[8 * b + j] = f16_bits_to_f32(f32_to_f16_bits(d * np.float32(sc)))
+            offset[8 * b + j] = f16_bits_to_f32(f32_to_f16_bits(-dmin * np.float32(mn)))
+        codes = o + size - 128
+        for c in range(4):
+            for l in range(32):
+                byte = np.int32(row[codes + 32 * c + l])
+                lo, hi = byte & 15, byte >> 4
+                if five_bits:
+                    h = np.int32(row[o + 16 + l])
+                    lo |= ((h >> (2 * c)) & 1) << 4
+                    hi |= ((h >> (2 * c + 1)) & 1) << 4
+                q[256 * b + 64 * c + l] = lo
+                q[256 * b + 64 * c + 32 + l] = hi
+
+
+@njit(cache=True, nogil=True)
+def _k_to_q8_1_serial(raw: np.ndarray, five_bits: bool, q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> None:
+    for r in range(raw.shape[0]):
+        _k_to_q8_1_row(raw[r], five_bits, q[r], scale[r], offset[r])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _k_to_q8_1_parallel(raw: np.ndarray, five_bits: bool, q: np.ndarray, scale: np.ndarray, offset: np.ndarray,
+                        threads: int) -> None:
+    """The rows in tasks the threads claim (ikrun/ops/parallel.py)."""
+    items = raw.shape[0]
+    per, counter = task_items(items, threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
+        i0, i1 = claim_items(counter, per, items)
+        while i0 < i1:
+            for r in range(i0, i1):
+                _k_to_q8_1_row(raw[r], five_bits, q[r], scale[r], offset[r])
+            i0, i1 = claim_items(counter, per, items)
 
 
 def _q_1_to_q8_1(raw: np.ndarray, decoded: np.ndarray, five_bits: bool) -> BlockInts:
@@ -227,6 +282,15 @@ def _q_1_to_q8_1(raw: np.ndarray, decoded: np.ndarray, five_bits: bool) -> Block
 
 
 def _q6_k_to_q8_0(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
+    """Q6_K as ik converts it to Q8_0: per 32-value block p = (q - 32) x sc re-quantized to int8 against max|p| /
+    127, the scale f16(d x max|p| / 127). From the bytes where every block scale d is finite (_q6_k_ints), else
+    with p = rint(decoding / d)."""
+    ints = _q6_k_ints(raw)
+    return ints if ints is not None else _q6_k_from_decoding(raw, decoded)
+
+
+def _q6_k_from_decoding(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
+    """_q6_k_to_q8_0 with p = rint(decoding / d) (0 where d = 0)."""
     d = _block_f16(raw, 210, 208)  # [rows, nb]
     p = np.rint(np.divide(decoded.reshape(*d.shape, 8, 32), d[..., None, None],
                           out=np.zeros(d.shape + (8, 32), np.float32), where=d[..., None, None] != 0))
@@ -235,6 +299,75 @@ def _q6_k_to_q8_0(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
     q8 = np.clip(np.rint(p * inv[..., None]), -128, 127)
     return BlockInts(q=q8.reshape(decoded.shape).astype(np.int8),
                      scale=_f16(d[..., None] * mx).reshape(raw.shape[0], -1), block=BLOCK)
+
+
+def _q6_k_ints(raw: np.ndarray) -> BlockInts | None:
+    """_q6_k_to_q8_0 from the bytes: p = sc x (q - 32) is what rint(decoding / d) recovers for every finite d (an
+    f16 times at most 4064 is exact to far below a half in float32; d = 0 gives p = 0); None where a d is infinite
+    or NaN."""
+    d_bits = raw.reshape(raw.shape[0], -1, 210)[..., 208:210].copy().view(np.uint16)
+    if np.any((d_bits & 0x7C00) == 0x7C00):
+        return None
+    rows, n = raw.shape[0], raw.shape[1] // 210 * 256
+    q = np.empty((rows, n), np.int8)
+    scale = np.empty((rows, n // BLOCK), np.float32)
+    run_claimed(_q6_k_ints_serial, _q6_k_ints_parallel, rows * n, np.ascontiguousarray(raw), q, scale)
+    return BlockInts(q=q, scale=scale, block=BLOCK)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q6_k_ints_row(row: np.ndarray, q: np.ndarray, scale: np.ndarray, p: np.ndarray) -> None:
+    """One row of _q6_k_ints (p: room for 256 float32). Per 256 values: 128 bytes of low nibbles, 64 of high bit
+    pairs, 16 int8 scales (one per 16 values), the f16 d; value l + 32 k of each half (k = 0..3) from nibble and
+    bit pair k of its bytes."""
+    p_bits = p.view(np.int32)
+    for b in range(q.shape[0] // 256):
+        o = b * 210
+        d = load_f16(row, o + 208)
+        for h in range(2):
+            for l in range(32):
+                ql0, ql1 = np.int32(row[o + 64 * h + l]), np.int32(row[o + 64 * h + l + 32])
+                qh = np.int32(row[o + 128 + 32 * h + l])
+                s = o + 192 + 8 * h + l // 16
+                p[128 * h + l] = np.float32(np.int32(np.int8(row[s])) * (((ql0 & 15) | ((qh & 3) << 4)) - 32))
+                p[128 * h + l + 32] = np.float32(np.int32(np.int8(row[s + 2])) *
+                                                 (((ql1 & 15) | (((qh >> 2) & 3) << 4)) - 32))
+                p[128 * h + l + 64] = np.float32(np.int32(np.int8(row[s + 4])) *
+                                                 (((ql0 >> 4) | (((qh >> 4) & 3) << 4)) - 32))
+                p[128 * h + l + 96] = np.float32(np.int32(np.int8(row[s + 6])) *
+                                                 (((ql1 >> 4) | (((qh >> 6) & 3) << 4)) - 32))
+        if d == 0:
+            p[:] = 0
+        for j in range(8):
+            most = np.int32(0)
+            for i in range(32 * j, 32 * j + 32):
+                most = max(most, p_bits[i] & np.int32(0x7FFFFFFF))
+            mx = f32_from_bits(np.uint32(most)) / np.float32(127)
+            inv = np.float32(1) / mx if mx > np.float32(1e-9) else np.float32(0)
+            for i in range(32 * j, 32 * j + 32):
+                q[256 * b + i] = np.int8(np.int32(min(np.float32(127), max(np.float32(-128), np.rint(p[i] * inv)))))
+            scale[8 * b + j] = f16_bits_to_f32(f32_to_f16_bits(d * mx))
+
+
+@njit(cache=True, nogil=True)
+def _q6_k_ints_serial(raw: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
+    p = np.empty(256, np.float32)
+    for r in range(raw.shape[0]):
+        _q6_k_ints_row(raw[r], q[r], scale[r], p)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _q6_k_ints_parallel(raw: np.ndarray, q: np.ndarray, scale: np.ndarray, threads: int) -> None:
+    """The rows in tasks the threads claim (ikrun/ops/parallel.py)."""
+    items = raw.shape[0]
+    per, counter = task_items(items, threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
+        p = np.empty(256, np.float32)
+        i0, i1 = claim_items(counter, per, items)
+        while i0 < i1:
+            for r in range(i0, i1):
+                _q6_k_ints_row(raw[r], q[r], scale[r], p)
+            i0, i1 = claim_items(counter, per, items)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -413,9 +546,9 @@ IK_KERNELS: dict[str, IkKernel] = {
         ("Q4_0", 18, 8), ("Q5_0", 22, 16), ("Q6_0", 26, 32), ("IQ4_NL", 18, 128))},
     "MXFP4": _r8_kernel(lambda raw, decoded: _scaled_ints(decoded, _e8m0_half(raw, 17)), 12),
     **{t: IkKernel(Q8_2_X4) for t in ("Q8_0_R8", "Q4_0_R8", "IQ4_NL_R4", "MXFP4_R8")},
-    "Q4_K": IkKernel(Q8_2_X4, 32, lambda raw, w: _k_to_q8_1(raw, w, False)),
-    "Q5_K": IkKernel(Q8_2_X4, 32, lambda raw, w: _k_to_q8_1(raw, w, True)),
-    "Q6_K": IkKernel(Q8_2_X4, 64, _in_r8(_q6_k_to_q8_0)),
+    "Q4_K": _k_kernel(five_bits=False),
+    "Q5_K": _k_kernel(five_bits=True),
+    "Q6_K": IkKernel(Q8_2_X4, 64, _in_r8(_q6_k_to_q8_0), convert_packed=_q6_k_packed),
     **{t: IkKernel(Q8_K, 32, _super_scaled_to_q8_k(size, c)) for t, size, c in (
         ("IQ2_K", 76, 120), ("IQ3_K", 110, 127), ("IQ4_K", 144, 127), ("IQ5_K", 176, 127), ("IQ4_XS", 136, 127))},
     "IQ6_K": IkKernel(Q8_K, 32, _iq6_k_to_q8_k, native=_iq6_k_native),

@@ -1,0 +1,131 @@
+"""Weights converted as ik converts them, straight from their bytes (no float decoding first): IQ4_KS packed for
+the integer matmul, the same PackedInts as decoding, converting and packing (the general path); Q6_K's Q8_0 and
+Q4_K / Q5_K's Q8_1 integers, the same as from the decoding / as an independent numpy formulation; every field,
+every bit."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import numpy as np
+import pytest
+
+from ikquant.types import type_by_name
+from ikrun.numerics.ik.formats import _k_to_q8_1, _q6_k_from_decoding, _q6_k_ints, _q6_k_to_q8_0, ik_kernel
+from ikrun.numerics.ik.q8k_direct import iq4_ks_packed
+from ikrun.numerics.ik.qgemm import ORDER_Q8_1, BlockInts, PackedInts, pack
+
+CODEC = type_by_name("IQ4_KS").require_codec()
+N = 512
+
+
+def _general(raw: np.ndarray) -> PackedInts:
+    convert = ik_kernel("IQ4_KS").convert
+    assert convert is not None
+    return pack(convert(raw, CODEC.dequantize(raw, N)))
+
+
+def _assert_same(got: PackedInts | BlockInts | None, want: PackedInts | BlockInts) -> None:
+    assert got is not None
+    for f in fields(want):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if isinstance(b, np.ndarray):
+            assert a.dtype == b.dtype and np.array_equal(a.view(np.uint8), b.view(np.uint8)), f.name
+        else:
+            assert a == b, f.name
+
+
+def _quantized(rows: int, seed: int) -> np.ndarray:
+    x = np.random.default_rng(seed).standard_normal((rows, N)).astype(np.float32)
+    x *= np.logspace(-3, 2, rows, dtype=np.float32)[:, None]  # row scales over five decades
+    return CODEC.quantize(x).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("rows", [32, 40, 77])
+def test_quantized_rows_pack_as_the_general_path(rows: int) -> None:
+    """Rows the codec wrote (not a whole number of 32-row calls but for the first: padding groups too)."""
+    raw = _quantized(rows, rows)
+    _assert_same(iq4_ks_packed(raw, 127), _general(raw))
+
+
+def test_every_code_and_sub_block_scale_packs_as_the_general_path() -> None:
+    """Random bytes under a valid row scale: every sub-block scale (both grid halves, ls from -127 to 127) and
+    code; scale bytes 128/129 (ls = +-1 ... 1: |p| <= 123 < 127) keep whole blocks' integers unconverted."""
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, (64, 4 + 2 * 136), dtype=np.uint8)
+    raw[:, :4] = np.frombuffer(np.float32(0.0123).tobytes(), np.uint8)
+    raw[48:, 4:12] = rng.choice(np.array([128, 129], np.uint8), (16, 8))  # ls = 1, the shifted grid on 129
+    raw[48:, 140:148] = 129
+    got = iq4_ks_packed(raw, 127)
+    _assert_same(got, _general(raw))
+    assert got is not None and (got.scale[-16:] == np.float32(np.float16(0.0123))).all()  # d x 1: kept as is
+
+
+@pytest.mark.parametrize("d", [0.0, 1e-40, 2.0**-101, 2.0**101, np.inf, np.nan])
+def test_a_row_scale_whose_decoding_is_not_exact_declines(d: float) -> None:
+    """Zero, subnormal, tiny, huge, infinite and NaN row scales: the direct path declines the whole tensor (the
+    general path handles them as ik's float emulation does)."""
+    raw = _quantized(32, 3)
+    raw[5, :4] = np.frombuffer(np.float32(d).tobytes(), np.uint8)
+    assert iq4_ks_packed(raw, 127) is None
+
+
+def _k_quant_rows(type_name: str, block_bytes: int, seed: int) -> list[np.ndarray]:
+    """Rows the codec wrote, and random bytes under its f16 scales (every bit of the 6-bit scales and minimums,
+    the fifth bits, the codes)."""
+    rng = np.random.default_rng(seed)
+    codec = type_by_name(type_name).require_codec()
+    written = codec.quantize(rng.standard_normal((48, N)).astype(np.float32)).reshape(48, -1)
+    noise = rng.integers(0, 256, written.shape, dtype=np.uint8)
+    scales = {"Q6_K": slice(208, 210)}.get(type_name, slice(0, 4))
+    noise.reshape(48, -1, block_bytes)[..., scales] = written.reshape(48, -1, block_bytes)[..., scales]
+    return [written, noise]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["written", "random"])
+def test_q6_k_from_its_bytes_is_its_conversion_from_the_decoding(which: int) -> None:
+    """Block scales d = 0 (its integers zero) included."""
+    raw = _k_quant_rows("Q6_K", 210, 11)[which]
+    raw.reshape(48, -1, 210)[3, 1, 208:210] = 0
+    decoded = type_by_name("Q6_K").require_codec().dequantize(raw, N)
+    _assert_same(_q6_k_ints(raw), _q6_k_from_decoding(raw, decoded))
+
+
+@pytest.mark.parametrize("bits", [0x7C00, 0xFC00, 0x7E00], ids=["inf", "-inf", "nan"])
+def test_q6_k_with_a_block_scale_not_finite_converts_from_the_decoding(bits: int) -> None:
+    raw = _k_quant_rows("Q6_K", 210, 12)[0]
+    raw.reshape(48, -1, 210)[7, 0, 208:210] = np.frombuffer(np.uint16(bits).tobytes(), np.uint8)
+    decoded = type_by_name("Q6_K").require_codec().dequantize(raw, N)
+    assert _q6_k_ints(raw) is None
+    with np.errstate(invalid="ignore"):  # that block's integers are undefined, in ik too
+        _assert_same(_q6_k_to_q8_0(raw, decoded), _q6_k_from_decoding(raw, decoded))
+
+
+def _reference_k_to_q8_1(raw: np.ndarray, five_bits: bool) -> BlockInts:
+    """ik's Q4_K / Q5_K conversion to Q8_1 in numpy: 6-bit scales sc and minimums m (the first four in the low
+    bits of bytes 0-3 / 4-7, the last four in the nibbles of 8-11 with their top bits in bytes 0-7's), values
+    kept (the fifth bit j of byte l for value l of sub-block j), scale f16(d x sc), offset f16(-dmin x m)."""
+    size = 176 if five_bits else 144
+    blocks = raw.reshape(raw.shape[0], -1, size)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    s = blocks[..., 4:16].astype(np.int32)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], axis=-1)
+    qs = blocks[..., size - 128:].reshape(*blocks.shape[:2], 4, 32)
+    q = np.stack([qs & 15, qs >> 4], axis=3).reshape(*blocks.shape[:2], 8, 32)
+    if five_bits:
+        qh = blocks[..., 16:48].astype(np.int32)
+        q = q | (((qh[:, :, None, :] >> np.arange(8)[None, None, :, None]) & 1) << 4)
+    f16 = lambda x: x.astype(np.float16).astype(np.float32)  # noqa: E731
+    return BlockInts(q=q.reshape(raw.shape[0], -1).astype(np.int8),
+                     scale=f16(d[..., None] * sc.astype(np.float32)).reshape(raw.shape[0], -1), block=32,
+                     offset=f16(-dmin[..., None] * mn.astype(np.float32)).reshape(raw.shape[0], -1), order=ORDER_Q8_1)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("which", [0, 1], ids=["written", "random"])
+def test_k_quants_convert_to_q8_1_as_the_reference(type_name: str, which: int) -> None:
+    five = type_name == "Q5_K"
+    raw = _k_quant_rows(type_name, 176 if five else 144, 13)[which]
+    _assert_same(_k_to_q8_1(raw, five), _reference_k_to_q8_1(raw, five))
