@@ -1,7 +1,7 @@
 """Weights converted as ik converts them, straight from their bytes (no float decoding first): IQ4_KS packed for
 the integer matmul, the same PackedInts as decoding, converting and packing (the general path); Q6_K's Q8_0 and
-Q4_K / Q5_K's Q8_1 integers, the same as from the decoding / as an independent numpy formulation; every field,
-every bit."""
+Q4_K / Q5_K's Q8_1 integers and Q8_0's own, the same as from the decoding / as an independent numpy formulation;
+every field, every bit."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from ikquant.types import type_by_name
-from ikrun.numerics.ik.formats import _k_to_q8_1, _q6_k_from_decoding, _q6_k_ints, _q6_k_to_q8_0, ik_kernel
+from ikrun.numerics.ik.formats import (
+    _k_to_q8_1,
+    _q6_k_from_decoding,
+    _q6_k_ints,
+    _q6_k_to_q8_0,
+    _q8_0_ints,
+    ik_kernel,
+)
 from ikrun.numerics.ik.q8k_direct import iq4_ks_packed
 from ikrun.numerics.ik.qgemm import ORDER_Q8_1, BlockInts, PackedInts, pack
 
@@ -129,3 +136,16 @@ def test_k_quants_convert_to_q8_1_as_the_reference(type_name: str, which: int) -
     five = type_name == "Q5_K"
     raw = _k_quant_rows(type_name, 176 if five else 144, 13)[which]
     _assert_same(_k_to_q8_1(raw, five), _reference_k_to_q8_1(raw, five))
+
+
+@pytest.mark.parametrize("rows", [1, 48])
+def test_q8_0_reads_its_integers_and_scales_from_its_bytes(rows: int) -> None:
+    """Every byte pattern of the values, scales as written (one row: the kernel's serial path)."""
+    rng = np.random.default_rng(rows)
+    codec = type_by_name("Q8_0").require_codec()
+    raw = codec.quantize(rng.standard_normal((rows, N)).astype(np.float32)).reshape(rows, -1)
+    blocks = raw.reshape(rows, -1, 34)
+    blocks[..., 2:] = rng.integers(0, 256, blocks[..., 2:].shape, dtype=np.uint8)
+    want = BlockInts(q=blocks[..., 2:].copy().view(np.int8).reshape(rows, N),
+                     scale=blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32), block=32)
+    _assert_same(_q8_0_ints(raw), want)

@@ -169,11 +169,40 @@ def _scaled_ints(decoded: np.ndarray, scale: np.ndarray) -> BlockInts:
     return BlockInts(q=q.reshape(decoded.shape).astype(np.int8), scale=scale, block=BLOCK)
 
 
-def _q8_0_ints(raw: np.ndarray, decoded: np.ndarray) -> BlockInts:
-    """Q8_0 stores its integers: read them, not the decoding."""
-    blocks = raw.reshape(raw.shape[0], -1, 34)
-    return BlockInts(q=blocks[..., 2:].copy().view(np.int8).reshape(decoded.shape), scale=_block_f16(raw, 34),
-                     block=BLOCK)
+def _q8_0_ints(raw: np.ndarray) -> BlockInts:
+    """Q8_0 stores its integers: read them (and the f16 scales), not the decoding."""
+    rows, nb = raw.shape[0], raw.shape[1] // 34
+    q = np.empty((rows, nb * BLOCK), np.int8)
+    scale = np.empty((rows, nb), np.float32)
+    run_claimed(_q8_0_serial, _q8_0_parallel, rows * nb * BLOCK, np.ascontiguousarray(raw), q, scale)
+    return BlockInts(q=q, scale=scale, block=BLOCK)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q8_0_row(row: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
+    for b in range(scale.shape[0]):
+        scale[b] = load_f16(row, 34 * b)
+        for j in range(BLOCK):
+            q[BLOCK * b + j] = np.int8(row[34 * b + 2 + j])
+
+
+@njit(cache=True, nogil=True)
+def _q8_0_serial(raw: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
+    for r in range(raw.shape[0]):
+        _q8_0_row(raw[r], q[r], scale[r])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _q8_0_parallel(raw: np.ndarray, q: np.ndarray, scale: np.ndarray, threads: int) -> None:
+    """The rows in tasks the threads claim (ikrun/ops/parallel.py)."""
+    items = raw.shape[0]
+    per, counter = task_items(items, threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
+        i0, i1 = claim_items(counter, per, items)
+        while i0 < i1:
+            for r in range(i0, i1):
+                _q8_0_row(raw[r], q[r], scale[r])
+            i0, i1 = claim_items(counter, per, items)
 
 
 def _in_r8(ints: ToInts) -> ToInts:
@@ -193,11 +222,15 @@ def _q6_k_packed(raw: np.ndarray) -> PackedInts | None:
     return None if ints is None else pack(replace(ints, order=ORDER_R8))
 
 
-def _r8_kernel(ints: ToInts, bias: int) -> IkKernel:
+def _r8_kernel(ints: ToInts, bias: int,
+               from_bytes: Callable[[np.ndarray], BlockInts] | None = None) -> IkKernel:
     """A 32-value block type whose integers ik keeps when it converts it to Q8_0_R8 (from 32 activation rows); below
-    that its own kernel multiplies them, made unsigned by adding `bias` (qgemm.ORDER_QX_0_NATIVE)."""
+    that its own kernel multiplies them, made unsigned by adding `bias` (qgemm.ORDER_QX_0_NATIVE). `from_bytes`:
+    the same integers from the raw rows alone (IkKernel.convert_packed)."""
+    packed = None if from_bytes is None else lambda raw: pack(replace(from_bytes(raw), order=ORDER_R8))
     return IkKernel(Q8_2_X4, 32, _in_r8(ints),
-                    lambda raw, decoded: replace(ints(raw, decoded), order=ORDER_QX_0_NATIVE, bias=bias))
+                    lambda raw, decoded: replace(ints(raw, decoded), order=ORDER_QX_0_NATIVE, bias=bias),
+                    convert_packed=packed)
 
 
 def _f16_scaled(block_bytes: int) -> ToInts:
@@ -541,7 +574,7 @@ def _kt_kernel(type_name: str, convert_rows: int) -> IkKernel:
 #: weight type -> how ik multiplies it (types not listed are not emulated)
 IK_KERNELS: dict[str, IkKernel] = {
     "F32": IkKernel(UNROUNDED), "F16": IkKernel(UNROUNDED), "BF16": IkKernel(BF16),
-    "Q8_0": _r8_kernel(_q8_0_ints, 127),
+    "Q8_0": _r8_kernel(lambda raw, decoded: _q8_0_ints(raw), 127, _q8_0_ints),
     **{t: _r8_kernel(_f16_scaled(size), bias) for t, size, bias in (
         ("Q4_0", 18, 8), ("Q5_0", 22, 16), ("Q6_0", 26, 32), ("IQ4_NL", 18, 128))},
     "MXFP4": _r8_kernel(lambda raw, decoded: _scaled_ints(decoded, _e8m0_half(raw, 17)), 12),
