@@ -113,12 +113,13 @@ def fa_cache_cells(n_keys: int) -> int:
     return -(-n_keys // FA_CACHE_PADDING) * FA_CACHE_PADDING
 
 
-def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
+def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, lanes: int,
                     scores: np.ndarray | None = None) -> np.ndarray:
     """ik's flash attention over its F16 caches (ggml_flash_attn_ext): q [H, n, Dk] (float32), k [H_kv, keys, Dk],
     v [H_kv, keys, Dv] (f16 values), the queries the last n positions -> [H, n, Dv]. ik's own kernel for the head sizes
     it takes (IQK_FA_HEADS, its key blocks by the cache length, padded to FA_CACHE_PADDING), ggml's generic one for
-    the others. `scores`: the products q . k [H, n, keys] ik's own kernel takes from its integer kernel over a
+    the others; ik's own kernel in the float order of its build with `lanes` float lanes. `scores`: the products
+    q . k [H, n, keys] ik's own kernel takes from its integer kernel over a
     quantized key cache (FLASH_QUANTIZED_KEYS; k unused). A batch of one token over grouped heads whose keys ik's
     threads split (splits_keys) is not reproduced."""
     n_head, n, head_k = q.shape
@@ -128,7 +129,7 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
     if (head_k, head_v) in IQK_FA_HEADS:
         n_kv = fa_cache_cells(n_keys)
         k_step = k_step_for(head_k, head_v, n_kv)
-        iqk_flash_attention(q, k, given, v, float(np.float32(scale)), n_keys - n, k_step, out)
+        iqk_flash_attention(q, k, given, v, float(np.float32(scale)), n_keys - n, k_step, out, lanes)
     else:
         generic_flash_attention(q, k, given, v, float(np.float32(scale)), n_keys - n, out)
     return out
@@ -442,8 +443,8 @@ class IkNumerics(Numerics):
             scores = None if kv is None or kv.k == "f16" else self._flash_key_products(q, k, v.shape[2], kv.k)
             return flash_attention(np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32),
-                                   np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale, scores
-                                   ).transpose(1, 0, 2)
+                                   np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale, self.lanes,
+                                   scores).transpose(1, 0, 2)
         if kv is not None and kv.k in self.quantized_keys:
             return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2, self._key_products(q, k, kv.k))
         if head_dim % self.lanes:
@@ -588,7 +589,7 @@ class IkNumerics(Numerics):
         q = np.ascontiguousarray(np.concatenate([q_rope, q_nope], axis=2).transpose(1, 0, 2), dtype=np.float32)
         scores = self._flash_key_products(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.shape[2], kv.k) \
             if quantized else None
-        return flash_attention(q, k, v, scale, scores).transpose(1, 0, 2)
+        return flash_attention(q, k, v, scale, self.lanes, scores).transpose(1, 0, 2)
 
     # ---- matmuls: ik's kernels ------------------------------------------------------------------------------
     def _format(self, weight_name: str) -> str:
