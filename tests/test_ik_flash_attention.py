@@ -40,6 +40,7 @@ runner = CliRunner()
 DATA = Path(__file__).parent / "data"
 V3 = DATA / "convert" / "deepseek-v3" / "ik-f32.gguf"
 FOLDER = DATA / "logits" / "deepseek-v3-fa-avx2"
+FOLDER_AVX512 = DATA / "logits" / "deepseek-v3-fa-avx512"
 IQK_OUTPUTS = DATA / "flash-attention" / "iqk-avx2" / "outputs.npz"
 IQK_AVX512_OUTPUTS = DATA / "flash-attention" / "iqk-avx512" / "outputs.npz"
 
@@ -62,7 +63,7 @@ def test_one_visible_key_gives_its_value_and_the_rest_is_a_softmax_in_f16() -> N
     q = rng.standard_normal((2, 40, 48)).astype(np.float32)
     k, v = _f16(rng.standard_normal((2, 40, 48)).astype(np.float32)), _f16(rng.standard_normal((2, 40, 32)))
     out = np.empty((2, 40, 32), dtype=np.float32)
-    generic_flash_attention(q, k, NO_SCORES, v, 0.2, 0, out)
+    generic_flash_attention(q, k, NO_SCORES, v, 0.2, 0, out, AVX512_LANES)
     np.testing.assert_array_equal(out[:, 0], v[:, 0])
     s = np.einsum("htd,hsd->hts", _f16(q).astype(np.float64), k.astype(np.float64)) * 0.2
     s[:, np.triu_indices(40, 1)[0], np.triu_indices(40, 1)[1]] = -np.inf
@@ -73,8 +74,8 @@ def test_one_visible_key_gives_its_value_and_the_rest_is_a_softmax_in_f16() -> N
 
 
 def test_f32_prefill_is_iks_default_run() -> None:
-    """ik's default run of the F32 file: --numerics ik lands at KLD 4e-7 of ik's base (PPL 490.9671 where ik prints
-    490.9511), the exact arithmetic at 2e-4."""
+    """ik's default run of the F32 file on its AVX2 build: --numerics ik (the AVX-512 build's orders, PPL 490.9733
+    where the AVX2 build prints 490.9511) lands at KLD 4e-7 of its base, the exact arithmetic at 2e-4."""
     ours = _kld(V3, "--numerics", "ik")
     assert ours["mla_path"] == "prefill" and ours["kld_mean"] < 1e-6, ours["kld_mean"]
     assert _kld(V3)["kld_mean"] > 100 * ours["kld_mean"]
@@ -95,9 +96,16 @@ def test_ik_avx2_is_iks_default_run(tmp_path: Path) -> None:
         assert m is not None and f"{ours[key]:.6f}" == m.group(1), (key, ours[key])
 
 
+def test_ik_is_iks_avx512_default_run(tmp_path: Path) -> None:
+    """--numerics ik (ik's AVX-512 build around ggml's generic flash-attention kernel, heads 48/32): that build's
+    base-logits file byte for byte with every running PPL (490.9733; the AVX2 build prints 490.9511)."""
+    assert_iks_forward(Model(V3, options=RuntimeOptions(numerics="ik", mla="prefill")), FOLDER_AVX512 / "ik-base.kld",
+                       FOLDER_AVX512 / "ik-base.txt", tmp_path / "base.kld")
+
+
 def test_a_q4_0_attn_kv_b_costs_what_ik_prints(tmp_path: Path) -> None:
-    """attn_kv_b alone in Q4_0 (the latent rounded to 8 bits for its product): ik prints 0.086238; --numerics ik
-    0.086241, the exact arithmetic 0.0881."""
+    """attn_kv_b alone in Q4_0 (the latent rounded to 8 bits for its product): ik's AVX2 build prints 0.086238;
+    --numerics ik (AVX-512 orders) 0.086237, the exact arithmetic 0.0881."""
     q4 = _quantized_kv_b(V3, tmp_path / "kvb-q4_0.gguf", "Q4_0")
     text = (FOLDER / "ik-kvb-q4_0-kld.txt").read_bytes().decode(errors="replace")
     m = re.search(r"Mean\s+KLD:\s*([\d.]+)", text)
@@ -124,16 +132,19 @@ def test_iqk_kernel_is_iks_bit_for_bit(case: Any, lanes: int, outputs: Path) -> 
         np.testing.assert_array_equal(out, theirs[case.name])
 
 
+@pytest.mark.parametrize(("lanes", "outputs"), [(AVX2_LANES, IQK_OUTPUTS), (AVX512_LANES, IQK_AVX512_OUTPUTS)],
+                         ids=["avx2", "avx512"])
 @pytest.mark.parametrize("case", GENERIC_CASES, ids=lambda c: c.name)
-def test_generic_kernel_is_iks_bit_for_bit(case: Any) -> None:
-    """Other head sizes: ggml's generic kernel of ik's native AVX2 build gave these very bits (its weight total is
-    not fused: S * ms + vs, two roundings)."""
+def test_generic_kernel_is_iks_bit_for_bit(case: Any, lanes: int, outputs: Path) -> None:
+    """Other head sizes: ggml's generic kernel of ik's native AVX2 and AVX-512 builds gave these very bits (its weight
+    total is not fused: S * ms + vs, two roundings; the builds' f16 dot products differ)."""
     q, k, v, scale = case_inputs(case)
     n_keys = case.first + case.n_q
     out = np.empty((case.n_head, case.n_q, case.dv), dtype=np.float32)
     generic_flash_attention(q, np.ascontiguousarray(k[:, :n_keys], dtype=np.float32), NO_SCORES,
-                            np.ascontiguousarray(v[:, :n_keys], dtype=np.float32), float(scale), case.first, out)
-    with np.load(IQK_OUTPUTS) as theirs:
+                            np.ascontiguousarray(v[:, :n_keys], dtype=np.float32), float(scale), case.first, out,
+                            lanes)
+    with np.load(outputs) as theirs:
         np.testing.assert_array_equal(out, theirs[case.name])
 
 

@@ -118,7 +118,7 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, l
     """ik's flash attention over its F16 caches (ggml_flash_attn_ext): q [H, n, Dk] (float32), k [H_kv, keys, Dk],
     v [H_kv, keys, Dv] (f16 values), the queries the last n positions -> [H, n, Dv]. ik's own kernel for the head sizes
     it takes (IQK_FA_HEADS, its key blocks by the cache length, padded to FA_CACHE_PADDING), ggml's generic one for
-    the others; ik's own kernel in the float order of its build with `lanes` float lanes. `scores`: the products
+    the others, both in the float order of its build with `lanes` float lanes. `scores`: the products
     q . k [H, n, keys] ik's own kernel takes from its integer kernel over a
     quantized key cache (FLASH_QUANTIZED_KEYS; k unused). A batch of one token over grouped heads whose keys ik's
     threads split (splits_keys) is not reproduced."""
@@ -131,7 +131,7 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, l
         k_step = k_step_for(head_k, head_v, n_kv)
         iqk_flash_attention(q, k, given, v, float(np.float32(scale)), n_keys - n, k_step, out, lanes)
     else:
-        generic_flash_attention(q, k, given, v, float(np.float32(scale)), n_keys - n, out)
+        generic_flash_attention(q, k, given, v, float(np.float32(scale)), n_keys - n, out, lanes)
     return out
 
 

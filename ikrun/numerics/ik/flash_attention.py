@@ -1,12 +1,13 @@
 """ggml's generic CPU flash-attention kernel (ggml_compute_forward_flash_attn_ext_f16) with F16 keys and values, as
-an AVX2 build computes it: what ik runs at head sizes its own iqk kernels do not take, for MLA's prefill path (keys
-and values materialised through attn_kv_b) and for grouped-query attention with flash attention on (-fa on, ik's
-default).
+an AVX-512 build (16 float lanes: --numerics ik) or an AVX2 build (8 lanes: --numerics ik-avx2) computes it: what ik
+runs at head sizes its own iqk kernels do not take, for MLA's prefill path (keys and values materialised through
+attn_kv_b) and for grouped-query attention with flash attention on (-fa on, ik's default).
 
-Per query row: the query rounded to f16; for each visible key in order, s = f16 dot product (four 8-lane FMA
-accumulators over whole steps of 32 values, folded 0+2, 1+3, 0+1, the 8 lanes summed in halves and two horizontal
-adds, the remaining values' products added in double), s * scale; an online softmax whose value sums stay in f16
-(on a new maximum the sums are scaled by expf(old - new) and rounded, else the key's weight is expf(s - max); then
+Per query row: the query rounded to f16; for each visible key in order, s = f16 dot product (four FMA accumulators
+of the build's lanes over whole steps of 4 x lanes values, folded 0+2, 1+3, 0+1, then the lanes summed: AVX2 in
+halves and two horizontal adds, (0+4 + 1+5) + (2+6 + 3+7); AVX-512 in halves down to four, (0+2) + (1+3); the
+remaining values' products added in double), s * scale; an online softmax whose value sums stay in f16 (on a new
+maximum the sums are scaled by expf(old - new) and rounded, else the key's weight is expf(s - max); then
 sums = f16(fma(v, weight, sums))), the weight total S = S * ms + vs (two roundings: ik's build does not fuse it);
 at the end the sums times 1 / S.
 """
@@ -18,32 +19,35 @@ from numba import njit, prange
 
 from ikquant.formats.numeric import f16_bits_to_f32, f32_to_f16_bits, fmaf
 
-#: ggml's f16 dot product: values per step, lanes per accumulator
-STEP, LANES = 32, 8
-
-
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def _f16(x: np.float32) -> np.float32:
     return f16_bits_to_f32(f32_to_f16_bits(np.float32(x)))
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _dot_f16(x: np.ndarray, y: np.ndarray) -> np.float32:
+def _dot_f16(x: np.ndarray, y: np.ndarray, lanes: int) -> np.float32:
+    """ggml_vec_dot_f16 of a build with `lanes` float lanes (module docstring)."""
     n = x.shape[0]
-    n_steps = n - n % STEP
-    acc = np.zeros((4, LANES), dtype=np.float32)
-    for i in range(0, n_steps, STEP):
+    step = 4 * lanes
+    n_steps = n - n % step
+    acc = np.zeros((4, lanes), dtype=np.float32)
+    for i in range(0, n_steps, step):
         for j in range(4):
-            for lane in range(LANES):
-                e = i + j * LANES + lane
+            for lane in range(lanes):
+                e = i + j * lanes + lane
                 acc[j, lane] = fmaf(x[e], y[e], acc[j, lane])
-    for lane in range(LANES):
+    for lane in range(lanes):
         acc[0, lane] = acc[0, lane] + acc[2, lane]
         acc[1, lane] = acc[1, lane] + acc[3, lane]
-    for lane in range(LANES):
+    for lane in range(lanes):
         acc[0, lane] = acc[0, lane] + acc[1, lane]
-    t0, t1, t2, t3 = (acc[0, 0] + acc[0, 4], acc[0, 1] + acc[0, 5], acc[0, 2] + acc[0, 6], acc[0, 3] + acc[0, 7])
-    total = np.float64((t0 + t1) + (t2 + t3))
+    a = acc[0]
+    if lanes == 16:
+        for lane in range(8):
+            a[lane] = a[lane] + a[8 + lane]
+    t0, t1, t2, t3 = a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]
+    folded = (t0 + t2) + (t1 + t3) if lanes == 16 else (t0 + t1) + (t2 + t3)
+    total = np.float64(folded)
     for e in range(n_steps, n):
         total += np.float64(np.float32(x[e] * y[e]))
     return np.float32(total)
@@ -78,12 +82,13 @@ def _store(sums: np.ndarray, total: np.float32, out: np.ndarray) -> None:
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def generic_flash_attention(q: np.ndarray, k: np.ndarray, scores: np.ndarray, v: np.ndarray, scale: float, first: int,
-                            out: np.ndarray) -> None:
+                            out: np.ndarray, lanes: int) -> None:
     """Causal attention of q [H, n, Dk] (float32) against k [H_kv, n_keys, Dk] and v [H_kv, n_keys, Dv] (f16 values
     held in float32; query head h reads key/value head h // (H / H_kv), ggml's broadcast), query t at position first + t
     seeing keys 0..first + t; out [H, n, Dv]. `scores` [H, n, n_keys]: the products q . k ik's integer kernel computed
     one query row and one key at a time over a quantized key cache (key_cache.single_row_key_products), or empty
-    (iqk_flash_attention.NO_SCORES): the f16 dot over F16 keys."""
+    (iqk_flash_attention.NO_SCORES): the f16 dot over F16 keys, in the order of a build with `lanes` float lanes (8
+    or 16)."""
     n_head, n = out.shape[0], out.shape[1]
     dk = q.shape[2]
     group = n_head // v.shape[0]
@@ -99,6 +104,6 @@ def generic_flash_attention(q: np.ndarray, k: np.ndarray, scores: np.ndarray, v:
         total = np.float32(0.0)
         top = np.float32(-np.inf)
         for s in range(first + t + 1):
-            score = scores[h, t, s] if given else _dot_f16(k[g, s], qh)
+            score = scores[h, t, s] if given else _dot_f16(k[g, s], qh, lanes)
             total, top = _key_step(np.float32(score * sc), v[g, s], sums, total, top)
         _store(sums, total, out[h, t])
