@@ -19,6 +19,7 @@ from numba import njit, prange
 
 from ikquant.formats.numeric import f16_bits_to_f32, f32_to_f16_bits, fmaf
 
+
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def _f16(x: np.float32) -> np.float32:
     return f16_bits_to_f32(f32_to_f16_bits(np.float32(x)))
