@@ -72,7 +72,7 @@ from numba import get_num_threads, njit, prange
 from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ6NL_VALUES
 from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits, load_f16
 from ikrun.errors import NumericsError
-from ikrun.numerics.ik.q8k_direct import iq4_ks_packed
+from ikrun.numerics.ik.q8k_direct import iq4_k_packed, iq4_ks_packed
 from ikrun.numerics.ik.qgemm import (
     ORDER_Q8_1,
     ORDER_QX_0_NATIVE,
@@ -583,7 +583,8 @@ IK_KERNELS: dict[str, IkKernel] = {
     "Q5_K": _k_kernel(five_bits=True),
     "Q6_K": IkKernel(Q8_2_X4, 64, _in_r8(_q6_k_to_q8_0), convert_packed=_q6_k_packed),
     **{t: IkKernel(Q8_K, 32, _super_scaled_to_q8_k(size, c)) for t, size, c in (
-        ("IQ2_K", 76, 120), ("IQ3_K", 110, 127), ("IQ4_K", 144, 127), ("IQ5_K", 176, 127), ("IQ4_XS", 136, 127))},
+        ("IQ2_K", 76, 120), ("IQ3_K", 110, 127), ("IQ5_K", 176, 127), ("IQ4_XS", 136, 127))},
+    "IQ4_K": IkKernel(Q8_K, 32, _super_scaled_to_q8_k(144, 127), convert_packed=lambda raw: iq4_k_packed(raw, 127)),
     "IQ6_K": IkKernel(Q8_K, 32, _iq6_k_to_q8_k, native=_iq6_k_native),
     **{t: IkKernel(Q8_K, 32, _row_scaled_to_q8_k(scale, c)) for t, scale, c in (
         ("IQ2_KS", "f16", 125), ("IQ2_KL", "f16", 125), ("IQ3_KS", "f16", 127),

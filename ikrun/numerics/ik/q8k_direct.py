@@ -1,14 +1,16 @@
-"""IQK weights straight from their bytes to qgemm's packed Q8_K_R16 integers, for `--numerics ik`.
+"""IQ4_KS and IQ4_K weights straight from their bytes to qgemm's packed Q8_K_R16 integers, for `--numerics ik`.
 
 ik converts an IQK weight to Q8_K_R16 from its integers: per 256 values p = sub-block scale x grid value, kept
 when max|p| / c < 1, else re-quantized to int8 against max|p| / c (formats.py, `_to_q8_k`). The general path
 recovers p from the float decoding (p = rint(decoding / d)) and packs the int8 rows afterwards (qgemm.pack): three
 passes over the weight, the first two in float32. Here one pass reads the bytes and writes the packed layout,
-the scales and the block sums, with the same integers, so the same PackedInts to the bit (test_q8k_direct.py).
+the scales and the block sums, with the same integers, so the same PackedInts to the bit
+(test_conversions_from_bytes.py).
 
-The decoding's p is exactly the integer product wherever the row scale d is a normal float well inside float32's
-range (d x ls x v then rounds by a few ulps of at most 127 x 127, far from a half); a file with another row scale
-takes the general path.
+The decoding's p is exactly the integer product wherever the scale d is a finite float not so small or large that
+d x ls x v leaves float32's normal range (it then rounds by a few ulps of at most 127 x 127, far from a half; d = 0
+gives p = 0, as the general path takes it): IQ4_KS's row scale within 2^-100 .. 2^100, IQ4_K's f16 block scales
+finite. A tensor with another scale takes the general path.
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from ikquant.formats.iqk_grids import IQ4K_VALUES
-from ikquant.formats.numeric import f16_bits_to_f32, f32_from_bits, f32_to_f16_bits, load_f32
+from ikquant.formats.numeric import f16_bits_to_f32, f32_from_bits, f32_to_f16_bits, load_f16, load_f32
 from ikrun.numerics.ik.qgemm import GROUPS, LANES, ORDER_R16, PackedInts
 from ikrun.ops.cpu import host_has
 from ikrun.ops.parallel import claim_items, task_items
 
 SUPER = 256  # values per Q8_K block
-IQ4_KS_BLOCK_BYTES = 136  # per 256 values: 8 sub-block scale bytes, 128 bytes of 4-bit codes
+#: the layouts: IQ4_KS a float32 row scale, then per 256 values 8 sub-block scale bytes and 128 bytes of 4-bit
+#: codes; IQ4_K per 256 values an f16 scale, 16 bits of grid halves, 4 + 8 bytes of 6-bit scales, 128 of codes
+KIND_IQ4_KS, KIND_IQ4_K = 0, 1
+ROW_BYTES = {KIND_IQ4_KS: 4, KIND_IQ4_K: 0}
+BLOCK_BYTES = {KIND_IQ4_KS: 136, KIND_IQ4_K: 144}
 #: the row scales whose decoding gives the exact integers (module docstring)
 SAFE_SCALES = (2.0**-100, 2.0**100)
 #: the grid values as float32: sub-block scale x value is exact in float32 (|ls x v| < 2^24)
@@ -40,81 +46,113 @@ _V16I, _V16F = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.FloatType(), 
 def iq4_ks_packed(raw: np.ndarray, c: float) -> PackedInts | None:
     """IQ4_KS rows `raw` [rows, row bytes] as ik converts them to Q8_K_R16, packed for qmatmul; None where a row
     scale is outside SAFE_SCALES (the general path then decodes them)."""
-    rows = raw.shape[0]
     d = np.ascontiguousarray(raw[:, :4]).view(np.float32)[:, 0]
     if not np.all((np.abs(d) >= SAFE_SCALES[0]) & (np.abs(d) <= SAFE_SCALES[1])):
         return None
-    nb = (raw.shape[1] - 4) // IQ4_KS_BLOCK_BYTES
+    return _packed(raw, KIND_IQ4_KS, c)
+
+
+def iq4_k_packed(raw: np.ndarray, c: float) -> PackedInts | None:
+    """IQ4_K rows as ik converts them to Q8_K_R16, packed for qmatmul; None where a block scale is infinite or NaN."""
+    d_bits = raw.reshape(raw.shape[0], -1, BLOCK_BYTES[KIND_IQ4_K])[..., 0:2].copy().view(np.uint16)
+    if np.any((d_bits & 0x7C00) == 0x7C00):
+        return None
+    return _packed(raw, KIND_IQ4_K, c)
+
+
+def _packed(raw: np.ndarray, kind: int, c: float) -> PackedInts:
+    rows = raw.shape[0]
+    nb = (raw.shape[1] - ROW_BYTES[kind]) // BLOCK_BYTES[kind]
     n = nb * SUPER
     groups = -(-rows // (GROUPS * LANES)) * GROUPS
     q = np.empty(groups * LANES * n, np.int8)
     scale = np.empty(groups * nb * LANES, np.float32)
     corr = np.empty(groups * nb * LANES, np.int32)
     low = np.zeros(groups, np.uint8)
-    _iq4_ks_groups(np.ascontiguousarray(raw), np.float32(np.float32(1) / np.float32(c)), q.view(np.int32), scale,
-                   corr, low, get_num_threads())
+    _groups(np.ascontiguousarray(raw), kind, nb, np.float32(np.float32(1) / np.float32(c)), q.view(np.int32), scale,
+            corr, low, get_num_threads())
     return PackedInts(q=q, scale=scale, corr=corr, offset=np.empty(0, np.float32), rows=rows, n=n, block=SUPER,
                       order=ORDER_R16, full_range=bool(low.any()))
 
 
 @intrinsic
-def _sub_block_permuted(typingctx, row, codes, grid, off, scale, p, at):  # type: ignore[no-untyped-def]
-    """p[at .. at + 31] = scale x grid[off + low nibbles], then of the high nibbles, of row[codes .. codes + 15]:
-    the 16 values scaled in one register, then two AVX-512 permutes of it (the values built in memory and loaded
-    as a vector cost a failed store forwarding each sub-block)."""
-    sig = types.void(row, types.int64, grid, types.int64, types.float32, p, types.int64)
+def _sub_block_permuted(typingctx, row, codes, grid, off, scale, off_high, scale_high, p,  # type: ignore[no-untyped-def]
+                        at):
+    """p[at .. at + 15] = scale x grid[off + low nibbles], p[at + 16 .. at + 31] = scale_high x grid[off_high + high
+    nibbles] of row[codes .. codes + 15]: each 16 values scaled in one register, then an AVX-512 permute of it (the
+    values built in memory and loaded as a vector cost a failed store forwarding each sub-block)."""
+    sig = types.void(row, types.int64, grid, types.int64, types.float32, types.int64, types.float32, p, types.int64)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         row_p, grid_p, p_p = (context.make_array(signature.args[i])(context, builder, value=args[i]).data
-                              for i in (0, 2, 5))
+                              for i in (0, 2, 7))
         permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F, _V16I]),
                                                  "llvm.x86.avx512.permvar.sf.512")
         codes = builder.load(builder.bitcast(builder.gep(row_p, [args[1]]), _V16B.as_pointer()), align=1)
         wide = builder.zext(codes, _V16I)
-        grid_v = builder.load(builder.bitcast(builder.gep(grid_p, [args[3]]), _V16F.as_pointer()), align=4)
-        splat = builder.insert_element(ir.Constant(_V16F, ir.Undefined), args[4], ir.Constant(ir.IntType(32), 0))
-        splat = builder.shuffle_vector(splat, ir.Constant(_V16F, ir.Undefined), ir.Constant(_V16I, [0] * 16))
-        values = builder.fmul(grid_v, splat)
-        out = builder.bitcast(builder.gep(p_p, [args[6]]), _V16F.as_pointer())
+
+        def values(off: ir.Value, scale: ir.Value) -> ir.Value:
+            grid_v = builder.load(builder.bitcast(builder.gep(grid_p, [off]), _V16F.as_pointer()), align=4)
+            splat = builder.insert_element(ir.Constant(_V16F, ir.Undefined), scale, ir.Constant(ir.IntType(32), 0))
+            splat = builder.shuffle_vector(splat, ir.Constant(_V16F, ir.Undefined), ir.Constant(_V16I, [0] * 16))
+            return builder.fmul(grid_v, splat)
+
+        out = builder.bitcast(builder.gep(p_p, [args[8]]), _V16F.as_pointer())
         low = builder.and_(wide, ir.Constant(_V16I, [15] * 16))
         high = builder.lshr(wide, ir.Constant(_V16I, [4] * 16))
-        builder.store(builder.call(permute, [values, low]), out, align=4)
-        builder.store(builder.call(permute, [values, high]), builder.gep(out, [ir.Constant(_I64, 1)]), align=4)
+        builder.store(builder.call(permute, [values(args[3], args[4]), low]), out, align=4)
+        builder.store(builder.call(permute, [values(args[5], args[6]), high]), builder.gep(out, [ir.Constant(_I64, 1)]),
+                      align=4)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _sub_block_looked_up(row: np.ndarray, codes: int, grid: np.ndarray, off: int, scale: np.float32, p: np.ndarray,
-                         at: int) -> None:
+def _sub_block_looked_up(row: np.ndarray, codes: int, grid: np.ndarray, off: int, scale: np.float32, off_high: int,
+                         scale_high: np.float32, p: np.ndarray, at: int) -> None:
     """_sub_block_permuted in scalar code (CPUs without AVX-512)."""
     for j in range(16):
         code = np.int32(row[codes + j])
         p[at + j] = scale * grid[off + (code & 15)]
-        p[at + j + 16] = scale * grid[off + (code >> 4)]
+        p[at + j + 16] = scale_high * grid[off_high + (code >> 4)]
 
 
 _sub_block: Callable[..., None] = _sub_block_permuted if host_has("avx512f") else _sub_block_looked_up
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _iq4_ks_ints(row: np.ndarray, b: int, p: np.ndarray) -> None:
-    """Block b's integers sub-block scale x grid value, as float32 p[256]."""
-    o = 4 + b * IQ4_KS_BLOCK_BYTES
-    for ib in range(8):
-        s = np.int32(row[o + ib])
-        _sub_block(row, o + 8 + 16 * ib, _IQ4K_FLOATS, 16 * (s & 1), np.float32((s & 254) - 127), p, 32 * ib)
+def _block_ints(row: np.ndarray, kind: int, b: int, p: np.ndarray) -> np.float32:
+    """Block b's integers sub-block scale x grid value as float32 p[256]; returns the scale d they multiply (IQ4_K:
+    its f16, p = 0 where it is 0; IQ4_KS: the row's)."""
+    if kind == KIND_IQ4_KS:
+        o = 4 + b * 136
+        for m in range(8):
+            s = np.int32(row[o + m])
+            ls, off = np.float32((s & 254) - 127), 16 * (s & 1)
+            _sub_block(row, o + 8 + 16 * m, _IQ4K_FLOATS, off, ls, off, ls, p, 32 * m)
+        return load_f32(row, 0)
+    o = b * 144
+    d = load_f16(row, o)
+    extra = np.int32(row[o + 2]) | (np.int32(row[o + 3]) << 8)
+    for m in range(8):  # sub-blocks 2m (low nibbles) and 2m + 1 (high) of 16 values
+        low_bits, high_byte = np.int32(row[o + 8 + m]), np.int32(row[o + 4 + m // 2])
+        ls_lo = (low_bits & 15) | (((high_byte >> (4 * (m % 2))) & 3) << 4)
+        ls_hi = (low_bits >> 4) | (((high_byte >> (4 * (m % 2) + 2)) & 3) << 4)
+        _sub_block(row, o + 16 + 16 * m, _IQ4K_FLOATS, 16 * ((extra >> (2 * m)) & 1), np.float32(ls_lo - 32),
+                   16 * ((extra >> (2 * m + 1)) & 1), np.float32(ls_hi - 32), p, 32 * m)
+    if d == 0:
+        p[:] = 0
+    return d
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _iq4_ks_groups(raw: np.ndarray, inv_c: np.float32, out4: np.ndarray, scale: np.ndarray, corr: np.ndarray,
-                   low: np.ndarray, threads: int) -> None:
+def _groups(raw: np.ndarray, kind: int, nb: int, inv_c: np.float32, out4: np.ndarray, scale: np.ndarray,
+            corr: np.ndarray, low: np.ndarray, threads: int) -> None:
     """Each 16-row group's rows converted block by block into out4 [group, step, 16 rows] (4 values each),
     scale and corr [group, block, 16] (corr = 128 x the block's int8 sum; padding rows all zero) and low[group]
     (a value is -128); the groups in tasks the threads claim (ikrun/ops/parallel.py)."""
     rows = raw.shape[0]
-    nb = (raw.shape[1] - 4) // IQ4_KS_BLOCK_BYTES
     steps = nb * SUPER // 4
     groups = low.size
     per, counter = task_items(groups, threads), np.zeros(1, np.int64)
@@ -137,9 +175,7 @@ def _iq4_ks_groups(raw: np.ndarray, inv_c: np.float32, out4: np.ndarray, scale: 
                             for k in range(SUPER // 4):
                                 out4[words + k * LANES] = 0
                             continue
-                        row = raw[row_index]
-                        d = load_f32(row, 0)
-                        _iq4_ks_ints(row, b, p)
+                        d = _block_ints(raw[row_index], kind, b, p)
                         most = np.int32(0)
                         for j in range(SUPER):
                             most = max(most, p_bits[j] & np.int32(0x7FFFFFFF))
