@@ -1,5 +1,5 @@
-"""Weights converted as ik converts them, straight from their bytes (no float decoding first): IQ4_KS and IQ4_K
-packed for the integer matmul, the same PackedInts as decoding, converting and packing (the general path); Q6_K's Q8_0 and
+"""Weights converted as ik converts them, straight from their bytes (no float decoding first): IQ4_KS, IQ4_K,
+IQ2_KS and IQ3_KS packed for the integer matmul, the same PackedInts as decoding, converting and packing (the general path); Q6_K's Q8_0 and
 Q4_K / Q5_K's Q8_1 integers and Q8_0's own, the same as from the decoding / as an independent numpy formulation;
 every field, every bit."""
 
@@ -19,7 +19,7 @@ from ikrun.numerics.ik.formats import (
     _q8_0_ints,
     ik_kernel,
 )
-from ikrun.numerics.ik.q8k_direct import iq4_k_packed, iq4_ks_packed
+from ikrun.numerics.ik.q8k_direct import iq2_ks_packed, iq3_ks_packed, iq4_k_packed, iq4_ks_packed
 from ikrun.numerics.ik.qgemm import ORDER_Q8_1, BlockInts, PackedInts, pack
 
 CODEC = type_by_name("IQ4_KS").require_codec()
@@ -151,31 +151,49 @@ def test_q8_0_reads_its_integers_and_scales_from_its_bytes(rows: int) -> None:
     _assert_same(_q8_0_ints(raw), want)
 
 
-def _general_iq4_k(raw: np.ndarray) -> PackedInts:
-    convert = ik_kernel("IQ4_K").convert
+#: type -> (its direct packer, c, where its f16 scales lie: (row bytes before the blocks, block bytes, whether
+#: every block has one at its start; else one at the row's start))
+F16_SCALED = {"IQ4_K": (iq4_k_packed, 127, 0, 144, True), "IQ2_KS": (iq2_ks_packed, 125, 2, 70, False),
+              "IQ3_KS": (iq3_ks_packed, 127, 2, 102, False)}
+
+
+def _general_of(type_name: str, raw: np.ndarray) -> PackedInts:
+    convert = ik_kernel(type_name).convert
     assert convert is not None
-    return pack(convert(raw, type_by_name("IQ4_K").require_codec().dequantize(raw, N)))
+    return pack(convert(raw, type_by_name(type_name).require_codec().dequantize(raw, N)))
 
 
+def _scale_fields(type_name: str, raw: np.ndarray) -> np.ndarray:
+    """A view of every f16 scale's two bytes [rows, scales, 2]."""
+    *_, block, per_block = F16_SCALED[type_name]
+    if per_block:
+        return raw.reshape(raw.shape[0], -1, block)[..., 0:2]
+    return raw[:, None, 0:2]
+
+
+@pytest.mark.parametrize("type_name", list(F16_SCALED))
 @pytest.mark.parametrize("rows", [32, 45])
-def test_iq4_k_rows_pack_as_the_general_path(rows: int) -> None:
-    """Codec-written rows (row scales over five decades), then the same with random bytes under their f16 scales
-    (every 6-bit sub-block scale, grid half and code), one block's scale 0 and one -0."""
+def test_f16_scaled_iqk_rows_pack_as_the_general_path(type_name: str, rows: int) -> None:
+    """Codec-written rows (magnitudes over five decades), then random bytes under their f16 scales (every
+    sub-block scale bit, grid half and code), one scale 0 and one -0."""
+    packer, c = F16_SCALED[type_name][:2]
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, N)).astype(np.float32) * np.logspace(-3, 2, rows, dtype=np.float32)[:, None]
-    written = type_by_name("IQ4_K").require_codec().quantize(x).reshape(rows, -1)
-    _assert_same(iq4_k_packed(written, 127), _general_iq4_k(written))
+    written = type_by_name(type_name).require_codec().quantize(x).reshape(rows, -1)
+    _assert_same(packer(written, c), _general_of(type_name, written))
     noise = rng.integers(0, 256, written.shape, dtype=np.uint8)
-    blocks = noise.reshape(rows, -1, 144)
-    blocks[..., 0:2] = written.reshape(rows, -1, 144)[..., 0:2]
-    blocks[3, 1, 0:2] = 0
-    blocks[4, 0, 0:2] = np.frombuffer(np.float16(-0.0).tobytes(), np.uint8)
-    _assert_same(iq4_k_packed(noise, 127), _general_iq4_k(noise))
+    scales = _scale_fields(type_name, noise)
+    scales[...] = _scale_fields(type_name, written)
+    scales[3, 0] = 0
+    scales[4, 0] = np.frombuffer(np.float16(-0.0).tobytes(), np.uint8)
+    _assert_same(packer(noise, c), _general_of(type_name, noise))
 
 
+@pytest.mark.parametrize("type_name", list(F16_SCALED))
 @pytest.mark.parametrize("bits", [0x7C00, 0xFE00])
-def test_an_iq4_k_block_scale_not_finite_declines(bits: int) -> None:
-    raw = type_by_name("IQ4_K").require_codec().quantize(
+def test_an_f16_scale_not_finite_declines(type_name: str, bits: int) -> None:
+    packer, c = F16_SCALED[type_name][:2]
+    raw = type_by_name(type_name).require_codec().quantize(
         np.random.default_rng(5).standard_normal((32, N)).astype(np.float32)).reshape(32, -1)
-    raw.reshape(32, -1, 144)[9, 1, 0:2] = np.frombuffer(np.uint16(bits).tobytes(), np.uint8)
-    assert iq4_k_packed(raw, 127) is None
+    _scale_fields(type_name, raw)[9, -1] = np.frombuffer(np.uint16(bits).tobytes(), np.uint8)
+    assert packer(raw, c) is None

@@ -1,4 +1,5 @@
-"""IQ4_KS and IQ4_K weights straight from their bytes to qgemm's packed Q8_K_R16 integers, for `--numerics ik`.
+"""IQK weights (IQ4_KS, IQ4_K, IQ2_KS, IQ3_KS) straight from their bytes to qgemm's packed Q8_K_R16 integers, for
+`--numerics ik`.
 
 ik converts an IQK weight to Q8_K_R16 from its integers: per 256 values p = sub-block scale x grid value, kept
 when max|p| / c < 1, else re-quantized to int8 against max|p| / c (formats.py, `_to_q8_k`). The general path
@@ -9,8 +10,10 @@ the scales and the block sums, with the same integers, so the same PackedInts to
 
 The decoding's p is exactly the integer product wherever the scale d is a finite float not so small or large that
 d x ls x v leaves float32's normal range (it then rounds by a few ulps of at most 127 x 127, far from a half; d = 0
-gives p = 0, as the general path takes it): IQ4_KS's row scale within 2^-100 .. 2^100, IQ4_K's f16 block scales
-finite. A tensor with another scale takes the general path.
+gives p = 0, as the general path takes it): IQ4_KS's row scale within 2^-100 .. 2^100, the f16 scales of the
+others (IQ4_K's per block, IQ2_KS's and IQ3_KS's per row) finite. A tensor with another scale takes the general
+path. IQ4_KS's and IQ4_K's 16-value grids are looked up with AVX-512 permutes where the CPU has them; IQ2_KS's and
+IQ3_KS's 2- and 3-bit codes in scalar loops.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from ikquant.formats.iqk_grids import IQ4K_VALUES
+from ikquant.formats.iqk_grids import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES
 from ikquant.formats.numeric import f16_bits_to_f32, f32_from_bits, f32_to_f16_bits, load_f16, load_f32
 from ikrun.numerics.ik.qgemm import GROUPS, LANES, ORDER_R16, PackedInts
 from ikrun.ops.cpu import host_has
@@ -32,13 +35,16 @@ from ikrun.ops.parallel import claim_items, task_items
 SUPER = 256  # values per Q8_K block
 #: the layouts: IQ4_KS a float32 row scale, then per 256 values 8 sub-block scale bytes and 128 bytes of 4-bit
 #: codes; IQ4_K per 256 values an f16 scale, 16 bits of grid halves, 4 + 8 bytes of 6-bit scales, 128 of codes
-KIND_IQ4_KS, KIND_IQ4_K = 0, 1
-ROW_BYTES = {KIND_IQ4_KS: 4, KIND_IQ4_K: 0}
-BLOCK_BYTES = {KIND_IQ4_KS: 136, KIND_IQ4_K: 144}
+#: IQ2_KS / IQ3_KS an f16 row scale, then per 256 values 16 bits of grid halves and scale high bits, 4 bytes of
+#: 4-bit scales, 64 bytes of 2-bit codes (IQ3_KS: and 32 bytes of their third bits)
+KIND_IQ4_KS, KIND_IQ4_K, KIND_IQ2_KS, KIND_IQ3_KS = 0, 1, 2, 3
+ROW_BYTES = {KIND_IQ4_KS: 4, KIND_IQ4_K: 0, KIND_IQ2_KS: 2, KIND_IQ3_KS: 2}
+BLOCK_BYTES = {KIND_IQ4_KS: 136, KIND_IQ4_K: 144, KIND_IQ2_KS: 70, KIND_IQ3_KS: 102}
 #: the row scales whose decoding gives the exact integers (module docstring)
 SAFE_SCALES = (2.0**-100, 2.0**100)
 #: the grid values as float32: sub-block scale x value is exact in float32 (|ls x v| < 2^24)
 _IQ4K_FLOATS = IQ4K_VALUES.astype(np.float32)
+_IQ2NL_FLOATS, _IQ3NL_FLOATS = IQ2NL_VALUES.astype(np.float32), IQ3NL_VALUES.astype(np.float32)
 _I64, _V16B = ir.IntType(64), ir.VectorType(ir.IntType(8), 16)
 _V16I, _V16F = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.FloatType(), 16)
 
@@ -55,9 +61,21 @@ def iq4_ks_packed(raw: np.ndarray, c: float) -> PackedInts | None:
 def iq4_k_packed(raw: np.ndarray, c: float) -> PackedInts | None:
     """IQ4_K rows as ik converts them to Q8_K_R16, packed for qmatmul; None where a block scale is infinite or NaN."""
     d_bits = raw.reshape(raw.shape[0], -1, BLOCK_BYTES[KIND_IQ4_K])[..., 0:2].copy().view(np.uint16)
-    if np.any((d_bits & 0x7C00) == 0x7C00):
-        return None
-    return _packed(raw, KIND_IQ4_K, c)
+    return None if _not_finite(d_bits) else _packed(raw, KIND_IQ4_K, c)
+
+
+def iq2_ks_packed(raw: np.ndarray, c: float) -> PackedInts | None:
+    """IQ2_KS rows as ik converts them to Q8_K_R16, packed; None where a row scale is infinite or NaN."""
+    return None if _not_finite(raw[:, 0:2].copy().view(np.uint16)) else _packed(raw, KIND_IQ2_KS, c)
+
+
+def iq3_ks_packed(raw: np.ndarray, c: float) -> PackedInts | None:
+    """IQ3_KS rows as ik converts them to Q8_K_R16, packed; None where a row scale is infinite or NaN."""
+    return None if _not_finite(raw[:, 0:2].copy().view(np.uint16)) else _packed(raw, KIND_IQ3_KS, c)
+
+
+def _not_finite(f16_bits: np.ndarray) -> bool:
+    return bool(np.any((f16_bits & 0x7C00) == 0x7C00))
 
 
 def _packed(raw: np.ndarray, kind: int, c: float) -> PackedInts:
@@ -132,6 +150,8 @@ def _block_ints(row: np.ndarray, kind: int, b: int, p: np.ndarray) -> np.float32
             ls, off = np.float32((s & 254) - 127), 16 * (s & 1)
             _sub_block(row, o + 8 + 16 * m, _IQ4K_FLOATS, off, ls, off, ls, p, 32 * m)
         return load_f32(row, 0)
+    if kind == KIND_IQ2_KS or kind == KIND_IQ3_KS:
+        return _ks_ints(row, kind, b, p)
     o = b * 144
     d = load_f16(row, o)
     extra = np.int32(row[o + 2]) | (np.int32(row[o + 3]) << 8)
@@ -141,6 +161,34 @@ def _block_ints(row: np.ndarray, kind: int, b: int, p: np.ndarray) -> np.float32
         ls_hi = (low_bits >> 4) | (((high_byte >> (4 * (m % 2) + 2)) & 3) << 4)
         _sub_block(row, o + 16 + 16 * m, _IQ4K_FLOATS, 16 * ((extra >> (2 * m)) & 1), np.float32(ls_lo - 32),
                    16 * ((extra >> (2 * m + 1)) & 1), np.float32(ls_hi - 32), p, 32 * m)
+    if d == 0:
+        p[:] = 0
+    return d
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _ks_ints(row: np.ndarray, kind: int, b: int, p: np.ndarray) -> np.float32:
+    """_block_ints of IQ2_KS and IQ3_KS: sub-block ib's 32 values from bits 2 (ib % 4) of 32 code bytes (IQ3_KS:
+    and bit ib of 32 more), its scale (4 bits, the fifth in the 16-bit word) minus 16."""
+    o = 2 + b * (70 if kind == KIND_IQ2_KS else 102)
+    d = load_f16(row, 0)
+    extra = np.int32(row[o]) | (np.int32(row[o + 1]) << 8)
+    for ib in range(8):
+        if kind == KIND_IQ2_KS:
+            ls = ((np.int32(row[o + 2 + ib // 2]) >> (4 * (ib % 2))) & 15) | (((extra >> (8 + ib)) & 1) << 4)
+            off = 4 * ((extra >> ib) & 1)
+        else:
+            ls = ((np.int32(row[o + 2 + ib % 4]) >> (4 * (ib // 4))) & 15) | (((extra >> ib) & 1) << 4)
+            off = 8 * ((extra >> (8 + ib)) & 1)
+        scale = np.float32(ls - 16)
+        codes, shift = o + 6 + 32 * (ib // 4), 2 * (ib % 4)
+        for j in range(32):
+            k = (np.int32(row[codes + j]) >> shift) & 3
+            if kind == KIND_IQ2_KS:
+                p[32 * ib + j] = scale * _IQ2NL_FLOATS[off + k]
+            else:
+                k |= ((np.int32(row[o + 70 + j]) >> ib) & 1) << 2
+                p[32 * ib + j] = scale * _IQ3NL_FLOATS[off + k]
     if d == 0:
         p[:] = 0
     return d
