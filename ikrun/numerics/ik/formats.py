@@ -171,10 +171,7 @@ def _scaled_ints(decoded: np.ndarray, scale: np.ndarray) -> BlockInts:
 
 def _q8_0_ints(raw: np.ndarray) -> BlockInts:
     """Q8_0 stores its integers: read them (and the f16 scales), not the decoding."""
-    rows, nb = raw.shape[0], raw.shape[1] // 34
-    q = np.empty((rows, nb * BLOCK), np.int8)
-    scale = np.empty((rows, nb), np.float32)
-    run_claimed(_q8_0_serial, _q8_0_parallel, rows * nb * BLOCK, np.ascontiguousarray(raw), q, scale)
+    q, scale, _ = _rows_from_bytes(raw, BYTES_Q8_0, raw.shape[1] // 34 * BLOCK)
     return BlockInts(q=q, scale=scale, block=BLOCK)
 
 
@@ -184,25 +181,6 @@ def _q8_0_row(row: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
         scale[b] = load_f16(row, 34 * b)
         for j in range(BLOCK):
             q[BLOCK * b + j] = np.int8(row[34 * b + 2 + j])
-
-
-@njit(cache=True, nogil=True)
-def _q8_0_serial(raw: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
-    for r in range(raw.shape[0]):
-        _q8_0_row(raw[r], q[r], scale[r])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _q8_0_parallel(raw: np.ndarray, q: np.ndarray, scale: np.ndarray, threads: int) -> None:
-    """The rows in tasks the threads claim (ikrun/ops/parallel.py)."""
-    items = raw.shape[0]
-    per, counter = task_items(items, threads), np.zeros(1, np.int64)
-    for _ in prange(threads):
-        i0, i1 = claim_items(counter, per, items)
-        while i0 < i1:
-            for r in range(i0, i1):
-                _q8_0_row(raw[r], q[r], scale[r])
-            i0, i1 = claim_items(counter, per, items)
 
 
 def _in_r8(ints: ToInts) -> ToInts:
@@ -240,12 +218,8 @@ def _f16_scaled(block_bytes: int) -> ToInts:
 def _k_to_q8_1(raw: np.ndarray, five_bits: bool) -> BlockInts:
     """Q4_K / Q5_K as ik converts them to Q8_1: per 32-value block the values kept, the scale f16(d x sc) and the
     offset f16(-dmin x m); from the bytes alone."""
-    rows, n = raw.shape[0], raw.shape[1] // (176 if five_bits else 144) * 256
-    q = np.empty((rows, n), np.int8)
-    scale = np.empty((rows, n // BLOCK), np.float32)
-    offset = np.empty((rows, n // BLOCK), np.float32)
-    run_claimed(_k_to_q8_1_serial, _k_to_q8_1_parallel, rows * n, np.ascontiguousarray(raw), five_bits, q, scale,
-                offset)
+    q, scale, offset = _rows_from_bytes(raw, BYTES_Q5_K if five_bits else BYTES_Q4_K,
+                                        raw.shape[1] // (176 if five_bits else 144) * 256)
     return BlockInts(q=q, scale=scale, block=BLOCK, offset=offset, order=ORDER_Q8_1)
 
 
@@ -277,26 +251,6 @@ def _k_to_q8_1_row(row: np.ndarray, five_bits: bool, q: np.ndarray, scale: np.nd
                     hi |= ((h >> (2 * c + 1)) & 1) << 4
                 q[256 * b + 64 * c + l] = lo
                 q[256 * b + 64 * c + 32 + l] = hi
-
-
-@njit(cache=True, nogil=True)
-def _k_to_q8_1_serial(raw: np.ndarray, five_bits: bool, q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> None:
-    for r in range(raw.shape[0]):
-        _k_to_q8_1_row(raw[r], five_bits, q[r], scale[r], offset[r])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _k_to_q8_1_parallel(raw: np.ndarray, five_bits: bool, q: np.ndarray, scale: np.ndarray, offset: np.ndarray,
-                        threads: int) -> None:
-    """The rows in tasks the threads claim (ikrun/ops/parallel.py)."""
-    items = raw.shape[0]
-    per, counter = task_items(items, threads), np.zeros(1, np.int64)
-    for _ in prange(threads):
-        i0, i1 = claim_items(counter, per, items)
-        while i0 < i1:
-            for r in range(i0, i1):
-                _k_to_q8_1_row(raw[r], five_bits, q[r], scale[r], offset[r])
-            i0, i1 = claim_items(counter, per, items)
 
 
 def _q_1_to_q8_1(raw: np.ndarray, decoded: np.ndarray, five_bits: bool) -> BlockInts:
@@ -341,10 +295,7 @@ def _q6_k_ints(raw: np.ndarray) -> BlockInts | None:
     d_bits = raw.reshape(raw.shape[0], -1, 210)[..., 208:210].copy().view(np.uint16)
     if np.any((d_bits & 0x7C00) == 0x7C00):
         return None
-    rows, n = raw.shape[0], raw.shape[1] // 210 * 256
-    q = np.empty((rows, n), np.int8)
-    scale = np.empty((rows, n // BLOCK), np.float32)
-    run_claimed(_q6_k_ints_serial, _q6_k_ints_parallel, rows * n, np.ascontiguousarray(raw), q, scale)
+    q, scale, _ = _rows_from_bytes(raw, BYTES_Q6_K, raw.shape[1] // 210 * 256)
     return BlockInts(q=q, scale=scale, block=BLOCK)
 
 
@@ -382,15 +333,42 @@ def _q6_k_ints_row(row: np.ndarray, q: np.ndarray, scale: np.ndarray, p: np.ndar
             scale[8 * b + j] = f16_bits_to_f32(f32_to_f16_bits(d * mx))
 
 
+#: the conversions read straight from a 32-value-block type's bytes (_rows_from_bytes)
+BYTES_Q8_0, BYTES_Q4_K, BYTES_Q5_K, BYTES_Q6_K = 0, 1, 2, 3
+
+
+def _rows_from_bytes(raw: np.ndarray, kind: int, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The int8 values [rows, n], scales and offsets [rows, n / 32] (offsets only for Q4_K / Q5_K) of the rows `raw`
+    of a BYTES_* kind, a row a task."""
+    rows = raw.shape[0]
+    q = np.empty((rows, n), np.int8)
+    scale = np.empty((rows, n // BLOCK), np.float32)
+    offset = np.empty((rows, n // BLOCK if kind in (BYTES_Q4_K, BYTES_Q5_K) else 0), np.float32)
+    run_claimed(_bytes_serial, _bytes_parallel, rows * n, np.ascontiguousarray(raw), kind, q, scale, offset)
+    return q, scale, offset
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _row_from_bytes(row: np.ndarray, kind: int, q: np.ndarray, scale: np.ndarray, offset: np.ndarray,
+                    p: np.ndarray) -> None:
+    if kind == BYTES_Q8_0:
+        _q8_0_row(row, q, scale)
+    elif kind == BYTES_Q6_K:
+        _q6_k_ints_row(row, q, scale, p)
+    else:
+        _k_to_q8_1_row(row, kind == BYTES_Q5_K, q, scale, offset)
+
+
 @njit(cache=True, nogil=True)
-def _q6_k_ints_serial(raw: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
+def _bytes_serial(raw: np.ndarray, kind: int, q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> None:
     p = np.empty(256, np.float32)
     for r in range(raw.shape[0]):
-        _q6_k_ints_row(raw[r], q[r], scale[r], p)
+        _row_from_bytes(raw[r], kind, q[r], scale[r], offset[r], p)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _q6_k_ints_parallel(raw: np.ndarray, q: np.ndarray, scale: np.ndarray, threads: int) -> None:
+def _bytes_parallel(raw: np.ndarray, kind: int, q: np.ndarray, scale: np.ndarray, offset: np.ndarray,
+                    threads: int) -> None:
     """The rows in tasks the threads claim (ikrun/ops/parallel.py)."""
     items = raw.shape[0]
     per, counter = task_items(items, threads), np.zeros(1, np.int64)
@@ -399,7 +377,7 @@ def _q6_k_ints_parallel(raw: np.ndarray, q: np.ndarray, scale: np.ndarray, threa
         i0, i1 = claim_items(counter, per, items)
         while i0 < i1:
             for r in range(i0, i1):
-                _q6_k_ints_row(raw[r], q[r], scale[r], p)
+                _row_from_bytes(raw[r], kind, q[r], scale[r], offset[r], p)
             i0, i1 = claim_items(counter, per, items)
 
 
