@@ -34,7 +34,7 @@ from ikrun.ops.parallel import claim_items, task_items
 
 SUPER = 256  # values per Q8_K block
 #: the layouts: IQ4_KS a float32 row scale, then per 256 values 8 sub-block scale bytes and 128 bytes of 4-bit
-#: codes; IQ4_K per 256 values an f16 scale, 16 bits of grid halves, 4 + 8 bytes of 6-bit scales, 128 of codes
+#: codes; IQ4_K per 256 values an f16 scale, 16 bits of grid halves, 4 + 8 bytes of 6-bit scales, 128 of codes;
 #: IQ2_KS / IQ3_KS an f16 row scale, then per 256 values 16 bits of grid halves and scale high bits, 4 bytes of
 #: 4-bit scales, 64 bytes of 2-bit codes (IQ3_KS: and 32 bytes of their third bits)
 KIND_IQ4_KS, KIND_IQ4_K, KIND_IQ2_KS, KIND_IQ3_KS = 0, 1, 2, 3
@@ -75,6 +75,7 @@ def iq3_ks_packed(raw: np.ndarray, c: float) -> PackedInts | None:
 
 
 def _not_finite(f16_bits: np.ndarray) -> bool:
+    """Whether an f16 (as its bits) is infinite or NaN."""
     return bool(np.any((f16_bits & 0x7C00) == 0x7C00))
 
 
