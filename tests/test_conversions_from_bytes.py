@@ -1,5 +1,5 @@
-"""Weights converted as ik converts them, straight from their bytes (no float decoding first): IQ4_KS, IQ4_K,
-IQ2_KS and IQ3_KS packed for the integer matmul, the same PackedInts as decoding, converting and packing (the general path); Q6_K's Q8_0 and
+"""Weights converted as ik converts them, straight from their bytes (no float decoding first): IQ4_KS, IQ5_KS,
+IQ4_K, IQ2_KS and IQ3_KS packed for the integer matmul, the same PackedInts as decoding, converting and packing (the general path); Q6_K's Q8_0 and
 Q4_K / Q5_K's Q8_1 integers and Q8_0's own, the same as from the decoding / as an independent numpy formulation;
 every field, every bit."""
 
@@ -19,17 +19,18 @@ from ikrun.numerics.ik.formats import (
     _q8_0_ints,
     ik_kernel,
 )
-from ikrun.numerics.ik.q8k_direct import iq2_ks_packed, iq3_ks_packed, iq4_k_packed, iq4_ks_packed
+from ikrun.numerics.ik.q8k_direct import iq2_ks_packed, iq3_ks_packed, iq4_k_packed, iq4_ks_packed, iq5_ks_packed
 from ikrun.numerics.ik.qgemm import ORDER_Q8_1, BlockInts, PackedInts, pack
 
-CODEC = type_by_name("IQ4_KS").require_codec()
 N = 512
+#: the types with a float32 row scale: (their direct packer, block bytes)
+F32_SCALED = {"IQ4_KS": (iq4_ks_packed, 136), "IQ5_KS": (iq5_ks_packed, 168)}
 
 
-def _general(raw: np.ndarray) -> PackedInts:
-    convert = ik_kernel("IQ4_KS").convert
+def _general(type_name: str, raw: np.ndarray) -> PackedInts:
+    convert = ik_kernel(type_name).convert
     assert convert is not None
-    return pack(convert(raw, CODEC.dequantize(raw, N)))
+    return pack(convert(raw, type_by_name(type_name).require_codec().dequantize(raw, N)))
 
 
 def _assert_same(got: PackedInts | BlockInts | None, want: PackedInts | BlockInts) -> None:
@@ -42,39 +43,43 @@ def _assert_same(got: PackedInts | BlockInts | None, want: PackedInts | BlockInt
             assert a == b, f.name
 
 
-def _quantized(rows: int, seed: int) -> np.ndarray:
+def _quantized(type_name: str, rows: int, seed: int) -> np.ndarray:
     x = np.random.default_rng(seed).standard_normal((rows, N)).astype(np.float32)
     x *= np.logspace(-3, 2, rows, dtype=np.float32)[:, None]  # row scales over five decades
-    return CODEC.quantize(x).reshape(rows, -1)
+    return type_by_name(type_name).require_codec().quantize(x).reshape(rows, -1)
 
 
+@pytest.mark.parametrize("type_name", list(F32_SCALED))
 @pytest.mark.parametrize("rows", [32, 40, 77])
-def test_quantized_rows_pack_as_the_general_path(rows: int) -> None:
+def test_quantized_rows_pack_as_the_general_path(type_name: str, rows: int) -> None:
     """Rows the codec wrote (not a whole number of 32-row calls but for the first: padding groups too)."""
-    raw = _quantized(rows, rows)
-    _assert_same(iq4_ks_packed(raw, 127), _general(raw))
+    raw = _quantized(type_name, rows, rows)
+    _assert_same(F32_SCALED[type_name][0](raw, 127), _general(type_name, raw))
 
 
-def test_every_code_and_sub_block_scale_packs_as_the_general_path() -> None:
+@pytest.mark.parametrize("type_name", list(F32_SCALED))
+def test_every_code_and_sub_block_scale_packs_as_the_general_path(type_name: str) -> None:
     """Random bytes under a valid row scale: every sub-block scale (both grid halves, ls from -127 to 127) and
-    code; scale bytes 128/129 (ls = +-1 ... 1: |p| <= 123 < 127) keep whole blocks' integers unconverted."""
+    code; scale bytes 128/129 (ls = 1: |p| <= 126 < 127) keep whole blocks' integers unconverted."""
+    packer, block = F32_SCALED[type_name]
     rng = np.random.default_rng(7)
-    raw = rng.integers(0, 256, (64, 4 + 2 * 136), dtype=np.uint8)
+    raw = rng.integers(0, 256, (64, 4 + 2 * block), dtype=np.uint8)
     raw[:, :4] = np.frombuffer(np.float32(0.0123).tobytes(), np.uint8)
     raw[48:, 4:12] = rng.choice(np.array([128, 129], np.uint8), (16, 8))  # ls = 1, the shifted grid on 129
-    raw[48:, 140:148] = 129
-    got = iq4_ks_packed(raw, 127)
-    _assert_same(got, _general(raw))
+    raw[48:, 4 + block:12 + block] = 129
+    got = packer(raw, 127)
+    _assert_same(got, _general(type_name, raw))
     assert got is not None and (got.scale[-16:] == np.float32(np.float16(0.0123))).all()  # d x 1: kept as is
 
 
+@pytest.mark.parametrize("type_name", list(F32_SCALED))
 @pytest.mark.parametrize("d", [0.0, 1e-40, 2.0**-101, 2.0**101, np.inf, np.nan])
-def test_a_row_scale_whose_decoding_is_not_exact_declines(d: float) -> None:
+def test_a_row_scale_whose_decoding_is_not_exact_declines(type_name: str, d: float) -> None:
     """Zero, subnormal, tiny, huge, infinite and NaN row scales: the direct path declines the whole tensor (the
     general path handles them as ik's float emulation does)."""
-    raw = _quantized(32, 3)
+    raw = _quantized(type_name, 32, 3)
     raw[5, :4] = np.frombuffer(np.float32(d).tobytes(), np.uint8)
-    assert iq4_ks_packed(raw, 127) is None
+    assert F32_SCALED[type_name][0](raw, 127) is None
 
 
 def _k_quant_rows(type_name: str, block_bytes: int, seed: int) -> list[np.ndarray]:
@@ -157,12 +162,6 @@ F16_SCALED = {"IQ4_K": (iq4_k_packed, 127, 0, 144, True), "IQ2_KS": (iq2_ks_pack
               "IQ3_KS": (iq3_ks_packed, 127, 2, 102, False)}
 
 
-def _general_of(type_name: str, raw: np.ndarray) -> PackedInts:
-    convert = ik_kernel(type_name).convert
-    assert convert is not None
-    return pack(convert(raw, type_by_name(type_name).require_codec().dequantize(raw, N)))
-
-
 def _scale_fields(type_name: str, raw: np.ndarray) -> np.ndarray:
     """A view of every f16 scale's two bytes [rows, scales, 2]."""
     *_, block, per_block = F16_SCALED[type_name]
@@ -180,13 +179,13 @@ def test_f16_scaled_iqk_rows_pack_as_the_general_path(type_name: str, rows: int)
     rng = np.random.default_rng(rows)
     x = rng.standard_normal((rows, N)).astype(np.float32) * np.logspace(-3, 2, rows, dtype=np.float32)[:, None]
     written = type_by_name(type_name).require_codec().quantize(x).reshape(rows, -1)
-    _assert_same(packer(written, c), _general_of(type_name, written))
+    _assert_same(packer(written, c), _general(type_name, written))
     noise = rng.integers(0, 256, written.shape, dtype=np.uint8)
     scales = _scale_fields(type_name, noise)
     scales[...] = _scale_fields(type_name, written)
     scales[3, 0] = 0
     scales[4, 0] = np.frombuffer(np.float16(-0.0).tobytes(), np.uint8)
-    _assert_same(packer(noise, c), _general_of(type_name, noise))
+    _assert_same(packer(noise, c), _general(type_name, noise))
 
 
 @pytest.mark.parametrize("type_name", list(F16_SCALED))

@@ -72,7 +72,7 @@ from numba import get_num_threads, njit, prange
 from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ6NL_VALUES
 from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits, load_f16
 from ikrun.errors import NumericsError
-from ikrun.numerics.ik.q8k_direct import iq2_ks_packed, iq3_ks_packed, iq4_k_packed, iq4_ks_packed
+from ikrun.numerics.ik.q8k_direct import iq2_ks_packed, iq3_ks_packed, iq4_k_packed, iq4_ks_packed, iq5_ks_packed
 from ikrun.numerics.ik.qgemm import (
     ORDER_Q8_1,
     ORDER_QX_0_NATIVE,
@@ -565,7 +565,8 @@ IK_KERNELS: dict[str, IkKernel] = {
     "IQ4_K": IkKernel(Q8_K, 32, _super_scaled_to_q8_k(144, 127), convert_packed=lambda raw: iq4_k_packed(raw, 127)),
     "IQ6_K": IkKernel(Q8_K, 32, _iq6_k_to_q8_k, native=_iq6_k_native),
     **{t: IkKernel(Q8_K, 32, _row_scaled_to_q8_k(scale, c)) for t, scale, c in (
-        ("IQ2_KL", "f16", 125), ("IQ4_KSS", "f32", 127), ("IQ5_KS", "f32", 127))},
+        ("IQ2_KL", "f16", 125), ("IQ4_KSS", "f32", 127))},
+    "IQ5_KS": IkKernel(Q8_K, 32, _row_scaled_to_q8_k("f32", 127), convert_packed=lambda raw: iq5_ks_packed(raw, 127)),
     "IQ4_KS": IkKernel(Q8_K, 32, _row_scaled_to_q8_k("f32", 127), convert_packed=lambda raw: iq4_ks_packed(raw, 127)),
     "IQ2_KS": IkKernel(Q8_K, 32, _row_scaled_to_q8_k("f16", 125), convert_packed=lambda raw: iq2_ks_packed(raw, 125)),
     "IQ3_KS": IkKernel(Q8_K, 32, _row_scaled_to_q8_k("f16", 127), convert_packed=lambda raw: iq3_ks_packed(raw, 127)),

@@ -1,4 +1,4 @@
-"""IQK weights (IQ4_KS, IQ4_K, IQ2_KS, IQ3_KS) straight from their bytes to qgemm's packed Q8_K_R16 integers, for
+"""IQK weights (IQ4_KS, IQ4_K, IQ2_KS, IQ3_KS, IQ5_KS) straight from their bytes to qgemm's packed Q8_K_R16 integers, for
 `--numerics ik`.
 
 ik converts an IQK weight to Q8_K_R16 from its integers: per 256 values p = sub-block scale x grid value, kept
@@ -10,10 +10,10 @@ the scales and the block sums, with the same integers, so the same PackedInts to
 
 The decoding's p is exactly the integer product wherever the scale d is a finite float not so small or large that
 d x ls x v leaves float32's normal range (it then rounds by a few ulps of at most 127 x 127, far from a half; d = 0
-gives p = 0, as the general path takes it): IQ4_KS's row scale within 2^-100 .. 2^100, the f16 scales of the
-others (IQ4_K's per block, IQ2_KS's and IQ3_KS's per row) finite. A tensor with another scale takes the general
-path. IQ4_KS's and IQ4_K's 16-value grids are looked up with AVX-512 permutes where the CPU has them; IQ2_KS's and
-IQ3_KS's 2- and 3-bit codes in scalar loops.
+gives p = 0, as the general path takes it): IQ4_KS's and IQ5_KS's row scale within 2^-100 .. 2^100, the f16
+scales of the others (IQ4_K's per block, IQ2_KS's and IQ3_KS's per row) finite. A tensor with another scale takes
+the general path. IQ4_KS's and IQ4_K's 16-value grids are looked up with AVX-512 permutes where the CPU has them;
+IQ2_KS's, IQ3_KS's and IQ5_KS's 2-, 3- and 5-bit codes in scalar loops.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from ikquant.formats.iqk_grids import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES
+from ikquant.formats.iqk_grids import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
 from ikquant.formats.numeric import f16_bits_to_f32, f32_from_bits, f32_to_f16_bits, load_f16, load_f32
 from ikrun.numerics.ik.qgemm import GROUPS, LANES, ORDER_R16, PackedInts
 from ikrun.ops.cpu import host_has
@@ -36,15 +36,17 @@ SUPER = 256  # values per Q8_K block
 #: the layouts: IQ4_KS a float32 row scale, then per 256 values 8 sub-block scale bytes and 128 bytes of 4-bit
 #: codes; IQ4_K per 256 values an f16 scale, 16 bits of grid halves, 4 + 8 bytes of 6-bit scales, 128 of codes;
 #: IQ2_KS / IQ3_KS an f16 row scale, then per 256 values 16 bits of grid halves and scale high bits, 4 bytes of
-#: 4-bit scales, 64 bytes of 2-bit codes (IQ3_KS: and 32 bytes of their third bits)
-KIND_IQ4_KS, KIND_IQ4_K, KIND_IQ2_KS, KIND_IQ3_KS = 0, 1, 2, 3
-ROW_BYTES = {KIND_IQ4_KS: 4, KIND_IQ4_K: 0, KIND_IQ2_KS: 2, KIND_IQ3_KS: 2}
-BLOCK_BYTES = {KIND_IQ4_KS: 136, KIND_IQ4_K: 144, KIND_IQ2_KS: 70, KIND_IQ3_KS: 102}
+#: 4-bit scales, 64 bytes of 2-bit codes (IQ3_KS: and 32 bytes of their third bits); IQ5_KS as IQ4_KS, its codes'
+#: low 4 bits two sub-blocks to 32 bytes, then 32 bytes of their fifth bits
+KIND_IQ4_KS, KIND_IQ4_K, KIND_IQ2_KS, KIND_IQ3_KS, KIND_IQ5_KS = 0, 1, 2, 3, 4
+ROW_BYTES = {KIND_IQ4_KS: 4, KIND_IQ4_K: 0, KIND_IQ2_KS: 2, KIND_IQ3_KS: 2, KIND_IQ5_KS: 4}
+BLOCK_BYTES = {KIND_IQ4_KS: 136, KIND_IQ4_K: 144, KIND_IQ2_KS: 70, KIND_IQ3_KS: 102, KIND_IQ5_KS: 168}
 #: the row scales whose decoding gives the exact integers (module docstring)
 SAFE_SCALES = (2.0**-100, 2.0**100)
 #: the grid values as float32: sub-block scale x value is exact in float32 (|ls x v| < 2^24)
 _IQ4K_FLOATS = IQ4K_VALUES.astype(np.float32)
 _IQ2NL_FLOATS, _IQ3NL_FLOATS = IQ2NL_VALUES.astype(np.float32), IQ3NL_VALUES.astype(np.float32)
+_IQ5NL_FLOATS = IQ5NL_VALUES.astype(np.float32)
 _I64, _V16B = ir.IntType(64), ir.VectorType(ir.IntType(8), 16)
 _V16I, _V16F = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.FloatType(), 16)
 
@@ -52,10 +54,18 @@ _V16I, _V16F = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.FloatType(), 
 def iq4_ks_packed(raw: np.ndarray, c: float) -> PackedInts | None:
     """IQ4_KS rows `raw` [rows, row bytes] as ik converts them to Q8_K_R16, packed for qmatmul; None where a row
     scale is outside SAFE_SCALES (the general path then decodes them)."""
-    d = np.ascontiguousarray(raw[:, :4]).view(np.float32)[:, 0]
-    if not np.all((np.abs(d) >= SAFE_SCALES[0]) & (np.abs(d) <= SAFE_SCALES[1])):
-        return None
-    return _packed(raw, KIND_IQ4_KS, c)
+    return _packed(raw, KIND_IQ4_KS, c) if _safe_row_scales(raw) else None
+
+
+def iq5_ks_packed(raw: np.ndarray, c: float) -> PackedInts | None:
+    """IQ5_KS rows as ik converts them to Q8_K_R16, packed; None where a row scale is outside SAFE_SCALES."""
+    return _packed(raw, KIND_IQ5_KS, c) if _safe_row_scales(raw) else None
+
+
+def _safe_row_scales(raw: np.ndarray) -> bool:
+    """Whether every float32 row scale (the rows' first 4 bytes) is within SAFE_SCALES."""
+    d = np.abs(np.ascontiguousarray(raw[:, :4]).view(np.float32)[:, 0])
+    return bool(np.all((d >= SAFE_SCALES[0]) & (d <= SAFE_SCALES[1])))
 
 
 def iq4_k_packed(raw: np.ndarray, c: float) -> PackedInts | None:
@@ -153,6 +163,16 @@ def _block_ints(row: np.ndarray, kind: int, b: int, p: np.ndarray) -> np.float32
         return load_f32(row, 0)
     if kind == KIND_IQ2_KS or kind == KIND_IQ3_KS:
         return _ks_ints(row, kind, b, p)
+    if kind == KIND_IQ5_KS:
+        o = 4 + b * 168
+        for ib in range(8):
+            s = np.int32(row[o + ib])
+            ls, off = np.float32((s & 254) - 127), 32 * (s & 1)
+            codes, shift = o + 8 + 32 * (ib // 2), 4 * (ib % 2)
+            for j in range(32):
+                k = ((np.int32(row[codes + j]) >> shift) & 15) | (((np.int32(row[o + 136 + j]) >> ib) & 1) << 4)
+                p[32 * ib + j] = ls * _IQ5NL_FLOATS[off + k]
+        return load_f32(row, 0)
     o = b * 144
     d = load_f16(row, o)
     extra = np.int32(row[o + 2]) | (np.int32(row[o + 3]) << 8)
