@@ -1,5 +1,5 @@
-"""IQK weights (IQ4_KS, IQ4_K, IQ2_KS, IQ3_KS, IQ5_KS) straight from their bytes to qgemm's packed Q8_K_R16 integers, for
-`--numerics ik`.
+"""IQK weights (IQ4_KS, IQ5_KS, IQ4_K, IQ2_KS, IQ3_KS) straight from their bytes to qgemm's packed Q8_K_R16
+integers, for `--numerics ik`.
 
 ik converts an IQK weight to Q8_K_R16 from its integers: per 256 values p = sub-block scale x grid value, kept
 when max|p| / c < 1, else re-quantized to int8 against max|p| / c (formats.py, `_to_q8_k`). The general path
@@ -152,8 +152,8 @@ _sub_block: Callable[..., None] = _sub_block_permuted if host_has("avx512f") els
 
 @njit(cache=True, nogil=True, inline="always")
 def _block_ints(row: np.ndarray, kind: int, b: int, p: np.ndarray) -> np.float32:
-    """Block b's integers sub-block scale x grid value as float32 p[256]; returns the scale d they multiply (IQ4_K:
-    its f16, p = 0 where it is 0; IQ4_KS: the row's)."""
+    """Block b's integers sub-block scale x grid value as float32 p[256]; returns the scale d they multiply: the
+    row's (IQ4_KS, IQ5_KS: float32; IQ2_KS, IQ3_KS: f16) or the block's (IQ4_K: f16); p = 0 where an f16 d is 0."""
     if kind == KIND_IQ4_KS:
         o = 4 + b * 136
         for m in range(8):
