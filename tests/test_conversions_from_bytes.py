@@ -1,5 +1,5 @@
 """Weights converted as ik converts them, straight from their bytes (no float decoding first): IQ4_KS, IQ5_KS,
-IQ4_K, IQ2_KS and IQ3_KS packed for the integer matmul, the same PackedInts as decoding, converting and packing (the general path); Q6_K's Q8_0 and
+IQ4_K, IQ2_K, IQ3_K, IQ2_KS and IQ3_KS packed for the integer matmul, the same PackedInts as decoding, converting and packing (the general path); Q6_K's Q8_0 and
 Q4_K / Q5_K's Q8_1 integers and Q8_0's own, the same as from the decoding / as an independent numpy formulation;
 every field, every bit."""
 
@@ -19,7 +19,15 @@ from ikrun.numerics.ik.formats import (
     _q8_0_ints,
     ik_kernel,
 )
-from ikrun.numerics.ik.q8k_direct import iq2_ks_packed, iq3_ks_packed, iq4_k_packed, iq4_ks_packed, iq5_ks_packed
+from ikrun.numerics.ik.q8k_direct import (
+    iq2_k_packed,
+    iq2_ks_packed,
+    iq3_k_packed,
+    iq3_ks_packed,
+    iq4_k_packed,
+    iq4_ks_packed,
+    iq5_ks_packed,
+)
 from ikrun.numerics.ik.qgemm import ORDER_Q8_1, BlockInts, PackedInts, pack
 
 N = 512
@@ -158,7 +166,8 @@ def test_q8_0_reads_its_integers_and_scales_from_its_bytes(rows: int) -> None:
 
 #: type -> (its direct packer, c, where its f16 scales lie: (row bytes before the blocks, block bytes, whether
 #: every block has one at its start; else one at the row's start))
-F16_SCALED = {"IQ4_K": (iq4_k_packed, 127, 0, 144, True), "IQ2_KS": (iq2_ks_packed, 125, 2, 70, False),
+F16_SCALED = {"IQ4_K": (iq4_k_packed, 127, 0, 144, True), "IQ2_K": (iq2_k_packed, 120, 0, 76, True),
+              "IQ3_K": (iq3_k_packed, 127, 0, 110, True), "IQ2_KS": (iq2_ks_packed, 125, 2, 70, False),
               "IQ3_KS": (iq3_ks_packed, 127, 2, 102, False)}
 
 

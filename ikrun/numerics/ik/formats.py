@@ -72,7 +72,15 @@ from numba import get_num_threads, njit, prange
 from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ6NL_VALUES
 from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits, load_f16
 from ikrun.errors import NumericsError
-from ikrun.numerics.ik.q8k_direct import iq2_ks_packed, iq3_ks_packed, iq4_k_packed, iq4_ks_packed, iq5_ks_packed
+from ikrun.numerics.ik.q8k_direct import (
+    iq2_k_packed,
+    iq2_ks_packed,
+    iq3_k_packed,
+    iq3_ks_packed,
+    iq4_k_packed,
+    iq4_ks_packed,
+    iq5_ks_packed,
+)
 from ikrun.numerics.ik.qgemm import (
     ORDER_Q8_1,
     ORDER_QX_0_NATIVE,
@@ -561,7 +569,9 @@ IK_KERNELS: dict[str, IkKernel] = {
     "Q5_K": _k_kernel(five_bits=True),
     "Q6_K": IkKernel(Q8_2_X4, 64, _in_r8(_q6_k_to_q8_0), convert_packed=_q6_k_packed),
     **{t: IkKernel(Q8_K, 32, _super_scaled_to_q8_k(size, c)) for t, size, c in (
-        ("IQ2_K", 76, 120), ("IQ3_K", 110, 127), ("IQ5_K", 176, 127), ("IQ4_XS", 136, 127))},
+        ("IQ5_K", 176, 127), ("IQ4_XS", 136, 127))},
+    "IQ2_K": IkKernel(Q8_K, 32, _super_scaled_to_q8_k(76, 120), convert_packed=lambda raw: iq2_k_packed(raw, 120)),
+    "IQ3_K": IkKernel(Q8_K, 32, _super_scaled_to_q8_k(110, 127), convert_packed=lambda raw: iq3_k_packed(raw, 127)),
     "IQ4_K": IkKernel(Q8_K, 32, _super_scaled_to_q8_k(144, 127), convert_packed=lambda raw: iq4_k_packed(raw, 127)),
     "IQ6_K": IkKernel(Q8_K, 32, _iq6_k_to_q8_k, native=_iq6_k_native),
     **{t: IkKernel(Q8_K, 32, _row_scaled_to_q8_k(scale, c)) for t, scale, c in (

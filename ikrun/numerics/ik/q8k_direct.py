@@ -1,5 +1,5 @@
-"""IQK weights (IQ4_KS, IQ5_KS, IQ4_K, IQ2_KS, IQ3_KS) straight from their bytes to qgemm's packed Q8_K_R16
-integers, for `--numerics ik`.
+"""IQK weights (IQ4_KS, IQ5_KS, IQ4_K, IQ2_KS, IQ3_KS, IQ2_K, IQ3_K) straight from their bytes to qgemm's packed
+Q8_K_R16 integers, for `--numerics ik`.
 
 ik converts an IQK weight to Q8_K_R16 from its integers: per 256 values p = sub-block scale x grid value, kept
 when max|p| / c < 1, else re-quantized to int8 against max|p| / c (formats.py, `_to_q8_k`). The general path
@@ -11,9 +11,9 @@ the scales and the block sums, with the same integers, so the same PackedInts to
 The decoding's p is exactly the integer product wherever the scale d is a finite float not so small or large that
 d x ls x v leaves float32's normal range (it then rounds by a few ulps of at most 127 x 127, far from a half; d = 0
 gives p = 0, as the general path takes it): IQ4_KS's and IQ5_KS's row scale within 2^-100 .. 2^100, the f16
-scales of the others (IQ4_K's per block, IQ2_KS's and IQ3_KS's per row) finite. A tensor with another scale takes
-the general path. IQ4_KS's and IQ4_K's 16-value grids are looked up with AVX-512 permutes where the CPU has them;
-IQ2_KS's, IQ3_KS's and IQ5_KS's 2-, 3- and 5-bit codes in scalar loops.
+scales of the others (IQ4_K's, IQ2_K's and IQ3_K's per block, IQ2_KS's and IQ3_KS's per row) finite. A tensor with
+another scale takes the general path. IQ4_KS's and IQ4_K's 16-value grids are looked up with AVX-512 permutes where
+the CPU has them; the 2-, 3- and 5-bit codes of the others in scalar loops.
 """
 
 from __future__ import annotations
@@ -38,9 +38,13 @@ SUPER = 256  # values per Q8_K block
 #: IQ2_KS / IQ3_KS an f16 row scale, then per 256 values 16 bits of grid halves and scale high bits, 4 bytes of
 #: 4-bit scales, 64 bytes of 2-bit codes (IQ3_KS: and 32 bytes of their third bits); IQ5_KS as IQ4_KS, its codes'
 #: low 4 bits two sub-blocks to 32 bytes, then 32 bytes of their fifth bits
-KIND_IQ4_KS, KIND_IQ4_K, KIND_IQ2_KS, KIND_IQ3_KS, KIND_IQ5_KS = 0, 1, 2, 3, 4
-ROW_BYTES = {KIND_IQ4_KS: 4, KIND_IQ4_K: 0, KIND_IQ2_KS: 2, KIND_IQ3_KS: 2, KIND_IQ5_KS: 4}
-BLOCK_BYTES = {KIND_IQ4_KS: 136, KIND_IQ4_K: 144, KIND_IQ2_KS: 70, KIND_IQ3_KS: 102, KIND_IQ5_KS: 168}
+#: IQ2_K / IQ3_K per 256 values an f16 scale, 16 bits of grid halves (IQ3_K: and 16 of scale signs), 8 bytes of
+#: 4-bit scales, 64 bytes of 2-bit codes (IQ3_K: and 32 bytes of their third bits), sub-blocks of 16
+KIND_IQ4_KS, KIND_IQ4_K, KIND_IQ2_KS, KIND_IQ3_KS, KIND_IQ5_KS, KIND_IQ2_K, KIND_IQ3_K = range(7)
+ROW_BYTES = {KIND_IQ4_KS: 4, KIND_IQ4_K: 0, KIND_IQ2_KS: 2, KIND_IQ3_KS: 2, KIND_IQ5_KS: 4, KIND_IQ2_K: 0,
+             KIND_IQ3_K: 0}
+BLOCK_BYTES = {KIND_IQ4_KS: 136, KIND_IQ4_K: 144, KIND_IQ2_KS: 70, KIND_IQ3_KS: 102, KIND_IQ5_KS: 168,
+               KIND_IQ2_K: 76, KIND_IQ3_K: 110}
 #: the row scales whose decoding gives the exact integers (module docstring)
 SAFE_SCALES = (2.0**-100, 2.0**100)
 #: the grid values as float32: sub-block scale x value is exact in float32 (|ls x v| < 2^24)
@@ -70,8 +74,23 @@ def _safe_row_scales(raw: np.ndarray) -> bool:
 
 def iq4_k_packed(raw: np.ndarray, c: float) -> PackedInts | None:
     """IQ4_K rows as ik converts them to Q8_K_R16, packed for qmatmul; None where a block scale is infinite or NaN."""
-    d_bits = raw.reshape(raw.shape[0], -1, BLOCK_BYTES[KIND_IQ4_K])[..., 0:2].copy().view(np.uint16)
-    return None if _not_finite(d_bits) else _packed(raw, KIND_IQ4_K, c)
+    return _block_scaled(raw, KIND_IQ4_K, c)
+
+
+def iq2_k_packed(raw: np.ndarray, c: float) -> PackedInts | None:
+    """IQ2_K rows as ik converts them to Q8_K_R16, packed; None where a block scale is infinite or NaN."""
+    return _block_scaled(raw, KIND_IQ2_K, c)
+
+
+def iq3_k_packed(raw: np.ndarray, c: float) -> PackedInts | None:
+    """IQ3_K rows as ik converts them to Q8_K_R16, packed; None where a block scale is infinite or NaN."""
+    return _block_scaled(raw, KIND_IQ3_K, c)
+
+
+def _block_scaled(raw: np.ndarray, kind: int, c: float) -> PackedInts | None:
+    """A type with an f16 scale at the start of every block: packed unless one is infinite or NaN."""
+    d_bits = raw.reshape(raw.shape[0], -1, BLOCK_BYTES[kind])[..., 0:2].copy().view(np.uint16)
+    return None if _not_finite(d_bits) else _packed(raw, kind, c)
 
 
 def iq2_ks_packed(raw: np.ndarray, c: float) -> PackedInts | None:
@@ -153,7 +172,8 @@ _sub_block: Callable[..., None] = _sub_block_permuted if host_has("avx512f") els
 @njit(cache=True, nogil=True, inline="always")
 def _block_ints(row: np.ndarray, kind: int, b: int, p: np.ndarray) -> np.float32:
     """Block b's integers sub-block scale x grid value as float32 p[256]; returns the scale d they multiply: the
-    row's (IQ4_KS, IQ5_KS: float32; IQ2_KS, IQ3_KS: f16) or the block's (IQ4_K: f16); p = 0 where an f16 d is 0."""
+    row's (IQ4_KS, IQ5_KS: float32; IQ2_KS, IQ3_KS: f16) or the block's (IQ4_K, IQ2_K, IQ3_K: f16); p = 0 where an
+    f16 d is 0."""
     if kind == KIND_IQ4_KS:
         o = 4 + b * 136
         for m in range(8):
@@ -163,6 +183,8 @@ def _block_ints(row: np.ndarray, kind: int, b: int, p: np.ndarray) -> np.float32
         return load_f32(row, 0)
     if kind == KIND_IQ2_KS or kind == KIND_IQ3_KS:
         return _ks_ints(row, kind, b, p)
+    if kind == KIND_IQ2_K or kind == KIND_IQ3_K:
+        return _k_ints(row, kind, b, p)
     if kind == KIND_IQ5_KS:
         o = 4 + b * 168
         for ib in range(8):
@@ -210,6 +232,39 @@ def _ks_ints(row: np.ndarray, kind: int, b: int, p: np.ndarray) -> np.float32:
             else:
                 k |= ((np.int32(row[o + 70 + j]) >> ib) & 1) << 2
                 p[32 * ib + j] = scale * _IQ3NL_FLOATS[off + k]
+    if d == 0:
+        p[:] = 0
+    return d
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _k_ints(row: np.ndarray, kind: int, b: int, p: np.ndarray) -> np.float32:
+    """_block_ints of IQ2_K and IQ3_K: sub-block ib's 16 values from bits 2 ((ib / 2) % 4) of 16 code bytes (the
+    first or second 16 of a 32-byte group; IQ3_K: and bit ib / 2 of 16 more), its scale from 4 bits (IQ2_K: minus
+    8; IQ3_K: 2 x + 1, negated where its sign bit is set)."""
+    iq2 = kind == KIND_IQ2_K
+    o = b * (76 if iq2 else 110)
+    d = load_f16(row, o)
+    extra = np.int32(row[o + 2]) | (np.int32(row[o + 3]) << 8)
+    signs = np.int32(row[o + 4]) | (np.int32(row[o + 5]) << 8)
+    for ib in range(16):
+        pair = ib // 2
+        nibble = (np.int32(row[o + (4 if iq2 else 6) + pair]) >> (4 * (ib % 2))) & 15
+        if iq2:
+            ls = nibble - 8
+        else:
+            ls = -(2 * nibble + 1) if (signs >> ib) & 1 else 2 * nibble + 1
+        scale = np.float32(ls)
+        off = (4 if iq2 else 8) * ((extra >> ib) & 1)
+        codes = o + (12 if iq2 else 14) + 32 * (pair // 4) + 16 * (ib % 2)
+        high, shift = o + 78 + 16 * (ib % 2), 2 * (pair % 4)
+        if iq2:
+            for j in range(16):
+                p[16 * ib + j] = scale * _IQ2NL_FLOATS[off + ((np.int32(row[codes + j]) >> shift) & 3)]
+        else:
+            for j in range(16):
+                k = ((np.int32(row[codes + j]) >> shift) & 3) | (((np.int32(row[high + j]) >> pair) & 1) << 2)
+                p[16 * ib + j] = scale * _IQ3NL_FLOATS[off + k]
     if d == 0:
         p[:] = 0
     return d
