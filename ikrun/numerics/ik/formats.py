@@ -73,6 +73,7 @@ from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ6NL_VALUES
 from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits, load_f16
 from ikrun.errors import NumericsError
 from ikrun.numerics.ik.q8k_direct import (
+    f16_fields_finite,
     iq2_k_packed,
     iq2_ks_packed,
     iq3_k_packed,
@@ -300,8 +301,7 @@ def _q6_k_ints(raw: np.ndarray) -> BlockInts | None:
     """_q6_k_to_q8_0 from the bytes: p = sc x (q - 32) is what rint(decoding / d) recovers for every finite d (an
     f16 times at most 4064 is exact to far below a half in float32; d = 0 gives p = 0); None where a d is infinite
     or NaN."""
-    d_bits = raw.reshape(raw.shape[0], -1, 210)[..., 208:210].copy().view(np.uint16)
-    if np.any((d_bits & 0x7C00) == 0x7C00):
+    if not f16_fields_finite(raw, 210, 208):
         return None
     q, scale, _ = _rows_from_bytes(raw, BYTES_Q6_K, raw.shape[1] // 210 * 256)
     return BlockInts(q=q, scale=scale, block=BLOCK)
@@ -509,6 +509,13 @@ def _leading_f16(block_bytes: int) -> Callable[[np.ndarray], np.ndarray]:
     return lambda raw: _block_f16(raw, block_bytes)
 
 
+def _iqk_kernel(convert: ToInts, c: float,
+                packed: Callable[[np.ndarray, float], PackedInts | None] | None) -> IkKernel:
+    """A type ik converts to Q8_K_R16 (against c) from 32 activation rows on; `packed`: the same conversion from its
+    bytes (q8k_direct.py), where there is one."""
+    return IkKernel(Q8_K, 32, convert, convert_packed=None if packed is None else lambda raw: packed(raw, c))
+
+
 def _iquant_to_q8_k(block_d: Callable[[np.ndarray], np.ndarray], c: float) -> ToInts:
     """A 1- or 2-bit i-quant as ik converts it to Q8_K_R16: the integers against d / 8 (d = block_d(raw), the
     block's f16 scale), which every value of the block is an integer multiple of."""
@@ -568,18 +575,13 @@ IK_KERNELS: dict[str, IkKernel] = {
     "Q4_K": _k_kernel(five_bits=False),
     "Q5_K": _k_kernel(five_bits=True),
     "Q6_K": IkKernel(Q8_2_X4, 64, _in_r8(_q6_k_to_q8_0), convert_packed=_q6_k_packed),
-    **{t: IkKernel(Q8_K, 32, _super_scaled_to_q8_k(size, c)) for t, size, c in (
-        ("IQ5_K", 176, 127), ("IQ4_XS", 136, 127))},
-    "IQ2_K": IkKernel(Q8_K, 32, _super_scaled_to_q8_k(76, 120), convert_packed=lambda raw: iq2_k_packed(raw, 120)),
-    "IQ3_K": IkKernel(Q8_K, 32, _super_scaled_to_q8_k(110, 127), convert_packed=lambda raw: iq3_k_packed(raw, 127)),
-    "IQ4_K": IkKernel(Q8_K, 32, _super_scaled_to_q8_k(144, 127), convert_packed=lambda raw: iq4_k_packed(raw, 127)),
+    **{t: _iqk_kernel(_super_scaled_to_q8_k(size, c), c, packed) for t, size, c, packed in (
+        ("IQ2_K", 76, 120, iq2_k_packed), ("IQ3_K", 110, 127, iq3_k_packed), ("IQ4_K", 144, 127, iq4_k_packed),
+        ("IQ5_K", 176, 127, None), ("IQ4_XS", 136, 127, None))},
     "IQ6_K": IkKernel(Q8_K, 32, _iq6_k_to_q8_k, native=_iq6_k_native),
-    **{t: IkKernel(Q8_K, 32, _row_scaled_to_q8_k(scale, c)) for t, scale, c in (
-        ("IQ2_KL", "f16", 125), ("IQ4_KSS", "f32", 127))},
-    "IQ5_KS": IkKernel(Q8_K, 32, _row_scaled_to_q8_k("f32", 127), convert_packed=lambda raw: iq5_ks_packed(raw, 127)),
-    "IQ4_KS": IkKernel(Q8_K, 32, _row_scaled_to_q8_k("f32", 127), convert_packed=lambda raw: iq4_ks_packed(raw, 127)),
-    "IQ2_KS": IkKernel(Q8_K, 32, _row_scaled_to_q8_k("f16", 125), convert_packed=lambda raw: iq2_ks_packed(raw, 125)),
-    "IQ3_KS": IkKernel(Q8_K, 32, _row_scaled_to_q8_k("f16", 127), convert_packed=lambda raw: iq3_ks_packed(raw, 127)),
+    **{t: _iqk_kernel(_row_scaled_to_q8_k(scale, c), c, packed) for t, scale, c, packed in (
+        ("IQ2_KS", "f16", 125, iq2_ks_packed), ("IQ2_KL", "f16", 125, None), ("IQ3_KS", "f16", 127, iq3_ks_packed),
+        ("IQ4_KS", "f32", 127, iq4_ks_packed), ("IQ4_KSS", "f32", 127, None), ("IQ5_KS", "f32", 127, iq5_ks_packed))},
     **{t: _kt_kernel(t, rows) for t, rows in (("IQ1_KT", 16), ("IQ2_KT", 16), ("IQ3_KT", 16), ("IQ4_KT", 24))},
     **{t: IkKernel(Q8_K, rows, _iquant_to_q8_k(block_d, c)) for t, block_d, rows, c in (
         ("IQ2_XXS", _leading_f16(66), 32, 124), ("IQ2_XS", _leading_f16(74), 32, 124),

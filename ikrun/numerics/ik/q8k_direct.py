@@ -89,23 +89,24 @@ def iq3_k_packed(raw: np.ndarray, c: float) -> PackedInts | None:
 
 def _block_scaled(raw: np.ndarray, kind: int, c: float) -> PackedInts | None:
     """A type with an f16 scale at the start of every block: packed unless one is infinite or NaN."""
-    d_bits = raw.reshape(raw.shape[0], -1, BLOCK_BYTES[kind])[..., 0:2].copy().view(np.uint16)
-    return None if _not_finite(d_bits) else _packed(raw, kind, c)
+    return _packed(raw, kind, c) if f16_fields_finite(raw, BLOCK_BYTES[kind]) else None
 
 
 def iq2_ks_packed(raw: np.ndarray, c: float) -> PackedInts | None:
     """IQ2_KS rows as ik converts them to Q8_K_R16, packed; None where a row scale is infinite or NaN."""
-    return None if _not_finite(raw[:, 0:2].copy().view(np.uint16)) else _packed(raw, KIND_IQ2_KS, c)
+    return _packed(raw, KIND_IQ2_KS, c) if f16_fields_finite(raw, raw.shape[1]) else None
 
 
 def iq3_ks_packed(raw: np.ndarray, c: float) -> PackedInts | None:
     """IQ3_KS rows as ik converts them to Q8_K_R16, packed; None where a row scale is infinite or NaN."""
-    return None if _not_finite(raw[:, 0:2].copy().view(np.uint16)) else _packed(raw, KIND_IQ3_KS, c)
+    return _packed(raw, KIND_IQ3_KS, c) if f16_fields_finite(raw, raw.shape[1]) else None
 
 
-def _not_finite(f16_bits: np.ndarray) -> bool:
-    """Whether an f16 (as its bits) is infinite or NaN."""
-    return bool(np.any((f16_bits & 0x7C00) == 0x7C00))
+def f16_fields_finite(raw: np.ndarray, block_bytes: int, offset: int = 0) -> bool:
+    """Whether the f16 at `offset` of every `block_bytes` bytes of the rows `raw` is finite (a block or row scale
+    whose decoding gives the exact integers)."""
+    bits = raw.reshape(raw.shape[0], -1, block_bytes)[..., offset:offset + 2].copy().view(np.uint16)
+    return not bool(np.any((bits & 0x7C00) == 0x7C00))
 
 
 def _packed(raw: np.ndarray, kind: int, c: float) -> PackedInts:
