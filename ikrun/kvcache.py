@@ -28,6 +28,7 @@ import numpy as np
 from ikquant.formats.cache_rows import CACHE_WRITE_TYPES, cache_round_trip
 from ikquant.types import type_by_name
 from ikrun.errors import ModelError
+from ikrun.ops.f16 import f16_rounded
 from ikrun.ops.indexer import hadamard
 
 if TYPE_CHECKING:
@@ -207,7 +208,7 @@ def cache_holds(x: np.ndarray, cache_type: str, hadamard_block: int = 0) -> np.n
     if cache_type == "f32":
         return x
     if cache_type == "f16":
-        return x.astype(np.float16).astype(np.float32)
+        return f16_rounded(x)
     rows = x.reshape(-1, x.shape[-1])
     if hadamard_block:
         rows = blockwise_hadamard(rows, hadamard_block)

@@ -93,6 +93,7 @@ from ikrun.numerics.ik.qgemm import (
     PackedInts,
     pack,
 )
+from ikrun.ops.f16 import f16_rounded
 from ikrun.ops.parallel import claim_items, run_claimed, task_items
 
 Q8_2_X4 = "Q8_2_X4"
@@ -155,7 +156,7 @@ class IkKernel:
 
 def _f16(x: np.ndarray) -> np.ndarray:
     """Round to f16 (nearest even) and widen back."""
-    return x.astype(np.float16).astype(np.float32)
+    return f16_rounded(x)
 
 
 def _block_f16(raw: np.ndarray, block_bytes: int, offset: int = 0) -> np.ndarray:
