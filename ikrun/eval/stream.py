@@ -340,4 +340,4 @@ class RunReport:
 
     def line(self) -> str:
         return (f"{self.plan.describe()}; {format_size(self.bytes_read)} of weights decoded, peak RSS "
-                f"{format_size(self.peak_rss)}, {self.seconds:.1f} s")
+                f"{format_size(self.peak_rss)}, {self.seconds:.2f} s")
