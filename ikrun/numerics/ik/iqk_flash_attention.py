@@ -21,7 +21,10 @@ values (iqk_flash_attention's `scores`).
 
 Each row's arithmetic depends on neither the rows ik tiles with it nor its thread count: for a batch of tokens
 (rows of one head per call) ik's threads split heads and rows, never keys. Keys beyond the last visible one (ik's
-cache is padded to 256 with flash attention) weigh exactly 0 and are skipped.
+cache is padded to 256 with flash attention) weigh exactly 0 and are skipped. So the kernel here takes ROWS rows of
+one head through the keys together, as ik's tiles do, each key and value vector loaded once for all of them, the dot
+accumulators and value sums held in vector registers over a block (LLVM intrinsics: Numba's loops kept them in memory
+and reloaded every key from the second-level cache for every row), each row's operations in the order above.
 """
 
 from __future__ import annotations
@@ -29,9 +32,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import get_num_threads, njit, prange, types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
 
-from ikquant.formats.numeric import f32_bits, f32_from_bits, fmaf
+from ikquant.formats.numeric import f32_bits, f32_from_bits, f64_from_bits, fmaf
+from ikrun.ops.cpu import host_has
+from ikrun.ops.parallel import claim_items, task_items
 
 #: float lanes of ik's AVX2 and AVX-512 builds
 AVX2_LANES, AVX512_LANES = 8, 16
@@ -122,30 +130,177 @@ def avx512_expf(x: np.float32) -> np.float32:
     b = fmaf(-n, _LN2_LO, fmaf(-n, _LN2_HI, x))
     u = b * b
     j = fmaf(fmaf(fmaf(_P5, b, _P4), u, fmaf(_P3, b, _P2)), u, fmaf(_P1, b, np.float32(1.0)))
-    return np.float32(np.float64(j) * np.ldexp(1.0, int(n)))
+    two_n = f64_from_bits(np.uint64(np.int64(n) + 1023) << np.uint64(52))  # 2^n, |n| <= 192: a normal double
+    return np.float32(np.float64(j) * two_n)
+
+
+_V16F = ir.VectorType(ir.FloatType(), 16)
+#: query rows of one head a job takes through the keys together, each key and value vector loaded once for all of
+#: them (the accumulators of four rows fill AVX-512's 32 vector registers; AVX2's 16 hold two rows' worth)
+ROWS = 4 if host_has("avx512f") else 2
+#: value columns _accumulate keeps in registers over a block's keys for one row, and for ROWS rows
+_SPAN_ONE, _SPAN_ROWS = 128, 64
+
+
+def _splat(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    """A float broadcast to the 16 lanes of a vector."""
+    one = builder.insert_element(ir.Constant(_V16F, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(one, ir.Constant(_V16F, ir.Undefined),
+                                  ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+
+
+class _Rows:
+    """A 2-D array argument of an intrinsic: its rows' addresses and the floats within them."""
+
+    def __init__(self, context, builder: ir.IRBuilder, typ, value: ir.Value) -> None:  # type: ignore[no-untyped-def]
+        arr = context.make_array(typ)(context, builder, value=value)
+        self.builder, self.data = builder, arr.data
+        self.stride = cgutils.unpack_tuple(builder, arr.strides, 2)[0]
+        self.rows = cgutils.unpack_tuple(builder, arr.shape, 2)[0]
+        self.base = builder.ptrtoint(arr.data, self.stride.type)
+
+    def at(self, row: ir.Value, column: ir.Value) -> ir.Value:
+        """The address of [row, column] (a row's floats contiguous)."""
+        b = self.builder
+        start = b.inttoptr(b.add(self.base, b.mul(row, self.stride)), self.data.type)
+        return b.gep(start, [column])
+
+    def vector(self, row: ir.Value, column: ir.Value) -> ir.Value:
+        return self.builder.bitcast(self.at(row, column), _V16F.as_pointer())
+
+
+def _fma(builder: ir.IRBuilder) -> ir.Function:
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
+
+
+def _scores_intrinsic(chains: int, rows: int):  # type: ignore[no-untyped-def]
+    """An intrinsic (kt, q, key0, sc, s, at): s[r, at + l] = (q[r] . key key0 + l) x sc for the `rows` rows of q
+    and 16 keys (32 for one row), each dot in _scores_range's order with `chains` accumulators, all of them held in
+    registers over the dimensions, each key vector loaded once for all rows."""
+    groups = 2 if rows == 1 else 1
+
+    @intrinsic
+    def scores(typingctx, kt, q, key0, sc, s, at):  # type: ignore[no-untyped-def]
+        sig = types.void(kt, q, types.int64, types.float32, s, types.int64)
+
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            keys_t, q_t, s_t = (_Rows(context, builder, signature.args[i], args[i]) for i in (0, 1, 4))
+            key0, sc, at = args[2], args[3], args[5]
+            fma, lanes = _fma(builder), 4 * chains
+
+            def const(x: int) -> ir.Constant:
+                return ir.Constant(key0.type, x)
+
+            slots = {(c, r, g): cgutils.alloca_once(builder, _V16F)
+                     for c in range(chains) for r in range(rows) for g in range(groups)}
+            for slot in slots.values():
+                builder.store(ir.Constant(_V16F, [0.0] * 16), slot)
+            with cgutils.for_range(builder, builder.udiv(keys_t.rows, const(lanes))) as loop:
+                first = builder.mul(loop.index, const(lanes))
+                for c in range(chains):
+                    for e in range(4):
+                        dim = builder.add(first, const(4 * c + e))
+                        keys = [builder.load(keys_t.vector(dim, builder.add(key0, const(16 * g))), align=4)
+                                for g in range(groups)]
+                        for r in range(rows):
+                            weight = _splat(builder, builder.load(q_t.at(const(r), dim)))
+                            for g in range(groups):
+                                slot = slots[(c, r, g)]
+                                builder.store(builder.call(fma, [keys[g], weight, builder.load(slot)]), slot)
+            scale = _splat(builder, sc)
+            for r in range(rows):
+                for g in range(groups):
+                    acc = [builder.load(slots[(c, r, g)]) for c in range(chains)]
+                    total = builder.fadd(acc[0], acc[1]) if chains == 2 else builder.fadd(
+                        builder.fadd(acc[0], acc[1]), builder.fadd(acc[2], acc[3]))
+                    builder.store(builder.fmul(total, scale), s_t.vector(const(r), builder.add(at, const(16 * g))),
+                                  align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return scores
+
+
+def _accumulate_intrinsic(rows: int, span: int):  # type: ignore[no-untyped-def]
+    """An intrinsic (v, key0, n_keys, p, p_at, sums, d0): sums[r, d] = fma(v[key0 + l, d], p[r, p_at + l], sums[r,
+    d]) for l = 0 .. n_keys - 1 in turn, the `rows` rows and the `span` columns d from d0 (v [keys, Dv], its rows
+    contiguous): the fused chain per column of the plain loop, with the sums held in registers over the keys and
+    each value vector loaded once for all rows."""
+    vectors = span // 16
+
+    @intrinsic
+    def accumulate(typingctx, v, key0, n_keys, p, p_at, sums, d0):  # type: ignore[no-untyped-def]
+        sig = types.void(v, types.int64, types.int64, p, types.int64, sums, types.int64)
+
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            v_t, p_t, sums_t = (_Rows(context, builder, signature.args[i], args[i]) for i in (0, 3, 5))
+            key0, n_keys, p_at, d0 = args[1], args[2], args[4], args[6]
+            fma = _fma(builder)
+
+            def const(x: int) -> ir.Constant:
+                return ir.Constant(key0.type, x)
+
+            ptrs = {(r, c): sums_t.vector(const(r), builder.add(d0, const(16 * c)))
+                    for r in range(rows) for c in range(vectors)}
+            slots = {key: cgutils.alloca_once(builder, _V16F) for key in ptrs}
+            for key, slot in slots.items():
+                builder.store(builder.load(ptrs[key], align=4), slot)
+            with cgutils.for_range(builder, n_keys) as loop:
+                key = builder.add(key0, loop.index)
+                values = [builder.load(v_t.vector(key, builder.add(d0, const(16 * c))), align=4)
+                          for c in range(vectors)]
+                for r in range(rows):
+                    weight = _splat(builder, builder.load(p_t.at(const(r), builder.add(p_at, loop.index))))
+                    for c in range(vectors):
+                        slot = slots[(r, c)]
+                        builder.store(builder.call(fma, [values[c], weight, builder.load(slot)]), slot)
+            for key, slot in slots.items():
+                builder.store(builder.load(slot), ptrs[key], align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return accumulate
+
+
+_scores_1x2, _scores_1x4 = _scores_intrinsic(2, 1), _scores_intrinsic(4, 1)
+_scores_rows2, _scores_rows4 = _scores_intrinsic(2, ROWS), _scores_intrinsic(4, ROWS)
+_accumulate_one, _accumulate_rows = _accumulate_intrinsic(1, _SPAN_ONE), _accumulate_intrinsic(ROWS, _SPAN_ROWS)
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _block_scores(q: np.ndarray, kt: np.ndarray, b0: int, n_in: int, acc: np.ndarray, lanes: int,
+def _scores_range(q: np.ndarray, kt: np.ndarray, b0: int, start: int, n_in: int, acc: np.ndarray, lanes: int,
                   sc: np.float32, s: np.ndarray) -> None:
-    """s[l] = (q . key b0 + l) x sc for the block's n_in keys, each dot in ik's float GEMM order (module docstring;
-    acc: lanes / 4 rows of room for the accumulators). The keys are the vector lanes (kt [Dk, keys]: keys
-    transposed), so the chains of one key's dot, which wait on each other, run side by side with other keys'."""
+    """s[0, l] = (q[0] . key b0 + l) x sc for the block's keys l = start .. n_in - 1 (q, s: one row), each dot in
+    ik's float GEMM order (module docstring; acc: lanes / 4 rows of room for the accumulators). The keys are the
+    vector lanes (kt [Dk, keys]: keys transposed), so the chains of one key's dot, which wait on each other, run side
+    by side with other keys'."""
+    if n_in <= start:
+        return
     chains = lanes // 4
-    acc[:chains, :n_in] = 0.0
-    for i in range(0, q.shape[0], lanes):
+    spanned = start + (n_in - start) // 32 * 32
+    for l0 in range(start, spanned, 32):
+        if chains == 2:
+            _scores_1x2(kt, q, b0 + l0, sc, s, l0)
+        else:
+            _scores_1x4(kt, q, b0 + l0, sc, s, l0)
+    rest = n_in - spanned
+    if rest == 0:
+        return
+    acc[:chains, :rest] = 0.0
+    for i in range(0, q.shape[1], lanes):
         for c in range(chains):
             row = acc[c]
             for e in range(4):
-                qe, ke = q[i + 4 * c + e], kt[i + 4 * c + e, b0:b0 + n_in]
-                for l in range(n_in):
+                qe, ke = q[0, i + 4 * c + e], kt[i + 4 * c + e, b0 + spanned:b0 + n_in]
+                for l in range(rest):
                     row[l] = fmaf(ke[l], qe, row[l])
-    if chains == 2:
-        for l in range(n_in):
-            s[l] = (acc[0, l] + acc[1, l]) * sc
-    else:
-        for l in range(n_in):
-            s[l] = ((acc[0, l] + acc[1, l]) + (acc[2, l] + acc[3, l])) * sc
+    for l in range(rest):
+        if chains == 2:
+            s[0, spanned + l] = (acc[0, l] + acc[1, l]) * sc
+        else:
+            s[0, spanned + l] = ((acc[0, l] + acc[1, l]) + (acc[2, l] + acc[3, l])) * sc
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
@@ -165,10 +320,10 @@ def _block_sum(p: np.ndarray, lanes: int) -> np.float32:
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _block_step(s: np.ndarray, n_in: int, p: np.ndarray, v: np.ndarray, g: int, b0: int, sums: np.ndarray,
-                total: np.float32, top: np.float32, lanes: int) -> tuple[np.float32, np.float32]:
-    """One block of `n_in` scaled scores `s` folded into the running sum `total`, maximum `top` and value sums
-    (module docstring); returns the new (total, top)."""
+def _softmax_step(s: np.ndarray, n_in: int, p: np.ndarray, sums: np.ndarray, total: np.float32, top: np.float32,
+                  lanes: int) -> tuple[np.float32, np.float32]:
+    """One block of `n_in` scaled scores `s` folded into the running sum `total` and maximum `top`, the value sums
+    rescaled on a new maximum, the block's weights into p (module docstring); returns the new (total, top)."""
     block_top = np.float32(-np.inf)
     for l in range(n_in):
         block_top = max(block_top, s[l])
@@ -182,18 +337,42 @@ def _block_step(s: np.ndarray, n_in: int, p: np.ndarray, v: np.ndarray, g: int, 
             total = np.float32(0.0)
             sums[:] = 0.0
         top = block_top
-    for l in range(p.shape[0]):
-        if l >= n_in:
-            p[l] = np.float32(0.0)
-        elif lanes == 16:
+    if lanes == 16:  # one loop per build's exponential, each vectorised
+        for l in range(n_in):
             p[l] = avx512_expf(np.float32(s[l] - top))
-        else:
+    else:
+        for l in range(n_in):
             p[l] = avx2_expf(np.float32(s[l] - top))
-    total = total + _block_sum(p, lanes)
-    for l in range(n_in):
-        for d in range(sums.shape[0]):
-            sums[d] = fmaf(v[g, b0 + l, d], p[l], sums[d])
-    return total, top
+    p[n_in:] = 0.0
+    return total + _block_sum(p, lanes), top
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _accumulate(vg: np.ndarray, b0: int, start: int, n_in: int, p: np.ndarray, sums: np.ndarray) -> None:
+    """Row 0 of p and sums: sums[0, d] = fma(v[b0 + l, d], p[0, l], sums[0, d]) for the keys l = start .. n_in - 1
+    in turn."""
+    if n_in <= start:
+        return
+    d0 = 0
+    while d0 + _SPAN_ONE <= sums.shape[1]:
+        _accumulate_one(vg, b0 + start, n_in - start, p, start, sums, d0)
+        d0 += _SPAN_ONE
+    for l in range(start, n_in):
+        for d in range(d0, sums.shape[1]):
+            sums[0, d] = fmaf(vg[b0 + l, d], p[0, l], sums[0, d])
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _accumulate_all(vg: np.ndarray, b0: int, n_in: int, p: np.ndarray, sums: np.ndarray) -> None:
+    """_accumulate of keys 0 .. n_in - 1 for all ROWS rows of p and sums, each value vector loaded once."""
+    d0 = 0
+    while d0 + _SPAN_ROWS <= sums.shape[1]:
+        _accumulate_rows(vg, b0, n_in, p, 0, sums, d0)
+        d0 += _SPAN_ROWS
+    for r in range(sums.shape[0]):
+        for l in range(n_in):
+            for d in range(d0, sums.shape[1]):
+                sums[r, d] = fmaf(vg[b0 + l, d], p[r, l], sums[r, d])
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
@@ -214,32 +393,93 @@ def iqk_flash_attention(q: np.ndarray, k: np.ndarray, scores: np.ndarray, v: np.
     if lanes not in (AVX2_LANES, AVX512_LANES):
         raise ValueError(f"ik's flash attention runs in {AVX2_LANES} or {AVX512_LANES} float lanes, not {lanes}")
     kt = np.ascontiguousarray(k.transpose(0, 2, 1), dtype=np.float32) if scores.size == 0 else NO_SCORES
-    _attention(q, kt, scores, v, np.float32(scale), first, k_step, lanes, out)
+    _attention(q, kt, scores, np.ascontiguousarray(v, dtype=np.float32), np.float32(scale), first, k_step, lanes,
+               out, get_num_threads())
 
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def _attention(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, v: np.ndarray, sc: np.float32, first: int,
-               k_step: int, lanes: int, out: np.ndarray) -> None:
-    """iqk_flash_attention with the keys transposed (kt [H_kv, Dk, n_keys]; unused where `scores` are given)."""
+               k_step: int, lanes: int, out: np.ndarray, threads: int) -> None:
+    """iqk_flash_attention with the keys transposed (kt [H_kv, Dk, n_keys]; unused where `scores` are given): jobs of
+    ROWS query rows of one head (_rows_together; fewer at the end: _one_row each) in tasks the threads claim
+    (ikrun/ops/parallel.py), each thread with its own block buffers."""
     n_head, n = out.shape[0], out.shape[1]
     group = n_head // v.shape[0]
     given = scores.size > 0
-    for job in prange(n_head * n):
-        h, t = job // n, job % n
-        g = h // group
-        visible = first + t + 1
-        s = np.empty(k_step, dtype=np.float32)
-        p = np.empty(k_step, dtype=np.float32)
+    per_head = -(-n // ROWS)
+    jobs = n_head * per_head
+    per, counter = task_items(jobs, threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
+        s = np.empty((ROWS, k_step), dtype=np.float32)
+        p = np.empty((ROWS, k_step), dtype=np.float32)
         acc = np.empty((lanes // 4, k_step), dtype=np.float32)
-        sums = np.zeros(v.shape[2], dtype=np.float32)
-        total = np.float32(0.0)
-        top = np.float32(-np.inf)
-        for b0 in range(0, visible, k_step):
-            n_in = min(k_step, visible - b0)
-            if given:
-                for l in range(n_in):
-                    s[l] = scores[h, t, b0 + l] * sc
+        sums = np.empty((ROWS, v.shape[2]), dtype=np.float32)
+        totals = np.empty(ROWS, dtype=np.float32)
+        tops = np.empty(ROWS, dtype=np.float32)
+        j0, j1 = claim_items(counter, per, jobs)
+        while j0 < j1:
+            for job in range(j0, j1):
+                h, t0 = job // per_head, job % per_head * ROWS
+                g = h // group
+                if given or t0 + ROWS > n:
+                    for t in range(t0, min(n, t0 + ROWS)):
+                        _one_row(q, kt, scores, v[g], sc, first, k_step, lanes, h, g, t, given, s, p, acc, sums, out)
+                else:
+                    _rows_together(q, kt[g], v[g], sc, first, k_step, lanes, h, t0, s, p, acc, sums, totals, tops,
+                                   out)
+            j0, j1 = claim_items(counter, per, jobs)
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _one_row(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, vg: np.ndarray, sc: np.float32, first: int,
+             k_step: int, lanes: int, h: int, g: int, t: int, given: bool, s: np.ndarray, p: np.ndarray,
+             acc: np.ndarray, sums: np.ndarray, out: np.ndarray) -> None:
+    """Query row t of head h (its key/value head g) alone, in row 0 of the buffers."""
+    visible = first + t + 1
+    sums[0, :] = 0.0
+    total, top = np.float32(0.0), np.float32(-np.inf)
+    for b0 in range(0, visible, k_step):
+        n_in = min(k_step, visible - b0)
+        if given:
+            for l in range(n_in):
+                s[0, l] = scores[h, t, b0 + l] * sc
+        else:
+            _scores_range(q[h, t:t + 1], kt[g], b0, 0, n_in, acc, lanes, sc, s)
+        total, top = _softmax_step(s[0], n_in, p[0], sums[0], total, top, lanes)
+        _accumulate(vg, b0, 0, n_in, p, sums)
+    _store(sums[0], total, out[h, t])
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _rows_together(q: np.ndarray, ktg: np.ndarray, vg: np.ndarray, sc: np.float32, first: int, k_step: int,
+                   lanes: int, h: int, t0: int, s: np.ndarray, p: np.ndarray, acc: np.ndarray, sums: np.ndarray,
+                   totals: np.ndarray, tops: np.ndarray, out: np.ndarray) -> None:
+    """Query rows t0 .. t0 + ROWS - 1 of head h through the keys together: per block the keys every row sees (in
+    whole vectors of 16) scored and their values summed for all rows at once, the others row by row; each row's
+    arithmetic is the one _one_row does, in the same order."""
+    sums[:, :] = 0.0
+    totals[:] = 0.0
+    tops[:] = -np.inf
+    last = first + t0 + ROWS  # the last row's visible keys
+    for b0 in range(0, last, k_step):
+        n_last = min(k_step, last - b0)
+        spanned = n_last // 16 * 16
+        for l0 in range(0, spanned, 16):
+            if lanes == 8:
+                _scores_rows2(ktg, q[h, t0:t0 + ROWS], b0 + l0, sc, s, l0)
             else:
-                _block_scores(q[h, t], kt[g], b0, n_in, acc, lanes, sc, s)
-            total, top = _block_step(s, n_in, p, v, g, b0, sums, total, top, lanes)
-        _store(sums, total, out[h, t])
+                _scores_rows4(ktg, q[h, t0:t0 + ROWS], b0 + l0, sc, s, l0)
+        common = k_step
+        for r in range(ROWS):
+            n_in = min(k_step, first + t0 + r + 1 - b0)
+            common = min(common, max(n_in, 0))
+            if n_in <= 0:
+                continue
+            _scores_range(q[h, t0 + r:t0 + r + 1], ktg, b0, spanned, n_in, acc, lanes, sc, s[r:r + 1])
+            totals[r], tops[r] = _softmax_step(s[r], n_in, p[r], sums[r], totals[r], tops[r], lanes)
+        if common > 0:
+            _accumulate_all(vg, b0, common, p, sums)
+        for r in range(ROWS):
+            _accumulate(vg, b0, common, min(k_step, first + t0 + r + 1 - b0), p[r:r + 1], sums[r:r + 1])
+    for r in range(ROWS):
+        _store(sums[r], totals[r], out[h, t0 + r])
