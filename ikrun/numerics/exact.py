@@ -343,17 +343,19 @@ class Numerics:
         return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts), group, glu, keep_act=keep_act,
                            done=lambda: self.weights.release(names))
 
-    def expert_fetch(self, names: list[str], counts: np.ndarray) -> ExpertFetch:
+    def expert_fetch(self, names: list[str], counts: np.ndarray, n_real: int | None = None) -> ExpertFetch:
         """The routed experts' matrices, decoded (and cached) one expert at a time: a whole expert tensor is never
         decoded for a batch, only the experts that receive tokens; F16/BF16 experts are handed over as their bits
-        (the expert kernel widens them), never decoded; `counts`: the tokens routed to each expert."""
+        (the expert kernel widens them), never decoded; `counts`: the tokens routed to each expert id; with
+        `n_real`, id e is the tensors' expert e % n_real (IkNumerics.routed_experts' virtual ids)."""
 
         def matrices(name: str, ids: np.ndarray) -> np.ndarray:
-            half = self.weights.half_experts(name, ids)
+            real = ids if n_real is None else ids % n_real
+            half = self.weights.half_experts(name, real)
             if half is not None:
                 return half
-            return self.convert_experts(name, ids, counts[ids],
-                                        self.weights.decode_experts(name, ids, self.weights.keeps_experts))
+            return self.convert_experts(name, real, counts[ids],
+                                        self.weights.decode_experts(name, real, self.weights.keeps_experts))
 
         def fetch(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             up, gate, down = (matrices(name, ids) for name in names)

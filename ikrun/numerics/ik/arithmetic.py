@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -772,34 +773,58 @@ class IkNumerics(Numerics):
                        group: int | None, glu: ExpertGlu, keep_act: bool,
                        batches: np.ndarray | None = None) -> RoutedExperts:
         """ik runs each sequence as a batch of its own and chooses each expert's kernel by the tokens routed to it
-        in that batch: sequences joined in x (`batches`: their start rows, and n) are run one by one and their
-        results joined."""
+        in that batch (`batches`: the start rows of the sequences joined in x, and n). The rows of all batches for
+        which an expert's choice is the same run as one product, its weights converted once (each row's result is
+        its own, so the bits are the batches'): expert e under choice c is the virtual expert e + c n_expert."""
         if batches is None or len(batches) <= 2:
-            return self._routed_batch(x, sel, w, n_expert, names, group, glu, keep_act)
-        parts = [self._routed_batch(x[a:b], sel[a:b], w[a:b], n_expert, names, group, glu, keep_act)
-                 for a, b in zip(batches[:-1].tolist(), batches[1:].tolist())]
+            return self._routed_batch(x, sel, w, n_expert, names, group, glu, keep_act,
+                                      np.bincount(sel.reshape(-1), minlength=n_expert))
+        spans = list(zip(batches[:-1].tolist(), batches[1:].tolist()))
+        per_batch = np.stack([np.bincount(sel[a:b].reshape(-1), minlength=n_expert) for a, b in spans])
+        choice = self._kernel_choices(names, per_batch)
+        counts = np.zeros((1 << len(names)) * n_expert, np.int64)  # a count making each virtual expert's choice
+        virtual = sel.copy()
+        for b, (a0, a1) in enumerate(spans):
+            ids = np.arange(n_expert) + choice[b] * n_expert
+            counts[ids] = np.maximum(counts[ids], per_batch[b])
+            virtual[a0:a1] = ids[sel[a0:a1]]
+        res = self._routed_batch(x, virtual, w, len(counts), names, group, glu, keep_act, counts, n_expert)
         order, offsets = group_by_expert(sel, n_expert)
-        act = np.concatenate([p.act for p in parts if p.act is not None]) if keep_act else None
-        return RoutedExperts(np.concatenate([p.out for p in parts]), act, order, offsets)
+        return RoutedExperts(res.out, res.act, order, offsets)
+
+    def _kernel_choices(self, names: list[str], counts: np.ndarray) -> np.ndarray:
+        """What ik's kernels choose for experts with `counts` routed tokens (any shape): bit i set where it converts
+        matrix names[i] (the only choice a token count makes: IkKernel.converts)."""
+        choice = np.zeros(counts.shape, np.int64)
+        values, inverse = np.unique(counts, return_inverse=True)
+        for i, name in enumerate(names):
+            kernel, rows = ik_kernel(self.weights.encoding(name).type.name), self.weights.info(name).shape[1]
+            converts = np.array([kernel.converts(int(c), rows) for c in values.tolist()], np.int64)
+            choice |= converts[inverse.reshape(counts.shape)] << i
+        return choice
 
     def _routed_batch(self, x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, names: list[str],
-                      group: int | None, glu: ExpertGlu, keep_act: bool) -> RoutedExperts:
-        """One batch's routed experts, per expert ik's choice at its token count: integers where ik multiplies all
-        three matrices in integers, else its float kernels or the converted floats against the rounded
-        activations."""
-        counts = np.bincount(sel.reshape(-1), minlength=n_expert)
+                      group: int | None, glu: ExpertGlu, keep_act: bool, counts: np.ndarray,
+                      n_real: int | None = None) -> RoutedExperts:
+        """The routed experts as ik computes them, per expert ik's choice at its token count `counts[e]`: integers
+        where ik multiplies all three matrices in integers, else its float kernels or the converted floats against
+        the rounded activations. With `n_real`, the ids in sel are virtual: expert e is the tensors' e % n_real."""
         up, gate, down = names
         formats = (self._format(up), self._format(gate), self._format(down))
         types = (self.weights.encoding(up).type.name, self.weights.encoding(gate).type.name,
                  self.weights.encoding(down).type.name)
+        real = n_real or n_expert
+        if glu.biases is not None and real != n_expert:  # each virtual expert's biases are its tensor expert's
+            up_b, gate_b, down_b = (np.tile(b, (n_expert // real, 1)) for b in glu.biases)
+            glu = replace(glu, biases=(up_b, gate_b, down_b))
 
         def ints(e: int) -> tuple[PackedInts, PackedInts, PackedInts] | None:
             count = int(counts[e])
             if not all(self._expert_ints(name, count) is not None for name in names):
                 return None
-            packed = [self.expert_ints(name, e, count) for name in names]
+            packed = [self.expert_ints(name, e % real, count) for name in names]
             assert packed[0] is not None and packed[1] is not None and packed[2] is not None
             return packed[0], packed[1], packed[2]
 
-        return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts), group, glu, formats, ints,
+        return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts, n_real), group, glu, formats, ints,
                            keep_act=keep_act, ik=types, avx2=self.avx2, done=lambda: self.weights.release(names))
