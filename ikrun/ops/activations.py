@@ -81,13 +81,13 @@ def _row(gate: np.ndarray, up: np.ndarray, limit: np.float32, ik: bool, avx2: bo
         out[j] = (g / (np.float32(1.0) + e)) * u
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _serial(gate: np.ndarray, up: np.ndarray, limit: float, ik: bool, avx2: bool, out: np.ndarray) -> None:
     for i in range(gate.shape[0]):
         _row(gate[i], up[i], np.float32(limit), ik, avx2, out[i])
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def _parallel(gate: np.ndarray, up: np.ndarray, limit: float, ik: bool, avx2: bool, out: np.ndarray,
               threads: int) -> None:
     """The rows in tasks the threads claim (ikrun/ops/parallel.py)."""

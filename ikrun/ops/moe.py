@@ -262,7 +262,7 @@ ExpertFetch = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
 ExpertInts = Callable[[int], tuple[PackedInts, PackedInts, PackedInts] | None]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def _swiglu_rows(g: np.ndarray, u: np.ndarray, limit: float, alpha: float, ik: bool, avx2: bool,
                  out: np.ndarray) -> None:
     for i in range(g.shape[0]):
