@@ -26,11 +26,10 @@ from ikrun.numerics.ik.iqk_flash_attention import (
     AVX2_LANES,
     AVX512_LANES,
     NO_SCORES,
-    avx2_expf,
-    avx512_expf,
     iqk_flash_attention,
     k_step_for,
 )
+from ikrun.ops.activations import ik_expf, ik_expf_avx2
 from ikrun.options import RuntimeOptions
 from tests.family_checks import assert_iks_forward
 from tests.iqk_fa_cases import CASES, GENERIC_CASES, case_inputs
@@ -155,21 +154,21 @@ def test_every_head_size_of_iks_kernels_is_checked() -> None:
 
 def test_the_avx2_exponential_is_not_expf_and_ends_at_0_and_inf() -> None:
     x = np.linspace(-120, 0, 100001, dtype=np.float32)
-    ours = np.array([avx2_expf(np.float32(t)) for t in x[::97]])
+    ours = np.array([ik_expf_avx2(np.float32(t)) for t in x[::97]])
     np.testing.assert_allclose(ours, np.exp(x[::97].astype(np.float64)), rtol=3e-7, atol=1e-45)
     assert (ours != np.exp(x[::97])).any()
-    assert avx2_expf(np.float32(-np.inf)) == 0 and avx2_expf(np.float32(-200.0)) == 0
-    assert avx2_expf(np.float32(0.0)) == 1 and avx2_expf(np.float32(200.0)) == np.inf
+    assert ik_expf_avx2(np.float32(-np.inf)) == 0 and ik_expf_avx2(np.float32(-200.0)) == 0
+    assert ik_expf_avx2(np.float32(0.0)) == 1 and ik_expf_avx2(np.float32(200.0)) == np.inf
 
 
 def test_the_avx512_exponential_is_neither_expf_nor_the_avx2_one_and_ends_at_0_and_inf() -> None:
     """Subnormal results included (x down to -103: vscalefps rounds them once)."""
     x = np.linspace(-103, 0, 100001, dtype=np.float32)[::97]
-    ours = np.array([avx512_expf(np.float32(t)) for t in x])
+    ours = np.array([ik_expf(np.float32(t)) for t in x])
     np.testing.assert_allclose(ours, np.exp(x.astype(np.float64)), rtol=3e-7, atol=1e-45)
-    assert (ours != np.exp(x)).any() and (ours != np.array([avx2_expf(np.float32(t)) for t in x])).any()
-    assert avx512_expf(np.float32(-np.inf)) == 0 and avx512_expf(np.float32(-200.0)) == 0
-    assert avx512_expf(np.float32(0.0)) == 1 and avx512_expf(np.float32(200.0)) == np.inf
+    assert (ours != np.exp(x)).any() and (ours != np.array([ik_expf_avx2(np.float32(t)) for t in x])).any()
+    assert ik_expf(np.float32(-np.inf)) == 0 and ik_expf(np.float32(-200.0)) == 0
+    assert ik_expf(np.float32(0.0)) == 1 and ik_expf(np.float32(200.0)) == np.inf
 
 
 # ---- the tiny DeepSeek-V3 with real head sizes (192/128) against ik's default run ------------------------------

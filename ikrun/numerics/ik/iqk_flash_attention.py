@@ -37,7 +37,8 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from ikquant.formats.numeric import f32_bits, f32_from_bits, f64_from_bits, fmaf
+from ikquant.formats.numeric import fmaf
+from ikrun.ops.activations import ik_expf, ik_expf_avx2
 from ikrun.ops.cpu import host_has
 from ikrun.ops.parallel import claim_items, task_items
 
@@ -47,15 +48,6 @@ AVX2_LANES, AVX512_LANES = 8, 16
 NO_SCORES = np.zeros((0, 0, 0), np.float32)
 #: head sizes whose kernel ik instantiates with 32-key blocks whatever the cache length (iqk_fa_320_256 / 576_512)
 SHORT_BLOCK_HEADS = ((320, 256), (576, 512))
-
-# ik's AVX2 exponential (iqk_utils.h v_expf): n = round(x log2 e) by the 1.5 x 2^23 trick, the reduced argument in
-# two fused steps, a degree-5 polynomial without its constant term, scaled by 2^n built in the exponent bits
-_LOG2E, _SHIFT = np.float32(float.fromhex("0x1.715476p+0")), np.float32(float.fromhex("0x1.8p23"))
-_LN2_HI, _LN2_LO = np.float32(float.fromhex("0x1.62e4p-1")), np.float32(float.fromhex("0x1.7f7d1cp-20"))
-_P5, _P4 = np.float32(float.fromhex("0x1.0e4020p-7")), np.float32(float.fromhex("0x1.573e2ep-5"))
-_P3, _P2 = np.float32(float.fromhex("0x1.555e66p-3")), np.float32(float.fromhex("0x1.fffdb6p-2"))
-_P1 = np.float32(float.fromhex("0x1.ffffecp-1"))
-_ONE_BITS = np.uint32(0x3F800000)
 
 
 def k_step_for(head_k: int, head_v: int, n_kv: int) -> int:
@@ -96,42 +88,6 @@ def kernel_query_rows(n: int, n_head: int, threads: int, n_cells: int) -> set[in
         if left:
             steps(1, left)
     return counts
-
-
-@njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def avx2_expf(x: np.float32) -> np.float32:
-    """exp(x) as ik's AVX2 vector kernels compute it (within a few ulp of expf, not the same bits); 0 for -inf."""
-    z = fmaf(x, _LOG2E, _SHIFT)
-    n = z - _SHIFT
-    b = fmaf(-n, _LN2_LO, fmaf(-n, _LN2_HI, x))
-    e = np.uint32(f32_bits(z) << np.uint32(23))
-    k = f32_from_bits(np.uint32(e + _ONE_BITS))
-    u = b * b
-    j = fmaf(fmaf(fmaf(_P5, b, _P4), u, fmaf(_P3, b, _P2)), u, _P1 * b)
-    if not abs(n) > np.float32(126.0):
-        return fmaf(k, j, k)
-    g = np.uint32(0x82000000) if n <= np.float32(0.0) else np.uint32(0)
-    s1 = f32_from_bits(np.uint32(g + np.uint32(0x7F000000)))
-    if abs(n) > np.float32(192.0):
-        return s1 * s1
-    s2 = f32_from_bits(np.uint32(e - g))
-    return fmaf(s2, j, s2) * s1
-
-
-@njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def avx512_expf(x: np.float32) -> np.float32:
-    """exp(x) as ik's AVX-512 vector kernels compute it: the AVX2 kernel's reduction, the polynomial with its
-    constant term, scaled by 2^n in one rounding (vscalefps; a float64 product rounded once gives the same bits,
-    subnormal results included); 0 for n < -192 (-inf included), inf for n > 192."""
-    z = fmaf(x, _LOG2E, _SHIFT)
-    n = z - _SHIFT
-    if abs(n) > np.float32(192.0):
-        return np.float32(0.0) if n <= np.float32(0.0) else np.float32(np.inf)
-    b = fmaf(-n, _LN2_LO, fmaf(-n, _LN2_HI, x))
-    u = b * b
-    j = fmaf(fmaf(fmaf(_P5, b, _P4), u, fmaf(_P3, b, _P2)), u, fmaf(_P1, b, np.float32(1.0)))
-    two_n = f64_from_bits(np.uint64(np.int64(n) + 1023) << np.uint64(52))  # 2^n, |n| <= 192: a normal double
-    return np.float32(np.float64(j) * two_n)
 
 
 _V16F = ir.VectorType(ir.FloatType(), 16)
@@ -339,10 +295,10 @@ def _softmax_step(s: np.ndarray, n_in: int, p: np.ndarray, sums: np.ndarray, tot
         top = block_top
     if lanes == 16:  # one loop per build's exponential, each vectorised
         for l in range(n_in):
-            p[l] = avx512_expf(np.float32(s[l] - top))
+            p[l] = ik_expf(np.float32(s[l] - top))
     else:
         for l in range(n_in):
-            p[l] = avx2_expf(np.float32(s[l] - top))
+            p[l] = ik_expf_avx2(np.float32(s[l] - top))
     p[n_in:] = 0.0
     return total + _block_sum(p, lanes), top
 
