@@ -407,10 +407,10 @@ def _tile_intrinsic(emit: Callable[[_TileArgs], None],  # type: ignore[no-untype
 def _make_tile(block: int, order: int = ORDER_PLAIN,  # type: ignore[no-untyped-def]
                dot: Callable[[ir.IRBuilder], _Dot] = host_signed_dot):
     """The tile micro-kernel for weight groups GROUPS x g .. GROUPS x g + GROUPS - 1 and activation rows m0 ..
-    m0 + TILE - 1, blocks b0 .. b1 of the row, added to what out holds: per block f32(isum - corr) x (scale x
-    a_scale[m, b]) (ORDER_Q8_1: + offset x a_sum[m, b]) for each group h, in the float order `order` (ORDER_R8: a
-    call takes the whole row, its two sums meet at the end; ORDER_Q8_1 takes the blocks four at a time, offsets
-    first). Each block's integer sum is split over CHAINS accumulators (exact, and the additions no longer wait for
+    m0 + TILE - 1, blocks b0 .. b1 of the row, added to what out holds (from b0 = 0: written, out not read): per
+    block f32(isum - corr) x (scale x a_scale[m, b]) (ORDER_Q8_1: + offset x a_sum[m, b]) for each group h, in the
+    float order `order` (ORDER_R8: a call takes the whole row, its two sums meet at the end; ORDER_Q8_1 takes the
+    blocks four at a time, offsets first). Each block's integer sum is split over CHAINS accumulators (exact, and the additions no longer wait for
     one another; one for the orders whose second terms need the registers)."""
     steps = block // 4
     r8, r16, q81 = order == ORDER_R8, order == ORDER_R16, order == ORDER_Q8_1
@@ -434,8 +434,10 @@ def _make_tile(block: int, order: int = ORDER_PLAIN,  # type: ignore[no-untyped-
                 groups[h], const(LANES)))]), _V16F.as_pointer()) for h, i in keys}
 
         outs = out_vectors(out_p)
-        accs = {key: cgutils.alloca_once_value(builder, builder.load(o, align=1)) for key, o in outs.items()}
         zero_f = ir.Constant(_V16F, [0.0] * LANES)
+        first = builder.icmp_signed("==", b0_v, const(0))  # out holds nothing yet: its memory is not read
+        accs = {key: cgutils.alloca_once_value(builder, builder.select(first, zero_f, builder.load(o, align=1)))
+                for key, o in outs.items()}
         accs1 = {key: cgutils.alloca_once_value(builder, zero_f) for key in keys} if r8 else {}
 
         def integer_sums(b: ir.Value, first: int = 0, count: int = steps) -> dict:  # type: ignore[type-arg]
@@ -863,7 +865,7 @@ def qmatmul(x: IntRows, w: PackedInts, tiled: bool = True) -> np.ndarray:
     if w.order == ORDER_Q8_1 and (w.n // w.block) % 4:
         raise ValueError(f"ik's Q8_1 order takes blocks four at a time; rows of {w.n} values are not")
     mp, n_out = x.u.shape[0], w.scale.size // (w.n // w.block)
-    out = np.zeros((mp, n_out), np.float32)  # the kernels add each block to what is there
+    out = np.empty((mp, n_out), np.float32)  # every kernel writes every element (a tile from its row's first block)
     signed = SIGNED_TILES or w.order == ORDER_Q8_1_AVX2  # the tile takes AVX2's signed byte products
     tiled = tiled and (HAS_AVX2 or w.order != ORDER_Q8_1_AVX2) and \
         not (w.full_range and signed and w.order != ORDER_QX_0_NATIVE)
