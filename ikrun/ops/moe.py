@@ -365,8 +365,9 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
         if not xs:  # the routed tokens rounded once for every expert
             xs = [integer_rows(x, formats[0])]
             xs.append(xs[0] if formats[1] == formats[0] else integer_rows(x, formats[1]))
-        a = _swiglu(qmatmul(xs[1].take(rows // k), gate), qmatmul(xs[0].take(rows // k), up), glu, e, ik is not None,
-                    avx2)
+        x_up = xs[0].take(rows // k)
+        x_gate = x_up if xs[1] is xs[0] else xs[1].take(rows // k)
+        a = _swiglu(qmatmul(x_gate, gate), qmatmul(x_up, up), glu, e, ik is not None, avx2)
         if act is not None:
             act[rows] = a
         y[rows] = _down(qmatmul(integer_rows(a, formats[2]), down), glu, e)

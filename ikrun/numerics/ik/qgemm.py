@@ -834,11 +834,27 @@ class IntRows:
         """Rows `rows` (of the true rows), padded to whole tiles again: the tokens routed to one expert."""
         m = len(rows)
         mp = m + (-m % TILE)
-        u = np.full((mp, self.u.shape[1]), 128, np.uint8)
         nb = self.scale.shape[1]
-        scale, sums, isums = np.zeros((mp, nb), np.float32), np.zeros((mp, nb), np.float32), np.zeros((mp, nb), np.int32)
-        u[:m], scale[:m], sums[:m], isums[:m] = self.u[rows], self.scale[rows], self.sums[rows], self.isums[rows]
+        u = np.empty((mp, self.u.shape[1]), np.uint8)
+        scale, sums, isums = np.empty((mp, nb), np.float32), np.empty((mp, nb), np.float32), np.empty((mp, nb), np.int32)
+        _take_rows(self.u, self.scale, self.sums, self.isums, np.ascontiguousarray(rows, dtype=np.int64), u, scale, sums,
+                   isums)
         return IntRows(u=u, scale=scale, sums=sums, rows=m, block=self.block, isums=isums)
+
+
+@njit(cache=True, nogil=True)
+def _take_rows(u: np.ndarray, scale: np.ndarray, sums: np.ndarray, isums: np.ndarray, rows: np.ndarray,
+               u_out: np.ndarray, scale_out: np.ndarray, sums_out: np.ndarray, isums_out: np.ndarray) -> None:
+    """IntRows.take in one pass: the rows copied, the padding rows as integer_rows makes them (u = 128: q = 0, and
+    zero scales and sums)."""
+    for i in range(u_out.shape[0]):
+        if i < rows.size:
+            r = rows[i]
+            u_out[i] = u[r]
+            scale_out[i], sums_out[i], isums_out[i] = scale[r], sums[r], isums[r]
+        else:
+            u_out[i] = 128
+            scale_out[i], sums_out[i], isums_out[i] = 0, 0, 0
 
 
 def panel_rows(n: int, mp: int = 0, calls: int = 0, threads: int = 1) -> int:
