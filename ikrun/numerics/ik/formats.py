@@ -95,6 +95,7 @@ from ikrun.numerics.ik.qgemm import (
 )
 from ikrun.ops.f16 import f16_rounded
 from ikrun.ops.parallel import claim_items, run_claimed, task_items
+from ikrun.ops.simd import absmax
 
 Q8_2_X4 = "Q8_2_X4"
 Q8_K = "Q8_K"
@@ -630,18 +631,14 @@ def _bf16(x: np.float32) -> np.float32:
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _q8_scale(x: np.ndarray, b0: np.uint64, block: int, bf16_scale: bool,
-              lanes: np.ndarray) -> tuple[np.float32, np.float32]:
+def _q8_scale(x: np.ndarray, b0: np.uint64, block: int, bf16_scale: bool) -> tuple[np.float32, np.float32]:
     """The scale d of the block at b0 and the factor its values are multiplied by before rounding: Q8_2_X4 (the
-    scale rounded to bf16, 1/d) or Q8_K (the float32 scale, 127 / max); lanes: 16 floats of scratch.
+    scale rounded to bf16, 1/d) or Q8_K (the float32 scale, 127 / max); the maximum taken in vector registers
+    (ops/simd.absmax).
 
     Here and below, indices are unsigned (a signed one gets a check for negative values that keeps LLVM from
-    vectorising the loop), and the maximum is taken in 16 lanes (the same maximum, in a loop LLVM vectorises)."""
-    lanes[:] = 0
-    for c in range(0, block, 16):
-        for t in range(16):
-            lanes[t] = max(lanes[t], abs(x[b0 + np.uint64(c + t)]))
-    amax = lanes.max()
+    vectorising the loop)."""
+    amax: np.float32 = absmax(x, np.int64(b0), block)  # type: ignore[call-arg]  # Numba passes the typing context
     if bf16_scale:
         d = _bf16(amax / np.float32(127.0))
         return d, np.float32(1.0) / d if d > np.float32(0.0) else np.float32(0.0)
@@ -656,10 +653,9 @@ def _q8(x: np.float32, inv: np.float32) -> np.float32:
 @njit(cache=True, nogil=True, inline="always")
 def _q8_row(x: np.ndarray, block: int, bf16_scale: bool, out: np.ndarray) -> None:
     """Blocks of `block` values to int8 and back (Q8_2_X4: 32, Q8_K: 256)."""
-    lanes = np.empty(16, np.float32)
     for b in range(x.shape[0] // block):
         b0 = np.uint64(b * block)
-        d, inv = _q8_scale(x, b0, block, bf16_scale, lanes)
+        d, inv = _q8_scale(x, b0, block, bf16_scale)
         for j in range(block):
             k = b0 + np.uint64(j)
             out[k] = _q8(x[k], inv) * d
@@ -668,20 +664,23 @@ def _q8_row(x: np.ndarray, block: int, bf16_scale: bool, out: np.ndarray) -> Non
 @njit(cache=True, nogil=True, inline="always")
 def _q8_row_ints(x: np.ndarray, block: int, bf16_scale: bool, u: np.ndarray, scale: np.ndarray,
                  sums: np.ndarray, isums: np.ndarray) -> None:
-    """The same rounding kept as integers: u = q + 128, and per block d, sum(q) and d x sum(q)."""
-    lanes = np.empty(16, np.float32)
-    for b in range(x.shape[0] // block):
-        b0 = np.uint64(b * block)
-        d, inv = _q8_scale(x, b0, block, bf16_scale, lanes)
-        total = 0
+    """The same rounding kept as integers: u = q + 128, and per block d, sum(q) and d x sum(q). The blocks' scales
+    first, then their values: the scales' chains (maximum, rounding, reciprocal) overlap, and the rounding loop
+    vectorises without waiting on them."""
+    nb = x.shape[0] // block
+    inv = np.empty(nb, np.float32)
+    for b in range(nb):
+        scale[b], inv[b] = _q8_scale(x, np.uint64(b * block), block, bf16_scale)
+    for b in range(nb):
+        b0, inv_b = np.uint64(b * block), inv[b]
+        total = np.int32(0)  # int32 lanes, as wide as the floats': an int64 sum held the loop to 4 lanes
         for j in range(block):
             k = b0 + np.uint64(j)
-            q = np.int32(_q8(x[k], inv))
-            total += int(q)
+            q = np.int32(_q8(x[k], inv_b))
+            total += q
             u[k] = np.uint8(q + 128)
-        scale[b] = d
         isums[b] = total
-        sums[b] = d * np.float32(total)
+        sums[b] = scale[b] * np.float32(total)
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -41,6 +41,7 @@ from ikquant.formats.numeric import fmaf
 from ikrun.ops.activations import ik_expf, ik_expf_avx2
 from ikrun.ops.cpu import host_has
 from ikrun.ops.parallel import claim_items, task_items
+from ikrun.ops.simd import V16F, splat
 
 #: float lanes of ik's AVX2 and AVX-512 builds
 AVX2_LANES, AVX512_LANES = 8, 16
@@ -90,19 +91,11 @@ def kernel_query_rows(n: int, n_head: int, threads: int, n_cells: int) -> set[in
     return counts
 
 
-_V16F = ir.VectorType(ir.FloatType(), 16)
 #: query rows of one head a job takes through the keys together, each key and value vector loaded once for all of
 #: them (the accumulators of four rows fill AVX-512's 32 vector registers; AVX2's 16 hold two rows' worth)
 ROWS = 4 if host_has("avx512f") else 2
 #: value columns _accumulate keeps in registers over a block's keys for one row, and for ROWS rows
 _SPAN_ONE, _SPAN_ROWS = 128, 64
-
-
-def _splat(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
-    """A float broadcast to the 16 lanes of a vector."""
-    one = builder.insert_element(ir.Constant(_V16F, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
-    return builder.shuffle_vector(one, ir.Constant(_V16F, ir.Undefined),
-                                  ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
 
 
 class _Rows:
@@ -122,11 +115,11 @@ class _Rows:
         return b.gep(start, [column])
 
     def vector(self, row: ir.Value, column: ir.Value) -> ir.Value:
-        return self.builder.bitcast(self.at(row, column), _V16F.as_pointer())
+        return self.builder.bitcast(self.at(row, column), V16F.as_pointer())
 
 
 def _fma(builder: ir.IRBuilder) -> ir.Function:
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F] * 3), "llvm.fma.v16f32")
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(V16F, [V16F] * 3), "llvm.fma.v16f32")
 
 
 def _scores_intrinsic(chains: int, rows: int):  # type: ignore[no-untyped-def]
@@ -147,10 +140,10 @@ def _scores_intrinsic(chains: int, rows: int):  # type: ignore[no-untyped-def]
             def const(x: int) -> ir.Constant:
                 return ir.Constant(key0.type, x)
 
-            slots = {(c, r, g): cgutils.alloca_once(builder, _V16F)
+            slots = {(c, r, g): cgutils.alloca_once(builder, V16F)
                      for c in range(chains) for r in range(rows) for g in range(groups)}
             for slot in slots.values():
-                builder.store(ir.Constant(_V16F, [0.0] * 16), slot)
+                builder.store(ir.Constant(V16F, [0.0] * 16), slot)
             with cgutils.for_range(builder, builder.udiv(keys_t.rows, const(lanes))) as loop:
                 first = builder.mul(loop.index, const(lanes))
                 for c in range(chains):
@@ -159,11 +152,11 @@ def _scores_intrinsic(chains: int, rows: int):  # type: ignore[no-untyped-def]
                         keys = [builder.load(keys_t.vector(dim, builder.add(key0, const(16 * g))), align=4)
                                 for g in range(groups)]
                         for r in range(rows):
-                            weight = _splat(builder, builder.load(q_t.at(const(r), dim)))
+                            weight = splat(builder, builder.load(q_t.at(const(r), dim)))
                             for g in range(groups):
                                 slot = slots[(c, r, g)]
                                 builder.store(builder.call(fma, [keys[g], weight, builder.load(slot)]), slot)
-            scale = _splat(builder, sc)
+            scale = splat(builder, sc)
             for r in range(rows):
                 for g in range(groups):
                     acc = [builder.load(slots[(c, r, g)]) for c in range(chains)]
@@ -199,7 +192,7 @@ def _accumulate_intrinsic(rows: int, span: int):  # type: ignore[no-untyped-def]
 
             ptrs = {(r, c): sums_t.vector(const(r), builder.add(d0, const(16 * c)))
                     for r in range(rows) for c in range(vectors)}
-            slots = {key: cgutils.alloca_once(builder, _V16F) for key in ptrs}
+            slots = {key: cgutils.alloca_once(builder, V16F) for key in ptrs}
             for key, slot in slots.items():
                 builder.store(builder.load(ptrs[key], align=4), slot)
             with cgutils.for_range(builder, n_keys) as loop:
@@ -207,7 +200,7 @@ def _accumulate_intrinsic(rows: int, span: int):  # type: ignore[no-untyped-def]
                 values = [builder.load(v_t.vector(key, builder.add(d0, const(16 * c))), align=4)
                           for c in range(vectors)]
                 for r in range(rows):
-                    weight = _splat(builder, builder.load(p_t.at(const(r), builder.add(p_at, loop.index))))
+                    weight = splat(builder, builder.load(p_t.at(const(r), builder.add(p_at, loop.index))))
                     for c in range(vectors):
                         slot = slots[(r, c)]
                         builder.store(builder.call(fma, [values[c], weight, builder.load(slot)]), slot)

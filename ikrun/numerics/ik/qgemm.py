@@ -33,6 +33,7 @@ from numba.core.extending import intrinsic
 from ikquant.formats.numeric import fmaf
 from ikrun.ops.cpu import host_has
 from ikrun.ops.parallel import TASKS_PER_THREAD, claim, claim_items, pick, task_items
+from ikrun.ops.simd import splat
 
 #: the float order of a block's contribution: ORDER_PLAIN acc += f32(isum) x (w scale x a scale); ORDER_R8 ik's Q8_0_R8 gemm: the weights made unsigned (+127), acc = fma(w scale x a scale, f32(isum + 127 x
 #: a's integer sum), acc), a second acc1 = fma(w scale, a scale x a's integer sum, acc1), and at the end
@@ -195,11 +196,6 @@ def _pack_groups(q: np.ndarray, q4: np.ndarray, block: int, out4: np.ndarray, co
                     least = min(least, flat[start + np.uint64(k)])
                 low[g] = least == -128
             i0, i1 = claim_items(counter, per, items)
-
-
-def _splat(builder: ir.IRBuilder, value: ir.Value, vty: ir.VectorType) -> ir.Value:
-    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_V16I, [0] * LANES))
 
 
 def _vector(builder: ir.IRBuilder, base: ir.Value, index: ir.Value, vty: ir.VectorType) -> ir.Value:
@@ -456,7 +452,7 @@ def _make_tile(block: int, order: int = ORDER_PLAIN,  # type: ignore[no-untyped-
                     w = [_vector(builder, wq_p, builder.add(wb, builder.mul(s, const(64))), _V16I) for wb in wbase]
                     for i in sorted({i for _, i in keys}):
                         ap = builder.gep(au_p, [builder.add(abase[i], builder.mul(s, const(4)))])
-                        a = _splat(builder, builder.load(builder.bitcast(ap, _I32.as_pointer()), align=1), _V16I)
+                        a = splat(builder, builder.load(builder.bitcast(ap, _I32.as_pointer()), align=1), _V16I)
                         for h in sorted({h for h, _ in keys}):
                             slot = slots[(h, i, c)]
                             builder.store(t.dot(builder.load(slot), a, w[h]), slot)
@@ -476,7 +472,7 @@ def _make_tile(block: int, order: int = ORDER_PLAIN,  # type: ignore[no-untyped-
                     for gh in groups]
 
         def activations(b: ir.Value, p: ir.Value) -> list[ir.Value]:
-            return [_splat(builder, builder.load(builder.gep(p, [builder.add(builder.mul(r, nb_v), b)])), _V16F)
+            return [splat(builder, builder.load(builder.gep(p, [builder.add(builder.mul(r, nb_v), b)])), _V16F)
                     for r in rows]
 
         def add(key: tuple[int, int], value: ir.Value) -> None:
@@ -498,7 +494,7 @@ def _make_tile(block: int, order: int = ORDER_PLAIN,  # type: ignore[no-untyped-
                 a_int = []
                 if r8 or r16:
                     unsigned = ir.Constant(_I32, 127 if r8 else 128)
-                    a_int = [_splat(builder, builder.mul(builder.load(builder.gep(si_p, [builder.add(
+                    a_int = [splat(builder, builder.mul(builder.load(builder.gep(si_p, [builder.add(
                         builder.mul(r, nb_v), b)])), unsigned), _V16I) for r in rows]
                 for h, i in keys:
                     acc = builder.load(accs[(h, i)])
@@ -569,7 +565,7 @@ def _make_native_tile(dot: Callable[[ir.IRBuilder], _Dot] = host_dot):  # type: 
                     for i in sorted({i for _, i in keys}):
                         ap = builder.bitcast(builder.gep(au_p, [builder.add(abase[i], const(s * 4))]),
                                              _I32.as_pointer())
-                        a = _splat(builder, builder.xor(builder.load(ap, align=1), sign), _V16I)
+                        a = splat(builder, builder.xor(builder.load(ap, align=1), sign), _V16I)
                         for h in sorted({h for h, _ in keys}):
                             sums[(h, i, c)] = t.dot(sums[(h, i, c)], w[h], a)
             return {key: t.dot_total(v) for key, v in sums.items()}
@@ -580,8 +576,8 @@ def _make_native_tile(dot: Callable[[ir.IRBuilder], _Dot] = host_dot):  # type: 
             w = [_vector(builder, ws_p, x, _V16F) for x in at]
             minus = [_vector(builder, wo_p, x, _V16F) for x in at]
             idx = [builder.add(builder.mul(r, nb_v), b) for r in rows]
-            a_d = [_splat(builder, builder.load(builder.gep(as_p, [x])), _V16F) for x in idx]
-            a_s = [_splat(builder, builder.load(builder.gep(su_p, [x])), _V16F) for x in idx]
+            a_d = [splat(builder, builder.load(builder.gep(as_p, [x])), _V16F) for x in idx]
+            a_s = [splat(builder, builder.load(builder.gep(su_p, [x])), _V16F) for x in idx]
             d = {(h, i): builder.fmul(w[h], a_d[i]) for h, i in keys}
             m = {(h, i): builder.fmul(minus[h], a_s[i]) for h, i in keys}
             return d, m
