@@ -173,10 +173,11 @@ class WeightStore:
         """The whole tensor's decoded copy if it is cached (the per-matmul fast path), else None."""
         return cast("np.ndarray | None", self._lookup(name))
 
-    def _decode_rows(self, name: str, enc: Encoding, raw: np.ndarray, n_per_row: int) -> np.ndarray:
-        """`raw` (rows of `enc`) decoded to float32, counted in `reads`."""
+    def _decode_rows(self, name: str, enc: Encoding, raw: np.ndarray, n_per_row: int,
+                     out: np.ndarray | None = None) -> np.ndarray:
+        """`raw` (rows of `enc`) decoded to float32 (into `out` where given), counted in `reads`."""
         with threads_for(raw.shape[0] * n_per_row):
-            w = enc.type.require_codec().dequantize(raw, n_per_row)
+            w = enc.type.require_codec().dequantize(raw, n_per_row, out)
         self.reads[name] += raw.nbytes
         return w
 
@@ -327,7 +328,7 @@ class WeightStore:
             if enc is None:  # the file's bytes are touched only for experts not cached
                 enc = self.encoding(name)
                 raw = enc.raw.reshape(n_expert, rows, -1)
-            out[j] = self._decode_rows(name, enc, raw[e], cols).reshape(rows, cols)
+            self._decode_rows(name, enc, raw[e], cols, out[j])
             if keep and not stack:
                 self._keep((name, e), out[j].copy(), b"", make_room=not self.streaming)
         if enc is not None:

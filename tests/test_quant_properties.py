@@ -154,3 +154,21 @@ def test_block_scale_f16_is_the_scale_every_value_is_a_multiple_of(type_name: st
             decoded = ~np.isfinite(codec.dequantize(poked, 2 * b)).all(axis=1)
         np.testing.assert_array_equal(codec._nonfinite_block_scales(poked).any(axis=1), decoded)
         assert decoded.tolist() == [False, False, True, False]
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_dequantize_into_a_given_array_writes_every_value(type_name: str) -> None:
+    """dequantize(..., out=) fills the caller's array (NaN-filled first, so a value left unwritten shows) with the
+    same floats it returns by itself, and refuses an array of another shape."""
+    from ikquant.types import type_by_name
+
+    gtype = type_by_name(type_name)
+    codec = gtype.require_codec()
+    n = max(gtype.block_size, 256 // gtype.block_size * gtype.block_size)
+    x = _rows("gauss", 2 * gtype.row_group, n, min(1e3, codec.max_abs_input), 7)
+    q = codec.quantize(x, np.ones(n, np.float32) if codec.requires_imatrix else None)
+    out = np.full(x.shape, np.nan, np.float32)
+    assert codec.dequantize(q, n, out) is out
+    assert np.array_equal(out, codec.dequantize(q, n), equal_nan=False)
+    with pytest.raises(ValueError, match="C-contiguous float32"):
+        codec.dequantize(q, n, np.empty((x.shape[0] + 1, n), np.float32))

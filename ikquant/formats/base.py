@@ -123,8 +123,9 @@ class Codec:
         h = blocks[:, :, at].astype(np.uint16) | (blocks[:, :, at + 1].astype(np.uint16) << 8)
         return (h & 0x7C00) == 0x7C00
 
-    def dequantize(self, q: np.ndarray, n_per_row: int) -> np.ndarray:
-        """Decode [n_rows, row_bytes] (or flat) bytes of rows of `n_per_row` values into float32 [n_rows, n_per_row]."""
+    def dequantize(self, q: np.ndarray, n_per_row: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Decode [n_rows, row_bytes] (or flat) bytes of rows of `n_per_row` values into float32 [n_rows, n_per_row]
+        (into `out`, a C-contiguous float32 array of that shape, where given: no second copy of a large decoding)."""
         row_bytes = self.ggml_type.row_bytes(n_per_row)
         q = np.ascontiguousarray(q).view(np.uint8)
         if q.size % row_bytes:
@@ -132,7 +133,11 @@ class Codec:
                 f"{self.type_name}: {q.size} bytes is not a whole number of rows of {row_bytes} bytes"
             )
         q = q.reshape(-1, row_bytes)
-        out = np.empty((q.shape[0], n_per_row), dtype=np.float32)
+        if out is None:
+            out = np.empty((q.shape[0], n_per_row), dtype=np.float32)
+        elif out.shape != (q.shape[0], n_per_row) or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ValueError(f"{self.type_name}: out must be C-contiguous float32 {(q.shape[0], n_per_row)}, not "
+                             f"{out.dtype} {out.shape}")
         if q.shape[0]:
             self._dequantize(q, out)
         return out
