@@ -10,7 +10,8 @@ import pytest
 from numba import njit
 
 from ikquant.formats.numeric import fmaf
-from ikrun.ops.fgemm import AVX2_TILE, K_STEP, ROWS, _tile, expert_matmul, experts_matmul
+from ikrun.ops.cpu import host_has
+from ikrun.ops.fgemm import AVX2_TILE, GROUPS, K_STEP, ROWS, _tile, expert_matmul, experts_matmul
 
 
 @njit(cache=True)
@@ -102,9 +103,10 @@ def _tile_asm() -> str:
 
     @njit
     def call(panel, xt, out):  # type: ignore[no-untyped-def]
-        _tile(panel, xt, 0, 0, 64, 64, out, 0, 16)
+        _tile(panel, xt, 0, 0, 64, 64, out, 0, 16 * GROUPS)
 
-    call(np.zeros(ROWS * K_STEP, np.float32), np.zeros(4 * 64 * 16, np.float32), np.zeros(8 * 16, np.float32))
+    call(np.zeros(ROWS * K_STEP, np.float32), np.zeros(4 * 64 * 16, np.float32),
+         np.zeros(ROWS * GROUPS * 16, np.float32))
     return "\n".join(call.inspect_asm().values())
 
 
@@ -115,4 +117,14 @@ def test_the_avx2_tile_keeps_its_accumulators_in_registers() -> None:
     fmas = re.findall(r"vfmadd\w+\s+(.*)", asm)
     assert len(fmas) >= 12 and all(ops.count("%ymm") == 3 for ops in fmas)
     assert len({ops.split(", ")[-1] for ops in fmas}) == 12
+    assert not any("rsp" in ops for ops in fmas)
+
+
+@pytest.mark.skipif(AVX2_TILE or not host_has("avx512f"), reason="the 12 x 2 tile is AVX-512's (32 vector registers)")
+def test_the_avx512_tile_keeps_its_accumulators_in_registers() -> None:
+    """24 zmm accumulators, 24 vfmadd a step, none reloaded from the stack."""
+    asm = _tile_asm()
+    fmas = re.findall(r"vfmadd\w+\s+(.*)", asm)
+    assert len(fmas) >= ROWS * GROUPS and all(ops.count("%zmm") == 3 for ops in fmas)
+    assert len({ops.split(", ")[-1] for ops in fmas}) == ROWS * GROUPS == 24
     assert not any("rsp" in ops for ops in fmas)

@@ -27,9 +27,11 @@ from ikrun.ops.parallel import claim_items, run_claimed, task_items
 LANES = 16  # tokens per vector
 #: weight rows and token groups per call. AVX2 has 16 vector registers of 8 floats: 6 x 1 keeps 12 accumulators,
 #: the group's two token vectors and the broadcast weight in registers (4 x 2 spilled accumulators to the stack
-#: every step: f16 experts 38 -> 60 GFLOP/s per core of an EPYC); 4 x 2 elsewhere (AVX-512: eight registers)
+#: every step: f16 experts 38 -> 60 GFLOP/s per core of an EPYC); 12 x 2 elsewhere (AVX-512's 32 registers: 24
+#: accumulators; 8 experts of 768 x 2048 f16, 200 tokens each, 2 threads: 4 x 2 121.5 GFLOP/s, 8 x 2 146.9, 12 x 2
+#: 152.7-160.0, 14 x 2 166-168 with 31 registers taken)
 AVX2_TILE = host_has("avx2") and host_has("fma") and not host_has("avx512f")
-ROWS, GROUPS = (6, 1) if AVX2_TILE else (4, 2)
+ROWS, GROUPS = (6, 1) if AVX2_TILE else (12, 2)
 K_STEP = 256  # values of a row per pass over the tokens (their panel stays in the first-level cache)
 _I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V16F = ir.VectorType(_F32, LANES)
