@@ -147,14 +147,19 @@ def _experts_serial(w, xt, group_at, row_at, out, n_rows, n):  # type: ignore[no
 @njit(cache=True, nogil=True)
 def _gather_groups(x: np.ndarray, tokens: np.ndarray, row_at: np.ndarray, group_at: np.ndarray,
                    xt: np.ndarray) -> None:
-    """xt[group_at[j] + g, :, l] = x[tokens[row_at[j] + 16 g + l]] for each expert j (xt zeroed beyond its last
-    token)."""
+    """xt[group_at[j] + g, :, l] = x[tokens[row_at[j] + 16 g + l]] for each expert j, zeros beyond its last token:
+    a group's 16 rows read side by side, so its transposed block is written in order (token by token, each of its
+    cache lines was written 16 times, from the second-level cache once a row outgrew the first)."""
+    lanes = np.empty(LANES, np.int64)
     for j in range(len(row_at) - 1):
-        for i in range(row_at[j + 1] - row_at[j]):
-            g, lane = group_at[j] + i // LANES, i % LANES
-            src = x[tokens[row_at[j] + i]]
+        count = row_at[j + 1] - row_at[j]
+        for g in range(group_at[j], group_at[j + 1]):
+            first = (g - group_at[j]) * LANES
+            for lane in range(LANES):
+                lanes[lane] = tokens[row_at[j] + first + lane] if first + lane < count else -1
             for k in range(x.shape[1]):
-                xt[g, k, lane] = src[k]
+                for lane in range(LANES):
+                    xt[g, k, lane] = x[lanes[lane], k] if lanes[lane] >= 0 else np.float32(0.0)
 
 
 def token_groups(x: np.ndarray, tokens: np.ndarray, row_at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -165,7 +170,7 @@ def token_groups(x: np.ndarray, tokens: np.ndarray, row_at: np.ndarray) -> tuple
     per = -(-np.diff(row_at) // (LANES * GROUPS)) * GROUPS
     group_at = np.zeros(len(row_at), np.int64)
     np.cumsum(per, out=group_at[1:])
-    xt = np.zeros((int(group_at[-1]), x.shape[1], LANES), np.float32)
+    xt = np.empty((int(group_at[-1]), x.shape[1], LANES), np.float32)
     _gather_groups(x, tokens, row_at, group_at, xt)
     return xt, group_at
 
