@@ -95,6 +95,12 @@ def f16_bits_to_f32(h: np.uint16) -> np.float32:
     return widen_16(np.uint16(h))
 
 
+@njit(**NJIT, inline="always")
+def round_f16(v: np.float32) -> np.float32:
+    """v rounded to f16 (nearest even, as vcvtps2ph) and widened back: an f16 scale or cache value as ik holds it."""
+    return f16_bits_to_f32(f32_to_f16_bits(np.float32(v)))
+
+
 @njit(**NJIT)
 def store_f16(out: np.ndarray, pos: int, v: np.float32) -> None:
     """Write v as little-endian fp16 at out[pos:pos + 2]."""

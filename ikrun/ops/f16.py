@@ -11,13 +11,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ikquant.formats.numeric import f16_bits_to_f32, f32_to_f16_bits
+from ikquant.formats.numeric import round_f16
 
 
 @njit(cache=True, nogil=True)
 def _round(x: np.ndarray, out: np.ndarray) -> None:
     for i in range(x.size):
-        out[i] = f16_bits_to_f32(f32_to_f16_bits(x[i]))
+        out[i] = round_f16(x[i])
 
 
 def f16_rounded(x: np.ndarray) -> np.ndarray:

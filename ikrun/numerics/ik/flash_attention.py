@@ -17,12 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.numeric import f16_bits_to_f32, f32_to_f16_bits, fmaf
-
-
-@njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _f16(x: np.float32) -> np.float32:
-    return f16_bits_to_f32(f32_to_f16_bits(np.float32(x)))
+from ikquant.formats.numeric import fmaf, round_f16
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -66,11 +61,11 @@ def _key_step(score: np.float32, v: np.ndarray, sums: np.ndarray, total: np.floa
         top = score
         ms = np.exp(np.float32(old - top))
         for d in range(sums.shape[0]):
-            sums[d] = _f16(sums[d] * ms)
+            sums[d] = round_f16(sums[d] * ms)
     else:
         vs = np.exp(np.float32(score - top))
     for d in range(sums.shape[0]):
-        sums[d] = _f16(fmaf(v[d], vs, sums[d]))
+        sums[d] = round_f16(fmaf(v[d], vs, sums[d]))
     return np.float32(total * ms) + vs, top
 
 
@@ -100,7 +95,7 @@ def generic_flash_attention(q: np.ndarray, k: np.ndarray, scores: np.ndarray, v:
         g = h // group
         qh = np.empty(0 if given else dk, dtype=np.float32)
         for d in range(qh.size):
-            qh[d] = _f16(q[h, t, d])
+            qh[d] = round_f16(q[h, t, d])
         sums = np.zeros(v.shape[2], dtype=np.float32)
         total = np.float32(0.0)
         top = np.float32(-np.inf)

@@ -70,7 +70,7 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 
 from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ6NL_VALUES
-from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, f32_from_bits, f32_to_f16_bits, load_f16
+from ikquant.formats.numeric import f32_bits, f32_from_bits, load_f16, round_f16
 from ikrun.errors import NumericsError
 from ikrun.numerics.ik.q8k_direct import (
     f16_fields_finite,
@@ -81,6 +81,7 @@ from ikrun.numerics.ik.q8k_direct import (
     iq4_k_packed,
     iq4_ks_packed,
     iq5_ks_packed,
+    requantize_q8_k,
 )
 from ikrun.numerics.ik.qgemm import (
     ORDER_Q8_1,
@@ -249,8 +250,8 @@ def _k_to_q8_1_row(row: np.ndarray, five_bits: bool, q: np.ndarray, scale: np.nd
             else:
                 low, high_s, high_m = np.int32(row[o + 8 + j]), np.int32(row[o + j]), np.int32(row[o + 4 + j])
                 sc, mn = (low & 15) | ((high_s >> 6) << 4), (low >> 4) | ((high_m >> 6) << 4)
-            scale[8 * b + j] = f16_bits_to_f32(f32_to_f16_bits(d * np.float32(sc)))
-            offset[8 * b + j] = f16_bits_to_f32(f32_to_f16_bits(-dmin * np.float32(mn)))
+            scale[8 * b + j] = round_f16(d * np.float32(sc))
+            offset[8 * b + j] = round_f16(-dmin * np.float32(mn))
         codes = o + size - 128
         for c in range(4):
             for l in range(32):
@@ -340,7 +341,7 @@ def _q6_k_ints_row(row: np.ndarray, q: np.ndarray, scale: np.ndarray, p: np.ndar
             inv = np.float32(1) / mx if mx > np.float32(1e-9) else np.float32(0)
             for i in range(32 * j, 32 * j + 32):
                 q[256 * b + i] = np.int8(np.int32(min(np.float32(127), max(np.float32(-128), np.rint(p[i] * inv)))))
-            scale[8 * b + j] = f16_bits_to_f32(f32_to_f16_bits(d * mx))
+            scale[8 * b + j] = round_f16(d * mx)
 
 
 #: the conversions read straight from a 32-value-block type's bytes (_rows_from_bytes)
@@ -394,10 +395,8 @@ def _bytes_parallel(raw: np.ndarray, kind: int, q: np.ndarray, scale: np.ndarray
 @njit(cache=True, nogil=True, parallel=True)
 def _q8_k_blocks(decoded: np.ndarray, dsup: np.ndarray, dscale: np.ndarray, inv_c: np.float32, q: np.ndarray,
                  scale: np.ndarray, threads: int) -> None:
-    """The rows in tasks the threads claim (ikrun/ops/parallel.py). Each loop is one vector loop: the branches
-    hoisted out of them, max|p| taken as the largest of the values' bits without the sign (a float maximum stays
-    scalar: LLVM may not reorder its NaN cases), the int8 values converted through int32 (a direct float -> int8
-    conversion stayed scalar); 2.1 -> 0.6 ns a value."""
+    """The rows in tasks the threads claim (ikrun/ops/parallel.py), each block's p = rint(decoded / dsup)
+    requantized as q8k_direct's conversions do (requantize_q8_k); 2.1 -> 0.6 ns a value."""
     items = dsup.shape[0]
     per, counter = task_items(items, threads), np.zeros(1, np.int64)
     for _ in prange(threads):
@@ -414,21 +413,8 @@ def _q8_k_blocks(decoded: np.ndarray, dsup: np.ndarray, dscale: np.ndarray, inv_
                             p[j] = np.rint(src[j] / ds)
                     else:
                         p[:] = 0
-                    most = np.int32(0)
-                    for j in range(SUPER):
-                        most = max(most, p_bits[j] & np.int32(0x7FFFFFFF))
-                    dnew = f32_from_bits(np.uint32(most)) * inv_c
-                    small = dnew < 1
-                    if small:
-                        dnew = np.float32(1.0)
-                        for j in range(SUPER):
-                            dst[j] = np.int8(np.int32(p[j]))
-                    else:
-                        inv = np.float32(1.0) / dnew if abs(dnew) > np.float32(1e-9) else np.float32(0.0)
-                        for j in range(SUPER):
-                            dst[j] = np.int8(np.int32(min(np.float32(127.0), max(np.float32(-128.0),
-                                                                                   np.rint(p[j] * inv)))))
-                    scale[r, b] = f16_bits_to_f32(f32_to_f16_bits(dscale[r, b] * dnew))
+                    dnew = requantize_q8_k(p, p_bits, inv_c, dst)
+                    scale[r, b] = round_f16(dscale[r, b] * dnew)
             i0, i1 = claim_items(counter, per, items)
 
 

@@ -27,7 +27,7 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from ikquant.formats.iqk_grids import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
-from ikquant.formats.numeric import f16_bits_to_f32, f32_from_bits, f32_to_f16_bits, load_f16, load_f32
+from ikquant.formats.numeric import f32_from_bits, load_f16, load_f32, round_f16
 from ikrun.numerics.ik.qgemm import GROUPS, LANES, ORDER_R16, PackedInts
 from ikrun.ops.cpu import host_has
 from ikrun.ops.parallel import claim_items, task_items
@@ -271,6 +271,27 @@ def _k_ints(row: np.ndarray, kind: int, b: int, p: np.ndarray) -> np.float32:
     return d
 
 
+@njit(cache=True, nogil=True, inline="always")
+def requantize_q8_k(p: np.ndarray, p_bits: np.ndarray, inv_c: np.float32, q: np.ndarray) -> np.float32:
+    """ik's convert_to_q8_k_r8 on one block's integers p (float32 [SUPER]; p_bits: the same memory as int32): into
+    q the int8 values, p itself where max|p| x inv_c < 1, else rint(p / dnew) clamped to int8 with dnew = max|p| x
+    inv_c; returns dnew (1 where p is kept). Each loop is one vector loop: max|p| is the largest of the values'
+    bits without the sign (a float maximum stays scalar: LLVM may not reorder its NaN cases), the int8 values go
+    through int32 (a direct float -> int8 conversion stayed scalar)."""
+    most = np.int32(0)
+    for j in range(SUPER):
+        most = max(most, p_bits[j] & np.int32(0x7FFFFFFF))
+    dnew = f32_from_bits(np.uint32(most)) * inv_c
+    if dnew < 1:
+        for j in range(SUPER):
+            q[j] = np.int8(np.int32(p[j]))
+        return np.float32(1.0)
+    inv = np.float32(1.0) / dnew
+    for j in range(SUPER):
+        q[j] = np.int8(np.int32(min(np.float32(127.0), max(np.float32(-128.0), np.rint(p[j] * inv)))))
+    return dnew
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _groups(raw: np.ndarray, kind: int, nb: int, inv_c: np.float32, out4: np.ndarray, scale: np.ndarray,
             corr: np.ndarray, low: np.ndarray, threads: int) -> None:
@@ -301,25 +322,13 @@ def _groups(raw: np.ndarray, kind: int, nb: int, inv_c: np.float32, out4: np.nda
                                 out4[words + k * LANES] = 0
                             continue
                         d = _block_ints(raw[row_index], kind, b, p)
-                        most = np.int32(0)
-                        for j in range(SUPER):
-                            most = max(most, p_bits[j] & np.int32(0x7FFFFFFF))
-                        dnew = f32_from_bits(np.uint32(most)) * inv_c
-                        if dnew < 1:
-                            dnew = np.float32(1.0)
-                            for j in range(SUPER):
-                                q[j] = np.int8(np.int32(p[j]))
-                        else:
-                            inv = np.float32(1.0) / dnew
-                            for j in range(SUPER):
-                                q[j] = np.int8(np.int32(min(np.float32(127.0), max(np.float32(-128.0),
-                                                                                 np.rint(p[j] * inv)))))
+                        dnew = requantize_q8_k(p, p_bits, inv_c, q)
                         total = np.int32(0)
                         for j in range(SUPER):
                             total += np.int32(q[j])
                             least = min(least, np.int32(q[j]))
                         corr[at] = 128 * total
-                        scale[at] = f16_bits_to_f32(f32_to_f16_bits(d * dnew))
+                        scale[at] = round_f16(d * dnew)
                         for k in range(SUPER // 4):
                             out4[words + k * LANES] = q4[k]
                 low[g] = least == -128

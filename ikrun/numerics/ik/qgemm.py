@@ -406,8 +406,8 @@ def _make_tile(block: int, order: int = ORDER_PLAIN,  # type: ignore[no-untyped-
     m0 + TILE - 1, blocks b0 .. b1 of the row, added to what out holds (from b0 = 0: written, out not read): per
     block f32(isum - corr) x (scale x a_scale[m, b]) (ORDER_Q8_1: + offset x a_sum[m, b]) for each group h, in the
     float order `order` (ORDER_R8: a call takes the whole row, its two sums meet at the end; ORDER_Q8_1 takes the
-    blocks four at a time, offsets first). Each block's integer sum is split over CHAINS accumulators (exact, and the additions no longer wait for
-    one another; one for the orders whose second terms need the registers)."""
+    blocks four at a time, offsets first). Each block's integer sum is split over CHAINS accumulators (exact, and
+    the additions no longer wait for one another; one for the orders whose second terms need the registers)."""
     steps = block // 4
     r8, r16, q81 = order == ORDER_R8, order == ORDER_R16, order == ORDER_Q8_1
     halves = order == ORDER_Q8_1_AVX2  # a block's two 16-value sums scaled one at a time
@@ -832,7 +832,8 @@ class IntRows:
         mp = m + (-m % TILE)
         nb = self.scale.shape[1]
         u = np.empty((mp, self.u.shape[1]), np.uint8)
-        scale, sums, isums = np.empty((mp, nb), np.float32), np.empty((mp, nb), np.float32), np.empty((mp, nb), np.int32)
+        scale, sums = np.empty((mp, nb), np.float32), np.empty((mp, nb), np.float32)
+        isums = np.empty((mp, nb), np.int32)
         _take_rows(self.u, self.scale, self.sums, self.isums, np.ascontiguousarray(rows, dtype=np.int64), u, scale, sums,
                    isums)
         return IntRows(u=u, scale=scale, sums=sums, rows=m, block=self.block, isums=isums)
