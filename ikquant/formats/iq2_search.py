@@ -5,7 +5,7 @@ The search works on |x| with the signs kept apart, in odd magnitudes 2 l + 1 = 1
 8, 25, 43). At a trial inverse scale each value is rounded to its level; when the 8 levels are not a grid point,
 the group takes the nearest of that key's precomputed neighbours by importance-weighted squared error. The trial
 whose weighted least-squares fit explains most of the block wins; then the block is re-rounded at the fitted
-scale and fitted again. Per type:
+scale and fitted again (the trials of a sub-block side by side, trials.py). Per type:
 
 - IQ2_XXS (32-value sub-blocks): a first scale from make_qp_quants on codes 0..4, trials (5 + 0.1 k) / (3 scale)
   for k = -6..6, then every group re-rounded and refitted once.
@@ -45,6 +45,7 @@ from ikquant.formats.iqk_grids import sum_squares
 from ikquant.formats.iquants import KSIGNS
 from ikquant.formats.kquants import make_qp_quants
 from ikquant.formats.numeric import fmaf, nearest_int_fma, store_f16
+from ikquant.formats.trials import best_trial, fit_trials
 
 QK_K = 256
 IQ2_XXS_BYTES = 66  # d (2), per 32 values: 4 grid bytes, then a u32 of 4 x 7 sign bits and the 4-bit scale
@@ -278,31 +279,30 @@ def _scale_code(id_: np.float32, scale: np.float32) -> int:
 @njit(**NJIT)
 def _iq2_xxs_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kmap: np.ndarray,
                        neighbours: np.ndarray, d2: np.ndarray,
-                       weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, L: np.ndarray, Laux: np.ndarray,
-                       Lqp: np.ndarray) -> np.float32:
-    """Levels (into L) and scale of a 32-value IQ2_XXS sub-block."""
+                       weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, L: np.ndarray, Lqp: np.ndarray,
+                       trials: Trials) -> np.float32:
+    """Levels (into L) and scale of a 32-value IQ2_XXS sub-block; the 13 trials side by side as in IQ2_S's."""
+    ids, levels_t, _, _, sumqx, sumq2, _ = trials
     scale = make_qp_quants(K_MAX_Q + 1, xval, Lqp, weight)
     for i in range(32):
         L[i] = Lqp[i]
     eff_max = scale * np.float32(K_MAX_Q)
-    best = np.float32(0.0)
-    for step in range(-6, 7):
-        id_ = fmaf(np.float32(step), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / eff_max
-        this_scale = np.float32(1.0) / id_
-        for k in range(4):
-            _round_group(levels, dense, dense_at, kmap, neighbours, d2, id_, this_scale, xval, waux, 8 * k, Laux)
-        sumqx, sumq2 = _fit(weight, xval, Laux)
-        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-            scale = sumqx / sumq2
-            best = scale * sumqx
-            L[:] = Laux
+    for t in range(ids.size):
+        ids[t] = fmaf(np.float32(t - 6), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / eff_max
+    _round_trials(ids, xval, 0, levels_t, trials[2])
+    _search_trials(levels, dense, dense_at, kmap, neighbours, d2, xval, waux, trials)
+    fit_trials(weight, xval, levels_t, sumqx, sumq2)
+    chosen, _, scale = best_trial(sumqx, sumq2, np.float32(0.0), scale)
+    if chosen >= 0:
+        for i in range(32):
+            L[i] = levels_t[i, chosen]
     if scale > 0:
         id_ = np.float32(1.0) / scale
         for k in range(4):
             _round_group(levels, dense, dense_at, kmap, neighbours, d2, id_, scale, xval, waux, 8 * k, L)
-        sumqx, sumq2 = _fit(weight, xval, L)
-        if sumq2 > 0:
-            scale = sumqx / sumq2
+        sumqx0, sumq20 = _fit(weight, xval, L)
+        if sumq20 > 0:
+            scale = sumqx0 / sumq20
     return scale
 
 
@@ -318,8 +318,8 @@ def quantize_iq2_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.
         waux = np.empty(32, dtype=np.float32)
         xval = np.empty(32, dtype=np.float32)
         L = np.zeros(32, dtype=np.int64)
-        Laux = np.zeros(32, dtype=np.int64)
         Lqp = np.zeros(32, dtype=np.uint8)
+        trials = _trial_scratch(13, 32)
         signs = np.zeros(4, dtype=np.int64)
         scales = np.zeros(8, dtype=np.float32)
         words = np.zeros(16, dtype=np.uint32)
@@ -341,8 +341,8 @@ def quantize_iq2_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.
                     scales[ib] = 0
                     L[:] = 0
                     continue
-                scale = _iq2_xxs_sub_block(levels, dense, dense_at, kmap, neighbours, d2, weight, waux, xval, L, Laux,
-                                           Lqp)
+                scale = _iq2_xxs_sub_block(levels, dense, dense_at, kmap, neighbours, d2, weight, waux, xval, L, Lqp,
+                                           trials)
                 if scale < 0:
                     scale = -scale
                     for k in range(4):
@@ -419,25 +419,24 @@ def _iq2_xs_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarra
                       neighbours: np.ndarray, d2: np.ndarray,
                       weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, L: np.ndarray, Laux: np.ndarray,
                       index: np.ndarray, aux_index: np.ndarray, order: np.ndarray, sumx: np.ndarray,
-                      sumw: np.ndarray) -> np.float32:
-    """Levels (into L, left as they were when no trial fits) and scale of a 16-value IQ2_XS sub-block."""
+                      sumw: np.ndarray, trials: Trials) -> np.float32:
+    """Levels (into L, left as they were when no trial fits) and scale of a 16-value IQ2_XS sub-block; the 15
+    trials side by side as in IQ2_S's, the re-roundings after them one by one."""
+    ids, levels_t, _, points, sumqx, sumq2, _ = trials
     scale = _split_scale(weight, xval, order, sumx, sumw)
-    best = np.float32(0.0)
     eff_max = scale * np.float32(2 * K_MAX_Q - 1)
+    for t in range(ids.size):
+        ids[t] = fmaf(np.float32(t - 7), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / eff_max
+    _round_trials(ids, xval, 0, levels_t, trials[2])
+    _search_trials(levels, dense, dense_at, kmap, neighbours, d2, xval, waux, trials)
+    fit_trials(weight, xval, levels_t, sumqx, sumq2)
+    chosen, best, scale = best_trial(sumqx, sumq2, np.float32(0.0), scale)
     index[:] = 0
-    for step in range(-7, 8):
-        id_ = fmaf(np.float32(step), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / eff_max
-        this_scale = np.float32(1.0) / id_
+    if chosen >= 0:
+        for i in range(16):
+            L[i] = levels_t[i, chosen]
         for k in range(2):
-            aux_index[k] = _round_group(levels, dense, dense_at, kmap, neighbours, d2, id_, this_scale, xval, waux,
-                                        8 * k,
-                                        Laux)[0]
-        sumqx, sumq2 = _fit(weight, xval, Laux)
-        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-            scale = sumqx / sumq2
-            best = scale * sumqx
-            L[:] = Laux
-            index[:] = aux_index
+            index[k] = points[k, chosen]
     if scale != 0:
         for _ in range(3):
             id_ = np.float32(1.0) / scale
@@ -449,11 +448,11 @@ def _iq2_xs_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarra
                 changed = changed or aux_index[k] != index[k]
             if not changed:
                 break
-            sumqx, sumq2 = _fit(weight, xval, Laux)
-            if not (sumq2 > 0 and sumqx * sumqx > best * sumq2):
+            fx, f2 = _fit(weight, xval, Laux)
+            if not (f2 > 0 and fx * fx > best * f2):
                 break
-            scale = sumqx / sumq2
-            best = scale * sumqx
+            scale = fx / f2
+            best = scale * fx
             L[:] = Laux
             index[:] = aux_index
     return scale
@@ -504,6 +503,7 @@ def quantize_iq2_xs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.n
         sumw = np.zeros(17, dtype=np.float32)
         signs = np.zeros(2, dtype=np.int64)
         scales = np.zeros(16, dtype=np.float32)
+        trials = _trial_scratch(15, 16)
         for ibl in range(n // QK_K):
             blk = out[r, ibl * IQ2_XS_BYTES : (ibl + 1) * IQ2_XS_BYTES]
             blk[:] = 0
@@ -522,8 +522,7 @@ def quantize_iq2_xs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.n
                     L[:] = 0
                     continue
                 scale = _iq2_xs_sub_block(levels, dense, dense_at, kmap, neighbours, d2, weight, waux, xval, L, Laux,
-                                          index,
-                                          aux_index, order, sumx, sumw)
+                                          index, aux_index, order, sumx, sumw, trials)
                 if scale < 0:
                     scale = -scale
                     for k in range(2):
@@ -624,37 +623,94 @@ def _round_group_listed(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.nda
     return _best_listed(levels, magnitudes, neighbours, -g - 1, xval, waux, o, scale, L), False
 
 
+#: a sub-block's trial scratch (_trial_scratch): inverse scales, levels [value, trial], group keys and grid points
+#: [group, trial], the fits' sums, and one row of levels for the neighbour search
+Trials = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+@njit(**NJIT)
+def _trial_scratch(n_trials: int, n: int) -> Trials:
+    return (np.empty(n_trials, dtype=np.float32), np.empty((n, n_trials), dtype=np.int32),
+            np.empty((n // 8, n_trials), dtype=np.int32), np.empty((n // 8, n_trials), dtype=np.int32),
+            np.empty(n_trials, dtype=np.float32), np.empty(n_trials, dtype=np.float32), np.zeros(n, dtype=np.int64))
+
+
+@njit(**NJIT)
+def _search_trials(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kmap: np.ndarray,
+                   neighbours: np.ndarray, d2: np.ndarray, xval: np.ndarray, waux: np.ndarray,
+                   trials: Trials) -> None:
+    """Each trial's groups that rounded off the grid replaced by their best neighbour at that trial's scale; every
+    group's grid point into points[k, t]."""
+    ids, levels_t, keys, points, _, _, row = trials
+    for t in range(ids.size):
+        for k in range(keys.shape[0]):
+            g = kmap[keys[k, t]]
+            if g < 0:
+                g = _best_neighbour(levels, dense, dense_at, neighbours, -g - 1, xval, waux, 8 * k,
+                                    np.float32(1.0) / ids[t], row, d2)
+                for i in range(8 * k, 8 * k + 8):
+                    levels_t[i, t] = row[i]
+            points[k, t] = g
+
+
+@njit(**NJIT)
+def _round_trials(ids: np.ndarray, xval: np.ndarray, n_unfused: int, levels_t: np.ndarray, keys: np.ndarray) -> None:
+    """Every trial's rounding at once: levels_t[i, t] the level of xval[i] at inverse scale ids[t], keys[k, t] the
+    grid key of group k. Trial-minor, so each loop runs across the trials in vector lanes; the first n_unfused
+    groups round id x before subtracting 1 (as ik's build does for IQ2_S's first group), the others fuse it."""
+    n_trials = ids.size
+    for i in range(xval.size):
+        v = xval[i]
+        if i < 8 * n_unfused:
+            for t in range(n_trials):
+                levels_t[i, t] = _level(ids[t], v, False)
+        else:
+            for t in range(n_trials):
+                levels_t[i, t] = _level(ids[t], v, True)
+    for k in range(xval.size // 8):
+        for t in range(n_trials):
+            keys[k, t] = 0
+        for i in range(8):
+            for t in range(n_trials):
+                keys[k, t] |= levels_t[8 * k + i, t] << (2 * i)
+
+
 @njit(**NJIT)
 def _iq2_s_sub_block(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray,
                      weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, mx: np.float32, L: np.ndarray,
-                     Laux: np.ndarray) -> np.float32:
-    """Levels (into L, left as they were when no trial fits) and scale of a 16-value IQ2_S sub-block."""
-    best = np.float32(0.0)
-    scale = mx / np.float32(2 * K_MAX_Q - 1)
-    on_grid0 = True
-    on_grid1 = True
-    for step in range(-9, 10):
-        id_ = fmaf(np.float32(step), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / mx
-        this_scale = np.float32(1.0) / id_
-        # ik's build rounds the first group's id x before subtracting 1 here (the second's is fused)
-        aux0 = _round_group_listed(levels, magnitudes, kmap, neighbours, id_, this_scale, xval, waux, 0, Laux, False)[1]
-        aux1 = _round_group_listed(levels, magnitudes, kmap, neighbours, id_, this_scale, xval, waux, 8, Laux)[1]
-        sumqx, sumq2 = _fit(weight, xval, Laux)
-        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-            scale = sumqx / sumq2
-            best = scale * sumqx
-            L[:] = Laux
-            on_grid0 = aux0
-            on_grid1 = aux1
+                     trials: Trials) -> np.float32:
+    """Levels (into L, left as they were when no trial fits) and scale of a 16-value IQ2_S sub-block. The 19 trials
+    are rounded and fitted side by side (_round_trials, fit_trials), the off-grid groups searched one by one, then
+    compared in order as ik's loop compares them."""
+    ids, levels_t, keys, _, sumqx, sumq2, row = trials
+    for t in range(ids.size):
+        ids[t] = fmaf(np.float32(t - 9), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / mx
+    _round_trials(ids, xval, 1, levels_t, keys)
+    for t in range(ids.size):
+        for k in range(2):
+            g = kmap[keys[k, t]]
+            if g < 0:
+                # ik's build rounds the first group's id x before subtracting 1 here (the second's is fused)
+                _best_listed(levels, magnitudes, neighbours, -g - 1, xval, waux, 8 * k, np.float32(1.0) / ids[t], row)
+                for i in range(8 * k, 8 * k + 8):
+                    levels_t[i, t] = row[i]
+    fit_trials(weight, xval, levels_t, sumqx, sumq2)
+    chosen, _, scale = best_trial(sumqx, sumq2, np.float32(0.0), mx / np.float32(2 * K_MAX_Q - 1))
+    if chosen < 0:
+        return scale
+    for i in range(16):
+        L[i] = levels_t[i, chosen]
+    on_grid0 = kmap[keys[0, chosen]] >= 0
+    on_grid1 = kmap[keys[1, chosen]] >= 0
     if (not on_grid0 or not on_grid1) and scale > 0:
         id_ = np.float32(1.0) / scale
         if not on_grid0:
             _round_group_listed(levels, magnitudes, kmap, neighbours, id_, scale, xval, waux, 0, L)
         if not on_grid1:
             _round_group_listed(levels, magnitudes, kmap, neighbours, id_, scale, xval, waux, 8, L)
-        sumqx, sumq2 = _fit(weight, xval, L)
-        if sumq2 > 0:
-            scale = sumqx / sumq2
+        sumqx0, sumq20 = _fit(weight, xval, L)
+        if sumq20 > 0:
+            scale = sumqx0 / sumq20
     return scale
 
 
@@ -668,9 +724,9 @@ def quantize_iq2_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.nd
         waux = np.empty(16, dtype=np.float32)
         xval = np.empty(16, dtype=np.float32)
         L = np.zeros(16, dtype=np.int64)
-        Laux = np.zeros(16, dtype=np.int64)
         signs = np.zeros(2, dtype=np.int64)
         scales = np.zeros(16, dtype=np.float32)
+        trials = _trial_scratch(19, 16)
         for ibl in range(n // QK_K):
             blk = out[r, ibl * IQ2_S_BYTES : (ibl + 1) * IQ2_S_BYTES]
             blk[:] = 0
@@ -696,7 +752,7 @@ def quantize_iq2_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.nd
                 if mx < GROUP_MAX_EPS_IQ2_S:
                     scales[ib] = 0
                     continue
-                scale = _iq2_s_sub_block(levels, magnitudes, kmap, neighbours, weight, waux, xval, mx, L, Laux)
+                scale = _iq2_s_sub_block(levels, magnitudes, kmap, neighbours, weight, waux, xval, mx, L, trials)
                 if scale < 0:
                     scale = -scale
                     for k in range(2):

@@ -31,6 +31,7 @@ from numba import njit, prange
 
 from ikquant.formats.base import Codec
 from ikquant.formats.numeric import f32_to_f16_bits, fmaf, load_f16, nearest_int
+from ikquant.formats.trials import best_trial, fit_trials
 
 QK_K = 256
 BLOCK = 32
@@ -174,28 +175,39 @@ def _sigma2(xbl: np.ndarray) -> np.float32:
 
 
 @njit(**NJIT)
-def _search(grid: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray, n_steps: int, weight: np.ndarray,
-            waux: np.ndarray, xval: np.ndarray, mx: np.float32, L: np.ndarray, Laux: np.ndarray,
-            on_grid: np.ndarray, on_grid_aux: np.ndarray) -> np.float32:
-    """The best weighted fit over inverse scales (15 + 0.2 k) / max, k = -n_steps..n_steps: its levels into L,
-    which groups were on the grid into on_grid; returns its scale."""
-    best = np.float32(0.0)
-    scale = mx / np.float32(2 * K_MAX_Q - 1)
-    on_grid[:] = False
-    for step in range(-n_steps, n_steps + 1):
-        id_ = fmaf(np.float32(step), np.float32(0.2), np.float32(2 * K_MAX_Q - 1)) / mx
-        this_scale = np.float32(1.0) / id_
+def _search(grid: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray, weight: np.ndarray, waux: np.ndarray,
+            xval: np.ndarray, mx: np.float32, L: np.ndarray, on_grid: np.ndarray, trials: Trials) -> np.float32:
+    """The best weighted fit over inverse scales (15 + 0.2 k) / max, k = -n_steps..n_steps (one trial each in
+    `trials`, trials.py's scheme): its levels into L, which groups were on the grid into on_grid; returns its
+    scale."""
+    ids, levels_t, keys, sumqx, sumq2, row = trials
+    n_steps = ids.size // 2
+    for t in range(ids.size):
+        ids[t] = fmaf(np.float32(t - n_steps), np.float32(0.2), np.float32(2 * K_MAX_Q - 1)) / mx
+    for i in range(BLOCK):
+        v = xval[i]
+        for t in range(ids.size):
+            levels_t[i, t] = max(0, min(K_MAX_Q - 1, nearest_int(np.float32(0.5) * fmaf(ids[t], v, np.float32(-1.0)))))
+    for k in range(BLOCK // 4):
+        for t in range(ids.size):
+            keys[k, t] = levels_t[4 * k, t] | (levels_t[4 * k + 1, t] << 3) | (levels_t[4 * k + 2, t] << 6) \
+                | (levels_t[4 * k + 3, t] << 9)
+    for t in range(ids.size):
         for k in range(BLOCK // 4):
-            u = _round_group(id_, xval, 4 * k, Laux)
-            on_grid_aux[k] = kmap[u] >= 0
-            if kmap[u] < 0:
-                _best_neighbour(grid, neighbours, -kmap[u] - 1, xval, waux, 4 * k, this_scale, Laux)
-        sumqx, sumq2 = _fit(weight, xval, Laux)
-        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-            scale = sumqx / sumq2
-            best = scale * sumqx
-            L[:] = Laux
-            on_grid[:] = on_grid_aux
+            g = kmap[keys[k, t]]
+            if g < 0:
+                _best_neighbour(grid, neighbours, -g - 1, xval, waux, 4 * k, np.float32(1.0) / ids[t], row)
+                for i in range(4 * k, 4 * k + 4):
+                    levels_t[i, t] = row[i]
+    fit_trials(weight, xval, levels_t, sumqx, sumq2)
+    chosen, _, scale = best_trial(sumqx, sumq2, np.float32(0.0), mx / np.float32(2 * K_MAX_Q - 1))
+    if chosen < 0:
+        on_grid[:] = False
+        return scale
+    for i in range(BLOCK):
+        L[i] = levels_t[i, chosen]
+    for k in range(BLOCK // 4):
+        on_grid[k] = kmap[keys[k, chosen]] >= 0
     return scale
 
 
@@ -241,22 +253,31 @@ def _fit(weight: np.ndarray, xval: np.ndarray, levels: np.ndarray) -> tuple[np.f
     return sumqx, sumq2
 
 
+#: a sub-block's trials (trials.py): inverse scales, levels [value, trial], group keys [group, trial], the fits'
+#: sums, and one row of levels for the neighbour search
+Trials = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
 @njit(**NJIT)
-def _buffers() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A sub-block's work arrays: weights, their roots, |x|, levels (chosen, candidate), groups on the grid (chosen,
-    candidate)."""
+def _buffers(n_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, Trials]:
+    """A sub-block's work arrays: weights, their roots, |x|, levels (chosen, refit), groups on the grid, and the
+    trials of inverse scales k = -n_steps..n_steps."""
+    n_trials = 2 * n_steps + 1
+    trials = (np.empty(n_trials, dtype=np.float32), np.empty((BLOCK, n_trials), dtype=np.int32),
+              np.empty((BLOCK // 4, n_trials), dtype=np.int32), np.empty(n_trials, dtype=np.float32),
+              np.empty(n_trials, dtype=np.float32), np.zeros(BLOCK, dtype=np.int64))
     return (np.empty(BLOCK, dtype=np.float32), np.empty(BLOCK, dtype=np.float32), np.empty(BLOCK, dtype=np.float32),
             np.zeros(BLOCK, dtype=np.int64), np.zeros(BLOCK, dtype=np.int64), np.zeros(BLOCK // 4, dtype=np.bool_),
-            np.zeros(BLOCK // 4, dtype=np.bool_))
+            trials)
 
 
 @njit(**NJIT)
-def _fit_grid(grid: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray, n_steps: int, off_grid_only: bool,
+def _fit_grid(grid: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray, off_grid_only: bool,
               weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, mx: np.float32, L: np.ndarray,
-              Laux: np.ndarray, on_grid: np.ndarray, on_grid_aux: np.ndarray) -> np.float32:
+              Laux: np.ndarray, on_grid: np.ndarray, trials: Trials) -> np.float32:
     """A sub-block's levels (into L) and scale: the best fit over the inverse scales, then, when a group was off
     the grid, the re-rounded refit."""
-    scale = _search(grid, kmap, neighbours, n_steps, weight, waux, xval, mx, L, Laux, on_grid, on_grid_aux)
+    scale = _search(grid, kmap, neighbours, weight, waux, xval, mx, L, on_grid, trials)
     if not on_grid.all() and scale > 0:
         scale = _refit(grid, kmap, neighbours, scale, off_grid_only, weight, waux, xval, L, Laux, on_grid)
     return scale
@@ -267,7 +288,7 @@ def _quantize_iq3_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: np.nda
                     neighbours: np.ndarray) -> None:
     n_rows, n = x.shape
     for r in prange(n_rows):
-        weight, waux, xval, L, Laux, on_grid, on_grid_aux = _buffers()
+        weight, waux, xval, L, Laux, on_grid, trials = _buffers(9)
         signs = np.zeros(BLOCK // 8, dtype=np.uint8)
         scales = np.zeros(QK_K // BLOCK, dtype=np.float32)
         for ibl in range(n // QK_K):
@@ -292,8 +313,7 @@ def _quantize_iq3_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: np.nda
                 if mx == 0:
                     scales[ib] = 0  # ik's `continue`: qs and signs positions are not advanced
                     continue
-                scale = _fit_grid(grid, kmap, neighbours, 9, False, weight, waux, xval, mx, L, Laux,
-                                  on_grid, on_grid_aux)
+                scale = _fit_grid(grid, kmap, neighbours, False, weight, waux, xval, mx, L, Laux, on_grid, trials)
                 if scale < 0:
                     scale = -scale
                     for k in range(BLOCK // 8):
@@ -342,7 +362,7 @@ def _quantize_iq3_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: np.n
                       neighbours: np.ndarray) -> None:
     n_rows, n = x.shape
     for r in prange(n_rows):
-        weight, waux, xval, L, Laux, on_grid, on_grid_aux = _buffers()
+        weight, waux, xval, L, Laux, on_grid, trials = _buffers(15)
         signs = np.zeros(BLOCK // 8, dtype=np.int64)
         scales = np.zeros(QK_K // BLOCK, dtype=np.float32)
         packed = np.zeros(QK_K // BLOCK, dtype=np.uint32)
@@ -381,8 +401,7 @@ def _quantize_iq3_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: np.n
                 if mx < GROUP_MAX_EPS:
                     scales[ib] = 0
                     continue
-                scale = _fit_grid(grid, kmap, neighbours, 15, True, weight, waux, xval, mx, L, Laux,
-                                  on_grid, on_grid_aux)
+                scale = _fit_grid(grid, kmap, neighbours, True, weight, waux, xval, mx, L, Laux, on_grid, trials)
                 if scale < 0:
                     scale = -scale
                     for k in range(BLOCK // 8):
