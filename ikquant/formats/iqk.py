@@ -106,6 +106,37 @@ def _refit(kind: int, base: int, xb: np.ndarray, wb: np.ndarray, d: np.float32) 
 
 
 @njit(**NJIT)
+def _any_better(sumw: np.ndarray, sumx: np.ndarray, i2: int, swi2: np.float32, sxi2: np.float32, tw: np.float32,
+                tx: np.float32, w1: np.float32, x1: np.float32, w2: np.float32, x2: np.float32, w3: np.float32,
+                x3: np.float32, w4: np.float32, x4: np.float32, best: np.float32) -> bool:
+    """Whether any split i3 >= i2 of _iq2k_search's innermost loop beats `best`, computed with the loop's own
+    arithmetic eight splits at a time (fixed lanes, those below i2 masked). While none does, best does not change
+    inside the loop, so the loop can be skipped; when one does, the loop runs as before, in order."""
+    v0, v1, v3 = F(-31.0), F(-13.0), F(17.0)
+    s0, s1, s2, s3 = F(-26.0), F(-8.0), F(6.0), F(22.0)
+    hit = False
+    for first in range(0 if i2 < 8 else 8, 16, 8):
+        for lane in range(8):
+            i3 = first + lane
+            cw = sumw[i3] - swi2
+            ew = tw - sumw[i3]
+            cx = sumx[i3] - sxi2
+            ex = tx - sumx[i3]
+            q1 = fmaf(ew * v3, v3, w1 + cw)
+            p1 = fmaf(ex, v3, x1 + cx)
+            q2 = fmaf(ew * s3, s3, fmaf(cw * s2, s2, w2))
+            p2 = fmaf(ex, s3, fmaf(cx, s2, x2))
+            q3 = fmaf(ew * v0, v0, fmaf(cw * v1, v1, w3))
+            p3 = fmaf(ex, v0, fmaf(cx, v1, x3))
+            q4 = fmaf(ew * s0, s0, fmaf(cw * s1, s1, w4))
+            p4 = fmaf(ex, s0, fmaf(cx, s1, x4))
+            better = (((q1 > 0) & (p1 * p1 > best * q1)) | ((q2 > 0) & (p2 * p2 > best * q2))
+                      | ((q3 > 0) & (p3 * p3 > best * q3)) | ((q4 > 0) & (p4 * p4 > best * q4)))
+            hit |= better & (i3 >= i2)
+    return hit
+
+
+@njit(**NJIT)
 def _iq2k_search(xb: np.ndarray, wb: np.ndarray, order: np.ndarray, sumx: np.ndarray, sumw: np.ndarray
                  ) -> tuple[np.float32, bool]:
     """IQ2_K's exhaustive sub-block fit: every split of the sorted values into four runs, on each grid, both ways up.
@@ -145,6 +176,8 @@ def _iq2k_search(xb: np.ndarray, wb: np.ndarray, order: np.ndarray, sumx: np.nda
             x4 = fmaf(ax, s3, bx * s2)
             swi2 = sumw[i2]
             sxi2 = sumx[i2]
+            if not _any_better(sumw, sumx, i2, swi2, sxi2, tw, tx, w1, x1, w2, x2, w3, x3, w4, x4, best):
+                continue
             for i3 in range(i2, 16):
                 cw = sumw[i3] - swi2
                 ew = tw - sumw[i3]
