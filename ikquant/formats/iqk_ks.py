@@ -33,6 +33,7 @@ from ikquant.formats.iqk_grids import (
     keep_better,
     nearest,
     nearest_iq2,
+    nearest_plain_iq3,
     sort_order,
     sum_squares,
 )
@@ -74,6 +75,8 @@ IQ2KL_NEIGHBOURS = np.array(
 # Working copies for the hot loops (see iqk_grids: the per-value helpers read module constants, not arguments).
 _KL_PAIRS, _KL_PAIRS_I = IQ2KL_PAIRS.astype(np.float32), IQ2KL_PAIRS.astype(np.int64)
 _KL_INDEX, _KL_NEIGHBOURS = IQ2KL_INDEX.astype(np.int64), IQ2KL_NEIGHBOURS.astype(np.int64)
+#: each neighbour list's pairs as two [list, 8] float32 tables: the 8 scores read contiguous rows, no index chase
+_KL_NEAR1, _KL_NEAR2 = _KL_PAIRS[IQ2KL_NEIGHBOURS, 0].copy(), _KL_PAIRS[IQ2KL_NEIGHBOURS, 1].copy()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -470,54 +473,70 @@ def _iq2kl_index(id_: np.float32, x1: np.float32, x2: np.float32, w1: np.float32
     i = _KL_INDEX[8 * nearest(3, 0, sx1) + nearest(3, 0, sx2)]
     if i >= 0:
         return i
+    return _iq2kl_neighbour(i, sx1, sx2, w1, w2)
+
+
+@njit(**NJIT)
+def _iq2kl_neighbour(i: int, sx1: np.float32, sx2: np.float32, w1: np.float32, w2: np.float32) -> int:
+    """The best pair of neighbour list -(i + 1) for the scaled pair (sx1, sx2): the first of least weighted
+    squared distance."""
     best = np.float32(np.finfo(np.float32).max)
     ibest = 0  # ik asserts instead when every score overflows
+    near1 = _KL_NEAR1[-i - 1]
+    near2 = _KL_NEAR2[-i - 1]
     for k in range(8):
-        nb = _KL_NEIGHBOURS[-i - 1, k]
-        diff1 = _KL_PAIRS[nb, 0] - sx1
-        diff2 = _KL_PAIRS[nb, 1] - sx2
+        diff1 = near1[k] - sx1
+        diff2 = near2[k] - sx2
         score = fmaf(w1 * diff1, diff1, (w2 * diff2) * diff2)
         if score < best:
             best = score
-            ibest = nb
-    return ibest
+            ibest = k
+    return _KL_NEIGHBOURS[-i - 1, ibest] if best < np.float32(np.finfo(np.float32).max) else 0
+
+
+#: _iq2kl_search's lanes: inverse scale, pair index, the scaled pair, and the fit's two sums of each trial and sign
+KlTrials = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+KL_TRIALS = 24  # 12 inverse scales, each with both signs
 
 
 @njit(**NJIT)
-def _iq2kl_sums(id_: np.float32, xb: np.ndarray, w: np.ndarray) -> tuple[np.float32, np.float32, np.float32,
-                                                                          np.float32]:
-    """Weighted sums q*x and q*q over a sub-block's pairs for the codes chosen at inverse scales id_ and -id_."""
-    sumqx_p = np.float32(0.0)
-    sumq2_p = np.float32(0.0)
-    sumqx_m = np.float32(0.0)
-    sumq2_m = np.float32(0.0)
+def _kl_trials() -> KlTrials:
+    return (np.empty(KL_TRIALS, dtype=np.float32), np.empty(KL_TRIALS, dtype=np.int64),
+            np.empty(KL_TRIALS, dtype=np.float32), np.empty(KL_TRIALS, dtype=np.float32),
+            np.empty(KL_TRIALS, dtype=np.float32), np.empty(KL_TRIALS, dtype=np.float32))
+
+
+@njit(**NJIT)
+def _iq2kl_search(xb: np.ndarray, w: np.ndarray, vmax: np.float32, trials: KlTrials) -> np.float32:
+    """Best weighted least-squares scale of one sub-block over 12 inverse scales, both signs (ik's order: the
+    first scale's + then -, then each further scale's + then -). The 24 trials run side by side in lanes
+    (trials.py's scheme): pairs rounded to the grid in every lane (nearest_plain_iq3), the off-grid pairs' neighbours
+    searched one by one, each lane's sums a chain over the pairs as ik forms them, the fits compared in order."""
+    ids, idx, sx1, sx2, sumqx, sumq2 = trials
+    ids[0] = np.float32(1.0) / (-vmax / IQ3NL[0])
+    for itry in range(-5, 6):
+        ids[2 * (itry + 6)] = np.float32(itry + np.int64(IQ3NL[0])) / vmax
+    for t in range(0, KL_TRIALS, 2):
+        ids[t + 1] = -ids[t]
+        sumqx[t] = sumqx[t + 1] = sumq2[t] = sumq2[t + 1] = np.float32(0.0)
     for j in range(0, SUB, 2):
         x1, x2, w1, w2 = xb[j], xb[j + 1], w[j], w[j + 1]
-        k = _iq2kl_index(id_, x1, x2, w1, w2)
-        q1, q2 = _KL_PAIRS[k, 0], _KL_PAIRS[k, 1]
-        wq1, wq2 = w1 * q1, w2 * q2
-        sumqx_p += fmaf(wq1, x1, wq2 * x2)
-        sumq2_p += fmaf(wq1, q1, wq2 * q2)
-        k = _iq2kl_index(-id_, x1, x2, w1, w2)
-        q1, q2 = _KL_PAIRS[k, 0], _KL_PAIRS[k, 1]
-        wq1, wq2 = w1 * q1, w2 * q2
-        sumqx_m += fmaf(wq1, x1, wq2 * x2)
-        sumq2_m += fmaf(wq1, q1, wq2 * q2)
-    return sumqx_p, sumq2_p, sumqx_m, sumq2_m
-
-
-@njit(**NJIT)
-def _iq2kl_search(xb: np.ndarray, w: np.ndarray, vmax: np.float32) -> np.float32:
-    """Best weighted least-squares scale of one sub-block over 12 inverse scales, both signs."""
-    d = -vmax / IQ3NL[0]
-    sumqx_p, sumq2_p, sumqx_m, sumq2_m = _iq2kl_sums(np.float32(1.0) / d, xb, w)
-    d = sumqx_p / sumq2_p
-    best = d * sumqx_p
-    d, best, _ = keep_better(sumqx_m, sumq2_m, d, best)
-    for itry in range(-5, 6):
-        sumqx_p, sumq2_p, sumqx_m, sumq2_m = _iq2kl_sums(np.float32(itry + np.int64(IQ3NL[0])) / vmax, xb, w)
-        d, best, _ = keep_better(sumqx_p, sumq2_p, d, best)
-        d, best, _ = keep_better(sumqx_m, sumq2_m, d, best)
+        for t in range(KL_TRIALS):
+            sx1[t] = ids[t] * x1
+            sx2[t] = ids[t] * x2
+            idx[t] = _KL_INDEX[8 * nearest_plain_iq3(sx1[t]) + nearest_plain_iq3(sx2[t])]
+        for t in range(KL_TRIALS):
+            if idx[t] < 0:
+                idx[t] = _iq2kl_neighbour(idx[t], sx1[t], sx2[t], w1, w2)
+        for t in range(KL_TRIALS):
+            q1, q2 = _KL_PAIRS[idx[t], 0], _KL_PAIRS[idx[t], 1]
+            wq1, wq2 = w1 * q1, w2 * q2
+            sumqx[t] += fmaf(wq1, x1, wq2 * x2)
+            sumq2[t] += fmaf(wq1, q1, wq2 * q2)
+    d = sumqx[0] / sumq2[0]
+    best = d * sumqx[0]
+    for t in range(1, KL_TRIALS):
+        d, best, _ = keep_better(sumqx[t], sumq2[t], d, best)
     return d
 
 
@@ -555,6 +574,7 @@ def _quantize_iq2_kl(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
             importance(qw, xr, SUB, w_row)
         scales = np.zeros(n // SUB, dtype=np.float32)
         weight = np.empty(SUB, dtype=np.float32)
+        trials = _kl_trials()
         max_scale = np.float32(0.0)
         max_abs_scale = np.float32(0.0)
         for ibl in range(nblock):
@@ -567,7 +587,7 @@ def _quantize_iq2_kl(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
                 amax, vmax = abs_max(xb)
                 if amax < np.float32(1e-16):
                     continue
-                scales[s] = _iq2kl_search(xb, weight, vmax)
+                scales[s] = _iq2kl_search(xb, weight, vmax, trials)
                 if abs(scales[s]) > max_abs_scale:
                     max_abs_scale = abs(scales[s])
                     max_scale = scales[s]
