@@ -5,7 +5,7 @@ statistics both families compute the same way.
 Each grid (ggml-common.h) holds the plain grid followed by a slightly shifted copy; a per-sub-block bit picks the
 copy. The per-value helpers read the tables as module globals and take a grid number (`kind` 3, 4, 5 or 6 for
 IQ3NL, IQ4K, IQ5NL, IQ6NL) rather than a table, because LLVM inlines a jitted helper only when it takes no arrays;
-the two array-taking helpers on hot paths (grid_sums, sort_order) are inlined by Numba instead (inline="always",
+the two array-taking helpers on hot paths (lane_sums, sort_order) are inlined by Numba instead (inline="always",
 worth 6-20 % on the searched types). Callers pass `kind` as a literal constant: Numba then compiles one copy per
 grid with the other grids' branches removed (a run-time `kind` made IQ4_KS and IQ5_KS 8-15 % slower). Every
 multiply-add is fused exactly where ik's GCC build fuses it.
@@ -203,33 +203,71 @@ def nearest_value(kind: int, base: int, x: np.float32) -> np.float32:
     return vlo if x - vlo < vhi - x else vhi
 
 
+def _step_rules(values: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per half and neighbouring pair j of a grid: (the step grid[j + 1] - grid[j], the threshold t_j at or above
+    which x takes the step outright, whether ik's rounded comparison decides below it), all [half, n - 1].
+
+    ik's table answers alone in a slot (x's integer part) without a midpoint inside, and compares the rounded
+    differences (grid[j + 1] - x <= x - grid[j]) in the slot that holds the midpoint; near a midpoint the rounded
+    comparison can differ from the exact one. A midpoint inside its slot (not an integer) is decided by the
+    comparison alone (t = inf); an integer midpoint m >= 1 starts a slot, so the exact x >= m decides (no
+    comparison); an integer midpoint m <= -1 ends the slot that compares, so x > m takes the step and the
+    comparison decides at or below m. (A midpoint 0 would sit inside the slot of width 2 that truncation makes
+    of (-1, 1); none of these grids has one.)"""
+    halves = values.astype(np.float64).reshape(2, n)
+    mids = (halves[:, :-1] + halves[:, 1:]) / 2
+    if (mids == 0).any():
+        raise AssertionError("a grid midpoint at 0: its rule is not written")
+    inside = mids != np.round(mids)
+    threshold = np.where(inside, np.inf, np.where(mids >= 1, mids, np.nextafter(mids.astype(np.float32), np.inf)))
+    return np.diff(halves, axis=1).astype(np.float32), threshold.astype(np.float32), inside | (mids <= -1)
+
+
+_S3, _T3, _F3 = _step_rules(IQ3NL, 8)
+_S4, _T4, _F4 = _step_rules(IQ4K, 16)
+_S5, _T5, _F5 = _step_rules(IQ5NL, 32)
+
+
 @njit(inline='always', **NJIT)
-def grid_sums(kind: int, base: int, xb: np.ndarray, wb: np.ndarray, inv: np.float32, qp: np.ndarray,
-              qm: np.ndarray) -> tuple[np.float32, np.float32, np.float32, np.float32]:
-    """Weighted sums for one trial inverse scale: (sum w q x, sum w q^2) rounding x*inv onto the grid half at
-    `base`, then the same for -x*inv. The grid values are found first for the whole sub-block without branches
-    (qp, qm: scratch of xb's size), then summed in ik's order: 1.1-2.3x faster searches than one loop with ik's
-    branchy lookup (IQ3_K, IQ5_KS, IQ5_K, IQ6_K most)."""
-    for j in range(xb.size):
-        al = inv * xb[j]
-        qp[j] = nearest_value(kind, base, al)
-        qm[j] = nearest_value(kind, base, -al)
-    sumqx_p = F(0.0)
-    sumq2_p = F(0.0)
-    sumqx_m = F(0.0)
-    sumq2_m = F(0.0)
+def nearest_value_counted(kind: int, base: int, x: np.float32) -> np.float32:
+    """nearest_value of grids 3, 4 and 5 without a table: the half's first entry plus each step that ik's lookup
+    would take (_step_rules), and the half's first entry where ik's truncation to int overflows (x >= 2^31; NaN
+    takes no step). Only subtractions, compares, selects and adds, so a loop of them runs in vector lanes, where
+    table reads would be gathers LLVM does not emit. Checked equal to nearest_value once on every float32 of |x| < 512
+    and every third beyond, both halves of each grid (tests/test_iqk_grids.py: the edges and every 4093rd);
+    grid 6 keeps its tables."""
+    if kind == 3:
+        steps, thresholds, compared, values = _S3, _T3, _F3, IQ3NL
+    elif kind == 4:
+        steps, thresholds, compared, values = _S4, _T4, _F4, IQ4K
+    else:
+        steps, thresholds, compared, values = _S5, _T5, _F5, IQ5NL
+    half = 0 if base == 0 else 1
+    q = values[base]
+    for j in range(steps.shape[1]):
+        up = (x >= thresholds[half, j]) | (compared[half, j] & (values[base + j + 1] - x <= x - values[base + j]))
+        q += steps[half, j] if up else F(0.0)
+    return q if x < F(2147483648.0) else values[base]
+
+
+@njit(inline='always', **NJIT)
+def lane_sums(kind: int, base: int, xb: np.ndarray, wb: np.ndarray, inv: np.ndarray, sumqx: np.ndarray,
+              sumq2: np.ndarray) -> None:
+    """Weighted sums (sum w q x, sum w q^2) of every trial inverse scale inv[l] at once, rounding x*inv[l] onto the
+    grid half at `base`: the trials in vector lanes, each lane's sums one chain over the sub-block in ik's order
+    (ik forms them one trial at a time, a chain of dependent multiply-adds each)."""
+    for lane in range(inv.size):
+        sumqx[lane] = F(0.0)
+        sumq2[lane] = F(0.0)
     for j in range(xb.size):
         x = xb[j]
         w = wb[j]
-        q = qp[j]
-        wq = w * q
-        sumqx_p = fmaf(wq, x, sumqx_p)
-        sumq2_p = fmaf(wq, q, sumq2_p)
-        q = qm[j]
-        wq = w * q
-        sumqx_m = fmaf(wq, x, sumqx_m)
-        sumq2_m = fmaf(wq, q, sumq2_m)
-    return sumqx_p, sumq2_p, sumqx_m, sumq2_m
+        for lane in range(inv.size):
+            al = inv[lane] * x
+            q = nearest_value(kind, base, al) if kind == 6 else nearest_value_counted(kind, base, al)
+            wq = w * q
+            sumqx[lane] = fmaf(wq, x, sumqx[lane])
+            sumq2[lane] = fmaf(wq, q, sumq2[lane])
 
 
 @njit(**NJIT)
@@ -238,28 +276,38 @@ def grid_search(kind: int, xb: np.ndarray, wb: np.ndarray, vmax: np.float32, ntr
     """ik's sub-block scale search on grid `kind`: (best weighted least-squares scale, whether the shifted half won).
 
     Starts from max/grid[0] (both signs), then tries the inverse scales (step*itry + grid[base])/max for itry in
-    [-ntry, ntry] on the plain and on the shifted half. `guard_first` is IQ3_K's and IQ3_KS's check that the first
-    fit has a positive denominator (the other types divide unconditionally).
+    [-ntry, ntry] on the plain and on the shifted half, each both signs (-x*inv as x*(-inv): the same product).
+    `guard_first` is IQ3_K's and IQ3_KS's check that the first fit has a positive denominator (the other types
+    divide unconditionally). Every trial's sums are formed side by side (lane_sums: lanes 0, 1 the start, then
+    2 + 2 i + sign on the plain half, 2 + 2 n_inv + 2 i + sign on the shifted one), then compared in ik's order.
     """
     values, ivalues, _, n, _ = grid(kind)
-    qp = np.empty(xb.size, dtype=np.float32)
-    qm = np.empty(xb.size, dtype=np.float32)
+    n_inv = 2 * ntry + 1
+    plain = 2 + 2 * n_inv
+    inv = np.empty(plain + 2 * n_inv, dtype=np.float32)
+    sumqx = np.empty(inv.size, dtype=np.float32)
+    sumq2 = np.empty(inv.size, dtype=np.float32)
     d = -vmax / values[0]
-    sumqx_p, sumq2_p, sumqx_m, sumq2_m = grid_sums(kind, 0, xb, wb, F(1.0) / d, qp, qm)
+    inv[0] = F(1.0) / d
+    for i in range(n_inv):
+        inv[2 + 2 * i] = F(step * (i - ntry) + ivalues[0]) / vmax
+        inv[plain + 2 * i] = F(step * (i - ntry) + ivalues[n]) / vmax
+    for lane in range(0, inv.size, 2):
+        inv[lane + 1] = -inv[lane]
+    lane_sums(kind, 0, xb, wb, inv[:plain], sumqx[:plain], sumq2[:plain])
+    lane_sums(kind, n, xb, wb, inv[plain:], sumqx[plain:], sumq2[plain:])
     best = F(0.0)
-    if not guard_first or sumq2_p > 0:
-        d = sumqx_p / sumq2_p
-        best = d * sumqx_p
-    d, best, _ = keep_better(sumqx_m, sumq2_m, d, best)
+    if not guard_first or sumq2[0] > 0:
+        d = sumqx[0] / sumq2[0]
+        best = d * sumqx[0]
+    d, best, _ = keep_better(sumqx[1], sumq2[1], d, best)
     shifted = False
-    for itry in range(-ntry, ntry + 1):
-        for base in (0, n):
-            inv = F(step * itry + ivalues[base]) / vmax
-            sumqx_p, sumq2_p, sumqx_m, sumq2_m = grid_sums(kind, base, xb, wb, inv, qp, qm)
-            d, best, better_p = keep_better(sumqx_p, sumq2_p, d, best)
-            d, best, better_m = keep_better(sumqx_m, sumq2_m, d, best)
+    for i in range(n_inv):
+        for lane, on_shifted in ((2 + 2 * i, False), (plain + 2 * i, True)):
+            d, best, better_p = keep_better(sumqx[lane], sumq2[lane], d, best)
+            d, best, better_m = keep_better(sumqx[lane + 1], sumq2[lane + 1], d, best)
             if better_p or better_m:
-                shifted = base != 0
+                shifted = on_shifted
     return d, shifted
 
 
