@@ -204,7 +204,7 @@ class IQ2_SCodec(_IQ2Codec, type_name="IQ2_S"):
 
     def _quantize(self, x: np.ndarray, w: np.ndarray, out: np.ndarray) -> None:
         t = grid_tables("IQ2_S")
-        quantize_iq2_s(x, w, out, t.levels, t.magnitudes, t.kmap, t.neighbours)
+        quantize_iq2_s(x, w, out, t.levels, t.dense, t.dense_at, t.kmap, t.neighbours)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
         _dequantize_iq2_s(q, out, GRID_IQ2S)

@@ -44,6 +44,7 @@ from ikquant.formats.iq12_grids import KGRID_IQ1S, KGRID_IQ2S, KGRID_IQ2XS, KGRI
 from ikquant.formats.iqk_grids import sum_squares
 from ikquant.formats.iquants import KSIGNS
 from ikquant.formats.kquants import make_qp_quants
+from ikquant.formats.listed_search import LANES, nearest_listed
 from ikquant.formats.numeric import fmaf, nearest_int_fma, store_f16
 from ikquant.formats.trials import best_trial, fit_trials
 
@@ -54,7 +55,7 @@ IQ2_S_BYTES = 82  # d (2), 32 grid index bytes, 32 sign bytes, 8 bytes of index 
 GROUP_MAX_EPS = np.float32(1e-15)  # ik: a sub-block below this maximum is stored as zeros (IQ2_XXS, IQ2_XS)
 GROUP_MAX_EPS_IQ2_S = np.float32(1e-8)
 K_MAX_Q = 3  # levels 0..2: magnitudes 1, 3, 5
-NEIGHBOUR_LANES = 8  # one AVX2 vector of float32: the dense neighbour lists are padded to a multiple of it
+NEIGHBOUR_LANES = LANES  # the dense neighbour lists are padded to whole vectors of listed_search
 MAX_NEIGHBOURS = 512  # the longest padded neighbour list (IQ2_XS: 296), the size of the search's scratch
 #: kmap entry of a key with a level 3, which no rounding forms (the levels are clamped to 0..2)
 NO_POINT = np.int32(np.iinfo(np.int32).min)
@@ -64,17 +65,15 @@ KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
 
 
 class GridTables:
-    """One grid's search tables: levels [points, 8], magnitudes 2 l + 1 as float32, the key map (key = levels
-    2 bits each, low value first; entry >= 0 a grid point, else -(offset + 1) into `neighbours`) and the neighbour
-    lists (a count, then that many grid points), and those lists' magnitudes laid out for the search (dense,
-    dense_at)."""
+    """One grid's search tables: levels [points, 8], the key map (key = levels 2 bits each, low value first;
+    entry >= 0 a grid point, else -(offset + 1) into `neighbours`), the neighbour lists (a count, then that many
+    grid points), and those lists' magnitudes laid out for listed_search (dense, dense_at)."""
 
     def __init__(self, kgrid: np.ndarray, nearest_distances: int) -> None:
         shifts = 2 * np.arange(8)
         self.levels = (kgrid.astype(np.int64)[:, None] >> shifts[None, :]) & 3
         if (self.levels == 3).any():
             raise AssertionError("a 2-bit grid point with level 3")
-        self.magnitudes = (2 * self.levels + 1).astype(np.float32)
         self.kmap = np.full(1 << 16, NO_POINT, dtype=np.int32)
         self.kmap[kgrid.astype(np.int64)] = np.arange(len(kgrid), dtype=np.int32)
         keys = (((np.arange(3**8)[:, None] // 3 ** np.arange(8)[None, :]) % 3) << shifts[None, :]).sum(axis=1)
@@ -136,33 +135,19 @@ def _level(id_: np.float32, v: np.float32, fused: bool) -> int:
     return max(0, min(K_MAX_Q - 1, nearest_int_fma(np.float32(0.5), t)))
 
 
-@njit(**NJIT)
+@njit(inline="always", **NJIT)
 def _best_neighbour(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, neighbours: np.ndarray,
-                    start: int, xval: np.ndarray, waux: np.ndarray, o: int, scale: np.float32, L: np.ndarray,
-                    d2: np.ndarray) -> int:
-    """ik's iq2_find_best_neighbour: the listed point with the least sum of waux (scale q - x)^2 (the first on
-    ties); its levels into L[o:o+8]. Each neighbour's sum runs over the 8 values in ik's order, but the neighbours
-    advance together (a value's magnitudes are adjacent in `dense`), so LLVM vectorises across them; d2 is
-    scratch of MAX_NEIGHBOURS."""
+                    start: int, xval: np.ndarray, waux: np.ndarray, o: int, scale: np.float32, L: np.ndarray) -> int:
+    """ik's iq2_find_best_neighbour (listed_search.nearest_listed): the listed point with the least sum of
+    waux (scale q - x)^2, the first on ties; its levels into L[o:o+8] (ik's index -1, the last point, when no sum
+    is finite)."""
     count = neighbours[start]
-    lanes = (count + NEIGHBOUR_LANES - 1) // NEIGHBOUR_LANES * NEIGHBOUR_LANES
-    at = dense_at[start]
-    for j in range(lanes):
-        d2[j] = np.float32(0.0)
-    for i in range(8):
-        neg_x = -xval[o + i]
-        w = waux[o + i]
-        row = dense[at + i * lanes : at + (i + 1) * lanes]  # a slice: j alone indexes it, so no negative wrap
-        for j in range(lanes):
-            diff = fmaf(scale, np.float32(row[j]), neg_x)
-            d2[j] = fmaf(w * diff, diff, d2[j])
-    best_d2 = np.float32(3.4028235e38)
-    best = -1
-    for j in range(count):
-        if d2[j] < best_d2:
-            best_d2 = d2[j]
-            best = j
-    g = neighbours[start + 1 + best] if best >= 0 else -1  # all NaN: ik's index -1, as before
+    j = nearest_listed(dense, dense_at[start], (count + NEIGHBOUR_LANES - 1) // NEIGHBOUR_LANES * NEIGHBOUR_LANES,
+                       count, (-xval[o], -xval[o + 1], -xval[o + 2], -xval[o + 3], -xval[o + 4], -xval[o + 5],
+                               -xval[o + 6], -xval[o + 7]),
+                       (waux[o], waux[o + 1], waux[o + 2], waux[o + 3], waux[o + 4], waux[o + 5], waux[o + 6],
+                        waux[o + 7]), scale)
+    g = neighbours[start + 1 + j] if j >= 0 else -1
     for i in range(8):
         L[o + i] = levels[g, i]
     return g
@@ -181,15 +166,14 @@ def _rounded_key(id_: np.float32, xval: np.ndarray, o: int, L: np.ndarray, fused
 
 @njit(**NJIT)
 def _round_group(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kmap: np.ndarray,
-                 neighbours: np.ndarray, d2: np.ndarray,
-                 id_: np.float32, scale: np.float32, xval: np.ndarray, waux: np.ndarray, o: int,
+                 neighbours: np.ndarray, id_: np.float32, scale: np.float32, xval: np.ndarray, waux: np.ndarray, o: int,
                  L: np.ndarray, fused: bool = True) -> tuple[int, bool]:
     """Group xval[o:o+8] at inverse scale id_ (scale for the neighbour search): its levels into L[o:o+8], and
     (grid point, whether the rounded levels were one)."""
     g = kmap[_rounded_key(id_, xval, o, L, fused)]
     if g >= 0:
         return g, True
-    return _best_neighbour(levels, dense, dense_at, neighbours, -g - 1, xval, waux, o, scale, L, d2), False
+    return _best_neighbour(levels, dense, dense_at, neighbours, -g - 1, xval, waux, o, scale, L), False
 
 
 @njit(**NJIT)
@@ -278,8 +262,7 @@ def _scale_code(id_: np.float32, scale: np.float32) -> int:
 
 @njit(**NJIT)
 def _iq2_xxs_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kmap: np.ndarray,
-                       neighbours: np.ndarray, d2: np.ndarray,
-                       weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, L: np.ndarray, Lqp: np.ndarray,
+                       neighbours: np.ndarray, weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, L: np.ndarray, Lqp: np.ndarray,
                        trials: Trials) -> np.float32:
     """Levels (into L) and scale of a 32-value IQ2_XXS sub-block; the 13 trials side by side as in IQ2_S's."""
     ids, levels_t, _, _, sumqx, sumq2, _ = trials
@@ -290,7 +273,7 @@ def _iq2_xxs_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarr
     for t in range(ids.size):
         ids[t] = fmaf(np.float32(t - 6), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / eff_max
     _round_trials(ids, xval, 0, levels_t, trials[2])
-    _search_trials(levels, dense, dense_at, kmap, neighbours, d2, xval, waux, trials)
+    _search_trials(levels, dense, dense_at, kmap, neighbours, xval, waux, trials)
     fit_trials(weight, xval, levels_t, sumqx, sumq2)
     chosen, _, scale = best_trial(sumqx, sumq2, np.float32(0.0), scale)
     if chosen >= 0:
@@ -299,7 +282,7 @@ def _iq2_xxs_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarr
     if scale > 0:
         id_ = np.float32(1.0) / scale
         for k in range(4):
-            _round_group(levels, dense, dense_at, kmap, neighbours, d2, id_, scale, xval, waux, 8 * k, L)
+            _round_group(levels, dense, dense_at, kmap, neighbours, id_, scale, xval, waux, 8 * k, L)
         sumqx0, sumq20 = _fit(weight, xval, L)
         if sumq20 > 0:
             scale = sumqx0 / sumq20
@@ -313,7 +296,6 @@ def quantize_iq2_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.
     """Rows x into IQ2_XXS blocks (qw: importance vector, or empty for ik's unweighted branch)."""
     n_rows, n = x.shape
     for r in prange(n_rows):
-        d2 = np.empty(MAX_NEIGHBOURS, dtype=np.float32)
         weight = np.empty(32, dtype=np.float32)
         waux = np.empty(32, dtype=np.float32)
         xval = np.empty(32, dtype=np.float32)
@@ -341,7 +323,7 @@ def quantize_iq2_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.
                     scales[ib] = 0
                     L[:] = 0
                     continue
-                scale = _iq2_xxs_sub_block(levels, dense, dense_at, kmap, neighbours, d2, weight, waux, xval, L, Lqp,
+                scale = _iq2_xxs_sub_block(levels, dense, dense_at, kmap, neighbours, weight, waux, xval, L, Lqp,
                                            trials)
                 if scale < 0:
                     scale = -scale
@@ -416,8 +398,7 @@ def _split_scale(weight: np.ndarray, xval: np.ndarray, order: np.ndarray, sumx: 
 
 @njit(**NJIT)
 def _iq2_xs_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kmap: np.ndarray,
-                      neighbours: np.ndarray, d2: np.ndarray,
-                      weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, L: np.ndarray, Laux: np.ndarray,
+                      neighbours: np.ndarray, weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, L: np.ndarray, Laux: np.ndarray,
                       index: np.ndarray, aux_index: np.ndarray, order: np.ndarray, sumx: np.ndarray,
                       sumw: np.ndarray, trials: Trials) -> np.float32:
     """Levels (into L, left as they were when no trial fits) and scale of a 16-value IQ2_XS sub-block; the 15
@@ -428,7 +409,7 @@ def _iq2_xs_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarra
     for t in range(ids.size):
         ids[t] = fmaf(np.float32(t - 7), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / eff_max
     _round_trials(ids, xval, 0, levels_t, trials[2])
-    _search_trials(levels, dense, dense_at, kmap, neighbours, d2, xval, waux, trials)
+    _search_trials(levels, dense, dense_at, kmap, neighbours, xval, waux, trials)
     fit_trials(weight, xval, levels_t, sumqx, sumq2)
     chosen, best, scale = best_trial(sumqx, sumq2, np.float32(0.0), scale)
     index[:] = 0
@@ -442,7 +423,7 @@ def _iq2_xs_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarra
             id_ = np.float32(1.0) / scale
             changed = False
             for k in range(2):
-                aux_index[k] = _round_group(levels, dense, dense_at, kmap, neighbours, d2, id_, scale, xval, waux,
+                aux_index[k] = _round_group(levels, dense, dense_at, kmap, neighbours, id_, scale, xval, waux,
                                             8 * k,
                                             Laux)[0]
                 changed = changed or aux_index[k] != index[k]
@@ -490,7 +471,6 @@ def quantize_iq2_xs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.n
     """Rows x into IQ2_XS blocks (qw: importance vector, or empty; stored: the grid's decoded magnitudes)."""
     n_rows, n = x.shape
     for r in prange(n_rows):
-        d2 = np.empty(MAX_NEIGHBOURS, dtype=np.float32)
         weight = np.empty(16, dtype=np.float32)
         waux = np.empty(16, dtype=np.float32)
         xval = np.empty(16, dtype=np.float32)
@@ -521,7 +501,7 @@ def quantize_iq2_xs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.n
                     scales[ib] = 0
                     L[:] = 0
                     continue
-                scale = _iq2_xs_sub_block(levels, dense, dense_at, kmap, neighbours, d2, weight, waux, xval, L, Laux,
+                scale = _iq2_xs_sub_block(levels, dense, dense_at, kmap, neighbours, weight, waux, xval, L, Laux,
                                           index, aux_index, order, sumx, sumw, trials)
                 if scale < 0:
                     scale = -scale
@@ -551,78 +531,6 @@ def quantize_iq2_xs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.n
                 _store_nan_d(blk)
 
 
-@njit(inline="always", **NJIT)
-def _listed_d2(magnitudes: np.ndarray, g: int, xval: np.ndarray, waux: np.ndarray, o: int,
-               scale: np.float32) -> np.float32:
-    """sum waux (scale q - x)^2 over group xval[o:o+8] for grid point g, in ik's order."""
-    d2 = np.float32(0.0)
-    for i in range(8):
-        diff = fmaf(scale, magnitudes[g, i], -xval[o + i])
-        d2 = fmaf(waux[o + i] * diff, diff, d2)
-    return d2
-
-
-@njit(**NJIT)
-def _best_listed(levels: np.ndarray, magnitudes: np.ndarray, neighbours: np.ndarray, start: int,
-                    xval: np.ndarray, waux: np.ndarray, o: int, scale: np.float32, L: np.ndarray) -> int:
-    """_best_neighbour one neighbour at a time, for IQ2_S: its lists are short (median 5), where the vector loop's
-    setup cost more than it saved (0.80x ik -> 0.70x). Four neighbours' sums are formed side by side (each a chain
-    of 8 dependent multiply-adds: one at a time, the chains did not overlap), then compared in list order."""
-    best_d2 = np.float32(3.4028235e38)
-    best = -1
-    count = neighbours[start]
-    j = 1
-    while j + 3 <= count:
-        g0, g1, g2, g3 = neighbours[start + j], neighbours[start + j + 1], neighbours[start + j + 2], \
-            neighbours[start + j + 3]
-        d0 = d1 = d2 = d3 = np.float32(0.0)
-        for i in range(8):
-            nx = -xval[o + i]
-            w = waux[o + i]
-            e0 = fmaf(scale, magnitudes[g0, i], nx)
-            e1 = fmaf(scale, magnitudes[g1, i], nx)
-            e2 = fmaf(scale, magnitudes[g2, i], nx)
-            e3 = fmaf(scale, magnitudes[g3, i], nx)
-            d0 = fmaf(w * e0, e0, d0)
-            d1 = fmaf(w * e1, e1, d1)
-            d2 = fmaf(w * e2, e2, d2)
-            d3 = fmaf(w * e3, e3, d3)
-        if d0 < best_d2:
-            best_d2 = d0
-            best = g0
-        if d1 < best_d2:
-            best_d2 = d1
-            best = g1
-        if d2 < best_d2:
-            best_d2 = d2
-            best = g2
-        if d3 < best_d2:
-            best_d2 = d3
-            best = g3
-        j += 4
-    while j <= count:
-        g = neighbours[start + j]
-        d2 = _listed_d2(magnitudes, g, xval, waux, o, scale)
-        if d2 < best_d2:
-            best_d2 = d2
-            best = g
-        j += 1
-    for i in range(8):
-        L[o + i] = levels[best, i]
-    return best
-
-
-@njit(**NJIT)
-def _round_group_listed(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray,
-                 id_: np.float32, scale: np.float32, xval: np.ndarray, waux: np.ndarray, o: int,
-                 L: np.ndarray, fused: bool = True) -> tuple[int, bool]:
-    """_round_group with the one-at-a-time search (IQ2_S)."""
-    g = kmap[_rounded_key(id_, xval, o, L, fused)]
-    if g >= 0:
-        return g, True
-    return _best_listed(levels, magnitudes, neighbours, -g - 1, xval, waux, o, scale, L), False
-
-
 #: a sub-block's trial scratch (_trial_scratch): inverse scales, levels [value, trial], group keys and grid points
 #: [group, trial], the fits' sums, and one row of levels for the neighbour search
 Trials = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
@@ -637,7 +545,7 @@ def _trial_scratch(n_trials: int, n: int) -> Trials:
 
 @njit(**NJIT)
 def _search_trials(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kmap: np.ndarray,
-                   neighbours: np.ndarray, d2: np.ndarray, xval: np.ndarray, waux: np.ndarray,
+                   neighbours: np.ndarray, xval: np.ndarray, waux: np.ndarray,
                    trials: Trials) -> None:
     """Each trial's groups that rounded off the grid replaced by their best neighbour at that trial's scale; every
     group's grid point into points[k, t]."""
@@ -647,7 +555,7 @@ def _search_trials(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, 
             g = kmap[keys[k, t]]
             if g < 0:
                 g = _best_neighbour(levels, dense, dense_at, neighbours, -g - 1, xval, waux, 8 * k,
-                                    np.float32(1.0) / ids[t], row, d2)
+                                    np.float32(1.0) / ids[t], row)
                 for i in range(8 * k, 8 * k + 8):
                     levels_t[i, t] = row[i]
             points[k, t] = g
@@ -676,24 +584,18 @@ def _round_trials(ids: np.ndarray, xval: np.ndarray, n_unfused: int, levels_t: n
 
 
 @njit(**NJIT)
-def _iq2_s_sub_block(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray,
-                     weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, mx: np.float32, L: np.ndarray,
-                     trials: Trials) -> np.float32:
+def _iq2_s_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kmap: np.ndarray,
+                     neighbours: np.ndarray, weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, mx: np.float32,
+                     L: np.ndarray, trials: Trials) -> np.float32:
     """Levels (into L, left as they were when no trial fits) and scale of a 16-value IQ2_S sub-block. The 19 trials
     are rounded and fitted side by side (_round_trials, fit_trials), the off-grid groups searched one by one, then
     compared in order as ik's loop compares them."""
-    ids, levels_t, keys, _, sumqx, sumq2, row = trials
+    ids, levels_t, keys, _, sumqx, sumq2, _ = trials
     for t in range(ids.size):
         ids[t] = fmaf(np.float32(t - 9), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / mx
+    # ik's build rounds the first group's id x before subtracting 1 in the trials (the second's is fused)
     _round_trials(ids, xval, 1, levels_t, keys)
-    for t in range(ids.size):
-        for k in range(2):
-            g = kmap[keys[k, t]]
-            if g < 0:
-                # ik's build rounds the first group's id x before subtracting 1 here (the second's is fused)
-                _best_listed(levels, magnitudes, neighbours, -g - 1, xval, waux, 8 * k, np.float32(1.0) / ids[t], row)
-                for i in range(8 * k, 8 * k + 8):
-                    levels_t[i, t] = row[i]
+    _search_trials(levels, dense, dense_at, kmap, neighbours, xval, waux, trials)
     fit_trials(weight, xval, levels_t, sumqx, sumq2)
     chosen, _, scale = best_trial(sumqx, sumq2, np.float32(0.0), mx / np.float32(2 * K_MAX_Q - 1))
     if chosen < 0:
@@ -705,9 +607,9 @@ def _iq2_s_sub_block(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarra
     if (not on_grid0 or not on_grid1) and scale > 0:
         id_ = np.float32(1.0) / scale
         if not on_grid0:
-            _round_group_listed(levels, magnitudes, kmap, neighbours, id_, scale, xval, waux, 0, L)
+            _round_group(levels, dense, dense_at, kmap, neighbours, id_, scale, xval, waux, 0, L)
         if not on_grid1:
-            _round_group_listed(levels, magnitudes, kmap, neighbours, id_, scale, xval, waux, 8, L)
+            _round_group(levels, dense, dense_at, kmap, neighbours, id_, scale, xval, waux, 8, L)
         sumqx0, sumq20 = _fit(weight, xval, L)
         if sumq20 > 0:
             scale = sumqx0 / sumq20
@@ -715,8 +617,8 @@ def _iq2_s_sub_block(levels: np.ndarray, magnitudes: np.ndarray, kmap: np.ndarra
 
 
 @njit(**KERNEL)
-def quantize_iq2_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.ndarray, magnitudes: np.ndarray,
-                   kmap: np.ndarray, neighbours: np.ndarray) -> None:
+def quantize_iq2_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.ndarray, dense: np.ndarray,
+                   dense_at: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray) -> None:
     """Rows x into IQ2_S blocks (qw: importance vector, or empty for weights from x alone)."""
     n_rows, n = x.shape
     for r in prange(n_rows):
@@ -752,7 +654,7 @@ def quantize_iq2_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, levels: np.nd
                 if mx < GROUP_MAX_EPS_IQ2_S:
                     scales[ib] = 0
                     continue
-                scale = _iq2_s_sub_block(levels, magnitudes, kmap, neighbours, weight, waux, xval, mx, L, trials)
+                scale = _iq2_s_sub_block(levels, dense, dense_at, kmap, neighbours, weight, waux, xval, mx, L, trials)
                 if scale < 0:
                     scale = -scale
                     for k in range(2):

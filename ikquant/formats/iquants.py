@@ -30,6 +30,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.base import Codec
+from ikquant.formats.listed_search import LANES, nearest_listed
 from ikquant.formats.numeric import f32_to_f16_bits, fmaf, load_f16, nearest_int
 from ikquant.formats.trials import best_trial, fit_trials
 
@@ -102,11 +103,17 @@ def _grid(kgrid: np.ndarray) -> np.ndarray:
     return (2 * ((kgrid[:, None] >> (3 * np.arange(4))[None, :]) & 7) + 1).astype(np.int8)
 
 
+#: the neighbour lists (search_tables): counts and grid indices; their magnitudes in listed_search's dense layout;
+#: where each list's magnitudes start, by the list's offset in the first
+Lists = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
 @functools.cache
-def search_tables(points: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(grid, map [4096] (index >= 0 on the grid, else -(offset + 1) into neighbours), the neighbour lists: a count
-    then that many grid indices) of the 256- or 512-point grid, for the 2 or 3 smallest distances; built on first
-    quantize (~0.15 s each), not by every command that imports the codecs."""
+def search_tables(points: int) -> tuple[np.ndarray, np.ndarray, Lists]:
+    """(grid, map [4096] (index >= 0 on the grid, else -(offset + 1) into neighbours), the neighbour lists) of the
+    256- or 512-point grid, for the 2 or 3 smallest distances; built on first quantize (~0.15 s each), not by every
+    command that imports the codecs. The lists (Lists): each a count then that many grid indices, and again as
+    magnitudes laid out for listed_search."""
     kgrid, nearest_levels = (KGRID_256, 2) if points == 256 else (KGRID_512, 3)
     levels = (kgrid[:, None] >> (3 * np.arange(4))[None, :]) & 7
     grid = _grid(kgrid)
@@ -117,12 +124,22 @@ def search_tables(points: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     dist = ((grid.astype(np.int64)[None, :, :] - points_off[:, None, :]) ** 2).sum(axis=2)  # [off-grid, grid]
     order = np.argsort(dist, axis=1, kind="stable")  # by distance, then index
     neighbours: list[int] = []
+    starts: list[int] = []
+    dense: list[np.ndarray] = []
+    at = [0]
     for row, i in enumerate(off):
         limit = np.unique(dist[row])[nearest_levels - 1]
         kept = order[row][dist[row][order[row]] <= limit]
         kmap[i] = -(len(neighbours) + 1)
+        starts.append(len(neighbours))
+        block = np.zeros((4, -(-len(kept) // LANES) * LANES), dtype=np.uint8)  # value-major, whole lanes
+        block[:, : len(kept)] = grid[kept].T
+        dense.append(block.ravel())
+        at.append(at[-1] + block.size)
         neighbours += [len(kept), *kept.tolist()]
-    return grid, kmap, np.array(neighbours, dtype=np.int64)
+    dense_at = np.zeros(len(neighbours), dtype=np.int64)
+    dense_at[starts] = at[:-1]
+    return grid, kmap, (np.array(neighbours, dtype=np.int64), np.concatenate(dense), dense_at)
 
 
 GRID_256 = _grid(KGRID_256)
@@ -135,25 +152,21 @@ DQ_GRID_256 = IQ3_XXS_LEVELS[(GRID_256.astype(np.int64) - 1) // 2]
 KSIGNS = np.array([i | (128 if bin(i).count("1") % 2 else 0) for i in range(128)], dtype=np.uint8)
 
 
-@njit(**NJIT)
-def _best_neighbour(grid: np.ndarray, neighbours: np.ndarray, start: int, xval: np.ndarray, w: np.ndarray, o: int,
+@njit(inline="always", **NJIT)
+def _best_neighbour(grid: np.ndarray, lists: Lists, start: int, xval: np.ndarray, w: np.ndarray, o: int,
                     scale: np.float32, out: np.ndarray) -> int:
-    """ik's iq3_find_best_neighbour: the listed neighbour with the smallest weighted squared error; its levels
-    into out[o:o+4]."""
-    best_d2 = np.float32(3.4028235e38)
-    best = -1
-    for j in range(1, neighbours[start] + 1):
-        g = neighbours[start + j]
-        d2 = np.float32(0.0)
-        for i in range(4):
-            diff = fmaf(scale, np.float32(grid[g, i]), -xval[o + i])
-            d2 = fmaf(w[o + i] * diff, diff, d2)
-        if d2 < best_d2:
-            best_d2 = d2
-            best = g
+    """ik's iq3_find_best_neighbour (listed_search.nearest_listed): the listed neighbour with the smallest weighted
+    squared error, the first on ties; its levels into out[o:o+4] (ik's index -1, the last point, when no sum is
+    finite)."""
+    neighbours, dense, dense_at = lists
+    count = neighbours[start]
+    j = nearest_listed(dense, dense_at[start], (count + LANES - 1) // LANES * LANES, count,
+                       (-xval[o], -xval[o + 1], -xval[o + 2], -xval[o + 3]), (w[o], w[o + 1], w[o + 2], w[o + 3]),
+                       scale)
+    g = neighbours[start + 1 + j] if j >= 0 else -1
     for i in range(4):
-        out[o + i] = (grid[best, i] - 1) // 2
-    return best
+        out[o + i] = (grid[g, i] - 1) // 2
+    return g
 
 
 @njit(**NJIT)
@@ -175,15 +188,15 @@ def _sigma2(xbl: np.ndarray) -> np.float32:
 
 
 @njit(**NJIT)
-def _search(grid: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray, weight: np.ndarray, waux: np.ndarray,
+def _search(grid: np.ndarray, kmap: np.ndarray, lists: Lists, n_steps: int, weight: np.ndarray, waux: np.ndarray,
             xval: np.ndarray, mx: np.float32, L: np.ndarray, on_grid: np.ndarray, trials: Trials) -> np.float32:
     """The best weighted fit over inverse scales (15 + 0.2 k) / max, k = -n_steps..n_steps (one trial each in
-    `trials`, trials.py's scheme): its levels into L, which groups were on the grid into on_grid; returns its
-    scale."""
+    `trials`, trials.py's scheme, padded to whole vectors with copies of the last): its levels into L, which groups
+    were on the grid into on_grid; returns its scale."""
     ids, levels_t, keys, sumqx, sumq2, row = trials
-    n_steps = ids.size // 2
+    n_trials = 2 * n_steps + 1
     for t in range(ids.size):
-        ids[t] = fmaf(np.float32(t - n_steps), np.float32(0.2), np.float32(2 * K_MAX_Q - 1)) / mx
+        ids[t] = fmaf(np.float32(min(t, n_trials - 1) - n_steps), np.float32(0.2), np.float32(2 * K_MAX_Q - 1)) / mx
     for i in range(BLOCK):
         v = xval[i]
         for t in range(ids.size):
@@ -192,15 +205,16 @@ def _search(grid: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray, weight: 
         for t in range(ids.size):
             keys[k, t] = levels_t[4 * k, t] | (levels_t[4 * k + 1, t] << 3) | (levels_t[4 * k + 2, t] << 6) \
                 | (levels_t[4 * k + 3, t] << 9)
-    for t in range(ids.size):
+    for t in range(n_trials):
         for k in range(BLOCK // 4):
             g = kmap[keys[k, t]]
             if g < 0:
-                _best_neighbour(grid, neighbours, -g - 1, xval, waux, 4 * k, np.float32(1.0) / ids[t], row)
+                _best_neighbour(grid, lists, -g - 1, xval, waux, 4 * k, np.float32(1.0) / ids[t], row)
                 for i in range(4 * k, 4 * k + 4):
                     levels_t[i, t] = row[i]
     fit_trials(weight, xval, levels_t, sumqx, sumq2)
-    chosen, _, scale = best_trial(sumqx, sumq2, np.float32(0.0), mx / np.float32(2 * K_MAX_Q - 1))
+    chosen, _, scale = best_trial(sumqx[:n_trials], sumq2[:n_trials], np.float32(0.0),
+                                  mx / np.float32(2 * K_MAX_Q - 1))
     if chosen < 0:
         on_grid[:] = False
         return scale
@@ -212,7 +226,7 @@ def _search(grid: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray, weight: 
 
 
 @njit(**NJIT)
-def _refit(grid: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray, scale: np.float32, off_grid_only: bool,
+def _refit(grid: np.ndarray, kmap: np.ndarray, lists: Lists, scale: np.float32, off_grid_only: bool,
            weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, L: np.ndarray, Laux: np.ndarray,
            on_grid: np.ndarray) -> np.float32:
     """Re-round at the chosen scale (every group, or only those that were off the grid) and fit once more."""
@@ -223,7 +237,7 @@ def _refit(grid: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray, scale: np
         u = _round_group(id_, xval, 4 * k, Laux)
         g = kmap[u]
         if g < 0:
-            g = _best_neighbour(grid, neighbours, -g - 1, xval, waux, 4 * k, scale, L)
+            g = _best_neighbour(grid, lists, -g - 1, xval, waux, 4 * k, scale, L)
         for i in range(4):
             L[4 * k + i] = (grid[g, i] - 1) // 2
     sumqx, sumq2 = _fit(weight, xval, L)
@@ -261,8 +275,8 @@ Trials = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.nd
 @njit(**NJIT)
 def _buffers(n_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, Trials]:
     """A sub-block's work arrays: weights, their roots, |x|, levels (chosen, refit), groups on the grid, and the
-    trials of inverse scales k = -n_steps..n_steps."""
-    n_trials = 2 * n_steps + 1
+    trials of inverse scales k = -n_steps..n_steps, padded to whole 8-lane vectors."""
+    n_trials = (2 * n_steps + 1 + 7) // 8 * 8
     trials = (np.empty(n_trials, dtype=np.float32), np.empty((BLOCK, n_trials), dtype=np.int32),
               np.empty((BLOCK // 4, n_trials), dtype=np.int32), np.empty(n_trials, dtype=np.float32),
               np.empty(n_trials, dtype=np.float32), np.zeros(BLOCK, dtype=np.int64))
@@ -272,20 +286,20 @@ def _buffers(n_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
 
 
 @njit(**NJIT)
-def _fit_grid(grid: np.ndarray, kmap: np.ndarray, neighbours: np.ndarray, off_grid_only: bool,
+def _fit_grid(grid: np.ndarray, kmap: np.ndarray, lists: Lists, n_steps: int, off_grid_only: bool,
               weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, mx: np.float32, L: np.ndarray,
               Laux: np.ndarray, on_grid: np.ndarray, trials: Trials) -> np.float32:
     """A sub-block's levels (into L) and scale: the best fit over the inverse scales, then, when a group was off
     the grid, the re-rounded refit."""
-    scale = _search(grid, kmap, neighbours, weight, waux, xval, mx, L, on_grid, trials)
+    scale = _search(grid, kmap, lists, n_steps, weight, waux, xval, mx, L, on_grid, trials)
     if not on_grid.all() and scale > 0:
-        scale = _refit(grid, kmap, neighbours, scale, off_grid_only, weight, waux, xval, L, Laux, on_grid)
+        scale = _refit(grid, kmap, lists, scale, off_grid_only, weight, waux, xval, L, Laux, on_grid)
     return scale
 
 
 @njit(**KERNEL)
 def _quantize_iq3_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: np.ndarray, kmap: np.ndarray,
-                    neighbours: np.ndarray) -> None:
+                    lists: Lists) -> None:
     n_rows, n = x.shape
     for r in prange(n_rows):
         weight, waux, xval, L, Laux, on_grid, trials = _buffers(9)
@@ -313,7 +327,7 @@ def _quantize_iq3_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: np.nda
                 if mx == 0:
                     scales[ib] = 0  # ik's `continue`: qs and signs positions are not advanced
                     continue
-                scale = _fit_grid(grid, kmap, neighbours, False, weight, waux, xval, mx, L, Laux, on_grid, trials)
+                scale = _fit_grid(grid, kmap, lists, 9, False, weight, waux, xval, mx, L, Laux, on_grid, trials)
                 if scale < 0:
                     scale = -scale
                     for k in range(BLOCK // 8):
@@ -359,7 +373,7 @@ def _scale_code(id_: np.float32, scale: np.float32) -> int:
 
 @njit(**KERNEL)
 def _quantize_iq3_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: np.ndarray, kmap: np.ndarray,
-                      neighbours: np.ndarray) -> None:
+                      lists: Lists) -> None:
     n_rows, n = x.shape
     for r in prange(n_rows):
         weight, waux, xval, L, Laux, on_grid, trials = _buffers(15)
@@ -401,7 +415,7 @@ def _quantize_iq3_xxs(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: np.n
                 if mx < GROUP_MAX_EPS:
                     scales[ib] = 0
                     continue
-                scale = _fit_grid(grid, kmap, neighbours, True, weight, waux, xval, mx, L, Laux, on_grid, trials)
+                scale = _fit_grid(grid, kmap, lists, 15, True, weight, waux, xval, mx, L, Laux, on_grid, trials)
                 if scale < 0:
                     scale = -scale
                     for k in range(BLOCK // 8):

@@ -1,0 +1,76 @@
+"""listed_search.nearest_listed against ik's neighbour loop written plainly: the first strict minimum below FLT_MAX."""
+
+import numpy as np
+import pytest
+from numba import njit
+
+from ikquant.formats.listed_search import LANES, nearest_listed
+from ikquant.formats.numeric import fmaf
+
+FLT_MAX = np.float32(3.4028235e38)
+
+
+@njit
+def _reference(q: np.ndarray, neg_x: np.ndarray, w: np.ndarray, scale: np.float32) -> int:
+    best = FLT_MAX
+    pos = -1
+    for j in range(q.shape[0]):
+        d2 = np.float32(0.0)
+        for i in range(q.shape[1]):
+            diff = fmaf(scale, np.float32(q[j, i]), neg_x[i])
+            d2 = fmaf(w[i] * diff, diff, d2)
+        if d2 < best:
+            best = d2
+            pos = j
+    return pos
+
+
+@njit
+def _vector4(dense: np.ndarray, at: int, lanes: int, count: int, neg_x: np.ndarray, w: np.ndarray,
+             scale: np.float32) -> int:
+    return nearest_listed(dense, at, lanes, count, (neg_x[0], neg_x[1], neg_x[2], neg_x[3]),
+                          (w[0], w[1], w[2], w[3]), scale)
+
+
+@njit
+def _vector8(dense: np.ndarray, at: int, lanes: int, count: int, neg_x: np.ndarray, w: np.ndarray,
+             scale: np.float32) -> int:
+    return nearest_listed(dense, at, lanes, count,
+                          (neg_x[0], neg_x[1], neg_x[2], neg_x[3], neg_x[4], neg_x[5], neg_x[6], neg_x[7]),
+                          (w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]), scale)
+
+
+def _dense(q: np.ndarray, at: int) -> tuple[np.ndarray, int]:
+    """q [count, group] laid out value-major in whole lanes after `at` bytes of padding (the lists sit at offsets)."""
+    lanes = -(-q.shape[0] // LANES) * LANES
+    block = np.full((q.shape[1], lanes), 255, dtype=np.uint8)  # padding lanes hold large magnitudes: they must lose
+    block[:, : q.shape[0]] = q.T
+    return np.concatenate([np.zeros(at, np.uint8), block.ravel()]), lanes
+
+
+@pytest.mark.parametrize("group", [4, 8])
+def test_first_least_sum_as_iks_loop(group: int) -> None:
+    """Lists of 1-40 points (one to five vectors), ties within and across vectors (repeated points: the earlier
+    must win), NaN and infinite weights (no finite sum: -1), scales that make every sum overflow."""
+    rng = np.random.default_rng(group)
+    vector = _vector4 if group == 4 else _vector8
+    cases = 0
+    for trial in range(3000):
+        count = int(rng.integers(1, 41))
+        q = rng.integers(1, 16 if group == 4 else 6, (count, group)).astype(np.uint8)
+        if trial % 3 == 0:  # repeated points: equal sums, also in other vectors
+            q[rng.integers(0, count, count // 2)] = q[0]
+        neg_x = -(rng.random(group) * 12).astype(np.float32)
+        w = rng.random(group).astype(np.float32)
+        scale = np.float32(rng.random() * 2)
+        if trial % 50 == 1:
+            w[rng.integers(0, group)] = np.nan
+        if trial % 50 == 2:
+            w[rng.integers(0, group)] = np.inf
+        if trial % 50 == 3:
+            scale = np.float32(1e30)
+        at = int(rng.integers(0, 5))
+        dense, lanes = _dense(q, at)
+        assert vector(dense, at, lanes, count, neg_x, w, scale) == _reference(q, neg_x, w, scale), (trial, count)
+        cases += 1
+    assert cases == 3000
