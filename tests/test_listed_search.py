@@ -11,13 +11,14 @@ FLT_MAX = np.float32(3.4028235e38)
 
 
 @njit
-def _reference(q: np.ndarray, neg_x: np.ndarray, w: np.ndarray, scale: np.float32) -> int:
+def _reference(q: np.ndarray, neg_x: np.ndarray, w: np.ndarray, scale: np.float32, mul: np.float32,
+               add: np.float32) -> int:
     best = FLT_MAX
     pos = -1
     for j in range(q.shape[0]):
         d2 = np.float32(0.0)
         for i in range(q.shape[1]):
-            diff = fmaf(scale, np.float32(q[j, i]), neg_x[i])
+            diff = fmaf(scale, fmaf(np.float32(q[j, i]), mul, add), neg_x[i])
             d2 = fmaf(w[i] * diff, diff, d2)
         if d2 < best:
             best = d2
@@ -29,7 +30,7 @@ def _reference(q: np.ndarray, neg_x: np.ndarray, w: np.ndarray, scale: np.float3
 def _vector4(dense: np.ndarray, at: int, lanes: int, count: int, neg_x: np.ndarray, w: np.ndarray,
              scale: np.float32) -> int:
     return nearest_listed(dense, at, lanes, count, (neg_x[0], neg_x[1], neg_x[2], neg_x[3]),
-                          (w[0], w[1], w[2], w[3]), scale)
+                          (w[0], w[1], w[2], w[3]), scale, np.float32(1.0), np.float32(0.0))
 
 
 @njit
@@ -37,7 +38,8 @@ def _vector8(dense: np.ndarray, at: int, lanes: int, count: int, neg_x: np.ndarr
              scale: np.float32) -> int:
     return nearest_listed(dense, at, lanes, count,
                           (neg_x[0], neg_x[1], neg_x[2], neg_x[3], neg_x[4], neg_x[5], neg_x[6], neg_x[7]),
-                          (w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]), scale)
+                          (w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]), scale, np.float32(0.5),
+                          np.float32(-1.25))
 
 
 def _dense(q: np.ndarray, at: int) -> tuple[np.ndarray, int]:
@@ -51,7 +53,8 @@ def _dense(q: np.ndarray, at: int) -> tuple[np.ndarray, int]:
 @pytest.mark.parametrize("group", [4, 8])
 def test_first_least_sum_as_iks_loop(group: int) -> None:
     """Lists of 1-40 points (one to five vectors), ties within and across vectors (repeated points: the earlier
-    must win), NaN and infinite weights (no finite sum: -1), scales that make every sum overflow."""
+    must win), NaN and infinite weights (no finite sum: -1), scales that make every sum overflow; groups of 8 with
+    IQ1_S's stored-to-value map q = v / 2 - 1.25."""
     rng = np.random.default_rng(group)
     vector = _vector4 if group == 4 else _vector8
     cases = 0
@@ -71,6 +74,7 @@ def test_first_least_sum_as_iks_loop(group: int) -> None:
             scale = np.float32(1e30)
         at = int(rng.integers(0, 5))
         dense, lanes = _dense(q, at)
-        assert vector(dense, at, lanes, count, neg_x, w, scale) == _reference(q, neg_x, w, scale), (trial, count)
+        mul, add = (np.float32(1.0), np.float32(0.0)) if group == 4 else (np.float32(0.5), np.float32(-1.25))
+        assert vector(dense, at, lanes, count, neg_x, w, scale) == _reference(q, neg_x, w, scale, mul, add), trial
         cases += 1
     assert cases == 3000

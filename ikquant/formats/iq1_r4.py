@@ -103,7 +103,7 @@ def _quantize_iq1_s_r4(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tup
     n = x.shape[1] // GROUP
     nblock = n // BLOCK
     for g in prange(groups):
-        weight, L, order, sums, index, d2 = scratch()
+        weight, L, order, sums, index = scratch()
         scales = np.zeros((nblock, GROUP), np.float32)
         mx = np.zeros(GROUP, np.float32)
         xg = x[g]
@@ -123,7 +123,7 @@ def _quantize_iq1_s_r4(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tup
                     weighted = not _importance(weight, xg, o, 0, BLOCK) < EPS
                 if not weighted:
                     _roots(xg, o, sigma2, True, weight, 0, BLOCK)
-                scale, shift, found = iq1s_block(xg, o, weight, grid, L, order, sums, index, d2)
+                scale, shift, found = iq1s_block(xg, o, weight, grid, L, order, sums, index)
                 if not found:  # where ik aborts; the importances above never bring it about
                     _store_zero_s(blob, bo, k)
                     continue
@@ -150,7 +150,7 @@ def _quantize_iq1_m_r4(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tup
     n = x.shape[1] // GROUP
     nblock = n // BLOCK
     for g in prange(groups):
-        weight, L, order, sums, index, d2 = scratch()
+        weight, L, order, sums, index = scratch()
         scales = np.zeros((nblock, GROUP, 2), np.float32)
         mx = np.zeros(GROUP, np.float32)
         xg = x[g]
@@ -182,7 +182,7 @@ def _quantize_iq1_m_r4(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tup
                     scale, combo, found = np.float32(0.0), 0, False
                     if (low if h == 0 else high) > EPS:
                         scale, combo, found = iq1m_block(xg, o + 16 * h, weight, 16 * h, grid, L, order, sums,
-                                                         index, 2 * h, d2)
+                                                         index, 2 * h)
                     if found:
                         scales[ib, k, h] = scale
                         shifts[g, ib, k, h] = combo

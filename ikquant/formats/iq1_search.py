@@ -42,7 +42,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.iq2_search import MAX_NEIGHBOURS, NEIGHBOUR_LANES, grid_tables
+from ikquant.formats.iq2_search import NEIGHBOUR_LANES, grid_tables
+from ikquant.formats.listed_search import nearest_listed
 from ikquant.formats.numeric import f32_to_f16_bits, fmaf, nearest_int, store_f16
 
 QK_K = 256
@@ -74,11 +75,11 @@ def iq1_grid() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarr
 
 
 @njit(**NJIT)
-def scratch() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def scratch() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One thread's work arrays: importances (32), levels (32), sort order (32), prefix sums (4 x 33: w x and w, or
-    for IQ1_M those of its first and second group), grid indices (4) and the neighbour search's errors."""
+    for IQ1_M those of its first and second group) and grid indices (4)."""
     return (np.empty(IQ1S_BLOCK, np.float32), np.zeros(IQ1S_BLOCK, np.int64), np.empty(IQ1S_BLOCK, np.int64),
-            np.zeros((4, IQ1S_BLOCK + 1), np.float32), np.zeros(4, np.int64), np.empty(MAX_NEIGHBOURS, np.float32))
+            np.zeros((4, IQ1S_BLOCK + 1), np.float32), np.zeros(4, np.int64))
 
 
 @njit(**NJIT)
@@ -96,14 +97,14 @@ def _sort_order(x: np.ndarray, o: int, n: int, order: np.ndarray) -> None:
         order[i + 1] = v
 
 
-@njit(**NJIT)
+@njit(inline="always", **NJIT)
 def _grid_point(grid: tuple, x: np.ndarray, o: int, weight: np.ndarray, wo: int, scale: np.float32,  # type: ignore[type-arg]
-                shifted: np.ndarray, L: np.ndarray, lo: int, d2: np.ndarray) -> tuple[int, bool]:
+                shifted: np.ndarray, L: np.ndarray, lo: int) -> tuple[int, bool]:
     """The grid point of the group of levels L[lo:lo+8] for the values x[o:o+8], and whether the levels were one.
     Off the grid it is ik's iq1_find_best_neighbour2: the listed neighbour whose shifted levels, times scale, have
-    the least weighted squared error (the first on ties), its levels written into L. As IQ2's search, the
-    neighbours advance together through the dense magnitudes 2 l + 1 (vectorised by LLVM), each one's sum in ik's
-    order; shifted[l] = shifted[0] + l, so v / 2 + (shifted[0] - 1 / 2) is it exactly (multiples of 1/8)."""
+    the least weighted squared error (the first on ties; none finite: the list's first), its levels written into L.
+    As IQ2's search (listed_search) over the dense magnitudes v = 2 l + 1: shifted[l] = shifted[0] + l, so
+    v / 2 + (shifted[0] - 1 / 2) is it exactly (multiples of 1/8)."""
     kmap, neighbours, levels, dense, dense_at = grid
     u = 0
     for j in range(8):
@@ -113,24 +114,11 @@ def _grid_point(grid: tuple, x: np.ndarray, o: int, weight: np.ndarray, wo: int,
         return g, True
     start = -g - 1
     count = neighbours[start]
-    lanes = (count + NEIGHBOUR_LANES - 1) // NEIGHBOUR_LANES * NEIGHBOUR_LANES
-    at = dense_at[start]
-    base = shifted[0] - np.float32(0.5)
-    for j in range(lanes):
-        d2[j] = np.float32(0.0)
-    for i in range(8):
-        neg_x = -x[o + i]
-        w = weight[wo + i]
-        row = dense[at + i * lanes : at + (i + 1) * lanes]  # a slice: j alone indexes it, so no negative wrap
-        for j in range(lanes):
-            diff = fmaf(scale, fmaf(np.float32(row[j]), np.float32(0.5), base), neg_x)
-            d2[j] = fmaf(w * diff, diff, d2[j])
-    best_d2 = FLT_MAX
-    best = neighbours[start + 1]
-    for j in range(count):
-        if d2[j] < best_d2:
-            best_d2 = d2[j]
-            best = neighbours[start + 1 + j]
+    j = nearest_listed(dense, dense_at[start], (count + NEIGHBOUR_LANES - 1) // NEIGHBOUR_LANES * NEIGHBOUR_LANES,
+                       count, (-x[o], -x[o + 1], -x[o + 2], -x[o + 3], -x[o + 4], -x[o + 5], -x[o + 6], -x[o + 7]),
+                       (weight[wo], weight[wo + 1], weight[wo + 2], weight[wo + 3], weight[wo + 4], weight[wo + 5],
+                        weight[wo + 6], weight[wo + 7]), scale, np.float32(0.5), shifted[0] - np.float32(0.5))
+    best = neighbours[start + 1 + max(j, 0)]  # no finite sum: ik keeps the list's first
     for i in range(8):
         L[lo + i] = levels[best, i]
     return best, False
@@ -159,7 +147,7 @@ def _levels_of_split(order: np.ndarray, n: int, cut1: int, cut2: int, L: np.ndar
 
 @njit(**NJIT)
 def iq1s_block(x: np.ndarray, o: int, weight: np.ndarray, grid: tuple, L: np.ndarray,  # type: ignore[type-arg]
-               order: np.ndarray, sums: np.ndarray, index: np.ndarray, d2: np.ndarray) -> tuple[np.float32, int, bool]:
+               order: np.ndarray, sums: np.ndarray, index: np.ndarray) -> tuple[np.float32, int, bool]:
     """ik's iq1s_process_1block on the 32 values x[o:o+32], importances weight[:32]: (scale >= 0, shift +1 or -1,
     found), the 4 grid indices into index. found is False where ik aborts (no split fits)."""
     n = IQ1S_BLOCK
@@ -209,7 +197,7 @@ def iq1s_block(x: np.ndarray, o: int, weight: np.ndarray, grid: tuple, L: np.nda
     shifted = SHIFT_PLUS if shift == 1 else SHIFT_MINUS
     on_grid = True
     for k in range(n // 8):
-        g, hit = _grid_point(grid, x, o + 8 * k, weight, 8 * k, scale, shifted, L, 8 * k, d2)
+        g, hit = _grid_point(grid, x, o + 8 * k, weight, 8 * k, scale, shifted, L, 8 * k)
         index[k] = g
         on_grid &= hit
     if not on_grid:
@@ -233,8 +221,7 @@ def _combo(k: int, group: int) -> np.ndarray:
 
 @njit(**NJIT)
 def iq1m_block(x: np.ndarray, o: int, weight: np.ndarray, wo: int, grid: tuple, L: np.ndarray,  # type: ignore[type-arg]
-               order: np.ndarray, sums: np.ndarray, index: np.ndarray, io: int,
-               d2: np.ndarray) -> tuple[np.float32, int, bool]:
+               order: np.ndarray, sums: np.ndarray, index: np.ndarray, io: int) -> tuple[np.float32, int, bool]:
     """ik's iq1m_process_1block on the 16 values x[o:o+16], importances weight[wo:wo+16]: (scale, shift combination
     0..3, found), the 2 grid indices into index[io:io+2]. found is False where ik aborts (no split fits)."""
     n = IQ1M_BLOCK
@@ -290,8 +277,7 @@ def iq1m_block(x: np.ndarray, o: int, weight: np.ndarray, wo: int, grid: tuple, 
         combo = 3 - combo
     on_grid = True
     for k in range(n // 8):
-        g, hit = _grid_point(grid, x, o + 8 * k, weight, wo + 8 * k, scale, _combo(combo, k), L, 8 * k,
-                             d2)
+        g, hit = _grid_point(grid, x, o + 8 * k, weight, wo + 8 * k, scale, _combo(combo, k), L, 8 * k)
         index[io + k] = g
         on_grid &= hit
     if not on_grid:
@@ -349,7 +335,7 @@ def quantize_iq1_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tuple) 
     """IQ1_S rows; qw empty: unit importance (ik's quantize_row_iq1_s_ref)."""
     n_rows, n = x.shape
     for r in prange(n_rows):
-        weight, L, order, sums, index, d2 = scratch()
+        weight, L, order, sums, index = scratch()
         scales = np.zeros(QK_K // IQ1S_BLOCK, np.float32)
         shifts = np.zeros(QK_K // IQ1S_BLOCK, np.int64)
         xr = x[r]
@@ -365,7 +351,7 @@ def quantize_iq1_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tuple) 
                 for i in range(IQ1S_BLOCK):
                     root = np.sqrt(fmaf(xr[o + i], xr[o + i], sigma2))
                     weight[i] = qw[o + i] * root if qw.size else root
-                scale, shift, found = iq1s_block(xr, o, weight, grid, L, order, sums, index, d2)
+                scale, shift, found = iq1s_block(xr, o, weight, grid, L, order, sums, index)
                 aborted |= not found
                 h = 0
                 for k in range(4):
@@ -409,7 +395,7 @@ def search_iq1_m(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tuple, sc
     below the threshold), and each super-block's largest scale (NaN where ik aborts)."""
     n_rows, n = x.shape
     for r in prange(n_rows):
-        weight, L, order, sums, index, d2 = scratch()
+        weight, L, order, sums, index = scratch()
         sigma2 = np.zeros(QK_K // 32, np.float32)
         xr = x[r]
         for ibl in range(n // QK_K):
@@ -434,7 +420,7 @@ def search_iq1_m(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tuple, sc
                     continue
                 if sumwx == 0:
                     _iq1m_weights(xr, o, np.empty(0, np.float32), sigma2[0], weight)
-                scale, combo, found = iq1m_block(xr, o, weight, 0, grid, L, order, sums, index, 0, d2)
+                scale, combo, found = iq1m_block(xr, o, weight, 0, grid, L, order, sums, index, 0)
                 aborted |= not found
                 blk[2 * ib] = index[0] & 255
                 blk[2 * ib + 1] = index[1] & 255

@@ -56,7 +56,6 @@ GROUP_MAX_EPS = np.float32(1e-15)  # ik: a sub-block below this maximum is store
 GROUP_MAX_EPS_IQ2_S = np.float32(1e-8)
 K_MAX_Q = 3  # levels 0..2: magnitudes 1, 3, 5
 NEIGHBOUR_LANES = LANES  # the dense neighbour lists are padded to whole vectors of listed_search
-MAX_NEIGHBOURS = 512  # the longest padded neighbour list (IQ2_XS: 296), the size of the search's scratch
 #: kmap entry of a key with a level 3, which no rounding forms (the levels are clamped to 0..2)
 NO_POINT = np.int32(np.iinfo(np.int32).min)
 NAN_F16 = 0x7E00
@@ -104,8 +103,6 @@ class GridTables:
         padded to lanes of NEIGHBOUR_LANES, so the search reads contiguous vectors instead of gathering grid rows;
         dense_at[start] is where the list at neighbours[start] begins."""
         padded = -(-counts // NEIGHBOUR_LANES) * NEIGHBOUR_LANES
-        if padded.max() > MAX_NEIGHBOURS:
-            raise AssertionError("a neighbour list longer than MAX_NEIGHBOURS")
         dense_starts = np.concatenate([[0], np.cumsum(8 * padded)[:-1]])
         self.dense_at = np.zeros(len(self.neighbours), dtype=np.int32)
         self.dense_at[starts] = dense_starts
@@ -146,7 +143,7 @@ def _best_neighbour(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray,
                        count, (-xval[o], -xval[o + 1], -xval[o + 2], -xval[o + 3], -xval[o + 4], -xval[o + 5],
                                -xval[o + 6], -xval[o + 7]),
                        (waux[o], waux[o + 1], waux[o + 2], waux[o + 3], waux[o + 4], waux[o + 5], waux[o + 6],
-                        waux[o + 7]), scale)
+                        waux[o + 7]), scale, np.float32(1.0), np.float32(0.0))
     g = neighbours[start + 1 + j] if j >= 0 else -1
     for i in range(8):
         L[o + i] = levels[g, i]

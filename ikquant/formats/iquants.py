@@ -162,7 +162,7 @@ def _best_neighbour(grid: np.ndarray, lists: Lists, start: int, xval: np.ndarray
     count = neighbours[start]
     j = nearest_listed(dense, dense_at[start], (count + LANES - 1) // LANES * LANES, count,
                        (-xval[o], -xval[o + 1], -xval[o + 2], -xval[o + 3]), (w[o], w[o + 1], w[o + 2], w[o + 3]),
-                       scale)
+                       scale, np.float32(1.0), np.float32(0.0))
     g = neighbours[start + 1 + j] if j >= 0 else -1
     for i in range(4):
         out[o + i] = (grid[g, i] - 1) // 2

@@ -50,18 +50,22 @@ def _fold(builder: ir.IRBuilder, v: ir.Value, pick: str, floats: bool) -> ir.Val
 
 
 @intrinsic
-def nearest_listed(typingctx, dense, at, lanes, count, neg_x, w, scale):  # type: ignore[no-untyped-def]
+def nearest_listed(typingctx, dense, at, lanes, count, neg_x, w, scale, mul, add):  # type: ignore[no-untyped-def]
     """Position (0 .. count - 1) in its list of the neighbour with the least sum over the group of
     w_i (scale q_i - x_i)^2 (fmaf(scale, q, -x), then fmaf(w diff, diff, sum) from 0, as ik forms it), the first
-    of equal sums; -1 when no sum is below FLT_MAX. dense[at + i * lanes + j] is value i of neighbour j; neg_x and
-    w are tuples of the group's -x and weights (4 or 8 values)."""
+    of equal sums; -1 when no sum is below FLT_MAX. dense[at + i * lanes + j] is value i of neighbour j, stored as
+    an integer v with q = fmaf(v, mul, add) (1 and 0 where it is q itself); neg_x and w are tuples of the group's
+    -x and weights (4 or 8 values)."""
     group = len(neg_x)
-    sig = types.int64(dense, types.int64, types.int64, types.int64, neg_x, w, types.float32)
+    sig = types.int64(dense, types.int64, types.int64, types.int64, neg_x, w, types.float32, types.float32,
+                      types.float32)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        dense_v, at_v, lanes_v, count_v, neg_x_v, w_v, scale_v = args
+        dense_v, at_v, lanes_v, count_v, neg_x_v, w_v, scale_v, mul_v, add_v = args
         data = context.make_array(signature.args[0])(context, builder, value=dense_v).data
         vscale = _splat(builder, scale_v, _V8F)
+        vmul = _splat(builder, mul_v, _V8F)
+        vadd = _splat(builder, add_v, _V8F)
         vx = [_splat(builder, builder.extract_value(neg_x_v, i), _V8F) for i in range(group)]
         vw = [_splat(builder, builder.extract_value(w_v, i), _V8F) for i in range(group)]
         count32 = _splat(builder, builder.trunc(count_v, _I32), _V8I)
@@ -75,7 +79,8 @@ def nearest_listed(typingctx, dense, at, lanes, count, neg_x, w, scale):  # type
             d2 = zero
             for i in range(group):
                 row = builder.gep(data, [builder.add(off, builder.mul(ir.Constant(_I64, i), lanes_v))])
-                q = builder.uitofp(builder.load(builder.bitcast(row, _V8B.as_pointer()), align=1), _V8F)
+                v = builder.uitofp(builder.load(builder.bitcast(row, _V8B.as_pointer()), align=1), _V8F)
+                q = _fma(builder, v, vmul, vadd)
                 diff = _fma(builder, vscale, q, vx[i])
                 d2 = _fma(builder, builder.fmul(vw[i], diff), diff, d2)
             cur = builder.load(cur_p)
