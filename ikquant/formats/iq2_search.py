@@ -257,25 +257,35 @@ def _scale_code(id_: np.float32, scale: np.float32) -> int:
     return max(0, min(15, nearest_int_fma(np.float32(0.5), fmaf(id_, scale, np.float32(-1.0)))))
 
 
+@njit(inline="always", **NJIT)
+def _run_trials(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kmap: np.ndarray,
+                neighbours: np.ndarray, weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, eff_max: np.float32,
+                n_unfused: int, scale: np.float32, trials: Trials) -> tuple[int, np.float32, np.float32]:
+    """A sub-block's trials side by side: the inverse scales (5 + 0.1 k) / eff_max, k centred on 0, rounded (the
+    first n_unfused groups unfused), searched and fitted, then compared in ik's order: (chosen trial or -1, best,
+    scale, `scale` itself when no trial fits)."""
+    ids, levels_t, keys, _, sumqx, sumq2, _ = trials
+    for t in range(ids.size):
+        ids[t] = fmaf(np.float32(t - ids.size // 2), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / eff_max
+    _round_trials(ids, xval, n_unfused, levels_t, keys)
+    _search_trials(levels, dense, dense_at, kmap, neighbours, xval, waux, trials)
+    fit_trials(weight, xval, levels_t, sumqx, sumq2)
+    return best_trial(sumqx, sumq2, np.float32(0.0), scale)
+
+
 @njit(**NJIT)
 def _iq2_xxs_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kmap: np.ndarray,
                        neighbours: np.ndarray, weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, L: np.ndarray, Lqp: np.ndarray,
                        trials: Trials) -> np.float32:
     """Levels (into L) and scale of a 32-value IQ2_XXS sub-block; the 13 trials side by side as in IQ2_S's."""
-    ids, levels_t, _, _, sumqx, sumq2, _ = trials
     scale = make_qp_quants(K_MAX_Q + 1, xval, Lqp, weight)
     for i in range(32):
         L[i] = Lqp[i]
-    eff_max = scale * np.float32(K_MAX_Q)
-    for t in range(ids.size):
-        ids[t] = fmaf(np.float32(t - 6), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / eff_max
-    _round_trials(ids, xval, 0, levels_t, trials[2])
-    _search_trials(levels, dense, dense_at, kmap, neighbours, xval, waux, trials)
-    fit_trials(weight, xval, levels_t, sumqx, sumq2)
-    chosen, _, scale = best_trial(sumqx, sumq2, np.float32(0.0), scale)
+    chosen, _, scale = _run_trials(levels, dense, dense_at, kmap, neighbours, weight, waux, xval,
+                                   scale * np.float32(K_MAX_Q), 0, scale, trials)
     if chosen >= 0:
         for i in range(32):
-            L[i] = levels_t[i, chosen]
+            L[i] = trials[1][i, chosen]
     if scale > 0:
         id_ = np.float32(1.0) / scale
         for k in range(4):
@@ -400,15 +410,10 @@ def _iq2_xs_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarra
                       sumw: np.ndarray, trials: Trials) -> np.float32:
     """Levels (into L, left as they were when no trial fits) and scale of a 16-value IQ2_XS sub-block; the 15
     trials side by side as in IQ2_S's, the re-roundings after them one by one."""
-    ids, levels_t, _, points, sumqx, sumq2, _ = trials
+    levels_t, points = trials[1], trials[3]
     scale = _split_scale(weight, xval, order, sumx, sumw)
-    eff_max = scale * np.float32(2 * K_MAX_Q - 1)
-    for t in range(ids.size):
-        ids[t] = fmaf(np.float32(t - 7), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / eff_max
-    _round_trials(ids, xval, 0, levels_t, trials[2])
-    _search_trials(levels, dense, dense_at, kmap, neighbours, xval, waux, trials)
-    fit_trials(weight, xval, levels_t, sumqx, sumq2)
-    chosen, best, scale = best_trial(sumqx, sumq2, np.float32(0.0), scale)
+    chosen, best, scale = _run_trials(levels, dense, dense_at, kmap, neighbours, weight, waux, xval,
+                                      scale * np.float32(2 * K_MAX_Q - 1), 0, scale, trials)
     index[:] = 0
     if chosen >= 0:
         for i in range(16):
@@ -587,14 +592,10 @@ def _iq2_s_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray
     """Levels (into L, left as they were when no trial fits) and scale of a 16-value IQ2_S sub-block. The 19 trials
     are rounded and fitted side by side (_round_trials, fit_trials), the off-grid groups searched one by one, then
     compared in order as ik's loop compares them."""
-    ids, levels_t, keys, _, sumqx, sumq2, _ = trials
-    for t in range(ids.size):
-        ids[t] = fmaf(np.float32(t - 9), np.float32(0.1), np.float32(2 * K_MAX_Q - 1)) / mx
+    levels_t, keys = trials[1], trials[2]
     # ik's build rounds the first group's id x before subtracting 1 in the trials (the second's is fused)
-    _round_trials(ids, xval, 1, levels_t, keys)
-    _search_trials(levels, dense, dense_at, kmap, neighbours, xval, waux, trials)
-    fit_trials(weight, xval, levels_t, sumqx, sumq2)
-    chosen, _, scale = best_trial(sumqx, sumq2, np.float32(0.0), mx / np.float32(2 * K_MAX_Q - 1))
+    chosen, _, scale = _run_trials(levels, dense, dense_at, kmap, neighbours, weight, waux, xval, mx, 1,
+                                   mx / np.float32(2 * K_MAX_Q - 1), trials)
     if chosen < 0:
         return scale
     for i in range(16):
