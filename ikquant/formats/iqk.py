@@ -27,6 +27,7 @@ from ikquant.formats.iqk_grids import (
     grid_search,
     importance,
     iqk_qx_quants,
+    keep_better,
     nearest,
     nearest_iq2,
     sort_order,
@@ -105,33 +106,49 @@ def _refit(kind: int, base: int, xb: np.ndarray, wb: np.ndarray, d: np.float32) 
 # ------------------------------------------------------------------------------------------------------------ IQ2_K
 
 
+#: IQ2_K's grids: plain -31, -13, 1, 17 and shifted -26, -8, 6, 22
+_V0, _V1, _V3 = F(-31.0), F(-13.0), F(17.0)
+_S0, _S1, _S2, _S3 = F(-26.0), F(-8.0), F(6.0), F(22.0)
+
+
+@njit(inline="always", **NJIT)
+def _split_fits(i3: int, sumw: np.ndarray, sumx: np.ndarray, swi2: np.float32, sxi2: np.float32, tw: np.float32,
+                tx: np.float32, w1: np.float32, x1: np.float32, w2: np.float32, x2: np.float32, w3: np.float32,
+                x3: np.float32, w4: np.float32, x4: np.float32
+                ) -> tuple[np.float32, np.float32, np.float32, np.float32, np.float32, np.float32, np.float32,
+                           np.float32]:
+    """(sum w q^2, sum w q x) of the split whose last two runs start at i2 and i3, for the plain grid, the shifted
+    one, the plain reversed and the shifted reversed (w1..x4: the first two runs' sums of each)."""
+    cw = sumw[i3] - swi2
+    ew = tw - sumw[i3]
+    cx = sumx[i3] - sxi2
+    ex = tx - sumx[i3]
+    return (fmaf(ew * _V3, _V3, w1 + cw), fmaf(ex, _V3, x1 + cx),
+            fmaf(ew * _S3, _S3, fmaf(cw * _S2, _S2, w2)), fmaf(ex, _S3, fmaf(cx, _S2, x2)),
+            fmaf(ew * _V0, _V0, fmaf(cw * _V1, _V1, w3)), fmaf(ex, _V0, fmaf(cx, _V1, x3)),
+            fmaf(ew * _S0, _S0, fmaf(cw * _S1, _S1, w4)), fmaf(ex, _S0, fmaf(cx, _S1, x4)))
+
+
+@njit(inline="always", **NJIT)
+def _beats(sq2: np.float32, sqx: np.float32, best: np.float32) -> np.bool_:
+    """keep_better's test, without a branch."""
+    return (sq2 > 0) & (sqx * sqx > best * sq2)
+
+
 @njit(**NJIT)
 def _any_better(sumw: np.ndarray, sumx: np.ndarray, i2: int, swi2: np.float32, sxi2: np.float32, tw: np.float32,
                 tx: np.float32, w1: np.float32, x1: np.float32, w2: np.float32, x2: np.float32, w3: np.float32,
                 x3: np.float32, w4: np.float32, x4: np.float32, best: np.float32) -> bool:
     """Whether any split i3 >= i2 of _iq2k_search's innermost loop beats `best`, computed with the loop's own
-    arithmetic eight splits at a time (fixed lanes, those below i2 masked). While none does, best does not change
-    inside the loop, so the loop can be skipped; when one does, the loop runs as before, in order."""
-    v0, v1, v3 = F(-31.0), F(-13.0), F(17.0)
-    s0, s1, s2, s3 = F(-26.0), F(-8.0), F(6.0), F(22.0)
+    arithmetic (_split_fits) eight splits at a time (fixed lanes, those below i2 masked). While none does, best
+    does not change inside the loop, so the loop can be skipped; when one does, the loop runs as before, in order."""
     hit = False
     for first in range(0 if i2 < 8 else 8, 16, 8):
         for lane in range(8):
             i3 = first + lane
-            cw = sumw[i3] - swi2
-            ew = tw - sumw[i3]
-            cx = sumx[i3] - sxi2
-            ex = tx - sumx[i3]
-            q1 = fmaf(ew * v3, v3, w1 + cw)
-            p1 = fmaf(ex, v3, x1 + cx)
-            q2 = fmaf(ew * s3, s3, fmaf(cw * s2, s2, w2))
-            p2 = fmaf(ex, s3, fmaf(cx, s2, x2))
-            q3 = fmaf(ew * v0, v0, fmaf(cw * v1, v1, w3))
-            p3 = fmaf(ex, v0, fmaf(cx, v1, x3))
-            q4 = fmaf(ew * s0, s0, fmaf(cw * s1, s1, w4))
-            p4 = fmaf(ex, s0, fmaf(cx, s1, x4))
-            better = (((q1 > 0) & (p1 * p1 > best * q1)) | ((q2 > 0) & (p2 * p2 > best * q2))
-                      | ((q3 > 0) & (p3 * p3 > best * q3)) | ((q4 > 0) & (p4 * p4 > best * q4)))
+            q1, p1, q2, p2, q3, p3, q4, p4 = _split_fits(i3, sumw, sumx, swi2, sxi2, tw, tx, w1, x1, w2, x2, w3, x3,
+                                                         w4, x4)
+            better = _beats(q1, p1, best) | _beats(q2, p2, best) | _beats(q3, p3, best) | _beats(q4, p4, best)
             hit |= better & (i3 >= i2)
     return hit
 
@@ -152,8 +169,6 @@ def _iq2k_search(xb: np.ndarray, wb: np.ndarray, order: np.ndarray, sumx: np.nda
         jj = order[j]
         sumw[j + 1] = sumw[j] + wb[jj]
         sumx[j + 1] = fmaf(wb[jj], xb[jj], sumx[j])
-    v0, v1, v3 = F(-31.0), F(-13.0), F(17.0)  # plain grid -31, -13, 1, 17
-    s0, s1, s2, s3 = F(-26.0), F(-8.0), F(6.0), F(22.0)  # shifted grid
     tw = sumw[16]
     tx = sumx[16]
     best = F(0.0)
@@ -166,51 +181,25 @@ def _iq2k_search(xb: np.ndarray, wb: np.ndarray, order: np.ndarray, sumx: np.nda
             bw = sumw[i2] - aw
             bx = sumx[i2] - ax
             # first two runs of: plain, shifted, plain reversed, shifted reversed
-            w1 = fmaf(aw * v0, v0, (bw * v1) * v1)
-            x1 = fmaf(ax, v0, bx * v1)
-            w2 = fmaf(aw * s0, s0, (bw * s1) * s1)
-            x2 = fmaf(ax, s0, bx * s1)
-            w3 = fmaf(aw * v3, v3, bw)
-            x3 = fmaf(ax, v3, bx)
-            w4 = fmaf(aw * s3, s3, (bw * s2) * s2)
-            x4 = fmaf(ax, s3, bx * s2)
+            w1 = fmaf(aw * _V0, _V0, (bw * _V1) * _V1)
+            x1 = fmaf(ax, _V0, bx * _V1)
+            w2 = fmaf(aw * _S0, _S0, (bw * _S1) * _S1)
+            x2 = fmaf(ax, _S0, bx * _S1)
+            w3 = fmaf(aw * _V3, _V3, bw)
+            x3 = fmaf(ax, _V3, bx)
+            w4 = fmaf(aw * _S3, _S3, (bw * _S2) * _S2)
+            x4 = fmaf(ax, _S3, bx * _S2)
             swi2 = sumw[i2]
             sxi2 = sumx[i2]
             if not _any_better(sumw, sumx, i2, swi2, sxi2, tw, tx, w1, x1, w2, x2, w3, x3, w4, x4, best):
                 continue
             for i3 in range(i2, 16):
-                cw = sumw[i3] - swi2
-                ew = tw - sumw[i3]
-                cx = sumx[i3] - sxi2
-                ex = tx - sumx[i3]
-                sq2 = fmaf(ew * v3, v3, w1 + cw)
-                if sq2 > 0:
-                    sqx = fmaf(ex, v3, x1 + cx)
-                    if sqx * sqx > best * sq2:
-                        d = sqx / sq2
-                        best = d * sqx
-                        shifted = False
-                sq2 = fmaf(ew * s3, s3, fmaf(cw * s2, s2, w2))
-                if sq2 > 0:
-                    sqx = fmaf(ex, s3, fmaf(cx, s2, x2))
-                    if sqx * sqx > best * sq2:
-                        d = sqx / sq2
-                        best = d * sqx
-                        shifted = True
-                sq2 = fmaf(ew * v0, v0, fmaf(cw * v1, v1, w3))
-                if sq2 > 0:
-                    sqx = fmaf(ex, v0, fmaf(cx, v1, x3))
-                    if sqx * sqx > best * sq2:
-                        d = sqx / sq2
-                        best = d * sqx
-                        shifted = False
-                sq2 = fmaf(ew * s0, s0, fmaf(cw * s1, s1, w4))
-                if sq2 > 0:
-                    sqx = fmaf(ex, s0, fmaf(cx, s1, x4))
-                    if sqx * sqx > best * sq2:
-                        d = sqx / sq2
-                        best = d * sqx
-                        shifted = True
+                q1, p1, q2, p2, q3, p3, q4, p4 = _split_fits(i3, sumw, sumx, swi2, sxi2, tw, tx, w1, x1, w2, x2, w3,
+                                                             x3, w4, x4)
+                for sq2, sqx, on_shifted in ((q1, p1, False), (q2, p2, True), (q3, p3, False), (q4, p4, True)):
+                    d, best, better = keep_better(sqx, sq2, d, best)
+                    if better:
+                        shifted = on_shifted
     return d, shifted
 
 
