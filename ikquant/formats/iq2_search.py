@@ -163,8 +163,8 @@ def _rounded_key(id_: np.float32, xval: np.ndarray, o: int, L: np.ndarray, fused
 
 @njit(**NJIT)
 def _round_group(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kmap: np.ndarray,
-                 neighbours: np.ndarray, id_: np.float32, scale: np.float32, xval: np.ndarray, waux: np.ndarray, o: int,
-                 L: np.ndarray, fused: bool = True) -> tuple[int, bool]:
+                 neighbours: np.ndarray, id_: np.float32, scale: np.float32, xval: np.ndarray, waux: np.ndarray,
+                 o: int, L: np.ndarray, fused: bool = True) -> tuple[int, bool]:
     """Group xval[o:o+8] at inverse scale id_ (scale for the neighbour search): its levels into L[o:o+8], and
     (grid point, whether the rounded levels were one)."""
     g = kmap[_rounded_key(id_, xval, o, L, fused)]
@@ -275,8 +275,8 @@ def _run_trials(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kma
 
 @njit(**NJIT)
 def _iq2_xxs_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kmap: np.ndarray,
-                       neighbours: np.ndarray, weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, L: np.ndarray, Lqp: np.ndarray,
-                       trials: Trials) -> np.float32:
+                       neighbours: np.ndarray, weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, L: np.ndarray,
+                       Lqp: np.ndarray, trials: Trials) -> np.float32:
     """Levels (into L) and scale of a 32-value IQ2_XXS sub-block; the 13 trials side by side as in IQ2_S's."""
     scale = make_qp_quants(K_MAX_Q + 1, xval, Lqp, weight)
     for i in range(32):
@@ -405,8 +405,8 @@ def _split_scale(weight: np.ndarray, xval: np.ndarray, order: np.ndarray, sumx: 
 
 @njit(**NJIT)
 def _iq2_xs_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kmap: np.ndarray,
-                      neighbours: np.ndarray, weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, L: np.ndarray, Laux: np.ndarray,
-                      index: np.ndarray, aux_index: np.ndarray, order: np.ndarray, sumx: np.ndarray,
+                      neighbours: np.ndarray, weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, L: np.ndarray,
+                      Laux: np.ndarray, index: np.ndarray, aux_index: np.ndarray, order: np.ndarray, sumx: np.ndarray,
                       sumw: np.ndarray, trials: Trials) -> np.float32:
     """Levels (into L, left as they were when no trial fits) and scale of a 16-value IQ2_XS sub-block; the 15
     trials side by side as in IQ2_S's, the re-roundings after them one by one."""
@@ -589,9 +589,8 @@ def _round_trials(ids: np.ndarray, xval: np.ndarray, n_unfused: int, levels_t: n
 def _iq2_s_sub_block(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray, kmap: np.ndarray,
                      neighbours: np.ndarray, weight: np.ndarray, waux: np.ndarray, xval: np.ndarray, mx: np.float32,
                      L: np.ndarray, trials: Trials) -> np.float32:
-    """Levels (into L, left as they were when no trial fits) and scale of a 16-value IQ2_S sub-block. The 19 trials
-    are rounded and fitted side by side (_round_trials, fit_trials), the off-grid groups searched one by one, then
-    compared in order as ik's loop compares them."""
+    """Levels (into L, left as they were when no trial fits) and scale of a 16-value IQ2_S sub-block: the 19 trials
+    side by side (_run_trials), then the off-grid groups of the chosen one re-rounded at its fitted scale."""
     levels_t, keys = trials[1], trials[2]
     # ik's build rounds the first group's id x before subtracting 1 in the trials (the second's is fused)
     chosen, _, scale = _run_trials(levels, dense, dense_at, kmap, neighbours, weight, waux, xval, mx, 1,

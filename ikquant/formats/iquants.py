@@ -276,7 +276,7 @@ Trials = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.nd
 def _buffers(n_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, Trials]:
     """A sub-block's work arrays: weights, their roots, |x|, levels (chosen, refit), groups on the grid, and the
     trials of inverse scales k = -n_steps..n_steps, padded to whole 8-lane vectors."""
-    n_trials = (2 * n_steps + 1 + 7) // 8 * 8
+    n_trials = (2 * n_steps + LANES) // LANES * LANES
     trials = (np.empty(n_trials, dtype=np.float32), np.empty((BLOCK, n_trials), dtype=np.int32),
               np.empty((BLOCK // 4, n_trials), dtype=np.int32), np.empty(n_trials, dtype=np.float32),
               np.empty(n_trials, dtype=np.float32), np.zeros(BLOCK, dtype=np.int64))

@@ -834,8 +834,8 @@ class IntRows:
         u = np.empty((mp, self.u.shape[1]), np.uint8)
         scale, sums = np.empty((mp, nb), np.float32), np.empty((mp, nb), np.float32)
         isums = np.empty((mp, nb), np.int32)
-        _take_rows(self.u, self.scale, self.sums, self.isums, np.ascontiguousarray(rows, dtype=np.int64), u, scale, sums,
-                   isums)
+        _take_rows(self.u, self.scale, self.sums, self.isums, np.ascontiguousarray(rows, dtype=np.int64), u, scale,
+                   sums, isums)
         return IntRows(u=u, scale=scale, sums=sums, rows=m, block=self.block, isums=isums)
 
 
