@@ -5,10 +5,12 @@ statistics both families compute the same way.
 Each grid (ggml-common.h) holds the plain grid followed by a slightly shifted copy; a per-sub-block bit picks the
 copy. The per-value helpers read the tables as module globals and take a grid number (`kind` 3, 4, 5 or 6 for
 IQ3NL, IQ4K, IQ5NL, IQ6NL) rather than a table, because LLVM inlines a jitted helper only when it takes no arrays;
-the two array-taking helpers on hot paths (lane_sums, sort_order) are inlined by Numba instead (inline="always",
-worth 6-20 % on the searched types). Callers pass `kind` as a literal constant: Numba then compiles one copy per
-grid with the other grids' branches removed (a run-time `kind` made IQ4_KS and IQ5_KS 8-15 % slower). Every
-multiply-add is fused exactly where ik's GCC build fuses it.
+the array-taking helper on a hot path (sort_order) is inlined by Numba instead (inline="always"). Callers pass
+`kind` as a literal constant, so that Numba compiles one copy per grid with the other grids' branches removed. The
+scale search's trials run in grid_sums' vector IR over each grid's slot tables (slot_values): written as plain
+loops, LLVM vectorised them in some compiles and not in others (IQ4_KS at 7.9 or 1.7 M weights/s, IQ5_KS at 0.7,
+depending on the process that compiled it; ik: 5.4 and 4.9). Every multiply-add is fused exactly where ik's GCC
+build fuses it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ikquant.formats.grid_sums import slot_lane_sums
 from ikquant.formats.numeric import abs_max, fmaf, nearest_int_fma, trunc_i32
+from ikquant.formats.vector_ir import LANES
 
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
 F = np.float32
@@ -161,24 +165,26 @@ def keep_better(sumqx: np.float32, sumq2: np.float32, d: np.float32, best: np.fl
     return d, best, False
 
 
-def _neighbours(index: np.ndarray, n: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
-    """ik's lookup table up to its limit as two candidate entries per slot (equal where the slot answers alone),
-    with one slot more at each end for ik's clamps below the table and from its limit on."""
+def _slot_values(values: np.ndarray, index: np.ndarray, n: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """ik's lookup table up to its limit as the two candidate values per slot, [half, slot] (equal where the slot
+    answers alone), with one slot more at each end for ik's clamps below the table and from its limit on: what
+    grid_sums.slot_lane_sums reads."""
     index = index[:limit].astype(np.int64)
-    lo = np.where(index < n, index, index - n)
-    hi = np.where(index < n, index, index - n + 1)
-    return (np.concatenate([[0], lo, [n - 1]]).astype(np.int32), np.concatenate([[0], hi, [n - 1]]).astype(np.int32))
+    lo = np.concatenate([[0], np.where(index < n, index, index - n), [n - 1]])
+    hi = np.concatenate([[0], np.where(index < n, index, index - n + 1), [n - 1]])
+    halves = values.reshape(2, n)
+    return np.ascontiguousarray(halves[:, lo]), np.ascontiguousarray(halves[:, hi])
 
 
-_LO3, _HI3 = _neighbours(IQ3NL_INDEX, 8, 111)
-_LO4, _HI4 = _neighbours(IQ4NL_INDEX, 16, 241)
-_LO5, _HI5 = _neighbours(IQ5NL_INDEX, 32, 247)
-_LO6, _HI6 = _neighbours(IQ6NL_INDEX, 64, 249)
+_LO3, _HI3 = _slot_values(IQ3NL, IQ3NL_INDEX, 8, 111)
+_LO4, _HI4 = _slot_values(IQ4K, IQ4NL_INDEX, 16, 241)
+_LO5, _HI5 = _slot_values(IQ5NL, IQ5NL_INDEX, 32, 247)
+_LO6, _HI6 = _slot_values(IQ6NL, IQ6NL_INDEX, 64, 249)
 
 
 @njit(**NJIT)
-def neighbours(kind: int) -> tuple[np.ndarray, np.ndarray]:
-    """The two candidate entries per lookup slot of grid `kind` (see _neighbours)."""
+def slot_values(kind: int) -> tuple[np.ndarray, np.ndarray]:
+    """The two candidate values per lookup slot of grid `kind`, [half, slot] (see _slot_values)."""
     if kind == 3:
         return _LO3, _HI3
     if kind == 4:
@@ -188,87 +194,25 @@ def neighbours(kind: int) -> tuple[np.ndarray, np.ndarray]:
     return _LO6, _HI6
 
 
-@njit(inline='always', **NJIT)
-def nearest_value(kind: int, base: int, x: np.float32) -> np.float32:
-    """grid[base + nearest(kind, base, x)] without branches on x (whose slot and side of a midpoint are not
-    predictable): both candidates of x's slot are read and compared; a slot that answers alone has them equal."""
-    values, ivalues, _, _, limit = grid(kind)
-    lo_tab, hi_tab = neighbours(kind)
-    if kind == 6:
-        ix = trunc_i32(x - values[base])
-    else:
-        ix = np.int32(trunc_i32(x) - np.int32(ivalues[base]))
-    slot = min(max(ix + np.int32(1), np.int32(0)), np.int32(limit + 1))
-    vlo = values[base + lo_tab[slot]]
-    vhi = values[base + hi_tab[slot]]
-    return vlo if x - vlo < vhi - x else vhi
-
-
-def _step_rules(values: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per half and neighbouring pair j of a grid: (the step grid[j + 1] - grid[j], the threshold t_j at or above
-    which x takes the step outright, whether ik's rounded comparison decides below it), all [half, n - 1].
-
-    ik's table answers alone in a slot (x's integer part) without a midpoint inside, and compares the rounded
-    differences (grid[j + 1] - x <= x - grid[j]) in the slot that holds the midpoint; near a midpoint the rounded
-    comparison can differ from the exact one. A midpoint inside its slot (not an integer) is decided by the
-    comparison alone (t = inf); an integer midpoint m >= 1 starts a slot, so the exact x >= m decides (no
-    comparison); an integer midpoint m <= -1 ends the slot that compares, so x > m takes the step and the
-    comparison decides at or below m. (A midpoint 0 would sit inside the slot of width 2 that truncation makes
-    of (-1, 1); none of these grids has one.)"""
-    halves = values.astype(np.float64).reshape(2, n)
-    mids = (halves[:, :-1] + halves[:, 1:]) / 2
-    if (mids == 0).any():
-        raise AssertionError("a grid midpoint at 0: its rule is not written")
-    inside = mids != np.round(mids)
-    threshold = np.where(inside, np.inf, np.where(mids >= 1, mids, np.nextafter(mids.astype(np.float32), np.inf)))
-    return np.diff(halves, axis=1).astype(np.float32), threshold.astype(np.float32), inside | (mids <= -1)
-
-
-_S3, _T3, _F3 = _step_rules(IQ3NL, 8)
-_S4, _T4, _F4 = _step_rules(IQ4K, 16)
-_S5, _T5, _F5 = _step_rules(IQ5NL, 32)
-
-
-@njit(inline='always', **NJIT)
-def nearest_value_counted(kind: int, base: int, x: np.float32) -> np.float32:
-    """nearest_value of grids 3, 4 and 5 without a table: the half's first entry plus each step that ik's lookup
-    would take (_step_rules), and the half's first entry where ik's truncation to int overflows (x >= 2^31; NaN
-    takes no step). Only subtractions, compares, selects and adds, so a loop of them runs in vector lanes, where
-    table reads would be gathers LLVM does not emit. Checked equal to nearest_value once on every float32 of |x| < 512
-    and every third beyond, both halves of each grid (tests/test_iqk_grids.py: the edges and every 4093rd);
-    grid 6 keeps its tables."""
-    if kind == 3:
-        steps, thresholds, compared, values = _S3, _T3, _F3, IQ3NL
-    elif kind == 4:
-        steps, thresholds, compared, values = _S4, _T4, _F4, IQ4K
-    else:
-        steps, thresholds, compared, values = _S5, _T5, _F5, IQ5NL
-    half = 0 if base == 0 else 1
-    q = values[base]
-    for j in range(steps.shape[1]):
-        up = (x >= thresholds[half, j]) | (compared[half, j] & (values[base + j + 1] - x <= x - values[base + j]))
-        q += steps[half, j] if up else F(0.0)
-    return q if x < F(2147483648.0) else values[base]
-
-
-@njit(inline='always', **NJIT)
+@njit(**NJIT)
 def lane_sums(kind: int, base: int, xb: np.ndarray, wb: np.ndarray, inv: np.ndarray, sumqx: np.ndarray,
               sumq2: np.ndarray) -> None:
-    """Weighted sums (sum w q x, sum w q^2) of every trial inverse scale inv[l] at once, rounding x*inv[l] onto the
-    grid half at `base`: the trials in vector lanes, each lane's sums one chain over the sub-block in ik's order
-    (ik forms them one trial at a time, a chain of dependent multiply-adds each)."""
-    for lane in range(inv.size):
-        sumqx[lane] = F(0.0)
-        sumq2[lane] = F(0.0)
-    for j in range(xb.size):
-        x = xb[j]
-        w = wb[j]
-        for lane in range(inv.size):
-            al = inv[lane] * x
-            q = nearest_value(kind, base, al) if kind == 6 else nearest_value_counted(kind, base, al)
-            wq = w * q
-            sumqx[lane] = fmaf(wq, x, sumqx[lane])
-            sumq2[lane] = fmaf(wq, q, sumq2[lane])
+    """Weighted sums (sum w q x, sum w q^2) of every trial inverse scale inv[l] at once (inv.size a multiple of
+    LANES), rounding x*inv[l] onto the grid half at `base` as ik's lookup does: the trials in vector lanes, each
+    lane's sums one chain over the sub-block in ik's order (ik forms them one trial at a time)."""
+    values, ivalues, _, _, limit = grid(kind)
+    low, high = slot_values(kind)
+    half = 0 if base == 0 else 1
+    if kind == 6:
+        slot_lane_sums(xb, wb, inv, low[half], high[half], values[base], 0, limit, sumqx, sumq2)
+    else:
+        slot_lane_sums(xb, wb, inv, low[half], high[half], F(0.0), ivalues[base], limit, sumqx, sumq2)
+
+
+@njit(**NJIT)
+def _whole_vectors(lanes: int) -> int:
+    """lanes rounded up to whole vectors of LANES."""
+    return (lanes + LANES - 1) // LANES * LANES
 
 
 @njit(**NJIT)
@@ -280,12 +224,13 @@ def grid_search(kind: int, xb: np.ndarray, wb: np.ndarray, vmax: np.float32, ntr
     [-ntry, ntry] on the plain and on the shifted half, each both signs (-x*inv as x*(-inv): the same product).
     `guard_first` is IQ3_K's and IQ3_KS's check that the first fit has a positive denominator (the other types
     divide unconditionally). Every trial's sums are formed side by side (lane_sums: lanes 0, 1 the start, then
-    2 + 2 i + sign on the plain half, 2 + 2 n_inv + 2 i + sign on the shifted one), then compared in ik's order.
+    2 + 2 i + sign on the plain half, P + 2 i + sign on the shifted one, P the plain lanes padded to whole
+    vectors), then compared in ik's order.
     """
     values, ivalues, _, n, _ = grid(kind)
     n_inv = 2 * ntry + 1
-    plain = 2 + 2 * n_inv
-    inv = np.empty(plain + 2 * n_inv, dtype=np.float32)
+    plain = _whole_vectors(2 + 2 * n_inv)
+    inv = np.zeros(plain + _whole_vectors(2 * n_inv), dtype=np.float32)
     sumqx = np.empty(inv.size, dtype=np.float32)
     sumq2 = np.empty(inv.size, dtype=np.float32)
     d = -vmax / values[0]

@@ -17,33 +17,16 @@ from numba import types
 from numba.core import cgutils
 
 from ikquant.formats.jit import intrinsic
+from ikquant.formats.vector_ir import I32, I64, LANES, V8B, V8F, V8I, fma, splat
 
-LANES = 8
 FLT_MAX = 3.4028234663852886e38
-_F32 = ir.FloatType()
-_I8 = ir.IntType(8)
-_I32 = ir.IntType(32)
-_I64 = ir.IntType(64)
-_V8F = ir.VectorType(_F32, LANES)
-_V8I = ir.VectorType(_I32, LANES)
-_V8B = ir.VectorType(_I8, LANES)
-
-
-def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
-    v = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vector, ir.Undefined), ir.Constant(_V8I, [0] * LANES))
-
-
-def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
-    return builder.call(fn, [a, b, c])
 
 
 def _fold(builder: ir.IRBuilder, v: ir.Value, pick: str, floats: bool) -> ir.Value:
     """The lanes' minimum in every lane: three halving steps of shuffle and min."""
     for width in (4, 2, 1):
         mask = [(lane + width) % LANES for lane in range(LANES)]
-        other = builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), ir.Constant(_V8I, mask))
+        other = builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), ir.Constant(V8I, mask))
         less = builder.fcmp_ordered(pick, other, v) if floats else builder.icmp_signed(pick, other, v)
         v = builder.select(less, other, v)
     return v
@@ -63,40 +46,40 @@ def nearest_listed(typingctx, dense, at, lanes, count, neg_x, w, scale, mul, add
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         dense_v, at_v, lanes_v, count_v, neg_x_v, w_v, scale_v, mul_v, add_v = args
         data = context.make_array(signature.args[0])(context, builder, value=dense_v).data
-        vscale = _splat(builder, scale_v, _V8F)
-        vmul = _splat(builder, mul_v, _V8F)
-        vadd = _splat(builder, add_v, _V8F)
-        vx = [_splat(builder, builder.extract_value(neg_x_v, i), _V8F) for i in range(group)]
-        vw = [_splat(builder, builder.extract_value(w_v, i), _V8F) for i in range(group)]
-        count32 = _splat(builder, builder.trunc(count_v, _I32), _V8I)
-        inf = ir.Constant(_V8F, [float("inf")] * LANES)
-        zero = ir.Constant(_V8F, [0.0] * LANES)
+        vscale = splat(builder, scale_v, V8F)
+        vmul = splat(builder, mul_v, V8F)
+        vadd = splat(builder, add_v, V8F)
+        vx = [splat(builder, builder.extract_value(neg_x_v, i), V8F) for i in range(group)]
+        vw = [splat(builder, builder.extract_value(w_v, i), V8F) for i in range(group)]
+        count32 = splat(builder, builder.trunc(count_v, I32), V8I)
+        inf = ir.Constant(V8F, [float("inf")] * LANES)
+        zero = ir.Constant(V8F, [0.0] * LANES)
         best_p = cgutils.alloca_once_value(builder, inf)
-        pos_p = cgutils.alloca_once_value(builder, ir.Constant(_V8I, [-1] * LANES))
-        cur_p = cgutils.alloca_once_value(builder, ir.Constant(_V8I, list(range(LANES))))
-        with cgutils.for_range(builder, builder.sdiv(lanes_v, ir.Constant(_I64, LANES))) as loop:
-            off = builder.add(at_v, builder.mul(loop.index, ir.Constant(_I64, LANES)))
+        pos_p = cgutils.alloca_once_value(builder, ir.Constant(V8I, [-1] * LANES))
+        cur_p = cgutils.alloca_once_value(builder, ir.Constant(V8I, list(range(LANES))))
+        with cgutils.for_range(builder, builder.sdiv(lanes_v, ir.Constant(I64, LANES))) as loop:
+            off = builder.add(at_v, builder.mul(loop.index, ir.Constant(I64, LANES)))
             d2 = zero
             for i in range(group):
-                row = builder.gep(data, [builder.add(off, builder.mul(ir.Constant(_I64, i), lanes_v))])
-                v = builder.uitofp(builder.load(builder.bitcast(row, _V8B.as_pointer()), align=1), _V8F)
-                q = _fma(builder, v, vmul, vadd)
-                diff = _fma(builder, vscale, q, vx[i])
-                d2 = _fma(builder, builder.fmul(vw[i], diff), diff, d2)
+                row = builder.gep(data, [builder.add(off, builder.mul(ir.Constant(I64, i), lanes_v))])
+                v = builder.uitofp(builder.load(builder.bitcast(row, V8B.as_pointer()), align=1), V8F)
+                q = fma(builder, v, vmul, vadd)
+                diff = fma(builder, vscale, q, vx[i])
+                d2 = fma(builder, builder.fmul(vw[i], diff), diff, d2)
             cur = builder.load(cur_p)
             better = builder.and_(builder.fcmp_ordered("<", d2, builder.load(best_p)),
                                   builder.icmp_signed("<", cur, count32))
             builder.store(builder.select(better, d2, builder.load(best_p)), best_p)
             builder.store(builder.select(better, cur, builder.load(pos_p)), pos_p)
-            builder.store(builder.add(cur, ir.Constant(_V8I, [LANES] * LANES)), cur_p)
+            builder.store(builder.add(cur, ir.Constant(V8I, [LANES] * LANES)), cur_p)
         best = builder.load(best_p)
         least = _fold(builder, best, "<", True)
         at_least = builder.and_(builder.fcmp_ordered("==", best, least),
-                                builder.fcmp_ordered("<", least, ir.Constant(_V8F, [FLT_MAX] * LANES)))
-        big = ir.Constant(_V8I, [2**31 - 1] * LANES)
+                                builder.fcmp_ordered("<", least, ir.Constant(V8F, [FLT_MAX] * LANES)))
+        big = ir.Constant(V8I, [2**31 - 1] * LANES)
         first = _fold(builder, builder.select(at_least, builder.load(pos_p), big), "<", False)
-        winner = builder.extract_element(first, ir.Constant(_I32, 0))
-        found = builder.icmp_signed("!=", winner, ir.Constant(_I32, 2**31 - 1))
-        return builder.sext(builder.select(found, winner, ir.Constant(_I32, -1)), _I64)
+        winner = builder.extract_element(first, ir.Constant(I32, 0))
+        found = builder.icmp_signed("!=", winner, ir.Constant(I32, 2**31 - 1))
+        return builder.sext(builder.select(found, winner, ir.Constant(I32, -1)), I64)
 
     return sig, codegen
