@@ -165,13 +165,18 @@ def keep_better(sumqx: np.float32, sumq2: np.float32, d: np.float32, best: np.fl
     return d, best, False
 
 
+def _slot_codes(index: np.ndarray, n: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """ik's lookup table up to its limit as the two candidate codes (entries of a half) per slot, equal where the
+    slot answers alone, with one slot more at each end for ik's clamps below the table and from its limit on."""
+    index = index[:limit].astype(np.int32)
+    lo = np.concatenate([[0], np.where(index < n, index, index - n), [n - 1]]).astype(np.int32)
+    hi = np.concatenate([[0], np.where(index < n, index, index - n + 1), [n - 1]]).astype(np.int32)
+    return lo, hi
+
+
 def _slot_values(values: np.ndarray, index: np.ndarray, n: int, limit: int) -> tuple[np.ndarray, np.ndarray]:
-    """ik's lookup table up to its limit as the two candidate values per slot, [half, slot] (equal where the slot
-    answers alone), with one slot more at each end for ik's clamps below the table and from its limit on: what
-    grid_sums.slot_lane_sums reads."""
-    index = index[:limit].astype(np.int64)
-    lo = np.concatenate([[0], np.where(index < n, index, index - n), [n - 1]])
-    hi = np.concatenate([[0], np.where(index < n, index, index - n + 1), [n - 1]])
+    """The candidate codes' values per slot, [half, slot]: what grid_sums.slot_lane_sums reads."""
+    lo, hi = _slot_codes(index, n, limit)
     halves = values.reshape(2, n)
     return np.ascontiguousarray(halves[:, lo]), np.ascontiguousarray(halves[:, hi])
 
@@ -180,6 +185,8 @@ _LO3, _HI3 = _slot_values(IQ3NL, IQ3NL_INDEX, 8, 111)
 _LO4, _HI4 = _slot_values(IQ4K, IQ4NL_INDEX, 16, 241)
 _LO5, _HI5 = _slot_values(IQ5NL, IQ5NL_INDEX, 32, 247)
 _LO6, _HI6 = _slot_values(IQ6NL, IQ6NL_INDEX, 64, 249)
+#: grid 4's candidate codes per slot (IQ4_KSS's search needs the codes, not only their values)
+IQ4_SLOT_LOW, IQ4_SLOT_HIGH = _slot_codes(IQ4NL_INDEX, 16, 241)
 
 
 @njit(**NJIT)

@@ -21,10 +21,13 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.base import Codec
+from ikquant.formats.iq4kss_lanes import iq4kss_lane_sums
 from ikquant.formats.iqk_grids import (
     IQ2NL,
     IQ2NL_VALUES,
     IQ3NL,
+    IQ4_SLOT_HIGH,
+    IQ4_SLOT_LOW,
     IQ4K,
     IQ5NL,
     grid_search,
@@ -34,10 +37,12 @@ from ikquant.formats.iqk_grids import (
     nearest,
     nearest_iq2,
     nearest_plain_iq3,
+    slot_values,
     sort_order,
     sum_squares,
 )
 from ikquant.formats.numeric import abs_max, fmaf, load_f16, load_f32, nearest_int_fma, store_f16, store_f32
+from ikquant.formats.vector_ir import LANES
 
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
 KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
@@ -982,41 +987,37 @@ def _iq4kss_group(xb: np.ndarray, w: np.ndarray, k: int, off: int, id_: np.float
                          nearest(4, off, id_ * x3), off, x0, x1, x2, x3, w[p], w[p + 16], w[p + 1], w[p + 17], dl)
 
 
-@njit(inline="always", **NJIT)
-def _add_group(xb: np.ndarray, w: np.ndarray, k: int, off: int, q0: int, q1: int, q2: int, q3: int,
-               sumqx: np.float32, sumq2: np.float32) -> tuple[np.float32, np.float32]:
-    """The fit's sums (sum w q x, sum w q^2) with group k's codes added in ik's order."""
-    p = 2 * k
-    for j in range(4):
-        pos = p + (j >> 1) + 16 * (j & 1)
-        q = IQ4K[off + (q0 if j == 0 else (q1 if j == 1 else (q2 if j == 2 else q3)))]
-        wq = w[pos] * q
-        sumqx = fmaf(wq, xb[pos], sumqx)
-        sumq2 = fmaf(wq, q, sumq2)
-    return sumqx, sumq2
+#: IQ4_KSS's trial inverse scales per grid half: itry in [-7, 7], each with both signs, in lanes 2 t + sign
+KSS_TRIALS = 15
+KSS_LANES = (2 * KSS_TRIALS + LANES - 1) // LANES * LANES
 
 
 @njit(**NJIT)
 def _iq4kss_search(xb: np.ndarray, w: np.ndarray, vmax: np.float32) -> np.float32:
     """IQ4_KSS sub-block scale search: as IQ4_KS's, but every code group is parity-repaired before it is scored
-    (both signs are repaired at the positive trial scale, as ik does)."""
+    (both signs are repaired at the positive trial scale, as ik does). Every trial's sums are formed in lanes
+    (iq4kss_lane_sums), then compared in ik's order (itry, then the grid half, then the sign)."""
+    low, high = slot_values(4)
+    inv = np.zeros((2, KSS_LANES), dtype=np.float32)
+    dls = np.zeros((2, KSS_LANES), dtype=np.float32)
+    sumqx = np.empty((2, KSS_LANES), dtype=np.float32)
+    sumq2 = np.empty((2, KSS_LANES), dtype=np.float32)
+    for h in range(2):
+        off = 16 * h
+        for t in range(KSS_TRIALS):
+            id_ = np.float32(t - 7 + np.int64(IQ4K[off])) / vmax
+            inv[h, 2 * t] = id_
+            inv[h, 2 * t + 1] = -id_
+            dls[h, 2 * t] = np.float32(1.0) / id_
+            dls[h, 2 * t + 1] = dls[h, 2 * t]
+        iq4kss_lane_sums(xb, w, inv[h], dls[h], low[h], high[h], IQ4_SLOT_LOW, IQ4_SLOT_HIGH, IQ4K[:16],
+                         IQ4K[off : off + 16], np.int64(IQ4K[off]), 241, sumqx[h], sumq2[h])
     best = np.float32(0.0)
     d = -vmax / IQ4K[0]
-    for itry in range(-7, 8):
-        for off in (0, 16):
-            id_ = np.float32(itry + np.int64(IQ4K[off])) / vmax
-            this_d = np.float32(1.0) / id_
-            sumqx_p = np.float32(0.0)
-            sumq2_p = np.float32(0.0)
-            sumqx_m = np.float32(0.0)
-            sumq2_m = np.float32(0.0)
-            for k in range(SUB // 4):
-                p0, p1, p2, p3 = _iq4kss_group(xb, w, k, off, id_, this_d)
-                m0, m1, m2, m3 = _iq4kss_group(xb, w, k, off, -id_, this_d)
-                sumqx_p, sumq2_p = _add_group(xb, w, k, off, p0, p1, p2, p3, sumqx_p, sumq2_p)
-                sumqx_m, sumq2_m = _add_group(xb, w, k, off, m0, m1, m2, m3, sumqx_m, sumq2_m)
-            d, best, _ = keep_better(sumqx_p, sumq2_p, d, best)
-            d, best, _ = keep_better(sumqx_m, sumq2_m, d, best)
+    for t in range(KSS_TRIALS):
+        for h in range(2):
+            d, best, _ = keep_better(sumqx[h, 2 * t], sumq2[h, 2 * t], d, best)
+            d, best, _ = keep_better(sumqx[h, 2 * t + 1], sumq2[h, 2 * t + 1], d, best)
     return d
 
 

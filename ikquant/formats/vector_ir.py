@@ -32,15 +32,19 @@ def fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Valu
 
 
 def gather(builder: ir.IRBuilder, base: ir.Value, index: ir.Value) -> ir.Value:
-    """base[index[lane]] for eight int32 indices into a float32 array (one vgatherdps where the target has it)."""
+    """base[index[lane]] for eight int32 indices into an array of 32-bit floats or integers (one vgatherdps or
+    vpgatherdd where the target has them)."""
+    element = base.type.pointee
+    vector = ir.VectorType(element, LANES)
     offsets = builder.mul(builder.sext(index, V8L), ir.Constant(V8L, [4] * LANES))
-    pointers_t = ir.VectorType(F32.as_pointer(), LANES)
+    pointers_t = ir.VectorType(element.as_pointer(), LANES)
     pointers = builder.inttoptr(builder.add(splat(builder, builder.ptrtoint(base, I64), V8L), offsets), pointers_t)
     mask_t = ir.VectorType(I1, LANES)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8F, [pointers_t, I32, mask_t, V8F]),
-                                        "llvm.masked.gather.v8f32.v8p0")
+    name = "llvm.masked.gather.v8f32.v8p0" if element == F32 else "llvm.masked.gather.v8i32.v8p0"
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [pointers_t, I32, mask_t, vector]),
+                                        name)
     return builder.call(fn, [pointers, ir.Constant(I32, 4), ir.Constant(mask_t, [1] * LANES),
-                             ir.Constant(V8F, ir.Undefined)])
+                             ir.Constant(vector, ir.Undefined)])
 
 
 def load_vector(builder: ir.IRBuilder, data: ir.Value, at: ir.Value, vector: ir.VectorType) -> ir.Value:
