@@ -20,9 +20,10 @@ V8B = ir.VectorType(I8, LANES)
 
 
 def splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
-    """`value` in every lane of `vector`."""
+    """`value` in every lane of `vector` (of any width)."""
     v = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(vector, ir.Undefined), ir.Constant(V8I, [0] * LANES))
+    mask = ir.Constant(ir.VectorType(I32, vector.count), [0] * vector.count)
+    return builder.shuffle_vector(v, ir.Constant(vector, ir.Undefined), mask)
 
 
 def fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:

@@ -9,14 +9,15 @@ from numba import types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
+from ikquant.formats import vector_ir
+
 I32 = ir.IntType(32)
 V16I, V16F = ir.VectorType(I32, 16), ir.VectorType(ir.FloatType(), 16)
 
 
 def splat(builder: ir.IRBuilder, value: ir.Value, vty: ir.VectorType = V16F) -> ir.Value:
-    """`value` broadcast to the 16 lanes of a vector of type vty."""
-    one = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(vty, ir.Undefined), ir.Constant(V16I, [0] * 16))
+    """`value` broadcast to every lane of a vector of type vty (16 floats unless said)."""
+    return vector_ir.splat(builder, value, vty)
 
 
 @intrinsic
