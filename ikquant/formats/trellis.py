@@ -10,7 +10,8 @@ cell lists every entry that has the cell among its 32/8/8/6 nearest cell centres
 std::mt19937(1234) is never reached: all four types take its fixed-partition branch.) That set-up is rebuilt here
 exactly, once per process and in parallel (0.1 s CPU for IQ1_KT, 0.5 s for IQ2_KT/IQ3_KT, 0.9 s for IQ4_KT's two
 codebooks), and the cell members are stored coordinate by coordinate so that the search runs 8 candidates per vector
-instruction. Scores round like ik's AVX2 code (w * (d * d) per lane, summed in its horizontal-add tree), ties go to
+instruction, as int8 (the values are integers): IQ2_KT's and IQ3_KT's cells hold ~2050 members each, 4.0 MiB in all
+as int8 against 16 MiB as float32, and reading the float32 copy was what bounded their search. Scores round like ik's AVX2 code (w * (d * d) per lane, summed in its horizontal-add tree), ties go to
 the lower SIMD lane, then the earlier member, as in ik, and the scalar parts fuse multiply-adds exactly where ik's GCC
 build does (read from its assembly), so the bytes are ik's.
 """
@@ -141,7 +142,7 @@ class _Searcher(NamedTuple):
     mid: np.ndarray  # float32 [group]: sign-pattern thresholds (groups of 8)
     starts: np.ndarray  # int64 [cells + 1]: cell c holds members[starts[c]:starts[c + 1]]
     members: np.ndarray  # int32 codebook indices
-    coords: np.ndarray  # float32 [group, members.size]: coords[k, m] = values[members[m], k]
+    coords: np.ndarray  # int8 [group, members.size]: coords[k, m] = values[members[m], k] (integers)
 
 
 def _build_searcher(n_bits: int, group: int, offset: int, absolute: bool, n_near: int) -> _Searcher:
@@ -184,7 +185,7 @@ def _build_searcher(n_bits: int, group: int, offset: int, absolute: bool, n_near
     starts = np.zeros(n_cells + 1, dtype=np.int64)
     starts[1:] = np.cumsum([c.size for c in cells])
     members = np.concatenate(cells).astype(np.int32)
-    coords = np.ascontiguousarray(values[members].T)
+    coords = np.ascontiguousarray(values[members].T.astype(np.int8))
     return _Searcher(values, mid.astype(np.float32), starts, members, coords)
 
 
@@ -216,6 +217,7 @@ _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
 _V8F = ir.VectorType(_F32, 8)
 _V8I = ir.VectorType(_I32, 8)
+_V8B = ir.VectorType(ir.IntType(8), 8)
 
 
 def _splat8(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
@@ -239,7 +241,7 @@ def _scan_cell(typingctx, coords, start, n, xs, ws):  # type: ignore[no-untyped-
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         coords_v, start_v, n_v, xs_v, ws_v = args
         ary = context.make_array(signature.args[0])(context, builder, value=coords_v)
-        row_stride = builder.sdiv(builder.extract_value(ary.strides, 0), ir.Constant(_I64, 4))
+        row_stride = builder.extract_value(ary.strides, 0)
         vx = [_splat8(builder, builder.extract_value(xs_v, k)) for k in range(group)]
         vw = [_splat8(builder, builder.extract_value(ws_v, k)) for k in range(group)]
         rows = [
@@ -253,7 +255,8 @@ def _scan_cell(typingctx, coords, start, n, xs, ws):  # type: ignore[no-untyped-
             off = builder.mul(loop.index, ir.Constant(_I64, 8))
             t = []
             for k in range(group):
-                c = builder.load(builder.bitcast(builder.gep(rows[k], [off]), _V8F.as_pointer()), align=4)
+                c8 = builder.load(builder.bitcast(builder.gep(rows[k], [off]), _V8B.as_pointer()), align=1)
+                c = builder.sitofp(c8, _V8F)
                 d = builder.fsub(c, vx[k])
                 t.append(builder.fmul(vw[k], builder.fmul(d, d)))
             if group == 8:
