@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from numba import njit
 
+from ikquant.cpu import host_has
 from ikquant.formats.numeric import fmaf
-from ikrun.ops.cpu import host_has
 from ikrun.ops.fgemm import AVX2_TILE, GROUPS, K_STEP, ROWS, _tile, expert_matmul, experts_matmul
 
 

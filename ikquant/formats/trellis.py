@@ -10,7 +10,7 @@ cell lists every entry that has the cell among its 32/8/8/6 nearest cell centres
 std::mt19937(1234) is never reached: all four types take its fixed-partition branch.) That set-up is rebuilt here
 exactly, once per process and in parallel (0.1 s CPU for IQ1_KT, 0.5 s for IQ2_KT/IQ3_KT, 0.9 s for IQ4_KT's two
 codebooks), and the cell members are stored coordinate by coordinate so that the search runs 8 candidates per vector
-instruction, as int8 (the values are integers): IQ2_KT's and IQ3_KT's cells hold ~2050 members each, 4.0 MiB in all
+instruction (16 with AVX-512), as int8 (the values are integers): IQ2_KT's and IQ3_KT's cells hold ~2050 members each, 4.0 MiB in all
 as int8 against 16 MiB as float32, and reading the float32 copy was what bounded their search. Scores round like ik's AVX2 code (w * (d * d) per lane, summed in its horizontal-add tree), ties go to
 the lower SIMD lane, then the earlier member, as in ik, and the scalar parts fuse multiply-adds exactly where ik's GCC
 build does (read from its assembly), so the bytes are ik's.
@@ -27,6 +27,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 
+from ikquant.cpu import host_has
 from ikquant.formats.base import Codec
 from ikquant.formats.iqk_grids import IQ4K, keep_better, nearest
 from ikquant.formats.jit import intrinsic
@@ -142,7 +143,7 @@ class _Searcher(NamedTuple):
     mid: np.ndarray  # float32 [group]: sign-pattern thresholds (groups of 8)
     starts: np.ndarray  # int64 [cells + 1]: cell c holds members[starts[c]:starts[c + 1]]
     members: np.ndarray  # int32 codebook indices
-    coords: np.ndarray  # int8 [group, members.size]: coords[k, m] = values[members[m], k] (integers)
+    coords: np.ndarray  # int8 [group, members.size + COORD_PAD]: coords[k, m] = values[members[m], k]
 
 
 def _build_searcher(n_bits: int, group: int, offset: int, absolute: bool, n_near: int) -> _Searcher:
@@ -185,7 +186,8 @@ def _build_searcher(n_bits: int, group: int, offset: int, absolute: bool, n_near
     starts = np.zeros(n_cells + 1, dtype=np.int64)
     starts[1:] = np.cumsum([c.size for c in cells])
     members = np.concatenate(cells).astype(np.int32)
-    coords = np.ascontiguousarray(values[members].T.astype(np.int8))
+    coords = np.zeros((group, members.size + COORD_PAD), dtype=np.int8)
+    coords[:, : members.size] = values[members].T
     return _Searcher(values, mid.astype(np.float32), starts, members, coords)
 
 
@@ -215,49 +217,67 @@ def _searcher(name: str) -> _Searcher:
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
 _I64 = ir.IntType(64)
-_V8F = ir.VectorType(_F32, 8)
 _V8I = ir.VectorType(_I32, 8)
-_V8B = ir.VectorType(ir.IntType(8), 8)
+#: members scored per vector: 16 where the CPU has 512-bit registers (32 of them hold a group's splatted values
+#: and weights; 16 would spill), else ik's 8; the result is the same
+SCAN_LANES = 16 if host_has("avx512f") else 8
+#: zero columns after the last member, so that a scan's last vector may read past its cell
+COORD_PAD = 16
 
 
-def _splat8(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
-    v = builder.insert_element(ir.Constant(_V8F, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, ir.Constant(_V8F, ir.Undefined), ir.Constant(_V8I, [0] * 8))
+def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
+    v = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(_I32, 0))
+    mask = ir.Constant(ir.VectorType(_I32, vector.count), [0] * vector.count)
+    return builder.shuffle_vector(v, ir.Constant(vector, ir.Undefined), mask)
+
+
+def _halves(builder: ir.IRBuilder, v: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Lanes 0-7 and 8-15 of a 16-lane vector."""
+    undef = ir.Constant(v.type, ir.Undefined)
+    return (builder.shuffle_vector(v, undef, ir.Constant(_V8I, list(range(8)))),
+            builder.shuffle_vector(v, undef, ir.Constant(_V8I, list(range(8, 16)))))
 
 
 @intrinsic
 def _scan_cell(typingctx, coords, start, n, xs, ws):  # type: ignore[no-untyped-def]
     """Position of the best of the n cell members coords[:, start:start + n] for the scaled group xs, weights ws.
 
-    Written as 8-wide vector IR because it is the hot loop of every KT quantizer and LLVM does not vectorise an
-    argmin: like ik's AVX2 code, eight lanes each keep their first strict minimum (lane = member position % 8,
-    members stored one coordinate per row), the score of a member is w * (d * d) per coordinate summed in ik's
-    horizontal-add tree, and the lanes are merged in ik's lane order (for groups of 4 ik holds two candidates per
-    register, so its lane order is positions 0, 2, 4, 6, 1, 3, 5, 7). n must be a multiple of 8.
+    Written as vector IR because it is the hot loop of every KT quantizer and LLVM does not vectorise an argmin.
+    ik's AVX2 code has eight lanes each keep their first strict minimum (lane = member position % 8, members
+    stored one coordinate per row), scores a member as w * (d * d) per coordinate summed in its horizontal-add
+    tree, and merges the lanes in its lane order (for groups of 4 it holds two candidates per register, so its
+    lane order is positions 0, 2, 4, 6, 1, 3, 5, 7). Here SCAN_LANES members are scored at once; with 16, lanes
+    l and l + 8 together hold ik's lane l, merged as its first strict minimum (the lesser score, on a tie the
+    earlier position) before ik's merge. n must be a multiple of 8; the coordinates are int8.
     """
     group = len(xs)
+    lanes = SCAN_LANES
+    vf, vi = ir.VectorType(_F32, lanes), ir.VectorType(_I32, lanes)
+    vb = ir.VectorType(ir.IntType(8), lanes)
     sig = types.int64(coords, types.int64, types.int64, xs, ws)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         coords_v, start_v, n_v, xs_v, ws_v = args
         ary = context.make_array(signature.args[0])(context, builder, value=coords_v)
         row_stride = builder.extract_value(ary.strides, 0)
-        vx = [_splat8(builder, builder.extract_value(xs_v, k)) for k in range(group)]
-        vw = [_splat8(builder, builder.extract_value(ws_v, k)) for k in range(group)]
+        vx = [_splat(builder, builder.extract_value(xs_v, k), vf) for k in range(group)]
+        vw = [_splat(builder, builder.extract_value(ws_v, k), vf) for k in range(group)]
         rows = [
             builder.gep(ary.data, [builder.add(builder.mul(ir.Constant(_I64, k), row_stride), start_v)])
             for k in range(group)
         ]
-        best_p = cgutils.alloca_once_value(builder, ir.Constant(_V8F, [float("inf")] * 8))
-        pos_p = cgutils.alloca_once_value(builder, ir.Constant(_V8I, [-1] * 8))
-        cur_p = cgutils.alloca_once_value(builder, ir.Constant(_V8I, list(range(8))))
-        with cgutils.for_range(builder, builder.sdiv(n_v, ir.Constant(_I64, 8))) as loop:
-            off = builder.mul(loop.index, ir.Constant(_I64, 8))
+        inf = ir.Constant(vf, [float("inf")] * lanes)
+        count = _splat(builder, builder.trunc(n_v, _I32), vi)
+        best_p = cgutils.alloca_once_value(builder, inf)
+        pos_p = cgutils.alloca_once_value(builder, ir.Constant(vi, [-1] * lanes))
+        cur_p = cgutils.alloca_once_value(builder, ir.Constant(vi, list(range(lanes))))
+        def score(off: ir.Value, masked: bool) -> None:
+            """Score the members at off .. off + lanes - 1 and keep each lane's first strict minimum; masked: only
+            those below n (the last, part-filled vector; the padding makes its loads safe)."""
             t = []
             for k in range(group):
-                c8 = builder.load(builder.bitcast(builder.gep(rows[k], [off]), _V8B.as_pointer()), align=1)
-                c = builder.sitofp(c8, _V8F)
-                d = builder.fsub(c, vx[k])
+                c8 = builder.load(builder.bitcast(builder.gep(rows[k], [off]), vb.as_pointer()), align=1)
+                d = builder.fsub(builder.sitofp(c8, vf), vx[k])
                 t.append(builder.fmul(vw[k], builder.fmul(d, d)))
             if group == 8:
                 s = builder.fadd(
@@ -269,11 +289,27 @@ def _scan_cell(typingctx, coords, start, n, xs, ws):  # type: ignore[no-untyped-
             best = builder.load(best_p)
             cur = builder.load(cur_p)
             better = builder.fcmp_ordered("<", s, best)
+            if masked:
+                better = builder.and_(better, builder.icmp_signed("<", cur, count))
             builder.store(builder.select(better, s, best), best_p)
             builder.store(builder.select(better, cur, builder.load(pos_p)), pos_p)
-            builder.store(builder.add(cur, ir.Constant(_V8I, [8] * 8)), cur_p)
+            builder.store(builder.add(cur, ir.Constant(vi, [lanes] * lanes)), cur_p)
+
+        full = builder.sdiv(n_v, ir.Constant(_I64, lanes))
+        with cgutils.for_range(builder, full) as loop:
+            score(builder.mul(loop.index, ir.Constant(_I64, lanes)), False)
+        with builder.if_then(builder.icmp_signed("!=", builder.srem(n_v, ir.Constant(_I64, lanes)),
+                                                 ir.Constant(_I64, 0))):
+            score(builder.mul(full, ir.Constant(_I64, lanes)), True)
         best = builder.load(best_p)
         pos = builder.load(pos_p)
+        if lanes == 16:
+            (b_lo, b_hi), (p_lo, p_hi) = _halves(builder, best), _halves(builder, pos)
+            high = builder.or_(builder.fcmp_ordered("<", b_hi, b_lo),
+                               builder.and_(builder.fcmp_ordered("==", b_hi, b_lo),
+                                            builder.icmp_signed("<", p_hi, p_lo)))
+            best = builder.select(high, b_hi, b_lo)
+            pos = builder.select(high, p_hi, p_lo)
         top = ir.Constant(_F32, float("inf"))
         winner = ir.Constant(_I32, 0)
         for lane in range(8) if group == 8 else (0, 2, 4, 6, 1, 3, 5, 7):

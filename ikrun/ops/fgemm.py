@@ -20,8 +20,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic, overload
 
+from ikquant.cpu import host_has
 from ikquant.formats.numeric import widen_16
-from ikrun.ops.cpu import host_has
 from ikrun.ops.parallel import claim_items, run_claimed, task_items
 
 LANES = 16  # tokens per vector

@@ -37,9 +37,9 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
+from ikquant.cpu import host_has
 from ikquant.formats.numeric import fmaf
 from ikrun.ops.activations import ik_expf, ik_expf_avx2
-from ikrun.ops.cpu import host_has
 from ikrun.ops.parallel import claim_items, task_items
 from ikrun.ops.simd import V16F, splat
 

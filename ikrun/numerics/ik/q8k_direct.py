@@ -26,10 +26,10 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
+from ikquant.cpu import host_has
 from ikquant.formats.iqk_grids import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
 from ikquant.formats.numeric import f32_from_bits, load_f16, load_f32, round_f16
 from ikrun.numerics.ik.qgemm import GROUPS, LANES, ORDER_R16, PackedInts
-from ikrun.ops.cpu import host_has
 from ikrun.ops.parallel import claim_items, task_items
 
 SUPER = 256  # values per Q8_K block

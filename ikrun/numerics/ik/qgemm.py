@@ -30,8 +30,8 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
+from ikquant.cpu import host_has
 from ikquant.formats.numeric import fmaf
-from ikrun.ops.cpu import host_has
 from ikrun.ops.parallel import TASKS_PER_THREAD, claim, claim_items, pick, task_items
 from ikrun.ops.simd import splat
 

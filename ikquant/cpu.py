@@ -1,4 +1,5 @@
-"""What the CPU the kernels are compiled for can do, so a kernel can pick the register tile that fits it.
+"""What the CPU the kernels are compiled for can do, so a kernel can pick the vector width or register tile that fits
+it.
 
 Numba compiles for the host unless NUMBA_CPU_NAME names another CPU (a cache shared between machines): then no
 feature is assumed and the kernels take their portable shapes.
