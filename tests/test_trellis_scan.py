@@ -4,7 +4,7 @@ scores w * (d * d) summed in ik's tree, each lane's first strict minimum, the la
 import numpy as np
 from numba import njit
 
-from ikquant.formats.trellis import COORD_PAD, _scan_cell
+from ikquant.formats.trellis import COORD_PAD, _bin5_scalar, _scan_cell
 
 
 @njit
@@ -53,3 +53,19 @@ def test_scan_is_iks_eight_lane_search() -> None:
                 x = rng.standard_normal(group).astype(np.float32)
             want = _iks_choice(coords[:, start : start + members], x, w)
             assert scan(coords, start, members, x, w) == want, (group, trial)
+
+
+def _iks_bin(v: float) -> int:
+    for edge, b in ((-48.0, 0), (-16.0, 1), (16.0, 2), (48.0, 3)):
+        if v < edge:
+            return b
+    return 4
+
+
+def test_bins_are_iks() -> None:
+    """IQ4_KT's cell bins at and beside each edge, at the extremes and for NaN (ik's comparisons put it on top)."""
+    edges = np.array([-48.0, -16.0, 16.0, 48.0], dtype=np.float32)
+    values = np.concatenate([edges, np.nextafter(edges, np.float32(np.inf)), np.nextafter(edges, np.float32(-np.inf)),
+                             np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3e38, -3e38], dtype=np.float32)])
+    for v in values:
+        assert _bin5_scalar(v) == _iks_bin(float(v)), v
