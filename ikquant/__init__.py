@@ -11,6 +11,7 @@ import hashlib
 import importlib
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -105,8 +106,13 @@ def _numba_cache_dir() -> str | None:
     return str(here)
 
 
-# read by Numba when it is first imported, which nothing here has done yet; a folder the user chose is kept
+# read by Numba when it is first imported; a folder the user chose is kept. A program that imported Numba first
+# (a script, a notebook) has it read again here: Numba picks a kernel's cache folder when the kernel is defined, and
+# would otherwise put every kernel defined before its first compile beside the source, where a change to a helper
+# in another module leaves the kernels that inline it stale.
 if "NUMBA_CACHE_DIR" not in os.environ:
     _cache = _numba_cache_dir()
     if _cache is not None:
         os.environ["NUMBA_CACHE_DIR"] = _cache
+        if "numba.core.config" in sys.modules:
+            sys.modules["numba.core.config"].reload_config()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,3 +31,21 @@ def test_the_running_process_uses_it() -> None:
     from numba.core import config
 
     assert os.environ["NUMBA_CACHE_DIR"] == config.CACHE_DIR
+
+
+def test_a_program_that_imported_numba_first_uses_it(tmp_path: Path) -> None:
+    """`import numba` before `import ikquant` (a script, a notebook): the kernels still cache in the per-version
+    folder, none beside the sources."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    program = ("import numba, numpy as np, ikquant\n"
+               "from numba.core import config\n"
+               "x = np.ones((2, 256), dtype=np.float32)\n"
+               "ikquant.type_by_name('Q4_0').require_codec().quantize(x, None)\n"
+               "print(config.CACHE_DIR)\n")
+    sources = Path(ikquant.__file__).parent
+    before = set(sources.rglob("*.nbi"))
+    out = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, check=True)
+    assert Path(out.stdout.strip()).parent == tmp_path / "iktools" / "numba"
+    assert set(sources.rglob("*.nbi")) == before
+    assert any((tmp_path / "iktools" / "numba").rglob("*.nbi"))
