@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 from numba import njit
 
+from ikquant import type_by_name
 from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, f32_to_f16_bits
 
 
@@ -66,3 +72,23 @@ def test_every_f16_widens_exactly() -> None:
     hn = h[nan].astype(np.uint32)
     expect = ((hn & 0x8000) << 16) | 0x7FC00000 | ((hn & 0x3FF) << 13)
     np.testing.assert_array_equal(got[nan], expect)
+
+
+def test_a_cpu_without_f16c_converts_alike(tmp_path: Path) -> None:
+    """NUMBA_CPU_NAME=generic (no F16C: LLVM calls the runtime's conversion functions, which the JIT must be given):
+    the conversions pass the tests above and Q4_K's blocks (f16 scales) come out as on this host."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((8, 512)) * rng.lognormal(0, 2, (8, 1))).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    host = type_by_name("Q4_K").require_codec().quantize(x, None)
+    program = ("import numpy as np, sys\n"
+               "from ikquant import type_by_name\n"
+               "from tests import test_f16_bits as t\n"
+               "t.test_every_float_near_an_f16_rounds_to_nearest_even()\n"
+               "t.test_random_floats_and_nans()\n"
+               "t.test_every_f16_widens_exactly()\n"
+               f"x = np.load({str(tmp_path / 'x.npy')!r})\n"
+               f"np.save({str(tmp_path / 'q.npy')!r}, type_by_name('Q4_K').require_codec().quantize(x, None))\n")
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    subprocess.run([sys.executable, "-c", program], env=env, check=True, cwd=Path(__file__).resolve().parent.parent)
+    np.testing.assert_array_equal(np.load(tmp_path / "q.npy"), host)

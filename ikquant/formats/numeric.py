@@ -8,14 +8,36 @@ float32 as long as every constant is wrapped in `np.float32`, and `fmaf` is LLVM
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import numpy as np
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import njit, types
 from numba.core import cgutils
 
+from ikquant.cpu import host_has
 from ikquant.formats.jit import intrinsic
 
 NJIT = dict(cache=True, nogil=True)
+
+
+def _link_half_conversions() -> None:
+    """On a CPU without F16C (or with NUMBA_CPU_NAME naming a generic one) LLVM compiles a float <-> half conversion
+    into a call of __truncsfhf2 / __extendhfsf2, which Numba's JIT cannot resolve: the process aborts when the
+    first kernel converting an f16 scale is linked. They are libgcc's (GCC 12 and later); point the JIT at them.
+    Both round as F16C does (nearest even, subnormals kept; the test compares them on every f16 neighbourhood)."""
+    if host_has("f16c"):
+        return
+    try:
+        libgcc = ctypes.CDLL(ctypes.util.find_library("gcc_s") or "libgcc_s.so.1")
+        for name in ("__truncsfhf2", "__extendhfsf2"):
+            binding.add_symbol(name, ctypes.cast(getattr(libgcc, name), ctypes.c_void_p).value)
+    except (OSError, AttributeError):
+        pass  # no GCC 12 runtime: the kernels that convert f16 then cannot be linked on this CPU
+
+
+_link_half_conversions()
 
 
 def _bitcast(result: types.Type, argument: types.Type, target: ir.Type):  # type: ignore[no-untyped-def]
