@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 from numba import njit
 
-from ikquant.formats.listed_search import LANES, nearest_listed
+from ikquant.formats.listed_search import nearest_listed
 from ikquant.formats.numeric import fmaf
+from ikquant.formats.vector_ir import whole_vectors
 
 FLT_MAX = np.float32(3.4028235e38)
 
@@ -27,27 +28,26 @@ def _reference(q: np.ndarray, neg_x: np.ndarray, w: np.ndarray, scale: np.float3
 
 
 @njit
-def _vector4(dense: np.ndarray, at: int, lanes: int, count: int, neg_x: np.ndarray, w: np.ndarray,
-             scale: np.float32) -> int:
-    return nearest_listed(dense, at, lanes, count, (neg_x[0], neg_x[1], neg_x[2], neg_x[3]),
+def _vector4(dense: np.ndarray, at: int, count: int, neg_x: np.ndarray, w: np.ndarray, scale: np.float32) -> int:
+    return nearest_listed(dense, at, count, (neg_x[0], neg_x[1], neg_x[2], neg_x[3]),
                           (w[0], w[1], w[2], w[3]), scale, np.float32(1.0), np.float32(0.0))
 
 
 @njit
-def _vector8(dense: np.ndarray, at: int, lanes: int, count: int, neg_x: np.ndarray, w: np.ndarray,
-             scale: np.float32) -> int:
-    return nearest_listed(dense, at, lanes, count,
+def _vector8(dense: np.ndarray, at: int, count: int, neg_x: np.ndarray, w: np.ndarray, scale: np.float32) -> int:
+    return nearest_listed(dense, at, count,
                           (neg_x[0], neg_x[1], neg_x[2], neg_x[3], neg_x[4], neg_x[5], neg_x[6], neg_x[7]),
                           (w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]), scale, np.float32(0.5),
                           np.float32(-1.25))
 
 
-def _dense(q: np.ndarray, at: int) -> tuple[np.ndarray, int]:
-    """q [count, group] laid out value-major in whole lanes after `at` bytes of padding (the lists sit at offsets)."""
-    lanes = -(-q.shape[0] // LANES) * LANES
+def _dense(q: np.ndarray, at: int) -> np.ndarray:
+    """q [count, group] laid out value-major in whole vectors after `at` bytes of padding (the lists sit at
+    offsets)."""
+    lanes = whole_vectors(q.shape[0])
     block = np.full((q.shape[1], lanes), 255, dtype=np.uint8)  # padding lanes hold large magnitudes: they must lose
     block[:, : q.shape[0]] = q.T
-    return np.concatenate([np.zeros(at, np.uint8), block.ravel()]), lanes
+    return np.concatenate([np.zeros(at, np.uint8), block.ravel()])
 
 
 @pytest.mark.parametrize("group", [4, 8])
@@ -73,8 +73,8 @@ def test_first_least_sum_as_iks_loop(group: int) -> None:
         if trial % 50 == 3:
             scale = np.float32(1e30)
         at = int(rng.integers(0, 5))
-        dense, lanes = _dense(q, at)
+        dense = _dense(q, at)
         mul, add = (np.float32(1.0), np.float32(0.0)) if group == 4 else (np.float32(0.5), np.float32(-1.25))
-        assert vector(dense, at, lanes, count, neg_x, w, scale) == _reference(q, neg_x, w, scale, mul, add), trial
+        assert vector(dense, at, count, neg_x, w, scale) == _reference(q, neg_x, w, scale, mul, add), trial
         cases += 1
     assert cases == 3000

@@ -42,7 +42,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.iq2_search import NEIGHBOUR_LANES, grid_tables
+from ikquant.formats.iq2_search import grid_tables
 from ikquant.formats.listed_search import nearest_listed
 from ikquant.formats.numeric import f32_to_f16_bits, fmaf, nearest_int, store_f16
 
@@ -114,8 +114,8 @@ def _grid_point(grid: tuple, x: np.ndarray, o: int, weight: np.ndarray, wo: int,
         return g, True
     start = -g - 1
     count = neighbours[start]
-    j = nearest_listed(dense, dense_at[start], (count + NEIGHBOUR_LANES - 1) // NEIGHBOUR_LANES * NEIGHBOUR_LANES,
-                       count, (-x[o], -x[o + 1], -x[o + 2], -x[o + 3], -x[o + 4], -x[o + 5], -x[o + 6], -x[o + 7]),
+    j = nearest_listed(dense, dense_at[start], count,
+                       (-x[o], -x[o + 1], -x[o + 2], -x[o + 3], -x[o + 4], -x[o + 5], -x[o + 6], -x[o + 7]),
                        (weight[wo], weight[wo + 1], weight[wo + 2], weight[wo + 3], weight[wo + 4], weight[wo + 5],
                         weight[wo + 6], weight[wo + 7]), scale, np.float32(0.5), shifted[0] - np.float32(0.5))
     best = neighbours[start + 1 + max(j, 0)]  # no finite sum: ik keeps the list's first

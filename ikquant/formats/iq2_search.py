@@ -44,9 +44,10 @@ from ikquant.formats.iq12_grids import KGRID_IQ1S, KGRID_IQ2S, KGRID_IQ2XS, KGRI
 from ikquant.formats.iqk_grids import sum_squares
 from ikquant.formats.iquants import KSIGNS
 from ikquant.formats.kquants import make_qp_quants
-from ikquant.formats.listed_search import LANES, nearest_listed
+from ikquant.formats.listed_search import nearest_listed
 from ikquant.formats.numeric import fmaf, nearest_int_fma, store_f16
 from ikquant.formats.trials import best_trial, fit_trials
+from ikquant.formats.vector_ir import whole_vectors
 
 QK_K = 256
 IQ2_XXS_BYTES = 66  # d (2), per 32 values: 4 grid bytes, then a u32 of 4 x 7 sign bits and the 4-bit scale
@@ -55,7 +56,6 @@ IQ2_S_BYTES = 82  # d (2), 32 grid index bytes, 32 sign bytes, 8 bytes of index 
 GROUP_MAX_EPS = np.float32(1e-15)  # ik: a sub-block below this maximum is stored as zeros (IQ2_XXS, IQ2_XS)
 GROUP_MAX_EPS_IQ2_S = np.float32(1e-8)
 K_MAX_Q = 3  # levels 0..2: magnitudes 1, 3, 5
-NEIGHBOUR_LANES = LANES  # the dense neighbour lists are padded to whole vectors of listed_search
 #: kmap entry of a key with a level 3, which no rounding forms (the levels are clamped to 0..2)
 NO_POINT = np.int32(np.iinfo(np.int32).min)
 NAN_F16 = 0x7E00
@@ -100,9 +100,9 @@ class GridTables:
     def _dense_lists(self, starts: np.ndarray, counts: np.ndarray, key_row: np.ndarray, rank: np.ndarray,
                      point: np.ndarray) -> None:
         """Each list's magnitudes again as uint8, value-major (value i of neighbours j, j+1, ... adjacent) and
-        padded to lanes of NEIGHBOUR_LANES, so the search reads contiguous vectors instead of gathering grid rows;
+        padded to whole vectors of listed_search, so it reads contiguous vectors instead of gathering grid rows;
         dense_at[start] is where the list at neighbours[start] begins."""
-        padded = -(-counts // NEIGHBOUR_LANES) * NEIGHBOUR_LANES
+        padded = whole_vectors(counts)
         dense_starts = np.concatenate([[0], np.cumsum(8 * padded)[:-1]])
         self.dense_at = np.zeros(len(self.neighbours), dtype=np.int32)
         self.dense_at[starts] = dense_starts
@@ -139,9 +139,9 @@ def _best_neighbour(levels: np.ndarray, dense: np.ndarray, dense_at: np.ndarray,
     waux (scale q - x)^2, the first on ties; its levels into L[o:o+8] (ik's index -1, the last point, when no sum
     is finite)."""
     count = neighbours[start]
-    j = nearest_listed(dense, dense_at[start], (count + NEIGHBOUR_LANES - 1) // NEIGHBOUR_LANES * NEIGHBOUR_LANES,
-                       count, (-xval[o], -xval[o + 1], -xval[o + 2], -xval[o + 3], -xval[o + 4], -xval[o + 5],
-                               -xval[o + 6], -xval[o + 7]),
+    j = nearest_listed(dense, dense_at[start], count,
+                       (-xval[o], -xval[o + 1], -xval[o + 2], -xval[o + 3], -xval[o + 4], -xval[o + 5],
+                        -xval[o + 6], -xval[o + 7]),
                        (waux[o], waux[o + 1], waux[o + 2], waux[o + 3], waux[o + 4], waux[o + 5], waux[o + 6],
                         waux[o + 7]), scale, np.float32(1.0), np.float32(0.0))
     g = neighbours[start + 1 + j] if j >= 0 else -1

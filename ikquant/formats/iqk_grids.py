@@ -20,7 +20,7 @@ from numba import njit
 
 from ikquant.formats.grid_sums import slot_lane_sums
 from ikquant.formats.numeric import abs_max, fmaf, nearest_int_fma, trunc_i32
-from ikquant.formats.vector_ir import LANES
+from ikquant.formats.vector_ir import whole_vectors
 
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
 F = np.float32
@@ -217,12 +217,6 @@ def lane_sums(kind: int, base: int, xb: np.ndarray, wb: np.ndarray, inv: np.ndar
 
 
 @njit(**NJIT)
-def _whole_vectors(lanes: int) -> int:
-    """lanes rounded up to whole vectors of LANES."""
-    return (lanes + LANES - 1) // LANES * LANES
-
-
-@njit(**NJIT)
 def grid_search(kind: int, xb: np.ndarray, wb: np.ndarray, vmax: np.float32, ntry: int, step: int,
                 guard_first: bool) -> tuple[np.float32, bool]:
     """ik's sub-block scale search on grid `kind`: (best weighted least-squares scale, whether the shifted half won).
@@ -236,8 +230,8 @@ def grid_search(kind: int, xb: np.ndarray, wb: np.ndarray, vmax: np.float32, ntr
     """
     values, ivalues, _, n, _ = grid(kind)
     n_inv = 2 * ntry + 1
-    plain = _whole_vectors(2 + 2 * n_inv)
-    inv = np.zeros(plain + _whole_vectors(2 * n_inv), dtype=np.float32)
+    plain = whole_vectors(2 + 2 * n_inv)
+    inv = np.zeros(plain + whole_vectors(2 * n_inv), dtype=np.float32)
     sumqx = np.empty(inv.size, dtype=np.float32)
     sumq2 = np.empty(inv.size, dtype=np.float32)
     d = -vmax / values[0]

@@ -42,7 +42,7 @@ from ikquant.formats.iqk_grids import (
     sum_squares,
 )
 from ikquant.formats.numeric import abs_max, fmaf, load_f16, load_f32, nearest_int_fma, store_f16, store_f32
-from ikquant.formats.vector_ir import LANES
+from ikquant.formats.vector_ir import whole_vectors
 
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
 KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
@@ -989,7 +989,7 @@ def _iq4kss_group(xb: np.ndarray, w: np.ndarray, k: int, off: int, id_: np.float
 
 #: IQ4_KSS's trial inverse scales per grid half: itry in [-7, 7], each with both signs, in lanes 2 t + sign
 KSS_TRIALS = 15
-KSS_LANES = (2 * KSS_TRIALS + LANES - 1) // LANES * LANES
+KSS_LANES = whole_vectors(2 * KSS_TRIALS)
 
 
 @njit(**NJIT)

@@ -30,9 +30,10 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.base import Codec
-from ikquant.formats.listed_search import LANES, nearest_listed
+from ikquant.formats.listed_search import nearest_listed
 from ikquant.formats.numeric import f32_to_f16_bits, fmaf, load_f16, nearest_int
 from ikquant.formats.trials import best_trial, fit_trials
+from ikquant.formats.vector_ir import whole_vectors
 
 QK_K = 256
 BLOCK = 32
@@ -132,7 +133,7 @@ def search_tables(points: int) -> tuple[np.ndarray, np.ndarray, Lists]:
         kept = order[row][dist[row][order[row]] <= limit]
         kmap[i] = -(len(neighbours) + 1)
         starts.append(len(neighbours))
-        block = np.zeros((4, -(-len(kept) // LANES) * LANES), dtype=np.uint8)  # value-major, whole lanes
+        block = np.zeros((4, whole_vectors(len(kept))), dtype=np.uint8)  # value-major, whole vectors
         block[:, : len(kept)] = grid[kept].T
         dense.append(block.ravel())
         at.append(at[-1] + block.size)
@@ -160,7 +161,7 @@ def _best_neighbour(grid: np.ndarray, lists: Lists, start: int, xval: np.ndarray
     finite)."""
     neighbours, dense, dense_at = lists
     count = neighbours[start]
-    j = nearest_listed(dense, dense_at[start], (count + LANES - 1) // LANES * LANES, count,
+    j = nearest_listed(dense, dense_at[start], count,
                        (-xval[o], -xval[o + 1], -xval[o + 2], -xval[o + 3]), (w[o], w[o + 1], w[o + 2], w[o + 3]),
                        scale, np.float32(1.0), np.float32(0.0))
     g = neighbours[start + 1 + j] if j >= 0 else -1
@@ -276,7 +277,7 @@ Trials = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.nd
 def _buffers(n_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, Trials]:
     """A sub-block's work arrays: weights, their roots, |x|, levels (chosen, refit), groups on the grid, and the
     trials of inverse scales k = -n_steps..n_steps, padded to whole 8-lane vectors."""
-    n_trials = (2 * n_steps + LANES) // LANES * LANES
+    n_trials = whole_vectors(2 * n_steps + 1)
     trials = (np.empty(n_trials, dtype=np.float32), np.empty((BLOCK, n_trials), dtype=np.int32),
               np.empty((BLOCK // 4, n_trials), dtype=np.int32), np.empty(n_trials, dtype=np.float32),
               np.empty(n_trials, dtype=np.float32), np.zeros(BLOCK, dtype=np.int64))

@@ -33,18 +33,20 @@ def _fold(builder: ir.IRBuilder, v: ir.Value, pick: str, floats: bool) -> ir.Val
 
 
 @intrinsic
-def nearest_listed(typingctx, dense, at, lanes, count, neg_x, w, scale, mul, add):  # type: ignore[no-untyped-def]
+def nearest_listed(typingctx, dense, at, count, neg_x, w, scale, mul, add):  # type: ignore[no-untyped-def]
     """Position (0 .. count - 1) in its list of the neighbour with the least sum over the group of
     w_i (scale q_i - x_i)^2 (fmaf(scale, q, -x), then fmaf(w diff, diff, sum) from 0, as ik forms it), the first
-    of equal sums; -1 when no sum is below FLT_MAX. dense[at + i * lanes + j] is value i of neighbour j, stored as
+    of equal sums; -1 when no sum is below FLT_MAX. dense[at + i * lanes + j] is value i of neighbour j (lanes:
+    count in whole vectors, vector_ir.whole_vectors), stored as
     an integer v with q = fmaf(v, mul, add) (1 and 0 where it is q itself); neg_x and w are tuples of the group's
     -x and weights (4 or 8 values)."""
     group = len(neg_x)
-    sig = types.int64(dense, types.int64, types.int64, types.int64, neg_x, w, types.float32, types.float32,
-                      types.float32)
+    sig = types.int64(dense, types.int64, types.int64, neg_x, w, types.float32, types.float32, types.float32)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        dense_v, at_v, lanes_v, count_v, neg_x_v, w_v, scale_v, mul_v, add_v = args
+        dense_v, at_v, count_v, neg_x_v, w_v, scale_v, mul_v, add_v = args
+        vectors = builder.sdiv(builder.add(count_v, ir.Constant(I64, LANES - 1)), ir.Constant(I64, LANES))
+        lanes_v = builder.mul(vectors, ir.Constant(I64, LANES))
         data = context.make_array(signature.args[0])(context, builder, value=dense_v).data
         vscale = splat(builder, scale_v, V8F)
         vmul = splat(builder, mul_v, V8F)
@@ -57,7 +59,7 @@ def nearest_listed(typingctx, dense, at, lanes, count, neg_x, w, scale, mul, add
         best_p = cgutils.alloca_once_value(builder, inf)
         pos_p = cgutils.alloca_once_value(builder, ir.Constant(V8I, [-1] * LANES))
         cur_p = cgutils.alloca_once_value(builder, ir.Constant(V8I, list(range(LANES))))
-        with cgutils.for_range(builder, builder.sdiv(lanes_v, ir.Constant(I64, LANES))) as loop:
+        with cgutils.for_range(builder, vectors) as loop:
             off = builder.add(at_v, builder.mul(loop.index, ir.Constant(I64, LANES)))
             d2 = zero
             for i in range(group):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba.core import cgutils
+from numba.extending import register_jitable
 
 LANES = 8
 F32 = ir.FloatType()
@@ -17,6 +18,12 @@ V8F = ir.VectorType(F32, LANES)
 V8I = ir.VectorType(I32, LANES)
 V8L = ir.VectorType(I64, LANES)
 V8B = ir.VectorType(I8, LANES)
+
+
+@register_jitable
+def whole_vectors(n: int) -> int:
+    """n lanes (trials, list entries) rounded up to whole vectors of LANES; callable from Python and kernels."""
+    return (n + LANES - 1) // LANES * LANES
 
 
 def splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
