@@ -21,6 +21,21 @@ from ikquant.formats.vector_ir import I32, I64, LANES, V8F, V8I, fma, gather, lo
 INT_MIN = -(2**31)
 
 
+def table_slot(builder: ir.IRBuilder, t: ir.Value, offset: ir.Value, limit: ir.Value) -> ir.Value:
+    """ik's lookup-table slot of each lane of t (8 floats; offset and limit 8 int32): clamp(trunc(t) - offset, -1,
+    limit) + 1, trunc as x86's (INT_MIN outside int32 and for NaN) in int32 arithmetic; slots 0 and limit + 1 are
+    ik's clamps below and above the table."""
+    fits = builder.and_(builder.fcmp_ordered(">", t, ir.Constant(V8F, [-2147483648.0] * LANES)),
+                        builder.fcmp_ordered("<", t, ir.Constant(V8F, [2147483648.0] * LANES)))
+    truncated = builder.select(fits, builder.fptosi(builder.select(fits, t, ir.Constant(V8F, [0.0] * LANES)), V8I),
+                               ir.Constant(V8I, [INT_MIN] * LANES))
+    minus_one = ir.Constant(V8I, [-1] * LANES)
+    ix = builder.sub(truncated, offset)
+    ix = builder.select(builder.icmp_signed("<", ix, minus_one), minus_one, ix)
+    ix = builder.select(builder.icmp_signed(">", ix, limit), limit, ix)
+    return builder.add(ix, ir.Constant(V8I, [1] * LANES))
+
+
 @intrinsic
 def slot_lane_sums(typingctx, xb, wb, inv, low, high, shift, offset, limit, sumqx, sumq2):  # type: ignore[no-untyped-def]
     """sumqx[l] = sum_j w_j q x_j and sumq2[l] = sum_j w_j q^2 (q = wq then fmaf, as ik forms them) for every lane
@@ -47,9 +62,6 @@ def slot_lane_sums(typingctx, xb, wb, inv, low, high, shift, offset, limit, sumq
         vshift = splat(builder, shift_v, V8F)
         voffset = splat(builder, builder.trunc(offset_v, I32), V8I)
         vlimit = splat(builder, builder.trunc(limit_v, I32), V8I)
-        below = ir.Constant(V8F, [-2147483648.0] * LANES)
-        above = ir.Constant(V8F, [2147483648.0] * LANES)
-        minus_one = ir.Constant(V8I, [-1] * LANES)
         zero = ir.Constant(V8F, [0.0] * LANES)
         qx_p = cgutils.alloca_once_value(builder, zero)
         q2_p = cgutils.alloca_once_value(builder, zero)
@@ -62,14 +74,7 @@ def slot_lane_sums(typingctx, xb, wb, inv, low, high, shift, offset, limit, sumq
                 x = splat(builder, builder.load(builder.gep(xs.data, [inner.index])), V8F)
                 w = splat(builder, builder.load(builder.gep(ws.data, [inner.index])), V8F)
                 a = builder.fmul(vinv, x)
-                t = builder.fsub(a, vshift)
-                fits = builder.and_(builder.fcmp_ordered(">", t, below), builder.fcmp_ordered("<", t, above))
-                truncated = builder.select(fits, builder.fptosi(builder.select(fits, t, zero), V8I),
-                                           ir.Constant(V8I, [INT_MIN] * LANES))
-                ix = builder.sub(truncated, voffset)
-                ix = builder.select(builder.icmp_signed("<", ix, minus_one), minus_one, ix)
-                ix = builder.select(builder.icmp_signed(">", ix, vlimit), vlimit, ix)
-                slot = builder.add(ix, ir.Constant(V8I, [1] * LANES))
+                slot = table_slot(builder, builder.fsub(a, vshift), voffset, vlimit)
                 lo = gather(builder, lows.data, slot)
                 hi = gather(builder, highs.data, slot)
                 q = builder.select(builder.fcmp_ordered("<", builder.fsub(a, lo), builder.fsub(hi, a)), lo, hi)

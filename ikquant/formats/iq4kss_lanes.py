@@ -15,11 +15,11 @@ from numba import types
 from numba.core import cgutils
 from numba.core.errors import TypingError
 
+from ikquant.formats.grid_sums import table_slot
 from ikquant.formats.jit import intrinsic
 from ikquant.formats.vector_ir import I32, I64, LANES, V8F, V8I, fma, gather, load_vector, splat, store_vector
 
 FLT_MAX = 3.4028234663852886e38
-INT_MIN = -(2**31)
 GROUP_POSITIONS = (0, 16, 1, 17)  # where group k's four codes sit in a 32-value sub-block, from 2k
 
 
@@ -51,14 +51,12 @@ def iq4kss_lane_sums(typingctx, xb, wb, inv, dls, low, high, low_code, high_code
                      sumq2)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        (xb_v, wb_v, inv_v, dls_v, low_v, high_v, lowc_v, highc_v, plain_v, half_v, offset_v, limit_v, qx_v,
-         q2_v) = args
-        data = [context.make_array(t)(context, builder, value=v).data if isinstance(t, types.Array) else None
-                for t, v in zip(signature.args, args)]
-        xs, ws, invs, dl_s, lows, highs, lowc, highc, plains, halfs = data[:10]
-        qx_out, q2_out = data[12], data[13]
-        inv_arr = context.make_array(signature.args[2])(context, builder, value=inv_v)
-        vectors = builder.sdiv(builder.extract_value(inv_arr.shape, 0), ir.Constant(I64, LANES))
+        offset_v, limit_v = args[10], args[11]
+        arrays = [context.make_array(t)(context, builder, value=v) if isinstance(t, types.Array) else None
+                  for t, v in zip(signature.args, args)]
+        xs, ws, invs, dl_s, lows, highs, lowc, highc, plains, halfs = (a.data for a in arrays[:10])
+        qx_out, q2_out = arrays[12].data, arrays[13].data
+        vectors = builder.sdiv(builder.extract_value(arrays[2].shape, 0), ir.Constant(I64, LANES))
         voffset = splat(builder, builder.trunc(offset_v, I32), V8I)
         vlimit = splat(builder, builder.trunc(limit_v, I32), V8I)
         ctpop = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8I, [V8I]), "llvm.ctpop.v8i32")
@@ -85,14 +83,7 @@ def iq4kss_lane_sums(typingctx, xb, wb, inv, dls, low, high, low_code, high_code
                 parity = _const_i(0)
                 for j in range(4):
                     a = builder.fmul(vinv, x[j])
-                    fits = builder.and_(builder.fcmp_ordered(">", a, _const_f(-2147483648.0)),
-                                        builder.fcmp_ordered("<", a, _const_f(2147483648.0)))
-                    truncated = builder.select(fits, builder.fptosi(builder.select(fits, a, _const_f(0.0)), V8I),
-                                               _const_i(INT_MIN))
-                    ix = builder.sub(truncated, voffset)
-                    ix = builder.select(builder.icmp_signed("<", ix, _const_i(-1)), _const_i(-1), ix)
-                    ix = builder.select(builder.icmp_signed(">", ix, vlimit), vlimit, ix)
-                    slot = builder.add(ix, _const_i(1))
+                    slot = table_slot(builder, a, voffset, vlimit)
                     lo, hi = gather(builder, lows, slot), gather(builder, highs, slot)
                     take_lo = builder.fcmp_ordered("<", builder.fsub(a, lo), builder.fsub(hi, a))
                     code = builder.select(take_lo, gather(builder, lowc, slot), gather(builder, highc, slot))

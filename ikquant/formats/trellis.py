@@ -32,6 +32,7 @@ from ikquant.formats.base import Codec
 from ikquant.formats.iqk_grids import IQ4K, keep_better, nearest
 from ikquant.formats.jit import intrinsic
 from ikquant.formats.numeric import abs_max, fmaf, load_f32, load_u32, nearest_int_fma, store_f32
+from ikquant.formats.vector_ir import F32, I32, I64, V8I, splat
 
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
 KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
@@ -214,10 +215,6 @@ def _searcher(name: str) -> _Searcher:
 # --------------------------------------------------------------------------------------------------------------
 # Codebook search (ik's find_best_match / find_best_scale)
 
-_F32 = ir.FloatType()
-_I32 = ir.IntType(32)
-_I64 = ir.IntType(64)
-_V8I = ir.VectorType(_I32, 8)
 #: members scored per vector: 16 where the CPU has 512-bit registers (32 of them hold a group's splatted values
 #: and weights; 16 would spill), else ik's 8; the result is the same
 SCAN_LANES = 16 if host_has("avx512f") else 8
@@ -225,17 +222,11 @@ SCAN_LANES = 16 if host_has("avx512f") else 8
 COORD_PAD = 16
 
 
-def _splat(builder: ir.IRBuilder, value: ir.Value, vector: ir.VectorType) -> ir.Value:
-    v = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(_I32, 0))
-    mask = ir.Constant(ir.VectorType(_I32, vector.count), [0] * vector.count)
-    return builder.shuffle_vector(v, ir.Constant(vector, ir.Undefined), mask)
-
-
 def _halves(builder: ir.IRBuilder, v: ir.Value) -> tuple[ir.Value, ir.Value]:
     """Lanes 0-7 and 8-15 of a 16-lane vector."""
     undef = ir.Constant(v.type, ir.Undefined)
-    return (builder.shuffle_vector(v, undef, ir.Constant(_V8I, list(range(8)))),
-            builder.shuffle_vector(v, undef, ir.Constant(_V8I, list(range(8, 16)))))
+    return (builder.shuffle_vector(v, undef, ir.Constant(V8I, list(range(8)))),
+            builder.shuffle_vector(v, undef, ir.Constant(V8I, list(range(8, 16)))))
 
 
 @intrinsic
@@ -252,7 +243,7 @@ def _scan_cell(typingctx, coords, start, n, xs, ws):  # type: ignore[no-untyped-
     """
     group = len(xs)
     lanes = SCAN_LANES
-    vf, vi = ir.VectorType(_F32, lanes), ir.VectorType(_I32, lanes)
+    vf, vi = ir.VectorType(F32, lanes), ir.VectorType(I32, lanes)
     vb = ir.VectorType(ir.IntType(8), lanes)
     sig = types.int64(coords, types.int64, types.int64, xs, ws)
 
@@ -260,14 +251,14 @@ def _scan_cell(typingctx, coords, start, n, xs, ws):  # type: ignore[no-untyped-
         coords_v, start_v, n_v, xs_v, ws_v = args
         ary = context.make_array(signature.args[0])(context, builder, value=coords_v)
         row_stride = builder.extract_value(ary.strides, 0)
-        vx = [_splat(builder, builder.extract_value(xs_v, k), vf) for k in range(group)]
-        vw = [_splat(builder, builder.extract_value(ws_v, k), vf) for k in range(group)]
+        vx = [splat(builder, builder.extract_value(xs_v, k), vf) for k in range(group)]
+        vw = [splat(builder, builder.extract_value(ws_v, k), vf) for k in range(group)]
         rows = [
-            builder.gep(ary.data, [builder.add(builder.mul(ir.Constant(_I64, k), row_stride), start_v)])
+            builder.gep(ary.data, [builder.add(builder.mul(ir.Constant(I64, k), row_stride), start_v)])
             for k in range(group)
         ]
         inf = ir.Constant(vf, [float("inf")] * lanes)
-        count = _splat(builder, builder.trunc(n_v, _I32), vi)
+        count = splat(builder, builder.trunc(n_v, I32), vi)
         best_p = cgutils.alloca_once_value(builder, inf)
         pos_p = cgutils.alloca_once_value(builder, ir.Constant(vi, [-1] * lanes))
         cur_p = cgutils.alloca_once_value(builder, ir.Constant(vi, list(range(lanes))))
@@ -295,12 +286,12 @@ def _scan_cell(typingctx, coords, start, n, xs, ws):  # type: ignore[no-untyped-
             builder.store(builder.select(better, cur, builder.load(pos_p)), pos_p)
             builder.store(builder.add(cur, ir.Constant(vi, [lanes] * lanes)), cur_p)
 
-        full = builder.sdiv(n_v, ir.Constant(_I64, lanes))
+        full = builder.sdiv(n_v, ir.Constant(I64, lanes))
         with cgutils.for_range(builder, full) as loop:
-            score(builder.mul(loop.index, ir.Constant(_I64, lanes)), False)
-        with builder.if_then(builder.icmp_signed("!=", builder.srem(n_v, ir.Constant(_I64, lanes)),
-                                                 ir.Constant(_I64, 0))):
-            score(builder.mul(full, ir.Constant(_I64, lanes)), True)
+            score(builder.mul(loop.index, ir.Constant(I64, lanes)), False)
+        with builder.if_then(builder.icmp_signed("!=", builder.srem(n_v, ir.Constant(I64, lanes)),
+                                                 ir.Constant(I64, 0))):
+            score(builder.mul(full, ir.Constant(I64, lanes)), True)
         best = builder.load(best_p)
         pos = builder.load(pos_p)
         if lanes == 16:
@@ -310,14 +301,14 @@ def _scan_cell(typingctx, coords, start, n, xs, ws):  # type: ignore[no-untyped-
                                             builder.icmp_signed("<", p_hi, p_lo)))
             best = builder.select(high, b_hi, b_lo)
             pos = builder.select(high, p_hi, p_lo)
-        top = ir.Constant(_F32, float("inf"))
-        winner = ir.Constant(_I32, 0)
+        top = ir.Constant(F32, float("inf"))
+        winner = ir.Constant(I32, 0)
         for lane in range(8) if group == 8 else (0, 2, 4, 6, 1, 3, 5, 7):
-            sv = builder.extract_element(best, ir.Constant(_I32, lane))
+            sv = builder.extract_element(best, ir.Constant(I32, lane))
             better = builder.fcmp_ordered("<", sv, top)
             top = builder.select(better, sv, top)
-            winner = builder.select(better, builder.extract_element(pos, ir.Constant(_I32, lane)), winner)
-        return builder.sext(winner, _I64)
+            winner = builder.select(better, builder.extract_element(pos, ir.Constant(I32, lane)), winner)
+        return builder.sext(winner, I64)
 
     return sig, codegen
 
