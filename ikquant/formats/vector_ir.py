@@ -1,6 +1,7 @@
-"""Eight-lane LLVM IR building blocks for the kernels written as Numba intrinsics (listed_search, grid_sums): the
-searches whose speed must not depend on whether LLVM vectorises a loop: it vectorised the IQK scale search in one
-compile and left it scalar in another (IQ4_KS at 7.9 and 1.7 M weights/s, IQ5_KS at 0.7)."""
+"""LLVM IR building blocks for the quantizers' kernels written as Numba intrinsics (listed_search, grid_sums,
+iq4kss_lanes, the trellis scan; ikrun's simd splat too): the searches whose speed must not depend on whether LLVM
+vectorises a loop: it vectorised the IQK scale search in one compile and left it scalar in another (IQ4_KS at 7.9
+and 1.7 M weights/s, IQ5_KS at 0.7). Eight lanes unless a helper says otherwise."""
 
 from __future__ import annotations
 
