@@ -17,9 +17,20 @@ from numba.core.errors import TypingError
 
 from ikquant.formats.grid_sums import table_slot
 from ikquant.formats.jit import intrinsic
-from ikquant.formats.vector_ir import I32, I64, LANES, V8F, V8I, fma, gather, load_vector, splat, store_vector
+from ikquant.formats.vector_ir import (
+    FLT_MAX,
+    I32,
+    I64,
+    LANES,
+    V8F,
+    V8I,
+    fma,
+    gather,
+    load_vector,
+    splat,
+    store_vector,
+)
 
-FLT_MAX = 3.4028234663852886e38
 GROUP_POSITIONS = (0, 16, 1, 17)  # where group k's four codes sit in a 32-value sub-block, from 2k
 
 

@@ -17,9 +17,7 @@ from numba import types
 from numba.core import cgutils
 
 from ikquant.formats.jit import intrinsic
-from ikquant.formats.vector_ir import I32, I64, LANES, V8B, V8F, V8I, fma, splat
-
-FLT_MAX = 3.4028234663852886e38
+from ikquant.formats.vector_ir import FLT_MAX, I32, I64, LANES, V8B, V8F, V8I, fma, splat
 
 
 def _fold(builder: ir.IRBuilder, v: ir.Value, pick: str, floats: bool) -> ir.Value:
@@ -37,9 +35,8 @@ def nearest_listed(typingctx, dense, at, count, neg_x, w, scale, mul, add):  # t
     """Position (0 .. count - 1) in its list of the neighbour with the least sum over the group of
     w_i (scale q_i - x_i)^2 (fmaf(scale, q, -x), then fmaf(w diff, diff, sum) from 0, as ik forms it), the first
     of equal sums; -1 when no sum is below FLT_MAX. dense[at + i * lanes + j] is value i of neighbour j (lanes:
-    count in whole vectors, vector_ir.whole_vectors), stored as
-    an integer v with q = fmaf(v, mul, add) (1 and 0 where it is q itself); neg_x and w are tuples of the group's
-    -x and weights (4 or 8 values)."""
+    count in whole vectors, vector_ir.whole_vectors), stored as an integer v with q = fmaf(v, mul, add) (1 and 0
+    where it is q itself); neg_x and w are tuples of the group's -x and weights (4 or 8 values)."""
     group = len(neg_x)
     sig = types.int64(dense, types.int64, types.int64, neg_x, w, types.float32, types.float32, types.float32)
 

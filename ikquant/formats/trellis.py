@@ -10,10 +10,11 @@ cell lists every entry that has the cell among its 32/8/8/6 nearest cell centres
 std::mt19937(1234) is never reached: all four types take its fixed-partition branch.) That set-up is rebuilt here
 exactly, once per process and in parallel (0.1 s CPU for IQ1_KT, 0.5 s for IQ2_KT/IQ3_KT, 0.9 s for IQ4_KT's two
 codebooks), and the cell members are stored coordinate by coordinate so that the search runs 8 candidates per vector
-instruction (16 with AVX-512), as int8 (the values are integers): IQ2_KT's and IQ3_KT's cells hold ~2050 members each, 4.0 MiB in all
-as int8 against 16 MiB as float32, and reading the float32 copy was what bounded their search. Scores round like ik's AVX2 code (w * (d * d) per lane, summed in its horizontal-add tree), ties go to
-the lower SIMD lane, then the earlier member, as in ik, and the scalar parts fuse multiply-adds exactly where ik's GCC
-build does (read from its assembly), so the bytes are ik's.
+instruction (16 with AVX-512), as int8 (the values are integers): IQ2_KT's and IQ3_KT's cells hold ~2050 members
+each, 4.0 MiB in all as int8 against 16 MiB as float32, and reading the float32 copy was what bounded their search.
+Scores round like ik's AVX2 code (w * (d * d) per lane, summed in its horizontal-add tree), ties go to the lower
+SIMD lane, then the earlier member, as in ik, and the scalar parts fuse multiply-adds exactly where ik's GCC build
+does (read from its assembly), so the bytes are ik's.
 """
 
 from __future__ import annotations
@@ -262,6 +263,7 @@ def _scan_cell(typingctx, coords, start, n, xs, ws):  # type: ignore[no-untyped-
         best_p = cgutils.alloca_once_value(builder, inf)
         pos_p = cgutils.alloca_once_value(builder, ir.Constant(vi, [-1] * lanes))
         cur_p = cgutils.alloca_once_value(builder, ir.Constant(vi, list(range(lanes))))
+
         def score(off: ir.Value, masked: bool) -> None:
             """Score the members at off .. off + lanes - 1 and keep each lane's first strict minimum; masked: only
             those below n (the last, part-filled vector; the padding makes its loads safe)."""

@@ -10,6 +10,8 @@ from numba.core import cgutils
 from numba.extending import register_jitable
 
 LANES = 8
+#: C's FLT_MAX, the bound ik's searches compare their best sums with
+FLT_MAX = 3.4028234663852886e38
 F32 = ir.FloatType()
 I1 = ir.IntType(1)
 I8 = ir.IntType(8)
