@@ -88,7 +88,7 @@ def test_a_quantized_k_cache_costs_kld_in_the_order_of_its_bits() -> None:
 
 @pytest.mark.parametrize(("model", "flags", "words"), [
     (QWEN3, ["-ctk", "q3_K"], ["--cache-type-k q3_K", "not a cache type ik takes"]),
-    (QWEN3, ["-ctk", "q8_0", "--numerics", "ik"], ["--cache-type-k q8_0", "--numerics ik ", "--numerics ik-avx2"]),
+    (QWEN3, ["-ctk", "bf16", "--numerics", "ik"], ["--cache-type-k bf16", "--numerics ik ", "not a bf16 key cache"]),
     (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", ["-ctk", "bf16", "--numerics", "ik-avx2"],
      ["--cache-type-k bf16", "not a bf16 key cache on deepseek2"]),
     (QWEN3, ["-ctk", "q4_1", "--numerics", "ik-avx2", "--flash-attn", "on"],

@@ -171,15 +171,15 @@ class IkNumerics(Numerics):
     name = "ik"
     #: the quantized key caches (ik's names) whose K x Q kernel of ik's -fa off graph this arithmetic reproduces
     #: (key_cache.py)
-    quantized_keys: tuple[str, ...] = ()
+    quantized_keys: tuple[str, ...] = ("q8_0", "q4_0", "q6_0", "iq4_nl", "q5_0", "q4_1", "q5_1")
     #: those of them whose K x Q products in ik's flash attention it reproduces too
-    flash_keys: tuple[str, ...] = ()
+    flash_keys: tuple[str, ...] = ("q8_0", "q4_0", "q6_0", "iq4_nl")
     #: the float key caches (ik's names) besides F16 and F32 it reproduces on QUANTIZED_KEY_ARCHS (the float kernel
     #: of ik's -fa off graph on the cache's values)
     float_keys: tuple[str, ...] = ()
     #: the quantized value caches (ik's names) whose flash attention in ik's own kernel (IQK_FA_HEADS) it
-    #: reproduces (ik quantizes a V cache only with flash attention on)
-    flash_values: tuple[str, ...] = ()
+    #: reproduces (ik quantizes a V cache only with flash attention on; GGML_IQK_FA_ALL_QUANTS, its build's default)
+    flash_values: tuple[str, ...] = ("q8_0", "q6_0", "q4_0", "q4_1", "iq4_nl")
     #: whether the float orders are ik's AVX2 build's (8-lane float kernels, its AVX2 exponential, numerics/ik/
     #: avx2.py) rather than its AVX-512 build's
     avx2 = False
@@ -247,9 +247,6 @@ class IkNumerics(Numerics):
             return None
         if cache_type in MLA_QUANTIZED_LATENT.get(arch, ()) and cache_type in self.quantized_keys:
             return None
-        if not others:
-            return (f"--numerics {self.name} reproduces ik's F16 and F32 key caches only (its build's K x Q kernels "
-                    "for quantized ones were not checked); --numerics ik-avx2 reproduces some quantized key caches")
         latent = "".join(f"; {'/'.join(types)} as {name}'s MLA latent" for name, types in MLA_QUANTIZED_LATENT.items())
         return (f"--numerics {self.name} reproduces ik's F16, F32, {', '.join(others)} key caches (the others on "
                 f"{', '.join(QUANTIZED_KEY_ARCHS)}{latent}), not a {cache_type} key cache on {arch}")
@@ -379,14 +376,14 @@ class IkNumerics(Numerics):
 
     def reproduced_defect(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
         """ggml's generic flash-attention kernel over a Q4_0 or IQ4_NL key cache reads each query block as a Q8_0 one
-        (q4_0_misread_key_products, iq4_nl_misread_key_products), over a Q6_0 one writes every q . k 0; ik's AVX2
-        Q8_1_R8 gemm, which multiplies a Q4_1 or Q5_1 key cache, has no loop for the blocks past a key head's last
-        whole 128 values (qgemm.ORDER_Q8_1_AVX2)."""
+        (q4_0_misread_key_products, iq4_nl_misread_key_products), over a Q6_0 one writes every q . k 0; ik's
+        Q8_1_R8 gemm (both builds), which multiplies a Q4_1 or Q5_1 key cache, has no loop for the blocks past a key
+        head's last whole 128 values (qgemm.ORDER_Q8_1, ORDER_Q8_1_AVX2)."""
         if kv.k in MISREAD_FLASH_KEYS and (head_dim, head_dim) not in IQK_FA_HEADS and \
                 self.attention_graph(arch, kv, head_dim) == "on":
             return f"{MISREAD_FLASH_KEYS[kv.k]} (its figures are wrong)"
         if kv.k in ("q4_1", "q5_1") and kv.k in self.quantized_keys and head_dim % 128:
-            return (f"ik's AVX2 Q8_1_R8 kernel leaves the last {head_dim % 128} of {head_dim} values of each key head "
+            return (f"ik's Q8_1_R8 kernel leaves the last {head_dim % 128} of {head_dim} values of each key head "
                     f"out of q . k over a {kv.k} key cache (its figures are wrong)")
         return None
 
@@ -395,16 +392,16 @@ class IkNumerics(Numerics):
             return (f"--numerics {self.name} reproduces ik's flash attention on {', '.join(FLASH_ATTENTION_ARCHS)}, "
                     f"not {arch}")
         if kv.v not in ("f16", *self.flash_values):
-            also = f", and {' / '.join(self.flash_values)} ones under flash attention" if self.flash_values else ""
-            return f"--numerics {self.name} reproduces ik's F16 value caches{also}, not a {kv.v} one"
+            return (f"--numerics {self.name} reproduces ik's F16 value caches, and {' / '.join(self.flash_values)} "
+                    f"ones under flash attention, not a {kv.v} one")
         if kv.v != "f16" and (head_dim, head_dim) not in IQK_FA_HEADS:
             return (f"ik's own flash-attention kernel takes heads of {', '.join(f'{k}/{v}' for k, v in IQK_FA_HEADS)}; "
                     f"at heads of {head_dim}/{head_dim} ggml's generic kernel accumulates a quantized V cache in its "
                     "own order, which is not reproduced")
         if kv.k not in ("f16", *self.flash_keys):
-            keys = f" and {' / '.join(self.flash_keys)} key caches" if self.flash_keys else ""
-            return (f"--numerics {self.name} reproduces ik's flash attention over F16 caches{keys}, not a {kv.k} "
-                    f"key cache (give --flash-attn off: ik's -fa off graph)")
+            return (f"--numerics {self.name} reproduces ik's flash attention over F16 caches and "
+                    f"{' / '.join(self.flash_keys)} key caches, not a {kv.k} key cache (give --flash-attn off: ik's "
+                    "-fa off graph)")
         if kv.k == "f16":
             return None
         if (head_dim, head_dim) in IQK_FA_HEADS and kv.k not in FLASH_QUANTIZED_KEYS:
@@ -492,7 +489,7 @@ class IkNumerics(Numerics):
                 return iq4_nl_misread_key_products(q, k, kernel.ints)
             if type_name == "Q6_0":  # ik declines its dot's Q8_1 query: ggml's fallback writes 0
                 return np.zeros((q.shape[1], len(q), len(k)), np.float32)
-            return single_row_key_products(q, k, type_name, kernel.ints)
+            return single_row_key_products(q, k, type_name, kernel.ints, self.avx2)
         n = len(q)
         if n < FLASH_REPACK_ROWS:
             raise ModelError(f"ik's flash attention over a {cache_type} key cache multiplies a batch of fewer than "
@@ -505,7 +502,7 @@ class IkNumerics(Numerics):
                 raise ModelError(f"ik's flash attention over a {cache_type} key cache multiplies {min(odd)} query "
                                  f"rows at a time here (a batch of {n} tokens, {self.options.ik_threads} ik threads) "
                                  "in a kernel not reproduced; give --flash-attn off")
-            return iqk_fa_key_products(q, k, type_name, kernel.ints)
+            return iqk_fa_key_products(q, k, type_name, kernel.ints, self.avx2)
         ints = self._integers(kernel, max(n, kernel.convert_rows), key_cells(len(k)))
         assert ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
         return key_products(q, k, type_name, ints, self._activation_format(type_name))

@@ -41,10 +41,7 @@ class IkAvx2Numerics(IkNumerics):
 
     name = "ik-avx2"
     avx2 = True
-    quantized_keys = ("q8_0", "q4_0", "q6_0", "iq4_nl", "q5_0", "q4_1", "q5_1", "q8_KV")
-    flash_keys = ("q8_0", "q4_0", "q6_0", "iq4_nl")
-    #: the value caches ik's own flash-attention kernel takes (GGML_IQK_FA_ALL_QUANTS, its build's default)
-    flash_values = ("q8_0", "q6_0", "q4_0", "q4_1", "iq4_nl")
+    quantized_keys = (*IkNumerics.quantized_keys, "q8_KV")
     #: a BF16 key cache takes the F16 cache's float kernel (set_mul_mat_f, unrounded queries: no bf16 kernel on AVX2)
     float_keys = ("bf16",)
 

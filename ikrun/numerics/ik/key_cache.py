@@ -22,7 +22,7 @@ from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, fmaf
 from ikquant.types import type_by_name
 from ikrun.numerics.ik.attention import KV_CELL_PAD
 from ikrun.numerics.ik.formats import Q8_2_X4, ToInts, integer_rows
-from ikrun.numerics.ik.qgemm import BlockInts, IntRows, pack, qmatmul
+from ikrun.numerics.ik.qgemm import ORDER_Q8_1, BlockInts, IntRows, pack, qmatmul
 
 
 def key_cells(n_keys: int) -> int:
@@ -34,9 +34,16 @@ def key_cells(n_keys: int) -> int:
 def key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts, fmt: str) -> np.ndarray:
     """The scores q . k [H, n, keys] of queries q [n, H, d] against keys k [keys, H_kv, d] written into a K cache of
     GGML type `type_name`, multiplied as ik's kernel holds the cache rows (`ints`) against the queries rounded to
-    activation format `fmt`."""
-    n, n_head, _ = q.shape
-    packed = [pack(held) for held in _cache_ints(k, type_name, ints)]
+    activation format `fmt`. ik's Q8_1_R8 gemm (ORDER_Q8_1) has no loop for the blocks past a key head's last
+    whole group of four: they add nothing."""
+    n, n_head, d = q.shape
+    held = _cache_ints(k, type_name, ints)
+    whole = d // (4 * held[0].block) * 4 * held[0].block
+    if held[0].order == ORDER_Q8_1 and whole < d:
+        if not whole:
+            return np.zeros((n_head, n, len(k)), np.float32)
+        return key_products(q[..., :whole], k[..., :whole], type_name, ints, fmt)
+    packed = [pack(rows) for rows in held]
     group = n_head // len(packed)
     scores = np.empty((n_head, n, len(k)), np.float32)
     for h in range(n_head):
@@ -82,6 +89,8 @@ def _fold_lanes(acc: np.ndarray) -> np.float32:
 #: the most 32-value blocks a head of ik's single-row Q8_0 kernel may have: fewer than its 4-block groups, whose
 #: other float order is not reproduced
 SINGLE_ROW_BLOCKS = 3
+#: what ik's AVX-512 Q8_0 kernel adds to the key's values to make them unsigned bytes
+SINGLE_ROW_BIAS_AVX512 = 127
 
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
@@ -108,16 +117,21 @@ def _single_row_scores(qu: np.ndarray, qd: np.ndarray, kq: np.ndarray, kd: np.nd
             out[h, t, c] = _fold_lanes(acc)
 
 
-def single_row_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts) -> np.ndarray:
-    """The scores q . k [H, n, keys] ggml's generic flash-attention kernel takes from ik's AVX2 Q8_0 kernel, one
-    query row (rounded to Q8_2_X4) against one cache row at a time: per 32-value block d = k scale x q scale (bf16)
-    and the block's products summed 4 bytes a lane into 8 int32 lanes, each lane fma(d, lane, acc); at the end the 8
-    lanes folded i + (i + 4), then (0 + 2) + (1 + 3). Heads of at most SINGLE_ROW_BLOCKS blocks."""
+def single_row_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts, avx2: bool) -> np.ndarray:
+    """The scores q . k [H, n, keys] ggml's generic flash-attention kernel takes from ik's Q8_0 kernel, one query
+    row (rounded to Q8_2_X4) against one cache row at a time. In ik's AVX2 build (`avx2`): per 32-value block
+    d = k scale x q scale (bf16) and the block's products summed 4 bytes a lane into 8 int32 lanes, each lane
+    fma(d, lane, acc); at the end the 8 lanes folded i + (i + 4), then (0 + 2) + (1 + 3). Its AVX-512 build takes
+    the values unsigned (+ 127, Q8_0_1_Unpacker) in the kernel of iqk_fa_key_products. Heads of at most
+    SINGLE_ROW_BLOCKS blocks."""
     d = q.shape[2]
     if d // 32 > SINGLE_ROW_BLOCKS:
         raise ValueError(f"heads of {d} take ik's 4-block groups, not reproduced")
-    scores, (qu, qd, _, kq, kd, group) = _stacked_operands(q, k, type_name, ints)
-    _single_row_scores(qu, qd, kq, kd, group, scores)
+    scores, (qu, qd, qs, kq, kd, group) = _stacked_operands(q, k, type_name, ints)
+    if avx2:
+        _single_row_scores(qu, qd, kq, kd, group, scores)
+    else:
+        _iqk_fa_scores(qu, qd, qs, kq, kd, SINGLE_ROW_BIAS_AVX512, group, scores)
     return scores
 
 
@@ -234,6 +248,8 @@ def iq4_nl_misread_key_products(q: np.ndarray, k: np.ndarray, ints: ToInts) -> n
 #: (iqk_gemm_legacy_fa), each -> what that kernel adds to the key's values to make them unsigned bytes (the query's
 #: block sum x scale x this taken off again), 0 for a signed byte product
 IQK_FA_KEY_BIAS = {"Q4_0": 8, "Q6_0": 32, "IQ4_NL": 0}
+#: the same on AVX-512, whose IQ4_NL kernel takes its values unsigned (the table + 128, IQ4_NL_UnpackerU)
+IQK_FA_KEY_BIAS_AVX512 = {**IQK_FA_KEY_BIAS, "IQ4_NL": 128}
 #: query rows per call of that kernel (kMaxQ); other counts take their own kernels
 IQK_FA_KEY_ROWS = 8
 
@@ -241,7 +257,7 @@ IQK_FA_KEY_ROWS = 8
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def _iqk_fa_scores(qu: np.ndarray, qd: np.ndarray, qs: np.ndarray, kq: np.ndarray, kd: np.ndarray, bias: int,
                    group: int, out: np.ndarray) -> None:
-    """out[h, t, c] = q_t . k_c as ik's AVX2 kernel of the key's type computes it (iqk_fa_key_products)."""
+    """out[h, t, c] = q_t . k_c as ik's kernel of the key's type computes it (iqk_fa_key_products)."""
     n_head, n, keys = out.shape
     nb = qd.shape[2]
     minus = np.float32(-bias)
@@ -285,10 +301,16 @@ def _iqk_fa_scores(qu: np.ndarray, qd: np.ndarray, qs: np.ndarray, kq: np.ndarra
                 out[h, t, c] = _fold_lanes(acc)
 
 
-def iqk_fa_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts) -> np.ndarray:
+def iqk_fa_key_bias(type_name: str, avx2: bool) -> int:
+    """What ik's own flash-attention kernel adds to the values of a `type_name` key (IQK_FA_KEY_BIAS) in the AVX2
+    build (`avx2`) or the AVX-512 one."""
+    return (IQK_FA_KEY_BIAS if avx2 else IQK_FA_KEY_BIAS_AVX512)[type_name]
+
+
+def iqk_fa_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts, avx2: bool) -> np.ndarray:
     """The scores q . k [H, n, keys] ik's own flash-attention kernel takes over a key cache of `type_name`
-    (IQK_FA_KEY_BIAS) on AVX2: the type's own kernel (mul_mat_qX_1_q8_2_T, IQ4_NL's mul_mat_qX_0_q8_0_T) on the
-    cache rows as stored, the queries rounded to Q8_2_X4. Per 32-value block d = key scale x query scale; the
+    (IQK_FA_KEY_BIAS) in its AVX2 build (`avx2`) or its AVX-512 one: the type's own kernel (mul_mat_qX_1_q8_2_T,
+    on AVX2 IQ4_NL's mul_mat_qX_0_q8_0_T) on the cache rows as stored, the queries rounded to Q8_2_X4. Per 32-value block d = key scale x query scale; the
     integer products of (key value + bias) and query value summed, for heads of whole 4-block groups, per block
     and 16-value half into lane (half, block in group), else per 4 values of the block into lane 0-7; each lane
     fma(d, sum, lane). A biased type also sums (key scale x -bias) x (query scale x the query block's integer sum)
@@ -296,5 +318,5 @@ def iqk_fa_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToIn
     is then (t0 + t2) + (t1 + t3) over t_j = (lane j + lane j+4) + that sum, an unbiased one's the 8 lanes folded
     i + (i + 4), then (0 + 2) + (1 + 3)."""
     scores, (qu, qd, qs, kq, kd, group) = _stacked_operands(q, k, type_name, ints)
-    _iqk_fa_scores(qu, qd, qs, kq, kd, IQK_FA_KEY_BIAS[type_name], group, scores)
+    _iqk_fa_scores(qu, qd, qs, kq, kd, iqk_fa_key_bias(type_name, avx2), group, scores)
     return scores
