@@ -88,7 +88,8 @@ def test_a_quantized_k_cache_costs_kld_in_the_order_of_its_bits() -> None:
 
 @pytest.mark.parametrize(("model", "flags", "words"), [
     (QWEN3, ["-ctk", "q3_K"], ["--cache-type-k q3_K", "not a cache type ik takes"]),
-    (QWEN3, ["-ctk", "bf16", "--numerics", "ik"], ["--cache-type-k bf16", "--numerics ik ", "not a bf16 key cache"]),
+    (DATA / "convert" / "qwen3-next" / "ref-f32.gguf", ["-ctk", "q8_0", "--numerics", "ik"],
+     ["--cache-type-k q8_0", "--numerics ik ", "not a q8_0 key cache on qwen3next"]),
     (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", ["-ctk", "bf16", "--numerics", "ik-avx2"],
      ["--cache-type-k bf16", "not a bf16 key cache on deepseek2"]),
     (QWEN3, ["-ctk", "q4_1", "--numerics", "ik-avx2", "--flash-attn", "on"],
@@ -291,6 +292,8 @@ def test_ik_avx2_writes_iks_base_logits_with_a_q5_1_k_cache(qwen3_h128: Path, tm
 
 
 H256 = DATA / "logits" / "qwen3-h256-ctk"
+#: the checkpoint behind its oracles (its README)
+H256_SPEC = TinySpec(head_dim=256, heads=2, kv_heads=1, n_merges=40, seed=8)
 
 
 def test_ik_avx2_writes_iks_base_logits_with_a_q8_kv_k_cache(tmp_path: Path) -> None:
@@ -298,7 +301,7 @@ def test_ik_avx2_writes_iks_base_logits_with_a_q8_kv_k_cache(tmp_path: Path) -> 
     queries each with one f32 scale a head's row, a score (scale x scale) x their integer dot product): ik's
     base-logits file of its -fa off run byte for byte, with every running PPL; heads of 32 are refused (ik leaves
     those scores unwritten)."""
-    hf = make_tiny_checkpoint(tmp_path / "hf256", TinySpec(head_dim=256, heads=2, kv_heads=1, n_merges=40, seed=8))
+    hf = make_tiny_checkpoint(tmp_path / "hf256", H256_SPEC)
     gguf = Converter(hf, "f32", pre_tokenizer="qwen2").write(tmp_path / "qwen3-h256-f32.gguf")
     assert hashlib.sha256(gguf.read_bytes()).hexdigest()[:16] == (H256 / "gguf.sha256").read_text().split()[0]
     options = RuntimeOptions(numerics="ik-avx2", ik_threads=2, flash_attn="off")

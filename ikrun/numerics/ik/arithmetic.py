@@ -171,12 +171,13 @@ class IkNumerics(Numerics):
     name = "ik"
     #: the quantized key caches (ik's names) whose K x Q kernel of ik's -fa off graph this arithmetic reproduces
     #: (key_cache.py)
-    quantized_keys: tuple[str, ...] = ("q8_0", "q4_0", "q6_0", "iq4_nl", "q5_0", "q4_1", "q5_1")
+    quantized_keys: tuple[str, ...] = ("q8_0", "q4_0", "q6_0", "iq4_nl", "q5_0", "q4_1", "q5_1", "q8_KV")
     #: those of them whose K x Q products in ik's flash attention it reproduces too
     flash_keys: tuple[str, ...] = ("q8_0", "q4_0", "q6_0", "iq4_nl")
-    #: the float key caches (ik's names) besides F16 and F32 it reproduces on QUANTIZED_KEY_ARCHS (the float kernel
-    #: of ik's -fa off graph on the cache's values)
-    float_keys: tuple[str, ...] = ()
+    #: the float key caches (ik's names) besides F16 and F32 it reproduces on QUANTIZED_KEY_ARCHS (ik's -fa off
+    #: graph: its bf16 kernel on the cache's values and the queries rounded to bf16, where it has one, _bf16_kernel;
+    #: else the float kernel)
+    float_keys: tuple[str, ...] = ("bf16",)
     #: the quantized value caches (ik's names) whose flash attention in ik's own kernel (IQK_FA_HEADS) it
     #: reproduces (ik quantizes a V cache only with flash attention on; GGML_IQK_FA_ALL_QUANTS, its build's default)
     flash_values: tuple[str, ...] = ("q8_0", "q6_0", "q4_0", "q4_1", "iq4_nl")
@@ -248,8 +249,8 @@ class IkNumerics(Numerics):
         if cache_type in MLA_QUANTIZED_LATENT.get(arch, ()) and cache_type in self.quantized_keys:
             return None
         latent = "".join(f"; {'/'.join(types)} as {name}'s MLA latent" for name, types in MLA_QUANTIZED_LATENT.items())
-        return (f"--numerics {self.name} reproduces ik's F16, F32, {', '.join(others)} key caches (the others on "
-                f"{', '.join(QUANTIZED_KEY_ARCHS)}{latent}), not a {cache_type} key cache on {arch}")
+        return (f"--numerics {self.name} reproduces ik's F16 and F32 key caches, and on {', '.join(QUANTIZED_KEY_ARCHS)} "
+                f"its {', '.join(others)} ones{latent}; not a {cache_type} key cache on {arch}")
 
     def latent_cache_problem(self, kv: KvCache, path: str, kv_b: tuple[str, str] | None) -> str | None:
         """Why ik's run over the MLA latent cache `kv.k` in the form `path` is not reproduced, or None: a quantized
@@ -445,6 +446,8 @@ class IkNumerics(Numerics):
                                    scores).transpose(1, 0, 2)
         if kv is not None and kv.k in self.quantized_keys:
             return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2, self._key_products(q, k, kv.k))
+        if kv is not None and kv.k == "bf16" and self._bf16_kernel("BF16"):
+            return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2, self._bf16_key_products(q, k))
         if head_dim % self.lanes:
             return super().causal_attention(q, k, v, head_dim, window=window, sinks=sinks)
         return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2)
@@ -471,6 +474,18 @@ class IkNumerics(Numerics):
         ints = self._integers(kernel, rows, key_cells(len(k)), threads)
         assert ints is not None, f"{type_name} converts (formats.IK_KERNELS, KEY_CACHE_KERNELS)"
         return key_products(q, k, type_name, ints, kernel.activation)
+
+    def _bf16_key_products(self, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """q . k [H, n, keys] over a BF16 key cache (k: its values) as ik's bf16 kernel multiplies them, each query
+        head's rows rounded to bf16 against its group's keys."""
+        n, n_head, d = q.shape
+        if not takes_whole(d, True, self.lanes):
+            raise ModelError(f"ik's bf16 kernel takes rows in multiples of {2 * self.lanes} values: its K x Q over a "
+                             f"bf16 key cache with heads of {d} is not reproduced")
+        group = n_head // k.shape[1]
+        xr = round_activations(np.ascontiguousarray(q.transpose(1, 0, 2)), self._activation_format("BF16"))
+        return np.stack([ik_float_matmul(xr[h], np.ascontiguousarray(k[:, h // group]), True, self.lanes)
+                         for h in range(n_head)])
 
     def _flash_key_products(self, q: np.ndarray, k: np.ndarray, head_v: int, cache_type: str) -> np.ndarray:
         """q . k [H, n, keys] over a key cache of `cache_type` as ik's flash attention multiplies them. Its own kernel

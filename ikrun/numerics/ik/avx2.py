@@ -41,9 +41,6 @@ class IkAvx2Numerics(IkNumerics):
 
     name = "ik-avx2"
     avx2 = True
-    quantized_keys = (*IkNumerics.quantized_keys, "q8_KV")
-    #: a BF16 key cache takes the F16 cache's float kernel (set_mul_mat_f, unrounded queries: no bf16 kernel on AVX2)
-    float_keys = ("bf16",)
 
     def check_weights(self) -> list[str]:
         arch = self.weights.metadata.architecture
@@ -68,7 +65,7 @@ class IkAvx2Numerics(IkNumerics):
         return UNROUNDED if type_name == "BF16" else super()._activation_format(type_name)
 
     def _bf16_kernel(self, type_name: str) -> bool:
-        """ik's AVX2 build has no bf16 kernel: bf16 weights go through its float kernel."""
+        """ik's AVX2 build has no bf16 kernel: bf16 weights and a BF16 key cache go through its float kernel."""
         return False
 
     def _integers(self, kernel: IkKernel, n_act_rows: int, n_weight_rows: int,
