@@ -49,14 +49,15 @@ class RuntimeOptions:
         "latent cache through attn_kv_b (what ik's defaults, -fa on -mla 3, run for batches of 128 tokens or more); "
         "decode = the absorbed path through attn_k_b / attn_v_b (single-token generation, and every batch with -fa "
         "off). auto (default): prefill for sequences of 128 tokens or more, as ik's defaults (under --numerics ik "
-        "with ik's flash-attention kernels), decode below and for imatrix collection. Give decode to compare with ik "
-        "run with -fa off. An error for a model without MLA.")})
+        "with ik's flash-attention kernels), decode below, with --flash-attn off and for imatrix collection. An "
+        "error for a model without MLA.")})
     #: which of ik's attention graphs grouped-query attention runs under ik's arithmetic (FLASH_ATTN)
     flash_attn: str = field(default="auto", metadata={"choices": FLASH_ATTN, "help": (
-        "Grouped-query attention (qwen3, qwen3moe, glm4moe, minimax-m2) under --numerics ik / ik-avx2: on = ik's "
-        "flash attention (-fa on: its own kernel for head sizes 64, 96, 128, 192, 256, 512, ggml's generic one for the "
-        "others, over its F16 caches), off = ik's -fa off graph (K x Q matmul, softmax, V product). auto (default): "
-        "ik's default, on, where it is reproduced (F16 caches), else off; the report names the graph. The exact "
+        "Grouped-query attention (qwen3, qwen3moe, glm4moe, minimax-m2) and DeepSeek's MLA (deepseek2) under "
+        "--numerics ik / ik-avx2: on = ik's flash attention (-fa on: its own kernel for head sizes 64, 96, 128, 192, "
+        "256, 512, 576/512, ggml's generic one for the others, over its F16 caches; MLA's absorbed form over the "
+        "latent cache), off = ik's -fa off graph (K x Q matmul, softmax, V product; MLA in the absorbed form). auto "
+        "(default): ik's default, on, where it is reproduced, else off; the report names the graph. The exact "
         "arithmetic computes the same softmax attention either way and refuses the option.")})
     #: the DSA indexer's top-k instead of the file's attention.indexer.top_k (0: the file's)
     dsa_top_k: int = field(default=0, metadata={"help": (
@@ -85,7 +86,7 @@ class RuntimeOptions:
         """The MLA path ("prefill" or "decode") a forward of `n_tokens` tokens runs (the --mla help)."""
         if self.mla != "auto":
             return self.mla
-        return "prefill" if n_tokens >= MLA_PREFILL_MIN_TOKENS else "decode"
+        return "prefill" if n_tokens >= MLA_PREFILL_MIN_TOKENS and self.flash_attn != "off" else "decode"
 
     def given(self) -> list[str]:
         """The options that were set (field names; the command-line flag is --name with dashes)."""
@@ -109,6 +110,9 @@ class RuntimeOptions:
                              "ik-avx2 compute (the exact arithmetic computes the same softmax attention either way)")
         if self.mla not in MLA_PATHS:
             raise ModelError(f"--mla {self.mla!r} is not one of {', '.join(MLA_PATHS)}")
+        if self.mla == "prefill" and self.flash_attn == "off":
+            raise ModelError("--mla prefill is ik's flash-attention graph's form; with --flash-attn off (its -fa off "
+                             "graph) ik runs the absorbed one, --mla decode")
         if self.dsa_top_k < 0:
             raise ModelError(f"--dsa-top-k must be positive, not {self.dsa_top_k}")
         if self.dsa is False and self.dsa_top_k:

@@ -87,7 +87,7 @@ def running_ppl(nll: np.ndarray, n_chunk: int) -> list[str]:
 
 def fa_off(gguf: Path) -> dict[str, str]:
     """{"flash_attn": "off"} for a model whose attention ik computes with or without flash attention (--flash-attn:
-    the grouped-query families), the -fa off graph the stored oracles were made with; {} for the others."""
+    the grouped-query and MLA families), the -fa off graph the stored oracles were made with; {} for the others."""
     from ikrun.models import model_class
     from ikrun.weights import WeightStore
 

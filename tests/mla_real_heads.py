@@ -4,6 +4,7 @@ from its seed by the tests (the file it converts to is 1.2 MB)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,14 +15,16 @@ from tests.test_convert_deepseek2 import DSSpec, make_deepseek_checkpoint
 
 SPEC = DSSpec(q_lora=32, fp8_block=None, hidden=64, heads=2, kv_lora=64, nope=128, rope=64, v=128, ff=128, moe_ff=32,
               experts=4, shared=1, dense=1, layers=2, seed=7)
+#: the same with DeepSeek-V3's latent of 512 (the absorbed form's flash attention at ik's 576 / 512 heads)
+LATENT512 = replace(SPEC, kv_lora=512)
 TOKENIZER = Path(__file__).parent / "data" / "convert" / "deepseek-v3" / "hf"
 
 
-def make_checkpoint(folder: Path) -> Path:
-    """SPEC's checkpoint with its norm weights near 1 (1 + N(0, 0.1)) instead of the generator's small random ones,
+def make_checkpoint(folder: Path, spec: DSSpec = SPEC) -> Path:
+    """`spec`'s checkpoint with its norm weights near 1 (1 + N(0, 0.1)) instead of the generator's small random ones,
     so that attention moves the logits and a quantized attn_kv_b shows in the KLD."""
-    make_deepseek_checkpoint(folder, SPEC, TOKENIZER)
-    rng = np.random.default_rng(SPEC.seed + 1)
+    make_deepseek_checkpoint(folder, spec, TOKENIZER)
+    rng = np.random.default_rng(spec.seed + 1)
     for shard in sorted(folder.glob("model-*.safetensors")):
         st = SafetensorsFile(shard)
         tensors = {}

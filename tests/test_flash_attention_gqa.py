@@ -117,8 +117,10 @@ def test_the_report_names_the_attention_graph() -> None:
      "q8_0 / q4_0 / q6_0 / iq4_nl key caches, not a q5_0 key cache (give --flash-attn off"),
     (CONVERT / "qwen3" / "ik-f32.gguf", ["--flash-attn", "on", "--numerics", "ik", "-ctk", "f32"],
      "not a f32 key cache"),
-    (CONVERT / "deepseek-v3" / "ik-f32.gguf", ["--flash-attn", "on", "--numerics", "ik-avx2"],
+    (CONVERT / "glm-dsa" / "ref-f32.gguf", ["--flash-attn", "on", "--numerics", "ik-avx2"],
      "--flash-attn applies only to"),
+    (CONVERT / "deepseek-v3" / "ik-f32.gguf", ["--flash-attn", "off", "--numerics", "ik", "--mla", "prefill"],
+     "--mla prefill is ik's flash-attention graph's form"),
     (CONVERT / "gpt-oss" / "ref-f32.gguf", ["--flash-attn", "on", "--numerics", "ik"],
      "reproduces ik's flash attention on qwen3, qwen3moe, glm4moe, minimax-m2, not gpt-oss"),
 ])

@@ -252,16 +252,17 @@ def test_real_heads_q4_0_attn_kv_b_costs_what_ik_prints(real_heads: dict[str, Pa
 REAL_FA_OFF = DATA / "logits" / "deepseek-v3-heads192-avx2-fa-off"
 
 
-@pytest.mark.parametrize(("folder", "mla"), [(REAL, "auto"), (REAL_FA_OFF, "decode")])
-def test_real_heads_ik_avx2_is_iks_avx2_build(real_heads: dict[str, Path], folder: Path, mla: str,
+@pytest.mark.parametrize(("folder", "flash_attn"), [(REAL, "auto"), (REAL_FA_OFF, "off")])
+def test_real_heads_ik_avx2_is_iks_avx2_build(real_heads: dict[str, Path], folder: Path, flash_attn: str,
                                               tmp_path: Path) -> None:
     """--numerics ik-avx2 (ik's AVX2 build's float orders around its flash-attention kernels): ik's default run's
     base-logits file (prefill, PPL 484.7333) and its -fa off run's (decode, 484.7470) byte for byte, every running
     PPL; --numerics ik's files differ (PPL(Q) 484.7288, the AVX-512 build's, and 484.7474)."""
     base, printed = folder / "ik-base.kld", folder / "ik-base.txt"
-    assert_iks_forward(Model(real_heads["ik-f32.gguf"], options=RuntimeOptions(numerics="ik-avx2", mla=mla)), base,
-                       printed, tmp_path / "avx2.kld")
-    perplexity(Model(real_heads["ik-f32.gguf"], options=RuntimeOptions(numerics="ik", mla=mla)),
+    assert_iks_forward(Model(real_heads["ik-f32.gguf"], options=RuntimeOptions(numerics="ik-avx2",
+                                                                               flash_attn=flash_attn)),
+                       base, printed, tmp_path / "avx2.kld")
+    perplexity(Model(real_heads["ik-f32.gguf"], options=RuntimeOptions(numerics="ik", flash_attn=flash_attn)),
                np.asarray(BaseLogitsFile(base).tokens), save_base=tmp_path / "avx512.kld")
     assert (tmp_path / "avx512.kld").read_bytes() != base.read_bytes()
 

@@ -94,8 +94,11 @@ def test_both_kernels_agree_on_one_set_of_weights(masked: bool) -> None:
 def test_auto_follows_iks_batch_rule_and_numerics() -> None:
     assert Model(V3).computed_paths(128) == {"mla_path": "prefill"}
     assert Model(V3).computed_paths(127) == {"mla_path": "decode"}
-    assert Model(V3, options=RuntimeOptions(numerics="ik")).computed_paths(128) == {"mla_path": "prefill"}
-    assert Model(V3, options=RuntimeOptions(numerics="ik")).computed_paths(127) == {"mla_path": "decode"}
+    ik = {"flash_attn": "on"}
+    assert Model(V3, options=RuntimeOptions(numerics="ik")).computed_paths(128) == {"mla_path": "prefill", **ik}
+    assert Model(V3, options=RuntimeOptions(numerics="ik")).computed_paths(127) == {"mla_path": "decode", **ik}
+    fa_off = RuntimeOptions(numerics="ik", flash_attn="off")  # ik's -fa off graph takes the absorbed form always
+    assert Model(V3, options=fa_off).computed_paths(512) == {"mla_path": "decode", "flash_attn": "off"}
     assert Model(V3, options=DECODE).computed_paths(512) == {"mla_path": "decode"}
     assert Model(QWEN3).computed_paths(512) == {}
 

@@ -46,7 +46,7 @@ ROPE_SCALING = ("none", "linear", "yarn")
 
 class Deepseek2(ArchModel):
     archs = ("deepseek2",)
-    runtime_options: ClassVar[tuple[str, ...]] = ("mla",)
+    runtime_options: ClassVar[tuple[str, ...]] = ("mla", "flash_attn")
     continues = True
     #: where a file without an MTP layer comes from, said when --mtp asks for one
     no_mtp_hint = " (ik's converter drops DeepSeek-V3's MTP layer; ikconvert --keep-mtp keeps it)"
@@ -186,7 +186,9 @@ class Deepseek2(ArchModel):
                 raise self.fail(problem)
 
     def computed_paths(self, n_ctx: int) -> dict[str, str]:
-        return {"mla_path": self.mla_path(n_ctx)}
+        """The MLA form, and under ik's arithmetic its attention graph (--flash-attn)."""
+        graph = self.ctx.numerics.attention_graph(self.ctx.arch, self.ctx.cache, self.attention.head_k)
+        return {"mla_path": self.mla_path(n_ctx), **({} if graph is None else {"flash_attn": graph})}
 
     def unread_tensors(self, n_ctx: int) -> dict[str, str]:
         """attn_kv_b under the decode form, attn_k_b / attn_v_b under the prefill form (each only where the file

@@ -104,6 +104,9 @@ Q8_KV_ROWS = 256
 FA_CACHE_PADDING = 256
 #: the architectures whose grouped-query attention under ik's flash attention (-fa on) was checked against ik
 FLASH_ATTENTION_ARCHS = QUANTIZED_KEY_ARCHS
+#: the MLA architectures whose attention ik's flash-attention graph (-fa on, mla 3) computes in both forms: the
+#: prefill one over materialised keys and values, the absorbed one over the latent cache (_absorbed_flash)
+MLA_FLASH_ARCHS = ("deepseek2",)
 #: architectures whose NextN head ik's loader strips of its own nextn.embed_tokens / shared_head_head ("model has
 #: unused tensor ... ignoring"): its graph takes token_embd / output instead
 NEXTN_TABLES_IGNORED = ("glm4moe",)
@@ -389,6 +392,8 @@ class IkNumerics(Numerics):
         return None
 
     def check_flash_attention(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
+        if arch in MLA_FLASH_ARCHS:  # the latent cache's forms: latent_cache_problem
+            return None
         if arch not in FLASH_ATTENTION_ARCHS:
             return (f"--numerics {self.name} reproduces ik's flash attention on {', '.join(FLASH_ATTENTION_ARCHS)}, "
                     f"not {arch}")
@@ -432,13 +437,7 @@ class IkNumerics(Numerics):
         if kv is not None and kv.k_hadamard:  # ik's graph rotates the queries before either attention graph
             q = blockwise_hadamard(q, kv.k_hadamard)
         if flash:
-            n, n_head, _ = q.shape
-            n_cells = fa_cache_cells(len(k))
-            if n == 1 and (head_dim, v.shape[2]) in IQK_FA_HEADS and splits_keys(n_head, k.shape[1], n_cells,
-                                                                               self.options.ik_threads):
-                raise ModelError(f"ik's flash attention splits a one-token batch's keys among its "
-                                 f"{self.options.ik_threads} threads (--ik-threads), which is not reproduced; give "
-                                 "--flash-attn off or fewer --ik-threads")
+            self._check_key_split(q.shape[0], q.shape[1], k.shape[1], (head_dim, v.shape[2]), len(k))
             scores = None if kv is None or kv.k == "f16" else self._flash_key_products(q, k, v.shape[2], kv.k)
             return flash_attention(np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32),
@@ -451,6 +450,14 @@ class IkNumerics(Numerics):
         if head_dim % self.lanes:
             return super().causal_attention(q, k, v, head_dim, window=window, sinks=sinks)
         return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2)
+
+    def _check_key_split(self, n: int, n_head: int, n_head_kv: int, heads: tuple[int, int], n_keys: int) -> None:
+        """Refuse a one-token batch whose keys ik's own flash-attention kernel splits among its threads."""
+        if n == 1 and heads in IQK_FA_HEADS and splits_keys(n_head, n_head_kv, fa_cache_cells(n_keys),
+                                                            self.options.ik_threads):
+            raise ModelError(f"ik's flash attention splits a one-token batch's keys among its "
+                             f"{self.options.ik_threads} threads (--ik-threads), which is not reproduced; give "
+                             "--flash-attn off or fewer --ik-threads")
 
     def _key_products(self, q: np.ndarray, k: np.ndarray, cache_type: str) -> np.ndarray:
         """q . k [H, n, keys] over a key cache of `cache_type` as ik multiplies them: each query head a matmul of
@@ -542,7 +549,12 @@ class IkNumerics(Numerics):
                                             keep=keep, on_latent=on_latent)
         k_b, v_b = self._mla_heads(b, n_head, q_nope.shape[2])
         q_lat = self.head_product(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight", k_b)
-        if sinks is None:
+        if plain and keep is None and self._absorbed_flash():
+            q = np.ascontiguousarray(np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2), dtype=np.float32)
+            self._check_key_split(n, n_head, 1, (n_rot + n_lat, n_lat), len(cache))
+            keys = np.ascontiguousarray(cache[None], dtype=np.float32)
+            latent = flash_attention(q, keys, np.ascontiguousarray(keys[:, :, n_rot:]), scale, self.lanes)
+        elif sinks is None:
             q = np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2)
             latent = ik_latent_attention(q, cache, n_rot, scale, keep, self.avx2)
         else:
@@ -557,6 +569,12 @@ class IkNumerics(Numerics):
         if on_latent is not None:
             on_latent(latent)
         return self.head_product(latent, b + "attn_v_b.weight", v_b).transpose(1, 0, 2)
+
+    def _absorbed_flash(self) -> bool:
+        """Whether ik runs the absorbed form in flash attention (-fa on, mla 3: its defaults) for this file's
+        architecture (MLA_FLASH_ARCHS), the queries [q_rope | q_nope x attn_k_b] against the whole latent cache
+        rows as keys (one key head) and their latent part as values; else its -fa off graph."""
+        return self.weights.metadata.architecture in MLA_FLASH_ARCHS and self.options.flash_attn != "off"
 
     def _mla_heads(self, b: str, n_head: int, n_nope: int) -> tuple[HeadSource | None, HeadSource | None]:
         """Block `b`'s attn_k_b / attn_v_b: the file's (None), or as ik derives them from its attn_kv_b alone."""

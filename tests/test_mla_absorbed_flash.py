@@ -1,0 +1,79 @@
+"""DeepSeek's absorbed MLA form as ik's default run computes it (flash attention, mla 3, batches under 128 tokens):
+the queries [q_rope | q_nope x attn_k_b] against the latent cache rows as one key head, their latent part as values
+(tests/data/logits/deepseek-v3-absorbed-fa), in ggml's generic kernel (heads 128 / 64) and ik's own (576 / 512,
+DeepSeek-V3's), in both builds' float orders; --flash-attn off keeps ik's -fa off graph."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikconvert.cli import app as ikconvert_app
+from ikquant.cli import app as ikquant_app
+from ikrun.cli import app
+from ikrun.eval.evaluate import perplexity
+from ikrun.eval.metrics import BaseLogitsFile
+from ikrun.model import Model
+from ikrun.options import RuntimeOptions
+from tests.family_checks import assert_iks_forward
+from tests.mla_real_heads import LATENT512, make_checkpoint
+from tests.test_ik_avx2 import _matches
+from tests.test_ik_flash_attention import real_heads  # noqa: F401  (the heads-192 DeepSeek-V3 files)
+
+runner = CliRunner()
+FOLDER = Path(__file__).parent / "data" / "logits" / "deepseek-v3-absorbed-fa"
+SHA256 = {"latent512": "ba92aed8a3b6645a2dc0f8ab3c2069516a43989f5deb553ca616de31a80aaacf",
+          "q8_0": "e18856a6b83eeacd7230e8f04f2d71cb57f069882c9e8a332115ac5a20d15e42"}
+
+
+@pytest.fixture(scope="module")
+def models(real_heads: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:  # noqa: F811
+    """The heads-192 F32 file, its Q8_0 quantization and the latent-512 F32 file, checked to be the bytes ik ran."""
+    tmp = tmp_path_factory.mktemp("absorbed")
+    latent512 = tmp / "latent512.gguf"
+    res = runner.invoke(ikconvert_app, ["hf2gguf", str(make_checkpoint(tmp / "hf", LATENT512)), "--outtype", "f32",
+                                        "--pre-tokenizer", "deepseek-v3", "--outfile", str(latent512)])
+    assert res.exit_code == 0, res.output
+    q8_0 = tmp / "q8_0.gguf"
+    res = runner.invoke(ikquant_app, [str(real_heads["ik-f32.gguf"]), str(q8_0), "--type", "Q8_0"])
+    assert res.exit_code == 0, res.output
+    files = {"heads192": real_heads["ik-f32.gguf"], "latent512": latent512, "q8_0": q8_0}
+    for name in SHA256:
+        assert hashlib.sha256(files[name].read_bytes()).hexdigest() == SHA256[name], name
+    return files
+
+
+@pytest.mark.parametrize("model", ["heads192", "latent512"])
+@pytest.mark.parametrize(("numerics", "build"), [("ik", "avx512"), ("ik-avx2", "avx2")])
+def test_the_absorbed_form_is_iks_default_run(models: dict[str, Path], model: str, numerics: str, build: str,
+                                             tmp_path: Path) -> None:
+    """ik's base-logits file of its default run byte for byte, every running PPL (heads192 512.3806, latent512
+    499.4681 on AVX-512); the report names the graph."""
+    options = RuntimeOptions(numerics=numerics, ik_threads=1)
+    assert Model(models[model], options=options).computed_paths(64) == {"mla_path": "decode", "flash_attn": "on"}
+    assert_iks_forward(Model(models[model], options=options), FOLDER / f"{model}-{build}-base.kld",
+                       FOLDER / f"{model}-{build}-base.txt", tmp_path / "base.kld")
+
+
+def test_flash_attn_off_is_iks_other_graph(models: dict[str, Path], tmp_path: Path) -> None:
+    """--flash-attn off: ik's -fa off graph (the absorbed form in its K x Q matmul; PPL 515.4670), not the default
+    run's file."""
+    base = FOLDER / "heads192-avx512-base.kld"
+    res = perplexity(Model(models["heads192"], options=RuntimeOptions(numerics="ik", flash_attn="off")),
+                     np.asarray(BaseLogitsFile(base).tokens), save_base=tmp_path / "off.kld")
+    assert f"{np.exp(res.nll.astype(np.float64).mean()):.4f}" == "515.4670"
+    assert (tmp_path / "off.kld").read_bytes() != base.read_bytes()
+
+
+def test_a_q8_0_file_costs_what_ik_prints(models: dict[str, Path]) -> None:
+    """The Q8_0 file against ik's default F32 run: every figure ik printed (mean KLD 0.002122, PPL(Q) 511.330755)."""
+    res = runner.invoke(app, ["kld", str(models["q8_0"]), "--base-logits", str(FOLDER / "heads192-avx512-base.kld"),
+                              "--json", "--numerics", "ik", "--ik-threads", "1"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.stdout)
+    assert got["flash_attn"] == "on" and _matches(got, FOLDER / "heads192-q8_0-avx512-kld.txt")
