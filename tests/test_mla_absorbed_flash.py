@@ -77,3 +77,31 @@ def test_a_q8_0_file_costs_what_ik_prints(models: dict[str, Path]) -> None:
     assert res.exit_code == 0, res.output
     got = json.loads(res.stdout)
     assert got["flash_attn"] == "on" and _matches(got, FOLDER / "heads192-q8_0-avx512-kld.txt")
+
+
+@pytest.mark.parametrize(("numerics", "build"), [("ik", "avx512"), ("ik-avx2", "avx2")])
+def test_a_q8_0_latent_in_the_absorbed_form_is_iks(models: dict[str, Path], numerics: str, build: str,
+                                                   tmp_path: Path) -> None:
+    """-ctk q8_0 at DeepSeek-V3's 576 / 512 heads: ik's own kernel multiplies the Q8_0 cache rows with the queries
+    in integers (repacked to Q8_0_R8) and sums their decoded latent part as values: its base-logits file byte for
+    byte (PPL 500.1432), and against the F16 cache's run every figure ik printed (mean KLD 0.000413)."""
+    model = Model(models["latent512"], options=RuntimeOptions(numerics=numerics, ik_threads=1), cache_type_k="q8_0")
+    assert_iks_forward(model, FOLDER / f"latent512-ctk-q8_0-{build}-base.kld",
+                       FOLDER / f"latent512-ctk-q8_0-{build}-base.txt", tmp_path / "base.kld")
+    if numerics == "ik":
+        res = runner.invoke(app, ["kld", str(models["latent512"]), "--base-logits",
+                                  str(FOLDER / "latent512-avx512-base.kld"), "--json", "-ctk", "q8_0", "--numerics",
+                                  "ik", "--ik-threads", "1"])
+        assert res.exit_code == 0, res.output
+        assert _matches(json.loads(res.stdout), FOLDER / "latent512-ctk-q8_0-avx512-kld.txt")
+
+
+@pytest.mark.parametrize(("model", "flags", "says"), [
+    ("heads192", [], "not in ggml's generic flash-attention kernel (heads 128/64)"),
+    ("latent512", ["--flash-attn", "off"], "not in ik's -fa off graph (--flash-attn off)"),
+])
+def test_a_quantized_latent_where_its_absorbed_form_is_not_reproduced_is_refused(models: dict[str, Path], model: str,
+                                                                                 flags: list[str], says: str) -> None:
+    res = runner.invoke(app, ["ppl", str(models[model]), "--text", str(FOLDER.parent / "deepseek-v3" / "text.txt"),
+                              "--ctx", "64", "--chunks", "1", "--numerics", "ik", "-ctk", "q8_0", *flags])
+    assert res.exit_code == 2 and says in " ".join(res.output.split()), res.output

@@ -78,8 +78,8 @@ TEXT = Path(__file__).parent / "data" / "logits" / "deepseek-v3" / "text.txt"
 
 @pytest.mark.parametrize(("model", "flags", "named"), [
     ("ik-f32.gguf", ["--ctx", "128"], ("--cache-type-k q8_0", "attn_kv_b", "F32", "crashes")),
-    ("kvb-q4_0.gguf", ["--ctx", "128", "--mla", "decode"], ("--cache-type-k q8_0", "absorbed form", "prefill")),
-    ("kvb-q4_0.gguf", ["--ctx", "64"], ("--cache-type-k q8_0", "under 128 tokens")),
+    ("kvb-q4_0.gguf", ["--ctx", "128", "--mla", "decode"], ("--cache-type-k q8_0", "absorbed MLA form", "prefill")),
+    ("kvb-q4_0.gguf", ["--ctx", "64"], ("--cache-type-k q8_0", "under 128 tokens", "generic")),
     ("kvb-q4_0.gguf", ["--ctx", "128", "-khad"], ("--k-cache-hadamard", "latent")),
 ])
 def test_what_is_not_reproduced_is_refused(real_heads: dict[str, Path], model: str, flags: list[str],  # noqa: F811

@@ -227,10 +227,12 @@ class Numerics:
         through ik's Hadamard transform over blocks of `hadamard_block` values where given (ikrun/kvcache.py)."""
         return cache_holds(x, cache_type, hadamard_block)
 
-    def latent_cache_problem(self, kv: KvCache, path: str, kv_b: tuple[str, str] | None) -> str | None:
+    def latent_cache_problem(self, kv: KvCache, path: str, kv_b: tuple[str, str] | None,
+                             heads: tuple[int, int] | None = None) -> str | None:
         """Why a run over the MLA latent cache `kv.k` in the form `path` ("prefill" / "decode"; `kv_b`: a block's
-        attn_kv_b and its type, "absent" where the file has none) is not computed as asked, or None: here every
-        cache type is its exact round trip."""
+        attn_kv_b and its type, "absent" where the file has none; `heads`: the absorbed form's key and value widths,
+        the whole latent cache row and its latent part) is not computed as asked, or None: here every cache type is
+        its exact round trip."""
         return None
 
     def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, cache_type: str,

@@ -255,18 +255,24 @@ class IkNumerics(Numerics):
         return (f"--numerics {self.name} reproduces ik's F16 and F32 key caches, and on {', '.join(QUANTIZED_KEY_ARCHS)} "
                 f"its {', '.join(others)} ones{latent}; not a {cache_type} key cache on {arch}")
 
-    def latent_cache_problem(self, kv: KvCache, path: str, kv_b: tuple[str, str] | None) -> str | None:
+    def latent_cache_problem(self, kv: KvCache, path: str, kv_b: tuple[str, str] | None,
+                             heads: tuple[int, int] | None = None) -> str | None:
         """Why ik's run over the MLA latent cache `kv.k` in the form `path` is not reproduced, or None: a quantized
-        cache (MLA_QUANTIZED_LATENT) in the prefill form only, over the file's own attn_kv_b, not F32 (`kv_b`: a
-        block's attn_kv_b and its type, "absent" where the file has none: ik converts the decoded cache for an F32
-        matmul with a conversion F32 lacks, and crashes; the attn_kv_b ik derives at load is not reproduced under
-        it)."""
+        cache (MLA_QUANTIZED_LATENT) in the prefill form over the file's own attn_kv_b, not F32 (`kv_b`: a block's
+        attn_kv_b and its type, "absent" where the file has none: ik converts the decoded cache for an F32 matmul
+        with a conversion F32 lacks, and crashes; the attn_kv_b ik derives at load is not reproduced under it), or in
+        the absorbed form in flash attention at `heads` ik's own kernel takes (IQK_FA_HEADS, DeepSeek-V3's 576 /
+        512: its K x Q over the quantized rows, their values decoded)."""
         if kv.k in FLOAT_CACHES:
             return None
         if path != "prefill":
-            return (f"--cache-type-k {kv.k}: ik's attention over a {kv.k} latent cache in the absorbed form (batches "
-                    f"under {MLA_PREFILL_MIN_TOKENS} tokens under --mla auto, or --mla decode) is not reproduced; the "
-                    "prefill form is")
+            if self._absorbed_flash() and heads in IQK_FA_HEADS:
+                return None
+            where = "ik's -fa off graph (--flash-attn off)" if not self._absorbed_flash() else \
+                "ggml's generic flash-attention kernel" + ("" if heads is None else f" (heads {heads[0]}/{heads[1]})")
+            return (f"--cache-type-k {kv.k}: ik's absorbed MLA form (batches under {MLA_PREFILL_MIN_TOKENS} tokens, or "
+                    f"--mla decode) over a {kv.k} latent cache is reproduced in ik's own flash-attention kernel (heads "
+                    f"576/512, DeepSeek-V3's), not in {where}; the prefill form is")
         if kv_b is not None and kv_b[1] == "F32":
             return (f"--cache-type-k {kv.k}: {kv_b[0]} is F32, and ik's prefill form converts a quantized latent "
                     "cache for an F32 matmul with a conversion F32 lacks (ik crashes there); quantize attn_kv_b or "
@@ -536,11 +542,11 @@ class IkNumerics(Numerics):
         """ik's attention kernels with attn_k_b / attn_v_b per head as ik's kernels multiply them: DeepSeek's plain
         causal form (with GLM's DSA keep mask, ik's sparse mask), and openPangu's with sinks (its unfused chain, in
         ik's [latent | rope] layout). A quantized latent cache is reproduced in the prefill form only."""
-        problem = self.latent_cache_problem(kv, "decode", None)
-        if problem is not None:
-            raise ModelError(problem)
         n, n_head, n_rot = q_rope.shape
         n_lat = cache.shape[1] - n_rot
+        problem = self.latent_cache_problem(kv, "decode", None, (n_rot + n_lat, n_lat))
+        if problem is not None:
+            raise ModelError(problem)
         plain = sinks is None and window == 0
         if len(cache) != n and (sinks is not None or window > 0):
             raise ValueError("a continued sequence's MLA takes no sinks or window")
@@ -553,7 +559,11 @@ class IkNumerics(Numerics):
             q = np.ascontiguousarray(np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2), dtype=np.float32)
             self._check_key_split(n, n_head, 1, (n_rot + n_lat, n_lat), len(cache))
             keys = np.ascontiguousarray(cache[None], dtype=np.float32)
-            latent = flash_attention(q, keys, np.ascontiguousarray(keys[:, :, n_rot:]), scale, self.lanes)
+            scores = None
+            if kv.k not in FLOAT_CACHES:  # `cache` holds the rows before ik's write: its K x Q, then the values
+                scores = self._flash_key_products(q.transpose(1, 0, 2), keys.transpose(1, 0, 2), n_lat, kv.k)
+                keys = np.ascontiguousarray(cache_holds(keys, kv.k))
+            latent = flash_attention(q, keys, np.ascontiguousarray(keys[:, :, n_rot:]), scale, self.lanes, scores)
         elif sinks is None:
             q = np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2)
             latent = ik_latent_attention(q, cache, n_rot, scale, keep, self.avx2)
