@@ -540,8 +540,9 @@ class IkNumerics(Numerics):
                          keep: np.ndarray | None = None,
                          on_latent: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """ik's attention kernels with attn_k_b / attn_v_b per head as ik's kernels multiply them: DeepSeek's plain
-        causal form (with GLM's DSA keep mask, ik's sparse mask), and openPangu's with sinks (its unfused chain, in
-        ik's [latent | rope] layout). A quantized latent cache is reproduced in the prefill form only."""
+        causal form (with GLM's DSA keep mask, ik's sparse mask; DeepSeek's in flash attention under ik's defaults,
+        _absorbed_flash), and openPangu's with sinks (its unfused chain, in ik's [latent | rope] layout). A quantized
+        latent cache is reproduced in flash attention at the heads ik's own kernel takes (latent_cache_problem)."""
         n, n_head, n_rot = q_rope.shape
         n_lat = cache.shape[1] - n_rot
         problem = self.latent_cache_problem(kv, "decode", None, (n_rot + n_lat, n_lat))
