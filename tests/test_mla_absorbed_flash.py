@@ -20,13 +20,14 @@ from ikrun.eval.evaluate import perplexity
 from ikrun.eval.metrics import BaseLogitsFile
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
-from tests.family_checks import assert_iks_forward
+from tests.family_checks import assert_iks_forward, iks_running_ppl, running_ppl
 from tests.mla_real_heads import LATENT512, make_checkpoint
 from tests.test_ik_avx2 import _matches
 from tests.test_ik_flash_attention import real_heads  # noqa: F401  (the heads-192 DeepSeek-V3 files)
 
 runner = CliRunner()
 FOLDER = Path(__file__).parent / "data" / "logits" / "deepseek-v3-absorbed-fa"
+TYPES = FOLDER.parent / "deepseek-v3-latent-types"
 SHA256 = {"latent512": "ba92aed8a3b6645a2dc0f8ab3c2069516a43989f5deb553ca616de31a80aaacf",
           "q8_0": "e18856a6b83eeacd7230e8f04f2d71cb57f069882c9e8a332115ac5a20d15e42"}
 
@@ -105,3 +106,26 @@ def test_a_quantized_latent_where_its_absorbed_form_is_not_reproduced_is_refused
     res = runner.invoke(app, ["ppl", str(models[model]), "--text", str(FOLDER.parent / "deepseek-v3" / "text.txt"),
                               "--ctx", "64", "--chunks", "1", "--numerics", "ik", "-ctk", "q8_0", *flags])
     assert res.exit_code == 2 and says in " ".join(res.output.split()), res.output
+
+
+@pytest.mark.parametrize("cache", ["q4_0", "q6_0", "iq4_nl"])
+@pytest.mark.parametrize(("model", "form"), [("latent512", "decode"), ("kvb-q4_0", "prefill")])
+@pytest.mark.parametrize(("numerics", "build"), [("ik", "avx512"), ("ik-avx2", "avx2")])
+def test_other_latent_types_are_iks(models: dict[str, Path], real_heads: dict[str, Path],  # noqa: F811
+                                    cache: str, model: str, form: str, numerics: str, build: str,
+                                    tmp_path: Path) -> None:
+    """A Q4_0, Q6_0 or IQ4_NL latent cache in both forms (key heads of 18 and 6 blocks: the type's kernel takes the
+    whole 4-block groups, then each block past them): every running PPL ik printed, and its base-logits file byte
+    for byte where stored (tests/data/logits/deepseek-v3-latent-types)."""
+    path = models["latent512"] if model == "latent512" else real_heads["kvb-q4_0.gguf"]
+    name = f"{model}-{form}-ctk-{cache}-{build}"
+    printed = TYPES / f"{name}.txt"
+    options = RuntimeOptions(numerics=numerics, ik_threads=1)
+    if (TYPES / f"{name}.kld").exists():
+        assert_iks_forward(Model(path, options=options, cache_type_k=cache), TYPES / f"{name}.kld", printed,
+                           tmp_path / "base.kld")
+        return
+    tokens = np.asarray(BaseLogitsFile(FOLDER / "heads192-avx512-base.kld").tokens) if model == "latent512" else \
+        np.asarray(BaseLogitsFile(TYPES / "kvb-q4_0-prefill-ctk-q6_0-avx512.kld").tokens)
+    res = perplexity(Model(path, options=options, cache_type_k=cache), tokens)
+    assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(printed)

@@ -106,8 +106,9 @@ def test_a_file_without_attn_kv_b_is_refused(real_heads: dict[str, Path], tmp_pa
 
 
 def test_ik_arithmetics_refuse_other_latent_types(real_heads: dict[str, Path]) -> None:  # noqa: F811
-    """Both builds' arithmetics reproduce a Q8_0 latent (tests/test_ik_quantized_caches.py for AVX-512), no other."""
+    """Both builds' arithmetics reproduce Q8_0, Q4_0, Q6_0 and IQ4_NL latents (tests/test_ik_quantized_caches.py,
+    tests/test_mla_absorbed_flash.py), no other."""
     for numerics in ("ik", "ik-avx2"):
         res = runner.invoke(app, ["ppl", str(real_heads["kvb-q4_0.gguf"]), "--text", str(TEXT), "--ctx", "128",
-                                  "-ctk", "q4_0", "--numerics", numerics])
-        assert res.exit_code == 2 and "q8_0 as deepseek2's MLA latent" in res.output, res.output
+                                  "-ctk", "q5_0", "--numerics", numerics])
+        assert res.exit_code == 2 and "q8_0/q4_0/q6_0/iq4_nl as deepseek2's MLA latent" in res.output, res.output

@@ -78,8 +78,9 @@ IQK_FA_HEADS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 25
 #: the architectures whose quantized key caches were checked against ik (their grouped-query attention)
 QUANTIZED_KEY_ARCHS = ("qwen3", "qwen3moe", "glm4moe", "minimax-m2")
 #: the architectures whose MLA latent cache may be quantized -> the types (ik's names) reproduced for it, in the
-#: prefill form (its keys and values cast to the type, ik's own flash-attention kernel over them)
-MLA_QUANTIZED_LATENT = {"deepseek2": ("q8_0",)}
+#: prefill form (its keys and values cast to the type, ik's own flash-attention kernel over them) and in the absorbed
+#: one at the heads ik's own kernel takes (latent_cache_problem)
+MLA_QUANTIZED_LATENT = {"deepseek2": ("q8_0", "q4_0", "q6_0", "iq4_nl")}
 #: the quantized key caches (ik's names) whose flash attention in ik's own kernel (IQK_FA_HEADS) is reproduced, from
 #: FLASH_REPACK_ROWS query rows on: it repacks a Q8_0 cache to Q8_0_R8 and multiplies it with the queries in Q8_2_X4;
 #: the others (key_cache.IQK_FA_KEY_BIAS) in their type's own kernel as stored (ggml's generic kernel takes the

@@ -269,30 +269,28 @@ def _iqk_fa_scores(qu: np.ndarray, qd: np.ndarray, qs: np.ndarray, kq: np.ndarra
         for c in range(keys):
             acc[:] = 0.0
             accm[:] = 0.0
-            if nb % 4 == 0:
-                for i in range(nb // 4):
-                    for j in range(4):
-                        b = 4 * i + j
-                        if bias:
-                            accm[j] += np.float32(kd[g, c, b] * minus) * np.float32(qd[h, t, b] * np.float32(qs[h, t, b]))
-                        d = np.float32(kd[g, c, b] * qd[h, t, b])
-                        for half in range(2):
-                            p = np.int32(0)
-                            for e in range(b * 32 + 16 * half, b * 32 + 16 * half + 16):
-                                p += (np.int32(kq[g, c, e]) + bias) * (np.int32(qu[h, t, e]) - 128)
-                            acc[4 * half + j] = fmaf(d, np.float32(p), acc[4 * half + j])
-            else:
-                for b in range(nb):
+            for i in range(nb // 4):
+                for j in range(4):
+                    b = 4 * i + j
                     if bias:
-                        m = np.float32(kd[g, c, b] * minus) * np.float32(qd[h, t, b] * np.float32(qs[h, t, b]))
-                        for j in range(4):
-                            accm[j] += np.float32(m * np.float32(0.25))
+                        accm[j] += np.float32(kd[g, c, b] * minus) * np.float32(qd[h, t, b] * np.float32(qs[h, t, b]))
                     d = np.float32(kd[g, c, b] * qd[h, t, b])
-                    for lane in range(8):
+                    for half in range(2):
                         p = np.int32(0)
-                        for e in range(b * 32 + 4 * lane, b * 32 + 4 * lane + 4):
+                        for e in range(b * 32 + 16 * half, b * 32 + 16 * half + 16):
                             p += (np.int32(kq[g, c, e]) + bias) * (np.int32(qu[h, t, e]) - 128)
-                        acc[lane] = fmaf(d, np.float32(p), acc[lane])
+                        acc[4 * half + j] = fmaf(d, np.float32(p), acc[4 * half + j])
+            for b in range(nb // 4 * 4, nb):
+                if bias:
+                    m = np.float32(kd[g, c, b] * minus) * np.float32(qd[h, t, b] * np.float32(qs[h, t, b]))
+                    for j in range(4):
+                        accm[j] += np.float32(m * np.float32(0.25))
+                d = np.float32(kd[g, c, b] * qd[h, t, b])
+                for lane in range(8):
+                    p = np.int32(0)
+                    for e in range(b * 32 + 4 * lane, b * 32 + 4 * lane + 4):
+                        p += (np.int32(kq[g, c, e]) + bias) * (np.int32(qu[h, t, e]) - 128)
+                    acc[lane] = fmaf(d, np.float32(p), acc[lane])
             if bias:
                 s0, s1 = (acc[0] + acc[4]) + accm[0], (acc[1] + acc[5]) + accm[1]
                 s2, s3 = (acc[2] + acc[6]) + accm[2], (acc[3] + acc[7]) + accm[3]
@@ -311,10 +309,10 @@ def iqk_fa_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToIn
     """The scores q . k [H, n, keys] ik's own flash-attention kernel takes over a key cache of `type_name`
     (IQK_FA_KEY_BIAS) in its AVX2 build (`avx2`) or its AVX-512 one: the type's own kernel (mul_mat_qX_1_q8_2_T,
     on AVX2 IQ4_NL's mul_mat_qX_0_q8_0_T) on the cache rows as stored, the queries rounded to Q8_2_X4. Per 32-value block d = key scale x query scale; the
-    integer products of (key value + bias) and query value summed, for heads of whole 4-block groups, per block
-    and 16-value half into lane (half, block in group), else per 4 values of the block into lane 0-7; each lane
-    fma(d, sum, lane). A biased type also sums (key scale x -bias) x (query scale x the query block's integer sum)
-    per block position in its group (a quarter of it into each of 4 lanes for heads of other blocks); the score
+    integer products of (key value + bias) and query value summed, for the blocks of whole 4-block groups per block
+    and 16-value half into lane (half, block in group), then for the blocks past them per 4 values of the block into
+    lane 0-7; each lane fma(d, sum, lane). A biased type also sums (key scale x -bias) x (query scale x the query
+    block's integer sum) per block position in its group (a quarter of it into each of 4 lanes past them); the score
     is then (t0 + t2) + (t1 + t3) over t_j = (lane j + lane j+4) + that sum, an unbiased one's the 8 lanes folded
     i + (i + 4), then (0 + 2) + (1 + 3)."""
     scores, (qu, qd, qs, kq, kd, group) = _stacked_operands(q, k, type_name, ints)
