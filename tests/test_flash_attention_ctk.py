@@ -141,11 +141,12 @@ def test_kernel_query_rows_follow_iks_steps() -> None:
 
 
 def test_a_batch_taking_another_kernel_is_refused(heads: dict[str, Path]) -> None:  # noqa: F811
-    """A batch of 12 tokens hands ik's Q4_0 kernel 4 query rows in one call (mul_mat_qX_0_q8_2_Tx, not reproduced):
-    refused in one line, exit 2."""
-    res = runner.invoke(app, ["logits", str(heads["h64-f32.gguf"]), "--tokens", ",".join(["1"] * 12), "--numerics",
-                              "ik-avx2", "--ik-threads", "2", "--flash-attn", "on", "-ctk", "q4_0"])
-    assert res.exit_code == 2 and "4 query rows" in " ".join(res.output.split()), res.output
+    """One token over grouped heads: ik's kernel takes the group's heads as the rows of one call (not reproduced;
+    batches of 2-7 tokens are, tests/test_flash_attention_small_batches.py): refused in one line, exit 2."""
+    res = runner.invoke(app, ["logits", str(heads["h64-f32.gguf"]), "--tokens", "1", "--numerics", "ik-avx2",
+                              "--ik-threads", "1", "--flash-attn", "on", "-ctk", "q4_0"])
+    assert res.exit_code == 2 and "one-token batch over 2 grouped query heads" in " ".join(res.output.split()), \
+        res.output
 
 
 @pytest.mark.parametrize(("cache", "head", "ppl"), [("q6_0", 64, "802.7677"), ("q6_0", 128, "826.4400"),

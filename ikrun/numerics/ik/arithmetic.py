@@ -41,7 +41,7 @@ from ikrun.numerics.ik.formats import (
     round_activations,
 )
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
-from ikrun.numerics.ik.iqk_flash_attention import NO_SCORES, iqk_flash_attention, k_step_for, kernel_query_rows
+from ikrun.numerics.ik.iqk_flash_attention import NO_SCORES, iqk_flash_attention, k_step_for, kernel_row_calls
 from ikrun.numerics.ik.key_cache import (
     IQK_FA_KEY_BIAS,
     SINGLE_ROW_BLOCKS,
@@ -87,9 +87,11 @@ MLA_QUANTIZED_LATENT = {"deepseek2": ("q8_0", "q4_0", "q6_0", "iq4_nl")}
 #: quantized key caches of GENERIC_FLASH_KEYS)
 FLASH_QUANTIZED_KEYS = ("q8_0", "q4_0", "q6_0", "iq4_nl")
 FLASH_REPACK_ROWS = 8
-#: the query rows per call for which ik's own kernel takes a biased key type (key_cache.IQK_FA_KEY_BIAS) in another
-#: kernel (mul_mat_qX_0_q8_2_Tx), not reproduced
-TX_QUERY_ROWS = frozenset({1, 2, 4})
+#: the query rows per call for which ik's own kernel takes the key types TX_KEYS in another kernel
+#: (mul_mat_qX_0_q8_2_Tx, which sums a row's lanes in another order: key_cache.iqk_fa_key_products)
+TX_QUERY_ROWS = (1, 2, 4)
+#: Q4_0, Q6_0 and, below FLASH_REPACK_ROWS query rows, Q8_0 (on AVX2 in an unbiased kernel, where the order is the same)
+TX_KEYS = ("Q4_0", "Q6_0", "Q8_0")
 #: the quantized key caches (ik's names) whose flash attention in ggml's generic kernel (heads not in IQK_FA_HEADS)
 #: is reproduced: Q8_0 up to key_cache.SINGLE_ROW_BLOCKS blocks a head, the others at heads of 32 only
 #: (MISREAD_FLASH_KEYS)
@@ -505,9 +507,9 @@ class IkNumerics(Numerics):
         """q . k [H, n, keys] over a key cache of `cache_type` as ik's flash attention multiplies them. Its own kernel
         (IQK_FA_HEADS), for a batch of FLASH_REPACK_ROWS tokens and more: it repacks the Q8_0 cache rows to Q8_0_R8
         (iqk_repack_k), whatever its threads, the queries rounded as for the matmul of such weights; the other types
-        (key_cache.IQK_FA_KEY_BIAS) it multiplies as stored in their own kernel, 8 query rows a call (a biased type's
-        calls of TX_QUERY_ROWS rows take another kernel: refused); ggml's generic kernel: ik's Q8_0 kernel one query
-        row and one key at a time."""
+        (key_cache.IQK_FA_KEY_BIAS), and Q8_0 below those rows, it multiplies as stored in their own kernel, 8 query
+        rows a call (kernel_row_calls; TX_KEYS in calls of TX_QUERY_ROWS rows in their Tx kernel); ggml's generic
+        kernel: ik's Q8_0 kernel one query row and one key at a time."""
         type_name = ggml_name(cache_type)
         kernel = ik_kernel(type_name)
         if (q.shape[2], head_v) not in IQK_FA_HEADS:
@@ -520,18 +522,22 @@ class IkNumerics(Numerics):
                 return np.zeros((q.shape[1], len(q), len(k)), np.float32)
             return single_row_key_products(q, k, type_name, kernel.ints, self.avx2)
         n = len(q)
-        if n < FLASH_REPACK_ROWS:
-            raise ModelError(f"ik's flash attention over a {cache_type} key cache multiplies a batch of fewer than "
-                             f"{FLASH_REPACK_ROWS} tokens in a kernel not reproduced; give --flash-attn off")
-        if type_name in IQK_FA_KEY_BIAS:
+        if type_name in IQK_FA_KEY_BIAS or n < FLASH_REPACK_ROWS:
             assert kernel.ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
-            odd = kernel_query_rows(n, q.shape[1], self.options.ik_threads, fa_cache_cells(len(k))) & TX_QUERY_ROWS \
-                if IQK_FA_KEY_BIAS[type_name] else set()
-            if odd:
-                raise ModelError(f"ik's flash attention over a {cache_type} key cache multiplies {min(odd)} query "
-                                 f"rows at a time here (a batch of {n} tokens, {self.options.ik_threads} ik threads) "
-                                 "in a kernel not reproduced; give --flash-attn off")
-            return iqk_fa_key_products(q, k, type_name, kernel.ints, self.avx2)
+            if n == 1 and q.shape[1] != k.shape[1]:
+                raise ModelError(f"ik's flash attention over a {cache_type} key cache multiplies a one-token batch "
+                                 f"over {q.shape[1] // k.shape[1]} grouped query heads in one call of its heads' rows "
+                                 "(iqk_flash_attn_noalibi), which is not reproduced; give --flash-attn off")
+            calls, single = kernel_row_calls(n, q.shape[1], self.options.ik_threads, fa_cache_cells(len(k)),
+                                             (q.shape[2], head_v))
+            tx = np.isin(calls, TX_QUERY_ROWS) & (type_name in TX_KEYS)
+            scores = iqk_fa_key_products(q, k, type_name, kernel.ints, self.avx2, tx)
+            if type_name == "Q8_0" and single.any():  # a single step of 4+ rows: each key block repacked to R8
+                ints = self._integers(kernel, kernel.convert_rows, key_cells(len(k)))
+                assert ints is not None, "Q8_0 converts (formats.IK_KERNELS)"
+                repacked = key_products(q[single], k, type_name, ints, self._activation_format(type_name))
+                scores[:, single] = repacked
+            return scores
         ints = self._integers(kernel, max(n, kernel.convert_rows), key_cells(len(k)))
         assert ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
         return key_products(q, k, type_name, ints, self._activation_format(type_name))

@@ -58,21 +58,43 @@ def k_step_for(head_k: int, head_v: int, n_kv: int) -> int:
     return 128 if n_kv % 128 == 0 else 64 if n_kv % 64 == 0 else 32
 
 
-def kernel_query_rows(n: int, n_head: int, threads: int, n_cells: int) -> set[int]:
-    """The query-row counts ik's own kernel hands one K x Q call for a batch of `n` > 1 tokens over `n_head` query
-    heads among `threads`, the cache `n_cells` long: its threads split heads, then rows (iqk_flash_attn_noalibi);
-    each call takes its rows in steps (iqk_flash_helper: 64 / 32 / 16 from 512 cells on, 12 when exactly 12, then
-    8, else 4, else 2, the rest one at a time), a step's rows in calls of 8 (kMaxQ) and the rest."""
+#: the head sizes ik's kernel takes through its DeepSeek helper (iqk_deepseek_helper: steps of 16, 8, 4, then the
+#: rest as one step)
+MLA_FA_HEADS = (576, 512)
+
+
+def kernel_row_calls(n: int, n_head: int, threads: int, n_cells: int,
+                     heads: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Per query row of a batch of `n` > 1 tokens, how many rows ik's own kernel hands the K x Q call that takes it,
+    over `n_head` query heads among `threads`, the cache `n_cells` long: its threads split heads, then rows
+    (iqk_flash_attn_noalibi); each thread takes its rows in steps (iqk_flash_helper: 64 / 32 / 16 from 512 cells
+    on, 12 when exactly 12, then 8, else 4, else 2, the rest one at a time; at `heads` MLA_FA_HEADS 16, 8, 4, then
+    the rest), a step's rows in calls of 8 (kMaxQ) and the rest. And per row whether its steps were a single one
+    of 4 rows or more (where compute_helper_q repacks a Q8_0 cache block by block to Q8_0_R8)."""
     ntg = threads // math.gcd(n_head, threads)
     per = -(-n // ntg)
-    counts: set[int] = set()
+    calls = np.empty(n, dtype=np.int64)
+    single = np.zeros(n, dtype=np.bool_)
+    row = 0
 
     def steps(q_step: int, rows: int) -> None:
+        nonlocal row
+        single[row : row + rows] = rows == q_step >= 4
         for part in (q_step,) * (rows // q_step) + ((rows % q_step,) if rows % q_step else ()):
-            counts.update((8,) * (part // 8) + ((part % 8,) if part % 8 else ()))
+            for size in (8,) * (part // 8) + ((part % 8,) if part % 8 else ()):
+                calls[row : row + size] = size
+                row += size
 
     for first in range(0, n, per):
         left = min(per, n - first)
+        if heads == MLA_FA_HEADS:
+            for q_step in (16, 8, 4):
+                if left >= q_step:
+                    steps(q_step, q_step * (left // q_step))
+                    left -= q_step * (left // q_step)
+            if left:
+                steps(left, left)
+            continue
         if n_cells >= 512:
             for size, q_step in ((128, 64), (64, 64), (32, 32), (16, 16)):
                 if left >= size:
@@ -88,7 +110,13 @@ def kernel_query_rows(n: int, n_head: int, threads: int, n_cells: int) -> set[in
                 break
         if left:
             steps(1, left)
-    return counts
+    return calls, single
+
+
+def kernel_query_rows(n: int, n_head: int, threads: int, n_cells: int,
+                      heads: tuple[int, int] | None = None) -> set[int]:
+    """The query-row counts ik's own kernel hands one K x Q call (kernel_row_calls)."""
+    return set(kernel_row_calls(n, n_head, threads, n_cells, heads)[0].tolist())
 
 
 #: query rows of one head a job takes through the keys together, each key and value vector loaded once for all of

@@ -131,7 +131,7 @@ def single_row_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: 
     if avx2:
         _single_row_scores(qu, qd, kq, kd, group, scores)
     else:
-        _iqk_fa_scores(qu, qd, qs, kq, kd, SINGLE_ROW_BIAS_AVX512, group, scores)
+        _iqk_fa_scores(qu, qd, qs, kq, kd, SINGLE_ROW_BIAS_AVX512, group, np.zeros(len(q), np.bool_), scores)
     return scores
 
 
@@ -256,8 +256,9 @@ IQK_FA_KEY_ROWS = 8
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def _iqk_fa_scores(qu: np.ndarray, qd: np.ndarray, qs: np.ndarray, kq: np.ndarray, kd: np.ndarray, bias: int,
-                   group: int, out: np.ndarray) -> None:
-    """out[h, t, c] = q_t . k_c as ik's kernel of the key's type computes it (iqk_fa_key_products)."""
+                   group: int, tx: np.ndarray, out: np.ndarray) -> None:
+    """out[h, t, c] = q_t . k_c as ik's kernel of the key's type computes it, query row t in its Tx form where
+    tx[t] (iqk_fa_key_products)."""
     n_head, n, keys = out.shape
     nb = qd.shape[2]
     minus = np.float32(-bias)
@@ -291,7 +292,11 @@ def _iqk_fa_scores(qu: np.ndarray, qd: np.ndarray, qs: np.ndarray, kq: np.ndarra
                     for e in range(b * 32 + 4 * lane, b * 32 + 4 * lane + 4):
                         p += (np.int32(kq[g, c, e]) + bias) * (np.int32(qu[h, t, e]) - 128)
                     acc[lane] = fmaf(d, np.float32(p), acc[lane])
-            if bias:
+            if bias and tx[t]:
+                s0, s1 = (acc[0] + accm[0]) + acc[4], (acc[1] + accm[1]) + acc[5]
+                s2, s3 = (acc[2] + accm[2]) + acc[6], (acc[3] + accm[3]) + acc[7]
+                out[h, t, c] = (s0 + s2) + (s1 + s3)
+            elif bias:
                 s0, s1 = (acc[0] + acc[4]) + accm[0], (acc[1] + acc[5]) + accm[1]
                 s2, s3 = (acc[2] + acc[6]) + accm[2], (acc[3] + acc[7]) + accm[3]
                 out[h, t, c] = (s0 + s2) + (s1 + s3)
@@ -300,21 +305,25 @@ def _iqk_fa_scores(qu: np.ndarray, qd: np.ndarray, qs: np.ndarray, kq: np.ndarra
 
 
 def iqk_fa_key_bias(type_name: str, avx2: bool) -> int:
-    """What ik's own flash-attention kernel adds to the values of a `type_name` key (IQK_FA_KEY_BIAS) in the AVX2
-    build (`avx2`) or the AVX-512 one."""
+    """What ik's own flash-attention kernel adds to the values of a `type_name` key (IQK_FA_KEY_BIAS; Q8_0 below
+    FLASH_REPACK_ROWS query rows, where it does not repack them) in the AVX2 build (`avx2`) or the AVX-512 one."""
+    if type_name == "Q8_0":
+        return 0 if avx2 else SINGLE_ROW_BIAS_AVX512
     return (IQK_FA_KEY_BIAS if avx2 else IQK_FA_KEY_BIAS_AVX512)[type_name]
 
 
-def iqk_fa_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts, avx2: bool) -> np.ndarray:
+def iqk_fa_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts, avx2: bool,
+                        tx: np.ndarray) -> np.ndarray:
     """The scores q . k [H, n, keys] ik's own flash-attention kernel takes over a key cache of `type_name`
-    (IQK_FA_KEY_BIAS) in its AVX2 build (`avx2`) or its AVX-512 one: the type's own kernel (mul_mat_qX_1_q8_2_T,
-    on AVX2 IQ4_NL's mul_mat_qX_0_q8_0_T) on the cache rows as stored, the queries rounded to Q8_2_X4. Per 32-value block d = key scale x query scale; the
-    integer products of (key value + bias) and query value summed, for the blocks of whole 4-block groups per block
+    (IQK_FA_KEY_BIAS; Q8_0 below FLASH_REPACK_ROWS query rows) in its AVX2 build (`avx2`) or its AVX-512 one: the
+    type's own kernel (mul_mat_qX_1_q8_2_T, on AVX2 IQ4_NL's and Q8_0's mul_mat_qX_0_q8_0_T) on the cache rows as
+    stored, the queries rounded to Q8_2_X4. Per 32-value block d = key scale x query scale; the integer products of (key value + bias) and query value summed, for the blocks of whole 4-block groups per block
     and 16-value half into lane (half, block in group), then for the blocks past them per 4 values of the block into
     lane 0-7; each lane fma(d, sum, lane). A biased type also sums (key scale x -bias) x (query scale x the query
     block's integer sum) per block position in its group (a quarter of it into each of 4 lanes past them); the score
-    is then (t0 + t2) + (t1 + t3) over t_j = (lane j + lane j+4) + that sum, an unbiased one's the 8 lanes folded
-    i + (i + 4), then (0 + 2) + (1 + 3)."""
+    is then (t0 + t2) + (t1 + t3) over t_j = (lane j + lane j+4) + that sum (for the rows `tx` marks, those of calls
+    of 1, 2 or 4 rows, which take mul_mat_qX_0_q8_2_Tx: t_j = (lane j + that sum) + lane j+4), an unbiased one's the 8
+    lanes folded i + (i + 4), then (0 + 2) + (1 + 3)."""
     scores, (qu, qd, qs, kq, kd, group) = _stacked_operands(q, k, type_name, ints)
-    _iqk_fa_scores(qu, qd, qs, kq, kd, iqk_fa_key_bias(type_name, avx2), group, scores)
+    _iqk_fa_scores(qu, qd, qs, kq, kd, iqk_fa_key_bias(type_name, avx2), group, tx, scores)
     return scores
