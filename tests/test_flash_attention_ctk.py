@@ -141,12 +141,12 @@ def test_kernel_query_rows_follow_iks_steps() -> None:
 
 
 def test_a_batch_taking_another_kernel_is_refused(heads: dict[str, Path]) -> None:  # noqa: F811
-    """One token over grouped heads: ik's kernel takes the group's heads as the rows of one call (not reproduced;
-    batches of 2-7 tokens are, tests/test_flash_attention_small_batches.py): refused in one line, exit 2."""
+    """A one-token batch whose keys ik's threads split among them (4 threads over 256 cells at heads of 64: another
+    float order, merged afterwards): refused in one line, exit 2 (fewer tokens and one token without a split:
+    tests/test_flash_attention_small_batches.py)."""
     res = runner.invoke(app, ["logits", str(heads["h64-f32.gguf"]), "--tokens", "1", "--numerics", "ik-avx2",
-                              "--ik-threads", "1", "--flash-attn", "on", "-ctk", "q4_0"])
-    assert res.exit_code == 2 and "one-token batch over 2 grouped query heads" in " ".join(res.output.split()), \
-        res.output
+                              "--ik-threads", "4", "--flash-attn", "on", "-ctk", "q4_0"])
+    assert res.exit_code == 2 and "splits a one-token batch's keys" in " ".join(res.output.split()), res.output
 
 
 @pytest.mark.parametrize(("cache", "head", "ppl"), [("q6_0", 64, "802.7677"), ("q6_0", 128, "826.4400"),

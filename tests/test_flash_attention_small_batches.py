@@ -5,11 +5,16 @@ byte for byte in both builds' arithmetics; before, these batches were refused.""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from ikconvert.convert import Converter
+from ikconvert.tiny import TinySpec, make_tiny_checkpoint
+from ikrun.eval.metrics import BaseLogitsFile, encode_records, scored_positions
+from ikrun.eval.speculative import TargetDecoder
 from ikrun.model import Model
 from ikrun.numerics.ik.iqk_flash_attention import kernel_row_calls
 from ikrun.options import RuntimeOptions
@@ -17,6 +22,9 @@ from tests.family_checks import assert_iks_forward
 from tests.test_flash_attention_gqa import heads  # noqa: F401  (the fixture making the head-64/128 files)
 
 FOLDER = Path(__file__).parent / "data" / "logits" / "gqa-fa-small-batches"
+#: 4 query heads on one key/value head of 64: a one-token batch hands ik's kernel calls of 4 rows
+G4_SPEC = TinySpec(arch="qwen3", hidden=64, layers=2, heads=4, kv_heads=1, head_dim=64, vocab_pad=19, seed=41)
+G4_SHA256 = "c83516012046654583c67ecfbd24039607a186b86df1409f620fc96afef2bebb"
 CASES = [(head, chunk, cache) for head in (64, 128) for chunk in (4, 6) for cache in ("q4_0", "q6_0", "q8_0")] + \
     [(64, 6, "iq4_nl")]
 
@@ -42,3 +50,32 @@ def test_row_calls_follow_iks_steps() -> None:
     assert calls.tolist() == [4] * 4 + [3] * 3 and single.tolist() == [True] * 4 + [False] * 3
     assert not kernel_row_calls(16, 4, 2, 256)[1].any()  # two steps of 8: the cache is repacked beforehand
     assert np.array_equal(kernel_row_calls(20, 2, 4, 256)[0], [8] * 8 + [1, 1] + [8] * 8 + [1, 1])
+
+
+@pytest.fixture(scope="module")
+def group4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The G4_SPEC file ik ran, made again and checked to be its bytes."""
+    tmp = tmp_path_factory.mktemp("g4")
+    gguf = Converter(make_tiny_checkpoint(tmp / "hfg4", G4_SPEC), "f32", pre_tokenizer="qwen2").write(tmp / "g4.gguf")
+    assert hashlib.sha256(gguf.read_bytes()).hexdigest() == G4_SHA256
+    return gguf
+
+
+@pytest.mark.parametrize("cache", ["q4_0", "q6_0", "q8_0"])
+@pytest.mark.parametrize("model", ["qwen3-h64", "qwen3-h128", "qwen3-g4-h64"])
+@pytest.mark.parametrize(("numerics", "build"), [("ik", "avx512"), ("ik-avx2", "avx2")])
+def test_one_token_batches_are_iks(heads: dict[str, Path], group4: Path, model: str, cache: str,  # noqa: F811
+                                   numerics: str, build: str) -> None:
+    """ik's default run one token a batch (-c 8 -b 1): each chunk fed one token at a time through the cache gives
+    every scored position's record of ik's base-logits file bit for bit. ik takes a key head's 2 or 4 query heads as
+    the rows of one call (the Tx kernel; with 4 rows a Q8_0 cache repacked block by block)."""
+    path = group4 if model == "qwen3-g4-h64" else heads[f"h{model.split('-h')[1]}-f32.gguf"]
+    base = BaseLogitsFile(FOLDER / f"{model}-b1-ctk-{cache}-{build}.kld")
+    target = Model(path, options=RuntimeOptions(numerics=numerics, ik_threads=1), cache_type_k=cache)
+    for c, chunk in enumerate(np.asarray(base.tokens)):
+        decoder = TargetDecoder(target, [])
+        rows = [decoder.run(chunk[i : i + 1])[0][0] for i in range(len(chunk))]
+        scored = scored_positions(len(chunk))
+        records, _ = encode_records(np.stack(rows[scored.start : scored.stop]),
+                                    chunk[scored.start + 1 : scored.stop + 1])
+        np.testing.assert_array_equal(records, base.records(c))

@@ -524,12 +524,13 @@ class IkNumerics(Numerics):
         n = len(q)
         if type_name in IQK_FA_KEY_BIAS or n < FLASH_REPACK_ROWS:
             assert kernel.ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
-            if n == 1 and q.shape[1] != k.shape[1]:
-                raise ModelError(f"ik's flash attention over a {cache_type} key cache multiplies a one-token batch "
-                                 f"over {q.shape[1] // k.shape[1]} grouped query heads in one call of its heads' rows "
-                                 "(iqk_flash_attn_noalibi), which is not reproduced; give --flash-attn off")
-            calls, single = kernel_row_calls(n, q.shape[1], self.options.ik_threads, fa_cache_cells(len(k)),
-                                             (q.shape[2], head_v))
+            cells, heads = fa_cache_cells(len(k)), (q.shape[2], head_v)
+            if n == 1:  # one call per key head of its group's query heads as rows, or one per query head
+                group = q.shape[1] // k.shape[1]
+                rows = group if group > 1 and k.shape[1] * cells >= 32 * self.options.ik_threads else 1
+                calls, single = (c[:1] for c in kernel_row_calls(rows, 1, 1, cells, heads))
+            else:
+                calls, single = kernel_row_calls(n, q.shape[1], self.options.ik_threads, cells, heads)
             tx = np.isin(calls, TX_QUERY_ROWS) & (type_name in TX_KEYS)
             scores = iqk_fa_key_products(q, k, type_name, kernel.ints, self.avx2, tx)
             if type_name == "Q8_0" and single.any():  # a single step of 4+ rows: each key block repacked to R8
