@@ -140,15 +140,6 @@ def test_kernel_query_rows_follow_iks_steps() -> None:
     assert kernel_query_rows(20, 2, 4, 256) == {8, 1}  # 2 threads a head: 10 rows each, 8 + 1 + 1
 
 
-def test_a_batch_taking_another_kernel_is_refused(heads: dict[str, Path]) -> None:  # noqa: F811
-    """A one-token batch whose keys ik's threads split among them (4 threads over 256 cells at heads of 64: another
-    float order, merged afterwards): refused in one line, exit 2 (fewer tokens and one token without a split:
-    tests/test_flash_attention_small_batches.py)."""
-    res = runner.invoke(app, ["logits", str(heads["h64-f32.gguf"]), "--tokens", "1", "--numerics", "ik-avx2",
-                              "--ik-threads", "4", "--flash-attn", "on", "-ctk", "q4_0"])
-    assert res.exit_code == 2 and "splits a one-token batch's keys" in " ".join(res.output.split()), res.output
-
-
 @pytest.mark.parametrize(("cache", "head", "ppl"), [("q6_0", 64, "802.7677"), ("q6_0", 128, "826.4400"),
                                                    ("iq4_nl", 64, "802.8922"), ("iq4_nl", 128, "826.9479")])
 def test_ik_avx2_ctk_q6_0_and_iq4_nl_are_iks_default_run_in_its_own_kernel(heads: dict[str, Path], cache: str,  # noqa: F811

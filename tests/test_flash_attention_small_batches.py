@@ -10,9 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
 from ikconvert.convert import Converter
 from ikconvert.tiny import TinySpec, make_tiny_checkpoint
+from ikrun.cli import app
 from ikrun.eval.metrics import BaseLogitsFile, encode_records, scored_positions
 from ikrun.eval.speculative import TargetDecoder
 from ikrun.model import Model
@@ -70,8 +72,25 @@ def test_one_token_batches_are_iks(heads: dict[str, Path], group4: Path, model: 
     every scored position's record of ik's base-logits file bit for bit. ik takes a key head's 2 or 4 query heads as
     the rows of one call (the Tx kernel; with 4 rows a Q8_0 cache repacked block by block)."""
     path = group4 if model == "qwen3-g4-h64" else heads[f"h{model.split('-h')[1]}-f32.gguf"]
-    base = BaseLogitsFile(FOLDER / f"{model}-b1-ctk-{cache}-{build}.kld")
-    target = Model(path, options=RuntimeOptions(numerics=numerics, ik_threads=1), cache_type_k=cache)
+    _assert_decoded_records(path, FOLDER / f"{model}-b1-ctk-{cache}-{build}.kld", numerics, 1, cache)
+
+
+@pytest.mark.parametrize(("threads", "cache", "numerics", "build"), [
+    (4, "f16", "ik", "avx512"), (8, "f16", "ik", "avx512"), (8, "q4_0", "ik", "avx512"), (8, "q8_0", "ik", "avx512"),
+    (8, "f16", "ik-avx2", "avx2"), (4, "q4_0", "ik-avx2", "avx2")])
+def test_one_token_batches_whose_keys_ik_splits(heads: dict[str, Path], threads: int, cache: str,  # noqa: F811
+                                                numerics: str, build: str) -> None:
+    """A 256-token chunk one token a batch with 4 or 8 ik threads over 2 key/value heads: ik splits the cache into
+    parts of 128 or 64 cells and merges them; every record of its base-logits file bit for bit."""
+    _assert_decoded_records(heads["h64-f32.gguf"], FOLDER / f"qwen3-h64-b1-c256-t{threads}-ctk-{cache}-{build}.kld",
+                            numerics, threads, cache)
+
+
+def _assert_decoded_records(path: Path, oracle: Path, numerics: str, threads: int, cache: str) -> None:
+    """Each chunk of ik's base-logits file `oracle` fed one token at a time through the cache: every scored
+    position's record is ik's."""
+    base = BaseLogitsFile(oracle)
+    target = Model(path, options=RuntimeOptions(numerics=numerics, ik_threads=threads), cache_type_k=cache)
     for c, chunk in enumerate(np.asarray(base.tokens)):
         decoder = TargetDecoder(target, [])
         rows = [decoder.run(chunk[i : i + 1])[0][0] for i in range(len(chunk))]
@@ -79,3 +98,11 @@ def test_one_token_batches_are_iks(heads: dict[str, Path], group4: Path, model: 
         records, _ = encode_records(np.stack(rows[scored.start : scored.stop]),
                                     chunk[scored.start + 1 : scored.stop + 1])
         np.testing.assert_array_equal(records, base.records(c))
+
+
+def test_keys_split_over_one_key_head_are_refused(group4: Path) -> None:
+    """A one-token batch over a single key/value head whose keys ik's threads split (its MQA path, another
+    partition of the work): refused in one line, exit 2."""
+    res = CliRunner().invoke(app, ["logits", str(group4), "--tokens", "1", "--numerics", "ik", "--ik-threads", "2",
+                                   "--flash-attn", "on", "-ctk", "q4_0"])
+    assert res.exit_code == 2 and "over one key/value head" in " ".join(res.output.split()), res.output

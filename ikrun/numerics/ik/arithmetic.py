@@ -41,7 +41,13 @@ from ikrun.numerics.ik.formats import (
     round_activations,
 )
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
-from ikrun.numerics.ik.iqk_flash_attention import NO_SCORES, iqk_flash_attention, k_step_for, kernel_row_calls
+from ikrun.numerics.ik.iqk_flash_attention import (
+    NO_SCORES,
+    iqk_flash_attention,
+    iqk_flash_attention_parts,
+    k_step_for,
+    kernel_row_calls,
+)
 from ikrun.numerics.ik.key_cache import (
     IQK_FA_KEY_BIAS,
     SINGLE_ROW_BLOCKS,
@@ -156,19 +162,25 @@ def splits_keys(n_head: int, n_head_kv: int, n_cells: int, threads: int) -> bool
         parts = math.gcd(steps, threads)
         if -(-group // (threads // parts)) > 1:
             return parts > 1
+    keys = split_part_keys(n_head_kv, n_cells, threads)
+    return keys is not None and -(-n_cells // keys) > 1
+
+
+def split_part_keys(n_head_kv: int, n_cells: int, threads: int) -> int | None:
+    """The keys of each part ik's kernel splits a one-token batch's cache of `n_cells` cells into, for grouped heads
+    on `n_head_kv` > 1 key/value heads among its `threads` (iqk_flash_attn_noalibi), or None where it does not take
+    that path (fewer than 32 cells a thread)."""
     if n_head_kv * n_cells < 32 * threads:
-        return False
+        return None
     per_thread = threads // math.gcd(n_head_kv, threads)
     chunks = n_head_kv // math.gcd(n_head_kv, threads) * n_cells // 32
     chunks_per_thread = -(-chunks // per_thread)
     if chunks_per_thread * per_thread == chunks:
-        keys = 32 * (n_head_kv * n_cells // (32 * threads))
-    else:
-        blocks = 1
-        while blocks * 4 < chunks_per_thread:
-            blocks *= 2
-        keys = 32 * blocks
-    return -(-n_cells // keys) > 1
+        return 32 * (n_head_kv * n_cells // (32 * threads))
+    blocks = 1
+    while blocks * 4 < chunks_per_thread:
+        blocks *= 2
+    return 32 * blocks
 
 
 class IkNumerics(Numerics):
@@ -446,8 +458,10 @@ class IkNumerics(Numerics):
         if kv is not None and kv.k_hadamard:  # ik's graph rotates the queries before either attention graph
             q = blockwise_hadamard(q, kv.k_hadamard)
         if flash:
-            self._check_key_split(q.shape[0], q.shape[1], k.shape[1], (head_dim, v.shape[2]), len(k))
             scores = None if kv is None or kv.k == "f16" else self._flash_key_products(q, k, v.shape[2], kv.k)
+            part = self._split_part(q.shape[0], q.shape[1], k.shape[1], (head_dim, v.shape[2]), len(k))
+            if part is not None:
+                return self._split_flash_attention(q, k, v, scale, scores, part)
             return flash_attention(np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale, self.lanes,
@@ -461,12 +475,38 @@ class IkNumerics(Numerics):
         return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2)
 
     def _check_key_split(self, n: int, n_head: int, n_head_kv: int, heads: tuple[int, int], n_keys: int) -> None:
-        """Refuse a one-token batch whose keys ik's own flash-attention kernel splits among its threads."""
+        """Refuse a one-token batch whose keys ik's own flash-attention kernel splits among its threads over a
+        single key/value head (its MLA path; grouped heads: _split_part)."""
         if n == 1 and heads in IQK_FA_HEADS and splits_keys(n_head, n_head_kv, fa_cache_cells(n_keys),
                                                             self.options.ik_threads):
             raise ModelError(f"ik's flash attention splits a one-token batch's keys among its "
-                             f"{self.options.ik_threads} threads (--ik-threads), which is not reproduced; give "
-                             "--flash-attn off or fewer --ik-threads")
+                             f"{self.options.ik_threads} threads (--ik-threads) over one key/value head, which is not "
+                             "reproduced; give --flash-attn off or fewer --ik-threads")
+
+    def _split_part(self, n: int, n_head: int, n_head_kv: int, heads: tuple[int, int], n_keys: int) -> int | None:
+        """The cells of each part ik's own kernel splits a one-token batch's keys into among its threads, over
+        grouped heads on several key/value heads (split_part_keys), or None where it computes the whole rows."""
+        cells = fa_cache_cells(n_keys)
+        if n != 1 or heads not in IQK_FA_HEADS or not splits_keys(n_head, n_head_kv, cells, self.options.ik_threads):
+            return None
+        if n_head_kv == 1:
+            self._check_key_split(n, n_head, n_head_kv, heads, n_keys)
+        return split_part_keys(n_head_kv, cells, self.options.ik_threads)
+
+    def _split_flash_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
+                               scores: np.ndarray | None, part: int) -> np.ndarray:
+        """One token's attention as ik's kernel computes it in parts of `part` cells merged afterwards
+        (iqk_flash_attention_parts), each part's key blocks as for a cache of its length (k_step_for)."""
+        cells = fa_cache_cells(len(k))
+        head_k, head_v = q.shape[2], v.shape[2]
+        k_steps = np.array([k_step_for(head_k, head_v, min(part, cells - a)) for a in range(0, cells, part)])
+        out = np.empty((q.shape[1], 1, head_v), dtype=np.float32)
+        iqk_flash_attention_parts(np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32),
+                                  np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32),
+                                  NO_SCORES if scores is None else scores,
+                                  np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale, part, cells,
+                                  k_steps, out, self.lanes)
+        return out.transpose(1, 0, 2)
 
     def _key_products(self, q: np.ndarray, k: np.ndarray, cache_type: str) -> np.ndarray:
         """q . k [H, n, keys] over a key cache of `cache_type` as ik multiplies them: each query head a matmul of

@@ -460,3 +460,71 @@ def _rows_together(q: np.ndarray, ktg: np.ndarray, vg: np.ndarray, sc: np.float3
             _accumulate(vg, b0, common, min(k_step, first + t0 + r + 1 - b0), p[r:r + 1], sums[r:r + 1])
     for r in range(ROWS):
         _store(sums[r], totals[r], out[h, t0 + r])
+
+
+def iqk_flash_attention_parts(q: np.ndarray, k: np.ndarray, scores: np.ndarray, v: np.ndarray, scale: float,
+                              part: int, n_cells: int, k_steps: np.ndarray, out: np.ndarray, lanes: int) -> None:
+    """One query row per head (q [H, 1, Dk], the last of the n_keys positions of k / v, as iqk_flash_attention
+    takes them) as ik's kernel computes a one-token batch whose keys its threads split (iqk_flash_attn_noalibi):
+    each part of `part` cells of the `n_cells` (k_steps[i]: the key block of part i) through the kernel alone, its
+    unnormalised value sums R, maximum M and weight total S kept, the parts merged in order (accumulate_qkv: a part
+    with a new maximum M' takes c = exp(M - M'), S = fma(c, S, S'), R = fma(c, R, R'), else c = exp(M' - M),
+    S = fma(c, S', S), R = fma(c, R', R), the exponential the C library's double one, rounded to float; a part with
+    no visible key is skipped), then R x (1 / S); out [H, 1, Dv]."""
+    kt = np.ascontiguousarray(k.transpose(0, 2, 1), dtype=np.float32) if scores.size == 0 else NO_SCORES
+    _merged_parts(q, kt, scores, np.ascontiguousarray(v, dtype=np.float32), np.float32(scale), part, n_cells,
+                  k_steps, lanes, out)
+
+
+@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
+def _merged_parts(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, v: np.ndarray, sc: np.float32, part: int,
+                  n_cells: int, k_steps: np.ndarray, lanes: int, out: np.ndarray) -> None:
+    n_head, n_keys, d_v = out.shape[0], v.shape[1], v.shape[2]
+    group = n_head // v.shape[0]
+    given = scores.size > 0
+    k_max = k_steps.max()
+    for h in prange(n_head):
+        g = h // group
+        s = np.empty((1, k_max), dtype=np.float32)
+        p = np.empty((1, k_max), dtype=np.float32)
+        acc = np.empty((lanes // 4, k_max), dtype=np.float32)
+        sums = np.empty((1, d_v), dtype=np.float32)
+        r = np.zeros(d_v, dtype=np.float32)
+        m, total_all = np.float32(-np.inf), np.float32(0.0)
+        for i in range(-(-n_cells // part)):
+            a = i * part
+            b = min(a + part, n_keys)
+            if b <= a:
+                continue
+            k_step = k_steps[i]
+            sums[0, :] = 0.0
+            total, top = np.float32(0.0), np.float32(-np.inf)
+            for b0 in range(a, b, k_step):
+                n_in = min(k_step, b - b0)
+                if given:
+                    for l in range(n_in):
+                        s[0, l] = scores[h, 0, b0 + l] * sc
+                else:
+                    _scores_range(q[h, 0:1], kt[g], b0, 0, n_in, acc, lanes, sc, s)
+                total, top = _softmax_step(s[0], n_in, p[0], sums[0], total, top, lanes)
+                _accumulate(v[g], b0, 0, n_in, p, sums)
+            if top == -np.inf:
+                continue
+            if top > m:
+                if m == -np.inf:
+                    r[:] = sums[0]
+                    total_all = total
+                else:
+                    c = np.float32(np.exp(np.float64(m - top)))
+                    total_all = fmaf(c, total_all, total)
+                    for d in range(d_v):
+                        r[d] = fmaf(c, r[d], sums[0, d])
+                m = top
+            else:
+                c = np.float32(np.exp(np.float64(top - m)))
+                total_all = fmaf(c, total, total_all)
+                for d in range(d_v):
+                    r[d] = fmaf(c, sums[0, d], r[d])
+        norm = np.float32(np.float32(1.0) / total_all) if total_all > 0 else np.float32(1.0)
+        for d in range(d_v):
+            out[h, 0, d] = r[d] * norm
