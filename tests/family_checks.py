@@ -18,10 +18,11 @@ from ikconvert import write_safetensors
 from ikquant.imatrix import read_imatrix_dat
 from ikrun.cli import app
 from ikrun.eval.evaluate import perplexity
-from ikrun.eval.metrics import BaseLogitsFile
+from ikrun.eval.metrics import BaseLogitsFile, encode_records, scored_positions
 from ikrun.eval.speculative import NextnDecoder, TargetDecoder, mtp_generate, previous_states
 from ikrun.eval.stream import evaluate_chunks, minimum_budget, plan_run
 from ikrun.model import Model
+from ikrun.options import RuntimeOptions
 
 runner = CliRunner()
 
@@ -142,3 +143,17 @@ def assert_drafts_equal_the_reference_loop(target: Model, oracle: dict[str, Any]
         run = mtp_generate(target, np.asarray(r["prompt"]), oracle["max_new_tokens"], oracle["n_max"], head=head)
         assert run.acceptance_lengths == r["acceptance_lengths"]
         assert run.output_ids == r["output_ids"]
+
+
+def assert_decoded_records(path: Path, oracle: Path, numerics: str, threads: int, cache: str) -> None:
+    """Each chunk of ik's base-logits file `oracle` fed one token at a time through the cache: every scored
+    position's record is ik's."""
+    base = BaseLogitsFile(oracle)
+    target = Model(path, options=RuntimeOptions(numerics=numerics, ik_threads=threads), cache_type_k=cache)
+    for c, chunk in enumerate(np.asarray(base.tokens)):
+        decoder = TargetDecoder(target, [])
+        rows = [decoder.run(chunk[i : i + 1])[0][0] for i in range(len(chunk))]
+        scored = scored_positions(len(chunk))
+        records, _ = encode_records(np.stack(rows[scored.start : scored.stop]),
+                                    chunk[scored.start + 1 : scored.stop + 1])
+        np.testing.assert_array_equal(records, base.records(c))

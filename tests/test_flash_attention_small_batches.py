@@ -10,17 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
 from ikconvert.convert import Converter
 from ikconvert.tiny import TinySpec, make_tiny_checkpoint
-from ikrun.cli import app
-from ikrun.eval.metrics import BaseLogitsFile, encode_records, scored_positions
-from ikrun.eval.speculative import TargetDecoder
 from ikrun.model import Model
+from ikrun.numerics.ik.arithmetic import split_parts
 from ikrun.numerics.ik.iqk_flash_attention import kernel_row_calls
 from ikrun.options import RuntimeOptions
-from tests.family_checks import assert_iks_forward
+from tests.family_checks import assert_decoded_records, assert_iks_forward
 from tests.test_flash_attention_gqa import heads  # noqa: F401  (the fixture making the head-64/128 files)
 
 FOLDER = Path(__file__).parent / "data" / "logits" / "gqa-fa-small-batches"
@@ -72,7 +69,7 @@ def test_one_token_batches_are_iks(heads: dict[str, Path], group4: Path, model: 
     every scored position's record of ik's base-logits file bit for bit. ik takes a key head's 2 or 4 query heads as
     the rows of one call (the Tx kernel; with 4 rows a Q8_0 cache repacked block by block)."""
     path = group4 if model == "qwen3-g4-h64" else heads[f"h{model.split('-h')[1]}-f32.gguf"]
-    _assert_decoded_records(path, FOLDER / f"{model}-b1-ctk-{cache}-{build}.kld", numerics, 1, cache)
+    assert_decoded_records(path, FOLDER / f"{model}-b1-ctk-{cache}-{build}.kld", numerics, 1, cache)
 
 
 @pytest.mark.parametrize(("threads", "cache", "numerics", "build"), [
@@ -82,27 +79,25 @@ def test_one_token_batches_whose_keys_ik_splits(heads: dict[str, Path], threads:
                                                 numerics: str, build: str) -> None:
     """A 256-token chunk one token a batch with 4 or 8 ik threads over 2 key/value heads: ik splits the cache into
     parts of 128 or 64 cells and merges them; every record of its base-logits file bit for bit."""
-    _assert_decoded_records(heads["h64-f32.gguf"], FOLDER / f"qwen3-h64-b1-c256-t{threads}-ctk-{cache}-{build}.kld",
+    assert_decoded_records(heads["h64-f32.gguf"], FOLDER / f"qwen3-h64-b1-c256-t{threads}-ctk-{cache}-{build}.kld",
                             numerics, threads, cache)
 
 
-def _assert_decoded_records(path: Path, oracle: Path, numerics: str, threads: int, cache: str) -> None:
-    """Each chunk of ik's base-logits file `oracle` fed one token at a time through the cache: every scored
-    position's record is ik's."""
-    base = BaseLogitsFile(oracle)
-    target = Model(path, options=RuntimeOptions(numerics=numerics, ik_threads=threads), cache_type_k=cache)
-    for c, chunk in enumerate(np.asarray(base.tokens)):
-        decoder = TargetDecoder(target, [])
-        rows = [decoder.run(chunk[i : i + 1])[0][0] for i in range(len(chunk))]
-        scored = scored_positions(len(chunk))
-        records, _ = encode_records(np.stack(rows[scored.start : scored.stop]),
-                                    chunk[scored.start + 1 : scored.stop + 1])
-        np.testing.assert_array_equal(records, base.records(c))
+@pytest.mark.parametrize(("threads", "cache"), [(2, "q4_0"), (4, "f16")])
+def test_one_token_batches_whose_keys_ik_splits_over_one_key_head(group4: Path, threads: int, cache: str) -> None:
+    """4 query heads on one key/value head (ik's MQA path): with 2 threads a part of the 256 cells each over all
+    heads, with 4 threads 4 parts of 64 each over the heads its threads share; every record bit for bit."""
+    assert_decoded_records(group4, FOLDER / f"qwen3-g4-h64-b1-c256-t{threads}-ctk-{cache}-avx512.kld", "ik",
+                            threads, cache)
 
 
-def test_keys_split_over_one_key_head_are_refused(group4: Path) -> None:
-    """A one-token batch over a single key/value head whose keys ik's threads split (its MQA path, another
-    partition of the work): refused in one line, exit 2."""
-    res = CliRunner().invoke(app, ["logits", str(group4), "--tokens", "1", "--numerics", "ik", "--ik-threads", "2",
-                                   "--flash-attn", "on", "-ctk", "q4_0"])
-    assert res.exit_code == 2 and "over one key/value head" in " ".join(res.output.split()), res.output
+def test_split_parts_follow_iks_partition() -> None:
+    """ik's ways of sharing a one-token batch's 256 cells (8 steps of 32) among its threads: one key head and 2
+    threads, a part a thread over all 4 heads; one key head and 3 threads, one part, its heads 2 + 1 + 1 a thread;
+    one key head and 4 threads, gcd(8, 4) parts of 64; 2 key heads and 8 threads, parts of 64 over each key head's
+    group of 2; one part where a key head stays whole; none without a group."""
+    assert split_parts(4, 1, 256, 2) == ([0, 128], [128, 128], [4] * 4)
+    assert split_parts(4, 1, 256, 3) == ([0], [256], [2, 2, 1, 1])
+    assert split_parts(4, 1, 256, 4) == ([0, 64, 128, 192], [64] * 4, [4] * 4)
+    assert split_parts(4, 2, 256, 8) == ([0, 64, 128, 192], [64] * 4, [2] * 4)
+    assert split_parts(4, 2, 256, 2) == ([0], [256], [2] * 4) and split_parts(4, 4, 256, 2) is None

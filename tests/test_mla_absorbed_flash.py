@@ -20,7 +20,7 @@ from ikrun.eval.evaluate import perplexity
 from ikrun.eval.metrics import BaseLogitsFile
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
-from tests.family_checks import assert_iks_forward, iks_running_ppl, running_ppl
+from tests.family_checks import assert_decoded_records, assert_iks_forward, iks_running_ppl, running_ppl
 from tests.mla_real_heads import LATENT512, make_checkpoint
 from tests.test_ik_avx2 import _matches
 from tests.test_ik_flash_attention import real_heads  # noqa: F401  (the heads-192 DeepSeek-V3 files)
@@ -129,3 +129,14 @@ def test_other_latent_types_are_iks(models: dict[str, Path], real_heads: dict[st
         np.asarray(BaseLogitsFile(TYPES / "kvb-q4_0-prefill-ctk-q6_0-avx512.kld").tokens)
     res = perplexity(Model(path, options=options, cache_type_k=cache), tokens)
     assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(printed)
+
+
+@pytest.mark.parametrize(("threads", "cache", "numerics", "build"), [
+    (2, "f16", "ik", "avx512"), (4, "q8_0", "ik", "avx512"), (2, "q8_0", "ik-avx2", "avx2")])
+def test_one_token_batches_whose_keys_ik_splits(models: dict[str, Path], threads: int, cache: str, numerics: str,
+                                                build: str) -> None:
+    """Generation's one-token batches at DeepSeek-V3's 576 / 512 heads (one key head for all query heads), a
+    256-token chunk, --ik-threads 2 (a part of the cache a thread over all heads) and 4 (4 parts over the heads the
+    threads share): every record of ik's base-logits file bit for bit, the parts merged as ik merges them."""
+    name = f"latent512-b1-c256-t{threads}{'' if cache == 'f16' else '-ctk-' + cache}-{build}-base.kld"
+    assert_decoded_records(models["latent512"], FOLDER / name, numerics, threads, cache)

@@ -133,8 +133,8 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, l
     it takes (IQK_FA_HEADS, its key blocks by the cache length, padded to FA_CACHE_PADDING), ggml's generic one for
     the others, both in the float order of its build with `lanes` float lanes. `scores`: the products
     q . k [H, n, keys] ik's own kernel takes from its integer kernel over a
-    quantized key cache (FLASH_QUANTIZED_KEYS; k unused). A batch of one token over grouped heads whose keys ik's
-    threads split (splits_keys) is not reproduced."""
+    quantized key cache (FLASH_QUANTIZED_KEYS; k unused). A one-token batch whose keys ik's threads split
+    (split_parts) takes iqk_flash_attention_parts instead."""
     n_head, n, head_k = q.shape
     n_keys, head_v = k.shape[1], v.shape[2]
     out = np.empty((n_head, n, head_v), dtype=np.float32)
@@ -146,24 +146,6 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, l
     else:
         generic_flash_attention(q, k, given, v, float(np.float32(scale)), n_keys - n, out, lanes)
     return out
-
-
-def splits_keys(n_head: int, n_head_kv: int, n_cells: int, threads: int) -> bool:
-    """Whether ik's own flash-attention kernel (iqk_flash_attn_noalibi) splits the keys of a one-token batch of
-    `n_head` query heads on `n_head_kv` key/value heads among its `threads`, into parts it merges afterwards (another
-    float order); with one part per head it computes the whole rows, as for more tokens."""
-    group = n_head // n_head_kv
-    if group == 1:
-        return False
-    steps = n_cells // 32
-    if n_head_kv == 1 and steps > 1:
-        if steps >= 4 * threads:
-            return threads > 1
-        parts = math.gcd(steps, threads)
-        if -(-group // (threads // parts)) > 1:
-            return parts > 1
-    keys = split_part_keys(n_head_kv, n_cells, threads)
-    return keys is not None and -(-n_cells // keys) > 1
 
 
 def split_part_keys(n_head_kv: int, n_cells: int, threads: int) -> int | None:
@@ -181,6 +163,39 @@ def split_part_keys(n_head_kv: int, n_cells: int, threads: int) -> int | None:
     while blocks * 4 < chunks_per_thread:
         blocks *= 2
     return 32 * blocks
+
+
+def split_parts(n_head: int, n_head_kv: int, n_cells: int,
+                threads: int) -> tuple[list[int], list[int], list[int]] | None:
+    """How ik's own flash-attention kernel shares a one-token batch over grouped heads among its `threads`
+    (iqk_flash_attn_noalibi): the key parts of the `n_cells` cells (starts, lengths, in the order it merges them)
+    and per query head the heads its part's calls take as rows; None where it takes its general path (one call per
+    query head: no group, or fewer than 32 cells a thread). Over one key/value head (its MLA path), with 4 steps of
+    32 cells a thread or more: one part a thread, the first ones a step longer where they do not divide evenly, each
+    over all heads; else, where that leaves a thread more than one head, gcd(steps, threads) equal parts, the heads
+    shared among the threads left, the first ones a head more where they do not divide evenly. Otherwise parts of
+    split_part_keys cells, each over its key head's group."""
+    if n_head == n_head_kv:
+        return None
+    steps = n_cells // 32
+    if n_head_kv == 1 and steps > 1:
+        if steps >= 4 * threads:
+            per = -(-steps // threads)
+            mid = threads if per * threads == steps else steps - threads * (per - 1)
+            lengths = [32 * (per if i < mid else per - 1) for i in range(threads)]
+            return [sum(lengths[:i]) for i in range(threads)], lengths, [n_head] * n_head
+        gcd = math.gcd(steps, threads)
+        share = threads // gcd
+        heads_per = -(-n_head // share)
+        if heads_per > 1:
+            mid = share if heads_per * share == n_head else n_head - share * (heads_per - 1)
+            rows = [heads_per if j < mid * heads_per else heads_per - 1 for j in range(n_head)]
+            return [i * (n_cells // gcd) for i in range(gcd)], [n_cells // gcd] * gcd, rows
+    keys = split_part_keys(n_head_kv, n_cells, threads)
+    if keys is None:
+        return None
+    starts = list(range(0, n_cells, keys))
+    return starts, [min(keys, n_cells - a) for a in starts], [n_head // n_head_kv] * n_head
 
 
 class IkNumerics(Numerics):
@@ -459,9 +474,10 @@ class IkNumerics(Numerics):
             q = blockwise_hadamard(q, kv.k_hadamard)
         if flash:
             scores = None if kv is None or kv.k == "f16" else self._flash_key_products(q, k, v.shape[2], kv.k)
-            part = self._split_part(q.shape[0], q.shape[1], k.shape[1], (head_dim, v.shape[2]), len(k))
-            if part is not None:
-                return self._split_flash_attention(q, k, v, scale, scores, part)
+            parts = split_parts(q.shape[1], k.shape[1], fa_cache_cells(len(k)), self.options.ik_threads) \
+                if len(q) == 1 and (head_dim, v.shape[2]) in IQK_FA_HEADS else None
+            if parts is not None and len(parts[0]) > 1:
+                return self._split_flash_attention(q, k, v, scale, scores, parts[0], parts[1])
             return flash_attention(np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale, self.lanes,
@@ -474,39 +490,32 @@ class IkNumerics(Numerics):
             return super().causal_attention(q, k, v, head_dim, window=window, sinks=sinks)
         return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2)
 
-    def _check_key_split(self, n: int, n_head: int, n_head_kv: int, heads: tuple[int, int], n_keys: int) -> None:
-        """Refuse a one-token batch whose keys ik's own flash-attention kernel splits among its threads over a
-        single key/value head (its MLA path; grouped heads: _split_part)."""
-        if n == 1 and heads in IQK_FA_HEADS and splits_keys(n_head, n_head_kv, fa_cache_cells(n_keys),
-                                                            self.options.ik_threads):
-            raise ModelError(f"ik's flash attention splits a one-token batch's keys among its "
-                             f"{self.options.ik_threads} threads (--ik-threads) over one key/value head, which is not "
-                             "reproduced; give --flash-attn off or fewer --ik-threads")
-
-    def _split_part(self, n: int, n_head: int, n_head_kv: int, heads: tuple[int, int], n_keys: int) -> int | None:
-        """The cells of each part ik's own kernel splits a one-token batch's keys into among its threads, over
-        grouped heads on several key/value heads (split_part_keys), or None where it computes the whole rows."""
-        cells = fa_cache_cells(n_keys)
-        if n != 1 or heads not in IQK_FA_HEADS or not splits_keys(n_head, n_head_kv, cells, self.options.ik_threads):
-            return None
-        if n_head_kv == 1:
-            self._check_key_split(n, n_head, n_head_kv, heads, n_keys)
-        return split_part_keys(n_head_kv, cells, self.options.ik_threads)
-
     def _split_flash_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
-                               scores: np.ndarray | None, part: int) -> np.ndarray:
-        """One token's attention as ik's kernel computes it in parts of `part` cells merged afterwards
-        (iqk_flash_attention_parts), each part's key blocks as for a cache of its length (k_step_for)."""
-        cells = fa_cache_cells(len(k))
+                               scores: np.ndarray | None, starts: list[int], lengths: list[int]) -> np.ndarray:
+        """One token's attention as ik's kernel computes it in the key parts its threads split (split_parts), merged
+        afterwards (iqk_flash_attention_parts), each part's key blocks as for a cache of its length (k_step_for)."""
         head_k, head_v = q.shape[2], v.shape[2]
-        k_steps = np.array([k_step_for(head_k, head_v, min(part, cells - a)) for a in range(0, cells, part)])
         out = np.empty((q.shape[1], 1, head_v), dtype=np.float32)
         iqk_flash_attention_parts(np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32),
                                   np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32),
                                   NO_SCORES if scores is None else scores,
-                                  np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale, part, cells,
-                                  k_steps, out, self.lanes)
+                                  np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale,
+                                  np.array(starts), np.array(lengths),
+                                  np.array([k_step_for(head_k, head_v, n) for n in lengths]), out, self.lanes)
         return out.transpose(1, 0, 2)
+
+    def _one_token_rows(self, n_head: int, n_head_kv: int, n_cells: int, cache_type: str) -> int:
+        """The query heads ik's kernel takes as the rows of one call for a one-token batch (split_parts; one where
+        it takes its general path)."""
+        parts = split_parts(n_head, n_head_kv, n_cells, self.options.ik_threads)
+        if parts is None:
+            return 1
+        if len(set(parts[2])) > 1:
+            raise ModelError(f"ik's flash attention over a {cache_type} key cache hands its threads' calls "
+                             f"{' or '.join(map(str, sorted(set(parts[2]))))} query heads of a one-token batch "
+                             f"({self.options.ik_threads} ik threads), which is not reproduced; give another "
+                             "--ik-threads or --flash-attn off")
+        return parts[2][0]
 
     def _key_products(self, q: np.ndarray, k: np.ndarray, cache_type: str) -> np.ndarray:
         """q . k [H, n, keys] over a key cache of `cache_type` as ik multiplies them: each query head a matmul of
@@ -565,9 +574,8 @@ class IkNumerics(Numerics):
         if type_name in IQK_FA_KEY_BIAS or n < FLASH_REPACK_ROWS:
             assert kernel.ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
             cells, heads = fa_cache_cells(len(k)), (q.shape[2], head_v)
-            if n == 1:  # one call per key head of its group's query heads as rows, or one per query head
-                group = q.shape[1] // k.shape[1]
-                rows = group if group > 1 and k.shape[1] * cells >= 32 * self.options.ik_threads else 1
+            if n == 1:
+                rows = self._one_token_rows(q.shape[1], k.shape[1], cells, cache_type)
                 calls, single = (c[:1] for c in kernel_row_calls(rows, 1, 1, cells, heads))
             else:
                 calls, single = kernel_row_calls(n, q.shape[1], self.options.ik_threads, cells, heads)
@@ -606,13 +614,20 @@ class IkNumerics(Numerics):
         q_lat = self.head_product(np.ascontiguousarray(q_nope.transpose(1, 0, 2)), b + "attn_k_b.weight", k_b)
         if plain and keep is None and self._absorbed_flash():
             q = np.ascontiguousarray(np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2), dtype=np.float32)
-            self._check_key_split(n, n_head, 1, (n_rot + n_lat, n_lat), len(cache))
             keys = np.ascontiguousarray(cache[None], dtype=np.float32)
             scores = None
             if kv.k not in FLOAT_CACHES:  # `cache` holds the rows before ik's write: its K x Q, then the values
                 scores = self._flash_key_products(q.transpose(1, 0, 2), keys.transpose(1, 0, 2), n_lat, kv.k)
                 keys = np.ascontiguousarray(cache_holds(keys, kv.k))
-            latent = flash_attention(q, keys, np.ascontiguousarray(keys[:, :, n_rot:]), scale, self.lanes, scores)
+            values = np.ascontiguousarray(keys[:, :, n_rot:])
+            parts = split_parts(n_head, 1, fa_cache_cells(len(cache)), self.options.ik_threads) \
+                if n == 1 and (n_rot + n_lat, n_lat) in IQK_FA_HEADS else None
+            if parts is not None and len(parts[0]) > 1:
+                latent = self._split_flash_attention(q.transpose(1, 0, 2), keys.transpose(1, 0, 2),
+                                                     values.transpose(1, 0, 2), scale, scores, parts[0],
+                                                     parts[1]).transpose(1, 0, 2)
+            else:
+                latent = flash_attention(q, keys, values, scale, self.lanes, scores)
         elif sinks is None:
             q = np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2)
             latent = ik_latent_attention(q, cache, n_rot, scale, keep, self.avx2)

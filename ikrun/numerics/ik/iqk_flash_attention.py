@@ -463,22 +463,23 @@ def _rows_together(q: np.ndarray, ktg: np.ndarray, vg: np.ndarray, sc: np.float3
 
 
 def iqk_flash_attention_parts(q: np.ndarray, k: np.ndarray, scores: np.ndarray, v: np.ndarray, scale: float,
-                              part: int, n_cells: int, k_steps: np.ndarray, out: np.ndarray, lanes: int) -> None:
+                              starts: np.ndarray, lengths: np.ndarray, k_steps: np.ndarray, out: np.ndarray,
+                              lanes: int) -> None:
     """One query row per head (q [H, 1, Dk], the last of the n_keys positions of k / v, as iqk_flash_attention
     takes them) as ik's kernel computes a one-token batch whose keys its threads split (iqk_flash_attn_noalibi):
-    each part of `part` cells of the `n_cells` (k_steps[i]: the key block of part i) through the kernel alone, its
-    unnormalised value sums R, maximum M and weight total S kept, the parts merged in order (accumulate_qkv: a part
-    with a new maximum M' takes c = exp(M - M'), S = fma(c, S, S'), R = fma(c, R, R'), else c = exp(M' - M),
+    each part (cells starts[i] .. starts[i] + lengths[i] - 1, in key blocks of k_steps[i]) through the kernel alone,
+    its unnormalised value sums R, maximum M and weight total S kept, the parts merged in order (accumulate_qkv: a
+    part with a new maximum M' takes c = exp(M - M'), S = fma(c, S, S'), R = fma(c, R, R'), else c = exp(M' - M),
     S = fma(c, S', S), R = fma(c, R', R), the exponential the C library's double one, rounded to float; a part with
     no visible key is skipped), then R x (1 / S); out [H, 1, Dv]."""
     kt = np.ascontiguousarray(k.transpose(0, 2, 1), dtype=np.float32) if scores.size == 0 else NO_SCORES
-    _merged_parts(q, kt, scores, np.ascontiguousarray(v, dtype=np.float32), np.float32(scale), part, n_cells,
+    _merged_parts(q, kt, scores, np.ascontiguousarray(v, dtype=np.float32), np.float32(scale), starts, lengths,
                   k_steps, lanes, out)
 
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
-def _merged_parts(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, v: np.ndarray, sc: np.float32, part: int,
-                  n_cells: int, k_steps: np.ndarray, lanes: int, out: np.ndarray) -> None:
+def _merged_parts(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, v: np.ndarray, sc: np.float32,
+                  starts: np.ndarray, lengths: np.ndarray, k_steps: np.ndarray, lanes: int, out: np.ndarray) -> None:
     n_head, n_keys, d_v = out.shape[0], v.shape[1], v.shape[2]
     group = n_head // v.shape[0]
     given = scores.size > 0
@@ -491,9 +492,9 @@ def _merged_parts(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, v: np.ndarr
         sums = np.empty((1, d_v), dtype=np.float32)
         r = np.zeros(d_v, dtype=np.float32)
         m, total_all = np.float32(-np.inf), np.float32(0.0)
-        for i in range(-(-n_cells // part)):
-            a = i * part
-            b = min(a + part, n_keys)
+        for i in range(len(starts)):
+            a = starts[i]
+            b = min(a + lengths[i], n_keys)
             if b <= a:
                 continue
             k_step = k_steps[i]
