@@ -10,9 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
 from ikconvert.convert import Converter
 from ikconvert.tiny import TinySpec, make_tiny_checkpoint
+from ikrun.cli import app
 from ikrun.model import Model
 from ikrun.numerics.ik.arithmetic import split_parts
 from ikrun.numerics.ik.iqk_flash_attention import kernel_row_calls
@@ -101,3 +103,12 @@ def test_split_parts_follow_iks_partition() -> None:
     assert split_parts(4, 1, 256, 4) == ([0, 64, 128, 192], [64] * 4, [4] * 4)
     assert split_parts(4, 2, 256, 8) == ([0, 64, 128, 192], [64] * 4, [2] * 4)
     assert split_parts(4, 2, 256, 2) == ([0], [256], [2] * 4) and split_parts(4, 4, 256, 2) is None
+
+
+def test_calls_of_unequal_rows_are_refused(group4: Path) -> None:
+    """3 ik threads share the 4 query heads of one key head 2 + 1 + 1: over a Q4_0 cache the calls of 2 rows and of
+    1 take the Tx kernel's folds for different row counts, a mix not checked: refused in one line, exit 2."""
+    res = CliRunner().invoke(app, ["logits", str(group4), "--tokens", "1", "--numerics", "ik", "--ik-threads", "3",
+                                   "-ctk", "q4_0"])
+    assert res.exit_code == 2 and "1 or 2 query heads of a one-token batch" in " ".join(res.output.split()), \
+        res.output
