@@ -20,7 +20,7 @@ from ikrun.eval.evaluate import perplexity
 from ikrun.eval.metrics import BaseLogitsFile
 from ikrun.kvcache import KvCache
 from ikrun.model import Model
-from ikrun.numerics.ik.iqk_flash_attention import kernel_query_rows
+from ikrun.numerics.ik.iqk_flash_attention import kernel_row_calls
 from ikrun.options import RuntimeOptions
 from tests.family_checks import assert_iks_forward, iks_running_ppl, running_ppl
 from tests.test_flash_attention_gqa import heads  # noqa: F401  (the fixture making the head-64/128 files)
@@ -128,16 +128,20 @@ def test_ik_avx2_ctk_q4_0_kld_in_its_own_kernel_is_what_ik_prints(heads: dict[st
         assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), key
 
 
+def _call_sizes(n: int, n_head: int, threads: int, n_cells: int) -> set[int]:
+    return set(kernel_row_calls(n, n_head, threads, n_cells)[0].tolist())
+
+
 def test_kernel_query_rows_follow_iks_steps() -> None:
     """ik's own kernel hands its K x Q kernel 8 rows a call in steps of 8; 12 rows (GLM's special step) as 8 + 4; 7
     rows as 4, then one at a time; over 512 cells and more 64-row steps; its threads split rows when they outnumber
     the heads."""
-    assert kernel_query_rows(64, 4, 2, 256) == {8}
-    assert kernel_query_rows(12, 4, 2, 256) == {8, 4}
-    assert kernel_query_rows(15, 4, 2, 256) == {8, 1}
-    assert kernel_query_rows(7, 4, 2, 256) == {4, 1}
-    assert kernel_query_rows(200, 4, 2, 512) == {8}
-    assert kernel_query_rows(20, 2, 4, 256) == {8, 1}  # 2 threads a head: 10 rows each, 8 + 1 + 1
+    assert _call_sizes(64, 4, 2, 256) == {8}
+    assert _call_sizes(12, 4, 2, 256) == {8, 4}
+    assert _call_sizes(15, 4, 2, 256) == {8, 1}
+    assert _call_sizes(7, 4, 2, 256) == {4, 1}
+    assert _call_sizes(200, 4, 2, 512) == {8}
+    assert _call_sizes(20, 2, 4, 256) == {8, 1}  # 2 threads a head: 10 rows each, 8 + 1 + 1
 
 
 @pytest.mark.parametrize(("cache", "head", "ppl"), [("q6_0", 64, "802.7677"), ("q6_0", 128, "826.4400"),

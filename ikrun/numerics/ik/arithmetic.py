@@ -127,24 +127,30 @@ def fa_cache_cells(n_keys: int) -> int:
 
 
 def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, lanes: int,
-                    scores: np.ndarray | None = None) -> np.ndarray:
+                    scores: np.ndarray | None = None, threads: int = 1) -> np.ndarray:
     """ik's flash attention over its F16 caches (ggml_flash_attn_ext): q [H, n, Dk] (float32), k [H_kv, keys, Dk],
     v [H_kv, keys, Dv] (f16 values), the queries the last n positions -> [H, n, Dv]. ik's own kernel for the head sizes
     it takes (IQK_FA_HEADS, its key blocks by the cache length, padded to FA_CACHE_PADDING), ggml's generic one for
     the others, both in the float order of its build with `lanes` float lanes. `scores`: the products
     q . k [H, n, keys] ik's own kernel takes from its integer kernel over a
-    quantized key cache (FLASH_QUANTIZED_KEYS; k unused). A one-token batch whose keys ik's threads split
-    (split_parts) takes iqk_flash_attention_parts instead."""
+    quantized key cache (FLASH_QUANTIZED_KEYS; k unused). A one-token batch whose keys ik's `threads` split
+    (split_parts) is computed in those parts, merged as ik merges them (iqk_flash_attention_parts)."""
     n_head, n, head_k = q.shape
     n_keys, head_v = k.shape[1], v.shape[2]
     out = np.empty((n_head, n, head_v), dtype=np.float32)
     given = NO_SCORES if scores is None else scores
-    if (head_k, head_v) in IQK_FA_HEADS:
-        n_kv = fa_cache_cells(n_keys)
-        k_step = k_step_for(head_k, head_v, n_kv)
-        iqk_flash_attention(q, k, given, v, float(np.float32(scale)), n_keys - n, k_step, out, lanes)
-    else:
+    if (head_k, head_v) not in IQK_FA_HEADS:
         generic_flash_attention(q, k, given, v, float(np.float32(scale)), n_keys - n, out, lanes)
+        return out
+    n_kv = fa_cache_cells(n_keys)
+    parts = split_parts(n_head, k.shape[0], n_kv, threads) if n == 1 else None
+    if parts is not None and len(parts[0]) > 1:
+        starts, lengths, _ = parts
+        iqk_flash_attention_parts(q, k, given, v, scale, np.array(starts), np.array(lengths),
+                                  np.array([k_step_for(head_k, head_v, m) for m in lengths]), out, lanes)
+    else:
+        iqk_flash_attention(q, k, given, v, float(np.float32(scale)), n_keys - n, k_step_for(head_k, head_v, n_kv),
+                            out, lanes)
     return out
 
 
@@ -474,14 +480,10 @@ class IkNumerics(Numerics):
             q = blockwise_hadamard(q, kv.k_hadamard)
         if flash:
             scores = None if kv is None or kv.k == "f16" else self._flash_key_products(q, k, v.shape[2], kv.k)
-            parts = split_parts(q.shape[1], k.shape[1], fa_cache_cells(len(k)), self.options.ik_threads) \
-                if len(q) == 1 and (head_dim, v.shape[2]) in IQK_FA_HEADS else None
-            if parts is not None and len(parts[0]) > 1:
-                return self._split_flash_attention(q, k, v, scale, scores, parts[0], parts[1])
             return flash_attention(np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale, self.lanes,
-                                   scores).transpose(1, 0, 2)
+                                   scores, self.options.ik_threads).transpose(1, 0, 2)
         if kv is not None and kv.k in self.quantized_keys:
             return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2, self._key_products(q, k, kv.k))
         if kv is not None and kv.k == "bf16" and self._bf16_kernel("BF16"):
@@ -489,20 +491,6 @@ class IkNumerics(Numerics):
         if head_dim % self.lanes:
             return super().causal_attention(q, k, v, head_dim, window=window, sinks=sinks)
         return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2)
-
-    def _split_flash_attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
-                               scores: np.ndarray | None, starts: list[int], lengths: list[int]) -> np.ndarray:
-        """One token's attention as ik's kernel computes it in the key parts its threads split (split_parts), merged
-        afterwards (iqk_flash_attention_parts), each part's key blocks as for a cache of its length (k_step_for)."""
-        head_k, head_v = q.shape[2], v.shape[2]
-        out = np.empty((q.shape[1], 1, head_v), dtype=np.float32)
-        iqk_flash_attention_parts(np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32),
-                                  np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32),
-                                  NO_SCORES if scores is None else scores,
-                                  np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale,
-                                  np.array(starts), np.array(lengths),
-                                  np.array([k_step_for(head_k, head_v, n) for n in lengths]), out, self.lanes)
-        return out.transpose(1, 0, 2)
 
     def _one_token_rows(self, n_head: int, n_head_kv: int, n_cells: int, cache_type: str) -> int:
         """The query heads ik's kernel takes as the rows of one call for a one-token batch (split_parts; one where
@@ -619,15 +607,8 @@ class IkNumerics(Numerics):
             if kv.k not in FLOAT_CACHES:  # `cache` holds the rows before ik's write: its K x Q, then the values
                 scores = self._flash_key_products(q.transpose(1, 0, 2), keys.transpose(1, 0, 2), n_lat, kv.k)
                 keys = np.ascontiguousarray(cache_holds(keys, kv.k))
-            values = np.ascontiguousarray(keys[:, :, n_rot:])
-            parts = split_parts(n_head, 1, fa_cache_cells(len(cache)), self.options.ik_threads) \
-                if n == 1 and (n_rot + n_lat, n_lat) in IQK_FA_HEADS else None
-            if parts is not None and len(parts[0]) > 1:
-                latent = self._split_flash_attention(q.transpose(1, 0, 2), keys.transpose(1, 0, 2),
-                                                     values.transpose(1, 0, 2), scale, scores, parts[0],
-                                                     parts[1]).transpose(1, 0, 2)
-            else:
-                latent = flash_attention(q, keys, values, scale, self.lanes, scores)
+            latent = flash_attention(q, keys, np.ascontiguousarray(keys[:, :, n_rot:]), scale, self.lanes, scores,
+                                     self.options.ik_threads)
         elif sinks is None:
             q = np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2)
             latent = ik_latent_attention(q, cache, n_rot, scale, keep, self.avx2)

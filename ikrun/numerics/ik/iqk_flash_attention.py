@@ -113,12 +113,6 @@ def kernel_row_calls(n: int, n_head: int, threads: int, n_cells: int,
     return calls, single
 
 
-def kernel_query_rows(n: int, n_head: int, threads: int, n_cells: int,
-                      heads: tuple[int, int] | None = None) -> set[int]:
-    """The query-row counts ik's own kernel hands one K x Q call (kernel_row_calls)."""
-    return set(kernel_row_calls(n, n_head, threads, n_cells, heads)[0].tolist())
-
-
 #: query rows of one head a job takes through the keys together, each key and value vector loaded once for all of
 #: them (the accumulators of four rows fill AVX-512's 32 vector registers; AVX2's 16 hold two rows' worth)
 ROWS = 4 if host_has("avx512f") else 2

@@ -14,6 +14,8 @@ same rows, the same bytes. With -khad ik rotates both the keys
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 from numba import njit, prange
 
@@ -38,17 +40,25 @@ def key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts, fmt
     whole group of four: they add nothing."""
     n, n_head, d = q.shape
     held = _cache_ints(k, type_name, ints)
-    whole = d // (4 * held[0].block) * 4 * held[0].block
+    block = held[0].block
+    whole = d // (4 * block) * 4 * block
     if held[0].order == ORDER_Q8_1 and whole < d:
         if not whole:
             return np.zeros((n_head, n, len(k)), np.float32)
-        return key_products(q[..., :whole], k[..., :whole], type_name, ints, fmt)
+        q, held = q[..., :whole], [_first_values(rows, whole) for rows in held]
     packed = [pack(rows) for rows in held]
     group = n_head // len(packed)
     scores = np.empty((n_head, n, len(k)), np.float32)
     for h in range(n_head):
         scores[h] = qmatmul(integer_rows(q[:, h], fmt), packed[h // group])
     return scores
+
+
+def _first_values(rows: BlockInts, n: int) -> BlockInts:
+    """The first n values of each row (whole blocks), with their scales and offsets."""
+    blocks = n // rows.block
+    return replace(rows, q=np.ascontiguousarray(rows.q[:, :n]), scale=np.ascontiguousarray(rows.scale[:, :blocks]),
+                   offset=None if rows.offset is None else np.ascontiguousarray(rows.offset[:, :blocks]))
 
 
 def _cache_ints(k: np.ndarray, type_name: str, ints: ToInts) -> list[BlockInts]:
