@@ -99,8 +99,8 @@ def _fold_lanes(acc: np.ndarray) -> np.float32:
 #: the most 32-value blocks a head of ik's single-row Q8_0 kernel may have: fewer than its 4-block groups, whose
 #: other float order is not reproduced
 SINGLE_ROW_BLOCKS = 3
-#: what ik's AVX-512 Q8_0 kernel adds to the key's values to make them unsigned bytes
-SINGLE_ROW_BIAS_AVX512 = 127
+#: what ik's AVX-512 Q8_0 kernel (Q8_0_1_Unpacker) adds to the key's values to make them unsigned bytes
+Q8_0_BIAS_AVX512 = 127
 
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
@@ -137,11 +137,10 @@ def single_row_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: 
     d = q.shape[2]
     if d // 32 > SINGLE_ROW_BLOCKS:
         raise ValueError(f"heads of {d} take ik's 4-block groups, not reproduced")
-    scores, (qu, qd, qs, kq, kd, group) = _stacked_operands(q, k, type_name, ints)
-    if avx2:
-        _single_row_scores(qu, qd, kq, kd, group, scores)
-    else:
-        _iqk_fa_scores(qu, qd, qs, kq, kd, SINGLE_ROW_BIAS_AVX512, group, np.zeros(len(q), np.bool_), scores)
+    if not avx2:
+        return iqk_fa_key_products(q, k, type_name, ints, False, np.zeros(len(q), np.bool_))
+    scores, (qu, qd, _, kq, kd, group) = _stacked_operands(q, k, type_name, ints)
+    _single_row_scores(qu, qd, kq, kd, group, scores)
     return scores
 
 
@@ -318,7 +317,7 @@ def iqk_fa_key_bias(type_name: str, avx2: bool) -> int:
     """What ik's own flash-attention kernel adds to the values of a `type_name` key (IQK_FA_KEY_BIAS; Q8_0 below
     FLASH_REPACK_ROWS query rows, where it does not repack them) in the AVX2 build (`avx2`) or the AVX-512 one."""
     if type_name == "Q8_0":
-        return 0 if avx2 else SINGLE_ROW_BIAS_AVX512
+        return 0 if avx2 else Q8_0_BIAS_AVX512
     return (IQK_FA_KEY_BIAS if avx2 else IQK_FA_KEY_BIAS_AVX512)[type_name]
 
 
@@ -327,9 +326,9 @@ def iqk_fa_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToIn
     """The scores q . k [H, n, keys] ik's own flash-attention kernel takes over a key cache of `type_name`
     (IQK_FA_KEY_BIAS; Q8_0 below FLASH_REPACK_ROWS query rows) in its AVX2 build (`avx2`) or its AVX-512 one: the
     type's own kernel (mul_mat_qX_1_q8_2_T, on AVX2 IQ4_NL's and Q8_0's mul_mat_qX_0_q8_0_T) on the cache rows as
-    stored, the queries rounded to Q8_2_X4. Per 32-value block d = key scale x query scale; the integer products of (key value + bias) and query value summed, for the blocks of whole 4-block groups per block
-    and 16-value half into lane (half, block in group), then for the blocks past them per 4 values of the block into
-    lane 0-7; each lane fma(d, sum, lane). A biased type also sums (key scale x -bias) x (query scale x the query
+    stored, the queries rounded to Q8_2_X4. Per 32-value block d = key scale x query scale; the integer products of
+    (key value + bias) and query value summed, for the blocks of whole 4-block groups per block and 16-value half
+    into lane (half, block in group), then for the blocks past them per 4 values of the block into lane 0-7; each lane fma(d, sum, lane). A biased type also sums (key scale x -bias) x (query scale x the query
     block's integer sum) per block position in its group (a quarter of it into each of 4 lanes past them); the score
     is then (t0 + t2) + (t1 + t3) over t_j = (lane j + lane j+4) + that sum (for the rows `tx` marks, those of calls
     of 1, 2 or 4 rows, which take mul_mat_qX_0_q8_2_Tx: t_j = (lane j + that sum) + lane j+4), an unbiased one's the 8
