@@ -336,3 +336,37 @@ def test_the_header_keeps_resolved_paths_for_a_mix_run_elsewhere(model256: Path,
     res = runner.invoke(app, ["mix", str(model256), "mix.gguf", "--sweep", str(tmp_path / "sweep.json"), "--type",
                               "Q8_0", "--target-bpw", "8", "--json"])
     assert res.exit_code == 0, res.output
+
+
+def test_rows_are_written_as_they_come_while_rewriting_is_quick(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """RowSaver writes the file after a row unless the last rewrite was less than SAVE_EVERY of its own durations
+    ago; flush writes what is pending, once; the file always holds whole rows."""
+    from dataclasses import dataclass
+
+    from ikrun.sweep import measure
+
+    @dataclass
+    class Row:
+        group: str
+        type: str
+
+    out = tmp_path / "s.json"
+
+    def written() -> list[str]:
+        return [r["group"] for r in json.loads(out.read_text())["rows"]]
+
+    monkeypatch.setattr(measure, "SAVE_EVERY", 0.0)
+    saver = measure.RowSaver(out, {"metric": "kld"}, [Row("a", "Q4_0")])
+    saver.add(Row("b", "Q4_0"))
+    saver.add(Row("c", "Q4_0"))
+    assert written() == ["a", "b", "c"]
+    monkeypatch.setattr(measure, "SAVE_EVERY", 1e9)
+    saver.add(Row("d", "Q4_0"))  # due at once: the last rewrite was under SAVE_EVERY = 0
+    saver.add(Row("e", "Q4_0"))  # now due only after 1e9 rewrites' time
+    assert written() == ["a", "b", "c", "d"]
+    saver.flush()
+    assert written() == ["a", "b", "c", "d", "e"] and [r.group for r in saver.rows] == written()
+    out.write_text(json.dumps({"rows": []}))
+    saver.flush()  # nothing pending: not written again
+    assert written() == []

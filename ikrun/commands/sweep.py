@@ -220,7 +220,7 @@ def _acceptance_sweep(model: Path, target: Optional[Path], text: Path, types: st
     from ikquant.imatrix import read_imatrix
     from ikrun.eval.speculative import mtp_generate, speculative_generate
     from ikrun.sweep.acceptance import AcceptanceRow, Decode, decoding_identity, run_acceptance_sweep
-    from ikrun.sweep.measure import load_rows, save_rows, sweep_groups, sweep_header
+    from ikrun.sweep.measure import RowSaver, load_rows, sweep_groups, sweep_header
 
     decode: Decode
     if mtp is not None:
@@ -250,16 +250,19 @@ def _acceptance_sweep(model: Path, target: Optional[Path], text: Path, types: st
         done = load_rows(output, header, AcceptanceRow)
     except IkError as exc:
         fail(str(exc))
-    rows = list(done)
+    saver = RowSaver(output, header, done)
     with progress_bar() as bar:
         task = bar.add_task("acceptance sweep", total=len(groups) * len(type_list) - len(done))
 
         def on_row(row) -> None:  # type: ignore[no-untyped-def]
-            rows.append(row)
-            save_rows(output, header, rows)
+            saver.add(row)
             bar.update(task, advance=1, description=f"{row.group} {row.type}")
 
-        run_acceptance_sweep(d, decode, chunks, bs, groups, type_list, imat, done, on_row)
+        try:
+            run_acceptance_sweep(d, decode, chunks, bs, groups, type_list, imat, done, on_row)
+        finally:
+            saver.flush()
+    rows = saver.rows
     table = Table(title="acceptance length lost per group (most first)")
     for col in ("type", "group", "bpw", "acceptance", "lost", "first position"):
         table.add_column(col, justify="left" if col in ("type", "group") else "right")
@@ -285,7 +288,7 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
 
     from ikrun.eval.evaluate import open_base, perplexity
     from ikrun.sweep import run_sweep
-    from ikrun.sweep.measure import AUTO_STABLE_TAU, Measurer, Scored, rank_agreement, save_rows, sweep_header
+    from ikrun.sweep.measure import AUTO_STABLE_TAU, Measurer, RowSaver, Scored, rank_agreement, save_rows, sweep_header
     from ikrun.sweep.prune import run_pruned_sweep
 
     scored: Scored = {}
@@ -304,7 +307,7 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
             perplexity(m, chunk_tokens, base_path, lambda i, _: bar.update(task, completed=i), base_plan)
             bar.update(task, description="pruned sweep" if pruning else "sweep", completed=0,
                        total=None if pruning else max(todo, 0))
-            rows = list(done)
+            saver = RowSaver(output, header, done)
             base = open_base(base_path, m)
             pool = None
             if cluster is not None:
@@ -314,8 +317,7 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
             kept: list[Measurer] = []  # a local pruned sweep's rounds share one recording of the block inputs
 
             def on_row(row) -> None:  # type: ignore[no-untyped-def]
-                rows.append(row)
-                save_rows(output, header, rows)
+                saver.add(row)
                 bar.update(task, advance=1, description=f"{row.group} {row.type}")
 
             def measure(jobs: set[tuple[str, str]] | None, already: list) -> list:  # type: ignore[type-arg]
@@ -330,16 +332,20 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
             try:
                 if pruning is None:
                     measure(None, done)
+                    saver.flush()
+                    rows = saver.rows
                 else:
                     result = run_pruned_sweep(m, groups, type_list, imat, pruning.bpws, done,
                                               lambda jobs: measure(jobs, []), pruning.constraints, pruning.spread,
                                               pruning.resolution)
+                    saver.flush()
                     rows = result.rows
                     save_rows(output, header, rows)
             except IkError as exc:
                 bar.stop()
                 fail(str(exc))
             finally:
+                saver.flush()  # what was measured, for a resumed run, also when interrupted
                 if pool is not None:
                     pool.close(cluster.ray)
                 for measurer in kept:

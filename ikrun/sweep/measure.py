@@ -246,6 +246,41 @@ def save_rows(path: Path, header: dict, rows: list[Any]) -> None:
     write_sweep_file(path, header, [asdict(r) for r in rows])
 
 
+#: a sweep's file is rewritten after a new row only once the time since the last rewrite is this many times what
+#: that rewrite took (RowSaver)
+SAVE_EVERY = 50.0
+
+
+class RowSaver:
+    """A sweep's rows as they are measured, each written to its file soon after (a killed sweep resumes from
+    them): after every row while rewriting the file is quick, less often as it grows, so that the rewrites take
+    at most 1 / SAVE_EVERY of the sweep's time. A rewrite after every row made saving quadratic in the rows: 11 s
+    of a 680-row sweep's 478 CPU seconds, ~15 min of a 2,900-row one. Each row is converted once."""
+
+    def __init__(self, path: Path, header: dict, rows: list[Any]):
+        self.path, self.header = path, header
+        self.rows = list(rows)
+        self._dicts = [asdict(r) for r in rows]
+        self._due = 0.0  # the monotonic time after which the next row is written at once
+        self._pending = False
+
+    def add(self, row: Any) -> None:
+        self.rows.append(row)
+        self._dicts.append(asdict(row))
+        self._pending = True
+        if time.monotonic() >= self._due:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write every row not written yet."""
+        if not self._pending:
+            return
+        t0 = time.monotonic()
+        write_sweep_file(self.path, self.header, self._dicts)
+        t1 = time.monotonic()
+        self._due, self._pending = t1 + SAVE_EVERY * (t1 - t0), False
+
+
 @dataclass
 class Candidate:
     group: str
