@@ -13,6 +13,7 @@ types only (from a copy of each sweep without the other types' rows). --sweeps s
 `--target-bpw ... --prediction-spread F` sweep (--spread F), --sweeps resolved the same with `--resolution K`
 (--resolution K). With --eval-text and the exhaustive sweep, each other sweep's mix is also scored against the
 exhaustive sweep's mix token by token (`ikrun kld --versus`): the ratio of their KLDs with its paired error.
+--eval-text2 (a second held-out text, e.g. train_lm.py's eval2.txt) adds both figures measured on it.
 --reuse keeps what --workdir already holds (imatrix, base logits, recipe files and their KLDs, sweeps and their CPU
 seconds) and measures only what is missing.
 
@@ -60,6 +61,8 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="an F32/F16 GGUF (default: a generated 4-layer 256-wide Qwen3)")
     ap.add_argument("--text", type=Path, help="imatrix and sweep text (default: the tiny corpus twice)")
     ap.add_argument("--eval-text", type=Path, help="held-out text every KLD in the table is measured on")
+    ap.add_argument("--eval-text2", type=Path, help="a second held-out text (with --eval-text): every KLD measured "
+                    "on it too, in two more columns")
     ap.add_argument("--recipe", default="ik", choices=("ik", "mainline"))
     ap.add_argument("--ftypes", default="IQ3_K,IQ4_KS")
     ap.add_argument("--types", default="IQ2_KS,IQ3_K,IQ4_KS,IQ5_K,Q8_0")
@@ -80,6 +83,8 @@ def main() -> None:
         raise SystemExit(f"--sweeps {a.sweeps}: exhaustive, pruned, spread, resolved")
     if a.reuse and a.workdir is None:
         raise SystemExit("--reuse keeps the files of a --workdir")
+    if a.eval_text2 and not a.eval_text:
+        raise SystemExit("--eval-text2 is a second held-out text: give --eval-text too")
     with tempfile.TemporaryDirectory() as tmp:
         folder = a.workdir or Path(tmp)
         folder.mkdir(parents=True, exist_ok=True)
@@ -101,6 +106,21 @@ def main() -> None:
             eval_shape = ["--ctx", str(a.ctx), "--chunks", str(a.eval_chunks or a.chunks)] if a.eval_text else shape
             _ok(ikrun_app, ["kld", str(model), "--base", str(model), "--text", str(a.eval_text or text), *eval_shape,
                             "--save-base-logits", str(base)])
+        base2 = folder / "base2.kld"
+        if a.eval_text2 and missing(base2):
+            _ok(ikrun_app, ["kld", str(model), "--base", str(model), "--text", str(a.eval_text2), "--ctx", str(a.ctx),
+                            "--chunks", str(a.eval_chunks or a.chunks), "--save-base-logits", str(base2)])
+
+        def second(gguf: Path, versus: list[str]) -> str:
+            """The two columns of --eval-text2: the file's KLD there, and against the exhaustive mix."""
+            if not a.eval_text2:
+                return ""
+            judged = json.loads(_ok(ikrun_app, ["kld", str(gguf), "--base-logits", str(base2), "--json",
+                                                *versus]).stdout)
+            pair = judged.get("versus")
+            against = f"{pair['kld_ratio'] - 1:+.1%} ± {pair['kld_ratio_err']:.1%}" if pair else "-"
+            return f" {judged['kld_mean']:.3e} ± {judged['kld_mean_err']:.3e} | {against} |"
+
         n_weights = sum(t.n_elements for t in GGUFFile(model).tensors.values())
         recipes = {}
         for ftype in a.ftypes.split(","):
@@ -134,13 +154,15 @@ def main() -> None:
             sweeps[kind] = (sweep, f"{sum(1 for r in rows if r.get('measured', True))}/{len(rows)}", cpu)
         where = f"held-out ({a.eval_text.name})" if a.eval_text else "in-sample"
         paired = bool(a.eval_text) and "exhaustive" in sweeps
+        also = (f" KLD, held-out ({a.eval_text2.name}) | vs exhaustive mix there |" if a.eval_text2 else "")
         print(f"\n| target | mix | bytes | bpw | predicted | measured KLD, {where} | rows measured | CPU s |"
-              + (" vs exhaustive mix, paired |" if paired else ""))
-        print("|---|---|---|---|---|---|---|---|" + ("---|" if paired else ""))
+              + (" vs exhaustive mix, paired |" if paired else "") + also)
+        print("|---|---|---|---|---|---|---|---|" + ("---|" if paired else "") + ("---|---|" if also else ""))
         ties = [arg for regex in a.tie for arg in ("--tie", regex)]
         for ftype, (size, kld) in recipes.items():
             print(f"| {ftype} | {a.recipe}'s recipe | {size} | {8 * size / n_weights:.4f} | - | "
-                  f"{kld['kld_mean']:.3e} ± {kld['kld_mean_err']:.3e} | - | - |" + (" |" if paired else ""))
+                  f"{kld['kld_mean']:.3e} ± {kld['kld_mean_err']:.3e} | - | - |" + (" |" if paired else "")
+                  + second(folder / f"recipe-{ftype}.gguf", []))
             exhaustive_mix = folder / f"mix-exhaustive-{ftype}.gguf"
             for kind, (sweep, measured, cpu) in sorted(sweeps.items(), key=lambda kv: kv[0] != "exhaustive"):
                 mix_file = folder / f"mix-{kind}-{ftype}.gguf"
@@ -156,7 +178,8 @@ def main() -> None:
                            ) if paired else ""
                 print(f"| {ftype} | {kind} sweep's mix | {kept['bytes']} | {kept['bpw']:.4f} | "
                       f"{kept['predicted_kld']:.3e} | {judged['kld_mean']:.3e} ± {judged['kld_mean_err']:.3e} "
-                      f"({judged['kld_mean'] / kld['kld_mean'] - 1:+.0%}) | {measured} | {cpu:.0f} |{against}")
+                      f"({judged['kld_mean'] / kld['kld_mean'] - 1:+.0%}) | {measured} | {cpu:.0f} |{against}"
+                      + second(mix_file, versus))
 
 if __name__ == "__main__":
     main()

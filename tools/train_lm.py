@@ -7,8 +7,9 @@ learned something, on text it was not tuned on.
 Needs torch and transformers (`pip install -e '.[train]'`); nothing in the product imports them.
 
 The standard library's files are split by a hash of their relative path: 1 in 10 to the calibration text
-(imatrix, sweeps), 1 in 10 to the evaluation text, the rest to training. The tokenizer is a byte-level BPE with
-Qwen2's pre-tokenizer (ik's `qwen2`), its merges learned on the training text. Widths are multiples of 256 so
+(imatrix, sweeps), 1 in 10 to the evaluation text (what of that split does not fit there goes to a second one,
+eval2.txt: other files, as unseen), the rest to training. The tokenizer is a byte-level BPE with Qwen2's
+pre-tokenizer (ik's `qwen2`), its merges learned on the training text. Widths are multiples of 256 so
 that every quantization type fits every weight row. The training is short (a few hundred steps of AdamW on random
 windows): the model is weak, but its predictions are far from uniform and depend on its weights the way a real
 model's do.
@@ -40,10 +41,11 @@ SPLITS = {0: "calib", 1: "eval"}  # path hash mod 10 -> split; the rest trains
 
 
 def stdlib_texts(limit: int, train_limit: int) -> dict[str, str]:
-    """{train, calib, eval} texts from the standard library's .py files: calib and eval at most `limit` characters,
-    train at most `train_limit` (whole files, in path order)."""
+    """{train, calib, eval, eval2} texts from the standard library's .py files: calib, eval and eval2 at most `limit`
+    characters, train at most `train_limit` (whole files, in path order); eval2 is a second held-out text, the eval
+    split's files that did not fit in eval."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    parts: dict[str, list[str]] = {"train": [], "calib": [], "eval": []}
+    parts: dict[str, list[str]] = {"train": [], "calib": [], "eval": [], "eval2": []}
     sizes = dict.fromkeys(parts, 0)
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
@@ -51,6 +53,8 @@ def stdlib_texts(limit: int, train_limit: int) -> dict[str, str]:
             continue
         split = SPLITS.get(int(hashlib.sha256(rel.encode()).hexdigest(), 16) % 10, "train")
         text = path.read_text(encoding="utf-8", errors="replace")
+        if split == "eval" and sizes[split] + len(text) > limit:
+            split = "eval2"
         if sizes[split] + len(text) > (train_limit if split == "train" else limit):
             continue
         parts[split].append(text)
@@ -72,7 +76,8 @@ def learn_bpe_merges(text: str, vocab_size: int) -> list[tuple[str, str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True, help="folder: hf/ (the checkpoint), calib.txt, eval.txt")
+    ap.add_argument("--out", type=Path, required=True,
+                    help="folder: hf/ (the checkpoint), calib.txt, eval.txt, eval2.txt")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--ffn", type=int, default=1024)
@@ -95,7 +100,7 @@ def main() -> None:
     hf = a.out / "hf"
     hf.mkdir(parents=True, exist_ok=True)
     texts = stdlib_texts(a.text_limit, a.train_limit)
-    for split in ("calib", "eval"):
+    for split in ("calib", "eval", "eval2"):
         (a.out / f"{split}.txt").write_text(texts[split], encoding="utf-8")
     tokenizer, tok_config, ids = tokenizer_files(learn_bpe_merges(texts["train"], a.vocab), llama=False)
     (hf / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False, indent=1), encoding="utf-8")
@@ -133,7 +138,8 @@ def main() -> None:
         if step % 20 == 0 or step == a.steps - 1 or step < 10:
             print(f"step {step:4d}  loss {loss.item():.3f}  {time.perf_counter() - t0:.0f} s", flush=True)
     model.to(torch.bfloat16).save_pretrained(hf, safe_serialization=True)
-    print(f"saved {hf} ({n_params / 1e6:.1f}M parameters); texts: {a.out / 'calib.txt'}, {a.out / 'eval.txt'}")
+    print(f"saved {hf} ({n_params / 1e6:.1f}M parameters); texts: {a.out / 'calib.txt'}, {a.out / 'eval.txt'}, "
+          f"{a.out / 'eval2.txt'}")
 
 
 if __name__ == "__main__":
