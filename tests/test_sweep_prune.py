@@ -378,7 +378,7 @@ def test_a_block_departing_from_the_trend_in_its_measured_ffn_tensors_moves_its_
     predict = Predictor(groups, types, error, measured)
     kld, basis = predict("blk.9.ffn_down_exps.weight", "B")
     assert kld == pytest.approx(truth("blk.9.ffn_down_exps.weight", "B", 2.0), rel=1e-9)
-    assert "+2.000 the departure of blk.9's measured ffn_* tensors" in basis
+    assert "+2.000 for the departure of blk.9's measured ffn_* tensors" in basis
     for g in ("blk.9.attn_q.weight", "blk.10.ffn_gate_exps.weight", "blk.10.ffn_down_exps.weight"):
         kld, basis = predict(g, "B")
         assert kld == pytest.approx(truth(g, "B"), rel=1e-9), (g, basis)

@@ -141,7 +141,7 @@ class Predictor:
         effect = self.block_effect.get((layer, part), 0.0) if part is not None and layer is not None else 0.0
         if effect:
             b += effect
-            where += f", {effect:+.3f} the departure of blk.{layer}'s measured {part}* tensors from their trends"
+            where += f", {effect:+.3f} for the departure of blk.{layer}'s measured {part}* tensors from their trends"
         return math.exp(b + a * le), (f"{where}: log KLD = {b:.3f} + {a:.2f} log weighted quantization error "
                                       f"({err:.4g})")
 
