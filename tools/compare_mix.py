@@ -102,24 +102,27 @@ def main() -> None:
 
         if missing(imatrix):
             _ok(ikrun_app, ["imatrix", str(model), *common, "-o", str(imatrix)])
-        if missing(base):
-            eval_shape = ["--ctx", str(a.ctx), "--chunks", str(a.eval_chunks or a.chunks)] if a.eval_text else shape
-            _ok(ikrun_app, ["kld", str(model), "--base", str(model), "--text", str(a.eval_text or text), *eval_shape,
-                            "--save-base-logits", str(base)])
+        eval_shape = ["--ctx", str(a.ctx), "--chunks", str(a.eval_chunks or a.chunks)] if a.eval_text else shape
         base2 = folder / "base2.kld"
-        if a.eval_text2 and missing(base2):
-            _ok(ikrun_app, ["kld", str(model), "--base", str(model), "--text", str(a.eval_text2), "--ctx", str(a.ctx),
-                            "--chunks", str(a.eval_chunks or a.chunks), "--save-base-logits", str(base2)])
+        for logits, held_out in ((base, a.eval_text or text), (base2, a.eval_text2)):
+            if held_out and missing(logits):
+                _ok(ikrun_app, ["kld", str(model), "--base", str(model), "--text", str(held_out), *eval_shape,
+                                "--save-base-logits", str(logits)])
 
-        def second(gguf: Path, versus: list[str]) -> str:
-            """The two columns of --eval-text2: the file's KLD there, and against the exhaustive mix."""
-            if not a.eval_text2:
-                return ""
-            judged = json.loads(_ok(ikrun_app, ["kld", str(gguf), "--base-logits", str(base2), "--json",
-                                                *versus]).stdout)
+        def kld_of(gguf: Path, logits: Path, versus: list[str]) -> dict:  # type: ignore[type-arg]
+            return json.loads(_ok(ikrun_app, ["kld", str(gguf), "--base-logits", str(logits), "--json",
+                                              *versus]).stdout)
+
+        def against(judged: dict) -> str:  # type: ignore[type-arg]
+            """A file's KLD against the exhaustive mix's, token by token (`ikrun kld --versus`), or -."""
             pair = judged.get("versus")
-            against = f"{pair['kld_ratio'] - 1:+.1%} ± {pair['kld_ratio_err']:.1%}" if pair else "-"
-            return f" {judged['kld_mean']:.3e} ± {judged['kld_mean_err']:.3e} | {against} |"
+            return f"{pair['kld_ratio'] - 1:+.1%} ± {pair['kld_ratio_err']:.1%}" if pair else "-"
+
+        def second(judged: dict | None) -> str:  # type: ignore[type-arg]
+            """The two columns of --eval-text2: a file's KLD there, and against the exhaustive mix."""
+            if judged is None:
+                return ""
+            return f" {judged['kld_mean']:.3e} ± {judged['kld_mean_err']:.3e} | {against(judged)} |"
 
         n_weights = sum(t.n_elements for t in GGUFFile(model).tensors.values())
         recipes = {}
@@ -129,15 +132,17 @@ def main() -> None:
                 _ok(ikquant_app, [str(model), str(recipe_file), "--type", ftype, "--recipe", a.recipe, "--imatrix",
                                   str(imatrix)])
             size = sum(t.nbytes for t in GGUFFile(recipe_file).tensors.values())
-            measured = folder / f"recipe-{ftype}.kld.json"
-            if missing(measured):
-                measured.write_text(_ok(ikrun_app, ["kld", str(recipe_file), "--base-logits", str(base),
-                                                    "--json"]).stdout)
-            recipes[ftype] = (size, json.loads(measured.read_text()))
+            klds = []
+            for measured, logits in ((folder / f"recipe-{ftype}.kld.json", base),
+                                     (folder / f"recipe-{ftype}.kld2.json", base2 if a.eval_text2 else None)):
+                if logits is not None and missing(measured):
+                    measured.write_text(json.dumps(kld_of(recipe_file, logits, [])))
+                klds.append(json.loads(measured.read_text()) if logits is not None else None)
+            recipes[ftype] = (size, *klds)
         sweeps = {}
         for kind in kinds:
             sweep, seconds = folder / f"sweep-{kind}.json", folder / f"sweep-{kind}.cpu"
-            budgets = ["--target-bpw", ",".join(repr(8 * s / n_weights) for s, _ in recipes.values())]
+            budgets = ["--target-bpw", ",".join(repr(8 * s / n_weights) for s, *_ in recipes.values())]
             spread = [*budgets, "--prediction-spread", a.spread]
             extra = {"exhaustive": [], "pruned": budgets, "spread": spread,
                      "resolved": [*spread, "--resolution", a.resolution]}
@@ -159,10 +164,10 @@ def main() -> None:
               + (" vs exhaustive mix, paired |" if paired else "") + also)
         print("|---|---|---|---|---|---|---|---|" + ("---|" if paired else "") + ("---|---|" if also else ""))
         ties = [arg for regex in a.tie for arg in ("--tie", regex)]
-        for ftype, (size, kld) in recipes.items():
+        for ftype, (size, kld, kld2) in recipes.items():
             print(f"| {ftype} | {a.recipe}'s recipe | {size} | {8 * size / n_weights:.4f} | - | "
                   f"{kld['kld_mean']:.3e} ± {kld['kld_mean_err']:.3e} | - | - |" + (" |" if paired else "")
-                  + second(folder / f"recipe-{ftype}.gguf", []))
+                  + second(kld2))
             exhaustive_mix = folder / f"mix-exhaustive-{ftype}.gguf"
             for kind, (sweep, measured, cpu) in sorted(sweeps.items(), key=lambda kv: kv[0] != "exhaustive"):
                 mix_file = folder / f"mix-{kind}-{ftype}.gguf"
@@ -171,15 +176,12 @@ def main() -> None:
                                       "--json", *ties])
                 kept = next(m for m in json.loads(res.stdout) if m["kept"])
                 versus = ["--versus", str(exhaustive_mix)] if paired and kind != "exhaustive" else []
-                judged = json.loads(_ok(ikrun_app, ["kld", str(mix_file), "--base-logits", str(base), "--json",
-                                                    *versus]).stdout) if a.eval_text else kept
-                pair = judged.get("versus")
-                against = (f" {pair['kld_ratio'] - 1:+.1%} ± {pair['kld_ratio_err']:.1%} |" if pair else " - |"
-                           ) if paired else ""
+                judged = kld_of(mix_file, base, versus) if a.eval_text else kept
                 print(f"| {ftype} | {kind} sweep's mix | {kept['bytes']} | {kept['bpw']:.4f} | "
                       f"{kept['predicted_kld']:.3e} | {judged['kld_mean']:.3e} ± {judged['kld_mean_err']:.3e} "
-                      f"({judged['kld_mean'] / kld['kld_mean'] - 1:+.0%}) | {measured} | {cpu:.0f} |{against}"
-                      + second(mix_file, versus))
+                      f"({judged['kld_mean'] / kld['kld_mean'] - 1:+.0%}) | {measured} | {cpu:.0f} |"
+                      + (f" {against(judged)} |" if paired else "")
+                      + second(kld_of(mix_file, base2, versus) if a.eval_text2 else None))
 
 if __name__ == "__main__":
     main()
