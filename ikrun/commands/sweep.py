@@ -332,13 +332,12 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
             try:
                 if pruning is None:
                     measure(None, done)
-                    saver.flush()
                     rows = saver.rows
                 else:
                     result = run_pruned_sweep(m, groups, type_list, imat, pruning.bpws, done,
                                               lambda jobs: measure(jobs, []), pruning.constraints, pruning.spread,
                                               pruning.resolution)
-                    saver.flush()
+                    saver.flush()  # before the whole file, which the finally clause must not overwrite
                     rows = result.rows
                     save_rows(output, header, rows)
             except IkError as exc:
