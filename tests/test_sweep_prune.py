@@ -302,18 +302,21 @@ def test_resolution_leaves_unresolvable_options_unmeasured(six_layers: tuple[Pat
 
 
 def test_the_sampled_blocks_and_the_predictions_from_them() -> None:
-    """Every 4th block of a class and its last are sampled; on costs that follow log KLD = b(block) + alpha log
-    error exactly, with b linear in the block except an outlying first block, the predictions of unmeasured types
-    and of the unsampled blocks after the second sampled one are exact; the blocks between the first and the second
-    sampled block take the second's b (the first is no guide to them)."""
+    """Every 4th block of a class and its last are sampled, the first block and those from the middle on at a
+    second type; on costs that follow log KLD = b(block) + alpha log error exactly, with b linear in the block
+    except an outlying first block, the predictions of unmeasured types (from a group's two measured types, or its
+    one along the class's alpha) and of the unsampled blocks after the second sampled one are exact; the blocks
+    between the first and the second sampled block take the second's b (the first is no guide to them)."""
     import math
 
-    from ikrun.sweep.predict import Predictor, sampled_groups
+    from ikrun.sweep.predict import Predictor, exponent_groups, sampled_groups
 
     groups = {f"blk.{i}.{c}.weight": [f"blk.{i}.{c}.weight"] for i in range(24) for c in ("attn_q", "ffn_down")}
     groups["output.weight"] = ["output.weight"]
-    sample = sampled_groups(groups)
+    sample, second = sampled_groups(groups), exponent_groups(groups)
     assert sample == {"output.weight"} | {f"blk.{i}.{c}.weight" for i in (0, 4, 8, 12, 16, 20, 23)
+                                          for c in ("attn_q", "ffn_down")}
+    assert second == {"output.weight"} | {f"blk.{i}.{c}.weight" for i in (0, 12, 16, 20, 23)
                                           for c in ("attn_q", "ffn_down")}
     types = ["A", "B", "C", "D"]
     alpha = {"attn_q": 0.8, "ffn_down": 1.3, "output": 1.0}
@@ -327,7 +330,7 @@ def test_the_sampled_blocks_and_the_predictions_from_them() -> None:
         cls = g.split(".")[2] if g.startswith("blk.") else "output"
         return math.exp(b(own if layer is None else layer) + alpha[cls] * math.log(error[(g, t)]))
 
-    measured = {(g, t): truth(g, t) for g in sample for t in ("A", "C")}
+    measured = {(g, t): truth(g, t) for g in sample for t in (("A", "C") if g in second else ("A",))}
     predict = Predictor(groups, types, error, measured)
     for g in groups:
         early = g.startswith(("blk.1.", "blk.2.", "blk.3."))
@@ -337,8 +340,10 @@ def test_the_sampled_blocks_and_the_predictions_from_them() -> None:
     assert predict("blk.2.attn_q.weight", "B")[1].startswith("blk.4 of attn_q:")
     assert "interpolated between blk.4 and blk.8 of attn_q" in predict("blk.5.attn_q.weight", "B")[1]
     assert "interpolated between blk.20 and blk.23 of ffn_down" in predict("blk.21.ffn_down.weight", "B")[1]
-    assert "interpolated between the A and C measurements" in predict("blk.4.attn_q.weight", "B")[1]
+    assert "interpolated between the A and C measurements" in predict("blk.12.attn_q.weight", "B")[1]
+    assert "the A measurement" in predict("blk.4.attn_q.weight", "B")[1]
     assert "^1.30 (alpha of ffn_down)" in predict("blk.4.ffn_down.weight", "D")[1]
+    assert "^1.30 (alpha of ffn_down)" in predict("blk.12.ffn_down.weight", "D")[1]
 
 
 def test_near_the_frontier_is_within_the_spread_of_the_multiplier() -> None:

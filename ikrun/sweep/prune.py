@@ -39,7 +39,7 @@ from ikquant.types import GGMLType
 from ikrun.errors import SweepError
 from ikrun.model import Model
 from ikrun.sweep.measure import SweepRow, quantized_copy, stored_type
-from ikrun.sweep.predict import Predictor, near_frontier, sampled_groups
+from ikrun.sweep.predict import Predictor, exponent_groups, near_frontier, sampled_groups
 
 #: rows of a tensor its prior quantizes (spread evenly over its importance slices): the prior serves ratios between
 #: types and between groups, which a sample of rows gives; quantizing every row at every type costs as much as all
@@ -296,9 +296,10 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
     """The pruned sweep: `measure(jobs)` measures those (group, type) pairs (and records the rows); `done` holds
     rows an earlier run measured; the budgets must be reachable (check_budgets); the mixes are chosen under
     `constraints` (default: the mix's default ties). With `spread` only the sampled blocks are measured first (at
-    two types each) and then only the options near the mixes' frontier (ikrun/sweep/predict.py), and of those
-    (`resolution` > 0) only the ones whose predicted KLD differs from the chosen option's by more than `resolution`
-    standard errors of a measurement: a difference the measurement cannot resolve is one the mix cannot choose by."""
+    one type, a second for the class's exponent: predict.exponent_groups) and then only the options near the
+    mixes' frontier (ikrun/sweep/predict.py), and of those (`resolution` > 0) only the ones whose predicted KLD
+    differs from the chosen option's by more than `resolution` standard errors of a measurement: a difference
+    the measurement cannot resolve is one the mix cannot choose by."""
     decision = Decision(model, groups, types, constraints or MixConstraints())
     prior = priors(model, groups, types, imatrix)
     measured = {r.key: r for r in done if r.measured}
@@ -330,8 +331,9 @@ def run_pruned_sweep(model: Model, groups: dict[str, list[str]], types: list[GGM
     if spread is None:
         run(decision.anchors() - measured.keys())
     else:
-        sample = sampled_groups(groups)
-        run({key for key in decision.anchors() | decision.seconds() if key[0] in sample} - measured.keys())
+        sample, second = sampled_groups(groups), exponent_groups(groups)
+        run(({key for key in decision.anchors() if key[0] in sample}
+             | {key for key in decision.seconds() if key[0] in second}) - measured.keys())
         predicted = sampled()
 
     def cost(g: str, tname: str) -> float:
