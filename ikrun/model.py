@@ -119,9 +119,11 @@ class Model:
         """The file's tensors a run of n_ctx-token chunks never reads, with why (ArchModel.unread_tensors)."""
         return self.impl.unread_tensors(n_ctx)
 
-    def check_context(self, n_ctx: int) -> None:
-        """Refuse a chunk length the run's options cannot take (a ModelError before any compute)."""
-        self.impl.check_context(n_ctx)
+    def check_context(self, n_ctx: int, batch: int | None = None) -> None:
+        """Refuse a chunk length (fed `batch` tokens at a time) the run's options cannot take (a ModelError
+        before any compute)."""
+        sizes = () if batch is None or batch >= n_ctx else tuple(sorted({batch, n_ctx % batch} - {0}))
+        self.impl.check_context(n_ctx, sizes)
 
     # ---- hot swapping ----------------------------------------------------------------------------------------
     def _check_swappable(self, name: str) -> None:
@@ -173,13 +175,16 @@ class Model:
             raise ModelError(f"token id {int(tokens.max() if tokens.max() >= self.n_vocab else tokens.min())} is "
                              f"outside the vocabulary (0..{self.n_vocab - 1})")
 
-    def logits(self, tokens: np.ndarray, index: int = 0, outputs: int = 0) -> np.ndarray:
+    def logits(self, tokens: np.ndarray, index: int = 0, outputs: int = 0, batch: int | None = None) -> np.ndarray:
         """float32 logits [len(tokens), n_vocab] for one sequence at positions 0..n-1 (a fresh context); `index`
         tells observers which chunk of a run it is; `outputs`: the first row whose logits the caller reads (rows
-        before it are computed too, but --numerics ik chooses its kernels as ik does when asked for these rows)."""
+        before it are computed too, but --numerics ik chooses its kernels as ik does when asked for these rows);
+        `batch`: feed the sequence that many tokens at a time through its cache (ik's micro-batches)."""
         tokens = np.asarray(tokens, dtype=np.int64)
         self.check_tokens(tokens)
         with self.blas_limit():
+            if batch is not None and batch < len(tokens):
+                return self.impl.forward_in_batches(tokens, batch, index, outputs)
             return self.impl.forward(tokens, index=index, outputs=outputs)
 
     @contextmanager

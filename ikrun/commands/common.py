@@ -66,12 +66,13 @@ def load_model(path: Path, ev: Evaluation, beside: bool = False) -> Model:
     return m
 
 
-def run_plan(m: Model, n_chunk: int, ctx: int, ev: Evaluation, one_pass: bool = True) -> StreamPlan:
+def run_plan(m: Model, n_chunk: int, ctx: int, ev: Evaluation, one_pass: bool = True,
+             batch: int | None = None) -> StreamPlan:
     from ikrun.eval.stream import plan_run
 
     try:
-        m.check_context(ctx)
-        plan = plan_run(m, n_chunk, ctx, one_pass, ev.spill_dir)
+        m.check_context(ctx, batch)
+        plan = plan_run(m, n_chunk, ctx, one_pass, ev.spill_dir, batch)
     except IkError as exc:
         fail(str(exc))
     err.print(f"{m.path.name}: {plan.describe()}", highlight=False)

@@ -16,7 +16,13 @@ from ikrun.commands.common import check_output, load_model, read_text, run_plan,
 from ikrun.commands.options import Evaluation, evaluation_options
 
 if TYPE_CHECKING:
+    from ikrun.eval.stream import StreamPlan
     from ikrun.model import Model
+
+BATCH_HELP = ("Feed each chunk this many tokens at a time through its key/value cache, as ik runs a chunk in "
+              "micro-batches (llama-perplexity -b / -ub, the smaller: -ub defaults to 512): under --numerics ik "
+              "its kernels see batches this size, and MLA models take the absorbed form below 128 tokens. Runs "
+              "chunk by chunk. Default: each chunk whole.")
 
 
 @evaluation_options
@@ -68,6 +74,7 @@ def ppl(
     save_base_logits: Optional[Path] = typer.Option(None, "--save-base-logits", help="Also write the run's "
                                                     "base-logits file (ik's --kl-divergence-base), for ikrun kld "
                                                     "--base-logits and for ik."),
+    batch: Optional[int] = typer.Option(None, "--batch", "-b", help=BATCH_HELP),
     ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
     """Perplexity over the text, chunked and scored exactly like ik's llama-perplexity.
@@ -79,23 +86,24 @@ def ppl(
     from ikrun.eval.metrics import ppl_stats
 
     check_output(save_base_logits, "--save-base-logits")
+    check_batch(batch)
     m = load_model(model, ev)
     try:
         chunk_tokens = tokenize_chunks(m, read_text(text), ctx, chunks)
     except IkError as exc:
         fail(str(exc))
-    plan = run_plan(m, len(chunk_tokens), ctx, ev)
+    plan = run_plan(m, len(chunk_tokens), ctx, ev, batch=batch)
     with tracked(m, plan, "perplexity") as (on_chunk, on_block):
         try:
             res = perplexity(m, chunk_tokens, save_base_logits, on_chunk, plan, on_block)
         except IkError as exc:
             fail(str(exc))
-    stats = {**ppl_stats(res.nll), **m.computed_paths(ctx)}
+    stats = {**ppl_stats(res.nll), **run_paths(m, ctx, plan), **batch_report(plan)}
     if json_out:
         out.print_json(json.dumps({**stats, **m.cache.report()}))
     else:
         out.print(f"Final estimate: PPL over {res.n_chunk} chunks for n_ctx={ctx} = {stats['ppl']:.4f} +/- "
-                  f"{stats['ppl_err']:.5f}  ({stats['n_tokens']} tokens scored; {settings(m, ctx)})")
+                  f"{stats['ppl_err']:.5f}  ({stats['n_tokens']} tokens scored; {settings(m, ctx, plan)})")
     if save_base_logits is not None:
         err.print(f"wrote {save_base_logits}: base logits of {res.n_chunk} chunks")
 
@@ -117,6 +125,7 @@ def kld(
                                           "tokens against the same base: the report adds the two mean KLDs' "
                                           "difference and ratio, with errors from the per-token differences."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object with every statistic."),
+    batch: Optional[int] = typer.Option(None, "--batch", "-b", help=BATCH_HELP + " The base model's run too."),
     ev: Evaluation = None,  # type: ignore[assignment]
 ) -> None:
     """KL-divergence of a model against a base model or a base-logits file, with all of ik's statistics.
@@ -134,6 +143,7 @@ def kld(
     if save_base_logits is not None and base is None:
         fail("--save-base-logits writes the base model's run: give it with --base (--base-logits is such a file)")
     check_output(save_base_logits, "--save-base-logits")
+    check_batch(batch)
     m = load_model(model, ev)
     other = None if versus is None else load_model(versus, ev)
     if other is not None and other.n_vocab != m.n_vocab:
@@ -150,19 +160,19 @@ def kld(
             if save_base_logits is None:
                 tmpdir = tempfile.TemporaryDirectory()
                 save_base_logits = Path(tmpdir.name) / "base.kld"
-            plan = run_plan(bm, len(chunk_tokens), ctx, ev)
+            plan = run_plan(bm, len(chunk_tokens), ctx, ev, batch=batch)
             with tracked(bm, plan, "base model") as (on_chunk, on_block):
                 perplexity(bm, chunk_tokens, save_base_logits, on_chunk, plan, on_block)
             bm.drop_cache()
             base_logits = save_base_logits
         bf = open_base(base_logits, m)  # type: ignore[arg-type]
-        plan = run_plan(m, bf.n_chunk, bf.n_ctx, ev)
+        plan = run_plan(m, bf.n_chunk, bf.n_ctx, ev, batch=batch)
         with tracked(m, plan, "KL-divergence") as (on_chunk, on_block):
             acc = kl_divergence(m, bf, on_chunk, plan=plan, on_block=on_block)
         other_acc = None
         if other is not None:
             m.drop_cache()
-            plan = run_plan(other, bf.n_chunk, bf.n_ctx, ev)
+            plan = run_plan(other, bf.n_chunk, bf.n_ctx, ev, batch=batch)
             with tracked(other, plan, f"KL-divergence of {other.path.name}") as (on_chunk, on_block):
                 other_acc = kl_divergence(other, bf, on_chunk, plan=plan, on_block=on_block)
     except IkError as exc:
@@ -176,13 +186,14 @@ def kld(
     paired = None if other_acc is None else {"model": str(versus), **paired_kld_stats(acc, other_acc)}
     if json_out:
         out.print_json(json.dumps({**{k: (float(v) if isinstance(v, (float, np.floating)) else v)
-                                      for k, v in stats.items()}, **m.cache.report(), **m.computed_paths(bf.n_ctx),
+                                      for k, v in stats.items()}, **m.cache.report(),
+                                   **run_paths(m, bf.n_ctx, plan), **batch_report(plan),
                                    **({"versus": paired} if paired else {})}))
         return
     if stats["n_tokens"] < 100:
         err.print(f"[yellow]warning:[/] only {stats['n_tokens']} tokens scored; ik prints no final statistics "
                   "below 100")
-    out.print(kld_table(stats, f"{model} ({settings(m, bf.n_ctx)})"))
+    out.print(kld_table(stats, f"{model} ({settings(m, bf.n_ctx, plan)})"))
     if paired is not None:
         out.print(paired_table(paired, str(model)))
 
@@ -203,15 +214,40 @@ def paired_table(paired: dict, name: str) -> Table:
     return t
 
 
-def settings(m: Model, n_ctx: int) -> str:
-    """The run's cache types and the computation paths its n_ctx-token chunks took (MLA's, ik's flash attention or
-    not), as its console report names them."""
+def settings(m: Model, n_ctx: int, plan: StreamPlan | None = None) -> str:
+    """The run's cache types and the computation paths its n_ctx-token chunks (or their batches) took (MLA's,
+    ik's flash attention or not), as its console report names them."""
     had = "".join(f", {side} Hadamard blocks of {b}" for side, b in (("K", m.cache.k_hadamard),
                                                                      ("V", m.cache.v_hadamard)) if b)
     named = {"flash_attn": "flash attention {}", "ik_defect": "reproducing {}"}
     paths = "".join(", " + named.get(key, key.removesuffix("_path").upper() + " {} path").format(path)
-                    for key, path in m.computed_paths(n_ctx).items())
-    return f"K cache {m.cache.k}, V cache {m.cache.v}{had}{paths}"
+                    for key, path in run_paths(m, n_ctx, plan).items())
+    fed = f", batches of {plan.batch} tokens" if plan is not None and plan.batch else ""
+    return f"K cache {m.cache.k}, V cache {m.cache.v}{had}{paths}{fed}"
+
+
+def run_paths(m: Model, n_ctx: int, plan: StreamPlan | None) -> dict[str, str]:
+    """The computation paths a run took (Model.computed_paths); fed in batches, where a chunk's last, shorter
+    batch takes another path than the others (DeepSeek's MLA form flips at 128 tokens), each with its batches'
+    size: "prefill (192-token batches) + decode (64-token batches)"."""
+    batch = plan.batch if plan is not None else None
+    if not batch:
+        return m.computed_paths(n_ctx)
+    sizes = [batch] + ([n_ctx % batch] if n_ctx % batch else [])
+    each = [m.computed_paths(n) for n in sizes]
+    return {key: each[0][key] if len({p[key] for p in each}) == 1
+            else " + ".join(f"{p[key]} ({n}-token batches)" for n, p in zip(sizes, each)) for key in each[0]}
+
+
+def check_batch(batch: int | None) -> None:
+    """Refuse a --batch of no tokens before anything is loaded."""
+    if batch is not None and batch < 1:
+        fail(f"--batch {batch}: give 1 token or more")
+
+
+def batch_report(plan: StreamPlan) -> dict[str, int]:
+    """The JSON report's `batch`: the tokens a chunk was fed at a time, where fewer than the chunk."""
+    return {"batch": plan.batch} if plan.batch else {}
 
 
 def kld_table(stats: dict, title: str) -> Table:

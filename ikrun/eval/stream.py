@@ -23,7 +23,7 @@ import numpy as np
 from ikquant.errors import OutputError
 from ikquant.outputs import write_errors
 from ikquant.sizes import format_size
-from ikrun.errors import BudgetError
+from ikrun.errors import BudgetError, EvalError
 from ikrun.memory import free_disk
 from ikrun.model import Model
 from ikrun.models.base import Sequence
@@ -49,10 +49,12 @@ class StreamPlan:
     spill_dir: Path | None
     hidden_bytes: int
     cache_capacity: int | None
+    #: tokens fed at a time through a chunk's key/value cache (ik's micro-batches); None: each chunk whole
+    batch: int | None = None
 
     def describe(self) -> str:
         if not self.streamed:
-            return "chunk by chunk, weights cached"
+            return f"chunk by chunk{f' in batches of {self.batch} tokens' if self.batch else ''}, weights cached"
         where = f"spilled to {self.spill_dir}" if self.spill_dir else "in memory"
         return (f"layer-streamed, {self.group} of {self.n_chunk} chunks per pass, hidden states "
                 f"{format_size(self.hidden_bytes)} {where}")
@@ -107,12 +109,24 @@ def minimum_budget(model: Model, n_ctx: int) -> int:
     return _needs(model, n_ctx).minimum
 
 
-def plan_run(model: Model, n_chunk: int, n_ctx: int, one_pass: bool, spill_dir: Path | None = None) -> StreamPlan:
-    """Decide the evaluation order and check the budget can hold it (a BudgetError says the minimum if not)."""
+def plan_run(model: Model, n_chunk: int, n_ctx: int, one_pass: bool, spill_dir: Path | None = None,
+             batch: int | None = None) -> StreamPlan:
+    """Decide the evaluation order and check the budget can hold it (a BudgetError says the minimum if not);
+    `batch` < n_ctx: each chunk fed that many tokens at a time through its cache, chunk by chunk."""
     needs = _needs(model, n_ctx)
     budget = model.mem
     fits = budget is None or model_decoded_bytes(model) + needs.transient + needs.per_chunk <= budget
     streamed = model.stream if model.stream is not None else (one_pass and n_chunk > 1) or not fits
+    if batch is not None and batch < n_ctx:
+        if not model.impl.continues:
+            raise EvalError(f"--batch {batch}: a {model.arch} model runs each chunk whole here (it keeps no cache a "
+                            f"batch could continue through); give --batch {n_ctx} or leave it out")
+        if model.stream:
+            raise EvalError(f"--batch {batch} feeds each chunk through its cache in turn, chunk by chunk: not with "
+                            "--stream")
+        streamed = False
+    else:
+        batch = None
     if budget is not None and budget < needs.minimum:
         raise BudgetError(f"--mem {format_size(budget)} is below what one block needs: its weights decoded "
                           f"({format_size(needs.block)}), one chunk's hidden state and working memory "
@@ -120,7 +134,7 @@ def plan_run(model: Model, n_chunk: int, n_ctx: int, one_pass: bool, spill_dir: 
                           f"({format_size(needs.head)}); give at least {format_size(needs.minimum)}")
     if not streamed:
         capacity = None if budget is None else budget - needs.transient - needs.per_chunk
-        return StreamPlan(False, n_chunk, n_ctx, 1, None, needs.per_chunk, capacity)
+        return StreamPlan(False, n_chunk, n_ctx, 1, None, needs.per_chunk, capacity, batch)
     total = needs.per_chunk * n_chunk
     if budget is None:
         return StreamPlan(True, n_chunk, n_ctx, n_chunk, None, total, None)
@@ -272,7 +286,7 @@ def evaluate_chunks(model: Model, chunks: np.ndarray, plan: StreamPlan, on_block
             if not plan.streamed:
                 for c in ids:
                     if resume is None:
-                        yield c, model.logits(feed(c), index=c, outputs=outputs)[first:last]
+                        yield c, model.logits(feed(c), index=c, outputs=outputs, batch=plan.batch)[first:last]
                     else:
                         seq, x = resume[0].at(c, resume[1])
                         yield c, model.impl.run_from(resume[1], x, seq)[first:last]

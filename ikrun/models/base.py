@@ -111,8 +111,9 @@ class ArchModel(ABC):
         (ikrun/sweep/measure.py); none by default."""
         return {}
 
-    def check_context(self, n_ctx: int) -> None:  # noqa: B027 (a hook some architectures use, none must)
-        """Refuse, before any compute, a chunk length the run's options cannot take (a DSA top-k above it)."""
+    def check_context(self, n_ctx: int, batches: tuple[int, ...] = ()) -> None:  # noqa: B027 (a hook, optional)
+        """Refuse, before any compute, a chunk length the run's options cannot take (a DSA top-k above it);
+        `batches`: the sizes of the micro-batches a chunk is fed in (none: the chunk whole)."""
 
     def sequence_state_bytes(self, n_ctx: int) -> int:
         """Bytes of `seq.state` a sequence of n_ctx tokens carries between blocks (beyond shared tables)."""
@@ -227,6 +228,19 @@ class ArchModel(ABC):
         self.ctx.chunk = seq.index
         self.begin(seq)
         return self.run_from(0, self.embed(seq), seq, on_block)
+
+    def forward_in_batches(self, tokens: np.ndarray, batch: int, index: int = 0, outputs: int = 0) -> np.ndarray:
+        """float32 logits of one fresh sequence fed `batch` tokens at a time through its key/value cache, as ik
+        runs a chunk in micro-batches (llama-perplexity -b / -ub): each batch a Sequence continuing the last, its
+        output rows those from `outputs` on (`continues` architectures)."""
+        kv: dict[str, Any] = {}
+        out = []
+        for start in range(0, len(tokens), batch):
+            seq = Sequence(np.asarray(tokens[start : start + batch]), index, {"kv": kv}, start, outputs - start)
+            self.ctx.chunk = index
+            self.begin(seq)
+            out.append(self.run_from(0, self.embed(seq), seq))
+        return np.concatenate(out)
 
     def run_from(self, first: int, x: np.ndarray, seq: Sequence, on_block: BlockHook | None = None) -> np.ndarray:
         """Logits of one sequence whose hidden state `x` enters block `first` (n_active: only the head)."""

@@ -176,15 +176,15 @@ class Deepseek2(ArchModel):
             return "decode"
         return self.ctx.options.mla_path(n_tokens)
 
-    def check_context(self, n_ctx: int) -> None:
-        """A latent cache the arithmetic does not reproduce in the MLA form n_ctx-token chunks take, refused."""
-        path = self.mla_path(n_ctx)
-        for name in (f"blk.{i}.attn_kv_b.weight" for i in range(self.n_active)):
-            kind = self.ctx.weights.encoding(name).type.name if self.ctx.has(name) else "absent"
-            problem = self.ctx.numerics.latent_cache_problem(self.ctx.cache, path, (name, kind),
-                                                             (self.n_rot + self.kv_lora, self.kv_lora))
-            if problem is not None:
-                raise self.fail(problem)
+    def check_context(self, n_ctx: int, batches: tuple[int, ...] = ()) -> None:
+        """A latent cache the arithmetic does not reproduce in an MLA form the chunks' batches take, refused."""
+        for path in dict.fromkeys(self.mla_path(n) for n in batches or (n_ctx,)):
+            for name in (f"blk.{i}.attn_kv_b.weight" for i in range(self.n_active)):
+                kind = self.ctx.weights.encoding(name).type.name if self.ctx.has(name) else "absent"
+                problem = self.ctx.numerics.latent_cache_problem(self.ctx.cache, path, (name, kind),
+                                                                 (self.n_rot + self.kv_lora, self.kv_lora))
+                if problem is not None:
+                    raise self.fail(problem)
 
     def computed_paths(self, n_ctx: int) -> dict[str, str]:
         """The MLA form, and under ik's arithmetic its attention graph (--flash-attn)."""

@@ -274,7 +274,7 @@ class Deepseek4(ArchModel):
                 raise self.fail(f"tensor {table} is {cx.weights.encoding(table).type.name}; the hash routing table "
                                 "must hold integer expert ids (I32)")
 
-    def check_context(self, n_ctx: int) -> None:
+    def check_context(self, n_ctx: int, batches: tuple[int, ...] = ()) -> None:
         if self.export:
             raise self.fail("is DeepSeek-V4's MTP export (ikconvert hf2gguf --mtp): it has no main layers and drafts "
                             f"beside its target (ikrun accept TARGET.gguf {self.ctx.path.name} --mtp)")

@@ -118,8 +118,8 @@ class GlmDsa(Deepseek2):
                 raise self.fail(f"layer {i} {why} but lacks {missing}"
                                   + ("; --dsa off runs the file with dense attention" if needed else ""))
 
-    def check_context(self, n_ctx: int) -> None:
-        super().check_context(n_ctx)
+    def check_context(self, n_ctx: int, batches: tuple[int, ...] = ()) -> None:
+        super().check_context(n_ctx, batches)
         top_k = self.ctx.options.dsa_top_k
         if top_k > n_ctx:
             raise self.fail(f"--dsa-top-k {top_k} exceeds the context of {n_ctx} tokens: every query would see all "
