@@ -42,23 +42,26 @@ def _final_line(log: Path) -> str:
     return next(line for line in log.read_text(errors="replace").splitlines() if line.startswith("Final estimate"))
 
 
-@pytest.mark.parametrize(("name", "model", "text", "ctx", "chunks", "batch", "cache"), [
-    ("qwen3-h64-c8-b3-ctk-q4_0", "h64", "qwen3", 8, 4, 3, "q4_0"),
-    ("qwen3-h64-c8-b3-ctk-f16", "h64", "qwen3", 8, 4, 3, "f16"),
-    ("qwen3-h64-c8-b4-ctk-q8_0", "h64", "qwen3", 8, 4, 4, "q8_0"),
-    ("qwen3-h64-c256-b100-ctk-q8_0", "h64", "qwen3", 256, 2, 100, "q8_0"),
-    ("latent512-c256-b64", "latent512", "deepseek-v3", 256, 1, 64, "f16"),
-    ("latent512-c256-b192", "latent512", "deepseek-v3", 256, 1, 192, "f16")])
+@pytest.mark.parametrize(("name", "model", "text", "ctx", "chunks", "batch", "cache", "build"), [
+    ("qwen3-h64-c8-b3-ctk-q4_0", "h64", "qwen3", 8, 4, 3, "q4_0", "avx512"),
+    ("qwen3-h64-c8-b3-ctk-q4_0", "h64", "qwen3", 8, 4, 3, "q4_0", "avx2"),
+    ("qwen3-h64-c8-b3-ctk-f16", "h64", "qwen3", 8, 4, 3, "f16", "avx512"),
+    ("qwen3-h64-c8-b4-ctk-q8_0", "h64", "qwen3", 8, 4, 4, "q8_0", "avx512"),
+    ("qwen3-h64-c256-b100-ctk-q8_0", "h64", "qwen3", 256, 2, 100, "q8_0", "avx512"),
+    ("latent512-c256-b64", "latent512", "deepseek-v3", 256, 1, 64, "f16", "avx512"),
+    ("latent512-c256-b192", "latent512", "deepseek-v3", 256, 1, 192, "f16", "avx512"),
+    ("latent512-c256-b192", "latent512", "deepseek-v3", 256, 1, 192, "f16", "avx2")])
 def test_batches_are_iks(models: dict[str, Path], name: str, model: str, text: str, ctx: int, chunks: int,
-                         batch: int, cache: str, tmp_path: Path) -> None:
+                         batch: int, cache: str, build: str, tmp_path: Path) -> None:
     """ik's run with -b `batch`: its base-logits file byte for byte and its final line to the digit."""
     out = tmp_path / "base.kld"
     res = runner.invoke(app, ["ppl", str(models[model]), "--text", str(LOGITS / text / "text.txt"), "-c", str(ctx),
-                              "--chunks", str(chunks), "--batch", str(batch), "-ctk", cache, "--numerics", "ik",
-                              "--ik-threads", "2", "--save-base-logits", str(out)], env={"COLUMNS": "300"})
+                              "--chunks", str(chunks), "--batch", str(batch), "-ctk", cache, "--numerics",
+                              "ik" if build == "avx512" else "ik-avx2", "--ik-threads", "2", "--save-base-logits",
+                              str(out)], env={"COLUMNS": "300"})
     assert res.exit_code == 0, res.output
-    assert out.read_bytes() == (FOLDER / f"{name}-avx512.kld").read_bytes()
-    assert _final_line(FOLDER / f"{name}-avx512.txt") in res.stdout
+    assert out.read_bytes() == (FOLDER / f"{name}-{build}.kld").read_bytes()
+    assert _final_line(FOLDER / f"{name}-{build}.txt") in res.stdout
     assert f"batches of {batch} tokens" in res.stdout
 
 
