@@ -40,6 +40,14 @@ def _threadpools() -> ThreadpoolController:
     return ThreadpoolController()
 
 
+
+def batch_sizes(n_ctx: int, batch: int | None) -> tuple[int, ...]:
+    """The sizes of the batches an n_ctx-token chunk is fed in, `batch` tokens at a time: the full ones' and a
+    shorter last one's; none when the chunk goes whole."""
+    if batch is None or batch >= n_ctx:
+        return ()
+    return (batch,) + ((n_ctx % batch,) if n_ctx % batch else ())
+
 class Model:
     """A GGUF file plus the architecture module that evaluates it."""
 
@@ -122,8 +130,7 @@ class Model:
     def check_context(self, n_ctx: int, batch: int | None = None) -> None:
         """Refuse a chunk length (fed `batch` tokens at a time) the run's options cannot take (a ModelError
         before any compute)."""
-        sizes = () if batch is None or batch >= n_ctx else tuple(sorted({batch, n_ctx % batch} - {0}))
-        self.impl.check_context(n_ctx, sizes)
+        self.impl.check_context(n_ctx, batch_sizes(n_ctx, batch))
 
     # ---- hot swapping ----------------------------------------------------------------------------------------
     def _check_swappable(self, name: str) -> None:

@@ -103,3 +103,14 @@ def test_bad_batches_are_refused(models: dict[str, Path], flags: list[str], why:
                                   "-c", "8", *flags, "--save-base-logits", str(out)])
         assert res.exit_code == 2 and why in " ".join(res.output.split()), res.output
         assert not out.exists()
+
+
+def test_a_model_without_a_cache_to_continue_runs_chunks_whole(tmp_path: Path) -> None:
+    """openPangu's forward keeps no key/value cache a batch could continue through: --batch below the chunk is
+    refused in one line, before any compute; a --batch of the chunk is the chunk whole."""
+    model = LOGITS.parent / "convert" / "openpangu-v2" / "ik-f32.gguf"
+    flags = ["ppl", str(model), "--text", str(LOGITS / "qwen3" / "text.txt"), "-c", "8", "--chunks", "1"]
+    res = runner.invoke(app, [*flags, "--batch", "4"])
+    assert res.exit_code == 2 and "--batch 4: openpangu runs each chunk whole here" in \
+        " ".join(res.output.split()), res.output
+    assert runner.invoke(app, [*flags, "--batch", "8"]).exit_code == 0

@@ -230,10 +230,11 @@ def run_paths(m: Model, n_ctx: int, plan: StreamPlan | None) -> dict[str, str]:
     """The computation paths a run took (Model.computed_paths); fed in batches, where a chunk's last, shorter
     batch takes another path than the others (DeepSeek's MLA form flips at 128 tokens), each with its batches'
     size: "prefill (192-token batches) + decode (64-token batches)"."""
-    batch = plan.batch if plan is not None else None
-    if not batch:
+    from ikrun.model import batch_sizes
+
+    sizes = batch_sizes(n_ctx, plan.batch if plan is not None else None)
+    if not sizes:
         return m.computed_paths(n_ctx)
-    sizes = [batch] + ([n_ctx % batch] if n_ctx % batch else [])
     each = [m.computed_paths(n) for n in sizes]
     return {key: each[0][key] if len({p[key] for p in each}) == 1
             else " + ".join(f"{p[key]} ({n}-token batches)" for n, p in zip(sizes, each)) for key in each[0]}

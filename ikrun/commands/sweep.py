@@ -42,8 +42,9 @@ def sweep(
                                              "predicted (\"measured\": false)."),
     prediction_spread: Optional[float] = typer.Option(
         None, "--prediction-spread", help="With --target-bpw: measure every 4th block of each tensor class (and "
-        "its last; the first and the later half at two types), predict the other blocks and types from them, and measure only the options whose "
-        "predicted KLD saved per bit is within this factor of the mixes' Lagrange multiplier (e.g. 2)."),
+        "its last; the first and the later half at two types), predict the other blocks and types from them, and "
+        "measure only the options whose predicted KLD saved per bit is within this factor of the mixes' Lagrange "
+        "multiplier (e.g. 2)."),
     resolution: Optional[float] = typer.Option(
         None, "--resolution", help="With --prediction-spread: of the options near the frontier, measure only those "
         "whose predicted KLD differs from the chosen option's by more than this many standard errors of a "

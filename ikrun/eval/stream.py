@@ -119,8 +119,8 @@ def plan_run(model: Model, n_chunk: int, n_ctx: int, one_pass: bool, spill_dir: 
     streamed = model.stream if model.stream is not None else (one_pass and n_chunk > 1) or not fits
     if batch is not None and batch < n_ctx:
         if not model.impl.continues:
-            raise EvalError(f"--batch {batch}: a {model.arch} model runs each chunk whole here (it keeps no cache a "
-                            f"batch could continue through); give --batch {n_ctx} or leave it out")
+            raise EvalError(f"--batch {batch}: {model.arch} runs each chunk whole here (its forward keeps no cache "
+                            f"a batch could continue through); give --batch {n_ctx} or leave it out")
         if model.stream:
             raise EvalError(f"--batch {batch} feeds each chunk through its cache in turn, chunk by chunk: not with "
                             "--stream")
