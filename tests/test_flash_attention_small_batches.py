@@ -105,10 +105,22 @@ def test_split_parts_follow_iks_partition() -> None:
     assert split_parts(4, 2, 256, 2) == ([0], [256], [2] * 4) and split_parts(4, 4, 256, 2) is None
 
 
-def test_calls_of_unequal_rows_are_refused(group4: Path) -> None:
-    """3 ik threads share the 4 query heads of one key head 2 + 1 + 1: over a Q4_0 cache the calls of 2 rows and of
-    1 take the Tx kernel's folds for different row counts, a mix not checked: refused in one line, exit 2."""
-    res = CliRunner().invoke(app, ["logits", str(group4), "--tokens", "1", "--numerics", "ik", "--ik-threads", "3",
-                                   "-ctk", "q4_0"])
-    assert res.exit_code == 2 and "1 or 2 query heads of a one-token batch" in " ".join(res.output.split()), \
-        res.output
+UNEVEN = FOLDER.parent / "uneven-shares"
+
+
+@pytest.mark.parametrize(("name", "build"), [
+    ("qwen3-g4-h64-b1-t3-ctk-q4_0", "avx512"), ("qwen3-g4-h64-b1-t3-ctk-q4_0", "avx2"),
+    ("qwen3-g4-h64-b1-t3-ctk-q6_0", "avx512"), ("qwen3-g4-h64-b1-t3-ctk-q8_0", "avx512"),
+    ("qwen3-g4-h64-b1-c256-t3-ctk-q8_0", "avx512")])
+def test_calls_of_unequal_rows_are_iks(group4: Path, name: str, build: str, tmp_path: Path) -> None:
+    """3 ik threads share the 4 query heads of one key head 2 + 1 + 1: one call of 2 rows, two of 1, each head
+    folded as its own call's rows say (refused before); ik's base-logits file byte for byte (tests/data/logits/
+    uneven-shares), from the command line one token a batch."""
+    ctx, chunks = ("256", "1") if "-c256-" in name else ("8", "4")
+    out = tmp_path / "base.kld"
+    res = CliRunner().invoke(app, ["ppl", str(group4), "--text", str(FOLDER.parent / "qwen3" / "text.txt"), "-c", ctx,
+                                   "--chunks", chunks, "--batch", "1", "-ctk", name.rsplit("-", 1)[1], "--numerics",
+                                   "ik" if build == "avx512" else "ik-avx2", "--ik-threads", "3",
+                                   "--save-base-logits", str(out)])
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes() == (UNEVEN / f"{name}-{build}.kld").read_bytes()

@@ -492,18 +492,22 @@ class IkNumerics(Numerics):
             return super().causal_attention(q, k, v, head_dim, window=window, sinks=sinks)
         return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2)
 
-    def _one_token_rows(self, n_head: int, n_head_kv: int, n_cells: int, cache_type: str) -> int:
-        """The query heads ik's kernel takes as the rows of one call for a one-token batch (split_parts; one where
-        it takes its general path)."""
+    def _one_token_calls(self, n_head: int, n_head_kv: int, n_cells: int,
+                         heads: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """Per query head of a one-token batch, the rows of the K x Q call ik's kernel takes it in and whether that
+        call's step was a single one of 4 rows or more (kernel_row_calls): a thread's share of a key head's query
+        heads are the rows of its calls, consecutive heads (split_parts; on its general path each head alone).
+        Where the threads' shares differ (4 heads among 3 threads: 2, 1 and 1) each head takes its own share's."""
         parts = split_parts(n_head, n_head_kv, n_cells, self.options.ik_threads)
-        if parts is None:
-            return 1
-        if len(set(parts[2])) > 1:
-            raise ModelError(f"ik's flash attention over a {cache_type} key cache hands its threads' calls "
-                             f"{' or '.join(map(str, sorted(set(parts[2]))))} query heads of a one-token batch "
-                             f"({self.options.ik_threads} ik threads), which is not reproduced; give another "
-                             "--ik-threads or --flash-attn off")
-        return parts[2][0]
+        rows = [1] * n_head if parts is None else parts[2]
+        calls = np.empty(n_head, dtype=np.int64)
+        single = np.zeros(n_head, dtype=np.bool_)
+        h = 0
+        while h < n_head:
+            share = rows[h]
+            calls[h : h + share], single[h : h + share] = kernel_row_calls(share, 1, 1, n_cells, heads)
+            h += share
+        return calls, single
 
     def _key_products(self, q: np.ndarray, k: np.ndarray, cache_type: str) -> np.ndarray:
         """q . k [H, n, keys] over a key cache of `cache_type` as ik multiplies them: each query head a matmul of
@@ -562,22 +566,31 @@ class IkNumerics(Numerics):
         if type_name in IQK_FA_KEY_BIAS or n < FLASH_REPACK_ROWS:
             assert kernel.ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
             cells, heads = fa_cache_cells(len(k)), (q.shape[2], head_v)
-            if n == 1:
-                rows = self._one_token_rows(q.shape[1], k.shape[1], cells, cache_type)
-                calls, single = (c[:1] for c in kernel_row_calls(rows, 1, 1, cells, heads))
-            else:
-                calls, single = kernel_row_calls(n, q.shape[1], self.options.ik_threads, cells, heads)
+            if n == 1:  # per query head: the rows of its call
+                calls, single = self._one_token_calls(q.shape[1], k.shape[1], cells, heads)
+                tx = np.isin(calls, TX_QUERY_ROWS) & (type_name in TX_KEYS)
+                scores = iqk_fa_key_products(q, k, type_name, kernel.ints, self.avx2, tx[:1])
+                if tx.any() and not tx.all():
+                    other = iqk_fa_key_products(q, k, type_name, kernel.ints, self.avx2, ~tx[:1])
+                    scores[tx != tx[0]] = other[tx != tx[0]]
+                if type_name == "Q8_0" and single.any():  # a single step of 4+ rows: each key block repacked
+                    scores[single] = self._repacked_q8_0(q, k, kernel)[single]
+                return scores
+            calls, single = kernel_row_calls(n, q.shape[1], self.options.ik_threads, cells, heads)
             tx = np.isin(calls, TX_QUERY_ROWS) & (type_name in TX_KEYS)
             scores = iqk_fa_key_products(q, k, type_name, kernel.ints, self.avx2, tx)
             if type_name == "Q8_0" and single.any():  # a single step of 4+ rows: each key block repacked to R8
-                ints = self._integers(kernel, kernel.convert_rows, key_cells(len(k)))
-                assert ints is not None, "Q8_0 converts (formats.IK_KERNELS)"
-                repacked = key_products(q[single], k, type_name, ints, self._activation_format(type_name))
-                scores[:, single] = repacked
+                scores[:, single] = self._repacked_q8_0(q[single], k, kernel)
             return scores
         ints = self._integers(kernel, max(n, kernel.convert_rows), key_cells(len(k)))
         assert ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
         return key_products(q, k, type_name, ints, self._activation_format(type_name))
+
+    def _repacked_q8_0(self, q: np.ndarray, k: np.ndarray, kernel: IkKernel) -> np.ndarray:
+        """q . k [H, n, keys] over a Q8_0 key cache repacked to Q8_0_R8 block by block (compute_helper_q)."""
+        ints = self._integers(kernel, kernel.convert_rows, key_cells(len(k)))
+        assert ints is not None, "Q8_0 converts (formats.IK_KERNELS)"
+        return key_products(q, k, "Q8_0", ints, self._activation_format("Q8_0"))
 
     def latent_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, scale: float,
                          kv: KvCache, *, sinks: np.ndarray | None = None, window: int = 0,
