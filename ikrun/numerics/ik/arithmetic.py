@@ -43,6 +43,7 @@ from ikrun.numerics.ik.formats import (
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
 from ikrun.numerics.ik.iqk_flash_attention import (
     NO_SCORES,
+    bf16_k_step_for,
     iqk_flash_attention,
     iqk_flash_attention_parts,
     k_step_for,
@@ -81,6 +82,8 @@ FIXED_FULL_ATTENTION_INTERVAL = {"qwen3next": 4}
 #: run ggml's generic one (flash_attention.py)
 IQK_FA_HEADS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 256), (320, 256), (512, 512),
                 (576, 512))
+#: the head sizes of IQK_FA_HEADS whose kernel has no bf16 form (ik's DeepSeek and 320/256 kernels)
+NO_BF16_FA_HEADS = ((320, 256), (576, 512))
 #: the architectures whose quantized key caches were checked against ik (their grouped-query attention)
 QUANTIZED_KEY_ARCHS = ("qwen3", "qwen3moe", "glm4moe", "minimax-m2")
 #: the architectures whose MLA latent cache may be quantized -> the types (ik's names) reproduced for it, in the
@@ -127,14 +130,16 @@ def fa_cache_cells(n_keys: int) -> int:
 
 
 def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, lanes: int,
-                    scores: np.ndarray | None = None, threads: int = 1) -> np.ndarray:
+                    scores: np.ndarray | None = None, threads: int = 1,
+                    key_step: Callable[[int, int, int], int] = k_step_for) -> np.ndarray:
     """ik's flash attention over its F16 caches (ggml_flash_attn_ext): q [H, n, Dk] (float32), k [H_kv, keys, Dk],
     v [H_kv, keys, Dv] (f16 values), the queries the last n positions -> [H, n, Dv]. ik's own kernel for the head sizes
     it takes (IQK_FA_HEADS, its key blocks by the cache length, padded to FA_CACHE_PADDING), ggml's generic one for
     the others, both in the float order of its build with `lanes` float lanes. `scores`: the products
     q . k [H, n, keys] ik's own kernel takes from its integer kernel over a
     quantized key cache (FLASH_QUANTIZED_KEYS; k unused). A one-token batch whose keys ik's `threads` split
-    (split_parts) is computed in those parts, merged as ik merges them (iqk_flash_attention_parts)."""
+    (split_parts) is computed in those parts, merged as ik merges them (iqk_flash_attention_parts). `key_step`: the
+    keys per block its kernel takes (bf16_k_step_for over bf16 caches)."""
     n_head, n, head_k = q.shape
     n_keys, head_v = k.shape[1], v.shape[2]
     out = np.empty((n_head, n, head_v), dtype=np.float32)
@@ -147,9 +152,9 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, l
     if parts is not None and len(parts[0]) > 1:
         starts, lengths, _ = parts
         iqk_flash_attention_parts(q, k, given, v, scale, np.array(starts), np.array(lengths),
-                                  np.array([k_step_for(head_k, head_v, m) for m in lengths]), out, lanes)
+                                  np.array([key_step(head_k, head_v, m) for m in lengths]), out, lanes)
     else:
-        iqk_flash_attention(q, k, given, v, float(np.float32(scale)), n_keys - n, k_step_for(head_k, head_v, n_kv),
+        iqk_flash_attention(q, k, given, v, float(np.float32(scale)), n_keys - n, key_step(head_k, head_v, n_kv),
                             out, lanes)
     return out
 
@@ -234,13 +239,18 @@ class IkNumerics(Numerics):
         """ik's F16 caches, its F32 key cache (-ctk f32: the same float kernel on unrounded keys) or a quantized key
         cache (-ctk, checked by check_key_cache) with its Hadamard transform; the values F16 or a quantized value
         cache of flash_values (-ctv, checked by check_value_cache)."""
-        quantized_v = requested.v in self.flash_values
+        quantized_v = requested.v in self.flash_values or self._bf16_flash(requested)
         v, v_hadamard = (requested.v, requested.v_hadamard) if quantized_v else ("f16", 0)
         if requested.k not in FLOAT_CACHES:
             return KvCache(requested.k, v, k_hadamard=requested.k_hadamard, v_hadamard=v_hadamard,
                            indexer=requested.indexer)
         return KvCache("f32" if (requested.k, requested.v) == ("f32", "f16") else "f16", v, v_hadamard=v_hadamard,
                        indexer=requested.indexer)
+
+    def _bf16_flash(self, kv: KvCache) -> bool:
+        """Whether these are bf16 K and V caches, which ik's AVX-512 build runs in flash attention (FlashAttnBF16,
+        built with AVX512BF16; it refuses bf16 keys beside other values, and its AVX2 build any bf16 key cache)."""
+        return kv.k == kv.v == "bf16" and not self.avx2
 
     def yarn_truncates(self, requested: bool) -> bool:
         """ggml always rounds YaRN's correction range to whole dims (GGUF has no key for anything else)."""
@@ -439,6 +449,13 @@ class IkNumerics(Numerics):
         if arch not in FLASH_ATTENTION_ARCHS:
             return (f"--numerics {self.name} reproduces ik's flash attention on {', '.join(FLASH_ATTENTION_ARCHS)}, "
                     f"not {arch}")
+        if kv.k == kv.v == "bf16" and self.avx2:
+            return "ik's AVX2 build has no flash attention over bf16 caches (its kernel needs AVX512BF16: it aborts)"
+        if self._bf16_flash(kv):
+            return None if (head_dim, head_dim) in IQK_FA_HEADS and (head_dim, head_dim) not in NO_BF16_FA_HEADS \
+                else (f"ik's flash attention over bf16 caches is its own kernel's at heads of "
+                      f"{', '.join(f'{k}/{v}' for k, v in IQK_FA_HEADS if (k, v) not in NO_BF16_FA_HEADS)}; at heads "
+                      f"of {head_dim}/{head_dim} it is not reproduced")
         if kv.v not in ("f16", *self.flash_values):
             return (f"--numerics {self.name} reproduces ik's F16 value caches, and {' / '.join(self.flash_values)} "
                     f"ones under flash attention, not a {kv.v} one")
@@ -479,11 +496,14 @@ class IkNumerics(Numerics):
         if kv is not None and kv.k_hadamard:  # ik's graph rotates the queries before either attention graph
             q = blockwise_hadamard(q, kv.k_hadamard)
         if flash:
-            scores = None if kv is None or kv.k == "f16" else self._flash_key_products(q, k, v.shape[2], kv.k)
+            bf16 = kv is not None and kv.k == "bf16"  # FlashAttnBF16: its bf16 K x Q, its own key blocks
+            scores = None if kv is None or kv.k == "f16" else \
+                self._bf16_key_products(q, k) if bf16 else self._flash_key_products(q, k, v.shape[2], kv.k)
             return flash_attention(np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale, self.lanes,
-                                   scores, self.options.ik_threads).transpose(1, 0, 2)
+                                   scores, self.options.ik_threads,
+                                   bf16_k_step_for if bf16 else k_step_for).transpose(1, 0, 2)
         if kv is not None and kv.k in self.quantized_keys:
             return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2, self._key_products(q, k, kv.k))
         if kv is not None and kv.k == "bf16" and self._bf16_kernel("BF16"):

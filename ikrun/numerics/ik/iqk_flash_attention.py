@@ -58,6 +58,11 @@ def k_step_for(head_k: int, head_v: int, n_kv: int) -> int:
     return 128 if n_kv % 128 == 0 else 64 if n_kv % 64 == 0 else 32
 
 
+def bf16_k_step_for(head_k: int, head_v: int, n_kv: int) -> int:
+    """The keys per block of ik's kernel over bf16 K and V caches (FlashAttnBF16), at every head size it takes."""
+    return 64 if n_kv % 64 == 0 else 32
+
+
 #: the head sizes ik's kernel takes through its DeepSeek helper (iqk_deepseek_helper: steps of 16, 8, 4, then the
 #: rest as one step)
 MLA_FA_HEADS = (576, 512)
