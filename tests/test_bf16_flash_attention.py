@@ -46,10 +46,14 @@ def test_bf16_caches_under_flash_attention_are_iks(heads: dict[str, Path], group
 
 def test_bf16_caches_where_ik_has_no_bf16_flash_attention(heads: dict[str, Path]) -> None:  # noqa: F811
     """ik's AVX2 build has no FlashAttnBF16 (it aborts): --numerics ik-avx2 refuses -ctv bf16 in one line, exit 2;
-    bf16 keys over F16 values (which ik refuses under flash attention) take its -fa off graph."""
+    bf16 keys over F16 values (which ik refuses under flash attention) take its -fa off graph; bf16 values in that
+    graph (which ik runs: its bf16 matmul of the softmax) are refused, not reproduced."""
     flags = ["ppl", str(heads["h64-f32.gguf"]), "--text", str(TEXT), "-c", "64", "--chunks", "1", "-ctk", "bf16"]
     res = runner.invoke(app, [*flags, "-ctv", "bf16", "--numerics", "ik-avx2"])
     assert res.exit_code == 2 and "AVX2 build has no flash attention over bf16 caches" in \
         " ".join(res.output.split()), res.output
     res = runner.invoke(app, [*flags, "--numerics", "ik", "--json"])
     assert res.exit_code == 0 and '"flash_attn": "off"' in res.stdout, res.output
+    res = runner.invoke(app, [*flags, "-ctv", "bf16", "--numerics", "ik", "--flash-attn", "off"])
+    assert res.exit_code == 2 and "ik's -fa off graph over a bf16 V cache" in " ".join(res.output.split()), \
+        res.output

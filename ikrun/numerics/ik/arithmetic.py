@@ -331,6 +331,9 @@ class IkNumerics(Numerics):
     def check_value_cache(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
         """Why this arithmetic cannot reproduce ik's run with the value cache `kv.v` (not F16), or None: ik's flash
         attention must be on and reproduced over these caches (check_flash_attention), without -vhad."""
+        if self.options.flash_attn == "off" and kv.v == "bf16":
+            return ("ik's -fa off graph over a bf16 V cache (its bf16 matmul of the softmax by the values) is not "
+                    "reproduced; its flash attention over bf16 K and V caches is")
         if self.options.flash_attn == "off":
             return "ik quantizes a V cache only with flash attention (it refuses to run with -fa off)"
         if kv.v_hadamard:
