@@ -239,7 +239,7 @@ class IkNumerics(Numerics):
         """ik's F16 caches, its F32 key cache (-ctk f32: the same float kernel on unrounded keys) or a quantized key
         cache (-ctk, checked by check_key_cache) with its Hadamard transform; the values F16 or a quantized value
         cache of flash_values (-ctv, checked by check_value_cache)."""
-        quantized_v = requested.v in self.flash_values or self._bf16_flash(requested)
+        quantized_v = requested.v in self.flash_values or (requested.v == "bf16" and not self.avx2)
         v, v_hadamard = (requested.v, requested.v_hadamard) if quantized_v else ("f16", 0)
         if requested.k not in FLOAT_CACHES:
             return KvCache(requested.k, v, k_hadamard=requested.k_hadamard, v_hadamard=v_hadamard,
@@ -331,9 +331,9 @@ class IkNumerics(Numerics):
     def check_value_cache(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
         """Why this arithmetic cannot reproduce ik's run with the value cache `kv.v` (not F16), or None: ik's flash
         attention must be on and reproduced over these caches (check_flash_attention), without -vhad."""
-        if self.options.flash_attn == "off" and kv.v == "bf16":
-            return ("ik's -fa off graph over a bf16 V cache (its bf16 matmul of the softmax by the values) is not "
-                    "reproduced; its flash attention over bf16 K and V caches is")
+        if self.options.flash_attn == "off" and kv.v == "bf16":  # ik's bf16 matmul of the softmax by the values
+            return ("ik's AVX2 build's -fa off graph over a bf16 V cache is not reproduced" if self.avx2 else
+                    "ik's Hadamard transform of a V cache (-vhad) is not reproduced" if kv.v_hadamard else None)
         if self.options.flash_attn == "off":
             return "ik quantizes a V cache only with flash attention (it refuses to run with -fa off)"
         if kv.v_hadamard:
@@ -507,10 +507,15 @@ class IkNumerics(Numerics):
                                    np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale, self.lanes,
                                    scores, self.options.ik_threads,
                                    bf16_k_step_for if bf16 else k_step_for).transpose(1, 0, 2)
+        values = kv is not None and kv.v == "bf16"  # ik's bf16 kernel multiplies the probabilities by them
         if kv is not None and kv.k in self.quantized_keys:
-            return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2, self._key_products(q, k, kv.k))
+            return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2, self._key_products(q, k, kv.k),
+                                       values)
         if kv is not None and kv.k == "bf16" and self._bf16_kernel("BF16"):
-            return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2, self._bf16_key_products(q, k))
+            return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2, self._bf16_key_products(q, k),
+                                       values)
+        if values:
+            return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2, bf16_values=True)
         if head_dim % self.lanes:
             return super().causal_attention(q, k, v, head_dim, window=window, sinks=sinks)
         return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2)

@@ -93,15 +93,25 @@ def _ik_softmax(r: np.ndarray, first: int, n_keys: int, scale: np.float32, sink:
         r[j] = np.float32(0.0)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _round_bf16(bits: np.ndarray, start: int, stop: int) -> None:
+    """The floats whose bits are bits[start:stop] rounded to bf16 in place, to nearest, ties to even (the
+    conversion of the activations of ik's bf16 matmul)."""
+    for j in range(start, stop):
+        u = bits[j]
+        bits[j] = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, past: int, window: int,
                   sinks: np.ndarray, keep: np.ndarray, scores: np.ndarray, out: np.ndarray, avx2: bool,
-                  threads: int) -> None:
+                  threads: int, bf16_values: bool = False) -> None:
     """q [H, n, d], k [Hkv, keys padded, d], vt [Hkv, dv, keys padded], out [H, n, dv] (all C-contiguous; the
     padding, to a multiple of 16 keys, zeros); a query sees its last `window` keys (0: all) and those `keep`
     [n, keys] marks (no rows: all), `sinks` one logit per head (empty: none); `scores` [H, n, keys padded] the
     q . k products where another kernel made them (ik's integer K x Q of a quantized K cache; no heads: computed
-    here from q and k); `avx2`: ik's AVX2 build's arithmetic.
+    here from q and k); `avx2`: ik's AVX2 build's arithmetic; `bf16_values`: vt holds a bf16 V cache's values,
+    which ik multiplies by the probabilities rounded to bf16 in its bf16 kernel (keys padded to 32).
 
     XROWS queries of a head at a time: their scores against DOTS keys, and their weighted values of DOTS dims, per
     kernel call (each key and value vector loaded once for all of them). The scores a query may not see are
@@ -119,6 +129,7 @@ def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, pa
     lanes = AVX2_LANES if avx2 else LANES
     for _ in prange(threads):
         p = np.empty(XROWS * padded, np.float32)
+        bits = p.view(np.uint32)
         tail = np.empty(DOTS, np.float32)
         t0, t1 = claim_items(counter, per, items)
         while t0 < t1:
@@ -128,7 +139,7 @@ def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, pa
                 g = h // group
                 k0, v0 = g * padded * d, g * dv * padded
                 last = past + i0 + rows  # keys the group's last query sees
-                width = last + (-last % lanes)
+                width = last + (-last % (32 if bf16_values else lanes))
                 q0 = (h * n + i0) * d
                 if scores.shape[0]:
                     for a in range(rows):
@@ -145,29 +156,32 @@ def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, pa
                     first = max(0, seen - window) if window > 0 else 0
                     row = keep[i0 + a] if keep.shape[0] else keep_all
                     _ik_softmax(p[a * padded : a * padded + width], first, seen, sc, sink, row, avx2)
+                    if bf16_values:
+                        _round_bf16(bits, a * padded, a * padded + width)
                 o0 = (h * n + i0) * dv
                 full = dv - dv % DOTS if rows == XROWS else 0
                 for c in range(0, full, DOTS):
-                    ik_dot_grid(p, 0, padded, vf, v0 + c * padded, padded, width, of, o0 + c, dv, False, lanes)
+                    ik_dot_grid(p, 0, padded, vf, v0 + c * padded, padded, width, of, o0 + c, dv, bf16_values, lanes)
                 for a in range(rows):
                     dots(p, a * padded, vf, v0 + full * padded, padded, width, dv - full, of, o0 + a * dv + full,
-                         tail, False, lanes)
+                         tail, bf16_values, lanes)
             t0, t1 = claim_items(counter, per, items)
 
 
 def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, window: int = 0,
                         sinks: np.ndarray | None = None, avx2: bool = False,
-                        scores: np.ndarray | None = None) -> np.ndarray:
+                        scores: np.ndarray | None = None, bf16_values: bool = False) -> np.ndarray:
     """causal_attention in ik's arithmetic (the module docstring; `avx2`: its AVX2 build's); head dims a multiple of
     its lanes; a sliding `window` (keys seen, the own included; ik's masked cells) and per-head `sinks` logits
     (ggml's soft_max with sinks); `scores` [H, n, keys]: the products q . k as ik's integer kernel of a quantized K
-    cache made them (then k gives its shape alone)."""
+    cache made them (then k gives its shape alone); `bf16_values`: v as a bf16 V cache holds it, multiplied in ik's
+    bf16 kernel (AVX-512)."""
     n, n_head, d = q.shape
     lanes = AVX2_LANES if avx2 else LANES
     if d % lanes:
         raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {lanes}, not {d}")
     n_keys = k.shape[0]
-    padded = n_keys + (-n_keys % LANES)
+    padded = n_keys + (-n_keys % (32 if bf16_values else LANES))
     qh = np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32)
     kh = np.zeros((k.shape[1], padded, d), np.float32)
     kh[:, :n_keys] = k.transpose(1, 0, 2)
@@ -180,7 +194,7 @@ def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
         products = np.zeros((n_head, n, padded), np.float32)
         products[:, :, :n_keys] = scores
     _ik_attention(qh, kh, vt, float(scale), n_keys - n, window, sink, np.empty((0, 0), np.bool_), products, out,
-                  avx2, get_num_threads())
+                  avx2, get_num_threads(), bf16_values)
     return out.transpose(1, 0, 2)
 
 
