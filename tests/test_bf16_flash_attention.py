@@ -29,7 +29,10 @@ runner = CliRunner()
     ("qwen3-g4-h64-c8-b1-t3", "g4", 8, 4, 1, 3),
     ("qwen3-h64-c64-fa-off", "h64-f32.gguf", 64, 4, None, 2),
     ("qwen3-h128-c64-fa-off", "h128-f32.gguf", 64, 4, None, 2),
-    ("qwen3-h64-c256-fa-off", "h64-f32.gguf", 256, 2, None, 2)])
+    ("qwen3-h64-c256-fa-off", "h64-f32.gguf", 256, 2, None, 2),
+    ("qwen3-h64-c64-ctk-f16-fa-off", "h64-f32.gguf", 64, 4, None, 2),
+    ("qwen3-h64-c64-ctk-q8_0-fa-off", "h64-f32.gguf", 64, 4, None, 2),
+    ("qwen3-h64-c64-ctk-q4_0-fa-off", "h64-f32.gguf", 64, 4, None, 2)])
 def test_bf16_caches_under_flash_attention_are_iks(heads: dict[str, Path], group4: Path, name: str,  # noqa: F811
                                                    model: str, ctx: int, chunks: int, batch: int | None,
                                                    threads: int, tmp_path: Path) -> None:
@@ -38,12 +41,13 @@ def test_bf16_caches_under_flash_attention_are_iks(heads: dict[str, Path], group
     out = tmp_path / "base.kld"
     path = group4 if model == "g4" else heads[model]
     graph = "off" if name.endswith("-fa-off") else "on"
+    keys = name.split("-ctk-")[1].split("-")[0] if "-ctk-" in name else "bf16"
     res = runner.invoke(app, ["ppl", str(path), "--text", str(TEXT), "-c", str(ctx), "--chunks", str(chunks),
-                              *(["--batch", str(batch)] if batch else []), "-ctk", "bf16", "-ctv", "bf16",
+                              *(["--batch", str(batch)] if batch else []), "-ctk", keys, "-ctv", "bf16",
                               "--numerics", "ik", "--ik-threads", str(threads), "--flash-attn", graph,
                               "--save-base-logits", str(out)], env={"COLUMNS": "300"})
     assert res.exit_code == 0, res.output
-    assert f"K cache bf16, V cache bf16, flash attention {graph}" in res.stdout
+    assert f"K cache {keys}, V cache bf16, flash attention {graph}" in res.stdout
     assert out.read_bytes() == (FOLDER / f"{name}-avx512.kld").read_bytes()
     final = next(line for line in (FOLDER / f"{name}-avx512.txt").read_text(errors="replace").splitlines()
                  if line.startswith("Final estimate"))
