@@ -114,7 +114,7 @@ def test_the_report_names_the_attention_graph() -> None:
     (CONVERT / "qwen3" / "ik-f32.gguf", ["--flash-attn", "off"], "only --numerics ik / ik-avx2 compute"),
     (CONVERT / "qwen3" / "ik-f32.gguf", ["--flash-attn", "maybe", "--numerics", "ik-avx2"], "maybe"),
     (CONVERT / "qwen3" / "ik-f32.gguf", ["--flash-attn", "on", "--numerics", "ik", "-ctk", "q5_0"],
-     "q8_0 / q4_0 / q6_0 / iq4_nl key caches, not a q5_0 key cache (give --flash-attn off"),
+     "q8_0 / q4_0 / q6_0 / iq4_nl / q4_1 key caches, not a q5_0 key cache (give --flash-attn off"),
     (CONVERT / "qwen3" / "ik-f32.gguf", ["--flash-attn", "on", "--numerics", "ik", "-ctk", "f32"],
      "not a f32 key cache"),
     (CONVERT / "glm-dsa" / "ref-f32.gguf", ["--flash-attn", "on", "--numerics", "ik-avx2"],

@@ -94,7 +94,7 @@ MLA_QUANTIZED_LATENT = {"deepseek2": ("q8_0", "q4_0", "q6_0", "iq4_nl")}
 #: FLASH_REPACK_ROWS query rows on: it repacks a Q8_0 cache to Q8_0_R8 and multiplies it with the queries in Q8_2_X4;
 #: the others (key_cache.IQK_FA_KEY_BIAS) in their type's own kernel as stored (ggml's generic kernel takes the
 #: quantized key caches of GENERIC_FLASH_KEYS)
-FLASH_QUANTIZED_KEYS = ("q8_0", "q4_0", "q6_0", "iq4_nl")
+FLASH_QUANTIZED_KEYS = ("q8_0", "q4_0", "q6_0", "iq4_nl", "q4_1")
 FLASH_REPACK_ROWS = 8
 #: the query rows per call for which ik's own kernel takes the key types TX_KEYS in another kernel
 #: (mul_mat_qX_0_q8_2_Tx, which sums a row's lanes in another order: key_cache.iqk_fa_key_products)
@@ -217,7 +217,7 @@ class IkNumerics(Numerics):
     #: (key_cache.py)
     quantized_keys: tuple[str, ...] = ("q8_0", "q4_0", "q6_0", "iq4_nl", "q5_0", "q4_1", "q5_1", "q8_KV")
     #: those of them whose K x Q products in ik's flash attention it reproduces too
-    flash_keys: tuple[str, ...] = ("q8_0", "q4_0", "q6_0", "iq4_nl")
+    flash_keys: tuple[str, ...] = ("q8_0", "q4_0", "q6_0", "iq4_nl", "q4_1")
     #: the float key caches (ik's names) besides F16 and F32 it reproduces on QUANTIZED_KEY_ARCHS (ik's -fa off
     #: graph: its bf16 kernel on the cache's values and the queries rounded to bf16, where it has one, _bf16_kernel;
     #: else the float kernel)
@@ -441,7 +441,8 @@ class IkNumerics(Numerics):
         if kv.k in MISREAD_FLASH_KEYS and (head_dim, head_dim) not in IQK_FA_HEADS and \
                 self.attention_graph(arch, kv, head_dim) == "on":
             return f"{MISREAD_FLASH_KEYS[kv.k]} (its figures are wrong)"
-        if kv.k in ("q4_1", "q5_1") and kv.k in self.quantized_keys and head_dim % 128:
+        if kv.k in ("q4_1", "q5_1") and kv.k in self.quantized_keys and head_dim % 128 and \
+                self.attention_graph(arch, kv, head_dim) == "off":
             return (f"ik's Q8_1_R8 kernel leaves the last {head_dim % 128} of {head_dim} values of each key head "
                     f"out of q . k over a {kv.k} key cache (its figures are wrong)")
         return None
@@ -580,7 +581,7 @@ class IkNumerics(Numerics):
         rows a call (kernel_row_calls; TX_KEYS in calls of TX_QUERY_ROWS rows in their Tx kernel); ggml's generic
         kernel: ik's Q8_0 kernel one query row and one key at a time."""
         type_name = ggml_name(cache_type)
-        kernel = ik_kernel(type_name)
+        kernel = key_cache_kernel(type_name)
         if (q.shape[2], head_v) not in IQK_FA_HEADS:
             assert kernel.ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
             if type_name == "Q4_0":
@@ -592,21 +593,22 @@ class IkNumerics(Numerics):
             return single_row_key_products(q, k, type_name, kernel.ints, self.avx2)
         n = len(q)
         if type_name in IQK_FA_KEY_BIAS or n < FLASH_REPACK_ROWS:
-            assert kernel.ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"
+            held = kernel.ints or kernel.convert  # Q4_1: its codes, scales and offsets as stored
+            assert held is not None, f"{type_name} is held as integers (formats.IK_KERNELS, KEY_CACHE_KERNELS)"
             cells, heads = fa_cache_cells(len(k)), (q.shape[2], head_v)
             if n == 1:  # per query head: the rows of its call
                 calls, single = self._one_token_calls(q.shape[1], k.shape[1], cells, heads)
                 tx = np.isin(calls, TX_QUERY_ROWS) & (type_name in TX_KEYS)
-                scores = iqk_fa_key_products(q, k, type_name, kernel.ints, self.avx2, tx[:1])
+                scores = iqk_fa_key_products(q, k, type_name, held, self.avx2, tx[:1])
                 if tx.any() and not tx.all():
-                    other = iqk_fa_key_products(q, k, type_name, kernel.ints, self.avx2, ~tx[:1])
+                    other = iqk_fa_key_products(q, k, type_name, held, self.avx2, ~tx[:1])
                     scores[tx != tx[0]] = other[tx != tx[0]]
                 if type_name == "Q8_0" and single.any():  # a single step of 4+ rows: each key block repacked
                     scores[single] = self._repacked_q8_0(q, k, kernel)[single]
                 return scores
             calls, single = kernel_row_calls(n, q.shape[1], self.options.ik_threads, cells, heads)
             tx = np.isin(calls, TX_QUERY_ROWS) & (type_name in TX_KEYS)
-            scores = iqk_fa_key_products(q, k, type_name, kernel.ints, self.avx2, tx)
+            scores = iqk_fa_key_products(q, k, type_name, held, self.avx2, tx)
             if type_name == "Q8_0" and single.any():  # a single step of 4+ rows: each key block repacked to R8
                 scores[:, single] = self._repacked_q8_0(q[single], k, kernel)
             return scores

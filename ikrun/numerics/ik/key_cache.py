@@ -256,7 +256,9 @@ def iq4_nl_misread_key_products(q: np.ndarray, k: np.ndarray, ints: ToInts) -> n
 #: the 32-value block key caches (GGML names) ik's own flash-attention kernel multiplies on AVX2 in their own kernel
 #: (iqk_gemm_legacy_fa), each -> what that kernel adds to the key's values to make them unsigned bytes (the query's
 #: block sum x scale x this taken off again), 0 for a signed byte product
-IQK_FA_KEY_BIAS = {"Q4_0": 8, "Q6_0": 32, "IQ4_NL": 0}
+IQK_FA_KEY_BIAS = {"Q4_0": 8, "Q6_0": 32, "IQ4_NL": 0, "Q4_1": 0}
+#: the key types whose blocks carry an offset m of their own (Q4_1: scale x code + m), summed as a biased type's
+IQK_FA_KEY_OFFSET = ("Q4_1",)
 #: the same on AVX-512, whose IQ4_NL kernel takes its values unsigned (the table + 128, IQ4_NL_UnpackerU)
 IQK_FA_KEY_BIAS_AVX512 = {**IQK_FA_KEY_BIAS, "IQ4_NL": 128}
 #: query rows per call of that kernel (kMaxQ); other counts take their own kernels
@@ -264,13 +266,13 @@ IQK_FA_KEY_ROWS = 8
 
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
-def _iqk_fa_scores(qu: np.ndarray, qd: np.ndarray, qs: np.ndarray, kq: np.ndarray, kd: np.ndarray, bias: int,
-                   group: int, tx: np.ndarray, out: np.ndarray) -> None:
+def _iqk_fa_scores(qu: np.ndarray, qd: np.ndarray, qs: np.ndarray, kq: np.ndarray, kd: np.ndarray, km: np.ndarray,
+                   bias: int, group: int, tx: np.ndarray, out: np.ndarray) -> None:
     """out[h, t, c] = q_t . k_c as ik's kernel of the key's type computes it, query row t in its Tx form where
-    tx[t] (iqk_fa_key_products)."""
+    tx[t] (iqk_fa_key_products); km: each key block's offset (scale x -bias, Q4_1's m; no rows: none)."""
     n_head, n, keys = out.shape
     nb = qd.shape[2]
-    minus = np.float32(-bias)
+    offsets = km.shape[0] > 0
     for job in prange(n_head * n):
         h, t = job // n, job % n
         g = h // group
@@ -282,8 +284,8 @@ def _iqk_fa_scores(qu: np.ndarray, qd: np.ndarray, qs: np.ndarray, kq: np.ndarra
             for i in range(nb // 4):
                 for j in range(4):
                     b = 4 * i + j
-                    if bias:
-                        accm[j] += np.float32(kd[g, c, b] * minus) * np.float32(qd[h, t, b] * np.float32(qs[h, t, b]))
+                    if offsets:
+                        accm[j] += km[g, c, b] * np.float32(qd[h, t, b] * np.float32(qs[h, t, b]))
                     d = np.float32(kd[g, c, b] * qd[h, t, b])
                     for half in range(2):
                         p = np.int32(0)
@@ -291,8 +293,8 @@ def _iqk_fa_scores(qu: np.ndarray, qd: np.ndarray, qs: np.ndarray, kq: np.ndarra
                             p += (np.int32(kq[g, c, e]) + bias) * (np.int32(qu[h, t, e]) - 128)
                         acc[4 * half + j] = fmaf(d, np.float32(p), acc[4 * half + j])
             for b in range(nb // 4 * 4, nb):
-                if bias:
-                    m = np.float32(kd[g, c, b] * minus) * np.float32(qd[h, t, b] * np.float32(qs[h, t, b]))
+                if offsets:
+                    m = km[g, c, b] * np.float32(qd[h, t, b] * np.float32(qs[h, t, b]))
                     for j in range(4):
                         accm[j] += np.float32(m * np.float32(0.25))
                 d = np.float32(kd[g, c, b] * qd[h, t, b])
@@ -301,11 +303,11 @@ def _iqk_fa_scores(qu: np.ndarray, qd: np.ndarray, qs: np.ndarray, kq: np.ndarra
                     for e in range(b * 32 + 4 * lane, b * 32 + 4 * lane + 4):
                         p += (np.int32(kq[g, c, e]) + bias) * (np.int32(qu[h, t, e]) - 128)
                     acc[lane] = fmaf(d, np.float32(p), acc[lane])
-            if bias and tx[t]:
+            if offsets and tx[t]:
                 s0, s1 = (acc[0] + accm[0]) + acc[4], (acc[1] + accm[1]) + acc[5]
                 s2, s3 = (acc[2] + accm[2]) + acc[6], (acc[3] + accm[3]) + acc[7]
                 out[h, t, c] = (s0 + s2) + (s1 + s3)
-            elif bias:
+            elif offsets:
                 s0, s1 = (acc[0] + acc[4]) + accm[0], (acc[1] + acc[5]) + accm[1]
                 s2, s3 = (acc[2] + acc[6]) + accm[2], (acc[3] + acc[7]) + accm[3]
                 out[h, t, c] = (s0 + s2) + (s1 + s3)
@@ -334,5 +336,12 @@ def iqk_fa_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToIn
     of 1, 2 or 4 rows, which take mul_mat_qX_0_q8_2_Tx: t_j = (lane j + that sum) + lane j+4), an unbiased one's the 8
     lanes folded i + (i + 4), then (0 + 2) + (1 + 3)."""
     scores, (qu, qd, qs, kq, kd, group) = _stacked_operands(q, k, type_name, ints)
-    _iqk_fa_scores(qu, qd, qs, kq, kd, iqk_fa_key_bias(type_name, avx2), group, tx, scores)
+    bias = iqk_fa_key_bias(type_name, avx2)
+    if type_name in IQK_FA_KEY_OFFSET:
+        offsets = [x.offset for x in _cache_ints(k, type_name, ints)]
+        assert all(o is not None for o in offsets), f"{type_name} blocks carry offsets (formats.KEY_CACHE_KERNELS)"
+        km = np.stack(offsets).astype(np.float32)  # type: ignore[arg-type]
+    else:
+        km = kd * np.float32(-bias) if bias else np.zeros((0, 0, 0), np.float32)
+    _iqk_fa_scores(qu, qd, qs, kq, kd, km, bias, group, tx, scores)
     return scores
