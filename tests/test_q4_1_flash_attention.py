@@ -25,14 +25,16 @@ runner = CliRunner()
     ("qwen3-h128-c64", "h128-f32.gguf", 64, 4, None, "avx512"),
     ("qwen3-h64-c256", "h64-f32.gguf", 256, 2, None, "avx512"),
     ("qwen3-h64-c8-b3", "h64-f32.gguf", 8, 4, 3, "avx512"),
-    ("qwen3-h64-c256-b1", "h64-f32.gguf", 256, 1, 1, "avx512")])
+    ("qwen3-h64-c256-b1", "h64-f32.gguf", 256, 1, 1, "avx512"),
+    ("qwen3-h64-c64-khad", "h64-f32.gguf", 64, 4, None, "avx512")])
 def test_q4_1_keys_under_flash_attention_are_iks(heads: dict[str, Path], name: str, model: str, ctx: int,  # noqa: F811
                                                  chunks: int, batch: int | None, build: str, tmp_path: Path) -> None:
     """ik's default run with -ctk q4_1: its base-logits file byte for byte, its final line; the report names the
     flash-attention graph and no defect of ik's."""
     out = tmp_path / "base.kld"
     res = runner.invoke(app, ["ppl", str(heads[model]), "--text", str(TEXT), "-c", str(ctx), "--chunks", str(chunks),
-                              *(["--batch", str(batch)] if batch else []), "-ctk", "q4_1", "--numerics",
+                              *(["--batch", str(batch)] if batch else []), "-ctk", "q4_1",
+                              *(["-khad"] if name.endswith("-khad") else []), "--numerics",
                               "ik" if build == "avx512" else "ik-avx2", "--ik-threads", "2", "--save-base-logits",
                               str(out), "--json"])
     assert res.exit_code == 0, res.output

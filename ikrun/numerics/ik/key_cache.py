@@ -334,7 +334,8 @@ def iqk_fa_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToIn
     block's integer sum) per block position in its group (a quarter of it into each of 4 lanes past them); the score
     is then (t0 + t2) + (t1 + t3) over t_j = (lane j + lane j+4) + that sum (for the rows `tx` marks, those of calls
     of 1, 2 or 4 rows, which take mul_mat_qX_0_q8_2_Tx: t_j = (lane j + that sum) + lane j+4), an unbiased one's the 8
-    lanes folded i + (i + 4), then (0 + 2) + (1 + 3)."""
+    lanes folded i + (i + 4), then (0 + 2) + (1 + 3). Q4_1 (IQK_FA_KEY_OFFSET) is summed as a biased type, its
+    codes as stored, each block's own offset m in place of scale x -bias."""
     scores, (qu, qd, qs, kq, kd, group) = _stacked_operands(q, k, type_name, ints)
     bias = iqk_fa_key_bias(type_name, avx2)
     if type_name in IQK_FA_KEY_OFFSET:
