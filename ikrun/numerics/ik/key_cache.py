@@ -78,12 +78,14 @@ def _query_rows(q: np.ndarray) -> list[IntRows]:
     return [integer_rows(q[:, h], Q8_2_X4) for h in range(q.shape[1])]
 
 
-def _stacked_operands(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts
+def _stacked_operands(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts,
+                      held: list[BlockInts] | None = None
                       ) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]]:
     """What the per-score kernels take: the scores' array [H, n, keys] and their operands, the queries' Q8_2_X4
-    bytes, scales and block sums per head, the cache rows' integers and scales per KV head, and the head group."""
+    bytes, scales and block sums per head, the cache rows' integers and scales per KV head (`held`, where the caller
+    has them already), and the head group."""
     n, n_head, _ = q.shape
-    held, rows = _cache_ints(k, type_name, ints), _query_rows(q)
+    held, rows = held or _cache_ints(k, type_name, ints), _query_rows(q)
     kq, kd = np.stack([x.q for x in held]), np.stack([x.scale for x in held])
     qu, qd = np.stack([r.u[:n] for r in rows]), np.stack([r.scale[:n] for r in rows])
     qsum = np.stack([r.isums[:n] for r in rows])
@@ -336,10 +338,11 @@ def iqk_fa_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToIn
     of 1, 2 or 4 rows, which take mul_mat_qX_0_q8_2_Tx: t_j = (lane j + that sum) + lane j+4), an unbiased one's the 8
     lanes folded i + (i + 4), then (0 + 2) + (1 + 3). Q4_1 (IQK_FA_KEY_OFFSET) is summed as a biased type, its
     codes as stored, each block's own offset m in place of scale x -bias."""
-    scores, (qu, qd, qs, kq, kd, group) = _stacked_operands(q, k, type_name, ints)
+    held = _cache_ints(k, type_name, ints)
+    scores, (qu, qd, qs, kq, kd, group) = _stacked_operands(q, k, type_name, ints, held)
     bias = iqk_fa_key_bias(type_name, avx2)
     if type_name in IQK_FA_KEY_OFFSET:
-        offsets = [x.offset for x in _cache_ints(k, type_name, ints)]
+        offsets = [x.offset for x in held]
         assert all(o is not None for o in offsets), f"{type_name} blocks carry offsets (formats.KEY_CACHE_KERNELS)"
         km = np.stack(offsets).astype(np.float32)  # type: ignore[arg-type]
     else:
