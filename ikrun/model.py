@@ -40,13 +40,13 @@ def _threadpools() -> ThreadpoolController:
     return ThreadpoolController()
 
 
-
 def batch_sizes(n_ctx: int, batch: int | None) -> tuple[int, ...]:
     """The sizes of the batches an n_ctx-token chunk is fed in, `batch` tokens at a time: the full ones' and a
     shorter last one's; none when the chunk goes whole."""
     if batch is None or batch >= n_ctx:
         return ()
     return (batch,) + ((n_ctx % batch,) if n_ctx % batch else ())
+
 
 class Model:
     """A GGUF file plus the architecture module that evaluates it."""

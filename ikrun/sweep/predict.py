@@ -9,9 +9,10 @@ every SAMPLE_STRIDE-th block and its last, the class's first block and its sampl
 two types (which gives the class its alpha: `exponent_groups`), the others at one; a measured group's other types
 are interpolated between its measured types on the log-log line (or extended along the class's alpha), and an
 unsampled group's b is interpolated linearly between the nearest sampled blocks of its class. The class's first
-block is sampled but never interpolated from: in a trained model it is tens to hundreds of times more sensitive than the blocks after it (on README's trained 24-layer Qwen3-MoE, 20-1000x its second block at
-IQ2_KS), and a line drawn from it predicted the next blocks up to 80x high; the blocks before the next sampled one
-take that block's b.
+block is sampled but never interpolated from: in a trained model it is tens to hundreds of times more sensitive
+than the blocks after it (on README's trained 24-layer Qwen3-MoE, 20-1000x its second block at IQ2_KS), and a line
+drawn from it predicted the next blocks up to 80x high; the blocks before the next sampled one take that block's
+b.
 
 A third observation: the FFN tensors of one block depart from their classes' trends together. A block whose router
 sends its tokens to sensitive experts, or whose FFN input carries more of the output, is more sensitive in all of

@@ -331,13 +331,12 @@ class IkNumerics(Numerics):
     def check_value_cache(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
         """Why this arithmetic cannot reproduce ik's run with the value cache `kv.v` (not F16), or None: ik's flash
         attention must be on and reproduced over these caches (check_flash_attention), without -vhad."""
-        if self.options.flash_attn == "off" and kv.v == "bf16":  # ik's bf16 matmul of the softmax by the values
-            return ("ik's AVX2 build's -fa off graph over a bf16 V cache is not reproduced" if self.avx2 else
-                    "ik's Hadamard transform of a V cache (-vhad) is not reproduced" if kv.v_hadamard else None)
-        if self.options.flash_attn == "off":
+        if self.options.flash_attn == "off" and kv.v != "bf16":
             return "ik quantizes a V cache only with flash attention (it refuses to run with -fa off)"
         if kv.v_hadamard:
             return "ik's Hadamard transform of a quantized V cache (-vhad) is not reproduced"
+        if self.options.flash_attn == "off":  # a bf16 V cache: ik's bf16 matmul of the softmax by the values
+            return "ik's AVX2 build's -fa off graph over a bf16 V cache is not reproduced" if self.avx2 else None
         return self.check_flash_attention(arch, kv, head_dim)
 
     def nextn_own_tables(self, arch: str) -> bool:
@@ -596,21 +595,16 @@ class IkNumerics(Numerics):
             held = kernel.ints or kernel.convert  # Q4_1: its codes, scales and offsets as stored
             assert held is not None, f"{type_name} is held as integers (formats.IK_KERNELS, KEY_CACHE_KERNELS)"
             cells, heads = fa_cache_cells(len(k)), (q.shape[2], head_v)
-            if n == 1:  # per query head: the rows of its call
-                calls, single = self._one_token_calls(q.shape[1], k.shape[1], cells, heads)
-                tx = np.isin(calls, TX_QUERY_ROWS) & (type_name in TX_KEYS)
-                scores = iqk_fa_key_products(q, k, type_name, held, self.avx2, tx[:1])
-                if tx.any() and not tx.all():
-                    other = iqk_fa_key_products(q, k, type_name, held, self.avx2, ~tx[:1])
-                    scores[tx != tx[0]] = other[tx != tx[0]]
-                if type_name == "Q8_0" and single.any():  # a single step of 4+ rows: each key block repacked
-                    scores[single] = self._repacked_q8_0(q, k, kernel)[single]
-                return scores
-            calls, single = kernel_row_calls(n, q.shape[1], self.options.ik_threads, cells, heads)
+            # the rows of the call each score's query row (one token: each head) is in, as [H, n]
+            if n == 1:
+                calls, single = (c[:, None] for c in self._one_token_calls(q.shape[1], k.shape[1], cells, heads))
+            else:
+                calls, single = (np.broadcast_to(c, (q.shape[1], n))
+                                 for c in kernel_row_calls(n, q.shape[1], self.options.ik_threads, cells, heads))
             tx = np.isin(calls, TX_QUERY_ROWS) & (type_name in TX_KEYS)
             scores = iqk_fa_key_products(q, k, type_name, held, self.avx2, tx)
             if type_name == "Q8_0" and single.any():  # a single step of 4+ rows: each key block repacked to R8
-                scores[:, single] = self._repacked_q8_0(q[single], k, kernel)
+                scores[single] = self._repacked_q8_0(q, k, kernel)[single]
             return scores
         ints = self._integers(kernel, max(n, kernel.convert_rows), key_cells(len(k)))
         assert ints is not None, f"{type_name} is held as integers (formats.IK_KERNELS)"

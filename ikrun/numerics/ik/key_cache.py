@@ -140,7 +140,7 @@ def single_row_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: 
     if d // 32 > SINGLE_ROW_BLOCKS:
         raise ValueError(f"heads of {d} take ik's 4-block groups, not reproduced")
     if not avx2:
-        return iqk_fa_key_products(q, k, type_name, ints, False, np.zeros(len(q), np.bool_))
+        return iqk_fa_key_products(q, k, type_name, ints, False, np.zeros((q.shape[1], len(q)), np.bool_))
     scores, (qu, qd, _, kq, kd, group) = _stacked_operands(q, k, type_name, ints)
     _single_row_scores(qu, qd, kq, kd, group, scores)
     return scores
@@ -271,7 +271,7 @@ IQK_FA_KEY_ROWS = 8
 def _iqk_fa_scores(qu: np.ndarray, qd: np.ndarray, qs: np.ndarray, kq: np.ndarray, kd: np.ndarray, km: np.ndarray,
                    bias: int, group: int, tx: np.ndarray, out: np.ndarray) -> None:
     """out[h, t, c] = q_t . k_c as ik's kernel of the key's type computes it, query row t in its Tx form where
-    tx[t] (iqk_fa_key_products); km: each key block's offset (scale x -bias, Q4_1's m; no rows: none)."""
+    tx[h, t] (iqk_fa_key_products); km: each key block's offset (scale x -bias, Q4_1's m; no rows: none)."""
     n_head, n, keys = out.shape
     nb = qd.shape[2]
     offsets = km.shape[0] > 0
@@ -305,7 +305,7 @@ def _iqk_fa_scores(qu: np.ndarray, qd: np.ndarray, qs: np.ndarray, kq: np.ndarra
                     for e in range(b * 32 + 4 * lane, b * 32 + 4 * lane + 4):
                         p += (np.int32(kq[g, c, e]) + bias) * (np.int32(qu[h, t, e]) - 128)
                     acc[lane] = fmaf(d, np.float32(p), acc[lane])
-            if offsets and tx[t]:
+            if offsets and tx[h, t]:
                 s0, s1 = (acc[0] + accm[0]) + acc[4], (acc[1] + accm[1]) + acc[5]
                 s2, s3 = (acc[2] + accm[2]) + acc[6], (acc[3] + accm[3]) + acc[7]
                 out[h, t, c] = (s0 + s2) + (s1 + s3)
@@ -334,8 +334,8 @@ def iqk_fa_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToIn
     (key value + bias) and query value summed, for the blocks of whole 4-block groups per block and 16-value half
     into lane (half, block in group), then for the blocks past them per 4 values of the block into lane 0-7; each lane fma(d, sum, lane). A biased type also sums (key scale x -bias) x (query scale x the query
     block's integer sum) per block position in its group (a quarter of it into each of 4 lanes past them); the score
-    is then (t0 + t2) + (t1 + t3) over t_j = (lane j + lane j+4) + that sum (for the rows `tx` marks, those of calls
-    of 1, 2 or 4 rows, which take mul_mat_qX_0_q8_2_Tx: t_j = (lane j + that sum) + lane j+4), an unbiased one's the 8
+    is then (t0 + t2) + (t1 + t3) over t_j = (lane j + lane j+4) + that sum (for the rows `tx` [H, n] marks, those of
+    calls of 1, 2 or 4 rows, which take mul_mat_qX_0_q8_2_Tx: t_j = (lane j + that sum) + lane j+4), an unbiased one's the 8
     lanes folded i + (i + 4), then (0 + 2) + (1 + 3). Q4_1 (IQK_FA_KEY_OFFSET) is summed as a biased type, its
     codes as stored, each block's own offset m in place of scale x -bias."""
     held = _cache_ints(k, type_name, ints)
