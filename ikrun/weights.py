@@ -30,6 +30,7 @@ from ikquant.gguf_io import GGUFFile, TensorInfo, file_stamp
 from ikquant.shards import GGUFModel
 from ikquant.types import GGMLType
 from ikrun.errors import SwapError
+from ikrun.ops.fgemm import PANEL_TYPES, QuantizedExperts
 from ikrun.ops.parallel import threads_for
 
 #: half-precision float types -> the integer dtype their bits are handed to the expert kernel as (ikrun/ops/fgemm.py)
@@ -183,7 +184,7 @@ class WeightStore:
 
     def release(self, names: list[str]) -> None:
         """Drop the mapped pages of these tensors from the process: after the expert kernel has read the views
-        half_experts handed it."""
+        half_experts and panel_experts handed it."""
         for name in names:
             self._release(name)
 
@@ -342,18 +343,32 @@ class WeightStore:
 
     def half_experts(self, name: str, experts: np.ndarray) -> np.ndarray | None:
         """Matrices `experts` of an F16 or BF16 expert tensor as the file's 16-bit patterns, [len(experts), rows,
-        cols] (uint16 for f16, int16 for bf16: what ikrun/ops/fgemm.py's kernel widens itself), nothing decoded:
-        consecutive experts as a view of the mapped file, whose pages the caller releases once the kernel has read
-        them (`release`), others copied; None for other types or when the tensor's float32 copy is cached."""
+        cols] (uint16 for f16, int16 for bf16: what ikrun/ops/fgemm.py's kernel widens itself), nothing decoded
+        (`_file_experts`); None for other types or when the tensor's float32 copy is cached."""
         enc = self.encoding(name)
         if enc.type.name not in HALF_BITS or self.cached_array(name) is not None:
             return None
-        n_expert, rows, cols = self.info(name).shape
+        return self._file_experts(name, enc, experts).view(HALF_BITS[enc.type.name])
+
+    def panel_experts(self, name: str, experts: np.ndarray) -> QuantizedExperts | None:
+        """Matrices `experts` of an expert tensor of a type ikrun/ops/fgemm.py's kernel decodes itself, a panel
+        at a time (PANEL_TYPES), as the file's rows, nothing decoded (`_file_experts`); None for other types or
+        when the tensor's float32 copy is cached."""
+        enc = self.encoding(name)
+        if enc.type.name not in PANEL_TYPES or self.cached_array(name) is not None:
+            return None
+        return QuantizedExperts(self._file_experts(name, enc, experts), enc.type.name, self.info(name).shape[2])
+
+    def _file_experts(self, name: str, enc: Encoding, experts: np.ndarray) -> np.ndarray:
+        """The file's rows of matrices `experts` of `name` [len(experts), rows, row bytes]: consecutive experts as
+        a view of the mapped file, whose pages the caller releases once the kernel has read them (`release`),
+        others copied."""
+        n_expert, rows, _ = self.info(name).shape
         out = select_experts(enc.raw.reshape(n_expert, rows, -1), experts)
         self.reads[name] += out.nbytes
         if not np.may_share_memory(out, enc.raw):
             self._release(name)
-        return out.view(HALF_BITS[enc.type.name])
+        return out
 
     def _forget_tensors(self, names: set[str]) -> None:
         """Remove every cache entry (whole and per expert) of the tensors `names`."""

@@ -11,7 +11,18 @@ from numba import njit
 
 from ikquant.cpu import host_has
 from ikquant.formats.numeric import fmaf
-from ikrun.ops.fgemm import AVX2_TILE, GROUPS, K_STEP, ROWS, _tile, expert_matmul, experts_matmul
+from ikquant.types import type_by_name
+from ikrun.ops.fgemm import (
+    AVX2_TILE,
+    GROUPS,
+    K_STEP,
+    PANEL_TYPES,
+    ROWS,
+    QuantizedExperts,
+    _tile,
+    expert_matmul,
+    experts_matmul,
+)
 
 
 @njit(cache=True)
@@ -94,6 +105,31 @@ def test_experts_in_one_call_give_each_expert_alone_its_bits() -> None:
                     mine = tokens[row_at[j] : row_at[j + 1]]
                     np.testing.assert_array_equal(out[row_at[j] : row_at[j + 1]],
                                                   _fma_chains(x[mine], values[j].astype(np.float32)))
+    finally:
+        numba.set_num_threads(before)
+
+
+@pytest.mark.parametrize("type_name", sorted(PANEL_TYPES))
+def test_quantized_experts_decoded_a_panel_at_a_time_give_the_bits_of_their_decoding(type_name: str) -> None:
+    """Experts handed over as the file's rows (decoded by the kernel, a panel at a time) multiply as their whole
+    decoding does: rows that are no whole tiles, several K steps, counts that are no whole groups, an expert with no
+    tokens, every sub-block scale and both grids (random rows), a non-consecutive selection (a copy), two threads."""
+    rng = np.random.default_rng(5)
+    n_expert, rows, n = 4, 2 * ROWS + 5, 3 * K_STEP
+    codec = type_by_name(type_name).require_codec()
+    w = rng.standard_normal((n_expert * rows, n)).astype(np.float32) * rng.uniform(0.01, 3, (n_expert * rows, 1))
+    raw = codec.quantize(w.astype(np.float32)).reshape(n_expert, rows, -1)
+    decoded = codec.dequantize(raw.reshape(n_expert * rows, -1), n).reshape(n_expert, rows, n)
+    x = rng.standard_normal((50, n)).astype(np.float32)
+    counts = np.array([3, 0, 21, 40])
+    row_at = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    tokens = rng.integers(0, len(x), int(row_at[-1])).astype(np.int64)
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        for pick in (np.arange(n_expert), np.array([3, 0, 2, 1])):
+            out = experts_matmul(x, QuantizedExperts(raw[pick], type_name, n), tokens, row_at)
+            np.testing.assert_array_equal(out, experts_matmul(x, decoded[pick], tokens, row_at))
     finally:
         numba.set_num_threads(before)
 

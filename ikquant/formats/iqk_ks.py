@@ -21,6 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.base import Codec
+from ikquant.formats.grid_lookup import scaled_nibbles
 from ikquant.formats.iq4kss_lanes import iq4kss_lane_sums
 from ikquant.formats.iqk_grids import (
     IQ2NL,
@@ -853,24 +854,25 @@ def _quantize_iq45_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray, kind: int)
             store_f32(row, 0, sumqx / sumq2)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def iq4_ks_block(row: np.ndarray, ibl: int, y: np.ndarray, at: int) -> None:
+    """Values 256 ibl .. 256 ibl + 255 of an IQ4_KS row (its bytes) into y[at : at + 256]: the decoding, shared
+    with the runtime's expert kernel, which decodes a block of rows at a time into its first-level cache."""
+    d = load_f32(row, 0)
+    o = 4 + ibl * IQ4KS_BYTES
+    for ib in range(8):
+        b = np.int64(row[o + ib])
+        dl = d * np.float32((b & 254) - 127)
+        off = 16 * (b & 1)
+        scaled_nibbles(row, o + 8 + 16 * ib, IQ4K, off, dl, off, dl, y, at + ib * SUB)
+
+
 @njit(**KERNEL)
 def _dequantize_iq4_ks(q: np.ndarray, out: np.ndarray) -> None:
     n_rows, n = out.shape
     for r in prange(n_rows):
-        row = q[r]
-        y = out[r]
-        d = load_f32(row, 0)
         for ibl in range(n // QK):
-            o = 4 + ibl * IQ4KS_BYTES
-            for ib in range(8):
-                b = np.int64(row[o + ib])
-                dl = d * np.float32((b & 254) - 127)
-                off = 16 * (b & 1)
-                qs = o + 8 + 16 * ib
-                base = ibl * QK + ib * SUB
-                for j in range(16):
-                    y[base + j] = dl * IQ4K[off + (row[qs + j] & 0xF)]
-                    y[base + j + 16] = dl * IQ4K[off + (row[qs + j] >> 4)]
+            iq4_ks_block(q[r], ibl, out[r], ibl * QK)
 
 
 @njit(**KERNEL)

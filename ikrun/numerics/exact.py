@@ -28,6 +28,7 @@ from ikrun.ops.moe import (
     GATING_SIGMOID,
     ExpertFetch,
     ExpertGlu,
+    ExpertMats,
     RoutedExperts,
     group_limited_top_k,
     moe_experts,
@@ -351,19 +352,28 @@ class Numerics:
         (the expert kernel widens them), never decoded; `counts`: the tokens routed to each expert id; with
         `n_real`, id e is the tensors' expert e % n_real (IkNumerics.routed_experts' virtual ids)."""
 
-        def matrices(name: str, ids: np.ndarray) -> np.ndarray:
+        def matrices(name: str, ids: np.ndarray) -> ExpertMats:
             real = ids if n_real is None else ids % n_real
             half = self.weights.half_experts(name, real)
             if half is not None:
                 return half
+            if self.multiplies_decoding(name, counts[ids]):
+                panels = self.weights.panel_experts(name, real)
+                if panels is not None:
+                    return panels
             return self.convert_experts(name, real, counts[ids],
                                         self.weights.decode_experts(name, real, self.weights.keeps_experts))
 
-        def fetch(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        def fetch(ids: np.ndarray) -> tuple[ExpertMats, ExpertMats, ExpertMats]:
             up, gate, down = (matrices(name, ids) for name in names)
             return up, gate, down
 
         return fetch
+
+    def multiplies_decoding(self, name: str, counts: np.ndarray) -> bool:
+        """Whether experts of `name` with `counts` routed tokens each multiply as their exact decoding (which the
+        expert kernel can decode itself from the file's rows: Weights.panel_experts)."""
+        return True
 
     def convert_experts(self, name: str, ids: np.ndarray, counts: np.ndarray, mats: np.ndarray) -> np.ndarray:
         """The decoded matrices `mats` of experts `ids` as the arithmetic multiplies them with `counts` routed

@@ -7,12 +7,16 @@ value is broadcast to them, and a call keeps a register tile of accumulators (RO
 groups, sized to the host's vector registers), so the FMA units stay busy without summing across lanes. The
 weights are read from the matrix itself: float32 as decoded, or the file's own f16 / bf16 bits, widened to float32
 (exactly) a small panel at a time (ROWS rows x K_STEP values), so half-precision experts are never
-decoded into a float32 copy. The tokens are transposed, 16 to a group. One call takes all experts of a layer that
+decoded into a float32 copy; the quantized types of PANEL_TYPES are decoded the same way, a panel at a time from the
+file's rows by their codec's own block decoder (the same floats as decoding the whole matrix, which would write and
+read back four bytes a value and fault in fresh pages for them). The tokens are transposed, 16 to a group. One call takes all experts of a layer that
 receive tokens (a few dozen tokens each in a MoE's batch): the threads share their (expert, row tile) tasks, where a
 call per expert would pay Python's and the thread pool's start for each.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 from llvmlite import ir
@@ -21,6 +25,7 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic, overload
 
 from ikquant.cpu import host_has
+from ikquant.formats.iqk_ks import iq4_ks_block
 from ikquant.formats.numeric import widen_16
 from ikrun.ops.parallel import claim_items, run_claimed, task_items
 
@@ -33,6 +38,8 @@ LANES = 16  # tokens per vector
 AVX2_TILE = host_has("avx2") and host_has("fma") and not host_has("avx512f")
 ROWS, GROUPS = (6, 1) if AVX2_TILE else (12, 2)
 K_STEP = 256  # values of a row per pass over the tokens (their panel stays in the first-level cache)
+#: quantized weight types the kernel decodes a panel at a time (blocks of K_STEP values), by their codes here
+PANEL_TYPES = {"IQ4_KS": 1}
 _I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V16F = ir.VectorType(_F32, LANES)
 
@@ -87,20 +94,61 @@ def _value_impl(w, at):  # type: ignore[no-untyped-def]
     return lambda w, at: widen_16(w[at])
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _panel(w, r0, n_rows, n, k0, k1, panel):  # type: ignore[no-untyped-def]
-    """Rows r0 .. r0 + ROWS - 1 (zeros past the matrix's n_rows), values k0 .. k1 of w as float32 in `panel`
-    [ROWS, K_STEP] (a vector copy, or vcvtph2ps / shifts for 16-bit weights)."""
-    for i in range(ROWS):
-        if r0 + i < n_rows:
-            for j in range(k1 - k0):
-                panel[i * K_STEP + j] = _value(w, (r0 + i) * n + k0 + j)
-        else:
-            panel[i * K_STEP : i * K_STEP + k1 - k0] = 0
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """Expert matrices as the file's rows of a PANEL_TYPES type: raw [E, rows, row bytes] (uint8), n values a
+    row."""
+
+    raw: np.ndarray
+    type_name: str
+    n: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.raw.shape[0], self.raw.shape[1], self.n
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.nbytes)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _task(w, xt, group_at, row_at, out, task, n_rows, n):  # type: ignore[no-untyped-def]
+def _decode_block(kind, row, block, panel, at):  # type: ignore[no-untyped-def]
+    """Block `block` (K_STEP values) of a quantized row, its type's PANEL_TYPES code `kind`, into panel[at:]."""
+    if kind == 1:
+        iq4_ks_block(row, block, panel, at)
+
+
+def _panel(w, kind, row_len, r0, n_rows, k0, k1, panel):  # type: ignore[no-untyped-def]
+    """Rows r0 .. r0 + ROWS - 1 (zeros past the matrix's n_rows), values k0 .. k1 of w (rows of `row_len`
+    elements) as float32 in `panel` [ROWS, K_STEP]: a vector copy, vcvtph2ps / shifts for 16-bit weights, or the
+    quantized rows' block k0 / K_STEP decoded (uint8 rows of the PANEL_TYPES type `kind`)."""
+
+
+@overload(_panel, inline="always")
+def _panel_impl(w, kind, row_len, r0, n_rows, k0, k1, panel):  # type: ignore[no-untyped-def]
+    if w.dtype == types.uint8:
+        def decoded(w, kind, row_len, r0, n_rows, k0, k1, panel):  # type: ignore[no-untyped-def]
+            for i in range(ROWS):
+                if r0 + i < n_rows:
+                    _decode_block(kind, w[(r0 + i) * row_len : (r0 + i + 1) * row_len], k0 // K_STEP, panel,
+                                  i * K_STEP)
+                else:
+                    panel[i * K_STEP : i * K_STEP + k1 - k0] = 0
+        return decoded
+
+    def values(w, kind, row_len, r0, n_rows, k0, k1, panel):  # type: ignore[no-untyped-def]
+        for i in range(ROWS):
+            if r0 + i < n_rows:
+                for j in range(k1 - k0):
+                    panel[i * K_STEP + j] = _value(w, (r0 + i) * row_len + k0 + j)
+            else:
+                panel[i * K_STEP : i * K_STEP + k1 - k0] = 0
+    return values
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _task(w, kind, row_len, xt, group_at, row_at, out, task, n_rows, n):  # type: ignore[no-untyped-def]
     """One task of a call: weight rows ROWS x t .. of expert j (task = j x tiles + t) against that expert's token
     groups, every K_STEP panel in order into a zeroed accumulator block, then copied to its tokens' output rows."""
     tiles = -(-n_rows // ROWS)
@@ -109,13 +157,13 @@ def _task(w, xt, group_at, row_at, out, task, n_rows, n):  # type: ignore[no-unt
     n_tok = (g1 - g0) * LANES
     if n_tok == 0:
         return
-    wj = w[j * n_rows * n : (j + 1) * n_rows * n]
+    wj = w[j * n_rows * row_len : (j + 1) * n_rows * row_len]
     xj = xt[g0 * n * LANES : g1 * n * LANES]
     acc = np.zeros(ROWS * n_tok, np.float32)
     panel = np.empty(ROWS * K_STEP, np.float32)
     for k0 in range(0, n, K_STEP):
         k1 = min(n, k0 + K_STEP)
-        _panel(wj, t * ROWS, n_rows, n, k0, k1, panel)
+        _panel(wj, kind, row_len, t * ROWS, n_rows, k0, k1, panel)
         for g in range(0, g1 - g0, GROUPS):
             _tile(panel, xj, g, k0, k1, n, acc, 0, n_tok)
     r0 = t * ROWS
@@ -126,7 +174,8 @@ def _task(w, xt, group_at, row_at, out, task, n_rows, n):  # type: ignore[no-unt
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _experts_parallel(w, xt, group_at, row_at, out, n_rows, n, threads):  # type: ignore[no-untyped-def]
+def _experts_parallel(w, kind, row_len, xt, group_at, row_at, out, n_rows, n,  # type: ignore[no-untyped-def]
+                      threads):
     """Every (expert, row tile) task, claimed by the threads (ikrun/ops/parallel.py)."""
     tasks = (len(group_at) - 1) * -(-n_rows // ROWS)
     per, counter = task_items(tasks, threads), np.zeros(1, np.int64)
@@ -134,14 +183,14 @@ def _experts_parallel(w, xt, group_at, row_at, out, n_rows, n, threads):  # type
         t0, t1 = claim_items(counter, per, tasks)
         while t0 < t1:
             for task in range(t0, t1):
-                _task(w, xt, group_at, row_at, out, task, n_rows, n)
+                _task(w, kind, row_len, xt, group_at, row_at, out, task, n_rows, n)
             t0, t1 = claim_items(counter, per, tasks)
 
 
 @njit(cache=True, nogil=True)
-def _experts_serial(w, xt, group_at, row_at, out, n_rows, n):  # type: ignore[no-untyped-def]
+def _experts_serial(w, kind, row_len, xt, group_at, row_at, out, n_rows, n):  # type: ignore[no-untyped-def]
     for task in range((len(group_at) - 1) * -(-n_rows // ROWS)):
-        _task(w, xt, group_at, row_at, out, task, n_rows, n)
+        _task(w, kind, row_len, xt, group_at, row_at, out, task, n_rows, n)
 
 
 @njit(cache=True, nogil=True)
@@ -179,19 +228,24 @@ def token_groups(x: np.ndarray, tokens: np.ndarray, row_at: np.ndarray) -> tuple
 WEIGHT_DTYPES = (np.float32, np.uint16, np.int16)
 
 
-def experts_matmul(x: np.ndarray, w: np.ndarray, tokens: np.ndarray, row_at: np.ndarray) -> np.ndarray:
+def experts_matmul(x: np.ndarray, w: np.ndarray | QuantizedExperts, tokens: np.ndarray,
+                   row_at: np.ndarray) -> np.ndarray:
     """Each expert's tokens times its matrix in one call: out[i] = x[tokens[i]] @ w[j]^T for row_at[j] <= i <
     row_at[j + 1], in float32, each output one FMA chain over n in order ([len(tokens), rows], C-contiguous). w [E,
-    rows, n] is float32 (any other float dtype is converted), or 16-bit patterns: uint16 for f16, int16 for bf16.
+    rows, n] is float32 (any other float dtype is converted), 16-bit patterns (uint16 for f16, int16 for bf16), or
+    a PANEL_TYPES type's rows (QuantizedExperts), the latter two widened / decoded exactly.
     The threads share the (expert, row tile) tasks of all experts, so a layer's small experts make one call."""
     n_rows, n = w.shape[1], w.shape[2]
     tokens, row_at = np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(row_at, dtype=np.int64)
     xt, group_at = token_groups(x, tokens, row_at)
-    dtype = w.dtype.type if w.dtype.type in WEIGHT_DTYPES else np.float32
-    flat = np.ascontiguousarray(w, dtype=dtype).reshape(-1)
+    if isinstance(w, QuantizedExperts):
+        flat, kind, row_len = np.ascontiguousarray(w.raw).reshape(-1), PANEL_TYPES[w.type_name], w.raw.shape[2]
+    else:
+        dtype = w.dtype.type if w.dtype.type in WEIGHT_DTYPES else np.float32
+        flat, kind, row_len = np.ascontiguousarray(w, dtype=dtype).reshape(-1), 0, n
     out = np.empty((len(tokens), n_rows), np.float32)
     run_claimed(_experts_serial, _experts_parallel, n_rows * n * xt.shape[0],
-                flat, xt.reshape(-1), group_at, row_at, out, n_rows, n)
+                flat, kind, row_len, xt.reshape(-1), group_at, row_at, out, n_rows, n)
     return out
 
 

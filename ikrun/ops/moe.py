@@ -28,7 +28,7 @@ from ikrun.numerics.ik.formats import IK_FLOAT_TYPES, UNROUNDED, integer_rows, r
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
 from ikrun.numerics.ik.qgemm import IntRows, PackedInts, qmatmul
 from ikrun.ops.activations import ik_exp
-from ikrun.ops.fgemm import expert_matmul, experts_matmul
+from ikrun.ops.fgemm import QuantizedExperts, experts_matmul
 from ikrun.ops.parallel import claim_items, task_items
 from ikrun.ops.stl_heap import partial_sort
 
@@ -256,8 +256,10 @@ def _combine_parallel(y, w, out, ik, threads):  # type: ignore[no-untyped-def]
             t0, t1 = claim_items(counter, per, out.shape[0])
 
 
+#: a stack of expert matrices as experts_matmul takes them
+ExpertMats = np.ndarray | QuantizedExperts
 #: expert ids -> their (up, gate, down) matrices, [len(ids), ...] each, in the order of ids
-ExpertFetch = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+ExpertFetch = Callable[[np.ndarray], tuple[ExpertMats, ExpertMats, ExpertMats]]
 #: expert id -> its (up, gate, down) integers as ik's kernels multiply them, None where ik multiplies its floats
 ExpertInts = Callable[[int], tuple[PackedInts, PackedInts, PackedInts] | None]
 
@@ -327,7 +329,8 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
                 ik: tuple[str, str, str] | None = None, avx2: bool = False,
                 done: Callable[[], None] | None = None) -> RoutedExperts:
     """Routed SwiGLU experts: x [n, n_embd], sel/w [n, k]; `fetch(ids)` gives the up/gate [len(ids), n_ff, n_embd] and
-    down [len(ids), n_embd, n_ff] matrices of experts `ids` (float32, or f16/bf16 bits as expert_matmul reads them);
+    down [len(ids), n_embd, n_ff] matrices of experts `ids` (float32, f16/bf16 bits or a type's rows, as
+    experts_matmul reads them);
     `glu` the SwiGLU's form (a finite limit clamps it as swiglu does) and the experts' biases;
     `formats` are the activation formats (ikrun/numerics/ik/formats.py) of up, gate and down under --numerics ik, and
     `ints(e)` gives the integers ik's kernels multiply expert e as (qmatmul: integer rows per expert) where they do;
@@ -381,28 +384,18 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
         ups, gates, downs = fetch(ids)
         if y is None:
             act, y = outputs(ups.shape[1], downs.shape[1])
-        if ik is None:  # exact: all experts of the group in one call per projection
-            rows = np.concatenate([order[offsets[e] : offsets[e + 1]] for e in ids.tolist()])
-            row_at = np.zeros(len(ids) + 1, np.int64)
-            np.cumsum(offsets[ids + 1] - offsets[ids], out=row_at[1:])
-            per_row = np.repeat(ids, np.diff(row_at))
-            tokens = rows // k
-            a = _swiglu(experts_matmul(xg, gates, tokens, row_at), experts_matmul(xu, ups, tokens, row_at), glu,
-                        per_row, False, avx2)
-            if act is not None:
-                act[rows] = a
-            y[rows] = _down(experts_matmul(round_activations(a, formats[2]), downs,
-                                           np.arange(len(rows), dtype=np.int64), row_at), glu, per_row)
-        else:
-            for j, e in enumerate(ids.tolist()):
-                rows = order[offsets[e] : offsets[e + 1]]
-                tokens = rows // k
-                a = _swiglu(_expert_product(xg, gates[j], tokens, ik[1], avx2),
-                            _expert_product(xu, ups[j], tokens, ik[0], avx2), glu, e, True, avx2)
-                if act is not None:
-                    act[rows] = a
-                y[rows] = _down(_expert_product(round_activations(a, formats[2]), downs[j], None, ik[2], avx2), glu,
-                                e)
+        rows = np.concatenate([order[offsets[e] : offsets[e + 1]] for e in ids.tolist()])
+        row_at = np.zeros(len(ids) + 1, np.int64)
+        np.cumsum(offsets[ids + 1] - offsets[ids], out=row_at[1:])
+        per_row = np.repeat(ids, np.diff(row_at))
+        tokens = rows // k
+        types = (None, None, None) if ik is None else ik
+        a = _swiglu(_experts_product(xg, gates, tokens, row_at, types[1], avx2),
+                    _experts_product(xu, ups, tokens, row_at, types[0], avx2), glu, per_row, ik is not None, avx2)
+        if act is not None:
+            act[rows] = a
+        y[rows] = _down(_experts_product(round_activations(a, formats[2]), downs,
+                                         np.arange(len(rows), dtype=np.int64), row_at, types[2], avx2), glu, per_row)
         if done is not None:
             done()
     assert y is not None, "a routing without assignments"
@@ -414,12 +407,16 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
     return RoutedExperts(out, act, order, offsets)
 
 
-def _expert_product(x: np.ndarray, w: np.ndarray, tokens: np.ndarray | None, ik: str | None,
-                    avx2: bool = False) -> np.ndarray:
-    """x (its rows `tokens`) times an expert matrix: in ik's float kernel for an F32/F16/BF16 weight under --numerics
-    ik (`ik` its type; `avx2`: its AVX2 build's 8-lane kernel, bf16 weights included), else expert_matmul."""
+def _experts_product(x: np.ndarray, mats: ExpertMats, tokens: np.ndarray, row_at: np.ndarray, ik: str | None,
+                     avx2: bool = False) -> np.ndarray:
+    """Rows `tokens` of x times their experts' matrices (expert j's rows tokens[row_at[j] : row_at[j + 1]]): in ik's
+    float kernel per expert for an F32/F16/BF16 weight under --numerics ik (`ik` its type; `avx2`: its AVX2 build's
+    8-lane kernel, bf16 weights included), else all experts in one experts_matmul call (its bits are each output's
+    own FMA chain, so the same as a call per expert)."""
     bf16, lanes = ik == "BF16" and not avx2, AVX2_LANES if avx2 else LANES
     if ik in IK_FLOAT_TYPES and takes_whole(x.shape[1], bf16, lanes):
-        weights = widen_bits(w) if w.dtype in (np.uint16, np.int16) else w  # F16/BF16 experts come as their bits
-        return ik_float_matmul(x if tokens is None else x[tokens], weights, bf16, lanes)
-    return expert_matmul(x, w, tokens)
+        assert isinstance(mats, np.ndarray), "float experts come as arrays"
+        weights = widen_bits(mats) if mats.dtype in (np.uint16, np.int16) else mats  # F16/BF16 experts: their bits
+        return np.concatenate([ik_float_matmul(x[tokens[a:b]], weights[j], bf16, lanes)
+                               for j, (a, b) in enumerate(zip(row_at[:-1].tolist(), row_at[1:].tolist()))])
+    return experts_matmul(x, mats, tokens, row_at)

@@ -877,6 +877,12 @@ class IkNumerics(Numerics):
                                            kind=PACKED + CONVERTED * kernel.converts(count, rows),
                                            direct=self._direct(kernel, count, rows))
 
+    def multiplies_decoding(self, name: str, counts: np.ndarray) -> bool:
+        """Whether ik's kernels multiply experts of `name` with `counts` routed tokens each as the exact decoding
+        (no conversion, no rescaled or native values: IkKernel.float_values)."""
+        kernel, rows = ik_kernel(self.weights.encoding(name).type.name), self.weights.info(name).shape[1]
+        return all(kernel.float_values(c, rows) is None for c in np.unique(counts).tolist())
+
     def convert_experts(self, name: str, ids: np.ndarray, counts: np.ndarray, mats: np.ndarray) -> np.ndarray:
         """Each expert as ik multiplies it for its token count (ik decides per expert: is_dequant_better on the rows
         routed to it): in place, or in a copy where `mats` is a view of the cached decoding (select_experts)."""

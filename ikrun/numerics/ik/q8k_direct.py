@@ -18,15 +18,11 @@ the CPU has them; the 2-, 3- and 5-bit codes of the others in scalar loops.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 from llvmlite import ir
-from numba import get_num_threads, njit, prange, types
-from numba.core import cgutils
-from numba.core.extending import intrinsic
+from numba import get_num_threads, njit, prange
 
-from ikquant.cpu import host_has
+from ikquant.formats.grid_lookup import scaled_nibbles
 from ikquant.formats.iqk_grids import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
 from ikquant.formats.numeric import f32_from_bits, load_f16, load_f32, round_f16
 from ikrun.numerics.ik.qgemm import GROUPS, LANES, ORDER_R16, PackedInts
@@ -124,52 +120,6 @@ def _packed(raw: np.ndarray, kind: int, c: float) -> PackedInts:
                       order=ORDER_R16, full_range=bool(low.any()))
 
 
-@intrinsic
-def _sub_block_permuted(typingctx, row, codes, grid, off, scale, off_high, scale_high, p,  # type: ignore[no-untyped-def]
-                        at):
-    """p[at .. at + 15] = scale x grid[off + low nibbles], p[at + 16 .. at + 31] = scale_high x grid[off_high + high
-    nibbles] of row[codes .. codes + 15]: each 16 values scaled in one register, then an AVX-512 permute of it (the
-    values built in memory and loaded as a vector cost a failed store forwarding each sub-block)."""
-    sig = types.void(row, types.int64, grid, types.int64, types.float32, types.int64, types.float32, p, types.int64)
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        row_p, grid_p, p_p = (context.make_array(signature.args[i])(context, builder, value=args[i]).data
-                              for i in (0, 2, 7))
-        permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F, _V16I]),
-                                                 "llvm.x86.avx512.permvar.sf.512")
-        codes = builder.load(builder.bitcast(builder.gep(row_p, [args[1]]), _V16B.as_pointer()), align=1)
-        wide = builder.zext(codes, _V16I)
-
-        def values(off: ir.Value, scale: ir.Value) -> ir.Value:
-            grid_v = builder.load(builder.bitcast(builder.gep(grid_p, [off]), _V16F.as_pointer()), align=4)
-            splat = builder.insert_element(ir.Constant(_V16F, ir.Undefined), scale, ir.Constant(ir.IntType(32), 0))
-            splat = builder.shuffle_vector(splat, ir.Constant(_V16F, ir.Undefined), ir.Constant(_V16I, [0] * 16))
-            return builder.fmul(grid_v, splat)
-
-        out = builder.bitcast(builder.gep(p_p, [args[8]]), _V16F.as_pointer())
-        low = builder.and_(wide, ir.Constant(_V16I, [15] * 16))
-        high = builder.lshr(wide, ir.Constant(_V16I, [4] * 16))
-        builder.store(builder.call(permute, [values(args[3], args[4]), low]), out, align=4)
-        builder.store(builder.call(permute, [values(args[5], args[6]), high]), builder.gep(out, [ir.Constant(_I64, 1)]),
-                      align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _sub_block_looked_up(row: np.ndarray, codes: int, grid: np.ndarray, off: int, scale: np.float32, off_high: int,
-                         scale_high: np.float32, p: np.ndarray, at: int) -> None:
-    """_sub_block_permuted in scalar code (CPUs without AVX-512)."""
-    for j in range(16):
-        code = np.int32(row[codes + j])
-        p[at + j] = scale * grid[off + (code & 15)]
-        p[at + j + 16] = scale_high * grid[off_high + (code >> 4)]
-
-
-_sub_block: Callable[..., None] = _sub_block_permuted if host_has("avx512f") else _sub_block_looked_up
-
-
 @njit(cache=True, nogil=True, inline="always")
 def _block_ints(row: np.ndarray, kind: int, b: int, p: np.ndarray) -> np.float32:
     """Block b's integers sub-block scale x grid value as float32 p[256]; returns the scale d they multiply: the
@@ -180,7 +130,7 @@ def _block_ints(row: np.ndarray, kind: int, b: int, p: np.ndarray) -> np.float32
         for m in range(8):
             s = np.int32(row[o + m])
             ls, off = np.float32((s & 254) - 127), 16 * (s & 1)
-            _sub_block(row, o + 8 + 16 * m, _IQ4K_FLOATS, off, ls, off, ls, p, 32 * m)
+            scaled_nibbles(row, o + 8 + 16 * m, _IQ4K_FLOATS, off, ls, off, ls, p, 32 * m)
         return load_f32(row, 0)
     if kind == KIND_IQ2_KS or kind == KIND_IQ3_KS:
         return _ks_ints(row, kind, b, p)
@@ -203,7 +153,7 @@ def _block_ints(row: np.ndarray, kind: int, b: int, p: np.ndarray) -> np.float32
         low_bits, high_byte = np.int32(row[o + 8 + m]), np.int32(row[o + 4 + m // 2])
         ls_lo = (low_bits & 15) | (((high_byte >> (4 * (m % 2))) & 3) << 4)
         ls_hi = (low_bits >> 4) | (((high_byte >> (4 * (m % 2) + 2)) & 3) << 4)
-        _sub_block(row, o + 16 + 16 * m, _IQ4K_FLOATS, 16 * ((extra >> (2 * m)) & 1), np.float32(ls_lo - 32),
+        scaled_nibbles(row, o + 16 + 16 * m, _IQ4K_FLOATS, 16 * ((extra >> (2 * m)) & 1), np.float32(ls_lo - 32),
                    16 * ((extra >> (2 * m + 1)) & 1), np.float32(ls_hi - 32), p, 32 * m)
     if d == 0:
         p[:] = 0
