@@ -879,21 +879,25 @@ def _dequantize_iq4_ks(q: np.ndarray, out: np.ndarray) -> None:
 def _dequantize_iq5_ks(q: np.ndarray, out: np.ndarray) -> None:
     n_rows, n = out.shape
     for r in prange(n_rows):
-        row = q[r]
-        y = out[r]
-        d = load_f32(row, 0)
         for ibl in range(n // QK):
-            o = 4 + ibl * IQ5KS_BYTES
-            for ib in range(8):
-                b = np.int64(row[o + ib])
-                dl = d * np.float32((b & 254) - 127)
-                off = 32 * (b & 1)
-                qs = o + 8 + 32 * (ib // 2)
-                shift = 4 * (ib % 2)
-                base = ibl * QK + ib * SUB
-                for j in range(SUB):
-                    k = ((row[qs + j] >> shift) & 0xF) | (((row[o + 136 + j] >> ib) & 1) << 4)
-                    y[base + j] = dl * IQ5NL[off + k]
+            iq5_ks_block(q[r], ibl, out[r], ibl * QK)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def iq5_ks_block(row: np.ndarray, ibl: int, y: np.ndarray, at: int) -> None:
+    """Values 256 ibl .. of an IQ5_KS row into y[at : at + 256] (as iq4_ks_block)."""
+    d = load_f32(row, 0)
+    o = 4 + ibl * IQ5KS_BYTES
+    for ib in range(8):
+        b = np.int64(row[o + ib])
+        dl = d * np.float32((b & 254) - 127)
+        off = 32 * (b & 1)
+        qs = o + 8 + 32 * (ib // 2)
+        shift = 4 * (ib % 2)
+        base = at + ib * SUB
+        for j in range(SUB):
+            k = ((row[qs + j] >> shift) & 0xF) | (((row[o + 136 + j] >> ib) & 1) << 4)
+            y[base + j] = dl * IQ5NL[off + k]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -786,21 +786,28 @@ def _dequantize_q4_k(q: np.ndarray, out: np.ndarray) -> None:
     n_rows, n = out.shape
     for r in prange(n_rows):
         for ib in range(n // QK_K):
-            qb = q[r, ib * 144 : (ib + 1) * 144]
-            y = out[r, ib * QK_K : (ib + 1) * QK_K]
-            d = load_f16(qb, 0)
-            dmin = load_f16(qb, 2)
-            for c in range(4):
-                sc0, mn0 = _scale_min_k4(qb, 2 * c)
-                sc1, mn1 = _scale_min_k4(qb, 2 * c + 1)
-                d0 = d * np.float32(sc0)
-                m0 = dmin * np.float32(mn0)
-                d1 = d * np.float32(sc1)
-                m1 = dmin * np.float32(mn1)
-                for l in range(32):
-                    b = qb[16 + 32 * c + l]
-                    y[64 * c + l] = d0 * np.float32(b & np.uint8(15)) - m0
-                    y[64 * c + 32 + l] = d1 * np.float32(b >> np.uint8(4)) - m1
+            q4_k_block(q[r], ib, out[r], ib * QK_K)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def q4_k_block(row: np.ndarray, ib: int, out: np.ndarray, at: int) -> None:
+    """Values 256 ib .. 256 ib + 255 of a Q4_K row (its bytes) into out[at : at + 256]: the decoding, shared with
+    the runtime's expert kernel, which decodes a block of rows at a time."""
+    qb = row[ib * 144 : (ib + 1) * 144]
+    y = out[at : at + QK_K]
+    d = load_f16(qb, 0)
+    dmin = load_f16(qb, 2)
+    for c in range(4):
+        sc0, mn0 = _scale_min_k4(qb, 2 * c)
+        sc1, mn1 = _scale_min_k4(qb, 2 * c + 1)
+        d0 = d * np.float32(sc0)
+        m0 = dmin * np.float32(mn0)
+        d1 = d * np.float32(sc1)
+        m1 = dmin * np.float32(mn1)
+        for l in range(32):
+            b = qb[16 + 32 * c + l]
+            y[64 * c + l] = d0 * np.float32(b & np.uint8(15)) - m0
+            y[64 * c + 32 + l] = d1 * np.float32(b >> np.uint8(4)) - m1
 
 
 @njit(**KERNEL)
@@ -808,22 +815,28 @@ def _dequantize_q5_k(q: np.ndarray, out: np.ndarray) -> None:
     n_rows, n = out.shape
     for r in prange(n_rows):
         for ib in range(n // QK_K):
-            qb = q[r, ib * 176 : (ib + 1) * 176]
-            y = out[r, ib * QK_K : (ib + 1) * QK_K]
-            d = load_f16(qb, 0)
-            dmin = load_f16(qb, 2)
-            for c in range(4):
-                sc0, mn0 = _scale_min_k4(qb, 2 * c)
-                sc1, mn1 = _scale_min_k4(qb, 2 * c + 1)
-                d0 = d * np.float32(sc0)
-                m0 = dmin * np.float32(mn0)
-                d1 = d * np.float32(sc1)
-                m1 = dmin * np.float32(mn1)
-                for l in range(32):
-                    b = np.int32(qb[48 + 32 * c + l])
-                    h = np.int32(qb[16 + l]) >> (2 * c)
-                    y[64 * c + l] = d0 * np.float32((b & 15) | ((h & 1) << 4)) - m0
-                    y[64 * c + 32 + l] = d1 * np.float32((b >> 4) | ((h & 2) << 3)) - m1
+            q5_k_block(q[r], ib, out[r], ib * QK_K)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def q5_k_block(row: np.ndarray, ib: int, out: np.ndarray, at: int) -> None:
+    """Values 256 ib .. of a Q5_K row into out[at : at + 256] (as q4_k_block)."""
+    qb = row[ib * 176 : (ib + 1) * 176]
+    y = out[at : at + QK_K]
+    d = load_f16(qb, 0)
+    dmin = load_f16(qb, 2)
+    for c in range(4):
+        sc0, mn0 = _scale_min_k4(qb, 2 * c)
+        sc1, mn1 = _scale_min_k4(qb, 2 * c + 1)
+        d0 = d * np.float32(sc0)
+        m0 = dmin * np.float32(mn0)
+        d1 = d * np.float32(sc1)
+        m1 = dmin * np.float32(mn1)
+        for l in range(32):
+            b = np.int32(qb[48 + 32 * c + l])
+            h = np.int32(qb[16 + l]) >> (2 * c)
+            y[64 * c + l] = d0 * np.float32((b & 15) | ((h & 1) << 4)) - m0
+            y[64 * c + 32 + l] = d1 * np.float32((b >> 4) | ((h & 2) << 3)) - m1
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -891,23 +904,29 @@ def _quantize_q6_k(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
 def _dequantize_q6_k(q: np.ndarray, out: np.ndarray) -> None:
     n_rows, n = out.shape
     for r in prange(n_rows):
-        dls = np.empty(16, dtype=np.float32)
         for ib in range(n // QK_K):
-            qb = q[r, ib * 210 : (ib + 1) * 210]
-            y = out[r, ib * QK_K : (ib + 1) * QK_K]
-            d = load_f16(qb, 208)
-            for j in range(16):
-                dls[j] = d * np.float32(np.int8(qb[192 + j]))
-            for h in range(2):
-                for l in range(32):
-                    ql0 = np.int32(qb[64 * h + l])
-                    ql1 = np.int32(qb[64 * h + l + 32])
-                    qh = np.int32(qb[128 + 32 * h + l])
-                    s = 8 * h + l // 16
-                    y[128 * h + l] = dls[s] * np.float32(((ql0 & 15) | ((qh & 3) << 4)) - 32)
-                    y[128 * h + l + 32] = dls[s + 2] * np.float32(((ql1 & 15) | (((qh >> 2) & 3) << 4)) - 32)
-                    y[128 * h + l + 64] = dls[s + 4] * np.float32(((ql0 >> 4) | (((qh >> 4) & 3) << 4)) - 32)
-                    y[128 * h + l + 96] = dls[s + 6] * np.float32(((ql1 >> 4) | (((qh >> 6) & 3) << 4)) - 32)
+            q6_k_block(q[r], ib, out[r], ib * QK_K)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def q6_k_block(row: np.ndarray, ib: int, out: np.ndarray, at: int) -> None:
+    """Values 256 ib .. of a Q6_K row into out[at : at + 256] (as q4_k_block)."""
+    qb = row[ib * 210 : (ib + 1) * 210]
+    y = out[at : at + QK_K]
+    d = load_f16(qb, 208)
+    for h in range(2):
+        for half in range(2):
+            s = 8 * h + half
+            d0, d1 = d * np.float32(np.int8(qb[192 + s])), d * np.float32(np.int8(qb[194 + s]))
+            d2, d3 = d * np.float32(np.int8(qb[196 + s])), d * np.float32(np.int8(qb[198 + s]))
+            for l in range(16 * half, 16 * half + 16):
+                ql0 = np.int32(qb[64 * h + l])
+                ql1 = np.int32(qb[64 * h + l + 32])
+                qh = np.int32(qb[128 + 32 * h + l])
+                y[128 * h + l] = d0 * np.float32(((ql0 & 15) | ((qh & 3) << 4)) - 32)
+                y[128 * h + l + 32] = d1 * np.float32(((ql1 & 15) | (((qh >> 2) & 3) << 4)) - 32)
+                y[128 * h + l + 64] = d2 * np.float32(((ql0 >> 4) | (((qh >> 4) & 3) << 4)) - 32)
+                y[128 * h + l + 96] = d3 * np.float32(((ql1 >> 4) | (((qh >> 6) & 3) << 4)) - 32)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic, overload
 
 from ikquant.cpu import host_has
-from ikquant.formats.iqk_ks import iq4_ks_block
+from ikquant.formats.iqk_ks import iq4_ks_block, iq5_ks_block
+from ikquant.formats.kquants import q4_k_block, q5_k_block, q6_k_block
 from ikquant.formats.numeric import widen_16
 from ikrun.ops.parallel import claim_items, run_claimed, task_items
 
@@ -39,7 +40,7 @@ AVX2_TILE = host_has("avx2") and host_has("fma") and not host_has("avx512f")
 ROWS, GROUPS = (6, 1) if AVX2_TILE else (12, 2)
 K_STEP = 256  # values of a row per pass over the tokens (their panel stays in the first-level cache)
 #: quantized weight types the kernel decodes a panel at a time (blocks of K_STEP values), by their codes here
-PANEL_TYPES = {"IQ4_KS": 1}
+PANEL_TYPES = {"IQ4_KS": 1, "IQ5_KS": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
 _I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V16F = ir.VectorType(_F32, LANES)
 
@@ -117,6 +118,14 @@ def _decode_block(kind, row, block, panel, at):  # type: ignore[no-untyped-def]
     """Block `block` (K_STEP values) of a quantized row, its type's PANEL_TYPES code `kind`, into panel[at:]."""
     if kind == 1:
         iq4_ks_block(row, block, panel, at)
+    elif kind == 2:
+        iq5_ks_block(row, block, panel, at)
+    elif kind == 3:
+        q4_k_block(row, block, panel, at)
+    elif kind == 4:
+        q5_k_block(row, block, panel, at)
+    else:
+        q6_k_block(row, block, panel, at)
 
 
 def _panel(w, kind, row_len, r0, n_rows, k0, k1, panel):  # type: ignore[no-untyped-def]
