@@ -39,13 +39,14 @@ HALF_BITS = {"F16": np.uint16, "BF16": np.int16}
 INTEGER_TYPES = {"I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
 
 #: a cache key: a whole tensor, (tensor, expert) for one matrix of a 3-D expert tensor, (tensor, kind) for what
-#: ik's kernels make of a tensor (DERIVED floats, PACKED integers, HEADS integers per head slice; each with
-#: CONVERTED added where ik converts the weights first, which makes other values), (tensor, expert, kind) for that
-#: of one expert
+#: ik's kernels make of a tensor (DERIVED floats, PACKED integers, HEADS integers per head slice, FILE_ROWS the
+#: file's rows its own kernel reads; each with CONVERTED added where ik converts the weights first, which makes
+#: other values), (tensor, expert, kind) for that of one expert
 CacheKey = str | tuple[str, int] | tuple[str, int, int]
 DERIVED = -1
 PACKED = -2
 HEADS = -3
+FILE_ROWS = -4
 CONVERTED = -10
 
 
@@ -350,12 +351,12 @@ class WeightStore:
             return None
         return self._file_experts(name, enc, experts).view(HALF_BITS[enc.type.name])
 
-    def panel_experts(self, name: str, experts: np.ndarray) -> QuantizedExperts | None:
+    def panel_experts(self, name: str, experts: np.ndarray, even_if_cached: bool = False) -> QuantizedExperts | None:
         """Matrices `experts` of an expert tensor of a type ikrun/ops/fgemm.py's kernel decodes itself, a panel
         at a time (PANEL_TYPES), as the file's rows, nothing decoded (`_file_experts`); None for other types or
-        when the tensor's float32 copy is cached."""
+        when the tensor's float32 copy is cached (unless `even_if_cached`: a kernel that reads the rows)."""
         enc = self.encoding(name)
-        if enc.type.name not in PANEL_TYPES or self.cached_array(name) is not None:
+        if enc.type.name not in PANEL_TYPES or (self.cached_array(name) is not None and not even_if_cached):
             return None
         return QuantizedExperts(self._file_experts(name, enc, experts), enc.type.name, self.info(name).shape[2])
 

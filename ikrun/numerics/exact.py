@@ -358,7 +358,7 @@ class Numerics:
             if half is not None:
                 return half
             if self.multiplies_decoding(name, counts[ids]):
-                panels = self.weights.panel_experts(name, real)
+                panels = self.weights.panel_experts(name, real, self.reads_file_rows(name))
                 if panels is not None:
                     return panels
             return self.convert_experts(name, real, counts[ids],
@@ -369,6 +369,11 @@ class Numerics:
             return up, gate, down
 
         return fetch
+
+    def reads_file_rows(self, name: str) -> bool:
+        """Whether the experts of `name` are multiplied from the file's rows by a kernel of their type's own (not
+        from a decoding, even a cached one)."""
+        return False
 
     def multiplies_decoding(self, name: str, counts: np.ndarray) -> bool:
         """Whether experts of `name` with `counts` routed tokens each multiply as their exact decoding (which the

@@ -26,6 +26,7 @@ from ikquant.formats.floats import widen_bits
 from ikquant.formats.numeric import fmaf
 from ikrun.numerics.ik.formats import IK_FLOAT_TYPES, UNROUNDED, integer_rows, round_activations
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
+from ikrun.numerics.ik.iqk_native import NATIVE_TYPES, native_matmuls
 from ikrun.numerics.ik.qgemm import IntRows, PackedInts, qmatmul
 from ikrun.ops.activations import ik_exp
 from ikrun.ops.fgemm import QuantizedExperts, experts_matmul
@@ -354,7 +355,8 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
     def outputs(n_ff: int, n_embd: int) -> tuple[np.ndarray | None, np.ndarray]:
         return (np.empty((n * k, n_ff), np.float32) if keep_act else None), np.empty((n * k, n_embd), np.float32)
 
-    xs: list[IntRows] = []
+    x_up = _Activations(x, formats[0])
+    x_gate = x_up if formats[1] == formats[0] else _Activations(x, formats[1])
     as_floats = []
     for e in used.tolist():
         packed = None if ints is None else ints(e)
@@ -365,19 +367,13 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
         if y is None:
             act, y = outputs(up.rows, down.rows)
         rows = order[offsets[e] : offsets[e + 1]]
-        if not xs:  # the routed tokens rounded once for every expert
-            xs = [integer_rows(x, formats[0])]
-            xs.append(xs[0] if formats[1] == formats[0] else integer_rows(x, formats[1]))
-        x_up = xs[0].take(rows // k)
-        x_gate = x_up if xs[1] is xs[0] else xs[1].take(rows // k)
-        a = _swiglu(qmatmul(x_gate, gate), qmatmul(x_up, up), glu, e, ik is not None, avx2)
+        e_up = x_up.ints().take(rows // k)
+        e_gate = e_up if x_gate is x_up else x_gate.ints().take(rows // k)
+        a = _swiglu(qmatmul(e_gate, gate), qmatmul(e_up, up), glu, e, ik is not None, avx2)
         if act is not None:
             act[rows] = a
         y[rows] = _down(qmatmul(integer_rows(a, formats[2]), down), glu, e)
     floats = np.array(as_floats, dtype=np.int64)
-    if len(floats):  # the rounded floats, for the experts ik multiplies as floats
-        xu = round_activations(x, formats[0])
-        xg = xu if formats[1] == formats[0] else round_activations(x, formats[1])
     step = max(1, len(floats) if group is None else group)
     for g0 in range(0, len(floats), step):
         ids = floats[g0 : g0 + step]
@@ -390,12 +386,12 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
         per_row = np.repeat(ids, np.diff(row_at))
         tokens = rows // k
         types = (None, None, None) if ik is None else ik
-        a = _swiglu(_experts_product(xg, gates, tokens, row_at, types[1], avx2),
-                    _experts_product(xu, ups, tokens, row_at, types[0], avx2), glu, per_row, ik is not None, avx2)
+        a = _swiglu(_experts_product(x_gate, gates, tokens, row_at, types[1], avx2),
+                    _experts_product(x_up, ups, tokens, row_at, types[0], avx2), glu, per_row, ik is not None, avx2)
         if act is not None:
             act[rows] = a
-        y[rows] = _down(_experts_product(round_activations(a, formats[2]), downs,
-                                         np.arange(len(rows), dtype=np.int64), row_at, types[2], avx2), glu, per_row)
+        y[rows] = _down(_experts_product(_Activations(a, formats[2]), downs, np.arange(len(rows), dtype=np.int64),
+                                         row_at, types[2], avx2), glu, per_row)
         if done is not None:
             done()
     assert y is not None, "a routing without assignments"
@@ -407,16 +403,40 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
     return RoutedExperts(out, act, order, offsets)
 
 
-def _experts_product(x: np.ndarray, mats: ExpertMats, tokens: np.ndarray, row_at: np.ndarray, ik: str | None,
+class _Activations:
+    """A projection's input rows as the products take them, each form made once, on first use: rounded to the
+    activation format and widened back (the float products), or as its integer rows (ik's integer kernels)."""
+
+    def __init__(self, x: np.ndarray, fmt: str) -> None:
+        self.x, self.fmt = x, fmt
+        self._rounded: np.ndarray | None = None
+        self._ints: IntRows | None = None
+
+    def rounded(self) -> np.ndarray:
+        if self._rounded is None:
+            self._rounded = round_activations(self.x, self.fmt)
+        return self._rounded
+
+    def ints(self) -> IntRows:
+        if self._ints is None:
+            self._ints = integer_rows(self.x, self.fmt)
+        return self._ints
+
+
+def _experts_product(x: _Activations, mats: ExpertMats, tokens: np.ndarray, row_at: np.ndarray, ik: str | None,
                      avx2: bool = False) -> np.ndarray:
-    """Rows `tokens` of x times their experts' matrices (expert j's rows tokens[row_at[j] : row_at[j + 1]]): in ik's
-    float kernel per expert for an F32/F16/BF16 weight under --numerics ik (`ik` its type; `avx2`: its AVX2 build's
-    8-lane kernel, bf16 weights included), else all experts in one experts_matmul call (its bits are each output's
-    own FMA chain, so the same as a call per expert)."""
+    """Rows `tokens` of x times their experts' matrices (expert j's rows tokens[row_at[j] : row_at[j + 1]]): under
+    --numerics ik (`ik` the weights' type) in ik's own kernel where it is reproduced (iqk_native.py: the file's rows
+    against the integer rows; not its AVX2 build's, `avx2`), in its float kernel per expert for an F32/F16/BF16
+    weight (`avx2`: its AVX2 build's 8-lane kernel, bf16 weights included); else all experts in one experts_matmul
+    call on the rounded rows (its bits are each output's own FMA chain, so the same as a call per expert)."""
+    if ik in NATIVE_TYPES and not avx2 and isinstance(mats, QuantizedExperts):
+        return native_matmuls(x.ints(), mats.raw, tokens, row_at)
+    rounded = x.rounded()
     bf16, lanes = ik == "BF16" and not avx2, AVX2_LANES if avx2 else LANES
-    if ik in IK_FLOAT_TYPES and takes_whole(x.shape[1], bf16, lanes):
+    if ik in IK_FLOAT_TYPES and takes_whole(rounded.shape[1], bf16, lanes):
         assert isinstance(mats, np.ndarray), "float experts come as arrays"
         weights = widen_bits(mats) if mats.dtype in (np.uint16, np.int16) else mats  # F16/BF16 experts: their bits
-        return np.concatenate([ik_float_matmul(x[tokens[a:b]], weights[j], bf16, lanes)
+        return np.concatenate([ik_float_matmul(rounded[tokens[a:b]], weights[j], bf16, lanes)
                                for j, (a, b) in enumerate(zip(row_at[:-1].tolist(), row_at[1:].tolist()))])
-    return experts_matmul(x, mats, tokens, row_at)
+    return experts_matmul(rounded, mats, tokens, row_at)

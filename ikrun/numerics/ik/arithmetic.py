@@ -49,6 +49,7 @@ from ikrun.numerics.ik.iqk_flash_attention import (
     k_step_for,
     kernel_row_calls,
 )
+from ikrun.numerics.ik.iqk_native import NATIVE_TYPES, native_matmul
 from ikrun.numerics.ik.key_cache import (
     IQK_FA_KEY_BIAS,
     SINGLE_ROW_BLOCKS,
@@ -70,7 +71,7 @@ from ikrun.ops.moe import ExpertGlu, RoutedExperts, group_by_expert, moe_experts
 from ikrun.ops.norm import rms_norm
 from ikrun.ops.rope import apply_rope
 from ikrun.options import MLA_PREFILL_MIN_TOKENS
-from ikrun.weights import CONVERTED, DERIVED, HEADS, INTEGER_TYPES, PACKED
+from ikrun.weights import CONVERTED, DERIVED, FILE_ROWS, HEADS, INTEGER_TYPES, PACKED
 
 if TYPE_CHECKING:
     from ikquant.types import GGMLType
@@ -805,6 +806,17 @@ class IkNumerics(Numerics):
                 if shared is not None:
                     shared[fmt] = rows
             return qmatmul(rows, packed)
+        if self._native(weight_name):
+            fmt = self._format(weight_name)
+            rows = shared.get(fmt) if shared is not None else None
+            if rows is None:
+                rows = integer_rows(x, fmt)
+                if shared is not None:
+                    shared[fmt] = rows
+            info = self.weights.info(weight_name)
+            file_rows = self.weights.derived(weight_name, lambda raw, decoded: raw.copy(), FILE_ROWS,
+                                             direct=lambda raw: raw.copy())
+            return native_matmul(rows, file_rows.reshape(info.shape[0], -1))
         x = self.activations(x, weight_name)
         converted = self._converted(weight_name, len(x), self.weights.info(weight_name).shape[0], threads)
         if converted is not None:
@@ -876,6 +888,15 @@ class IkNumerics(Numerics):
                                            keep=self.weights.keeps_experts,
                                            kind=PACKED + CONVERTED * kernel.converts(count, rows),
                                            direct=self._direct(kernel, count, rows))
+
+    def reads_file_rows(self, name: str) -> bool:
+        """ik's own IQ4_KS kernel (its AVX-512 build's) reads the experts' rows (iqk_native.py)."""
+        return self._native(name)
+
+    def _native(self, name: str) -> bool:
+        """Whether weight `name` is multiplied in ik's own kernel of its type where ik does not convert it
+        (iqk_native.py reproduces it for NATIVE_TYPES, as ik's AVX-512 build computes it)."""
+        return not self.avx2 and self.weights.encoding(name).type.name in NATIVE_TYPES
 
     def multiplies_decoding(self, name: str, counts: np.ndarray) -> bool:
         """Whether ik's kernels multiply experts of `name` with `counts` routed tokens each as the exact decoding

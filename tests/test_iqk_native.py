@@ -1,0 +1,115 @@
+"""ik's own IQ4_KS kernel (ikrun/numerics/ik/iqk_native.py) against ik's AVX-512 build (tests/data/iqk-native): its
+dense matmul, its MoE matmul and fused up-gate below 32 activation rows bit for bit, and a Qwen3-MoE whose IQ4_KS
+experts get fewer than 32 tokens: ik's base-logits file byte for byte and its final line."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikconvert.convert import Converter
+from ikquant import QuantizeOptions, file_type, quantize_model
+from ikquant.types import type_by_name
+from ikrun.cli import app
+from ikrun.numerics.ik.formats import Q8_K, integer_rows, round_activations
+from ikrun.numerics.ik.iqk_native import HAS_AVX512BW, native_matmul, native_matmuls
+from ikrun.ops.moe import ExpertGlu, _swiglu
+
+DATA = Path(__file__).parent / "data" / "iqk-native"
+TEXT = Path(__file__).parent / "data" / "logits" / "qwen3-moe" / "text.txt"
+SHA256 = {"f32": "7f50b66fd608f13111031427eaad8451863fce54650a56d8c18f5cfeac593e2d",
+          "iq4_ks": "8988607add836e671e81fa96cfaf020ad4da63501118ca826097b589a4712112"}
+FORMS = [True, False] if HAS_AVX512BW else [False]  # the AVX-512BW form where the CPU has it, and the scalar loop
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def cases() -> dict[str, np.ndarray]:
+    with np.load(DATA / "cases.npz") as f:
+        return {k: f[k] for k in f.files}
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("vector", FORMS)
+@pytest.mark.parametrize("m", [1, 5, 31])
+def test_a_dense_matmul_is_iks(cases: dict[str, np.ndarray], m: int, vector: bool) -> None:
+    x = integer_rows(cases["x_dense"][:m], Q8_K)
+    np.testing.assert_array_equal(_bits(native_matmul(x, cases["raw"][0], vector)), _bits(cases[f"dense_{m}"]))
+
+
+def test_the_float_path_it_replaces_was_not(cases: dict[str, np.ndarray]) -> None:
+    """The decoded weights against the rounded activations (the sums unsaturated): not ik's numbers on these
+    cases, so the tests above can fail."""
+    raw = cases["raw"][0]
+    decoded = type_by_name("IQ4_KS").require_codec().dequantize(raw, 512)
+    floats = round_activations(cases["x_dense"], Q8_K) @ decoded.T
+    assert np.abs(floats - cases["dense_31"]).max() > 1e-3 * np.abs(cases["dense_31"]).max()
+
+
+@pytest.mark.parametrize("vector", FORMS)
+def test_the_moe_matmul_and_fused_up_gate_are_iks(cases: dict[str, np.ndarray], vector: bool) -> None:
+    """Every expert's tokens (5 to 17 of 40) in one call, each output ik's mul_mat_id's; silu(g) x g of them its
+    moe_up_gate's."""
+    ids, x = cases["ids"], integer_rows(cases["x_moe"], Q8_K)
+    order = np.argsort(ids.reshape(-1), kind="stable")
+    counts = np.bincount(ids.reshape(-1), minlength=len(cases["raw"]))
+    row_at = np.concatenate([[0], np.cumsum(counts)])
+    out = np.empty((ids.size, cases["raw"].shape[1]), np.float32)
+    out[order] = native_matmuls(x, cases["raw"], order // ids.shape[1], row_at, vector)
+    np.testing.assert_array_equal(_bits(out), _bits(cases["mul_mat_id"].reshape(ids.size, -1)))
+    fused = _swiglu(out, out, ExpertGlu(), 0, True, False)
+    np.testing.assert_array_equal(_bits(fused), _bits(cases["moe_up_gate"].reshape(ids.size, -1)))
+
+
+def test_the_vector_form_saturates_as_the_scalar_loop() -> None:
+    """Pairs of large codes against +-127 activations (every pair sum past 32767 and -32768) and random rows: the
+    two forms' bits."""
+    if not HAS_AVX512BW:
+        pytest.skip("the vector form needs AVX-512BW")
+    rng = np.random.default_rng(3)
+    codec = type_by_name("IQ4_KS").require_codec()
+    w = rng.standard_normal((48, 768)).astype(np.float32)
+    w[:16] = np.abs(w[:16]) + 3  # the grid's top codes
+    raw = codec.quantize(w)
+    x = rng.standard_normal((9, 768)).astype(np.float32)
+    x[:4] = np.where(np.arange(4)[:, None] % 2, 1.0, -1.0)  # +-127 everywhere
+    rows = integer_rows(x, Q8_K)
+    vector = native_matmul(rows, raw, True)
+    np.testing.assert_array_equal(_bits(vector), _bits(native_matmul(rows, raw, False)))
+    unsaturated = round_activations(x[:4], Q8_K) @ codec.dequantize(raw[:16], 768).T
+    assert np.mean(np.abs(vector[:4, :16] - unsaturated) > 0.02 * np.abs(unsaturated)) > 0.8  # saturated
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Qwen3-MoE ik ran, made again, converted and quantized, and checked to be its bytes."""
+    from tests.moe_native import make_checkpoint
+
+    tmp = tmp_path_factory.mktemp("iqk-native")
+    f32 = Converter(make_checkpoint(tmp / "hf"), "f32", pre_tokenizer="qwen2").write(tmp / "f32.gguf")
+    out = tmp / "iq4_ks.gguf"
+    quantize_model(f32, out, QuantizeOptions(file_type("IQ4_KS"), pure=True))
+    for name, path in (("f32", f32), ("iq4_ks", out)):
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == SHA256[name], name
+    return out
+
+
+@pytest.mark.parametrize(("ctx", "chunks"), [(128, 1), (256, 1)])
+def test_experts_below_32_tokens_give_iks_logits(model: Path, ctx: int, chunks: int, tmp_path: Path) -> None:
+    """ik's base-logits file byte for byte and its final line to the digit (most experts get 5-30 tokens)."""
+    out = tmp_path / "base.kld"
+    res = runner.invoke(app, ["ppl", str(model), "--text", str(TEXT), "-c", str(ctx), "--chunks", str(chunks), "-t",
+                              "2", "--numerics", "ik", "--save-base-logits", str(out)])
+    assert res.exit_code == 0, res.output
+    name = f"ik-c{ctx}" + (f"x{chunks}" if chunks > 1 else "") + ".kld"
+    assert out.read_bytes() == (DATA / name).read_bytes()
+    final = [line for line in (DATA / "ik-final-lines.txt").read_text().splitlines()
+             if f"over {chunks} chunks for n_ctx={ctx} " in line][0]
+    assert final.split("=")[-1].split("+/-")[0].strip() in " ".join(res.output.split())
