@@ -790,20 +790,23 @@ def _dequantize_q4_k(q: np.ndarray, out: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _pair_scales_k4(qb: np.ndarray, c: int) -> tuple[np.float32, np.float32, np.float32, np.float32]:
+    """Q4_K's and Q5_K's sub-blocks 2c and 2c + 1: scale d x sc and offset dmin x m of each (the block's f16 d and
+    dmin at its start)."""
+    d, dmin = load_f16(qb, 0), load_f16(qb, 2)
+    sc0, mn0 = _scale_min_k4(qb, 2 * c)
+    sc1, mn1 = _scale_min_k4(qb, 2 * c + 1)
+    return d * np.float32(sc0), dmin * np.float32(mn0), d * np.float32(sc1), dmin * np.float32(mn1)
+
+
+@njit(cache=True, nogil=True, inline="always")
 def q4_k_block(row: np.ndarray, ib: int, out: np.ndarray, at: int) -> None:
     """Values 256 ib .. 256 ib + 255 of a Q4_K row (its bytes) into out[at : at + 256]: the decoding, shared with
     the runtime's expert kernel, which decodes a block of rows at a time."""
     qb = row[ib * 144 : (ib + 1) * 144]
     y = out[at : at + QK_K]
-    d = load_f16(qb, 0)
-    dmin = load_f16(qb, 2)
     for c in range(4):
-        sc0, mn0 = _scale_min_k4(qb, 2 * c)
-        sc1, mn1 = _scale_min_k4(qb, 2 * c + 1)
-        d0 = d * np.float32(sc0)
-        m0 = dmin * np.float32(mn0)
-        d1 = d * np.float32(sc1)
-        m1 = dmin * np.float32(mn1)
+        d0, m0, d1, m1 = _pair_scales_k4(qb, c)
         for l in range(32):
             b = qb[16 + 32 * c + l]
             y[64 * c + l] = d0 * np.float32(b & np.uint8(15)) - m0
@@ -823,15 +826,8 @@ def q5_k_block(row: np.ndarray, ib: int, out: np.ndarray, at: int) -> None:
     """Values 256 ib .. of a Q5_K row into out[at : at + 256] (as q4_k_block)."""
     qb = row[ib * 176 : (ib + 1) * 176]
     y = out[at : at + QK_K]
-    d = load_f16(qb, 0)
-    dmin = load_f16(qb, 2)
     for c in range(4):
-        sc0, mn0 = _scale_min_k4(qb, 2 * c)
-        sc1, mn1 = _scale_min_k4(qb, 2 * c + 1)
-        d0 = d * np.float32(sc0)
-        m0 = dmin * np.float32(mn0)
-        d1 = d * np.float32(sc1)
-        m1 = dmin * np.float32(mn1)
+        d0, m0, d1, m1 = _pair_scales_k4(qb, c)
         for l in range(32):
             b = np.int32(qb[48 + 32 * c + l])
             h = np.int32(qb[16 + l]) >> (2 * c)
