@@ -82,6 +82,14 @@ class RuntimeOptions:
         "They differ only for matrices of fewer than 32 rows per thread, where ik multiplies with its own kernel "
         "instead of converting the weights first: small test models. Default 1.")})
 
+    #: llama-perplexity's -b whose micro-batches --numerics ik reproduces (0: each chunk a micro-batch of its own)
+    ik_batch: int = field(default=0, metadata={"every_arch": True, "help": (
+        "With --numerics ik: make ik's kernel choices as llama-perplexity makes them with this -b (its default is "
+        "2048): it decodes -b / -c chunks at once, 512 tokens at a time, so chunks shorter than 512 that divide it "
+        "share a micro-batch, over whose tokens ik counts a routed expert's (below 32 it multiplies the type's "
+        "own kernel, from 32 on converted weights). Default 0: each chunk a micro-batch of its own, as with -b "
+        "equal to -c.")})
+
     def mla_path(self, n_tokens: int) -> str:
         """The MLA path ("prefill" or "decode") a forward of `n_tokens` tokens runs (the --mla help)."""
         if self.mla != "auto":
@@ -100,6 +108,9 @@ class RuntimeOptions:
             raise ModelError(f"--ik-threads must be at least 1, not {self.ik_threads}")
         if self.ik_threads != 1 and self.numerics not in ("ik", "ik-avx2"):
             raise ModelError("--ik-threads chooses ik's kernels, which only --numerics ik runs (and ik-avx2)")
+        if self.ik_batch < 0 or (self.ik_batch and self.numerics not in ("ik", "ik-avx2")):
+            raise ModelError(f"--ik-batch {self.ik_batch}: a token count ik's kernel choices are made for, with "
+                             "--numerics ik (or ik-avx2) only")
         if self.ik_sink_overread and self.numerics == "ik-avx2":
             raise ModelError("--ik-sink-overread reproduces ik's AVX-512 build, which --numerics ik-avx2 does not "
                              "compute")

@@ -1,6 +1,7 @@
 """ik's own IQ4_KS kernel (ikrun/numerics/ik/iqk_native.py) against ik's AVX-512 build (tests/data/iqk-native): its
 dense matmul, its MoE matmul and fused up-gate below 32 activation rows bit for bit, and a Qwen3-MoE whose IQ4_KS
-experts get fewer than 32 tokens: ik's base-logits file byte for byte and its final line."""
+experts get fewer than 32 tokens: ik's base-logits file byte for byte and its final line, with one chunk and with
+four that share ik's micro-batch (ffn.micro_batches)."""
 
 from __future__ import annotations
 
@@ -101,12 +102,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize(("ctx", "chunks"), [(128, 1), (256, 1)])
+@pytest.mark.parametrize(("ctx", "chunks"), [(128, 1), (256, 1), (128, 4)])
 def test_experts_below_32_tokens_give_iks_logits(model: Path, ctx: int, chunks: int, tmp_path: Path) -> None:
-    """ik's base-logits file byte for byte and its final line to the digit (most experts get 5-30 tokens)."""
+    """ik's base-logits file byte for byte and its final line to the digit (most experts get 5-30 tokens of a
+    chunk; four chunks of 128 share ik's 512-token micro-batch, where most get 32 or more: --ik-batch 2048, ik's
+    default -b)."""
     out = tmp_path / "base.kld"
     res = runner.invoke(app, ["ppl", str(model), "--text", str(TEXT), "-c", str(ctx), "--chunks", str(chunks), "-t",
-                              "2", "--numerics", "ik", "--save-base-logits", str(out)])
+                              "2", "--numerics", "ik", "--ik-batch", "2048", "--save-base-logits", str(out)])
     assert res.exit_code == 0, res.output
     name = f"ik-c{ctx}" + (f"x{chunks}" if chunks > 1 else "") + ".kld"
     assert out.read_bytes() == (DATA / name).read_bytes()

@@ -13,7 +13,8 @@ layer, 64 experts of 512, 8 used, and a gated shared expert; ~1.1B parameters). 
 - `unconstrained`: --no-stream with no budget worth the name (every decoded weight cached, the pre-budget runtime);
 - `default`: no flags (75% of the available memory; one-pass runs are layer-streamed);
 - `--mem M`: the given budget (default 1GiB), layer-streamed;
-- `--numerics ik`: the default mode with ik's arithmetic (integer matmuls), shown as "refused" for a file with a
+- `--numerics ik`: the default mode with ik's arithmetic (integer matmuls; `--ik-batch 2048`, the micro-batches of
+  ik's default -b, which the ik runs use), shown as "refused" for a file with a
   weight type it does not reproduce;
 - `ik`: ik_llama.cpp's llama-perplexity on the same file, chunks and threads, when --ik-bin is given, with its
   defaults (flash attention on; --ik-flash-attn off for -fa off).
@@ -150,7 +151,7 @@ def main() -> None:
     text = a.workdir / "text.txt"
     text.write_text(CORPUS.read_text(encoding="utf-8") * 40, encoding="utf-8")
     modes = {"unconstrained": ["--no-stream", "--mem", "1000GiB"], "default": [], f"--mem {a.mem}": ["--mem", a.mem],
-             "--numerics ik": ["--numerics", "ik"]}
+             "--numerics ik": ["--numerics", "ik", "--ik-batch", "2048"]}
     print(f"ctx {a.ctx}, {a.chunks} chunks, {a.threads} threads")
     print(f"{'file':16s} {'GiB':>6s} {'mode':>14s} {'tok/s':>7s} {'x first':>8s} {'peak RSS GiB':>12s} "
           f"{'RSS/file':>8s}")

@@ -72,6 +72,23 @@ class MoeConfig:
         return want
 
 
+#: ik's micro-batch (llama-perplexity's -ub default): its graph runs that many tokens at once
+MICRO_BATCH = 512
+
+
+def micro_batches(seqs: list[Sequence], ik_batch: int) -> np.ndarray:
+    """Each sequence's micro-batch in ik's run with -b `ik_batch` (RuntimeOptions.ik_batch; 0: each sequence its
+    own): llama-perplexity decodes ik_batch / n_ctx chunks at once, min(ik_batch, MICRO_BATCH) tokens at a time, so
+    whole chunks shorter than that which divide it share one with the chunks beside them (by their index in the
+    run); any other sequence is a micro-batch of its own. ik's kernel choices by row count (a routed expert's
+    tokens) see the rows of one micro-batch."""
+    lengths = {len(s) for s in seqs}
+    n, micro = (lengths.pop() if len(lengths) == 1 else 0), min(ik_batch, MICRO_BATCH)
+    if 0 < n < micro and micro % n == 0 and all(s.start == 0 for s in seqs):
+        return np.array([s.index // (micro // n) for s in seqs], np.int64)
+    return np.arange(len(seqs), dtype=np.int64)
+
+
 def moe_ffn(cx: Context, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: MoeConfig, *,
             limit: float = np.inf, shared_limit: float = np.inf, alpha: float = 0.0,
             hash_table: np.ndarray | None = None, last: bool = False,
@@ -100,10 +117,10 @@ def moe_ffn(cx: Context, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg
     glu = ExpertGlu(limit, alpha, (cx.weight(biases[0]), cx.weight(biases[1]), cx.weight(biases[2]))
                     if all(cx.has(n) for n in biases) else None)
     starts = np.cumsum([0] + [len(h) for h in hs])
-    batches = starts
-    if last:
-        cuts = [int(a) + min(max(s.outputs, 0), len(s)) for a, s in zip(starts[:-1], seqs)]
-        batches = np.unique(np.concatenate([starts, cuts]))
+    batches = np.repeat(micro_batches(seqs, cx.options.ik_batch), [len(h) for h in hs])
+    if last:  # ik's last block runs the output rows alone: those of a micro-batch's sequences together
+        outputs = np.concatenate([np.arange(len(s)) >= min(max(s.outputs, 0), len(s)) for s in seqs])
+        batches = 2 * batches + outputs
     res = cx.numerics.routed_experts(x, sel, w, cfg.n_expert, names, _group(cx, names, cfg.n_expert), glu,
                                      keep_act=bool(cx.observers), batches=batches)
     if cx.observers:

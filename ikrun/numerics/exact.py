@@ -341,7 +341,7 @@ class Numerics:
                        batches: np.ndarray | None = None) -> RoutedExperts:
         """The routed SwiGLU experts of the 3-D tensors `names` (up, gate, down) on x [n, n_embd] routed by sel/w
         [n, k], `group` experts decoded at a time, `glu` their SwiGLU's form and biases (ops/moe.moe_experts);
-        `batches`: the start rows of the sequences x joins, and n (every token's result is its own here)."""
+        `batches`: each row's micro-batch in ik's run (every token's result is its own here)."""
         counts = np.bincount(sel.reshape(-1), minlength=n_expert)
         return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts), group, glu, keep_act=keep_act,
                            done=lambda: self.weights.release(names))

@@ -62,7 +62,7 @@ from ikrun.numerics.ik.key_cache import (
     single_row_key_products,
 )
 from ikrun.numerics.ik.mla_weights import HeadSource, derived_k_b_source, derived_k_b_type, derived_v_b_source
-from ikrun.numerics.ik.qgemm import PackedHeads, PackedInts, pack, qmatmul, row_slice
+from ikrun.numerics.ik.qgemm import IntRows, PackedHeads, PackedInts, pack, qmatmul, row_slice
 from ikrun.ops.activations import swiglu
 from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
@@ -799,24 +799,12 @@ class IkNumerics(Numerics):
         threads = None if fused else self.options.ik_threads
         packed = self._packed(weight_name, len(x), threads)
         if packed is not None:
-            fmt = self._format(weight_name)
-            rows = shared.get(fmt) if shared is not None else None
-            if rows is None:
-                rows = integer_rows(x, fmt)
-                if shared is not None:
-                    shared[fmt] = rows
-            return qmatmul(rows, packed)
+            return qmatmul(self._integer_rows(x, weight_name, shared), packed)
         if self._native(weight_name):
-            fmt = self._format(weight_name)
-            rows = shared.get(fmt) if shared is not None else None
-            if rows is None:
-                rows = integer_rows(x, fmt)
-                if shared is not None:
-                    shared[fmt] = rows
-            info = self.weights.info(weight_name)
             file_rows = self.weights.derived(weight_name, lambda raw, decoded: raw.copy(), FILE_ROWS,
                                              direct=lambda raw: raw.copy())
-            return native_matmul(rows, file_rows.reshape(info.shape[0], -1))
+            return native_matmul(self._integer_rows(x, weight_name, shared),
+                                 file_rows.reshape(self.weights.info(weight_name).shape[0], -1))
         x = self.activations(x, weight_name)
         converted = self._converted(weight_name, len(x), self.weights.info(weight_name).shape[0], threads)
         if converted is not None:
@@ -827,6 +815,16 @@ class IkNumerics(Numerics):
             w = self.weights.decode(weight_name)
             return self._float_matmul(x, w.reshape(-1, w.shape[-1]), kind)
         return super().project(x, weight_name)
+
+    def _integer_rows(self, x: np.ndarray, weight_name: str, shared: dict[str, Any] | None) -> IntRows:
+        """x as the integer rows of the weight's activation format, taken from / kept in `shared` (project)."""
+        fmt = self._format(weight_name)
+        rows = shared.get(fmt) if shared is not None else None
+        if rows is None:
+            rows = integer_rows(x, fmt)
+            if shared is not None:
+                shared[fmt] = rows
+        return rows
 
     def matmul_weight(self, name: str, n_act_rows: int, weight_rows: int | None = None) -> np.ndarray:
         """Weight `name` as ik's kernel converts it when it does, else its exact decoding."""
@@ -921,22 +919,23 @@ class IkNumerics(Numerics):
     def routed_experts(self, x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, names: list[str],
                        group: int | None, glu: ExpertGlu, keep_act: bool,
                        batches: np.ndarray | None = None) -> RoutedExperts:
-        """ik runs each sequence as a batch of its own and chooses each expert's kernel by the tokens routed to it
-        in that batch (`batches`: the start rows of the sequences joined in x, and n). The rows of all batches for
-        which an expert's choice is the same run as one product, its weights converted once (each row's result is
-        its own, so the bits are the batches'): expert e under choice c is the virtual expert e + c n_expert."""
-        if batches is None or len(batches) <= 2:
+        """ik chooses each expert's kernel by the tokens routed to it in a micro-batch (`batches`: each row's
+        micro-batch, ffn.micro_batches). The rows of all micro-batches for which an expert's choice is the same run
+        as one product, its weights converted once (each row's result is its own, so the bits are the batches'):
+        expert e under choice c is the virtual expert e + c n_expert."""
+        labels = np.unique(batches, return_inverse=True)[1] if batches is not None else None
+        if labels is None or labels.max(initial=0) == 0:
             return self._routed_batch(x, sel, w, n_expert, names, group, glu, keep_act,
                                       np.bincount(sel.reshape(-1), minlength=n_expert))
-        spans = list(zip(batches[:-1].tolist(), batches[1:].tolist()))
-        per_batch = np.stack([np.bincount(sel[a:b].reshape(-1), minlength=n_expert) for a, b in spans])
+        n_batches = int(labels.max()) + 1
+        per_batch = np.zeros((n_batches, n_expert), np.int64)
+        np.add.at(per_batch, (np.repeat(labels, sel.shape[1]), sel.reshape(-1)), 1)
         choice = self._kernel_choices(names, per_batch)
         counts = np.zeros((1 << len(names)) * n_expert, np.int64)  # a count making each virtual expert's choice
-        virtual = sel.copy()
-        for b, (a0, a1) in enumerate(spans):
+        for b in range(n_batches):
             ids = np.arange(n_expert) + choice[b] * n_expert
             counts[ids] = np.maximum(counts[ids], per_batch[b])
-            virtual[a0:a1] = ids[sel[a0:a1]]
+        virtual = (sel + (choice[labels] * n_expert)[np.arange(len(sel))[:, None], sel]).astype(sel.dtype)
         res = self._routed_batch(x, virtual, w, len(counts), names, group, glu, keep_act, counts, n_expert)
         order, offsets = group_by_expert(sel, n_expert)
         return RoutedExperts(res.out, res.act, order, offsets)
