@@ -1,4 +1,5 @@
-"""ik's own IQ4_KS kernel (ikrun/numerics/ik/iqk_native.py) against ik's AVX-512 build (tests/data/iqk-native): its
+"""ik's own IQ4_KS and IQ5_KS kernels (ikrun/numerics/ik/iqk_native.py) against ik's AVX-512 build
+(tests/data/iqk-native): its
 dense matmul, its MoE matmul and fused up-gate below 32 activation rows bit for bit, and a Qwen3-MoE whose IQ4_KS
 experts get fewer than 32 tokens: ik's base-logits file byte for byte and its final line, with one chunk and with
 four that share ik's micro-batch (ffn.micro_batches)."""
@@ -23,15 +24,18 @@ from ikrun.ops.moe import ExpertGlu, _swiglu
 DATA = Path(__file__).parent / "data" / "iqk-native"
 TEXT = Path(__file__).parent / "data" / "logits" / "qwen3-moe" / "text.txt"
 SHA256 = {"f32": "7f50b66fd608f13111031427eaad8451863fce54650a56d8c18f5cfeac593e2d",
-          "iq4_ks": "8988607add836e671e81fa96cfaf020ad4da63501118ca826097b589a4712112"}
+          "IQ4_KS": "8988607add836e671e81fa96cfaf020ad4da63501118ca826097b589a4712112",
+          "IQ5_KS": "53f57c661416477be581d71ba2fc969b563c844d11c0fff9064a604b5e28cd68"}
+CASES = {"IQ4_KS": "cases.npz", "IQ5_KS": "cases-iq5_ks.npz"}
 FORMS = [True, False] if HAS_AVX512BW else [False]  # the AVX-512BW form where the CPU has it, and the scalar loop
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def cases() -> dict[str, np.ndarray]:
-    with np.load(DATA / "cases.npz") as f:
-        return {k: f[k] for k in f.files}
+@pytest.fixture(scope="module", params=sorted(CASES))
+def cases(request: pytest.FixtureRequest) -> dict[str, np.ndarray]:
+    """One type's weights, activations and ik's outputs (the type under "type")."""
+    with np.load(DATA / CASES[request.param]) as f:
+        return {"type": np.array(request.param), **{k: f[k] for k in f.files}}
 
 
 def _bits(x: np.ndarray) -> np.ndarray:
@@ -42,14 +46,15 @@ def _bits(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("m", [1, 5, 31])
 def test_a_dense_matmul_is_iks(cases: dict[str, np.ndarray], m: int, vector: bool) -> None:
     x = integer_rows(cases["x_dense"][:m], Q8_K)
-    np.testing.assert_array_equal(_bits(native_matmul(x, cases["raw"][0], vector)), _bits(cases[f"dense_{m}"]))
+    got = native_matmul(x, cases["raw"][0], str(cases["type"]), vector)
+    np.testing.assert_array_equal(_bits(got), _bits(cases[f"dense_{m}"]))
 
 
 def test_the_float_path_it_replaces_was_not(cases: dict[str, np.ndarray]) -> None:
     """The decoded weights against the rounded activations (the sums unsaturated): not ik's numbers on these
     cases, so the tests above can fail."""
     raw = cases["raw"][0]
-    decoded = type_by_name("IQ4_KS").require_codec().dequantize(raw, 512)
+    decoded = type_by_name(str(cases["type"])).require_codec().dequantize(raw, 512)
     floats = round_activations(cases["x_dense"], Q8_K) @ decoded.T
     assert np.abs(floats - cases["dense_31"]).max() > 1e-3 * np.abs(cases["dense_31"]).max()
 
@@ -63,7 +68,8 @@ def test_the_moe_matmul_and_fused_up_gate_are_iks(cases: dict[str, np.ndarray], 
     counts = np.bincount(ids.reshape(-1), minlength=len(cases["raw"]))
     row_at = np.concatenate([[0], np.cumsum(counts)])
     out = np.empty((ids.size, cases["raw"].shape[1]), np.float32)
-    out[order] = native_matmuls(x, cases["raw"], order // ids.shape[1], row_at, vector)
+    out[order] = native_matmuls(x, cases["raw"], order // ids.shape[1], row_at, str(cases["type"]),
+                                vector)
     np.testing.assert_array_equal(_bits(out), _bits(cases["mul_mat_id"].reshape(ids.size, -1)))
     fused = _swiglu(out, out, ExpertGlu(), 0, True, False)
     np.testing.assert_array_equal(_bits(fused), _bits(cases["moe_up_gate"].reshape(ids.size, -1)))
@@ -82,37 +88,44 @@ def test_the_vector_form_saturates_as_the_scalar_loop() -> None:
     x = rng.standard_normal((9, 768)).astype(np.float32)
     x[:4] = np.where(np.arange(4)[:, None] % 2, 1.0, -1.0)  # +-127 everywhere
     rows = integer_rows(x, Q8_K)
-    vector = native_matmul(rows, raw, True)
-    np.testing.assert_array_equal(_bits(vector), _bits(native_matmul(rows, raw, False)))
+    vector = native_matmul(rows, raw, "IQ4_KS", True)
+    np.testing.assert_array_equal(_bits(vector), _bits(native_matmul(rows, raw, "IQ4_KS", False)))
     unsaturated = round_activations(x[:4], Q8_K) @ codec.dequantize(raw[:16], 768).T
     assert np.mean(np.abs(vector[:4, :16] - unsaturated) > 0.02 * np.abs(unsaturated)) > 0.8  # saturated
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The Qwen3-MoE ik ran, made again, converted and quantized, and checked to be its bytes."""
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The Qwen3-MoE ik ran, made again, converted and quantized to IQ4_KS and IQ5_KS, and checked to be its
+    bytes."""
     from tests.moe_native import make_checkpoint
 
     tmp = tmp_path_factory.mktemp("iqk-native")
     f32 = Converter(make_checkpoint(tmp / "hf"), "f32", pre_tokenizer="qwen2").write(tmp / "f32.gguf")
-    out = tmp / "iq4_ks.gguf"
-    quantize_model(f32, out, QuantizeOptions(file_type("IQ4_KS"), pure=True))
-    for name, path in (("f32", f32), ("iq4_ks", out)):
+    files = {"f32": f32}
+    for name in ("IQ4_KS", "IQ5_KS"):
+        files[name] = tmp / f"{name.lower()}.gguf"
+        quantize_model(f32, files[name], QuantizeOptions(file_type(name), pure=True))
+    for name, path in files.items():
         assert hashlib.sha256(path.read_bytes()).hexdigest() == SHA256[name], name
-    return out
+    return files
 
 
-@pytest.mark.parametrize(("ctx", "chunks"), [(128, 1), (256, 1), (128, 4)])
-def test_experts_below_32_tokens_give_iks_logits(model: Path, ctx: int, chunks: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("type_name", "ctx", "chunks", "kld"), [
+    ("IQ4_KS", 128, 1, "ik-c128.kld"), ("IQ4_KS", 256, 1, "ik-c256.kld"), ("IQ4_KS", 128, 4, "ik-c128x4.kld"),
+    ("IQ5_KS", 128, 1, "ik-iq5_ks-c128.kld")])
+def test_experts_below_32_tokens_give_iks_logits(models: dict[str, Path], type_name: str, ctx: int, chunks: int,
+                                                  kld: str, tmp_path: Path) -> None:
     """ik's base-logits file byte for byte and its final line to the digit (most experts get 5-30 tokens of a
     chunk; four chunks of 128 share ik's 512-token micro-batch, where most get 32 or more: --ik-batch 2048, ik's
     default -b)."""
     out = tmp_path / "base.kld"
-    res = runner.invoke(app, ["ppl", str(model), "--text", str(TEXT), "-c", str(ctx), "--chunks", str(chunks), "-t",
-                              "2", "--numerics", "ik", "--ik-batch", "2048", "--save-base-logits", str(out)])
+    res = runner.invoke(app, ["ppl", str(models[type_name]), "--text", str(TEXT), "-c", str(ctx), "--chunks",
+                              str(chunks), "-t", "2", "--numerics", "ik", "--ik-batch", "2048", "--save-base-logits",
+                              str(out)])
     assert res.exit_code == 0, res.output
-    name = f"ik-c{ctx}" + (f"x{chunks}" if chunks > 1 else "") + ".kld"
-    assert out.read_bytes() == (DATA / name).read_bytes()
+    assert out.read_bytes() == (DATA / kld).read_bytes()
+    prefix = "" if type_name == "IQ4_KS" else f"{type_name}: "
     final = [line for line in (DATA / "ik-final-lines.txt").read_text().splitlines()
-             if f"over {chunks} chunks for n_ctx={ctx} " in line][0]
+             if line.startswith(prefix + "Final") and f"over {chunks} chunks for n_ctx={ctx} " in line][0]
     assert final.split("=")[-1].split("+/-")[0].strip() in " ".join(res.output.split())

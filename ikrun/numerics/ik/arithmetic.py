@@ -804,7 +804,8 @@ class IkNumerics(Numerics):
             file_rows = self.weights.derived(weight_name, lambda raw, decoded: raw.copy(), FILE_ROWS,
                                              direct=lambda raw: raw.copy())
             return native_matmul(self._integer_rows(x, weight_name, shared),
-                                 file_rows.reshape(self.weights.info(weight_name).shape[0], -1))
+                                 file_rows.reshape(self.weights.info(weight_name).shape[0], -1),
+                                 self.weights.encoding(weight_name).type.name)
         x = self.activations(x, weight_name)
         converted = self._converted(weight_name, len(x), self.weights.info(weight_name).shape[0], threads)
         if converted is not None:
@@ -888,7 +889,7 @@ class IkNumerics(Numerics):
                                            direct=self._direct(kernel, count, rows))
 
     def reads_file_rows(self, name: str) -> bool:
-        """ik's own IQ4_KS kernel (its AVX-512 build's) reads the experts' rows (iqk_native.py)."""
+        """ik's own IQ4_KS and IQ5_KS kernels (its AVX-512 build's) read the experts' rows (iqk_native.py)."""
         return self._native(name)
 
     def _native(self, name: str) -> bool:

@@ -1,6 +1,7 @@
-"""ik's own IQ4_KS kernel of its AVX-512 build, for `--numerics ik`: what ik multiplies IQ4_KS weights with below the
-activation rows from which it converts them (IkKernel.convert_rows: a routed expert's few tokens, a one-token
-decode), Q8_K activations against the stored codes.
+"""ik's own IQ4_KS and IQ5_KS kernels of its AVX-512 build, for `--numerics ik`: what ik multiplies those weights with
+below the activation rows from which it converts them (IkKernel.convert_rows: a routed expert's few tokens, a
+one-token decode), Q8_K activations against the stored codes. IQ5_KS's is IQ4_KS's with 5-bit codes (the fifth
+bits picking one of two 16-byte tables) and a grid shift of 2.
 
 Per 256 values of a row and an activation row, the kernel holds 16 int32 lanes. It takes the codes as unsigned
 bytes, the grid plus 128 (1 .. 241; a sub-block on the shifted grid, whose values are 4 more, moves those 4 to its
@@ -22,6 +23,8 @@ where the CPU lacks AVX-512BW and is what the vector form is tested against.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from llvmlite import ir
 from numba import get_num_threads, njit, prange, types
@@ -29,34 +32,77 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from ikquant.cpu import host_has
-from ikquant.formats.iqk_grids import IQ4K_VALUES
+from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ5NL_VALUES
 from ikquant.formats.numeric import fmaf, load_f32
 from ikrun.numerics.ik.qgemm import IntRows
 from ikrun.ops.parallel import claim_items, task_items
 
-#: the weight types whose own kernel (below their conversion threshold) is reproduced here
-NATIVE_TYPES = ("IQ4_KS",)
+#: the weight types whose own kernel (below their conversion threshold) is reproduced here, by their code here
+NATIVE_TYPES = {"IQ4_KS": 0, "IQ5_KS": 1}
 HAS_AVX512BW = host_has("avx512bw")
 SUPER = 256
 SUB = 32
-BLOCK_BYTES = 136  # per 256 values: 8 sub-block scale bytes, 128 bytes of codes
-ROW_TILE = 16  # weight rows a task prepares and multiplies against all its tokens
-#: the grid plus 128: the unsigned bytes ik's kernel multiplies
-_UNSIGNED = (IQ4K_VALUES[:16].astype(np.int32) + 128).astype(np.uint8)
+#: per 256 values: 8 sub-block scale bytes and the codes (IQ4_KS 128 bytes of 4 bits; IQ5_KS 128 of their low 4
+#: bits, two sub-blocks to 32 bytes, then 32 of their fifth bits)
+BLOCK_BYTES = np.array([136, 168], np.int64)
+#: what a sub-block on the shifted grid adds to every value (IQ4_KS 4, IQ5_KS 2)
+GRID_SHIFT = np.array([4, 2], np.int64)
+ROW_TILE = 16  # weight rows a task multiplies (row by row) against all its matrix's tokens
+#: the unshifted grids plus 128: the unsigned bytes ik's kernels multiply
+_UNSIGNED4 = (IQ4K_VALUES[:16].astype(np.int32) + 128).astype(np.uint8)
+_UNSIGNED5 = (IQ5NL_VALUES[:32].astype(np.int32) + 128).astype(np.uint8)
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V64B, _V32S, _V16I, _V16F = (ir.VectorType(_I8, 64), ir.VectorType(_I16, 32), ir.VectorType(_I32, 16),
                               ir.VectorType(_F32, 16))
+_V64I = ir.VectorType(_I32, 64)
 
 
-@intrinsic
-def _block_vector(typingctx, row, ro, d, xu, n, tokens, m0, m1, sums, nsub, xd, nb, i, acc):  # type: ignore[no-untyped-def]
-    """Block i of an IQ4_KS row (its 136 bytes at row[ro:]) against the activation rows tokens[m0:m1] (xu: their
+def _unsigned_codes(builder: ir.IRBuilder, block: ir.Value, kind: int, k: int) -> ir.Value:
+    """Values 64 k .. 64 k + 63 of a block (its bytes at `block`) as the unsigned bytes ik's kernel multiplies:
+    the codes looked up in the unshifted grid plus 128 (vpshufb; IQ5_KS's fifth bit picks one of two tables)."""
+    v32b = ir.VectorType(_I8, 32)
+    shuffle_bytes = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V64B, [_V64B, _V64B]),
+                                                   "llvm.x86.avx512.pshuf.b.512")
+    signed = [int(v) - 256 if v > 127 else int(v) for v in (_UNSIGNED4 if kind == 0 else _UNSIGNED5).tolist()]
+    codes = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(_I64, 8 + 32 * k)]), v32b.as_pointer()),
+                         align=1)
+    low = builder.and_(codes, ir.Constant(v32b, [15] * 32))
+    high = builder.lshr(codes, ir.Constant(v32b, [4] * 32))
+    if kind == 0:  # sub-block m's codes: 16 bytes, low nibbles its first 16 values, high its last
+        order = list(range(16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
+        return builder.call(shuffle_bytes, [ir.Constant(_V64B, signed * 4),
+                                            builder.shuffle_vector(low, high, ir.Constant(_V64I, order))])
+    nibbles = builder.shuffle_vector(low, high, ir.Constant(_V64I, list(range(64))))  # sub-blocks 2k, 2k + 1
+    top = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(_I64, 136)]), v32b.as_pointer()), align=1)
+    bits = [builder.and_(builder.lshr(top, ir.Constant(v32b, [2 * k + h] * 32)), ir.Constant(v32b, [1] * 32))
+            for h in range(2)]
+    fifth = builder.icmp_unsigned("!=", builder.shuffle_vector(bits[0], bits[1], ir.Constant(_V64I, list(range(64)))),
+                                  ir.Constant(_V64B, [0] * 64))
+    return builder.select(fifth, builder.call(shuffle_bytes, [ir.Constant(_V64B, signed[16:] * 4), nibbles]),
+                          builder.call(shuffle_bytes, [ir.Constant(_V64B, signed[:16] * 4), nibbles]))
+
+
+def _block_vector(kind: int) -> Callable[..., None]:
+    """The block kernel of type code `kind` (NATIVE_TYPES): an intrinsic of its own."""
+
+    @intrinsic
+    def block(typingctx, row, ro, d, xu, n, tokens, m0, m1, sums, nsub, xd, nb, i, acc):  # type: ignore[no-untyped-def]
+        return _block_signature(row, xu, tokens, sums, xd, acc), _block_codegen(kind)
+
+    return block  # type: ignore[no-any-return]
+
+
+def _block_signature(row, xu, tokens, sums, xd, acc):  # type: ignore[no-untyped-def]
+    return types.void(row, types.int64, types.float32, xu, types.int64, tokens, types.int64, types.int64, sums,
+                      types.int64, xd, types.int64, types.int64, acc)
+
+
+def _block_codegen(kind: int) -> Callable[..., ir.Value]:
+    """Block i of a row (its bytes at row[ro:]) against the activation rows tokens[m0:m1] (xu: their
     unsigned bytes, rows of n; sums: each token's 32-value integer sums, nsub a row, by its place in `tokens`; xd:
     the Q8_K scales, nb a row): the codes looked up as unsigned bytes (vpshufb) and the scales made once, then per
     token the 16 lanes (the minima's products in lanes 0 .. 7, per 64 values vpmaddwd(vpmaddubsw(codes, xu - 128),
     scales)) and acc[16 (m - m0) ...] = fma(d x the token's scale, float(lanes), acc)."""
-    sig = types.void(row, types.int64, types.float32, xu, types.int64, tokens, types.int64, types.int64, sums,
-                     types.int64, xd, types.int64, types.int64, acc)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         row_p, xu_p, tok_p, sums_p, xd_p, acc_p = (
@@ -67,27 +113,18 @@ def _block_vector(typingctx, row, ro, d, xu, n, tokens, m0, m1, sums, nsub, xd, 
             builder.module, ir.FunctionType(ret, list(params)), name)
         maddubs = fn("llvm.x86.avx512.pmaddubs.w.512", _V32S, _V64B, _V64B)
         maddwd = fn("llvm.x86.avx512.pmaddw.d.512", _V16I, _V32S, _V32S)
-        shuffle_bytes = fn("llvm.x86.avx512.pshuf.b.512", _V64B, _V64B, _V64B)
         fma = fn("llvm.fma.v16f32", _V16F, _V16F, _V16F, _V16F)
-        v8b, v8s, v8i, v32b = (ir.VectorType(_I8, 8), ir.VectorType(_I16, 8), ir.VectorType(_I32, 8),
-                               ir.VectorType(_I8, 32))
+        v8b, v8s, v8i = ir.VectorType(_I8, 8), ir.VectorType(_I16, 8), ir.VectorType(_I32, 8)
         block = builder.gep(row_p, [ro])
         raw_scales = builder.load(builder.bitcast(block, v8b.as_pointer()), align=1)
         scales = builder.sub(builder.and_(builder.zext(raw_scales, v8s), ir.Constant(v8s, [254] * 8)),
                              ir.Constant(v8s, [127] * 8))
-        shifts = builder.shl(builder.and_(builder.zext(raw_scales, v8i), ir.Constant(v8i, [1] * 8)),
-                             ir.Constant(v8i, [2] * 8))
+        shifts = builder.mul(builder.and_(builder.zext(raw_scales, v8i), ir.Constant(v8i, [1] * 8)),
+                             ir.Constant(v8i, [int(GRID_SHIFT[kind])] * 8))
         minima = builder.mul(builder.sext(scales, v8i), builder.add(shifts, ir.Constant(v8i, [-128] * 8)))
-        table = ir.Constant(_V64B, [int(v) - 256 if v > 127 else int(v) for v in _UNSIGNED.tolist()] * 4)
-        order = ir.Constant(ir.VectorType(_I32, 64), list(range(16)) + list(range(32, 48)) + list(range(16, 32))
-                            + list(range(48, 64)))
         weights, scale_vectors = [], []
         for k in range(4):
-            codes = builder.load(builder.bitcast(builder.gep(block, [const(8 + 32 * k)]), v32b.as_pointer()),
-                                 align=1)
-            low = builder.and_(codes, ir.Constant(v32b, [15] * 32))
-            high = builder.lshr(codes, ir.Constant(v32b, [4] * 32))
-            weights.append(builder.call(shuffle_bytes, [table, builder.shuffle_vector(low, high, order)]))
+            weights.append(_unsigned_codes(builder, block, kind, k))
             pick = ir.Constant(ir.VectorType(_I32, 32), [2 * k] * 16 + [2 * k + 1] * 16)
             scale_vectors.append(builder.shuffle_vector(scales, ir.Constant(v8s, ir.Undefined), pick))
         flip = ir.Constant(_V64B, [-128] * 64)
@@ -112,7 +149,7 @@ def _block_vector(typingctx, row, ro, d, xu, n, tokens, m0, m1, sums, nsub, xd, 
                           align=4)
         return context.get_dummy_value()
 
-    return sig, codegen
+    return codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -134,27 +171,34 @@ def _no_vector(row, ro, d, xu, n, tokens, m0, m1, sums, nsub, xd, nb, i, acc):  
     """Where the CPU lacks AVX-512BW nothing calls the vector form (native_matmuls takes the scalar loop)."""
 
 
-#: the vector form where it compiles, else a stand-in never called
-_block_fast = _block_vector if HAS_AVX512BW else njit(cache=True, nogil=True)(_no_vector)
+#: the vector forms (IQ4_KS, IQ5_KS) where they compile, else a stand-in never called
+_block_fast4, _block_fast5 = ((_block_vector(0), _block_vector(1)) if HAS_AVX512BW else
+                              (njit(cache=True, nogil=True)(_no_vector),) * 2)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _prepare_row(row: np.ndarray, nb: int, wu: np.ndarray, wo: int, sc: np.ndarray, so: int, mins: np.ndarray,
-                 mo: int) -> np.float32:
-    """A row's codes as the kernel's unsigned bytes (wu[wo:]), each block's scales as vpmaddwd takes them (per 64
-    values 32 int16: the first sub-block's scale 16 times, then the second's; sc[so:]), each sub-block's minimum
-    (mins[mo:]); returns the row's scale d."""
+def _prepare_row(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.ndarray, mins: np.ndarray) -> np.float32:
+    """A row's codes as the kernel's unsigned bytes (wu), each block's scales as vpmaddwd takes them (per 64 values
+    32 int16: the first sub-block's scale 16 times, then the second's; sc), each sub-block's minimum (mins);
+    returns the row's scale d."""
     for i in range(nb):
-        o = 4 + BLOCK_BYTES * i
+        o = 4 + BLOCK_BYTES[kind] * i
         for m in range(8):
             b = np.int32(row[o + m])
             s = (b & 254) - 127
-            mins[mo + 8 * i + m] = s * (-128 + 4 * (b & 1))
+            mins[8 * i + m] = s * (-128 + GRID_SHIFT[kind] * (b & 1))
             for j in range(16):
-                sc[so + 128 * i + 16 * m + j] = s
-                c = np.int32(row[o + 8 + 16 * m + j])
-                wu[wo + SUPER * i + SUB * m + j] = _UNSIGNED[c & 15]
-                wu[wo + SUPER * i + SUB * m + 16 + j] = _UNSIGNED[c >> 4]
+                sc[128 * i + 16 * m + j] = s
+            at = SUPER * i + SUB * m
+            if kind == 0:
+                for j in range(16):
+                    c = np.int32(row[o + 8 + 16 * m + j])
+                    wu[at + j] = _UNSIGNED4[c & 15]
+                    wu[at + 16 + j] = _UNSIGNED4[c >> 4]
+            else:
+                for j in range(SUB):
+                    c = (np.int32(row[o + 8 + 32 * (m // 2) + j]) >> (4 * (m % 2))) & 15
+                    wu[at + j] = _UNSIGNED5[c | (((np.int32(row[o + 136 + j]) >> m) & 1) << 4)]
     return load_f32(row, 0)
 
 
@@ -169,10 +213,10 @@ def _reduce16(acc: np.ndarray) -> np.float32:
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _scalar_row(row, xu, xd, sub_sums, tokens, m0, m1, wu, sc, mins, lanes, acc):  # type: ignore[no-untyped-def]
+def _scalar_row(row, kind, xu, xd, sub_sums, tokens, m0, m1, wu, sc, mins, lanes, acc):  # type: ignore[no-untyped-def]
     """One row against tokens[m0:m1] in the scalar loop (acc as _block_vector leaves it)."""
     nb = xd.shape[1]
-    d = _prepare_row(row, nb, wu, 0, sc, 0, mins, 0)
+    d = _prepare_row(row, kind, nb, wu, sc, mins)
     for m in range(m0, m1):
         x = tokens[m]
         for i in range(nb):
@@ -183,8 +227,8 @@ def _scalar_row(row, xu, xd, sub_sums, tokens, m0, m1, wu, sc, mins, lanes, acc)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _task(raw, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector, wu, sc, mins, lanes,  # type: ignore[no-untyped-def]
-          acc):
+def _task(raw, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector, wu, sc, mins,  # type: ignore[no-untyped-def]
+          lanes, acc):
     """Weight rows ROW_TILE x t .. of matrix j (task = j x tiles + t) against matrix j's tokens, row by row."""
     tiles = -(-n_rows // ROW_TILE)
     j, t = task // tiles, task % tiles
@@ -198,16 +242,20 @@ def _task(raw, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector, wu, 
         if vector:
             d = load_f32(row, 0)
             for i in range(nb):
-                _block_fast(row, 4 + BLOCK_BYTES * i, d, xu.reshape(-1), n, tokens, m0, m1, sub_sums.reshape(-1),
-                            nb * 8, xd.reshape(-1), nb, i, acc)
+                if kind == 0:
+                    _block_fast4(row, 4 + BLOCK_BYTES[0] * i, d, xu.reshape(-1), n, tokens, m0, m1,
+                                 sub_sums.reshape(-1), nb * 8, xd.reshape(-1), nb, i, acc)
+                else:
+                    _block_fast5(row, 4 + BLOCK_BYTES[1] * i, d, xu.reshape(-1), n, tokens, m0, m1,
+                                 sub_sums.reshape(-1), nb * 8, xd.reshape(-1), nb, i, acc)
         else:
-            _scalar_row(row, xu, xd, sub_sums, tokens, m0, m1, wu, sc, mins, lanes, acc)
+            _scalar_row(row, kind, xu, xd, sub_sums, tokens, m0, m1, wu, sc, mins, lanes, acc)
         for m in range(m0, m1):
             out[m, r] = _reduce16(acc[16 * (m - m0) : 16 * (m - m0) + 16])
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _matmuls(raw, xu, xd, sub_sums, tokens, row_at, out, vector, most, threads):  # type: ignore[no-untyped-def]
+def _matmuls(raw, kind, xu, xd, sub_sums, tokens, row_at, out, vector, most, threads):  # type: ignore[no-untyped-def]
     """Every (matrix, row tile) task, claimed by the threads (ikrun/ops/parallel.py); `most`: the most tokens a
     matrix takes."""
     n_rows, nb = raw.shape[1], xd.shape[1]
@@ -222,7 +270,8 @@ def _matmuls(raw, xu, xd, sub_sums, tokens, row_at, out, vector, most, threads):
         t0, t1 = claim_items(counter, per, tasks)
         while t0 < t1:
             for task in range(t0, t1):
-                _task(raw, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector, wu, sc, mins, lanes, acc)
+                _task(raw, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector, wu, sc, mins, lanes,
+                      acc)
             t0, t1 = claim_items(counter, per, tasks)
 
 
@@ -238,13 +287,14 @@ def _sub_block_sums(xu: np.ndarray, tokens: np.ndarray, sums: np.ndarray) -> Non
             sums[m, b] = total
 
 
-def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndarray,
+def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndarray, type_name: str,
                    vector: bool = HAS_AVX512BW) -> np.ndarray:
-    """Rows `tokens` of the Q8_K activations x times IQ4_KS matrices as ik's own kernel computes them: matrix j
-    (raw [E, rows, row bytes], the file's rows) takes tokens[row_at[j] : row_at[j + 1]]; float32 [len(tokens),
-    rows]. `vector` False (or a CPU without AVX-512BW): the scalar loop (the same bits)."""
+    """Rows `tokens` of the Q8_K activations x times matrices of `type_name` (NATIVE_TYPES) as ik's own kernel
+    computes them: matrix j (raw [E, rows, row bytes], the file's rows) takes tokens[row_at[j] : row_at[j + 1]];
+    float32 [len(tokens), rows]. `vector` False (or a CPU without AVX-512BW): the scalar loop (the same bits)."""
     if x.block != SUPER:
-        raise ValueError(f"ik's IQ4_KS kernel takes Q8_K activations (blocks of {SUPER}), not blocks of {x.block}")
+        raise ValueError(f"ik's {type_name} kernel takes Q8_K activations (blocks of {SUPER}), not blocks of "
+                         f"{x.block}")
     raw = np.ascontiguousarray(raw)
     tokens = np.ascontiguousarray(tokens, dtype=np.int64)
     row_at = np.ascontiguousarray(row_at, dtype=np.int64)
@@ -252,11 +302,13 @@ def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.n
     _sub_block_sums(x.u, tokens, sums)
     out = np.empty((len(tokens), raw.shape[1]), np.float32)
     most = int(np.diff(row_at).max(initial=0))
-    _matmuls(raw, x.u, x.scale, sums, tokens, row_at, out, vector and HAS_AVX512BW, most, get_num_threads())
+    _matmuls(raw, NATIVE_TYPES[type_name], x.u, x.scale, sums, tokens, row_at, out, vector and HAS_AVX512BW, most,
+             get_num_threads())
     return out
 
 
-def native_matmul(x: IntRows, raw: np.ndarray, vector: bool = HAS_AVX512BW) -> np.ndarray:
-    """x (Q8_K rows) @ an IQ4_KS matrix's rows `raw` [rows, row bytes]^T in ik's own kernel: float32 [x.rows,
-    rows]."""
-    return native_matmuls(x, raw[None], np.arange(x.rows, dtype=np.int64), np.array([0, x.rows], np.int64), vector)
+def native_matmul(x: IntRows, raw: np.ndarray, type_name: str, vector: bool = HAS_AVX512BW) -> np.ndarray:
+    """x (Q8_K rows) @ a matrix's rows `raw` [rows, row bytes]^T of `type_name` in ik's own kernel: float32
+    [x.rows, rows]."""
+    return native_matmuls(x, raw[None], np.arange(x.rows, dtype=np.int64), np.array([0, x.rows], np.int64),
+                          type_name, vector)
