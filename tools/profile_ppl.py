@@ -26,6 +26,8 @@ from ikrun.cli import app
 #: (label, what a function's file path contains), first match wins; the rest is "other"
 PARTS = (
     ("integer matmuls (qgemm)", "numerics/ik/qgemm"),
+    ("ik's own IQ4_KS / IQ5_KS kernels (iqk_native)", "numerics/ik/iqk_native"),
+    ("IQK weights packed from their bytes (q8k_direct)", "numerics/ik/q8k_direct"),
     ("ik float matmuls (ikgemm)", "numerics/ik/ikgemm"),
     ("activation rounding (ik formats)", "numerics/ik/formats"),
     ("float matmuls (fgemm)", "ops/fgemm"),
