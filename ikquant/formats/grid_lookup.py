@@ -14,6 +14,7 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from ikquant.cpu import host_has
+from ikquant.formats.vector_ir import splat
 
 _I64, _V16B = ir.IntType(64), ir.VectorType(ir.IntType(8), 16)
 _V16I, _V16F = ir.VectorType(ir.IntType(32), 16), ir.VectorType(ir.FloatType(), 16)
@@ -36,9 +37,7 @@ def _permuted(typingctx, row, codes, grid, off, scale, off_high, scale_high, p, 
 
         def values(off: ir.Value, scale: ir.Value) -> ir.Value:
             grid_v = builder.load(builder.bitcast(builder.gep(grid_p, [off]), _V16F.as_pointer()), align=4)
-            splat = builder.insert_element(ir.Constant(_V16F, ir.Undefined), scale, ir.Constant(ir.IntType(32), 0))
-            splat = builder.shuffle_vector(splat, ir.Constant(_V16F, ir.Undefined), ir.Constant(_V16I, [0] * 16))
-            return builder.fmul(grid_v, splat)
+            return builder.fmul(grid_v, splat(builder, scale, _V16F))
 
         out = builder.bitcast(builder.gep(p_p, [args[8]]), _V16F.as_pointer())
         low = builder.and_(wide, ir.Constant(_V16I, [15] * 16))

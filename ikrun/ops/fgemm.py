@@ -9,9 +9,9 @@ weights are read from the matrix itself: float32 as decoded, or the file's own f
 (exactly) a small panel at a time (ROWS rows x K_STEP values), so half-precision experts are never
 decoded into a float32 copy; the quantized types of PANEL_TYPES are decoded the same way, a panel at a time from the
 file's rows by their codec's own block decoder (the same floats as decoding the whole matrix, which would write and
-read back four bytes a value and fault in fresh pages for them). The tokens are transposed, 16 to a group. One call takes all experts of a layer that
-receive tokens (a few dozen tokens each in a MoE's batch): the threads share their (expert, row tile) tasks, where a
-call per expert would pay Python's and the thread pool's start for each.
+read back four bytes a value and fault in fresh pages for them). The tokens are transposed, 16 to a group. One call
+takes all experts of a layer that receive tokens (a few dozen tokens each in a MoE's batch): the threads share
+their (expert, row tile) tasks, where a call per expert would pay Python's and the thread pool's start for each.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from ikquant.formats.iqk_ks import iq4_ks_block, iq5_ks_block
 from ikquant.formats.kquants import q4_k_block, q5_k_block, q6_k_block
 from ikquant.formats.numeric import widen_16
 from ikrun.ops.parallel import claim_items, run_claimed, task_items
+from ikrun.ops.simd import splat
 
 LANES = 16  # tokens per vector
 #: weight rows and token groups per call. AVX2 has 16 vector registers of 8 floats: 6 x 1 keeps 12 accumulators,
@@ -41,7 +42,7 @@ ROWS, GROUPS = (6, 1) if AVX2_TILE else (12, 2)
 K_STEP = 256  # values of a row per pass over the tokens (their panel stays in the first-level cache)
 #: quantized weight types the kernel decodes a panel at a time (blocks of K_STEP values), by their codes here
 PANEL_TYPES = {"IQ4_KS": 1, "IQ5_KS": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
-_I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+_I64, _F32 = ir.IntType(64), ir.FloatType()
 _V16F = ir.VectorType(_F32, LANES)
 
 
@@ -71,12 +72,9 @@ def _tile(typingctx, panel, xt, g0, k0, k1, n, out, r0, n_tok):  # type: ignore[
             xs = [builder.load(builder.bitcast(builder.gep(x, [step]), _V16F.as_pointer()), align=4) for x in x_at]
             for i in range(ROWS):
                 wv = builder.load(builder.gep(w_p, [builder.add(loop.index, const(i * K_STEP))]))
-                splat = builder.shuffle_vector(builder.insert_element(ir.Constant(_V16F, ir.Undefined), wv,
-                                                                      ir.Constant(_I32, 0)),
-                                               ir.Constant(_V16F, ir.Undefined), ir.Constant(
-                                                   ir.VectorType(_I32, LANES), [0] * LANES))
+                broadcast = splat(builder, wv)
                 for h in range(GROUPS):
-                    builder.store(builder.call(fma, [splat, xs[h], builder.load(accs[(i, h)])]), accs[(i, h)])
+                    builder.store(builder.call(fma, [broadcast, xs[h], builder.load(accs[(i, h)])]), accs[(i, h)])
         for key, o in outs.items():
             builder.store(builder.load(accs[key]), o, align=4)
         return context.get_dummy_value()

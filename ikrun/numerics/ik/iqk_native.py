@@ -36,6 +36,7 @@ from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ5NL_VALUES
 from ikquant.formats.numeric import fmaf, load_f32
 from ikrun.numerics.ik.qgemm import IntRows
 from ikrun.ops.parallel import claim_items, task_items
+from ikrun.ops.simd import splat
 
 #: the weight types whose own kernel (below their conversion threshold) is reproduced here, by their code here
 NATIVE_TYPES = {"IQ4_KS": 0, "IQ5_KS": 1}
@@ -142,11 +143,9 @@ def _block_codegen(kind: int) -> Callable[..., ir.Value]:
                 pairs = builder.call(maddubs, [weights[k], builder.xor(xs, flip)])
                 lanes = builder.add(lanes, builder.call(maddwd, [pairs, scale_vectors[k]]))
             dd = builder.fmul(d, builder.load(builder.gep(xd_p, [builder.add(builder.mul(x, nb), i)])))
-            splat = builder.insert_element(ir.Constant(_V16F, ir.Undefined), dd, ir.Constant(_I32, 0))
-            splat = builder.shuffle_vector(splat, ir.Constant(_V16F, ir.Undefined), ir.Constant(_V16I, [0] * 16))
             out = builder.bitcast(builder.gep(acc_p, [builder.mul(loop.index, const(16))]), _V16F.as_pointer())
-            builder.store(builder.call(fma, [splat, builder.sitofp(lanes, _V16F), builder.load(out, align=4)]), out,
-                          align=4)
+            builder.store(builder.call(fma, [splat(builder, dd), builder.sitofp(lanes, _V16F),
+                                             builder.load(out, align=4)]), out, align=4)
         return context.get_dummy_value()
 
     return codegen
@@ -236,6 +235,7 @@ def _task(raw, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector
     if m0 == m1:
         return
     nb, n = xd.shape[1], xu.shape[1]
+    xu_flat, sums_flat, xd_flat = xu.reshape(-1), sub_sums.reshape(-1), xd.reshape(-1)
     for r in range(t * ROW_TILE, min(n_rows, (t + 1) * ROW_TILE)):
         row = raw[j, r]
         acc[: 16 * (m1 - m0)] = 0
@@ -243,11 +243,11 @@ def _task(raw, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector
             d = load_f32(row, 0)
             for i in range(nb):
                 if kind == 0:
-                    _block_fast4(row, 4 + BLOCK_BYTES[0] * i, d, xu.reshape(-1), n, tokens, m0, m1,
-                                 sub_sums.reshape(-1), nb * 8, xd.reshape(-1), nb, i, acc)
+                    _block_fast4(row, 4 + BLOCK_BYTES[0] * i, d, xu_flat, n, tokens, m0, m1, sums_flat, nb * 8,
+                                 xd_flat, nb, i, acc)
                 else:
-                    _block_fast5(row, 4 + BLOCK_BYTES[1] * i, d, xu.reshape(-1), n, tokens, m0, m1,
-                                 sub_sums.reshape(-1), nb * 8, xd.reshape(-1), nb, i, acc)
+                    _block_fast5(row, 4 + BLOCK_BYTES[1] * i, d, xu_flat, n, tokens, m0, m1, sums_flat, nb * 8,
+                                 xd_flat, nb, i, acc)
         else:
             _scalar_row(row, kind, xu, xd, sub_sums, tokens, m0, m1, wu, sc, mins, lanes, acc)
         for m in range(m0, m1):
