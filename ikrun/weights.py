@@ -353,12 +353,16 @@ class WeightStore:
 
     def panel_experts(self, name: str, experts: np.ndarray, even_if_cached: bool = False) -> QuantizedExperts | None:
         """Matrices `experts` of an expert tensor of a type ikrun/ops/fgemm.py's kernel decodes itself, a panel
-        at a time (PANEL_TYPES), as the file's rows, nothing decoded (`_file_experts`); None for other types or
+        at a time (PANEL_TYPES), as the file's rows: the tensor's mapped bytes and the experts' ids, nothing
+        decoded or copied (the caller releases the pages once the kernel has read them); None for other types or
         when the tensor's float32 copy is cached (unless `even_if_cached`: a kernel that reads the rows)."""
         enc = self.encoding(name)
         if enc.type.name not in PANEL_TYPES or (self.cached_array(name) is not None and not even_if_cached):
             return None
-        return QuantizedExperts(self._file_experts(name, enc, experts), enc.type.name, self.info(name).shape[2])
+        n_expert, rows, n = self.info(name).shape
+        matrices = enc.raw.reshape(n_expert, rows, -1)
+        self.reads[name] += int(matrices[0].nbytes) * len(experts)
+        return QuantizedExperts(matrices, enc.type.name, n, np.ascontiguousarray(experts, dtype=np.int64))
 
     def _file_experts(self, name: str, enc: Encoding, experts: np.ndarray) -> np.ndarray:
         """The file's rows of matrices `experts` of `name` [len(experts), rows, row bytes]: consecutive experts as

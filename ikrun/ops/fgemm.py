@@ -95,20 +95,29 @@ def _value_impl(w, at):  # type: ignore[no-untyped-def]
 
 @dataclass(frozen=True)
 class QuantizedExperts:
-    """Expert matrices as the file's rows of a PANEL_TYPES type: raw [E, rows, row bytes] (uint8), n values a
-    row."""
+    """Expert matrices as the file's rows of a PANEL_TYPES type: matrices `which` of raw [E, rows, row bytes]
+    (uint8; None: all of them, in order), n values a row. Naming the matrices instead of taking them out of the
+    file (raw[which], a copy of every matrix not in one consecutive run) leaves the kernels to read the mapped
+    file's rows where they lie."""
 
     raw: np.ndarray
     type_name: str
     n: int
+    which: np.ndarray | None = None
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The matrices of raw, in order (int64)."""
+        return np.arange(self.raw.shape[0], dtype=np.int64) if self.which is None else \
+            np.ascontiguousarray(self.which, dtype=np.int64)
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return self.raw.shape[0], self.raw.shape[1], self.n
+        return (self.raw.shape[0] if self.which is None else len(self.which)), self.raw.shape[1], self.n
 
     @property
     def nbytes(self) -> int:
-        return int(self.raw.nbytes)
+        return int(self.raw[0].nbytes) * self.shape[0] if self.raw.shape[0] else 0
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -155,16 +164,16 @@ def _panel_impl(w, kind, row_len, r0, n_rows, k0, k1, panel):  # type: ignore[no
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _task(w, kind, row_len, xt, group_at, row_at, out, task, n_rows, n):  # type: ignore[no-untyped-def]
-    """One task of a call: weight rows ROWS x t .. of expert j (task = j x tiles + t) against that expert's token
-    groups, every K_STEP panel in order into a zeroed accumulator block, then copied to its tokens' output rows."""
+def _task(w, which, kind, row_len, xt, group_at, row_at, out, task, n_rows, n):  # type: ignore[no-untyped-def]
+    """One task of a call: weight rows ROWS x t .. of expert j (task = j x tiles + t; w's matrix which[j]) against
+    that expert's token groups, every K_STEP panel in order into a zeroed accumulator block, then copied to its tokens' output rows."""
     tiles = -(-n_rows // ROWS)
     j, t = task // tiles, task % tiles
     g0, g1 = group_at[j], group_at[j + 1]
     n_tok = (g1 - g0) * LANES
     if n_tok == 0:
         return
-    wj = w[j * n_rows * row_len : (j + 1) * n_rows * row_len]
+    wj = w[which[j] * n_rows * row_len : (which[j] + 1) * n_rows * row_len]
     xj = xt[g0 * n * LANES : g1 * n * LANES]
     acc = np.zeros(ROWS * n_tok, np.float32)
     panel = np.empty(ROWS * K_STEP, np.float32)
@@ -181,7 +190,7 @@ def _task(w, kind, row_len, xt, group_at, row_at, out, task, n_rows, n):  # type
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _experts_parallel(w, kind, row_len, xt, group_at, row_at, out, n_rows, n,  # type: ignore[no-untyped-def]
+def _experts_parallel(w, which, kind, row_len, xt, group_at, row_at, out, n_rows, n,  # type: ignore[no-untyped-def]
                       threads):
     """Every (expert, row tile) task, claimed by the threads (ikrun/ops/parallel.py)."""
     tasks = (len(group_at) - 1) * -(-n_rows // ROWS)
@@ -190,14 +199,14 @@ def _experts_parallel(w, kind, row_len, xt, group_at, row_at, out, n_rows, n,  #
         t0, t1 = claim_items(counter, per, tasks)
         while t0 < t1:
             for task in range(t0, t1):
-                _task(w, kind, row_len, xt, group_at, row_at, out, task, n_rows, n)
+                _task(w, which, kind, row_len, xt, group_at, row_at, out, task, n_rows, n)
             t0, t1 = claim_items(counter, per, tasks)
 
 
 @njit(cache=True, nogil=True)
-def _experts_serial(w, kind, row_len, xt, group_at, row_at, out, n_rows, n):  # type: ignore[no-untyped-def]
+def _experts_serial(w, which, kind, row_len, xt, group_at, row_at, out, n_rows, n):  # type: ignore[no-untyped-def]
     for task in range((len(group_at) - 1) * -(-n_rows // ROWS)):
-        _task(w, kind, row_len, xt, group_at, row_at, out, task, n_rows, n)
+        _task(w, which, kind, row_len, xt, group_at, row_at, out, task, n_rows, n)
 
 
 @njit(cache=True, nogil=True)
@@ -247,12 +256,14 @@ def experts_matmul(x: np.ndarray, w: np.ndarray | QuantizedExperts, tokens: np.n
     xt, group_at = token_groups(x, tokens, row_at)
     if isinstance(w, QuantizedExperts):
         flat, kind, row_len = np.ascontiguousarray(w.raw).reshape(-1), PANEL_TYPES[w.type_name], w.raw.shape[2]
+        which = w.ids
     else:
         dtype = w.dtype.type if w.dtype.type in WEIGHT_DTYPES else np.float32
         flat, kind, row_len = np.ascontiguousarray(w, dtype=dtype).reshape(-1), 0, n
+        which = np.arange(w.shape[0], dtype=np.int64)
     out = np.empty((len(tokens), n_rows), np.float32)
     run_claimed(_experts_serial, _experts_parallel, n_rows * n * xt.shape[0],
-                flat, kind, row_len, xt.reshape(-1), group_at, row_at, out, n_rows, n)
+                flat, which, kind, row_len, xt.reshape(-1), group_at, row_at, out, n_rows, n)
     return out
 
 

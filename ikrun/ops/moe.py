@@ -431,7 +431,7 @@ def _experts_product(x: _Activations, mats: ExpertMats, tokens: np.ndarray, row_
     weight (`avx2`: its AVX2 build's 8-lane kernel, bf16 weights included); else all experts in one experts_matmul
     call on the rounded rows (its bits are each output's own FMA chain, so the same as a call per expert)."""
     if ik in NATIVE_TYPES and not avx2 and isinstance(mats, QuantizedExperts):
-        return native_matmuls(x.ints(), mats.raw, tokens, row_at, ik)
+        return native_matmuls(x.ints(), mats.raw, tokens, row_at, ik, which=mats.ids)
     rounded = x.rounded()
     bf16, lanes = ik == "BF16" and not avx2, AVX2_LANES if avx2 else LANES
     if ik in IK_FLOAT_TYPES and takes_whole(rounded.shape[1], bf16, lanes):

@@ -226,9 +226,10 @@ def _scalar_row(row, kind, xu, xd, sub_sums, tokens, m0, m1, wu, sc, mins, lanes
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _task(raw, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector, wu, sc, mins,  # type: ignore[no-untyped-def]
-          lanes, acc):
-    """Weight rows ROW_TILE x t .. of matrix j (task = j x tiles + t) against matrix j's tokens, row by row."""
+def _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector, wu, sc,  # type: ignore[no-untyped-def]
+          mins, lanes, acc):
+    """Weight rows ROW_TILE x t .. of matrix j (task = j x tiles + t; raw's matrix which[j]) against matrix j's
+    tokens, row by row."""
     tiles = -(-n_rows // ROW_TILE)
     j, t = task // tiles, task % tiles
     m0, m1 = row_at[j], row_at[j + 1]
@@ -237,7 +238,7 @@ def _task(raw, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector
     nb, n = xd.shape[1], xu.shape[1]
     xu_flat, sums_flat, xd_flat = xu.reshape(-1), sub_sums.reshape(-1), xd.reshape(-1)
     for r in range(t * ROW_TILE, min(n_rows, (t + 1) * ROW_TILE)):
-        row = raw[j, r]
+        row = raw[which[j], r]
         acc[: 16 * (m1 - m0)] = 0
         if vector:
             d = load_f32(row, 0)
@@ -255,7 +256,8 @@ def _task(raw, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _matmuls(raw, kind, xu, xd, sub_sums, tokens, row_at, out, vector, most, threads):  # type: ignore[no-untyped-def]
+def _matmuls(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, vector, most,  # type: ignore[no-untyped-def]
+             threads):
     """Every (matrix, row tile) task, claimed by the threads (ikrun/ops/parallel.py); `most`: the most tokens a
     matrix takes."""
     n_rows, nb = raw.shape[1], xd.shape[1]
@@ -270,8 +272,8 @@ def _matmuls(raw, kind, xu, xd, sub_sums, tokens, row_at, out, vector, most, thr
         t0, t1 = claim_items(counter, per, tasks)
         while t0 < t1:
             for task in range(t0, t1):
-                _task(raw, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector, wu, sc, mins, lanes,
-                      acc)
+                _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector, wu, sc, mins,
+                      lanes, acc)
             t0, t1 = claim_items(counter, per, tasks)
 
 
@@ -288,10 +290,11 @@ def _sub_block_sums(xu: np.ndarray, tokens: np.ndarray, sums: np.ndarray) -> Non
 
 
 def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndarray, type_name: str,
-                   vector: bool = HAS_AVX512BW) -> np.ndarray:
+                   vector: bool = HAS_AVX512BW, which: np.ndarray | None = None) -> np.ndarray:
     """Rows `tokens` of the Q8_K activations x times matrices of `type_name` (NATIVE_TYPES) as ik's own kernel
-    computes them: matrix j (raw [E, rows, row bytes], the file's rows) takes tokens[row_at[j] : row_at[j + 1]];
-    float32 [len(tokens), rows]. `vector` False (or a CPU without AVX-512BW): the scalar loop (the same bits)."""
+    computes them: matrix j (raw [E, rows, row bytes], the file's rows; with `which`, raw's matrix which[j]) takes
+    tokens[row_at[j] : row_at[j + 1]]; float32 [len(tokens), rows]. `vector` False (or a CPU without AVX-512BW):
+    the scalar loop (the same bits)."""
     if x.block != SUPER:
         raise ValueError(f"ik's {type_name} kernel takes Q8_K activations (blocks of {SUPER}), not blocks of "
                          f"{x.block}")
@@ -302,8 +305,9 @@ def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.n
     _sub_block_sums(x.u, tokens, sums)
     out = np.empty((len(tokens), raw.shape[1]), np.float32)
     most = int(np.diff(row_at).max(initial=0))
-    _matmuls(raw, NATIVE_TYPES[type_name], x.u, x.scale, sums, tokens, row_at, out, vector and HAS_AVX512BW, most,
-             get_num_threads())
+    which = np.arange(raw.shape[0], dtype=np.int64) if which is None else np.ascontiguousarray(which, np.int64)
+    _matmuls(raw, which, NATIVE_TYPES[type_name], x.u, x.scale, sums, tokens, row_at, out,
+             vector and HAS_AVX512BW, most, get_num_threads())
     return out
 
 
