@@ -13,8 +13,8 @@ layer, 64 experts of 512, 8 used, and a gated shared expert; ~1.1B parameters). 
 - `unconstrained`: --no-stream with no budget worth the name (every decoded weight cached, the pre-budget runtime);
 - `default`: no flags (75% of the available memory; one-pass runs are layer-streamed);
 - `--mem M`: the given budget (default 1GiB), layer-streamed;
-- `--numerics ik`: the default mode with ik's arithmetic (integer matmuls; `--ik-batch 2048`, the micro-batches of
-  ik's default -b, which the ik runs use), shown as "refused" for a file with a
+- `--numerics ik`: the default mode with ik's arithmetic (integer matmuls; `--ik-batch B`, the micro-batches of
+  the ik runs' `-b B`: ik's default 2048 unless --ik-batch says otherwise), shown as "refused" for a file with a
   weight type it does not reproduce;
 - `ik`: ik_llama.cpp's llama-perplexity on the same file, chunks and threads, when --ik-bin is given, with its
   defaults (flash attention on; --ik-flash-attn off for -fa off).
@@ -123,8 +123,8 @@ def ikrun_ppl(path: Path, text: Path, ctx: int, chunks: int, threads: int, extra
 
 
 def ik_ppl(ik_bin: Path, path: Path, text: Path, ctx: int, chunks: int, threads: int,
-           flash_attn: str) -> tuple[float, float]:
-    out, rss = run([str(ik_bin), "-m", str(path), "-f", str(text), "-c", str(ctx), "-b", str(ctx), "--chunks",
+           flash_attn: str, batch: int) -> tuple[float, float]:
+    out, rss = run([str(ik_bin), "-m", str(path), "-f", str(text), "-c", str(ctx), "-b", str(batch), "--chunks",
                     str(chunks), "-t", str(threads), "-fa", flash_attn])
     m = re.search(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", out)
     if m is None:
@@ -145,13 +145,17 @@ def main() -> None:
     ap.add_argument("--ik-flash-attn", choices=("on", "off"), default="on",
                     help="ik's -fa: on is its default (what users run; its DeepSeek-V4 graph asserts with off); off "
                          "was these figures' setting before")
+    ap.add_argument("--ik-batch", type=int, default=2048,
+                    help="ik's -b and the --numerics ik runs' --ik-batch (which expert kernels ik picks depends on "
+                         "the tokens a micro-batch routes to each expert): 2048 is ik's default; the figures before "
+                         "2026-12 ran ik with -b of the context (ikrun with 2048)")
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
     files = build_models(a.workdir, a.only)
     text = a.workdir / "text.txt"
     text.write_text(CORPUS.read_text(encoding="utf-8") * 40, encoding="utf-8")
     modes = {"unconstrained": ["--no-stream", "--mem", "1000GiB"], "default": [], f"--mem {a.mem}": ["--mem", a.mem],
-             "--numerics ik": ["--numerics", "ik", "--ik-batch", "2048"]}
+             "--numerics ik": ["--numerics", "ik", "--ik-batch", str(a.ik_batch)]}
     print(f"ctx {a.ctx}, {a.chunks} chunks, {a.threads} threads")
     print(f"{'file':16s} {'GiB':>6s} {'mode':>14s} {'tok/s':>7s} {'x first':>8s} {'peak RSS GiB':>12s} "
           f"{'RSS/file':>8s}")
@@ -164,7 +168,8 @@ def main() -> None:
             if a.modes and not re.search(a.modes, mode):
                 continue
             try:
-                tps, rss = ik_ppl(a.ik_bin, path, text, a.ctx, a.chunks, a.threads, a.ik_flash_attn) if mode == "ik" else \
+                tps, rss = ik_ppl(a.ik_bin, path, text, a.ctx, a.chunks, a.threads, a.ik_flash_attn,
+                                  a.ik_batch) if mode == "ik" else \
                     ikrun_ppl(path, text, a.ctx, a.chunks, a.threads, extra)
             except Refused:
                 print(f"{label:16s} {size / GiB:6.2f} {mode:>14s} {'refused':>7s}", flush=True)
