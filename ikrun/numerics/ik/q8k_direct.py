@@ -62,10 +62,16 @@ def iq5_ks_packed(raw: np.ndarray, c: float) -> PackedInts | None:
     return _packed(raw, KIND_IQ5_KS, c) if _safe_row_scales(raw) else None
 
 
+@njit(cache=True, nogil=True)
 def _safe_row_scales(raw: np.ndarray) -> bool:
-    """Whether every float32 row scale (the rows' first 4 bytes) is within SAFE_SCALES."""
-    d = np.abs(np.ascontiguousarray(raw[:, :4]).view(np.float32)[:, 0])
-    return bool(np.all((d >= SAFE_SCALES[0]) & (d <= SAFE_SCALES[1])))
+    """Whether every float32 row scale (the rows' first 4 bytes) is within SAFE_SCALES (a NaN is not): a loop
+    over the rows (numpy's copy of the first 4 bytes of each and three array operations took ~55 us an expert)."""
+    lo, hi = np.float32(SAFE_SCALES[0]), np.float32(SAFE_SCALES[1])
+    for r in range(raw.shape[0]):
+        d = abs(load_f32(raw[r], 0))
+        if not (d >= lo and d <= hi):
+            return False
+    return True
 
 
 def iq4_k_packed(raw: np.ndarray, c: float) -> PackedInts | None:
