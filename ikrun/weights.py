@@ -30,11 +30,10 @@ from ikquant.gguf_io import GGUFFile, TensorInfo, file_stamp
 from ikquant.shards import GGUFModel
 from ikquant.types import GGMLType
 from ikrun.errors import SwapError
-from ikrun.ops.fgemm import PANEL_TYPES, QuantizedExperts
+from ikrun.ops.fgemm import HALF_BITS, PANEL_TYPES, QuantizedExperts
 from ikrun.ops.parallel import threads_for
 
 #: half-precision float types -> the integer dtype their bits are handed to the expert kernel as (ikrun/ops/fgemm.py)
-HALF_BITS = {"F16": np.uint16, "BF16": np.int16}
 #: integer ggml types -> their little-endian numpy dtype
 INTEGER_TYPES = {"I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
 
@@ -342,38 +341,31 @@ class WeightStore:
             return select_experts(out, experts)
         return out
 
-    def half_experts(self, name: str, experts: np.ndarray) -> np.ndarray | None:
-        """Matrices `experts` of an F16 or BF16 expert tensor as the file's 16-bit patterns, [len(experts), rows,
-        cols] (uint16 for f16, int16 for bf16: what ikrun/ops/fgemm.py's kernel widens itself), nothing decoded
-        (`_file_experts`); None for other types or when the tensor's float32 copy is cached."""
+    def half_experts(self, name: str, experts: np.ndarray) -> QuantizedExperts | None:
+        """Matrices `experts` of an F16 or BF16 expert tensor as the file's 16-bit patterns (what ikrun/ops/fgemm.py's
+        kernel widens itself), nothing decoded or copied (`_mapped_experts`); None for other types or when the
+        tensor's float32 copy is cached."""
         enc = self.encoding(name)
         if enc.type.name not in HALF_BITS or self.cached_array(name) is not None:
             return None
-        return self._file_experts(name, enc, experts).view(HALF_BITS[enc.type.name])
+        return self._mapped_experts(name, enc, experts)
 
     def panel_experts(self, name: str, experts: np.ndarray, even_if_cached: bool = False) -> QuantizedExperts | None:
         """Matrices `experts` of an expert tensor of a type ikrun/ops/fgemm.py's kernel decodes itself, a panel
-        at a time (PANEL_TYPES), as the file's rows: the tensor's mapped bytes and the experts' ids, nothing
-        decoded or copied (the caller releases the pages once the kernel has read them); None for other types or
-        when the tensor's float32 copy is cached (unless `even_if_cached`: a kernel that reads the rows)."""
+        at a time (PANEL_TYPES), as the file's rows, nothing decoded or copied (`_mapped_experts`); None for other
+        types or when the tensor's float32 copy is cached (unless `even_if_cached`: a kernel that reads the rows)."""
         enc = self.encoding(name)
         if enc.type.name not in PANEL_TYPES or (self.cached_array(name) is not None and not even_if_cached):
             return None
+        return self._mapped_experts(name, enc, experts)
+
+    def _mapped_experts(self, name: str, enc: Encoding, experts: np.ndarray) -> QuantizedExperts:
+        """Matrices `experts` of `name` as the tensor's mapped rows and the experts' ids (the kernels read each
+        expert where it lies; the caller releases the pages once they have: `release`)."""
         n_expert, rows, n = self.info(name).shape
         matrices = enc.raw.reshape(n_expert, rows, -1)
         self.reads[name] += int(matrices[0].nbytes) * len(experts)
         return QuantizedExperts(matrices, enc.type.name, n, np.ascontiguousarray(experts, dtype=np.int64))
-
-    def _file_experts(self, name: str, enc: Encoding, experts: np.ndarray) -> np.ndarray:
-        """The file's rows of matrices `experts` of `name` [len(experts), rows, row bytes]: consecutive experts as
-        a view of the mapped file, whose pages the caller releases once the kernel has read them (`release`),
-        others copied."""
-        n_expert, rows, _ = self.info(name).shape
-        out = select_experts(enc.raw.reshape(n_expert, rows, -1), experts)
-        self.reads[name] += out.nbytes
-        if not np.may_share_memory(out, enc.raw):
-            self._release(name)
-        return out
 
     def _forget_tensors(self, names: set[str]) -> None:
         """Remove every cache entry (whole and per expert) of the tensors `names`."""

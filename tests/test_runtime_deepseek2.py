@@ -146,9 +146,9 @@ def test_identical_logits_with_one_and_two_threads(data_dir: Path, monkeypatch: 
 def test_half_precision_experts_multiply_as_decoded(data_dir: Path, tmp_path: Path, kind: str, numerics: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """BF16/F16 routed experts go to the expert kernel as their bits (never decoded): the logits are those of their
-    float32 decoding, to the bit, in both arithmetics (ik's kernels convert neither type). Consecutive experts are
-    handed over as a view of the mapped file (others copied), and every expert tensor's pages are released once
-    its layer's kernels have read them."""
+    float32 decoding, to the bit, in both arithmetics (ik's kernels convert neither type). Any selection of experts
+    is handed over as the mapped file's rows and the experts' ids (nothing copied), and every expert tensor's pages
+    are released once its layer's kernels have read them."""
     from ikquant.cli import app as ikquant_app
     from ikrun.options import RuntimeOptions
     from ikrun.weights import WeightStore
@@ -162,8 +162,10 @@ def test_half_precision_experts_multiply_as_decoded(data_dir: Path, tmp_path: Pa
     model = Model(path, options=options)
     name = "blk.1.ffn_up_exps.weight"
     mapped = model.weights.encoding(name).raw
-    assert not np.shares_memory(model.weights.half_experts(name, np.array([0, 2])), mapped)
-    assert np.shares_memory(model.weights.half_experts(name, np.array([1, 2, 3])), mapped)
+    for ids in ([0, 2], [1, 2, 3]):
+        handed = model.weights.half_experts(name, np.array(ids))
+        assert handed is not None and np.shares_memory(handed.raw, mapped) and handed.ids.tolist() == ids
+        np.testing.assert_array_equal(handed.bits(), mapped.reshape(handed.raw.shape)[ids].view(handed.bits().dtype))
     released: list[str] = []
     release = WeightStore.release
     monkeypatch.setattr(WeightStore, "release", lambda self, names: (released.extend(names), release(self, names)))

@@ -93,11 +93,15 @@ def _value_impl(w, at):  # type: ignore[no-untyped-def]
     return lambda w, at: widen_16(w[at])
 
 
+#: the 16-bit expert types the kernel widens itself, as the dtype of their bits (bf16's int16: widen_16)
+HALF_BITS = {"F16": np.uint16, "BF16": np.int16}
+
+
 @dataclass(frozen=True)
 class QuantizedExperts:
-    """Expert matrices as the file's rows of a PANEL_TYPES type: matrices `which` of raw [E, rows, row bytes]
-    (uint8; None: all of them, in order), n values a row. Naming the matrices instead of taking them out of the
-    file (raw[which], a copy of every matrix not in one consecutive run) leaves the kernels to read the mapped
+    """Expert matrices as the file's rows of a PANEL_TYPES or HALF_BITS type: matrices `which` of raw [E, rows, row
+    bytes] (uint8; None: all of them, in order), n values a row. Naming the matrices instead of taking them out of
+    the file (raw[which], a copy of every matrix not in one consecutive run) leaves the kernels to read the mapped
     file's rows where they lie."""
 
     raw: np.ndarray
@@ -114,6 +118,14 @@ class QuantizedExperts:
     @property
     def shape(self) -> tuple[int, int, int]:
         return (self.raw.shape[0] if self.which is None else len(self.which)), self.raw.shape[1], self.n
+
+    def bits(self) -> np.ndarray:
+        """The matrices of a HALF_BITS type as their 16-bit patterns [len(ids), rows, n] (a view where they are
+        consecutive, else a copy): for kernels that take a stack."""
+        stack, ids = self.raw.view(HALF_BITS[self.type_name]), self.ids
+        if len(ids) and ids[-1] - ids[0] == len(ids) - 1 and np.all(np.diff(ids) == 1):
+            return stack[int(ids[0]) : int(ids[-1]) + 1]
+        return stack[ids]
 
     @property
     def nbytes(self) -> int:
@@ -249,12 +261,15 @@ def experts_matmul(x: np.ndarray, w: np.ndarray | QuantizedExperts, tokens: np.n
     """Each expert's tokens times its matrix in one call: out[i] = x[tokens[i]] @ w[j]^T for row_at[j] <= i <
     row_at[j + 1], in float32, each output one FMA chain over n in order ([len(tokens), rows], C-contiguous). w [E,
     rows, n] is float32 (any other float dtype is converted), 16-bit patterns (uint16 for f16, int16 for bf16), or
-    a PANEL_TYPES type's rows (QuantizedExperts), the latter two widened / decoded exactly.
+    the file's rows of a PANEL_TYPES or HALF_BITS type (QuantizedExperts), the latter widened / decoded exactly.
     The threads share the (expert, row tile) tasks of all experts, so a layer's small experts make one call."""
     n_rows, n = w.shape[1], w.shape[2]
     tokens, row_at = np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(row_at, dtype=np.int64)
     xt, group_at = token_groups(x, tokens, row_at)
-    if isinstance(w, QuantizedExperts):
+    if isinstance(w, QuantizedExperts) and w.type_name in HALF_BITS:
+        flat, kind, row_len = np.ascontiguousarray(w.raw).view(HALF_BITS[w.type_name]).reshape(-1), 0, n
+        which = w.ids
+    elif isinstance(w, QuantizedExperts):
         flat, kind, row_len = np.ascontiguousarray(w.raw).reshape(-1), PANEL_TYPES[w.type_name], w.raw.shape[2]
         which = w.ids
     else:

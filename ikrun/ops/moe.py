@@ -435,8 +435,8 @@ def _experts_product(x: _Activations, mats: ExpertMats, tokens: np.ndarray, row_
     rounded = x.rounded()
     bf16, lanes = ik == "BF16" and not avx2, AVX2_LANES if avx2 else LANES
     if ik in IK_FLOAT_TYPES and takes_whole(rounded.shape[1], bf16, lanes):
-        assert isinstance(mats, np.ndarray), "float experts come as arrays"
-        weights = widen_bits(mats) if mats.dtype in (np.uint16, np.int16) else mats  # F16/BF16 experts: their bits
+        stack = mats.bits() if isinstance(mats, QuantizedExperts) else mats  # F16/BF16 experts: their bits
+        weights = widen_bits(stack) if stack.dtype in (np.uint16, np.int16) else stack
         return np.concatenate([ik_float_matmul(rounded[tokens[a:b]], weights[j], bf16, lanes)
                                for j, (a, b) in enumerate(zip(row_at[:-1].tolist(), row_at[1:].tolist()))])
     return experts_matmul(rounded, mats, tokens, row_at)
