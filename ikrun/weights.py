@@ -33,7 +33,6 @@ from ikrun.errors import SwapError
 from ikrun.ops.fgemm import HALF_BITS, PANEL_TYPES, QuantizedExperts
 from ikrun.ops.parallel import threads_for
 
-#: half-precision float types -> the integer dtype their bits are handed to the expert kernel as (ikrun/ops/fgemm.py)
 #: integer ggml types -> their little-endian numpy dtype
 INTEGER_TYPES = {"I8": "<i1", "I16": "<i2", "I32": "<i4", "I64": "<i8"}
 

@@ -178,7 +178,8 @@ def _panel_impl(w, kind, row_len, r0, n_rows, k0, k1, panel):  # type: ignore[no
 @njit(cache=True, nogil=True, inline="always")
 def _task(w, which, kind, row_len, xt, group_at, row_at, out, task, n_rows, n):  # type: ignore[no-untyped-def]
     """One task of a call: weight rows ROWS x t .. of expert j (task = j x tiles + t; w's matrix which[j]) against
-    that expert's token groups, every K_STEP panel in order into a zeroed accumulator block, then copied to its tokens' output rows."""
+    that expert's token groups, every K_STEP panel in order into a zeroed accumulator block, then copied to its
+    tokens' output rows."""
     tiles = -(-n_rows // ROWS)
     j, t = task // tiles, task % tiles
     g0, g1 = group_at[j], group_at[j + 1]
