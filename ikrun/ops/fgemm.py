@@ -168,8 +168,12 @@ def _panel_impl(w, kind, row_len, r0, n_rows, k0, k1, panel):  # type: ignore[no
     def values(w, kind, row_len, r0, n_rows, k0, k1, panel):  # type: ignore[no-untyped-def]
         for i in range(ROWS):
             if r0 + i < n_rows:
+                # slices indexed by the bare loop counter: an index like `at + j` keeps Numba's negative-index
+                # test in the loop, which kept LLVM from vectorising it (a value at a time)
+                src = w[(r0 + i) * row_len + k0 : (r0 + i) * row_len + k1]
+                dst = panel[i * K_STEP : i * K_STEP + k1 - k0]
                 for j in range(k1 - k0):
-                    panel[i * K_STEP + j] = _value(w, (r0 + i) * row_len + k0 + j)
+                    dst[j] = _value(src, j)
             else:
                 panel[i * K_STEP : i * K_STEP + k1 - k0] = 0
     return values
