@@ -49,6 +49,28 @@ def test_float_kernels_are_iks_arithmetic(bf16: bool, m: int, n: int, k: int) ->
     assert np.any(got != (x.astype(np.float64) @ w.T.astype(np.float64)).astype(np.float32))
 
 
+@pytest.mark.parametrize(("bits", "bf16"), [("f16", False), ("bf16", False), ("bf16", True)])
+@pytest.mark.parametrize("lanes", [16, 8])
+def test_weights_given_as_their_16_bit_patterns_give_the_same_bits(bits: str, bf16: bool, lanes: int) -> None:
+    """F16 (uint16) and BF16 (int16) weights widened as the kernels load them: the bits of their float32 values,
+    in every kernel that takes them (f32/f16 of 16 and 8 lanes, bf16), including the rows past whole groups."""
+    if bf16 and lanes == 8:
+        pytest.skip("the bf16 kernel is AVX-512's (16 lanes)")
+    rng = np.random.default_rng(lanes + bf16)
+    x = (rng.standard_normal((17, 256)) * rng.uniform(0.01, 100, (17, 1))).astype(np.float32)
+    w = (rng.standard_normal((70, 256)) * rng.uniform(0.01, 10, (70, 1))).astype(np.float32)
+    if bits == "f16":
+        patterns = w.astype(np.float16).view(np.uint16)
+        values = patterns.view(np.float16).astype(np.float32)
+    else:
+        patterns = f32_to_bf16_bits(w).reshape(w.shape).view(np.int16)
+        values = bf16_bits_to_f32(patterns.view(np.uint16)).reshape(w.shape)
+    if bf16:
+        x = bf16_bits_to_f32(f32_to_bf16_bits(x)).reshape(x.shape)
+    want = ik_float_matmul(x, values, bf16, lanes)
+    np.testing.assert_array_equal(ik_float_matmul(x, patterns, bf16, lanes).view(np.uint32), want.view(np.uint32))
+
+
 def test_rows_the_kernels_do_not_take_whole_are_refused() -> None:
     with pytest.raises(ValueError, match="multiples of 32"):
         ik_float_matmul(np.zeros((2, 48), np.float32), np.zeros((3, 48), np.float32), bf16=True)

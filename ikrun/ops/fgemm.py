@@ -120,14 +120,6 @@ class QuantizedExperts:
     def shape(self) -> tuple[int, int, int]:
         return (self.raw.shape[0] if self.which is None else len(self.which)), self.raw.shape[1], self.n
 
-    def bits(self) -> np.ndarray:
-        """The matrices of a HALF_BITS type as their 16-bit patterns [len(ids), rows, n] (a view where they are
-        consecutive, else a copy): for kernels that take a stack."""
-        stack, ids = self.raw.view(HALF_BITS[self.type_name]), self.ids
-        if len(ids) and ids[-1] - ids[0] == len(ids) - 1 and np.all(np.diff(ids) == 1):
-            return stack[int(ids[0]) : int(ids[-1]) + 1]
-        return stack[ids]
-
     @property
     def nbytes(self) -> int:
         return int(self.raw[0].nbytes) * self.shape[0] if self.raw.shape[0] else 0

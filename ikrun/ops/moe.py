@@ -22,14 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 from numba import get_num_threads, njit, prange
 
-from ikquant.formats.floats import widen_bits
 from ikquant.formats.numeric import fmaf
 from ikrun.numerics.ik.formats import IK_FLOAT_TYPES, UNROUNDED, integer_rows, round_activations
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
 from ikrun.numerics.ik.iqk_native import NATIVE_TYPES, native_matmuls
 from ikrun.numerics.ik.qgemm import IntRows, PackedInts, qmatmul
 from ikrun.ops.activations import ik_exp
-from ikrun.ops.fgemm import QuantizedExperts, experts_matmul
+from ikrun.ops.fgemm import HALF_BITS, QuantizedExperts, experts_matmul
 from ikrun.ops.parallel import claim_items, task_items
 from ikrun.ops.stl_heap import partial_sort
 
@@ -435,8 +434,10 @@ def _experts_product(x: _Activations, mats: ExpertMats, tokens: np.ndarray, row_
     rounded = x.rounded()
     bf16, lanes = ik == "BF16" and not avx2, AVX2_LANES if avx2 else LANES
     if ik in IK_FLOAT_TYPES and takes_whole(rounded.shape[1], bf16, lanes):
-        stack = mats.bits() if isinstance(mats, QuantizedExperts) else mats  # F16/BF16 experts: their bits
-        weights = widen_bits(stack) if stack.dtype in (np.uint16, np.int16) else stack
-        return np.concatenate([ik_float_matmul(rounded[tokens[a:b]], weights[j], bf16, lanes)
-                               for j, (a, b) in enumerate(zip(row_at[:-1].tolist(), row_at[1:].tolist()))])
+        if isinstance(mats, QuantizedExperts):  # F16/BF16 experts: their bits, each where it lies in the file
+            stack, ids = mats.raw.view(HALF_BITS[mats.type_name]), mats.ids.tolist()
+        else:
+            stack, ids = mats, list(range(len(mats)))
+        return np.concatenate([ik_float_matmul(rounded[tokens[a:b]], stack[e], bf16, lanes)
+                               for e, a, b in zip(ids, row_at[:-1].tolist(), row_at[1:].tolist())])
     return experts_matmul(rounded, mats, tokens, row_at)

@@ -77,6 +77,14 @@ def _make_grid(bf16: bool, xrows: int, lanes: int = LANES):  # type: ignore[no-u
             const = lambda v: ir.Constant(i64, v)  # noqa: E731
 
             def load(p: ir.Value, off: ir.Value) -> ir.Value:
+                if p.type.pointee == ir.IntType(16):  # a weight's f16 (uint16) or bf16 (int16) bits, widened
+                    bits = builder.load(builder.bitcast(builder.gep(p, [off]), ir.VectorType(ir.IntType(16), lanes)
+                                                        .as_pointer()), align=2)
+                    if signature.args[3].dtype == types.uint16:
+                        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), lanes)), vec)
+                    wide = builder.zext(bits, ir.VectorType(i32, lanes))
+                    return builder.bitcast(builder.shl(wide, ir.Constant(ir.VectorType(i32, lanes), [16] * lanes)),
+                                           vec)
                 return builder.load(builder.bitcast(builder.gep(p, [off]), vec.as_pointer()), align=4)
 
             xrows_v = [builder.add(x0_v, builder.mul(xs_v, const(a))) for a in range(xrows)]
@@ -204,12 +212,13 @@ def takes_whole(k: int, bf16: bool, lanes: int = LANES) -> bool:
 
 def ik_float_matmul(x: np.ndarray, w: np.ndarray, bf16: bool = False, lanes: int = LANES) -> np.ndarray:
     """x [m, k] @ w [n, k]^T as ik's f32/f16 kernel of `lanes` lanes computes it (k a multiple of them), or with
-    `bf16` its AVX-512 bf16 kernel (x and w bf16 values held as float32, k a multiple of 32)."""
+    `bf16` its AVX-512 bf16 kernel (x and w bf16 values held as float32, k a multiple of 32). w may be f16 (uint16)
+    or bf16 (int16) bits, which the kernel widens as it loads them (exactly: the same floats)."""
     k = x.shape[1]
     if not takes_whole(k, bf16, lanes):
         raise ValueError(f"ik's {'bf16' if bf16 else 'float'} kernel takes rows in multiples of "
                          f"{2 * lanes if bf16 else lanes} values, not {k}")
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    _gemm(np.ascontiguousarray(x, dtype=np.float32), np.ascontiguousarray(w, dtype=np.float32), out, bf16, lanes,
-          get_num_threads())
+    weights = np.ascontiguousarray(w) if w.dtype in (np.uint16, np.int16) else np.ascontiguousarray(w, np.float32)
+    _gemm(np.ascontiguousarray(x, dtype=np.float32), weights, out, bf16, lanes, get_num_threads())
     return out
