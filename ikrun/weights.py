@@ -30,7 +30,7 @@ from ikquant.gguf_io import GGUFFile, TensorInfo, file_stamp
 from ikquant.shards import GGUFModel
 from ikquant.types import GGMLType
 from ikrun.errors import SwapError
-from ikrun.ops.fgemm import HALF_BITS, PANEL_TYPES, QuantizedExperts
+from ikrun.ops.fgemm import HALF_BITS, PANEL_TYPES, FileExperts
 from ikrun.ops.parallel import threads_for
 
 #: integer ggml types -> their little-endian numpy dtype
@@ -340,7 +340,7 @@ class WeightStore:
             return select_experts(out, experts)
         return out
 
-    def half_experts(self, name: str, experts: np.ndarray) -> QuantizedExperts | None:
+    def half_experts(self, name: str, experts: np.ndarray) -> FileExperts | None:
         """Matrices `experts` of an F16 or BF16 expert tensor as the file's 16-bit patterns (what ikrun/ops/fgemm.py's
         kernel widens itself), nothing decoded or copied (`_mapped_experts`); None for other types or when the
         tensor's float32 copy is cached."""
@@ -349,7 +349,7 @@ class WeightStore:
             return None
         return self._mapped_experts(name, enc, experts)
 
-    def panel_experts(self, name: str, experts: np.ndarray, even_if_cached: bool = False) -> QuantizedExperts | None:
+    def panel_experts(self, name: str, experts: np.ndarray, even_if_cached: bool = False) -> FileExperts | None:
         """Matrices `experts` of an expert tensor of a type ikrun/ops/fgemm.py's kernel decodes itself, a panel
         at a time (PANEL_TYPES), as the file's rows, nothing decoded or copied (`_mapped_experts`); None for other
         types or when the tensor's float32 copy is cached (unless `even_if_cached`: a kernel that reads the rows)."""
@@ -358,13 +358,13 @@ class WeightStore:
             return None
         return self._mapped_experts(name, enc, experts)
 
-    def _mapped_experts(self, name: str, enc: Encoding, experts: np.ndarray) -> QuantizedExperts:
+    def _mapped_experts(self, name: str, enc: Encoding, experts: np.ndarray) -> FileExperts:
         """Matrices `experts` of `name` as the tensor's mapped rows and the experts' ids (the kernels read each
         expert where it lies; the caller releases the pages once they have: `release`)."""
         n_expert, rows, n = self.info(name).shape
         matrices = enc.raw.reshape(n_expert, rows, -1)
         self.reads[name] += int(matrices[0].nbytes) * len(experts)
-        return QuantizedExperts(matrices, enc.type.name, n, np.ascontiguousarray(experts, dtype=np.int64))
+        return FileExperts(matrices, enc.type.name, n, np.ascontiguousarray(experts, dtype=np.int64))
 
     def _forget_tensors(self, names: set[str]) -> None:
         """Remove every cache entry (whole and per expert) of the tensors `names`."""

@@ -18,7 +18,7 @@ from ikrun.ops.fgemm import (
     K_STEP,
     PANEL_TYPES,
     ROWS,
-    QuantizedExperts,
+    FileExperts,
     _tile,
     expert_matmul,
     experts_matmul,
@@ -128,7 +128,7 @@ def test_quantized_experts_decoded_a_panel_at_a_time_give_the_bits_of_their_deco
     try:
         numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
         for pick in (np.arange(n_expert), np.array([3, 0, 2, 1])):
-            out = experts_matmul(x, QuantizedExperts(raw[pick], type_name, n), tokens, row_at)
+            out = experts_matmul(x, FileExperts(raw[pick], type_name, n), tokens, row_at)
             np.testing.assert_array_equal(out, experts_matmul(x, decoded[pick], tokens, row_at))
     finally:
         numba.set_num_threads(before)

@@ -99,7 +99,7 @@ HALF_BITS = {"F16": np.uint16, "BF16": np.int16}
 
 
 @dataclass(frozen=True)
-class QuantizedExperts:
+class FileExperts:
     """Expert matrices as the file's rows of a PANEL_TYPES or HALF_BITS type: matrices `which` of raw [E, rows, row
     bytes] (uint8; None: all of them, in order), n values a row. Naming the matrices instead of taking them out of
     the file (raw[which], a copy of every matrix not in one consecutive run) leaves the kernels to read the mapped
@@ -295,22 +295,22 @@ def token_groups(x: np.ndarray, tokens: np.ndarray, row_at: np.ndarray) -> tuple
 WEIGHT_DTYPES = (np.float32, np.uint16, np.int16)
 
 
-def experts_matmul(x: np.ndarray, w: np.ndarray | QuantizedExperts, tokens: np.ndarray,
+def experts_matmul(x: np.ndarray, w: np.ndarray | FileExperts, tokens: np.ndarray,
                    row_at: np.ndarray) -> np.ndarray:
     """Each expert's tokens times its matrix in one call: out[i] = x[tokens[i]] @ w[j]^T for row_at[j] <= i <
     row_at[j + 1], in float32, each output one FMA chain over n in order ([len(tokens), rows], C-contiguous). w [E,
     rows, n] is float32 (any other float dtype is converted), 16-bit patterns (uint16 for f16, int16 for bf16), or
-    the file's rows of a PANEL_TYPES or HALF_BITS type (QuantizedExperts), the latter widened / decoded exactly.
+    the file's rows of a PANEL_TYPES or HALF_BITS type (FileExperts), the latter widened / decoded exactly.
     The threads share the (expert, row tile) tasks of all experts, so a layer's small experts make one call."""
     n_rows, n = w.shape[1], w.shape[2]
     tokens, row_at = np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(row_at, dtype=np.int64)
     xt, group_at = token_groups(x, tokens, row_at)
-    if isinstance(w, QuantizedExperts) and w.type_name in HALF_BITS:
-        flat, kind, row_len = np.ascontiguousarray(w.raw).view(HALF_BITS[w.type_name]).reshape(-1), 0, n
-        which = w.ids
-    elif isinstance(w, QuantizedExperts):
-        flat, kind, row_len = np.ascontiguousarray(w.raw).reshape(-1), PANEL_TYPES[w.type_name], w.raw.shape[2]
-        which = w.ids
+    if isinstance(w, FileExperts):
+        raw, which = np.ascontiguousarray(w.raw), w.ids
+        if w.type_name in HALF_BITS:
+            flat, kind, row_len = raw.view(HALF_BITS[w.type_name]).reshape(-1), 0, n
+        else:
+            flat, kind, row_len = raw.reshape(-1), PANEL_TYPES[w.type_name], raw.shape[2]
     else:
         dtype = w.dtype.type if w.dtype.type in WEIGHT_DTYPES else np.float32
         flat, kind, row_len = np.ascontiguousarray(w, dtype=dtype).reshape(-1), 0, n

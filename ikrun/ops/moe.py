@@ -28,7 +28,7 @@ from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_w
 from ikrun.numerics.ik.iqk_native import NATIVE_TYPES, native_matmuls
 from ikrun.numerics.ik.qgemm import IntRows, PackedInts, qmatmul
 from ikrun.ops.activations import ik_exp
-from ikrun.ops.fgemm import HALF_BITS, QuantizedExperts, experts_matmul
+from ikrun.ops.fgemm import HALF_BITS, FileExperts, experts_matmul
 from ikrun.ops.parallel import claim_items, task_items
 from ikrun.ops.stl_heap import partial_sort
 
@@ -257,7 +257,7 @@ def _combine_parallel(y, w, out, ik, threads):  # type: ignore[no-untyped-def]
 
 
 #: a stack of expert matrices as experts_matmul takes them
-ExpertMats = np.ndarray | QuantizedExperts
+ExpertMats = np.ndarray | FileExperts
 #: expert ids -> their (up, gate, down) matrices, [len(ids), ...] each, in the order of ids
 ExpertFetch = Callable[[np.ndarray], tuple[ExpertMats, ExpertMats, ExpertMats]]
 #: expert id -> its (up, gate, down) integers as ik's kernels multiply them, None where ik multiplies its floats
@@ -429,12 +429,12 @@ def _experts_product(x: _Activations, mats: ExpertMats, tokens: np.ndarray, row_
     against the integer rows; not its AVX2 build's, `avx2`), in its float kernel per expert for an F32/F16/BF16
     weight (`avx2`: its AVX2 build's 8-lane kernel, bf16 weights included); else all experts in one experts_matmul
     call on the rounded rows (its bits are each output's own FMA chain, so the same as a call per expert)."""
-    if ik in NATIVE_TYPES and not avx2 and isinstance(mats, QuantizedExperts):
+    if ik in NATIVE_TYPES and not avx2 and isinstance(mats, FileExperts):
         return native_matmuls(x.ints(), mats.raw, tokens, row_at, ik, which=mats.ids)
     rounded = x.rounded()
     bf16, lanes = ik == "BF16" and not avx2, AVX2_LANES if avx2 else LANES
     if ik in IK_FLOAT_TYPES and takes_whole(rounded.shape[1], bf16, lanes):
-        if isinstance(mats, QuantizedExperts):  # F16/BF16 experts: their bits, each where it lies in the file
+        if isinstance(mats, FileExperts):  # F16/BF16 experts: their bits, each where it lies in the file
             stack, ids = mats.raw.view(HALF_BITS[mats.type_name]), mats.ids.tolist()
         else:
             stack, ids = mats, list(range(len(mats)))
