@@ -2,12 +2,12 @@
 """Memory and speed of `ikrun ppl` on ~1B-parameter models: unconstrained, default, and under a small --mem.
 
 Generates (once, cached in --workdir) a Qwen3-shaped model, a DeepSeek-V3-shaped MoE (MLA, 1 dense + 3 MoE
-layers of 64 experts) and a Qwen3-MoE-shaped one (10 layers of 1024, 64 experts of 512, 8 used), each as F16 and
-IQ4_KS, and, as F16 with their MXFP4 experts, a DeepSeek-V4-shaped one (6 layers of 1024: sliding, CSA and HCA
+layers of 64 experts) and a Qwen3-MoE-shaped one (10 layers of 1024, 64 experts of 512, 8 used), each as F16,
+IQ4_KS and Q8_0 (those --only names), and, as F16 with their MXFP4 experts, a DeepSeek-V4-shaped one (6 layers of 1024: sliding, CSA and HCA
 attention, mHC, 32 MXFP4 experts; ~350M parameters) and a gpt-oss-shaped one (12 layers of 1024, sinks, alternating
 128-token windows, 32 MXFP4 experts of 1024, 4 used; ~1.2B parameters), and a Qwen3-Next-shaped one as F16 and
 IQ4_KS (10 layers of 1024: gated delta-net with 8 key / 16 value heads of 128, gated full attention every 4th
-layer, 64 experts of 512, 8 used, and a gated shared expert; ~1.1B parameters). Each file runs in a fresh process
+layer, 64 experts of 512, 8 used, and a gated shared expert; ~1.1B parameters), also as Q8_0. Each file runs in a fresh process
 (tools/peak_rss.py, so the peak RSS is the command's own):
 
 - `unconstrained`: --no-stream with no budget worth the name (every decoded weight cached, the pre-budget runtime);
@@ -61,6 +61,7 @@ from bench_convert import (  # noqa: E402
 GiB = 1 << 30
 PRE_TOKENIZERS = {"qwen3": "qwen2", "deepseek": "deepseek-v3", "deepseek4": "joyai-llm", "qwen3moe": "qwen2",
                   "gpt-oss": "gpt-4o", "qwen3next": "qwen2"}
+QUANTIZED = ("IQ4_KS", "Q8_0")  # what each model's F16 file is also quantized to (ik's recipe for the type)
 MXFP4_EXPERTS = ("deepseek4", "gpt-oss")  # routed experts MXFP4 in every file (requantizing them is not the point)
 
 
@@ -68,7 +69,7 @@ def build_models(workdir: Path, only: str | None) -> dict[str, Path]:
     """The benchmark files, generated and converted once; with `only`, just the models a label it matches needs."""
     files = {}
     for name in ("qwen3", "deepseek", "deepseek4", "qwen3moe", "gpt-oss", "qwen3next"):
-        if only and not any(re.search(only, f"{name} {kind}") for kind in ("F16", "IQ4_KS", "F16+MXFP4")):
+        if only and not any(re.search(only, f"{name} {kind}") for kind in ("F16", *QUANTIZED, "F16+MXFP4")):
             continue
         hf = workdir / f"hf-{name}"
         if not (hf / "config.json").exists():
@@ -91,10 +92,14 @@ def build_models(workdir: Path, only: str | None) -> dict[str, Path]:
         if name in MXFP4_EXPERTS:
             files[f"{name} F16+MXFP4"] = f16
             continue
-        iq4 = workdir / f"{name}-iq4_ks.gguf"
-        if not iq4.exists():
-            quantize_model(f16, iq4, QuantizeOptions(file_type("IQ4_KS")))
-        files[f"{name} F16"], files[f"{name} IQ4_KS"] = f16, iq4
+        files[f"{name} F16"] = f16
+        for kind in QUANTIZED:
+            if only and not re.search(only, f"{name} {kind}"):
+                continue
+            quantized = workdir / f"{name}-{kind.lower()}.gguf"
+            if not quantized.exists():
+                quantize_model(f16, quantized, QuantizeOptions(file_type(kind)))
+            files[f"{name} {kind}"] = quantized
     return files
 
 
