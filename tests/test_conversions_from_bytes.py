@@ -1,5 +1,5 @@
 """Weights converted as ik converts them, straight from their bytes (no float decoding first): IQ4_KS, IQ5_KS,
-IQ4_K, IQ2_K, IQ3_K, IQ2_KS and IQ3_KS packed for the integer matmul, the same PackedInts as decoding, converting and packing (the general path); Q6_K's Q8_0 and
+IQ4_K, IQ2_K, IQ3_K, IQ2_KS, IQ3_KS and Q8_0 packed for the integer matmul, the same PackedInts as decoding, converting and packing (the general path); Q6_K's Q8_0 and
 Q4_K / Q5_K's Q8_1 integers and Q8_0's own, the same as from the decoding / as an independent numpy formulation;
 every field, every bit."""
 
@@ -162,6 +162,29 @@ def test_q8_0_reads_its_integers_and_scales_from_its_bytes(rows: int) -> None:
     want = BlockInts(q=blocks[..., 2:].copy().view(np.int8).reshape(rows, N),
                      scale=blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32), block=32)
     _assert_same(_q8_0_ints(raw), want)
+
+
+@pytest.mark.parametrize("converts", [True, False], ids=["Q8_0_R8", "own kernel"])
+@pytest.mark.parametrize("rows", [1, 32, 45])
+def test_q8_0_packs_from_its_bytes_as_the_general_path(converts: bool, rows: int) -> None:
+    """Both of ik's forms (converted to Q8_0_R8; its own kernel's, every value + 127 as an unsigned byte), against
+    reading the integers, then packing: every byte value (-128 in a few rows only, so the groups without it say
+    so), f16 scales as written, one 0 and one -0; padding rows (not whole 32-row calls)."""
+    rng = np.random.default_rng(rows)
+    codec = type_by_name("Q8_0").require_codec()
+    raw = codec.quantize(rng.standard_normal((rows, N)).astype(np.float32)).reshape(rows, -1)
+    blocks = raw.reshape(rows, -1, 34)
+    blocks[..., 2:] = rng.integers(0, 256, blocks[..., 2:].shape, dtype=np.uint8)
+    blocks[..., 2:][blocks[..., 2:] == 128] = 0
+    blocks[rows // 2, 3, 9] = 128
+    blocks[0, 1, :2] = 0
+    blocks[-1, 2, :2] = np.frombuffer(np.float16(-0.0).tobytes(), np.uint8)
+    kernel = ik_kernel("Q8_0")
+    n_act = 32 if converts else 8
+    direct = kernel.packed(n_act, 64)
+    ints = kernel.integers(n_act, 64)
+    assert direct is not None and ints is not None
+    _assert_same(direct(raw), pack(ints(raw, codec.dequantize(raw, N))))
 
 
 #: type -> (its direct packer, c, where its f16 scales lie: (row bytes before the blocks, block bytes, whether

@@ -83,6 +83,7 @@ from ikrun.numerics.ik.q8k_direct import (
     iq4_k_packed,
     iq4_ks_packed,
     iq5_ks_packed,
+    q8_0_packed,
     requantize_q8_k,
 )
 from ikrun.numerics.ik.qgemm import (
@@ -131,6 +132,8 @@ class IkKernel:
     native: ToInts | None = None
     #: `convert` packed for qmatmul straight from the raw rows (q8k_direct.py); None where it declines the rows
     convert_packed: Callable[[np.ndarray], PackedInts | None] | None = None
+    #: `ints` packed for qmatmul straight from the raw rows
+    ints_packed: Callable[[np.ndarray], PackedInts | None] | None = None
 
     def converts(self, n_act_rows: int, n_weight_rows: int, threads: int | None = None) -> bool:
         """Whether ik converts the weights of a matmul with `n_act_rows` activation rows and `n_weight_rows` weight
@@ -147,8 +150,8 @@ class IkKernel:
 
     def packed(self, n_act_rows: int, n_weight_rows: int,
                threads: int | None = None) -> Callable[[np.ndarray], PackedInts | None] | None:
-        """`convert_packed` where such a matmul converts the weights (`converts`), else None."""
-        return self.convert_packed if self.converts(n_act_rows, n_weight_rows, threads) else None
+        """`convert_packed` where such a matmul converts the weights (`converts`), else `ints_packed`."""
+        return self.convert_packed if self.converts(n_act_rows, n_weight_rows, threads) else self.ints_packed
 
     def float_values(self, n_act_rows: int, n_weight_rows: int, threads: int | None = None) -> ToInts | None:
         """Where a float matmul must multiply other values than the exact decoding (converted weights, or stored
@@ -215,14 +218,14 @@ def _q6_k_packed(raw: np.ndarray) -> PackedInts | None:
 
 
 def _r8_kernel(ints: ToInts, bias: int,
-               from_bytes: Callable[[np.ndarray], BlockInts] | None = None) -> IkKernel:
+               packed: Callable[[np.ndarray, int], PackedInts] | None = None) -> IkKernel:
     """A 32-value block type whose integers ik keeps when it converts it to Q8_0_R8 (from 32 activation rows); below
-    that its own kernel multiplies them, made unsigned by adding `bias` (qgemm.ORDER_QX_0_NATIVE). `from_bytes`:
-    the same integers from the raw rows alone (IkKernel.convert_packed)."""
-    packed = None if from_bytes is None else lambda raw: pack(replace(from_bytes(raw), order=ORDER_R8))
+    that its own kernel multiplies them, made unsigned by adding `bias` (qgemm.ORDER_QX_0_NATIVE). `packed(raw,
+    bias)`: either packed from the raw rows alone (bias 0: converted; IkKernel.convert_packed, ints_packed)."""
     return IkKernel(Q8_2_X4, 32, _in_r8(ints),
                     lambda raw, decoded: replace(ints(raw, decoded), order=ORDER_QX_0_NATIVE, bias=bias),
-                    convert_packed=packed)
+                    convert_packed=None if packed is None else lambda raw: packed(raw, 0),
+                    ints_packed=None if packed is None else lambda raw: packed(raw, bias))
 
 
 def _f16_scaled(block_bytes: int) -> ToInts:
@@ -557,7 +560,7 @@ def _kt_kernel(type_name: str, convert_rows: int) -> IkKernel:
 #: weight type -> how ik multiplies it (types not listed are not emulated)
 IK_KERNELS: dict[str, IkKernel] = {
     "F32": IkKernel(UNROUNDED), "F16": IkKernel(UNROUNDED), "BF16": IkKernel(BF16),
-    "Q8_0": _r8_kernel(lambda raw, decoded: _q8_0_ints(raw), 127, _q8_0_ints),
+    "Q8_0": _r8_kernel(lambda raw, decoded: _q8_0_ints(raw), 127, q8_0_packed),
     **{t: _r8_kernel(_f16_scaled(size), bias) for t, size, bias in (
         ("Q4_0", 18, 8), ("Q5_0", 22, 16), ("Q6_0", 26, 32), ("IQ4_NL", 18, 128))},
     "MXFP4": _r8_kernel(lambda raw, decoded: _scaled_ints(decoded, _e8m0_half(raw, 17)), 12),
