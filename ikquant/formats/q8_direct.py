@@ -49,12 +49,13 @@ def _overflowing_codes(x: np.ndarray, row: np.uint64, start: np.uint64, count: i
 
 @njit(cache=True, nogil=True)
 def _interleave_quads(codes: np.ndarray, words: np.ndarray, start: int) -> None:
-    """The rows' codes [n, 4 m] to words[start + n j + k] = row k's codes 4 j .. 4 j + 3 as one 32-bit word."""
+    """The rows' codes [n, 4 m] to words[start + n j + k] = row k's codes 4 j .. 4 j + 3 as one 32-bit word, the
+    n words of each j stored together (row by row, each word n apart: 2x the time for Q8_KV_R8's 8 x 4096)."""
     n = U(codes.shape[0])
     quads = codes.view(np.uint32)
-    for k in range(codes.shape[0]):
-        for j in range(quads.shape[1]):
-            words[U(start) + n * U(j) + U(k)] = quads[k, j]
+    for j in range(quads.shape[1]):
+        for k in range(n):
+            words[U(start) + n * U(j) + k] = quads[k, U(j)]
 
 
 @njit(**KERNEL)
