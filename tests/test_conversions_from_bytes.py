@@ -1,5 +1,5 @@
 """Weights converted as ik converts them, straight from their bytes (no float decoding first): IQ4_KS, IQ5_KS,
-IQ4_K, IQ2_K, IQ3_K, IQ2_KS, IQ3_KS and Q8_0 packed for the integer matmul, the same PackedInts as decoding, converting and packing (the general path); Q6_K's Q8_0 and
+IQ4_K, IQ2_K, IQ3_K, IQ2_KS, IQ3_KS, Q8_0 and MXFP4 packed for the integer matmul, the same PackedInts as decoding, converting and packing (the general path); Q6_K's Q8_0 and
 Q4_K / Q5_K's Q8_1 integers and Q8_0's own, the same as from the decoding / as an independent numpy formulation;
 every field, every bit."""
 
@@ -164,27 +164,54 @@ def test_q8_0_reads_its_integers_and_scales_from_its_bytes(rows: int) -> None:
     _assert_same(_q8_0_ints(raw), want)
 
 
+#: the 32-value block types packed from their bytes: (block bytes, where the values start, the scale's field)
+BLOCK32 = {"Q8_0": (34, 2), "MXFP4": (17, 1)}
+
+
+def _block32_rows(type_name: str, rows: int) -> np.ndarray:
+    """Codec-written rows, then random value bytes (Q8_0: -128 in one row only, so the groups without it say so;
+    MXFP4: every code) and scales: Q8_0's f16 scales as written with one 0 and one -0, MXFP4's exponents random
+    over 1..252 (with both ends)."""
+    rng = np.random.default_rng(rows)
+    size, start = BLOCK32[type_name]
+    raw = type_by_name(type_name).require_codec().quantize(rng.standard_normal((rows, N)).astype(np.float32))
+    blocks = raw.reshape(rows, -1, size)
+    blocks[..., start:] = rng.integers(0, 256, blocks[..., start:].shape, dtype=np.uint8)
+    if type_name == "Q8_0":
+        blocks[..., start:][blocks[..., start:] == 128] = 0
+        blocks[rows // 2, 3, 9] = 128
+        blocks[0, 1, :2] = 0
+        blocks[-1, 2, :2] = np.frombuffer(np.float16(-0.0).tobytes(), np.uint8)
+    else:
+        blocks[..., 0] = rng.integers(1, 253, blocks.shape[:2], dtype=np.uint8)
+        blocks[0, :2, 0] = (1, 252)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", list(BLOCK32))
 @pytest.mark.parametrize("converts", [True, False], ids=["Q8_0_R8", "own kernel"])
 @pytest.mark.parametrize("rows", [1, 32, 45])
-def test_q8_0_packs_from_its_bytes_as_the_general_path(converts: bool, rows: int) -> None:
-    """Both of ik's forms (converted to Q8_0_R8; its own kernel's, every value + 127 as an unsigned byte), against
-    reading the integers, then packing: every byte value (-128 in a few rows only, so the groups without it say
-    so), f16 scales as written, one 0 and one -0; padding rows (not whole 32-row calls)."""
-    rng = np.random.default_rng(rows)
-    codec = type_by_name("Q8_0").require_codec()
-    raw = codec.quantize(rng.standard_normal((rows, N)).astype(np.float32)).reshape(rows, -1)
-    blocks = raw.reshape(rows, -1, 34)
-    blocks[..., 2:] = rng.integers(0, 256, blocks[..., 2:].shape, dtype=np.uint8)
-    blocks[..., 2:][blocks[..., 2:] == 128] = 0
-    blocks[rows // 2, 3, 9] = 128
-    blocks[0, 1, :2] = 0
-    blocks[-1, 2, :2] = np.frombuffer(np.float16(-0.0).tobytes(), np.uint8)
-    kernel = ik_kernel("Q8_0")
+def test_block32_types_pack_from_their_bytes_as_the_general_path(type_name: str, converts: bool,
+                                                                   rows: int) -> None:
+    """Both of ik's forms (converted to Q8_0_R8; its own kernel's, every value + the type's bias as an unsigned
+    byte) against the integers recovered from the decoding (MXFP4) or read (Q8_0), then packed; padding rows (not
+    whole 32-row calls)."""
+    raw = _block32_rows(type_name, rows)
+    kernel = ik_kernel(type_name)
     n_act = 32 if converts else 8
-    direct = kernel.packed(n_act, 64)
-    ints = kernel.integers(n_act, 64)
+    direct, ints = kernel.packed(n_act, 64), kernel.integers(n_act, 64)
     assert direct is not None and ints is not None
-    _assert_same(direct(raw), pack(ints(raw, codec.dequantize(raw, N))))
+    _assert_same(direct(raw), pack(ints(raw, type_by_name(type_name).require_codec().dequantize(raw, N))))
+
+
+@pytest.mark.parametrize("exponent", [0, 253, 255])
+def test_mxfp4_with_an_exponent_without_exact_integers_declines(exponent: int) -> None:
+    """An all-zero block's exponent 0 (2^-128 has no float32 inverse) and those whose 12 x 2^(e - 128) overflows:
+    the general path takes the whole tensor."""
+    raw = _block32_rows("MXFP4", 32)
+    raw.reshape(32, -1, 17)[7, 3, 0] = exponent
+    direct = ik_kernel("MXFP4").packed(32, 64)
+    assert direct is not None and direct(raw) is None
 
 
 #: type -> (its direct packer, c, where its f16 scales lie: (row bytes before the blocks, block bytes, whether

@@ -83,6 +83,7 @@ from ikrun.numerics.ik.q8k_direct import (
     iq4_k_packed,
     iq4_ks_packed,
     iq5_ks_packed,
+    mxfp4_packed,
     q8_0_packed,
     requantize_q8_k,
 )
@@ -218,7 +219,7 @@ def _q6_k_packed(raw: np.ndarray) -> PackedInts | None:
 
 
 def _r8_kernel(ints: ToInts, bias: int,
-               packed: Callable[[np.ndarray, int], PackedInts] | None = None) -> IkKernel:
+               packed: Callable[[np.ndarray, int], PackedInts | None] | None = None) -> IkKernel:
     """A 32-value block type whose integers ik keeps when it converts it to Q8_0_R8 (from 32 activation rows); below
     that its own kernel multiplies them, made unsigned by adding `bias` (qgemm.ORDER_QX_0_NATIVE). `packed(raw,
     bias)`: either packed from the raw rows alone (bias 0: converted; IkKernel.convert_packed, ints_packed)."""
@@ -563,7 +564,7 @@ IK_KERNELS: dict[str, IkKernel] = {
     "Q8_0": _r8_kernel(lambda raw, decoded: _q8_0_ints(raw), 127, q8_0_packed),
     **{t: _r8_kernel(_f16_scaled(size), bias) for t, size, bias in (
         ("Q4_0", 18, 8), ("Q5_0", 22, 16), ("Q6_0", 26, 32), ("IQ4_NL", 18, 128))},
-    "MXFP4": _r8_kernel(lambda raw, decoded: _scaled_ints(decoded, _e8m0_half(raw, 17)), 12),
+    "MXFP4": _r8_kernel(lambda raw, decoded: _scaled_ints(decoded, _e8m0_half(raw, 17)), 12, mxfp4_packed),
     **{t: IkKernel(Q8_2_X4) for t in ("Q8_0_R8", "Q4_0_R8", "IQ4_NL_R4", "MXFP4_R8")},
     "Q4_K": _k_kernel(five_bits=False),
     "Q5_K": _k_kernel(five_bits=True),

@@ -1,5 +1,6 @@
 """IQK weights (IQ4_KS, IQ5_KS, IQ4_K, IQ2_KS, IQ3_KS, IQ2_K, IQ3_K) straight from their bytes to qgemm's packed
-Q8_K_R16 integers, for `--numerics ik`; and Q8_0 to its own integers packed (`q8_0_packed`).
+Q8_K_R16 integers, for `--numerics ik`; and Q8_0 and MXFP4 to their own integers packed (`q8_0_packed`,
+`mxfp4_packed`).
 
 ik converts an IQK weight to Q8_K_R16 from its integers: per 256 values p = sub-block scale x grid value, kept
 when max|p| / c < 1, else re-quantized to int8 against max|p| / c (formats.py, `_to_q8_k`). The general path
@@ -29,7 +30,12 @@ from ikrun.numerics.ik.qgemm import GROUPS, LANES, ORDER_QX_0_NATIVE, ORDER_R8, 
 from ikrun.ops.parallel import claim_items, task_items
 
 SUPER = 256  # values per Q8_K block
-Q8_0_BLOCK, Q8_0_BLOCK_BYTES = 32, 34  # a Q8_0 block: an f16 scale, then 32 int8 values
+#: the 32-value block kinds packed from their bytes (_block32_packed): a Q8_0 block is an f16 scale, then 32 int8
+#: values; an MXFP4 block an exponent byte, then 16 bytes of two 4-bit codes (values j and j + 16)
+KIND_Q8_0, KIND_MXFP4 = 0, 1
+BLOCK32, Q8_0_BLOCK_BYTES, MXFP4_BLOCK_BYTES = 32, 34, 17
+BLOCK32_BYTES = {KIND_Q8_0: Q8_0_BLOCK_BYTES, KIND_MXFP4: MXFP4_BLOCK_BYTES}
+MXFP4_MAX_EXPONENT = 252  # 12 x 2^(e - 128) is finite in float32 up to here
 #: the layouts: IQ4_KS a float32 row scale, then per 256 values 8 sub-block scale bytes and 128 bytes of 4-bit
 #: codes; IQ4_K per 256 values an f16 scale, 16 bits of grid halves, 4 + 8 bytes of 6-bit scales, 128 of codes;
 #: IQ2_KS / IQ3_KS an f16 row scale, then per 256 values 16 bits of grid halves and scale high bits, 4 bytes of
@@ -132,61 +138,101 @@ def q8_0_packed(raw: np.ndarray, bias: int = 0) -> PackedInts:
     as stored: as ik converts them to Q8_0_R8 (`bias` 0), or as its own kernel multiplies them, each value + `bias`
     as an unsigned byte (ORDER_QX_0_NATIVE, qgemm.pack). Reading them into int8 rows first (and decoding them, for
     the second) and packing those took two or three passes, each into a fresh array."""
+    return _block32_packed(raw, KIND_Q8_0, bias)
+
+
+def mxfp4_packed(raw: np.ndarray, bias: int = 0) -> PackedInts | None:
+    """MXFP4 rows as q8_0_packed packs Q8_0's: the doubled E2M1 values (kvalues_mxfp4) under the scale 2^(e - 128)
+    of each block's exponent byte e, the integers the general path recovers from the decoding; None where an e is
+    0 (an all-zero block's: 2^-128 has no float32 inverse) or above 252 (12 x 2^(e - 128) overflows), whose
+    decodings the general path takes as they come."""
+    exponents = raw.reshape(raw.shape[0], -1, MXFP4_BLOCK_BYTES)[..., 0]
+    if not (exponents.min(initial=1) >= 1 and exponents.max(initial=1) <= MXFP4_MAX_EXPONENT):
+        return None
+    return _block32_packed(raw, KIND_MXFP4, bias)
+
+
+def _block32_packed(raw: np.ndarray, kind: int, bias: int) -> PackedInts:
     rows = raw.shape[0]
-    nb = raw.shape[1] // Q8_0_BLOCK_BYTES
-    n = nb * Q8_0_BLOCK
+    nb = raw.shape[1] // BLOCK32_BYTES[kind]
+    n = nb * BLOCK32
     groups = -(-rows // (GROUPS * LANES)) * GROUPS
     q = np.empty(groups * LANES * n, np.int8)
     scale = np.empty(groups * nb * LANES, np.float32)
     offset = np.empty(groups * nb * LANES if bias else 0, np.float32)
     corr = np.empty(groups * nb * LANES, np.int32)
     low = np.zeros(groups, np.uint8)
-    _q8_0_groups(np.ascontiguousarray(raw), nb, bias, q.view(np.int32), scale, offset, corr, low, get_num_threads())
-    return PackedInts(q=q, scale=scale, corr=corr, offset=offset, rows=rows, n=n, block=Q8_0_BLOCK,
+    _block32_groups(np.ascontiguousarray(raw), kind, nb, bias, q.view(np.int32), scale, offset, corr, low,
+                    get_num_threads())
+    return PackedInts(q=q, scale=scale, corr=corr, offset=offset, rows=rows, n=n, block=BLOCK32,
                       order=ORDER_QX_0_NATIVE if bias else ORDER_R8, full_range=bool(low.any()))
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _q8_0_groups(raw: np.ndarray, nb: int, bias: int, out4: np.ndarray, scale: np.ndarray, offset: np.ndarray,
-                 corr: np.ndarray, low: np.ndarray, threads: int) -> None:
-    """_groups for Q8_0: the groups in tasks the threads claim (ikrun/ops/parallel.py)."""
+def _block32_groups(raw: np.ndarray, kind: int, nb: int, bias: int, out4: np.ndarray, scale: np.ndarray,
+                    offset: np.ndarray, corr: np.ndarray, low: np.ndarray, threads: int) -> None:
+    """_groups for the 32-value block kinds: the groups in tasks the threads claim (ikrun/ops/parallel.py)."""
     groups = low.size
     per, counter = task_items(groups, threads), np.zeros(1, np.int64)
     for _ in prange(threads):
+        values = np.empty(BLOCK32, np.int8)
         total = np.empty(LANES, np.int32)
         least = np.empty(LANES, np.int32)
         i0, i1 = claim_items(counter, per, groups)
         while i0 < i1:
             for g in range(i0, i1):
-                _q8_0_group(raw, nb, bias, g, out4, scale, offset, corr, total, least)
+                _block32_group(raw, kind, nb, bias, g, out4, scale, offset, corr, values, total, least)
                 low[g] = least.min() == -128
             i0, i1 = claim_items(counter, per, groups)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _mxfp4_value(code: np.int32) -> np.int8:
+    """kvalues_mxfp4[code] in arithmetic (a loop of them vectorises, a table lookup did not): the doubled E2M1
+    value of exponent e = code >> 1 & 3 and mantissa bit m, m for e 0, else (2 + m) << (e - 1); code 8 on negative."""
+    e, m = (code >> np.int32(1)) & np.int32(3), code & np.int32(1)
+    v = m if e == 0 else (np.int32(2) + m) << (e - np.int32(1))
+    return np.int8(-v if code & np.int32(8) else v)
+
+
 @njit(cache=True, nogil=True)
-def _q8_0_group(raw: np.ndarray, nb: int, bias: int, g: int, out4: np.ndarray, scale: np.ndarray,
-                offset: np.ndarray, corr: np.ndarray, total: np.ndarray, least: np.ndarray) -> None:
-    """Group g: each row's 4-value steps stored to the group's layout (read as two 16-bit halves: a block's values
-    start 2 bytes in), then over the group's 16 rows as vector lanes each value + bias (a byte-wise add, wrapping),
-    the block sums and the least value (`least`, per row); a padding row is `bias` throughout, with scale and
-    offset 0 (pack's padding). A byte loop per row took 2.1x as long (0.30 against 0.15 ms for 512 x 1024)."""
+def _block32_group(raw: np.ndarray, kind: int, nb: int, bias: int, g: int, out4: np.ndarray, scale: np.ndarray,
+                   offset: np.ndarray, corr: np.ndarray, values: np.ndarray, total: np.ndarray,
+                   least: np.ndarray) -> None:
+    """Group g: each row's 4-value steps stored to the group's layout (Q8_0's read as two 16-bit halves: a block's
+    values start 2 bytes in; MXFP4's looked up into `values` first), then over the group's 16 rows as vector lanes
+    each value + bias (a byte-wise add, wrapping), the block sums and the least value (`least`, per row); a padding
+    row is `bias` throughout, with scale and offset 0 (pack's padding). A byte loop per row took 2.1x as long
+    (0.30 against 0.15 ms for 512 x 1024)."""
     rows = raw.shape[0]
-    words_per_block = np.uint64(Q8_0_BLOCK // 4)
+    words_per_block = np.uint64(BLOCK32 // 4)
     lanes = np.uint64(LANES)
-    words = np.uint64(g * nb * Q8_0_BLOCK // 4 * LANES)
-    bias4 = np.uint32(np.uint8(bias)) * np.uint32(0x01010101)
-    high_bits, low_bits = np.uint32(0x80808080), np.uint32(0x7F7F7F7F)
+    words = np.uint64(g * nb * BLOCK32 // 4 * LANES)
+    quads = values.view(np.uint32)
     for r in range(LANES):
         row_index = g * LANES + r
         if row_index < rows:
-            halves = raw[row_index].view(np.uint16)
+            row = raw[row_index]
+            halves = row.view(np.uint16)
             for b in range(nb):
-                src = np.uint64(Q8_0_BLOCK_BYTES // 2 * b + 1)
                 dst = words + np.uint64(b) * words_per_block * lanes + np.uint64(r)
-                for k in range(words_per_block):
-                    word = np.uint32(halves[src + 2 * k]) | (np.uint32(halves[src + 2 * k + 1]) << np.uint32(16))
-                    out4[dst + k * lanes] = np.int32(word)
-                scale[(g * nb + b) * LANES + r] = load_f16(raw[row_index], Q8_0_BLOCK_BYTES * b)
+                at = (g * nb + b) * LANES + r
+                if kind == KIND_Q8_0:
+                    src = np.uint64(Q8_0_BLOCK_BYTES // 2 * b + 1)
+                    for k in range(words_per_block):
+                        word = np.uint32(halves[src + 2 * k]) | (np.uint32(halves[src + 2 * k + 1]) << np.uint32(16))
+                        out4[dst + k * lanes] = np.int32(word)
+                    scale[at] = load_f16(row, Q8_0_BLOCK_BYTES * b)
+                else:
+                    start = np.uint64(MXFP4_BLOCK_BYTES * b + 1)
+                    for j in range(np.uint64(BLOCK32 // 2)):
+                        code = np.int32(row[start + j])
+                        values[j] = _mxfp4_value(code & np.int32(15))
+                        values[j + np.uint64(BLOCK32 // 2)] = _mxfp4_value(code >> np.int32(4))
+                    for k in range(words_per_block):
+                        out4[dst + k * lanes] = np.int32(quads[k])
+                    e = np.uint32(row[MXFP4_BLOCK_BYTES * b])  # 2^(e - 128): e 1 is float32's subnormal 2^-127
+                    scale[at] = f32_from_bits((e - np.uint32(1)) << np.uint32(23) if e > 1 else np.uint32(1 << 22))
         else:
             for b in range(nb):
                 dst = words + np.uint64(b) * words_per_block * lanes + np.uint64(r)
@@ -194,6 +240,8 @@ def _q8_0_group(raw: np.ndarray, nb: int, bias: int, g: int, out4: np.ndarray, s
                     out4[dst + k * lanes] = 0
                 scale[(g * nb + b) * LANES + r] = 0
     least[:] = 0
+    bias4 = np.uint32(np.uint8(bias)) * np.uint32(0x01010101)
+    high_bits, low_bits = np.uint32(0x80808080), np.uint32(0x7F7F7F7F)
     minus_bias = np.float32(-bias)
     for b in range(nb):
         total[:] = 0
