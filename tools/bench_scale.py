@@ -62,6 +62,9 @@ GiB = 1 << 30
 PRE_TOKENIZERS = {"qwen3": "qwen2", "deepseek": "deepseek-v3", "deepseek4": "joyai-llm", "qwen3moe": "qwen2",
                   "gpt-oss": "gpt-4o", "qwen3next": "qwen2"}
 QUANTIZED = ("IQ4_KS", "Q8_0")  # what each model's F16 file is also quantized to (ik's recipe for the type)
+#: ik's graph for these asserts on a batch of several sequences (DeepSeek-V4's mask, at 8337e4cd3): their ik runs and
+#: --numerics ik runs take one chunk a batch (-b / --ik-batch of the context)
+ONE_SEQUENCE = ("deepseek4",)
 MXFP4_EXPERTS = ("deepseek4", "gpt-oss")  # routed experts MXFP4 in every file (requantizing them is not the point)
 
 
@@ -166,14 +169,15 @@ def main() -> None:
     ap.add_argument("--ik-batch", type=int, default=2048,
                     help="ik's -b and the --numerics ik runs' --ik-batch (which expert kernels ik picks depends on "
                          "the tokens a micro-batch routes to each expert): 2048 is ik's default; the figures before "
-                         "2026-12 ran ik with -b of the context (ikrun with 2048)")
+                         "2026-12 ran ik with -b of the context (ikrun with 2048); the DeepSeek-V4-shaped file "
+                         "takes the context (ONE_SEQUENCE)")
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
     files = build_models(a.workdir, a.only)
     text = a.workdir / "text.txt"
     text.write_text(CORPUS.read_text(encoding="utf-8") * 40, encoding="utf-8")
     modes = {"unconstrained": ["--no-stream", "--mem", "1000GiB"], "default": [], f"--mem {a.mem}": ["--mem", a.mem],
-             "--numerics ik": ["--numerics", "ik", "--ik-batch", str(a.ik_batch)]}
+             "--numerics ik": []}
     print(f"ctx {a.ctx}, {a.chunks} chunks, {a.threads} threads")
     print(f"{'file':16s} {'GiB':>6s} {'mode':>14s} {'tok/s':>7s} {'x first':>8s} {'peak RSS GiB':>12s} "
           f"{'RSS/file':>8s}")
@@ -182,6 +186,8 @@ def main() -> None:
             continue
         size = path.stat().st_size
         read_through(path)
+        batch = a.ctx if label.split()[0] in ONE_SEQUENCE else a.ik_batch
+        modes["--numerics ik"] = ["--numerics", "ik", "--ik-batch", str(batch)]
         base = None
         for mode, extra in [*modes.items(), *([("ik", [])] if a.ik_bin else [])]:
             if a.modes and not re.search(a.modes, mode):
@@ -190,7 +196,7 @@ def main() -> None:
                 if mode != "ik":  # untimed: compiles what Numba's cache lacks (a kernel's source changed since)
                     ikrun_ppl(path, text, a.ctx, 1, a.threads, extra)
                 tps, rss = ik_ppl(a.ik_bin, path, text, a.ctx, a.chunks, a.threads, a.ik_flash_attn,
-                                  a.ik_batch) if mode == "ik" else \
+                                  batch) if mode == "ik" else \
                     ikrun_ppl(path, text, a.ctx, a.chunks, a.threads, extra)
             except Refused:
                 print(f"{label:16s} {size / GiB:6.2f} {mode:>14s} {'refused':>7s}", flush=True)
