@@ -3,12 +3,12 @@
 
 Generates (once, cached in --workdir) a Qwen3-shaped model, a DeepSeek-V3-shaped MoE (MLA, 1 dense + 3 MoE
 layers of 64 experts) and a Qwen3-MoE-shaped one (10 layers of 1024, 64 experts of 512, 8 used), each as F16,
-IQ4_KS and Q8_0 (those --only names), and, as F16 with their MXFP4 experts, a DeepSeek-V4-shaped one (6 layers of 1024: sliding, CSA and HCA
-attention, mHC, 32 MXFP4 experts; ~350M parameters) and a gpt-oss-shaped one (12 layers of 1024, sinks, alternating
-128-token windows, 32 MXFP4 experts of 1024, 4 used; ~1.2B parameters), and a Qwen3-Next-shaped one as F16 and
-IQ4_KS (10 layers of 1024: gated delta-net with 8 key / 16 value heads of 128, gated full attention every 4th
-layer, 64 experts of 512, 8 used, and a gated shared expert; ~1.1B parameters), also as Q8_0. Each file runs in a fresh process
-(tools/peak_rss.py, so the peak RSS is the command's own):
+IQ4_KS and Q8_0 (those --only names), and, as F16 with their MXFP4 experts, a DeepSeek-V4-shaped one (6 layers of
+1024: sliding, CSA and HCA attention, mHC, 32 MXFP4 experts; ~350M parameters) and a gpt-oss-shaped one (12 layers
+of 1024, sinks, alternating 128-token windows, 32 MXFP4 experts of 1024, 4 used; ~1.2B parameters), and a
+Qwen3-Next-shaped one as F16, IQ4_KS and Q8_0 (10 layers of 1024: gated delta-net with 8 key / 16 value heads of
+128, gated full attention every 4th layer, 64 experts of 512, 8 used, and a gated shared expert; ~1.1B
+parameters). Each file runs in a fresh process (tools/peak_rss.py, so the peak RSS is the command's own):
 
 - `unconstrained`: --no-stream with no budget worth the name (every decoded weight cached, the pre-budget runtime);
 - `default`: no flags (75% of the available memory; one-pass runs are layer-streamed);
@@ -177,7 +177,7 @@ def main() -> None:
     text = a.workdir / "text.txt"
     text.write_text(CORPUS.read_text(encoding="utf-8") * 40, encoding="utf-8")
     modes = {"unconstrained": ["--no-stream", "--mem", "1000GiB"], "default": [], f"--mem {a.mem}": ["--mem", a.mem],
-             "--numerics ik": []}
+             "--numerics ik": ["--numerics", "ik"]}
     print(f"ctx {a.ctx}, {a.chunks} chunks, {a.threads} threads")
     print(f"{'file':16s} {'GiB':>6s} {'mode':>14s} {'tok/s':>7s} {'x first':>8s} {'peak RSS GiB':>12s} "
           f"{'RSS/file':>8s}")
@@ -187,11 +187,12 @@ def main() -> None:
         size = path.stat().st_size
         read_through(path)
         batch = a.ctx if label.split()[0] in ONE_SEQUENCE else a.ik_batch
-        modes["--numerics ik"] = ["--numerics", "ik", "--ik-batch", str(batch)]
         base = None
         for mode, extra in [*modes.items(), *([("ik", [])] if a.ik_bin else [])]:
             if a.modes and not re.search(a.modes, mode):
                 continue
+            if mode == "--numerics ik":  # ik's micro-batches, this file's
+                extra = [*extra, "--ik-batch", str(batch)]
             try:
                 if mode != "ik":  # untimed: compiles what Numba's cache lacks (a kernel's source changed since)
                     ikrun_ppl(path, text, a.ctx, 1, a.threads, extra)
