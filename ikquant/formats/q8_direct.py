@@ -11,8 +11,12 @@ the words back into such a buffer and scales it row by row (checked against regr
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.core.errors import TypingError
 
+from ikquant.formats.jit import intrinsic
 from ikquant.formats.numeric import (
     abs_bits_max,
     f32_bits,
@@ -23,6 +27,7 @@ from ikquant.formats.numeric import (
     store_f16,
     store_f32,
 )
+from ikquant.formats.vector_ir import I32, I64, load_vector, store_vector
 
 KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
 #: int32 conversion is exact below this magnitude; beyond it x86 gives INT_MIN (ik's saturating packs store -128)
@@ -47,15 +52,53 @@ def _overflowing_codes(x: np.ndarray, row: np.uint64, start: np.uint64, count: i
         codes[k, j] = np.uint8((min(max(q, np.int32(-128)), np.int32(127)) + off) & np.int32(255))
 
 
-@njit(cache=True, nogil=True)
-def _interleave_quads(codes: np.ndarray, words: np.ndarray, start: int) -> None:
-    """The rows' codes [n, 4 m] to words[start + n j + k] = row k's codes 4 j .. 4 j + 3 as one 32-bit word, the
-    n words of each j stored together (row by row, each word n apart: 2x the time for Q8_KV_R8's 8 x 4096)."""
-    n = U(codes.shape[0])
-    quads = codes.view(np.uint32)
-    for j in range(quads.shape[1]):
-        for k in range(n):
-            words[U(start) + n * U(j) + k] = quads[k, U(j)]
+def _quads_transposer(n: int):  # type: ignore[no-untyped-def]
+    """An intrinsic (codes, words, start) for groups of n rows: the rows' codes [n, 4 m] (C-contiguous uint8, m a
+    multiple of 4) to words[start + n j + k] = row k's codes 4 j .. 4 j + 3 as one 32-bit word. Each step loads 16
+    bytes of every row and stores four vectors of n words, a transpose LLVM does in register shuffles: moved a word
+    at a time, the interleaving took 27% of Q8_KV_R8's quantize time (ik's repack 14% of its own), and Q8_KV_R8
+    ran at 0.87x ik's speed, 1.21x this way."""
+    quad = ir.VectorType(I32, 4)
+
+    @intrinsic
+    def transpose(typingctx, codes, words, start):  # type: ignore[no-untyped-def]
+        if not (isinstance(codes, types.Array) and codes.ndim == 2 and codes.layout == "C"
+                and codes.dtype == types.uint8):
+            raise TypingError(f"interleave_quads: codes must be a C-contiguous 2-d uint8 array, not {codes}")
+        if not (isinstance(words, types.Array) and words.ndim == 1 and words.dtype == types.uint32):
+            raise TypingError(f"interleave_quads: words must be a 1-d uint32 array, not {words}")
+        sig = types.void(codes, words, types.int64)
+
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            src = context.make_array(signature.args[0])(context, builder, value=args[0])
+            dst = context.make_array(signature.args[1])(context, builder, value=args[1])
+            row_words = builder.sdiv(builder.extract_value(src.shape, 1), ir.Constant(I64, 4))
+            src_words = builder.bitcast(src.data, I32.as_pointer())
+            dst_words = builder.bitcast(dst.data, I32.as_pointer())
+            rows = [builder.mul(row_words, ir.Constant(I64, k)) for k in range(n)]
+            with cgutils.for_range(builder, builder.sdiv(row_words, ir.Constant(I64, 4))) as loop:
+                j = builder.mul(loop.index, ir.Constant(I64, 4))
+                parts = [load_vector(builder, src_words, builder.add(r, j), quad) for r in rows]
+                while len(parts) > 1:  # concatenated pairwise: [row 0's 4 words, row 1's, ...]
+                    width = 2 * parts[0].type.count
+                    mask = ir.Constant(ir.VectorType(I32, width), list(range(width)))
+                    parts = [builder.shuffle_vector(a, b, mask) for a, b in zip(parts[::2], parts[1::2])]
+                whole = parts[0]
+                undef = ir.Constant(whole.type, ir.Undefined)
+                for step in range(4):
+                    mask = ir.Constant(ir.VectorType(I32, n), [4 * k + step for k in range(n)])
+                    at = builder.add(args[2], builder.mul(builder.add(j, ir.Constant(I64, step)),
+                                                          ir.Constant(I64, n)))
+                    store_vector(builder, builder.shuffle_vector(whole, undef, mask), dst_words, at)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return transpose
+
+
+_interleave8 = _quads_transposer(8)
+_interleave16 = _quads_transposer(16)
 
 
 @njit(**KERNEL)
@@ -90,7 +133,10 @@ def quantize_q8_k_interleaved(x: np.ndarray, n: int, offset: int, limit: float, 
                         codes[k, j] = np.uint8((v + off) & np.int32(255))
                 else:
                     _overflowing_codes(x, row, start, 256, mul, offset, codes, k)
-            _interleave_quads(codes, words, (o + 2 * n) // 4)
+            if n == 8:
+                _interleave8(codes, words, (o + 2 * n) // 4)
+            else:
+                _interleave16(codes, words, (o + 2 * n) // 4)
     return not bad.any()
 
 
@@ -122,13 +168,13 @@ def quantize_q8_kv_r8(x: np.ndarray, out: np.ndarray, limit: float) -> bool:
             else:
                 _overflowing_codes(x, row, U(0), x.shape[1], mul, 0, codes, k)
             store_f32(dst, 4 * k, d)
-        _interleave_quads(codes, dst.view(np.uint32), 8)
+        _interleave8(codes, dst.view(np.uint32), 8)
     return not bad.any()
 
 
 @njit(cache=True, nogil=True)
 def _gather_quads(words: np.ndarray, start: int, codes: np.ndarray) -> None:
-    """_interleave_quads undone: codes [n, 4 m] from words[start + n j + k] (row k's codes 4 j .. 4 j + 3)."""
+    """The quads' interleaving (_quads_transposer) undone: codes [n, 4 m] from words[start + n j + k] (row k's codes 4 j .. 4 j + 3)."""
     n = U(codes.shape[0])
     quads = codes.view(np.uint32)
     for k in range(codes.shape[0]):
