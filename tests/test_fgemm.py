@@ -113,10 +113,12 @@ def test_experts_in_one_call_give_each_expert_alone_its_bits() -> None:
 def test_quantized_experts_decoded_a_panel_at_a_time_give_the_bits_of_their_decoding(type_name: str) -> None:
     """Experts handed over as the file's rows (decoded by the kernel, a panel at a time) multiply as their whole
     decoding does: rows that are no whole tiles, several K steps, counts that are no whole groups, an expert with no
-    tokens, every sub-block scale and both grids (random rows), a non-consecutive selection (a copy), two threads."""
+    tokens, every sub-block scale and both grids (random rows), a non-consecutive selection (a copy), two threads;
+    a last K step shorter than the others where the type's blocks allow it (MXFP4's 32 values)."""
     rng = np.random.default_rng(5)
-    n_expert, rows, n = 4, 2 * ROWS + 5, 3 * K_STEP
-    codec = type_by_name(type_name).require_codec()
+    qtype = type_by_name(type_name)
+    n_expert, rows, n = 4, 2 * ROWS + 5, 3 * K_STEP + 2 * qtype.block_size % K_STEP
+    codec = qtype.require_codec()
     w = rng.standard_normal((n_expert * rows, n)).astype(np.float32) * rng.uniform(0.01, 3, (n_expert * rows, 1))
     raw = codec.quantize(w.astype(np.float32)).reshape(n_expert, rows, -1)
     decoded = codec.dequantize(raw.reshape(n_expert * rows, -1), n).reshape(n_expert, rows, n)

@@ -93,6 +93,24 @@ def _dequantize_mxfp4(q: np.ndarray, out: np.ndarray, qk: int) -> None:
                 hi[j] = d * _FVALUES[src[j] >> np.uint8(4)]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def mxfp4_values(row: np.ndarray, k0: int, k1: int, y: np.ndarray, at: int) -> None:
+    """Values k0 .. k1 - 1 (multiples of QK) of an MXFP4 row (its bytes) into y[at : at + k1 - k0], the floats of
+    _dequantize_mxfp4: shared with the runtime's expert kernel, which decodes a block of rows at a time into its
+    first-level cache (a row's length need not be a multiple of the kernel's step, so the span is explicit)."""
+    half = QK // 2
+    for ib in range(k0 // QK, k1 // QK):
+        o = ib * BLOCK_BYTES
+        d = e8m0_half_to_f32(row[o])
+        src = row[o + 1 : o + 1 + half]
+        lo = y[at + ib * QK - k0 : at + ib * QK - k0 + half]
+        hi = y[at + ib * QK - k0 + half : at + (ib + 1) * QK - k0]
+        for j in range(half):
+            lo[j] = d * _FVALUES[src[j] & np.uint8(15)]
+        for j in range(half):
+            hi[j] = d * _FVALUES[src[j] >> np.uint8(4)]
+
+
 class MXFP4Codec(Codec, type_name="MXFP4"):
     uses_imatrix = False
     # The scale puts amax/(2d) in [4, 8) (or just below 4 when log2f rounds up to the next power of two), where

@@ -28,6 +28,7 @@ from numba.core.extending import intrinsic, overload
 from ikquant.cpu import host_has
 from ikquant.formats.iqk_ks import iq4_ks_block, iq5_ks_block
 from ikquant.formats.kquants import q4_k_block, q5_k_block, q6_k_block
+from ikquant.formats.mxfp4 import mxfp4_values
 from ikquant.formats.numeric import widen_16
 from ikrun.ops.parallel import claim_items, run_claimed, task_items
 from ikrun.ops.simd import splat
@@ -42,7 +43,7 @@ AVX2_TILE = host_has("avx2") and host_has("fma") and not host_has("avx512f")
 ROWS, GROUPS = (6, 1) if AVX2_TILE else (12, 2)
 K_STEP = 256  # values of a row per pass over the tokens (their panel stays in the first-level cache)
 #: quantized weight types the kernel decodes a panel at a time (blocks of K_STEP values), by their codes here
-PANEL_TYPES = {"IQ4_KS": 1, "IQ5_KS": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
+PANEL_TYPES = {"IQ4_KS": 1, "IQ5_KS": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "MXFP4": 6}
 _I64, _F32 = ir.IntType(64), ir.FloatType()
 _V16F = ir.VectorType(_F32, LANES)
 
@@ -126,24 +127,28 @@ class FileExperts:
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _decode_block(kind, row, block, panel, at):  # type: ignore[no-untyped-def]
-    """Block `block` (K_STEP values) of a quantized row, its type's PANEL_TYPES code `kind`, into panel[at:]."""
+def _decode_block(kind, row, k0, k1, panel, at):  # type: ignore[no-untyped-def]
+    """Values k0 .. k1 - 1 of a quantized row, its type's PANEL_TYPES code `kind`, into panel[at:]: a K_STEP
+    block (k0 a multiple of it) of the 256-value types, whose rows are whole blocks; MXFP4's 32-value blocks in
+    between (its rows' last panel may be shorter)."""
     if kind == 1:
-        iq4_ks_block(row, block, panel, at)
+        iq4_ks_block(row, k0 // K_STEP, panel, at)
     elif kind == 2:
-        iq5_ks_block(row, block, panel, at)
+        iq5_ks_block(row, k0 // K_STEP, panel, at)
     elif kind == 3:
-        q4_k_block(row, block, panel, at)
+        q4_k_block(row, k0 // K_STEP, panel, at)
     elif kind == 4:
-        q5_k_block(row, block, panel, at)
+        q5_k_block(row, k0 // K_STEP, panel, at)
+    elif kind == 5:
+        q6_k_block(row, k0 // K_STEP, panel, at)
     else:
-        q6_k_block(row, block, panel, at)
+        mxfp4_values(row, k0, k1, panel, at)
 
 
 def _panel(w, kind, row_len, r0, n_rows, k0, k1, panel):  # type: ignore[no-untyped-def]
     """Rows r0 .. r0 + ROWS - 1 (zeros past the matrix's n_rows), values k0 .. k1 of w (rows of `row_len`
     elements) as float32 in `panel` [ROWS, K_STEP]: a vector copy, vcvtph2ps / shifts for 16-bit weights, or the
-    quantized rows' block k0 / K_STEP decoded (uint8 rows of the PANEL_TYPES type `kind`)."""
+    quantized rows' values k0 .. k1 - 1 decoded (uint8 rows of the PANEL_TYPES type `kind`)."""
 
 
 @overload(_panel, inline="always")
@@ -152,8 +157,7 @@ def _panel_impl(w, kind, row_len, r0, n_rows, k0, k1, panel):  # type: ignore[no
         def decoded(w, kind, row_len, r0, n_rows, k0, k1, panel):  # type: ignore[no-untyped-def]
             for i in range(ROWS):
                 if r0 + i < n_rows:
-                    _decode_block(kind, w[(r0 + i) * row_len : (r0 + i + 1) * row_len], k0 // K_STEP, panel,
-                                  i * K_STEP)
+                    _decode_block(kind, w[(r0 + i) * row_len : (r0 + i + 1) * row_len], k0, k1, panel, i * K_STEP)
                 else:
                     panel[i * K_STEP : i * K_STEP + k1 - k0] = 0
         return decoded
