@@ -29,7 +29,7 @@ from ikrun.numerics.ik.iqk_native import NATIVE_TYPES, native_matmuls
 from ikrun.numerics.ik.qgemm import IntRows, PackedInts, qmatmul
 from ikrun.ops.activations import ik_exp
 from ikrun.ops.fgemm import HALF_BITS, FileExperts, experts_matmul
-from ikrun.ops.parallel import claim_items, task_items
+from ikrun.ops.parallel import claim_items, run_claimed, task_items
 from ikrun.ops.stl_heap import partial_sort
 
 GATING_SOFTMAX = 1
@@ -264,12 +264,42 @@ ExpertFetch = Callable[[np.ndarray], tuple[ExpertMats, ExpertMats, ExpertMats]]
 ExpertInts = Callable[[int], tuple[PackedInts, PackedInts, PackedInts] | None]
 
 
-@njit(cache=True, nogil=True, error_model="numpy")
-def _swiglu_rows(g: np.ndarray, u: np.ndarray, limit: float, alpha: float, ik: bool, avx2: bool,
-                 out: np.ndarray) -> None:
-    for i in range(g.shape[0]):
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _swiglu_row(g, u, gb, ub, experts, i, limit, alpha, ik, avx2, out):  # type: ignore[no-untyped-def]
+    """Row i's SwiGLU values, its expert's biases (gb / ub [E, n_ff]; none when gb has no rows) added first (the
+    same float32 sums as adding them beforehand)."""
+    lim, a = np.float32(limit), np.float32(alpha)
+    if gb.shape[0]:
+        e = experts[i]
         for j in range(g.shape[1]):
-            out[i, j] = _swiglu1(g[i, j], u[i, j], np.float32(limit), np.float32(alpha), ik, avx2)
+            out[i, j] = _swiglu1(g[i, j] + gb[e, j], u[i, j] + ub[e, j], lim, a, ik, avx2)
+    else:
+        for j in range(g.shape[1]):
+            out[i, j] = _swiglu1(g[i, j], u[i, j], lim, a, ik, avx2)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _swiglu_serial(g, u, gb, ub, experts, limit, alpha, ik, avx2, out):  # type: ignore[no-untyped-def]
+    for i in range(g.shape[0]):
+        _swiglu_row(g, u, gb, ub, experts, i, limit, alpha, ik, avx2, out)
+
+
+@njit(cache=True, nogil=True, error_model="numpy", parallel=True)
+def _swiglu_claimed(g, u, gb, ub, experts, limit, alpha, ik, avx2, out, threads):  # type: ignore[no-untyped-def]
+    """The rows in tasks the threads claim (ikrun/ops/parallel.py)."""
+    per, counter = task_items(g.shape[0], threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
+        i0, i1 = claim_items(counter, per, g.shape[0])
+        while i0 < i1:
+            for i in range(i0, i1):
+                _swiglu_row(g, u, gb, ub, experts, i, limit, alpha, ik, avx2, out)
+            i0, i1 = claim_items(counter, per, g.shape[0])
+
+
+#: an exponential costs the SwiGLU's threads as much as this many of the elementwise work PARALLEL_MIN_ELEMENTS
+#: counts (libm's expf ~3.7 ns a value here): an expert's hundred rows are worth two threads
+EXP_WEIGHT = 8
+_NO_BIAS = np.zeros((0, 0), np.float32)
 
 
 @dataclass(frozen=True)
@@ -291,12 +321,16 @@ class ExpertGlu:
 def _swiglu(g: np.ndarray, u: np.ndarray, glu: ExpertGlu, e: int | np.ndarray, ik: bool, avx2: bool) -> np.ndarray:
     """The clamped SwiGLU of expert e's gate and up projections [tokens, n_ff] (e an array: each row's expert),
     its biases added first."""
-    gb, ub = glu.bias(1, e), glu.bias(0, e)
-    if gb is not None and ub is not None:
-        g, u = g + gb, u + ub
+    g, u = np.ascontiguousarray(g, dtype=np.float32), np.ascontiguousarray(u, dtype=np.float32)
+    if glu.biases is None:
+        gb = ub = _NO_BIAS
+        experts = np.zeros(0, np.int64)
+    else:
+        gb, ub = np.ascontiguousarray(glu.biases[1], np.float32), np.ascontiguousarray(glu.biases[0], np.float32)
+        experts = np.full(g.shape[0], e, np.int64) if np.ndim(e) == 0 else np.ascontiguousarray(e, np.int64)
     out = np.empty(g.shape, np.float32)
-    _swiglu_rows(np.ascontiguousarray(g), np.ascontiguousarray(u), float(glu.limit), float(glu.alpha), ik, avx2,
-                 out)
+    run_claimed(_swiglu_serial, _swiglu_claimed, EXP_WEIGHT * g.size, g, u, gb, ub, experts, float(glu.limit),
+                float(glu.alpha), ik, avx2, out)
     return out
 
 
