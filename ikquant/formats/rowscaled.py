@@ -48,14 +48,15 @@ def _quantize_q8_kv(x: np.ndarray, out: np.ndarray, limit: float) -> bool:
 def _q8_kv_codes(xr: np.ndarray, mul: np.float32, codes: np.ndarray) -> np.int32:
     """One row's codes (saturated to int8) and the sum of the unsaturated ones. x86's float-to-int conversion gives
     INT_MIN for out-of-range values (the reciprocal overflows when max|x| < 127/FLT_MAX); the saturating packs then
-    store -128. With a finite multiplier no product exceeds ~127, and the loop without range tests vectorises."""
+    store -128. With a finite multiplier no product exceeds ~127, and the loop without range tests vectorises; its
+    sum is kept in 32 bits (wrapping, as the int32 result does), where Numba's int64 sum halved the vector lanes."""
     if abs(mul) < np.inf:
-        acc = np.int64(0)
+        acc = np.int32(0)
         for j in range(xr.size):
             q = np.int32(np.rint(mul * xr[j]))
             codes[j] = np.int8(min(max(q, np.int32(-128)), np.int32(127)))
-            acc += q
-        return np.int32(acc)
+            acc = np.int32(acc + q)
+        return acc
     total = np.int32(0)
     for j in range(xr.size):
         v = mul * xr[j]
