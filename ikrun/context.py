@@ -16,10 +16,10 @@ from ikrun.numerics.exact import Numerics
 from ikrun.options import RuntimeOptions
 from ikrun.weights import WeightStore
 
-#: called as observer(weight_name, x, expert, n_experts, chunk) with the activation rows about to meet each weight
-#: matrix (expert = which matrix of a 3-D expert tensor; 0 of 1 for plain matrices; chunk = which evaluated sequence
-#: the rows belong to)
-Observer = Callable[[str, np.ndarray, int, int, int], None]
+#: called as observer(weight_name, x, expert, n_experts, evaluation) with the activation rows about to meet each
+#: weight matrix (expert = which matrix of a 3-D expert tensor; 0 of 1 for plain matrices; evaluation = which
+#: evaluation of the graph the rows belong to: (chunk, first position of its batch), 0 for a chunk fed whole)
+Observer = Callable[[str, np.ndarray, int, int, tuple[int, int]], None]
 
 
 class Context:
@@ -38,8 +38,10 @@ class Context:
         self.kv_cache = cache.label
         self.observers = observers
         self.arch: str = weights.metadata.architecture
-        #: the chunk whose rows the observers are shown (set by the per-sequence steps)
+        #: the chunk whose rows the observers are shown (set by the per-sequence steps), and the first position of
+        #: the batch it is fed in (ArchModel.forward_in_batches; 0 for a chunk fed whole)
         self.chunk = 0
+        self.batch_start = 0
 
     def hparam(self, key: str, default: Any = ModelError) -> Any:
         """`{arch}.{key}` from the metadata (a clear error names the key when it is required and missing)."""
@@ -74,7 +76,7 @@ class Context:
     def observe(self, weight_name: str, x: np.ndarray, expert: int = 0, n_experts: int = 1) -> None:
         """Show the observers the rows `x` that meet `weight_name` (matrix `expert` of a 3-D expert tensor)."""
         for observer in self.observers:
-            observer(weight_name, x, expert, n_experts, self.chunk)
+            observer(weight_name, x, expert, n_experts, (self.chunk, self.batch_start))
 
     def project(self, x: np.ndarray, weight_name: str) -> np.ndarray:
         """x @ W^T for the 2-D weight `weight_name`, unobserved (an output head)."""

@@ -43,6 +43,31 @@ def test_matches_iks_llama_imatrix(data_dir: Path, tmp_path: Path) -> None:
         assert np.linalg.norm(a - b) / np.linalg.norm(a) < 0.01, name
 
 
+def test_batches_are_iks_calls(data_dir: Path, tmp_path: Path) -> None:
+    """--batch: each batch is one call of ik's llama-imatrix -b (ncall and the file's count are calls), and batches
+    under its 16-row minimum collect nothing, said in a warning: against ik's own files."""
+    ref = data_dir / "logits" / "batches"
+    _collect(data_dir, tmp_path / "b32.dat", "--batch", "32", "--numerics", "ik", "--flash-attn", "off")
+    ik, ours = read_imatrix_dat(ref / "qwen3-imatrix-c64-b32-avx512.dat"), read_imatrix_dat(tmp_path / "b32.dat")
+    assert ours.chunks == ik.chunks == 120
+    assert set(ours.entries) == set(ik.entries)
+    for name, entry in ik.entries.items():
+        assert ours.entries[name].ncall == entry.ncall == 120
+        a, b = entry.mean_sq(), ours.entries[name].mean_sq()
+        # ik sums 3840 rows in float32, the runtime in float64 (the activations are ik's own, --numerics ik)
+        assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max(), name
+    res = runner.invoke(app, ["imatrix", str(data_dir / "convert" / "qwen3" / "ik-f32.gguf"), "--text",
+                              str(data_dir / "logits" / "qwen3" / "text.txt"), "--ctx", "64", "--batch", "8", "-o",
+                              str(tmp_path / "b8.dat")])
+    assert res.exit_code == 0, res.output
+    assert "only routed experts can get data" in res.output and "the file holds no data" in res.output
+    # ik's file and ours: no entries, a count of 0 (two int32), then the text's path as each was given it
+    ik_bytes, ours_bytes = (ref / "qwen3-imatrix-c64-b8-avx512.dat").read_bytes(), (tmp_path / "b8.dat").read_bytes()
+    assert ours_bytes[:8] == ik_bytes[:8] == bytes(8)
+    text = str(data_dir / "logits" / "qwen3" / "text.txt").encode()
+    assert ours_bytes[8:] == len(text).to_bytes(4, "little") + text
+
+
 def test_equals_a_direct_computation_from_the_reference_activations(tiny_hf: Path, tiny_f32: Path) -> None:
     model = Model(tiny_f32)
     text = (Path(__file__).parents[1] / "ikconvert" / "data" / "tiny_corpus.txt").read_text(encoding="utf-8")

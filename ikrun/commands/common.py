@@ -66,6 +66,23 @@ def load_model(path: Path, ev: Evaluation, beside: bool = False) -> Model:
     return m
 
 
+BATCH_HELP = ("Feed each chunk this many tokens at a time through its key/value cache, as ik runs a chunk in "
+              "micro-batches (llama-perplexity -b / -ub, the smaller: -ub defaults to 512): under --numerics ik "
+              "its kernels see batches this size, and MLA models take the absorbed form below 128 tokens. Runs "
+              "chunk by chunk. Default: each chunk whole.")
+
+
+def check_batch(batch: int | None) -> None:
+    """Refuse a --batch of no tokens before anything is loaded."""
+    if batch is not None and batch < 1:
+        fail(f"--batch {batch}: give 1 token or more")
+
+
+def batch_report(plan: StreamPlan) -> dict[str, int]:
+    """The JSON report's `batch`: the tokens a chunk was fed at a time, where fewer than the chunk."""
+    return {"batch": plan.batch} if plan.batch else {}
+
+
 def run_plan(m: Model, n_chunk: int, ctx: int, ev: Evaluation, one_pass: bool = True,
              batch: int | None = None) -> StreamPlan:
     from ikrun.eval.stream import plan_run

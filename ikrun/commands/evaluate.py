@@ -12,18 +12,21 @@ from rich.table import Table
 
 from ikquant.cli_common import err, fail, out
 from ikquant.errors import IkError
-from ikrun.commands.common import check_output, load_model, read_text, run_plan, tracked
+from ikrun.commands.common import (
+    BATCH_HELP,
+    batch_report,
+    check_batch,
+    check_output,
+    load_model,
+    read_text,
+    run_plan,
+    tracked,
+)
 from ikrun.commands.options import Evaluation, evaluation_options
 
 if TYPE_CHECKING:
     from ikrun.eval.stream import StreamPlan
     from ikrun.model import Model
-
-BATCH_HELP = ("Feed each chunk this many tokens at a time through its key/value cache, as ik runs a chunk in "
-              "micro-batches (llama-perplexity -b / -ub, the smaller: -ub defaults to 512): under --numerics ik "
-              "its kernels see batches this size, and MLA models take the absorbed form below 128 tokens. Runs "
-              "chunk by chunk. Default: each chunk whole.")
-
 
 @evaluation_options
 def logits(
@@ -238,17 +241,6 @@ def run_paths(m: Model, n_ctx: int, plan: StreamPlan | None) -> dict[str, str]:
     each = [m.computed_paths(n) for n in sizes]
     return {key: each[0][key] if len({p[key] for p in each}) == 1
             else " + ".join(f"{p[key]} ({n}-token batches)" for n, p in zip(sizes, each)) for key in each[0]}
-
-
-def check_batch(batch: int | None) -> None:
-    """Refuse a --batch of no tokens before anything is loaded."""
-    if batch is not None and batch < 1:
-        fail(f"--batch {batch}: give 1 token or more")
-
-
-def batch_report(plan: StreamPlan) -> dict[str, int]:
-    """The JSON report's `batch`: the tokens a chunk was fed at a time, where fewer than the chunk."""
-    return {"batch": plan.batch} if plan.batch else {}
 
 
 def kld_table(stats: dict, title: str) -> Table:

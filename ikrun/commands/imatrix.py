@@ -9,7 +9,7 @@ import typer
 
 from ikquant.cli_common import err, fail
 from ikquant.errors import IkError
-from ikrun.commands.common import load_model, read_text, run_plan, tracked
+from ikrun.commands.common import BATCH_HELP, check_batch, load_model, read_text, run_plan, tracked
 from ikrun.commands.options import Evaluation, evaluation_options
 
 if TYPE_CHECKING:
@@ -24,6 +24,9 @@ def imatrix(
                                 "mainline's GGUF imatrix when the name ends in .gguf."),
     ctx: int = typer.Option(512, "--ctx", "-c", help="Chunk length in tokens."),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Use at most this many chunks."),
+    batch: Optional[int] = typer.Option(None, "--batch", "-b", help=BATCH_HELP + " Each batch is one call of "
+                                        "ik's (llama-imatrix -b): ncall counts them, and a batch under 16 tokens "
+                                        "gives the weights that are not experts no data, as in ik."),
     in_file: list[Path] = typer.Option([], "--in-file", help="Earlier imatrix to merge in (repeatable)."),
     save_every: int = typer.Option(10, "--save-every", help="Rewrite the output every N chunks, so an interrupted "
                                    "run loses little (0: only at the end; a streamed run finishes all chunks "
@@ -43,9 +46,13 @@ def imatrix(
     """
     from ikquant.imatrix import read_imatrix
     from ikrun.eval.evaluate import collect_imatrix, tokenize_chunks
-    from ikrun.eval.imatrix import ImatrixCollector, collect_nextn
+    from ikrun.eval.imatrix import MIN_ROWS, ImatrixCollector, collect_nextn
     from ikrun.eval.metrics import ppl_stats
 
+    check_batch(batch)
+    if batch is not None and batch < min(MIN_ROWS, ctx):
+        err.print(f"[yellow]warning:[/] --batch {batch}: a call of fewer than {MIN_ROWS} rows is not collected (as "
+                  "in ik's llama-imatrix), so only routed experts can get data")
     if mtp_model is not None and not mtp:
         fail("--mtp-model goes with --mtp (the export's head is run only to collect its tensors)")
     m = load_model(model, ev)
@@ -62,7 +69,7 @@ def imatrix(
     except IkError as exc:
         fail(str(exc))
     dataset = str(text)
-    plan = run_plan(m, len(chunk_tokens), ctx, ev)
+    plan = run_plan(m, len(chunk_tokens), ctx, ev, batch=batch)
     with tracked(m, plan, "imatrix") as (on_chunk, on_block):
 
         def step(i: int, n: int) -> None:
@@ -75,5 +82,8 @@ def imatrix(
         collect_nextn(m, chunk_tokens, collector, head)
     collector.save(output, len(chunk_tokens), ctx, dataset)
     stats = ppl_stats(nll)
-    err.print(f"wrote {output}: {len(collector.sums)} entries from {len(chunk_tokens)} chunks of {ctx} tokens "
+    fed = f" in batches of {batch}" if batch is not None and batch < ctx else ""
+    err.print(f"wrote {output}: {len(collector.sums)} entries from {len(chunk_tokens)} chunks of {ctx} tokens{fed} "
               f"(PPL {stats['ppl']:.4f} +/- {stats['ppl_err']:.5f})")
+    if not collector.sums:
+        err.print("[yellow]warning:[/] no weight was shown rows: the file holds no data")

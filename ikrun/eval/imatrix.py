@@ -2,7 +2,9 @@
 
 What is collected follows ik's llama-imatrix: every matmul of a `blk.*` weight whose activation batch has at least
 16 rows (the output tensor only on request), one `ncall` per evaluation of the graph (here: per chunk that showed
-the weight rows, whatever order a layer-streamed run shows them in), and the stored value mean(x^2) * ncall. Sums are kept in float64 (ik: float32).
+the weight rows, whatever order a layer-streamed run shows them in, or per batch of a chunk fed in batches, which
+ik evaluates one at a time: a batch of fewer than 16 tokens shows the weights that are not experts no rows), and
+the stored value mean(x^2) * ncall. Sums are kept in float64 (ik: float32).
 
 ik's forward never runs a NextN/MTP block, so its imatrix has no data for one; `collect_nextn` runs the head at
 every position of each chunk (one draft step per position, from the target's hidden state of the position before,
@@ -34,17 +36,19 @@ class ImatrixCollector:
     counts: dict[str, np.ndarray] = field(default_factory=dict)
     #: calls merged in from earlier files
     merged_calls: dict[str, int] = field(default_factory=dict)
-    _chunks: dict[str, set[int]] = field(default_factory=dict)
+    _calls: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
 
     def wants(self, name: str) -> bool:
         return name.startswith("blk.") or (self.process_output and name == "output.weight")
 
     @property
     def ncall(self) -> dict[str, int]:
-        """Per entry: the chunks that showed it rows, plus the calls of merged files."""
-        return {name: self.merged_calls.get(name, 0) + len(self._chunks.get(name, ())) for name in self.sums}
+        """Per entry: the evaluations (chunks, or their batches) that showed it rows, plus the calls of merged
+        files."""
+        return {name: self.merged_calls.get(name, 0) + len(self._calls.get(name, ())) for name in self.sums}
 
-    def __call__(self, name: str, x: np.ndarray, expert: int = 0, n_experts: int = 1, chunk: int = 0) -> None:
+    def __call__(self, name: str, x: np.ndarray, expert: int = 0, n_experts: int = 1,
+                 evaluation: tuple[int, int] = (0, 0)) -> None:
         if not self.wants(name) or (n_experts == 1 and x.shape[0] < MIN_ROWS):
             return
         x64 = x.reshape(-1, x.shape[-1]).astype(np.float64)
@@ -53,7 +57,7 @@ class ImatrixCollector:
             self.counts[name] = np.zeros(n_experts)
         self.sums[name][expert] += np.einsum("ij,ij->j", x64, x64)
         self.counts[name][expert] += x64.shape[0]
-        self._chunks.setdefault(name, set()).add(chunk)
+        self._calls.setdefault(name, set()).add(evaluation)
 
     def merge(self, earlier: Imatrix, rows_per_call: int) -> None:
         """Add an earlier imatrix as if its calls had `rows_per_call` rows each (ik mixes units here: it adds
@@ -83,11 +87,13 @@ class ImatrixCollector:
         return imat
 
     def save(self, path: Path, chunks: int, chunk_size: int, dataset: str) -> None:
-        """Write ik's .dat, or mainline's GGUF imatrix when the name ends in .gguf (both atomically)."""
+        """Write ik's .dat, or mainline's GGUF imatrix when the name ends in .gguf (both atomically). The .dat's
+        count is ik's: the most calls of any entry (the chunks, where each is evaluated whole; its batches, where
+        fed in batches; 0 where nothing was collected), mainline's the chunks run."""
         if path.suffix == ".gguf":
             write_imatrix_gguf(path, self.sums, self.counts, chunks, chunk_size, dataset)
         else:
-            write_imatrix_dat(path, self.to_imatrix(chunks, dataset))
+            write_imatrix_dat(path, self.to_imatrix(max(self.ncall.values(), default=0), dataset))
 
 
 def collect_nextn(model: Model, chunks: np.ndarray, collector: ImatrixCollector, head: Model | None = None) -> None:

@@ -232,14 +232,18 @@ class ArchModel(ABC):
     def forward_in_batches(self, tokens: np.ndarray, batch: int, index: int = 0, outputs: int = 0) -> np.ndarray:
         """float32 logits of one fresh sequence fed `batch` tokens at a time through its key/value cache, as ik
         runs a chunk in micro-batches (llama-perplexity -b / -ub): each batch a Sequence continuing the last, its
-        output rows those from `outputs` on (`continues` architectures)."""
+        output rows those from `outputs` on (`continues` architectures); each batch an evaluation of its own to the
+        observers (Context.batch_start), as each is a graph evaluation of ik's."""
         kv: dict[str, Any] = {}
         out = []
-        for start in range(0, len(tokens), batch):
-            seq = Sequence(np.asarray(tokens[start : start + batch]), index, {"kv": kv}, start, outputs - start)
-            self.ctx.chunk = index
-            self.begin(seq)
-            out.append(self.run_from(0, self.embed(seq), seq))
+        try:
+            for start in range(0, len(tokens), batch):
+                seq = Sequence(np.asarray(tokens[start : start + batch]), index, {"kv": kv}, start, outputs - start)
+                self.ctx.chunk, self.ctx.batch_start = index, start
+                self.begin(seq)
+                out.append(self.run_from(0, self.embed(seq), seq))
+        finally:
+            self.ctx.batch_start = 0
         return np.concatenate(out)
 
     def run_from(self, first: int, x: np.ndarray, seq: Sequence, on_block: BlockHook | None = None) -> np.ndarray:
