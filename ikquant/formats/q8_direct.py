@@ -64,9 +64,9 @@ def _quads_transposer(n: int):  # type: ignore[no-untyped-def]
     def transpose(typingctx, codes, words, start):  # type: ignore[no-untyped-def]
         if not (isinstance(codes, types.Array) and codes.ndim == 2 and codes.layout == "C"
                 and codes.dtype == types.uint8):
-            raise TypingError(f"interleave_quads: codes must be a C-contiguous 2-d uint8 array, not {codes}")
+            raise TypingError(f"_quads_transposer: codes must be a C-contiguous 2-d uint8 array, not {codes}")
         if not (isinstance(words, types.Array) and words.ndim == 1 and words.dtype == types.uint32):
-            raise TypingError(f"interleave_quads: words must be a 1-d uint32 array, not {words}")
+            raise TypingError(f"_quads_transposer: words must be a 1-d uint32 array, not {words}")
         sig = types.void(codes, words, types.int64)
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
