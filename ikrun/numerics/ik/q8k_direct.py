@@ -202,7 +202,8 @@ def _block32_group(raw: np.ndarray, kind: int, nb: int, bias: int, g: int, out4:
                    least: np.ndarray) -> None:
     """Group g: each row's 4-value steps stored to the group's layout (Q8_0's read as two 16-bit halves: a block's
     values start 2 bytes in; MXFP4's computed into `values` first), then over the group's 16 rows as vector lanes
-    each value + bias (a byte-wise add, wrapping), the block sums and the least value (`least`, per row); a padding
+    each value + bias (a byte-wise add, wrapping; with bias 0 the words are only read: rewriting them unchanged
+    took a tenth of the pack), the block sums and the least value (`least`, per row); a padding
     row is `bias` throughout, with scale and offset 0 (pack's padding). A byte loop per row took 2.1x as long
     (0.30 against 0.15 ms for 512 x 1024)."""
     rows = raw.shape[0]
@@ -250,8 +251,9 @@ def _block32_group(raw: np.ndarray, kind: int, nb: int, bias: int, g: int, out4:
         for k in range(words_per_block):
             for r in range(lanes):
                 w = np.uint32(out4[base + k * lanes + r])
-                w = ((w & low_bits) + (bias4 & low_bits)) ^ ((w ^ bias4) & high_bits)
-                out4[base + k * lanes + r] = np.int32(w)
+                if bias:
+                    w = ((w & low_bits) + (bias4 & low_bits)) ^ ((w ^ bias4) & high_bits)
+                    out4[base + k * lanes + r] = np.int32(w)
                 b0, b1 = np.int32(np.int8(w)), np.int32(np.int8(w >> np.uint32(8)))
                 b2, b3 = np.int32(np.int8(w >> np.uint32(16))), np.int32(np.int8(w >> np.uint32(24)))
                 total[r] += b0 + b1 + b2 + b3
