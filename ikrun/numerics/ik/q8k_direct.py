@@ -27,7 +27,7 @@ from numba.core.errors import TypingError
 from ikquant.formats.grid_lookup import scaled_nibbles
 from ikquant.formats.iqk_grids import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
 from ikquant.formats.jit import intrinsic
-from ikquant.formats.numeric import f32_from_bits, load_f16, load_f32, round_f16
+from ikquant.formats.numeric import e8m0_half_to_f32, f32_from_bits, load_f16, load_f32, round_f16
 from ikrun.numerics.ik.qgemm import GROUPS, LANES, ORDER_QX_0_NATIVE, ORDER_R8, ORDER_R16, PackedInts
 from ikrun.ops.parallel import claim_items, task_items
 
@@ -251,8 +251,7 @@ def _block32_group(raw: np.ndarray, kind: int, nb: int, bias: int, g: int, out4:
                     _mxfp4_block_values(row, MXFP4_BLOCK_BYTES * b + 1, values)
                     for k in range(words_per_block):
                         out4[dst + k * lanes] = np.int32(quads[k])
-                    e = np.uint32(row[MXFP4_BLOCK_BYTES * b])  # 2^(e - 128): e 1 is float32's subnormal 2^-127
-                    scale[at] = f32_from_bits((e - np.uint32(1)) << np.uint32(23) if e > 1 else np.uint32(1 << 22))
+                    scale[at] = e8m0_half_to_f32(row[MXFP4_BLOCK_BYTES * b])  # 2^(e - 128)
         else:
             for b in range(nb):
                 dst = words + np.uint64(b) * words_per_block * lanes + np.uint64(r)
