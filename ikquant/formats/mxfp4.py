@@ -73,30 +73,10 @@ def _quantize_mxfp4(x: np.ndarray, out: np.ndarray) -> None:
                 out[r, o + 1 + j] = np.uint8(code[j] | (code[j + QK // 2] << 4))
 
 
-@njit(**KERNEL)
-def _dequantize_mxfp4(q: np.ndarray, out: np.ndarray, qk: int) -> None:
-    """qk is QK passed at run time, and the loops index block slices with the bare counter: both keep LLVM
-    vectorising the 16-value loops (see legacy.py)."""
-    n_rows, n = out.shape
-    half = qk // 2
-    for r in prange(n_rows):
-        qr = q[r]
-        for ib in range(n // qk):
-            o = ib * BLOCK_BYTES
-            d = e8m0_half_to_f32(qr[o])
-            src = qr[o + 1 : o + 1 + half]
-            lo = out[r, ib * qk : ib * qk + half]
-            hi = out[r, ib * qk + half : (ib + 1) * qk]
-            for j in range(half):
-                lo[j] = d * _FVALUES[src[j] & np.uint8(15)]
-            for j in range(half):
-                hi[j] = d * _FVALUES[src[j] >> np.uint8(4)]
-
-
 @njit(cache=True, nogil=True, inline="always")
 def mxfp4_values(row: np.ndarray, k0: int, k1: int, y: np.ndarray, at: int) -> None:
-    """Values k0 .. k1 - 1 (multiples of QK) of an MXFP4 row (its bytes) into y[at : at + k1 - k0], the floats of
-    _dequantize_mxfp4: shared with the runtime's expert kernel, which decodes a block of rows at a time into its
+    """Values k0 .. k1 - 1 (multiples of QK) of an MXFP4 row (its bytes) into y[at : at + k1 - k0]: the decoding,
+    of whole rows here and of a block of rows at a time in the runtime's expert kernel, which decodes into its
     first-level cache (a row's length need not be a multiple of the kernel's step, so the span is explicit)."""
     half = QK // 2
     for ib in range(k0 // QK, k1 // QK):
@@ -109,6 +89,13 @@ def mxfp4_values(row: np.ndarray, k0: int, k1: int, y: np.ndarray, at: int) -> N
             lo[j] = d * _FVALUES[src[j] & np.uint8(15)]
         for j in range(half):
             hi[j] = d * _FVALUES[src[j] >> np.uint8(4)]
+
+
+@njit(**KERNEL)
+def _dequantize_mxfp4(q: np.ndarray, out: np.ndarray) -> None:
+    n_rows, n = out.shape
+    for r in prange(n_rows):
+        mxfp4_values(q[r], 0, n, out[r], 0)
 
 
 class MXFP4Codec(Codec, type_name="MXFP4"):
@@ -124,5 +111,5 @@ class MXFP4Codec(Codec, type_name="MXFP4"):
         _quantize_mxfp4(x, out)
 
     def _dequantize(self, q: np.ndarray, out: np.ndarray) -> None:
-        _dequantize_mxfp4(q, out, QK)
+        _dequantize_mxfp4(q, out)
 
