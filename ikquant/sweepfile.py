@@ -2,7 +2,7 @@
 
 JSON: `{"format": "iktools-sweep", "version": 2, ...header..., "rows": [...]}`. CSV: a first line `# {header as
 JSON}`, then a column line and one line per row (a group's tensors joined by `;`). Both resume and both feed
-`ikquant --sweep`. The header says what the rows were measured on (model fingerprint, text hash, ctx, chunks,
+`ikquant --sweep`. The header says what the rows were measured on (model fingerprint, text hash, ctx, batch, chunks,
 grouping, imatrix hash, runtime options), so a resumed sweep refuses rows measured on anything else.
 """
 
@@ -20,8 +20,8 @@ from ikquant.errors import InputNotFoundError, SweepFileError
 FORMAT = "iktools-sweep"
 VERSION = 2
 #: header fields a resumed sweep must match exactly (the model's path and the text's name may move)
-IDENTITY = ("metric", "cost", "model_fingerprint", "text_sha256", "ctx", "chunks", "group", "imatrix_sha256", "runtime",
-            "decoding")
+IDENTITY = ("metric", "cost", "model_fingerprint", "text_sha256", "ctx", "batch", "chunks", "group", "imatrix_sha256",
+            "runtime", "decoding")
 #: what a header without the field means (files written before the field existed)
 DEFAULTS = {"metric": "kld"}
 #: what each metric's rows measure, and the column a mix minimises (lower is better, additive across groups) where

@@ -119,13 +119,22 @@ class Model:
         """Matmuls that had to decode their weight in tiles of rows (it did not fit the cache)."""
         return self.numerics.tiled
 
-    def computed_paths(self, n_ctx: int) -> dict[str, str]:
-        """The architecture's alternative computations a run of n_ctx-token chunks takes (ArchModel.computed_paths)."""
-        return self.impl.computed_paths(n_ctx)
+    def computed_paths(self, n_ctx: int, batch: int | None = None) -> dict[str, str]:
+        """The architecture's alternative computations a run of n_ctx-token chunks (fed `batch` tokens at a time)
+        takes (ArchModel.computed_paths); where a chunk's last, shorter batch takes another path than the others
+        (DeepSeek's MLA form flips at 128 tokens), each with its batches' size: "prefill (192-token batches) +
+        decode (64-token batches)"."""
+        sizes = batch_sizes(n_ctx, batch)
+        if not sizes:
+            return self.impl.computed_paths(n_ctx)
+        each = [self.impl.computed_paths(n) for n in sizes]
+        return {key: each[0][key] if len({p[key] for p in each}) == 1
+                else " + ".join(f"{p[key]} ({n}-token batches)" for n, p in zip(sizes, each)) for key in each[0]}
 
-    def unread_tensors(self, n_ctx: int) -> dict[str, str]:
-        """The file's tensors a run of n_ctx-token chunks never reads, with why (ArchModel.unread_tensors)."""
-        return self.impl.unread_tensors(n_ctx)
+    def unread_tensors(self, n_ctx: int, batch: int | None = None) -> dict[str, str]:
+        """The file's tensors a run of n_ctx-token chunks (fed `batch` tokens at a time) never reads, with why
+        (ArchModel.unread_tensors)."""
+        return self.impl.unread_tensors(n_ctx, batch_sizes(n_ctx, batch))
 
     def check_context(self, n_ctx: int, batch: int | None = None) -> None:
         """Refuse a chunk length (fed `batch` tokens at a time) the run's options cannot take (a ModelError

@@ -390,6 +390,37 @@ def test_decode_sweep_leaves_attn_kv_b_unmeasured_and_its_mix_at_the_recipes_typ
     assert "3 tensors unmeasured by the sweep keep the recipe's type" in output
 
 
+def test_batches_under_128_tokens_sweep_the_decode_path_and_the_mix_is_measured_there(tmp_path: Path) -> None:
+    """ik feeds a chunk in micro-batches of -ub tokens and takes the absorbed form below 128: a sweep --batch 64
+    at --ctx 128 measures attn_k_b / attn_v_b and leaves attn_kv_b unmeasured, and `ikrun mix` measures its file
+    at the sweep's batches, as `ikrun kld --batch 64` does (whole chunks take the prefill path: another figure)."""
+    from ikquant.cli import app as ikquant_app
+
+    assert Model(V3).computed_paths(256, 192) == {"mla_path": "prefill (192-token batches) + decode (64-token batches)"}
+    assert {n for n in Model(V3).unread_tensors(256, 192) if "_b." in n} == set()
+    assert set(Model(V3).unread_tensors(256, 64)) == {f"blk.{i}.attn_kv_b.weight" for i in LAYERS}
+    sweep = _mla_sweep(tmp_path / "batched.json", "--batch", "64")
+    assert sweep["batch"] == 64 and sweep["runtime"]["mla_path"] == "decode"
+    assert set(sweep["unmeasured"]) == {f"blk.{i}.attn_kv_b.weight" for i in LAYERS}
+    plain = tmp_path / "plain-q8_0.gguf"
+    assert runner.invoke(ikquant_app, [str(V3), str(plain), "--type", "q8_0"]).exit_code == 0
+    size = sum(t.nbytes for t in GGUFFile(plain).tensors.values())
+    out = tmp_path / "mix.gguf"
+    res = runner.invoke(app, ["mix", str(V3), str(out), "--sweep", str(tmp_path / "batched.json"), "--type", "q8_0",
+                              "--target-size", str(size), "--json"])
+    assert res.exit_code == 0, res.output
+    measured = json.loads(res.stdout)[0]["kld_mean"]
+    text = DATA / "logits" / "deepseek-v3" / "text.txt"
+    kld = {}
+    for flags in (["--batch", "64"], []):
+        r = runner.invoke(app, ["kld", str(out), "--base", str(V3), "--text", str(text), "--ctx", "128", "--chunks",
+                                "2", "--json", *flags])
+        assert r.exit_code == 0, r.output
+        kld[bool(flags)] = json.loads(r.stdout)["kld_mean"]
+    assert measured == pytest.approx(kld[True], rel=1e-12)
+    assert abs(kld[False] - kld[True]) > 1e-3 * kld[True]
+
+
 def test_the_nextn_block_is_unmeasured() -> None:
     """GLM-5.2's NextN block (blk.7) takes no part in the main forward: a sweep cannot measure it."""
     from ikrun.sweep.measure import sweep_groups, unmeasured_tensors

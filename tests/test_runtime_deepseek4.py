@@ -164,6 +164,24 @@ def test_validate_command() -> None:
     assert "OK" in res.output
 
 
+def test_a_compressor_no_window_completes_is_unread(model: Model, long_tokens: np.ndarray) -> None:
+    """The HCA layer (ratio 128) pools no entry from a chunk of fewer than 128 tokens: its compressor is listed as
+    unread there (a sweep leaves it unmeasured instead of scoring it at the base's own KLD), and a swap of it
+    changes no logit there while it changes them at 128 tokens."""
+    hca = {f"blk.2.attn_compressor_{t}" for t in ("kv.weight", "gate.weight", "ape.weight", "norm.weight")}
+    assert set(model.unread_tensors(127)) == hca == set(model.unread_tensors(127, 32))
+    assert model.unread_tensors(128) == {} == model.unread_tensors(128, 32)
+    name = "blk.2.attn_compressor_kv.weight"
+    raw = model.weights.source_encoding(name)
+    before = {n: model.logits(long_tokens[:n]) for n in (127, 128)}
+    model.swap(name, raw.type, np.ascontiguousarray(raw.raw[::-1]))
+    try:
+        after = {n: model.logits(long_tokens[:n]) for n in (127, 128)}
+    finally:
+        model.restore(name)
+    assert np.array_equal(before[127], after[127]) and not np.array_equal(before[128], after[128])
+
+
 # ---- imatrix --------------------------------------------------------------------------------------------------
 
 def test_imatrix_names_per_expert_and_per_output_group(tmp_path: Path) -> None:

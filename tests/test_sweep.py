@@ -165,6 +165,63 @@ def test_layer_local_rows_equal_full_forward_rows(data_dir: Path, tmp_path: Path
     assert {start_block(model, n) for n in picked.values()} >= {0, last, model.impl.n_active}
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek2", "glm-dsa", "deepseek4", "qwen3next"])
+def test_layer_local_rows_equal_full_forward_rows_fed_in_batches(data_dir: Path, tmp_path: Path, arch: str) -> None:
+    """Fed in micro-batches (ikrun sweep --batch), a resumed chunk runs its batches in turn from the changed block
+    through a cache of its own: the full forward's digits again, a shorter last batch included (12 + 12 + 8)."""
+    import numpy as np
+
+    from ikquant.types import type_by_name
+    from ikrun.eval.evaluate import open_base, perplexity
+    from ikrun.eval.stream import plan_run
+    from ikrun.model import Model
+    from ikrun.sweep import run_sweep
+    from ikrun.sweep.measure import start_block, sweep_groups
+    from tests.test_stream import MODELS
+
+    model = Model(data_dir / "convert" / MODELS[arch])
+    chunks = np.random.default_rng(1).integers(0, model.n_vocab, size=(3, 32))
+    perplexity(model, chunks, tmp_path / "base.kld", plan=plan_run(model, 3, 32, one_pass=True, batch=12))
+    base = open_base(tmp_path / "base.kld", model)
+    last = model.impl.n_active - 1
+    picked = {g: n for g, n in sweep_groups(model, "tensor", None, 32, 12).items()
+              if start_block(model, n) in (0, last) and all(model.weights.info(t).n_per_row % 32 == 0 for t in n)}
+    rows = {}
+    for full in (False, True):
+        got = run_sweep(model, base, picked, [type_by_name("Q4_0")], None, [], lambda r: None, full_forward=full,
+                        batch=12)
+        rows[full] = {r.group: (r.kld_mean, r.kld_p99, r.same_top_p, r.ppl_ratio) for r in got}
+    assert rows[False] == rows[True]
+    assert {start_block(model, n) for n in picked.values()} == {0, last}
+    assert all(kld > 0 for kld, *_ in rows[False].values())
+
+
+def test_a_batched_sweep_is_the_kld_of_each_file_fed_in_batches(model256: Path, tmp_path: Path) -> None:
+    """`ikrun sweep --batch` measures what `ikrun kld --batch` prints of the file with that one tensor quantized;
+    its rows resume only at the same batch, and bad --batch values are refused before any compute."""
+    from ikquant.ftypes import file_type
+    from ikquant.quantize import QuantizeOptions, quantize_model
+
+    out = tmp_path / "sweep.json"
+    res = _sweep(model256, out, "--types", "IQ4_KS", "--tensors", r"blk\.1\.ffn_down", "--batch", "24")
+    assert res.exit_code == 0, res.output
+    sweep = json.loads(out.read_text())
+    assert sweep["batch"] == 24 and len(sweep["rows"]) == 1
+    single = tmp_path / "single.gguf"
+    quantize_model(model256, single, QuantizeOptions(file_type("F32"), pure=True,
+                                                     tensor_types={"blk.1.ffn_down.weight": "IQ4_KS"}))
+    r = runner.invoke(app, ["kld", str(single), "--base", str(model256), "--text", str(CORPUS), "--ctx", "64",
+                            "--chunks", "6", "--batch", "24", "--json"])
+    assert r.exit_code == 0, r.output
+    assert sweep["rows"][0]["kld_mean"] == pytest.approx(json.loads(r.stdout)["kld_mean"], rel=1e-12)
+    for flags, said in ((["--batch", "32"], "batch = 24, this run has 32"), ([], "batch = 24, this run has None")):
+        res = _sweep(model256, out, "--types", "IQ4_KS", "--tensors", r"blk\.1\.ffn_down", *flags)
+        assert res.exit_code == 2 and said in " ".join(res.output.split())
+    res = _sweep(model256, tmp_path / "zero.json", "--types", "IQ4_KS", "--batch", "0")
+    assert res.exit_code == 2 and "--batch 0: give 1 token or more" in res.output
+    assert not (tmp_path / "zero.json").exists()
+
+
 def test_resuming_with_other_settings_is_refused(model256: Path, tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
     assert _sweep(model256, out, "--types", "Q4_0", "--group", "class", "--tensors", "ffn_up").exit_code == 0

@@ -230,17 +230,8 @@ def settings(m: Model, n_ctx: int, plan: StreamPlan | None = None) -> str:
 
 
 def run_paths(m: Model, n_ctx: int, plan: StreamPlan | None) -> dict[str, str]:
-    """The computation paths a run took (Model.computed_paths); fed in batches, where a chunk's last, shorter
-    batch takes another path than the others (DeepSeek's MLA form flips at 128 tokens), each with its batches'
-    size: "prefill (192-token batches) + decode (64-token batches)"."""
-    from ikrun.model import batch_sizes
-
-    sizes = batch_sizes(n_ctx, plan.batch if plan is not None else None)
-    if not sizes:
-        return m.computed_paths(n_ctx)
-    each = [m.computed_paths(n) for n in sizes]
-    return {key: each[0][key] if len({p[key] for p in each}) == 1
-            else " + ".join(f"{p[key]} ({n}-token batches)" for n, p in zip(sizes, each)) for key in each[0]}
+    """The computation paths a run took (Model.computed_paths, at its plan's batches)."""
+    return m.computed_paths(n_ctx, plan.batch if plan is not None else None)
 
 
 def kld_table(stats: dict, title: str) -> Table:

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ikquant.cli_common import MAX_ACCEPTANCE_LOSS, MIN_TYPE, MTP_SWEEP, NO_DEFAULT_TIES, TIE, err, fail, out
 from ikquant.errors import IkError
-from ikrun.commands.common import load_model, progress_bar, read_text, run_plan
+from ikrun.commands.common import check_batch, load_model, progress_bar, read_text, run_plan
 from ikrun.commands.options import Evaluation, evaluation_options
 from ikrun.errors import SweepError
 
@@ -44,6 +44,9 @@ def mix(
                                              "the text the sweep was measured on, else in-sample."),
     ctx: Optional[int] = typer.Option(None, "--ctx", "-c", help="Chunk length (default: the sweep's)."),
     chunks: Optional[int] = typer.Option(None, "--chunks", help="Chunks to measure (default: the sweep's)."),
+    batch: Optional[int] = typer.Option(None, "--batch", "-b", help="Feed each chunk this many tokens at a time "
+                                        "through its cache, as ik's micro-batches (ikrun sweep --batch; default: "
+                                        "the sweep's, else each chunk whole)."),
     mtp_sweep: Optional[Path] = MTP_SWEEP,
     max_acceptance_loss: Optional[float] = MAX_ACCEPTANCE_LOSS,
     tie: list[str] = TIE,
@@ -84,6 +87,7 @@ def mix(
         fail("give exactly one of --target-bpw, --target-size or --budget")
     if (mtp_sweep is None) != (max_acceptance_loss is None):
         fail("--mtp-sweep and --max-acceptance-loss go together (the head's types within a bound on its loss)")
+    check_batch(batch)
     m = load_model(model, ev)
     try:
         header = read_sweep_file(sweep)[0]
@@ -131,15 +135,18 @@ def mix(
     print_mix(plan)
     print_unmeasured(unmeasured)
     n_chunk, n_ctx = chunk_tokens.shape
+    if batch is None:
+        batch = header.get("batch")
+    fed = batch if batch is not None and batch < n_ctx else None
     summary = []
     with tempfile.TemporaryDirectory() as tmp:
-        base = _base_logits(m, chunk_tokens, Path(tmp) / "base.kld", ev, "base logits")
-        first, written = _assemble_and_measure(model, output, opts, plan.tensor_types, base, ev)
+        base = _base_logits(m, chunk_tokens, Path(tmp) / "base.kld", ev, "base logits", fed)
+        first, written = _assemble_and_measure(model, output, opts, plan.tensor_types, base, ev, fed)
         summary.append({"mix": "sweep", "bytes": plan.total_bits // 8, "bpw": plan.total_bits / plan.n_weights,
                         "predicted_kld": plan.predicted_kld, **first, "kept": True})
         kept = (written, plan, first["kld_mean"])
         if refine > 0:
-            refined = _refine(m, output, opts, plan, target, constraints, sweep, base, first, refine, imat, ev)
+            refined = _refine(m, output, opts, plan, target, constraints, sweep, base, first, refine, imat, ev, fed)
             if refined is not None:
                 row, refined_written, refined_plan = refined
                 summary.append(row)
@@ -152,7 +159,7 @@ def mix(
     for row in summary:
         row["text"], row["sample"] = str(text), sample(text)
     if eval_text is not None and eval_tokens is not None:
-        summary.append(_measure_on(m, output, eval_tokens, ev, kept[1], eval_text, sample(eval_text)))
+        summary.append(_measure_on(m, output, eval_tokens, ev, kept[1], eval_text, sample(eval_text), fed))
     if head is not None:
         kept_row = next(r for r in summary if r["kept"])
         kept_row["head"] = _head_acceptance(m, output, ev, head.decoding, head.predicted_loss)
@@ -180,44 +187,53 @@ def mix(
     out.print(table)
 
 
-def _base_logits(m: Model, tokens, path: Path, ev: Evaluation, what: str):  # type: ignore[no-untyped-def]
-    """The base model's logits on `tokens`, written to `path` and opened as the KLD reference."""
+def _base_logits(m: Model, tokens, path: Path, ev: Evaluation, what: str, batch: int | None):  # type: ignore[no-untyped-def]
+    """The base model's logits on `tokens` (each chunk fed `batch` tokens at a time), written to `path` and opened
+    as the KLD reference."""
     from ikrun.eval.evaluate import open_base, perplexity
 
     n_chunk, n_ctx = tokens.shape
+    plan = run_plan(m, n_chunk, n_ctx, ev, batch=batch)
     with progress_bar() as bar:
         task = bar.add_task(what, total=n_chunk)
-        perplexity(m, tokens, path, lambda i, _: bar.update(task, completed=i), run_plan(m, n_chunk, n_ctx, ev))
+        perplexity(m, tokens, path, lambda i, _: bar.update(task, completed=i), plan)
     return open_base(path, m)
 
 
-def _measured(path: Path, base, ev: Evaluation, what: str) -> dict:  # type: ignore[no-untyped-def, type-arg]
-    """The KLD statistics of the GGUF at `path` against `base`, printed as `what`."""
+def _measured(path: Path, base, ev: Evaluation, what: str, batch: int | None) -> dict:  # type: ignore[no-untyped-def, type-arg]
+    """The KLD statistics of the GGUF at `path` against `base` (each chunk fed `batch` tokens at a time), printed
+    as `what`."""
     from ikrun.eval.evaluate import kl_divergence
     from ikrun.eval.metrics import kld_stats
+    from ikrun.eval.stream import plan_run
 
     mixed = load_model(path, ev)
+    try:
+        plan = plan_run(mixed, base.n_chunk, base.n_ctx, one_pass=True, batch=batch)
+    except IkError as exc:
+        fail(str(exc))
     with progress_bar() as bar:
         task = bar.add_task(f"measuring {what}", total=base.n_chunk)
-        stats = kld_stats(kl_divergence(mixed, base, lambda i, _: bar.update(task, completed=i)))
+        stats = kld_stats(kl_divergence(mixed, base, lambda i, _: bar.update(task, completed=i), plan=plan))
     err.print(f"{what}: measured mean KLD {stats['kld_mean']:.6f} ± {stats['kld_mean_err']:.6f}", highlight=False)
     return {"kld_mean": float(stats["kld_mean"]), "kld_mean_err": float(stats["kld_mean_err"]),
             "same_top_p": float(stats["same_top_p"])}
 
 
 def _measure_on(m: Model, output: Path, tokens, ev: Evaluation, plan, eval_text: Path,  # type: ignore[no-untyped-def]
-                label: str) -> dict:  # type: ignore[type-arg]
+                label: str, batch: int | None) -> dict:  # type: ignore[type-arg]
     """The kept file `output` measured against the base on another text (--eval-text): its summary row."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        base = _base_logits(m, tokens, Path(tmp) / "eval-base.kld", ev, f"base logits on {eval_text.name}")
-        stats = _measured(output, base, ev, f"{output} on {eval_text} ({label})")
+        base = _base_logits(m, tokens, Path(tmp) / "eval-base.kld", ev, f"base logits on {eval_text.name}", batch)
+        stats = _measured(output, base, ev, f"{output} on {eval_text} ({label})", batch)
     return {"mix": "kept, on --eval-text", "bytes": plan.total_bits // 8, "bpw": plan.total_bits / plan.n_weights,
             "predicted_kld": plan.predicted_kld, **stats, "kept": True, "text": str(eval_text), "sample": label}
 
 
-def _assemble_and_measure(model: Path, output: Path, opts, types: dict[str, str], base, ev: Evaluation):  # type: ignore[no-untyped-def]
+def _assemble_and_measure(model: Path, output: Path, opts, types: dict[str, str], base, ev: Evaluation,  # type: ignore[no-untyped-def]
+                          batch: int | None):
     """Quantize `model` with `types` into `output` and measure its KLD against `base`: (statistics, the executed
     quantization plan)."""
     import dataclasses
@@ -228,11 +244,11 @@ def _assemble_and_measure(model: Path, output: Path, opts, types: dict[str, str]
         written = quantize_model(model, output, dataclasses.replace(opts, tensor_types={**opts.tensor_types, **types}))
     except IkError as exc:
         fail(str(exc))
-    return _measured(output, base, ev, str(output)), written
+    return _measured(output, base, ev, str(output), batch), written
 
 
 def _refine(m: Model, output: Path, opts, plan, target, constraints, sweep: Path, base, first: dict,  # type: ignore[no-untyped-def, type-arg]
-            refine: int, imat, ev: Evaluation):
+            refine: int, imat, ev: Evaluation, batch: int | None):
     """Re-cost the most sensitive groups inside the assembled mix, choose again, keep the better-measured file:
     (its summary row, its quantization plan, its mix), or None when the same mix is chosen again."""
     from ikquant.cli import print_mix
@@ -248,7 +264,7 @@ def _refine(m: Model, output: Path, opts, plan, target, constraints, sweep: Path
         task = bar.add_task("refining", total=sum(len(options[g]) - 1 for g in chosen))
         new_options = refined_options(m, mixed, base, groups, options, plan.choice, chosen, first["kld_mean"], imat,
                                       ev.spill_dir, lambda g, t, d: bar.update(task, advance=1,
-                                                                               description=f"{g} {t}"))
+                                                                               description=f"{g} {t}"), batch)
     del mixed
     refined = plan_mix(GGUFModel(m.path), opts, groups, new_options, target, str(sweep), constraints)
     row = {"mix": f"refined ({len(chosen)} groups)", "bytes": refined.total_bits // 8,
@@ -259,7 +275,7 @@ def _refine(m: Model, output: Path, opts, plan, target, constraints, sweep: Path
     print_mix(refined)
     candidate = partial_path(output.with_name(output.stem + "-refined.gguf"))
     try:
-        second, written = _assemble_and_measure(m.path, candidate, opts, refined.tensor_types, base, ev)
+        second, written = _assemble_and_measure(m.path, candidate, opts, refined.tensor_types, base, ev, batch)
         kept = second["kld_mean"] < first["kld_mean"]
         if kept:
             os.replace(candidate, output)

@@ -12,7 +12,15 @@ from rich.table import Table
 from ikquant.cli_common import MIN_TYPE, NO_DEFAULT_TIES, TIE, err, fail, out
 from ikquant.errors import IkError
 from ikrun.commands.accept import draft_pair, mtp_settings, mtp_target
-from ikrun.commands.common import load_model, memory_budget, progress_bar, read_text, run_plan
+from ikrun.commands.common import (
+    BATCH_HELP,
+    check_batch,
+    load_model,
+    memory_budget,
+    progress_bar,
+    read_text,
+    run_plan,
+)
 from ikrun.commands.options import Evaluation, evaluation_options
 
 if TYPE_CHECKING:
@@ -33,6 +41,9 @@ def sweep(
     group: str = typer.Option("tensor", "--group", help="Measure each tensor, each layer, or each tensor class "
                               "(tensor | layer | class)."),
     ctx: int = typer.Option(512, "--ctx", "-c", help="Chunk length in tokens."),
+    batch: Optional[int] = typer.Option(None, "--batch", "-b", help=BATCH_HELP + " The base's run, every "
+                                        "candidate's and the tensors measured follow it (an MLA model's "
+                                        "attn_kv_b is read by batches of 128 tokens or more)."),
     target_bpw: Optional[str] = typer.Option(None, "--target-bpw", help="Comma-separated whole-file bits per "
                                              "weight (e.g. 3.5,4.5) the sweep serves: measure each group at the "
                                              "cheapest type only, predict the other types from the weighted "
@@ -123,11 +134,14 @@ def sweep(
         if not mtp and target is None:
             fail("--metric acceptance and --target go together (a draft is measured with its target; --mtp for the "
                  "model's own NextN head)")
-        if ray is not None or chunks is not None or full_forward:
-            fail("--ray, --chunks and --full-forward apply to KLD sweeps; an acceptance sweep decodes --prompts")
+        if ray is not None or chunks is not None or full_forward or batch is not None:
+            fail("--ray, --chunks, --full-forward and --batch apply to KLD sweeps; an acceptance sweep decodes "
+                 "--prompts")
         _acceptance_sweep(model, target, text, types, output, imatrix, tensors, group, prompts, prompt_len, max_new,
                           block, plot, ev, mtp_settings(n_max, p_min) if mtp else None)
         return
+    check_batch(batch)
+    fed = batch if batch is not None and batch < ctx else None  # a batch of the whole chunk is the chunk
     auto = chunks is not None and chunks.strip().lower() == "auto"
     if chunks is not None and not auto and not chunks.strip().isdigit():
         fail(f"--chunks must be a number of chunks or auto, not {chunks!r}")
@@ -147,8 +161,9 @@ def sweep(
     try:
         type_list = _candidate_types(m, types)
         imat = read_imatrix(imatrix) if imatrix else None
-        groups = sweep_groups(m, group, tensors, ctx)
-        unmeasured = unmeasured_tensors(m, ctx, tensors)
+        m.check_context(ctx, fed)
+        groups = sweep_groups(m, group, tensors, ctx, fed)
+        unmeasured = unmeasured_tensors(m, ctx, tensors, fed)
         if unmeasured:
             first = next(iter(unmeasured))
             err.print(f"{len(unmeasured)} tensors left unmeasured (listed in the sweep's header), e.g. {first}: "
@@ -163,7 +178,8 @@ def sweep(
                 stopped = theirs.get("ranking", {}).get("stable", False)
                 rounds = [n for n in rounds if n == theirs["chunks"] or (n > theirs["chunks"] and not stopped)]
         # a pruned sweep's predicted rows are no measurements: a sweep resumed on its file measures them
-        done = [r for r in load_rows(output, sweep_header(m, text, ctx, rounds[0], group, imatrix)) if r.measured]
+        done = [r for r in load_rows(output, sweep_header(m, text, ctx, rounds[0], group, imatrix, batch=fed))
+                if r.measured]
         if bpws is not None:
             from ikrun.sweep.prune import check_budgets
 
@@ -182,7 +198,7 @@ def sweep(
             err.print(f"Ray {ray}: {cluster.workers} workers of {cluster.threads} thread(s)", highlight=False)
         pruning = (Pruning(bpws, constraints, prediction_spread, resolution or 0.0) if bpws is not None else None)
         rows = _sweep_rounds(m, ev, text, all_tokens, rounds, group, imatrix, imat, groups, type_list, done, output,
-                             full_forward, cluster, auto, pruning)
+                             full_forward, cluster, auto, pruning, fed)
     out.print(sweep_table(rows))
     if bpws is not None:
         err.print(f"wrote {output}: {len(rows)} rows ({sum(1 for r in rows if r.measured)} measured)")
@@ -279,12 +295,13 @@ def _acceptance_sweep(model: Path, target: Optional[Path], text: Path, types: st
 def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list[int], group: str,  # type: ignore[no-untyped-def]
                   imatrix: Optional[Path], imat, groups: dict[str, list[str]], type_list: list, done: list,
                   output: Path, full_forward: bool, cluster, auto: bool,
-                  pruning: Pruning | None = None) -> list:  # type: ignore[type-arg]
+                  pruning: Pruning | None = None, batch: int | None = None) -> list:  # type: ignore[type-arg]
     """Measure the sweep on the first n chunks for every n of `rounds` (one round unless --chunks auto), each
     round extending the last one's per-token scores; stop once two rounds rank the groups alike. With `pruning`
     (the --target-bpw budgets and the mix's constraints) each round is a pruned sweep (ikrun/sweep/prune.py): its
     measurements are those the pruning asks for, locally or on the cluster, and its rows the measured and
-    predicted ones together; rounds are compared on the rows both measured."""
+    predicted ones together; rounds are compared on the rows both measured. `batch`: each chunk fed that many
+    tokens at a time, the base's run and every candidate's."""
     import tempfile
 
     from ikrun.eval.evaluate import open_base, perplexity
@@ -296,12 +313,12 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
     previous: list | None = None  # type: ignore[type-arg]
     rows: list = list(done)  # type: ignore[type-arg]
     for k, n in enumerate(rounds):
-        header = sweep_header(m, text, all_tokens.shape[1], n, group, imatrix)
+        header = sweep_header(m, text, all_tokens.shape[1], n, group, imatrix, batch=batch)
         if pruning is not None:
             header = {**header, **pruning.header()}
         chunk_tokens = all_tokens[:n]
         todo = len(groups) * len(type_list) - sum(1 for r in done if r.group in groups)
-        base_plan = run_plan(m, n, all_tokens.shape[1], ev)
+        base_plan = run_plan(m, n, all_tokens.shape[1], ev, batch=batch)
         with tempfile.TemporaryDirectory() as tmp, progress_bar() as bar:
             base_path = Path(tmp) / "base.kld"
             task = bar.add_task(f"base logits ({n} chunks)", total=n)
@@ -323,12 +340,12 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
 
             def measure(jobs: set[tuple[str, str]] | None, already: list) -> list:  # type: ignore[type-arg]
                 if cluster is None and pruning is not None and not kept:
-                    kept.append(Measurer(m, base, ev.spill_dir, full_forward))
+                    kept.append(Measurer(m, base, ev.spill_dir, full_forward, batch))
                 return run_sweep(m, base, groups, type_list, imat, already, on_row, spill_dir=ev.spill_dir,
                                  full_forward=full_forward, scored=scored, cluster=cluster,
                                  worker_mem=_worker_mem(ev, cluster) if cluster is not None else None,
                                  on_event=lambda msg: err.print(msg), only=jobs, pool=pool,
-                                 measurer=kept[0] if kept else None)
+                                 measurer=kept[0] if kept else None, batch=batch)
 
             try:
                 if pruning is None:

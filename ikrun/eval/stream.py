@@ -216,12 +216,21 @@ class BlockInputs:
     A sweep candidate that changes a tensor of block L resumes every chunk at block L from here instead of
     recomputing blocks 0..L-1, which the change cannot affect (bit-identical rows, far less compute). The hidden
     states stay in memory within a quarter of the budget, else go to a spill file removed by `close`.
+
+    A run fed in batches (`batch` < the chunk's length, ik's micro-batches) records each batch's inputs, its state
+    without the key/value cache: a resumed chunk runs its batches in turn from block L through a cache of its own,
+    which so holds the candidate's keys and values of blocks L.. (those of the earlier blocks it never reads).
     """
 
-    def __init__(self, model: Model, chunks: np.ndarray, spill_dir: Path | None = None):
+    def __init__(self, model: Model, chunks: np.ndarray, spill_dir: Path | None = None, batch: int | None = None):
         impl = model.impl
         n_chunk, n_ctx = chunks.shape
+        self.impl, self.ctx = impl, model.ctx
         self.n_block = impl.n_active
+        step = batch if batch is not None and batch < n_ctx else n_ctx
+        #: the first position and length of each batch a chunk is fed in (one: the chunk whole)
+        self.batches = [(s, min(n_ctx, s + step) - s) for s in range(0, n_ctx, step)]
+        self.batched = len(self.batches) > 1
         per = 4 * n_ctx * impl.hidden_width() * (self.n_block + 1) * n_chunk
         spill = model.mem is not None and per > model.mem * HIDDEN_SHARE
         spill_path = Path(spill_dir or tempfile.gettempdir()) if spill else None
@@ -231,37 +240,78 @@ class BlockInputs:
         self.tokens = [fed_tokens(model, chunks[c]) for c in range(n_chunk)]
         #: what the recorded inputs hold in memory (the rest of the budget is the evaluations')
         self.resident_bytes = 0 if spill else per
-        self.states: list[list[dict]] = []
-        self._hidden: _Hidden | None = None
+        #: per chunk, per batch, per block: the state it enters with
+        self.states: list[list[list[dict]]] = []
+        # one store per batch length (a chunk's last batch may be shorter), each record at slot (chunk, its batch
+        # among those of that length, block)
+        lengths = [n for _, n in self.batches]
+        self._slot = [(n, lengths[:k].count(n), lengths.count(n)) for k, n in enumerate(lengths)]
+        self._hidden: dict[int, _Hidden] = {}
         try:
             with model.blas_limit():
                 for c, tokens in enumerate(self.tokens):
-                    seq = Sequence(tokens, c)
-                    model.ctx.chunk = c
-                    impl.begin(seq)
-                    x = impl.embed(seq)
-                    if self._hidden is None:
-                        self._hidden = _Hidden(n_chunk * (self.n_block + 1), x.shape, spill_path)
-                    states = []
-                    for i in range(self.n_block + 1):
-                        self._hidden.put(c * (self.n_block + 1) + i, x)
-                        states.append(dict(seq.state))  # values are replaced by later blocks, never changed
-                        if i < self.n_block:
-                            x = impl.block(i, [x], [seq])[0]
-                    self.states.append(states)
+                    kv: dict = {}
+                    self.states.append([self._record(c, k, tokens, kv, n_chunk, spill_path)
+                                        for k in range(len(self.batches))])
         except BaseException:
             self.close()
             raise
+        finally:
+            model.ctx.batch_start = 0
+
+    def _sequence(self, c: int, k: int, state: dict) -> Sequence:
+        start, n = self.batches[k]
+        return Sequence(self.tokens[c][start : start + n], c, state, start, -start)
+
+    def _record(self, c: int, k: int, tokens: np.ndarray, kv: dict, n_chunk: int,
+                spill_path: Path | None) -> list[dict]:
+        """Batch k of chunk c through every block, its input to each recorded; the states it entered with."""
+        impl = self.impl
+        seq = self._sequence(c, k, {"kv": kv} if self.batched else {})
+        self.ctx.chunk, self.ctx.batch_start = c, seq.start
+        impl.begin(seq)
+        x = impl.embed(seq)
+        length, _, count = self._slot[k]
+        if length not in self._hidden:
+            self._hidden[length] = _Hidden(n_chunk * count * (self.n_block + 1), x.shape, spill_path)
+        states = []
+        for i in range(self.n_block + 1):
+            self._hidden[length].put(self._record_index(c, k, i), x)
+            # values are replaced by later blocks, never changed; the cache is the resumed run's own
+            states.append({key: v for key, v in seq.state.items() if key != "kv"})
+            if i < self.n_block:
+                x = impl.block(i, [x], [seq])[0]
+        return states
+
+    def _record_index(self, c: int, k: int, block: int) -> int:
+        _, j, count = self._slot[k]
+        return (c * count + j) * (self.n_block + 1) + block
 
     def at(self, c: int, block: int) -> tuple[Sequence, np.ndarray]:
-        """Chunk c as it enters `block` (n_block: the head)."""
-        assert self._hidden is not None
-        return Sequence(self.tokens[c], c, dict(self.states[c][block])), \
-            self._hidden.get(c * (self.n_block + 1) + block)
+        """Chunk c as it enters `block` (n_block: the head); a chunk fed whole."""
+        assert not self.batched, "a run fed in batches resumes through logits_from"
+        return self._entering(c, 0, block, {})
+
+    def _entering(self, c: int, k: int, block: int, kv: dict) -> tuple[Sequence, np.ndarray]:
+        state = dict(self.states[c][k][block]) | ({"kv": kv} if self.batched else {})
+        return self._sequence(c, k, state), self._hidden[self._slot[k][0]].get(self._record_index(c, k, block))
+
+    def logits_from(self, c: int, block: int) -> np.ndarray:
+        """Chunk c's logits, every batch run from `block` on in turn (n_block: only the head)."""
+        kv: dict = {}
+        out = []
+        try:
+            for k in range(len(self.batches)):
+                seq, x = self._entering(c, k, block, kv)
+                self.ctx.batch_start = seq.start
+                out.append(self.impl.run_from(block, x, seq))
+        finally:
+            self.ctx.batch_start = 0
+        return out[0] if len(out) == 1 else np.concatenate(out)
 
     def close(self) -> None:
-        if self._hidden is not None:
-            self._hidden.close()
+        for hidden in self._hidden.values():
+            hidden.close()
 
 
 def evaluate_chunks(model: Model, chunks: np.ndarray, plan: StreamPlan, on_block: BlockProgress | None = None,
@@ -288,8 +338,7 @@ def evaluate_chunks(model: Model, chunks: np.ndarray, plan: StreamPlan, on_block
                     if resume is None:
                         yield c, model.logits(feed(c), index=c, outputs=outputs, batch=plan.batch)[first:last]
                     else:
-                        seq, x = resume[0].at(c, resume[1])
-                        yield c, model.impl.run_from(resume[1], x, seq)[first:last]
+                        yield c, resume[0].logits_from(c, resume[1])[first:last]
                 return
             yield from _streamed(model, {c: feed(c) for c in ids}, plan, (first, last), outputs, on_block, resume)
     finally:

@@ -106,9 +106,9 @@ class ArchModel(ABC):
         e.g. {"mla_path": "prefill"}); none by default."""
         return {}
 
-    def unread_tensors(self, n_ctx: int) -> dict[str, str]:
-        """The file's tensors a run of n_ctx-token chunks never reads, each with why: a sweep cannot measure them
-        (ikrun/sweep/measure.py); none by default."""
+    def unread_tensors(self, n_ctx: int, batches: tuple[int, ...] = ()) -> dict[str, str]:
+        """The file's tensors a run of n_ctx-token chunks (fed in micro-batches of `batches` tokens; none: each chunk
+        whole) never reads, each with why: a sweep cannot measure them (ikrun/sweep/measure.py); none by default."""
         return {}
 
     def check_context(self, n_ctx: int, batches: tuple[int, ...] = ()) -> None:  # noqa: B027 (a hook, optional)

@@ -191,12 +191,16 @@ class Deepseek2(ArchModel):
         graph = self.ctx.numerics.attention_graph(self.ctx.arch, self.ctx.cache, self.attention.head_k)
         return {"mla_path": self.mla_path(n_ctx), **({} if graph is None else {"flash_attn": graph})}
 
-    def unread_tensors(self, n_ctx: int) -> dict[str, str]:
+    def unread_tensors(self, n_ctx: int, batches: tuple[int, ...] = ()) -> dict[str, str]:
         """attn_kv_b under the decode form, attn_k_b / attn_v_b under the prefill form (each only where the file
-        has the other: else the form reads it through ik's derivation), and the NextN/MTP blocks' tensors."""
-        path = self.mla_path(n_ctx)
+        has the other: else the form reads it through ik's derivation), where every batch takes that form, and the
+        NextN/MTP blocks' tensors."""
+        paths = {self.mla_path(n) for n in batches or (n_ctx,)}
         unread = {n: "a NextN/MTP block: the main forward does not run it" for i in range(self.n_active, self.n_layer)
                   for n in self.block_tensors(i)}
+        if len(paths) > 1:
+            return unread
+        path = paths.pop()
         unused, needed = ("attn_k_b", "attn_kv_b") if path == "prefill" else ("attn_kv_b", "attn_k_b")
         for i in range(self.n_active):
             b = f"blk.{i}."

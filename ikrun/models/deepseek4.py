@@ -274,6 +274,19 @@ class Deepseek4(ArchModel):
                 raise self.fail(f"tensor {table} is {cx.weights.encoding(table).type.name}; the hash routing table "
                                 "must hold integer expert ids (I32)")
 
+    def unread_tensors(self, n_ctx: int, batches: tuple[int, ...] = ()) -> dict[str, str]:
+        """A layer's compressor (a CSA layer's indexer too) where a chunk is shorter than the layer's compress
+        ratio: no window of the chunk is complete, so no compressed entry exists for the attention (or the indexer)
+        to read, however the chunk is fed."""
+        unread: dict[str, str] = {}
+        for i, r in enumerate(self.ratios[: 0 if self.export else self.n_active]):
+            if r and n_ctx < r:
+                why = (f"layer {i}'s compress ratio is {r} (attention.compress_ratios): a chunk of {n_ctx} tokens "
+                       "completes no window, so no compressed entry exists")
+                parts = [f"attn_compressor_{t}" for t in COMPRESSOR] + (list(INDEXER) if r == CSA else [])
+                unread |= {f"blk.{i}.{t}": why for t in parts}
+        return unread
+
     def check_context(self, n_ctx: int, batches: tuple[int, ...] = ()) -> None:
         if self.export:
             raise self.fail("is DeepSeek-V4's MTP export (ikconvert hf2gguf --mtp): it has no main layers and drafts "

@@ -27,7 +27,7 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
               on_event: Callable[[str], None] | None = None,
               on_workers: Callable[[list[Any]], None] | None = None,
               only: set[tuple[str, str]] | None = None, pool: WorkerPool | None = None,
-              measurer: Measurer | None = None) -> list[SweepRow]:
+              measurer: Measurer | None = None, batch: int | None = None) -> list[SweepRow]:
     """Measure every (group, type) not in `done` (of those in `only`, when given) against `base`; `on_row` sees each new row as soon as it exists.
     With `scored`, each measurement extends what was scored before (and its entry is updated). Each evaluation
     starts at the first block its group can change, unless `full_forward`.
@@ -37,16 +37,16 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
     itself and measures candidates the driver hands out; a lost worker is replaced and its candidate rerun
     (`on_event` hears of it, `on_workers` sees the worker handles); `pool` keeps the workers between calls (the
     batches of one pruned sweep round: ikrun/sweep/cluster.py), as `measurer` keeps a local run's recorded block
-    inputs between calls (measure_locally)."""
+    inputs between calls (measure_locally). `batch`: each chunk fed that many tokens at a time, as the base was."""
     if cluster is None:
         return measure_locally(model, base, groups, types, imatrix, done, on_row, spill_dir, full_forward, scored,
-                               only, measurer)
+                               only, measurer, batch)
     from ikrun.sweep.cluster import WorkerSpec, measure_on_cluster
 
     if imatrix is not None and imatrix.path is None:
         raise SweepError("a sweep on a cluster needs its importance matrix as a file the workers can read")
     spec = WorkerSpec(str(model.path.resolve()), cluster.threads, model.cache, model.options, worker_mem,
                       model.stream, str(imatrix.path.resolve()) if imatrix is not None and imatrix.path else None,
-                      str(spill_dir) if spill_dir else None, full_forward)
+                      str(spill_dir) if spill_dir else None, full_forward, batch)
     return measure_on_cluster(cluster, spec, base.path, groups, types, done, on_row, on_event or (lambda _: None),
                               scored, on_workers, only, pool)

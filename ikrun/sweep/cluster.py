@@ -60,6 +60,8 @@ class WorkerSpec:
     imatrix: str | None
     spill_dir: str | None
     full_forward: bool
+    #: tokens fed at a time through each chunk's cache (ik's micro-batches); None: each chunk whole
+    batch: int | None = None
 
 
 class SweepWorker:
@@ -87,7 +89,7 @@ class SweepWorker:
             base_blob.tofile(path)
             base = open_base(path, self.model)
         spill = Path(spec.spill_dir) if spec.spill_dir else None
-        self.measurer = Measurer(self.model, base, spill, spec.full_forward)
+        self.measurer = Measurer(self.model, base, spill, spec.full_forward, spec.batch)
         # the worker's next candidate is quantized in a second thread while this one is evaluated (as run_sweep does)
         self.pool = ThreadPoolExecutor(max_workers=1) if concurrent_kernels_are_safe() else None
         self.ahead: dict[tuple[str, str], Future[Candidate]] = {}

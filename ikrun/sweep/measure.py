@@ -128,19 +128,21 @@ def _quantizable(model: Model, pattern: str | None) -> list[str]:
     return names
 
 
-def unmeasured_tensors(model: Model, n_ctx: int, pattern: str | None = None) -> dict[str, str]:
-    """The quantizable weights (matching `pattern`) a sweep at chunks of n_ctx tokens cannot measure, with why."""
-    unread = model.unread_tensors(n_ctx)
+def unmeasured_tensors(model: Model, n_ctx: int, pattern: str | None = None, batch: int | None = None,
+                       ) -> dict[str, str]:
+    """The quantizable weights (matching `pattern`) a sweep at chunks of n_ctx tokens (fed `batch` tokens at a
+    time) cannot measure, with why."""
+    unread = model.unread_tensors(n_ctx, batch)
     return {name: unread[name] for name in _quantizable(model, pattern) if name in unread}
 
 
 def sweep_groups(model: Model, mode: str, pattern: str | None = None, n_ctx: int | None = None,
-                 ) -> dict[str, list[str]]:
+                 batch: int | None = None) -> dict[str, list[str]]:
     """The groups to measure: every quantizable weight (optionally filtered by regex) the forward at chunks of
-    n_ctx tokens reads (every one without n_ctx), grouped by `mode`."""
+    n_ctx tokens (fed `batch` tokens at a time) reads (every one without n_ctx), grouped by `mode`."""
     if mode not in GROUP_MODES:
         raise SweepError(f"--group must be one of {', '.join(GROUP_MODES)}, not {mode!r}")
-    unread = model.unread_tensors(n_ctx) if n_ctx is not None else {}
+    unread = model.unread_tensors(n_ctx, batch) if n_ctx is not None else {}
     groups: dict[str, list[str]] = {}
     for name in _quantizable(model, pattern):
         if name in unread:
@@ -218,18 +220,20 @@ def model_fingerprint(model: Model) -> str:
 
 
 def sweep_header(model: Model, text: Path, ctx: int, chunks: int, group: str, imatrix: Path | None,
-                 metric: str = "kld") -> dict:
+                 metric: str = "kld", batch: int | None = None) -> dict:
     """The identity of a sweep's measurements (ikquant/sweepfile.py): what a resumed sweep must match; a KLD
-    sweep's `cost` names the column a mix minimises (kld_added: files without it have only kld_mean)."""
+    sweep's `cost` names the column a mix minimises (kld_added: files without it have only kld_mean); `batch`:
+    the tokens each chunk was fed at a time, where fewer than the chunk (ik's micro-batches)."""
     runtime = {"kv_cache": model.kv_cache, **{k: getattr(model.options, k) for k in model.options.given()},
-               **model.computed_paths(ctx)}
+               **model.computed_paths(ctx, batch)}
     # the paths resolved: `ikrun mix` reads the text and imatrix from here, maybe run from another directory
     return {"metric": metric, **({"cost": "kld_added"} if metric == "kld" else {}), "model": str(model.path),
             "model_fingerprint": model_fingerprint(model),
             "text": str(text.resolve()), "text_sha256": file_sha256(text), "ctx": ctx, "chunks": chunks,
+            **({"batch": batch} if batch is not None else {}),
             "group": group, "imatrix": str(imatrix.resolve()) if imatrix else None,
             "imatrix_sha256": file_sha256(imatrix) if imatrix else None, "runtime": runtime,
-            "unmeasured": unmeasured_tensors(model, ctx)}
+            "unmeasured": unmeasured_tensors(model, ctx, batch=batch)}
 
 
 def load_rows(path: Path, header: dict, row_class: type = SweepRow) -> list[Any]:
@@ -321,14 +325,16 @@ Scored = dict[tuple[str, str], tuple[KLDAccumulator, float]]
 
 class Measurer:
     """One model's measurements against one base: the evaluation plan and the recorded block inputs, made once and
-    shared by every candidate (in this process, or in one cluster worker)."""
+    shared by every candidate (in this process, or in one cluster worker); `batch`: each chunk fed that many tokens
+    at a time, as the base was (ik's micro-batches)."""
 
     def __init__(self, model: Model, base: BaseLogitsFile, spill_dir: Path | None = None,
-                 full_forward: bool = False):
+                 full_forward: bool = False, batch: int | None = None):
         self.model, self.base = model, base
         # every candidate is a full evaluation: chunk by chunk with cached weights when they fit, else streamed
-        self.plan = plan_run(model, base.n_chunk, base.n_ctx, one_pass=False, spill_dir=spill_dir)
-        self.inputs = None if full_forward else BlockInputs(model, np.asarray(base.tokens[: base.n_chunk]), spill_dir)
+        self.plan = plan_run(model, base.n_chunk, base.n_ctx, one_pass=False, spill_dir=spill_dir, batch=batch)
+        self.inputs = None if full_forward else BlockInputs(model, np.asarray(base.tokens[: base.n_chunk]), spill_dir,
+                                                            self.plan.batch)
         if self.inputs is not None and self.plan.cache_capacity is not None:
             self.plan.cache_capacity = max(self.plan.cache_capacity - self.inputs.resident_bytes, 0)
         self._own: np.ndarray | None = None
@@ -390,14 +396,14 @@ def measure_locally(model: Model, base: BaseLogitsFile, groups: dict[str, list[s
                     imatrix: Imatrix | None, done: list[SweepRow], on_row: Callable[[SweepRow], None],
                     spill_dir: Path | None = None, full_forward: bool = False,
                     scored: Scored | None = None, only: set[tuple[str, str]] | None = None,
-                    measurer: Measurer | None = None) -> list[SweepRow]:
+                    measurer: Measurer | None = None, batch: int | None = None) -> list[SweepRow]:
     """run_sweep in this process (ikrun/sweep/__init__.py).
 
     The next measurement's quantization runs in a second thread while the current one is evaluated (the kernels
     release the GIL), so the sweep costs little more than its evaluations. Each evaluation starts at the first
     block its group can change, unless `full_forward`. `measurer` (made for this model, base and `spill_dir`;
     closed by its owner) keeps the recorded block inputs between calls: the rounds of a pruned sweep record them
-    once.
+    once. `batch`: each chunk fed that many tokens at a time (Measurer).
     """
     jobs = pending_jobs(groups, types, done, only)
     rows = list(done)
@@ -412,7 +418,7 @@ def measure_locally(model: Model, base: BaseLogitsFile, groups: dict[str, list[s
     ahead = LOOKAHEAD if pool else 1  # without a second thread, quantizing early only holds more bytes
     own = measurer is None
     if measurer is None:
-        measurer = Measurer(model, base, spill_dir, full_forward)
+        measurer = Measurer(model, base, spill_dir, full_forward, batch)
     pending = [start(k) for k in range(min(ahead, len(jobs)))]
     try:
         for k in range(len(jobs)):

@@ -29,10 +29,12 @@ def most_sensitive(choice: dict[str, Option], n: int) -> list[str]:
 def refined_options(base_model: Model, mixed: Model, base: BaseLogitsFile, groups: dict[str, list[str]],
                     options: dict[str, list[Option]], choice: dict[str, Option], refine: list[str],
                     mix_kld: float, imatrix: Imatrix | None, spill_dir: Path | None = None,
-                    on_measure: Callable[[str, str, float], None] | None = None) -> dict[str, list[Option]]:
+                    on_measure: Callable[[str, str, float], None] | None = None, batch: int | None = None,
+                    ) -> dict[str, list[Option]]:
     """`options` with the groups of `refine` re-costed on top of the assembled mix `mixed` (whose measured mean
-    KLD is `mix_kld`): option t of group g costs choice[g].kld + KLD(mix with g at t) - mix_kld (at least 0)."""
-    measurer = Measurer(mixed, base, spill_dir)
+    KLD is `mix_kld`): option t of group g costs choice[g].kld + KLD(mix with g at t) - mix_kld (at least 0);
+    `batch`: each chunk fed that many tokens at a time, as the base was."""
+    measurer = Measurer(mixed, base, spill_dir, batch=batch)
     out = dict(options)
     try:
         for g in refine:
