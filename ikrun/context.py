@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ikrun.errors import ModelError
-from ikrun.kvcache import KvCache
+from ikrun.kvcache import KvCache, indexer_cache_holds
 from ikrun.numerics.exact import Numerics
 from ikrun.options import RuntimeOptions
 from ikrun.weights import WeightStore
@@ -97,6 +97,12 @@ class Context:
         (ik's rounded rows) serves the others; `fused`: the gate and up weights of a SwiGLU FFN."""
         shared: dict[str, Any] = {}
         return [self.linear(x, name, shared, fused) for name in names]
+
+    def indexer_store(self, k: np.ndarray, hadamard_block: int) -> np.ndarray:
+        """Indexer keys k [keys, d] as the indexer key cache (-ictk) holds them, rotated by ik's Hadamard transform
+        over blocks of `hadamard_block` values around the write (kvcache.indexer_cache_holds)."""
+        assert self.cache.indexer is not None, "a model without an indexer cache stores no indexer keys"
+        return indexer_cache_holds(k, self.cache.indexer, hadamard_block)
 
     def indexer_scores(self, q: np.ndarray, k: np.ndarray, w: np.ndarray, q0: int = 0) -> np.ndarray:
         """The DSA indexer's causal scores [n, keys] of queries q [n, heads, d] (the first at position q0) against

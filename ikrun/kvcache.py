@@ -10,9 +10,13 @@ transform over blocks of each head (of 64 values of DeepSeek's latent row) befor
 (the attention output) to match; exactly, the cache then holds H(dequantize(quantize(H x))). As ik does, the
 transform is dropped for an unquantized cache and for heads no block size divides.
 
-The DSA indexer's key cache (`--indexer-cache-type-k/-ictk`, glm-dsa and openPangu) holds each layer's indexer keys
-(glm-dsa's Walsh-Hadamard-rotated first, as ik rotates them and the queries whatever the type); unset, it is ik's
-default F16 where the K cache is not F32 (ik's -ictk default does not follow -ctk) and F32 otherwise.
+The DSA indexer's key cache (`--indexer-cache-type-k/-ictk`, glm-dsa, openPangu and DeepSeek-V4) holds each layer's
+indexer keys (glm-dsa's and DeepSeek-V4's Walsh-Hadamard-rotated first, as ik rotates them and the queries whatever
+the type); unset, it is ik's default F16 where the K cache is not F32 (ik's -ictk default does not follow -ctk) and
+F32 otherwise.
+
+DeepSeek-V4 keeps keys alone (its attention reads the values from the same rows): its raw window, CSA and HCA
+caches take -ctk's type, which ik takes as f16, bf16 or q8_0 without a Hadamard transform; ik ignores -ctv there.
 
 `--kv-cache` stays the shorthand it was: f32 (both caches F32, the default: the weights alone), f16 (both F16, ik's
 default), k-f32 (F32 keys, F16 values: ik's -ctk f32 without flash attention); -ctk / -ctv override one side each.
@@ -41,12 +45,17 @@ KV_SHORTHANDS = {"f32": ("f32", "f32"), "f16": ("f16", "f16"), "k-f32": ("f32", 
 IK_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1", "q6_0", "q8_KV")
 #: the cache types (ik's names) that hold floats; ik writes the others blockwise quantized
 FLOAT_CACHES = ("f32", "f16", "bf16")
-#: the architectures whose caches a type other than f32/f16 is reproduced for: grouped-query K/V caches and
-#: DeepSeek's MLA latent cache (the DSA, openPangu and DeepSeek-V4 caches, with their indexer caches, are not)
-QUANTIZED_CACHE_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "glm4moe", "minimax-m2", "gpt-oss", "deepseek2")
+#: the architectures whose caches a type other than f32/f16 is reproduced for: grouped-query K/V caches, DeepSeek's
+#: MLA latent cache and DeepSeek-V4's key caches (the DSA and openPangu caches, with their indexer caches, are not)
+QUANTIZED_CACHE_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "glm4moe", "minimax-m2", "gpt-oss", "deepseek2",
+                         "deepseek4")
 #: the architectures with a DSA indexer key cache reproduced here -> the -ictk types ik takes for it (None: all)
 INDEXER_CACHE_TYPES: dict[str, tuple[str, ...] | None] = {"glm-dsa": None,
-                                                           "openpangu": ("f32", "f16", "bf16", "q8_0")}
+                                                           "openpangu": ("f32", "f16", "bf16", "q8_0"),
+                                                           "deepseek4": ("f16", "bf16", "q8_0")}
+#: the architectures whose caches hold keys alone (the attention reads its values from them) -> the -ctk types ik
+#: takes for them (f32 besides: iktools' default, the weights alone)
+KEY_ONLY_CACHES = {"deepseek4": ("f16", "bf16", "q8_0")}
 
 
 def ggml_name(ik_name: str) -> str:
@@ -141,7 +150,10 @@ def check_cache(cache: KvCache, cx: Context, numerics: Numerics, given: tuple[st
     values given (under ik's arithmetic, which reproduces ik's F16 caches, only f16 is accepted, an F32 key cache
     for models without a latent cache and the quantized key caches `numerics.check_key_cache` takes; the indexer
     cache is written as in the exact arithmetic)."""
+    asked_indexer = cache.indexer
     cache = replace(cache, indexer=_indexer_cache(cache, cx))
+    if cx.arch in KEY_ONLY_CACHES:
+        _check_key_only(cache, cx, (*given, asked_indexer), numerics.name)
     if numerics.name != "exact":
         problem = numerics.check_key_cache(cx.arch, given[0] or "f16")
         if problem is not None:
@@ -199,6 +211,39 @@ def check_cache(cache: KvCache, cx: Context, numerics: Numerics, given: tuple[st
         raise ModelError(f"--k-cache-hadamard: {rows['--cache-type-k'][0]} of {cx.path} is "
                          f"{rows['--cache-type-k'][1]}, not a multiple of ik's Hadamard block of {k_block}")
     return replace(cache, k_hadamard=k_block * cache.k_hadamard, v_hadamard=v_block * cache.v_hadamard)
+
+
+def _check_key_only(cache: KvCache, cx: Context, given: tuple[str | None, str | None, str | None],
+                    arithmetic: str) -> None:
+    """Refuse for a model whose caches hold keys alone (KEY_ONLY_CACHES) what ik refuses or ignores there: a value
+    cache type, a Hadamard transform, a key cache type its graph does not take; under ik's `arithmetic` (not
+    "exact"), an indexer key cache asked for other than its default f16 (ik's scores over quantized keys, with the
+    queries rounded to 8 bits, are not reproduced). `given`: the -ctk, -ctv and -ictk values given."""
+    taken = KEY_ONLY_CACHES[cx.arch]
+    if arithmetic != "exact" and given[2] not in (None, "f16"):
+        raise ModelError(f"--indexer-cache-type-k {given[2]}: --numerics {arithmetic} reproduces ik's f16 "
+                         f"indexer key cache of {cx.path} ({cx.arch}) only; the exact arithmetic takes "
+                         f"{', '.join(taken)}")
+    if given[1] not in (None, "f32", "f16"):
+        raise ModelError(f"--cache-type-v {given[1]}: {cx.path} ({cx.arch}) reads its values from its key cache "
+                         "(ik ignores -ctv for it): --cache-type-k sets both")
+    if cache.k_hadamard or cache.v_hadamard:
+        flag = "--k-cache-hadamard" if cache.k_hadamard else "--v-cache-hadamard"
+        raise ModelError(f"{flag}: ik writes the caches of {cx.path} ({cx.arch}) untransformed (it refuses -khad)")
+    if cache.k not in ("f32", *taken):
+        raise ModelError(f"--cache-type-k {cache.k}: ik takes the key caches of {cx.path} ({cx.arch}) as "
+                         f"{', '.join(taken)} only")
+
+
+def indexer_cache_holds(k: np.ndarray, cache_type: str, hadamard_block: int) -> np.ndarray:
+    """Indexer keys k [keys, d] as an indexer key cache of `cache_type` holds them when ik rotates them by its
+    Hadamard transform over blocks of `hadamard_block` values before the write whatever the type (and the queries
+    to match, which leaves the scores the product with the keys rotated back); an F32 cache holds them as they
+    are (the weights alone: ik takes none)."""
+    if cache_type == "f32":
+        return k
+    rotated = cache_holds(blockwise_hadamard(k, hadamard_block), cache_type)
+    return blockwise_hadamard(rotated.astype(np.float32, copy=False), hadamard_block)
 
 
 def cache_holds(x: np.ndarray, cache_type: str, hadamard_block: int = 0) -> np.ndarray:

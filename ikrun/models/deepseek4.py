@@ -17,7 +17,8 @@ kv = RMSNorm(attn_kv . x); interleaved-pair rope on the trailing rope.dimension_
   softmax over the rows of gate + ape weighs kv; RMSNorm; rope at position 4w); entry w is visible to query t when
   w < (t + 1) / 4, and the lightning indexer keeps the top attention.indexer.top_k of those per query:
   score = sum_h w_h relu(q_h . k) over the indexer's own compressed keys, w = indexer.proj . x / sqrt(heads *
-  key_length), ties broken as torch.topk breaks them (ikrun/ops/indexer.py TIE_TORCH);
+  key_length), ties broken as torch.topk breaks them (ikrun/ops/indexer.py TIE_TORCH; under ik's arithmetic as
+  its fused top-k breaks them, Numerics.fused_top_k_tie), the keys as the indexer key cache (-ictk) holds them;
 - 128 (HCA): the window plus every visible compressed entry of plain 128-row windows.
 Compressed layers use the compress rope: attention.compress_rope_freq_base with YaRN when rope.scaling.type says
 so, cos/sin unscaled (transformers pins attention_factor to 1). The rope is transformers' (one product position x
@@ -46,6 +47,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ikrun.kvcache import hadamard_size
 from ikrun.models.base import ArchModel, Sequence
 from ikrun.modules.ffn import MoeConfig, moe_ffn
 from ikrun.modules.nextn import NextnHead
@@ -464,7 +466,8 @@ class Deepseek4(ArchModel):
         """The lightning indexer's choice among the visible compressed entries [n, T] (CSA layers) for the last n of
         the layer's `inputs` (every position's, from 0)."""
         cx, n = self.ctx, len(q_res)
-        keys = self._compress(b + "indexer_compressor_", inputs, CSA, self.i_dim, seq)
+        keys = cx.indexer_store(self._compress(b + "indexer_compressor_", inputs, CSA, self.i_dim, seq),
+                                hadamard_size(self.i_dim))
         cos, sin = (t[seq.start:] for t in seq.state["rope"]["compress"])
         q = self._rope(np.ascontiguousarray(cx.linear(q_res, b + "indexer.attn_q_b")).reshape(n, self.n_ihead,
                                                                                               self.i_dim), cos, sin)
@@ -472,13 +475,14 @@ class Deepseek4(ArchModel):
         w = cx.linear(inputs[len(inputs) - n :], b + "indexer.proj") * scale
         scores = indexer_scores(q, keys, w, q0=len(keys))
         scores[~visible] = -np.inf
+        tie = cx.numerics.fused_top_k_tie(TIE_TORCH)
         if "kv" not in seq.state:  # the whole sequence: every query ranks all its entries, as transformers does
-            return select_top_k(scores, self.top_k, TIE_TORCH) & visible
+            return select_top_k(scores, self.top_k, tie) & visible
         # through a cache: each query ranks the entries that exist when it is decoded alone (those it sees), so how
         # the sequence is cut into calls (a verified block or one token a call) does not change the choice
         keep = np.zeros_like(visible)
         seen = visible.sum(axis=1)
         for count in np.unique(seen[seen > 0]):
             rows = np.flatnonzero(seen == count)
-            keep[rows, :count] = select_top_k(scores[rows, :count], self.top_k, TIE_TORCH)
+            keep[rows, :count] = select_top_k(scores[rows, :count], self.top_k, tie)
         return keep

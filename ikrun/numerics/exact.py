@@ -145,6 +145,11 @@ class Numerics:
         reproduces here, for the run's report to name (its figures are ik's, not the model's); None here."""
         return None
 
+    def fused_top_k_tie(self, semantic: int) -> int:
+        """The order among equal scores (ops/indexer.py TIE_*) of a DSA indexer's top-k that ik computes in its
+        fused op (DeepSeek-V4's); here the model's own, `semantic` (its reference's)."""
+        return semantic
+
     def nextn_own_tables(self, arch: str) -> bool:
         """Whether an `arch` NextN head reads its own embedding and output tables where it carries them
         (transformers' model does; an engine's loader may ignore them)."""

@@ -66,7 +66,7 @@ from ikrun.numerics.ik.qgemm import IntRows, PackedHeads, PackedInts, pack, qmat
 from ikrun.ops.activations import swiglu
 from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
-from ikrun.ops.indexer import scores_from_products
+from ikrun.ops.indexer import TIE_PARTIAL_SORT, scores_from_products
 from ikrun.ops.moe import ExpertGlu, RoutedExperts, group_by_expert, moe_experts, route
 from ikrun.ops.norm import rms_norm
 from ikrun.ops.rope import apply_rope
@@ -346,6 +346,13 @@ class IkNumerics(Numerics):
     def nextn_sparse_attention(self) -> bool:
         """ik's MTP graph runs a DSA head's attention dense (dsa_should_use is off for MTP passes)."""
         return False
+
+    def fused_top_k_tie(self, semantic: int) -> int:
+        """ik's fused indexer top-k (iqk_indexer_topk) orders each query's key indices by std::partial_sort on the
+        scores. That is its path where a batch has a query per thread or more, every prompt batch of a perplexity
+        run; below that (a token at a time on several threads) it takes a bucket selection whose order among equal
+        scores is not reproduced here."""
+        return TIE_PARTIAL_SORT
 
     # ---- element-wise: ik's float orders ----------------------------------------------------------------------
     def norm(self, x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
