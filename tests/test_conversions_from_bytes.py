@@ -204,14 +204,33 @@ def test_block32_types_pack_from_their_bytes_as_the_general_path(type_name: str,
     _assert_same(direct(raw), pack(ints(raw, type_by_name(type_name).require_codec().dequantize(raw, N))))
 
 
-@pytest.mark.parametrize("exponent", [0, 253, 255])
+@pytest.mark.parametrize("exponent", [253, 255])
 def test_mxfp4_with_an_exponent_without_exact_integers_declines(exponent: int) -> None:
-    """An all-zero block's exponent 0 (2^-128 has no float32 inverse) and those whose 12 x 2^(e - 128) overflows:
-    the general path takes the whole tensor."""
+    """Exponents whose 12 x 2^(e - 128) overflows: the general path takes the whole tensor."""
     raw = _block32_rows("MXFP4", 32)
     raw.reshape(32, -1, 17)[7, 3, 0] = exponent
     direct = ik_kernel("MXFP4").packed(32, 64)
     assert direct is not None and direct(raw) is None
+
+
+@pytest.mark.parametrize("converts", [True, False], ids=["Q8_0_R8", "own kernel"])
+def test_mxfp4_exponent_0_keeps_its_codes_under_the_subnormal_scale(converts: bool) -> None:
+    """An all-zero block's exponent 0 (2^-128: no float32 inverse, so the decoding cannot give its integers back)
+    packs like any block: its codes' values, as ik's kernels multiply them, under the scale 2^-128 (exponent 1's
+    block, the same codes, packs them alike under 2^-127)."""
+    direct = ik_kernel("MXFP4").packed(32 if converts else 8, 64)
+    assert direct is not None
+    raw = _block32_rows("MXFP4", 32)
+    blocks = raw.reshape(32, -1, 17)
+    blocks[7, 3, 0] = 0
+    zero = direct(raw)
+    blocks[7, 3, 0] = 1
+    one = direct(raw)
+    assert zero is not None and one is not None
+    assert np.array_equal(zero.q, one.q) and np.array_equal(zero.corr, one.corr)
+    differs = np.flatnonzero(zero.scale != one.scale)
+    assert len(differs) == 1
+    assert (zero.scale[differs[0]], one.scale[differs[0]]) == (np.float32(2.0**-128), np.float32(2.0**-127))
 
 
 #: type -> (its direct packer, c, where its f16 scales lie: (row bytes before the blocks, block bytes, whether

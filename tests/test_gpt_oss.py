@@ -137,6 +137,24 @@ def test_numerics_ik_with_an_f32_key_cache_prints_iks_ppls() -> None:
     assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(LOGITS / "ik-f32-ctk-f32-ppl.txt")
 
 
+def test_numerics_ik_packs_mxfp4_blocks_of_exponent_0_as_ik(tmp_path: Path) -> None:
+    """An expert whose first 51 bytes are zero (three all-zero blocks: exponent 0, codes 0; 2^-128 has no float32
+    inverse) packs from its bytes like the others and gives ik's base logits byte for byte and every running PPL
+    of its run on that file (tests/data/logits/gpt-oss-zero-blocks)."""
+    import shutil
+
+    from gguf import GGUFReader
+
+    path = tmp_path / "zero-blocks.gguf"
+    shutil.copy(REF, path)
+    offset = next(t.data_offset for t in GGUFReader(REF).tensors if t.name == "blk.0.ffn_up_exps.weight")
+    with path.open("r+b") as f:
+        f.seek(offset)
+        f.write(bytes(3 * 17))
+    zero = DATA / "logits" / "gpt-oss-zero-blocks"
+    _assert_iks_forward(path, zero / "ik-base.kld", zero / "ik-ppl.txt", tmp_path)
+
+
 HARMONY_TEXTS = ["Hello world", "HelloWorld and CamelCaseWords, HTTPServer", "don't I'LL we'Re THEY'VE",
                  "1234567 89 0.5 3,141,592", "  two  spaces\tand\ttabs\n\n\nnewlines \r\n crlf   ",
                  "naïve café Ölçü ÉCOLE straße ΣΊΣΥΦΟΣ", "日本語のテキスト 中文 한국어", "emoji 👍🏽 and 🇫🇷 flags",

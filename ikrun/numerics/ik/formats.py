@@ -181,8 +181,11 @@ def _e8m0_half(raw: np.ndarray, block_bytes: int) -> np.ndarray:
 
 def _scaled_ints(decoded: np.ndarray, scale: np.ndarray) -> BlockInts:
     """A 32-value block type's stored integers: every decoded value is scale x an integer of at most 8 bits, so
-    rounding decoded x (1 / scale) recovers it exactly."""
-    inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale != 0)
+    rounding decoded x (1 / scale) recovers it exactly. A scale without a float32 inverse (MXFP4's 2^-128, an
+    all-zero block's) gives 0s, where ik has the codes' values: products of at most 12 x 2^-128 x |x| either way."""
+    with np.errstate(over="ignore"):
+        inv = np.divide(np.float32(1), scale, out=np.zeros_like(scale), where=scale != 0)
+    inv[~np.isfinite(inv)] = 0
     q = np.rint(decoded.reshape(*scale.shape, BLOCK) * inv[..., None])
     return BlockInts(q=q.reshape(decoded.shape).astype(np.int8), scale=scale, block=BLOCK)
 

@@ -144,11 +144,13 @@ def q8_0_packed(raw: np.ndarray, bias: int = 0) -> PackedInts:
 
 def mxfp4_packed(raw: np.ndarray, bias: int = 0) -> PackedInts | None:
     """MXFP4 rows as q8_0_packed packs Q8_0's: the doubled E2M1 values (kvalues_mxfp4) under the scale 2^(e - 128)
-    of each block's exponent byte e, the integers the general path recovers from the decoding; None where an e is
-    0 (an all-zero block's: 2^-128 has no float32 inverse) or above 252 (12 x 2^(e - 128) overflows), whose
-    decodings the general path takes as they come."""
+    of each block's exponent byte e, ik's integers; None where an e is above 252 (12 x 2^(e - 128) overflows),
+    whose decodings the general path takes as they come. An e of 0 (an all-zero block's) keeps its codes' values
+    under the float32 subnormal 2^-128, as ik's own kernel has them (its conversion stores the scale as f16 0: either
+    way a product of at most 12 x 2^-128 x |x|, no float sum of normal terms sees it; a gpt-oss file with such blocks
+    prints ik's PPL to the digit)."""
     exponents = raw.reshape(raw.shape[0], -1, MXFP4_BLOCK_BYTES)[..., 0]
-    if not (exponents.min(initial=1) >= 1 and exponents.max(initial=1) <= MXFP4_MAX_EXPONENT):
+    if exponents.max(initial=0) > MXFP4_MAX_EXPONENT:
         return None
     return _block32_packed(raw, KIND_MXFP4, bias)
 
