@@ -1,7 +1,8 @@
 """DeepSeek-V4's caches and its indexer's ties, against ik's runs at 256 tokens (HCA entries live, the indexer choosing
 16 of up to 64 CSA entries): the key caches (-ctk f16, bf16, q8_0: the raw window's, CSA's and HCA's keys, which
 its attention also reads as values), the indexer key cache (-ictk, keys Hadamard-rotated as ik writes them), what ik
-refuses there, and under --numerics ik the order ik's fused top-k leaves among equal indexer scores."""
+refuses there, and under --numerics ik the order ik's fused top-k leaves among equal indexer scores and the attention
+graph its report names."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from ikquant.formats.cache_rows import cache_round_trip
 from ikrun.cli import app
 from ikrun.kvcache import blockwise_hadamard
 from ikrun.model import Model
+from ikrun.options import RuntimeOptions
 
 runner = CliRunner()
 DATA = Path(__file__).parent / "data"
@@ -71,6 +73,17 @@ def test_numerics_ik_breaks_indexer_ties_as_iks_fused_top_k(dequant: Path) -> No
     assert ik["ppl_q"] == pytest.approx(float(printed.group(1)), rel=1e-6)
     exact = _kld(dequant, "--base-logits", str(IK / "ik-base.kld"), "-ctk", "f16")
     assert exact["kld_mean"] > 1e-3 and exact["same_top_p"] < 0.95, exact
+
+
+def test_numerics_ik_reports_iks_fa_off_graph(dequant: Path) -> None:
+    """ik's arithmetic computes DeepSeek-V4's -fa off graph (the runs above): the report says so, --flash-attn off
+    is taken, ik's flash-attention graph (its default: its f16 kernel, a KLD of 1.3e-4 from this one at 256 tokens)
+    is refused; the exact arithmetic has one attention."""
+    assert Model(dequant, options=RuntimeOptions(numerics="ik")).computed_paths(256) == {"flash_attn": "off"}
+    assert Model(dequant, options=RuntimeOptions(numerics="ik", flash_attn="off")).computed_paths(256) == \
+        {"flash_attn": "off"}
+    assert Model(dequant).computed_paths(256) == {}
+    _refused(["--numerics", "ik", "--flash-attn", "on"], "--flash-attn on", "not deepseek4")
 
 
 @pytest.mark.parametrize(("ctk", "printed"), [("q8_0", "ik-ctk-q8_0-kld.txt"), ("bf16", "ik-ctk-bf16-kld.txt")])

@@ -43,7 +43,7 @@ compressed rows through f16 as ik stores them) and its indexer top-k's tie order
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -72,6 +72,8 @@ class Deepseek4(ArchModel):
     """The hidden state between blocks is the hc streams [T, c, H]."""
 
     archs = ("deepseek4",)
+    #: --flash-attn: ik's arithmetic computes its -fa off graph (its flash-attention graph, ik's default, is refused)
+    runtime_options: ClassVar[tuple[str, ...]] = ("flash_attn",)
     continues = True
     one_hidden_stream = False
 
@@ -275,6 +277,12 @@ class Deepseek4(ArchModel):
             if cx.weights.encoding(table).type.name not in ("I32", "I64"):
                 raise self.fail(f"tensor {table} is {cx.weights.encoding(table).type.name}; the hash routing table "
                                 "must hold integer expert ids (I32)")
+
+    def computed_paths(self, n_ctx: int) -> dict[str, str]:
+        """Under ik's arithmetic its attention graph: -fa off's (ik's flash-attention graph differs from it by a KLD of
+        1.3e-4 on the tiny model at 256 tokens: its f16 kernel)."""
+        graph = self.ctx.numerics.attention_graph(self.ctx.arch, self.ctx.cache, self.head_dim)
+        return {} if graph is None else {"flash_attn": graph}
 
     def unread_tensors(self, n_ctx: int, batches: tuple[int, ...] = ()) -> dict[str, str]:
         """A layer's compressor (a CSA layer's indexer too) where a chunk is shorter than the layer's compress
