@@ -132,7 +132,7 @@ def fa_cache_cells(n_keys: int) -> int:
 
 def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, lanes: int,
                     scores: np.ndarray | None = None, threads: int = 1,
-                    key_step: Callable[[int, int, int], int] = k_step_for) -> np.ndarray:
+                    key_step: Callable[[int, int, int], int] = k_step_for, f16_values: bool = True) -> np.ndarray:
     """ik's flash attention over its F16 caches (ggml_flash_attn_ext): q [H, n, Dk] (float32), k [H_kv, keys, Dk],
     v [H_kv, keys, Dv] (f16 values), the queries the last n positions -> [H, n, Dv]. ik's own kernel for the head sizes
     it takes (IQK_FA_HEADS, its key blocks by the cache length, padded to FA_CACHE_PADDING), ggml's generic one for
@@ -140,13 +140,14 @@ def flash_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, l
     q . k [H, n, keys] ik's own kernel takes from its integer kernel over a
     quantized key cache (FLASH_QUANTIZED_KEYS; k unused). A one-token batch whose keys ik's `threads` split
     (split_parts) is computed in those parts, merged as ik merges them (iqk_flash_attention_parts). `key_step`: the
-    keys per block its kernel takes (bf16_k_step_for over bf16 caches)."""
+    keys per block its kernel takes (bf16_k_step_for over bf16 caches); `f16_values` False: v is a value cache of
+    another type, decoded (ggml's generic kernel then sums the values in float32)."""
     n_head, n, head_k = q.shape
     n_keys, head_v = k.shape[1], v.shape[2]
     out = np.empty((n_head, n, head_v), dtype=np.float32)
     given = NO_SCORES if scores is None else scores
     if (head_k, head_v) not in IQK_FA_HEADS:
-        generic_flash_attention(q, k, given, v, float(np.float32(scale)), n_keys - n, out, lanes)
+        generic_flash_attention(q, k, given, v, float(np.float32(scale)), n_keys - n, out, lanes, f16_values)
         return out
     n_kv = fa_cache_cells(n_keys)
     parts = split_parts(n_head, k.shape[0], n_kv, threads) if n == 1 else None
@@ -470,10 +471,6 @@ class IkNumerics(Numerics):
         if kv.v not in ("f16", *self.flash_values):
             return (f"--numerics {self.name} reproduces ik's F16 value caches, and {' / '.join(self.flash_values)} "
                     f"ones under flash attention, not a {kv.v} one")
-        if kv.v != "f16" and (head_dim, head_dim) not in IQK_FA_HEADS:
-            return (f"ik's own flash-attention kernel takes heads of {', '.join(f'{k}/{v}' for k, v in IQK_FA_HEADS)}; "
-                    f"at heads of {head_dim}/{head_dim} ggml's generic kernel accumulates a quantized V cache in its "
-                    "own order, which is not reproduced")
         if kv.k not in ("f16", *self.flash_keys):
             return (f"--numerics {self.name} reproduces ik's flash attention over F16 caches and "
                     f"{' / '.join(self.flash_keys)} key caches, not a {kv.k} key cache (give --flash-attn off: ik's "
@@ -513,8 +510,8 @@ class IkNumerics(Numerics):
             return flash_attention(np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale, self.lanes,
-                                   scores, self.options.ik_threads,
-                                   bf16_k_step_for if bf16 else k_step_for).transpose(1, 0, 2)
+                                   scores, self.options.ik_threads, bf16_k_step_for if bf16 else k_step_for,
+                                   kv is None or kv.v == "f16").transpose(1, 0, 2)
         values = kv is not None and kv.v == "bf16"  # ik's bf16 kernel multiplies the probabilities by them
         if kv is not None and kv.k in self.quantized_keys:
             return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2, self._key_products(q, k, kv.k),

@@ -1,4 +1,4 @@
-"""ggml's generic CPU flash-attention kernel (ggml_compute_forward_flash_attn_ext_f16) with F16 keys and values, as
+"""ggml's generic CPU flash-attention kernel (ggml_compute_forward_flash_attn_ext_f16) with F16 keys, as
 an AVX-512 build (16 float lanes: --numerics ik) or an AVX2 build (8 lanes: --numerics ik-avx2) computes it: what ik
 runs at head sizes its own iqk kernels do not take, for MLA's prefill path (keys and values materialised through
 attn_kv_b) and for grouped-query attention with flash attention on (-fa on, ik's default).
@@ -9,7 +9,9 @@ halves and two horizontal adds, (0+4 + 1+5) + (2+6 + 3+7); AVX-512 in halves dow
 remaining values' products added in double), s * scale; an online softmax whose value sums stay in f16 (on a new
 maximum the sums are scaled by expf(old - new) and rounded, else the key's weight is expf(s - max); then
 sums = f16(fma(v, weight, sums))), the weight total S = S * ms + vs (two roundings: ik's build does not fuse it);
-at the end the sums times 1 / S.
+at the end the sums times 1 / S. A value cache of another type (a quantized one) has its rows decoded to float32
+and the sums kept in float32: the same steps without the f16 roundings (ggml_vec_scale_f32, ggml_vec_mad_f32's
+fused multiply-adds).
 """
 
 from __future__ import annotations
@@ -50,10 +52,10 @@ def _dot_f16(x: np.ndarray, y: np.ndarray, lanes: int) -> np.float32:
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _key_step(score: np.float32, v: np.ndarray, sums: np.ndarray, total: np.float32,
-              top: np.float32) -> tuple[np.float32, np.float32]:
-    """One key's scaled score folded into the f16 value sums `sums`, the weight total and the maximum (module
-    docstring); `v` the key's values; returns the new (total, top)."""
+def _key_step(score: np.float32, v: np.ndarray, sums: np.ndarray, total: np.float32, top: np.float32,
+              f16_sums: bool) -> tuple[np.float32, np.float32]:
+    """One key's scaled score folded into the value sums `sums` (f16 ones, `f16_sums`, else float32), the weight
+    total and the maximum (module docstring); `v` the key's values; returns the new (total, top)."""
     ms = np.float32(1.0)
     vs = np.float32(1.0)
     if score > top:
@@ -61,11 +63,13 @@ def _key_step(score: np.float32, v: np.ndarray, sums: np.ndarray, total: np.floa
         top = score
         ms = np.exp(np.float32(old - top))
         for d in range(sums.shape[0]):
-            sums[d] = round_f16(sums[d] * ms)
+            scaled = np.float32(sums[d] * ms)
+            sums[d] = round_f16(scaled) if f16_sums else scaled
     else:
         vs = np.exp(np.float32(score - top))
     for d in range(sums.shape[0]):
-        sums[d] = round_f16(fmaf(v[d], vs, sums[d]))
+        added = fmaf(v[d], vs, sums[d])
+        sums[d] = round_f16(added) if f16_sums else added
     return np.float32(total * ms) + vs, top
 
 
@@ -78,9 +82,10 @@ def _store(sums: np.ndarray, total: np.float32, out: np.ndarray) -> None:
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def generic_flash_attention(q: np.ndarray, k: np.ndarray, scores: np.ndarray, v: np.ndarray, scale: float, first: int,
-                            out: np.ndarray, lanes: int) -> None:
+                            out: np.ndarray, lanes: int, f16_values: bool = True) -> None:
     """Causal attention of q [H, n, Dk] (float32) against k [H_kv, n_keys, Dk] and v [H_kv, n_keys, Dv] (f16 values
-    held in float32; query head h reads key/value head h // (H / H_kv), ggml's broadcast), query t at position first + t
+    held in float32, or with `f16_values` False a value cache of another type, decoded; query head h reads key/value
+    head h // (H / H_kv), ggml's broadcast), query t at position first + t
     seeing keys 0..first + t; out [H, n, Dv]. `scores` [H, n, n_keys]: the products q . k ik's integer kernel computed
     one query row and one key at a time over a quantized key cache (key_cache.single_row_key_products), or empty
     (iqk_flash_attention.NO_SCORES): the f16 dot over F16 keys, in the order of a build with `lanes` float lanes (8
@@ -101,5 +106,5 @@ def generic_flash_attention(q: np.ndarray, k: np.ndarray, scores: np.ndarray, v:
         top = np.float32(-np.inf)
         for s in range(first + t + 1):
             score = scores[h, t, s] if given else _dot_f16(k[g, s], qh, lanes)
-            total, top = _key_step(np.float32(score * sc), v[g, s], sums, total, top)
+            total, top = _key_step(np.float32(score * sc), v[g, s], sums, total, top, f16_values)
         _store(sums, total, out[h, t])
