@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ikrun.cli import app
+from ikrun.errors import ModelError
 from ikrun.eval.evaluate import perplexity
 from ikrun.eval.metrics import BaseLogitsFile
 from ikrun.model import Model
@@ -31,7 +32,7 @@ from ikrun.numerics.ik.iqk_flash_attention import (
 )
 from ikrun.ops.activations import ik_expf, ik_expf_avx2
 from ikrun.options import RuntimeOptions
-from tests.family_checks import assert_iks_forward
+from tests.family_checks import assert_iks_forward, iks_running_ppl, running_ppl
 from tests.iqk_fa_cases import CASES, GENERIC_CASES, case_inputs
 from tests.test_mla_paths import _quantized_kv_b
 
@@ -201,6 +202,26 @@ def real_heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for name, path in files.items():
         assert hashlib.sha256(path.read_bytes()).hexdigest() == REAL_SHA256[name], name
     return files
+
+
+def test_a_q8_0_latent_in_the_absorbed_form_at_ggml_generic_heads(real_heads: dict[str, Path],
+                                                                   tmp_path: Path) -> None:
+    """The absorbed form's heads here (keys 128, values 64) are not a pair ik's own kernel takes: ggml's generic one
+    multiplies the Q8_0 latent rows by each query row and sums their decoded values in float32. ik's default run
+    with -ctk q8_0 (tests/data/logits/deepseek-v3-heads192-absorbed-ctk-avx512): its base-logits file byte for byte
+    with every running PPL (519.7588). Over Q4_0 / IQ4_NL / Q6_0 latents ik's figures are NaN or its q . k 0: those
+    stay refused."""
+    folder = DATA / "logits" / "deepseek-v3-heads192-absorbed-ctk-avx512"
+    model = Model(real_heads["ik-f32.gguf"], options=RuntimeOptions(numerics="ik", ik_threads=2), cache_type_k="q8_0")
+    assert model.computed_paths(64) == {"mla_path": "decode", "flash_attn": "on"}
+    base = folder / "ctk-q8_0-base.kld"
+    res = perplexity(model, np.asarray(BaseLogitsFile(base).tokens), save_base=tmp_path / "ours.kld")
+    assert (tmp_path / "ours.kld").read_bytes() == base.read_bytes()
+    assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(folder / "ctk-q8_0-base.txt")
+    for cache in ("q4_0", "q6_0"):
+        refused = Model(real_heads["ik-f32.gguf"], options=RuntimeOptions(numerics="ik"), cache_type_k=cache)
+        with pytest.raises(ModelError, match=f"--cache-type-k {cache}: ik's absorbed MLA form"):
+            refused.check_context(64)
 
 
 def _real_kld(model: Path, *flags: str) -> dict[str, Any]:

@@ -98,13 +98,17 @@ def test_a_q8_0_latent_in_the_absorbed_form_is_iks(models: dict[str, Path], nume
 
 
 @pytest.mark.parametrize(("model", "flags", "says"), [
-    ("heads192", [], "not in ggml's generic flash-attention kernel (heads 128/64)"),
-    ("latent512", ["--flash-attn", "off"], "not in ik's -fa off graph (--flash-attn off)"),
+    # ik's AVX2 Q8_0 kernel over 4-block keys (AVX-512: tests/test_ik_flash_attention.py reproduces its run)
+    ("heads192", ["--numerics", "ik-avx2", "-ctk", "q8_0"],
+     "not in ggml's generic flash-attention kernel (heads 128/64)"),
+    ("heads192", ["--numerics", "ik", "-ctk", "q4_0"], "not in ggml's generic flash-attention kernel (heads 128/64)"),
+    ("latent512", ["--numerics", "ik", "-ctk", "q8_0", "--flash-attn", "off"],
+     "not in ik's -fa off graph (--flash-attn off)"),
 ])
 def test_a_quantized_latent_where_its_absorbed_form_is_not_reproduced_is_refused(models: dict[str, Path], model: str,
                                                                                  flags: list[str], says: str) -> None:
     res = runner.invoke(app, ["ppl", str(models[model]), "--text", str(FOLDER.parent / "deepseek-v3" / "text.txt"),
-                              "--ctx", "64", "--chunks", "1", "--numerics", "ik", "-ctk", "q8_0", *flags])
+                              "--ctx", "64", "--chunks", "1", *flags])
     assert res.exit_code == 2 and says in " ".join(res.output.split()), res.output
 
 

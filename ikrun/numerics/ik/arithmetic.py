@@ -310,17 +310,24 @@ class IkNumerics(Numerics):
         attn_kv_b and its type, "absent" where the file has none: ik converts the decoded cache for an F32 matmul
         with a conversion F32 lacks, and crashes; the attn_kv_b ik derives at load is not reproduced under it), or in
         the absorbed form in flash attention at `heads` ik's own kernel takes (IQK_FA_HEADS, DeepSeek-V3's 576 /
-        512: its K x Q over the quantized rows, their values decoded)."""
+        512: its K x Q over the quantized rows, their values decoded), and a Q8_0 one in ggml's generic kernel at the
+        others (its q . k one query row at a time, the values decoded and summed in float32; on AVX2 at keys of at
+        most SINGLE_ROW_BLOCKS blocks). Over the other types ggml's generic kernel misreads the query blocks (ik's
+        figures are NaN) or writes q . k 0 (Q6_0)."""
         if kv.k in FLOAT_CACHES:
             return None
         if path != "prefill":
             if self._absorbed_flash() and heads in IQK_FA_HEADS:
                 return None
+            if self._absorbed_flash() and heads is not None and kv.k == "q8_0" and \
+                    not (self.avx2 and heads[0] // 32 > SINGLE_ROW_BLOCKS):
+                return None
             where = "ik's -fa off graph (--flash-attn off)" if not self._absorbed_flash() else \
                 "ggml's generic flash-attention kernel" + ("" if heads is None else f" (heads {heads[0]}/{heads[1]})")
             return (f"--cache-type-k {kv.k}: ik's absorbed MLA form (batches under {MLA_PREFILL_MIN_TOKENS} tokens, or "
                     f"--mla decode) over a {kv.k} latent cache is reproduced in ik's own flash-attention kernel (heads "
-                    f"576/512, DeepSeek-V3's), not in {where}; the prefill form is")
+                    f"576/512, DeepSeek-V3's) and, q8_0, in ggml's generic one, not in {where}; the prefill form "
+                    "is")
         if kv_b is not None and kv_b[1] == "F32":
             return (f"--cache-type-k {kv.k}: {kv_b[0]} is F32, and ik's prefill form converts a quantized latent "
                     "cache for an F32 matmul with a conversion F32 lacks (ik crashes there); quantize attn_kv_b or "
@@ -650,7 +657,7 @@ class IkNumerics(Numerics):
                 scores = self._flash_key_products(q.transpose(1, 0, 2), keys.transpose(1, 0, 2), n_lat, kv.k)
                 keys = np.ascontiguousarray(cache_holds(keys, kv.k))
             latent = flash_attention(q, keys, np.ascontiguousarray(keys[:, :, n_rot:]), scale, self.lanes, scores,
-                                     self.options.ik_threads)
+                                     self.options.ik_threads, f16_values=kv.k == "f16")
         elif sinks is None:
             q = np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2)
             latent = ik_latent_attention(q, cache, n_rot, scale, keep, self.avx2)

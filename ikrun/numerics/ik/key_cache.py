@@ -98,8 +98,8 @@ def _fold_lanes(acc: np.ndarray) -> np.float32:
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
 
 
-#: the most 32-value blocks a head of ik's single-row Q8_0 kernel may have: fewer than its 4-block groups, whose
-#: other float order is not reproduced
+#: the most 32-value blocks a head of ik's AVX2 single-row Q8_0 kernel may have: fewer than its 4-block groups,
+#: whose other float order is not reproduced (its AVX-512 build's kernel is iqk_fa_key_products' at any head)
 SINGLE_ROW_BLOCKS = 3
 #: what ik's AVX-512 Q8_0 kernel (Q8_0_1_Unpacker) adds to the key's values to make them unsigned bytes
 Q8_0_BIAS_AVX512 = 127
@@ -134,13 +134,13 @@ def single_row_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: 
     row (rounded to Q8_2_X4) against one cache row at a time. In ik's AVX2 build (`avx2`): per 32-value block
     d = k scale x q scale (bf16) and the block's products summed 4 bytes a lane into 8 int32 lanes, each lane
     fma(d, lane, acc); at the end the 8 lanes folded i + (i + 4), then (0 + 2) + (1 + 3). Its AVX-512 build takes
-    the values unsigned (+ 127, Q8_0_1_Unpacker) in the kernel of iqk_fa_key_products. Heads of at most
+    the values unsigned (+ 127, Q8_0_1_Unpacker) in the kernel of iqk_fa_key_products. AVX2: heads of at most
     SINGLE_ROW_BLOCKS blocks."""
     d = q.shape[2]
-    if d // 32 > SINGLE_ROW_BLOCKS:
-        raise ValueError(f"heads of {d} take ik's 4-block groups, not reproduced")
     if not avx2:
         return iqk_fa_key_products(q, k, type_name, ints, False, np.zeros((q.shape[1], len(q)), np.bool_))
+    if d // 32 > SINGLE_ROW_BLOCKS:
+        raise ValueError(f"heads of {d} take ik's AVX2 4-block groups, not reproduced")
     scores, (qu, qd, _, kq, kd, group) = _stacked_operands(q, k, type_name, ints)
     _single_row_scores(qu, qd, kq, kd, group, scores)
     return scores
