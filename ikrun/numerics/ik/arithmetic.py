@@ -724,7 +724,7 @@ class IkNumerics(Numerics):
         q = np.ascontiguousarray(np.concatenate([q_rope, q_nope], axis=2).transpose(1, 0, 2), dtype=np.float32)
         scores = self._flash_key_products(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.shape[2], kv.k) \
             if quantized else None
-        return flash_attention(q, k, v, scale, self.lanes, scores).transpose(1, 0, 2)
+        return flash_attention(q, k, v, scale, self.lanes, scores, f16_values=kv.k == "f16").transpose(1, 0, 2)
 
     # ---- matmuls: ik's kernels ------------------------------------------------------------------------------
     def _format(self, weight_name: str) -> str:
