@@ -224,6 +224,40 @@ def test_a_q8_0_latent_in_the_absorbed_form_at_ggml_generic_heads(real_heads: di
             refused.check_context(64)
 
 
+@pytest.mark.parametrize("kv_b", ["q8_0", "f16"])
+def test_a_bf16_latent_in_the_prefill_form_is_iks_bf16_flash_attention(real_heads: dict[str, Path], kv_b: str,
+                                                                       tmp_path: Path) -> None:
+    """-ctk bf16 on DeepSeek: the prefill form takes the latent decoded from BF16, attn_kv_b times it, the keys and
+    values cast to BF16, then ik's bf16 flash-attention kernel (its K x Q on queries rounded to bf16). ik's default
+    run (tests/data/logits/deepseek-v3-heads192-bf16-latent-avx512): its base-logits file byte for byte (Q8_0
+    attn_kv_b: stored; F16: its SHA-256) with every running PPL (484.8329, 484.6364)."""
+    folder = DATA / "logits" / "deepseek-v3-heads192-bf16-latent-avx512"
+    model = Model(real_heads[f"kvb-{kv_b}.gguf"], options=RuntimeOptions(numerics="ik", ik_threads=2),
+                  cache_type_k="bf16")
+    assert model.computed_paths(128) == {"mla_path": "prefill", "flash_attn": "on"}
+    name = f"kvb-{kv_b}-ctk-bf16-base"
+    res = perplexity(model, np.asarray(BaseLogitsFile(folder / "kvb-q8_0-ctk-bf16-base.kld").tokens),
+                     save_base=tmp_path / "ours.kld")
+    ours = (tmp_path / "ours.kld").read_bytes()
+    if kv_b == "q8_0":
+        assert ours == (folder / f"{name}.kld").read_bytes()
+    else:
+        assert hashlib.sha256(ours).hexdigest() == (folder / "ik-base.sha256").read_text().split()[0]
+    assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(folder / f"{name}.txt")
+
+
+@pytest.mark.parametrize(("file", "flags", "says"), [
+    ("kvb-q8_0.gguf", ["--ctx", "64"], "absorbed MLA form"),  # a batch under 128 tokens: the absorbed form
+    ("ik-f32.gguf", ["--ctx", "128"], "is F32"),  # ik crashes (the README's ik-f32-ctk-bf16-crash.txt)
+    ("kvb-q8_0.gguf", ["--ctx", "128", "--numerics", "ik-avx2"], "not a bf16 key cache on deepseek2"),
+])
+def test_a_bf16_latent_ik_does_not_run_as_reproduced_is_refused(real_heads: dict[str, Path], file: str,
+                                                                flags: list[str], says: str) -> None:
+    res = runner.invoke(app, ["ppl", str(real_heads[file]), "--text", str(DATA / "logits" / "deepseek-v3" / "text.txt"),
+                              "--chunks", "1", "--numerics", "ik", "-ctk", "bf16", *flags])
+    assert res.exit_code == 2 and says in " ".join(res.output.split()), res.output
+
+
 def _real_kld(model: Path, *flags: str) -> dict[str, Any]:
     res = runner.invoke(app, ["kld", str(model), "--base-logits", str(REAL / "ik-base.kld"), "--json", *flags])
     assert res.exit_code == 0, res.output

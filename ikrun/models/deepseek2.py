@@ -181,8 +181,8 @@ class Deepseek2(ArchModel):
         for path in dict.fromkeys(self.mla_path(n) for n in batches or (n_ctx,)):
             for name in (f"blk.{i}.attn_kv_b.weight" for i in range(self.n_active)):
                 kind = self.ctx.weights.encoding(name).type.name if self.ctx.has(name) else "absent"
-                problem = self.ctx.numerics.latent_cache_problem(self.ctx.cache, path, (name, kind),
-                                                                 (self.n_rot + self.kv_lora, self.kv_lora))
+                heads = (self.head_k, self.head_v) if path == "prefill" else (self.n_rot + self.kv_lora, self.kv_lora)
+                problem = self.ctx.numerics.latent_cache_problem(self.ctx.cache, path, (name, kind), heads)
                 if problem is not None:
                     raise self.fail(problem)
 

@@ -299,6 +299,8 @@ class IkNumerics(Numerics):
             return None
         if cache_type in MLA_QUANTIZED_LATENT.get(arch, ()) and cache_type in self.quantized_keys:
             return None
+        if cache_type == "bf16" and arch in MLA_FLASH_ARCHS and not self.avx2:  # the prefill form's: latent_cache_problem
+            return None
         latent = "".join(f"; {'/'.join(types)} as {name}'s MLA latent" for name, types in MLA_QUANTIZED_LATENT.items())
         return (f"--numerics {self.name} reproduces ik's F16 and F32 key caches, and on {', '.join(QUANTIZED_KEY_ARCHS)} "
                 f"its {', '.join(others)} ones{latent}; not a {cache_type} key cache on {arch}")
@@ -313,8 +315,18 @@ class IkNumerics(Numerics):
         512: its K x Q over the quantized rows, their values decoded), and a Q8_0 one in ggml's generic kernel at the
         others (its q . k one query row at a time, the values decoded and summed in float32; on AVX2 at keys of at
         most SINGLE_ROW_BLOCKS blocks). Over the other types ggml's generic kernel misreads the query blocks (ik's
-        figures are NaN) or writes q . k 0 (Q6_0)."""
-        if kv.k in FLOAT_CACHES:
+        figures are NaN) or writes q . k 0 (Q6_0). A BF16 latent only in the prefill form, its keys and values cast to
+        BF16 for ik's bf16 kernel at `heads` (there the prefill form's) that kernel takes; in the absorbed form ik's
+        own kernel has no bf16 form at DeepSeek's heads and ggml's generic one's bf16 dot is not reproduced."""
+        if kv.k == "bf16":
+            if path != "prefill":
+                return (f"--cache-type-k bf16: ik's absorbed MLA form (batches under {MLA_PREFILL_MIN_TOKENS} tokens, "
+                        "--mla decode or --flash-attn off) over a bf16 latent cache runs ggml's generic flash-attention "
+                        "kernel's bf16 dot, which is not reproduced; the prefill form is")
+            if heads is not None and (heads not in IQK_FA_HEADS or heads in NO_BF16_FA_HEADS):
+                return (f"--cache-type-k bf16: the prefill form's heads {heads[0]}/{heads[1]} are not ones ik's bf16 "
+                        "flash-attention kernel takes")
+        elif kv.k in FLOAT_CACHES:
             return None
         if path != "prefill":
             if self._absorbed_flash() and heads in IQK_FA_HEADS:
@@ -329,7 +341,7 @@ class IkNumerics(Numerics):
                     f"576/512, DeepSeek-V3's) and, q8_0, in ggml's generic one, not in {where}; the prefill form "
                     "is")
         if kv_b is not None and kv_b[1] == "F32":
-            return (f"--cache-type-k {kv.k}: {kv_b[0]} is F32, and ik's prefill form converts a quantized latent "
+            return (f"--cache-type-k {kv.k}: {kv_b[0]} is F32, and ik's prefill form converts a {kv.k} latent "
                     "cache for an F32 matmul with a conversion F32 lacks (ik crashes there); quantize attn_kv_b or "
                     "run the exact arithmetic")
         if kv_b is not None and kv_b[1] == "absent":
@@ -708,8 +720,9 @@ class IkNumerics(Numerics):
         _, n_head, n_rope = q_rope.shape
         n_nope, n_keys = q_nope.shape[2], len(cache)
         quantized = kv.k not in FLOAT_CACHES
+        bf16 = kv.k == "bf16"
         latent = cache[:, n_rope:]
-        if quantized:
+        if quantized or bf16:
             # ik decodes the cache rows, then converts them to the weight's vec_dot_type: F16 / BF16 rows for those
             # weights (a float input would take its own float kernel), the activation blocks otherwise (as a float)
             latent = cache_holds(cache, kv.k)[:, n_rope:]
@@ -723,8 +736,9 @@ class IkNumerics(Numerics):
         v = np.ascontiguousarray(cache_holds(kv_rows[:, :, n_nope:], kv.k).transpose(1, 0, 2))
         q = np.ascontiguousarray(np.concatenate([q_rope, q_nope], axis=2).transpose(1, 0, 2), dtype=np.float32)
         scores = self._flash_key_products(q.transpose(1, 0, 2), k.transpose(1, 0, 2), v.shape[2], kv.k) \
-            if quantized else None
-        return flash_attention(q, k, v, scale, self.lanes, scores, f16_values=kv.k == "f16").transpose(1, 0, 2)
+            if quantized else self._bf16_key_products(q.transpose(1, 0, 2), k.transpose(1, 0, 2)) if bf16 else None
+        return flash_attention(q, k, v, scale, self.lanes, scores, key_step=bf16_k_step_for if bf16 else k_step_for,
+                               f16_values=kv.k == "f16").transpose(1, 0, 2)
 
     # ---- matmuls: ik's kernels ------------------------------------------------------------------------------
     def _format(self, weight_name: str) -> str:
