@@ -249,10 +249,9 @@ class BlockInputs:
         self._hidden: dict[int, _Hidden] = {}
         try:
             with model.blas_limit():
-                for c, tokens in enumerate(self.tokens):
+                for c in range(n_chunk):
                     kv: dict = {}
-                    self.states.append([self._record(c, k, tokens, kv, n_chunk, spill_path)
-                                        for k in range(len(self.batches))])
+                    self.states.append([self._record(c, k, kv, n_chunk, spill_path) for k in range(len(self.batches))])
         except BaseException:
             self.close()
             raise
@@ -263,8 +262,7 @@ class BlockInputs:
         start, n = self.batches[k]
         return Sequence(self.tokens[c][start : start + n], c, state, start, -start)
 
-    def _record(self, c: int, k: int, tokens: np.ndarray, kv: dict, n_chunk: int,
-                spill_path: Path | None) -> list[dict]:
+    def _record(self, c: int, k: int, kv: dict, n_chunk: int, spill_path: Path | None) -> list[dict]:
         """Batch k of chunk c through every block, its input to each recorded; the states it entered with."""
         impl = self.impl
         seq = self._sequence(c, k, {"kv": kv} if self.batched else {})
