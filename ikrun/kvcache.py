@@ -153,7 +153,7 @@ def check_cache(cache: KvCache, cx: Context, numerics: Numerics, given: tuple[st
     asked_indexer = cache.indexer
     cache = replace(cache, indexer=_indexer_cache(cache, cx))
     if cx.arch in KEY_ONLY_CACHES:
-        _check_key_only(cache, cx, (*given, asked_indexer), numerics.name)
+        _check_key_only(cache, cx, given[1], asked_indexer, numerics.name)
     if numerics.name != "exact":
         problem = numerics.check_key_cache(cx.arch, given[0] or "f16")
         if problem is not None:
@@ -213,19 +213,18 @@ def check_cache(cache: KvCache, cx: Context, numerics: Numerics, given: tuple[st
     return replace(cache, k_hadamard=k_block * cache.k_hadamard, v_hadamard=v_block * cache.v_hadamard)
 
 
-def _check_key_only(cache: KvCache, cx: Context, given: tuple[str | None, str | None, str | None],
-                    arithmetic: str) -> None:
+def _check_key_only(cache: KvCache, cx: Context, values: str | None, indexer: str | None, arithmetic: str) -> None:
     """Refuse for a model whose caches hold keys alone (KEY_ONLY_CACHES) what ik refuses or ignores there: a value
-    cache type, a Hadamard transform, a key cache type its graph does not take; under ik's `arithmetic` (not
-    "exact"), an indexer key cache asked for other than its default f16 (ik's scores over quantized keys, with the
-    queries rounded to 8 bits, are not reproduced). `given`: the -ctk, -ctv and -ictk values given."""
+    cache type (`values`: the -ctv given), a Hadamard transform, a key cache type its graph does not take; under
+    ik's `arithmetic` (not "exact"), an indexer key cache asked for (`indexer`: the -ictk given) other than its
+    default f16 (ik's scores over quantized keys, with the queries rounded to 8 bits, are not reproduced)."""
     taken = KEY_ONLY_CACHES[cx.arch]
-    if arithmetic != "exact" and given[2] not in (None, "f16"):
-        raise ModelError(f"--indexer-cache-type-k {given[2]}: --numerics {arithmetic} reproduces ik's f16 "
+    if arithmetic != "exact" and indexer not in (None, "f16"):
+        raise ModelError(f"--indexer-cache-type-k {indexer}: --numerics {arithmetic} reproduces ik's f16 "
                          f"indexer key cache of {cx.path} ({cx.arch}) only; the exact arithmetic takes "
                          f"{', '.join(taken)}")
-    if given[1] not in (None, "f32", "f16"):
-        raise ModelError(f"--cache-type-v {given[1]}: {cx.path} ({cx.arch}) reads its values from its key cache "
+    if values not in (None, "f32", "f16"):
+        raise ModelError(f"--cache-type-v {values}: {cx.path} ({cx.arch}) reads its values from its key cache "
                          "(ik ignores -ctv for it): --cache-type-k sets both")
     if cache.k_hadamard or cache.v_hadamard:
         flag = "--k-cache-hadamard" if cache.k_hadamard else "--v-cache-hadamard"

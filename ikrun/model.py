@@ -40,12 +40,19 @@ def _threadpools() -> ThreadpoolController:
     return ThreadpoolController()
 
 
+def fed_batch(n_ctx: int, batch: int | None) -> int | None:
+    """The tokens an n_ctx-token chunk is fed at a time when asked for `batch`; None where it goes whole (a batch of
+    the whole chunk, or more, is the chunk)."""
+    return batch if batch is not None and batch < n_ctx else None
+
+
 def batch_sizes(n_ctx: int, batch: int | None) -> tuple[int, ...]:
     """The sizes of the batches an n_ctx-token chunk is fed in, `batch` tokens at a time: the full ones' and a
     shorter last one's; none when the chunk goes whole."""
-    if batch is None or batch >= n_ctx:
+    fed = fed_batch(n_ctx, batch)
+    if fed is None:
         return ()
-    return (batch,) + ((n_ctx % batch,) if n_ctx % batch else ())
+    return (fed,) + ((n_ctx % fed,) if n_ctx % fed else ())
 
 
 class Model:
@@ -199,8 +206,9 @@ class Model:
         tokens = np.asarray(tokens, dtype=np.int64)
         self.check_tokens(tokens)
         with self.blas_limit():
-            if batch is not None and batch < len(tokens):
-                return self.impl.forward_in_batches(tokens, batch, index, outputs)
+            fed = fed_batch(len(tokens), batch)
+            if fed is not None:
+                return self.impl.forward_in_batches(tokens, fed, index, outputs)
             return self.impl.forward(tokens, index=index, outputs=outputs)
 
     @contextmanager

@@ -48,6 +48,7 @@ def imatrix(
     from ikrun.eval.evaluate import collect_imatrix, tokenize_chunks
     from ikrun.eval.imatrix import MIN_ROWS, ImatrixCollector, collect_nextn
     from ikrun.eval.metrics import ppl_stats
+    from ikrun.model import fed_batch
 
     check_batch(batch)
     if batch is not None and batch < min(MIN_ROWS, ctx):
@@ -82,7 +83,7 @@ def imatrix(
         collect_nextn(m, chunk_tokens, collector, head)
     collector.save(output, len(chunk_tokens), ctx, dataset)
     stats = ppl_stats(nll)
-    fed = f" in batches of {batch}" if batch is not None and batch < ctx else ""
+    fed = f" in batches of {batch}" if fed_batch(ctx, batch) else ""
     err.print(f"wrote {output}: {len(collector.sums)} entries from {len(chunk_tokens)} chunks of {ctx} tokens{fed} "
               f"(PPL {stats['ppl']:.4f} +/- {stats['ppl_err']:.5f})")
     if not collector.sums:

@@ -80,6 +80,7 @@ def mix(
     from ikquant.shards import GGUFModel
     from ikquant.sweepfile import file_sha256, read_sweep_file
     from ikrun.eval.evaluate import tokenize_chunks
+    from ikrun.model import fed_batch
     from ikrun.sweep.measure import model_fingerprint
 
     targets = [t for t in (target_bpw is not None, target_size is not None, bool(budget)) if t]
@@ -135,9 +136,7 @@ def mix(
     print_mix(plan)
     print_unmeasured(unmeasured)
     n_chunk, n_ctx = chunk_tokens.shape
-    if batch is None:
-        batch = header.get("batch")
-    fed = batch if batch is not None and batch < n_ctx else None
+    fed = fed_batch(n_ctx, batch if batch is not None else header.get("batch"))
     summary = []
     with tempfile.TemporaryDirectory() as tmp:
         base = _base_logits(m, chunk_tokens, Path(tmp) / "base.kld", ev, "base logits", fed)

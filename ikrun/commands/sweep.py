@@ -108,6 +108,7 @@ def sweep(
     """
     from ikquant.imatrix import read_imatrix
     from ikrun.eval.evaluate import tokenize_chunks
+    from ikrun.model import fed_batch
     from ikrun.sweep.measure import auto_rounds, load_rows, sweep_groups, sweep_header, unmeasured_tensors
 
     if metric not in ("kld", "acceptance"):
@@ -141,7 +142,7 @@ def sweep(
                           block, plot, ev, mtp_settings(n_max, p_min) if mtp else None)
         return
     check_batch(batch)
-    fed = batch if batch is not None and batch < ctx else None  # a batch of the whole chunk is the chunk
+    fed = fed_batch(ctx, batch)
     auto = chunks is not None and chunks.strip().lower() == "auto"
     if chunks is not None and not auto and not chunks.strip().isdigit():
         fail(f"--chunks must be a number of chunks or auto, not {chunks!r}")

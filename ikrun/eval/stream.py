@@ -25,7 +25,7 @@ from ikquant.outputs import write_errors
 from ikquant.sizes import format_size
 from ikrun.errors import BudgetError, EvalError
 from ikrun.memory import free_disk
-from ikrun.model import Model
+from ikrun.model import Model, fed_batch
 from ikrun.models.base import Sequence
 from ikrun.numerics.exact import TILE_BYTES
 
@@ -117,7 +117,8 @@ def plan_run(model: Model, n_chunk: int, n_ctx: int, one_pass: bool, spill_dir: 
     budget = model.mem
     fits = budget is None or model_decoded_bytes(model) + needs.transient + needs.per_chunk <= budget
     streamed = model.stream if model.stream is not None else (one_pass and n_chunk > 1) or not fits
-    if batch is not None and batch < n_ctx:
+    batch = fed_batch(n_ctx, batch)
+    if batch is not None:
         if not model.impl.continues:
             raise EvalError(f"--batch {batch}: {model.arch} runs each chunk whole here (its forward keeps no cache "
                             f"a batch could continue through); give --batch {n_ctx} or leave it out")
@@ -125,8 +126,6 @@ def plan_run(model: Model, n_chunk: int, n_ctx: int, one_pass: bool, spill_dir: 
             raise EvalError(f"--batch {batch} feeds each chunk through its cache in turn, chunk by chunk: not with "
                             "--stream")
         streamed = False
-    else:
-        batch = None
     if budget is not None and budget < needs.minimum:
         raise BudgetError(f"--mem {format_size(budget)} is below what one block needs: its weights decoded "
                           f"({format_size(needs.block)}), one chunk's hidden state and working memory "
@@ -227,7 +226,7 @@ class BlockInputs:
         n_chunk, n_ctx = chunks.shape
         self.impl, self.ctx = impl, model.ctx
         self.n_block = impl.n_active
-        step = batch if batch is not None and batch < n_ctx else n_ctx
+        step = fed_batch(n_ctx, batch) or n_ctx
         #: the first position and length of each batch a chunk is fed in (one: the chunk whole)
         self.batches = [(s, min(n_ctx, s + step) - s) for s in range(0, n_ctx, step)]
         self.batched = len(self.batches) > 1
