@@ -66,7 +66,7 @@ def test_numerics_ik_breaks_indexer_ties_as_iks_fused_top_k(dequant: Path) -> No
     """Two indexer heads often score entries exactly 0 (every ReLU term 0): at 256 tokens the 16th and 17th best
     tie at a sixth of the positions. ik's fused top-k leaves std::partial_sort's order among them; under --numerics
     ik the run is ik's (torch.topk's order gave 4.0e-3 here); the exact arithmetic keeps transformers' order."""
-    ik = _kld(dequant, "--base-logits", str(IK / "ik-base.kld"), "--numerics", "ik")
+    ik = _kld(dequant, "--base-logits", str(IK / "ik-base.kld"), "--numerics", "ik", "--flash-attn", "off")
     assert abs(ik["kld_mean"]) < 1e-6 and ik["same_top_p"] == 1.0, ik
     printed = re.search(r"n_ctx=256 = ([\d.]+)", (IK / "ik-base.txt").read_text(errors="replace"))
     assert printed is not None  # ik's attention, compressor and hyper-connections keep their own float orders
@@ -75,15 +75,28 @@ def test_numerics_ik_breaks_indexer_ties_as_iks_fused_top_k(dequant: Path) -> No
     assert exact["kld_mean"] > 1e-3 and exact["same_top_p"] < 0.95, exact
 
 
-def test_numerics_ik_reports_iks_fa_off_graph(dequant: Path) -> None:
-    """ik's arithmetic computes DeepSeek-V4's -fa off graph (the runs above): the report says so, --flash-attn off
-    is taken, ik's flash-attention graph (its default: its f16 kernel, a KLD of 1.3e-4 from this one at 256 tokens)
-    is refused; the exact arithmetic has one attention."""
-    assert Model(dequant, options=RuntimeOptions(numerics="ik")).computed_paths(256) == {"flash_attn": "off"}
-    assert Model(dequant, options=RuntimeOptions(numerics="ik", flash_attn="off")).computed_paths(256) == \
-        {"flash_attn": "off"}
+def test_numerics_ik_computes_iks_default_flash_attention_graph(dequant: Path) -> None:
+    """ik's default graph runs DeepSeek-V4's attention in flash attention: the raw-only layer in ggml's generic
+    kernel (f16 value sums), the CSA and HCA layers in its own over the gathered visible keys. Under --numerics ik
+    that is the run (a KLD of 1.27e-4 from its -fa off graph, which --flash-attn off computes), and the report says
+    which; the exact arithmetic has one attention."""
+    ik = _kld(dequant, "--base-logits", str(IK / "ik-fa-base.kld"), "--numerics", "ik", *RUN)
+    assert ik["flash_attn"] == "on" and abs(ik["kld_mean"]) < 1e-6 and ik["same_top_p"] == 1.0, ik
+    printed = re.search(r"n_ctx=256 = ([\d.]+)", (IK / "ik-fa-base.txt").read_text(errors="replace"))
+    assert printed is not None
+    assert ik["ppl_q"] == pytest.approx(float(printed.group(1)), rel=1e-5)
+    off = _kld(dequant, "--base-logits", str(IK / "ik-fa-base.kld"), "--numerics", "ik", "--flash-attn", "off", *RUN)
+    assert off["flash_attn"] == "off" and off["kld_mean"] > 1e-4, off
+    assert Model(dequant, options=RuntimeOptions(numerics="ik")).computed_paths(256) == {"flash_attn": "on"}
     assert Model(dequant).computed_paths(256) == {}
-    _refused(["--numerics", "ik", "--flash-attn", "on"], "--flash-attn on", "not deepseek4")
+
+
+def test_numerics_ik_flash_attention_in_batches(dequant: Path) -> None:
+    """Fed 64 tokens at a time (chunks of 128): the HCA layer's first batch has no entry (the raw-only graph, the
+    generic kernel), its second one entry (ik's own kernel); the second batch's queries see the first's rows."""
+    ik = _kld(dequant, "--base-logits", str(IK / "ik-fa-c128-b64.kld"), "--numerics", "ik", "--ctx", "128",
+              "--chunks", "8", "--batch", "64")
+    assert abs(ik["kld_mean"]) < 1e-6 and ik["same_top_p"] == 1.0, ik
 
 
 @pytest.mark.parametrize(("ctk", "printed"), [("q8_0", "ik-ctk-q8_0-kld.txt"), ("bf16", "ik-ctk-bf16-kld.txt")])

@@ -37,7 +37,8 @@ result_mtp_embd) and the token's embedding, per stream hnorm / enorm and eh_proj
 main rope, with its own cache), the export's output_hc_* mix, shared_head_norm and output.
 
 Where ik differs (by default the model is computed): ik's f16 K cache (`--kv-cache f16` rounds the raw and
-compressed rows through f16 as ik stores them) and its indexer top-k's tie order (std::partial_sort).
+compressed rows through f16 as ik stores them), its indexer top-k's tie order (std::partial_sort) and, under its
+arithmetic, the two flash-attention kernels of its default graph (ikrun/numerics/ik/shared_kv_flash.py).
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ from ikrun.kvcache import hadamard_size
 from ikrun.models.base import ArchModel, Sequence
 from ikrun.modules.ffn import MoeConfig, moe_ffn
 from ikrun.modules.nextn import NextnHead
-from ikrun.ops.attention import shared_kv_attention
 from ikrun.ops.indexer import TIE_TORCH, indexer_scores, select_top_k
 from ikrun.ops.moe import GATING_SQRT_SOFTPLUS
 from ikrun.ops.rope import inv_freq_default, inv_freq_rope_cache, inv_freq_yarn
@@ -72,7 +72,7 @@ class Deepseek4(ArchModel):
     """The hidden state between blocks is the hc streams [T, c, H]."""
 
     archs = ("deepseek4",)
-    #: --flash-attn: ik's arithmetic computes its -fa off graph (its flash-attention graph, ik's default, is refused)
+    #: --flash-attn: ik's arithmetic computes its flash-attention graph (its default) or its -fa off graph
     runtime_options: ClassVar[tuple[str, ...]] = ("flash_attn",)
     continues = True
     one_hidden_stream = False
@@ -279,8 +279,8 @@ class Deepseek4(ArchModel):
                                 "must hold integer expert ids (I32)")
 
     def computed_paths(self, n_ctx: int) -> dict[str, str]:
-        """Under ik's arithmetic its attention graph: -fa off's (ik's flash-attention graph differs from it by a KLD of
-        1.3e-4 on the tiny model at 256 tokens: its f16 kernel)."""
+        """Under ik's arithmetic its attention graph (--flash-attn; the two differ by a KLD of 1.3e-4 on the tiny model
+        at 256 tokens: the generic kernel's f16 value sums)."""
         graph = self.ctx.numerics.attention_graph(self.ctx.arch, self.ctx.cache, self.head_dim)
         return {} if graph is None else {"flash_attn": graph}
 
@@ -427,8 +427,9 @@ class Deepseek4(ArchModel):
             if ratio == CSA and len(comp):
                 keep = self._select(b, inputs, q_res, keep, seq)
         sinks = cx.weight(b + "attn_sinks.weight") if cx.has(b + "attn_sinks.weight") else None
-        out = shared_kv_attention(q, kv, self.kq_scale, window=self.window, sinks=sinks, comp=comp, comp_keep=keep,
-                                  start=start)
+        flash = cx.numerics.attention_graph(cx.arch, cx.cache, self.head_dim) == "on"
+        out = cx.numerics.shared_kv_attention(q, kv, self.kq_scale, window=self.window, sinks=sinks, comp=comp,
+                                              comp_keep=keep, start=start, ratio=ratio, top_k=self.top_k, flash=flash)
         out = self._rope(out, cos, -sin)  # the values carried the keys' rotation: undo it
         return cx.linear(self._grouped_output(b, out), b + "attn_output_b")
 

@@ -18,7 +18,7 @@ import numpy as np
 from ikquant.formats.cache_rows import cache_round_trip
 from ikrun.kvcache import KvCache, cache_holds
 from ikrun.ops.activations import swiglu
-from ikrun.ops.attention import causal_attention
+from ikrun.ops.attention import causal_attention, shared_kv_attention
 from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
 from ikrun.ops.delta_net import decay_and_beta, delta_rule_chunked, gated_rms_norm
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
@@ -258,6 +258,17 @@ class Numerics:
         Here k and v are what the caches hold, decoded, so `kv` changes nothing, and `flash` (ik's flash-attention
         graph, attention_graph "on") is the same softmax."""
         return causal_attention(q, k, v, 1.0 / np.sqrt(head_dim), window=window, sinks=sinks)
+
+    def shared_kv_attention(self, q: np.ndarray, kv: np.ndarray, scale: float, *, window: int = 0,
+                            sinks: np.ndarray | None = None, comp: np.ndarray | None = None,
+                            comp_keep: np.ndarray | None = None, start: int = 0, ratio: int = 0, top_k: int = 0,
+                            flash: bool = False) -> np.ndarray:
+        """Attention over one shared key = value head (DeepSeek-V4: ops/attention.shared_kv_attention): the raw rows
+        `kv` of a `window`, the compressed entries `comp` seen where `comp_keep` says, `sinks`. The layer's compress
+        `ratio` (0 none, 4 CSA choosing `top_k`, 128 HCA) and `flash` (ik's flash-attention graph) say which of ik's
+        kernels would run: here they change nothing."""
+        return shared_kv_attention(q, kv, scale, window=window, sinks=sinks, comp=comp, comp_keep=comp_keep,
+                                   start=start)
 
     def latent_attention(self, b: str, q_rope: np.ndarray, q_nope: np.ndarray, cache: np.ndarray, scale: float,
                          kv: KvCache, *, sinks: np.ndarray | None = None, window: int = 0,

@@ -63,6 +63,7 @@ from ikrun.numerics.ik.key_cache import (
 )
 from ikrun.numerics.ik.mla_weights import HeadSource, derived_k_b_source, derived_k_b_type, derived_v_b_source
 from ikrun.numerics.ik.qgemm import IntRows, PackedHeads, PackedInts, pack, qmatmul, row_slice
+from ikrun.numerics.ik.shared_kv_flash import ik_gathers, shared_kv_flash_attention, sink_heads, visible_keys
 from ikrun.ops.activations import swiglu
 from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
@@ -117,6 +118,9 @@ Q8_KV_ROWS = 256
 FA_CACHE_PADDING = 256
 #: the architectures whose grouped-query attention under ik's flash attention (-fa on) was checked against ik
 FLASH_ATTENTION_ARCHS = QUANTIZED_KEY_ARCHS
+#: the architectures whose attention over one shared key = value head ik's flash-attention graph computes in two
+#: kernels (shared_kv_flash.py), reproduced over F16 caches
+SHARED_KV_FLASH_ARCHS = ("deepseek4",)
 #: the MLA architectures whose attention ik's flash-attention graph (-fa on, mla 3) computes in both forms: the
 #: prefill one over materialised keys and values, the absorbed one over the latent cache (_absorbed_flash)
 MLA_FLASH_ARCHS = ("deepseek2",)
@@ -477,6 +481,9 @@ class IkNumerics(Numerics):
     def check_flash_attention(self, arch: str, kv: KvCache, head_dim: int) -> str | None:
         if arch in MLA_FLASH_ARCHS:  # the latent cache's forms: latent_cache_problem
             return None
+        if arch in SHARED_KV_FLASH_ARCHS:
+            return None if kv.k == "f16" else (f"--numerics {self.name} reproduces ik's flash attention on {arch} over "
+                                               f"its f16 key caches, not a {kv.k} one")
         if arch not in FLASH_ATTENTION_ARCHS:
             return (f"--numerics {self.name} reproduces ik's flash attention on {', '.join(FLASH_ATTENTION_ARCHS)}, "
                     f"not {arch}")
@@ -543,6 +550,28 @@ class IkNumerics(Numerics):
         if head_dim % self.lanes:
             return super().causal_attention(q, k, v, head_dim, window=window, sinks=sinks)
         return ik_causal_attention(q, k, v, scale, window, sinks, self.avx2)
+
+    def shared_kv_attention(self, q: np.ndarray, kv: np.ndarray, scale: float, *, window: int = 0,
+                            sinks: np.ndarray | None = None, comp: np.ndarray | None = None,
+                            comp_keep: np.ndarray | None = None, start: int = 0, ratio: int = 0, top_k: int = 0,
+                            flash: bool = False) -> np.ndarray:
+        """`flash`: ik's flash-attention graph, in the kernel it picks for the layer and batch (shared_kv_flash.py:
+        ggml's generic one, or its own over the gathered visible keys); else its -fa off graph, computed here as the
+        exact arithmetic's (float32 products and softmax: a KLD near 1e-7 from ik's)."""
+        if not flash:
+            return super().shared_kv_attention(q, kv, scale, window=window, sinks=sinks, comp=comp,
+                                               comp_keep=comp_keep, start=start)
+        n, n_head, d = q.shape
+        extra = np.zeros((0, d), np.float32) if comp is None else comp
+        keep = np.zeros((n, len(extra)), np.bool_) if comp_keep is None else comp_keep
+        rows, counts = visible_keys(n, start, window, len(kv), keep)
+        gathered = ik_gathers(ratio, window, top_k, start, n)
+        sink_of = sink_heads(n_head, self.options.ik_threads) if gathered and n == 1 else np.arange(n_head)
+        return shared_kv_flash_attention(np.ascontiguousarray(q, dtype=np.float32),
+                                         np.ascontiguousarray(np.concatenate([kv, extra]), dtype=np.float32), rows,
+                                         counts, np.empty(0, np.float32) if sinks is None else
+                                         np.ascontiguousarray(sinks, dtype=np.float32), float(np.float32(scale)),
+                                         gathered, self.lanes, sink_of)
 
     def _one_token_calls(self, n_head: int, n_head_kv: int, n_cells: int,
                          heads: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:

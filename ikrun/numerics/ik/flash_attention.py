@@ -23,12 +23,12 @@ from ikquant.formats.numeric import fmaf, round_f16
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _dot_f16(x: np.ndarray, y: np.ndarray, lanes: int) -> np.float32:
-    """ggml_vec_dot_f16 of a build with `lanes` float lanes (module docstring)."""
+def _dot_f16(x: np.ndarray, y: np.ndarray, lanes: int, acc: np.ndarray) -> np.float32:
+    """ggml_vec_dot_f16 of a build with `lanes` float lanes (module docstring); acc: room for [4, lanes] floats."""
     n = x.shape[0]
     step = 4 * lanes
     n_steps = n - n % step
-    acc = np.zeros((4, lanes), dtype=np.float32)
+    acc[:, :] = 0.0
     for i in range(0, n_steps, step):
         for j in range(4):
             for lane in range(lanes):
@@ -99,12 +99,13 @@ def generic_flash_attention(q: np.ndarray, k: np.ndarray, scores: np.ndarray, v:
         h, t = job // n, job % n
         g = h // group
         qh = np.empty(0 if given else dk, dtype=np.float32)
+        acc = np.empty((4, lanes), dtype=np.float32)
         for d in range(qh.size):
             qh[d] = round_f16(q[h, t, d])
         sums = np.zeros(v.shape[2], dtype=np.float32)
         total = np.float32(0.0)
         top = np.float32(-np.inf)
         for s in range(first + t + 1):
-            score = scores[h, t, s] if given else _dot_f16(k[g, s], qh, lanes)
+            score = scores[h, t, s] if given else _dot_f16(k[g, s], qh, lanes, acc)
             total, top = _key_step(np.float32(score * sc), v[g, s], sums, total, top, f16_values)
         _store(sums, total, out[h, t])
