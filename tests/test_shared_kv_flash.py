@@ -47,16 +47,17 @@ def test_visible_keys_are_the_window_then_the_kept_entries_in_cache_order() -> N
     assert rows[0, :2].tolist() == [4, 5] and rows[1, :3].tolist() == [5, 6, 8] and rows[2].tolist() == [6, 7, 8, 9]
 
 
-def _inputs(n: int, d: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def _inputs(n: int, d: int, seed: int, heads: int = 4) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal((n, 4, d)).astype(np.float32)
+    q = rng.standard_normal((n, heads, d)).astype(np.float32)
     keys = np.vectorize(round_f16)(rng.standard_normal((n, d)).astype(np.float32)).astype(np.float32)
     return q, keys
 
 
+@pytest.mark.parametrize("d", [64, 96])  # 96: dims past the whole steps of 4 x 16 lanes
 @pytest.mark.parametrize("lanes", [AVX2_LANES, AVX512_LANES])
-def test_generic_kernel_is_the_causal_ones_without_window_or_sinks(lanes: int) -> None:
-    n, d = 40, 64
+def test_generic_kernel_is_the_causal_ones_without_window_or_sinks(lanes: int, d: int) -> None:
+    n = 40
     q, keys = _inputs(n, d, 1)
     rows, counts = visible_keys(n, 0, 0, n, np.zeros((n, 0), np.bool_))
     ours = shared_kv_flash_attention(q, keys, rows, counts, np.empty(0, np.float32), 0.125, False, lanes,
@@ -69,13 +70,14 @@ def test_generic_kernel_is_the_causal_ones_without_window_or_sinks(lanes: int) -
 
 @pytest.mark.parametrize("lanes", [AVX2_LANES, AVX512_LANES])
 def test_gathered_kernel_is_the_causal_ones_where_their_key_blocks_agree(lanes: int) -> None:
-    """Rows seeing 97..128 keys gather 128 cells: blocks of 128, as the causal kernel takes over a 128-cell cache."""
+    """Rows seeing 97..128 keys gather 128 cells: blocks of 128, as the causal kernel takes over a 128-cell cache.
+    Six heads: some taken together through the keys, the rest one at a time."""
     n, d = 128, 64
-    q, keys = _inputs(n, d, 2)
+    q, keys = _inputs(n, d, 2, heads=6)
     rows, counts = visible_keys(n, 0, 0, n, np.zeros((n, 0), np.bool_))
     ours = shared_kv_flash_attention(q, keys, rows, counts, np.empty(0, np.float32), 0.125, True, lanes,
-                                     np.arange(4))
-    want = np.empty((4, n, d), np.float32)
+                                     np.arange(6))
+    want = np.empty((6, n, d), np.float32)
     iqk_flash_attention(np.ascontiguousarray(q.transpose(1, 0, 2)), keys[None], NO_SCORES, keys[None], 0.125, 0, 128,
                         want, lanes)
     np.testing.assert_array_equal(ours[96:], want.transpose(1, 0, 2)[96:])

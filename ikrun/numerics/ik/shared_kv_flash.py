@@ -20,11 +20,27 @@ ik hands each layer's flash attention to one of two kernels (build_deepseek4's d
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import get_num_threads, njit, prange, types
+from numba.core import cgutils
+from numba.core.extending import intrinsic
 
 from ikquant.formats.numeric import fmaf, round_f16
 from ikrun.numerics.ik.flash_attention import _key_step
-from ikrun.numerics.ik.iqk_flash_attention import _accumulate, _scores_range, _softmax_step, k_step_for
+from ikrun.numerics.ik.iqk_flash_attention import (
+    ROWS,
+    _accumulate,
+    _accumulate_all,
+    _fma,
+    _Rows,
+    _scores_range,
+    _scores_rows2,
+    _scores_rows4,
+    _softmax_step,
+    k_step_for,
+)
+from ikrun.ops.parallel import claim_items, task_items
+from ikrun.ops.simd import V16F, splat
 
 #: ik pads its key cells and its compressors' cells to this under flash attention, and its windowed raw view to
 #: steps of it
@@ -88,9 +104,9 @@ def shared_kv_flash_attention(q: np.ndarray, keys: np.ndarray, rows: np.ndarray,
     sc = np.float32(scale)
     if gathered:
         steps = np.array([k_step_for(q.shape[2], q.shape[2], 32 * -(-int(c) // 32)) for c in counts], np.int64)
-        _gathered(q, keys, rows, counts, steps, sinks, sink_of, sc, lanes, out)
+        _gathered(q, keys, rows, counts, steps, sinks, sink_of, sc, lanes, out, get_num_threads())
     else:
-        _generic(q, keys, rows, counts, sinks, sc, lanes, out)
+        _generic(q, keys, rows, counts, sinks, sc, lanes, out, get_num_threads())
     return out
 
 
@@ -104,112 +120,192 @@ def _sink_generic(sums: np.ndarray, total: np.float32, top: np.float32, sink: np
     return total + np.exp(np.float32(sink - top))
 
 
-@njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _f16_dots(kt: np.ndarray, n_keys: int, qh: np.ndarray, lanes: int, acc: np.ndarray, out: np.ndarray) -> None:
-    """out[k] = flash_attention._dot_f16(key k, qh) for the keys kt [Dk, >= n_keys rounded up to 16] (transposed),
-    16 keys at a time as the vector lanes: the same fused chains and folds, each of a key's accumulators a row of
-    acc [4 x lanes, 16]."""
-    d = qh.shape[0]
+def _dots_intrinsic(lanes: int):  # type: ignore[no-untyped-def]
+    """An intrinsic (kt, q, key0, out): out[0, key0 + k] = ggml_vec_dot_f16 of key key0 + k of kt [Dk, keys]
+    (transposed) and the query row q [1, Dk] over the dims of whole steps of 4 x lanes, for 16 keys as the vector
+    lanes: chain c (c < 4 x lanes) the fused products of the dims c, c + 4 x lanes, ... in turn, the chains held in
+    registers sixteen at a time, then folded as flash_attention._dot_f16 folds them."""
     step = 4 * lanes
-    n_steps = d - d % step
-    for k0 in range(0, n_keys, 16):
-        acc[:, :] = 0.0
-        for i in range(0, n_steps, step):
-            for c in range(step):
-                qe = qh[i + c]
-                a = acc[c]
-                for k in range(16):
-                    a[k] = fmaf(kt[i + c, k0 + k], qe, a[k])
-        for lane in range(lanes):
-            for k in range(16):
-                acc[lane, k] = acc[lane, k] + acc[2 * lanes + lane, k]
-                acc[lanes + lane, k] = acc[lanes + lane, k] + acc[3 * lanes + lane, k]
-        for lane in range(lanes):
-            for k in range(16):
-                acc[lane, k] = acc[lane, k] + acc[lanes + lane, k]
-        if lanes == 16:
-            for lane in range(8):
-                for k in range(16):
-                    acc[lane, k] = acc[lane, k] + acc[8 + lane, k]
-        for k in range(min(16, n_keys - k0)):
-            t0, t1 = acc[0, k] + acc[4, k], acc[1, k] + acc[5, k]
-            t2, t3 = acc[2, k] + acc[6, k], acc[3, k] + acc[7, k]
-            total = np.float64((t0 + t2) + (t1 + t3) if lanes == 16 else (t0 + t1) + (t2 + t3))
-            for e in range(n_steps, d):
-                total += np.float64(np.float32(kt[e, k0 + k] * qh[e]))
-            out[k0 + k] = np.float32(total)
+
+    @intrinsic
+    def dots(typingctx, kt, q, key0, out):  # type: ignore[no-untyped-def]
+        sig = types.void(kt, q, types.int64, out)
+
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            keys_t, q_t, out_t = (_Rows(context, builder, signature.args[i], args[i]) for i in (0, 1, 3))
+            key0, fma = args[2], _fma(builder)
+
+            def const(x: int) -> ir.Constant:
+                return ir.Constant(key0.type, x)
+
+            slots = [cgutils.alloca_once(builder, V16F) for _ in range(step)]
+            for g0 in range(0, step, 16):
+                group = slots[g0 : g0 + 16]
+                for slot in group:
+                    builder.store(ir.Constant(V16F, [0.0] * 16), slot)
+                with cgutils.for_range(builder, builder.udiv(keys_t.rows, const(step))) as loop:
+                    first = builder.mul(loop.index, const(step))
+                    for j, slot in enumerate(group):
+                        dim = builder.add(first, const(g0 + j))
+                        keys = builder.load(keys_t.vector(dim, key0), align=4)
+                        weight = splat(builder, builder.load(q_t.at(const(0), dim)))
+                        builder.store(builder.call(fma, [keys, weight, builder.load(slot)]), slot)
+            c = [builder.load(slot) for slot in slots]
+            a = [builder.fadd(builder.fadd(c[x], c[2 * lanes + x]), builder.fadd(c[lanes + x], c[3 * lanes + x]))
+                 for x in range(lanes)]
+            if lanes == 16:
+                a = [builder.fadd(a[x], a[8 + x]) for x in range(8)]
+            t = [builder.fadd(a[x], a[4 + x]) for x in range(4)]
+            total = builder.fadd(builder.fadd(t[0], t[2]), builder.fadd(t[1], t[3])) if lanes == 16 else \
+                builder.fadd(builder.fadd(t[0], t[1]), builder.fadd(t[2], t[3]))
+            builder.store(total, out_t.vector(const(0), key0), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dots
+
+
+_dots_8, _dots_16 = _dots_intrinsic(8), _dots_intrinsic(16)
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
-def _gather(keys: np.ndarray, rows: np.ndarray, count: int, multiple: int) -> tuple[np.ndarray, np.ndarray]:
-    """A query's `count` visible key = value rows: transposed (kt [Dk, count rounded up to `multiple`], zeros
-    after) and as rows (v, the same length)."""
-    cap = multiple * -(-count // multiple)
-    kt = np.zeros((keys.shape[1], cap), dtype=np.float32)
-    v = np.zeros((cap, keys.shape[1]), dtype=np.float32)
-    for j in range(count):
-        v[j] = keys[rows[j]]
-        kt[:, j] = v[j]
-    return kt, v
+def _f16_dots(kt: np.ndarray, n_keys: int, qh: np.ndarray, lanes: int, out: np.ndarray) -> None:
+    """out[0, k] = flash_attention._dot_f16(key k, qh[0]) for the keys kt [Dk, >= n_keys rounded up to 16]
+    (transposed), 16 keys at a time as the vector lanes (_dots_intrinsic), the dims past the whole steps added in
+    float64 as _dot_f16 adds them."""
+    d = qh.shape[1]
+    n_steps = d - d % (4 * lanes)
+    for k0 in range(0, n_keys, 16):
+        if lanes == 16:
+            _dots_16(kt, qh, k0, out)
+        else:
+            _dots_8(kt, qh, k0, out)
+    if n_steps < d:
+        for k in range(n_keys):
+            total = np.float64(out[0, k])
+            for e in range(n_steps, d):
+                total += np.float64(np.float32(kt[e, k] * qh[0, e]))
+            out[0, k] = np.float32(total)
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _transpose(keys: np.ndarray, rows: np.ndarray, count: int, cap: int, kt: np.ndarray) -> None:
+    """A query's `count` visible key rows transposed into kt[:, :cap] (zeros from count to cap)."""
+    kt[:, count:cap] = 0.0
+    for j0 in range(0, count, 16):
+        for e in range(keys.shape[1]):
+            for j in range(j0, min(count, j0 + 16)):
+                kt[e, j] = keys[rows[j], e]
 
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def _generic(q: np.ndarray, keys: np.ndarray, rows: np.ndarray, counts: np.ndarray, sinks: np.ndarray,
-             sc: np.float32, lanes: int, out: np.ndarray) -> None:
-    """Per query: its visible keys gathered once, then per head the f16 dots of all of them (_f16_dots) and the
-    online softmax over them in order."""
+             sc: np.float32, lanes: int, out: np.ndarray, threads: int) -> None:
+    """Per query: its visible keys transposed once, then per head the f16 dots of all of them (_f16_dots) and the
+    online softmax over them in order; the queries in tasks the threads claim, each thread with its own buffers."""
     n, n_head, d = q.shape
-    for t in prange(n):
-        c = counts[t]
-        kt, v = _gather(keys, rows[t], c, 16)
-        scores = np.empty(kt.shape[1], dtype=np.float32)
-        acc = np.empty((4 * lanes, 16), dtype=np.float32)
-        qh = np.empty(d, dtype=np.float32)
+    most = 16 * -(-counts.max() // 16)
+    per, counter = task_items(n, threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
+        kt = np.empty((d, most), dtype=np.float32)
+        scores = np.empty((1, most), dtype=np.float32)
+        qh = np.empty((1, d), dtype=np.float32)
         sums = np.empty(d, dtype=np.float32)
-        for h in range(n_head):
-            for i in range(d):
-                qh[i] = round_f16(q[t, h, i])
-            _f16_dots(kt, c, qh, lanes, acc, scores)
-            sums[:] = 0.0
-            total, top = np.float32(0.0), np.float32(-np.inf)
-            for j in range(c):
-                total, top = _key_step(np.float32(scores[j] * sc), v[j], sums, total, top, True)
-            if sinks.size:
-                total = _sink_generic(sums, total, top, sinks[h])
-            inv = np.float32(0.0) if total == 0 else np.float32(np.float32(1.0) / total)
-            for i in range(d):
-                out[t, h, i] = sums[i] * inv
+        t0, t1 = claim_items(counter, per, n)
+        while t0 < t1:
+            for t in range(t0, t1):
+                c = counts[t]
+                _transpose(keys, rows[t], c, 16 * -(-c // 16), kt)
+                for h in range(n_head):
+                    for i in range(d):
+                        qh[0, i] = round_f16(q[t, h, i])
+                    _f16_dots(kt, c, qh, lanes, scores)
+                    sums[:] = 0.0
+                    total, top = np.float32(0.0), np.float32(-np.inf)
+                    for j in range(c):
+                        total, top = _key_step(np.float32(scores[0, j] * sc), keys[rows[t, j]], sums, total, top,
+                                               True)
+                    if sinks.size:
+                        total = _sink_generic(sums, total, top, sinks[h])
+                    inv = np.float32(0.0) if total == 0 else np.float32(np.float32(1.0) / total)
+                    for i in range(d):
+                        out[t, h, i] = sums[i] * inv
+            t0, t1 = claim_items(counter, per, n)
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _sink_store(sums: np.ndarray, total: np.float32, top: np.float32, sinks: np.ndarray, sink: int,
+                out: np.ndarray) -> None:
+    """ik's own kernel's last step for one row: the sink (sinks[sink]; none where sinks is empty) and R x (1 / S)."""
+    if sinks.size:
+        if sinks[sink] > top:
+            m = np.exp(np.float32(top - sinks[sink]))
+            for i in range(sums.shape[0]):
+                sums[i] = m * sums[i]
+            total = fmaf(total, m, np.float32(1.0))
+        else:
+            total = total + np.exp(np.float32(sinks[sink] - top))
+    inv = np.float32(np.float32(1.0) / total) if total > 0 else np.float32(0.0)
+    for i in range(sums.shape[0]):
+        out[i] = inv * sums[i]
 
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def _gathered(q: np.ndarray, keys: np.ndarray, rows: np.ndarray, counts: np.ndarray, steps: np.ndarray,
-              sinks: np.ndarray, sink_of: np.ndarray, sc: np.float32, lanes: int, out: np.ndarray) -> None:
+              sinks: np.ndarray, sink_of: np.ndarray, sc: np.float32, lanes: int, out: np.ndarray,
+              threads: int) -> None:
+    """Per query: its visible keys gathered once; its heads through them ROWS at a time (every head sees every
+    gathered key: each key and value vector loaded once for all of them, as iqk_flash_attention._rows_together),
+    the heads left over one at a time; each row's arithmetic the one ik's kernel does. The queries in tasks the
+    threads claim, each thread with its own buffers."""
     n, n_head, d = q.shape
-    for t in prange(n):
-        c = counts[t]
-        kt, v = _gather(keys, rows[t], c, 32)
-        k_step = steps[t]
-        s = np.empty((1, k_step), dtype=np.float32)
-        p = np.empty((1, k_step), dtype=np.float32)
-        acc = np.empty((lanes // 4, k_step), dtype=np.float32)
-        sums = np.empty((1, d), dtype=np.float32)
-        for h in range(n_head):
-            sums[0, :] = 0.0
-            total, top = np.float32(0.0), np.float32(-np.inf)
-            for b0 in range(0, c, k_step):
-                n_in = min(k_step, c - b0)
-                _scores_range(q[t, h:h + 1], kt, b0, 0, n_in, acc, lanes, sc, s)
-                total, top = _softmax_step(s[0], n_in, p[0], sums[0], total, top, lanes)
-                _accumulate(v, b0, 0, n_in, p, sums)
-            if sinks.size:
-                sink = sinks[sink_of[h]]
-                if sink > top:
-                    m = np.exp(np.float32(top - sink))
-                    for i in range(d):
-                        sums[0, i] = m * sums[0, i]
-                    total = fmaf(total, m, np.float32(1.0))
-                else:
-                    total = total + np.exp(np.float32(sink - top))
-            inv = np.float32(np.float32(1.0) / total) if total > 0 else np.float32(0.0)
-            for i in range(d):
-                out[t, h, i] = inv * sums[0, i]
+    grouped = n_head - n_head % ROWS
+    most, k_most = 32 * -(-counts.max() // 32), steps.max()
+    per, counter = task_items(n, threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
+        kt = np.empty((d, most), dtype=np.float32)
+        v = np.empty((most, d), dtype=np.float32)
+        s = np.empty((ROWS, k_most), dtype=np.float32)
+        p = np.empty((ROWS, k_most), dtype=np.float32)
+        acc = np.empty((lanes // 4, k_most), dtype=np.float32)
+        sums = np.empty((ROWS, d), dtype=np.float32)
+        totals = np.empty(ROWS, dtype=np.float32)
+        tops = np.empty(ROWS, dtype=np.float32)
+        t0, t1 = claim_items(counter, per, n)
+        while t0 < t1:
+            for t in range(t0, t1):
+                c, k_step = counts[t], steps[t]
+                _transpose(keys, rows[t], c, 32 * -(-c // 32), kt)
+                for j in range(c):
+                    v[j] = keys[rows[t, j]]
+                for h0 in range(0, grouped, ROWS):
+                    sums[:, :] = 0.0
+                    totals[:] = 0.0
+                    tops[:] = -np.inf
+                    for b0 in range(0, c, k_step):
+                        n_in = min(k_step, c - b0)
+                        spanned = n_in // 16 * 16
+                        for l0 in range(0, spanned, 16):
+                            if lanes == 8:
+                                _scores_rows2(kt, q[t, h0:h0 + ROWS], b0 + l0, sc, s, l0)
+                            else:
+                                _scores_rows4(kt, q[t, h0:h0 + ROWS], b0 + l0, sc, s, l0)
+                        for r in range(ROWS):
+                            _scores_range(q[t, h0 + r:h0 + r + 1], kt, b0, spanned, n_in, acc, lanes, sc,
+                                          s[r:r + 1])
+                            totals[r], tops[r] = _softmax_step(s[r, :k_step], n_in, p[r, :k_step], sums[r],
+                                                               totals[r], tops[r], lanes)
+                        _accumulate_all(v, b0, n_in, p, sums)
+                    for r in range(ROWS):
+                        _sink_store(sums[r], totals[r], tops[r], sinks, sink_of[h0 + r], out[t, h0 + r])
+                for h in range(grouped, n_head):
+                    sums[0, :] = 0.0
+                    total, top = np.float32(0.0), np.float32(-np.inf)
+                    for b0 in range(0, c, k_step):
+                        n_in = min(k_step, c - b0)
+                        _scores_range(q[t, h:h + 1], kt, b0, 0, n_in, acc, lanes, sc, s)
+                        total, top = _softmax_step(s[0, :k_step], n_in, p[0, :k_step], sums[0], total, top, lanes)
+                        _accumulate(v, b0, 0, n_in, p, sums)
+                    _sink_store(sums[0], total, top, sinks, sink_of[h], out[t, h])
+            t0, t1 = claim_items(counter, per, n)
