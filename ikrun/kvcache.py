@@ -2,7 +2,8 @@
 the model before any compute, and how a cache of each type holds the keys and values written into it.
 
 ik writes a cache with `ggml_cpy` from float32: its type's row quantizer (ikquant/formats/cache_rows.py) over every
-32-value block of a head's keys or values (of the MLA latent row [roped key | latent] for DeepSeek's caches). The
+32-value block of a head's keys or values (of the MLA latent row [roped key | latent] for DeepSeek's caches,
+[latent | roped key] for openPangu's). The
 exact arithmetic reads back what that wrote (decoded exactly), so a cache type's cost is measured alone.
 
 With `--k-cache-hadamard/-khad` (`--v-cache-hadamard/-vhad`) ik rotates the keys (values) by a Walsh-Hadamard
@@ -46,9 +47,11 @@ IK_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0"
 #: the cache types (ik's names) that hold floats; ik writes the others blockwise quantized
 FLOAT_CACHES = ("f32", "f16", "bf16")
 #: the architectures whose caches a type other than f32/f16 is reproduced for: grouped-query K/V caches, DeepSeek's
-#: MLA latent cache and DeepSeek-V4's key caches (the DSA and openPangu caches, with their indexer caches, are not)
+#: and openPangu's MLA latent caches and DeepSeek-V4's key caches (GLM-5 DSA's is not)
 QUANTIZED_CACHE_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "glm4moe", "minimax-m2", "gpt-oss", "deepseek2",
-                         "deepseek4")
+                         "deepseek4", "openpangu")
+#: the architectures whose MLA latent cache ik takes in a few types only -> those (-ctk; llama.cpp refuses others)
+LATENT_CACHE_TYPES = {"openpangu": ("f32", "f16", "q8_0")}
 #: the architectures with a DSA indexer key cache reproduced here -> the -ictk types ik takes for it (None: all)
 INDEXER_CACHE_TYPES: dict[str, tuple[str, ...] | None] = {"glm-dsa": None,
                                                            "openpangu": ("f32", "f16", "bf16", "q8_0"),
@@ -154,6 +157,8 @@ def check_cache(cache: KvCache, cx: Context, numerics: Numerics, given: tuple[st
     cache = replace(cache, indexer=_indexer_cache(cache, cx))
     if cx.arch in KEY_ONLY_CACHES:
         _check_key_only(cache, cx, given[1], asked_indexer, numerics.name)
+    if cx.arch in LATENT_CACHE_TYPES:
+        _check_latent_types(cache, cx, given[0] or "f16")
     if numerics.name != "exact":
         problem = numerics.check_key_cache(cx.arch, given[0] or "f16")
         if problem is not None:
@@ -232,6 +237,22 @@ def _check_key_only(cache: KvCache, cx: Context, values: str | None, indexer: st
     if cache.k not in ("f32", *taken):
         raise ModelError(f"--cache-type-k {cache.k}: ik takes the key caches of {cx.path} ({cx.arch}) as "
                          f"{', '.join(taken)} only")
+
+
+def _check_latent_types(cache: KvCache, cx: Context, keys: str) -> None:
+    """Refuse what ik refuses for a model whose latent cache it takes in a few types (LATENT_CACHE_TYPES): another
+    -ctk (`keys`: the one given, or ik's default), a Hadamard transform (its graph writes the rows as they are), a
+    type whose block does not divide the key head size (ik asserts it for every model, and aborts)."""
+    taken = LATENT_CACHE_TYPES[cx.arch]
+    if keys not in taken:
+        raise ModelError(f"--cache-type-k {keys}: ik takes the MLA latent cache of {cx.path} ({cx.arch}) as "
+                         f"{', '.join(taken)} only")
+    if cache.k_hadamard:
+        raise ModelError(f"--k-cache-hadamard: ik writes the latent cache of {cx.path} ({cx.arch}) untransformed")
+    head_k, block = cx.hparam("attention.key_length"), type_by_name(ggml_name(keys)).block_size
+    if head_k % block:
+        raise ModelError(f"--cache-type-k {keys}: the key head size of {cx.path} is {head_k}, not a multiple of "
+                         f"{keys}'s block of {block} values (ik aborts)")
 
 
 def indexer_cache_holds(k: np.ndarray, cache_type: str, hadamard_block: int) -> np.ndarray:

@@ -90,7 +90,8 @@ class OpenPangu(ArchModel):
         self.freq_base = float(hp("rope.freq_base", 10000.0))
         self.kq_scale = float(np.float32(1.0) / np.sqrt(np.float32(self.head_k)))
         self.attention = MlaAttention(self.n_head, self.q_lora, self.kv_lora, self.n_rot, self.head_k, self.head_v,
-                                      self.eps, self.kq_scale, neox=True, convolutions=True, observe_values=True)
+                                      self.eps, self.kq_scale, neox=True, convolutions=True, observe_values=True,
+                                      latent_first=True)
         self._check_sizes()
         self.n_active = self.n_layer - self.n_mtp
         if self.n_dense < self.n_layer:

@@ -114,6 +114,8 @@ class MlaAttention:
     convolutions: bool = False
     #: show attn_v_b's per-head inputs to the observers (openPangu's imatrix records them)
     observe_values: bool = False
+    #: ik's cache row is [latent | rope] (openPangu), not [rope | latent]: a quantized cache's blocks follow it
+    latent_first: bool = False
 
     @property
     def n_nope(self) -> int:
@@ -140,6 +142,9 @@ class MlaAttention:
         latent = cx.numerics.norm(latent, cx.weight(b + "attn_kv_a_norm.weight"), self.eps)
         k_rope = np.ascontiguousarray(kv[:, self.kv_lora :]).reshape(n, 1, self.n_rot)
         cx.numerics.rope(k_rope, cos, sin, self.n_rot, self.neox)
+        if self.latent_first:
+            held = cx.kv_store(np.concatenate([latent, k_rope.reshape(n, self.n_rot)], axis=1))
+            return np.concatenate([held[:, self.kv_lora :], held[:, : self.kv_lora]], axis=1)
         return cx.kv_store(np.concatenate([k_rope.reshape(n, self.n_rot), latent], axis=1))
 
     def sink_rows(self, cx: Context, b: str) -> np.ndarray:

@@ -88,10 +88,11 @@ IQK_FA_HEADS = ((64, 64), (96, 96), (128, 128), (192, 128), (192, 192), (256, 25
 NO_BF16_FA_HEADS = ((320, 256), (576, 512))
 #: the architectures whose quantized key caches were checked against ik (their grouped-query attention)
 QUANTIZED_KEY_ARCHS = ("qwen3", "qwen3moe", "glm4moe", "minimax-m2")
-#: the architectures whose MLA latent cache may be quantized -> the types (ik's names) reproduced for it, in the
-#: prefill form (its keys and values cast to the type, ik's own flash-attention kernel over them) and in the absorbed
-#: one at the heads ik's own kernel takes (latent_cache_problem)
-MLA_QUANTIZED_LATENT = {"deepseek2": ("q8_0", "q4_0", "q6_0", "iq4_nl")}
+#: the architectures whose MLA latent cache may be quantized -> the types (ik's names) reproduced for it: DeepSeek's
+#: in the prefill form (its keys and values cast to the type, ik's own flash-attention kernel over them) and in the
+#: absorbed one at the heads ik's own kernel takes (latent_cache_problem); openPangu's in its unfused chain, which
+#: decodes the cache to F32 for its float kernels
+MLA_QUANTIZED_LATENT = {"deepseek2": ("q8_0", "q4_0", "q6_0", "iq4_nl"), "openpangu": ("q8_0",)}
 #: the quantized key caches (ik's names) whose flash attention in ik's own kernel (IQK_FA_HEADS) is reproduced, from
 #: FLASH_REPACK_ROWS query rows on: it repacks a Q8_0 cache to Q8_0_R8 and multiplies it with the queries in Q8_2_X4;
 #: the others (key_cache.IQK_FA_KEY_BIAS) in their type's own kernel as stored (ggml's generic kernel takes the
@@ -679,7 +680,7 @@ class IkNumerics(Numerics):
         latent cache is reproduced in flash attention at the heads ik's own kernel takes (latent_cache_problem)."""
         n, n_head, n_rot = q_rope.shape
         n_lat = cache.shape[1] - n_rot
-        problem = self.latent_cache_problem(kv, "decode", None, (n_rot + n_lat, n_lat))
+        problem = None if sinks is not None else self.latent_cache_problem(kv, "decode", None, (n_rot + n_lat, n_lat))
         if problem is not None:
             raise ModelError(problem)
         plain = sinks is None and window == 0
@@ -709,7 +710,10 @@ class IkNumerics(Numerics):
             visible = (s <= t) & ((t - s < window) if window > 0 else True)
             if keep is not None:
                 visible &= keep
-            latent = ik_sink_latent_attention(q, cache[:, lat_first], sinks[:, lat_first], visible, n_lat, scale,
+            rows = cache[:, lat_first]  # ik's layout, whose blocks a quantized cache rounds (kv_store kept the rows)
+            if kv.k not in FLOAT_CACHES:
+                rows = cache_holds(rows, kv.k)
+            latent = ik_sink_latent_attention(q, rows, sinks[:, lat_first], visible, n_lat, scale,
                                               self.options.ik_sink_overread, self.avx2)
         if on_latent is not None:
             on_latent(latent)
