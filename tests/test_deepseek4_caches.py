@@ -91,6 +91,19 @@ def test_numerics_ik_computes_iks_default_flash_attention_graph(dequant: Path) -
     assert Model(dequant).computed_paths(256) == {}
 
 
+def test_numerics_ik_q8_0_key_caches_are_iks_default_run(dequant: Path) -> None:
+    """-ctk q8_0 (the raw, CSA and HCA key caches, which the attention also reads as values) in ik's default graph:
+    ggml's generic kernel takes q . k from ik's Q8_0 kernel one row and one key at a time, ik's own kernel from its
+    integer kernel over a token's heads as one call's rows; both the decoded rows as values, summed in float32.
+    Against ik's f16 run, what ik prints to the digit."""
+    ik = _kld(dequant, "--base-logits", str(IK / "ik-fa-base.kld"), "--numerics", "ik", "-ctk", "q8_0", *RUN)
+    text = (IK / "ik-fa-ctk-q8_0-kld.txt").read_text(errors="replace")
+    for key, label in (("kld_mean", r"Mean\s+KLD"), ("kld_max", "Maximum KLD"), ("kld_median", r"Median\s+KLD")):
+        m = re.search(label + r":\s*([\d.]+)", text)
+        assert m is not None and abs(ik[key] - float(m.group(1))) <= 5e-7, (key, ik[key], text[-400:])
+    assert ik["cache_type_k"] == "q8_0" and abs(ik["same_top_p"] - 0.92520) < 5e-6, ik
+
+
 def test_numerics_ik_flash_attention_in_batches(dequant: Path) -> None:
     """Fed 64 tokens at a time (chunks of 128): the HCA layer's first batch has no entry (the raw-only graph, the
     generic kernel), its second one entry (ik's own kernel); the second batch's queries see the first's rows."""
@@ -141,7 +154,9 @@ def _refused(flags: list[str], *named: str) -> None:
     (["-ctv", "q8_0"], ("--cache-type-v q8_0", "reads its values from its key cache")),
     (["-ctk", "q8_0", "-khad"], ("--k-cache-hadamard", "untransformed")),
     (["-ictk", "q4_0"], ("--indexer-cache-type-k q4_0", "f16, bf16, q8_0 only")),
-    (["--numerics", "ik", "-ctk", "q8_0"], ("--cache-type-k q8_0", "not a q8_0 key cache on deepseek4")),
+    (["--numerics", "ik", "-ctk", "q8_0", "--flash-attn", "off"],
+     ("--cache-type-k q8_0", "not a q8_0 key cache on deepseek4")),
+    (["--numerics", "ik", "-ctk", "bf16"], ("--cache-type-k bf16", "not a bf16 key cache on deepseek4")),
     (["--numerics", "ik", "-ictk", "q8_0"], ("--indexer-cache-type-k q8_0", "f16 indexer key cache", "only")),
 ])
 def test_caches_ik_refuses_or_ikrun_cannot_reproduce_are_refused(flags: list[str], named: tuple[str, ...]) -> None:

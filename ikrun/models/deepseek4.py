@@ -429,7 +429,8 @@ class Deepseek4(ArchModel):
         sinks = cx.weight(b + "attn_sinks.weight") if cx.has(b + "attn_sinks.weight") else None
         flash = cx.numerics.attention_graph(cx.arch, cx.cache, self.head_dim) == "on"
         out = cx.numerics.shared_kv_attention(q, kv, self.kq_scale, window=self.window, sinks=sinks, comp=comp,
-                                              comp_keep=keep, start=start, ratio=ratio, top_k=self.top_k, flash=flash)
+                                              comp_keep=keep, start=start, ratio=ratio, top_k=self.top_k, flash=flash,
+                                              cache=cx.cache)
         out = self._rope(out, cos, -sin)  # the values carried the keys' rotation: undo it
         return cx.linear(self._grouped_output(b, out), b + "attn_output_b")
 

@@ -262,11 +262,11 @@ class Numerics:
     def shared_kv_attention(self, q: np.ndarray, kv: np.ndarray, scale: float, *, window: int = 0,
                             sinks: np.ndarray | None = None, comp: np.ndarray | None = None,
                             comp_keep: np.ndarray | None = None, start: int = 0, ratio: int = 0, top_k: int = 0,
-                            flash: bool = False) -> np.ndarray:
+                            flash: bool = False, cache: KvCache | None = None) -> np.ndarray:
         """Attention over one shared key = value head (DeepSeek-V4: ops/attention.shared_kv_attention): the raw rows
         `kv` of a `window`, the compressed entries `comp` seen where `comp_keep` says, `sinks`. The layer's compress
         `ratio` (0 none, 4 CSA choosing `top_k`, 128 HCA) and `flash` (ik's flash-attention graph) say which of ik's
-        kernels would run: here they change nothing."""
+        kernels would run, and the rows are what the key `cache` holds (kv_store): here they change nothing."""
         return shared_kv_attention(q, kv, scale, window=window, sinks=sinks, comp=comp, comp_keep=comp_keep,
                                    start=start)
 

@@ -63,6 +63,7 @@ from ikrun.numerics.ik.key_cache import (
 )
 from ikrun.numerics.ik.mla_weights import HeadSource, derived_k_b_source, derived_k_b_type, derived_v_b_source
 from ikrun.numerics.ik.qgemm import IntRows, PackedHeads, PackedInts, pack, qmatmul, row_slice
+from ikrun.numerics.ik.shared_kv_flash import NO_SCORES as NO_SHARED_SCORES
 from ikrun.numerics.ik.shared_kv_flash import ik_gathers, shared_kv_flash_attention, sink_heads, visible_keys
 from ikrun.ops.activations import swiglu
 from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
@@ -122,6 +123,8 @@ FLASH_ATTENTION_ARCHS = QUANTIZED_KEY_ARCHS
 #: the architectures whose attention over one shared key = value head ik's flash-attention graph computes in two
 #: kernels (shared_kv_flash.py), reproduced over F16 caches
 SHARED_KV_FLASH_ARCHS = ("deepseek4",)
+#: their key caches whose flash attention is reproduced (the -fa off graph over a quantized one is not)
+SHARED_KV_FLASH_KEYS = ("f16", "q8_0")
 #: the MLA architectures whose attention ik's flash-attention graph (-fa on, mla 3) computes in both forms: the
 #: prefill one over materialised keys and values, the absorbed one over the latent cache (_absorbed_flash)
 MLA_FLASH_ARCHS = ("deepseek2",)
@@ -304,6 +307,8 @@ class IkNumerics(Numerics):
             return None
         if cache_type in MLA_QUANTIZED_LATENT.get(arch, ()) and cache_type in self.quantized_keys:
             return None
+        if arch in SHARED_KV_FLASH_ARCHS and cache_type in SHARED_KV_FLASH_KEYS and self.options.flash_attn != "off":
+            return None
         if cache_type == "bf16" and arch in MLA_FLASH_ARCHS and not self.avx2:  # the prefill form's: latent_cache_problem
             return None
         latent = "".join(f"; {'/'.join(types)} as {name}'s MLA latent" for name, types in MLA_QUANTIZED_LATENT.items())
@@ -483,8 +488,9 @@ class IkNumerics(Numerics):
         if arch in MLA_FLASH_ARCHS:  # the latent cache's forms: latent_cache_problem
             return None
         if arch in SHARED_KV_FLASH_ARCHS:
-            return None if kv.k == "f16" else (f"--numerics {self.name} reproduces ik's flash attention on {arch} over "
-                                               f"its f16 key caches, not a {kv.k} one")
+            return None if kv.k in SHARED_KV_FLASH_KEYS else (
+                f"--numerics {self.name} reproduces ik's flash attention on {arch} over its "
+                f"{' / '.join(SHARED_KV_FLASH_KEYS)} key caches, not a {kv.k} one")
         if arch not in FLASH_ATTENTION_ARCHS:
             return (f"--numerics {self.name} reproduces ik's flash attention on {', '.join(FLASH_ATTENTION_ARCHS)}, "
                     f"not {arch}")
@@ -555,10 +561,12 @@ class IkNumerics(Numerics):
     def shared_kv_attention(self, q: np.ndarray, kv: np.ndarray, scale: float, *, window: int = 0,
                             sinks: np.ndarray | None = None, comp: np.ndarray | None = None,
                             comp_keep: np.ndarray | None = None, start: int = 0, ratio: int = 0, top_k: int = 0,
-                            flash: bool = False) -> np.ndarray:
+                            flash: bool = False, cache: KvCache | None = None) -> np.ndarray:
         """`flash`: ik's flash-attention graph, in the kernel it picks for the layer and batch (shared_kv_flash.py:
         ggml's generic one, or its own over the gathered visible keys); else its -fa off graph, computed here as the
-        exact arithmetic's (float32 products and softmax: a KLD near 1e-7 from ik's)."""
+        exact arithmetic's (float32 products and softmax: a KLD near 1e-7 from ik's). Over a quantized key `cache`
+        (the rows as kv_store kept them) the kernel takes ik's integer products q . k (_shared_key_products) and the
+        decoded rows as values."""
         if not flash:
             return super().shared_kv_attention(q, kv, scale, window=window, sinks=sinks, comp=comp,
                                                comp_keep=comp_keep, start=start)
@@ -568,11 +576,28 @@ class IkNumerics(Numerics):
         rows, counts = visible_keys(n, start, window, len(kv), keep)
         gathered = ik_gathers(ratio, window, top_k, start, n)
         sink_of = sink_heads(n_head, self.options.ik_threads) if gathered and n == 1 else np.arange(n_head)
-        return shared_kv_flash_attention(np.ascontiguousarray(q, dtype=np.float32),
-                                         np.ascontiguousarray(np.concatenate([kv, extra]), dtype=np.float32), rows,
-                                         counts, np.empty(0, np.float32) if sinks is None else
+        q = np.ascontiguousarray(q, dtype=np.float32)
+        keys = np.ascontiguousarray(np.concatenate([kv, extra]), dtype=np.float32)
+        scores = NO_SHARED_SCORES
+        if cache is not None and cache.k not in FLOAT_CACHES:
+            scores = self._shared_key_products(q, keys, cache.k, gathered)
+            keys = np.ascontiguousarray(cache_holds(keys, cache.k))
+        return shared_kv_flash_attention(q, keys, rows, counts, np.empty(0, np.float32) if sinks is None else
                                          np.ascontiguousarray(sinks, dtype=np.float32), float(np.float32(scale)),
-                                         gathered, self.lanes, sink_of)
+                                         gathered, self.lanes, sink_of, scores)
+
+    def _shared_key_products(self, q: np.ndarray, keys: np.ndarray, cache_type: str, gathered: bool) -> np.ndarray:
+        """q . k [n, H, K] of queries q [n, H, d] and every key row [K, d] over a key cache of `cache_type`, as ik's
+        flash-attention kernels multiply them for DeepSeek-V4: ggml's generic one ik's Q8_0 kernel one row and one
+        key at a time; ik's own one a token's heads as the rows of one call (each thread takes whole tokens), which
+        is _flash_key_products of the heads as the tokens of one head, in one thread."""
+        if not gathered:
+            kernel = key_cache_kernel(ggml_name(cache_type))
+            assert kernel.ints is not None, f"{cache_type} is held as integers (formats.IK_KERNELS)"
+            heads = single_row_key_products(q, keys[:, None], ggml_name(cache_type), kernel.ints, self.avx2)
+            return np.ascontiguousarray(heads.transpose(1, 0, 2))
+        return self._flash_key_products(np.ascontiguousarray(q.transpose(1, 0, 2)), keys[:, None], q.shape[2],
+                                        cache_type, threads=1)
 
     def _one_token_calls(self, n_head: int, n_head_kv: int, n_cells: int,
                          heads: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -626,13 +651,14 @@ class IkNumerics(Numerics):
         return np.stack([ik_float_matmul(xr[h], np.ascontiguousarray(k[:, h // group]), True, self.lanes)
                          for h in range(n_head)])
 
-    def _flash_key_products(self, q: np.ndarray, k: np.ndarray, head_v: int, cache_type: str) -> np.ndarray:
+    def _flash_key_products(self, q: np.ndarray, k: np.ndarray, head_v: int, cache_type: str,
+                            threads: int | None = None) -> np.ndarray:
         """q . k [H, n, keys] over a key cache of `cache_type` as ik's flash attention multiplies them. Its own kernel
         (IQK_FA_HEADS), for a batch of FLASH_REPACK_ROWS tokens and more: it repacks the Q8_0 cache rows to Q8_0_R8
         (iqk_repack_k), whatever its threads, the queries rounded as for the matmul of such weights; the other types
         (key_cache.IQK_FA_KEY_BIAS), and Q8_0 below those rows, it multiplies as stored in their own kernel, 8 query
         rows a call (kernel_row_calls; TX_KEYS in calls of TX_QUERY_ROWS rows in their Tx kernel); ggml's generic
-        kernel: ik's Q8_0 kernel one query row and one key at a time."""
+        kernel: ik's Q8_0 kernel one query row and one key at a time. `threads`: ik's (--ik-threads unless given)."""
         type_name = ggml_name(cache_type)
         kernel = key_cache_kernel(type_name)
         if (q.shape[2], head_v) not in IQK_FA_HEADS:
@@ -654,7 +680,8 @@ class IkNumerics(Numerics):
                 calls, single = (c[:, None] for c in self._one_token_calls(q.shape[1], k.shape[1], cells, heads))
             else:
                 calls, single = (np.broadcast_to(c, (q.shape[1], n))
-                                 for c in kernel_row_calls(n, q.shape[1], self.options.ik_threads, cells, heads))
+                                 for c in kernel_row_calls(n, q.shape[1], threads or self.options.ik_threads,
+                                                           cells, heads))
             tx = np.isin(calls, TX_QUERY_ROWS) & (type_name in TX_KEYS)
             scores = iqk_fa_key_products(q, k, type_name, held, self.avx2, tx)
             if type_name == "Q8_0" and single.any():  # a single step of 4+ rows: each key block repacked to R8

@@ -94,19 +94,25 @@ def sink_heads(n_head: int, threads: int) -> np.ndarray:
     return np.arange(n_head) - first
 
 
+#: the `scores` of an attention over F16 keys: none, the kernel takes the float dot
+NO_SCORES = np.zeros((0, 0, 0), np.float32)
+
+
 def shared_kv_flash_attention(q: np.ndarray, keys: np.ndarray, rows: np.ndarray, counts: np.ndarray,
-                              sinks: np.ndarray, scale: float, gathered: bool, lanes: int,
-                              sink_of: np.ndarray) -> np.ndarray:
+                              sinks: np.ndarray, scale: float, gathered: bool, lanes: int, sink_of: np.ndarray,
+                              scores: np.ndarray = NO_SCORES) -> np.ndarray:
     """q [n, H, d] (float32), keys [K, d] the key = value rows (f16 values in float32), rows / counts
     (visible_keys) -> [n, H, d] as ik's kernel (`gathered`: its own, else ggml's generic) computes it; `sinks` [H]
-    (none: empty); head h adds sink sinks[sink_of[h]]."""
+    (none: empty); head h adds sink sinks[sink_of[h]]. Over a quantized cache `scores` [n, H, K] are the products
+    q . k ik's integer kernel computed and `keys` the decoded rows: the generic kernel then sums the values in
+    float32."""
     out = np.empty_like(q)
     sc = np.float32(scale)
     if gathered:
         steps = np.array([k_step_for(q.shape[2], q.shape[2], 32 * -(-int(c) // 32)) for c in counts], np.int64)
-        _gathered(q, keys, rows, counts, steps, sinks, sink_of, sc, lanes, out, get_num_threads())
+        _gathered(q, keys, rows, counts, steps, sinks, sink_of, sc, lanes, out, get_num_threads(), scores)
     else:
-        _generic(q, keys, rows, counts, sinks, sc, lanes, out, get_num_threads())
+        _generic(q, keys, rows, counts, sinks, sc, lanes, out, get_num_threads(), scores)
     return out
 
 
@@ -201,11 +207,13 @@ def _transpose(keys: np.ndarray, rows: np.ndarray, count: int, cap: int, kt: np.
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def _generic(q: np.ndarray, keys: np.ndarray, rows: np.ndarray, counts: np.ndarray, sinks: np.ndarray,
-             sc: np.float32, lanes: int, out: np.ndarray, threads: int) -> None:
-    """Per query: its visible keys transposed once, then per head the f16 dots of all of them (_f16_dots) and the
-    online softmax over them in order; the queries in tasks the threads claim, each thread with its own buffers."""
+             sc: np.float32, lanes: int, out: np.ndarray, threads: int, given: np.ndarray) -> None:
+    """Per query: its visible keys transposed once, then per head the f16 dots of all of them (_f16_dots; or the
+    `given` scores, the values then summed in float32) and the online softmax over them in order; the queries in
+    tasks the threads claim, each thread with its own buffers."""
     n, n_head, d = q.shape
-    most = 16 * -(-counts.max() // 16)
+    f16_values = given.size == 0
+    most = 16 * -(-counts.max() // 16) if f16_values else 16
     per, counter = task_items(n, threads), np.zeros(1, np.int64)
     for _ in prange(threads):
         kt = np.empty((d, most), dtype=np.float32)
@@ -216,16 +224,19 @@ def _generic(q: np.ndarray, keys: np.ndarray, rows: np.ndarray, counts: np.ndarr
         while t0 < t1:
             for t in range(t0, t1):
                 c = counts[t]
-                _transpose(keys, rows[t], c, 16 * -(-c // 16), kt)
+                if f16_values:
+                    _transpose(keys, rows[t], c, 16 * -(-c // 16), kt)
                 for h in range(n_head):
-                    for i in range(d):
-                        qh[0, i] = round_f16(q[t, h, i])
-                    _f16_dots(kt, c, qh, lanes, scores)
+                    if f16_values:
+                        for i in range(d):
+                            qh[0, i] = round_f16(q[t, h, i])
+                        _f16_dots(kt, c, qh, lanes, scores)
                     sums[:] = 0.0
                     total, top = np.float32(0.0), np.float32(-np.inf)
                     for j in range(c):
-                        total, top = _key_step(np.float32(scores[0, j] * sc), keys[rows[t, j]], sums, total, top,
-                                               True)
+                        dot = scores[0, j] if f16_values else given[t, h, rows[t, j]]
+                        total, top = _key_step(np.float32(dot * sc), keys[rows[t, j]], sums, total, top,
+                                               f16_values)
                     if sinks.size:
                         total = _sink_generic(sums, total, top, sinks[h])
                     inv = np.float32(0.0) if total == 0 else np.float32(np.float32(1.0) / total)
@@ -254,13 +265,13 @@ def _sink_store(sums: np.ndarray, total: np.float32, top: np.float32, sinks: np.
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def _gathered(q: np.ndarray, keys: np.ndarray, rows: np.ndarray, counts: np.ndarray, steps: np.ndarray,
               sinks: np.ndarray, sink_of: np.ndarray, sc: np.float32, lanes: int, out: np.ndarray,
-              threads: int) -> None:
+              threads: int, given: np.ndarray) -> None:
     """Per query: its visible keys gathered once; its heads through them ROWS at a time (every head sees every
     gathered key: each key and value vector loaded once for all of them, as iqk_flash_attention._rows_together),
-    the heads left over one at a time; each row's arithmetic the one ik's kernel does. The queries in tasks the
-    threads claim, each thread with its own buffers."""
+    the heads left over one at a time (all of them where the scores are `given`); each row's arithmetic the one
+    ik's kernel does. The queries in tasks the threads claim, each thread with its own buffers."""
     n, n_head, d = q.shape
-    grouped = n_head - n_head % ROWS
+    grouped = n_head - n_head % ROWS if given.size == 0 else 0
     most, k_most = 32 * -(-counts.max() // 32), steps.max()
     per, counter = task_items(n, threads), np.zeros(1, np.int64)
     for _ in prange(threads):
@@ -304,7 +315,11 @@ def _gathered(q: np.ndarray, keys: np.ndarray, rows: np.ndarray, counts: np.ndar
                     total, top = np.float32(0.0), np.float32(-np.inf)
                     for b0 in range(0, c, k_step):
                         n_in = min(k_step, c - b0)
-                        _scores_range(q[t, h:h + 1], kt, b0, 0, n_in, acc, lanes, sc, s)
+                        if given.size:
+                            for l in range(n_in):
+                                s[0, l] = given[t, h, rows[t, b0 + l]] * sc
+                        else:
+                            _scores_range(q[t, h:h + 1], kt, b0, 0, n_in, acc, lanes, sc, s)
                         total, top = _softmax_step(s[0, :k_step], n_in, p[0, :k_step], sums[0], total, top, lanes)
                         _accumulate(v, b0, 0, n_in, p, sums)
                     _sink_store(sums[0], total, top, sinks, sink_of[h], out[t, h])
