@@ -104,6 +104,15 @@ def test_numerics_ik_q8_0_key_caches_are_iks_default_run(dequant: Path) -> None:
     assert ik["cache_type_k"] == "q8_0" and abs(ik["same_top_p"] - 0.92520) < 5e-6, ik
 
 
+def test_numerics_ik_bf16_key_caches_are_iks_default_run(dequant: Path) -> None:
+    """-ctk bf16 in ik's default graph: ggml's generic kernel's q . k is ggml_vec_dot_bf16 (the query rounded to
+    bf16, vdpbf16ps lanes), ik's own kernel's its bf16 kernel's, in its own key blocks; the values summed in float32.
+    Against ik's bf16 run as a base, the run's level of agreement (-fa on f16: -5.1e-8)."""
+    ik = _kld(dequant, "--base-logits", str(IK / "ik-fa-ctk-bf16.kld"), "--numerics", "ik", "-ctk", "bf16", *RUN)
+    assert ik["cache_type_k"] == "bf16" and abs(ik["kld_mean"]) < 1e-6 and ik["same_top_p"] == 1.0, ik
+    assert ik["kld_max"] < 2e-5, ik
+
+
 def test_numerics_ik_flash_attention_in_batches(dequant: Path) -> None:
     """Fed 64 tokens at a time (chunks of 128): the HCA layer's first batch has no entry (the raw-only graph, the
     generic kernel), its second one entry (ik's own kernel); the second batch's queries see the first's rows."""
@@ -156,7 +165,9 @@ def _refused(flags: list[str], *named: str) -> None:
     (["-ictk", "q4_0"], ("--indexer-cache-type-k q4_0", "f16, bf16, q8_0 only")),
     (["--numerics", "ik", "-ctk", "q8_0", "--flash-attn", "off"],
      ("--cache-type-k q8_0", "not a q8_0 key cache on deepseek4")),
-    (["--numerics", "ik", "-ctk", "bf16"], ("--cache-type-k bf16", "not a bf16 key cache on deepseek4")),
+    (["--numerics", "ik", "-ctk", "bf16", "--flash-attn", "off"],
+     ("--cache-type-k bf16", "not a bf16 key cache on deepseek4")),
+    (["--numerics", "ik-avx2", "-ctk", "bf16"], ("--cache-type-k bf16", "AVX512BF16")),
     (["--numerics", "ik", "-ictk", "q8_0"], ("--indexer-cache-type-k q8_0", "f16 indexer key cache", "only")),
 ])
 def test_caches_ik_refuses_or_ikrun_cannot_reproduce_are_refused(flags: list[str], named: tuple[str, ...]) -> None:

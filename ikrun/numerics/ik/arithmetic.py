@@ -64,7 +64,13 @@ from ikrun.numerics.ik.key_cache import (
 from ikrun.numerics.ik.mla_weights import HeadSource, derived_k_b_source, derived_k_b_type, derived_v_b_source
 from ikrun.numerics.ik.qgemm import IntRows, PackedHeads, PackedInts, pack, qmatmul, row_slice
 from ikrun.numerics.ik.shared_kv_flash import NO_SCORES as NO_SHARED_SCORES
-from ikrun.numerics.ik.shared_kv_flash import ik_gathers, shared_kv_flash_attention, sink_heads, visible_keys
+from ikrun.numerics.ik.shared_kv_flash import (
+    generic_bf16_products,
+    ik_gathers,
+    shared_kv_flash_attention,
+    sink_heads,
+    visible_keys,
+)
 from ikrun.ops.activations import swiglu
 from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
@@ -124,7 +130,7 @@ FLASH_ATTENTION_ARCHS = QUANTIZED_KEY_ARCHS
 #: kernels (shared_kv_flash.py), reproduced over F16 caches
 SHARED_KV_FLASH_ARCHS = ("deepseek4",)
 #: their key caches whose flash attention is reproduced (the -fa off graph over a quantized one is not)
-SHARED_KV_FLASH_KEYS = ("f16", "q8_0")
+SHARED_KV_FLASH_KEYS = ("f16", "q8_0", "bf16")
 #: the MLA architectures whose attention ik's flash-attention graph (-fa on, mla 3) computes in both forms: the
 #: prefill one over materialised keys and values, the absorbed one over the latent cache (_absorbed_flash)
 MLA_FLASH_ARCHS = ("deepseek2",)
@@ -307,8 +313,8 @@ class IkNumerics(Numerics):
             return None
         if cache_type in MLA_QUANTIZED_LATENT.get(arch, ()) and cache_type in self.quantized_keys:
             return None
-        if arch in SHARED_KV_FLASH_ARCHS and cache_type in SHARED_KV_FLASH_KEYS and self.options.flash_attn != "off":
-            return None
+        if arch in SHARED_KV_FLASH_ARCHS and self.options.flash_attn != "off" and cache_type in SHARED_KV_FLASH_KEYS:
+            return self.check_flash_attention(arch, KvCache(k=cache_type), 0)
         if cache_type == "bf16" and arch in MLA_FLASH_ARCHS and not self.avx2:  # the prefill form's: latent_cache_problem
             return None
         latent = "".join(f"; {'/'.join(types)} as {name}'s MLA latent" for name, types in MLA_QUANTIZED_LATENT.items())
@@ -488,6 +494,8 @@ class IkNumerics(Numerics):
         if arch in MLA_FLASH_ARCHS:  # the latent cache's forms: latent_cache_problem
             return None
         if arch in SHARED_KV_FLASH_ARCHS:
+            if kv.k == "bf16" and self.avx2:
+                return "ik's AVX2 build has no flash attention over bf16 caches (its kernel needs AVX512BF16: it aborts)"
             return None if kv.k in SHARED_KV_FLASH_KEYS else (
                 f"--numerics {self.name} reproduces ik's flash attention on {arch} over its "
                 f"{' / '.join(SHARED_KV_FLASH_KEYS)} key caches, not a {kv.k} one")
@@ -578,19 +586,23 @@ class IkNumerics(Numerics):
         sink_of = sink_heads(n_head, self.options.ik_threads) if gathered and n == 1 else np.arange(n_head)
         q = np.ascontiguousarray(q, dtype=np.float32)
         keys = np.ascontiguousarray(np.concatenate([kv, extra]), dtype=np.float32)
-        scores = NO_SHARED_SCORES
-        if cache is not None and cache.k not in FLOAT_CACHES:
+        scores, bf16 = NO_SHARED_SCORES, cache is not None and cache.k == "bf16"
+        if cache is not None and cache.k not in ("f32", "f16"):
             scores = self._shared_key_products(q, keys, cache.k, gathered)
             keys = np.ascontiguousarray(cache_holds(keys, cache.k))
         return shared_kv_flash_attention(q, keys, rows, counts, np.empty(0, np.float32) if sinks is None else
                                          np.ascontiguousarray(sinks, dtype=np.float32), float(np.float32(scale)),
-                                         gathered, self.lanes, sink_of, scores)
+                                         gathered, self.lanes, sink_of, scores, bf16)
 
     def _shared_key_products(self, q: np.ndarray, keys: np.ndarray, cache_type: str, gathered: bool) -> np.ndarray:
         """q . k [n, H, K] of queries q [n, H, d] and every key row [K, d] over a key cache of `cache_type`, as ik's
         flash-attention kernels multiply them for DeepSeek-V4: ggml's generic one ik's Q8_0 kernel one row and one
-        key at a time; ik's own one a token's heads as the rows of one call (each thread takes whole tokens), which
-        is _flash_key_products of the heads as the tokens of one head, in one thread."""
+        key at a time (over BF16 ggml_vec_dot_bf16); ik's own one a token's heads as the rows of one call (each
+        thread takes whole tokens), which is _flash_key_products of the heads as the tokens of one head, in one
+        thread (over BF16 its bf16 kernel, whose products do not depend on the rows a call takes)."""
+        if cache_type == "bf16":  # ggml_vec_dot_bf16, or ik's bf16 kernel (FlashAttnBF16)
+            return generic_bf16_products(q, keys) if not gathered else \
+                np.ascontiguousarray(self._bf16_key_products(q, keys[:, None]).transpose(1, 0, 2))
         if not gathered:
             kernel = key_cache_kernel(ggml_name(cache_type))
             assert kernel.ints is not None, f"{cache_type} is held as integers (formats.IK_KERNELS)"

@@ -25,7 +25,7 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
-from ikquant.formats.numeric import fmaf, round_f16
+from ikquant.formats.numeric import f32_to_bf16_bits, fmaf, round_f16
 from ikrun.numerics.ik.flash_attention import _key_step
 from ikrun.numerics.ik.iqk_flash_attention import (
     ROWS,
@@ -37,6 +37,7 @@ from ikrun.numerics.ik.iqk_flash_attention import (
     _scores_rows2,
     _scores_rows4,
     _softmax_step,
+    bf16_k_step_for,
     k_step_for,
 )
 from ikrun.ops.parallel import claim_items, task_items
@@ -98,18 +99,67 @@ def sink_heads(n_head: int, threads: int) -> np.ndarray:
 NO_SCORES = np.zeros((0, 0, 0), np.float32)
 
 
+def generic_bf16_products(q: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """q . k [n, H, K] of queries q [n, H, d] and key rows [K, d] (bf16 values) as ggml's generic flash-attention
+    kernel takes them over a BF16 cache in ik's AVX512-BF16 build: the query rounded to bf16 (nearest even), then
+    ggml_vec_dot_bf16: two 16-lane accumulators, each 64 values a step (vdpbf16ps: lane l adds the products of
+    values 2l + 1, then 2l, each exact, each sum rounded), each folded as _mm512_reduce_add_ps (lanes l + (l + 8),
+    then l + (l + 4), then (0 + 2) + (1 + 3)) and added to a double, the values past the whole steps' products
+    added in double."""
+    rounded = (f32_to_bf16_bits(q).astype(np.uint32) << np.uint32(16)).view(np.float32).reshape(q.shape)
+    out = np.empty((q.shape[0], q.shape[1], len(keys)), dtype=np.float32)
+    _bf16_products(rounded, np.ascontiguousarray(keys, dtype=np.float32), out)
+    return out
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def _reduce_16(c: np.ndarray) -> np.float32:
+    a = np.empty(8, dtype=np.float32)
+    for i in range(8):
+        a[i] = c[i] + c[8 + i]
+    b0, b1, b2, b3 = a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]
+    return (b0 + b2) + (b1 + b3)
+
+
+@njit(cache=True, nogil=True, parallel=True, error_model="numpy")
+def _bf16_products(q: np.ndarray, keys: np.ndarray, out: np.ndarray) -> None:
+    n, n_head, d = q.shape
+    whole = d - d % 64
+    for job in prange(n * n_head):
+        t, h = job // n_head, job % n_head
+        y = q[t, h]
+        c1 = np.empty(16, dtype=np.float32)
+        c2 = np.empty(16, dtype=np.float32)
+        for key in range(len(keys)):
+            x = keys[key]
+            c1[:] = 0.0
+            c2[:] = 0.0
+            for i in range(0, whole, 64):
+                for lane in range(16):
+                    c1[lane] = c1[lane] + x[i + 2 * lane + 1] * y[i + 2 * lane + 1]
+                    c1[lane] = c1[lane] + x[i + 2 * lane] * y[i + 2 * lane]
+                    c2[lane] = c2[lane] + x[i + 32 + 2 * lane + 1] * y[i + 32 + 2 * lane + 1]
+                    c2[lane] = c2[lane] + x[i + 32 + 2 * lane] * y[i + 32 + 2 * lane]
+            total = np.float64(_reduce_16(c1))
+            total += np.float64(_reduce_16(c2))
+            for e in range(whole, d):
+                total += np.float64(x[e] * y[e])
+            out[t, h, key] = np.float32(total)
+
+
 def shared_kv_flash_attention(q: np.ndarray, keys: np.ndarray, rows: np.ndarray, counts: np.ndarray,
                               sinks: np.ndarray, scale: float, gathered: bool, lanes: int, sink_of: np.ndarray,
-                              scores: np.ndarray = NO_SCORES) -> np.ndarray:
+                              scores: np.ndarray = NO_SCORES, bf16: bool = False) -> np.ndarray:
     """q [n, H, d] (float32), keys [K, d] the key = value rows (f16 values in float32), rows / counts
     (visible_keys) -> [n, H, d] as ik's kernel (`gathered`: its own, else ggml's generic) computes it; `sinks` [H]
     (none: empty); head h adds sink sinks[sink_of[h]]. Over a quantized cache `scores` [n, H, K] are the products
     q . k ik's integer kernel computed and `keys` the decoded rows: the generic kernel then sums the values in
-    float32."""
+    float32; over a `bf16` one ik's own kernel takes its bf16 kernel's blocks (bf16_k_step_for)."""
     out = np.empty_like(q)
     sc = np.float32(scale)
     if gathered:
-        steps = np.array([k_step_for(q.shape[2], q.shape[2], 32 * -(-int(c) // 32)) for c in counts], np.int64)
+        step_for = bf16_k_step_for if bf16 else k_step_for
+        steps = np.array([step_for(q.shape[2], q.shape[2], 32 * -(-int(c) // 32)) for c in counts], np.int64)
         _gathered(q, keys, rows, counts, steps, sinks, sink_of, sc, lanes, out, get_num_threads(), scores)
     else:
         _generic(q, keys, rows, counts, sinks, sc, lanes, out, get_num_threads(), scores)
