@@ -224,6 +224,23 @@ def test_a_q8_0_latent_in_the_absorbed_form_at_ggml_generic_heads(real_heads: di
             refused.check_context(64)
 
 
+def test_a_bf16_latent_in_the_absorbed_form_at_ggml_generic_heads(real_heads: dict[str, Path],
+                                                                   tmp_path: Path) -> None:
+    """Over a BF16 latent cache ggml's generic kernel takes q . k from ggml_vec_dot_bf16 (the query rounded to bf16,
+    AVX512-BF16 lanes) and sums the values in float32: ik's default run with -ctk bf16 byte for byte with every
+    running PPL (515.4576); ik-avx2 (whose build aborts there) and ik's -fa off graph stay refused."""
+    folder = DATA / "logits" / "deepseek-v3-heads192-absorbed-ctk-avx512"
+    model = Model(real_heads["ik-f32.gguf"], options=RuntimeOptions(numerics="ik", ik_threads=2), cache_type_k="bf16")
+    assert model.computed_paths(64) == {"mla_path": "decode", "flash_attn": "on"}
+    base = folder / "ctk-bf16-base.kld"
+    res = perplexity(model, np.asarray(BaseLogitsFile(base).tokens), save_base=tmp_path / "ours.kld")
+    assert (tmp_path / "ours.kld").read_bytes() == base.read_bytes()
+    assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(folder / "ctk-bf16-base.txt")
+    for options in (RuntimeOptions(numerics="ik-avx2"), RuntimeOptions(numerics="ik", flash_attn="off")):
+        with pytest.raises(ModelError, match="--cache-type-k bf16"):
+            Model(real_heads["ik-f32.gguf"], options=options, cache_type_k="bf16").check_context(64)
+
+
 @pytest.mark.parametrize("kv_b", ["q8_0", "f16"])
 def test_a_bf16_latent_in_the_prefill_form_is_iks_bf16_flash_attention(real_heads: dict[str, Path], kv_b: str,
                                                                        tmp_path: Path) -> None:
@@ -247,7 +264,7 @@ def test_a_bf16_latent_in_the_prefill_form_is_iks_bf16_flash_attention(real_head
 
 
 @pytest.mark.parametrize(("file", "flags", "says"), [
-    ("kvb-q8_0.gguf", ["--ctx", "64"], "absorbed MLA form"),  # a batch under 128 tokens: the absorbed form
+    ("kvb-q8_0.gguf", ["--ctx", "64", "--flash-attn", "off"], "absorbed MLA form"),  # ik's -fa off graph
     ("ik-f32.gguf", ["--ctx", "128"], "is F32"),  # ik crashes (the README's ik-f32-ctk-bf16-crash.txt)
     ("kvb-q8_0.gguf", ["--ctx", "128", "--numerics", "ik-avx2"], "not a bf16 key cache on deepseek2"),
 ])

@@ -331,14 +331,20 @@ class IkNumerics(Numerics):
         512: its K x Q over the quantized rows, their values decoded), and a Q8_0 one in ggml's generic kernel at the
         others (its q . k one query row at a time, the values decoded and summed in float32; on AVX2 at keys of at
         most SINGLE_ROW_BLOCKS blocks). Over the other types ggml's generic kernel misreads the query blocks (ik's
-        figures are NaN) or writes q . k 0 (Q6_0). A BF16 latent only in the prefill form, its keys and values cast to
-        BF16 for ik's bf16 kernel at `heads` (there the prefill form's) that kernel takes; in the absorbed form ik's
-        own kernel has no bf16 form at DeepSeek's heads and ggml's generic one's bf16 dot is not reproduced."""
+        figures are NaN) or writes q . k 0 (Q6_0). A BF16 latent in the prefill form, its keys and values cast to
+        BF16 for ik's bf16 kernel at `heads` (there the prefill form's) that kernel takes; in the absorbed form in
+        ggml's generic kernel (its bf16 dot, shared_kv_flash.generic_bf16_products) at heads ik's own kernel does not
+        take, on AVX-512 (ik's AVX2 build aborts)."""
         if kv.k == "bf16":
+            if path != "prefill" and self._absorbed_flash() and heads is not None and heads not in IQK_FA_HEADS \
+                    and not self.avx2:
+                return None
             if path != "prefill":
                 return (f"--cache-type-k bf16: ik's absorbed MLA form (batches under {MLA_PREFILL_MIN_TOKENS} tokens, "
-                        "--mla decode or --flash-attn off) over a bf16 latent cache runs ggml's generic flash-attention "
-                        "kernel's bf16 dot, which is not reproduced; the prefill form is")
+                        "--mla decode or --flash-attn off) over a bf16 latent cache is reproduced in ggml's generic "
+                        "flash-attention kernel (its bf16 dot, heads ik's own kernel does not take, AVX-512), not "
+                        + ("in ik's -fa off graph (--flash-attn off)" if not self._absorbed_flash() else
+                           "in ik's AVX2 build" if self.avx2 else f"at heads {heads}") + "; the prefill form is")
             if heads is not None and (heads not in IQK_FA_HEADS or heads in NO_BF16_FA_HEADS):
                 return (f"--cache-type-k bf16: the prefill form's heads {heads[0]}/{heads[1]} are not ones ik's bf16 "
                         "flash-attention kernel takes")
@@ -737,6 +743,8 @@ class IkNumerics(Numerics):
             if kv.k not in FLOAT_CACHES:  # `cache` holds the rows before ik's write: its K x Q, then the values
                 scores = self._flash_key_products(q.transpose(1, 0, 2), keys.transpose(1, 0, 2), n_lat, kv.k)
                 keys = np.ascontiguousarray(cache_holds(keys, kv.k))
+            elif kv.k == "bf16":  # ggml's generic kernel (latent_cache_problem): ggml_vec_dot_bf16
+                scores = np.ascontiguousarray(generic_bf16_products(q.transpose(1, 0, 2), cache).transpose(1, 0, 2))
             latent = flash_attention(q, keys, np.ascontiguousarray(keys[:, :, n_rot:]), scale, self.lanes, scores,
                                      self.options.ik_threads, f16_values=kv.k == "f16")
         elif sinks is None:
