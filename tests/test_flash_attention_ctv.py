@@ -69,11 +69,12 @@ GENERIC = DATA / "logits" / "gqa-fa-ctv-h32-avx512"
 
 
 @pytest.mark.parametrize(("k", "v"), [*(("f16", v) for v in ("q8_0", "q4_0", "iq4_nl", "q6_0", "q4_1")),
-                                      ("q8_0", "q8_0")])
+                                      ("q8_0", "q8_0"), ("bf16", "bf16")])
 def test_ggml_generic_kernel_sums_a_quantized_v_cache_in_float32(k: str, v: str, tmp_path: Path) -> None:
     """At heads ik's own kernel does not take (the golden qwen3's 32) ggml's generic kernel runs: each value row
-    decoded, the sums kept in float32 (over F16 values it keeps them in f16). A native AVX-512 ik's default run with
-    -ctk K -ctv V: its base-logits file byte for byte (its SHA-256) with every running PPL."""
+    decoded, the sums kept in float32 (over F16 values it keeps them in f16); over BF16 keys its q . k is
+    ggml_vec_dot_bf16. A native AVX-512 ik's default run with -ctk K -ctv V: its base-logits file byte for byte (its
+    SHA-256) with every running PPL."""
     name = f"qwen3-ctk-{k}-ctv-{v}"
     model = Model(DATA / "convert" / "qwen3" / "ik-f32.gguf", options=RuntimeOptions(numerics="ik", ik_threads=2),
                   cache_type_k=k, cache_type_v=v)

@@ -510,11 +510,9 @@ class IkNumerics(Numerics):
                     f"not {arch}")
         if kv.k == kv.v == "bf16" and self.avx2:
             return "ik's AVX2 build has no flash attention over bf16 caches (its kernel needs AVX512BF16: it aborts)"
-        if self._bf16_flash(kv):
-            return None if (head_dim, head_dim) in IQK_FA_HEADS and (head_dim, head_dim) not in NO_BF16_FA_HEADS \
-                else (f"ik's flash attention over bf16 caches is its own kernel's at heads of "
-                      f"{', '.join(f'{k}/{v}' for k, v in IQK_FA_HEADS if (k, v) not in NO_BF16_FA_HEADS)}; at heads "
-                      f"of {head_dim}/{head_dim} it is not reproduced")
+        if self._bf16_flash(kv):  # ik's own kernel at the heads it takes, ggml's generic one at the others
+            return None if (head_dim, head_dim) not in NO_BF16_FA_HEADS \
+                else f"ik's flash attention over bf16 caches at heads of {head_dim}/{head_dim} is not reproduced"
         if kv.v not in ("f16", *self.flash_values):
             return (f"--numerics {self.name} reproduces ik's F16 value caches, and {' / '.join(self.flash_values)} "
                     f"ones under flash attention, not a {kv.v} one")
@@ -552,8 +550,11 @@ class IkNumerics(Numerics):
             q = blockwise_hadamard(q, kv.k_hadamard)
         if flash:
             bf16 = kv is not None and kv.k == "bf16"  # FlashAttnBF16: its bf16 K x Q, its own key blocks
-            scores = None if kv is None or kv.k == "f16" else \
-                self._bf16_key_products(q, k) if bf16 else self._flash_key_products(q, k, v.shape[2], kv.k)
+            if bf16 and (head_dim, v.shape[2]) not in IQK_FA_HEADS:  # ggml's generic kernel: ggml_vec_dot_bf16
+                scores: np.ndarray | None = self._generic_bf16_products(q, k)
+            else:
+                scores = None if kv is None or kv.k == "f16" else \
+                    self._bf16_key_products(q, k) if bf16 else self._flash_key_products(q, k, v.shape[2], kv.k)
             return flash_attention(np.ascontiguousarray(q.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(k.transpose(1, 0, 2), dtype=np.float32),
                                    np.ascontiguousarray(v.transpose(1, 0, 2), dtype=np.float32), scale, self.lanes,
@@ -656,6 +657,15 @@ class IkNumerics(Numerics):
         ints = self._integers(kernel, rows, key_cells(len(k)), threads)
         assert ints is not None, f"{type_name} converts (formats.IK_KERNELS, KEY_CACHE_KERNELS)"
         return key_products(q, k, type_name, ints, kernel.activation)
+
+    @staticmethod
+    def _generic_bf16_products(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """q . k [H, n, keys] of q [n, H, d] and a BF16 key cache k [keys, H_kv, d] as ggml's generic flash-attention
+        kernel takes them (generic_bf16_products), each query head against its group's keys."""
+        group = q.shape[1] // k.shape[1]
+        return np.concatenate([generic_bf16_products(np.ascontiguousarray(q[:, g * group:(g + 1) * group]),
+                                                     np.ascontiguousarray(k[:, g])).transpose(1, 0, 2)
+                               for g in range(k.shape[1])])
 
     def _bf16_key_products(self, q: np.ndarray, k: np.ndarray) -> np.ndarray:
         """q . k [H, n, keys] over a BF16 key cache (k: its values) as ik's bf16 kernel multiplies them, each query
