@@ -204,20 +204,24 @@ def real_heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return files
 
 
+def _assert_absorbed_generic_run(real_heads: dict[str, Path], cache: str, out: Path) -> None:
+    """ik's default run of the F32 file with -ctk `cache` (tests/data/logits/deepseek-v3-heads192-absorbed-ctk-avx512,
+    the absorbed form at 64-token batches): its base-logits file byte for byte with every running PPL."""
+    folder = DATA / "logits" / "deepseek-v3-heads192-absorbed-ctk-avx512"
+    model = Model(real_heads["ik-f32.gguf"], options=RuntimeOptions(numerics="ik", ik_threads=2), cache_type_k=cache)
+    assert model.computed_paths(64) == {"mla_path": "decode", "flash_attn": "on"}
+    base = folder / f"ctk-{cache}-base.kld"
+    res = perplexity(model, np.asarray(BaseLogitsFile(base).tokens), save_base=out)
+    assert out.read_bytes() == base.read_bytes()
+    assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(folder / f"ctk-{cache}-base.txt")
+
+
 def test_a_q8_0_latent_in_the_absorbed_form_at_ggml_generic_heads(real_heads: dict[str, Path],
                                                                    tmp_path: Path) -> None:
     """The absorbed form's heads here (keys 128, values 64) are not a pair ik's own kernel takes: ggml's generic one
-    multiplies the Q8_0 latent rows by each query row and sums their decoded values in float32. ik's default run
-    with -ctk q8_0 (tests/data/logits/deepseek-v3-heads192-absorbed-ctk-avx512): its base-logits file byte for byte
-    with every running PPL (519.7588). Over Q4_0 / IQ4_NL / Q6_0 latents ik's figures are NaN or its q . k 0: those
-    stay refused."""
-    folder = DATA / "logits" / "deepseek-v3-heads192-absorbed-ctk-avx512"
-    model = Model(real_heads["ik-f32.gguf"], options=RuntimeOptions(numerics="ik", ik_threads=2), cache_type_k="q8_0")
-    assert model.computed_paths(64) == {"mla_path": "decode", "flash_attn": "on"}
-    base = folder / "ctk-q8_0-base.kld"
-    res = perplexity(model, np.asarray(BaseLogitsFile(base).tokens), save_base=tmp_path / "ours.kld")
-    assert (tmp_path / "ours.kld").read_bytes() == base.read_bytes()
-    assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(folder / "ctk-q8_0-base.txt")
+    multiplies the Q8_0 latent rows by each query row and sums their decoded values in float32 (ik's run: 519.7588).
+    Over Q4_0 / IQ4_NL / Q6_0 latents ik's figures are NaN or its q . k 0: those stay refused."""
+    _assert_absorbed_generic_run(real_heads, "q8_0", tmp_path / "ours.kld")
     for cache in ("q4_0", "q6_0"):
         refused = Model(real_heads["ik-f32.gguf"], options=RuntimeOptions(numerics="ik"), cache_type_k=cache)
         with pytest.raises(ModelError, match=f"--cache-type-k {cache}: ik's absorbed MLA form"):
@@ -227,15 +231,9 @@ def test_a_q8_0_latent_in_the_absorbed_form_at_ggml_generic_heads(real_heads: di
 def test_a_bf16_latent_in_the_absorbed_form_at_ggml_generic_heads(real_heads: dict[str, Path],
                                                                    tmp_path: Path) -> None:
     """Over a BF16 latent cache ggml's generic kernel takes q . k from ggml_vec_dot_bf16 (the query rounded to bf16,
-    AVX512-BF16 lanes) and sums the values in float32: ik's default run with -ctk bf16 byte for byte with every
-    running PPL (515.4576); ik-avx2 (whose build aborts there) and ik's -fa off graph stay refused."""
-    folder = DATA / "logits" / "deepseek-v3-heads192-absorbed-ctk-avx512"
-    model = Model(real_heads["ik-f32.gguf"], options=RuntimeOptions(numerics="ik", ik_threads=2), cache_type_k="bf16")
-    assert model.computed_paths(64) == {"mla_path": "decode", "flash_attn": "on"}
-    base = folder / "ctk-bf16-base.kld"
-    res = perplexity(model, np.asarray(BaseLogitsFile(base).tokens), save_base=tmp_path / "ours.kld")
-    assert (tmp_path / "ours.kld").read_bytes() == base.read_bytes()
-    assert running_ppl(res.nll, res.n_chunk) == iks_running_ppl(folder / "ctk-bf16-base.txt")
+    AVX512-BF16 lanes) and sums the values in float32 (ik's run: 515.4576); ik-avx2 (whose build aborts there) and
+    ik's -fa off graph stay refused."""
+    _assert_absorbed_generic_run(real_heads, "bf16", tmp_path / "ours.kld")
     for options in (RuntimeOptions(numerics="ik-avx2"), RuntimeOptions(numerics="ik", flash_attn="off")):
         with pytest.raises(ModelError, match="--cache-type-k bf16"):
             Model(real_heads["ik-f32.gguf"], options=options, cache_type_k="bf16").check_context(64)

@@ -427,6 +427,18 @@ def _one_row(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, vg: np.ndarray, 
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
+def scores_rows(kt: np.ndarray, rows: np.ndarray, b0: int, spanned: int, sc: np.float32, s: np.ndarray,
+                lanes: int) -> None:
+    """s[r, l] = (rows[r] . key b0 + l) x sc for the ROWS query rows and the keys l < spanned (a multiple of 16) of
+    kt [Dk, keys], 16 keys a call, each key vector loaded once for all rows (_scores_intrinsic)."""
+    for l0 in range(0, spanned, 16):
+        if lanes == 8:
+            _scores_rows2(kt, rows, b0 + l0, sc, s, l0)
+        else:
+            _scores_rows4(kt, rows, b0 + l0, sc, s, l0)
+
+
+@njit(cache=True, nogil=True, inline="always", error_model="numpy")
 def _rows_together(q: np.ndarray, ktg: np.ndarray, vg: np.ndarray, sc: np.float32, first: int, k_step: int,
                    lanes: int, h: int, t0: int, s: np.ndarray, p: np.ndarray, acc: np.ndarray, sums: np.ndarray,
                    totals: np.ndarray, tops: np.ndarray, out: np.ndarray) -> None:
@@ -440,11 +452,7 @@ def _rows_together(q: np.ndarray, ktg: np.ndarray, vg: np.ndarray, sc: np.float3
     for b0 in range(0, last, k_step):
         n_last = min(k_step, last - b0)
         spanned = n_last // 16 * 16
-        for l0 in range(0, spanned, 16):
-            if lanes == 8:
-                _scores_rows2(ktg, q[h, t0:t0 + ROWS], b0 + l0, sc, s, l0)
-            else:
-                _scores_rows4(ktg, q[h, t0:t0 + ROWS], b0 + l0, sc, s, l0)
+        scores_rows(ktg, q[h, t0:t0 + ROWS], b0, spanned, sc, s, lanes)
         common = k_step
         for r in range(ROWS):
             n_in = min(k_step, first + t0 + r + 1 - b0)

@@ -34,11 +34,10 @@ from ikrun.numerics.ik.iqk_flash_attention import (
     _fma,
     _Rows,
     _scores_range,
-    _scores_rows2,
-    _scores_rows4,
     _softmax_step,
     bf16_k_step_for,
     k_step_for,
+    scores_rows,
 )
 from ikrun.ops.parallel import claim_items, task_items
 from ikrun.ops.simd import V16F, splat
@@ -347,11 +346,7 @@ def _gathered(q: np.ndarray, keys: np.ndarray, rows: np.ndarray, counts: np.ndar
                     for b0 in range(0, c, k_step):
                         n_in = min(k_step, c - b0)
                         spanned = n_in // 16 * 16
-                        for l0 in range(0, spanned, 16):
-                            if lanes == 8:
-                                _scores_rows2(kt, q[t, h0:h0 + ROWS], b0 + l0, sc, s, l0)
-                            else:
-                                _scores_rows4(kt, q[t, h0:h0 + ROWS], b0 + l0, sc, s, l0)
+                        scores_rows(kt, q[t, h0:h0 + ROWS], b0, spanned, sc, s, lanes)
                         for r in range(ROWS):
                             _scores_range(q[t, h0 + r:h0 + r + 1], kt, b0, spanned, n_in, acc, lanes, sc,
                                           s[r:r + 1])
