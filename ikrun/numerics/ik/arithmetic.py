@@ -127,7 +127,7 @@ FA_CACHE_PADDING = 256
 #: the architectures whose grouped-query attention under ik's flash attention (-fa on) was checked against ik
 FLASH_ATTENTION_ARCHS = QUANTIZED_KEY_ARCHS
 #: the architectures whose attention over one shared key = value head ik's flash-attention graph computes in two
-#: kernels (shared_kv_flash.py), reproduced over F16 caches
+#: kernels (shared_kv_flash.py), reproduced over the key caches of SHARED_KV_FLASH_KEYS
 SHARED_KV_FLASH_ARCHS = ("deepseek4",)
 #: their key caches whose flash attention is reproduced (the -fa off graph over a quantized one is not)
 SHARED_KV_FLASH_KEYS = ("f16", "q8_0", "bf16")
@@ -579,9 +579,9 @@ class IkNumerics(Numerics):
                             flash: bool = False, cache: KvCache | None = None) -> np.ndarray:
         """`flash`: ik's flash-attention graph, in the kernel it picks for the layer and batch (shared_kv_flash.py:
         ggml's generic one, or its own over the gathered visible keys); else its -fa off graph, computed here as the
-        exact arithmetic's (float32 products and softmax: a KLD near 1e-7 from ik's). Over a quantized key `cache`
-        (the rows as kv_store kept them) the kernel takes ik's integer products q . k (_shared_key_products) and the
-        decoded rows as values."""
+        exact arithmetic's (float32 products and softmax: a KLD near 1e-7 from ik's). Over a q8_0 or bf16 key `cache`
+        (the rows as kv_store kept them) the kernel takes the products q . k of ik's kernels for it
+        (_shared_key_products) and the decoded rows as values."""
         if not flash:
             return super().shared_kv_attention(q, kv, scale, window=window, sinks=sinks, comp=comp,
                                                comp_keep=comp_keep, start=start)

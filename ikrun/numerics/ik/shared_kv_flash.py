@@ -1,4 +1,4 @@
-"""ik's flash-attention graph of DeepSeek-V4's attention (-fa on, its default): one shared key = value head (f16
+"""ik's flash-attention graph of DeepSeek-V4's attention (-fa on, its default): one shared key = value head (its
 cache rows), a sliding window of raw rows, the compressed entries a query sees, per-head sink logits.
 
 ik hands each layer's flash attention to one of two kernels (build_deepseek4's dsv4_build_attn):
@@ -15,6 +15,10 @@ ik hands each layer's flash attention to one of two kernels (build_deepseek4's d
   (fma(total, expf(M - sink), 1)). With one token in the batch ik's threads split the heads and each thread reads the
   sinks from head 0 on, not from its first head: head h takes sink h - (its thread's first head) (reproduced from
   `threads`).
+
+Over a q8_0 or bf16 key cache both kernels take q . k from another kernel (the `scores`: ik's integer kernels; over
+bf16 ggml_vec_dot_bf16, generic_bf16_products, which ggml's generic kernel also runs for the BF16 caches of other
+architectures, or ik's bf16 kernel) and the decoded rows as values, summed in float32.
 """
 
 from __future__ import annotations
