@@ -195,6 +195,10 @@ def check_cache(cache: KvCache, cx: Context, numerics: Numerics, given: tuple[st
         if cache.v not in ("f32", "f16"):
             raise ModelError(f"--cache-type-v {cache.v}: {cx.path} ({cx.arch}) caches MLA's latent alone, whose type "
                              "--cache-type-k sets")
+        head_k, block = cx.hparam("attention.key_length"), type_by_name(ggml_name(cache.k)).block_size
+        if head_k % block:  # ik asserts it of every model's key cache type
+            raise ModelError(f"--cache-type-k {cache.k}: the key head size of {cx.path} is {head_k}, not a multiple "
+                             f"of {cache.k}'s block of {block} values (ik aborts)")
         rows = {"--cache-type-k": ("the MLA latent cache row (latent + rope dims)",
                                    latent + cx.hparam("rope.dimension_count"))}
         blocks = {"--cache-type-k": 64}
@@ -241,18 +245,13 @@ def _check_key_only(cache: KvCache, cx: Context, values: str | None, indexer: st
 
 def _check_latent_types(cache: KvCache, cx: Context, keys: str) -> None:
     """Refuse what ik refuses for a model whose latent cache it takes in a few types (LATENT_CACHE_TYPES): another
-    -ctk (`keys`: the one given, or ik's default), a Hadamard transform (its graph writes the rows as they are), a
-    type whose block does not divide the key head size (ik asserts it for every model, and aborts)."""
+    -ctk (`keys`: the one given, or ik's default), a Hadamard transform (its graph writes the rows as they are)."""
     taken = LATENT_CACHE_TYPES[cx.arch]
     if keys not in taken:
         raise ModelError(f"--cache-type-k {keys}: ik takes the MLA latent cache of {cx.path} ({cx.arch}) as "
                          f"{', '.join(taken)} only")
     if cache.k_hadamard:
         raise ModelError(f"--k-cache-hadamard: ik writes the latent cache of {cx.path} ({cx.arch}) untransformed")
-    head_k, block = cx.hparam("attention.key_length"), type_by_name(ggml_name(keys)).block_size
-    if head_k % block:
-        raise ModelError(f"--cache-type-k {keys}: the key head size of {cx.path} is {head_k}, not a multiple of "
-                         f"{keys}'s block of {block} values (ik aborts)")
 
 
 def indexer_cache_holds(k: np.ndarray, cache_type: str, hadamard_block: int) -> np.ndarray:

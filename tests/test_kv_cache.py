@@ -102,8 +102,8 @@ def test_a_quantized_k_cache_costs_kld_in_the_order_of_its_bits() -> None:
      ["--cache-type-k q5_0", "q8_0/q4_0/q6_0/iq4_nl as deepseek2's MLA latent", "not a q5_0 key cache on deepseek2"]),
     (DATA / "convert" / "gpt-oss" / "ref-f32.gguf", ["-ctk", "q8_0"], ["--cache-type-k q8_0", "key head size",
                                                                        "is 16"]),
-    (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", ["-ctk", "q4_0"], ["--cache-type-k q4_0", "MLA latent",
-                                                                          "is 48"]),
+    (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", ["-ctk", "q4_0"], ["--cache-type-k q4_0", "key head size",
+                                                                          "is 48", "ik aborts"]),
     (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", ["-ctv", "q8_0"], ["--cache-type-v q8_0", "latent alone"]),
     (DATA / "convert" / "glm-dsa" / "ref-f32.gguf", ["-ctk", "q8_0"], ["--cache-type-k q8_0", "glm-dsa"]),
     (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", ["-ctk", "f32", "--numerics", "ik"],
@@ -130,24 +130,28 @@ def test_the_k_hadamard_transform_spreads_outliers_before_the_write() -> None:
 
 
 def _deepseek_with_latent_of(width: int, tmp_path: Path) -> Path:
-    """The deepseek-v3 test checkpoint with kv_lora_rank `width` (random kv_a / kv_b weights of those shapes, seeded),
-    converted to F32: its latent cache rows are width + 16 rope dims."""
+    """The deepseek-v3 test checkpoint with kv_lora_rank `width` and 48 key dims a head before the rope's (random
+    q_b / kv_a / kv_b weights of those shapes, seeded), converted to F32: its latent cache rows are width + 16 rope
+    dims, its key heads 64 (a multiple of the cache type's block, or ik aborts)."""
     hf_src = DATA / "convert" / "deepseek-v3" / "hf"
+    cfg = json.loads((hf_src / "config.json").read_text())
+    heads, rope, v, nope = cfg["num_attention_heads"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], 48
     rng = np.random.default_rng(2)
     tensors = {}
     for name, t in Checkpoint(hf_src).iter_tensors():
         a = t.to_f32()
         if name.endswith("kv_a_proj_with_mqa.weight"):
-            a = rng.normal(0, 0.1, (width + 16, a.shape[1])).astype(np.float32)
+            a = rng.normal(0, 0.1, (width + rope, a.shape[1])).astype(np.float32)
         elif name.endswith("kv_a_layernorm.weight"):
             a = rng.uniform(0.5, 1.5, width).astype(np.float32)
         elif name.endswith("kv_b_proj.weight"):
-            a = rng.normal(0, 0.1, (a.shape[0], width)).astype(np.float32)
+            a = rng.normal(0, 0.1, (heads * (nope + v), width)).astype(np.float32)
+        elif name.endswith("q_b_proj.weight"):
+            a = rng.normal(0, 0.1, (heads * (nope + rope), a.shape[1])).astype(np.float32)
         tensors[name] = ("F32", a)
     hf = tmp_path / "hf"
     shutil.copytree(hf_src, hf, ignore=shutil.ignore_patterns("*.safetensors*"))
-    (hf / "config.json").write_text(json.dumps({**json.loads((hf / "config.json").read_text()),
-                                                "kv_lora_rank": width}))
+    (hf / "config.json").write_text(json.dumps({**cfg, "kv_lora_rank": width, "qk_nope_head_dim": nope}))
     write_safetensors(hf / "model.safetensors", tensors)
     return Converter(hf, "f32", "deepseek-v3").write(tmp_path / "m.gguf")
 
