@@ -46,10 +46,10 @@ KV_SHORTHANDS = {"f32": ("f32", "f32"), "f16": ("f16", "f16"), "k-f32": ("f32", 
 IK_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1", "q6_0", "q8_KV")
 #: the cache types (ik's names) that hold floats; ik writes the others blockwise quantized
 FLOAT_CACHES = ("f32", "f16", "bf16")
-#: the architectures whose caches a type other than f32/f16 is reproduced for: grouped-query K/V caches, DeepSeek's
-#: and openPangu's MLA latent caches and DeepSeek-V4's key caches (GLM-5 DSA's is not)
+#: the architectures whose caches a type other than f32/f16 is reproduced for: grouped-query K/V caches, the MLA
+#: latent caches of DeepSeek, GLM-5 DSA (DeepSeek's graph in ik) and openPangu, and DeepSeek-V4's key caches
 QUANTIZED_CACHE_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "glm4moe", "minimax-m2", "gpt-oss", "deepseek2",
-                         "deepseek4", "openpangu")
+                         "glm-dsa", "deepseek4", "openpangu")
 #: the architectures whose MLA latent cache ik takes in a few types only -> those (-ctk; llama.cpp refuses others)
 LATENT_CACHE_TYPES = {"openpangu": ("f32", "f16", "q8_0")}
 #: the architectures with a DSA indexer key cache reproduced here -> the -ictk types ik takes for it (None: all)

@@ -19,6 +19,7 @@ from ikconvert.tiny import TinySpec, make_tiny_checkpoint
 from ikquant.formats.cache_rows import cache_row_bytes
 from ikquant.types import type_by_name
 from ikrun.cli import app
+from ikrun.errors import ModelError
 from ikrun.eval.evaluate import open_base
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
@@ -105,7 +106,8 @@ def test_a_quantized_k_cache_costs_kld_in_the_order_of_its_bits() -> None:
     (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", ["-ctk", "q4_0"], ["--cache-type-k q4_0", "key head size",
                                                                           "is 48", "ik aborts"]),
     (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", ["-ctv", "q8_0"], ["--cache-type-v q8_0", "latent alone"]),
-    (DATA / "convert" / "glm-dsa" / "ref-f32.gguf", ["-ctk", "q8_0"], ["--cache-type-k q8_0", "glm-dsa"]),
+    (DATA / "convert" / "glm-dsa" / "ref-f32.gguf", ["-ctk", "q8_0"], ["--cache-type-k q8_0", "key head size",
+                                                                        "is 48", "ik aborts"]),
     (DATA / "convert" / "deepseek-v3" / "ik-f32.gguf", ["-ctk", "f32", "--numerics", "ik"],
      ["--cache-type-k f32", "latent cache"]),
 ])
@@ -129,13 +131,14 @@ def test_the_k_hadamard_transform_spreads_outliers_before_the_write() -> None:
     assert Model(QWEN3, cache_type_k="f16", k_cache_hadamard=True).cache.k_hadamard == 0
 
 
-def _deepseek_with_latent_of(width: int, tmp_path: Path) -> Path:
-    """The deepseek-v3 test checkpoint with kv_lora_rank `width` and 48 key dims a head before the rope's (random
-    q_b / kv_a / kv_b weights of those shapes, seeded), converted to F32: its latent cache rows are width + 16 rope
-    dims, its key heads 64 (a multiple of the cache type's block, or ik aborts)."""
-    hf_src = DATA / "convert" / "deepseek-v3" / "hf"
+def _mla_variant(folder: str, pre: str, width: int, nope: int, tmp_path: Path) -> Path:
+    """The test checkpoint convert/`folder`/hf with kv_lora_rank `width` and `nope` key dims a head before the rope's
+    (random q_b / kv_a / kv_b weights of those shapes, seeded), converted to F32 (pre-tokenizer `pre`): its latent
+    cache rows are width + its rope dims, its key heads nope + them (a multiple of the cache type's block, or ik
+    aborts)."""
+    hf_src = DATA / "convert" / folder / "hf"
     cfg = json.loads((hf_src / "config.json").read_text())
-    heads, rope, v, nope = cfg["num_attention_heads"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], 48
+    heads, rope, v = cfg["num_attention_heads"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     rng = np.random.default_rng(2)
     tensors = {}
     for name, t in Checkpoint(hf_src).iter_tensors():
@@ -153,13 +156,26 @@ def _deepseek_with_latent_of(width: int, tmp_path: Path) -> Path:
     shutil.copytree(hf_src, hf, ignore=shutil.ignore_patterns("*.safetensors*"))
     (hf / "config.json").write_text(json.dumps({**cfg, "kv_lora_rank": width, "qk_nope_head_dim": nope}))
     write_safetensors(hf / "model.safetensors", tensors)
-    return Converter(hf, "f32", "deepseek-v3").write(tmp_path / "m.gguf")
+    return Converter(hf, "f32", pre).write(tmp_path / "m.gguf")
+
+
+def test_the_glm_dsa_latent_cache_takes_the_k_cache_type(tmp_path: Path) -> None:
+    """GLM-5 DSA runs DeepSeek's MLA graph in ik: its latent cache ([rope | latent] rows) takes -ctk as DeepSeek's
+    does, in the exact arithmetic (ik's arithmetic over it is not reproduced: refused). Key heads of 64, latent rows
+    of 96: q4_0 moves the logits more than q8_0."""
+    gguf = _mla_variant("glm-dsa", "glm4", 80, 48, tmp_path)
+    tokens = np.arange(1, 41)
+    exact = Model(gguf).logits(tokens)
+    moved = {name: np.abs(Model(gguf, cache_type_k=name).logits(tokens) - exact).max() for name in ("q8_0", "q4_0")}
+    assert 0 < moved["q8_0"] < moved["q4_0"]
+    with pytest.raises(ModelError, match="not a q8_0 key cache on glm-dsa"):
+        Model(gguf, options=RuntimeOptions(numerics="ik"), cache_type_k="q8_0")
 
 
 def test_the_mla_latent_cache_takes_the_k_cache_type(tmp_path: Path) -> None:
     """A DeepSeek model whose latent rows are 64 wide: -ctk sets the latent cache (ik's only cache with MLA), whose
     rounding moves the logits, q4_0 more than q8_0; -khad rotates its rows in blocks of 64."""
-    gguf = _deepseek_with_latent_of(48, tmp_path)
+    gguf = _mla_variant("deepseek-v3", "deepseek-v3", 48, 48, tmp_path)
     tokens = np.arange(1, 41)
     exact = Model(gguf).logits(tokens)
     moved = {name: np.abs(Model(gguf, cache_type_k=name).logits(tokens) - exact).max() for name in ("q8_0", "q4_0")}
