@@ -64,13 +64,12 @@ def assert_streamed_equals_chunk_by_chunk(gguf: Path) -> None:
 def hf_variant(src: Path, tmp_path: Path, config: dict[str, Any],
                tensors: dict[str, tuple[str, np.ndarray]] | None = None) -> Path:
     """A copy of checkpoint `src` under tmp_path/hf with `config` merged into its config.json and, when given,
-    `tensors` as its only safetensors file."""
+    `tensors` as its only safetensors file (in place of its file or its shards and their index)."""
     hf = tmp_path / "hf"
-    shutil.copytree(src, hf)
+    shutil.copytree(src, hf, ignore=shutil.ignore_patterns("*.safetensors*") if tensors is not None else None)
     cfg = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**cfg, **config}))
     if tensors is not None:
-        (hf / "model.safetensors").unlink()
         write_safetensors(hf / "model.safetensors", tensors)
     return hf
 

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from ikconvert import write_safetensors
 from ikconvert.checkpoint import Checkpoint
 from ikconvert.convert import Converter
 from ikconvert.tiny import TinySpec, make_tiny_checkpoint
@@ -24,7 +22,7 @@ from ikrun.eval.evaluate import open_base
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
 from tests import ik_engine
-from tests.family_checks import assert_iks_forward, fa_off_flags
+from tests.family_checks import assert_iks_forward, fa_off_flags, hf_variant
 from tests.test_ik_avx2 import _matches
 from tests.test_ik_engine import mean_kld
 from tests.test_numerics import _printed
@@ -152,10 +150,7 @@ def _mla_variant(folder: str, pre: str, width: int, nope: int, tmp_path: Path) -
         elif name.endswith("q_b_proj.weight"):
             a = rng.normal(0, 0.1, (heads * (nope + rope), a.shape[1])).astype(np.float32)
         tensors[name] = ("F32", a)
-    hf = tmp_path / "hf"
-    shutil.copytree(hf_src, hf, ignore=shutil.ignore_patterns("*.safetensors*"))
-    (hf / "config.json").write_text(json.dumps({**cfg, "kv_lora_rank": width, "qk_nope_head_dim": nope}))
-    write_safetensors(hf / "model.safetensors", tensors)
+    hf = hf_variant(hf_src, tmp_path, {"kv_lora_rank": width, "qk_nope_head_dim": nope}, tensors)
     return Converter(hf, "f32", pre).write(tmp_path / "m.gguf")
 
 

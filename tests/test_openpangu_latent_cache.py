@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +14,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from ikconvert import write_safetensors
 from ikconvert.cli import app as convert_app
 from ikconvert.safetensors_io import SafetensorsFile
 from ikrun.cli import app
-from tests.family_checks import kld_json
+from tests.family_checks import hf_variant, kld_json
 
 runner = CliRunner()
 DATA = Path(__file__).parent / "data"
@@ -31,8 +29,8 @@ RUN = ["--ctx", "64", "--chunks", "8"]
 SHA256 = "0aded88bf1156695d9cbf97dca99ad19361f17383fac60881c442af99bbe4c55"
 
 
-def rope_variant(src: Path, dst: Path, rope: int, seed: int = 0) -> Path:
-    """Checkpoint `src` with `rope` rope dims: the rope rows of kv_a_proj_with_mqa, of each head of q_b_proj and
+def rope_variant(src: Path, folder: Path, rope: int, seed: int = 0) -> Path:
+    """Checkpoint `src` under folder/hf with `rope` rope dims: the rope rows of kv_a_proj_with_mqa, of each head of q_b_proj and
     param_sink_k_pe drawn anew (gaussian, at the scale of the rows they replace), the rest as it was."""
     cfg = json.loads((src / "config.json").read_text())
     old, nope, lora, heads = (cfg[k] for k in ("qk_rope_head_dim", "qk_nope_head_dim", "kv_lora_rank",
@@ -56,13 +54,7 @@ def rope_variant(src: Path, dst: Path, rope: int, seed: int = 0) -> Path:
                 continue
             assert t.dtype == "BF16"
             tensors[name] = (t.dtype, (new.astype(np.float32).view(np.uint32) >> np.uint32(16)).astype(np.uint16))
-    dst.mkdir(parents=True)
-    for p in src.iterdir():
-        if p.suffix != ".safetensors" and p.name != "model.safetensors.index.json":
-            shutil.copy(p, dst / p.name)
-    (dst / "config.json").write_text(json.dumps({**cfg, "qk_rope_head_dim": rope}, indent=2))
-    write_safetensors(dst / "model.safetensors", tensors)
-    return dst
+    return hf_variant(src, folder, {"qk_rope_head_dim": rope}, tensors)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +62,7 @@ def rope32(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The variant ik's runs were made on, converted as they were (byte for byte: its sha256)."""
     folder = tmp_path_factory.mktemp("openpangu-rope32")
     out = folder / "op32.gguf"
-    res = runner.invoke(convert_app, ["hf2gguf", str(rope_variant(HF, folder / "hf", 32)), "--outtype", "f32",
+    res = runner.invoke(convert_app, ["hf2gguf", str(rope_variant(HF, folder, 32)), "--outtype", "f32",
                                       "--pre-tokenizer", "openpangu", "--outfile", str(out)])
     assert res.exit_code == 0, res.output
     assert hashlib.sha256(out.read_bytes()).hexdigest() == SHA256

@@ -60,7 +60,7 @@ def ik_gathers(ratio: int, window: int, top_k: int, start: int, n: int) -> bool:
     `top_k`; 128: HCA) its own kernel over the gathered visible keys (else ggml's generic kernel), for a batch of `n`
     tokens at positions start .. start + n - 1 of a fresh sequence (module docstring)."""
     end = start + n
-    if ratio == 0 or end // ratio == 0 and ratio != 4:
+    if ratio == 0 or (ratio != 4 and end // ratio == 0):  # no compressed entry: the raw-only graph (CSA keeps its own)
         return False
     cells = max(FA_CELLS, _pad(end))
     raw = min(cells, FA_CELLS * -(-(max(FA_CELLS, n) + window) // FA_CELLS))
@@ -328,7 +328,7 @@ def _gathered(q: np.ndarray, keys: np.ndarray, rows: np.ndarray, counts: np.ndar
     most, k_most = 32 * -(-counts.max() // 32), steps.max()
     per, counter = task_items(n, threads), np.zeros(1, np.int64)
     for _ in prange(threads):
-        kt = np.empty((d, most), dtype=np.float32)
+        kt = np.empty((d, most if given.size == 0 else 0), dtype=np.float32)
         v = np.empty((most, d), dtype=np.float32)
         s = np.empty((ROWS, k_most), dtype=np.float32)
         p = np.empty((ROWS, k_most), dtype=np.float32)
@@ -340,7 +340,8 @@ def _gathered(q: np.ndarray, keys: np.ndarray, rows: np.ndarray, counts: np.ndar
         while t0 < t1:
             for t in range(t0, t1):
                 c, k_step = counts[t], steps[t]
-                _transpose(keys, rows[t], c, 32 * -(-c // 32), kt)
+                if given.size == 0:  # the float dots read the keys transposed
+                    _transpose(keys, rows[t], c, 32 * -(-c // 32), kt)
                 for j in range(c):
                     v[j] = keys[rows[t, j]]
                 for h0 in range(0, grouped, ROWS):
