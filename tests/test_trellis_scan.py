@@ -1,10 +1,11 @@
-"""The trellis types' cell scan (SCAN_LANES members a vector) against ik's eight-lane search written out in numpy:
-scores w * (d * d) summed in ik's tree, each lane's first strict minimum, the lanes merged in ik's order."""
+"""The trellis types' cell scan (SCAN_LANES members a vector, coordinates stored two a word as bfloat16) against ik's
+eight-lane search written out in numpy: scores w * (d * d) summed in ik's tree, each lane's first strict minimum, the
+lanes merged in ik's order."""
 
 import numpy as np
 from numba import njit
 
-from ikquant.formats.trellis import COORD_PAD, _bin5_scalar, _scan_cell
+from ikquant.formats.trellis import COORD_PAD, _bin5_scalar, _scan_cell, pair_coordinates
 
 
 @njit
@@ -52,7 +53,7 @@ def test_scan_is_iks_eight_lane_search() -> None:
             if trial % 5 == 0:
                 x = rng.standard_normal(group).astype(np.float32)
             want = _iks_choice(coords[:, start : start + members], x, w)
-            assert scan(coords, start, members, x, w) == want, (group, trial)
+            assert scan(pair_coordinates(coords.astype(np.float32)), start, members, x, w) == want, (group, trial)
 
 
 def _iks_bin(v: float) -> int:
@@ -69,3 +70,14 @@ def test_bins_are_iks() -> None:
                              np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3e38, -3e38], dtype=np.float32)])
     for v in values:
         assert _bin5_scalar(v) == _iks_bin(float(v)), v
+
+
+def test_paired_coordinates_are_the_values() -> None:
+    """Every codebook value (-126..126) in either half of a word reads back exactly, beside any other value."""
+    values = np.arange(-126, 127, dtype=np.float32)
+    grid = np.stack([np.repeat(values, values.size), np.tile(values, values.size)])
+    words = pair_coordinates(grid)
+    assert words.shape == (1, values.size**2) and words.dtype == np.uint32
+    low = (words << np.uint32(16)).view(np.float32)
+    high = (words & np.uint32(0xFFFF0000)).view(np.float32)
+    assert np.array_equal(low[0], grid[0]) and np.array_equal(high[0], grid[1])

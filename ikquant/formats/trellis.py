@@ -10,8 +10,11 @@ cell lists every entry that has the cell among its 32/8/8/6 nearest cell centres
 std::mt19937(1234) is never reached: all four types take its fixed-partition branch.) That set-up is rebuilt here
 exactly, once per process and in parallel (0.1 s CPU for IQ1_KT, 0.5 s for IQ2_KT/IQ3_KT, 0.9 s for IQ4_KT's two
 codebooks), and the cell members are stored coordinate by coordinate so that the search runs 8 candidates per vector
-instruction (16 with AVX-512), as int8 (the values are integers): IQ2_KT's and IQ3_KT's cells hold ~2050 members
-each, 4.0 MiB in all as int8 against 16 MiB as float32, and reading the float32 copy was what bounded their search.
+instruction (16 with AVX-512). The values are integers in [-126, 126], exact in bfloat16, so two coordinates share a
+32-bit word, each made a float by one integer operation (a shift, or a mask): IQ2_KT's and IQ3_KT's cells hold ~2050
+members each, 8.4 MiB in all against 16.8 as float32 (reading which bounded their search) and 4.2 as int8 (whose
+sign extension and conversion, two operations a coordinate, bounded it next: 1.2-1.3x the time of this layout on a
+scan alone).
 Scores round like ik's AVX2 code (w * (d * d) per lane, summed in its horizontal-add tree), ties go to the lower
 SIMD lane, then the earlier member, as in ik, and the scalar parts fuse multiply-adds exactly where ik's GCC build
 does (read from its assembly), so the bytes are ik's.
@@ -145,7 +148,7 @@ class _Searcher(NamedTuple):
     mid: np.ndarray  # float32 [group]: sign-pattern thresholds (groups of 8)
     starts: np.ndarray  # int64 [cells + 1]: cell c holds members[starts[c]:starts[c + 1]]
     members: np.ndarray  # int32 codebook indices
-    coords: np.ndarray  # int8 [group, members.size + COORD_PAD]: coords[k, m] = values[members[m], k]
+    coords: np.ndarray  # uint32 [group / 2, members.size + COORD_PAD]: pair_coordinates(values[members].T)
 
 
 def _build_searcher(n_bits: int, group: int, offset: int, absolute: bool, n_near: int) -> _Searcher:
@@ -188,9 +191,16 @@ def _build_searcher(n_bits: int, group: int, offset: int, absolute: bool, n_near
     starts = np.zeros(n_cells + 1, dtype=np.int64)
     starts[1:] = np.cumsum([c.size for c in cells])
     members = np.concatenate(cells).astype(np.int32)
-    coords = np.zeros((group, members.size + COORD_PAD), dtype=np.int8)
+    coords = np.zeros((group, members.size + COORD_PAD), dtype=np.float32)
     coords[:, : members.size] = values[members].T
-    return _Searcher(values, mid.astype(np.float32), starts, members, coords)
+    return _Searcher(values, mid.astype(np.float32), starts, members, pair_coordinates(coords))
+
+
+def pair_coordinates(coords: np.ndarray) -> np.ndarray:
+    """Rows 2j and 2j + 1 of integer-valued float32 coordinates [group, m] (|value| < 256, so exact in bfloat16) as
+    one uint32 row [group / 2, m]: coordinate 2j's bfloat16 bits in the low half, 2j + 1's in the high."""
+    top = np.ascontiguousarray(coords, dtype=np.float32).view(np.uint32) >> np.uint32(16)
+    return np.ascontiguousarray(top[0::2] | (top[1::2] << np.uint32(16)))
 
 
 # (n_bits, group, offset, absolute values, nearest cells per entry) of each of ik's quantizers
@@ -240,23 +250,23 @@ def _scan_cell(typingctx, coords, start, n, xs, ws):  # type: ignore[no-untyped-
     tree, and merges the lanes in its lane order (for groups of 4 it holds two candidates per register, so its
     lane order is positions 0, 2, 4, 6, 1, 3, 5, 7). Here SCAN_LANES members are scored at once; with 16, lanes
     l and l + 8 together hold ik's lane l, merged as its first strict minimum (the lesser score, on a tie the
-    earlier position) before ik's merge. n must be a multiple of 8; the coordinates are int8.
+    earlier position) before ik's merge. n must be a multiple of 8; coords are pair_coordinates' words.
     """
     group = len(xs)
     lanes = SCAN_LANES
     vf, vi = ir.VectorType(F32, lanes), ir.VectorType(I32, lanes)
-    vb = ir.VectorType(ir.IntType(8), lanes)
+    low_half, high_half = ir.Constant(vi, [16] * lanes), ir.Constant(vi, [0xFFFF0000] * lanes)
     sig = types.int64(coords, types.int64, types.int64, xs, ws)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         coords_v, start_v, n_v, xs_v, ws_v = args
         ary = context.make_array(signature.args[0])(context, builder, value=coords_v)
-        row_stride = builder.extract_value(ary.strides, 0)
+        row_stride = builder.sdiv(builder.extract_value(ary.strides, 0), ir.Constant(I64, 4))
         vx = [splat(builder, builder.extract_value(xs_v, k), vf) for k in range(group)]
         vw = [splat(builder, builder.extract_value(ws_v, k), vf) for k in range(group)]
         rows = [
-            builder.gep(ary.data, [builder.add(builder.mul(ir.Constant(I64, k), row_stride), start_v)])
-            for k in range(group)
+            builder.gep(ary.data, [builder.add(builder.mul(ir.Constant(I64, j), row_stride), start_v)])
+            for j in range(group // 2)
         ]
         inf = ir.Constant(vf, [float("inf")] * lanes)
         count = splat(builder, builder.trunc(n_v, I32), vi)
@@ -268,10 +278,12 @@ def _scan_cell(typingctx, coords, start, n, xs, ws):  # type: ignore[no-untyped-
             """Score the members at off .. off + lanes - 1 and keep each lane's first strict minimum; masked: only
             those below n (the last, part-filled vector; the padding makes its loads safe)."""
             t = []
-            for k in range(group):
-                c8 = builder.load(builder.bitcast(builder.gep(rows[k], [off]), vb.as_pointer()), align=1)
-                d = builder.fsub(builder.sitofp(c8, vf), vx[k])
-                t.append(builder.fmul(vw[k], builder.fmul(d, d)))
+            for j in range(group // 2):
+                word = builder.load(builder.bitcast(builder.gep(rows[j], [off]), vi.as_pointer()), align=4)
+                pair = (builder.bitcast(builder.shl(word, low_half), vf), builder.bitcast(builder.and_(word, high_half), vf))
+                for k, c in enumerate(pair, 2 * j):
+                    d = builder.fsub(c, vx[k])
+                    t.append(builder.fmul(vw[k], builder.fmul(d, d)))
             if group == 8:
                 s = builder.fadd(
                     builder.fadd(builder.fadd(t[0], t[4]), builder.fadd(t[2], t[6])),
