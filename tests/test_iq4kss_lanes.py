@@ -1,6 +1,11 @@
 """IQ4_KSS's scale search in vector lanes against the same trials formed one at a time with the scalar group
 repair (ik's prune_iq4ks as the final pass runs it)."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 from numba import njit
 
@@ -99,3 +104,14 @@ def test_ties_and_unscorable_groups_go_as_iks() -> None:
     assert codes == (4, 12, 14, 0)
     assert _iq4kss_group(x, w, 1, 0, np.float32(1.0), np.float32(1.0)) == (4, 5, 8, 9)
     assert _iq4kss_group(x, w, 0, 0, np.float32(1.0), np.float32(1e38)) == (0, 12, 14, 0)
+
+
+def test_gathered_tables_where_there_is_no_avx512(tmp_path: Path) -> None:
+    """A CPU without AVX-512 VL (NUMBA_CPU_NAME=haswell) looks the repair's values up by gathers, not permutes: the
+    same lane sums."""
+    program = ("from ikquant.formats import iq4kss_lanes\n"
+               "assert not iq4kss_lanes.PERMUTE16\n"
+               "from tests import test_iq4kss_lanes as t\n"
+               "t.test_lane_sums_are_the_scalar_trials()\n")
+    env = dict(os.environ, NUMBA_CPU_NAME="haswell", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    subprocess.run([sys.executable, "-c", program], env=env, check=True, cwd=Path(__file__).resolve().parent.parent)

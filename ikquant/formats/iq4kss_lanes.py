@@ -5,7 +5,9 @@ up on one half of the IQ4 grid, parity-repaired as ik's prune_iq4ks repairs it, 
 A group is four codes whose bit count must be even; an odd group moves one code by at most two steps to a code of
 the other parity, the move of least weighted change in squared error (the current error taken on the plain grid,
 as ik does), the first least in ik's order (codes in group order, moves ascending). In lanes every move is scored
-with selects; a group in which no lane is odd skips the scoring.
+with selects; a group in which no lane is odd skips the scoring. The repair reads its values from two 16-entry
+tables (the plain half and the coded half): one two-source permute each where the CPU has AVX-512 VL, a gather
+otherwise (five gathers a code, the search's largest cost before).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from numba import types
 from numba.core import cgutils
 from numba.core.errors import TypingError
 
+from ikquant.cpu import host_has
 from ikquant.formats.grid_sums import table_slot
 from ikquant.formats.jit import intrinsic
 from ikquant.formats.vector_ir import (
@@ -32,6 +35,24 @@ from ikquant.formats.vector_ir import (
 )
 
 GROUP_POSITIONS = (0, 16, 1, 17)  # where group k's four codes sit in a 32-value sub-block, from 2k
+#: 16-entry tables looked up by vpermi2ps (the two 8-lane halves as its two sources) rather than gathered
+PERMUTE16 = host_has("avx512vl")
+
+
+def _table16(builder: ir.IRBuilder, data: ir.Value) -> ir.Value | tuple[ir.Value, ir.Value]:
+    """The 16 floats at data as _lookup16 reads them: its two halves (loaded once) or the pointer."""
+    if not PERMUTE16:
+        return data
+    return (load_vector(builder, data, ir.Constant(I64, 0), V8F), load_vector(builder, data, ir.Constant(I64, 8), V8F))
+
+
+def _lookup16(builder: ir.IRBuilder, table: ir.Value | tuple[ir.Value, ir.Value], index: ir.Value) -> ir.Value:
+    """table[index[lane]] for eight indices in 0..15."""
+    if not isinstance(table, tuple):
+        return gather(builder, table, index)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8F, [V8F, V8I, V8F]),
+                                        "llvm.x86.avx512.vpermi2var.ps.256")
+    return builder.call(fn, [table[0], index, table[1]])
 
 
 def _const_i(value: int) -> ir.Constant:
@@ -72,6 +93,7 @@ def iq4kss_lane_sums(typingctx, xb, wb, inv, dls, low, high, low_code, high_code
         vlimit = splat(builder, builder.trunc(limit_v, I32), V8I)
         ctpop = cgutils.get_or_insert_function(builder.module, ir.FunctionType(V8I, [V8I]), "llvm.ctpop.v8i32")
         first_value = builder.load(halfs)
+        plain_table, half_table = _table16(builder, plains), _table16(builder, halfs)
         qx_p = cgutils.alloca_once_value(builder, _const_f(0.0))
         q2_p = cgutils.alloca_once_value(builder, _const_f(0.0))
         codes_p = [cgutils.alloca_once_value(builder, _const_i(0)) for _ in range(4)]
@@ -112,7 +134,7 @@ def iq4kss_lane_sums(typingctx, xb, wb, inv, dls, low, high, low_code, high_code
                     for j in range(4):
                         code = builder.load(codes_p[j])
                         own_parity = builder.and_(builder.call(ctpop, [code]), _const_i(1))
-                        diff0 = fma(builder, vdl, gather(builder, plains, code), builder.fsub(_const_f(-0.0), x[j]))
+                        diff0 = fma(builder, vdl, _lookup16(builder, plain_table, code), builder.fsub(_const_f(-0.0), x[j]))
                         e0 = builder.fmul(diff0, diff0)
                         neg_e0 = builder.fsub(_const_f(-0.0), e0)
                         neg_x = builder.fsub(_const_f(-0.0), x[j])
@@ -123,7 +145,7 @@ def iq4kss_lane_sums(typingctx, xb, wb, inv, dls, low, high, low_code, high_code
                             flips = builder.icmp_signed(
                                 "!=", builder.and_(builder.call(ctpop, [moved]), _const_i(1)), own_parity)
                             safe = builder.select(inside, moved, _const_i(0))
-                            value = gather(builder, halfs, safe)
+                            value = _lookup16(builder, half_table, safe)
                             diff1 = fma(builder, vdl, value, neg_x)
                             score = builder.fmul(w[j], fma(builder, diff1, diff1, neg_e0))
                             better = builder.and_(builder.and_(inside, flips),
