@@ -167,7 +167,7 @@ def check_cache(cache: KvCache, cx: Context, numerics: Numerics, given: tuple[st
         if given[1] not in (None, "f16"):
             n_head = cx.hparam("attention.head_count")
             head_dim = cx.hparam("attention.key_length", cx.hparam("embedding_length") // n_head)
-            problem = (f"{cx.path} ({cx.arch}) caches MLA's latent alone" if cx.hparam("attention.kv_lora_rank", 0)
+            problem = (_latent_value_problem(cx, numerics, given[1]) if cx.hparam("attention.kv_lora_rank", 0)
                        else numerics.check_value_cache(cx.arch, replace(cache, k=keys, v=given[1]), head_dim))
             if problem is not None:
                 raise ModelError(f"--cache-type-v {given[1]}: {problem}")
@@ -220,6 +220,20 @@ def check_cache(cache: KvCache, cx: Context, numerics: Numerics, given: tuple[st
         raise ModelError(f"--k-cache-hadamard: {rows['--cache-type-k'][0]} of {cx.path} is "
                          f"{rows['--cache-type-k'][1]}, not a multiple of ik's Hadamard block of {k_block}")
     return replace(cache, k_hadamard=k_block * cache.k_hadamard, v_hadamard=v_block * cache.v_hadamard)
+
+
+def _latent_value_problem(cx: Context, numerics: Numerics, values: str) -> str:
+    """Why -ctv `values` is refused for a model whose cache holds MLA's latent alone, under ik's arithmetic: ik's
+    flash-attention graph (its default) keeps the latent in -ctk's type and ignores -ctv; its -fa off graph keeps it
+    in -ctv's (llama.cpp's choice under -mla 3), f16 or bf16 only (ik refuses any other V cache without flash
+    attention), and a bf16 latent in that graph is not reproduced."""
+    if numerics.options.flash_attn != "off":
+        return (f"{cx.path} ({cx.arch}) caches MLA's latent alone, in -ctk's type under flash attention (ik's "
+                "default, which ignores -ctv)")
+    if values != "bf16":
+        return "ik refuses a V cache other than f16 or bf16 without flash attention (--flash-attn off)"
+    return (f"with --flash-attn off ik keeps the MLA latent cache of {cx.path} ({cx.arch}) in -ctv's type; a {values} "
+            "latent in its -fa off graph is not reproduced")
 
 
 def _check_key_only(cache: KvCache, cx: Context, values: str | None, indexer: str | None, arithmetic: str) -> None:

@@ -102,8 +102,16 @@ def test_a_q8_0_latent_in_the_absorbed_form_is_iks(models: dict[str, Path], nume
     ("heads192", ["--numerics", "ik-avx2", "-ctk", "q8_0"],
      "not in ggml's generic flash-attention kernel (heads 128/64)"),
     ("heads192", ["--numerics", "ik", "-ctk", "q4_0"], "not in ggml's generic flash-attention kernel (heads 128/64)"),
+    # ik's -fa off graph keeps the latent in -ctv's type: its run with -ctk q8_0 prints its f16 run's PPL (515.4670 on
+    # heads192), with -ctv bf16 521.5349, and with -ctv q8_0 it stops
     ("latent512", ["--numerics", "ik", "-ctk", "q8_0", "--flash-attn", "off"],
-     "not in ik's -fa off graph (--flash-attn off)"),
+     "with --flash-attn off ik keeps the MLA latent cache in -ctv's type and never reads -ctk"),
+    ("heads192", ["--numerics", "ik", "-ctv", "bf16", "--flash-attn", "off"],
+     "in -ctv's type; a bf16 latent in its -fa off graph is not reproduced"),
+    ("heads192", ["--numerics", "ik", "-ctv", "q8_0", "--flash-attn", "off"],
+     "ik refuses a V cache other than f16 or bf16 without flash attention"),
+    ("heads192", ["--numerics", "ik", "-ctv", "q8_0"], "in -ctk's type under flash attention (ik's default, which "
+                                                        "ignores -ctv)"),
 ])
 def test_a_quantized_latent_where_its_absorbed_form_is_not_reproduced_is_refused(models: dict[str, Path], model: str,
                                                                                  flags: list[str], says: str) -> None:

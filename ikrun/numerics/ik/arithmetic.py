@@ -334,7 +334,13 @@ class IkNumerics(Numerics):
         figures are NaN) or writes q . k 0 (Q6_0). A BF16 latent in the prefill form, its keys and values cast to
         BF16 for ik's bf16 kernel at `heads` (there the prefill form's) that kernel takes; in the absorbed form in
         ggml's generic kernel (its bf16 dot, shared_kv_flash.generic_bf16_products) at heads ik's own kernel does not
-        take, on AVX-512 (ik's AVX2 build aborts)."""
+        take, on AVX-512 (ik's AVX2 build aborts). With --flash-attn off ik keeps the latent in -ctv's type (llama.cpp
+        picks it so under -mla 3) and never reads -ctk, so a -ctk other than f16 is refused there as changing
+        nothing in ik."""
+        if path != "prefill" and not self._absorbed_flash() and kv.k not in ("f16", "f32"):
+            return (f"--cache-type-k {kv.k}: with --flash-attn off ik keeps the MLA latent cache in -ctv's type and "
+                    f"never reads -ctk (its figures for -ctk {kv.k} there are its f16 cache's); -ctk sets the "
+                    "latent's type under flash attention, ik's default")
         if kv.k == "bf16":
             if path != "prefill" and self._absorbed_flash() and heads is not None and heads not in IQK_FA_HEADS \
                     and not self.avx2:
@@ -343,8 +349,7 @@ class IkNumerics(Numerics):
                 return (f"--cache-type-k bf16: ik's absorbed MLA form (batches under {MLA_PREFILL_MIN_TOKENS} tokens, "
                         "--mla decode or --flash-attn off) over a bf16 latent cache is reproduced in ggml's generic "
                         "flash-attention kernel (its bf16 dot, heads ik's own kernel does not take, AVX-512), not "
-                        + ("in ik's -fa off graph (--flash-attn off)" if not self._absorbed_flash() else
-                           "in ik's AVX2 build" if self.avx2 else f"at heads {heads}") + "; the prefill form is")
+                        + ("in ik's AVX2 build" if self.avx2 else f"at heads {heads}") + "; the prefill form is")
             if heads is not None and (heads not in IQK_FA_HEADS or heads in NO_BF16_FA_HEADS):
                 return (f"--cache-type-k bf16: the prefill form's heads {heads[0]}/{heads[1]} are not ones ik's bf16 "
                         "flash-attention kernel takes")
@@ -356,8 +361,7 @@ class IkNumerics(Numerics):
             if self._absorbed_flash() and heads is not None and kv.k == "q8_0" and \
                     not (self.avx2 and heads[0] // 32 > SINGLE_ROW_BLOCKS):
                 return None
-            where = "ik's -fa off graph (--flash-attn off)" if not self._absorbed_flash() else \
-                "ggml's generic flash-attention kernel" + ("" if heads is None else f" (heads {heads[0]}/{heads[1]})")
+            where = "ggml's generic flash-attention kernel" + ("" if heads is None else f" (heads {heads[0]}/{heads[1]})")
             return (f"--cache-type-k {kv.k}: ik's absorbed MLA form (batches under {MLA_PREFILL_MIN_TOKENS} tokens, or "
                     f"--mla decode) over a {kv.k} latent cache is reproduced in ik's own flash-attention kernel (heads "
                     f"576/512, DeepSeek-V3's) and, q8_0, in ggml's generic one, not in {where}; the prefill form "
