@@ -159,6 +159,8 @@ def check_cache(cache: KvCache, cx: Context, numerics: Numerics, given: tuple[st
         _check_key_only(cache, cx, given[1], asked_indexer, numerics.name)
     if cx.arch in LATENT_CACHE_TYPES:
         _check_latent_types(cache, cx, given[0] or "f16")
+    if numerics.name != "exact" and numerics.options.flash_attn == "off" and cx.hparam("attention.kv_lora_rank", 0):
+        return _latent_without_flash(cache, cx, numerics.name, given)
     if numerics.name != "exact":
         problem = numerics.check_key_cache(cx.arch, given[0] or "f16")
         if problem is not None:
@@ -167,7 +169,8 @@ def check_cache(cache: KvCache, cx: Context, numerics: Numerics, given: tuple[st
         if given[1] not in (None, "f16"):
             n_head = cx.hparam("attention.head_count")
             head_dim = cx.hparam("attention.key_length", cx.hparam("embedding_length") // n_head)
-            problem = (_latent_value_problem(cx, numerics, given[1]) if cx.hparam("attention.kv_lora_rank", 0)
+            problem = (f"{cx.path} ({cx.arch}) caches MLA's latent alone, in -ctk's type under flash attention (ik's "
+                       "default, which ignores -ctv)" if cx.hparam("attention.kv_lora_rank", 0)
                        else numerics.check_value_cache(cx.arch, replace(cache, k=keys, v=given[1]), head_dim))
             if problem is not None:
                 raise ModelError(f"--cache-type-v {given[1]}: {problem}")
@@ -222,18 +225,27 @@ def check_cache(cache: KvCache, cx: Context, numerics: Numerics, given: tuple[st
     return replace(cache, k_hadamard=k_block * cache.k_hadamard, v_hadamard=v_block * cache.v_hadamard)
 
 
-def _latent_value_problem(cx: Context, numerics: Numerics, values: str) -> str:
-    """Why -ctv `values` is refused for a model whose cache holds MLA's latent alone, under ik's arithmetic: ik's
-    flash-attention graph (its default) keeps the latent in -ctk's type and ignores -ctv; its -fa off graph keeps it
-    in -ctv's (llama.cpp's choice under -mla 3), f16 or bf16 only (ik refuses any other V cache without flash
-    attention), and a bf16 latent in that graph is not reproduced."""
-    if numerics.options.flash_attn != "off":
-        return (f"{cx.path} ({cx.arch}) caches MLA's latent alone, in -ctk's type under flash attention (ik's "
-                "default, which ignores -ctv)")
+def _latent_without_flash(cache: KvCache, cx: Context, arithmetic: str, given: tuple[str | None, str | None]
+                          ) -> KvCache:
+    """The caches of ik's -fa off graph for a model whose cache holds MLA's latent alone (--flash-attn off under ik's
+    `arithmetic`): llama.cpp keeps the latent in -ctv's type there (under -mla 3) and never reads -ctk, and ik refuses
+    a V cache other than f16 or bf16 without flash attention. A bf16 latent is reproduced for DeepSeek's graph on
+    AVX-512 (both products in ik's bf16 kernel); a -ctk other than f16 is refused as changing nothing in ik."""
+    keys, values = given
+    if keys not in (None, "f16"):
+        raise ModelError(f"--cache-type-k {keys}: with --flash-attn off ik keeps the MLA latent cache of {cx.path} in "
+                         f"-ctv's type and never reads -ctk (its figures for -ctk {keys} there are its f16 cache's); "
+                         "-ctk sets the latent's type under flash attention, ik's default")
+    if values in (None, "f16"):
+        return replace(cache, k="f16", v="f16", k_hadamard=0, v_hadamard=0)
     if values != "bf16":
-        return "ik refuses a V cache other than f16 or bf16 without flash attention (--flash-attn off)"
-    return (f"with --flash-attn off ik keeps the MLA latent cache of {cx.path} ({cx.arch}) in -ctv's type; a {values} "
-            "latent in its -fa off graph is not reproduced")
+        raise ModelError(f"--cache-type-v {values}: ik refuses a V cache other than f16 or bf16 without flash "
+                         "attention (--flash-attn off)")
+    if cx.arch != "deepseek2" or arithmetic != "ik":
+        raise ModelError(f"--cache-type-v bf16: with --flash-attn off ik keeps the MLA latent cache of {cx.path} "
+                         f"({cx.arch}) in -ctv's type; a bf16 latent in its -fa off graph is reproduced for deepseek2 "
+                         "under --numerics ik (ik's AVX-512 build) only")
+    return replace(cache, k="bf16", v="bf16", k_hadamard=0, v_hadamard=0)
 
 
 def _check_key_only(cache: KvCache, cx: Context, values: str | None, indexer: str | None, arithmetic: str) -> None:

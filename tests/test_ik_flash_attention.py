@@ -232,7 +232,7 @@ def test_a_bf16_latent_in_the_absorbed_form_at_ggml_generic_heads(real_heads: di
                                                                    tmp_path: Path) -> None:
     """Over a BF16 latent cache ggml's generic kernel takes q . k from ggml_vec_dot_bf16 (the query rounded to bf16,
     AVX512-BF16 lanes) and sums the values in float32 (ik's run: 515.4576); ik-avx2 (whose build aborts there) and
-    ik's -fa off graph stay refused."""
+    -ctk bf16 with ik's -fa off graph (which never reads -ctk) stay refused."""
     _assert_absorbed_generic_run(real_heads, "bf16", tmp_path / "ours.kld")
     for options in (RuntimeOptions(numerics="ik-avx2"), RuntimeOptions(numerics="ik", flash_attn="off")):
         with pytest.raises(ModelError, match="--cache-type-k bf16"):
@@ -262,7 +262,8 @@ def test_a_bf16_latent_in_the_prefill_form_is_iks_bf16_flash_attention(real_head
 
 
 @pytest.mark.parametrize(("file", "flags", "says"), [
-    ("kvb-q8_0.gguf", ["--ctx", "64", "--flash-attn", "off"], "absorbed MLA form"),  # ik's -fa off graph
+    # ik's -fa off graph keeps the latent in -ctv's type (-ctv bf16 runs: tests/test_mla_absorbed_flash.py)
+    ("kvb-q8_0.gguf", ["--ctx", "64", "--flash-attn", "off"], "in -ctv's type and never reads -ctk"),
     ("ik-f32.gguf", ["--ctx", "128"], "is F32"),  # ik crashes (the README's ik-f32-ctk-bf16-crash.txt)
     ("kvb-q8_0.gguf", ["--ctx", "128", "--numerics", "ik-avx2"], "not a bf16 key cache on deepseek2"),
 ])

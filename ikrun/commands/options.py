@@ -35,7 +35,8 @@ CTK_HELP = ("K cache type as ik's -ctk names it (f32, f16, bf16, q8_0, q4_0, q4_
              "--kv-cache for K. On DeepSeek's MLA models it sets the latent cache.")
 CTV_HELP = ("V cache type as ik's -ctv names it (the -ctk types; ik itself needs flash attention for one other than "
             "f16 or bf16; --numerics ik-avx2 reproduces q8_0, q6_0, q4_0, q4_1 and iq4_nl values in ik's own "
-            "flash-attention kernel). Overrides --kv-cache for V.")
+            "flash-attention kernel; on DeepSeek's MLA, without flash attention, -ctv sets the latent cache, as in "
+            "ik). Overrides --kv-cache for V.")
 KHAD_HELP = ("ik's -khad: rotate keys (and queries) by a Hadamard transform over blocks of each head (of 64 values of "
              "an MLA latent row) around a quantized K cache; dropped for an unquantized one, as ik drops it.")
 VHAD_HELP = "ik's -vhad: the same for the values around a quantized V cache."

@@ -334,13 +334,12 @@ class IkNumerics(Numerics):
         figures are NaN) or writes q . k 0 (Q6_0). A BF16 latent in the prefill form, its keys and values cast to
         BF16 for ik's bf16 kernel at `heads` (there the prefill form's) that kernel takes; in the absorbed form in
         ggml's generic kernel (its bf16 dot, shared_kv_flash.generic_bf16_products) at heads ik's own kernel does not
-        take, on AVX-512 (ik's AVX2 build aborts). With --flash-attn off ik keeps the latent in -ctv's type (llama.cpp
-        picks it so under -mla 3) and never reads -ctk, so a -ctk other than f16 is refused there as changing
-        nothing in ik."""
-        if path != "prefill" and not self._absorbed_flash() and kv.k not in ("f16", "f32"):
-            return (f"--cache-type-k {kv.k}: with --flash-attn off ik keeps the MLA latent cache in -ctv's type and "
-                    f"never reads -ctk (its figures for -ctk {kv.k} there are its f16 cache's); -ctk sets the "
-                    "latent's type under flash attention, ik's default")
+        take, on AVX-512 (ik's AVX2 build aborts). In ik's -fa off graph the latent takes -ctv's type, f16 or bf16
+        (kvcache.check_cache), a BF16 one multiplied in ik's bf16 kernel on AVX-512."""
+        if path != "prefill" and not self._absorbed_flash():
+            if kv.k in ("f16", "f32") or (kv.k == "bf16" and not self.avx2):
+                return None
+            return f"--cache-type-v {kv.k}: a {kv.k} latent in ik's -fa off graph is not reproduced"
         if kv.k == "bf16":
             if path != "prefill" and self._absorbed_flash() and heads is not None and heads not in IQK_FA_HEADS \
                     and not self.avx2:
@@ -763,7 +762,7 @@ class IkNumerics(Numerics):
                                      self.options.ik_threads, f16_values=kv.k == "f16")
         elif sinks is None:
             q = np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2)
-            latent = ik_latent_attention(q, cache, n_rot, scale, keep, self.avx2)
+            latent = ik_latent_attention(q, cache, n_rot, scale, keep, self.avx2, bf16=kv.k == "bf16")
         else:
             q = np.concatenate([q_lat, q_rope.transpose(1, 0, 2)], axis=2)
             lat_first = np.r_[n_rot : n_rot + n_lat, :n_rot]
