@@ -17,7 +17,9 @@ from typer.testing import CliRunner
 from ikconvert.cli import app as convert_app
 from ikconvert.safetensors_io import SafetensorsFile
 from ikrun.cli import app
-from tests.family_checks import hf_variant, kld_json
+from ikrun.model import Model
+from ikrun.options import RuntimeOptions
+from tests.family_checks import assert_iks_forward, hf_variant, kld_json
 
 runner = CliRunner()
 DATA = Path(__file__).parent / "data"
@@ -89,6 +91,18 @@ def test_numerics_ik_q8_0_latent_cache_is_iks_run(rope32: Path, tmp_path: Path) 
     assert abs(got["kld_mean"] - ik["kld_mean"]) <= 5e-7 and abs(got["kld_max"] - ik["kld_max"]) <= 5e-7, (got, ik)
     f16 = kld_json(rope32, IK / "ik-base.kld", "--numerics", "ik", "--ik-sink-overread")
     assert abs(f16["kld_mean"]) < 1e-6 and f16["same_top_p"] == 1.0, f16
+
+
+def test_ik_avx2_q8_0_latent_cache_is_iks_avx2_run(rope32: Path, tmp_path: Path) -> None:
+    """ik's AVX2 build (no sink over-read there): its f16 and q8_0 runs byte for byte (base-logits files, every
+    running PPL: 511.2681, 510.7741), and the q8_0 run against the f16 one the figures it prints (KLD 0.001165)."""
+    for cache, name in (("f16", "ik-avx2-base"), ("q8_0", "ik-avx2-ctk-q8_0")):
+        model = Model(rope32, options=RuntimeOptions(numerics="ik-avx2"), cache_type_k=cache)
+        assert_iks_forward(model, IK / f"{name}.kld", IK / f"{name}.txt", tmp_path / f"{cache}.kld")
+    got = kld_json(rope32, IK / "ik-avx2-base.kld", "--numerics", "ik-avx2", "-ctk", "q8_0")
+    ik = _printed("ik-avx2-ctk-q8_0-kld.txt")
+    assert got["cache_type_k"] == "q8_0" and got["ppl_q"] == pytest.approx(ik["ppl_q"], abs=5e-7 * ik["ppl_q"])
+    assert abs(got["kld_mean"] - ik["kld_mean"]) <= 5e-7 and abs(got["kld_max"] - ik["kld_max"]) <= 5e-7, (got, ik)
 
 
 def test_exact_q8_0_latent_cache_costs_its_rounding(rope32: Path, tmp_path: Path) -> None:
