@@ -160,7 +160,7 @@ def check_cache(cache: KvCache, cx: Context, numerics: Numerics, given: tuple[st
     if cx.arch in LATENT_CACHE_TYPES:
         _check_latent_types(cache, cx, given[0] or "f16")
     if numerics.name != "exact" and numerics.options.flash_attn == "off" and cx.hparam("attention.kv_lora_rank", 0):
-        return _latent_without_flash(cache, cx, numerics.name, given)
+        return _latent_without_flash(cache, cx, given)
     if numerics.name != "exact":
         problem = numerics.check_key_cache(cx.arch, given[0] or "f16")
         if problem is not None:
@@ -225,12 +225,11 @@ def check_cache(cache: KvCache, cx: Context, numerics: Numerics, given: tuple[st
     return replace(cache, k_hadamard=k_block * cache.k_hadamard, v_hadamard=v_block * cache.v_hadamard)
 
 
-def _latent_without_flash(cache: KvCache, cx: Context, arithmetic: str, given: tuple[str | None, str | None]
-                          ) -> KvCache:
-    """The caches of ik's -fa off graph for a model whose cache holds MLA's latent alone (--flash-attn off under ik's
-    `arithmetic`): llama.cpp keeps the latent in -ctv's type there (under -mla 3) and never reads -ctk, and ik refuses
-    a V cache other than f16 or bf16 without flash attention. A bf16 latent is reproduced for DeepSeek's graph on
-    AVX-512 (both products in ik's bf16 kernel); a -ctk other than f16 is refused as changing nothing in ik."""
+def _latent_without_flash(cache: KvCache, cx: Context, given: tuple[str | None, str | None]) -> KvCache:
+    """The caches of ik's -fa off graph for a model whose cache holds MLA's latent alone (--flash-attn off, which ik's
+    arithmetics take for DeepSeek's graph): llama.cpp keeps the latent in -ctv's type there (under -mla 3) and never
+    reads -ctk, and ik refuses a V cache other than f16 or bf16 without flash attention. A bf16 latent's products
+    are ik's bf16 kernel's (its AVX2 build's float kernel's); a -ctk other than f16 is refused as changing nothing."""
     keys, values = given
     if keys not in (None, "f16"):
         raise ModelError(f"--cache-type-k {keys}: with --flash-attn off ik keeps the MLA latent cache of {cx.path} in "
@@ -241,10 +240,6 @@ def _latent_without_flash(cache: KvCache, cx: Context, arithmetic: str, given: t
     if values != "bf16":
         raise ModelError(f"--cache-type-v {values}: ik refuses a V cache other than f16 or bf16 without flash "
                          "attention (--flash-attn off)")
-    if cx.arch != "deepseek2" or arithmetic != "ik":
-        raise ModelError(f"--cache-type-v bf16: with --flash-attn off ik keeps the MLA latent cache of {cx.path} "
-                         f"({cx.arch}) in -ctv's type; a bf16 latent in its -fa off graph is reproduced for deepseek2 "
-                         "under --numerics ik (ik's AVX-512 build) only")
     return replace(cache, k="bf16", v="bf16", k_hadamard=0, v_hadamard=0)
 
 

@@ -71,28 +71,36 @@ def test_flash_attn_off_is_iks_other_graph(models: dict[str, Path], tmp_path: Pa
     assert (tmp_path / "off.kld").read_bytes() != base.read_bytes()
 
 
-FA_OFF_BF16 = FOLDER.parent / "deepseek-v3-heads192-fa-off-bf16-avx512"
+FA_OFF_BF16 = FOLDER.parent / "deepseek-v3-heads192-fa-off-bf16-{build}"
+BUILDS = [("ik", "avx512"), ("ik-avx2", "avx2")]
 
 
-def test_flash_attn_off_is_iks_f16_run_byte_for_byte(models: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize(("numerics", "build"), BUILDS)
+def test_flash_attn_off_is_iks_f16_run_byte_for_byte(models: dict[str, Path], numerics: str, build: str,
+                                                     tmp_path: Path) -> None:
     """--flash-attn off over ik's f16 latent: its -fa off run's base-logits file byte for byte, every running PPL."""
-    assert_iks_forward(Model(models["heads192"], options=RuntimeOptions(numerics="ik", flash_attn="off")),
-                       FA_OFF_BF16 / "fa-off-base.kld", FA_OFF_BF16 / "fa-off-base.txt", tmp_path / "off.kld")
+    folder = Path(str(FA_OFF_BF16).format(build=build))
+    assert_iks_forward(Model(models["heads192"], options=RuntimeOptions(numerics=numerics, flash_attn="off")),
+                       folder / "fa-off-base.kld", folder / "fa-off-base.txt", tmp_path / "off.kld")
 
 
-def test_a_bf16_latent_without_flash_attention_is_iks(models: dict[str, Path], tmp_path: Path) -> None:
-    """-ctv bf16 --flash-attn off: ik's -fa off graph keeps the latent in -ctv's type, its q . k and the latents'
-    sum in its bf16 kernel (queries and probabilities rounded to bf16): its base-logits file byte for byte, every
-    running PPL (521.5349), and against its f16 run every KLD figure it printed (0.004056, same top 98.387%)."""
-    options = RuntimeOptions(numerics="ik", flash_attn="off")
-    model = Model(models["heads192"], options=options, cache_type_v="bf16")
+@pytest.mark.parametrize(("numerics", "build"), BUILDS)
+def test_a_bf16_latent_without_flash_attention_is_iks(models: dict[str, Path], numerics: str, build: str,
+                                                      tmp_path: Path) -> None:
+    """-ctv bf16 --flash-attn off: ik's -fa off graph keeps the latent in -ctv's type; its AVX-512 build takes q . k
+    and the latents' sum in its bf16 kernel (queries and probabilities rounded to bf16: PPL 521.5349, KLD 0.004056
+    against its f16 run), its AVX2 build in its float kernel on unrounded activations (515.4729, 0.000008): each
+    build's base-logits file byte for byte, every running PPL, and every KLD figure it printed."""
+    folder = Path(str(FA_OFF_BF16).format(build=build))
+    model = Model(models["heads192"], options=RuntimeOptions(numerics=numerics, flash_attn="off"),
+                  cache_type_v="bf16")
     assert model.kv_cache == "k-bf16,v-bf16"
-    assert_iks_forward(model, FA_OFF_BF16 / "ctv-bf16-fa-off-base.kld", FA_OFF_BF16 / "ctv-bf16-fa-off-base.txt",
+    assert_iks_forward(model, folder / "ctv-bf16-fa-off-base.kld", folder / "ctv-bf16-fa-off-base.txt",
                        tmp_path / "bf16.kld")
-    res = runner.invoke(app, ["kld", str(models["heads192"]), "--base-logits", str(FA_OFF_BF16 / "fa-off-base.kld"),
-                              "--json", "--numerics", "ik", "--flash-attn", "off", "-ctv", "bf16"])
+    res = runner.invoke(app, ["kld", str(models["heads192"]), "--base-logits", str(folder / "fa-off-base.kld"),
+                              "--json", "--numerics", numerics, "--flash-attn", "off", "-ctv", "bf16"])
     assert res.exit_code == 0, res.output
-    assert _matches(json.loads(res.stdout), FA_OFF_BF16 / "ctv-bf16-fa-off-kld.txt")
+    assert _matches(json.loads(res.stdout), folder / "ctv-bf16-fa-off-kld.txt")
 
 
 def test_a_q8_0_file_costs_what_ik_prints(models: dict[str, Path]) -> None:
@@ -130,8 +138,6 @@ def test_a_q8_0_latent_in_the_absorbed_form_is_iks(models: dict[str, Path], nume
     # file byte for byte (PPL 515.4670 on heads192), and with -ctv q8_0 it stops
     ("latent512", ["--numerics", "ik", "-ctk", "q8_0", "--flash-attn", "off"],
      "in -ctv's type and never reads -ctk (its figures for -ctk q8_0 there are its f16 cache's)"),
-    ("heads192", ["--numerics", "ik-avx2", "-ctv", "bf16", "--flash-attn", "off"],
-     "a bf16 latent in its -fa off graph is reproduced for deepseek2 under --numerics ik (ik's AVX-512 build) only"),
     ("heads192", ["--numerics", "ik", "-ctv", "q8_0", "--flash-attn", "off"],
      "ik refuses a V cache other than f16 or bf16 without flash attention"),
     ("heads192", ["--numerics", "ik", "-ctv", "q8_0"], "in -ctk's type under flash attention (ik's default, which "

@@ -335,9 +335,10 @@ class IkNumerics(Numerics):
         BF16 for ik's bf16 kernel at `heads` (there the prefill form's) that kernel takes; in the absorbed form in
         ggml's generic kernel (its bf16 dot, shared_kv_flash.generic_bf16_products) at heads ik's own kernel does not
         take, on AVX-512 (ik's AVX2 build aborts). In ik's -fa off graph the latent takes -ctv's type, f16 or bf16
-        (kvcache.check_cache), a BF16 one multiplied in ik's bf16 kernel on AVX-512."""
+        (kvcache.check_cache), a BF16 one multiplied in ik's bf16 kernel (its AVX2 build: its float kernel on the
+        unrounded activations, as for F16)."""
         if path != "prefill" and not self._absorbed_flash():
-            if kv.k in ("f16", "f32") or (kv.k == "bf16" and not self.avx2):
+            if kv.k in FLOAT_CACHES:
                 return None
             return f"--cache-type-v {kv.k}: a {kv.k} latent in ik's -fa off graph is not reproduced"
         if kv.k == "bf16":
@@ -762,7 +763,7 @@ class IkNumerics(Numerics):
                                      self.options.ik_threads, f16_values=kv.k == "f16")
         elif sinks is None:
             q = np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2)
-            latent = ik_latent_attention(q, cache, n_rot, scale, keep, self.avx2, bf16=kv.k == "bf16")
+            latent = ik_latent_attention(q, cache, n_rot, scale, keep, self.avx2, bf16=kv.k == "bf16" and not self.avx2)
         else:
             q = np.concatenate([q_lat, q_rope.transpose(1, 0, 2)], axis=2)
             lat_first = np.r_[n_rot : n_rot + n_lat, :n_rot]
