@@ -340,7 +340,7 @@ class IkNumerics(Numerics):
         if path != "prefill" and not self._absorbed_flash():
             if kv.k in FLOAT_CACHES:
                 return None
-            return f"--cache-type-v {kv.k}: a {kv.k} latent in ik's -fa off graph is not reproduced"
+            return f"a {kv.k} MLA latent cache in ik's -fa off graph is not reproduced (ik takes f16 or bf16 there)"
         if kv.k == "bf16":
             if path != "prefill" and self._absorbed_flash() and heads is not None and heads not in IQK_FA_HEADS \
                     and not self.avx2:
