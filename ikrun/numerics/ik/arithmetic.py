@@ -758,12 +758,14 @@ class IkNumerics(Numerics):
                 scores = self._flash_key_products(q.transpose(1, 0, 2), keys.transpose(1, 0, 2), n_lat, kv.k)
                 keys = np.ascontiguousarray(cache_holds(keys, kv.k))
             elif kv.k == "bf16":  # ggml's generic kernel (latent_cache_problem): ggml_vec_dot_bf16
-                scores = np.ascontiguousarray(generic_bf16_products(q.transpose(1, 0, 2), cache).transpose(1, 0, 2))
+                scores = self._generic_bf16_products(q.transpose(1, 0, 2), cache[:, None])
             latent = flash_attention(q, keys, np.ascontiguousarray(keys[:, :, n_rot:]), scale, self.lanes, scores,
                                      self.options.ik_threads, f16_values=kv.k == "f16")
         elif sinks is None:
             q = np.concatenate([q_rope.transpose(1, 0, 2), q_lat], axis=2)
-            latent = ik_latent_attention(q, cache, n_rot, scale, keep, self.avx2, bf16=kv.k == "bf16" and not self.avx2)
+            bf16 = kv.k == "bf16" and not self.avx2  # ik's bf16 kernel (its AVX2 build: its float kernel, as for F16)
+            scores = self._bf16_key_products(q.transpose(1, 0, 2), cache[:, None]) if bf16 else None
+            latent = ik_latent_attention(q, cache, n_rot, scale, keep, self.avx2, scores, bf16_values=bf16)
         else:
             q = np.concatenate([q_lat, q_rope.transpose(1, 0, 2)], axis=2)
             lat_first = np.r_[n_rot : n_rot + n_lat, :n_rot]

@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 from numba import get_num_threads, njit, prange
 
-from ikquant.formats.numeric import f32_to_bf16_bits, fmaf
-from ikrun.numerics.ik.ikgemm import AVX2_LANES, DOTS, LANES, XROWS, dots, ik_dot_grid, ik_float_matmul
+from ikquant.formats.numeric import fmaf
+from ikrun.numerics.ik.ikgemm import AVX2_LANES, DOTS, LANES, XROWS, dots, ik_dot_grid
 from ikrun.ops.activations import ik_exp
 from ikrun.ops.parallel import claim_items, task_items
 
@@ -199,24 +199,24 @@ def ik_causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: floa
 
 
 def ik_latent_attention(q: np.ndarray, cache: np.ndarray, n_rope: int, scale: float,
-                        keep: np.ndarray | None = None, avx2: bool = False, bf16: bool = False) -> np.ndarray:
+                        keep: np.ndarray | None = None, avx2: bool = False, scores: np.ndarray | None = None,
+                        bf16_values: bool = False) -> np.ndarray:
     """DeepSeek's absorbed attention (ops/mla.py) in ik's arithmetic: queries q [H, n, R + C] ([q_rope | q_lat])
     against the cache rows [p + n, R + C] ([k_rope | c_kv], as the f16 cache holds them; p rows of a continued
     sequence's earlier positions first), the latents c_kv as values: [H, n, C]; dims a multiple of the lanes (16, or
     8 with `avx2`). `keep` [n, p + n]: the causal keys each query may see (GLM's DSA top-k, ik's sparse mask).
-    `bf16`: the rows as a BF16 latent cache holds them (ik's -fa off graph with -ctv bf16), both products in ik's
-    bf16 kernel (AVX-512): q . k on the queries rounded to bf16, the latents on the probabilities rounded to bf16."""
+    `scores` [H, n, p + n] and `bf16_values`: as ik_causal_attention's (a BF16 latent cache, -ctv bf16 in ik's -fa
+    off graph: its bf16 kernel's q . k given, the latents summed in that kernel)."""
     n_head, n, d = q.shape
     lanes = AVX2_LANES if avx2 else LANES
     if d % lanes:
         raise ValueError(f"ik's attention arithmetic takes head dims in multiples of {lanes}, not {d}")
     n_keys = len(cache)
-    padded = n_keys + (-n_keys % (32 if bf16 else LANES))
-    scores = np.zeros((0, 0, 0), np.float32)
-    if bf16:
-        rounded = (f32_to_bf16_bits(q).astype(np.uint32) << np.uint32(16)).view(np.float32).reshape(-1, d)
-        scores = np.zeros((n_head, n, padded), np.float32)
-        scores[:, :, :n_keys] = ik_float_matmul(rounded, cache, bf16=True).reshape(n_head, n, n_keys)
+    padded = n_keys + (-n_keys % (32 if bf16_values else LANES))
+    products = np.zeros((0, 0, 0), np.float32)
+    if scores is not None:
+        products = np.zeros((n_head, n, padded), np.float32)
+        products[:, :, :n_keys] = scores
     keys = np.zeros((1, padded, d), np.float32)
     keys[0, :n_keys] = cache
     vt = np.zeros((1, d - n_rope, padded), np.float32)
@@ -224,7 +224,7 @@ def ik_latent_attention(q: np.ndarray, cache: np.ndarray, n_rope: int, scale: fl
     out = np.empty((n_head, n, d - n_rope), np.float32)
     mask = np.empty((0, 0), np.bool_) if keep is None else np.ascontiguousarray(keep, dtype=np.bool_)
     _ik_attention(np.ascontiguousarray(q, dtype=np.float32), keys, vt, float(scale), n_keys - n, 0,
-                  np.empty(0, np.float32), mask, scores, out, avx2, get_num_threads(), bf16)
+                  np.empty(0, np.float32), mask, products, out, avx2, get_num_threads(), bf16_values)
     return out
 
 
