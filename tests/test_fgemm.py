@@ -109,6 +109,24 @@ def test_experts_in_one_call_give_each_expert_alone_its_bits() -> None:
         numba.set_num_threads(before)
 
 
+def test_results_written_into_given_rows() -> None:
+    """With out and dest each result lands in its row of out (a MoE's assignment rows), the rows no result names
+    untouched, the bits of the plain call's; a dest that does not cover every token is refused."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((30, 300)).astype(np.float32)
+    w = rng.standard_normal((3, 2 * ROWS + 1, 300)).astype(np.float32)
+    row_at = np.array([0, 7, 7, 25], np.int64)
+    tokens = rng.integers(0, len(x), 25).astype(np.int64)
+    dest = rng.permutation(40)[:25].astype(np.int64)
+    out = np.full((40, w.shape[1]), np.float32(-7.0))
+    assert experts_matmul(x, w, tokens, row_at, out, dest) is out
+    np.testing.assert_array_equal(out[dest], experts_matmul(x, w, tokens, row_at))
+    untouched = np.setdiff1d(np.arange(40), dest)
+    assert untouched.size == 15 and (out[untouched] == np.float32(-7.0)).all()
+    with pytest.raises(ValueError, match="dest name a row"):
+        experts_matmul(x, w, tokens, row_at, out, dest[:-1])
+
+
 @pytest.mark.parametrize("type_name", sorted(PANEL_TYPES))
 def test_quantized_experts_decoded_a_panel_at_a_time_give_the_bits_of_their_decoding(type_name: str) -> None:
     """Experts handed over as the file's rows (decoded by the kernel, a panel at a time) multiply as their whole

@@ -177,10 +177,10 @@ def _panel_impl(w, kind, row_len, r0, n_rows, k0, k1, panel):  # type: ignore[no
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _task(w, which, kind, row_len, xt, group_at, row_at, out, task, n_rows, n):  # type: ignore[no-untyped-def]
+def _task(w, which, kind, row_len, xt, group_at, row_at, out, dest, task, n_rows, n):  # type: ignore[no-untyped-def]
     """One task of a call: weight rows ROWS x t .. of expert j (task = j x tiles + t; w's matrix which[j]) against
     that expert's token groups, every K_STEP panel in order into a zeroed accumulator block, then copied to its
-    tokens' output rows."""
+    tokens' output rows (result i to out[dest[i]])."""
     tiles = -(-n_rows // ROWS)
     j, t = task // tiles, task % tiles
     g0, g1 = group_at[j], group_at[j + 1]
@@ -198,14 +198,14 @@ def _task(w, which, kind, row_len, xt, group_at, row_at, out, task, n_rows, n): 
             _tile(panel, xj, g, k0, k1, n, acc, 0, n_tok)
     r0 = t * ROWS
     for m in range(row_at[j + 1] - row_at[j]):
-        dst = out[row_at[j] + m]
+        dst = out[dest[row_at[j] + m]]
         for i in range(min(ROWS, n_rows - r0)):
             dst[r0 + i] = acc[i * n_tok + m]
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _experts_parallel(w, which, kind, row_len, xt, group_at, row_at, out, n_rows, n,  # type: ignore[no-untyped-def]
-                      threads):
+def _experts_parallel(w, which, kind, row_len, xt, group_at, row_at, out, dest, n_rows,  # type: ignore[no-untyped-def]
+                      n, threads):
     """Every (expert, row tile) task, claimed by the threads (ikrun/ops/parallel.py)."""
     tasks = (len(group_at) - 1) * -(-n_rows // ROWS)
     per, counter = task_items(tasks, threads), np.zeros(1, np.int64)
@@ -213,14 +213,15 @@ def _experts_parallel(w, which, kind, row_len, xt, group_at, row_at, out, n_rows
         t0, t1 = claim_items(counter, per, tasks)
         while t0 < t1:
             for task in range(t0, t1):
-                _task(w, which, kind, row_len, xt, group_at, row_at, out, task, n_rows, n)
+                _task(w, which, kind, row_len, xt, group_at, row_at, out, dest, task, n_rows, n)
             t0, t1 = claim_items(counter, per, tasks)
 
 
 @njit(cache=True, nogil=True)
-def _experts_serial(w, which, kind, row_len, xt, group_at, row_at, out, n_rows, n):  # type: ignore[no-untyped-def]
+def _experts_serial(w, which, kind, row_len, xt, group_at, row_at, out, dest, n_rows,  # type: ignore[no-untyped-def]
+                    n):
     for task in range((len(group_at) - 1) * -(-n_rows // ROWS)):
-        _task(w, which, kind, row_len, xt, group_at, row_at, out, task, n_rows, n)
+        _task(w, which, kind, row_len, xt, group_at, row_at, out, dest, task, n_rows, n)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -299,13 +300,15 @@ def token_groups(x: np.ndarray, tokens: np.ndarray, row_at: np.ndarray) -> tuple
 WEIGHT_DTYPES = (np.float32, np.uint16, np.int16)
 
 
-def experts_matmul(x: np.ndarray, w: np.ndarray | FileExperts, tokens: np.ndarray,
-                   row_at: np.ndarray) -> np.ndarray:
+def experts_matmul(x: np.ndarray, w: np.ndarray | FileExperts, tokens: np.ndarray, row_at: np.ndarray,
+                   out: np.ndarray | None = None, dest: np.ndarray | None = None) -> np.ndarray:
     """Each expert's tokens times its matrix in one call: out[i] = x[tokens[i]] @ w[j]^T for row_at[j] <= i <
     row_at[j + 1], in float32, each output one FMA chain over n in order ([len(tokens), rows], C-contiguous). w [E,
     rows, n] is float32 (any other float dtype is converted), 16-bit patterns (uint16 for f16, int16 for bf16), or
     the file's rows of a PANEL_TYPES or HALF_BITS type (FileExperts), the latter widened / decoded exactly.
-    The threads share the (expert, row tile) tasks of all experts, so a layer's small experts make one call."""
+    The threads share the (expert, row tile) tasks of all experts, so a layer's small experts make one call.
+    With `out` (C-contiguous float32 [m, rows]) and `dest` [len(tokens)], result i is written to out[dest[i]]
+    instead (a MoE's outputs straight into their assignments' rows: no copy of the result scattered there)."""
     n_rows, n = w.shape[1], w.shape[2]
     tokens, row_at = np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(row_at, dtype=np.int64)
     xt, group_at = token_groups(x, tokens, row_at)
@@ -319,9 +322,12 @@ def experts_matmul(x: np.ndarray, w: np.ndarray | FileExperts, tokens: np.ndarra
         dtype = w.dtype.type if w.dtype.type in WEIGHT_DTYPES else np.float32
         flat, kind, row_len = np.ascontiguousarray(w, dtype=dtype).reshape(-1), 0, n
         which = np.arange(w.shape[0], dtype=np.int64)
-    out = np.empty((len(tokens), n_rows), np.float32)
-    run_claimed(_experts_serial, _experts_parallel, n_rows * n * xt.shape[0],
-                flat, which, kind, row_len, xt.reshape(-1), group_at, row_at, out, n_rows, n)
+    if out is None:
+        out, dest = np.empty((len(tokens), n_rows), np.float32), np.arange(len(tokens), dtype=np.int64)
+    elif dest is None or len(dest) != len(tokens) or out.shape[1] != n_rows or not out.flags.c_contiguous:
+        raise ValueError("out must be a C-contiguous [m, rows] array and dest name a row of it for every token")
+    run_claimed(_experts_serial, _experts_parallel, n_rows * n * xt.shape[0], flat, which, kind, row_len,
+                xt.reshape(-1), group_at, row_at, out, np.ascontiguousarray(dest, dtype=np.int64), n_rows, n)
     return out
 
 

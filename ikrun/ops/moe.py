@@ -423,8 +423,11 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
                     _experts_product(x_up, ups, tokens, row_at, types[0], avx2), glu, per_row, ik is not None, avx2)
         if act is not None:
             act[rows] = a
-        y[rows] = _down(_experts_product(_Activations(a, formats[2]), downs, np.arange(len(rows), dtype=np.int64),
-                                         row_at, types[2], avx2), glu, per_row)
+        _experts_product(_Activations(a, formats[2]), downs, np.arange(len(rows), dtype=np.int64), row_at,
+                         types[2], avx2, into=(y, rows))
+        bias = glu.bias(2, per_row)
+        if bias is not None:
+            y[rows] += bias
         if done is not None:
             done()
     assert y is not None, "a routing without assignments"
@@ -457,21 +460,27 @@ class _Activations:
 
 
 def _experts_product(x: _Activations, mats: ExpertMats, tokens: np.ndarray, row_at: np.ndarray, ik: str | None,
-                     avx2: bool = False) -> np.ndarray:
+                     avx2: bool = False, into: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Rows `tokens` of x times their experts' matrices (expert j's rows tokens[row_at[j] : row_at[j + 1]]): under
     --numerics ik (`ik` the weights' type) in ik's own kernel where it is reproduced (iqk_native.py: the file's rows
     against the integer rows; not its AVX2 build's, `avx2`), in its float kernel per expert for an F32/F16/BF16
     weight (`avx2`: its AVX2 build's 8-lane kernel, bf16 weights included); else all experts in one experts_matmul
-    call on the rounded rows (its bits are each output's own FMA chain, so the same as a call per expert)."""
+    call on the rounded rows (its bits are each output's own FMA chain, so the same as a call per expert). With
+    `into` (out, dest), result i goes to out[dest[i]] (returned: out)."""
     if ik in NATIVE_TYPES and not avx2 and isinstance(mats, FileExperts):
-        return native_matmuls(x.ints(), mats.raw, tokens, row_at, ik, which=mats.ids)
-    rounded = x.rounded()
-    bf16, lanes = ik == "BF16" and not avx2, AVX2_LANES if avx2 else LANES
-    if ik in IK_FLOAT_TYPES and takes_whole(rounded.shape[1], bf16, lanes):
+        res = native_matmuls(x.ints(), mats.raw, tokens, row_at, ik, which=mats.ids)
+    else:
+        rounded = x.rounded()
+        bf16, lanes = ik == "BF16" and not avx2, AVX2_LANES if avx2 else LANES
+        if not (ik in IK_FLOAT_TYPES and takes_whole(rounded.shape[1], bf16, lanes)):
+            return experts_matmul(rounded, mats, tokens, row_at, *(into or (None, None)))
         if isinstance(mats, FileExperts):  # F16/BF16 experts: their bits, each where it lies in the file
             stack, ids = mats.raw.view(HALF_BITS[mats.type_name]), mats.ids.tolist()
         else:
             stack, ids = mats, list(range(len(mats)))
-        return np.concatenate([ik_float_matmul(rounded[tokens[a:b]], stack[e], bf16, lanes)
-                               for e, a, b in zip(ids, row_at[:-1].tolist(), row_at[1:].tolist())])
-    return experts_matmul(rounded, mats, tokens, row_at)
+        res = np.concatenate([ik_float_matmul(rounded[tokens[a:b]], stack[e], bf16, lanes)
+                              for e, a, b in zip(ids, row_at[:-1].tolist(), row_at[1:].tolist())])
+    if into is None:
+        return res
+    into[0][into[1]] = res
+    return into[0]
