@@ -22,8 +22,9 @@ parameters). Each file runs in a fresh process (tools/peak_rss.py, so the peak R
 Each file is read once before its first mode, so every mode finds it in the page cache, and each ikrun mode runs
 once on one chunk before it is timed: a kernel whose source file changed since Numba cached it compiles in the first
 process that calls it, inside its timed evaluation (after an edit of ikrun/ops/moe.py the Qwen3-MoE IQ4_KS file's
-`--numerics ik` row measured 153 tok/s where a warm run measures ~640). Reported: tokens/s of the
-evaluation (ikrun's own report, without start-up; ik's prompt-eval figure), its ratio to
+`--numerics ik` row measured 153 tok/s where a warm run measures ~640). With --rounds N every mode of a file is
+timed N times, one round of all modes after another, and the median is reported with the range. Reported: tokens/s
+of the evaluation (ikrun's own report, without start-up; ik's prompt-eval figure), its ratio to
 the first mode run for that file ("x first": the unconstrained run unless --modes leaves it out), peak RSS, and peak
 RSS over the file size.
 
@@ -44,6 +45,7 @@ import ikquant  # noqa: F401  (first: its import sets OpenBLAS's thread timeout 
 # isort: on
 
 import numba
+import numpy as np
 
 from ikconvert import CORPUS, Converter, TinySpec, make_tiny_checkpoint
 from ikquant import QuantizeOptions, file_type, quantize_model
@@ -166,6 +168,10 @@ def main() -> None:
     ap.add_argument("--ik-flash-attn", choices=("on", "off"), default="on",
                     help="ik's -fa: on is its default (what users run; its DeepSeek-V4 graph asserts with off); off "
                          "was these figures' setting before")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every mode of a file this many times, the modes alternated round by round, and print "
+                         "the median with the range (this machine's speed moves by 10-40%% within minutes: a mode "
+                         "timed once against ik timed once compares two moments as much as two programs)")
     ap.add_argument("--ik-batch", type=int, default=2048,
                     help="ik's -b and the --numerics ik runs' --ik-batch (which expert kernels ik picks depends on "
                          "the tokens a micro-batch routes to each expert): 2048 is ik's default; the figures before "
@@ -180,14 +186,14 @@ def main() -> None:
              "--numerics ik": ["--numerics", "ik"]}
     print(f"ctx {a.ctx}, {a.chunks} chunks, {a.threads} threads")
     print(f"{'file':16s} {'GiB':>6s} {'mode':>14s} {'tok/s':>7s} {'x first':>8s} {'peak RSS GiB':>12s} "
-          f"{'RSS/file':>8s}")
+          f"{'RSS/file':>8s}{' (tok/s range)' if a.rounds > 1 else ''}")
     for label, path in files.items():
         if a.only and not re.search(a.only, label):
             continue
         size = path.stat().st_size
         read_through(path)
         batch = a.ctx if label.split()[0] in ONE_SEQUENCE else a.ik_batch
-        base = None
+        timed_modes: dict[str, list[str]] = {}
         for mode, extra in [*modes.items(), *([("ik", [])] if a.ik_bin else [])]:
             if a.modes and not re.search(a.modes, mode):
                 continue
@@ -196,15 +202,23 @@ def main() -> None:
             try:
                 if mode != "ik":  # untimed: compiles what Numba's cache lacks (a kernel's source changed since)
                     ikrun_ppl(path, text, a.ctx, 1, a.threads, extra)
-                tps, rss = ik_ppl(a.ik_bin, path, text, a.ctx, a.chunks, a.threads, a.ik_flash_attn,
-                                  batch) if mode == "ik" else \
-                    ikrun_ppl(path, text, a.ctx, a.chunks, a.threads, extra)
             except Refused:
                 print(f"{label:16s} {size / GiB:6.2f} {mode:>14s} {'refused':>7s}", flush=True)
                 continue
+            timed_modes[mode] = extra
+        runs: dict[str, list[tuple[float, float]]] = {mode: [] for mode in timed_modes}
+        for _ in range(a.rounds):
+            for mode, extra in timed_modes.items():
+                runs[mode].append(ik_ppl(a.ik_bin, path, text, a.ctx, a.chunks, a.threads, a.ik_flash_attn, batch)
+                                  if mode == "ik" else ikrun_ppl(path, text, a.ctx, a.chunks, a.threads, extra))
+        base = None
+        for mode, timed in runs.items():
+            rates = sorted(tps for tps, _ in timed)
+            tps, rss = float(np.median(rates)), max(r for _, r in timed)
+            spread = f" ({rates[0]:.1f}-{rates[-1]:.1f})" if len(rates) > 1 else ""
             base = base or tps
             print(f"{label:16s} {size / GiB:6.2f} {mode:>14s} {tps:7.1f} {base / tps:8.2f} {rss / GiB:12.2f} "
-                  f"{rss / size:8.2f}", flush=True)
+                  f"{rss / size:8.2f}{spread}", flush=True)
 
 
 if __name__ == "__main__":
