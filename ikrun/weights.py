@@ -349,6 +349,16 @@ class WeightStore:
             return None
         return self._mapped_experts(name, enc, experts)
 
+    def half_rows(self, name: str) -> np.ndarray | None:
+        """The 2-D F16 or BF16 tensor `name` as its stored 16-bit patterns [1, rows, cols] (uint16 / int16, what
+        ikrun/ops/fgemm.py's kernel widens itself: nothing decoded or copied), counted in `reads`; None for other
+        types and shapes, or when its float32 copy is cached."""
+        enc, shape = self.encoding(name), self.info(name).shape
+        if enc.type.name not in HALF_BITS or len(shape) != 2 or self.cached_array(name) is not None:
+            return None
+        self.reads[name] += enc.raw.nbytes
+        return enc.raw.view(HALF_BITS[enc.type.name]).reshape(1, *shape)
+
     def panel_experts(self, name: str, experts: np.ndarray, even_if_cached: bool = False) -> FileExperts | None:
         """Matrices `experts` of an expert tensor of a type ikrun/ops/fgemm.py's kernel decodes itself, a panel
         at a time (PANEL_TYPES), as the file's rows, nothing decoded or copied (`_mapped_experts`); None for other

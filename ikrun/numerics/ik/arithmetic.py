@@ -229,6 +229,8 @@ class IkNumerics(Numerics):
     """ik's CPU arithmetic (the module docstring)."""
 
     name = "ik"
+    #: F16 / BF16 weights go through ik's float kernels (or, past the cache, the decoded tiles)
+    multiplies_halves = False
     #: the quantized key caches (ik's names) whose K x Q kernel of ik's -fa off graph this arithmetic reproduces
     #: (key_cache.py)
     quantized_keys: tuple[str, ...] = ("q8_0", "q4_0", "q6_0", "iq4_nl", "q5_0", "q4_1", "q5_1", "q8_KV")
