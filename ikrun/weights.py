@@ -349,15 +349,18 @@ class WeightStore:
             return None
         return self._mapped_experts(name, enc, experts)
 
-    def half_rows(self, name: str) -> np.ndarray | None:
-        """The 2-D F16 or BF16 tensor `name` as its stored 16-bit patterns [1, rows, cols] (uint16 / int16, what
-        ikrun/ops/fgemm.py's kernel widens itself: nothing decoded or copied), counted in `reads`; None for other
-        types and shapes, or when its float32 copy is cached."""
-        enc, shape = self.encoding(name), self.info(name).shape
-        if enc.type.name not in HALF_BITS or len(shape) != 2 or self.cached_array(name) is not None:
-            return None
+    def is_half(self, name: str) -> bool:
+        """Whether `name` is a 2-D tensor stored as F16 or BF16 (now: a swap may change it), its file unread."""
+        override = self._override.get(name)
+        stored = override.type if override is not None else self.info(name).type
+        return stored.name in HALF_BITS and len(self.info(name).shape) == 2
+
+    def half_rows(self, name: str) -> np.ndarray:
+        """The 2-D F16 or BF16 tensor `name` (`is_half`) as its stored 16-bit patterns [1, rows, cols] (uint16 /
+        int16, what ikrun/ops/fgemm.py's kernel widens itself: nothing decoded or copied), counted in `reads`."""
+        enc = self.encoding(name)
         self.reads[name] += enc.raw.nbytes
-        return enc.raw.view(HALF_BITS[enc.type.name]).reshape(1, *shape)
+        return enc.raw.view(HALF_BITS[enc.type.name]).reshape(1, *self.info(name).shape)
 
     def panel_experts(self, name: str, experts: np.ndarray, even_if_cached: bool = False) -> FileExperts | None:
         """Matrices `experts` of an expert tensor of a type ikrun/ops/fgemm.py's kernel decodes itself, a panel

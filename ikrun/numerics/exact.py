@@ -85,10 +85,10 @@ class Numerics:
 
     #: the --numerics name
     name = "exact"
-    #: F16 / BF16 weights multiplied from their stored bits by the expert kernel (ops/fgemm.py: one FMA chain per
-    #: output, the products' bits independent of batching and tiling), never decoded: on the 1.1B Qwen3 F16 file
-    #: (4 x 256, 2 threads) 13.1-13.4 s in 336 MiB against 15.4-16.1 s in 491 MiB decoded for OpenBLAS, whose
-    #: sgemm ran the 256-row products at 179-183 GFLOP/s where the kernel reads the bits at 193-203
+    #: F16 / BF16 dense weights multiplied by the expert kernel (ops/fgemm.py: one FMA chain per output, the bits
+    #: independent of batching and tiling), from the file's bits in a streamed pass (_half_product): on the 1.1B
+    #: Qwen3 F16 file (4 x 256, 2 threads) 13.1-13.4 s in 336 MiB against 15.4-16.1 s in 491 MiB decoded for
+    #: OpenBLAS, whose sgemm ran the 256-row products at 179-183 GFLOP/s where the kernel reads the bits at 193-203
     multiplies_halves = True
 
     def __init__(self, weights: WeightStore, options: RuntimeOptions):
@@ -323,17 +323,13 @@ class Numerics:
 
     def project(self, x: np.ndarray, weight_name: str, shared: dict[str, object] | None = None,
                 fused: bool = False) -> np.ndarray:
-        """x @ W^T for the 2-D weight `weight_name`: an F16 / BF16 weight from its stored bits in the expert kernel
-        (`multiplies_halves`); else decoded whole when it fits the cache, else a tile of rows at a time (the output
-        head of a large vocabulary under a small budget). `shared` carries what projections of the same input may
+        """x @ W^T for the 2-D weight `weight_name`: an F16 / BF16 weight in the expert kernel (`multiplies_halves`,
+        _half_product); else decoded whole when it fits the cache, else a tile of rows at a time (the output head of
+        a large vocabulary under a small budget). `shared` carries what projections of the same input may
         reuse (Context.linears); `fused`: the gate/up pair of a SwiGLU FFN."""
         w = self.weights
-        halves = w.half_rows(weight_name) if self.multiplies_halves and x.ndim == 2 else None
-        if halves is not None:
-            y = experts_matmul(x, halves, np.arange(len(x), dtype=np.int64), np.array([0, len(x)], np.int64))
-            if not w.streaming:  # a streamed pass releases a block's pages after the block (evict)
-                w.release([weight_name])
-            return y
+        if self.multiplies_halves and x.ndim == 2 and w.is_half(weight_name):
+            return self._half_product(x, weight_name)
         hit = w.cached_array(weight_name)
         if hit is not None:
             return x @ hit.T
@@ -346,6 +342,24 @@ class Numerics:
         for r0 in range(0, n_rows, step):
             rows = np.arange(r0, min(n_rows, r0 + step))
             y[:, r0 : r0 + len(rows)] = x @ w.decode_rows(weight_name, rows).T
+        return y
+
+    def _half_product(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x @ W^T for an F16 / BF16 weight in the expert kernel: a layer-streamed pass (or a weight past the cache)
+        hands it the file's bits, nothing decoded (the pass releases a block's pages after the block; the weight
+        past the cache, its pages after the product); otherwise its cached float32 decoding (what a reload
+        compares against the file, and what keeps a model running while its file is being rewritten). Both give
+        the same bits: the kernel widens the bits exactly."""
+        w = self.weights
+        mats = w.cached_array(name)
+        if mats is None and not w.streaming and w.fits(w.decoded_bytes(name)):
+            mats = w.decode(name)
+        rows = np.arange(len(x), dtype=np.int64), np.array([0, len(x)], np.int64)
+        if mats is not None:
+            return experts_matmul(x, mats[None], *rows)
+        y = experts_matmul(x, w.half_rows(name), *rows)
+        if not w.streaming:
+            w.release([name])
         return y
 
     def matmul_weight(self, name: str, n_act_rows: int, weight_rows: int | None = None) -> np.ndarray:

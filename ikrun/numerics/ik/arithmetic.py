@@ -229,7 +229,7 @@ class IkNumerics(Numerics):
     """ik's CPU arithmetic (the module docstring)."""
 
     name = "ik"
-    #: F16 / BF16 weights go through ik's float kernels (or, past the cache, the decoded tiles)
+    #: F16 / BF16 weights go through ik's float kernels (or, past the cache, the exact mode's decoded tiles)
     multiplies_halves = False
     #: the quantized key caches (ik's names) whose K x Q kernel of ik's -fa off graph this arithmetic reproduces
     #: (key_cache.py)
