@@ -356,11 +356,11 @@ class WeightStore:
         return stored.name in HALF_BITS and len(self.info(name).shape) == 2
 
     def half_rows(self, name: str) -> np.ndarray:
-        """The 2-D F16 or BF16 tensor `name` (`is_half`) as its stored 16-bit patterns [1, rows, cols] (uint16 /
-        int16, what ikrun/ops/fgemm.py's kernel widens itself: nothing decoded or copied), counted in `reads`."""
+        """The 2-D F16 or BF16 tensor `name` (`is_half`) as its stored 16-bit patterns [rows, cols] (uint16 / int16,
+        what ikrun/ops/fgemm.py's kernel widens itself: nothing decoded or copied), counted in `reads`."""
         enc = self.encoding(name)
         self.reads[name] += enc.raw.nbytes
-        return enc.raw.view(HALF_BITS[enc.type.name]).reshape(1, *self.info(name).shape)
+        return enc.raw.view(HALF_BITS[enc.type.name]).reshape(self.info(name).shape)
 
     def panel_experts(self, name: str, experts: np.ndarray, even_if_cached: bool = False) -> FileExperts | None:
         """Matrices `experts` of an expert tensor of a type ikrun/ops/fgemm.py's kernel decodes itself, a panel

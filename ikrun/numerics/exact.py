@@ -21,7 +21,7 @@ from ikrun.ops.activations import swiglu
 from ikrun.ops.attention import causal_attention, shared_kv_attention
 from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
 from ikrun.ops.delta_net import decay_and_beta, delta_rule_chunked, gated_rms_norm
-from ikrun.ops.fgemm import experts_matmul
+from ikrun.ops.fgemm import expert_matmul
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.indexer import indexer_scores
 from ikrun.ops.mla import latent_attention, materialized_attention
@@ -351,13 +351,12 @@ class Numerics:
         compares against the file, and what keeps a model running while its file is being rewritten). Both give
         the same bits: the kernel widens the bits exactly."""
         w = self.weights
-        mats = w.cached_array(name)
-        if mats is None and not w.streaming and w.fits(w.decoded_bytes(name)):
-            mats = w.decode(name)
-        rows = np.arange(len(x), dtype=np.int64), np.array([0, len(x)], np.int64)
-        if mats is not None:
-            return experts_matmul(x, mats[None], *rows)
-        y = experts_matmul(x, w.half_rows(name), *rows)
+        decoded = w.cached_array(name)
+        if decoded is None and not w.streaming and w.fits(w.decoded_bytes(name)):
+            decoded = w.decode(name)
+        if decoded is not None:
+            return expert_matmul(x, decoded)
+        y = expert_matmul(x, w.half_rows(name))
         if not w.streaming:
             w.release([name])
         return y
