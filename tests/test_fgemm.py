@@ -22,6 +22,7 @@ from ikrun.ops.fgemm import (
     _tile,
     expert_matmul,
     experts_matmul,
+    token_groups,
 )
 
 
@@ -150,6 +151,32 @@ def test_quantized_experts_decoded_a_panel_at_a_time_give_the_bits_of_their_deco
         for pick in (np.arange(n_expert), np.array([3, 0, 2, 1])):
             out = experts_matmul(x, FileExperts(raw[pick], type_name, n), tokens, row_at)
             np.testing.assert_array_equal(out, experts_matmul(x, decoded[pick], tokens, row_at))
+    finally:
+        numba.set_num_threads(before)
+
+
+@pytest.mark.parametrize("n", [16, 37, 2 * K_STEP + 21])
+def test_token_groups_are_each_experts_rows_side_by_side(n: int) -> None:
+    """The gathered layout is each expert's token rows, 16 to a group, transposed ([group, k, lane]) and padded with
+    zeros to whole groups: whole groups go through the in-register 16 x 16 transpose (a row's last n % 16 values
+    and partial groups one value at a time), on one thread and on two, for small and large calls."""
+    rng = np.random.default_rng(3)
+    before = numba.get_num_threads()
+    try:
+        for threads in {1, min(2, numba.config.NUMBA_NUM_THREADS)}:
+            numba.set_num_threads(threads)
+            for counts in ([5, 0, 16, 33], [600, 17, 1024]):
+                x = rng.standard_normal((300, n)).astype(np.float32)
+                row_at = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+                tokens = rng.integers(0, len(x), int(row_at[-1])).astype(np.int64)
+                xt, group_at = token_groups(x, tokens, row_at)
+                want = []
+                for j, count in enumerate(counts):
+                    rows = np.zeros((-(-count // 16) * 16, n), np.float32)
+                    rows[:count] = x[tokens[row_at[j] : row_at[j + 1]]]
+                    want.append(rows.reshape(-1, 16, n).transpose(0, 2, 1))
+                assert group_at.tolist() == np.concatenate([[0], np.cumsum([len(w) for w in want])]).tolist()
+                np.testing.assert_array_equal(xt, np.concatenate(want))
     finally:
         numba.set_num_threads(before)
 

@@ -48,6 +48,7 @@ K_STEP = 256  # values of a row per pass over the tokens (their panel stays in t
 PANEL_TYPES = {"IQ4_KS": 1, "IQ5_KS": 2, "Q4_K": 3, "Q5_K": 4, "Q6_K": 5, "MXFP4": 6}
 _I64, _F32 = ir.IntType(64), ir.FloatType()
 _V16F = ir.VectorType(_F32, LANES)
+_V16I = ir.VectorType(ir.IntType(32), LANES)
 
 
 def _tile_of(n_groups: int):  # type: ignore[no-untyped-def]
@@ -238,17 +239,62 @@ def _experts_serial(w, which, kind, row_len, xt, group_at, row_at, out, dest, n_
         _task(w, which, kind, row_len, xt, group_at, row_at, out, dest, task, n_rows, n)
 
 
+@intrinsic
+def _transpose_block(typingctx, x, lanes, k0, xt, g):  # type: ignore[no-untyped-def]
+    """xt[g, k0 + i, l] = x[lanes[l], k0 + i] for i, l < 16 (x C-contiguous [m, n], xt [groups, n, 16]): 16 row
+    vectors loaded, transposed in registers (four rounds of two-vector shuffles, each swapping the off-diagonal
+    blocks of 8, 4, 2, then 1), stored as 16 vectors. A copy: the same values as moving them one at a time, which
+    took a scalar load and store a value (8-9 GB/s on 1,024 x 2,048 rows, where a copy runs at 26-59)."""
+    sig = types.void(x, lanes, types.int64, xt, types.int64)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        x_arr = context.make_array(signature.args[0])(context, builder, value=args[0])
+        l_arr = context.make_array(signature.args[1])(context, builder, value=args[1])
+        t_arr = context.make_array(signature.args[3])(context, builder, value=args[3])
+        k0, g = args[2], args[4]
+        n = cgutils.unpack_tuple(builder, x_arr.shape, 2)[1]
+        const = lambda v: ir.Constant(_I64, v)  # noqa: E731
+        rows = []
+        for lane in range(LANES):
+            token = builder.load(builder.gep(l_arr.data, [const(lane)]))
+            at = builder.gep(x_arr.data, [builder.add(builder.mul(token, n), k0)])
+            rows.append(builder.load(builder.bitcast(at, _V16F.as_pointer()), align=4))
+        half = LANES // 2
+        while half:
+            for r in range(LANES):
+                if r & half:
+                    continue
+                p = r + half
+                low = [c if not c & half else LANES + c - half for c in range(LANES)]
+                high = [c + half if not c & half else LANES + c for c in range(LANES)]
+                pair = rows[r], rows[p]
+                rows[r] = builder.shuffle_vector(*pair, ir.Constant(_V16I, low))
+                rows[p] = builder.shuffle_vector(*pair, ir.Constant(_V16I, high))
+            half //= 2
+        base = builder.mul(builder.add(builder.mul(g, n), k0), const(LANES))
+        for i in range(LANES):
+            at = builder.gep(t_arr.data, [builder.add(base, const(i * LANES))])
+            builder.store(rows[i], builder.bitcast(at, _V16F.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _gather_group(x, tokens, row_at, group_at, j, g, xt, lanes):  # type: ignore[no-untyped-def]
     """xt[g, :, l] = x[tokens[row_at[j] + 16 (g - group_at[j]) + l]], zeros beyond expert j's last token: the
     group's 16 rows read side by side, so its transposed block is written in order (token by token, each of its
-    cache lines was written 16 times, from the second-level cache once a row outgrew the first)."""
+    cache lines was written 16 times, from the second-level cache once a row outgrew the first); a whole group
+    16 values of its rows at a time, transposed in registers (_transpose_block)."""
     count = row_at[j + 1] - row_at[j]
     first = (g - group_at[j]) * LANES
     for lane in range(LANES):
         lanes[lane] = tokens[row_at[j] + first + lane] if first + lane < count else -1
     if first + LANES <= count:
-        for k in range(x.shape[1]):
+        whole = x.shape[1] // LANES * LANES
+        for k0 in range(0, whole, LANES):
+            _transpose_block(x, lanes, k0, xt, g)
+        for k in range(whole, x.shape[1]):
             for lane in range(LANES):
                 xt[g, k, lane] = x[lanes[lane], k]
         return
