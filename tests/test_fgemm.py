@@ -19,6 +19,7 @@ from ikrun.ops.fgemm import (
     PANEL_TYPES,
     ROWS,
     FileExperts,
+    GatheredRows,
     _tile,
     expert_matmul,
     experts_matmul,
@@ -179,6 +180,23 @@ def test_token_groups_are_each_experts_rows_side_by_side(n: int) -> None:
                 np.testing.assert_array_equal(xt, np.concatenate(want))
     finally:
         numba.set_num_threads(before)
+
+
+def test_rows_gathered_once_serve_every_weight_of_the_same_input() -> None:
+    """GatheredRows (q/k/v, gate/up gathering their input once) gives each weight the bits of its own product, f16
+    bits and float32 alike, after other products have reused the thread's kept gather buffer; a gathering used for
+    other rows is refused."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((45, 2 * K_STEP + 3)).astype(np.float32)
+    weights = [rng.standard_normal((ROWS + 7, x.shape[1])).astype(np.float16).view(np.uint16),
+               rng.standard_normal((2 * ROWS, x.shape[1])).astype(np.float32)]
+    rows = GatheredRows.of(x)
+    for w in weights:
+        want = expert_matmul(x, w)
+        expert_matmul(rng.standard_normal((30, x.shape[1])).astype(np.float32), w)
+        np.testing.assert_array_equal(expert_matmul(rows, w), want)
+    with pytest.raises(ValueError, match="every row of one input"):
+        experts_matmul(rows, weights[1][None], np.arange(44, dtype=np.int64), np.array([0, 44], np.int64))
 
 
 def _tile_asm() -> str:

@@ -21,7 +21,7 @@ from ikrun.ops.activations import swiglu
 from ikrun.ops.attention import causal_attention, shared_kv_attention
 from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
 from ikrun.ops.delta_net import decay_and_beta, delta_rule_chunked, gated_rms_norm
-from ikrun.ops.fgemm import expert_matmul
+from ikrun.ops.fgemm import GatheredRows, expert_matmul
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.indexer import indexer_scores
 from ikrun.ops.mla import latent_attention, materialized_attention
@@ -329,7 +329,7 @@ class Numerics:
         reuse (Context.linears); `fused`: the gate/up pair of a SwiGLU FFN."""
         w = self.weights
         if self.multiplies_halves and x.ndim == 2 and w.is_half(weight_name):
-            return self._half_product(x, weight_name)
+            return self._half_product(x if shared is None else self._gathered(x, shared), weight_name)
         hit = w.cached_array(weight_name)
         if hit is not None:
             return x @ hit.T
@@ -344,7 +344,15 @@ class Numerics:
             y[:, r0 : r0 + len(rows)] = x @ w.decode_rows(weight_name, rows).T
         return y
 
-    def _half_product(self, x: np.ndarray, name: str) -> np.ndarray:
+    @staticmethod
+    def _gathered(x: np.ndarray, shared: dict[str, object]) -> GatheredRows:
+        """x's rows as the expert kernel takes them, gathered once for the projections sharing x."""
+        rows = shared.get("gathered rows")
+        if not isinstance(rows, GatheredRows):
+            rows = shared["gathered rows"] = GatheredRows.of(x)
+        return rows
+
+    def _half_product(self, x: np.ndarray | GatheredRows, name: str) -> np.ndarray:
         """x @ W^T for an F16 / BF16 weight in the expert kernel: a layer-streamed pass (or a weight past the cache)
         hands it the file's bits, nothing decoded (the pass releases a block's pages after the block; the weight
         past the cache, its pages after the product); otherwise its cached float32 decoding (what a reload

@@ -342,25 +342,43 @@ def _gather_buffer(shape: tuple[int, int, int]) -> np.ndarray:
     return kept[:size].reshape(shape)
 
 
-def token_groups(x: np.ndarray, tokens: np.ndarray, row_at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def token_groups(x: np.ndarray, tokens: np.ndarray, row_at: np.ndarray,
+                 owned: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The rows `tokens` of x [m, n] as the kernel takes them, expert j's being tokens[row_at[j] : row_at[j + 1]]:
     [groups, n, 16], each expert's padded with zero rows to whole groups of 16, gathered and transposed in one pass
-    (in this thread's kept buffer up to SCRATCH_BYTES: valid until its next call); and each expert's first group."""
+    (in this thread's kept buffer up to SCRATCH_BYTES: valid until its next call; `owned`: in an array of their
+    own); and each expert's first group."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     per = -(-np.diff(row_at) // LANES)
     group_at = np.zeros(len(row_at), np.int64)
     np.cumsum(per, out=group_at[1:])
-    xt = _gather_buffer((int(group_at[-1]), x.shape[1], LANES))
+    shape = (int(group_at[-1]), x.shape[1], LANES)
+    xt = np.empty(shape, np.float32) if owned else _gather_buffer(shape)
     owner = np.repeat(np.arange(len(row_at) - 1, dtype=np.int64), per)
     run_claimed(_gather_serial, _gather_parallel, xt.size, x, tokens, row_at, group_at, owner, xt)
     return xt, group_at
+
+
+@dataclass(frozen=True)
+class GatheredRows:
+    """Every row of an input, in order, as the kernel takes them (token_groups, in an array of their own): one
+    gather serves each weight multiplied by the same input (q/k/v, gate/up), where each product gathered it again."""
+
+    xt: np.ndarray
+    group_at: np.ndarray
+    n_rows: int
+
+    @classmethod
+    def of(cls, x: np.ndarray) -> GatheredRows:
+        xt, group_at = token_groups(x, np.arange(len(x), dtype=np.int64), np.array([0, len(x)], np.int64), True)
+        return cls(xt, group_at, len(x))
 
 
 #: weight dtypes the kernel reads: float32, f16 bits (uint16) and bf16 bits (int16), the latter widened exactly
 WEIGHT_DTYPES = (np.float32, np.uint16, np.int16)
 
 
-def experts_matmul(x: np.ndarray, w: np.ndarray | FileExperts, tokens: np.ndarray, row_at: np.ndarray,
+def experts_matmul(x: np.ndarray | GatheredRows, w: np.ndarray | FileExperts, tokens: np.ndarray, row_at: np.ndarray,
                    out: np.ndarray | None = None, dest: np.ndarray | None = None) -> np.ndarray:
     """Each expert's tokens times its matrix in one call: out[i] = x[tokens[i]] @ w[j]^T for row_at[j] <= i <
     row_at[j + 1], in float32, each output one FMA chain over n in order ([len(tokens), rows], C-contiguous). w [E,
@@ -368,10 +386,16 @@ def experts_matmul(x: np.ndarray, w: np.ndarray | FileExperts, tokens: np.ndarra
     the file's rows of a PANEL_TYPES or HALF_BITS type (FileExperts), the latter widened / decoded exactly.
     The threads share the (expert, row tile) tasks of all experts, so a layer's small experts make one call.
     With `out` (C-contiguous float32 [m, rows]) and `dest` [len(tokens)], result i is written to out[dest[i]]
-    instead (a MoE's outputs straight into their assignments' rows: no copy of the result scattered there)."""
+    instead (a MoE's outputs straight into their assignments' rows: no copy of the result scattered there). x may
+    come gathered already (GatheredRows: all its rows, one matrix)."""
     n_rows, n = w.shape[1], w.shape[2]
     tokens, row_at = np.ascontiguousarray(tokens, dtype=np.int64), np.ascontiguousarray(row_at, dtype=np.int64)
-    xt, group_at = token_groups(x, tokens, row_at)
+    if isinstance(x, GatheredRows):
+        if len(row_at) != 2 or not np.array_equal(tokens, np.arange(x.n_rows)):
+            raise ValueError("gathered rows are every row of one input, in order, for one matrix")
+        xt, group_at = x.xt, x.group_at
+    else:
+        xt, group_at = token_groups(x, tokens, row_at)
     if isinstance(w, FileExperts):
         raw, which = np.ascontiguousarray(w.raw), w.ids
         if w.type_name in HALF_BITS:
@@ -391,7 +415,8 @@ def experts_matmul(x: np.ndarray, w: np.ndarray | FileExperts, tokens: np.ndarra
     return out
 
 
-def expert_matmul(x: np.ndarray, w: np.ndarray, tokens: np.ndarray | None = None) -> np.ndarray:
-    """x [m, n] (or its rows `tokens`) @ w[rows, n]^T: experts_matmul of one expert."""
-    idx = np.arange(x.shape[0], dtype=np.int64) if tokens is None else tokens
+def expert_matmul(x: np.ndarray | GatheredRows, w: np.ndarray, tokens: np.ndarray | None = None) -> np.ndarray:
+    """x [m, n] (or its rows `tokens`; or all of them gathered) @ w[rows, n]^T: experts_matmul of one expert."""
+    m = x.n_rows if isinstance(x, GatheredRows) else x.shape[0]
+    idx = np.arange(m, dtype=np.int64) if tokens is None else tokens
     return experts_matmul(x, w[None], idx, np.array([0, len(idx)], np.int64))
