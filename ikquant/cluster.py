@@ -66,6 +66,11 @@ class Cluster:
     threads: int
 
 
+#: every worker process of a command's job keeps the memory it frees, as the command-line tools do (heap.py: a
+#: layer's buffers reuse the last layer's pages; without it the workers faulted fresh ones in every layer)
+WORKER_ENV = {"worker_process_setup_hook": "ikquant.heap.retain_freed_memory"}
+
+
 @contextmanager
 def open_cluster(address: str, threads: int = 1) -> Iterator[Cluster]:
     """Connect to (or start) the cluster for one command; disconnects (and stops a local one) on exit."""
@@ -76,10 +81,10 @@ def open_cluster(address: str, threads: int = 1) -> Iterator[Cluster]:
         if where == "local":
             n = n_local or max(1, (os.cpu_count() or 1) // threads)
             ray.init(address="local", num_cpus=n * threads, include_dashboard=False, log_to_driver=False,
-                     _node_ip_address="127.0.0.1", configure_logging=False)
+                     _node_ip_address="127.0.0.1", configure_logging=False, runtime_env=WORKER_ENV)
         else:
             _check_reachable(where)
-            ray.init(address=where, log_to_driver=False, configure_logging=False)
+            ray.init(address=where, log_to_driver=False, configure_logging=False, runtime_env=WORKER_ENV)
             n = max(1, int(ray.cluster_resources().get("CPU", 1)) // threads)
     except ConnectionError as exc:
         raise ClusterError(f"--ray {address}: {exc}") from None

@@ -210,3 +210,37 @@ def test_kendall_tau() -> None:
     assert kendall_tau(x, -x) == -1.0
     assert kendall_tau(x, np.array([1.0, 3.0, 2.0, 4.0])) == pytest.approx(4 / 6)
     assert auto_rounds(20) == [4, 8, 16, 20] and auto_rounds(16) == [4, 8, 16] and auto_rounds(3) == [3]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_ray_workers_keep_the_memory_they_free() -> None:
+    """Every worker process of the job (tasks and the sweep's actors) serves large arrays from its heap, as the
+    command-line tools do (ikquant/heap.py): a 64 MiB array adds no mmapped block there (Ray's own start-up, before
+    the hook, may have some)."""
+    from ikquant.cluster import open_cluster, ordered_map
+
+    def mapped_bytes() -> int:
+        import ctypes
+
+        import numpy as np
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                               "usmblks", "fsmblks", "uordblks", "fordblks",
+                                                               "keepcost")]
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+        before = libc.mallinfo2().hblkhd
+        a = np.ones(16 << 20, np.float32)
+        return int(libc.mallinfo2().hblkhd - before) * int(a[0])
+
+    class Probe:
+        def mapped(self) -> int:
+            return mapped_bytes()
+
+    with open_cluster("local:1", 1) as cluster:
+        assert list(ordered_map(cluster, mapped_bytes, [()])) == [0]
+        actor = cluster.ray.remote(num_cpus=1)(Probe).remote()
+        assert cluster.ray.get(actor.mapped.remote()) == 0
+
