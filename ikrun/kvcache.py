@@ -102,6 +102,21 @@ def hadamard_size(head_size: int) -> int:
     return next((b for b in (512, 256, 128, 64) if head_size % b == 0), 0)
 
 
+@dataclass(frozen=True)
+class CacheRequest:
+    """The cache options a run was given (Model's arguments, before check_cache resolves them against the model):
+    what a worker loading the same model is handed, so that it resolves them as the driver did (a resolved type
+    named as an option may be refused: DeepSeek-V4's indexer cache resolves to f32 with f32 keys, which -ictk does
+    not take)."""
+
+    kv_cache: str = "f32"
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
+    k_cache_hadamard: bool = False
+    v_cache_hadamard: bool = False
+    indexer_cache_type_k: str | None = None
+
+
 def requested_cache(kv_cache: str, cache_type_k: str | None, cache_type_v: str | None, k_hadamard: bool = False,
                     v_hadamard: bool = False, indexer_cache_type_k: str | None = None) -> KvCache:
     """The caches --kv-cache, -ctk / -ctv, -khad / -vhad and -ictk ask for (a Hadamard block of 1: asked for, its

@@ -23,7 +23,7 @@ from ikquant.gguf_io import GGUFFile
 from ikquant.types import GGMLType
 from ikrun.context import Context, Observer
 from ikrun.errors import ModelError, SwapError
-from ikrun.kvcache import check_cache, requested_cache
+from ikrun.kvcache import CacheRequest, check_cache, requested_cache
 from ikrun.models.base import ArchModel
 from ikrun.numerics import make_numerics
 from ikrun.options import RuntimeOptions
@@ -69,6 +69,9 @@ class Model:
 
         requested = requested_cache(kv_cache, cache_type_k, cache_type_v, k_cache_hadamard, v_cache_hadamard,
                                     indexer_cache_type_k)
+        #: the cache options as given (what a sweep's workers are handed)
+        self.cache_request = CacheRequest(kv_cache, cache_type_k, cache_type_v, k_cache_hadamard, v_cache_hadamard,
+                                          indexer_cache_type_k)
         self.path = Path(path)
         try:
             self.weights = WeightStore(self.path)

@@ -244,3 +244,16 @@ def test_ray_workers_keep_the_memory_they_free() -> None:
         actor = cluster.ray.remote(num_cpus=1)(Probe).remote()
         assert cluster.ray.get(actor.mapped.remote()) == 0
 
+
+def test_a_ray_sweep_of_a_model_with_an_indexer_cache_has_the_local_rows(tmp_path: Path) -> None:
+    """The workers are handed the cache options as given, and resolve them as the driver did: DeepSeek-V4's
+    indexer key cache resolves to f32 with f32 keys, a type its -ictk refuses when named (handed the resolved
+    types, every worker refused to load the model)."""
+    model = Path(__file__).parent / "data" / "convert" / "deepseek-v4-flash" / "ref-f32.gguf"
+    local, remote = tmp_path / "local.json", tmp_path / "ray.json"
+    flags = ["--chunks", "2", "--tensors", r"blk\.1\.ffn_down_exps"]
+    res = _sweep(model, local, *flags)
+    assert res.exit_code == 0, res.output
+    res = _sweep(model, remote, *flags, "--ray", "local:1")
+    assert res.exit_code == 0, res.output
+    assert _rows(remote) == _rows(local) and len(_rows(local)) == 2

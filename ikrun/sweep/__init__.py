@@ -45,7 +45,7 @@ def run_sweep(model: Model, base: BaseLogitsFile, groups: dict[str, list[str]], 
 
     if imatrix is not None and imatrix.path is None:
         raise SweepError("a sweep on a cluster needs its importance matrix as a file the workers can read")
-    spec = WorkerSpec(str(model.path.resolve()), cluster.threads, model.cache, model.options, worker_mem,
+    spec = WorkerSpec(str(model.path.resolve()), cluster.threads, model.cache_request, model.options, worker_mem,
                       model.stream, str(imatrix.path.resolve()) if imatrix is not None and imatrix.path else None,
                       str(spill_dir) if spill_dir else None, full_forward, batch)
     return measure_on_cluster(cluster, spec, base.path, groups, types, done, on_row, on_event or (lambda _: None),

@@ -14,7 +14,7 @@ import tempfile
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from ikquant.imatrix import read_imatrix
 from ikquant.types import GGMLType, type_by_name
 from ikrun.errors import SweepError
 from ikrun.eval.metrics import KLDAccumulator
-from ikrun.kvcache import KvCache
+from ikrun.kvcache import CacheRequest
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
 from ikrun.sweep.measure import (
@@ -51,8 +51,8 @@ class WorkerSpec:
 
     model: str
     threads: int
-    #: the K and V caches' types (ikrun/kvcache.py)
-    cache: KvCache
+    #: the cache options the driver's model was given (ikrun/kvcache.py)
+    cache: CacheRequest
     options: RuntimeOptions
     #: each worker's memory budget in bytes; None: 75% of its node's available memory shared by its workers
     mem: int | None
@@ -76,9 +76,7 @@ class SweepWorker:
         mem = spec.mem if spec.mem is not None else default_budget() * spec.threads // (os.cpu_count() or 1)
         self.spec = spec
         self.model = Model(spec.model, spec.threads, options=spec.options, mem=mem, stream=spec.stream,
-                           cache_type_k=spec.cache.k, cache_type_v=spec.cache.v,
-                           k_cache_hadamard=bool(spec.cache.k_hadamard), v_cache_hadamard=bool(spec.cache.v_hadamard),
-                           indexer_cache_type_k=spec.cache.indexer, track_changes=False)
+                           track_changes=False, **asdict(spec.cache))
         self.imatrix = read_imatrix(Path(spec.imatrix)) if spec.imatrix else None
         from ikrun.eval.evaluate import open_base
 
