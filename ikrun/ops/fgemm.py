@@ -261,15 +261,12 @@ def _transpose_block(typingctx, x, lanes, k0, xt, g):  # type: ignore[no-untyped
             rows.append(builder.load(builder.bitcast(at, _V16F.as_pointer()), align=4))
         half = LANES // 2
         while half:
+            low = ir.Constant(_V16I, [c if not c & half else LANES + c - half for c in range(LANES)])
+            high = ir.Constant(_V16I, [c + half if not c & half else LANES + c for c in range(LANES)])
             for r in range(LANES):
-                if r & half:
-                    continue
-                p = r + half
-                low = [c if not c & half else LANES + c - half for c in range(LANES)]
-                high = [c + half if not c & half else LANES + c for c in range(LANES)]
-                pair = rows[r], rows[p]
-                rows[r] = builder.shuffle_vector(*pair, ir.Constant(_V16I, low))
-                rows[p] = builder.shuffle_vector(*pair, ir.Constant(_V16I, high))
+                if not r & half:
+                    pair = rows[r], rows[r + half]
+                    rows[r], rows[r + half] = builder.shuffle_vector(*pair, low), builder.shuffle_vector(*pair, high)
             half //= 2
         base = builder.mul(builder.add(builder.mul(g, n), k0), const(LANES))
         for i in range(LANES):
@@ -285,20 +282,15 @@ def _gather_group(x, tokens, row_at, group_at, j, g, xt, lanes):  # type: ignore
     """xt[g, :, l] = x[tokens[row_at[j] + 16 (g - group_at[j]) + l]], zeros beyond expert j's last token: the
     group's 16 rows read side by side, so its transposed block is written in order (token by token, each of its
     cache lines was written 16 times, from the second-level cache once a row outgrew the first); a whole group
-    16 values of its rows at a time, transposed in registers (_transpose_block)."""
+    16 values of its rows at a time, transposed in registers (_transpose_block), up to its rows' last n % 16."""
     count = row_at[j + 1] - row_at[j]
     first = (g - group_at[j]) * LANES
     for lane in range(LANES):
         lanes[lane] = tokens[row_at[j] + first + lane] if first + lane < count else -1
-    if first + LANES <= count:
-        whole = x.shape[1] // LANES * LANES
-        for k0 in range(0, whole, LANES):
-            _transpose_block(x, lanes, k0, xt, g)
-        for k in range(whole, x.shape[1]):
-            for lane in range(LANES):
-                xt[g, k, lane] = x[lanes[lane], k]
-        return
-    for k in range(x.shape[1]):
+    done = x.shape[1] // LANES * LANES if first + LANES <= count else 0
+    for k0 in range(0, done, LANES):
+        _transpose_block(x, lanes, k0, xt, g)
+    for k in range(done, x.shape[1]):
         for lane in range(LANES):
             xt[g, k, lane] = x[lanes[lane], k] if lanes[lane] >= 0 else np.float32(0.0)
 
