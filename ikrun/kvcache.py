@@ -117,18 +117,18 @@ class CacheRequest:
     indexer_cache_type_k: str | None = None
 
 
-def requested_cache(kv_cache: str, cache_type_k: str | None, cache_type_v: str | None, k_hadamard: bool = False,
-                    v_hadamard: bool = False, indexer_cache_type_k: str | None = None) -> KvCache:
+def requested_cache(r: CacheRequest) -> KvCache:
     """The caches --kv-cache, -ctk / -ctv, -khad / -vhad and -ictk ask for (a Hadamard block of 1: asked for, its
     size still to be found from the model); a name ik does not take is refused."""
-    if kv_cache not in KV_SHORTHANDS:
-        raise ModelError(f"--kv-cache {kv_cache}: not one of {', '.join(KV_SHORTHANDS)}")
-    k, v = KV_SHORTHANDS[kv_cache]
-    for flag, name in (("--cache-type-k", cache_type_k), ("--cache-type-v", cache_type_v),
-                       ("--indexer-cache-type-k", indexer_cache_type_k)):
+    if r.kv_cache not in KV_SHORTHANDS:
+        raise ModelError(f"--kv-cache {r.kv_cache}: not one of {', '.join(KV_SHORTHANDS)}")
+    k, v = KV_SHORTHANDS[r.kv_cache]
+    for flag, name in (("--cache-type-k", r.cache_type_k), ("--cache-type-v", r.cache_type_v),
+                       ("--indexer-cache-type-k", r.indexer_cache_type_k)):
         if name is not None and name not in IK_CACHE_TYPES:
             raise ModelError(f"{flag} {name}: not a cache type ik takes ({', '.join(IK_CACHE_TYPES)})")
-    return KvCache(cache_type_k or k, cache_type_v or v, int(k_hadamard), int(v_hadamard), indexer_cache_type_k)
+    return KvCache(r.cache_type_k or k, r.cache_type_v or v, int(r.k_cache_hadamard), int(r.v_cache_hadamard),
+                   r.indexer_cache_type_k)
 
 
 def _indexer_cache(cache: KvCache, cx: Context) -> str | None:

@@ -67,11 +67,10 @@ class Model:
         every decoded byte)."""
         from ikrun.models import check_options, model_class
 
-        requested = requested_cache(kv_cache, cache_type_k, cache_type_v, k_cache_hadamard, v_cache_hadamard,
-                                    indexer_cache_type_k)
         #: the cache options as given (what a sweep's workers are handed)
         self.cache_request = CacheRequest(kv_cache, cache_type_k, cache_type_v, k_cache_hadamard, v_cache_hadamard,
                                           indexer_cache_type_k)
+        requested = requested_cache(self.cache_request)
         self.path = Path(path)
         try:
             self.weights = WeightStore(self.path)
