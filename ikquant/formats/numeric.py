@@ -53,10 +53,11 @@ def _bitcast(result: types.Type, argument: types.Type, target: ir.Type):  # type
     return cast
 
 
-#: a float32's bits as uint32, and back; a uint64's bits as float64
+#: a float32's bits as uint32, and back; a uint64's bits as float64, and back
 f32_bits = _bitcast(types.uint32, types.float32, ir.IntType(32))
 f32_from_bits = _bitcast(types.float32, types.uint32, ir.FloatType())
 f64_from_bits = _bitcast(types.float64, types.uint64, ir.DoubleType())
+f64_bits = _bitcast(types.uint64, types.float64, ir.IntType(64))
 
 
 @intrinsic

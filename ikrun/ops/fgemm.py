@@ -92,8 +92,8 @@ def _tile_code(context, builder, signature, args, n_groups):  # type: ignore[no-
 
 
 #: ROWS x GROUPS token groups, and ROWS x 1 for an expert's odd last group
-_tile = _tile_of(GROUPS)
-_tile_one = _tile_of(1)
+tile = _tile_of(GROUPS)
+tile_one = _tile_of(1)
 
 
 def _value(w, at):  # type: ignore[no-untyped-def]
@@ -208,9 +208,9 @@ def _task(w, which, kind, row_len, xt, group_at, row_at, out, dest, task, n_rows
         _panel(wj, kind, row_len, t * ROWS, n_rows, k0, k1, panel)
         whole = (g1 - g0) // GROUPS * GROUPS
         for g in range(0, whole, GROUPS):
-            _tile(panel, xj, g, k0, k1, n, acc, 0, n_tok)
+            tile(panel, xj, g, k0, k1, n, acc, 0, n_tok)
         for g in range(whole, g1 - g0):
-            _tile_one(panel, xj, g, k0, k1, n, acc, 0, n_tok)
+            tile_one(panel, xj, g, k0, k1, n, acc, 0, n_tok)
     r0 = t * ROWS
     for m in range(row_at[j + 1] - row_at[j]):
         dst = out[dest[row_at[j] + m]]

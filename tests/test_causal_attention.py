@@ -1,0 +1,119 @@
+"""The exact mode's causal attention (ikrun/ops/attention.py causal_attention): every score one FMA chain over the
+head's values in order, the masked softmax (its exponentials in float64, its sum in a fixed order), every output
+one FMA chain over the keys the query sees, in order; so the same bits whichever tile, thread or continuation
+computes a query."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+from numba import njit
+
+from ikquant.formats.numeric import fmaf
+from ikrun.ops.attention import _exp_nonpositive, _softmax_row, causal_attention
+from ikrun.ops.parallel import PARALLEL_MIN_ELEMENTS
+
+
+@njit(cache=True)
+def _reference(q, k, v, scale, window, sinks):  # type: ignore[no-untyped-def]
+    """One query at a time, every product a scalar fused multiply-add loop."""
+    n, n_head, d = q.shape
+    n_keys, n_kv_head, dv = v.shape
+    past, group = n_keys - n, n_head // n_kv_head
+    out = np.zeros((n, n_head, dv), np.float32)
+    for i in range(n):
+        pos = past + i
+        first = max(0, pos - window + 1) if window > 0 else 0
+        for h in range(n_head):
+            hk = h // group
+            p = np.zeros(-(-(pos + 1) // 16) * 16, np.float32)
+            for j in range(pos + 1):
+                acc = np.float32(0.0)
+                for c in range(d):
+                    acc = fmaf(q[i, h, c], k[j, hk, c], acc)
+                p[j] = acc
+            _softmax_row(p, np.float32(scale), first, pos, sinks[h] if sinks.shape[0] else np.float32(-np.inf),
+                         np.empty(16, np.float64))
+            for c in range(dv):
+                acc = np.float32(0.0)
+                for j in range(first, pos + 1):
+                    acc = fmaf(p[j], v[j, hk, c], acc)
+                out[i, h, c] = acc
+    return out
+
+
+def _case(n: int, past: int, heads: int, kv_heads: int, d: int, dv: int,
+          seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, heads, d), dtype=np.float32),
+            rng.standard_normal((past + n, kv_heads, d), dtype=np.float32),
+            rng.standard_normal((past + n, kv_heads, dv), dtype=np.float32))
+
+
+CASES = [  # n, past, heads, kv heads, d, dv, window, sinks
+    (37, 0, 4, 2, 40, 24, 0, False),  # no whole tiles, value channels not a multiple of 16
+    (50, 13, 2, 1, 64, 64, 0, False),  # a continuation
+    (70, 0, 3, 3, 32, 48, 20, True),  # a window and sinks (gpt-oss)
+    (29, 4, 2, 2, 300, 16, 0, False),  # a head longer than one K step of the tiles
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_output_is_the_scalar_fma_chains(case: tuple[int, ...]) -> None:
+    n, past, heads, kv_heads, d, dv, window, with_sinks = case
+    q, k, v = _case(n, past, heads, kv_heads, d, dv)
+    sinks = np.linspace(-1, 1, heads).astype(np.float32) if with_sinks else np.empty(0, np.float32)
+    got = causal_attention(q, k, v, 0.15, window=window, sinks=sinks if with_sinks else None)
+    np.testing.assert_array_equal(got, _reference(q, k, v, np.float32(0.15), window, sinks))
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_a_query_has_the_same_bits_alone_in_a_continuation_and_on_any_thread_count(window: int) -> None:
+    """256 queries (parallel, claimed tiles) against every split into a first part and its continuation."""
+    q, k, v = _case(256, 0, 4, 2, 64, 64, 1)
+    assert q.size * 256 >= PARALLEL_MIN_ELEMENTS
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        one = causal_attention(q, k, v, 0.125, window=window)
+        numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+        whole = causal_attention(q, k, v, 0.125, window=window)
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_array_equal(one, whole)
+    for split in (1, 13, 100, 255):
+        first = causal_attention(q[:split], k[:split], v[:split], 0.125, window=window)
+        rest = causal_attention(q[split:], k, v, 0.125, window=window)
+        np.testing.assert_array_equal(np.concatenate([first, rest]), whole)
+
+
+@njit(cache=True)
+def _exps(x: np.ndarray) -> np.ndarray:
+    out = np.empty_like(x)
+    for j in range(x.shape[0]):
+        out[j] = _exp_nonpositive(x[j])
+    return out
+
+
+def test_the_exponential_is_within_two_ulp_of_libm() -> None:
+    x = np.concatenate([-np.geomspace(1e-300, 707.9, 200_001), [0.0, -0.0, -1e-320, -0.5 * np.log(2)]])
+    got, want = _exps(x), np.exp(x)
+    assert np.all(np.abs(got - want) <= 2 * np.spacing(want))
+    below = _exps(np.array([-708.5, -1e4, -np.inf, np.nan]))
+    assert below[:3].tolist() == [0.0, 0.0, 0.0] and np.isnan(below[3])
+
+
+@pytest.mark.parametrize("first, last, sink", [(0, 0, -np.inf), (0, 40, -np.inf), (17, 63, -np.inf), (5, 30, 2.5)])
+def test_the_softmax_row_is_float64s_rounded(first: int, last: int, sink: float) -> None:
+    """Within an ulp of float32 of the float64 softmax of the scaled scores (each product rounded to float32, as the
+    row keeps them); zeros outside the keys seen."""
+    r = np.random.default_rng(2).normal(0, 30, 64).astype(np.float32)
+    x = (r[first : last + 1] * np.float32(0.3)).astype(np.float64)
+    m = max(x.max(), sink)
+    e = np.exp(x - m)
+    want = e / (e.sum() + np.exp(sink - m))
+    row = r.copy()
+    _softmax_row(row, np.float32(0.3), first, last, np.float32(sink), np.empty(16, np.float64))
+    np.testing.assert_allclose(row[first : last + 1], want, rtol=2 ** -22, atol=0)
+    assert not row[:first].any() and not row[last + 1 :].any()
