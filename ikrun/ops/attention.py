@@ -5,12 +5,10 @@ ikrun/numerics/ik/attention.py.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.numeric import f64_bits, f64_from_bits, fma64
+from ikrun.ops.activations import exp64
 from ikrun.ops.fgemm import GROUPS, K_STEP, LANES, ROWS, tile, tile_one, token_groups
 from ikrun.ops.parallel import claim_items, pick, run_claimed, task_items
 
@@ -78,45 +76,11 @@ def causal_softmax(scores: np.ndarray, scale: float, q0: int, window: int = 0,
     pick(_serial, _parallel, scores.size)(scores, scale, q0, int(window), sink)
 
 
-#: exp(x) for x <= 0 in float64 (_exp_nonpositive): n = round(x log2 e) by adding 1.5 x 2^52, r = x - n ln 2 in
-#: two fused steps, e^r by its Taylor series to r^12 / 12! (|r| <= 0.35: the next term under 2^-52), then x 2^n
-#: from n's bits
-_LOG2E = 1.4426950408889634
-_SHIFT = 6755399441055744.0
-_LN2_HI, _LN2_LO = float.fromhex("0x1.62e42fee00000p-1"), float.fromhex("0x1.a39ef35793c76p-33")
-_SHIFT_BITS = 0x4338000000000000
-_UNDERFLOW = -708.0  # below it e^x is under float64's normal range (and 0 in float32): 0
-_C3, _C4, _C5, _C6, _C7, _C8, _C9, _C10, _C11, _C12 = (1.0 / math.factorial(k) for k in range(3, 13))
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _exp_nonpositive(x: float) -> float:
-    """e^x for x <= 0 in float64 within a few ulp, branch-free so loops over it vectorise (libm's exp is a call a
-    value); 0 below _UNDERFLOW, NaN for NaN."""
-    z = fma64(x, _LOG2E, _SHIFT)
-    n = z - _SHIFT
-    r = fma64(-n, _LN2_LO, fma64(-n, _LN2_HI, x))
-    p = fma64(_C12, r, _C11)
-    p = fma64(p, r, _C10)
-    p = fma64(p, r, _C9)
-    p = fma64(p, r, _C8)
-    p = fma64(p, r, _C7)
-    p = fma64(p, r, _C6)
-    p = fma64(p, r, _C5)
-    p = fma64(p, r, _C4)
-    p = fma64(p, r, _C3)
-    p = fma64(p, r, 0.5)
-    p = fma64(p, r, 1.0)
-    p = fma64(p, r, 1.0)
-    two_n = f64_from_bits((f64_bits(z) - np.uint64(_SHIFT_BITS) + np.uint64(1023)) << np.uint64(52))
-    return 0.0 if x < _UNDERFLOW else p * two_n
-
-
 @njit(cache=True, nogil=True, inline="always")
 def _softmax_row(r: np.ndarray, sc: np.float32, first: int, last: int, sink: np.float32, sums: np.ndarray) -> None:
     """softmax(sc * r) over keys first..last plus a `sink` logit (-inf: none) that takes weight but has no value;
     0 for the other keys (r's length a multiple of 16). The maximum and the exponentials in float64
-    (_exp_nonpositive), each rounded to float32 as stored; their sum in float64, 16 running sums (key j into sum
+    (activations.exp64), each rounded to float32 as stored; their sum in float64, 16 running sums (key j into sum
     j % 16, in key order) added pairwise at the end, then the sink's: a fixed order, whatever the row's span.
     `most` (float32) and `sums` (float64) are 16-value scratch arrays. Every loop runs 16 keys at a time in
     vectors (the single running sum of a scalar loop kept it a value at a time: 1.5 ms of 3.5 for 256 queries of
@@ -137,7 +101,7 @@ def _softmax_row(r: np.ndarray, sc: np.float32, first: int, last: int, sink: np.
         for lane in range(LANES):
             j = b * LANES + lane
             seen = j >= first and j <= last
-            e = _exp_nonpositive(np.float64(block[lane]) - top) if seen else 0.0
+            e = exp64(np.float64(block[lane]) - top) if seen else 0.0
             block[lane] = np.float32(e)
             sums[lane] += e
     width = LANES // 2
@@ -145,7 +109,7 @@ def _softmax_row(r: np.ndarray, sc: np.float32, first: int, last: int, sink: np.
         for lane in range(width):
             sums[lane] += sums[lane + width]
         width //= 2
-    total = sums[0] + (_exp_nonpositive(np.float64(sink) - top) if sink > -np.inf else 0.0)
+    total = sums[0] + (exp64(np.float64(sink) - top) if sink > -np.inf else 0.0)
     inv = np.float32(1.0 / total)
     for j in range(span.shape[0]):
         span[j] *= inv

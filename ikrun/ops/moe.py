@@ -27,7 +27,7 @@ from ikrun.numerics.ik.formats import IK_FLOAT_TYPES, UNROUNDED, integer_rows, r
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
 from ikrun.numerics.ik.iqk_native import NATIVE_TYPES, native_matmuls
 from ikrun.numerics.ik.qgemm import IntRows, PackedInts, qmatmul
-from ikrun.ops.activations import ik_exp
+from ikrun.ops.activations import exp64, ik_exp
 from ikrun.ops.fgemm import HALF_BITS, FileExperts, experts_matmul
 from ikrun.ops.parallel import claim_items, run_claimed, task_items
 from ikrun.ops.stl_heap import partial_sort
@@ -214,14 +214,15 @@ def group_by_expert(sel: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.ndar
 
 @njit(cache=True, nogil=True, inline="always")
 def _swiglu1(g: np.float32, u: np.float32, limit: np.float32, alpha: np.float32, ik: bool, avx2: bool) -> np.float32:
-    """One clamped SwiGLU value from the gate and up projections (`ik`: with ik's exponential, `avx2` its AVX2
-    build's); a positive `alpha` is
-    gpt-oss's form (up + 1) * gate * sigmoid(alpha * gate), whose exponential ik takes from libm as well."""
+    """One clamped SwiGLU value from the gate and up projections, the exponential exp64's rounded to float32 (`ik`:
+    with ik's exponential, `avx2` its AVX2 build's); a positive `alpha` is gpt-oss's form (up + 1) * gate *
+    sigmoid(alpha * gate), whose exponential ik takes from libm."""
     g = min(g, limit)
     u = max(-limit, min(u, limit))
     if alpha > np.float32(0.0):
-        return (u + np.float32(1.0)) * (g / (np.float32(1.0) + np.exp(-g * alpha)))
-    e = ik_exp(-g, avx2) if ik else np.exp(-g)
+        x = -g * alpha
+        return (u + np.float32(1.0)) * (g / (np.float32(1.0) + (np.exp(x) if ik else np.float32(exp64(x)))))
+    e = ik_exp(-g, avx2) if ik else np.float32(exp64(-g))
     return (g / (np.float32(1.0) + e)) * u
 
 
