@@ -11,7 +11,6 @@ import pytest
 from numba import njit
 
 from ikquant.formats.numeric import fmaf
-from ikrun.ops.activations import exp64
 from ikrun.ops.attention import _softmax_row, causal_attention
 from ikrun.ops.parallel import PARALLEL_MIN_ELEMENTS
 

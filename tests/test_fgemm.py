@@ -20,9 +20,9 @@ from ikrun.ops.fgemm import (
     ROWS,
     FileExperts,
     GatheredRows,
-    tile,
     expert_matmul,
     experts_matmul,
+    tile,
     token_groups,
 )
 
