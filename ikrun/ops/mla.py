@@ -35,7 +35,7 @@ from collections.abc import Callable
 import numpy as np
 from numba import njit, prange
 
-from ikrun.ops.attention import QUERY_BLOCK, causal_softmax
+from ikrun.ops.attention import QUERY_BLOCK, causal_attention, causal_softmax
 from ikrun.ops.parallel import pick
 
 
@@ -87,7 +87,8 @@ def materialized_attention(q_rope: np.ndarray, q_nope: np.ndarray, cache: np.nda
     q_rope [n, H, R] (roped), q_nope [n, H, D], cache [p + n, R + C] rows [k_rope | c_kv] (a continuation's earlier
     positions first), w_kvb [H * (D + V), C]; returns the heads' values [n, H, V]. `keep` [n, p + n] (bool): the
     keys each query may see; `store` rounds the materialised keys and values as ik casts them to its
-    cache type.
+    cache type. Without `keep` the heads' keys and values go through ops/attention.causal_attention (a head a KV
+    head); with it, scores through BLAS and the masked softmax.
     """
     n, n_head, n_rope = q_rope.shape
     n_nope = q_nope.shape[2]
@@ -97,21 +98,23 @@ def materialized_attention(q_rope: np.ndarray, q_nope: np.ndarray, cache: np.nda
     k_nope, v = kv[:, :, :n_nope], kv[:, :, n_nope:]
     if store is not None:
         k_nope, v = store(k_nope), store(v)
+    if keep is None:  # plain causal attention of every head's own keys and values
+        k = np.empty((n_keys, n_head, n_rope + n_nope), dtype=np.float32)
+        k[:, :, :n_rope] = cache[:, None, :n_rope]
+        k[:, :, n_rope:] = k_nope
+        return causal_attention(np.concatenate([q_rope, q_nope], axis=2), k, v, scale)
     q = np.concatenate([q_rope, q_nope], axis=2).transpose(1, 0, 2)  # [H, n, R + D]
     k = np.empty((n_head, n_keys, n_rope + n_nope), dtype=np.float32)
     k[:, :, :n_rope] = cache[None, :, :n_rope]
     k[:, :, n_rope:] = k_nope.transpose(1, 0, 2)
     vt = np.ascontiguousarray(v.transpose(1, 0, 2))
-    mask = None if keep is None else np.ascontiguousarray(keep, dtype=np.bool_)
+    mask = np.ascontiguousarray(keep, dtype=np.bool_)
     out = np.empty((n_head, n, v.shape[2]), dtype=np.float32)
     for q0 in range(0, n, QUERY_BLOCK):
         q1 = min(n, q0 + QUERY_BLOCK)
         scores = np.matmul(q[:, q0:q1], k[:, : past + q1].transpose(0, 2, 1))  # [H, nq, p + q1]
-        if mask is None:
-            causal_softmax(scores, scale, past + q0)
-        else:
-            pick(_masked_serial, _masked_parallel, scores.size)(scores, float(scale), 0, past + q0, 0, 0, mask[q0:q1],
-                                                                 True)
+        pick(_masked_serial, _masked_parallel, scores.size)(scores, float(scale), 0, past + q0, 0, 0, mask[q0:q1],
+                                                             True)
         np.matmul(scores, vt[:, : past + q1], out=out[:, q0:q1])
     return out.transpose(1, 0, 2)
 
