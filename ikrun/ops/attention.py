@@ -119,7 +119,7 @@ def _softmax_row(r: np.ndarray, sc: np.float32, first: int, last: int, sink: np.
 def _query_tile(q, kt, vt, out, scale, past, window, sinks, group, n_tiles, task, panel, scores, acc, sums):  # type: ignore[no-untyped-def]
     """Task `task` of causal_attention's kernel: ROWS queries of one head (the costliest tiles first) against the
     key groups they see. Scores: for each query and key, one FMA chain over the head's values in order (fgemm.tile,
-    the keys in the lanes); the masked softmax (_row); values: per query and value channel one FMA chain over the
+    the keys in the lanes); the masked softmax (_softmax_row); values: per query and value channel one FMA chain over the
     keys in order (the channels in the lanes), from the tile's first seen key group to its last key. Keys a query
     may not see weigh 0 in that chain, which leaves it as it was, so every output has the same bits whichever tile,
     block or continuation computes it."""
