@@ -13,6 +13,8 @@ from numba import njit, prange
 from ikrun.numerics.ik.attention import ik_causal_attention
 from ikrun.numerics.ik.formats import Q8_2_X4, Q8_K, integer_rows, round_activations
 from ikrun.numerics.ik.ikgemm import ik_float_matmul
+from ikrun.ops.attention import shared_kv_attention
+from ikrun.ops.hyperconn import hc_post
 from ikrun.ops.parallel import PARALLEL_MIN_ELEMENTS, claim_items, task_items
 
 
@@ -75,3 +77,29 @@ def test_ik_attention_and_float_matmul_are_the_same_at_any_thread_count() -> Non
     for other in more:
         for a, b in zip(one, other, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_hyperconnection_post_is_the_same_at_any_thread_count_and_as_the_serial_kernel(fused: bool) -> None:
+    """DeepSeek-V4's hc_post above the parallel threshold (claimed token tasks), and a few tokens (serial)."""
+    rng = np.random.default_rng(5)
+    t, s, h = PARALLEL_MIN_ELEMENTS // (4 * 256) + 7, 4, 256
+    y, post = rng.standard_normal((t, h)).astype(np.float32), rng.random((t, s)).astype(np.float32)
+    streams, m = rng.standard_normal((t, s, h)).astype(np.float32), rng.random((t, s, s)).astype(np.float32)
+    one, *more = _at_thread_counts(lambda: (hc_post(y, post, streams, m, fused),))
+    np.testing.assert_array_equal(one[0][:5], hc_post(y[:5], post[:5], streams[:5], m[:5], fused))
+    for other in more:
+        np.testing.assert_array_equal(one[0], other[0])
+
+
+def test_shared_kv_attention_is_the_same_at_any_thread_count() -> None:
+    """DeepSeek-V4's window, sinks and compressed entries: the softmax rows in claimed query tasks."""
+    rng = np.random.default_rng(6)
+    q, kv = rng.standard_normal((200, 64, 64)).astype(np.float32), rng.standard_normal((200, 64)).astype(np.float32)
+    comp, keep = rng.standard_normal((12, 64)).astype(np.float32), rng.random((200, 12)) < 0.5
+    sinks = np.linspace(-1, 1, 64).astype(np.float32)
+    assert 32 * 64 * (128 + 32) >= PARALLEL_MIN_ELEMENTS  # a block's scores: the claimed kernel
+    one, *more = _at_thread_counts(lambda: (shared_kv_attention(q, kv, 0.125, window=128, sinks=sinks, comp=comp,
+                                                                comp_keep=keep),))
+    for other in more:
+        np.testing.assert_array_equal(one[0], other[0])

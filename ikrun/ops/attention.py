@@ -78,13 +78,39 @@ def causal_softmax(scores: np.ndarray, scale: float, q0: int, window: int = 0,
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _exps_summed(r: np.ndarray, top: float, sums: np.ndarray) -> float:
+    """r[j] <- exp64(r[j] - top) rounded to float32, for every j (-inf gives 0); returns the sum of the float64
+    values: value j into running sum j % 16, in order, the 16 added pairwise at the end (a fixed order, and loops
+    that run 16 values at a time in vectors; one running sum kept them a value at a time). `sums`: a 16-value
+    float64 scratch array."""
+    sums[:] = 0.0
+    whole = r.shape[0] // LANES
+    for b in range(whole):
+        block = r[b * LANES : (b + 1) * LANES]
+        for lane in range(LANES):
+            e = exp64(np.float64(block[lane]) - top)
+            block[lane] = np.float32(e)
+            sums[lane] += e
+    tail = r[whole * LANES :]
+    for lane in range(tail.shape[0]):
+        e = exp64(np.float64(tail[lane]) - top)
+        tail[lane] = np.float32(e)
+        sums[lane] += e
+    width = LANES // 2
+    while width:
+        for lane in range(width):
+            sums[lane] += sums[lane + width]
+        width //= 2
+    return sums[0]
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _softmax_row(r: np.ndarray, sc: np.float32, first: int, last: int, sink: np.float32, sums: np.ndarray) -> None:
     """softmax(sc * r) over keys first..last plus a `sink` logit (-inf: none) that takes weight but has no value;
-    0 for the other keys (r's length a multiple of 16). Each scaled score less their maximum goes through exp64
-    in float64 and is stored rounded to float32; the sum in float64, 16 running sums (key j into sum j % 16, in key
-    order) added pairwise at the end, then the sink's: a fixed order, whatever the row's span. `sums`: a 16-value
-    float64 scratch array. Scaling, exponentials and normalising run in vectors (with one running sum and libm's
-    exp a value at a time, the softmax took 1.5 of the 3.5 ms of 256 queries of 16 heads; now ~0.6)."""
+    0 for the other keys (r's length a multiple of 16). The scaled scores less their maximum through _exps_summed
+    over the 16-key blocks the row sees, then the sink's exponential added; every loop in vectors (with one running
+    sum and libm's exp a value at a time, the softmax took 1.5 of the 3.5 ms of 256 queries of 16 heads; now
+    ~0.6)."""
     b0, b1 = first // LANES, last // LANES + 1
     r[: b0 * LANES] = 0
     r[b1 * LANES :] = 0
@@ -94,22 +120,10 @@ def _softmax_row(r: np.ndarray, sc: np.float32, first: int, last: int, sink: np.
     m = sink
     for j in range(first - b0 * LANES, last + 1 - b0 * LANES):
         m = span[j] if span[j] > m else m
+    span[: first - b0 * LANES] = -np.inf
+    span[last + 1 - b0 * LANES :] = -np.inf
     top = np.float64(m)
-    sums[:] = 0.0
-    for b in range(b0, b1):
-        block = r[b * LANES : (b + 1) * LANES]
-        for lane in range(LANES):
-            j = b * LANES + lane
-            seen = j >= first and j <= last
-            e = exp64(np.float64(block[lane]) - top) if seen else 0.0
-            block[lane] = np.float32(e)
-            sums[lane] += e
-    width = LANES // 2
-    while width:
-        for lane in range(width):
-            sums[lane] += sums[lane + width]
-        width //= 2
-    total = sums[0] + (exp64(np.float64(sink) - top) if sink > -np.inf else 0.0)
+    total = _exps_summed(span, top, sums) + (exp64(np.float64(sink) - top) if sink > -np.inf else 0.0)
     inv = np.float32(1.0 / total)
     for j in range(span.shape[0]):
         span[j] *= inv
@@ -271,9 +285,10 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, 
 
 @njit(cache=True, nogil=True, inline="always")
 def _sink_row(r: np.ndarray, sc: np.float32, sink: np.float32, pos: int, lo: int, n_raw: int, window: int,
-              comp_keep: np.ndarray) -> None:
+              comp_keep: np.ndarray, sums: np.ndarray) -> None:
     """softmax over the visible scores of r (raw keys lo + j for j < n_raw, then compressed entries) plus one sink
-    logit that takes weight but has no value; 0 for keys the query may not see."""
+    logit that takes weight but has no value; 0 for keys the query may not see. The exponentials and their sum as
+    _softmax_row's (_exps_summed)."""
     m = sink
     for j in range(r.shape[0]):
         if j < n_raw:
@@ -288,12 +303,9 @@ def _sink_row(r: np.ndarray, sc: np.float32, sink: np.float32, pos: int, lo: int
                 m = v
         else:
             r[j] = -np.inf
-    s = np.float64(np.exp(sink - m)) if sink > -np.inf else 0.0
-    for j in range(r.shape[0]):
-        e = np.exp(r[j] - m) if r[j] > -np.inf else np.float32(0.0)
-        r[j] = e
-        s += np.float64(e)
-    inv = np.float32(1.0 / s)
+    top = np.float64(m)
+    total = _exps_summed(r, top, sums) + (exp64(np.float64(sink) - top) if sink > -np.inf else 0.0)
+    inv = np.float32(1.0 / total)
     for j in range(r.shape[0]):
         r[j] *= inv
 
@@ -301,17 +313,26 @@ def _sink_row(r: np.ndarray, sc: np.float32, sink: np.float32, pos: int, lo: int
 @njit(cache=True, nogil=True)
 def _sink_serial(scores, scale, sinks, q0, lo, n_raw, window, comp_keep):  # type: ignore[no-untyped-def]
     n_q, heads, _ = scores.shape
+    sums = np.empty(LANES, np.float64)
     for i in range(n_q):
         for h in range(heads):
-            _sink_row(scores[i, h], np.float32(scale), sinks[h], q0 + i, lo, n_raw, window, comp_keep[i])
+            _sink_row(scores[i, h], np.float32(scale), sinks[h], q0 + i, lo, n_raw, window, comp_keep[i], sums)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _sink_parallel(scores, scale, sinks, q0, lo, n_raw, window, comp_keep):  # type: ignore[no-untyped-def]
+def _sink_parallel(scores, scale, sinks, q0, lo, n_raw, window, comp_keep, threads):  # type: ignore[no-untyped-def]
+    """The queries in tasks the threads claim (ikrun/ops/parallel.py)."""
     n_q, heads, _ = scores.shape
-    for i in prange(n_q):
-        for h in range(heads):
-            _sink_row(scores[i, h], np.float32(scale), sinks[h], q0 + i, lo, n_raw, window, comp_keep[i])
+    per, counter = task_items(n_q, threads), np.zeros(1, np.int64)
+    for _ in prange(threads):
+        sums = np.empty(LANES, np.float64)
+        i0, i1 = claim_items(counter, per, n_q)
+        while i0 < i1:
+            for i in range(i0, i1):
+                for h in range(heads):
+                    _sink_row(scores[i, h], np.float32(scale), sinks[h], q0 + i, lo, n_raw, window, comp_keep[i],
+                              sums)
+            i0, i1 = claim_items(counter, per, n_q)
 
 
 def shared_kv_attention(q: np.ndarray, kv: np.ndarray, scale: float, *, window: int = 0,
@@ -342,7 +363,7 @@ def shared_kv_attention(q: np.ndarray, kv: np.ndarray, scale: float, *, window: 
         keys = np.concatenate([kv[lo:p1], extra])  # [visible raw span + T, d]
         nq = q1 - q0
         scores = (q[q0:q1].reshape(nq * n_head, d) @ keys.T).reshape(nq, n_head, len(keys))
-        pick(_sink_serial, _sink_parallel, scores.size)(scores, float(scale), sink, p0, lo, p1 - lo, int(window),
-                                                         keep[q0:q1])
+        run_claimed(_sink_serial, _sink_parallel, scores.size, scores, float(scale), sink, p0, lo, p1 - lo,
+                    int(window), keep[q0:q1])
         out[q0:q1] = (scores.reshape(nq * n_head, len(keys)) @ keys).reshape(nq, n_head, d)
     return out
