@@ -20,9 +20,9 @@ from ikrun.ops.fgemm import (
     ROWS,
     FileExperts,
     GatheredRows,
+    _tile,
     expert_matmul,
     experts_matmul,
-    tile,
     token_groups,
 )
 
@@ -204,7 +204,7 @@ def _tile_asm() -> str:
 
     @njit
     def call(panel, xt, out):  # type: ignore[no-untyped-def]
-        tile(panel, xt, 0, 0, 64, 64, out, 0, 16 * GROUPS)
+        _tile(panel, xt, 0, 0, 64, 64, out, 0, 16 * GROUPS)
 
     call(np.zeros(ROWS * K_STEP, np.float32), np.zeros(4 * 64 * 16, np.float32),
          np.zeros(ROWS * GROUPS * 16, np.float32))

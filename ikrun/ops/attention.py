@@ -10,7 +10,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikrun.ops.activations import exp64
-from ikrun.ops.fgemm import GROUPS, K_STEP, LANES, ROWS, tile, tile_one, token_groups
+from ikrun.ops.fgemm import K_STEP, LANES, ROWS, tile_groups, token_groups
 from ikrun.ops.parallel import claim_items, pick, run_claimed, task_items
 
 # Query rows per block: bounds the score buffer to heads x block x n_kv floats for long chunks.
@@ -130,13 +130,21 @@ def _softmax_row(r: np.ndarray, sc: np.float32, first: int, last: int, sink: np.
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _panel_row(panel: np.ndarray, i: int, src: np.ndarray) -> None:
+    """Row i of a tile's panel (rows K_STEP apart) starts with src (at most K_STEP values)."""
+    dst = panel[i * K_STEP : i * K_STEP + src.shape[0]]
+    for j in range(src.shape[0]):
+        dst[j] = src[j]
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _query_tile(q, kt, vt, out, scale, past, window, sinks, group, n_tiles, task, panel, scores, acc, sums):  # type: ignore[no-untyped-def]
     """Task `task` of causal_attention's kernel: ROWS queries of one head (the costliest tiles first) against the
-    key groups they see. Scores: for each query and key, one FMA chain over the head's values in order (fgemm.tile,
-    the keys in the lanes); the masked softmax (_softmax_row); values: per query and value channel one FMA chain over the
-    keys in order (the channels in the lanes), from the tile's first seen key group to its last key. Keys a query
-    may not see weigh 0 in that chain, which leaves it as it was, so every output has the same bits whichever tile,
-    block or continuation computes it."""
+    key groups they see. Scores: for each query and key, one FMA chain over the head's values in order
+    (fgemm.tile_groups, the keys in the lanes); the masked softmax (_softmax_row); values: per query and value
+    channel one FMA chain over the keys in order (the channels in the lanes), from the tile's first seen key group
+    to its last key. Keys a query may not see weigh 0 in that chain, which leaves it as it was, so every output has
+    the same bits whichever tile, block or continuation computes it."""
     n, n_head, d = q.shape
     h, t = task % n_head, n_tiles - 1 - task // n_head
     hk = h // group
@@ -154,18 +162,11 @@ def _query_tile(q, kt, vt, out, scale, past, window, sinks, group, n_tiles, task
     for k0 in range(0, d, K_STEP):
         k1 = min(d, k0 + K_STEP)
         for i in range(ROWS):
-            dst = panel[i * K_STEP : i * K_STEP + k1 - k0]
             if i < rows:
-                src = q[i0 + i, h, k0:k1]
-                for j in range(k1 - k0):
-                    dst[j] = src[j]
+                _panel_row(panel, i, q[i0 + i, h, k0:k1])
             else:
-                dst[:] = 0
-        whole = (g_hi - g_lo) // GROUPS * GROUPS
-        for g in range(0, whole, GROUPS):
-            tile(panel, keys, g, hk * d + k0, hk * d + k1, width, s, 0, n_keys)
-        for g in range(whole, g_hi - g_lo):
-            tile_one(panel, keys, g, hk * d + k0, hk * d + k1, width, s, 0, n_keys)
+                panel[i * K_STEP : i * K_STEP + k1 - k0] = 0
+        tile_groups(panel, keys, g_hi - g_lo, hk * d + k0, hk * d + k1, width, s, n_keys)
     sink = sinks[h] if sinks.shape[0] else np.float32(-np.inf)
     key0 = g_lo * LANES
     for i in range(rows):
@@ -178,15 +179,8 @@ def _query_tile(q, kt, vt, out, scale, past, window, sinks, group, n_tiles, task
     for k0 in range(key0, last + 1, K_STEP):
         k1 = min(last + 1, k0 + K_STEP)
         for i in range(ROWS):
-            src = s[i * n_keys + k0 - key0 : i * n_keys + k1 - key0]
-            dst = panel[i * K_STEP : i * K_STEP + k1 - k0]
-            for j in range(k1 - k0):
-                dst[j] = src[j]
-        whole = vt.shape[1] // GROUPS * GROUPS
-        for g in range(0, whole, GROUPS):
-            tile(panel, values, g, k0, k1, n_groups * LANES, a, 0, dv_pad)
-        for g in range(whole, vt.shape[1]):
-            tile_one(panel, values, g, k0, k1, n_groups * LANES, a, 0, dv_pad)
+            _panel_row(panel, i, s[i * n_keys + k0 - key0 : i * n_keys + k1 - key0])
+        tile_groups(panel, values, vt.shape[1], k0, k1, n_groups * LANES, a, dv_pad)
     dv = out.shape[2]
     for i in range(rows):
         dst = out[i0 + i, h]

@@ -92,8 +92,20 @@ def _tile_code(context, builder, signature, args, n_groups):  # type: ignore[no-
 
 
 #: ROWS x GROUPS token groups, and ROWS x 1 for an expert's odd last group
-tile = _tile_of(GROUPS)
-tile_one = _tile_of(1)
+_tile = _tile_of(GROUPS)
+_tile_one = _tile_of(1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def tile_groups(panel, xt, count, k0, k1, n, out, n_tok):  # type: ignore[no-untyped-def]
+    """out[r, :16 count] += the panel's ROWS rows (values k0 .. k1 of a row) times token groups 0 .. count - 1 of xt
+    ([groups, n, 16], flat), each output's FMA chain continued in k order: GROUPS groups a register tile, an odd last
+    group a tile of its own."""
+    whole = count // GROUPS * GROUPS
+    for g in range(0, whole, GROUPS):
+        _tile(panel, xt, g, k0, k1, n, out, 0, n_tok)
+    for g in range(whole, count):
+        _tile_one(panel, xt, g, k0, k1, n, out, 0, n_tok)
 
 
 def _value(w, at):  # type: ignore[no-untyped-def]
@@ -206,11 +218,7 @@ def _task(w, which, kind, row_len, xt, group_at, row_at, out, dest, task, n_rows
     for k0 in range(0, n, K_STEP):
         k1 = min(n, k0 + K_STEP)
         _panel(wj, kind, row_len, t * ROWS, n_rows, k0, k1, panel)
-        whole = (g1 - g0) // GROUPS * GROUPS
-        for g in range(0, whole, GROUPS):
-            tile(panel, xj, g, k0, k1, n, acc, 0, n_tok)
-        for g in range(whole, g1 - g0):
-            tile_one(panel, xj, g, k0, k1, n, acc, 0, n_tok)
+        tile_groups(panel, xj, g1 - g0, k0, k1, n, acc, n_tok)
     r0 = t * ROWS
     for m in range(row_at[j + 1] - row_at[j]):
         dst = out[dest[row_at[j] + m]]
