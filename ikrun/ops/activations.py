@@ -110,12 +110,24 @@ def ik_exp(x: np.float32, avx2: bool) -> np.float32:
 
 
 @njit(cache=True, nogil=True, inline="always")
+def swiglu_value(g: np.float32, u: np.float32, limit: np.float32, alpha: np.float32, ik: bool,
+                 avx2: bool) -> np.float32:
+    """One clamped SwiGLU value from the gate and up projections, the exponential exp64's rounded to float32 (`ik`:
+    with ik's exponential, `avx2` its AVX2 build's); a positive `alpha` is gpt-oss's form (up + 1) * gate *
+    sigmoid(alpha * gate), whose exponential ik takes from libm."""
+    g = min(g, limit)
+    u = max(-limit, min(u, limit))
+    if alpha > np.float32(0.0):
+        x = -g * alpha
+        return (u + np.float32(1.0)) * (g / (np.float32(1.0) + (np.exp(x) if ik else np.float32(exp64(x)))))
+    e = ik_exp(-g, avx2) if ik else np.float32(exp64(-g))
+    return (g / (np.float32(1.0) + e)) * u
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _row(gate: np.ndarray, up: np.ndarray, limit: np.float32, ik: bool, avx2: bool, out: np.ndarray) -> None:
     for j in range(gate.shape[0]):
-        g = min(gate[j], limit)
-        u = max(-limit, min(up[j], limit))
-        e = ik_exp(-g, avx2) if ik else np.float32(exp64(-g))
-        out[j] = (g / (np.float32(1.0) + e)) * u
+        out[j] = swiglu_value(gate[j], up[j], limit, np.float32(0.0), ik, avx2)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")

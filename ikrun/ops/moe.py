@@ -27,7 +27,7 @@ from ikrun.numerics.ik.formats import IK_FLOAT_TYPES, UNROUNDED, integer_rows, r
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
 from ikrun.numerics.ik.iqk_native import NATIVE_TYPES, native_matmuls
 from ikrun.numerics.ik.qgemm import IntRows, PackedInts, qmatmul
-from ikrun.ops.activations import exp64, ik_exp
+from ikrun.ops.activations import swiglu_value
 from ikrun.ops.fgemm import HALF_BITS, FileExperts, experts_matmul
 from ikrun.ops.parallel import claim_items, run_claimed, task_items
 from ikrun.ops.stl_heap import partial_sort
@@ -213,20 +213,6 @@ def group_by_expert(sel: np.ndarray, n_expert: int) -> tuple[np.ndarray, np.ndar
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _swiglu1(g: np.float32, u: np.float32, limit: np.float32, alpha: np.float32, ik: bool, avx2: bool) -> np.float32:
-    """One clamped SwiGLU value from the gate and up projections, the exponential exp64's rounded to float32 (`ik`:
-    with ik's exponential, `avx2` its AVX2 build's); a positive `alpha` is gpt-oss's form (up + 1) * gate *
-    sigmoid(alpha * gate), whose exponential ik takes from libm."""
-    g = min(g, limit)
-    u = max(-limit, min(u, limit))
-    if alpha > np.float32(0.0):
-        x = -g * alpha
-        return (u + np.float32(1.0)) * (g / (np.float32(1.0) + (np.exp(x) if ik else np.float32(exp64(x)))))
-    e = ik_exp(-g, avx2) if ik else np.float32(exp64(-g))
-    return (g / (np.float32(1.0) + e)) * u
-
-
-@njit(cache=True, nogil=True, inline="always")
 def _combine_row(y: np.ndarray, w: np.ndarray, t: int, out: np.ndarray, ik: bool) -> None:
     """Token t's slots weighted and summed in slot order (`ik`: each after the first fused into the sum, as ik's
     compiled mul_multi_add)."""
@@ -273,10 +259,10 @@ def _swiglu_row(g, u, gb, ub, experts, i, limit, alpha, ik, avx2, out):  # type:
     if gb.shape[0]:
         e = experts[i]
         for j in range(g.shape[1]):
-            out[i, j] = _swiglu1(g[i, j] + gb[e, j], u[i, j] + ub[e, j], lim, a, ik, avx2)
+            out[i, j] = swiglu_value(g[i, j] + gb[e, j], u[i, j] + ub[e, j], lim, a, ik, avx2)
     else:
         for j in range(g.shape[1]):
-            out[i, j] = _swiglu1(g[i, j], u[i, j], lim, a, ik, avx2)
+            out[i, j] = swiglu_value(g[i, j], u[i, j], lim, a, ik, avx2)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
