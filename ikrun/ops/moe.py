@@ -284,7 +284,8 @@ def _swiglu_claimed(g, u, gb, ub, experts, limit, alpha, ik, avx2, out, threads)
 
 
 #: an exponential costs the SwiGLU's threads as much as this many of the elementwise work PARALLEL_MIN_ELEMENTS
-#: counts (libm's expf ~3.7 ns a value here): an expert's hundred rows are worth two threads
+#: counts: an expert's hundred rows are worth two threads (set when libm's expf took ~3.7 ns a value here; exp64
+#: takes ~1 ns a value a thread, gpt-oss's form under --numerics ik still libm's; not measured again since)
 EXP_WEIGHT = 8
 _NO_BIAS = np.zeros((0, 0), np.float32)
 
