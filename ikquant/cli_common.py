@@ -99,15 +99,15 @@ def report_outputs(outputs: list[Path], kept: list[Path]) -> None:
 
 def new_app(help_text: str | None, summary: str) -> typer.Typer:
     """A Typer app (App) whose commands exit cleanly (partial outputs removed) on SIGTERM and keep the memory they
-    free (ikquant/heap.py)."""
+    free, in ordinary pages (ikquant/heap.py)."""
     app = App(add_completion=False, no_args_is_help=True, help=help_text)
 
     @app.callback(help=summary)
     def _main() -> None:
         from ikquant.gguf_io import exit_cleanly_on_sigterm
-        from ikquant.heap import retain_freed_memory
+        from ikquant.heap import set_up_process_memory
 
         exit_cleanly_on_sigterm()
-        retain_freed_memory()
+        set_up_process_memory()
 
     return app
