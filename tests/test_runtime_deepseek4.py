@@ -158,6 +158,31 @@ def test_threads_do_not_change_a_bit(model: Model, long_tokens: np.ndarray, monk
     assert_thread_invariant(model, long_tokens[:300], monkeypatch)
 
 
+def test_grouped_output_of_f16_weights_in_the_expert_kernel(tmp_path: Path) -> None:
+    """An F16 attn_output_a is multiplied in the expert kernel, each output group an expert reading its columns of
+    the heads' outputs and writing its columns of the product: each group within float32 rounding of float64's
+    product with its slice; a token alone, and the file's bits in a layer-streamed model, give the same bits."""
+    from ikquant import QuantizeOptions, file_type, quantize_model
+
+    f16 = tmp_path / "f16.gguf"
+    quantize_model(GGUF, f16, QuantizeOptions(file_type("F16"), allow_requantize=True))
+    name, groups = "blk.1.attn_output_a.weight", int(GGUFFile(f16).require("deepseek4.attention.output_group_count"))
+    decoded, streamed = Model(f16), Model(f16)
+    streamed.weights.streaming = True  # as a layer-streamed pass sets it: the file's bits, nothing decoded
+    assert decoded.weights.is_half(name) and groups > 1
+    w = decoded.weights.decode(name).astype(np.float64)
+    rows, per = w.shape[0] // groups, w.shape[1]
+    x = np.random.default_rng(0).standard_normal((37, groups * per)).astype(np.float32)
+    y = decoded.numerics.grouped_product(x, name, groups)
+    assert y.shape == (37, groups * rows)
+    for j in range(groups):
+        want = x[:, j * per : (j + 1) * per].astype(np.float64) @ w[j * rows : (j + 1) * rows].T
+        np.testing.assert_allclose(y[:, j * rows : (j + 1) * rows], want, rtol=0, atol=2e-6 * np.abs(want).max())
+    np.testing.assert_array_equal(decoded.numerics.grouped_product(x[20:21], name, groups), y[20:21])
+    np.testing.assert_array_equal(streamed.numerics.grouped_product(x, name, groups), y)
+    assert streamed.weights.reads[name] > 0 and decoded.weights.cached_array(name) is not None
+
+
 def test_validate_command() -> None:
     res = runner.invoke(app, ["validate", "--hf", str(HF), "--gguf", str(GGUF), "--ctx", "200"])
     assert res.exit_code == 0, res.output

@@ -437,13 +437,12 @@ class Deepseek4(ArchModel):
     def _grouped_output(self, b: str, out: np.ndarray) -> np.ndarray:
         """attn_output_a per group of heads: [n, heads, d] -> [n, groups * o_lora]."""
         cx, n, g = self.ctx, len(out), self.n_groups
-        grouped = np.ascontiguousarray(out.reshape(n, g, -1).transpose(1, 0, 2))  # [g, n, heads * d / g]
-        name = b + "attn_output_a.weight"
+        x = out.reshape(n, -1)
+        name, per = b + "attn_output_a.weight", x.shape[1] // g
         if cx.observers:
             for j in range(g):
-                cx.observe(name, grouped[j], j, g)
-        product = cx.numerics.sliced_product(grouped, name)
-        return np.ascontiguousarray(product.transpose(1, 0, 2)).reshape(n, -1)
+                cx.observe(name, x[:, j * per : (j + 1) * per], j, g)
+        return cx.numerics.grouped_product(x, name, g)
 
     def _compress(self, p: str, h: np.ndarray, ratio: int, width: int, seq: Sequence) -> np.ndarray:
         """Compressed entries [n // ratio, width] of one compressor (`p`: its tensor prefix) over the complete

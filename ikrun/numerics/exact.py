@@ -21,7 +21,7 @@ from ikrun.ops.activations import swiglu
 from ikrun.ops.attention import causal_attention, shared_kv_attention
 from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
 from ikrun.ops.delta_net import decay_and_beta, delta_rule_chunked, gated_rms_norm
-from ikrun.ops.fgemm import GatheredRows, expert_matmul
+from ikrun.ops.fgemm import GatheredRows, expert_matmul, experts_matmul
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.indexer import indexer_scores
 from ikrun.ops.mla import latent_attention, materialized_attention
@@ -353,9 +353,13 @@ class Numerics:
         return rows
 
     def _half_product(self, x: np.ndarray | GatheredRows, name: str) -> np.ndarray:
-        """x @ W^T for an F16 / BF16 weight in the expert kernel: a layer-streamed pass (or a weight past the cache)
-        hands it the file's bits, nothing decoded (the pass releases a block's pages after the block; the weight
-        past the cache, its pages after the product); otherwise its cached float32 decoding (what a reload
+        """x @ W^T for an F16 / BF16 weight in the expert kernel."""
+        return self._on_halves(name, lambda w: expert_matmul(x, w))
+
+    def _on_halves(self, name: str, product: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """product(W) for an F16 / BF16 weight the expert kernel multiplies: a layer-streamed pass (or a weight past
+        the cache) hands it the file's bits, nothing decoded (the pass releases a block's pages after the block; the
+        weight past the cache, its pages after the product); otherwise its cached float32 decoding (what a reload
         compares against the file, and what keeps a model running while its file is being rewritten). Both give
         the same bits: the kernel widens the bits exactly."""
         w = self.weights
@@ -363,8 +367,8 @@ class Numerics:
         if decoded is None and not w.streaming and w.fits(w.decoded_bytes(name)):
             decoded = w.decode(name)
         if decoded is not None:
-            return expert_matmul(x, decoded)
-        y = expert_matmul(x, w.half_rows(name))
+            return product(decoded)
+        y = product(w.half_rows(name))
         if not w.streaming:
             w.release([name])
         return y
@@ -385,6 +389,26 @@ class Numerics:
         rows = self.weights.info(name).shape[0] // n_head
         w = self.matmul_weight(name, n, rows).reshape(n_head, rows, -1)
         return np.matmul(self.activations(x, name), w.transpose(0, 2, 1))
+
+    def grouped_product(self, x: np.ndarray, name: str, groups: int) -> np.ndarray:
+        """x [n, groups * k]: each group of k columns times its equal slice of the 2-D weight `name`'s rows, the
+        products side by side [n, rows] (DeepSeek-V4's grouped output). An F16 / BF16 weight goes through the expert
+        kernel in one call, each group an expert whose tokens are x's rows read at its columns and whose results
+        land in its columns of the output: no transposed copies, and tasks the threads claim where numpy's batched
+        BLAS split the work in fixed parts. Other weights, and arithmetics that multiply halves otherwise, take
+        sliced_product of the groups."""
+        n = len(x)
+        if not (self.multiplies_halves and self.weights.is_half(name)):
+            grouped = np.ascontiguousarray(x.reshape(n, groups, -1).transpose(1, 0, 2))  # [groups, n, k]
+            return np.ascontiguousarray(self.sliced_product(grouped, name).transpose(1, 0, 2)).reshape(n, -1)
+        rows = self.weights.info(name).shape[0] // groups
+        y = np.empty((n, groups * rows), np.float32)
+        at = (np.arange(groups)[:, None] + groups * np.arange(n)).reshape(-1)  # group j's row t: x's [n * groups, k] row t groups + j
+        row_at = n * np.arange(groups + 1, dtype=np.int64)
+        x_rows = np.ascontiguousarray(x, dtype=np.float32).reshape(n * groups, -1)
+        self._on_halves(name, lambda w: experts_matmul(x_rows, w.reshape(groups, rows, -1), at, row_at,
+                                                       y.reshape(n * groups, rows), at))
+        return y
 
     def routed_experts(self, x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, names: list[str],
                        group: int | None, glu: ExpertGlu, keep_act: bool,
