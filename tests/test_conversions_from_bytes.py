@@ -168,18 +168,18 @@ def test_q8_0_reads_its_integers_and_scales_from_its_bytes(rows: int) -> None:
 BLOCK32 = {"Q8_0": (34, 2), "MXFP4": (17, 1)}
 
 
-def _block32_rows(type_name: str, rows: int) -> np.ndarray:
+def _block32_rows(type_name: str, rows: int, cols: int = N) -> np.ndarray:
     """Codec-written rows, then random value bytes (Q8_0: -128 in one row only, so the groups without it say so;
     MXFP4: every code) and scales: Q8_0's f16 scales as written with one 0 and one -0, MXFP4's exponents random
     over 1..252 (with both ends)."""
     rng = np.random.default_rng(rows)
     size, start = BLOCK32[type_name]
-    raw = type_by_name(type_name).require_codec().quantize(rng.standard_normal((rows, N)).astype(np.float32))
+    raw = type_by_name(type_name).require_codec().quantize(rng.standard_normal((rows, cols)).astype(np.float32))
     blocks = raw.reshape(rows, -1, size)
     blocks[..., start:] = rng.integers(0, 256, blocks[..., start:].shape, dtype=np.uint8)
     if type_name == "Q8_0":
         blocks[..., start:][blocks[..., start:] == 128] = 0
-        blocks[rows // 2, 3, 9] = 128
+        blocks[rows // 2, min(3, blocks.shape[1] - 1), 9] = 128
         blocks[0, 1, :2] = 0
         blocks[-1, 2, :2] = np.frombuffer(np.float16(-0.0).tobytes(), np.uint8)
     else:
@@ -191,17 +191,18 @@ def _block32_rows(type_name: str, rows: int) -> np.ndarray:
 @pytest.mark.parametrize("type_name", list(BLOCK32))
 @pytest.mark.parametrize("converts", [True, False], ids=["Q8_0_R8", "own kernel"])
 @pytest.mark.parametrize("rows", [1, 32, 45])
-def test_block32_types_pack_from_their_bytes_as_the_general_path(type_name: str, converts: bool,
-                                                                   rows: int) -> None:
+@pytest.mark.parametrize("cols", [N, 96], ids=["blocks in pairs", "an odd last block"])
+def test_block32_types_pack_from_their_bytes_as_the_general_path(type_name: str, converts: bool, rows: int,
+                                                                   cols: int) -> None:
     """Both of ik's forms (converted to Q8_0_R8; its own kernel's, every value + the type's bias as an unsigned
     byte) against the integers recovered from the decoding (MXFP4) or read (Q8_0), then packed; padding rows (not
-    whole 32-row calls)."""
-    raw = _block32_rows(type_name, rows)
+    whole 32-row calls); rows of an odd number of blocks (the pack transposes blocks two at a time)."""
+    raw = _block32_rows(type_name, rows, cols)
     kernel = ik_kernel(type_name)
     n_act = 32 if converts else 8
     direct, ints = kernel.packed(n_act, 64), kernel.integers(n_act, 64)
     assert direct is not None and ints is not None
-    _assert_same(direct(raw), pack(ints(raw, type_by_name(type_name).require_codec().dequantize(raw, N))))
+    _assert_same(direct(raw), pack(ints(raw, type_by_name(type_name).require_codec().dequantize(raw, cols))))
 
 
 @pytest.mark.parametrize("exponent", [253, 255])

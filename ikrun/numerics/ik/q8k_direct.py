@@ -231,7 +231,8 @@ def _block32_group(raw: np.ndarray, kind: int, nb: int, bias: int, g: int, out4:
         row_index = g * LANES + r
         if row_index < rows:
             row = raw[row_index]
-            halves = row.view(np.uint16)
+            # Q8_0's rows are whole 34-byte blocks; an MXFP4 row of an odd number of blocks has no 16-bit view
+            halves = (row if kind == KIND_Q8_0 else row[:0]).view(np.uint16)
             for b in range(nb):
                 dst = words + np.uint64(b) * words_per_block * lanes + np.uint64(r)
                 at = (g * nb + b) * LANES + r
