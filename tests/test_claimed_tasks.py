@@ -93,12 +93,12 @@ def test_hyperconnection_post_is_the_same_at_any_thread_count_and_as_the_serial_
 
 
 def test_shared_kv_attention_is_the_same_at_any_thread_count() -> None:
-    """DeepSeek-V4's window, sinks and compressed entries: the softmax rows in claimed query tasks."""
+    """DeepSeek-V4's window, sinks and compressed entries: the causal kernel's claimed (head, query tile) tasks."""
     rng = np.random.default_rng(6)
     q, kv = rng.standard_normal((200, 64, 64)).astype(np.float32), rng.standard_normal((200, 64)).astype(np.float32)
     comp, keep = rng.standard_normal((12, 64)).astype(np.float32), rng.random((200, 12)) < 0.5
     sinks = np.linspace(-1, 1, 64).astype(np.float32)
-    assert 32 * 64 * (128 + 32) >= PARALLEL_MIN_ELEMENTS  # a block's scores: the claimed kernel
+    assert q.size * (len(kv) + len(comp)) >= PARALLEL_MIN_ELEMENTS  # the parallel kernel
     one, *more = _at_thread_counts(lambda: (shared_kv_attention(q, kv, 0.125, window=128, sinks=sinks, comp=comp,
                                                                 comp_keep=keep),))
     for other in more:

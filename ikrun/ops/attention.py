@@ -1,7 +1,7 @@
 """Causal multi-head attention with grouped KV heads (causal_attention: one Numba kernel in the exact mode's matmul
-tiles, a fixed summation order), and one shared key/value head with sinks, a window and extra masked rows
-(DeepSeek-V4: scores through BLAS, the masked softmax in Numba; causal_softmax also serves ops/mla.py). ik's own
-arithmetic of these lives in ikrun/numerics/ik/attention.py.
+tiles, a fixed summation order), also for one shared key/value head with sinks, a window and extra masked rows
+(DeepSeek-V4); causal_softmax serves ops/mla.py. ik's own arithmetic of these lives in
+ikrun/numerics/ik/attention.py.
 """
 
 from __future__ import annotations
@@ -15,11 +15,6 @@ from ikrun.ops.parallel import claim_items, pick, run_claimed, task_items
 
 # Query rows per block: bounds the score buffer to heads x block x n_kv floats for long chunks.
 QUERY_BLOCK = 256
-#: query rows per block of a windowed shared key/value attention: a block's products span the window plus the block
-#: (the keys every query of it may see), so smaller blocks compute fewer scores their queries cannot see. OpenBLAS's
-#: SkylakeX kernel on 2 threads, DeepSeek-V4 Flash's 64 heads of 512, window 128, 512 queries, 4 extra rows: 270 ms
-#: a call in blocks of 256, 103 ms in 64, 89 ms in 32 (the bench file's 16 heads of 256, 256 queries: 21.0 -> 14.8)
-WINDOW_QUERY_BLOCK = 32
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -130,6 +125,31 @@ def _softmax_row(r: np.ndarray, sc: np.float32, first: int, last: int, sink: np.
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _extra_softmax_row(r: np.ndarray, sc: np.float32, first: int, last: int, n_raw: int, keep: np.ndarray,
+                       sink: np.float32, sums: np.ndarray) -> None:
+    """_softmax_row over raw keys first..last of r[:n_raw] and the extra entries r[n_raw + t] that `keep[t]` lets
+    the query see (r's length a multiple of 16; entries past keep's are padding): the others -inf before the
+    exponentials (_exps_summed gives them 0)."""
+    m = sink
+    for j in range(r.shape[0]):
+        if j < n_raw:
+            visible = first <= j <= last
+        else:
+            visible = j - n_raw < keep.shape[0] and keep[j - n_raw]
+        if visible:
+            v = r[j] * sc
+            r[j] = v
+            m = v if v > m else m
+        else:
+            r[j] = -np.inf
+    top = np.float64(m)
+    total = _exps_summed(r, top, sums) + (exp64(np.float64(sink) - top) if sink > -np.inf else 0.0)
+    inv = np.float32(1.0 / total)
+    for j in range(r.shape[0]):
+        r[j] *= inv
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _panel_row(panel: np.ndarray, i: int, src: np.ndarray) -> None:
     """Row i of a tile's panel (rows K_STEP apart) starts with src (at most K_STEP values)."""
     dst = panel[i * K_STEP : i * K_STEP + src.shape[0]]
@@ -138,13 +158,30 @@ def _panel_row(panel: np.ndarray, i: int, src: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _query_tile(q, kt, vt, out, scale, past, window, sinks, group, n_tiles, task, panel, scores, acc, sums):  # type: ignore[no-untyped-def]
+def _kept_prefix(keep: np.ndarray, i0: int, i1: int) -> int:
+    """1 + the last extra entry any of queries i0 .. i1 - 1 keeps (0: none; a causal compressed cache grows with
+    the position, so early tiles see few entries)."""
+    used = 0
+    for i in range(i0, i1):
+        row = keep[i]
+        for t in range(row.shape[0] - 1, used - 1, -1):
+            if row[t]:
+                used = t + 1
+                break
+    return used
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _query_tile(q, kt, vt, out, scale, past, window, sinks, group, n_tiles, task, panel, scores, acc, sums,  # type: ignore[no-untyped-def]
+                extra_at, keep):
     """Task `task` of causal_attention's kernel: ROWS queries of one head (the costliest tiles first) against the
     key groups they see. Scores: for each query and key, one FMA chain over the head's values in order
     (fgemm.tile_groups, the keys in the lanes); the masked softmax (_softmax_row); values: per query and value
     channel one FMA chain over the keys in order (the channels in the lanes), from the tile's first seen key group
     to its last key. Keys a query may not see weigh 0 in that chain, which leaves it as it was, so every output has
-    the same bits whichever tile, block or continuation computes it."""
+    the same bits whichever tile, block or continuation computes it. Extra entries (keep [n, T], T > 0) are the key
+    groups from `extra_at` on: a tile scores those up to the last one any of its queries keeps, and their values
+    continue each chain after the raw keys', in order."""
     n, n_head, d = q.shape
     h, t = task % n_head, n_tiles - 1 - task // n_head
     hk = h // group
@@ -155,8 +192,12 @@ def _query_tile(q, kt, vt, out, scale, past, window, sinks, group, n_tiles, task
     last = past + i0 + rows - 1
     g_lo = max(0, past + i0 - window + 1) // LANES if window > 0 else 0
     g_hi = last // LANES + 1
-    n_keys = (g_hi - g_lo) * LANES
-    keys = kt.reshape(-1)[g_lo * width * LANES : g_hi * width * LANES]
+    n_raw = (g_hi - g_lo) * LANES
+    n_extra = -(-_kept_prefix(keep, i0, i0 + rows) // LANES)
+    n_keys = n_raw + n_extra * LANES
+    flat = kt.reshape(-1)
+    keys = flat[g_lo * width * LANES : g_hi * width * LANES]
+    extra_keys = flat[extra_at * width * LANES :]
     s = scores[: ROWS * n_keys]
     s[:] = 0
     for k0 in range(0, d, K_STEP):
@@ -167,12 +208,18 @@ def _query_tile(q, kt, vt, out, scale, past, window, sinks, group, n_tiles, task
             else:
                 panel[i * K_STEP : i * K_STEP + k1 - k0] = 0
         tile_groups(panel, keys, g_hi - g_lo, hk * d + k0, hk * d + k1, width, s, n_keys)
+        if n_extra:
+            tile_groups(panel, extra_keys, n_extra, hk * d + k0, hk * d + k1, width, s[n_raw:], n_keys)
     sink = sinks[h] if sinks.shape[0] else np.float32(-np.inf)
     key0 = g_lo * LANES
     for i in range(rows):
         pos = past + i0 + i
         first = max(0, pos - window + 1) if window > 0 else 0
-        _softmax_row(s[i * n_keys : (i + 1) * n_keys], np.float32(scale), first - key0, pos - key0, sink, sums)
+        row = s[i * n_keys : (i + 1) * n_keys]
+        if n_extra:
+            _extra_softmax_row(row, np.float32(scale), first - key0, pos - key0, n_raw, keep[i0 + i], sink, sums)
+        else:
+            _softmax_row(row, np.float32(scale), first - key0, pos - key0, sink, sums)
     a = acc[: ROWS * dv_pad]
     a[:] = 0
     values = vt[hk].reshape(-1)
@@ -181,6 +228,12 @@ def _query_tile(q, kt, vt, out, scale, past, window, sinks, group, n_tiles, task
         for i in range(ROWS):
             _panel_row(panel, i, s[i * n_keys + k0 - key0 : i * n_keys + k1 - key0])
         tile_groups(panel, values, vt.shape[1], k0, k1, n_groups * LANES, a, dv_pad)
+    for c0 in range(0, n_extra * LANES, K_STEP):
+        c1 = min(n_extra * LANES, c0 + K_STEP)
+        for i in range(ROWS):
+            _panel_row(panel, i, s[i * n_keys + n_raw + c0 : i * n_keys + n_raw + c1])
+        tile_groups(panel, values, vt.shape[1], extra_at * LANES + c0, extra_at * LANES + c1, n_groups * LANES, a,
+                    dv_pad)
     dv = out.shape[2]
     for i in range(rows):
         dst = out[i0 + i, h]
@@ -189,18 +242,20 @@ def _query_tile(q, kt, vt, out, scale, past, window, sinks, group, n_tiles, task
 
 
 @njit(cache=True, nogil=True)
-def _attention_serial(q, kt, vt, out, scale, past, window, sinks, group):  # type: ignore[no-untyped-def]
+def _attention_serial(q, kt, vt, out, scale, past, window, sinks, group, extra_at, keep):  # type: ignore[no-untyped-def]
     n_tiles = -(-q.shape[0] // ROWS)
     panel = np.empty(ROWS * K_STEP, np.float32)
     scores = np.empty(ROWS * kt.shape[0] * LANES, np.float32)
     acc = np.empty(ROWS * vt.shape[1] * LANES, np.float32)
     sums = np.empty(LANES, np.float64)
     for task in range(n_tiles * q.shape[1]):
-        _query_tile(q, kt, vt, out, scale, past, window, sinks, group, n_tiles, task, panel, scores, acc, sums)
+        _query_tile(q, kt, vt, out, scale, past, window, sinks, group, n_tiles, task, panel, scores, acc, sums,
+                    extra_at, keep)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _attention_parallel(q, kt, vt, out, scale, past, window, sinks, group, threads):  # type: ignore[no-untyped-def]
+def _attention_parallel(q, kt, vt, out, scale, past, window, sinks, group, extra_at, keep,  # type: ignore[no-untyped-def]
+                        threads):
     """The (head, query tile) tasks, claimed by the threads (ikrun/ops/parallel.py)."""
     n_tiles = -(-q.shape[0] // ROWS)
     tasks = n_tiles * q.shape[1]
@@ -213,7 +268,8 @@ def _attention_parallel(q, kt, vt, out, scale, past, window, sinks, group, threa
         t0, t1 = claim_items(counter, per, tasks)
         while t0 < t1:
             for task in range(t0, t1):
-                _query_tile(q, kt, vt, out, scale, past, window, sinks, group, n_tiles, task, panel, scores, acc, sums)
+                _query_tile(q, kt, vt, out, scale, past, window, sinks, group, n_tiles, task, panel, scores, acc, sums,
+                            extra_at, keep)
             t0, t1 = claim_items(counter, per, tasks)
 
 
@@ -254,10 +310,13 @@ def _channels_parallel(v, vt, threads):  # type: ignore[no-untyped-def]
 
 
 def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, *, window: int = 0,
-                     sinks: np.ndarray | None = None) -> np.ndarray:
+                     sinks: np.ndarray | None = None,
+                     extra: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """q [n, H, d], k/v [p + n, Hkv, d(v)] -> [n, H, dv]; the queries are positions p..p+n-1 (p = 0 for a fresh
     sequence; a continuation's earlier keys and values come first) and query i attends to keys 0..p+i (with a
-    `window`, only the last `window` of them, its own included); `sinks` [H] (causal_softmax).
+    `window`, only the last `window` of them, its own included); `sinks` [H] (causal_softmax); `extra` (keys [T,
+    Hkv, d], values [T, Hkv, dv], keep [n, T]): entries beside the positions that query i sees where keep[i] says
+    (DeepSeek-V4's compressed rows).
 
     Each score is one FMA chain over d in order and each output one over the seen keys in order (_query_tile), in
     the exact mode's matmul tiles (ikrun/ops/fgemm.py); a query tile skips the key groups it may not see, which
@@ -266,67 +325,27 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, 
     n, n_head, _ = q.shape
     n_keys, n_kv_head, dv = v.shape
     keys = np.ascontiguousarray(k, dtype=np.float32).reshape(n_keys, -1)
-    kt, _ = token_groups(keys, np.arange(n_keys, dtype=np.int64), np.array([0, n_keys], np.int64))
     values = np.ascontiguousarray(v, dtype=np.float32)
+    keep = np.zeros((n, 0), np.bool_)
+    extra_at = -(-n_keys // LANES)
+    if extra is not None and extra[2].shape[1]:
+        ek, ev, keep = extra
+        if keep.shape != (n, len(ek)) or len(ev) != len(ek):
+            raise ValueError(f"extra entries: {len(ek)} keys, {len(ev)} values, keep {list(keep.shape)} for {n} queries")
+        pad = extra_at * LANES - n_keys  # the extra entries start a key group of their own
+        keys = np.concatenate([keys, np.zeros((pad, keys.shape[1]), np.float32),
+                               np.ascontiguousarray(ek, dtype=np.float32).reshape(len(ek), -1)])
+        values = np.concatenate([values, np.zeros((pad, n_kv_head, dv), np.float32),
+                                 np.ascontiguousarray(ev, dtype=np.float32)])
+        keep = np.ascontiguousarray(keep, dtype=np.bool_)
+    kt, _ = token_groups(keys, np.arange(len(keys), dtype=np.int64), np.array([0, len(keys)], np.int64))
     vt = np.empty((n_kv_head, -(-dv // LANES), kt.shape[0] * LANES, LANES), np.float32)
     run_claimed(_channels_serial, _channels_parallel, vt.size, values, vt)
     sink = np.empty(0, np.float32) if sinks is None else np.ascontiguousarray(sinks, dtype=np.float32)
     out = np.empty((n, n_head, dv), np.float32)
-    run_claimed(_attention_serial, _attention_parallel, q.size * n_keys, np.ascontiguousarray(q, dtype=np.float32),
-                kt, vt, out, np.float32(scale), n_keys - n, int(window), sink, n_head // n_kv_head)
+    run_claimed(_attention_serial, _attention_parallel, q.size * len(keys), np.ascontiguousarray(q, dtype=np.float32),
+                kt, vt, out, np.float32(scale), n_keys - n, int(window), sink, n_head // n_kv_head, extra_at, keep)
     return out
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _sink_row(r: np.ndarray, sc: np.float32, sink: np.float32, pos: int, lo: int, n_raw: int, window: int,
-              comp_keep: np.ndarray, sums: np.ndarray) -> None:
-    """softmax over the visible scores of r (raw keys lo + j for j < n_raw, then compressed entries) plus one sink
-    logit that takes weight but has no value; 0 for keys the query may not see. The exponentials and their sum as
-    _softmax_row's (_exps_summed)."""
-    m = sink
-    for j in range(r.shape[0]):
-        if j < n_raw:
-            key = lo + j
-            visible = key <= pos and (window <= 0 or pos - key < window)
-        else:
-            visible = comp_keep[j - n_raw]
-        if visible:
-            v = r[j] * sc
-            r[j] = v
-            if v > m:
-                m = v
-        else:
-            r[j] = -np.inf
-    top = np.float64(m)
-    total = _exps_summed(r, top, sums) + (exp64(np.float64(sink) - top) if sink > -np.inf else 0.0)
-    inv = np.float32(1.0 / total)
-    for j in range(r.shape[0]):
-        r[j] *= inv
-
-
-@njit(cache=True, nogil=True)
-def _sink_serial(scores, scale, sinks, q0, lo, n_raw, window, comp_keep):  # type: ignore[no-untyped-def]
-    n_q, heads, _ = scores.shape
-    sums = np.empty(LANES, np.float64)
-    for i in range(n_q):
-        for h in range(heads):
-            _sink_row(scores[i, h], np.float32(scale), sinks[h], q0 + i, lo, n_raw, window, comp_keep[i], sums)
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _sink_parallel(scores, scale, sinks, q0, lo, n_raw, window, comp_keep, threads):  # type: ignore[no-untyped-def]
-    """The queries in tasks the threads claim (ikrun/ops/parallel.py)."""
-    n_q, heads, _ = scores.shape
-    per, counter = task_items(n_q, threads), np.zeros(1, np.int64)
-    for _ in prange(threads):
-        sums = np.empty(LANES, np.float64)
-        i0, i1 = claim_items(counter, per, n_q)
-        while i0 < i1:
-            for i in range(i0, i1):
-                for h in range(heads):
-                    _sink_row(scores[i, h], np.float32(scale), sinks[h], q0 + i, lo, n_raw, window, comp_keep[i],
-                              sums)
-            i0, i1 = claim_items(counter, per, n_q)
 
 
 def shared_kv_attention(q: np.ndarray, kv: np.ndarray, scale: float, *, window: int = 0,
@@ -337,27 +356,20 @@ def shared_kv_attention(q: np.ndarray, kv: np.ndarray, scale: float, *, window: 
     q [n, H, d] the queries at positions start..start+n-1 (start > 0: a continued sequence); kv [start + n, d] the
     per-position key = value rows (query t sees row s when s <= t and, with a window, t - s < window); `comp` [T, d]
     extra key = value rows (compressed entries) seen where `comp_keep` [n, T] says; `sinks` [H] one logit per head in
-    every softmax's denominator. Returns [n, H, d]. Scores and values go through BLAS per block of queries over the
-    raw rows the block can see, all heads of the block in one product (the heads share the keys), the masked softmax
-    in Numba."""
-    n, n_head, d = q.shape
+    every softmax's denominator. Returns [n, H, d]: causal_attention with the one head as keys and values and the
+    compressed entries as its extra ones. Through BLAS per block of 32 queries and a masked softmax, 16 heads of 256
+    with a window of 128 and sinks (2 threads, a call in a loop) took 4.5-4.8 ms at 256 queries and 22.6-28.5 ms at
+    1,024 (52.8-59.5 ms with 256 compressed entries, 64 kept a query); in the kernel's tiles 3.05, 15.4-16.0 and
+    30.2-31.9 ms."""
+    n = len(q)
     if len(kv) != start + n:
         raise ValueError(f"kv has {len(kv)} rows, expected {start + n} (start {start} + {n} queries)")
-    extra = np.zeros((0, d), dtype=np.float32) if comp is None else np.ascontiguousarray(comp, dtype=np.float32)
-    keep = np.zeros((n, 0), dtype=np.bool_) if comp_keep is None else np.ascontiguousarray(comp_keep, dtype=np.bool_)
-    if keep.shape != (n, extra.shape[0]):
-        raise ValueError(f"comp_keep has shape {list(keep.shape)}, expected {[n, extra.shape[0]]}")
-    sink = np.full(n_head, -np.inf, dtype=np.float32) if sinks is None else np.ascontiguousarray(sinks, np.float32)
-    out = np.empty((n, n_head, d), dtype=np.float32)
-    block = WINDOW_QUERY_BLOCK if window > 0 else QUERY_BLOCK
-    for q0 in range(0, n, block):
-        q1 = min(n, q0 + block)
-        p0, p1 = start + q0, start + q1  # the block's positions
-        lo = max(0, p0 - window + 1) if window > 0 else 0
-        keys = np.concatenate([kv[lo:p1], extra])  # [visible raw span + T, d]
-        nq = q1 - q0
-        scores = (q[q0:q1].reshape(nq * n_head, d) @ keys.T).reshape(nq, n_head, len(keys))
-        run_claimed(_sink_serial, _sink_parallel, scores.size, scores, float(scale), sink, p0, lo, p1 - lo,
-                    int(window), keep[q0:q1])
-        out[q0:q1] = (scores.reshape(nq * n_head, len(keys)) @ keys).reshape(nq, n_head, d)
-    return out
+    extra = None
+    if comp is not None and len(comp):
+        rows = np.ascontiguousarray(comp, dtype=np.float32)[:, None, :]
+        keep = np.zeros((n, len(rows)), np.bool_) if comp_keep is None else comp_keep
+        if keep.shape != (n, len(rows)):
+            raise ValueError(f"comp_keep has shape {list(keep.shape)}, expected {[n, len(rows)]}")
+        extra = (rows, rows, keep)
+    shared = np.ascontiguousarray(kv, dtype=np.float32)[:, None, :]
+    return causal_attention(q, shared, shared, scale, window=window, sinks=sinks, extra=extra)
