@@ -97,17 +97,19 @@ def report_outputs(outputs: list[Path], kept: list[Path]) -> None:
         err.print(f"  {path}: " + ("unchanged, left as it was" if path in kept else "written"), highlight=False)
 
 
-def new_app(help_text: str | None, summary: str) -> typer.Typer:
+def new_app(help_text: str | None, summary: str, ordinary_pages: bool = False) -> typer.Typer:
     """A Typer app (App) whose commands exit cleanly (partial outputs removed) on SIGTERM and keep the memory they
-    free, in ordinary pages (ikquant/heap.py)."""
+    free (ikquant/heap.py); with `ordinary_pages`, without numpy's huge-page advice (heap.no_huge_page_advice)."""
     app = App(add_completion=False, no_args_is_help=True, help=help_text)
 
     @app.callback(help=summary)
     def _main() -> None:
         from ikquant.gguf_io import exit_cleanly_on_sigterm
-        from ikquant.heap import set_up_process_memory
+        from ikquant.heap import no_huge_page_advice, retain_freed_memory
 
         exit_cleanly_on_sigterm()
-        set_up_process_memory()
+        retain_freed_memory()
+        if ordinary_pages:
+            no_huge_page_advice()
 
     return app

@@ -66,9 +66,9 @@ class Cluster:
     threads: int
 
 
-#: every worker process of a command's job keeps the memory it frees, in ordinary pages, as the command-line tools do
-#: (heap.py: a layer's buffers reuse the last layer's pages; without it the workers faulted fresh ones in every layer)
-WORKER_ENV = {"worker_process_setup_hook": "ikquant.heap.set_up_process_memory"}
+#: every worker process of a command's job keeps the memory it frees, as the command-line tools do (heap.py: a
+#: layer's buffers reuse the last layer's pages; without it the workers faulted fresh ones in every layer)
+WORKER_ENV = {"worker_process_setup_hook": "ikquant.heap.retain_freed_memory"}
 
 
 @contextmanager

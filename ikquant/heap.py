@@ -10,13 +10,16 @@ defaults, 5% more peak RSS. Large blocks therefore come from the heap and freed 
 (glibc only: elsewhere nothing changes). The process's peak is still what it holds at once, plus the heap's
 fragmentation.
 
-Those heap pages are ordinary ones: numpy asks the kernel for transparent huge pages on every array of 4 MiB or
-more (madvise), and a kernel that honours the advice at the fault (THP set to "madvise", its default defrag)
-compacts memory first when no huge page is free. A fresh 16 MiB array took 25-126 ms to write here under the advice
-where ordinary pages took 6.4-9.8 ms (2.4 ms in a run that found huge pages free); the DeepSeek-V3-shaped IQ4_KS
-file under --numerics ik (4 chunks of 256, 2 threads, whole processes, 8 alternated pairs) ran in 2.41 s against
-2.74 s, system time 0.25 s against 0.53. ik asks for no huge pages for its buffers either. A user who sets
-NUMPY_MADVISE_HUGEPAGE keeps numpy's own choice.
+ikrun's heap pages are ordinary ones (no_huge_page_advice): numpy asks the kernel for transparent huge pages on
+every array of 4 MiB or more (madvise), and a kernel that honours the advice at the fault (THP set to "madvise", its
+default defrag) compacts memory first when no huge page is free. A fresh 16 MiB array took 25-126 ms to write here
+under the advice where ordinary pages took 6.4-9.8 ms (2.4 ms in a run that found huge pages free); the
+DeepSeek-V3-shaped IQ4_KS file under --numerics ik (4 chunks of 256, 2 threads, whole processes, 8 alternated
+pairs) ran in 2.41 s against 2.74 s, system time 0.25 s against 0.53. ik asks for no huge pages for its buffers
+either. For the quantizer (which does not keep freed memory) the same setting measured both ways: the 0.95B
+DeepSeek-V3-shaped F16 file to Q8_0 took 5.66 s against 4.69 s in 3 pairs, the 0.35B DeepSeek-V4-shaped one 2.52
+s against 1.59 s in 5 pairs, then with freed memory kept 1.67 s against 2.10 s in 6 pairs, as this machine's memory
+state drifted; so only ikrun sets it. A user who sets NUMPY_MADVISE_HUGEPAGE keeps numpy's own choice.
 """
 
 from __future__ import annotations
@@ -33,12 +36,6 @@ M_MMAP_MAX = -4
 TRIM_ABOVE = 2**31 - 1
 
 _done = False
-
-
-def set_up_process_memory() -> None:
-    """What every command-line tool and each of its Ray workers does first: keep freed memory, in ordinary pages."""
-    retain_freed_memory()
-    no_huge_page_advice()
 
 
 def no_huge_page_advice() -> bool:

@@ -10,6 +10,7 @@ from ikrun.commands.mix import mix
 from ikrun.commands.sweep import sweep
 from ikrun.commands.validate import validate
 
-app = new_app(__doc__, "Evaluate GGUF models: logits, perplexity, KL-divergence against a base, validation against HF.")
+app = new_app(__doc__, "Evaluate GGUF models: logits, perplexity, KL-divergence against a base, validation against HF.",
+              ordinary_pages=True)
 for command in (logits, ppl, kld, imatrix, sweep, mix, accept, validate):
     app.command()(command)

@@ -48,10 +48,11 @@ def test_large_arrays_come_from_the_heap_and_stay_after_free() -> None:
 
 
 def test_a_cli_invocation_retains() -> None:
-    """Every tool's app callback calls it (ikquant/cli_common.new_app): its second call reports the first's, and numpy's
-    huge-page advice is off after it."""
+    """Every tool's app callback calls it (ikquant/cli_common.new_app): its second call reports the first's; ikrun's
+    turns numpy's huge-page advice off too, ikconvert's leaves it."""
     from typer.testing import CliRunner
 
+    from ikconvert.cli import app as convert_app
     from ikquant import heap
     from ikrun.cli import app
 
@@ -60,8 +61,9 @@ def test_a_cli_invocation_retains() -> None:
     heap._done = False
     multiarray._set_madvise_hugepage(True)
     try:
+        CliRunner().invoke(convert_app, ["hf2gguf", "--help"])
+        assert heap._done == sys.platform.startswith("linux") and multiarray._get_madvise_hugepage()
         CliRunner().invoke(app, ["ppl", "--help"])
-        assert heap._done == sys.platform.startswith("linux")
         assert multiarray._get_madvise_hugepage() == ("NUMPY_MADVISE_HUGEPAGE" in os.environ)
     finally:
         multiarray._set_madvise_hugepage(before)
@@ -72,10 +74,10 @@ def test_a_cli_invocation_retains() -> None:
 ADVICE_PROBE = """
 import sys
 import numpy as np
-from ikquant.heap import set_up_process_memory
+from ikquant.heap import no_huge_page_advice
 
 if sys.argv[1] == "set-up":
-    set_up_process_memory()
+    no_huge_page_advice()
 a = np.ones(8 << 20, np.float32)
 middle = a.ctypes.data + a.nbytes // 2
 inside = False
