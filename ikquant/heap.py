@@ -1,4 +1,4 @@
-"""The command-line tools keep the memory they free for their next allocations, as ik allocates its buffers once.
+"""ikrun and ikconvert keep the memory they free for their next allocations, as ik allocates its buffers once.
 
 A run allocates the same large arrays layer after layer (decoded weights, an expert batch's products, attention
 scores). glibc serves every allocation over its mmap threshold (at most 32 MiB) with a fresh mapping and unmaps it
