@@ -1,4 +1,4 @@
-"""The command-line tools keep the memory they free (ikquant/heap.py): large arrays come from the heap, and a freed
+"""ikrun and ikconvert keep the memory they free (ikquant/heap.py): large arrays come from the heap, and a freed
 one is there for the next."""
 
 from __future__ import annotations
