@@ -403,7 +403,8 @@ class Numerics:
             return np.ascontiguousarray(self.sliced_product(grouped, name).transpose(1, 0, 2)).reshape(n, -1)
         rows = self.weights.info(name).shape[0] // groups
         y = np.empty((n, groups * rows), np.float32)
-        at = (np.arange(groups)[:, None] + groups * np.arange(n)).reshape(-1)  # group j's row t: x's [n * groups, k] row t groups + j
+        # group j's token t is row t groups + j of x as [n groups, k] rows, and its result that row of y's view
+        at = (np.arange(groups)[:, None] + groups * np.arange(n)).reshape(-1)
         row_at = n * np.arange(groups + 1, dtype=np.int64)
         x_rows = np.ascontiguousarray(x, dtype=np.float32).reshape(n * groups, -1)
         self._on_halves(name, lambda w: experts_matmul(x_rows, w.reshape(groups, rows, -1), at, row_at,
