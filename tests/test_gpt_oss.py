@@ -322,6 +322,21 @@ def test_mxfp4_experts_need_allow_requantize(tmp_path: Path) -> None:
         make_plan(GGUFModel(REF), QuantizeOptions(file_type("Q8_0")))
 
 
+def test_mix_requantizes_the_mxfp4_experts_only_when_allowed(tmp_path: Path) -> None:
+    """ikrun mix refuses as ikquant does, and takes the option the refusal names (it had none: a gpt-oss or
+    DeepSeek-V4 file could not be mixed at all)."""
+    sweep, out = tmp_path / "sweep.json", tmp_path / "mix.gguf"
+    res = runner.invoke(app, ["sweep", str(REF), "--text", str(LOGITS / "text.txt"), "--ctx", "32", "--chunks", "1",
+                              "--types", "Q4_0,Q6_0", "--tensors", r"blk\.0\.attn_q", "-o", str(sweep)])
+    assert res.exit_code == 0, res.output
+    args = ["mix", str(REF), str(out), "--sweep", str(sweep), "--type", "Q8_0", "--target-bpw", "8.81"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2 and "--allow-requantize" in res.output and not out.exists()
+    res = runner.invoke(app, [*args, "--allow-requantize"])
+    assert res.exit_code == 0, res.output
+    assert GGUFFile(out).info("blk.0.ffn_gate_exps.weight").type.name == "Q8_0"
+
+
 def test_imatrix_equals_iks_up_to_the_first_mxfp4_product(tmp_path: Path) -> None:
     """ik's llama-imatrix on the reference file (its default F16 cache, so ours runs with one): the same entries,
     calls and chunks; the inputs of every matmul before the first MXFP4 expert product (block 0's attention, router and

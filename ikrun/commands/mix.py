@@ -55,6 +55,8 @@ def mix(
     recipe: str = typer.Option("ik", "--recipe", help="ik or mainline: whose rules type the unswept tensors, and "
                                "with mainline only mainline-loadable types are chosen (as ikquant --recipe)."),
     json_out: bool = typer.Option(False, "--json", help="Print the mixes' sizes, predicted and measured KLD as JSON."),
+    allow_requantize: bool = typer.Option(False, "--allow-requantize", help="Quantize tensors the base file holds "
+                                          "quantized already (MXFP4 experts, say), as ikquant --allow-requantize."),
     recipe_out: Optional[Path] = typer.Option(None, "--recipe-out", help="Also write the kept mix's per-tensor "
                                               "types as ik --custom-q rules, with its predicted and measured KLD "
                                               "(as ikquant --recipe-out)."),
@@ -111,7 +113,8 @@ def mix(
             fail(f"--sweep {sweep} was measured on another model file ({header.get('model')}) than {model}: its "
                  "costs are against another base; sweep this file")
         imat = read_imatrix(imatrix) if imatrix else None
-        opts = QuantizeOptions(recipe_file_type(recipe, type_name), imatrix=imat, recipe=recipe)
+        opts = QuantizeOptions(recipe_file_type(recipe, type_name), imatrix=imat, recipe=recipe,
+                               allow_requantize=allow_requantize)
         target = MixTarget(target_bpw, target_size, budget)
         constraints = MixConstraints(tuple(tie), not no_default_ties, tuple(min_type))
         head = None
