@@ -384,7 +384,7 @@ class Numerics:
 
     def sliced_product(self, x: np.ndarray, name: str) -> np.ndarray:
         """head_product as float32 products of the slices matmul_weight gives against x as activations gives it
-        (in any arithmetic: DeepSeek-V4's grouped output keeps this order)."""
+        (in any arithmetic: IkNumerics.head_product's fallback)."""
         n_head, n = x.shape[0], x.shape[1]
         rows = self.weights.info(name).shape[0] // n_head
         w = self.matmul_weight(name, n, rows).reshape(n_head, rows, -1)
@@ -392,23 +392,28 @@ class Numerics:
 
     def grouped_product(self, x: np.ndarray, name: str, groups: int) -> np.ndarray:
         """x [n, groups * k]: each group of k columns times its equal slice of the 2-D weight `name`'s rows, the
-        products side by side [n, rows] (DeepSeek-V4's grouped output). An F16 / BF16 weight goes through the expert
-        kernel in one call, each group an expert whose tokens are x's rows read at its columns and whose results
-        land in its columns of the output: no transposed copies, and tasks the threads claim where numpy's batched
-        BLAS split the work in fixed parts. Other weights, and arithmetics that multiply halves otherwise, take
-        sliced_product of the groups."""
+        products side by side [n, rows] (DeepSeek-V4's grouped output), in the expert kernel in one call: each group
+        an expert whose tokens are x's rows read at its columns (as the arithmetic rounds them) and whose results
+        land in its columns of the output, so no transposed copies, and tasks the threads claim where numpy's
+        batched BLAS split the work in fixed parts. The weight is its F16 / BF16 bits where the arithmetic
+        multiplies halves, else as matmul_weight gives it. Under --numerics ik the bench's DeepSeek-V4-shaped file
+        printed 321.0506 this way, 321.0499 through BLAS, against ik's 321.0552 (ik's float kernel per group had
+        moved the test file's figures away from ik's)."""
         n = len(x)
-        if not (self.multiplies_halves and self.weights.is_half(name)):
-            grouped = np.ascontiguousarray(x.reshape(n, groups, -1).transpose(1, 0, 2))  # [groups, n, k]
-            return np.ascontiguousarray(self.sliced_product(grouped, name).transpose(1, 0, 2)).reshape(n, -1)
         rows = self.weights.info(name).shape[0] // groups
         y = np.empty((n, groups * rows), np.float32)
         # group j's token t is row t groups + j of x as [n groups, k] rows, and its result that row of y's view
         at = (np.arange(groups)[:, None] + groups * np.arange(n)).reshape(-1)
         row_at = n * np.arange(groups + 1, dtype=np.int64)
-        x_rows = np.ascontiguousarray(x, dtype=np.float32).reshape(n * groups, -1)
-        self._on_halves(name, lambda w: experts_matmul(x_rows, w.reshape(groups, rows, -1), at, row_at,
-                                                       y.reshape(n * groups, rows), at))
+        x_rows = np.ascontiguousarray(self.activations(x, name), dtype=np.float32).reshape(n * groups, -1)
+
+        def product(w: np.ndarray) -> np.ndarray:
+            return experts_matmul(x_rows, w.reshape(groups, rows, -1), at, row_at, y.reshape(n * groups, rows), at)
+
+        if self.multiplies_halves and self.weights.is_half(name):
+            self._on_halves(name, product)
+        else:
+            product(self.matmul_weight(name, n, rows))
         return y
 
     def routed_experts(self, x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, names: list[str],
