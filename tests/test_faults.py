@@ -152,8 +152,11 @@ def test_a_killed_sweep_resumes_to_the_uninterrupted_rows(model: Path, tmp_path:
         except (FileNotFoundError, json.JSONDecodeError):
             return 0
 
+    spill = tmp_path / "tmp"  # the killed run's temporary base logits: SIGKILL leaves them
+    spill.mkdir()
     proc = subprocess.Popen([str(BIN / "ikrun"), "sweep", str(model), *common, "-o", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "TMPDIR": str(spill)})
     _kill_when(proc, lambda: rows_so_far() >= 3, "three rows were saved")
     n_before = rows_so_far()
     res = subprocess.run([str(BIN / "ikrun"), "sweep", str(model), *common, "-o", str(out)], capture_output=True,
