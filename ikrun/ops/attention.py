@@ -100,6 +100,17 @@ def _exps_summed(r: np.ndarray, top: float, sums: np.ndarray) -> float:
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _normalised_exps(r: np.ndarray, m: np.float32, sink: np.float32, sums: np.ndarray) -> None:
+    """The softmax's end over scaled scores r whose largest seen value (or the sink) is m, the keys not seen -inf:
+    r[j] <- exp(r[j] - m) (_exps_summed) over their sum plus the `sink`'s exponential (-inf: none)."""
+    top = np.float64(m)
+    total = _exps_summed(r, top, sums) + (exp64(np.float64(sink) - top) if sink > -np.inf else 0.0)
+    inv = np.float32(1.0 / total)
+    for j in range(r.shape[0]):
+        r[j] *= inv
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _softmax_row(r: np.ndarray, sc: np.float32, first: int, last: int, sink: np.float32, sums: np.ndarray) -> None:
     """softmax(sc * r) over keys first..last plus a `sink` logit (-inf: none) that takes weight but has no value;
     0 for the other keys (r's length a multiple of 16). The scaled scores less their maximum through _exps_summed
@@ -117,11 +128,7 @@ def _softmax_row(r: np.ndarray, sc: np.float32, first: int, last: int, sink: np.
         m = span[j] if span[j] > m else m
     span[: first - b0 * LANES] = -np.inf
     span[last + 1 - b0 * LANES :] = -np.inf
-    top = np.float64(m)
-    total = _exps_summed(span, top, sums) + (exp64(np.float64(sink) - top) if sink > -np.inf else 0.0)
-    inv = np.float32(1.0 / total)
-    for j in range(span.shape[0]):
-        span[j] *= inv
+    _normalised_exps(span, m, sink, sums)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -142,11 +149,7 @@ def _extra_softmax_row(r: np.ndarray, sc: np.float32, first: int, last: int, n_r
             m = v if v > m else m
         else:
             r[j] = -np.inf
-    top = np.float64(m)
-    total = _exps_summed(r, top, sums) + (exp64(np.float64(sink) - top) if sink > -np.inf else 0.0)
-    inv = np.float32(1.0 / total)
-    for j in range(r.shape[0]):
-        r[j] *= inv
+    _normalised_exps(r, m, sink, sums)
 
 
 @njit(cache=True, nogil=True, inline="always")
