@@ -4,15 +4,20 @@ known, and the operating system's write failures become one-line errors naming t
 
 A SIGKILLed run cannot remove its temporary file; the next run to the same output removes it (its process is gone)
 or says that another live process is writing the same output (the last rename wins; neither leaves a broken file).
+Scratch folders (a sweep's base logits: gigabytes for a large vocabulary) are held under a lock for their life;
+the next run to make one removes those whose lock no process holds.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import re
 import shutil
 import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +38,12 @@ KNOWN_ERRNOS = {
     errno.EISDIR: "is a folder",
 }
 _PARTIAL = re.compile(r"\.(?P<name>.+)\.partial-(?P<pid>\d+)")
+#: a scratch folder's name: iktools-WHAT-PID-RANDOM (tempfile.mkdtemp's random part has no dash)
+_SCRATCH = re.compile(r"iktools-(?P<what>.+)-(?P<pid>\d+)-[^-]+")
+#: the lock file that marks a scratch folder in use, and how long a folder may go without one (between mkdtemp
+#: and the lock's creation) before it counts as abandoned
+SCRATCH_LOCK = ".in-use"
+SCRATCH_UNLOCKED_GRACE_S = 600.0
 
 
 def partial_path(path: Path) -> Path:
@@ -123,3 +134,53 @@ def output_file(path: Path, nbytes: int | None = None) -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _abandoned(folder: Path) -> bool:
+    """Whether no process holds `folder`'s lock. A lock dies with its process, whatever the process namespace (a
+    pid alone could be reused, or belong to a container sharing the folder)."""
+    try:
+        fd = os.open(folder / SCRATCH_LOCK, os.O_RDWR)
+    except FileNotFoundError:
+        try:
+            return time.time() - folder.stat().st_mtime > SCRATCH_UNLOCKED_GRACE_S
+        except FileNotFoundError:
+            return False
+    except OSError:  # another user's folder: not ours to judge or remove
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def remove_abandoned_scratch(under: Path) -> None:
+    """Remove the scratch folders under `under` that killed runs left (SIGKILL, the OOM killer), saying so."""
+    for folder in Path(under).glob("iktools-*"):
+        m = _SCRATCH.fullmatch(folder.name)
+        if m is None or not folder.is_dir() or folder.is_symlink() or not _abandoned(folder):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        if not folder.exists():
+            print(f"note: removed {folder}, left by a run that was killed (pid {m.group('pid')})", file=sys.stderr)
+
+
+@contextmanager
+def scratch_folder(what: str, under: Path | None = None) -> Iterator[Path]:
+    """A folder for temporary files under `under` (the system's temporary folder by default), removed when the
+    block ends however it ends; first, folders that killed runs left there are removed. A run killed inside the
+    block leaves this one behind for the next run to remove."""
+    base = Path(under) if under is not None else Path(tempfile.gettempdir())
+    remove_abandoned_scratch(base)
+    with write_errors(base):
+        folder = Path(tempfile.mkdtemp(prefix=f"iktools-{what}-{os.getpid()}-", dir=base))
+    fd = os.open(folder / SCRATCH_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.close(fd)

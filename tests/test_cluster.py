@@ -109,7 +109,7 @@ def test_a_killed_worker_loses_no_row(model: Path, tmp_path: Path) -> None:
     seen: list[list[int]] = []  # the workers' pids, each time the set changes
     rows, events = [], []
     temp = Path(tempfile.gettempdir())
-    before = set(temp.glob("ikrun-sweep-worker-*"))
+    before = set(temp.glob("iktools-sweep-worker-*"))
 
     def kill_once(row) -> None:  # type: ignore[no-untyped-def]
         rows.append(row)
@@ -121,7 +121,7 @@ def test_a_killed_worker_loses_no_row(model: Path, tmp_path: Path) -> None:
                   cluster=cluster, worker_mem=1 << 30, on_event=events.append,
                   on_workers=lambda ws: seen.append(ray.get([w.pid.remote() for w in ws])))
     assert any("lost" in e for e in events), events
-    assert set(temp.glob("ikrun-sweep-worker-*")) <= before, "a worker (killed or stopped) left its folder behind"
+    assert set(temp.glob("iktools-sweep-worker-*")) <= before, "a worker (killed or stopped) left its folder behind"
     assert len(seen) == 2 and seen[0][0] not in seen[1] and len(set(seen[1])) == 2  # replaced once
     got = {(r.group, r.type): r for r in rows}
     assert len(got) == len(rows) == 14

@@ -152,16 +152,20 @@ def test_a_killed_sweep_resumes_to_the_uninterrupted_rows(model: Path, tmp_path:
         except (FileNotFoundError, json.JSONDecodeError):
             return 0
 
-    spill = tmp_path / "tmp"  # the killed run's temporary base logits: SIGKILL leaves them
-    spill.mkdir()
+    temp = tmp_path / "tmp"  # the killed run's temporary base logits: SIGKILL leaves them, the next run removes them
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
     proc = subprocess.Popen([str(BIN / "ikrun"), "sweep", str(model), *common, "-o", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "TMPDIR": str(spill)})
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     _kill_when(proc, lambda: rows_so_far() >= 3, "three rows were saved")
     n_before = rows_so_far()
+    left = list(temp.iterdir())
+    assert [p.name.startswith(f"iktools-sweep-{proc.pid}-") and (p / "base.kld").is_file() for p in left] == [True]
     res = subprocess.run([str(BIN / "ikrun"), "sweep", str(model), *common, "-o", str(out)], capture_output=True,
-                         text=True)
+                         text=True, env=env)
     assert res.returncode == 0, res.stderr
+    assert f"removed {left[0]}, left by a run that was killed (pid {proc.pid})" in " ".join(res.stderr.split())
+    assert list(temp.iterdir()) == []
 
     def rows(path: Path) -> list[tuple]:  # type: ignore[type-arg]
         return sorted((r["group"], r["type"], r["kld_mean"], r["kld_p99"], r["bytes_new"])
@@ -228,3 +232,48 @@ def test_os_errors_are_one_line_messages(model: Path, tmp_path: Path) -> None:
                                         "--types", "Q4_0", "--tensors", "ffn_down", "-o", str(ro / "s.json")])
         assert res.exit_code == 2
         _one_line_error(res.output, str(ro / "s.json"), "read-only file system")
+
+
+def test_scratch_folders_of_killed_runs_are_removed_and_live_ones_kept(tmp_path: Path) -> None:
+    from ikquant.outputs import SCRATCH_LOCK, SCRATCH_UNLOCKED_GRACE_S, scratch_folder
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from ikquant.outputs import scratch_folder\n"
+                               f"with scratch_folder('sweep', {str(tmp_path)!r}) as f:\n"
+                               "    print(f, flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        live = Path(holder.stdout.readline().strip())
+        assert live.name.startswith(f"iktools-sweep-{holder.pid}-") and (live / SCRATCH_LOCK).exists()
+        fresh = tmp_path / "iktools-kld-1-abcdefgh"  # no lock yet: a run between making the folder and locking it
+        stale = tmp_path / "iktools-mix-2-ijklmnop"  # no lock for longer than any run takes to lock
+        other = tmp_path / "iktools-notes"  # not a scratch folder's name
+        for folder in (fresh, stale, other):
+            folder.mkdir()
+            (folder / "data").write_bytes(b"x")
+        old = time.time() - SCRATCH_UNLOCKED_GRACE_S - 60
+        os.utime(stale, (old, old))
+        with scratch_folder("sweep", tmp_path) as mine:
+            assert live.exists() and fresh.exists() and other.exists() and not stale.exists()
+            (mine / "base.kld").write_bytes(b"logits")
+        assert not mine.exists()
+        holder.kill()
+        holder.wait()
+        with pytest.raises(RuntimeError), scratch_folder("sweep", tmp_path) as mine:
+            assert not live.exists()  # its lock died with its process
+            raise RuntimeError
+        assert not mine.exists()
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([fresh.name, other.name])
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_scratch_folder_under_a_missing_spill_dir_is_one_line(tmp_path: Path) -> None:
+    from ikquant.errors import OutputError
+    from ikquant.outputs import scratch_folder
+
+    with pytest.raises(OutputError, match=f"{tmp_path / 'missing'}: no such file or folder"):
+        with scratch_folder("kld", tmp_path / "missing"):
+            pass

@@ -4,6 +4,7 @@ block once, spill hidden states to disk when asked to, and refuse budgets they c
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -117,7 +118,7 @@ def test_hidden_states_spill_to_disk_and_the_file_is_removed(data_dir: Path, tmp
     for i, x in evaluate_chunks(m, chunks, plan):
         seen.append(sorted(p.name for p in tmp_path.iterdir()))
         np.testing.assert_array_equal(x, expected[i])
-    assert all(len(s) == 1 and s[0].startswith("ikrun-hidden-") for s in seen)
+    assert all(len(s) == 1 and s[0].startswith(f"iktools-spill-{os.getpid()}-") for s in seen)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -137,8 +137,9 @@ def kld(
     Example: ikrun kld model-q4_0.gguf --base-logits base.kld --json
     Example: ikrun kld mix.gguf --base-logits base.kld --versus recipe.gguf
     """
-    import tempfile
+    from contextlib import ExitStack
 
+    from ikquant.outputs import scratch_folder
     from ikrun.eval.evaluate import kl_divergence, open_base, perplexity, tokenize_chunks
 
     if (base is None) == (base_logits is None):
@@ -151,7 +152,7 @@ def kld(
     other = None if versus is None else load_model(versus, ev)
     if other is not None and other.n_vocab != m.n_vocab:
         fail(f"--versus {versus}: {other.n_vocab} tokens, {model} has {m.n_vocab}: not the same vocabulary")
-    tmpdir = None
+    scratch = ExitStack()
     try:
         if base is not None:
             if text is None:
@@ -161,8 +162,7 @@ def kld(
                 fail(f"{base} has {bm.n_vocab} tokens, {model} has {m.n_vocab}: not the same vocabulary")
             chunk_tokens = tokenize_chunks(bm, read_text(text), ctx, chunks)  # type: ignore[arg-type]
             if save_base_logits is None:
-                tmpdir = tempfile.TemporaryDirectory()
-                save_base_logits = Path(tmpdir.name) / "base.kld"
+                save_base_logits = scratch.enter_context(scratch_folder("kld", ev.spill_dir)) / "base.kld"
             plan = run_plan(bm, len(chunk_tokens), ctx, ev, batch=batch)
             with tracked(bm, plan, "base model") as (on_chunk, on_block):
                 perplexity(bm, chunk_tokens, save_base_logits, on_chunk, plan, on_block)
@@ -181,8 +181,7 @@ def kld(
     except IkError as exc:
         fail(str(exc))
     finally:
-        if tmpdir is not None:
-            tmpdir.cleanup()
+        scratch.close()
     from ikrun.eval.metrics import kld_stats, paired_kld_stats
 
     stats = kld_stats(acc)

@@ -71,12 +71,11 @@ def mix(
 
     Example: ikrun mix model-bf16.gguf mix.gguf --sweep sweep.json --type IQ4_KS --target-bpw 3.5 --refine 8
     """
-    import tempfile
-
     from ikquant.cli import head_from_sweep, print_mix, print_unmeasured
     from ikquant.imatrix import read_imatrix
     from ikquant.mix import MixTarget, plan_mix, read_sweep
     from ikquant.mix_constraints import MixConstraints
+    from ikquant.outputs import scratch_folder
     from ikquant.quantize import QuantizeOptions
     from ikquant.recipes_mainline import recipe_file_type
     from ikquant.shards import GGUFModel
@@ -141,8 +140,8 @@ def mix(
     n_chunk, n_ctx = chunk_tokens.shape
     fed = fed_batch(n_ctx, batch if batch is not None else header.get("batch"))
     summary = []
-    with tempfile.TemporaryDirectory() as tmp:
-        base = _base_logits(m, chunk_tokens, Path(tmp) / "base.kld", ev, "base logits", fed)
+    with scratch_folder("mix", ev.spill_dir) as tmp:
+        base = _base_logits(m, chunk_tokens, tmp / "base.kld", ev, "base logits", fed)
         first, written = _assemble_and_measure(model, output, opts, plan.tensor_types, base, ev, fed)
         summary.append({"mix": "sweep", "bytes": plan.total_bits // 8, "bpw": plan.total_bits / plan.n_weights,
                         "predicted_kld": plan.predicted_kld, **first, "kept": True})
@@ -225,10 +224,10 @@ def _measured(path: Path, base, ev: Evaluation, what: str, batch: int | None) ->
 def _measure_on(m: Model, output: Path, tokens, ev: Evaluation, plan, eval_text: Path,  # type: ignore[no-untyped-def]
                 label: str, batch: int | None) -> dict:  # type: ignore[type-arg]
     """The kept file `output` measured against the base on another text (--eval-text): its summary row."""
-    import tempfile
+    from ikquant.outputs import scratch_folder
 
-    with tempfile.TemporaryDirectory() as tmp:
-        base = _base_logits(m, tokens, Path(tmp) / "eval-base.kld", ev, f"base logits on {eval_text.name}", batch)
+    with scratch_folder("mix", ev.spill_dir) as tmp:
+        base = _base_logits(m, tokens, tmp / "eval-base.kld", ev, f"base logits on {eval_text.name}", batch)
         stats = _measured(output, base, ev, f"{output} on {eval_text} ({label})", batch)
     return {"mix": "kept, on --eval-text", "bytes": plan.total_bits // 8, "bpw": plan.total_bits / plan.n_weights,
             "predicted_kld": plan.predicted_kld, **stats, "kept": True, "text": str(eval_text), "sample": label}

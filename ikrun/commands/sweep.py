@@ -303,8 +303,7 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
     measurements are those the pruning asks for, locally or on the cluster, and its rows the measured and
     predicted ones together; rounds are compared on the rows both measured. `batch`: each chunk fed that many
     tokens at a time, the base's run and every candidate's."""
-    import tempfile
-
+    from ikquant.outputs import scratch_folder
     from ikrun.eval.evaluate import open_base, perplexity
     from ikrun.sweep import run_sweep
     from ikrun.sweep.measure import AUTO_STABLE_TAU, Measurer, RowSaver, Scored, rank_agreement, save_rows, sweep_header
@@ -320,7 +319,7 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
         chunk_tokens = all_tokens[:n]
         todo = len(groups) * len(type_list) - sum(1 for r in done if r.group in groups)
         base_plan = run_plan(m, n, all_tokens.shape[1], ev, batch=batch)
-        with tempfile.TemporaryDirectory() as tmp, progress_bar() as bar:
+        with scratch_folder("sweep", ev.spill_dir) as tmp, progress_bar() as bar:
             base_path = Path(tmp) / "base.kld"
             task = bar.add_task(f"base logits ({n} chunks)", total=n)
             perplexity(m, chunk_tokens, base_path, lambda i, _: bar.update(task, completed=i), base_plan)

@@ -15,13 +15,14 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ikquant.errors import OutputError
-from ikquant.outputs import write_errors
+from ikquant.outputs import scratch_folder, write_errors
 from ikquant.sizes import format_size
 from ikrun.errors import BudgetError, EvalError
 from ikrun.memory import free_disk
@@ -164,9 +165,12 @@ class _Hidden:
         self.arrays: list[np.ndarray | None] = [None] * n_chunk
         self.fd: int | None = None
         self.path: Path | None = None
+        self._scratch = ExitStack()
         if spill_dir is not None:
-            fd, name = tempfile.mkstemp(prefix="ikrun-hidden-", suffix=".f32", dir=spill_dir)
-            self.fd, self.path = fd, Path(name)
+            # in a scratch folder of its own: a run killed by SIGKILL leaves it for the next run to remove
+            folder = self._scratch.enter_context(scratch_folder("spill", spill_dir))
+            self.path = folder / "hidden.f32"
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
 
     def put(self, c: int, x: np.ndarray) -> None:
         if self.fd is None:
@@ -195,8 +199,7 @@ class _Hidden:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        if self.path is not None:
-            self.path.unlink(missing_ok=True)
+        self._scratch.close()
 
 
 def fed_tokens(model: Model, chunk: np.ndarray) -> np.ndarray:

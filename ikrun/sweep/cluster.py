@@ -10,7 +10,6 @@ sweep's at the same thread count (the same kernels on the same inputs).
 from __future__ import annotations
 
 import os
-import tempfile
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,6 +21,7 @@ import numpy as np
 
 from ikquant.cluster import Cluster
 from ikquant.imatrix import read_imatrix
+from ikquant.outputs import scratch_folder
 from ikquant.types import GGMLType, type_by_name
 from ikrun.errors import SweepError
 from ikrun.eval.metrics import KLDAccumulator
@@ -82,8 +82,8 @@ class SweepWorker:
 
         # the base file is memory-mapped, then its folder removed at once: the mapping keeps the bytes, and a worker
         # that is killed (ray.kill, a lost node) leaves nothing behind in the temporary folder
-        with tempfile.TemporaryDirectory(prefix="ikrun-sweep-worker-") as folder:
-            path = Path(folder) / "base.kld"
+        with scratch_folder("sweep-worker") as folder:
+            path = folder / "base.kld"
             base_blob.tofile(path)
             base = open_base(path, self.model)
         spill = Path(spec.spill_dir) if spec.spill_dir else None
