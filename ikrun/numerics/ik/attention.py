@@ -102,6 +102,50 @@ def _round_bf16(bits: np.ndarray, start: int, stop: int) -> None:
         bits[j] = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
 
 
+@njit(cache=True, nogil=True)
+def _ik_attention_task(task: int, q: np.ndarray, k: np.ndarray, vt: np.ndarray, sc: np.float32, past: int,
+                       window: int, sinks: np.ndarray, keep: np.ndarray, scores: np.ndarray, out: np.ndarray,
+                       avx2: bool, bf16_values: bool, p: np.ndarray, bits: np.ndarray, tail: np.ndarray,
+                       keep_all: np.ndarray, lanes: int) -> None:
+    """_ik_attention's task: XROWS queries of one head through the thread's buffers. A function of its own rather
+    than inlined in the parallel loop, whose body Numba types and compiles twice."""
+    n_head, n, d = q.shape
+    n_kv, padded, dv = k.shape[0], k.shape[1], vt.shape[1]
+    group, n_groups = n_head // n_kv, (n + XROWS - 1) // XROWS
+    qf, kf, vf, of = q.reshape(-1), k.reshape(-1), vt.reshape(-1), out.reshape(-1)
+    h, i0 = task // n_groups, task % n_groups * XROWS
+    rows = min(XROWS, n - i0)
+    g = h // group
+    k0, v0 = g * padded * d, g * dv * padded
+    last = past + i0 + rows  # keys the group's last query sees
+    width = last + (-last % (32 if bf16_values else lanes))
+    q0 = (h * n + i0) * d
+    if scores.shape[0]:
+        for a in range(rows):
+            p[a * padded : a * padded + last] = scores[h, i0 + a, :last]
+    elif rows == XROWS:
+        for j in range(0, last + (-last % DOTS), DOTS):
+            ik_dot_grid(qf, q0, d, kf, k0 + j * d, d, d, p, j, padded, False, lanes)
+    else:
+        for a in range(rows):
+            dots(qf, q0 + a * d, kf, k0, d, d, last, p, a * padded, tail, False, lanes)
+    sink = sinks[h] if sinks.shape[0] else np.float32(-np.inf)
+    for a in range(rows):
+        seen = past + i0 + a + 1
+        first = max(0, seen - window) if window > 0 else 0
+        row = keep[i0 + a] if keep.shape[0] else keep_all
+        _ik_softmax(p[a * padded : a * padded + width], first, seen, sc, sink, row, avx2)
+        if bf16_values:
+            _round_bf16(bits, a * padded, a * padded + width)
+    o0 = (h * n + i0) * dv
+    full = dv - dv % DOTS if rows == XROWS else 0
+    for c in range(0, full, DOTS):
+        ik_dot_grid(p, 0, padded, vf, v0 + c * padded, padded, width, of, o0 + c, dv, bf16_values, lanes)
+    for a in range(rows):
+        dots(p, a * padded, vf, v0 + full * padded, padded, width, dv - full, of, o0 + a * dv + full,
+             tail, bf16_values, lanes)
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, past: int, window: int,
                   sinks: np.ndarray, keep: np.ndarray, scores: np.ndarray, out: np.ndarray, avx2: bool,
@@ -118,11 +162,10 @@ def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, pa
     computed with the others' and then dropped, and its probabilities are zero past its last key, so each dot
     product sums exactly what a query alone would (a product of zero adds nothing). The (head, query group) pairs go
     in tasks the `threads` threads claim (ikrun/ops/parallel.py)."""
-    n_head, n, d = q.shape
-    n_kv, padded, dv = k.shape[0], k.shape[1], vt.shape[1]
-    group, n_groups = n_head // n_kv, (n + XROWS - 1) // XROWS
+    n_head, n = q.shape[0], q.shape[1]
+    padded = k.shape[1]
+    n_groups = (n + XROWS - 1) // XROWS
     sc = np.float32(scale)
-    qf, kf, vf, of = q.reshape(-1), k.reshape(-1), vt.reshape(-1), out.reshape(-1)
     items = n_head * n_groups
     per, counter = task_items(items, threads), np.zeros(1, np.int64)
     keep_all = np.empty(0, np.bool_)
@@ -134,37 +177,8 @@ def _ik_attention(q: np.ndarray, k: np.ndarray, vt: np.ndarray, scale: float, pa
         t0, t1 = claim_items(counter, per, items)
         while t0 < t1:
             for task in range(t0, t1):
-                h, i0 = task // n_groups, task % n_groups * XROWS
-                rows = min(XROWS, n - i0)
-                g = h // group
-                k0, v0 = g * padded * d, g * dv * padded
-                last = past + i0 + rows  # keys the group's last query sees
-                width = last + (-last % (32 if bf16_values else lanes))
-                q0 = (h * n + i0) * d
-                if scores.shape[0]:
-                    for a in range(rows):
-                        p[a * padded : a * padded + last] = scores[h, i0 + a, :last]
-                elif rows == XROWS:
-                    for j in range(0, last + (-last % DOTS), DOTS):
-                        ik_dot_grid(qf, q0, d, kf, k0 + j * d, d, d, p, j, padded, False, lanes)
-                else:
-                    for a in range(rows):
-                        dots(qf, q0 + a * d, kf, k0, d, d, last, p, a * padded, tail, False, lanes)
-                sink = sinks[h] if sinks.shape[0] else np.float32(-np.inf)
-                for a in range(rows):
-                    seen = past + i0 + a + 1
-                    first = max(0, seen - window) if window > 0 else 0
-                    row = keep[i0 + a] if keep.shape[0] else keep_all
-                    _ik_softmax(p[a * padded : a * padded + width], first, seen, sc, sink, row, avx2)
-                    if bf16_values:
-                        _round_bf16(bits, a * padded, a * padded + width)
-                o0 = (h * n + i0) * dv
-                full = dv - dv % DOTS if rows == XROWS else 0
-                for c in range(0, full, DOTS):
-                    ik_dot_grid(p, 0, padded, vf, v0 + c * padded, padded, width, of, o0 + c, dv, bf16_values, lanes)
-                for a in range(rows):
-                    dots(p, a * padded, vf, v0 + full * padded, padded, width, dv - full, of, o0 + a * dv + full,
-                         tail, bf16_values, lanes)
+                _ik_attention_task(task, q, k, vt, sc, past, window, sinks, keep, scores, out, avx2, bf16_values, p,
+                                   bits, tail, keep_all, lanes)
             t0, t1 = claim_items(counter, per, items)
 
 
