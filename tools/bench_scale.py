@@ -15,7 +15,8 @@ parameters). Each file runs in a fresh process (tools/peak_rss.py, so the peak R
 - `--mem M`: the given budget (default 1GiB), layer-streamed;
 - `--numerics ik`: the default mode with ik's arithmetic (integer matmuls; `--ik-batch B`, the micro-batches of
   the ik runs' `-b B`: ik's default 2048 unless --ik-batch says otherwise), shown as "refused" for a file with a
-  weight type it does not reproduce;
+  weight type it does not reproduce; `--numerics ik-avx2` instead (ik's AVX2 build's arithmetic, what a native ik
+  computes there) on a host without AVX-512 VNNI, or as --numerics says;
 - `ik`: ik_llama.cpp's llama-perplexity on the same file, chunks and threads, when --ik-bin is given, with its
   defaults (flash attention on; --ik-flash-attn off for -fa off).
 
@@ -49,6 +50,7 @@ import numpy as np
 
 from ikconvert import CORPUS, Converter, TinySpec, make_tiny_checkpoint
 from ikquant import QuantizeOptions, file_type, quantize_model
+from ikquant.cpu import host_has
 
 TOOLS = Path(__file__).parent
 sys.path.insert(0, str(TOOLS))
@@ -172,6 +174,9 @@ def main() -> None:
                     help="time every mode of a file this many times, the modes alternated round by round, and print "
                          "the median with the range (this machine's speed moves by 10-40%% within minutes: a mode "
                          "timed once against ik timed once compares two moments as much as two programs)")
+    ap.add_argument("--numerics", choices=("ik", "ik-avx2"), default="ik" if host_has("avx512vnni") else "ik-avx2",
+                    help="the arithmetic of the numerics mode: ik's AVX-512 build's or its AVX2 build's (default: the "
+                         "one a native ik build runs on this host)")
     ap.add_argument("--ik-batch", type=int, default=2048,
                     help="ik's -b and the --numerics ik runs' --ik-batch (which expert kernels ik picks depends on "
                          "the tokens a micro-batch routes to each expert): 2048 is ik's default; the figures before "
@@ -183,9 +188,9 @@ def main() -> None:
     text = a.workdir / "text.txt"
     text.write_text(CORPUS.read_text(encoding="utf-8") * 40, encoding="utf-8")
     modes = {"unconstrained": ["--no-stream", "--mem", "1000GiB"], "default": [], f"--mem {a.mem}": ["--mem", a.mem],
-             "--numerics ik": ["--numerics", "ik"]}
+             f"--numerics {a.numerics}": ["--numerics", a.numerics]}
     print(f"ctx {a.ctx}, {a.chunks} chunks, {a.threads} threads")
-    print(f"{'file':16s} {'GiB':>6s} {'mode':>14s} {'tok/s':>7s} {'x first':>8s} {'peak RSS GiB':>12s} "
+    print(f"{'file':16s} {'GiB':>6s} {'mode':>19s} {'tok/s':>7s} {'x first':>8s} {'peak RSS GiB':>12s} "
           f"{'RSS/file':>8s}{' (tok/s range)' if a.rounds > 1 else ''}")
     for label, path in files.items():
         if a.only and not re.search(a.only, label):
@@ -197,13 +202,13 @@ def main() -> None:
         for mode, extra in [*modes.items(), *([("ik", [])] if a.ik_bin else [])]:
             if a.modes and not re.search(a.modes, mode):
                 continue
-            if mode == "--numerics ik":  # ik's micro-batches, this file's
+            if mode.startswith("--numerics"):  # ik's micro-batches, this file's
                 extra = [*extra, "--ik-batch", str(batch)]
             try:
                 if mode != "ik":  # untimed: compiles what Numba's cache lacks (a kernel's source changed since)
                     ikrun_ppl(path, text, a.ctx, 1, a.threads, extra)
             except Refused:
-                print(f"{label:16s} {size / GiB:6.2f} {mode:>14s} {'refused':>7s}", flush=True)
+                print(f"{label:16s} {size / GiB:6.2f} {mode:>19s} {'refused':>7s}", flush=True)
                 continue
             timed_modes[mode] = extra
         runs: dict[str, list[tuple[float, float]]] = {mode: [] for mode in timed_modes}
@@ -217,7 +222,7 @@ def main() -> None:
             tps, rss = float(np.median(rates)), max(r for _, r in timed)
             spread = f" ({rates[0]:.1f}-{rates[-1]:.1f})" if len(rates) > 1 else ""
             base = base or tps
-            print(f"{label:16s} {size / GiB:6.2f} {mode:>14s} {tps:7.1f} {base / tps:8.2f} {rss / GiB:12.2f} "
+            print(f"{label:16s} {size / GiB:6.2f} {mode:>19s} {tps:7.1f} {base / tps:8.2f} {rss / GiB:12.2f} "
                   f"{rss / size:8.2f}{spread}", flush=True)
 
 
