@@ -177,10 +177,13 @@ def scratch_folder(what: str, under: Path | None = None) -> Iterator[Path]:
     remove_abandoned_scratch(base)
     with write_errors(base):
         folder = Path(tempfile.mkdtemp(prefix=f"iktools-{what}-{os.getpid()}-", dir=base))
-    fd = os.open(folder / SCRATCH_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = None
     try:
+        with write_errors(folder):
+            fd = os.open(folder / SCRATCH_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
