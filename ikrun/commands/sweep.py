@@ -320,7 +320,7 @@ def _sweep_rounds(m: Model, ev: Evaluation, text: Path, all_tokens, rounds: list
         todo = len(groups) * len(type_list) - sum(1 for r in done if r.group in groups)
         base_plan = run_plan(m, n, all_tokens.shape[1], ev, batch=batch)
         with scratch_folder("sweep", ev.spill_dir) as tmp, progress_bar() as bar:
-            base_path = Path(tmp) / "base.kld"
+            base_path = tmp / "base.kld"
             task = bar.add_task(f"base logits ({n} chunks)", total=n)
             perplexity(m, chunk_tokens, base_path, lambda i, _: bar.update(task, completed=i), base_plan)
             bar.update(task, description="pruned sweep" if pruning else "sweep", completed=0,
