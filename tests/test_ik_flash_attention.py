@@ -63,7 +63,7 @@ def test_one_visible_key_gives_its_value_and_the_rest_is_a_softmax_in_f16() -> N
     q = rng.standard_normal((2, 40, 48)).astype(np.float32)
     k, v = _f16(rng.standard_normal((2, 40, 48)).astype(np.float32)), _f16(rng.standard_normal((2, 40, 32)))
     out = np.empty((2, 40, 32), dtype=np.float32)
-    generic_flash_attention(q, k, NO_SCORES, v, 0.2, 0, out, AVX512_LANES)
+    generic_flash_attention(q, k, NO_SCORES, v, 0.2, 0, out, AVX512_LANES, True)
     np.testing.assert_array_equal(out[:, 0], v[:, 0])
     s = np.einsum("htd,hsd->hts", _f16(q).astype(np.float64), k.astype(np.float64)) * 0.2
     s[:, np.triu_indices(40, 1)[0], np.triu_indices(40, 1)[1]] = -np.inf
@@ -143,7 +143,7 @@ def test_generic_kernel_is_iks_bit_for_bit(case: Any, lanes: int, outputs: Path)
     out = np.empty((case.n_head, case.n_q, case.dv), dtype=np.float32)
     generic_flash_attention(q, np.ascontiguousarray(k[:, :n_keys], dtype=np.float32), NO_SCORES,
                             np.ascontiguousarray(v[:, :n_keys], dtype=np.float32), float(scale), case.first, out,
-                            lanes)
+                            lanes, True)
     with np.load(outputs) as theirs:
         np.testing.assert_array_equal(out, theirs[case.name])
 

@@ -8,9 +8,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import ikquant
+from ikquant.formats import legacy
+from ikquant.types import type_by_name
 
 
 def test_one_folder_per_source_version_and_old_ones_pruned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,3 +52,15 @@ def test_a_program_that_imported_numba_first_uses_it(tmp_path: Path) -> None:
     assert Path(out.stdout.strip()).parent == tmp_path / "iktools" / "numba"
     assert set(sources.rglob("*.nbi")) == before
     assert any((tmp_path / "iktools" / "numba").rglob("*.nbi"))
+
+
+def test_stored_bytes_compile_one_kernel_whether_writable_or_not() -> None:
+    """A memory-mapped file's bytes are read-only, an array made in memory is not: Numba would compile a kernel for
+    each (read_only hands both over read-only)."""
+    codec = type_by_name("Q8_0").codec
+    q = codec.quantize(np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32))
+    frozen = q.copy()
+    frozen.flags.writeable = False
+    np.testing.assert_array_equal(codec.dequantize(q, 32), codec.dequantize(frozen, 32))
+    assert q.flags.writeable
+    assert len(legacy._dequantize_q8_0.signatures) == 1

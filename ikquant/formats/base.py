@@ -14,6 +14,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.errors import QuantInputError
+from ikquant.formats.jit import read_only
 from ikquant.types import GGMLType, register_codec, type_by_name
 
 
@@ -139,7 +140,7 @@ class Codec:
             raise ValueError(f"{self.type_name}: out must be C-contiguous float32 {(q.shape[0], n_per_row)}, not "
                              f"{out.dtype} {out.shape}")
         if q.shape[0]:
-            self._dequantize(q, out)
+            self._dequantize(read_only(q), out)
         return out
 
     def _check_rows(self, x: np.ndarray) -> np.ndarray:

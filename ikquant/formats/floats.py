@@ -6,6 +6,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.base import Codec
+from ikquant.formats.jit import read_only
 from ikquant.formats.numeric import f32_bits, f32_to_f16_bits, widen_16
 
 
@@ -56,7 +57,7 @@ def _widen_rows(bits: np.ndarray, out: np.ndarray) -> None:
 def widen_bits(bits: np.ndarray) -> np.ndarray:
     """float32 values of f16 (uint16) or bf16 (int16) bit patterns, any shape, exactly."""
     out = np.empty(bits.shape, np.float32)
-    _widen_rows(np.ascontiguousarray(bits).reshape(-1, bits.shape[-1]), out.reshape(-1, bits.shape[-1]))
+    _widen_rows(read_only(np.ascontiguousarray(bits).reshape(-1, bits.shape[-1])), out.reshape(-1, bits.shape[-1]))
     return out
 
 

@@ -22,6 +22,7 @@ from numba import njit, prange
 
 from ikquant.errors import QuantInputError
 from ikquant.formats.base import Codec
+from ikquant.formats.jit import read_only
 from ikquant.formats.numeric import fmaf, load_f16, store_f16
 from ikquant.formats.q8_direct import (
     dequantize_q8_k_interleaved,
@@ -786,7 +787,7 @@ class UnitMap:
             return np.ascontiguousarray(np.take(units, self.a, axis=1))
         out = np.empty_like(units)
         if units.size:
-            _map_units(units, self.kind, self.a, self.b, self.bits, out)
+            _map_units(read_only(units), self.kind, self.a, self.b, self.bits, out)
         return out
 
 

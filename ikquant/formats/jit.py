@@ -1,4 +1,4 @@
-"""Numba's `intrinsic` decorator as callers see it, for mypy.
+"""How kernels are called: Numba's `intrinsic` decorator as callers see it (for mypy), and `read_only`.
 
 Numba ships a stub for `numba.core.extending` in which an intrinsic is called with its definition's own parameters,
 typing context first, and returns Never; kernels call it without the typing context and use what it returns. Here
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, cast
 
+import numpy as np
 from numba.core.extending import intrinsic as _numba_intrinsic
 
 P = ParamSpec("P")
@@ -19,3 +20,14 @@ P = ParamSpec("P")
 def intrinsic(definition: Callable[Concatenate[Any, P], Any]) -> Callable[P, Any]:
     """numba.core.extending.intrinsic, typed as kernels call the result."""
     return cast("Callable[P, Any]", _numba_intrinsic(definition))
+
+
+def read_only(a: np.ndarray) -> np.ndarray:
+    """`a` as a read-only view (itself when it is one). Numba compiles a kernel once for each mutability of each
+    array it takes, and stored bytes arrive both ways: read-only from a memory-mapped file, writable from an array
+    made in memory. Kernels that only read them are handed them read-only, so that one compile serves both."""
+    if not a.flags.writeable:
+        return a
+    view = a.view()
+    view.flags.writeable = False
+    return view

@@ -29,6 +29,7 @@ from numba.core.extending import intrinsic, overload
 
 from ikquant.cpu import host_has
 from ikquant.formats.iqk_ks import iq4_ks_block, iq5_ks_block
+from ikquant.formats.jit import read_only
 from ikquant.formats.kquants import q4_k_block, q5_k_block, q6_k_block
 from ikquant.formats.mxfp4 import mxfp4_values
 from ikquant.formats.numeric import widen_16
@@ -410,7 +411,7 @@ def experts_matmul(x: np.ndarray | GatheredRows, w: np.ndarray | FileExperts, to
         out, dest = np.empty((len(tokens), n_rows), np.float32), np.arange(len(tokens), dtype=np.int64)
     elif dest is None or len(dest) != len(tokens) or out.shape[1] != n_rows or not out.flags.c_contiguous:
         raise ValueError("out must be a C-contiguous [m, rows] array and dest name a row of it for every token")
-    run_claimed(_experts_serial, _experts_parallel, n_rows * n * xt.shape[0], flat, which, kind, row_len,
+    run_claimed(_experts_serial, _experts_parallel, n_rows * n * xt.shape[0], read_only(flat), which, kind, row_len,
                 xt.reshape(-1), group_at, row_at, out, np.ascontiguousarray(dest, dtype=np.int64), n_rows, n)
     return out
 

@@ -82,7 +82,7 @@ def _store(sums: np.ndarray, total: np.float32, out: np.ndarray) -> None:
 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def generic_flash_attention(q: np.ndarray, k: np.ndarray, scores: np.ndarray, v: np.ndarray, scale: float, first: int,
-                            out: np.ndarray, lanes: int, f16_values: bool = True) -> None:
+                            out: np.ndarray, lanes: int, f16_values: bool) -> None:
     """Causal attention of q [H, n, Dk] (float32) against k [H_kv, n_keys, Dk] and v [H_kv, n_keys, Dv] (f16 values
     held in float32, or with `f16_values` False a value cache of another type, decoded; query head h reads key/value
     head h // (H / H_kv), ggml's broadcast), query t at position first + t

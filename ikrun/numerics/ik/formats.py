@@ -72,6 +72,7 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 
 from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ6NL_VALUES
+from ikquant.formats.jit import read_only
 from ikquant.formats.numeric import f32_bits, f32_from_bits, load_f16, round_f16
 from ikrun.errors import NumericsError
 from ikrun.numerics.ik.q8k_direct import (
@@ -364,7 +365,7 @@ def _rows_from_bytes(raw: np.ndarray, kind: int, n: int) -> tuple[np.ndarray, np
     q = np.empty((rows, n), np.int8)
     scale = np.empty((rows, n // BLOCK), np.float32)
     offset = np.empty((rows, n // BLOCK if kind in (BYTES_Q4_K, BYTES_Q5_K) else 0), np.float32)
-    run_claimed(_bytes_serial, _bytes_parallel, rows * n, np.ascontiguousarray(raw), kind, q, scale, offset)
+    run_claimed(_bytes_serial, _bytes_parallel, rows * n, read_only(np.ascontiguousarray(raw)), kind, q, scale, offset)
     return q, scale, offset
 
 

@@ -20,6 +20,7 @@ from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils
 from numba.core.extending import intrinsic
 
+from ikquant.formats.jit import read_only
 from ikrun.ops.parallel import claim_items, task_items
 
 LANES = 16  # ik's float kernels' vector width (AVX-512)
@@ -220,5 +221,6 @@ def ik_float_matmul(x: np.ndarray, w: np.ndarray, bf16: bool = False, lanes: int
                          f"{2 * lanes if bf16 else lanes} values, not {k}")
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
     weights = np.ascontiguousarray(w) if w.dtype in (np.uint16, np.int16) else np.ascontiguousarray(w, np.float32)
+    weights = read_only(weights)
     _gemm(np.ascontiguousarray(x, dtype=np.float32), weights, out, bf16, lanes, get_num_threads())
     return out

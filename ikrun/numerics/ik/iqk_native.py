@@ -33,6 +33,7 @@ from numba.core.extending import intrinsic
 
 from ikquant.cpu import host_has
 from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ5NL_VALUES
+from ikquant.formats.jit import read_only
 from ikquant.formats.numeric import fmaf, load_f32
 from ikrun.numerics.ik.qgemm import IntRows
 from ikrun.ops.parallel import claim_items, task_items
@@ -298,7 +299,7 @@ def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.n
     if x.block != SUPER:
         raise ValueError(f"ik's {type_name} kernel takes Q8_K activations (blocks of {SUPER}), not blocks of "
                          f"{x.block}")
-    raw = np.ascontiguousarray(raw)
+    raw = read_only(np.ascontiguousarray(raw))
     tokens = np.ascontiguousarray(tokens, dtype=np.int64)
     row_at = np.ascontiguousarray(row_at, dtype=np.int64)
     sums = np.empty((len(tokens), x.u.shape[1] // SUB), np.int32)

@@ -26,7 +26,7 @@ from numba.core.errors import TypingError
 
 from ikquant.formats.grid_lookup import scaled_nibbles
 from ikquant.formats.iqk_grids import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
-from ikquant.formats.jit import intrinsic
+from ikquant.formats.jit import intrinsic, read_only
 from ikquant.formats.mxfp4 import V16B, code_nibbles, e2m1_doubled
 from ikquant.formats.numeric import e8m0_half_to_f32, f32_from_bits, load_f16, load_f32, round_f16
 from ikrun.numerics.ik.qgemm import GROUPS, LANES, ORDER_QX_0_NATIVE, ORDER_R8, ORDER_R16, PackedInts
@@ -63,11 +63,13 @@ _I64 = ir.IntType(64)
 def iq4_ks_packed(raw: np.ndarray, c: float) -> PackedInts | None:
     """IQ4_KS rows `raw` [rows, row bytes] as ik converts them to Q8_K_R16, packed for qmatmul; None where a row
     scale is outside SAFE_SCALES (the general path then decodes them)."""
+    raw = read_only(np.ascontiguousarray(raw))
     return _packed(raw, KIND_IQ4_KS, c) if _safe_row_scales(raw) else None
 
 
 def iq5_ks_packed(raw: np.ndarray, c: float) -> PackedInts | None:
     """IQ5_KS rows as ik converts them to Q8_K_R16, packed; None where a row scale is outside SAFE_SCALES."""
+    raw = read_only(np.ascontiguousarray(raw))
     return _packed(raw, KIND_IQ5_KS, c) if _safe_row_scales(raw) else None
 
 
@@ -129,8 +131,8 @@ def _packed(raw: np.ndarray, kind: int, c: float) -> PackedInts:
     scale = np.empty(groups * nb * LANES, np.float32)
     corr = np.empty(groups * nb * LANES, np.int32)
     low = np.zeros(groups, np.uint8)
-    _groups(np.ascontiguousarray(raw), kind, nb, np.float32(np.float32(1) / np.float32(c)), q.view(np.int32), scale,
-            corr, low, get_num_threads())
+    _groups(read_only(np.ascontiguousarray(raw)), kind, nb, np.float32(np.float32(1) / np.float32(c)), q.view(np.int32),
+            scale, corr, low, get_num_threads())
     return PackedInts(q=q, scale=scale, corr=corr, offset=np.empty(0, np.float32), rows=rows, n=n, block=SUPER,
                       order=ORDER_R16, full_range=bool(low.any()))
 
@@ -166,7 +168,7 @@ def _block32_packed(raw: np.ndarray, kind: int, bias: int) -> PackedInts:
     offset = np.empty(groups * nb * LANES if bias else 0, np.float32)
     corr = np.empty(groups * nb * LANES, np.int32)
     low = np.zeros(groups, np.uint8)
-    _block32_groups(np.ascontiguousarray(raw), kind, nb, bias, q.view(np.int32), scale, offset, corr, low,
+    _block32_groups(read_only(np.ascontiguousarray(raw)), kind, nb, bias, q.view(np.int32), scale, offset, corr, low,
                     get_num_threads())
     return PackedInts(q=q, scale=scale, corr=corr, offset=offset, rows=rows, n=n, block=BLOCK32,
                       order=ORDER_QX_0_NATIVE if bias else ORDER_R8, full_range=bool(low.any()))
