@@ -1045,72 +1045,76 @@ def _pack4(q0: int, q1: int, q2: int, q3: int) -> int:
 
 @njit(**KERNEL)
 def _quantize_iq4_kss(x: np.ndarray, qw: np.ndarray, out: np.ndarray) -> None:
-    n_rows, n = x.shape
+    for r in prange(x.shape[0]):
+        _iq4kss_row(x[r], qw, out[r])
+
+
+@njit(**NJIT)
+def _iq4kss_row(xr: np.ndarray, qw: np.ndarray, row: np.ndarray) -> None:
+    """One row of _quantize_iq4_kss (ikquant/formats/jit.py: why a task is a function of its own)."""
+    n = xr.size
     weighted = qw.size > 0
-    for r in prange(n_rows):
-        xr = x[r]
-        row = out[r]
-        row[:] = 0
-        w_row = np.empty(n, dtype=np.float32)
-        if weighted:
-            importance(qw, xr, SUB, w_row)
-        scales = np.zeros(n // SUB, dtype=np.float32)
-        weight = np.empty(SUB, dtype=np.float32)
-        vps = np.empty(SUB // 4, dtype=np.int64)
-        vms = np.empty(SUB // 4, dtype=np.int64)
-        for ibl in range(n // QK):
-            xbl = xr[ibl * QK : (ibl + 1) * QK]
-            sigma2 = sum_squares(xbl) * np.float32(2.0 / QK)
-            for ib in range(8):
-                s = ibl * 8 + ib
-                xb = xbl[ib * SUB : (ib + 1) * SUB]
-                _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 0, weight)
-                amax, vmax = abs_max(xb)
-                if amax >= np.float32(1e-16):
-                    scales[s] = _iq4kss_search(xb, weight, vmax)
-        d = _row_amax(scales) / np.float32(127.0)
-        store_f32(row, 0, d)
-        if d == 0:
-            continue
-        id_ = np.float32(1.0) / d
-        sumqx = np.float32(0.0)
-        sumq2 = np.float32(0.0)
-        for ibl in range(n // QK):
-            blk = row[4 + ibl * IQ4KSS_BYTES : 4 + (ibl + 1) * IQ4KSS_BYTES]
-            xbl = xr[ibl * QK : (ibl + 1) * QK]
-            sigma2 = sum_squares(xbl) * np.float32(2.0 / QK)
-            for ib in range(8):
-                s = ibl * 8 + ib
-                xb = xbl[ib * SUB : (ib + 1) * SUB]
-                _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 0, weight)
-                l = _scale_level(id_, scales[s])  # odd, so never 0: ik's branch for a zero level is dead
-                dl = d * np.float32(l)
-                idl = np.float32(1.0) / dl
-                mse_p = np.float32(0.0)
-                mse_m = np.float32(0.0)
-                for k in range(SUB // 4):
-                    p0, p1, p2, p3 = _iq4kss_group(xb, weight, k, 0, idl, dl)
-                    m0, m1, m2, m3 = _iq4kss_group(xb, weight, k, 16, idl, dl)
-                    vps[k] = _pack4(p0, p1, p2, p3)
-                    vms[k] = _pack4(m0, m1, m2, m3)
-                    mse_p = _iq4kss_mse(xb, weight, k, 0, vps[k], dl, mse_p)
-                    mse_m = _iq4kss_mse(xb, weight, k, 16, vms[k], dl, mse_m)
-                use_shifted = mse_m < mse_p
-                v = vms if use_shifted else vps
-                off = 16 if use_shifted else 0
-                b = (l + 127) | (1 if use_shifted else 0)
-                for k in range(SUB // 4):
-                    for j in range(4):
-                        p = _group_pos(k, j)
-                        q = np.float32(np.int64(IQ4K[off + ((v[k] >> (4 * j)) & 0xF)]) * l)
-                        wq = weight[p] * q
-                        sumqx = fmaf(wq, xb[p], sumqx)
-                        sumq2 = fmaf(wq, q, sumq2)
-                    word = (_iq4kss_encode(v[k]) << 1) | ((b >> k) & 1)
-                    blk[16 * ib + 2 * k] = np.uint8(word & 0xFF)
-                    blk[16 * ib + 2 * k + 1] = np.uint8(word >> 8)
-        if sumq2 > 0:
-            store_f32(row, 0, (sumqx / sumq2) * np.float32(1.01))
+    row[:] = 0
+    w_row = np.empty(n, dtype=np.float32)
+    if weighted:
+        importance(qw, xr, SUB, w_row)
+    scales = np.zeros(n // SUB, dtype=np.float32)
+    weight = np.empty(SUB, dtype=np.float32)
+    vps = np.empty(SUB // 4, dtype=np.int64)
+    vms = np.empty(SUB // 4, dtype=np.int64)
+    for ibl in range(n // QK):
+        xbl = xr[ibl * QK : (ibl + 1) * QK]
+        sigma2 = sum_squares(xbl) * np.float32(2.0 / QK)
+        for ib in range(8):
+            s = ibl * 8 + ib
+            xb = xbl[ib * SUB : (ib + 1) * SUB]
+            _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 0, weight)
+            amax, vmax = abs_max(xb)
+            if amax >= np.float32(1e-16):
+                scales[s] = _iq4kss_search(xb, weight, vmax)
+    d = _row_amax(scales) / np.float32(127.0)
+    store_f32(row, 0, d)
+    if d == 0:
+        return
+    id_ = np.float32(1.0) / d
+    sumqx = np.float32(0.0)
+    sumq2 = np.float32(0.0)
+    for ibl in range(n // QK):
+        blk = row[4 + ibl * IQ4KSS_BYTES : 4 + (ibl + 1) * IQ4KSS_BYTES]
+        xbl = xr[ibl * QK : (ibl + 1) * QK]
+        sigma2 = sum_squares(xbl) * np.float32(2.0 / QK)
+        for ib in range(8):
+            s = ibl * 8 + ib
+            xb = xbl[ib * SUB : (ib + 1) * SUB]
+            _weights(w_row[s * SUB : (s + 1) * SUB], xb, sigma2, weighted, 0, weight)
+            l = _scale_level(id_, scales[s])  # odd, so never 0: ik's branch for a zero level is dead
+            dl = d * np.float32(l)
+            idl = np.float32(1.0) / dl
+            mse_p = np.float32(0.0)
+            mse_m = np.float32(0.0)
+            for k in range(SUB // 4):
+                p0, p1, p2, p3 = _iq4kss_group(xb, weight, k, 0, idl, dl)
+                m0, m1, m2, m3 = _iq4kss_group(xb, weight, k, 16, idl, dl)
+                vps[k] = _pack4(p0, p1, p2, p3)
+                vms[k] = _pack4(m0, m1, m2, m3)
+                mse_p = _iq4kss_mse(xb, weight, k, 0, vps[k], dl, mse_p)
+                mse_m = _iq4kss_mse(xb, weight, k, 16, vms[k], dl, mse_m)
+            use_shifted = mse_m < mse_p
+            v = vms if use_shifted else vps
+            off = 16 if use_shifted else 0
+            b = (l + 127) | (1 if use_shifted else 0)
+            for k in range(SUB // 4):
+                for j in range(4):
+                    p = _group_pos(k, j)
+                    q = np.float32(np.int64(IQ4K[off + ((v[k] >> (4 * j)) & 0xF)]) * l)
+                    wq = weight[p] * q
+                    sumqx = fmaf(wq, xb[p], sumqx)
+                    sumq2 = fmaf(wq, q, sumq2)
+                word = (_iq4kss_encode(v[k]) << 1) | ((b >> k) & 1)
+                blk[16 * ib + 2 * k] = np.uint8(word & 0xFF)
+                blk[16 * ib + 2 * k + 1] = np.uint8(word >> 8)
+    if sumq2 > 0:
+        store_f32(row, 0, (sumqx / sumq2) * np.float32(1.01))
 
 
 @njit(**KERNEL)

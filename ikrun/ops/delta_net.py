@@ -181,10 +181,17 @@ def _chunked_head(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, be
 def _delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, k_head: np.ndarray,
                 chunk: int, state: np.ndarray, out: np.ndarray) -> None:
     for h in prange(v.shape[1]):
-        if chunk > 0:
-            _chunked_head(q, k, v, g, beta, h, k_head[h], chunk, state[h], out)
-        else:
-            _recurrent_head(q, k, v, g, beta, h, k_head[h], state[h], out)
+        _head(q, k, v, g, beta, np.int64(h), k_head[h], chunk, state[h], out)
+
+
+@njit(cache=True, nogil=True)
+def _head(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray, h: int, kh: int,
+          chunk: int, s: np.ndarray, out: np.ndarray) -> None:
+    """Value head h of _delta_rule (ikquant/formats/jit.py: why a task is a function of its own)."""
+    if chunk > 0:
+        _chunked_head(q, k, v, g, beta, h, kh, chunk, s, out)
+    else:
+        _recurrent_head(q, k, v, g, beta, h, kh, s, out)
 
 
 def initial_state(q: np.ndarray, v: np.ndarray, state: np.ndarray | None) -> np.ndarray:

@@ -188,8 +188,10 @@ def _later_index_front(score: np.ndarray, top_k: int, idx: np.ndarray) -> None:
         idx[j] = n - 1 - order[j]
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _select_row(score: np.ndarray, top_k: int, tie: int, idx: np.ndarray, keep: np.ndarray) -> None:
+    """One query's kept keys (select_top_k). Called, not inlined (ikquant/formats/jit.py: why a task is a function
+    of its own)."""
     n_finite = 0
     for s in range(score.shape[0]):
         finite = score[s] > -np.inf

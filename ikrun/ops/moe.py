@@ -251,10 +251,11 @@ ExpertFetch = Callable[[np.ndarray], tuple[ExpertMats, ExpertMats, ExpertMats]]
 ExpertInts = Callable[[int], tuple[PackedInts, PackedInts, PackedInts] | None]
 
 
-@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+@njit(cache=True, nogil=True, error_model="numpy")
 def _swiglu_row(g, u, gb, ub, experts, i, limit, alpha, ik, avx2, out):  # type: ignore[no-untyped-def]
     """Row i's SwiGLU values, its expert's biases (gb / ub [E, n_ff]; none when gb has no rows) added first (the
-    same float32 sums as adding them beforehand)."""
+    same float32 sums as adding them beforehand). Called, not inlined (ikquant/formats/jit.py: why a task is a
+    function of its own)."""
     lim, a = np.float32(limit), np.float32(alpha)
     if gb.shape[0]:
         e = experts[i]

@@ -299,16 +299,26 @@ def _ik_sink_attention(q: np.ndarray, cache: np.ndarray, vt: np.ndarray, sinks: 
     qf, kf, sf, vf, of = q.reshape(-1), cache.reshape(-1), sinks.reshape(-1), vt.reshape(-1), out.reshape(-1)
     lanes = AVX2_LANES if avx2 else LANES
     for task in prange(n_head * n):
-        h, t = task // n, task % n
-        p = np.zeros(n_sink + n_cells + LANES, np.float32)
-        tail = np.empty(DOTS, np.float32)
-        q0 = (h * n + t) * d
-        dots(qf, q0, sf, 0, d, d, n_sink, p, 0, tail, False, lanes)
-        dots(qf, q0, kf, 0, d, d, n_cells, p, n_sink, tail, False, lanes)
-        _ik_masked_softmax(p[: n_sink + n_cells], visible[t], n_sink, np.float32(scale), avx2)
-        dots(p, n_sink, vf, 0, n_cells, n_cells, n_lat, of, (h * n + t) * n_lat, tail, False, lanes)
-        for c in range(n_lat):
-            of[(h * n + t) * n_lat + c] += _ik_sink_values(p, s_lat, c, n_sink, overread, lanes)
+        _ik_sink_task(qf, kf, sf, vf, s_lat, visible, scale, overread, avx2, of, np.int64(task), n, d, n_sink,
+                      n_cells, n_lat, lanes)
+
+
+@njit(cache=True, nogil=True)
+def _ik_sink_task(qf: np.ndarray, kf: np.ndarray, sf: np.ndarray, vf: np.ndarray, s_lat: np.ndarray,
+                  visible: np.ndarray, scale: float, overread: bool, avx2: bool, of: np.ndarray, task: int, n: int,
+                  d: int, n_sink: int, n_cells: int, n_lat: int, lanes: int) -> None:
+    """Query t of head h (task = h x n + t) of _ik_sink_attention (ikquant/formats/jit.py: why a task is a
+    function of its own)."""
+    h, t = task // n, task % n
+    p = np.zeros(n_sink + n_cells + LANES, np.float32)
+    tail = np.empty(DOTS, np.float32)
+    q0 = (h * n + t) * d
+    dots(qf, q0, sf, 0, d, d, n_sink, p, 0, tail, False, lanes)
+    dots(qf, q0, kf, 0, d, d, n_cells, p, n_sink, tail, False, lanes)
+    _ik_masked_softmax(p[: n_sink + n_cells], visible[t], n_sink, np.float32(scale), avx2)
+    dots(p, n_sink, vf, 0, n_cells, n_cells, n_lat, of, (h * n + t) * n_lat, tail, False, lanes)
+    for c in range(n_lat):
+        of[(h * n + t) * n_lat + c] += _ik_sink_values(p, s_lat, c, n_sink, overread, lanes)
 
 
 #: ik's KV cache grows in cells of this many tokens without flash attention: the rows its attention multiplies

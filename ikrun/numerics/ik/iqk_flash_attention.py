@@ -380,7 +380,6 @@ def _attention(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, v: np.ndarray,
     ROWS query rows of one head (_rows_together; fewer at the end: _one_row each) in tasks the threads claim
     (ikrun/ops/parallel.py), each thread with its own block buffers."""
     n_head, n = out.shape[0], out.shape[1]
-    group = n_head // v.shape[0]
     given = scores.size > 0
     per_head = -(-n // ROWS)
     jobs = n_head * per_head
@@ -395,15 +394,24 @@ def _attention(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, v: np.ndarray,
         j0, j1 = claim_items(counter, per, jobs)
         while j0 < j1:
             for job in range(j0, j1):
-                h, t0 = job // per_head, job % per_head * ROWS
-                g = h // group
-                if given or t0 + ROWS > n:
-                    for t in range(t0, min(n, t0 + ROWS)):
-                        _one_row(q, kt, scores, v[g], sc, first, k_step, lanes, h, g, t, given, s, p, acc, sums, out)
-                else:
-                    _rows_together(q, kt[g], v[g], sc, first, k_step, lanes, h, t0, s, p, acc, sums, totals, tops,
-                                   out)
+                _attention_job(q, kt, scores, v, sc, first, k_step, lanes, job // per_head,
+                               job % per_head * ROWS, given, s, p, acc, sums, totals, tops, out)
             j0, j1 = claim_items(counter, per, jobs)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _attention_job(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, v: np.ndarray, sc: np.float32, first: int,
+                   k_step: int, lanes: int, h: int, t0: int, given: bool, s: np.ndarray, p: np.ndarray,
+                   acc: np.ndarray, sums: np.ndarray, totals: np.ndarray, tops: np.ndarray, out: np.ndarray) -> None:
+    """One job of _attention: query rows t0 .. t0 + ROWS - 1 of head h (fewer at the end)
+    (ikquant/formats/jit.py: why a task is a function of its own)."""
+    n = out.shape[1]
+    g = h // (out.shape[0] // v.shape[0])
+    if given or t0 + ROWS > n:
+        for t in range(t0, min(n, t0 + ROWS)):
+            _one_row(q, kt, scores, v[g], sc, first, k_step, lanes, h, g, t, given, s, p, acc, sums, out)
+    else:
+        _rows_together(q, kt[g], v[g], sc, first, k_step, lanes, h, t0, s, p, acc, sums, totals, tops, out)
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
@@ -487,52 +495,59 @@ def iqk_flash_attention_parts(q: np.ndarray, k: np.ndarray, scores: np.ndarray, 
 @njit(cache=True, nogil=True, parallel=True, error_model="numpy")
 def _merged_parts(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, v: np.ndarray, sc: np.float32,
                   starts: np.ndarray, lengths: np.ndarray, k_steps: np.ndarray, lanes: int, out: np.ndarray) -> None:
-    n_head, n_keys, d_v = out.shape[0], v.shape[1], v.shape[2]
-    group = n_head // v.shape[0]
     given = scores.size > 0
     k_max = k_steps.max()
-    for h in prange(n_head):
-        g = h // group
-        s = np.empty((1, k_max), dtype=np.float32)
-        p = np.empty((1, k_max), dtype=np.float32)
-        acc = np.empty((lanes // 4, k_max), dtype=np.float32)
-        sums = np.empty((1, d_v), dtype=np.float32)
-        r = np.zeros(d_v, dtype=np.float32)
-        m, total_all = np.float32(-np.inf), np.float32(0.0)
-        for i in range(len(starts)):
-            a = starts[i]
-            b = min(a + lengths[i], n_keys)
-            if b <= a:
-                continue
-            k_step = k_steps[i]
-            sums[0, :] = 0.0
-            total, top = np.float32(0.0), np.float32(-np.inf)
-            for b0 in range(a, b, k_step):
-                n_in = min(k_step, b - b0)
-                if given:
-                    for l in range(n_in):
-                        s[0, l] = scores[h, 0, b0 + l] * sc
-                else:
-                    _scores_range(q[h, 0:1], kt[g], b0, 0, n_in, acc, lanes, sc, s)
-                total, top = _softmax_step(s[0], n_in, p[0], sums[0], total, top, lanes)
-                _accumulate(v[g], b0, 0, n_in, p, sums)
-            if top == -np.inf:
-                continue
-            if top > m:
-                if m == -np.inf:
-                    r[:] = sums[0]
-                    total_all = total
-                else:
-                    c = np.float32(np.exp(np.float64(m - top)))
-                    total_all = fmaf(c, total_all, total)
-                    for d in range(d_v):
-                        r[d] = fmaf(c, r[d], sums[0, d])
-                m = top
+    for h in prange(out.shape[0]):
+        _merged_head(q, kt, scores, v, sc, starts, lengths, k_steps, lanes, np.int64(h), given, k_max, out)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def _merged_head(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, v: np.ndarray, sc: np.float32,
+                 starts: np.ndarray, lengths: np.ndarray, k_steps: np.ndarray, lanes: int, h: int, given: bool,
+                 k_max: int, out: np.ndarray) -> None:
+    """Head h of _merged_parts (ikquant/formats/jit.py: why a task is a function of its own)."""
+    n_keys, d_v = v.shape[1], v.shape[2]
+    g = h // (out.shape[0] // v.shape[0])
+    s = np.empty((1, k_max), dtype=np.float32)
+    p = np.empty((1, k_max), dtype=np.float32)
+    acc = np.empty((lanes // 4, k_max), dtype=np.float32)
+    sums = np.empty((1, d_v), dtype=np.float32)
+    r = np.zeros(d_v, dtype=np.float32)
+    m, total_all = np.float32(-np.inf), np.float32(0.0)
+    for i in range(len(starts)):
+        a = starts[i]
+        b = min(a + lengths[i], n_keys)
+        if b <= a:
+            continue
+        k_step = k_steps[i]
+        sums[0, :] = 0.0
+        total, top = np.float32(0.0), np.float32(-np.inf)
+        for b0 in range(a, b, k_step):
+            n_in = min(k_step, b - b0)
+            if given:
+                for l in range(n_in):
+                    s[0, l] = scores[h, 0, b0 + l] * sc
             else:
-                c = np.float32(np.exp(np.float64(top - m)))
-                total_all = fmaf(c, total, total_all)
+                _scores_range(q[h, 0:1], kt[g], b0, 0, n_in, acc, lanes, sc, s)
+            total, top = _softmax_step(s[0], n_in, p[0], sums[0], total, top, lanes)
+            _accumulate(v[g], b0, 0, n_in, p, sums)
+        if top == -np.inf:
+            continue
+        if top > m:
+            if m == -np.inf:
+                r[:] = sums[0]
+                total_all = total
+            else:
+                c = np.float32(np.exp(np.float64(m - top)))
+                total_all = fmaf(c, total_all, total)
                 for d in range(d_v):
-                    r[d] = fmaf(c, sums[0, d], r[d])
-        norm = np.float32(np.float32(1.0) / total_all) if total_all > 0 else np.float32(1.0)
-        for d in range(d_v):
-            out[h, 0, d] = r[d] * norm
+                    r[d] = fmaf(c, r[d], sums[0, d])
+            m = top
+        else:
+            c = np.float32(np.exp(np.float64(top - m)))
+            total_all = fmaf(c, total, total_all)
+            for d in range(d_v):
+                r[d] = fmaf(c, sums[0, d], r[d])
+    norm = np.float32(np.float32(1.0) / total_all) if total_all > 0 else np.float32(1.0)
+    for d in range(d_v):
+        out[h, 0, d] = r[d] * norm
