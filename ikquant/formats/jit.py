@@ -4,9 +4,13 @@ Why a parallel kernel's task (a row, a query, a head, a job) is a function of it
 and lowers a parallel loop's body twice (in the function, then in the outlined loop), and once more in a serial
 twin; an inlined body of helpers is large, a called one is typed and lowered once. It pays where the inlined body
 is large and not where it is small (the linked callee is still optimised again in each caller): measure before
-moving one. First calls from an empty cache on a 2-core Zen 3, before -> after: ik's flash attention 64 -> 32 s
-(and its split one-token form 26 -> 20), the SwiGLU's two kernels 21 -> 8, the indexer's top-k 34 -> 13, the
-delta rule 39 -> 32, openPangu's sink attention 20 -> 14, DeepSeek-V4's generic flash attention 14 -> 10,
+moving one, and time the kernel after. A task handed its thread's buffers as arguments ran slower, probably as
+the compiler no longer knew that nothing else writes them (ik's flash attention: 9.7-11.6 -> 11.6-14.0 ms on 2
+threads); there the function is the thread's whole share, its buffers its own (_attention_thread). A decoder
+called per block instead of inlined cost the expert matmul 1.7x on IQ4_KS (_decode_block stays inlined). First
+calls from an empty cache on a 2-core Zen 3, before -> after: ik's flash attention 64 -> 32-40 s (and its split
+one-token form 26 -> 20), the SwiGLU's two kernels 21 -> 8, the indexer's top-k 34 -> 13, the delta rule
+39 -> 32, openPangu's sink attention 20 -> 14, DeepSeek-V4's generic flash attention 14 -> 10,
 IQ4_KSS's quantizer 27 -> 20; the expert matmul's task and IQ4_KS's rows gained nothing and stayed inlined.
 
 Numba ships a stub for `numba.core.extending` in which an intrinsic is called with its definition's own parameters,

@@ -379,39 +379,40 @@ def _attention(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, v: np.ndarray,
     """iqk_flash_attention with the keys transposed (kt [H_kv, Dk, n_keys]; unused where `scores` are given): jobs of
     ROWS query rows of one head (_rows_together; fewer at the end: _one_row each) in tasks the threads claim
     (ikrun/ops/parallel.py), each thread with its own block buffers."""
-    n_head, n = out.shape[0], out.shape[1]
-    given = scores.size > 0
-    per_head = -(-n // ROWS)
-    jobs = n_head * per_head
+    jobs = out.shape[0] * -(-out.shape[1] // ROWS)
     per, counter = task_items(jobs, threads), np.zeros(1, np.int64)
     for _ in prange(threads):
-        s = np.empty((ROWS, k_step), dtype=np.float32)
-        p = np.empty((ROWS, k_step), dtype=np.float32)
-        acc = np.empty((lanes // 4, k_step), dtype=np.float32)
-        sums = np.empty((ROWS, v.shape[2]), dtype=np.float32)
-        totals = np.empty(ROWS, dtype=np.float32)
-        tops = np.empty(ROWS, dtype=np.float32)
-        j0, j1 = claim_items(counter, per, jobs)
-        while j0 < j1:
-            for job in range(j0, j1):
-                _attention_job(q, kt, scores, v, sc, first, k_step, lanes, job // per_head,
-                               job % per_head * ROWS, given, s, p, acc, sums, totals, tops, out)
-            j0, j1 = claim_items(counter, per, jobs)
+        _attention_thread(q, kt, scores, v, sc, first, k_step, lanes, out, counter, per)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _attention_job(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, v: np.ndarray, sc: np.float32, first: int,
-                   k_step: int, lanes: int, h: int, t0: int, given: bool, s: np.ndarray, p: np.ndarray,
-                   acc: np.ndarray, sums: np.ndarray, totals: np.ndarray, tops: np.ndarray, out: np.ndarray) -> None:
-    """One job of _attention: query rows t0 .. t0 + ROWS - 1 of head h (fewer at the end)
-    (ikquant/formats/jit.py: why a task is a function of its own)."""
-    n = out.shape[1]
-    g = h // (out.shape[0] // v.shape[0])
-    if given or t0 + ROWS > n:
-        for t in range(t0, min(n, t0 + ROWS)):
-            _one_row(q, kt, scores, v[g], sc, first, k_step, lanes, h, g, t, given, s, p, acc, sums, out)
-    else:
-        _rows_together(q, kt[g], v[g], sc, first, k_step, lanes, h, t0, s, p, acc, sums, totals, tops, out)
+def _attention_thread(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, v: np.ndarray, sc: np.float32, first: int,
+                      k_step: int, lanes: int, out: np.ndarray, counter: np.ndarray, per: int) -> None:
+    """One thread of _attention: its buffers, then the jobs it claims (ikquant/formats/jit.py: why a task is a
+    function of its own; the buffers are its own so that the compiler knows nothing else writes them)."""
+    n_head, n = out.shape[0], out.shape[1]
+    group = n_head // v.shape[0]
+    given = scores.size > 0
+    per_head = -(-n // ROWS)
+    jobs = n_head * per_head
+    s = np.empty((ROWS, k_step), dtype=np.float32)
+    p = np.empty((ROWS, k_step), dtype=np.float32)
+    acc = np.empty((lanes // 4, k_step), dtype=np.float32)
+    sums = np.empty((ROWS, v.shape[2]), dtype=np.float32)
+    totals = np.empty(ROWS, dtype=np.float32)
+    tops = np.empty(ROWS, dtype=np.float32)
+    j0, j1 = claim_items(counter, per, jobs)
+    while j0 < j1:
+        for job in range(j0, j1):
+            h, t0 = job // per_head, job % per_head * ROWS
+            g = h // group
+            if given or t0 + ROWS > n:
+                for t in range(t0, min(n, t0 + ROWS)):
+                    _one_row(q, kt, scores, v[g], sc, first, k_step, lanes, h, g, t, given, s, p, acc, sums, out)
+            else:
+                _rows_together(q, kt[g], v[g], sc, first, k_step, lanes, h, t0, s, p, acc, sums, totals, tops,
+                               out)
+        j0, j1 = claim_items(counter, per, jobs)
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")

@@ -264,48 +264,46 @@ def _generic(q: np.ndarray, keys: np.ndarray, rows: np.ndarray, counts: np.ndarr
     """Per query: its visible keys transposed once, then per head the f16 dots of all of them (_f16_dots; or the
     `given` scores, the values then summed in float32) and the online softmax over them in order; the queries in
     tasks the threads claim, each thread with its own buffers."""
-    n, d = q.shape[0], q.shape[2]
-    f16_values = given.size == 0
-    most = 16 * -(-counts.max() // 16) if f16_values else 16
-    per, counter = task_items(n, threads), np.zeros(1, np.int64)
+    per, counter = task_items(q.shape[0], threads), np.zeros(1, np.int64)
     for _ in prange(threads):
-        kt = np.empty((d, most), dtype=np.float32)
-        scores = np.empty((1, most), dtype=np.float32)
-        qh = np.empty((1, d), dtype=np.float32)
-        sums = np.empty(d, dtype=np.float32)
-        t0, t1 = claim_items(counter, per, n)
-        while t0 < t1:
-            for t in range(t0, t1):
-                _generic_query(t, q, keys, rows, counts, sinks, sc, lanes, out, given, kt, scores, qh, sums)
-            t0, t1 = claim_items(counter, per, n)
+        _generic_thread(q, keys, rows, counts, sinks, sc, lanes, out, given, counter, per)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
-def _generic_query(t: int, q: np.ndarray, keys: np.ndarray, rows: np.ndarray, counts: np.ndarray, sinks: np.ndarray,
-                   sc: np.float32, lanes: int, out: np.ndarray, given: np.ndarray, kt: np.ndarray,
-                   scores: np.ndarray, qh: np.ndarray, sums: np.ndarray) -> None:
-    """_generic's task: query t through the thread's buffers (ikquant/formats/jit.py: why a task is a function of
-    its own)."""
-    n_head, d = q.shape[1], q.shape[2]
+def _generic_thread(q: np.ndarray, keys: np.ndarray, rows: np.ndarray, counts: np.ndarray, sinks: np.ndarray,
+                    sc: np.float32, lanes: int, out: np.ndarray, given: np.ndarray, counter: np.ndarray,
+                    per: int) -> None:
+    """One thread of _generic: its buffers, then the queries it claims (ikquant/formats/jit.py: why a task is a
+    function of its own)."""
+    n, n_head, d = q.shape
     f16_values = given.size == 0
-    c = counts[t]
-    if f16_values:
-        _transpose(keys, rows[t], c, 16 * -(-c // 16), kt)
-    for h in range(n_head):
-        if f16_values:
-            for i in range(d):
-                qh[0, i] = round_f16(q[t, h, i])
-            _f16_dots(kt, c, qh, lanes, scores)
-        sums[:] = 0.0
-        total, top = np.float32(0.0), np.float32(-np.inf)
-        for j in range(c):
-            dot = scores[0, j] if f16_values else given[t, h, rows[t, j]]
-            total, top = _key_step(np.float32(dot * sc), keys[rows[t, j]], sums, total, top, f16_values)
-        if sinks.size:
-            total = _sink_generic(sums, total, top, sinks[h])
-        inv = np.float32(0.0) if total == 0 else np.float32(np.float32(1.0) / total)
-        for i in range(d):
-            out[t, h, i] = sums[i] * inv
+    most = 16 * -(-counts.max() // 16) if f16_values else 16
+    kt = np.empty((d, most), dtype=np.float32)
+    scores = np.empty((1, most), dtype=np.float32)
+    qh = np.empty((1, d), dtype=np.float32)
+    sums = np.empty(d, dtype=np.float32)
+    t0, t1 = claim_items(counter, per, n)
+    while t0 < t1:
+        for t in range(t0, t1):
+            c = counts[t]
+            if f16_values:
+                _transpose(keys, rows[t], c, 16 * -(-c // 16), kt)
+            for h in range(n_head):
+                if f16_values:
+                    for i in range(d):
+                        qh[0, i] = round_f16(q[t, h, i])
+                    _f16_dots(kt, c, qh, lanes, scores)
+                sums[:] = 0.0
+                total, top = np.float32(0.0), np.float32(-np.inf)
+                for j in range(c):
+                    dot = scores[0, j] if f16_values else given[t, h, rows[t, j]]
+                    total, top = _key_step(np.float32(dot * sc), keys[rows[t, j]], sums, total, top, f16_values)
+                if sinks.size:
+                    total = _sink_generic(sums, total, top, sinks[h])
+                inv = np.float32(0.0) if total == 0 else np.float32(np.float32(1.0) / total)
+                for i in range(d):
+                    out[t, h, i] = sums[i] * inv
+        t0, t1 = claim_items(counter, per, n)
 
 
 @njit(cache=True, nogil=True, inline="always", error_model="numpy")
