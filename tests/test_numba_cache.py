@@ -8,11 +8,11 @@ import sys
 import time
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 
 import ikquant
-from ikquant.formats import legacy
 from ikquant.types import type_by_name
 
 
@@ -54,13 +54,26 @@ def test_a_program_that_imported_numba_first_uses_it(tmp_path: Path) -> None:
     assert any((tmp_path / "iktools" / "numba").rglob("*.nbi"))
 
 
-def test_stored_bytes_compile_one_kernel_whether_writable_or_not() -> None:
-    """A memory-mapped file's bytes are read-only, an array made in memory is not: Numba would compile a kernel for
-    each (read_only hands both over read-only)."""
-    codec = type_by_name("Q8_0").codec
-    q = codec.quantize(np.linspace(-1, 1, 64, dtype=np.float32).reshape(2, 32))
+def test_stored_bytes_reach_the_kernels_read_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Numba compiles a kernel for each mutability of an array it takes, and stored bytes come both ways (a
+    memory-mapped file's are read-only, an array made in memory is not): the codecs hand them over read-only, also
+    where an interleaved type regroups its rows before its base type decodes them, so one compile serves both."""
+    codec, r8 = type_by_name("Q8_0").require_codec(), type_by_name("Q8_0_R8").require_codec()
+    writable: list[bool] = []
+    decode = type(codec)._dequantize
+
+    def spy(self: object, q: np.ndarray, out: np.ndarray) -> None:
+        writable.append(q.flags.writeable)
+        decode(codec, q, out)
+
+    x = np.linspace(-1, 1, 8 * 64, dtype=np.float32).reshape(8, 64)
+    q, packed = codec.quantize(x), r8.quantize(x)
     frozen = q.copy()
     frozen.flags.writeable = False
-    np.testing.assert_array_equal(codec.dequantize(q, 32), codec.dequantize(frozen, 32))
-    assert q.flags.writeable
-    assert len(legacy._dequantize_q8_0.signatures) == 1
+    monkeypatch.setattr(type(codec), "_dequantize", spy)
+    np.testing.assert_array_equal(codec.dequantize(q, 64), codec.dequantize(frozen, 64))
+    out = np.empty((8, 64), np.float32)
+    r8.regroup_then_decode(packed, out)
+    np.testing.assert_array_equal(out, codec.dequantize(q, 64))
+    assert writable == [False] * 4 and q.flags.writeable and packed.flags.writeable
+    assert numba.typeof(q) != numba.typeof(frozen)  # what the kernels would otherwise be compiled for

@@ -749,9 +749,9 @@ class InterleavedCodec(Codec):
     def regroup_then_decode(self, q: np.ndarray, out: np.ndarray) -> None:
         """The rows regrouped into the plain form, then decoded (what a direct decoder must equal value for value)."""
         if self._plain is not None:
-            self._plain._dequantize(self._deinterleave(q), out)
+            self._plain._dequantize(read_only(self._deinterleave(q)), out)
         else:
-            self.base._dequantize(self.unpack(q), out)
+            self.base._dequantize(read_only(self.unpack(q)), out)
         if self._positive_zeros:
             out[out == 0] = 0.0
 
