@@ -389,7 +389,8 @@ def _attention(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, v: np.ndarray,
 def _attention_thread(q: np.ndarray, kt: np.ndarray, scores: np.ndarray, v: np.ndarray, sc: np.float32, first: int,
                       k_step: int, lanes: int, out: np.ndarray, counter: np.ndarray, per: int) -> None:
     """One thread of _attention: its buffers, then the jobs it claims (ikquant/formats/jit.py: why a task is a
-    function of its own; the buffers are its own so that the compiler knows nothing else writes them)."""
+    function of its own; its buffers are its own: passed in as arguments they made it slower, probably as the
+    compiler no longer knew that nothing else writes them)."""
     n_head, n = out.shape[0], out.shape[1]
     group = n_head // v.shape[0]
     given = scores.size > 0
