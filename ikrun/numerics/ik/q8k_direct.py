@@ -102,16 +102,19 @@ def iq3_k_packed(raw: np.ndarray, c: float) -> PackedInts | None:
 
 def _block_scaled(raw: np.ndarray, kind: int, c: float) -> PackedInts | None:
     """A type with an f16 scale at the start of every block: packed unless one is infinite or NaN."""
+    raw = read_only(np.ascontiguousarray(raw))
     return _packed(raw, kind, c) if f16_fields_finite(raw, BLOCK_BYTES[kind]) else None
 
 
 def iq2_ks_packed(raw: np.ndarray, c: float) -> PackedInts | None:
     """IQ2_KS rows as ik converts them to Q8_K_R16, packed; None where a row scale is infinite or NaN."""
+    raw = read_only(np.ascontiguousarray(raw))
     return _packed(raw, KIND_IQ2_KS, c) if f16_fields_finite(raw, raw.shape[1]) else None
 
 
 def iq3_ks_packed(raw: np.ndarray, c: float) -> PackedInts | None:
     """IQ3_KS rows as ik converts them to Q8_K_R16, packed; None where a row scale is infinite or NaN."""
+    raw = read_only(np.ascontiguousarray(raw))
     return _packed(raw, KIND_IQ3_KS, c) if f16_fields_finite(raw, raw.shape[1]) else None
 
 
@@ -123,6 +126,7 @@ def f16_fields_finite(raw: np.ndarray, block_bytes: int, offset: int = 0) -> boo
 
 
 def _packed(raw: np.ndarray, kind: int, c: float) -> PackedInts:
+    """Rows `raw` of `kind`, contiguous and read-only (each public entry makes them so once), packed."""
     rows = raw.shape[0]
     nb = (raw.shape[1] - ROW_BYTES[kind]) // BLOCK_BYTES[kind]
     n = nb * SUPER
@@ -131,8 +135,8 @@ def _packed(raw: np.ndarray, kind: int, c: float) -> PackedInts:
     scale = np.empty(groups * nb * LANES, np.float32)
     corr = np.empty(groups * nb * LANES, np.int32)
     low = np.zeros(groups, np.uint8)
-    _groups(read_only(np.ascontiguousarray(raw)), kind, nb, np.float32(np.float32(1) / np.float32(c)), q.view(np.int32),
-            scale, corr, low, get_num_threads())
+    _groups(raw, kind, nb, np.float32(np.float32(1) / np.float32(c)), q.view(np.int32), scale, corr, low,
+            get_num_threads())
     return PackedInts(q=q, scale=scale, corr=corr, offset=np.empty(0, np.float32), rows=rows, n=n, block=SUPER,
                       order=ORDER_R16, full_range=bool(low.any()))
 
@@ -142,6 +146,7 @@ def q8_0_packed(raw: np.ndarray, bias: int = 0) -> PackedInts:
     as stored: as ik converts them to Q8_0_R8 (`bias` 0), or as its own kernel multiplies them, each value + `bias`
     as an unsigned byte (ORDER_QX_0_NATIVE, qgemm.pack). Reading them into int8 rows first (and decoding them, for
     the second) and packing those took two or three passes, each into a fresh array."""
+    raw = read_only(np.ascontiguousarray(raw))
     return _block32_packed(raw, KIND_Q8_0, bias)
 
 
@@ -152,6 +157,7 @@ def mxfp4_packed(raw: np.ndarray, bias: int = 0) -> PackedInts | None:
     under the float32 subnormal 2^-128, as ik's own kernel has them (its conversion stores the scale as f16 0: either
     way a product of at most 12 x 2^-128 x |x|, no float sum of normal terms sees it; a gpt-oss file with such blocks
     prints ik's PPL to the digit)."""
+    raw = read_only(np.ascontiguousarray(raw))
     exponents = raw.reshape(raw.shape[0], -1, MXFP4_BLOCK_BYTES)[..., 0]
     if exponents.max(initial=0) > MXFP4_MAX_EXPONENT:
         return None
@@ -159,6 +165,7 @@ def mxfp4_packed(raw: np.ndarray, bias: int = 0) -> PackedInts | None:
 
 
 def _block32_packed(raw: np.ndarray, kind: int, bias: int) -> PackedInts:
+    """Rows `raw` of a 32-value block `kind`, contiguous and read-only (as in _packed), packed."""
     rows = raw.shape[0]
     nb = raw.shape[1] // BLOCK32_BYTES[kind]
     n = nb * BLOCK32
@@ -168,8 +175,7 @@ def _block32_packed(raw: np.ndarray, kind: int, bias: int) -> PackedInts:
     offset = np.empty(groups * nb * LANES if bias else 0, np.float32)
     corr = np.empty(groups * nb * LANES, np.int32)
     low = np.zeros(groups, np.uint8)
-    _block32_groups(read_only(np.ascontiguousarray(raw)), kind, nb, bias, q.view(np.int32), scale, offset, corr, low,
-                    get_num_threads())
+    _block32_groups(raw, kind, nb, bias, q.view(np.int32), scale, offset, corr, low, get_num_threads())
     return PackedInts(q=q, scale=scale, corr=corr, offset=offset, rows=rows, n=n, block=BLOCK32,
                       order=ORDER_QX_0_NATIVE if bias else ORDER_R8, full_range=bool(low.any()))
 
