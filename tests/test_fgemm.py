@@ -14,8 +14,11 @@ from ikquant.formats.numeric import fmaf
 from ikquant.types import type_by_name
 from ikrun.ops.fgemm import (
     AVX2_TILE,
+    BLOCK_GROUPS,
+    CHUNK_TILES,
     GROUPS,
     K_STEP,
+    LANES,
     PANEL_TYPES,
     ROWS,
     FileExperts,
@@ -45,9 +48,10 @@ def _case(m: int, n: int, rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndar
 
 
 def test_every_output_is_one_fma_chain_in_order() -> None:
-    """Shapes that are no whole tiles (tokens, rows, and a row longer than one K step): the bits of a scalar
-    fused multiply-add loop."""
-    for m, n, rows in ((1, 32, 1), (5, 64, 7), (37, 600, 13)):
+    """Shapes that are no whole tiles (tokens, rows, and a row longer than one K step), and tokens of several
+    blocks and rows of several tasks, the last of each partial: the bits of a scalar fused multiply-add loop."""
+    blocks, chunks = 2 * BLOCK_GROUPS * LANES + 21, CHUNK_TILES * ROWS + 7
+    for m, n, rows in ((1, 32, 1), (5, 64, 7), (37, 600, 13), (blocks, 300, chunks)):
         x, w = _case(m, n, rows)
         np.testing.assert_array_equal(expert_matmul(x, w), _fma_chains(x, w))
 
@@ -88,12 +92,12 @@ def test_half_precision_bits_are_widened_exactly() -> None:
 
 def test_experts_in_one_call_give_each_expert_alone_its_bits() -> None:
     """Several experts' tokens in one call (one with none, one with a single token, counts that are no whole
-    groups, a token routed to two experts, rows that are no whole tiles): each expert's outputs are its own FMA
-    chains, in f32 and f16, on one thread and two."""
+    groups, one of several token blocks, a token routed to two experts, rows that are no whole tiles, more than one
+    task's): each expert's outputs are its own FMA chains, in f32 and f16, on one thread and two."""
     rng = np.random.default_rng(4)
     x = rng.standard_normal((40, 600)).astype(np.float32)
-    w = rng.standard_normal((5, 13, 600)).astype(np.float32)
-    counts = np.array([0, 1, 17, 33, 5])
+    w = rng.standard_normal((5, CHUNK_TILES * ROWS + 5, 600)).astype(np.float32)
+    counts = np.array([0, 1, 17, BLOCK_GROUPS * LANES + 33, 5])
     row_at = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     tokens = rng.integers(0, len(x), int(row_at[-1])).astype(np.int64)
     tokens[row_at[2]] = tokens[row_at[3]]
