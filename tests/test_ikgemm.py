@@ -1,5 +1,6 @@
-"""ik's float kernels (ikrun/numerics/ik/ikgemm.py) against their arithmetic written out with numpy: 16 lanes of fused
-multiply-adds along the row and ik's tree over the lanes (f32/f16), the vdpbf16ps pairs (bf16)."""
+"""ik's float kernels (ikrun/numerics/ik/ikgemm.py) against their arithmetic written out with numpy: 16 lanes (8 in
+its AVX2 build) of fused multiply-adds along the row and ik's tree over the lanes (f32/f16), the vdpbf16ps pairs
+(bf16)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from tests.test_qgemm import _fma32
 
 
 def _tree(acc: np.ndarray) -> np.ndarray:
-    """[..., 16] lanes added as ik's reduction adds them."""
-    t = acc[..., 8:] + acc[..., :8]
+    """[..., 16] or [..., 8] lanes added as ik's reduction adds them."""
+    t = acc[..., 8:] + acc[..., :8] if acc.shape[-1] == 16 else acc
     u = t[..., 4:] + t[..., :4]
     return (u[..., 0] + u[..., 2]) + (u[..., 1] + u[..., 3])
 
 
-def _reference(x: np.ndarray, w: np.ndarray, bf16: bool) -> np.ndarray:
+def _reference(x: np.ndarray, w: np.ndarray, bf16: bool, lanes: int = 16) -> np.ndarray:
     xs, ws = x[:, None, :], w[None, :, :]
     if bf16:  # per 32 values, lane l: value 2l + 1 then 2l
         acc = np.zeros((x.shape[0], w.shape[0], 16), np.float32)
@@ -28,9 +29,9 @@ def _reference(x: np.ndarray, w: np.ndarray, bf16: bool) -> np.ndarray:
                 lanes = slice(b + first, b + 32, 2)
                 acc = _fma32(xs[..., lanes], ws[..., lanes], acc)
         return _tree(acc)
-    acc = (xs[..., :16] * ws[..., :16]).astype(np.float32)
-    for c in range(16, x.shape[1], 16):
-        acc = _fma32(xs[..., c : c + 16], ws[..., c : c + 16], acc)
+    acc = (xs[..., :lanes] * ws[..., :lanes]).astype(np.float32)
+    for c in range(lanes, x.shape[1], lanes):
+        acc = _fma32(xs[..., c : c + lanes], ws[..., c : c + lanes], acc)
     return _tree(acc)
 
 
@@ -47,6 +48,18 @@ def test_float_kernels_are_iks_arithmetic(bf16: bool, m: int, n: int, k: int) ->
     got = ik_float_matmul(x, w, bf16)
     np.testing.assert_array_equal(got, _reference(x, w, bf16))
     assert np.any(got != (x.astype(np.float64) @ w.T.astype(np.float64)).astype(np.float32))
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(3, 5, 64), (17, 70, 256), (13, 64, 1024)])
+def test_avx2_float_kernel_is_iks_arithmetic(m: int, n: int, k: int) -> None:
+    """The AVX2 build's 8 lanes, in grids of 2 activation rows (13 rows: six-row groups and a leftover row); the
+    16-lane order gives other bits, so the lane count is what is tested."""
+    rng = np.random.default_rng(k)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 100, (m, 1))).astype(np.float32)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 10, (n, 1))).astype(np.float32)
+    got = ik_float_matmul(x, w, lanes=8)
+    np.testing.assert_array_equal(got, _reference(x, w, False, 8))
+    assert np.any(got != _reference(x, w, False))
 
 
 @pytest.mark.parametrize(("bits", "bf16"), [("f16", False), ("bf16", False), ("bf16", True)])

@@ -53,6 +53,10 @@ DOTS = 4
 #: loaded once for all of them; 6 x 4 accumulators fit AVX-512's 32 registers: f32 108 -> 118 GFLOP/s a core
 #: against 4 x 4)
 XROWS = 6
+#: the activation rows of the AVX2 kernel's grid: AVX2 has 16 registers, and 2 x 4 accumulators with their 6
+#: vector loads fit them (3 x 4 spill: ~50 -> 80 GFLOP/s on a 2-core Zen 3, 2 x 4 ~140), so ik_dot_grid runs it
+#: XROWS / AVX2_XROWS times
+AVX2_XROWS = 2
 
 
 def _make_grid(bf16: bool, xrows: int, lanes: int = LANES):  # type: ignore[no-untyped-def]
@@ -128,7 +132,7 @@ def _make_grid(bf16: bool, xrows: int, lanes: int = LANES):  # type: ignore[no-u
 
 
 _grid16, _bf16_grid = _make_grid(False, XROWS), _make_grid(True, XROWS)
-_grid8 = _make_grid(False, XROWS, AVX2_LANES)
+_grid8 = _make_grid(False, AVX2_XROWS, AVX2_LANES)
 #: one activation row against DOTS weight rows (attention, and the rows the grid leaves)
 _dots16, _bf16_dots, _dots8 = _make_grid(False, 1), _make_grid(True, 1), _make_grid(False, 1, AVX2_LANES)
 
@@ -140,7 +144,8 @@ def ik_dot_grid(x: np.ndarray, x0: int, xs: int, y: np.ndarray, y0: int, ys: int
     if bf16:
         _bf16_grid(x, x0, xs, y, y0, ys, n, out, o0, os)
     elif lanes == AVX2_LANES:
-        _grid8(x, x0, xs, y, y0, ys, n, out, o0, os)
+        for a in range(0, XROWS, AVX2_XROWS):
+            _grid8(x, x0 + a * xs, xs, y, y0, ys, n, out, o0 + a * os, os)
     else:
         _grid16(x, x0, xs, y, y0, ys, n, out, o0, os)
 
