@@ -36,10 +36,11 @@ def _reference(x: np.ndarray, w: np.ndarray, bf16: bool, lanes: int = 16) -> np.
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-@pytest.mark.parametrize(("m", "n", "k"), [(3, 5, 64), (17, 70, 256), (9, 64, 1024)])
+@pytest.mark.parametrize(("m", "n", "k"), [(3, 5, 64), (17, 70, 256), (9, 64, 1024), (40, 64, 1024)])
 def test_float_kernels_are_iks_arithmetic(bf16: bool, m: int, n: int, k: int) -> None:
-    """Every output bit equals the written-out order (row counts that are no whole group of 4 or 64 rows); a plain
-    float64 product differs, so the order is what is tested."""
+    """Every output bit equals the written-out order (row counts that are no whole group of 4 or 64 rows; 40
+    activation rows of 1,024 values: a block of 30 that stays in the cache, then 10); a plain float64 product
+    differs, so the order is what is tested."""
     rng = np.random.default_rng(k + bf16)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.01, 100, (m, 1))).astype(np.float32)
     w = (rng.standard_normal((n, k)) * rng.uniform(0.01, 10, (n, 1))).astype(np.float32)
@@ -50,7 +51,7 @@ def test_float_kernels_are_iks_arithmetic(bf16: bool, m: int, n: int, k: int) ->
     assert np.any(got != (x.astype(np.float64) @ w.T.astype(np.float64)).astype(np.float32))
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(3, 5, 64), (17, 70, 256), (13, 64, 1024)])
+@pytest.mark.parametrize(("m", "n", "k"), [(3, 5, 64), (17, 70, 256), (13, 64, 1024), (40, 70, 1024)])
 def test_avx2_float_kernel_is_iks_arithmetic(m: int, n: int, k: int) -> None:
     """The AVX2 build's 8 lanes, in grids of 2 activation rows (13 rows: six-row groups and a leftover row); the
     16-lane order gives other bits, so the lane count is what is tested."""
