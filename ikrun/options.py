@@ -72,7 +72,7 @@ class RuntimeOptions:
         "8-bit (or bf16) format ik pairs with each weight type, and ik's f16 KV cache (whatever --kv-cache says), "
         "in its AVX-512 build's float order. ik-avx2: the same in its AVX2 build's (checked: qwen3, qwen3moe, "
         "qwen3next, qwen35moe, glm4moe, minimax-m2, deepseek2, glm-dsa, openpangu; F32, F16, BF16, Q8_0, Q4_0 "
-        "weights; -ctk q8_0, q4_0 and, with --flash-attn off, q6_0, iq4_nl, q5_0, q4_1, q5_1, bf16, q8_KV on "
+        "weights, Q4_0 from 32 activation rows a thread; -ctk q8_0, q4_0 and, with --flash-attn off, q6_0, iq4_nl, q5_0, q4_1, q5_1, bf16, q8_KV on "
         "qwen3, qwen3moe, glm4moe, minimax-m2; openPangu's -ctk q8_0 latent).")})
 
     #: the thread count whose kernel choices --numerics ik reproduces (ik's choice depends on it for matrices of fewer

@@ -22,6 +22,7 @@ from tests.test_numerics import _printed
 runner = CliRunner()
 DATA = Path(__file__).parent / "data"
 CONVERT, LOGITS = DATA / "convert" / "qwen3", DATA / "logits" / "qwen3-avx2"
+DS3_AVX2 = DATA / "logits" / "deepseek-v3-avx2"
 AVX2 = RuntimeOptions(numerics="ik-avx2")
 #: the -fa off graph qwen3-avx2's runs were made with
 AVX2_FA_OFF = RuntimeOptions(numerics="ik-avx2", flash_attn="off")
@@ -74,9 +75,25 @@ def test_ik_avx2_refuses_other_quant_types(tmp_path: Path) -> None:
         res.output
 
 
-def test_ik_avx2_refuses_q8_0s_own_kernel() -> None:
-    """Below 32 activation rows ik multiplies Q8_0 in its own kernel, whose AVX2 order is not reproduced."""
-    res = runner.invoke(app, ["logits", str(CONVERT / "ik-q8_0.gguf"), "--tokens", "1,2", "--numerics", "ik-avx2"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_ik_avx2_q8_0s_own_kernel_prints_iks_figures(threads: int) -> None:
+    """ik's own AVX2 Q8_0 kernel (qgemm.ORDER_QX_0_AVX2): with two threads the tiny deepseek-v3's 32-row q_a and
+    48-row KV projections give a thread fewer than 32 rows, so ik multiplies them in it rather than converting them
+    (tests/data/logits/deepseek-v3-avx2); every printed figure of ik's AVX2 build with 1 and with 2 threads, which
+    differ, so the kernel is what is tested."""
+    printed = DS3_AVX2 / f"ik-q8_0-t{threads}-kld.txt"
+    assert _printed(printed) != _printed(DS3_AVX2 / f"ik-q8_0-t{3 - threads}-kld.txt")
+    res = runner.invoke(app, ["kld", str(DATA / "convert" / "deepseek-v3" / "ik-q8_0.gguf"), "--base-logits",
+                              str(DATA / "logits" / "deepseek-v3" / "ik-base.kld"), "--json", "--numerics", "ik-avx2",
+                              "--flash-attn", "off", "--ik-threads", str(threads)])
+    assert res.exit_code == 0, res.output
+    assert _matches(dict(json.loads(res.stdout)), printed)
+
+
+def test_ik_avx2_refuses_other_types_own_kernels(tmp_path: Path) -> None:
+    """Below 32 activation rows ik multiplies Q4_0 in its own kernel, whose AVX2 order is not reproduced."""
+    q4 = ik_quantized(CONVERT / "ik-f32.gguf", tmp_path / "q4_0.gguf", "Q4_0")
+    res = runner.invoke(app, ["logits", str(q4), "--tokens", "1,2", "--numerics", "ik-avx2"])
     assert res.exit_code == 2 and "not the kernel ik takes for 2 rows" in res.output, res.output
 
 

@@ -32,6 +32,7 @@ from ikrun.numerics.ik.qgemm import (
     ORDER_PLAIN,
     ORDER_Q8_1,
     ORDER_Q8_1_AVX2,
+    ORDER_QX_0_AVX2,
     ORDER_QX_0_NATIVE,
     ORDER_R8,
     ORDER_R8_AVX2,
@@ -107,10 +108,12 @@ def _ik_reference(x: IntRows, w: BlockInts) -> np.ndarray:
     asum = qa.sum(axis=2)
     d = (w.scale[None, :, :] * x.scale[:m, None, :]).astype(np.float32)  # [m, r, b]
     zero = np.zeros(d.shape[:2], np.float32)
-    if w.order == ORDER_QX_0_NATIVE:  # the weights + bias as bytes (wrapping, as ik adds them)
-        prods = np.einsum("mbk,rbk->mrbk", qa, (qw + w.bias) % 256)
+    if w.order in (ORDER_QX_0_NATIVE, ORDER_QX_0_AVX2):  # AVX-512: the weights + bias as bytes (wrapping, as ik
+        own = w.order == ORDER_QX_0_NATIVE  # adds them) and their correction; AVX2: the weights as they are
+        prods = np.einsum("mbk,rbk->mrbk", qa, (qw + w.bias) % 256 if own else qw)
         acc, accm = np.zeros((*d.shape[:2], 8), np.float32), np.zeros((*d.shape[:2], 4), np.float32)
-        corr = (w.scale * np.float32(-w.bias)).astype(np.float32)[None] * x.sums[:m, None, :]
+        corr = (w.scale * np.float32(-w.bias)).astype(np.float32)[None] * x.sums[:m, None, :] if own else \
+            np.zeros(d.shape, np.float32)
         for b in range(nb):
             if b < nb // 4 * 4:  # a whole group of four: halves to accumulators j and 4 + j
                 j = b % 4
@@ -121,7 +124,7 @@ def _ik_reference(x: IntRows, w: BlockInts) -> np.ndarray:
                 accm += (corr[..., b] * np.float32(0.25))[..., None]
                 fours = prods[..., b, :].reshape(*prods.shape[:2], 8, 4).sum(-1).astype(np.float32)
                 acc = _fma32(d[..., b, None], fours, acc)
-        t = (acc[..., :4] + acc[..., 4:]) + accm
+        t = (acc[..., :4] + acc[..., 4:]) + accm if own else acc[..., :4] + acc[..., 4:]
         return (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])
     if w.order == ORDER_R8:
         acc, acc1 = zero, zero
@@ -160,14 +163,16 @@ def _ik_reference(x: IntRows, w: BlockInts) -> np.ndarray:
 @pytest.mark.parametrize("tiled", [False, True])
 @pytest.mark.parametrize(("block", "fmt", "order"), [(32, Q8_2_X4, ORDER_R8), (32, Q8_2_X4, ORDER_Q8_1),
                                                      (256, Q8_K, ORDER_R16), (32, Q8_2_X4, ORDER_QX_0_NATIVE),
-                                                     (32, Q8_2_X4, ORDER_R8_AVX2), (32, Q8_2_X4, ORDER_Q8_1_AVX2)])
+                                                     (32, Q8_2_X4, ORDER_R8_AVX2), (32, Q8_2_X4, ORDER_Q8_1_AVX2),
+                                                     (32, Q8_2_X4, ORDER_QX_0_AVX2)])
 def test_each_order_is_iks_float_arithmetic(block: int, fmt: str, order: int, tiled: bool) -> None:
-    """ik's Q8_0_R8, Q8_1 and Q8_K_R16 gemms and its own Q8_0 kernel (ikrun/numerics/ik/qgemm.py ORDER_*), written out
-    block by block with exact fused multiply-adds: the kernels give their bits, over rows long enough to take
-    several passes of K_BYTES (Q8_0's kernel and the AVX2 Q8_1 one: blocks past the last whole group of four too)
-    and row counts that are no whole tiles or groups; the plain order gives other bits."""
+    """ik's Q8_0_R8, Q8_1 and Q8_K_R16 gemms and its own Q8_0 kernel (AVX-512 and AVX2; ikrun/numerics/ik/qgemm.py
+    ORDER_*), written out block by block with exact fused multiply-adds: the kernels give their bits, over rows long
+    enough to take several passes of K_BYTES (Q8_0's kernels and the AVX2 Q8_1 one: blocks past the last whole
+    group of four too) and row counts that are no whole tiles or groups; the plain order gives other bits."""
     rng = np.random.default_rng(order)
-    n = {ORDER_QX_0_NATIVE: 26 * block, ORDER_Q8_1_AVX2: 26 * block, ORDER_R16: 4 * block}.get(order, 24 * block)
+    n = {ORDER_QX_0_NATIVE: 26 * block, ORDER_QX_0_AVX2: 26 * block, ORDER_Q8_1_AVX2: 26 * block,
+         ORDER_R16: 4 * block}.get(order, 24 * block)
     w = _weights(rng, 40, n, block, order in (ORDER_Q8_1, ORDER_Q8_1_AVX2))
     w = BlockInts(w.q, w.scale, block, w.offset, order, bias=127 if order == ORDER_QX_0_NATIVE else 0)
     x = (rng.standard_normal((TILE + 3, w.q.shape[1])) * rng.uniform(0.1, 10, (TILE + 3, 1))).astype(np.float32)

@@ -5,11 +5,12 @@ It differs from the AVX-512 build's (arithmetic.py) in its float kernels, which 
 then (0 + 2) + (1 + 3) (ikgemm.py; bf16 weights too, on unrounded float32 activations), in its exponential
 (ik_expf_avx2: the softmax and the SiLU, the routed experts' too) and in its softmax's float64 sum of each 8
 exponentials' sum (attention.py), in its Q8_0_R8 and Q8_1_R8 gemms (qgemm.ORDER_R8_AVX2, ORDER_Q8_1_AVX2: a quantized
-K cache's K x Q, -fa off) and in its fused delta-net kernel (8-lane
+K cache's K x Q, -fa off), in its own Q8_0 kernel (ORDER_QX_0_AVX2: below 32 activation rows a thread, and weights
+of rows no multiple of 16) and in its fused delta-net kernel (8-lane
 q.k, its scalar update as GCC contracts it: delta_net.py). ik's flash-attention ports are its
 AVX2 build's already. Only what was checked bit for bit against this build runs: other architectures and weight
-types, and AVX-512-only flags, are refused before any compute; the integer kernels other than Q8_0_R8 and Q8_1_R8
-(the types' own, below 32 activation rows) when a matmul first needs them.
+types, and AVX-512-only flags, are refused before any compute; the integer kernels other than Q8_0_R8, Q8_1_R8 and
+Q8_0's own (the other types' own, below 32 activation rows) when a matmul first needs them.
 """
 
 from __future__ import annotations
@@ -20,8 +21,16 @@ from typing import TYPE_CHECKING
 
 from ikrun.errors import ModelError
 from ikrun.numerics.ik.arithmetic import IkNumerics
-from ikrun.numerics.ik.formats import UNROUNDED, IkKernel, ToInts
-from ikrun.numerics.ik.qgemm import ORDER_Q8_1, ORDER_Q8_1_AVX2, ORDER_R8, ORDER_R8_AVX2, PackedInts
+from ikrun.numerics.ik.formats import UNROUNDED, IkKernel, ToInts, ik_kernel
+from ikrun.numerics.ik.qgemm import (
+    ORDER_Q8_1,
+    ORDER_Q8_1_AVX2,
+    ORDER_QX_0_AVX2,
+    ORDER_QX_0_NATIVE,
+    ORDER_R8,
+    ORDER_R8_AVX2,
+    PackedInts,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,6 +43,9 @@ VERIFIED_ARCHS = ("qwen3", "deepseek2", "glm-dsa", "openpangu", "qwen3moe", "glm
 VERIFIED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
 #: the converted weights' gemms of the AVX-512 build (qgemm.ORDER_*) -> the AVX2 build's
 AVX2_ORDERS = {ORDER_R8: ORDER_R8_AVX2, ORDER_Q8_1: ORDER_Q8_1_AVX2}
+#: the weight types whose own kernel (below the rows ik converts them from) is reproduced in its AVX2 build's order:
+#: Q8_0's multiplies the signed values (qgemm.ORDER_QX_0_AVX2); the others' AVX2 kernels are other code
+AVX2_OWN_KERNELS = ("Q8_0",)
 
 
 class IkAvx2Numerics(IkNumerics):
@@ -70,18 +82,23 @@ class IkAvx2Numerics(IkNumerics):
 
     def _integers(self, kernel: IkKernel, n_act_rows: int, n_weight_rows: int,
                   threads: int | None = None) -> ToInts | None:
-        """The float orders of ik's AVX2 Q8_0_R8 and Q8_1_R8 gemms (qgemm.ORDER_R8_AVX2, ORDER_Q8_1_AVX2); the other
-        integer kernels' AVX2 orders are not reproduced."""
+        """The float orders of ik's AVX2 Q8_0_R8 and Q8_1_R8 gemms (qgemm.ORDER_R8_AVX2, ORDER_Q8_1_AVX2) and of its
+        own AVX2 Q8_0 kernel (ORDER_QX_0_AVX2: fewer rows); the other integer kernels' AVX2 orders are not
+        reproduced."""
         ints = super()._integers(kernel, n_act_rows, n_weight_rows, threads)
         if ints is None:
             return None
         inner = ints
+        own = any(kernel is ik_kernel(name) for name in AVX2_OWN_KERNELS)
 
         def avx2(raw, decoded):  # type: ignore[no-untyped-def]
             held = inner(raw, decoded)
+            if held.order == ORDER_QX_0_NATIVE and own:
+                return replace(held, order=ORDER_QX_0_AVX2, bias=0)
             if held.order not in AVX2_ORDERS:
                 raise ModelError(f"--numerics ik-avx2 reproduces ik's AVX2 Q8_0_R8 and Q8_1_R8 kernels (32 activation "
-                                 f"rows and more a thread), not the kernel ik takes for {n_act_rows} rows")
+                                 f"rows and more a thread) and its own Q8_0 kernel, not the kernel ik takes for "
+                                 f"{n_act_rows} rows")
             return replace(held, order=AVX2_ORDERS[held.order])
 
         return avx2

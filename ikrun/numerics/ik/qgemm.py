@@ -51,8 +51,11 @@ from ikrun.ops.simd import splat
 #: acc = fma(w scale x a scale, f32(isum), acc); ORDER_Q8_1_AVX2 ik's Q8_1_R8 gemm in its AVX2 build (Q4_1, Q5_1
 #: converted): ORDER_Q8_1's offsets of four blocks first, then per block its first and its last 16 products each
 #: acc = fma(w scale x a scale, f32(half sum), acc); the blocks past the last whole group of four add nothing (the
-#: kernel has no loop for them)
+#: kernel has no loop for them); ORDER_QX_0_AVX2 ik's own Q8_0 kernel in its AVX2 build: ORDER_QX_0_NATIVE's eight
+#: accumulators on the signed weights (no bias, no correction sums), at the end (acc[j] + acc[4 + j]) summed
+#: (0 + 2) + (1 + 3)
 ORDER_PLAIN, ORDER_R8, ORDER_R16, ORDER_Q8_1, ORDER_QX_0_NATIVE, ORDER_R8_AVX2, ORDER_Q8_1_AVX2 = 0, 1, 2, 3, 4, 5, 6
+ORDER_QX_0_AVX2 = 7
 LANES = 16  # weight rows per packed group: one 512-bit vector of int32 lanes
 TILE = 4  # activation rows per kernel call, sharing each weight vector
 GROUPS = 2  # weight groups per kernel call, sharing each activation broadcast
@@ -533,11 +536,13 @@ def _make_tile(block: int, order: int = ORDER_PLAIN,  # type: ignore[no-untyped-
     return _tile_intrinsic(emit, dot)
 
 
-def _make_native_tile(dot: Callable[[ir.IRBuilder], _Dot] = host_dot):  # type: ignore[no-untyped-def]
+def _make_native_tile(dot: Callable[[ir.IRBuilder], _Dot] = host_dot,  # type: ignore[no-untyped-def]
+                      signed: bool = False):
     """The tile micro-kernel of ORDER_QX_0_NATIVE (32-value blocks) for weight groups GROUPS x g .. GROUPS x g +
     GROUPS - 1 and activation rows m0 .. m0 + TILE - 1, a whole row per call (b0 = 0, b1 = nb). The weights are
     packed unsigned (+ bias, `pack`) and the activations' bytes made signed again (u xor 0x80), so each vpdpbusd
-    sums ik's own integers."""
+    sums ik's own integers. `signed`: ORDER_QX_0_AVX2, the weights as they are, the activations' bytes as stored
+    (`dot` a signed one, _DOT_SIGN), and no correction sums."""
     steps = 8
 
     def emit_pass(t: _TileArgs, keys: list[tuple[int, int]]) -> None:
@@ -565,22 +570,26 @@ def _make_native_tile(dot: Callable[[ir.IRBuilder], _Dot] = host_dot):  # type: 
                     for i in sorted({i for _, i in keys}):
                         ap = builder.bitcast(builder.gep(au_p, [builder.add(abase[i], const(s * 4))]),
                                              _I32.as_pointer())
-                        a = splat(builder, builder.xor(builder.load(ap, align=1), sign), _V16I)
+                        u = builder.load(ap, align=1)
+                        a = splat(builder, u if signed else builder.xor(u, sign), _V16I)
                         for h in sorted({h for h, _ in keys}):
-                            sums[(h, i, c)] = t.dot(sums[(h, i, c)], w[h], a)
+                            sums[(h, i, c)] = t.dot(sums[(h, i, c)], a, w[h]) if signed else \
+                                t.dot(sums[(h, i, c)], w[h], a)
             return {key: t.dot_total(v) for key, v in sums.items()}
 
         def scales(b: ir.Value) -> tuple[dict, dict]:  # type: ignore[type-arg]
-            """Per (group, row): d = w scale x a scale and the correction (w scale x -bias) x a's scaled sum."""
+            """Per (group, row): d = w scale x a scale and the correction (w scale x -bias) x a's scaled sum (none
+            with `signed`)."""
             at = [builder.mul(builder.add(builder.mul(gh, nb_v), b), const(LANES)) for gh in groups]
             w = [_vector(builder, ws_p, x, _V16F) for x in at]
-            minus = [_vector(builder, wo_p, x, _V16F) for x in at]
             idx = [builder.add(builder.mul(r, nb_v), b) for r in rows]
             a_d = [splat(builder, builder.load(builder.gep(as_p, [x])), _V16F) for x in idx]
-            a_s = [splat(builder, builder.load(builder.gep(su_p, [x])), _V16F) for x in idx]
             d = {(h, i): builder.fmul(w[h], a_d[i]) for h, i in keys}
-            m = {(h, i): builder.fmul(minus[h], a_s[i]) for h, i in keys}
-            return d, m
+            if signed:  # no correction (and no offsets packed)
+                return d, {}
+            minus = [_vector(builder, wo_p, x, _V16F) for x in at]
+            a_s = [splat(builder, builder.load(builder.gep(su_p, [x])), _V16F) for x in idx]
+            return d, {(h, i): builder.fmul(minus[h], a_s[i]) for h, i in keys}
 
         def add(slot: ir.Value, value: ir.Value) -> None:
             builder.store(builder.fadd(builder.load(slot), value), slot)
@@ -595,7 +604,8 @@ def _make_native_tile(dot: Callable[[ir.IRBuilder], _Dot] = host_dot):  # type: 
                 sums = step_sums(b, [[0, 1, 2, 3], [4, 5, 6, 7]])
                 d, m = scales(b)
                 for h, i in keys:
-                    add(accm[(h, i, pos)], m[(h, i)])
+                    if not signed:
+                        add(accm[(h, i, pos)], m[(h, i)])
                     fma_into(acc[(h, i, pos)], d[(h, i)], sums[(h, i, 0)])
                     fma_into(acc[(h, i, 4 + pos)], d[(h, i)], sums[(h, i, 1)])
         with cgutils.for_range(builder, builder.sub(nb_v, builder.mul(whole, const(4)))) as loop:  # the rest
@@ -603,14 +613,16 @@ def _make_native_tile(dot: Callable[[ir.IRBuilder], _Dot] = host_dot):  # type: 
             sums = step_sums(b, [[s] for s in range(steps)])
             d, m = scales(b)
             for h, i in keys:
-                quarter = builder.fmul(m[(h, i)], fconst(0.25))
-                for j in range(4):
-                    add(accm[(h, i, j)], quarter)
+                if not signed:
+                    quarter = builder.fmul(m[(h, i)], fconst(0.25))
+                    for j in range(4):
+                        add(accm[(h, i, j)], quarter)
                 for lane in range(8):
                     fma_into(acc[(h, i, lane)], d[(h, i)], sums[(h, i, lane)])
         for h, i in keys:
-            tot = [builder.fadd(builder.fadd(builder.load(acc[(h, i, j)]), builder.load(acc[(h, i, 4 + j)])),
-                                builder.load(accm[(h, i, j)])) for j in range(4)]
+            tot = [builder.fadd(builder.load(acc[(h, i, j)]), builder.load(acc[(h, i, 4 + j)])) for j in range(4)]
+            if not signed:
+                tot = [builder.fadd(v, builder.load(accm[(h, i, j)])) for j, v in enumerate(tot)]
             value = builder.fadd(builder.fadd(tot[0], tot[2]), builder.fadd(tot[1], tot[3]))
             o = builder.gep(out_p, [builder.add(builder.mul(rows[i], n_v), builder.mul(groups[h], const(LANES)))])
             builder.store(value, builder.bitcast(o, _V16F.as_pointer()), align=1)
@@ -634,6 +646,8 @@ _tile32_q81, _tile32_r8_avx2 = _make_tile(32, ORDER_Q8_1), _make_tile(32, ORDER_
 #: take the scalar kernel, qmatmul: their stand-in here is never called, and emits no AVX2 instruction)
 _tile32_q81_avx2 = _make_tile(32, ORDER_Q8_1_AVX2, lambda builder: _DOT_SIGN) if HAS_AVX2 else _tile32_q81
 _tile32_native = _make_native_tile()
+#: ORDER_QX_0_AVX2 takes AVX2's signed byte products (hosts without AVX2: the scalar kernel, as ORDER_Q8_1_AVX2)
+_tile32_native_avx2 = _make_native_tile(lambda builder: _DOT_SIGN, signed=True) if HAS_AVX2 else _tile32_native
 
 
 @njit(cache=True, nogil=True)
@@ -643,7 +657,8 @@ def _tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block, nb,
     values stay in the core's first-level cache for all the rows). Called, not inlined: the serial and parallel
     kernels share its compiled tiles (_tiled_serial compiled in 4.3 instead of 9.2 s on a 2-core Zen 3)."""
     # ORDER_R8's two sums and ORDER_QX_0_NATIVE's twelve meet after the row's last block: one call per row
-    chunk = nb if order == ORDER_R8 or order == ORDER_QX_0_NATIVE else max(1, K_BYTES // block)
+    chunk = nb if order == ORDER_R8 or order == ORDER_QX_0_NATIVE or order == ORDER_QX_0_AVX2 else \
+        max(1, K_BYTES // block)
     for b0 in range(0, nb, chunk):
         b1 = min(nb, b0 + chunk)
         for t in range(m0, m1, TILE):
@@ -661,6 +676,8 @@ def _tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block, nb,
                 _tile32_r8_avx2(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             elif order == ORDER_QX_0_NATIVE:
                 _tile32_native(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
+            elif order == ORDER_QX_0_AVX2:
+                _tile32_native_avx2(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             else:
                 _tile32(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
 
@@ -695,8 +712,8 @@ def _tiled_serial(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, block, nb, n, 
 def _portable_group(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block, nb,  # type: ignore[no-untyped-def]
                     n, order):
     """The tile kernels' arithmetic in scalar code, one 16-row group against rows m0 .. m1, in the same order."""
-    if order == ORDER_QX_0_NATIVE:
-        _portable_native(wq, ws, wofs, au, asc, asum, out, g, m0, m1, nb, n)
+    if order == ORDER_QX_0_NATIVE or order == ORDER_QX_0_AVX2:
+        _portable_native(wq, ws, wofs, au, asc, asum, out, g, m0, m1, nb, n, order == ORDER_QX_0_AVX2)
         return
     if order == ORDER_Q8_1_AVX2:
         _portable_q81_avx2(wq, ws, wofs, au, asc, asum, out, g, m0, m1, nb, n)
@@ -760,9 +777,10 @@ def _portable_q81_avx2(wq, ws, wofs, au, asc, asum, out, g, m0, m1, nb, n):  # t
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _portable_native(wq, ws, wofs, au, asc, asum, out, g, m0, m1, nb, n):  # type: ignore[no-untyped-def]
+def _portable_native(wq, ws, wofs, au, asc, asum, out, g, m0, m1, nb, n,  # type: ignore[no-untyped-def]
+                     signed):
     """ORDER_QX_0_NATIVE in scalar code, one 16-row group against rows m0 .. m1 (weights packed + bias, wofs the
-    scales x -bias)."""
+    scales x -bias); `signed`: ORDER_QX_0_AVX2 (the weights as they are, no correction)."""
     acc = np.empty(8, np.float32)
     accm = np.empty(4, np.float32)
     part = np.empty(8, np.int32)
@@ -777,10 +795,11 @@ def _portable_native(wq, ws, wofs, au, asc, asum, out, g, m0, m1, nb, n):  # typ
                     s = np.int32(0)
                     w0, a0 = (gb * 8 + k) * 64 + r * 4, m * nb * 32 + b * 32 + 4 * k
                     for t in range(4):
-                        s += np.int32(np.uint8(wq[w0 + t])) * (np.int32(au[a0 + t]) - 128)
+                        v = np.int32(wq[w0 + t]) if signed else np.int32(np.uint8(wq[w0 + t]))
+                        s += v * (np.int32(au[a0 + t]) - 128)
                     part[k] = s
                 d = ws[gb * LANES + r] * asc[m * nb + b]
-                corr = wofs[gb * LANES + r] * asum[m * nb + b]
+                corr = np.float32(0) if signed else wofs[gb * LANES + r] * asum[m * nb + b]
                 if b < whole:
                     j = b % 4
                     accm[j] += corr
@@ -791,8 +810,9 @@ def _portable_native(wq, ws, wofs, au, asc, asum, out, g, m0, m1, nb, n):  # typ
                         accm[j] += corr * np.float32(0.25)
                     for lane in range(8):
                         acc[lane] = fmaf(d, np.float32(part[lane]), acc[lane])
-            t0, t1 = (acc[0] + acc[4]) + accm[0], (acc[1] + acc[5]) + accm[1]
-            t2, t3 = (acc[2] + acc[6]) + accm[2], (acc[3] + acc[7]) + accm[3]
+            t0, t1, t2, t3 = acc[0] + acc[4], acc[1] + acc[5], acc[2] + acc[6], acc[3] + acc[7]
+            if not signed:
+                t0, t1, t2, t3 = t0 + accm[0], t1 + accm[1], t2 + accm[2], t3 + accm[3]
             out[m * n + g * LANES + r] = (t0 + t2) + (t1 + t3)
 
 
@@ -874,14 +894,15 @@ def qmatmul(x: IntRows, w: PackedInts, tiled: bool = True) -> np.ndarray:
                          f"in blocks of {w.block}")
     if w.has_offset != (w.order in (ORDER_Q8_1, ORDER_Q8_1_AVX2, ORDER_QX_0_NATIVE)):
         raise ValueError("offsets belong to ik's Q8_1 weights (ORDER_Q8_1) and only to them")
-    if w.order in (ORDER_QX_0_NATIVE, ORDER_Q8_1_AVX2) and w.block != 32:
+    if w.order in (ORDER_QX_0_NATIVE, ORDER_QX_0_AVX2, ORDER_Q8_1_AVX2) and w.block != 32:
         raise ValueError(f"ik's kernel of the 32-value block types takes blocks of 32 values, not {w.block}")
     if w.order == ORDER_Q8_1 and (w.n // w.block) % 4:
         raise ValueError(f"ik's Q8_1 order takes blocks four at a time; rows of {w.n} values are not")
     mp, n_out = x.u.shape[0], w.scale.size // (w.n // w.block)
     out = np.empty((mp, n_out), np.float32)  # every kernel writes every element (a tile from its row's first block)
-    signed = SIGNED_TILES or w.order == ORDER_Q8_1_AVX2  # the tile takes AVX2's signed byte products
-    tiled = tiled and (HAS_AVX2 or w.order != ORDER_Q8_1_AVX2) and \
+    avx2_only = w.order in (ORDER_Q8_1_AVX2, ORDER_QX_0_AVX2)  # tiles of AVX2's signed byte products alone
+    signed = SIGNED_TILES or avx2_only  # the tile takes AVX2's signed byte products
+    tiled = tiled and (HAS_AVX2 or not avx2_only) and \
         not (w.full_range and signed and w.order != ORDER_QX_0_NATIVE)
     serial, parallel = (_tiled_serial, _tiled_parallel) if tiled else (_portable_serial, _portable_parallel)
     kernel = pick(serial, parallel, mp * w.n * n_out // 64)
