@@ -934,6 +934,8 @@ class IkNumerics(Numerics):
         if converted is not None:
             return x @ converted.T
         kind = self._float_kind(weight_name)
+        if kind is not None and self.weights.is_half(weight_name):  # a streamed pass: the file's bits, widened
+            return self._on_halves(weight_name, lambda w: self._float_matmul(x, w, kind))  # as the kernel loads them
         if kind is not None and self.weights.fits(self.weights.decoded_bytes(weight_name)):
             # a 1-D weight is one row, as ggml multiplies it (ik's quantizer writes ffn_gate_inp_shexp as a vector)
             w = self.weights.decode(weight_name)
