@@ -177,7 +177,7 @@ def dots(x: np.ndarray, x0: int, y: np.ndarray, y0: int, stride: int, n: int, co
         out[o0 + u] = tail[0]
 
 
-#: weight rows a task multiplies by every activation row (their floats stay in the core's cache meanwhile)
+#: weight rows a task multiplies by the activation rows (their floats stay in the core's cache meanwhile)
 ROW_BLOCK = 64
 #: bytes of activation rows multiplied by a task's weight rows at a time, so that they stay in the second-level cache
 #: beside them (a 2-core Zen 3, 128 x 768 x 2,048 f16 with every activation row against a block: 68 GFLOP/s, the
@@ -186,18 +186,18 @@ X_BLOCK_BYTES = 128 << 10
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _rows_block(xf, i0, i1, k, wf, r0, rows, n, of, tail, bf16, lanes, xrows):  # type: ignore[no-untyped-def]
-    """Activation rows i0 .. i1 - 1 against weight rows r0 .. r0 + rows - 1: xrows x DOTS a grid call, the rows
+def _rows_block(xf, i0, i1, k, wf, r0, rows, n, of, tail, bf16, lanes):  # type: ignore[no-untyped-def]
+    """Activation rows i0 .. i1 - 1 against weight rows r0 .. r0 + rows - 1: XROWS x DOTS a grid call, the rows
     left over a dot product at a time."""
     full = rows - rows % DOTS
     i = i0
-    while i + xrows <= i1:
+    while i + XROWS <= i1:
         for r in range(r0, r0 + full, DOTS):
             ik_dot_grid(xf, i * k, k, wf, r * k, k, k, of, i * n + r, n, bf16, lanes)
-        for a in range(xrows):
+        for a in range(XROWS):
             dots(xf, (i + a) * k, wf, (r0 + full) * k, k, k, rows - full, of, (i + a) * n + r0 + full, tail, bf16,
                  lanes)
-        i += xrows
+        i += XROWS
     for a in range(i, i1):
         dots(xf, a * k, wf, r0 * k, k, k, rows, of, a * n + r0, tail, bf16, lanes)
 
@@ -220,7 +220,7 @@ def _gemm(x: np.ndarray, w: np.ndarray, out: np.ndarray, bf16: bool, lanes: int,
                 r0 = b * ROW_BLOCK
                 for i0 in range(0, m, x_block):
                     _rows_block(xf, i0, min(m, i0 + x_block), k, wf, r0, min(ROW_BLOCK, n - r0), n, of, tail, bf16,
-                                lanes, XROWS)
+                                lanes)
             b0, b1 = claim_items(counter, per, blocks)
 
 

@@ -656,7 +656,8 @@ def _tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block, nb,
     """Weight groups of call g against activation rows m0 .. m1, K_BYTES of each row at a time (so the groups'
     values stay in the core's first-level cache for all the rows). Called, not inlined: the serial and parallel
     kernels share its compiled tiles (_tiled_serial compiled in 4.3 instead of 9.2 s on a 2-core Zen 3)."""
-    # ORDER_R8's two sums and ORDER_QX_0_NATIVE's twelve meet after the row's last block: one call per row
+    # ORDER_R8's two sums and ORDER_QX_0_NATIVE's twelve (ORDER_QX_0_AVX2's eight) meet after the row's last block:
+    # one call per row
     chunk = nb if order == ORDER_R8 or order == ORDER_QX_0_NATIVE or order == ORDER_QX_0_AVX2 else \
         max(1, K_BYTES // block)
     for b0 in range(0, nb, chunk):
