@@ -556,7 +556,8 @@ def _make_native_tile(dot: Callable[[ir.IRBuilder], _Dot] = host_dot,  # type: i
         groups, rows = t.groups(), t.rows()
         zero_f = fconst(0.0)
         acc = {(h, i, lane): cgutils.alloca_once_value(builder, zero_f) for h, i in keys for lane in range(8)}
-        accm = {(h, i, j): cgutils.alloca_once_value(builder, zero_f) for h, i in keys for j in range(4)}
+        accm = {} if signed else {(h, i, j): cgutils.alloca_once_value(builder, zero_f)
+                                  for h, i in keys for j in range(4)}
         sign = ir.Constant(_I32, -0x7F7F7F80)  # 0x80808080
 
         def step_sums(b: ir.Value, chains: list[list[int]]) -> dict:  # type: ignore[type-arg]
