@@ -201,10 +201,10 @@ class Model:
                              f"outside the vocabulary (0..{self.n_vocab - 1})")
 
     def logits(self, tokens: np.ndarray, index: int = 0, outputs: int = 0, batch: int | None = None) -> np.ndarray:
-        """float32 logits [len(tokens), n_vocab] for one sequence at positions 0..n-1 (a fresh context); `index`
-        tells observers which chunk of a run it is; `outputs`: the first row whose logits the caller reads (rows
-        before it are computed too, but --numerics ik chooses its kernels as ik does when asked for these rows);
-        `batch`: feed the sequence that many tokens at a time through its cache (ik's micro-batches)."""
+        """float32 logits [len(tokens) - outputs, n_vocab] for one sequence at positions 0..n-1 (a fresh context):
+        those of positions `outputs`.. only, as ik computes them (the last block's FFN and the head run on those
+        rows alone, and ik's kernel choices by row count see that many); `index` tells observers which chunk of a
+        run it is; `batch`: feed the sequence that many tokens at a time through its cache (ik's micro-batches)."""
         tokens = np.asarray(tokens, dtype=np.int64)
         self.check_tokens(tokens)
         with self.blas_limit():

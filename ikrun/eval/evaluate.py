@@ -49,7 +49,7 @@ def tokenize_chunks(model: Model, text: str, n_ctx: int, max_chunks: int | None 
 def chunk_logits(model: Model, chunk: np.ndarray) -> np.ndarray:
     """Logits of the scored positions of one chunk (BOS swapped in first when the model adds BOS)."""
     n_ctx = len(chunk)
-    return model.logits(fed_tokens(model, chunk), outputs=n_ctx // 2)[n_ctx // 2 : n_ctx - 1]
+    return model.logits(fed_tokens(model, chunk), outputs=n_ctx // 2)[: n_ctx - 1 - n_ctx // 2]
 
 
 @dataclass

@@ -157,12 +157,14 @@ def plan_run(model: Model, n_chunk: int, n_ctx: int, one_pass: bool, spill_dir: 
 
 
 class _Hidden:
-    """The hidden states of every chunk between blocks: arrays in memory, or records of a spill file."""
+    """The hidden states of every chunk between blocks: arrays in memory, or records of a spill file, each of
+    `shape` or fewer rows (the last block's output rows)."""
 
     def __init__(self, n_chunk: int, shape: tuple[int, ...], spill_dir: Path | None):
         self.shape = shape
         self.record = 4 * int(np.prod(shape))
         self.arrays: list[np.ndarray | None] = [None] * n_chunk
+        self.rows = [shape[0]] * n_chunk
         self.fd: int | None = None
         self.path: Path | None = None
         self._scratch = ExitStack()
@@ -176,23 +178,24 @@ class _Hidden:
         if self.fd is None:
             self.arrays[c] = x
             return
-        assert self.path is not None
+        assert self.path is not None and x.shape[1:] == self.shape[1:] and len(x) <= self.shape[0]
         data = np.ascontiguousarray(x, dtype=np.float32).data.cast("B")
         with write_errors(self.path):
             written = os.pwrite(self.fd, data, c * self.record)
-        if written != self.record:
+        if written != len(data):
             raise OutputError(f"{self.path}: no space left on the device for the spilled hidden states (wrote "
-                              f"{written} of {self.record} bytes)")
+                              f"{written} of {len(data)} bytes)")
+        self.rows[c] = len(x)
 
     def get(self, c: int) -> np.ndarray:
         if self.fd is None:
             x = self.arrays[c]
             assert x is not None
             return x
-        out = np.empty(self.shape, dtype=np.float32)
+        out = np.empty((self.rows[c], *self.shape[1:]), dtype=np.float32)
         got = os.preadv(self.fd, [out.data.cast("B")], c * self.record)
-        if got != self.record:
-            raise OSError(f"{self.path}: short read of a hidden state ({got} of {self.record} bytes)")
+        if got != out.nbytes:
+            raise OSError(f"{self.path}: short read of a hidden state ({got} of {out.nbytes} bytes)")
         return out
 
     def close(self) -> None:
@@ -336,7 +339,8 @@ def evaluate_chunks(model: Model, chunks: np.ndarray, plan: StreamPlan, on_block
             if not plan.streamed:
                 for c in ids:
                     if resume is None:
-                        yield c, model.logits(feed(c), index=c, outputs=outputs, batch=plan.batch)[first:last]
+                        logits = model.logits(feed(c), index=c, outputs=outputs, batch=plan.batch)
+                        yield c, logits[first - outputs : last - outputs]
                     else:
                         yield c, resume[0].logits_from(c, resume[1])[first:last]
                 return
@@ -383,9 +387,9 @@ def _streamed(model: Model, fed: dict[int, np.ndarray], plan: StreamPlan, window
                 on_block(i + 1, impl.n_active, sum(weights.reads.values()) - read0)
         for k, seq in enumerate(seqs):
             model.ctx.chunk = seq.index
-            logits = impl.head(hidden.get(k), seq)
+            logits = impl.head(hidden.get(k), seq)  # of the rows from seq.first_output on
             seq.state.clear()
-            yield seq.index, logits[window[0] : window[1]]
+            yield seq.index, logits[window[0] - seq.first_output : window[1] - seq.first_output]
     finally:
         model.weights.streaming = model.weights.regrouped = False
         if hidden is not None:

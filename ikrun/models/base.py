@@ -7,8 +7,9 @@ before any compute) and computes a forward in three steps over a `Sequence`:
 - `embed(seq)`: the hidden state entering block 0 (any array shape: openPangu carries several streams);
 - `block(i, xs, seqs)`: main block i for a batch of sequences, one hidden state each; the attention runs per
   sequence, token-wise parts may be shared across the batch (MoE experts decode each routed expert once per
-  batch) as long as every sequence's result is bit-identical to running it alone;
-- `head(x, seq)`: logits from the hidden state after the last main block.
+  batch) as long as every sequence's result is bit-identical to running it alone; the last one passes on the
+  sequence's output rows alone (`output_rows`, where ik's graph cuts them);
+- `head(x, seq)`: logits from the hidden state after the last main block (the output rows).
 
 Per-sequence state that a later block needs (rope tables, the indexer's last selection) lives in `seq.state`, so the
 same sequence can go through block 0 now and block 1 later: that is how layer-streamed evaluation
@@ -55,12 +56,18 @@ class Sequence:
     index: int = 0
     state: dict[str, Any] = field(default_factory=dict)
     start: int = 0
-    #: the first row whose logits the caller reads: ik's graph runs its last block's FFN on those rows only (its
-    #: llama-perplexity asks for the second half of a chunk), which its kernel choices by row count see
+    #: the first row whose logits the caller reads (negative: every row is read): ik's graph runs what follows its
+    #: last block's attention on those rows only (its llama-perplexity asks for the second half of a chunk), and so
+    #: does ArchModel.output_rows
     outputs: int = 0
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def first_output(self) -> int:
+        """The first row the last block passes on: `outputs` within 0..len."""
+        return min(max(self.outputs, 0), len(self.tokens))
 
 
 class ArchModel(ABC):
@@ -212,6 +219,14 @@ class ArchModel(ABC):
     @abstractmethod
     def head(self, x: np.ndarray, seq: Sequence) -> np.ndarray: ...
 
+    def output_rows(self, i: int, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
+        """In the last main block, each sequence's rows from its first output row on (Sequence.outputs): where ik's
+        graph cuts them (its inp_out_ids), the rest of the block and the head run on those rows only, which its
+        kernel choices by row count see. Other blocks' states pass as they are."""
+        if i != self.n_active - 1:
+            return xs
+        return [x if seq.first_output == 0 else x[seq.first_output :] for x, seq in zip(xs, seqs)]
+
     def each(self, xs: list[np.ndarray], seqs: list[Sequence], step: Callable[[np.ndarray, Sequence], T]) -> list[T]:
         """`step` on every sequence of a batch in turn (observers are told which chunk they see)."""
         out = []
@@ -222,8 +237,8 @@ class ArchModel(ABC):
 
     def forward(self, tokens: np.ndarray, on_block: BlockHook | None = None, index: int = 0,
                 outputs: int = 0) -> np.ndarray:
-        """float32 logits of one fresh sequence; `on_block(i, hidden)` sees the hidden state after each block;
-        `outputs`: the first row whose logits are read (Sequence.outputs)."""
+        """float32 logits of one fresh sequence, of its rows from `outputs` on (Sequence.outputs: the last block and
+        the head compute no other rows); `on_block(i, hidden)` sees the hidden state after each block."""
         seq = Sequence(np.asarray(tokens), index, outputs=outputs)
         self.ctx.chunk = seq.index
         self.begin(seq)
@@ -232,7 +247,8 @@ class ArchModel(ABC):
     def forward_in_batches(self, tokens: np.ndarray, batch: int, index: int = 0, outputs: int = 0) -> np.ndarray:
         """float32 logits of one fresh sequence fed `batch` tokens at a time through its key/value cache, as ik
         runs a chunk in micro-batches (llama-perplexity -b / -ub): each batch a Sequence continuing the last, its
-        output rows those from `outputs` on (`continues` architectures); each batch an evaluation of its own to the
+        output rows those from `outputs` on (`continues` architectures; the logits of those rows are returned, as
+        `forward` returns them); each batch an evaluation of its own to the
         observers (Context.batch_start), as each is a graph evaluation of ik's."""
         kv: dict[str, Any] = {}
         out = []
@@ -253,4 +269,6 @@ class ArchModel(ABC):
             x = self.block(i, [x], [seq])[0]
             if on_block is not None:
                 on_block(i, x)
+        if not len(x):  # a micro-batch before the output rows
+            return np.empty((0, self.n_vocab), np.float32)
         return self.head(x, seq)

@@ -229,12 +229,12 @@ class Deepseek2(ArchModel):
             cos, sin = seq.state["rope"]
             return x + self._attention(b, self.norm(x, cx.weight(b + "attn_norm.weight")), cos, sin, seq)
 
-        xs = self.each(xs, seqs, attention)
+        xs = self.output_rows(i, self.each(xs, seqs, attention), seqs)
         hs = [self.norm(x, cx.weight(b + "ffn_norm.weight")) for x in xs]
         if i < self.n_dense:
             ys = self.each(hs, seqs, lambda h, seq: dense_ffn(cx, h, b))
         else:
-            ys = moe_ffn(cx, hs, seqs, b, self.moe, last=i == self.n_active - 1)
+            ys = moe_ffn(cx, hs, seqs, b, self.moe)
         return [x + y for x, y in zip(xs, ys)]
 
     def head(self, x: np.ndarray, seq: Sequence) -> np.ndarray:

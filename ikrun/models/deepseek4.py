@@ -364,7 +364,9 @@ class Deepseek4(ArchModel):
             if i < self.n_hash else None
         ys = moe_ffn(cx, [h for h, _, _ in mixed], seqs, b, self.moe, limit=self.clamp_exp[i],
                      shared_limit=self.clamp_shexp[i], hash_table=table)
-        return [cx.numerics.hc_post(y, post, streams, comb) for y, streams, (_, post, comb) in zip(ys, xs, mixed)]
+        # ik cuts the output rows after the last block, before the head's stream mix
+        return self.output_rows(i, [cx.numerics.hc_post(y, post, streams, comb)
+                                    for y, streams, (_, post, comb) in zip(ys, xs, mixed)], seqs)
 
     def head(self, streams: np.ndarray, seq: Sequence) -> np.ndarray:
         x = self.norm(self._hc_head(streams), self.ctx.weight("output_norm.weight"))

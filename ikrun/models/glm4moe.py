@@ -106,4 +106,4 @@ class Glm4Moe(LlamaFamily):
                      seqs: list[Sequence]) -> list[np.ndarray]:
         if i < self.n_dense:
             return super().ffn_residual(i, xs, hs, seqs)
-        return moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe, last=i == self.n_active - 1, residual=xs)
+        return moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe, residual=xs)

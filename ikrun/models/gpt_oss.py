@@ -98,5 +98,4 @@ class GptOss(LlamaFamily):
         return self.window if i % SLIDING_PATTERN < SLIDING_PATTERN - 1 else 0
 
     def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
-        return moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe, limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA,
-                       last=i == self.n_active - 1)
+        return moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe, limit=SWIGLU_LIMIT, alpha=SWIGLU_ALPHA)

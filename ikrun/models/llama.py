@@ -99,13 +99,14 @@ class LlamaFamily(ArchModel):
         return self.ctx.embed_rows("token_embd.weight", seq.tokens)
 
     def block(self, i: int, xs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
-        """Attention (each sequence), then the FFN block on the normed states of all of them (`ffn`)."""
+        """Attention (each sequence), then the FFN block on the normed states of all of them (`ffn`; the last block's
+        on the output rows)."""
         cx, b = self.ctx, f"blk.{i}."
 
         def attention(x: np.ndarray, seq: Sequence) -> np.ndarray:
             return x + self.mixer(i, self.norm(x, cx.weight(b + "attn_norm.weight")), seq)
 
-        xs = self.each(xs, seqs, attention)
+        xs = self.output_rows(i, self.each(xs, seqs, attention), seqs)
         return self.ffn_residual(i, xs, [self.norm(x, cx.weight(b + self.ffn_norm)) for x in xs], seqs)
 
     def ffn_residual(self, i: int, xs: list[np.ndarray], hs: list[np.ndarray],

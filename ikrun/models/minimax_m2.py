@@ -55,4 +55,4 @@ class MiniMaxM2(LlamaFamily):
         return {**self.moe.expected(b, self.n_embd), b + "exp_probs_b.bias": (self.moe.n_expert,)}
 
     def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
-        return moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe, last=i == self.n_active - 1)
+        return moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe)

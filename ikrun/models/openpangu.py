@@ -254,7 +254,7 @@ class OpenPangu(ArchModel):
         if cx.has(b + "block_post_norm.weight"):
             xs = [rms_norm(x.reshape(len(x), -1), cx.weight(b + "block_post_norm.weight"), self.eps).reshape(x.shape)
                   for x in xs]
-        return xs
+        return self.output_rows(i, xs, seqs)  # ik cuts the output rows after the last block, before the head
 
     def head(self, streams: np.ndarray, seq: Sequence) -> np.ndarray:
         cx = self.ctx

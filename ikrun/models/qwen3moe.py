@@ -40,5 +40,4 @@ class Qwen3Moe(LlamaFamily):
         return super()._ffn_expected(i, b) if i in self.dense else self.moe.expected(b, self.n_embd)
 
     def ffn(self, i: int, hs: list[np.ndarray], seqs: list[Sequence]) -> list[np.ndarray]:
-        return super().ffn(i, hs, seqs) if i in self.dense else moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe,
-                                                                        last=i == self.n_active - 1)
+        return super().ffn(i, hs, seqs) if i in self.dense else moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe)

@@ -146,4 +146,4 @@ class Qwen3Next(LlamaFamily):
                      seqs: list[Sequence]) -> list[np.ndarray]:
         if i in self.dense or self.moe is None:
             return super().ffn_residual(i, xs, hs, seqs)
-        return moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe, last=i == self.n_active - 1, residual=xs)
+        return moe_ffn(self.ctx, hs, seqs, f"blk.{i}.", self.moe, residual=xs)

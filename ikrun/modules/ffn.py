@@ -91,17 +91,23 @@ def micro_batches(seqs: list[Sequence], ik_batch: int) -> np.ndarray:
 
 def moe_ffn(cx: Context, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg: MoeConfig, *,
             limit: float = np.inf, shared_limit: float = np.inf, alpha: float = 0.0,
-            hash_table: np.ndarray | None = None, last: bool = False,
+            hash_table: np.ndarray | None = None,
             residual: list[np.ndarray] | None = None) -> list[np.ndarray]:
     """The MoE FFN of block prefix `b` on a batch of sequences' normed hidden states (one [n, n_embd] each).
 
     `limit` / `shared_limit` clamp the routed / shared experts' SwiGLU; a positive `alpha` makes the routed experts'
     SwiGLU gpt-oss's (ops/moe.ExpertGlu); `hash_table` [vocab, n_used] routes each token to the experts of its row
     instead of the top-k (DeepSeek-V4's hash layers). The router's bias (`ffn_gate_inp.bias`) and the experts'
-    (`ffn_{up,gate,down}_exps.bias`) are added where the file has them. In the `last` block ik's batch is a
-    sequence's output rows (Sequence.outputs) alone, the rows before them a batch apart. With `residual` (each
+    (`ffn_{up,gate,down}_exps.bias`) are added where the file has them. A sequence's states may be fewer rows than
+    its tokens (the last block's output rows, ArchModel.output_rows). With `residual` (each
     sequence's block input) the result is the residual stream after the FFN, summed in the arithmetic's order
     (Numerics.moe_residual); without it, the FFN's output alone."""
+    if any(len(h) == 0 for h in hs):  # a micro-batch before the output rows: ik's last block runs none of it
+        live = [c for c, h in enumerate(hs) if len(h)]
+        done = iter(moe_ffn(cx, [hs[c] for c in live], [seqs[c] for c in live], b, cfg, limit=limit,
+                            shared_limit=shared_limit, alpha=alpha, hash_table=hash_table,
+                            residual=None if residual is None else [residual[c] for c in live]) if live else [])
+        return [next(done) if len(h) else h if residual is None else residual[c] for c, h in enumerate(hs)]
     bias = cx.weight(b + "exp_probs_b.bias") if cx.has(b + "exp_probs_b.bias") else None
     routes = []
     for h, seq in zip(hs, seqs):
@@ -118,9 +124,6 @@ def moe_ffn(cx: Context, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg
                     if all(cx.has(n) for n in biases) else None)
     starts = np.cumsum([0] + [len(h) for h in hs])
     batches = np.repeat(micro_batches(seqs, cx.options.ik_batch), [len(h) for h in hs])
-    if last:  # ik's last block runs the output rows alone: those of a micro-batch's sequences together
-        outputs = np.concatenate([np.arange(len(s)) >= min(max(s.outputs, 0), len(s)) for s in seqs])
-        batches = 2 * batches + outputs
     res = cx.numerics.routed_experts(x, sel, w, cfg.n_expert, names, _group(cx, names, cfg.n_expert), glu,
                                      keep_act=bool(cx.observers), batches=batches)
     if cx.observers:
