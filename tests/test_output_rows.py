@@ -10,6 +10,7 @@ import pytest
 
 from ikrun.model import Model
 from ikrun.options import RuntimeOptions
+from tests.family_checks import assert_iks_forward
 
 CONVERT = Path(__file__).parent / "data" / "convert"
 FILES = ["qwen3/ik-f32.gguf", "deepseek-v3/ik-f32.gguf", "deepseek-v4-flash/ref-f32.gguf", "openpangu-v2/ik-f32.gguf",
@@ -49,3 +50,16 @@ def test_micro_batches_before_the_output_rows_give_none() -> None:
     assert batched.shape == (N - 20, model.n_vocab)
     every = model.logits(tokens)
     np.testing.assert_allclose(batched, every[20:], rtol=0, atol=1e-5 * np.abs(every).max())
+
+
+ROWS_AVX2 = Path(__file__).parent / "data" / "logits" / "output-rows-avx2"
+
+
+@pytest.mark.parametrize(("family", "threads"), [("qwen3", 1), ("qwen3", 2), ("deepseek-v3", 2), ("qwen3-moe", 2)])
+def test_iks_kernels_see_the_output_rows(family: str, threads: int, tmp_path: Path) -> None:
+    """48-token chunks: ik multiplies the last block's FFN and the output matrix on 24 rows, in Q8_0's own kernel
+    (tests/data/logits/output-rows-avx2): its base-logits file byte for byte and every running PPL."""
+    model = Model(CONVERT / family / "ik-q8_0.gguf",
+                  options=RuntimeOptions(numerics="ik-avx2", flash_attn="off", ik_threads=threads))
+    assert_iks_forward(model, ROWS_AVX2 / f"{family}-q8_0-base.kld", ROWS_AVX2 / f"{family}-q8_0-ppl-t{threads}.txt",
+                       tmp_path / "base.kld")
