@@ -48,8 +48,15 @@ class _InitParams(ctypes.Structure):
     _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
 
 
+class _UserData(ctypes.Structure):
+    """ik's quantize_user_data: llama-quantize's defaults (without it ik's IQ2_KS takes its older, slower search on
+    AVX2 builds, where ikquant takes llama-quantize's default)."""
+
+    _fields_ = [("symmetric_q4_0", ctypes.c_bool), ("slow_iq2_ks", ctypes.c_bool)]
+
+
 class IkQuantizer:
-    """ik's ggml_quantize_chunk from its libggml.so, called on whole arrays of rows."""
+    """ik's ggml_quantize_chunk from its libggml.so, called on whole arrays of rows with llama-quantize's options."""
 
     def __init__(self, path: Path) -> None:
         self.lib = ctypes.CDLL(str(path))
@@ -63,11 +70,12 @@ class IkQuantizer:
         self.lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                                  ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
         self.lib.ggml_quantize_init.argtypes = [ctypes.c_int]
+        self.user_data = _UserData(False, False)
 
     def quantize(self, t: GGMLType, x: np.ndarray, w: np.ndarray | None, out: np.ndarray) -> None:
         """Rows x into out (ik's bytes of type t), importance-weighted by w (None: without an importance vector)."""
         self.lib.ggml_quantize_chunk(t.id, x.ctypes.data, out.ctypes.data, 0, x.shape[0], x.shape[1],
-                                     None if w is None else w.ctypes.data, None)
+                                     None if w is None else w.ctypes.data, ctypes.byref(self.user_data))
 
 
 def default_ik_lib() -> Path | None:
