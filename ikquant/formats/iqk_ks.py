@@ -22,6 +22,7 @@ from numba import njit, prange
 
 from ikquant.formats.base import Codec
 from ikquant.formats.grid_lookup import scaled_nibbles
+from ikquant.formats.iq2ks_lanes import iq2ks_trial_sums
 from ikquant.formats.iq4kss_lanes import iq4kss_lane_sums
 from ikquant.formats.iqk_grids import (
     IQ2NL,
@@ -195,11 +196,11 @@ def _hsum8(acc: np.ndarray, r: int) -> np.float32:
 
 
 @njit(**NJIT)
-def _iq2ks_fast_search(xb: np.ndarray, w: np.ndarray, vmax: np.float32, q: np.ndarray,
-                       acc: np.ndarray) -> tuple[np.float32, bool]:
+def _iq2ks_fast_search(xb: np.ndarray, w: np.ndarray, vmax: np.float32, sums: np.ndarray) -> tuple[np.float32, bool]:
     """ik's AVX2 IQ2_KS sub-block search (compute_1block_iq2ks over 55 trial scales): for each trial scale the
     codes nearest (in squared distance) to x for +scale and for -scale, each refitted by weighted least squares
-    with 8-lane fused sums. Returns the best scale and whether the shifted grid won."""
+    with 8-lane fused sums (iq2ks_trial_sums, into `sums`). Returns the best scale and whether the shifted
+    grid won."""
     d = vmax / IQ2NL[7]
     best = np.float32(0.0)
     shifted = False
@@ -209,65 +210,8 @@ def _iq2ks_fast_search(xb: np.ndarray, w: np.ndarray, vmax: np.float32, q: np.nd
             dt = d
         else:
             dt = vmax / fmaf(np.float32(0.5), np.float32((t - 1) % 27 - 13), IQ2NL[off])
-        v0, v1, v2, v3 = IQ2NL[off], IQ2NL[off + 1], IQ2NL[off + 2], IQ2NL[off + 3]
-        s0, s1, s2, s3 = dt * v0, dt * v1, dt * v2, dt * v3
-        for j in range(SUB):
-            x = xb[j]
-            e = x - s0
-            bp = e * e
-            qp = v0
-            e = x + s0
-            bm = e * e
-            qm = v0
-            e = x - s1
-            e = e * e
-            if e < bp:
-                bp = e
-                qp = v1
-            e = x + s1
-            e = e * e
-            if e < bm:
-                bm = e
-                qm = v1
-            e = x - s2
-            e = e * e
-            if e < bp:
-                bp = e
-                qp = v2
-            e = x + s2
-            e = e * e
-            if e < bm:
-                bm = e
-                qm = v2
-            e = x - s3
-            if e * e < bp:
-                qp = v3
-            e = x + s3
-            if e * e < bm:
-                qm = v3
-            q[0, j] = qp
-            q[1, j] = qm
-            q[2, j] = w[j] * qp
-            q[3, j] = w[j] * qm
-        for lane in range(8):
-            a0 = np.float32(0.0)
-            a1 = np.float32(0.0)
-            a2 = np.float32(0.0)
-            a3 = np.float32(0.0)
-            for k in range(SUB // 8):
-                j = 8 * k + lane
-                a0 = fmaf(q[2, j], xb[j], a0)
-                a1 = fmaf(q[2, j], q[0, j], a1)
-                a2 = fmaf(q[3, j], xb[j], a2)
-                a3 = fmaf(q[3, j], q[1, j], a3)
-            acc[0, lane] = a0
-            acc[1, lane] = a1
-            acc[2, lane] = a2
-            acc[3, lane] = a3
-        sumqx_p = _hsum8(acc, 0)
-        sumq2_p = _hsum8(acc, 1)
-        sumqx_m = _hsum8(acc, 2)
-        sumq2_m = _hsum8(acc, 3)
+        iq2ks_trial_sums(xb, w, IQ2NL, off, dt, sums)
+        sumqx_p, sumq2_p, sumqx_m, sumq2_m = sums[0], sums[1], sums[2], sums[3]
         found = False
         this_d = np.float32(0.0)
         score = np.float32(0.0)
@@ -375,7 +319,7 @@ def _quantize_iq2_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray, slow: bool)
         order = np.empty(SUB, dtype=np.int64)
         sumx = np.empty(SUB + 1, dtype=np.float32)
         sumw = np.empty(SUB + 1, dtype=np.float32)
-        qbuf = np.empty((4, SUB), dtype=np.float32)
+        sums = np.empty(4, dtype=np.float32)
         acc = np.zeros((4, 8), dtype=np.float32)
         for ibl in range(nblock):
             xbl = xr[ibl * QK : (ibl + 1) * QK]
@@ -395,7 +339,7 @@ def _quantize_iq2_ks(x: np.ndarray, qw: np.ndarray, out: np.ndarray, slow: bool)
                 if slow:
                     scales[s], shifted = _iq2ks_slow_search(xb, weight, order, sumx, sumw)
                 else:
-                    scales[s], shifted = _iq2ks_fast_search(xb, weight, vmax, qbuf, acc)
+                    scales[s], shifted = _iq2ks_fast_search(xb, weight, vmax, sums)
                 if shifted:
                     extra |= 1 << ib
             row[2 + ibl * IQ2KS_BYTES] = np.uint8(extra)
