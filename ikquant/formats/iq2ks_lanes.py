@@ -11,20 +11,9 @@ from numba import types
 from numba.core.errors import TypingError
 
 from ikquant.formats.jit import intrinsic
-from ikquant.formats.vector_ir import I32, I64, LANES, V8F, fma, load_vector, splat
+from ikquant.formats.vector_ir import I64, LANES, V8F, fma, hsum8, load_vector, splat
 
 SUB = 32
-
-
-def _hsum8(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
-    """The 8 lanes of v summed in hsum_float_8's order: halves, then pairs two apart, then the two."""
-    def pick(value: ir.Value, lanes: list[int]) -> ir.Value:
-        return builder.shuffle_vector(value, ir.Constant(value.type, ir.Undefined),
-                                      ir.Constant(ir.VectorType(I32, len(lanes)), lanes))
-
-    b = builder.fadd(pick(v, [0, 1, 2, 3]), pick(v, [4, 5, 6, 7]))
-    c = builder.fadd(pick(b, [0, 1]), pick(b, [2, 3]))
-    return builder.fadd(builder.extract_element(c, ir.Constant(I32, 0)), builder.extract_element(c, ir.Constant(I32, 1)))
 
 
 @intrinsic
@@ -72,7 +61,7 @@ def iq2ks_trial_sums(typingctx, xb, wb, grid, off, scale, sums):  # type: ignore
                 acc[half] = fma(builder, wq, x, acc[half])
                 acc[half + 1] = fma(builder, wq, q, acc[half + 1])
         for r in range(4):
-            builder.store(_hsum8(builder, acc[r]), builder.gep(out, [ir.Constant(I64, r)]))
+            builder.store(hsum8(builder, acc[r]), builder.gep(out, [ir.Constant(I64, r)]))
         return context.get_dummy_value()
 
     return sig, codegen

@@ -42,6 +42,17 @@ def fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Valu
     return builder.call(fn, [a, b, c])
 
 
+def hsum8(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """The 8 float lanes of v summed in ik's hsum_float_8 order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))."""
+    def pick(value: ir.Value, lanes: list[int]) -> ir.Value:
+        return builder.shuffle_vector(value, ir.Constant(value.type, ir.Undefined),
+                                      ir.Constant(ir.VectorType(I32, len(lanes)), lanes))
+
+    b = builder.fadd(pick(v, [0, 1, 2, 3]), pick(v, [4, 5, 6, 7]))
+    c = builder.fadd(pick(b, [0, 1]), pick(b, [2, 3]))
+    return builder.fadd(builder.extract_element(c, ir.Constant(I32, 0)), builder.extract_element(c, ir.Constant(I32, 1)))
+
+
 def gather(builder: ir.IRBuilder, base: ir.Value, index: ir.Value) -> ir.Value:
     """base[index[lane]] for eight int32 indices into an array of 32-bit floats or integers (one vgatherdps or
     vpgatherdd where the target has them)."""

@@ -225,7 +225,7 @@ class ArchModel(ABC):
         kernel choices by row count see. Other blocks' states pass as they are."""
         if i != self.n_active - 1:
             return xs
-        return [x if seq.first_output == 0 else x[seq.first_output :] for x, seq in zip(xs, seqs)]
+        return [x[seq.first_output :] for x, seq in zip(xs, seqs)]
 
     def each(self, xs: list[np.ndarray], seqs: list[Sequence], step: Callable[[np.ndarray, Sequence], T]) -> list[T]:
         """`step` on every sequence of a batch in turn (observers are told which chunk they see)."""

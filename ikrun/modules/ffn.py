@@ -102,12 +102,8 @@ def moe_ffn(cx: Context, hs: list[np.ndarray], seqs: list[Sequence], b: str, cfg
     its tokens (the last block's output rows, ArchModel.output_rows). With `residual` (each
     sequence's block input) the result is the residual stream after the FFN, summed in the arithmetic's order
     (Numerics.moe_residual); without it, the FFN's output alone."""
-    if any(len(h) == 0 for h in hs):  # a micro-batch before the output rows: ik's last block runs none of it
-        live = [c for c, h in enumerate(hs) if len(h)]
-        done = iter(moe_ffn(cx, [hs[c] for c in live], [seqs[c] for c in live], b, cfg, limit=limit,
-                            shared_limit=shared_limit, alpha=alpha, hash_table=hash_table,
-                            residual=None if residual is None else [residual[c] for c in live]) if live else [])
-        return [next(done) if len(h) else h if residual is None else residual[c] for c, h in enumerate(hs)]
+    if not any(len(h) for h in hs):  # a micro-batch before the output rows: ik's last block runs none of it
+        return hs if residual is None else residual
     bias = cx.weight(b + "exp_probs_b.bias") if cx.has(b + "exp_probs_b.bias") else None
     routes = []
     for h, seq in zip(hs, seqs):
