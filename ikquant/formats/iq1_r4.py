@@ -103,7 +103,7 @@ def _quantize_iq1_s_r4(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tup
     n = x.shape[1] // GROUP
     nblock = n // BLOCK
     for g in prange(groups):
-        weight, L, order, sums, index = scratch()
+        weight, L, order, sums, index, marks = scratch()
         scales = np.zeros((nblock, GROUP), np.float32)
         mx = np.zeros(GROUP, np.float32)
         xg = x[g]
@@ -123,7 +123,7 @@ def _quantize_iq1_s_r4(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tup
                     weighted = not _importance(weight, xg, o, 0, BLOCK) < EPS
                 if not weighted:
                     _roots(xg, o, sigma2, True, weight, 0, BLOCK)
-                scale, shift, found = iq1s_block(xg, o, weight, grid, L, order, sums, index)
+                scale, shift, found = iq1s_block(xg, o, weight, grid, L, order, sums, index, marks)
                 if not found:  # where ik aborts; the importances above never bring it about
                     _store_zero_s(blob, bo, k)
                     continue
@@ -150,7 +150,7 @@ def _quantize_iq1_m_r4(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tup
     n = x.shape[1] // GROUP
     nblock = n // BLOCK
     for g in prange(groups):
-        weight, L, order, sums, index = scratch()
+        weight, L, order, sums, index, _ = scratch()
         scales = np.zeros((nblock, GROUP, 2), np.float32)
         mx = np.zeros(GROUP, np.float32)
         xg = x[g]

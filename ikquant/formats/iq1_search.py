@@ -42,9 +42,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ikquant.formats.iq1_lanes import lowest_bit, split_contenders
 from ikquant.formats.iq2_search import grid_tables
 from ikquant.formats.listed_search import nearest_listed
 from ikquant.formats.numeric import f32_to_f16_bits, fmaf, nearest_int, store_f16
+from ikquant.formats.vector_ir import LANES
 
 QK_K = 256
 IQ1_S_BYTES = 50  # d (2), qs (32), qh (16)
@@ -56,6 +58,9 @@ GROUP_MAX_EPS_IQ1_M = np.float32(1e-7)
 FLT_MIN = np.float32(1.1754944e-38)
 FLT_MAX = np.float32(3.4028235e38)
 NAN_F16 = 0x7E00
+#: IQ1_S blocks whose splits the scan may narrow to their contenders (iq1_lanes): sum w and sum |w x| at most these
+SUM_W_MAX = np.float32(2.0**100)
+SUM_WX_MAX = np.float32(2.0**48)
 #: a level (-1, 0, +1) plus the group's shift, for shift +delta and -delta
 SHIFT_PLUS = np.array([-1 + 0.125, 0.125, 1 + 0.125], dtype=np.float32)
 SHIFT_MINUS = np.array([-1 - 0.125, -0.125, 1 - 0.125], dtype=np.float32)
@@ -75,11 +80,13 @@ def iq1_grid() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarr
 
 
 @njit(**NJIT)
-def scratch() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """One thread's work arrays: importances (32), levels (32), sort order (32), prefix sums (4 x 33: w x and w, or
-    for IQ1_M those of its first and second group) and grid indices (4)."""
+def scratch() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One thread's work arrays: importances (32), levels (32), sort order (32), prefix sums (4 x 33, and a vector
+    of padding: w x and w, or for IQ1_M those of its first and second group), grid indices (4) and IQ1_S's marked
+    splits (33)."""
     return (np.empty(IQ1S_BLOCK, np.float32), np.zeros(IQ1S_BLOCK, np.int64), np.empty(IQ1S_BLOCK, np.int64),
-            np.zeros((4, IQ1S_BLOCK + 1), np.float32), np.zeros(4, np.int64))
+            np.zeros((4, IQ1S_BLOCK + 1 + LANES), np.float32), np.zeros(4, np.int64),
+            np.zeros(IQ1S_BLOCK + 1, np.int64))
 
 
 @njit(**NJIT)
@@ -146,8 +153,39 @@ def _levels_of_split(order: np.ndarray, n: int, cut1: int, cut2: int, L: np.ndar
 
 
 @njit(**NJIT)
+def best_split(sumx: np.ndarray, sumw: np.ndarray, n: int, marks: np.ndarray, every: bool,
+               scale: np.float32) -> tuple[np.float32, int, int, int]:
+    """ik's scan of IQ1_S's splits, over every split (`every`) or over those marked (iq1_lanes.split_contenders,
+    which takes the same split): (scale, cut1, cut2, shift), cut1 -1 (and `scale` as given) where no split fits."""
+    best = -FLT_MIN
+    cut1 = -1
+    cut2 = -1
+    shift = 0
+    for i1 in range(n + 1):
+        a = sumx[i1] - sumx[0]
+        wa = sumw[i1] - sumw[0]
+        todo = (np.int64(-1) << i1) & ((np.int64(2) << n) - 1) if every else marks[i1]
+        while todo:
+            i2 = lowest_bit(todo)
+            todo &= todo - 1
+            b = sumx[i2] - sumx[i1]
+            c = sumx[n] - sumx[i2]
+            wb = sumw[i2] - sumw[i1]
+            wc = sumw[n] - sumw[i2]
+            for s in (1, -1):
+                q = SHIFT_PLUS if s == 1 else SHIFT_MINUS
+                sqx = _fit3(a, b, c, q)
+                sq2 = _norm3(wa, wb, wc, q, s == -1)
+                if sq2 > 0 and sqx * sqx > best * sq2:
+                    scale = sqx / sq2
+                    best = scale * sqx
+                    cut1, cut2, shift = i1, i2, s
+    return scale, cut1, cut2, shift
+
+
+@njit(**NJIT)
 def iq1s_block(x: np.ndarray, o: int, weight: np.ndarray, grid: tuple, L: np.ndarray,  # type: ignore[type-arg]
-               order: np.ndarray, sums: np.ndarray, index: np.ndarray) -> tuple[np.float32, int, bool]:
+               order: np.ndarray, sums: np.ndarray, index: np.ndarray, marks: np.ndarray) -> tuple[np.float32, int, bool]:
     """ik's iq1s_process_1block on the 32 values x[o:o+32], importances weight[:32]: (scale >= 0, shift +1 or -1,
     found), the 4 grid indices into index. found is False where ik aborts (no split fits)."""
     n = IQ1S_BLOCK
@@ -161,31 +199,15 @@ def iq1s_block(x: np.ndarray, o: int, weight: np.ndarray, grid: tuple, L: np.nda
     sumx, sumw = sums[0], sums[1]
     sumx[0] = 0
     sumw[0] = 0
+    magnitude = np.float32(0.0)
     for j in range(n):
         i = order[j]
         sumx[j + 1] = fmaf(weight[i], x[o + i], sumx[j])
         sumw[j + 1] = sumw[j] + weight[i]
-    best = -FLT_MIN
-    scale = mx
-    cut1 = -1
-    cut2 = -1
-    shift = 0
-    for i1 in range(n + 1):
-        a = sumx[i1] - sumx[0]
-        wa = sumw[i1] - sumw[0]
-        for i2 in range(i1, n + 1):
-            b = sumx[i2] - sumx[i1]
-            c = sumx[n] - sumx[i2]
-            wb = sumw[i2] - sumw[i1]
-            wc = sumw[n] - sumw[i2]
-            for s in (1, -1):
-                q = SHIFT_PLUS if s == 1 else SHIFT_MINUS
-                sqx = _fit3(a, b, c, q)
-                sq2 = _norm3(wa, wb, wc, q, s == -1)
-                if sq2 > 0 and sqx * sqx > best * sq2:
-                    scale = sqx / sq2
-                    best = scale * sqx
-                    cut1, cut2, shift = i1, i2, s
+        magnitude += abs(weight[i] * x[o + i])
+    bounded = sumw[n] <= SUM_W_MAX and magnitude <= SUM_WX_MAX  # so that no sum or score of a split overflows
+    every = not (bounded and split_contenders(sumx, sumw, n, marks))
+    scale, cut1, cut2, shift = best_split(sumx, sumw, n, marks, every, mx)
     if cut1 < 0:
         return np.float32(0.0), 1, False
     _levels_of_split(order, n, cut1, cut2, L)
@@ -335,7 +357,7 @@ def quantize_iq1_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tuple) 
     """IQ1_S rows; qw empty: unit importance (ik's quantize_row_iq1_s_ref)."""
     n_rows, n = x.shape
     for r in prange(n_rows):
-        weight, L, order, sums, index = scratch()
+        weight, L, order, sums, index, marks = scratch()
         scales = np.zeros(QK_K // IQ1S_BLOCK, np.float32)
         shifts = np.zeros(QK_K // IQ1S_BLOCK, np.int64)
         xr = x[r]
@@ -351,7 +373,7 @@ def quantize_iq1_s(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tuple) 
                 for i in range(IQ1S_BLOCK):
                     root = np.sqrt(fmaf(xr[o + i], xr[o + i], sigma2))
                     weight[i] = qw[o + i] * root if qw.size else root
-                scale, shift, found = iq1s_block(xr, o, weight, grid, L, order, sums, index)
+                scale, shift, found = iq1s_block(xr, o, weight, grid, L, order, sums, index, marks)
                 aborted |= not found
                 h = 0
                 for k in range(4):
@@ -395,7 +417,7 @@ def search_iq1_m(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tuple, sc
     below the threshold), and each super-block's largest scale (NaN where ik aborts)."""
     n_rows, n = x.shape
     for r in prange(n_rows):
-        weight, L, order, sums, index = scratch()
+        weight, L, order, sums, index, _ = scratch()
         sigma2 = np.zeros(QK_K // 32, np.float32)
         xr = x[r]
         for ibl in range(n // QK_K):
