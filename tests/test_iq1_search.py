@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from ikquant.errors import QuantInputError
-from ikquant.formats.iq1_lanes import split_contenders
-from ikquant.formats.iq1_search import best_split
+from ikquant.formats.iq1_lanes import iq1m_contenders, iq1s_contenders
+from ikquant.formats.iq1_search import iq1m_best_split, iq1s_best_split
 from ikquant.formats.vector_ir import LANES
 from ikquant.types import type_by_name
 
@@ -82,57 +82,74 @@ def test_an_iq1_m_block_below_the_threshold_keeps_the_last_shift_bits() -> None:
     assert codec.quantize(second)[0, 32 + 3] & shift_bits == 0
 
 
-def _prefix_sums(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Prefix sums of w x and w over a block sorted by value, with the padding split_contenders reads."""
+def _prefix_sums(x: np.ndarray, w: np.ndarray, groups: int) -> np.ndarray:
+    """Prefix sums of w x and w over a block sorted by value, of all its values (groups 1: IQ1_S) or of its first and
+    second half apart (groups 2: IQ1_M), with the padding the contender marking reads."""
     order = np.argsort(x, kind="stable")
-    sumx = np.zeros(x.size + 1 + LANES, np.float32)
-    sumw = np.zeros(x.size + 1 + LANES, np.float32)
+    sums = np.zeros((4, 32 + 1 + LANES), np.float32)
     with np.errstate(over="ignore", invalid="ignore"):  # the blocks of huge magnitudes
         for j, i in enumerate(order):
-            sumx[j + 1] = sumx[j] + w[i] * x[i]
-            sumw[j + 1] = sumw[j] + w[i]
-    return sumx, sumw
+            sums[:, j + 1] = sums[:, j]
+            g = 2 * (i * groups // x.size)
+            sums[g, j + 1] += w[i] * x[i]
+            sums[g + 1, j + 1] += w[i]
+    return sums
 
 
-def _adversarial_blocks(rng: np.random.Generator) -> list[tuple[str, np.ndarray, np.ndarray]]:
-    """32-value blocks with importances: ordinary ones, ties everywhere (equal scores), zero importances, and
+def _adversarial_blocks(rng: np.random.Generator, n: int) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Blocks of n values with importances: ordinary ones, ties everywhere (equal scores), zero importances, and
     magnitudes at which the contender scan must give way to the full one."""
     blocks = []
     for _ in range(200):
-        x = rng.standard_normal(32).astype(np.float32)
-        blocks.append(("gaussian", x, (rng.lognormal(0, 2, 32) * np.sqrt(x * x + 1)).astype(np.float32)))
-        blocks.append(("ties", rng.integers(-2, 3, 32).astype(np.float32), np.ones(32, np.float32)))
-        blocks.append(("few levels", rng.choice([-0.5, 0.125, 1.0], 32).astype(np.float32),
-                       rng.choice([1.0, 2.0], 32).astype(np.float32)))
-        w = rng.lognormal(0, 1, 32).astype(np.float32)
-        w[rng.random(32) < 0.5] = 0
-        blocks.append(("zero importances", rng.standard_normal(32).astype(np.float32), w))
+        x = rng.standard_normal(n).astype(np.float32)
+        blocks.append(("gaussian", x, (rng.lognormal(0, 2, n) * np.sqrt(x * x + 1)).astype(np.float32)))
+        blocks.append(("ties", rng.integers(-2, 3, n).astype(np.float32), np.ones(n, np.float32)))
+        blocks.append(("few levels", rng.choice([-0.5, 0.125, 1.0], n).astype(np.float32),
+                       rng.choice([1.0, 2.0], n).astype(np.float32)))
+        w = rng.lognormal(0, 1, n).astype(np.float32)
+        w[rng.random(n) < 0.5] = 0
+        blocks.append(("zero importances", rng.standard_normal(n).astype(np.float32), w))
         scale = np.float32(10.0 ** rng.uniform(-25, 20))
-        blocks.append(("magnitudes", (rng.standard_normal(32) * scale).astype(np.float32),
-                       (10.0 ** rng.uniform(-25, 25, 32)).astype(np.float32)))
+        blocks.append(("magnitudes", (rng.standard_normal(n) * scale).astype(np.float32),
+                       (10.0 ** rng.uniform(-25, 25, n)).astype(np.float32)))
     return blocks
 
 
 @numba.njit(cache=True)
-def _contenders(sumx: np.ndarray, sumw: np.ndarray, marks: np.ndarray) -> bool:
-    return split_contenders(sumx, sumw, 32, marks)
+def _iq1s_contenders(sums: np.ndarray, marks: np.ndarray) -> bool:
+    return iq1s_contenders(sums, 32, marks)
 
 
-def test_the_contender_scan_takes_the_split_of_the_full_scan() -> None:
-    """iq1s_block scores only the splits split_contenders marks: the same split, scale and shift as ik's scan over
-    every split, on blocks of ties and zero importances too; where magnitudes could round below normal floats it
+@numba.njit(cache=True)
+def _iq1m_contenders(sums: np.ndarray, marks: np.ndarray) -> bool:
+    return iq1m_contenders(sums, 16, marks)
+
+
+@pytest.mark.parametrize("type_name", ["IQ1_S", "IQ1_M"])
+def test_the_contender_scan_takes_the_split_of_the_full_scan(type_name: str) -> None:
+    """The searches score only the splits iq1_lanes marks: the same split, scale and shift as ik's scan over every
+    split, on blocks of ties and zero importances too; where magnitudes could round below normal floats the marking
     says so and the caller scans everything."""
     rng = np.random.default_rng(7)
     marks = np.zeros(33, np.int64)
     narrowed: dict[str, int] = {}
     marked: dict[str, int] = {}
-    for kind, x, w in _adversarial_blocks(rng):
-        sumx, sumw = _prefix_sums(x, w)
-        full = best_split(sumx, sumw, 32, marks, True, np.float32(1.0))
-        if _contenders(sumx, sumw, marks):
-            narrowed[kind] = narrowed.get(kind, 0) + 1
-            marked[kind] = marked.get(kind, 0) + sum(bin(int(m)).count("1") for m in marks)
-            assert best_split(sumx, sumw, 32, marks, False, np.float32(1.0)) == full, kind
+    n, groups = (32, 1) if type_name == "IQ1_S" else (16, 2)
+    for kind, x, w in _adversarial_blocks(rng, n):
+        sums = _prefix_sums(x, w, groups)
+        if type_name == "IQ1_S":
+            full = iq1s_best_split(sums, n, marks, True, np.float32(1.0))
+            if not _iq1s_contenders(sums, marks):
+                continue
+            narrow = iq1s_best_split(sums, n, marks, False, np.float32(1.0))
+        else:
+            full = iq1m_best_split(sums, n, marks, True)
+            if not _iq1m_contenders(sums, marks):
+                continue
+            narrow = iq1m_best_split(sums, n, marks, False)
+        assert narrow == full, kind
+        narrowed[kind] = narrowed.get(kind, 0) + 1
+        marked[kind] = marked.get(kind, 0) + sum(bin(int(m)).count("1") for m in marks)
     assert narrowed["gaussian"] == narrowed["ties"] == narrowed["few levels"] == narrowed["zero importances"] == 200
     assert 20 < narrowed.get("magnitudes", 0) < 200
-    assert marked["gaussian"] < 20 * 200  # of 561 splits a block
+    assert marked["gaussian"] < 20 * 200  # of the 561 (IQ1_S) or 153 (IQ1_M) splits of a block

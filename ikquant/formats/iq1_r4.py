@@ -150,7 +150,7 @@ def _quantize_iq1_m_r4(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tup
     n = x.shape[1] // GROUP
     nblock = n // BLOCK
     for g in prange(groups):
-        weight, L, order, sums, index, _ = scratch()
+        weight, L, order, sums, index, marks = scratch()
         scales = np.zeros((nblock, GROUP, 2), np.float32)
         mx = np.zeros(GROUP, np.float32)
         xg = x[g]
@@ -182,7 +182,7 @@ def _quantize_iq1_m_r4(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tup
                     scale, combo, found = np.float32(0.0), 0, False
                     if (low if h == 0 else high) > EPS:
                         scale, combo, found = iq1m_block(xg, o + 16 * h, weight, 16 * h, grid, L, order, sums,
-                                                         index, 2 * h)
+                                                         index, 2 * h, marks)
                     if found:
                         scales[ib, k, h] = scale
                         shifts[g, ib, k, h] = combo

@@ -42,10 +42,11 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.iq1_lanes import lowest_bit, split_contenders
+from ikquant.formats.iq1_lanes import SUM_W_MAX, SUM_WX_MAX, iq1m_contenders, iq1s_contenders, lowest_bit
 from ikquant.formats.iq2_search import grid_tables
 from ikquant.formats.listed_search import nearest_listed
 from ikquant.formats.numeric import f32_to_f16_bits, fmaf, nearest_int, store_f16
+from ikquant.formats.ordering import stable_order
 from ikquant.formats.vector_ir import LANES
 
 QK_K = 256
@@ -58,9 +59,6 @@ GROUP_MAX_EPS_IQ1_M = np.float32(1e-7)
 FLT_MIN = np.float32(1.1754944e-38)
 FLT_MAX = np.float32(3.4028235e38)
 NAN_F16 = 0x7E00
-#: IQ1_S blocks whose splits the scan may narrow to their contenders (iq1_lanes): sum w and sum |w x| at most these
-SUM_W_MAX = np.float32(2.0**100)
-SUM_WX_MAX = np.float32(2.0**48)
 #: a level (-1, 0, +1) plus the group's shift, for shift +delta and -delta
 SHIFT_PLUS = np.array([-1 + 0.125, 0.125, 1 + 0.125], dtype=np.float32)
 SHIFT_MINUS = np.array([-1 - 0.125, -0.125, 1 - 0.125], dtype=np.float32)
@@ -82,26 +80,11 @@ def iq1_grid() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarr
 @njit(**NJIT)
 def scratch() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """One thread's work arrays: importances (32), levels (32), sort order (32), prefix sums (4 x 33, and a vector
-    of padding: w x and w, or for IQ1_M those of its first and second group), grid indices (4) and IQ1_S's marked
-    splits (33)."""
+    of padding: w x and w, or for IQ1_M those of its first and second group), grid indices (4) and the marked
+    splits (33, iq1_lanes)."""
     return (np.empty(IQ1S_BLOCK, np.float32), np.zeros(IQ1S_BLOCK, np.int64), np.empty(IQ1S_BLOCK, np.int64),
             np.zeros((4, IQ1S_BLOCK + 1 + LANES), np.float32), np.zeros(4, np.int64),
             np.zeros(IQ1S_BLOCK + 1, np.int64))
-
-
-@njit(**NJIT)
-def _sort_order(x: np.ndarray, o: int, n: int, order: np.ndarray) -> None:
-    """order[:n] = positions of x[o:o+n] by ascending value, equal values kept in their order."""
-    for j in range(n):
-        order[j] = j
-    for j in range(1, n):
-        v = order[j]
-        key = x[o + v]
-        i = j - 1
-        while i >= 0 and x[o + order[i]] > key:
-            order[i + 1] = order[i]
-            i -= 1
-        order[i + 1] = v
 
 
 @njit(inline="always", **NJIT)
@@ -153,10 +136,12 @@ def _levels_of_split(order: np.ndarray, n: int, cut1: int, cut2: int, L: np.ndar
 
 
 @njit(**NJIT)
-def best_split(sumx: np.ndarray, sumw: np.ndarray, n: int, marks: np.ndarray, every: bool,
-               scale: np.float32) -> tuple[np.float32, int, int, int]:
-    """ik's scan of IQ1_S's splits, over every split (`every`) or over those marked (iq1_lanes.split_contenders,
-    which takes the same split): (scale, cut1, cut2, shift), cut1 -1 (and `scale` as given) where no split fits."""
+def iq1s_best_split(sums: np.ndarray, n: int, marks: np.ndarray, every: bool,
+                    scale: np.float32) -> tuple[np.float32, int, int, int]:
+    """ik's scan of IQ1_S's splits, over every split (`every`) or over those marked (iq1_lanes.iq1s_contenders,
+    which takes the same split): (scale, cut1, cut2, shift), cut1 -1 (and `scale` as given) where no split fits.
+    sums: the prefix sums of w x and w over the sorted block."""
+    sumx, sumw = sums[0], sums[1]
     best = -FLT_MIN
     cut1 = -1
     cut2 = -1
@@ -195,7 +180,7 @@ def iq1s_block(x: np.ndarray, o: int, weight: np.ndarray, grid: tuple, L: np.nda
     index[:] = 0
     if mx < GROUP_MAX_EPS_IQ1_S:
         return np.float32(0.0), 1, True
-    _sort_order(x, o, n, order)
+    stable_order(x[o : o + n], order)
     sumx, sumw = sums[0], sums[1]
     sumx[0] = 0
     sumw[0] = 0
@@ -206,8 +191,8 @@ def iq1s_block(x: np.ndarray, o: int, weight: np.ndarray, grid: tuple, L: np.nda
         sumw[j + 1] = sumw[j] + weight[i]
         magnitude += abs(weight[i] * x[o + i])
     bounded = sumw[n] <= SUM_W_MAX and magnitude <= SUM_WX_MAX  # so that no sum or score of a split overflows
-    every = not (bounded and split_contenders(sumx, sumw, n, marks))
-    scale, cut1, cut2, shift = best_split(sumx, sumw, n, marks, every, mx)
+    every = not (bounded and iq1s_contenders(sums, n, marks))
+    scale, cut1, cut2, shift = iq1s_best_split(sums, n, marks, every, mx)
     if cut1 < 0:
         return np.float32(0.0), 1, False
     _levels_of_split(order, n, cut1, cut2, L)
@@ -242,23 +227,11 @@ def _combo(k: int, group: int) -> np.ndarray:
 
 
 @njit(**NJIT)
-def iq1m_block(x: np.ndarray, o: int, weight: np.ndarray, wo: int, grid: tuple, L: np.ndarray,  # type: ignore[type-arg]
-               order: np.ndarray, sums: np.ndarray, index: np.ndarray, io: int) -> tuple[np.float32, int, bool]:
-    """ik's iq1m_process_1block on the 16 values x[o:o+16], importances weight[wo:wo+16]: (scale, shift combination
-    0..3, found), the 2 grid indices into index[io:io+2]. found is False where ik aborts (no split fits)."""
-    n = IQ1M_BLOCK
-    _sort_order(x, o, n, order)
+def iq1m_best_split(sums: np.ndarray, n: int, marks: np.ndarray, every: bool) -> tuple[np.float32, int, int, int]:
+    """ik's scan of IQ1_M's splits and shift combinations, over every split (`every`) or over those marked
+    (iq1_lanes.iq1m_contenders): (scale, cut1, cut2, combination), the combination -1 where no split fits. sums:
+    the prefix sums of w x and w of the block's first 8 values and of its second 8, over the sorted block."""
     sx1, sw1, sx2, sw2 = sums[0], sums[1], sums[2], sums[3]
-    sx1[0] = sw1[0] = sx2[0] = sw2[0] = 0
-    for j in range(n):  # ik's build rounds w x here (unlike IQ1_S's prefix sums, which it fuses)
-        i = order[j]
-        w = weight[wo + i]
-        wx = w * x[o + i]
-        first = i < n // 2
-        sx1[j + 1] = sx1[j] + wx if first else sx1[j]
-        sw1[j + 1] = sw1[j] + w if first else sw1[j]
-        sx2[j + 1] = sx2[j] if first else sx2[j] + wx
-        sw2[j + 1] = sw2[j] if first else sw2[j] + w
     best = np.float32(0.0)
     scale = np.float32(0.0)
     cut1 = -1
@@ -269,7 +242,10 @@ def iq1m_block(x: np.ndarray, o: int, weight: np.ndarray, wo: int, grid: tuple, 
         a2 = sx2[i1] - sx2[0]
         wa1 = sw1[i1] - sw1[0]
         wa2 = sw2[i1] - sw2[0]
-        for i2 in range(i1, n + 1):
+        todo = (np.int64(-1) << i1) & ((np.int64(2) << n) - 1) if every else marks[i1]
+        while todo:
+            i2 = lowest_bit(todo)
+            todo &= todo - 1
             b1 = sx1[i2] - sx1[i1]
             c1 = sx1[n] - sx1[i2]
             b2 = sx2[i2] - sx2[i1]
@@ -289,6 +265,33 @@ def iq1m_block(x: np.ndarray, o: int, weight: np.ndarray, wo: int, grid: tuple, 
                     scale = sqx / sq2
                     best = scale * sqx
                     cut1, cut2, combo = i1, i2, k
+    return scale, cut1, cut2, combo
+
+
+@njit(**NJIT)
+def iq1m_block(x: np.ndarray, o: int, weight: np.ndarray, wo: int, grid: tuple, L: np.ndarray,  # type: ignore[type-arg]
+               order: np.ndarray, sums: np.ndarray, index: np.ndarray, io: int,
+               marks: np.ndarray) -> tuple[np.float32, int, bool]:
+    """ik's iq1m_process_1block on the 16 values x[o:o+16], importances weight[wo:wo+16]: (scale, shift combination
+    0..3, found), the 2 grid indices into index[io:io+2]. found is False where ik aborts (no split fits)."""
+    n = IQ1M_BLOCK
+    stable_order(x[o : o + n], order)
+    sx1, sw1, sx2, sw2 = sums[0], sums[1], sums[2], sums[3]
+    sx1[0] = sw1[0] = sx2[0] = sw2[0] = 0
+    magnitude = np.float32(0.0)
+    for j in range(n):  # ik's build rounds w x here (unlike IQ1_S's prefix sums, which it fuses)
+        i = order[j]
+        w = weight[wo + i]
+        wx = w * x[o + i]
+        first = i < n // 2
+        sx1[j + 1] = sx1[j] + wx if first else sx1[j]
+        sw1[j + 1] = sw1[j] + w if first else sw1[j]
+        sx2[j + 1] = sx2[j] if first else sx2[j] + wx
+        sw2[j + 1] = sw2[j] if first else sw2[j] + w
+        magnitude += abs(wx)
+    bounded = sw1[n] + sw2[n] <= SUM_W_MAX and magnitude <= SUM_WX_MAX  # so that no sum or score overflows
+    every = not (bounded and iq1m_contenders(sums, n, marks))
+    scale, cut1, cut2, combo = iq1m_best_split(sums, n, marks, every)
     if combo < 0:
         return np.float32(0.0), 0, False
     _levels_of_split(order, n, cut1, cut2, L)
@@ -417,7 +420,7 @@ def search_iq1_m(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tuple, sc
     below the threshold), and each super-block's largest scale (NaN where ik aborts)."""
     n_rows, n = x.shape
     for r in prange(n_rows):
-        weight, L, order, sums, index, _ = scratch()
+        weight, L, order, sums, index, marks = scratch()
         sigma2 = np.zeros(QK_K // 32, np.float32)
         xr = x[r]
         for ibl in range(n // QK_K):
@@ -442,7 +445,7 @@ def search_iq1_m(x: np.ndarray, qw: np.ndarray, out: np.ndarray, grid: tuple, sc
                     continue
                 if sumwx == 0:
                     _iq1m_weights(xr, o, np.empty(0, np.float32), sigma2[0], weight)
-                scale, combo, found = iq1m_block(xr, o, weight, 0, grid, L, order, sums, index, 0)
+                scale, combo, found = iq1m_block(xr, o, weight, 0, grid, L, order, sums, index, 0, marks)
                 aborted |= not found
                 blk[2 * ib] = index[0] & 255
                 blk[2 * ib + 1] = index[1] & 255

@@ -30,10 +30,10 @@ from ikquant.formats.iqk_grids import (
     keep_better,
     nearest,
     nearest_iq2,
-    sort_order,
     sum_squares,
 )
 from ikquant.formats.numeric import abs_max, fmaf, load_f16, nearest_int_fma, store_f16
+from ikquant.formats.ordering import stable_order
 
 QK_K = 256
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
@@ -162,7 +162,7 @@ def _iq2k_search(xb: np.ndarray, wb: np.ndarray, order: np.ndarray, sumx: np.nda
     order and with the fusing of ik's build: the first product is fused into the second, then each further
     product is fused into the running sum (a grid entry of 1 makes its term a plain add).
     """
-    sort_order(xb, order)
+    stable_order(xb, order)
     sumw[0] = F(0.0)
     sumx[0] = F(0.0)
     for j in range(16):

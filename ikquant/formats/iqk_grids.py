@@ -3,11 +3,10 @@ ik's nearest-entry lookups into them, the sub-block scale search over both halve
 statistics both families compute the same way.
 
 Each grid (ggml-common.h) holds the plain grid followed by a slightly shifted copy; a per-sub-block bit picks the
-copy. The per-value helpers read the tables as module globals and take a grid number (`kind` 3, 4, 5 or 6 for
-IQ3NL, IQ4K, IQ5NL, IQ6NL) rather than a table, because LLVM inlines a jitted helper only when it takes no arrays;
-the array-taking helper on a hot path (sort_order) is inlined by Numba instead (inline="always"). Callers pass
-`kind` as a literal constant, so that Numba compiles one copy per grid with the other grids' branches removed. The
-scale search's trials run in grid_sums' vector IR over each grid's slot tables (slot_values): written as plain
+copy. The per-value helpers read the tables as module globals and take a grid number (`kind` 3, 4, 5 or 6 for IQ3NL,
+IQ4K, IQ5NL, IQ6NL) rather than a table, because LLVM inlines a jitted helper only when it takes no arrays. Callers
+pass `kind` as a literal constant, so that Numba compiles one copy per grid with the other grids' branches removed.
+The scale search's trials run in grid_sums' vector IR over each grid's slot tables (slot_values): written as plain
 loops, LLVM vectorised them in some compiles and not in others (IQ4_KS at 7.9 or 1.7 M weights/s, IQ5_KS at 0.7,
 depending on the process that compiled it; ik: 5.4 and 4.9). Every multiply-add is fused exactly where ik's GCC
 build fuses it.
@@ -296,17 +295,6 @@ def iqk_qx_quants(x: np.ndarray, w: np.ndarray, nmax: int, L: np.ndarray) -> np.
             for i in range(x.size):
                 L[i] = nmax + min(nmax - 1, max(-nmax, nearest_int_fma(iscale, x[i])))
     return scale
-
-
-@njit(inline='always', **NJIT)
-def sort_order(xb: np.ndarray, order: np.ndarray) -> None:
-    """Positions of xb in ascending order, equal values in position order (as std::sort of (x, index) pairs)."""
-    for j in range(xb.size):
-        k = j
-        while k > 0 and xb[order[k - 1]] > xb[j]:
-            order[k] = order[k - 1]
-            k -= 1
-        order[k] = j
 
 
 @njit(**NJIT)

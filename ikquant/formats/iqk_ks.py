@@ -40,10 +40,10 @@ from ikquant.formats.iqk_grids import (
     nearest_iq2,
     nearest_plain_iq3,
     slot_values,
-    sort_order,
     sum_squares,
 )
 from ikquant.formats.numeric import abs_max, fmaf, load_f16, load_f32, nearest_int_fma, store_f16, store_f32
+from ikquant.formats.ordering import stable_order
 from ikquant.formats.vector_ir import whole_vectors
 
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
@@ -149,7 +149,7 @@ def _iq2ks_slow_search(xb: np.ndarray, weight: np.ndarray, order: np.ndarray, su
                        sumw: np.ndarray) -> tuple[np.float32, bool]:
     """ik's scalar IQ2_KS sub-block search: every split of the sorted values into 4 runs of equal codes, both
     grids, both orientations. Returns the best scale and whether the shifted grid won."""
-    sort_order(xb, order)
+    stable_order(xb, order)
     sumx[0] = np.float32(0.0)
     sumw[0] = np.float32(0.0)
     for j in range(SUB):
