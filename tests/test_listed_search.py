@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from ikquant.formats.listed_search import nearest_listed
+from ikquant.formats.listed_search import nearest_listed, nearest_listed_lanes
 from ikquant.formats.numeric import fmaf
 from ikquant.formats.vector_ir import whole_vectors
 
@@ -78,3 +78,43 @@ def test_first_least_sum_as_iks_loop(group: int) -> None:
         assert vector(dense, at, count, neg_x, w, scale) == _reference(q, neg_x, w, scale, mul, add), trial
         cases += 1
     assert cases == 3000
+
+
+@njit
+def _lanes(packed: np.ndarray, starts: np.ndarray, counts: np.ndarray, neg_x: np.ndarray, w: np.ndarray,
+           scales: np.ndarray) -> np.ndarray:
+    out = np.full(8, -7, np.int32)
+    nearest_listed_lanes(packed, starts, counts, max(counts.max(), 0), (neg_x[0], neg_x[1], neg_x[2], neg_x[3]),
+                         (w[0], w[1], w[2], w[3]), scales, out)
+    return out
+
+
+def test_eight_searches_at_once_as_iks_loop() -> None:
+    """nearest_listed_lanes: eight lists (some empty: no search), eight scales, one group of four values; each lane
+    the first strict minimum below FLT_MAX of its own list, ties, NaN and infinite weights and overflowing scales
+    as in the single search's test."""
+    rng = np.random.default_rng(11)
+    for trial in range(1000):
+        counts = rng.integers(0, 41, 8).astype(np.int32)
+        counts[rng.random(8) < 0.2] = 0
+        lists = [rng.integers(1, 16, (c, 4)).astype(np.uint8) for c in counts]
+        for q in lists[::2]:
+            if len(q) and trial % 3 == 0:
+                q[rng.integers(0, len(q), len(q) // 2)] = q[0]
+        starts = np.cumsum([3, *[len(q) + 5 for q in lists[:-1]]]).astype(np.int32)
+        packed = np.full(int(starts[-1]) + 45, 0xFFFFFFFF, np.uint32)  # what lies around a list must never be read
+        for s, q in zip(starts, lists):
+            packed[s : s + len(q)] = (q.astype(np.uint32) << (8 * np.arange(4, dtype=np.uint32))).sum(axis=1)
+        neg_x = -(rng.random(4) * 12).astype(np.float32)
+        w = rng.random(4).astype(np.float32)
+        scales = (rng.random(8) * 2).astype(np.float32)
+        if trial % 50 == 1:
+            w[rng.integers(0, 4)] = np.nan
+        if trial % 50 == 2:
+            w[rng.integers(0, 4)] = np.inf
+        if trial % 50 == 3:
+            scales[rng.integers(0, 8)] = np.float32(1e30)
+        got = _lanes(packed, starts, counts, neg_x, w, scales)
+        for lane, q in enumerate(lists):
+            want = (_reference(q, neg_x, w, scales[lane], np.float32(1.0), np.float32(0.0)) if len(q) else -1)
+            assert got[lane] == want, (trial, lane)

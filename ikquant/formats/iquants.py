@@ -30,10 +30,10 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.base import Codec
-from ikquant.formats.listed_search import nearest_listed
+from ikquant.formats.listed_search import nearest_listed, nearest_listed_lanes
 from ikquant.formats.numeric import f32_to_f16_bits, fmaf, load_f16, nearest_int
 from ikquant.formats.trials import best_trial, fit_trials
-from ikquant.formats.vector_ir import whole_vectors
+from ikquant.formats.vector_ir import LANES, whole_vectors
 
 QK_K = 256
 BLOCK = 32
@@ -105,8 +105,9 @@ def _grid(kgrid: np.ndarray) -> np.ndarray:
 
 
 #: the neighbour lists (search_tables): counts and grid indices; their magnitudes in listed_search's dense layout;
-#: where each list's magnitudes start, by the list's offset in the first
-Lists = tuple[np.ndarray, np.ndarray, np.ndarray]
+#: where each list's magnitudes start, by the list's offset in the first; each entry's four magnitudes as the bytes
+#: of a uint32 (nearest_listed_lanes), by the same offsets as the first
+Lists = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 @functools.cache
@@ -140,7 +141,9 @@ def search_tables(points: int) -> tuple[np.ndarray, np.ndarray, Lists]:
         neighbours += [len(kept), *kept.tolist()]
     dense_at = np.zeros(len(neighbours), dtype=np.int64)
     dense_at[starts] = at[:-1]
-    return grid, kmap, (np.array(neighbours, dtype=np.int64), np.concatenate(dense), dense_at)
+    packed_grid = (grid.astype(np.uint32) << (8 * np.arange(4, dtype=np.uint32))).sum(axis=1, dtype=np.uint32)
+    packed = packed_grid[np.minimum(neighbours, len(grid) - 1)]  # the counts' slots hold no point
+    return grid, kmap, (np.array(neighbours, dtype=np.int64), np.concatenate(dense), dense_at, packed)
 
 
 GRID_256 = _grid(KGRID_256)
@@ -159,7 +162,7 @@ def _best_neighbour(grid: np.ndarray, lists: Lists, start: int, xval: np.ndarray
     """ik's iq3_find_best_neighbour (listed_search.nearest_listed): the listed neighbour with the smallest weighted
     squared error, the first on ties; its levels into out[o:o+4] (ik's index -1, the last point, when no sum is
     finite)."""
-    neighbours, dense, dense_at = lists
+    neighbours, dense, dense_at, _ = lists
     count = neighbours[start]
     j = nearest_listed(dense, dense_at[start], count,
                        (-xval[o], -xval[o + 1], -xval[o + 2], -xval[o + 3]), (w[o], w[o + 1], w[o + 2], w[o + 3]),
@@ -194,7 +197,8 @@ def _search(grid: np.ndarray, kmap: np.ndarray, lists: Lists, n_steps: int, weig
     """The best weighted fit over inverse scales (15 + 0.2 k) / max, k = -n_steps..n_steps (one trial each in
     `trials`, trials.py's scheme, padded to whole vectors with copies of the last): its levels into L, which groups
     were on the grid into on_grid; returns its scale."""
-    ids, levels_t, keys, sumqx, sumq2, row = trials
+    ids, levels_t, keys, sumqx, sumq2, row, lane_start, lane_count, lane_scale, lane_pos = trials
+    neighbours, _, _, packed = lists
     n_trials = 2 * n_steps + 1
     for t in range(ids.size):
         ids[t] = fmaf(np.float32(min(t, n_trials - 1) - n_steps), np.float32(0.2), np.float32(2 * K_MAX_Q - 1)) / mx
@@ -206,13 +210,28 @@ def _search(grid: np.ndarray, kmap: np.ndarray, lists: Lists, n_steps: int, weig
         for t in range(ids.size):
             keys[k, t] = levels_t[4 * k, t] | (levels_t[4 * k + 1, t] << 3) | (levels_t[4 * k + 2, t] << 6) \
                 | (levels_t[4 * k + 3, t] << 9)
-    for t in range(n_trials):
-        for k in range(BLOCK // 4):
-            g = kmap[keys[k, t]]
-            if g < 0:
-                _best_neighbour(grid, lists, -g - 1, xval, waux, 4 * k, np.float32(1.0) / ids[t], row)
-                for i in range(4 * k, 4 * k + 4):
-                    levels_t[i, t] = row[i]
+    for k in range(BLOCK // 4):  # the off-grid groups' neighbour searches, eight trials at once
+        o = 4 * k
+        for t0 in range(0, n_trials, LANES):
+            steps = 0
+            for lane in range(LANES):
+                t = t0 + lane
+                g = kmap[keys[k, t]] if t < n_trials else 0
+                lane_count[lane] = neighbours[-g - 1] if g < 0 else 0
+                lane_start[lane] = -g if g < 0 else 0
+                lane_scale[lane] = np.float32(1.0) / ids[t]
+                steps = max(steps, lane_count[lane])
+            if steps == 0:
+                continue
+            nearest_listed_lanes(packed, lane_start, lane_count, steps,
+                                 (-xval[o], -xval[o + 1], -xval[o + 2], -xval[o + 3]),
+                                 (waux[o], waux[o + 1], waux[o + 2], waux[o + 3]), lane_scale, lane_pos)
+            for lane in range(LANES):
+                if lane_count[lane] > 0:
+                    j = lane_pos[lane]
+                    g = neighbours[lane_start[lane] + j] if j >= 0 else -1  # ik's index -1: the last point
+                    for i in range(4):
+                        levels_t[o + i, t0 + lane] = (grid[g, i] - 1) // 2
     fit_trials(weight, xval, levels_t, sumqx, sumq2)
     chosen, _, scale = best_trial(sumqx[:n_trials], sumq2[:n_trials], np.float32(0.0),
                                   mx / np.float32(2 * K_MAX_Q - 1))
@@ -269,8 +288,10 @@ def _fit(weight: np.ndarray, xval: np.ndarray, levels: np.ndarray) -> tuple[np.f
 
 
 #: a sub-block's trials (trials.py): inverse scales, levels [value, trial], group keys [group, trial], the fits'
-#: sums, and one row of levels for the neighbour search
-Trials = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+#: sums, one row of levels for the neighbour search, and eight trials' searches (nearest_listed_lanes: list starts,
+#: counts, scales, found positions)
+Trials = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+               np.ndarray, np.ndarray]
 
 
 @njit(**NJIT)
@@ -280,7 +301,8 @@ def _buffers(n_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
     n_trials = whole_vectors(2 * n_steps + 1)
     trials = (np.empty(n_trials, dtype=np.float32), np.empty((BLOCK, n_trials), dtype=np.int32),
               np.empty((BLOCK // 4, n_trials), dtype=np.int32), np.empty(n_trials, dtype=np.float32),
-              np.empty(n_trials, dtype=np.float32), np.zeros(BLOCK, dtype=np.int64))
+              np.empty(n_trials, dtype=np.float32), np.zeros(BLOCK, dtype=np.int64), np.zeros(LANES, dtype=np.int32),
+              np.zeros(LANES, dtype=np.int32), np.zeros(LANES, dtype=np.float32), np.zeros(LANES, dtype=np.int32))
     return (np.empty(BLOCK, dtype=np.float32), np.empty(BLOCK, dtype=np.float32), np.empty(BLOCK, dtype=np.float32),
             np.zeros(BLOCK, dtype=np.int64), np.zeros(BLOCK, dtype=np.int64), np.zeros(BLOCK // 4, dtype=np.bool_),
             trials)
