@@ -23,7 +23,7 @@ from numba import types
 from numba.core import cgutils
 from numba.core.errors import TypingError
 
-from ikquant.formats.jit import intrinsic
+from ikquant.formats.jit import intrinsic, require_array
 from ikquant.formats.vector_ir import F32, I1, I32, I64, LANES, V8F, V8I, fma, load_vector, splat
 
 #: contenders score at least (1 - CONTENDER_GAP) times the greatest score (rounding moves a score ~1e-7 a step)
@@ -90,11 +90,8 @@ def _contenders(name: str, max_n: int, n_rows: int, n_scores: int, scores: Score
     chunks = n_scores * sum((max_n - i1) // LANES + 1 for i1 in range(max_n + 1))
 
     def definition(typingctx, sums, n, marks):  # type: ignore[no-untyped-def]
-        if not (isinstance(sums, types.Array) and sums.ndim == 2 and sums.layout == "C"
-                and sums.dtype == types.float32):
-            raise TypingError(f"{name}: sums must be a C-contiguous 2-d float32 array, not {sums}")
-        if not (isinstance(marks, types.Array) and marks.ndim == 1 and marks.dtype == types.int64):
-            raise TypingError(f"{name}: marks must be a 1-d int64 array, not {marks}")
+        require_array(name, "sums", sums, 2, types.float32)
+        require_array(name, "marks", marks, 1, types.int64, contiguous=False)
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
             sums_a = context.make_array(signature.args[0])(context, builder, value=args[0])

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
-from numba.core.errors import TypingError
 
-from ikquant.formats.jit import intrinsic
+from ikquant.formats.jit import intrinsic, require_array
 from ikquant.formats.vector_ir import I64, LANES, V8F, fma, hsum8, load_vector, splat
 
 SUB = 32
@@ -23,8 +22,7 @@ def iq2ks_trial_sums(typingctx, xb, wb, grid, off, scale, sums):  # type: ignore
     sum 8 lanes of fmaf chains (lane l over the values l, l + 8, l + 16, l + 24 in that order) added as ik's
     hsum_float_8 adds them: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))."""
     for name, arg in (("xb", xb), ("wb", wb), ("grid", grid), ("sums", sums)):
-        if not (isinstance(arg, types.Array) and arg.ndim == 1 and arg.layout == "C" and arg.dtype == types.float32):
-            raise TypingError(f"iq2ks_trial_sums: {name} must be a contiguous 1-d float32 array, not {arg}")
+        require_array("iq2ks_trial_sums", name, arg, 1, types.float32)
     sig = types.void(xb, wb, grid, types.int64, types.float32, sums)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]

@@ -25,6 +25,8 @@ from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, cast
 
 import numpy as np
+from numba import types
+from numba.core.errors import TypingError
 from numba.core.extending import intrinsic as _numba_intrinsic
 
 P = ParamSpec("P")
@@ -44,3 +46,12 @@ def read_only(a: np.ndarray) -> np.ndarray:
     view = a.view()
     view.flags.writeable = False
     return view
+
+
+def require_array(owner: str, name: str, arg: object, ndim: int, dtype: object, contiguous: bool = True) -> None:
+    """An intrinsic's check of its argument's Numba type at compile time: an array of `ndim` dimensions of `dtype`
+    (C-contiguous unless told otherwise), else a TypingError naming the intrinsic and the argument."""
+    if not (isinstance(arg, types.Array) and arg.ndim == ndim and arg.dtype == dtype
+            and (arg.layout == "C" or not contiguous)):
+        kind = f"{'C-contiguous ' if contiguous else ''}{ndim}-d {dtype} array"
+        raise TypingError(f"{owner}: {name} must be a {kind}, not {arg}")

@@ -17,7 +17,7 @@ from numba import types
 from numba.core import cgutils
 from numba.core.errors import TypingError
 
-from ikquant.formats.jit import intrinsic
+from ikquant.formats.jit import intrinsic, require_array
 from ikquant.formats.vector_ir import FLT_MAX, I32, I64, LANES, V8B, V8F, V8I, V8L, fma, load_vector, splat
 
 
@@ -97,8 +97,7 @@ def nearest_listed_lanes(typingctx, packed, starts, counts, steps, neg_x, w, sca
     arrays = (("packed", packed, types.uint32), ("starts", starts, types.int32), ("counts", counts, types.int32),
               ("scales", scales, types.float32), ("out", out, types.int32))
     for name, arg, dtype in arrays:
-        if not (isinstance(arg, types.Array) and arg.ndim == 1 and arg.layout == "C" and arg.dtype == dtype):
-            raise TypingError(f"nearest_listed_lanes: {name} must be a contiguous 1-d {dtype} array, not {arg}")
+        require_array("nearest_listed_lanes", name, arg, 1, dtype)
     if len(neg_x) != 4 or len(w) != 4:
         raise TypingError("nearest_listed_lanes: groups of 4 values")
     sig = types.void(packed, starts, counts, types.int64, neg_x, w, scales, out)

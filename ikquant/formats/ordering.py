@@ -9,19 +9,16 @@ from __future__ import annotations
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.core.errors import TypingError
 
-from ikquant.formats.jit import intrinsic
+from ikquant.formats.jit import intrinsic, require_array
 from ikquant.formats.vector_ir import I32, I64, LANES, V8F, V8I, load_vector, splat
 
 
 @intrinsic
 def stable_order(typingctx, x, order):  # type: ignore[no-untyped-def]
     """order[:x.size] = positions of x by ascending value, equal values in position order; x.size a multiple of 8."""
-    if not (isinstance(x, types.Array) and x.ndim == 1 and x.layout == "C" and x.dtype == types.float32):
-        raise TypingError(f"stable_order: x must be a contiguous 1-d float32 array, not {x}")
-    if not (isinstance(order, types.Array) and order.ndim == 1 and order.dtype == types.int64):
-        raise TypingError(f"stable_order: order must be a 1-d int64 array, not {order}")
+    require_array("stable_order", "x", x, 1, types.float32)
+    require_array("stable_order", "order", order, 1, types.int64, contiguous=False)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
         xa = context.make_array(signature.args[0])(context, builder, value=args[0])
