@@ -2,11 +2,12 @@
 block searches the interleaved IQ1_S_R4 / IQ1_M_R4 share with them.
 
 An IQ1 value is -1, 0 or +1 plus a shift of +delta or -delta (delta = 1/8) common to a group of 8, times a block
-scale; each group's 8 levels must be one of the 2048 points of the IQ1 grid (iq12_grids.KGRID_IQ1S, 2 bits a
-level). With three levels the best weighted least-squares fit of a block can be found exactly: sort the block's
-values, and every pair of cut points (i1 <= i2) splits them into the levels -1 / 0 / +1. Prefix sums of w x and w
-over the sorted values give each split's fit sum(w x q)^2 / sum(w q^2) in a few operations, for each choice of
-shift (IQ1_S: one shift per 32 values; IQ1_M: one per group of 8, four combinations per 16 values). The best
+scale; each group's 8 levels must be one of the 2048 points of the IQ1 grid (iq12_grids.KGRID_IQ1S, 2 bits a level).
+With three levels the best weighted least-squares fit of a block can be found exactly: sort the block's values, and
+every pair of cut points (i1 <= i2) splits them into the levels -1 / 0 / +1. Prefix sums of w x and w over the
+sorted values give each split's fit sum(w x q)^2 / sum(w q^2) in a few operations, for each choice of shift (IQ1_S:
+one shift per 32 values; IQ1_M: one per group of 8, four combinations per 16 values). The scan in ik's order visits
+only the splits that can be the one it takes last (iq1_lanes: the same split, a few percent of the work). The best
 split's groups are then checked against the grid: a group that is no grid point takes the nearest of that key's
 precomputed neighbours (all grid points within its 3 smallest distances, compared by importance-weighted squared
 error at the chosen scale), and when one did, the scale is refitted to the points taken.
@@ -170,7 +171,8 @@ def iq1s_best_split(sums: np.ndarray, n: int, marks: np.ndarray, every: bool,
 
 @njit(**NJIT)
 def iq1s_block(x: np.ndarray, o: int, weight: np.ndarray, grid: tuple, L: np.ndarray,  # type: ignore[type-arg]
-               order: np.ndarray, sums: np.ndarray, index: np.ndarray, marks: np.ndarray) -> tuple[np.float32, int, bool]:
+               order: np.ndarray, sums: np.ndarray, index: np.ndarray,
+               marks: np.ndarray) -> tuple[np.float32, int, bool]:
     """ik's iq1s_process_1block on the 32 values x[o:o+32], importances weight[:32]: (scale >= 0, shift +1 or -1,
     found), the 4 grid indices into index. found is False where ik aborts (no split fits)."""
     n = IQ1S_BLOCK
