@@ -1,6 +1,6 @@
 """Which splits IQ1_S's and IQ1_M's searches must score, found eight second cut points at a time as 8-lane vector IR.
 
-The searches (iq1_search.best_split, iq1m_block) score every pair of cut points (i1 <= i2) of a sorted block for
+The searches (iq1_search.iq1s_best_split, iq1m_best_split) score every pair of cut points (i1 <= i2) of a sorted block for
 each shift (IQ1_S: 2, IQ1_M: 4 combinations) in order and take a split wherever `sumqx^2 > best * sumq2`, best
 being the last taken split's (sumqx / sumq2) sumqx: about 50 of IQ1_S's 1,122 candidates are taken, each depending
 on the one before, so the scalar loop is a chain of branches on rounded floats (over half of IQ1_S's time). The
@@ -24,7 +24,7 @@ from numba.core import cgutils
 from numba.core.errors import TypingError
 
 from ikquant.formats.jit import intrinsic, require_array
-from ikquant.formats.vector_ir import F32, I1, I32, I64, LANES, V8F, V8I, fma, load_vector, splat
+from ikquant.formats.vector_ir import F32, I1, I32, I64, LANES, V8F, V8I, fma, fold, load_vector, splat
 
 #: contenders score at least (1 - CONTENDER_GAP) times the greatest score (rounding moves a score ~1e-7 a step)
 CONTENDER_GAP = 2.0**-8
@@ -34,9 +34,9 @@ _LOW, _HIGH = 2.0**-60, 2.0**100
 SUM_W_MAX = 2.0**100
 SUM_WX_MAX = 2.0**48
 V8B1 = ir.VectorType(I1, LANES)
-#: the shifted levels -1, 0, +1 plus +1/8 and plus -1/8 (iq1_search.SHIFT_PLUS, SHIFT_MINUS)
-_PLUS = (-1 + 0.125, 0.125, 1 + 0.125)
-_MINUS = (-1 - 0.125, -0.125, 1 - 0.125)
+#: a level (-1, 0, +1) plus the group's shift, for shift +1/8 and -1/8 (iq1_search's SHIFT_PLUS, SHIFT_MINUS)
+PLUS = (-1 + 0.125, 0.125, 1 + 0.125)
+MINUS = (-1 - 0.125, -0.125, 1 - 0.125)
 
 #: (a, b, c) of one prefix-sum row: its sums below i1, from i1 to i2, from i2 on
 Parts = tuple[ir.Value, ir.Value, ir.Value]
@@ -53,7 +53,7 @@ def _iq1s_scores(builder: ir.IRBuilder, rows: Sequence[Parts]) -> list[tuple[ir.
     (w q) q added in order, the last fused for the shift -1/8 only."""
     (a, b, c), (wa, wb, wc) = rows
     out = []
-    for (q0, q1, q2), fused in ((_PLUS, False), (_MINUS, True)):
+    for (q0, q1, q2), fused in ((PLUS, False), (MINUS, True)):
         sqx = fma(builder, c, _const(q2), builder.fadd(builder.fmul(a, _const(q0)), builder.fmul(b, _const(q1))))
         t = builder.fadd(builder.fmul(builder.fmul(wa, _const(q0)), _const(q0)),
                          builder.fmul(builder.fmul(wb, _const(q1)), _const(q1)))
@@ -67,7 +67,7 @@ def _iq1m_scores(builder: ir.IRBuilder, rows: Sequence[Parts]) -> list[tuple[ir.
     (a1, b1, c1), (wa1, wb1, wc1), (a2, b2, c2), (wa2, wb2, wc2) = rows
     out = []
     for k in range(4):
-        p, q = (_MINUS if k >= 2 else _PLUS), (_MINUS if k % 2 else _PLUS)
+        p, q = (MINUS if k >= 2 else PLUS), (MINUS if k % 2 else PLUS)
         t = builder.fadd(fma(builder, c1, _const(p[2]), fma(builder, b1, _const(p[1]), builder.fmul(a1, _const(p[0])))),
                          builder.fmul(a2, _const(q[0])))
         sqx = fma(builder, c2, _const(q[2]), fma(builder, b2, _const(q[1]), t))
@@ -150,14 +150,8 @@ def _contenders(name: str, max_n: int, n_rows: int, n_scores: int, scores: Score
 
             each_chunk(first_pass)
 
-            def across(v: ir.Value, op: str) -> ir.Value:
-                r = builder.extract_element(v, ir.Constant(I32, 0))
-                for k in range(1, LANES):
-                    e = builder.extract_element(v, ir.Constant(I32, k))
-                    r = builder.select(builder.fcmp_ordered(op, e, r), e, r)
-                return r
-
-            best, least = across(builder.load(top_p), ">"), across(builder.load(low_p), "<")
+            best, least = (builder.extract_element(fold(builder, builder.load(p), op, True), ir.Constant(I32, 0))
+                           for p, op in ((top_p, ">"), (low_p, "<")))
             no_split = builder.fcmp_ordered("==", best, ir.Constant(F32, float("-inf")))
             best_ok = builder.or_(builder.or_(no_split, builder.fcmp_ordered("==", best, ir.Constant(F32, 0.0))),
                                   builder.and_(builder.fcmp_ordered(">=", best, ir.Constant(F32, _LOW)),

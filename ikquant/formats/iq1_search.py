@@ -43,7 +43,15 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ikquant.formats.iq1_lanes import SUM_W_MAX, SUM_WX_MAX, iq1m_contenders, iq1s_contenders, lowest_bit
+from ikquant.formats.iq1_lanes import (
+    MINUS,
+    PLUS,
+    SUM_W_MAX,
+    SUM_WX_MAX,
+    iq1m_contenders,
+    iq1s_contenders,
+    lowest_bit,
+)
 from ikquant.formats.iq2_search import grid_tables
 from ikquant.formats.listed_search import nearest_listed
 from ikquant.formats.numeric import f32_to_f16_bits, fmaf, nearest_int, store_f16
@@ -61,8 +69,8 @@ FLT_MIN = np.float32(1.1754944e-38)
 FLT_MAX = np.float32(3.4028235e38)
 NAN_F16 = 0x7E00
 #: a level (-1, 0, +1) plus the group's shift, for shift +delta and -delta
-SHIFT_PLUS = np.array([-1 + 0.125, 0.125, 1 + 0.125], dtype=np.float32)
-SHIFT_MINUS = np.array([-1 - 0.125, -0.125, 1 - 0.125], dtype=np.float32)
+SHIFT_PLUS = np.array(PLUS, dtype=np.float32)
+SHIFT_MINUS = np.array(MINUS, dtype=np.float32)
 #: IQ1_M's shift-sign bits in a qh byte per shift combination (0: +/+, 1: +/-, 2: -/+, 3: -/-; first/second 8)
 IQ1M_SHIFT_MASKS = np.array([0x00, 0x80, 0x08, 0x88], dtype=np.int64)
 #: IQ1_M's stored shift of a block that has none of its own (below the threshold): filled by carry_shifts

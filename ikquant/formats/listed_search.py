@@ -18,17 +18,7 @@ from numba.core import cgutils
 from numba.core.errors import TypingError
 
 from ikquant.formats.jit import intrinsic, require_array
-from ikquant.formats.vector_ir import FLT_MAX, I32, I64, LANES, V8B, V8F, V8I, V8L, fma, load_vector, splat
-
-
-def _fold(builder: ir.IRBuilder, v: ir.Value, pick: str, floats: bool) -> ir.Value:
-    """The lanes' minimum in every lane: three halving steps of shuffle and min."""
-    for width in (4, 2, 1):
-        mask = [(lane + width) % LANES for lane in range(LANES)]
-        other = builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), ir.Constant(V8I, mask))
-        less = builder.fcmp_ordered(pick, other, v) if floats else builder.icmp_signed(pick, other, v)
-        v = builder.select(less, other, v)
-    return v
+from ikquant.formats.vector_ir import FLT_MAX, I32, I64, LANES, V8B, V8F, V8I, V8L, fma, fold, load_vector, splat
 
 
 @intrinsic
@@ -73,11 +63,11 @@ def nearest_listed(typingctx, dense, at, count, neg_x, w, scale, mul, add):  # t
             builder.store(builder.select(better, cur, builder.load(pos_p)), pos_p)
             builder.store(builder.add(cur, ir.Constant(V8I, [LANES] * LANES)), cur_p)
         best = builder.load(best_p)
-        least = _fold(builder, best, "<", True)
+        least = fold(builder, best, "<", True)
         at_least = builder.and_(builder.fcmp_ordered("==", best, least),
                                 builder.fcmp_ordered("<", least, ir.Constant(V8F, [FLT_MAX] * LANES)))
         big = ir.Constant(V8I, [2**31 - 1] * LANES)
-        first = _fold(builder, builder.select(at_least, builder.load(pos_p), big), "<", False)
+        first = fold(builder, builder.select(at_least, builder.load(pos_p), big), "<", False)
         winner = builder.extract_element(first, ir.Constant(I32, 0))
         found = builder.icmp_signed("!=", winner, ir.Constant(I32, 2**31 - 1))
         return builder.sext(builder.select(found, winner, ir.Constant(I32, -1)), I64)

@@ -42,6 +42,16 @@ def fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Valu
     return builder.call(fn, [a, b, c])
 
 
+def fold(builder: ir.IRBuilder, v: ir.Value, pick: str, floats: bool) -> ir.Value:
+    """The lanes' least (pick "<") or greatest (">") in every lane: three halving steps of shuffle and select."""
+    for width in (4, 2, 1):
+        mask = [(lane + width) % LANES for lane in range(LANES)]
+        other = builder.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), ir.Constant(V8I, mask))
+        better = builder.fcmp_ordered(pick, other, v) if floats else builder.icmp_signed(pick, other, v)
+        v = builder.select(better, other, v)
+    return v
+
+
 def hsum8(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
     """The 8 float lanes of v summed in ik's hsum_float_8 order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))."""
     def pick(value: ir.Value, lanes: list[int]) -> ir.Value:
