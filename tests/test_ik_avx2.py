@@ -4,6 +4,7 @@ AVX-512 build's float order) does not give them; what it does not reproduce is r
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from ikquant import QuantizeOptions, file_type, quantize_model
 from ikrun.cli import app
 from ikrun.eval.evaluate import perplexity
 from ikrun.eval.metrics import BaseLogitsFile
@@ -66,6 +68,59 @@ def test_ik_avx2_q8_0_kld_is_iks() -> None:
     542.179591), which the AVX-512 build's order (--numerics ik) misses."""
     assert _matches(_kld(CONVERT / "ik-q8_0.gguf", "ik-avx2"), LOGITS / "ik-q8_0-kld.txt")
     assert not _matches(_kld(CONVERT / "ik-q8_0.gguf", "ik"), LOGITS / "ik-q8_0-kld.txt")
+
+
+PLAN, PLAN_AVX2 = DATA / "logits" / "qwen3-plan", DATA / "logits" / "qwen3-plan-avx2"
+#: the qwen3-plan files ik's AVX2 build ran (tests/data/logits/qwen3-plan-avx2): the types it converts first
+PLAN_FILES = {**{t: DATA / "convert" / "qwen3-plan-quants" / f"ik-{t}.gguf"
+                 for t in ("q8_0", "q4_k", "iq4_ks", "iq3_k", "iq2_k")},
+              **{t: DATA / "convert" / "qwen3-plan-more" / f"ik-{t}.gguf"
+                 for t in ("q5_k", "iqk-mix", "iq12-mix", "iq1_kt", "iq2_kt", "iq3_kt", "iq4_kt")}}
+
+
+#: files ikquant makes again from ik-q8_0.gguf (--allow-requantize) for that run: file type, --pure, sha256 prefix
+REQUANTIZED = {"q6_k": ("Q6_K", True, "8489cb6f96fefb36"), "iq4_ks-recipe": ("IQ4_KS", False, "470ff8ff33cc8dfc")}
+
+
+def _plan_kld(gguf: Path, numerics: str) -> dict[str, float]:
+    res = runner.invoke(app, ["kld", str(gguf), "--base-logits", str(PLAN / "ik-base.kld"), "--json",
+                              "--numerics", numerics, "--flash-attn", "off", "--ik-threads", "2"])
+    assert res.exit_code == 0, res.output
+    return dict(json.loads(res.stdout))
+
+
+@pytest.mark.parametrize("name", sorted(set(PLAN_FILES) - {"q8_0"}))
+def test_ik_avx2_converted_types_print_iks_figures(name: str) -> None:
+    """Q4_K and Q5_K (to Q8_1), the IQK types and the 1- and 2-bit i-quants (to Q8_K_R8, the AVX-512 build's Q8_K_R16
+    in 8-row groups multiplied in signed bytes: qgemm.ORDER_R8_AVX2 over 256-value blocks) and the trellis types
+    (to Q8_0_R8) at 128 activation rows: every figure ik's AVX2 build printed for each file."""
+    assert _matches(_plan_kld(PLAN_FILES[name], "ik-avx2"), PLAN_AVX2 / f"ik-{name}-kld.txt")
+
+
+@pytest.mark.parametrize("name", sorted(REQUANTIZED))
+def test_ik_avx2_q6_k_and_the_iq4_ks_recipe_print_iks_figures(name: str, tmp_path: Path) -> None:
+    """Q6_K (to Q8_0_R8 from 64 activation rows) on every matrix, and ik's IQ4_KS recipe (IQ4_KS, IQ5_K attn_v,
+    Q6_K output: what users' IQ4_KS files hold): every figure ik's AVX2 build printed; --numerics ik misses them."""
+    file_type_name, pure, digest = REQUANTIZED[name]
+    gguf = tmp_path / f"{name}.gguf"
+    quantize_model(PLAN_FILES["q8_0"], gguf, QuantizeOptions(file_type(file_type_name), pure=pure,
+                                                             allow_requantize=True))
+    assert hashlib.sha256(gguf.read_bytes()).hexdigest().startswith(digest)
+    assert _matches(_plan_kld(gguf, "ik-avx2"), PLAN_AVX2 / f"ik-{name}-kld.txt")
+    assert not _matches(_plan_kld(gguf, "ik"), PLAN_AVX2 / f"ik-{name}-kld.txt")
+
+
+def test_ik_avx512_order_misses_iks_avx2_iq4_ks() -> None:
+    """The check above can fail: the AVX-512 build's order (--numerics ik) prints other figures for IQ4_KS."""
+    assert not _matches(_plan_kld(PLAN_FILES["iq4_ks"], "ik"), PLAN_AVX2 / "ik-iq4_ks-kld.txt")
+
+
+def test_ik_avx2_refuses_the_own_kernels_of_converted_types() -> None:
+    """Below 32 activation rows ik multiplies IQ4_KS in its own AVX2 kernel, which is not reproduced: refused, not
+    replaced by another arithmetic."""
+    res = runner.invoke(app, ["logits", str(PLAN_FILES["iq4_ks"]), "--tokens", "1,2", "--numerics", "ik-avx2"])
+    assert res.exit_code == 2 and "not its own kernel, which it takes for 2 activation rows" in res.output, \
+        res.output
 
 
 def test_ik_avx2_refuses_other_quant_types(tmp_path: Path) -> None:

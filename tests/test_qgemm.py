@@ -164,15 +164,15 @@ def _ik_reference(x: IntRows, w: BlockInts) -> np.ndarray:
 @pytest.mark.parametrize(("block", "fmt", "order"), [(32, Q8_2_X4, ORDER_R8), (32, Q8_2_X4, ORDER_Q8_1),
                                                      (256, Q8_K, ORDER_R16), (32, Q8_2_X4, ORDER_QX_0_NATIVE),
                                                      (32, Q8_2_X4, ORDER_R8_AVX2), (32, Q8_2_X4, ORDER_Q8_1_AVX2),
-                                                     (32, Q8_2_X4, ORDER_QX_0_AVX2)])
+                                                     (32, Q8_2_X4, ORDER_QX_0_AVX2), (256, Q8_K, ORDER_R8_AVX2)])
 def test_each_order_is_iks_float_arithmetic(block: int, fmt: str, order: int, tiled: bool) -> None:
-    """ik's Q8_0_R8, Q8_1 and Q8_K_R16 gemms and its own Q8_0 kernel (AVX-512 and AVX2; ikrun/numerics/ik/qgemm.py
+    """ik's Q8_0_R8, Q8_1 and Q8_K_R16 gemms (AVX2: Q8_K_R8) and its own Q8_0 kernel (AVX-512 and AVX2; ikrun/numerics/ik/qgemm.py
     ORDER_*), written out block by block with exact fused multiply-adds: the kernels give their bits, over rows long
     enough to take several passes of K_BYTES (Q8_0's kernels and the AVX2 Q8_1 one: blocks past the last whole
     group of four too) and row counts that are no whole tiles or groups; the plain order gives other bits."""
     rng = np.random.default_rng(order)
     n = {ORDER_QX_0_NATIVE: 26 * block, ORDER_QX_0_AVX2: 26 * block, ORDER_Q8_1_AVX2: 26 * block,
-         ORDER_R16: 4 * block}.get(order, 24 * block)
+         ORDER_R16: 4 * block}.get(order, 24 * block if block == 32 else 5 * block)
     w = _weights(rng, 40, n, block, order in (ORDER_Q8_1, ORDER_Q8_1_AVX2))
     w = BlockInts(w.q, w.scale, block, w.offset, order, bias=127 if order == ORDER_QX_0_NATIVE else 0)
     x = (rng.standard_normal((TILE + 3, w.q.shape[1])) * rng.uniform(0.1, 10, (TILE + 3, 1))).astype(np.float32)
@@ -453,7 +453,7 @@ OTHER_DOTS = [("portable vector code", lambda builder: _DOT_PAIRS)] + (
 @pytest.mark.parametrize(("block", "fmt", "order"), [(32, Q8_2_X4, ORDER_PLAIN), (256, Q8_K, ORDER_PLAIN),
                                                      (32, Q8_2_X4, ORDER_R8), (32, Q8_2_X4, ORDER_Q8_1),
                                                      (256, Q8_K, ORDER_R16), (32, Q8_2_X4, ORDER_QX_0_NATIVE),
-                                                     (32, Q8_2_X4, ORDER_R8_AVX2)])
+                                                     (32, Q8_2_X4, ORDER_R8_AVX2), (256, Q8_K, ORDER_R8_AVX2)])
 def test_each_dot_product_kernel_gives_the_scalar_bits(name: str, dot, block: int, fmt: str,  # type: ignore[no-untyped-def]
                                                        order: int) -> None:
     """The tile kernels built on the byte dot products the host does not pick (the portable vector code a CPU

@@ -252,6 +252,12 @@ class IkNumerics(Numerics):
         """The lanes of ik's float kernels in the build this arithmetic reproduces."""
         return AVX2_LANES if self.avx2 else LANES
 
+    @property
+    def row_group(self) -> int:
+        """The weight rows each form ik converts to interleaves (Q8_0_R8, Q8_1, Q8_K_R16 / Q8_K_R8): a matmul
+        converts only weights of a multiple of it (16 in ik's AVX-512 build, 8 in its AVX2 one)."""
+        return 8 if self.avx2 else 16
+
     # ---- what a file may hold ---------------------------------------------------------------------------------
     def kv_cache(self, requested: KvCache) -> KvCache:
         """ik's F16 caches, its F32 key cache (-ctk f32: the same float kernel on unrounded keys) or a quantized key
@@ -656,7 +662,7 @@ class IkNumerics(Numerics):
         n_kv = k.shape[1]
         rows, threads = (n, self._kernel_threads(n_head)) if n > 1 else (n_head // n_kv, self._kernel_threads(n_kv))
         kernel = key_cache_kernel(type_name)
-        if not kernel.converts(rows, key_cells(len(k)), threads):
+        if not kernel.converts(rows, key_cells(len(k)), threads, self.row_group):
             raise ModelError(f"ik multiplies a {cache_type} key cache with {rows} query rows, {threads} ik threads a "
                              "head, in the type's own kernel (it converts the cache rows from 32 query rows and 32 "
                              "cache cells a thread on), which is not reproduced")
@@ -865,29 +871,33 @@ class IkNumerics(Numerics):
         """The weights ik's kernel multiplies `name` as in a matmul with `n_act_rows` activation rows (of matrices
         of `weight_rows` rows, `threads` ik threads each), in float32, where they are not its exact decoding
         (formats.py); else None."""
-        kernel = ik_kernel(self.weights.encoding(name).type.name)
-        values = kernel.float_values(n_act_rows, weight_rows, threads)
+        kernel = self._kernel(self.weights.encoding(name).type.name)
+        values = kernel.float_values(n_act_rows, weight_rows, threads, self.row_group)
         if values is None:
             return None
-        kind = DERIVED + CONVERTED * kernel.converts(n_act_rows, weight_rows, threads)
+        kind = DERIVED + CONVERTED * kernel.converts(n_act_rows, weight_rows, threads, self.row_group)
         shape = self.weights.info(name).shape
         return self.weights.derived(name, lambda raw, decoded: values(raw, decoded).to_float().reshape(shape), kind)
+
+    def _kernel(self, type_name: str) -> IkKernel:
+        """How ik multiplies `type_name` weights in the build this arithmetic reproduces."""
+        return ik_kernel(type_name)
 
     def _integers(self, kernel: IkKernel, n_act_rows: int, n_weight_rows: int,
                   threads: int | None = None) -> ToInts | None:
         """The integers (and float order) `kernel` multiplies its weights as in a matmul of `n_act_rows` activation
         rows (IkKernel.integers)."""
-        return kernel.integers(n_act_rows, n_weight_rows, threads)
+        return kernel.integers(n_act_rows, n_weight_rows, threads, self.row_group)
 
     def _packed(self, name: str, n_act_rows: int, threads: int | None) -> PackedInts | None:
         """The integers ik's kernel multiplies the 2-D weight `name` as (its rows shared by `threads` ik threads),
         packed for qmatmul; None where it multiplies floats."""
-        kernel = ik_kernel(self.weights.encoding(name).type.name)
+        kernel = self._kernel(self.weights.encoding(name).type.name)
         rows = self.weights.info(name).shape[0]
         ints = self._integers(kernel, n_act_rows, rows, threads)
         if ints is None:
             return None
-        kind = PACKED + CONVERTED * kernel.converts(n_act_rows, rows, threads)
+        kind = PACKED + CONVERTED * kernel.converts(n_act_rows, rows, threads, self.row_group)
         return self.weights.derived(name, lambda raw, decoded: pack(ints(raw, decoded)), kind,
                                     direct=self._direct(kernel, n_act_rows, rows, threads))
 
@@ -895,7 +905,7 @@ class IkNumerics(Numerics):
                 threads: int | None = None) -> Callable[[np.ndarray], PackedInts | None] | None:
         """What makes `_integers`' result packed straight from the raw rows, where something does
         (IkKernel.packed)."""
-        return kernel.packed(n_act_rows, n_weight_rows, threads)
+        return kernel.packed(n_act_rows, n_weight_rows, threads, self.row_group)
 
     def _float_kind(self, name: str) -> str | None:
         """F32, F16 or BF16 where ik multiplies weight `name` in its float kernels on rows they take whole."""
@@ -973,14 +983,14 @@ class IkNumerics(Numerics):
             xr = round_activations(x, fmt)
             w = w.reshape(n_head, rows, -1)
             return np.stack([self._float_matmul(xr[h], w[h], src.type_name) for h in range(n_head)])
-        kernel = ik_kernel(src.type_name)
+        kernel = self._kernel(src.type_name)
         threads = self._kernel_threads(n_head)
-        converts = CONVERTED * kernel.converts(n, rows, threads)
+        converts = CONVERTED * kernel.converts(n, rows, threads, self.row_group)
         ints = self._integers(kernel, n, rows, threads)
         if ints is None:
             if source is None:
                 return self.sliced_product(x, name)
-            values = kernel.float_values(n, rows, threads)
+            values = kernel.float_values(n, rows, threads, self.row_group)
 
             def floats(raw: np.ndarray, decoded: np.ndarray) -> np.ndarray:
                 taken = src.rows(raw, decoded)
@@ -998,7 +1008,8 @@ class IkNumerics(Numerics):
 
     # ---- routed experts ---------------------------------------------------------------------------------------
     def _expert_ints(self, name: str, count: int) -> ToInts | None:
-        return self._integers(ik_kernel(self.weights.encoding(name).type.name), count, self.weights.info(name).shape[1])
+        kernel = self._kernel(self.weights.encoding(name).type.name)
+        return self._integers(kernel, count, self.weights.info(name).shape[1])
 
     def expert_ints(self, name: str, expert: int, count: int) -> PackedInts | None:
         """The packed integers ik's kernel multiplies expert `expert` of the 3-D tensor `name` as when `count`
@@ -1006,11 +1017,11 @@ class IkNumerics(Numerics):
         ints = self._expert_ints(name, count)
         if ints is None:
             return None
-        kernel = ik_kernel(self.weights.encoding(name).type.name)
+        kernel = self._kernel(self.weights.encoding(name).type.name)
         rows = self.weights.info(name).shape[1]
         return self.weights.derived_expert(name, expert, lambda raw, decoded: pack(ints(raw, decoded)),
                                            keep=self.weights.keeps_experts,
-                                           kind=PACKED + CONVERTED * kernel.converts(count, rows),
+                                           kind=PACKED + CONVERTED * kernel.converts(count, rows, row_group=self.row_group),
                                            direct=self._direct(kernel, count, rows))
 
     def reads_file_rows(self, name: str) -> bool:
@@ -1025,17 +1036,17 @@ class IkNumerics(Numerics):
     def multiplies_decoding(self, name: str, counts: np.ndarray) -> bool:
         """Whether ik's kernels multiply experts of `name` with `counts` routed tokens each as the exact decoding
         (no conversion, no rescaled or native values: IkKernel.float_values)."""
-        kernel, rows = ik_kernel(self.weights.encoding(name).type.name), self.weights.info(name).shape[1]
-        return all(kernel.float_values(c, rows) is None for c in np.unique(counts).tolist())
+        kernel, rows = self._kernel(self.weights.encoding(name).type.name), self.weights.info(name).shape[1]
+        return all(kernel.float_values(c, rows, row_group=self.row_group) is None for c in np.unique(counts).tolist())
 
     def convert_experts(self, name: str, ids: np.ndarray, counts: np.ndarray, mats: np.ndarray) -> np.ndarray:
         """Each expert as ik multiplies it for its token count (ik decides per expert: is_dequant_better on the rows
         routed to it): in place, or in a copy where `mats` is a view of the cached decoding (select_experts)."""
-        kernel = ik_kernel(self.weights.encoding(name).type.name)
+        kernel = self._kernel(self.weights.encoding(name).type.name)
         n_expert, rows, _ = self.weights.info(name).shape
         raw = self.weights.encoding(name).raw.reshape(n_expert, rows, -1)
         for j, (e, count) in enumerate(zip(ids.tolist(), counts.tolist())):
-            values = kernel.float_values(int(count), rows)
+            values = kernel.float_values(int(count), rows, row_group=self.row_group)
             if values is not None:
                 if not mats.flags.owndata:
                     mats = mats.copy()
@@ -1072,8 +1083,8 @@ class IkNumerics(Numerics):
         choice = np.zeros(counts.shape, np.int64)
         values, inverse = np.unique(counts, return_inverse=True)
         for i, name in enumerate(names):
-            kernel, rows = ik_kernel(self.weights.encoding(name).type.name), self.weights.info(name).shape[1]
-            converts = np.array([kernel.converts(int(c), rows) for c in values.tolist()], np.int64)
+            kernel, rows = self._kernel(self.weights.encoding(name).type.name), self.weights.info(name).shape[1]
+            converts = np.array([kernel.converts(int(c), rows, row_group=self.row_group) for c in values.tolist()], np.int64)
             choice |= converts[inverse.reshape(counts.shape)] << i
         return choice
 

@@ -5,12 +5,15 @@ It differs from the AVX-512 build's (arithmetic.py) in its float kernels, which 
 then (0 + 2) + (1 + 3) (ikgemm.py; bf16 weights too, on unrounded float32 activations), in its exponential
 (ik_expf_avx2: the softmax and the SiLU, the routed experts' too) and in its softmax's float64 sum of each 8
 exponentials' sum (attention.py), in its Q8_0_R8 and Q8_1_R8 gemms (qgemm.ORDER_R8_AVX2, ORDER_Q8_1_AVX2: a quantized
-K cache's K x Q, -fa off), in its own Q8_0 kernel (ORDER_QX_0_AVX2: below 32 activation rows a thread, and weights
-of rows no multiple of 16) and in its fused delta-net kernel (8-lane
-q.k, its scalar update as GCC contracts it: delta_net.py). ik's flash-attention ports are its
-AVX2 build's already. Only what was checked bit for bit against this build runs: other architectures and weight
-types, and AVX-512-only flags, are refused before any compute; the integer kernels other than Q8_0_R8, Q8_1_R8 and
-Q8_0's own (the other types' own, below 32 activation rows) when a matmul first needs them.
+K cache's K x Q, -fa off), in its Q8_K_R8 gemm (the IQK types and the i-quants, converted from 32 activation rows: the
+AVX-512 build's Q8_K_R16 integers and scales in groups of 8 rows, each 256-value block's signed sum scaled in one
+fused multiply-add, ORDER_R8_AVX2), in which types it converts from how many rows (AVX2_CONVERT_ROWS; groups of 8
+weight rows, not 16), in its own Q8_0 kernel (ORDER_QX_0_AVX2: below 32 activation rows a thread, and weights of
+rows no multiple of 8) and in its fused delta-net kernel (8-lane q.k, its scalar update as GCC contracts it:
+delta_net.py). ik's flash-attention ports are its AVX2 build's already. Only what was checked bit for bit against
+this build runs: other architectures and weight types, and AVX-512-only flags, are refused before any compute; the
+integer kernels other than the converted forms' and Q8_0's own (the other types' own, below 32 activation rows)
+when a matmul first needs them.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ikrun.numerics.ik.qgemm import (
     ORDER_QX_0_NATIVE,
     ORDER_R8,
     ORDER_R8_AVX2,
+    ORDER_R16,
     PackedInts,
 )
 
@@ -40,12 +44,16 @@ if TYPE_CHECKING:
 #: the architectures whose ik graph was checked against ik's AVX2 build op for op
 VERIFIED_ARCHS = ("qwen3", "deepseek2", "glm-dsa", "openpangu", "qwen3moe", "glm4moe", "minimax-m2", "qwen3next", "qwen35moe")
 #: the weight types whose kernels were checked against it
-VERIFIED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")
+VERIFIED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K",
+                  "IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ2_KS", "IQ2_KL", "IQ3_KS", "IQ4_KS", "IQ4_KSS",
+                  "IQ5_KS", "Q6_K", "IQ1_KT", "IQ2_KT", "IQ3_KT", "IQ4_KT", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 #: the converted weights' gemms of the AVX-512 build (qgemm.ORDER_*) -> the AVX2 build's
-AVX2_ORDERS = {ORDER_R8: ORDER_R8_AVX2, ORDER_Q8_1: ORDER_Q8_1_AVX2}
+AVX2_ORDERS = {ORDER_R8: ORDER_R8_AVX2, ORDER_Q8_1: ORDER_Q8_1_AVX2, ORDER_R16: ORDER_R8_AVX2}
 #: the weight types whose own kernel (below the rows ik converts them from) is reproduced in its AVX2 build's order:
 #: Q8_0's multiplies the signed values (qgemm.ORDER_QX_0_AVX2); the others' AVX2 kernels are other code
 AVX2_OWN_KERNELS = ("Q8_0",)
+#: weight types ik's AVX2 build converts from more activation rows than its AVX-512 build (is_dequant_better)
+AVX2_CONVERT_ROWS = {"IQ2_S": 32, "IQ1_KT": 32, "IQ2_KT": 32, "IQ3_KT": 32, "IQ4_KT": 32}
 
 
 class IkAvx2Numerics(IkNumerics):
@@ -72,6 +80,12 @@ class IkAvx2Numerics(IkNumerics):
                     + ", ".join(VERIFIED_TYPES))
         return super().check_type(gtype)
 
+    def _kernel(self, type_name: str) -> IkKernel:
+        """The AVX-512 build's kernel, converting from AVX2_CONVERT_ROWS activation rows where that differs."""
+        kernel = super()._kernel(type_name)
+        rows = AVX2_CONVERT_ROWS.get(type_name)
+        return kernel if rows is None else replace(kernel, convert_rows=rows)
+
     def _activation_format(self, type_name: str) -> str:
         """ik's AVX2 build multiplies bf16 weights with float32 activations as they are (its float kernel)."""
         return UNROUNDED if type_name == "BF16" else super()._activation_format(type_name)
@@ -82,11 +96,16 @@ class IkAvx2Numerics(IkNumerics):
 
     def _integers(self, kernel: IkKernel, n_act_rows: int, n_weight_rows: int,
                   threads: int | None = None) -> ToInts | None:
-        """The float orders of ik's AVX2 Q8_0_R8 and Q8_1_R8 gemms (qgemm.ORDER_R8_AVX2, ORDER_Q8_1_AVX2) and of its
-        own AVX2 Q8_0 kernel (ORDER_QX_0_AVX2: fewer rows); the other integer kernels' AVX2 orders are not
-        reproduced."""
+        """The float orders of ik's AVX2 Q8_0_R8, Q8_K_R8 and Q8_1_R8 gemms (qgemm.ORDER_R8_AVX2, ORDER_Q8_1_AVX2)
+        and of its own AVX2 Q8_0 kernel (ORDER_QX_0_AVX2: fewer rows); the other integer kernels' AVX2 orders (the
+        own kernels of the types it converts) are not reproduced."""
         ints = super()._integers(kernel, n_act_rows, n_weight_rows, threads)
         if ints is None:
+            if kernel.convert is not None:  # ik's own integer kernel of a type it converts from more rows
+                raise ModelError(f"--numerics ik-avx2 reproduces ik's AVX2 kernels for these weights where it "
+                                 f"converts them ({kernel.convert_rows} activation rows and more, {self.row_group} "
+                                 f"weight rows a group), not its own kernel, which it takes for {n_act_rows} "
+                                 f"activation rows of {n_weight_rows} weight rows")
             return None
         inner = ints
         own = any(kernel is ik_kernel(name) for name in AVX2_OWN_KERNELS)
@@ -96,15 +115,25 @@ class IkAvx2Numerics(IkNumerics):
             if held.order == ORDER_QX_0_NATIVE and own:
                 return replace(held, order=ORDER_QX_0_AVX2, bias=0)
             if held.order not in AVX2_ORDERS:
-                raise ModelError(f"--numerics ik-avx2 reproduces ik's AVX2 Q8_0_R8 and Q8_1_R8 kernels (32 activation "
-                                 f"rows and more a thread) and its own Q8_0 kernel, not the kernel ik takes for "
-                                 f"{n_act_rows} rows")
+                raise ModelError(f"--numerics ik-avx2 reproduces ik's AVX2 Q8_0_R8, Q8_K_R8 and Q8_1_R8 kernels (32 "
+                                 f"activation rows and more a thread) and its own Q8_0 kernel, not the kernel ik "
+                                 f"takes for {n_act_rows} rows")
             return replace(held, order=AVX2_ORDERS[held.order])
 
         return avx2
 
     def _direct(self, kernel: IkKernel, n_act_rows: int, n_weight_rows: int,
                 threads: int | None = None) -> Callable[[np.ndarray], PackedInts | None] | None:
-        """None: the integers packed straight from the bytes are in orders this build's kernels do not take (and
-        `_integers` says so)."""
-        return None
+        """The Q8_K_R16 integers packed straight from the bytes (q8k_direct.py), in this build's Q8_K_R8 order: the
+        same integers, scales and block sums, so only the order changes. The other forms' packings are declined (None:
+        `_integers` makes them, or says why it cannot)."""
+        direct = super()._direct(kernel, n_act_rows, n_weight_rows, threads)
+        if direct is None:
+            return None
+        inner = direct
+
+        def packed(raw: np.ndarray) -> PackedInts | None:
+            held = inner(raw)
+            return replace(held, order=ORDER_R8_AVX2) if held is not None and held.order == ORDER_R16 else None
+
+        return packed

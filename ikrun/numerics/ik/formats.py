@@ -137,28 +137,32 @@ class IkKernel:
     #: `ints` packed for qmatmul straight from the raw rows
     ints_packed: Callable[[np.ndarray], PackedInts | None] | None = None
 
-    def converts(self, n_act_rows: int, n_weight_rows: int, threads: int | None = None) -> bool:
+    def converts(self, n_act_rows: int, n_weight_rows: int, threads: int | None = None, row_group: int = 16) -> bool:
         """Whether ik converts the weights of a matmul with `n_act_rows` activation rows and `n_weight_rows` weight
-        rows (a multiple of 16): from `convert_rows` activation rows on. `threads`: the ik threads that share a
-        plain matmul's rows, which takes the type's own kernel when they get fewer than 32 rows each; None for
-        ik's MoE and fused up-gate ops, which choose by the activation rows alone."""
-        rows_ok = n_weight_rows % 16 == 0 and (threads is None or n_weight_rows // threads >= 32)
+        rows (a multiple of `row_group`, the rows its converted form interleaves: 16 in the AVX-512 build, 8 in the
+        AVX2 one): from `convert_rows` activation rows on. `threads`: the ik threads that share a plain matmul's
+        rows, which takes the type's own kernel when they get fewer than 32 rows each; None for ik's MoE and fused
+        up-gate ops, which choose by the activation rows alone."""
+        rows_ok = n_weight_rows % row_group == 0 and (threads is None or n_weight_rows // threads >= 32)
         return self.convert is not None and n_act_rows >= self.convert_rows and rows_ok
 
-    def integers(self, n_act_rows: int, n_weight_rows: int, threads: int | None = None) -> ToInts | None:
+    def integers(self, n_act_rows: int, n_weight_rows: int, threads: int | None = None,
+                 row_group: int = 16) -> ToInts | None:
         """The integers of such a matmul, None where ik multiplies floats or the stored weights of a type not held
         as integers here."""
-        return self.convert if self.converts(n_act_rows, n_weight_rows, threads) else self.ints
+        return self.convert if self.converts(n_act_rows, n_weight_rows, threads, row_group) else self.ints
 
-    def packed(self, n_act_rows: int, n_weight_rows: int,
-               threads: int | None = None) -> Callable[[np.ndarray], PackedInts | None] | None:
+    def packed(self, n_act_rows: int, n_weight_rows: int, threads: int | None = None,
+               row_group: int = 16) -> Callable[[np.ndarray], PackedInts | None] | None:
         """`convert_packed` where such a matmul converts the weights (`converts`), else `ints_packed`."""
-        return self.convert_packed if self.converts(n_act_rows, n_weight_rows, threads) else self.ints_packed
+        converts = self.converts(n_act_rows, n_weight_rows, threads, row_group)
+        return self.convert_packed if converts else self.ints_packed
 
-    def float_values(self, n_act_rows: int, n_weight_rows: int, threads: int | None = None) -> ToInts | None:
+    def float_values(self, n_act_rows: int, n_weight_rows: int, threads: int | None = None,
+                     row_group: int = 16) -> ToInts | None:
         """Where a float matmul must multiply other values than the exact decoding (converted weights, or stored
         integers that rescale), the integers whose values it multiplies; None: the decoding itself."""
-        if self.converts(n_act_rows, n_weight_rows, threads):
+        if self.converts(n_act_rows, n_weight_rows, threads, row_group):
             return self.convert
         return self.ints if self.rescales else self.native
 

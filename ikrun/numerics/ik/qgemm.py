@@ -47,8 +47,8 @@ from ikrun.ops.simd import splat
 #: group), d = w scale x a scale as fma(d, f32(half sum), acc), and its correction (w scale x -bias) x (a scale x a's
 #: integer sum) to a sum of its own (accm[j]); a block past the last whole group adds its eight 4-value sums to the
 #: eight accumulators and a quarter of its correction to each accm; at the end (acc[j] + acc[4 + j]) + accm[j],
-#: summed (0 + 2) + (1 + 3); ORDER_R8_AVX2 ik's Q8_0_R8 gemm in its AVX2 build: signed weights, per block
-#: acc = fma(w scale x a scale, f32(isum), acc); ORDER_Q8_1_AVX2 ik's Q8_1_R8 gemm in its AVX2 build (Q4_1, Q5_1
+#: summed (0 + 2) + (1 + 3); ORDER_R8_AVX2 ik's Q8_0_R8 gemm in its AVX2 build, and its Q8_K_R8 gemm (256-value
+#: blocks; the AVX-512 build's Q8_K_R16): signed weights, per block acc = fma(w scale x a scale, f32(isum), acc); ORDER_Q8_1_AVX2 ik's Q8_1_R8 gemm in its AVX2 build (Q4_1, Q5_1
 #: converted): ORDER_Q8_1's offsets of four blocks first, then per block its first and its last 16 products each
 #: acc = fma(w scale x a scale, f32(half sum), acc); the blocks past the last whole group of four add nothing (the
 #: kernel has no loop for them); ORDER_QX_0_AVX2 ik's own Q8_0 kernel in its AVX2 build: ORDER_QX_0_NATIVE's eight
@@ -643,6 +643,7 @@ def _make_native_tile(dot: Callable[[ir.IRBuilder], _Dot] = host_dot,  # type: i
 _tile32, _tile256 = _make_tile(32), _make_tile(256, dot=host_dot)
 _tile32_r8, _tile256_r16 = _make_tile(32, ORDER_R8), _make_tile(256, ORDER_R16, host_dot)
 _tile32_q81, _tile32_r8_avx2 = _make_tile(32, ORDER_Q8_1), _make_tile(32, ORDER_R8_AVX2)
+_tile256_r8_avx2 = _make_tile(256, ORDER_R8_AVX2, host_dot)
 #: ORDER_Q8_1_AVX2 sums half blocks, which AVX2's signed byte products do without a correction (hosts without AVX2
 #: take the scalar kernel, qmatmul: their stand-in here is never called, and emits no AVX2 instruction)
 _tile32_q81_avx2 = _make_tile(32, ORDER_Q8_1_AVX2, lambda builder: _DOT_SIGN) if HAS_AVX2 else _tile32_q81
@@ -666,6 +667,8 @@ def _tiles(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, m0, m1, block, nb,
         for t in range(m0, m1, TILE):
             if block == 256 and order == ORDER_R16:
                 _tile256_r16(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
+            elif block == 256 and order == ORDER_R8_AVX2:
+                _tile256_r8_avx2(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             elif block == 256:
                 _tile256(wq, ws, wcorr, wofs, au, asc, asum, aisum, out, g, t, b0, b1, nb, n)
             elif order == ORDER_Q8_1:
