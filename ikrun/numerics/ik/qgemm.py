@@ -638,12 +638,14 @@ def _make_native_tile(dot: Callable[[ir.IRBuilder], _Dot] = host_dot,  # type: i
     return _tile_intrinsic(emit, dot)
 
 
-# 256-value blocks keep vpmaddwd on AVX2: their correction comes once per 64 steps, and the signed products measured
-# 10% slower there (tools/bench_kernels.py); 32-value blocks gain 20-25% from dropping the per-block correction
+# The plain order's 256-value blocks keep vpmaddwd on AVX2: their correction comes once per 64 steps, and the signed
+# products measured 10% slower there (tools/bench_kernels.py); 32-value blocks gain 20-25% from dropping the per-block
+# correction, and so do ORDER_R16's and ORDER_R8_AVX2's 256-value blocks on a Zen 3 (256 x 2048 x 2048 .. 6144:
+# 138-192 GOPS against 119-155 with vpmaddwd, two threads)
 _tile32, _tile256 = _make_tile(32), _make_tile(256, dot=host_dot)
-_tile32_r8, _tile256_r16 = _make_tile(32, ORDER_R8), _make_tile(256, ORDER_R16, host_dot)
+_tile32_r8, _tile256_r16 = _make_tile(32, ORDER_R8), _make_tile(256, ORDER_R16)
 _tile32_q81, _tile32_r8_avx2 = _make_tile(32, ORDER_Q8_1), _make_tile(32, ORDER_R8_AVX2)
-_tile256_r8_avx2 = _make_tile(256, ORDER_R8_AVX2, host_dot)
+_tile256_r8_avx2 = _make_tile(256, ORDER_R8_AVX2)
 #: ORDER_Q8_1_AVX2 sums half blocks, which AVX2's signed byte products do without a correction (hosts without AVX2
 #: take the scalar kernel, qmatmul: their stand-in here is never called, and emits no AVX2 instruction)
 _tile32_q81_avx2 = _make_tile(32, ORDER_Q8_1_AVX2, lambda builder: _DOT_SIGN) if HAS_AVX2 else _tile32_q81
