@@ -116,9 +116,9 @@ def test_ik_avx512_order_misses_iks_avx2_iq4_ks() -> None:
 
 
 def test_ik_avx2_refuses_the_own_kernels_of_converted_types() -> None:
-    """Below 32 activation rows ik multiplies IQ4_KS in its own AVX2 kernel, which is not reproduced: refused, not
-    replaced by another arithmetic."""
-    res = runner.invoke(app, ["logits", str(PLAN_FILES["iq4_ks"]), "--tokens", "1,2", "--numerics", "ik-avx2"])
+    """Below 32 activation rows ik multiplies IQ3_K in its own AVX2 kernel, which is not reproduced (IQ4_KS's is,
+    tests/test_iqk_native.py): refused, not replaced by another arithmetic."""
+    res = runner.invoke(app, ["logits", str(PLAN_FILES["iq3_k"]), "--tokens", "1,2", "--numerics", "ik-avx2"])
     assert res.exit_code == 2 and "not its own kernel, which it takes for 2 activation rows" in res.output, \
         res.output
 

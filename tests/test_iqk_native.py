@@ -129,3 +129,17 @@ def test_experts_below_32_tokens_give_iks_logits(models: dict[str, Path], type_n
     final = [line for line in (DATA / "ik-final-lines.txt").read_text().splitlines()
              if line.startswith(prefix + "Final") and f"over {chunks} chunks for n_ctx={ctx} " in line][0]
     assert final.split("=")[-1].split("+/-")[0].strip() in " ".join(res.output.split())
+
+
+def test_experts_below_32_tokens_give_iks_avx2_logits(models: dict[str, Path], tmp_path: Path) -> None:
+    """ik's own IQ4_KS kernel of its AVX2 build (tests/data/iqk-native-avx2; most experts get 5-30 tokens of the
+    chunk): --numerics ik-avx2 writes ik's base-logits file byte for byte and prints its final line."""
+    avx2 = DATA.parent / "iqk-native-avx2"
+    out = tmp_path / "base.kld"
+    res = runner.invoke(app, ["ppl", str(models["IQ4_KS"]), "--text", str(TEXT), "-c", "128", "--chunks", "1", "-t",
+                              "2", "--numerics", "ik-avx2", "--ik-batch", "2048", "--save-base-logits", str(out)])
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes() == (avx2 / "ik-c128.kld").read_bytes()
+    final = (avx2 / "ik-final-lines.txt").read_text().split("=")[-1].split("+/-")[0].strip()
+    assert final in " ".join(res.output.split())
+

@@ -49,7 +49,7 @@ from ikrun.numerics.ik.iqk_flash_attention import (
     k_step_for,
     kernel_row_calls,
 )
-from ikrun.numerics.ik.iqk_native import NATIVE_TYPES, native_matmul
+from ikrun.numerics.ik.iqk_native import AVX2_NATIVE_TYPES, NATIVE_TYPES, native_matmul
 from ikrun.numerics.ik.key_cache import (
     IQK_FA_KEY_BIAS,
     SINGLE_ROW_BLOCKS,
@@ -938,7 +938,7 @@ class IkNumerics(Numerics):
                                              direct=lambda raw: raw.copy())
             return native_matmul(self._integer_rows(x, weight_name, shared),
                                  file_rows.reshape(self.weights.info(weight_name).shape[0], -1),
-                                 self.weights.encoding(weight_name).type.name)
+                                 self.weights.encoding(weight_name).type.name, avx2=self.avx2)
         x = self.activations(x, weight_name)
         converted = self._converted(weight_name, len(x), self.weights.info(weight_name).shape[0], threads)
         if converted is not None:
@@ -1025,13 +1025,15 @@ class IkNumerics(Numerics):
                                            direct=self._direct(kernel, count, rows))
 
     def reads_file_rows(self, name: str) -> bool:
-        """ik's own IQ4_KS and IQ5_KS kernels (its AVX-512 build's) read the experts' rows (iqk_native.py)."""
+        """ik's own IQ4_KS and IQ5_KS kernels (AVX2: IQ4_KS's) read the experts' rows (iqk_native.py)."""
         return self._native(name)
 
     def _native(self, name: str) -> bool:
         """Whether weight `name` is multiplied in ik's own kernel of its type where ik does not convert it
-        (iqk_native.py reproduces it for NATIVE_TYPES, as ik's AVX-512 build computes it)."""
-        return not self.avx2 and self.weights.encoding(name).type.name in NATIVE_TYPES
+        (iqk_native.py reproduces it for NATIVE_TYPES as ik's AVX-512 build computes it, AVX2_NATIVE_TYPES as its
+        AVX2 build does)."""
+        type_name = self.weights.encoding(name).type.name
+        return type_name in (AVX2_NATIVE_TYPES if self.avx2 else NATIVE_TYPES)
 
     def multiplies_decoding(self, name: str, counts: np.ndarray) -> bool:
         """Whether ik's kernels multiply experts of `name` with `counts` routed tokens each as the exact decoding

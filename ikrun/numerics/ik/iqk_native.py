@@ -19,6 +19,13 @@ ggml_mul_mat, ggml_mul_mat_id and ggml_moe_up_gate on random and on a model's ro
 One 256-value block is one AVX-512BW call (vpmaddubsw, vpmaddwd: the same integers as vpdpwssd, which adds them
 to the lanes with the same 32-bit wrap-around; then the 16 fused multiply-adds); a scalar loop computes the same
 where the CPU lacks AVX-512BW and is what the vector form is tested against.
+
+ik's AVX2 build (`--numerics ik-avx2`) multiplies IQ4_KS otherwise: the signed grid values (the shifted grid's
+for a sub-block whose scale byte is odd) against the activation integers in 8 lanes, lane l summing values
+4 l .. 4 l + 3 of every sub-block times the sub-block's scale (|value| x |activation| pairs stay below 32767, so
+the lanes are exact), then per block fma(d x the token's scale, float(lane), acc), and the 8 accumulators summed as
+its hsum_float_8 (_scalar_row_avx2, a scalar loop; checked byte for byte against that build's base logits on the
+Qwen3-MoE).
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from ikrun.ops.simd import splat
 
 #: the weight types whose own kernel (below their conversion threshold) is reproduced here, by their code here
 NATIVE_TYPES = {"IQ4_KS": 0, "IQ5_KS": 1}
+#: those whose own kernel in ik's AVX2 build is reproduced too (_scalar_row_avx2)
+AVX2_NATIVE_TYPES = ("IQ4_KS",)
 HAS_AVX512BW = host_has("avx512bw")
 SUPER = 256
 SUB = 32
@@ -227,8 +236,56 @@ def _scalar_row(row, kind, xu, xd, sub_sums, tokens, m0, m1, wu, sc, mins, lanes
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _prepare_row_avx2(row: np.ndarray, nb: int, wv: np.ndarray, sc: np.ndarray) -> np.float32:
+    """An IQ4_KS row as ik's AVX2 kernel holds it: each value's signed grid value, the shifted grid's for a sub-block
+    whose scale byte is odd (wv), each sub-block's scale, its byte & 254 minus 127 (sc); returns the row's scale."""
+    for i in range(nb):
+        o = 4 + BLOCK_BYTES[0] * i
+        for m in range(8):
+            b = np.int32(row[o + m])
+            sc[8 * i + m] = (b & 254) - 127
+            table = 16 * (b & 1)
+            at = SUPER * i + SUB * m
+            for j in range(16):
+                c = np.int32(row[o + 8 + 16 * m + j])
+                wv[at + j] = IQ4K_VALUES[table + (c & 15)]
+                wv[at + 16 + j] = IQ4K_VALUES[table + (c >> 4)]
+    return load_f32(row, 0)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _reduce8(acc: np.ndarray) -> np.float32:
+    """ik's hsum_float_8: the halves added, then (0 + 2) + (1 + 3)."""
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _scalar_row_avx2(row, xu, xd, tokens, m0, m1, wv, sc, acc):  # type: ignore[no-untyped-def]
+    """One IQ4_KS row against tokens[m0:m1] as ik's AVX2 kernel multiplies it (mul_mat_qX_K_q8_K_T): per 256
+    values 8 int32 lanes, lane l the sum over the 8 sub-blocks of scale x (values 4 l .. 4 l + 3 times the
+    activation integers), exact (vpmaddubsw's pairs of |value| x +-activation stay below 32767); then acc[l] =
+    fma(d x the token's scale, float(lane), acc[l]), the 8 accumulators summed as _reduce8."""
+    nb = xd.shape[1]
+    d = _prepare_row_avx2(row, nb, wv, sc)
+    for m in range(m0, m1):
+        x = tokens[m]
+        a = acc[8 * (m - m0) : 8 * (m - m0) + 8]
+        for i in range(nb):
+            dd = d * xd[x, i]
+            for lane in range(8):
+                total = np.int32(0)
+                for k in range(8):
+                    at = SUPER * i + SUB * k + 4 * lane
+                    part = np.int32(0)
+                    for t in range(4):
+                        part += np.int32(wv[at + t]) * (np.int32(xu[x, at + t]) - 128)
+                    total += np.int32(sc[8 * i + k]) * part
+                a[lane] = fmaf(dd, np.float32(total), a[lane])
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector, wu, sc,  # type: ignore[no-untyped-def]
-          mins, lanes, acc):
+          mins, lanes, acc, avx2, wv, sc8):
     """Weight rows ROW_TILE x t .. of matrix j (task = j x tiles + t; raw's matrix which[j]) against matrix j's
     tokens, row by row."""
     tiles = -(-n_rows // ROW_TILE)
@@ -240,6 +297,12 @@ def _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows,
     xu_flat, sums_flat, xd_flat = xu.reshape(-1), sub_sums.reshape(-1), xd.reshape(-1)
     for r in range(t * ROW_TILE, min(n_rows, (t + 1) * ROW_TILE)):
         row = raw[which[j], r]
+        if avx2:
+            acc[: 8 * (m1 - m0)] = 0
+            _scalar_row_avx2(row, xu, xd, tokens, m0, m1, wv, sc8, acc)
+            for m in range(m0, m1):
+                out[m, r] = _reduce8(acc[8 * (m - m0) : 8 * (m - m0) + 8])
+            continue
         acc[: 16 * (m1 - m0)] = 0
         if vector:
             d = load_f32(row, 0)
@@ -258,9 +321,9 @@ def _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows,
 
 @njit(cache=True, nogil=True, parallel=True)
 def _matmuls(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, vector, most,  # type: ignore[no-untyped-def]
-             threads):
+             threads, avx2):
     """Every (matrix, row tile) task, claimed by the threads (ikrun/ops/parallel.py); `most`: the most tokens a
-    matrix takes."""
+    matrix takes; `avx2`: ik's AVX2 build's kernel (IQ4_KS)."""
     n_rows, nb = raw.shape[1], xd.shape[1]
     tasks = (len(row_at) - 1) * -(-n_rows // ROW_TILE)
     per, counter = task_items(tasks, threads), np.zeros(1, np.int64)
@@ -270,11 +333,13 @@ def _matmuls(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, vector, mo
         mins = np.empty(nb * 8, np.int32)
         lanes = np.zeros(16, np.int32)
         acc = np.empty(16 * most, np.float32)
+        wv = np.empty(nb * SUPER, np.int8)
+        sc8 = np.empty(nb * 8, np.int16)
         t0, t1 = claim_items(counter, per, tasks)
         while t0 < t1:
             for task in range(t0, t1):
                 _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector, wu, sc, mins,
-                      lanes, acc)
+                      lanes, acc, avx2, wv, sc8)
             t0, t1 = claim_items(counter, per, tasks)
 
 
@@ -291,11 +356,13 @@ def _sub_block_sums(xu: np.ndarray, tokens: np.ndarray, sums: np.ndarray) -> Non
 
 
 def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndarray, type_name: str,
-                   vector: bool = HAS_AVX512BW, which: np.ndarray | None = None) -> np.ndarray:
+                   vector: bool = HAS_AVX512BW, which: np.ndarray | None = None, avx2: bool = False) -> np.ndarray:
     """Rows `tokens` of the Q8_K activations x times matrices of `type_name` (NATIVE_TYPES) as ik's own kernel
     computes them: matrix j (raw [E, rows, row bytes], the file's rows; with `which`, raw's matrix which[j]) takes
     tokens[row_at[j] : row_at[j + 1]]; float32 [len(tokens), rows]. `vector` False (or a CPU without AVX-512BW):
-    the scalar loop (the same bits)."""
+    the scalar loop (the same bits). `avx2`: its AVX2 build's kernel (AVX2_NATIVE_TYPES)."""
+    if avx2 and type_name not in AVX2_NATIVE_TYPES:
+        raise ValueError(f"ik's AVX2 kernel of {type_name} is not reproduced (only {', '.join(AVX2_NATIVE_TYPES)})")
     if x.block != SUPER:
         raise ValueError(f"ik's {type_name} kernel takes Q8_K activations (blocks of {SUPER}), not blocks of "
                          f"{x.block}")
@@ -308,12 +375,13 @@ def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.n
     most = int(np.diff(row_at).max(initial=0))
     which = np.arange(raw.shape[0], dtype=np.int64) if which is None else np.ascontiguousarray(which, np.int64)
     _matmuls(raw, which, NATIVE_TYPES[type_name], x.u, x.scale, sums, tokens, row_at, out,
-             vector and HAS_AVX512BW, most, get_num_threads())
+             vector and HAS_AVX512BW, most, get_num_threads(), avx2)
     return out
 
 
-def native_matmul(x: IntRows, raw: np.ndarray, type_name: str, vector: bool = HAS_AVX512BW) -> np.ndarray:
-    """x (Q8_K rows) @ a matrix's rows `raw` [rows, row bytes]^T of `type_name` in ik's own kernel: float32
-    [x.rows, rows]."""
+def native_matmul(x: IntRows, raw: np.ndarray, type_name: str, vector: bool = HAS_AVX512BW,
+                  avx2: bool = False) -> np.ndarray:
+    """x (Q8_K rows) @ a matrix's rows `raw` [rows, row bytes]^T of `type_name` in ik's own kernel (`avx2`: its
+    AVX2 build's): float32 [x.rows, rows]."""
     return native_matmuls(x, raw[None], np.arange(x.rows, dtype=np.int64), np.array([0, x.rows], np.int64),
-                          type_name, vector)
+                          type_name, vector, avx2=avx2)
