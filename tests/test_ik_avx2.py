@@ -79,7 +79,10 @@ PLAN_FILES = {**{t: DATA / "convert" / "qwen3-plan-quants" / f"ik-{t}.gguf"
 
 
 #: files ikquant makes again from ik-q8_0.gguf (--allow-requantize) for that run: file type, --pure, sha256 prefix
-REQUANTIZED = {"q6_k": ("Q6_K", True, "8489cb6f96fefb36"), "iq4_ks-recipe": ("IQ4_KS", False, "470ff8ff33cc8dfc")}
+REQUANTIZED = {"q6_k": ("Q6_K", True, "8489cb6f96fefb36"), "iq4_ks-recipe": ("IQ4_KS", False, "470ff8ff33cc8dfc"),
+               "q5_0": ("Q5_0", True, "22108b6ea2326744"), "q6_0": ("Q6_0", True, "3614b4c5ac980332"),
+               "iq4_nl": ("IQ4_NL", True, "d8bdc8deb77e6396"), "mxfp4": ("MXFP4", True, "7b49ac0a5755cab1"),
+               "iq4_xs": ("IQ4_XS", True, "c5eff3e529dacc8f")}
 
 
 def _plan_kld(gguf: Path, numerics: str) -> dict[str, float]:
@@ -98,9 +101,10 @@ def test_ik_avx2_converted_types_print_iks_figures(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(REQUANTIZED))
-def test_ik_avx2_q6_k_and_the_iq4_ks_recipe_print_iks_figures(name: str, tmp_path: Path) -> None:
-    """Q6_K (to Q8_0_R8 from 64 activation rows) on every matrix, and ik's IQ4_KS recipe (IQ4_KS, IQ5_K attn_v,
-    Q6_K output: what users' IQ4_KS files hold): every figure ik's AVX2 build printed; --numerics ik misses them."""
+def test_ik_avx2_requantized_files_print_iks_figures(name: str, tmp_path: Path) -> None:
+    """Q6_K (to Q8_0_R8 from 64 activation rows), Q5_0, Q6_0, IQ4_NL, MXFP4 (to Q8_0_R8) and IQ4_XS (to Q8_K_R8) on
+    every matrix, and ik's IQ4_KS recipe (IQ4_KS, IQ5_K attn_v, Q6_K output: what users' IQ4_KS files hold): every
+    figure ik's AVX2 build printed; --numerics ik misses them."""
     file_type_name, pure, digest = REQUANTIZED[name]
     gguf = tmp_path / f"{name}.gguf"
     quantize_model(PLAN_FILES["q8_0"], gguf, QuantizeOptions(file_type(file_type_name), pure=pure,
@@ -124,9 +128,9 @@ def test_ik_avx2_refuses_the_own_kernels_of_converted_types() -> None:
 
 
 def test_ik_avx2_refuses_other_quant_types(tmp_path: Path) -> None:
-    q5 = ik_quantized(CONVERT / "ik-f32.gguf", tmp_path / "q5_0.gguf", "Q5_0")
-    res = runner.invoke(app, ["logits", str(q5), "--tokens", "1,2", "--numerics", "ik-avx2"])
-    assert res.exit_code == 2 and "--numerics ik-avx2 does not reproduce ik's AVX2 kernels for Q5_0" in res.output, \
+    q4_1 = ik_quantized(CONVERT / "ik-f32.gguf", tmp_path / "q4_1.gguf", "Q4_1")
+    res = runner.invoke(app, ["logits", str(q4_1), "--tokens", "1,2", "--numerics", "ik-avx2"])
+    assert res.exit_code == 2 and "--numerics ik-avx2 does not reproduce ik's AVX2 kernels for Q4_1" in res.output, \
         res.output
 
 

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 #: the architectures whose ik graph was checked against ik's AVX2 build op for op
 VERIFIED_ARCHS = ("qwen3", "deepseek2", "glm-dsa", "openpangu", "qwen3moe", "glm4moe", "minimax-m2", "qwen3next", "qwen35moe")
 #: the weight types whose kernels were checked against it
-VERIFIED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K",
+VERIFIED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q6_0", "IQ4_NL", "MXFP4", "IQ4_XS", "Q4_K", "Q5_K",
                   "IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ2_KS", "IQ2_KL", "IQ3_KS", "IQ4_KS", "IQ4_KSS",
                   "IQ5_KS", "Q6_K", "IQ1_KT", "IQ2_KT", "IQ3_KT", "IQ4_KT", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 #: the converted weights' gemms of the AVX-512 build (qgemm.ORDER_*) -> the AVX2 build's
