@@ -13,9 +13,8 @@ from __future__ import annotations
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.core.errors import TypingError
 
-from ikquant.formats.jit import intrinsic
+from ikquant.formats.jit import intrinsic, require_array
 from ikquant.formats.vector_ir import I32, I64, LANES, V8F, V8I, fma, gather, load_vector, splat, store_vector
 
 INT_MIN = -(2**31)
@@ -45,8 +44,7 @@ def slot_lane_sums(typingctx, xb, wb, inv, low, high, shift, offset, limit, sumq
     (shift 0, exact: a - 0 is a), grid 6 by trunc(a - grid[base]) (offset 0)."""
     for name, arg in (("xb", xb), ("wb", wb), ("inv", inv), ("low", low), ("high", high), ("sumqx", sumqx),
                       ("sumq2", sumq2)):
-        if not (isinstance(arg, types.Array) and arg.ndim == 1 and arg.layout == "C" and arg.dtype == types.float32):
-            raise TypingError(f"slot_lane_sums: {name} must be a contiguous 1-d float32 array, not {arg}")
+        require_array("slot_lane_sums", name, arg, 1, types.float32)
     sig = types.void(xb, wb, inv, low, high, types.float32, types.int64, types.int64, sumqx, sumq2)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]

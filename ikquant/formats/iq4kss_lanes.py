@@ -15,11 +15,10 @@ from __future__ import annotations
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.core.errors import TypingError
 
 from ikquant.cpu import host_has
 from ikquant.formats.grid_sums import table_slot
-from ikquant.formats.jit import intrinsic
+from ikquant.formats.jit import intrinsic, require_array
 from ikquant.formats.vector_ir import (
     FLT_MAX,
     I32,
@@ -77,8 +76,7 @@ def iq4kss_lane_sums(typingctx, xb, wb, inv, dls, low, high, low_code, high_code
               "plain": (plain, types.float32), "half": (half, types.float32), "sumqx": (sumqx, types.float32),
               "sumq2": (sumq2, types.float32)}
     for name, (arg, dtype) in arrays.items():
-        if not (isinstance(arg, types.Array) and arg.ndim == 1 and arg.layout == "C" and arg.dtype == dtype):
-            raise TypingError(f"iq4kss_lane_sums: {name} must be a contiguous 1-d {dtype} array, not {arg}")
+        require_array("iq4kss_lane_sums", name, arg, 1, dtype)
     sig = types.void(xb, wb, inv, dls, low, high, low_code, high_code, plain, half, types.int64, types.int64, sumqx,
                      sumq2)
 

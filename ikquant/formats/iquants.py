@@ -197,7 +197,7 @@ def _search(grid: np.ndarray, kmap: np.ndarray, lists: Lists, n_steps: int, weig
     """The best weighted fit over inverse scales (15 + 0.2 k) / max, k = -n_steps..n_steps (one trial each in
     `trials`, trials.py's scheme, padded to whole vectors with copies of the last): its levels into L, which groups
     were on the grid into on_grid; returns its scale."""
-    ids, levels_t, keys, sumqx, sumq2, row, lane_start, lane_count, lane_scale, lane_pos = trials
+    ids, levels_t, keys, sumqx, sumq2, lane_start, lane_count, lane_scale, lane_pos = trials
     neighbours, _, _, packed = lists
     n_trials = 2 * n_steps + 1
     for t in range(ids.size):
@@ -288,10 +288,9 @@ def _fit(weight: np.ndarray, xval: np.ndarray, levels: np.ndarray) -> tuple[np.f
 
 
 #: a sub-block's trials (trials.py): inverse scales, levels [value, trial], group keys [group, trial], the fits'
-#: sums, one row of levels for the neighbour search, and eight trials' searches (nearest_listed_lanes: list starts,
-#: counts, scales, found positions)
+#: sums, and eight trials' searches (nearest_listed_lanes: list starts, counts, scales, found positions)
 Trials = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-               np.ndarray, np.ndarray]
+               np.ndarray]
 
 
 @njit(**NJIT)
@@ -301,8 +300,8 @@ def _buffers(n_steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
     n_trials = whole_vectors(2 * n_steps + 1)
     trials = (np.empty(n_trials, dtype=np.float32), np.empty((BLOCK, n_trials), dtype=np.int32),
               np.empty((BLOCK // 4, n_trials), dtype=np.int32), np.empty(n_trials, dtype=np.float32),
-              np.empty(n_trials, dtype=np.float32), np.zeros(BLOCK, dtype=np.int64), np.zeros(LANES, dtype=np.int32),
-              np.zeros(LANES, dtype=np.int32), np.zeros(LANES, dtype=np.float32), np.zeros(LANES, dtype=np.int32))
+              np.empty(n_trials, dtype=np.float32), np.zeros(LANES, dtype=np.int32), np.zeros(LANES, dtype=np.int32),
+              np.zeros(LANES, dtype=np.float32), np.zeros(LANES, dtype=np.int32))
     return (np.empty(BLOCK, dtype=np.float32), np.empty(BLOCK, dtype=np.float32), np.empty(BLOCK, dtype=np.float32),
             np.zeros(BLOCK, dtype=np.int64), np.zeros(BLOCK, dtype=np.int64), np.zeros(BLOCK // 4, dtype=np.bool_),
             trials)

@@ -12,10 +12,9 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core.errors import TypingError
 
 from ikquant.formats.base import Codec
-from ikquant.formats.jit import intrinsic
+from ikquant.formats.jit import intrinsic, require_array
 from ikquant.formats.numeric import e8m0_half_to_f32, finite_abs_max, trunc_i32
 from ikquant.formats.vector_ir import F32, I8, I64, splat
 
@@ -107,8 +106,7 @@ def _block_floats(typingctx, row, start, d, y, at):  # type: ignore[no-untyped-d
     16): the codes as vector arithmetic (e2m1_doubled), widened and scaled 16 at a time, the products d x value of
     the table lookup it replaces, bit for bit."""
     for name, arg, dtype in (("row", row, types.uint8), ("y", y, types.float32)):
-        if not (isinstance(arg, types.Array) and arg.ndim == 1 and arg.layout == "C" and arg.dtype == dtype):
-            raise TypingError(f"_block_floats: {name} must be a contiguous 1-d {dtype} array, not {arg}")
+        require_array("_block_floats", name, arg, 1, dtype)
     sig = types.void(row, types.int64, types.float32, y, types.int64)
 
     def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]

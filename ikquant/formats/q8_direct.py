@@ -14,9 +14,8 @@ import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
-from numba.core.errors import TypingError
 
-from ikquant.formats.jit import intrinsic
+from ikquant.formats.jit import intrinsic, require_array
 from ikquant.formats.numeric import (
     abs_bits_max,
     f32_bits,
@@ -73,11 +72,8 @@ def _quads_transposer(n: int):  # type: ignore[no-untyped-def]
 
     @intrinsic
     def transpose(typingctx, codes, words, start):  # type: ignore[no-untyped-def]
-        if not (isinstance(codes, types.Array) and codes.ndim == 2 and codes.layout == "C"
-                and codes.dtype == types.uint8):
-            raise TypingError(f"_quads_transposer: codes must be a C-contiguous 2-d uint8 array, not {codes}")
-        if not (isinstance(words, types.Array) and words.ndim == 1 and words.dtype == types.uint32):
-            raise TypingError(f"_quads_transposer: words must be a 1-d uint32 array, not {words}")
+        require_array("_quads_transposer", "codes", codes, 2, types.uint8)
+        require_array("_quads_transposer", "words", words, 1, types.uint32, contiguous=False)
         sig = types.void(codes, words, types.int64)
 
         def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
