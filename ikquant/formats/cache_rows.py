@@ -23,19 +23,12 @@ from numba import njit, prange
 
 from ikquant.errors import QuantInputError
 from ikquant.formats.iq4 import block_scale_iq4nl
-from ikquant.formats.numeric import fmaf, store_f16
+from ikquant.formats.numeric import fmaf, hsum_float_8, store_f16
 from ikquant.types import type_by_name
 
 QK = 32
 KERNEL = dict(cache=True, nogil=True, parallel=True, error_model="numpy")
 SCALAR = dict(cache=True, nogil=True, error_model="numpy")
-
-
-@njit(**SCALAR)
-def _hsum8(v: np.ndarray) -> np.float32:
-    """The horizontal sum of 8 float32 lanes in the order of ik's hsum_float_8 (halves added, then pairs)."""
-    s0, s1, s2, s3 = v[0] + v[4], v[1] + v[5], v[2] + v[6], v[3] + v[7]
-    return (s0 + s2) + (s1 + s3)
 
 
 @njit(**KERNEL)
@@ -79,9 +72,9 @@ def _cache_q4_0(x: np.ndarray, out: np.ndarray) -> None:
                 wr = (xb[j] * xb[j]) * q
                 sqx[j % 8] = fmaf(wr, xb[j], sqx[j % 8])
                 sq2[j % 8] = fmaf(wr, q, sq2[j % 8])
-            sumq2 = _hsum8(sq2)
+            sumq2 = hsum_float_8(sq2)
             if sumq2 > 0:
-                d = _hsum8(sqx) / sumq2
+                d = hsum_float_8(sqx) / sumq2
             o = ib * 18
             store_f16(out[r], o, d)
             for j in range(16):

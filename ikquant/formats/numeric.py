@@ -111,6 +111,13 @@ def widen_16(typingctx, v):  # type: ignore[no-untyped-def]
     return types.float32(v), codegen
 
 
+@njit(**NJIT, inline="always")
+def hsum_float_8(v: np.ndarray) -> np.float32:
+    """ik's hsum_float_8 of 8 float32 lanes v[:8] (its AVX2 horizontal sum): lane i + lane i + 4, then (0 + 2) +
+    (1 + 3); vector_ir.hsum8 is the same order on a vector."""
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]))
+
+
 @njit(**NJIT)
 def f16_bits_to_f32(h: np.uint16) -> np.float32:
     """The float32 value of IEEE binary16 bits, exactly (vcvtph2ps with F16C; a signalling NaN comes back quiet, as

@@ -35,7 +35,7 @@ from ikquant.cpu import host_has
 from ikquant.formats.base import Codec
 from ikquant.formats.iqk_grids import IQ4K, keep_better, nearest
 from ikquant.formats.jit import intrinsic
-from ikquant.formats.numeric import abs_max, fmaf, load_f32, load_u32, nearest_int_fma, store_f32
+from ikquant.formats.numeric import abs_max, fmaf, hsum_float_8, load_f32, load_u32, nearest_int_fma, store_f32
 from ikquant.formats.vector_ir import F32, I32, I64, V8I, splat
 
 NJIT = dict(cache=True, nogil=True, error_model="numpy")
@@ -394,12 +394,6 @@ def _match4(d: np.float32, xb: np.ndarray, wb: np.ndarray, cb: _Searcher, idx: n
 
 
 @njit(**NJIT)
-def _hsum8(a: np.ndarray) -> np.float32:
-    """ik's hsum_float_8 order."""
-    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
-
-
-@njit(**NJIT)
 def _best_scale(
     xb: np.ndarray, wb: np.ndarray, values: np.ndarray, idx: np.ndarray, off: int, lanes: np.ndarray
 ) -> tuple[np.float32, np.float32]:
@@ -416,8 +410,8 @@ def _best_scale(
             sq = fmaf(qw, q, sq)
         lanes[lane] = sx
         lanes[8 + lane] = sq
-    sumqx = _hsum8(lanes[:8])
-    sumq2 = _hsum8(lanes[8:])
+    sumqx = hsum_float_8(lanes[:8])
+    sumq2 = hsum_float_8(lanes[8:])
     if sumq2 > 0:
         return sumqx / sumq2, sumqx * sumqx / sumq2
     return np.float32(0.0), np.float32(0.0)

@@ -25,7 +25,7 @@ from numba import get_num_threads, njit, prange
 from ikquant.formats.numeric import fmaf
 from ikrun.numerics.ik.formats import IK_FLOAT_TYPES, UNROUNDED, integer_rows, round_activations
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
-from ikrun.numerics.ik.iqk_native import AVX2_NATIVE_TYPES, NATIVE_TYPES, native_matmuls
+from ikrun.numerics.ik.iqk_native import native_matmuls, native_types
 from ikrun.numerics.ik.qgemm import IntRows, PackedInts, qmatmul
 from ikrun.ops.activations import swiglu_value
 from ikrun.ops.fgemm import HALF_BITS, FileExperts, experts_matmul
@@ -456,7 +456,7 @@ def _experts_product(x: _Activations, mats: ExpertMats, tokens: np.ndarray, row_
     weight (`avx2`: its AVX2 build's 8-lane kernel, bf16 weights included); else all experts in one experts_matmul
     call on the rounded rows (its bits are each output's own FMA chain, so the same as a call per expert). With
     `into` (out, dest), result i goes to out[dest[i]] (returned: out)."""
-    if ik is not None and ik in (AVX2_NATIVE_TYPES if avx2 else NATIVE_TYPES) and isinstance(mats, FileExperts):
+    if ik is not None and ik in native_types(avx2) and isinstance(mats, FileExperts):
         res = native_matmuls(x.ints(), mats.raw, tokens, row_at, ik, which=mats.ids, avx2=avx2)
     else:
         rounded = x.rounded()

@@ -49,7 +49,7 @@ from ikrun.numerics.ik.iqk_flash_attention import (
     k_step_for,
     kernel_row_calls,
 )
-from ikrun.numerics.ik.iqk_native import AVX2_NATIVE_TYPES, NATIVE_TYPES, native_matmul
+from ikrun.numerics.ik.iqk_native import native_matmul, native_types
 from ikrun.numerics.ik.key_cache import (
     IQK_FA_KEY_BIAS,
     SINGLE_ROW_BLOCKS,
@@ -1032,8 +1032,7 @@ class IkNumerics(Numerics):
         """Whether weight `name` is multiplied in ik's own kernel of its type where ik does not convert it
         (iqk_native.py reproduces it for NATIVE_TYPES as ik's AVX-512 build computes it, AVX2_NATIVE_TYPES as its
         AVX2 build does)."""
-        type_name = self.weights.encoding(name).type.name
-        return type_name in (AVX2_NATIVE_TYPES if self.avx2 else NATIVE_TYPES)
+        return self.weights.encoding(name).type.name in native_types(self.avx2)
 
     def multiplies_decoding(self, name: str, counts: np.ndarray) -> bool:
         """Whether ik's kernels multiply experts of `name` with `counts` routed tokens each as the exact decoding

@@ -41,7 +41,7 @@ from numba.core.extending import intrinsic
 from ikquant.cpu import host_has
 from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ5NL_VALUES
 from ikquant.formats.jit import read_only
-from ikquant.formats.numeric import fmaf, load_f32
+from ikquant.formats.numeric import fmaf, hsum_float_8, load_f32
 from ikrun.numerics.ik.qgemm import IntRows
 from ikrun.ops.parallel import claim_items, task_items
 from ikrun.ops.simd import splat
@@ -50,6 +50,12 @@ from ikrun.ops.simd import splat
 NATIVE_TYPES = {"IQ4_KS": 0, "IQ5_KS": 1}
 #: those whose own kernel in ik's AVX2 build is reproduced too (_scalar_row_avx2)
 AVX2_NATIVE_TYPES = ("IQ4_KS",)
+
+
+def native_types(avx2: bool) -> tuple[str, ...]:
+    """The weight types whose own kernel is reproduced here for ik's AVX2 build (`avx2`) or its AVX-512 one."""
+    return AVX2_NATIVE_TYPES if avx2 else tuple(NATIVE_TYPES)
+
 HAS_AVX512BW = host_has("avx512bw")
 SUPER = 256
 SUB = 32
@@ -254,17 +260,11 @@ def _prepare_row_avx2(row: np.ndarray, nb: int, wv: np.ndarray, sc: np.ndarray) 
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _reduce8(acc: np.ndarray) -> np.float32:
-    """ik's hsum_float_8: the halves added, then (0 + 2) + (1 + 3)."""
-    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
-
-
-@njit(cache=True, nogil=True, inline="always")
 def _scalar_row_avx2(row, xu, xd, tokens, m0, m1, wv, sc, acc):  # type: ignore[no-untyped-def]
     """One IQ4_KS row against tokens[m0:m1] as ik's AVX2 kernel multiplies it (mul_mat_qX_K_q8_K_T): per 256
     values 8 int32 lanes, lane l the sum over the 8 sub-blocks of scale x (values 4 l .. 4 l + 3 times the
     activation integers), exact (vpmaddubsw's pairs of |value| x +-activation stay below 32767); then acc[l] =
-    fma(d x the token's scale, float(lane), acc[l]), the 8 accumulators summed as _reduce8."""
+    fma(d x the token's scale, float(lane), acc[l]), the 8 accumulators summed as ik's hsum_float_8."""
     nb = xd.shape[1]
     d = _prepare_row_avx2(row, nb, wv, sc)
     for m in range(m0, m1):
@@ -301,7 +301,7 @@ def _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows,
             acc[: 8 * (m1 - m0)] = 0
             _scalar_row_avx2(row, xu, xd, tokens, m0, m1, wv, sc8, acc)
             for m in range(m0, m1):
-                out[m, r] = _reduce8(acc[8 * (m - m0) : 8 * (m - m0) + 8])
+                out[m, r] = hsum_float_8(acc[8 * (m - m0) : 8 * (m - m0) + 8])
             continue
         acc[: 16 * (m1 - m0)] = 0
         if vector:
@@ -361,8 +361,9 @@ def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.n
     computes them: matrix j (raw [E, rows, row bytes], the file's rows; with `which`, raw's matrix which[j]) takes
     tokens[row_at[j] : row_at[j + 1]]; float32 [len(tokens), rows]. `vector` False (or a CPU without AVX-512BW):
     the scalar loop (the same bits). `avx2`: its AVX2 build's kernel (AVX2_NATIVE_TYPES)."""
-    if avx2 and type_name not in AVX2_NATIVE_TYPES:
-        raise ValueError(f"ik's AVX2 kernel of {type_name} is not reproduced (only {', '.join(AVX2_NATIVE_TYPES)})")
+    if type_name not in native_types(avx2):
+        raise ValueError(f"ik's own kernel of {type_name} is not reproduced for this build (only "
+                         f"{', '.join(native_types(avx2))})")
     if x.block != SUPER:
         raise ValueError(f"ik's {type_name} kernel takes Q8_K activations (blocks of {SUPER}), not blocks of "
                          f"{x.block}")

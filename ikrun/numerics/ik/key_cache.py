@@ -20,7 +20,7 @@ import numpy as np
 from numba import njit, prange
 
 from ikquant.formats.cache_rows import cache_row_bytes
-from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, fmaf
+from ikquant.formats.numeric import f16_bits_to_f32, f32_bits, fmaf, hsum_float_8
 from ikquant.types import type_by_name
 from ikrun.numerics.ik.attention import KV_CELL_PAD
 from ikrun.numerics.ik.formats import Q8_2_X4, ToInts, integer_rows
@@ -92,12 +92,6 @@ def _stacked_operands(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts
     return np.empty((n_head, n, len(k)), np.float32), (qu, qd, qsum, kq, kd, n_head // len(held))
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _fold_lanes(acc: np.ndarray) -> np.float32:
-    """ik's AVX2 horizontal sum of 8 float lanes: i + (i + 4), then (0 + 2) + (1 + 3)."""
-    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
-
-
 #: the most 32-value blocks a head of ik's AVX2 single-row Q8_0 kernel may have: fewer than its 4-block groups,
 #: whose other float order is not reproduced (its AVX-512 build's kernel is iqk_fa_key_products' at any head)
 SINGLE_ROW_BLOCKS = 3
@@ -126,7 +120,7 @@ def _single_row_scores(qu: np.ndarray, qd: np.ndarray, kq: np.ndarray, kd: np.nd
                         i = b * 32 + 4 * j + e
                         p += np.int32(kq[g, c, i]) * (np.int32(qu[h, t, i]) - 128)
                     acc[j] = fmaf(d, np.float32(p), acc[j])
-            out[h, t, c] = _fold_lanes(acc)
+            out[h, t, c] = hsum_float_8(acc)
 
 
 def single_row_key_products(q: np.ndarray, k: np.ndarray, type_name: str, ints: ToInts, avx2: bool) -> np.ndarray:
@@ -207,7 +201,7 @@ def _q4_0_misread_scores(qu: np.ndarray, qd: np.ndarray, qsum: np.ndarray, kq: n
                     sy = y[4 * j + e] if x > 0 else (0 if x == 0 else _signed_byte(-y[4 * j + e]))
                     p += abs(x) * sy
                 acc[j] = scale * np.float32(p)
-            out[h, t, c] = _fold_lanes(acc)
+            out[h, t, c] = hsum_float_8(acc)
 
 
 def q4_0_misread_key_products(q: np.ndarray, k: np.ndarray, ints: ToInts) -> np.ndarray:
@@ -314,7 +308,7 @@ def _iqk_fa_scores(qu: np.ndarray, qd: np.ndarray, qs: np.ndarray, kq: np.ndarra
                 s2, s3 = (acc[2] + acc[6]) + accm[2], (acc[3] + acc[7]) + accm[3]
                 out[h, t, c] = (s0 + s2) + (s1 + s3)
             else:
-                out[h, t, c] = _fold_lanes(acc)
+                out[h, t, c] = hsum_float_8(acc)
 
 
 def iqk_fa_key_bias(type_name: str, avx2: bool) -> int:
