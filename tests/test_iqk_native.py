@@ -18,7 +18,7 @@ from ikquant import QuantizeOptions, file_type, quantize_model
 from ikquant.types import type_by_name
 from ikrun.cli import app
 from ikrun.numerics.ik.formats import Q8_K, integer_rows, round_activations
-from ikrun.numerics.ik.iqk_native import HAS_AVX512BW, native_matmul, native_matmuls
+from ikrun.numerics.ik.iqk_native import HAS_AVX512BW, iqk_matmul, iqk_matmuls
 from ikrun.ops.moe import ExpertGlu, _swiglu
 
 DATA = Path(__file__).parent / "data" / "iqk-native"
@@ -46,7 +46,7 @@ def _bits(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("m", [1, 5, 31])
 def test_a_dense_matmul_is_iks(cases: dict[str, np.ndarray], m: int, vector: bool) -> None:
     x = integer_rows(cases["x_dense"][:m], Q8_K)
-    got = native_matmul(x, cases["raw"][0], str(cases["type"]), vector)
+    got = iqk_matmul(x, cases["raw"][0], str(cases["type"]), vector)
     np.testing.assert_array_equal(_bits(got), _bits(cases[f"dense_{m}"]))
 
 
@@ -68,7 +68,7 @@ def test_the_moe_matmul_and_fused_up_gate_are_iks(cases: dict[str, np.ndarray], 
     counts = np.bincount(ids.reshape(-1), minlength=len(cases["raw"]))
     row_at = np.concatenate([[0], np.cumsum(counts)])
     out = np.empty((ids.size, cases["raw"].shape[1]), np.float32)
-    out[order] = native_matmuls(x, cases["raw"], order // ids.shape[1], row_at, str(cases["type"]),
+    out[order] = iqk_matmuls(x, cases["raw"], order // ids.shape[1], row_at, str(cases["type"]),
                                 vector)
     np.testing.assert_array_equal(_bits(out), _bits(cases["mul_mat_id"].reshape(ids.size, -1)))
     fused = _swiglu(out, out, ExpertGlu(), 0, True, False)
@@ -88,8 +88,8 @@ def test_the_vector_form_saturates_as_the_scalar_loop() -> None:
     x = rng.standard_normal((9, 768)).astype(np.float32)
     x[:4] = np.where(np.arange(4)[:, None] % 2, 1.0, -1.0)  # +-127 everywhere
     rows = integer_rows(x, Q8_K)
-    vector = native_matmul(rows, raw, "IQ4_KS", True)
-    np.testing.assert_array_equal(_bits(vector), _bits(native_matmul(rows, raw, "IQ4_KS", False)))
+    vector = iqk_matmul(rows, raw, "IQ4_KS", True)
+    np.testing.assert_array_equal(_bits(vector), _bits(iqk_matmul(rows, raw, "IQ4_KS", False)))
     unsaturated = round_activations(x[:4], Q8_K) @ codec.dequantize(raw[:16], 768).T
     assert np.mean(np.abs(vector[:4, :16] - unsaturated) > 0.02 * np.abs(unsaturated)) > 0.8  # saturated
 

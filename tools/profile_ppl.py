@@ -27,6 +27,7 @@ from ikrun.cli import app
 PARTS = (
     ("integer matmuls (qgemm)", "numerics/ik/qgemm"),
     ("ik's own IQ4_KS / IQ5_KS kernels (iqk_native)", "numerics/ik/iqk_native"),
+    ("ik's own Q4_K / Q5_K / Q6_K kernels (kquant_native)", "numerics/ik/kquant_native"),
     ("IQK weights packed from their bytes (q8k_direct)", "numerics/ik/q8k_direct"),
     ("ik float matmuls (ikgemm)", "numerics/ik/ikgemm"),
     ("activation rounding (ik formats)", "numerics/ik/formats"),

@@ -632,7 +632,7 @@ def _pack_scales_k4(ob: np.ndarray, Ls: np.ndarray, Lm: np.ndarray) -> None:
 
 
 @njit(**NJ)
-def _scale_min_k4(ob: np.ndarray, j: int) -> tuple[np.int32, np.int32]:
+def scale_min_k4(ob: np.ndarray, j: int) -> tuple[np.int32, np.int32]:
     """Unpack the 6-bit (scale, min) of sub-block j from Q4_K/Q5_K's 12 scale bytes at ob[4:16]."""
     if j < 4:
         return np.int32(ob[4 + j] & np.uint8(63)), np.int32(ob[8 + j] & np.uint8(63))
@@ -664,7 +664,7 @@ def _requantize_k4(ob: np.ndarray, xb: np.ndarray, L: np.ndarray, nmax: int) -> 
     d = load_f16(ob, 0)
     dmin = load_f16(ob, 2)
     for j in range(8):
-        sc, mn = _scale_min_k4(ob, j)
+        sc, mn = scale_min_k4(ob, j)
         dl = d * np.float32(sc)
         if dl == 0:
             continue
@@ -794,8 +794,8 @@ def _pair_scales_k4(qb: np.ndarray, c: int) -> tuple[np.float32, np.float32, np.
     """Q4_K's and Q5_K's sub-blocks 2c and 2c + 1: scale d x sc and offset dmin x m of each (the block's f16 d and
     dmin at its start)."""
     d, dmin = load_f16(qb, 0), load_f16(qb, 2)
-    sc0, mn0 = _scale_min_k4(qb, 2 * c)
-    sc1, mn1 = _scale_min_k4(qb, 2 * c + 1)
+    sc0, mn0 = scale_min_k4(qb, 2 * c)
+    sc1, mn1 = scale_min_k4(qb, 2 * c + 1)
     return d * np.float32(sc0), dmin * np.float32(mn0), d * np.float32(sc1), dmin * np.float32(mn1)
 
 

@@ -25,7 +25,7 @@ from numba import get_num_threads, njit, prange
 from ikquant.formats.numeric import fmaf
 from ikrun.numerics.ik.formats import IK_FLOAT_TYPES, UNROUNDED, integer_rows, round_activations
 from ikrun.numerics.ik.ikgemm import AVX2_LANES, LANES, ik_float_matmul, takes_whole
-from ikrun.numerics.ik.iqk_native import native_matmuls, native_types
+from ikrun.numerics.ik.native import NativeRows, native_matmuls, native_types
 from ikrun.numerics.ik.qgemm import IntRows, PackedInts, qmatmul
 from ikrun.ops.activations import swiglu_value
 from ikrun.ops.fgemm import HALF_BITS, FileExperts, experts_matmul
@@ -247,8 +247,15 @@ def _combine_parallel(y, w, out, ik, threads):  # type: ignore[no-untyped-def]
 ExpertMats = np.ndarray | FileExperts
 #: expert ids -> their (up, gate, down) matrices, [len(ids), ...] each, in the order of ids
 ExpertFetch = Callable[[np.ndarray], tuple[ExpertMats, ExpertMats, ExpertMats]]
-#: expert id -> its (up, gate, down) integers as ik's kernels multiply them, None where ik multiplies its floats
-ExpertInts = Callable[[int], tuple[PackedInts, PackedInts, PackedInts] | None]
+#: one matrix of an expert as ik's integer kernels multiply it: converted (or stored) integers, or the file's rows
+#: in the type's own kernel
+ExpertProduct = PackedInts | NativeRows
+#: expert id -> its (up, gate, down) as ik's integer kernels multiply them, None where ik multiplies floats
+ExpertInts = Callable[[int], tuple[ExpertProduct, ExpertProduct, ExpertProduct] | None]
+
+
+def _times(x: IntRows, m: ExpertProduct) -> np.ndarray:
+    return m.times(x) if isinstance(m, NativeRows) else qmatmul(x, m)
 
 
 @njit(cache=True, nogil=True, error_model="numpy")
@@ -356,7 +363,8 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
     experts_matmul reads them);
     `glu` the SwiGLU's form (a finite limit clamps it as swiglu does) and the experts' biases;
     `formats` are the activation formats (ikrun/numerics/ik/formats.py) of up, gate and down under --numerics ik, and
-    `ints(e)` gives the integers ik's kernels multiply expert e as (qmatmul: integer rows per expert) where they do;
+    `ints(e)` gives the integers ik's kernels multiply expert e as (qmatmul: integer rows per expert) where they do
+    (a matrix ik multiplies in its type's own kernel beside converted ones: its file rows, NativeRows);
     `keep_act` keeps the ffn_down inputs of every assignment for observers ([n k, n_ff] floats: a streamed pass over
     many chunks would hold them for nothing); `ik` (--numerics ik: the up, gate and down weight types) computes the
     SwiGLU and the weighted sum in ik's float order and F32/F16/BF16 experts in ik's float kernels (`avx2`: its AVX2
@@ -391,10 +399,10 @@ def moe_experts(x: np.ndarray, sel: np.ndarray, w: np.ndarray, n_expert: int, fe
         rows = order[offsets[e] : offsets[e + 1]]
         e_up = x_up.ints().take(rows // k)
         e_gate = e_up if x_gate is x_up else x_gate.ints().take(rows // k)
-        a = _swiglu(qmatmul(e_gate, gate), qmatmul(e_up, up), glu, e, ik is not None, avx2)
+        a = _swiglu(_times(e_gate, gate), _times(e_up, up), glu, e, ik is not None, avx2)
         if act is not None:
             act[rows] = a
-        y[rows] = _down(qmatmul(integer_rows(a, formats[2]), down), glu, e)
+        y[rows] = _down(_times(integer_rows(a, formats[2]), down), glu, e)
     floats = np.array(as_floats, dtype=np.int64)
     step = max(1, len(floats) if group is None else group)
     for g0 in range(0, len(floats), step):

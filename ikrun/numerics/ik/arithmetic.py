@@ -49,7 +49,6 @@ from ikrun.numerics.ik.iqk_flash_attention import (
     k_step_for,
     kernel_row_calls,
 )
-from ikrun.numerics.ik.iqk_native import native_matmul, native_types
 from ikrun.numerics.ik.key_cache import (
     IQK_FA_KEY_BIAS,
     SINGLE_ROW_BLOCKS,
@@ -62,6 +61,7 @@ from ikrun.numerics.ik.key_cache import (
     single_row_key_products,
 )
 from ikrun.numerics.ik.mla_weights import HeadSource, derived_k_b_source, derived_k_b_type, derived_v_b_source
+from ikrun.numerics.ik.native import NativeRows, native_matmul, native_types
 from ikrun.numerics.ik.qgemm import IntRows, PackedHeads, PackedInts, pack, qmatmul, row_slice
 from ikrun.numerics.ik.shared_kv_flash import NO_SCORES as NO_SHARED_SCORES
 from ikrun.numerics.ik.shared_kv_flash import (
@@ -75,7 +75,7 @@ from ikrun.ops.activations import swiglu
 from ikrun.ops.conv import causal_conv_residual, causal_conv_silu
 from ikrun.ops.hyperconn import hc_combine, hc_post, hc_pre
 from ikrun.ops.indexer import TIE_PARTIAL_SORT, scores_from_products
-from ikrun.ops.moe import ExpertGlu, RoutedExperts, group_by_expert, moe_experts, route
+from ikrun.ops.moe import ExpertGlu, ExpertProduct, RoutedExperts, group_by_expert, moe_experts, route
 from ikrun.ops.norm import rms_norm
 from ikrun.ops.rope import apply_rope
 from ikrun.options import MLA_PREFILL_MIN_TOKENS
@@ -988,6 +988,10 @@ class IkNumerics(Numerics):
         converts = CONVERTED * kernel.converts(n, rows, threads, self.row_group)
         ints = self._integers(kernel, n, rows, threads)
         if ints is None:
+            if source is None and self._native(name):  # each head's rows in the type's own kernel
+                raw = self.weights.encoding(name).raw.reshape(n_head, rows, -1)
+                return np.stack([native_matmul(integer_rows(x[h], fmt), raw[h], src.type_name, self.avx2)
+                                 for h in range(n_head)])
             if source is None:
                 return self.sliced_product(x, name)
             values = kernel.float_values(n, rows, threads, self.row_group)
@@ -1024,14 +1028,19 @@ class IkNumerics(Numerics):
                                            kind=PACKED + CONVERTED * kernel.converts(count, rows, row_group=self.row_group),
                                            direct=self._direct(kernel, count, rows))
 
+    def _native_rows(self, name: str, expert: int) -> NativeRows:
+        """Expert `expert` of the 3-D tensor `name` as the file's rows, for its type's own kernel."""
+        n_expert, rows, _ = self.weights.info(name).shape
+        raw = self.weights.encoding(name).raw.reshape(n_expert, rows, -1)[expert]
+        return NativeRows(raw, self.weights.encoding(name).type.name, self.avx2)
+
     def reads_file_rows(self, name: str) -> bool:
-        """ik's own IQ4_KS and IQ5_KS kernels (AVX2: IQ4_KS's) read the experts' rows (iqk_native.py)."""
+        """ik's own kernels reproduced in native.py read the experts' rows."""
         return self._native(name)
 
     def _native(self, name: str) -> bool:
         """Whether weight `name` is multiplied in ik's own kernel of its type where ik does not convert it
-        (iqk_native.py reproduces it for NATIVE_TYPES as ik's AVX-512 build computes it, AVX2_NATIVE_TYPES as its
-        AVX2 build does)."""
+        (native.native_types: which are reproduced for the build)."""
         return self.weights.encoding(name).type.name in native_types(self.avx2)
 
     def multiplies_decoding(self, name: str, counts: np.ndarray) -> bool:
@@ -1104,13 +1113,15 @@ class IkNumerics(Numerics):
             up_b, gate_b, down_b = (np.tile(b, (n_expert // real, 1)) for b in glu.biases)
             glu = replace(glu, biases=(up_b, gate_b, down_b))
 
-        def ints(e: int) -> tuple[PackedInts, PackedInts, PackedInts] | None:
+        def ints(e: int) -> tuple[ExpertProduct, ExpertProduct, ExpertProduct] | None:
             count = int(counts[e])
-            if not all(self._expert_ints(name, count) is not None for name in names):
-                return None
-            packed = [self.expert_ints(name, e % real, count) for name in names]
-            assert packed[0] is not None and packed[1] is not None and packed[2] is not None
-            return packed[0], packed[1], packed[2]
+            held = [self._expert_ints(name, count) is not None for name in names]
+            if not all(held) and not (any(held) and all(h or self._native(n) for h, n in zip(held, names))):
+                return None  # its floats, or (all three in their own kernels) the experts' batched product
+            products = [self.expert_ints(name, e % real, count) if h else self._native_rows(name, e % real)
+                        for h, name in zip(held, names)]
+            assert products[0] is not None and products[1] is not None and products[2] is not None
+            return products[0], products[1], products[2]
 
         return moe_experts(x, sel, w, n_expert, self.expert_fetch(names, counts, n_real), group, glu, formats, ints,
                            keep_act=keep_act, ik=types, avx2=self.avx2, done=lambda: self.weights.release(names))

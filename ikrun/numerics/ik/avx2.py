@@ -12,8 +12,8 @@ weight rows, not 16), in its own Q8_0 kernel (ORDER_QX_0_AVX2: below 32 activati
 rows no multiple of 8) and in its fused delta-net kernel (8-lane q.k, its scalar update as GCC contracts it:
 delta_net.py). ik's flash-attention ports are its AVX2 build's already. Only what was checked bit for bit against
 this build runs: other architectures and weight types, and AVX-512-only flags, are refused before any compute; the
-integer kernels other than the converted forms', Q8_0's own and IQ4_KS's own (iqk_native.py; the other types' own,
-below 32 activation rows) when a matmul first needs them.
+integer kernels other than the converted forms', Q8_0's own, IQ4_KS's and the K-quants' own (native.py; the other
+types' own, below 32 activation rows) when a matmul first needs them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from ikrun.errors import ModelError
 from ikrun.numerics.ik.arithmetic import IkNumerics
 from ikrun.numerics.ik.formats import UNROUNDED, IkKernel, ToInts, ik_kernel
-from ikrun.numerics.ik.iqk_native import AVX2_NATIVE_TYPES
+from ikrun.numerics.ik.native import native_types
 from ikrun.numerics.ik.qgemm import (
     ORDER_Q8_1,
     ORDER_Q8_1_AVX2,
@@ -102,7 +102,7 @@ class IkAvx2Numerics(IkNumerics):
         own kernels of the types it converts) are not reproduced."""
         ints = super()._integers(kernel, n_act_rows, n_weight_rows, threads)
         if ints is None:
-            native = any(kernel is ik_kernel(name) for name in AVX2_NATIVE_TYPES)  # iqk_native.py has its kernel
+            native = any(kernel is ik_kernel(name) for name in native_types(avx2=True))  # native.py has it
             if kernel.convert is not None and not native:  # ik's own integer kernel of a type it converts later
                 raise ModelError(f"--numerics ik-avx2 reproduces ik's AVX2 kernels for these weights where it "
                                  f"converts them ({kernel.convert_rows} activation rows and more, {self.row_group} "

@@ -10,9 +10,10 @@ its NEOX rope, its attention kernels and exponential (ikrun/ops/attention.py). O
 every kernel family, DeepSeek's MLA with routed experts) the logits are ik's bit for bit. Where the weights are
 held as int8 blocks (`IkKernel.integers`: the 32-value types as stored, the converted K/IQK types) the matmul is
 ik's own: integer block sums scaled block by block (ikrun/numerics/ik/qgemm.py, `integer_rows` for the activations), and
-so are IQ4_KS's and IQ5_KS's own kernels below the conversion threshold (ikrun/numerics/ik/iqk_native.py: their
-byte-pair sums saturate at 16 bits). Elsewhere (bf16, per-head slices, the other types' own kernels below the conversion
-threshold, the interleaved types) the activations are rounded to the format and widened back (every value is
+so are the own kernels of IQ4_KS and IQ5_KS (ikrun/numerics/ik/iqk_native.py: their byte-pair sums saturate at 16
+bits) and of Q4_K, Q5_K and Q6_K (kquant_native.py) below the conversion threshold (native.py). Elsewhere (bf16,
+per-head slices of the types without such a kernel, the other types' own kernels below the conversion threshold,
+the interleaved types) the activations are rounded to the format and widened back (every value is
 representable in float32), then multiplied in float32 with the exactly decoded (or converted) weights, which
 differs from ik's integer sums in the float32 order of the per-block scalings and, for the kernels that sum byte
 pairs in 16 bits (vpmaddubsw) as IQ4_KS's does, where those sums saturate.

@@ -52,10 +52,6 @@ NATIVE_TYPES = {"IQ4_KS": 0, "IQ5_KS": 1}
 AVX2_NATIVE_TYPES = ("IQ4_KS",)
 
 
-def native_types(avx2: bool) -> tuple[str, ...]:
-    """The weight types whose own kernel is reproduced here for ik's AVX2 build (`avx2`) or its AVX-512 one."""
-    return AVX2_NATIVE_TYPES if avx2 else tuple(NATIVE_TYPES)
-
 HAS_AVX512BW = host_has("avx512bw")
 SUPER = 256
 SUB = 32
@@ -183,7 +179,7 @@ def _block_scalar(wu: np.ndarray, wo: int, xu: np.ndarray, xo: int, sc: np.ndarr
 
 
 def _no_vector(row, ro, d, xu, n, tokens, m0, m1, sums, nsub, xd, nb, i, acc):  # type: ignore[no-untyped-def]
-    """Where the CPU lacks AVX-512BW nothing calls the vector form (native_matmuls takes the scalar loop)."""
+    """Where the CPU lacks AVX-512BW nothing calls the vector form (iqk_matmuls takes the scalar loop)."""
 
 
 #: the vector forms (IQ4_KS, IQ5_KS) where they compile, else a stand-in never called
@@ -355,15 +351,16 @@ def _sub_block_sums(xu: np.ndarray, tokens: np.ndarray, sums: np.ndarray) -> Non
             sums[m, b] = total
 
 
-def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndarray, type_name: str,
+def iqk_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndarray, type_name: str,
                    vector: bool = HAS_AVX512BW, which: np.ndarray | None = None, avx2: bool = False) -> np.ndarray:
     """Rows `tokens` of the Q8_K activations x times matrices of `type_name` (NATIVE_TYPES) as ik's own kernel
     computes them: matrix j (raw [E, rows, row bytes], the file's rows; with `which`, raw's matrix which[j]) takes
     tokens[row_at[j] : row_at[j + 1]]; float32 [len(tokens), rows]. `vector` False (or a CPU without AVX-512BW):
     the scalar loop (the same bits). `avx2`: its AVX2 build's kernel (AVX2_NATIVE_TYPES)."""
-    if type_name not in native_types(avx2):
-        raise ValueError(f"ik's own kernel of {type_name} is not reproduced for this build (only "
-                         f"{', '.join(native_types(avx2))})")
+    types = AVX2_NATIVE_TYPES if avx2 else tuple(NATIVE_TYPES)
+    if type_name not in types:
+        raise ValueError(f"ik's own kernel of {type_name} is not reproduced here for this build (only "
+                         f"{', '.join(types)})")
     if x.block != SUPER:
         raise ValueError(f"ik's {type_name} kernel takes Q8_K activations (blocks of {SUPER}), not blocks of "
                          f"{x.block}")
@@ -380,9 +377,9 @@ def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.n
     return out
 
 
-def native_matmul(x: IntRows, raw: np.ndarray, type_name: str, vector: bool = HAS_AVX512BW,
+def iqk_matmul(x: IntRows, raw: np.ndarray, type_name: str, vector: bool = HAS_AVX512BW,
                   avx2: bool = False) -> np.ndarray:
     """x (Q8_K rows) @ a matrix's rows `raw` [rows, row bytes]^T of `type_name` in ik's own kernel (`avx2`: its
     AVX2 build's): float32 [x.rows, rows]."""
-    return native_matmuls(x, raw[None], np.arange(x.rows, dtype=np.int64), np.array([0, x.rows], np.int64),
+    return iqk_matmuls(x, raw[None], np.arange(x.rows, dtype=np.int64), np.array([0, x.rows], np.int64),
                           type_name, vector, avx2=avx2)
