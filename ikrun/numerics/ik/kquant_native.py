@@ -78,8 +78,15 @@ def _row(kind, wv, lane_scale, mins, xu, xd, isums, tokens, m0, m1, out, r, sums
     """One prepared row against tokens[m0:m1] (out[m, r])."""
     nb = xd.shape[1] // 8
     acc = np.empty(8, np.float32)
+    wsum = np.empty(16 * nb, np.int32)  # each 16 values' sum: sum w (u - 128) = sum w u - 128 sum w
+    for g in range(16 * nb):
+        total = np.int32(0)
+        for t in range(16):
+            total += np.int32(wv[16 * g + t])
+        wsum[g] = total
     for m in range(m0, m1):
         x = tokens[m]
+        xr = xu[x]
         acc[:] = 0
         for i in range(nb):
             if kind != 2:
@@ -90,8 +97,8 @@ def _row(kind, wv, lane_scale, mins, xu, xd, isums, tokens, m0, m1, out, r, sums
                 at = SUPER * i + 16 * g
                 total = np.int32(0)
                 for t in range(16):
-                    total += np.int32(wv[at + t]) * (np.int32(xu[x, at + t]) - 128)
-                sums[g] = total
+                    total += np.int32(wv[at + t]) * np.int32(xr[at + t])
+                sums[g] = total - 128 * wsum[16 * i + g]
             for j in range(2):
                 for lane in range(8):
                     g = 8 * j + 2 * (lane % 4) + lane // 4
