@@ -365,9 +365,10 @@ class WeightStore:
     def panel_experts(self, name: str, experts: np.ndarray, even_if_cached: bool = False) -> FileExperts | None:
         """Matrices `experts` of an expert tensor of a type ikrun/ops/fgemm.py's kernel decodes itself, a panel
         at a time (PANEL_TYPES), as the file's rows, nothing decoded or copied (`_mapped_experts`); None for other
-        types or when the tensor's float32 copy is cached (unless `even_if_cached`: a kernel that reads the rows)."""
+        types or when the tensor's float32 copy is cached, unless `even_if_cached`: a kernel that reads the rows
+        (ik's own kernel of the type, numerics/ik/native.py), which takes them of any type, cached or not."""
         enc = self.encoding(name)
-        if enc.type.name not in PANEL_TYPES or (self.cached_array(name) is not None and not even_if_cached):
+        if not even_if_cached and (enc.type.name not in PANEL_TYPES or self.cached_array(name) is not None):
             return None
         return self._mapped_experts(name, enc, experts)
 

@@ -25,7 +25,9 @@ for a sub-block whose scale byte is odd) against the activation integers in 8 la
 4 l .. 4 l + 3 of every sub-block times the sub-block's scale (|value| x |activation| pairs stay below 32767, so
 the lanes are exact), then per block fma(d x the token's scale, float(lane), acc), and the 8 accumulators summed as
 its hsum_float_8 (_scalar_row_avx2, a scalar loop; checked byte for byte against that build's base logits on the
-Qwen3-MoE).
+Qwen3-MoE). Its IQ3_KS kernel is the same over IQ3_KS's signed grid values (the shifted half of the table where a
+sub-block's flag says) and 16-bit sub-block scales, with the row's f16 scale (bit for bit against its
+ggml_mul_mat, and the Qwen3-MoE's base logits).
 """
 
 from __future__ import annotations
@@ -39,17 +41,19 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from ikquant.cpu import host_has
-from ikquant.formats.iqk_grids import IQ4K_VALUES, IQ5NL_VALUES
+from ikquant.formats.iqk_grids import IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
 from ikquant.formats.jit import read_only
-from ikquant.formats.numeric import fmaf, hsum_float_8, load_f32
+from ikquant.formats.numeric import fmaf, hsum_float_8, load_f16, load_f32
 from ikrun.numerics.ik.qgemm import IntRows
 from ikrun.ops.parallel import claim_items, task_items
 from ikrun.ops.simd import splat
 
 #: the weight types whose own kernel (below their conversion threshold) is reproduced here, by their code here
 NATIVE_TYPES = {"IQ4_KS": 0, "IQ5_KS": 1}
-#: those whose own kernel in ik's AVX2 build is reproduced too (_scalar_row_avx2)
-AVX2_NATIVE_TYPES = ("IQ4_KS",)
+#: the weight types whose own kernel in ik's AVX2 build is reproduced (_scalar_row_avx2), by their code there
+AVX2_NATIVE_TYPES = {"IQ4_KS": 0, "IQ3_KS": 2}
+#: IQ3_KS: the row's f16 scale, then per 256 values 2 bytes of flags, 4 of scales, 64 of 2-bit codes, 32 of third bits
+IQ3_KS_ROW, IQ3_KS_BLOCK = 2, 102
 
 
 HAS_AVX512BW = host_has("avx512bw")
@@ -238,9 +242,25 @@ def _scalar_row(row, kind, xu, xd, sub_sums, tokens, m0, m1, wu, sc, mins, lanes
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _prepare_row_avx2(row: np.ndarray, nb: int, wv: np.ndarray, sc: np.ndarray) -> np.float32:
-    """An IQ4_KS row as ik's AVX2 kernel holds it: each value's signed grid value, the shifted grid's for a sub-block
-    whose scale byte is odd (wv), each sub-block's scale, its byte & 254 minus 127 (sc); returns the row's scale."""
+def _prepare_row_avx2(row: np.ndarray, kind: int, nb: int, wv: np.ndarray, sc: np.ndarray) -> np.float32:
+    """A row as ik's AVX2 kernel holds it: each value's signed grid value (wv) and each sub-block's scale (sc);
+    returns the row's scale. IQ4_KS: the shifted grid for a sub-block whose scale byte is odd, the scale that byte
+    & 254 minus 127. IQ3_KS (kind 2): the code's 2 low bits and its third from the high-bit bytes, the shifted half
+    of the grid where flag bit 8 + sub-block is set; the scale a nibble (sub-blocks t and t + 4 share byte t) plus
+    16 where flag bit sub-block is set, minus 16."""
+    if kind == 2:
+        for i in range(nb):
+            o = IQ3_KS_ROW + IQ3_KS_BLOCK * i
+            extra = np.int32(row[o]) | (np.int32(row[o + 1]) << 8)
+            for ib in range(8):
+                nibble = (np.int32(row[o + 2 + ib % 4]) >> (4 * (ib // 4))) & 15
+                sc[8 * i + ib] = nibble + 16 * ((extra >> ib) & 1) - 16
+                table = 8 * ((extra >> (8 + ib)) & 1)
+                codes, shift = o + 6 + 32 * (ib // 4), 2 * (ib % 4)
+                for j in range(SUB):
+                    k = ((np.int32(row[codes + j]) >> shift) & 3) | (((np.int32(row[o + 70 + j]) >> ib) & 1) << 2)
+                    wv[SUPER * i + SUB * ib + j] = IQ3NL_VALUES[table + k]
+        return load_f16(row, 0)
     for i in range(nb):
         o = 4 + BLOCK_BYTES[0] * i
         for m in range(8):
@@ -256,13 +276,14 @@ def _prepare_row_avx2(row: np.ndarray, nb: int, wv: np.ndarray, sc: np.ndarray) 
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _scalar_row_avx2(row, xu, xd, tokens, m0, m1, wv, sc, acc):  # type: ignore[no-untyped-def]
-    """One IQ4_KS row against tokens[m0:m1] as ik's AVX2 kernel multiplies it (mul_mat_qX_K_q8_K_T): per 256
+def _scalar_row_avx2(row, kind, xu, xd, tokens, m0, m1, wv, sc, acc):  # type: ignore[no-untyped-def]
+    """One IQ4_KS / IQ3_KS row against tokens[m0:m1] as ik's AVX2 kernel multiplies it (mul_mat_qX_K_q8_K_T,
+    multiply_add_avx2): per 256
     values 8 int32 lanes, lane l the sum over the 8 sub-blocks of scale x (values 4 l .. 4 l + 3 times the
     activation integers), exact (vpmaddubsw's pairs of |value| x +-activation stay below 32767); then acc[l] =
     fma(d x the token's scale, float(lane), acc[l]), the 8 accumulators summed as ik's hsum_float_8."""
     nb = xd.shape[1]
-    d = _prepare_row_avx2(row, nb, wv, sc)
+    d = _prepare_row_avx2(row, kind, nb, wv, sc)
     for m in range(m0, m1):
         x = tokens[m]
         a = acc[8 * (m - m0) : 8 * (m - m0) + 8]
@@ -295,7 +316,7 @@ def _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows,
         row = raw[which[j], r]
         if avx2:
             acc[: 8 * (m1 - m0)] = 0
-            _scalar_row_avx2(row, xu, xd, tokens, m0, m1, wv, sc8, acc)
+            _scalar_row_avx2(row, kind, xu, xd, tokens, m0, m1, wv, sc8, acc)
             for m in range(m0, m1):
                 out[m, r] = hsum_float_8(acc[8 * (m - m0) : 8 * (m - m0) + 8])
             continue
@@ -319,7 +340,7 @@ def _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows,
 def _matmuls(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, vector, most,  # type: ignore[no-untyped-def]
              threads, avx2):
     """Every (matrix, row tile) task, claimed by the threads (ikrun/ops/parallel.py); `most`: the most tokens a
-    matrix takes; `avx2`: ik's AVX2 build's kernel (IQ4_KS)."""
+    matrix takes; `avx2`: ik's AVX2 build's kernel (AVX2_NATIVE_TYPES)."""
     n_rows, nb = raw.shape[1], xd.shape[1]
     tasks = (len(row_at) - 1) * -(-n_rows // ROW_TILE)
     per, counter = task_items(tasks, threads), np.zeros(1, np.int64)
@@ -357,7 +378,7 @@ def iqk_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndar
     computes them: matrix j (raw [E, rows, row bytes], the file's rows; with `which`, raw's matrix which[j]) takes
     tokens[row_at[j] : row_at[j + 1]]; float32 [len(tokens), rows]. `vector` False (or a CPU without AVX-512BW):
     the scalar loop (the same bits). `avx2`: its AVX2 build's kernel (AVX2_NATIVE_TYPES)."""
-    types = AVX2_NATIVE_TYPES if avx2 else tuple(NATIVE_TYPES)
+    types = AVX2_NATIVE_TYPES if avx2 else NATIVE_TYPES
     if type_name not in types:
         raise ValueError(f"ik's own kernel of {type_name} is not reproduced here for this build (only "
                          f"{', '.join(types)})")
@@ -372,7 +393,7 @@ def iqk_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndar
     out = np.empty((len(tokens), raw.shape[1]), np.float32)
     most = int(np.diff(row_at).max(initial=0))
     which = np.arange(raw.shape[0], dtype=np.int64) if which is None else np.ascontiguousarray(which, np.int64)
-    _matmuls(raw, which, NATIVE_TYPES[type_name], x.u, x.scale, sums, tokens, row_at, out,
+    _matmuls(raw, which, types[type_name], x.u, x.scale, sums, tokens, row_at, out,
              vector and HAS_AVX512BW, most, get_num_threads(), avx2)
     return out
 

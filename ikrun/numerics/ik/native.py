@@ -16,8 +16,9 @@ from ikrun.numerics.ik.qgemm import IntRows
 
 def native_types(avx2: bool) -> tuple[str, ...]:
     """The weight types whose own kernel is reproduced for ik's AVX2 build (`avx2`) or its AVX-512 one: IQ4_KS
-    and IQ5_KS (iqk_native.py; AVX2: IQ4_KS), Q4_K, Q5_K and Q6_K (kquant_native.py, the same in both)."""
-    return (AVX2_NATIVE_TYPES if avx2 else tuple(NATIVE_TYPES)) + tuple(KQUANT_TYPES)
+    and IQ5_KS (iqk_native.py; AVX2: IQ4_KS and IQ3_KS), Q4_K, Q5_K and Q6_K (kquant_native.py, the same in
+    both)."""
+    return tuple(AVX2_NATIVE_TYPES if avx2 else NATIVE_TYPES) + tuple(KQUANT_TYPES)
 
 
 def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndarray, type_name: str,
