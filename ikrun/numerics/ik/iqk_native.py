@@ -278,10 +278,10 @@ def _prepare_row_avx2(row: np.ndarray, kind: int, nb: int, wv: np.ndarray, sc: n
 @njit(cache=True, nogil=True, inline="always")
 def _scalar_row_avx2(row, kind, xu, xd, tokens, m0, m1, wv, sc, acc):  # type: ignore[no-untyped-def]
     """One IQ4_KS / IQ3_KS row against tokens[m0:m1] as ik's AVX2 kernel multiplies it (mul_mat_qX_K_q8_K_T,
-    multiply_add_avx2): per 256
-    values 8 int32 lanes, lane l the sum over the 8 sub-blocks of scale x (values 4 l .. 4 l + 3 times the
-    activation integers), exact (vpmaddubsw's pairs of |value| x +-activation stay below 32767); then acc[l] =
-    fma(d x the token's scale, float(lane), acc[l]), the 8 accumulators summed as ik's hsum_float_8."""
+    multiply_add_avx2): per 256 values 8 int32 lanes, lane l the sum over the 8 sub-blocks of scale x (values
+    4 l .. 4 l + 3 times the activation integers), exact (vpmaddubsw's pairs of |value| x +-activation stay below
+    32767); then acc[l] = fma(d x the token's scale, float(lane), acc[l]), the 8 accumulators summed as ik's
+    hsum_float_8."""
     nb = xd.shape[1]
     d = _prepare_row_avx2(row, kind, nb, wv, sc)
     for m in range(m0, m1):
@@ -373,7 +373,7 @@ def _sub_block_sums(xu: np.ndarray, tokens: np.ndarray, sums: np.ndarray) -> Non
 
 
 def iqk_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndarray, type_name: str,
-                   vector: bool = HAS_AVX512BW, which: np.ndarray | None = None, avx2: bool = False) -> np.ndarray:
+                vector: bool = HAS_AVX512BW, which: np.ndarray | None = None, avx2: bool = False) -> np.ndarray:
     """Rows `tokens` of the Q8_K activations x times matrices of `type_name` (NATIVE_TYPES) as ik's own kernel
     computes them: matrix j (raw [E, rows, row bytes], the file's rows; with `which`, raw's matrix which[j]) takes
     tokens[row_at[j] : row_at[j + 1]]; float32 [len(tokens), rows]. `vector` False (or a CPU without AVX-512BW):
@@ -399,8 +399,8 @@ def iqk_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndar
 
 
 def iqk_matmul(x: IntRows, raw: np.ndarray, type_name: str, vector: bool = HAS_AVX512BW,
-                  avx2: bool = False) -> np.ndarray:
+               avx2: bool = False) -> np.ndarray:
     """x (Q8_K rows) @ a matrix's rows `raw` [rows, row bytes]^T of `type_name` in ik's own kernel (`avx2`: its
     AVX2 build's): float32 [x.rows, rows]."""
     return iqk_matmuls(x, raw[None], np.arange(x.rows, dtype=np.int64), np.array([0, x.rows], np.int64),
-                          type_name, vector, avx2=avx2)
+                       type_name, vector, avx2=avx2)
