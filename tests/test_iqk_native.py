@@ -26,7 +26,8 @@ TEXT = Path(__file__).parent / "data" / "logits" / "qwen3-moe" / "text.txt"
 SHA256 = {"f32": "7f50b66fd608f13111031427eaad8451863fce54650a56d8c18f5cfeac593e2d",
           "IQ4_KS": "8988607add836e671e81fa96cfaf020ad4da63501118ca826097b589a4712112",
           "IQ5_KS": "53f57c661416477be581d71ba2fc969b563c844d11c0fff9064a604b5e28cd68",
-          "IQ3_KS": "375e860c166f690d3dfe407256fc9abf1b65ea33f8e490fae5f994517ddf5c91"}
+          "IQ3_KS": "375e860c166f690d3dfe407256fc9abf1b65ea33f8e490fae5f994517ddf5c91",
+          "IQ2_KS": "60f9f61d2d43a8e903dfe5cf21420380aafb3648d4d129f7282364bbc0dbd427"}
 CASES = {"IQ4_KS": "cases.npz", "IQ5_KS": "cases-iq5_ks.npz"}
 FORMS = [True, False] if HAS_AVX512BW else [False]  # the AVX-512BW form where the CPU has it, and the scalar loop
 runner = CliRunner()
@@ -104,7 +105,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("iqk-native")
     f32 = Converter(make_checkpoint(tmp / "hf"), "f32", pre_tokenizer="qwen2").write(tmp / "f32.gguf")
     files = {"f32": f32}
-    for name in ("IQ4_KS", "IQ5_KS", "IQ3_KS"):
+    for name in ("IQ4_KS", "IQ5_KS", "IQ3_KS", "IQ2_KS"):
         files[name] = tmp / f"{name.lower()}.gguf"
         quantize_model(f32, files[name], QuantizeOptions(file_type(name), pure=True))
     for name, path in files.items():
@@ -135,12 +136,14 @@ def test_experts_below_32_tokens_give_iks_logits(models: dict[str, Path], type_n
 AVX2 = DATA.parent / "iqk-native-avx2"
 
 
-@pytest.mark.parametrize(("type_name", "kld"), [("IQ4_KS", "ik-c128.kld"), ("IQ3_KS", "ik-iq3_ks-c128.kld")])
+@pytest.mark.parametrize(("type_name", "kld"), [("IQ4_KS", "ik-c128.kld"), ("IQ3_KS", "ik-iq3_ks-c128.kld"),
+                                               ("IQ2_KS", "ik-iq2_ks-c128.kld")])
 def test_experts_below_32_tokens_give_iks_avx2_logits(models: dict[str, Path], type_name: str, kld: str,
                                                       tmp_path: Path) -> None:
-    """ik's own IQ4_KS and IQ3_KS kernels of its AVX2 build (tests/data/iqk-native-avx2; most experts get 5-30
-    tokens of the chunk): --numerics ik-avx2 writes ik's base-logits file byte for byte and prints its final line
-    (IQ3_KS's experts in the float path printed 523.0499, not ik's 523.2203)."""
+    """ik's own IQ4_KS, IQ3_KS and IQ2_KS kernels of its AVX2 build (tests/data/iqk-native-avx2; most experts get
+    5-30 tokens of the chunk): --numerics ik-avx2 writes ik's base-logits file byte for byte and prints its final
+    line (the experts in the float path printed IQ3_KS 523.0499, not ik's 523.2203; IQ2_KS 579.8098, not
+    580.5024)."""
     out = tmp_path / "base.kld"
     res = runner.invoke(app, ["ppl", str(models[type_name]), "--text", str(TEXT), "-c", "128", "--chunks", "1", "-t",
                               "2", "--numerics", "ik-avx2", "--ik-batch", "2048", "--save-base-logits", str(out)])
@@ -152,13 +155,16 @@ def test_experts_below_32_tokens_give_iks_avx2_logits(models: dict[str, Path], t
 
 
 @pytest.mark.parametrize("m", [1, 5, 31])
-def test_iq3_ks_avx2_matmul_is_iks(m: int) -> None:
-    """IQ3_KS's own kernel of ik's AVX2 build (multiply_add_avx2 over its signed grid values and 16-bit sub-block
-    scales): its ggml_mul_mat of 48 rows of 512 on m activation rows, bit for bit; the float path is not."""
-    with np.load(AVX2 / "cases-iq3_ks.npz") as f:
-        raw, x, ik = f["raw_IQ3_KS"], f["x"][:m], f[f"IQ3_KS_{m}"]
-    got = iqk_matmul(integer_rows(x, Q8_K), raw, "IQ3_KS", avx2=True)
+@pytest.mark.parametrize("type_name", ["IQ3_KS", "IQ2_KS"])
+def test_avx2_own_kernel_matmul_is_iks(type_name: str, m: int) -> None:
+    """IQ3_KS's and IQ2_KS's own kernels of ik's AVX2 build (IQ3_KS: multiply_add_avx2 over its signed grid values
+    and 16-bit sub-block scales; IQ2_KS: multiply_add over its grid plus 32, each sub-block's minimum in a fused
+    multiply-add of its own): its ggml_mul_mat of 48 rows of 512 on m activation rows, bit for bit; the float path
+    is not."""
+    with np.load(AVX2 / f"cases-{type_name.lower()}.npz") as f:
+        raw, x, ik = f[f"raw_{type_name}"], f["x"][:m], f[f"{type_name}_{m}"]
+    got = iqk_matmul(integer_rows(x, Q8_K), raw, type_name, avx2=True)
     np.testing.assert_array_equal(_bits(got), _bits(ik))
-    decoded = type_by_name("IQ3_KS").require_codec().dequantize(raw, x.shape[1])
+    decoded = type_by_name(type_name).require_codec().dequantize(raw, x.shape[1])
     assert not np.array_equal(round_activations(x, Q8_K) @ decoded.T, ik)
 

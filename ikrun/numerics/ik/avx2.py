@@ -12,8 +12,8 @@ weight rows, not 16), in its own Q8_0 kernel (ORDER_QX_0_AVX2: below 32 activati
 rows no multiple of 8) and in its fused delta-net kernel (8-lane q.k, its scalar update as GCC contracts it:
 delta_net.py). ik's flash-attention ports are its AVX2 build's already. Only what was checked bit for bit against
 this build runs: other architectures and weight types, and AVX-512-only flags, are refused before any compute; the
-integer kernels other than the converted forms', Q8_0's own, IQ4_KS's, IQ3_KS's and the K-quants' own (native.py;
-the other types' own, below 32 activation rows) when a matmul first needs them.
+integer kernels other than the converted forms', Q8_0's own, IQ4_KS's, IQ3_KS's, IQ2_KS's and the K-quants' own
+(native.py; the other types' own, below 32 activation rows) when a matmul first needs them.
 """
 
 from __future__ import annotations

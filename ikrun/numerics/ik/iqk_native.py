@@ -26,8 +26,10 @@ for a sub-block whose scale byte is odd) against the activation integers in 8 la
 the lanes are exact), then per block fma(d x the token's scale, float(lane), acc), and the 8 accumulators summed as
 its hsum_float_8 (_scalar_row_avx2, a scalar loop; checked byte for byte against that build's base logits on the
 Qwen3-MoE). Its IQ3_KS kernel is the same over IQ3_KS's signed grid values (the shifted half of the table where a
-sub-block's flag says) and 16-bit sub-block scales, with the row's f16 scale (bit for bit against its
-ggml_mul_mat, and the Qwen3-MoE's base logits).
+sub-block's flag says) and 16-bit sub-block scales, with the row's f16 scale; its IQ2_KS kernel multiplies the
+unshifted grid plus 32 as unsigned bytes and adds each sub-block's minimum, scale x (-32, + 5 where shifted),
+times the sum of its 32 activations to lane k in a fused multiply-add of its own before the block's lanes (both
+bit for bit against its ggml_mul_mat, and the Qwen3-MoE's base logits).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from ikquant.cpu import host_has
-from ikquant.formats.iqk_grids import IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
+from ikquant.formats.iqk_grids import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
 from ikquant.formats.jit import read_only
 from ikquant.formats.numeric import fmaf, hsum_float_8, load_f16, load_f32
 from ikrun.numerics.ik.qgemm import IntRows
@@ -51,9 +53,15 @@ from ikrun.ops.simd import splat
 #: the weight types whose own kernel (below their conversion threshold) is reproduced here, by their code here
 NATIVE_TYPES = {"IQ4_KS": 0, "IQ5_KS": 1}
 #: the weight types whose own kernel in ik's AVX2 build is reproduced (_scalar_row_avx2), by their code there
-AVX2_NATIVE_TYPES = {"IQ4_KS": 0, "IQ3_KS": 2}
+AVX2_NATIVE_TYPES = {"IQ4_KS": 0, "IQ3_KS": 2, "IQ2_KS": 3}
 #: IQ3_KS: the row's f16 scale, then per 256 values 2 bytes of flags, 4 of scales, 64 of 2-bit codes, 32 of third bits
 IQ3_KS_ROW, IQ3_KS_BLOCK = 2, 102
+#: IQ2_KS: the row's f16 scale, then per 256 values 2 bytes of flags, 4 of scales, 64 of 2-bit codes
+IQ2_KS_ROW, IQ2_KS_BLOCK = 2, 70
+#: IQ2_KS's unshifted grid plus 32, the unsigned bytes ik's AVX2 kernel multiplies (a shifted sub-block's +5 and the
+#: -32 go to its minimum)
+_IQ2KS_UNSIGNED = (IQ2NL_VALUES[:4].astype(np.int32) + 32).astype(np.int8)
+IQ2KS_SHIFT = int(IQ2NL_VALUES[4]) - int(IQ2NL_VALUES[0])
 
 
 HAS_AVX512BW = host_has("avx512bw")
@@ -242,12 +250,27 @@ def _scalar_row(row, kind, xu, xd, sub_sums, tokens, m0, m1, wu, sc, mins, lanes
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _prepare_row_avx2(row: np.ndarray, kind: int, nb: int, wv: np.ndarray, sc: np.ndarray) -> np.float32:
+def _prepare_row_avx2(row: np.ndarray, kind: int, nb: int, wv: np.ndarray, sc: np.ndarray,
+                      mins: np.ndarray) -> np.float32:
     """A row as ik's AVX2 kernel holds it: each value's signed grid value (wv) and each sub-block's scale (sc);
     returns the row's scale. IQ4_KS: the shifted grid for a sub-block whose scale byte is odd, the scale that byte
     & 254 minus 127. IQ3_KS (kind 2): the code's 2 low bits and its third from the high-bit bytes, the shifted half
     of the grid where flag bit 8 + sub-block is set; the scale a nibble (sub-blocks t and t + 4 share byte t) plus
-    16 where flag bit sub-block is set, minus 16."""
+    16 where flag bit sub-block is set, minus 16. IQ2_KS (kind 3): the unshifted grid plus 32 (unsigned), the
+    sub-block's minimum scale x (-32, + 5 where flag bit sub-block shifts it) apart (mins); the scale a nibble
+    (sub-blocks 2t and 2t + 1 share byte t) minus 16 unless flag bit 8 + sub-block is set."""
+    if kind == 3:
+        for i in range(nb):
+            o = IQ2_KS_ROW + IQ2_KS_BLOCK * i
+            extra = np.int32(row[o]) | (np.int32(row[o + 1]) << 8)
+            for ib in range(8):
+                nibble = (np.int32(row[o + 2 + ib // 2]) >> (4 * (ib % 2))) & 15
+                sc[8 * i + ib] = nibble + 16 * ((extra >> (8 + ib)) & 1) - 16
+                mins[8 * i + ib] = np.int32(sc[8 * i + ib]) * (-32 + IQ2KS_SHIFT * ((extra >> ib) & 1))
+                codes, shift = o + 6 + 32 * (ib // 4), 2 * (ib % 4)
+                for j in range(SUB):
+                    wv[SUPER * i + SUB * ib + j] = _IQ2KS_UNSIGNED[(np.int32(row[codes + j]) >> shift) & 3]
+        return load_f16(row, 0)
     if kind == 2:
         for i in range(nb):
             o = IQ3_KS_ROW + IQ3_KS_BLOCK * i
@@ -276,19 +299,23 @@ def _prepare_row_avx2(row: np.ndarray, kind: int, nb: int, wv: np.ndarray, sc: n
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _scalar_row_avx2(row, kind, xu, xd, tokens, m0, m1, wv, sc, acc):  # type: ignore[no-untyped-def]
+def _scalar_row_avx2(row, kind, xu, xd, sub_sums, tokens, m0, m1, wv, sc, mins, acc):  # type: ignore[no-untyped-def]
     """One IQ4_KS / IQ3_KS row against tokens[m0:m1] as ik's AVX2 kernel multiplies it (mul_mat_qX_K_q8_K_T,
     multiply_add_avx2): per 256 values 8 int32 lanes, lane l the sum over the 8 sub-blocks of scale x (values
     4 l .. 4 l + 3 times the activation integers), exact (vpmaddubsw's pairs of |value| x +-activation stay below
     32767); then acc[l] = fma(d x the token's scale, float(lane), acc[l]), the 8 accumulators summed as ik's
-    hsum_float_8."""
+    hsum_float_8. IQ2_KS first adds each sub-block k's minimum times its 32 activations' sum the same way to acc[k]
+    (Scales8KBase::accum_mins)."""
     nb = xd.shape[1]
-    d = _prepare_row_avx2(row, kind, nb, wv, sc)
+    d = _prepare_row_avx2(row, kind, nb, wv, sc, mins)
     for m in range(m0, m1):
         x = tokens[m]
         a = acc[8 * (m - m0) : 8 * (m - m0) + 8]
         for i in range(nb):
             dd = d * xd[x, i]
+            if kind == 3:
+                for k in range(8):
+                    a[k] = fmaf(dd, np.float32(mins[8 * i + k] * sub_sums[m, 8 * i + k]), a[k])
             for lane in range(8):
                 total = np.int32(0)
                 for k in range(8):
@@ -316,7 +343,7 @@ def _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows,
         row = raw[which[j], r]
         if avx2:
             acc[: 8 * (m1 - m0)] = 0
-            _scalar_row_avx2(row, kind, xu, xd, tokens, m0, m1, wv, sc8, acc)
+            _scalar_row_avx2(row, kind, xu, xd, sub_sums, tokens, m0, m1, wv, sc8, mins, acc)
             for m in range(m0, m1):
                 out[m, r] = hsum_float_8(acc[8 * (m - m0) : 8 * (m - m0) + 8])
             continue
