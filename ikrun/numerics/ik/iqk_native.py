@@ -46,22 +46,18 @@ from ikquant.cpu import host_has
 from ikquant.formats.iqk_grids import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
 from ikquant.formats.jit import read_only
 from ikquant.formats.numeric import fmaf, hsum_float_8, load_f16, load_f32
+from ikrun.numerics.ik.q8k_direct import KIND_IQ2_KS, KIND_IQ3_KS, KIND_IQ4_KS, ks_block_at, ks_code, ks_sub_block
 from ikrun.numerics.ik.qgemm import IntRows
 from ikrun.ops.parallel import claim_items, task_items
 from ikrun.ops.simd import splat
 
 #: the weight types whose own kernel (below their conversion threshold) is reproduced here, by their code here
 NATIVE_TYPES = {"IQ4_KS": 0, "IQ5_KS": 1}
-#: the weight types whose own kernel in ik's AVX2 build is reproduced (_scalar_row_avx2), by their code there
-AVX2_NATIVE_TYPES = {"IQ4_KS": 0, "IQ3_KS": 2, "IQ2_KS": 3}
-#: IQ3_KS: the row's f16 scale, then per 256 values 2 bytes of flags, 4 of scales, 64 of 2-bit codes, 32 of third bits
-IQ3_KS_ROW, IQ3_KS_BLOCK = 2, 102
-#: IQ2_KS: the row's f16 scale, then per 256 values 2 bytes of flags, 4 of scales, 64 of 2-bit codes
-IQ2_KS_ROW, IQ2_KS_BLOCK = 2, 70
+#: the weight types whose own kernel in ik's AVX2 build is reproduced (_scalar_row_avx2), by q8k_direct's kind
+AVX2_NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS}
 #: IQ2_KS's unshifted grid plus 32, the unsigned bytes ik's AVX2 kernel multiplies (a shifted sub-block's +5 and the
 #: -32 go to its minimum)
 _IQ2KS_UNSIGNED = (IQ2NL_VALUES[:4].astype(np.int32) + 32).astype(np.int8)
-IQ2KS_SHIFT = int(IQ2NL_VALUES[4]) - int(IQ2NL_VALUES[0])
 
 
 HAS_AVX512BW = host_has("avx512bw")
@@ -254,35 +250,23 @@ def _prepare_row_avx2(row: np.ndarray, kind: int, nb: int, wv: np.ndarray, sc: n
                       mins: np.ndarray) -> np.float32:
     """A row as ik's AVX2 kernel holds it: each value's signed grid value (wv) and each sub-block's scale (sc);
     returns the row's scale. IQ4_KS: the shifted grid for a sub-block whose scale byte is odd, the scale that byte
-    & 254 minus 127. IQ3_KS (kind 2): the code's 2 low bits and its third from the high-bit bytes, the shifted half
+    & 254 minus 127. IQ3_KS: the code's 2 low bits and its third from the high-bit bytes, the shifted half
     of the grid where flag bit 8 + sub-block is set; the scale a nibble (sub-blocks t and t + 4 share byte t) plus
-    16 where flag bit sub-block is set, minus 16. IQ2_KS (kind 3): the unshifted grid plus 32 (unsigned), the
-    sub-block's minimum scale x (-32, + 5 where flag bit sub-block shifts it) apart (mins); the scale a nibble
-    (sub-blocks 2t and 2t + 1 share byte t) minus 16 unless flag bit 8 + sub-block is set."""
-    if kind == 3:
+    16 where flag bit sub-block is set, minus 16. IQ2_KS: the unshifted grid plus 32 (unsigned), the sub-block's
+    minimum, scale x (its grid half's first value minus that: -32, or -27 where shifted), apart (mins). Both read
+    as q8k_direct reads them for the conversion (ks_sub_block, ks_code)."""
+    if kind == KIND_IQ2_KS or kind == KIND_IQ3_KS:
         for i in range(nb):
-            o = IQ2_KS_ROW + IQ2_KS_BLOCK * i
-            extra = np.int32(row[o]) | (np.int32(row[o + 1]) << 8)
+            o = ks_block_at(kind, i)
             for ib in range(8):
-                nibble = (np.int32(row[o + 2 + ib // 2]) >> (4 * (ib % 2))) & 15
-                sc[8 * i + ib] = nibble + 16 * ((extra >> (8 + ib)) & 1) - 16
-                mins[8 * i + ib] = np.int32(sc[8 * i + ib]) * (-32 + IQ2KS_SHIFT * ((extra >> ib) & 1))
-                codes, shift = o + 6 + 32 * (ib // 4), 2 * (ib % 4)
+                ls, off = ks_sub_block(row, kind, o, ib)
+                sc[8 * i + ib] = ls
+                if kind == KIND_IQ2_KS:
+                    mins[8 * i + ib] = ls * (np.int32(IQ2NL_VALUES[off]) - np.int32(_IQ2KS_UNSIGNED[0]))
                 for j in range(SUB):
-                    wv[SUPER * i + SUB * ib + j] = _IQ2KS_UNSIGNED[(np.int32(row[codes + j]) >> shift) & 3]
-        return load_f16(row, 0)
-    if kind == 2:
-        for i in range(nb):
-            o = IQ3_KS_ROW + IQ3_KS_BLOCK * i
-            extra = np.int32(row[o]) | (np.int32(row[o + 1]) << 8)
-            for ib in range(8):
-                nibble = (np.int32(row[o + 2 + ib % 4]) >> (4 * (ib // 4))) & 15
-                sc[8 * i + ib] = nibble + 16 * ((extra >> ib) & 1) - 16
-                table = 8 * ((extra >> (8 + ib)) & 1)
-                codes, shift = o + 6 + 32 * (ib // 4), 2 * (ib % 4)
-                for j in range(SUB):
-                    k = ((np.int32(row[codes + j]) >> shift) & 3) | (((np.int32(row[o + 70 + j]) >> ib) & 1) << 2)
-                    wv[SUPER * i + SUB * ib + j] = IQ3NL_VALUES[table + k]
+                    k = ks_code(row, kind, o, ib, j)
+                    v = _IQ2KS_UNSIGNED[k] if kind == KIND_IQ2_KS else IQ3NL_VALUES[off + k]
+                    wv[SUPER * i + SUB * ib + j] = v
         return load_f16(row, 0)
     for i in range(nb):
         o = 4 + BLOCK_BYTES[0] * i
@@ -313,7 +297,7 @@ def _scalar_row_avx2(row, kind, xu, xd, sub_sums, tokens, m0, m1, wv, sc, mins, 
         a = acc[8 * (m - m0) : 8 * (m - m0) + 8]
         for i in range(nb):
             dd = d * xd[x, i]
-            if kind == 3:
+            if kind == KIND_IQ2_KS:
                 for k in range(8):
                     a[k] = fmaf(dd, np.float32(mins[8 * i + k] * sub_sums[m, 8 * i + k]), a[k])
             for lane in range(8):

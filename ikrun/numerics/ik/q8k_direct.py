@@ -46,10 +46,11 @@ MXFP4_MAX_EXPONENT = 252  # 12 x 2^(e - 128) is finite in float32 up to here
 #: IQ2_K / IQ3_K per 256 values an f16 scale, 16 bits of grid halves (IQ3_K: and 16 of scale signs), 8 bytes of
 #: 4-bit scales, 64 bytes of 2-bit codes (IQ3_K: and 32 bytes of their third bits), sub-blocks of 16
 KIND_IQ4_KS, KIND_IQ4_K, KIND_IQ2_KS, KIND_IQ3_KS, KIND_IQ5_KS, KIND_IQ2_K, KIND_IQ3_K = range(7)
-ROW_BYTES = {KIND_IQ4_KS: 4, KIND_IQ4_K: 0, KIND_IQ2_KS: 2, KIND_IQ3_KS: 2, KIND_IQ5_KS: 4, KIND_IQ2_K: 0,
-             KIND_IQ3_K: 0}
-BLOCK_BYTES = {KIND_IQ4_KS: 136, KIND_IQ4_K: 144, KIND_IQ2_KS: 70, KIND_IQ3_KS: 102, KIND_IQ5_KS: 168,
-               KIND_IQ2_K: 76, KIND_IQ3_K: 110}
+ROW_BYTES_KS, BLOCK_BYTES_IQ2_KS, BLOCK_BYTES_IQ3_KS = 2, 70, 102
+ROW_BYTES = {KIND_IQ4_KS: 4, KIND_IQ4_K: 0, KIND_IQ2_KS: ROW_BYTES_KS, KIND_IQ3_KS: ROW_BYTES_KS, KIND_IQ5_KS: 4,
+             KIND_IQ2_K: 0, KIND_IQ3_K: 0}
+BLOCK_BYTES = {KIND_IQ4_KS: 136, KIND_IQ4_K: 144, KIND_IQ2_KS: BLOCK_BYTES_IQ2_KS, KIND_IQ3_KS: BLOCK_BYTES_IQ3_KS,
+               KIND_IQ5_KS: 168, KIND_IQ2_K: 76, KIND_IQ3_K: 110}
 #: the row scales whose decoding gives the exact integers (module docstring)
 SAFE_SCALES = (2.0**-100, 2.0**100)
 #: the grid values as float32: sub-block scale x value is exact in float32 (|ls x v| < 2^24)
@@ -324,27 +325,47 @@ def _block_ints(row: np.ndarray, kind: int, b: int, p: np.ndarray) -> np.float32
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _ks_ints(row: np.ndarray, kind: int, b: int, p: np.ndarray) -> np.float32:
-    """_block_ints of IQ2_KS and IQ3_KS: sub-block ib's 32 values from bits 2 (ib % 4) of 32 code bytes (IQ3_KS:
-    and bit ib of 32 more), its scale (4 bits, the fifth in the 16-bit word) minus 16."""
-    o = 2 + b * (70 if kind == KIND_IQ2_KS else 102)
-    d = load_f16(row, 0)
+def ks_block_at(kind: int, b: int) -> int:
+    """Where block b of an IQ2_KS / IQ3_KS row starts (after the row's f16 scale)."""
+    return ROW_BYTES_KS + b * (BLOCK_BYTES_IQ2_KS if kind == KIND_IQ2_KS else BLOCK_BYTES_IQ3_KS)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def ks_sub_block(row: np.ndarray, kind: int, o: int, ib: int) -> tuple[np.int32, np.int32]:
+    """Sub-block ib of the IQ2_KS / IQ3_KS block at o: its scale (4 bits, the fifth in the 16-bit flags word, minus
+    16) and where its half of the grid starts (the flags' shift bit)."""
     extra = np.int32(row[o]) | (np.int32(row[o + 1]) << 8)
+    if kind == KIND_IQ2_KS:
+        ls = ((np.int32(row[o + 2 + ib // 2]) >> (4 * (ib % 2))) & 15) | (((extra >> (8 + ib)) & 1) << 4)
+        return ls - 16, 4 * ((extra >> ib) & 1)
+    ls = ((np.int32(row[o + 2 + ib % 4]) >> (4 * (ib // 4))) & 15) | (((extra >> ib) & 1) << 4)
+    return ls - 16, 8 * ((extra >> (8 + ib)) & 1)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def ks_code(row: np.ndarray, kind: int, o: int, ib: int, j: int) -> np.int32:
+    """The code of value j of sub-block ib of the IQ2_KS / IQ3_KS block at o: bits 2 (ib % 4) of code byte
+    32 (ib // 4) + j (IQ3_KS: and bit ib of its high-bit byte j as the third)."""
+    k = (np.int32(row[o + 6 + 32 * (ib // 4) + j]) >> (2 * (ib % 4))) & 3
+    if kind == KIND_IQ3_KS:
+        k |= ((np.int32(row[o + 70 + j]) >> ib) & 1) << 2
+    return k
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _ks_ints(row: np.ndarray, kind: int, b: int, p: np.ndarray) -> np.float32:
+    """_block_ints of IQ2_KS and IQ3_KS: each sub-block's scale x its values' grid values (ks_sub_block,
+    ks_code)."""
+    o = ks_block_at(kind, b)
+    d = load_f16(row, 0)
     for ib in range(8):
-        if kind == KIND_IQ2_KS:
-            ls = ((np.int32(row[o + 2 + ib // 2]) >> (4 * (ib % 2))) & 15) | (((extra >> (8 + ib)) & 1) << 4)
-            off = 4 * ((extra >> ib) & 1)
-        else:
-            ls = ((np.int32(row[o + 2 + ib % 4]) >> (4 * (ib // 4))) & 15) | (((extra >> ib) & 1) << 4)
-            off = 8 * ((extra >> (8 + ib)) & 1)
-        scale = np.float32(ls - 16)
-        codes, shift = o + 6 + 32 * (ib // 4), 2 * (ib % 4)
+        ls, off = ks_sub_block(row, kind, o, ib)
+        scale = np.float32(ls)
         for j in range(32):
-            k = (np.int32(row[codes + j]) >> shift) & 3
+            k = ks_code(row, kind, o, ib, j)
             if kind == KIND_IQ2_KS:
                 p[32 * ib + j] = scale * _IQ2NL_FLOATS[off + k]
             else:
-                k |= ((np.int32(row[o + 70 + j]) >> ib) & 1) << 2
                 p[32 * ib + j] = scale * _IQ3NL_FLOATS[off + k]
     if d == 0:
         p[:] = 0
