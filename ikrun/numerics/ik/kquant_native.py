@@ -74,11 +74,10 @@ def _prepare_row(row: np.ndarray, kind: int, nb: int, wv: np.ndarray, lane_scale
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _row(kind, wv, lane_scale, mins, xu, xd, isums, tokens, m0, m1, out, r, sums):  # type: ignore[no-untyped-def]
-    """One prepared row against tokens[m0:m1] (out[m, r])."""
+def _row(kind, wv, lane_scale, mins, xu, xd, isums, tokens, m0, m1, out, r, sums, wsum, acc):  # type: ignore[no-untyped-def]
+    """One prepared row against tokens[m0:m1] (out[m, r]); `wsum` holds each 16 values' sum (sum w (u - 128) = sum
+    w u - 128 sum w), `sums` and `acc` a block's lanes."""
     nb = xd.shape[1] // 8
-    acc = np.empty(8, np.float32)
-    wsum = np.empty(16 * nb, np.int32)  # each 16 values' sum: sum w (u - 128) = sum w u - 128 sum w
     for g in range(16 * nb):
         total = np.int32(0)
         for t in range(16):
@@ -119,7 +118,7 @@ def _matmuls(raw, which, kind, xu, xd, isums, tokens, row_at, out, threads):  # 
         wv = np.empty(nb * SUPER, np.int8)
         lane_scale = np.empty(nb * 16, np.float32)
         mins = np.zeros(nb * 8, np.float32)
-        sums = np.empty(16, np.int32)
+        sums, wsum, acc = np.empty(16, np.int32), np.empty(16 * nb, np.int32), np.empty(8, np.float32)
         t0, t1 = claim_items(counter, per, tasks)
         while t0 < t1:
             for task in range(t0, t1):
@@ -129,7 +128,7 @@ def _matmuls(raw, which, kind, xu, xd, isums, tokens, row_at, out, threads):  # 
                     continue
                 for r in range(t * ROW_TILE, min(n_rows, (t + 1) * ROW_TILE)):
                     _prepare_row(raw[which[j], r], kind, nb, wv, lane_scale, mins)
-                    _row(kind, wv, lane_scale, mins, xu, xd, isums, tokens, m0, m1, out, r, sums)
+                    _row(kind, wv, lane_scale, mins, xu, xd, isums, tokens, m0, m1, out, r, sums, wsum, acc)
             t0, t1 = claim_items(counter, per, tasks)
 
 
