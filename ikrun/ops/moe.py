@@ -459,8 +459,8 @@ class _Activations:
 def _experts_product(x: _Activations, mats: ExpertMats, tokens: np.ndarray, row_at: np.ndarray, ik: str | None,
                      avx2: bool = False, into: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Rows `tokens` of x times their experts' matrices (expert j's rows tokens[row_at[j] : row_at[j + 1]]): under
-    --numerics ik (`ik` the weights' type) in ik's own kernel where it is reproduced (iqk_native.py: the file's rows
-    against the integer rows; `avx2`: its AVX2 build's, for IQ4_KS), in its float kernel per expert for an F32/F16/BF16
+    --numerics ik (`ik` the weights' type) in ik's own kernel where it is reproduced (numerics/ik/native.py: the
+    file's rows against the integer rows; `avx2`: its AVX2 build's), in its float kernel per expert for an F32/F16/BF16
     weight (`avx2`: its AVX2 build's 8-lane kernel, bf16 weights included); else all experts in one experts_matmul
     call on the rounded rows (its bits are each output's own FMA chain, so the same as a call per expert). With
     `into` (out, dest), result i goes to out[dest[i]] (returned: out)."""
