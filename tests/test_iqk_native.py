@@ -1,8 +1,8 @@
-"""ik's own IQ4_KS and IQ5_KS kernels (ikrun/numerics/ik/iqk_native.py) against ik's AVX-512 build
-(tests/data/iqk-native): its
-dense matmul, its MoE matmul and fused up-gate below 32 activation rows bit for bit, and a Qwen3-MoE whose IQ4_KS
-experts get fewer than 32 tokens: ik's base-logits file byte for byte and its final line, with one chunk and with
-four that share ik's micro-batch (ffn.micro_batches)."""
+"""ik's own IQ4_KS, IQ5_KS, IQ3_KS and IQ2_KS kernels (ikrun/numerics/ik/iqk_native.py) against ik's AVX-512 build
+(tests/data/iqk-native): its dense matmul (IQ4_KS, IQ5_KS: its MoE matmul and fused up-gate too) below 32
+activation rows bit for bit, and a Qwen3-MoE whose experts get fewer than 32 tokens: ik's base-logits file byte for
+byte and its final line, with one chunk and (IQ4_KS) with four that share ik's micro-batch (ffn.micro_batches). The
+same against its AVX2 build (tests/data/iqk-native-avx2: IQ4_KS, IQ3_KS, IQ2_KS)."""
 
 from __future__ import annotations
 
@@ -115,12 +115,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.parametrize(("type_name", "ctx", "chunks", "kld"), [
     ("IQ4_KS", 128, 1, "ik-c128.kld"), ("IQ4_KS", 256, 1, "ik-c256.kld"), ("IQ4_KS", 128, 4, "ik-c128x4.kld"),
-    ("IQ5_KS", 128, 1, "ik-iq5_ks-c128.kld")])
+    ("IQ5_KS", 128, 1, "ik-iq5_ks-c128.kld"), ("IQ3_KS", 128, 1, "ik-iq3_ks-c128.kld"),
+    ("IQ2_KS", 128, 1, "ik-iq2_ks-c128.kld")])
 def test_experts_below_32_tokens_give_iks_logits(models: dict[str, Path], type_name: str, ctx: int, chunks: int,
                                                   kld: str, tmp_path: Path) -> None:
     """ik's base-logits file byte for byte and its final line to the digit (most experts get 5-30 tokens of a
     chunk; four chunks of 128 share ik's 512-token micro-batch, where most get 32 or more: --ik-batch 2048, ik's
-    default -b)."""
+    default -b). IQ3_KS's and IQ2_KS's experts in the float path printed 522.9366 (ik: 523.5129) and 580.4391
+    (580.4589)."""
     out = tmp_path / "base.kld"
     res = runner.invoke(app, ["ppl", str(models[type_name]), "--text", str(TEXT), "-c", str(ctx), "--chunks",
                               str(chunks), "-t", "2", "--numerics", "ik", "--ik-batch", "2048", "--save-base-logits",
@@ -154,16 +156,18 @@ def test_experts_below_32_tokens_give_iks_avx2_logits(models: dict[str, Path], t
     assert line.split("=")[-1].split("+/-")[0].strip() in " ".join(res.output.split())
 
 
+@pytest.mark.parametrize("avx2", [True, False])
 @pytest.mark.parametrize("m", [1, 5, 31])
 @pytest.mark.parametrize("type_name", ["IQ3_KS", "IQ2_KS"])
-def test_avx2_own_kernel_matmul_is_iks(type_name: str, m: int) -> None:
+def test_ks_own_kernel_matmul_is_iks(type_name: str, m: int, avx2: bool) -> None:
     """IQ3_KS's and IQ2_KS's own kernels of ik's AVX2 build (IQ3_KS: multiply_add_avx2 over its signed grid values
     and 16-bit sub-block scales; IQ2_KS: multiply_add over its grid plus 32, each sub-block's minimum in a fused
-    multiply-add of its own): its ggml_mul_mat of 48 rows of 512 on m activation rows, bit for bit; the float path
-    is not."""
-    with np.load(AVX2 / f"cases-{type_name.lower()}.npz") as f:
+    multiply-add of its own) and of its AVX-512 build (IQ4_KS's 16 lanes over the unshifted grid plus 64 or 32, the
+    minima in lanes 0 .. 7): each build's ggml_mul_mat of the same 48 rows of 512 on m activation rows, bit for
+    bit; the float path is not."""
+    with np.load((AVX2 if avx2 else DATA) / f"cases-{type_name.lower()}.npz") as f:
         raw, x, ik = f[f"raw_{type_name}"], f["x"][:m], f[f"{type_name}_{m}"]
-    got = iqk_matmul(integer_rows(x, Q8_K), raw, type_name, avx2=True)
+    got = iqk_matmul(integer_rows(x, Q8_K), raw, type_name, avx2=avx2)
     np.testing.assert_array_equal(_bits(got), _bits(ik))
     decoded = type_by_name(type_name).require_codec().dequantize(raw, x.shape[1])
     assert not np.array_equal(round_activations(x, Q8_K) @ decoded.T, ik)

@@ -1,12 +1,13 @@
 """ik's own Q4_K, Q5_K and Q6_K kernels (ikrun/numerics/ik/kquant_native.py) against ik's AVX2 build
-(tests/data/kquant-native-avx2): its ggml_mul_mat bit for bit below the rows it converts from (where the float path
-they replace is not), and runs that take them: a Qwen3-MoE whose experts get fewer tokens than ik converts those
-types from, pure and as ik's Q4_K_M recipe (Q4_K up/gate beside Q6_K down: from 32 routed tokens to 63 ik converts
-the one and not the other), and a dense model whose every matrix takes Q6_K's own kernel (32-token micro-batches):
-ik's base-logits files byte for byte and its final lines. Those files hold 16-bit log-probabilities, coarser than
-the kernels' differences from the float path on these models (the float path writes them too), so the matmul
-cases are what tells the kernel from another arithmetic; the runs check that every kernel ik takes is one
---numerics ik-avx2 now runs, end to end."""
+(tests/data/kquant-native-avx2) and its AVX-512 build (tests/data/kquant-native; one kernel, which both builds'
+ggml_mul_mat show): bit for bit below the rows ik converts from (where the float path they replace is not), and
+runs that take them under --numerics ik-avx2 and --numerics ik: a Qwen3-MoE whose experts get fewer tokens than ik
+converts those types from, pure and as ik's Q4_K_M recipe (Q4_K up/gate beside Q6_K down: from 32 routed tokens to
+63 ik converts the one and not the other), and a dense model whose every matrix takes Q6_K's own kernel (32-token
+micro-batches): ik's base-logits files byte for byte and its final lines. Those files hold 16-bit
+log-probabilities, coarser than the kernels' differences from the float path on these models (the float path
+writes them too), so the matmul cases are what tells the kernel from another arithmetic; the runs check that every
+kernel ik takes is one each mode runs, end to end."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from ikrun.numerics.ik.formats import Q8_2_X4, integer_rows, round_activations
 from ikrun.numerics.ik.native import native_matmul
 
 DATA = Path(__file__).parent / "data"
-ORACLES = DATA / "kquant-native-avx2"
+#: each build's oracles, by the --numerics mode that models it
+ORACLES = {"ik-avx2": DATA / "kquant-native-avx2", "ik": DATA / "kquant-native"}
 TEXT = DATA / "logits" / "qwen3-moe" / "text.txt"
 #: the MoE files ik ran: file type, --pure, sha256 prefix
 MOE_FILES = {"q4_k": ("Q4_K_S", True, "a797537ddc175d0a"), "q5_k": ("Q5_K_S", True, "863847565fd809c2"),
@@ -48,58 +50,67 @@ def moe_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return files
 
 
-def _base_logits(gguf: Path, text: Path, ctx: int, chunks: int, batch: int, out: Path) -> str:
+def _base_logits(gguf: Path, text: Path, ctx: int, chunks: int, batch: int, out: Path, numerics: str) -> str:
     res = runner.invoke(app, ["ppl", str(gguf), "--text", str(text), "-c", str(ctx), "--chunks", str(chunks), "-t",
-                              "2", "--numerics", "ik-avx2", "--ik-batch", str(batch), "--save-base-logits", str(out)])
+                              "2", "--numerics", numerics, "--ik-batch", str(batch), "--save-base-logits", str(out)])
     assert res.exit_code == 0, res.output
     return " ".join(res.output.split())
 
 
-def _final(key: str) -> str:
-    lines = dict(line.split(" ", 1) for line in (ORACLES / "ik-final-lines.txt").read_text().splitlines())
+def _final(numerics: str, key: str) -> str:
+    lines = dict(line.split(" ", 1) for line in (ORACLES[numerics] / "ik-final-lines.txt").read_text().splitlines())
     return lines[key].split("=")[-1].split("+/-")[0].strip()
 
 
+@pytest.mark.parametrize("numerics", sorted(ORACLES))
 @pytest.mark.parametrize(("name", "ctx", "chunks"), [("q4_k", 128, 1), ("q5_k", 128, 1), ("q6_k", 128, 1),
                                                      ("q4_k_m", 256, 1), ("q4_k_m", 128, 4)])
 def test_experts_in_their_own_kernels_give_iks_logits(moe_files: dict[str, Path], name: str, ctx: int, chunks: int,
-                                                       tmp_path: Path) -> None:
+                                                       numerics: str, tmp_path: Path) -> None:
     """Most experts get 5-30 tokens of a 128-token chunk (each type's own kernel); at 256 tokens, and with four
     chunks in ik's 512-token micro-batch, the Q4_K_M file's experts of 32-63 tokens take converted Q4_K up/gate and
     Q6_K's own kernel for down (ops/moe.moe_experts, NativeRows)."""
     key = f"{name}-c{ctx}" + (f"x{chunks}" if chunks > 1 else "")
     out = tmp_path / "base.kld"
-    printed = _base_logits(moe_files[name], TEXT, ctx, chunks, 2048, out)
-    assert out.read_bytes() == (ORACLES / f"ik-{key}.kld").read_bytes()
-    assert _final(key) in printed
+    printed = _base_logits(moe_files[name], TEXT, ctx, chunks, 2048, out, numerics)
+    assert out.read_bytes() == (ORACLES[numerics] / f"ik-{key}.kld").read_bytes()
+    assert _final(numerics, key) in printed
 
 
-def test_every_dense_matrix_in_q6_ks_own_kernel_gives_iks_logits(tmp_path: Path) -> None:
+@pytest.mark.parametrize("numerics", sorted(ORACLES))
+def test_every_dense_matrix_in_q6_ks_own_kernel_gives_iks_logits(numerics: str, tmp_path: Path) -> None:
     """The 4-layer qwen3-plan model as pure Q6_K (made again from ik's Q8_0 file) in 32-token micro-batches: every
-    projection and the output take Q6_K's own kernel (ik converts it from 64 rows)."""
+    projection and the output take Q6_K's own kernel (ik converts it from 64 rows). Both builds wrote the same
+    file (kept once, in the AVX2 build's folder)."""
     gguf = tmp_path / "q6_k.gguf"
     quantize_model(DATA / "convert" / "qwen3-plan-quants" / "ik-q8_0.gguf", gguf,
                    QuantizeOptions(file_type("Q6_K"), pure=True, allow_requantize=True))
     assert hashlib.sha256(gguf.read_bytes()).hexdigest().startswith("8489cb6f96fefb36")
     out = tmp_path / "base.kld"
-    printed = _base_logits(gguf, DATA / "logits" / "qwen3-plan" / "text.txt", 32, 8, 32, out)
-    assert out.read_bytes() == (ORACLES / "ik-plan-q6_k-c32.kld").read_bytes()
-    assert _final("plan-q6_k-c32") in printed
+    printed = _base_logits(gguf, DATA / "logits" / "qwen3-plan" / "text.txt", 32, 8, 32, out, numerics)
+    assert out.read_bytes() == (ORACLES["ik-avx2"] / "ik-plan-q6_k-c32.kld").read_bytes()
+    assert _final("ik-avx2", "plan-q6_k-c32") in printed
 
 
 @pytest.fixture(scope="module")
 def cases() -> dict[str, np.ndarray]:
-    with np.load(ORACLES / "cases.npz") as f:
-        return {k: f[k] for k in f.files}
+    """The AVX2 build's cases (weights, activations, outputs) and the AVX-512 build's outputs of the same, under
+    "avx512/"."""
+    with np.load(ORACLES["ik-avx2"] / "cases.npz") as f, np.load(ORACLES["ik"] / "outputs.npz") as g:
+        return {**{k: f[k] for k in f.files}, **{f"avx512/{k}": g[k] for k in g.files}}
 
 
+@pytest.mark.parametrize("avx2", [True, False])
 @pytest.mark.parametrize(("type_name", "m"), [(t, m) for t in ("Q4_K", "Q5_K") for m in (1, 5, 31)]
                          + [("Q6_K", m) for m in (1, 5, 31, 63)])
-def test_a_matmul_below_the_conversion_rows_is_iks(cases: dict[str, np.ndarray], type_name: str, m: int) -> None:
-    """ik's ggml_mul_mat of 48 rows of 512 (one thread) on m activation rows, bit for bit; the float path (the
-    decoded weights against the rounded activations) is not, so the check can fail."""
-    raw, x, ik = cases[f"raw_{type_name}"], cases["x"][:m], cases[f"{type_name}_{m}"]
-    got = native_matmul(integer_rows(x, Q8_2_X4), raw, type_name)
+def test_a_matmul_below_the_conversion_rows_is_iks(cases: dict[str, np.ndarray], type_name: str, m: int,
+                                                   avx2: bool) -> None:
+    """ik's ggml_mul_mat of 48 rows of 512 (one thread) on m activation rows, its AVX2 build's and its AVX-512
+    build's, bit for bit; the float path (the decoded weights against the rounded activations) is not, so the
+    check can fail."""
+    raw, x = cases[f"raw_{type_name}"], cases["x"][:m]
+    ik = cases[("" if avx2 else "avx512/") + f"{type_name}_{m}"]
+    got = native_matmul(integer_rows(x, Q8_2_X4), raw, type_name, avx2)
     np.testing.assert_array_equal(got.view(np.uint32), ik.view(np.uint32))
     decoded = type_by_name(type_name).require_codec().dequantize(raw, x.shape[1])
     assert not np.array_equal(round_activations(x, Q8_2_X4) @ decoded.T, ik)

@@ -1,7 +1,10 @@
-"""ik's own IQ4_KS and IQ5_KS kernels of its AVX-512 build, for `--numerics ik`: what ik multiplies those weights with
-below the activation rows from which it converts them (IkKernel.convert_rows: a routed expert's few tokens, a
-one-token decode), Q8_K activations against the stored codes. IQ5_KS's is IQ4_KS's with 5-bit codes (the fifth
-bits picking one of two 16-byte tables) and a grid shift of 2.
+"""ik's own IQ4_KS, IQ5_KS, IQ3_KS and IQ2_KS kernels of its AVX-512 build, for `--numerics ik`: what ik multiplies
+those weights with below the activation rows from which it converts them (IkKernel.convert_rows: a routed expert's
+few tokens, a one-token decode), Q8_K activations against the stored codes. IQ5_KS's is IQ4_KS's with 5-bit codes
+(the fifth bits picking one of two 16-byte tables) and a grid shift of 2. IQ3_KS's and IQ2_KS's have the same lanes
+over their unshifted grid plus 64 and plus 32 (unsigned bytes whose pair sums stay below 32767: no saturation),
+each sub-block's minimum its scale x (the grid half's shift, 4 and 5, minus 64 and 32), and the row's f16 scale;
+they run in the scalar loop on every CPU.
 
 Per 256 values of a row and an activation row, the kernel holds 16 int32 lanes. It takes the codes as unsigned
 bytes, the grid plus 128 (1 .. 241; a sub-block on the shifted grid, whose values are 4 more, moves those 4 to its
@@ -46,13 +49,22 @@ from ikquant.cpu import host_has
 from ikquant.formats.iqk_grids import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
 from ikquant.formats.jit import read_only
 from ikquant.formats.numeric import fmaf, hsum_float_8, load_f16, load_f32
-from ikrun.numerics.ik.q8k_direct import KIND_IQ2_KS, KIND_IQ3_KS, KIND_IQ4_KS, ks_block_at, ks_code, ks_sub_block
+from ikrun.numerics.ik.q8k_direct import (
+    KIND_IQ2_KS,
+    KIND_IQ3_KS,
+    KIND_IQ4_KS,
+    KIND_IQ5_KS,
+    ks_block_at,
+    ks_code,
+    ks_sub_block,
+)
 from ikrun.numerics.ik.qgemm import IntRows
 from ikrun.ops.parallel import claim_items, task_items
 from ikrun.ops.simd import splat
 
-#: the weight types whose own kernel (below their conversion threshold) is reproduced here, by their code here
-NATIVE_TYPES = {"IQ4_KS": 0, "IQ5_KS": 1}
+#: the weight types whose own kernel in ik's AVX-512 build (below their conversion threshold) is reproduced, by
+#: q8k_direct's kind
+NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ5_KS": KIND_IQ5_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS}
 #: the weight types whose own kernel in ik's AVX2 build is reproduced (_scalar_row_avx2), by q8k_direct's kind
 AVX2_NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS}
 #: IQ2_KS's unshifted grid plus 32, the unsigned bytes ik's AVX2 kernel multiplies (a shifted sub-block's +5 and the
@@ -63,15 +75,20 @@ _IQ2KS_UNSIGNED = (IQ2NL_VALUES[:4].astype(np.int32) + 32).astype(np.int8)
 HAS_AVX512BW = host_has("avx512bw")
 SUPER = 256
 SUB = 32
-#: per 256 values: 8 sub-block scale bytes and the codes (IQ4_KS 128 bytes of 4 bits; IQ5_KS 128 of their low 4
-#: bits, two sub-blocks to 32 bytes, then 32 of their fifth bits)
-BLOCK_BYTES = np.array([136, 168], np.int64)
-#: what a sub-block on the shifted grid adds to every value (IQ4_KS 4, IQ5_KS 2)
-GRID_SHIFT = np.array([4, 2], np.int64)
+#: IQ4_KS's and IQ5_KS's bytes per 256 values, by kind: 8 sub-block scale bytes and the codes (IQ4_KS 128 bytes of 4
+#: bits; IQ5_KS 128 of their low 4 bits, two sub-blocks to 32 bytes, then 32 of their fifth bits)
+BLOCK_BYTES = np.zeros(max(NATIVE_TYPES.values()) + 1, np.int64)
+BLOCK_BYTES[[KIND_IQ4_KS, KIND_IQ5_KS]] = 136, 168
+#: what a sub-block on the shifted grid adds to every value of IQ4_KS (4) and IQ5_KS (2), by kind
+GRID_SHIFT = np.zeros_like(BLOCK_BYTES)
+GRID_SHIFT[[KIND_IQ4_KS, KIND_IQ5_KS]] = 4, 2
 ROW_TILE = 16  # weight rows a task multiplies (row by row) against all its matrix's tokens
 #: the unshifted grids plus 128: the unsigned bytes ik's kernels multiply
 _UNSIGNED4 = (IQ4K_VALUES[:16].astype(np.int32) + 128).astype(np.uint8)
 _UNSIGNED5 = (IQ5NL_VALUES[:32].astype(np.int32) + 128).astype(np.uint8)
+#: IQ3_KS's unshifted grid plus 64, the unsigned bytes ik's AVX-512 kernel multiplies (the shift and the -64 go to
+#: the sub-block's minimum; IQ2_KS's are _IQ2KS_UNSIGNED there too)
+_UNSIGNED3 = (IQ3NL_VALUES[:8].astype(np.int32) + 64).astype(np.uint8)
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V64B, _V32S, _V16I, _V16F = (ir.VectorType(_I8, 64), ir.VectorType(_I16, 32), ir.VectorType(_I32, 16),
                               ir.VectorType(_F32, 16))
@@ -84,12 +101,12 @@ def _unsigned_codes(builder: ir.IRBuilder, block: ir.Value, kind: int, k: int) -
     v32b = ir.VectorType(_I8, 32)
     shuffle_bytes = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V64B, [_V64B, _V64B]),
                                                    "llvm.x86.avx512.pshuf.b.512")
-    signed = [int(v) - 256 if v > 127 else int(v) for v in (_UNSIGNED4 if kind == 0 else _UNSIGNED5).tolist()]
+    signed = [int(v) - 256 if v > 127 else int(v) for v in (_UNSIGNED4 if kind == KIND_IQ4_KS else _UNSIGNED5).tolist()]
     codes = builder.load(builder.bitcast(builder.gep(block, [ir.Constant(_I64, 8 + 32 * k)]), v32b.as_pointer()),
                          align=1)
     low = builder.and_(codes, ir.Constant(v32b, [15] * 32))
     high = builder.lshr(codes, ir.Constant(v32b, [4] * 32))
-    if kind == 0:  # sub-block m's codes: 16 bytes, low nibbles its first 16 values, high its last
+    if kind == KIND_IQ4_KS:  # sub-block m's codes: 16 bytes, low nibbles its first 16 values, high its last
         order = list(range(16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
         return builder.call(shuffle_bytes, [ir.Constant(_V64B, signed * 4),
                                             builder.shuffle_vector(low, high, ir.Constant(_V64I, order))])
@@ -191,7 +208,7 @@ def _no_vector(row, ro, d, xu, n, tokens, m0, m1, sums, nsub, xd, nb, i, acc):  
 
 
 #: the vector forms (IQ4_KS, IQ5_KS) where they compile, else a stand-in never called
-_block_fast4, _block_fast5 = ((_block_vector(0), _block_vector(1)) if HAS_AVX512BW else
+_block_fast4, _block_fast5 = ((_block_vector(KIND_IQ4_KS), _block_vector(KIND_IQ5_KS)) if HAS_AVX512BW else
                               (njit(cache=True, nogil=True)(_no_vector),) * 2)
 
 
@@ -199,7 +216,22 @@ _block_fast4, _block_fast5 = ((_block_vector(0), _block_vector(1)) if HAS_AVX512
 def _prepare_row(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.ndarray, mins: np.ndarray) -> np.float32:
     """A row's codes as the kernel's unsigned bytes (wu), each block's scales as vpmaddwd takes them (per 64 values
     32 int16: the first sub-block's scale 16 times, then the second's; sc), each sub-block's minimum (mins);
-    returns the row's scale d."""
+    returns the row's scale d. IQ3_KS and IQ2_KS (read as q8k_direct reads them): the unshifted grid plus 64 and
+    32, the minimum scale x (the grid half's shift, 4 and 5, minus that bias)."""
+    if kind == KIND_IQ2_KS or kind == KIND_IQ3_KS:
+        grid = IQ2NL_VALUES if kind == KIND_IQ2_KS else IQ3NL_VALUES
+        bias = 32 if kind == KIND_IQ2_KS else 64
+        for i in range(nb):
+            o = ks_block_at(kind, i)
+            for m in range(8):
+                s, off = ks_sub_block(row, kind, o, m)
+                mins[8 * i + m] = s * (np.int32(grid[off]) - np.int32(grid[0]) - bias)
+                for j in range(16):
+                    sc[128 * i + 16 * m + j] = s
+                for j in range(SUB):
+                    k = ks_code(row, kind, o, m, j)
+                    wu[SUPER * i + SUB * m + j] = _IQ2KS_UNSIGNED[k] if kind == KIND_IQ2_KS else _UNSIGNED3[k]
+        return load_f16(row, 0)
     for i in range(nb):
         o = 4 + BLOCK_BYTES[kind] * i
         for m in range(8):
@@ -209,7 +241,7 @@ def _prepare_row(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.nda
             for j in range(16):
                 sc[128 * i + 16 * m + j] = s
             at = SUPER * i + SUB * m
-            if kind == 0:
+            if kind == KIND_IQ4_KS:
                 for j in range(16):
                     c = np.int32(row[o + 8 + 16 * m + j])
                     wu[at + j] = _UNSIGNED4[c & 15]
@@ -269,7 +301,7 @@ def _prepare_row_avx2(row: np.ndarray, kind: int, nb: int, wv: np.ndarray, sc: n
                     wv[SUPER * i + SUB * ib + j] = v
         return load_f16(row, 0)
     for i in range(nb):
-        o = 4 + BLOCK_BYTES[0] * i
+        o = 4 + BLOCK_BYTES[KIND_IQ4_KS] * i
         for m in range(8):
             b = np.int32(row[o + m])
             sc[8 * i + m] = (b & 254) - 127
@@ -332,14 +364,14 @@ def _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows,
                 out[m, r] = hsum_float_8(acc[8 * (m - m0) : 8 * (m - m0) + 8])
             continue
         acc[: 16 * (m1 - m0)] = 0
-        if vector:
+        if vector and (kind == KIND_IQ4_KS or kind == KIND_IQ5_KS):
             d = load_f32(row, 0)
             for i in range(nb):
-                if kind == 0:
-                    _block_fast4(row, 4 + BLOCK_BYTES[0] * i, d, xu_flat, n, tokens, m0, m1, sums_flat, nb * 8,
+                if kind == KIND_IQ4_KS:
+                    _block_fast4(row, 4 + BLOCK_BYTES[kind] * i, d, xu_flat, n, tokens, m0, m1, sums_flat, nb * 8,
                                  xd_flat, nb, i, acc)
                 else:
-                    _block_fast5(row, 4 + BLOCK_BYTES[1] * i, d, xu_flat, n, tokens, m0, m1, sums_flat, nb * 8,
+                    _block_fast5(row, 4 + BLOCK_BYTES[kind] * i, d, xu_flat, n, tokens, m0, m1, sums_flat, nb * 8,
                                  xd_flat, nb, i, acc)
         else:
             _scalar_row(row, kind, xu, xd, sub_sums, tokens, m0, m1, wu, sc, mins, lanes, acc)
