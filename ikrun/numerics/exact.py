@@ -437,8 +437,9 @@ class Numerics:
             half = self.weights.half_experts(name, real)
             if half is not None:
                 return half
-            if self.multiplies_decoding(name, counts[ids]):
-                panels = self.weights.panel_experts(name, real, self.reads_file_rows(name))
+            own = self.reads_file_rows(name, counts[ids])
+            if own or self.multiplies_decoding(name, counts[ids]):
+                panels = self.weights.panel_experts(name, real, own)
                 if panels is not None:
                     return panels
             return self.convert_experts(name, real, counts[ids],
@@ -450,9 +451,9 @@ class Numerics:
 
         return fetch
 
-    def reads_file_rows(self, name: str) -> bool:
-        """Whether the experts of `name` are multiplied from the file's rows by a kernel of their type's own (not
-        from a decoding, even a cached one)."""
+    def reads_file_rows(self, name: str, counts: np.ndarray) -> bool:
+        """Whether the experts of `name` with `counts` routed tokens each are multiplied from the file's rows by a
+        kernel of their type's own (not from a decoding, even a cached one)."""
         return False
 
     def multiplies_decoding(self, name: str, counts: np.ndarray) -> bool:

@@ -1034,9 +1034,13 @@ class IkNumerics(Numerics):
         raw = self.weights.encoding(name).raw.reshape(n_expert, rows, -1)[expert]
         return NativeRows(raw, self.weights.encoding(name).type.name, self.avx2)
 
-    def reads_file_rows(self, name: str) -> bool:
-        """ik's own kernels reproduced in native.py read the experts' rows."""
-        return self._native(name)
+    def reads_file_rows(self, name: str, counts: np.ndarray) -> bool:
+        """ik's own kernels reproduced in native.py read the experts' rows, where it converts none of them (below
+        the type's conversion threshold; IQ6_K's own kernel multiplies other values than its decoding, so
+        multiplies_decoding alone would not say so)."""
+        kernel, rows = self._kernel(self.weights.encoding(name).type.name), self.weights.info(name).shape[1]
+        return self._native(name) and not any(kernel.converts(c, rows, row_group=self.row_group)
+                                              for c in np.unique(counts).tolist())
 
     def _native(self, name: str) -> bool:
         """Whether weight `name` is multiplied in ik's own kernel of its type where ik does not convert it

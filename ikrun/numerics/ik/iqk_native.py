@@ -1,10 +1,14 @@
-"""ik's own IQ4_KS, IQ5_KS, IQ3_KS and IQ2_KS kernels of its AVX-512 build, for `--numerics ik`: what ik multiplies
-those weights with below the activation rows from which it converts them (IkKernel.convert_rows: a routed expert's
-few tokens, a one-token decode), Q8_K activations against the stored codes. IQ5_KS's is IQ4_KS's with 5-bit codes
+"""ik's own IQ4_KS, IQ5_KS, IQ3_KS, IQ2_KS, IQ3_K, IQ4_K, IQ5_K and IQ6_K kernels of its AVX-512 build, for
+`--numerics ik`: what ik multiplies those weights with below the activation rows from which it converts them
+(IkKernel.convert_rows: a routed expert's few tokens, a one-token decode), Q8_K activations against the stored
+codes. IQ5_KS's is IQ4_KS's with 5-bit codes
 (the fifth bits picking one of two 16-byte tables) and a grid shift of 2. IQ3_KS's and IQ2_KS's have the same lanes
 over their unshifted grid plus 64 and plus 32 (unsigned bytes whose pair sums stay below 32767: no saturation),
 each sub-block's minimum its scale x (the grid half's shift, 4 and 5, minus 64 and 32), and the row's f16 scale;
-they run in the scalar loop on every CPU.
+they run in the scalar loop on every CPU. The types of 16-value sub-blocks and a block scale d (IQ3_K, IQ4_K,
+IQ5_K, IQ6_K) take another kernel (mul_mat_iqX_k_q8_K_AVX512, _scalar_row_xk): the same 16 lanes of saturated pair
+sums times their sub-block's scale, the minima in 8 lanes of their own, the two lane sets added up only at the end
+(checked bit for bit against ggml_mul_mat; the 4-6 bit types' pair sums saturate as IQ4_KS's).
 
 Per 256 values of a row and an activation row, the kernel holds 16 int32 lanes. It takes the codes as unsigned
 bytes, the grid plus 128 (1 .. 241; a sub-block on the shifted grid, whose values are 4 more, moves those 4 to its
@@ -46,12 +50,14 @@ from numba.core import cgutils
 from numba.core.extending import intrinsic
 
 from ikquant.cpu import host_has
-from ikquant.formats.iqk_grids import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES
+from ikquant.formats.iqk_grids import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
 from ikquant.formats.jit import read_only
 from ikquant.formats.numeric import fmaf, hsum_float_8, load_f16, load_f32
 from ikrun.numerics.ik.q8k_direct import (
     KIND_IQ2_KS,
+    KIND_IQ3_K,
     KIND_IQ3_KS,
+    KIND_IQ4_K,
     KIND_IQ4_KS,
     KIND_IQ5_KS,
     ks_block_at,
@@ -62,9 +68,12 @@ from ikrun.numerics.ik.qgemm import IntRows
 from ikrun.ops.parallel import claim_items, task_items
 from ikrun.ops.simd import splat
 
+#: IQ5_K's and IQ6_K's kinds here, after q8k_direct's (which packs neither)
+KIND_IQ5_K, KIND_IQ6_K = 7, 8
 #: the weight types whose own kernel in ik's AVX-512 build (below their conversion threshold) is reproduced, by
 #: q8k_direct's kind
-NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ5_KS": KIND_IQ5_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS}
+NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ5_KS": KIND_IQ5_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS,
+                "IQ3_K": KIND_IQ3_K, "IQ4_K": KIND_IQ4_K, "IQ5_K": KIND_IQ5_K, "IQ6_K": KIND_IQ6_K}
 #: the weight types whose own kernel in ik's AVX2 build is reproduced (_scalar_row_avx2), by q8k_direct's kind
 AVX2_NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS}
 #: IQ2_KS's unshifted grid plus 32, the unsigned bytes ik's AVX2 kernel multiplies (a shifted sub-block's +5 and the
@@ -79,6 +88,8 @@ SUB = 32
 #: bits; IQ5_KS 128 of their low 4 bits, two sub-blocks to 32 bytes, then 32 of their fifth bits)
 BLOCK_BYTES = np.zeros(max(NATIVE_TYPES.values()) + 1, np.int64)
 BLOCK_BYTES[[KIND_IQ4_KS, KIND_IQ5_KS]] = 136, 168
+#: the 16-value sub-block types' bytes per 256 values (each block's f16 d first)
+BLOCK_BYTES[[KIND_IQ3_K, KIND_IQ4_K, KIND_IQ5_K, KIND_IQ6_K]] = 110, 144, 176, 212
 #: what a sub-block on the shifted grid adds to every value of IQ4_KS (4) and IQ5_KS (2), by kind
 GRID_SHIFT = np.zeros_like(BLOCK_BYTES)
 GRID_SHIFT[[KIND_IQ4_KS, KIND_IQ5_KS]] = 4, 2
@@ -89,6 +100,13 @@ _UNSIGNED5 = (IQ5NL_VALUES[:32].astype(np.int32) + 128).astype(np.uint8)
 #: IQ3_KS's unshifted grid plus 64, the unsigned bytes ik's AVX-512 kernel multiplies (the shift and the -64 go to
 #: the sub-block's minimum; IQ2_KS's are _IQ2KS_UNSIGNED there too)
 _UNSIGNED3 = (IQ3NL_VALUES[:8].astype(np.int32) + 64).astype(np.uint8)
+#: IQ6_K's unshifted table plus 128
+_UNSIGNED6 = (IQ6NL_VALUES[:64].astype(np.int32) + 128).astype(np.uint8)
+#: the 16-value sub-block types' minimum factor: the unsigned bias and what a shifted sub-block adds, by kind
+XK_BIAS = np.zeros_like(BLOCK_BYTES)
+XK_BIAS[[KIND_IQ3_K, KIND_IQ4_K, KIND_IQ5_K, KIND_IQ6_K]] = 64, 128, 128, 128
+XK_SHIFT = np.zeros_like(BLOCK_BYTES)
+XK_SHIFT[[KIND_IQ3_K, KIND_IQ4_K, KIND_IQ5_K, KIND_IQ6_K]] = 4, 4, 2, 1
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V64B, _V32S, _V16I, _V16F = (ir.VectorType(_I8, 64), ir.VectorType(_I16, 32), ir.VectorType(_I32, 16),
                               ir.VectorType(_F32, 16))
@@ -344,8 +362,115 @@ def _scalar_row_avx2(row, kind, xu, xd, sub_sums, tokens, m0, m1, wv, sc, mins, 
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _sixteens(kind: int) -> bool:
+    """Whether `kind` is a type of 16-value sub-blocks, which ik's AVX-512 build multiplies in
+    mul_mat_iqX_k_q8_K_AVX512 (_scalar_row_xk)."""
+    return kind == KIND_IQ3_K or kind == KIND_IQ4_K or kind == KIND_IQ5_K or kind == KIND_IQ6_K
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _xk_code(blk: np.ndarray, kind: int, ib: int, j: int) -> np.int32:
+    """The code of value j of 16-value sub-block ib of an IQ3_K / IQ4_K / IQ5_K / IQ6_K block (its bytes blk), as
+    ikquant's decoders read it."""
+    h = ib // 2
+    if kind == KIND_IQ3_K:
+        return (((np.int32(blk[14 + 32 * (h // 4) + 16 * (ib % 2) + j]) >> (2 * (h % 4))) & 3)
+                | (((np.int32(blk[78 + 16 * (ib % 2) + j]) >> h) & 1) << 2))
+    if kind == KIND_IQ4_K:
+        return (np.int32(blk[16 + 16 * h + j]) >> (4 * (ib % 2))) & 15
+    if kind == KIND_IQ5_K:
+        return (((np.int32(blk[16 + 32 * (h // 2) + 16 * (ib % 2) + j]) >> (4 * (h % 2))) & 15)
+                | (((np.int32(blk[144 + 16 * (ib % 2) + j]) >> h) & 1) << 4))
+    return (((np.int32(blk[20 + 32 * (h // 2) + 16 * (ib % 2) + j]) >> (4 * (h % 2))) & 15)
+            | (((np.int32(blk[148 + 32 * (h // 4) + 16 * (ib % 2) + j]) >> (2 * (h % 4))) & 3) << 4))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _xk_scale(blk: np.ndarray, kind: int, ib: int) -> np.int32:
+    """16-value sub-block ib's integer scale: IQ3_K 2 x its nibble + 1, negative where its sign bit is set; IQ4_K and
+    IQ5_K 6 bits (a nibble and 2 high bits) minus 32; IQ6_K a signed byte."""
+    if kind == KIND_IQ6_K:
+        return np.int32(np.int8(blk[4 + ib]))
+    if kind == KIND_IQ3_K:
+        ls = 2 * ((np.int32(blk[6 + ib // 2]) >> (4 * (ib % 2))) & 15) + 1
+        signs = np.int32(blk[4]) | (np.int32(blk[5]) << 8)
+        return -ls if (signs >> ib) & 1 else ls
+    ls = ((np.int32(blk[8 + ib // 2]) >> (4 * (ib % 2))) & 15) | (((np.int32(blk[4 + ib // 4]) >> (2 * (ib % 4))) & 3)
+                                                                  << 4)
+    return ls - 32
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _prepare_row_xk(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.ndarray, mins: np.ndarray,
+                    dblk: np.ndarray) -> None:
+    """An IQ3_K / IQ4_K / IQ5_K / IQ6_K row as ik's AVX-512 kernel holds it: every value's unsigned byte, the
+    unshifted grid plus XK_BIAS (wu), each 16-value sub-block's scale (sc[16 i + ib]) and minimum, scale x (-bias, +
+    XK_SHIFT where the block's flag bit ib shifts the sub-block's grid) (mins), each block's f16 d (dblk)."""
+    for i in range(nb):
+        blk = row[BLOCK_BYTES[kind] * i : BLOCK_BYTES[kind] * (i + 1)]
+        dblk[i] = load_f16(blk, 0)
+        extra = np.int32(blk[2]) | (np.int32(blk[3]) << 8)
+        for ib in range(16):
+            s = _xk_scale(blk, kind, ib)
+            sc[16 * i + ib] = s
+            mins[16 * i + ib] = s * (XK_SHIFT[kind] * ((extra >> ib) & 1) - XK_BIAS[kind])
+            for j in range(16):
+                k = _xk_code(blk, kind, ib, j)
+                if kind == KIND_IQ3_K:
+                    u = _UNSIGNED3[k]
+                elif kind == KIND_IQ4_K:
+                    u = _UNSIGNED4[k]
+                elif kind == KIND_IQ5_K:
+                    u = _UNSIGNED5[k]
+                else:
+                    u = _UNSIGNED6[k]
+                wu[SUPER * i + 16 * ib + j] = u
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _scalar_row_xk(row, kind, xu, xd, sums16, tokens, m0, m1, wu, sc, mins, dblk, acc):  # type: ignore[no-untyped-def]
+    """One IQ3_K / IQ4_K / IQ5_K / IQ6_K row against tokens[m0:m1] as ik's AVX-512 build multiplies it
+    (mul_mat_iqX_k_q8_K_AVX512): per 256 values 16 lanes, lane l summing for k = 0 .. 3 the scale of sub-block
+    4 k + l // 4 times each of vpmaddubsw's two pair sums of values 64 k + 4 l .. + 3 (unsigned bytes against the
+    activation integers, saturated at 16 bits), and 8 minima lanes, lane j the minima of sub-blocks 2 j, 2 j + 1
+    times their 16 activations' sums (exact); both added per block as fma(d x the token's scale, float(lane),
+    acc), then the row's result hsum_float_8 of minima lane j + (lane j + lane j + 8). acc: per token 8 minima
+    accumulators, then 16."""
+    nb = xd.shape[1]
+    _prepare_row_xk(row, kind, nb, wu, sc, mins, dblk)
+    for m in range(m0, m1):
+        x = tokens[m]
+        a = acc[24 * (m - m0) : 24 * (m - m0) + 24]
+        for i in range(nb):
+            dd = dblk[i] * xd[x, i]
+            for j in range(8):
+                total = (mins[16 * i + 2 * j] * sums16[m, 16 * i + 2 * j]
+                         + mins[16 * i + 2 * j + 1] * sums16[m, 16 * i + 2 * j + 1])
+                a[j] = fmaf(dd, np.float32(np.int32(total)), a[j])
+            for lane in range(16):
+                total = np.int64(0)
+                for k in range(4):
+                    s = np.int64(sc[16 * i + 4 * k + lane // 4])
+                    for half in range(2):
+                        at = SUPER * i + 64 * k + 4 * lane + 2 * half
+                        pair = (np.int32(wu[at]) * (np.int32(xu[x, at]) - 128)
+                                + np.int32(wu[at + 1]) * (np.int32(xu[x, at + 1]) - 128))
+                        total += min(32767, max(-32768, pair)) * s
+                a[8 + lane] = fmaf(dd, np.float32(np.int32(total)), a[8 + lane])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _hsum_xk(a: np.ndarray) -> np.float32:
+    """The row's result from _scalar_row_xk's accumulators: hsum_float_8(minima + (low half + high half))."""
+    v = np.empty(8, np.float32)
+    for j in range(8):
+        v[j] = a[j] + (a[8 + j] + a[16 + j])
+    return hsum_float_8(v)
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector, wu, sc,  # type: ignore[no-untyped-def]
-          mins, lanes, acc, avx2, wv, sc8):
+          mins, lanes, acc, avx2, wv, sc8, dblk):
     """Weight rows ROW_TILE x t .. of matrix j (task = j x tiles + t; raw's matrix which[j]) against matrix j's
     tokens, row by row."""
     tiles = -(-n_rows // ROW_TILE)
@@ -357,6 +482,12 @@ def _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows,
     xu_flat, sums_flat, xd_flat = xu.reshape(-1), sub_sums.reshape(-1), xd.reshape(-1)
     for r in range(t * ROW_TILE, min(n_rows, (t + 1) * ROW_TILE)):
         row = raw[which[j], r]
+        if _sixteens(kind):
+            acc[: 24 * (m1 - m0)] = 0
+            _scalar_row_xk(row, kind, xu, xd, sub_sums, tokens, m0, m1, wu, sc, mins, dblk, acc)
+            for m in range(m0, m1):
+                out[m, r] = _hsum_xk(acc[24 * (m - m0) : 24 * (m - m0) + 24])
+            continue
         if avx2:
             acc[: 8 * (m1 - m0)] = 0
             _scalar_row_avx2(row, kind, xu, xd, sub_sums, tokens, m0, m1, wv, sc8, mins, acc)
@@ -390,28 +521,31 @@ def _matmuls(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, vector, mo
     for _ in prange(threads):
         wu = np.empty(nb * SUPER, np.uint8)
         sc = np.empty(nb * 128, np.int16)
-        mins = np.empty(nb * 8, np.int32)
+        mins = np.empty(nb * 16, np.int32)
         lanes = np.zeros(16, np.int32)
-        acc = np.empty(16 * most, np.float32)
+        acc = np.empty(24 * most, np.float32)
         wv = np.empty(nb * SUPER, np.int8)
         sc8 = np.empty(nb * 8, np.int16)
+        dblk = np.empty(nb, np.float32)
         t0, t1 = claim_items(counter, per, tasks)
         while t0 < t1:
             for task in range(t0, t1):
                 _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector, wu, sc, mins,
-                      lanes, acc, avx2, wv, sc8)
+                      lanes, acc, avx2, wv, sc8, dblk)
             t0, t1 = claim_items(counter, per, tasks)
 
 
 @njit(cache=True, nogil=True)
 def _sub_block_sums(xu: np.ndarray, tokens: np.ndarray, sums: np.ndarray) -> None:
-    """The sum of each 32 activation integers of the rows `tokens` (what the minima multiply)."""
+    """The sum of each 32 (or, for sums twice as wide, 16) activation integers of the rows `tokens` (what the
+    minima multiply)."""
+    width = xu.shape[1] // sums.shape[1]
     for m in range(len(tokens)):
         row = xu[tokens[m]]
         for b in range(sums.shape[1]):
             total = 0
-            for j in range(SUB):
-                total += int(row[SUB * b + j]) - 128
+            for j in range(width):
+                total += int(row[width * b + j]) - 128
             sums[m, b] = total
 
 
@@ -431,7 +565,8 @@ def iqk_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndar
     raw = read_only(np.ascontiguousarray(raw))
     tokens = np.ascontiguousarray(tokens, dtype=np.int64)
     row_at = np.ascontiguousarray(row_at, dtype=np.int64)
-    sums = np.empty((len(tokens), x.u.shape[1] // SUB), np.int32)
+    sixteens = type_name in ("IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K") and not avx2
+    sums = np.empty((len(tokens), x.u.shape[1] // (16 if sixteens else SUB)), np.int32)
     _sub_block_sums(x.u, tokens, sums)
     out = np.empty((len(tokens), raw.shape[1]), np.float32)
     most = int(np.diff(row_at).max(initial=0))
