@@ -1,4 +1,4 @@
-"""ik's own IQ4_KS, IQ5_KS, IQ3_KS, IQ2_KS, IQ3_K, IQ4_K, IQ5_K and IQ6_K kernels of its AVX-512 build, for
+"""ik's own IQ4_KS, IQ5_KS, IQ3_KS, IQ2_KS and IQ2_K ... IQ6_K kernels of its AVX-512 build, for
 `--numerics ik`: what ik multiplies those weights with below the activation rows from which it converts them
 (IkKernel.convert_rows: a routed expert's few tokens, a one-token decode), Q8_K activations against the stored
 codes. IQ5_KS's is IQ4_KS's with 5-bit codes
@@ -8,7 +8,8 @@ each sub-block's minimum its scale x (the grid half's shift, 4 and 5, minus 64 a
 they run in the scalar loop on every CPU. The types of 16-value sub-blocks and a block scale d (IQ3_K, IQ4_K,
 IQ5_K, IQ6_K) take another kernel (mul_mat_iqX_k_q8_K_AVX512, _scalar_row_xk): the same 16 lanes of saturated pair
 sums times their sub-block's scale, the minima in 8 lanes of their own, the two lane sets added up only at the end
-(checked bit for bit against ggml_mul_mat; the 4-6 bit types' pair sums saturate as IQ4_KS's).
+(checked bit for bit against ggml_mul_mat; the 4-6 bit types' pair sums saturate as IQ4_KS's). IQ2_K's
+(mul_mat_qX_K_q8_K_AVX512) groups its values into the 16 lanes otherwise (_lanes_iq2_k), its sums exact.
 
 Per 256 values of a row and an activation row, the kernel holds 16 int32 lanes. It takes the codes as unsigned
 bytes, the grid plus 128 (1 .. 241; a sub-block on the shifted grid, whose values are 4 more, moves those 4 to its
@@ -54,6 +55,7 @@ from ikquant.formats.iqk_grids import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, I
 from ikquant.formats.jit import read_only
 from ikquant.formats.numeric import fmaf, hsum_float_8, load_f16, load_f32
 from ikrun.numerics.ik.q8k_direct import (
+    KIND_IQ2_K,
     KIND_IQ2_KS,
     KIND_IQ3_K,
     KIND_IQ3_KS,
@@ -73,7 +75,8 @@ KIND_IQ5_K, KIND_IQ6_K = 7, 8
 #: the weight types whose own kernel in ik's AVX-512 build (below their conversion threshold) is reproduced, by
 #: q8k_direct's kind
 NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ5_KS": KIND_IQ5_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS,
-                "IQ3_K": KIND_IQ3_K, "IQ4_K": KIND_IQ4_K, "IQ5_K": KIND_IQ5_K, "IQ6_K": KIND_IQ6_K}
+                "IQ2_K": KIND_IQ2_K, "IQ3_K": KIND_IQ3_K, "IQ4_K": KIND_IQ4_K, "IQ5_K": KIND_IQ5_K,
+                "IQ6_K": KIND_IQ6_K}
 #: the weight types whose own kernel in ik's AVX2 build is reproduced (_scalar_row_avx2), by q8k_direct's kind
 AVX2_NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS}
 #: IQ2_KS's unshifted grid plus 32, the unsigned bytes ik's AVX2 kernel multiplies (a shifted sub-block's +5 and the
@@ -89,7 +92,7 @@ SUB = 32
 BLOCK_BYTES = np.zeros(max(NATIVE_TYPES.values()) + 1, np.int64)
 BLOCK_BYTES[[KIND_IQ4_KS, KIND_IQ5_KS]] = 136, 168
 #: the 16-value sub-block types' bytes per 256 values (each block's f16 d first)
-BLOCK_BYTES[[KIND_IQ3_K, KIND_IQ4_K, KIND_IQ5_K, KIND_IQ6_K]] = 110, 144, 176, 212
+BLOCK_BYTES[[KIND_IQ2_K, KIND_IQ3_K, KIND_IQ4_K, KIND_IQ5_K, KIND_IQ6_K]] = 76, 110, 144, 176, 212
 #: what a sub-block on the shifted grid adds to every value of IQ4_KS (4) and IQ5_KS (2), by kind
 GRID_SHIFT = np.zeros_like(BLOCK_BYTES)
 GRID_SHIFT[[KIND_IQ4_KS, KIND_IQ5_KS]] = 4, 2
@@ -104,9 +107,9 @@ _UNSIGNED3 = (IQ3NL_VALUES[:8].astype(np.int32) + 64).astype(np.uint8)
 _UNSIGNED6 = (IQ6NL_VALUES[:64].astype(np.int32) + 128).astype(np.uint8)
 #: the 16-value sub-block types' minimum factor: the unsigned bias and what a shifted sub-block adds, by kind
 XK_BIAS = np.zeros_like(BLOCK_BYTES)
-XK_BIAS[[KIND_IQ3_K, KIND_IQ4_K, KIND_IQ5_K, KIND_IQ6_K]] = 64, 128, 128, 128
+XK_BIAS[[KIND_IQ2_K, KIND_IQ3_K, KIND_IQ4_K, KIND_IQ5_K, KIND_IQ6_K]] = 32, 64, 128, 128, 128
 XK_SHIFT = np.zeros_like(BLOCK_BYTES)
-XK_SHIFT[[KIND_IQ3_K, KIND_IQ4_K, KIND_IQ5_K, KIND_IQ6_K]] = 4, 4, 2, 1
+XK_SHIFT[[KIND_IQ2_K, KIND_IQ3_K, KIND_IQ4_K, KIND_IQ5_K, KIND_IQ6_K]] = 5, 4, 4, 2, 1
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V64B, _V32S, _V16I, _V16F = (ir.VectorType(_I8, 64), ir.VectorType(_I16, 32), ir.VectorType(_I32, 16),
                               ir.VectorType(_F32, 16))
@@ -363,16 +366,19 @@ def _scalar_row_avx2(row, kind, xu, xd, sub_sums, tokens, m0, m1, wv, sc, mins, 
 
 @njit(cache=True, nogil=True, inline="always")
 def _sixteens(kind: int) -> bool:
-    """Whether `kind` is a type of 16-value sub-blocks, which ik's AVX-512 build multiplies in
-    mul_mat_iqX_k_q8_K_AVX512 (_scalar_row_xk)."""
-    return kind == KIND_IQ3_K or kind == KIND_IQ4_K or kind == KIND_IQ5_K or kind == KIND_IQ6_K
+    """Whether `kind` is a type of 16-value sub-blocks and block scales, which ik's AVX-512 build multiplies in
+    mul_mat_iqX_k_q8_K_AVX512 or (IQ2_K) mul_mat_qX_K_q8_K_AVX512 (_scalar_row_xk)."""
+    return (kind == KIND_IQ2_K or kind == KIND_IQ3_K or kind == KIND_IQ4_K or kind == KIND_IQ5_K
+            or kind == KIND_IQ6_K)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _xk_code(blk: np.ndarray, kind: int, ib: int, j: int) -> np.int32:
-    """The code of value j of 16-value sub-block ib of an IQ3_K / IQ4_K / IQ5_K / IQ6_K block (its bytes blk), as
-    ikquant's decoders read it."""
+    """The code of value j of 16-value sub-block ib of an IQ2_K / IQ3_K / IQ4_K / IQ5_K / IQ6_K block (its bytes
+    blk), as ikquant's decoders read it."""
     h = ib // 2
+    if kind == KIND_IQ2_K:
+        return (np.int32(blk[12 + 32 * (h // 4) + 16 * (ib % 2) + j]) >> (2 * (h % 4))) & 3
     if kind == KIND_IQ3_K:
         return (((np.int32(blk[14 + 32 * (h // 4) + 16 * (ib % 2) + j]) >> (2 * (h % 4))) & 3)
                 | (((np.int32(blk[78 + 16 * (ib % 2) + j]) >> h) & 1) << 2))
@@ -387,8 +393,10 @@ def _xk_code(blk: np.ndarray, kind: int, ib: int, j: int) -> np.int32:
 
 @njit(cache=True, nogil=True, inline="always")
 def _xk_scale(blk: np.ndarray, kind: int, ib: int) -> np.int32:
-    """16-value sub-block ib's integer scale: IQ3_K 2 x its nibble + 1, negative where its sign bit is set; IQ4_K and
-    IQ5_K 6 bits (a nibble and 2 high bits) minus 32; IQ6_K a signed byte."""
+    """16-value sub-block ib's integer scale: IQ2_K its nibble minus 8; IQ3_K 2 x its nibble + 1, negative where its
+    sign bit is set; IQ4_K and IQ5_K 6 bits (a nibble and 2 high bits) minus 32; IQ6_K a signed byte."""
+    if kind == KIND_IQ2_K:
+        return ((np.int32(blk[4 + ib // 2]) >> (4 * (ib % 2))) & 15) - 8
     if kind == KIND_IQ6_K:
         return np.int32(np.int8(blk[4 + ib]))
     if kind == KIND_IQ3_K:
@@ -416,7 +424,9 @@ def _prepare_row_xk(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.
             mins[16 * i + ib] = s * (XK_SHIFT[kind] * ((extra >> ib) & 1) - XK_BIAS[kind])
             for j in range(16):
                 k = _xk_code(blk, kind, ib, j)
-                if kind == KIND_IQ3_K:
+                if kind == KIND_IQ2_K:
+                    u = np.uint8(_IQ2KS_UNSIGNED[k])
+                elif kind == KIND_IQ3_K:
                     u = _UNSIGNED3[k]
                 elif kind == KIND_IQ4_K:
                     u = _UNSIGNED4[k]
@@ -447,6 +457,9 @@ def _scalar_row_xk(row, kind, xu, xd, sums16, tokens, m0, m1, wu, sc, mins, dblk
                 total = (mins[16 * i + 2 * j] * sums16[m, 16 * i + 2 * j]
                          + mins[16 * i + 2 * j + 1] * sums16[m, 16 * i + 2 * j + 1])
                 a[j] = fmaf(dd, np.float32(np.int32(total)), a[j])
+            if kind == KIND_IQ2_K:
+                _lanes_iq2_k(wu, xu[x], sc, i, dd, a)
+                continue
             for lane in range(16):
                 total = np.int64(0)
                 for k in range(4):
@@ -457,6 +470,24 @@ def _scalar_row_xk(row, kind, xu, xd, sums16, tokens, m0, m1, wu, sc, mins, dblk
                                 + np.int32(wu[at + 1]) * (np.int32(xu[x, at + 1]) - 128))
                         total += min(32767, max(-32768, pair)) * s
                 a[8 + lane] = fmaf(dd, np.float32(np.int32(total)), a[8 + lane])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _lanes_iq2_k(wu: np.ndarray, xu: np.ndarray, sc: np.ndarray, i: int, dd: np.float32, a: np.ndarray) -> None:
+    """Block i's 16 lanes of IQ2_K's kernel (mul_mat_qX_K_q8_K_AVX512: vpdpbusd's 4-value sums, packed to 16 bits
+    two 64-value groups at a time, vpdpwssd with the scales), exact: lane 4 c + q sums, over the groups g = q // 2
+    and 2 + q // 2, sub-block 4 g + c's scale times its values 8 (q % 2) .. + 7; a[8 + lane] = fma(dd,
+    float(lane), a[8 + lane])."""
+    for lane in range(16):
+        c, q = lane // 4, lane % 4
+        total = np.int32(0)
+        for g in (q // 2, 2 + q // 2):
+            at = SUPER * i + 64 * g + 16 * c + 8 * (q % 2)
+            part = np.int32(0)
+            for t in range(8):
+                part += np.int32(wu[at + t]) * (np.int32(xu[at + t]) - 128)
+            total += np.int32(sc[16 * i + 4 * g + c]) * part
+        a[8 + lane] = fmaf(dd, np.float32(total), a[8 + lane])
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -565,7 +596,7 @@ def iqk_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndar
     raw = read_only(np.ascontiguousarray(raw))
     tokens = np.ascontiguousarray(tokens, dtype=np.int64)
     row_at = np.ascontiguousarray(row_at, dtype=np.int64)
-    sixteens = type_name in ("IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K") and not avx2
+    sixteens = type_name in ("IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K") and not avx2
     sums = np.empty((len(tokens), x.u.shape[1] // (16 if sixteens else SUB)), np.int32)
     _sub_block_sums(x.u, tokens, sums)
     out = np.empty((len(tokens), raw.shape[1]), np.float32)
