@@ -1,15 +1,16 @@
-"""ik's own IQ4_KS, IQ5_KS, IQ3_KS, IQ2_KS and IQ2_K ... IQ6_K kernels of its AVX-512 build, for
-`--numerics ik`: what ik multiplies those weights with below the activation rows from which it converts them
-(IkKernel.convert_rows: a routed expert's few tokens, a one-token decode), Q8_K activations against the stored
-codes. IQ5_KS's is IQ4_KS's with 5-bit codes
-(the fifth bits picking one of two 16-byte tables) and a grid shift of 2. IQ3_KS's and IQ2_KS's have the same lanes
-over their unshifted grid plus 64 and plus 32 (unsigned bytes whose pair sums stay below 32767: no saturation),
-each sub-block's minimum its scale x (the grid half's shift, 4 and 5, minus 64 and 32), and the row's f16 scale;
-they run in the scalar loop on every CPU. The types of 16-value sub-blocks and a block scale d (IQ3_K, IQ4_K,
+"""ik's own kernels of the IQK types in its AVX-512 build (IQ4_KS, IQ5_KS, IQ3_KS, IQ2_KS, IQ2_KL, IQ4_KSS, IQ2_K
+... IQ6_K), for `--numerics ik`: what ik multiplies those weights with below the activation rows from which it
+converts them (IkKernel.convert_rows: a routed expert's few tokens, a one-token decode), Q8_K activations against
+the stored codes. IQ5_KS's is IQ4_KS's with 5-bit codes (the fifth bits picking one of two 16-byte tables) and a
+grid shift of 2. IQ3_KS's and IQ2_KS's have the same lanes over their unshifted grid plus 64 and plus 32 (unsigned
+bytes whose pair sums stay below 32767: no saturation), each sub-block's minimum its scale x (the grid half's
+shift, 4 and 5, minus 64 and 32), and the row's f16 scale; they run in the scalar loop on every CPU. The types of 16-value sub-blocks and a block scale d (IQ3_K, IQ4_K,
 IQ5_K, IQ6_K) take another kernel (mul_mat_iqX_k_q8_K_AVX512, _scalar_row_xk): the same 16 lanes of saturated pair
 sums times their sub-block's scale, the minima in 8 lanes of their own, the two lane sets added up only at the end
 (checked bit for bit against ggml_mul_mat; the 4-6 bit types' pair sums saturate as IQ4_KS's). IQ2_K's
-(mul_mat_qX_K_q8_K_AVX512) groups its values into the 16 lanes otherwise (_lanes_iq2_k), its sums exact.
+(mul_mat_qX_K_q8_K_AVX512) groups its values into the 16 lanes otherwise (_lanes_iq2_k), its sums exact. IQ4_KSS's
+is mul_mat_iqX_k_q8_K_AVX512's over 32-value sub-blocks (each scale and minimum held twice) and the row's f32 d; IQ2_KL's is IQ2_KS's
+over its pair table plus 64, no shifted half.
 
 Per 256 values of a row and an activation row, the kernel holds 16 int32 lanes. It takes the codes as unsigned
 bytes, the grid plus 128 (1 .. 241; a sub-block on the shifted grid, whose values are 4 more, moves those 4 to its
@@ -52,6 +53,7 @@ from numba.core.extending import intrinsic
 
 from ikquant.cpu import host_has
 from ikquant.formats.iqk_grids import IQ2NL_VALUES, IQ3NL_VALUES, IQ4K_VALUES, IQ5NL_VALUES, IQ6NL_VALUES
+from ikquant.formats.iqk_ks import IQ2KL_PAIRS
 from ikquant.formats.jit import read_only
 from ikquant.formats.numeric import fmaf, hsum_float_8, load_f16, load_f32
 from ikrun.numerics.ik.q8k_direct import (
@@ -70,13 +72,13 @@ from ikrun.numerics.ik.qgemm import IntRows
 from ikrun.ops.parallel import claim_items, task_items
 from ikrun.ops.simd import splat
 
-#: IQ5_K's and IQ6_K's kinds here, after q8k_direct's (which packs neither)
-KIND_IQ5_K, KIND_IQ6_K = 7, 8
+#: IQ5_K's, IQ6_K's, IQ4_KSS's and IQ2_KL's kinds here, after q8k_direct's (which packs none of them)
+KIND_IQ5_K, KIND_IQ6_K, KIND_IQ4_KSS, KIND_IQ2_KL = 7, 8, 9, 10
 #: the weight types whose own kernel in ik's AVX-512 build (below their conversion threshold) is reproduced, by
 #: q8k_direct's kind
 NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ5_KS": KIND_IQ5_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS,
                 "IQ2_K": KIND_IQ2_K, "IQ3_K": KIND_IQ3_K, "IQ4_K": KIND_IQ4_K, "IQ5_K": KIND_IQ5_K,
-                "IQ6_K": KIND_IQ6_K}
+                "IQ6_K": KIND_IQ6_K, "IQ4_KSS": KIND_IQ4_KSS, "IQ2_KL": KIND_IQ2_KL}
 #: the weight types whose own kernel in ik's AVX2 build is reproduced (_scalar_row_avx2), by q8k_direct's kind
 AVX2_NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS}
 #: IQ2_KS's unshifted grid plus 32, the unsigned bytes ik's AVX2 kernel multiplies (a shifted sub-block's +5 and the
@@ -93,6 +95,10 @@ BLOCK_BYTES = np.zeros(max(NATIVE_TYPES.values()) + 1, np.int64)
 BLOCK_BYTES[[KIND_IQ4_KS, KIND_IQ5_KS]] = 136, 168
 #: the 16-value sub-block types' bytes per 256 values (each block's f16 d first)
 BLOCK_BYTES[[KIND_IQ2_K, KIND_IQ3_K, KIND_IQ4_K, KIND_IQ5_K, KIND_IQ6_K]] = 76, 110, 144, 176, 212
+#: IQ4_KSS's, after the row's f32 d: 64 16-bit words (their low bits the sub-block scales)
+BLOCK_BYTES[KIND_IQ4_KSS] = 128
+#: IQ2_KL's, after the row's f16 d: 2 + 4 scale bytes, 64 of 4-bit pair codes, 16 of their fifth bits
+BLOCK_BYTES[KIND_IQ2_KL] = 86
 #: what a sub-block on the shifted grid adds to every value of IQ4_KS (4) and IQ5_KS (2), by kind
 GRID_SHIFT = np.zeros_like(BLOCK_BYTES)
 GRID_SHIFT[[KIND_IQ4_KS, KIND_IQ5_KS]] = 4, 2
@@ -105,6 +111,8 @@ _UNSIGNED5 = (IQ5NL_VALUES[:32].astype(np.int32) + 128).astype(np.uint8)
 _UNSIGNED3 = (IQ3NL_VALUES[:8].astype(np.int32) + 64).astype(np.uint8)
 #: IQ6_K's unshifted table plus 128
 _UNSIGNED6 = (IQ6NL_VALUES[:64].astype(np.int32) + 128).astype(np.uint8)
+#: IQ2_KL's value pairs plus 64
+_UNSIGNED_KL = (IQ2KL_PAIRS.astype(np.int32) + 64).astype(np.uint8)
 #: the 16-value sub-block types' minimum factor: the unsigned bias and what a shifted sub-block adds, by kind
 XK_BIAS = np.zeros_like(BLOCK_BYTES)
 XK_BIAS[[KIND_IQ2_K, KIND_IQ3_K, KIND_IQ4_K, KIND_IQ5_K, KIND_IQ6_K]] = 32, 64, 128, 128, 128
@@ -239,6 +247,8 @@ def _prepare_row(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.nda
     32 int16: the first sub-block's scale 16 times, then the second's; sc), each sub-block's minimum (mins);
     returns the row's scale d. IQ3_KS and IQ2_KS (read as q8k_direct reads them): the unshifted grid plus 64 and
     32, the minimum scale x (the grid half's shift, 4 and 5, minus that bias)."""
+    if kind == KIND_IQ2_KL:
+        return _prepare_row_iq2_kl(row, nb, wu, sc, mins)
     if kind == KIND_IQ2_KS or kind == KIND_IQ3_KS:
         grid = IQ2NL_VALUES if kind == KIND_IQ2_KS else IQ3NL_VALUES
         bias = 32 if kind == KIND_IQ2_KS else 64
@@ -272,6 +282,27 @@ def _prepare_row(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.nda
                     c = (np.int32(row[o + 8 + 32 * (m // 2) + j]) >> (4 * (m % 2))) & 15
                     wu[at + j] = _UNSIGNED5[c | (((np.int32(row[o + 136 + j]) >> m) & 1) << 4)]
     return load_f32(row, 0)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _prepare_row_iq2_kl(row: np.ndarray, nb: int, wu: np.ndarray, sc: np.ndarray, mins: np.ndarray) -> np.float32:
+    """_prepare_row of IQ2_KL: each sub-block's 6-bit scale minus 32 (a nibble, its high 2 bits in the block's
+    16-bit word), minimum scale x -64; each pair of values a 5-bit code (a nibble and a fifth bit) into the pair
+    table, plus 64 as unsigned bytes."""
+    for i in range(nb):
+        o = 2 + BLOCK_BYTES[KIND_IQ2_KL] * i
+        high = np.int32(row[o]) | (np.int32(row[o + 1]) << 8)
+        for ib in range(8):
+            s = (((np.int32(row[o + 2 + ib % 4]) >> (4 * (ib // 4))) & 15) | (((high >> (2 * ib)) & 3) << 4)) - 32
+            mins[8 * i + ib] = -64 * s
+            for j in range(16):
+                sc[128 * i + 16 * ib + j] = s
+            for j in range(SUB // 2):
+                k = (((np.int32(row[o + 6 + 16 * (ib // 2) + j]) >> (4 * (ib % 2))) & 15)
+                     | (((np.int32(row[o + 70 + j]) >> ib) & 1) << 4))
+                wu[SUPER * i + SUB * ib + 2 * j] = _UNSIGNED_KL[k, 0]
+                wu[SUPER * i + SUB * ib + 2 * j + 1] = _UNSIGNED_KL[k, 1]
+    return load_f16(row, 0)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -369,7 +400,7 @@ def _sixteens(kind: int) -> bool:
     """Whether `kind` is a type of 16-value sub-blocks and block scales, which ik's AVX-512 build multiplies in
     mul_mat_iqX_k_q8_K_AVX512 or (IQ2_K) mul_mat_qX_K_q8_K_AVX512 (_scalar_row_xk)."""
     return (kind == KIND_IQ2_K or kind == KIND_IQ3_K or kind == KIND_IQ4_K or kind == KIND_IQ5_K
-            or kind == KIND_IQ6_K)
+            or kind == KIND_IQ6_K or kind == KIND_IQ4_KSS)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -413,7 +444,11 @@ def _prepare_row_xk(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.
                     dblk: np.ndarray) -> None:
     """An IQ3_K / IQ4_K / IQ5_K / IQ6_K row as ik's AVX-512 kernel holds it: every value's unsigned byte, the
     unshifted grid plus XK_BIAS (wu), each 16-value sub-block's scale (sc[16 i + ib]) and minimum, scale x (-bias, +
-    XK_SHIFT where the block's flag bit ib shifts the sub-block's grid) (mins), each block's f16 d (dblk)."""
+    XK_SHIFT where the block's flag bit ib shifts the sub-block's grid) (mins), each block's f16 d (dblk). IQ4_KSS
+    (32-value sub-blocks, the row's f32 d) fills the same arrays: each sub-block's scale and minimum twice."""
+    if kind == KIND_IQ4_KSS:
+        _prepare_row_iq4_kss(row, nb, wu, sc, mins, dblk)
+        return
     for i in range(nb):
         blk = row[BLOCK_BYTES[kind] * i : BLOCK_BYTES[kind] * (i + 1)]
         dblk[i] = load_f16(blk, 0)
@@ -435,6 +470,34 @@ def _prepare_row_xk(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.
                 else:
                     u = _UNSIGNED6[k]
                 wu[SUPER * i + 16 * ib + j] = u
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _prepare_row_iq4_kss(row: np.ndarray, nb: int, wu: np.ndarray, sc: np.ndarray, mins: np.ndarray,
+                         dblk: np.ndarray) -> None:
+    """_prepare_row_xk of IQ4_KSS: word k of a sub-block's 8 gives bit k of its scale byte (IQ4_KS's: byte & 254
+    minus 127, the shifted grid where odd) and, as a = its other bits, a ^ (a >> 1), four codes (values 2 k,
+    2 k + 16, 2 k + 1, 2 k + 17); a shifted sub-block's 4 go to its minimum, as IQ4_KS's."""
+    d = load_f32(row, 0)
+    for i in range(nb):
+        dblk[i] = d
+        o = 4 + BLOCK_BYTES[KIND_IQ4_KSS] * i
+        for ib in range(8):
+            b = np.int32(0)
+            at = SUPER * i + SUB * ib
+            for k in range(8):
+                word = np.int32(row[o + 16 * ib + 2 * k]) | (np.int32(row[o + 16 * ib + 2 * k + 1]) << 8)
+                a = word & 0xFFFE
+                a ^= a >> 1
+                b |= (word & 1) << k
+                for h in range(2):
+                    nib = (a >> (8 * h)) & 0xFF
+                    wu[at + 2 * k + h] = _UNSIGNED4[nib & 15]
+                    wu[at + 16 + 2 * k + h] = _UNSIGNED4[nib >> 4]
+            s = (b & 254) - 127
+            for half in range(2):
+                sc[16 * i + 2 * ib + half] = s
+                mins[16 * i + 2 * ib + half] = s * (GRID_SHIFT[KIND_IQ4_KS] * (b & 1) - 128)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -596,7 +659,7 @@ def iqk_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndar
     raw = read_only(np.ascontiguousarray(raw))
     tokens = np.ascontiguousarray(tokens, dtype=np.int64)
     row_at = np.ascontiguousarray(row_at, dtype=np.int64)
-    sixteens = type_name in ("IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K") and not avx2
+    sixteens = type_name in ("IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ4_KSS") and not avx2
     sums = np.empty((len(tokens), x.u.shape[1] // (16 if sixteens else SUB)), np.int32)
     _sub_block_sums(x.u, tokens, sums)
     out = np.empty((len(tokens), raw.shape[1]), np.float32)
