@@ -1,4 +1,4 @@
-"""ik's own kernels of the IQK types (IQ4_KS, IQ5_KS, IQ3_KS, IQ2_KS, IQ2_KL, IQ4_KSS, IQ2_K ... IQ6_K;
+"""ik's own kernels of the IQK types and IQ4_XS (IQ4_KS, IQ5_KS, IQ3_KS, IQ2_KS, IQ2_KL, IQ4_KSS, IQ2_K ... IQ6_K;
 ikrun/numerics/ik/iqk_native.py) against ik's AVX-512 build (tests/data/iqk-native): its dense matmul (IQ4_KS, IQ5_KS: its MoE matmul and fused
 up-gate too) below 32 activation rows bit for bit, and a Qwen3-MoE whose experts get fewer than 32 tokens: ik's base-logits file byte for
 byte and its final line, with one chunk and (IQ4_KS) with four that share ik's micro-batch (ffn.micro_batches). The
@@ -34,7 +34,8 @@ SHA256 = {"f32": "7f50b66fd608f13111031427eaad8451863fce54650a56d8c18f5cfeac593e
           "IQ5_K": "9c14b3c211aecfb6b91d644241025a6a5f2268d1aa1a3fdbbaee41da956b6568",
           "IQ6_K": "8d48958d272915b8cb2b1433c77ce333b368cfa61825fd730c0f08b58454e4d2",
           "IQ4_KSS": "b7701083ecaa7c0dbdb4fb3a0973c0cbf86268dd64f41cbe942c785240029ede",
-          "IQ2_KL": "4509ce1bc1544d491574388ee90fc2ea23417e75b44bffc928a1c838b2c74a21"}
+          "IQ2_KL": "4509ce1bc1544d491574388ee90fc2ea23417e75b44bffc928a1c838b2c74a21",
+          "IQ4_XS": "4565983c31f639e80acfb8bce3278cab2a2cfeb2890d37b90aac7b4de59d5aef"}
 CASES = {"IQ4_KS": "cases.npz", "IQ5_KS": "cases-iq5_ks.npz"}
 FORMS = [True, False] if HAS_AVX512BW else [False]  # the AVX-512BW form where the CPU has it, and the scalar loop
 runner = CliRunner()
@@ -113,7 +114,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     f32 = Converter(make_checkpoint(tmp / "hf"), "f32", pre_tokenizer="qwen2").write(tmp / "f32.gguf")
     files = {"f32": f32}
     for name in ("IQ4_KS", "IQ5_KS", "IQ3_KS", "IQ2_KS", "IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K",
-                 "IQ6_K", "IQ4_KSS", "IQ2_KL"):
+                 "IQ6_K", "IQ4_KSS", "IQ2_KL", "IQ4_XS"):
         files[name] = tmp / f"{name.lower()}.gguf"
         quantize_model(f32, files[name], QuantizeOptions(file_type(name), pure=True))
     for name, path in files.items():
@@ -128,13 +129,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ("IQ3_K", 128, 1, "ik-iq3_k-c128.kld"),
     ("IQ4_K", 128, 1, "ik-iq4_k-c128.kld"), ("IQ5_K", 128, 1, "ik-iq5_k-c128.kld"),
     ("IQ6_K", 128, 1, "ik-iq6_k-c128.kld"), ("IQ4_KSS", 128, 1, "ik-iq4_kss-c128.kld"),
-    ("IQ2_KL", 128, 1, "ik-iq2_kl-c128.kld")])
+    ("IQ2_KL", 128, 1, "ik-iq2_kl-c128.kld"), ("IQ4_XS", 128, 1, "ik-iq4_xs-c128.kld")])
 def test_experts_below_32_tokens_give_iks_logits(models: dict[str, Path], type_name: str, ctx: int, chunks: int,
                                                   kld: str, tmp_path: Path) -> None:
     """ik's base-logits file byte for byte and its final line to the digit (most experts get 5-30 tokens of a
     chunk; four chunks of 128 share ik's 512-token micro-batch, where most get 32 or more: --ik-batch 2048, ik's
     default -b). The experts in the float path printed IQ3_KS 522.9366 (ik: 523.5129), IQ2_KS 580.4391 (580.4589),
-    IQ2_KL 657.9729 (657.8923), IQ4_KSS 582.1464 (583.4199), IQ2_K 592.7253 (592.7312), IQ3_K 515.4000 (515.3999), IQ4_K 481.1680 (478.6976), IQ5_K 525.6906 (519.6313), IQ6_K 514.3496 (510.3074;
+    IQ4_XS 531.5912 (533.0735), IQ2_KL 657.9729 (657.8923), IQ4_KSS 582.1464 (583.4199), IQ2_K 592.7253 (592.7312), IQ3_K 515.4000 (515.3999), IQ4_K 481.1680 (478.6976), IQ5_K 525.6906 (519.6313), IQ6_K 514.3496 (510.3074;
     its experts reach its own kernel as the file's rows, ops/moe._experts_product, though its float path multiplies
     other values than its decoding)."""
     out = tmp_path / "base.kld"
@@ -189,9 +190,9 @@ def test_ks_own_kernel_matmul_is_iks(type_name: str, m: int, avx2: bool) -> None
 
 
 @pytest.mark.parametrize("m", [1, 5, 31])
-@pytest.mark.parametrize("type_name", ["IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ4_KSS", "IQ2_KL"])
+@pytest.mark.parametrize("type_name", ["IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ4_KSS", "IQ2_KL", "IQ4_XS"])
 def test_own_kernel_matmul_is_iks(type_name: str, m: int) -> None:
-    """IQ3_K's, IQ4_K's, IQ5_K's, IQ6_K's and IQ4_KSS's own kernels of ik's AVX-512 build
+    """IQ3_K's, IQ4_K's, IQ5_K's, IQ6_K's, IQ4_KSS's and IQ4_XS's own kernels of ik's AVX-512 build
     (mul_mat_iqX_k_q8_K_AVX512: 16 lanes of saturated pair sums times their sub-block's scale, 8 lanes of minima, a
     fused multiply-add a block and lane), IQ2_K's (mul_mat_qX_K_q8_K_AVX512: other lanes, exact) and IQ2_KL's
     (IQ2_KS's kernel over its value pairs): its ggml_mul_mat of 48 rows of 512 (8 rows of large values, whose pair
@@ -204,4 +205,4 @@ def test_own_kernel_matmul_is_iks(type_name: str, m: int) -> None:
     np.testing.assert_array_equal(_bits(got), _bits(ik))
     floats = round_activations(x, Q8_K) @ type_by_name(type_name).require_codec().dequantize(raw, 512).T
     off = np.abs(floats - ik).max() / np.abs(ik).max()
-    assert off > 0.05 if type_name in ("IQ4_K", "IQ5_K", "IQ6_K", "IQ4_KSS") else 0 < off < 1e-5
+    assert off > 0.05 if type_name in ("IQ4_K", "IQ5_K", "IQ6_K", "IQ4_KSS", "IQ4_XS") else 0 < off < 1e-5

@@ -9,8 +9,8 @@ IQ5_K, IQ6_K) take another kernel (mul_mat_iqX_k_q8_K_AVX512, _scalar_row_xk): t
 sums times their sub-block's scale, the minima in 8 lanes of their own, the two lane sets added up only at the end
 (checked bit for bit against ggml_mul_mat; the 4-6 bit types' pair sums saturate as IQ4_KS's). IQ2_K's
 (mul_mat_qX_K_q8_K_AVX512) groups its values into the 16 lanes otherwise (_lanes_iq2_k), its sums exact. IQ4_KSS's
-is mul_mat_iqX_k_q8_K_AVX512's over 32-value sub-blocks (each scale and minimum held twice) and the row's f32 d; IQ2_KL's is IQ2_KS's
-over its pair table plus 64, no shifted half.
+is mul_mat_iqX_k_q8_K_AVX512's over 32-value sub-blocks (each scale and minimum held twice) and the row's f32 d,
+IQ4_XS's the same with block scales; IQ2_KL's is IQ2_KS's over its pair table plus 64, no shifted half.
 
 Per 256 values of a row and an activation row, the kernel holds 16 int32 lanes. It takes the codes as unsigned
 bytes, the grid plus 128 (1 .. 241; a sub-block on the shifted grid, whose values are 4 more, moves those 4 to its
@@ -72,13 +72,14 @@ from ikrun.numerics.ik.qgemm import IntRows
 from ikrun.ops.parallel import claim_items, task_items
 from ikrun.ops.simd import splat
 
-#: IQ5_K's, IQ6_K's, IQ4_KSS's and IQ2_KL's kinds here, after q8k_direct's (which packs none of them)
-KIND_IQ5_K, KIND_IQ6_K, KIND_IQ4_KSS, KIND_IQ2_KL = 7, 8, 9, 10
+#: IQ5_K's, IQ6_K's, IQ4_KSS's, IQ2_KL's and IQ4_XS's kinds here, after q8k_direct's (which packs none of them)
+KIND_IQ5_K, KIND_IQ6_K, KIND_IQ4_KSS, KIND_IQ2_KL, KIND_IQ4_XS = 7, 8, 9, 10, 11
 #: the weight types whose own kernel in ik's AVX-512 build (below their conversion threshold) is reproduced, by
 #: q8k_direct's kind
 NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ5_KS": KIND_IQ5_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS,
                 "IQ2_K": KIND_IQ2_K, "IQ3_K": KIND_IQ3_K, "IQ4_K": KIND_IQ4_K, "IQ5_K": KIND_IQ5_K,
-                "IQ6_K": KIND_IQ6_K, "IQ4_KSS": KIND_IQ4_KSS, "IQ2_KL": KIND_IQ2_KL}
+                "IQ6_K": KIND_IQ6_K, "IQ4_KSS": KIND_IQ4_KSS, "IQ2_KL": KIND_IQ2_KL,
+                "IQ4_XS": KIND_IQ4_XS}
 #: the weight types whose own kernel in ik's AVX2 build is reproduced (_scalar_row_avx2), by q8k_direct's kind
 AVX2_NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS}
 #: IQ2_KS's unshifted grid plus 32, the unsigned bytes ik's AVX2 kernel multiplies (a shifted sub-block's +5 and the
@@ -95,8 +96,9 @@ BLOCK_BYTES = np.zeros(max(NATIVE_TYPES.values()) + 1, np.int64)
 BLOCK_BYTES[[KIND_IQ4_KS, KIND_IQ5_KS]] = 136, 168
 #: the 16-value sub-block types' bytes per 256 values (each block's f16 d first)
 BLOCK_BYTES[[KIND_IQ2_K, KIND_IQ3_K, KIND_IQ4_K, KIND_IQ5_K, KIND_IQ6_K]] = 76, 110, 144, 176, 212
-#: IQ4_KSS's, after the row's f32 d: 64 16-bit words (their low bits the sub-block scales)
-BLOCK_BYTES[KIND_IQ4_KSS] = 128
+#: IQ4_KSS's, after the row's f32 d: 64 16-bit words (their low bits the sub-block scales); IQ4_XS's: f16 d, the
+#: scales' high bits (16), their low nibbles (4 bytes), the codes
+BLOCK_BYTES[[KIND_IQ4_KSS, KIND_IQ4_XS]] = 128, 136
 #: IQ2_KL's, after the row's f16 d: 2 + 4 scale bytes, 64 of 4-bit pair codes, 16 of their fifth bits
 BLOCK_BYTES[KIND_IQ2_KL] = 86
 #: what a sub-block on the shifted grid adds to every value of IQ4_KS (4) and IQ5_KS (2), by kind
@@ -400,7 +402,7 @@ def _sixteens(kind: int) -> bool:
     """Whether `kind` is a type of 16-value sub-blocks and block scales, which ik's AVX-512 build multiplies in
     mul_mat_iqX_k_q8_K_AVX512 or (IQ2_K) mul_mat_qX_K_q8_K_AVX512 (_scalar_row_xk)."""
     return (kind == KIND_IQ2_K or kind == KIND_IQ3_K or kind == KIND_IQ4_K or kind == KIND_IQ5_K
-            or kind == KIND_IQ6_K or kind == KIND_IQ4_KSS)
+            or kind == KIND_IQ6_K or kind == KIND_IQ4_KSS or kind == KIND_IQ4_XS)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -445,9 +447,12 @@ def _prepare_row_xk(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.
     """An IQ3_K / IQ4_K / IQ5_K / IQ6_K row as ik's AVX-512 kernel holds it: every value's unsigned byte, the
     unshifted grid plus XK_BIAS (wu), each 16-value sub-block's scale (sc[16 i + ib]) and minimum, scale x (-bias, +
     XK_SHIFT where the block's flag bit ib shifts the sub-block's grid) (mins), each block's f16 d (dblk). IQ4_KSS
-    (32-value sub-blocks, the row's f32 d) fills the same arrays: each sub-block's scale and minimum twice."""
+    and IQ4_XS (32-value sub-blocks) fill the same arrays: each sub-block's scale and minimum twice."""
     if kind == KIND_IQ4_KSS:
         _prepare_row_iq4_kss(row, nb, wu, sc, mins, dblk)
+        return
+    if kind == KIND_IQ4_XS:
+        _prepare_row_iq4_xs(row, nb, wu, sc, mins, dblk)
         return
     for i in range(nb):
         blk = row[BLOCK_BYTES[kind] * i : BLOCK_BYTES[kind] * (i + 1)]
@@ -498,6 +503,28 @@ def _prepare_row_iq4_kss(row: np.ndarray, nb: int, wu: np.ndarray, sc: np.ndarra
             for half in range(2):
                 sc[16 * i + 2 * ib + half] = s
                 mins[16 * i + 2 * ib + half] = s * (GRID_SHIFT[KIND_IQ4_KS] * (b & 1) - 128)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _prepare_row_iq4_xs(row: np.ndarray, nb: int, wu: np.ndarray, sc: np.ndarray, mins: np.ndarray,
+                        dblk: np.ndarray) -> None:
+    """_prepare_row_xk of IQ4_XS: each sub-block's 6-bit scale minus 32 (a nibble, its 2 high bits in the block's
+    16-bit word), its minimum scale x -128 (ik scales the minima's lane by -128 d instead, the same float), the
+    codes in the unshifted grid (low nibbles values 0 .. 15, high 16 .. 31)."""
+    for i in range(nb):
+        o = BLOCK_BYTES[KIND_IQ4_XS] * i
+        dblk[i] = load_f16(row, o)
+        high = np.int32(row[o + 2]) | (np.int32(row[o + 3]) << 8)
+        for ib in range(8):
+            s = (((np.int32(row[o + 4 + ib // 2]) >> (4 * (ib % 2))) & 15) | (((high >> (2 * ib)) & 3) << 4)) - 32
+            for half in range(2):
+                sc[16 * i + 2 * ib + half] = s
+                mins[16 * i + 2 * ib + half] = -128 * s
+            at = SUPER * i + SUB * ib
+            for j in range(16):
+                c = np.int32(row[o + 8 + 16 * ib + j])
+                wu[at + j] = _UNSIGNED4[c & 15]
+                wu[at + 16 + j] = _UNSIGNED4[c >> 4]
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -659,7 +686,7 @@ def iqk_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndar
     raw = read_only(np.ascontiguousarray(raw))
     tokens = np.ascontiguousarray(tokens, dtype=np.int64)
     row_at = np.ascontiguousarray(row_at, dtype=np.int64)
-    sixteens = type_name in ("IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ4_KSS") and not avx2
+    sixteens = type_name in ("IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ4_KSS", "IQ4_XS") and not avx2
     sums = np.empty((len(tokens), x.u.shape[1] // (16 if sixteens else SUB)), np.int32)
     _sub_block_sums(x.u, tokens, sums)
     out = np.empty((len(tokens), raw.shape[1]), np.float32)
