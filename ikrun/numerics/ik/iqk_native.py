@@ -444,7 +444,7 @@ def _xk_scale(blk: np.ndarray, kind: int, ib: int) -> np.int32:
 @njit(cache=True, nogil=True, inline="always")
 def _prepare_row_xk(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.ndarray, mins: np.ndarray,
                     dblk: np.ndarray) -> None:
-    """An IQ3_K / IQ4_K / IQ5_K / IQ6_K row as ik's AVX-512 kernel holds it: every value's unsigned byte, the
+    """An IQ2_K ... IQ6_K row as ik's AVX-512 kernel holds it: every value's unsigned byte, the
     unshifted grid plus XK_BIAS (wu), each 16-value sub-block's scale (sc[16 i + ib]) and minimum, scale x (-bias, +
     XK_SHIFT where the block's flag bit ib shifts the sub-block's grid) (mins), each block's f16 d (dblk). IQ4_KSS
     and IQ4_XS (32-value sub-blocks) fill the same arrays: each sub-block's scale and minimum twice."""
@@ -529,8 +529,8 @@ def _prepare_row_iq4_xs(row: np.ndarray, nb: int, wu: np.ndarray, sc: np.ndarray
 
 @njit(cache=True, nogil=True, inline="always")
 def _scalar_row_xk(row, kind, xu, xd, sums16, tokens, m0, m1, wu, sc, mins, dblk, acc):  # type: ignore[no-untyped-def]
-    """One IQ3_K / IQ4_K / IQ5_K / IQ6_K row against tokens[m0:m1] as ik's AVX-512 build multiplies it
-    (mul_mat_iqX_k_q8_K_AVX512): per 256 values 16 lanes, lane l summing for k = 0 .. 3 the scale of sub-block
+    """One row of a _sixteens type against tokens[m0:m1] as ik's AVX-512 build multiplies it
+    (mul_mat_iqX_k_q8_K_AVX512; IQ2_K's lanes: _lanes_iq2_k): per 256 values 16 lanes, lane l summing for k = 0 .. 3 the scale of sub-block
     4 k + l // 4 times each of vpmaddubsw's two pair sums of values 64 k + 4 l .. + 3 (unsigned bytes against the
     activation integers, saturated at 16 bits), and 8 minima lanes, lane j the minima of sub-blocks 2 j, 2 j + 1
     times their 16 activations' sums (exact); both added per block as fma(d x the token's scale, float(lane),
@@ -582,11 +582,11 @@ def _lanes_iq2_k(wu: np.ndarray, xu: np.ndarray, sc: np.ndarray, i: int, dd: np.
 
 @njit(cache=True, nogil=True, inline="always")
 def _hsum_xk(a: np.ndarray) -> np.float32:
-    """The row's result from _scalar_row_xk's accumulators: hsum_float_8(minima + (low half + high half))."""
-    v = np.empty(8, np.float32)
+    """The row's result from _scalar_row_xk's accumulators a[:24] (consumed: the first 8 take the sums):
+    hsum_float_8(minima + (low half + high half))."""
     for j in range(8):
-        v[j] = a[j] + (a[8 + j] + a[16 + j])
-    return hsum_float_8(v)
+        a[j] = a[j] + (a[8 + j] + a[16 + j])
+    return hsum_float_8(a[:8])
 
 
 @njit(cache=True, nogil=True, inline="always")
