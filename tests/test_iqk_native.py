@@ -2,7 +2,7 @@
 ikrun/numerics/ik/iqk_native.py) against ik's AVX-512 build (tests/data/iqk-native): its dense matmul (IQ4_KS, IQ5_KS: its MoE matmul and fused
 up-gate too) below 32 activation rows bit for bit, and a Qwen3-MoE whose experts get fewer than 32 tokens: ik's base-logits file byte for
 byte and its final line, with one chunk and (IQ4_KS) with four that share ik's micro-batch (ffn.micro_batches). The
-same against its AVX2 build (tests/data/iqk-native-avx2: IQ4_KS, IQ3_KS, IQ2_KS)."""
+same against its AVX2 build (tests/data/iqk-native-avx2: IQ4_KS, IQ3_KS, IQ2_KS, IQ2_K ... IQ6_K)."""
 
 from __future__ import annotations
 
@@ -154,13 +154,15 @@ AVX2 = DATA.parent / "iqk-native-avx2"
 
 
 @pytest.mark.parametrize(("type_name", "kld"), [("IQ4_KS", "ik-c128.kld"), ("IQ3_KS", "ik-iq3_ks-c128.kld"),
-                                               ("IQ2_KS", "ik-iq2_ks-c128.kld")])
+                                               ("IQ2_KS", "ik-iq2_ks-c128.kld"), ("IQ2_K", "ik-iq2_k-c128.kld"),
+                                               ("IQ3_K", "ik-iq3_k-c128.kld"), ("IQ4_K", "ik-iq4_k-c128.kld"),
+                                               ("IQ5_K", "ik-iq5_k-c128.kld"), ("IQ6_K", "ik-iq6_k-c128.kld")])
 def test_experts_below_32_tokens_give_iks_avx2_logits(models: dict[str, Path], type_name: str, kld: str,
                                                       tmp_path: Path) -> None:
-    """ik's own IQ4_KS, IQ3_KS and IQ2_KS kernels of its AVX2 build (tests/data/iqk-native-avx2; most experts get
-    5-30 tokens of the chunk): --numerics ik-avx2 writes ik's base-logits file byte for byte and prints its final
-    line (the experts in the float path printed IQ3_KS 523.0499, not ik's 523.2203; IQ2_KS 579.8098, not
-    580.5024)."""
+    """ik's own IQ4_KS, IQ3_KS, IQ2_KS and IQ2_K ... IQ6_K kernels of its AVX2 build (tests/data/iqk-native-avx2;
+    most experts get 5-30 tokens of the chunk): --numerics ik-avx2 writes ik's base-logits file byte for byte and
+    prints its final line (the experts in the float path printed IQ3_KS 523.0499, not ik's 523.2203; IQ2_KS
+    579.8098, not 580.5024; IQ2_K ... IQ6_K were refused)."""
     out = tmp_path / "base.kld"
     res = runner.invoke(app, ["ppl", str(models[type_name]), "--text", str(TEXT), "-c", "128", "--chunks", "1", "-t",
                               "2", "--numerics", "ik-avx2", "--ik-batch", "2048", "--save-base-logits", str(out)])
@@ -206,3 +208,16 @@ def test_own_kernel_matmul_is_iks(type_name: str, m: int) -> None:
     floats = round_activations(x, Q8_K) @ type_by_name(type_name).require_codec().dequantize(raw, 512).T
     off = np.abs(floats - ik).max() / np.abs(ik).max()
     assert off > 0.05 if type_name in ("IQ4_K", "IQ5_K", "IQ6_K", "IQ4_KSS", "IQ4_XS") else 0 < off < 1e-5
+
+
+@pytest.mark.parametrize("m", [1, 5, 31])
+@pytest.mark.parametrize("type_name", ["IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K"])
+def test_avx2_sixteen_value_sub_block_kernels_are_iks(type_name: str, m: int) -> None:
+    """IQ2_K ... IQ6_K's own kernels of ik's AVX2 build (mul_mat_qY_K_q8_K_T: the minima's lanes first, IQ4_K
+    none, then 8 exact lanes; _scalar_row_xk_avx2): its ggml_mul_mat of the AVX-512 cases' weights and activations,
+    bit for bit, and not the AVX-512 build's numbers."""
+    with np.load(DATA / f"cases-{type_name.lower()}.npz") as f, np.load(AVX2 / "outputs-k.npz") as g:
+        raw, x, ik, avx512 = f[f"raw_{type_name}"], f["x"][:m], g[f"{type_name}_{m}"], f[f"{type_name}_{m}"]
+    got = iqk_matmul(integer_rows(x, Q8_K), raw, type_name, avx2=True)
+    np.testing.assert_array_equal(_bits(got), _bits(ik))
+    assert not np.array_equal(_bits(got), _bits(avx512))

@@ -10,7 +10,9 @@ sums times their sub-block's scale, the minima in 8 lanes of their own, the two 
 (checked bit for bit against ggml_mul_mat; the 4-6 bit types' pair sums saturate as IQ4_KS's). IQ2_K's
 (mul_mat_qX_K_q8_K_AVX512) groups its values into the 16 lanes otherwise (_lanes_iq2_k), its sums exact. IQ4_KSS's
 is mul_mat_iqX_k_q8_K_AVX512's over 32-value sub-blocks (each scale and minimum held twice) and the row's f32 d,
-IQ4_XS's the same with block scales; IQ2_KL's is IQ2_KS's over its pair table plus 64, no shifted half.
+IQ4_XS's the same with block scales; IQ2_KL's is IQ2_KS's over its pair table plus 64, no shifted half. ik's AVX2
+build multiplies IQ2_K ... IQ6_K in mul_mat_qY_K_q8_K_T (_scalar_row_xk_avx2): 8 exact lanes, the minima (none for
+IQ4_K, whose values it takes signed on the sub-block's grid half) in a fused multiply-add of their own first.
 
 Per 256 values of a row and an activation row, the kernel holds 16 int32 lanes. It takes the codes as unsigned
 bytes, the grid plus 128 (1 .. 241; a sub-block on the shifted grid, whose values are 4 more, moves those 4 to its
@@ -80,8 +82,9 @@ NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ5_KS": KIND_IQ5_KS, "IQ3_KS": KIND_IQ3
                 "IQ2_K": KIND_IQ2_K, "IQ3_K": KIND_IQ3_K, "IQ4_K": KIND_IQ4_K, "IQ5_K": KIND_IQ5_K,
                 "IQ6_K": KIND_IQ6_K, "IQ4_KSS": KIND_IQ4_KSS, "IQ2_KL": KIND_IQ2_KL,
                 "IQ4_XS": KIND_IQ4_XS}
-#: the weight types whose own kernel in ik's AVX2 build is reproduced (_scalar_row_avx2), by q8k_direct's kind
-AVX2_NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS}
+#: the weight types whose own kernel in ik's AVX2 build is reproduced (_scalar_row_avx2, _scalar_row_xk_avx2), by kind
+AVX2_NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS, "IQ2_K": KIND_IQ2_K,
+                     "IQ3_K": KIND_IQ3_K, "IQ4_K": KIND_IQ4_K, "IQ5_K": KIND_IQ5_K, "IQ6_K": KIND_IQ6_K}
 #: IQ2_KS's unshifted grid plus 32, the unsigned bytes ik's AVX2 kernel multiplies (a shifted sub-block's +5 and the
 #: -32 go to its minimum)
 _IQ2KS_UNSIGNED = (IQ2NL_VALUES[:4].astype(np.int32) + 32).astype(np.int8)
@@ -581,6 +584,69 @@ def _lanes_iq2_k(wu: np.ndarray, xu: np.ndarray, sc: np.ndarray, i: int, dd: np.
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _prepare_row_xk_avx2(row: np.ndarray, kind: int, nb: int, wv: np.ndarray, sc: np.ndarray, mins: np.ndarray,
+                         dblk: np.ndarray) -> None:
+    """An IQ2_K ... IQ6_K row as ik's AVX2 kernel holds it (mul_mat_qY_K_q8_K_T): IQ2_K's and IQ3_K's as the
+    AVX-512 one's (_prepare_row_xk: unsigned values, minima with the bias); IQ4_K's, IQ5_K's and IQ6_K's values
+    signed, IQ4_K's on the sub-block's grid half (no minima), IQ5_K's and IQ6_K's on the unshifted one, their
+    minima scale x the shift where the flag bit shifts the sub-block."""
+    for i in range(nb):
+        blk = row[BLOCK_BYTES[kind] * i : BLOCK_BYTES[kind] * (i + 1)]
+        dblk[i] = load_f16(blk, 0)
+        extra = np.int32(blk[2]) | (np.int32(blk[3]) << 8)
+        for ib in range(16):
+            s = _xk_scale(blk, kind, ib)
+            shifted = (extra >> ib) & 1
+            sc[16 * i + ib] = s
+            signed = kind == KIND_IQ4_K or kind == KIND_IQ5_K or kind == KIND_IQ6_K
+            mins[16 * i + ib] = s * (XK_SHIFT[kind] * shifted - (0 if signed else XK_BIAS[kind]))
+            for j in range(16):
+                k = _xk_code(blk, kind, ib, j)
+                if kind == KIND_IQ2_K:
+                    v = np.int32(_IQ2KS_UNSIGNED[k])
+                elif kind == KIND_IQ3_K:
+                    v = np.int32(_UNSIGNED3[k])
+                elif kind == KIND_IQ4_K:
+                    v = np.int32(IQ4K_VALUES[16 * shifted + k])
+                elif kind == KIND_IQ5_K:
+                    v = np.int32(IQ5NL_VALUES[k])
+                else:
+                    v = np.int32(IQ6NL_VALUES[k])
+                wv[SUPER * i + 16 * ib + j] = v
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _scalar_row_xk_avx2(row, kind, xu, xd, sums16, tokens, m0, m1, wv, sc, mins, dblk, acc):  # type: ignore[no-untyped-def]
+    """One IQ2_K ... IQ6_K row against tokens[m0:m1] as ik's AVX2 build multiplies it (mul_mat_qY_K_q8_K_T,
+    multiply_add / multiply_add_avx2): per block, but for IQ4_K, minima lane j (sub-blocks 2 j and 2 j + 1 times
+    their 16 activations' sums) added first as fma(d x the token's scale, float(lane), acc[j]); then 8 lanes, lane
+    l summing over the 8 groups of 32 values the scale of sub-block 2 g + l // 4 times values 32 g + 4 l .. + 3
+    times the activation integers (exact: no pair sum reaches 32767), each added the same way; the row's result
+    hsum_float_8(acc)."""
+    nb = xd.shape[1]
+    _prepare_row_xk_avx2(row, kind, nb, wv, sc, mins, dblk)
+    for m in range(m0, m1):
+        x = tokens[m]
+        a = acc[8 * (m - m0) : 8 * (m - m0) + 8]
+        for i in range(nb):
+            dd = dblk[i] * xd[x, i]
+            if kind != KIND_IQ4_K:
+                for j in range(8):
+                    total = (mins[16 * i + 2 * j] * sums16[m, 16 * i + 2 * j]
+                             + mins[16 * i + 2 * j + 1] * sums16[m, 16 * i + 2 * j + 1])
+                    a[j] = fmaf(dd, np.float32(np.int32(total)), a[j])
+            for lane in range(8):
+                total = np.int32(0)
+                for g in range(8):
+                    at = SUPER * i + 32 * g + 4 * lane
+                    part = np.int32(0)
+                    for t in range(4):
+                        part += np.int32(wv[at + t]) * (np.int32(xu[x, at + t]) - 128)
+                    total += np.int32(sc[16 * i + 2 * g + lane // 4]) * part
+                a[lane] = fmaf(dd, np.float32(total), a[lane])
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _hsum_xk(a: np.ndarray) -> np.float32:
     """The row's result from _scalar_row_xk's accumulators a[:24] (consumed: the first 8 take the sums):
     hsum_float_8(minima + (low half + high half))."""
@@ -603,6 +669,12 @@ def _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows,
     xu_flat, sums_flat, xd_flat = xu.reshape(-1), sub_sums.reshape(-1), xd.reshape(-1)
     for r in range(t * ROW_TILE, min(n_rows, (t + 1) * ROW_TILE)):
         row = raw[which[j], r]
+        if _sixteens(kind) and avx2:
+            acc[: 8 * (m1 - m0)] = 0
+            _scalar_row_xk_avx2(row, kind, xu, xd, sub_sums, tokens, m0, m1, wv, sc, mins, dblk, acc)
+            for m in range(m0, m1):
+                out[m, r] = hsum_float_8(acc[8 * (m - m0) : 8 * (m - m0) + 8])
+            continue
         if _sixteens(kind):
             acc[: 24 * (m1 - m0)] = 0
             _scalar_row_xk(row, kind, xu, xd, sub_sums, tokens, m0, m1, wu, sc, mins, dblk, acc)
@@ -686,7 +758,7 @@ def iqk_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndar
     raw = read_only(np.ascontiguousarray(raw))
     tokens = np.ascontiguousarray(tokens, dtype=np.int64)
     row_at = np.ascontiguousarray(row_at, dtype=np.int64)
-    sixteens = type_name in ("IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ4_KSS", "IQ4_XS") and not avx2
+    sixteens = type_name in ("IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ4_KSS", "IQ4_XS")
     sums = np.empty((len(tokens), x.u.shape[1] // (16 if sixteens else SUB)), np.int32)
     _sub_block_sums(x.u, tokens, sums)
     out = np.empty((len(tokens), raw.shape[1]), np.float32)
