@@ -1,8 +1,9 @@
 """ik's own kernels of the IQK types and IQ4_XS (IQ4_KS, IQ5_KS, IQ3_KS, IQ2_KS, IQ2_KL, IQ4_KSS, IQ2_K ... IQ6_K;
-ikrun/numerics/ik/iqk_native.py) against ik's AVX-512 build (tests/data/iqk-native): its dense matmul (IQ4_KS, IQ5_KS: its MoE matmul and fused
-up-gate too) below 32 activation rows bit for bit, and a Qwen3-MoE whose experts get fewer than 32 tokens: ik's base-logits file byte for
-byte and its final line, with one chunk and (IQ4_KS) with four that share ik's micro-batch (ffn.micro_batches). The
-same against its AVX2 build (tests/data/iqk-native-avx2: IQ4_KS, IQ3_KS, IQ2_KS, IQ2_K ... IQ6_K)."""
+ikrun/numerics/ik/iqk_native.py) against ik's AVX-512 build (tests/data/iqk-native): its dense matmul (IQ4_KS, IQ5_KS:
+its MoE matmul and fused up-gate too) below 32 activation rows bit for bit, and a Qwen3-MoE whose experts get fewer than
+32 tokens: ik's base-logits file byte for byte and its final line, with one chunk and (IQ4_KS) with four that share ik's
+micro-batch (ffn.micro_batches). The same against its AVX2 build (tests/data/iqk-native-avx2: IQ4_KS, IQ3_KS, IQ2_KS,
+IQ2_K ... IQ6_K)."""
 
 from __future__ import annotations
 
@@ -132,12 +133,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ("IQ2_KL", 128, 1, "ik-iq2_kl-c128.kld"), ("IQ4_XS", 128, 1, "ik-iq4_xs-c128.kld")])
 def test_experts_below_32_tokens_give_iks_logits(models: dict[str, Path], type_name: str, ctx: int, chunks: int,
                                                   kld: str, tmp_path: Path) -> None:
-    """ik's base-logits file byte for byte and its final line to the digit (most experts get 5-30 tokens of a
-    chunk; four chunks of 128 share ik's 512-token micro-batch, where most get 32 or more: --ik-batch 2048, ik's
-    default -b). The experts in the float path printed IQ3_KS 522.9366 (ik: 523.5129), IQ2_KS 580.4391 (580.4589),
-    IQ4_XS 531.5912 (533.0735), IQ2_KL 657.9729 (657.8923), IQ4_KSS 582.1464 (583.4199), IQ2_K 592.7253 (592.7312), IQ3_K 515.4000 (515.3999), IQ4_K 481.1680 (478.6976), IQ5_K 525.6906 (519.6313), IQ6_K 514.3496 (510.3074;
-    its experts reach its own kernel as the file's rows, ops/moe._experts_product, though its float path multiplies
-    other values than its decoding)."""
+    """ik's base-logits file byte for byte and its final line to the digit (most experts get 5-30 tokens of a chunk;
+    four chunks of 128 share ik's 512-token micro-batch, where most get 32 or more: --ik-batch 2048, ik's default -b).
+    The experts in the float path printed IQ3_KS 522.9366 (ik: 523.5129), IQ2_KS 580.4391 (580.4589), IQ4_XS 531.5912
+    (533.0735), IQ2_KL 657.9729 (657.8923), IQ4_KSS 582.1464 (583.4199), IQ2_K 592.7253 (592.7312), IQ3_K 515.4000
+    (515.3999), IQ4_K 481.1680 (478.6976), IQ5_K 525.6906 (519.6313), IQ6_K 514.3496 (510.3074; its experts reach its
+    own kernel as the file's rows, ops/moe._experts_product, though its float path multiplies other values than its
+    decoding)."""
     out = tmp_path / "base.kld"
     res = runner.invoke(app, ["ppl", str(models[type_name]), "--text", str(TEXT), "-c", str(ctx), "--chunks",
                               str(chunks), "-t", "2", "--numerics", "ik", "--ik-batch", "2048", "--save-base-logits",

@@ -1,18 +1,18 @@
-"""ik's own kernels of the IQK types in its AVX-512 build (IQ4_KS, IQ5_KS, IQ3_KS, IQ2_KS, IQ2_KL, IQ4_KSS, IQ2_K
-... IQ6_K), for `--numerics ik`: what ik multiplies those weights with below the activation rows from which it
-converts them (IkKernel.convert_rows: a routed expert's few tokens, a one-token decode), Q8_K activations against
-the stored codes. IQ5_KS's is IQ4_KS's with 5-bit codes (the fifth bits picking one of two 16-byte tables) and a
-grid shift of 2. IQ3_KS's and IQ2_KS's have the same lanes over their unshifted grid plus 64 and plus 32 (unsigned
-bytes whose pair sums stay below 32767: no saturation), each sub-block's minimum its scale x (the grid half's
-shift, 4 and 5, minus 64 and 32), and the row's f16 scale; they run in the scalar loop on every CPU. The types of 16-value sub-blocks and a block scale d (IQ3_K, IQ4_K,
-IQ5_K, IQ6_K) take another kernel (mul_mat_iqX_k_q8_K_AVX512, _scalar_row_xk): the same 16 lanes of saturated pair
-sums times their sub-block's scale, the minima in 8 lanes of their own, the two lane sets added up only at the end
-(checked bit for bit against ggml_mul_mat; the 4-6 bit types' pair sums saturate as IQ4_KS's). IQ2_K's
-(mul_mat_qX_K_q8_K_AVX512) groups its values into the 16 lanes otherwise (_lanes_iq2_k), its sums exact. IQ4_KSS's
-is mul_mat_iqX_k_q8_K_AVX512's over 32-value sub-blocks (each scale and minimum held twice) and the row's f32 d,
-IQ4_XS's the same with block scales; IQ2_KL's is IQ2_KS's over its pair table plus 64, no shifted half. ik's AVX2
-build multiplies IQ2_K ... IQ6_K in mul_mat_qY_K_q8_K_T (_scalar_row_xk_avx2): 8 exact lanes, the minima (none for
-IQ4_K, whose values it takes signed on the sub-block's grid half) in a fused multiply-add of their own first.
+"""ik's own kernels of the IQK types in its AVX-512 build (IQ4_KS, IQ5_KS, IQ3_KS, IQ2_KS, IQ2_KL, IQ4_KSS, IQ2_K ...
+IQ6_K), for `--numerics ik`: what ik multiplies those weights with below the activation rows from which it converts them
+(IkKernel.convert_rows: a routed expert's few tokens, a one-token decode), Q8_K activations against the stored codes.
+IQ5_KS's is IQ4_KS's with 5-bit codes (the fifth bits picking one of two 16-byte tables) and a grid shift of 2. IQ3_KS's
+and IQ2_KS's have the same lanes over their unshifted grid plus 64 and plus 32 (unsigned bytes whose pair sums stay
+below 32767: no saturation), each sub-block's minimum its scale x (the grid half's shift, 4 and 5, minus 64 and 32), and
+the row's f16 scale; they run in the scalar loop on every CPU. The types of 16-value sub-blocks and a block scale d
+(IQ3_K, IQ4_K, IQ5_K, IQ6_K) take another kernel (mul_mat_iqX_k_q8_K_AVX512, _scalar_row_xk): the same 16 lanes of
+saturated pair sums times their sub-block's scale, the minima in 8 lanes of their own, the two lane sets added up only
+at the end (checked bit for bit against ggml_mul_mat; the 4-6 bit types' pair sums saturate as IQ4_KS's). IQ2_K's
+(mul_mat_qX_K_q8_K_AVX512) groups its values into the 16 lanes otherwise (_lanes_iq2_k), its sums exact. IQ4_KSS's is
+mul_mat_iqX_k_q8_K_AVX512's over 32-value sub-blocks (each scale and minimum held twice) and the row's f32 d, IQ4_XS's
+the same with block scales; IQ2_KL's is IQ2_KS's over its pair table plus 64, no shifted half. ik's AVX2 build
+multiplies IQ2_K ... IQ6_K in mul_mat_qY_K_q8_K_T (_scalar_row_xk_avx2): 8 exact lanes, the minima (none for IQ4_K,
+whose values it takes signed on the sub-block's grid half) in a fused multiply-add of their own first.
 
 Per 256 values of a row and an activation row, the kernel holds 16 int32 lanes. It takes the codes as unsigned
 bytes, the grid plus 128 (1 .. 241; a sub-block on the shifted grid, whose values are 4 more, moves those 4 to its
@@ -531,14 +531,22 @@ def _prepare_row_iq4_xs(row: np.ndarray, nb: int, wu: np.ndarray, sc: np.ndarray
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _minima_lanes(mins: np.ndarray, sums16: np.ndarray, i: int, dd: np.float32, a: np.ndarray) -> None:
+    """Block i's 8 minima lanes (vpmaddwd of the sub-blocks' minima and the token's 16-value sums: lane j sub-blocks
+    2 j and 2 j + 1, exact), each added as a[j] = fma(dd, float(lane), a[j])."""
+    for j in range(8):
+        total = mins[16 * i + 2 * j] * sums16[16 * i + 2 * j] + mins[16 * i + 2 * j + 1] * sums16[16 * i + 2 * j + 1]
+        a[j] = fmaf(dd, np.float32(np.int32(total)), a[j])
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _scalar_row_xk(row, kind, xu, xd, sums16, tokens, m0, m1, wu, sc, mins, dblk, acc):  # type: ignore[no-untyped-def]
     """One row of a _sixteens type against tokens[m0:m1] as ik's AVX-512 build multiplies it
-    (mul_mat_iqX_k_q8_K_AVX512; IQ2_K's lanes: _lanes_iq2_k): per 256 values 16 lanes, lane l summing for k = 0 .. 3 the scale of sub-block
-    4 k + l // 4 times each of vpmaddubsw's two pair sums of values 64 k + 4 l .. + 3 (unsigned bytes against the
-    activation integers, saturated at 16 bits), and 8 minima lanes, lane j the minima of sub-blocks 2 j, 2 j + 1
-    times their 16 activations' sums (exact); both added per block as fma(d x the token's scale, float(lane),
-    acc), then the row's result hsum_float_8 of minima lane j + (lane j + lane j + 8). acc: per token 8 minima
-    accumulators, then 16."""
+    (mul_mat_iqX_k_q8_K_AVX512; IQ2_K's lanes: _lanes_iq2_k): per 256 values 16 lanes, lane l summing for
+    k = 0 .. 3 the scale of sub-block 4 k + l // 4 times each of vpmaddubsw's two pair sums of values
+    64 k + 4 l .. + 3 (unsigned bytes against the activation integers, saturated at 16 bits), and 8 minima lanes
+    (_minima_lanes); both added per block as fma(d x the token's scale, float(lane), acc), then the row's result
+    hsum_float_8 of minima lane j + (lane j + lane j + 8). acc: per token 8 minima accumulators, then 16."""
     nb = xd.shape[1]
     _prepare_row_xk(row, kind, nb, wu, sc, mins, dblk)
     for m in range(m0, m1):
@@ -546,10 +554,7 @@ def _scalar_row_xk(row, kind, xu, xd, sums16, tokens, m0, m1, wu, sc, mins, dblk
         a = acc[24 * (m - m0) : 24 * (m - m0) + 24]
         for i in range(nb):
             dd = dblk[i] * xd[x, i]
-            for j in range(8):
-                total = (mins[16 * i + 2 * j] * sums16[m, 16 * i + 2 * j]
-                         + mins[16 * i + 2 * j + 1] * sums16[m, 16 * i + 2 * j + 1])
-                a[j] = fmaf(dd, np.float32(np.int32(total)), a[j])
+            _minima_lanes(mins, sums16[m], i, dd, a)
             if kind == KIND_IQ2_K:
                 _lanes_iq2_k(wu, xu[x], sc, i, dd, a)
                 continue
@@ -631,10 +636,7 @@ def _scalar_row_xk_avx2(row, kind, xu, xd, sums16, tokens, m0, m1, wv, sc, mins,
         for i in range(nb):
             dd = dblk[i] * xd[x, i]
             if kind != KIND_IQ4_K:
-                for j in range(8):
-                    total = (mins[16 * i + 2 * j] * sums16[m, 16 * i + 2 * j]
-                             + mins[16 * i + 2 * j + 1] * sums16[m, 16 * i + 2 * j + 1])
-                    a[j] = fmaf(dd, np.float32(np.int32(total)), a[j])
+                _minima_lanes(mins, sums16[m], i, dd, a)
             for lane in range(8):
                 total = np.int32(0)
                 for g in range(8):
