@@ -120,9 +120,9 @@ def test_ik_avx512_order_misses_iks_avx2_iq4_ks() -> None:
 
 
 def test_ik_avx2_refuses_the_own_kernels_of_converted_types() -> None:
-    """Below 32 activation rows ik multiplies the IQK mix's IQ4_KSS, IQ5_KS and IQ2_KL weights in their own AVX2
-    kernels, which are not reproduced (IQ4_KS's, IQ3_KS's, IQ2_KS's and IQ2_K ... IQ6_K's are,
-    tests/test_iqk_native.py): refused, not replaced by another arithmetic."""
+    """Below 32 activation rows ik multiplies the IQK mix's IQ4_KSS and IQ2_KL weights in their own AVX2 kernels,
+    which are not reproduced (its other types' are, tests/test_iqk_native.py): refused, not replaced by another
+    arithmetic."""
     res = runner.invoke(app, ["logits", str(PLAN_FILES["iqk-mix"]), "--tokens", "1,2", "--numerics", "ik-avx2"])
     assert res.exit_code == 2 and "not its own kernel, which it takes for 2 activation rows" in res.output, \
         res.output

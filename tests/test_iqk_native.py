@@ -158,13 +158,14 @@ AVX2 = DATA.parent / "iqk-native-avx2"
 @pytest.mark.parametrize(("type_name", "kld"), [("IQ4_KS", "ik-c128.kld"), ("IQ3_KS", "ik-iq3_ks-c128.kld"),
                                                ("IQ2_KS", "ik-iq2_ks-c128.kld"), ("IQ2_K", "ik-iq2_k-c128.kld"),
                                                ("IQ3_K", "ik-iq3_k-c128.kld"), ("IQ4_K", "ik-iq4_k-c128.kld"),
-                                               ("IQ5_K", "ik-iq5_k-c128.kld"), ("IQ6_K", "ik-iq6_k-c128.kld")])
+                                               ("IQ5_K", "ik-iq5_k-c128.kld"), ("IQ6_K", "ik-iq6_k-c128.kld"),
+                                               ("IQ5_KS", "ik-iq5_ks-c128.kld"), ("IQ4_XS", "ik-iq4_xs-c128.kld")])
 def test_experts_below_32_tokens_give_iks_avx2_logits(models: dict[str, Path], type_name: str, kld: str,
                                                       tmp_path: Path) -> None:
-    """ik's own IQ4_KS, IQ3_KS, IQ2_KS and IQ2_K ... IQ6_K kernels of its AVX2 build (tests/data/iqk-native-avx2;
-    most experts get 5-30 tokens of the chunk): --numerics ik-avx2 writes ik's base-logits file byte for byte and
-    prints its final line (the experts in the float path printed IQ3_KS 523.0499, not ik's 523.2203; IQ2_KS
-    579.8098, not 580.5024; IQ2_K ... IQ6_K were refused)."""
+    """ik's own IQ4_KS, IQ3_KS, IQ2_KS, IQ2_K ... IQ6_K, IQ5_KS and IQ4_XS kernels of its AVX2 build
+    (tests/data/iqk-native-avx2; most experts get 5-30 tokens of the chunk): --numerics ik-avx2 writes ik's
+    base-logits file byte for byte and prints its final line (the experts in the float path printed IQ3_KS 523.0499,
+    not ik's 523.2203; IQ2_KS 579.8098, not 580.5024; the others were refused)."""
     out = tmp_path / "base.kld"
     res = runner.invoke(app, ["ppl", str(models[type_name]), "--text", str(TEXT), "-c", "128", "--chunks", "1", "-t",
                               "2", "--numerics", "ik-avx2", "--ik-batch", "2048", "--save-base-logits", str(out)])
@@ -213,13 +214,27 @@ def test_own_kernel_matmul_is_iks(type_name: str, m: int) -> None:
 
 
 @pytest.mark.parametrize("m", [1, 5, 31])
-@pytest.mark.parametrize("type_name", ["IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K"])
-def test_avx2_sixteen_value_sub_block_kernels_are_iks(type_name: str, m: int) -> None:
+@pytest.mark.parametrize("type_name", ["IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ4_XS"])
+def test_avx2_own_kernels_are_iks(type_name: str, m: int) -> None:
     """IQ2_K ... IQ6_K's own kernels of ik's AVX2 build (mul_mat_qY_K_q8_K_T: the minima's lanes first, IQ4_K
-    none, then 8 exact lanes; _scalar_row_xk_avx2): its ggml_mul_mat of the AVX-512 cases' weights and activations,
-    bit for bit, and not the AVX-512 build's numbers."""
-    with np.load(DATA / f"cases-{type_name.lower()}.npz") as f, np.load(AVX2 / "outputs-k.npz") as g:
+    none, then 8 exact lanes; _scalar_row_xk_avx2) and IQ4_XS's (mul_mat_qX_K_q8_K_T: saturating pair sums): its
+    ggml_mul_mat of the AVX-512 cases' weights and activations, bit for bit, and not the AVX-512 build's numbers."""
+    outputs = AVX2 / ("outputs-iq4_xs.npz" if type_name == "IQ4_XS" else "outputs-k.npz")
+    with np.load(DATA / f"cases-{type_name.lower()}.npz") as f, np.load(outputs) as g:
         raw, x, ik, avx512 = f[f"raw_{type_name}"], f["x"][:m], g[f"{type_name}_{m}"], f[f"{type_name}_{m}"]
     got = iqk_matmul(integer_rows(x, Q8_K), raw, type_name, avx2=True)
     np.testing.assert_array_equal(_bits(got), _bits(ik))
     assert not np.array_equal(_bits(got), _bits(avx512))
+
+
+@pytest.mark.parametrize("m", [1, 5, 31])
+def test_avx2_iq5_ks_kernel_saturates_as_iks(m: int) -> None:
+    """IQ5_KS's own kernel of ik's AVX2 build (unsigned values whose pair sums saturate at 16 bits, the minima's
+    lanes first): its ggml_mul_mat on rows built to saturate, bit for bit, where the float path is off by more than
+    a tenth of the largest output."""
+    with np.load(AVX2 / "cases-iq5_ks.npz") as f:
+        raw, x, ik = f["raw_IQ5_KS"], f["x"][:m], f[f"IQ5_KS_{m}"]
+    got = iqk_matmul(integer_rows(x, Q8_K), raw, "IQ5_KS", avx2=True)
+    np.testing.assert_array_equal(_bits(got), _bits(ik))
+    floats = round_activations(x, Q8_K) @ type_by_name("IQ5_KS").require_codec().dequantize(raw, 512).T
+    assert np.abs(floats - ik).max() > 0.1 * np.abs(ik).max()

@@ -12,7 +12,8 @@ at the end (checked bit for bit against ggml_mul_mat; the 4-6 bit types' pair su
 mul_mat_iqX_k_q8_K_AVX512's over 32-value sub-blocks (each scale and minimum held twice) and the row's f32 d, IQ4_XS's
 the same with block scales; IQ2_KL's is IQ2_KS's over its pair table plus 64, no shifted half. ik's AVX2 build
 multiplies IQ2_K ... IQ6_K in mul_mat_qY_K_q8_K_T (_scalar_row_xk_avx2): 8 exact lanes, the minima (none for IQ4_K,
-whose values it takes signed on the sub-block's grid half) in a fused multiply-add of their own first.
+whose values it takes signed on the sub-block's grid half) in a fused multiply-add of their own first; IQ5_KS and
+IQ4_XS in mul_mat_qX_K_q8_K_T, the same lanes over 32-value sub-blocks and unsigned values, whose pair sums saturate.
 
 Per 256 values of a row and an activation row, the kernel holds 16 int32 lanes. It takes the codes as unsigned
 bytes, the grid plus 128 (1 .. 241; a sub-block on the shifted grid, whose values are 4 more, moves those 4 to its
@@ -84,7 +85,8 @@ NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ5_KS": KIND_IQ5_KS, "IQ3_KS": KIND_IQ3
                 "IQ4_XS": KIND_IQ4_XS}
 #: the weight types whose own kernel in ik's AVX2 build is reproduced (_scalar_row_avx2, _scalar_row_xk_avx2), by kind
 AVX2_NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS, "IQ2_K": KIND_IQ2_K,
-                     "IQ3_K": KIND_IQ3_K, "IQ4_K": KIND_IQ4_K, "IQ5_K": KIND_IQ5_K, "IQ6_K": KIND_IQ6_K}
+                     "IQ3_K": KIND_IQ3_K, "IQ4_K": KIND_IQ4_K, "IQ5_K": KIND_IQ5_K, "IQ6_K": KIND_IQ6_K,
+                     "IQ5_KS": KIND_IQ5_KS, "IQ4_XS": KIND_IQ4_XS}
 #: IQ2_KS's unshifted grid plus 32, the unsigned bytes ik's AVX2 kernel multiplies (a shifted sub-block's +5 and the
 #: -32 go to its minimum)
 _IQ2KS_UNSIGNED = (IQ2NL_VALUES[:4].astype(np.int32) + 32).astype(np.int8)
@@ -446,37 +448,50 @@ def _xk_scale(blk: np.ndarray, kind: int, ib: int) -> np.int32:
 
 @njit(cache=True, nogil=True, inline="always")
 def _prepare_row_xk(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.ndarray, mins: np.ndarray,
-                    dblk: np.ndarray) -> None:
-    """An IQ2_K ... IQ6_K row as ik's AVX-512 kernel holds it: every value's unsigned byte, the
-    unshifted grid plus XK_BIAS (wu), each 16-value sub-block's scale (sc[16 i + ib]) and minimum, scale x (-bias, +
-    XK_SHIFT where the block's flag bit ib shifts the sub-block's grid) (mins), each block's f16 d (dblk). IQ4_KSS
-    and IQ4_XS (32-value sub-blocks) fill the same arrays: each sub-block's scale and minimum twice."""
+                    dblk: np.ndarray, avx2: bool) -> None:
+    """An IQ2_K ... IQ6_K row as ik's AVX-512 kernel holds it: every value's unsigned byte, the unshifted grid plus
+    XK_BIAS (wu), each 16-value sub-block's scale (sc[16 i + ib]) and minimum, scale x (-bias, + XK_SHIFT where the
+    block's flag bit ib shifts the sub-block's grid) (mins), each block's f16 d (dblk). IQ4_KSS and IQ4_XS (32-value
+    sub-blocks) fill the same arrays: each sub-block's scale and minimum twice. `avx2`: as its AVX2 kernel holds it
+    (wu int16): IQ4_K's, IQ5_K's and IQ6_K's values signed, IQ4_K's on the sub-block's grid half (no minima), IQ5_K's
+    and IQ6_K's on the unshifted one, their minima scale x the shift; IQ5_KS (_prepare_row_iq5_ks) as IQ4_XS."""
     if kind == KIND_IQ4_KSS:
         _prepare_row_iq4_kss(row, nb, wu, sc, mins, dblk)
         return
     if kind == KIND_IQ4_XS:
         _prepare_row_iq4_xs(row, nb, wu, sc, mins, dblk)
         return
+    if kind == KIND_IQ5_KS:
+        _prepare_row_iq5_ks(row, nb, wu, sc, mins, dblk)
+        return
+    signed = avx2 and (kind == KIND_IQ4_K or kind == KIND_IQ5_K or kind == KIND_IQ6_K)
     for i in range(nb):
         blk = row[BLOCK_BYTES[kind] * i : BLOCK_BYTES[kind] * (i + 1)]
         dblk[i] = load_f16(blk, 0)
         extra = np.int32(blk[2]) | (np.int32(blk[3]) << 8)
         for ib in range(16):
             s = _xk_scale(blk, kind, ib)
+            shifted = (extra >> ib) & 1
             sc[16 * i + ib] = s
-            mins[16 * i + ib] = s * (XK_SHIFT[kind] * ((extra >> ib) & 1) - XK_BIAS[kind])
+            mins[16 * i + ib] = s * (XK_SHIFT[kind] * shifted - (0 if signed else XK_BIAS[kind]))
             for j in range(16):
                 k = _xk_code(blk, kind, ib, j)
                 if kind == KIND_IQ2_K:
-                    u = np.uint8(_IQ2KS_UNSIGNED[k])
+                    u = np.int32(_IQ2KS_UNSIGNED[k])
                 elif kind == KIND_IQ3_K:
-                    u = _UNSIGNED3[k]
+                    u = np.int32(_UNSIGNED3[k])
+                elif signed and kind == KIND_IQ4_K:
+                    u = np.int32(IQ4K_VALUES[16 * shifted + k])
                 elif kind == KIND_IQ4_K:
-                    u = _UNSIGNED4[k]
+                    u = np.int32(_UNSIGNED4[k])
+                elif signed and kind == KIND_IQ5_K:
+                    u = np.int32(IQ5NL_VALUES[k])
                 elif kind == KIND_IQ5_K:
-                    u = _UNSIGNED5[k]
+                    u = np.int32(_UNSIGNED5[k])
+                elif signed:
+                    u = np.int32(IQ6NL_VALUES[k])
                 else:
-                    u = _UNSIGNED6[k]
+                    u = np.int32(_UNSIGNED6[k])
                 wu[SUPER * i + 16 * ib + j] = u
 
 
@@ -548,7 +563,7 @@ def _scalar_row_xk(row, kind, xu, xd, sums16, tokens, m0, m1, wu, sc, mins, dblk
     (_minima_lanes); both added per block as fma(d x the token's scale, float(lane), acc), then the row's result
     hsum_float_8 of minima lane j + (lane j + lane j + 8). acc: per token 8 minima accumulators, then 16."""
     nb = xd.shape[1]
-    _prepare_row_xk(row, kind, nb, wu, sc, mins, dblk)
+    _prepare_row_xk(row, kind, nb, wu, sc, mins, dblk, False)
     for m in range(m0, m1):
         x = tokens[m]
         a = acc[24 * (m - m0) : 24 * (m - m0) + 24]
@@ -589,47 +604,36 @@ def _lanes_iq2_k(wu: np.ndarray, xu: np.ndarray, sc: np.ndarray, i: int, dd: np.
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _prepare_row_xk_avx2(row: np.ndarray, kind: int, nb: int, wv: np.ndarray, sc: np.ndarray, mins: np.ndarray,
-                         dblk: np.ndarray) -> None:
-    """An IQ2_K ... IQ6_K row as ik's AVX2 kernel holds it (mul_mat_qY_K_q8_K_T): IQ2_K's and IQ3_K's as the
-    AVX-512 one's (_prepare_row_xk: unsigned values, minima with the bias); IQ4_K's, IQ5_K's and IQ6_K's values
-    signed, IQ4_K's on the sub-block's grid half (no minima), IQ5_K's and IQ6_K's on the unshifted one, their
-    minima scale x the shift where the flag bit shifts the sub-block."""
+def _prepare_row_iq5_ks(row: np.ndarray, nb: int, wu: np.ndarray, sc: np.ndarray, mins: np.ndarray,
+                        dblk: np.ndarray) -> None:
+    """_prepare_row_xk of IQ5_KS for ik's AVX2 kernel (the row's f32 d; IQ4_XS's layout of scales and minima): each
+    sub-block's scale byte & 254 minus 127, its minimum scale x (-128, + 2 where the byte is odd), the 5-bit codes
+    in the unshifted grid plus 128."""
+    d = load_f32(row, 0)
     for i in range(nb):
-        blk = row[BLOCK_BYTES[kind] * i : BLOCK_BYTES[kind] * (i + 1)]
-        dblk[i] = load_f16(blk, 0)
-        extra = np.int32(blk[2]) | (np.int32(blk[3]) << 8)
-        for ib in range(16):
-            s = _xk_scale(blk, kind, ib)
-            shifted = (extra >> ib) & 1
-            sc[16 * i + ib] = s
-            signed = kind == KIND_IQ4_K or kind == KIND_IQ5_K or kind == KIND_IQ6_K
-            mins[16 * i + ib] = s * (XK_SHIFT[kind] * shifted - (0 if signed else XK_BIAS[kind]))
-            for j in range(16):
-                k = _xk_code(blk, kind, ib, j)
-                if kind == KIND_IQ2_K:
-                    v = np.int32(_IQ2KS_UNSIGNED[k])
-                elif kind == KIND_IQ3_K:
-                    v = np.int32(_UNSIGNED3[k])
-                elif kind == KIND_IQ4_K:
-                    v = np.int32(IQ4K_VALUES[16 * shifted + k])
-                elif kind == KIND_IQ5_K:
-                    v = np.int32(IQ5NL_VALUES[k])
-                else:
-                    v = np.int32(IQ6NL_VALUES[k])
-                wv[SUPER * i + 16 * ib + j] = v
+        o = 4 + BLOCK_BYTES[KIND_IQ5_KS] * i
+        dblk[i] = d
+        for ib in range(8):
+            b = np.int32(row[o + ib])
+            s = (b & 254) - 127
+            for half in range(2):
+                sc[16 * i + 2 * ib + half] = s
+                mins[16 * i + 2 * ib + half] = s * (2 * (b & 1) - 128)
+            for j in range(SUB):
+                c = (np.int32(row[o + 8 + 32 * (ib // 2) + j]) >> (4 * (ib % 2))) & 15
+                wu[SUPER * i + SUB * ib + j] = _UNSIGNED5[c | (((np.int32(row[o + 136 + j]) >> ib) & 1) << 4)]
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _scalar_row_xk_avx2(row, kind, xu, xd, sums16, tokens, m0, m1, wv, sc, mins, dblk, acc):  # type: ignore[no-untyped-def]
-    """One IQ2_K ... IQ6_K row against tokens[m0:m1] as ik's AVX2 build multiplies it (mul_mat_qY_K_q8_K_T,
-    multiply_add / multiply_add_avx2): per block, but for IQ4_K, minima lane j (sub-blocks 2 j and 2 j + 1 times
+    """One IQ2_K ... IQ6_K, IQ5_KS or IQ4_XS row against tokens[m0:m1] as ik's AVX2 build multiplies it
+    (mul_mat_qY_K_q8_K_T / mul_mat_qX_K_q8_K_T, multiply_add / multiply_add_avx2): per block, but for IQ4_K, minima lane j (sub-blocks 2 j and 2 j + 1 times
     their 16 activations' sums) added first as fma(d x the token's scale, float(lane), acc[j]); then 8 lanes, lane
     l summing over the 8 groups of 32 values the scale of sub-block 2 g + l // 4 times values 32 g + 4 l .. + 3
-    times the activation integers (exact: no pair sum reaches 32767), each added the same way; the row's result
-    hsum_float_8(acc)."""
+    times the activation integers (vpmaddubsw's pair sums, which saturate at 16 bits only for the unsigned values of
+    IQ5_KS and IQ4_XS), each added the same way; the row's result hsum_float_8(acc)."""
     nb = xd.shape[1]
-    _prepare_row_xk_avx2(row, kind, nb, wv, sc, mins, dblk)
+    _prepare_row_xk(row, kind, nb, wv, sc, mins, dblk, True)
     for m in range(m0, m1):
         x = tokens[m]
         a = acc[8 * (m - m0) : 8 * (m - m0) + 8]
@@ -642,8 +646,10 @@ def _scalar_row_xk_avx2(row, kind, xu, xd, sums16, tokens, m0, m1, wv, sc, mins,
                 for g in range(8):
                     at = SUPER * i + 32 * g + 4 * lane
                     part = np.int32(0)
-                    for t in range(4):
-                        part += np.int32(wv[at + t]) * (np.int32(xu[x, at + t]) - 128)
+                    for t in range(0, 4, 2):
+                        pair = (np.int32(wv[at + t]) * (np.int32(xu[x, at + t]) - 128)
+                                + np.int32(wv[at + t + 1]) * (np.int32(xu[x, at + t + 1]) - 128))
+                        part += min(32767, max(-32768, pair))
                     total += np.int32(sc[16 * i + 2 * g + lane // 4]) * part
                 a[lane] = fmaf(dd, np.float32(total), a[lane])
 
@@ -671,7 +677,7 @@ def _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows,
     xu_flat, sums_flat, xd_flat = xu.reshape(-1), sub_sums.reshape(-1), xd.reshape(-1)
     for r in range(t * ROW_TILE, min(n_rows, (t + 1) * ROW_TILE)):
         row = raw[which[j], r]
-        if _sixteens(kind) and avx2:
+        if avx2 and (_sixteens(kind) or kind == KIND_IQ5_KS):
             acc[: 8 * (m1 - m0)] = 0
             _scalar_row_xk_avx2(row, kind, xu, xd, sub_sums, tokens, m0, m1, wv, sc, mins, dblk, acc)
             for m in range(m0, m1):
@@ -719,7 +725,7 @@ def _matmuls(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, vector, mo
         mins = np.empty(nb * 16, np.int32)
         lanes = np.zeros(16, np.int32)
         acc = np.empty(24 * most, np.float32)
-        wv = np.empty(nb * SUPER, np.int8)
+        wv = np.empty(nb * SUPER, np.int16)
         sc8 = np.empty(nb * 8, np.int16)
         dblk = np.empty(nb, np.float32)
         t0, t1 = claim_items(counter, per, tasks)
@@ -760,7 +766,8 @@ def iqk_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndar
     raw = read_only(np.ascontiguousarray(raw))
     tokens = np.ascontiguousarray(tokens, dtype=np.int64)
     row_at = np.ascontiguousarray(row_at, dtype=np.int64)
-    sixteens = type_name in ("IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ4_KSS", "IQ4_XS")
+    sixteens = type_name in ("IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ4_KSS", "IQ4_XS") or (
+        avx2 and type_name == "IQ5_KS")
     sums = np.empty((len(tokens), x.u.shape[1] // (16 if sixteens else SUB)), np.int32)
     _sub_block_sums(x.u, tokens, sums)
     out = np.empty((len(tokens), raw.shape[1]), np.float32)
