@@ -125,6 +125,11 @@ XK_BIAS = np.zeros_like(BLOCK_BYTES)
 XK_BIAS[[KIND_IQ2_K, KIND_IQ3_K, KIND_IQ4_K, KIND_IQ5_K, KIND_IQ6_K]] = 32, 64, 128, 128, 128
 XK_SHIFT = np.zeros_like(BLOCK_BYTES)
 XK_SHIFT[[KIND_IQ2_K, KIND_IQ3_K, KIND_IQ4_K, KIND_IQ5_K, KIND_IQ6_K]] = 5, 4, 4, 2, 1
+#: their unshifted grids plus XK_BIAS, by kind and code
+_XK_UNSIGNED = np.zeros((len(BLOCK_BYTES), 64), np.int32)
+for _kind, _grid in ((KIND_IQ2_K, _IQ2KS_UNSIGNED), (KIND_IQ3_K, _UNSIGNED3), (KIND_IQ4_K, _UNSIGNED4),
+                     (KIND_IQ5_K, _UNSIGNED5), (KIND_IQ6_K, _UNSIGNED6)):
+    _XK_UNSIGNED[_kind, : len(_grid)] = _grid
 _I8, _I16, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _V64B, _V32S, _V16I, _V16F = (ir.VectorType(_I8, 64), ir.VectorType(_I16, 32), ir.VectorType(_I32, 16),
                               ir.VectorType(_F32, 16))
@@ -249,6 +254,14 @@ _block_fast4, _block_fast5 = ((_block_vector(KIND_IQ4_KS), _block_vector(KIND_IQ
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _iq5_ks_unsigned(row: np.ndarray, o: int, m: int, j: int) -> np.uint8:
+    """Value j of sub-block m of the IQ5_KS block at o as its unsigned byte (the unshifted grid plus 128): the low 4
+    bits of its code from the byte pairs' nibbles, the fifth from the sub-block's bit of the high-bit byte j."""
+    c = (np.int32(row[o + 8 + 32 * (m // 2) + j]) >> (4 * (m % 2))) & 15
+    return _UNSIGNED5[c | (((np.int32(row[o + 136 + j]) >> m) & 1) << 4)]
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _prepare_row(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.ndarray, mins: np.ndarray) -> np.float32:
     """A row's codes as the kernel's unsigned bytes (wu), each block's scales as vpmaddwd takes them (per 64 values
     32 int16: the first sub-block's scale 16 times, then the second's; sc), each sub-block's minimum (mins);
@@ -286,8 +299,7 @@ def _prepare_row(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.nda
                     wu[at + 16 + j] = _UNSIGNED4[c >> 4]
             else:
                 for j in range(SUB):
-                    c = (np.int32(row[o + 8 + 32 * (m // 2) + j]) >> (4 * (m % 2))) & 15
-                    wu[at + j] = _UNSIGNED5[c | (((np.int32(row[o + 136 + j]) >> m) & 1) << 4)]
+                    wu[at + j] = _iq5_ks_unsigned(row, o, m, j)
     return load_f32(row, 0)
 
 
@@ -411,6 +423,13 @@ def _sixteens(kind: int) -> bool:
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _xk_kernel(kind: int, avx2: bool) -> bool:
+    """Whether rows of `kind` take _scalar_row_xk (`avx2`: _scalar_row_xk_avx2, which IQ5_KS takes too), the
+    kernels whose minima multiply 16-value activation sums."""
+    return _sixteens(kind) or (avx2 and kind == KIND_IQ5_KS)
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _xk_code(blk: np.ndarray, kind: int, ib: int, j: int) -> np.int32:
     """The code of value j of 16-value sub-block ib of an IQ2_K / IQ3_K / IQ4_K / IQ5_K / IQ6_K block (its bytes
     blk), as ikquant's decoders read it."""
@@ -474,25 +493,10 @@ def _prepare_row_xk(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.
             shifted = (extra >> ib) & 1
             sc[16 * i + ib] = s
             mins[16 * i + ib] = s * (XK_SHIFT[kind] * shifted - (0 if signed else XK_BIAS[kind]))
+            # the signed values: the grid itself, IQ4_K's on the sub-block's half (its shift in the values)
+            to_signed = XK_BIAS[kind] - (XK_SHIFT[kind] * shifted if kind == KIND_IQ4_K else 0) if signed else 0
             for j in range(16):
-                k = _xk_code(blk, kind, ib, j)
-                if kind == KIND_IQ2_K:
-                    u = np.int32(_IQ2KS_UNSIGNED[k])
-                elif kind == KIND_IQ3_K:
-                    u = np.int32(_UNSIGNED3[k])
-                elif signed and kind == KIND_IQ4_K:
-                    u = np.int32(IQ4K_VALUES[16 * shifted + k])
-                elif kind == KIND_IQ4_K:
-                    u = np.int32(_UNSIGNED4[k])
-                elif signed and kind == KIND_IQ5_K:
-                    u = np.int32(IQ5NL_VALUES[k])
-                elif kind == KIND_IQ5_K:
-                    u = np.int32(_UNSIGNED5[k])
-                elif signed:
-                    u = np.int32(IQ6NL_VALUES[k])
-                else:
-                    u = np.int32(_UNSIGNED6[k])
-                wu[SUPER * i + 16 * ib + j] = u
+                wu[SUPER * i + 16 * ib + j] = _XK_UNSIGNED[kind, _xk_code(blk, kind, ib, j)] - to_signed
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -618,10 +622,9 @@ def _prepare_row_iq5_ks(row: np.ndarray, nb: int, wu: np.ndarray, sc: np.ndarray
             s = (b & 254) - 127
             for half in range(2):
                 sc[16 * i + 2 * ib + half] = s
-                mins[16 * i + 2 * ib + half] = s * (2 * (b & 1) - 128)
+                mins[16 * i + 2 * ib + half] = s * (GRID_SHIFT[KIND_IQ5_KS] * (b & 1) - 128)
             for j in range(SUB):
-                c = (np.int32(row[o + 8 + 32 * (ib // 2) + j]) >> (4 * (ib % 2))) & 15
-                wu[SUPER * i + SUB * ib + j] = _UNSIGNED5[c | (((np.int32(row[o + 136 + j]) >> ib) & 1) << 4)]
+                wu[SUPER * i + SUB * ib + j] = _iq5_ks_unsigned(row, o, ib, j)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -677,7 +680,7 @@ def _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows,
     xu_flat, sums_flat, xd_flat = xu.reshape(-1), sub_sums.reshape(-1), xd.reshape(-1)
     for r in range(t * ROW_TILE, min(n_rows, (t + 1) * ROW_TILE)):
         row = raw[which[j], r]
-        if avx2 and (_sixteens(kind) or kind == KIND_IQ5_KS):
+        if avx2 and _xk_kernel(kind, avx2):
             acc[: 8 * (m1 - m0)] = 0
             _scalar_row_xk_avx2(row, kind, xu, xd, sub_sums, tokens, m0, m1, wv, sc, mins, dblk, acc)
             for m in range(m0, m1):
@@ -766,8 +769,7 @@ def iqk_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndar
     raw = read_only(np.ascontiguousarray(raw))
     tokens = np.ascontiguousarray(tokens, dtype=np.int64)
     row_at = np.ascontiguousarray(row_at, dtype=np.int64)
-    sixteens = type_name in ("IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ4_KSS", "IQ4_XS") or (
-        avx2 and type_name == "IQ5_KS")
+    sixteens = _xk_kernel(types[type_name], avx2)
     sums = np.empty((len(tokens), x.u.shape[1] // (16 if sixteens else SUB)), np.int32)
     _sub_block_sums(x.u, tokens, sums)
     out = np.empty((len(tokens), raw.shape[1]), np.float32)
