@@ -99,6 +99,45 @@ def test_plan_files_print_iks_figures_to_the_last_digit(weights: str) -> None:
         assert abs(_printed(alone)["kld_mean"] - ik["kld_mean"]) > 1e-5
 
 
+#: types ik converts to Q8_K_R16 whose files here are quantized from the qwen3-plan Q8_0 file (what ik's
+#: llama-quantize --allow-requantize --pure writes, byte for byte): the file type and ik's printed run
+Q8K_MORE = DATA / "logits" / "qwen3-plan-q8k-more"
+Q8K_MORE_TYPES = {"Q2_K": "q2_k", "Q3_K_S": "q3_k_s", "IQ3_XXS": "iq3_xxs", "IQ3_S": "iq3_s"}
+
+
+@pytest.fixture(scope="module")
+def q8k_more_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from ikquant.ftypes import file_type
+    from ikquant.quantize import QuantizeOptions, quantize_model
+
+    folder = tmp_path_factory.mktemp("q8k-more")
+    files = {}
+    for ftype, stem in Q8K_MORE_TYPES.items():
+        files[stem] = folder / f"{stem}.gguf"
+        quantize_model(DATA / "convert" / "qwen3-plan-quants" / "ik-q8_0.gguf", files[stem],
+                       QuantizeOptions(file_type(ftype), pure=True, allow_requantize=True))
+    return files
+
+
+@pytest.mark.parametrize("stem", list(Q8K_MORE_TYPES.values()))
+def test_q2_k_q3_k_and_3_bit_i_quants_print_iks_figures(q8k_more_files: dict[str, Path], stem: str,
+                                                       tmp_path: Path) -> None:
+    """Q2_K (requantized from its floats), Q3_K, IQ3_XXS and IQ3_S (their integers against d, d / 4 and d), which
+    --numerics ik refused before: every figure ik printed, and its base-logits file byte for byte (its digest)."""
+    gguf = q8k_more_files[stem]
+    ik = _printed(Q8K_MORE / f"ik-{stem}-kld.txt")
+    got = _kld(gguf, DATA / "logits" / "qwen3-plan" / "ik-base.kld")
+    for key, value in ik.items():
+        assert abs(got[key] - value) <= (5.01e-6 if key == "same_top_p" else 5.01e-7), (key, got[key], value)
+    out = tmp_path / "ours.kld"
+    res = runner.invoke(app, ["ppl", str(gguf), "--text", str(DATA / "logits" / "qwen3-plan" / "text.txt"), "--ctx",
+                              "128", "--chunks", "16", "--numerics", "ik", *fa_off_flags(gguf),
+                              "--save-base-logits", str(out)])
+    assert res.exit_code == 0, res.output
+    digests = json.loads((Q8K_MORE / "ik-base-logits-digests.json").read_text())
+    assert hashlib.blake2b(out.read_bytes(), digest_size=16).hexdigest() == digests[stem]
+
+
 BITS = DATA / "logits" / "ik-bits"
 
 
@@ -282,21 +321,21 @@ def test_i_quants_multiply_in_integers_as_their_float_emulation(type_name: str) 
 # ---- what it cannot reproduce ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def q3_k_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def q4_1_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from ikquant.ftypes import file_type
     from ikquant.quantize import QuantizeOptions, quantize_model
 
-    out = tmp_path_factory.mktemp("numerics") / "q3_k_s.gguf"  # 256 wide: whole K-quant blocks
+    out = tmp_path_factory.mktemp("numerics") / "q4_1.gguf"
     quantize_model(DATA / "convert" / "qwen3-plan-quants" / "ik-q8_0.gguf", out,
-                   QuantizeOptions(file_type("Q3_K_S"), pure=True, allow_requantize=True))
+                   QuantizeOptions(file_type("Q4_1"), pure=True, allow_requantize=True))
     return out
 
 
-def test_a_type_whose_ik_kernels_are_not_emulated_is_refused_before_compute(q3_k_file: Path) -> None:
-    with pytest.raises(ModelError, match=r"--numerics ik does not reproduce ik's arithmetic for Q3_K \(\d+ "
+def test_a_type_whose_ik_kernels_are_not_emulated_is_refused_before_compute(q4_1_file: Path) -> None:
+    with pytest.raises(ModelError, match=r"--numerics ik does not reproduce ik's arithmetic for Q4_1 \(\d+ "
                                          r"tensors, e\.g\. "):
-        Model(q3_k_file, options=IK)
-    res = runner.invoke(app, ["ppl", str(q3_k_file), "--text", str(DATA / "logits" / "qwen3" / "text.txt"),
+        Model(q4_1_file, options=IK)
+    res = runner.invoke(app, ["ppl", str(q4_1_file), "--text", str(DATA / "logits" / "qwen3" / "text.txt"),
                               "--numerics", "ik"])
     assert res.exit_code == 2 and "re-quantize" in res.output and "Traceback" not in res.output
 
@@ -335,12 +374,12 @@ def test_routed_experts_are_converted_per_expert_by_their_token_count(monkeypatc
 
 def test_a_swap_to_a_type_not_emulated_is_refused(tmp_path: Path) -> None:
     model = Model(DATA / "convert" / "qwen3" / "ik-q8_0.gguf", options=IK)
-    with pytest.raises(ModelError, match="Q2_K weights"):
-        model.swap("blk.0.attn_q.weight", type_by_name("Q2_K"), np.zeros(1, np.uint8))
+    with pytest.raises(ModelError, match="Q4_1 weights"):
+        model.swap("blk.0.attn_q.weight", type_by_name("Q4_1"), np.zeros(1, np.uint8))
     res = runner.invoke(app, ["sweep", str(DATA / "convert" / "qwen3" / "ik-q8_0.gguf"), "--text",
-                              str(DATA / "logits" / "qwen3" / "text.txt"), "--types", "Q4_0,Q3_K", "--numerics", "ik",
+                              str(DATA / "logits" / "qwen3" / "text.txt"), "--types", "Q4_0,Q4_1", "--numerics", "ik",
                               "--ctx", "64", "--chunks", "1", "-o", str(tmp_path / "unused.json")])
-    assert res.exit_code == 2 and "Q3_K weights" in res.output and not (tmp_path / "unused.json").exists()
+    assert res.exit_code == 2 and "Q4_1 weights" in res.output and not (tmp_path / "unused.json").exists()
 
 
 def test_an_unknown_numerics_is_a_usage_error() -> None:

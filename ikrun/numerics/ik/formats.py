@@ -47,7 +47,10 @@ least 32 rows (a multiple of 16):
 - the 1- and 2-bit i-quants the same way, with d = the block's f16 scale / 8 (IQ1_M's f16 is spread over the top
   nibbles of its scale bytes): p = (2 s + 1) x grid level (IQ2_XXS, IQ2_XS, IQ2_S: levels 8, 25, 43, signed) or
   (2 s + 1) x (8 level +- 1) (IQ1_S, IQ1_M: levels -1, 0, 1); c = 124 for the IQ2 types (IQ2_S from 16 activation
-  rows on, the others from 32) and 126 for IQ1_S and IQ1_M. All five take Q8_K activations.
+  rows on, the others from 32) and 126 for IQ1_S and IQ1_M. IQ3_XXS against d / 4 (p = (2 s + 1) x its grid
+  value, c = 124) and IQ3_S against d (c = 127), from 32 rows; Q3_K too (p = value x sub-block scale against its
+  f16 d, c = 127). All take Q8_K activations, and so does Q2_K, whose block is requantized from its floats (the
+  decoding) against max|v| / 127, its scale f16 of that (no integers kept).
 Routed experts are decided per expert, on the tokens routed to each (ik's mul_mat_id runs the same test per
 expert). ik splits a dense weight's rows over its threads and falls back to the native kernels when a thread gets
 fewer than 32 rows; the emulation assumes it does not (true for real models at any thread count ik runs with; for a tiny model
@@ -59,7 +62,7 @@ f16 from there on (converted to Q8_0_R8). The factor is 1.05 for IQ2_KT and 1.01
 dequantization does not apply (`IkKernel.rescales`): under --numerics ik those files multiply as other weights than
 they decode to, and every float path (per-head slices, experts below the threshold) uses the rescaled values too.
 
-Types not listed (Q4_1, Q5_1, Q2_K, Q3_K, IQ3_XXS, IQ3_S, the interleaved i-quants, Q8_KV, Q1_0_G128) are not
+Types not listed (Q4_1, Q5_1, the interleaved i-quants, Q8_KV, Q1_0_G128) are not
 emulated: `ik_kernel` names them so
 a run refuses them before any compute instead of printing a number ik would not print.
 """
@@ -449,6 +452,18 @@ def _to_q8_k(decoded: np.ndarray, dsup: np.ndarray, c: float, ints: np.ndarray |
     return BlockInts(q=q, scale=scale, block=SUPER, order=ORDER_R16)
 
 
+def _q2_k_to_q8_k(decoded: np.ndarray) -> BlockInts:
+    """Q2_K as ik converts it to Q8_K_R16: each 256-value block's floats fma(f32(value x scale), d, -dmin x min),
+    which are its decoding exactly (value x scale x d has at most 6 + 11 significant bits, so the fused and the
+    separate forms both round once, at the addition), re-quantized against d' = max|v| / 127: nearest-even
+    rint(v x (1 / d')), the scale f16(d')."""
+    v = decoded.reshape(decoded.shape[0], -1, SUPER)
+    dv = np.abs(v).max(axis=-1) / np.float32(127)
+    inv = np.divide(np.float32(1), dv, out=np.zeros_like(dv), where=dv != 0)
+    q = np.clip(np.rint(v * inv[..., None]), -128, 127).astype(np.int8)
+    return BlockInts(q=q.reshape(decoded.shape), scale=_f16(dv), block=SUPER, order=ORDER_R16)
+
+
 def _iq6_k_table_ints(raw: np.ndarray) -> np.ndarray:
     """IQ6_K's values as ik's matmul kernels take them [rows, n]: sub-block scale x iq6nl_values[code] (+1 where
     the extra bit is set), where its to_float evaluates a cubic in the code instead (values up to 0.5 apart)."""
@@ -519,10 +534,11 @@ def _iqk_kernel(convert: ToInts, c: float,
     return IkKernel(Q8_K, 32, convert, convert_packed=None if packed is None else lambda raw: packed(raw, c))
 
 
-def _iquant_to_q8_k(block_d: Callable[[np.ndarray], np.ndarray], c: float) -> ToInts:
-    """A 1- or 2-bit i-quant as ik converts it to Q8_K_R16: the integers against d / 8 (d = block_d(raw), the
-    block's f16 scale), which every value of the block is an integer multiple of."""
-    return lambda raw, decoded: _to_q8_k(decoded, block_d(raw) * np.float32(0.125), c)
+def _iquant_to_q8_k(block_d: Callable[[np.ndarray], np.ndarray], c: float, step: float = 0.125) -> ToInts:
+    """An i-quant as ik converts it to Q8_K_R16: the integers against d x step (d = block_d(raw), the block's f16
+    scale; step 1/8 for the 1- and 2-bit types, 1/4 for IQ3_XXS, 1 for IQ3_S), which every value of the block is an
+    integer multiple of: (2 s + 1) x the signed grid value, s the sub-block's scale."""
+    return lambda raw, decoded: _to_q8_k(decoded, block_d(raw) * np.float32(step), c)
 
 
 def _kt_sub_scales(raw: np.ndarray, n: int, type_name: str) -> np.ndarray:
@@ -589,6 +605,10 @@ IK_KERNELS: dict[str, IkKernel] = {
     **{t: IkKernel(Q8_K, rows, _iquant_to_q8_k(block_d, c)) for t, block_d, rows, c in (
         ("IQ2_XXS", _leading_f16(66), 32, 124), ("IQ2_XS", _leading_f16(74), 32, 124),
         ("IQ2_S", _leading_f16(82), 16, 124), ("IQ1_S", _leading_f16(50), 32, 126), ("IQ1_M", _iq1_m_d, 32, 126))},
+    "IQ3_XXS": IkKernel(Q8_K, 32, _iquant_to_q8_k(_leading_f16(98), 124, 0.25)),
+    "IQ3_S": IkKernel(Q8_K, 32, _iquant_to_q8_k(_leading_f16(110), 127, 1.0)),
+    "Q2_K": IkKernel(Q8_K, 32, lambda raw, decoded: _q2_k_to_q8_k(decoded)),
+    "Q3_K": IkKernel(Q8_K, 32, lambda raw, decoded: _to_q8_k(decoded, _block_f16(raw, 110, 108), 127)),
 }
 
 
