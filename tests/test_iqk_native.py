@@ -1,9 +1,9 @@
-"""ik's own kernels of the IQK types and IQ4_XS (IQ4_KS, IQ5_KS, IQ3_KS, IQ2_KS, IQ2_KL, IQ4_KSS, IQ2_K ... IQ6_K;
-ikrun/numerics/ik/iqk_native.py) against ik's AVX-512 build (tests/data/iqk-native): its dense matmul (IQ4_KS, IQ5_KS:
-its MoE matmul and fused up-gate too) below 32 activation rows bit for bit, and a Qwen3-MoE whose experts get fewer than
-32 tokens: ik's base-logits file byte for byte and its final line, with one chunk and (IQ4_KS) with four that share ik's
-micro-batch (ffn.micro_batches). The same against its AVX2 build (tests/data/iqk-native-avx2: IQ4_KS, IQ3_KS, IQ2_KS,
-IQ2_K ... IQ6_K)."""
+"""ik's own kernels of the IQK types, IQ4_XS, Q2_K and Q3_K (IQ4_KS, IQ5_KS, IQ3_KS, IQ2_KS, IQ2_KL, IQ4_KSS,
+IQ2_K ... IQ6_K, IQ4_XS, Q2_K, Q3_K; ikrun/numerics/ik/iqk_native.py) against ik's AVX-512 build
+(tests/data/iqk-native): its dense matmul (IQ4_KS, IQ5_KS: its MoE matmul and fused up-gate too) below 32 activation
+rows bit for bit, and a Qwen3-MoE whose experts get fewer than 32 tokens: ik's base-logits file byte for byte and its
+final line, with one chunk and (IQ4_KS) with four that share ik's micro-batch (ffn.micro_batches). The same against its
+AVX2 build (tests/data/iqk-native-avx2: IQ4_KS, IQ3_KS, IQ2_KS, IQ2_K ... IQ6_K)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,9 @@ SHA256 = {"f32": "7f50b66fd608f13111031427eaad8451863fce54650a56d8c18f5cfeac593e
           "IQ6_K": "8d48958d272915b8cb2b1433c77ce333b368cfa61825fd730c0f08b58454e4d2",
           "IQ4_KSS": "b7701083ecaa7c0dbdb4fb3a0973c0cbf86268dd64f41cbe942c785240029ede",
           "IQ2_KL": "4509ce1bc1544d491574388ee90fc2ea23417e75b44bffc928a1c838b2c74a21",
-          "IQ4_XS": "4565983c31f639e80acfb8bce3278cab2a2cfeb2890d37b90aac7b4de59d5aef"}
+          "IQ4_XS": "4565983c31f639e80acfb8bce3278cab2a2cfeb2890d37b90aac7b4de59d5aef",
+          "Q2_K": "f105037a2f4b01f2800e0c9674cf150ef304b1809d733dcfe5371766bd8008da",
+          "Q3_K_S": "3ac176085881bfec7125348dcb1d428cf6777171eed3d8094bbee5dd298ede43"}
 CASES = {"IQ4_KS": "cases.npz", "IQ5_KS": "cases-iq5_ks.npz"}
 FORMS = [True, False] if HAS_AVX512BW else [False]  # the AVX-512BW form where the CPU has it, and the scalar loop
 runner = CliRunner()
@@ -115,7 +117,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     f32 = Converter(make_checkpoint(tmp / "hf"), "f32", pre_tokenizer="qwen2").write(tmp / "f32.gguf")
     files = {"f32": f32}
     for name in ("IQ4_KS", "IQ5_KS", "IQ3_KS", "IQ2_KS", "IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K",
-                 "IQ6_K", "IQ4_KSS", "IQ2_KL", "IQ4_XS"):
+                 "IQ6_K", "IQ4_KSS", "IQ2_KL", "IQ4_XS", "Q2_K", "Q3_K_S"):
         files[name] = tmp / f"{name.lower()}.gguf"
         quantize_model(f32, files[name], QuantizeOptions(file_type(name), pure=True))
     for name, path in files.items():
@@ -130,7 +132,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ("IQ3_K", 128, 1, "ik-iq3_k-c128.kld"),
     ("IQ4_K", 128, 1, "ik-iq4_k-c128.kld"), ("IQ5_K", 128, 1, "ik-iq5_k-c128.kld"),
     ("IQ6_K", 128, 1, "ik-iq6_k-c128.kld"), ("IQ4_KSS", 128, 1, "ik-iq4_kss-c128.kld"),
-    ("IQ2_KL", 128, 1, "ik-iq2_kl-c128.kld"), ("IQ4_XS", 128, 1, "ik-iq4_xs-c128.kld")])
+    ("IQ2_KL", 128, 1, "ik-iq2_kl-c128.kld"), ("IQ4_XS", 128, 1, "ik-iq4_xs-c128.kld"),
+    ("Q2_K", 128, 1, "ik-q2_k-c128.kld"), ("Q3_K_S", 128, 1, "ik-q3_k_s-c128.kld")])
 def test_experts_below_32_tokens_give_iks_logits(models: dict[str, Path], type_name: str, ctx: int, chunks: int,
                                                   kld: str, tmp_path: Path) -> None:
     """ik's base-logits file byte for byte and its final line to the digit (most experts get 5-30 tokens of a chunk;
@@ -139,7 +142,7 @@ def test_experts_below_32_tokens_give_iks_logits(models: dict[str, Path], type_n
     (533.0735), IQ2_KL 657.9729 (657.8923), IQ4_KSS 582.1464 (583.4199), IQ2_K 592.7253 (592.7312), IQ3_K 515.4000
     (515.3999), IQ4_K 481.1680 (478.6976), IQ5_K 525.6906 (519.6313), IQ6_K 514.3496 (510.3074; its experts reach its
     own kernel as the file's rows, ops/moe._experts_product, though its float path multiplies other values than its
-    decoding)."""
+    decoding), Q2_K 509.0484 (509.3891), Q3_K 567.9698 (567.2664)."""
     out = tmp_path / "base.kld"
     res = runner.invoke(app, ["ppl", str(models[type_name]), "--text", str(TEXT), "-c", str(ctx), "--chunks",
                               str(chunks), "-t", "2", "--numerics", "ik", "--ik-batch", "2048", "--save-base-logits",
@@ -195,11 +198,13 @@ def test_ks_own_kernel_matmul_is_iks(type_name: str, m: int, avx2: bool) -> None
 
 
 @pytest.mark.parametrize("m", [1, 5, 31])
-@pytest.mark.parametrize("type_name", ["IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ4_KSS", "IQ2_KL", "IQ4_XS"])
+@pytest.mark.parametrize("type_name", ["IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ4_KSS", "IQ2_KL", "IQ4_XS",
+                                       "Q2_K", "Q3_K"])
 def test_own_kernel_matmul_is_iks(type_name: str, m: int) -> None:
     """IQ3_K's, IQ4_K's, IQ5_K's, IQ6_K's, IQ4_KSS's and IQ4_XS's own kernels of ik's AVX-512 build
     (mul_mat_iqX_k_q8_K_AVX512: 16 lanes of saturated pair sums times their sub-block's scale, 8 lanes of minima, a
-    fused multiply-add a block and lane), IQ2_K's (mul_mat_qX_K_q8_K_AVX512: other lanes, exact) and IQ2_KL's
+    fused multiply-add a block and lane), IQ2_K's, Q2_K's and Q3_K's (mul_mat_qX_K_q8_K_AVX512: other lanes, exact;
+    Q2_K's minima scaled by -dmin, Q3_K's by -4 d) and IQ2_KL's
     (IQ2_KS's kernel over its value pairs): its ggml_mul_mat of 48 rows of 512 (8 rows of large values, whose pair
     sums saturate against the 2 activation rows of +127) on m activation rows, bit for bit. The float path is off
     by saturation (the 4-6 bit types: more than a twentieth of the largest output) or by float order (the 2-3 bit ones,

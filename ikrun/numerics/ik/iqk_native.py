@@ -1,5 +1,5 @@
-"""ik's own kernels of the IQK types in its AVX-512 build (IQ4_KS, IQ5_KS, IQ3_KS, IQ2_KS, IQ2_KL, IQ4_KSS, IQ2_K ...
-IQ6_K), for `--numerics ik`: what ik multiplies those weights with below the activation rows from which it converts them
+"""ik's own kernels of the IQK types, IQ4_XS, Q2_K and Q3_K in its AVX-512 build (IQ4_KS, IQ5_KS, IQ3_KS, IQ2_KS,
+IQ2_KL, IQ4_KSS, IQ2_K ... IQ6_K, IQ4_XS, Q2_K, Q3_K), for `--numerics ik`: what ik multiplies those weights with below the activation rows from which it converts them
 (IkKernel.convert_rows: a routed expert's few tokens, a one-token decode), Q8_K activations against the stored codes.
 IQ5_KS's is IQ4_KS's with 5-bit codes (the fifth bits picking one of two 16-byte tables) and a grid shift of 2. IQ3_KS's
 and IQ2_KS's have the same lanes over their unshifted grid plus 64 and plus 32 (unsigned bytes whose pair sums stay
@@ -8,7 +8,9 @@ the row's f16 scale; they run in the scalar loop on every CPU. The types of 16-v
 (IQ3_K, IQ4_K, IQ5_K, IQ6_K) take another kernel (mul_mat_iqX_k_q8_K_AVX512, _scalar_row_xk): the same 16 lanes of
 saturated pair sums times their sub-block's scale, the minima in 8 lanes of their own, the two lane sets added up only
 at the end (checked bit for bit against ggml_mul_mat; the 4-6 bit types' pair sums saturate as IQ4_KS's). IQ2_K's
-(mul_mat_qX_K_q8_K_AVX512) groups its values into the 16 lanes otherwise (_lanes_iq2_k), its sums exact. IQ4_KSS's is
+(mul_mat_qX_K_q8_K_AVX512) groups its values into the 16 lanes otherwise (_lanes_iq2_k), its sums exact; Q2_K's
+and Q3_K's are that kernel too, over their unsigned values (0 .. 3; 0 .. 7, the high bit added), Q2_K's minima its
+high nibbles scaled by -dmin, Q3_K's its signed 6-bit scales by -4 d (the value's offset). IQ4_KSS's is
 mul_mat_iqX_k_q8_K_AVX512's over 32-value sub-blocks (each scale and minimum held twice) and the row's f32 d, IQ4_XS's
 the same with block scales; IQ2_KL's is IQ2_KS's over its pair table plus 64, no shifted half. ik's AVX2 build
 multiplies IQ2_K ... IQ6_K in mul_mat_qY_K_q8_K_T (_scalar_row_xk_avx2): 8 exact lanes, the minima (none for IQ4_K,
@@ -75,14 +77,15 @@ from ikrun.numerics.ik.qgemm import IntRows
 from ikrun.ops.parallel import claim_items, task_items
 from ikrun.ops.simd import splat
 
-#: IQ5_K's, IQ6_K's, IQ4_KSS's, IQ2_KL's and IQ4_XS's kinds here, after q8k_direct's (which packs none of them)
-KIND_IQ5_K, KIND_IQ6_K, KIND_IQ4_KSS, KIND_IQ2_KL, KIND_IQ4_XS = 7, 8, 9, 10, 11
+#: IQ5_K's, IQ6_K's, IQ4_KSS's, IQ2_KL's, IQ4_XS's, Q2_K's and Q3_K's kinds here, after q8k_direct's (which packs
+#: none of them)
+KIND_IQ5_K, KIND_IQ6_K, KIND_IQ4_KSS, KIND_IQ2_KL, KIND_IQ4_XS, KIND_Q2_K, KIND_Q3_K = 7, 8, 9, 10, 11, 12, 13
 #: the weight types whose own kernel in ik's AVX-512 build (below their conversion threshold) is reproduced, by
 #: q8k_direct's kind
 NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ5_KS": KIND_IQ5_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS,
                 "IQ2_K": KIND_IQ2_K, "IQ3_K": KIND_IQ3_K, "IQ4_K": KIND_IQ4_K, "IQ5_K": KIND_IQ5_K,
                 "IQ6_K": KIND_IQ6_K, "IQ4_KSS": KIND_IQ4_KSS, "IQ2_KL": KIND_IQ2_KL,
-                "IQ4_XS": KIND_IQ4_XS}
+                "IQ4_XS": KIND_IQ4_XS, "Q2_K": KIND_Q2_K, "Q3_K": KIND_Q3_K}
 #: the weight types whose own kernel in ik's AVX2 build is reproduced (_scalar_row_avx2, _scalar_row_xk_avx2), by kind
 AVX2_NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS, "IQ2_K": KIND_IQ2_K,
                      "IQ3_K": KIND_IQ3_K, "IQ4_K": KIND_IQ4_K, "IQ5_K": KIND_IQ5_K, "IQ6_K": KIND_IQ6_K,
@@ -106,6 +109,9 @@ BLOCK_BYTES[[KIND_IQ2_K, KIND_IQ3_K, KIND_IQ4_K, KIND_IQ5_K, KIND_IQ6_K]] = 76, 
 BLOCK_BYTES[[KIND_IQ4_KSS, KIND_IQ4_XS]] = 128, 136
 #: IQ2_KL's, after the row's f16 d: 2 + 4 scale bytes, 64 of 4-bit pair codes, 16 of their fifth bits
 BLOCK_BYTES[KIND_IQ2_KL] = 86
+#: Q2_K's: 16 scale bytes, 64 of 2-bit values, f16 d and dmin; Q3_K's: 32 bytes of high bits, 64 of 2-bit values,
+#: 12 of 6-bit scales, f16 d
+BLOCK_BYTES[[KIND_Q2_K, KIND_Q3_K]] = 84, 110
 #: what a sub-block on the shifted grid adds to every value of IQ4_KS (4) and IQ5_KS (2), by kind
 GRID_SHIFT = np.zeros_like(BLOCK_BYTES)
 GRID_SHIFT[[KIND_IQ4_KS, KIND_IQ5_KS]] = 4, 2
@@ -415,11 +421,17 @@ def _scalar_row_avx2(row, kind, xu, xd, sub_sums, tokens, m0, m1, wv, sc, mins, 
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _pair_lanes(kind: int) -> bool:
+    """Whether ik's AVX-512 build multiplies `kind` in mul_mat_qX_K_q8_K_AVX512 (_lanes_iq2_k's lanes)."""
+    return kind == KIND_IQ2_K or kind == KIND_Q2_K or kind == KIND_Q3_K
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _sixteens(kind: int) -> bool:
     """Whether `kind` is a type of 16-value sub-blocks and block scales, which ik's AVX-512 build multiplies in
-    mul_mat_iqX_k_q8_K_AVX512 or (IQ2_K) mul_mat_qX_K_q8_K_AVX512 (_scalar_row_xk)."""
+    mul_mat_iqX_k_q8_K_AVX512 or (IQ2_K, Q2_K, Q3_K) mul_mat_qX_K_q8_K_AVX512 (_scalar_row_xk)."""
     return (kind == KIND_IQ2_K or kind == KIND_IQ3_K or kind == KIND_IQ4_K or kind == KIND_IQ5_K
-            or kind == KIND_IQ6_K or kind == KIND_IQ4_KSS or kind == KIND_IQ4_XS)
+            or kind == KIND_IQ6_K or kind == KIND_IQ4_KSS or kind == KIND_IQ4_XS or _pair_lanes(kind))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -467,13 +479,57 @@ def _xk_scale(blk: np.ndarray, kind: int, ib: int) -> np.int32:
 
 @njit(cache=True, nogil=True, inline="always")
 def _prepare_row_xk(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.ndarray, mins: np.ndarray,
-                    dblk: np.ndarray, avx2: bool) -> None:
+                    dblk: np.ndarray, mblk: np.ndarray, avx2: bool) -> None:
     """An IQ2_K ... IQ6_K row as ik's AVX-512 kernel holds it: every value's unsigned byte, the unshifted grid plus
     XK_BIAS (wu), each 16-value sub-block's scale (sc[16 i + ib]) and minimum, scale x (-bias, + XK_SHIFT where the
-    block's flag bit ib shifts the sub-block's grid) (mins), each block's f16 d (dblk). IQ4_KSS and IQ4_XS (32-value
-    sub-blocks) fill the same arrays: each sub-block's scale and minimum twice. `avx2`: as its AVX2 kernel holds it
-    (wu int16): IQ4_K's, IQ5_K's and IQ6_K's values signed, IQ4_K's on the sub-block's grid half (no minima), IQ5_K's
-    and IQ6_K's on the unshifted one, their minima scale x the shift; IQ5_KS (_prepare_row_iq5_ks) as IQ4_XS."""
+    block's flag bit ib shifts the sub-block's grid) (mins), each block's f16 d (dblk) and the factor of its minima
+    (mblk: d, but Q2_K's and Q3_K's, _prepare_row_q2_q3_k). IQ4_KSS and IQ4_XS (32-value sub-blocks) fill the same
+    arrays: each sub-block's scale and minimum twice. `avx2`: as its AVX2 kernel holds it (wu int16): IQ4_K's,
+    IQ5_K's and IQ6_K's values signed, IQ4_K's on the sub-block's grid half (no minima), IQ5_K's and IQ6_K's on the
+    unshifted one, their minima scale x the shift; IQ5_KS (_prepare_row_iq5_ks) as IQ4_XS."""
+    if kind == KIND_Q2_K or kind == KIND_Q3_K:
+        _prepare_row_q2_q3_k(row, kind, nb, wu, sc, mins, dblk, mblk)
+        return
+    _prepare_row_xk_grid(row, kind, nb, wu, sc, mins, dblk, avx2)
+    mblk[:nb] = dblk[:nb]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _prepare_row_q2_q3_k(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.ndarray, mins: np.ndarray,
+                         dblk: np.ndarray, mblk: np.ndarray) -> None:
+    """A Q2_K or Q3_K row as ik's mul_mat_qX_K_q8_K_AVX512 holds it: value 128 h + 32 l + j of a block from bits 2 l
+    of its byte 32 h + j (Q3_K: plus 4 x bit 4 h + l of high-bit byte j), unsigned (0 .. 3, 0 .. 7); Q2_K's
+    sub-block scales the low nibbles of its 16 scale bytes, its minima the high ones with factor -dmin; Q3_K's
+    scales its 6-bit ones minus 32, its minima the same scales with factor -4 d."""
+    for i in range(nb):
+        blk = row[BLOCK_BYTES[kind] * i : BLOCK_BYTES[kind] * (i + 1)]
+        q2 = 16 if kind == KIND_Q2_K else 32
+        for h in range(2):
+            for l in range(4):
+                for j in range(32):
+                    v = (np.int32(blk[q2 + 32 * h + j]) >> (2 * l)) & 3
+                    if kind == KIND_Q3_K:
+                        v |= ((np.int32(blk[j]) >> (4 * h + l)) & 1) << 2
+                    wu[SUPER * i + 128 * h + 32 * l + j] = v
+        if kind == KIND_Q2_K:
+            dblk[i], mblk[i] = load_f16(blk, 80), -load_f16(blk, 82)
+            for ib in range(16):
+                sc[16 * i + ib] = np.int32(blk[ib]) & 15
+                mins[16 * i + ib] = np.int32(blk[ib]) >> 4
+        else:
+            dblk[i] = load_f16(blk, 108)
+            mblk[i] = np.float32(-4.0) * dblk[i]
+            for ib in range(16):
+                low = np.int32(blk[96 + ib]) & 15 if ib < 8 else np.int32(blk[96 + ib - 8]) >> 4
+                high = (np.int32(blk[104 + ib % 4]) >> (2 * (ib // 4))) & 3
+                sc[16 * i + ib] = (low | (high << 4)) - 32
+                mins[16 * i + ib] = sc[16 * i + ib]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _prepare_row_xk_grid(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.ndarray, mins: np.ndarray,
+                         dblk: np.ndarray, avx2: bool) -> None:
+    """_prepare_row_xk of the types on a grid (all but Q2_K and Q3_K)."""
     if kind == KIND_IQ4_KSS:
         _prepare_row_iq4_kss(row, nb, wu, sc, mins, dblk)
         return
@@ -559,22 +615,23 @@ def _minima_lanes(mins: np.ndarray, sums16: np.ndarray, i: int, dd: np.float32, 
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _scalar_row_xk(row, kind, xu, xd, sums16, tokens, m0, m1, wu, sc, mins, dblk, acc):  # type: ignore[no-untyped-def]
+def _scalar_row_xk(row, kind, xu, xd, sums16, tokens, m0, m1, wu, sc, mins, dblk, mblk, acc):  # type: ignore[no-untyped-def]
     """One row of a _sixteens type against tokens[m0:m1] as ik's AVX-512 build multiplies it
     (mul_mat_iqX_k_q8_K_AVX512; IQ2_K's lanes: _lanes_iq2_k): per 256 values 16 lanes, lane l summing for
     k = 0 .. 3 the scale of sub-block 4 k + l // 4 times each of vpmaddubsw's two pair sums of values
     64 k + 4 l .. + 3 (unsigned bytes against the activation integers, saturated at 16 bits), and 8 minima lanes
-    (_minima_lanes); both added per block as fma(d x the token's scale, float(lane), acc), then the row's result
-    hsum_float_8 of minima lane j + (lane j + lane j + 8). acc: per token 8 minima accumulators, then 16."""
+    (_minima_lanes); both added per block as fma(d x the token's scale, float(lane), acc) (the minima: the block's
+    minima factor x the token's scale), then the row's result hsum_float_8 of minima lane j + (lane j + lane j + 8).
+    acc: per token 8 minima accumulators, then 16."""
     nb = xd.shape[1]
-    _prepare_row_xk(row, kind, nb, wu, sc, mins, dblk, False)
+    _prepare_row_xk(row, kind, nb, wu, sc, mins, dblk, mblk, False)
     for m in range(m0, m1):
         x = tokens[m]
         a = acc[24 * (m - m0) : 24 * (m - m0) + 24]
         for i in range(nb):
             dd = dblk[i] * xd[x, i]
-            _minima_lanes(mins, sums16[m], i, dd, a)
-            if kind == KIND_IQ2_K:
+            _minima_lanes(mins, sums16[m], i, mblk[i] * xd[x, i], a)
+            if _pair_lanes(kind):
                 _lanes_iq2_k(wu, xu[x], sc, i, dd, a)
                 continue
             for lane in range(16):
@@ -591,7 +648,8 @@ def _scalar_row_xk(row, kind, xu, xd, sums16, tokens, m0, m1, wu, sc, mins, dblk
 
 @njit(cache=True, nogil=True, inline="always")
 def _lanes_iq2_k(wu: np.ndarray, xu: np.ndarray, sc: np.ndarray, i: int, dd: np.float32, a: np.ndarray) -> None:
-    """Block i's 16 lanes of IQ2_K's kernel (mul_mat_qX_K_q8_K_AVX512: vpdpbusd's 4-value sums, packed to 16 bits
+    """Block i's 16 lanes of IQ2_K's, Q2_K's and Q3_K's kernel (mul_mat_qX_K_q8_K_AVX512: vpdpbusd's 4-value sums,
+    packed to 16 bits
     two 64-value groups at a time, vpdpwssd with the scales), exact: lane 4 c + q sums, over the groups g = q // 2
     and 2 + q // 2, sub-block 4 g + c's scale times its values 8 (q % 2) .. + 7; a[8 + lane] = fma(dd,
     float(lane), a[8 + lane])."""
@@ -628,7 +686,7 @@ def _prepare_row_iq5_ks(row: np.ndarray, nb: int, wu: np.ndarray, sc: np.ndarray
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _scalar_row_xk_avx2(row, kind, xu, xd, sums16, tokens, m0, m1, wv, sc, mins, dblk, acc):  # type: ignore[no-untyped-def]
+def _scalar_row_xk_avx2(row, kind, xu, xd, sums16, tokens, m0, m1, wv, sc, mins, dblk, mblk, acc):  # type: ignore[no-untyped-def]
     """One IQ2_K ... IQ6_K, IQ5_KS or IQ4_XS row against tokens[m0:m1] as ik's AVX2 build multiplies it
     (mul_mat_qY_K_q8_K_T / mul_mat_qX_K_q8_K_T, multiply_add / multiply_add_avx2): per block, but for IQ4_K, minima lane j (sub-blocks 2 j and 2 j + 1 times
     their 16 activations' sums) added first as fma(d x the token's scale, float(lane), acc[j]); then 8 lanes, lane
@@ -636,14 +694,14 @@ def _scalar_row_xk_avx2(row, kind, xu, xd, sums16, tokens, m0, m1, wv, sc, mins,
     times the activation integers (vpmaddubsw's pair sums, which saturate at 16 bits only for the unsigned values of
     IQ5_KS and IQ4_XS), each added the same way; the row's result hsum_float_8(acc)."""
     nb = xd.shape[1]
-    _prepare_row_xk(row, kind, nb, wv, sc, mins, dblk, True)
+    _prepare_row_xk(row, kind, nb, wv, sc, mins, dblk, mblk, True)
     for m in range(m0, m1):
         x = tokens[m]
         a = acc[8 * (m - m0) : 8 * (m - m0) + 8]
         for i in range(nb):
             dd = dblk[i] * xd[x, i]
             if kind != KIND_IQ4_K:
-                _minima_lanes(mins, sums16[m], i, dd, a)
+                _minima_lanes(mins, sums16[m], i, mblk[i] * xd[x, i], a)
             for lane in range(8):
                 total = np.int32(0)
                 for g in range(8):
@@ -668,7 +726,7 @@ def _hsum_xk(a: np.ndarray) -> np.float32:
 
 @njit(cache=True, nogil=True, inline="always")
 def _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector, wu, sc,  # type: ignore[no-untyped-def]
-          mins, lanes, acc, avx2, wv, sc8, dblk):
+          mins, lanes, acc, avx2, wv, sc8, dblk, mblk):
     """Weight rows ROW_TILE x t .. of matrix j (task = j x tiles + t; raw's matrix which[j]) against matrix j's
     tokens, row by row."""
     tiles = -(-n_rows // ROW_TILE)
@@ -682,13 +740,13 @@ def _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows,
         row = raw[which[j], r]
         if avx2 and _xk_kernel(kind, avx2):
             acc[: 8 * (m1 - m0)] = 0
-            _scalar_row_xk_avx2(row, kind, xu, xd, sub_sums, tokens, m0, m1, wv, sc, mins, dblk, acc)
+            _scalar_row_xk_avx2(row, kind, xu, xd, sub_sums, tokens, m0, m1, wv, sc, mins, dblk, mblk, acc)
             for m in range(m0, m1):
                 out[m, r] = hsum_float_8(acc[8 * (m - m0) : 8 * (m - m0) + 8])
             continue
         if _sixteens(kind):
             acc[: 24 * (m1 - m0)] = 0
-            _scalar_row_xk(row, kind, xu, xd, sub_sums, tokens, m0, m1, wu, sc, mins, dblk, acc)
+            _scalar_row_xk(row, kind, xu, xd, sub_sums, tokens, m0, m1, wu, sc, mins, dblk, mblk, acc)
             for m in range(m0, m1):
                 out[m, r] = _hsum_xk(acc[24 * (m - m0) : 24 * (m - m0) + 24])
             continue
@@ -731,11 +789,12 @@ def _matmuls(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, vector, mo
         wv = np.empty(nb * SUPER, np.int16)
         sc8 = np.empty(nb * 8, np.int16)
         dblk = np.empty(nb, np.float32)
+        mblk = np.empty(nb, np.float32)
         t0, t1 = claim_items(counter, per, tasks)
         while t0 < t1:
             for task in range(t0, t1):
                 _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows, vector, wu, sc, mins,
-                      lanes, acc, avx2, wv, sc8, dblk)
+                      lanes, acc, avx2, wv, sc8, dblk, mblk)
             t0, t1 = claim_items(counter, per, tasks)
 
 

@@ -16,8 +16,8 @@ from ikrun.numerics.ik.qgemm import IntRows
 
 def native_types(avx2: bool) -> tuple[str, ...]:
     """The weight types whose own kernel is reproduced for ik's AVX2 build (`avx2`) or its AVX-512 one: IQ4_KS,
-    IQ3_KS, IQ2_KS, IQ5_KS, IQ4_XS and IQ2_K ... IQ6_K (iqk_native.py; AVX-512 also IQ2_KL and IQ4_KSS), Q4_K,
-    Q5_K and Q6_K (kquant_native.py, the same in both)."""
+    IQ3_KS, IQ2_KS, IQ5_KS, IQ4_XS and IQ2_K ... IQ6_K (iqk_native.py; AVX-512 also IQ2_KL, IQ4_KSS, Q2_K and Q3_K),
+    Q4_K, Q5_K and Q6_K (kquant_native.py, the same in both)."""
     return tuple(AVX2_NATIVE_TYPES if avx2 else NATIVE_TYPES) + tuple(KQUANT_TYPES)
 
 
