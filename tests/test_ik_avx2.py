@@ -82,7 +82,9 @@ PLAN_FILES = {**{t: DATA / "convert" / "qwen3-plan-quants" / f"ik-{t}.gguf"
 REQUANTIZED = {"q6_k": ("Q6_K", True, "8489cb6f96fefb36"), "iq4_ks-recipe": ("IQ4_KS", False, "470ff8ff33cc8dfc"),
                "q5_0": ("Q5_0", True, "22108b6ea2326744"), "q6_0": ("Q6_0", True, "3614b4c5ac980332"),
                "iq4_nl": ("IQ4_NL", True, "d8bdc8deb77e6396"), "mxfp4": ("MXFP4", True, "7b49ac0a5755cab1"),
-               "iq4_xs": ("IQ4_XS", True, "c5eff3e529dacc8f")}
+               "iq4_xs": ("IQ4_XS", True, "c5eff3e529dacc8f"), "q2_k": ("Q2_K", True, "560f824896e12abd"),
+               "q3_k_s": ("Q3_K_S", True, "eee79dbf4e7d4ded"), "iq3_xxs": ("IQ3_XXS", True, "8e5281071b1cee31"),
+               "iq3_s": ("IQ3_S", True, "a127039d41e52d88")}
 
 
 def _plan_kld(gguf: Path, numerics: str) -> dict[str, float]:
@@ -102,8 +104,8 @@ def test_ik_avx2_converted_types_print_iks_figures(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(REQUANTIZED))
 def test_ik_avx2_requantized_files_print_iks_figures(name: str, tmp_path: Path) -> None:
-    """Q6_K (to Q8_0_R8 from 64 activation rows), Q5_0, Q6_0, IQ4_NL, MXFP4 (to Q8_0_R8) and IQ4_XS (to Q8_K_R8) on
-    every matrix, and ik's IQ4_KS recipe (IQ4_KS, IQ5_K attn_v, Q6_K output: what users' IQ4_KS files hold): every
+    """Q6_K (to Q8_0_R8 from 64 activation rows), Q5_0, Q6_0, IQ4_NL, MXFP4 (to Q8_0_R8), IQ4_XS, Q2_K, Q3_K,
+    IQ3_XXS and IQ3_S (to Q8_K_R8) on every matrix, and ik's IQ4_KS recipe (IQ4_KS, IQ5_K attn_v, Q6_K output: what users' IQ4_KS files hold): every
     figure ik's AVX2 build printed; --numerics ik misses them."""
     file_type_name, pure, digest = REQUANTIZED[name]
     gguf = tmp_path / f"{name}.gguf"

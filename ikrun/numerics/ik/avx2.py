@@ -47,7 +47,8 @@ VERIFIED_ARCHS = ("qwen3", "deepseek2", "glm-dsa", "openpangu", "qwen3moe", "glm
 #: the weight types whose kernels were checked against it
 VERIFIED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q6_0", "IQ4_NL", "MXFP4", "IQ4_XS", "Q4_K", "Q5_K",
                   "IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ2_KS", "IQ2_KL", "IQ3_KS", "IQ4_KS", "IQ4_KSS",
-                  "IQ5_KS", "Q6_K", "IQ1_KT", "IQ2_KT", "IQ3_KT", "IQ4_KT", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
+                  "IQ5_KS", "Q6_K", "IQ1_KT", "IQ2_KT", "IQ3_KT", "IQ4_KT", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M",
+                  "IQ3_XXS", "IQ3_S", "Q2_K", "Q3_K")
 #: the converted weights' gemms of the AVX-512 build (qgemm.ORDER_*) -> the AVX2 build's
 AVX2_ORDERS = {ORDER_R8: ORDER_R8_AVX2, ORDER_Q8_1: ORDER_Q8_1_AVX2, ORDER_R16: ORDER_R8_AVX2}
 #: the weight types whose own kernel (below the rows ik converts them from) is reproduced in its AVX2 build's order:

@@ -89,7 +89,7 @@ NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ5_KS": KIND_IQ5_KS, "IQ3_KS": KIND_IQ3
 #: the weight types whose own kernel in ik's AVX2 build is reproduced (_scalar_row_avx2, _scalar_row_xk_avx2), by kind
 AVX2_NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS, "IQ2_K": KIND_IQ2_K,
                      "IQ3_K": KIND_IQ3_K, "IQ4_K": KIND_IQ4_K, "IQ5_K": KIND_IQ5_K, "IQ6_K": KIND_IQ6_K,
-                     "IQ5_KS": KIND_IQ5_KS, "IQ4_XS": KIND_IQ4_XS}
+                     "IQ5_KS": KIND_IQ5_KS, "IQ4_XS": KIND_IQ4_XS, "Q2_K": KIND_Q2_K, "Q3_K": KIND_Q3_K}
 #: IQ2_KS's unshifted grid plus 32, the unsigned bytes ik's AVX2 kernel multiplies (a shifted sub-block's +5 and the
 #: -32 go to its minimum)
 _IQ2KS_UNSIGNED = (IQ2NL_VALUES[:4].astype(np.int32) + 32).astype(np.int8)
