@@ -1,0 +1,90 @@
+"""ik's own kernels of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S (ikrun/numerics/ik/iquant_native.py) against ik's
+AVX-512 build (tests/data/iquant-native): its dense matmul below the rows it converts them from, bit for bit (one
+activation row: its _1 kernel; more: the N kernel with its minima), and a Qwen3-MoE whose experts get fewer than 32
+tokens: ik's base-logits file byte for byte and its final line."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from ikconvert.convert import Converter
+from ikquant import QuantizeOptions, file_type, quantize_model
+from ikquant.imatrix import read_imatrix_dat
+from ikquant.types import type_by_name
+from ikrun.cli import app
+from ikrun.numerics.ik.formats import Q8_K, integer_rows, round_activations
+from ikrun.numerics.ik.native import native_matmul, native_types
+
+DATA = Path(__file__).parent / "data" / "iquant-native"
+TEXT = Path(__file__).parent / "data" / "logits" / "qwen3-moe" / "text.txt"
+#: the pure files of the Qwen3-MoE ik ran (IQ2_XXS and IQ2_XS with the imatrix, read as "imatrix.dat" in the
+#: working folder since the file records that path, and Q8_0 embedding and output)
+SHA256 = {"IQ2_XXS": "913b108424319004aadc7149a43d0ca79cbccc7f6fbe52307d90c69e2112026e",
+          "IQ2_XS": "f488d2deed47624d55f1a0405eb9d3fbe818d68e2c1c0467d61bcae922c4d663",
+          "IQ3_XXS": "8bfc0e5f32861834876c39ea4d99ab5c74e4b8154cb0134fdcc4ddf4f86f6153",
+          "IQ3_S": "e9bf8e1b45530a94029cacdf7df07e3c98c98b0146c7ac5f065ee18004089a51"}
+runner = CliRunner()
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize(("type_name", "m"), [(t, m) for t in ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ3_S")
+                                              for m in (1, 5, 15, 31)] + [("IQ2_S", m) for m in (1, 5, 15)])
+def test_own_kernel_matmul_is_iks(type_name: str, m: int) -> None:
+    """ik's ggml_mul_mat of 48 rows of 512 on m activation rows (IQ2_S: below the 16 it converts from), bit for bit;
+    the float path is not."""
+    with np.load(DATA / "cases.npz") as f:
+        raw, x, ik = f[f"raw_{type_name}"], f["x"][:m], f[f"{type_name}_{m}"]
+    got = native_matmul(integer_rows(x, Q8_K), raw, type_name)
+    np.testing.assert_array_equal(_bits(got), _bits(ik))
+    floats = round_activations(x, Q8_K) @ type_by_name(type_name).require_codec().dequantize(raw, 512).T
+    assert not np.array_equal(_bits(floats), _bits(ik))
+
+
+def test_the_avx2_build_keeps_them_in_the_float_path() -> None:
+    """Only the AVX-512 build's kernels are reproduced: --numerics ik-avx2 does not claim them."""
+    assert "IQ3_S" in native_types(avx2=False) and "IQ3_S" not in native_types(avx2=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """The Qwen3-MoE of tests/moe_native.py quantized as ik ran it, checked to be the same bytes."""
+    from tests.moe_native import make_checkpoint
+
+    tmp = tmp_path_factory.mktemp("iquant-native")
+    f32 = Converter(make_checkpoint(tmp / "hf"), "f32", pre_tokenizer="qwen2").write(tmp / "f32.gguf")
+    shutil.copy(DATA / "moe-imatrix.dat", tmp / "imatrix.dat")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp)
+        imatrix = read_imatrix_dat(Path("imatrix.dat"))
+    files = {}
+    for name in SHA256:
+        files[name] = tmp / f"{name.lower()}.gguf"
+        extra = dict(imatrix=imatrix, token_embedding_type="q8_0", output_tensor_type="q8_0") \
+            if name.startswith("IQ2") else {}
+        quantize_model(f32, files[name], QuantizeOptions(file_type(name), pure=True, **extra))  # type: ignore[arg-type]
+        assert hashlib.sha256(files[name].read_bytes()).hexdigest() == SHA256[name], name
+    yield files
+
+
+@pytest.mark.parametrize("type_name", list(SHA256))
+def test_experts_below_32_tokens_give_iks_logits(models: dict[str, Path], type_name: str, tmp_path: Path) -> None:
+    """ik's base-logits file byte for byte and its final line (most experts get 5-30 tokens of the chunk). The experts
+    in the float path printed IQ2_XXS 615.7411 (ik: 615.8687), IQ2_XS 576.9777 (576.8886), IQ3_XXS 536.9944
+    (536.9152), IQ3_S 549.4308 (550.1680)."""
+    out = tmp_path / "base.kld"
+    res = runner.invoke(app, ["ppl", str(models[type_name]), "--text", str(TEXT), "-c", "128", "--chunks", "1", "-t",
+                              "2", "--numerics", "ik", "--ik-batch", "2048", "--save-base-logits", str(out)])
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes() == (DATA / f"ik-{type_name.lower()}-c128.kld").read_bytes()
+    line = [ln for ln in (DATA / "ik-final-lines.txt").read_text().splitlines() if ln.startswith(f"{type_name}: ")][0]
+    assert line.split("=")[-1].split("+/-")[0].strip() in " ".join(res.output.split())
