@@ -1,13 +1,15 @@
 """ik's own kernels of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S (ikrun/numerics/ik/iquant_native.py) against ik's
-AVX-512 build (tests/data/iquant-native): its dense matmul below the rows it converts them from, bit for bit (one
-activation row: its _1 kernel; more: the N kernel with its minima), and a Qwen3-MoE whose experts get fewer than 32
-tokens: ik's base-logits file byte for byte and its final line."""
+AVX-512 and AVX2 builds (tests/data/iquant-native): their dense matmul below the rows they convert them from, bit for
+bit (AVX-512, one activation row: its _1 kernel; more, and every count on AVX2: the N kernel with its minima), and a
+Qwen3-MoE whose experts get fewer than 32 tokens: each build's base-logits file byte for byte and its final line.
+And the rows from which the AVX2 build converts IQ2_S and the trellis types: the AVX-512 build's."""
 
 from __future__ import annotations
 
 import hashlib
 import shutil
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +21,9 @@ from ikquant import QuantizeOptions, file_type, quantize_model
 from ikquant.imatrix import read_imatrix_dat
 from ikquant.types import type_by_name
 from ikrun.cli import app
-from ikrun.numerics.ik.formats import Q8_K, integer_rows, round_activations
+from ikrun.numerics.ik.formats import Q8_K, ik_kernel, integer_rows, round_activations
 from ikrun.numerics.ik.native import native_matmul, native_types
+from ikrun.numerics.ik.qgemm import ORDER_R8_AVX2, pack, qmatmul
 
 DATA = Path(__file__).parent / "data" / "iquant-native"
 TEXT = Path(__file__).parent / "data" / "logits" / "qwen3-moe" / "text.txt"
@@ -50,9 +53,32 @@ def test_own_kernel_matmul_is_iks(type_name: str, m: int) -> None:
     assert not np.array_equal(_bits(floats), _bits(ik))
 
 
-def test_the_avx2_build_keeps_them_in_the_float_path() -> None:
-    """Only the AVX-512 build's kernels are reproduced: --numerics ik-avx2 does not claim them."""
-    assert "IQ3_S" in native_types(avx2=False) and "IQ3_S" not in native_types(avx2=True)
+@pytest.mark.parametrize(("type_name", "m"), [(t, m) for t in ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ3_S")
+                                              for m in (1, 5, 15, 31)] + [("IQ2_S", m) for m in (1, 5, 15)])
+def test_avx2_own_kernel_matmul_is_iks(type_name: str, m: int) -> None:
+    """ik's AVX2 build multiplies one activation row in the N-row kernel too: its ggml_mul_mat of the same weights,
+    bit for bit (at one row not the AVX-512 build's numbers)."""
+    with np.load(DATA / "cases.npz") as f, np.load(DATA / "outputs-avx2.npz") as g:
+        raw, x, ik, avx512 = f[f"raw_{type_name}"], f["x"][:m], g[f"{type_name}_{m}"], f[f"{type_name}_{m}"]
+    assert type_name in native_types(avx2=True)
+    got = native_matmul(integer_rows(x, Q8_K), raw, type_name, avx2=True)
+    np.testing.assert_array_equal(_bits(got), _bits(ik))
+    assert (m == 1) != np.array_equal(_bits(ik), _bits(avx512))
+
+
+@pytest.mark.parametrize("type_name", ["IQ2_S", "IQ2_KT", "IQ4_KT"])
+def test_avx2_converts_from_the_avx512_builds_rows(type_name: str) -> None:
+    """ik's AVX2 build converts IQ2_S from 16 activation rows and the trellis types from 16 (IQ4_KT 24), as its
+    AVX-512 build: its ggml_mul_mat equals the converted weights' product in its order exactly from there."""
+    kernel = ik_kernel(type_name)
+    with np.load(DATA / "thresholds-avx2.npz") as f:
+        raw, x = f[f"raw_{type_name}"], f["x"]
+        outputs = {m: f[f"{type_name}_{m}"] for m in (15, 16, 23, 24)}
+    converted = pack(replace(kernel.convert(raw, type_by_name(type_name).require_codec().dequantize(raw, 512)),  # type: ignore[misc]
+                             order=ORDER_R8_AVX2))
+    for m, ik in outputs.items():
+        got = qmatmul(integer_rows(x[:m], kernel.activation), converted)
+        assert np.array_equal(_bits(got), _bits(ik)) == kernel.converts(m, raw.shape[0], None, 8), m
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +102,19 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]
     yield files
 
 
+@pytest.mark.parametrize("numerics", ["ik", "ik-avx2"])
 @pytest.mark.parametrize("type_name", list(SHA256))
-def test_experts_below_32_tokens_give_iks_logits(models: dict[str, Path], type_name: str, tmp_path: Path) -> None:
-    """ik's base-logits file byte for byte and its final line (most experts get 5-30 tokens of the chunk). The experts
-    in the float path printed IQ2_XXS 615.7411 (ik: 615.8687), IQ2_XS 576.9777 (576.8886), IQ3_XXS 536.9944
-    (536.9152), IQ3_S 549.4308 (550.1680)."""
+def test_experts_below_32_tokens_give_iks_logits(models: dict[str, Path], type_name: str, numerics: str,
+                                                 tmp_path: Path) -> None:
+    """Each build's base-logits file byte for byte and its final line (most experts get 5-30 tokens of the chunk).
+    The experts in the float path printed IQ2_XXS 615.7411 (ik: 615.8687), IQ2_XS 576.9777 (576.8886), IQ3_XXS
+    536.9944 (536.9152), IQ3_S 549.4308 (550.1680); --numerics ik-avx2 refused them."""
     out = tmp_path / "base.kld"
     res = runner.invoke(app, ["ppl", str(models[type_name]), "--text", str(TEXT), "-c", "128", "--chunks", "1", "-t",
-                              "2", "--numerics", "ik", "--ik-batch", "2048", "--save-base-logits", str(out)])
+                              "2", "--numerics", numerics, "--ik-batch", "2048", "--save-base-logits", str(out)])
     assert res.exit_code == 0, res.output
-    assert out.read_bytes() == (DATA / f"ik-{type_name.lower()}-c128.kld").read_bytes()
-    line = [ln for ln in (DATA / "ik-final-lines.txt").read_text().splitlines() if ln.startswith(f"{type_name}: ")][0]
+    prefix = "ik-avx2-" if numerics == "ik-avx2" else "ik-"
+    assert out.read_bytes() == (DATA / f"{prefix}{type_name.lower()}-c128.kld").read_bytes()
+    line = [ln for ln in (DATA / f"{prefix}final-lines.txt").read_text().splitlines()
+            if ln.startswith(f"{type_name}: ")][0]
     assert line.split("=")[-1].split("+/-")[0].strip() in " ".join(res.output.split())

@@ -871,17 +871,13 @@ class IkNumerics(Numerics):
         """The weights ik's kernel multiplies `name` as in a matmul with `n_act_rows` activation rows (of matrices
         of `weight_rows` rows, `threads` ik threads each), in float32, where they are not its exact decoding
         (formats.py); else None."""
-        kernel = self._kernel(self.weights.encoding(name).type.name)
+        kernel = ik_kernel(self.weights.encoding(name).type.name)
         values = kernel.float_values(n_act_rows, weight_rows, threads, self.row_group)
         if values is None:
             return None
         kind = DERIVED + CONVERTED * kernel.converts(n_act_rows, weight_rows, threads, self.row_group)
         shape = self.weights.info(name).shape
         return self.weights.derived(name, lambda raw, decoded: values(raw, decoded).to_float().reshape(shape), kind)
-
-    def _kernel(self, type_name: str) -> IkKernel:
-        """How ik multiplies `type_name` weights in the build this arithmetic reproduces."""
-        return ik_kernel(type_name)
 
     def _integers(self, kernel: IkKernel, n_act_rows: int, n_weight_rows: int,
                   threads: int | None = None) -> ToInts | None:
@@ -892,7 +888,7 @@ class IkNumerics(Numerics):
     def _packed(self, name: str, n_act_rows: int, threads: int | None) -> PackedInts | None:
         """The integers ik's kernel multiplies the 2-D weight `name` as (its rows shared by `threads` ik threads),
         packed for qmatmul; None where it multiplies floats."""
-        kernel = self._kernel(self.weights.encoding(name).type.name)
+        kernel = ik_kernel(self.weights.encoding(name).type.name)
         rows = self.weights.info(name).shape[0]
         ints = self._integers(kernel, n_act_rows, rows, threads)
         if ints is None:
@@ -983,7 +979,7 @@ class IkNumerics(Numerics):
             xr = round_activations(x, fmt)
             w = w.reshape(n_head, rows, -1)
             return np.stack([self._float_matmul(xr[h], w[h], src.type_name) for h in range(n_head)])
-        kernel = self._kernel(src.type_name)
+        kernel = ik_kernel(src.type_name)
         threads = self._kernel_threads(n_head)
         converts = CONVERTED * kernel.converts(n, rows, threads, self.row_group)
         ints = self._integers(kernel, n, rows, threads)
@@ -1012,7 +1008,7 @@ class IkNumerics(Numerics):
 
     # ---- routed experts ---------------------------------------------------------------------------------------
     def _expert_ints(self, name: str, count: int) -> ToInts | None:
-        kernel = self._kernel(self.weights.encoding(name).type.name)
+        kernel = ik_kernel(self.weights.encoding(name).type.name)
         return self._integers(kernel, count, self.weights.info(name).shape[1])
 
     def expert_ints(self, name: str, expert: int, count: int) -> PackedInts | None:
@@ -1021,7 +1017,7 @@ class IkNumerics(Numerics):
         ints = self._expert_ints(name, count)
         if ints is None:
             return None
-        kernel = self._kernel(self.weights.encoding(name).type.name)
+        kernel = ik_kernel(self.weights.encoding(name).type.name)
         rows = self.weights.info(name).shape[1]
         return self.weights.derived_expert(name, expert, lambda raw, decoded: pack(ints(raw, decoded)),
                                            keep=self.weights.keeps_experts,
@@ -1038,7 +1034,7 @@ class IkNumerics(Numerics):
         """ik's own kernels reproduced in native.py read the experts' rows, where it converts none of them (below
         the type's conversion threshold; IQ6_K's own kernel multiplies other values than its decoding, so
         multiplies_decoding alone would not say so)."""
-        kernel, rows = self._kernel(self.weights.encoding(name).type.name), self.weights.info(name).shape[1]
+        kernel, rows = ik_kernel(self.weights.encoding(name).type.name), self.weights.info(name).shape[1]
         return self._native(name) and not any(kernel.converts(c, rows, row_group=self.row_group)
                                               for c in np.unique(counts).tolist())
 
@@ -1050,13 +1046,13 @@ class IkNumerics(Numerics):
     def multiplies_decoding(self, name: str, counts: np.ndarray) -> bool:
         """Whether ik's kernels multiply experts of `name` with `counts` routed tokens each as the exact decoding
         (no conversion, no rescaled or native values: IkKernel.float_values)."""
-        kernel, rows = self._kernel(self.weights.encoding(name).type.name), self.weights.info(name).shape[1]
+        kernel, rows = ik_kernel(self.weights.encoding(name).type.name), self.weights.info(name).shape[1]
         return all(kernel.float_values(c, rows, row_group=self.row_group) is None for c in np.unique(counts).tolist())
 
     def convert_experts(self, name: str, ids: np.ndarray, counts: np.ndarray, mats: np.ndarray) -> np.ndarray:
         """Each expert as ik multiplies it for its token count (ik decides per expert: is_dequant_better on the rows
         routed to it): in place, or in a copy where `mats` is a view of the cached decoding (select_experts)."""
-        kernel = self._kernel(self.weights.encoding(name).type.name)
+        kernel = ik_kernel(self.weights.encoding(name).type.name)
         n_expert, rows, _ = self.weights.info(name).shape
         raw = self.weights.encoding(name).raw.reshape(n_expert, rows, -1)
         for j, (e, count) in enumerate(zip(ids.tolist(), counts.tolist())):
@@ -1097,7 +1093,7 @@ class IkNumerics(Numerics):
         choice = np.zeros(counts.shape, np.int64)
         values, inverse = np.unique(counts, return_inverse=True)
         for i, name in enumerate(names):
-            kernel, rows = self._kernel(self.weights.encoding(name).type.name), self.weights.info(name).shape[1]
+            kernel, rows = ik_kernel(self.weights.encoding(name).type.name), self.weights.info(name).shape[1]
             converts = np.array([kernel.converts(int(c), rows, row_group=self.row_group) for c in values.tolist()], np.int64)
             choice |= converts[inverse.reshape(counts.shape)] << i
         return choice

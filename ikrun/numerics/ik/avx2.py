@@ -5,15 +5,15 @@ It differs from the AVX-512 build's (arithmetic.py) in its float kernels, which 
 then (0 + 2) + (1 + 3) (ikgemm.py; bf16 weights too, on unrounded float32 activations), in its exponential
 (ik_expf_avx2: the softmax and the SiLU, the routed experts' too) and in its softmax's float64 sum of each 8
 exponentials' sum (attention.py), in its Q8_0_R8 and Q8_1_R8 gemms (qgemm.ORDER_R8_AVX2, ORDER_Q8_1_AVX2: a quantized
-K cache's K x Q, -fa off), in its Q8_K_R8 gemm (the IQK types and the i-quants, converted from 32 activation rows: the
-AVX-512 build's Q8_K_R16 integers and scales in groups of 8 rows, each 256-value block's signed sum scaled in one
-fused multiply-add, ORDER_R8_AVX2), in which types it converts from how many rows (AVX2_CONVERT_ROWS; groups of 8
-weight rows, not 16), in its own Q8_0 kernel (ORDER_QX_0_AVX2: below 32 activation rows a thread, and weights of
+K cache's K x Q, -fa off), in its Q8_K_R8 gemm (the IQK types and the i-quants, converted from as many activation rows
+as the AVX-512 build converts them from, 32, IQ2_S 16: the AVX-512 build's Q8_K_R16 integers and scales in groups of
+8 rows, each 256-value block's signed sum scaled in one fused multiply-add, ORDER_R8_AVX2), in the weight rows a
+converted group takes (8, not 16), in its own Q8_0 kernel (ORDER_QX_0_AVX2: below 32 activation rows a thread, and weights of
 rows no multiple of 8) and in its fused delta-net kernel (8-lane q.k, its scalar update as GCC contracts it:
 delta_net.py). ik's flash-attention ports are its AVX2 build's already. Only what was checked bit for bit against
 this build runs: other architectures and weight types, and AVX-512-only flags, are refused before any compute; the
-integer kernels other than the converted forms', Q8_0's own, IQ4_KS's, IQ3_KS's, IQ2_KS's and the K-quants' own
-(native.py; the other types' own, below 32 activation rows) when a matmul first needs them.
+integer kernels other than the converted forms', Q8_0's own and those native.py reproduces for this build (the
+other types' own, below their conversion threshold) when a matmul first needs them.
 """
 
 from __future__ import annotations
@@ -54,8 +54,6 @@ AVX2_ORDERS = {ORDER_R8: ORDER_R8_AVX2, ORDER_Q8_1: ORDER_Q8_1_AVX2, ORDER_R16: 
 #: the weight types whose own kernel (below the rows ik converts them from) is reproduced in its AVX2 build's order:
 #: Q8_0's multiplies the signed values (qgemm.ORDER_QX_0_AVX2); the others' AVX2 kernels are other code
 AVX2_OWN_KERNELS = ("Q8_0",)
-#: weight types ik's AVX2 build converts from more activation rows than its AVX-512 build (is_dequant_better)
-AVX2_CONVERT_ROWS = {"IQ2_S": 32, "IQ1_KT": 32, "IQ2_KT": 32, "IQ3_KT": 32, "IQ4_KT": 32}
 
 
 class IkAvx2Numerics(IkNumerics):
@@ -81,12 +79,6 @@ class IkAvx2Numerics(IkNumerics):
             return (f"--numerics ik-avx2 does not reproduce ik's AVX2 kernels for {gtype.name} weights; checked: "
                     + ", ".join(VERIFIED_TYPES))
         return super().check_type(gtype)
-
-    def _kernel(self, type_name: str) -> IkKernel:
-        """The AVX-512 build's kernel, converting from AVX2_CONVERT_ROWS activation rows where that differs."""
-        kernel = super()._kernel(type_name)
-        rows = AVX2_CONVERT_ROWS.get(type_name)
-        return kernel if rows is None else replace(kernel, convert_rows=rows)
 
     def _activation_format(self, type_name: str) -> str:
         """ik's AVX2 build multiplies bf16 weights with float32 activations as they are (its float kernel)."""

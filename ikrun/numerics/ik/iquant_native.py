@@ -1,4 +1,5 @@
-"""ik's own kernels of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S in its AVX-512 build, for `--numerics ik`: what
+"""ik's own kernels of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S in its AVX-512 and AVX2 builds (`--numerics ik`,
+`ik-avx2`): what
 ik multiplies those weights with below the 32 activation rows from which it converts them to Q8_K_R16 (a routed
 expert's few tokens, a short batch), Q8_K activations against the stored values (mul_mat_qX_K_q8_K_IQ).
 
@@ -15,7 +16,8 @@ scale 2 s + 1 per sub-block (of 32 values; IQ2_XS and IQ2_S: of 16) and the sign
   then lane l the scale of sub-block 2 g + l // 4 times values 32 g + 4 l .. + 3 over the 8 groups g (vpmaddubsw's
   pair sums, which stay below 32767 here), as fma(d x the token's scale, float, acc).
 Both end in hsum_float_8 of the 8 accumulators. ik splits a matmul's activation rows into calls of up to 8 rows
-(balanced: 9 rows are 4 + 5), so only a matrix with exactly one activation row takes the first kernel.
+(balanced: 9 rows are 4 + 5), so only a matrix with exactly one activation row takes the first kernel; its AVX2
+build has only the second (its pair sums summed by vpmaddwd and added, the same integers).
 
 The values and scales come from the decoding: every value is d x factor x scale x grid value exactly, so the signed
 grid value is the decoding over d x factor x scale; the scales are read from the bytes.
@@ -87,10 +89,11 @@ def _held(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.n
 
 
 def iquant_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndarray, type_name: str,
-                   which: np.ndarray | None = None) -> np.ndarray:
+                   which: np.ndarray | None = None, avx2: bool = False) -> np.ndarray:
     """Rows `tokens` of the Q8_K activations x times matrices of `type_name` (IQUANT_TYPES) as ik's own kernels
     compute them: matrix j (raw [E, rows, row bytes]; with `which`, raw's matrix which[j]) takes
-    tokens[row_at[j] : row_at[j + 1]]; float32 [len(tokens), rows]."""
+    tokens[row_at[j] : row_at[j + 1]]; float32 [len(tokens), rows]. `avx2`: ik's AVX2 build, whose one-row calls
+    take the N-row form too."""
     if x.block != SUPER:
         raise ValueError(f"ik's {type_name} kernel takes Q8_K activations (blocks of {SUPER}), not blocks of "
                          f"{x.block}")
@@ -103,7 +106,7 @@ def iquant_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.n
     sums16 = x.u[tokens].astype(np.int32).reshape(len(tokens), -1, 16).sum(axis=-1) - 16 * 128
     out = np.empty((len(tokens), raw.shape[1]), np.float32)
     _matmuls(values, scales, d, dmin, np.int32(IQUANT_TYPES[type_name].minv), x.u, x.scale, sums16.astype(np.int32),
-             tokens, np.ascontiguousarray(row_at, np.int64), slot, out, get_num_threads())
+             tokens, np.ascontiguousarray(row_at, np.int64), slot, out, get_num_threads(), avx2)
     return out
 
 
@@ -154,7 +157,7 @@ def _row_many(v: np.ndarray, sc: np.ndarray, d: np.ndarray, dmin: np.ndarray, mi
 
 @njit(cache=True, nogil=True, parallel=True)
 def _matmuls(values, scales, d, dmin, minv, xu, xd, sums16, tokens, row_at, slot, out,  # type: ignore[no-untyped-def]
-             threads):
+             threads, avx2):
     """Every (matrix, row) pair with tokens, claimed by the threads (ikrun/ops/parallel.py)."""
     n_rows = values.shape[1]
     tasks = (len(row_at) - 1) * n_rows
@@ -171,7 +174,7 @@ def _matmuls(values, scales, d, dmin, minv, xu, xd, sums16, tokens, row_at, slot
                 e = slot[j]
                 for m in range(m0, m1):
                     x = tokens[m]
-                    if m1 - m0 == 1:
+                    if m1 - m0 == 1 and not avx2:
                         out[m, r] = _row_one(values[e, r], scales[e, r], d[e, r], xu[x], xd[x], a)
                     else:
                         out[m, r] = _row_many(values[e, r], scales[e, r], d[e, r], dmin[e, r], minv, xu[x], xd[x],

@@ -18,10 +18,9 @@ from ikrun.numerics.ik.qgemm import IntRows
 def native_types(avx2: bool) -> tuple[str, ...]:
     """The weight types whose own kernel is reproduced for ik's AVX2 build (`avx2`) or its AVX-512 one: IQ4_KS,
     IQ3_KS, IQ2_KS, IQ5_KS, IQ4_XS, IQ2_K ... IQ6_K, Q2_K and Q3_K (iqk_native.py; AVX-512 also IQ2_KL and IQ4_KSS),
-    Q4_K, Q5_K and Q6_K (kquant_native.py, the same in both); AVX-512 also IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S
+    Q4_K, Q5_K and Q6_K (kquant_native.py, the same in both), IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S
     (iquant_native.py)."""
-    own = (*AVX2_NATIVE_TYPES,) if avx2 else (*NATIVE_TYPES, *IQUANT_TYPES)
-    return own + tuple(KQUANT_TYPES)
+    return (*(AVX2_NATIVE_TYPES if avx2 else NATIVE_TYPES), *IQUANT_TYPES, *KQUANT_TYPES)
 
 
 def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndarray, type_name: str,
@@ -31,8 +30,8 @@ def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.n
     `which`, raw's matrix which[j]) takes tokens[row_at[j] : row_at[j + 1]]; float32 [len(tokens), rows]."""
     if type_name in KQUANT_TYPES:
         return kquant_matmuls(x, raw, tokens, row_at, type_name, which)
-    if type_name in IQUANT_TYPES and not avx2:
-        return iquant_matmuls(x, raw, tokens, row_at, type_name, which)
+    if type_name in IQUANT_TYPES:
+        return iquant_matmuls(x, raw, tokens, row_at, type_name, which, avx2)
     return iqk_matmuls(x, raw, tokens, row_at, type_name, which=which, avx2=avx2)
 
 
