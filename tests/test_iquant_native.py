@@ -1,8 +1,9 @@
-"""ik's own kernels of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S (ikrun/numerics/ik/iquant_native.py) against ik's
-AVX-512 and AVX2 builds (tests/data/iquant-native): their dense matmul below the rows they convert them from, bit for
-bit (AVX-512, one activation row: its _1 kernel; more, and every count on AVX2: the N kernel with its minima), and a
-Qwen3-MoE whose experts get fewer than 32 tokens: each build's base-logits file byte for byte and its final line.
-And the rows from which the AVX2 build converts IQ2_S and the trellis types: the AVX-512 build's."""
+"""ik's own kernels of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M (ikrun/numerics/ik/iquant_native.py)
+against ik's AVX-512 and AVX2 builds (tests/data/iquant-native): their dense matmul below the rows they convert them
+from, bit for bit (the i-quants on AVX-512, one activation row: its _1 kernel; more, and every count on AVX2: the N
+kernel with its minima; IQ1_S and IQ1_M: one kernel each), and a Qwen3-MoE whose experts get fewer than 32 tokens:
+each build's base-logits file byte for byte and its final line. And the rows from which the AVX2 build converts IQ2_S
+and the trellis types: the AVX-512 build's."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ TEXT = Path(__file__).parent / "data" / "logits" / "qwen3-moe" / "text.txt"
 SHA256 = {"IQ2_XXS": "913b108424319004aadc7149a43d0ca79cbccc7f6fbe52307d90c69e2112026e",
           "IQ2_XS": "f488d2deed47624d55f1a0405eb9d3fbe818d68e2c1c0467d61bcae922c4d663",
           "IQ3_XXS": "8bfc0e5f32861834876c39ea4d99ab5c74e4b8154cb0134fdcc4ddf4f86f6153",
-          "IQ3_S": "e9bf8e1b45530a94029cacdf7df07e3c98c98b0146c7ac5f065ee18004089a51"}
+          "IQ3_S": "e9bf8e1b45530a94029cacdf7df07e3c98c98b0146c7ac5f065ee18004089a51",
+          "IQ1_M": "34a511dc60d8e59e23a242a1b7213cc284124ce4875c020a2be130f6f2a1fa23"}
 runner = CliRunner()
 
 
@@ -40,13 +42,15 @@ def _bits(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, np.float32).view(np.uint32)
 
 
-@pytest.mark.parametrize(("type_name", "m"), [(t, m) for t in ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ3_S")
-                                              for m in (1, 5, 15, 31)] + [("IQ2_S", m) for m in (1, 5, 15)])
+@pytest.mark.parametrize(("type_name", "m"), [(t, m) for t in ("IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ3_S", "IQ1_S",
+                                                        "IQ1_M") for m in (1, 5, 15, 31)]
+                         + [("IQ2_S", m) for m in (1, 5, 15)])
 def test_own_kernel_matmul_is_iks(type_name: str, m: int) -> None:
     """ik's ggml_mul_mat of 48 rows of 512 on m activation rows (IQ2_S: below the 16 it converts from), bit for bit;
     the float path is not."""
-    with np.load(DATA / "cases.npz") as f:
-        raw, x, ik = f[f"raw_{type_name}"], f["x"][:m], f[f"{type_name}_{m}"]
+    with np.load(DATA / "cases.npz") as f, np.load(DATA / "cases-iq1.npz") as g:
+        cases = g if type_name.startswith("IQ1") else f
+        raw, x, ik = cases[f"raw_{type_name}"], f["x"][:m], cases[f"{type_name}_{m}"]
     got = native_matmul(integer_rows(x, Q8_K), raw, type_name)
     np.testing.assert_array_equal(_bits(got), _bits(ik))
     floats = round_activations(x, Q8_K) @ type_by_name(type_name).require_codec().dequantize(raw, 512).T
@@ -64,6 +68,18 @@ def test_avx2_own_kernel_matmul_is_iks(type_name: str, m: int) -> None:
     got = native_matmul(integer_rows(x, Q8_K), raw, type_name, avx2=True)
     np.testing.assert_array_equal(_bits(got), _bits(ik))
     assert (m == 1) != np.array_equal(_bits(ik), _bits(avx512))
+
+
+@pytest.mark.parametrize("m", [1, 5, 15, 31])
+def test_avx2_iq1_m_kernel_is_iks_and_iq1_s_is_left(m: int) -> None:
+    """IQ1_M's kernel is the same code in both builds: the AVX2 build's ggml_mul_mat, bit for bit. IQ1_S's AVX2 kernel
+    groups its sums otherwise and is not reproduced (the float path, within rounding)."""
+    with np.load(DATA / "cases.npz") as f, np.load(DATA / "cases-iq1.npz") as g, \
+            np.load(DATA / "outputs-avx2-iq1_m.npz") as h:
+        raw, x, ik = g["raw_IQ1_M"], f["x"][:m], h[f"IQ1_M_{m}"]
+    got = native_matmul(integer_rows(x, Q8_K), raw, "IQ1_M", avx2=True)
+    np.testing.assert_array_equal(_bits(got), _bits(ik))
+    assert "IQ1_S" in native_types(avx2=False) and "IQ1_S" not in native_types(avx2=True)
 
 
 @pytest.mark.parametrize("type_name", ["IQ2_S", "IQ2_KT", "IQ4_KT"])
@@ -96,7 +112,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]
     for name in SHA256:
         files[name] = tmp / f"{name.lower()}.gguf"
         extra = dict(imatrix=imatrix, token_embedding_type="q8_0", output_tensor_type="q8_0") \
-            if name.startswith("IQ2") else {}
+            if name.startswith(("IQ2", "IQ1")) else {}
         quantize_model(f32, files[name], QuantizeOptions(file_type(name), pure=True, **extra))  # type: ignore[arg-type]
         assert hashlib.sha256(files[name].read_bytes()).hexdigest() == SHA256[name], name
     yield files
@@ -108,7 +124,8 @@ def test_experts_below_32_tokens_give_iks_logits(models: dict[str, Path], type_n
                                                  tmp_path: Path) -> None:
     """Each build's base-logits file byte for byte and its final line (most experts get 5-30 tokens of the chunk).
     The experts in the float path printed IQ2_XXS 615.7411 (ik: 615.8687), IQ2_XS 576.9777 (576.8886), IQ3_XXS
-    536.9944 (536.9152), IQ3_S 549.4308 (550.1680); --numerics ik-avx2 refused them."""
+    536.9944 (536.9152), IQ3_S 549.4308 (550.1680), IQ1_M 616.2668 (612.0605); --numerics ik-avx2 refused them.
+    (IQ1_S's float path writes ik's file on this model already: its kernel is checked on the matmuls alone.)"""
     out = tmp_path / "base.kld"
     res = runner.invoke(app, ["ppl", str(models[type_name]), "--text", str(TEXT), "-c", "128", "--chunks", "1", "-t",
                               "2", "--numerics", numerics, "--ik-batch", "2048", "--save-base-logits", str(out)])

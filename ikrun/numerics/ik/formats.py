@@ -514,7 +514,7 @@ def _super_scaled_to_q8_k(block_bytes: int, c: float) -> ToInts:
     return lambda raw, decoded: _to_q8_k(decoded, _block_f16(raw, block_bytes), c)
 
 
-def _iq1_m_d(raw: np.ndarray) -> np.ndarray:
+def iq1_m_d(raw: np.ndarray) -> np.ndarray:
     """IQ1_M's block scale d [rows, nb]: the f16 whose four nibbles are the top nibbles of the block's four u16
     scale words (the last 8 of its 56 bytes), the first word's the lowest."""
     sc = raw.reshape(raw.shape[0], -1, 56)[..., 48:].copy().view(np.uint16)
@@ -604,7 +604,7 @@ IK_KERNELS: dict[str, IkKernel] = {
     **{t: _kt_kernel(t, rows) for t, rows in (("IQ1_KT", 16), ("IQ2_KT", 16), ("IQ3_KT", 16), ("IQ4_KT", 24))},
     **{t: IkKernel(Q8_K, rows, _iquant_to_q8_k(block_d, c)) for t, block_d, rows, c in (
         ("IQ2_XXS", _leading_f16(66), 32, 124), ("IQ2_XS", _leading_f16(74), 32, 124),
-        ("IQ2_S", _leading_f16(82), 16, 124), ("IQ1_S", _leading_f16(50), 32, 126), ("IQ1_M", _iq1_m_d, 32, 126))},
+        ("IQ2_S", _leading_f16(82), 16, 124), ("IQ1_S", _leading_f16(50), 32, 126), ("IQ1_M", iq1_m_d, 32, 126))},
     "IQ3_XXS": IkKernel(Q8_K, 32, _iquant_to_q8_k(_leading_f16(98), 124, 0.25)),
     "IQ3_S": IkKernel(Q8_K, 32, _iquant_to_q8_k(_leading_f16(110), 127, 1.0)),
     "Q2_K": IkKernel(Q8_K, 32, lambda raw, decoded: _q2_k_to_q8_k(decoded)),

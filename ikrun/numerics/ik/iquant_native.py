@@ -1,5 +1,5 @@
-"""ik's own kernels of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S in its AVX-512 and AVX2 builds (`--numerics ik`,
-`ik-avx2`): what
+"""ik's own kernels of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M in its AVX-512 and AVX2 builds
+(`--numerics ik`, `ik-avx2`; IQ1_S: AVX-512 only): what
 ik multiplies those weights with below the 32 activation rows from which it converts them to Q8_K_R16 (a routed
 expert's few tokens, a short batch), Q8_K activations against the stored values (mul_mat_qX_K_q8_K_IQ).
 
@@ -19,6 +19,11 @@ Both end in hsum_float_8 of the 8 accumulators. ik splits a matmul's activation 
 (balanced: 9 rows are 4 + 5), so only a matrix with exactly one activation row takes the first kernel; its AVX2
 build has only the second (its pair sums summed by vpmaddwd and added, the same integers).
 
+IQ1_S and IQ1_M have one kernel each for any row count (iqk_gemm_1bit.cpp), over 8 x level +- 1 with the block's
+f16 d and 1/8 of the row's hsum_float_8 as the result: IQ1_M's lanes are the N-row form's without minima (the same
+code in both builds); IQ1_S's (AVX-512 only) take the unsigned levels (level + 1) x 8 x scale in the one-row form's
+lanes, and lane t adds group t's scale x (its shift's sign - 8) times the group's activation sum.
+
 The values and scales come from the decoding: every value is d x factor x scale x grid value exactly, so the signed
 grid value is the decoding over d x factor x scale; the scales are read from the bytes.
 """
@@ -32,6 +37,7 @@ from numba import get_num_threads, njit, prange
 
 from ikquant.formats.numeric import fmaf, hsum_float_8
 from ikquant.types import type_by_name
+from ikrun.numerics.ik.formats import iq1_m_d
 from ikrun.numerics.ik.qgemm import IntRows
 from ikrun.ops.parallel import claim_items, task_items
 
@@ -52,13 +58,23 @@ class IquantLayout:
 IQUANT_TYPES = {"IQ2_XXS": IquantLayout(66, 0.125, 43, False), "IQ2_XS": IquantLayout(74, 0.125, 43, True),
                 "IQ2_S": IquantLayout(82, 0.125, 43, True), "IQ3_XXS": IquantLayout(98, 0.25, 64, False),
                 "IQ3_S": IquantLayout(110, 1.0, 16, False)}
+#: IQ1_S and IQ1_M (iqk_gemm_1bit.cpp: their own kernels, one for any row count; factor: the result's, 1/8)
+IQ1_TYPES = {"IQ1_S": IquantLayout(50, 0.125, 0, False), "IQ1_M": IquantLayout(56, 0.125, 0, True)}
+#: the kernel of a type: the i-quants' two forms, IQ1_S's, IQ1_M's
+KERNEL_IQ, KERNEL_IQ1_S, KERNEL_IQ1_M = 0, 1, 2
 
 
 def _scale_codes(type_name: str, blocks: np.ndarray) -> np.ndarray:
     """Each 16-value sub-block's scale code s (the scale is 2 s + 1) [..., nb, 16] from blocks [..., nb, bytes]:
     IQ2_XXS the top nibble of each 32-value group's second u32 (bytes 2 + 8 g .. ), IQ3_XXS of its u32 after the 64
     grid bytes; IQ2_XS's and IQ2_S's 8 bytes of nibbles (low: the even sub-block); IQ3_S's 4 (low: the even group)."""
-    if type_name == "IQ2_XXS":
+    if type_name == "IQ1_S":
+        per_group = (blocks[..., 34:50].copy().view(np.uint16) >> 12) & 7
+    elif type_name == "IQ1_M":
+        words = blocks[..., 48:56].copy().view(np.uint16).astype(np.int32)
+        return np.stack([(words[..., ib // 4] >> (6 * ((ib // 2) % 2) + 3 * (ib % 2))) & 7 for ib in range(16)],
+                        axis=-1)
+    elif type_name == "IQ2_XXS":
         per_group = blocks[..., 2 + 7 : 2 + 64 : 8] >> 4
     elif type_name == "IQ3_XXS":
         per_group = blocks[..., 66 + 3 : 98 : 4] >> 4
@@ -72,19 +88,26 @@ def _scale_codes(type_name: str, blocks: np.ndarray) -> np.ndarray:
 
 
 def _held(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Matrices raw [E, rows, row bytes] as ik's kernel holds them: the signed values [E, rows, n] (int16), the
-    16-value sub-blocks' scales [E, rows, nb x 16], d x factor and -d x factor x minv [E, rows, nb]."""
-    layout = IQUANT_TYPES[type_name]
+    """Matrices raw [E, rows, row bytes] as ik's kernel holds them: the signed values [E, rows, n] (int16; IQ1_S,
+    IQ1_M: 8 x level +- 1), the 16-value sub-blocks' scales [E, rows, nb x 16], the kernel's d (the i-quants: d x
+    factor; IQ1_S, IQ1_M: d) and -d x factor x minv [E, rows, nb]."""
+    iq1 = type_name in IQ1_TYPES
+    layout = (IQ1_TYPES if iq1 else IQUANT_TYPES)[type_name]
     e, rows, row_bytes = raw.shape
     nb = row_bytes // layout.block_bytes
     blocks = raw.reshape(e, rows, nb, layout.block_bytes)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32) * np.float32(layout.factor)
+    if type_name == "IQ1_M":
+        d16 = iq1_m_d(raw.reshape(e * rows, row_bytes)).reshape(e, rows, nb)
+    else:
+        d16 = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    step_d = d16 * np.float32(layout.factor)
+    d = d16 if iq1 else step_d
     scales = (2 * _scale_codes(type_name, blocks).astype(np.int32) + 1).astype(np.int16)
     decoded = type_by_name(type_name).require_codec().dequantize(raw.reshape(e * rows, row_bytes), nb * SUPER)
-    step = (d[..., None] * scales.astype(np.float32)).reshape(e * rows, nb, 16, 1)
+    step = (step_d[..., None] * scales.astype(np.float32)).reshape(e * rows, nb, 16, 1)
     sub = decoded.reshape(e * rows, nb, 16, 16)
     values = np.rint(np.divide(sub, step, out=np.zeros_like(sub), where=step != 0)).astype(np.int16)
-    dmin = (-d) * np.float32(layout.minv)
+    dmin = (-step_d) * np.float32(layout.minv)
     return values.reshape(e, rows, nb * SUPER), scales.reshape(e, rows, nb * 16), d, dmin
 
 
@@ -94,6 +117,7 @@ def iquant_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.n
     compute them: matrix j (raw [E, rows, row bytes]; with `which`, raw's matrix which[j]) takes
     tokens[row_at[j] : row_at[j + 1]]; float32 [len(tokens), rows]. `avx2`: ik's AVX2 build, whose one-row calls
     take the N-row form too."""
+    iq1 = type_name in IQ1_TYPES
     if x.block != SUPER:
         raise ValueError(f"ik's {type_name} kernel takes Q8_K activations (blocks of {SUPER}), not blocks of "
                          f"{x.block}")
@@ -105,8 +129,10 @@ def iquant_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.n
     tokens = np.ascontiguousarray(tokens, dtype=np.int64)
     sums16 = x.u[tokens].astype(np.int32).reshape(len(tokens), -1, 16).sum(axis=-1) - 16 * 128
     out = np.empty((len(tokens), raw.shape[1]), np.float32)
-    _matmuls(values, scales, d, dmin, np.int32(IQUANT_TYPES[type_name].minv), x.u, x.scale, sums16.astype(np.int32),
-             tokens, np.ascontiguousarray(row_at, np.int64), slot, out, get_num_threads(), avx2)
+    kernel = KERNEL_IQ1_S if type_name == "IQ1_S" else KERNEL_IQ1_M if type_name == "IQ1_M" else KERNEL_IQ
+    minv = 0 if iq1 else IQUANT_TYPES[type_name].minv
+    _matmuls(values, scales, d, dmin, np.int32(minv), x.u, x.scale, sums16.astype(np.int32), tokens,
+             np.ascontiguousarray(row_at, np.int64), slot, out, get_num_threads(), avx2, kernel)
     return out
 
 
@@ -155,9 +181,59 @@ def _row_many(v: np.ndarray, sc: np.ndarray, d: np.ndarray, dmin: np.ndarray, mi
     return hsum_float_8(a)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _row_iq1_s(v: np.ndarray, sc: np.ndarray, d: np.ndarray, xu: np.ndarray, xd: np.ndarray, sums16: np.ndarray,
+               a: np.ndarray) -> np.float32:
+    """One IQ1_S row against one activation row (mul_mat_iq1_s_q8_K, AVX-512): lane 4 H + u sums, over the pairs of
+    32-value groups, 8 x its group g = 2 p + u // 2's scale times the unsigned levels (level + 1) of values
+    16 H + 8 (u % 2) .. + 7 (vpdpbusd, vpdpwssd), then group 4 H + u's scale x (its shift's sign - 8) times the sum of
+    its 32 activations; per block fma(d x the token's scale, float(lane), acc); the row's result 1/8 of
+    hsum_float_8."""
+    a[:] = 0
+    for i in range(d.shape[0]):
+        dd = d[i] * xd[i]
+        for t in range(8):
+            big, u = t // 4, t % 4
+            total = np.int32(0)
+            for p in range(4):
+                g = 2 * p + u // 2
+                at = SUPER * i + 32 * g + 16 * big + 8 * (u % 2)
+                part = np.int32(0)
+                for k in range(8):
+                    w = np.int32(v[at + k])
+                    part += ((w + 9) // 8) * (np.int32(xu[at + k]) - 128)
+                total += 8 * np.int32(sc[16 * i + 2 * g]) * part
+            first = np.int32(v[SUPER * i + 32 * t])
+            shift = first - 8 * ((first + 9) // 8 - 1) - 8
+            total += np.int32(sc[16 * i + 2 * t]) * shift * (sums16[16 * i + 2 * t] + sums16[16 * i + 2 * t + 1])
+            a[t] = fmaf(dd, np.float32(total), a[t])
+    return np.float32(0.125) * hsum_float_8(a)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _row_iq1_m(v: np.ndarray, sc: np.ndarray, d: np.ndarray, xu: np.ndarray, xd: np.ndarray,
+               a: np.ndarray) -> np.float32:
+    """One IQ1_M row against one activation row (mul_mat_iq1_m_q8_K, both builds): lane l sums, over the 8 groups
+    of 32 values, the scale of 16-value sub-block 2 g + l // 4 times values 32 g + 4 l .. + 3 (8 x level +- 1);
+    per block fma(d x the token's scale, float(lane), acc); the row's result 1/8 of hsum_float_8."""
+    a[:] = 0
+    for i in range(d.shape[0]):
+        dd = d[i] * xd[i]
+        for lane in range(8):
+            total = np.int32(0)
+            for g in range(8):
+                at = SUPER * i + 32 * g + 4 * lane
+                part = np.int32(0)
+                for k in range(4):
+                    part += np.int32(v[at + k]) * (np.int32(xu[at + k]) - 128)
+                total += np.int32(sc[16 * i + 2 * g + lane // 4]) * part
+            a[lane] = fmaf(dd, np.float32(total), a[lane])
+    return np.float32(0.125) * hsum_float_8(a)
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _matmuls(values, scales, d, dmin, minv, xu, xd, sums16, tokens, row_at, slot, out,  # type: ignore[no-untyped-def]
-             threads, avx2):
+             threads, avx2, kernel):
     """Every (matrix, row) pair with tokens, claimed by the threads (ikrun/ops/parallel.py)."""
     n_rows = values.shape[1]
     tasks = (len(row_at) - 1) * n_rows
@@ -174,7 +250,11 @@ def _matmuls(values, scales, d, dmin, minv, xu, xd, sums16, tokens, row_at, slot
                 e = slot[j]
                 for m in range(m0, m1):
                     x = tokens[m]
-                    if m1 - m0 == 1 and not avx2:
+                    if kernel == KERNEL_IQ1_S:
+                        out[m, r] = _row_iq1_s(values[e, r], scales[e, r], d[e, r], xu[x], xd[x], sums16[m], a)
+                    elif kernel == KERNEL_IQ1_M:
+                        out[m, r] = _row_iq1_m(values[e, r], scales[e, r], d[e, r], xu[x], xd[x], a)
+                    elif m1 - m0 == 1 and not avx2:
                         out[m, r] = _row_one(values[e, r], scales[e, r], d[e, r], xu[x], xd[x], a)
                     else:
                         out[m, r] = _row_many(values[e, r], scales[e, r], d[e, r], dmin[e, r], minv, xu[x], xd[x],

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ikrun.numerics.ik.iqk_native import AVX2_NATIVE_TYPES, NATIVE_TYPES, iqk_matmuls
-from ikrun.numerics.ik.iquant_native import IQUANT_TYPES, iquant_matmuls
+from ikrun.numerics.ik.iquant_native import IQ1_TYPES, IQUANT_TYPES, iquant_matmuls
 from ikrun.numerics.ik.kquant_native import KQUANT_TYPES, kquant_matmuls
 from ikrun.numerics.ik.qgemm import IntRows
 
@@ -18,9 +18,10 @@ from ikrun.numerics.ik.qgemm import IntRows
 def native_types(avx2: bool) -> tuple[str, ...]:
     """The weight types whose own kernel is reproduced for ik's AVX2 build (`avx2`) or its AVX-512 one: IQ4_KS,
     IQ3_KS, IQ2_KS, IQ5_KS, IQ4_XS, IQ2_K ... IQ6_K, Q2_K and Q3_K (iqk_native.py; AVX-512 also IQ2_KL and IQ4_KSS),
-    Q4_K, Q5_K and Q6_K (kquant_native.py, the same in both), IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S
-    (iquant_native.py)."""
-    return (*(AVX2_NATIVE_TYPES if avx2 else NATIVE_TYPES), *IQUANT_TYPES, *KQUANT_TYPES)
+    Q4_K, Q5_K and Q6_K (kquant_native.py, the same in both), IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S and IQ1_M
+    (iquant_native.py; AVX-512 also IQ1_S)."""
+    return (*(AVX2_NATIVE_TYPES if avx2 else NATIVE_TYPES), *IQUANT_TYPES, *(("IQ1_M",) if avx2 else IQ1_TYPES),
+            *KQUANT_TYPES)
 
 
 def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndarray, type_name: str,
@@ -30,7 +31,7 @@ def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.n
     `which`, raw's matrix which[j]) takes tokens[row_at[j] : row_at[j + 1]]; float32 [len(tokens), rows]."""
     if type_name in KQUANT_TYPES:
         return kquant_matmuls(x, raw, tokens, row_at, type_name, which)
-    if type_name in IQUANT_TYPES:
+    if type_name in IQUANT_TYPES or type_name in IQ1_TYPES:
         return iquant_matmuls(x, raw, tokens, row_at, type_name, which, avx2)
     return iqk_matmuls(x, raw, tokens, row_at, type_name, which=which, avx2=avx2)
 
