@@ -1,7 +1,7 @@
 """ik's own kernels of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M in its AVX-512 and AVX2 builds
-(`--numerics ik`, `ik-avx2`; IQ1_S: AVX-512 only): what
-ik multiplies those weights with below the 32 activation rows from which it converts them to Q8_K_R16 (a routed
-expert's few tokens, a short batch), Q8_K activations against the stored values (mul_mat_qX_K_q8_K_IQ).
+(`--numerics ik`, `ik-avx2`; IQ1_S: AVX-512 only): what ik multiplies those weights with below the activation rows
+from which it converts them to Q8_K_R16 (32, IQ2_S 16: a routed expert's few tokens, a short batch), Q8_K activations
+against the stored values (mul_mat_qX_K_q8_K_IQ).
 
 Per 256 values ik takes the block's f16 d times a factor (1/8 for the IQ2 types, 1/4 for IQ3_XXS, 1 for IQ3_S), a
 scale 2 s + 1 per sub-block (of 32 values; IQ2_XS and IQ2_S: of 16) and the signed grid values. It has two kernels:
