@@ -87,10 +87,11 @@ def _scale_codes(type_name: str, blocks: np.ndarray) -> np.ndarray:
     return np.repeat(per_group, 2, axis=-1)
 
 
-def _held(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Matrices raw [E, rows, row bytes] as ik's kernel holds them: the signed values [E, rows, n] (int16; IQ1_S,
-    IQ1_M: 8 x level +- 1), the 16-value sub-blocks' scales [E, rows, nb x 16], the kernel's d (the i-quants: d x
-    factor; IQ1_S, IQ1_M: d) and -d x factor x minv [E, rows, nb]."""
+def _held(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Matrices raw [E, rows, row bytes] as ik's kernel holds them: the values [E, rows, n] (int16: the signed grid
+    values; IQ1_M 8 x level +- 1; IQ1_S the unsigned level + 1), the 16-value sub-blocks' scales [E, rows, nb x 16]
+    (IQ1_S: 8 x 2 s + 1), the kernel's d (the i-quants: d x factor; IQ1_S, IQ1_M: d), -d x factor x minv [E, rows,
+    nb], and IQ1_S's shift term per 32-value group, scale x (the shift's sign - 8) [E, rows, nb x 8] (else empty)."""
     iq1 = type_name in IQ1_TYPES
     layout = (IQ1_TYPES if iq1 else IQUANT_TYPES)[type_name]
     e, rows, row_bytes = raw.shape
@@ -101,14 +102,20 @@ def _held(raw: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray, np.n
     else:
         d16 = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     step_d = d16 * np.float32(layout.factor)
-    d = d16 if iq1 else step_d
-    scales = (2 * _scale_codes(type_name, blocks).astype(np.int32) + 1).astype(np.int16)
+    scales = 2 * _scale_codes(type_name, blocks).astype(np.int32) + 1
     decoded = type_by_name(type_name).require_codec().dequantize(raw.reshape(e * rows, row_bytes), nb * SUPER)
-    step = (step_d[..., None] * scales.astype(np.float32)).reshape(e * rows, nb, 16, 1)
-    sub = decoded.reshape(e * rows, nb, 16, 16)
-    values = np.rint(np.divide(sub, step, out=np.zeros_like(sub), where=step != 0)).astype(np.int16)
+    step = (step_d[..., None] * scales.astype(np.float32)).reshape(e, rows, nb, 16, 1)
+    sub = decoded.reshape(e, rows, nb, 16, 16)
+    values = np.rint(np.divide(sub, step, out=np.zeros_like(sub), where=step != 0)).astype(np.int32)
+    shift = np.zeros((e, rows, 0), np.int32)
+    if type_name == "IQ1_S":  # 8 x level + sign: ik's kernel takes level + 1, and the sign - 8 per group apart
+        levels = (values + 9) // 8 - 1
+        signs = (values - 8 * levels)[..., ::2, 0]  # one per 32 values
+        shift = (scales[..., ::2] * (signs - 8)).reshape(e, rows, nb * 8)
+        values, scales = levels + 1, 8 * scales
     dmin = (-step_d) * np.float32(layout.minv)
-    return values.reshape(e, rows, nb * SUPER), scales.reshape(e, rows, nb * 16), d, dmin
+    return (values.reshape(e, rows, nb * SUPER).astype(np.int16), scales.reshape(e, rows, nb * 16).astype(np.int16),
+            d16 if iq1 else step_d, dmin, shift.astype(np.int32))
 
 
 def iquant_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndarray, type_name: str,
@@ -123,7 +130,7 @@ def iquant_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.n
                          f"{x.block}")
     which = np.arange(raw.shape[0], dtype=np.int64) if which is None else np.ascontiguousarray(which, np.int64)
     used = np.nonzero(np.diff(row_at) > 0)[0]
-    values, scales, d, dmin = _held(np.ascontiguousarray(raw[which[used]]), type_name)
+    values, scales, d, dmin, shift = _held(np.ascontiguousarray(raw[which[used]]), type_name)
     slot = np.full(len(which), -1, np.int64)
     slot[used] = np.arange(len(used))
     tokens = np.ascontiguousarray(tokens, dtype=np.int64)
@@ -131,14 +138,16 @@ def iquant_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.n
     out = np.empty((len(tokens), raw.shape[1]), np.float32)
     kernel = KERNEL_IQ1_S if type_name == "IQ1_S" else KERNEL_IQ1_M if type_name == "IQ1_M" else KERNEL_IQ
     minv = 0 if iq1 else IQUANT_TYPES[type_name].minv
-    _matmuls(values, scales, d, dmin, np.int32(minv), x.u, x.scale, sums16.astype(np.int32), tokens,
+    _matmuls(values, scales, d, dmin, shift, np.int32(minv), x.u, x.scale, sums16.astype(np.int32), tokens,
              np.ascontiguousarray(row_at, np.int64), slot, out, get_num_threads(), avx2, kernel)
     return out
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _row_one(v: np.ndarray, sc: np.ndarray, d: np.ndarray, xu: np.ndarray, xd: np.ndarray, a: np.ndarray) -> np.float32:
-    """One weight row against one activation row (mul_mat_qX_K_q8_K_IQ_1, the module docstring)."""
+def _row_one(v: np.ndarray, sc: np.ndarray, d: np.ndarray, shift: np.ndarray, xu: np.ndarray, xd: np.ndarray,
+             sums16: np.ndarray, a: np.ndarray) -> np.float32:
+    """One weight row against one activation row (mul_mat_qX_K_q8_K_IQ_1, the module docstring; IQ1_S's lanes too,
+    each lane t adding group t's shift term times its 32 activations' sum)."""
     a[:] = 0
     for i in range(d.shape[0]):
         dd = d[i] * xd[i]
@@ -153,21 +162,25 @@ def _row_one(v: np.ndarray, sc: np.ndarray, d: np.ndarray, xu: np.ndarray, xd: n
                     for k in range(8):
                         part += np.int32(v[at + k]) * (np.int32(xu[at + k]) - 128)
                     total += np.int32(sc[16 * i + 2 * g + big]) * part
+            if shift.shape[0]:
+                total += shift[8 * i + t] * (sums16[16 * i + 2 * t] + sums16[16 * i + 2 * t + 1])
             a[t] = fmaf(dd, np.float32(total), a[t])
     return hsum_float_8(a)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _row_many(v: np.ndarray, sc: np.ndarray, d: np.ndarray, dmin: np.ndarray, minv: np.int32, xu: np.ndarray,
-              xd: np.ndarray, sums16: np.ndarray, a: np.ndarray) -> np.float32:
-    """One weight row against one of several activation rows (mul_mat_qX_K_q8_K_IQ_N, the module docstring)."""
+              xd: np.ndarray, sums16: np.ndarray, minima: bool, a: np.ndarray) -> np.float32:
+    """One weight row against one of several activation rows (mul_mat_qX_K_q8_K_IQ_N, the module docstring; IQ1_M's
+    lanes too, without minima)."""
     a[:] = 0
     for i in range(d.shape[0]):
-        dm = dmin[i] * xd[i]
-        for j in range(8):
-            total = (np.int32(sc[16 * i + 2 * j]) * sums16[16 * i + 2 * j]
-                     + np.int32(sc[16 * i + 2 * j + 1]) * sums16[16 * i + 2 * j + 1])
-            a[j] = fmaf(dm, np.float32(total), a[j])
+        if minima:
+            dm = dmin[i] * xd[i]
+            for j in range(8):
+                total = (np.int32(sc[16 * i + 2 * j]) * sums16[16 * i + 2 * j]
+                         + np.int32(sc[16 * i + 2 * j + 1]) * sums16[16 * i + 2 * j + 1])
+                a[j] = fmaf(dm, np.float32(total), a[j])
         dd = d[i] * xd[i]
         for lane in range(8):
             total = np.int32(0)
@@ -181,58 +194,8 @@ def _row_many(v: np.ndarray, sc: np.ndarray, d: np.ndarray, dmin: np.ndarray, mi
     return hsum_float_8(a)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _row_iq1_s(v: np.ndarray, sc: np.ndarray, d: np.ndarray, xu: np.ndarray, xd: np.ndarray, sums16: np.ndarray,
-               a: np.ndarray) -> np.float32:
-    """One IQ1_S row against one activation row (mul_mat_iq1_s_q8_K, AVX-512): lane 4 H + u sums, over the pairs of
-    32-value groups, 8 x its group g = 2 p + u // 2's scale times the unsigned levels (level + 1) of values
-    16 H + 8 (u % 2) .. + 7 (vpdpbusd, vpdpwssd), then group 4 H + u's scale x (its shift's sign - 8) times the sum of
-    its 32 activations; per block fma(d x the token's scale, float(lane), acc); the row's result 1/8 of
-    hsum_float_8."""
-    a[:] = 0
-    for i in range(d.shape[0]):
-        dd = d[i] * xd[i]
-        for t in range(8):
-            big, u = t // 4, t % 4
-            total = np.int32(0)
-            for p in range(4):
-                g = 2 * p + u // 2
-                at = SUPER * i + 32 * g + 16 * big + 8 * (u % 2)
-                part = np.int32(0)
-                for k in range(8):
-                    w = np.int32(v[at + k])
-                    part += ((w + 9) // 8) * (np.int32(xu[at + k]) - 128)
-                total += 8 * np.int32(sc[16 * i + 2 * g]) * part
-            first = np.int32(v[SUPER * i + 32 * t])
-            shift = first - 8 * ((first + 9) // 8 - 1) - 8
-            total += np.int32(sc[16 * i + 2 * t]) * shift * (sums16[16 * i + 2 * t] + sums16[16 * i + 2 * t + 1])
-            a[t] = fmaf(dd, np.float32(total), a[t])
-    return np.float32(0.125) * hsum_float_8(a)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _row_iq1_m(v: np.ndarray, sc: np.ndarray, d: np.ndarray, xu: np.ndarray, xd: np.ndarray,
-               a: np.ndarray) -> np.float32:
-    """One IQ1_M row against one activation row (mul_mat_iq1_m_q8_K, both builds): lane l sums, over the 8 groups
-    of 32 values, the scale of 16-value sub-block 2 g + l // 4 times values 32 g + 4 l .. + 3 (8 x level +- 1);
-    per block fma(d x the token's scale, float(lane), acc); the row's result 1/8 of hsum_float_8."""
-    a[:] = 0
-    for i in range(d.shape[0]):
-        dd = d[i] * xd[i]
-        for lane in range(8):
-            total = np.int32(0)
-            for g in range(8):
-                at = SUPER * i + 32 * g + 4 * lane
-                part = np.int32(0)
-                for k in range(4):
-                    part += np.int32(v[at + k]) * (np.int32(xu[at + k]) - 128)
-                total += np.int32(sc[16 * i + 2 * g + lane // 4]) * part
-            a[lane] = fmaf(dd, np.float32(total), a[lane])
-    return np.float32(0.125) * hsum_float_8(a)
-
-
 @njit(cache=True, nogil=True, parallel=True)
-def _matmuls(values, scales, d, dmin, minv, xu, xd, sums16, tokens, row_at, slot, out,  # type: ignore[no-untyped-def]
+def _matmuls(values, scales, d, dmin, shift, minv, xu, xd, sums16, tokens, row_at, slot, out,  # type: ignore[no-untyped-def]
              threads, avx2, kernel):
     """Every (matrix, row) pair with tokens, claimed by the threads (ikrun/ops/parallel.py)."""
     n_rows = values.shape[1]
@@ -250,13 +213,10 @@ def _matmuls(values, scales, d, dmin, minv, xu, xd, sums16, tokens, row_at, slot
                 e = slot[j]
                 for m in range(m0, m1):
                     x = tokens[m]
-                    if kernel == KERNEL_IQ1_S:
-                        out[m, r] = _row_iq1_s(values[e, r], scales[e, r], d[e, r], xu[x], xd[x], sums16[m], a)
-                    elif kernel == KERNEL_IQ1_M:
-                        out[m, r] = _row_iq1_m(values[e, r], scales[e, r], d[e, r], xu[x], xd[x], a)
-                    elif m1 - m0 == 1 and not avx2:
-                        out[m, r] = _row_one(values[e, r], scales[e, r], d[e, r], xu[x], xd[x], a)
+                    if kernel == KERNEL_IQ1_S or (kernel == KERNEL_IQ and m1 - m0 == 1 and not avx2):
+                        res = _row_one(values[e, r], scales[e, r], d[e, r], shift[e, r], xu[x], xd[x], sums16[m], a)
                     else:
-                        out[m, r] = _row_many(values[e, r], scales[e, r], d[e, r], dmin[e, r], minv, xu[x], xd[x],
-                                              sums16[m], a)
+                        res = _row_many(values[e, r], scales[e, r], d[e, r], dmin[e, r], minv, xu[x], xd[x],
+                                        sums16[m], kernel == KERNEL_IQ, a)
+                    out[m, r] = res if kernel == KERNEL_IQ else np.float32(0.125) * res
             t0, t1 = claim_items(counter, per, tasks)
