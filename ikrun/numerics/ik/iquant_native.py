@@ -1,5 +1,5 @@
 """ik's own kernels of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M in its AVX-512 and AVX2 builds
-(`--numerics ik`, `ik-avx2`; IQ1_S: AVX-512 only): what ik multiplies those weights with below the activation rows
+(`--numerics ik`, `ik-avx2`): what ik multiplies those weights with below the activation rows
 from which it converts them to Q8_K_R16 (32, IQ2_S 16: a routed expert's few tokens, a short batch), Q8_K activations
 against the stored values (mul_mat_qX_K_q8_K_IQ).
 
@@ -21,8 +21,9 @@ build has only the second (its pair sums summed by vpmaddwd and added, the same 
 
 IQ1_S and IQ1_M have one kernel each for any row count (iqk_gemm_1bit.cpp), over 8 x level +- 1 with the block's
 f16 d and 1/8 of the row's hsum_float_8 as the result: IQ1_M's lanes are the N-row form's without minima (the same
-code in both builds); IQ1_S's (AVX-512 only) take the unsigned levels (level + 1) x 8 x scale in the one-row form's
-lanes, and lane t adds group t's scale x (its shift's sign - 8) times the group's activation sum.
+code in both builds); IQ1_S's take the unsigned levels (level + 1) x 8 x scale in the one-row form's lanes (its AVX2
+build's lane takes two runs of 4 values of the same 16, _row_one), and lane t adds group t's scale x (its shift's
+sign - 8) times the group's activation sum.
 
 The values and scales come from the decoding: every value is d x factor x scale x grid value exactly, so the signed
 grid value is the decoding over d x factor x scale; the scales are read from the bytes.
@@ -145,9 +146,11 @@ def iquant_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.n
 
 @njit(cache=True, nogil=True, inline="always")
 def _row_one(v: np.ndarray, sc: np.ndarray, d: np.ndarray, shift: np.ndarray, xu: np.ndarray, xd: np.ndarray,
-             sums16: np.ndarray, a: np.ndarray) -> np.float32:
+             sums16: np.ndarray, split: bool, a: np.ndarray) -> np.float32:
     """One weight row against one activation row (mul_mat_qX_K_q8_K_IQ_1, the module docstring; IQ1_S's lanes too,
-    each lane t adding group t's shift term times its 32 activations' sum)."""
+    each lane t adding group t's shift term times its 32 activations' sum). `split`: IQ1_S's AVX2 lanes, whose 8
+    values of a group are 16 L + 4 (u % 2) .. + 3 and 8 more (its vpmaddubsw pair sums of two 8-value runs added
+    as 16-bit, then vpmaddwd), where the AVX-512 ones are 8 in a row."""
     a[:] = 0
     for i in range(d.shape[0]):
         dd = d[i] * xd[i]
@@ -157,10 +160,11 @@ def _row_one(v: np.ndarray, sc: np.ndarray, d: np.ndarray, shift: np.ndarray, xu
             for j in range(2):
                 for h in range(2):
                     g = 4 * j + 2 * h + u // 2
-                    at = SUPER * i + 32 * g + 16 * big + 8 * (u % 2)
+                    at = SUPER * i + 32 * g + 16 * big
                     part = np.int32(0)
                     for k in range(8):
-                        part += np.int32(v[at + k]) * (np.int32(xu[at + k]) - 128)
+                        o = at + (4 * (u % 2) + k % 4 + 8 * (k // 4) if split else 8 * (u % 2) + k)
+                        part += np.int32(v[o]) * (np.int32(xu[o]) - 128)
                     total += np.int32(sc[16 * i + 2 * g + big]) * part
             if shift.shape[0]:
                 total += shift[8 * i + t] * (sums16[16 * i + 2 * t] + sums16[16 * i + 2 * t + 1])
@@ -214,7 +218,8 @@ def _matmuls(values, scales, d, dmin, shift, minv, xu, xd, sums16, tokens, row_a
                 for m in range(m0, m1):
                     x = tokens[m]
                     if kernel == KERNEL_IQ1_S or (kernel == KERNEL_IQ and m1 - m0 == 1 and not avx2):
-                        res = _row_one(values[e, r], scales[e, r], d[e, r], shift[e, r], xu[x], xd[x], sums16[m], a)
+                        res = _row_one(values[e, r], scales[e, r], d[e, r], shift[e, r], xu[x], xd[x], sums16[m],
+                                       avx2, a)
                     else:
                         res = _row_many(values[e, r], scales[e, r], d[e, r], dmin[e, r], minv, xu[x], xd[x],
                                         sums16[m], kernel == KERNEL_IQ, a)

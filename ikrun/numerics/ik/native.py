@@ -18,10 +18,9 @@ from ikrun.numerics.ik.qgemm import IntRows
 def native_types(avx2: bool) -> tuple[str, ...]:
     """The weight types whose own kernel is reproduced for ik's AVX2 build (`avx2`) or its AVX-512 one: IQ4_KS,
     IQ3_KS, IQ2_KS, IQ5_KS, IQ4_XS, IQ2_K ... IQ6_K, Q2_K and Q3_K (iqk_native.py; AVX-512 also IQ2_KL and IQ4_KSS),
-    Q4_K, Q5_K and Q6_K (kquant_native.py, the same in both), IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S and IQ1_M
-    (iquant_native.py; AVX-512 also IQ1_S)."""
-    return (*(AVX2_NATIVE_TYPES if avx2 else NATIVE_TYPES), *IQUANT_TYPES, *(("IQ1_M",) if avx2 else IQ1_TYPES),
-            *KQUANT_TYPES)
+    Q4_K, Q5_K and Q6_K (kquant_native.py, the same in both), IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and
+    IQ1_M (iquant_native.py)."""
+    return (*(AVX2_NATIVE_TYPES if avx2 else NATIVE_TYPES), *IQUANT_TYPES, *IQ1_TYPES, *KQUANT_TYPES)
 
 
 def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndarray, type_name: str,
