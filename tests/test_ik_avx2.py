@@ -122,12 +122,11 @@ def test_ik_avx512_order_misses_iks_avx2_iq4_ks() -> None:
 
 
 def test_ik_avx2_refuses_the_own_kernels_of_converted_types() -> None:
-    """Below 32 activation rows ik multiplies the IQK mix's IQ4_KSS and IQ2_KL weights in their own AVX2 kernels,
-    which are not reproduced (its other types' are, tests/test_iqk_native.py): refused, not replaced by another
-    arithmetic."""
-    res = runner.invoke(app, ["logits", str(PLAN_FILES["iqk-mix"]), "--tokens", "1,2", "--numerics", "ik-avx2"])
-    assert res.exit_code == 2 and "not its own kernel, which it takes for 2 activation rows" in res.output, \
-        res.output
+    """Below 16 activation rows ik multiplies IQ2_KT weights in their own AVX2 kernel, which is not reproduced (the
+    IQK types', IQ4_XS's, Q2_K's, Q3_K's and the i-quants' are, tests/test_iqk_native.py, test_iquant_native.py):
+    refused, not replaced by another arithmetic."""
+    res = runner.invoke(app, ["logits", str(PLAN_FILES["iq2_kt"]), "--tokens", "1,2", "--numerics", "ik-avx2"])
+    assert res.exit_code == 2 and "not the kernel ik takes for 2 rows" in res.output, res.output
 
 
 def test_ik_avx2_refuses_other_quant_types(tmp_path: Path) -> None:

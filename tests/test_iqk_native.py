@@ -163,10 +163,12 @@ AVX2 = DATA.parent / "iqk-native-avx2"
                                                ("IQ3_K", "ik-iq3_k-c128.kld"), ("IQ4_K", "ik-iq4_k-c128.kld"),
                                                ("IQ5_K", "ik-iq5_k-c128.kld"), ("IQ6_K", "ik-iq6_k-c128.kld"),
                                                ("IQ5_KS", "ik-iq5_ks-c128.kld"), ("IQ4_XS", "ik-iq4_xs-c128.kld"),
-                                               ("Q2_K", "ik-q2_k-c128.kld"), ("Q3_K_S", "ik-q3_k_s-c128.kld")])
+                                               ("Q2_K", "ik-q2_k-c128.kld"), ("Q3_K_S", "ik-q3_k_s-c128.kld"),
+                                               ("IQ4_KSS", "ik-iq4_kss-c128.kld"), ("IQ2_KL", "ik-iq2_kl-c128.kld")])
 def test_experts_below_32_tokens_give_iks_avx2_logits(models: dict[str, Path], type_name: str, kld: str,
                                                       tmp_path: Path) -> None:
-    """ik's own IQ4_KS, IQ3_KS, IQ2_KS, IQ2_K ... IQ6_K, IQ5_KS, IQ4_XS, Q2_K and Q3_K kernels of its AVX2 build
+    """ik's own IQ4_KS, IQ3_KS, IQ2_KS, IQ2_K ... IQ6_K, IQ5_KS, IQ4_XS, Q2_K, Q3_K, IQ4_KSS and IQ2_KL kernels of its
+    AVX2 build
     (tests/data/iqk-native-avx2; most experts get 5-30 tokens of the chunk): --numerics ik-avx2 writes ik's
     base-logits file byte for byte and prints its final line (the experts in the float path printed IQ3_KS 523.0499,
     not ik's 523.2203; IQ2_KS 579.8098, not 580.5024; the others were refused)."""
@@ -220,14 +222,16 @@ def test_own_kernel_matmul_is_iks(type_name: str, m: int) -> None:
 
 
 @pytest.mark.parametrize("m", [1, 5, 31])
-@pytest.mark.parametrize("type_name", ["IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ4_XS", "Q2_K", "Q3_K"])
+@pytest.mark.parametrize("type_name", ["IQ2_K", "IQ3_K", "IQ4_K", "IQ5_K", "IQ6_K", "IQ4_XS", "Q2_K", "Q3_K", "IQ4_KSS",
+                                       "IQ2_KL"])
 def test_avx2_own_kernels_are_iks(type_name: str, m: int) -> None:
     """IQ2_K ... IQ6_K's own kernels of ik's AVX2 build (mul_mat_qY_K_q8_K_T: the minima's lanes first, IQ4_K
-    none, then 8 exact lanes; _scalar_row_xk_avx2; Q2_K's and Q3_K's the same) and IQ4_XS's (mul_mat_qX_K_q8_K_T:
-    saturating pair sums): its
+    none, then 8 exact lanes; _scalar_row_xk_avx2; Q2_K's and Q3_K's the same) and IQ4_XS's, IQ4_KSS's and IQ2_KL's
+    (mul_mat_qX_K_q8_K_T: saturating pair sums, the minima lanes first): its
     ggml_mul_mat of the AVX-512 cases' weights and activations, bit for bit, and not the AVX-512 build's numbers."""
-    outputs = AVX2 / {"IQ4_XS": "outputs-iq4_xs.npz", "Q2_K": "outputs-q2_k-q3_k.npz",
-                      "Q3_K": "outputs-q2_k-q3_k.npz"}.get(type_name, "outputs-k.npz")
+    outputs = AVX2 / {"IQ4_XS": "outputs-iq4_xs.npz", "Q2_K": "outputs-q2_k-q3_k.npz", "Q3_K": "outputs-q2_k-q3_k.npz",
+                      "IQ4_KSS": "outputs-iq4_kss-iq2_kl.npz", "IQ2_KL": "outputs-iq4_kss-iq2_kl.npz"}.get(
+        type_name, "outputs-k.npz")
     with np.load(DATA / f"cases-{type_name.lower()}.npz") as f, np.load(outputs) as g:
         raw, x, ik, avx512 = f[f"raw_{type_name}"], f["x"][:m], g[f"{type_name}_{m}"], f[f"{type_name}_{m}"]
     got = iqk_matmul(integer_rows(x, Q8_K), raw, type_name, avx2=True)

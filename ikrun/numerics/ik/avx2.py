@@ -110,9 +110,9 @@ class IkAvx2Numerics(IkNumerics):
             if held.order == ORDER_QX_0_NATIVE and own:
                 return replace(held, order=ORDER_QX_0_AVX2, bias=0)
             if held.order not in AVX2_ORDERS:
-                raise ModelError(f"--numerics ik-avx2 reproduces ik's AVX2 Q8_0_R8, Q8_K_R8 and Q8_1_R8 kernels (32 "
-                                 f"activation rows and more a thread) and its own Q8_0 kernel, not the kernel ik "
-                                 f"takes for {n_act_rows} rows")
+                raise ModelError(f"--numerics ik-avx2 reproduces ik's AVX2 Q8_0_R8, Q8_K_R8 and Q8_1_R8 kernels (where "
+                                 f"it converts these weights) and its own Q8_0 kernel, not the kernel ik takes for "
+                                 f"{n_act_rows} rows")
             return replace(held, order=AVX2_ORDERS[held.order])
 
         return avx2

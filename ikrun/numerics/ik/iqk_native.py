@@ -89,7 +89,8 @@ NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ5_KS": KIND_IQ5_KS, "IQ3_KS": KIND_IQ3
 #: the weight types whose own kernel in ik's AVX2 build is reproduced (_scalar_row_avx2, _scalar_row_xk_avx2), by kind
 AVX2_NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS, "IQ2_K": KIND_IQ2_K,
                      "IQ3_K": KIND_IQ3_K, "IQ4_K": KIND_IQ4_K, "IQ5_K": KIND_IQ5_K, "IQ6_K": KIND_IQ6_K,
-                     "IQ5_KS": KIND_IQ5_KS, "IQ4_XS": KIND_IQ4_XS, "Q2_K": KIND_Q2_K, "Q3_K": KIND_Q3_K}
+                     "IQ5_KS": KIND_IQ5_KS, "IQ4_XS": KIND_IQ4_XS, "Q2_K": KIND_Q2_K, "Q3_K": KIND_Q3_K,
+                     "IQ4_KSS": KIND_IQ4_KSS, "IQ2_KL": KIND_IQ2_KL}
 #: IQ2_KS's unshifted grid plus 32, the unsigned bytes ik's AVX2 kernel multiplies (a shifted sub-block's +5 and the
 #: -32 go to its minimum)
 _IQ2KS_UNSIGNED = (IQ2NL_VALUES[:4].astype(np.int32) + 32).astype(np.int8)
@@ -274,7 +275,7 @@ def _prepare_row(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.nda
     returns the row's scale d. IQ3_KS and IQ2_KS (read as q8k_direct reads them): the unshifted grid plus 64 and
     32, the minimum scale x (the grid half's shift, 4 and 5, minus that bias)."""
     if kind == KIND_IQ2_KL:
-        return _prepare_row_iq2_kl(row, nb, wu, sc, mins)
+        return _prepare_row_iq2_kl(row, nb, wu, sc, mins, False)
     if kind == KIND_IQ2_KS or kind == KIND_IQ3_KS:
         grid = IQ2NL_VALUES if kind == KIND_IQ2_KS else IQ3NL_VALUES
         bias = 32 if kind == KIND_IQ2_KS else 64
@@ -310,18 +311,25 @@ def _prepare_row(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.nda
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _prepare_row_iq2_kl(row: np.ndarray, nb: int, wu: np.ndarray, sc: np.ndarray, mins: np.ndarray) -> np.float32:
+def _prepare_row_iq2_kl(row: np.ndarray, nb: int, wu: np.ndarray, sc: np.ndarray, mins: np.ndarray,
+                        sixteens: bool) -> np.float32:
     """_prepare_row of IQ2_KL: each sub-block's 6-bit scale minus 32 (a nibble, its high 2 bits in the block's
     16-bit word), minimum scale x -64; each pair of values a 5-bit code (a nibble and a fifth bit) into the pair
-    table, plus 64 as unsigned bytes."""
+    table, plus 64 as unsigned bytes. `sixteens`: the scales and minima laid out as _prepare_row_xk's (one per 16
+    values, each twice), for ik's AVX2 kernel."""
     for i in range(nb):
         o = 2 + BLOCK_BYTES[KIND_IQ2_KL] * i
         high = np.int32(row[o]) | (np.int32(row[o + 1]) << 8)
         for ib in range(8):
             s = (((np.int32(row[o + 2 + ib % 4]) >> (4 * (ib // 4))) & 15) | (((high >> (2 * ib)) & 3) << 4)) - 32
-            mins[8 * i + ib] = -64 * s
-            for j in range(16):
-                sc[128 * i + 16 * ib + j] = s
+            if sixteens:
+                for half in range(2):
+                    sc[16 * i + 2 * ib + half] = s
+                    mins[16 * i + 2 * ib + half] = -64 * s
+            else:
+                mins[8 * i + ib] = -64 * s
+                for j in range(16):
+                    sc[128 * i + 16 * ib + j] = s
             for j in range(SUB // 2):
                 k = (((np.int32(row[o + 6 + 16 * (ib // 2) + j]) >> (4 * (ib % 2))) & 15)
                      | (((np.int32(row[o + 70 + j]) >> ib) & 1) << 4))
@@ -436,9 +444,9 @@ def _sixteens(kind: int) -> bool:
 
 @njit(cache=True, nogil=True, inline="always")
 def _xk_kernel(kind: int, avx2: bool) -> bool:
-    """Whether rows of `kind` take _scalar_row_xk (`avx2`: _scalar_row_xk_avx2, which IQ5_KS takes too), the
-    kernels whose minima multiply 16-value activation sums."""
-    return _sixteens(kind) or (avx2 and kind == KIND_IQ5_KS)
+    """Whether rows of `kind` take _scalar_row_xk (`avx2`: _scalar_row_xk_avx2, which IQ5_KS and IQ2_KL take too),
+    the kernels whose minima multiply 16-value activation sums."""
+    return _sixteens(kind) or (avx2 and (kind == KIND_IQ5_KS or kind == KIND_IQ2_KL))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -529,7 +537,10 @@ def _prepare_row_q2_q3_k(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc
 @njit(cache=True, nogil=True, inline="always")
 def _prepare_row_xk_grid(row: np.ndarray, kind: int, nb: int, wu: np.ndarray, sc: np.ndarray, mins: np.ndarray,
                          dblk: np.ndarray, avx2: bool) -> None:
-    """_prepare_row_xk of the types on a grid (all but Q2_K and Q3_K)."""
+    """_prepare_row_xk of the types on a grid (all but Q2_K and Q3_K; IQ2_KL for ik's AVX2 kernel only)."""
+    if kind == KIND_IQ2_KL:
+        dblk[:nb] = _prepare_row_iq2_kl(row, nb, wu, sc, mins, True)
+        return
     if kind == KIND_IQ4_KSS:
         _prepare_row_iq4_kss(row, nb, wu, sc, mins, dblk)
         return
