@@ -14,8 +14,9 @@ high nibbles scaled by -dmin, Q3_K's its signed 6-bit scales by -4 d (the value'
 mul_mat_iqX_k_q8_K_AVX512's over 32-value sub-blocks (each scale and minimum held twice) and the row's f32 d, IQ4_XS's
 the same with block scales; IQ2_KL's is IQ2_KS's over its pair table plus 64, no shifted half. ik's AVX2 build
 multiplies IQ2_K ... IQ6_K in mul_mat_qY_K_q8_K_T (_scalar_row_xk_avx2): 8 exact lanes, the minima (none for IQ4_K,
-whose values it takes signed on the sub-block's grid half) in a fused multiply-add of their own first; IQ5_KS and
-IQ4_XS in mul_mat_qX_K_q8_K_T, the same lanes over 32-value sub-blocks and unsigned values, whose pair sums saturate.
+whose values it takes signed on the sub-block's grid half) in a fused multiply-add of their own first; IQ5_KS,
+IQ4_XS, IQ4_KSS and IQ2_KL in mul_mat_qX_K_q8_K_T, the same lanes over 32-value sub-blocks and unsigned values, whose
+pair sums saturate.
 
 Per 256 values of a row and an activation row, the kernel holds 16 int32 lanes. It takes the codes as unsigned
 bytes, the grid plus 128 (1 .. 241; a sub-block on the shifted grid, whose values are 4 more, moves those 4 to its
