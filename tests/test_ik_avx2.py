@@ -121,6 +121,30 @@ def test_ik_avx512_order_misses_iks_avx2_iq4_ks() -> None:
     assert not _matches(_plan_kld(PLAN_FILES["iq4_ks"], "ik"), PLAN_AVX2 / "ik-iq4_ks-kld.txt")
 
 
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q5_0", "q6_0", "iq4_nl", "mxfp4"])
+def test_ik_avx2_own_kernels_of_32_value_types_are_iks(name: str) -> None:
+    """Below 32 activation rows ik's AVX2 build multiplies Q8_0 and IQ4_NL on their signed values and Q4_0, Q5_0, Q6_0
+    and MXFP4 as its AVX-512 build does: own_kernel_order's integers give its ggml_mul_mat bit for bit
+    (tests/data/logits/ik-bits), at 5 rows against 16 weight rows of 160 values and 7 against 32 of 256."""
+    from ikquant.types import type_by_name
+    from ikrun.numerics.ik.avx2 import own_kernel_order
+    from ikrun.numerics.ik.formats import ik_kernel, integer_rows
+    from ikrun.numerics.ik.qgemm import pack, qmatmul
+
+    kernel = ik_kernel(name.upper())
+    with np.load(DATA / "logits" / "ik-bits" / "ik-native-matmuls.npz") as f, \
+            np.load(DATA / "logits" / "ik-bits" / "ik-avx2-native-matmuls.npz") as g:
+        for case in (f"{name}-16x160-5", f"{name}-32x256-7"):
+            rows, n = map(int, case.split("-")[1].split("x"))
+            w, x, ik, avx512 = f[case + "-w"].reshape(rows, -1), f[case + "-x"], g[case], f[case + "-y"]
+            assert kernel.ints is not None
+            held = own_kernel_order(kernel, kernel.ints(w, type_by_name(name.upper()).require_codec().dequantize(w, n)))
+            assert held is not None
+            got = qmatmul(integer_rows(x, kernel.activation), pack(held))
+            np.testing.assert_array_equal(got.view(np.uint32), ik.view(np.uint32))
+            assert np.array_equal(ik.view(np.uint32), avx512.view(np.uint32)) == (name not in ("q8_0", "iq4_nl"))
+
+
 def test_ik_avx2_refuses_the_own_kernels_of_converted_types() -> None:
     """Below 16 activation rows ik multiplies IQ2_KT weights in their own AVX2 kernel, which is not reproduced (the
     IQK types', IQ4_XS's, Q2_K's, Q3_K's and the i-quants' are, tests/test_iqk_native.py, test_iquant_native.py):
@@ -149,13 +173,6 @@ def test_ik_avx2_q8_0s_own_kernel_prints_iks_figures(threads: int) -> None:
                               "--flash-attn", "off", "--ik-threads", str(threads)])
     assert res.exit_code == 0, res.output
     assert _matches(dict(json.loads(res.stdout)), printed)
-
-
-def test_ik_avx2_refuses_other_types_own_kernels(tmp_path: Path) -> None:
-    """Below 32 activation rows ik multiplies Q4_0 in its own kernel, whose AVX2 order is not reproduced."""
-    q4 = ik_quantized(CONVERT / "ik-f32.gguf", tmp_path / "q4_0.gguf", "Q4_0")
-    res = runner.invoke(app, ["logits", str(q4), "--tokens", "1,2", "--numerics", "ik-avx2"])
-    assert res.exit_code == 2 and "not the kernel ik takes for 2 rows" in res.output, res.output
 
 
 GLM, GLM_ICTK = DATA / "convert" / "glm-dsa" / "ref-f32.gguf", DATA / "logits" / "glm-dsa-ictk"

@@ -8,12 +8,13 @@ exponentials' sum (attention.py), in its Q8_0_R8 and Q8_1_R8 gemms (qgemm.ORDER_
 K cache's K x Q, -fa off), in its Q8_K_R8 gemm (the IQK types and the i-quants, converted from as many activation rows
 as the AVX-512 build converts them from, 32, IQ2_S 16: the AVX-512 build's Q8_K_R16 integers and scales in groups of
 8 rows, each 256-value block's signed sum scaled in one fused multiply-add, ORDER_R8_AVX2), in the weight rows a
-converted group takes (8, not 16), in its own Q8_0 kernel (ORDER_QX_0_AVX2: below 32 activation rows a thread, and weights of
-rows no multiple of 8) and in its fused delta-net kernel (8-lane q.k, its scalar update as GCC contracts it:
-delta_net.py). ik's flash-attention ports are its AVX2 build's already. Only what was checked bit for bit against
-this build runs: other architectures and weight types, and AVX-512-only flags, are refused before any compute; the
-integer kernels other than the converted forms', Q8_0's own and those native.py reproduces for this build (the
-other types' own, below their conversion threshold) when a matmul first needs them.
+converted group takes (8, not 16), in its own Q8_0 and IQ4_NL kernel (ORDER_QX_0_AVX2: below 32 activation rows a
+thread, and weights of rows no multiple of 8) and in its fused delta-net kernel (8-lane q.k, its scalar update as GCC
+contracts it: delta_net.py). ik's flash-attention ports are its AVX2 build's already. Only what was checked bit for
+bit against this build runs: other architectures and weight types, and AVX-512-only flags, are refused before any
+compute; the integer kernels other than the converted forms', the 32-value block types' own (own_kernel_order) and
+those native.py reproduces for this build (the trellis types' own, below their conversion threshold) when a matmul
+first needs them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from ikrun.numerics.ik.qgemm import (
     ORDER_R8,
     ORDER_R8_AVX2,
     ORDER_R16,
+    BlockInts,
     PackedInts,
 )
 
@@ -51,9 +53,20 @@ VERIFIED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0", "Q6_0", "IQ4_NL"
                   "IQ3_XXS", "IQ3_S", "Q2_K", "Q3_K")
 #: the converted weights' gemms of the AVX-512 build (qgemm.ORDER_*) -> the AVX2 build's
 AVX2_ORDERS = {ORDER_R8: ORDER_R8_AVX2, ORDER_Q8_1: ORDER_Q8_1_AVX2, ORDER_R16: ORDER_R8_AVX2}
-#: the weight types whose own kernel (below the rows ik converts them from) is reproduced in its AVX2 build's order:
-#: Q8_0's multiplies the signed values (qgemm.ORDER_QX_0_AVX2); the others' AVX2 kernels are other code
-AVX2_OWN_KERNELS = ("Q8_0",)
+#: the 32-value block types whose own kernel (below the rows ik converts them from) ik's AVX2 build runs on the signed
+#: values (qgemm.ORDER_QX_0_AVX2)
+AVX2_SIGNED_OWN_KERNELS = ("Q8_0", "IQ4_NL")
+#: and those whose own kernel is the AVX-512 build's (the same unpacker and kernel template in both builds)
+AVX2_SHARED_OWN_KERNELS = ("Q4_0", "Q5_0", "Q6_0", "MXFP4")
+
+
+def own_kernel_order(kernel: IkKernel, held: BlockInts) -> BlockInts | None:
+    """`held`, a 32-value block type's integers as the AVX-512 build's own kernel takes them (ORDER_QX_0_NATIVE), as
+    ik's AVX2 build's own kernel takes them: Q8_0's and IQ4_NL's signed (ORDER_QX_0_AVX2), Q4_0's, Q5_0's, Q6_0's and
+    MXFP4's as they are; None for the other types."""
+    if any(kernel is ik_kernel(name) for name in AVX2_SIGNED_OWN_KERNELS):
+        return replace(held, order=ORDER_QX_0_AVX2, bias=0)
+    return held if any(kernel is ik_kernel(name) for name in AVX2_SHARED_OWN_KERNELS) else None
 
 
 class IkAvx2Numerics(IkNumerics):
@@ -103,16 +116,16 @@ class IkAvx2Numerics(IkNumerics):
                                  f"activation rows of {n_weight_rows} weight rows")
             return None
         inner = ints
-        own = any(kernel is ik_kernel(name) for name in AVX2_OWN_KERNELS)
 
         def avx2(raw, decoded):  # type: ignore[no-untyped-def]
             held = inner(raw, decoded)
-            if held.order == ORDER_QX_0_NATIVE and own:
-                return replace(held, order=ORDER_QX_0_AVX2, bias=0)
+            own = own_kernel_order(kernel, held) if held.order == ORDER_QX_0_NATIVE else None
+            if own is not None:
+                return own
             if held.order not in AVX2_ORDERS:
                 raise ModelError(f"--numerics ik-avx2 reproduces ik's AVX2 Q8_0_R8, Q8_K_R8 and Q8_1_R8 kernels (where "
-                                 f"it converts these weights) and its own Q8_0 kernel, not the kernel ik takes for "
-                                 f"{n_act_rows} rows")
+                                 f"it converts these weights) and the own kernels of the 32-value block types, not "
+                                 f"the kernel ik takes for {n_act_rows} rows")
             return replace(held, order=AVX2_ORDERS[held.order])
 
         return avx2
