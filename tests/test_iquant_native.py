@@ -68,7 +68,7 @@ def test_avx2_own_kernel_matmul_is_iks(type_name: str, m: int) -> None:
     bit for bit (at one row not the AVX-512 build's numbers)."""
     with np.load(DATA / "cases.npz") as f, np.load(DATA / "outputs-avx2.npz") as g:
         raw, x, ik, avx512 = f[f"raw_{type_name}"], f["x"][:m], g[f"{type_name}_{m}"], f[f"{type_name}_{m}"]
-    assert type_name in native_types(avx2=True)
+    assert type_name in native_types()
     got = native_matmul(integer_rows(x, Q8_K), raw, type_name, avx2=True)
     np.testing.assert_array_equal(_bits(got), _bits(ik))
     assert (m == 1) != np.array_equal(_bits(ik), _bits(avx512))

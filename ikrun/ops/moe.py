@@ -464,7 +464,7 @@ def _experts_product(x: _Activations, mats: ExpertMats, tokens: np.ndarray, row_
     weight (`avx2`: its AVX2 build's 8-lane kernel, bf16 weights included); else all experts in one experts_matmul
     call on the rounded rows (its bits are each output's own FMA chain, so the same as a call per expert). With
     `into` (out, dest), result i goes to out[dest[i]] (returned: out)."""
-    if ik is not None and ik in native_types(avx2) and isinstance(mats, FileExperts):
+    if ik is not None and ik in native_types() and isinstance(mats, FileExperts):
         res = native_matmuls(x.ints(), mats.raw, tokens, row_at, ik, which=mats.ids, avx2=avx2)
     else:
         rounded = x.rounded()

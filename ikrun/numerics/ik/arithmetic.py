@@ -1040,8 +1040,8 @@ class IkNumerics(Numerics):
 
     def _native(self, name: str) -> bool:
         """Whether weight `name` is multiplied in ik's own kernel of its type where ik does not convert it
-        (native.native_types: which are reproduced for the build)."""
-        return self.weights.encoding(name).type.name in native_types(self.avx2)
+        (native.native_types: which are reproduced)."""
+        return self.weights.encoding(name).type.name in native_types()
 
     def multiplies_decoding(self, name: str, counts: np.ndarray) -> bool:
         """Whether ik's kernels multiply experts of `name` with `counts` routed tokens each as the exact decoding

@@ -108,7 +108,7 @@ class IkAvx2Numerics(IkNumerics):
         own kernels of the types it converts) are not reproduced."""
         ints = super()._integers(kernel, n_act_rows, n_weight_rows, threads)
         if ints is None:
-            native = any(kernel is ik_kernel(name) for name in native_types(avx2=True))  # native.py has it
+            native = any(kernel is ik_kernel(name) for name in native_types())  # native.py has it
             if kernel.convert is not None and not native:  # ik's own integer kernel of a type it converts later
                 raise ModelError(f"--numerics ik-avx2 reproduces ik's AVX2 kernels for these weights where it "
                                  f"converts them ({kernel.convert_rows} activation rows and more, {self.row_group} "

@@ -1,6 +1,7 @@
-"""ik's own kernels of the IQK types, IQ4_XS, Q2_K and Q3_K in its AVX-512 build (IQ4_KS, IQ5_KS, IQ3_KS, IQ2_KS,
-IQ2_KL, IQ4_KSS, IQ2_K ... IQ6_K, IQ4_XS, Q2_K, Q3_K), for `--numerics ik`: what ik multiplies those weights with below the activation rows from which it converts them
-(IkKernel.convert_rows: a routed expert's few tokens, a one-token decode), Q8_K activations against the stored codes.
+"""ik's own kernels of the IQK types, IQ4_XS, Q2_K and Q3_K (IQ4_KS, IQ5_KS, IQ3_KS, IQ2_KS, IQ2_KL, IQ4_KSS, IQ2_K
+... IQ6_K, IQ4_XS, Q2_K, Q3_K) in its AVX-512 build, for `--numerics ik`, and in its AVX2 build, for `ik-avx2`: what
+ik multiplies those weights with below the activation rows from which it converts them (IkKernel.convert_rows: a
+routed expert's few tokens, a one-token decode), Q8_K activations against the stored codes.
 IQ5_KS's is IQ4_KS's with 5-bit codes (the fifth bits picking one of two 16-byte tables) and a grid shift of 2. IQ3_KS's
 and IQ2_KS's have the same lanes over their unshifted grid plus 64 and plus 32 (unsigned bytes whose pair sums stay
 below 32767: no saturation), each sub-block's minimum its scale x (the grid half's shift, 4 and 5, minus 64 and 32), and
@@ -81,17 +82,12 @@ from ikrun.ops.simd import splat
 #: IQ5_K's, IQ6_K's, IQ4_KSS's, IQ2_KL's, IQ4_XS's, Q2_K's and Q3_K's kinds here, after q8k_direct's (which packs
 #: none of them)
 KIND_IQ5_K, KIND_IQ6_K, KIND_IQ4_KSS, KIND_IQ2_KL, KIND_IQ4_XS, KIND_Q2_K, KIND_Q3_K = 7, 8, 9, 10, 11, 12, 13
-#: the weight types whose own kernel in ik's AVX-512 build (below their conversion threshold) is reproduced, by
-#: q8k_direct's kind
+#: the weight types whose own kernel (below their conversion threshold) is reproduced, in ik's AVX-512 and AVX2 builds
+#: alike, by q8k_direct's kind
 NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ5_KS": KIND_IQ5_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS,
                 "IQ2_K": KIND_IQ2_K, "IQ3_K": KIND_IQ3_K, "IQ4_K": KIND_IQ4_K, "IQ5_K": KIND_IQ5_K,
                 "IQ6_K": KIND_IQ6_K, "IQ4_KSS": KIND_IQ4_KSS, "IQ2_KL": KIND_IQ2_KL,
                 "IQ4_XS": KIND_IQ4_XS, "Q2_K": KIND_Q2_K, "Q3_K": KIND_Q3_K}
-#: the weight types whose own kernel in ik's AVX2 build is reproduced (_scalar_row_avx2, _scalar_row_xk_avx2), by kind
-AVX2_NATIVE_TYPES = {"IQ4_KS": KIND_IQ4_KS, "IQ3_KS": KIND_IQ3_KS, "IQ2_KS": KIND_IQ2_KS, "IQ2_K": KIND_IQ2_K,
-                     "IQ3_K": KIND_IQ3_K, "IQ4_K": KIND_IQ4_K, "IQ5_K": KIND_IQ5_K, "IQ6_K": KIND_IQ6_K,
-                     "IQ5_KS": KIND_IQ5_KS, "IQ4_XS": KIND_IQ4_XS, "Q2_K": KIND_Q2_K, "Q3_K": KIND_Q3_K,
-                     "IQ4_KSS": KIND_IQ4_KSS, "IQ2_KL": KIND_IQ2_KL}
 #: IQ2_KS's unshifted grid plus 32, the unsigned bytes ik's AVX2 kernel multiplies (a shifted sub-block's +5 and the
 #: -32 go to its minimum)
 _IQ2KS_UNSIGNED = (IQ2NL_VALUES[:4].astype(np.int32) + 32).astype(np.int8)
@@ -661,8 +657,7 @@ def _scalar_row_xk(row, kind, xu, xd, sums16, tokens, m0, m1, wu, sc, mins, dblk
 @njit(cache=True, nogil=True, inline="always")
 def _lanes_iq2_k(wu: np.ndarray, xu: np.ndarray, sc: np.ndarray, i: int, dd: np.float32, a: np.ndarray) -> None:
     """Block i's 16 lanes of IQ2_K's, Q2_K's and Q3_K's kernel (mul_mat_qX_K_q8_K_AVX512: vpdpbusd's 4-value sums,
-    packed to 16 bits
-    two 64-value groups at a time, vpdpwssd with the scales), exact: lane 4 c + q sums, over the groups g = q // 2
+    packed to 16 bits two 64-value groups at a time, vpdpwssd with the scales), exact: lane 4 c + q sums, over the groups g = q // 2
     and 2 + q // 2, sub-block 4 g + c's scale times its values 8 (q % 2) .. + 7; a[8 + lane] = fma(dd,
     float(lane), a[8 + lane])."""
     for lane in range(16):
@@ -699,12 +694,13 @@ def _prepare_row_iq5_ks(row: np.ndarray, nb: int, wu: np.ndarray, sc: np.ndarray
 
 @njit(cache=True, nogil=True, inline="always")
 def _scalar_row_xk_avx2(row, kind, xu, xd, sums16, tokens, m0, m1, wv, sc, mins, dblk, mblk, acc):  # type: ignore[no-untyped-def]
-    """One IQ2_K ... IQ6_K, IQ5_KS or IQ4_XS row against tokens[m0:m1] as ik's AVX2 build multiplies it
-    (mul_mat_qY_K_q8_K_T / mul_mat_qX_K_q8_K_T, multiply_add / multiply_add_avx2): per block, but for IQ4_K, minima lane j (sub-blocks 2 j and 2 j + 1 times
-    their 16 activations' sums) added first as fma(d x the token's scale, float(lane), acc[j]); then 8 lanes, lane
-    l summing over the 8 groups of 32 values the scale of sub-block 2 g + l // 4 times values 32 g + 4 l .. + 3
-    times the activation integers (vpmaddubsw's pair sums, which saturate at 16 bits only for the unsigned values of
-    IQ5_KS and IQ4_XS), each added the same way; the row's result hsum_float_8(acc)."""
+    """One IQ2_K ... IQ6_K, Q2_K, Q3_K, IQ5_KS, IQ4_XS, IQ4_KSS or IQ2_KL row against tokens[m0:m1] as ik's AVX2
+    build multiplies it (mul_mat_qY_K_q8_K_T / mul_mat_qX_K_q8_K_T, multiply_add / multiply_add_avx2): per block, but
+    for IQ4_K, minima lane j (sub-blocks 2 j and 2 j + 1 times their 16 activations' sums) added first as fma(the
+    block's minima factor x the token's scale, float(lane), acc[j]); then 8 lanes, lane l summing over the 8 groups
+    of 32 values the scale of sub-block 2 g + l // 4 times values 32 g + 4 l .. + 3 times the activation integers
+    (vpmaddubsw's pair sums, which saturate at 16 bits only for the unsigned values of IQ5_KS, IQ4_XS, IQ4_KSS and
+    IQ2_KL), each added as fma(d x the token's scale, float(lane), acc); the row's result hsum_float_8(acc)."""
     nb = xd.shape[1]
     _prepare_row_xk(row, kind, nb, wv, sc, mins, dblk, mblk, True)
     for m in range(m0, m1):
@@ -788,7 +784,7 @@ def _task(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, task, n_rows,
 def _matmuls(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, vector, most,  # type: ignore[no-untyped-def]
              threads, avx2):
     """Every (matrix, row tile) task, claimed by the threads (ikrun/ops/parallel.py); `most`: the most tokens a
-    matrix takes; `avx2`: ik's AVX2 build's kernel (AVX2_NATIVE_TYPES)."""
+    matrix takes; `avx2`: ik's AVX2 build's kernel."""
     n_rows, nb = raw.shape[1], xd.shape[1]
     tasks = (len(row_at) - 1) * -(-n_rows // ROW_TILE)
     per, counter = task_items(tasks, threads), np.zeros(1, np.int64)
@@ -811,7 +807,7 @@ def _matmuls(raw, which, kind, xu, xd, sub_sums, tokens, row_at, out, vector, mo
 
 
 @njit(cache=True, nogil=True)
-def _sub_block_sums(xu: np.ndarray, tokens: np.ndarray, sums: np.ndarray) -> None:
+def sub_block_sums(xu: np.ndarray, tokens: np.ndarray, sums: np.ndarray) -> None:
     """The sum of each 32 (or, for sums twice as wide, 16) activation integers of the rows `tokens` (what the
     minima multiply)."""
     width = xu.shape[1] // sums.shape[1]
@@ -829,24 +825,22 @@ def iqk_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndar
     """Rows `tokens` of the Q8_K activations x times matrices of `type_name` (NATIVE_TYPES) as ik's own kernel
     computes them: matrix j (raw [E, rows, row bytes], the file's rows; with `which`, raw's matrix which[j]) takes
     tokens[row_at[j] : row_at[j + 1]]; float32 [len(tokens), rows]. `vector` False (or a CPU without AVX-512BW):
-    the scalar loop (the same bits). `avx2`: its AVX2 build's kernel (AVX2_NATIVE_TYPES)."""
-    types = AVX2_NATIVE_TYPES if avx2 else NATIVE_TYPES
-    if type_name not in types:
-        raise ValueError(f"ik's own kernel of {type_name} is not reproduced here for this build (only "
-                         f"{', '.join(types)})")
+    the scalar loop (the same bits). `avx2`: its AVX2 build's kernel."""
+    if type_name not in NATIVE_TYPES:
+        raise ValueError(f"ik's own kernel of {type_name} is not reproduced here (only {', '.join(NATIVE_TYPES)})")
     if x.block != SUPER:
         raise ValueError(f"ik's {type_name} kernel takes Q8_K activations (blocks of {SUPER}), not blocks of "
                          f"{x.block}")
     raw = read_only(np.ascontiguousarray(raw))
     tokens = np.ascontiguousarray(tokens, dtype=np.int64)
     row_at = np.ascontiguousarray(row_at, dtype=np.int64)
-    sixteens = _xk_kernel(types[type_name], avx2)
+    sixteens = _xk_kernel(NATIVE_TYPES[type_name], avx2)
     sums = np.empty((len(tokens), x.u.shape[1] // (16 if sixteens else SUB)), np.int32)
-    _sub_block_sums(x.u, tokens, sums)
+    sub_block_sums(x.u, tokens, sums)
     out = np.empty((len(tokens), raw.shape[1]), np.float32)
     most = int(np.diff(row_at).max(initial=0))
     which = np.arange(raw.shape[0], dtype=np.int64) if which is None else np.ascontiguousarray(which, np.int64)
-    _matmuls(raw, which, types[type_name], x.u, x.scale, sums, tokens, row_at, out,
+    _matmuls(raw, which, NATIVE_TYPES[type_name], x.u, x.scale, sums, tokens, row_at, out,
              vector and HAS_AVX512BW, most, get_num_threads(), avx2)
     return out
 

@@ -39,6 +39,7 @@ from numba import get_num_threads, njit, prange
 from ikquant.formats.numeric import fmaf, hsum_float_8
 from ikquant.types import type_by_name
 from ikrun.numerics.ik.formats import iq1_m_d
+from ikrun.numerics.ik.iqk_native import sub_block_sums
 from ikrun.numerics.ik.qgemm import IntRows
 from ikrun.ops.parallel import claim_items, task_items
 
@@ -135,11 +136,12 @@ def iquant_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.n
     slot = np.full(len(which), -1, np.int64)
     slot[used] = np.arange(len(used))
     tokens = np.ascontiguousarray(tokens, dtype=np.int64)
-    sums16 = x.u[tokens].astype(np.int32).reshape(len(tokens), -1, 16).sum(axis=-1) - 16 * 128
+    sums16 = np.empty((len(tokens), x.u.shape[1] // 16), np.int32)
+    sub_block_sums(x.u, tokens, sums16)
     out = np.empty((len(tokens), raw.shape[1]), np.float32)
     kernel = KERNEL_IQ1_S if type_name == "IQ1_S" else KERNEL_IQ1_M if type_name == "IQ1_M" else KERNEL_IQ
     minv = 0 if iq1 else IQUANT_TYPES[type_name].minv
-    _matmuls(values, scales, d, dmin, shift, np.int32(minv), x.u, x.scale, sums16.astype(np.int32), tokens,
+    _matmuls(values, scales, d, dmin, shift, np.int32(minv), x.u, x.scale, sums16, tokens,
              np.ascontiguousarray(row_at, np.int64), slot, out, get_num_threads(), avx2, kernel)
     return out
 

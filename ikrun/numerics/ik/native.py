@@ -9,18 +9,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ikrun.numerics.ik.iqk_native import AVX2_NATIVE_TYPES, NATIVE_TYPES, iqk_matmuls
+from ikrun.numerics.ik.iqk_native import NATIVE_TYPES, iqk_matmuls
 from ikrun.numerics.ik.iquant_native import IQ1_TYPES, IQUANT_TYPES, iquant_matmuls
 from ikrun.numerics.ik.kquant_native import KQUANT_TYPES, kquant_matmuls
 from ikrun.numerics.ik.qgemm import IntRows
 
 
-def native_types(avx2: bool) -> tuple[str, ...]:
-    """The weight types whose own kernel is reproduced for ik's AVX2 build (`avx2`) or its AVX-512 one: IQ4_KS,
-    IQ3_KS, IQ2_KS, IQ5_KS, IQ4_XS, IQ2_K ... IQ6_K, Q2_K and Q3_K (iqk_native.py; AVX-512 also IQ2_KL and IQ4_KSS),
-    Q4_K, Q5_K and Q6_K (kquant_native.py, the same in both), IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and
-    IQ1_M (iquant_native.py)."""
-    return (*(AVX2_NATIVE_TYPES if avx2 else NATIVE_TYPES), *IQUANT_TYPES, *IQ1_TYPES, *KQUANT_TYPES)
+def native_types() -> tuple[str, ...]:
+    """The weight types whose own kernel is reproduced, for ik's AVX2 build and its AVX-512 one alike: the IQK types,
+    IQ4_XS, Q2_K and Q3_K (iqk_native.py), Q4_K, Q5_K and Q6_K (kquant_native.py), IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
+    IQ3_S, IQ1_S and IQ1_M (iquant_native.py)."""
+    return (*NATIVE_TYPES, *IQUANT_TYPES, *IQ1_TYPES, *KQUANT_TYPES)
 
 
 def native_matmuls(x: IntRows, raw: np.ndarray, tokens: np.ndarray, row_at: np.ndarray, type_name: str,
